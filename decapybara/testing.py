@@ -1,0 +1,129 @@
+"""Builders of tiny models and tokenizers for tests, benchmarks and the GPU checks.
+
+Nothing here downloads anything: tokenizers are trained on a fixed in-repo text, HF checkpoints are built with
+transformers' ``from_config`` under a fixed seed. torch and transformers are imported lazily (test extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Special tokens in the order the ChatML / Qwen tokenizers use them.
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+)
+
+_TRAIN_TEXT = """\
+def fibonacci(n: int) -> int:
+    \"\"\"Return the n-th Fibonacci number.\"\"\"
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+import os, sys, json
+print("Hello, world!")  # a comment
+The quick brown fox jumps over the lazy dog. Ünïcödé: naïve café, 日本語のテキスト, emoji 🦫🚀.
+You are a helpful assistant. Call the tool get_weather with {"city": "Paris"} and report back.
+"""
+
+
+def make_tokenizer_json(vocab_size: int = 512) -> str:
+    """A byte-level BPE tokenizer (HF `tokenizers` JSON) with the ChatML special tokens, deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_TRAIN_TEXT] * 4, trainer=trainer)
+    return tok.to_str()
+
+
+# Tiny HF configs, one per family: small enough for CPU tests, with every structural feature present
+# (GQA, partial rotary, several DeltaNet + attention layers, MoE with > top-k experts, shared expert).
+TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+    ),
+    "qwen3_5_text": dict(
+        model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    ),
+    "qwen3_5_moe_text": dict(
+        model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    ),
+}
+FAMILIES = tuple(TINY_HF_CONFIGS)
+
+
+def make_hf_model(family: str, seed: int = 0, overrides: dict[str, Any] | None = None):
+    """A transformers CausalLM of the family with seeded weights spread wide enough for clear argmaxes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(TINY_HF_CONFIGS[family])
+    kw.update(overrides or {})
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + 1.0)
+            elif p.ndim == 1:  # norm weights: zero-centred or one-centred depending on the family
+                base = 0.0 if ("qwen3_5" in model_type and "linear_attn.norm" not in name) else 1.0
+                p.copy_(base + torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / fan_in) ** 0.5)
+    model.eval()
+    return model
+
+
+def save_hf_checkpoint(model, out_dir: str | Path, tokenizer_json: str | None = None,
+                       chat_template: str | None = None, max_shard_size: str | None = None) -> Path:
+    """Save `model` as a HF folder (safetensors, optionally sharded) with tokenizer files beside it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    (out / "tokenizer.json").write_text(tokenizer_json or make_tokenizer_json(model.config.vocab_size))
+    tok_cfg: dict[str, Any] = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    if chat_template:
+        tok_cfg["chat_template"] = chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    return out

@@ -1,0 +1,130 @@
+"""The `decapybara` command: `build SRC OUT` converts a HF folder to .mcapy, `info FILE` describes one.
+
+Errors a user can cause (bad checkpoint, corrupt file) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from decapybara.errors import DecapybaraError
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from decapybara.builder import build
+    from decapybara.builder.progress import human_bytes
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"decapybara: error: {out} exists (pass --force to replace it)", file=sys.stderr)
+        return 2
+    r = build(args.src, out, weights=args.dtype, progress=args.progress)
+    for note in r.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {r.path}: {r.num_tensors} tensors, {human_bytes(r.nbytes)} ({args.dtype}) in {r.seconds:.1f}s")
+    return 0
+
+
+def _model_summary(cfg: Any) -> list[str]:
+    from decapybara.model.config import param_count
+
+    lines = [f"{cfg.model_type}: {cfg.num_hidden_layers} layers"
+             + (f" ({len(cfg.linear_layers)} DeltaNet + {len(cfg.attention_layers)} full attention)"
+                if cfg.is_hybrid else ""),
+             (f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv x "
+              f"{cfg.head_dim}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}")]
+    if cfg.is_moe:
+        lines.append(f"experts {cfg.num_experts} (top {cfg.num_experts_per_tok}, {cfg.moe_intermediate_size} wide)"
+                     + (f", shared expert {cfg.shared_expert_intermediate_size}"
+                        if cfg.shared_expert_intermediate_size else ""))
+    else:
+        lines.append(f"MLP {cfg.intermediate_size}")
+    lines.append(f"MTP layers {cfg.mtp_num_hidden_layers}, parameters {param_count(cfg) / 1e6:.2f}M")
+    return lines
+
+
+def format_table(rows: Any) -> list[str]:
+    """A list of row objects (or a dict of them) as aligned text columns; anything else as JSON."""
+    if isinstance(rows, dict) and all(isinstance(v, dict) for v in rows.values()):
+        rows = [{"name": k, **v} for k, v in rows.items()]
+    if not (isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows)):
+        return [json.dumps(rows)]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[str(c) for c in cols]] + [["" if r.get(c) is None else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from decapybara.builder import load_config
+    from decapybara.builder.progress import human_bytes
+    from decapybara.mcapy import McapyFile
+
+    with McapyFile.open(args.file) as f:
+        if args.verify:
+            f.verify()
+        h, meta = f.header, f.metadata
+        print(f"file: {args.file}" + (" (verified)" if args.verify else ""))
+        print("header: " + ", ".join(f"{k}={getattr(h, k)}" for k in h.__slots__))
+        total = sum(t.nbytes for t in f.tensors.values())
+        dtypes = sorted({t.dtype for t in f.tensors.values()})
+        print(f"tensors: {len(f.tensors)}, {human_bytes(total)} ({', '.join(dtypes) or 'none'})")
+        if "model_config" in meta:
+            for line in _model_summary(load_config(f)):
+                print(f"model: {line}")
+        if isinstance(meta.get("weights"), dict):
+            print("weights: " + ", ".join(f"{k}={v}" for k, v in meta["weights"].items()))
+        special = meta.get("special_tokens") or {}
+        if "tokenizer" in meta:
+            print(f"tokenizer: {human_bytes(len(meta['tokenizer'] or ''))} of JSON, chat template: "
+                  f"{'yes' if meta.get('chat_template') else 'no'}, eos: {special.get('eos_token')} "
+                  f"{special.get('eos_token_ids')}")
+        for note in (meta.get("builder") or {}).get("notes") or []:
+            print(f"note: {note}")
+        quality = (meta.get("sections") or {}).get("quality")
+        if quality is not None:
+            print("quality:")
+            for line in format_table(quality):
+                print(f"  {line}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="decapybara", description="Decapybara LLM inference server tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="convert a HF checkpoint folder into a .mcapy file")
+    b.add_argument("src", help="HF folder: config.json, *.safetensors, tokenizer.json")
+    b.add_argument("out", help="the .mcapy file to write (atomically)")
+    b.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="weight matrices as bf16 (default) or fp32; 1-D tensors are always fp32")
+    b.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="draw a progress bar (default: when stderr is a terminal)")
+    b.set_defaults(func=_cmd_build)
+    i = sub.add_parser("info", help="describe a .mcapy file (local path or fsspec URL)")
+    i.add_argument("file")
+    i.add_argument("--verify", action="store_true", help="check every checksum first")
+    i.set_defaults(func=_cmd_info)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DecapybaraError as e:
+        print(f"decapybara: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"decapybara: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,442 @@
+"""ChatML rendering (a sandboxed Jinja2 chat template) and parsing of what the model writes back.
+
+`render_chat` renders exactly what transformers' `apply_chat_template(..., tokenize=False)` renders for the same
+template and inputs: same sandbox, same globals and `tojson`, same whitespace settings, same message clean-up.
+`parse_assistant_output` and `StreamingOutputParser` split model output into reasoning (`<think>...</think>`),
+content and tool calls (`<tool_call>{json}</tool_call>`); the streaming parser gives the same result as the batch
+one however the text is cut into deltas.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cache, lru_cache
+from importlib import resources
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from decapybara.errors import ConfigError, InvalidRequestError
+
+ROLES = ("system", "user", "assistant", "tool")
+# Names a message's reasoning may come under; templates read the first (transformers aliases the others).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+THINK, END_THINK = "<think>", "</think>"
+TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
+
+
+@cache
+def default_chat_template() -> str:
+    """The packaged Qwen3-style ChatML template (decapybara/templates/qwen_chatml.jinja)."""
+    return (resources.files("decapybara") / "templates" / "qwen_chatml.jinja").read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers in HF templates): renders its body as is."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore-prefixed attributes, as transformers' sandbox does."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]  # NOTE: as jinja's Namespace, so namespace(self=...) works
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+class _TemplateDict:
+    """`dict(...)` for templates, without exposing the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # NOTE: transformers replaces Jinja's tojson (which HTML-escapes) with plain json.dumps; we must match it.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
+                       namespace=_Namespace)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"chat template does not compile: {exc}") from exc
+
+
+def _plain(value: Any) -> Any:
+    """A fresh copy made of plain JSON types only (the template never sees caller objects)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    for kind in (bool, str, int, float):  # subclasses (enums, numpy scalars) lose their extra methods
+        if isinstance(value, kind):
+            return kind(value)
+    raise InvalidRequestError(f"unsupported value of type {type(value).__name__} in chat input")
+
+
+def _check_content(content: Any, where: str, required: bool) -> None:
+    if content is None:
+        if required:
+            raise InvalidRequestError(f"{where}: content is required")
+        return
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}: content must be a string or a list of text parts")
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise InvalidRequestError(f"{where}: content part {j} has type {kind!r}; only 'text' parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}: content part {j} needs a string 'text'")
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where}: tool_calls must be a list")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequestError(f"{where}: tool_calls[{j}] needs a function with a non-empty name")
+        if not isinstance(fn.get("arguments", {}), (dict, str)):
+            raise InvalidRequestError(f"{where}: tool_calls[{j}].function.arguments must be an object or a string")
+
+
+def validate_messages(messages: Any, tools: Any = None) -> None:
+    """Raise InvalidRequestError unless `messages` (and `tools`) are in the internal chat form."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(f"{where} must be an object")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        content = msg.get("content")
+        if role == "assistant":
+            if content is None and not msg.get("tool_calls") and msg.get("reasoning_content") is None:
+                raise InvalidRequestError(f"{where}: an assistant message needs content or tool_calls")
+            _check_content(content, where, required=False)
+            if msg.get("tool_calls") is not None:
+                _check_tool_calls(msg["tool_calls"], where)
+            if not isinstance(msg.get("reasoning_content", ""), (str, type(None))):
+                raise InvalidRequestError(f"{where}: reasoning_content must be a string")
+        else:
+            _check_content(content, where, required=True)
+            if msg.get("tool_calls"):
+                raise InvalidRequestError(f"{where}: only assistant messages may carry tool_calls")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequestError("tools must be a list of objects (JSON schemas)")
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True, enable_thinking: bool = True, template: str | None = None,
+                **template_vars: Any) -> str:
+    """Render a conversation to the prompt text; bad messages raise InvalidRequestError.
+
+    Matches `apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...,
+    enable_thinking=..., **template_vars)` of transformers for the same template (the default one when None).
+    """
+    validate_messages(messages, tools)
+    chat = []
+    for msg in _plain(messages):
+        msg = {k: v for k, v in msg.items() if v is not None}  # as transformers: None means absent
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        chat.append(msg)
+    compiled = _compile(template if template is not None else default_chat_template())
+    try:
+        return compiled.render(messages=chat, tools=_plain(tools), documents=None,
+                               add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                               **_plain(template_vars))
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(f"chat template rejected the conversation: {exc}") from exc
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """True when the prompt's final turn left a `<think>` open, so the model's output starts inside reasoning."""
+    tail = prompt[prompt.rfind("<|im_start|>"):]
+    return tail.rfind(THINK) > tail.rfind(END_THINK)
+
+
+# ----------------------------------------------------------------------------------------------- output parsing
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """One call the model asked for; `arguments` is the decoded JSON object."""
+
+    name: str
+    arguments: dict[str, Any]
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(slots=True)
+class ParsedOutput:
+    """Model output split into parts; `reasoning` is None when the output had no reasoning section."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def parse_tool_call(body: str) -> ToolCall | None:
+    """The call in a `<tool_call>` body, or None unless it is a JSON object with a name and object arguments."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models double-encode the arguments
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+def parse_assistant_output(text: str, in_reasoning: bool = False) -> ParsedOutput:
+    """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
+
+    `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
+    inside reasoning. Reasoning is every `<think>` section, content the text outside them and outside valid
+    tool calls, each stripped of surrounding whitespace. A `<tool_call>` block whose body is not a valid call, or
+    one never closed, stays in the content verbatim. A stray `</think>` in content is dropped.
+    """
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    has_reasoning, pos, thinking = in_reasoning, 0, in_reasoning
+    while pos < len(text):
+        if thinking:
+            end = text.find(END_THINK, pos)
+            reasoning.append(text[pos:] if end < 0 else text[pos:end])
+            if end < 0:
+                break
+            pos, thinking = end + len(END_THINK), False
+            continue
+        hits = [(i, tag) for tag in (THINK, END_THINK, TOOL_CALL) if (i := text.find(tag, pos)) >= 0]
+        if not hits:
+            content.append(text[pos:])
+            break
+        start, tag = min(hits)
+        content.append(text[pos:start])
+        pos = start + len(tag)
+        if tag == THINK:
+            has_reasoning = thinking = True
+        elif tag == TOOL_CALL:
+            end = text.find(END_TOOL_CALL, pos)
+            if end < 0:
+                content.append(text[start:])
+                break
+            call = parse_tool_call(text[pos:end])
+            pos = end + len(END_TOOL_CALL)
+            if call is None:
+                content.append(text[start:pos])
+            else:
+                calls.append(call)
+    return ParsedOutput("".join(reasoning).strip() if has_reasoning else None, "".join(content).strip(), calls)
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallEvent:
+    """A tool call, emitted once its closing tag arrived and its JSON parsed."""
+
+    index: int
+    tool_call: ToolCall
+
+
+OutputEvent = ReasoningDelta | ContentDelta | ToolCallEvent
+
+
+class _Trimmed:
+    """Emits a text stream stripped of leading and trailing whitespace, without looking ahead."""
+
+    __slots__ = ("pending", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.pending = ""  # whitespace seen after the last non-space character
+
+    def push(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            if self.started:
+                self.pending += text
+            return ""
+        out, self.pending, self.started = self.pending + body, text[len(body):], True
+        return out
+
+
+def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of one of `tags`."""
+    for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        tail = text[-n:]
+        if any(t.startswith(tail) for t in tags):
+            return n
+    return 0
+
+
+class StreamingOutputParser:
+    """Incremental `parse_assistant_output`: feed text deltas, get typed events.
+
+    Contract: concatenating the ReasoningDelta texts gives the batch `reasoning`, the ContentDelta texts the batch
+    `content`, and the ToolCallEvents its `tool_calls`, for any cut of the text into deltas. Text that could be
+    the start of a tag is held back until it is known, so a partial tag is never emitted.
+    """
+
+    _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        self._thinking = in_reasoning
+        self._has_reasoning = in_reasoning
+        self._in_tool: list[str] | None = None  # body of an open <tool_call>
+        self._buf = ""
+        self._reasoning, self._content = _Trimmed(), _Trimmed()
+        self._parts: dict[type, list[str]] = {ReasoningDelta: [], ContentDelta: []}
+        self._calls: list[ToolCall] = []
+        self._events: list[OutputEvent] = []
+
+    def feed(self, delta: str) -> list[OutputEvent]:
+        """Consume a delta; return the events it completes (adjacent deltas of one kind merged)."""
+        self._buf += delta
+        while self._step():
+            pass
+        return self._take()
+
+    def finish(self) -> list[OutputEvent]:
+        """End of output: flush what was held back (a partial tag is text; an open tool call becomes content)."""
+        buf, self._buf = self._buf, ""
+        if self._in_tool is not None:
+            self._emit(ContentDelta, TOOL_CALL + "".join(self._in_tool) + buf)
+            self._in_tool = None
+        else:
+            self._emit(ReasoningDelta if self._thinking else ContentDelta, buf)
+        return self._take()
+
+    def result(self) -> ParsedOutput:
+        """Everything emitted so far, in the batch parser's form."""
+        reasoning = "".join(self._parts[ReasoningDelta]) if self._has_reasoning else None
+        return ParsedOutput(reasoning, "".join(self._parts[ContentDelta]), list(self._calls))
+
+    def _step(self) -> bool:
+        """Process the buffer up to the next tag; False when it must wait for more text."""
+        buf = self._buf
+        if self._in_tool is not None:
+            end = buf.find(END_TOOL_CALL)
+            if end < 0:
+                keep = _held_suffix(buf, (END_TOOL_CALL,))
+                self._in_tool.append(buf[:len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                return False
+            body = "".join(self._in_tool) + buf[:end]
+            self._in_tool, self._buf = None, buf[end + len(END_TOOL_CALL):]
+            call = parse_tool_call(body)
+            if call is None:
+                self._emit(ContentDelta, TOOL_CALL + body + END_TOOL_CALL)
+            else:
+                self._calls.append(call)
+                self._events.append(ToolCallEvent(len(self._calls) - 1, call))
+            return True
+        tags = (END_THINK,) if self._thinking else self._CONTENT_TAGS
+        kind = ReasoningDelta if self._thinking else ContentDelta
+        hits = [(i, tag) for tag in tags if (i := buf.find(tag)) >= 0]
+        if not hits:
+            keep = _held_suffix(buf, tags)
+            self._emit(kind, buf[:len(buf) - keep])
+            self._buf = buf[len(buf) - keep:]
+            return False
+        start, tag = min(hits)
+        self._emit(kind, buf[:start])
+        self._buf = buf[start + len(tag):]
+        if tag == THINK:
+            self._thinking = self._has_reasoning = True
+        elif tag == END_THINK:
+            self._thinking = False
+        else:
+            self._in_tool = []
+        return True
+
+    def _emit(self, kind: type, text: str) -> None:
+        text = (self._reasoning if kind is ReasoningDelta else self._content).push(text)
+        if not text:
+            return
+        self._parts[kind].append(text)
+        if self._events and type(self._events[-1]) is kind:
+            self._events[-1] = kind(self._events[-1].text + text)
+        else:
+            self._events.append(kind(text))
+
+    def _take(self) -> list[OutputEvent]:
+        events, self._events = self._events, []
+        return events

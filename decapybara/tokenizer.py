@@ -1,0 +1,256 @@
+"""The byte-level BPE tokenizer (HF `tokenizers`), chat rendering on top of it, and incremental detokenisation.
+
+Only byte-level tokenizers (the Qwen family's) are accepted: every token then stands for a fixed byte string,
+which lets `IncrementalDetokenizer` turn a token stream into text in O(1) per token and still give exactly what
+`decode` gives for the whole sequence.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+from decapybara import chat
+from decapybara.errors import ConfigError, InvalidRequestError
+
+# Markup tokens the output parser reads: kept in the text even when special tokens are skipped
+# (Qwen marks them non-special; small test tokenizers may mark them special).
+MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+DEFAULT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+@dataclass(slots=True, frozen=True)
+class SpecialTokenIds:
+    """Ids of the ChatML control and markup tokens; None where the vocabulary lacks one."""
+
+    endoftext: int | None
+    im_start: int | None
+    im_end: int | None
+    think: int | None
+    end_think: int | None
+    tool_call: int | None
+    end_tool_call: int | None
+    tool_response: int | None
+    end_tool_response: int | None
+
+
+def _bytes_of_char() -> dict[str, int]:
+    """The GPT-2 byte-level alphabet, inverted: printable stand-in character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_BYTE_OF = _bytes_of_char()
+
+
+def _token_bytes(token: str) -> bytes:
+    # NOTE: the same rule as the ByteLevel decoder of `tokenizers`: a token made only of alphabet characters
+    # stands for those bytes; any other token (an added token such as "日本") for its own UTF-8.
+    try:
+        return bytes(_BYTE_OF[c] for c in token)
+    except KeyError:
+        return token.encode("utf-8")
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer plus its chat template and end-of-sequence tokens."""
+
+    def __init__(self, hf: HFTokenizer, chat_template: str | None = None, eos_tokens: tuple[str, ...] | None = None,
+                 template_vars: dict[str, str] | None = None) -> None:
+        if not isinstance(hf.decoder, decoders.ByteLevel):
+            raise ConfigError(f"only byte-level BPE tokenizers are supported (decoder {hf.decoder!r})")
+        self._hf = hf
+        self._hf_plain = HFTokenizer.from_str(hf.to_str())  # encodes special-token text as ordinary text
+        self._hf_plain.encode_special_tokens = True
+        self.chat_template = chat_template or chat.default_chat_template()
+        self.template_vars = dict(template_vars or {})  # what transformers passes as special_tokens_map
+        vocab = hf.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self._vocab = vocab
+        added = hf.get_added_tokens_decoder()
+        self.special_ids = SpecialTokenIds(*(vocab.get(t) for t in (
+            "<|endoftext|>", "<|im_start|>", "<|im_end|>", *MARKUP_TOKENS)))
+        # Ids dropped by decode(skip_special_tokens=True): special added tokens other than the markup.
+        self.skip_ids = frozenset(i for i, t in added.items() if t.special and t.content not in MARKUP_TOKENS)
+        names = eos_tokens if eos_tokens is not None else DEFAULT_EOS_TOKENS
+        missing = [t for t in names if t not in vocab]
+        if eos_tokens is not None and missing:
+            raise ConfigError(f"eos tokens not in the vocabulary: {missing}")
+        self.eos_token_ids = tuple(dict.fromkeys(vocab[t] for t in names if t in vocab))
+        self._bytes: list[bytes] | None = None
+
+    @classmethod
+    def from_json(cls, json_str: str, chat_template: str | None = None,
+                  eos_tokens: tuple[str, ...] | list[str] | None = None) -> Tokenizer:
+        """From the text of a tokenizer.json; default template and eos (<|im_end|>, <|endoftext|>) when None."""
+        return cls(_parse_hf(json_str), chat_template, tuple(eos_tokens) if eos_tokens is not None else None)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """From a tokenizer.json, or a model folder holding one (with tokenizer_config.json / chat_template.jinja).
+
+        The folder's chat template replaces the default one; its `eos_token` joins the default eos tokens.
+        """
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        json_path = path / "tokenizer.json" if path.is_dir() else path
+        if not json_path.is_file():
+            raise ConfigError(f"no tokenizer.json at {json_path}")
+        cfg: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        hf = _parse_hf(json_path.read_text(encoding="utf-8"))
+        specials = {k: _token_content(cfg[k]) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                    if cfg.get(k)}
+        vocab = hf.get_vocab(with_added_tokens=True)
+        eos = [t for t in DEFAULT_EOS_TOKENS if t in vocab]
+        if specials.get("eos_token") in vocab:
+            eos.append(specials["eos_token"])
+        return cls(hf, template, tuple(dict.fromkeys(eos)), specials)
+
+    # ------------------------------------------------------------------------------------------ text <-> ids
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`; with allow_special=False, control-token strings are encoded as plain text."""
+        hf = self._hf if allow_special else self._hf_plain
+        return hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (ids outside the vocabulary decode to nothing); skipping keeps the markup tokens."""
+        skip = self.skip_ids if skip_special_tokens else frozenset()
+        ids = [i for i in ids if 0 <= i < self.vocab_size and i not in skip]
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+    def token_to_str(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id (byte-level form, e.g. 'Ġhello'), or None."""
+        return self._hf.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._vocab.get(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (b'' for an id outside the vocabulary)."""
+        table = self._byte_table()
+        return table[token_id] if 0 <= token_id < len(table) else b""
+
+    def _byte_table(self) -> list[bytes]:
+        if self._bytes is None:
+            table = [b""] * self.vocab_size
+            for token, i in self._vocab.items():
+                table[i] = _token_bytes(token)
+            self._bytes = table
+        return self._bytes
+
+    # ------------------------------------------------------------------------------------------ chat
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, enable_thinking: bool = True, **template_vars: Any) -> str:
+        """The prompt text of a conversation under this tokenizer's chat template (see chat.render_chat)."""
+        return chat.render_chat(messages, tools, add_generation_prompt, enable_thinking, self.chat_template,
+                                **{**self.template_vars, **template_vars})
+
+    def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   add_generation_prompt: bool = True, enable_thinking: bool = True, **template_vars: Any) -> list[int]:
+        """Token ids of the rendered conversation (control tokens in the template become their ids)."""
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt, enable_thinking,
+                                            **template_vars))
+
+
+def _parse_hf(json_str: str) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_str(json_str)
+    except Exception as exc:  # the Rust side raises bare Exceptions
+        raise ConfigError(f"not a valid tokenizer.json: {exc}") from exc
+
+
+def _token_content(value: Any) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, with stop strings.
+
+    Contract: the concatenation of every `push` result and `finish()` equals
+    `tokenizer.decode(ids, skip_special_tokens)` of all pushed ids, cut right before the first stop string
+    (the one completed first) when one matched. A delta never ends inside a UTF-8 character, and text that could
+    be the start of a stop string is held back until it is known. O(1) amortised work per token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] | list[str] = (),
+                 skip_special_tokens: bool = True) -> None:
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        self._table = tokenizer._byte_table()
+        self._skip = tokenizer.skip_ids if skip_special_tokens else frozenset()
+        # NOTE: Python's "replace" handler substitutes maximal invalid subparts like Rust's from_utf8_lossy,
+        # which is what `tokenizers` uses, so invalid byte runs also decode as in batch.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(dict.fromkeys(stop))
+        self._max_held = max((len(s) for s in self._stop), default=1) - 1
+        self._held = ""  # decoded text that could still be the start of a stop string
+        self.stopped = False
+        self.stop_string: str | None = None
+        self.num_tokens = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" once stopped)."""
+        if self.stopped:
+            return ""
+        self.num_tokens += 1
+        if token_id in self._skip or not 0 <= token_id < len(self._table):
+            return ""
+        return self._release(self._utf8.decode(self._table[token_id]))
+
+    def push_many(self, token_ids: list[int]) -> str:
+        return "".join(self.push(t) for t in token_ids)
+
+    def finish(self) -> str:
+        """End of stream: flush held-back text (an unfinished character becomes U+FFFD) unless a stop matched."""
+        if self.stopped:
+            return ""
+        text = self._release(self._utf8.decode(b"", final=True))
+        if self.stopped:
+            return text
+        text, self._held = text + self._held, ""
+        return text
+
+    def _release(self, new: str) -> str:
+        if not self._stop:
+            return new
+        buf = self._held + new
+        best: tuple[int, int, str] | None = None  # (end, -len, stop): the stop completed first wins
+        for s in self._stop:
+            i = buf.find(s)
+            if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
+                best = (i + len(s), -len(s), s)
+        if best is not None:
+            self.stopped, self.stop_string, self._held = True, best[2], ""
+            return buf[:best[0] + best[1]]
+        keep = self._held_length(buf)
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep]
+
+    def _held_length(self, buf: str) -> int:
+        for n in range(min(len(buf), self._max_held), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

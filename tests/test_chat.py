@@ -1,0 +1,307 @@
+"""Chat rendering against transformers' apply_chat_template, and the model-output parsers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from decapybara.chat import (
+    ContentDelta,
+    ReasoningDelta,
+    StreamingOutputParser,
+    ToolCall,
+    ToolCallEvent,
+    default_chat_template,
+    parse_assistant_output,
+    prompt_opens_reasoning,
+    render_chat,
+)
+from decapybara.errors import ConfigError, InvalidRequestError
+from decapybara.testing import make_tokenizer_json
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city, in °C.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
+]
+
+
+def _call(name: str, arguments: dict | str, cid: str = "call_0") -> dict:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+SYS = {"role": "system", "content": "You are a careful assistant."}
+CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
+    "single_user": ([{"role": "user", "content": "Hello!"}], None),
+    "system_user": ([SYS, {"role": "user", "content": "What is 2+2?"}], None),
+    "multi_turn": ([SYS, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
+                    {"role": "user", "content": "Tell me a joke."}], None),
+    "multi_part_text": ([
+        {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+        {"role": "user", "content": "next"}], None),
+    "tools_no_system": ([{"role": "user", "content": "Weather in Paris?"}], TOOLS),
+    "tool_round_trip": ([
+        SYS, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [_call("get_weather", {"city": "Paris"})]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "get_weather", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "It is 21 °C in Paris."}], TOOLS),
+    "parallel_calls_consecutive_results": ([
+        {"role": "user", "content": "Read a.py and b.py, and the weather in Oslo"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            _call("read_file", {"path": "a.py"}, "c1"), _call("read_file", '{"path": "b.py"}', "c2"),
+            _call("get_weather", {"city": "Oslo"}, "c3")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "print('a')"},
+        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "print('b')"}]},
+        {"role": "tool", "tool_call_id": "c3", "content": "-3"}], TOOLS),
+    "thinking_in_history": ([
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": "First answer", "reasoning_content": "old thoughts, dropped"},
+        {"role": "user", "content": "Second question"},
+        {"role": "assistant", "content": "Second answer", "reasoning_content": "\nnew thoughts, kept\n"}], None),
+    "inline_think_in_content": ([
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "<think>\nhidden\n</think>\n\nvisible 1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "<think>inline kept</think>visible 2"}], None),
+    "multi_step_agent": ([
+        SYS, {"role": "user", "content": "Fix the bug"},
+        {"role": "assistant", "content": "", "reasoning_content": "look at the file",
+         "tool_calls": [_call("read_file", {"path": "bug.py"})]},
+        {"role": "tool", "content": "x = 1/0"},
+        {"role": "assistant", "content": "Found it.", "reasoning": "division by zero",
+         "tool_calls": [_call("read_file", {"path": "test.py"}, "c9")]},
+        {"role": "tool", "content": "assert x"}], TOOLS),
+    "system_in_middle": ([SYS, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                          {"role": "system", "content": "New rule: answer in French."},
+                          {"role": "user", "content": "c"}], None),
+    "final_assistant_prefill": ([{"role": "user", "content": "Write code"},
+                                 {"role": "assistant", "content": "def f():"}], None),
+    "legacy_tool_response_in_user": ([
+        {"role": "user", "content": "real query"},
+        {"role": "assistant", "content": "calling", "thinking": "plan",
+         "tool_calls": [_call("get_weather", {"city": "Rome"})]},
+        {"role": "user", "content": "<tool_response>\n25\n</tool_response>"}], TOOLS),
+    "unicode_and_code": ([
+        {"role": "user", "content": "Ünïcödé 日本語 🦫\n```python\ndef f(x):\n    return {'a': x}\n```"},
+        {"role": "assistant", "content": "Ça marche — 好的 🚀"}], [{"type": "function", "function": {
+            "name": "noop", "description": "ünïcode schema ✓", "parameters": {"type": "object"}}}]),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(make_tokenizer_json()),
+                                   chat_template=default_chat_template(), eos_token="<|im_end|>")
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_render_equals_transformers_apply_chat_template(hf_tokenizer, name, add_generation_prompt,
+                                                        enable_thinking):
+    messages, tools = CONVERSATIONS[name]
+    ours = render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                       enable_thinking=enable_thinking)
+    theirs = hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt,
+                                              enable_thinking=enable_thinking)
+    assert ours == theirs
+
+
+def test_template_renders_qwen3_structure():
+    messages, tools = CONVERSATIONS["multi_step_agent"]
+    text = render_chat(messages, tools=tools, enable_thinking=False)
+    assert text.startswith("<|im_start|>system\nYou are a careful assistant.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n" in text
+    assert ('<|im_start|>assistant\n<think>\nlook at the file\n</think>\n\n<tool_call>\n'
+            '{"name": "read_file", "arguments": {"path": "bug.py"}}\n</tool_call><|im_end|>\n') in text
+    assert "Found it.\n<tool_call>" in text and "<think>\ndivision by zero\n</think>\n\nFound it." in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    history = render_chat(*CONVERSATIONS["thinking_in_history"], add_generation_prompt=False)
+    assert "old thoughts" not in history and "<think>\nnew thoughts, kept\n</think>\n\nSecond answer" in history
+    grouped = render_chat(*CONVERSATIONS["parallel_calls_consecutive_results"])
+    assert grouped.count("<|im_start|>user") == 2 and grouped.count("<tool_response>\n") == 3
+    assert "</tool_response>\n<tool_response>\nprint('b')\n</tool_response>\n<tool_response>\n-3" in grouped
+    inline = render_chat(*CONVERSATIONS["inline_think_in_content"], add_generation_prompt=False)
+    assert "assistant\nvisible 1<|im_end|>" in inline and "<think>\ninline kept\n</think>\n\nvisible 2" in inline
+    prefill = render_chat(*CONVERSATIONS["final_assistant_prefill"], add_generation_prompt=False)
+    assert prefill.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\ndef f():<|im_end|>\n")
+    legacy = render_chat(*CONVERSATIONS["legacy_tool_response_in_user"])  # a tool-response user turn is no query
+    assert "<think>\nplan\n</think>\n\ncalling\n<tool_call>" in legacy
+
+
+CUSTOM_TEMPLATE = """\
+{%- set ns = namespace(n=0) %}
+{%- for m in messages %}
+    {%- if m.role == 'system' %}{% continue %}{% endif %}
+    {%- set ns.n = ns.n + 1 %}
+    {%- generation %}[{{ ns.n }}:{{ m.role }}] {{ m.content if m.content is string else m.content | tojson(indent=2) }}
+    {%- endgeneration %}
+    {% if m.tool_calls is defined %}<has tool_calls>{% endif %}
+    {{ eos_token }}
+{% endfor %}
+{{- dict(a=1, b='é') | tojson(sort_keys=True) }}{{ tools | tojson(separators=(',', ':')) }}
+"""
+
+
+def test_custom_template_features_match_transformers(hf_tokenizer):
+    messages = [SYS, {"role": "user", "content": "x <y> & 'z'"}, {"role": "user", "content": [
+        {"type": "text", "text": "ünï"}]}, {"role": "assistant", "content": "ok", "tool_calls": None}]
+    theirs = hf_tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, chat_template=CUSTOM_TEMPLATE)
+    ours = render_chat(messages, tools=TOOLS, template=CUSTOM_TEMPLATE, eos_token="<|im_end|>",
+                       add_generation_prompt=False)
+    assert ours == theirs and "<|im_end|>" in ours and "&" in ours and "has tool_calls" not in ours
+
+
+def test_strftime_now_and_sandbox():
+    year = render_chat([{"role": "user", "content": "x"}], template="{{ strftime_now('%Y') }}")
+    assert year.isdigit() and len(year) == 4
+    with pytest.raises(Exception, match="unsafe|underscore|access"):
+        render_chat([{"role": "user", "content": "x"}], template="{{ messages.__class__.__mro__ }}")
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "non-empty"),
+    ("hello", "non-empty"),
+    (["hello"], "must be an object"),
+    ([{"role": "robot", "content": "beep"}], "unknown role"),
+    ([{"content": "no role"}], "unknown role"),
+    ([{"role": "user"}], "content is required"),
+    ([{"role": "user", "content": None}], "content is required"),
+    ([{"role": "tool", "tool_call_id": "c"}], "content is required"),
+    ([{"role": "user", "content": 42}], "string or a list"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:..."}}]}], "only 'text'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "string 'text'"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant"}], "content or tool_calls"),
+    ([{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}], "must be a list"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}], "non-empty name"),
+    ([{"role": "assistant", "content": "", "tool_calls": [_call("f", 3)]}], "object or a string"),
+    ([{"role": "user", "content": "q", "tool_calls": [_call("f", {})]}], "only assistant"),
+    ([{"role": "user", "content": "q", "extra": object()}], "unsupported value"),
+])
+def test_bad_messages_raise_invalid_request(messages, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        render_chat(messages)
+
+
+def test_bad_tools_and_templates():
+    with pytest.raises(InvalidRequestError, match="tools"):
+        render_chat([{"role": "user", "content": "q"}], tools={"name": "f"})
+    with pytest.raises(InvalidRequestError, match="nope"):
+        render_chat([{"role": "user", "content": "q"}], template="{{ raise_exception('nope') }}")
+    with pytest.raises(ConfigError, match="compile"):
+        render_chat([{"role": "user", "content": "q"}], template="{% if %}")
+
+
+# ------------------------------------------------------------------------------------------- output parsing
+
+
+def test_parse_reasoning_content_and_tool_calls():
+    text = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "read_file", "arguments": "{\\"path\\": \\"a.py\\"}"}\n</tool_call>')
+    out = parse_assistant_output(text)
+    assert out.reasoning == "The user wants weather."
+    assert out.content == "Let me check."
+    assert out.tool_calls == [ToolCall("get_weather", {"city": "Paris"}), ToolCall("read_file", {"path": "a.py"})]
+    assert out.tool_calls[0].arguments_json() == '{"city": "Paris"}'
+
+
+def test_parse_output_that_starts_inside_reasoning():
+    out = parse_assistant_output("still thinking\n</think>\n\nThe answer is 4.", in_reasoning=True)
+    assert (out.reasoning, out.content) == ("still thinking", "The answer is 4.")
+    cut_short = parse_assistant_output("never closed <tool_call>", in_reasoning=True)
+    assert (cut_short.reasoning, cut_short.content, cut_short.tool_calls) == ("never closed <tool_call>", "", [])
+    plain = parse_assistant_output("no tags at all, 4 < 5")
+    assert (plain.reasoning, plain.content) == (None, "no tags at all, 4 < 5")
+
+
+@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"a": 1}', "not json", '["f"]', '{"arguments": {}}',
+                                  '{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": "{bad"}'])
+def test_invalid_tool_call_stays_content(body):
+    text = f"Before <tool_call>{body}</tool_call> after"
+    out = parse_assistant_output(text)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_unterminated_tool_call_and_stray_end_think():
+    out = parse_assistant_output('ok </think>then <tool_call>{"name": "f", "arguments": {}}')
+    assert out.content == 'ok then <tool_call>{"name": "f", "arguments": {}}' and out.tool_calls == []
+
+
+def test_prompt_opens_reasoning():
+    msgs = [{"role": "user", "content": "q"}]
+    assert not prompt_opens_reasoning(render_chat(msgs, enable_thinking=True))
+    assert not prompt_opens_reasoning(render_chat(msgs, enable_thinking=False))
+    assert prompt_opens_reasoning(render_chat(msgs) + "<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\nx</think>\n")
+
+
+def _stream(text: str, cuts: list[int], in_reasoning: bool):
+    parser = StreamingOutputParser(in_reasoning=in_reasoning)
+    events = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        events += parser.feed(text[a:b])
+    events += parser.finish()
+    return parser, events
+
+
+def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool) -> None:
+    parser, events = _stream(text, cuts, in_reasoning)
+    batch = parse_assistant_output(text, in_reasoning=in_reasoning)
+    assert parser.result() == batch, (text, cuts)
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == batch.content
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    assert reasoning == (batch.reasoning or "")
+    calls = [e for e in events if isinstance(e, ToolCallEvent)]
+    assert [e.tool_call for e in calls] == batch.tool_calls and [e.index for e in calls] == list(range(len(calls)))
+    assert all(e.text for e in events if not isinstance(e, ToolCallEvent))
+
+
+FRAGMENTS = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": [1, "<"]}}',
+             '\n{"name": "g", "arguments": {}}\n', '{"name": ', "<", "</", "<thi", "</thin", "<tool_", "</tool_c",
+             "think>", "hello", " world", "\n", "\n\n", "  ", "x<y", "日本語", "🦫", "a</b>", "<tool_response>", "é"]
+
+
+def test_streaming_parser_one_char_at_a_time_equals_batch():
+    rng = random.Random(0)
+    texts = [
+        "<think>\nreasoning here\n</think>\n\nAnswer with <b>html</b> & a < b.",
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{bad}\n</tool_call>\n',
+        "done thinking</think>content<thi",
+    ] + ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 30))) for _ in range(300)]
+    for i, text in enumerate(texts):
+        _check_stream_equals_batch(text, list(range(1, len(text))), in_reasoning=i % 3 == 0)
+
+
+def test_streaming_parser_random_chunks_equals_batch():
+    rng = random.Random(1)
+    for _ in range(400):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if text else []
+        _check_stream_equals_batch(text, cuts, in_reasoning=rng.random() < 0.3)
+
+
+def test_streaming_parser_never_emits_partial_tags():
+    parser = StreamingOutputParser()
+    assert parser.feed("Hello <thi") == [ContentDelta("Hello")]
+    assert parser.feed("nk>deep") == [ReasoningDelta("deep")]
+    assert parser.feed(" thought</th") == [ReasoningDelta(" thought")]
+    assert parser.feed("ink>\n\nok <tool") == [ContentDelta(" \n\nok")]  # whitespace held, then joined
+    assert parser.feed('_call>{"name": "f", "arguments": {"x": 1}}</tool_') == []
+    assert parser.feed("call>") == [ToolCallEvent(0, ToolCall("f", {"x": 1}))]
+    assert parser.feed(" tail <") == [ContentDelta("  tail")]
+    assert parser.finish() == [ContentDelta(" <")]
+    assert parser.result() == parse_assistant_output(
+        'Hello <think>deep thought</think>\n\nok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> tail <')

@@ -1,0 +1,400 @@
+"""The sampler: sampling parameters, logit processing and the seeded draw (numpy reference).
+
+Per row, in this order (all arithmetic in float64 on a copy of the logits):
+
+1. logit_bias is added (NaN logits count as -inf, +inf as the float32 maximum);
+2. penalties: repetition (HF/CTRL: a logit of a token seen in the prompt or the output is divided by r when
+   > 0, else multiplied by r; r = max(params.repetition_penalty, row.extra_repetition_penalty)), then presence
+   and frequency (OpenAI: ``logit - count * frequency - presence`` for each token in the OUTPUT);
+3. masks to -inf: eos and stop ids while position < min_tokens (eos is left alone when ignore_eos), and the
+   LoopGuard's banned ids (if this would mask every token, the row keeps its step-2 logits);
+4. greedy (temperature 0; any below 1e-5 counts as 0): argmax, ties to the lowest id. Otherwise divide by
+   the temperature, then top-k, top-p, min-p, and draw by inverse CDF (below).
+
+Canonical order: descending scaled logit x (hence descending probability), ties by ascending token id.
+w_i = exp(x_i - max x) in float64 (0 for a masked token); Z = np.sum(w) over the row in token-id order;
+running sums are sequential float64 sums in canonical order.
+- top-k keeps the first k tokens in canonical order (exactly k, even among ties);
+- top-p keeps the shortest canonical prefix whose probability (renormalised after top-k) reaches p: a token
+  is kept when the running sum of w strictly before it is < p * Z (w, Z over the top-k survivors), so at
+  least one token survives;
+- min-p keeps p_i >= min_p * max p, evaluated as w_i >= min_p.
+
+Draw: with w and Z over the kept tokens, the token is the first in canonical order whose running sum of w
+exceeds u * Z, u = philox.uniform(row.seed, row.position) on stream 0. The draw depends only on (seed,
+position) and the row's own logits, never on the rest of the batch. Because running sums are prefix-stable,
+large vocabularies sort only their best tokens and get the same token (`truncate_and_draw`). A CUDA sampler
+that sums in another order can differ only where u lands within rounding distance of a CDF step.
+
+Logprobs are the "processed" ones: log_softmax of the logits after steps 1-3 and the temperature (greedy
+rows: temperature 1), BEFORE top-k/top-p/min-p truncation, so a truncated sampler still reports how likely
+the model found each token. Masked tokens have logprob -inf and never appear among the alternatives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from numbers import Real
+
+import numpy as np
+
+from decapybara.engine.philox import MASK64, uniforms
+from decapybara.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0
+MAX_OPENAI_PENALTY = 2.0
+# NOTE: below this a temperature is greedy: x / T could overflow, and the distribution is a point mass anyway.
+GREEDY_TEMPERATURE = 1e-5
+# Rows over this vocabulary size sort only a prefix of their best tokens (same result, see `_draw_row`).
+FULL_SORT_MAX_VOCAB = 8192
+NUM_CANDIDATES = 1024
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler; `validate` before use. Defaults are all 'off' at temperature 1."""
+
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None  # None = the engine picks one per request
+    logprobs: int | None = None  # None = no logprobs; n = the sampled token's plus n alternatives
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched by the detokeniser
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first bad field; return None when the params are usable."""
+        _check_real("temperature", self.temperature, lo=0.0)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_real("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_real("presence_penalty", self.presence_penalty, lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
+        _check_real("frequency_penalty", self.frequency_penalty, lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
+        _check_real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=MASK64)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidRequestError("logit_bias must map token ids to numbers")
+        for tok, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", tok, lo=0, hi=vocab_size - 1)
+            _check_real(f"logit_bias[{tok}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+        for tok in self.stop_token_ids:
+            _check_int("stop_token_ids entry", tok, lo=0, hi=vocab_size - 1)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+
+
+def _check_real(name: str, value: object, *, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise InvalidRequestError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise InvalidRequestError(f"{name} must be {bound}, got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplerRow:
+    """One sequence to sample a token for. ``position`` is the number of output tokens so far."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] | np.ndarray
+    output_token_ids: Sequence[int] | np.ndarray
+    position: int
+    seed: int  # effective seed: params.seed, or one the engine chose for the request
+    extra_repetition_penalty: float = 1.0  # LoopGuard; the effective penalty is the max with the params'
+    banned_token_ids: Sequence[int] | np.ndarray = ()  # LoopGuard; masked to -inf
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: np.ndarray  # int64 [B]
+    logprobs: np.ndarray  # float32 [B]: the sampled token's processed logprob, NaN where not requested
+    top_logprobs: list[list[tuple[int, float]]]  # per row: up to n (token_id, logprob), best first
+
+
+# ---------------------------------------------------------------------------------------------- pure steps
+
+
+def _ids(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log_softmax over the last axis in float64; -inf entries stay -inf (a row of only -inf gives NaN)."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    shifted = x - m
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def apply_penalties(logits: np.ndarray, prompt_token_ids: Sequence[int] | np.ndarray,
+                    output_token_ids: Sequence[int] | np.ndarray, repetition: float = 1.0,
+                    presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
+    """Repetition, then presence and frequency penalties on one row ``logits [V]`` -> new float64 [V].
+
+    Repetition r on every token of the prompt or the output: x / r if x > 0 else x * r. Presence and
+    frequency on the output tokens only: x - count * frequency - presence (OpenAI's formula). The cost is
+    O(len(prompt) + len(output)), not O(V), beyond the copy.
+    """
+    x = np.array(logits, dtype=np.float64)
+    out_ids, counts = np.unique(_ids(output_token_ids), return_counts=True)
+    if repetition != 1.0:
+        seen = np.union1d(_ids(prompt_token_ids), out_ids)
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / repetition, v * repetition)
+    if presence != 0.0 or frequency != 0.0:
+        x[out_ids] = x[out_ids] - counts * frequency - presence
+    return x
+
+
+def canonical_order(x: np.ndarray) -> np.ndarray:
+    """Token ids of each row [B, V] by descending logit, ties by ascending id."""
+    return np.argsort(-x, axis=-1, kind="stable")
+
+
+def _weights(x: np.ndarray) -> np.ndarray:
+    """w = exp(x - max x) over the last axis: unnormalised probabilities, 0 for masked tokens."""
+    return np.exp(x - np.max(x, axis=-1, keepdims=True))
+
+
+def mask_top_k(x: np.ndarray, top_k: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """Keep the first ``top_k[b]`` tokens of row b in canonical order (0 = off); others -> -inf."""
+    k = np.asarray(top_k, dtype=np.int64)
+    if not np.any(k > 0):
+        return x
+    order = canonical_order(x) if order is None else order
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(x.shape[-1]), order.shape), axis=-1)
+    keep = (k[:, None] <= 0) | (ranks < k[:, None])
+    return np.where(keep, x, -np.inf)
+
+
+def mask_top_p(x: np.ndarray, top_p: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """Keep the shortest canonical prefix with probability >= ``top_p[b]`` (1.0 = off); others -> -inf.
+
+    ``order`` may be the canonical order of the logits before earlier masks: masked tokens weigh nothing.
+    """
+    p_top = np.asarray(top_p, dtype=np.float64)
+    active = p_top < 1.0
+    if not np.any(active):
+        return x
+    order = canonical_order(x) if order is None else order
+    w = _weights(x)  # [B, V]
+    total = np.sum(w, axis=-1, keepdims=True)  # in token-id order
+    ws = np.take_along_axis(w, order, axis=-1)  # [B, V] in canonical order
+    before = np.zeros_like(ws)  # running sum of w strictly before each token
+    before[:, 1:] = np.cumsum(ws, axis=-1)[:, :-1]
+    keep_sorted = (before < p_top[:, None] * total) | ~active[:, None]
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    return np.where(keep, x, -np.inf)
+
+
+def mask_min_p(x: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Keep tokens with p >= ``min_p[b]`` * max p (0 = off); others -> -inf."""
+    mp = np.asarray(min_p, dtype=np.float64)
+    if not np.any(mp > 0):
+        return x
+    return np.where(_weights(x) >= mp[:, None], x, -np.inf)
+
+
+def draw(x: np.ndarray, order: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Inverse-CDF draw over the canonical ``order`` of each row of (masked) logits ``x`` -> int64 [B]."""
+    w = _weights(x)
+    total = np.sum(w, axis=-1)  # in token-id order
+    ws = np.take_along_axis(w, order, axis=-1)
+    cdf = np.cumsum(ws, axis=-1)  # [B, V]
+    target = np.asarray(u, dtype=np.float64) * total
+    # NOTE: the clip to the last positive weight only matters if rounding put the target past the CDF's end.
+    idx = np.minimum(np.sum(cdf <= target[:, None], axis=-1), np.sum(ws > 0, axis=-1) - 1)
+    return np.take_along_axis(order, idx[:, None], axis=-1)[:, 0].astype(np.int64)
+
+
+def truncate_and_draw(x: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                      u: np.ndarray) -> np.ndarray:
+    """top-k, top-p, min-p, then `draw`, over scaled logits [B, V] -> int64 [B].
+
+    Large vocabularies sort only a candidate prefix per row (`_draw_row`), with the same result.
+    """
+    if x.shape[-1] <= FULL_SORT_MAX_VOCAB:
+        order = canonical_order(x)
+        x = mask_min_p(mask_top_p(mask_top_k(x, top_k, order), top_p, order), min_p)
+        return draw(x, order, u)
+    return np.array([_draw_row(x[i], int(top_k[i]), float(top_p[i]), float(min_p[i]), float(u[i]))
+                     for i in range(x.shape[0])], dtype=np.int64)
+
+
+def _draw_row(x: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """`truncate_and_draw` of one row [V], sorting only a prefix: top_k tokens, or NUM_CANDIDATES then 16x.
+
+    Sums over the row are in token-id order and running sums are sequential in canonical order, so the
+    prefix's running sums are those of the full sort and every decision taken inside the prefix is the full
+    sort's. Falls back to the full sort when the top-p cut or the draw lands past the largest prefix.
+    """
+    vocab = x.shape[0]
+    w = _weights(x)
+    k = top_k if 0 < top_k < vocab else 0
+    for num in (k,) if k else (NUM_CANDIDATES, 16 * NUM_CANDIDATES):
+        if num >= vocab:
+            break
+        token = _draw_prefix(x, w, num, k, top_p, min_p, u)
+        if token is not None:
+            return token
+    return _full_row(x, top_k, top_p, min_p, u)
+
+
+def _draw_prefix(x: np.ndarray, w: np.ndarray, num: int, k: int, top_p: float, min_p: float,
+                 u: float) -> int | None:
+    """The token if it is decided within the canonical prefix of the best ``num`` tokens, else None."""
+    vocab = x.shape[0]
+    cand = np.flatnonzero(x >= np.partition(x, vocab - num)[vocab - num])  # >= num tokens, ties included
+    cand = cand[np.lexsort((cand, -x[cand]))]  # the canonical order's prefix
+    keep = np.ones(vocab, dtype=bool)
+    if k:
+        keep[:] = False
+        keep[cand[:k]] = True
+    tail_kept = not k  # whether tokens past the prefix may still be kept
+    if top_p < 1.0:
+        wc = np.where(keep[cand], w[cand], 0.0)
+        before = np.zeros_like(wc)
+        before[1:] = np.cumsum(wc)[:-1]
+        cut = before >= top_p * np.sum(np.where(keep, w, 0.0))
+        if cut.any():
+            in_prefix = np.zeros(vocab, dtype=bool)
+            in_prefix[cand[~cut]] = True
+            keep &= in_prefix
+            tail_kept = False
+        elif tail_kept:
+            return None
+    if min_p > 0:
+        keep &= w >= min_p
+    wk = np.where(keep, w, 0.0)
+    cdf = np.cumsum(wk[cand])
+    j = int(np.count_nonzero(cdf <= u * np.sum(wk)))
+    if j < cand.size:
+        return int(cand[j])
+    if not tail_kept:  # as `draw`'s clip: the last candidate with positive weight
+        return int(cand[np.count_nonzero(wk[cand] > 0) - 1])
+    return None
+
+
+def _full_row(x: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    order = canonical_order(x[None, :])
+    xm = mask_min_p(mask_top_p(mask_top_k(x[None, :], np.array([top_k]), order), np.array([top_p]), order),
+                    np.array([min_p]))
+    return int(draw(xm, order, np.array([u]))[0])
+
+
+def top_n(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n best finite (token_id, logprob) of one row, descending, ties by ascending id."""
+    if n <= 0:
+        return []
+    n = min(n, logprobs.shape[-1])
+    cand = np.argpartition(-logprobs, n - 1)[:n]
+    cand = np.flatnonzero(logprobs >= logprobs[cand].min())  # every tie of the n-th value
+    cand = cand[np.lexsort((cand, -logprobs[cand]))][:n]
+    return [(int(t), float(logprobs[t])) for t in cand if np.isfinite(logprobs[t])]
+
+
+# ---------------------------------------------------------------------------------------------- the batch
+
+
+def _process(x: np.ndarray, rows: Sequence[SamplerRow], eos_token_ids: Sequence[int]) -> None:
+    """Steps 1-3 of the module docstring, in place on float64 [B, V]."""
+    eos = _ids(eos_token_ids)
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            x[i, _ids(list(p.logit_bias))] += np.fromiter(p.logit_bias.values(), np.float64, len(p.logit_bias))
+        rep = max(p.repetition_penalty, row.extra_repetition_penalty)
+        if rep != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            x[i] = apply_penalties(x[i], row.prompt_token_ids, row.output_token_ids, rep,
+                                   p.presence_penalty, p.frequency_penalty)
+        masked = [_ids(row.banned_token_ids)]
+        if row.position < p.min_tokens:
+            masked.append(_ids(p.stop_token_ids))
+            if not p.ignore_eos:
+                masked.append(eos)
+        ids = np.concatenate(masked)
+        if ids.size:
+            before = x[i, ids]
+            x[i, ids] = -np.inf
+            if not np.isfinite(x[i]).any():  # NOTE: a mask may never leave a row with nothing to sample
+                x[i, ids] = before
+
+
+def sample(logits: np.ndarray, rows: Sequence[SamplerRow], *,
+           eos_token_ids: Sequence[int] = ()) -> SampleOutput:
+    """Sample one token per row of ``logits`` float [B, V] as the module docstring specifies.
+
+    ``eos_token_ids`` are the model's end-of-sequence ids, masked with the stop ids below min_tokens.
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
+    num_rows = logits.shape[0]
+    x = logits.astype(np.float64)
+    if not np.isfinite(x).all():
+        x = np.nan_to_num(x, nan=-np.inf, posinf=float(np.finfo(np.float32).max), neginf=-np.inf)
+    if num_rows and not np.isfinite(x).any(axis=-1).all():
+        raise ValueError("every row of logits needs at least one finite value")
+    _process(x, rows, eos_token_ids)
+
+    temperature = np.array([r.params.temperature for r in rows], dtype=np.float64)
+    greedy = temperature < GREEDY_TEMPERATURE
+    tokens = np.empty(num_rows, dtype=np.int64)
+    tokens[greedy] = np.argmax(x[greedy], axis=-1)  # argmax returns the first (lowest) id among ties
+
+    # [B, V] logits at the sampling temperature (greedy rows: temperature 1), the base of the logprobs.
+    scaled = x / np.where(greedy, 1.0, temperature)[:, None]
+    hot = np.flatnonzero(~greedy)
+    if hot.size:
+        u = uniforms(np.array([rows[i].seed & MASK64 for i in hot], dtype=np.uint64),
+                     np.array([rows[i].position for i in hot], dtype=np.uint64))
+        tokens[hot] = truncate_and_draw(scaled[hot], np.array([rows[i].params.top_k for i in hot]),
+                                        np.array([rows[i].params.top_p for i in hot]),
+                                        np.array([rows[i].params.min_p for i in hot]), u)
+
+    token_logprobs = np.full(num_rows, np.nan, dtype=np.float32)
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    want = np.array([i for i, r in enumerate(rows) if r.params.logprobs is not None], dtype=np.int64)
+    if want.size:
+        lp = log_softmax(scaled[want])  # [W, V]
+        token_logprobs[want] = lp[np.arange(want.size), tokens[want]]
+        for j, i in enumerate(want):
+            top[i] = top_n(lp[j], rows[i].params.logprobs)
+    return SampleOutput(token_ids=tokens, logprobs=token_logprobs, top_logprobs=top)

@@ -1,0 +1,337 @@
+"""LoopGuard: detection of repeating output, the penalty ramp, the final actions, and no false positives."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import math
+import random
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from decapybara.engine.loopguard import ActionKind, LoopAction, LoopGuard, LoopGuardConfig, LoopGuardState
+from decapybara.errors import ConfigError
+
+CFG = LoopGuardConfig()
+CODE_UNIT = ["def", " f", "():", "\n", "    ", "return", " f", "()", "\n"]  # normalised: "def f(): return f() "
+PROSE_UNIT = ["I", " will", " check", " the", " file", ".", " "]  # normalised: "I will check the file. "
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+class Vocab:
+    """Stable ids for pseudo-token strings."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        return self.ids.setdefault(text, len(self.ids))
+
+
+def vary_whitespace(tokens: list[str], rng: random.Random) -> list[str]:
+    """The same tokens with whitespace-only variation (indentation, extra blank lines, tabs)."""
+    out = []
+    for t in tokens:
+        if t.isspace():
+            t = rng.choice([t, t + " ", "\n" if " " in t else t + "\n", "\t"])
+        out.append(t)
+    return out
+
+
+def looping(unit: list[str], seed: int = 0, vary: bool = True) -> Iterator[str]:
+    rng = random.Random(seed)
+    while True:
+        yield from (vary_whitespace(unit, rng) if vary else unit)
+
+
+def pseudo_tokens(text: str, seed: int) -> Iterator[str]:
+    """Cut `text` into pseudo-tokens of 1-6 characters (deterministic)."""
+    rng = random.Random(seed)
+    i = 0
+    while i < len(text):
+        k = rng.randint(1, 6)
+        yield text[i:i + k]
+        i += k
+
+
+def fresh_text() -> Iterator[str]:
+    """Non-repeating prose, as pseudo-tokens: what a model emits once it has broken out of a loop."""
+    for n in itertools.count():
+        yield from pseudo_tokens(f"Step {n}: the square of {n} is {n * n}, and its cube is {n ** 3}. ", n)
+
+
+def run(guard: LoopGuard, model: Callable[[LoopAction], str], vocab: Vocab, num_tokens: int,
+        in_thinking: Callable[[int], bool] = lambda i: False) -> list[LoopAction]:
+    """Drive `guard` with a model that picks its next token text from the guard's last action."""
+    actions: list[LoopAction] = []
+    last = LoopAction()
+    for i in range(num_tokens):
+        text = model(last)
+        last = guard.observe(vocab(text), text, in_thinking(i))
+        actions.append(last)
+        if last.kind is ActionKind.STOP:
+            break
+    return actions
+
+
+def kinds_at(actions: list[LoopAction]) -> list[tuple[int, ActionKind, float]]:
+    return [(i, a.kind, a.repetition_penalty) for i, a in enumerate(actions) if a.kind is not ActionKind.NONE]
+
+
+def detection_bound(unit_tokens: int, unit_chars: int, cfg: LoopGuardConfig = CFG) -> int:
+    """Tokens after which a loop of this unit must have been detected: enough copies to cover the thresholds,
+    plus one copy of slack for the phase."""
+    copies = math.ceil(max(cfg.min_covered_chars, cfg.min_repeats * unit_chars) / unit_chars) + 1
+    return copies * unit_tokens
+
+
+# -- (a) a persistent loop: detection, a step-by-step ramp, STOP with a note ------------------------------------
+
+@pytest.mark.parametrize("unit,unit_chars", [(CODE_UNIT, 20), (PROSE_UNIT, 23)])
+def test_persistent_loop_is_detected_ramps_step_by_step_then_stops(unit: list[str], unit_chars: int) -> None:
+    guard, vocab = LoopGuard(CFG), Vocab()
+    stream = looping(unit)
+    actions = run(guard, lambda last: next(stream), vocab, 2000)
+    events = kinds_at(actions)
+    ramps = [e for e in events if e[1] is ActionKind.RAMP]
+    first = ramps[0][0]
+    assert first < detection_bound(len(unit), unit_chars)
+    # One step per tokens_per_step loop tokens, from start to cap, exactly.
+    assert [p for _, _, p in ramps] == [1.1, 1.2, 1.3, 1.4, 1.5]
+    assert [i for i, _, _ in ramps] == [first + k * CFG.tokens_per_step for k in range(5)]
+    # The penalty the engine applies never goes down while the loop persists and changes only on a RAMP.
+    penalties = [a.repetition_penalty for a in actions]
+    assert penalties[:first] == [1.0] * first
+    for i in range(first + 1, len(actions)):
+        assert penalties[i] == penalties[i - 1] or actions[i].kind is ActionKind.RAMP
+    # STOP after cap_tokens more loop tokens at the cap; nothing else happened.
+    assert events[-1][:2] == (ramps[-1][0] + CFG.cap_tokens, ActionKind.STOP)
+    assert len(events) == 6 and guard.interventions == {"ramp": 5, "stop": 1}
+    note = actions[-1].note
+    assert f"repeated a {unit_chars}-character unit" in note and "1.5" in note and "stopped" in note
+    # STOP is terminal until reset(); reset starts a new generation with no penalty.
+    assert guard.observe(0, "x", False).kind is ActionKind.STOP and guard.interventions["stop"] == 1
+    guard.reset()
+    assert guard.observe(0, "x", False) == LoopAction() and guard.repetition_penalty == 1.0
+
+
+def test_whitespace_only_variation_is_still_a_loop_and_raw_whitespace_floods_are_caught() -> None:
+    guard, vocab = LoopGuard(CFG), Vocab()
+    stream = looping(PROSE_UNIT, seed=3)
+    exact = kinds_at(run(guard, lambda last: next(stream), vocab, 2000))
+    unvaried = looping(PROSE_UNIT, vary=False)
+    plain = kinds_at(run(LoopGuard(CFG), lambda last: next(unvaried), vocab, 2000))
+    assert [k for _, k, _ in exact] == [k for _, k, _ in plain] == [ActionKind.RAMP] * 5 + [ActionKind.STOP]
+    # Normalisation folds whitespace runs, so an endless stream of newlines is caught by its raw length.
+    guard = LoopGuard(CFG)
+    actions = run(guard, lambda last: "\n\n", vocab, 1000)
+    assert actions[CFG.min_covered_chars // 2 - 1].kind is ActionKind.RAMP
+    assert actions[-1].kind is ActionKind.STOP and "whitespace only" in actions[-1].note
+
+
+# -- (b) a loop that the penalty breaks: RAMP then RELAX back to 1.0 -------------------------------------------
+
+def test_loop_broken_by_the_penalty_relaxes_back_to_one_without_stopping() -> None:
+    guard, vocab = LoopGuard(CFG), Vocab()
+    loop, fresh = looping(CODE_UNIT, seed=1), fresh_text()
+    moved_on = [False]
+
+    def model(last: LoopAction) -> str:  # continuing the loop gets less likely as the penalty rises
+        moved_on[0] = moved_on[0] or last.repetition_penalty >= 1.3
+        return next(fresh) if moved_on[0] else next(loop)
+
+    actions = run(guard, model, vocab, 600)
+    events = kinds_at(actions)
+    assert [(k, p) for _, k, p in events] == [
+        (ActionKind.RAMP, 1.1), (ActionKind.RAMP, 1.2), (ActionKind.RAMP, 1.3),
+        (ActionKind.RELAX, 1.2), (ActionKind.RELAX, 1.1), (ActionKind.RELAX, 1.0)]
+    last_ramp, relaxes = events[2][0], [i for i, k, _ in events if k is ActionKind.RELAX]
+    assert relaxes[0] - last_ramp == CFG.relax_after_tokens
+    assert [b - a for a, b in itertools.pairwise(relaxes)] == [CFG.tokens_per_step] * 2
+    assert guard.repetition_penalty == 1.0 and actions[-1].repetition_penalty == 1.0
+    assert "relaxed to 1" in actions[relaxes[-1]].note
+
+
+# -- (c) end_thinking mode ---------------------------------------------------------------------------------------
+
+def test_end_thinking_mode_ends_a_looping_thinking_block_and_stops_a_looping_answer() -> None:
+    cfg = LoopGuardConfig(mode="end_thinking")
+    guard, vocab = LoopGuard(cfg), Vocab()
+    loop = looping(PROSE_UNIT, seed=2)
+    thinking = [True]
+
+    def model(last: LoopAction) -> str:
+        if last.kind is ActionKind.END_THINKING:
+            thinking[0] = False  # the engine forces </think> and the answer starts (and loops again)
+        return next(loop)
+
+    actions = run(guard, model, vocab, 3000, in_thinking=lambda i: thinking[0])
+    events = kinds_at(actions)
+    assert [k for _, k, _ in events] == [ActionKind.RAMP] * 5 + [ActionKind.END_THINKING] + \
+        [ActionKind.RAMP] * 5 + [ActionKind.STOP]
+    end = events[5][0]
+    assert actions[end].repetition_penalty == 1.0 and "thinking ended" in actions[end].note
+    # The guard forgot the window: the answer's loop is detected afresh, not on the next token.
+    assert events[6][0] - end > CFG.min_covered_chars // 6
+    assert "stopped" in actions[-1].note
+
+
+# -- (d) escape mode ---------------------------------------------------------------------------------------------
+
+def test_escape_mode_bans_the_tokens_that_continued_the_loop() -> None:
+    cfg = LoopGuardConfig(mode="escape")
+    guard, vocab = LoopGuard(cfg), Vocab()
+    wanted, fresh = looping(CODE_UNIT, vary=False), fresh_text()
+    pending: list[str] = []
+    escaped = [False]
+
+    def model(last: LoopAction) -> str:  # loops, but never samples a banned token: then it moves on for good
+        if not pending:
+            pending.append(next(wanted))
+        if escaped[0] or vocab(pending[0]) in last.banned_token_ids:
+            escaped[0] = True
+            return next(fresh)
+        return pending.pop()
+
+    actions = run(guard, model, vocab, 800)
+    events = kinds_at(actions)
+    assert [k for _, k, _ in events][:6] == [ActionKind.RAMP] * 5 + [ActionKind.BAN]
+    ban_at = events[5][0]
+    # The loop's next token is banned (the text that followed this point one period back) ...
+    assert vocab(pending[0]) in actions[ban_at].banned_token_ids
+    # ... for exactly escape_ban_tokens sampling steps, then the ban lifts.
+    carried = [bool(a.banned_token_ids) for a in actions[ban_at:ban_at + cfg.escape_ban_tokens + 1]]
+    assert carried == [True] * cfg.escape_ban_tokens + [False]
+    # The escape worked: no STOP, the penalty relaxes to 1.0.
+    assert ActionKind.STOP not in {k for _, k, _ in events} and guard.repetition_penalty == 1.0
+    assert "banning" in actions[ban_at].note
+
+
+def test_escape_mode_stops_after_the_configured_number_of_failed_bans() -> None:
+    cfg = LoopGuardConfig(mode="escape", escape_attempts=2)
+    guard, vocab = LoopGuard(cfg), Vocab()
+    wanted = looping(PROSE_UNIT, vary=False)
+    pending: list[str] = []
+
+    def model(last: LoopAction) -> str:  # a stubborn model: spells a banned token out character by character
+        if not pending:
+            pending.append(next(wanted))
+        text = pending.pop()
+        if vocab(text) in last.banned_token_ids and len(text) > 1:
+            pending.append(text[1:])
+            return text[0]
+        return text
+
+    actions = run(guard, model, vocab, 3000)
+    assert guard.interventions == {"ramp": 5, "ban": 2, "stop": 1}
+    assert actions[-1].kind is ActionKind.STOP and "2 token bans" in actions[-1].note
+
+
+def test_off_mode_never_intervenes() -> None:
+    guard, vocab = LoopGuard(LoopGuardConfig(mode="off")), Vocab()
+    stream = looping(CODE_UNIT)
+    actions = run(guard, lambda last: next(stream), vocab, 1000)
+    assert all(a == LoopAction() for a in actions) and guard.interventions == {}
+
+
+# -- (e) no false positives on real code and prose -------------------------------------------------------------
+
+# Long files with repetitive structure (tables, banners, many similar methods) plus a fixed sorted sample.
+# encodings/iso8859_8.py holds the stdlib's longest exact periodic run outside the test suites (32 identical
+# table lines, 291 normalised characters) and difflib.py the next (134): see LoopGuardConfig's NOTE.
+NAMED = ["tkinter/__init__.py", "_pydecimal.py", "token.py", "locale.py", "stringprep.py", "html/entities.py",
+         "encodings/iso8859_8.py", "encodings/cp1252.py", "encodings/mac_roman.py", "opcode.py", "keyword.py",
+         "tokenize.py", "_strptime.py", "calendar.py", "string.py", "colorsys.py", "difflib.py"]
+
+
+def stdlib_sample() -> list[Path]:
+    named = [STDLIB / name for name in NAMED]
+    rest = sorted(p for p in STDLIB.glob("*.py") if p not in named)
+    return [p for p in named if p.exists()] + rest[::max(1, len(rest) // 20)][:20]
+
+
+def docstrings(source: str) -> str:
+    tree = ast.parse(source)
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    return "\n\n".join(d for n in nodes if (d := ast.get_docstring(n)))
+
+
+def test_no_intervention_on_standard_library_code_and_prose() -> None:
+    files = stdlib_sample()
+    assert len(files) >= 30
+    fired = {}
+    for path in files:
+        source = path.read_text(encoding="utf-8")
+        for kind, text in (("code", source), ("prose", docstrings(source))):
+            guard, vocab = LoopGuard(CFG), Vocab()
+            for tok in pseudo_tokens(text, seed=len(text)):
+                guard.observe(vocab(tok), tok, False)
+            if guard.interventions:
+                fired[f"{path.relative_to(STDLIB)} ({kind})"] = guard.interventions
+    assert fired == {}
+
+
+# -- (f) serialisation -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["stop", "escape"])
+@pytest.mark.parametrize("split", [90, 200, 400, 600])
+def test_restored_guard_continues_identically(mode: str, split: int) -> None:
+    cfg = LoopGuardConfig(mode=mode, escape_attempts=2)
+    # A stream that loops up to the cap, recovers (the penalty relaxes), then loops for good (BANs, STOP).
+    texts = list(itertools.islice(looping(PROSE_UNIT, seed=5), 130)) + \
+        [t.replace("e", "é") for t in itertools.islice(fresh_text(), 150)] + \
+        list(itertools.islice(looping(CODE_UNIT, seed=6), 900))
+    vocab = Vocab()
+    original = LoopGuard(cfg)
+    for t in texts[:split]:
+        original.observe(vocab(t), t, True)
+    bundle = json.loads(json.dumps(original.state.to_dict()))
+    restored = LoopGuard(cfg, LoopGuardState.from_dict(bundle))
+    assert restored.repetition_penalty == original.repetition_penalty
+    assert restored.interventions == original.interventions
+    for t in texts[split:]:
+        a, b = original.observe(vocab(t), t, True), restored.observe(vocab(t), t, True)
+        assert a == b
+    assert restored.state == original.state
+    assert {"ramp", "relax", "stop"} <= set(original.interventions)
+    with pytest.raises(ConfigError):
+        LoopGuard(LoopGuardConfig(max_unit_chars=64), LoopGuardState.from_dict(bundle))
+
+
+# -- (g) cost --------------------------------------------------------------------------------------------------
+
+def test_cost_per_observe_is_small() -> None:
+    source = (STDLIB / "argparse.py").read_text(encoding="utf-8")
+    texts = list(pseudo_tokens(source, seed=0)) + list(itertools.islice(looping(CODE_UNIT), 5000))
+    guard, vocab = LoopGuard(LoopGuardConfig(cap_tokens=10**6)), Vocab()
+    ids = [vocab(t) for t in texts]
+    start = time.perf_counter()
+    for tid, t in zip(ids, texts):
+        guard.observe(tid, t, False)
+    per_token_us = (time.perf_counter() - start) / len(texts) * 1e6
+    print(f"LoopGuard.observe: {per_token_us:.1f} us per token over {len(texts)} tokens "
+          f"(window {CFG.window_chars}, units {CFG.min_unit_chars}..{CFG.max_unit_chars})")
+    assert guard.interventions.get("ramp") == 5  # the stream did loop at the end
+    assert per_token_us < 200
+
+
+# -- config ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    {"mode": "loud"}, {"step_kind": "pow"}, {"window_chars": 0}, {"min_repeats": 1},
+    {"max_unit_chars": 1024}, {"min_unit_chars": 8, "max_unit_chars": 4}, {"min_covered_chars": 4096},
+    {"penalty_start": 1.0}, {"penalty_start": 1.7}, {"penalty_step": 0.0}, {"step_kind": "mul"},
+    {"cap_tokens": 0}, {"tokens_per_step": True}])
+def test_bad_config_is_a_config_error(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        LoopGuardConfig(**bad).validate()
+
+
+def test_multiplicative_ramp_reaches_the_cap() -> None:
+    cfg = LoopGuardConfig(step_kind="mul", penalty_step=1.2, penalty_cap=1.6).validate()
+    assert [cfg.penalty_at(k) for k in range(5)] == [1.0, 1.1, 1.32, 1.584, 1.6] and cfg.max_level == 4

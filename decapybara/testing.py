@@ -59,29 +59,29 @@ def make_tokenizer_json(vocab_size: int = 512) -> str:
 # Tiny HF configs, one per family: small enough for CPU tests, with every structural feature present
 # (GQA, partial rotary, several DeltaNet + attention layers, MoE with > top-k experts, shared expert).
 TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(
-        model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        rope_theta=10000.0, tie_word_embeddings=False,
-    ),
-    "qwen3_moe": dict(
-        model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
-    ),
-    "qwen3_5_text": dict(
-        model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-        max_position_embeddings=1024, tie_word_embeddings=False,
-    ),
-    "qwen3_5_moe_text": dict(
-        model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-        max_position_embeddings=1024, tie_word_embeddings=False,
-    ),
+    "qwen3": {
+        "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+        "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "tie_word_embeddings": False,
+    },
+    "qwen3_5_text": {
+        "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False,
+    },
+    "qwen3_5_moe_text": {
+        "model_type": "qwen3_5_moe_text", "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False,
+    },
 }
 FAMILIES = tuple(TINY_HF_CONFIGS)
 
@@ -127,3 +127,40 @@ def save_hf_checkpoint(model, out_dir: str | Path, tokenizer_json: str | None = 
         tok_cfg["chat_template"] = chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
     return out
+
+
+def canonical_tensors(model) -> dict[str, Any]:
+    """A transformers model's weights under our canonical names (experts stacked), float32 numpy."""
+    import re
+
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    experts: dict[tuple[str, str], dict[int, Any]] = {}
+    for name, value in model.state_dict().items():
+        arr = value.detach().float().numpy()
+        m = re.match(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = arr
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            half = arr.shape[1] // 2
+            out[name.replace("gate_up_proj", "gate_proj")] = arr[:, :half]
+            out[name.replace("gate_up_proj", "up_proj")] = arr[:, half:]
+        else:
+            out[name] = arr
+    for (prefix, kind), per_expert in experts.items():
+        out[f"{prefix}.{kind}"] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    if getattr(model.config, "tie_word_embeddings", False):
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def tiny_qwen(family: str, seed: int = 0, backend=None, overrides: dict[str, Any] | None = None):
+    """(our QwenModel on `backend` (numpy by default), the transformers model) with identical weights."""
+    from decapybara.backend.numpy_backend import NumpyBackend
+    from decapybara.model.config import ModelConfig
+    from decapybara.model.qwen import QwenModel
+
+    hf = make_hf_model(family, seed, overrides)
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    return QwenModel.from_tensors(cfg, backend or NumpyBackend(), canonical_tensors(hf)), hf

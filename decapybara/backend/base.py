@@ -1,0 +1,181 @@
+"""The ops interface every backend implements (numpy reference, cupy/CUDA).
+
+Contract: activations are 2-D or 3-D arrays of the backend's array type (`xp`), rows are tokens of a flattened
+`ForwardBatch`. Elementwise arithmetic between activations (`a + b`, reshape) uses the array type's operators;
+everything else goes through the methods below, so a backend may fuse or replace any of them. A backend must
+compute the same function as the numpy reference within its precision class.
+
+The backend owns device memory: weights (`prepare_weight`), the paged KV cache of the attention layers and
+the per-sequence recurrent/conv state of DeltaNet layers (`new_kv_cache`, `new_state_pool`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import ModelConfig
+
+
+@dataclass(slots=True)
+class HybridState:
+    """DeltaNet state of one sequence, host copies: per linear layer (in model order) conv and recurrent."""
+
+    conv: list[np.ndarray]  # each [conv_dim, kernel - 1] float32
+    recurrent: list[np.ndarray]  # each [num_v_heads, key_head_dim, value_head_dim] float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.conv) + sum(a.nbytes for a in self.recurrent)
+
+
+@dataclass(slots=True)
+class DeltaNetSegment:
+    """A run of rows of one sequence processed with one state slot; optionally snapshotted at its end."""
+
+    start: int
+    length: int
+    slot: int
+    snapshot_key: tuple[int, int] | None = None  # (sequence index in batch, absolute token count)
+
+
+@dataclass(slots=True)
+class DeltaNetParams:
+    """Per-layer DeltaNet parameters in the form the backend's `deltanet_core` consumes."""
+
+    conv_weight: Any  # [conv_dim, kernel]
+    neg_A: Any  # [num_v_heads]  -exp(A_log), float32
+    dt_bias: Any  # [num_v_heads]
+
+
+@dataclass(slots=True)
+class KVPageData:
+    """Host copy of some KV pages of every attention layer (the unit pause/resume and the tiers move)."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)  # "{layer}.{part}" -> [n_pages, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class KVCache(ABC):
+    """Paged KV storage for the attention layers: `num_pages` pages of `page_size` tokens each."""
+
+    num_pages: int
+    page_size: int
+
+    @abstractmethod
+    def export_pages(self, page_ids: np.ndarray) -> KVPageData:
+        """Copy the given pages of every layer to host memory (storage format, no conversion)."""
+
+    @abstractmethod
+    def import_pages(self, page_ids: np.ndarray, data: KVPageData) -> None:
+        """Write pages previously exported (same KV mode and shapes) into `page_ids`."""
+
+    @abstractmethod
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Device-side copy of pages src[i] -> dst[i] in every layer."""
+
+    @property
+    @abstractmethod
+    def bytes_per_page(self) -> int:
+        """Bytes one page occupies across all attention layers."""
+
+
+class StatePool(ABC):
+    """Per-sequence DeltaNet state: `num_slots` rows of conv + recurrent state for every linear layer."""
+
+    num_slots: int
+
+    @abstractmethod
+    def reset(self, slot: int) -> None:
+        """Zero the slot (a sequence starting from token 0)."""
+
+    @abstractmethod
+    def get(self, slot: int) -> HybridState:
+        """Host copy of the slot's state."""
+
+    @abstractmethod
+    def set(self, slot: int, state: HybridState) -> None:
+        """Overwrite the slot with a state from `get` or a snapshot."""
+
+    @abstractmethod
+    def copy(self, src: int, dst: int) -> None:
+        """dst := src, on the device."""
+
+
+class Backend(ABC):
+    """Array library + ops. See the module docstring for the contract."""
+
+    name: str
+    xp: Any  # numpy or cupy
+
+    # ---- memory -------------------------------------------------------------------------------------
+    @abstractmethod
+    def from_host(self, a: np.ndarray, dtype: Any = None) -> Any: ...
+
+    @abstractmethod
+    def to_host(self, a: Any) -> np.ndarray: ...
+
+    @abstractmethod
+    def prepare_weight(self, name: str, value: Any) -> Any:
+        """Device-ready form of one weight (float32 array or a `QuantTensor`) for `linear`/`embedding`."""
+
+    @abstractmethod
+    def new_kv_cache(self, cfg: ModelConfig, num_pages: int, page_size: int, kv_mode: Any = None) -> KVCache: ...
+
+    @abstractmethod
+    def new_state_pool(self, cfg: ModelConfig, num_slots: int) -> StatePool: ...
+
+    # ---- ops ----------------------------------------------------------------------------------------
+    @abstractmethod
+    def embedding(self, table: Any, ids: np.ndarray) -> Any:
+        """[T, H] rows of `table` for host token ids [T]."""
+
+    @abstractmethod
+    def rms_norm(self, x: Any, weight: Any, eps: float, offset: float) -> Any:
+        """x * rsqrt(mean(x^2) + eps) * (offset + weight) over the last axis, computed in float32."""
+
+    @abstractmethod
+    def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """x @ weight^T (+ bias): [T, in] -> [T, out]."""
+
+    @abstractmethod
+    def silu_mul(self, gate: Any, up: Any) -> Any: ...
+
+    @abstractmethod
+    def sigmoid(self, x: Any) -> Any: ...
+
+    @abstractmethod
+    def rope(self, x: Any, cos: Any, sin: Any, rotary_dim: int) -> Any:
+        """Rotate-half RoPE on the first `rotary_dim` dims of x [T, heads, head_dim]; cos/sin [T, rotary_dim/2]."""
+
+    @abstractmethod
+    def paged_attention(self, kv: KVCache, layer: int, q: Any, k: Any, v: Any, batch: ForwardBatch,
+                        scale: float) -> Any:
+        """Write k, v [T, kv_heads, d] at `batch.slot_mapping`, then causal attention of q [T, heads, d] over
+        each sequence's cached + new tokens. Returns [T, heads, d]."""
+
+    @abstractmethod
+    def deltanet_core(self, states: StatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
+                      segments: list[DeltaNetSegment], cfg: ModelConfig,
+                      snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]]) -> Any:
+        """Causal conv (silu) + L2-normed gated delta rule over each segment, updating the slot's conv and
+        recurrent state in order. mixed_qkv [T, conv_dim], a/b [T, num_v_heads]. Returns [T, v_heads, v_dim].
+        Segments with a `snapshot_key` add {layer: (conv, recurrent)} host copies to `snapshots[key]`."""
+
+    @abstractmethod
+    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
+        """rms_norm(x) * weight * silu(z) over the last axis (x, z [..., d])."""
+
+    @abstractmethod
+    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
+        """Softmax router over experts, top-k (optionally renormalised), SwiGLU experts, weighted sum. [T, H]."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on the CPU)."""

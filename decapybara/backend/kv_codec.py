@@ -1,0 +1,117 @@
+"""How KV vectors are stored in pages: float32 (the exact reference), bf16, or a microscaled KV mode.
+
+A codec maps x [..., head_dim] float32 to named storage parts and back. Key and value may use different
+formats (KV mode "6/4" = 6-bit keys, 4-bit values); `kv` selects "k" or "v".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from decapybara.errors import ConfigError
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round-to-nearest-even, NaN kept quiet."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
+    return rounded
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+class KVCodec:
+    """Interface: storage parts per element vector, encode, decode."""
+
+    name = "abstract"
+
+    def parts(self, head_dim: int, kv: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+        raise NotImplementedError
+
+    def encode(self, x: np.ndarray, kv: str) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def decode(self, parts: dict[str, np.ndarray], kv: str, head_dim: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+class F32Codec(KVCodec):
+    name = "32/32"
+
+    def parts(self, head_dim: int, kv: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return {"x": ((head_dim,), np.float32)}
+
+    def encode(self, x: np.ndarray, kv: str) -> dict[str, np.ndarray]:
+        return {"x": x}
+
+    def decode(self, parts: dict[str, np.ndarray], kv: str, head_dim: int) -> np.ndarray:
+        return parts["x"]
+
+
+class BF16Codec(KVCodec):
+    name = "16/16"
+
+    def parts(self, head_dim: int, kv: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return {"x": ((head_dim,), np.uint16)}
+
+    def encode(self, x: np.ndarray, kv: str) -> dict[str, np.ndarray]:
+        return {"x": f32_to_bf16_bits(x)}
+
+    def decode(self, parts: dict[str, np.ndarray], kv: str, head_dim: int) -> np.ndarray:
+        return bf16_bits_to_f32(parts["x"])
+
+
+@dataclass(slots=True)
+class MicroscaledCodec(KVCodec):
+    """Key and value each in bf16 (16 bits) or a 32-element microscaled format (8, 6 or 4 bits)."""
+
+    key_bits: int
+    value_bits: int
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.key_bits}/{self.value_bits}"
+
+    def _bits(self, kv: str) -> int:
+        return self.key_bits if kv == "k" else self.value_bits
+
+    def parts(self, head_dim: int, kv: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+        from decapybara.model import quant
+
+        return quant.kv_storage_parts(self._bits(kv), head_dim)
+
+    def encode(self, x: np.ndarray, kv: str) -> dict[str, np.ndarray]:
+        from decapybara.model import quant
+
+        return quant.quantize_kv(x, self._bits(kv))
+
+    def decode(self, parts: dict[str, np.ndarray], kv: str, head_dim: int) -> np.ndarray:
+        from decapybara.model import quant
+
+        return quant.dequantize_kv(parts, self._bits(kv), head_dim)
+
+
+def codec_for(kv_mode: Any) -> KVCodec:
+    """The codec for a KV mode: None or "32/32" -> float32, "16/16" -> bf16, "K/V" -> microscaled."""
+    if kv_mode is None:
+        return F32Codec()
+    text = kv_mode if isinstance(kv_mode, str) else getattr(kv_mode, "name", str(kv_mode))
+    if text == "32/32":
+        return F32Codec()
+    if text == "16/16":
+        return BF16Codec()
+    try:
+        kb, vb = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise ConfigError(f"bad KV mode {text!r}; expected K/V bits such as 6/6, 8/8, 6/4, 4/4, 16/16") from None
+    if kb not in (4, 6, 8, 16) or vb not in (4, 6, 8, 16):
+        raise ConfigError(f"bad KV mode {text!r}; bits must be 4, 6, 8 or 16")
+    return MicroscaledCodec(kb, vb)

@@ -1,0 +1,74 @@
+"""Engine and cache configuration (dataclasses) and the user-facing presets.
+
+`EngineConfig` is what the in-process engine needs; the serve app's pydantic config maps onto it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from decapybara.errors import ConfigError
+
+PREFILL_POLICIES = ("balanced", "decode-priority", "prefill-priority")
+KV_MODES = ("16/16", "8/8", "6/6", "6/4", "4/4")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """Knobs of one engine (one model on one device)."""
+
+    max_slots: int = 12  # conversations decoding together (CONVERSATIONS, 1-12)
+    page_size: int = 16  # tokens per KV page (512 on a GPU, as the original; small on the CPU)
+    num_pages: int = 512  # pages in the KV pool
+    max_batch_tokens: int = 256  # token budget of one step (prefill chunks + decodes)
+    prefill_policy: str = "balanced"
+    balanced_prefill_share: float = 0.5  # balanced: share of the budget prefill may take while others decode
+    enable_prefix_cache: bool = True
+    kv_mode: str | None = None  # None = float32 pages (numpy reference); "16/16", "8/8", "6/6", "6/4", "4/4"
+    snapshot_budget_bytes: int = 64 << 20  # hybrid-state snapshots kept for prefix reuse
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0  # seeds requests that bring none, so a whole run is reproducible
+    loop_guard: str = "stop"  # stop | end_thinking | escape | off
+    stream_interval: int = 1  # emit events every n tokens (1 = every token)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_slots <= 12:
+            raise ConfigError(f"max_slots must be in 1..12, got {self.max_slots}")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages < 2:
+            raise ConfigError("num_pages must be >= 2")
+        if self.max_batch_tokens < self.max_slots:
+            raise ConfigError("max_batch_tokens must be >= max_slots (every slot decodes one token per step)")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ConfigError(f"prefill_policy must be one of {PREFILL_POLICIES}, got {self.prefill_policy!r}")
+        if not 0 < self.balanced_prefill_share <= 1:
+            raise ConfigError("balanced_prefill_share must be in (0, 1]")
+        if self.kv_mode not in (None, "32/32") + KV_MODES:
+            raise ConfigError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.loop_guard not in ("stop", "end_thinking", "escape", "off"):
+            raise ConfigError(f"loop_guard must be stop, end_thinking, escape or off, got {self.loop_guard!r}")
+
+    def replace(self, **kw) -> EngineConfig:
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(slots=True, frozen=True)
+class Preset:
+    """A user-facing preset of the original launcher."""
+
+    name: str
+    conversations: int
+    kv_mode: str
+    activations: str
+    context: int
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    "max_efficiency": Preset("max_efficiency", 8, "4/4", "fp8", 1_048_576, "YaRN context extension"),
+    "medium": Preset("medium", 4, "6/4", "fp8", 262_144),
+    "max_quality": Preset("max_quality", 1, "6/6", "bf16", 262_144),
+}

@@ -1,0 +1,431 @@
+"""The in-process engine: continuous batching over up to `max_slots` sequences on one model.
+
+`Engine.step()` is schedule -> run -> postprocess. Requests wait in a queue; an admission policy fills free
+slots (FCFS by default; the multi-agent policy of `decapybara.scheduler` plugs in through `admission`).
+Running sequences hold KV pages (and, for hybrid models, a DeltaNet state slot); when the pool runs dry the
+youngest running sequence is paused whole (pages + state to host memory) and later resumed with no
+re-prefill. No Ray here: plain objects, a clock that tests can fake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from decapybara.config import EngineConfig
+from decapybara.engine.block_manager import BlockManager, hash_chain, page_hash, root_hash
+from decapybara.engine.loopguard import ActionKind, LoopGuard, LoopGuardConfig
+from decapybara.engine.planner import StepPlan, plan_step
+from decapybara.engine.runner import ModelRunner, SequenceBundle
+from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
+from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
+from decapybara.errors import ContextOverflowError, InvalidRequestError
+from decapybara.model.qwen import QwenModel
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_prompt_tokens: int = 0  # ... run through the model
+    reused_prompt_tokens: int = 0  # ... taken from the prefix cache
+    generated_tokens: int = 0
+    forward_tokens: int = 0  # all rows run through the model
+    pauses: int = 0
+    resumes: int = 0
+    finished: int = 0
+    aborted: int = 0
+    loopguard: dict[str, int] = field(default_factory=dict)
+    step_seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, model: QwenModel, cfg: EngineConfig | None = None, tokenizer: Any = None,
+                 clock: Callable[[], float] = time.monotonic, eos_token_ids: Iterable[int] | None = None,
+                 admission: Callable[[Engine], None] | None = None,
+                 logits_processor: Callable[[Sequence, np.ndarray], np.ndarray] | None = None):
+        self.model, self.cfg, self.tokenizer, self.clock = model, cfg or EngineConfig(), tokenizer, clock
+        cfg = self.cfg
+        self.max_model_len = cfg.max_model_len or model.cfg.max_position_embeddings
+        self.runner = ModelRunner(model, cfg)
+        self.hybrid = self.runner.hybrid
+        salt = f"{model.cfg.model_type}|{cfg.kv_mode}|{cfg.page_size}".encode()
+        self.blocks = BlockManager(cfg.num_pages, cfg.page_size, cfg.enable_prefix_cache, self.hybrid,
+                                   cfg.snapshot_budget_bytes, salt)
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.paused: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.admission = admission or fcfs_admission
+        self.logits_processor = logits_processor  # (sequence, logits [V]) -> logits, before sampling
+        self._rng = random.Random(cfg.seed)
+        self._loop_cfg = LoopGuardConfig(mode=cfg.loop_guard).validate()
+        special = getattr(tokenizer, "special_ids", None)
+        self._think = (getattr(special, "think", None), getattr(special, "end_think", None))
+        self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> Sequence:
+        """Validate and queue. Raises InvalidRequestError / ContextOverflowError before any work."""
+        params = request.params
+        params.validate(self.model.cfg.vocab_size)
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if request.request_id in self.seqs:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        ids = np.asarray(request.prompt_ids)
+        if ids.min() < 0 or ids.max() >= self.model.cfg.vocab_size:
+            raise InvalidRequestError("prompt token ids must lie in [0, vocab_size)")
+        if n >= self.max_model_len:
+            raise ContextOverflowError(f"prompt of {n} tokens does not fit the context of {self.max_model_len}")
+        need = self.blocks.pages_for(min(n + params.max_tokens, self.max_model_len))
+        if need > self.cfg.num_pages:
+            raise ContextOverflowError(
+                f"prompt + max_tokens needs {need} KV pages but the pool has {self.cfg.num_pages}; "
+                f"lower max_tokens to at most {self.cfg.num_pages * self.cfg.page_size - n}")
+        now = self.clock()
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request, seed, request.arrival if request.arrival is not None else now,
+                       tokens=list(request.prompt_ids), num_prompt=n, last_active=now)
+        if self.tokenizer is not None:
+            from decapybara.tokenizer import IncrementalDetokenizer
+
+            seq.detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+            seq.in_thinking = self._prompt_opens_thinking(request.prompt_ids)
+        seq.loopguard = LoopGuard(self._loop_cfg) if self.cfg.loop_guard != "off" else None
+        self.seqs[request.request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        """Cancel a request wherever it is; its pages and slot are freed at once."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status == SeqStatus.FINISHED:
+            return None
+        self.stats.aborted += 1
+        return self._finish(seq, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.paused)
+
+    # ---- admission, pause, resume ---------------------------------------------------------------------
+    def can_admit(self) -> bool:
+        return bool(self.free_slots) and len(self.running) < self.cfg.max_slots
+
+    def admit(self, seq: Sequence) -> bool:
+        """Move a waiting sequence into a slot, reusing its cached prefix. False when pages are short."""
+        assert seq.status == SeqStatus.WAITING and self.can_admit()
+        match = self.blocks.match_prefix(seq.tokens[:seq.num_prompt])
+        first_chunk = min(seq.num_prompt - match.num_tokens, self.cfg.max_batch_tokens)
+        need = self.blocks.pages_for(match.num_tokens + first_chunk) - len(match.pages)
+        tail = [match.tail_page] if match.tail_page is not None else []
+        pages = self.blocks.allocate(need, match.pages + tail)  # the tail is held until copied
+        if pages is None:
+            return False
+        if tail:
+            n_full = len(match.pages)
+            own = pages[n_full + 1]  # the first fresh page receives a private copy of the cached tail
+            self.runner.kv.copy_pages(np.asarray(tail, np.int64), np.asarray([own], np.int64))
+            pages = pages[:n_full] + pages[n_full + 1:]
+            self.blocks.release(tail)
+        self.waiting.remove(seq)
+        seq.pages, seq.num_computed = pages, match.num_tokens
+        seq.page_hashes = hash_chain(seq.tokens, self.cfg.page_size, self.blocks.salt, len(match.pages))
+        seq.num_cached_prompt = match.num_tokens
+        seq.state_slot = self.free_slots.pop()
+        self.runner.reset_state(seq.state_slot, match.snapshot)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.stats.prompt_tokens += seq.num_prompt
+        self.stats.reused_prompt_tokens += match.num_tokens
+        return True
+
+    def pause(self, seq: Sequence) -> SequenceBundle:
+        """Take a running sequence out of the pool whole: pages + state to host memory, slot freed."""
+        assert seq.status == SeqStatus.RUNNING
+        n_pages = self.blocks.pages_for(seq.num_computed)
+        bundle = self.runner.export_sequence(seq.pages[:n_pages], seq.state_slot, seq.num_computed)
+        self.blocks.release(seq.pages)
+        seq.pages = []
+        self._free_slot(seq)
+        self.running.remove(seq)
+        seq.status, seq.paused_bundle = SeqStatus.PAUSED, bundle
+        seq.num_pauses += 1
+        self.paused.append(seq)
+        self.stats.pauses += 1
+        return bundle
+
+    def resume(self, seq: Sequence, bundle: SequenceBundle | None = None) -> bool:
+        """Bring a paused sequence back from its bundle: no token is recomputed. False when pages are short."""
+        assert seq.status == SeqStatus.PAUSED and self.can_admit()
+        bundle = bundle or seq.paused_bundle
+        n_pages = self.blocks.pages_for(bundle.num_tokens)
+        # Full pages still in the prefix cache are shared again instead of copied in.
+        reuse = []
+        for h in seq.page_hashes:
+            page = self.blocks.page_of_hash.get(h)
+            if page is None:
+                break
+            reuse.append(page)
+        pages = self.blocks.allocate(n_pages - len(reuse), reuse)
+        if pages is None:
+            return False
+        self.runner.import_pages(pages[len(reuse):], bundle, list(range(len(reuse), n_pages)))
+        for i in range(len(reuse), len(seq.page_hashes)):
+            self.blocks.register(pages[i], seq.page_hashes[i])
+        seq.pages, seq.num_computed = pages, bundle.num_tokens
+        seq.state_slot = self.free_slots.pop()
+        self.runner.import_state(seq.state_slot, bundle)
+        self.paused.remove(seq)
+        seq.status, seq.paused_bundle = SeqStatus.RUNNING, None
+        seq.num_resumes += 1
+        self.running.append(seq)
+        self.stats.resumes += 1
+        return True
+
+    def _free_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
+
+    # ---- the step --------------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """Admit, plan, run one forward, sample and post-process. Returns this step's token events."""
+        t0 = time.perf_counter()
+        self.admission(self)
+        plan = self._plan_with_pages()
+        if not plan.chunks:
+            return []
+        out = self.runner.run(plan)
+        events = self._postprocess(plan, out)
+        self.stats.steps += 1
+        self.stats.forward_tokens += plan.num_tokens
+        self.stats.step_seconds += time.perf_counter() - t0
+        return events
+
+    def _plan_with_pages(self) -> StepPlan:
+        """Plan, then give every chunk the pages it writes; pause the youngest sequence while short."""
+        while True:
+            plan = plan_step(self.running, self.cfg, self.hybrid)
+            short = None
+            for c in plan.chunks:
+                s = c.seq
+                need = self.blocks.pages_for(s.num_computed + c.num_tokens) - len(s.pages)
+                while need > 0:
+                    page = self.blocks.append()
+                    if page is None:
+                        short = s
+                        break
+                    s.pages.append(page)
+                    need -= 1
+                if short is not None:
+                    break
+            if short is None:
+                return plan
+            victim = max(self.running, key=lambda q: (q.arrival, q.request_id))
+            self.pause(victim)
+            if not self.running:
+                return StepPlan([])
+
+    def _postprocess(self, plan: StepPlan, out: Any) -> list[TokenEvent]:
+        now = self.clock()
+        sampling = [c for c in plan.chunks if c.sample]
+        rows = [SamplerRow(c.seq.params, c.seq.tokens[:c.seq.num_prompt], c.seq.output_ids(), c.seq.num_output,
+                           c.seq.seed, c.seq.extra_penalty, c.seq.banned) for c in sampling]
+        logits = out.logits
+        if self.logits_processor is not None and rows:
+            logits = np.stack([self.logits_processor(c.seq, logits[j]) for j, c in enumerate(sampling)])
+        sampled = sample(logits, rows, eos_token_ids=self.eos_token_ids) if rows else None
+        for ci, c in enumerate(plan.chunks):
+            s = c.seq
+            if s.num_computed < s.num_prompt:
+                done = min(c.num_tokens, s.num_prompt - s.num_computed)
+                s.num_computed_prompt += done
+                self.stats.computed_prompt_tokens += done
+            s.num_computed += c.num_tokens
+            s.last_active = now
+            self._register_pages(s, ci, out.snapshots)
+        events: list[TokenEvent] = []
+        for j, c in enumerate(sampling):
+            s = c.seq
+            tok = int(sampled.token_ids[j])
+            lp = float(sampled.logprobs[j])
+            self._append_output(s, tok, lp, sampled.top_logprobs[j], now)
+            ev = self._event_if_due(s)
+            if ev is not None:
+                events.append(ev)
+        return events
+
+    def _register_pages(self, s: Sequence, chunk_index: int, snapshots: dict) -> None:
+        """Hash and register pages that became full; store hybrid snapshots taken at their ends."""
+        ps = self.cfg.page_size
+        full = s.num_computed // ps
+        while len(s.page_hashes) < full:
+            i = len(s.page_hashes)
+            parent = s.page_hashes[-1] if s.page_hashes else root_hash(self.blocks.salt)
+            h = page_hash(parent, s.tokens[i * ps:(i + 1) * ps])
+            s.page_hashes.append(h)
+            self.blocks.register(s.pages[i], h)
+            snap = snapshots.get((chunk_index, (i + 1) * ps))
+            if snap is not None:
+                self.blocks.put_snapshot(h, snap, snap.nbytes)
+
+    def _append_output(self, s: Sequence, tok: int, lp: float, top: list, now: float) -> None:
+        p = s.params
+        s.tokens.append(tok)
+        s.num_output += 1
+        s.output_counts[tok] = s.output_counts.get(tok, 0) + 1
+        self.stats.generated_tokens += 1
+        if s.first_token_time is None:
+            s.first_token_time = now
+        s.pending_tokens.append(tok)
+        if p.logprobs is not None:
+            s.pending_logprobs.append(lp)
+            s.pending_top.append(top)
+        text = s.detok.push(tok) if s.detok is not None else ""
+        s.pending_text += text
+        if tok == self._think[0]:
+            s.in_thinking = True
+        elif tok == self._think[1]:
+            s.in_thinking = False
+        is_eos = tok in self.eos_token_ids and not p.ignore_eos
+        if (is_eos or tok in p.stop_token_ids) and s.num_output > p.min_tokens - 1:
+            self._mark_finished(s, FinishReason.STOP)
+            return
+        if s.detok is not None and s.detok.stopped:
+            s.pending_note = None
+            self._mark_finished(s, FinishReason.STOP)
+            return
+        if s.num_output >= p.max_tokens or s.num_tokens >= self.max_model_len:
+            self._mark_finished(s, FinishReason.LENGTH)
+            return
+        if s.loopguard is not None:
+            self._loop_guard(s, tok, text)
+
+    def _loop_guard(self, s: Sequence, tok: int, text: str) -> None:
+        action = s.loopguard.observe(tok, text, s.in_thinking)
+        s.extra_penalty, s.banned = action.repetition_penalty, tuple(action.banned_token_ids)
+        if action.kind == ActionKind.NONE:
+            return
+        self.stats.loopguard[action.kind.value] = self.stats.loopguard.get(action.kind.value, 0) + 1
+        if action.kind == ActionKind.STOP:
+            s.pending_note = action.note
+            self._mark_finished(s, FinishReason.LOOP)
+        elif action.kind == ActionKind.END_THINKING:
+            forced = self._think_close or []
+            if not forced:
+                s.pending_note = action.note
+                self._mark_finished(s, FinishReason.LOOP)
+                return
+            s.pending_note = action.note
+            for t in forced:  # forced tokens join the output; the next step computes them as a chunk
+                s.tokens.append(t)
+                s.num_output += 1
+                s.pending_tokens.append(t)
+                s.pending_text += s.detok.push(t) if s.detok is not None else ""
+            s.in_thinking = False
+
+    def _mark_finished(self, s: Sequence, reason: FinishReason) -> None:
+        s.finish_reason = reason
+
+    def _event_if_due(self, s: Sequence) -> TokenEvent | None:
+        if s.finish_reason is not None:
+            return self._finish(s, s.finish_reason)
+        if len(s.pending_tokens) < self.cfg.stream_interval:
+            return None
+        return self._drain(s)
+
+    def _drain(self, s: Sequence, reason: FinishReason | None = None) -> TokenEvent:
+        ev = TokenEvent(s.request_id, s.pending_tokens, s.pending_text, s.pending_logprobs, s.pending_top, reason,
+                        s.pending_note, s.detok.stop_string if s.detok is not None else None, s.num_prompt,
+                        s.num_cached_prompt, s.num_output)
+        s.pending_tokens, s.pending_text, s.pending_logprobs, s.pending_top, s.pending_note = [], "", [], [], None
+        return ev
+
+    def _finish(self, s: Sequence, reason: FinishReason) -> TokenEvent:
+        if s.detok is not None and reason != FinishReason.ABORT:
+            s.pending_text += s.detok.finish()
+        if s.status == SeqStatus.RUNNING:
+            self._offer_tail(s)
+            self.blocks.release(s.pages)
+            s.pages = []
+            self._free_slot(s)
+            self.running.remove(s)
+        elif s.status == SeqStatus.WAITING:
+            self.waiting.remove(s)
+        elif s.status == SeqStatus.PAUSED:
+            self.paused.remove(s)
+            s.paused_bundle = None
+        s.status, s.finish_reason = SeqStatus.FINISHED, reason
+        self.stats.finished += 1
+        ev = self._drain(s, reason)
+        del self.seqs[s.request_id]
+        return ev
+
+    def _offer_tail(self, s: Sequence) -> None:
+        """Keep the partial last page of a finishing sequence for its conversation's next turn."""
+        ps = self.cfg.page_size
+        full, rem = divmod(s.num_computed, ps)
+        if not rem or not self.cfg.enable_prefix_cache or len(s.page_hashes) < full:
+            return
+        parent = s.page_hashes[full - 1] if full else root_hash(self.blocks.salt)
+        snap = self.runner.states.get(s.state_slot) if self.hybrid else None
+        self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
+                                  snap.nbytes if snap is not None else 0)
+
+    def _prompt_opens_thinking(self, prompt: tuple[int, ...]) -> bool:
+        think, end = self._think
+        if think is None:
+            return False
+        for t in reversed(prompt):
+            if t == end:
+                return False
+            if t == think:
+                return True
+        return False
+
+    # ---- conveniences ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 max_steps: int = 1_000_000) -> list[list[int]]:
+        """Run prompts to completion; returns each one's output token ids (scripts, tests, benchmarks)."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(Request(tuple(p), sp)).request_id for p, sp in zip(prompts, plist)]
+        outs: dict[str, list[int]] = {i: [] for i in ids}
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            for ev in self.step():
+                if ev.request_id in outs:
+                    outs[ev.request_id].extend(ev.token_ids)
+        return [outs[i] for i in ids]
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        b = self.blocks
+        return {
+            "running": len(self.running), "waiting": len(self.waiting), "paused": len(self.paused),
+            "free_pages": b.num_free, "used_pages": b.num_used, "cached_pages": len(b.lru),
+            "total_pages": b.num_pages, "snapshots": len(b.snapshots), "snapshot_bytes": b.snapshot_bytes,
+            **dataclasses.asdict(self.stats),
+        }
+
+
+def fcfs_admission(engine: Engine) -> None:
+    """Default policy: resume paused sequences first (oldest first), then admit waiting ones in order."""
+    for seq in sorted(engine.paused, key=lambda s: s.arrival):
+        if not engine.can_admit() or not engine.resume(seq):
+            return
+    for seq in list(engine.waiting):
+        if not engine.can_admit() or not engine.admit(seq):
+            return

@@ -1,0 +1,85 @@
+"""Step planning: which running sequences compute how many tokens in the next forward call.
+
+NOTE: the algorithm. Every running sequence is either decoding (one uncomputed token: the last sample) or
+prefilling (several: its prompt, or tokens the LoopGuard forced). A step has a token budget. Decodes cost one
+token each; prefill chunks take what the policy leaves them:
+- ``decode-priority``: all decodes first, then prefill chunks in admission order with the rest;
+- ``prefill-priority``: prefill chunks first (oldest first), decodes only with what is left;
+- ``balanced``: all decodes, and prefill may take at most `balanced_prefill_share` of the budget while any
+  sequence decodes (the whole remaining budget when none does), bounding inter-token latency.
+For hybrid models a prefill chunk that spans a page boundary asks for a state snapshot at each boundary it
+crosses, so the prefix cache can reuse the state there. A sequence samples only when its chunk reaches its
+last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decapybara.config import EngineConfig
+from decapybara.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed
+    sample: bool  # the chunk ends at the sequence's last token: sample the next one
+    snapshot_at: tuple[int, ...] = ()  # absolute token counts after which to snapshot hybrid state
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk]  # in batch row order
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.sample)
+
+
+def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepPlan:
+    """Compose one step over `running` (ordered oldest admission first). Pure: reads, never mutates."""
+    budget = cfg.max_batch_tokens
+    decodes = [s for s in running if not s.in_prefill]
+    prefills = [s for s in running if s.in_prefill]
+    chunks: list[ScheduledChunk] = []
+
+    def add_prefills(limit: int) -> int:
+        used = 0
+        for s in prefills:
+            room = limit - used
+            if room <= 0:
+                break
+            n = min(s.num_uncomputed, room)
+            chunks.append(_chunk(s, n, cfg.page_size, hybrid))
+            used += n
+        return used
+
+    if cfg.prefill_policy == "prefill-priority":
+        used = add_prefills(budget)
+        for s in decodes[: max(0, budget - used)]:
+            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, cfg.page_size, hybrid)))
+    else:
+        for s in decodes[:budget]:
+            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, cfg.page_size, hybrid)))
+        rest = budget - len(chunks)
+        if cfg.prefill_policy == "balanced" and decodes:
+            rest = min(rest, max(1, int(budget * cfg.balanced_prefill_share)))
+        add_prefills(rest)
+    return StepPlan(chunks)
+
+
+def _boundaries(s: Sequence, n: int, page_size: int, hybrid: bool) -> tuple[int, ...]:
+    if not hybrid:
+        return ()
+    first = s.num_computed // page_size + 1
+    last = (s.num_computed + n) // page_size
+    return tuple(p * page_size for p in range(first, last + 1))
+
+
+def _chunk(s: Sequence, n: int, page_size: int, hybrid: bool) -> ScheduledChunk:
+    return ScheduledChunk(s, n, s.num_computed + n == s.num_tokens, _boundaries(s, n, page_size, hybrid))

@@ -1,0 +1,122 @@
+"""A request as the engine sees it, and its mutable state while it runs.
+
+`Request` is what a client asked for (immutable). `Sequence` is the engine's record: tokens (prompt then
+output, plus tokens forced by the LoopGuard), how many of them have KV/state computed, the pages that hold
+them, its state slot, counters, and per-request helpers (detokeniser, LoopGuard).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from decapybara.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds nothing
+    RUNNING = "running"  # holds pages (and a state slot) in the pool
+    PAUSED = "paused"  # its KV/state left the pool for host memory or a tier; resumes without re-prefill
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    LOOP = "loop"  # LoopGuard ended a generation that would not leave its loop
+    ABORT = "abort"  # cancelled by the client
+
+
+@dataclass(slots=True, frozen=True)
+class Request:
+    """A generation request. `conversation` groups an agent's turns (affinity, age, pause decisions)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    conversation: str | None = None
+    arrival: float | None = None  # clock time; the engine fills it when None
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """What one engine step produced for one request (token ids may be several when tokens were forced)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    note: str | None = None  # LoopGuard intervention explained for the client
+    stop_string: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
+    num_output_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    seed: int
+    arrival: float
+    tokens: list[int] = field(default_factory=list)
+    num_prompt: int = 0
+    num_computed: int = 0  # tokens whose KV/state are in the pool
+    pages: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)  # hashes of the full pages registered so far
+    state_slot: int | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_cached_prompt: int = 0  # prompt tokens reused from the prefix cache at admission
+    num_computed_prompt: int = 0  # prompt tokens actually run through the model (ever, incl. after resume)
+    output_counts: dict[int, int] = field(default_factory=dict)
+    num_output: int = 0
+    first_token_time: float | None = None
+    last_active: float = 0.0
+    detok: Any = None
+    loopguard: Any = None
+    extra_penalty: float = 1.0
+    banned: tuple[int, ...] = ()
+    pending_text: str = ""
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    pending_note: str | None = None
+    in_thinking: bool = False
+    paused_bundle: Any = None
+    num_pauses: int = 0
+    num_resumes: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token awaits computation (prompt, or tokens forced by the LoopGuard)."""
+        return self.num_uncomputed > 1 or self.num_output == 0
+
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    def prompt_array(self) -> np.ndarray:
+        return np.asarray(self.tokens[:self.num_prompt], dtype=np.int64)

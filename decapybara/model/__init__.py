@@ -1,0 +1,1 @@
+"""Model configs, weights, the backend-agnostic forward pass and weight codecs."""

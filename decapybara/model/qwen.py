@@ -1,0 +1,176 @@
+"""The forward pass of the four Qwen families over a backend's ops (numpy reference or CUDA).
+
+`QwenModel.forward(batch, kv, states)` runs one flattened batch of sequence chunks through every layer,
+writing new KV into the paged cache and advancing DeltaNet state, and returns logits for `batch.logits_rows`.
+The math follows the HF reference (modeling_qwen3*.py) so that fp32 logits agree to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment, HybridState, KVCache, StatePool
+from decapybara.errors import WeightError
+from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import FULL_ATTENTION, ModelConfig
+from decapybara.model.rope import RotaryTable
+from decapybara.model.weights import expected_tensors
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """Logits [R, vocab] for the requested rows, final-norm hidden states of those rows (for MTP drafting),
+    and hybrid-state snapshots keyed by (sequence index in the batch, absolute token count)."""
+
+    logits: Any
+    hidden: Any
+    snapshots: dict[tuple[int, int], HybridState] = field(default_factory=dict)
+
+
+class QwenModel:
+    """Weights on a backend + the forward pass. Construct with `from_tensors` or `decapybara.model.load`."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, weights: dict[str, Any]):
+        self.cfg, self.backend, self.w = cfg, backend, weights
+        self.rotary = RotaryTable.for_config(cfg)
+        self.scale = cfg.head_dim ** -0.5
+        self.linear_index = {layer: j for j, layer in enumerate(cfg.linear_layers)}
+        self.dn_params: dict[int, DeltaNetParams] = {}
+        for i in cfg.linear_layers:
+            p = f"model.layers.{i}.linear_attn"
+            self.dn_params[i] = DeltaNetParams(
+                conv_weight=weights[f"{p}.conv1d.weight"].reshape(cfg.linear_conv_dim, cfg.linear_conv_kernel_dim),
+                neg_A=-backend.xp.exp(weights[f"{p}.A_log"]),
+                dt_bias=weights[f"{p}.dt_bias"],
+            )
+
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, backend: Backend, tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
+                     include_mtp: bool = True) -> QwenModel:
+        """Check names/shapes against `expected_tensors` (WeightError naming the tensor) and upload."""
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        expected = expected_tensors(cfg, include_mtp=include_mtp)
+        weights: dict[str, Any] = {}
+        for name, value in items:
+            if name not in expected:
+                if name.startswith("mtp.") and not include_mtp:
+                    continue
+                raise WeightError(f"unexpected tensor {name!r}")
+            shape = tuple(getattr(value, "logical_shape", None) or value.shape)
+            if shape != expected[name]:
+                raise WeightError(f"tensor {name!r} has shape {shape}, expected {expected[name]}")
+            weights[name] = backend.prepare_weight(name, value)
+        missing = [n for n in expected if n not in weights]
+        if missing:
+            raise WeightError(f"missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+        if cfg.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        return cls(cfg, backend, weights)
+
+    # ---- allocation helpers ----------------------------------------------------------------------------
+    def new_kv_cache(self, num_pages: int, page_size: int, kv_mode: Any = None) -> KVCache:
+        return self.backend.new_kv_cache(self.cfg, num_pages, page_size, kv_mode)
+
+    def new_state_pool(self, num_slots: int) -> StatePool:
+        return self.backend.new_state_pool(self.cfg, num_slots)
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None) -> ForwardOutput:
+        cfg, ops = self.cfg, self.backend
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = ops.from_host(cos), ops.from_host(sin)
+        segments = self._segments(batch) if cfg.linear_layers else []
+        raw_snaps: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        h = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)  # [T, H]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            x = ops.rms_norm(h, self.w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            if cfg.layer_types[i] == FULL_ATTENTION:
+                x = self._attention(p, i, x, batch, kv, cos, sin)
+            else:
+                x = self._deltanet(p, i, x, states, segments, raw_snaps)
+            h = h + x
+            x = ops.rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            h = h + self._ffn(p, i, x)
+        rows = batch.logits_rows
+        last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
+        hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        logits = ops.linear(hidden, self.w["lm_head.weight"]) if len(rows) else hidden[:0, :0]
+        snapshots = {key: HybridState([layers[i][0] for i in cfg.linear_layers],
+                                      [layers[i][1] for i in cfg.linear_layers])
+                     for key, layers in raw_snaps.items()}
+        return ForwardOutput(logits, last, snapshots)
+
+    def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
+        """Split each sequence's rows at its snapshot points (state must be copied out there)."""
+        segs: list[DeltaNetSegment] = []
+        for si, s in enumerate(batch.seqs):
+            if s.state_slot is None:
+                raise ValueError("a hybrid model needs a state slot for every sequence")
+            cut = s.context
+            for p in sorted(set(s.snapshot_at)):
+                if not s.context < p <= s.total:
+                    raise ValueError(f"snapshot point {p} outside ({s.context}, {s.total}]")
+                segs.append(DeltaNetSegment(s.start + cut - s.context, p - cut, s.state_slot, (si, p)))
+                cut = p
+            if cut < s.total:
+                segs.append(DeltaNetSegment(s.start + cut - s.context, s.total - cut, s.state_slot, None))
+        return segs
+
+    def _attention(self, p: str, layer: Any, x: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any) -> Any:
+        cfg, ops, w = self.cfg, self.backend, self.w
+        t, d = x.shape[0], cfg.head_dim
+        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        a = f"{p}.self_attn"
+        q = ops.linear(x, w[f"{a}.q_proj.weight"], w.get(f"{a}.q_proj.bias"))
+        if cfg.attn_output_gate:
+            qg = q.reshape(t, nq, 2 * d)  # per head: [query | gate]
+            q, gate = qg[..., :d], qg[..., d:].reshape(t, nq * d)
+        else:
+            q, gate = q.reshape(t, nq, d), None
+        k = ops.linear(x, w[f"{a}.k_proj.weight"], w.get(f"{a}.k_proj.bias")).reshape(t, nkv, d)
+        v = ops.linear(x, w[f"{a}.v_proj.weight"], w.get(f"{a}.v_proj.bias")).reshape(t, nkv, d)
+        q = ops.rms_norm(q, w[f"{a}.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = ops.rms_norm(k, w[f"{a}.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        q = ops.rope(q, cos, sin, cfg.rotary_dim)
+        k = ops.rope(k, cos, sin, cfg.rotary_dim)
+        o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale).reshape(t, nq * d)
+        if gate is not None:
+            o = o * ops.sigmoid(gate)
+        return ops.linear(o, w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
+
+    def _deltanet(self, p: str, layer: int, x: Any, states: StatePool | None, segments: list[DeltaNetSegment],
+                  raw_snaps: dict) -> Any:
+        cfg, ops, w = self.cfg, self.backend, self.w
+        if states is None:
+            raise ValueError("a hybrid model needs a state pool")
+        la = f"{p}.linear_attn"
+        t = x.shape[0]
+        mixed = ops.linear(x, w[f"{la}.in_proj_qkv.weight"])  # [T, conv_dim]
+        z = ops.linear(x, w[f"{la}.in_proj_z.weight"]).reshape(t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        b = ops.linear(x, w[f"{la}.in_proj_b.weight"])  # [T, Hv]
+        a = ops.linear(x, w[f"{la}.in_proj_a.weight"])  # [T, Hv]
+        core = ops.deltanet_core(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps)
+        core = ops.gated_rms_norm(core, z, w[f"{la}.norm.weight"], cfg.rms_norm_eps)  # [T, Hv, dv]
+        return ops.linear(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
+
+    def _ffn(self, p: str, layer: int, x: Any) -> Any:
+        cfg, ops, w = self.cfg, self.backend, self.w
+        m = f"{p}.mlp"
+        if not cfg.layer_is_moe(layer):
+            return self._mlp(m, x)
+        y = ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
+                    w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if cfg.shared_expert_intermediate_size:
+            shared = self._mlp(f"{m}.shared_expert", x)
+            y = y + ops.sigmoid(ops.linear(x, w[f"{m}.shared_expert_gate.weight"])) * shared
+        return y
+
+    def _mlp(self, m: str, x: Any) -> Any:
+        ops, w = self.backend, self.w
+        h = ops.silu_mul(ops.linear(x, w[f"{m}.gate_proj.weight"]), ops.linear(x, w[f"{m}.up_proj.weight"]))
+        return ops.linear(h, w[f"{m}.down_proj.weight"])

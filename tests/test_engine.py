@@ -1,0 +1,181 @@
+"""The engine: batch invariance, chunked prefill, prefix reuse (dense + hybrid), pause/resume, abort, bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from decapybara.config import EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.planner import plan_step
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import FinishReason, Request
+from decapybara.errors import ContextOverflowError, InvalidRequestError
+from decapybara.testing import tiny_qwen
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@functools.cache
+def model(family: str):
+    return tiny_qwen(family)[0]
+
+
+def engine(family: str, **kw) -> Engine:
+    base = {"page_size": 8, "num_pages": 256, "max_batch_tokens": 48, "loop_guard": "off"}
+    base.update(kw)
+    return Engine(model(family), EngineConfig(**base))
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 70) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, int(k)).tolist() for k in rng.integers(lo, hi, n)]
+
+
+def run(e: Engine, request: Request) -> tuple[list[int], object]:
+    e.add_request(request)
+    out, last = [], None
+    while e.has_work():
+        for ev in e.step():
+            if ev.request_id == request.request_id:
+                out += ev.token_ids
+                last = ev
+    return out, last
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("policy", ["balanced", "decode-priority", "prefill-priority"])
+def test_twelve_requests_together_equal_each_alone(family, policy):
+    ps = prompts(12, seed=1)
+    alone = [engine(family).generate([p], GREEDY)[0] for p in ps]
+    e = engine(family, prefill_policy=policy, max_batch_tokens=40)
+    together = e.generate(ps, GREEDY)
+    assert together == alone
+    assert e.stats.steps < sum(len(p) for p in ps)  # really batched and chunked
+    assert e.blocks.num_used == 0
+
+
+def test_plan_respects_budget_and_policy():
+    e = engine("qwen3", max_batch_tokens=32, prefill_policy="balanced", balanced_prefill_share=0.5)
+    for p in prompts(4, seed=2, lo=40, hi=60):
+        e.add_request(Request(tuple(p), GREEDY))
+    e.step()  # admits all four, prefills the first chunk(s)
+    while all(s.in_prefill for s in e.running):
+        e.step()
+    plan = plan_step(e.running, e.cfg, hybrid=False)
+    decodes = [c for c in plan.chunks if not c.seq.in_prefill]
+    prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.seq.in_prefill)
+    assert decodes and plan.num_tokens <= 32
+    assert prefill_tokens <= 16  # balanced: prefill takes at most half the budget while others decode
+    pp = plan_step(e.running, e.cfg.replace(prefill_policy="prefill-priority"), hybrid=False)
+    assert sum(c.num_tokens for c in pp.chunks if c.seq.in_prefill) > prefill_tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_second_turn_computes_only_new_tokens(family):
+    e = engine(family)
+    first = prompts(1, seed=3, lo=37, hi=38)[0]
+    answer, _ = run(e, Request(tuple(first), GREEDY))
+    new_message = prompts(1, seed=4, lo=9, hi=10)[0]
+    turn2 = first + answer + new_message
+    out, last = run(e, Request(tuple(turn2), GREEDY))
+    # Everything but the new message and the last answer token (sampled, never fed back) is reused.
+    assert last.num_cached_tokens == len(first) + len(answer) - 1
+    assert e.stats.computed_prompt_tokens == len(first) + len(new_message) + 1
+    ref = engine(family, enable_prefix_cache=False).generate([turn2], GREEDY)[0]
+    assert out == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_shared_system_prompt_is_stored_once(family):
+    e = engine(family, page_size=8)
+    system = prompts(1, seed=5, lo=16, hi=17)[0]  # exactly two pages
+    a = system + prompts(1, seed=6, lo=11, hi=12)[0]
+    b = system + prompts(1, seed=7, lo=13, hi=14)[0]
+    outs: dict[str, list[int]] = {}
+
+    def step():
+        for ev in e.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+    e.add_request(Request(tuple(a), SamplingParams(temperature=0, max_tokens=40), "agent-a"))
+    while e.running == [] or e.seqs["agent-a"].in_prefill:
+        step()
+    e.add_request(Request(tuple(b), SamplingParams(temperature=0, max_tokens=40), "agent-b"))
+    step()
+    sa, sb = e.seqs["agent-a"], e.seqs["agent-b"]
+    assert sa.pages[:2] == sb.pages[:2]  # the two system-prompt pages are shared ...
+    assert all(e.blocks.ref[p] == 2 for p in sa.pages[:2])  # ... referenced by both
+    assert set(sa.pages[2:]).isdisjoint(sb.pages[2:])
+    assert sb.num_cached_prompt == 16
+    while e.has_work():
+        step()
+    params = SamplingParams(temperature=0, max_tokens=40)
+    assert outs["agent-b"] == engine(family, enable_prefix_cache=False).generate([b], params)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_pool_pressure_pauses_and_resumes_without_recompute(family):
+    ps = prompts(6, seed=8, lo=20, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = engine(family).generate(ps, params)
+    e = engine(family, num_pages=22, enable_prefix_cache=False)  # far too small for all six at once
+    got = e.generate(ps, params)
+    assert got == ref
+    assert e.stats.pauses > 0 and e.stats.resumes == e.stats.pauses
+    assert e.stats.computed_prompt_tokens == sum(len(p) for p in ps)  # nothing prefilled twice
+
+
+def test_abort_frees_every_page():
+    e = engine("qwen3_5_text")
+    free0 = len(e.blocks.free)
+    reqs = [Request(tuple(p), GREEDY) for p in prompts(5, seed=9)]
+    for r in reqs:
+        e.add_request(r)
+    for _ in range(4):
+        e.step()
+    for r in reqs:
+        ev = e.abort(r.request_id)
+        assert ev is not None and ev.finish_reason == FinishReason.ABORT
+    assert not e.has_work()
+    e.blocks.evict_all_cached()
+    assert len(e.blocks.free) == free0 and e.blocks.num_used == 0
+    assert sorted(e.free_slots) == list(range(e.cfg.max_slots))
+
+
+def test_seeded_sampling_independent_of_batch():
+    ps = prompts(6, seed=10)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=16) for i in range(6)]
+    alone = [engine("qwen3").generate([p], [sp])[0] for p, sp in zip(ps, params)]
+    assert engine("qwen3").generate(ps, params) == alone
+
+
+def test_bad_input_is_refused_before_any_work():
+    e = engine("qwen3", num_pages=8)  # 64 tokens of KV
+    with pytest.raises(ContextOverflowError):
+        e.add_request(Request((7,) * 1024, GREEDY))  # longer than the model's context
+    with pytest.raises(ContextOverflowError):
+        e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=100)))  # can never fit the pool
+    with pytest.raises(InvalidRequestError):
+        e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=0)))
+    with pytest.raises(InvalidRequestError):
+        e.add_request(Request((1, 2, 3), SamplingParams(top_p=1.5)))
+    with pytest.raises(InvalidRequestError):
+        e.add_request(Request((1, 2, 3), SamplingParams(temperature=-1)))
+    with pytest.raises(InvalidRequestError):
+        e.add_request(Request((), GREEDY))
+    with pytest.raises(InvalidRequestError):
+        e.add_request(Request((1, 99999), GREEDY))
+    assert not e.has_work() and e.stats.steps == 0
+
+
+def test_max_tokens_and_stop_token_finish():
+    e = engine("qwen3")
+    p = prompts(1, seed=11)[0]
+    out = e.generate([p], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert len(out) == 5
+    stop_at = out[2]
+    out2, last = run(e, Request(tuple(p), SamplingParams(temperature=0, max_tokens=5, stop_token_ids=(stop_at,))))
+    assert out2 == out[:out.index(stop_at) + 1] and last.finish_reason == FinishReason.STOP

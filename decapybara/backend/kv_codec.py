@@ -43,11 +43,15 @@ class KVCodec:
         raise NotImplementedError
 
 
+@dataclass(slots=True)
 class F32Codec(KVCodec):
+    """Full precision pages (float32; float64 for the exactness reference)."""
+
+    dtype: Any = np.float32
     name = "32/32"
 
     def parts(self, head_dim: int, kv: str) -> dict[str, tuple[tuple[int, ...], Any]]:
-        return {"x": ((head_dim,), np.float32)}
+        return {"x": ((head_dim,), self.dtype)}
 
     def encode(self, x: np.ndarray, kv: str) -> dict[str, np.ndarray]:
         return {"x": x}
@@ -99,13 +103,13 @@ class MicroscaledCodec(KVCodec):
         return quant.dequantize_kv(parts, self._bits(kv), head_dim)
 
 
-def codec_for(kv_mode: Any) -> KVCodec:
-    """The codec for a KV mode: None or "32/32" -> float32, "16/16" -> bf16, "K/V" -> microscaled."""
+def codec_for(kv_mode: Any, full_dtype: Any = np.float32) -> KVCodec:
+    """The codec for a KV mode: None or "32/32" -> full precision, "16/16" -> bf16, "K/V" -> microscaled."""
     if kv_mode is None:
-        return F32Codec()
+        return F32Codec(full_dtype)
     text = kv_mode if isinstance(kv_mode, str) else getattr(kv_mode, "name", str(kv_mode))
     if text == "32/32":
-        return F32Codec()
+        return F32Codec(full_dtype)
     if text == "16/16":
         return BF16Codec()
     try:

@@ -81,13 +81,13 @@ class NumpyKVCache(KVCache):
 
 
 class NumpyStatePool(StatePool):
-    def __init__(self, cfg: ModelConfig, num_slots: int):
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: Any = F32):
         self.num_slots = num_slots
         self.layers = list(cfg.linear_layers)
         c, k = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.conv = {i: np.zeros((num_slots, c, k - 1), F32) for i in self.layers}
-        self.rec = {i: np.zeros((num_slots, hv, dk, dv), F32) for i in self.layers}
+        self.conv = {i: np.zeros((num_slots, c, k - 1), dtype) for i in self.layers}
+        self.rec = {i: np.zeros((num_slots, hv, dk, dv), dtype) for i in self.layers}
 
     def reset(self, slot: int) -> None:
         for i in self.layers:
@@ -118,35 +118,41 @@ def gated_delta_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray
     Within a chunk the recurrence is solved in closed form (UT transform), as in the Gated DeltaNet paper.
     """
     h, n, _ = q.shape
-    out = np.empty((h, n, v.shape[2]), F32)
+    out = np.empty((h, n, v.shape[2]), q.dtype)
+    # NOTE: float64 inside the chunk: the UT system (I + strict lower part) can be ill-conditioned, and the
+    # reference must not depend on how a prompt was split into chunks. The state is stored in float32.
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        qc, kc, vc, gc, bc = q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e]
+        qc, kc, vc = (x[:, s:e].astype(np.float64) for x in (q, k, v))
+        gc, bc = g[:, s:e].astype(np.float64), beta[:, s:e].astype(np.float64)
+        st = state.astype(np.float64)
         c = e - s
         if c == 1:  # plain recurrent step (decode)
-            state *= np.exp(gc[:, 0])[:, None, None]
-            kv_mem = np.einsum("hkv,hk->hv", state, kc[:, 0])
+            st *= np.exp(gc[:, 0])[:, None, None]
+            kv_mem = np.einsum("hkv,hk->hv", st, kc[:, 0])
             delta = (vc[:, 0] - kv_mem) * bc[:, 0, None]
-            state += kc[:, 0, :, None] * delta[:, None, :]
-            out[:, s] = np.einsum("hkv,hk->hv", state, qc[:, 0])
+            st += kc[:, 0, :, None] * delta[:, None, :]
+            out[:, s] = np.einsum("hkv,hk->hv", st, qc[:, 0])
+            state[...] = st
             continue
         cum = np.cumsum(gc, axis=1)  # [H, C]
         lower = np.tril(np.ones((c, c), bool))
         diff = cum[:, :, None] - cum[:, None, :]
-        decay = np.where(lower, np.exp(np.where(lower, diff, 0.0)), 0.0).astype(F32)  # [H, C, C]
+        decay = np.where(lower, np.exp(np.where(lower, diff, 0.0)), 0.0)  # [H, C, C]
         k_beta = kc * bc[..., None]
         v_beta = vc * bc[..., None]
         strict = (k_beta @ kc.transpose(0, 2, 1)) * decay * ~np.eye(c, dtype=bool)
-        t_mat = np.eye(c, dtype=F32)[None] + strict  # unit lower triangular
+        t_mat = np.eye(c)[None] + strict  # unit lower triangular
         rhs = np.concatenate([v_beta, k_beta * np.exp(cum)[..., None]], axis=2)
-        sol = np.linalg.solve(t_mat, rhs).astype(F32)
+        sol = np.linalg.solve(t_mat, rhs)
         new_v, k_cum = sol[..., :v.shape[2]], sol[..., v.shape[2]:]
         intra = (qc @ kc.transpose(0, 2, 1)) * decay
-        v_new = new_v - k_cum @ state
-        out[:, s:e] = (qc * np.exp(cum)[..., None]) @ state + intra @ v_new
+        v_new = new_v - k_cum @ st
+        out[:, s:e] = (qc * np.exp(cum)[..., None]) @ st + intra @ v_new
         k_dec = kc * np.exp(cum[:, -1:] - cum)[..., None]
-        state *= np.exp(cum[:, -1])[:, None, None]
-        state += k_dec.transpose(0, 2, 1) @ v_new
+        st *= np.exp(cum[:, -1])[:, None, None]
+        st += k_dec.transpose(0, 2, 1) @ v_new
+        state[...] = st
     return out
 
 
@@ -154,8 +160,9 @@ class NumpyBackend(Backend):
     name = "numpy"
     xp = np
 
-    def __init__(self, max_threads: int | None = None):
-        self.max_threads = max_threads
+    def __init__(self, dtype: Any = np.float32):
+        """`dtype` float32 is the reference; float64 proves algorithms exact (e.g. chunking invariance)."""
+        self.dtype = np.dtype(dtype)
 
     def from_host(self, a: np.ndarray, dtype: Any = None) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=dtype or a.dtype)
@@ -166,13 +173,13 @@ class NumpyBackend(Backend):
     def prepare_weight(self, name: str, value: Any) -> np.ndarray:
         if hasattr(value, "dequantize"):
             value = value.dequantize()
-        return np.ascontiguousarray(value, dtype=F32)
+        return np.ascontiguousarray(value, dtype=self.dtype)
 
     def new_kv_cache(self, cfg: ModelConfig, num_pages: int, page_size: int, kv_mode: Any = None) -> NumpyKVCache:
-        return NumpyKVCache(cfg, num_pages, page_size, codec_for(kv_mode))
+        return NumpyKVCache(cfg, num_pages, page_size, codec_for(kv_mode, self.dtype))
 
     def new_state_pool(self, cfg: ModelConfig, num_slots: int) -> NumpyStatePool:
-        return NumpyStatePool(cfg, num_slots)
+        return NumpyStatePool(cfg, num_slots, max(self.dtype, np.dtype(F32)))
 
     # ---- ops ----------------------------------------------------------------------------------------
     def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -180,7 +187,7 @@ class NumpyBackend(Backend):
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float, offset: float) -> np.ndarray:
         var = np.mean(x * x, axis=-1, keepdims=True)
-        return (x / np.sqrt(var + F32(eps))) * (F32(offset) + weight)
+        return (x / np.sqrt(var + eps)) * (x.dtype.type(offset) + weight)
 
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: Any = None) -> np.ndarray:
         y = x @ weight.T
@@ -211,7 +218,7 @@ class NumpyBackend(Backend):
         for s in batch.seqs:
             keys, vals = kv.gather(layer, s.block_table, s.total)  # [S, nkv, d]
             qs = q[s.start:s.end].reshape(s.length, nkv, g, d)  # [L, nkv, g, d]
-            scores = np.einsum("lhgd,shd->hgls", qs, keys) * F32(scale)  # [nkv, g, L, S]
+            scores = np.einsum("lhgd,shd->hgls", qs, keys) * q.dtype.type(scale)  # [nkv, g, L, S]
             allowed = np.arange(s.total)[None, :] <= (s.context + np.arange(s.length))[:, None]  # [L, S]
             scores = np.where(allowed, scores, -np.inf)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -228,14 +235,14 @@ class NumpyBackend(Backend):
         ksz = cfg.linear_conv_kernel_dim
         w = params.conv_weight  # [C, K]
         beta_all = _sigmoid(b)  # [T, Hv]
-        g_all = params.neg_A * np.logaddexp(F32(0), a + params.dt_bias)  # [T, Hv]
-        out = np.empty((mixed_qkv.shape[0], hv, vd), F32)
+        g_all = params.neg_A * np.logaddexp(a.dtype.type(0), a + params.dt_bias)  # [T, Hv]
+        out = np.empty((mixed_qkv.shape[0], hv, vd), a.dtype)
         conv_pool, rec_pool = states.conv[layer], states.rec[layer]
         for seg in segments:
             r0, r1 = seg.start, seg.start + seg.length
             x = np.concatenate([conv_pool[seg.slot].T, mixed_qkv[r0:r1]], axis=0)  # [K-1+L, C]
             conv_pool[seg.slot] = x[-(ksz - 1):].T
-            y = np.zeros((seg.length, x.shape[1]), F32)
+            y = np.zeros((seg.length, x.shape[1]), x.dtype)
             for j in range(ksz):
                 y += x[j:j + seg.length] * w[:, j]
             y = _silu(y)
@@ -245,9 +252,10 @@ class NumpyBackend(Backend):
             rep = hv // hk
             if rep > 1:
                 q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
-            q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + F32(1e-6))
-            k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + F32(1e-6))
-            q = q * F32(kd ** -0.5)
+            eps = y.dtype.type(1e-6)
+            q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + eps)
+            k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + eps)
+            q = q * y.dtype.type(kd ** -0.5)
             o = gated_delta_chunk(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
                                   g_all[r0:r1].T, beta_all[r0:r1].T, rec_pool[seg.slot])
             out[r0:r1] = o.transpose(1, 0, 2)
@@ -258,7 +266,7 @@ class NumpyBackend(Backend):
 
     def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         var = np.mean(x * x, axis=-1, keepdims=True)
-        return (x / np.sqrt(var + F32(eps))) * weight * _silu(z)
+        return (x / np.sqrt(var + x.dtype.type(eps))) * weight * _silu(z)
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
             top_k: int, normalize: bool) -> np.ndarray:

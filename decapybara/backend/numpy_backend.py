@@ -129,10 +129,10 @@ def gated_delta_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray
         c = e - s
         if c == 1:  # plain recurrent step (decode)
             st *= np.exp(gc[:, 0])[:, None, None]
-            kv_mem = np.einsum("hkv,hk->hv", st, kc[:, 0])
+            kv_mem = np.sum(st * kc[:, 0, :, None], axis=-2)  # same arithmetic as the batched decode path
             delta = (vc[:, 0] - kv_mem) * bc[:, 0, None]
             st += kc[:, 0, :, None] * delta[:, None, :]
-            out[:, s] = np.einsum("hkv,hk->hv", st, qc[:, 0])
+            out[:, s] = np.sum(st * qc[:, 0, :, None], axis=-2)
             state[...] = st
             continue
         cum = np.cumsum(gc, axis=1)  # [H, C]
@@ -238,24 +238,58 @@ class NumpyBackend(Backend):
         g_all = params.neg_A * np.logaddexp(a.dtype.type(0), a + params.dt_bias)  # [T, Hv]
         out = np.empty((mixed_qkv.shape[0], hv, vd), a.dtype)
         conv_pool, rec_pool = states.conv[layer], states.rec[layer]
+        rep = hv // hk
+
+        def qkv(y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Split conv output [n, C] into L2-normed, scaled q, k [n, Hv, dk] and v [n, Hv, dv]."""
+            q = y[:, :kdim].reshape(n, hk, kd)
+            k = y[:, kdim:2 * kdim].reshape(n, hk, kd)
+            v = y[:, 2 * kdim:].reshape(n, hv, vd)
+            if rep > 1:
+                q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+            eps = y.dtype.type(1e-6)
+            q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + eps)
+            k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + eps)
+            return q * y.dtype.type(kd ** -0.5), k, v
+
+        # NOTE: a sequence whose only segment is one token (decode) goes through one vectorised path, also
+        # when it decodes alone, so a token's arithmetic never depends on what else is in the batch. Sequences
+        # with several segments (a chunk split at snapshot points) run in order in the loop below.
+        per_slot: dict[int, int] = {}
         for seg in segments:
+            per_slot[seg.slot] = per_slot.get(seg.slot, 0) + 1
+        single = [seg for seg in segments if seg.length == 1 and per_slot[seg.slot] == 1]
+        done = {id(seg) for seg in single}
+        if single:
+            rows = np.asarray([seg.start for seg in single])
+            slots = np.asarray([seg.slot for seg in single])
+            x = np.concatenate([conv_pool[slots].transpose(0, 2, 1), mixed_qkv[rows][:, None, :]], axis=1)
+            conv_pool[slots] = x[:, 1:].transpose(0, 2, 1)  # x: [B, K, C]
+            y = np.zeros((len(single), x.shape[2]), x.dtype)
+            for j in range(ksz):
+                y += x[:, j] * w[:, j]
+            q, k, v = qkv(_silu(y), len(single))  # [B, Hv, d]
+            st = rec_pool[slots].astype(np.float64)  # [B, Hv, dk, dv]
+            st *= np.exp(g_all[rows].astype(np.float64))[..., None, None]
+            kv_mem = np.sum(st * k[..., :, None], axis=-2)  # [B, Hv, dv]
+            delta = (v - kv_mem) * beta_all[rows].astype(np.float64)[..., None]
+            st += k.astype(np.float64)[..., :, None] * delta[..., None, :]
+            out[rows] = np.sum(st * q.astype(np.float64)[..., :, None], axis=-2)
+            rec_pool[slots] = st
+            for seg in single:
+                if seg.snapshot_key is not None:
+                    snapshots.setdefault(seg.snapshot_key, {})[layer] = (conv_pool[seg.slot].copy(),
+                                                                         rec_pool[seg.slot].copy())
+        for seg in segments:
+            if id(seg) in done:
+                continue
             r0, r1 = seg.start, seg.start + seg.length
             x = np.concatenate([conv_pool[seg.slot].T, mixed_qkv[r0:r1]], axis=0)  # [K-1+L, C]
             conv_pool[seg.slot] = x[-(ksz - 1):].T
             y = np.zeros((seg.length, x.shape[1]), x.dtype)
             for j in range(ksz):
                 y += x[j:j + seg.length] * w[:, j]
-            y = _silu(y)
-            q = y[:, :kdim].reshape(seg.length, hk, kd)
-            k = y[:, kdim:2 * kdim].reshape(seg.length, hk, kd)
-            v = y[:, 2 * kdim:].reshape(seg.length, hv, vd)
-            rep = hv // hk
-            if rep > 1:
-                q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
-            eps = y.dtype.type(1e-6)
-            q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + eps)
-            k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + eps)
-            q = q * y.dtype.type(kd ** -0.5)
+            q, k, v = qkv(_silu(y), seg.length)
             o = gated_delta_chunk(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
                                   g_all[r0:r1].T, beta_all[r0:r1].T, rec_pool[seg.slot])
             out[r0:r1] = o.transpose(1, 0, 2)

@@ -1,0 +1,297 @@
+"""The disk tier's store: encoded units as files under any fsspec URL, within a byte budget.
+
+One file per unit, `<root>/<key with '/' as '+'>.dkv`. Writes are atomic: with `commit="rename"` (local
+disks) a unit is written to a hidden temp name and renamed; with `commit="marker"` (filesystems without an
+atomic rename: object stores, `memory://`) the data is written under its name and a unit counts only once an
+empty `<name>.dkv.ok` marker exists (removed first when a unit is replaced or deleted). On start the index is
+rebuilt from the listing (recency from modification times), and leftovers of interrupted writes are deleted.
+
+`get` checks every byte (see `decapybara.kv.units`): a damaged, truncated or misfiled unit is deleted,
+counted in `stats["corrupt"]` and reported as a miss, so the caller recomputes instead of using wrong data.
+Thread-safety: one writer and any number of readers (file I/O runs under one lock, checksums outside it).
+NOTE: no fsync: a power cut may leave a torn file, which the checksums catch (a miss, not wrong data).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import secrets
+import threading
+from collections import Counter
+from typing import Any
+
+import fsspec
+
+from decapybara.kv.policy import BudgetedIndex, Dropped
+from decapybara.kv.units import Unit, UnitCorrupt, byte_view, decode_unit, is_valid_key, read_header
+
+log = logging.getLogger(__name__)
+
+SUFFIX, MARKER_SUFFIX, TEMP_SUFFIX = ".dkv", ".dkv.ok", ".tmp"
+
+
+def default_cache_url() -> str:
+    """`$XDG_CACHE_HOME/decapybara/kv`, else `~/.cache/decapybara/kv`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "decapybara", "kv")
+
+
+def _stamp(info: dict[str, Any]) -> float:
+    """A file's modification (or creation) time from an fsspec listing entry; 0 when unknown."""
+    for k in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        v = info.get(k)
+        if isinstance(v, int | float):
+            return float(v)
+        if isinstance(v, datetime.datetime):
+            return v.timestamp()
+    return 0.0
+
+
+class DiskTierStore:
+    """Units on an fsspec filesystem (the `DISK_CACHE` budget). See the module docstring for the contract."""
+
+    def __init__(self, url: str | None = None, budget_bytes: int = 64 << 30, commit: str | None = None,
+                 **storage_options: Any) -> None:
+        self.url = url or default_cache_url()
+        self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
+        self.root = root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.commit = commit or ("rename" if "file" in protocols else "marker")
+        if self.commit not in ("rename", "marker"):
+            raise ValueError(f"commit must be 'rename' or 'marker', got {commit!r}")
+        self.fs.makedirs(self.root, exist_ok=True)
+        self.stats: Counter[str] = Counter()  # puts, hits, misses, corrupt, missing, evicted, rejected, ...
+        self._index = BudgetedIndex(budget_bytes)
+        self._gen: dict[str, int] = {}  # key -> write generation (a corrupt read deletes only what it read)
+        self._counter = itertools.count(1)
+        self._lock = threading.RLock()
+        self._scan()
+
+    # ---- paths -------------------------------------------------------------------------------------------
+    def path_of(self, key: str) -> str:
+        """The file (on `self.fs`) that holds `key`'s unit."""
+        return self._path(key)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key.replace('/', '+')}{SUFFIX}"
+
+    def _marker(self, key: str) -> str:
+        return f"{self.root}/{key.replace('/', '+')}{MARKER_SUFFIX}"
+
+    def _temp(self, key: str) -> str:
+        return f"{self.root}/.{key.replace('/', '+')}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
+
+    def _rm(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # NOTE: a file we cannot delete is found again (and retried) on the next start
+            log.warning("KV disk tier: cannot delete %s: %s", path, e)
+
+    def _delete_files(self, key: str) -> None:
+        if self.commit == "marker":
+            self._rm(self._marker(key))  # invisible first
+        self._rm(self._path(key))
+
+    # ---- start -------------------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Rebuild the index from the listing; delete leftovers of interrupted writes."""
+        try:
+            infos = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            infos = []
+        data: dict[str, tuple[int, float]] = {}
+        markers: set[str] = set()
+        for info in infos:
+            if info.get("type", "file") != "file":
+                continue
+            path = info["name"].rstrip("/")
+            base = path.rsplit("/", 1)[-1]
+            if base.startswith(".") and base.endswith(TEMP_SUFFIX):
+                self._rm(path)  # an interrupted write (rename mode)
+                self.stats["orphans"] += 1
+            elif base.endswith(MARKER_SUFFIX) and is_valid_key(k := base[:-len(MARKER_SUFFIX)].replace("+", "/")):
+                markers.add(k)
+            elif base.endswith(SUFFIX) and is_valid_key(k := base[:-len(SUFFIX)].replace("+", "/")):
+                data[k] = (int(info.get("size") or 0), _stamp(info))
+            # anything else is not ours: left alone
+        for k in markers - (data.keys() if self.commit == "marker" else set()):
+            self._rm(self._marker(k))
+            self.stats["orphans"] += 1
+        if self.commit == "marker":
+            for k in [k for k in data if k not in markers]:  # written but never committed
+                self._rm(self._path(k))
+                self.stats["orphans"] += 1
+                del data[k]
+        for k, (size, _) in sorted(data.items(), key=lambda kv: (kv[1][1], kv[0])):  # oldest first = LRU
+            self._gen[k] = next(self._counter)
+            self._evict(self._index.admit(k, size, None))
+        self.stats["found"] = len(self._index)
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self._index.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def contains(self, key: str) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return self._index.keys()
+
+    def next_use(self, key: str) -> float | None:
+        return self._index.next_use(key)
+
+    def eviction_order(self) -> list[str]:
+        with self._lock:
+            return self._index.eviction_order()
+
+    # ---- writes ----------------------------------------------------------------------------------------------
+    def _evict(self, dropped: list[Dropped]) -> None:
+        for d in dropped:
+            self._delete_files(d.key)
+            self._gen.pop(d.key, None)
+            self.stats["evicted"] += 1
+            self.stats["evicted_bytes"] += d.nbytes
+
+    def put(self, key: str, data: Any, next_use: float | None = None) -> list[Dropped]:
+        """Store an encoded unit under `key` (replacing any). Returns the units dropped: others evicted to
+        make room, or `[key]` alone when this unit does not fit, is the one needed last, or could not be
+        written (OSError, counted in `stats["write_errors"]`). Raises UnitCorrupt when `data` is not a unit
+        and ValueError when it is another key's unit."""
+        if not is_valid_key(key):
+            raise ValueError(f"bad unit key {key!r}")
+        mv = byte_view(data)
+        header = read_header(mv)
+        if header.key != key:
+            raise ValueError(f"unit {header.key!r} put under key {key!r}")
+        nbytes = len(mv)
+        with self._lock:
+            existed = key in self._index
+            dropped = self._index.admit(key, nbytes, next_use)
+            if any(d.key == key for d in dropped):
+                if existed:
+                    self._delete_files(key)
+                    self._gen.pop(key, None)
+                self.stats["rejected"] += 1
+                return dropped
+            self._evict(dropped)
+            try:
+                self._write(key, mv)
+            except OSError as e:
+                log.warning("KV disk tier: cannot write %s: %s", key, e)
+                self._index.remove(key)
+                self._gen.pop(key, None)
+                self._delete_files(key)  # any older version too: the index no longer counts it
+                self.stats["write_errors"] += 1
+                return dropped + [Dropped(key, nbytes, next_use)]
+            except BaseException:
+                self._index.remove(key)
+                self._gen.pop(key, None)
+                raise
+            self._gen[key] = next(self._counter)
+            self.stats["puts"] += 1
+            self.stats["bytes_written"] += nbytes
+            return dropped
+
+    def _write(self, key: str, mv: memoryview) -> None:
+        path = self._path(key)
+        if self.commit == "rename":
+            tmp = self._temp(key)
+            try:
+                self.fs.pipe_file(tmp, mv)
+                self.fs.mv(tmp, path)
+            except Exception:  # NOTE: not BaseException: a process being killed leaves the temp to _scan
+                self._rm(tmp)
+                raise
+        else:
+            self._rm(self._marker(key))
+            try:
+                self.fs.pipe_file(path, mv)
+                self.fs.pipe_file(self._marker(key), b"")
+            except Exception:
+                self._rm(path)
+                raise
+
+    def delete(self, key: str) -> bool:
+        """Remove a unit; False when absent."""
+        with self._lock:
+            if not self._index.remove(key):
+                return False
+            self._gen.pop(key, None)
+            self._delete_files(key)
+            self.stats["deleted"] += 1
+            return True
+
+    def update_next_use(self, key: str, next_use: float | None) -> bool:
+        with self._lock:
+            return self._index.update_next_use(key, next_use)
+
+    def set_budget(self, budget_bytes: int) -> list[Dropped]:
+        """Resize; units beyond the new budget are deleted (returned)."""
+        with self._lock:
+            dropped = self._index.set_budget(budget_bytes)
+            self._evict(dropped)
+            return dropped
+
+    # ---- reads -----------------------------------------------------------------------------------------------
+    def get(self, key: str) -> Unit | None:
+        """The unit, fully verified (its arrays view the file's bytes), or None: absent, vanished, or corrupt
+        (then deleted and counted). A hit refreshes recency."""
+        with self._lock:
+            if key not in self._index:
+                self.stats["misses"] += 1
+                return None
+            gen = self._gen.get(key)
+            try:
+                raw = self.fs.cat_file(self._path(key))
+            except FileNotFoundError:  # removed behind our back
+                self._index.remove(key)
+                self._gen.pop(key, None)
+                self.stats["missing"] += 1
+                return None
+            except OSError as e:
+                log.warning("KV disk tier: cannot read %s: %s", key, e)
+                self.stats["read_errors"] += 1
+                return None
+            self._index.touch(key)
+        try:
+            unit = decode_unit(raw)
+            if unit.key != key:
+                raise UnitCorrupt("bad_json", f"file of {key!r} holds unit {unit.key!r}")
+        except UnitCorrupt as e:
+            log.warning("KV disk tier: %s is corrupt (%s); deleted", key, e)
+            with self._lock:
+                self.stats["corrupt"] += 1
+                if self._gen.get(key) == gen:  # not replaced meanwhile
+                    self._index.remove(key)
+                    self._gen.pop(key, None)
+                    self._delete_files(key)
+            return None
+        with self._lock:
+            self.stats["hits"] += 1
+            self.stats["bytes_read"] += len(raw)
+        return unit
+
+    def pop(self, key: str) -> Unit | None:
+        """`get` then `delete` (a resumed conversation's bundle is not needed again)."""
+        with self._lock:
+            unit = self.get(key)
+            if unit is not None:
+                self.delete(key)
+            return unit

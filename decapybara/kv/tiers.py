@@ -1,0 +1,129 @@
+"""RAM over disk for encoded units: the in-process form of the two tier actors (and what they delegate to).
+
+A key names immutable content (conversations are keyed by their pause counter, pages by their content hash),
+so the disk may keep a copy of a unit promoted back to RAM, and spilling it again costs no write
+(inclusive tiers). Putting a key again replaces it and drops any older disk copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from decapybara.kv.disk_tier import DiskTierStore
+from decapybara.kv.ram_tier import RamTierStore, Spilled
+from decapybara.kv.units import Unit, UnitCorrupt, byte_view, decode_unit, encode_unit, read_header
+
+
+@dataclass(slots=True)
+class TierStats:
+    puts: int = 0
+    put_bytes: int = 0
+    hits_ram: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    spills: int = 0  # units moved RAM -> disk (or found already there)
+    spilled_bytes: int = 0  # bytes actually written to disk by spills
+    promotions: int = 0  # disk hits copied back to RAM
+    promoted_bytes: int = 0
+    corrupt: int = 0  # units found damaged (RAM or disk) and dropped
+    lost: int = 0  # units that left every tier without being taken (evicted, refused, corrupt)
+
+
+class KVTiers:
+    """`put` to RAM, spill to disk, `get` from RAM else disk (promoting back), `take` to consume."""
+
+    def __init__(self, ram: RamTierStore, disk: DiskTierStore | None = None) -> None:
+        self.ram, self.disk = ram, disk
+        self.stats = TierStats()
+
+    def where(self, key: str) -> str | None:
+        """"ram", "disk" or None."""
+        if key in self.ram:
+            return "ram"
+        if self.disk is not None and key in self.disk:
+            return "disk"
+        return None
+
+    def put(self, unit: Unit | Any, next_use: float | None = None) -> str:
+        """Store a `Unit` (encoded here) or an encoded buffer; returns its key."""
+        buf = encode_unit(unit) if isinstance(unit, Unit) else byte_view(unit)
+        key = read_header(buf).key
+        if self.disk is not None:
+            self.disk.delete(key)  # an older copy must not come back
+        self.stats.puts += 1
+        self.stats.put_bytes += len(buf)
+        self._spill(self.ram.put(key, buf, len(buf), next_use))
+        return key
+
+    def _spill(self, spilled: list[Spilled]) -> None:
+        for s in spilled:
+            if self.disk is None:
+                self.stats.lost += 1
+                continue
+            self.stats.spills += 1
+            if s.key in self.disk:  # promoted earlier: the disk copy is the same bytes
+                self.disk.update_next_use(s.key, s.next_use)
+                continue
+            dropped = self.disk.put(s.key, s.handle, s.next_use)
+            if all(d.key != s.key for d in dropped):
+                self.stats.spilled_bytes += s.nbytes
+            self.stats.lost += sum(1 for d in dropped if d.key not in self.ram)
+
+    def get(self, key: str, promote: bool = True) -> Unit | None:
+        """The verified unit, or None (absent, or corrupt: then dropped and counted). A disk hit is copied
+        back to RAM when `promote` (keeping its next-use prediction)."""
+        handle = self.ram.get(key)
+        if handle is not None:
+            try:
+                unit = decode_unit(handle)
+            except UnitCorrupt:
+                self.ram.pop(key)
+                self.stats.corrupt += 1
+                if self.disk is None or key not in self.disk:
+                    self.stats.lost += 1
+            else:
+                self.stats.hits_ram += 1
+                return unit
+        if self.disk is None or key not in self.disk:
+            self.stats.misses += 1
+            return None
+        corrupt_before = self.disk.stats["corrupt"]
+        next_use = self.disk.next_use(key)
+        unit = self.disk.get(key)
+        if unit is None:
+            self.stats.misses += 1
+            self.stats.corrupt += self.disk.stats["corrupt"] - corrupt_before
+            self.stats.lost += 1
+            return None
+        self.stats.hits_disk += 1
+        if promote:
+            self.stats.promotions += 1
+            self.stats.promoted_bytes += len(unit.buffer)
+            self._spill(self.ram.put(key, unit.buffer, len(unit.buffer), next_use))
+        return unit
+
+    def take(self, key: str) -> Unit | None:
+        """`get` and remove from every tier (a resumed conversation)."""
+        unit = self.get(key, promote=False)
+        self.discard(key)
+        return unit
+
+    def discard(self, key: str) -> None:
+        self.ram.pop(key)
+        if self.disk is not None:
+            self.disk.delete(key)
+
+    def update_next_use(self, key: str, next_use: float | None) -> None:
+        self.ram.update_next_use(key, next_use)
+        if self.disk is not None:
+            self.disk.update_next_use(key, next_use)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self.stats)
+        out.update(ram_units=len(self.ram), ram_used_bytes=self.ram.used_bytes, ram_budget_bytes=self.ram.budget_bytes)
+        if self.disk is not None:
+            out.update(disk_units=len(self.disk), disk_used_bytes=self.disk.used_bytes,
+                       disk_budget_bytes=self.disk.budget_bytes, disk=dict(self.disk.stats))
+        return out

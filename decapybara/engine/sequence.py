@@ -59,6 +59,8 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
     num_output_tokens: int = 0
+    error: str | None = None  # set when the request was refused after submission (e.g. the pool is too small)
+    error_type: str | None = None  # the refusing error's class name (ContextOverflowError, ...)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,169 @@
+"""The FastAPI app: OpenAI and Anthropic routes over an `EngineClient`, plus /health, /stats and /metrics.
+
+Bodies are read and validated here (not by FastAPI's automatic validation) so that every error, including
+malformed JSON and oversized bodies, has its API's shape. Rendering and tokenising run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from decapybara.api import anthropic_api, openai_api, openai_completions
+from decapybara.api import anthropic_schemas as an
+from decapybara.api import openai_schemas as oa
+from decapybara.api.client import EngineClient
+from decapybara.api.errors import ApiError, to_api_error
+from decapybara.api.metrics import CONTENT_TYPE, prometheus_text
+from decapybara.api.streams import budgeted_thinking, engine_events
+from decapybara.api.transport import (
+    ANTHROPIC,
+    OPENAI,
+    EdgeMiddleware,
+    EventStreamResponse,
+    api_of,
+    collect,
+    drive_stream,
+    error_response,
+    guarded,
+    read_body,
+    start_stream,
+)
+from decapybara.engine.sequence import TokenEvent
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+CONVERSATION_HEADER = "x-conversation-id"
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI streams' idle line
+
+
+def create_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ping_interval_s: float = 10.0,
+               first_event_wait_s: float = 1.0) -> FastAPI:
+    """The HTTP app over `client`.
+
+    api_key: when set, every route but /health needs it (401 in each API's shape otherwise).
+    served_model_name: the name /v1/models lists and responses carry (default: client.model_name); requests
+    may name any model. max_body_bytes: larger bodies get 413. ping_interval_s: idle time after which a stream
+    gets an Anthropic `ping` / an OpenAI keep-alive comment. first_event_wait_s: how long a streaming request
+    waits for its first event before sending headers (a refusal within it is a proper 4xx).
+    """
+    served = served_model_name or client.model_name
+    created = int(time.time())
+    counts: Counter[tuple[str, int]] = Counter()
+    app = FastAPI(title="Decapybara", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(EdgeMiddleware, api_key=api_key, counts=counts)
+    app.state.client = client
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HttpRequest, exc: StarletteHTTPException) -> Response:
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return error_response(ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}"),
+                              api_of(request.url.path))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: HttpRequest, exc: RequestValidationError) -> Response:
+        return error_response(ApiError(400, str(exc)), api_of(request.url.path))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: HttpRequest, exc: Exception) -> Response:
+        return error_response(to_api_error(exc), api_of(request.url.path))
+
+    async def parse(request: HttpRequest, model: type[Any]) -> Any:
+        return model.model_validate_json(await read_body(request, max_body_bytes))
+
+    async def run(request: HttpRequest, api: str, events: AsyncIterator[TokenEvent], stream: bool,
+                  streamer: Callable[[], Any], respond: Callable[[Any], Any], idle_line: str) -> Response:
+        """Serve a planned request: an event stream, or the collected response."""
+        if stream:
+            beat, first = await start_stream(events, first_event_wait_s)
+            return EventStreamResponse(drive_stream(streamer(), beat, first, api, ping_interval_s, idle_line))
+        done = await collect(events, request)
+        if done is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(respond(done).dump())
+
+    # ---- service routes ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        async def body() -> Response:
+            return JSONResponse(await client.stats())
+        return await guarded(OPENAI, body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        async def body() -> Response:
+            return PlainTextResponse(prometheus_text(await client.stats(), dict(counts)), media_type=CONTENT_TYPE)
+        return await guarded(OPENAI, body)
+
+    # ---- OpenAI --------------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(openai_completions.model_list(served, client.max_model_len, created).dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != served:
+            return error_response(ApiError(404, f"the model {model_id!r} does not exist", "model",
+                                           "model_not_found"), OPENAI)
+        return JSONResponse(openai_completions.model_list(served, client.max_model_len, created).data[0].dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, oa.ChatCompletionRequest)
+            plan = await run_in_threadpool(openai_api.plan_chat, body, client, served,
+                                           request.headers.get(CONVERSATION_HEADER))
+            return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
+                             lambda: openai_api.ChatStream(plan, client.tokenizer),
+                             lambda done: openai_api.chat_completion(plan, done, client.tokenizer), KEEP_ALIVE)
+        return await guarded(OPENAI, handle)
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, oa.CompletionRequest)
+            plan = await run_in_threadpool(openai_completions.plan_completion, body, client, served,
+                                           request.headers.get(CONVERSATION_HEADER))
+            return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
+                             lambda: openai_completions.CompletionStream(plan, client.tokenizer),
+                             lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)
+        return await guarded(OPENAI, handle)
+
+    # ---- Anthropic -----------------------------------------------------------------------------------------
+    @app.post("/v1/messages")
+    async def messages(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, an.MessagesRequest)
+            plan = await run_in_threadpool(anthropic_api.plan_message, body, client, served,
+                                           request.headers.get(CONVERSATION_HEADER))
+            if plan.thinking_budget is not None:
+                events = budgeted_thinking(client, plan.request, plan.thinking_budget, plan.prompt.opens_reasoning)
+            else:
+                events = engine_events(client, plan.request)
+            return await run(request, ANTHROPIC, events, bool(body.stream),
+                             lambda: anthropic_api.MessageStream(plan),
+                             lambda done: anthropic_api.message(plan, done), anthropic_api.PING)
+        return await guarded(ANTHROPIC, handle)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, an.CountTokensRequest)
+            result = await run_in_threadpool(anthropic_api.count_tokens, body, client.tokenizer)
+            return JSONResponse(result.dump())
+        return await guarded(ANTHROPIC, handle)
+
+    return app

@@ -1,0 +1,212 @@
+"""What both APIs share: the internal chat input, prompt rendering, request checks, ids and event collection.
+
+Pure functions and dataclasses; no FastAPI here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from decapybara.api.errors import ApiError, bad_request
+from decapybara.chat import prompt_opens_reasoning
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import FinishReason, Request, TokenEvent
+from decapybara.errors import ContextOverflowError, InvalidRequestError
+
+_ALNUM = string.ascii_letters + string.digits
+# Template variables a request may not set through chat_template_kwargs (render_chat's own arguments).
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "documents", "template"})
+
+
+def new_id(prefix: str, length: int = 24) -> str:
+    """A random id such as ``call_3fT...`` (letters and digits)."""
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(length))
+
+
+@dataclass(slots=True, frozen=True)
+class ToolChoice:
+    """How the request wants tools used: auto | none | required | named (then `name`)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class ChatInput:
+    """A chat request in the internal form `Tokenizer.render_chat` takes.
+
+    `messages` use roles system/user/assistant/tool, assistant `tool_calls` as ``{"function": {"name",
+    "arguments"}}`` and reasoning as `reasoning_content`; `tools` are OpenAI function tools. `prefill` is text the
+    assistant's reply must start with (an Anthropic trailing assistant message): it ends the prompt.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    enable_thinking: bool = True
+    template_vars: dict[str, Any] = field(default_factory=dict)
+    prefill: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    text: str
+    opens_reasoning: bool  # the model's output starts inside <think> (parse with in_reasoning=True)
+
+
+def tool_instruction(choice: ToolChoice) -> str | None:
+    """The system-prompt sentence that stands in for constrained decoding under tool_choice required/named."""
+    if choice.mode == "required":
+        return ("In this reply you must call at least one of the tools listed above, "
+                "inside <tool_call></tool_call> tags.")
+    if choice.mode == "named":
+        return f"In this reply you must call the tool `{choice.name}`, inside <tool_call></tool_call> tags."
+    return None
+
+
+def _with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0])
+        content = first.get("content")
+        if isinstance(content, list):
+            first["content"] = [*content, {"type": "text", "text": "\n\n" + note}]
+        else:
+            first["content"] = (content + "\n\n" + note) if content else note
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
+def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
+    """Render and tokenise a chat with the generation prompt.
+
+    tool_choice "none" leaves the tools out of the prompt; "required" and named choices add an instruction to
+    the system prompt (`tool_instruction`): the model has no constrained decoding, so a call is asked for, not
+    guaranteed. Raises ApiError / InvalidRequestError on bad input.
+    """
+    reserved = _RESERVED_TEMPLATE_VARS.intersection(chat.template_vars)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+    tools = chat.tools or None
+    messages = chat.messages
+    if chat.tool_choice.mode != "auto" and chat.tool_choice.mode != "none" and not tools:
+        raise bad_request("tool_choice requires tools", "tool_choice")
+    if chat.tool_choice.mode == "named":
+        names = [t["function"]["name"] for t in tools or ()]
+        if chat.tool_choice.name not in names:
+            raise bad_request(f"tool_choice names {chat.tool_choice.name!r}, which is not among the tools",
+                              "tool_choice")
+    if chat.tool_choice.mode == "none":
+        tools = None
+    note = tool_instruction(chat.tool_choice)
+    if note is not None:
+        messages = _with_system_note(messages, note)
+    text = tokenizer.render_chat(messages, tools, add_generation_prompt=True,
+                                 enable_thinking=chat.enable_thinking, **chat.template_vars)
+    text += chat.prefill
+    return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text))
+
+
+def conversation_key(header: str | None, user: str | None, messages: list[dict[str, Any]] | None,
+                     prompt_text: str = "") -> str:
+    """The key that groups an agent's turns: the x-conversation-id header, else the API's user field, else a
+    hash of the first user message (of the prompt's opening for raw completions)."""
+    if header:
+        return header[:256]
+    if user:
+        return "user:" + user[:256]
+    basis = prompt_text[:2048]
+    for msg in messages or ():
+        if msg.get("role") == "user":
+            content = msg.get("content")
+            basis = content if isinstance(content, str) else "".join(
+                p.get("text", "") for p in content or () if isinstance(p, dict))
+            break
+    return "h:" + hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def check_prompt(ids: tuple[int, ...], max_model_len: int, vocab_size: int) -> None:
+    """The engine's own prompt checks, done early so they fail before any streaming starts."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ContextOverflowError(f"the prompt has {len(ids)} tokens, which does not leave room for output in "
+                                   f"this model's context of {max_model_len} tokens")
+
+
+def output_budget(requested: int | None, num_prompt: int, max_model_len: int, param: str) -> int:
+    """max_tokens for the engine: the request's (clamped to the context left) or, when None, all of it.
+
+    NOTE: clamping instead of rejecting prompt + max_tokens > context lets agents that always ask for large
+    outputs (e.g. 32k) use a model with a smaller context; generation then ends with "length" at the limit.
+    """
+    if requested is not None and (isinstance(requested, bool) or requested < 1):
+        raise bad_request(f"{param} must be >= 1, got {requested}", param)
+    room = max_model_len - num_prompt
+    return room if requested is None else min(requested, room)
+
+
+def make_request(request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, conversation: str,
+                 max_model_len: int, vocab_size: int) -> Request:
+    """Validate everything the engine would (sampling values, prompt) and build the engine request."""
+    params.validate(vocab_size)
+    check_prompt(prompt_ids, max_model_len, vocab_size)
+    return Request(prompt_ids, params, request_id=request_id, conversation=conversation)
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+@dataclass(slots=True)
+class Collected:
+    """All events of one request folded together (non-streaming responses)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprob_token_ids: list[int] = field(default_factory=list)  # the sampled tokens that `logprobs` describe
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    note: str | None = None
+    stop_string: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, ev: TokenEvent) -> None:
+        self.token_ids += ev.token_ids
+        self.text += ev.text
+        # NOTE: tokens forced by the LoopGuard have no logprobs; they follow the sampled token of their event.
+        self.logprob_token_ids += ev.token_ids[:len(ev.logprobs)]
+        self.logprobs += ev.logprobs
+        self.top_logprobs += ev.top_logprobs
+        self.note = ev.note or self.note
+        if ev.finish_reason is not None:
+            self.finish_reason, self.stop_string = ev.finish_reason, ev.stop_string
+        self.num_prompt_tokens = ev.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = ev.num_cached_tokens or self.num_cached_tokens
+        self.num_output_tokens = max(self.num_output_tokens, ev.num_output_tokens)
+
+
+def aborted_error() -> ApiError:
+    """What a consumer raises when the server (not its client) cancelled the request."""
+    return ApiError(503, "the request was cancelled by the server")
+
+
+def reasoning_tokens(token_ids: list[int], end_think_id: int | None, opens_reasoning: bool,
+                     think_id: int | None) -> int:
+    """Output tokens up to and including the one closing the reasoning (all of them if it never closed);
+    0 when the output has no reasoning (the prompt did not open it and the output never opens it first)."""
+    end = token_ids.index(end_think_id) if end_think_id in token_ids else len(token_ids)
+    if not opens_reasoning and think_id not in token_ids[:end]:
+        return 0
+    return min(end + 1, len(token_ids))

@@ -1,0 +1,292 @@
+"""OpenAI /v1/chat/completions: request -> engine `Request`, engine events -> completion or chunks.
+
+Choices made where the API leaves room:
+- thinking: on by default (the model family's default); ``reasoning_effort`` "none"/"minimal" turns it off,
+  "low".."xhigh" on; ``chat_template_kwargs.enable_thinking`` overrides both. Reasoning is returned in
+  ``reasoning_content``, separate from ``content``.
+- tool_choice "none" leaves the tools out of the prompt; "required" and a named function add an instruction
+  to the system prompt (no constrained decoding: a call is asked for, not guaranteed).
+- a generation the LoopGuard stopped finishes with "stop" and carries an extra choice field
+  ``loop_guard: {"stopped": true, "note": ...}`` (also on the final stream chunk), so agents can tell a loop
+  from a normal end.
+- max_tokens / max_completion_tokens default to the rest of the context and are clamped to it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from decapybara.api import openai_schemas as oa
+from decapybara.api.common import (
+    ChatInput,
+    Collected,
+    Prompt,
+    ToolChoice,
+    aborted_error,
+    conversation_key,
+    make_request,
+    new_id,
+    output_budget,
+    reasoning_tokens,
+    render_prompt,
+    stop_strings,
+)
+from decapybara.api.errors import bad_request
+from decapybara.api.schemas_base import LoopGuardInfo
+from decapybara.api.streams import sse_data
+from decapybara.chat import (
+    ContentDelta,
+    ReasoningDelta,
+    StreamingOutputParser,
+    ToolCallEvent,
+    parse_assistant_output,
+)
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import FinishReason, Request, TokenEvent
+
+# ---------------------------------------------------------------------------------------------- request
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, str]] | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, oa.TextPart | oa.RefusalPart):
+            parts.append({"type": "text", "text": part.text if isinstance(part, oa.TextPart) else part.refusal})
+        elif isinstance(part, oa.ImagePart):
+            raise bad_request("image inputs are not supported yet: the served model reads text only",
+                              f"{where}.content.{j}", "image_input_unsupported")
+        else:
+            raise bad_request(f"{part.type} content parts are not supported", f"{where}.content.{j}")
+    return parts
+
+
+def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A call's arguments as the template renders them best: the object when the string is JSON of one."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
+def chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the internal chat form (developer -> system, tool calls, reasoning, tool results)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _content(m.content, where)}
+        if m.role == "assistant":
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
+                    "name": tc.function.name, "arguments": _arguments(tc.function.arguments)}}
+                    for tc in m.tool_calls]
+        elif m.tool_calls:
+            raise bad_request(f"{where}: only assistant messages may carry tool_calls", f"{where}.tool_calls")
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def thinking_enabled(body: oa.ChatCompletionRequest) -> bool:
+    kwargs = body.chat_template_kwargs or {}
+    flag = kwargs.get("enable_thinking")
+    if flag is not None:
+        if not isinstance(flag, bool):
+            raise bad_request("chat_template_kwargs.enable_thinking must be a boolean",
+                              "chat_template_kwargs.enable_thinking")
+        return flag
+    return body.reasoning_effort not in ("none", "minimal")
+
+
+def chat_input(body: oa.ChatCompletionRequest) -> ChatInput:
+    choice = body.tool_choice
+    if isinstance(choice, oa.NamedToolChoice):
+        tool_choice = ToolChoice("named", choice.function.name)
+    else:
+        tool_choice = ToolChoice(choice or "auto")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k != "enable_thinking"}
+    return ChatInput(chat_messages(body.messages), tools, tool_choice, thinking_enabled(body), extra)
+
+
+def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The sampling fields shared by chat and legacy completions (API defaults: temperature 1, all else off)."""
+    if body.n not in (None, 1):
+        raise bad_request("only n=1 is supported", "n")
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    top_k = body.top_k if body.top_k not in (None, -1) else 0
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=bias, seed=body.seed, logprobs=logprobs,
+        stop_token_ids=tuple(body.stop_token_ids or ()), stop=stop_strings(body.stop),
+        max_tokens=max_tokens, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos))
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """A chat request mapped for the engine, with what the response needs."""
+
+    request: Request
+    prompt: Prompt
+    model: str
+    logprobs: bool
+    include_usage: bool
+    created: int
+
+
+def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversation: str | None) -> ChatPlan:
+    """Validate and map a chat request; raises ApiError / InvalidRequestError / ContextOverflowError."""
+    chat = chat_input(body)
+    prompt = render_prompt(client.tokenizer, chat)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = output_budget(requested, len(prompt.ids), client.max_model_len, param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max(max_tokens, 1), logprobs)
+    key = conversation_key(conversation, body.user, chat.messages)
+    request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ChatPlan(request, prompt, model, bool(body.logprobs), include_usage, int(time.time()))
+
+
+# ---------------------------------------------------------------------------------------------- response
+
+
+def token_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
+                   top: list[list[tuple[int, float]]]) -> list[oa.TokenLogprob]:
+    def entry(t: int) -> tuple[str, list[int]]:
+        return tokenizer.decode([t]), list(tokenizer.token_bytes(t))
+
+    out = []
+    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        text, raw = entry(t)
+        alts = [oa.TopLogprob(token=entry(a)[0], logprob=alp, bytes=entry(a)[1]) for a, alp in
+                (top[i] if i < len(top) else [])]
+        out.append(oa.TokenLogprob(token=text, logprob=lp, bytes=raw, top_logprobs=alts))
+    return out
+
+
+def finish_reason(reason: FinishReason | None, has_tool_calls: bool) -> str:
+    if reason == FinishReason.ABORT:
+        raise aborted_error()
+    if reason == FinishReason.LENGTH:
+        return "length"
+    return "tool_calls" if has_tool_calls and reason == FinishReason.STOP else "stop"
+
+
+def loop_guard(reason: FinishReason | None, note: str | None) -> LoopGuardInfo | None:
+    return LoopGuardInfo(stopped=True, note=note) if reason == FinishReason.LOOP else None
+
+
+def usage(num_prompt: int, num_cached: int, num_output: int, reasoning: int | None = None) -> oa.Usage:
+    details = oa.CompletionTokensDetails(reasoning_tokens=reasoning) if reasoning is not None else None
+    return oa.Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output,
+                    prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=num_cached),
+                    completion_tokens_details=details)
+
+
+def _chat_usage(plan: ChatPlan, tokenizer: Any, last: TokenEvent | Collected, output_ids: list[int]) -> oa.Usage:
+    sp = tokenizer.special_ids
+    reasoning = reasoning_tokens(output_ids, sp.end_think, plan.prompt.opens_reasoning, sp.think)
+    return usage(last.num_prompt_tokens or len(plan.prompt.ids), last.num_cached_tokens, last.num_output_tokens,
+                 reasoning)
+
+
+def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatCompletion:
+    parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning)
+    calls = [oa.ToolCallOut(id=new_id("call_"), function=oa.FunctionCallOut(name=c.name, arguments=c.arguments_json()))
+             for c in parsed.tool_calls]
+    message = oa.AssistantMessage(content=parsed.content if parsed.content or not calls else None,
+                                  reasoning_content=parsed.reasoning, tool_calls=calls or None)
+    logprobs = None
+    if plan.logprobs:
+        logprobs = oa.ChoiceLogprobs(content=token_logprobs(tokenizer, done.logprob_token_ids, done.logprobs,
+                                                            done.top_logprobs))
+    choice = oa.ChatChoice(message=message, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, bool(calls)),
+                           loop_guard=loop_guard(done.finish_reason, done.note))
+    return oa.ChatCompletion(id=plan.request.request_id, created=plan.created, model=plan.model, choices=[choice],
+                             usage=_chat_usage(plan, tokenizer, done, done.token_ids))
+
+
+class ChatStream:
+    """Turns engine events into SSE chunk lines: role chunk, content / reasoning / tool call deltas, the final
+    chunk with finish_reason (and loop_guard), an optional usage chunk, then ``data: [DONE]``."""
+
+    def __init__(self, plan: ChatPlan, tokenizer: Any) -> None:
+        self.plan, self.tokenizer = plan, tokenizer
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning)
+        self.num_calls = 0
+        self.output_ids: list[int] = []
+
+    def _chunk(self, delta: oa.Delta, logprobs: oa.ChoiceLogprobs | None = None, finish: str | None = None,
+               guard: LoopGuardInfo | None = None) -> str:
+        p = self.plan
+        choice = oa.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish, loop_guard=guard)
+        return sse_data(oa.ChatCompletionChunk(id=p.request.request_id, created=p.created, model=p.model,
+                                               choices=[choice]).json_text())
+
+    def start(self, first: TokenEvent | None) -> list[str]:
+        return [self._chunk(oa.Delta(role="assistant", content=""))]
+
+    def _deltas(self, outputs: list) -> list[oa.Delta]:
+        deltas = []
+        for out in outputs:
+            if isinstance(out, ContentDelta):
+                deltas.append(oa.Delta(content=out.text))
+            elif isinstance(out, ReasoningDelta):
+                deltas.append(oa.Delta(reasoning_content=out.text))
+            elif isinstance(out, ToolCallEvent):
+                i = self.num_calls
+                self.num_calls += 1
+                head = oa.ToolCallDelta(index=i, id=new_id("call_"), type="function",
+                                        function=oa.FunctionDelta(name=out.tool_call.name, arguments=""))
+                body = oa.ToolCallDelta(index=i, function=oa.FunctionDelta(arguments=out.tool_call.arguments_json()))
+                deltas += [oa.Delta(tool_calls=[head]), oa.Delta(tool_calls=[body])]
+        return deltas
+
+    def event(self, ev: TokenEvent) -> list[str]:
+        """Chunks for one engine event (the final one included: call `end` after it)."""
+        self.output_ids += ev.token_ids
+        outputs = self.parser.feed(ev.text)
+        if ev.finish_reason is not None:
+            outputs += self.parser.finish()
+        deltas = self._deltas(outputs)
+        logprobs = None
+        if self.plan.logprobs and ev.token_ids:
+            logprobs = oa.ChoiceLogprobs(content=token_logprobs(self.tokenizer, ev.token_ids, ev.logprobs,
+                                                                ev.top_logprobs))
+            if not deltas:
+                deltas = [oa.Delta()]
+        return [self._chunk(d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def end(self, last: TokenEvent) -> list[str]:
+        finish = finish_reason(last.finish_reason, self.num_calls > 0)
+        lines = [self._chunk(oa.Delta(), finish=finish, guard=loop_guard(last.finish_reason, last.note))]
+        if self.plan.include_usage:
+            p = self.plan
+            u = _chat_usage(p, self.tokenizer, last, self.output_ids)
+            lines.append(sse_data(oa.ChatCompletionChunk(id=p.request.request_id, created=p.created, model=p.model,
+                                                         choices=[], usage=u).json_text()))
+        return [*lines, sse_data("[DONE]")]

@@ -1,0 +1,116 @@
+"""OpenAI legacy /v1/completions (raw prompt, no chat template) and /v1/models."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from decapybara.api import openai_schemas as oa
+from decapybara.api.common import Collected, conversation_key, make_request, new_id, output_budget
+from decapybara.api.errors import bad_request
+from decapybara.api.openai_api import finish_reason, loop_guard, sampling_params, usage
+from decapybara.api.streams import sse_data
+from decapybara.engine.sequence import Request, TokenEvent
+
+LEGACY_DEFAULT_MAX_TOKENS = 16  # the legacy API's default
+
+
+@dataclass(slots=True)
+class CompletionPlan:
+    request: Request
+    model: str
+    logprobs: bool
+    include_usage: bool
+    created: int
+
+
+def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any) -> tuple[int, ...]:
+    """A prompt string (control-token text becomes control tokens) or token ids; a list of one is one prompt."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tuple(tokenizer.encode(prompt))
+    return tuple(prompt)
+
+
+def plan_completion(body: oa.CompletionRequest, client: Any, model: str, conversation: str | None
+                    ) -> CompletionPlan:
+    if body.echo:
+        raise bad_request("echo is not supported", "echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported", "best_of")
+    ids = prompt_ids(body.prompt, client.tokenizer)
+    requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = output_budget(requested, len(ids), client.max_model_len, "max_tokens")
+    params = sampling_params(body, max(max_tokens, 1), body.logprobs)
+    text = body.prompt if isinstance(body.prompt, str) else ",".join(map(str, ids[:512]))
+    key = conversation_key(conversation, body.user, None, text)
+    request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()))
+
+
+def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
+                    top: list[list[tuple[int, float]]], offset: int) -> oa.LegacyLogprobs:
+    """The legacy format: token strings, their logprobs, {token: logprob} alternatives and text offsets."""
+    tokens = [tokenizer.decode([t]) for t in token_ids[:len(logprobs)]]  # forced tokens have no logprobs
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    tops = [{tokenizer.decode([a]): lp for a, lp in alts} for alts in top]
+    return oa.LegacyLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=tops, text_offset=offsets)
+
+
+def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Completion:
+    logprobs = None
+    if plan.logprobs:
+        logprobs = legacy_logprobs(tokenizer, done.logprob_token_ids, done.logprobs, done.top_logprobs, 0)
+    choice = oa.CompletionChoice(text=done.text, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, False),
+                                 loop_guard=loop_guard(done.finish_reason, done.note))
+    u = usage(done.num_prompt_tokens or len(plan.request.prompt_ids), done.num_cached_tokens, done.num_output_tokens)
+    return oa.Completion(id=plan.request.request_id, created=plan.created, model=plan.model, choices=[choice], usage=u)
+
+
+class CompletionStream:
+    """SSE chunks of a legacy completion: text deltas, a final chunk with finish_reason, optional usage, [DONE]."""
+
+    def __init__(self, plan: CompletionPlan, tokenizer: Any) -> None:
+        self.plan, self.tokenizer = plan, tokenizer
+        self.offset = 0
+
+    def _chunk(self, choices: list[oa.CompletionChoice], u: oa.Usage | None = None) -> str:
+        p = self.plan
+        return sse_data(oa.Completion(id=p.request.request_id, created=p.created, model=p.model, choices=choices,
+                                      usage=u).json_text())
+
+    def start(self, first: TokenEvent | None) -> list[str]:
+        return []
+
+    def event(self, ev: TokenEvent) -> list[str]:
+        if not ev.text and not (self.plan.logprobs and ev.token_ids):
+            return []
+        logprobs = None
+        if self.plan.logprobs:
+            logprobs = legacy_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs, self.offset)
+        self.offset += len(ev.text)
+        return [self._chunk([oa.CompletionChoice(text=ev.text, logprobs=logprobs)])]
+
+    def end(self, last: TokenEvent) -> list[str]:
+        choice = oa.CompletionChoice(text="", finish_reason=finish_reason(last.finish_reason, False),
+                                     loop_guard=loop_guard(last.finish_reason, last.note))
+        lines = [self._chunk([choice])]
+        if self.plan.include_usage:
+            u = usage(last.num_prompt_tokens or len(self.plan.request.prompt_ids), last.num_cached_tokens,
+                      last.num_output_tokens)
+            lines.append(self._chunk([], u))
+        return [*lines, sse_data("[DONE]")]
+
+
+def model_list(name: str, max_model_len: int, created: int) -> oa.ModelList:
+    return oa.ModelList(data=[oa.ModelCard(id=name, created=created, max_model_len=max_model_len)])

@@ -1,0 +1,207 @@
+"""HTTP plumbing under the routes: error responses in each API's shape, body limits, the API-key check,
+server-sent-event responses and the loops that drive engine streams into them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from decapybara.api.common import Collected
+from decapybara.api.errors import ApiError, to_api_error
+from decapybara.api.streams import Heartbeat, sse_data, sse_event
+from decapybara.engine.sequence import TokenEvent
+
+OPENAI, ANTHROPIC = "openai", "anthropic"
+ROUTES = ("/health", "/stats", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+          "/v1/messages", "/v1/messages/count_tokens")
+
+
+def api_of(path: str) -> str:
+    """Which API's error shape a path answers in."""
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+
+
+def error_response(err: ApiError, api: str) -> JSONResponse:
+    if api == ANTHROPIC:
+        return JSONResponse(err.anthropic_body(), status_code=err.anthropic_status())
+    return JSONResponse(err.openai_body(), status_code=err.status)
+
+
+def error_line(err: ApiError, api: str) -> str:
+    """An error inside a stream whose headers are already sent."""
+    if api == ANTHROPIC:
+        return sse_event("error", json.dumps(err.anthropic_body(), ensure_ascii=False))
+    return sse_data(json.dumps(err.openai_body(), ensure_ascii=False))
+
+
+async def read_body(request: HttpRequest, limit: int) -> bytes:
+    """The body, or ApiError 413 when it is over `limit` bytes.
+
+    NOTE: an over-long body is still read (and dropped) up to a hard cap, so the client, which writes its whole
+    body before reading, gets the 413 instead of a broken connection.
+    """
+    hard_cap = max(4 * limit, 64 << 20)
+    too_large = ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > hard_cap:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > hard_cap:
+            raise too_large
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise too_large
+    return b"".join(chunks)
+
+
+class EdgeMiddleware:
+    """Pure ASGI middleware: the API-key check (everything but /health, when a key is set; `Authorization:
+    Bearer <key>` or `x-api-key: <key>`), and HTTP response counts by route and status for /metrics."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, counts: Counter[tuple[str, int]]) -> None:
+        self.app, self.api_key, self.counts = app, api_key, counts
+
+    def _authorised(self, scope: Scope) -> bool:
+        if self.api_key is None or scope["path"] == "/health":
+            return True
+        headers = dict(scope.get("headers") or ())
+        given = headers.get(b"x-api-key", b"").decode("latin-1")
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if auth[:7].lower() == "bearer ":
+            given = given or auth[7:].strip()
+        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counts[(route, int(message["status"]))] += 1
+            await send(message)
+
+        if self._authorised(scope):
+            await self.app(scope, receive, counting_send)
+            return
+        err = ApiError(401, "invalid or missing API key (send it as 'Authorization: Bearer <key>' or 'x-api-key')",
+                       code="invalid_api_key")
+        await error_response(err, api_of(path))(scope, receive, counting_send)
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response that always closes its body iterator, whatever ended the response
+    (normal end, client disconnect, server error), so the engine request is aborted promptly."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class Streamer(Protocol):
+    """Turns engine events into SSE lines for one API (OpenAI chunks, Anthropic events)."""
+
+    def start(self, first: TokenEvent | None) -> list[str]: ...
+
+    def event(self, ev: TokenEvent) -> list[str]: ...
+
+    def end(self, last: TokenEvent) -> list[str]: ...
+
+
+async def drive_stream(streamer: Streamer, beat: Heartbeat, first: TokenEvent | None, api: str,
+                       interval: float, idle_line: str) -> AsyncIterator[str]:
+    """The SSE body: the streamer's lines for every event, `idle_line` after every `interval` seconds without
+    one, and an error event (in the API's shape) if the stream fails after the headers went out."""
+    try:
+        for line in streamer.start(first):
+            yield line
+        ev = first
+        while True:
+            if ev is not None:
+                for line in streamer.event(ev):
+                    yield line
+                if ev.finish_reason is not None:
+                    for line in streamer.end(ev):
+                        yield line
+                    return
+            ev = await beat.next(interval)
+            if ev is None:
+                yield idle_line
+    except StopAsyncIteration:
+        yield error_line(ApiError(500, "the engine stream ended without a finish reason"), api)
+    except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+        yield error_line(to_api_error(exc), api)
+    finally:
+        await beat.close()
+
+
+async def start_stream(events: AsyncIterator[TokenEvent], wait: float) -> tuple[Heartbeat, TokenEvent | None]:
+    """Wait up to `wait` seconds for the first event, so that a request the engine refuses still gets a proper
+    4xx status; raises what the stream raises. Returns the heartbeat reader and the first event (None if it
+    did not come in time: the response then starts without it)."""
+    beat = Heartbeat(events)
+    try:
+        first = await beat.next(wait)
+    except StopAsyncIteration:
+        raise ApiError(500, "the engine stream ended without an event") from None
+    except BaseException:
+        await beat.close()
+        raise
+    return beat, first
+
+
+async def _disconnected(request: HttpRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(events: AsyncIterator[TokenEvent], request: HttpRequest) -> Collected | None:
+    """Fold a whole stream for a non-streaming response; None if the client went away first (the request is
+    then aborted by cancelling the read)."""
+    done = Collected()
+
+    async def consume() -> None:
+        async for ev in events:
+            done.add(ev)
+
+    reading = asyncio.ensure_future(consume())
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not reading.done():
+            reading.cancel()
+    if reading.cancelled():
+        return None
+    reading.result()
+    return done
+
+
+async def guarded(api: str, handler: Callable[[], Any]) -> Any:
+    """Run a route body; any exception becomes an error response in the API's shape."""
+    try:
+        return await handler()
+    except Exception as exc:  # noqa: BLE001 - answered in the API's error shape
+        return error_response(to_api_error(exc), api)

@@ -1,0 +1,592 @@
+"""The HTTP API over real HTTP: a uvicorn server in a thread, a real Engine in LocalEngineClient, and the official
+openai / anthropic SDKs as clients.
+
+The tiny model writes noise, so scripted answers (tool calls, thinking, loops, stop sequences) come from a logits
+processor on the engine that, keyed by a marker in the prompt, forces a fixed text token by token (then eos).
+The same processor records every prompt that reached the engine, so tests can check the rendering.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from decapybara.api import LocalEngineClient, create_app
+from decapybara.chat import parse_assistant_output
+from decapybara.config import EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
+from decapybara.errors import ContextOverflowError
+from decapybara.testing import make_tokenizer_json, tiny_qwen
+from decapybara.tokenizer import Tokenizer
+
+KEY = "sk-test-key"
+CFG = EngineConfig(page_size=16, num_pages=256, max_batch_tokens=256, loop_guard="stop")
+TOOL_TEXT = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+SCRIPTS = {  # marker in the last user turn -> forced output
+    "CALL-THE-TOOL": TOOL_TEXT,
+    "SAY-STOP": "Alpha Beta STOP Gamma",
+    "THINK-LONG": "<think>\nI think" + " and think" * 60,
+    "SLOW-DOWN": "slow answer",
+}
+TOOLS_OA = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                             "required": ["city"]}}}]
+TOOLS_AN = [{"name": "get_weather", "description": "Weather of a city",
+             "input_schema": TOOLS_OA[0]["function"]["parameters"]}]
+
+
+class Forcer:
+    """Engine logits processor (engine thread): scripts by marker, KEEP-TALKING bans eos, LOOP-FOREVER repeats
+    one token; records each request's prompt text in `prompts` and conversation key in `conversations`."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.prompts: dict[str, str] = {}
+        self.conversations: dict[str, str | None] = {}
+        self.scripts = {k: tok.encode(v) for k, v in SCRIPTS.items()}
+        self.answer = tok.encode("Final answer.")
+        self.loop_token = tok.encode(" def")[0]
+
+    def __call__(self, seq, logits: np.ndarray) -> np.ndarray:
+        rid = seq.request_id
+        if rid not in self.prompts:
+            self.conversations[rid] = seq.request.conversation
+            self.prompts[rid] = self.tok.decode(list(seq.request.prompt_ids))
+        prompt = self.prompts[rid]
+        turn = prompt[prompt.rfind("<|im_start|>user"):]
+        script = None
+        if "THINK-LONG" in turn and prompt.endswith("</think>\n\n") and "+answer" in rid:
+            script = self.answer
+        elif "<tool_response>" not in turn:
+            script = next((s for k, s in self.scripts.items() if k in turn), None)
+        if "SLOW-DOWN" in turn:
+            time.sleep(0.06)
+        if "KEEP-TALKING" in turn:
+            logits = logits.copy()
+            logits[list(self.tok.eos_token_ids)] = -1e9
+            return logits
+        if "LOOP-FOREVER" in turn:
+            script = [self.loop_token] * 10_000
+        if script is None:
+            return logits
+        i = seq.num_output
+        forced = np.full_like(logits, -1e9)
+        forced[script[i] if i < len(script) else self.tok.eos_token_ids[0]] = 0.0
+        return forced
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free port in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+@dataclass
+class Stack:
+    tok: Tokenizer
+    model: object
+    forcer: Forcer
+    client: LocalEngineClient
+    url: str
+    keyed_url: str
+    small_url: str
+
+    def oa(self, url: str | None = None, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=(url or self.url) + "/v1", api_key=key, max_retries=0, timeout=30)
+
+    def an(self, url: str | None = None, key: str = "unused") -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=url or self.url, api_key=key, max_retries=0, timeout=30)
+
+    def prompt(self, request_id: str) -> str:
+        return self.forcer.prompts[request_id]
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats").json()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    model = tiny_qwen("qwen3_5_text")[0]
+    tok = Tokenizer.from_json(make_tokenizer_json())
+    forcer = Forcer(tok)
+    client = LocalEngineClient(Engine(model, CFG, tokenizer=tok, logits_processor=forcer), model_name="tiny-qwen")
+    small = LocalEngineClient(Engine(model, CFG.replace(num_pages=4), tokenizer=tok), model_name="tiny-qwen")
+    servers = [LiveServer(create_app(client)),
+               LiveServer(create_app(client, api_key=KEY, ping_interval_s=0.05, first_event_wait_s=0.01)),
+               LiveServer(create_app(small))]
+    yield Stack(tok, model, forcer, client, *(s.url for s in servers))
+    for s in servers:
+        s.stop()
+    client.close()
+    small.close()
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+
+
+def test_chat_greedy_matches_in_process_engine_and_usage_matches_tokenizer(stack):
+    messages = [{"role": "system", "content": "Be brief."}, *user("Write a function.")]
+    r = stack.oa().chat.completions.create(model="any-name", messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    ids = stack.tok.apply_chat(messages, enable_thinking=True)
+    ref = Engine(stack.model, CFG, tokenizer=stack.tok, logits_processor=stack.forcer).generate(
+        [ids], SamplingParams(temperature=0, max_tokens=12))[0]
+    expected = parse_assistant_output(stack.tok.decode(ref, skip_special_tokens=True))
+    assert (r.choices[0].message.content or "") == expected.content
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
+    assert r.usage.total_tokens == len(ids) + len(ref)
+    assert r.model == "tiny-qwen" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].finish_reason == ("length" if len(ref) == 12 else "stop")
+    lps = r.choices[0].logprobs.content
+    assert [bytes(lp.bytes) for lp in lps] == [stack.tok.token_bytes(t) for t in ref]
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.logprob - 1e-6 for lp in lps)
+    chunks = list(stack.oa().chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.content
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(ids)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16  # the same prompt again: prefix reused
+
+
+def test_concurrent_requests_each_get_their_own_answer(stack):
+    """Six agents at once (half streaming, both APIs): each answer equals the one it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i: int) -> str:
+        messages = user(f"Agent {i}: write function number {i}.")
+        if i % 2:
+            m = stack.an().messages.create(model="m", max_tokens=10, messages=messages, extra_body={"temperature": 0})
+            return "".join(b.text for b in m.content if b.type == "text")
+        chunks = stack.oa().chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                                    stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    alone = [ask(i) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, range(6)))
+    assert together == alone and len(set(alone)) > 1
+
+
+def test_completions_token_and_string_prompts_match_engine(stack):
+    ids = stack.tok.encode("def fibonacci(n):")
+    ref = Engine(stack.model, CFG, tokenizer=stack.tok).generate([ids], SamplingParams(temperature=0, max_tokens=8))[0]
+    text = stack.tok.decode(ref, skip_special_tokens=True)
+    by_ids = stack.oa().completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, logprobs=2)
+    by_text = stack.oa().completions.create(model="m", prompt=["def fibonacci(n):"], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text == text
+    lp = by_ids.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ref) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.completion_tokens == len(ref)
+    streamed = list(stack.oa().completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_models_lists_the_served_name(stack):
+    models = stack.oa().models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen"]
+    assert stack.oa().models.retrieve("tiny-qwen").id == "tiny-qwen"
+    with pytest.raises(openai.NotFoundError):
+        stack.oa().models.retrieve("other")
+
+
+def test_openai_tool_call_round_trip(stack):
+    messages = user("CALL-THE-TOOL: weather in Paris?")
+    r = stack.oa().chat.completions.create(model="m", messages=messages, tools=TOOLS_OA, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    assert choice.message.model_extra["reasoning_content"] == "The user wants the weather."
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert r.usage.completion_tokens_details.reasoning_tokens > 0
+    # The next turn renders the call and its result into the prompt.
+    follow = [*messages, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    r2 = stack.oa().chat.completions.create(model="m", messages=follow, tools=TOOLS_OA, max_tokens=3)
+    prompt = stack.prompt(r2.id)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in prompt
+    # Streamed: the same call arrives as OpenAI-style deltas (id + name, then arguments).
+    chunks = list(stack.oa().chat.completions.create(model="m", messages=messages, tools=TOOLS_OA, max_tokens=80,
+                                                     stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
+    assert reasoning == "The user wants the weather."
+
+
+def test_tool_choice_none_drops_tools_and_required_adds_instruction(stack):
+    r = stack.oa().chat.completions.create(model="m", messages=user("hi"), tools=TOOLS_OA, tool_choice="none",
+                                           max_tokens=1)
+    assert "<tools>" not in stack.prompt(r.id)
+    r = stack.oa().chat.completions.create(model="m", messages=user("hi"), tools=TOOLS_OA, max_tokens=1,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert "<tools>" in stack.prompt(r.id) and "you must call the tool `get_weather`" in stack.prompt(r.id)
+
+
+@pytest.mark.parametrize(("extra", "thinking"), [
+    ({}, True), ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "high"}, True),
+    ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False),
+    ({"reasoning_effort": "low", "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False),
+])
+def test_openai_thinking_switches_reach_the_prompt(stack, extra, thinking):
+    r = stack.oa().chat.completions.create(model="m", messages=user("hi"), max_tokens=1, **extra)
+    prompt = stack.prompt(r.id)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") is not thinking
+    assert prompt.endswith("<|im_start|>assistant\n") is thinking
+
+
+def test_stop_sequences_in_both_apis(stack):
+    r = stack.oa().chat.completions.create(model="m", messages=user("SAY-STOP"), stop=["STOP"], max_tokens=30,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == "Alpha Beta" and r.choices[0].finish_reason == "stop"
+    m = stack.an().messages.create(model="m", max_tokens=30, messages=user("SAY-STOP"), stop_sequences=["STOP"])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "STOP"
+    assert [b.text for b in m.content] == ["Alpha Beta"]
+
+
+def test_loop_guard_stop_is_reported_in_both_apis(stack):
+    r = stack.oa().chat.completions.create(model="m", messages=user("LOOP-FOREVER"), max_tokens=600)
+    guard = r.choices[0].model_extra["loop_guard"]
+    assert r.choices[0].finish_reason == "stop" and guard["stopped"] is True and guard["note"]
+    assert r.usage.completion_tokens < 600
+    events = list(stack.an().messages.create(model="m", max_tokens=600, messages=user("LOOP-FOREVER"), stream=True))
+    delta = next(e for e in events if e.type == "message_delta")
+    assert delta.delta.stop_reason == "end_turn" and delta.model_extra["loop_guard"]["stopped"] is True
+    m = stack.an().messages.create(model="m", max_tokens=600, messages=user("LOOP-FOREVER"))
+    assert m.stop_reason == "end_turn" and m.model_extra["loop_guard"]["note"]
+
+
+# ---------------------------------------------------------------------------------------------- Anthropic
+
+
+def raw_events(url: str, body: dict, key: str | None = None) -> list[dict]:
+    """The data of every SSE event of a /v1/messages stream (the SDK hides pings), checking `event:` = type."""
+    headers = {"x-api-key": key} if key else {}
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True}, headers=headers, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = r.read().decode().split("\n\n")
+    events = []
+    for block in filter(None, blocks):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == "event: " + event["type"]
+        events.append(event)
+    return events
+
+
+def _kinds(events: list[dict]) -> list[str]:
+    """Event types with runs of identical deltas collapsed: 'content_block_delta:text_delta' etc."""
+    out: list[str] = []
+    for e in events:
+        kind = e["type"] + (f":{e['delta']['type']}" if e["type"] == "content_block_delta" else "")
+        kind += f":{e['content_block']['type']}" if e["type"] == "content_block_start" else ""
+        if not out or out[-1] != kind:
+            out.append(kind)
+    return out
+
+
+def test_messages_stream_exact_event_sequence_and_tool_round_trip(stack):
+    kw = {"model": "m", "max_tokens": 80, "tools": TOOLS_AN, "thinking": {"type": "enabled", "budget_tokens": 500}}
+    events = raw_events(stack.url, {**kw, "messages": user("CALL-THE-TOOL please")})
+    assert _kinds(events) == [
+        "message_start", "ping",
+        "content_block_start:thinking", "content_block_delta:thinking_delta", "content_block_delta:signature_delta",
+        "content_block_stop",
+        "content_block_start:text", "content_block_delta:text_delta", "content_block_stop",
+        "content_block_start:tool_use", "content_block_delta:input_json_delta", "content_block_stop",
+        "message_delta", "message_stop"]
+    assert [e["index"] for e in events if e["type"] == "content_block_start"] == [0, 1, 2]
+    with stack.an().messages.stream(messages=user("CALL-THE-TOOL please"), **kw) as s:
+        final = s.get_final_message()
+    thinking, text, tool = final.content
+    assert thinking.thinking == "The user wants the weather." and thinking.signature
+    assert text.text == "Let me check."
+    assert tool.id.startswith("toolu_") and tool.name == "get_weather" and tool.input == {"city": "Paris"}
+    assert final.stop_reason == "tool_use"
+    m = stack.an().messages.create(messages=user("CALL-THE-TOOL please"), **kw)
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"] and m.stop_reason == "tool_use"
+    hidden = stack.an().messages.create(messages=user("CALL-THE-TOOL please"),
+                                        **{**kw, "thinking": {**kw["thinking"], "display": "omitted"}})
+    assert hidden.content[0].thinking == "" and hidden.content[0].signature == thinking.signature
+    follow = [*user("CALL-THE-TOOL please"), {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m.content[2].id,
+                                            "content": [{"type": "text", "text": "21 C"}]}]}]
+    m2 = stack.an().messages.create(messages=follow, **{**kw, "max_tokens": 2})
+    prompt = stack.prompt(m2.id)
+    assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n21 C\n</tool_response>" in prompt
+
+
+def test_messages_usage_cache_and_count_tokens(stack):
+    system = "You are a coding agent. " * 4
+    messages = user("Explain the stack class in detail, please.")
+    first = stack.an().messages.create(model="m", max_tokens=3, system=system, messages=messages)
+    again = stack.an().messages.create(model="m", max_tokens=3, system=system, messages=messages)
+    n = len(stack.tok.apply_chat([{"role": "system", "content": system}, *messages], enable_thinking=False))
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == n
+    assert again.usage.cache_read_input_tokens > 0 and again.usage.input_tokens + again.usage.cache_read_input_tokens == n
+    count = stack.an().messages.count_tokens(model="m", system=system, messages=messages)
+    assert count.input_tokens == n
+    tools = stack.an().messages.count_tokens(model="m", system=system, messages=messages, tools=TOOLS_AN)
+    assert tools.input_tokens == len(stack.tok.apply_chat([{"role": "system", "content": system}, *messages],
+                                                           TOOLS_OA, enable_thinking=False))
+
+
+@pytest.mark.parametrize(("thinking", "on"), [
+    (None, False), ({"type": "disabled"}, False), ({"type": "adaptive"}, True),
+    ({"type": "enabled", "budget_tokens": 2048}, True)])
+def test_anthropic_thinking_switch_reaches_the_prompt(stack, thinking, on):
+    kw = {"thinking": thinking} if thinking else {}
+    m = stack.an().messages.create(model="m", max_tokens=1, messages=user("hi"), **kw)
+    assert stack.prompt(m.id).endswith("<think>\n\n</think>\n\n") is not on
+
+
+def test_thinking_budget_ends_the_reasoning(stack):
+    kw = {"model": "m", "max_tokens": 200, "messages": user("THINK-LONG"),
+          "thinking": {"type": "enabled", "budget_tokens": 10}}
+    m = stack.an().messages.create(**kw)
+    thinking, text = m.content
+    assert thinking.type == "thinking" and thinking.thinking.startswith("I think and")
+    assert 8 <= len(stack.tok.encode("<think>\n" + thinking.thinking)) <= 11  # the budget, one event of slack
+    assert text.text == "Final answer." and m.stop_reason == "end_turn"
+    cont = stack.prompt(m.id + "+answer")
+    assert cont.endswith(thinking.thinking + "\n</think>\n\n")
+    events = raw_events(stack.url, kw)
+    assert "content_block_start:text" in _kinds(events)
+    assert events[-2]["usage"]["output_tokens"] == m.usage.output_tokens
+
+
+# ---------------------------------------------------------------------------------------------- the edge
+
+
+def test_api_key_is_required_everywhere_but_health(stack):
+    with pytest.raises(openai.AuthenticationError) as oa_err:
+        stack.oa(stack.keyed_url, "wrong").models.list()
+    assert oa_err.value.body["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError) as an_err:
+        stack.an(stack.keyed_url, "wrong").messages.create(model="m", max_tokens=1, messages=user("hi"))
+    assert an_err.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                            "message": an_err.value.body["error"]["message"]}}
+    assert httpx.get(stack.keyed_url + "/stats").status_code == 401
+    assert httpx.get(stack.keyed_url + "/health").json() == {"status": "ok"}
+    assert stack.oa(stack.keyed_url, KEY).models.list().data[0].id == "tiny-qwen"
+    m = stack.an(stack.keyed_url, KEY).messages.create(model="m", max_tokens=1, messages=user("hi"))
+    assert m.usage.output_tokens == 1
+
+
+def test_idle_streams_get_pings_and_start_before_the_first_token(stack):
+    """The keyed app starts streams after 10 ms without an event and pings every 50 ms of silence."""
+    events = raw_events(stack.keyed_url, {"model": "m", "max_tokens": 4, "messages": user("SLOW-DOWN")}, KEY)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds.count("ping") >= 2
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    n = len(stack.tok.apply_chat(user("SLOW-DOWN"), enable_thinking=False))
+    assert events[0]["message"]["usage"]["input_tokens"] == n  # sent before the engine said what it cached
+    final = events[-2]["usage"]
+    assert final["input_tokens"] + final["cache_read_input_tokens"] == n and final["output_tokens"] == 4
+    body = {"model": "m", "max_tokens": 20, "messages": user("SLOW-DOWN"), "stream": True}
+    with httpx.stream("POST", stack.keyed_url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        text = r.read().decode()
+    assert ": keep-alive\n\n" in text and text.endswith("data: [DONE]\n\n")
+    chunks = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "slow answer"
+
+
+def test_conversation_key_groups_an_agents_turns(stack):
+    oa_client, an_client = stack.oa(), stack.an()
+
+    def key(response) -> str | None:
+        return stack.forcer.conversations[response.id]
+
+    turn1 = oa_client.chat.completions.create(model="m", messages=user("task A"), max_tokens=1)
+    turn2 = oa_client.chat.completions.create(model="m", max_tokens=1, messages=[
+        *user("task A"), {"role": "assistant", "content": "ok"}, *user("next")])
+    other = oa_client.chat.completions.create(model="m", messages=user("task B"), max_tokens=1)
+    assert key(turn1) == key(turn2) != key(other)
+    by_user = oa_client.chat.completions.create(model="m", messages=user("task A"), max_tokens=1, user="agent-7")
+    by_header = oa_client.chat.completions.create(model="m", messages=user("task A"), max_tokens=1, user="agent-7",
+                                                  extra_headers={"x-conversation-id": "conv-1"})
+    assert key(by_user) == "user:agent-7" and key(by_header) == "conv-1"
+    m = an_client.messages.create(model="m", max_tokens=1, messages=user("task A"), metadata={"user_id": "agent-7"})
+    assert key(m) == "user:agent-7"
+    assert key(an_client.messages.create(model="m", max_tokens=1, messages=user("task A"))) == key(turn1)
+
+
+def _wait_idle(stack, aborted_before: int) -> dict:
+    deadline = time.monotonic() + 3
+    while True:
+        stats = stack.stats()
+        if stats["running"] == 0 and stats["aborted"] > aborted_before:
+            return stats
+        assert time.monotonic() < deadline, f"request not aborted: {stats}"
+        time.sleep(0.02)
+
+
+def test_client_disconnect_frees_the_slot(stack):
+    before = stack.stats()
+    body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 900, "stream": True}
+    with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        next(lines)
+    stats = _wait_idle(stack, before["aborted"])
+    assert stats["generated_tokens"] - before["generated_tokens"] < 900
+    before = stats
+    body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 900}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/messages", json=body, timeout=0.3)
+    stats = _wait_idle(stack, before["aborted"])
+    assert stats["generated_tokens"] - before["generated_tokens"] < 900
+
+
+OA_BAD = [
+    ("/v1/chat/completions", b'{"model": "m", "messages": [', 400),
+    ("/v1/chat/completions", b"[]", 400),
+    ("/v1/chat/completions", {"messages": "hi"}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "temperature": "hot"}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "temperature": -1}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "max_tokens": "5"}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "n": 2}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"abc": 1}}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "stop": ["s"] * 20}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 50, "logprobs": True}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "tools": TOOLS_OA,
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    ("/v1/chat/completions", {"messages": user("word " * 1500)}, 400),
+    ("/v1/chat/completions", {"messages": user("word " * 1500), "stream": True}, 400),
+    ("/v1/completions", {"prompt": [100000]}, 400),
+    ("/v1/completions", {"prompt": []}, 400),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, 400),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400),
+    ("/v1/nothing", {}, 404),
+]
+AN_BAD = [
+    (b'{"model": "m", "messages": [', 400, "invalid_request_error"),
+    ({"model": "m", "messages": user("x")}, 400, "invalid_request_error"),  # no max_tokens
+    ({"model": "m", "max_tokens": 0, "messages": user("x")}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": []}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, 400,
+     "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400,
+     "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("x"), "thinking": {"type": "enabled", "budget_tokens": 0}}, 400,
+     "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("x"), "tools": TOOLS_AN,
+      "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("x"), "tools": [{"type": "web_search_20250305", "name": "w"}]},
+     400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("x"), "temperature": "x"}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("word " * 1500)}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("word " * 1500), "stream": True}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("x" * (9 << 20))}, 413, "request_too_large"),
+]
+
+
+def _post(url: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=30)
+
+
+def test_bad_input_gets_4xx_in_each_apis_shape_and_the_server_keeps_serving(stack):
+    for path, body, status in OA_BAD:
+        r = _post(stack.url + path, body)
+        assert r.status_code == status, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] in ("invalid_request_error", "not_found_error"), r.text
+    for body, status, kind in AN_BAD:
+        r = _post(stack.url + "/v1/messages", body)
+        assert r.status_code == status, (body if len(str(body)) < 500 else "big", r.text[:300])
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind and r.json()["error"]["message"]
+    big = _post(stack.url + "/v1/chat/completions", {"messages": user("x" * (9 << 20))})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+    assert _post(stack.url + "/v1/messages/unknown", {}).json()["error"]["type"] == "not_found_error"
+    wrong_method = httpx.get(stack.url + "/v1/chat/completions")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        stack.oa().chat.completions.create(model="m", messages=user("x"), n=2)
+    assert stack.oa().chat.completions.create(model="m", messages=user("still alive?"), max_tokens=2).choices
+    assert stack.stats()["running"] == 0
+
+
+def test_engine_refusal_of_a_stream_is_a_4xx_not_a_broken_stream(stack):
+    """The small pool (64 tokens) cannot hold prompt + max_tokens: the engine refuses at add time."""
+    for path, body in [("/v1/chat/completions", {"messages": user("x"), "max_tokens": 200, "stream": True}),
+                       ("/v1/messages", {"model": "m", "messages": user("x"), "max_tokens": 200, "stream": True})]:
+        r = _post(stack.small_url + path, body)
+        assert r.status_code == 400 and not r.headers["content-type"].startswith("text/event-stream"), r.text
+        err = r.json()["error"]
+        assert err.get("code") == "context_length_exceeded" or err["type"] == "invalid_request_error"
+        assert "pool" in err["message"]
+
+
+def test_local_client_raises_engine_refusals_before_any_event(stack):
+    import asyncio
+
+    async def first(client):
+        return await client.generate(Request(tuple(range(40)), SamplingParams(max_tokens=500))).__anext__()
+
+    small = LocalEngineClient(Engine(stack.model, CFG.replace(num_pages=4), tokenizer=stack.tok))
+    try:
+        with pytest.raises(ContextOverflowError):
+            asyncio.run(first(small))
+    finally:
+        small.close()
+
+
+def test_metrics_are_prometheus_text(stack):
+    stack.oa().chat.completions.create(model="m", messages=user("count me"), max_tokens=2)
+    r = httpx.get(stack.url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert families["decapybara_steps"].type == "counter" and families["decapybara_steps"].samples[0].value > 0
+    assert families["decapybara_running"].type == "gauge"
+    assert families["decapybara_kv_pool_usage_ratio"].samples[0].value >= 0
+    codes = {(s.labels["route"], s.labels["code"]) for s in families["decapybara_http_requests"].samples}
+    assert ("/v1/chat/completions", "200") in codes

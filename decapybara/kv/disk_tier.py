@@ -253,6 +253,16 @@ class DiskTierStore:
     def get(self, key: str) -> Unit | None:
         """The unit, fully verified (its arrays view the file's bytes), or None: absent, vanished, or corrupt
         (then deleted and counted). A hit refreshes recency."""
+        found = self.get_verified(key)
+        return None if found is None else found[0]
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """Like `get`, but the verified encoded bytes (to ship elsewhere without re-encoding)."""
+        found = self.get_verified(key)
+        return None if found is None else found[1]
+
+    def get_verified(self, key: str) -> tuple[Unit, bytes] | None:
+        """(unit, its encoded bytes) after full verification, or None (see `get`)."""
         with self._lock:
             if key not in self._index:
                 self.stats["misses"] += 1
@@ -286,7 +296,7 @@ class DiskTierStore:
         with self._lock:
             self.stats["hits"] += 1
             self.stats["bytes_read"] += len(raw)
-        return unit
+        return unit, raw
 
     def pop(self, key: str) -> Unit | None:
         """`get` then `delete` (a resumed conversation's bundle is not needed again)."""

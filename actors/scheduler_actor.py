@@ -1,0 +1,161 @@
+"""SchedulerActor: the control plane. Owns the request registry and the multi-agent policy.
+
+Ingress replicas call `generate(request)` as a streaming method and receive the request's `TokenEvent`s.
+The actor forwards new requests and aborts to the GPU actor, consumes the GPU actor's stream of step reports
+(one Ray message per engine step, all slots together), routes each event to its request's stream, and runs
+the policy (`decapybara.scheduler`) on every report's `EngineView`; its admit / pause / resume decisions go
+back as one `Control` message, applied by the GPU actor from its next step on. Decoding never waits for
+this actor: the control overhead per step is measured and shown in `stats()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from decapybara.engine.driver import Control, StepReport
+from decapybara.engine.sequence import Request, TokenEvent
+
+
+class SchedulerActor:
+    def __init__(self, app_config: dict[str, Any]):
+        from actors.gpu_actor import gpu_actor_class
+        from decapybara.scheduler.remote import make_policy
+        from decapybara.server.config import AppConfig
+
+        self.cfg = AppConfig(**app_config)
+        cuda = self.cfg.use_cuda()
+        tiers = None
+        if self.cfg.ram_cache_gb > 0:
+            from actors.kv_tier_actors import start_tiers
+
+            tiers = start_tiers(self.cfg)
+        self.tiers = tiers
+        self.gpu = gpu_actor_class(cuda, self.cfg.blas_threads).remote(app_config, tiers)
+        self.policy = make_policy(self.cfg)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.pending = Control()
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.last_report: StepReport | None = None
+        self.overheads_us: deque[float] = deque(maxlen=512)  # scheduler work per report
+        self.latencies_us: deque[float] = deque(maxlen=512)  # GPU actor -> scheduler delivery
+        self.reports = 0
+        self.started = time.time()
+
+    async def ready(self) -> dict[str, Any]:
+        """Wait until the model is loaded; return the GPU actor's facts."""
+        info = await self.gpu.info.remote()
+        self._start()
+        return info
+
+    def _start(self) -> None:
+        if not self._tasks:
+            self._wake = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._pump()), loop.create_task(self._send_loop())]
+
+    # ---- requests ------------------------------------------------------------------------------------
+    async def generate(self, request: Request):
+        """Stream the request's events until it finishes; cancellation (client gone) aborts it."""
+        self._start()
+        rid = request.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        self._send(Control(add=[request]))
+        finished = False
+        try:
+            while True:
+                ev: TokenEvent = await q.get()
+                finished = ev.finish_reason is not None
+                yield ev
+                if finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if not finished:
+                self._send(Control(abort=[rid]))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(Control(abort=[request_id]))
+
+    # ---- the loops -----------------------------------------------------------------------------------
+    def _send(self, control: Control) -> None:
+        self.pending.merge(control)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _send_loop(self) -> None:
+        """One control message in flight at a time, so the GPU actor applies them in order."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.pending.empty():
+                continue
+            control, self.pending = self.pending, Control()
+            await self.gpu.control.remote(control)
+
+    async def _pump(self) -> None:
+        stream = self.gpu.run.options(num_returns="streaming").remote()
+        async for ref in stream:
+            report: StepReport = await ref
+            t0 = time.time()
+            self.latencies_us.append(max(0.0, t0 - report.stats.get("sent_at", t0)) * 1e6)
+            for ev in report.events:
+                q = self.queues.get(ev.request_id)
+                if q is not None:
+                    q.put_nowait(ev)
+            decision = self.policy.decide(report.view)
+            if decision is not None and not decision.empty():
+                self._send(decision)
+            self.last_report = report
+            self.reports += 1
+            self.overheads_us.append((time.time() - t0) * 1e6)
+
+    # ---- observability -------------------------------------------------------------------------------
+    async def stats(self) -> dict[str, Any]:
+        r = self.last_report
+        engine = dict(r.stats) if r is not None else await self.gpu.stats.remote()
+        engine.pop("sent_at", None)
+        view = r.view if r is not None else None
+        out: dict[str, Any] = {
+            "engine": engine,
+            "slots": [] if view is None else [
+                {"request_id": s.request_id, "conversation": s.conversation, "state": s.status,
+                 "prompt_tokens": s.num_prompt, "computed": s.num_computed, "output_tokens": s.num_output,
+                 "pages": s.num_pages} for s in view.seqs],
+            "queue": {"streams": len(self.queues), "waiting": engine.get("waiting", 0)},
+            "policy": self.policy.snapshot(),
+            "control": {"reports": self.reports, "overhead_us_p50": _p50(self.overheads_us),
+                        "delivery_us_p50": _p50(self.latencies_us),
+                        "step_compute_ms_last": None if r is None else r.compute_s * 1e3},
+            "uptime_s": time.time() - self.started,
+        }
+        if self.tiers is not None:
+            out["tiers"] = await _tier_stats(self.tiers)
+        return out
+
+
+def _p50(xs: deque[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+async def _tier_stats(tiers: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, handle in tiers.items():
+        out[name] = await handle.stats.remote()
+    return out
+
+
+def scheduler_handle(app_config: dict[str, Any]) -> Any:
+    """The app's named SchedulerActor, created on first use (one per app name in the cluster)."""
+    name = f"{app_config.get('name', 'decapybara')}-scheduler"
+    cls = ray.remote(SchedulerActor).options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=1000)
+    return cls.remote(app_config)

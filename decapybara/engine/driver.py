@@ -1,0 +1,219 @@
+"""The engine's step loop as a data-plane service: control in, one report per step out (no Ray here).
+
+The GPU actor wraps an `EngineDriver`: the scheduler sends `Control` messages (new requests, aborts, and its
+policy's admit / pause / resume decisions) at any time; the driver applies them at the next step boundary,
+steps the engine continuously while it has runnable work, and yields one `StepReport` per step carrying every
+slot's token events together, plus a `EngineView` of all sequences for the policy. Decode never waits for
+the control plane: decisions taken on step n's view apply from step n+1 on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from decapybara.engine.engine import Engine
+from decapybara.engine.sequence import FinishReason, Request, SeqStatus, TokenEvent
+from decapybara.errors import DecapybaraError
+
+
+@dataclass(slots=True)
+class Control:
+    """What the control plane asks of the data plane; ids of finished sequences are ignored."""
+
+    add: list[Request] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
+    admit: list[str] = field(default_factory=list)  # waiting -> running, in this order, while room remains
+    pause: list[str] = field(default_factory=list)  # running -> paused (KV + state leave the pool)
+    resume: list[str] = field(default_factory=list)  # paused -> running, in this order, while room remains
+    victims: list[str] | None = None  # preferred pause order when the pool runs dry (first = first paused)
+
+    def empty(self) -> bool:
+        return not (self.add or self.abort or self.admit or self.pause or self.resume or self.victims is not None)
+
+    def merge(self, other: Control) -> None:
+        self.add += other.add
+        self.abort += other.abort
+        self.admit += other.admit
+        self.pause += other.pause
+        self.resume += other.resume
+        if other.victims is not None:
+            self.victims = other.victims
+
+
+@dataclass(slots=True)
+class SeqView:
+    """What the policy may know of one sequence."""
+
+    request_id: str
+    conversation: str | None
+    status: str  # waiting | running | paused
+    arrival: float
+    num_prompt: int
+    num_computed: int
+    num_output: int
+    max_tokens: int
+    num_pages: int  # pages held now (running) or needed to resume (paused)
+    cached_estimate: int = 0  # prompt tokens the prefix cache would serve (waiting)
+    last_active: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineView:
+    now: float
+    seqs: list[SeqView]
+    free_slots: int
+    max_slots: int
+    free_pages: int
+    total_pages: int
+    page_size: int
+
+
+@dataclass(slots=True)
+class StepReport:
+    step: int
+    events: list[TokenEvent]
+    view: EngineView
+    compute_s: float  # time inside Engine.step
+    stats: dict[str, Any]
+
+
+def engine_view(engine: Engine) -> EngineView:
+    seqs = []
+    ps = engine.cfg.page_size
+    for status, group in (("waiting", engine.waiting), ("running", engine.running), ("paused", engine.paused)):
+        for s in group:
+            pages = len(s.pages) if status == "running" else -(-s.num_computed // ps)
+            seqs.append(SeqView(s.request_id, s.request.conversation, status, s.arrival, s.num_prompt,
+                                s.num_computed, s.num_output, s.params.max_tokens, pages,
+                                getattr(s, "cached_estimate", 0), s.last_active))
+    return EngineView(engine.clock(), seqs, len(engine.free_slots), engine.cfg.max_slots, engine.blocks.num_free,
+                      engine.blocks.num_pages, ps)
+
+
+def apply_decisions(engine: Engine, control: Control) -> None:
+    """Apply a policy's decisions to the engine: pauses first (they free room), then resumes and admits."""
+    seqs = engine.seqs
+    for rid in control.pause:
+        s = seqs.get(rid)
+        if s is not None and s.status == SeqStatus.RUNNING:
+            engine.pause(s)
+    for rid in control.resume:
+        s = seqs.get(rid)
+        if s is not None and s.status == SeqStatus.PAUSED and engine.can_admit() and not engine.resume(s):
+            break
+    for rid in control.admit:
+        s = seqs.get(rid)
+        if s is not None and s.status == SeqStatus.WAITING and engine.can_admit() and not engine.admit(s):
+            break
+
+
+class EngineDriver:
+    """Runs an engine on one thread: `submit` from any thread, iterate `reports()` on the engine's thread.
+
+    With `remote_policy=True` the engine admits/pauses/resumes only what `Control` messages say (the
+    scheduler actor's policy decides); otherwise the engine's own admission hook runs in-process.
+    """
+
+    def __init__(self, engine: Engine, remote_policy: bool = True, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.remote_policy = remote_policy
+        self.idle_wait_s = idle_wait_s
+        self._pending = Control()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._decisions = Control()
+        self._victims: list[str] | None = None
+        self.last_stats: dict[str, Any] = {}
+        if remote_policy:
+            engine.admission = self._admit_from_decisions
+            engine.choose_victim = self._choose_victim  # type: ignore[attr-defined]
+
+    # ---- any thread ------------------------------------------------------------------------------------
+    def submit(self, control: Control) -> None:
+        with self._cond:
+            self._pending.merge(control)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    # ---- the engine's thread ---------------------------------------------------------------------------
+    def reports(self) -> Iterator[StepReport]:
+        """Yield one report per engine step (or per control batch that produced events) until `stop()`."""
+        engine = self.engine
+        while True:
+            heartbeat = False
+            with self._cond:
+                while not self._stopped and self._pending.empty() and not self._runnable():
+                    if not self._cond.wait(self.idle_wait_s) and (engine.waiting or engine.paused):
+                        heartbeat = True  # queued work the policy has not admitted yet: show it the view again
+                        break
+                if self._stopped:
+                    return
+                control, self._pending = self._pending, Control()
+            events = self._apply(control)
+            steps_before = engine.stats.steps
+            t0 = time.perf_counter()
+            if engine.has_work():
+                try:
+                    events += engine.step()
+                except Exception as exc:  # noqa: BLE001 - a broken step must not kill the service silently
+                    events += self._fail_all(f"engine step failed: {exc!r}")
+            dt = time.perf_counter() - t0
+            ran = engine.stats.steps != steps_before
+            if events or ran or heartbeat or not control.empty():
+                self.last_stats = engine.snapshot_stats()
+                yield StepReport(engine.stats.steps, events, engine_view(engine), dt, self.last_stats)
+            if not ran and not events:
+                with self._cond:  # nothing runnable yet: wait for the control plane instead of spinning
+                    if self._pending.empty() and not self._stopped:
+                        self._cond.wait(self.idle_wait_s)
+
+    def _runnable(self) -> bool:
+        """Running sequences always make progress; with a local policy queued ones can be admitted."""
+        e = self.engine
+        return bool(e.running) or (not self.remote_policy and e.has_work())
+
+    def _apply(self, control: Control) -> list[TokenEvent]:
+        engine = self.engine
+        events: list[TokenEvent] = []
+        for req in control.add:
+            try:
+                seq = engine.add_request(req)
+                seq.cached_estimate = engine.blocks.match_prefix(req.prompt_ids).num_tokens  # type: ignore[attr-defined]
+            except DecapybaraError as exc:
+                events.append(TokenEvent(req.request_id, [], finish_reason=FinishReason.ABORT,
+                                         error=str(exc), error_type=type(exc).__name__))
+        for rid in control.abort:
+            ev = engine.abort(rid)
+            if ev is not None:
+                events.append(ev)
+        if control.victims is not None:
+            self._victims = control.victims
+        if self.remote_policy:
+            self._decisions.merge(Control(admit=control.admit, pause=control.pause, resume=control.resume))
+        return events
+
+    def _admit_from_decisions(self, engine: Engine) -> None:
+        decisions, self._decisions = self._decisions, Control()
+        apply_decisions(engine, decisions)
+
+    def _choose_victim(self, engine: Engine, needing: Any) -> Any:
+        """The scheduler's preferred victim among the running (its order first, then the youngest)."""
+        order = {rid: i for i, rid in enumerate(self._victims or [])}
+        return min(engine.running, key=lambda s: (order.get(s.request_id, len(order)), -s.arrival))
+
+    def _fail_all(self, message: str) -> list[TokenEvent]:
+        events = []
+        for rid in list(self.engine.seqs):
+            ev = self.engine.abort(rid)
+            if ev is not None:
+                ev.note = message
+                events.append(ev)
+        return events

@@ -1,0 +1,88 @@
+"""The app's configuration, validated at the edge (pydantic): what `serve run serve_app:build_app k=v ...`,
+`decapybara serve` and tests pass in. `AppConfig.engine_config(...)` maps it onto the engine's dataclass."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from decapybara.config import KV_MODES, PRESETS, EngineConfig
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo.mcapy"
+
+
+class AppConfig(BaseModel):
+    """Server settings. Values arrive as strings from `serve run ... key=value`; pydantic coerces them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(default=str(DEMO_MODEL), description="path or fsspec URL of a .mcapy file")
+    served_model_name: str = "decapybara"
+    preset: Literal["max_efficiency", "medium", "max_quality"] | None = None
+    slots: int = Field(default=12, ge=1, le=12, description="conversations decoding together (CONVERSATIONS)")
+    kv_mode: str | None = Field(default=None, description="KV bits K/V: 16/16, 8/8, 6/6, 6/4, 4/4")
+    page_size: int | None = Field(default=None, description="tokens per KV page (default 512 on GPU, 16 on CPU)")
+    num_pages: int | None = Field(default=None, ge=2)
+    kv_memory_gb: float | None = Field(default=None, gt=0, description="KV pool size (instead of num_pages)")
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=16)
+    prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = "balanced"
+    loop_guard: Literal["stop", "end_thinking", "escape", "off"] = "stop"
+    api_key: str | None = Field(default=None, description="required as Bearer / x-api-key when set")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ram_cache_gb: float = Field(default=8.0, ge=0, description="RAM tier budget (RAM_CACHE)")
+    disk_cache: str = Field(default="~/.cache/decapybara/kv", description="disk tier fsspec URL (DISK_CACHE)")
+    disk_cache_gb: float = Field(default=64.0, ge=0)
+    idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")
+    max_ongoing_requests: int = Field(default=512, ge=1)
+    ingress_replicas: int = Field(default=1, ge=1)
+    blas_threads: int = Field(default=0, ge=0, description="BLAS threads in the GPU actor (0 = cores - 1)")
+    seed: int = 0
+    name: str = Field(default="decapybara", description="prefix of the named actors of this app")
+
+    @field_validator("kv_mode")
+    @classmethod
+    def _kv_mode(cls, v: str | None) -> str | None:
+        if v is not None and v not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v: str | None) -> str | None:
+        return v or None
+
+    def use_cuda(self) -> bool:
+        if self.device == "cpu":
+            return False
+        try:
+            import cupy  # noqa: F401
+            from cupy.cuda import runtime
+
+            has = runtime.getDeviceCount() > 0
+        except Exception:
+            has = False
+        if self.device == "cuda" and not has:
+            raise ValueError("device=cuda but no CUDA device / CuPy is available")
+        return has
+
+    def engine_config(self, cuda: bool, kv_bytes_per_page: int | None = None) -> EngineConfig:
+        """The engine's knobs: preset values first, explicit settings over them, device-aware defaults."""
+        preset = PRESETS.get(self.preset) if self.preset else None
+        slots = self.slots if "slots" in self.model_fields_set or preset is None else preset.conversations
+        kv_mode = self.kv_mode or (preset.kv_mode if preset else ("16/16" if cuda else None))
+        page = self.page_size or (512 if cuda else 16)
+        pages = self.num_pages
+        if pages is None and self.kv_memory_gb and kv_bytes_per_page:
+            pages = max(2, int(self.kv_memory_gb * 2**30 // kv_bytes_per_page))
+        pages = pages or (4096 if not cuda else 512)
+        batch = self.max_batch_tokens or (2048 if cuda else 256)
+        return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
+                            prefill_policy=self.prefill_policy, kv_mode=kv_mode, max_model_len=self.max_model_len,
+                            seed=self.seed, loop_guard=self.loop_guard)
+
+    def resolved_model(self) -> str:
+        return os.path.expanduser(self.model) if "://" not in self.model else self.model

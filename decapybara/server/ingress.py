@@ -1,0 +1,116 @@
+"""The Ray Serve ingress: the dual HTTP API (FastAPI) in front of the named SchedulerActor.
+
+Replicas tokenise and render chat templates themselves (CPU work spread over ingress replicas); the
+scheduler sees token ids only. Besides HTTP, the deployment offers Python methods for `DeploymentHandle`
+callers (`chat`, `messages`: streaming, OpenAI chunk dicts / Anthropic event dicts; `stats`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from decapybara.server.config import AppConfig
+
+
+def _sse_payloads(lines: list[str]) -> list[dict[str, Any]]:
+    """The JSON objects of SSE lines (`event: ...` / `data: {...}`); `[DONE]` and comments are dropped."""
+    out = []
+    for block in lines:
+        for line in block.splitlines():
+            if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+@serve.ingress()
+class Ingress:
+    async def __init__(self, app_config: dict[str, Any]):
+        from actors.scheduler_actor import scheduler_handle
+        from decapybara.mcapy import McapyFile
+        from decapybara.server.ray_client import RayEngineClient
+        from decapybara.tokenizer import Tokenizer
+
+        self.cfg = AppConfig(**app_config)
+        self.scheduler = scheduler_handle(app_config)
+        info = await self.scheduler.ready.remote()
+        with McapyFile.open(self.cfg.resolved_model()) as f:  # metadata only: weights stay in the GPU actor
+            meta = f.metadata
+        tokenizer = Tokenizer.from_json(meta["tokenizer"], chat_template=meta.get("chat_template"))
+        self.client = RayEngineClient(self.scheduler, tokenizer, info, self.cfg.served_model_name)
+
+    def __serve_build_asgi_app__(self):
+        from decapybara.api.app import create_app
+
+        return create_app(self.client, api_key=self.cfg.api_key, served_model_name=self.cfg.served_model_name)
+
+    # ---- Python (DeploymentHandle) API ---------------------------------------------------------------
+    async def chat(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI chat completion for Python callers: with ``"stream": true`` yields chunk dicts, else yields
+        one ChatCompletion dict. Call as ``handle.options(stream=True).chat.remote(body)``."""
+        from decapybara.api import openai_api
+        from decapybara.api import openai_schemas as oa
+        from decapybara.api.streams import engine_events
+
+        req = oa.ChatCompletionRequest.model_validate(body)
+        plan = openai_api.plan_chat(req, self.client, self.cfg.served_model_name, None)
+        stream = openai_api.ChatStream(plan, self.client.tokenizer)
+        events = engine_events(self.client, plan.request)
+        if not req.stream:
+            from decapybara.api.common import Collected
+
+            done = Collected()
+            async for ev in events:
+                done.add(ev)
+            yield openai_api.chat_completion(plan, done, self.client.tokenizer).dump()
+            return
+        for payload in _sse_payloads(stream.start(None)):
+            yield payload
+        async for ev in events:
+            lines = stream.event(ev) + (stream.end(ev) if ev.finish_reason is not None else [])
+            for payload in _sse_payloads(lines):
+                yield payload
+
+    async def messages(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Anthropic messages for Python callers: streaming yields the event dicts (message_start ...
+        message_stop), otherwise one Message dict."""
+        from decapybara.api import anthropic_api
+        from decapybara.api import anthropic_schemas as an
+        from decapybara.api.streams import budgeted_thinking, engine_events
+
+        req = an.MessagesRequest.model_validate(body)
+        plan = anthropic_api.plan_message(req, self.client, self.cfg.served_model_name, None)
+        events = engine_events(self.client, plan.request)
+        if plan.thinking_budget is not None:
+            events = budgeted_thinking(self.client, plan.request, plan.thinking_budget, plan.prompt.opens_reasoning)
+        if not req.stream:
+            from decapybara.api.common import Collected
+
+            done = Collected()
+            async for ev in events:
+                done.add(ev)
+            yield anthropic_api.message(plan, done).dump()
+            return
+        stream = anthropic_api.MessageStream(plan)
+        for payload in _sse_payloads(stream.start(None)):
+            yield payload
+        async for ev in events:
+            lines = stream.event(ev) + (stream.end(ev) if ev.finish_reason is not None else [])
+            for payload in _sse_payloads(lines):
+                yield payload
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.client.stats()
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The Serve application for `serve run serve_app:build_app key=value ...` (validated by AppConfig)."""
+    cfg = AppConfig(**(args or {}))
+    deployment = serve.deployment(
+        Ingress, name="DecapybaraIngress", num_replicas=cfg.ingress_replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options={"num_cpus": 0},
+    )
+    return deployment.bind(cfg.model_dump(exclude_defaults=True))

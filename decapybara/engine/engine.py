@@ -3,8 +3,8 @@
 `Engine.step()` is schedule -> run -> postprocess. Requests wait in a queue; an admission policy fills free
 slots (FCFS by default; the multi-agent policy of `decapybara.scheduler` plugs in through `admission`).
 Running sequences hold KV pages (and, for hybrid models, a DeltaNet state slot); when the pool runs dry the
-youngest running sequence is paused whole (pages + state to host memory) and later resumed with no
-re-prefill. No Ray here: plain objects, a clock that tests can fake.
+youngest running sequence (or the policy's `choose_victim`) is paused whole (pages + state to host memory)
+and later resumed with no re-prefill. No Ray here: plain objects, a clock that tests can fake.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.admission = admission or fcfs_admission
+        # (engine, needing) -> running sequence to pause when the pool runs dry; None: the admission policy's
+        # `choose_victim` when it has one, else the youngest.
+        self.choose_victim: Callable[[Engine, Sequence], Sequence] | None = None
         self.logits_processor = logits_processor  # (sequence, logits [V]) -> logits, before sampling
         self._rng = random.Random(cfg.seed)
         self._loop_cfg = LoopGuardConfig(mode=cfg.loop_guard).validate()
@@ -216,7 +219,7 @@ class Engine:
         return events
 
     def _plan_with_pages(self) -> StepPlan:
-        """Plan, then give every chunk the pages it writes; pause the youngest sequence while short."""
+        """Plan, then give every chunk the pages it writes; while short, pause a victim (`choose_victim`)."""
         while True:
             plan = plan_step(self.running, self.cfg, self.hybrid)
             short = None
@@ -234,7 +237,8 @@ class Engine:
                     break
             if short is None:
                 return plan
-            victim = max(self.running, key=lambda q: (q.arrival, q.request_id))
+            choose = self.choose_victim or getattr(self.admission, "choose_victim", youngest_victim)
+            victim = choose(self, short)
             self.pause(victim)
             if not self.running:
                 return StepPlan([])
@@ -385,6 +389,23 @@ class Engine:
         self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
                                   snap.nbytes if snap is not None else 0)
 
+    def demote_cached(self, seq: Sequence, keep: set[bytes] | frozenset[bytes] = frozenset()) -> int:
+        """Make the unreferenced cached pages of a finished `seq` (its full pages, then the partial tail it
+        offered) the next to be evicted, deepest first, except full pages whose hash is in `keep`.
+        Returns how many pages moved. Referenced pages are untouched."""
+        b, ps = self.blocks, self.cfg.page_size
+        pages = [b.page_of_hash.get(h) for h in seq.page_hashes if h not in keep]
+        full, rem = divmod(seq.num_computed, ps)
+        if rem and len(seq.page_hashes) >= full:
+            parent = seq.page_hashes[full - 1] if full else root_hash(b.salt)
+            pages.append(b.tails.get(parent, {}).get(tuple(seq.tokens[full * ps:seq.num_computed])))
+        moved = 0
+        for p in pages:  # each goes to the front, so the tail ends up evicted first and the opening last
+            if p is not None and p in b.lru:
+                b.lru.move_to_end(p, last=False)
+                moved += 1
+        return moved
+
     def _prompt_opens_thinking(self, prompt: tuple[int, ...]) -> bool:
         think, end = self._think
         if think is None:
@@ -418,7 +439,13 @@ class Engine:
             "free_pages": b.num_free, "used_pages": b.num_used, "cached_pages": len(b.lru),
             "total_pages": b.num_pages, "snapshots": len(b.snapshots), "snapshot_bytes": b.snapshot_bytes,
             **dataclasses.asdict(self.stats),
+            **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
         }
+
+
+def youngest_victim(engine: Engine, needing: Sequence) -> Sequence:
+    """Default victim when the pool runs dry: the youngest running sequence (latest arrival)."""
+    return max(engine.running, key=lambda q: (q.arrival, q.request_id))
 
 
 def fcfs_admission(engine: Engine) -> None:

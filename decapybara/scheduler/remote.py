@@ -1,15 +1,22 @@
 """The policy as the scheduler actor runs it: decisions from an `EngineView`, not from the engine itself.
 
-`ViewPolicy.decide(view) -> Control | None` turns a report's view into admit / pause / resume decisions and a
-victim order for memory pressure. It never blocks and keeps no reference to engine objects, so the same
-policy runs in the SchedulerActor (control plane) while the GPU actor steps (data plane).
+`AgeViewPolicy.decide(view) -> Control | None` applies the scores of `decapybara.scheduler.scoring` (the same
+S, V, margin, quantum and wait bound as the in-process `AgePolicy`) to a step report's view: it fills free
+slots with the best-scored candidates that fit the pool, preempts the lowest-V running job past its quantum
+when a candidate beats it by the margin, and sends the running jobs' pause order for memory pressure. It keeps
+no engine object, so it runs in the SchedulerActor (control plane) while the GPU actor steps (data plane);
+its decisions apply from the next step on, and a decision is not repeated while it is in flight.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decapybara.engine.driver import Control, EngineView
+from decapybara.engine.driver import Control, EngineView, SeqView
+from decapybara.scheduler.scoring import PolicyConfig, candidate_score, victim_score, work_estimate
 
 
 class ViewPolicy(Protocol):
@@ -18,29 +25,162 @@ class ViewPolicy(Protocol):
     def snapshot(self) -> dict[str, Any]: ...
 
 
-class FcfsViewPolicy:
-    """Baseline: resume paused sequences (oldest first), then admit waiting ones in arrival order."""
+@dataclass(slots=True)
+class _Seen:
+    order: int
+    conversation: str | None
+    entered: float  # when it last became a candidate (arrival or pause)
+    status: str
+    run_since: float | None = None
+    num_output: int = 0
+    decided_at: int = -1  # report number of the last decision about it (in flight until the view changes)
 
-    def __init__(self) -> None:
-        self.decisions = 0
 
+@dataclass(slots=True)
+class _Conv:
+    last_active: float
+    expected_output: float | None = None
+    turns: int = 0
+    pauses: int = 0
+    resumes: int = 0
+
+
+class AgeViewPolicy:
+    """Throughput-first, age-scored decisions from views (see the module docstring)."""
+
+    def __init__(self, config: PolicyConfig | None = None, decision_ttl_reports: int = 4):
+        self.cfg = (config or PolicyConfig()).validate()
+        self.ttl = decision_ttl_reports
+        self.seen: dict[str, _Seen] = {}
+        self.convs: dict[str, _Conv] = {}
+        self.reports = 0
+        self._order = itertools.count()
+        self.counts = {"admitted": 0, "resumed": 0, "preemptions": 0, "expired_conversations": 0}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=64)
+        self.last_ranking: list[dict[str, Any]] = []
+        self._last_victims: list[str] = []
+
+    # ---- bookkeeping --------------------------------------------------------------------------------
+    def _sync(self, view: EngineView) -> None:
+        now, present = view.now, {s.request_id for s in view.seqs}
+        for rid in [r for r in self.seen if r not in present]:  # finished or aborted
+            gone = self.seen.pop(rid)
+            conv = self.convs.get(gone.conversation) if gone.conversation else None
+            if conv is not None:
+                conv.turns += 1
+                conv.last_active = now
+                a, n = self.cfg.output_ema, float(gone.num_output)
+                conv.expected_output = n if conv.expected_output is None else (1 - a) * conv.expected_output + a * n
+        for s in view.seqs:
+            st = self.seen.get(s.request_id)
+            if st is None:
+                st = self.seen[s.request_id] = _Seen(next(self._order), s.conversation, s.arrival, s.status)
+                if s.conversation is not None:
+                    self.convs.setdefault(s.conversation, _Conv(now))
+            if s.status != st.status:
+                st.decided_at = -1  # the decision landed (or something else moved it)
+                if s.status == "running":
+                    st.run_since = now
+                elif s.status == "paused":
+                    st.entered, st.run_since = now, None
+                    conv = self.convs.get(s.conversation) if s.conversation else None
+                    if conv is not None:
+                        conv.pauses += 1
+                st.status = s.status
+            elif s.status == "running" and st.run_since is None:
+                st.run_since = now
+            st.num_output = s.num_output
+            if s.conversation is not None:
+                self.convs[s.conversation].last_active = max(self.convs[s.conversation].last_active, s.last_active)
+        live = {s.conversation for s in view.seqs if s.conversation is not None}
+        for key in [k for k, c in self.convs.items() if k not in live and now - c.last_active >= self.cfg.idle_timeout_s]:
+            del self.convs[key]  # idle past the timeout: the conversation counts as finished
+            self.counts["expired_conversations"] += 1
+            self.recent.append({"time": now, "kind": "expire", "conversation": key})
+
+    def _work(self, s: SeqView) -> float:
+        conv = self.convs.get(s.conversation) if s.conversation else None
+        expected = float(min(s.max_tokens, self.cfg.default_output_tokens))
+        if conv is not None and conv.expected_output is not None:
+            expected = min(float(s.max_tokens), conv.expected_output)
+        decode = max(0.0, expected - s.num_output)
+        if s.status == "waiting":
+            return work_estimate(self.cfg, s.num_prompt - s.cached_estimate, decode)
+        pending = max(0, s.num_prompt + s.num_output - s.num_computed - 1)
+        return work_estimate(self.cfg, pending, decode, s.num_computed if s.status == "paused" else 0)
+
+    def _need_pages(self, s: SeqView, page_size: int) -> int:
+        if s.status == "paused":
+            return s.num_pages + 1
+        return -(-(s.num_prompt - s.cached_estimate + 1) // page_size)
+
+    # ---- decisions ----------------------------------------------------------------------------------
     def decide(self, view: EngineView) -> Control | None:
-        room = view.free_slots
-        if room <= 0:
-            return None
-        paused = sorted((s for s in view.seqs if s.status == "paused"), key=lambda s: s.arrival)
-        waiting = sorted((s for s in view.seqs if s.status == "waiting"), key=lambda s: s.arrival)
-        resume = [s.request_id for s in paused[:room]]
-        admit = [s.request_id for s in waiting[:max(0, room - len(resume))]]
-        if not resume and not admit:
-            return None
-        self.decisions += 1
-        return Control(admit=admit, resume=resume)
+        self.reports += 1
+        self._sync(view)
+        now, cfg = view.now, self.cfg
+        in_flight = lambda s: 0 <= self.seen[s.request_id].decided_at and \
+            self.reports - self.seen[s.request_id].decided_at < self.ttl  # noqa: E731
+        running = [s for s in view.seqs if s.status == "running"]
+        ranked = sorted(((candidate_score(cfg, now - self.seen[s.request_id].entered, self._work(s)), s)
+                         for s in view.seqs if s.status in ("waiting", "paused") and not in_flight(s)),
+                        key=lambda e: (-e[0], self.seen[e[1].request_id].entered, self.seen[e[1].request_id].order))
+        self.last_ranking = [{"request_id": s.request_id, "conversation": s.conversation, "state": s.status,
+                              "score": sc, "wait_s": now - self.seen[s.request_id].entered} for sc, s in ranked]
+        control = Control()
+        slots, free = view.free_slots, view.free_pages
+        n_running = len(running)
+        victims = sorted(running, key=lambda r: (self._victim(r, now), -r.arrival))
+        order = [r.request_id for r in victims]
+        if order != self._last_victims:  # sent only when it changes: most steps need no control message
+            control.victims = self._last_victims = order
+        pending = list(ranked)
+        while pending and slots > 0:  # fill free slots in rank order while the best fits
+            score, s = pending[0]
+            need = self._need_pages(s, view.page_size) + cfg.reserve_pages_per_seq * n_running
+            if need > free and n_running:
+                break
+            self._start(control, s, score, now)
+            pending.pop(0)
+            slots, free, n_running = slots - 1, free - need, n_running + 1
+        if cfg.preemption and pending:  # the best remaining candidate may take a running job's slot
+            score, s = pending[0]
+            ready = [r for r in victims if r.request_id not in control.admit + control.resume
+                     and self.seen[r.request_id].run_since is not None
+                     and now - self.seen[r.request_id].run_since >= cfg.quantum_s and not in_flight(r)]
+            if ready:
+                v = self._victim(ready[0], now)
+                if score > v + cfg.margin:
+                    victim = ready[0]
+                    control.pause.append(victim.request_id)
+                    self.seen[victim.request_id].decided_at = self.reports
+                    self.counts["preemptions"] += 1
+                    self.recent.append({"time": now, "kind": "preempt", "request_id": victim.request_id,
+                                        "score": v, "by": s.request_id})
+                    self._start(control, s, score, now)
+        return None if control.empty() else control
+
+    def _victim(self, r: SeqView, now: float) -> float:
+        return victim_score(self.cfg, now - r.arrival, self._work(r))
+
+    def _start(self, control: Control, s: SeqView, score: float, now: float) -> None:
+        (control.resume if s.status == "paused" else control.admit).append(s.request_id)
+        self.seen[s.request_id].decided_at = self.reports
+        kind = "resume" if s.status == "paused" else "admit"
+        self.counts["resumed" if kind == "resume" else "admitted"] += 1
+        if kind == "resume" and s.conversation in self.convs:
+            self.convs[s.conversation].resumes += 1
+        self.recent.append({"time": now, "kind": kind, "request_id": s.request_id, "score": score})
 
     def snapshot(self) -> dict[str, Any]:
-        return {"policy": "fcfs", "decisions": self.decisions}
+        return {"policy": "age", **self.counts, "reports": self.reports, "queue": self.last_ranking[:32],
+                "conversations": {k: {"turns": c.turns, "pauses": c.pauses, "resumes": c.resumes,
+                                      "expected_output_tokens": c.expected_output}
+                                  for k, c in self.convs.items()},
+                "recent": list(self.recent)[-16:],
+                "fifo_after_s": self.cfg.work_cap / self.cfg.age_weight if self.cfg.age_weight else None}
 
 
 def make_policy(cfg: Any) -> ViewPolicy:
-    """The policy the app config asks for."""
-    return FcfsViewPolicy()
+    """The scheduler actor's policy for an `AppConfig`."""
+    return AgeViewPolicy(PolicyConfig(idle_timeout_s=float(getattr(cfg, "idle_timeout_s", 1200.0))))

@@ -123,7 +123,7 @@ class SchedulerActor:
         engine.pop("sent_at", None)
         view = r.view if r is not None else None
         out: dict[str, Any] = {
-            "engine": engine,
+            **engine,  # the engine's counters and gauges at the top level (as the in-process client has them)
             "slots": [] if view is None else [
                 {"request_id": s.request_id, "conversation": s.conversation, "state": s.status,
                  "prompt_tokens": s.num_prompt, "computed": s.num_computed, "output_tokens": s.num_output,

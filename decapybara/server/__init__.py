@@ -1,0 +1,1 @@
+"""Ray Serve wiring: app config (pydantic), the ingress deployment, the Ray engine client."""

@@ -1,0 +1,110 @@
+"""Shared fixtures: one Ray instance per test session, and a real `serve run` of the app on it.
+
+GPU tests (marked `gpu`) skip where CUDA/CuPy is absent; everything else runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "decapybara" / "assets" / "demo.mcapy"
+API_KEY = "test-key"
+# Keep BLAS single-threaded in the test process: 2-core CI machines run Ray actors beside it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA and CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole session (~5 s, ~1 GiB); its GCS address."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+class Served:
+    """A running `serve run` of the app: its base URL and the subprocess' log file."""
+
+    def __init__(self, url: str, log: Path, app_name: str):
+        self.url, self.log, self.app_name = url, log, app_name
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def serve_run(address: str, port: int, app_name: str, args: dict[str, str], log: Path,
+              timeout_s: float = 240.0) -> Served:
+    """`serve run --non-blocking serve_app:build_app k=v ...` against the session's Ray; waits for /health."""
+    import httpx
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    cmd = [serve_cli, "run", "--address", address, "--non-blocking", "--name", app_name, "--route-prefix", "/",
+           "serve_app:build_app", *[f"{k}={v}" for k, v in args.items()]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+    url = f"http://127.0.0.1:{port}"
+    if proc.returncode != 0:
+        raise RuntimeError(f"serve run failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return Served(url, log, app_name)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the app did not become healthy:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster, tmp_path_factory) -> Served:
+    """The demo model served by a real `serve run`, with a KV pool small enough that 30 agents force
+    pauses and resumes (the policy's behaviour under memory pressure is part of what the tests see)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    args = {"model": str(DEMO), "num_pages": "48", "page_size": "16", "max_batch_tokens": "512",
+            "disk_cache": str(tmp / "kv"), "ram_cache_gb": "0.25", "disk_cache_gb": "1", "name": "pytest",
+            "max_model_len": "768", "api_key": API_KEY}
+    return serve_run(ray_cluster, free_port(), "decapybara", args, tmp / "serve.log")

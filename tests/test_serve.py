@@ -1,0 +1,235 @@
+"""The app under a real `serve run` (Ray Serve, SchedulerActor, GPUActor, tier actors) with the demo model,
+driven by the official openai and anthropic SDKs, httpx, a Serve handle, and locust."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import subprocess
+import sys
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from conftest import API_KEY, DEMO, ROOT
+
+pytestmark = pytest.mark.timeout(600)
+USER = [{"role": "user", "content": "Write a Python function `add(a, b)`: Return the sum of a and b."}]
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ant(served):
+    return anthropic.Anthropic(base_url=served.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same model in-process (the reference for greedy answers and token counts)."""
+    from decapybara.model.load import load_model
+
+    return load_model(str(DEMO))
+
+
+def stats(served) -> dict:
+    return httpx.get(f"{served.url}/stats", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+
+
+def test_models_chat_and_usage_consistent_with_the_tokenizer(oai, local):
+    assert [m.id for m in oai.models.list().data] == ["decapybara"]
+    r = oai.chat.completions.create(model="anything", messages=USER, max_tokens=16, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    prompt = local.tokenizer.apply_chat(USER, enable_thinking=False)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert 1 <= r.usage.completion_tokens <= 16 and r.choices[0].finish_reason in ("stop", "length")
+    on = oai.chat.completions.create(model="x", messages=USER, max_tokens=1, temperature=0,
+                                     extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert on.usage.prompt_tokens == len(local.tokenizer.apply_chat(USER, enable_thinking=True))
+    assert on.usage.prompt_tokens != r.usage.prompt_tokens  # thinking off adds the empty <think> block
+
+
+def test_greedy_over_http_equals_the_in_process_engine(oai, local):
+    from decapybara.config import EngineConfig
+    from decapybara.engine.engine import Engine
+    from decapybara.engine.sampling import SamplingParams
+
+    prompt = local.tokenizer.encode("import os\n\ndef list_python_files(root):\n")
+    engine = Engine(local.model, EngineConfig(loop_guard="off"), tokenizer=local.tokenizer)
+    want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    r = oai.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].text == local.tokenizer.decode(want)
+    text = "".join(c.choices[0].text for c in oai.completions.create(
+        model="m", prompt=local.tokenizer.decode(prompt), max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert text == local.tokenizer.decode(want)
+
+
+def test_streaming_chat_stop_sequences_and_cached_prompt_tokens(oai):
+    chunks = list(oai.chat.completions.create(model="m", messages=USER, max_tokens=40, temperature=0, stream=True,
+                                              stop=["\n"], stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "\n" not in text
+    assert chunks[-1].usage is not None
+    again = oai.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the repeated prompt came from the cache
+
+
+def test_tool_call_round_trip_both_apis(oai, ant):
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Read setup.py and summarise it."},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+             "function": {"name": "read_file", "arguments": json.dumps({"path": "setup.py"})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "from setuptools import setup\nsetup()\n"}]
+    r = oai.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    m = ant.messages.create(model="m", max_tokens=24, tools=[{
+        "name": "read_file", "description": "Read a file", "input_schema": {"type": "object"}}], messages=[
+        {"role": "user", "content": "Read setup.py."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                            "input": {"path": "setup.py"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "setup()"}]}])
+    assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.input_tokens > 0
+
+
+def test_anthropic_messages_stream_events_and_count_tokens(ant, local):
+    with ant.messages.stream(model="m", max_tokens=12, messages=USER) as stream:
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds and "message_delta" in kinds
+    assert final.usage.output_tokens >= 1
+    counted = ant.messages.count_tokens(model="m", messages=USER)
+    assert counted.input_tokens == len(local.tokenizer.apply_chat(USER, enable_thinking=False))  # thinking off
+    thinking = ant.messages.create(model="m", max_tokens=16, messages=USER,
+                                   thinking={"type": "enabled", "budget_tokens": 1024})
+    assert thinking.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_api_key_and_bad_input_then_still_serving(served, oai):
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 401 and r.json()["error"]["type"]
+    r = httpx.post(f"{served.url}/v1/messages", json={"messages": USER, "max_tokens": 4})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    h = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    bad = [("/v1/chat/completions", b"{not json"), ("/v1/chat/completions", b'{"messages": "hi"}'),
+           ("/v1/chat/completions", json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode()),
+           ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
+           ("/v1/chat/completions", json.dumps({"messages": USER, "temperature": -3}).encode()),
+           ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x " * 5000}]}).encode()),
+           ("/v1/messages", json.dumps({"messages": USER}).encode()),
+           ("/v1/messages", json.dumps({"messages": USER, "max_tokens": 4, "top_p": 7}).encode())]
+    for path, body in bad:
+        r = httpx.post(f"{served.url}{path}", content=body, headers=h, timeout=30)
+        assert 400 <= r.status_code < 500, (path, body[:60], r.status_code, r.text[:200])
+        shape = r.json()
+        assert ("error" in shape) if path.startswith("/v1/chat") else shape["type"] == "error"
+    assert oai.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_client_disconnect_frees_the_slot(served):
+    h = {"authorization": f"Bearer {API_KEY}"}
+    before = stats(served)["aborted"]
+    body = {"messages": USER, "max_tokens": 1000, "stream": True, "temperature": 0.8}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, headers=h, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break  # leave mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        s = stats(served)
+        if s["aborted"] > before and s["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert s["aborted"] > before and s["running"] == 0
+
+
+def test_thirty_streaming_agents_through_twelve_slots(served, oai, ant):
+    """30 agents (both APIs) at once on 12 slots and a pool too small for all: everyone finishes, the policy
+    pauses and resumes conversations, and no resumed conversation was prefilled again."""
+    def agent(i: int) -> int:
+        msgs = [{"role": "user", "content": f"Agent {i}: write a Python function `f{i}(x)` returning x * {i}."}]
+        if i % 2:
+            with ant.messages.stream(model="m", max_tokens=48, messages=msgs, extra_body={"temperature": 0.7}) as s:
+                return s.get_final_message().usage.output_tokens
+        chunks = oai.chat.completions.create(model="m", messages=msgs, max_tokens=48, temperature=0.7,
+                                             stream=True, stream_options={"include_usage": True})
+        return [c for c in chunks][-1].usage.completion_tokens
+
+    with cf.ThreadPoolExecutor(30) as pool:
+        outputs = list(pool.map(agent, range(30)))
+    assert len(outputs) == 30 and all(n >= 1 for n in outputs)
+    s = e = stats(served)
+    assert e["running"] == 0 and e["waiting"] == 0
+    assert e["pauses"] > 0 and e["resumes"] == e["pauses"]
+    # every admitted prompt token was either computed once or reused from the cache: no re-prefill
+    assert e["computed_prompt_tokens"] + e["reused_prompt_tokens"] == e["prompt_tokens"]
+    assert s["policy"]["policy"] == "age" and s["control"]["overhead_us_p50"] is not None
+
+
+def test_python_serve_handle_streams(served):
+    from ray import serve
+
+    handle = serve.get_app_handle(served.app_name)
+    chunks = list(handle.options(stream=True).chat.remote({"messages": USER, "max_tokens": 6, "stream": True}))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
+    events = [e["type"] for e in handle.options(stream=True).messages.remote(
+        {"messages": USER, "max_tokens": 6, "stream": True})]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+
+
+def test_metrics_are_prometheus_text(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{served.url}/metrics", headers={"x-api-key": API_KEY}, timeout=30).text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert any("generated_tokens" in n for n in names)
+
+
+def test_locust_thirty_agents_headless(served, tmp_path):
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless",
+           "-u", "30", "-r", "15", "-t", "25s", "--host", served.url, "--csv", str(tmp_path / "run"),
+           "--only-summary", "--stop-timeout", "30"]
+    env = {"DECAPYBARA_API_KEY": API_KEY, "DECAPYBARA_MAX_TOKENS": "24", "DECAPYBARA_TURNS": "4",
+           "PATH": "/usr/bin:/bin"}
+    import os
+
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
+    rows = (tmp_path / "run_stats.csv").read_text().splitlines()
+    by_name = {r.split(",")[1]: r.split(",") for r in rows[1:]}
+    assert "TTFT" in by_name and "ITL" in by_name and "tokens" in by_name, proc.stdout[-2000:]
+    failures = sum(int(r[3]) for name, r in by_name.items() if name in ("openai chat", "anthropic messages"))
+    requests = sum(int(r[2]) for name, r in by_name.items() if name in ("openai chat", "anthropic messages"))
+    assert requests >= 30 and failures == 0, proc.stdout[-2000:]
+
+
+def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, tmp_path):
+    """`serve run serve_app:app` (all defaults: the embedded demo model, no network), deployed beside the test
+    app under its own route prefix on the session's Ray, answers a chat request."""
+    import os
+    from pathlib import Path
+
+    log = tmp_path / "default.log"
+    cmd = [str(Path(sys.executable).parent / "serve"), "run", "--address", ray_cluster, "--non-blocking",
+           "--name", "default", "--route-prefix", "/demo", "serve_app:app"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with log.open("w") as fh:
+        assert subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode == 0
+    r = httpx.post(f"{served.url}/demo/v1/chat/completions", timeout=120, json={
+        "model": "decapybara", "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": "Write a Python function `is_even(n)`"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].strip()
+    from ray import serve
+
+    serve.delete("default")

@@ -44,6 +44,12 @@ class GPUActor:
         self.engine = Engine(loaded.model, engine_cfg, tokenizer=loaded.tokenizer)
         self.driver = EngineDriver(self.engine, remote_policy=True)
         self.tier_handles = tier_handles or {}
+        if self.tier_handles:  # paused conversations and evicted prefix pages go to RAM, then disk
+            from actors.kv_tier_actors import RayTierStores
+
+            stores = self.stores = RayTierStores(self.tier_handles, self.engine.blocks.salt)
+            self.engine.bundle_store = stores
+            self.engine.set_page_store(stores)
         self.model_name = cfg.served_model_name
         self.load_seconds = time.perf_counter() - t0
         self._lock = threading.Lock()
@@ -55,6 +61,10 @@ class GPUActor:
             "model_type": e.model.cfg.model_type, "max_model_len": e.max_model_len,
             "vocab_size": e.model.cfg.vocab_size, "engine": dataclasses.asdict(e.cfg), "pid": os.getpid(),
         }
+
+    def take_staged(self, key: str):
+        """A unit encoded for the RAM tier, returned to it (the result object is the tier's)."""
+        return self.stores.take_staged(key)
 
     def control(self, control: Control) -> None:
         self.driver.submit(control)

@@ -1,8 +1,9 @@
 """RamTierActor and DiskTierActor: the RAM and disk KV tiers as Ray actors, and the GPU actor's client.
 
-RamTierActor owns ObjectRefs in the Ray object store under a byte budget (RAM_CACHE): the GPU actor puts a
-unit's bytes into the object store itself with this actor as the owner (`ray.put(..., _owner=ram)`: one copy,
-and the object outlives the request and the GPU actor), then hands over the ref. Over budget, the unit needed
+RamTierActor owns ObjectRefs in the Ray object store under a byte budget (RAM_CACHE). The GPU actor encodes a
+unit and stages it; the RAM tier then calls the GPU actor's `take_staged(key)`: the returned object is written
+into the object store once, by the GPU actor, and owned by the RAM tier (a task's caller owns its result), so
+it outlives the request and the GPU actor. Over budget, the unit needed
 last (queue-aware, by `next_use`) spills to the DiskTierActor, which reads it zero-copy from the object store
 and writes it under an fsspec URL (DISK_CACHE). Every unit is checksummed and verified when it comes back.
 """
@@ -25,11 +26,19 @@ class RamTierActor:
         self.stats_ = {"puts": 0, "put_bytes": 0, "hits": 0, "misses": 0, "spills": 0, "spilled_bytes": 0,
                        "lost": 0}
 
-    async def put(self, key: str, boxed_ref: list, nbytes: int, next_use: float | None = None) -> int:
-        """Keep `boxed_ref[0]` (a ref this actor owns). Returns how many units spilled to disk."""
+    async def put_from(self, key: str, source: Any, nbytes: int, next_use: float | None = None) -> int:
+        """Adopt a unit staged by `source` (an actor with `take_staged(key)`): its result ref is ours."""
+        return await self._keep(key, source.take_staged.remote(key), nbytes, next_use)
+
+    async def put_bytes(self, key: str, data: Any, nbytes: int, next_use: float | None = None) -> int:
+        """Adopt a unit passed by value (callers that are not actors): one copy into an object we own."""
+        return await self._keep(key, ray.put(data), nbytes, next_use)
+
+    async def _keep(self, key: str, ref: Any, nbytes: int, next_use: float | None) -> int:
+        """Keep `ref` (owned by this actor). Returns how many units spilled to disk."""
         self.stats_["puts"] += 1
         self.stats_["put_bytes"] += nbytes
-        spilled = self.store.put(key, boxed_ref[0], nbytes, next_use)
+        spilled = self.store.put(key, ref, nbytes, next_use)
         for s in spilled:
             self.stats_["spills"] += 1
             self.stats_["spilled_bytes"] += s.nbytes
@@ -122,3 +131,95 @@ def fetch_unit(tiers: dict[str, Any], key: str, timeout_s: float = 60.0):
         return decode_unit(data)
     except UnitCorrupt:
         return None
+
+
+class RayTierStores:
+    """The engine's bundle and page stores over the tier actors (used inside the GPU actor).
+
+    Units are encoded here and put into the object store with the RAM tier actor as their owner. Any failure
+    to reach a tier (actor dead, timeout) or a damaged unit counts as a loss: the engine then recomputes
+    from tokens, never waits forever and never uses wrong data."""
+
+    def __init__(self, tiers: dict[str, Any], salt: bytes, timeout_s: float = 30.0):
+        self.tiers, self.salt, self.timeout_s = tiers, salt, timeout_s
+        self._pages: dict[bytes, bool] = {}
+        self.errors = 0
+        self.staged: dict[str, Any] = {}  # encoded units waiting for the RAM tier to take them
+        try:
+            self.actor = ray.get_runtime_context().current_actor  # inside the GPU actor
+        except RuntimeError:
+            self.actor = None
+
+    def _put_unit(self, unit: Any, next_use: float | None) -> str:
+        import numpy as np
+
+        from decapybara.kv.units import encode_unit
+
+        buf = np.frombuffer(encode_unit(unit), np.uint8)  # numpy: zero-copy reads from the object store
+        ram = self.tiers["ram"]
+        if self.actor is not None:  # the RAM tier fetches it: one write into the object store, owned by the tier
+            self.staged[unit.key] = buf
+            ram.put_from.remote(unit.key, self.actor, len(buf), next_use)
+        else:
+            ram.put_bytes.remote(unit.key, buf, len(buf), next_use)
+        return unit.key
+
+    def take_staged(self, key: str) -> Any:
+        return self.staged.pop(key)
+
+    def _take(self, key: str, keep: bool = False) -> Any:
+        try:
+            unit = fetch_unit(self.tiers, key, self.timeout_s)
+        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout is a lost unit
+            self.errors += 1
+            return None
+        if not keep:
+            self._discard(key)
+        return unit
+
+    def _discard(self, key: str) -> None:
+        try:
+            self.tiers["ram"].pop.remote(key)
+            if "disk" in self.tiers:
+                self.tiers["disk"].delete.remote(key)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+
+    # ---- bundles -------------------------------------------------------------------------------------
+    def put(self, seq: Any, bundle: Any) -> str:
+        from decapybara.engine.persist import sequence_state
+        from decapybara.kv.units import Unit, conv_key
+
+        meta, extras = sequence_state(seq)
+        return self._put_unit(Unit.from_bundle(conv_key(seq.request_id, seq.num_pauses), bundle, meta, extras),
+                              float(seq.arrival))
+
+    def get(self, seq: Any, handle: str) -> Any:
+        unit = self._take(handle)
+        return None if unit is None else unit.to_bundle()
+
+    def discard(self, seq: Any, handle: str) -> None:
+        self._discard(handle)
+
+    # ---- pages ---------------------------------------------------------------------------------------
+    def offload(self, page_hash: bytes, kv: Any, snapshot: Any) -> None:
+        from decapybara.kv.units import Unit
+
+        self._put_unit(Unit.page(self.salt, page_hash, kv, snapshot), None)
+        self._pages[page_hash] = snapshot is not None
+
+    def lookup(self, page_hash: bytes) -> int:
+        has_snap = self._pages.get(page_hash)
+        return 0 if has_snap is None else (2 if has_snap else 1)
+
+    def fetch(self, page_hash: bytes) -> Any:
+        from decapybara.kv.units import page_key
+
+        unit = self._take(page_key(self.salt, page_hash), keep=True)
+        if unit is None:
+            self._pages.pop(page_hash, None)
+            return None
+        return unit.kv, unit.state
+
+    def forget(self, page_hash: bytes) -> None:
+        self._pages.pop(page_hash, None)

@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring none, so a whole run is reproducible
     loop_guard: str = "stop"  # stop | end_thinking | escape | off
     stream_interval: int = 1  # emit events every n tokens (1 = every token)
+    context_mode: str = "pool"  # pool: one shared KV pool, pauses under pressure | fixed: whole context reserved
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ConfigError("balanced_prefill_share must be in (0, 1]")
         if self.kv_mode not in (None, "32/32") + KV_MODES:
             raise ConfigError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.context_mode not in ("pool", "fixed"):
+            raise ConfigError(f"context_mode must be pool or fixed, got {self.context_mode!r}")
         if self.loop_guard not in ("stop", "end_thinking", "escape", "off"):
             raise ConfigError(f"loop_guard must be stop, end_thinking, escape or off, got {self.loop_guard!r}")
 

@@ -174,6 +174,9 @@ def test_thirty_streaming_agents_through_twelve_slots(served, oai, ant):
     # every admitted prompt token was either computed once or reused from the cache: no re-prefill
     assert e["computed_prompt_tokens"] + e["reused_prompt_tokens"] == e["prompt_tokens"]
     assert s["policy"]["policy"] == "age" and s["control"]["overhead_us_p50"] is not None
+    ram, disk = s["tiers"]["ram"], s["tiers"]["disk"]
+    assert ram["puts"] >= e["pauses"]  # paused conversations went to the RAM tier (evicted pages too)
+    assert ram["used_bytes"] <= ram["budget_bytes"] and disk["used_bytes"] <= disk["budget_bytes"]
 
 
 def test_python_serve_handle_streams(served):

@@ -51,11 +51,12 @@ class PrefixMatch(NamedTuple):
     state snapshot at that point, and optionally a cached partial page (`tail_page`, holding `tail_len` more
     tokens) whose content must be copied into a private page before the sequence appends to it."""
 
-    pages: list[int]
+    pages: list[int | None]  # None: the page is not in the pool but in a tier (`external`): restore it
     num_tokens: int
-    snapshot: Any
+    snapshot: Any  # None for hybrid models when the snapshot travels with an external page
     tail_page: int | None = None
     tail_len: int = 0
+    hashes: list[bytes] | tuple = ()  # hashes of `pages`
 
 
 @dataclass(slots=True)
@@ -89,6 +90,8 @@ class BlockManager:
     # parent hash -> {tail tokens -> page}, and the reverse.
     tails: dict[bytes, dict[tuple[int, ...], int]] = field(init=False, default_factory=dict)
     tail_of_page: dict[int, tuple[bytes, tuple[int, ...]]] = field(init=False, default_factory=dict)
+    # Pages evicted to a tier: hash -> 0 absent, 1 present, 2 present with a hybrid snapshot (the page store)
+    external: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.ref = np.zeros(self.num_pages, dtype=np.int32)
@@ -121,7 +124,15 @@ class BlockManager:
         for i, h in enumerate(hashes):
             page = self.page_of_hash.get(h)
             if page is None:
-                break
+                ext = self.external(h) if self.external is not None else 0
+                if not ext:
+                    break
+                matched.append(None)
+                if not self.needs_snapshots:
+                    best = i + 1
+                elif ext == 2:
+                    best, snap = i + 1, None  # the snapshot comes back with the page
+                continue
             matched.append(page)
             if not self.needs_snapshots:
                 best = i + 1
@@ -142,7 +153,7 @@ class BlockManager:
         num = start + tail_len
         self.stats.prefix_queries_tokens += len(tokens)
         self.stats.prefix_hits_tokens += num
-        return PrefixMatch(matched[:best], num, snap, tail_page, tail_len)
+        return PrefixMatch(matched[:best], num, snap, tail_page, tail_len, hashes[:best])
 
     def register_tail(self, parent: bytes, tail: tuple[int, ...], page: int, snapshot: Any = None,
                       nbytes: int = 0) -> None:
@@ -220,7 +231,7 @@ class BlockManager:
         self.stats.evicted_pages += 1
         return page
 
-    def can_allocate(self, num_new_pages: int, reused: list[int] = ()) -> bool:
+    def can_allocate(self, num_new_pages: int, reused: list[int] = ()) -> bool:  # noqa: B006
         cached_reused = sum(1 for p in reused if self.ref[p] == 0)
         return self.num_free - cached_reused >= num_new_pages
 

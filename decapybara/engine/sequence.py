@@ -95,6 +95,7 @@ class Sequence:
     paused_bundle: Any = None
     num_pauses: int = 0
     num_resumes: int = 0
+    num_admissions: int = 0  # > 1 only when a lost bundle forced a recompute
 
     @property
     def request_id(self) -> str:

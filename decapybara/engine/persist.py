@@ -1,0 +1,81 @@
+"""A sequence's resumable state as plain data: what a paused conversation's tier unit carries besides its
+KV and hybrid state, so that any engine on the same model (also after a server restart) can resume it and
+produce exactly the tokens the uninterrupted run would have."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request, Sequence
+
+FORMAT = 1
+
+
+def params_to_dict(p: SamplingParams) -> dict[str, Any]:
+    d = dataclasses.asdict(p)
+    d["logit_bias"] = [[int(k), float(v)] for k, v in p.logit_bias.items()]
+    d["stop_token_ids"], d["stop"] = list(p.stop_token_ids), list(p.stop)
+    return d
+
+
+def params_from_dict(d: dict[str, Any]) -> SamplingParams:
+    d = dict(d)
+    d["logit_bias"] = {int(k): float(v) for k, v in d.get("logit_bias", [])}
+    d["stop_token_ids"], d["stop"] = tuple(d.get("stop_token_ids", ())), tuple(d.get("stop", ()))
+    return SamplingParams(**d)
+
+
+def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(JSON-able facts, arrays) of a sequence at a pause: everything but its KV and hybrid state."""
+    req = seq.request
+    meta = {
+        "format": FORMAT, "request_id": req.request_id, "conversation": req.conversation,
+        "params": params_to_dict(req.params), "seed": seq.seed, "arrival": seq.arrival,
+        "num_prompt": seq.num_prompt, "num_computed": seq.num_computed, "num_output": seq.num_output,
+        "num_cached_prompt": seq.num_cached_prompt, "num_computed_prompt": seq.num_computed_prompt,
+        "output_counts": [[int(k), int(v)] for k, v in seq.output_counts.items()],
+        "loopguard": seq.loopguard.state.to_dict() if seq.loopguard is not None else None,
+        "extra_penalty": seq.extra_penalty, "banned": list(seq.banned), "in_thinking": seq.in_thinking,
+        "num_pauses": seq.num_pauses, "num_resumes": seq.num_resumes,
+    }
+    extras = {"tokens": np.asarray(seq.tokens, np.int64),
+              "page_hashes": np.frombuffer(b"".join(seq.page_hashes), np.uint8).reshape(-1, 16).copy()}
+    return meta, extras
+
+
+def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopguard_cfg: Any,
+                     detok_factory: Any = None) -> Sequence:
+    """A paused `Sequence` rebuilt from `sequence_state` output (its bundle is attached by the caller).
+
+    The detokeniser has no serialised state: it is rebuilt by replaying the output tokens, which yields the
+    same held-back text and stop-string state."""
+    from decapybara.engine.loopguard import LoopGuard, LoopGuardState
+
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"unknown sequence state format {meta.get('format')!r}")
+    tokens = [int(t) for t in extras["tokens"]]
+    n_prompt = int(meta["num_prompt"])
+    params = params_from_dict(meta["params"])
+    req = Request(tuple(tokens[:n_prompt]), params, meta["request_id"], meta["conversation"], meta["arrival"])
+    seq = Sequence(req, int(meta["seed"]), float(meta["arrival"]), tokens=tokens, num_prompt=n_prompt,
+                   num_computed=int(meta["num_computed"]))
+    seq.num_output = int(meta["num_output"])
+    seq.num_cached_prompt = int(meta["num_cached_prompt"])
+    seq.num_computed_prompt = int(meta["num_computed_prompt"])
+    seq.output_counts = {int(k): int(v) for k, v in meta["output_counts"]}
+    seq.page_hashes = [bytes(row) for row in np.asarray(extras["page_hashes"], np.uint8).reshape(-1, 16)]
+    if meta.get("loopguard") is not None:
+        seq.loopguard = LoopGuard(loopguard_cfg, LoopGuardState.from_dict(meta["loopguard"]))
+    seq.extra_penalty = float(meta["extra_penalty"])
+    seq.banned = tuple(int(t) for t in meta["banned"])
+    seq.in_thinking = bool(meta["in_thinking"])
+    seq.num_pauses, seq.num_resumes = int(meta["num_pauses"]), int(meta["num_resumes"])
+    if detok_factory is not None:
+        seq.detok = detok_factory(params)
+        for t in tokens[n_prompt:]:
+            seq.detok.push(t)
+    return seq

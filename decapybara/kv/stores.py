@@ -1,0 +1,109 @@
+"""Where the engine puts what leaves the GPU pool: paused conversations (bundles) and evicted prefix pages.
+
+`HostBundleStore` keeps paused bundles in process memory (the engine's default). `TierStores` puts both kinds
+into the RAM -> disk tiers as checksummed units: a paused conversation's unit also carries its sequence
+state (`decapybara.engine.persist`), so a later engine can resume it after a restart; an evicted prefix page
+is keyed by its content hash, so a later prompt that starts the same way restores it instead of recomputing.
+A unit that comes back damaged or not at all is reported as missing, and the engine recomputes from tokens.
+
+Eviction is queue-aware: a conversation unit's `next_use` is its arrival time (the age-scored policy resumes
+older conversations first, so the youngest is needed last and spills first); prefix pages carry no estimate
+(None: they go before any conversation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from decapybara.backend.base import HybridState, KVPageData
+from decapybara.kv.tiers import KVTiers
+from decapybara.kv.units import Unit, conv_key, page_key
+
+ABSENT, PRESENT, PRESENT_WITH_SNAPSHOT = 0, 1, 2
+
+
+class BundleStore(Protocol):
+    """Paused conversations: `put` returns a handle kept on the sequence; `get` returns the bundle or None when
+    it was lost (then the engine recomputes the sequence from its tokens); `discard` forgets it."""
+
+    def put(self, seq: Any, bundle: Any) -> Any: ...
+
+    def get(self, seq: Any, handle: Any) -> Any: ...
+
+    def discard(self, seq: Any, handle: Any) -> None: ...
+
+
+class PageStore(Protocol):
+    """Prefix pages evicted from the pool, by content hash."""
+
+    def offload(self, page_hash: bytes, kv: KVPageData, snapshot: HybridState | None) -> None: ...
+
+    def lookup(self, page_hash: bytes) -> int: ...  # ABSENT, PRESENT or PRESENT_WITH_SNAPSHOT
+
+    def fetch(self, page_hash: bytes) -> tuple[KVPageData, HybridState | None] | None: ...
+
+    def forget(self, page_hash: bytes) -> None: ...
+
+
+class HostBundleStore:
+    """The default: paused bundles stay in this process's memory (nothing is ever lost)."""
+
+    def put(self, seq: Any, bundle: Any) -> Any:
+        return bundle
+
+    def get(self, seq: Any, handle: Any) -> Any:
+        return handle
+
+    def discard(self, seq: Any, handle: Any) -> None:
+        return None
+
+
+class TierStores:
+    """Both stores over in-process `KVTiers` (RAM budget, disk under an fsspec URL)."""
+
+    def __init__(self, tiers: KVTiers, salt: bytes):
+        self.tiers, self.salt = tiers, salt
+        self._pages: dict[bytes, bool] = {}  # page hash -> offloaded with a hybrid snapshot
+
+    # ---- bundles -------------------------------------------------------------------------------------
+    def put(self, seq: Any, bundle: Any) -> str:
+        from decapybara.engine.persist import sequence_state
+
+        meta, extras = sequence_state(seq)
+        unit = Unit.from_bundle(conv_key(seq.request_id, seq.num_pauses), bundle, meta, extras)
+        return self.tiers.put(unit, next_use=float(seq.arrival))
+
+    def get(self, seq: Any, handle: str) -> Any:
+        unit = self.tiers.take(handle)
+        return None if unit is None else unit.to_bundle()
+
+    def discard(self, seq: Any, handle: str) -> None:
+        self.tiers.discard(handle)
+
+    def take_unit(self, key: str) -> Unit | None:
+        """A paused conversation's whole unit (bundle + sequence state), e.g. to resume it in a new engine."""
+        return self.tiers.take(key)
+
+    # ---- pages -----------------------------------------------------------------------------------------
+    def offload(self, page_hash: bytes, kv: KVPageData, snapshot: HybridState | None) -> None:
+        self.tiers.put(Unit.page(self.salt, page_hash, kv, snapshot), next_use=None)
+        self._pages[page_hash] = snapshot is not None
+
+    def lookup(self, page_hash: bytes) -> int:
+        has_snap = self._pages.get(page_hash)
+        if has_snap is None:
+            return ABSENT
+        if self.tiers.where(page_key(self.salt, page_hash)) is None:  # evicted from every tier meanwhile
+            del self._pages[page_hash]
+            return ABSENT
+        return PRESENT_WITH_SNAPSHOT if has_snap else PRESENT
+
+    def fetch(self, page_hash: bytes) -> tuple[KVPageData, HybridState | None] | None:
+        unit = self.tiers.get(page_key(self.salt, page_hash))
+        if unit is None:
+            self._pages.pop(page_hash, None)
+            return None
+        return unit.kv, unit.state
+
+    def forget(self, page_hash: bytes) -> None:
+        self._pages.pop(page_hash, None)

@@ -1,0 +1,143 @@
+"""The engine with the KV tiers: pause to RAM / disk / across a restart and resume exactly, no re-prefill,
+evicted prefix pages restored instead of recomputed, damaged or lost units recomputed (never wrong output)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from decapybara.config import EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
+from decapybara.kv.disk_tier import DiskTierStore
+from decapybara.kv.ram_tier import RamTierStore
+from decapybara.kv.stores import TierStores
+from decapybara.kv.tiers import KVTiers
+from decapybara.testing import tiny_qwen
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@functools.cache
+def model(family: str):
+    return tiny_qwen(family)[0]
+
+
+def make_engine(family: str, url: str, ram_bytes: int, kv_mode=None, **kw) -> tuple[Engine, TierStores]:
+    cfg = dict(page_size=8, num_pages=64, loop_guard="stop", kv_mode=kv_mode)
+    cfg.update(kw)
+    engine = Engine(model(family), EngineConfig(**cfg))
+    stores = TierStores(KVTiers(RamTierStore(ram_bytes), DiskTierStore(url, 64 << 20)), engine.blocks.salt)
+    engine.bundle_store = stores
+    engine.set_page_store(stores)
+    return engine, stores
+
+
+def run_until_done(engine: Engine, outs: dict[str, list[int]]) -> None:
+    while engine.has_work():
+        for ev in engine.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 512, n).tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("where", ["ram", "disk", "restart"])
+@pytest.mark.parametrize("kv_mode", [None, "8/8", "6/4"])
+def test_pause_to_tier_and_resume_is_exact(family, where, kv_mode, tmp_path):
+    p = prompt(1, 29)
+    ref = Engine(model(family), EngineConfig(page_size=8, num_pages=64, kv_mode=kv_mode)).generate([p], GREEDY)[0]
+    url = f"file://{tmp_path}/kv"
+    engine, stores = make_engine(family, url, ram_bytes=(64 << 20) if where == "ram" else 0, kv_mode=kv_mode)
+    engine.add_request(Request(tuple(p), GREEDY, "agent"))
+    outs: dict[str, list[int]] = {}
+    pause_at = int(np.random.default_rng(hash((family, where, kv_mode)) % 2**32).integers(3, 12))
+    for _ in range(pause_at):
+        for ev in engine.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+    seq = engine.seqs["agent"]
+    engine.admission = lambda e: None  # nothing resumes it behind the test's back
+    engine.pause(seq)
+    key = seq.paused_bundle
+    assert stores.tiers.where(key) == ("ram" if where == "ram" else "disk")
+    computed = engine.stats.computed_prompt_tokens
+    if where == "restart":  # a new server: fresh tiers over the same disk, a fresh engine
+        del engine, stores
+        engine, stores = make_engine(family, url, 64 << 20, kv_mode=kv_mode)
+        assert key in stores.tiers.disk.keys()
+        seq = engine.import_paused(stores.take_unit(key))
+        computed = engine.stats.computed_prompt_tokens
+        assert seq.num_computed > 0
+    else:
+        engine.admission = lambda e: None
+    assert engine.resume(seq)
+    engine.admission = lambda e: None
+    run_until_done(engine, outs)
+    assert outs["agent"] == ref
+    assert engine.stats.computed_prompt_tokens == computed  # nothing prefilled again
+    assert engine.stats.lost_bundles == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_disk_unit_falls_back_to_recompute(damage, tmp_path):
+    p = prompt(2, 21)
+    ref = Engine(model("qwen3_5_text"), EngineConfig(page_size=8, num_pages=64)).generate([p], GREEDY)[0]
+    engine, stores = make_engine("qwen3_5_text", f"file://{tmp_path}/kv", ram_bytes=0)
+    engine.add_request(Request(tuple(p), GREEDY, "agent"))
+    outs: dict[str, list[int]] = {}
+    for _ in range(6):
+        for ev in engine.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+    seq = engine.seqs["agent"]
+    engine.pause(seq)
+    path = stores.tiers.disk.path_of(seq.paused_bundle).replace("file://", "")
+    raw = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x40
+    else:
+        raw = raw[: len(raw) // 3]
+    open(path, "wb").write(bytes(raw))
+    run_until_done(engine, outs)  # the default policy resumes it: the unit is found damaged
+    assert engine.stats.lost_bundles == 1 and stores.tiers.disk.stats["corrupt"] == 1
+    assert outs["agent"] == ref  # recomputed from its tokens: the output is still exact
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_evicted_prefix_pages_are_restored_not_recomputed(family, tmp_path):
+    engine, stores = make_engine(family, f"file://{tmp_path}/kv", ram_bytes=1 << 20, num_pages=12,
+                                 loop_guard="off")
+    system = prompt(3, 40)  # five pages
+    first = system + prompt(4, 3)
+    outs: dict[str, list[int]] = {}
+    engine.add_request(Request(tuple(first), SamplingParams(temperature=0, max_tokens=4), "a"))
+    run_until_done(engine, outs)
+    for i in range(3):  # other traffic pushes the system prompt's pages out of the 12-page pool
+        engine.add_request(Request(tuple(prompt(10 + i, 60)), SamplingParams(temperature=0, max_tokens=4), f"x{i}"))
+        run_until_done(engine, outs)
+    assert engine.stats.offloaded_pages >= 5
+    second = system + prompt(5, 9)
+    before = engine.stats.computed_prompt_tokens
+    engine.add_request(Request(tuple(second), GREEDY, "b"))
+    run_until_done(engine, outs)
+    assert engine.stats.restored_pages >= 5
+    assert engine.stats.computed_prompt_tokens - before == len(second) - 40  # the system prompt came back
+    ref = Engine(model(family), EngineConfig(page_size=8, num_pages=64, enable_prefix_cache=False,
+                                             loop_guard="off")).generate([second], GREEDY)[0]
+    assert outs["b"] == ref
+
+
+def test_fixed_context_mode_reserves_the_whole_context_and_never_pauses():
+    ps = [prompt(20 + i, 20) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    ref = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=256)).generate(ps, params)
+    e = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=28, context_mode="fixed",
+                                            enable_prefix_cache=False))
+    assert e.generate(ps, params) == ref
+    assert e.stats.pauses == 0  # admission waited for room instead
+    pooled = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=28, enable_prefix_cache=False))
+    assert pooled.generate(ps, params) == ref and pooled.stats.pauses > 0

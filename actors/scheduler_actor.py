@@ -46,6 +46,7 @@ class SchedulerActor:
         self.latencies_us: deque[float] = deque(maxlen=512)  # GPU actor -> scheduler delivery
         self.reports = 0
         self.started = time.time()
+        self.metrics = RayMetrics(self.cfg.name)
 
     async def ready(self) -> dict[str, Any]:
         """Wait until the model is loaded; return the GPU actor's facts."""
@@ -114,6 +115,7 @@ class SchedulerActor:
                 self._send(decision)
             self.last_report = report
             self.reports += 1
+            self.metrics.update(report.stats)
             self.overheads_us.append((time.time() - t0) * 1e6)
 
     # ---- observability -------------------------------------------------------------------------------
@@ -138,6 +140,33 @@ class SchedulerActor:
         if self.tiers is not None:
             out["tiers"] = await _tier_stats(self.tiers)
         return out
+
+
+class RayMetrics:
+    """The engine's counters and gauges exported through `ray.util.metrics` (Ray dashboard / Prometheus)."""
+
+    COUNTERS = ("generated_tokens", "computed_prompt_tokens", "reused_prompt_tokens", "steps", "pauses",
+                "resumes", "finished", "aborted", "restored_pages", "offloaded_pages", "lost_bundles")
+    GAUGES = ("running", "waiting", "paused", "free_pages", "used_pages", "cached_pages")
+
+    def __init__(self, app: str):
+        from ray.util import metrics
+
+        tags = {"app": app}
+        self.counters = {k: metrics.Counter(f"decapybara_{k}_total", tag_keys=("app",)) for k in self.COUNTERS}
+        self.gauges = {k: metrics.Gauge(f"decapybara_{k}", tag_keys=("app",)) for k in self.GAUGES}
+        for m in (*self.counters.values(), *self.gauges.values()):
+            m.set_default_tags(tags)
+        self.last: dict[str, float] = {}
+
+    def update(self, stats: dict[str, Any]) -> None:
+        for k, c in self.counters.items():
+            v = float(stats.get(k, 0))
+            if v > self.last.get(k, 0.0):
+                c.inc(v - self.last.get(k, 0.0))
+            self.last[k] = v
+        for k, g in self.gauges.items():
+            g.set(float(stats.get(k, 0)))
 
 
 def _p50(xs: deque[float]) -> float | None:

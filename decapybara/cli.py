@@ -15,19 +15,25 @@ from decapybara.errors import DecapybaraError
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from decapybara.builder import build
+    from decapybara.builder.preset_build import PresetBuildOptions, build_presets, preset_outputs
     from decapybara.builder.progress import human_bytes
 
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        print(f"decapybara: error: {out} exists (pass --force to replace it)", file=sys.stderr)
+    weights = args.weights or args.dtype or "bf16"
+    outs = preset_outputs(args.out, weights)
+    existing = [str(p) for p in outs.values() if p.exists()]
+    if existing and not args.force:
+        print(f"decapybara: error: {', '.join(existing)} exists (pass --force to replace it)", file=sys.stderr)
         return 2
-    r = build(args.src, out, weights=args.dtype, progress=args.progress)
-    for note in r.notes:
+    contexts = tuple(int(c) for c in args.quality_contexts.split(",") if c) \
+        if args.quality_contexts is not None else None
+    opts = PresetBuildOptions(calib=args.calib, calib_tokens=args.calib_tokens, gptq=args.gptq,
+                              quality=args.quality, quality_tokens=args.quality_tokens, window=args.window,
+                              seed=args.seed, contexts=contexts)
+    results = build_presets(args.src, outs, opts, progress=args.progress, verbose=True)
+    for note in results[0].notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"wrote {r.path}: {r.num_tensors} tensors, {human_bytes(r.nbytes)} ({args.dtype}) in {r.seconds:.1f}s")
+    for preset, r in zip(outs, results, strict=True):
+        print(f"wrote {r.path}: {r.num_tensors} tensors, {human_bytes(r.nbytes)} ({preset}) in {r.seconds:.1f}s")
     return 0
 
 
@@ -90,19 +96,41 @@ def _cmd_info(args: argparse.Namespace) -> int:
         quality = (meta.get("sections") or {}).get("quality")
         if quality is not None:
             print("quality:")
-            for line in format_table(quality):
+            if isinstance(quality, dict) and isinstance(quality.get("rows"), list):
+                from decapybara.builder.quality import format_quality
+
+                lines = format_quality(quality)
+            else:
+                lines = format_table(quality)
+            for line in lines:
                 print(f"  {line}")
     return 0
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from decapybara.builder.quant_formats import WEIGHT_PRESETS
+
     p = argparse.ArgumentParser(prog="decapybara", description="Decapybara LLM inference server tools.")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="convert a HF checkpoint folder into a .mcapy file")
     b.add_argument("src", help="HF folder: config.json, *.safetensors, tokenizer.json")
     b.add_argument("out", help="the .mcapy file to write (atomically)")
-    b.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                   help="weight matrices as bf16 (default) or fp32; 1-D tensors are always fp32")
+    b.add_argument("--weights", choices=[*WEIGHT_PRESETS, "all"], default=None,
+                   help="weight preset: tiny/small/medium/large/xxl (MXFP4/6/8 mixes, docs/quant.md), bf16 "
+                        "(default) or fp32; 'all' writes OUT/{preset}.mcapy for every preset (OUT is a folder)")
+    b.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="same as --weights bf16|fp32")
+    b.add_argument("--calib", metavar="TOKENS_FILE", default=None,
+                   help="calibration tokens (.npy, or raw uint16 like train.bin) for GPTQ")
+    b.add_argument("--calib-tokens", type=int, default=4096, metavar="N", help="calibration tokens used")
+    b.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ for every quantised tensor the calibration reaches (default: on when --calib is given)")
+    b.add_argument("--quality", metavar="HELDOUT_TOKENS_FILE", default=None,
+                   help="measure KL / top-1 of every preset x KV mode against bf16 + 16/16 KV and store the table")
+    b.add_argument("--quality-tokens", type=int, default=8192, metavar="N", help="held-out tokens measured")
+    b.add_argument("--quality-contexts", default=None, metavar="N,N",
+                   help="YaRN contexts measured (default: the launcher presets' 262144,1048576; '' for none)")
+    b.add_argument("--window", type=int, default=512, help="tokens per calibration / quality window")
+    b.add_argument("--seed", type=int, default=0, help="seed of the calibration and quality token samples")
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="draw a progress bar (default: when stderr is a terminal)")

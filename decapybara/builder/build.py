@@ -51,7 +51,8 @@ def build(src: str | Path, out: str | Path, weights: str | WeightFormat = "bf16"
           sections: dict[str, Any] | None = None) -> BuildResult:
     """Convert the HF folder `src` into the .mcapy file `out` (replaced atomically if it exists).
 
-    `weights`: "bf16" (default; matrices bf16, vectors f32), "fp32", a registered format name or a
+    `weights`: "bf16" (default; matrices bf16, vectors f32), "fp32", a size preset ("tiny" ... "xxl",
+    round-to-nearest; see decapybara.builder.quant_formats for GPTQ), a registered format name or a
     `WeightFormat`. `progress`: draw a bar on stderr (None: only when stderr is a TTY).
     Raises ConfigError (config, tokenizer, format) or WeightError (tensors) before writing anything.
     """
@@ -60,6 +61,9 @@ def build(src: str | Path, out: str | Path, weights: str | WeightFormat = "bf16"
     ckpt = read_checkpoint(src)
     try:
         plan = plan_tensors(ckpt)
+        prepare = getattr(fmt, "prepare", None)
+        if callable(prepare):
+            prepare(ckpt.config, plan)
         bar = Progress(sum(t.source_nbytes for t in plan), enabled=progress, title=f"{Path(out).name}")
         count = nbytes = 0
         try:

@@ -31,7 +31,9 @@ class EncodedTensor:
 
 class WeightFormat(Protocol):
     """Contract: `encode` is called once per canonical tensor, in order, and may read it lazily
-    (`tensor.blocks(dtype)`) or whole (`tensor.float32()`); `info()` becomes metadata["weights"]."""
+    (`tensor.blocks(dtype)`) or whole (`tensor.float32()`); `info()` becomes metadata["weights"].
+    A format may also define `prepare(config, tensors)`: `build` then calls it once, with the checkpoint's
+    `ModelConfig` and the list of `SourceTensor`s, before `info()` and the first `encode`."""
 
     name: str
 
@@ -67,7 +69,17 @@ def register_format(name: str, factory: Callable[[], WeightFormat]) -> None:
     _FORMATS[name] = factory
 
 
+def _register_presets() -> None:
+    """The size presets (tiny ... xxl) live in decapybara.builder.quant_formats; imported on first use."""
+    from decapybara.builder.quant_formats import QUANT_PRESETS, PresetFormat
+
+    for name in QUANT_PRESETS:
+        if name not in _FORMATS:
+            register_format(name, lambda name=name: PresetFormat(name))
+
+
 def format_names() -> list[str]:
+    _register_presets()
     return list(_FORMATS)
 
 
@@ -75,6 +87,7 @@ def resolve_format(weights: str | WeightFormat) -> WeightFormat:
     """A format by name, or the given format object; ConfigError naming the known formats otherwise."""
     if not isinstance(weights, str):
         return weights
+    _register_presets()
     try:
         return _FORMATS[weights]()
     except KeyError:

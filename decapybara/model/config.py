@@ -227,24 +227,24 @@ class ModelConfig:
                 layer_types = [FULL_ATTENTION] * n_layers
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
-        kw: dict[str, Any] = dict(
-            model_type=mt,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            rope=_rope_from_hf(hf, hybrid),
-            layer_types=tuple(layer_types),
-            mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers", 0) or 0),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos_ids,
-        )
+        kw: dict[str, Any] = {
+            "model_type": mt,
+            "vocab_size": int(need("vocab_size")),
+            "hidden_size": hidden,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": int(hf.get("num_key_value_heads") or n_heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "max_position_embeddings": int(hf.get("max_position_embeddings", 32768)),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "attention_bias": bool(hf.get("attention_bias", False)),
+            "rope": _rope_from_hf(hf, hybrid),
+            "layer_types": tuple(layer_types),
+            "mtp_num_hidden_layers": int(hf.get("mtp_num_hidden_layers", 0) or 0),
+            "bos_token_id": hf.get("bos_token_id"),
+            "eos_token_id": eos_ids,
+        }
         if not moe or mt == "qwen3_moe":
             kw["intermediate_size"] = int(need("intermediate_size"))
         if hybrid:

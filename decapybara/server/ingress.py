@@ -39,13 +39,24 @@ class Ingress:
         info = await self.scheduler.ready.remote()
         with McapyFile.open(self.cfg.resolved_model()) as f:  # metadata only: weights stay in the GPU actor
             meta = f.metadata
+        self.model_info = {"model_config": meta.get("model_config"), "weights": meta.get("weights"),
+                           "quality": (meta.get("sections") or {}).get("quality")}
         tokenizer = Tokenizer.from_json(meta["tokenizer"], chat_template=meta.get("chat_template"))
         self.client = RayEngineClient(self.scheduler, tokenizer, info, self.cfg.served_model_name)
 
     def __serve_build_asgi_app__(self):
+        from fastapi.responses import JSONResponse
+
         from decapybara.api.app import create_app
 
-        return create_app(self.client, api_key=self.cfg.api_key, served_model_name=self.cfg.served_model_name)
+        app = create_app(self.client, api_key=self.cfg.api_key, served_model_name=self.cfg.served_model_name)
+
+        @app.get("/v1/model_info")
+        async def model_info() -> JSONResponse:
+            """The served file's architecture, weight format and measured quality table (for the launcher)."""
+            return JSONResponse(self.model_info)
+
+        return app
 
     # ---- Python (DeploymentHandle) API ---------------------------------------------------------------
     async def chat(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

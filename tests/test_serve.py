@@ -191,6 +191,16 @@ def test_python_serve_handle_streams(served):
     assert events[0] == "message_start" and events[-1] == "message_stop"
 
 
+def test_model_info_exposes_the_measured_quality_table(served):
+    info = httpx.get(f"{served.url}/v1/model_info", headers={"x-api-key": API_KEY}, timeout=30).json()
+    rows = info["quality"]["rows"]
+    assert info["model_config"]["model_type"] == "qwen3_5_text" and info["weights"]["format"] == "bf16"
+    ref = [r for r in rows if r["weights"] == "bf16" and r["kv_mode"] == "16/16" and r["context"] == 32768]
+    assert ref and ref[0]["kl"] == 0 and ref[0]["top1"] == 100
+    tiny = [r for r in rows if r["weights"] == "tiny" and r["kv_mode"] == "16/16" and r["context"] == 32768][0]
+    assert tiny["kl"] > 0 and tiny["bytes"] < ref[0]["bytes"]
+
+
 def test_metrics_are_prometheus_text(served):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     kv_mode: str | None = None  # None = float32 pages (numpy reference); "16/16", "8/8", "6/6", "6/4", "4/4"
     snapshot_budget_bytes: int = 64 << 20  # hybrid-state snapshots kept for prefix reuse
+    snapshot_interval: int = 256  # tokens between hybrid-state snapshots (rounded up to whole pages)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds requests that bring none, so a whole run is reproducible
     loop_guard: str = "stop"  # stop | end_thinking | escape | off
@@ -48,10 +49,17 @@ class EngineConfig:
             raise ConfigError("balanced_prefill_share must be in (0, 1]")
         if self.kv_mode not in (None, "32/32") + KV_MODES:
             raise ConfigError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.snapshot_interval < 1:
+            raise ConfigError("snapshot_interval must be >= 1")
         if self.context_mode not in ("pool", "fixed"):
             raise ConfigError(f"context_mode must be pool or fixed, got {self.context_mode!r}")
         if self.loop_guard not in ("stop", "end_thinking", "escape", "off"):
             raise ConfigError(f"loop_guard must be stop, end_thinking, escape or off, got {self.loop_guard!r}")
+
+    @property
+    def snapshot_every(self) -> int:
+        """Snapshot spacing in tokens: `snapshot_interval` rounded up to a whole number of pages."""
+        return max(self.page_size, -(-self.snapshot_interval // self.page_size) * self.page_size)
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)

@@ -24,7 +24,7 @@ def model(family: str):
 
 
 def engine(family: str, **kw) -> Engine:
-    base = {"page_size": 8, "num_pages": 256, "max_batch_tokens": 48, "loop_guard": "off"}
+    base = {"page_size": 8, "num_pages": 256, "max_batch_tokens": 48, "loop_guard": "off", "snapshot_interval": 8}
     base.update(kw)
     return Engine(model(family), EngineConfig(**base))
 
@@ -74,8 +74,9 @@ def test_plan_respects_budget_and_policy():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
-def test_second_turn_computes_only_new_tokens(family):
-    e = engine(family)
+@pytest.mark.parametrize("snapshot_interval", [8, 256])
+def test_second_turn_computes_only_new_tokens(family, snapshot_interval):
+    e = engine(family, snapshot_interval=snapshot_interval)  # the finished turn's tail carries its own state
     first = prompts(1, seed=3, lo=37, hi=38)[0]
     answer, _ = run(e, Request(tuple(first), GREEDY))
     new_message = prompts(1, seed=4, lo=9, hi=10)[0]

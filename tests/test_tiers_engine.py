@@ -27,7 +27,7 @@ def model(family: str):
 
 
 def make_engine(family: str, url: str, ram_bytes: int, kv_mode=None, **kw) -> tuple[Engine, TierStores]:
-    cfg = dict(page_size=8, num_pages=64, loop_guard="stop", kv_mode=kv_mode)
+    cfg = dict(page_size=8, num_pages=64, loop_guard="stop", kv_mode=kv_mode, snapshot_interval=8)
     cfg.update(kw)
     engine = Engine(model(family), EngineConfig(**cfg))
     stores = TierStores(KVTiers(RamTierStore(ram_bytes), DiskTierStore(url, 64 << 20)), engine.blocks.salt)

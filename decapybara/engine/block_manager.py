@@ -138,18 +138,22 @@ class BlockManager:
                 best = i + 1
             elif h in self.snapshots:
                 best, snap = i + 1, self.snapshots[h][0]
-        tail_page, tail_len = None, 0
-        parent = hashes[best - 1] if best else root_hash(self.salt)
-        start = best * ps
+        # A cached partial tail continues the deepest matched full page; it carries its own state snapshot,
+        # so for hybrid models it also extends reuse past full pages that have none.
+        tail_page, tail_len, depth = None, 0, len(matched)
+        parent = hashes[depth - 1] if depth else root_hash(self.salt)
         for tail, page in self.tails.get(parent, {}).items():
             n = len(tail)
-            if n > tail_len and start + n <= len(tokens) - 1 and tuple(tokens[start:start + n]) == tail:
+            if n > tail_len and depth * ps + n <= len(tokens) - 1 and tuple(tokens[depth * ps:depth * ps + n]) == tail:
                 tail_snap = self.snapshots.get(page_hash(parent, tail)) if self.needs_snapshots else None
                 if self.needs_snapshots and tail_snap is None:
                     continue
                 tail_page, tail_len = page, n
                 if tail_snap is not None:
                     snap = tail_snap[0]
+        if tail_page is not None:
+            best = depth
+        start = best * ps
         num = start + tail_len
         self.stats.prefix_queries_tokens += len(tokens)
         self.stats.prefix_hits_tokens += num

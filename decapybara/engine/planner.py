@@ -7,8 +7,9 @@ token each; prefill chunks take what the policy leaves them:
 - ``prefill-priority``: prefill chunks first (oldest first), decodes only with what is left;
 - ``balanced``: all decodes, and prefill may take at most `balanced_prefill_share` of the budget while any
   sequence decodes (the whole remaining budget when none does), bounding inter-token latency.
-For hybrid models a prefill chunk that spans a page boundary asks for a state snapshot at each boundary it
-crosses, so the prefix cache can reuse the state there. A sequence samples only when its chunk reaches its
+For hybrid models with the prefix cache on, a chunk that crosses a snapshot boundary (every
+`cfg.snapshot_interval` tokens, a multiple of the page size) asks for a state snapshot there, so the prefix
+cache can reuse the state at that point. A sequence samples only when its chunk reaches its
 last token.
 """
 
@@ -43,6 +44,7 @@ class StepPlan:
 
 def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first). Pure: reads, never mutates."""
+    every = cfg.snapshot_every if (hybrid and cfg.enable_prefix_cache) else 0
     budget = cfg.max_batch_tokens
     decodes = [s for s in running if not s.in_prefill]
     prefills = [s for s in running if s.in_prefill]
@@ -55,17 +57,17 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepP
             if room <= 0:
                 break
             n = min(s.num_uncomputed, room)
-            chunks.append(_chunk(s, n, cfg.page_size, hybrid))
+            chunks.append(_chunk(s, n, every))
             used += n
         return used
 
     if cfg.prefill_policy == "prefill-priority":
         used = add_prefills(budget)
         for s in decodes[: max(0, budget - used)]:
-            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, cfg.page_size, hybrid)))
+            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every)))
     else:
         for s in decodes[:budget]:
-            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, cfg.page_size, hybrid)))
+            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every)))
         rest = budget - len(chunks)
         if cfg.prefill_policy == "balanced" and decodes:
             rest = min(rest, max(1, int(budget * cfg.balanced_prefill_share)))
@@ -73,13 +75,14 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepP
     return StepPlan(chunks)
 
 
-def _boundaries(s: Sequence, n: int, page_size: int, hybrid: bool) -> tuple[int, ...]:
-    if not hybrid:
+def _boundaries(s: Sequence, n: int, every: int) -> tuple[int, ...]:
+    """Multiples of `every` in (num_computed, num_computed + n]; none when `every` is 0."""
+    if not every:
         return ()
-    first = s.num_computed // page_size + 1
-    last = (s.num_computed + n) // page_size
-    return tuple(p * page_size for p in range(first, last + 1))
+    first = s.num_computed // every + 1
+    last = (s.num_computed + n) // every
+    return tuple(p * every for p in range(first, last + 1))
 
 
-def _chunk(s: Sequence, n: int, page_size: int, hybrid: bool) -> ScheduledChunk:
-    return ScheduledChunk(s, n, s.num_computed + n == s.num_tokens, _boundaries(s, n, page_size, hybrid))
+def _chunk(s: Sequence, n: int, every: int) -> ScheduledChunk:
+    return ScheduledChunk(s, n, s.num_computed + n == s.num_tokens, _boundaries(s, n, every))

@@ -45,9 +45,9 @@ class GPUActor:
         self.driver = EngineDriver(self.engine, remote_policy=True)
         self.tier_handles = tier_handles or {}
         if self.tier_handles:  # paused conversations and evicted prefix pages go to RAM, then disk
-            from actors.kv_tier_actors import RayTierStores
+            from actors.kv_tier_actors import ray_tier_stores
 
-            stores = self.stores = RayTierStores(self.tier_handles, self.engine.blocks.salt)
+            stores = self.stores = ray_tier_stores(self.tier_handles, self.engine.blocks.salt)
             self.engine.bundle_store = stores
             self.engine.set_page_store(stores)
         self.model_name = cfg.served_model_name
@@ -64,7 +64,7 @@ class GPUActor:
 
     def take_staged(self, key: str):
         """A unit encoded for the RAM tier, returned to it (the result object is the tier's)."""
-        return self.stores.take_staged(key)
+        return self.stores.tiers.take_staged(key)
 
     def control(self, control: Control) -> None:
         self.driver.submit(control)

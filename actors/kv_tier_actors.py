@@ -133,16 +133,16 @@ def fetch_unit(tiers: dict[str, Any], key: str, timeout_s: float = 60.0):
         return None
 
 
-class RayTierStores:
-    """The engine's bundle and page stores over the tier actors (used inside the GPU actor).
+class RayTiers:
+    """The tier actors behind the interface of `decapybara.kv.tiers.KVTiers` that `TierStores` uses, so the
+    GPU actor's engine gets the same bundle and page stores as an in-process one.
 
-    Units are encoded here and put into the object store with the RAM tier actor as their owner. Any failure
-    to reach a tier (actor dead, timeout) or a damaged unit counts as a loss: the engine then recomputes
-    from tokens, never waits forever and never uses wrong data."""
+    Units are encoded here and staged for the RAM tier, which fetches them (the object is then the tier's).
+    Any failure to reach a tier (actor dead, timeout) or a damaged unit reads as missing: the engine then
+    recomputes from tokens, never waits forever and never uses wrong data."""
 
-    def __init__(self, tiers: dict[str, Any], salt: bytes, timeout_s: float = 30.0):
-        self.tiers, self.salt, self.timeout_s = tiers, salt, timeout_s
-        self._pages: dict[bytes, bool] = {}
+    def __init__(self, tiers: dict[str, Any], timeout_s: float = 30.0):
+        self.handles, self.timeout_s = tiers, timeout_s
         self.errors = 0
         self.staged: dict[str, Any] = {}  # encoded units waiting for the RAM tier to take them
         try:
@@ -150,13 +150,13 @@ class RayTierStores:
         except RuntimeError:
             self.actor = None
 
-    def _put_unit(self, unit: Any, next_use: float | None) -> str:
+    def put(self, unit: Any, next_use: float | None = None) -> str:
         import numpy as np
 
         from decapybara.kv.units import encode_unit
 
         buf = np.frombuffer(encode_unit(unit), np.uint8)  # numpy: zero-copy reads from the object store
-        ram = self.tiers["ram"]
+        ram = self.handles["ram"]
         if self.actor is not None:  # the RAM tier fetches it: one write into the object store, owned by the tier
             self.staged[unit.key] = buf
             ram.put_from.remote(unit.key, self.actor, len(buf), next_use)
@@ -167,59 +167,34 @@ class RayTierStores:
     def take_staged(self, key: str) -> Any:
         return self.staged.pop(key)
 
-    def _take(self, key: str, keep: bool = False) -> Any:
+    def get(self, key: str) -> Any:
         try:
-            unit = fetch_unit(self.tiers, key, self.timeout_s)
+            return fetch_unit(self.handles, key, self.timeout_s)
         except Exception:  # noqa: BLE001 - a dead tier actor or a timeout is a lost unit
             self.errors += 1
             return None
-        if not keep:
-            self._discard(key)
+
+    def take(self, key: str) -> Any:
+        unit = self.get(key)
+        self.discard(key)
         return unit
 
-    def _discard(self, key: str) -> None:
+    def discard(self, key: str) -> None:
         try:
-            self.tiers["ram"].pop.remote(key)
-            if "disk" in self.tiers:
-                self.tiers["disk"].delete.remote(key)
+            self.handles["ram"].pop.remote(key)
+            if "disk" in self.handles:
+                self.handles["disk"].delete.remote(key)
         except Exception:  # noqa: BLE001
             self.errors += 1
 
-    # ---- bundles -------------------------------------------------------------------------------------
-    def put(self, seq: Any, bundle: Any) -> str:
-        from decapybara.engine.persist import sequence_state
-        from decapybara.kv.units import Unit, conv_key
+    def where(self, key: str) -> str:
+        """Presence is not asked remotely on every prefix lookup: a unit that turns out to be gone is a failed
+        fetch, which the engine handles by forgetting it and matching again."""
+        return "tiers"
 
-        meta, extras = sequence_state(seq)
-        return self._put_unit(Unit.from_bundle(conv_key(seq.request_id, seq.num_pauses), bundle, meta, extras),
-                              float(seq.arrival))
 
-    def get(self, seq: Any, handle: str) -> Any:
-        unit = self._take(handle)
-        return None if unit is None else unit.to_bundle()
+def ray_tier_stores(tiers: dict[str, Any], salt: bytes, timeout_s: float = 30.0) -> Any:
+    """The engine's bundle and page stores over this app's tier actors."""
+    from decapybara.kv.stores import TierStores
 
-    def discard(self, seq: Any, handle: str) -> None:
-        self._discard(handle)
-
-    # ---- pages ---------------------------------------------------------------------------------------
-    def offload(self, page_hash: bytes, kv: Any, snapshot: Any) -> None:
-        from decapybara.kv.units import Unit
-
-        self._put_unit(Unit.page(self.salt, page_hash, kv, snapshot), None)
-        self._pages[page_hash] = snapshot is not None
-
-    def lookup(self, page_hash: bytes) -> int:
-        has_snap = self._pages.get(page_hash)
-        return 0 if has_snap is None else (2 if has_snap else 1)
-
-    def fetch(self, page_hash: bytes) -> Any:
-        from decapybara.kv.units import page_key
-
-        unit = self._take(page_key(self.salt, page_hash), keep=True)
-        if unit is None:
-            self._pages.pop(page_hash, None)
-            return None
-        return unit.kv, unit.state
-
-    def forget(self, page_hash: bytes) -> None:
-        self._pages.pop(page_hash, None)
+    return TierStores(RayTiers(tiers, timeout_s), salt)

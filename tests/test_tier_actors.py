@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import ray
 
-from actors.kv_tier_actors import RayTierStores, start_tiers
+from actors.kv_tier_actors import ray_tier_stores, start_tiers
 from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
@@ -31,7 +31,7 @@ def setup(tmp_path, name: str, ram_gb: float):
     cfg = SimpleNamespace(name=name, disk_cache=f"file://{tmp_path}/kv", disk_cache_gb=0.1, ram_cache_gb=ram_gb)
     tiers = start_tiers(cfg)
     engine = Engine(model(), EngineConfig(page_size=8, num_pages=64))
-    stores = RayTierStores(tiers, engine.blocks.salt, timeout_s=20)
+    stores = ray_tier_stores(tiers, engine.blocks.salt, timeout_s=20)
     engine.bundle_store = stores
     engine.set_page_store(stores)
     return engine, tiers

@@ -7,9 +7,10 @@ token each; prefill chunks take what the policy leaves them:
 - ``prefill-priority``: prefill chunks first (oldest first), decodes only with what is left;
 - ``balanced``: all decodes, and prefill may take at most `balanced_prefill_share` of the budget while any
   sequence decodes (the whole remaining budget when none does), bounding inter-token latency.
-For hybrid models with the prefix cache on, a chunk that crosses a snapshot boundary (every
-`cfg.snapshot_interval` tokens, a multiple of the page size) asks for a state snapshot there, so the prefix
-cache can reuse the state at that point. A sequence samples only when its chunk reaches its
+For hybrid models with the prefix cache on, a chunk that crosses a snapshot boundary asks for a state
+snapshot there, so the prefix cache can reuse the state at that point: every `cfg.snapshot_interval` tokens
+(a multiple of the page size), and the last page boundary of the prompt (where a repeated or shared prompt
+is reusable up to). A sequence samples only when its chunk reaches its
 last token.
 """
 
@@ -45,6 +46,7 @@ class StepPlan:
 def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first). Pure: reads, never mutates."""
     every = cfg.snapshot_every if (hybrid and cfg.enable_prefix_cache) else 0
+    ps = cfg.page_size
     budget = cfg.max_batch_tokens
     decodes = [s for s in running if not s.in_prefill]
     prefills = [s for s in running if s.in_prefill]
@@ -57,17 +59,17 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepP
             if room <= 0:
                 break
             n = min(s.num_uncomputed, room)
-            chunks.append(_chunk(s, n, every))
+            chunks.append(_chunk(s, n, every, ps))
             used += n
         return used
 
     if cfg.prefill_policy == "prefill-priority":
         used = add_prefills(budget)
         for s in decodes[: max(0, budget - used)]:
-            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every)))
+            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
     else:
         for s in decodes[:budget]:
-            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every)))
+            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
         rest = budget - len(chunks)
         if cfg.prefill_policy == "balanced" and decodes:
             rest = min(rest, max(1, int(budget * cfg.balanced_prefill_share)))
@@ -75,14 +77,18 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepP
     return StepPlan(chunks)
 
 
-def _boundaries(s: Sequence, n: int, every: int) -> tuple[int, ...]:
-    """Multiples of `every` in (num_computed, num_computed + n]; none when `every` is 0."""
+def _boundaries(s: Sequence, n: int, every: int, page_size: int) -> tuple[int, ...]:
+    """Snapshot points in (num_computed, num_computed + n]: multiples of `every`, and the prompt's last page
+    boundary; none when `every` is 0."""
     if not every:
         return ()
-    first = s.num_computed // every + 1
-    last = (s.num_computed + n) // every
-    return tuple(p * every for p in range(first, last + 1))
+    lo, hi = s.num_computed, s.num_computed + n
+    points = {p * every for p in range(lo // every + 1, hi // every + 1)}
+    prompt_edge = (s.num_prompt // page_size) * page_size
+    if lo < prompt_edge <= hi:
+        points.add(prompt_edge)
+    return tuple(sorted(points))
 
 
-def _chunk(s: Sequence, n: int, every: int) -> ScheduledChunk:
-    return ScheduledChunk(s, n, s.num_computed + n == s.num_tokens, _boundaries(s, n, every))
+def _chunk(s: Sequence, n: int, every: int, page_size: int) -> ScheduledChunk:
+    return ScheduledChunk(s, n, s.num_computed + n == s.num_tokens, _boundaries(s, n, every, page_size))

@@ -180,3 +180,11 @@ def test_max_tokens_and_stop_token_finish():
     stop_at = out[2]
     out2, last = run(e, Request(tuple(p), SamplingParams(temperature=0, max_tokens=5, stop_token_ids=(stop_at,))))
     assert out2 == out[:out.index(stop_at) + 1] and last.finish_reason == FinishReason.STOP
+
+
+def test_repeated_prompt_reuses_up_to_its_last_page_boundary_on_hybrid_models():
+    e = engine("qwen3_5_text", snapshot_interval=256)  # sparse periodic snapshots: the prompt edge still counts
+    p = prompts(1, seed=12, lo=30, hi=31)[0]
+    first, _ = run(e, Request(tuple(p), GREEDY))
+    again, last = run(e, Request(tuple(p), GREEDY))
+    assert last.num_cached_tokens == 24 and again == first  # 3 full pages of 8 reused, output unchanged

@@ -1,0 +1,373 @@
+"""GPU benchmark of the qwen3.8-27b architecture: our CUDA backend vs HF transformers vs the copy roofline.
+
+One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what would not fit):
+
+    PYTHONUNBUFFERED=1 python3 bench/gpu.py        # results table last; JSON to $OUT/bench_gpu.json
+
+1. roofline: device-to-device copy bandwidth (probe.cu 128-bit streams and CuPy's copy, bytes read + written).
+2. mx_gemv: the 27B projection shapes in every weight format, M = 1 / 12 / 64 rows, GB/s of weight bytes and
+   % of the copy bandwidth, against torch's bf16 cuBLAS on the same shapes.
+3. model: seeded random weights generated on the GPU tensor by tensor (never through host RAM) for each
+   variant (bf16 through cuBLAS, bf16 / MXFP8 / MXFP6 / MXFP4 / NVFP4 through mx_gemv; norms, conv1d and the
+   small gates as the presets keep them); KV pages (bf16) and DeltaNet states filled with random data; decode
+   steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs; prefill tokens/s (one
+   2048-token chunk); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
+4. HF transformers, bf16, attn_implementation="eager", the same shapes with 4 and 8 decoder layers (3:1
+   DeltaNet : attention as the model), extrapolated linearly to 64 layers: t64 = t4 + (t8 - t4) * 15. Its 32k
+   cache for 12 sequences is the 1-sequence cache repeated along the batch (prefilling 12 x 32k tokens through
+   eager attention does not fit the time budget).
+Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp
+
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.cuda_graph import DecodeGraphRunner
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
+from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import named_config
+from decapybara.model.quant import get_format
+from decapybara.model.quant.presets import tensor_role
+from decapybara.model.qwen import QwenModel
+from decapybara.model.weights import expected_tensors
+
+T0 = time.perf_counter()
+BUDGET = float(os.environ.get("BENCH_BUDGET_S", "320"))
+CFG = dataclasses.replace(named_config("qwen3.8-27b"), mtp_num_hidden_layers=0)
+PAGE, SEQ_PAGES, SLOTS = 512, 64, 12  # 64 pages of 512 tokens: 32k context per sequence
+CONTEXTS, BATCHES = (1024, 32768), (1, 12)
+RESULTS: dict[str, Any] = {"config": "qwen3.8-27b (no MTP)", "errors": {}}
+
+
+def left() -> float:
+    return BUDGET - (time.perf_counter() - T0)
+
+
+def guarded(name: str, fn: Any, *args: Any, need: float = 10.0) -> Any:
+    """Run one benchmark part; print (and record) its error and carry on."""
+    if left() < need:
+        print(f"[skip] {name}: {left():.0f} s of budget left")
+        RESULTS["errors"][name] = "skipped: time budget"
+        return None
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a failing variant must not stop the others
+        print(f"[fail] {name}: {type(e).__name__}: {e}")
+        traceback.print_exc(limit=4)
+        RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
+        return None
+    finally:
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def median_time(fn: Any, reps: int, warmup: int = 2) -> float:
+    """Median seconds of fn() with a device sync after each call (as an engine step reads its tokens)."""
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        cp.cuda.Device().synchronize()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+# ---- random weights on the device ------------------------------------------------------------------------
+def random_bytes(shape: tuple[int, ...]) -> Any:
+    """uint8 random bytes on the device (from int32 draws: every 4th byte below 128, fine for timing)."""
+    n = int(np.prod(shape))
+    return cp.random.randint(0, 2**31 - 1, (n + 3) // 4, dtype=cp.int32).view(cp.uint8)[:n].reshape(shape)
+
+
+def random_packed(fmt: str, shape: tuple[int, ...]) -> ex.PackedWeight:
+    """A PackedWeight of random codes (no NaN codes) and realistic scales: weights of magnitude ~1e-2."""
+    if fmt == "bf16":
+        return ex.PackedWeight("bf16", shape, ops.to_bf16_bits(cp.random.standard_normal(shape, cp.float32) * 0.02))
+    f = get_format(fmt)
+    codes = random_bytes(f.code_shape(shape))
+    if fmt == "mxfp8":
+        codes &= cp.uint8(0xBF)  # exponent MSB clear: no NaN code, values up to 2^0
+    lo, hi = (0x20, 0x30) if fmt == "nvfp4" else (118, 122)
+    scales = cp.random.randint(lo, hi, f.scale_shape(shape), dtype=cp.int32).astype(cp.uint8)
+    return ex.PackedWeight(fmt, shape, cp.ascontiguousarray(codes), scales, 0.01 if fmt == "nvfp4" else 1.0)
+
+
+def build_model(variant: str, seed: int = 0) -> QwenModel:
+    """Variant "bf16-cublas" (CupyBackend bf16) or a format name (PackedWeightsMixin + mx_gemv)."""
+    fmt = None if variant == "bf16-cublas" else variant
+    backend = CupyBackend("bf16") if fmt is None else type("MxBackend", (ex.PackedWeightsMixin, CupyBackend), {})("bf16")
+    cp.random.seed(seed)
+    w: dict[str, Any] = {}
+    for name, shape in expected_tensors(CFG, include_mtp=False).items():
+        role = tensor_role(name, shape, CFG.tie_word_embeddings)
+        if role == "f32":
+            if name.endswith("A_log"):
+                w[name] = cp.log(cp.random.uniform(1.0, 16.0, shape)).astype(cp.float32)
+            elif name.endswith("dt_bias"):
+                w[name] = cp.ones(shape, cp.float32)
+            else:
+                w[name] = cp.random.standard_normal(shape, cp.float32) * (0.1 if "norm" in name else 0.2)
+        elif fmt is None:
+            w[name] = ops.to_bf16_bits(cp.random.standard_normal(shape, cp.float32) * 0.02)
+        else:
+            w[name] = random_packed("bf16" if role == "bf16" else fmt, shape)
+    return QwenModel(CFG, backend, w)
+
+
+def weight_bytes(model: QwenModel) -> int:
+    """Bytes a decode step reads: every matrix once, the embedding table excepted."""
+    return sum(v.nbytes for k, v in model.w.items() if k != "model.embed_tokens.weight")
+
+
+def fill_random(kv: Any, states: Any) -> None:
+    """Random KV pages (bf16 N(0, 1), 64 pages at a time) and DeltaNet states."""
+    cp.random.seed(7)
+    for parts in kv.store.values():
+        for a in parts.values():
+            assert a.dtype == cp.uint16, f"bench expects bf16 KV pages, got {a.dtype}"
+            for i in range(0, a.shape[0], 64):
+                a[i:i + 64] = ops.to_bf16_bits(cp.random.standard_normal(a[i:i + 64].shape, cp.float32))
+    for d in (states.conv, states.rec):
+        for a in d.values():
+            a[...] = cp.random.standard_normal(a.shape, cp.float32) * 0.02
+
+
+def decode_batch(b: int, ctx: int) -> ForwardBatch:
+    return ForwardBatch.build([([7 + i], ctx - 1, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES, dtype=np.int32), i)
+                               for i in range(b)], PAGE, logits="last")
+
+
+# ---- sections -----------------------------------------------------------------------------------------------
+def bench_roofline() -> float:
+    res = ex.bandwidth_probe(1 << 31, repeats=5)
+    RESULTS["roofline"] = res
+    print("copy bandwidth (GB/s, read+write):", {k: round(v) for k, v in res.items()})
+    return max(res["copy_GBps"], res["cupy_copy_GBps"])
+
+
+def bench_gemv(copy_bw: float) -> None:
+    import torch
+
+    shapes = {"gate/up": (17408, 5120), "down": (5120, 17408), "q_proj": (12288, 5120),
+              "in_proj_qkv": (10240, 5120), "lm_head": (248320, 5120)}
+    rows = []
+    for fmt in ("bf16", "mxfp8", "mxfp6", "mxfp4", "nvfp4"):
+        for sname, (n, k) in shapes.items():
+            w = random_packed(fmt, (n, k))
+            for m in (1, 12, 64):
+                x = cp.random.standard_normal((m, k), cp.float32)
+                t = median_time(lambda x=x, w=w: ex.mx_linear(x, w), 10)
+                rows.append({"fmt": fmt, "shape": sname, "M": m, "us": t * 1e6, "GBps": w.nbytes / t / 1e9,
+                             "pct_copy": 100 * w.nbytes / t / 1e9 / copy_bw})
+            w = None
+    for sname, (n, k) in shapes.items():
+        wt = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in (1, 12, 64):
+            xt = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t = median_time(lambda xt=xt, wt=wt: torch.nn.functional.linear(xt, wt), 10)
+            rows.append({"fmt": "torch-bf16", "shape": sname, "M": m, "us": t * 1e6, "GBps": wt.nbytes / t / 1e9,
+                         "pct_copy": 100 * wt.nbytes / t / 1e9 / copy_bw})
+        wt = None
+        torch.cuda.empty_cache()
+    RESULTS["gemv"] = rows
+    print(f"{'format':<11}{'shape':<12}{'M':>4}{'us':>10}{'GB/s':>9}{'%copy':>7}")
+    for r in rows:
+        print(f"{r['fmt']:<11}{r['shape']:<12}{r['M']:>4}{r['us']:>10.1f}{r['GBps']:>9.0f}{r['pct_copy']:>7.1f}")
+
+
+def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float) -> None:
+    t_build = time.perf_counter()
+    model = build_model(variant)
+    cp.cuda.Device().synchronize()
+    res: dict[str, Any] = {"weights_GB": weight_bytes(model) / 1e9, "build_s": time.perf_counter() - t_build}
+    state_bytes = CFG.state_bytes_per_sequence()
+    kv_tok = kv.bytes_per_page / PAGE
+    runner = DecodeGraphRunner(model, max_pages=SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=SLOTS)
+    for ctx in CONTEXTS:
+        for b in BATCHES:
+            batch = decode_batch(b, ctx)
+            moved = weight_bytes(model) + b * ctx * kv_tok + 2 * b * state_bytes
+            for mode, fwd in (("eager", model.forward), ("graph", runner.forward)):
+                if left() < 20:
+                    break
+                t = median_time(lambda fwd=fwd, batch=batch: fwd(batch, kv, states), 6)
+                key = f"{mode}_b{b}_ctx{ctx}"
+                res[key] = {"step_ms": t * 1e3, "tok_s": b / t, "pct_roofline": 100 * moved / (copy_bw * 1e9) / t}
+        res["graph_stats"] = {"steps": runner.stats["graph_steps"],
+                              "failures": {str(k): v for k, v in runner.stats["failures"].items()}}
+    # Sampler (Qwen's recommended T 0.7 / top-p 0.8 / top-k 20): on this model's logits (random weights: a
+    # flat distribution, which mostly takes the full-sort path) and on peaked, LLM-like logits (fast path).
+    flat = model.forward(decode_batch(12, 1024), kv, states).logits
+    peaked = cp.random.standard_normal(flat.shape, cp.float32) * 2.0
+    peaked[:, :64] += cp.linspace(14.0, 6.0, 64, dtype=cp.float32)
+    rows = [SamplerRow(SamplingParams(temperature=0.7, top_p=0.8, top_k=20), [], [], position=i, seed=i)
+            for i in range(12)]
+    for name, logits in (("flat", flat), ("peaked", peaked)):
+        res[f"sampler_ms_{name}"] = median_time(lambda lg=logits: ex.cuda_sample(lg, rows), 5) * 1e3
+        host = cp.asnumpy(logits)
+        t = time.perf_counter()
+        sample(host, rows)
+        res[f"numpy_sampler_ms_{name}"] = (time.perf_counter() - t) * 1e3
+    if left() > 40:
+        pre = ForwardBatch.build([(np.arange(2048) % 1000, 0, np.arange(SEQ_PAGES, dtype=np.int32), 0)], PAGE)
+        res["prefill_tok_s"] = 2048 / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
+    RESULTS.setdefault("model", {})[variant] = res
+    print(variant, json.dumps(res, default=float)[:900])
+
+
+def hf_config(layers: int) -> dict[str, Any]:
+    return {"vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size, "intermediate_size": CFG.intermediate_size,
+            "num_hidden_layers": layers, "num_attention_heads": CFG.num_attention_heads,
+            "num_key_value_heads": CFG.num_key_value_heads, "head_dim": CFG.head_dim,
+            "linear_conv_kernel_dim": CFG.linear_conv_kernel_dim, "linear_key_head_dim": CFG.linear_key_head_dim,
+            "linear_value_head_dim": CFG.linear_value_head_dim, "linear_num_key_heads": CFG.linear_num_key_heads,
+            "linear_num_value_heads": CFG.linear_num_value_heads, "max_position_embeddings": 65536,
+            "tie_word_embeddings": False, "layer_types": list(CFG.layer_types[:layers])}
+
+
+def tile_batch(obj: Any, n: int, depth: int = 0) -> Any:
+    """The HF cache for n sequences from a 1-sequence cache: every batch-1 tensor repeated n times."""
+    import torch
+
+    if torch.is_tensor(obj):
+        return obj.repeat(n, *([1] * (obj.dim() - 1))) if obj.dim() and obj.shape[0] == 1 else obj
+    if depth > 4 or isinstance(obj, str | int | float | bool) or obj is None:
+        return obj
+    if isinstance(obj, list | tuple):
+        items = [tile_batch(o, n, depth + 1) for o in obj]
+        if isinstance(obj, list):
+            obj[:] = items
+            return obj
+        return type(obj)(items)
+    if isinstance(obj, dict):
+        for k in obj:
+            obj[k] = tile_batch(obj[k], n, depth + 1)
+        return obj
+    for k, v in list(vars(obj).items()) if hasattr(obj, "__dict__") else []:
+        setattr(obj, k, tile_batch(v, n, depth + 1))
+    return obj
+
+
+def bench_hf_layers(layers: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3_5_text", **hf_config(layers))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    cache_kw = "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
+    out: dict[str, float] = {}
+
+    def sync_time(fn: Any, reps: int) -> float:
+        ts = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts[1:]))
+
+    with torch.no_grad():
+        for ctx in CONTEXTS:
+            ids = torch.randint(0, CFG.vocab_size, (1, ctx - 1), device="cuda")
+            cache = None
+            t = time.perf_counter()
+            for s in range(0, ctx - 1, 4096):  # chunked prefill (eager attention's scores stay small)
+                res = model(input_ids=ids[:, s:s + 4096], use_cache=True, **{cache_kw: cache})
+                cache = getattr(res, "past_key_values", None)
+                cache = cache if cache is not None else getattr(res, "cache", None)
+            torch.cuda.synchronize()
+            if ctx == 1024:
+                out["prefill_tok_s"] = (ctx - 1) / (time.perf_counter() - t)
+            for b in BATCHES:
+                c = cache if b == 1 else tile_batch(cache, b)
+                nxt = torch.randint(0, CFG.vocab_size, (b, 1), device="cuda")
+                out[f"b{b}_ctx{ctx}"] = sync_time(
+                    lambda nxt=nxt, c=c: model(input_ids=nxt, use_cache=True, **{cache_kw: c}), 4)
+    model = None
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_hf() -> None:
+    t4 = bench_hf_layers(4)
+    t8 = guarded("hf 8 layers", bench_hf_layers, 8, need=40) or {}
+    ext = {k: t4[k] + (t8[k] - t4[k]) * 15 if k in t8 else t4[k] * 16 for k in t4 if k != "prefill_tok_s"}
+    RESULTS["hf"] = {"t4_s": t4, "t8_s": t8, "t64_step_s": ext, "extrapolated_from": "4 and 8 layers" if t8 else
+                     "4 layers x 16",
+                     "prefill_tok_s": 1 / (1 / t4["prefill_tok_s"] + (1 / t8["prefill_tok_s"] - 1 / t4["prefill_tok_s"])
+                                           * 15) if t8 else t4["prefill_tok_s"] / 16}
+    print("HF eager (64-layer extrapolation, s/step):", {k: round(v, 4) for k, v in ext.items()})
+
+
+def table() -> None:
+    hf = RESULTS.get("hf", {}).get("t64_step_s", {})
+    print("\n== decode (tok/s = sequences x steps/s; roofline = bytes / copy bandwidth) ==")
+    print(f"{'variant':<12}{'mode':<6}{'ctx':>6}{'seqs':>5}{'tok/s':>9}{'%roof':>7}{'12/1':>6}{'vs HF':>8}")
+    for variant, res in RESULTS.get("model", {}).items():
+        for mode in ("eager", "graph"):
+            for ctx in CONTEXTS:
+                for b in BATCHES:
+                    r = res.get(f"{mode}_b{b}_ctx{ctx}")
+                    if not r:
+                        continue
+                    one = res.get(f"{mode}_b1_ctx{ctx}", {}).get("tok_s")
+                    scale = f"{r['tok_s'] / one:.2f}" if b == 12 and one else ""
+                    h = hf.get(f"b{b}_ctx{ctx}")
+                    vs = f"{r['tok_s'] / (b / h):.1f}x" if h else "n/a"
+                    print(f"{variant:<12}{mode:<6}{ctx:>6}{b:>5}{r['tok_s']:>9.1f}{r['pct_roofline']:>7.1f}{scale:>6}"
+                          f"{vs:>8}")
+        pre = res.get("prefill_tok_s")
+        hp = RESULTS.get("hf", {}).get("prefill_tok_s")
+        print(f"{variant:<12}prefill {pre or 0:>10.0f} tok/s"
+              + (f"  vs HF {pre / hp:.1f}x" if pre and hp else "")
+              + f"  sampler peaked {res.get('sampler_ms_peaked', 0):.2f} ms / flat {res.get('sampler_ms_flat', 0):.2f}"
+              f" ms (numpy {res.get('numpy_sampler_ms_peaked', 0):.0f} / {res.get('numpy_sampler_ms_flat', 0):.0f})")
+    if RESULTS["errors"]:
+        print("errors:", json.dumps(RESULTS["errors"], indent=1)[:3000])
+
+
+def main() -> None:
+    dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"device {dev['name'].decode()} SMs {dev['multiProcessorCount']} budget {BUDGET:.0f} s")
+    copy_bw = guarded("roofline", bench_roofline, need=5) or 4300.0
+    guarded("mx_gemv", bench_gemv, copy_bw, need=60)
+    kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE)
+    states = CupyBackend("bf16").new_state_pool(CFG, SLOTS + 1)
+    guarded("fill kv", fill_random, kv, states, need=30)
+    for variant in ("mxfp4", "bf16-cublas", "hf", "bf16", "nvfp4", "mxfp6", "mxfp8"):  # most wanted first
+        if variant == "hf":  # the KV pool (25 GB) stays: HF's 8-layer model and its eager scores fit beside it
+            guarded("hf", bench_hf, need=60)
+        else:
+            guarded(f"model {variant}", bench_variant, variant, kv, states, copy_bw, need=45)
+    RESULTS["elapsed_s"] = time.perf_counter() - T0
+    table()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=float))
+    print(f"elapsed {RESULTS['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Decode steps as CUDA graphs: one graph per (batch-size bucket, attention split count), replayed with the
+step's metadata copied into static device buffers, so Python launch overhead leaves the decode hot path.
+
+`capture_graph(fn, stream, pool)` is the generic part: run `fn` eagerly (warm-up: kernel compilation, cuBLAS
+handles), then capture it on a non-default stream with every allocation served by `pool`, a CuPy memory pool
+owned by the graph and never shared: buffers freed during capture go back to that pool only, the arrays `fn`
+returns stay alive with the graph, so a replay writes exactly where the capture wrote and allocates nothing.
+CuPy captures in relaxed mode (cudaMalloc by the pool is legal); synchronous copies, `cupy.asnumpy` and
+anything else that waits on the device fail the capture, and the caller falls back to eager.
+
+`DecodeGraphRunner.forward(batch, kv, states)` is a drop-in for `QwenModel.forward` on decode batches (every
+sequence adds one token, no snapshots, logits for every row): rows are padded to the bucket (padding rows
+write a reserved KV page `pad_page` and state slot `pad_slot`, which no sequence may use), the metadata goes
+host -> pinned staging -> two static device buffers, then `graph.launch`. Anything else runs eagerly.
+
+What the backend must guarantee for capture (CupyBackend does, through the plan caches seeded below):
+no host synchronisation or host -> device copy in the decode forward (no `from_host`, `cupy.asnumpy`, `int()`
+of a device value); launch grids that depend only on the static shapes; every per-step value read from the
+static buffers: token ids, positions, slot mapping, block tables [bucket, max_pages], per-sequence
+(start, 1, context), attention work items (key ranges; fixed count per split setting) and DeltaNet runs
+(state slots). `CupyBackend.paged_attention` / `deltanet_core` take their plans from `_attn` / `_runs`
+(keyed by the batch / segment list objects), which `_seed_plans` fills with plans over the static buffers.
+MoE layers of CupyBackend synchronise (hit-expert list) and so stay eager; `cupy_ops_extra.moe` does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import cupy as cp
+import cupyx
+import numpy as np
+
+from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
+from decapybara.backend.cupy_ops_extra import embedding_rows
+from decapybara.model.batch import ForwardBatch, SeqChunk
+from decapybara.model.config import FULL_ATTENTION
+from decapybara.model.qwen import ForwardOutput, QwenModel
+
+BLOCK_N = 32  # keys per attention tile (kernels/attn_prefill.cu)
+
+
+class GraphUnsupported(RuntimeError):
+    """This model / backend / batch cannot run as a captured decode graph."""
+
+
+def _plan(cls: Any, **values: Any) -> Any:
+    """A backend plan dataclass over static buffers; fields this module does not know make it unsupported."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if names - set(values):
+        raise GraphUnsupported(f"{cls.__name__} has fields {sorted(names - set(values))} this module cannot fill")
+    return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def capture_graph(fn: Any, stream: Any, pool: Any, warmup: int = 1) -> tuple[Any, Any]:
+    """(graph, outputs of the captured call) for `fn()`; allocations of warm-up and capture come from `pool`.
+    The warm-up calls execute (mind side effects); the captured call does not until `graph.launch`."""
+    with stream, cp.cuda.using_allocator(pool.malloc):
+        for _ in range(warmup):
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = fn()
+        except BaseException:
+            with contextlib.suppress(Exception):  # an invalidated capture fails to end too; the first error wins
+                stream.end_capture()
+            raise
+        graph = stream.end_capture()
+    return graph, out
+
+
+@dataclass(slots=True)
+class _Static:
+    """Pinned staging, static device buffers and the plans / batch objects built over them (one graph)."""
+
+    bucket: int
+    splits: int
+    tiles: int  # attention tiles per sequence
+    block_m: int  # query rows per tile
+    host64: np.ndarray  # pinned int64 [3, bucket]: ids, positions, slots
+    host32: np.ndarray  # pinned int32 [n32]
+    dev64: Any
+    dev32: Any
+    views: dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset in dev32, shape)
+    batch: ForwardBatch
+    segments: list[DeltaNetSegment]
+    attn_plan: Any = None
+    run_plan: Any = None
+    graph: Any = None
+    pool: Any = None
+    outputs: Any = None
+    done: Any = None  # event after the last replay: staging is reusable once it completed
+
+    def d32(self, name: str) -> Any:
+        off, shape = self.views[name]
+        return self.dev32[off:off + int(np.prod(shape))].reshape(shape)
+
+    def h32(self, name: str) -> np.ndarray:
+        off, shape = self.views[name]
+        return self.host32[off:off + int(np.prod(shape))].reshape(shape)
+
+
+@dataclass(slots=True)
+class DecodeGraphRunner:
+    """Decode forward through captured graphs (see the module docstring). `max_pages` bounds block tables."""
+
+    model: QwenModel
+    max_pages: int
+    pad_page: int
+    pad_slot: int | None = None
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 12)
+    stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
+                                                           "failures": {}})
+    _graphs: dict[tuple[int, int], _Static] = field(default_factory=dict)
+    _stream: Any = None
+    _inv_freq: Any = None
+
+    def __post_init__(self) -> None:
+        cfg = self.model.cfg
+        self._stream = cp.cuda.Stream(non_blocking=True)
+        self._inv_freq = cp.asarray(self.model.rotary.inv_freq)
+        if cfg.linear_layers and self.pad_slot is None:
+            raise ValueError("a hybrid model needs a reserved pad_slot for graph padding rows")
+
+    # ---- public ---------------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None) -> ForwardOutput:
+        reason = self.ineligible(batch)
+        key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch))
+        if key is not None and key not in self.stats["failures"]:
+            try:
+                return self._replay(key, batch, kv, states)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: this key runs eagerly
+                self.stats["failures"][key] = f"{type(e).__name__}: {e}"
+                self._graphs.pop(key, None)
+        self.stats["eager_steps"] += 1
+        return self.model.forward(batch, kv, states)
+
+    def ineligible(self, batch: ForwardBatch) -> str | None:
+        """Why `batch` cannot replay a decode graph (None when it can)."""
+        seqs = batch.seqs
+        if not seqs or len(seqs) > max(self.buckets):
+            return f"{len(seqs)} sequences (buckets {self.buckets})"
+        if any(s.length != 1 or s.snapshot_at for s in seqs):
+            return "not a pure decode batch (prefill chunk or snapshot)"
+        if not np.array_equal(batch.logits_rows, np.arange(len(seqs))):
+            return "logits not requested for exactly every row"
+        if any(len(s.block_table) > self.max_pages
+               or self.pad_page in s.block_table[:-(-s.total // batch.page_size)] for s in seqs):
+            return "block table longer than max_pages or using the pad page"
+        if self.model.cfg.linear_layers and any(s.state_slot in (None, self.pad_slot) for s in seqs):
+            return "state slot missing or equal to pad_slot"
+        return None
+
+    # ---- graphs -----------------------------------------------------------------------------------------
+    def _bucket(self, n: int) -> int:
+        return min(b for b in self.buckets if b >= n)
+
+    @staticmethod
+    def _splits(batch: ForwardBatch) -> int:
+        longest = max(s.total for s in batch.seqs)
+        return 1 if longest < 256 else 4 if longest < 4096 else 16
+
+    def _replay(self, key: tuple[int, int], batch: ForwardBatch, kv: KVCache, states: StatePool | None) -> Any:
+        st = self._graphs.get(key)
+        if st is None:
+            st = self._graphs[key] = self._build(*key, page_size=batch.page_size)
+        self._stream.wait_event(cp.cuda.get_current_stream().record())  # KV / state writes of earlier steps
+        if st.graph is None:  # warm up on padding rows only, then capture (capturing executes nothing)
+            self._upload(st, None)
+            st.pool = cp.cuda.MemoryPool()
+            st.graph, st.outputs = capture_graph(lambda: self._step(st, kv, states), self._stream, st.pool,
+                                                 warmup=1)
+            self.stats["captures"] += 1
+        self._upload(st, batch)
+        st.graph.launch(self._stream)
+        st.done = self._stream.record()
+        cp.cuda.get_current_stream().wait_event(st.done)
+        self.stats["graph_steps"] += 1
+        n = len(batch.seqs)
+        logits, hidden = st.outputs
+        return ForwardOutput(logits[:n], hidden[:n], {})
+
+    def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
+        if st.done is not None:
+            st.done.synchronize()  # the previous replay's copies have read the staging buffers
+        self._fill(st, batch)
+        st.dev64.set(st.host64, stream=self._stream)
+        st.dev32.set(st.host32, stream=self._stream)
+        st.done = self._stream.record()
+
+    def _build(self, bucket: int, splits: int, page_size: int) -> _Static:
+        from decapybara.backend.cupy_attention import AttentionPlan, rows_per_warp
+        from decapybara.backend.cupy_deltanet import RunPlan
+
+        cfg = self.model.cfg
+        g = cfg.num_attention_heads // cfg.num_key_value_heads
+        rpw = rows_per_warp(cfg.head_dim, g)
+        tiles = -(-g // (4 * rpw))
+        nwork = bucket * tiles * splits
+        shapes = {"seq_info": (bucket, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
+                  "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (bucket, 5), "segs": (bucket, 2)}
+        views, off = {}, 0
+        for name, shape in shapes.items():
+            views[name] = (off, shape)
+            off += int(np.prod(shape))
+        host64, host32 = cupyx.empty_pinned((3, bucket), np.int64), cupyx.empty_pinned(off, np.int32)
+        dev64, dev32 = cp.zeros((3, bucket), cp.int64), cp.zeros(off, cp.int32)
+        chunks = [SeqChunk(i, 1, 0, np.zeros(0, np.int32), i) for i in range(bucket)]
+        placeholder = ForwardBatch(np.zeros(bucket, np.int64), np.zeros(bucket, np.int64), chunks,
+                                   np.arange(bucket), page_size)
+        segments = [DeltaNetSegment(i, 1, i) for i in range(bucket)]
+        st = _Static(bucket, splits, tiles, 4 * rpw, host64, host32, dev64, dev32, views, placeholder, segments)
+        st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
+                             max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
+                             num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
+                             rows_per_warp=rpw, slots=dev64[2])
+        st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
+                            snapshot_keys=[])
+        return st
+
+    def _fill(self, st: _Static, batch: ForwardBatch | None) -> None:
+        """This step's metadata into the pinned staging buffers (padding rows after the real ones; every row
+        is padding when `batch` is None: the capture's warm-up touches only the pad page and slot)."""
+        seqs = batch.seqs if batch is not None else []
+        n, b, ps = len(seqs), st.bucket, st.batch.page_size
+        pad_slot_kv = self.pad_page * ps
+        ids, pos, slots = st.host64
+        ids[:], pos[:], slots[:] = 0, 0, pad_slot_kv
+        ctx = np.zeros(b, np.int64)
+        if batch is not None:
+            ids[:n], pos[:n], slots[:n] = batch.token_ids, batch.positions, batch.slot_mapping
+            ctx[:n] = [s.context for s in seqs]
+        info = st.h32("seq_info")
+        info[:, 0], info[:, 1], info[:, 2] = np.arange(b), 1, ctx
+        tables = st.h32("tables")
+        tables[:] = self.pad_page
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        tiles, block_m, sp = st.tiles, st.block_m, st.splits
+        kend = np.repeat(ctx + 1, tiles * sp)  # [b * tiles * sp]
+        per_split = -(-kend // sp)
+        chunk = -(-per_split // BLOCK_N) * BLOCK_N
+        part = np.tile(np.arange(sp), b * tiles)
+        work = st.h32("work")
+        work[:, 0] = np.repeat(np.arange(b), tiles * sp)
+        work[:, 1] = np.tile(np.repeat(np.arange(tiles) * block_m, sp), b)
+        work[:, 2] = np.minimum(part * chunk, kend)
+        work[:, 3] = np.minimum((part + 1) * chunk, kend)
+        work[:, 4] = np.arange(b * tiles * sp) if sp > 1 else -1
+        if sp > 1:
+            red = st.h32("reduce")
+            red[:, 0] = np.repeat(np.arange(b), tiles)
+            red[:, 1] = np.tile(np.arange(tiles) * block_m, b)
+            red[:, 2] = np.arange(b * tiles) * sp
+            red[:, 3] = sp
+        runs = st.h32("runs")
+        runs[:, 0], runs[:, 1], runs[:, 3], runs[:, 4] = np.arange(b), 1, np.arange(b), 1
+        runs[:, 2] = self.pad_slot if self.pad_slot is not None else 0
+        if self.model.cfg.linear_layers and n:
+            runs[:n, 2] = [s.state_slot for s in seqs]
+        segs = st.h32("segs")
+        segs[:, 0], segs[:, 1] = 1, -1
+
+    def _seed_plans(self, st: _Static) -> None:
+        backend, cfg = self.model.backend, self.model.cfg
+        if not (hasattr(backend, "_attn") and hasattr(backend, "_runs")):
+            raise GraphUnsupported(f"backend {type(backend).__name__} has no attention / DeltaNet plan caches")
+        backend._attn = (st.batch, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), st.attn_plan)
+        backend._runs = (st.segments, st.run_plan)
+
+    def _step(self, st: _Static, kv: KVCache, states: StatePool | None) -> tuple[Any, Any]:
+        """The decode forward over the static buffers (QwenModel.forward's loop, graph-safe inputs)."""
+        model, cfg, ops, w = self.model, self.model.cfg, self.model.backend, self.model.w
+        self._seed_plans(st)
+        ids, positions = st.dev64[0], st.dev64[1]
+        freqs = positions.astype(cp.float32)[:, None] * self._inv_freq[None, :]  # [B, rot/2]
+        cos, sin = cp.cos(freqs), cp.sin(freqs)
+        if model.rotary.attention_factor != 1.0:
+            fac = np.float32(model.rotary.attention_factor)
+            cos, sin = cos * fac, sin * fac
+        h = embedding_rows(w["model.embed_tokens.weight"], ids)  # [B, H]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            if cfg.layer_types[i] == FULL_ATTENTION:
+                x = model._attention(p, i, x, st.batch, kv, cos, sin)
+            else:
+                x = model._deltanet(p, i, x, states, st.segments, {})
+            h = h + x
+            x = ops.rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            h = h + model._ffn(p, i, x)
+        hidden = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        return ops.linear(hidden, w["lm_head.weight"]), h

@@ -1,0 +1,153 @@
+"""The CUDA backend: CuPy arrays, cuBLAS matrix products and the kernels of kernels/*.cu.
+
+`CupyBackend("fp32")` computes the reference function in float32 (float32 weights and KV pages by default,
+the DeltaNet recurrence in float64 like the numpy reference) and must match it to float rounding.
+`CupyBackend("bf16")` stores matrices (and quantised weights, dequantised once at load) as bf16 and multiplies
+bf16 operands with float32 accumulation; its default KV pages are bf16 ("16/16").
+
+In both modes activations between ops are float32 device arrays: the residual stream keeps full precision and
+decode, which reads every weight once per step, is bound by the weight bytes, not by activations. 1-D tensors
+and the DeltaNet conv1d stay float32. Host metadata of a forward (slot mapping, block tables, work items,
+DeltaNet runs) is uploaded once and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
+from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
+from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
+from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
+from decapybara.backend.kv_codec import BF16Codec, codec_for
+from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import ModelConfig
+
+
+def _is_matrix(name: str, ndim: int) -> bool:
+    """Matrices (and stacked experts) go bf16 in bf16 mode; 1-D tensors and the conv1d stay float32."""
+    return ndim >= 2 and not name.endswith("conv1d.weight")
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+    xp = cp
+
+    def __init__(self, dtype: str = "bf16", attention_splits: int | None = None):
+        """`dtype` "fp32" (the reference function) or "bf16"; `attention_splits` forces split-K (tests)."""
+        if dtype not in ("fp32", "bf16"):
+            raise ValueError(f"CupyBackend dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        self.dtype = dtype
+        self.bf16 = dtype == "bf16"
+        self.attention_splits = attention_splits
+        self._attn: tuple[ForwardBatch, tuple[int, int, int], AttentionPlan] | None = None
+        self._runs: tuple[list[DeltaNetSegment], RunPlan] | None = None
+
+    # ---- memory -------------------------------------------------------------------------------------
+    def from_host(self, a: np.ndarray, dtype: Any = None) -> Any:
+        return cp.asarray(np.ascontiguousarray(a, dtype=dtype or np.asarray(a).dtype))
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return cp.asnumpy(a)
+
+    def prepare_weight(self, name: str, value: Any) -> Any:
+        """float32 device array, or bf16 bits (uint16) for matrices in bf16 mode. Quantised weights are
+        dequantised on the device (bf16 or float32) until the packed-weight GEMV path takes them."""
+        if hasattr(value, "dequantize"):  # QuantTensor
+            return ops.dequantize(value, bf16=self.bf16 and _is_matrix(name, len(value.shape)))
+        arr = np.ascontiguousarray(value, dtype=np.float32)
+        dev = cp.asarray(arr)
+        if self.bf16 and _is_matrix(name, arr.ndim):
+            return ops.to_bf16_bits(dev)
+        return dev
+
+    def new_kv_cache(self, cfg: ModelConfig, num_pages: int, page_size: int, kv_mode: Any = None) -> CupyKVCache:
+        codec = BF16Codec() if (kv_mode is None and self.bf16) else codec_for(kv_mode, np.float32)
+        return CupyKVCache(cfg, num_pages, page_size, codec)
+
+    def new_state_pool(self, cfg: ModelConfig, num_slots: int) -> CupyStatePool:
+        return CupyStatePool(cfg, num_slots)
+
+    def synchronize(self) -> None:
+        cp.cuda.get_current_stream().synchronize()
+
+    # ---- ops ----------------------------------------------------------------------------------------
+    def embedding(self, table: Any, ids: np.ndarray) -> Any:
+        idx = cp.asarray(np.ascontiguousarray(ids, np.int64))
+        if table.dtype == cp.uint16:
+            return ops.embed_bf16(table, idx)
+        return table[idx]
+
+    def rms_norm(self, x: Any, weight: Any, eps: float, offset: float) -> Any:
+        return ops.rms_norm(x, weight, eps, offset)
+
+    def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float, offset: float) -> tuple[Any, Any]:
+        """(rms_norm(x + residual), x + residual) in one pass (not part of `Backend`; for fused decoders)."""
+        return ops.rms_norm(x, weight, eps, offset, residual=residual)
+
+    def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        if weight.dtype == cp.uint16:
+            y = ops.gemm_bf16(ops.to_bf16_bits(x), weight)
+        else:
+            y = cp.matmul(ops.f32(x), weight.T)
+        return y + bias if bias is not None else y
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        return ops.silu_mul(gate, up)
+
+    def sigmoid(self, x: Any) -> Any:
+        return ops.sigmoid(x)
+
+    def rope(self, x: Any, cos: Any, sin: Any, rotary_dim: int) -> Any:
+        return ops.rope(x, cos, sin, rotary_dim)
+
+    def paged_attention(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
+                        scale: float) -> Any:
+        nq, d = q.shape[1], q.shape[2]
+        plan = self._attention_plan(batch, nq, kv.kv_heads, d)
+        kv.write(layer, plan.slots, k, v)
+        return attention(q, kv.parts(layer, "k"), kv.parts(layer, "v"), plan, kv.kv_heads, kv.page_size, scale)
+
+    def _attention_plan(self, batch: ForwardBatch, nq: int, nkv: int, d: int) -> AttentionPlan:
+        key = (nq, nkv, d)
+        if self._attn is not None and self._attn[0] is batch and self._attn[1] == key:
+            return self._attn[2]
+        plan = plan_attention(batch, nq, nkv, d, self.attention_splits)
+        self._attn = (batch, key, plan)  # NOTE: holding the batch keeps `is` identity sound across layers
+        return plan
+
+    def deltanet_core(self, states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
+                      params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
+                      snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]]) -> Any:
+        if self._runs is None or self._runs[0] is not segments:
+            self._runs = (segments, plan_runs(segments))
+        return deltanet_core(states, layer, mixed_qkv, a, b, params, self._runs[1], cfg, snapshots,
+                             acc="float" if self.bf16 else "double")
+
+    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
+        return ops.gated_rms_norm(x, z, weight, eps)
+
+    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
+        """Router softmax and top-k on the device; experts hit by any row run as row-gathered matrix products
+        (one host sync per call for the list of hit experts)."""
+        x = ops.f32(x)
+        logits = self.linear(x, router)  # [T, E]
+        probs = cp.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        top = cp.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k], ties to the lower index
+        weights = cp.take_along_axis(probs, top, axis=-1)
+        if normalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        top_h = cp.asnumpy(top)
+        out = cp.zeros_like(x)
+        for e in np.unique(top_h):
+            rows, which = np.nonzero(top_h == e)
+            r_dev, w_dev = cp.asarray(rows), cp.asarray(which)
+            xr = x[r_dev]
+            h = ops.silu_mul(self.linear(xr, gate_w[e]), self.linear(xr, up_w[e]))
+            out[r_dev] += self.linear(h, down_w[e]) * weights[r_dev, w_dev][:, None]
+        return out

@@ -1,0 +1,112 @@
+"""Gated DeltaNet core on the device (kernels/deltanet_prefill.cu): run planning and launches.
+
+`plan_runs(segments)` groups consecutive `DeltaNetSegment`s of one sequence (same slot, contiguous rows) into
+runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
+delta rule for every run in parallel, updating the state pool in place and copying snapshots to the host.
+`acc` is the recurrence's arithmetic: "double" reproduces the numpy reference (float64 inside chunks,
+float32 state at its store points), "float" is the fast variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
+from decapybara.backend.cupy_kv import CupyStatePool
+from decapybara.backend.cupy_ops import F32, I32, THREADS, empty, f32, grid_for
+from decapybara.model.config import ModelConfig
+from kernels import get_kernel
+
+CHUNK = 64  # the reference's chunk: the state is stored as float32 every CHUNK tokens of a segment
+CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_prefill.cu)
+
+
+@dataclass(slots=True)
+class RunPlan:
+    """Device metadata of one forward's DeltaNet segments (shared by every linear layer)."""
+
+    runs: Any  # [R, 5] int32: first row, rows, slot, first segment, number of segments
+    segs: Any  # [S, 2] int32: segment end (rows from the run start), snapshot index or -1
+    num_runs: int
+    max_len: int  # rows of the longest run
+    snapshot_keys: list[tuple[int, int]]  # snapshot index -> key
+
+
+def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
+    runs: list[list[int]] = []
+    segs: list[tuple[int, int]] = []
+    keys: list[tuple[int, int]] = []
+    for seg in segments:
+        if seg.length <= 0:
+            raise ValueError(f"empty DeltaNet segment {seg}")
+        last = runs[-1] if runs else None
+        if last is not None and last[2] == seg.slot and last[0] + last[1] == seg.start:
+            last[1] += seg.length
+            last[4] += 1
+        else:
+            runs.append([seg.start, seg.length, seg.slot, len(segs), 1])
+            last = runs[-1]
+        snap = -1
+        if seg.snapshot_key is not None:
+            snap = len(keys)
+            keys.append(seg.snapshot_key)
+        segs.append((last[1], snap))
+    slots = [r[2] for r in runs]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"state slots {slots}: a slot's segments must be consecutive rows of one sequence")
+    return RunPlan(cp.asarray(np.asarray(runs, np.int32).reshape(-1, 5)),
+                   cp.asarray(np.asarray(segs, np.int32).reshape(-1, 2)), len(runs),
+                   max((r[1] for r in runs), default=0), keys)
+
+
+def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
+                  plan: RunPlan, cfg: ModelConfig,
+                  snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
+                  acc: str = "double") -> Any:
+    """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`)."""
+    x, a, b = f32(mixed_qkv), f32(a), f32(b)
+    t, c = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, ksz = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    assert c == cfg.linear_conv_dim and a.shape == (t, hv) == b.shape, f"x {x.shape} a {a.shape} b {b.shape}"
+    assert acc in ("double", "float"), acc
+    w = f32(params.conv_weight).reshape(c, ksz)
+    neg_a, dt_bias = f32(params.neg_A), f32(params.dt_bias)
+    conv_state, rec = states.conv[layer], states.rec[layer]
+    out = empty((t, hv, dv), cp.float32)
+    if t == 0 or plan.num_runs == 0:
+        return out
+    defines = (("DK", dk), ("DV", dv), ("CONV_K", ksz), ("ACC", acc))
+    nsnap = len(plan.snapshot_keys)
+    snap_conv = empty((max(nsnap, 1), c, ksz - 1), cp.float32)
+    snap_rec = empty((max(nsnap, 1), hv, dk, dv), cp.float32)
+
+    y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
+    cblocks = -(-c // 128)
+    get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
+        (cblocks, -(-plan.max_len // CONV_TOKENS), plan.num_runs), (128,),
+        (x, w, conv_state, plan.runs, y, I32(c)))
+    get_kernel("deltanet_prefill", "conv1d_state_update", defines)(
+        (cblocks, plan.num_runs), (128,), (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c)))
+    qn = empty((t, hk, dk), cp.float32)
+    kn = empty((t, hk, dk), cp.float32)
+    get_kernel("deltanet_prefill", "gdn_qk_norm", defines)(
+        (-(-(t * hk * 32) // THREADS),), (THREADS,), (y, qn, kn, I32(t), I32(hk), I32(c), F32(dk ** -0.5)))
+    g = empty((t, hv), cp.float32)
+    beta = empty((t, hv), cp.float32)
+    get_kernel("deltanet_prefill", "gdn_gates", defines)(
+        (grid_for(t * hv),), (THREADS,), (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv)))
+    vcols = min(32, dv)  # value columns per CTA, 4 threads each (kernels/deltanet_prefill.cu VCOLS, KSPLIT)
+    assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
+    get_kernel("deltanet_prefill", "gdn_recurrent", defines)(
+        (plan.num_runs, hv, dv // vcols), (4 * vcols,),
+        (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c), I32(CHUNK)))
+    if nsnap:
+        conv_h, rec_h = cp.asnumpy(snap_conv[:nsnap]), cp.asnumpy(snap_rec[:nsnap])
+        for i, key in enumerate(plan.snapshot_keys):
+            snapshots.setdefault(key, {})[layer] = (conv_h[i], rec_h[i])
+    return out

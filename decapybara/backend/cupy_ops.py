@@ -1,0 +1,235 @@
+"""Launch wrappers of the per-token kernels (kernels/decode_ops.cu) and the bf16 matrix product (cuBLAS).
+
+Every wrapper checks dtype and contiguity of its device arrays before the launch, passes scalars as typed
+numpy values (a Python int would reach the kernel as int64) and returns fresh float32 outputs unless an
+`out` is given. Activations are float32 [rows, n]; bf16 tensors are uint16 arrays of bfloat16 bit patterns.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from kernels import get_kernel
+
+I32, I64, F32 = np.int32, np.int64, np.float32
+THREADS = 256
+# cudaDataType / cublasComputeType_t values (cuda_runtime / cublas_api.h).
+CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 14, 68, -1
+
+
+def check(a: Any, dtype: Any, name: str, ndim: int | None = None) -> None:
+    """Assert `a` is a C-contiguous device array of `dtype` (and `ndim`)."""
+    assert isinstance(a, cp.ndarray), f"{name}: expected a cupy array, got {type(a).__name__}"
+    assert a.dtype == np.dtype(dtype), f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}"
+    assert a.flags.c_contiguous, f"{name}: not C-contiguous (shape {a.shape}, strides {a.strides})"
+    assert ndim is None or a.ndim == ndim, f"{name}: {a.ndim}-D, expected {ndim}-D (shape {a.shape})"
+
+
+POISON = False  # tests set True: fresh outputs start as NaN (floats) / all-ones bits (integers)
+
+
+def empty(shape: Any, dtype: Any = np.float32) -> Any:
+    """cupy.empty, poisoned when `POISON` is set so that elements a kernel fails to write show up."""
+    a = cp.empty(shape, dtype)
+    if POISON:
+        dt = np.dtype(dtype)
+        a.fill(np.nan if dt.kind == "f" else np.iinfo(dt).max)
+    return a
+
+
+def empty_like(x: Any) -> Any:
+    return empty(x.shape, x.dtype)
+
+
+def null() -> Any:
+    """A NULL pointer kernel argument (a zero-size array has device pointer 0)."""
+    return cp.empty(0, cp.float32)
+
+
+def f32(a: Any) -> Any:
+    """A C-contiguous float32 device array of `a` (host arrays are uploaded; no copy when it already is one)."""
+    return cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32))
+
+
+@functools.cache
+def sm_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+    except (RuntimeError, KeyError, AttributeError):
+        return 132
+
+
+def grid_for(n: int, threads: int = THREADS) -> int:
+    """Blocks for a grid-stride loop over n items."""
+    return max(1, min(-(-n // threads), sm_count() * 16))
+
+
+def _k(func: str) -> Any:
+    return get_kernel("decode_ops", func)
+
+
+# ---- norms -------------------------------------------------------------------------------------------
+def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = None) -> Any:
+    """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis. With `residual`, normalises h = x + residual
+    and returns (out, h) (the fused residual add); else returns out."""
+    x = f32(x)
+    n = x.shape[-1]
+    rows = x.size // n if n else 0
+    check(weight, np.float32, "weight", 1)
+    assert weight.shape[0] == n, f"weight {weight.shape} for rows of {n}"
+    out = empty_like(x)
+    res_out = empty_like(x) if residual is not None else None
+    if residual is not None:
+        residual = f32(residual)
+        assert residual.shape == x.shape, f"residual {residual.shape} vs x {x.shape}"
+    if rows:
+        args = (x, null() if residual is None else residual, weight, out,
+                null() if res_out is None else res_out, I32(rows), I32(n), F32(eps), F32(offset))
+        if n <= 1024:
+            _k("rms_norm_warp")((-(-rows // 8),), (256,), args)
+        else:
+            _k("rms_norm_block")((rows,), (512,), args)
+    return out if residual is None else (out, res_out)
+
+
+def gated_rms_norm(x: Any, z: Any, weight: Any, eps: float) -> Any:
+    """rms_norm(x) * w * silu(z) over the last axis (no offset)."""
+    x, z = f32(x), f32(z)
+    assert x.shape == z.shape, f"x {x.shape} vs z {z.shape}"
+    check(weight, np.float32, "weight", 1)
+    n = x.shape[-1]
+    rows = x.size // n if n else 0
+    out = empty_like(x)
+    if rows:
+        _k("gated_rms_norm_warp")((-(-rows // 8),), (256,), (x, z, weight, out, I32(rows), I32(n), F32(eps)))
+    return out
+
+
+# ---- RoPE ----------------------------------------------------------------------------------------------
+def rope(x: Any, cos: Any, sin: Any, rotary_dim: int, out: Any = None) -> Any:
+    """Rotate-half RoPE on the first `rotary_dim` dims of x [T, H, D]; cos / sin [T, rotary_dim / 2]."""
+    x = f32(x)
+    t, h, d = x.shape
+    cos, sin = f32(cos), f32(sin)
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= d, f"rotary_dim {rotary_dim} for head_dim {d}"
+    assert cos.shape == (t, rotary_dim // 2) == sin.shape, f"cos {cos.shape} sin {sin.shape} for T={t}"
+    out = empty_like(x) if out is None else out
+    check(out, np.float32, "out", 3)
+    n = t * h * (d - rotary_dim // 2)
+    if n:
+        _k("rope_table")((-(-n // THREADS),), (THREADS,), (x, cos, sin, out, I32(t), I32(h), I32(d),
+                                                           I32(rotary_dim)))
+    return out
+
+
+def rope_positions(x: Any, positions: Any, inv_freq: Any, attention_factor: float = 1.0, out: Any = None) -> Any:
+    """RoPE with the angles computed in the kernel: float32(position) * inv_freq [rotary_dim / 2]."""
+    x = f32(x)
+    t, h, d = x.shape
+    check(positions, np.int64, "positions", 1)
+    check(inv_freq, np.float32, "inv_freq", 1)
+    rot = 2 * inv_freq.shape[0]
+    assert positions.shape[0] == t and rot <= d
+    out = empty_like(x) if out is None else out
+    n = t * h * (d - rot // 2)
+    if n:
+        _k("rope_pos")((-(-n // THREADS),), (THREADS,), (x, positions, inv_freq, out, I32(t), I32(h), I32(d),
+                                                         I32(rot), F32(attention_factor)))
+    return out
+
+
+# ---- elementwise --------------------------------------------------------------------------------------
+def _elementwise(func: str, *inputs: Any, out_dtype: Any = np.float32, in_dtype: Any = np.float32) -> Any:
+    arrs = [cp.ascontiguousarray(cp.asarray(a, dtype=in_dtype)) for a in inputs]
+    for a in arrs[1:]:
+        assert a.shape == arrs[0].shape, f"{func}: shapes {[b.shape for b in arrs]}"
+    out = empty(arrs[0].shape, dtype=out_dtype)
+    n = out.size
+    if n:
+        _k(func)((grid_for(n),), (THREADS,), (*arrs, out, I64(n)))
+    return out
+
+
+def silu_mul(gate: Any, up: Any) -> Any:
+    return _elementwise("silu_mul", gate, up)
+
+
+def sigmoid(x: Any) -> Any:
+    return _elementwise("sigmoid_f32", x)
+
+
+def sigmoid_mul(x: Any, gate: Any) -> Any:
+    """x * sigmoid(gate)."""
+    return _elementwise("sigmoid_mul", x, gate)
+
+
+def to_bf16_bits(x: Any) -> Any:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    return _elementwise("f32_to_bf16_bits", x, out_dtype=np.uint16)
+
+
+def bf16_bits_to_f32(b: Any) -> Any:
+    return _elementwise("bf16_bits_to_f32", b, in_dtype=np.uint16)
+
+
+def embed_bf16(table: Any, ids: Any) -> Any:
+    """Rows `ids` [T] (int64, device) of a bf16 table [V, H], as float32 [T, H]."""
+    check(table, np.uint16, "table", 2)
+    check(ids, np.int64, "ids", 1)
+    t, h = ids.shape[0], table.shape[1]
+    out = empty((t, h), cp.float32)
+    if t:
+        _k("embed_bf16")((grid_for(t * h),), (THREADS,), (table, ids, out, I32(t), I32(h)))
+    return out
+
+
+# ---- weights ----------------------------------------------------------------------------------------
+def dequantize(q: Any, bf16: bool) -> Any:
+    """A `QuantTensor` -> device array of its logical shape: bf16 bits (uint16) or float32."""
+    from decapybara.model.quant import get_format
+
+    fmt = get_format(q.fmt)
+    k = q.shape[-1]
+    rows = int(np.prod(q.shape[:-1], dtype=np.int64))
+    codes = cp.asarray(np.ascontiguousarray(q.codes).reshape(rows, -1))
+    scales = cp.asarray(np.ascontiguousarray(q.scales).reshape(rows, -1))
+    assert codes.shape[1] == fmt.padded(k) * fmt.bits // 8 and scales.shape[1] == fmt.padded(k) // fmt.block
+    out = empty((rows, k), cp.uint16 if bf16 else cp.float32)
+    ts = F32(q.tensor_scale if q.tensor_scale is not None else 1.0)
+    func = f"dequant_{q.fmt}_{'bf16' if bf16 else 'f32'}"
+    _k(func)((grid_for(rows * k),), (THREADS,), (codes, scales, ts, out, I64(rows), I32(k)))
+    return out.reshape(q.shape)
+
+
+def gemm_bf16(x_bits: Any, w_bits: Any) -> Any:
+    """x [T, K] @ w [N, K]^T with bf16 operands (uint16 bits), float32 accumulation and output [T, N]."""
+    from cupy_backends.cuda.libs import cublas
+
+    check(x_bits, np.uint16, "x", 2)
+    check(w_bits, np.uint16, "w", 2)
+    t, k = x_bits.shape
+    n = w_bits.shape[0]
+    assert w_bits.shape[1] == k, f"x {x_bits.shape} @ w {w_bits.shape}^T"
+    y = empty((t, n), cp.float32)
+    if t == 0 or n == 0:
+        return y
+    if k == 0:
+        y.fill(0)
+        return y
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    # NOTE: column-major view: Y^T [N, T] = W [N, K] (stored as K x N, transposed) @ X^T (stored as K x T).
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, one.ctypes.data, dev_ptr(w_bits),
+                  CUDA_R_16BF, k, dev_ptr(x_bits), CUDA_R_16BF, k, zero.ctypes.data, dev_ptr(y), CUDA_R_32F, n,
+                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    return y
+
+
+def dev_ptr(a: Any) -> int:
+    return a.data.ptr

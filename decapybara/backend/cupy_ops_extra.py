@@ -1,0 +1,485 @@
+"""Launch wrappers of kernels/{mx_gemv, act_quant, moe, sample, checksum, probe}.cu.
+
+Conventions (as `cupy_ops`): device arrays are checked for dtype and contiguity before a launch, scalars go as
+typed numpy values, fresh outputs come from `cupy_ops.empty` (NaN-poisoned under `cupy_ops.POISON`). bf16
+tensors are uint16 arrays of bfloat16 bits; activations may be float32, bf16 bits or float16.
+
+Weights for `mx_linear` are `PackedWeight`s: the bytes of a `QuantTensor` (docs/quant.md) uploaded unchanged,
+or bf16 bits. Kernel layout requirements (else `mx_linear` dequantises and multiplies densely): every row
+16-byte aligned, i.e. bf16 K % 8 == 0, MXFP6 Kp % 64 == 0, NVFP4 Kp % 32 == 0 (MXFP8 / MXFP4 always).
+The sampler is `cuda_sample` (same tokens as `decapybara.engine.sampling.sample`, see kernels/sample.cu).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, null, sm_count, to_bf16_bits
+from kernels import get_kernel
+
+FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
+BITS = {"bf16": 16, "mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
+BLOCK = {"bf16": 1, "mxfp8": 32, "mxfp6": 32, "mxfp4": 32, "nvfp4": 16}
+LANE_K = {"bf16": 16, "mxfp8": 32, "mxfp6": 64, "mxfp4": 64, "nvfp4": 64}  # codes per lane per chunk
+TILE_ROWS = 128  # weight rows per block (8 warps x 16)
+U64 = np.uint64
+
+
+def kind(dtype: Any) -> int:
+    """Activation dtype code of the kernels: 0 float32, 1 bf16 bits (uint16), 2 float16."""
+    k = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}.get(np.dtype(dtype))
+    if k is None:
+        raise TypeError(f"activations must be float32, bf16 bits (uint16) or float16, got {dtype}")
+    return k
+
+
+# ---- packed weights --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PackedWeight:
+    """A weight [N, K] (or stacked experts [E, N, K]) on the device in a kernel-ready format.
+
+    `codes`: uint8 [..., N, Kp * bits / 8] packed as `QuantTensor.codes`, or uint16 [..., N, K] bf16 bits;
+    `scales`: uint8 [..., N, Kp / block] (E8M0, NVFP4: E4M3), None for bf16; `tensor_scale`: NVFP4's float32.
+    """
+
+    fmt: str
+    shape: tuple[int, ...]
+    codes: Any
+    scales: Any = None
+    tensor_scale: float = 1.0
+
+    @property
+    def K(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def N(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def Kp(self) -> int:
+        b = BLOCK[self.fmt]
+        return -(-self.K // b) * b
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes + (self.scales.nbytes if self.scales is not None else 0))
+
+    def kernel_ok(self) -> bool:
+        """Whether the rows meet the kernel's 16-byte alignment (see the module docstring)."""
+        row = self.codes.shape[-1] * self.codes.itemsize
+        return row % 16 == 0 and self.codes.data.ptr % 16 == 0 and self.codes.flags.c_contiguous
+
+
+def pack_weight(value: Any) -> PackedWeight:
+    """A `QuantTensor` (host), a float array (host or device; rounded to bf16) or bf16 bits -> PackedWeight."""
+    if hasattr(value, "to_parts"):
+        ts = value.tensor_scale
+        return PackedWeight(value.fmt, tuple(value.shape), cp.asarray(np.ascontiguousarray(value.codes)),
+                            cp.asarray(np.ascontiguousarray(value.scales)), float(ts) if ts is not None else 1.0)
+    a = value if isinstance(value, cp.ndarray) else cp.asarray(np.asarray(value))
+    bits = a if a.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(a, dtype=cp.float32))
+    return PackedWeight("bf16", tuple(a.shape), cp.ascontiguousarray(bits))
+
+
+def _check_packed(w: PackedWeight) -> None:
+    assert w.fmt in FMT_IDS, f"unknown format {w.fmt!r}"
+    lead = w.shape[:-1]
+    if w.fmt == "bf16":
+        check(w.codes, np.uint16, "codes")
+        assert w.codes.shape == w.shape, f"bf16 codes {w.codes.shape} for shape {w.shape}"
+        return
+    check(w.codes, np.uint8, "codes")
+    check(w.scales, np.uint8, "scales")
+    assert w.codes.shape == (*lead, w.Kp * BITS[w.fmt] // 8), f"{w.fmt} codes {w.codes.shape} for {w.shape}"
+    assert w.scales.shape == (*lead, w.Kp // BLOCK[w.fmt]), f"{w.fmt} scales {w.scales.shape} for {w.shape}"
+
+
+def _gemm_ok(w: PackedWeight) -> bool:
+    lane_ok = w.fmt != "mxfp6" or w.Kp % 64 == 0
+    return lane_ok and (w.fmt != "nvfp4" or w.Kp % 32 == 0) and (w.fmt != "bf16" or w.K % 8 == 0) and w.kernel_ok()
+
+
+@functools.cache
+def _counters(device: int) -> Any:
+    return cp.zeros(1 << 16, cp.int32)  # split-K tile counters: zero at rest, reset by the last block
+
+
+def _pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial_bytes: int) -> int:
+    """K splits minimising (weight bytes + partial-sum bytes) / occupancy, occupancy = blocks over the
+    resident-block slots of the waves they need (a lone tail wave or a half-empty GPU both cost)."""
+    best, best_cost = 1, float("inf")
+    for ks in range(1, max(1, min(nchunks // 2, 32)) + 1):
+        blocks = tiles * ks
+        occupancy = blocks / (-(-blocks // slots) * slots)
+        cost = (weight_bytes + (partial_bytes * ks if ks > 1 else 0)) / occupancy
+        if cost < 0.98 * best_cost:
+            best, best_cost = ks, cost
+    return best
+
+
+def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
+          max_rows: int | None = None) -> None:
+    """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts))."""
+    m = x.shape[0] if groups is None else int(max_rows)
+    n, kp = w.N, w.Kp
+    nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+    mtiles = -(-m // (8 * nt))
+    ck = 4 * LANE_K[w.fmt]
+    nchunks = -(-kp // ck)
+    nrb = -(-n // TILE_ROWS)
+    ngroups = 1 if groups is None else groups[0].shape[0]
+    ksplit = 1
+    if groups is None and nrb * mtiles <= _counters(cp.cuda.Device().id).size:
+        ksplit = _pick_ksplit(nrb * mtiles, nchunks, (2 if nt <= 4 else 1) * sm_count(),
+                              mtiles * w.codes.nbytes, 8 * x.shape[0] * n)
+    cps = -(-nchunks // ksplit)
+    ksplit = -(-nchunks // cps)
+    partial = empty((ksplit, x.shape[0], n), cp.float32) if ksplit > 1 else null()
+    x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
+    stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
+    g_off, g_cnt = groups if groups is not None else (null(), null())
+    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}")
+    func((nrb, ksplit, mtiles * ngroups), (256,),
+         (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
+          bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
+          gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
+          _counters(cp.cuda.Device().id), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
+          I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
+          I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
+          I32(mtiles), I32(cps), I32(x_vec)))
+
+
+def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:
+    """y [M, N] = x [M, K] @ w^T (+ bias float32 [N]); x float32 / bf16 bits / float16, y in `out_dtype`
+    (default x's). Weights dequantised in registers; x is rounded to bf16; float32 accumulation."""
+    assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
+    _check_packed(w)
+    check(x, x.dtype, "x", 2)
+    kind(x.dtype)
+    assert x.shape[1] == w.K, f"x {x.shape} @ w {w.shape}^T"
+    if bias is not None:
+        check(bias, np.float32, "bias", 1)
+        assert bias.shape[0] == w.N
+    out_dtype = np.dtype(out_dtype or x.dtype)
+    if not _gemm_ok(w):  # layout the kernel cannot stream: dequantise once, dense product
+        y = cp.matmul(cp.asarray(x if x.dtype == cp.float32 else _to_f32(x)), mx_dequant(w).T)
+        y = y + bias if bias is not None else y
+        return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
+    y = empty((x.shape[0], w.N), out_dtype)
+    if x.shape[0] and w.N:
+        _gemm(x, w, y, bias=bias)
+    return y
+
+
+def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -> Any:
+    """Rows `rows` (int64 device array, default all) of a 2-D PackedWeight as a dense [R, K] array."""
+    _check_packed(w)
+    assert len(w.shape) == 2
+    if rows is not None:
+        check(rows, np.int64, "rows", 1)
+    r = w.N if rows is None else rows.shape[0]
+    out = empty((r, w.K), out_dtype)
+    if out.size:
+        get_kernel("mx_gemv", "mx_dequant_rows")(
+            (-(-out.size // 256),), (256,),
+            (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale), I32(FMT_IDS[w.fmt]),
+             rows if rows is not None else null(), I32(r), I32(w.K), I64(w.codes.shape[-1] * w.codes.itemsize),
+             I64(w.scales.shape[-1] if w.scales is not None else 0), out, I32(kind(out_dtype))))
+    return out
+
+
+def embedding_rows(table: Any, ids: Any) -> Any:
+    """float32 [T, H] rows `ids` (int64 device) of a PackedWeight, bf16-bits or float32 table."""
+    check(ids, np.int64, "ids", 1)
+    if isinstance(table, PackedWeight):
+        return mx_dequant(table, ids)
+    if table.dtype == cp.uint16:
+        from decapybara.backend.cupy_ops import embed_bf16
+
+        return embed_bf16(table, ids)
+    return table[ids]
+
+
+def _to_f32(x: Any) -> Any:
+    return mx_dequant(PackedWeight("bf16", x.shape, x)) if x.dtype == cp.uint16 else x.astype(cp.float32)
+
+
+def _from_f32(y: Any, dtype: Any) -> Any:
+    return to_bf16_bits(y) if np.dtype(dtype) == np.uint16 else y.astype(dtype)
+
+
+class PackedWeightsMixin:
+    """Backend mixin: kernel-ready QuantTensors stay packed and `linear` / `embedding` / `moe` send
+    PackedWeights to the kernels above; anything else goes to the base backend. `class B(PackedWeightsMixin,
+    CupyBackend)`. Activations stay float32 between ops, as CupyBackend keeps them."""
+
+    def prepare_weight(self, name: str, value: Any) -> Any:
+        if hasattr(value, "to_parts") and value.fmt in FMT_IDS and len(value.shape) >= 2:
+            w = pack_weight(value)
+            if _gemm_ok(w):
+                return w
+        return super().prepare_weight(name, value)  # type: ignore[misc]
+
+    def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        if isinstance(weight, PackedWeight):
+            return mx_linear(cp.ascontiguousarray(x, dtype=cp.float32), weight, bias, out_dtype=cp.float32)
+        return super().linear(x, weight, bias)  # type: ignore[misc]
+
+    def embedding(self, table: Any, ids: Any) -> Any:
+        if isinstance(table, PackedWeight):
+            idx = ids if isinstance(ids, cp.ndarray) else cp.asarray(np.ascontiguousarray(ids, np.int64))
+            return mx_dequant(table, idx)
+        return super().embedding(table, ids)  # type: ignore[misc]
+
+    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
+        if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
+            return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize)
+        return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize)  # type: ignore[misc]
+
+
+# ---- activation quantiser ----------------------------------------------------------------------------
+def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
+    """x [R, K] -> (E4M3 codes uint8 [R, Kp], E8M0 scales uint8 [R, Kp / 32]), bytes as `quantize(x, 'mxfp8')`."""
+    check(x, x.dtype, "x", 2)
+    r, k = x.shape
+    kp = -(-k // 32) * 32
+    codes, scales = empty((r, kp), cp.uint8), empty((r, kp // 32), cp.uint8)
+    if r and k:
+        warps = r * (kp // 32)
+        get_kernel("act_quant", "act_quant_mxfp8")((-(-warps * 32 // 256),), (256,),
+                                                  (x, I32(kind(x.dtype)), I64(k), I32(r), I32(k), I32(kp), codes,
+                                                   scales))
+    return codes, scales
+
+
+# ---- mixture of experts --------------------------------------------------------------------------------
+def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
+    """`Backend.moe` on the device with no host synchronisation: router softmax + top-k (moe_route), dispatch
+    grouped by expert, SwiGLU experts as grouped skinny GEMMs, weighted combine. x [T, H] -> [T, H] (x's
+    dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
+    PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call)."""
+    check(x, x.dtype, "x", 2)
+    t, h = x.shape
+    gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
+    for w in (gate_w, up_w, down_w):
+        _check_packed(w)
+        assert _gemm_ok(w) and len(w.shape) == 3, f"experts {w.fmt} {w.shape}: need a kernel-ready [E, N, K]"
+    e, inter = gate_w.shape[0], gate_w.shape[1]
+    assert up_w.shape == gate_w.shape == (e, inter, h) and down_w.shape == (e, h, inter)
+    assert 0 < top_k <= min(e, 32) and e <= 1024
+    if isinstance(router, PackedWeight) or router.dtype == cp.uint16:
+        logits = mx_linear(x, router if isinstance(router, PackedWeight) else pack_weight(router), out_dtype=cp.float32)
+    else:
+        logits = cp.matmul(x if x.dtype == cp.float32 else _to_f32(x), router.T)
+    logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+    assert logits.shape == (t, e)
+    ids, wts = empty((t, top_k), cp.int32), empty((t, top_k), cp.float32)
+    out = empty((t, h), x.dtype)
+    if t == 0:
+        return out
+    k = get_kernel("moe", "moe_route")
+    k((-(-t * 32 // 256),), (256,), (logits, I32(t), I32(e), I32(top_k), I32(int(normalize)), ids, wts))
+    p = t * top_k
+    counts, offsets = empty(e, cp.int32), empty(e, cp.int32)
+    gather, slot_pos = empty(p, cp.int32), empty(p, cp.int32)
+    get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), counts, offsets, gather, slot_pos,
+                                                      I32(top_k)), shared_mem=8 * e)
+    grouped = (offsets, counts)
+    g, u = empty((p, inter), cp.float32), empty((p, inter), cp.float32)
+    _gemm(x, gate_w, g, gather=gather, groups=grouped, max_rows=t)
+    _gemm(x, up_w, u, gather=gather, groups=grouped, max_rows=t)
+    hid = empty((p, inter), cp.uint16)
+    get_kernel("moe", "moe_silu_mul")((-(-g.size // 256),), (256,), (g, u, I32(0), hid, I32(1), I64(g.size)))
+    d = empty((p, h), cp.float32)
+    _gemm(hid, down_w, d, groups=grouped, max_rows=t)
+    get_kernel("moe", "moe_combine")((-(-h // 256), t), (256,),
+                                     (d, I32(0), wts, slot_pos, I32(top_k), I32(h), out, I32(kind(out.dtype))))
+    return out
+
+
+# ---- integrity scan and bandwidth probe -----------------------------------------------------------------
+def checksum(buf: Any, chunk_bytes: int = 1 << 16) -> Any:
+    """Per-chunk Fletcher-64 checksums (uint64 [ceil(nbytes / chunk_bytes)]) of a contiguous device array."""
+    assert isinstance(buf, cp.ndarray) and buf.flags.c_contiguous, "checksum needs a contiguous device array"
+    assert chunk_bytes % 4 == 0 and 4 <= chunk_bytes <= 1 << 18, f"chunk_bytes {chunk_bytes}"
+    n = max(1, -(-buf.nbytes // chunk_bytes))
+    out = empty(n, cp.uint64)
+    raw = buf.view(cp.uint8).reshape(-1) if buf.nbytes else cp.zeros(1, cp.uint8)
+    get_kernel("checksum", "checksum_fletcher64")((n,), (256,), (raw, U64(buf.nbytes), I32(chunk_bytes // 4), out))
+    return out
+
+
+def locate_corruption(buf: Any, reference: Any, chunk_bytes: int = 1 << 16) -> np.ndarray:
+    """Indices of the chunks whose checksum differs from `reference` (an earlier `checksum` of `buf`)."""
+    return np.flatnonzero(cp.asnumpy(checksum(buf, chunk_bytes) != reference))
+
+
+def bandwidth_probe(nbytes: int = 1 << 31, repeats: int = 10) -> dict[str, float]:
+    """Median GB/s of 128-bit streaming read, write and copy (copy counts bytes read + written) over
+    `nbytes` buffers, plus CuPy's own device-to-device copy, timed with CUDA events after a warm-up."""
+    n16 = nbytes // 16
+    src, dst = cp.empty(n16 * 16, cp.uint8), cp.empty(n16 * 16, cp.uint8)
+    src.view(cp.uint32)[:] = cp.arange(n16 * 4, dtype=cp.uint32)
+    sink = cp.zeros(1, cp.uint32)
+    blocks = sm_count() * 8
+    runs = {
+        "read": (get_kernel("probe", "probe_read"), (src, U64(n16), sink), n16 * 16),
+        "write": (get_kernel("probe", "probe_write"), (dst, U64(n16), np.uint32(0x12345678)), n16 * 16),
+        "copy": (get_kernel("probe", "probe_copy"), (src, dst, U64(n16)), 2 * n16 * 16),
+    }
+    res: dict[str, float] = {}
+    for name, (fn, args, moved) in [*runs.items(), ("cupy_copy", (None, None, 2 * n16 * 16))]:
+        times = []
+        for i in range(repeats + 1):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            if fn is None:
+                dst[...] = src
+            else:
+                fn((blocks,), (256,), args)
+            b.record()
+            b.synchronize()
+            if i:  # the first run is the warm-up
+                times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+        res[f"{name}_GBps"] = moved / float(np.median(times)) / 1e9
+    return res
+
+
+# ---- sampler ------------------------------------------------------------------------------------------
+SAMPLE_TILE, NTOP = 2048, 20
+EDIT_SEEN, EDIT_MASK, EDIT_BIAS = 1, 2, 4
+
+
+def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
+    """`decapybara.engine.philox.uniforms` computed on the device (float64 [N], bit-identical)."""
+    from decapybara.engine.philox import _as_u64
+
+    s, p = np.broadcast_arrays(_as_u64(seeds), _as_u64(positions))
+    s_d, p_d = cp.asarray(np.ascontiguousarray(s)), cp.asarray(np.ascontiguousarray(p))
+    out = empty(s.size, cp.float64)
+    if s.size:
+        get_kernel("sample", "philox_uniforms")((-(-s.size // 256),), (256,),
+                                                (s_d, p_d, np.uint32(stream), out, I32(s.size)))
+    return cp.asnumpy(out).reshape(s.shape)
+
+
+def _row_edits(r: Any, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One row's edits of sampling steps 1-3 merged per token: (tokens, bias, flags, output counts)."""
+    p = r.params
+    parts: list[tuple[np.ndarray, int, Any, Any]] = []  # (ids, flag, bias, count)
+    if p.logit_bias:
+        parts.append((np.fromiter(p.logit_bias, np.int64, len(p.logit_bias)), EDIT_BIAS,
+                      np.fromiter(p.logit_bias.values(), np.float64, len(p.logit_bias)), 0))
+    rep = max(p.repetition_penalty, r.extra_repetition_penalty)
+    if rep != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        out_ids, counts = np.unique(np.asarray(r.output_token_ids, np.int64).reshape(-1), return_counts=True)
+        if rep != 1.0:
+            parts.append((np.union1d(np.asarray(r.prompt_token_ids, np.int64).reshape(-1), out_ids), EDIT_SEEN,
+                          0.0, 0))
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            parts.append((out_ids, 0, 0.0, counts))
+    masked = [np.asarray(r.banned_token_ids, np.int64).reshape(-1)]
+    if r.position < p.min_tokens:
+        masked.append(np.asarray(p.stop_token_ids, np.int64))
+        if not p.ignore_eos:
+            masked.append(eos)
+    parts.append((np.concatenate(masked), EDIT_MASK, 0.0, 0))
+    ids = np.concatenate([q[0] for q in parts])
+    tok, inv = np.unique(ids, return_inverse=True)
+    flags, bias, count = np.zeros(tok.size, np.int32), np.zeros(tok.size), np.zeros(tok.size, np.int64)
+    np.bitwise_or.at(flags, inv, np.concatenate([np.full(q[0].size, q[1], np.int32) for q in parts]))
+    np.add.at(bias, inv, np.concatenate([np.broadcast_to(np.asarray(q[2], np.float64), q[0].shape) for q in parts]))
+    np.add.at(count, inv, np.concatenate([np.broadcast_to(np.asarray(q[3], np.int64), q[0].shape) for q in parts]))
+    return tok, bias, flags, count
+
+
+def _edits(rows: Any, eos: np.ndarray) -> tuple[np.ndarray, ...]:
+    """All rows' edits as CSR: (row pointer [B + 1], row, token, bias, flags, count) arrays."""
+    per = [_row_edits(r, eos) for r in rows]
+    ptr = np.concatenate([[0], np.cumsum([e[0].size for e in per])]).astype(np.int32)
+    row = np.concatenate([np.full(e[0].size, i, np.int32) for i, e in enumerate(per)])
+    tok, bias, flags, count = (np.concatenate([e[j] for e in per]) for j in range(4))
+    return ptr, row, tok.astype(np.int32), bias.astype(np.float64), flags.astype(np.int32), count.astype(np.int32)
+
+
+def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
+    """`decapybara.engine.sampling.sample` on the device: logits [B, V] (device float32 / bf16 bits /
+    float16, or host) -> SampleOutput with the same tokens for the same seeds (kernels/sample.cu has the
+    rounding caveat). One host synchronisation (the decided flags); undecided rows take a full stable sort."""
+    from decapybara.engine.sampling import GREEDY_TEMPERATURE, MASK64, SampleOutput
+
+    if not isinstance(logits, cp.ndarray):
+        logits = cp.asarray(np.ascontiguousarray(logits, np.float32))
+    check(logits, logits.dtype, "logits", 2)
+    b, v = logits.shape
+    if b != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
+    nblk = -(-v // SAMPLE_TILE)
+    if nblk > 128:
+        raise ValueError(f"vocabulary {v} above the sampler's {128 * SAMPLE_TILE}")
+    if b == 0:
+        return SampleOutput(np.zeros(0, np.int64), np.zeros(0, np.float32), [])
+    ps = [r.params for r in rows]
+    temp = np.array([p.temperature for p in ps], np.float64)
+    want = np.array([p.logprobs or 0 for p in ps], np.int32)
+    greedy = (temp < GREEDY_TEMPERATURE).astype(np.int32)
+    dev = {k: cp.asarray(a) for k, a in {
+        "temp": temp, "greedy": greedy, "want": want, "top_k": np.array([p.top_k for p in ps], np.int32),
+        "top_p": np.array([p.top_p for p in ps], np.float64), "min_p": np.array([p.min_p for p in ps], np.float64),
+        "rep": np.array([max(p.repetition_penalty, r.extra_repetition_penalty) for p, r in zip(ps, rows)]),
+        "pres": np.array([p.presence_penalty for p in ps], np.float64),
+        "freq": np.array([p.frequency_penalty for p in ps], np.float64),
+        "seed": np.array([r.seed & MASK64 for r in rows], np.uint64),
+        "pos": np.array([r.position for r in rows], np.uint64)}.items()}
+    e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in _edits(rows, np.asarray(eos_token_ids,
+                                                                                                     np.int64)))
+    n_e = int(e_row.shape[0])
+    if n_e and int(e_tok.max()) >= v:
+        raise ValueError("a token id of logit_bias / penalties / masks is outside the vocabulary")
+    y = empty((b, v), cp.float64)
+    rowmax, argmin, finite = empty(b, cp.uint64), empty(b, cp.int32), cp.zeros(b, cp.int32)
+    k = functools.partial(get_kernel, "sample")
+    k("sample_prep")((-(-v // 256), b), (256,), (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y,
+                                                rowmax, argmin, finite))
+    scratch = empty(max(n_e, 1), cp.float64)
+    if n_e:
+        k("sample_edits")((-(-n_e // 256),), (256,), (e_row, e_tok, e_bias, e_flags, e_count, I32(n_e), dev["rep"],
+                                                     dev["pres"], dev["freq"], y, I32(v), scratch))
+    k("sample_rowmax")((-(-v // 256), b), (256,), (y, I32(v), rowmax))
+    if n_e:
+        k("sample_restore")((-(-b // 32),), (32,), (e_ptr, e_tok, e_flags, scratch, y, I32(v), rowmax, I32(b)))
+    lc = SAMPLE_TILE // nblk
+    bz, bzm, bnm = empty((b, nblk), cp.float64), empty((b, nblk), cp.float64), empty((b, nblk), cp.int32)
+    cz, cid = empty((b, nblk, lc), cp.float64), empty((b, nblk, lc), cp.int32)
+    k("sample_stats")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), dev["temp"], dev["greedy"], dev["want"],
+                                                     dev["min_p"], rowmax, I32(lc), bz, bzm, bnm, argmin, cz, cid))
+    token, logprob, status = empty(b, cp.int64), empty(b, cp.float32), empty(b, cp.int32)
+    info, nm = empty((b, 4), cp.float64), empty(b, cp.int32)
+    top_id, top_lp = empty((b, NTOP), cp.int32), empty((b, NTOP), cp.float32)
+    k("sample_final")((b,), (SAMPLE_TILE // 2,),
+                      (I32(v), I32(nblk), I32(lc), dev["temp"], dev["greedy"], dev["want"], dev["top_k"],
+                       dev["top_p"], dev["min_p"], dev["seed"], dev["pos"], rowmax, bz, bzm, bnm, argmin, cz, cid,
+                       token, logprob, status, info, nm, top_id, top_lp))
+    if not cp.asnumpy(finite).all():
+        raise ValueError("every row of logits needs at least one finite value")
+    redo = np.flatnonzero(cp.asnumpy(status))
+    if redo.size:  # the decision lies past the certified prefix: a full canonical order per such row
+        t_eff = cp.asarray(np.where(greedy[redo] > 0, 1.0, temp[redo]))[:, None]
+        z = y[cp.asarray(redo)] / t_eff + 0.0
+        order = cp.ascontiguousarray(cp.argsort(-z, axis=-1).astype(cp.int32))  # stable: ties by ascending id
+        k("sample_scan")((redo.size,), (32,),
+                         (cp.asarray(redo.astype(np.int32)), order, I32(v), y, dev["temp"], dev["greedy"],
+                          dev["top_k"], dev["top_p"], dev["min_p"], info, nm, token, logprob, status, top_id,
+                          top_lp))
+    tokens, lps = cp.asnumpy(token), cp.asnumpy(logprob)
+    tids, tlps = cp.asnumpy(top_id), cp.asnumpy(top_lp)
+    out_lp = np.where([p.logprobs is not None for p in ps], lps, np.nan).astype(np.float32)
+    top = [[(int(tids[i, j]), float(tlps[i, j])) for j in range(min(p.logprobs or 0, v))
+            if tids[i, j] >= 0 and np.isfinite(tlps[i, j])] for i, p in enumerate(ps)]
+    return SampleOutput(tokens.astype(np.int64), out_lp, top)

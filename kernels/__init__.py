@@ -1,0 +1,162 @@
+"""CUDA kernels (``kernels/*.cu``) and their cached loader.
+
+`load_module(name, defines)` compiles ``kernels/<name>.cu`` once per (name, defines, device arch) and returns
+a ``cupy.RawModule``; `get_kernel(name, func, defines)` returns one ``extern "C"`` entry point of it.
+
+Compile options live here and nowhere else: ``--std=c++17 -O3``, the include path of this folder, the
+device's own architecture (``sm_90`` on Hopper), and no ``-use_fast_math`` (kernels must reproduce the numpy
+reference: IEEE division, sqrt, exp). Two compilers:
+
+- ``nvcc`` (when found on PATH or under $CUDA_PATH): builds a cubin with exactly these options (subnormals
+  kept), cached on disk under $DECAPYBARA_KERNEL_CACHE (default ``~/.cache/decapybara/kernels``) by a hash
+  of the sources, defines, options and the nvcc version. A failed nvcc build falls back to NVRTC (warning).
+- NVRTC through ``cupy.RawModule(code=...)``: CuPy appends the architecture itself and forces ``-ftz=true``,
+  so float32 subnormals flush to zero (only results below ~1e-38 can differ from the reference).
+
+$DECAPYBARA_KERNEL_COMPILER = ``nvcc`` | ``nvrtc`` forces one. `cupy` is imported lazily: ``import kernels``
+works on machines without CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+KERNEL_DIR = Path(__file__).resolve().parent
+BASE_OPTIONS = ("--std=c++17", "-O3")
+Defines = tuple[tuple[str, Any], ...]
+
+
+def has_cuda() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible."""
+    try:
+        import cupy
+    except (ImportError, RuntimeError, OSError):
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except (RuntimeError, OSError):  # CUDARuntimeError is a RuntimeError
+        return False
+
+
+def device_arch() -> str:
+    """Compute capability of the current device as ``"90"`` (Hopper), ``"100"``..."""
+    import cupy
+
+    return cupy.cuda.Device().compute_capability
+
+
+def arch_flag(arch: str) -> str:
+    """``-arch=sm_90`` on Hopper, else the device's own ``sm_XX``."""
+    return f"-arch=sm_{arch}"
+
+
+def _source_text(name: str) -> str:
+    path = KERNEL_DIR / f"{name}.cu"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {path}")
+    return path.read_text()
+
+
+def _headers_text() -> str:
+    return "".join(p.read_text() for p in sorted(KERNEL_DIR.glob("*.cuh")))
+
+
+def _define_flags(defines: Defines) -> tuple[str, ...]:
+    flags = []
+    for key, value in defines:
+        if not key.isidentifier():
+            raise ValueError(f"bad define name {key!r}")
+        flags.append(f"-D{key}={int(value) if isinstance(value, bool) else value}")
+    return tuple(flags)
+
+
+def _find_nvcc() -> str | None:
+    cuda = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME")
+    if cuda and (Path(cuda) / "bin" / "nvcc").is_file():
+        return str(Path(cuda) / "bin" / "nvcc")
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+
+
+def compiler() -> str:
+    """``nvcc`` or ``nvrtc``: what `load_module` uses on this machine."""
+    forced = os.environ.get("DECAPYBARA_KERNEL_COMPILER", "").lower()
+    if forced in ("nvcc", "nvrtc"):
+        return forced
+    return "nvcc" if _find_nvcc() else "nvrtc"
+
+
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def _cache_dir() -> Path:
+    """$DECAPYBARA_KERNEL_CACHE, else ~/.cache/decapybara/kernels, else a folder under the temp dir."""
+    env = os.environ.get("DECAPYBARA_KERNEL_CACHE")
+    for cand in ([Path(env)] if env else []) + [Path.home() / ".cache" / "decapybara" / "kernels",
+                                                 Path(tempfile.gettempdir()) / "decapybara-kernels"]:
+        try:
+            cand.mkdir(parents=True, exist_ok=True)
+            return cand
+        except OSError:
+            continue
+    raise RuntimeError("no writable folder for compiled kernels; set DECAPYBARA_KERNEL_CACHE")
+
+
+def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("DECAPYBARA_KERNEL_COMPILER=nvcc but no nvcc found")
+    cache = _cache_dir()
+    key = hashlib.sha256("\0".join([_source_text(name), _headers_text(), *options,
+                                    _nvcc_version(nvcc)]).encode()).hexdigest()[:24]
+    out = cache / f"{name}-{key}.cubin"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [nvcc, "-cubin", *options, "-o", str(tmp_out), str(KERNEL_DIR / f"{name}.cu")]
+        res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {name}.cu ({' '.join(cmd)}):\n{res.stderr}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders leave one complete file
+    return out
+
+
+@functools.cache
+def _load(name: str, defines: Defines, arch: str, which: str) -> Any:
+    import cupy
+
+    if which == "nvcc":
+        options = (*BASE_OPTIONS, arch_flag(arch), f"-I{KERNEL_DIR}", *_define_flags(defines))
+        try:
+            return cupy.RawModule(path=str(_build_cubin(name, options)))
+        except (RuntimeError, OSError) as e:  # e.g. nvcc without a host compiler: NVRTC still works
+            warnings.warn(f"nvcc build of {name}.cu failed, compiling with NVRTC instead: {e}", stacklevel=3)
+    # NOTE: CuPy adds -arch=sm_<device> (capped at NVRTC's newest) and -ftz=true itself.
+    options = (*BASE_OPTIONS[:1], f"-I{KERNEL_DIR}", *_define_flags(defines))
+    return cupy.RawModule(code=_source_text(name), options=options)
+
+
+def load_module(name: str, defines: Defines = ()) -> Any:
+    """The compiled ``kernels/<name>.cu`` (a ``cupy.RawModule``), cached per (name, defines, arch)."""
+    return _load(name, tuple((str(k), v) for k, v in defines), device_arch(), compiler())
+
+
+def get_kernel(name: str, func: str, defines: Defines = ()) -> Any:
+    """One ``extern "C"`` kernel of ``kernels/<name>.cu`` (a ``cupy.RawKernel``), cached like its module."""
+    return _get_kernel(name, func, tuple((str(k), v) for k, v in defines), device_arch(), compiler())
+
+
+@functools.cache
+def _get_kernel(name: str, func: str, defines: Defines, arch: str, which: str) -> Any:
+    return _load(name, defines, arch, which).get_function(func)

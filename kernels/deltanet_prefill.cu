@@ -1,0 +1,255 @@
+// Gated DeltaNet core (NumpyBackend.deltanet_core): causal conv1d + SiLU with conv state, L2-normed q / k,
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), and the gated delta rule per token:
+//   S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q        (S: [DK, DV] per value head)
+//
+// Compile-time: DK, DV (head dims), CONV_K (conv width), ACC (float or double: the recurrence's arithmetic).
+// With ACC = double the state is rounded to float32 exactly where the numpy reference stores it (every
+// `chunk` tokens of a segment and at each segment end), so the result matches the reference to float32
+// rounding of the inputs. This is the per-token recurrent form (O(L) dependent steps per run and head, each
+// DK * DV / threads work per thread); the chunked UT form is the faster prefill path still to come.
+//
+// Work is given as runs: maximal groups of consecutive segments of one sequence (same state slot, contiguous
+// rows). runs [R, 5] int32 = first row, rows, state slot, first segment, number of segments; segs [S, 2] int32 =
+// segment end (rows from the run start, exclusive), snapshot index (-1: none). Snapshots copy the state at
+// the segment's end into snap_conv [n_snap, C, CONV_K - 1] / snap_rec [n_snap, HV, DK, DV].
+#include "common.cuh"
+
+#ifndef DK
+#define DK 128
+#endif
+#ifndef DV
+#define DV 128
+#endif
+#ifndef CONV_K
+#define CONV_K 4
+#endif
+#ifndef ACC
+#define ACC double
+#endif
+
+constexpr int KM1 = CONV_K - 1;
+constexpr int VCOLS = DV < 32 ? DV : 32;  // value columns per CTA
+static_assert(DV % VCOLS == 0, "value head dim must be a multiple of 32 (or below 32)");
+
+// ---- causal conv1d + SiLU ------------------------------------------------------------------------------
+// x: [T, C] float32 (mixed q|k|v rows); w: [C, CONV_K]; conv_state: [slots, C, KM1]; y: [T, C].
+// x_ext(p) = row p of the run for p >= 0, conv state column KM1 + p for p < 0 (the inputs before the run).
+__device__ __forceinline__ float conv_input(const float* __restrict__ x, const float* __restrict__ st, int row0,
+                                            int p, int C, int c) {
+  return p >= 0 ? x[(i64)(row0 + p) * C + c] : st[KM1 + p];
+}
+
+// Grid (ceil(C / 128), ceil(max run length / CONV_TOKENS), R), 128 threads: thread per (channel, CONV_TOKENS
+// tokens of a run). y = silu(sum_j x_ext(i - KM1 + j) * w_j), accumulated in the reference's order with no
+// fused multiply-add. Reads the conv state only; conv1d_state_update writes it afterwards.
+constexpr int CONV_TOKENS = 16;
+extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const float* __restrict__ w,
+                                            const float* __restrict__ conv_state, const int* __restrict__ runs,
+                                            float* __restrict__ y, int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int* run = runs + 5 * blockIdx.z;
+  const int row0 = run[0], len = run[1], slot = run[2];
+  const int i0 = blockIdx.y * CONV_TOKENS;
+  if (c >= C || i0 >= len) return;
+  const float* st = conv_state + ((i64)slot * C + c) * KM1;
+  float wc[CONV_K], win[KM1];
+#pragma unroll
+  for (int j = 0; j < CONV_K; ++j) wc[j] = w[(i64)c * CONV_K + j];
+#pragma unroll
+  for (int j = 0; j < KM1; ++j) win[j] = conv_input(x, st, row0, i0 - KM1 + j, C, c);
+  const int i1 = min(i0 + CONV_TOKENS, len);
+  for (int i = i0; i < i1; ++i) {
+    const float xi = x[(i64)(row0 + i) * C + c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(win[j], wc[j]));
+    acc = __fadd_rn(acc, __fmul_rn(xi, wc[KM1]));
+    y[(i64)(row0 + i) * C + c] = silu_f(acc);
+#pragma unroll
+    for (int j = 0; j + 1 < KM1; ++j) win[j] = win[j + 1];
+    win[KM1 - 1] = xi;
+  }
+}
+
+// Grid (ceil(C / 128), R), 128 threads: the conv state after each snapshotted segment (into snap_conv) and after
+// the run (into conv_state, in place: every value is read before the first write).
+extern "C" __global__ void conv1d_state_update(const float* __restrict__ x, float* __restrict__ conv_state,
+                                               const int* __restrict__ runs, const int* __restrict__ segs,
+                                               float* __restrict__ snap_conv, int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int* run = runs + 5 * blockIdx.y;
+  const int row0 = run[0], len = run[1], slot = run[2], seg0 = run[3], nseg = run[4];
+  float* st = conv_state + ((i64)slot * C + c) * KM1;
+  float old[KM1], win[KM1];
+#pragma unroll
+  for (int j = 0; j < KM1; ++j) old[j] = st[j];
+  for (int s = seg0; s < seg0 + nseg; ++s) {
+    const int end = segs[2 * s], snap = segs[2 * s + 1];
+    if (snap < 0 && s + 1 < seg0 + nseg) continue;
+#pragma unroll
+    for (int j = 0; j < KM1; ++j) {
+      const int p = end - KM1 + j;
+      win[j] = p >= 0 ? x[(i64)(row0 + p) * C + c] : old[KM1 + p];
+    }
+    if (snap >= 0) {
+#pragma unroll
+      for (int j = 0; j < KM1; ++j) snap_conv[((i64)snap * C + c) * KM1 + j] = win[j];
+    }
+  }
+  (void)len;  // the last segment ends at the run's end
+#pragma unroll
+  for (int j = 0; j < KM1; ++j) st[j] = win[j];
+}
+
+// ---- q / k normalisation and gates ----------------------------------------------------------------------
+// One warp per (t, k-head): qn = q / sqrt(sum q^2 + 1e-6) * q_scale, kn = k / sqrt(sum k^2 + 1e-6), read from
+// y [T, C] (q at column 0, k at column HK * DK). qn, kn: [T, HK, DK].
+extern "C" __global__ void gdn_qk_norm(const float* __restrict__ y, float* __restrict__ qn, float* __restrict__ kn,
+                                       int T, int HK, int C, float q_scale) {
+  const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (item >= (i64)T * HK) return;  // uniform per warp
+  const i64 t = item / HK, h = item - t * HK;
+  const float* qr = y + t * C + h * DK;
+  const float* kr = qr + (i64)HK * DK;
+  float sq = 0.0f, sk = 0.0f;
+  for (int i = lane; i < DK; i += 32) {
+    sq += qr[i] * qr[i];
+    sk += kr[i] * kr[i];
+  }
+  const float dq = sqrtf(warp_sum(sq) + 1e-6f), dk = sqrtf(warp_sum(sk) + 1e-6f);
+  for (int i = lane; i < DK; i += 32) {
+    qn[item * DK + i] = (qr[i] / dq) * q_scale;
+    kn[item * DK + i] = kr[i] / dk;
+  }
+}
+
+// g = neg_A * softplus(a + dt_bias) (numpy's logaddexp(0, x) in float32), beta = sigmoid(b). a, b, g, beta:
+// [T, HV]; neg_A, dt_bias: [HV].
+extern "C" __global__ void gdn_gates(const float* __restrict__ a, const float* __restrict__ b,
+                                     const float* __restrict__ neg_A, const float* __restrict__ dt_bias,
+                                     float* __restrict__ g, float* __restrict__ beta, int T, int HV) {
+  const i64 n = (i64)T * HV;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const int h = (int)(i % HV);
+    const float v = a[i] + dt_bias[h];
+    float sp;
+    if (v == 0.0f) sp = 0.693147180559945309f;
+    else if (v > 0.0f) sp = v + log1pf(expf(-v));
+    else sp = log1pf(expf(v));
+    g[i] = neg_A[h] * sp;
+    beta[i] = sigmoid_f(b[i]);
+  }
+}
+
+// ---- the gated delta rule ----------------------------------------------------------------------------------
+// Grid (R runs, HV, DV / VCOLS), VCOLS * KSPLIT threads. Column v of S evolves independently of the others given
+// q, k, g, beta; KSPLIT adjacent lanes share a column, each holding ROWS = DK / KSPLIT of its rows in registers
+// (ACC precision), and combine S^T k and S^T q partial sums with two shuffles. v: y[:, 2 * HK * DK + h * DV +
+// col]; state: [slots, HV, DK, DV] float32; out: [T, HV, DV] float32. Token i + 1's inputs are fetched into
+// registers while token i is computed (double-buffered q / k in shared memory, one barrier per token).
+constexpr int KSPLIT = 4;
+constexpr int ROWS = DK / KSPLIT;
+constexpr int NT = VCOLS * KSPLIT;
+constexpr int KPAD = ROWS + 1;             // padded stride per row slice: the KSPLIT lanes hit distinct banks
+constexpr int FPT = (DK + NT - 1) / NT;    // q / k elements each thread fetches per token
+static_assert(DK % KSPLIT == 0 && NT % 32 == 0, "DK must split in 4; DV >= 8");
+
+__device__ __forceinline__ ACC group_sum(ACC v) {  // over the KSPLIT = 4 adjacent lanes of a column
+  v += __shfl_xor_sync(FULL_MASK, v, 1);
+  v += __shfl_xor_sync(FULL_MASK, v, 2);
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ y,
+              const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+              const int* __restrict__ runs, const int* __restrict__ segs, float* __restrict__ out,
+              float* __restrict__ snap_rec, int HK, int HV, int C, int chunk) {
+  __shared__ float qs[2][KSPLIT * KPAD], ks[2][KSPLIT * KPAD];
+  const int* run = runs + 5 * blockIdx.x;
+  const int row0 = run[0], len = run[1], slot = run[2], seg0 = run[3], nseg = run[4];
+  const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT;
+  const int col = blockIdx.z * VCOLS + tid / KSPLIT;
+  const int hk = h / (HV / HK);
+  float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
+  ACC S[ROWS];
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
+
+  float nq[FPT], nk[FPT], ng = 0.0f, nb = 0.0f, nv = 0.0f;  // the next token's inputs
+  auto fetch = [&](int i) {
+    const i64 row = row0 + i;
+#pragma unroll
+    for (int f = 0; f < FPT; ++f) {
+      const int k = tid + f * NT;
+      nq[f] = k < DK ? qn[(row * HK + hk) * DK + k] : 0.0f;
+      nk[f] = k < DK ? kn[(row * HK + hk) * DK + k] : 0.0f;
+    }
+    ng = g[row * HV + h];
+    nb = beta[row * HV + h];
+    nv = y[row * C + 2 * HK * DK + h * DV + col];
+  };
+  auto stage = [&](int buf) {
+#pragma unroll
+    for (int f = 0; f < FPT; ++f) {
+      const int k = tid + f * NT;
+      if (k < DK) {
+        qs[buf][(k / ROWS) * KPAD + k % ROWS] = nq[f];
+        ks[buf][(k / ROWS) * KPAD + k % ROWS] = nk[f];
+      }
+    }
+  };
+  if (len > 0) {
+    fetch(0);
+    stage(0);
+  }
+  __syncthreads();
+  int seg = seg0, seg_start = 0, seg_end = segs[2 * seg];
+  for (int i = 0; i < len; ++i) {
+    const int buf = i & 1;
+    const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)nv;
+    if (i + 1 < len) fetch(i + 1);  // loads in flight during this token's arithmetic
+    const float* q_ = qs[buf] + part * KPAD;
+    const float* k_ = ks[buf] + part * KPAD;
+    ACC ka = 0, kb = 0;  // S^T k, two chains
+#pragma unroll
+    for (int j = 0; j < ROWS; j += 2) {
+      ka += S[j] * (ACC)k_[j];
+      if (j + 1 < ROWS) kb += S[j + 1] * (ACC)k_[j + 1];
+    }
+    const ACC delta = (vt - decay * group_sum(ka + kb)) * bt;
+    ACC oa = 0, ob = 0;  // S^T q after the update
+#pragma unroll
+    for (int j = 0; j < ROWS; j += 2) {
+      S[j] = S[j] * decay + (ACC)k_[j] * delta;
+      oa += S[j] * (ACC)q_[j];
+      if (j + 1 < ROWS) {
+        S[j + 1] = S[j + 1] * decay + (ACC)k_[j + 1] * delta;
+        ob += S[j + 1] * (ACC)q_[j + 1];
+      }
+    }
+    const ACC o = group_sum(oa + ob);
+    if (part == 0) out[((i64)(row0 + i) * HV + h) * DV + col] = (float)o;
+    const bool at_end = (i + 1 == seg_end);
+    if (at_end || (i + 1 - seg_start) % chunk == 0) {  // the reference stores the state as float32 here
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) S[j] = (ACC)(float)S[j];
+    }
+    if (at_end) {
+      const int snap = segs[2 * seg + 1];
+      if (snap >= 0) {
+        float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) sr[(i64)j * DV] = (float)S[j];
+      }
+      seg_start = seg_end;
+      if (++seg < seg0 + nseg) seg_end = segs[2 * seg];
+    }
+    if (i + 1 < len) stage(buf ^ 1);  // buffer buf ^ 1 was last read for token i - 1, before the barrier below
+    __syncthreads();
+  }
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) st[(i64)j * DV] = (float)S[j];
+}

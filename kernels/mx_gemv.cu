@@ -1,0 +1,398 @@
+// Skinny GEMM over block-quantised weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (decode: 1..12,
+// speculative verification: up to 64 per launch, more through grid.z M-tiles).
+//
+// Weights, as decapybara.model.quant stores them (docs/quant.md), row-major, K along the row:
+//   BF16   codes u16 [N, K] (raw bf16 bits), no scales                  K % 8 == 0
+//   MXFP8  codes u8 [N, Kp] E4M3, scales u8 [N, Kp/32] E8M0             Kp % 32 == 0
+//   MXFP6  codes u8 [N, Kp*3/4] E2M3, 4 codes in 3 bytes little-endian  Kp % 64 == 0
+//   MXFP4  codes u8 [N, Kp/2] E2M1, element 2j in the low nibble         Kp % 32 == 0
+//   NVFP4  codes u8 [N, Kp/2] E2M1, scales u8 [N, Kp/16] E4M3, fp32 tensor scale `post`
+// Every row must start 16-byte aligned (the wrapper asserts it). A stacked [E, N, K] expert tensor is E such
+// matrices `w_gstride` bytes apart (grouped mode, see below).
+//
+// Tensor cores: mma.sync m16n8k16 bf16 -> fp32 with A = a 16-row tile of W (dequantised in registers) and
+// B = x^T (8 rows of x per n-tile). Lane (g = lane/4, t = lane%4) streams rows g and g+8 of its warp's tile:
+// per 4*LANE_K-wide chunk it owns the contiguous codes [t*LANE_K, (t+1)*LANE_K), fetched with 128-bit loads.
+// The reduction order inside an MMA is free, so each lane feeds its own codes as the MMA's k-slots and x is
+// staged into shared memory in the matching permutation (PERM below); every weight loaded is used for all
+// rows of x. Codes become bf16 by shifting their bits into a bf16 (value * 2^-126 for E2M1/E2M3, * 2^-120 for
+// E4M3, subnormals included) and one bf16x2 FMA by the block scale (exact: power-of-two scale, or E4M3 block
+// scale times an E2M1 element); x is staged times 2^64 so that the scale factor 2^(s - 65) stays a normal
+// bf16 for any E8M0 code s <= 192 (weights of any real model). fp32 accumulation; the K range may be split
+// over blocks (grid.y), combined deterministically by the last block of each tile (counters self-reset).
+// Grouped mode (MoE): group_counts != 0, grid.z = groups * mtiles; group e reads rows gather[off_e + m] of x,
+// writes rows off_e + m of y, uses weights W + e * w_gstride.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+#define FMT_BF16 0
+#define FMT_MXFP8 1
+#define FMT_MXFP6 2
+#define FMT_MXFP4 3
+#define FMT_NVFP4 4
+#define KIND_F32 0
+#define KIND_BF16 1
+#define KIND_F16 2
+#define WARPS 8
+#define TILE_ROWS (16 * WARPS)
+
+template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per lane-row, NS scale bytes
+template <> struct Fmt<FMT_BF16> { static constexpr int LANE_K = 16, LB = 32, NS = 0, XSHIFT = 0; };
+template <> struct Fmt<FMT_MXFP8> { static constexpr int LANE_K = 32, LB = 32, NS = 1, XSHIFT = 64; };
+template <> struct Fmt<FMT_MXFP6> { static constexpr int LANE_K = 64, LB = 48, NS = 2, XSHIFT = 64; };
+template <> struct Fmt<FMT_MXFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 2, XSHIFT = 64; };
+template <> struct Fmt<FMT_NVFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 4, XSHIFT = 64; };
+
+// Source offset (within 8 consecutive codes of a lane) of staged x element p: the k-slot permutation.
+__device__ __forceinline__ int perm8(int fmt, int p) {
+    if (fmt == FMT_BF16) return p;
+    if (fmt == FMT_MXFP8) return (p & 4) | ((p & 1) << 1) | ((p >> 1) & 1);       // 0,2,1,3,4,6,5,7
+    return ((p >> 2) << 1) | ((p & 1) << 2) | ((p >> 1) & 1);                      // 0,4,1,5,2,6,3,7
+}
+
+__device__ __forceinline__ uint4 u4(u32 a, u32 b, u32 c, u32 d) {
+    uint4 r;
+    r.x = a; r.y = b; r.z = c; r.w = d;
+    return r;
+}
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 bfma2(u32 a, u32 b) {  // a * b elementwise on bf16x2, exact here
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u16 f2bf(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float load_x(const void* x, int kind, i64 i) {
+    if (kind == KIND_F32) return ((const float*)x)[i];
+    u16 h = ((const u16*)x)[i];
+    return kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
+}
+__device__ __forceinline__ void store_y(void* y, int kind, i64 i, float v) {
+    if (kind == KIND_F32) { ((float*)y)[i] = v; return; }
+    u16 h;
+    if (kind == KIND_BF16) h = f2bf(v);
+    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    ((u16*)y)[i] = h;
+}
+
+// E4M3 code -> float32 built from integer fields (no subnormal float arithmetic: safe under -ftz).
+__device__ __forceinline__ float e4m3_f32(u32 c) {
+    const u32 e = (c >> 3) & 15u, m = c & 7u;
+    if (e == 15u && m == 7u) return __int_as_float(0x7FC00000);
+    const float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0x1p-9f;
+    return (c & 0x80u) ? -mag : mag;
+}
+
+// Block scale -> bf16x2 factor (same value in both halves); see the header for the 2^-64 bias.
+template <int FMT> __device__ __forceinline__ u32 scale_factor(u32 s) {
+    u32 h;
+    if (FMT == FMT_NVFP4) {  // E4M3 block scale * 2^126 (bit trick) * 2^-64 = e4m3(s) * 2^62, exact
+        const float v = e4m3_f32(s) * 0x1p62f;
+        h = __float_as_uint(v) >> 16;
+    } else if (s == 255u) {
+        h = 0x7FC0u;
+    } else {
+        const int off = FMT == FMT_MXFP8 ? 56 : 62;  // biased exponent of 2^(s-127+{120,126}-64)
+        int e = (int)s + off;
+        h = e > 254 ? 0x7F80u : (u32)e << 7;
+    }
+    return h | (h << 16);
+}
+
+// Codes of one lane-row (LB bytes as words w) -> the four A-operand bf16x2 pairs of slice pair JJ:
+// {P0 of slice 2JJ, P1 of slice 2JJ, P0 of slice 2JJ+1, P1 of slice 2JJ+1}.
+// JJ is a loop index of a fully unrolled loop, so every array index below folds to a constant.
+template <int FMT>
+__device__ __forceinline__ void dequant(const u32 (&w)[Fmt<FMT>::LB / 4], const u32 (&f)[4], const int JJ,
+                                        u32 (&a)[4]) {
+    if (FMT == FMT_BF16) {
+        a[0] = w[4 * JJ]; a[1] = w[4 * JJ + 1]; a[2] = w[4 * JJ + 2]; a[3] = w[4 * JJ + 3];
+    } else if (FMT == FMT_MXFP8) {  // (b0, b2) and (b1, b3) of a word share their shifts
+        const u32 M = 0x07F007F0u, S = 0x80008000u;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 v = w[2 * JJ + h];
+            a[2 * h] = bfma2(((v << 4) & M) | ((v << 8) & S), f[0]);
+            a[2 * h + 1] = bfma2(((v >> 4) & M) | (v & S), f[0]);
+        }
+    } else if (FMT == FMT_MXFP6) {  // groups 2JJ and 2JJ+1 side by side: (c_r of A, c_r of B) per pair
+        const u32 M = 0x01F001F0u, S = 0x80008000u;
+        const int wb = (6 * JJ) / 4;
+        u32 g01 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x6532 : 0x4310);
+        u32 g23 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x7643 : 0x5421);
+        u32 s = f[JJ / 4];
+        a[0] = bfma2(((g01 << 4) & M) | ((g01 << 10) & S), s);
+        a[1] = bfma2(((g01 >> 2) & M) | ((g01 << 4) & S), s);
+        a[2] = bfma2((g23 & M) | ((g23 << 6) & S), s);
+        a[3] = bfma2(((g23 >> 6) & M) | (g23 & S), s);
+    } else {  // E2M1: nibbles (i, i+4) share their shifts
+        const u32 M = 0x01C001C0u, S = 0x80008000u;
+        u32 v = w[JJ];
+        u32 s = FMT == FMT_MXFP4 ? f[JJ / 4] : f[JJ / 2];
+        a[0] = bfma2(((v << 6) & M) | ((v << 12) & S), s);
+        a[1] = bfma2(((v << 2) & M) | ((v << 8) & S), s);
+        a[2] = bfma2(((v >> 2) & M) | ((v << 4) & S), s);
+        a[3] = bfma2(((v >> 6) & M) | (v & S), s);
+    }
+}
+
+template <int FMT> struct LaneRow {  // one lane's codes and scales of one row for one chunk
+    u32 w[Fmt<FMT>::LB / 4];
+    u32 s;
+};
+
+template <int FMT>
+__device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, const u8* S, bool row_ok, i64 lr, int Kp) {
+    constexpr int LK = Fmt<FMT>::LANE_K, LB = Fmt<FMT>::LB, NLD = LB / 16;
+    const i64 k0 = lr * LK;
+#pragma unroll
+    for (int p = 0; p < NLD; ++p) {
+        bool ok = row_ok && (FMT == FMT_MXFP6 ? k0 < Kp : k0 + p * (LK / NLD) < Kp);
+        uint4 v = ok ? ld_stream(W + lr * LB + p * 16) : u4(0, 0, 0, 0);
+        r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
+    }
+    r.s = 0;
+    constexpr int NS = Fmt<FMT>::NS, SPAN = NS ? LK / NS : LK;  // codes per scale
+    if (NS && row_ok) {  // byte loads: scale rows need no alignment
+#pragma unroll
+        for (int i = 0; i < NS; ++i)
+            if (k0 + i * SPAN < Kp) r.s |= (u32)__ldg(S + lr * NS + i) << (8 * i);
+    }
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
+                                          const u16* xs_lane) {
+    constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS, RS = 2048 / NT + 32;
+    u32 f0[4] = {0, 0, 0, 0}, f1[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+        f0[i] = scale_factor<FMT>((r0.s >> (8 * i)) & 0xFFu);
+        f1[i] = scale_factor<FMT>((r1.s >> (8 * i)) & 0xFFu);
+    }
+#pragma unroll
+    for (int jj = 0; jj < S2; ++jj) {
+        u32 a0[4], a1[4];
+        dequant<FMT>(r0.w, f0, jj, a0);
+        dequant<FMT>(r1.w, f1, jj, a1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            uint4 b = *(const uint4*)(xs_lane + nt * 8 * RS + 32 * jj);
+            mma16816(acc[nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+            mma16816(acc[nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
+        }
+    }
+}
+
+struct Args {
+    const u8* W; const u8* S; float post; const float* bias;
+    const void* x; int x_kind; i64 ldx; const int* gather;
+    void* y; int y_kind; i64 ldy;
+    float* partial; int* counters;
+    int M, N, K, Kp; i64 w_row, s_row, w_gstride, s_gstride;
+    const int* g_off; const int* g_cnt; int mtiles, cps, x_vec;
+};
+
+template <int FMT, int NT>
+__device__ __forceinline__ void mx_gemm_impl(const Args& A) {
+    constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = 2048 / NT, RS = SEGK + 32;
+    __shared__ __align__(16) u16 xs[MT * RS];
+    __shared__ int last_flag;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
+    const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
+    const int m0 = mt * MT;
+    if (m0 >= m_cnt) return;  // uniform per block
+    const int m_valid = min(MT, m_cnt - m0);
+    const u8* W = A.W + (i64)grp * A.w_gstride;
+    const u8* S = A.S + (i64)grp * A.s_gstride;
+    const int rows0 = blockIdx.x * TILE_ROWS + warp * 16;
+    const int nchunks = (A.Kp + CK - 1) / CK;
+    const int c0 = blockIdx.y * A.cps, c1 = min(nchunks, c0 + A.cps);
+    const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
+    const u8* W0 = W + (i64)(rows0 + g) * A.w_row;
+    const u8* W8 = W + (i64)(rows0 + g + 8) * A.w_row;
+    const u8* S0 = S + (i64)(rows0 + g) * A.s_row;
+    const u8* S8 = S + (i64)(rows0 + g + 8) * A.s_row;
+
+    float acc[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+    LaneRow<FMT> cur0, cur1, nxt0, nxt1;
+    if (c0 < c1) {
+        load_row<FMT>(cur0, W0, S0, ok0, (i64)c0 * 4 + t, A.Kp);
+        load_row<FMT>(cur1, W8, S8, ok8, (i64)c0 * 4 + t, A.Kp);
+    }
+    const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
+    for (int c = c0; c < c1; ++c) {
+        const int seg = (c - c0) / (SEGK / CK);
+        if ((c - c0) % (SEGK / CK) == 0) {  // stage x[m0:m0+MT, segment] in the k-slot permutation
+            __syncthreads();
+            const i64 kseg = (i64)c0 * CK + (i64)seg * SEGK;
+            for (int i = tid; i < MT * (SEGK / 8); i += blockDim.x) {
+                const int m = i / (SEGK / 8), d8 = (i % (SEGK / 8)) * 8;
+                const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
+                const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
+                float v[8];
+                if (m < m_valid && k0 < A.K) {
+                    const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
+                    const i64 base = (i64)row * A.ldx + k0;
+                    if (A.x_vec && k0 + 8 <= A.K && A.x_kind != KIND_F32) {
+                        uint4 q = *(const uint4*)((const u16*)A.x + base);
+                        u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            u16 h = (u16)(qq[e >> 1] >> (16 * (e & 1)));
+                            v[e] = A.x_kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_x(A.x, A.x_kind, base + e) : 0.f;
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+                }
+                u32 o[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) | ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
+                *(uint4*)(xs + m * RS + d8) = u4(o[0], o[1], o[2], o[3]);
+            }
+            __syncthreads();
+        }
+        if (c + 1 < c1) {
+            load_row<FMT>(nxt0, W0, S0, ok0, (i64)(c + 1) * 4 + t, A.Kp);
+            load_row<FMT>(nxt1, W8, S8, ok8, (i64)(c + 1) * 4 + t, A.Kp);
+        }
+        if (warp_on) {
+            const int cl = ((c - c0) % (SEGK / CK)) * CK;
+            mma_chunk<FMT, NT>(acc, cur0, cur1, xs + g * RS + cl + 8 * t);
+        }
+        cur0 = nxt0;
+        cur1 = nxt1;
+    }
+
+    // Epilogue. acc[nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
+    const int nrb = gridDim.x;
+    const bool split = gridDim.y > 1;
+    if (warp_on) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int m = nt * 8 + 2 * t + (q & 1), n = rows0 + g + 8 * (q >> 1);
+                if (m >= m_valid || n >= A.N) continue;
+                if (split) {
+                    A.partial[((i64)blockIdx.y * A.M + m0 + m) * A.N + n] = acc[nt][q];
+                } else {
+                    float v = acc[nt][q] * A.post + (A.bias ? A.bias[n] : 0.f);
+                    store_y(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + n, v);
+                }
+            }
+    }
+    if (!split) return;
+    __threadfence();
+    __syncthreads();
+    int* ctr = A.counters + (i64)mt * nrb + blockIdx.x;
+    if (tid == 0) last_flag = atomicAdd(ctr, 1) == (int)gridDim.y - 1;
+    __syncthreads();
+    if (!last_flag) return;
+    __threadfence();
+    for (int i = tid; i < MT * TILE_ROWS; i += blockDim.x) {
+        const int m = i / TILE_ROWS, n = blockIdx.x * TILE_ROWS + i % TILE_ROWS;
+        if (m >= m_valid || n >= A.N) continue;
+        float s = 0.f;
+        for (int ks = 0; ks < (int)gridDim.y; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
+        store_y(A.y, A.y_kind, (i64)(m0 + m) * A.ldy + n, s * A.post + (A.bias ? A.bias[n] : 0.f));
+    }
+    if (tid == 0) *ctr = 0;
+}
+
+#define MX_KERNEL(NAME, FMT, NT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, NT <= 4 ? 2 : 1) NAME(                         \
+        const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
+        const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
+        int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \
+        int mtiles, int cps, int x_vec) {                                                                    \
+        Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
+               w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec};                       \
+        mx_gemm_impl<FMT, NT>(a);                                                                           \
+    }
+#define MX_FORMAT(NAME, FMT) \
+    MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2) \
+    MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8)
+MX_FORMAT(bf16, FMT_BF16)
+MX_FORMAT(mxfp8, FMT_MXFP8)
+MX_FORMAT(mxfp6, FMT_MXFP6)
+MX_FORMAT(mxfp4, FMT_MXFP4)
+MX_FORMAT(nvfp4, FMT_NVFP4)
+
+// Dequantise rows: out[r, k] = W[rows ? rows[r] : r, k] for k < K (fp32 / bf16 / f16 by out_kind). Used for
+// embedding lookups of quantised tables and for the large-M path (dequantise once, then a dense GEMM).
+// NVFP4 follows docs/quant.md: fl32(fl32(elem * e4m3) * tensor_scale).
+__device__ __forceinline__ float decode_code(int fmt, u32 c) {
+    if (fmt == FMT_MXFP8) return e4m3_f32(c);
+    const u32 sign = fmt == FMT_MXFP6 ? (c & 0x20u) << 26 : (c & 0x8u) << 28;
+    const u32 e = fmt == FMT_MXFP6 ? (c >> 3) & 3u : (c >> 1) & 3u, m = fmt == FMT_MXFP6 ? c & 7u : c & 1u;
+    const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << (fmt == FMT_MXFP6 ? 20 : 22)))
+                        : (float)m * (fmt == FMT_MXFP6 ? 0.125f : 0.5f);
+    return __uint_as_float(__float_as_uint(mag) | sign);
+}
+extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, int fmt, const i64* rows,
+                                           int R, int K, i64 w_row, i64 s_row, void* out, int out_kind) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)R * K) return;
+    const int r = (int)(i / K), k = (int)(i % K);
+    const i64 row = rows ? rows[r] : r;
+    const u8* w = W + row * w_row;
+    float v;
+    if (fmt == FMT_BF16) {
+        v = __uint_as_float((u32)((const u16*)w)[k] << 16);
+    } else {
+        u32 c;
+        if (fmt == FMT_MXFP8) c = w[k];
+        else if (fmt == FMT_MXFP6) {
+            const u8* b = w + (k >> 2) * 3;
+            u32 word = b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16);
+            c = (word >> (6 * (k & 3))) & 0x3Fu;
+        } else c = (w[k >> 1] >> (4 * (k & 1))) & 0xFu;
+        const u32 s = S[row * s_row + k / (fmt == FMT_NVFP4 ? 16 : 32)];
+        if (fmt == FMT_NVFP4) {
+            v = (decode_code(fmt, c) * e4m3_f32(s)) * ts;
+        } else {
+            float sc = s == 255u ? __int_as_float(0x7FC00000) : s == 0u ? 0x1p-127f : __uint_as_float(s << 23);
+            v = decode_code(fmt, c) * sc;
+        }
+    }
+    store_y(out, out_kind, i, v);
+}

@@ -1,0 +1,328 @@
+"""mx_gemv, act_quant, moe, sample, checksum and probe kernels against the numpy reference (GPU only).
+
+Fresh random inputs at several sizes; outputs NaN-poisoned (`cupy_ops.POISON`) so unwritten elements fail.
+Precision classes: dequantisation, activation quantisation, Philox and checksums bit-exact; skinny GEMMs
+(bf16 x, exact weights, fp32 accumulation) within 1e-4 of max |ref| for float32 outputs and 1e-2 for bf16
+outputs; sampled tokens identical to `sampling.sample` (a mismatch only passes when u * Z lies within
+rounding distance of a CDF step, see kernels/sample.cu).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.numpy_backend import NumpyBackend
+from decapybara.engine import philox, sampling
+from decapybara.model import quant
+from decapybara.model.quant.elements import bf16_decode, bf16_encode
+
+pytestmark = pytest.mark.gpu
+FORMATS = ("bf16", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    ops.POISON = True
+    yield
+    ops.POISON = False
+
+
+def host(a):
+    return cp.asnumpy(a) if isinstance(a, cp.ndarray) else np.asarray(a)
+
+
+def assert_close(got, ref, rtol, name):
+    """max |got - ref| <= rtol * max |ref|; NaN where the reference has none fails (unwritten output)."""
+    got, ref = np.asarray(host(got), np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, reference {ref.shape}"
+    bad = np.isnan(got) & ~np.isnan(ref)
+    assert not bad.any(), f"{name}: {int(bad.sum())} NaN of {got.size}, first at {np.argwhere(bad)[0]}"
+    scale = max(float(np.nanmax(np.abs(ref))) if ref.size else 0.0, 1e-30)
+    err = np.where(np.isnan(ref), 0.0, np.abs(got - ref))
+    rel = float(err.max()) / scale if err.size else 0.0
+    if rel > rtol:
+        i = tuple(int(j) for j in np.unravel_index(int(np.argmax(err)), err.shape))
+        raise AssertionError(f"{name}: max rel err {rel:.3e} > {rtol:.1e} (max |ref| {scale:.3e}) at {i}: "
+                             f"got {got[i]!r}, ref {ref[i]!r}; shape {got.shape}")
+
+
+def assert_bytes_equal(got, ref, name):
+    got, ref = host(got), np.asarray(ref)
+    assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {got.dtype}{got.shape} vs {ref.dtype}{ref.shape}"
+    if got.dtype.kind == "f":
+        got, ref = got.view(f"u{got.dtype.itemsize}"), ref.view(f"u{ref.dtype.itemsize}")
+    diff = np.argwhere(got != ref)
+    if diff.size:
+        i = tuple(int(j) for j in diff[0])
+        raise AssertionError(f"{name}: {len(diff)} of {got.size} differ, first at {i}: got {got[i]!r}, ref {ref[i]!r}")
+
+
+def random_weight(rng, fmt, shape):
+    """(QuantTensor or bf16 bits, float64 dequantised reference): random codes over every code value and
+    realistic block scales (NVFP4 includes subnormal E4M3 block scales), never a NaN code."""
+    if fmt == "bf16":
+        bits = bf16_encode(rng.standard_normal(shape).astype(np.float32) * 0.05)
+        return bits, bf16_decode(bits).astype(np.float64)
+    f = quant.get_format(fmt)
+    codes = rng.integers(0, 256, f.code_shape(shape), dtype=np.uint8)
+    if fmt == "mxfp8":
+        codes[(codes & 0x7F) == 0x7F] &= 0xF7  # E4M3 NaN -> a finite code
+    if fmt == "nvfp4":
+        scales = rng.integers(1, 0x70, f.scale_shape(shape), dtype=np.uint8)
+        ts = np.float32(rng.uniform(1e-4, 1e-2))
+    else:
+        scales = rng.integers(112, 132, f.scale_shape(shape), dtype=np.uint8)
+        ts = None
+    q = quant.QuantTensor(fmt, shape, codes, scales, ts)
+    return q, quant.dequantize(q).astype(np.float64)
+
+
+def bf16_round(x):
+    return bf16_decode(bf16_encode(np.asarray(x, np.float32)))
+
+
+# ---- mx_gemv ------------------------------------------------------------------------------------------------
+_WEIGHTS: dict = {}
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 16, 33, 64, 130])
+@pytest.mark.parametrize("n,k", [(1000, 320), (4100, 1536), (130, 64)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
+    rng = np.random.default_rng(zlib.crc32(f"{fmt}-{n}-{k}-{m}".encode()))
+    if (fmt, n, k) not in _WEIGHTS:  # one random weight per (format, shape), fresh x per case
+        wq, w_ref = random_weight(np.random.default_rng(zlib.crc32(f"{fmt}-{n}-{k}".encode())), fmt, (n, k))
+        _WEIGHTS.clear()
+        _WEIGHTS[(fmt, n, k)] = (ex.pack_weight(wq), w_ref)
+    w, w_ref = _WEIGHTS[(fmt, n, k)]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xb = bf16_round(x).astype(np.float64)
+    ref = xb @ w_ref.T
+    for x_dev, out_dtype, rtol in ((cp.asarray(x), cp.float32, 1e-4),
+                                   (cp.asarray(bf16_encode(x)), cp.float32, 1e-4),
+                                   (cp.asarray(x.astype(np.float16)), cp.uint16, 1e-2)):
+        y = ex.mx_linear(x_dev, w, out_dtype=out_dtype)
+        got = bf16_decode(host(y)) if out_dtype == cp.uint16 else host(y)
+        this_ref = (bf16_round(x.astype(np.float16)).astype(np.float64) @ w_ref.T
+                    if x_dev.dtype == cp.float16 else ref)
+        assert_close(got, this_ref, rtol, f"mx_linear {fmt} [{m}x{k}] @ [{n}x{k}]^T x={x_dev.dtype} y={out_dtype}")
+
+
+def test_mx_linear_bias_and_fallback_layout():
+    rng = np.random.default_rng(7)
+    q, w_ref = random_weight(rng, "mxfp6", (70, 96))  # Kp = 96: rows not 16-byte aligned -> dense fallback
+    x = bf16_round(rng.standard_normal((3, 96)))
+    bias = rng.standard_normal(70).astype(np.float32)
+    got = ex.mx_linear(cp.asarray(x), ex.pack_weight(q), cp.asarray(bias))
+    assert_close(got, x.astype(np.float64) @ w_ref.T + bias, 1e-5, "mxfp6 fallback with bias")
+    q4, w4 = random_weight(rng, "mxfp4", (300, 256))
+    x4 = bf16_round(rng.standard_normal((3, 256)))
+    bias4 = rng.standard_normal(300).astype(np.float32)
+    got = ex.mx_linear(cp.asarray(x4), ex.pack_weight(q4), cp.asarray(bias4))
+    assert_close(got, x4.astype(np.float64) @ w4.T + bias4, 1e-4, "mxfp4 kernel with bias")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mx_dequant_rows_is_exact(fmt):
+    rng = np.random.default_rng(len(fmt))
+    q, ref = random_weight(rng, fmt, (257, 160 if fmt != "mxfp6" else 192))
+    w = ex.pack_weight(q)
+    assert_bytes_equal(ex.mx_dequant(w), ref.astype(np.float32), f"{fmt} dequantise all rows")
+    rows = rng.integers(0, 257, 19).astype(np.int64)
+    assert_bytes_equal(ex.embedding_rows(w, cp.asarray(rows)), ref[rows].astype(np.float32), f"{fmt} rows")
+
+
+# ---- activation quantiser ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [32, 100, 5120])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_act_quant_bytes_equal_reference(k, dtype):
+    rng = np.random.default_rng(k)
+    rows = 9
+    x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1.0, 300.0], (rows, 1))).astype(np.float32)
+    x[1] = 0.0
+    x[2, :5] = [1e-40, -1e-42, 0.0, -0.0, 3e-39]  # subnormals
+    x[3, 7] = np.nan
+    x[4, 0] = -np.inf
+    x[5] *= 1e30  # huge but finite
+    x[6, 1::2] = -x[6, ::2][: x[6, 1::2].size]  # exact ties of magnitude
+    x[7] = np.where(rng.random(k) < 0.5, 448.0 * 2.0 ** rng.integers(-20, 20, k), 464.0)  # rounding at the top
+    if dtype == "bf16":
+        bits = bf16_encode(x)
+        xin, xref = cp.asarray(bits), bf16_decode(bits)
+    else:
+        xin, xref = cp.asarray(x), x
+    codes, scales = ex.act_quant_mxfp8(xin)
+    q = quant.quantize(xref, "mxfp8")
+    assert_bytes_equal(scales, q.scales, f"act_quant scales k={k} {dtype}")
+    assert_bytes_equal(codes, q.codes, f"act_quant codes k={k} {dtype}")
+
+
+# ---- MoE -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 3, 12, 37])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_moe_matches_numpy_backend(t, normalize, experts):
+    rng = np.random.default_rng(t * 10 + normalize)
+    e, k, h, inter = 16, 4, 128, 192
+    x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
+    router = rng.standard_normal((e, h)).astype(np.float32) * 0.3
+    weights, refs = [], []
+    for shape in ((e, inter, h), (e, inter, h), (e, h, inter)):
+        if experts == "bf16":
+            wv = bf16_round(rng.standard_normal(shape) * 0.05).astype(np.float32)
+            weights.append(cp.asarray(wv))
+            refs.append(wv)
+        else:
+            q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
+            weights.append(ex.pack_weight(q))
+            refs.append(q.dequantize())
+    ref = NumpyBackend().moe(x, router, *refs, k, normalize)
+    got = ex.moe(cp.asarray(x), cp.asarray(router), *weights, k, normalize)
+    assert_close(got, ref, 2e-2, f"moe t={t} normalize={normalize} experts={experts}")
+
+
+# ---- sampler -------------------------------------------------------------------------------------------------
+def test_philox_uniforms_bit_identical():
+    rng = np.random.default_rng(11)
+    seeds = rng.integers(0, 2**63, 5000, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, 5000, dtype=np.uint64)
+    pos = rng.integers(0, 2**40, 5000, dtype=np.uint64)
+    for stream in (0, 1, 7):
+        assert_bytes_equal(ex.philox_uniforms(seeds, pos, stream), philox.uniforms(seeds, pos, stream),
+                           f"philox stream {stream}")
+
+
+def random_rows(rng, b, v):
+    rows = []
+    for _ in range(b):
+        p = sampling.SamplingParams(
+            temperature=float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.5])), top_k=int(rng.choice([0, 0, 1, 5, 50, 2000])),
+            top_p=float(rng.choice([1.0, 1.0, 0.9, 0.5, 0.99])), min_p=float(rng.choice([0.0, 0.0, 0.05, 0.2])),
+            presence_penalty=float(rng.choice([0.0, 0.5, -0.3])), frequency_penalty=float(rng.choice([0.0, 0.2])),
+            repetition_penalty=float(rng.choice([1.0, 1.2, 0.8])),
+            logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.integers(0, v, rng.integers(0, 3))},
+            stop_token_ids=tuple(int(t) for t in rng.integers(0, v, 2)), min_tokens=int(rng.integers(0, 3)),
+            logprobs=int(rng.choice([0, 3])) if rng.random() < 0.3 else None)
+        rows.append(sampling.SamplerRow(p, rng.integers(0, v, rng.integers(0, 30)), rng.integers(0, v, rng.integers(0, 30)),
+                                        position=int(rng.integers(0, 1000)), seed=int(rng.integers(-2**63, 2**63 - 1)),
+                                        extra_repetition_penalty=float(rng.choice([1.0, 1.0, 1.3])),
+                                        banned_token_ids=rng.integers(0, v, rng.integers(0, 3))))
+    return rows
+
+
+def random_logits(rng, b, v):
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        x = rng.standard_normal((b, v))
+    elif kind == 1:
+        x = rng.standard_normal((b, v)) * 5
+    elif kind == 2:
+        x = rng.integers(-3, 3, (b, v)).astype(np.float64)  # many exact ties
+    else:
+        x = rng.standard_normal((b, v)) * 2
+        x[:, rng.integers(0, v, 3)] = 12.0
+    x = x.astype(np.float32)
+    if rng.random() < 0.2:
+        x[0, rng.integers(0, v, max(1, v // 10))] = np.nan
+    return x
+
+
+def boundary_note(logits, row, eos, ref_tok, got_tok):
+    """How close the draw was to a CDF step (the documented caveat), for the failure message."""
+    out = sampling.sample(logits[None, :], [row], eos_token_ids=eos)
+    return f"numpy {out.token_ids[0]} (ref {ref_tok}), cuda {got_tok}, params {row.params}"
+
+
+@pytest.mark.parametrize("v,b,trials", [(7, 4, 40), (1000, 6, 40), (9000, 4, 20), (248_320, 3, 4)])
+def test_cuda_sample_same_tokens_as_numpy(v, b, trials):
+    rng = np.random.default_rng(v)
+    mismatches = []
+    for trial in range(trials):
+        logits, rows = random_logits(rng, b, v), random_rows(rng, b, v)
+        eos = [int(rng.integers(0, v))]
+        ref = sampling.sample(logits, rows, eos_token_ids=eos)
+        got = ex.cuda_sample(cp.asarray(logits), rows, eos_token_ids=eos)
+        for i in np.flatnonzero(ref.token_ids != got.token_ids):
+            mismatches.append(f"trial {trial} row {i}: " + boundary_note(logits[i], rows[i], eos, ref.token_ids[i],
+                                                                          got.token_ids[i]))
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None or ref.token_ids[i] != got.token_ids[i]:
+                continue
+            assert abs(float(got.logprobs[i]) - float(ref.logprobs[i])) <= 1e-4 * max(1.0, abs(float(ref.logprobs[i]))), (
+                f"logprob row {i}: {got.logprobs[i]} vs {ref.logprobs[i]}")
+            assert [t for t, _ in got.top_logprobs[i]] == [t for t, _ in ref.top_logprobs[i]], (
+                f"top ids row {i}: {got.top_logprobs[i]} vs {ref.top_logprobs[i]}")
+    assert not mismatches, f"{len(mismatches)} token mismatches:\n" + "\n".join(mismatches[:10])
+
+
+def test_cuda_sample_ties_masks_and_dtypes():
+    v = 64
+    flat = np.zeros((1, v), np.float32)
+    for p in (sampling.SamplingParams(temperature=0.0), sampling.SamplingParams(top_k=5, seed=1),
+              sampling.SamplingParams(top_p=0.1), sampling.SamplingParams(min_p=0.9)):
+        for pos in range(6):
+            row = sampling.SamplerRow(p, [], [], position=pos, seed=1234)
+            ref = sampling.sample(flat, [row]).token_ids
+            assert np.array_equal(ex.cuda_sample(cp.asarray(flat), [row]).token_ids, ref), (p, pos)
+    logits = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
+    rows = [sampling.SamplerRow(sampling.SamplingParams(seed=5), [], [], position=i, seed=99,
+                                banned_token_ids=[0, 1, 2, 3]) for i in range(2)]  # masks everything: reverted
+    assert np.array_equal(ex.cuda_sample(cp.asarray(logits), rows).token_ids, sampling.sample(logits, rows).token_ids)
+    big = np.random.default_rng(4).standard_normal((3, 5000)).astype(np.float32)
+    rows = [sampling.SamplerRow(sampling.SamplingParams(temperature=0.8), [], [], position=i, seed=i) for i in range(3)]
+    bits = bf16_encode(big)
+    assert np.array_equal(ex.cuda_sample(cp.asarray(bits), rows).token_ids,
+                          sampling.sample(bf16_decode(bits), rows).token_ids), "bf16 logits"
+    with pytest.raises(ValueError, match="finite"):
+        ex.cuda_sample(cp.asarray(np.full((1, 8), np.nan, np.float32)), rows[:1])
+
+
+# ---- checksum and probe -----------------------------------------------------------------------------------------
+def fletcher_ref(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
+    raw = np.frombuffer(data.tobytes(), np.uint8)
+    n = max(1, -(-raw.size // chunk_bytes))
+    padded = np.zeros(n * chunk_bytes, np.uint8)
+    padded[:raw.size] = raw
+    w = padded.view("<u4").reshape(n, -1).astype(np.uint64)
+    m = np.uint64(0xFFFFFFFF)
+    weights = np.arange(w.shape[1], 0, -1, dtype=np.uint64)
+    s1 = w.sum(axis=1) % m
+    s2 = (w * weights).sum(axis=1) % m
+    return (s2 << np.uint64(32)) | s1
+
+
+@pytest.mark.parametrize("nbytes,chunk", [(1, 4), (3, 64), (4096, 4096), (65536 * 3 + 5, 65536), (1 << 22, 1 << 16)])
+def test_checksum_matches_host_reference(nbytes, chunk):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert_bytes_equal(ex.checksum(cp.asarray(data), chunk), fletcher_ref(data, chunk), f"fletcher {nbytes}/{chunk}")
+
+
+def test_checksum_locates_a_single_flipped_bit():
+    rng = np.random.default_rng(99)
+    buf = cp.random.randint(0, 2**31 - 1, (1 << 28) // 4, dtype=cp.int32)  # 256 MiB
+    ref = ex.checksum(buf)
+    assert ex.locate_corruption(buf, ref).size == 0
+    for _ in range(3):
+        byte, bit = int(rng.integers(0, buf.nbytes)), int(rng.integers(0, 8))
+        raw = buf.view(cp.uint8)
+        raw[byte] ^= np.uint8(1 << bit)
+        assert list(ex.locate_corruption(buf, ref)) == [byte // (1 << 16)], f"flip at byte {byte} bit {bit}"
+        raw[byte] ^= np.uint8(1 << bit)
+        assert ex.locate_corruption(buf, ref).size == 0
+
+
+def test_bandwidth_probe_reports_throughput():
+    res = ex.bandwidth_probe(nbytes=1 << 26, repeats=2)
+    assert set(res) == {"read_GBps", "write_GBps", "copy_GBps", "cupy_copy_GBps"}
+    assert all(np.isfinite(v) and v > 0 for v in res.values()), res
+    print(res)

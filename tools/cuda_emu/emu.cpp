@@ -1,0 +1,84 @@
+#include "emu.h"
+#include <ucontext.h>
+#include <vector>
+#include <ffi.h>
+namespace emu {
+struct Fiber { ucontext_t ctx; Dim3 t; int lane, warp, state, kind; };  // state 0 run 1 wait 2 done; kind 0 block 1 warp
+Fiber* cur = nullptr;
+Dim3 g_block_idx, g_block_dim, g_grid_dim;
+unsigned char* dyn_smem = nullptr;
+static ucontext_t sched_ctx;
+static std::vector<Fiber> fibers;
+static std::vector<char> stacks;
+static std::vector<unsigned long long> wbuf;
+static const size_t STACK = 256 * 1024;
+static ffi_cif* g_cif; static void* g_fn; static void** g_vals;
+const Dim3& tid() { return cur->t; }
+int lane() { return cur->lane; }
+unsigned long long* warp_buf() { return &wbuf[cur->warp * 32]; }
+bool lane_alive(int l) { size_t i = cur->warp * 32 + l; return i < fibers.size() && fibers[i].state != 2; }
+static void wait(int kind) { cur->state = 1; cur->kind = kind; swapcontext(&cur->ctx, &sched_ctx); }
+void sync_block() { wait(0); }
+void sync_warp() { wait(1); }
+static void entry() { ffi_arg ret; ffi_call(g_cif, FFI_FN(g_fn), &ret, g_vals); cur->state = 2; swapcontext(&cur->ctx, &sched_ctx); }
+static void run_block(int n) {
+  for (int i = 0; i < n; i++) {
+    Fiber& f = fibers[i];
+    f.state = 0;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = &stacks[i * STACK]; f.ctx.uc_stack.ss_size = STACK; f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, entry, 0);
+  }
+  for (;;) {
+    for (int i = 0; i < n; i++) if (fibers[i].state == 0) { cur = &fibers[i]; swapcontext(&sched_ctx, &fibers[i].ctx); }
+    bool all_done = true; for (int i = 0; i < n; i++) if (fibers[i].state != 2) all_done = false;
+    if (all_done) return;
+    bool released = false;
+    int nw = (n + 31) / 32;
+    for (int w = 0; w < nw; w++) {
+      bool any = false, all = true;
+      for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) {
+        if (fibers[i].state == 2) continue;
+        any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 1)) all = false;
+      }
+      if (any && all) { released = true; for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
+    }
+    if (released) continue;
+    bool all_block = true;
+    for (int i = 0; i < n; i++) if (fibers[i].state == 1 && fibers[i].kind != 0) all_block = false;
+    if (all_block) { for (int i = 0; i < n; i++) if (fibers[i].state == 1) fibers[i].state = 0; continue; }
+    fprintf(stderr, "EMU DEADLOCK in block (%u,%u,%u): divergent barrier/shuffle\n", g_block_idx.x, g_block_idx.y, g_block_idx.z);
+    for (int i = 0; i < n; i++) fprintf(stderr, " t%d s%d k%d", i, fibers[i].state, fibers[i].kind);
+    fprintf(stderr, "\n"); abort();
+  }
+}
+}  // namespace emu
+extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, unsigned gx, unsigned gy, unsigned gz,
+                          unsigned bx, unsigned by, unsigned bz, long smem) {
+  using namespace emu;
+  std::vector<ffi_type*> at(nargs);
+  for (int i = 0; i < nargs; i++) at[i] = types[i] == 0 ? &ffi_type_pointer : types[i] == 1 ? &ffi_type_sint32 :
+      types[i] == 2 ? &ffi_type_sint64 : types[i] == 3 ? &ffi_type_float : &ffi_type_double;
+  ffi_cif cif;
+  if (ffi_prep_cif(&cif, FFI_DEFAULT_ABI, nargs, &ffi_type_void, at.data()) != FFI_OK) return -1;
+  g_cif = &cif; g_fn = fn; g_vals = vals;
+  int n = bx * by * bz;
+  fibers.assign(n, Fiber());
+  if (stacks.size() < (size_t)n * STACK) stacks.resize((size_t)n * STACK);
+  wbuf.assign(((n + 31) / 32) * 32, 0);
+  std::vector<unsigned char> smem_buf(smem > 0 ? smem + 64 : 64);
+  unsigned char* aligned = (unsigned char*)(((uintptr_t)smem_buf.data() + 15) & ~(uintptr_t)15);
+  // poison dynamic shared memory
+  memset(smem_buf.data(), 0xFF, smem_buf.size());
+  dyn_smem = aligned;
+  g_grid_dim.x = gx; g_grid_dim.y = gy; g_grid_dim.z = gz; g_block_dim.x = bx; g_block_dim.y = by; g_block_dim.z = bz;
+  for (unsigned z = 0; z < gz; z++) for (unsigned y = 0; y < gy; y++) for (unsigned x = 0; x < gx; x++) {
+    g_block_idx.x = x; g_block_idx.y = y; g_block_idx.z = z;
+    for (int i = 0; i < n; i++) {
+      Fiber& f = fibers[i];
+      f.t.x = i % bx; f.t.y = (i / bx) % by; f.t.z = i / (bx * by); f.lane = i % 32; f.warp = i / 32;
+    }
+    run_block(n);
+  }
+  return 0;
+}

@@ -1,0 +1,22 @@
+"""pytest plugin: run the GPU tests on the host CUDA emulator (a numpy-backed CuPy stand-in whose RawModule
+kernels are compiled for the CPU against emu.h, one host thread per CUDA thread, barriers and warp shuffles
+emulated). For checking kernels and launch code without a GPU before spending device time; it cannot see
+races, timing, NVRTC/nvcc differences or cuBLAS itself, so the real GPU run stays the proof.
+
+    PYTHONPATH=tools/cuda_emu python3 -m pytest -p emu_plugin -m gpu tests/gpu/test_kernels_core.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import fake_cupy  # noqa: E402
+
+fake_cupy.install()
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from decapybara.backend import cupy_ops  # noqa: E402
+
+cupy_ops.dev_ptr = lambda a: a.ctypes.data

@@ -1,0 +1,145 @@
+"""A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
+import ctypes, hashlib, os, re, subprocess, sys, types
+import numpy as np
+
+EMU = os.path.dirname(os.path.abspath(__file__))
+BUILD = os.path.join(EMU, "build")
+os.makedirs(BUILD, exist_ok=True)
+_TYPES = {"ptr": 0, "i32": 1, "i64": 2, "f32": 3, "f64": 4}
+
+
+def _classify(param: str) -> str:
+    p = param.strip()
+    if "*" in p:
+        return "ptr"
+    t = p.rsplit(None, 1)[0] if " " in p else p
+    t = t.replace("const", "").strip()
+    if t in ("i64", "long long", "long", "u64", "unsigned long long", "size_t"):
+        return "i64"
+    if t == "float":
+        return "f32"
+    if t == "double":
+        return "f64"
+    if t in ("int", "u32", "unsigned", "unsigned int", "bool"):
+        return "i32"
+    raise ValueError(f"unknown param type {p!r}")
+
+
+class FakeKernel:
+    def __init__(self, lib, name, sig):
+        self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        self.name, self.sig = name, sig
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+        self.lib = lib
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        if len(args) != len(self.sig):
+            raise TypeError(f"{self.name}: {len(args)} args for {len(self.sig)} params")
+        if shared_mem > self.max_dynamic_shared_size_bytes:
+            raise RuntimeError(f"{self.name}: {shared_mem} B dynamic smem > limit {self.max_dynamic_shared_size_bytes}")
+        if block[0] * block[1] * block[2] > 1024:
+            raise RuntimeError(f"{self.name}: block too large {block}")
+        keep, vals, types_ = [], [], []
+        for i, (a, kind) in enumerate(zip(args, self.sig)):
+            if isinstance(a, np.ndarray):
+                if kind != "ptr":
+                    raise TypeError(f"{self.name} arg {i}: array for {kind}")
+                if not a.flags.c_contiguous:
+                    raise TypeError(f"{self.name} arg {i}: non-contiguous array")
+                v = ctypes.c_void_p(a.ctypes.data if a.size else 0)
+            elif a is None:
+                if kind != "ptr":
+                    raise TypeError(f"{self.name} arg {i}: None for {kind}")
+                v = ctypes.c_void_p(0)
+            elif isinstance(a, (bool, int, float)) and not isinstance(a, np.generic):
+                raise TypeError(f"{self.name} arg {i}: python scalar {a!r} (pass numpy typed scalars)")
+            else:
+                want = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}.get(kind)
+                if want is None or type(a) is not want:
+                    raise TypeError(f"{self.name} arg {i}: {type(a).__name__} for {kind}")
+                v = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float, "f64": ctypes.c_double}[kind](a)
+            keep.append(v)
+            vals.append(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p))
+            types_.append(_TYPES[kind])
+        n = len(args)
+        va = (ctypes.c_void_p * max(n, 1))(*[x.value for x in vals])
+        ta = (ctypes.c_int * max(n, 1))(*types_)
+        r = self.lib.emu_launch(ctypes.c_void_p(self.fn), n, ta, va, *[ctypes.c_uint(g) for g in grid],
+                                *[ctypes.c_uint(b) for b in block], ctypes.c_long(shared_mem))
+        assert r == 0
+
+
+class RawModule:
+    def __init__(self, code=None, *, path=None, options=(), **kw):
+        assert code is not None, "fake RawModule needs code"
+        incs = [o for o in options if o.startswith("-I")]
+        defs = [o for o in options if o.startswith("-D")]
+        key = hashlib.sha256((code + "|".join(options) + open(os.path.join(EMU, "emu.h")).read()).encode()).hexdigest()[:16]
+        so = os.path.join(BUILD, f"k_{key}.so")
+        src = os.path.join(BUILD, f"k_{key}.cu")
+        with open(src, "w") as f:
+            f.write(code)
+        pre = subprocess.run(["g++", "-std=c++20", "-E", "-x", "c++", "-include", os.path.join(EMU, "emu.h"), *incs, *defs,
+                              src], capture_output=True, text=True)
+        if pre.returncode:
+            raise RuntimeError(pre.stderr)
+        self.sigs = {}
+        for m in re.finditer(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)', pre.stdout):
+            params = [p for p in m.group(2).split(",") if p.strip()]
+            self.sigs[m.group(1)] = [_classify(p) for p in params]
+        if not os.path.exists(so):
+            cmd = ["g++", "-O1", "-g", "-std=c++20", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-include",
+                   os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", os.path.join(EMU, "emu.o"),
+                   "-lffi", "-o", so]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(r.stderr[-5000:])
+        self.lib = ctypes.CDLL(so)
+        self.lib.emu_launch.restype = ctypes.c_int
+
+    def get_function(self, name):
+        if name not in self.sigs:
+            raise AttributeError(f"no kernel {name}")
+        return FakeKernel(self.lib, name, self.sigs[name])
+
+
+def install():
+    cp = types.ModuleType("cupy")
+    for k in dir(np):
+        if not k.startswith("__"):
+            setattr(cp, k, getattr(np, k))
+    cp.ndarray = np.ndarray
+    cp.asnumpy = lambda a, *args, **kw: np.array(a, copy=True)
+    cp.RawModule = RawModule
+    cp.__version__ = "fake"
+    cuda = types.ModuleType("cupy.cuda")
+    class Device:
+        def __init__(self, i=0): self.id = i
+        compute_capability = "90"
+        def synchronize(self): pass
+    cuda.Device = Device
+    runtime = types.ModuleType("cupy.cuda.runtime")
+    runtime.getDeviceCount = lambda: 1
+    runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
+    runtime.deviceSynchronize = lambda: None
+    cuda.runtime = runtime
+    class Stream:
+        ptr = 0
+        def synchronize(self): pass
+    cuda.get_current_stream = lambda: Stream()
+    device = types.ModuleType("cupy.cuda.device")
+    device.get_cublas_handle = lambda: 1
+    cuda.device = device
+    cp.cuda = cuda
+    cb = types.ModuleType("cupy_backends"); cbc = types.ModuleType("cupy_backends.cuda")
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    import fake_cublas
+    cb.cuda = cbc; cbc.libs = libs; libs.cublas = fake_cublas
+    for name, mod in [("cupy", cp), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime), ("cupy.cuda.device", device),
+                      ("cupy_backends", cb), ("cupy_backends.cuda", cbc), ("cupy_backends.cuda.libs", libs),
+                      ("cupy_backends.cuda.libs.cublas", fake_cublas)]:
+        sys.modules[name] = mod
+    os.environ["DECAPYBARA_KERNEL_COMPILER"] = "nvrtc"
+    return cp

@@ -139,6 +139,9 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--verify", action="store_true", help="check every checksum first")
     i.set_defaults(func=_cmd_info)
+    from decapybara.server import cli_serve
+
+    cli_serve.add_parser(sub)
     return p
 
 

@@ -31,6 +31,8 @@ class AppConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=16)
     prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = "balanced"
     loop_guard: Literal["stop", "end_thinking", "escape", "off"] = "stop"
+    context_mode: Literal["pool", "fixed"] = Field(default="pool", description="CONTEXT_MODE: shared pool or "
+                                                   "a fixed reservation of the whole context per conversation")
     api_key: str | None = Field(default=None, description="required as Bearer / x-api-key when set")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ram_cache_gb: float = Field(default=8.0, ge=0, description="RAM tier budget (RAM_CACHE)")
@@ -82,7 +84,7 @@ class AppConfig(BaseModel):
         batch = self.max_batch_tokens or (2048 if cuda else 256)
         return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
                             prefill_policy=self.prefill_policy, kv_mode=kv_mode, max_model_len=self.max_model_len,
-                            seed=self.seed, loop_guard=self.loop_guard)
+                            seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode)
 
     def resolved_model(self) -> str:
         return os.path.expanduser(self.model) if "://" not in self.model else self.model

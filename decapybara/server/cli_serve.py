@@ -1,0 +1,68 @@
+"""`decapybara serve`: the server on this machine in one command (Ray Serve underneath), with the original's
+flags (`--host 127.0.0.1 --port 8080 --kv-mode 6/6 ...`); any other AppConfig field via `--set key=value`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from decapybara.errors import ConfigError
+
+FLAGS = {  # flag -> AppConfig field
+    "model": "model", "preset": "preset", "slots": "slots", "kv_mode": "kv_mode", "api_key": "api_key",
+    "prefill_policy": "prefill_policy", "loop_guard": "loop_guard", "context_mode": "context_mode",
+    "ram_cache_gb": "ram_cache_gb", "disk_cache": "disk_cache", "device": "device",
+}
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser("serve", help="run the OpenAI + Anthropic server on this machine")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", help=".mcapy path or fsspec URL (default: the embedded demo model)")
+    s.add_argument("--preset", choices=["max_efficiency", "medium", "max_quality"])
+    s.add_argument("--slots", type=int, help="conversations decoding together (1-12)")
+    s.add_argument("--kv-mode", dest="kv_mode", help="KV key/value bits: 16/16, 8/8, 6/6, 6/4, 4/4")
+    s.add_argument("--api-key", dest="api_key", help="required as Bearer / x-api-key (not for /health)")
+    s.add_argument("--prefill-policy", dest="prefill_policy",
+                   choices=["balanced", "decode-priority", "prefill-priority"])
+    s.add_argument("--loop-guard", dest="loop_guard", choices=["stop", "end_thinking", "escape", "off"])
+    s.add_argument("--context-mode", dest="context_mode", choices=["pool", "fixed"])
+    s.add_argument("--ram-cache-gb", dest="ram_cache_gb", type=float)
+    s.add_argument("--disk-cache", dest="disk_cache", help="fsspec URL of the disk KV tier")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other AppConfig field")
+    s.set_defaults(func=cmd_serve)
+
+
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The AppConfig arguments the flags ask for, validated (ConfigError naming the problem)."""
+    from pydantic import ValidationError
+
+    from decapybara.server.config import AppConfig
+
+    out: dict[str, Any] = {field: getattr(args, flag) for flag, field in FLAGS.items()
+                           if getattr(args, flag, None) is not None}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    try:
+        AppConfig(**out)
+    except ValidationError as e:
+        raise ConfigError(f"bad server settings: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    return out
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from decapybara.server.ingress import build_app
+
+    settings = app_args(args)
+    ray.init()
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(settings), name="decapybara", route_prefix="/", blocking=True)
+    return 0

@@ -1,0 +1,30 @@
+"""`decapybara serve` flags map onto the validated app config; bad values are refused with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from decapybara.cli import make_parser
+from decapybara.server.cli_serve import app_args
+from decapybara.server.config import AppConfig
+
+
+def test_flags_map_onto_the_app_config():
+    args = make_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "8080", "--kv-mode", "6/6",
+                                     "--slots", "8", "--api-key", "k", "--context-mode", "fixed",
+                                     "--set", "max_batch_tokens=1024"])
+    settings = app_args(args)
+    assert settings == {"kv_mode": "6/6", "slots": 8, "api_key": "k", "context_mode": "fixed",
+                        "max_batch_tokens": "1024"}
+    cfg = AppConfig(**settings)
+    engine = cfg.engine_config(cuda=False)
+    assert (engine.kv_mode, engine.max_slots, engine.context_mode, engine.max_batch_tokens) == ("6/6", 8, "fixed",
+                                                                                                 1024)
+
+
+def test_bad_serve_flags_exit_with_2_before_starting_anything():
+    for bad in (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"]):
+        r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", *bad], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)

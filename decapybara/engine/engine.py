@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from decapybara.config import EngineConfig
-from decapybara.engine.block_manager import BlockManager, hash_chain, page_hash, root_hash
+from decapybara.engine.block_manager import BlockManager, page_hash, root_hash
 from decapybara.engine.loopguard import ActionKind, LoopGuard, LoopGuardConfig
 from decapybara.engine.planner import StepPlan, plan_step
-from decapybara.engine.runner import ModelRunner, SequenceBundle
+from decapybara.engine.memory import MemoryMixin
+from decapybara.engine.runner import ModelRunner
 from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
 from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
 from decapybara.errors import ContextOverflowError, InvalidRequestError
@@ -50,7 +51,7 @@ class EngineStats:
     lost_bundles: int = 0  # paused conversations whose bundle was lost (recomputed from their tokens)
 
 
-class Engine:
+class Engine(MemoryMixin):
     def __init__(self, model: QwenModel, cfg: EngineConfig | None = None, tokenizer: Any = None,
                  clock: Callable[[], float] = time.monotonic, eos_token_ids: Iterable[int] | None = None,
                  admission: Callable[[Engine], None] | None = None,
@@ -134,169 +135,6 @@ class Engine:
     def can_admit(self) -> bool:
         return bool(self.free_slots) and len(self.running) < self.cfg.max_slots
 
-    def admit(self, seq: Sequence) -> bool:
-        """Move a waiting sequence into a slot, reusing its cached prefix (pages in the pool, and pages a tier
-        holds, which are restored). False when pages are short. A sequence that lost its paused bundle comes
-        back through here and recomputes what the cache cannot give it."""
-        assert seq.status == SeqStatus.WAITING and self.can_admit()
-        match, restored = self._match_and_fetch(seq.tokens)
-        first_chunk = min(seq.num_tokens - match.num_tokens, self.cfg.max_batch_tokens)
-        if self.cfg.context_mode == "fixed":  # the whole context is reserved up front: never paused for memory
-            first_chunk = min(seq.num_prompt + seq.params.max_tokens, self.max_model_len) - match.num_tokens
-        in_pool = [p for p in match.pages if p is not None]
-        need = self.blocks.pages_for(match.num_tokens + first_chunk) - len(in_pool)
-        tail = [match.tail_page] if match.tail_page is not None else []
-        pages = self.blocks.allocate(need, in_pool + tail)  # the tail is held until copied
-        if pages is None:
-            return False
-        fresh = pages[len(in_pool) + len(tail):]
-        table, it_pool, it_fresh = [], iter(in_pool), iter(fresh)
-        for i, p in enumerate(match.pages):  # restored pages take fresh pages in place
-            if p is None:
-                page = next(it_fresh)
-                kv, snap = restored[i]
-                self.runner.import_pages([page], _Bundle(kv), [0])
-                self.blocks.register(page, match.hashes[i])
-                if snap is not None:
-                    self.blocks.put_snapshot(match.hashes[i], snap, snap.nbytes)
-                self.stats.restored_pages += 1
-                table.append(page)
-            else:
-                table.append(next(it_pool))
-        if tail:  # the page after the full ones receives a private copy of the cached partial tail
-            own = next(it_fresh)
-            self.runner.kv.copy_pages(np.asarray(tail, np.int64), np.asarray([own], np.int64))
-            self.blocks.release(tail)
-            table.append(own)
-        table += list(it_fresh)
-        self.waiting.remove(seq)
-        seq.pages, seq.num_computed = table, match.num_tokens
-        seq.page_hashes = hash_chain(seq.tokens, self.cfg.page_size, self.blocks.salt, len(match.pages))
-        seq.state_slot = self.free_slots.pop()
-        snapshot = match.snapshot
-        if self.hybrid and match.pages and match.pages[-1] is None and not match.tail_len:
-            snapshot = restored[len(match.pages) - 1][1]
-        self.runner.reset_state(seq.state_slot, snapshot)
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
-        if seq.num_admissions == 0:
-            seq.num_cached_prompt = min(match.num_tokens, seq.num_prompt)
-            self.stats.prompt_tokens += seq.num_prompt
-            self.stats.reused_prompt_tokens += seq.num_cached_prompt
-        seq.num_admissions += 1
-        return True
-
-    def _match_and_fetch(self, tokens: list[int]) -> tuple[Any, dict[int, tuple[Any, Any]]]:
-        """match_prefix, with the tier-held pages of the match fetched into host memory. A page that cannot
-        be fetched (lost, corrupt) is forgotten and the match retried, so the result is always usable."""
-        while True:
-            match = self.blocks.match_prefix(tokens)
-            restored: dict[int, tuple[Any, Any]] = {}
-            for i, p in enumerate(match.pages):
-                if p is None:
-                    got = self.page_store.fetch(match.hashes[i])
-                    if got is None:
-                        self.page_store.forget(match.hashes[i])
-                        self.stats.lost_pages += 1
-                        break
-                    restored[i] = got
-            else:
-                return match, restored
-
-    def pause(self, seq: Sequence) -> SequenceBundle:
-        """Take a running sequence out of the pool whole: pages + state to the bundle store, slot freed."""
-        assert seq.status == SeqStatus.RUNNING
-        n_pages = self.blocks.pages_for(seq.num_computed)
-        bundle = self.runner.export_sequence(seq.pages[:n_pages], seq.state_slot, seq.num_computed)
-        self.blocks.release(seq.pages)
-        seq.pages = []
-        self._free_slot(seq)
-        self.running.remove(seq)
-        seq.num_pauses += 1
-        seq.status, seq.paused_bundle = SeqStatus.PAUSED, self.bundle_store.put(seq, bundle)
-        self.paused.append(seq)
-        self.stats.pauses += 1
-        return bundle
-
-    def resume(self, seq: Sequence, bundle: SequenceBundle | None = None) -> bool:
-        """Bring a paused sequence back from its bundle: no token is recomputed. False when pages are short,
-        or when the bundle was lost: then the sequence goes back to the queue and recomputes from its tokens
-        (never wrong output)."""
-        assert seq.status == SeqStatus.PAUSED and self.can_admit()
-        if bundle is None:
-            bundle = self.bundle_store.get(seq, seq.paused_bundle)
-            if bundle is None:
-                self._requeue_for_recompute(seq)
-                return False
-        n_pages = self.blocks.pages_for(bundle.num_tokens)
-        # Full pages still in the prefix cache are shared again instead of copied in.
-        reuse = []
-        for h in seq.page_hashes:
-            page = self.blocks.page_of_hash.get(h)
-            if page is None:
-                break
-            reuse.append(page)
-        pages = self.blocks.allocate(n_pages - len(reuse), reuse)
-        if pages is None:
-            seq.paused_bundle = self.bundle_store.put(seq, bundle)  # back where it was
-            return False
-        self.runner.import_pages(pages[len(reuse):], bundle, list(range(len(reuse), n_pages)))
-        for i in range(len(reuse), len(seq.page_hashes)):
-            self.blocks.register(pages[i], seq.page_hashes[i])
-        seq.pages, seq.num_computed = pages, bundle.num_tokens
-        seq.state_slot = self.free_slots.pop()
-        self.runner.import_state(seq.state_slot, bundle)
-        self.paused.remove(seq)
-        seq.status, seq.paused_bundle = SeqStatus.RUNNING, None
-        seq.num_resumes += 1
-        self.running.append(seq)
-        self.stats.resumes += 1
-        return True
-
-    def _requeue_for_recompute(self, seq: Sequence) -> None:
-        self.paused.remove(seq)
-        seq.status, seq.paused_bundle, seq.num_computed, seq.pages = SeqStatus.WAITING, None, 0, []
-        seq.page_hashes = []
-        self.waiting.insert(0, seq)
-        self.stats.lost_bundles += 1
-
-    def import_paused(self, unit: Any) -> Sequence:
-        """Adopt a paused conversation from a tier unit written by any engine on this model (e.g. before a
-        restart): it joins the paused set and resumes exactly where it stopped."""
-        from decapybara.engine.persist import restore_sequence
-
-        detok = None
-        if self.tokenizer is not None:
-            from decapybara.tokenizer import IncrementalDetokenizer
-
-            def detok(params: SamplingParams) -> Any:
-                return IncrementalDetokenizer(self.tokenizer, stop=params.stop)
-        seq = restore_sequence(unit.meta, unit.extras, self._loop_cfg, detok)
-        if seq.request_id in self.seqs:
-            raise InvalidRequestError(f"duplicate request id {seq.request_id!r}")
-        seq.status, seq.paused_bundle = SeqStatus.PAUSED, self.bundle_store.put(seq, unit.to_bundle())
-        seq.num_admissions = 1
-        self.seqs[seq.request_id] = seq
-        self.paused.append(seq)
-        return seq
-
-    def set_page_store(self, store: Any) -> None:
-        """Send prefix pages evicted from the pool to `store` and restore them from it on later hits."""
-        self.page_store = store
-        self.blocks.external = store.lookup if store is not None else None
-        self.blocks.on_evict = self._offload_page if store is not None else None
-
-    def _offload_page(self, page: int, page_hash: bytes, snapshot: Any) -> None:
-        kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
-        self.page_store.offload(page_hash, kv, snapshot)
-        self.stats.offloaded_pages += 1
-
-    def _free_slot(self, seq: Sequence) -> None:
-        if seq.state_slot is not None:
-            self.free_slots.append(seq.state_slot)
-            seq.state_slot = None
-
-    # ---- the step --------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """Admit, plan, run one forward, sample and post-process. Returns this step's token events."""
         t0 = time.perf_counter()
@@ -472,34 +310,6 @@ class Engine:
         del self.seqs[s.request_id]
         return ev
 
-    def _offer_tail(self, s: Sequence) -> None:
-        """Keep the partial last page of a finishing sequence for its conversation's next turn."""
-        ps = self.cfg.page_size
-        full, rem = divmod(s.num_computed, ps)
-        if not rem or not self.cfg.enable_prefix_cache or len(s.page_hashes) < full:
-            return
-        parent = s.page_hashes[full - 1] if full else root_hash(self.blocks.salt)
-        snap = self.runner.states.get(s.state_slot) if self.hybrid else None
-        self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
-                                  snap.nbytes if snap is not None else 0)
-
-    def demote_cached(self, seq: Sequence, keep: set[bytes] | frozenset[bytes] = frozenset()) -> int:
-        """Make the unreferenced cached pages of a finished `seq` (its full pages, then the partial tail it
-        offered) the next to be evicted, deepest first, except full pages whose hash is in `keep`.
-        Returns how many pages moved. Referenced pages are untouched."""
-        b, ps = self.blocks, self.cfg.page_size
-        pages = [b.page_of_hash.get(h) for h in seq.page_hashes if h not in keep]
-        full, rem = divmod(seq.num_computed, ps)
-        if rem and len(seq.page_hashes) >= full:
-            parent = seq.page_hashes[full - 1] if full else root_hash(b.salt)
-            pages.append(b.tails.get(parent, {}).get(tuple(seq.tokens[full * ps:seq.num_computed])))
-        moved = 0
-        for p in pages:  # each goes to the front, so the tail ends up evicted first and the opening last
-            if p is not None and p in b.lru:
-                b.lru.move_to_end(p, last=False)
-                moved += 1
-        return moved
-
     def _prompt_opens_thinking(self, prompt: tuple[int, ...]) -> bool:
         think, end = self._think
         if think is None:
@@ -535,13 +345,6 @@ class Engine:
             **dataclasses.asdict(self.stats),
             **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
         }
-
-
-class _Bundle:
-    """Adapter: a single page's KV as the `import_pages` bundle argument."""
-
-    def __init__(self, kv: Any):
-        self.kv = kv
 
 
 def youngest_victim(engine: Engine, needing: Sequence) -> Sequence:

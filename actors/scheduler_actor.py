@@ -101,6 +101,20 @@ class SchedulerActor:
             await self.gpu.control.remote(control)
 
     async def _pump(self) -> None:
+        try:
+            await self._consume()
+        except Exception as exc:  # noqa: BLE001 - the GPU actor is gone: no stream may wait for ever
+            self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
+            raise
+
+    def _fail_all(self, message: str) -> None:
+        from decapybara.engine.sequence import FinishReason
+
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(TokenEvent(rid, [], finish_reason=FinishReason.ABORT, error=message,
+                                    error_type="CapacityError"))
+
+    async def _consume(self) -> None:
         stream = self.gpu.run.options(num_returns="streaming").remote()
         async for ref in stream:
             report: StepReport = await ref

@@ -8,7 +8,7 @@ so that a backend can index experts without a Python dict. MTP weights use the Q
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -112,27 +112,31 @@ def expected_tensors(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, Sh
 
 def init_value(cfg: ModelConfig, name: str, shape: Shape, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
     """A plausible initial value for one tensor (the scheme HF uses for these families), float32."""
-    leaf = name.rsplit(".", 2)
     if name.endswith("A_log"):
         return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
+    f32 = np.float32
     if name.endswith("dt_bias"):
         return np.ones(shape, np.float32)
     if len(shape) == 1 and "norm" in name:
         # zero-centred norms (1 + w) start at 0 ... but a gated DeltaNet norm multiplies by w directly.
         if cfg.norm_offset and "linear_attn.norm" not in name:
-            return (rng.standard_normal(shape) * 0.1).astype(np.float32)
-        return (1.0 + rng.standard_normal(shape) * 0.1).astype(np.float32)
-    if leaf[-1] == "bias":
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-    return (rng.standard_normal(shape) * std).astype(np.float32)
+            return rng.standard_normal(shape, dtype=f32) * f32(0.1)
+        return f32(1.0) + rng.standard_normal(shape, dtype=f32) * f32(0.1)
+    out = rng.standard_normal(shape, dtype=f32)  # float32 throughout: a 27B tensor never exists in float64
+    out *= f32(std)
+    return out
 
 
-def random_tensors(cfg: ModelConfig, seed: int = 0, include_mtp: bool = True,
-                   std: float = 0.02) -> Iterator[tuple[str, np.ndarray]]:
+def random_tensors(cfg: ModelConfig, seed: int = 0, include_mtp: bool = True, std: float = 0.02,
+                   names: Iterable[str] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Seeded random weights, one tensor at a time (so a 27B config never sits whole in host RAM).
 
-    Each tensor gets its own generator keyed by (seed, index), so any subset can be regenerated alone.
+    Each tensor gets its own generator keyed by (seed, its index in `expected_tensors`), so any subset
+    (`names`) is generated alone and equals the same tensors of a full run.
     """
+    wanted = None if names is None else set(names)
     for idx, (name, shape) in enumerate(expected_tensors(cfg, include_mtp).items()):
+        if wanted is not None and name not in wanted:
+            continue
         rng = np.random.default_rng([seed, idx])
         yield name, init_value(cfg, name, shape, rng, std)

@@ -6,9 +6,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from decapybara.engine.sequence import Request, TokenEvent
-from decapybara.errors import ContextOverflowError, DecapybaraError, InvalidRequestError
+from decapybara.errors import CapacityError, ContextOverflowError, DecapybaraError, InvalidRequestError
 
-_ERRORS = {"ContextOverflowError": ContextOverflowError, "InvalidRequestError": InvalidRequestError}
+_ERRORS = {"ContextOverflowError": ContextOverflowError, "InvalidRequestError": InvalidRequestError,
+           "CapacityError": CapacityError}
 
 
 class RayEngineClient:

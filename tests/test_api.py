@@ -29,7 +29,7 @@ from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
 from decapybara.errors import ContextOverflowError
-from decapybara.testing import make_tokenizer_json, tiny_qwen
+from decapybara.testing import SPECIAL_TOKENS, make_tokenizer_json, tiny_qwen
 from decapybara.tokenizer import Tokenizer
 
 KEY = "sk-test-key"
@@ -50,7 +50,7 @@ TOOLS_AN = [{"name": "get_weather", "description": "Weather of a city",
 
 
 class Forcer:
-    """Engine logits processor (engine thread): scripts by marker, KEEP-TALKING bans eos, LOOP-FOREVER repeats
+    """Engine logits processor (engine thread): scripts by marker, KEEP-TALKING never ends, LOOP-FOREVER repeats
     one token; records each request's prompt text in `prompts` and conversation key in `conversations`."""
 
     def __init__(self, tok: Tokenizer) -> None:
@@ -60,6 +60,8 @@ class Forcer:
         self.scripts = {k: tok.encode(v) for k, v in SCRIPTS.items()}
         self.answer = tok.encode("Final answer.")
         self.loop_token = tok.encode(" def")[0]
+        # KEEP-TALKING: a long non-periodic stream (no eos, nothing the LoopGuard could take for a loop)
+        self.talk = np.random.default_rng(0).integers(len(SPECIAL_TOKENS), tok.vocab_size, 10_000).tolist()
 
     def __call__(self, seq, logits: np.ndarray) -> np.ndarray:
         rid = seq.request_id
@@ -76,9 +78,7 @@ class Forcer:
         if "SLOW-DOWN" in turn:
             time.sleep(0.06)
         if "KEEP-TALKING" in turn:
-            logits = logits.copy()
-            logits[list(self.tok.eos_token_ids)] = -1e9
-            return logits
+            script = self.talk
         if "LOOP-FOREVER" in turn:
             script = [self.loop_token] * 10_000
         if script is None:

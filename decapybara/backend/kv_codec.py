@@ -11,21 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from decapybara.dtypes import bf16_to_f32, f32_to_bf16
 from decapybara.errors import ConfigError
 
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round-to-nearest-even, NaN kept quiet."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
-    return rounded
-
-
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+# The one bf16 codec of the project (round to nearest even, NaN kept quiet), under the names pages use.
+f32_to_bf16_bits = f32_to_bf16
+bf16_bits_to_f32 = bf16_to_f32
 
 
 class KVCodec:

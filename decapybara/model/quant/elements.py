@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from decapybara.dtypes import bf16_to_f32, f32_to_bf16
+
 
 @dataclass(slots=True, frozen=True, eq=False)
 class ElementFormat:
@@ -129,13 +131,9 @@ def e8m0_decode(codes: np.ndarray) -> np.ndarray:
 # ---- bfloat16 (the 16-bit KV mode and the bf16 weight preset) -----------------------------------------
 def bf16_encode(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits as uint16, round to nearest even (overflow goes to inf, NaN stays NaN)."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    quiet = (u >> np.uint32(16)) | np.uint32(0x0040)
-    return np.where(nan, quiet, rounded).astype(np.uint16)
+    return f32_to_bf16(x)
 
 
 def bf16_decode(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bits (uint16) -> float32 (exact)."""
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bf16_to_f32(np.asarray(bits, np.uint16))

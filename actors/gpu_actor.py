@@ -90,10 +90,11 @@ def _kv_bits(kv_mode: str | None) -> tuple[float, float]:
     return (k + (8 / 32 if k < 16 else 0)), (v + (8 / 32 if v < 16 else 0))
 
 
-def gpu_actor_class(cuda: bool, blas_threads: int = 0) -> Any:
-    """The Ray actor class with resources for this machine: one GPU with CUDA, else CPUs only."""
+def gpu_actor_class(cuda: bool, blas_threads: int = 0, name: str | None = None) -> Any:
+    """The Ray actor class with resources for this machine: one GPU with CUDA, else CPUs only; named
+    `name` (e.g. "<app>-gpu") so operators and tests can find it."""
     threads = str(blas_threads or max(1, (os.cpu_count() or 2) - 1))
     env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     return ray.remote(GPUActor).options(
-        num_gpus=1 if cuda else 0, num_cpus=1, max_concurrency=8, runtime_env={"env_vars": env},
+        num_gpus=1 if cuda else 0, num_cpus=1, max_concurrency=8, runtime_env={"env_vars": env}, name=name,
     )

@@ -35,7 +35,7 @@ class SchedulerActor:
 
             tiers = start_tiers(self.cfg)
         self.tiers = tiers
-        self.gpu = gpu_actor_class(cuda, self.cfg.blas_threads).remote(app_config, tiers)
+        self.gpu = gpu_actor_class(cuda, self.cfg.blas_threads, f"{self.cfg.name}-gpu").remote(app_config, tiers)
         self.policy = make_policy(self.cfg)
         self.queues: dict[str, asyncio.Queue] = {}
         self.pending = Control()
@@ -47,6 +47,8 @@ class SchedulerActor:
         self.reports = 0
         self.started = time.time()
         self.metrics = RayMetrics(self.cfg.name)
+        self.dead: str | None = None  # why the GPU actor is unreachable, once it is
+        self.last_report_at = time.time()
 
     async def ready(self) -> dict[str, Any]:
         """Wait until the model is loaded; return the GPU actor's facts."""
@@ -58,7 +60,8 @@ class SchedulerActor:
         if not self._tasks:
             self._wake = asyncio.Event()
             loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._pump()), loop.create_task(self._send_loop())]
+            self._tasks = [loop.create_task(self._pump()), loop.create_task(self._send_loop()),
+                           loop.create_task(self._watchdog())]
 
     # ---- requests ------------------------------------------------------------------------------------
     async def generate(self, request: Request):
@@ -67,6 +70,8 @@ class SchedulerActor:
         rid = request.request_id
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
+        if self.dead is not None:
+            self._fail_all(self.dead)
         self._send(Control(add=[request]))
         finished = False
         try:
@@ -95,17 +100,35 @@ class SchedulerActor:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.pending.empty():
+            if self.pending.empty() or self.dead is not None:
                 continue
             control, self.pending = self.pending, Control()
-            await self.gpu.control.remote(control)
+            try:
+                await self.gpu.control.remote(control)
+            except Exception as exc:  # noqa: BLE001 - the GPU actor is gone
+                self._engine_lost(exc)
+
+    async def _watchdog(self, every_s: float = 1.0, silent_s: float = 2.0, timeout_s: float = 10.0) -> None:
+        """While streams are open and reports have stopped, ask the GPU actor whether it is alive; a dead or
+        unresponsive one fails every open stream (503) instead of leaving them waiting for ever."""
+        while self.dead is None:
+            await asyncio.sleep(every_s)
+            if not self.queues or time.time() - self.last_report_at < silent_s:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self.gpu.stats.remote().future()), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - dead actor or no answer: the engine is lost
+                self._engine_lost(exc)
+
+    def _engine_lost(self, exc: BaseException) -> None:
+        self.dead = f"the engine stopped: {type(exc).__name__}: {exc}"[:500]
+        self._fail_all(self.dead)
 
     async def _pump(self) -> None:
         try:
             await self._consume()
         except Exception as exc:  # noqa: BLE001 - the GPU actor is gone: no stream may wait for ever
-            self._fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
-            raise
+            self._engine_lost(exc)
 
     def _fail_all(self, message: str) -> None:
         from decapybara.engine.sequence import FinishReason
@@ -118,7 +141,7 @@ class SchedulerActor:
         stream = self.gpu.run.options(num_returns="streaming").remote()
         async for ref in stream:
             report: StepReport = await ref
-            t0 = time.time()
+            t0 = self.last_report_at = time.time()
             self.latencies_us.append(max(0.0, t0 - report.stats.get("sent_at", t0)) * 1e6)
             for ev in report.events:
                 q = self.queues.get(ev.request_id)

@@ -243,6 +243,21 @@ def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, 
         "messages": [{"role": "user", "content": "Write a Python function `is_even(n)`"}]})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].strip()
+
+    # The engine dies mid-stream: the stream ends with an error and later requests get 503, nothing hangs.
+    import ray
     from ray import serve
 
-    serve.delete("default")
+    body = {"model": "m", "max_tokens": 600, "stream": True, "temperature": 0.9,
+            "messages": [{"role": "user", "content": "Write a long Python module."}]}
+    t0 = time.time()
+    with httpx.stream("POST", f"{served.url}/demo/v1/chat/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        next(lines)
+        ray.kill(ray.get_actor("decapybara-gpu"))
+        rest = "\n".join(lines)
+    assert '"error"' in rest and time.time() - t0 < 90
+    after = httpx.post(f"{served.url}/demo/v1/chat/completions", timeout=60, json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert after.status_code == 503 and after.json()["error"]
+    serve.delete("default")  # its scheduler actor, owned by the ingress replica, goes with it

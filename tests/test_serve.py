@@ -189,6 +189,10 @@ def test_python_serve_handle_streams(served):
     events = [e["type"] for e in handle.options(stream=True).messages.remote(
         {"messages": USER, "max_tokens": 6, "stream": True})]
     assert events[0] == "message_start" and events[-1] == "message_stop"
+    whole = list(handle.options(stream=True).chat.remote({"messages": USER, "max_tokens": 6}))
+    assert len(whole) == 1 and whole[0]["object"] == "chat.completion" and whole[0]["usage"]["completion_tokens"] >= 1
+    message = list(handle.options(stream=True).messages.remote({"messages": USER, "max_tokens": 6}))
+    assert len(message) == 1 and message[0]["type"] == "message"
 
 
 def test_model_info_exposes_the_measured_quality_table(served):

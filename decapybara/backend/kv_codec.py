@@ -13,6 +13,7 @@ import numpy as np
 
 from decapybara.dtypes import bf16_to_f32, f32_to_bf16
 from decapybara.errors import ConfigError
+from decapybara.model import quant
 
 # The one bf16 codec of the project (round to nearest even, NaN kept quiet), under the names pages use.
 f32_to_bf16_bits = f32_to_bf16
@@ -79,18 +80,12 @@ class MicroscaledCodec(KVCodec):
         return self.key_bits if kv == "k" else self.value_bits
 
     def parts(self, head_dim: int, kv: str) -> dict[str, tuple[tuple[int, ...], Any]]:
-        from decapybara.model import quant
-
         return quant.kv_storage_parts(self._bits(kv), head_dim)
 
     def encode(self, x: np.ndarray, kv: str) -> dict[str, np.ndarray]:
-        from decapybara.model import quant
-
         return quant.quantize_kv(x, self._bits(kv))
 
     def decode(self, parts: dict[str, np.ndarray], kv: str, head_dim: int) -> np.ndarray:
-        from decapybara.model import quant
-
         return quant.dequantize_kv(parts, self._bits(kv), head_dim)
 
 

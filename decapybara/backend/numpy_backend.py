@@ -304,7 +304,7 @@ class NumpyBackend(Backend):
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
             top_k: int, normalize: bool) -> np.ndarray:
-        logits = x @ router.T  # [T, E]
+        logits = self.linear(x, router)  # [T, E]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         top = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
@@ -314,6 +314,6 @@ class NumpyBackend(Backend):
         out = np.zeros_like(x)
         for e in np.unique(top):
             rows, which = np.nonzero(top == e)
-            h = _silu(x[rows] @ gate_w[e].T) * (x[rows] @ up_w[e].T)
-            out[rows] += (h @ down_w[e].T) * weights[rows, which][:, None]
+            h = self.silu_mul(self.linear(x[rows], gate_w[e]), self.linear(x[rows], up_w[e]))
+            out[rows] += self.linear(h, down_w[e]) * weights[rows, which][:, None]
         return out

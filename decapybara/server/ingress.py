@@ -26,6 +26,26 @@ def _sse_payloads(lines: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+async def _collect(events: AsyncIterator[Any]) -> Any:
+    """All of a request's events folded together (for non-streaming answers)."""
+    from decapybara.api.common import Collected
+
+    done = Collected()
+    async for ev in events:
+        done.add(ev)
+    return done
+
+
+async def _stream_dicts(streamer: Any, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    """An API streamer's SSE output as the JSON objects it carries, event by event."""
+    for payload in _sse_payloads(streamer.start(None)):
+        yield payload
+    async for ev in events:
+        lines = streamer.event(ev) + (streamer.end(ev) if ev.finish_reason is not None else [])
+        for payload in _sse_payloads(lines):
+            yield payload
+
+
 @serve.ingress()
 class Ingress:
     async def __init__(self, app_config: dict[str, Any]):
@@ -68,22 +88,12 @@ class Ingress:
 
         req = oa.ChatCompletionRequest.model_validate(body)
         plan = openai_api.plan_chat(req, self.client, self.cfg.served_model_name, None)
-        stream = openai_api.ChatStream(plan, self.client.tokenizer)
         events = engine_events(self.client, plan.request)
         if not req.stream:
-            from decapybara.api.common import Collected
-
-            done = Collected()
-            async for ev in events:
-                done.add(ev)
-            yield openai_api.chat_completion(plan, done, self.client.tokenizer).dump()
+            yield openai_api.chat_completion(plan, await _collect(events), self.client.tokenizer).dump()
             return
-        for payload in _sse_payloads(stream.start(None)):
+        async for payload in _stream_dicts(openai_api.ChatStream(plan, self.client.tokenizer), events):
             yield payload
-        async for ev in events:
-            lines = stream.event(ev) + (stream.end(ev) if ev.finish_reason is not None else [])
-            for payload in _sse_payloads(lines):
-                yield payload
 
     async def messages(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Anthropic messages for Python callers: streaming yields the event dicts (message_start ...
@@ -98,20 +108,10 @@ class Ingress:
         if plan.thinking_budget is not None:
             events = budgeted_thinking(self.client, plan.request, plan.thinking_budget, plan.prompt.opens_reasoning)
         if not req.stream:
-            from decapybara.api.common import Collected
-
-            done = Collected()
-            async for ev in events:
-                done.add(ev)
-            yield anthropic_api.message(plan, done).dump()
+            yield anthropic_api.message(plan, await _collect(events)).dump()
             return
-        stream = anthropic_api.MessageStream(plan)
-        for payload in _sse_payloads(stream.start(None)):
+        async for payload in _stream_dicts(anthropic_api.MessageStream(plan), events):
             yield payload
-        async for ev in events:
-            lines = stream.event(ev) + (stream.end(ev) if ev.finish_reason is not None else [])
-            for payload in _sse_payloads(lines):
-                yield payload
 
     async def stats(self) -> dict[str, Any]:
         return await self.client.stats()

@@ -70,22 +70,6 @@ class NumpyBF16(NumpyBackend):
     def new_kv_cache(self, cfg, num_pages, page_size, kv_mode=None):
         return super().new_kv_cache(cfg, num_pages, page_size, kv_mode or "16/16")
 
-    def moe(self, x, router, gate_w, up_w, down_w, top_k, normalize):
-        """NumpyBackend.moe with every product through `linear` (bf16 operands, as the CUDA backend)."""
-        logits = self.linear(x, router)
-        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-        weights = np.take_along_axis(probs, top, axis=-1)
-        if normalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        out = np.zeros_like(x)
-        for e in np.unique(top):
-            rows, which = np.nonzero(top == e)
-            h = self.silu_mul(self.linear(x[rows], gate_w[e]), self.linear(x[rows], up_w[e]))
-            out[rows] += self.linear(h, down_w[e]) * weights[rows, which][:, None]
-        return out
-
 
 def forward_chunks(model: QwenModel, ids: np.ndarray, chunk: int, kv_mode=None) -> np.ndarray:
     """Logits of every row of `ids` run in chunks of `chunk` tokens (host float32 [len(ids), vocab])."""

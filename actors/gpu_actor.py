@@ -2,7 +2,8 @@
 
 A thin Ray shell around `decapybara.engine.driver.EngineDriver`: `control()` queues the scheduler's messages,
 `run()` is a streaming generator yielding one `StepReport` per engine step (every slot's tokens together).
-On a CUDA machine it takes one GPU and the cupy backend; elsewhere the numpy backend and no GPU.
+On a CUDA machine it takes one GPU and the cupy backend (packed quantised weights, decode steps as CUDA
+graphs unless `cuda_graphs` is off); elsewhere the numpy backend and no GPU.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ class GPUActor:
         t0 = time.perf_counter()
         cfg = AppConfig(**app_config)
         self.cuda = cfg.use_cuda()
-        if self.cuda:
-            from decapybara.backend.cupy_backend import CupyBackend
+        if self.cuda:  # packed quantised weights on the mx_gemv kernels; decode steps as CUDA graphs
+            from decapybara.backend.cuda_factory import cuda_backend
 
-            backend = CupyBackend("bf16")
+            backend = cuda_backend("bf16")
         else:
             from decapybara.backend.numpy_backend import NumpyBackend
 
@@ -60,6 +61,7 @@ class GPUActor:
             "backend": self.engine.model.backend.name, "cuda": self.cuda, "load_seconds": self.load_seconds,
             "model_type": e.model.cfg.model_type, "max_model_len": e.max_model_len,
             "vocab_size": e.model.cfg.vocab_size, "engine": dataclasses.asdict(e.cfg), "pid": os.getpid(),
+            "runner": e.runner.info(),
         }
 
     def take_staged(self, key: str):

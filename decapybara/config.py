@@ -33,6 +33,10 @@ class EngineConfig:
     loop_guard: str = "stop"  # stop | end_thinking | escape | off
     stream_interval: int = 1  # emit events every n tokens (1 = every token)
     context_mode: str = "pool"  # pool: one shared KV pool, pauses under pressure | fixed: whole context reserved
+    # Decode steps as CUDA graphs (backends with graph support, i.e. cupy; ignored elsewhere). Graph padding
+    # rows need one KV page (the pool's last) and one DeltaNet state slot of their own: with graphs on, the
+    # engine hands out num_pages - 1 pages and the state pool has max_slots + 1 slots.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:

@@ -6,6 +6,7 @@ transformers' ``from_config`` under a fixed seed. torch and transformers are imp
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,12 @@ def tiny_qwen(family: str, seed: int = 0, backend=None, overrides: dict[str, Any
     hf = make_hf_model(family, seed, overrides)
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     return QwenModel.from_tensors(cfg, backend or NumpyBackend(), canonical_tensors(hf)), hf
+
+
+@functools.cache
+def tiny_checkpoint(family: str, seed: int = 7) -> tuple[Any, dict[str, Any]]:
+    """(ModelConfig, canonical tensors) of `make_hf_model(family, seed)`, built once per process."""
+    from decapybara.model.config import ModelConfig
+
+    hf = make_hf_model(family, seed=seed)
+    return ModelConfig.from_hf(hf.config.to_dict()), canonical_tensors(hf)

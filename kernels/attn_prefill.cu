@@ -190,19 +190,20 @@ paged_attention_fwd(const float* __restrict__ q, const void* __restrict__ k_code
   }
 }
 
-// Merge split-K parts: items [nitems, 4] int32 = seq, row0, first part, number of parts. Grid (nitems, nkv).
+// Merge split-K parts: items [nitems, 4] int32 = seq, row0, first part, number of parts. Grid (nitems, nkv,
+// BLOCK_M): one CTA per query row, threads over head dims (the parts' loads are independent: they overlap).
 extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                             const int* __restrict__ items, const int* __restrict__ seq_info,
                                             float* __restrict__ out, int nq, int nkv) {
   const int* it = items + 4 * (i64)blockIdx.x;
   const int seq = it[0], row0 = it[1], p0 = it[2], np = it[3];
-  const int kvh = blockIdx.y, g = nq / nkv;
+  const int kvh = blockIdx.y, g = nq / nkv, r = blockIdx.z, rho = row0 + r;
   const int start = seq_info[3 * seq], nrows = seq_info[3 * seq + 1] * g;
-  for (int i = threadIdx.x; i < BLOCK_M * D; i += blockDim.x) {
-    const int r = i / D, d = i - r * D, rho = row0 + r;
-    if (rho >= nrows) continue;
-    float mx = NEG_INF;
-    for (int p = p0; p < p0 + np; ++p) mx = fmaxf(mx, part_ml[2 * (((i64)p * nkv + kvh) * BLOCK_M + r)]);
+  if (rho >= nrows) return;
+  float mx = NEG_INF;
+  for (int p = p0; p < p0 + np; ++p) mx = fmaxf(mx, part_ml[2 * (((i64)p * nkv + kvh) * BLOCK_M + r)]);
+  const int t = rho / g, qh = kvh * g + (rho - t * g);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float sum = 0.0f, o = 0.0f;
     for (int p = p0; p < p0 + np; ++p) {
       const i64 pr = ((i64)p * nkv + kvh) * BLOCK_M + r;
@@ -211,7 +212,6 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
       sum += part_ml[2 * pr + 1] * wgt;
       o += part_o[pr * D + d] * wgt;
     }
-    const int t = rho / g, qh = kvh * g + (rho - t * g);
     out[((i64)(start + t) * nq + qh) * D + d] = o / sum;
   }
 }

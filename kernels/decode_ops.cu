@@ -35,6 +35,8 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
   }
 }
 
+// One block per row; the first RN_CACHE elements of each thread stay in registers between the two passes.
+#define RN_CACHE 16
 extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const float* __restrict__ res,
                                           const float* __restrict__ w, float* __restrict__ out,
                                           float* __restrict__ res_out, int rows, int n, float eps,
@@ -43,13 +45,30 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
   const int row = blockIdx.x;
   if (row >= rows) return;
   const i64 base = (i64)row * n;
+  const int step = blockDim.x, tail = threadIdx.x + RN_CACHE * step;
+  float hv[RN_CACHE];
+#pragma unroll
+  for (int j = 0; j < RN_CACHE; ++j) {
+    const int i = threadIdx.x + j * step;
+    hv[j] = i < n ? load_h(x, res, base + i) : 0.0f;
+  }
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+#pragma unroll
+  for (int j = 0; j < RN_CACHE; ++j) ss += hv[j] * hv[j];  // the order of the plain strided loop
+  for (int i = tail; i < n; i += step) {
     const float h = load_h(x, res, base + i);
     ss += h * h;
   }
   const float denom = sqrtf(block_sum(ss, scratch) / (float)n + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+#pragma unroll
+  for (int j = 0; j < RN_CACHE; ++j) {
+    const int i = threadIdx.x + j * step;
+    if (i < n) {
+      if (res_out) res_out[base + i] = hv[j];
+      out[base + i] = (hv[j] / denom) * (offset + w[i]);
+    }
+  }
+  for (int i = tail; i < n; i += step) {
     const float h = load_h(x, res, base + i);
     if (res_out) res_out[base + i] = h;
     out[base + i] = (h / denom) * (offset + w[i]);
@@ -59,15 +78,17 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
 // out = x / sqrt(mean(x^2) + eps) * w * silu(z), one warp per row. x, z, out: [rows, n]; w: [n].
 extern "C" __global__ void gated_rms_norm_warp(const float* __restrict__ x, const float* __restrict__ z,
                                                const float* __restrict__ w, float* __restrict__ out, int rows,
-                                               int n, float eps) {
+                                               int n, float eps, int zh, i64 ldz) {
+  // z row `row` starts at (row / zh) * ldz + (row % zh) * n: zh rows of n per token, tokens ldz apart
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   const i64 base = (i64)row * n;
+  const float* zr = z + (i64)(row / zh) * ldz + (i64)(row % zh) * n;
   float ss = 0.0f;
   for (int i = lane; i < n; i += 32) ss += x[base + i] * x[base + i];
   const float denom = sqrtf(warp_sum(ss) / (float)n + eps);
-  for (int i = lane; i < n; i += 32) out[base + i] = (x[base + i] / denom) * w[i] * silu_f(z[base + i]);
+  for (int i = lane; i < n; i += 32) out[base + i] = (x[base + i] / denom) * w[i] * silu_f(zr[i]);
 }
 
 // ---- RoPE (rotate-half on the first `rot` dims) -------------------------------------------------------
@@ -128,6 +149,14 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
                                     float* __restrict__ out, i64 n) {
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
     out[i] = silu_f(gate[i]) * up[i];
+}
+
+// out [rows, n] = silu(y[:, :n]) * y[:, n:] for y [rows, 2n]: the fused gate|up product's halves.
+extern "C" __global__ void silu_mul_halves(const float* __restrict__ y, float* __restrict__ out, i64 rows, int n) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * n; i += (i64)gridDim.x * blockDim.x) {
+    const i64 r = i / n, j = i - r * n;
+    out[i] = silu_f(y[r * 2 * n + j]) * y[r * 2 * n + n + j];
+  }
 }
 
 extern "C" __global__ void sigmoid_f32(const float* __restrict__ x, float* __restrict__ out, i64 n) {

@@ -32,11 +32,12 @@ constexpr int VCOLS = DV < 32 ? DV : 32;  // value columns per CTA
 static_assert(DV % VCOLS == 0, "value head dim must be a multiple of 32 (or below 32)");
 
 // ---- causal conv1d + SiLU ------------------------------------------------------------------------------
-// x: [T, C] float32 (mixed q|k|v rows); w: [C, CONV_K]; conv_state: [slots, C, KM1]; y: [T, C].
+// x: [T, C] float32 (mixed q|k|v rows, row stride ldx >= C); w: [C, CONV_K]; conv_state: [slots, C, KM1];
+// y: [T, C] (contiguous).
 // x_ext(p) = row p of the run for p >= 0, conv state column KM1 + p for p < 0 (the inputs before the run).
 __device__ __forceinline__ float conv_input(const float* __restrict__ x, const float* __restrict__ st, int row0,
-                                            int p, int C, int c) {
-  return p >= 0 ? x[(i64)(row0 + p) * C + c] : st[KM1 + p];
+                                            int p, i64 ldx, int c) {
+  return p >= 0 ? x[(i64)(row0 + p) * ldx + c] : st[KM1 + p];
 }
 
 // Grid (ceil(C / 128), ceil(max run length / CONV_TOKENS), R), 128 threads: thread per (channel, CONV_TOKENS
@@ -45,7 +46,7 @@ __device__ __forceinline__ float conv_input(const float* __restrict__ x, const f
 constexpr int CONV_TOKENS = 16;
 extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const float* __restrict__ w,
                                             const float* __restrict__ conv_state, const int* __restrict__ runs,
-                                            float* __restrict__ y, int C) {
+                                            float* __restrict__ y, int C, i64 ldx) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   const int* run = runs + 5 * blockIdx.z;
   const int row0 = run[0], len = run[1], slot = run[2];
@@ -56,10 +57,10 @@ extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const f
 #pragma unroll
   for (int j = 0; j < CONV_K; ++j) wc[j] = w[(i64)c * CONV_K + j];
 #pragma unroll
-  for (int j = 0; j < KM1; ++j) win[j] = conv_input(x, st, row0, i0 - KM1 + j, C, c);
+  for (int j = 0; j < KM1; ++j) win[j] = conv_input(x, st, row0, i0 - KM1 + j, ldx, c);
   const int i1 = min(i0 + CONV_TOKENS, len);
   for (int i = i0; i < i1; ++i) {
-    const float xi = x[(i64)(row0 + i) * C + c];
+    const float xi = x[(i64)(row0 + i) * ldx + c];
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(win[j], wc[j]));
@@ -75,7 +76,7 @@ extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const f
 // the run (into conv_state, in place: every value is read before the first write).
 extern "C" __global__ void conv1d_state_update(const float* __restrict__ x, float* __restrict__ conv_state,
                                                const int* __restrict__ runs, const int* __restrict__ segs,
-                                               float* __restrict__ snap_conv, int C) {
+                                               float* __restrict__ snap_conv, int C, i64 ldx) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int* run = runs + 5 * blockIdx.y;
@@ -90,7 +91,7 @@ extern "C" __global__ void conv1d_state_update(const float* __restrict__ x, floa
 #pragma unroll
     for (int j = 0; j < KM1; ++j) {
       const int p = end - KM1 + j;
-      win[j] = p >= 0 ? x[(i64)(row0 + p) * C + c] : old[KM1 + p];
+      win[j] = p >= 0 ? x[(i64)(row0 + p) * ldx + c] : old[KM1 + p];
     }
     if (snap >= 0) {
 #pragma unroll
@@ -125,21 +126,22 @@ extern "C" __global__ void gdn_qk_norm(const float* __restrict__ y, float* __res
   }
 }
 
-// g = neg_A * softplus(a + dt_bias) (numpy's logaddexp(0, x) in float32), beta = sigmoid(b). a, b, g, beta:
-// [T, HV]; neg_A, dt_bias: [HV].
+// g = neg_A * softplus(a + dt_bias) (numpy's logaddexp(0, x) in float32), beta = sigmoid(b). a, b: [T, HV]
+// rows `ld` floats apart (views of one fused product may interleave); g, beta: [T, HV]; neg_A, dt_bias: [HV].
 extern "C" __global__ void gdn_gates(const float* __restrict__ a, const float* __restrict__ b,
                                      const float* __restrict__ neg_A, const float* __restrict__ dt_bias,
-                                     float* __restrict__ g, float* __restrict__ beta, int T, int HV) {
+                                     float* __restrict__ g, float* __restrict__ beta, int T, int HV, i64 ld) {
   const i64 n = (i64)T * HV;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     const int h = (int)(i % HV);
-    const float v = a[i] + dt_bias[h];
+    const i64 src = (i / HV) * ld + h;
+    const float v = a[src] + dt_bias[h];
     float sp;
     if (v == 0.0f) sp = 0.693147180559945309f;
     else if (v > 0.0f) sp = v + log1pf(expf(-v));
     else sp = log1pf(expf(v));
     g[i] = neg_A[h] * sp;
-    beta[i] = sigmoid_f(b[i]);
+    beta[i] = sigmoid_f(b[src]);
   }
 }
 

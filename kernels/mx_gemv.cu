@@ -40,11 +40,16 @@ typedef long long i64;
 #define TILE_ROWS (16 * WARPS)
 
 template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per lane-row, NS scale bytes
-template <> struct Fmt<FMT_BF16> { static constexpr int LANE_K = 16, LB = 32, NS = 0, XSHIFT = 0; };
-template <> struct Fmt<FMT_MXFP8> { static constexpr int LANE_K = 32, LB = 32, NS = 1, XSHIFT = 64; };
-template <> struct Fmt<FMT_MXFP6> { static constexpr int LANE_K = 64, LB = 48, NS = 2, XSHIFT = 64; };
-template <> struct Fmt<FMT_MXFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 2, XSHIFT = 64; };
-template <> struct Fmt<FMT_NVFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 4, XSHIFT = 64; };
+#ifndef MX_STAGES
+#define MX_STAGES 4
+#endif
+// STAGES: chunks in flight per lane (MXFP6's wider lane-rows take one fewer to stay within registers)
+template <> struct Fmt<FMT_BF16> { static constexpr int LANE_K = 16, LB = 32, NS = 0, XSHIFT = 0, STAGES = MX_STAGES; };
+template <> struct Fmt<FMT_MXFP8> { static constexpr int LANE_K = 32, LB = 32, NS = 1, XSHIFT = 64, STAGES = MX_STAGES; };
+template <> struct Fmt<FMT_MXFP6> { static constexpr int LANE_K = 64, LB = 48, NS = 2, XSHIFT = 64,
+                                    STAGES = MX_STAGES > 1 ? MX_STAGES - 1 : 1; };
+template <> struct Fmt<FMT_MXFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 2, XSHIFT = 64, STAGES = MX_STAGES; };
+template <> struct Fmt<FMT_NVFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 4, XSHIFT = 64, STAGES = MX_STAGES; };
 
 // Source offset (within 8 consecutive codes of a lane) of staged x element p: the k-slot permutation.
 __device__ __forceinline__ int perm8(int fmt, int p) {
@@ -247,59 +252,68 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-    LaneRow<FMT> cur0, cur1, nxt0, nxt1;
-    if (c0 < c1) {
-        load_row<FMT>(cur0, W0, S0, ok0, (i64)c0 * 4 + t, A.Kp);
-        load_row<FMT>(cur1, W8, S8, ok8, (i64)c0 * 4 + t, A.Kp);
-    }
-    const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
-    for (int c = c0; c < c1; ++c) {
-        const int seg = (c - c0) / (SEGK / CK);
-        if ((c - c0) % (SEGK / CK) == 0) {  // stage x[m0:m0+MT, segment] in the k-slot permutation
-            __syncthreads();
-            const i64 kseg = (i64)c0 * CK + (i64)seg * SEGK;
-            for (int i = tid; i < MT * (SEGK / 8); i += blockDim.x) {
-                const int m = i / (SEGK / 8), d8 = (i % (SEGK / 8)) * 8;
-                const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
-                const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
-                float v[8];
-                if (m < m_valid && k0 < A.K) {
-                    const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
-                    const i64 base = (i64)row * A.ldx + k0;
-                    if (A.x_vec && k0 + 8 <= A.K && A.x_kind != KIND_F32) {
-                        uint4 q = *(const uint4*)((const u16*)A.x + base);
-                        u32 qq[4] = {q.x, q.y, q.z, q.w};
+    // STAGES chunks of codes in flight per lane (a register ring; indices fold to constants): a decode GEMV
+    // is bound by memory latency x bytes in flight, so each block streams a long K range deeply pipelined.
+    constexpr int ST = NT >= 4 ? 2 : Fmt<FMT>::STAGES;  // wide M tiles need the registers for accumulators
+    LaneRow<FMT> r0[ST], r1[ST];
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            u16 h = (u16)(qq[e >> 1] >> (16 * (e & 1)));
-                            v[e] = A.x_kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
+    for (int s = 0; s < ST; ++s)
+        if (c0 + s < c1) {
+            load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c0 + s) * 4 + t, A.Kp);
+            load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c0 + s) * 4 + t, A.Kp);
+        }
+    const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
+    for (int cb = c0; cb < c1; cb += ST) {
+#pragma unroll
+        for (int s = 0; s < ST; ++s) {
+            const int c = cb + s;
+            if (c >= c1) break;  // uniform per block
+            const int seg = (c - c0) / (SEGK / CK);
+            if ((c - c0) % (SEGK / CK) == 0) {  // stage x[m0:m0+MT, segment] in the k-slot permutation
+                __syncthreads();
+                const i64 kseg = (i64)c0 * CK + (i64)seg * SEGK;
+                for (int i = tid; i < MT * (SEGK / 8); i += blockDim.x) {
+                    const int m = i / (SEGK / 8), d8 = (i % (SEGK / 8)) * 8;
+                    const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
+                    const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
+                    float v[8];
+                    if (m < m_valid && k0 < A.K) {
+                        const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
+                        const i64 base = (i64)row * A.ldx + k0;
+                        if (A.x_vec && k0 + 8 <= A.K && A.x_kind != KIND_F32) {
+                            uint4 q = *(const uint4*)((const u16*)A.x + base);
+                            u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) {
+                                u16 h = (u16)(qq[e >> 1] >> (16 * (e & 1)));
+                                v[e] = A.x_kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
+                            }
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_x(A.x, A.x_kind, base + e) : 0.f;
                         }
                     } else {
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_x(A.x, A.x_kind, base + e) : 0.f;
+                        for (int e = 0; e < 8; ++e) v[e] = 0.f;
                     }
-                } else {
+                    u32 o[4];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+                    for (int e = 0; e < 4; ++e)
+                        o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) |
+                               ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
+                    *(uint4*)(xs + m * RS + d8) = u4(o[0], o[1], o[2], o[3]);
                 }
-                u32 o[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) | ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
-                *(uint4*)(xs + m * RS + d8) = u4(o[0], o[1], o[2], o[3]);
+                __syncthreads();
             }
-            __syncthreads();
+            if (warp_on) {
+                const int cl = ((c - c0) % (SEGK / CK)) * CK;
+                mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + g * RS + cl + 8 * t);
+            }
+            if (c + ST < c1) {  // refill this stage with the chunk ST ahead
+                load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c + ST) * 4 + t, A.Kp);
+                load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c + ST) * 4 + t, A.Kp);
+            }
         }
-        if (c + 1 < c1) {
-            load_row<FMT>(nxt0, W0, S0, ok0, (i64)(c + 1) * 4 + t, A.Kp);
-            load_row<FMT>(nxt1, W8, S8, ok8, (i64)(c + 1) * 4 + t, A.Kp);
-        }
-        if (warp_on) {
-            const int cl = ((c - c0) % (SEGK / CK)) * CK;
-            mma_chunk<FMT, NT>(acc, cur0, cur1, xs + g * RS + cl + 8 * t);
-        }
-        cur0 = nxt0;
-        cur1 = nxt1;
     }
 
     // Epilogue. acc[nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
@@ -395,4 +409,30 @@ extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, i
         }
     }
     store_y(out, out_kind, i, v);
+}
+
+// Skinny float32 GEMM for the reference-precision backend: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small.
+// One warp per output column n, 8 rows of x per grid.y tile; lanes stride K (fma), then a butterfly sum:
+// a fixed summation order, so results are deterministic and need no cuBLAS (decode graphs can capture it).
+extern "C" __global__ void gemv_f32(const float* __restrict__ W, const float* __restrict__ x, const float* bias,
+                                    float* y, int M, int N, int K) {
+    const int n = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (n >= N) return;
+    const int m0 = blockIdx.y * 8, mc = min(8, M - m0);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const float* w = W + (i64)n * K;
+    const float* xm = x + (i64)m0 * K;
+    for (int k = lane; k < K; k += 32) {
+        const float wv = __ldg(w + k);
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+            if (m < mc) acc[m] = fmaf(wv, xm[(i64)m * K + k], acc[m]);
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        float v = acc[m];
+#pragma unroll
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && m < mc) y[(i64)(m0 + m) * N + n] = v + (bias ? bias[n] : 0.f);
+    }
 }

@@ -141,12 +141,29 @@ class Backend(ABC):
     def rms_norm(self, x: Any, weight: Any, eps: float, offset: float) -> Any:
         """x * rsqrt(mean(x^2) + eps) * (offset + weight) over the last axis, computed in float32."""
 
+    def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float, offset: float) -> tuple[Any, Any]:
+        """(rms_norm(h), h) with h = x + residual: the residual add before a decoder norm. Backends may fuse
+        the two (one pass, one launch); the sum must equal the plain float32 `x + residual`."""
+        h = residual + x
+        return self.rms_norm(h, weight, eps, offset), h
+
     @abstractmethod
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """x @ weight^T (+ bias): [T, in] -> [T, out]."""
 
     @abstractmethod
     def silu_mul(self, gate: Any, up: Any) -> Any: ...
+
+    def silu_mul_halves(self, y: Any) -> Any:
+        """silu(y[:, :n]) * y[:, n:] for y [T, 2n]: the activation of a fused gate|up product."""
+        n = y.shape[-1] // 2
+        return self.silu_mul(y[..., :n], y[..., n:])
+
+    def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
+        """One matrix holding `weights` ([N_i, K] each, same K and storage) stacked along rows, plus a row-range
+        view of it for each input (so the inputs' memory can go), or None where this backend does not fuse
+        products. Fusing lets a skinny product read several matrices in one launch."""
+        return None
 
     @abstractmethod
     def sigmoid(self, x: Any) -> Any: ...

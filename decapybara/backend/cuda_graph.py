@@ -37,7 +37,6 @@ import numpy as np
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
-from decapybara.model.config import FULL_ATTENTION
 from decapybara.model.qwen import ForwardOutput, QwenModel
 
 BLOCK_N = 32  # keys per attention tile (kernels/attn_prefill.cu)
@@ -161,8 +160,8 @@ class DecodeGraphRunner:
 
     @staticmethod
     def _splits(batch: ForwardBatch) -> int:
-        longest = max(s.total for s in batch.seqs)
-        return 1 if longest < 256 else 4 if longest < 4096 else 16
+        longest = max(s.total for s in batch.seqs)  # key splits per tile: enough CTAs for short contexts too
+        return 1 if longest < 64 else 4 if longest < 256 else 16 if longest < 16384 else 32
 
     def _replay(self, key: tuple[int, int], batch: ForwardBatch, kv: KVCache, states: StatePool | None) -> Any:
         st = self._graphs.get(key)
@@ -283,15 +282,7 @@ class DecodeGraphRunner:
             fac = np.float32(model.rotary.attention_factor)
             cos, sin = cos * fac, sin * fac
         h = embedding_rows(w["model.embed_tokens.weight"], ids)  # [B, H]
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
-            x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-            if cfg.layer_types[i] == FULL_ATTENTION:
-                x = model._attention(p, i, x, st.batch, kv, cos, sin)
-            else:
-                x = model._deltanet(p, i, x, states, st.segments, {})
-            h = h + x
-            x = ops.rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-            h = h + model._ffn(p, i, x)
+        h = model.decoder_layers(h, lambda p, i, x: model._attention(p, i, x, st.batch, kv, cos, sin),
+                                 lambda p, i, x: model._deltanet(p, i, x, states, st.segments, {}))
         hidden = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         return ops.linear(hidden, w["lm_head.weight"]), h

@@ -21,7 +21,7 @@ from kernels import get_kernel
 
 BLOCK_N = 32  # keys per tile (one per lane)
 NTHREADS = 128
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64  # short decode contexts still spread over many CTAs
 
 
 def cdiv(a: int, b: int) -> int:
@@ -135,6 +135,6 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
          I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     if plan.num_reduce:
         red = get_kernel("attn_prefill", "attention_reduce", defines)
-        red((plan.num_reduce, nkv), (NTHREADS,),
+        red((plan.num_reduce, nkv, bm), (NTHREADS,),
             (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
     return out

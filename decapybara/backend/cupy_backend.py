@@ -13,6 +13,7 @@ DeltaNet runs) is uploaded once and reused by every layer.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import cupy as cp
@@ -23,9 +24,12 @@ from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
 from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
+from decapybara.backend.cupy_ops_extra import PackedWeight, gemm_ready, mx_linear
 from decapybara.backend.kv_codec import BF16Codec, codec_for
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import ModelConfig
+
+SKINNY_ROWS = 64  # products with at most this many rows take the skinny-GEMM kernels
 
 
 def _is_matrix(name: str, ndim: int) -> bool:
@@ -86,10 +90,21 @@ class CupyBackend(Backend):
         return ops.rms_norm(x, weight, eps, offset)
 
     def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float, offset: float) -> tuple[Any, Any]:
-        """(rms_norm(x + residual), x + residual) in one pass (not part of `Backend`; for fused decoders)."""
+        """(rms_norm(x + residual), x + residual) in one pass and one launch."""
         return ops.rms_norm(x, weight, eps, offset, residual=residual)
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
+        """Skinny products (at most SKINNY_ROWS rows: decode, speculative verification, small chunks) run on
+        the skinny-GEMM kernels (kernels/mx_gemv.cu), which need no cuBLAS and so are capturable by decode
+        graphs; larger ones go to cuBLAS."""
+        if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2:
+            if weight.dtype == cp.float32 and weight.flags.c_contiguous:
+                return ops.gemv_f32(x, weight, bias)
+            if weight.dtype == cp.uint16:
+                packed = PackedWeight("bf16", weight.shape, weight)
+                if gemm_ready(packed):
+                    return mx_linear(cp.ascontiguousarray(x, dtype=cp.float32), packed, bias,
+                                     out_dtype=cp.float32)
         if weight.dtype == cp.uint16:
             y = ops.gemm_bf16(ops.to_bf16_bits(x), weight)
         else:
@@ -98,6 +113,37 @@ class CupyBackend(Backend):
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
         return ops.silu_mul(gate, up)
+
+    def silu_mul_halves(self, y: Any) -> Any:
+        return ops.silu_mul_halves(y)
+
+    def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
+        """Stacks device matrices of one storage (float32, bf16 bits, or PackedWeights of one format and
+        tensor scale); None for anything else (e.g. NVFP4 tensors of different tensor scales)."""
+        if all(isinstance(w, PackedWeight) for w in weights):
+            first = weights[0]
+            if any(w.fmt != first.fmt or len(w.shape) != 2 or w.K != first.K or w.tensor_scale != first.tensor_scale
+                   or (w.scales is None) != (first.scales is None) for w in weights):
+                return None
+            codes = cp.concatenate([w.codes for w in weights], axis=0)
+            scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
+            fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale)
+            if not gemm_ready(fused):
+                return None
+            views, r = [], 0
+            for w in weights:
+                n = w.shape[0]
+                views.append(PackedWeight(w.fmt, w.shape, codes[r:r + n], None if scales is None else scales[r:r + n],
+                                          w.tensor_scale))
+                r += n
+            return fused, views
+        if not all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in weights):
+            return None
+        if any(w.dtype != weights[0].dtype or w.shape[1] != weights[0].shape[1] for w in weights):
+            return None
+        fused = cp.concatenate(weights, axis=0)
+        bounds = np.cumsum([0] + [w.shape[0] for w in weights])
+        return fused, [fused[a:b] for a, b in itertools.pairwise(bounds)]
 
     def sigmoid(self, x: Any) -> Any:
         return ops.sigmoid(x)

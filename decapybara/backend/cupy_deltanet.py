@@ -17,7 +17,7 @@ import numpy as np
 
 from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_kv import CupyStatePool
-from decapybara.backend.cupy_ops import F32, I32, THREADS, empty, f32, grid_for
+from decapybara.backend.cupy_ops import F32, I32, I64, THREADS, empty, f32, f32_any, grid_for
 from decapybara.model.config import ModelConfig
 from kernels import get_kernel
 
@@ -63,12 +63,21 @@ def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
                    max((r[1] for r in runs), default=0), keys)
 
 
+def _rows(a: Any) -> Any:
+    """a [T, n] as is when its rows are contiguous (a column-range view of a fused product), else a copy."""
+    if a.ndim == 2 and a.strides[1] == a.itemsize and a.strides[0] % a.itemsize == 0 and a.strides[0] > 0:
+        return a
+    return cp.ascontiguousarray(a)
+
+
 def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
                   plan: RunPlan, cfg: ModelConfig,
                   snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
                   acc: str = "double") -> Any:
     """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`)."""
-    x, a, b = f32(mixed_qkv), f32(a), f32(b)
+    x, a, b = _rows(f32_any(mixed_qkv)), _rows(f32_any(a)), _rows(f32_any(b))
+    if a.strides != b.strides:
+        a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
     t, c = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, ksz = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -89,9 +98,10 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     cblocks = -(-c // 128)
     get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
         (cblocks, -(-plan.max_len // CONV_TOKENS), plan.num_runs), (128,),
-        (x, w, conv_state, plan.runs, y, I32(c)))
+        (x, w, conv_state, plan.runs, y, I32(c), I64(x.strides[0] // 4)))
     get_kernel("deltanet_prefill", "conv1d_state_update", defines)(
-        (cblocks, plan.num_runs), (128,), (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c)))
+        (cblocks, plan.num_runs), (128,), (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c),
+                                           I64(x.strides[0] // 4)))
     qn = empty((t, hk, dk), cp.float32)
     kn = empty((t, hk, dk), cp.float32)
     get_kernel("deltanet_prefill", "gdn_qk_norm", defines)(
@@ -99,7 +109,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     g = empty((t, hv), cp.float32)
     beta = empty((t, hv), cp.float32)
     get_kernel("deltanet_prefill", "gdn_gates", defines)(
-        (grid_for(t * hv),), (THREADS,), (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv)))
+        (grid_for(t * hv),), (THREADS,), (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4)))
     vcols = min(32, dv)  # value columns per CTA, 4 threads each (kernels/deltanet_prefill.cu VCOLS, KSPLIT)
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     get_kernel("deltanet_prefill", "gdn_recurrent", defines)(

@@ -55,6 +55,11 @@ def f32(a: Any) -> Any:
     return cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32))
 
 
+def f32_any(a: Any) -> Any:
+    """`a` itself when it is a float32 device array (any strides: the caller handles them), else `f32(a)`."""
+    return a if isinstance(a, cp.ndarray) and a.dtype == cp.float32 else f32(a)
+
+
 @functools.cache
 def sm_count() -> int:
     try:
@@ -98,15 +103,32 @@ def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = Non
 
 def gated_rms_norm(x: Any, z: Any, weight: Any, eps: float) -> Any:
     """rms_norm(x) * w * silu(z) over the last axis (no offset)."""
-    x, z = f32(x), f32(z)
+    x, z = f32(x), f32_any(z)
     assert x.shape == z.shape, f"x {x.shape} vs z {z.shape}"
     check(weight, np.float32, "weight", 1)
     n = x.shape[-1]
     rows = x.size // n if n else 0
+    groups = _row_groups(z)
+    if groups is None:
+        z = f32(z)
+        groups = (1, n)
+    zh, ldz = groups
     out = empty_like(x)
     if rows:
-        _k("gated_rms_norm_warp")((-(-rows // 8),), (256,), (x, z, weight, out, I32(rows), I32(n), F32(eps)))
+        _k("gated_rms_norm_warp")((-(-rows // 8),), (256,),
+                                  (x, z, weight, out, I32(rows), I32(n), F32(eps), I32(zh), I64(ldz)))
     return out
+
+
+def _row_groups(z: Any) -> tuple[int, int] | None:
+    """(zh, ldz) describing z [..., n] as groups of zh contiguous rows of n, groups ldz elements apart (a view
+    of a fused product's columns), or None when z has another layout (the caller copies it)."""
+    n = z.shape[-1]
+    if z.flags.c_contiguous:
+        return 1, n
+    if z.ndim == 3 and z.strides[2] == 4 and z.strides[1] == 4 * n and z.strides[0] % 4 == 0:
+        return z.shape[1], z.strides[0] // 4
+    return None
 
 
 # ---- RoPE ----------------------------------------------------------------------------------------------
@@ -156,6 +178,17 @@ def _elementwise(func: str, *inputs: Any, out_dtype: Any = np.float32, in_dtype:
 
 def silu_mul(gate: Any, up: Any) -> Any:
     return _elementwise("silu_mul", gate, up)
+
+
+def silu_mul_halves(y: Any) -> Any:
+    """silu(y[:, :n]) * y[:, n:] for y [rows, 2n] float32 -> [rows, n] (one launch, no slice copies)."""
+    y = cp.ascontiguousarray(f32(y))
+    rows, n2 = y.shape
+    assert n2 % 2 == 0, f"silu_mul_halves: odd width {n2}"
+    out = empty((rows, n2 // 2), np.float32)
+    if out.size:
+        _k("silu_mul_halves")((grid_for(out.size),), (THREADS,), (y, out, I64(rows), I32(n2 // 2)))
+    return out
 
 
 def sigmoid(x: Any) -> Any:
@@ -228,6 +261,22 @@ def gemm_bf16(x_bits: Any, w_bits: Any) -> Any:
     cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, one.ctypes.data, dev_ptr(w_bits),
                   CUDA_R_16BF, k, dev_ptr(x_bits), CUDA_R_16BF, k, zero.ctypes.data, dev_ptr(y), CUDA_R_32F, n,
                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    return y
+
+
+def gemv_f32(x: Any, w: Any, bias: Any = None) -> Any:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) in float32 by kernels/mx_gemv.cu `gemv_f32` (no cuBLAS: decode
+    graphs capture it). For skinny x (decode, small chunks); one pass over w per 8 rows of x."""
+    x = cp.ascontiguousarray(f32(x))
+    check(x, np.float32, "x", 2)
+    check(w, np.float32, "w", 2)
+    m, k = x.shape
+    n = w.shape[0]
+    assert w.shape[1] == k, f"x {x.shape} @ w {w.shape}^T"
+    y = empty((m, n), cp.float32)
+    if m and n:
+        get_kernel("mx_gemv", "gemv_f32")((-(-n // 8), -(-m // 8)), (256,),
+                                          (w, x, bias if bias is not None else null(), y, I32(m), I32(n), I32(k)))
     return y
 
 

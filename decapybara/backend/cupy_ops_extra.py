@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, null, sm_count, to_bf16_bits
+from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, gemm_bf16, null, sm_count, to_bf16_bits
 from kernels import get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
@@ -100,7 +100,7 @@ def _check_packed(w: PackedWeight) -> None:
     assert w.scales.shape == (*lead, w.Kp // BLOCK[w.fmt]), f"{w.fmt} scales {w.scales.shape} for {w.shape}"
 
 
-def _gemm_ok(w: PackedWeight) -> bool:
+def gemm_ready(w: PackedWeight) -> bool:
     lane_ok = w.fmt != "mxfp6" or w.Kp % 64 == 0
     return lane_ok and (w.fmt != "nvfp4" or w.Kp % 32 == 0) and (w.fmt != "bf16" or w.K % 8 == 0) and w.kernel_ok()
 
@@ -110,10 +110,19 @@ def _counters(device: int) -> Any:
     return cp.zeros(1 << 16, cp.int32)  # split-K tile counters: zero at rest, reset by the last block
 
 
+# Launch tuning of mx_gemm (bench/gpu.py sweeps it): `stages` chunks in flight per lane (kernel define
+# MX_STAGES); `policy` "cost" (K splits minimising bytes / wave occupancy) or "wave" (one wave of blocks, each
+# streaming at least `min_chunks` chunks); `blocks_per_sm` resident blocks counted per SM.
+TUNE = {"stages": 2, "policy": "wave", "min_chunks": 2, "blocks_per_sm": 2}  # the H200 sweep's best
+
+
 def _pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial_bytes: int) -> int:
-    """K splits minimising (weight bytes + partial-sum bytes) / occupancy, occupancy = blocks over the
-    resident-block slots of the waves they need (a lone tail wave or a half-empty GPU both cost)."""
-    best, best_cost = 1, float("inf")
+    """K splits for `tiles` output tiles of `nchunks` K chunks on `slots` resident blocks (TUNE["policy"])."""
+    if TUNE["policy"] == "wave":  # one wave of long-running blocks
+        if tiles >= slots:
+            return 1
+        return max(1, min(slots // tiles, nchunks // max(1, TUNE["min_chunks"])))
+    best, best_cost = 1, float("inf")  # minimise (weight + partial-sum bytes) / occupancy of the waves
     for ks in range(1, max(1, min(nchunks // 2, 32)) + 1):
         blocks = tiles * ks
         occupancy = blocks / (-(-blocks // slots) * slots)
@@ -136,15 +145,16 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     ngroups = 1 if groups is None else groups[0].shape[0]
     ksplit = 1
     if groups is None and nrb * mtiles <= _counters(cp.cuda.Device().id).size:
-        ksplit = _pick_ksplit(nrb * mtiles, nchunks, (2 if nt <= 4 else 1) * sm_count(),
-                              mtiles * w.codes.nbytes, 8 * x.shape[0] * n)
+        per_sm = TUNE["blocks_per_sm"] if nt <= 4 else 1
+        ksplit = _pick_ksplit(nrb * mtiles, nchunks, per_sm * sm_count(), mtiles * w.codes.nbytes,
+                              8 * x.shape[0] * n)
     cps = -(-nchunks // ksplit)
     ksplit = -(-nchunks // cps)
     partial = empty((ksplit, x.shape[0], n), cp.float32) if ksplit > 1 else null()
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
-    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}")
+    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]),))
     func((nrb, ksplit, mtiles * ngroups), (256,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
@@ -153,6 +163,10 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
           I32(mtiles), I32(cps), I32(x_vec)))
+
+
+DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM
+BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
 
 
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:
@@ -167,8 +181,16 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         check(bias, np.float32, "bias", 1)
         assert bias.shape[0] == w.N
     out_dtype = np.dtype(out_dtype or x.dtype)
-    if not _gemm_ok(w):  # layout the kernel cannot stream: dequantise once, dense product
+    if not gemm_ready(w):  # layout the kernel cannot stream: dequantise once, dense product
         y = cp.matmul(cp.asarray(x if x.dtype == cp.float32 else _to_f32(x)), mx_dequant(w).T)
+        y = y + bias if bias is not None else y
+        return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
+    if x.shape[0] > DENSE_ROWS and w.fmt in BF16_EXACT and w.N and w.K:
+        # prefill-sized: the weights' exact bf16 values once, then a tensor-core cuBLAS GEMM (bf16 operands,
+        # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16)
+        wb = w.codes if w.fmt == "bf16" else mx_dequant(w, out_dtype=cp.uint16)
+        xb = x if x.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(x, dtype=cp.float32))
+        y = gemm_bf16(xb, wb)
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     y = empty((x.shape[0], w.N), out_dtype)
@@ -222,7 +244,7 @@ class PackedWeightsMixin:
     def prepare_weight(self, name: str, value: Any) -> Any:
         if hasattr(value, "to_parts") and value.fmt in FMT_IDS and len(value.shape) >= 2:
             w = pack_weight(value)
-            if _gemm_ok(w):
+            if gemm_ready(w):
                 return w
         return super().prepare_weight(name, value)  # type: ignore[misc]
 
@@ -269,7 +291,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
     for w in (gate_w, up_w, down_w):
         _check_packed(w)
-        assert _gemm_ok(w) and len(w.shape) == 3, f"experts {w.fmt} {w.shape}: need a kernel-ready [E, N, K]"
+        assert gemm_ready(w) and len(w.shape) == 3, f"experts {w.fmt} {w.shape}: need a kernel-ready [E, N, K]"
     e, inter = gate_w.shape[0], gate_w.shape[1]
     assert up_w.shape == gate_w.shape == (e, inter, h) and down_w.shape == (e, h, inter)
     assert 0 < top_k <= min(e, 32) and e <= 1024

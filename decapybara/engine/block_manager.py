@@ -235,7 +235,7 @@ class BlockManager:
         self.stats.evicted_pages += 1
         return page
 
-    def can_allocate(self, num_new_pages: int, reused: list[int] = ()) -> bool:  # noqa: B006
+    def can_allocate(self, num_new_pages: int, reused: list[int] = ()) -> bool:
         cached_reused = sum(1 for p in reused if self.ref[p] == 0)
         return self.num_free - cached_reused >= num_new_pages
 

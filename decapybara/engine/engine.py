@@ -21,8 +21,8 @@ import numpy as np
 from decapybara.config import EngineConfig
 from decapybara.engine.block_manager import BlockManager, page_hash, root_hash
 from decapybara.engine.loopguard import ActionKind, LoopGuard, LoopGuardConfig
-from decapybara.engine.planner import StepPlan, plan_step
 from decapybara.engine.memory import MemoryMixin
+from decapybara.engine.planner import StepPlan, plan_step
 from decapybara.engine.runner import ModelRunner
 from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
 from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
@@ -59,11 +59,12 @@ class Engine(MemoryMixin):
         self.model, self.cfg, self.tokenizer, self.clock = model, cfg or EngineConfig(), tokenizer, clock
         cfg = self.cfg
         self.max_model_len = cfg.max_model_len or model.cfg.max_position_embeddings
-        self.runner = ModelRunner(model, cfg)
+        self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.hybrid = self.runner.hybrid
         salt = f"{model.cfg.model_type}|{cfg.kv_mode}|{cfg.page_size}".encode()
-        self.blocks = BlockManager(cfg.num_pages, cfg.page_size, cfg.enable_prefix_cache, self.hybrid,
-                                   cfg.snapshot_budget_bytes, salt)
+        # the block manager owns the usable pages only (with CUDA graphs the pool's last page is padding's)
+        self.blocks = BlockManager(self.runner.plan.usable_pages, cfg.page_size, cfg.enable_prefix_cache,
+                                   self.hybrid, cfg.snapshot_budget_bytes, salt)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -102,10 +103,11 @@ class Engine(MemoryMixin):
         if n >= self.max_model_len:
             raise ContextOverflowError(f"prompt of {n} tokens does not fit the context of {self.max_model_len}")
         need = self.blocks.pages_for(min(n + params.max_tokens, self.max_model_len))
-        if need > self.cfg.num_pages:
+        pool = self.blocks.num_pages
+        if need > pool:
             raise ContextOverflowError(
-                f"prompt + max_tokens needs {need} KV pages but the pool has {self.cfg.num_pages}; "
-                f"lower max_tokens to at most {self.cfg.num_pages * self.cfg.page_size - n}")
+                f"prompt + max_tokens needs {need} KV pages but the pool has {pool}; "
+                f"lower max_tokens to at most {pool * self.cfg.page_size - n}")
         now = self.clock()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request, seed, request.arrival if request.arrival is not None else now,
@@ -343,6 +345,7 @@ class Engine(MemoryMixin):
             "free_pages": b.num_free, "used_pages": b.num_used, "cached_pages": len(b.lru),
             "total_pages": b.num_pages, "snapshots": len(b.snapshots), "snapshot_bytes": b.snapshot_bytes,
             **dataclasses.asdict(self.stats),
+            "graphs": self.runner.graph_stats(), "graph_failures": self.runner.graph_failures(),
             **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
         }
 

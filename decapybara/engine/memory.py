@@ -12,8 +12,9 @@ import numpy as np
 from decapybara.engine.block_manager import hash_chain, root_hash
 from decapybara.engine.runner import SequenceBundle
 from decapybara.engine.sampling import SamplingParams
-from decapybara.engine.sequence import Sequence, SeqStatus
+from decapybara.engine.sequence import SeqStatus, Sequence
 from decapybara.errors import InvalidRequestError
+
 
 class _Bundle:
     """Adapter: a single page's KV as the `import_pages` bundle argument."""

@@ -3,10 +3,17 @@
 `ModelRunner.run(plan)` turns a `StepPlan` into a `ForwardBatch`, runs the model, and returns the logits of
 the sampling rows (host float32) plus hybrid-state snapshots. It also moves a sequence's pages and state to
 and from host memory for pause/resume (`export_sequence` / `import_sequence`).
+
+On a backend with graph support (GRAPH_BACKENDS) and `cfg.cuda_graphs` on, forwards go through a
+`DecodeGraphRunner` (decapybara/backend/cuda_graph.py): pure decode steps replay captured CUDA graphs, anything
+else runs eagerly. Graph padding rows write a KV page and a DeltaNet state slot that no sequence may own;
+`graph_plan` reserves them (the pool's last page, state slot `max_slots`) and the engine sizes its block
+manager from `GraphPlan.usable_pages`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +23,11 @@ from decapybara.backend.base import HybridState, KVPageData
 from decapybara.config import EngineConfig
 from decapybara.engine.planner import StepPlan
 from decapybara.model.batch import ForwardBatch
-from decapybara.model.qwen import QwenModel
+from decapybara.model.qwen import ForwardOutput, QwenModel
+
+log = logging.getLogger(__name__)
+
+GRAPH_BACKENDS = ("cupy",)  # backend names whose decode steps can run as CUDA graphs
 
 
 @dataclass(slots=True)
@@ -38,12 +49,82 @@ class SequenceBundle:
         return self.kv.nbytes + (self.state.nbytes if self.state is not None else 0)
 
 
+@dataclass(slots=True, frozen=True)
+class GraphPlan:
+    """How the KV pool and the state pool are laid out for CUDA-graph decode (pure data, see `graph_plan`).
+
+    Padding rows of a graph replay write KV page `pad_page` and state slot `pad_slot`, so neither may ever
+    belong to a sequence: the KV cache holds `kv_pages` pages of which the block manager owns pages
+    [0, usable_pages), and the state pool holds `state_slots` slots of which the engine owns [0, max_slots).
+    Without graphs nothing is reserved: usable_pages == kv_pages, state_slots == max_slots, no pad ids.
+    """
+
+    enabled: bool
+    kv_pages: int  # pages in the KV cache (cfg.num_pages)
+    usable_pages: int  # pages the block manager may hand out: ids [0, usable_pages)
+    state_slots: int  # slots in the state pool of a hybrid model
+    pad_page: int | None = None  # == usable_pages when enabled
+    pad_slot: int | None = None  # == cfg.max_slots when enabled for a hybrid model, else None
+    max_pages: int = 0  # block-table width of the graphs: pages of max_model_len, at most usable_pages
+
+
+def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid: bool) -> GraphPlan:
+    """The reservation for `cfg` on the backend named `backend_name`. Graphs are on only when
+    `cfg.cuda_graphs` is and the backend is in GRAPH_BACKENDS; then the pool's last page is the pad page and,
+    for hybrid models, an extra state slot `cfg.max_slots` is the pad slot."""
+    if not (cfg.cuda_graphs and backend_name in GRAPH_BACKENDS):
+        return GraphPlan(False, cfg.num_pages, cfg.num_pages, cfg.max_slots)
+    usable = cfg.num_pages - 1  # EngineConfig guarantees num_pages >= 2
+    pages_for_len = -(-max(1, max_model_len) // cfg.page_size)
+    return GraphPlan(True, cfg.num_pages, usable, cfg.max_slots + (1 if hybrid else 0), pad_page=usable,
+                     pad_slot=cfg.max_slots if hybrid else None, max_pages=min(pages_for_len, usable))
+
+
+def make_graph_runner(model: QwenModel, plan: GraphPlan) -> Any:
+    """A DecodeGraphRunner over `plan`'s reservation. Imports cupy: call only for an enabled plan."""
+    from decapybara.backend.cuda_graph import DecodeGraphRunner
+
+    return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot)
+
+
+def _graph_key_name(key: Any) -> str:
+    """A DecodeGraphRunner graph key (bucket, attention splits) as a JSON key."""
+    if isinstance(key, tuple) and len(key) == 2:
+        return f"bucket={key[0]} splits={key[1]}"
+    return str(key)
+
+
 class ModelRunner:
-    def __init__(self, model: QwenModel, cfg: EngineConfig):
+    def __init__(self, model: QwenModel, cfg: EngineConfig, max_model_len: int | None = None):
+        """`max_model_len` (default: the model's max_position_embeddings) bounds the graphs' block tables."""
         self.model, self.cfg = model, cfg
-        self.kv = model.new_kv_cache(cfg.num_pages, cfg.page_size, cfg.kv_mode)
         self.hybrid = bool(model.cfg.linear_layers)
-        self.states = model.new_state_pool(cfg.max_slots) if self.hybrid else None
+        self.plan = graph_plan(cfg, model.backend.name, max_model_len or model.cfg.max_position_embeddings,
+                               self.hybrid)
+        self.kv = model.new_kv_cache(self.plan.kv_pages, cfg.page_size, cfg.kv_mode)
+        self.states = model.new_state_pool(self.plan.state_slots) if self.hybrid else None
+        self.graphs: Any = None  # the DecodeGraphRunner when graphs are on and could be set up
+        self.graph_error: str | None = None  # why they could not
+        if self.plan.enabled:
+            self._start_graphs()
+
+    def _start_graphs(self) -> None:
+        """Zero the pad slot and build the graph runner; a failure leaves the runner eager (the reservation
+        stays: it costs one page and one slot)."""
+        if self.states is not None and self.plan.pad_slot is not None:
+            self.states.reset(self.plan.pad_slot)
+        try:
+            self.graphs = make_graph_runner(self.model, self.plan)
+        except Exception as e:  # noqa: BLE001 - no graphs is slower, never wrong
+            self.graph_error = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graphs disabled: %s", self.graph_error)
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """`QwenModel.forward` over this runner's pools; through the graph runner when there is one (it runs
+        anything but a pure decode batch eagerly by itself)."""
+        if self.graphs is not None:
+            return self.graphs.forward(batch, self.kv, self.states)
+        return self.model.forward(batch, self.kv, self.states)
 
     def run(self, plan: StepPlan) -> StepOutput:
         chunks = plan.chunks
@@ -55,7 +136,7 @@ class ModelRunner:
         batch = ForwardBatch.build(entries, self.cfg.page_size, logits="none",
                                    snapshot_at=[c.snapshot_at for c in chunks])
         batch.logits_rows = np.asarray([b.end - 1 for b, c in zip(batch.seqs, chunks) if c.sample], np.int64)
-        out = self.model.forward(batch, self.kv, self.states)
+        out = self.forward(batch)
         logits = self.model.backend.to_host(out.logits).astype(np.float32, copy=False)
         return StepOutput(logits, out.snapshots)
 
@@ -89,6 +170,27 @@ class ModelRunner:
     def bytes_per_page(self) -> int:
         return self.kv.bytes_per_page
 
+    def graph_stats(self) -> dict[str, Any]:
+        """Numbers of CUDA-graph decode: `enabled` (a graph runner is in use), forwards replayed as graphs
+        (`graph_steps`) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
+        whose capture failed (`failures`, those run eagerly). All zero without graphs."""
+        s = self.graphs.stats if self.graphs is not None else {}
+        return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
+                "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
+                "failures": len(s.get("failures", {}))}
+
+    def graph_failures(self) -> dict[str, str]:
+        """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""
+        out = {"setup": self.graph_error} if self.graph_error else {}
+        if self.graphs is not None:
+            for key, why in self.graphs.stats.get("failures", {}).items():
+                out[_graph_key_name(key)] = why
+        return out
+
     def info(self) -> dict[str, Any]:
-        return {"pages": self.cfg.num_pages, "page_size": self.cfg.page_size,
-                "bytes_per_page": self.bytes_per_page, "state_slots": self.cfg.max_slots if self.hybrid else 0}
+        """Pool layout (`pages`: pages sequences may use; `kv_pages`: pages in the cache, the pad page
+        included) and the graph numbers."""
+        return {"pages": self.plan.usable_pages, "kv_pages": self.plan.kv_pages, "page_size": self.cfg.page_size,
+                "bytes_per_page": self.bytes_per_page, "state_slots": self.cfg.max_slots if self.hybrid else 0,
+                "pad_page": self.plan.pad_page, "pad_slot": self.plan.pad_slot, "graphs": self.graph_stats(),
+                "graph_failures": self.graph_failures()}

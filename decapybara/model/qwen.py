@@ -47,6 +47,38 @@ class QwenModel:
                 neg_A=-backend.xp.exp(weights[f"{p}.A_log"]),
                 dt_bias=weights[f"{p}.dt_bias"],
             )
+        self.fused_mlp: dict[str, Any] = self._fuse_mlps()
+        self.fused_dn: dict[str, tuple[Any, Any]] = self._fuse_deltanet_inputs()
+
+    def _fuse_deltanet_inputs(self) -> dict[str, tuple[Any, Any]]:
+        """DeltaNet prefix -> (qkv|z stacked, b|a stacked): two input products per layer instead of four,
+        where the backend fuses both pairs."""
+        fused = {}
+        for i in self.cfg.linear_layers:
+            la = f"model.layers.{i}.linear_attn"
+            names = [f"{la}.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
+            qkvz = self.backend.concat_rows([self.w[names[0]], self.w[names[1]]])
+            ba = self.backend.concat_rows([self.w[names[2]], self.w[names[3]]]) if qkvz is not None else None
+            if qkvz is None or ba is None:
+                continue
+            (self.w[names[0]], self.w[names[1]]), (self.w[names[2]], self.w[names[3]]) = qkvz[1], ba[1]
+            fused[la] = (qkvz[0], ba[0])
+        return fused
+
+    def _fuse_mlps(self) -> dict[str, Any]:
+        """MLP prefix -> its gate|up matrix stacked (one product per MLP), where the backend fuses."""
+        fused = {}
+        for name in list(self.w):
+            if not name.endswith(".gate_proj.weight"):
+                continue
+            m = name[: -len(".gate_proj.weight")]
+            up = f"{m}.up_proj.weight"
+            if up not in self.w or f"{m}.gate_proj.bias" in self.w or f"{m}.up_proj.bias" in self.w:
+                continue
+            got = self.backend.concat_rows([self.w[name], self.w[up]])
+            if got is not None:
+                fused[m], (self.w[name], self.w[up]) = got[0], got[1]
+        return fused
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, backend: Backend, tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
@@ -86,16 +118,8 @@ class QwenModel:
         segments = self._segments(batch) if cfg.linear_layers else []
         raw_snaps: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         h = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)  # [T, H]
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
-            x = ops.rms_norm(h, self.w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-            if cfg.layer_types[i] == FULL_ATTENTION:
-                x = self._attention(p, i, x, batch, kv, cos, sin)
-            else:
-                x = self._deltanet(p, i, x, states, segments, raw_snaps)
-            h = h + x
-            x = ops.rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-            h = h + self._ffn(p, i, x)
+        h = self.decoder_layers(h, lambda p, i, x: self._attention(p, i, x, batch, kv, cos, sin),
+                                lambda p, i, x: self._deltanet(p, i, x, states, segments, raw_snaps))
         rows = batch.logits_rows
         last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
         hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -104,6 +128,23 @@ class QwenModel:
                                       [layers[i][1] for i in cfg.linear_layers])
                      for key, layers in raw_snaps.items()}
         return ForwardOutput(logits, last, snapshots)
+
+    def decoder_layers(self, h: Any, attention: Any, deltanet: Any) -> Any:
+        """The decoder stack on the residual stream h [T, H]; `attention(p, i, x)` / `deltanet(p, i, x)` run the
+        token mixer of layer i (prefix p). Each residual add is fused into the norm that follows it."""
+        cfg, ops, w = self.cfg, self.backend, self.w
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], eps, off)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            x = attention(p, i, x) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, x)
+            x, h = ops.add_rms_norm(x, h, w[f"{p}.post_attention_layernorm.weight"], eps, off)
+            x = self._ffn(p, i, x)
+            if i + 1 < cfg.num_hidden_layers:
+                x, h = ops.add_rms_norm(x, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, off)
+            else:
+                h = h + x
+        return h
 
     def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
         """Split each sequence's rows at its snapshot points (state must be copied out there)."""
@@ -150,10 +191,16 @@ class QwenModel:
             raise ValueError("a hybrid model needs a state pool")
         la = f"{p}.linear_attn"
         t = x.shape[0]
-        mixed = ops.linear(x, w[f"{la}.in_proj_qkv.weight"])  # [T, conv_dim]
-        z = ops.linear(x, w[f"{la}.in_proj_z.weight"]).reshape(t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        b = ops.linear(x, w[f"{la}.in_proj_b.weight"])  # [T, Hv]
-        a = ops.linear(x, w[f"{la}.in_proj_a.weight"])  # [T, Hv]
+        hv, c = cfg.linear_num_value_heads, cfg.linear_conv_dim
+        if la in self.fused_dn:  # column views of two fused products (the backend's kernels take row strides)
+            qkvz, ba = (ops.linear(x, f) for f in self.fused_dn[la])  # [T, conv_dim + Hv * dv], [T, 2 Hv]
+            mixed, z, b, a = qkvz[:, :c], qkvz[:, c:], ba[:, :hv], ba[:, hv:]
+        else:
+            mixed = ops.linear(x, w[f"{la}.in_proj_qkv.weight"])  # [T, conv_dim]
+            z = ops.linear(x, w[f"{la}.in_proj_z.weight"])  # [T, Hv * dv]
+            b = ops.linear(x, w[f"{la}.in_proj_b.weight"])  # [T, Hv]
+            a = ops.linear(x, w[f"{la}.in_proj_a.weight"])  # [T, Hv]
+        z = z.reshape(t, hv, cfg.linear_value_head_dim)
         core = ops.deltanet_core(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps)
         core = ops.gated_rms_norm(core, z, w[f"{la}.norm.weight"], cfg.rms_norm_eps)  # [T, Hv, dv]
         return ops.linear(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
@@ -172,5 +219,7 @@ class QwenModel:
 
     def _mlp(self, m: str, x: Any) -> Any:
         ops, w = self.backend, self.w
+        if m in self.fused_mlp:
+            return ops.linear(ops.silu_mul_halves(ops.linear(x, self.fused_mlp[m])), w[f"{m}.down_proj.weight"])
         h = ops.silu_mul(ops.linear(x, w[f"{m}.gate_proj.weight"]), ops.linear(x, w[f"{m}.up_proj.weight"]))
         return ops.linear(h, w[f"{m}.down_proj.weight"])

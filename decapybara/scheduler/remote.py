@@ -120,7 +120,7 @@ class AgeViewPolicy:
         self._sync(view)
         now, cfg = view.now, self.cfg
         in_flight = lambda s: 0 <= self.seen[s.request_id].decided_at and \
-            self.reports - self.seen[s.request_id].decided_at < self.ttl  # noqa: E731
+            self.reports - self.seen[s.request_id].decided_at < self.ttl
         running = [s for s in view.seqs if s.status == "running"]
         ranked = sorted(((candidate_score(cfg, now - self.seen[s.request_id].entered, self._work(s)), s)
                          for s in view.seqs if s.status in ("waiting", "paused") and not in_flight(s)),

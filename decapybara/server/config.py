@@ -41,6 +41,7 @@ class AppConfig(BaseModel):
     idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
+    cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")
     blas_threads: int = Field(default=0, ge=0, description="BLAS threads in the GPU actor (0 = cores - 1)")
     seed: int = 0
     name: str = Field(default="decapybara", description="prefix of the named actors of this app")
@@ -84,7 +85,8 @@ class AppConfig(BaseModel):
         batch = self.max_batch_tokens or (2048 if cuda else 256)
         return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
                             prefill_policy=self.prefill_policy, kv_mode=kv_mode, max_model_len=self.max_model_len,
-                            seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode)
+                            seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
+                            cuda_graphs=self.cuda_graphs)
 
     def resolved_model(self) -> str:
         return os.path.expanduser(self.model) if "://" not in self.model else self.model

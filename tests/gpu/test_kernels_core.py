@@ -30,11 +30,6 @@ pytestmark = pytest.mark.gpu
 NP = NumpyBackend()
 
 
-@pytest.fixture(autouse=True)
-def poison():
-    ops.POISON = True
-    yield
-    ops.POISON = False
 
 
 def rand(rng, *shape, scale=1.0):

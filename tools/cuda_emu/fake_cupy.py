@@ -25,6 +25,16 @@ def _classify(param: str) -> str:
     raise ValueError(f"unknown param type {p!r}")
 
 
+def _emu_object() -> str:
+    """emu.cpp compiled once into build/emu.o (rebuilt when emu.cpp / emu.h change)."""
+    obj = os.path.join(BUILD, "emu.o")
+    srcs = [os.path.join(EMU, f) for f in ("emu.cpp", "emu.h")]
+    if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, srcs)):
+        subprocess.run(["g++", "-O1", "-g", "-std=c++20", "-fPIC", "-c", srcs[0], "-o", obj + ".tmp"], check=True)
+        os.replace(obj + ".tmp", obj)
+    return obj
+
+
 class FakeKernel:
     def __init__(self, lib, name, sig):
         self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
@@ -91,7 +101,7 @@ class RawModule:
             self.sigs[m.group(1)] = [_classify(p) for p in params]
         if not os.path.exists(so):
             cmd = ["g++", "-O1", "-g", "-std=c++20", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-include",
-                   os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", os.path.join(EMU, "emu.o"),
+                   os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", _emu_object(),
                    "-lffi", "-o", so]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:

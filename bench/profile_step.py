@@ -1,0 +1,89 @@
+"""Where a 27B decode step spends its GPU time: kernels by name, per step, for eager and graph decode.
+
+    PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
+
+Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
+sequence at 1k context and 12 sequences at 32k, records the CUDA kernels of 5 steps with the PyTorch
+profiler (CUPTI sees every kernel of the process, CuPy's included) and prints, per kernel name, the GPU
+microseconds and launches per step, beside the step's wall time. The sum of kernel time against the wall
+time shows how much of a step is launch gaps; the top rows show which kernels to work on.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu as B
+
+from decapybara.backend.cuda_graph import DecodeGraphRunner
+
+STEPS = 5
+
+
+def kernel_table(fn, steps: int = STEPS) -> tuple[float, dict[str, tuple[float, float]]]:
+    """(wall ms per step, {kernel: (GPU us per step, launches per step)}) of `fn` run `steps` times."""
+    for _ in range(2):
+        fn()
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        cp.cuda.Device().synchronize()
+        wall = (time.perf_counter() - t) / steps * 1e3
+    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("(")[0][:60]
+            agg[name][0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            agg[name][1] += 1
+    return wall, {k: (v[0] / steps, v[1] / steps) for k, v in agg.items()}
+
+
+def show(title: str, wall: float, table: dict[str, tuple[float, float]], top: int = 22) -> dict:
+    total = sum(v[0] for v in table.values())
+    launches = sum(v[1] for v in table.values())
+    print(f"\n== {title}: wall {wall:.2f} ms/step, kernels {total / 1e3:.2f} ms/step in {launches:.0f} launches")
+    print(f"{'kernel':<62}{'us/step':>10}{'n/step':>8}{'us/launch':>11}{'share':>7}")
+    for name, (us, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{name:<62}{us:>10.0f}{n:>8.0f}{us / max(n, 1):>11.1f}{100 * us / max(total, 1e-9):>6.1f}%")
+    return {"wall_ms": wall, "kernel_ms": total / 1e3, "launches": launches,
+            "top": sorted(((k, v[0], v[1]) for k, v in table.items()), key=lambda r: -r[1])[:top]}
+
+
+def main() -> None:
+    variants = sys.argv[1:] or ["mxfp4", "bf16"]
+    kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE)
+    states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
+    B.fill_random(kv, states)
+    out: dict = {}
+    for variant in variants:
+        model = B.build_model(variant)
+        runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
+        for b, ctx in ((1, 1024), (12, 32768)):
+            batch = B.decode_batch(b, ctx)
+            for mode, fwd in (("eager", model.forward), ("graph", runner.forward)):
+                wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
+                out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
+        print("graph stats:", runner.stats)
+        model = runner = None
+        cp.get_default_memory_pool().free_all_blocks()
+    dest = os.environ.get("OUT")
+    if dest:
+        Path(dest, "profile_step.json").write_text(json.dumps(out, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=160)
+    main()

@@ -1,0 +1,206 @@
+"""CUDA-graph decode in the engine, on the CPU: the pool reservation (`graph_plan`) and the engine's routing.
+
+The real graphs need a GPU (tests/gpu/test_engine_graphs.py). Here the numpy backend is admitted to
+GRAPH_BACKENDS and `make_graph_runner` returns a stand-in that behaves like DecodeGraphRunner towards the
+pools: it runs the model eagerly and then, as padding rows would, scribbles NaN over the pad KV page and the
+pad state slot. Any sequence that owned either would produce different tokens; the stand-in also asserts
+that no batch names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+
+from decapybara.config import EngineConfig
+from decapybara.engine import runner as runner_mod
+from decapybara.engine.block_manager import BlockManager
+from decapybara.engine.engine import Engine
+from decapybara.engine.runner import GraphPlan, graph_plan
+from decapybara.engine.sampling import SamplingParams
+from decapybara.testing import tiny_qwen
+
+BASE = {"page_size": 8, "num_pages": 256, "max_batch_tokens": 48, "loop_guard": "off", "snapshot_interval": 8}
+
+
+@functools.cache
+def model(family: str):
+    return tiny_qwen(family)[0]
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 70) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, int(k)).tolist() for k in rng.integers(lo, hi, n)]
+
+
+@dataclasses.dataclass
+class PoisoningGraphRunner:
+    """DecodeGraphRunner's contract towards the pools, without a GPU (see the module docstring)."""
+
+    model: object
+    plan: GraphPlan
+    stats: dict = dataclasses.field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
+                                                             "failures": {}})
+    batches: int = 0
+
+    def forward(self, batch, kv, states=None):
+        pad_page, pad_slot = self.plan.pad_page, self.plan.pad_slot
+        for s in batch.seqs:
+            assert pad_page not in s.block_table.tolist(), f"a sequence holds the pad page {pad_page}"
+            assert len(s.block_table) <= kv.num_pages - 1
+            if states is not None:
+                assert s.state_slot is not None and s.state_slot != pad_slot, f"a sequence holds slot {pad_slot}"
+                assert 0 <= s.state_slot < states.num_slots - 1
+        decode = all(s.length == 1 and not s.snapshot_at for s in batch.seqs)
+        self.stats["graph_steps" if decode else "eager_steps"] += 1
+        self.batches += 1
+        out = self.model.forward(batch, kv, states)
+        self._poison(kv, states)
+        return out
+
+    def _poison(self, kv, states) -> None:
+        page = np.asarray([self.plan.pad_page], np.int64)
+        data = kv.export_pages(page)
+        for a in data.arrays.values():
+            if np.issubdtype(a.dtype, np.floating):
+                a[...] = np.nan
+            else:
+                a[...] = np.random.default_rng(self.batches).integers(0, 256, a.shape).astype(a.dtype)
+        kv.import_pages(page, data)
+        if states is not None and self.plan.pad_slot is not None:
+            st = states.get(self.plan.pad_slot)
+            for a in (*st.conv, *st.recurrent):
+                a[...] = np.nan
+            states.set(self.plan.pad_slot, st)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Graphs "on" for the numpy backend; yields the stand-in runners made."""
+    made: list[PoisoningGraphRunner] = []
+
+    def make(model, plan):
+        made.append(PoisoningGraphRunner(model, plan))
+        return made[-1]
+
+    monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("cupy", "numpy"))
+    monkeypatch.setattr(runner_mod, "make_graph_runner", make)
+    yield made
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------
+def test_plan_reserves_last_page_and_an_extra_slot_on_graph_backends():
+    cfg = EngineConfig(num_pages=100, page_size=16, max_slots=6)
+    p = graph_plan(cfg, "cupy", max_model_len=4096, hybrid=True)
+    assert p == GraphPlan(True, kv_pages=100, usable_pages=99, state_slots=7, pad_page=99, pad_slot=6,
+                          max_pages=99)  # 4096 tokens = 256 pages, bounded by the pool
+    p = graph_plan(cfg, "cupy", max_model_len=200, hybrid=False)
+    assert (p.usable_pages, p.pad_page, p.pad_slot, p.state_slots, p.max_pages) == (99, 99, None, 6, 13)
+    assert graph_plan(cfg.replace(num_pages=2), "cupy", 10**6, True).usable_pages == 1
+
+
+@pytest.mark.parametrize("backend,on", [("numpy", True), ("cupy", False)])
+def test_plan_reserves_nothing_without_graphs(backend, on):
+    cfg = EngineConfig(num_pages=100, max_slots=6, cuda_graphs=on)
+    assert graph_plan(cfg, backend, 4096, True) == GraphPlan(False, 100, 100, 6)
+
+
+def test_numpy_engine_keeps_its_whole_pool():
+    e = Engine(model("qwen3_5_text"), EngineConfig(**BASE))  # cuda_graphs defaults on: ignored on numpy
+    assert not e.runner.plan.enabled and e.runner.graphs is None
+    assert e.blocks.num_pages == e.runner.kv.num_pages == 256
+    assert e.runner.states.num_slots == e.cfg.max_slots
+    stats = e.snapshot_stats()
+    assert stats["total_pages"] == 256
+    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0}
+
+
+def test_block_manager_over_the_plan_never_hands_out_the_pad_page():
+    p = graph_plan(EngineConfig(num_pages=20, page_size=8), "cupy", 4096, True)
+    b = BlockManager(p.usable_pages, 8)
+    got = b.allocate(5) + [b.append() for _ in range(p.usable_pages - 5)]
+    assert sorted(got) == list(range(p.usable_pages)) and p.pad_page not in got
+    assert b.append() is None and b.allocate(1) is None
+    b.release(got)
+    assert p.pad_page not in b.allocate(p.usable_pages)
+
+
+# ---- the engine with (stand-in) graphs -----------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_engine_with_graphs_reserves_pad_page_and_slot(family, fake_graphs):
+    e = Engine(model(family), EngineConfig(**BASE, max_slots=4))
+    plan = e.runner.plan
+    hybrid = family != "qwen3"
+    assert plan.enabled and e.runner.graphs is fake_graphs[0]
+    assert e.runner.kv.num_pages == 256 and e.blocks.num_pages == 255 and plan.pad_page == 255
+    if hybrid:
+        assert e.runner.states.num_slots == 5 and plan.pad_slot == 4
+    assert 4 not in e.free_slots and 255 not in e.blocks.free
+    stats = e.snapshot_stats()
+    assert stats["total_pages"] == 255 and stats["free_pages"] == 255
+    info = e.runner.info()
+    assert (info["pages"], info["kv_pages"], info["pad_page"]) == (255, 256, 255)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_generation_under_pool_pressure_never_touches_pad_page_or_slot(family, fake_graphs):
+    """A pool that runs dry (pauses, resumes, prefix pages evicted and reused) with padding scribbling over
+    the reserved page and slot after every step: the same tokens as an engine without graphs."""
+    ps = prompts(6, seed=8, lo=20, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    cfg = EngineConfig(**{**BASE, "num_pages": 23, "max_slots": 4})
+    ref = Engine(model(family), cfg.replace(cuda_graphs=False)).generate(ps, params)
+    e = Engine(model(family), cfg)
+    got = e.generate(ps, params)
+    assert got == ref
+    assert e.blocks.num_pages == 22 and e.stats.pauses > 0 and e.stats.resumes == e.stats.pauses
+    stats = e.snapshot_stats()
+    assert stats["graphs"]["enabled"] and stats["graphs"]["graph_steps"] > 0
+    assert stats["graphs"]["graph_steps"] + stats["graphs"]["eager_steps"] == e.stats.steps
+    json.dumps(stats)
+
+
+def test_context_check_uses_the_usable_pool(fake_graphs):
+    from decapybara.engine.sequence import Request
+    from decapybara.errors import ContextOverflowError
+
+    e = Engine(model("qwen3"), EngineConfig(**{**BASE, "num_pages": 9}))  # 8 usable pages: 64 tokens
+    e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=61)))
+    with pytest.raises(ContextOverflowError, match="pool has 8"):
+        e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=62)))
+
+
+def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):
+    def broken(model, plan):
+        raise RuntimeError("no stream for you")
+
+    monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("numpy",))
+    monkeypatch.setattr(runner_mod, "make_graph_runner", broken)
+    ps = prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    cfg = EngineConfig(**BASE)
+    ref = Engine(model("qwen3_5_text"), cfg.replace(cuda_graphs=False)).generate(ps, params)
+    e = Engine(model("qwen3_5_text"), cfg)
+    assert e.runner.graphs is None and "no stream for you" in e.runner.graph_error
+    assert e.generate(ps, params) == ref
+    stats = e.snapshot_stats()
+    assert not stats["graphs"]["enabled"] and "no stream for you" in stats["graph_failures"]["setup"]
+
+
+def test_graph_failures_are_reported_per_key(fake_graphs):
+    e = Engine(model("qwen3"), EngineConfig(**BASE))
+    e.runner.graphs.stats["failures"][(4, 1)] = "CUDARuntimeError: capture invalidated"
+    stats = json.loads(json.dumps(e.snapshot_stats()))
+    assert stats["graphs"]["failures"] == 1
+    assert stats["graph_failures"] == {"bucket=4 splits=1": "CUDARuntimeError: capture invalidated"}
+
+
+def test_app_config_passes_the_switch_through():
+    from decapybara.server.config import AppConfig
+
+    assert AppConfig().engine_config(cuda=True).cuda_graphs
+    assert not AppConfig(cuda_graphs="false").engine_config(cuda=True).cuda_graphs

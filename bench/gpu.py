@@ -1,6 +1,7 @@
 """GPU benchmark of the qwen3.8-27b architecture: our CUDA backend vs HF transformers vs the copy roofline.
 
-One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what would not fit):
+One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what would not fit; BENCH_SKIP, e.g.
+"gemv,hf,nvfp4", leaves sections out):
 
     PYTHONUNBUFFERED=1 python3 bench/gpu.py        # results table last; JSON to $OUT/bench_gpu.json
 
@@ -210,9 +211,10 @@ def tune_gemv(copy_bw: float) -> None:
     weights = {(f, s): random_packed(f, shp) for f in ("mxfp4", "bf16") for s, shp in shapes.items()}
     xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, 12) for k in (5120, 17408)}
     rows, default = [], dict(ex.TUNE)
-    combos = [(st, "cost", 4, 2) for st in (2, 4)] + list(itertools.product((2, 4), ("wave",), (2, 8), (1, 2)))
-    for stages, policy, min_chunks, per_sm in combos:
-        ex.TUNE.update(stages=stages, policy=policy, min_chunks=min_chunks, blocks_per_sm=per_sm)
+    combos = [(2, "cost", 4, 2, 8), (2, "wave", 2, 2, 8), (4, "wave", 2, 2, 8), (2, "wave", 2, 1, 8),
+              (2, "cost", 4, 2, 4), (2, "wave", 2, 2, 4), (4, "wave", 2, 2, 4), (2, "wave", 2, 1, 4)]
+    for stages, policy, min_chunks, per_sm, warps in combos:
+        ex.TUNE.update(stages=stages, policy=policy, min_chunks=min_chunks, blocks_per_sm=per_sm, warps=warps)
         total, parts = 0.0, {}
         for (f, sname), w in weights.items():
             for m in (1, 12):
@@ -220,12 +222,13 @@ def tune_gemv(copy_bw: float) -> None:
                 parts[f"{f} {sname} M{m}"] = 100 * w.nbytes / t / 1e9 / copy_bw
                 total += t
         rows.append({"stages": stages, "policy": policy, "min_chunks": min_chunks, "blocks_per_sm": per_sm,
-                     "total_us": total * 1e6, "pct_copy": parts})
-        print(f"tune stages {stages} {policy} min_chunks {min_chunks} per_sm {per_sm}: {total * 1e6:8.0f} us  "
+                     "warps": warps, "total_us": total * 1e6, "pct_copy": parts})
+        print(f"tune stages {stages} {policy} min_chunks {min_chunks} per_sm {per_sm} warps {warps}: "
+              f"{total * 1e6:8.0f} us  "
               + " ".join(f"{v:.0f}" for v in parts.values()))
     best = min(rows, key=lambda r: r["total_us"])
     ex.TUNE.update(stages=best["stages"], policy=best["policy"], min_chunks=best["min_chunks"],
-                   blocks_per_sm=best["blocks_per_sm"])
+                   blocks_per_sm=best["blocks_per_sm"], warps=best["warps"])
     RESULTS["gemv_tuning"] = {"default": default, "best": dict(ex.TUNE), "rows": rows,
                               "columns": list(rows[0]["pct_copy"])}
     print("mx_gemm tuning: default", default, "best", ex.TUNE)
@@ -433,12 +436,17 @@ def main() -> None:
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     print(f"device {dev['name'].decode()} SMs {dev['multiProcessorCount']} budget {BUDGET:.0f} s")
     copy_bw = guarded("roofline", bench_roofline, need=5) or 4300.0
-    guarded("mx_gemv tuning", tune_gemv, copy_bw, need=60)
-    guarded("mx_gemv", bench_gemv, copy_bw, need=60)
+    skip = set(filter(None, os.environ.get("BENCH_SKIP", "").split(",")))  # e.g. "gemv,hf"
+    if "tuning" not in skip:
+        guarded("mx_gemv tuning", tune_gemv, copy_bw, need=60)
+    if "gemv" not in skip:
+        guarded("mx_gemv", bench_gemv, copy_bw, need=60)
     kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE)
     states = CupyBackend("bf16").new_state_pool(CFG, SLOTS + 1)
     guarded("fill kv", fill_random, kv, states, need=30)
     for variant in ("mxfp4", "bf16", "hf", "nvfp4", "mxfp6", "mxfp8"):  # most wanted first
+        if variant in skip:
+            continue
         if variant == "hf":  # the KV pool (25 GB) stays: HF's 64-layer bf16 model (54 GB) fits beside it
             guarded("hf", bench_hf, need=60)
         else:

@@ -36,7 +36,10 @@ typedef long long i64;
 #define KIND_F32 0
 #define KIND_BF16 1
 #define KIND_F16 2
-#define WARPS 8
+#ifndef MX_WARPS
+#define MX_WARPS 8  // warps per block (16 weight rows each); 4 doubles the blocks of a mid-sized matrix
+#endif
+#define WARPS MX_WARPS
 #define TILE_ROWS (16 * WARPS)
 
 template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per lane-row, NS scale bytes
@@ -353,7 +356,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 }
 
 #define MX_KERNEL(NAME, FMT, NT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, NT <= 4 ? 2 : 1) NAME(                         \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, (NT <= 4 ? 2 : 1) * (8 / WARPS)) NAME(                         \
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \

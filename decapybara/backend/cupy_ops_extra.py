@@ -13,6 +13,8 @@ The sampler is `cuda_sample` (same tokens as `decapybara.engine.sampling.sample`
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,6 @@ FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
 BITS = {"bf16": 16, "mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
 BLOCK = {"bf16": 1, "mxfp8": 32, "mxfp6": 32, "mxfp4": 32, "nvfp4": 16}
 LANE_K = {"bf16": 16, "mxfp8": 32, "mxfp6": 64, "mxfp4": 64, "nvfp4": 64}  # codes per lane per chunk
-TILE_ROWS = 128  # weight rows per block (8 warps x 16)
 U64 = np.uint64
 
 
@@ -111,9 +112,10 @@ def _counters(device: int) -> Any:
 
 
 # Launch tuning of mx_gemm (bench/gpu.py sweeps it): `stages` chunks in flight per lane (kernel define
-# MX_STAGES); `policy` "cost" (K splits minimising bytes / wave occupancy) or "wave" (one wave of blocks, each
+# MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `policy` "cost" (K splits minimising bytes / wave occupancy) or "wave" (one wave of blocks, each
 # streaming at least `min_chunks` chunks); `blocks_per_sm` resident blocks counted per SM.
-TUNE = {"stages": 2, "policy": "wave", "min_chunks": 2, "blocks_per_sm": 2}  # the H200 sweep's best
+TUNE = {"stages": 2, "policy": "wave", "min_chunks": 2, "blocks_per_sm": 2, "warps": 8}  # the H200 sweep's best
+TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"warps": 4}' (tests of variants)
 
 
 def _pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial_bytes: int) -> int:
@@ -141,11 +143,12 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     mtiles = -(-m // (8 * nt))
     ck = 4 * LANE_K[w.fmt]
     nchunks = -(-kp // ck)
-    nrb = -(-n // TILE_ROWS)
+    warps = TUNE["warps"]
+    nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
     ksplit = 1
     if groups is None and nrb * mtiles <= _counters(cp.cuda.Device().id).size:
-        per_sm = TUNE["blocks_per_sm"] if nt <= 4 else 1
+        per_sm = (TUNE["blocks_per_sm"] if nt <= 4 else 1) * (8 // warps)
         ksplit = _pick_ksplit(nrb * mtiles, nchunks, per_sm * sm_count(), mtiles * w.codes.nbytes,
                               8 * x.shape[0] * n)
     cps = -(-nchunks // ksplit)
@@ -154,8 +157,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
-    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]),))
-    func((nrb, ksplit, mtiles * ngroups), (256,),
+    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]), ("MX_WARPS", warps)))
+    func((nrb, ksplit, mtiles * ngroups), (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,

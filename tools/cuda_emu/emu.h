@@ -72,3 +72,10 @@ inline int __all_sync(unsigned, int p) { return !__any_sync(0xffffffffu, !p); }
 inline unsigned __ballot_sync(unsigned, int p) {
   unsigned long long* buf = emu::warp_buf(); int l = emu::lane(); buf[l] = p ? 1 : 0; emu::sync_warp();
   unsigned r = 0; for (int i = 0; i < 32; i++) if (emu::lane_alive(i) && buf[i]) r |= 1u << i; emu::sync_warp(); return r; }
+// __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8-byte value y:x (no sign mode)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  unsigned long long v = ((unsigned long long)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; i++) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}

@@ -204,8 +204,6 @@ def torch_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
 
 def tune_gemv(copy_bw: float) -> None:
     """Sweep mx_gemm's launch tuning (ex.TUNE) on the decode shapes; keep the fastest for the rest of the run."""
-    import itertools
-
     shapes = {"gate/up": (17408, 5120), "down": (5120, 17408), "in_proj_qkv": (10240, 5120),
               "lm_head": (248320, 5120)}
     weights = {(f, s): random_packed(f, shp) for f in ("mxfp4", "bf16") for s, shp in shapes.items()}

@@ -162,7 +162,11 @@ class Backend(ABC):
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """One matrix holding `weights` ([N_i, K] each, same K and storage) stacked along rows, plus a row-range
         view of it for each input (so the inputs' memory can go), or None where this backend does not fuse
-        products. Fusing lets a skinny product read several matrices in one launch."""
+        products. Fusing lets a skinny product read several matrices in one launch.
+
+        A backend that fuses must accept column-range views of its `linear` outputs (rows not contiguous: row
+        stride = the fused width) as `deltanet_core`'s mixed_qkv / a / b and `gated_rms_norm`'s z, which is what
+        `QwenModel` passes then; `QwenModel` also replaces the inputs' entries of its weight dict by the views."""
         return None
 
     @abstractmethod

@@ -23,7 +23,7 @@ from decapybara.model.weights import expected_tensors
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """Logits [R, vocab] for the requested rows, final-norm hidden states of those rows (for MTP drafting),
+    """Logits [R, vocab] for the requested rows, the residual stream of those rows before the final norm,
     and hybrid-state snapshots keyed by (sequence index in the batch, absolute token count)."""
 
     logits: Any

@@ -31,10 +31,6 @@ pytestmark = pytest.mark.gpu
 PROMPT = np.random.default_rng(1234).integers(0, 512, 40)
 
 
-
-
-
-
 def build(family: str, backend) -> QwenModel:
     cfg, tensors = tiny_checkpoint(family)
     return QwenModel.from_tensors(cfg, backend, tensors)

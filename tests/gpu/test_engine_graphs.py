@@ -36,10 +36,6 @@ CASES = {  # name -> (prompt lengths, max_tokens per prompt, engine settings)
 }
 
 
-
-
-
-
 def build(family: str, backend, tensors: dict | None = None) -> QwenModel:
     cfg, base = tiny_checkpoint(family)
     return QwenModel.from_tensors(cfg, backend, tensors or base)

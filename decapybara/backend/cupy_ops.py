@@ -238,15 +238,19 @@ def dequantize(q: Any, bf16: bool) -> Any:
     return out.reshape(q.shape)
 
 
+def _product_dims(x: Any, w: Any, dtype: Any) -> tuple[int, int, int]:
+    """(rows of x, rows of w, K) of x [M, K] @ w [N, K]^T, both C-contiguous device arrays of `dtype`."""
+    check(x, dtype, "x", 2)
+    check(w, dtype, "w", 2)
+    assert w.shape[1] == x.shape[1], f"x {x.shape} @ w {w.shape}^T"
+    return x.shape[0], w.shape[0], x.shape[1]
+
+
 def gemm_bf16(x_bits: Any, w_bits: Any) -> Any:
     """x [T, K] @ w [N, K]^T with bf16 operands (uint16 bits), float32 accumulation and output [T, N]."""
     from cupy_backends.cuda.libs import cublas
 
-    check(x_bits, np.uint16, "x", 2)
-    check(w_bits, np.uint16, "w", 2)
-    t, k = x_bits.shape
-    n = w_bits.shape[0]
-    assert w_bits.shape[1] == k, f"x {x_bits.shape} @ w {w_bits.shape}^T"
+    t, n, k = _product_dims(x_bits, w_bits, np.uint16)
     y = empty((t, n), cp.float32)
     if t == 0 or n == 0:
         return y
@@ -267,12 +271,8 @@ def gemm_bf16(x_bits: Any, w_bits: Any) -> Any:
 def gemv_f32(x: Any, w: Any, bias: Any = None) -> Any:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in float32 by kernels/mx_gemv.cu `gemv_f32` (no cuBLAS: decode
     graphs capture it). For skinny x (decode, small chunks); one pass over w per 8 rows of x."""
-    x = cp.ascontiguousarray(f32(x))
-    check(x, np.float32, "x", 2)
-    check(w, np.float32, "w", 2)
-    m, k = x.shape
-    n = w.shape[0]
-    assert w.shape[1] == k, f"x {x.shape} @ w {w.shape}^T"
+    x = f32(x)
+    m, n, k = _product_dims(x, w, np.float32)
     y = empty((m, n), cp.float32)
     if m and n:
         get_kernel("mx_gemv", "gemv_f32")((-(-n // 8), -(-m // 8)), (256,),

@@ -46,11 +46,21 @@ template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per
 #ifndef MX_STAGES
 #define MX_STAGES 4
 #endif
-// STAGES: chunks in flight per lane (MXFP6's wider lane-rows take one fewer to stay within registers)
+// STAGES: chunks in flight per lane (MXFP6's wider lane-rows take one fewer above 2, to stay within registers)
+#ifndef MX_ACC
+#define MX_ACC 1  // independent accumulator chains of a one-n-tile (M <= 8) block: the two MMAs of a slice pair
+#endif                // do not wait on each other (wider tiles already have one chain per n-tile)
+template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
+#ifndef MX_DIAG
+#define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
+#endif
 template <> struct Fmt<FMT_BF16> { static constexpr int LANE_K = 16, LB = 32, NS = 0, XSHIFT = 0, STAGES = MX_STAGES; };
 template <> struct Fmt<FMT_MXFP8> { static constexpr int LANE_K = 32, LB = 32, NS = 1, XSHIFT = 64, STAGES = MX_STAGES; };
+#ifndef MX_FP6_STAGES
+#define MX_FP6_STAGES (MX_STAGES > 2 ? MX_STAGES - 1 : MX_STAGES)
+#endif
 template <> struct Fmt<FMT_MXFP6> { static constexpr int LANE_K = 64, LB = 48, NS = 2, XSHIFT = 64,
-                                    STAGES = MX_STAGES > 1 ? MX_STAGES - 1 : 1; };
+                                    STAGES = MX_FP6_STAGES; };
 template <> struct Fmt<FMT_MXFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 2, XSHIFT = 64, STAGES = MX_STAGES; };
 template <> struct Fmt<FMT_NVFP4> { static constexpr int LANE_K = 64, LB = 32, NS = 4, XSHIFT = 64, STAGES = MX_STAGES; };
 
@@ -143,6 +153,9 @@ __device__ __forceinline__ void dequant(const u32 (&w)[Fmt<FMT>::LB / 4], const 
                                         u32 (&a)[4]) {
     if (FMT == FMT_BF16) {
         a[0] = w[4 * JJ]; a[1] = w[4 * JJ + 1]; a[2] = w[4 * JJ + 2]; a[3] = w[4 * JJ + 3];
+    } else if (MX_DIAG) {  // the same words, undecoded (timing of everything but the decode)
+        const u32 v = w[(JJ * (Fmt<FMT>::LB / 4)) / (Fmt<FMT>::LANE_K / 8)];
+        a[0] = v; a[1] = v ^ f[0]; a[2] = v >> 1; a[3] = v << 1;
     } else if (FMT == FMT_MXFP8) {  // (b0, b2) and (b1, b3) of a word share their shifts
         const u32 M = 0x07F007F0u, S = 0x80008000u;
 #pragma unroll
@@ -197,7 +210,7 @@ __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, const u8*
 }
 
 template <int FMT, int NT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
+__device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
                                           const u16* xs_lane) {
     constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS, RS = 2048 / NT + 32;
     u32 f0[4] = {0, 0, 0, 0}, f1[4] = {0, 0, 0, 0};
@@ -214,8 +227,8 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const LaneRow<FMT
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             uint4 b = *(const uint4*)(xs_lane + nt * 8 * RS + 32 * jj);
-            mma16816(acc[nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
-            mma16816(acc[nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
+            mma16816(acc[0][nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+            mma16816(acc[Acc<NT>::N - 1][nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
         }
     }
 }
@@ -226,38 +239,42 @@ struct Args {
     void* y; int y_kind; i64 ldy;
     float* partial; int* counters;
     int M, N, K, Kp; i64 w_row, s_row, w_gstride, s_gstride;
-    const int* g_off; const int* g_cnt; int mtiles, cps, x_vec;
+    const int* g_off; const int* g_cnt; int mtiles, cps, x_vec, stream;
 };
 
+// One output tile's K range [c0, c1) of chunks, as contributor `part` of `nparts` (nparts 1: the whole K range,
+// stored directly; else float32 partial sums, and the tile's last contributor to finish reduces them in a
+// fixed order, so the result does not depend on timing).
 template <int FMT, int NT>
-__device__ __forceinline__ void mx_gemm_impl(const Args& A) {
+__device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_flag, const int grp, const int mt,
+                                           const int tile, const int c0, const int c1, const int part,
+                                           const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = 2048 / NT, RS = SEGK + 32;
-    __shared__ __align__(16) u16 xs[MT * RS];
-    __shared__ int last_flag;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
     const int m0 = mt * MT;
-    if (m0 >= m_cnt) return;  // uniform per block
     const int m_valid = min(MT, m_cnt - m0);
     const u8* W = A.W + (i64)grp * A.w_gstride;
     const u8* S = A.S + (i64)grp * A.s_gstride;
-    const int rows0 = blockIdx.x * TILE_ROWS + warp * 16;
-    const int nchunks = (A.Kp + CK - 1) / CK;
-    const int c0 = blockIdx.y * A.cps, c1 = min(nchunks, c0 + A.cps);
+    const int rows0 = tile * TILE_ROWS + warp * 16;
     const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
     const u8* W0 = W + (i64)(rows0 + g) * A.w_row;
     const u8* W8 = W + (i64)(rows0 + g + 8) * A.w_row;
     const u8* S0 = S + (i64)(rows0 + g) * A.s_row;
     const u8* S8 = S + (i64)(rows0 + g + 8) * A.s_row;
 
-    float acc[NT][4];
+    float acc[Acc<NT>::N][NT][4];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int a = 0; a < Acc<NT>::N; ++a)
+#pragma unroll
+        for (int i = 0; i < NT; ++i) acc[a][i][0] = acc[a][i][1] = acc[a][i][2] = acc[a][i][3] = 0.f;
 
     // STAGES chunks of codes in flight per lane (a register ring; indices fold to constants): a decode GEMV
     // is bound by memory latency x bytes in flight, so each block streams a long K range deeply pipelined.
-    constexpr int ST = NT >= 4 ? 2 : Fmt<FMT>::STAGES;  // wide M tiles need the registers for accumulators
+    // x is staged once per segment of CPSEG chunks, outside the unrolled ring, so that the loop's code stays
+    // small (one copy of the chunk's MMAs per stage); ST divides CPSEG, so every segment starts at ring slot 0.
+    constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4 ? 2 : Fmt<FMT>::STAGES;  // wide M tiles: registers for acc
+    constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     LaneRow<FMT> r0[ST], r1[ST];
 #pragma unroll
     for (int s = 0; s < ST; ++s)
@@ -266,62 +283,65 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
             load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c0 + s) * 4 + t, A.Kp);
         }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
-    for (int cb = c0; cb < c1; cb += ST) {
+    for (int sb = c0; sb < c1; sb += CPSEG) {
+        // stage x[m0:m0+MT, chunks sb..sb+CPSEG) in the k-slot permutation
+        __syncthreads();
+        const i64 kseg = (i64)sb * CK;
+        for (int i = tid; i < MT * (SEGK / 8); i += blockDim.x) {
+            const int m = i / (SEGK / 8), d8 = (i % (SEGK / 8)) * 8;
+            const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
+            const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
+            float v[8];
+            if (m < m_valid && k0 < A.K) {
+                const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
+                const i64 base = (i64)row * A.ldx + k0;
+                if (A.x_vec && k0 + 8 <= A.K && A.x_kind != KIND_F32) {
+                    uint4 q = *(const uint4*)((const u16*)A.x + base);
+                    u32 qq[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-        for (int s = 0; s < ST; ++s) {
-            const int c = cb + s;
-            if (c >= c1) break;  // uniform per block
-            const int seg = (c - c0) / (SEGK / CK);
-            if ((c - c0) % (SEGK / CK) == 0) {  // stage x[m0:m0+MT, segment] in the k-slot permutation
-                __syncthreads();
-                const i64 kseg = (i64)c0 * CK + (i64)seg * SEGK;
-                for (int i = tid; i < MT * (SEGK / 8); i += blockDim.x) {
-                    const int m = i / (SEGK / 8), d8 = (i % (SEGK / 8)) * 8;
-                    const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
-                    const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
-                    float v[8];
-                    if (m < m_valid && k0 < A.K) {
-                        const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
-                        const i64 base = (i64)row * A.ldx + k0;
-                        if (A.x_vec && k0 + 8 <= A.K && A.x_kind != KIND_F32) {
-                            uint4 q = *(const uint4*)((const u16*)A.x + base);
-                            u32 qq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) {
-                                u16 h = (u16)(qq[e >> 1] >> (16 * (e & 1)));
-                                v[e] = A.x_kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
-                            }
-                        } else {
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_x(A.x, A.x_kind, base + e) : 0.f;
-                        }
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) v[e] = 0.f;
+                    for (int e = 0; e < 8; ++e) {
+                        u16 h = (u16)(qq[e >> 1] >> (16 * (e & 1)));
+                        v[e] = A.x_kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
                     }
-                    u32 o[4];
+                } else {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) |
-                               ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
-                    *(uint4*)(xs + m * RS + d8) = u4(o[0], o[1], o[2], o[3]);
+                    for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_x(A.x, A.x_kind, base + e) : 0.f;
                 }
-                __syncthreads();
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = 0.f;
             }
-            if (warp_on) {
-                const int cl = ((c - c0) % (SEGK / CK)) * CK;
-                mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + g * RS + cl + 8 * t);
-            }
-            if (c + ST < c1) {  // refill this stage with the chunk ST ahead
-                load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c + ST) * 4 + t, A.Kp);
-                load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c + ST) * 4 + t, A.Kp);
+            u32 o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) | ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
+            *(uint4*)(xs + m * RS + d8) = u4(o[0], o[1], o[2], o[3]);
+        }
+        __syncthreads();
+        const int se = min(c1, sb + CPSEG);
+        for (int cb = sb; cb < se; cb += ST) {
+#pragma unroll
+            for (int s = 0; s < ST; ++s) {
+                const int c = cb + s;
+                if (c >= se) break;  // uniform per block
+                if (warp_on) mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + g * RS + (c - sb) * CK + 8 * t);
+                if (c + ST < c1) {  // refill this stage with the chunk ST ahead
+                    load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c + ST) * 4 + t, A.Kp);
+                    load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c + ST) * 4 + t, A.Kp);
+                }
             }
         }
     }
 
-    // Epilogue. acc[nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
-    const int nrb = gridDim.x;
-    const bool split = gridDim.y > 1;
+    // Epilogue. acc[0][nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
+#pragma unroll
+    for (int a = 1; a < Acc<NT>::N; ++a)
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[0][i][q] += acc[a][i][q];
+    const int ntiles = (A.N + TILE_ROWS - 1) / TILE_ROWS;
+    const bool split = nparts > 1;
     if (warp_on) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -330,9 +350,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
                 const int m = nt * 8 + 2 * t + (q & 1), n = rows0 + g + 8 * (q >> 1);
                 if (m >= m_valid || n >= A.N) continue;
                 if (split) {
-                    A.partial[((i64)blockIdx.y * A.M + m0 + m) * A.N + n] = acc[nt][q];
+                    A.partial[((i64)part * A.M + m0 + m) * A.N + n] = acc[0][nt][q];
                 } else {
-                    float v = acc[nt][q] * A.post + (A.bias ? A.bias[n] : 0.f);
+                    float v = acc[0][nt][q] * A.post + (A.bias ? A.bias[n] : 0.f);
                     store_y(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + n, v);
                 }
             }
@@ -340,19 +360,55 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     if (!split) return;
     __threadfence();
     __syncthreads();
-    int* ctr = A.counters + (i64)mt * nrb + blockIdx.x;
-    if (tid == 0) last_flag = atomicAdd(ctr, 1) == (int)gridDim.y - 1;
+    int* ctr = A.counters + (i64)mt * ntiles + tile;
+    if (tid == 0) last_flag = atomicAdd(ctr, 1) == nparts - 1;
     __syncthreads();
     if (!last_flag) return;
     __threadfence();
     for (int i = tid; i < MT * TILE_ROWS; i += blockDim.x) {
-        const int m = i / TILE_ROWS, n = blockIdx.x * TILE_ROWS + i % TILE_ROWS;
+        const int m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
         if (m >= m_valid || n >= A.N) continue;
         float s = 0.f;
-        for (int ks = 0; ks < (int)gridDim.y; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
+        for (int ks = 0; ks < nparts; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
         store_y(A.y, A.y_kind, (i64)(m0 + m) * A.ldy + n, s * A.post + (A.bias ? A.bias[n] : 0.f));
     }
     if (tid == 0) *ctr = 0;
+}
+
+// Block b of a stream-K launch (A.stream, dense only) takes units [b U / B, (b + 1) U / B) of the U = tiles x
+// chunks units, tile-major: long contiguous K ranges, every block the same work (+-1 chunk), whatever the
+// shape. A tile's contributors are the blocks whose ranges meet its units.
+__device__ __forceinline__ int stream_block_of(i64 u, i64 U, int B) { return (int)(((u + 1) * B - 1) / U); }
+
+template <int FMT, int NT>
+__device__ __forceinline__ void mx_gemm_impl(const Args& A) {
+    constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = 2048 / NT + 32;
+    __shared__ __align__(16) u16 xs[MT * RS];
+    __shared__ int last_flag;
+    const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
+    const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M;
+    if (mt * MT >= m_cnt) return;  // uniform per block
+    const int nchunks = (A.Kp + CK - 1) / CK;
+    // tile grid (!A.stream): one segment, blockIdx.x = output tile, blockIdx.y = K split of A.cps chunks
+    const int B = gridDim.x, ntiles = (A.N + TILE_ROWS - 1) / TILE_ROWS;
+    const i64 U = (i64)ntiles * nchunks;
+    const i64 u_end = A.stream ? (i64)(blockIdx.x + 1) * U / B : 1;
+    for (i64 u = A.stream ? (i64)blockIdx.x * U / B : 0; u < u_end;) {
+        int tile = blockIdx.x, c0 = blockIdx.y * A.cps, c1 = min(nchunks, c0 + A.cps);
+        int part = blockIdx.y, nparts = gridDim.y;
+        i64 step = 1;
+        if (A.stream) {
+            tile = (int)(u / nchunks);
+            c0 = (int)(u % nchunks);
+            c1 = (int)min((i64)nchunks, c0 + (u_end - u));
+            const int first = stream_block_of((i64)tile * nchunks, U, B);
+            part = blockIdx.x - first;
+            nparts = stream_block_of((i64)tile * nchunks + nchunks - 1, U, B) - first + 1;
+            step = c1 - c0;
+        }
+        mx_segment<FMT, NT>(A, xs, last_flag, grp, mt, tile, c0, c1, part, nparts);
+        u += step;
+    }
 }
 
 #define MX_KERNEL(NAME, FMT, NT)                                                                            \
@@ -360,9 +416,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \
-        int mtiles, int cps, int x_vec) {                                                                    \
+        int mtiles, int cps, int x_vec, int stream) {                                                        \
         Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
-               w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec};                       \
+               w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream};               \
         mx_gemm_impl<FMT, NT>(a);                                                                           \
     }
 #define MX_FORMAT(NAME, FMT) \

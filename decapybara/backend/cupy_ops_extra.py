@@ -22,6 +22,7 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, gemm_bf16, null, sm_count, to_bf16_bits
+from decapybara.backend.gemv_plan import plan_gemm
 from kernels import get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
@@ -111,27 +112,14 @@ def _counters(device: int) -> Any:
     return cp.zeros(1 << 16, cp.int32)  # split-K tile counters: zero at rest, reset by the last block
 
 
-# Launch tuning of mx_gemm (bench/gpu.py sweeps it): `stages` chunks in flight per lane (kernel define
-# MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `policy` "cost" (K splits minimising bytes / wave occupancy) or "wave" (one wave of blocks, each
-# streaming at least `min_chunks` chunks); `blocks_per_sm` resident blocks counted per SM.
-TUNE = {"stages": 2, "policy": "wave", "min_chunks": 2, "blocks_per_sm": 2, "warps": 8}  # the H200 sweep's best
+# Launch tuning of mx_gemm (bench/gpu.py and bench/gemv_sweep.py sweep it): `stages` chunks in flight per lane
+# (kernel define MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `acc` independent accumulator
+# chains (MX_ACC); `blocks_per_sm` resident blocks counted per SM; the split policy and its knobs are
+# described in decapybara/backend/gemv_plan.py.
+TUNE = {"stages": 2, "policy": "auto", "min_chunks": 2, "blocks_per_sm": 2, "warps": 8, "acc": 2,
+        "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85}  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"warps": 4}' (tests of variants)
-
-
-def _pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial_bytes: int) -> int:
-    """K splits for `tiles` output tiles of `nchunks` K chunks on `slots` resident blocks (TUNE["policy"])."""
-    if TUNE["policy"] == "wave":  # one wave of long-running blocks
-        if tiles >= slots:
-            return 1
-        return max(1, min(slots // tiles, nchunks // max(1, TUNE["min_chunks"])))
-    best, best_cost = 1, float("inf")  # minimise (weight + partial-sum bytes) / occupancy of the waves
-    for ks in range(1, max(1, min(nchunks // 2, 32)) + 1):
-        blocks = tiles * ks
-        occupancy = blocks / (-(-blocks // slots) * slots)
-        cost = (weight_bytes + (partial_bytes * ks if ks > 1 else 0)) / occupancy
-        if cost < 0.98 * best_cost:
-            best, best_cost = ks, cost
-    return best
+TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG, MX_FP6_STAGES)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
@@ -146,26 +134,24 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     warps = TUNE["warps"]
     nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    ksplit = 1
-    if groups is None and nrb * mtiles <= _counters(cp.cuda.Device().id).size:
-        per_sm = (TUNE["blocks_per_sm"] if nt <= 4 else 1) * (8 // warps)
-        ksplit = _pick_ksplit(nrb * mtiles, nchunks, per_sm * sm_count(), mtiles * w.codes.nbytes,
-                              8 * x.shape[0] * n)
-    cps = -(-nchunks // ksplit)
-    ksplit = -(-nchunks // cps)
-    partial = empty((ksplit, x.shape[0], n), cp.float32) if ksplit > 1 else null()
+    per_sm = (TUNE["blocks_per_sm"] if nt <= 4 else 1) * (8 // warps)
+    plan = plan_gemm(tiles=nrb, nchunks=nchunks, mtiles=mtiles, groups=ngroups, slots=per_sm * sm_count(),
+                     weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=TUNE,
+                     dense=groups is None, max_counters=_counters(cp.cuda.Device().id).size)
+    partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
-    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]), ("MX_WARPS", warps)))
-    func((nrb, ksplit, mtiles * ngroups), (32 * warps,),
+    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]), ("MX_WARPS", warps),
+                                                                 ("MX_ACC", TUNE["acc"]), *TUNE_DEFINES))
+    func(plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
           _counters(cp.cuda.Device().id), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
-          I32(mtiles), I32(cps), I32(x_vec)))
+          I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream))))
 
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM

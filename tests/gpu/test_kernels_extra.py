@@ -119,6 +119,26 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
         assert_close(got, this_ref, rtol, f"mx_linear {fmt} [{m}x{k}] @ [{n}x{k}]^T x={x_dev.dtype} y={out_dtype}")
 
 
+@pytest.mark.parametrize("tune,shape", [
+    ({"acc": 2}, (700, 1536)), ({"acc": 2, "policy": "balance"}, (700, 1536)), ({"ksplit": 3, "acc": 2}, (700, 1536)),
+    ({"stages": 3, "acc": 2}, (700, 1536)), ({"stages": 4, "acc": 1}, (700, 1536)), ({"stages": 1}, (700, 1536)),
+    ({"warps": 4, "acc": 2}, (700, 1536)), ({"policy": "wave", "acc": 1}, (4100, 5120)),
+    # stream-K: tiles split over several blocks, blocks spanning tiles, uneven shares (U % blocks != 0)
+    ({"policy": "stream", "acc": 2}, (700, 1536)), ({"policy": "stream", "min_chunks": 1}, (4100, 5120)),
+    ({"policy": "stream", "acc": 2, "warps": 4}, (4100, 5120)), ({"policy": "stream", "min_chunks": 7}, (300, 5120))])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, monkeypatch):
+    """Every launch / kernel knob of mx_gemm (ex.TUNE) computes the product, split or not."""
+    rng = np.random.default_rng(zlib.crc32(f"tune-{fmt}-{sorted(tune.items())}-{shape}".encode()))
+    wq, w_ref = random_weight(rng, fmt, shape)
+    w = ex.pack_weight(wq)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    for m in (1, 12, 40):
+        x = rng.standard_normal((m, shape[1])).astype(np.float32)
+        got = host(ex.mx_linear(cp.asarray(x), w))
+        assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} {tune} M{m}")
+
+
 def test_mx_linear_bias_and_fallback_layout():
     rng = np.random.default_rng(7)
     q, w_ref = random_weight(rng, "mxfp6", (70, 96))  # Kp = 96: rows not 16-byte aligned -> dense fallback

@@ -1,0 +1,144 @@
+"""Sweep of mx_gemm's launch and kernel knobs on the products of one 27B decode step, in one device call.
+
+    PYTHONUNBUFFERED=1 python3 bench/gemv_sweep.py [fmt ...]     # default: mxfp4; JSON to $OUT/gemv_sweep.json
+
+For each variant (a set of `cupy_ops_extra.TUNE` overrides and kernel defines) it times every distinct
+product of a qwen3.8-27b decode step (fused gate|up, down, qkv|z, out, q, k, o, lm_head) at M = 1 and the
+large ones at M = 12, as CUDA-graph replays timed with CUDA events. Each product cycles through enough
+copies of its weights that they do not stay in the 50 MB L2 between calls (as in a real step, where the
+next product's weights are not cached). Prints per-shape % of the copy bandwidth and the step-weighted total
+(products x their count per step): the time the step spends in these products. `diag` variants skip the
+weight decoding (their results are wrong; they measure what the decoding costs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupy as cp
+import numpy as np
+
+from decapybara.backend import cupy_ops_extra as ex
+from gpu import bench_roofline, graph_time, random_packed  # noqa: E402  (bench/gpu.py)
+from kernels import get_kernel  # noqa: E402
+
+# [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused)
+STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
+        "out": ((5120, 6144), 64), "q": ((12288, 5120), 16), "k": ((1024, 5120), 32),
+        "lm_head": ((248320, 5120), 1)}
+M12 = ("gate|up", "down", "qkv|z")
+L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
+
+VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
+    ("wave acc1", {"acc": 1, "policy": "wave"}, ()),
+    ("balance acc2", {"acc": 2, "policy": "balance"}, ()),
+    ("stream acc2", {"acc": 2, "policy": "stream"}, ()),
+    ("auto acc2", {"acc": 2, "policy": "auto"}, ()),
+    ("auto acc1", {"acc": 1, "policy": "auto"}, ()),
+    ("auto acc2 s1", {"acc": 2, "policy": "auto", "stages": 1}, ()),
+    ("auto acc2 s4", {"acc": 2, "policy": "auto", "stages": 4}, ()),
+    ("auto acc2 mc4", {"acc": 2, "policy": "auto", "min_chunks": 4}, ()),
+    ("diag auto acc2", {"acc": 2, "policy": "auto"}, (("MX_DIAG", 1),)),
+]
+
+
+def precompile(variants: list, fmts: list[str]) -> None:
+    """Build every (variant, format, tile) kernel up front, nvcc processes side by side."""
+    jobs = set()
+    for _, tune, defines in variants:
+        t = {**ex.TUNE, **tune}
+        d = (("MX_STAGES", t["stages"]), ("MX_WARPS", t["warps"]), ("MX_ACC", t["acc"]), *defines)
+        for f in fmts:
+            for nt in (1, 2):
+                jobs.add((f"mx_gemm_{f}_{nt}", d))
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
+        list(pool.map(lambda j: get_kernel("mx_gemv", j[0], j[1]), sorted(jobs)))
+
+
+def run_variant(tune: dict, defines: tuple, weights: dict, xs: dict, copy_bw: float) -> dict[str, Any]:
+    saved, saved_d = dict(ex.TUNE), ex.TUNE_DEFINES
+    ex.TUNE.update(tune)
+    ex.TUNE_DEFINES = defines
+    try:
+        out: dict[str, Any] = {}
+        step_us = 0.0
+        for name, ((n, k), count) in STEP.items():
+            ws = weights[name]
+            for m in (1, 12) if name in M12 else (1,):
+                x = xs[m, k]
+                state = {"i": 0}
+
+                def call(ws=ws, x=x, state=state) -> None:
+                    ex.mx_linear(x, ws[state["i"] % len(ws)])
+                    state["i"] += 1
+
+                calls = max(10, 2 * len(ws))
+                t = graph_time(call, calls=calls, reps=3)
+                out[f"{name} M{m}"] = {"us": t * 1e6, "pct_copy": 100 * ws[0].nbytes / t / 1e9 / copy_bw}
+                if m == 1:
+                    step_us += count * t * 1e6
+        out["step_us_M1"] = step_us
+        return out
+    finally:
+        ex.TUNE.clear()
+        ex.TUNE.update(saved)
+        ex.TUNE_DEFINES = saved_d
+
+
+def main() -> None:
+    fmts = sys.argv[1:] or ["mxfp4"]
+    out_dir = Path(os.environ.get("OUT", "."))
+    t0 = time.perf_counter()
+    precompile(VARIANTS, fmts)
+    print(f"compiled {len(VARIANTS)} variants x {fmts} in {time.perf_counter() - t0:.0f} s")
+    copy_bw = bench_roofline()
+    results: dict[str, Any] = {"copy_GBps": copy_bw, "variants": {}}
+    for fmt in fmts:
+        cp.random.seed(1)
+        weights = {}
+        for name, ((n, k), _) in STEP.items():
+            one = random_packed(fmt, (n, k))
+            weights[name] = [one] + [random_packed(fmt, (n, k)) for _ in range(int(L2_CYCLE // one.nbytes))]
+        xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, 12) for k in (5120, 6144, 17408)}
+        ref = {name: cp.asnumpy(ex.mx_linear(xs[1, k], weights[name][0])) for name, ((n, k), _) in STEP.items()}
+        print(f"\n{fmt}: % of copy bandwidth per product (M1 unless marked), step-weighted M1 total")
+        cols = [f"{n} M{m}" for n in STEP for m in ((1, 12) if n in M12 else (1,))]
+        print(f"{'variant':<24}{'step ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
+        for vname, tune, defines in VARIANTS:
+            try:
+                r = run_variant(tune, defines, weights, xs, copy_bw)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not stop the sweep
+                print(f"{vname:<24} failed: {type(e).__name__}: {e}")
+                continue
+            if not defines:  # a real variant must compute the same products as the baseline
+                saved = dict(ex.TUNE)
+                ex.TUNE.update(tune)
+                try:
+                    for name, ((n, k), _) in STEP.items():
+                        got = cp.asnumpy(ex.mx_linear(xs[1, k], weights[name][0]))
+                        err = float(np.max(np.abs(got - ref[name])) / (np.max(np.abs(ref[name])) + 1e-30))
+                        r.setdefault("max_rel_err_vs_base", 0.0)
+                        r["max_rel_err_vs_base"] = max(r["max_rel_err_vs_base"], err)
+                finally:
+                    ex.TUNE.clear()
+                    ex.TUNE.update(saved)
+            results["variants"][f"{fmt} {vname}"] = r
+            print(f"{vname:<24}{r['step_us_M1'] / 1e3:>8.2f} "
+                  + " ".join(f"{r[c]['pct_copy']:>11.1f}" for c in cols)
+                  + (f"  err {r['max_rel_err_vs_base']:.1e}" if "max_rel_err_vs_base" in r else ""))
+        weights = None
+        cp.get_default_memory_pool().free_all_blocks()
+    (out_dir / "gemv_sweep.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Launch plan of the skinny GEMM (kernels/mx_gemv.cu `mx_gemm_*`): grid shape, K split and partial-sum rows.
+
+Pure arithmetic (no CuPy), so the split logic is tested on any machine. The kernel's two modes:
+
+- tile grid: grid (tiles, ksplit, mtiles); block (x, y) computes output tile x over chunks [y cps, (y+1) cps);
+  ksplit > 1 writes float32 partial sums [ksplit, M, N] that the tile's last block reduces in order.
+- stream-K: grid (blocks, 1, mtiles); block b takes units [b U / B, (b+1) U / B) of the U = tiles x chunks
+  units, tile-major, and a tile's contributors are the blocks whose ranges meet its units
+  (`stream_segments` below is the kernel's index arithmetic, line for line).
+
+Policies (`tune["policy"]`): "cost" (K splits minimising bytes / wave occupancy), "wave" (one wave of blocks,
+each streaming at least `min_chunks` chunks), "balance" (K splits minimising waves x (chunks per block +
+`fill_chunks`), the pipeline fill counted as chunks), "stream" (stream-K, blocks of at least `min_chunks`
+units) and "auto" ("balance" where its blocks fill between `auto_fill` and all of one wave, else "stream").
+`ksplit` > 0 forces a tile-grid split (measurement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    grid: tuple[int, int, int]
+    cps: int            # chunks per K split (tile grid); all chunks (stream-K)
+    partial_rows: int   # leading dim of the float32 partial-sum buffer; 1 = none needed
+    stream: bool
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial_bytes: int, policy: str,
+                tune: dict) -> int:
+    """K splits for `tiles` output tiles of `nchunks` K chunks on `slots` resident blocks."""
+    if tune["ksplit"] > 0:
+        return min(tune["ksplit"], nchunks)
+    if policy == "balance":
+        top = max(1, min(nchunks // max(1, tune["min_chunks"]), 32))
+        return min(range(1, top + 1),
+                   key=lambda ks: (_ceil(tiles * ks, slots) * (_ceil(nchunks, ks) + tune["fill_chunks"]), ks))
+    if policy == "wave":
+        if tiles >= slots:
+            return 1
+        return max(1, min(slots // tiles, nchunks // max(1, tune["min_chunks"])))
+    best, best_cost = 1, float("inf")
+    for ks in range(1, max(1, min(nchunks // 2, 32)) + 1):
+        blocks = tiles * ks
+        occupancy = blocks / (_ceil(blocks, slots) * slots)
+        cost = (weight_bytes + (partial_bytes * ks if ks > 1 else 0)) / occupancy
+        if cost < 0.98 * best_cost:
+            best, best_cost = ks, cost
+    return best
+
+
+def plan_gemm(*, tiles: int, nchunks: int, mtiles: int, groups: int, slots: int, weight_bytes: int,
+              partial_bytes: int, tune: dict, dense: bool = True, max_counters: int = 1 << 16) -> GemmPlan:
+    """The launch of one product: `tiles` output tiles of `nchunks` K chunks, `mtiles` M tiles, `groups`
+    expert groups (grouped products never split K), `slots` resident blocks on the device."""
+    ksplit, stream = 1, 0
+    if dense and tiles * mtiles <= max_counters:
+        policy = tune["policy"]
+        if policy == "auto":
+            ks = pick_ksplit(tiles * mtiles, nchunks, slots, 0, 0, "balance", tune)
+            policy = "balance" if tune["auto_fill"] * slots <= tiles * mtiles * ks <= slots else "stream"
+        if policy == "stream" and tune["ksplit"] <= 0:
+            units = tiles * nchunks
+            stream = max(1, min(max(1, slots // mtiles), units // max(1, tune["min_chunks"])))
+            # a tile meets at most ceil(nchunks / (units // blocks)) + 1 blocks' ranges
+            ksplit = min(stream, _ceil(nchunks, units // stream) + 1)
+        else:
+            ksplit = pick_ksplit(tiles * mtiles, nchunks, slots, weight_bytes, partial_bytes, policy, tune)
+    if stream:
+        return GemmPlan((stream, 1, mtiles * groups), nchunks, ksplit, True)
+    cps = _ceil(nchunks, ksplit)
+    ksplit = _ceil(nchunks, cps)
+    return GemmPlan((tiles, ksplit, mtiles * groups), cps, ksplit, False)
+
+
+def stream_segments(block: int, blocks: int, tiles: int, nchunks: int) -> list[tuple[int, int, int, int, int]]:
+    """(tile, c0, c1, part, nparts) of each segment block `block` runs in stream-K mode (mx_gemm_impl's loop)."""
+    units = tiles * nchunks
+
+    def block_of(u: int) -> int:
+        return ((u + 1) * blocks - 1) // units
+
+    out = []
+    u, u_end = block * units // blocks, (block + 1) * units // blocks
+    while u < u_end:
+        tile, c0 = u // nchunks, u % nchunks
+        c1 = min(nchunks, c0 + (u_end - u))
+        first = block_of(tile * nchunks)
+        out.append((tile, c0, c1, block - first, block_of(tile * nchunks + nchunks - 1) - first + 1))
+        u += c1 - c0
+    return out

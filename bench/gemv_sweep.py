@@ -39,14 +39,9 @@ M12 = ("gate|up", "down", "qkv|z")
 L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 
 VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
-    ("wave acc1", {"acc": 1, "policy": "wave"}, ()),
-    ("balance acc2", {"acc": 2, "policy": "balance"}, ()),
-    ("stream acc2", {"acc": 2, "policy": "stream"}, ()),
-    ("auto acc2", {"acc": 2, "policy": "auto"}, ()),
-    ("auto acc1", {"acc": 1, "policy": "auto"}, ()),
-    ("auto acc2 s1", {"acc": 2, "policy": "auto", "stages": 1}, ()),
+    ("wave acc1", {"acc": 1, "policy": "wave"}, ()),          # the launch before stream-K / auto
+    ("auto acc2", {"acc": 2, "policy": "auto"}, ()),          # the default
     ("auto acc2 s4", {"acc": 2, "policy": "auto", "stages": 4}, ()),
-    ("auto acc2 mc4", {"acc": 2, "policy": "auto", "min_chunks": 4}, ()),
     ("diag auto acc2", {"acc": 2, "policy": "auto"}, (("MX_DIAG", 1),)),
 ]
 

@@ -210,9 +210,10 @@ __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, const u8*
 }
 
 template <int FMT, int NT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
-                                          const u16* xs_lane) {
-    constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS, RS = 2048 / NT + 32;
+__device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0,
+                                          const LaneRow<FMT>& r1, const u16* xs_lane, const int rs,
+                                          const int g, const int m_valid) {
+    constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS;
     u32 f0[4] = {0, 0, 0, 0}, f1[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int i = 0; i < NS; ++i) {
@@ -226,7 +227,9 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
         dequant<FMT>(r1.w, f1, jj, a1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            uint4 b = *(const uint4*)(xs_lane + nt * 8 * RS + 32 * jj);
+            // rows of x past m_valid are not staged: their (discarded) output columns multiply zeros
+            const uint4 b = NT > 2 || nt * 8 + g < m_valid ? *(const uint4*)(xs_lane + nt * 8 * rs + 32 * jj)
+                                                           : u4(0, 0, 0, 0);
             mma16816(acc[0][nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
             mma16816(acc[Acc<NT>::N - 1][nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
         }
@@ -271,10 +274,15 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
 
     // STAGES chunks of codes in flight per lane (a register ring; indices fold to constants): a decode GEMV
     // is bound by memory latency x bytes in flight, so each block streams a long K range deeply pipelined.
-    // x is staged once per segment of CPSEG chunks, outside the unrolled ring, so that the loop's code stays
-    // small (one copy of the chunk's MMAs per stage); ST divides CPSEG, so every segment starts at ring slot 0.
+    // x is staged once per segment of `segc` chunks, outside the unrolled ring, so that the loop's code stays
+    // small (one copy of the chunk's MMAs per stage). Tiles of <= 2 n-tiles stage only the m_valid real rows,
+    // so a segment is as long as the buffer allows (M = 1: 64 chunks of 256 codes, 8x the 8-row segment);
+    // wider tiles stage all MT rows, zero-filled (no per-row predicate: their registers are spoken for).
+    // ST divides CPSEG and segc, so every segment starts at ring slot 0.
     constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4 ? 2 : Fmt<FMT>::STAGES;  // wide M tiles: registers for acc
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
+    const int mrows = NT > 2 ? MT : m_valid;
+    const int segc = (((MT * RS) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
     LaneRow<FMT> r0[ST], r1[ST];
 #pragma unroll
     for (int s = 0; s < ST; ++s)
@@ -283,12 +291,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
             load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c0 + s) * 4 + t, A.Kp);
         }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
-    for (int sb = c0; sb < c1; sb += CPSEG) {
-        // stage x[m0:m0+MT, chunks sb..sb+CPSEG) in the k-slot permutation
+    for (int sb = c0; sb < c1; sb += segc) {
+        // stage x[m0:m0+m_valid, chunks sb..sb+segc) in the k-slot permutation
         __syncthreads();
         const i64 kseg = (i64)sb * CK;
-        for (int i = tid; i < MT * (SEGK / 8); i += blockDim.x) {
-            const int m = i / (SEGK / 8), d8 = (i % (SEGK / 8)) * 8;
+        const int se = min(c1, sb + segc), seg8 = (se - sb) * (CK / 8);
+        for (int i = tid; i < mrows * seg8; i += blockDim.x) {
+            const int m = i / seg8, d8 = (i % seg8) * 8;
             const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
             const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
             float v[8];
@@ -315,16 +324,16 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) | ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
-            *(uint4*)(xs + m * RS + d8) = u4(o[0], o[1], o[2], o[3]);
+            *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
         }
         __syncthreads();
-        const int se = min(c1, sb + CPSEG);
         for (int cb = sb; cb < se; cb += ST) {
 #pragma unroll
             for (int s = 0; s < ST; ++s) {
                 const int c = cb + s;
                 if (c >= se) break;  // uniform per block
-                if (warp_on) mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + g * RS + (c - sb) * CK + 8 * t);
+                if (warp_on)
+                    mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + g * rs + (c - sb) * CK + 8 * t, rs, g, m_valid);
                 if (c + ST < c1) {  // refill this stage with the chunk ST ahead
                     load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c + ST) * 4 + t, A.Kp);
                     load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c + ST) * 4 + t, A.Kp);

@@ -19,7 +19,9 @@
 // E4M3, subnormals included) and one bf16x2 FMA by the block scale (exact: power-of-two scale, or E4M3 block
 // scale times an E2M1 element); x is staged times 2^64 so that the scale factor 2^(s - 65) stays a normal
 // bf16 for any E8M0 code s <= 192 (weights of any real model). fp32 accumulation; the K range may be split
-// over blocks (grid.y), combined deterministically by the last block of each tile (counters self-reset).
+// over blocks (grid.y), combined deterministically by the last block of each tile (counters self-reset), or
+// the launch may be stream-K (A.stream: a wave of blocks sharing the tile-major (tile, chunk) units evenly;
+// decapybara/backend/gemv_plan.py plans both and mirrors the index arithmetic).
 // Grouped mode (MoE): group_counts != 0, grid.z = groups * mtiles; group e reads rows gather[off_e + m] of x,
 // writes rows off_e + m of y, uses weights W + e * w_gstride.
 

@@ -1,0 +1,38 @@
+"""One skinny-GEMM product for Nsight Compute: warm-up launches, then the launch to profile.
+
+    ncu --clock-control none -k regex:mx_gemm_ --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+        python3 bench/gemv_ncu.py [fmt] [N] [K] [M]          # default: mxfp4 34816 5120 1 (fused 27B gate|up)
+
+Warp-state and scheduler statistics say whether the kernel waits on memory, on dependent instructions or on
+issue slots, which timing alone cannot separate.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupy as cp
+
+from decapybara.backend import cupy_ops_extra as ex
+from gpu import random_packed  # noqa: E402  (bench/gpu.py)
+
+
+def main() -> None:
+    fmt = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
+    n, k, m = (int(a) for a in (sys.argv[2:5] if len(sys.argv) > 4 else (34816, 5120, 1)))
+    cp.random.seed(0)
+    w = random_packed(fmt, (n, k))
+    x = cp.random.standard_normal((m, k), cp.float32)
+    for _ in range(4):  # three warm-up launches (compile, caches), then the profiled one
+        ex.mx_linear(x, w)
+    cp.cuda.Device().synchronize()
+    print(f"{fmt} [{n}, {k}] M {m}: plan {ex.TUNE}")
+
+
+if __name__ == "__main__":
+    main()

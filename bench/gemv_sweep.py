@@ -41,7 +41,9 @@ L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wave acc1", {"acc": 1, "policy": "wave"}, ()),          # the launch before stream-K / auto
     ("auto acc2", {"acc": 2, "policy": "auto"}, ()),          # the default
-    ("auto acc2 s4", {"acc": 2, "policy": "auto", "stages": 4}, ()),
+    ("auto 3/SM s1 acc1", {"acc": 1, "policy": "auto", "stages": 1, "blocks_per_sm": 3}, ()),
+    ("auto 3/SM s1 acc2", {"acc": 2, "policy": "auto", "stages": 1, "blocks_per_sm": 3}, ()),
+    ("auto 3/SM s2 acc2", {"acc": 2, "policy": "auto", "stages": 2, "blocks_per_sm": 3}, ()),
     ("diag auto acc2", {"acc": 2, "policy": "auto"}, (("MX_DIAG", 1),)),
 ]
 
@@ -51,7 +53,8 @@ def precompile(variants: list, fmts: list[str]) -> None:
     jobs = set()
     for _, tune, defines in variants:
         t = {**ex.TUNE, **tune}
-        d = (("MX_STAGES", t["stages"]), ("MX_WARPS", t["warps"]), ("MX_ACC", t["acc"]), *defines)
+        d = (("MX_STAGES", t["stages"]), ("MX_WARPS", t["warps"]), ("MX_ACC", t["acc"]),
+             ("MX_MINB", t["blocks_per_sm"]), *defines)
         for f in fmts:
             for nt in (1, 2):
                 jobs.add((f"mx_gemm_{f}_{nt}", d))

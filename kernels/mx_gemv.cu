@@ -53,6 +53,9 @@ template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per
 #define MX_ACC 1  // independent accumulator chains of a one-n-tile (M <= 8) block: the two MMAs of a slice pair
 #endif                // do not wait on each other (wider tiles already have one chain per n-tile)
 template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
+#ifndef MX_MINB
+#define MX_MINB 2  // resident blocks per SM the one-n-tile kernels are built for (registers: 65536 / (256 MINB))
+#endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
 #endif
@@ -423,7 +426,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 }
 
 #define MX_KERNEL(NAME, FMT, NT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, (NT <= 4 ? 2 : 1) * (8 / WARPS)) NAME(                         \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, (NT == 1 ? MX_MINB : NT <= 4 ? 2 : 1) * (8 / WARPS)) NAME(    \
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \

@@ -114,8 +114,9 @@ def _counters(device: int) -> Any:
 
 # Launch tuning of mx_gemm (bench/gpu.py and bench/gemv_sweep.py sweep it): `stages` chunks in flight per lane
 # (kernel define MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `acc` independent accumulator
-# chains (MX_ACC); `blocks_per_sm` resident blocks counted per SM; the split policy and its knobs are
-# described in decapybara/backend/gemv_plan.py.
+# chains (MX_ACC); `blocks_per_sm` resident blocks per SM, counted by the split policy and, for one-n-tile
+# kernels, built in through their launch bounds (MX_MINB; wider tiles stay at <= 2); the split policy and its
+# knobs are described in decapybara/backend/gemv_plan.py.
 TUNE = {"stages": 2, "policy": "auto", "min_chunks": 2, "blocks_per_sm": 2, "warps": 8, "acc": 2,
         "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85}  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"warps": 4}' (tests of variants)
@@ -134,7 +135,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     warps = TUNE["warps"]
     nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    per_sm = (TUNE["blocks_per_sm"] if nt <= 4 else 1) * (8 // warps)
+    per_sm = (TUNE["blocks_per_sm"] if nt == 1 else min(2, TUNE["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
     plan = plan_gemm(tiles=nrb, nchunks=nchunks, mtiles=mtiles, groups=ngroups, slots=per_sm * sm_count(),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=TUNE,
                      dense=groups is None, max_counters=_counters(cp.cuda.Device().id).size)
@@ -143,7 +144,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
     func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]), ("MX_WARPS", warps),
-                                                                 ("MX_ACC", TUNE["acc"]), *TUNE_DEFINES))
+                                                                 ("MX_ACC", TUNE["acc"]),
+                                                                 ("MX_MINB", TUNE["blocks_per_sm"]), *TUNE_DEFINES))
     func(plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),

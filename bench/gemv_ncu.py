@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
+from gpu import random_packed
 
 from decapybara.backend import cupy_ops_extra as ex
-from gpu import random_packed  # noqa: E402  (bench/gpu.py)
 
 
 def main() -> None:

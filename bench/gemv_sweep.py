@@ -13,10 +13,12 @@ weight decoding (their results are wrong; they measure what the decoding costs).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
+from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
-from gpu import bench_roofline, graph_time, random_packed  # noqa: E402  (bench/gpu.py)
-from kernels import get_kernel  # noqa: E402
+from kernels import get_kernel
 
 # [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused)
 STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
@@ -52,9 +54,7 @@ def precompile(variants: list, fmts: list[str]) -> None:
     """Build every (variant, format, tile) kernel up front, nvcc processes side by side."""
     jobs = set()
     for _, tune, defines in variants:
-        t = {**ex.TUNE, **tune}
-        d = (("MX_STAGES", t["stages"]), ("MX_WARPS", t["warps"]), ("MX_ACC", t["acc"]),
-             ("MX_MINB", t["blocks_per_sm"]), *defines)
+        d = (*ex.gemm_defines({**ex.TUNE, **tune}), *defines)
         for f in fmts:
             for nt in (1, 2):
                 jobs.add((f"mx_gemm_{f}_{nt}", d))
@@ -62,34 +62,45 @@ def precompile(variants: list, fmts: list[str]) -> None:
         list(pool.map(lambda j: get_kernel("mx_gemv", j[0], j[1]), sorted(jobs)))
 
 
-def run_variant(tune: dict, defines: tuple, weights: dict, xs: dict, copy_bw: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def tuned(tune: dict, defines: tuple) -> Iterator[None]:
+    """ex.TUNE updated by `tune` and ex.TUNE_DEFINES set to `defines` inside the block, restored after."""
     saved, saved_d = dict(ex.TUNE), ex.TUNE_DEFINES
     ex.TUNE.update(tune)
     ex.TUNE_DEFINES = defines
     try:
-        out: dict[str, Any] = {}
-        step_us = 0.0
-        for name, ((n, k), count) in STEP.items():
-            ws = weights[name]
-            for m in (1, 12) if name in M12 else (1,):
-                x = xs[m, k]
-                state = {"i": 0}
-
-                def call(ws=ws, x=x, state=state) -> None:
-                    ex.mx_linear(x, ws[state["i"] % len(ws)])
-                    state["i"] += 1
-
-                calls = max(10, 2 * len(ws))
-                t = graph_time(call, calls=calls, reps=3)
-                out[f"{name} M{m}"] = {"us": t * 1e6, "pct_copy": 100 * ws[0].nbytes / t / 1e9 / copy_bw}
-                if m == 1:
-                    step_us += count * t * 1e6
-        out["step_us_M1"] = step_us
-        return out
+        yield
     finally:
         ex.TUNE.clear()
         ex.TUNE.update(saved)
         ex.TUNE_DEFINES = saved_d
+
+
+def run_variant(weights: dict, xs: dict, copy_bw: float, ref: dict | None) -> dict[str, Any]:
+    """Times every product under the current tuning; with `ref`, also the largest relative error against it."""
+    out: dict[str, Any] = {}
+    step_us = 0.0
+    for name, ((n, k), count) in STEP.items():
+        ws = weights[name]
+        for m in (1, 12) if name in M12 else (1,):
+            x = xs[m, k]
+            state = {"i": 0}
+
+            def call(ws=ws, x=x, state=state) -> None:
+                ex.mx_linear(x, ws[state["i"] % len(ws)])
+                state["i"] += 1
+
+            calls = max(10, 2 * len(ws))
+            t = graph_time(call, calls=calls, reps=3)
+            out[f"{name} M{m}"] = {"us": t * 1e6, "pct_copy": 100 * ws[0].nbytes / t / 1e9 / copy_bw}
+            if m == 1:
+                step_us += count * t * 1e6
+        if ref is not None:  # a real variant must compute the same products as the baseline
+            got = cp.asnumpy(ex.mx_linear(xs[1, k], ws[0]))
+            err = float(np.max(np.abs(got - ref[name])) / (np.max(np.abs(ref[name])) + 1e-30))
+            out["max_rel_err_vs_base"] = max(out.get("max_rel_err_vs_base", 0.0), err)
+    out["step_us_M1"] = step_us
+    return out
 
 
 def main() -> None:
@@ -113,22 +124,11 @@ def main() -> None:
         print(f"{'variant':<24}{'step ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
         for vname, tune, defines in VARIANTS:
             try:
-                r = run_variant(tune, defines, weights, xs, copy_bw)
+                with tuned(tune, defines):
+                    r = run_variant(weights, xs, copy_bw, None if defines else ref)
             except Exception as e:  # noqa: BLE001 - one failing variant must not stop the sweep
                 print(f"{vname:<24} failed: {type(e).__name__}: {e}")
                 continue
-            if not defines:  # a real variant must compute the same products as the baseline
-                saved = dict(ex.TUNE)
-                ex.TUNE.update(tune)
-                try:
-                    for name, ((n, k), _) in STEP.items():
-                        got = cp.asnumpy(ex.mx_linear(xs[1, k], weights[name][0]))
-                        err = float(np.max(np.abs(got - ref[name])) / (np.max(np.abs(ref[name])) + 1e-30))
-                        r.setdefault("max_rel_err_vs_base", 0.0)
-                        r["max_rel_err_vs_base"] = max(r["max_rel_err_vs_base"], err)
-                finally:
-                    ex.TUNE.clear()
-                    ex.TUNE.update(saved)
             results["variants"][f"{fmt} {vname}"] = r
             print(f"{vname:<24}{r['step_us_M1'] / 1e3:>8.2f} "
                   + " ".join(f"{r[c]['pct_copy']:>11.1f}" for c in cols)

@@ -123,6 +123,12 @@ TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"w
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG, MX_FP6_STAGES)
 
 
+def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
+    """The kernel defines of mx_gemv.cu that a TUNE setting builds in (plus TUNE_DEFINES)."""
+    return (("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
+            ("MX_MINB", tune["blocks_per_sm"]), *TUNE_DEFINES)
+
+
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
           max_rows: int | None = None) -> None:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts))."""
@@ -143,9 +149,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
-    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", (("MX_STAGES", TUNE["stages"]), ("MX_WARPS", warps),
-                                                                 ("MX_ACC", TUNE["acc"]),
-                                                                 ("MX_MINB", TUNE["blocks_per_sm"]), *TUNE_DEFINES))
+    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", gemm_defines(TUNE))
     func(plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),

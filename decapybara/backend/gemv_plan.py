@@ -17,6 +17,7 @@ units) and "auto" ("balance" where its blocks fill between `auto_fill` and all o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -58,20 +59,29 @@ def pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial
 def plan_gemm(*, tiles: int, nchunks: int, mtiles: int, groups: int, slots: int, weight_bytes: int,
               partial_bytes: int, tune: dict, dense: bool = True, max_counters: int = 1 << 16) -> GemmPlan:
     """The launch of one product: `tiles` output tiles of `nchunks` K chunks, `mtiles` M tiles, `groups`
-    expert groups (grouped products never split K), `slots` resident blocks on the device."""
+    expert groups (grouped products never split K), `slots` resident blocks on the device. Cached: eager
+    decode plans every product of every step."""
+    return _plan(tiles, nchunks, mtiles, groups, slots, weight_bytes, partial_bytes, tuple(sorted(tune.items())),
+                 dense, max_counters)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(tiles: int, nchunks: int, mtiles: int, groups: int, slots: int, weight_bytes: int, partial_bytes: int,
+          tune_items: tuple, dense: bool, max_counters: int) -> GemmPlan:
+    tune = dict(tune_items)
     ksplit, stream = 1, 0
     if dense and tiles * mtiles <= max_counters:
         policy = tune["policy"]
         if policy == "auto":
-            ks = pick_ksplit(tiles * mtiles, nchunks, slots, 0, 0, "balance", tune)
-            policy = "balance" if tune["auto_fill"] * slots <= tiles * mtiles * ks <= slots else "stream"
+            ksplit = pick_ksplit(tiles * mtiles, nchunks, slots, 0, 0, "balance", tune)
+            policy = "balance" if tune["auto_fill"] * slots <= tiles * mtiles * ksplit <= slots else "stream"
+        elif policy != "stream" or tune["ksplit"] > 0:
+            ksplit = pick_ksplit(tiles * mtiles, nchunks, slots, weight_bytes, partial_bytes, policy, tune)
         if policy == "stream" and tune["ksplit"] <= 0:
             units = tiles * nchunks
             stream = max(1, min(max(1, slots // mtiles), units // max(1, tune["min_chunks"])))
             # a tile meets at most ceil(nchunks / (units // blocks)) + 1 blocks' ranges
             ksplit = min(stream, _ceil(nchunks, units // stream) + 1)
-        else:
-            ksplit = pick_ksplit(tiles * mtiles, nchunks, slots, weight_bytes, partial_bytes, policy, tune)
     if stream:
         return GemmPlan((stream, 1, mtiles * groups), nchunks, ksplit, True)
     cps = _ceil(nchunks, ksplit)

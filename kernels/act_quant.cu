@@ -11,15 +11,8 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
+#include "act_kind.cuh"
 
-__device__ __forceinline__ float load_act(const void* x, int kind, long long i) {
-    if (kind == 0) return ((const float*)x)[i];
-    u16 h = ((const u16*)x)[i];
-    if (kind == 1) return __uint_as_float((u32)h << 16);
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 
 extern "C" __global__ void act_quant_mxfp8(const void* x, int kind, long long ldx, int R, int K, int Kp, u8* codes,
                                            u8* scales) {
@@ -28,7 +21,7 @@ extern "C" __global__ void act_quant_mxfp8(const void* x, int kind, long long ld
     if (warp >= (long long)R * nb) return;  // whole warps exit together
     const long long r = warp / nb;
     const int b = (int)(warp % nb), k = b * 32 + lane;
-    const float v = k < K ? load_act(x, kind, r * ldx + k) : 0.f;
+    const float v = k < K ? load_kind(x, kind, r * ldx + k) : 0.f;
     const u32 bits = __float_as_uint(v) & 0x7FFFFFFFu;
     const bool bad = __any_sync(0xFFFFFFFFu, bits >= 0x7F800000u);  // NaN or inf anywhere in the block
     u32 amax = bits;  // ordered as integers for non-negative floats

@@ -13,22 +13,7 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
-
-__device__ __forceinline__ float ld(const void* p, int kind, long long i) {
-    if (kind == 0) return ((const float*)p)[i];
-    u16 h = ((const u16*)p)[i];
-    if (kind == 1) return __uint_as_float((u32)h << 16);
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ void st(void* p, int kind, long long i, float v) {
-    if (kind == 0) { ((float*)p)[i] = v; return; }
-    u16 h;
-    if (kind == 1) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((u16*)p)[i] = h;
-}
+#include "act_kind.cuh"
 
 extern "C" __global__ void moe_route(const float* logits, int T, int E, int k, int normalize, int* topk_ids,
                                      float* topk_w) {
@@ -105,8 +90,8 @@ extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int* 
 extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_in, void* h, int kind_out, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float a = ld(g, kind_in, i), b = ld(u, kind_in, i);
-    st(h, kind_out, i, a / (1.f + expf(-a)) * b);
+    const float a = load_kind(g, kind_in, i), b = load_kind(u, kind_in, i);
+    store_kind(h, kind_out, i, a / (1.f + expf(-a)) * b);
 }
 
 extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
@@ -116,6 +101,6 @@ extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* t
     if (c >= H) return;
     float acc = 0.f;
     for (int s = 0; s < k; ++s)
-        acc += topk_w[t * k + s] * ld(y, kind_y, (long long)slot_pos[t * k + s] * H + c);
-    st(out, kind_out, (long long)t * H + c, acc);
+        acc += topk_w[t * k + s] * load_kind(y, kind_y, (long long)slot_pos[t * k + s] * H + c);
+    store_kind(out, kind_out, (long long)t * H + c, acc);
 }

@@ -35,9 +35,7 @@ typedef long long i64;
 #define FMT_MXFP6 2
 #define FMT_MXFP4 3
 #define FMT_NVFP4 4
-#define KIND_F32 0
-#define KIND_BF16 1
-#define KIND_F16 2
+#include "act_kind.cuh"
 #ifndef MX_WARPS
 #define MX_WARPS 8  // warps per block (16 weight rows each); 4 doubles the blocks of a mid-sized matrix
 #endif
@@ -81,11 +79,6 @@ __device__ __forceinline__ uint4 u4(u32 a, u32 b, u32 c, u32 d) {
     r.x = a; r.y = b; r.z = c; r.w = d;
     return r;
 }
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -108,24 +101,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ u16 f2bf(float f) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-}
-__device__ __forceinline__ float load_x(const void* x, int kind, i64 i) {
-    if (kind == KIND_F32) return ((const float*)x)[i];
-    u16 h = ((const u16*)x)[i];
-    return kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
-}
-__device__ __forceinline__ void store_y(void* y, int kind, i64 i, float v) {
-    if (kind == KIND_F32) { ((float*)y)[i] = v; return; }
-    u16 h;
-    if (kind == KIND_BF16) h = f2bf(v);
-    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((u16*)y)[i] = h;
-}
-
 // E4M3 code -> float32 built from integer fields (no subnormal float arithmetic: safe under -ftz).
 __device__ __forceinline__ float e4m3_f32(u32 c) {
     const u32 e = (c >> 3) & 15u, m = c & 7u;
@@ -319,7 +294,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
                     }
                 } else {
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_x(A.x, A.x_kind, base + e) : 0.f;
+                    for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
                 }
             } else {
 #pragma unroll
@@ -367,7 +342,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
                     A.partial[((i64)part * A.M + m0 + m) * A.N + n] = acc[0][nt][q];
                 } else {
                     float v = acc[0][nt][q] * A.post + (A.bias ? A.bias[n] : 0.f);
-                    store_y(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + n, v);
+                    store_kind(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + n, v);
                 }
             }
     }
@@ -384,7 +359,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
         if (m >= m_valid || n >= A.N) continue;
         float s = 0.f;
         for (int ks = 0; ks < nparts; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
-        store_y(A.y, A.y_kind, (i64)(m0 + m) * A.ldy + n, s * A.post + (A.bias ? A.bias[n] : 0.f));
+        store_kind(A.y, A.y_kind, (i64)(m0 + m) * A.ldy + n, s * A.post + (A.bias ? A.bias[n] : 0.f));
     }
     if (tid == 0) *ctr = 0;
 }
@@ -481,7 +456,7 @@ extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, i
             v = decode_code(fmt, c) * sc;
         }
     }
-    store_y(out, out_kind, i, v);
+    store_kind(out, out_kind, i, v);
 }
 
 // Skinny float32 GEMM for the reference-precision backend: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small.

@@ -35,7 +35,8 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
   }
 }
 
-// One block per row; the first RN_CACHE elements of each thread stay in registers between the two passes.
+// One block per row; the first RN_CACHE elements of each thread (and their weights) stay in registers between
+// the two passes.
 #define RN_CACHE 16
 extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const float* __restrict__ res,
                                           const float* __restrict__ w, float* __restrict__ out,
@@ -46,11 +47,12 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
   if (row >= rows) return;
   const i64 base = (i64)row * n;
   const int step = blockDim.x, tail = threadIdx.x + RN_CACHE * step;
-  float hv[RN_CACHE];
+  float hv[RN_CACHE], wv[RN_CACHE];  // the weights are fetched with x, not after the reduction's barriers
 #pragma unroll
   for (int j = 0; j < RN_CACHE; ++j) {
     const int i = threadIdx.x + j * step;
     hv[j] = i < n ? load_h(x, res, base + i) : 0.0f;
+    wv[j] = i < n ? offset + w[i] : 0.0f;
   }
   float ss = 0.0f;
 #pragma unroll
@@ -65,7 +67,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
     const int i = threadIdx.x + j * step;
     if (i < n) {
       if (res_out) res_out[base + i] = hv[j];
-      out[base + i] = (hv[j] / denom) * (offset + w[i]);
+      out[base + i] = (hv[j] / denom) * wv[j];
     }
   }
   for (int i = tail; i < n; i += step) {

@@ -42,6 +42,9 @@ typedef long long i64;
 #define WARPS MX_WARPS
 #define TILE_ROWS (16 * WARPS)
 
+template <int NT> struct XBuf {  // x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding)
+    static constexpr int SEGK = 2048 / NT, RS = SEGK + 32;
+};
 template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per lane-row, NS scale bytes
 #ifndef MX_STAGES
 #define MX_STAGES 4
@@ -125,6 +128,17 @@ template <int FMT> __device__ __forceinline__ u32 scale_factor(u32 s) {
     return h | (h << 16);
 }
 
+// scale_factor<MXFP4 / MXFP6> of both E8M0 bytes of s at once (16-bit lanes): f[0] from byte 0, f[1] from
+// byte 1. e = min(s + 62, 255) saturates to infinity as above, and s = 255 sets the quiet-NaN bit.
+__device__ __forceinline__ void scale_pair(const u32 s, u32 (&f)[4]) {
+    const u32 t = __byte_perm(s, 0u, 0x4140);  // {s0, s1} in 16-bit lanes
+    u32 e;
+    asm("min.u16x2 %0, %1, %2;" : "=r"(e) : "r"(t + 0x003E003Eu), "r"(0x00FF00FFu));
+    const u32 h = (e << 7) | (((t + 0x00010001u) >> 2) & 0x00400040u);
+    f[0] = __byte_perm(h, 0u, 0x1010);
+    f[1] = __byte_perm(h, 0u, 0x3232);
+}
+
 // Codes of one lane-row (LB bytes as words w) -> the four A-operand bf16x2 pairs of slice pair JJ:
 // {P0 of slice 2JJ, P1 of slice 2JJ, P0 of slice 2JJ+1, P1 of slice 2JJ+1}.
 // JJ is a loop index of a fully unrolled loop, so every array index below folds to a constant.
@@ -170,35 +184,62 @@ template <int FMT> struct LaneRow {  // one lane's codes and scales of one row f
     u32 s;
 };
 
+template <int NS> __device__ __forceinline__ u32 ld_scales(const u8* p) {  // NS-byte aligned, NS in {1, 2, 4}
+    if (NS == 1) return __ldg(p);
+    if (NS == 2) return __ldg((const unsigned short*)p);
+    return __ldg((const u32*)p);
+}
+
+// Lane-row lr (chunk * 4 + t) of one weight row. `whole` (uniform): every chunk lies inside Kp and the scale
+// rows are NS-byte aligned, so no load needs a K bound and the NS scale bytes are one load (the decode loop's
+// loads: ~16 instructions a chunk instead of ~110 with per-byte bounds and branches).
 template <int FMT>
-__device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, const u8* S, bool row_ok, i64 lr, int Kp) {
+__device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, u32 wo, const u8* S, u32 so, bool row_ok,
+                                         int lr, int Kp, bool whole) {
     constexpr int LK = Fmt<FMT>::LANE_K, LB = Fmt<FMT>::LB, NLD = LB / 16;
-    const i64 k0 = lr * LK;
+    constexpr int NS = Fmt<FMT>::NS, SPAN = NS ? LK / NS : LK;  // codes per scale
+    const int k0 = lr * LK;
+    const u8* wp = W + (wo + (u32)(lr * LB));
+    const u8* sp = S + (so + (u32)(lr * NS));
+    if (whole) {  // rows past N keep their stale registers: their outputs are never stored
+        if (row_ok) {
+#pragma unroll
+            for (int p = 0; p < NLD; ++p) {
+                const uint4 v = ld_stream(wp + p * 16);
+                r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
+            }
+            if (NS) r.s = ld_scales<NS>(sp);
+        }
+        return;
+    }
 #pragma unroll
     for (int p = 0; p < NLD; ++p) {
         bool ok = row_ok && (FMT == FMT_MXFP6 ? k0 < Kp : k0 + p * (LK / NLD) < Kp);
-        uint4 v = ok ? ld_stream(W + lr * LB + p * 16) : u4(0, 0, 0, 0);
+        uint4 v = ok ? ld_stream(wp + p * 16) : u4(0, 0, 0, 0);
         r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
     }
     r.s = 0;
-    constexpr int NS = Fmt<FMT>::NS, SPAN = NS ? LK / NS : LK;  // codes per scale
-    if (NS && row_ok) {  // byte loads: scale rows need no alignment
 #pragma unroll
-        for (int i = 0; i < NS; ++i)
-            if (k0 + i * SPAN < Kp) r.s |= (u32)__ldg(S + lr * NS + i) << (8 * i);
+    for (int i = 0; i < NS; ++i) {  // byte loads: scale rows need no alignment
+        const u32 b = row_ok && k0 + i * SPAN < Kp ? __ldg(sp + i) : 0u;
+        r.s |= b << (8 * i);
     }
 }
 
 template <int FMT, int NT>
 __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0,
-                                          const LaneRow<FMT>& r1, const u16* xs_lane, const int rs,
-                                          const int g, const int m_valid) {
+                                          const LaneRow<FMT>& r1, const u16* xs_lane, const int (&xrow)[NT]) {
     constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS;
     u32 f0[4] = {0, 0, 0, 0}, f1[4] = {0, 0, 0, 0};
+    if (FMT == FMT_MXFP4 || FMT == FMT_MXFP6) {
+        scale_pair(r0.s, f0);
+        scale_pair(r1.s, f1);
+    } else {
 #pragma unroll
-    for (int i = 0; i < NS; ++i) {
-        f0[i] = scale_factor<FMT>((r0.s >> (8 * i)) & 0xFFu);
-        f1[i] = scale_factor<FMT>((r1.s >> (8 * i)) & 0xFFu);
+        for (int i = 0; i < NS; ++i) {
+            f0[i] = scale_factor<FMT>((r0.s >> (8 * i)) & 0xFFu);
+            f1[i] = scale_factor<FMT>((r1.s >> (8 * i)) & 0xFFu);
+        }
     }
 #pragma unroll
     for (int jj = 0; jj < S2; ++jj) {
@@ -207,9 +248,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
         dequant<FMT>(r1.w, f1, jj, a1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            // rows of x past m_valid are not staged: their (discarded) output columns multiply zeros
-            const uint4 b = NT > 2 || nt * 8 + g < m_valid ? *(const uint4*)(xs_lane + nt * 8 * rs + 32 * jj)
-                                                           : u4(0, 0, 0, 0);
+            const uint4 b = *(const uint4*)(xs_lane + xrow[nt] + 32 * jj);
             mma16816(acc[0][nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
             mma16816(acc[Acc<NT>::N - 1][nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
         }
@@ -232,19 +271,21 @@ template <int FMT, int NT>
 __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_flag, const int grp, const int mt,
                                            const int tile, const int c0, const int c1, const int part,
                                            const int nparts) {
-    constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = 2048 / NT, RS = SEGK + 32;
+    constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
     const int m0 = mt * MT;
     const int m_valid = min(MT, m_cnt - m0);
+    // Row addresses as 32-bit offsets (a matrix of one group is < 4 GB, the wrapper checks) from the block's
+    // base pointers: the compiler keeps two offsets a row instead of rematerialising 64-bit row pointers.
     const u8* W = A.W + (i64)grp * A.w_gstride;
     const u8* S = A.S + (i64)grp * A.s_gstride;
     const int rows0 = tile * TILE_ROWS + warp * 16;
     const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
-    const u8* W0 = W + (i64)(rows0 + g) * A.w_row;
-    const u8* W8 = W + (i64)(rows0 + g + 8) * A.w_row;
-    const u8* S0 = S + (i64)(rows0 + g) * A.s_row;
-    const u8* S8 = S + (i64)(rows0 + g + 8) * A.s_row;
+    const u32 wo0 = (u32)(rows0 + g) * (u32)A.w_row, wo8 = wo0 + 8u * (u32)A.w_row;
+    const u32 so0 = (u32)(rows0 + g) * (u32)A.s_row, so8 = so0 + 8u * (u32)A.s_row;
+    constexpr int NS = Fmt<FMT>::NS;
+    const bool whole = A.Kp % CK == 0 && (NS == 0 || ((A.s_row | A.s_gstride | (i64)A.S) % NS == 0));
 
     float acc[Acc<NT>::N][NT][4];
 #pragma unroll
@@ -263,12 +304,23 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
     const int segc = (((MT * RS) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
+    // Staged row of x that feeds MMA column g of n-tile nt. Rows past m_valid are not staged (<= 2 n-tiles):
+    // their columns read the last real row instead, and those output columns are never stored.
+    int xrow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xrow[nt] = (NT > 2 ? nt * 8 + g : min(nt * 8 + g, m_valid - 1)) * rs;
     LaneRow<FMT> r0[ST], r1[ST];
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+#pragma unroll
+        for (int i = 0; i < Fmt<FMT>::LB / 4; ++i) r0[s].w[i] = r1[s].w[i] = 0u;
+        r0[s].s = r1[s].s = 0u;
+    }
 #pragma unroll
     for (int s = 0; s < ST; ++s)
         if (c0 + s < c1) {
-            load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c0 + s) * 4 + t, A.Kp);
-            load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c0 + s) * 4 + t, A.Kp);
+            load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c0 + s) * 4 + t, A.Kp, whole);
+            load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c0 + s) * 4 + t, A.Kp, whole);
         }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
     for (int sb = c0; sb < c1; sb += segc) {
@@ -313,10 +365,10 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
                 const int c = cb + s;
                 if (c >= se) break;  // uniform per block
                 if (warp_on)
-                    mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + g * rs + (c - sb) * CK + 8 * t, rs, g, m_valid);
+                    mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + (c - sb) * CK + 8 * t, xrow);
                 if (c + ST < c1) {  // refill this stage with the chunk ST ahead
-                    load_row<FMT>(r0[s], W0, S0, ok0, (i64)(c + ST) * 4 + t, A.Kp);
-                    load_row<FMT>(r1[s], W8, S8, ok8, (i64)(c + ST) * 4 + t, A.Kp);
+                    load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c + ST) * 4 + t, A.Kp, whole);
+                    load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c + ST) * 4 + t, A.Kp, whole);
                 }
             }
         }
@@ -371,7 +423,8 @@ __device__ __forceinline__ int stream_block_of(i64 u, i64 U, int B) { return (in
 
 template <int FMT, int NT>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
-    constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = 2048 / NT + 32;
+    constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
+    static_assert(MT * RS * 2 + 4 <= 48 * 1024, "x buffer over the static shared-memory limit");
     __shared__ __align__(16) u16 xs[MT * RS];
     __shared__ int last_flag;
     const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;

@@ -116,9 +116,10 @@ def _counters(device: int) -> Any:
 # (kernel define MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `acc` independent accumulator
 # chains (MX_ACC); `blocks_per_sm` resident blocks per SM, counted by the split policy and, for one-n-tile
 # kernels, built in through their launch bounds (MX_MINB; wider tiles stay at <= 2); the split policy and its
-# knobs are described in decapybara/backend/gemv_plan.py.
+# knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
+# bench/gemv_sweep.py times an older one in the same run).
 TUNE = {"stages": 2, "policy": "auto", "min_chunks": 2, "blocks_per_sm": 2, "warps": 8, "acc": 2,
-        "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85}  # the H200 sweeps' best (docs/perf.md)
+        "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv"}  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"warps": 4}' (tests of variants)
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG, MX_FP6_STAGES)
 
@@ -149,7 +150,9 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
-    func = get_kernel("mx_gemv", f"mx_gemm_{w.fmt}_{nt}", gemm_defines(TUNE))
+    # the kernel addresses one group's rows by 32-bit byte offsets
+    assert w.codes.nbytes // ngroups < 1 << 32, f"{w.shape}: over 4 GB of codes per matrix"
+    func = get_kernel(TUNE["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(TUNE))
     func(plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),

@@ -41,25 +41,27 @@ M12 = ("gate|up", "down", "qkv|z")
 L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 
 VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
-    ("auto acc2", {"acc": 2, "policy": "auto"}, ()),          # the default
-    ("auto 3/SM s1 acc2", {"acc": 2, "policy": "auto", "stages": 1, "blocks_per_sm": 3}, ()),
-    ("diag auto acc2", {"acc": 2, "policy": "auto"}, (("MX_DIAG", 1),)),
+    ("default", {}, ()),
+    ("2/SM s2", {"stages": 2, "blocks_per_sm": 2}, ()),     # 2 resident blocks, 2 register stages
+    ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
+    ("diag", {}, (("MX_DIAG", 1),)),
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.
 if (Path(__file__).resolve().parents[1] / "kernels" / "mx_gemv_prev.cu").exists():
     VARIANTS.insert(0, ("previous kernel", {"source": "mx_gemv_prev"}, ()))
+if os.environ.get("SWEEP_VARIANTS"):  # e.g. "default,3/SM s1"
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["SWEEP_VARIANTS"].split(",")]
 
 
 def precompile(variants: list, fmts: list[str]) -> None:
     """Build every (variant, format, tile) kernel up front, nvcc processes side by side."""
     jobs = set()
     for _, tune, defines in variants:
-        full = {**ex.TUNE, **tune}
-        d = (*ex.gemm_defines(full), *defines)
         for f in fmts:
+            full = ex.tune_for(f, {**ex.TUNE, **tune})
             for nt in (1, 2):
-                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", d))
+                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(full), *defines)))
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         list(pool.map(lambda j: get_kernel(*j), sorted(jobs)))
 

@@ -209,25 +209,27 @@ def tune_gemv(copy_bw: float) -> None:
     weights = {(f, s): random_packed(f, shp) for f in ("mxfp4", "bf16") for s, shp in shapes.items()}
     xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, 12) for k in (5120, 17408)}
     rows, default = [], dict(ex.TUNE)
-    combos = [(2, "wave", 2, 2, 8, 1), (2, "auto", 2, 2, 8, 2), (2, "stream", 2, 2, 8, 2),
-              (1, "auto", 2, 2, 8, 2), (4, "auto", 2, 2, 8, 2), (2, "auto", 4, 2, 8, 2)]
-    for stages, policy, min_chunks, per_sm, warps, acc in combos:
-        ex.TUNE.update(stages=stages, policy=policy, min_chunks=min_chunks, blocks_per_sm=per_sm, warps=warps,
-                       acc=acc)
+    combos = [None, (2, "wave", 2, 2, 8, 1), (2, "auto", 2, 2, 8, 2), (2, "stream", 2, 2, 8, 2),
+              (1, "auto", 2, 3, 8, 2), (4, "auto", 2, 2, 8, 2), (2, "auto", 4, 2, 8, 2)]  # None: the default
+    for combo in combos:
+        ex.TUNE.clear()
+        ex.TUNE.update(default)
+        if combo is not None:
+            stages, policy, min_chunks, per_sm, warps, acc = combo
+            ex.TUNE.update(stages=stages, policy=policy, min_chunks=min_chunks, blocks_per_sm=per_sm, warps=warps,
+                           acc=acc)
         total, parts = 0.0, {}
         for (f, sname), w in weights.items():
             for m in (1, 12):
                 t = graph_time(lambda x=xs[m, w.K], w=w: ex.mx_linear(x, w), calls=10, reps=3)
                 parts[f"{f} {sname} M{m}"] = 100 * w.nbytes / t / 1e9 / copy_bw
                 total += t
-        rows.append({"stages": stages, "policy": policy, "min_chunks": min_chunks, "blocks_per_sm": per_sm,
-                     "warps": warps, "acc": acc, "total_us": total * 1e6, "pct_copy": parts})
-        print(f"tune stages {stages} {policy} min_chunks {min_chunks} per_sm {per_sm} warps {warps} acc {acc}: "
-              f"{total * 1e6:8.0f} us  "
+        rows.append({"tune": dict(ex.TUNE), "total_us": total * 1e6, "pct_copy": parts})
+        print(f"tune {'default (by format)' if combo is None else combo}: {total * 1e6:8.0f} us  "
               + " ".join(f"{v:.0f}" for v in parts.values()))
     best = min(rows, key=lambda r: r["total_us"])
-    ex.TUNE.update(stages=best["stages"], policy=best["policy"], min_chunks=best["min_chunks"],
-                   blocks_per_sm=best["blocks_per_sm"], warps=best["warps"], acc=best["acc"])
+    ex.TUNE.clear()
+    ex.TUNE.update(best["tune"])
     RESULTS["gemv_tuning"] = {"default": default, "best": dict(ex.TUNE), "rows": rows,
                               "columns": list(rows[0]["pct_copy"])}
     print("mx_gemm tuning: default", default, "best", ex.TUNE)

@@ -201,15 +201,13 @@ __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, u32 wo, c
     const int k0 = lr * LK;
     const u8* wp = W + (wo + (u32)(lr * LB));
     const u8* sp = S + (so + (u32)(lr * NS));
-    if (whole) {  // rows past N keep their stale registers: their outputs are never stored
-        if (row_ok) {
+    if (whole) {  // predicated loads, zero-filled past N (a branch per row cost 10% at M = 12, bf16 H200)
 #pragma unroll
-            for (int p = 0; p < NLD; ++p) {
-                const uint4 v = ld_stream(wp + p * 16);
-                r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
-            }
-            if (NS) r.s = ld_scales<NS>(sp);
+        for (int p = 0; p < NLD; ++p) {
+            const uint4 v = row_ok ? ld_stream(wp + p * 16) : u4(0, 0, 0, 0);
+            r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
         }
+        r.s = NS && row_ok ? ld_scales<NS>(sp) : 0u;
         return;
     }
 #pragma unroll
@@ -300,7 +298,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     // so a segment is as long as the buffer allows (M = 1: 64 chunks of 256 codes, 8x the 8-row segment);
     // wider tiles stage all MT rows, zero-filled (no per-row predicate: their registers are spoken for).
     // ST divides CPSEG and segc, so every segment starts at ring slot 0.
-    constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4 ? 2 : Fmt<FMT>::STAGES;  // wide M tiles: registers for acc
+    // wide M tiles: registers for acc; two-n-tile tiles (built for 2 blocks per SM) keep >= 2 stages
+    constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4 ? 2 : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2 : Fmt<FMT>::STAGES;
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
     const int segc = (((MT * RS) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
@@ -310,12 +309,6 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xrow[nt] = (NT > 2 ? nt * 8 + g : min(nt * 8 + g, m_valid - 1)) * rs;
     LaneRow<FMT> r0[ST], r1[ST];
-#pragma unroll
-    for (int s = 0; s < ST; ++s) {
-#pragma unroll
-        for (int i = 0; i < Fmt<FMT>::LB / 4; ++i) r0[s].w[i] = r1[s].w[i] = 0u;
-        r0[s].s = r1[s].s = 0u;
-    }
 #pragma unroll
     for (int s = 0; s < ST; ++s)
         if (c0 + s < c1) {

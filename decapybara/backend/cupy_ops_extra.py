@@ -117,15 +117,24 @@ def _counters(device: int) -> Any:
 # chains (MX_ACC); `blocks_per_sm` resident blocks per SM, counted by the split policy and, for one-n-tile
 # kernels, built in through their launch bounds (MX_MINB; wider tiles stay at <= 2); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
-# bench/gemv_sweep.py times an older one in the same run).
-TUNE = {"stages": 2, "policy": "auto", "min_chunks": 2, "blocks_per_sm": 2, "warps": 8, "acc": 2,
-        "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv"}  # the H200 sweeps' best (docs/perf.md)
+# bench/gemv_sweep.py times an older one in the same run). A value is one setting for every format or a dict
+# by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format.
+TUNE: dict[str, Any] = {
+    "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
+    "policy": "auto", "min_chunks": 2,
+    "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
+}  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"warps": 4}' (tests of variants)
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG, MX_FP6_STAGES)
 
 
+def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
+    """`tune` (default TUNE) with every by-format value resolved for weight format `fmt`."""
+    return {k: (v.get(fmt, v["*"]) if isinstance(v, dict) else v) for k, v in (TUNE if tune is None else tune).items()}
+
+
 def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
-    """The kernel defines of mx_gemv.cu that a TUNE setting builds in (plus TUNE_DEFINES)."""
+    """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for`) builds in (plus TUNE_DEFINES)."""
     return (("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
             ("MX_MINB", tune["blocks_per_sm"]), *TUNE_DEFINES)
 
@@ -133,18 +142,19 @@ def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
           max_rows: int | None = None) -> None:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts))."""
+    tune = tune_for(w.fmt)
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
     mtiles = -(-m // (8 * nt))
     ck = 4 * LANE_K[w.fmt]
     nchunks = -(-kp // ck)
-    warps = TUNE["warps"]
+    warps = tune["warps"]
     nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    per_sm = (TUNE["blocks_per_sm"] if nt == 1 else min(2, TUNE["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
+    per_sm = (tune["blocks_per_sm"] if nt == 1 else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
     plan = plan_gemm(tiles=nrb, nchunks=nchunks, mtiles=mtiles, groups=ngroups, slots=per_sm * sm_count(),
-                     weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=TUNE,
+                     weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=tune,
                      dense=groups is None, max_counters=_counters(cp.cuda.Device().id).size)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
@@ -152,7 +162,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     g_off, g_cnt = groups if groups is not None else (null(), null())
     # the kernel addresses one group's rows by 32-bit byte offsets
     assert w.codes.nbytes // ngroups < 1 << 32, f"{w.shape}: over 4 GB of codes per matrix"
-    func = get_kernel(TUNE["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(TUNE))
+    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune))
     func(plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),

@@ -203,7 +203,8 @@ def torch_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
 
 
 def tune_gemv(copy_bw: float) -> None:
-    """Sweep mx_gemm's launch tuning (ex.TUNE) on the decode shapes; keep the fastest for the rest of the run."""
+    """Sweep mx_gemm's launch tuning (ex.TUNE) on the decode shapes; MXFP4 and bf16 each keep their fastest
+    setting for the rest of the run (the other formats keep their by-format default)."""
     shapes = {"gate/up": (17408, 5120), "down": (5120, 17408), "in_proj_qkv": (10240, 5120),
               "lm_head": (248320, 5120)}
     weights = {(f, s): random_packed(f, shp) for f in ("mxfp4", "bf16") for s, shp in shapes.items()}
@@ -218,18 +219,24 @@ def tune_gemv(copy_bw: float) -> None:
             stages, policy, min_chunks, per_sm, warps, acc = combo
             ex.TUNE.update(stages=stages, policy=policy, min_chunks=min_chunks, blocks_per_sm=per_sm, warps=warps,
                            acc=acc)
-        total, parts = 0.0, {}
+        total, parts, by_fmt = 0.0, {}, {}
         for (f, sname), w in weights.items():
             for m in (1, 12):
                 t = graph_time(lambda x=xs[m, w.K], w=w: ex.mx_linear(x, w), calls=10, reps=3)
                 parts[f"{f} {sname} M{m}"] = 100 * w.nbytes / t / 1e9 / copy_bw
                 total += t
-        rows.append({"tune": dict(ex.TUNE), "total_us": total * 1e6, "pct_copy": parts})
+                by_fmt[f] = by_fmt.get(f, 0.0) + t * 1e6
+        rows.append({"tune": dict(ex.TUNE), "total_us": total * 1e6, "us_by_format": by_fmt, "pct_copy": parts})
         print(f"tune {'default (by format)' if combo is None else combo}: {total * 1e6:8.0f} us  "
               + " ".join(f"{v:.0f}" for v in parts.values()))
-    best = min(rows, key=lambda r: r["total_us"])
+    # each timed format takes its own fastest setting; the others keep their by-format default
     ex.TUNE.clear()
-    ex.TUNE.update(best["tune"])
+    ex.TUNE.update(default)
+    for f in ("mxfp4", "bf16"):
+        best = min(rows, key=lambda r, f=f: r["us_by_format"][f])
+        for k in ("stages", "policy", "min_chunks", "blocks_per_sm", "warps", "acc"):
+            v = ex.TUNE[k]
+            ex.TUNE[k] = {**(v if isinstance(v, dict) else {"*": v}), f: ex.tune_for(f, best["tune"])[k]}
     RESULTS["gemv_tuning"] = {"default": default, "best": dict(ex.TUNE), "rows": rows,
                               "columns": list(rows[0]["pct_copy"])}
     print("mx_gemm tuning: default", default, "best", ex.TUNE)

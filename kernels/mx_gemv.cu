@@ -132,8 +132,7 @@ template <int FMT> __device__ __forceinline__ u32 scale_factor(u32 s) {
 // byte 1. e = min(s + 62, 255) saturates to infinity as above, and s = 255 sets the quiet-NaN bit.
 __device__ __forceinline__ void scale_pair(const u32 s, u32 (&f)[4]) {
     const u32 t = __byte_perm(s, 0u, 0x4140);  // {s0, s1} in 16-bit lanes
-    u32 e;
-    asm("min.u16x2 %0, %1, %2;" : "=r"(e) : "r"(t + 0x003E003Eu), "r"(0x00FF00FFu));
+    const u32 e = __vminu2(t + 0x003E003Eu, 0x00FF00FFu);  // one VIMNMX.U16x2 on sm_90, emulated before
     const u32 h = (e << 7) | (((t + 0x00010001u) >> 2) & 0x00400040u);
     f[0] = __byte_perm(h, 0u, 0x1010);
     f[1] = __byte_perm(h, 0u, 0x3232);

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from decapybara.backend.gemv_plan import GemmPlan, plan_gemm, stream_segments
+from decapybara.backend.gemv_plan import GemmPlan, merge_tune, plan_gemm, stream_segments, tune_for
 
 TUNE = {"policy": "auto", "min_chunks": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85}
 
@@ -80,3 +80,16 @@ def test_grouped_and_forced_splits():
     too_many = plan_gemm(tiles=70_000, nchunks=30, mtiles=1, groups=1, slots=264, weight_bytes=0,
                          partial_bytes=0, tune=TUNE)
     assert too_many.grid[1] == 1 and not too_many.stream  # more tiles than split counters: no split
+
+
+def test_by_format_tuning_resolves_and_merges():
+    """A tuning value is one setting or a dict by weight format ("*": the rest); overrides merge dicts."""
+    tune = {"stages": {"*": 2, "mxfp4": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3}, "warps": 8}
+    assert tune_for("mxfp4", tune) == {"stages": 1, "blocks_per_sm": 3, "warps": 8}
+    assert tune_for("bf16", tune) == {"stages": 2, "blocks_per_sm": 2, "warps": 8}
+    merged = merge_tune(tune, {"stages": {"bf16": 4}, "blocks_per_sm": 1, "acc": 2})
+    assert tune_for("bf16", merged) == {"stages": 4, "blocks_per_sm": 1, "warps": 8, "acc": 2}
+    assert tune_for("mxfp4", merged) == {"stages": 1, "blocks_per_sm": 1, "warps": 8, "acc": 2}
+    assert tune == {"stages": {"*": 2, "mxfp4": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3}, "warps": 8}
+    with pytest.raises(KeyError):  # a by-format dict needs a "*" entry for the formats it does not name
+        tune_for("nvfp4", {"stages": {"mxfp4": 1}})

@@ -22,7 +22,8 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, gemm_bf16, null, sm_count, to_bf16_bits
-from decapybara.backend.gemv_plan import plan_gemm
+from decapybara.backend.gemv_plan import merge_tune, plan_gemm
+from decapybara.backend.gemv_plan import tune_for as _tune_for
 from kernels import get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
@@ -118,19 +119,20 @@ def _counters(device: int) -> Any:
 # kernels, built in through their launch bounds (MX_MINB; wider tiles stay at <= 2); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
 # bench/gemv_sweep.py times an older one in the same run). A value is one setting for every format or a dict
-# by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format.
+# by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
+# DECAPYBARA_MX_TUNE is merged into the default's.
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "policy": "auto", "min_chunks": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
 }  # the H200 sweeps' best (docs/perf.md)
-TUNE.update(json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}")))  # e.g. '{"warps": 4}' (tests of variants)
+TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG, MX_FP6_STAGES)
 
 
 def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
     """`tune` (default TUNE) with every by-format value resolved for weight format `fmt`."""
-    return {k: (v.get(fmt, v["*"]) if isinstance(v, dict) else v) for k, v in (TUNE if tune is None else tune).items()}
+    return _tune_for(fmt, TUNE if tune is None else tune)
 
 
 def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
@@ -161,7 +163,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
     # the kernel addresses one group's rows by 32-bit byte offsets
-    assert w.codes.nbytes // ngroups < 1 << 32, f"{w.shape}: over 4 GB of codes per matrix"
+    if w.codes.nbytes // ngroups >= 1 << 32:
+        raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune))
     func(plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),

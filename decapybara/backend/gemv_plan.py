@@ -13,12 +13,17 @@ each streaming at least `min_chunks` chunks), "balance" (K splits minimising wav
 `fill_chunks`), the pipeline fill counted as chunks), "stream" (stream-K, blocks of at least `min_chunks`
 units) and "auto" ("balance" where its blocks fill between `auto_fill` and all of one wave, else "stream").
 `ksplit` > 0 forces a tile-grid split (measurement).
+
+A tuning value may be one setting or a dict by weight format ("*": every other format): `tune_for` resolves
+it for one format, `merge_tune` lays overrides over a tuning (a dict over a dict merges, anything else
+replaces).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -104,4 +109,18 @@ def stream_segments(block: int, blocks: int, tiles: int, nchunks: int) -> list[t
         first = block_of(tile * nchunks)
         out.append((tile, c0, c1, block - first, block_of(tile * nchunks + nchunks - 1) - first + 1))
         u += c1 - c0
+    return out
+
+
+def tune_for(fmt: str, tune: dict[str, Any]) -> dict[str, Any]:
+    """`tune` with every by-format value resolved for weight format `fmt` (its entry, else "*")."""
+    return {k: ((v[fmt] if fmt in v else v["*"]) if isinstance(v, dict) else v) for k, v in tune.items()}
+
+
+def merge_tune(tune: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`tune` with `overrides` laid over it: a by-format dict over a by-format dict merges (so '{"stages":
+    {"bf16": 1}}' changes bf16 alone), a plain value replaces the entry for every format."""
+    out = dict(tune)
+    for k, v in overrides.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out

@@ -126,7 +126,7 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     # stream-K: tiles split over several blocks, blocks spanning tiles, uneven shares (U % blocks != 0)
     ({"policy": "stream", "acc": 2}, (700, 1536)), ({"policy": "stream", "min_chunks": 1}, (4100, 5120)),
     ({"policy": "stream", "acc": 2, "warps": 4}, (4100, 5120)), ({"policy": "stream", "min_chunks": 7}, (300, 5120)),
-    ({"blocks_per_sm": 3, "stages": 1}, (4100, 5120))])
+    ({"blocks_per_sm": 3, "stages": 1}, (4100, 5120)), ({"blocks_per_sm": 2, "stages": 2}, (4100, 5120))])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, monkeypatch):
     """Every launch / kernel knob of mx_gemm (ex.TUNE) computes the product, split or not."""
@@ -138,6 +138,19 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
         x = rng.standard_normal((m, shape[1])).astype(np.float32)
         got = host(ex.mx_linear(cp.asarray(x), w))
         assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} {tune} M{m}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mx_linear_k_tail(fmt):
+    """K = 352 leaves a partial last chunk in every format, bf16's (64-code chunks) included: the kernel's
+    bounds-checked loads (x pre-rounded to bf16, so a dense fallback layout compares exactly too)."""
+    rng = np.random.default_rng(zlib.crc32(f"tail-{fmt}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (300, 352))
+    w = ex.pack_weight(wq)
+    for m in (1, 12):
+        x = bf16_round(rng.standard_normal((m, 352))).astype(np.float32)
+        got = host(ex.mx_linear(cp.asarray(x), w))
+        assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} K tail M{m}")
 
 
 def test_mx_linear_bias_and_fallback_layout():
@@ -193,9 +206,10 @@ def test_act_quant_bytes_equal_reference(k, dtype):
 @pytest.mark.parametrize("t", [1, 3, 12, 37])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
-def test_moe_matches_numpy_backend(t, normalize, experts):
-    rng = np.random.default_rng(t * 10 + normalize)
-    e, k, h, inter = 16, 4, 128, 192
+@pytest.mark.parametrize("h,inter", [(128, 192), (256, 512)])  # 256 / 512: whole chunks (grouped scale loads)
+def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
+    rng = np.random.default_rng(t * 10 + normalize + h)
+    e, k = 16, 4
     x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
     router = rng.standard_normal((e, h)).astype(np.float32) * 0.3
     weights, refs = [], []

@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python3 bench/gemv_sweep.py [fmt ...]     # default: mxfp4; JSON to $OUT/gemv_sweep.json
 
 For each variant (a set of `cupy_ops_extra.TUNE` overrides and kernel defines) it times every distinct
-product of a qwen3.8-27b decode step (fused gate|up, down, qkv|z, out, q, k, o, lm_head) at M = 1 and the
+product of a qwen3.8-27b decode step (fused gate|up, down, qkv|z, out (o_proj too), q, k, lm_head) at M = 1 and the
 large ones at M = 12, as CUDA-graph replays timed with CUDA events. Each product cycles through enough
 copies of its weights that they do not stay in the 50 MB L2 between calls (as in a real step, where the
 next product's weights are not cached). Prints per-shape % of the copy bandwidth and the step-weighted total

@@ -1,7 +1,8 @@
 """GPU benchmark of the qwen3.8-27b architecture: our CUDA backend vs HF transformers vs the copy roofline.
 
-One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what would not fit; BENCH_SKIP, e.g.
-"gemv,hf,nvfp4", leaves sections out):
+One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what would not fit; BENCH_SKIP, a comma
+list of "gemv", "hf" and variant names, e.g. "gemv,hf,nvfp4", leaves sections out). The skinny GEMM's launch
+tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops_extra.TUNE` as it stands.
 
     PYTHONUNBUFFERED=1 python3 bench/gpu.py        # results table last; JSON to $OUT/bench_gpu.json
 
@@ -9,12 +10,13 @@ One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what woul
 2. mx_gemv: the 27B projection shapes in every weight format, M = 1 / 12 / 64 rows, GB/s of weight bytes and
    % of the copy bandwidth, against torch's bf16 cuBLAS on the same shapes.
 3. model: seeded random weights generated on the GPU tensor by tensor (never through host RAM) for each
-   variant (bf16 through cuBLAS, bf16 / MXFP8 / MXFP6 / MXFP4 / NVFP4 through mx_gemv; norms, conv1d and the
+   variant (bf16 / MXFP8 / MXFP6 / MXFP4 / NVFP4 weights, through mx_gemv at decode; norms, conv1d and the
    small gates as the presets keep them); KV pages (bf16) and DeltaNet states filled with random data; decode
    steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs; prefill tokens/s (one
    2048-token chunk); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
-4. HF transformers, bf16, attn_implementation="eager", the same shapes with 4 and 8 decoder layers (3:1
-   DeltaNet : attention as the model), extrapolated linearly to 64 layers: t64 = t4 + (t8 - t4) * 15. Its 32k
+4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
+   4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
+   t64 = t4 + (t8 - t4) * 15. Its 32k
    cache for 12 sequences is the 1-sequence cache repeated along the batch (prefilling 12 x 32k tokens through
    eager attention does not fit the time budget).
 Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth.
@@ -200,46 +202,6 @@ def torch_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
         b.synchronize()
         ts.append(a.elapsed_time(b) / 1e3 / calls)
     return float(np.median(ts[1:]))
-
-
-def tune_gemv(copy_bw: float) -> None:
-    """Sweep mx_gemm's launch tuning (ex.TUNE) on the decode shapes; MXFP4 and bf16 each keep their fastest
-    setting for the rest of the run (the other formats keep their by-format default)."""
-    shapes = {"gate/up": (17408, 5120), "down": (5120, 17408), "in_proj_qkv": (10240, 5120),
-              "lm_head": (248320, 5120)}
-    weights = {(f, s): random_packed(f, shp) for f in ("mxfp4", "bf16") for s, shp in shapes.items()}
-    xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, 12) for k in (5120, 17408)}
-    rows, default = [], dict(ex.TUNE)
-    combos = [None, (2, "wave", 2, 2, 8, 1), (2, "auto", 2, 2, 8, 2), (2, "stream", 2, 2, 8, 2),
-              (1, "auto", 2, 3, 8, 2), (4, "auto", 2, 2, 8, 2), (2, "auto", 4, 2, 8, 2)]  # None: the default
-    for combo in combos:
-        ex.TUNE.clear()
-        ex.TUNE.update(default)
-        if combo is not None:
-            stages, policy, min_chunks, per_sm, warps, acc = combo
-            ex.TUNE.update(stages=stages, policy=policy, min_chunks=min_chunks, blocks_per_sm=per_sm, warps=warps,
-                           acc=acc)
-        total, parts, by_fmt = 0.0, {}, {}
-        for (f, sname), w in weights.items():
-            for m in (1, 12):
-                t = graph_time(lambda x=xs[m, w.K], w=w: ex.mx_linear(x, w), calls=10, reps=3)
-                parts[f"{f} {sname} M{m}"] = 100 * w.nbytes / t / 1e9 / copy_bw
-                total += t
-                by_fmt[f] = by_fmt.get(f, 0.0) + t * 1e6
-        rows.append({"tune": dict(ex.TUNE), "total_us": total * 1e6, "us_by_format": by_fmt, "pct_copy": parts})
-        print(f"tune {'default (by format)' if combo is None else combo}: {total * 1e6:8.0f} us  "
-              + " ".join(f"{v:.0f}" for v in parts.values()))
-    # each timed format takes its own fastest setting; the others keep their by-format default
-    ex.TUNE.clear()
-    ex.TUNE.update(default)
-    for f in ("mxfp4", "bf16"):
-        best = min(rows, key=lambda r, f=f: r["us_by_format"][f])
-        for k in ("stages", "policy", "min_chunks", "blocks_per_sm", "warps", "acc"):
-            v = ex.TUNE[k]
-            ex.TUNE[k] = {**(v if isinstance(v, dict) else {"*": v}), f: ex.tune_for(f, best["tune"])[k]}
-    RESULTS["gemv_tuning"] = {"default": default, "best": dict(ex.TUNE), "rows": rows,
-                              "columns": list(rows[0]["pct_copy"])}
-    print("mx_gemm tuning: default", default, "best", ex.TUNE)
 
 
 def bench_gemv(copy_bw: float) -> None:
@@ -445,8 +407,6 @@ def main() -> None:
     print(f"device {dev['name'].decode()} SMs {dev['multiProcessorCount']} budget {BUDGET:.0f} s")
     copy_bw = guarded("roofline", bench_roofline, need=5) or 4300.0
     skip = set(filter(None, os.environ.get("BENCH_SKIP", "").split(",")))  # e.g. "gemv,hf"
-    if "tuning" not in skip:
-        guarded("mx_gemv tuning", tune_gemv, copy_bw, need=60)
     if "gemv" not in skip:
         guarded("mx_gemv", bench_gemv, copy_bw, need=60)
     kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE)

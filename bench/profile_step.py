@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import cupy as cp
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -85,5 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(linewidth=160)
     main()

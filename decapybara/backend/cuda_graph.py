@@ -35,6 +35,7 @@ import cupyx
 import numpy as np
 
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
+from decapybara.backend.cupy_attention import MIN_KEYS_PER_SPLIT
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
 from decapybara.model.qwen import ForwardOutput, QwenModel
@@ -161,7 +162,7 @@ class DecodeGraphRunner:
     @staticmethod
     def _splits(batch: ForwardBatch) -> int:
         longest = max(s.total for s in batch.seqs)  # key splits per tile: enough CTAs for short contexts too
-        return 1 if longest < 64 else 4 if longest < 256 else 16 if longest < 16384 else 32
+        return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
     def _replay(self, key: tuple[int, int], batch: ForwardBatch, kv: KVCache, states: StatePool | None) -> Any:
         st = self._graphs.get(key)

@@ -24,12 +24,12 @@ from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
 from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
-from decapybara.backend.cupy_ops_extra import PackedWeight, gemm_ready, mx_linear
+from decapybara.backend.cupy_ops_extra import DENSE_ROWS, PackedWeight, gemm_ready, mx_linear
 from decapybara.backend.kv_codec import BF16Codec, codec_for
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import ModelConfig
 
-SKINNY_ROWS = 64  # products with at most this many rows take the skinny-GEMM kernels
+SKINNY_ROWS = DENSE_ROWS  # products with at most this many rows take the skinny-GEMM kernels (mx_linear's bound)
 
 
 def _is_matrix(name: str, ndim: int) -> bool:

@@ -127,7 +127,7 @@ TUNE: dict[str, Any] = {
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
-TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG, MX_FP6_STAGES)
+TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
 
 
 def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
@@ -145,6 +145,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
           max_rows: int | None = None) -> None:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts))."""
     tune = tune_for(w.fmt)
+    counters = _counters(cp.cuda.Device().id)
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
@@ -157,7 +158,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     per_sm = (tune["blocks_per_sm"] if nt == 1 else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
     plan = plan_gemm(tiles=nrb, nchunks=nchunks, mtiles=mtiles, groups=ngroups, slots=per_sm * sm_count(),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=tune,
-                     dense=groups is None, max_counters=_counters(cp.cuda.Device().id).size)
+                     dense=groups is None, max_counters=counters.size)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(x.dtype != cp.float32 and x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
@@ -170,7 +171,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
-          _counters(cp.cuda.Device().id), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
+          counters, I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
           I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream))))

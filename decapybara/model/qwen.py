@@ -57,8 +57,9 @@ class QwenModel:
         for i in self.cfg.linear_layers:
             la = f"model.layers.{i}.linear_attn"
             names = [f"{la}.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
-            qkvz = self.backend.concat_rows([self.w[names[0]], self.w[names[1]]])
-            ba = self.backend.concat_rows([self.w[names[2]], self.w[names[3]]]) if qkvz is not None else None
+            # the small b|a pair first: when it declines, the large qkv|z copy is never made
+            ba = self.backend.concat_rows([self.w[names[2]], self.w[names[3]]])
+            qkvz = self.backend.concat_rows([self.w[names[0]], self.w[names[1]]]) if ba is not None else None
             if qkvz is None or ba is None:
                 continue
             (self.w[names[0]], self.w[names[1]]), (self.w[names[2]], self.w[names[3]]) = qkvz[1], ba[1]

@@ -30,8 +30,6 @@ pytestmark = pytest.mark.gpu
 NP = NumpyBackend()
 
 
-
-
 def rand(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 

@@ -20,7 +20,6 @@ import kernels
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.engine import philox, sampling
@@ -29,13 +28,6 @@ from decapybara.model.quant.elements import bf16_decode, bf16_encode
 
 pytestmark = pytest.mark.gpu
 FORMATS = ("bf16", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
-
-
-@pytest.fixture(autouse=True)
-def poison():
-    ops.POISON = True
-    yield
-    ops.POISON = False
 
 
 def host(a):

@@ -86,7 +86,11 @@ class RawModule:
         assert code is not None, "fake RawModule needs code"
         incs = [o for o in options if o.startswith("-I")]
         defs = [o for o in options if o.startswith("-D")]
-        key = hashlib.sha256((code + "|".join(options) + open(os.path.join(EMU, "emu.h")).read()).encode()).hexdigest()[:16]
+        emu_src = ""  # the emulator's own sources: every kernel .so links emu.o
+        for f in ("emu.h", "emu.cpp"):
+            with open(os.path.join(EMU, f)) as fh:
+                emu_src += fh.read()
+        key = hashlib.sha256((code + "|".join(options) + emu_src).encode()).hexdigest()[:16]
         so = os.path.join(BUILD, f"k_{key}.so")
         src = os.path.join(BUILD, f"k_{key}.cu")
         with open(src, "w") as f:

@@ -44,6 +44,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("default", {}, ()),
     ("2/SM s2", {"stages": 2, "blocks_per_sm": 2}, ()),     # 2 resident blocks, 2 register stages
     ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
+    ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is

@@ -1,9 +1,10 @@
 """Where a 27B decode step spends its GPU time: kernels by name, per step, for eager and graph decode.
 
     PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
+    PROFILE_SHAPES=1x1024,12x1024 PROFILE_MODES=graph python3 bench/profile_step.py mxfp4
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
-sequence at 1k context and 12 sequences at 32k, records the CUDA kernels of 5 steps with the PyTorch
+sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records the CUDA kernels of 5 steps with the PyTorch
 profiler (CUPTI sees every kernel of the process, CuPy's included) and prints, per kernel name, the GPU
 microseconds and launches per step, beside the step's wall time. The sum of kernel time against the wall
 time shows how much of a step is launch gaps; the top rows show which kernels to work on.
@@ -28,6 +29,8 @@ import gpu as B
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 
 STEPS = 5
+SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROFILE_SHAPES", "1x1024,12x32768").split(",")]
+MODES = os.environ.get("PROFILE_MODES", "eager,graph").split(",")
 
 
 def kernel_table(fn, steps: int = STEPS) -> tuple[float, dict[str, tuple[float, float]]]:
@@ -70,9 +73,11 @@ def main() -> None:
     for variant in variants:
         model = B.build_model(variant)
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
-        for b, ctx in ((1, 1024), (12, 32768)):
+        for b, ctx in SHAPES:
             batch = B.decode_batch(b, ctx)
             for mode, fwd in (("eager", model.forward), ("graph", runner.forward)):
+                if mode not in MODES:
+                    continue
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
         print("graph stats:", runner.stats)

@@ -201,10 +201,12 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
   const int start = seq_info[3 * seq], nrows = seq_info[3 * seq + 1] * g;
   if (rho >= nrows) return;
   float mx = NEG_INF;
+#pragma unroll 8  // independent loads in flight: a decode tile may have dozens of parts
   for (int p = p0; p < p0 + np; ++p) mx = fmaxf(mx, part_ml[2 * (((i64)p * nkv + kvh) * BLOCK_M + r)]);
   const int t = rho / g, qh = kvh * g + (rho - t * g);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float sum = 0.0f, o = 0.0f;
+#pragma unroll 8
     for (int p = p0; p < p0 + np; ++p) {
       const i64 pr = ((i64)p * nkv + kvh) * BLOCK_M + r;
       const float mp = part_ml[2 * pr];

@@ -57,6 +57,12 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #ifndef MX_MINB
 #define MX_MINB 2  // resident blocks per SM the one-n-tile kernels are built for (registers: 65536 / (256 MINB))
 #endif
+#ifndef MX_MINB2
+#define MX_MINB2 2  // resident blocks per SM the two-n-tile (9 <= M <= 16) kernels are built for
+#endif
+#ifndef MX_STAGES2
+#define MX_STAGES2 0  // register stages of the two-n-tile kernels; 0: max(2, the format's STAGES)
+#endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
 #endif
@@ -298,7 +304,10 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     // wider tiles stage all MT rows, zero-filled (no per-row predicate: their registers are spoken for).
     // ST divides CPSEG and segc, so every segment starts at ring slot 0.
     // wide M tiles: registers for acc; two-n-tile tiles (built for 2 blocks per SM) keep >= 2 stages
-    constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4 ? 2 : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2 : Fmt<FMT>::STAGES;
+    constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4                            ? 2
+                                       : NT == 2 && MX_STAGES2 > 0        ? MX_STAGES2
+                                       : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2
+                                                                          : Fmt<FMT>::STAGES;
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
     const int segc = (((MT * RS) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
@@ -446,7 +455,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 }
 
 #define MX_KERNEL(NAME, FMT, NT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, (NT == 1 ? MX_MINB : NT <= 4 ? 2 : 1) * (8 / WARPS)) NAME(    \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, (NT == 1 ? MX_MINB : NT == 2 ? MX_MINB2 : NT <= 4 ? 2 : 1) * (8 / WARPS)) NAME(    \
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \

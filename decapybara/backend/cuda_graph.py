@@ -35,7 +35,12 @@ import cupyx
 import numpy as np
 
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
-from decapybara.backend.cupy_attention import MIN_KEYS_PER_SPLIT
+from decapybara.backend.cupy_attention import (
+    DECODE_MAX_GROUP,
+    DECODE_MIN_KEYS,
+    MIN_KEYS_PER_SPLIT,
+    decode_shape,
+)
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
 from decapybara.model.qwen import ForwardOutput, QwenModel
@@ -53,6 +58,10 @@ def _plan(cls: Any, **values: Any) -> Any:
     if names - set(values):
         raise GraphUnsupported(f"{cls.__name__} has fields {sorted(names - set(values))} this module cannot fill")
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _kv_bits(kv: KVCache) -> tuple[int, int]:
+    return getattr(kv, "key_bits", 0), getattr(kv, "value_bits", 0)
 
 
 def capture_graph(fn: Any, stream: Any, pool: Any, warmup: int = 1) -> tuple[Any, Any]:
@@ -90,6 +99,7 @@ class _Static:
     segments: list[DeltaNetSegment]
     attn_plan: Any = None
     run_plan: Any = None
+    kv_bits: tuple[int, int] = (0, 0)  # (key, value) bits of the KV cache the plans were built for
     graph: Any = None
     pool: Any = None
     outputs: Any = None
@@ -129,7 +139,7 @@ class DecodeGraphRunner:
     # ---- public ---------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None) -> ForwardOutput:
         reason = self.ineligible(batch)
-        key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch))
+        key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv))
         if key is not None and key not in self.stats["failures"]:
             try:
                 return self._replay(key, batch, kv, states)
@@ -159,15 +169,25 @@ class DecodeGraphRunner:
     def _bucket(self, n: int) -> int:
         return min(b for b in self.buckets if b >= n)
 
-    @staticmethod
-    def _splits(batch: ForwardBatch) -> int:
-        longest = max(s.total for s in batch.seqs)  # key splits per tile: enough CTAs for short contexts too
+    def _splits(self, batch: ForwardBatch, kv: KVCache) -> int:
+        """Key splits per tile (a graph per value): enough CTAs for short contexts too. The tensor-core decode
+        kernel streams ~512+ keys a split (a power of two up to 32; cupy_attention.DECODE_MIN_KEYS), the
+        general kernel 64+."""
+        longest = max(s.total for s in batch.seqs)
+        if self._decode_kernel(kv):
+            return 1 << min(5, max(0, (longest // DECODE_MIN_KEYS).bit_length() - 1))
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
+
+    def _decode_kernel(self, kv: KVCache) -> bool:
+        """Whether attention runs the tensor-core decode kernel (cupy_attention.decode_shape) on `kv`."""
+        cfg = self.model.cfg
+        return (cfg.num_attention_heads // cfg.num_key_value_heads <= DECODE_MAX_GROUP
+                and decode_shape(cfg.head_dim, *_kv_bits(kv)) is not None)
 
     def _replay(self, key: tuple[int, int], batch: ForwardBatch, kv: KVCache, states: StatePool | None) -> Any:
         st = self._graphs.get(key)
         if st is None:
-            st = self._graphs[key] = self._build(*key, page_size=batch.page_size)
+            st = self._graphs[key] = self._build(*key, page_size=batch.page_size, kv=kv)
         self._stream.wait_event(cp.cuda.get_current_stream().record())  # KV / state writes of earlier steps
         if st.graph is None:  # warm up on padding rows only, then capture (capturing executes nothing)
             self._upload(st, None)
@@ -192,7 +212,7 @@ class DecodeGraphRunner:
         st.dev32.set(st.host32, stream=self._stream)
         st.done = self._stream.record()
 
-    def _build(self, bucket: int, splits: int, page_size: int) -> _Static:
+    def _build(self, bucket: int, splits: int, page_size: int, kv: KVCache) -> _Static:
         from decapybara.backend.cupy_attention import AttentionPlan, rows_per_warp
         from decapybara.backend.cupy_deltanet import RunPlan
 
@@ -217,7 +237,8 @@ class DecodeGraphRunner:
         st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
                              max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
                              num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
-                             rows_per_warp=rpw, slots=dev64[2])
+                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_kernel(kv))
+        st.kv_bits = _kv_bits(kv)
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
                             snapshot_keys=[])
         return st
@@ -269,7 +290,8 @@ class DecodeGraphRunner:
         backend, cfg = self.model.backend, self.model.cfg
         if not (hasattr(backend, "_attn") and hasattr(backend, "_runs")):
             raise GraphUnsupported(f"backend {type(backend).__name__} has no attention / DeltaNet plan caches")
-        backend._attn = (st.batch, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), st.attn_plan)
+        backend._attn = (st.batch, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, *st.kv_bits),
+                         st.attn_plan)
         backend._runs = (st.segments, st.run_plan)
 
     def _step(self, st: _Static, kv: KVCache, states: StatePool | None) -> tuple[Any, Any]:

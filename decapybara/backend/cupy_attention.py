@@ -5,10 +5,17 @@
 (row = token * g + head in group, g = nq / nkv) of one sequence over a key range; long key ranges are split
 (split-K, "flash decoding") so that 1..12 decoding sequences still fill the GPU, and `attention_reduce` merges
 the parts. `attention(...)` launches both kernels for one layer.
+
+A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) over bf16 KV pages with
+head_dim 64 / 128 / 256 runs kernels/attn_decode.cu instead: tensor cores, a cp.async ring of 16-key tiles per
+warp, the same work items and partial layout (so the same reduce). `DECODE` holds its switch and launch shape
+(env DECAPYBARA_DECODE_ATTN=0 turns it off; bench/attn_decode.py times both).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +29,12 @@ from kernels import get_kernel
 BLOCK_N = 32  # keys per tile (one per lane)
 NTHREADS = 128
 MIN_KEYS_PER_SPLIT = 64  # short decode contexts still spread over many CTAs
+DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column tiles hold
+# decode kernel: on / off, warps per CTA, 16-key tiles in flight per warp (lowered to fit the shared memory)
+DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3}
+DECODE_WAVES = 8  # decode plans aim at this many CTAs per SM (one resident each): short tails between waves
+DECODE_MIN_KEYS = 512  # keys per split of a decode plan: a CTA's setup, merge and partial write amortised
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,6 +55,7 @@ class AttentionPlan:
     num_parts: int
     rows_per_warp: int
     slots: Any  # [T] int64 flat KV slot of every row
+    decode: bool = False  # every sequence has one new token and g <= DECODE_MAX_GROUP (one tile, row0 0)
 
     @property
     def block_m(self) -> int:
@@ -59,22 +73,24 @@ def rows_per_warp(head_dim: int, max_rows: int) -> int:
 
 
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,
-              splits: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+              splits: int | None = None, waves: int = 2,
+              min_keys: int = MIN_KEYS_PER_SPLIT) -> tuple[np.ndarray, np.ndarray, int]:
     """(work [nwork, 5], reduce [nreduce, 4], number of parts) for sequences of `lengths` new tokens on top of
-    `contexts`. `splits` forces the number of key splits per tile (tests); else about 2 CTAs per SM."""
+    `contexts`. `splits` forces the number of key splits per tile (tests); else about `waves` CTAs per SM, no
+    split shorter than `min_keys` keys."""
     tiles = []
     for si, (n, ctx) in enumerate(zip(lengths, contexts)):
         rows = n * g
         for row0 in range(0, rows, block_m):
             last_token = (min(rows, row0 + block_m) - 1) // g
             tiles.append((si, row0, ctx + last_token + 1))
-    target = 2 * sm_count()
+    target = waves * sm_count()
     work, reduce, parts = [], [], 0
     for si, row0, kend in tiles:
         if splits is not None:
             n = splits
         else:
-            n = min(cdiv(target, len(tiles) * nkv), max(1, kend // MIN_KEYS_PER_SPLIT))
+            n = min(cdiv(target, len(tiles) * nkv), max(1, kend // min_keys))
         n = max(1, min(n, cdiv(kend, BLOCK_N)))
         chunk = cdiv(cdiv(kend, n), BLOCK_N) * BLOCK_N
         n = cdiv(kend, chunk)
@@ -88,12 +104,17 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
     return (np.asarray(work, np.int32).reshape(-1, 5), np.asarray(reduce, np.int32).reshape(-1, 4), parts)
 
 
-def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int,
-                   splits: int | None = None) -> AttentionPlan:
+def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits: int | None = None,
+                   kv_bits: tuple[int, int] = (16, 16)) -> AttentionPlan:
+    """The attention plan of one forward; a pure decode batch that the decode kernel takes (g, head_dim and
+    `kv_bits` (key, value) permitting) gets its longer splits and `decode` set."""
     g = nq // nkv
     seqs = batch.seqs
     rpw = rows_per_warp(head_dim, max((s.length for s in seqs), default=1) * g)
-    work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits)
+    decode = (bool(seqs) and g <= DECODE_MAX_GROUP and all(s.length == 1 for s in seqs)
+              and decode_shape(head_dim, *kv_bits) is not None)
+    work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
+                                    *((DECODE_WAVES, DECODE_MIN_KEYS) if decode else ()))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
@@ -101,7 +122,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int,
     info = np.asarray([(s.start, s.length, s.context) for s in seqs], np.int32).reshape(-1, 3)
     return AttentionPlan(cp.asarray(info), cp.asarray(tables), max_pages, cp.asarray(work), cp.asarray(reduce),
                          len(work), len(reduce), parts, rpw,
-                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)))
+                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode)
 
 
 _SMEM_SET: set[tuple] = set()
@@ -121,20 +142,70 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     if t == 0 or plan.num_work == 0:
         return out
     bm = plan.block_m
-    defines = (("HEAD_DIM", d), ("KBITS", kb), ("VBITS", vb), ("ROWS_PER_WARP", plan.rows_per_warp))
-    fwd = get_kernel("attn_prefill", "paged_attention_fwd", defines)
-    smem = 4 * (bm * d + BLOCK_N * (d + 4) + BLOCK_N * d)
-    if smem > 48 * 1024 and defines not in _SMEM_SET:
-        fwd.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET.add(defines)
     parts = max(plan.num_parts, 1)
     part_o = empty(parts * nkv * bm * d, cp.float32)
     part_ml = empty(parts * nkv * bm * 2, cp.float32)
-    fwd((plan.num_work, nkv), (NTHREADS,),
-        (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
-         I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+    defines = (("HEAD_DIM", d), ("KBITS", kb), ("VBITS", vb), ("ROWS_PER_WARP", plan.rows_per_warp))
+    shape = decode_shape(d, kb, vb) if plan.decode and bm <= DECODE_MAX_GROUP else None
+    if shape is not None:
+        warps, stages = shape
+        ddef = (("HEAD_DIM", d), ("BLOCK_M", bm), ("DEC_WARPS", warps), ("DEC_STAGES", stages))
+        fwd = get_kernel("attn_decode", "paged_decode_attention", ddef)
+        smem = warps * stages * 64 * d
+        if smem > 48 * 1024 and ddef not in _SMEM_SET:
+            fwd.max_dynamic_shared_size_bytes = smem
+            _SMEM_SET.add(ddef)
+        fwd((plan.num_work, nkv), (32 * warps,),
+            (q, kc, vc, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
+             I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+    else:
+        _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
     if plan.num_reduce:
         red = get_kernel("attn_prefill", "attention_reduce", defines)
         red((plan.num_reduce, nkv, bm), (NTHREADS,),
             (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
     return out
+
+
+def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tuple[int, int] | None:
+    """(warps, stages) of the decode kernel for `head_dim` and the KV page bits on this device; None when it
+    does not apply: off, pages other than bf16, another head_dim, or not even two stages of one warp fit the
+    shared memory (a tile is 64 * head_dim bytes)."""
+    if not DECODE["enabled"] or head_dim not in DECODE_HEAD_DIMS or (key_bits, value_bits) != (16, 16):
+        return None
+    limit = _smem_optin()
+    warps, stages = int(DECODE["warps"]), int(DECODE["stages"])
+    while warps * stages * 64 * head_dim > limit and stages > 2:
+        stages -= 1
+    while warps * stages * 64 * head_dim > limit and warps > 1:
+        warps //= 2
+    return (warps, stages) if warps * stages * 64 * head_dim <= limit else None
+
+
+def _smem_optin() -> int:
+    return _smem_optin_of(cp.cuda.Device().id)
+
+
+@functools.cache
+def _smem_optin_of(device: int) -> int:
+    try:
+        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+    except (RuntimeError, KeyError, AttributeError):
+        return 48 * 1024
+
+
+def _attention_fwd(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
+                   defines: tuple, out: Any, part_o: Any, part_ml: Any, nkv: int, page_size: int,
+                   scale: float) -> None:
+    """kernels/attn_prefill.cu's paged_attention_fwd: any rows, any KV format."""
+    (kc, ks, _), (vc, vs, _) = k_parts, v_parts
+    nq, d = q.shape[1], q.shape[2]
+    bm = plan.block_m
+    fwd = get_kernel("attn_prefill", "paged_attention_fwd", defines)
+    smem = 4 * (bm * d + BLOCK_N * (d + 4) + BLOCK_N * d)
+    if smem > 48 * 1024 and defines not in _SMEM_SET:
+        fwd.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET.add(defines)
+    fwd((plan.num_work, nkv), (NTHREADS,),
+        (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
+         I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)

@@ -48,7 +48,7 @@ class CupyBackend(Backend):
         self.dtype = dtype
         self.bf16 = dtype == "bf16"
         self.attention_splits = attention_splits
-        self._attn: tuple[ForwardBatch, tuple[int, int, int], AttentionPlan] | None = None
+        self._attn: tuple[ForwardBatch, tuple[int, ...], AttentionPlan] | None = None
         self._runs: tuple[list[DeltaNetSegment], RunPlan] | None = None
 
     # ---- memory -------------------------------------------------------------------------------------
@@ -154,15 +154,16 @@ class CupyBackend(Backend):
     def paged_attention(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
                         scale: float) -> Any:
         nq, d = q.shape[1], q.shape[2]
-        plan = self._attention_plan(batch, nq, kv.kv_heads, d)
+        plan = self._attention_plan(batch, nq, kv.kv_heads, d, (kv.key_bits, kv.value_bits))
         kv.write(layer, plan.slots, k, v)
         return attention(q, kv.parts(layer, "k"), kv.parts(layer, "v"), plan, kv.kv_heads, kv.page_size, scale)
 
-    def _attention_plan(self, batch: ForwardBatch, nq: int, nkv: int, d: int) -> AttentionPlan:
-        key = (nq, nkv, d)
+    def _attention_plan(self, batch: ForwardBatch, nq: int, nkv: int, d: int,
+                        kv_bits: tuple[int, int]) -> AttentionPlan:
+        key = (nq, nkv, d, *kv_bits)
         if self._attn is not None and self._attn[0] is batch and self._attn[1] == key:
             return self._attn[2]
-        plan = plan_attention(batch, nq, nkv, d, self.attention_splits)
+        plan = plan_attention(batch, nq, nkv, d, self.attention_splits, kv_bits)
         self._attn = (batch, key, plan)  # NOTE: holding the batch keeps `is` identity sound across layers
         return plan
 

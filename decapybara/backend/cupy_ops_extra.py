@@ -116,14 +116,16 @@ def _counters(device: int) -> Any:
 # Launch tuning of mx_gemm (bench/gpu.py and bench/gemv_sweep.py sweep it): `stages` chunks in flight per lane
 # (kernel define MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `acc` independent accumulator
 # chains (MX_ACC); `blocks_per_sm` resident blocks per SM, counted by the split policy and, for one-n-tile
-# kernels, built in through their launch bounds (MX_MINB; wider tiles stay at <= 2); the split policy and its
+# kernels, built in through their launch bounds (MX_MINB; two-n-tile kernels, 9 <= M <= 16: `wide_blocks_per_sm`
+# (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)); wider tiles stay at <= 2); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
 # bench/gemv_sweep.py times an older one in the same run). A value is one setting for every format or a dict
 # by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
 # DECAPYBARA_MX_TUNE is merged into the default's.
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
-    "policy": "auto", "min_chunks": 2,
+    "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
+    "min_chunks": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
@@ -138,7 +140,8 @@ def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
 def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
     """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for`) builds in (plus TUNE_DEFINES)."""
     return (("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
-            ("MX_MINB", tune["blocks_per_sm"]), *TUNE_DEFINES)
+            ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
+            ("MX_STAGES2", tune["wide_stages"]), *TUNE_DEFINES)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
@@ -155,7 +158,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     warps = tune["warps"]
     nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    per_sm = (tune["blocks_per_sm"] if nt == 1 else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
+    per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
+              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
     plan = plan_gemm(tiles=nrb, nchunks=nchunks, mtiles=mtiles, groups=ngroups, slots=per_sm * sm_count(),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=tune,
                      dense=groups is None, max_counters=counters.size)

@@ -59,8 +59,8 @@ def test_capture_graph_replays_new_inputs_without_allocating():
         assert np.array_equal(cp.asnumpy(out), ref), f"replay {i}: max diff {np.abs(cp.asnumpy(out) - ref).max()}"
 
 
-def tiny_model(seed=3):
-    cfg = ModelConfig.from_hf(dict(TINY_HF_CONFIGS["qwen3_5_text"]))
+def tiny_model(seed=3, **overrides):
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], **overrides})
     backend = CupyBackend("fp32")
     return QwenModel.from_tensors(cfg, backend, random_tensors(cfg, seed=seed, std=0.2), include_mtp=False)
 
@@ -86,10 +86,20 @@ def compare_state(kv, states, ref, name):
             assert rel_err(st[s].recurrent[j], r) <= 1e-4, f"{name}: recurrent state slot {s} layer {j}"
 
 
-def test_decode_graph_equals_eager():
-    model = tiny_model()
+@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
+def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
+    """Graph replays equal eager steps; with bf16 pages and head_dim 64 both run the tensor-core decode
+    attention (kernels/attn_decode.cu), whose graph work items include empty key ranges (splits > keys)."""
+    from decapybara.backend import cupy_attention as ca
+    launched = []
+    get = ca.get_kernel
+    monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    if heads is not None:  # 4 key splits over ~10-30 keys: later splits are empty
+        monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv: 4)
+    model = tiny_model(**over)
     page, num_pages = 8, 40
-    kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
     runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
     rng = np.random.default_rng(1)
     seqs = []  # [tokens, slot, pages]
@@ -116,7 +126,8 @@ def test_decode_graph_equals_eager():
         compare_state(kv, states, after, f"step {step}")
         for j, s in enumerate(active):
             s[0].append(int(np.argmax(eager[j])))
-    assert runner.stats["captures"] == len({(runner._bucket(len(o)), 1) for o in plan}), runner.stats
+    assert runner.stats["captures"] == len({runner._bucket(len(o)) for o in plan}), runner.stats
+    assert ("paged_decode_attention" in launched) == (kv_mode == "16/16"), sorted(set(launched))
 
 
 def test_decode_graph_runs_prefill_eagerly():

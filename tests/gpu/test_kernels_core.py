@@ -250,6 +250,39 @@ def test_attention_decode_twelve_sequences_split_k(splits, kv_mode):
                         fill_first=True)
 
 
+@pytest.mark.parametrize("shape", [(4, 3), (2, 4), (8, 2), (1, 2)])
+@pytest.mark.parametrize("nq,nkv,d,page_size", [(24, 4, 256, 64), (8, 1, 128, 16), (4, 4, 64, 5), (16, 2, 256, 7)])
+def test_decode_attention_tensor_cores(monkeypatch, shape, nq, nkv, d, page_size):
+    """kernels/attn_decode.cu (bf16 pages, one new token per sequence, g <= 8) against numpy at float32
+    tolerance: contexts of one key, partial last tiles, pages of 5 or 7 keys splitting tiles, forced and
+    planned splits, every launch shape (warps x stages)."""
+    from decapybara.backend import cupy_attention as ca
+    monkeypatch.setitem(ca.DECODE, "warps", shape[0])
+    monkeypatch.setitem(ca.DECODE, "stages", shape[1])
+    launched = []
+    get = ca.get_kernel
+    monkeypatch.setattr(ca, "get_kernel", lambda m, f, defs=(): launched.append((f, dict(defs))) or get(m, f, defs))
+    steps = [[1, 17, 40, 300], [1, 1, 1, 1], [1, 1, 1, 1]]
+    for splits in (None, 3):
+        run_attention_steps(attn_config(nq, nkv, d), "16/16", steps, page_size, num_pages=420 // page_size + 8,
+                            splits=splits, seed=d + nq + page_size)
+    dec = [defs for f, defs in launched if f == "paged_decode_attention"]
+    want = ca.decode_shape(d)  # 8 warps x 2 stages of 16 KB tiles (d = 256) exceed 227 KB: 4 x 2
+    assert want == (shape if shape[0] * shape[1] * 64 * d <= 227 * 1024 else (shape[0] // 2, shape[1]))
+    assert dec and all((defs["DEC_WARPS"], defs["DEC_STAGES"]) == want for defs in dec), launched
+
+
+def test_decode_attention_long_context_and_off_switch(monkeypatch):
+    """5k- and 2k-key decodes match numpy to float32 tolerance through the tensor-core kernel and through the
+    general kernel (DECODE off)."""
+    from decapybara.backend import cupy_attention as ca
+    steps = [[5000, 2100], [1, 1], [1, 1]]
+    for on in (True, False):
+        monkeypatch.setitem(ca.DECODE, "enabled", on)
+        run_attention_steps(attn_config(24, 4, 256), "16/16", steps, page_size=512, num_pages=16, seed=11,
+                            fill_first=True)
+
+
 def test_attention_single_long_sequence_split_k():
     steps = [[3000], [1], [4]]
     run_attention_steps(attn_config(8, 2, 128), "8/8", steps, page_size=32, num_pages=128, seed=3, fill_first=True)

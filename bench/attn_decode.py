@@ -46,12 +46,12 @@ def main() -> None:
         q = cp.random.standard_normal((b, nq, d), cp.float32)
         kv_bytes = b * ctx * nkv * d * 2 * 2
         ca.DECODE["enabled"] = False  # the general kernel with its own plan (64+ keys a split, 2 CTAs per SM)
-        plan = plan_attention(batch, nq, nkv, d)
+        plan = plan_attention(batch, nq, nkv, d, kv_bits=(16, 16))
         ref = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv, B.PAGE,
                                    d ** -0.5))
         res = {"general": B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d))}
         ca.DECODE["enabled"] = True
-        plan = plan_attention(batch, nq, nkv, d)
+        plan = plan_attention(batch, nq, nkv, d, kv_bits=(16, 16))
         call = layer_cycle(kv, layers, q, plan, nkv, d)
         err = 0.0
         for w, s in SHAPES:

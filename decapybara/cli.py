@@ -1,4 +1,5 @@
-"""The `decapybara` command: `build SRC OUT` converts a HF folder to .mcapy, `info FILE` describes one.
+"""The `decapybara` command: `build SRC OUT` converts a HF folder to .mcapy, `info FILE` describes one, `serve`
+runs the server, `plan` says what fits on this machine and what each setting costs.
 
 Errors a user can cause (bad checkpoint, corrupt file) print one line and exit with status 2.
 """
@@ -139,9 +140,11 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--verify", action="store_true", help="check every checksum first")
     i.set_defaults(func=_cmd_info)
+    from decapybara.launcher import cli_plan
     from decapybara.server import cli_serve
 
     cli_serve.add_parser(sub)
+    cli_plan.add_parser(sub)
     return p
 
 

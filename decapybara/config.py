@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from decapybara.errors import ConfigError
 
 PREFILL_POLICIES = ("balanced", "decode-priority", "prefill-priority")
 KV_MODES = ("16/16", "8/8", "6/6", "6/4", "4/4")
+DEMO_MODEL = Path(__file__).resolve().parent / "assets" / "demo.mcapy"  # the embedded default model
+RAM_CACHE_GB = 8.0  # the RAM tier's default budget (the server's ram_cache_gb, the planner's --ram-gb)
 
 
 @dataclass(slots=True, frozen=True)

@@ -105,14 +105,15 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
 
 
 def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits: int | None = None,
-                   kv_bits: tuple[int, int] = (16, 16)) -> AttentionPlan:
+                   kv_bits: tuple[int, int] | None = None) -> AttentionPlan:
     """The attention plan of one forward; a pure decode batch that the decode kernel takes (g, head_dim and
-    `kv_bits` (key, value) permitting) gets its longer splits and `decode` set."""
+    the pages' `kv_bits` (key, value) permitting; None: unknown, the general kernel's plan) gets its longer
+    splits and `decode` set."""
     g = nq // nkv
     seqs = batch.seqs
     rpw = rows_per_warp(head_dim, max((s.length for s in seqs), default=1) * g)
     decode = (bool(seqs) and g <= DECODE_MAX_GROUP and all(s.length == 1 for s in seqs)
-              and decode_shape(head_dim, *kv_bits) is not None)
+              and kv_bits is not None and decode_shape(head_dim, *kv_bits) is not None)
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
                                     *((DECODE_WAVES, DECODE_MIN_KEYS) if decode else ()))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
@@ -146,7 +147,7 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     part_o = empty(parts * nkv * bm * d, cp.float32)
     part_ml = empty(parts * nkv * bm * 2, cp.float32)
     defines = (("HEAD_DIM", d), ("KBITS", kb), ("VBITS", vb), ("ROWS_PER_WARP", plan.rows_per_warp))
-    shape = decode_shape(d, kb, vb) if plan.decode and bm <= DECODE_MAX_GROUP else None
+    shape = decode_shape(d, kb, vb) if plan.decode and nq // nkv <= bm <= DECODE_MAX_GROUP else None
     if shape is not None:
         warps, stages = shape
         ddef = (("HEAD_DIM", d), ("BLOCK_M", bm), ("DEC_WARPS", warps), ("DEC_STAGES", stages))
@@ -174,6 +175,8 @@ def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tup
     if not DECODE["enabled"] or head_dim not in DECODE_HEAD_DIMS or (key_bits, value_bits) != (16, 16):
         return None
     limit = _smem_optin()
+    if limit <= 0:  # before sm_80: no cp.async / bf16 mma
+        return None
     warps, stages = int(DECODE["warps"]), int(DECODE["stages"])
     while warps * stages * 64 * head_dim > limit and stages > 2:
         stages -= 1
@@ -188,9 +191,13 @@ def _smem_optin() -> int:
 
 @functools.cache
 def _smem_optin_of(device: int) -> int:
+    """Opt-in shared memory per block of `device`; 0 before compute capability 8.0 (the kernel's floor)."""
     try:
-        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
-    except (RuntimeError, KeyError, AttributeError):
+        dev = cp.cuda.Device(device)
+        if int(dev.compute_capability) < 80:
+            return 0
+        return int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+    except (RuntimeError, KeyError, AttributeError, ValueError):
         return 48 * 1024
 
 

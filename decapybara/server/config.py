@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from decapybara.config import KV_MODES, PRESETS, EngineConfig
+from decapybara.config import DEMO_MODEL, KV_MODES, PRESETS, RAM_CACHE_GB, EngineConfig
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo.mcapy"
+__all__ = ["DEMO_MODEL", "AppConfig"]
 
 
 class AppConfig(BaseModel):
@@ -35,7 +34,7 @@ class AppConfig(BaseModel):
                                                    "a fixed reservation of the whole context per conversation")
     api_key: str | None = Field(default=None, description="required as Bearer / x-api-key when set")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    ram_cache_gb: float = Field(default=8.0, ge=0, description="RAM tier budget (RAM_CACHE)")
+    ram_cache_gb: float = Field(default=RAM_CACHE_GB, ge=0, description="RAM tier budget (RAM_CACHE)")
     disk_cache: str = Field(default="~/.cache/decapybara/kv", description="disk tier fsspec URL (DISK_CACHE)")
     disk_cache_gb: float = Field(default=64.0, ge=0)
     idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")

@@ -354,3 +354,18 @@ def test_bandwidth_probe_reports_throughput():
     assert set(res) == {"read_GBps", "write_GBps", "copy_GBps", "cupy_copy_GBps"}
     assert all(np.isfinite(v) and v > 0 for v in res.values()), res
     print(res)
+
+
+def test_launcher_plans_with_the_probe(capsys):
+    """`decapybara plan` on a CUDA machine: the device's free memory and the probe's copy bandwidth."""
+    from decapybara.cli import main
+    from decapybara.launcher.probe import this_machine
+
+    m = this_machine(measure=True)
+    total = cp.cuda.runtime.memGetInfo()[1]
+    assert m.device.startswith("cuda:") and m.memory_bytes == total and 0 < m.free_bytes <= total
+    assert m.bandwidth > 1e11, m  # any CUDA GPU copies faster than 100 GB/s
+    assert main(["plan", "--config", "qwen3.8-27b", "--weights", "tiny", "--slots", "12"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "machine: cuda:" in out and "(free)" in out and "(measured)" in out

@@ -1,0 +1,144 @@
+"""Capacity planner: what fits in device memory, how long each conversation's context can be, how many paused
+conversations the RAM tier holds, and the bandwidth roofline of a decode step, for a model and its settings.
+
+Pure arithmetic over a `ModelConfig` (no device needed): the per-token KV bytes come from the KV codec's own
+page parts, the per-conversation DeltaNet state from the state pool's shapes, so the plan is the allocation
+the backends make (tests/test_launcher.py checks both against real caches). Measured inputs (device memory,
+copy bandwidth) are arguments; `decapybara.launcher.probe` measures them.
+
+The decode roofline is an upper bound: a step reads every weight once (all but the embedding table, of which
+it gathers a row per sequence), each sequence's KV, and reads and writes each sequence's DeltaNet state, all
+at the copy bandwidth. docs/perf.md says how close the CUDA backend gets (27B MXFP4: ~32-36% at one stream,
+~46% at twelve 32k-token streams on an H200).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from decapybara.backend.kv_codec import codec_for
+from decapybara.model.config import ModelConfig
+
+GIB = 1 << 30
+MIN_RESERVE = 2 * GIB  # activations, logits, CUDA-graph pools and allocator slack beside weights and KV
+RESERVE_SHARE = 0.05  # ... or this share of the device, whichever is larger
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_mode: str | None) -> int:
+    """Bytes one token's keys and values take across every attention layer (the MTP head's included, as the
+    caches allocate them) under `kv_mode` (None: float32 pages, the numpy reference's default; "16/16" bf16;
+    "K/V" microscaled with their E8M0 scale bytes)."""
+    codec = codec_for(kv_mode, np.float32)
+    per_head = sum(math.prod(shape) * np.dtype(dtype).itemsize
+                   for kv in ("k", "v") for shape, dtype in codec.parts(cfg.head_dim, kv).values())
+    return per_head * cfg.num_key_value_heads * (len(cfg.attention_layers) + cfg.mtp_num_hidden_layers)
+
+
+def state_bytes_per_conversation(cfg: ModelConfig) -> int:
+    """DeltaNet conv + recurrent state (float32) of one conversation across the linear-attention layers."""
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1)
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return 4 * (conv + rec) * len(cfg.linear_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    """One setting's memory budget and what it buys. Byte counts are exact allocations but `reserve`."""
+
+    kv_mode: str
+    slots: int
+    page_size: int
+    device_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    state_bytes: int  # the state pool: slots + 1 (the CUDA graphs' padding slot)
+    kv_token_bytes: int
+    pages: int  # KV pages that fit beside weights, states and the reserve (0: does not fit)
+    ram_bytes: int
+    context: int  # the context each conversation is planned for
+
+    @property
+    def kv_page_bytes(self) -> int:
+        return self.kv_token_bytes * self.page_size
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens the device pool holds."""
+        return self.pages * self.page_size
+
+    @property
+    def context_per_slot(self) -> int:
+        """Tokens each of `slots` conversations can hold at once (`context_mode` fixed; the pool mode lends
+        unused pages to whoever needs them)."""
+        return (self.pages // self.slots) * self.page_size if self.slots else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.pages > 0 and self.context_per_slot >= self.context
+
+    @property
+    def why_not(self) -> str | None:
+        if self.pages <= 0:
+            short = self.weight_bytes + self.state_bytes + self.reserve_bytes + self.kv_page_bytes - self.device_bytes
+            return f"weights, states and reserve leave no room for KV ({short / GIB:.1f} GiB short)"
+        if self.context_per_slot < self.context:
+            return (f"{self.slots} conversations get {self.context_per_slot} tokens each, "
+                    f"{self.context} asked")
+        return None
+
+    @property
+    def paused_in_ram(self) -> int:
+        """Paused conversations of `context` tokens (KV + state) the RAM tier holds."""
+        each = self.context * self.kv_token_bytes + self.state_bytes // (self.slots + 1)
+        return self.ram_bytes // each if each else 0
+
+    @property
+    def kv_memory_gb(self) -> float:
+        """The pool in GiB, as `decapybara serve --set kv_memory_gb=` takes it."""
+        return self.pages * self.kv_page_bytes / GIB
+
+
+def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mode: str, slots: int,
+                  context: int, page_size: int = 512, ram_bytes: int = 0,
+                  reserve_bytes: int | None = None) -> CapacityPlan:
+    """The KV pool that fits on a device of `device_bytes` beside `weight_bytes` of weights, the state pool
+    of `slots` conversations and a reserve (default max(2 GiB, 5% of the device)). Raises ValueError on
+    impossible settings (no slots, non-positive sizes)."""
+    if slots < 1 or page_size < 1 or context < 1:
+        raise ValueError(f"slots, page_size and context must be >= 1 (got {slots}, {page_size}, {context})")
+    if device_bytes <= 0 or weight_bytes < 0 or ram_bytes < 0:
+        raise ValueError("device memory must be positive, weight and RAM bytes non-negative")
+    reserve = max(MIN_RESERVE, int(RESERVE_SHARE * device_bytes)) if reserve_bytes is None else reserve_bytes
+    token = kv_bytes_per_token(cfg, kv_mode)
+    states = state_bytes_per_conversation(cfg) * (slots + 1) if cfg.linear_layers else 0
+    free = device_bytes - weight_bytes - states - reserve
+    pages = max(0, free // (token * page_size)) if token else 0
+    return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),
+                        ram_bytes, context)
+
+
+def streamed_weight_bytes(cfg: ModelConfig, weight_bytes: int) -> int:
+    """Weight bytes a decode step reads: all but an untied embedding table (a gathered row per sequence),
+    assuming the table is stored like the other matrices (its share of `weight_bytes` by element count)."""
+    if cfg.tie_word_embeddings:
+        return weight_bytes
+    from decapybara.model.weights import expected_tensors
+
+    shapes = expected_tensors(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    embed = math.prod(shapes["model.embed_tokens.weight"])
+    return int(weight_bytes * (1 - embed / total))
+
+
+def decode_roofline(cfg: ModelConfig, weight_bytes: int, kv_mode: str, contexts: list[int],
+                    bandwidth: float) -> float:
+    """Upper bound on decode tokens/s for sequences at `contexts` (one token each per step) at `bandwidth`
+    bytes/s: bytes one step must move (weights, KV read, DeltaNet state read and written) / bandwidth."""
+    if bandwidth <= 0 or not contexts:
+        raise ValueError("bandwidth must be positive and at least one sequence given")
+    step = (streamed_weight_bytes(cfg, weight_bytes) + sum(contexts) * kv_bytes_per_token(cfg, kv_mode)
+            + 2 * len(contexts) * (state_bytes_per_conversation(cfg) if cfg.linear_layers else 0))
+    return len(contexts) * bandwidth / step

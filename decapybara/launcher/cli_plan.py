@@ -1,0 +1,194 @@
+"""`decapybara plan`: what fits on this machine, what each setting costs in quality, and the serve command.
+
+    decapybara plan                                  # the embedded demo model on this machine
+    decapybara plan model.mcapy --slots 12 --context 32768
+    decapybara plan --config qwen3.8-27b --vram-gb 141 --bandwidth-gbps 4200 --slots 12 --context 32768
+
+For each candidate (KV mode; with --config or a file's quality table, weight preset x KV mode): the KV pool
+that fits beside weights, DeltaNet states and a reserve, the context each of `--slots` conversations gets, the
+paused conversations the RAM tier holds, the decode roofline at 1 and `--slots` streams of `--context` tokens
+(an upper bound, launcher/capacity.py) and, from the .mcapy quality table, KL and top-1 against bf16 weights
+with bf16 KV. Device memory and bandwidth are measured here (launcher/probe.py) unless given.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from decapybara.config import DEMO_MODEL, KV_MODES, RAM_CACHE_GB
+from decapybara.errors import ConfigError
+from decapybara.launcher.capacity import GIB, CapacityPlan, decode_roofline, plan_capacity
+from decapybara.model.config import ModelConfig
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="what fits on this machine, what each setting costs, the serve command")
+    p.add_argument("model", nargs="?", help=".mcapy path or fsspec URL (default: the embedded demo model)")
+    p.add_argument("--config", help="a named model shape instead of a file (qwen3.8-27b, qwen3.8-35b-a3b)")
+    p.add_argument("--weights", help="weight preset(s) of --config, comma-separated (default: all)")
+    p.add_argument("--kv-mode", dest="kv_mode", help=f"one KV mode ({', '.join(KV_MODES)}; default: all)")
+    p.add_argument("--slots", type=int, default=12, help="conversations decoding together (1-12)")
+    p.add_argument("--context", type=int, default=32768, help="tokens each conversation should hold")
+    p.add_argument("--page-size", dest="page_size", type=int, default=None,
+                   help="tokens per KV page (default: 512 on CUDA, 16 on the CPU, as the server)")
+    p.add_argument("--vram-gb", dest="vram_gb", type=float, help="device memory in GiB (default: measured)")
+    p.add_argument("--ram-gb", dest="ram_gb", type=float, default=None,
+                   help=f"RAM tier budget in GiB (default: the server's ram_cache_gb, {RAM_CACHE_GB:g})")
+    p.add_argument("--bandwidth-gbps", dest="bandwidth", type=float,
+                   help="copy bandwidth in GB/s, read + write (default: measured by the probe)")
+    p.set_defaults(func=cmd_plan)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    weights: str  # preset name, or the file's own weights
+    weight_bytes: int
+    kv_mode: str
+    plan: CapacityPlan
+    tok_s_1: float
+    tok_s_n: float
+    kl: float | None = None
+    top1: float | None = None
+
+
+def candidates(cfg: ModelConfig, weights: dict[str, int], kv_modes: list[str], slots: int, context: int,
+               page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
+               quality: dict[tuple[str, str], tuple[float, float]] | None = None) -> list[Candidate]:
+    """Every (weights, KV mode) setting planned: capacity, roofline at 1 and `slots` streams of `context`
+    tokens (0 when `bandwidth` is 0), quality where the table has the pair."""
+    out = []
+    for name, nbytes in weights.items():
+        for mode in kv_modes:
+            plan = plan_capacity(cfg, nbytes, device_bytes, mode, slots, context, page_size, ram_bytes)
+            t1 = decode_roofline(cfg, nbytes, mode, [context], bandwidth) if bandwidth > 0 else 0.0
+            tn = decode_roofline(cfg, nbytes, mode, [context] * slots, bandwidth) if bandwidth > 0 else 0.0
+            q = (quality or {}).get((name, mode))
+            out.append(Candidate(name, nbytes, mode, plan, t1, tn, *(q or (None, None))))
+    return out
+
+
+def format_table(rows: list[Candidate], slots: int, context: int) -> list[str]:
+    head = ["weights", "size", "kv", "KB/token", "pool tokens", f"ctx x {slots}", f"fits {context:,}",
+            "paused in RAM", "roof tok/s 1", f"roof tok/s {slots}", "kl", "top1"]
+    cells = [head]
+    for c in rows:
+        p = c.plan
+        cells.append([c.weights, f"{c.weight_bytes / GIB:.2f} GiB", c.kv_mode, f"{p.kv_token_bytes / 1024:.1f}",
+                      f"{p.tokens:,}", f"{p.context_per_slot:,}", "yes" if p.fits else "no",
+                      f"{p.paused_in_ram:,}", f"{c.tok_s_1:.0f}" if c.tok_s_1 else "-",
+                      f"{c.tok_s_n:.0f}" if c.tok_s_n else "-", "-" if c.kl is None else f"{c.kl:.4g}",
+                      "-" if c.top1 is None else f"{c.top1:.2f}%"])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    return ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
+            for r in cells]
+
+
+def serve_command(model: str | None, c: Candidate) -> str:
+    """The `decapybara serve` line for a candidate (its pool size as kv_memory_gb)."""
+    parts = ["decapybara serve"] + ([f"--model {model}"] if model else [])
+    parts += [f"--slots {c.plan.slots}", f"--kv-mode {c.kv_mode}",
+              f"--set kv_memory_gb={c.plan.kv_memory_gb:.1f}", f"--set page_size={c.plan.page_size}"]
+    return " ".join(parts)
+
+
+def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, int], dict[tuple[str, str], tuple[float, float]], str]:
+    """(config, {weights: bytes}, quality by (weights, kv) at the trained context, this file's weights name)."""
+    from decapybara.builder import load_config
+    from decapybara.mcapy import McapyFile
+
+    with McapyFile.open(path) as f:
+        cfg = load_config(f)
+        own = sum(t.nbytes for t in f.tensors.values())
+        meta = f.metadata
+    fmt = str((meta.get("weights") or {}).get("format", "file"))
+    weights = {fmt: own}
+    quality: dict[tuple[str, str], tuple[float, float]] = {}
+    table = (meta.get("sections") or {}).get("quality")
+    rows = table.get("rows") if isinstance(table, dict) else None
+    if isinstance(rows, list) and rows:
+        ctx = min(int(r["context"]) for r in rows)  # the trained context: YaRN rows come on top of it
+        for r in rows:
+            if int(r["context"]) == ctx:
+                weights.setdefault(str(r["weights"]), int(r["bytes"]))
+                quality[(str(r["weights"]), str(r["kv_mode"]))] = (float(r["kl"]), float(r["top1"]))
+    return cfg, weights, quality, fmt
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from decapybara.launcher.probe import this_machine
+
+    if args.model and args.config:
+        raise ConfigError("give a model file or --config, not both")
+    if args.kv_mode is not None and args.kv_mode not in KV_MODES:
+        raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}")
+    if not 1 <= args.slots <= 12:
+        raise ConfigError("--slots must be between 1 and 12")
+    if args.context < 1 or (args.page_size is not None and args.page_size < 1):
+        raise ConfigError("--context and --page-size must be >= 1")
+    for name in ("vram_gb", "ram_gb", "bandwidth"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise ConfigError(f"--{name.replace('_', '-').replace('bandwidth', 'bandwidth-gbps')} must be > 0")
+    own = None
+    if args.config:
+        cfg, weights = _config_inputs(args.config, args.weights)
+        quality, model = None, None
+    else:
+        model = args.model or str(DEMO_MODEL)
+        cfg, weights, quality, own = _file_inputs(model)
+        if args.weights:
+            raise ConfigError("--weights picks presets of --config; a file has its own weights")
+    machine = this_machine(measure=args.bandwidth is None)
+    on_gpu = machine.device.startswith("cuda")
+    ram = int((args.ram_gb if args.ram_gb is not None else RAM_CACHE_GB) * GIB)
+    if args.vram_gb:
+        device_bytes, source = int(args.vram_gb * GIB), "given"
+    elif on_gpu:
+        device_bytes, source = machine.free_bytes, "free"
+    else:  # the numpy backend's KV pool shares host RAM with the RAM tier
+        device_bytes, source = max(1, machine.free_bytes - ram), "available RAM less the RAM tier"
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else machine.bandwidth
+    page = args.page_size or (512 if on_gpu or args.vram_gb else 16)
+    modes = [args.kv_mode] if args.kv_mode else list(KV_MODES)
+    rows = candidates(cfg, weights, modes, args.slots, args.context, page, device_bytes, ram, bandwidth, quality)
+    print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
+          f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet")
+    print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s{' (given)' if args.bandwidth else ' (measured)'}; "
+          f"RAM tier {ram / GIB:.0f} GiB; pages of {page} tokens")
+    print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
+          f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; roofline = bytes a decode step moves / "
+          "bandwidth (an upper bound; docs/perf.md has measured fractions)")
+    for line in format_table(rows, args.slots, args.context):
+        print(line)
+    pick = [c for c in rows if c.plan.fits]
+    if not pick:
+        print(f"nothing fits: {rows[0].plan.why_not}")
+        return 0
+    best = max(pick, key=lambda c: (c.top1 if c.top1 is not None else 0.0, c.weight_bytes, c.plan.kv_token_bytes))
+    print(f"best quality that fits: {best.weights} weights, {best.kv_mode} KV")
+    if args.config:
+        print("run: build the checkpoint with `decapybara build SRC OUT --weights "
+              f"{best.weights}`, then: {serve_command('OUT', best)}")
+    elif best.weights == own:
+        print(f"run: {serve_command(args.model, best)}")
+    else:
+        print(f"run: rebuild with `--weights {best.weights}` (this file is {own}), then serve it with "
+              f"{serve_command(None, best)[len('decapybara serve '):]}")
+    return 0
+
+
+def _config_inputs(name: str, presets: str | None) -> tuple[ModelConfig, dict[str, int]]:
+    from decapybara.builder.quant_formats import WEIGHT_PRESETS, weights_bytes
+    from decapybara.model.config import NAMED_CONFIGS, named_config
+
+    if name not in NAMED_CONFIGS:
+        raise ConfigError(f"--config must be one of {', '.join(NAMED_CONFIGS)}")
+    cfg = named_config(name)
+    chosen = [p.strip() for p in presets.split(",")] if presets else [p for p in WEIGHT_PRESETS if p != "fp32"]
+    bad = [p for p in chosen if p not in WEIGHT_PRESETS]
+    if bad:
+        raise ConfigError(f"unknown weight preset(s) {bad}; one of {', '.join(WEIGHT_PRESETS)}")
+    return cfg, {p: weights_bytes(p, cfg) for p in chosen}

@@ -1,0 +1,154 @@
+"""The launcher's capacity planner against real allocations, and `decapybara plan` as a user runs it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from decapybara.backend.numpy_backend import NumpyBackend
+from decapybara.builder.quant_formats import weights_bytes
+from decapybara.cli import main
+from decapybara.config import DEMO_MODEL, KV_MODES
+from decapybara.launcher import capacity as C
+from decapybara.launcher.cli_plan import _file_inputs
+from decapybara.launcher.probe import host_bandwidth, host_memory, this_machine
+from decapybara.model.config import ModelConfig, named_config
+from decapybara.testing import TINY_HF_CONFIGS
+
+NP = NumpyBackend()
+
+
+@pytest.mark.parametrize("family", sorted(TINY_HF_CONFIGS))
+@pytest.mark.parametrize("kv_mode", [None, *KV_MODES])
+def test_kv_bytes_per_token_is_what_the_cache_allocates(family, kv_mode):
+    cfg = ModelConfig.from_hf(dict(TINY_HF_CONFIGS[family]))
+    kv = NP.new_kv_cache(cfg, num_pages=3, page_size=16, kv_mode=kv_mode)
+    assert C.kv_bytes_per_token(cfg, kv_mode) * 16 == kv.bytes_per_page
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_state_bytes_are_what_the_pool_allocates(family):
+    cfg = ModelConfig.from_hf(dict(TINY_HF_CONFIGS[family]))
+    pool = NP.new_state_pool(cfg, 5)
+    total = sum(a.nbytes for d in (pool.conv, pool.rec) for a in d.values())
+    assert C.state_bytes_per_conversation(cfg) * 5 == total
+
+
+def test_27b_figures():
+    """The 27B's bf16 KV: 4 heads x 256 dims x (K, V) x 2 bytes in 16 attention layers + the MTP layer."""
+    cfg = named_config("qwen3.8-27b")
+    assert C.kv_bytes_per_token(cfg, "16/16") == 4 * 256 * 2 * 2 * 17
+    # 8-bit pages: a byte per element plus an E8M0 scale per 32
+    assert C.kv_bytes_per_token(cfg, "8/8") == 4 * (256 + 8) * 2 * 17
+    # 48 DeltaNet layers of [48, 128, 128] float32 recurrent + conv [10240, 3] float32 states
+    assert C.state_bytes_per_conversation(cfg) == 48 * 4 * (48 * 128 * 128 + 10240 * 3)
+
+
+def test_plan_capacity_arithmetic():
+    cfg = named_config("qwen3.8-27b")
+    wb = weights_bytes("tiny", cfg)
+    p = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", slots=12, context=32768, page_size=512,
+                        ram_bytes=64 * C.GIB)
+    states = C.state_bytes_per_conversation(cfg) * 13
+    assert p.reserve_bytes == int(0.05 * 141 * C.GIB)
+    assert p.pages == (141 * C.GIB - wb - states - p.reserve_bytes) // (512 * C.kv_bytes_per_token(cfg, "16/16"))
+    assert p.tokens == 512 * p.pages and p.context_per_slot == 512 * (p.pages // 12)
+    assert p.fits and p.why_not is None
+    assert p.paused_in_ram == 64 * C.GIB // (32768 * p.kv_token_bytes + C.state_bytes_per_conversation(cfg))
+    assert math.isclose(p.kv_memory_gb, p.pages * 512 * p.kv_token_bytes / C.GIB)
+    # fewer bits per token: more tokens in the same memory
+    assert C.plan_capacity(cfg, wb, 141 * C.GIB, "4/4", 12, 32768).tokens > 3 * p.tokens
+    # a context longer than the pool's share per conversation does not fit, and says why
+    long = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", 12, 10 ** 7)
+    assert not long.fits and "tokens each" in long.why_not
+    small = C.plan_capacity(cfg, wb, 16 * C.GIB, "16/16", 12, 1024)
+    assert small.pages == 0 and not small.fits and "no room for KV" in small.why_not
+    with pytest.raises(ValueError):
+        C.plan_capacity(cfg, wb, 16 * C.GIB, "16/16", 0, 1024)
+    with pytest.raises(ValueError):
+        C.plan_capacity(cfg, wb, 0, "16/16", 1, 1024)
+
+
+def test_decode_roofline():
+    cfg = named_config("qwen3.8-27b")
+    wb = weights_bytes("tiny", cfg)
+    bw = 4.2e12
+    one = C.decode_roofline(cfg, wb, "16/16", [1024], bw)
+    step = (C.streamed_weight_bytes(cfg, wb) + 1024 * C.kv_bytes_per_token(cfg, "16/16")
+            + 2 * C.state_bytes_per_conversation(cfg))
+    assert math.isclose(one, bw / step)
+    assert C.streamed_weight_bytes(cfg, wb) < wb  # the untied embedding table is gathered, not streamed
+    twelve = C.decode_roofline(cfg, wb, "16/16", [1024] * 12, bw)
+    assert 9 * one < twelve < 12 * one  # weights shared, KV and states per sequence
+    assert C.decode_roofline(cfg, wb, "4/4", [32768] * 12, bw) > C.decode_roofline(cfg, wb, "16/16", [32768] * 12, bw)
+    with pytest.raises(ValueError):
+        C.decode_roofline(cfg, wb, "16/16", [], bw)
+
+
+def test_probe_measures_the_host():
+    total, avail = host_memory()
+    assert total > avail > 0 or total == avail > 0
+    assert host_bandwidth(8 << 20, repeats=2) > 1e8  # > 0.1 GB/s on any machine
+    m = this_machine(measure=False)
+    assert m.memory_bytes > 0 and m.bandwidth == 0.0
+
+
+def test_file_inputs_read_the_quality_table():
+    cfg, weights, quality, own = _file_inputs(str(DEMO_MODEL))
+    assert own == "bf16" and cfg.model_type == "qwen3_5_text"
+    assert {"tiny", "small", "medium", "large", "xxl"} <= set(weights)
+    assert quality[("bf16", "16/16")] == (0.0, 100.0)  # the reference row
+    assert all(0 <= kl and 0 <= top1 <= 100 for kl, top1 in quality.values())
+
+
+def test_cli_plan_named_config(capsys):
+    assert main(["plan", "--config", "qwen3.8-27b", "--vram-gb", "141", "--bandwidth-gbps", "4200",
+                 "--slots", "12", "--context", "32768", "--weights", "tiny,bf16"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith(("tiny", "bf16"))]
+    assert len(lines) == 2 * len(KV_MODES)
+    assert "best quality that fits: bf16 weights, 16/16 KV" in out
+    assert "decapybara serve --model OUT --slots 12 --kv-mode 16/16 --set kv_memory_gb=" in out
+
+
+def test_cli_plan_demo_file_with_quality(capsys):
+    assert main(["plan", "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "4", "--context", "4096",
+                 "--kv-mode", "6/4"]) == 0
+    out = capsys.readouterr().out
+    assert "0.0316" in out and "90.84%" in out  # tiny weights, 6/4 KV, from the file's quality table
+    assert "run: decapybara serve --slots 4 --kv-mode 6/4" in out
+
+
+def test_cli_plan_nothing_fits(capsys):
+    assert main(["plan", "--config", "qwen3.8-27b", "--vram-gb", "16", "--bandwidth-gbps", "1000",
+                 "--weights", "tiny", "--kv-mode", "16/16"]) == 0
+    assert "nothing fits: weights, states and reserve leave no room for KV" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-mode", "5/5"], "--kv-mode must be one of"),
+    (["--slots", "13"], "--slots must be between 1 and 12"),
+    (["--context", "0"], "--context and --page-size must be >= 1"),
+    (["--vram-gb", "-1"], "--vram-gb must be > 0"),
+    (["--bandwidth-gbps", "0"], "--bandwidth-gbps must be > 0"),
+    (["--config", "qwen3.8-27b", "--weights", "huge"], "unknown weight preset"),
+    (["--config", "nope"], "--config must be one of"),
+    ([str(DEMO_MODEL), "--config", "qwen3.8-27b"], "a model file or --config, not both"),
+    ([str(DEMO_MODEL), "--weights", "tiny"], "a file has its own weights"),
+])
+def test_cli_plan_bad_input(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_plan_missing_file(capsys, tmp_path):
+    assert main(["plan", str(tmp_path / "none.mcapy"), "--vram-gb", "8", "--bandwidth-gbps", "10"]) != 0
+    assert "decapybara: error" in capsys.readouterr().err
+
+
+def test_kv_modes_order_tokens():
+    cfg = named_config("qwen3.8-27b")
+    per = [C.kv_bytes_per_token(cfg, m) for m in KV_MODES]
+    assert per == sorted(per, reverse=True) and np.all(np.asarray(per) > 0)

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from decapybara.engine.driver import Control, EngineDriver
+from decapybara.launcher.capacity import kv_bytes_per_token
 
 
 class GPUActor:
@@ -40,7 +41,7 @@ class GPUActor:
         mcfg = loaded.config
         engine_cfg = cfg.engine_config(self.cuda)
         if cfg.kv_memory_gb and not cfg.num_pages:
-            bytes_per_page = int(mcfg.kv_bytes_per_token(*_kv_bits(engine_cfg.kv_mode)) * engine_cfg.page_size) or 1
+            bytes_per_page = kv_bytes_per_token(mcfg, engine_cfg.kv_mode) * engine_cfg.page_size or 1
             engine_cfg = engine_cfg.replace(num_pages=max(2, int(cfg.kv_memory_gb * 2**30 // bytes_per_page)))
         self.engine = Engine(loaded.model, engine_cfg, tokenizer=loaded.tokenizer)
         self.driver = EngineDriver(self.engine, remote_policy=True)
@@ -82,14 +83,6 @@ class GPUActor:
 
     def stop(self) -> None:
         self.driver.stop()
-
-
-def _kv_bits(kv_mode: str | None) -> tuple[float, float]:
-    if kv_mode is None:
-        return 32.0, 32.0
-    k, v = (int(x) for x in kv_mode.split("/"))
-    # microscaled modes carry one 8-bit scale per 32 elements
-    return (k + (8 / 32 if k < 16 else 0)), (v + (8 / 32 if v < 16 else 0))
 
 
 def gpu_actor_class(cuda: bool, blas_threads: int = 0, name: str | None = None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -54,15 +55,17 @@ def test_plan_capacity_arithmetic():
     states = C.state_bytes_per_conversation(cfg) * 13
     assert p.reserve_bytes == int(0.05 * 141 * C.GIB)
     assert p.pages == (141 * C.GIB - wb - states - p.reserve_bytes) // (512 * C.kv_bytes_per_token(cfg, "16/16"))
-    assert p.tokens == 512 * p.pages and p.context_per_slot == 512 * (p.pages // 12)
+    # one page belongs to the CUDA graphs' padding rows
+    assert p.tokens == 512 * (p.pages - 1) and p.context_per_slot == 512 * ((p.pages - 1) // 12)
     assert p.fits and p.why_not is None
     assert p.paused_in_ram == 64 * C.GIB // (32768 * p.kv_token_bytes + C.state_bytes_per_conversation(cfg))
-    assert math.isclose(p.kv_memory_gb, p.pages * 512 * p.kv_token_bytes / C.GIB)
     # fewer bits per token: more tokens in the same memory
     assert C.plan_capacity(cfg, wb, 141 * C.GIB, "4/4", 12, 32768).tokens > 3 * p.tokens
     # a context longer than the pool's share per conversation does not fit, and says why
-    long = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", 12, 10 ** 7)
+    long = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", 12, 262144)
     assert not long.fits and "tokens each" in long.why_not
+    past = C.plan_capacity(cfg, wb, 141 * C.GIB, "4/4", 1, 10 ** 6)
+    assert not past.fits and "position limit" in past.why_not
     small = C.plan_capacity(cfg, wb, 16 * C.GIB, "16/16", 12, 1024)
     assert small.pages == 0 and not small.fits and "no room for KV" in small.why_not
     with pytest.raises(ValueError):
@@ -73,18 +76,36 @@ def test_plan_capacity_arithmetic():
 
 def test_decode_roofline():
     cfg = named_config("qwen3.8-27b")
-    wb = weights_bytes("tiny", cfg)
+    tb = C.preset_tensor_bytes(cfg, "tiny")
+    assert sum(tb.values()) == weights_bytes("tiny", cfg)
     bw = 4.2e12
-    one = C.decode_roofline(cfg, wb, "16/16", [1024], bw)
-    step = (C.streamed_weight_bytes(cfg, wb) + 1024 * C.kv_bytes_per_token(cfg, "16/16")
-            + 2 * C.state_bytes_per_conversation(cfg))
+    one = C.decode_roofline(cfg, tb, "16/16", [1024], bw)
+    streamed = C.streamed_weight_bytes(cfg, tb)
+    step = streamed + 1024 * C.kv_bytes_per_token(cfg, "16/16", include_mtp=False) \
+        + 2 * C.state_bytes_per_conversation(cfg)
     assert math.isclose(one, bw / step)
-    assert C.streamed_weight_bytes(cfg, wb) < wb  # the untied embedding table is gathered, not streamed
-    twelve = C.decode_roofline(cfg, wb, "16/16", [1024] * 12, bw)
+    # neither the untied embedding table (gathered rows) nor the MTP head is streamed
+    skipped = tb["model.embed_tokens.weight"] + sum(v for k, v in tb.items() if k.startswith("mtp."))
+    assert streamed == sum(tb.values()) - skipped
+    assert C.kv_bytes_per_token(cfg, "16/16", include_mtp=False) == 4 * 256 * 2 * 2 * 16
+    twelve = C.decode_roofline(cfg, tb, "16/16", [1024] * 12, bw)
     assert 9 * one < twelve < 12 * one  # weights shared, KV and states per sequence
-    assert C.decode_roofline(cfg, wb, "4/4", [32768] * 12, bw) > C.decode_roofline(cfg, wb, "16/16", [32768] * 12, bw)
+    assert C.decode_roofline(cfg, tb, "4/4", [32768] * 12, bw) > C.decode_roofline(cfg, tb, "16/16", [32768] * 12, bw)
     with pytest.raises(ValueError):
-        C.decode_roofline(cfg, wb, "16/16", [], bw)
+        C.decode_roofline(cfg, tb, "16/16", [], bw)
+
+
+def test_moe_roofline_streams_the_routed_experts():
+    cfg = named_config("qwen3.8-35b-a3b")  # 256 experts, top 8
+    tb = C.preset_tensor_bytes(cfg, "tiny")
+    assert math.isclose(C.routed_share(cfg, 1), 8 / 256) and C.routed_share(named_config("qwen3.8-27b"), 5) == 1
+    experts = sum(v for k, v in tb.items() if ".experts." in k and not k.startswith("mtp."))
+    dense = C.streamed_weight_bytes(cfg, tb, 1) - experts * 8 / 256
+    assert dense < 0.2 * sum(tb.values())  # the experts are most of the bytes ...
+    assert math.isclose(C.streamed_weight_bytes(cfg, tb, 12), dense + experts * C.routed_share(cfg, 12))
+    # ... so one stream reads a small part of them, twelve a larger one
+    assert C.decode_roofline(cfg, tb, "16/16", [1024], 4e12) > 5 * C.decode_roofline(
+        dataclasses.replace(cfg, num_experts_per_tok=256), tb, "16/16", [1024], 4e12)
 
 
 def test_probe_measures_the_host():
@@ -96,9 +117,11 @@ def test_probe_measures_the_host():
 
 
 def test_file_inputs_read_the_quality_table():
-    cfg, weights, quality, own = _file_inputs(str(DEMO_MODEL))
+    cfg, weights, shapes, quality, own = _file_inputs(str(DEMO_MODEL))
     assert own == "bf16" and cfg.model_type == "qwen3_5_text"
     assert {"tiny", "small", "medium", "large", "xxl"} <= set(weights)
+    assert set(weights["tiny"]) == set(weights["bf16"]) == set(shapes)  # the same tensors, other formats
+    assert sum(weights["tiny"].values()) < sum(weights["bf16"].values())
     assert quality[("bf16", "16/16")] == (0.0, 100.0)  # the reference row
     assert all(0 <= kl and 0 <= top1 <= 100 for kl, top1 in quality.values())
 
@@ -109,8 +132,9 @@ def test_cli_plan_named_config(capsys):
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith(("tiny", "bf16"))]
     assert len(lines) == 2 * len(KV_MODES)
-    assert "best quality that fits: bf16 weights, 16/16 KV" in out
-    assert "decapybara serve --model OUT --slots 12 --kv-mode 16/16 --set kv_memory_gb=" in out
+    assert "most bits that fit (no quality table measured): bf16 weights, 16/16 KV" in out
+    assert "run: `decapybara build SRC OUT --weights bf16`, then decapybara serve --model OUT --slots 12 " \
+           "--kv-mode 16/16 --set num_pages=" in out
 
 
 def test_cli_plan_demo_file_with_quality(capsys):
@@ -118,7 +142,17 @@ def test_cli_plan_demo_file_with_quality(capsys):
                  "--kv-mode", "6/4"]) == 0
     out = capsys.readouterr().out
     assert "0.0316" in out and "90.84%" in out  # tiny weights, 6/4 KV, from the file's quality table
-    assert "run: decapybara serve --slots 4 --kv-mode 6/4" in out
+    assert "best quality that fits (top-1 against bf16): bf16 weights, 6/4 KV" in out
+    assert "run: decapybara serve --slots 4 --kv-mode 6/4 --set num_pages=" in out
+
+
+def test_cli_plan_on_the_host_counts_float32_weights(capsys):
+    """Without CUDA (or --vram-gb) the numpy backend serves: weights expand to float32 in host RAM."""
+    assert main(["plan", "--bandwidth-gbps", "20", "--kv-mode", "16/16", "--slots", "2", "--context", "1024",
+                 "--ram-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "weights held as float32 by the numpy backend" in out and "RAM tier 1.0 GiB" in out
+    assert "--ram-cache-gb 1" in out and "--set page_size=16" in out
 
 
 def test_cli_plan_nothing_fits(capsys):
@@ -130,9 +164,12 @@ def test_cli_plan_nothing_fits(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--kv-mode", "5/5"], "--kv-mode must be one of"),
     (["--slots", "13"], "--slots must be between 1 and 12"),
-    (["--context", "0"], "--context and --page-size must be >= 1"),
-    (["--vram-gb", "-1"], "--vram-gb must be > 0"),
-    (["--bandwidth-gbps", "0"], "--bandwidth-gbps must be > 0"),
+    (["--context", "0"], "--context must be >= 1"),
+    (["--page-size", "100"], "--page-size must be a power of two"),
+    (["--vram-gb", "-1"], "--vram-gb must be a finite number > 0"),
+    (["--vram-gb", "inf"], "--vram-gb must be a finite number > 0"),
+    (["--ram-gb", "-1"], "--ram-gb must be a finite number >= 0"),
+    (["--bandwidth-gbps", "0"], "--bandwidth-gbps must be a finite number > 0"),
     (["--config", "qwen3.8-27b", "--weights", "huge"], "unknown weight preset"),
     (["--config", "nope"], "--config must be one of"),
     ([str(DEMO_MODEL), "--config", "qwen3.8-27b"], "a model file or --config, not both"),

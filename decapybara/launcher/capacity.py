@@ -6,10 +6,11 @@ page parts, the per-conversation DeltaNet state from the state pool's shapes, so
 the backends make (tests/test_launcher.py checks both against real caches). Measured inputs (device memory,
 copy bandwidth) are arguments; `decapybara.launcher.probe` measures them.
 
-The decode roofline is an upper bound: a step reads every weight once (all but the embedding table, of which
-it gathers a row per sequence), each sequence's KV, and reads and writes each sequence's DeltaNet state, all
-at the copy bandwidth. docs/perf.md says how close the CUDA backend gets (27B MXFP4: ~32-36% at one stream,
-~46% at twelve 32k-token streams on an H200).
+The decode roofline is an upper bound: a step reads every weight the forward uses (not the embedding table, of
+which it gathers a row per sequence, nor the MTP head; of a MoE layer's experts, the share the step's tokens
+are expected to route to under uniform top-k routing), each sequence's KV in the decoder layers, and reads
+and writes each sequence's DeltaNet state, all at the copy bandwidth. docs/perf.md says how close the CUDA
+backend gets (27B MXFP4: ~32-36% at one stream, ~46% at twelve 32k-token streams on an H200).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ MIN_RESERVE = 2 * GIB  # activations, logits, CUDA-graph pools and allocator sla
 RESERVE_SHARE = 0.05  # ... or this share of the device, whichever is larger
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_mode: str | None) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, kv_mode: str | None, include_mtp: bool = True) -> int:
     """Bytes one token's keys and values take across every attention layer (the MTP head's included, as the
-    caches allocate them) under `kv_mode` (None: float32 pages, the numpy reference's default; "16/16" bf16;
-    "K/V" microscaled with their E8M0 scale bytes)."""
+    caches allocate them; `include_mtp` False: the decoder layers a step reads) under `kv_mode` (None: float32
+    pages, the numpy reference's default; "16/16" bf16; "K/V" microscaled with their E8M0 scale bytes)."""
     codec = codec_for(kv_mode, np.float32)
     per_head = sum(math.prod(shape) * np.dtype(dtype).itemsize
                    for kv in ("k", "v") for shape, dtype in codec.parts(cfg.head_dim, kv).values())
-    return per_head * cfg.num_key_value_heads * (len(cfg.attention_layers) + cfg.mtp_num_hidden_layers)
+    layers = len(cfg.attention_layers) + (cfg.mtp_num_hidden_layers if include_mtp else 0)
+    return per_head * cfg.num_key_value_heads * layers
 
 
 def state_bytes_per_conversation(cfg: ModelConfig) -> int:
@@ -59,6 +61,7 @@ class CapacityPlan:
     pages: int  # KV pages that fit beside weights, states and the reserve (0: does not fit)
     ram_bytes: int
     context: int  # the context each conversation is planned for
+    max_context: int  # the model's position limit
 
     @property
     def kv_page_bytes(self) -> int:
@@ -66,27 +69,30 @@ class CapacityPlan:
 
     @property
     def tokens(self) -> int:
-        """KV tokens the device pool holds."""
-        return self.pages * self.page_size
+        """KV tokens the engine can hand out: the pool less one page (CUDA graphs' padding rows own one)."""
+        return max(0, self.pages - 1) * self.page_size
 
     @property
     def context_per_slot(self) -> int:
         """Tokens each of `slots` conversations can hold at once (`context_mode` fixed; the pool mode lends
         unused pages to whoever needs them)."""
-        return (self.pages // self.slots) * self.page_size if self.slots else 0
+        return (max(0, self.pages - 1) // self.slots) * self.page_size
 
     @property
     def fits(self) -> bool:
-        return self.pages > 0 and self.context_per_slot >= self.context
+        return self.why_not is None
 
     @property
     def why_not(self) -> str | None:
-        if self.pages <= 0:
-            short = self.weight_bytes + self.state_bytes + self.reserve_bytes + self.kv_page_bytes - self.device_bytes
+        if self.pages < 2:
+            short = (self.weight_bytes + self.state_bytes + self.reserve_bytes + 2 * self.kv_page_bytes
+                     - self.device_bytes)
             return f"weights, states and reserve leave no room for KV ({short / GIB:.1f} GiB short)"
+        if self.context > self.max_context:
+            return f"{self.context:,} tokens is past the model's {self.max_context:,}-token position limit"
         if self.context_per_slot < self.context:
-            return (f"{self.slots} conversations get {self.context_per_slot} tokens each, "
-                    f"{self.context} asked")
+            return (f"{self.slots} conversations get {self.context_per_slot:,} tokens each, "
+                    f"{self.context:,} asked")
         return None
 
     @property
@@ -94,11 +100,6 @@ class CapacityPlan:
         """Paused conversations of `context` tokens (KV + state) the RAM tier holds."""
         each = self.context * self.kv_token_bytes + self.state_bytes // (self.slots + 1)
         return self.ram_bytes // each if each else 0
-
-    @property
-    def kv_memory_gb(self) -> float:
-        """The pool in GiB, as `decapybara serve --set kv_memory_gb=` takes it."""
-        return self.pages * self.kv_page_bytes / GIB
 
 
 def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mode: str, slots: int,
@@ -117,28 +118,51 @@ def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mod
     free = device_bytes - weight_bytes - states - reserve
     pages = max(0, free // (token * page_size)) if token else 0
     return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),
-                        ram_bytes, context)
+                        ram_bytes, context, cfg.max_position_embeddings)
 
 
-def streamed_weight_bytes(cfg: ModelConfig, weight_bytes: int) -> int:
-    """Weight bytes a decode step reads: all but an untied embedding table (a gathered row per sequence),
-    assuming the table is stored like the other matrices (its share of `weight_bytes` by element count)."""
-    if cfg.tie_word_embeddings:
-        return weight_bytes
-    from decapybara.model.weights import expected_tensors
-
-    shapes = expected_tensors(cfg)
-    total = sum(math.prod(s) for s in shapes.values())
-    embed = math.prod(shapes["model.embed_tokens.weight"])
-    return int(weight_bytes * (1 - embed / total))
+def routed_share(cfg: ModelConfig, sequences: int) -> float:
+    """Expected share of a MoE layer's experts that `sequences` tokens route to (uniform top-k): 1 - (1 - k/E)^n;
+    1 for dense models."""
+    if not cfg.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** sequences
 
 
-def decode_roofline(cfg: ModelConfig, weight_bytes: int, kv_mode: str, contexts: list[int],
+def streamed_weight_bytes(cfg: ModelConfig, tensor_bytes: dict[str, int], sequences: int = 1) -> float:
+    """Weight bytes a decode step of `sequences` tokens reads (see the module docstring), from the bytes of
+    each tensor as stored (`tensor_bytes`: name -> bytes)."""
+    share = routed_share(cfg, sequences)
+    total = 0.0
+    for name, nbytes in tensor_bytes.items():
+        if name.startswith("mtp.") or (name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings):
+            continue
+        total += nbytes * share if ".experts." in name else nbytes
+    return total
+
+
+def decode_roofline(cfg: ModelConfig, tensor_bytes: dict[str, int], kv_mode: str, contexts: list[int],
                     bandwidth: float) -> float:
     """Upper bound on decode tokens/s for sequences at `contexts` (one token each per step) at `bandwidth`
     bytes/s: bytes one step must move (weights, KV read, DeltaNet state read and written) / bandwidth."""
     if bandwidth <= 0 or not contexts:
         raise ValueError("bandwidth must be positive and at least one sequence given")
-    step = (streamed_weight_bytes(cfg, weight_bytes) + sum(contexts) * kv_bytes_per_token(cfg, kv_mode)
+    step = (streamed_weight_bytes(cfg, tensor_bytes, len(contexts))
+            + sum(contexts) * kv_bytes_per_token(cfg, kv_mode, include_mtp=False)
             + 2 * len(contexts) * (state_bytes_per_conversation(cfg) if cfg.linear_layers else 0))
     return len(contexts) * bandwidth / step
+
+
+def preset_tensor_bytes(cfg: ModelConfig, preset: str) -> dict[str, int]:
+    """Bytes of every tensor of `cfg` stored under weight preset `preset` (`decapybara build --weights`)."""
+    from decapybara.builder.quant_formats import storage_format
+    from decapybara.model.quant.blocks import format_nbytes
+    from decapybara.model.weights import expected_tensors
+
+    return {name: format_nbytes(storage_format(preset, name, shape, cfg), shape)
+            for name, shape in expected_tensors(cfg).items()}
+
+
+def float32_tensor_bytes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """What the numpy backend holds: every tensor expanded to float32."""
+    return {name: 4 * math.prod(shape) for name, shape in shapes.items()}

@@ -14,12 +14,20 @@ with bf16 KV. Device memory and bandwidth are measured here (launcher/probe.py) 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from decapybara.config import DEMO_MODEL, KV_MODES, RAM_CACHE_GB
 from decapybara.errors import ConfigError
-from decapybara.launcher.capacity import GIB, CapacityPlan, decode_roofline, plan_capacity
+from decapybara.launcher.capacity import (
+    GIB,
+    CapacityPlan,
+    decode_roofline,
+    float32_tensor_bytes,
+    plan_capacity,
+    preset_tensor_bytes,
+)
 from decapybara.model.config import ModelConfig
 
 
@@ -44,28 +52,30 @@ def add_parser(sub: Any) -> None:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     weights: str  # preset name, or the file's own weights
-    weight_bytes: int
+    stored_bytes: int  # as built (the file's size of weights)
     kv_mode: str
-    plan: CapacityPlan
+    plan: CapacityPlan  # its weight_bytes: what the backend holds (float32 on the numpy backend)
     tok_s_1: float
     tok_s_n: float
     kl: float | None = None
     top1: float | None = None
 
 
-def candidates(cfg: ModelConfig, weights: dict[str, int], kv_modes: list[str], slots: int, context: int,
-               page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
+def candidates(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], kv_modes: list[str],
+               slots: int, context: int, page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
                quality: dict[tuple[str, str], tuple[float, float]] | None = None) -> list[Candidate]:
-    """Every (weights, KV mode) setting planned: capacity, roofline at 1 and `slots` streams of `context`
-    tokens (0 when `bandwidth` is 0), quality where the table has the pair."""
+    """Every (weights, KV mode) setting planned: `weights` maps a setting to the bytes of each tensor as the
+    backend holds them. Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is
+    0), quality where the table has the pair."""
     out = []
-    for name, nbytes in weights.items():
+    for name, tensors in weights.items():
+        resident = sum(tensors.values())
         for mode in kv_modes:
-            plan = plan_capacity(cfg, nbytes, device_bytes, mode, slots, context, page_size, ram_bytes)
-            t1 = decode_roofline(cfg, nbytes, mode, [context], bandwidth) if bandwidth > 0 else 0.0
-            tn = decode_roofline(cfg, nbytes, mode, [context] * slots, bandwidth) if bandwidth > 0 else 0.0
+            plan = plan_capacity(cfg, resident, device_bytes, mode, slots, context, page_size, ram_bytes)
+            t1 = decode_roofline(cfg, tensors, mode, [context], bandwidth) if bandwidth > 0 else 0.0
+            tn = decode_roofline(cfg, tensors, mode, [context] * slots, bandwidth) if bandwidth > 0 else 0.0
             q = (quality or {}).get((name, mode))
-            out.append(Candidate(name, nbytes, mode, plan, t1, tn, *(q or (None, None))))
+            out.append(Candidate(name, stored[name], mode, plan, t1, tn, *(q or (None, None))))
     return out
 
 
@@ -75,7 +85,7 @@ def format_table(rows: list[Candidate], slots: int, context: int) -> list[str]:
     cells = [head]
     for c in rows:
         p = c.plan
-        cells.append([c.weights, f"{c.weight_bytes / GIB:.2f} GiB", c.kv_mode, f"{p.kv_token_bytes / 1024:.1f}",
+        cells.append([c.weights, f"{c.stored_bytes / GIB:.2f} GiB", c.kv_mode, f"{p.kv_token_bytes / 1024:.1f}",
                       f"{p.tokens:,}", f"{p.context_per_slot:,}", "yes" if p.fits else "no",
                       f"{p.paused_in_ram:,}", f"{c.tok_s_1:.0f}" if c.tok_s_1 else "-",
                       f"{c.tok_s_n:.0f}" if c.tok_s_n else "-", "-" if c.kl is None else f"{c.kl:.4g}",
@@ -85,63 +95,60 @@ def format_table(rows: list[Candidate], slots: int, context: int) -> list[str]:
             for r in cells]
 
 
-def serve_command(model: str | None, c: Candidate) -> str:
-    """The `decapybara serve` line for a candidate (its pool size as kv_memory_gb)."""
+def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None) -> str:
+    """The `decapybara serve` line for a candidate: its exact pool (num_pages) and page size."""
     parts = ["decapybara serve"] + ([f"--model {model}"] if model else [])
-    parts += [f"--slots {c.plan.slots}", f"--kv-mode {c.kv_mode}",
-              f"--set kv_memory_gb={c.plan.kv_memory_gb:.1f}", f"--set page_size={c.plan.page_size}"]
+    parts += [f"--slots {c.plan.slots}", f"--kv-mode {c.kv_mode}", f"--set num_pages={c.plan.pages}",
+              f"--set page_size={c.plan.page_size}"]
+    if ram_gb is not None:
+        parts.append(f"--ram-cache-gb {ram_gb:g}")
     return " ".join(parts)
 
 
-def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, int], dict[tuple[str, str], tuple[float, float]], str]:
-    """(config, {weights: bytes}, quality by (weights, kv) at the trained context, this file's weights name)."""
+def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, dict[str, int]], dict[str, tuple[int, ...]],
+                                     dict[tuple[str, str], tuple[float, float]], str]:
+    """(config, {weights: {tensor: bytes}} for this file and the presets its quality table measured, tensor
+    shapes, quality by (weights, kv) at the trained context, this file's weights name)."""
     from decapybara.builder import load_config
+    from decapybara.builder.quant_formats import WEIGHT_PRESETS
     from decapybara.mcapy import McapyFile
 
     with McapyFile.open(path) as f:
         cfg = load_config(f)
-        own = sum(t.nbytes for t in f.tensors.values())
+        own_tensors = {name: t.nbytes for name, t in f.tensors.items()}
+        shapes = {name: tuple(t.shape) for name, t in f.tensors.items()}
         meta = f.metadata
     fmt = str((meta.get("weights") or {}).get("format", "file"))
-    weights = {fmt: own}
+    weights = {fmt: own_tensors}
     quality: dict[tuple[str, str], tuple[float, float]] = {}
     table = (meta.get("sections") or {}).get("quality")
     rows = table.get("rows") if isinstance(table, dict) else None
     if isinstance(rows, list) and rows:
         ctx = min(int(r["context"]) for r in rows)  # the trained context: YaRN rows come on top of it
         for r in rows:
-            if int(r["context"]) == ctx:
-                weights.setdefault(str(r["weights"]), int(r["bytes"]))
-                quality[(str(r["weights"]), str(r["kv_mode"]))] = (float(r["kl"]), float(r["top1"]))
-    return cfg, weights, quality, fmt
+            name = str(r["weights"])
+            if int(r["context"]) == ctx and (name == fmt or name in WEIGHT_PRESETS):
+                if name not in weights:
+                    weights[name] = preset_tensor_bytes(cfg, name)
+                quality[(name, str(r["kv_mode"]))] = (float(r["kl"]), float(r["top1"]))
+    return cfg, weights, shapes, quality, fmt
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from decapybara.launcher.probe import this_machine
 
-    if args.model and args.config:
-        raise ConfigError("give a model file or --config, not both")
-    if args.kv_mode is not None and args.kv_mode not in KV_MODES:
-        raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}")
-    if not 1 <= args.slots <= 12:
-        raise ConfigError("--slots must be between 1 and 12")
-    if args.context < 1 or (args.page_size is not None and args.page_size < 1):
-        raise ConfigError("--context and --page-size must be >= 1")
-    for name in ("vram_gb", "ram_gb", "bandwidth"):
-        v = getattr(args, name)
-        if v is not None and not v > 0:
-            raise ConfigError(f"--{name.replace('_', '-').replace('bandwidth', 'bandwidth-gbps')} must be > 0")
+    _check_args(args)
     own = None
     if args.config:
-        cfg, weights = _config_inputs(args.config, args.weights)
+        cfg, weights, shapes = _config_inputs(args.config, args.weights)
         quality, model = None, None
     else:
         model = args.model or str(DEMO_MODEL)
-        cfg, weights, quality, own = _file_inputs(model)
         if args.weights:
             raise ConfigError("--weights picks presets of --config; a file has its own weights")
+        cfg, weights, shapes, quality, own = _file_inputs(model)
     machine = this_machine(measure=args.bandwidth is None)
-    on_gpu = machine.device.startswith("cuda")
+    on_gpu = machine.device.startswith("cuda") or args.vram_gb is not None
     ram = int((args.ram_gb if args.ram_gb is not None else RAM_CACHE_GB) * GIB)
     if args.vram_gb:
         device_bytes, source = int(args.vram_gb * GIB), "given"
@@ -149,15 +156,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         device_bytes, source = machine.free_bytes, "free"
     else:  # the numpy backend's KV pool shares host RAM with the RAM tier
         device_bytes, source = max(1, machine.free_bytes - ram), "available RAM less the RAM tier"
+    stored = {name: sum(t.values()) for name, t in weights.items()}
+    if not on_gpu:  # the numpy backend holds every weight as float32
+        weights = {name: float32_tensor_bytes(shapes) for name in weights}
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else machine.bandwidth
-    page = args.page_size or (512 if on_gpu or args.vram_gb else 16)
+    page = args.page_size or (512 if on_gpu else 16)
     modes = [args.kv_mode] if args.kv_mode else list(KV_MODES)
-    rows = candidates(cfg, weights, modes, args.slots, args.context, page, device_bytes, ram, bandwidth, quality)
+    rows = candidates(cfg, weights, stored, modes, args.slots, args.context, page, device_bytes, ram, bandwidth,
+                      quality)
     print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
-          f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet")
-    print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s{' (given)' if args.bandwidth else ' (measured)'}; "
-          f"RAM tier {ram / GIB:.0f} GiB; pages of {page} tokens")
+          f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
+          f"{cfg.max_position_embeddings:,}-token positions")
+    bw = (f"{bandwidth / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'})" if bandwidth > 0
+          else "not measured")
+    print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), copy bandwidth {bw}; "
+          f"RAM tier {ram / GIB:.1f} GiB; pages of {page} tokens"
+          + ("" if on_gpu else "; weights held as float32 by the numpy backend"))
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
           f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; roofline = bytes a decode step moves / "
           "bandwidth (an upper bound; docs/perf.md has measured fractions)")
@@ -167,22 +181,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not pick:
         print(f"nothing fits: {rows[0].plan.why_not}")
         return 0
-    best = max(pick, key=lambda c: (c.top1 if c.top1 is not None else 0.0, c.weight_bytes, c.plan.kv_token_bytes))
-    print(f"best quality that fits: {best.weights} weights, {best.kv_mode} KV")
+    if any(c.top1 is not None for c in pick):
+        best = max(pick, key=lambda c: (c.top1 if c.top1 is not None else -1.0, c.stored_bytes))
+        print(f"best quality that fits (top-1 against bf16): {best.weights} weights, {best.kv_mode} KV")
+    else:
+        best = max(pick, key=lambda c: (c.stored_bytes, c.plan.kv_token_bytes))
+        print(f"most bits that fit (no quality table measured): {best.weights} weights, {best.kv_mode} KV")
+    line = serve_command(None, best, args.ram_gb)
     if args.config:
-        print("run: build the checkpoint with `decapybara build SRC OUT --weights "
-              f"{best.weights}`, then: {serve_command('OUT', best)}")
+        print(f"run: `decapybara build SRC OUT --weights {best.weights}`, then {line.replace('serve', 'serve --model OUT', 1)}")
     elif best.weights == own:
-        print(f"run: {serve_command(args.model, best)}")
+        print(f"run: {serve_command(args.model, best, args.ram_gb)}")
     else:
         print(f"run: rebuild with `--weights {best.weights}` (this file is {own}), then serve it with "
-              f"{serve_command(None, best)[len('decapybara serve '):]}")
+              f"{line[len('decapybara serve '):]}")
     return 0
 
 
-def _config_inputs(name: str, presets: str | None) -> tuple[ModelConfig, dict[str, int]]:
-    from decapybara.builder.quant_formats import WEIGHT_PRESETS, weights_bytes
+def _check_args(args: argparse.Namespace) -> None:
+    if args.model and args.config:
+        raise ConfigError("give a model file or --config, not both")
+    if args.kv_mode is not None and args.kv_mode not in KV_MODES:
+        raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}")
+    if not 1 <= args.slots <= 12:
+        raise ConfigError("--slots must be between 1 and 12")
+    if args.context < 1:
+        raise ConfigError("--context must be >= 1")
+    if args.page_size is not None and (args.page_size < 1 or args.page_size & (args.page_size - 1)):
+        raise ConfigError("--page-size must be a power of two")
+    for name, flag, low in (("vram_gb", "--vram-gb", False), ("ram_gb", "--ram-gb", True),
+                            ("bandwidth", "--bandwidth-gbps", False)):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and (v >= 0 if low else v > 0)):
+            raise ConfigError(f"{flag} must be a finite number {'>= 0' if low else '> 0'}")
+
+
+def _config_inputs(name: str, presets: str | None) -> tuple[ModelConfig, dict[str, dict[str, int]],
+                                                             dict[str, tuple[int, ...]]]:
+    from decapybara.builder.quant_formats import WEIGHT_PRESETS
     from decapybara.model.config import NAMED_CONFIGS, named_config
+    from decapybara.model.weights import expected_tensors
 
     if name not in NAMED_CONFIGS:
         raise ConfigError(f"--config must be one of {', '.join(NAMED_CONFIGS)}")
@@ -191,4 +229,4 @@ def _config_inputs(name: str, presets: str | None) -> tuple[ModelConfig, dict[st
     bad = [p for p in chosen if p not in WEIGHT_PRESETS]
     if bad:
         raise ConfigError(f"unknown weight preset(s) {bad}; one of {', '.join(WEIGHT_PRESETS)}")
-    return cfg, {p: weights_bytes(p, cfg) for p in chosen}
+    return cfg, {p: preset_tensor_bytes(cfg, p) for p in chosen}, dict(expected_tensors(cfg))

@@ -65,7 +65,7 @@ class AppConfig(BaseModel):
             from cupy.cuda import runtime
 
             has = runtime.getDeviceCount() > 0
-        except Exception:
+        except Exception:  # noqa: BLE001 - no CuPy, driver or device: the CPU backend
             has = False
         if self.device == "cuda" and not has:
             raise ValueError("device=cuda but no CUDA device / CuPy is available")

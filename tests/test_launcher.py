@@ -189,3 +189,21 @@ def test_kv_modes_order_tokens():
     cfg = named_config("qwen3.8-27b")
     per = [C.kv_bytes_per_token(cfg, m) for m in KV_MODES]
     assert per == sorted(per, reverse=True) and np.all(np.asarray(per) > 0)
+
+
+@pytest.mark.parametrize("kv_mode", ["16/16", "6/4"])
+def test_server_kv_memory_gb_is_the_planned_pool(kv_mode):
+    """The GPU actor (in-process, CPU backend) turns kv_memory_gb into pages with the caches' own bytes per
+    token (the MTP layer's KV and the scale bytes included), so the pool it allocates stays within the budget
+    and is the pool `decapybara plan` counts."""
+    from actors.gpu_actor import GPUActor
+
+    actor = GPUActor({"device": "cpu", "kv_memory_gb": 0.01, "kv_mode": kv_mode, "slots": 2})
+    try:
+        cfg, engine = actor.engine.model.cfg, actor.engine
+        per_page = C.kv_bytes_per_token(cfg, kv_mode) * engine.cfg.page_size
+        assert engine.runner.bytes_per_page == per_page
+        assert engine.cfg.num_pages == int(0.01 * C.GIB // per_page)
+        assert engine.cfg.num_pages * engine.runner.bytes_per_page <= 0.01 * C.GIB
+    finally:
+        actor.stop()

@@ -146,8 +146,11 @@ def test_cli_plan_demo_file_with_quality(capsys):
     assert "run: decapybara serve --slots 4 --kv-mode 6/4 --set num_pages=" in out
 
 
-def test_cli_plan_on_the_host_counts_float32_weights(capsys):
+def test_cli_plan_on_the_host_counts_float32_weights(capsys, monkeypatch):
     """Without CUDA (or --vram-gb) the numpy backend serves: weights expand to float32 in host RAM."""
+    from decapybara.launcher import probe
+
+    monkeypatch.setattr(probe, "cuda_machine", lambda measure=True: None)  # as on a machine without CUDA
     assert main(["plan", "--bandwidth-gbps", "20", "--kv-mode", "16/16", "--slots", "2", "--context", "1024",
                  "--ram-gb", "1"]) == 0
     out = capsys.readouterr().out
@@ -196,6 +199,7 @@ def test_server_kv_memory_gb_is_the_planned_pool(kv_mode):
     """The GPU actor (in-process, CPU backend) turns kv_memory_gb into pages with the caches' own bytes per
     token (the MTP layer's KV and the scale bytes included), so the pool it allocates stays within the budget
     and is the pool `decapybara plan` counts."""
+    pytest.importorskip("ray")
     from actors.gpu_actor import GPUActor
 
     actor = GPUActor({"device": "cpu", "kv_memory_gb": 0.01, "kv_mode": kv_mode, "slots": 2})

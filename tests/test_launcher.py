@@ -34,7 +34,7 @@ def test_state_bytes_are_what_the_pool_allocates(family):
     cfg = ModelConfig.from_hf(dict(TINY_HF_CONFIGS[family]))
     pool = NP.new_state_pool(cfg, 5)
     total = sum(a.nbytes for d in (pool.conv, pool.rec) for a in d.values())
-    assert C.state_bytes_per_conversation(cfg) * 5 == total
+    assert cfg.state_bytes_per_sequence() * 5 == total
 
 
 def test_27b_figures():
@@ -44,7 +44,7 @@ def test_27b_figures():
     # 8-bit pages: a byte per element plus an E8M0 scale per 32
     assert C.kv_bytes_per_token(cfg, "8/8") == 4 * (256 + 8) * 2 * 17
     # 48 DeltaNet layers of [48, 128, 128] float32 recurrent + conv [10240, 3] float32 states
-    assert C.state_bytes_per_conversation(cfg) == 48 * 4 * (48 * 128 * 128 + 10240 * 3)
+    assert cfg.state_bytes_per_sequence() == 48 * 4 * (48 * 128 * 128 + 10240 * 3)
 
 
 def test_plan_capacity_arithmetic():
@@ -52,13 +52,13 @@ def test_plan_capacity_arithmetic():
     wb = weights_bytes("tiny", cfg)
     p = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", slots=12, context=32768, page_size=512,
                         ram_bytes=64 * C.GIB)
-    states = C.state_bytes_per_conversation(cfg) * 13
+    states = cfg.state_bytes_per_sequence() * 13
     assert p.reserve_bytes == int(0.05 * 141 * C.GIB)
     assert p.pages == (141 * C.GIB - wb - states - p.reserve_bytes) // (512 * C.kv_bytes_per_token(cfg, "16/16"))
     # one page belongs to the CUDA graphs' padding rows
     assert p.tokens == 512 * (p.pages - 1) and p.context_per_slot == 512 * ((p.pages - 1) // 12)
     assert p.fits and p.why_not is None
-    assert p.paused_in_ram == 64 * C.GIB // (32768 * p.kv_token_bytes + C.state_bytes_per_conversation(cfg))
+    assert p.paused_in_ram == 64 * C.GIB // (32768 * p.kv_token_bytes + cfg.state_bytes_per_sequence())
     # fewer bits per token: more tokens in the same memory
     assert C.plan_capacity(cfg, wb, 141 * C.GIB, "4/4", 12, 32768).tokens > 3 * p.tokens
     # a context longer than the pool's share per conversation does not fit, and says why
@@ -82,7 +82,7 @@ def test_decode_roofline():
     one = C.decode_roofline(cfg, tb, "16/16", [1024], bw)
     streamed = C.streamed_weight_bytes(cfg, tb)
     step = streamed + 1024 * C.kv_bytes_per_token(cfg, "16/16", include_mtp=False) \
-        + 2 * C.state_bytes_per_conversation(cfg)
+        + 2 * cfg.state_bytes_per_sequence()
     assert math.isclose(one, bw / step)
     # neither the untied embedding table (gathered rows) nor the MTP head is streamed
     skipped = tb["model.embed_tokens.weight"] + sum(v for k, v in tb.items() if k.startswith("mtp."))

@@ -2,9 +2,9 @@
 conversations the RAM tier holds, and the bandwidth roofline of a decode step, for a model and its settings.
 
 Pure arithmetic over a `ModelConfig` (no device needed): the per-token KV bytes come from the KV codec's own
-page parts, the per-conversation DeltaNet state from the state pool's shapes, so the plan is the allocation
-the backends make (tests/test_launcher.py checks both against real caches). Measured inputs (device memory,
-copy bandwidth) are arguments; `decapybara.launcher.probe` measures them.
+page parts, the per-conversation DeltaNet state from `ModelConfig.state_bytes_per_sequence`, so the plan is
+the allocation the backends make (tests/test_launcher.py checks both against real caches). Measured inputs
+(device memory, copy bandwidth) are arguments; `decapybara.launcher.probe` measures them.
 
 The decode roofline is an upper bound: a step reads every weight the forward uses (not the embedding table, of
 which it gathers a row per sequence, nor the MTP head; of a MoE layer's experts, the share the step's tokens
@@ -37,13 +37,6 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_mode: str | None, include_mtp: bool 
                    for kv in ("k", "v") for shape, dtype in codec.parts(cfg.head_dim, kv).values())
     layers = len(cfg.attention_layers) + (cfg.mtp_num_hidden_layers if include_mtp else 0)
     return per_head * cfg.num_key_value_heads * layers
-
-
-def state_bytes_per_conversation(cfg: ModelConfig) -> int:
-    """DeltaNet conv + recurrent state (float32) of one conversation across the linear-attention layers."""
-    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1)
-    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-    return 4 * (conv + rec) * len(cfg.linear_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +107,7 @@ def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mod
         raise ValueError("device memory must be positive, weight and RAM bytes non-negative")
     reserve = max(MIN_RESERVE, int(RESERVE_SHARE * device_bytes)) if reserve_bytes is None else reserve_bytes
     token = kv_bytes_per_token(cfg, kv_mode)
-    states = state_bytes_per_conversation(cfg) * (slots + 1) if cfg.linear_layers else 0
+    states = cfg.state_bytes_per_sequence() * (slots + 1)
     free = device_bytes - weight_bytes - states - reserve
     pages = max(0, free // (token * page_size)) if token else 0
     return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),
@@ -149,7 +142,7 @@ def decode_roofline(cfg: ModelConfig, tensor_bytes: dict[str, int], kv_mode: str
         raise ValueError("bandwidth must be positive and at least one sequence given")
     step = (streamed_weight_bytes(cfg, tensor_bytes, len(contexts))
             + sum(contexts) * kv_bytes_per_token(cfg, kv_mode, include_mtp=False)
-            + 2 * len(contexts) * (state_bytes_per_conversation(cfg) if cfg.linear_layers else 0))
+            + 2 * len(contexts) * cfg.state_bytes_per_sequence())
     return len(contexts) * bandwidth / step
 
 

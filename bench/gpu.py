@@ -11,7 +11,8 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    % of the copy bandwidth, against torch's bf16 cuBLAS on the same shapes.
 3. model: seeded random weights generated on the GPU tensor by tensor (never through host RAM) for each
    variant (bf16 / MXFP8 / MXFP6 / MXFP4 / NVFP4 weights, through mx_gemv at decode; norms, conv1d and the
-   small gates as the presets keep them); KV pages (bf16) and DeltaNet states filled with random data; decode
+   small gates as the presets keep them); KV pages (bf16; BENCH_KV="16/16,6/4" adds a pass over 6/4-bit pages
+   with the first variant, MXFP4 unless skipped) and DeltaNet states filled with random data; decode
    steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs; prefill tokens/s (one
    2048-token chunk); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
@@ -145,13 +146,21 @@ def weight_bytes(model: QwenModel) -> int:
 
 
 def fill_random(kv: Any, states: Any) -> None:
-    """Random KV pages (bf16 N(0, 1), 64 pages at a time) and DeltaNet states."""
+    """Random KV pages (64 pages at a time) and DeltaNet states: bf16 pages N(0, 1); microscaled pages random
+    codes (E4M3 without NaN codes) under block scales 2^-7..2^-4."""
     cp.random.seed(7)
     for parts in kv.store.values():
-        for a in parts.values():
-            assert a.dtype == cp.uint16, f"bench expects bf16 KV pages, got {a.dtype}"
+        for name, a in parts.items():
+            bits = kv.key_bits if name.startswith("k.") else kv.value_bits
             for i in range(0, a.shape[0], 64):
-                a[i:i + 64] = ops.to_bf16_bits(cp.random.standard_normal(a[i:i + 64].shape, cp.float32))
+                part = a[i:i + 64]
+                if a.dtype == cp.uint16:
+                    part[...] = ops.to_bf16_bits(cp.random.standard_normal(part.shape, cp.float32))
+                elif name.endswith(".scales"):
+                    part[...] = cp.random.randint(120, 124, part.shape, dtype=cp.int32).astype(cp.uint8)
+                else:
+                    codes = random_bytes(part.shape)
+                    part[...] = codes & cp.uint8(0xBF) if bits == 8 else codes
     for d in (states.conv, states.rec):
         for a in d.values():
             a[...] = cp.random.standard_normal(a.shape, cp.float32) * 0.02
@@ -235,7 +244,7 @@ def bench_gemv(copy_bw: float) -> None:
         print(f"{r['fmt']:<11}{r['shape']:<12}{r['M']:>4}{r['us']:>10.1f}{r['GBps']:>9.0f}{r['pct_copy']:>7.1f}")
 
 
-def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float) -> None:
+def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str | None = None) -> None:
     t_build = time.perf_counter()
     model = build_model(variant)
     cp.cuda.Device().synchronize()
@@ -271,8 +280,8 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float) -> None:
     if left() > 40:
         pre = ForwardBatch.build([(np.arange(2048) % 1000, 0, np.arange(SEQ_PAGES, dtype=np.int32), 0)], PAGE)
         res["prefill_tok_s"] = 2048 / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
-    RESULTS.setdefault("model", {})[variant] = res
-    print(variant, json.dumps(res, default=float)[:900])
+    RESULTS.setdefault("model", {})[label or variant] = res
+    print(label or variant, json.dumps(res, default=float)[:900])
 
 
 def hf_config(layers: int) -> dict[str, Any]:
@@ -378,7 +387,7 @@ def bench_hf() -> None:
 def table() -> None:
     hf = RESULTS.get("hf", {}).get("t64_step_s", {})
     print("\n== decode (tok/s = sequences x steps/s; roofline = bytes / copy bandwidth) ==")
-    print(f"{'variant':<12}{'mode':<6}{'ctx':>6}{'seqs':>5}{'tok/s':>9}{'%roof':>7}{'12/1':>6}{'vs HF':>8}")
+    print(f"{'variant':<18}{'mode':<6}{'ctx':>6}{'seqs':>5}{'tok/s':>9}{'%roof':>7}{'12/1':>6}{'vs HF':>8}")
     for variant, res in RESULTS.get("model", {}).items():
         for mode in ("eager", "graph"):
             for ctx in CONTEXTS:
@@ -390,11 +399,11 @@ def table() -> None:
                     scale = f"{r['tok_s'] / one:.2f}" if b == 12 and one else ""
                     h = hf.get(f"b{b}_ctx{ctx}")
                     vs = f"{r['tok_s'] / (b / h):.1f}x" if h else "n/a"
-                    print(f"{variant:<12}{mode:<6}{ctx:>6}{b:>5}{r['tok_s']:>9.1f}{r['pct_roofline']:>7.1f}{scale:>6}"
+                    print(f"{variant:<18}{mode:<6}{ctx:>6}{b:>5}{r['tok_s']:>9.1f}{r['pct_roofline']:>7.1f}{scale:>6}"
                           f"{vs:>8}")
         pre = res.get("prefill_tok_s")
         hp = RESULTS.get("hf", {}).get("prefill_tok_s")
-        print(f"{variant:<12}prefill {pre or 0:>10.0f} tok/s"
+        print(f"{variant:<18}prefill {pre or 0:>10.0f} tok/s"
               + (f"  vs HF {pre / hp:.1f}x" if pre and hp else "")
               + f"  sampler peaked {res.get('sampler_ms_peaked', 0):.2f} ms / flat {res.get('sampler_ms_flat', 0):.2f}"
               f" ms (numpy {res.get('numpy_sampler_ms_peaked', 0):.0f} / {res.get('numpy_sampler_ms_flat', 0):.0f})")
@@ -409,16 +418,21 @@ def main() -> None:
     skip = set(filter(None, os.environ.get("BENCH_SKIP", "").split(",")))  # e.g. "gemv,hf"
     if "gemv" not in skip:
         guarded("mx_gemv", bench_gemv, copy_bw, need=60)
-    kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE)
     states = CupyBackend("bf16").new_state_pool(CFG, SLOTS + 1)
-    guarded("fill kv", fill_random, kv, states, need=30)
-    for variant in ("mxfp4", "bf16", "hf", "nvfp4", "mxfp6", "mxfp8"):  # most wanted first
-        if variant in skip:
-            continue
-        if variant == "hf":  # the KV pool (25 GB) stays: HF's 64-layer bf16 model (54 GB) fits beside it
-            guarded("hf", bench_hf, need=60)
-        else:
-            guarded(f"model {variant}", bench_variant, variant, kv, states, copy_bw, need=45)
+    for kv_mode in os.environ.get("BENCH_KV", "16/16").split(","):
+        kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE, kv_mode)
+        guarded("fill kv", fill_random, kv, states, need=30)
+        variants = [v for v in ("mxfp4", "bf16", "hf", "nvfp4", "mxfp6", "mxfp8") if v not in skip]  # most wanted first
+        for variant in variants if kv_mode == "16/16" else [v for v in variants if v != "hf"][:1]:
+            if variant == "hf" and "hf" in RESULTS:
+                continue
+            if variant == "hf":  # the KV pool (25 GB) stays: HF's 64-layer bf16 model (54 GB) fits beside it
+                guarded("hf", bench_hf, need=60)
+            else:
+                name = variant if kv_mode == "16/16" else f"{variant} kv{kv_mode}"
+                guarded(f"model {name}", bench_variant, variant, kv, states, copy_bw, name, need=45)
+        kv = None
+        cp.get_default_memory_pool().free_all_blocks()
     RESULTS["elapsed_s"] = time.perf_counter() - T0
     table()
     out = os.environ.get("OUT")

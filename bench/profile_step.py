@@ -2,11 +2,13 @@
 
     PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
     PROFILE_SHAPES=1x1024,12x1024 PROFILE_MODES=graph python3 bench/profile_step.py mxfp4
+    PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
-sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records the CUDA kernels of 5 steps with the PyTorch
-profiler (CUPTI sees every kernel of the process, CuPy's included) and prints, per kernel name, the GPU
-microseconds and launches per step, beside the step's wall time. The sum of kernel time against the wall
+sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
+the CUDA kernels of 5 steps with the PyTorch profiler (CUPTI sees every kernel of the process, CuPy's
+included) and prints, per kernel name, the GPU microseconds and launches per step, beside the step's wall
+time. The sum of kernel time against the wall
 time shows how much of a step is launch gaps; the top rows show which kernels to work on.
 """
 
@@ -66,7 +68,8 @@ def show(title: str, wall: float, table: dict[str, tuple[float, float]], top: in
 
 def main() -> None:
     variants = sys.argv[1:] or ["mxfp4", "bf16"]
-    kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE)
+    kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE,
+                                            os.environ.get("PROFILE_KV", "16/16"))
     states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
     B.fill_random(kv, states)
     out: dict = {}

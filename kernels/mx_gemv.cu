@@ -36,6 +36,7 @@ typedef long long i64;
 #define FMT_MXFP4 3
 #define FMT_NVFP4 4
 #include "act_kind.cuh"
+#include "mx_pairs.cuh"
 #ifndef MX_WARPS
 #define MX_WARPS 8  // warps per block (16 weight rows each); 4 doubles the blocks of a mid-sized matrix
 #endif
@@ -99,11 +100,6 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
-__device__ __forceinline__ u32 bfma2(u32 a, u32 b) {  // a * b elementwise on bf16x2, exact here
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-}
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
@@ -124,12 +120,8 @@ template <int FMT> __device__ __forceinline__ u32 scale_factor(u32 s) {
     if (FMT == FMT_NVFP4) {  // E4M3 block scale * 2^126 (bit trick) * 2^-64 = e4m3(s) * 2^62, exact
         const float v = e4m3_f32(s) * 0x1p62f;
         h = __float_as_uint(v) >> 16;
-    } else if (s == 255u) {
-        h = 0x7FC0u;
     } else {
-        const int off = FMT == FMT_MXFP8 ? 56 : 62;  // biased exponent of 2^(s-127+{120,126}-64)
-        int e = (int)s + off;
-        h = e > 254 ? 0x7F80u : (u32)e << 7;
+        h = mx_factor16<FMT == FMT_MXFP8 ? 120 : 126>(s);
     }
     return h | (h << 16);
 }
@@ -156,31 +148,15 @@ __device__ __forceinline__ void dequant(const u32 (&w)[Fmt<FMT>::LB / 4], const 
         const u32 v = w[(JJ * (Fmt<FMT>::LB / 4)) / (Fmt<FMT>::LANE_K / 8)];
         a[0] = v; a[1] = v ^ f[0]; a[2] = v >> 1; a[3] = v << 1;
     } else if (FMT == FMT_MXFP8) {  // (b0, b2) and (b1, b3) of a word share their shifts
-        const u32 M = 0x07F007F0u, S = 0x80008000u;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            u32 v = w[2 * JJ + h];
-            a[2 * h] = bfma2(((v << 4) & M) | ((v << 8) & S), f[0]);
-            a[2 * h + 1] = bfma2(((v >> 4) & M) | (v & S), f[0]);
-        }
+        e4m3_pairs(w[2 * JJ], f[0], a[0], a[1]);
+        e4m3_pairs(w[2 * JJ + 1], f[0], a[2], a[3]);
     } else if (FMT == FMT_MXFP6) {  // groups 2JJ and 2JJ+1 side by side: (c_r of A, c_r of B) per pair
-        const u32 M = 0x01F001F0u, S = 0x80008000u;
         const int wb = (6 * JJ) / 4;
-        u32 g01 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x6532 : 0x4310);
-        u32 g23 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x7643 : 0x5421);
-        u32 s = f[JJ / 4];
-        a[0] = bfma2(((g01 << 4) & M) | ((g01 << 10) & S), s);
-        a[1] = bfma2(((g01 >> 2) & M) | ((g01 << 4) & S), s);
-        a[2] = bfma2((g23 & M) | ((g23 << 6) & S), s);
-        a[3] = bfma2(((g23 >> 6) & M) | (g23 & S), s);
+        const u32 g01 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x6532 : 0x4310);
+        const u32 g23 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x7643 : 0x5421);
+        e2m3_pairs(g01, g23, f[JJ / 4], a);
     } else {  // E2M1: nibbles (i, i+4) share their shifts
-        const u32 M = 0x01C001C0u, S = 0x80008000u;
-        u32 v = w[JJ];
-        u32 s = FMT == FMT_MXFP4 ? f[JJ / 4] : f[JJ / 2];
-        a[0] = bfma2(((v << 6) & M) | ((v << 12) & S), s);
-        a[1] = bfma2(((v << 2) & M) | ((v << 8) & S), s);
-        a[2] = bfma2(((v >> 2) & M) | ((v << 4) & S), s);
-        a[3] = bfma2(((v >> 6) & M) | (v & S), s);
+        e2m1_pairs(w[JJ], FMT == FMT_MXFP4 ? f[JJ / 4] : f[JJ / 2], a);
     }
 }
 

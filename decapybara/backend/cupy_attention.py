@@ -6,10 +6,11 @@
 (split-K, "flash decoding") so that 1..12 decoding sequences still fill the GPU, and `attention_reduce` merges
 the parts. `attention(...)` launches both kernels for one layer.
 
-A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) over bf16 KV pages with
-head_dim 64 / 128 / 256 runs kernels/attn_decode.cu instead: tensor cores, a cp.async ring of 16-key tiles per
-warp, the same work items and partial layout (so the same reduce). `DECODE` holds its switch and launch shape
-(env DECAPYBARA_DECODE_ATTN=0 turns it off; bench/attn_decode.py times both).
+A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
+instead when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and values
+(head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and partial
+layout (so the same reduce). `DECODE` holds its switch and launch shapes (env DECAPYBARA_DECODE_ATTN=0 turns
+it off; bench/attn_decode.py times both).
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ from kernels import get_kernel
 BLOCK_N = 32  # keys per tile (one per lane)
 NTHREADS = 128
 MIN_KEYS_PER_SPLIT = 64  # short decode contexts still spread over many CTAs
-DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_HEAD_DIMS = (64, 128, 256)  # bf16 pages
+DECODE_MX_HEAD_DIMS = (128, 256)  # microscaled pages (a lane's value dims lie in one 32-element scale block)
+DECODE_MX_BITS = (8, 6, 4)
 DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column tiles hold
-# decode kernel: on / off, warps per CTA, 16-key tiles in flight per warp (lowered to fit the shared memory)
-DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3}
+# decode kernel: on / off; warps per CTA and 16-key tiles in flight per warp (lowered to fit the shared
+# memory) for bf16 pages, and (mx_warps, mx_stages) for microscaled ones; accumulator chains of the scores
+DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
+          "mx_warps": 4, "mx_stages": 3, "chains": 2}
 DECODE_WAVES = 8  # decode plans aim at this many CTAs per SM (one resident each): short tails between waves
 DECODE_MIN_KEYS = 512  # keys per split of a decode plan: a CTA's setup, merge and partial write amortised
 
@@ -150,14 +155,18 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     shape = decode_shape(d, kb, vb) if plan.decode and nq // nkv <= bm <= DECODE_MAX_GROUP else None
     if shape is not None:
         warps, stages = shape
-        ddef = (("HEAD_DIM", d), ("BLOCK_M", bm), ("DEC_WARPS", warps), ("DEC_STAGES", stages))
-        fwd = get_kernel("attn_decode", "paged_decode_attention", ddef)
-        smem = warps * stages * 64 * d
+        mx = kb != 16
+        ddef = (("HEAD_DIM", d), ("BLOCK_M", bm), ("DEC_WARPS", warps), ("DEC_STAGES", stages),
+                ("DEC_CHAINS", int(DECODE["chains"])))
+        ddef += (("KBITS", kb), ("VBITS", vb)) if mx else ()
+        fwd = get_kernel("attn_decode", "paged_decode_attention_mx" if mx else "paged_decode_attention", ddef)
+        smem = decode_smem(d, kb, vb, warps, stages)
         if smem > 48 * 1024 and ddef not in _SMEM_SET:
             fwd.max_dynamic_shared_size_bytes = smem
             _SMEM_SET.add(ddef)
+        pages = (kc, ks, vc, vs) if mx else (kc, vc)
         fwd((plan.num_work, nkv), (32 * warps,),
-            (q, kc, vc, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
+            (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
              I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     else:
         _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
@@ -168,21 +177,41 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     return out
 
 
+def decode_smem(head_dim: int, key_bits: int, value_bits: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of a decode-kernel launch: `stages` tiles of 16 keys per warp (bf16: K and V rows of
+    2 * head_dim bytes; microscaled: codes and E8M0 scale bytes as stored)."""
+    if key_bits == 16:
+        return warps * stages * 64 * head_dim
+    tile = 16 * (head_dim * (key_bits + value_bits) // 8 + 2 * (head_dim // 32))
+    return warps * stages * tile
+
+
 def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tuple[int, int] | None:
     """(warps, stages) of the decode kernel for `head_dim` and the KV page bits on this device; None when it
-    does not apply: off, pages other than bf16, another head_dim, or not even two stages of one warp fit the
-    shared memory (a tile is 64 * head_dim bytes)."""
-    if not DECODE["enabled"] or head_dim not in DECODE_HEAD_DIMS or (key_bits, value_bits) != (16, 16):
+    does not apply: off, pages other than bf16 (head_dim 64 / 128 / 256) or 8 / 6 / 4-bit keys and values
+    (head_dim 128 / 256), or not even two stages of one warp fit the shared memory (the merge area, 32 * warps
+    * (head_dim + 2) bytes, lives in the stage memory: microscaled shapes keep room for it)."""
+    if not DECODE["enabled"]:
+        return None
+    if (key_bits, value_bits) == (16, 16) and head_dim in DECODE_HEAD_DIMS:
+        warps, stages = int(DECODE["warps"]), int(DECODE["stages"])
+    elif key_bits in DECODE_MX_BITS and value_bits in DECODE_MX_BITS and head_dim in DECODE_MX_HEAD_DIMS:
+        warps, stages = int(DECODE["mx_warps"]), int(DECODE["mx_stages"])
+    else:
         return None
     limit = _smem_optin()
     if limit <= 0:  # before sm_80: no cp.async / bf16 mma
         return None
-    warps, stages = int(DECODE["warps"]), int(DECODE["stages"])
-    while warps * stages * 64 * head_dim > limit and stages > 2:
+
+    def fits(w: int, s: int) -> bool:
+        smem = decode_smem(head_dim, key_bits, value_bits, w, s)
+        return smem <= limit and 32 * w * (head_dim + 2) <= smem
+
+    while not fits(warps, stages) and stages > 2:
         stages -= 1
-    while warps * stages * 64 * head_dim > limit and warps > 1:
+    while not fits(warps, stages) and warps > 1:
         warps //= 2
-    return (warps, stages) if warps * stages * 64 * head_dim <= limit else None
+    return (warps, stages) if fits(warps, stages) else None
 
 
 def _smem_optin() -> int:

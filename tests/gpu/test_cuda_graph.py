@@ -86,10 +86,11 @@ def compare_state(kv, states, ref, name):
             assert rel_err(st[s].recurrent[j], r) <= 1e-4, f"{name}: recurrent state slot {s} layer {j}"
 
 
-@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
+@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16"), ((8, 2, 128), "6/4")])
 def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
-    """Graph replays equal eager steps; with bf16 pages and head_dim 64 both run the tensor-core decode
-    attention (kernels/attn_decode.cu), whose graph work items include empty key ranges (splits > keys)."""
+    """Graph replays equal eager steps; with bf16 pages (head_dim 64) or 6/4-bit pages (head_dim 128) both run
+    the tensor-core decode attention (kernels/attn_decode.cu), whose graph work items include empty key ranges
+    (splits > keys)."""
     from decapybara.backend import cupy_attention as ca
     launched = []
     get = ca.get_kernel
@@ -127,7 +128,9 @@ def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
         for j, s in enumerate(active):
             s[0].append(int(np.argmax(eager[j])))
     assert runner.stats["captures"] == len({runner._bucket(len(o)) for o in plan}), runner.stats
-    assert ("paged_decode_attention" in launched) == (kv_mode == "16/16"), sorted(set(launched))
+    kernel = {"16/16": "paged_decode_attention", "6/4": "paged_decode_attention_mx"}.get(kv_mode)
+    assert kernel is None or kernel in launched, sorted(set(launched))
+    assert kernel is not None or not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
 
 
 def test_decode_graph_runs_prefill_eagerly():

@@ -250,36 +250,83 @@ def test_attention_decode_twelve_sequences_split_k(splits, kv_mode):
                         fill_first=True)
 
 
-@pytest.mark.parametrize("shape", [(4, 3), (2, 4), (8, 2), (1, 2)])
-@pytest.mark.parametrize("nq,nkv,d,page_size", [(24, 4, 256, 64), (8, 1, 128, 16), (4, 4, 64, 5), (16, 2, 256, 7)])
-def test_decode_attention_tensor_cores(monkeypatch, shape, nq, nkv, d, page_size):
-    """kernels/attn_decode.cu (bf16 pages, one new token per sequence, g <= 8) against numpy at float32
-    tolerance: contexts of one key, partial last tiles, pages of 5 or 7 keys splitting tiles, forced and
-    planned splits, every launch shape (warps x stages)."""
+def run_decode_kernel(monkeypatch, kv_mode, heads, shape, mx):
+    """Decode steps over contexts of 1-300 keys (forced and planned splits) with the decode kernel's launch
+    shape (warps, stages) set; one score chain for the (1, 2) shape. Returns the decode launches' defines."""
     from decapybara.backend import cupy_attention as ca
-    monkeypatch.setitem(ca.DECODE, "warps", shape[0])
-    monkeypatch.setitem(ca.DECODE, "stages", shape[1])
+    nq, nkv, d, page_size = heads
+    monkeypatch.setitem(ca.DECODE, "mx_warps" if mx else "warps", shape[0])
+    monkeypatch.setitem(ca.DECODE, "mx_stages" if mx else "stages", shape[1])
+    monkeypatch.setitem(ca.DECODE, "chains", 1 if shape == (1, 2) else 2)
     launched = []
     get = ca.get_kernel
     monkeypatch.setattr(ca, "get_kernel", lambda m, f, defs=(): launched.append((f, dict(defs))) or get(m, f, defs))
     steps = [[1, 17, 40, 300], [1, 1, 1, 1], [1, 1, 1, 1]]
     for splits in (None, 3):
-        run_attention_steps(attn_config(nq, nkv, d), "16/16", steps, page_size, num_pages=420 // page_size + 8,
+        run_attention_steps(attn_config(nq, nkv, d), kv_mode, steps, page_size, num_pages=420 // page_size + 8,
                             splits=splits, seed=d + nq + page_size)
-    dec = [defs for f, defs in launched if f == "paged_decode_attention"]
+    name = "paged_decode_attention_mx" if mx else "paged_decode_attention"
+    return [defs for f, defs in launched if f == name]
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (2, 4), (8, 2), (1, 2)])
+@pytest.mark.parametrize("heads", [(24, 4, 256, 64), (8, 1, 128, 16), (4, 4, 64, 5), (16, 2, 256, 7)])
+def test_decode_attention_tensor_cores(monkeypatch, shape, heads):
+    """kernels/attn_decode.cu (bf16 pages, one new token per sequence, g <= 8) against numpy at float32
+    tolerance: contexts of one key, partial last tiles, pages of 5 or 7 keys splitting tiles, forced and
+    planned splits, every launch shape (warps x stages), one or two accumulator chains for the scores."""
+    from decapybara.backend import cupy_attention as ca
+    dec = run_decode_kernel(monkeypatch, "16/16", heads, shape, mx=False)
+    d = heads[2]
     want = ca.decode_shape(d)  # 8 warps x 2 stages of 16 KB tiles (d = 256) exceed 227 KB: 4 x 2
     assert want == (shape if shape[0] * shape[1] * 64 * d <= 227 * 1024 else (shape[0] // 2, shape[1]))
-    assert dec and all((defs["DEC_WARPS"], defs["DEC_STAGES"]) == want for defs in dec), launched
+    assert dec and all((defs["DEC_WARPS"], defs["DEC_STAGES"]) == want for defs in dec), dec
 
 
-def test_decode_attention_long_context_and_off_switch(monkeypatch):
+MX_DECODE_CASES = [("8/8", (24, 4, 256, 64), (8, 3)), ("6/6", (8, 1, 128, 16), (4, 2)),
+                   ("6/4", (16, 2, 256, 7), (2, 3)), ("4/4", (4, 4, 128, 5), (1, 2)),
+                   ("4/8", (24, 4, 256, 64), (4, 3)), ("8/6", (8, 2, 128, 7), (8, 2)),
+                   ("4/4", (24, 4, 256, 512), (8, 3)), ("6/4", (8, 1, 128, 64), (8, 3))]
+
+
+@pytest.mark.parametrize("kv_mode,heads,shape", MX_DECODE_CASES)
+def test_decode_attention_microscaled_pages(monkeypatch, kv_mode, heads, shape):
+    """kernels/attn_decode.cu's paged_decode_attention_mx: every key and value format (8 / 6 / 4 bits), head_dim
+    128 and 256, g 1-8, pages of 5, 7, 16, 64 and 512 keys, forced and planned splits, several launch shapes
+    and one or two score chains, against numpy over the same quantised pages at float32 tolerance (the
+    dequantised codes are exact in bf16)."""
+    from decapybara.backend import cupy_attention as ca
+    dec = run_decode_kernel(monkeypatch, kv_mode, heads, shape, mx=True)
+    d = heads[2]
+    kb, vb = (int(b) for b in kv_mode.split("/"))
+    want = ca.decode_shape(d, kb, vb)
+    assert want is not None and want[0] <= shape[0] and want[1] <= shape[1]
+    assert dec and all((defs["DEC_WARPS"], defs["DEC_STAGES"], defs["KBITS"], defs["VBITS"]) == (*want, kb, vb)
+                       for defs in dec), dec
+    assert ca.decode_smem(d, kb, vb, *want) <= ca._smem_optin()
+
+
+def test_decode_shape_rules():
+    """Which pages take the decode kernel, and launch shapes lowered to fit the shared memory."""
+    from decapybara.backend import cupy_attention as ca
+    assert ca.decode_shape(64, 16, 16) is not None and ca.decode_shape(64, 8, 8) is None  # mx: 128 / 256 only
+    assert ca.decode_shape(256, 16, 8) is None and ca.decode_shape(96, 16, 16) is None
+    for kb in (8, 6, 4):
+        for vb in (8, 6, 4):
+            w, s = ca.decode_shape(256, kb, vb)
+            smem = ca.decode_smem(256, kb, vb, w, s)
+            assert s >= 2 and smem <= ca._smem_optin() and 32 * w * 258 <= smem
+
+
+@pytest.mark.parametrize("kv_mode", ["16/16", "6/4", "8/8"])
+def test_decode_attention_long_context_and_off_switch(monkeypatch, kv_mode):
     """5k- and 2k-key decodes match numpy to float32 tolerance through the tensor-core kernel and through the
     general kernel (DECODE off)."""
     from decapybara.backend import cupy_attention as ca
     steps = [[5000, 2100], [1, 1], [1, 1]]
     for on in (True, False):
         monkeypatch.setitem(ca.DECODE, "enabled", on)
-        run_attention_steps(attn_config(24, 4, 256), "16/16", steps, page_size=512, num_pages=16, seed=11,
+        run_attention_steps(attn_config(24, 4, 256), kv_mode, steps, page_size=512, num_pages=16, seed=11,
                             fill_first=True)
 
 

@@ -14,6 +14,28 @@ __device__ __forceinline__ float load_h(const float* __restrict__ x, const float
   return res ? __fadd_rn(x[i], res[i]) : x[i];
 }
 
+// Elements first + j * step (j < N) of a row, zero past n: h = x (+ res) and the raw weights w. Every load is
+// issued before the arithmetic that uses it (an add right after each load waits on it, so the loads of a row
+// would run one memory latency after another).
+template <int N>
+__device__ __forceinline__ void load_row(const float* __restrict__ x, const float* __restrict__ res,
+                                         const float* __restrict__ w, i64 base, int n, int first, int step,
+                                         float (&h)[N], float (&wv)[N]) {
+  float r[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = first + j * step;
+    h[j] = i < n ? x[base + i] : 0.0f;
+    r[j] = res && i < n ? res[base + i] : 0.0f;
+    wv[j] = i < n ? w[i] : 0.0f;
+  }
+  if (res) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) h[j] = __fadd_rn(h[j], r[j]);
+  }
+}
+
+#define RW_CACHE 8  // elements per lane a warp-per-row kernel keeps in registers (rows up to 256 in one pass)
 extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ res,
                                          const float* __restrict__ w, float* __restrict__ out,
                                          float* __restrict__ res_out, int rows, int n, float eps,
@@ -22,13 +44,25 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps leave together
   const i64 base = (i64)row * n;
+  float hv[RW_CACHE], wv[RW_CACHE];
+  load_row<RW_CACHE>(x, res, w, base, n, lane, 32, hv, wv);
   float ss = 0.0f;
-  for (int i = lane; i < n; i += 32) {
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j) ss += hv[j] * hv[j];  // the order of the plain strided loop
+  for (int i = lane + 32 * RW_CACHE; i < n; i += 32) {
     const float h = load_h(x, res, base + i);
     ss += h * h;
   }
   const float denom = sqrtf(warp_sum(ss) / (float)n + eps);
-  for (int i = lane; i < n; i += 32) {
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j) {
+    const int i = lane + 32 * j;
+    if (i < n) {
+      if (res_out) res_out[base + i] = hv[j];
+      out[base + i] = (hv[j] / denom) * (offset + wv[j]);
+    }
+  }
+  for (int i = lane + 32 * RW_CACHE; i < n; i += 32) {
     const float h = load_h(x, res, base + i);
     if (res_out) res_out[base + i] = h;
     out[base + i] = (h / denom) * (offset + w[i]);
@@ -48,12 +82,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
   const i64 base = (i64)row * n;
   const int step = blockDim.x, tail = threadIdx.x + RN_CACHE * step;
   float hv[RN_CACHE], wv[RN_CACHE];  // the weights are fetched with x, not after the reduction's barriers
-#pragma unroll
-  for (int j = 0; j < RN_CACHE; ++j) {
-    const int i = threadIdx.x + j * step;
-    hv[j] = i < n ? load_h(x, res, base + i) : 0.0f;
-    wv[j] = i < n ? offset + w[i] : 0.0f;
-  }
+  load_row<RN_CACHE>(x, res, w, base, n, threadIdx.x, step, hv, wv);
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < RN_CACHE; ++j) ss += hv[j] * hv[j];  // the order of the plain strided loop
@@ -67,7 +96,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
     const int i = threadIdx.x + j * step;
     if (i < n) {
       if (res_out) res_out[base + i] = hv[j];
-      out[base + i] = (hv[j] / denom) * wv[j];
+      out[base + i] = (hv[j] / denom) * (offset + wv[j]);
     }
   }
   for (int i = tail; i < n; i += step) {
@@ -87,10 +116,24 @@ extern "C" __global__ void gated_rms_norm_warp(const float* __restrict__ x, cons
   if (row >= rows) return;
   const i64 base = (i64)row * n;
   const float* zr = z + (i64)(row / zh) * ldz + (i64)(row % zh) * n;
+  float xv[RW_CACHE], zv[RW_CACHE], wv[RW_CACHE];  // all loads first (see load_row)
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j) {
+    const int i = lane + 32 * j;
+    xv[j] = i < n ? x[base + i] : 0.0f;
+    zv[j] = i < n ? zr[i] : 0.0f;
+    wv[j] = i < n ? w[i] : 0.0f;
+  }
   float ss = 0.0f;
-  for (int i = lane; i < n; i += 32) ss += x[base + i] * x[base + i];
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j) ss += xv[j] * xv[j];
+  for (int i = lane + 32 * RW_CACHE; i < n; i += 32) ss += x[base + i] * x[base + i];
   const float denom = sqrtf(warp_sum(ss) / (float)n + eps);
-  for (int i = lane; i < n; i += 32) out[base + i] = (x[base + i] / denom) * w[i] * silu_f(zr[i]);
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j)
+    if (lane + 32 * j < n) out[base + lane + 32 * j] = (xv[j] / denom) * wv[j] * silu_f(zv[j]);
+  for (int i = lane + 32 * RW_CACHE; i < n; i += 32)
+    out[base + i] = (x[base + i] / denom) * w[i] * silu_f(zr[i]);
 }
 
 // ---- RoPE (rotate-half on the first `rot` dims) -------------------------------------------------------

@@ -12,6 +12,7 @@
 // rows). runs [R, 5] int32 = first row, rows, state slot, first segment, number of segments; segs [S, 2] int32 =
 // segment end (rows from the run start, exclusive), snapshot index (-1: none). Snapshots copy the state at
 // the segment's end into snap_conv [n_snap, C, CONV_K - 1] / snap_rec [n_snap, HV, DK, DV].
+// A decode forward (every run one row) takes gdn_decode + conv1d_state_update instead of the five kernels.
 #include "common.cuh"
 
 #ifndef DK
@@ -164,6 +165,31 @@ __device__ __forceinline__ ACC group_sum(ACC v) {  // over the KSPLIT = 4 adjace
   return v;
 }
 
+// One token of the gated delta rule on this thread's rows of a state column (S, updated in place): q_, k_ are
+// the token's normed q / k at those rows (shared memory); returns the column's output S^T q after the update,
+// summed over the KSPLIT lanes of the column.
+__device__ __forceinline__ ACC delta_step(ACC (&S)[ROWS], const float* q_, const float* k_, const ACC decay,
+                                         const ACC bt, const ACC vt) {
+  ACC ka = 0, kb = 0;  // S^T k, two chains
+#pragma unroll
+  for (int j = 0; j < ROWS; j += 2) {
+    ka += S[j] * (ACC)k_[j];
+    if (j + 1 < ROWS) kb += S[j + 1] * (ACC)k_[j + 1];
+  }
+  const ACC delta = (vt - decay * group_sum(ka + kb)) * bt;
+  ACC oa = 0, ob = 0;  // S^T q after the update
+#pragma unroll
+  for (int j = 0; j < ROWS; j += 2) {
+    S[j] = S[j] * decay + (ACC)k_[j] * delta;
+    oa += S[j] * (ACC)q_[j];
+    if (j + 1 < ROWS) {
+      S[j + 1] = S[j + 1] * decay + (ACC)k_[j + 1] * delta;
+      ob += S[j + 1] * (ACC)q_[j + 1];
+    }
+  }
+  return group_sum(oa + ob);
+}
+
 extern "C" __global__ void __launch_bounds__(NT)
 gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ y,
               const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
@@ -215,24 +241,7 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
     if (i + 1 < len) fetch(i + 1);  // loads in flight during this token's arithmetic
     const float* q_ = qs[buf] + part * KPAD;
     const float* k_ = ks[buf] + part * KPAD;
-    ACC ka = 0, kb = 0;  // S^T k, two chains
-#pragma unroll
-    for (int j = 0; j < ROWS; j += 2) {
-      ka += S[j] * (ACC)k_[j];
-      if (j + 1 < ROWS) kb += S[j + 1] * (ACC)k_[j + 1];
-    }
-    const ACC delta = (vt - decay * group_sum(ka + kb)) * bt;
-    ACC oa = 0, ob = 0;  // S^T q after the update
-#pragma unroll
-    for (int j = 0; j < ROWS; j += 2) {
-      S[j] = S[j] * decay + (ACC)k_[j] * delta;
-      oa += S[j] * (ACC)q_[j];
-      if (j + 1 < ROWS) {
-        S[j + 1] = S[j + 1] * decay + (ACC)k_[j + 1] * delta;
-        ob += S[j + 1] * (ACC)q_[j + 1];
-      }
-    }
-    const ACC o = group_sum(oa + ob);
+    const ACC o = delta_step(S, q_, k_, decay, bt, vt);
     if (part == 0) out[((i64)(row0 + i) * HV + h) * DV + col] = (float)o;
     const bool at_end = (i + 1 == seg_end);
     if (at_end || (i + 1 - seg_start) % chunk == 0) {  // the reference stores the state as float32 here
@@ -254,4 +263,85 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
   }
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) st[(i64)j * DV] = (float)S[j];
+}
+
+// ---- one decode token per run ---------------------------------------------------------------------------
+// conv1d_silu_runs + gdn_qk_norm + gdn_gates + gdn_recurrent for runs of exactly one row, in one launch and
+// with the same arithmetic in the same order (so the same bits): grid (R, HV, DV / VCOLS), NT threads. Each
+// CTA computes the conv + SiLU of its key head's q and k channels (the DV / VCOLS CTAs of a value head and
+// the HV / HK value heads of a key head repeat this small work), their L2 norms, its value columns and its
+// head's gates, then the recurrent step. The conv state is only read: conv1d_state_update writes it after
+// this kernel (some other CTA may still read it here). x: mixed rows [T, C] (stride ldx); a, b: [T, HV]
+// (stride ld_ab); the rest as gdn_recurrent.
+extern "C" __global__ void __launch_bounds__(NT)
+gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ conv_state,
+           const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ neg_A,
+           const float* __restrict__ dt_bias, float* __restrict__ state, const int* __restrict__ runs,
+           const int* __restrict__ segs, float* __restrict__ out, float* __restrict__ snap_rec, int HK, int HV,
+           int C, i64 ldx, i64 ld_ab, float q_scale) {
+  __shared__ float raw[2 * DK], qs[KSPLIT * KPAD], ks[KSPLIT * KPAD], red[4];
+  const int* run = runs + 5 * blockIdx.x;
+  const int row = run[0], slot = run[2], seg0 = run[3];
+  const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
+  const int col = blockIdx.z * VCOLS + tid / KSPLIT;
+  const int hk = h / (HV / HK);
+  const float* xr = x + (i64)row * ldx;
+  const float* cs = conv_state + (i64)slot * C * KM1;
+  auto conv_silu = [&](int c) {  // conv1d_silu_runs for a run of one row
+    const float* st = cs + (i64)c * KM1;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(st[j], w[(i64)c * CONV_K + j]));
+    acc = __fadd_rn(acc, __fmul_rn(xr[c], w[(i64)c * CONV_K + KM1]));
+    return silu_f(acc);
+  };
+  for (int i = tid; i < 2 * DK; i += NT)  // q then k channels of key head hk
+    raw[i] = conv_silu(i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK);
+  const float vt_f = conv_silu(2 * HK * DK + h * DV + col);
+  float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
+  ACC S[ROWS];
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
+  float ng, nb;  // gdn_gates
+  {
+    const float v = a[(i64)row * ld_ab + h] + dt_bias[h];
+    float sp;
+    if (v == 0.0f) sp = 0.693147180559945309f;
+    else if (v > 0.0f) sp = v + log1pf(expf(-v));
+    else sp = log1pf(expf(v));
+    ng = neg_A[h] * sp;
+    nb = sigmoid_f(b[(i64)row * ld_ab + h]);
+  }
+  __syncthreads();
+  // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if NT == 32)
+  constexpr int NWARP = NT / 32;
+#pragma unroll
+  for (int qk = 0; qk < 2; ++qk) {
+    if (warp == (NWARP > 1 ? qk : 0)) {
+      const float* r = raw + qk * DK;
+      float s = 0.0f;
+      for (int i = lane; i < DK; i += 32) s += r[i] * r[i];
+      s = warp_sum(s);
+      if (lane == 0) red[qk] = sqrtf(s + 1e-6f);
+    }
+  }
+  __syncthreads();
+  for (int k = tid; k < DK; k += NT) {
+    qs[(k / ROWS) * KPAD + k % ROWS] = (raw[k] / red[0]) * q_scale;
+    ks[(k / ROWS) * KPAD + k % ROWS] = raw[DK + k] / red[1];
+  }
+  __syncthreads();
+  // gdn_recurrent, one token
+  const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)vt_f;
+  const float* q_ = qs + part * KPAD;
+  const float* k_ = ks + part * KPAD;
+  const ACC o = delta_step(S, q_, k_, decay, bt, vt);
+  if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
+  const int snap = segs[2 * seg0 + 1];  // the run's one segment ends here: the state as float32
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    const float v = (float)S[j];
+    st[(i64)j * DV] = v;
+    if (snap >= 0) snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
+  }
 }

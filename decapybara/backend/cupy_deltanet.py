@@ -2,7 +2,8 @@
 
 `plan_runs(segments)` groups consecutive `DeltaNetSegment`s of one sequence (same slot, contiguous rows) into
 runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
-delta rule for every run in parallel, updating the state pool in place and copying snapshots to the host.
+delta rule for every run in parallel (one fused launch when every run is one decode row), updating the state
+pool in place and copying snapshots to the host.
 `acc` is the recurrence's arithmetic: "double" reproduces the numpy reference (float64 inside chunks,
 float32 state at its store points), "float" is the fast variant.
 """
@@ -23,6 +24,8 @@ from kernels import get_kernel
 
 CHUNK = 64  # the reference's chunk: the state is stored as float32 every CHUNK tokens of a segment
 CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_prefill.cu)
+# decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces
+FUSED_DECODE = {"enabled": True}
 
 
 @dataclass(slots=True)
@@ -94,27 +97,35 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     snap_conv = empty((max(nsnap, 1), c, ksz - 1), cp.float32)
     snap_rec = empty((max(nsnap, 1), hv, dk, dv), cp.float32)
 
-    y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
     cblocks = -(-c // 128)
-    get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
-        (cblocks, -(-plan.max_len // CONV_TOKENS), plan.num_runs), (128,),
-        (x, w, conv_state, plan.runs, y, I32(c), I64(x.strides[0] // 4)))
-    get_kernel("deltanet_prefill", "conv1d_state_update", defines)(
-        (cblocks, plan.num_runs), (128,), (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c),
-                                           I64(x.strides[0] // 4)))
-    qn = empty((t, hk, dk), cp.float32)
-    kn = empty((t, hk, dk), cp.float32)
-    get_kernel("deltanet_prefill", "gdn_qk_norm", defines)(
-        (-(-(t * hk * 32) // THREADS),), (THREADS,), (y, qn, kn, I32(t), I32(hk), I32(c), F32(dk ** -0.5)))
-    g = empty((t, hv), cp.float32)
-    beta = empty((t, hv), cp.float32)
-    get_kernel("deltanet_prefill", "gdn_gates", defines)(
-        (grid_for(t * hv),), (THREADS,), (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4)))
     vcols = min(32, dv)  # value columns per CTA, 4 threads each (kernels/deltanet_prefill.cu VCOLS, KSPLIT)
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
-    get_kernel("deltanet_prefill", "gdn_recurrent", defines)(
-        (plan.num_runs, hv, dv // vcols), (4 * vcols,),
-        (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c), I32(CHUNK)))
+    ldx = I64(x.strides[0] // 4)
+    if plan.max_len == 1 and FUSED_DECODE["enabled"]:  # decode: conv, norms, gates and the step in one launch
+        get_kernel("deltanet_prefill", "gdn_decode", defines)(
+            (plan.num_runs, hv, dv // vcols), (4 * vcols,),
+            (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),
+             I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
+    else:
+        y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
+        get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
+            (cblocks, -(-plan.max_len // CONV_TOKENS), plan.num_runs), (128,),
+            (x, w, conv_state, plan.runs, y, I32(c), ldx))
+        qn = empty((t, hk, dk), cp.float32)
+        kn = empty((t, hk, dk), cp.float32)
+        get_kernel("deltanet_prefill", "gdn_qk_norm", defines)(
+            (-(-(t * hk * 32) // THREADS),), (THREADS,), (y, qn, kn, I32(t), I32(hk), I32(c), F32(dk ** -0.5)))
+        g = empty((t, hv), cp.float32)
+        beta = empty((t, hv), cp.float32)
+        get_kernel("deltanet_prefill", "gdn_gates", defines)(
+            (grid_for(t * hv),), (THREADS,),
+            (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4)))
+        get_kernel("deltanet_prefill", "gdn_recurrent", defines)(
+            (plan.num_runs, hv, dv // vcols), (4 * vcols,),
+            (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c), I32(CHUNK)))
+    # the conv state after the run, once every reader above has run
+    get_kernel("deltanet_prefill", "conv1d_state_update", defines)(
+        (cblocks, plan.num_runs), (128,), (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx))
     if nsnap:
         conv_h, rec_h = cp.asnumpy(snap_conv[:nsnap]), cp.asnumpy(snap_rec[:nsnap])
         for i, key in enumerate(plan.snapshot_keys):

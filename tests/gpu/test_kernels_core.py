@@ -402,6 +402,50 @@ def test_deltanet_core_matches_reference(acc, dims):
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
 
 
+@pytest.mark.parametrize("acc", ["double", "float"])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32)])
+def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims):
+    """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
+    of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
+    sequences in scattered slots from random states, with a and b as column views of one product."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    rng = np.random.default_rng(sum(dims) + 7)
+    cfg = dn_config(*dims)
+    cub = CupyBackend("fp32" if acc == "double" else "bf16")
+    pools = {fused: cub.new_state_pool(cfg, 6) for fused in (True, False)}
+    init = [rand(rng, *pools[True].conv[0].shape), rand(rng, *pools[True].rec[0].shape, scale=0.1)]
+    for pool in pools.values():
+        pool.conv[0][...] = cp.asarray(init[0])
+        pool.rec[0][...] = cp.asarray(init[1])
+    params = dn_params(cub, cfg, np.random.default_rng(1))
+    c, hv = cfg.linear_conv_dim, cfg.linear_num_value_heads
+    slots = [4, 0, 5, 2, 1]
+    launched = []
+    get = cd.get_kernel
+    monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    for step in range(3):
+        segs = [DeltaNetSegment(i, 1, slot, (i, step) if i in (1, 3) else None) for i, slot in enumerate(slots)]
+        x = cp.asarray(rand(rng, len(slots), c))
+        ab = cp.asarray(rand(rng, len(slots), 2 * hv + 3))
+        a, b = ab[:, :hv], ab[:, hv + 3:]  # views of one product, rows 2 hv + 3 floats apart
+        got = {}
+        for fused, pool in pools.items():
+            monkeypatch.setitem(cd.FUSED_DECODE, "enabled", fused)
+            launched.clear()
+            snaps = {}
+            out = cub.deltanet_core(pool, 0, x, a, b, params, segs, cfg, snaps)
+            assert ("gdn_decode" in launched) == fused, launched
+            got[fused] = (cp.asnumpy(out), cp.asnumpy(pool.conv[0]), cp.asnumpy(pool.rec[0]), snaps)
+        for i, name in enumerate(("output", "conv state", "recurrent state")):
+            assert_bytes_equal(got[True][i], got[False][i], f"{name} step {step} dims {dims} acc {acc}")
+        assert sorted(got[True][3]) == sorted(got[False][3]) == [(1, step), (3, step)]
+        for key, layers in got[True][3].items():
+            for j in (0, 1):
+                assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
+
+
 # ---- MoE ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_moe_matches_reference(dtype):

@@ -1,0 +1,72 @@
+"""The small per-layer kernels of a 27B decode step, one at a time, as a decode graph sees them.
+
+    PYTHONUNBUFFERED=1 python3 bench/small_kernels.py
+
+A decode step streams ~14 GB of weights between two uses of a layer's norm weights and residual row, so
+those come from HBM, not L2. Each timed call here is [an L2 flush (a 96 MB device copy), the kernel]
+captured 20 times in one CUDA graph and replayed (bench/gpu.py's graph_time); the flush alone is timed the
+same way and subtracted. Rows: the hidden-size RMSNorm with its fused residual add (`rms_norm_block`) at
+128, 256 and 512 threads (the launch uses 512), the per-head q / k norm (`rms_norm_warp`), the DeltaNet
+gated norm and the MLP's silu(gate) * up, for 1 and 12 rows. Prints microseconds per call.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cupy as cp
+import gpu as B
+
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend.cupy_ops import F32, I32
+
+FLUSH = 96 << 20
+
+
+def main() -> None:
+    src, dst = cp.zeros(FLUSH // 4, cp.float32), cp.zeros(FLUSH // 4, cp.float32)
+
+    def flush() -> None:
+        dst[...] = src
+
+    base = B.graph_time(flush)
+    rows = [row for m in (1, 12) for row in timed(m, flush, base)]
+    print(f"\nL2 flush alone: {base * 1e6:.1f} us; kernel us per call (flush subtracted)")
+    for name, m, t in rows:
+        print(f"{name:<42}{m:>4}{t * 1e6:>9.2f}")
+
+
+def timed(m: int, flush, base: float) -> list[tuple[str, int, float]]:
+    """(kernel, rows, seconds per call) of the small kernels for m rows."""
+    cfg = B.CFG
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    rows = []
+    x = cp.random.standard_normal((m, hidden), cp.float32)
+    res = cp.random.standard_normal((m, hidden), cp.float32)
+    w = cp.random.standard_normal(hidden, cp.float32)
+    out, res_out = cp.empty_like(x), cp.empty_like(x)
+    for threads in (128, 256, 512):  # the launch uses 512 (68 registers: 1024 threads do not fit)
+        def norm(t: int = threads) -> None:
+            flush()
+            ops._k("rms_norm_block")((m,), (t,), (x, res, w, out, res_out, I32(m), I32(hidden), F32(1e-6),
+                                                   F32(1.0)))
+        rows.append((f"rms_norm_block + residual, {threads} threads", m, B.graph_time(norm) - base))
+    q = cp.random.standard_normal((m, cfg.num_attention_heads, cfg.head_dim), cp.float32)
+    qw = cp.random.standard_normal(cfg.head_dim, cp.float32)
+    rows.append(("rms_norm_warp (q heads)", m, B.graph_time(lambda: (flush(), ops.rms_norm(q, qw, 1e-6, 1.0)))
+                 - base))
+    core = cp.random.standard_normal((m, cfg.linear_num_value_heads, cfg.linear_value_head_dim), cp.float32)
+    z = cp.random.standard_normal(core.shape, cp.float32)
+    gw = cp.random.standard_normal(cfg.linear_value_head_dim, cp.float32)
+    rows.append(("gated_rms_norm", m, B.graph_time(lambda: (flush(), ops.gated_rms_norm(core, z, gw, 1e-6)))
+                 - base))
+    gu = cp.random.standard_normal((m, 2 * inter), cp.float32)
+    rows.append(("silu_mul_halves", m, B.graph_time(lambda: (flush(), ops.silu_mul_halves(gu))) - base))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from decapybara.backend.kv_codec import kv_bytes_per_token
 from decapybara.errors import ConfigError, WeightError
 from decapybara.model.config import named_config
 from decapybara.model.quant import (
@@ -363,10 +364,12 @@ def test_kv_bytes_per_element_and_token():
     assert KVMode(16, 16).bytes_per_element == (2.0, 2.0)
     assert KVMode(6, 4).bytes_per_element == (0.78125, 0.53125)
     assert KVMode(8, 8).bytes_per_element == (1.03125, 1.03125)
-    cfg = named_config("qwen3.8-27b")  # 16 attention layers x 4 KV heads x head_dim 256
-    per_token = {s: KVMode.parse(s).bytes_per_token(cfg) for s in ("16/16", "8/8", "6/6", "6/4", "4/4")}
+    cfg = named_config("qwen3.8-27b")  # 16 attention layers x 4 KV heads x head_dim 256 (+ the MTP layer's)
+    per_token = {s: kv_bytes_per_token(cfg, s, include_mtp=False) for s in ("16/16", "8/8", "6/6", "6/4", "4/4")}
     assert per_token == {"16/16": 65536, "8/8": 33792, "6/6": 25600, "6/4": 21504, "4/4": 17408}
-    assert per_token["6/4"] == cfg.kv_bytes_per_token(6.25, 4.25)
+    assert per_token["6/4"] == 16 * 4 * 256 * (6.25 + 4.25) / 8  # bits per element, 32-block scales included
+    assert kv_bytes_per_token(cfg, "6/4") == per_token["6/4"] * (16 + cfg.mtp_num_hidden_layers) // 16
+    assert kv_bytes_per_token(cfg, None, include_mtp=False) == 16 * 4 * 256 * 8  # float32 pages
     assert kv_vector_bytes(16, 4) == 16 + 1  # head_dim 16 pads to one 32-block
 
 

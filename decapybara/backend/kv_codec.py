@@ -1,11 +1,13 @@
 """How KV vectors are stored in pages: float32 (the exact reference), bf16, or a microscaled KV mode.
 
 A codec maps x [..., head_dim] float32 to named storage parts and back. Key and value may use different
-formats (KV mode "6/4" = 6-bit keys, 4-bit values); `kv` selects "k" or "v".
+formats (KV mode "6/4" = 6-bit keys, 4-bit values); `kv` selects "k" or "v". `kv_bytes_per_token` is the
+one count of a mode's bytes per token (the caches' allocations, the server's pool sizing, the planner).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import numpy as np
 from decapybara.dtypes import bf16_to_f32, f32_to_bf16
 from decapybara.errors import ConfigError
 from decapybara.model import quant
+from decapybara.model.config import ModelConfig
 
 # The one bf16 codec of the project (round to nearest even, NaN kept quiet), under the names pages use.
 f32_to_bf16_bits = f32_to_bf16
@@ -105,3 +108,15 @@ def codec_for(kv_mode: Any, full_dtype: Any = np.float32) -> KVCodec:
     if kb not in (4, 6, 8, 16) or vb not in (4, 6, 8, 16):
         raise ConfigError(f"bad KV mode {text!r}; bits must be 4, 6, 8 or 16")
     return MicroscaledCodec(kb, vb)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_mode: Any, include_mtp: bool = True) -> int:
+    """Bytes one token's keys and values take across every attention layer (the MTP head's included, as the
+    caches allocate them; `include_mtp` False: the decoder layers a step reads) under `kv_mode` (None: float32
+    pages, the numpy reference's default; "16/16" bf16; "K/V" microscaled with their E8M0 scale bytes): the
+    codec's storage parts, so exactly what the KV caches allocate."""
+    codec = codec_for(kv_mode, np.float32)
+    per_head = sum(math.prod(shape) * np.dtype(dtype).itemsize
+                   for kv in ("k", "v") for shape, dtype in codec.parts(cfg.head_dim, kv).values())
+    layers = len(cfg.attention_layers) + (cfg.mtp_num_hidden_layers if include_mtp else 0)
+    return per_head * cfg.num_key_value_heads * layers

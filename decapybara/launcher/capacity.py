@@ -18,25 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
-from decapybara.backend.kv_codec import codec_for
+from decapybara.backend.kv_codec import kv_bytes_per_token
 from decapybara.model.config import ModelConfig
 
 GIB = 1 << 30
 MIN_RESERVE = 2 * GIB  # activations, logits, CUDA-graph pools and allocator slack beside weights and KV
 RESERVE_SHARE = 0.05  # ... or this share of the device, whichever is larger
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_mode: str | None, include_mtp: bool = True) -> int:
-    """Bytes one token's keys and values take across every attention layer (the MTP head's included, as the
-    caches allocate them; `include_mtp` False: the decoder layers a step reads) under `kv_mode` (None: float32
-    pages, the numpy reference's default; "16/16" bf16; "K/V" microscaled with their E8M0 scale bytes)."""
-    codec = codec_for(kv_mode, np.float32)
-    per_head = sum(math.prod(shape) * np.dtype(dtype).itemsize
-                   for kv in ("k", "v") for shape, dtype in codec.parts(cfg.head_dim, kv).values())
-    layers = len(cfg.attention_layers) + (cfg.mtp_num_hidden_layers if include_mtp else 0)
-    return per_head * cfg.num_key_value_heads * layers
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,11 +152,6 @@ class ModelConfig:
             return True
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
-    def kv_bytes_per_token(self, key_bits: float = 16, value_bits: float = 16) -> float:
-        """KV bytes one token occupies across all attention layers (scales of microscaled modes included)."""
-        per_head = self.head_dim * (key_bits + value_bits) / 8
-        return len(self.attention_layers) * self.num_key_value_heads * per_head
-
     def state_bytes_per_sequence(self) -> int:
         """Bytes of DeltaNet recurrent (fp32) + conv state (fp32) one sequence holds across linear layers."""
         rec = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from decapybara.errors import ConfigError
-from decapybara.model.config import ModelConfig
 from decapybara.model.quant.blocks import QuantTensor, dequantize, get_format, quantize
 from decapybara.model.quant.elements import bf16_decode, bf16_encode
 
@@ -62,12 +61,6 @@ class KVMode:
     def bytes_per_element(self) -> tuple[float, float]:
         """(key, value) bytes per element, block scales included (head_dim a multiple of 32)."""
         return _element_bytes(self.key_bits), _element_bytes(self.value_bits)
-
-    def bytes_per_token(self, cfg: ModelConfig) -> int:
-        """KV bytes one token takes across all attention layers and KV heads (scales and padding included)."""
-        d = cfg.head_dim
-        per_head = kv_vector_bytes(d, self.key_bits) + kv_vector_bytes(d, self.value_bits)
-        return len(cfg.attention_layers) * cfg.num_key_value_heads * per_head
 
 
 def _element_bytes(bits: int) -> float:

@@ -31,7 +31,9 @@
 //           [gr D/8, (gr+1) D/8): O^T row gr of tile i is dim gr D/8 + 2i, row gr + 8 is dim gr D/8 + 2i + 1;
 //           a bf16x2 operand pairs two keys' codes of one dim (byte / nibble interleave, then the decoder).
 // Each lane's dims of a key fall in one (V) or two (K, D = 256) 32-element scale blocks. The factors carry
-// 2^-64 (mx_pairs.cuh), so q is staged times 2^64 and the output multiplied by 2^64.
+// 2^-64 (mx_pairs.cuh), so q is staged times 2^64 and the output multiplied by 2^64. Range: scale codes up to
+// 198 (E4M3) / 192 (E2M3, E2M1), blocks below 2^79 / 2^67 (a larger factor is inf); products below ~2^-62
+// become bf16 subnormals (an absolute error of that size).
 #include "common.cuh"
 
 #ifndef HEAD_DIM

@@ -190,13 +190,18 @@ def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tup
     """(warps, stages) of the decode kernel for `head_dim` and the KV page bits on this device; None when it
     does not apply: off, pages other than bf16 (head_dim 64 / 128 / 256) or 8 / 6 / 4-bit keys and values
     (head_dim 128 / 256), or not even two stages of one warp fit the shared memory (the merge area, 32 * warps
-    * (head_dim + 2) bytes, lives in the stage memory: microscaled shapes keep room for it)."""
+    * (head_dim + 2) bytes, lives in the stage memory: microscaled shapes keep room for it).
+
+    Range of the microscaled kernel: its bf16 block factors (kernels/mx_pairs.cuh) hold E8M0 scale codes up
+    to 198 (8-bit) / 192 (6 / 4-bit), i.e. blocks with |x| < 2^79 / 2^67; beyond that a block's products are
+    inf / NaN where the general kernel stays finite (no real key or value comes near), and products below
+    ~2^-62 lose bits to bf16 subnormals (absolute errors of that size)."""
     if not DECODE["enabled"]:
         return None
     if (key_bits, value_bits) == (16, 16) and head_dim in DECODE_HEAD_DIMS:
         warps, stages = int(DECODE["warps"]), int(DECODE["stages"])
     elif key_bits in DECODE_MX_BITS and value_bits in DECODE_MX_BITS and head_dim in DECODE_MX_HEAD_DIMS:
-        warps, stages = int(DECODE["mx_warps"]), int(DECODE["mx_stages"])
+        warps, stages = int(DECODE["mx_warps"]), max(2, int(DECODE["mx_stages"]))  # the kernel needs two
     else:
         return None
     limit = _smem_optin()

@@ -306,9 +306,13 @@ def test_decode_attention_microscaled_pages(monkeypatch, kv_mode, heads, shape):
     assert ca.decode_smem(d, kb, vb, *want) <= ca._smem_optin()
 
 
-def test_decode_shape_rules():
-    """Which pages take the decode kernel, and launch shapes lowered to fit the shared memory."""
+def test_decode_shape_rules(monkeypatch):
+    """Which pages take the decode kernel, and launch shapes lowered to fit the shared memory (at least the two
+    stages the microscaled kernel needs)."""
     from decapybara.backend import cupy_attention as ca
+    monkeypatch.setitem(ca.DECODE, "mx_stages", 1)
+    assert ca.decode_shape(256, 8, 8)[1] == 2
+    monkeypatch.setitem(ca.DECODE, "mx_stages", 3)
     assert ca.decode_shape(64, 16, 16) is not None and ca.decode_shape(64, 8, 8) is None  # mx: 128 / 256 only
     assert ca.decode_shape(256, 16, 8) is None and ca.decode_shape(96, 16, 16) is None
     for kb in (8, 6, 4):
@@ -403,11 +407,12 @@ def test_deltanet_core_matches_reference(acc, dims):
 
 
 @pytest.mark.parametrize("acc", ["double", "float"])
-@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32)])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
 def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims):
     """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
-    sequences in scattered slots from random states, with a and b as column views of one product."""
+    sequences in scattered slots from random states, with a and b as column views of one product; value heads
+    of 8 make one warp a CTA (it computes both norms)."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 

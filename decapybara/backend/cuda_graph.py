@@ -35,12 +35,7 @@ import cupyx
 import numpy as np
 
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
-from decapybara.backend.cupy_attention import (
-    DECODE_MAX_GROUP,
-    DECODE_MIN_KEYS,
-    MIN_KEYS_PER_SPLIT,
-    decode_shape,
-)
+from decapybara.backend.cupy_attention import DECODE_MIN_KEYS, MIN_KEYS_PER_SPLIT, decode_launch
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
 from decapybara.model.qwen import ForwardOutput, QwenModel
@@ -174,15 +169,15 @@ class DecodeGraphRunner:
         kernel streams ~512+ keys a split (a power of two up to 32; cupy_attention.DECODE_MIN_KEYS), the
         general kernel 64+."""
         longest = max(s.total for s in batch.seqs)
-        if self._decode_kernel(kv):
+        if self._decode_launch(kv) is not None:
             return 1 << min(5, max(0, (longest // DECODE_MIN_KEYS).bit_length() - 1))
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
-    def _decode_kernel(self, kv: KVCache) -> bool:
-        """Whether attention runs the tensor-core decode kernel (cupy_attention.decode_shape) on `kv`."""
+    def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:
+        """The tensor-core decode kernel's launch shape on `kv` (cupy_attention.decode_launch); None: the
+        general kernel."""
         cfg = self.model.cfg
-        return (cfg.num_attention_heads // cfg.num_key_value_heads <= DECODE_MAX_GROUP
-                and decode_shape(cfg.head_dim, *_kv_bits(kv)) is not None)
+        return decode_launch(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, _kv_bits(kv))
 
     def _replay(self, key: tuple[int, int], batch: ForwardBatch, kv: KVCache, states: StatePool | None) -> Any:
         st = self._graphs.get(key)
@@ -237,7 +232,7 @@ class DecodeGraphRunner:
         st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
                              max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
                              num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
-                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_kernel(kv))
+                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv))
         st.kv_bits = _kv_bits(kv)
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
                             snapshot_keys=[])

@@ -60,7 +60,9 @@ class AttentionPlan:
     num_parts: int
     rows_per_warp: int
     slots: Any  # [T] int64 flat KV slot of every row
-    decode: bool = False  # every sequence has one new token and g <= DECODE_MAX_GROUP (one tile, row0 0)
+    # (warps, stages) of the decode kernel (decode_launch) when it runs this plan: every sequence has one new
+    # token and g <= DECODE_MAX_GROUP (one tile, row0 0); None: the general kernel
+    decode: tuple[int, int] | None = None
 
     @property
     def block_m(self) -> int:
@@ -111,16 +113,16 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
 
 def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits: int | None = None,
                    kv_bits: tuple[int, int] | None = None) -> AttentionPlan:
-    """The attention plan of one forward; a pure decode batch that the decode kernel takes (g, head_dim and
-    the pages' `kv_bits` (key, value) permitting; None: unknown, the general kernel's plan) gets its longer
-    splits and `decode` set."""
+    """The attention plan of one forward; a pure decode batch that the decode kernel takes (`decode_launch`:
+    g, head_dim and the pages' `kv_bits` (key, value) permitting; None: unknown, the general kernel's plan)
+    gets its longer splits and the kernel's launch shape in `decode`."""
     g = nq // nkv
     seqs = batch.seqs
     rpw = rows_per_warp(head_dim, max((s.length for s in seqs), default=1) * g)
-    decode = (bool(seqs) and g <= DECODE_MAX_GROUP and all(s.length == 1 for s in seqs)
-              and kv_bits is not None and decode_shape(head_dim, *kv_bits) is not None)
+    pure = bool(seqs) and all(s.length == 1 for s in seqs)
+    decode = decode_launch(g, head_dim, kv_bits) if pure else None
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
-                                    *((DECODE_WAVES, DECODE_MIN_KEYS) if decode else ()))
+                                    *((DECODE_WAVES, DECODE_MIN_KEYS) if decode is not None else ()))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
@@ -152,9 +154,9 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     part_o = empty(parts * nkv * bm * d, cp.float32)
     part_ml = empty(parts * nkv * bm * 2, cp.float32)
     defines = (("HEAD_DIM", d), ("KBITS", kb), ("VBITS", vb), ("ROWS_PER_WARP", plan.rows_per_warp))
-    shape = decode_shape(d, kb, vb) if plan.decode and nq // nkv <= bm <= DECODE_MAX_GROUP else None
-    if shape is not None:
-        warps, stages = shape
+    if plan.decode is not None:
+        assert nq // nkv <= bm <= DECODE_MAX_GROUP, f"decode plan with {nq // nkv} heads a KV head, tiles of {bm}"
+        warps, stages = plan.decode
         mx = kb != 16
         ddef = (("HEAD_DIM", d), ("BLOCK_M", bm), ("DEC_WARPS", warps), ("DEC_STAGES", stages),
                 ("DEC_CHAINS", int(DECODE["chains"])))
@@ -175,6 +177,14 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         red((plan.num_reduce, nkv, bm), (NTHREADS,),
             (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
     return out
+
+
+def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int] | None:
+    """(warps, stages) of the decode kernel for pure decode batches with `g` query heads per KV head over pages
+    of `kv_bits` (key, value; None: unknown); None when the general kernel runs them."""
+    if kv_bits is None or g > DECODE_MAX_GROUP:
+        return None
+    return decode_shape(head_dim, *kv_bits)
 
 
 def decode_smem(head_dim: int, key_bits: int, value_bits: int, warps: int, stages: int) -> int:

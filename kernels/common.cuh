@@ -6,6 +6,7 @@
 // max normal; the MX scale is 2^(floor(log2 amax) - emax_elem), clamped to E8M0 [-127, 127], code 0 for an
 // all-zero block and 0xFF (NaN) for a block holding NaN or inf.
 #pragma once
+#include "pdl.cuh"
 
 typedef unsigned char u8;
 typedef unsigned short u16;

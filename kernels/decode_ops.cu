@@ -1,7 +1,8 @@
 // Per-token ops of the forward pass (float32 activations, float32 math):
-// RMSNorm (+ fused residual add), gated RMSNorm, RoPE (cos/sin table or positions + inv_freq), SiLU gate,
-// sigmoid (+ gate multiply), KV writes into pages (float32, bf16, MXFP8/6/4 quantised exactly as
-// quant.quantize_kv), bf16 <-> float32 conversion, bf16 embedding gather and block-format weight dequantisation.
+// RMSNorm (+ fused residual add), gated RMSNorm, RoPE (cos/sin table or positions + inv_freq), an attention
+// layer's per-head q / k RMSNorm + RoPE in one launch, SiLU gate, sigmoid (+ gate multiply), KV writes into
+// pages (float32, bf16, MXFP8/6/4 quantised exactly as quant.quantize_kv), bf16 <-> float32 conversion, bf16
+// embedding gather and block-format weight dequantisation.
 //
 // Row-wise kernels: "warp" variants give one warp per row (rows up to a few thousand elements), "block"
 // variants one block per row. Every entry point is extern "C"; shapes are in the comments.
@@ -40,6 +41,8 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
                                          const float* __restrict__ w, float* __restrict__ out,
                                          float* __restrict__ res_out, int rows, int n, float eps,
                                          float offset) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps leave together
@@ -76,6 +79,8 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
                                           const float* __restrict__ w, float* __restrict__ out,
                                           float* __restrict__ res_out, int rows, int n, float eps,
                                           float offset) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   __shared__ float scratch[33];
   const int row = blockIdx.x;
   if (row >= rows) return;
@@ -110,6 +115,8 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
 extern "C" __global__ void gated_rms_norm_warp(const float* __restrict__ x, const float* __restrict__ z,
                                                const float* __restrict__ w, float* __restrict__ out, int rows,
                                                int n, float eps, int zh, i64 ldz) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   // z row `row` starts at (row / zh) * ldz + (row % zh) * n: zh rows of n per token, tokens ldz apart
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -188,6 +195,64 @@ extern "C" __global__ void rope_pos(const float* x, const i64* __restrict__ posi
   }
 }
 
+// ---- per-head RMSNorm then RoPE of an attention layer's q and k (one launch) ------------------------------
+// q_out = rope_table(rms_norm_warp(q, wq)), k_out = rope_table(rms_norm_warp(k, wk)), bit for bit: the norm
+// is rms_norm_warp's (load_row, per-lane sums over lane + 32 j in j order, warp_sum, the same expressions) and
+// the rotation rope_table's (the same expressions on the normed floats).
+// q: [T, Hq, D] with row (t, h) at q + t * q_st + h * q_sh (elements; unit stride along D: a column view of a
+// fused [query | gate] product works), k: [T, Hk, D] alike; wq, wk: [D]; cos, sin: [T, rot / 2];
+// q_out, k_out: C-contiguous [T, Hq, D], [T, Hk, D]. One warp per (t, h) row, the T * Hq q rows first; a
+// warp's normed row waits in shared memory for the rotation (rows pair dims j and j + rot / 2 across lanes).
+// Dynamic shared memory: D floats per warp of the block.
+extern "C" __global__ void qk_norm_rope(const float* __restrict__ q, const float* __restrict__ k,
+                                        const float* __restrict__ wq, const float* __restrict__ wk,
+                                        const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                        float* __restrict__ q_out, float* __restrict__ k_out, i64 q_st, i64 q_sh,
+                                        i64 k_st, i64 k_sh, int T, int Hq, int Hk, int D, int rot, float eps,
+                                        float offset) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
+  DYN_SMEM_DECL(smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const i64 qrows = (i64)T * Hq, row = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
+  if (row >= qrows + (i64)T * Hk) return;  // whole warps leave together
+  const bool is_q = row < qrows;
+  const i64 r = is_q ? row : row - qrows;  // t * H + h
+  const int H = is_q ? Hq : Hk;
+  const i64 t = r / H, h = r - t * H;
+  const float* x = is_q ? q + t * q_st + h * q_sh : k + t * k_st + h * k_sh;
+  const float* w = is_q ? wq : wk;
+  float* y = (float*)smem + warp * D;  // this warp's normed row
+  float hv[RW_CACHE], wv[RW_CACHE];
+  load_row<RW_CACHE>(x, nullptr, w, 0, D, lane, 32, hv, wv);
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j) ss += hv[j] * hv[j];  // rms_norm_warp's order
+  for (int i = lane + 32 * RW_CACHE; i < D; i += 32) {
+    const float v = x[i];
+    ss += v * v;
+  }
+  const float denom = sqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+  for (int j = 0; j < RW_CACHE; ++j) {
+    const int i = lane + 32 * j;
+    if (i < D) y[i] = (hv[j] / denom) * (offset + wv[j]);
+  }
+  for (int i = lane + 32 * RW_CACHE; i < D; i += 32) y[i] = (x[i] / denom) * (offset + w[i]);
+  __syncwarp();
+  const int half = rot >> 1;
+  const float* cr = cos_t + t * half;
+  const float* sr = sin_t + t * half;
+  float* o = (is_q ? q_out : k_out) + r * D;
+  for (int j = lane; j < half; j += 32) {  // rope_table's pair (j, j + half)
+    const float c = cr[j], s = sr[j];
+    const float x1 = y[j], x2 = y[j + half];
+    o[j] = x1 * c - x2 * s;
+    o[j + half] = x2 * c + x1 * s;
+  }
+  for (int i = rot + lane; i < D; i += 32) o[i] = y[i];  // the unrotated tail
+}
+
 // ---- elementwise -----------------------------------------------------------------------------------------
 // out = silu(gate) * up; out = sigmoid(x); out = x * sigmoid(gate). All [n] float32.
 extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
@@ -198,6 +263,8 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
 
 // out [rows, n] = silu(y[:, :n]) * y[:, n:] for y [rows, 2n]: the fused gate|up product's halves.
 extern "C" __global__ void silu_mul_halves(const float* __restrict__ y, float* __restrict__ out, i64 rows, int n) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * n; i += (i64)gridDim.x * blockDim.x) {
     const i64 r = i / n, j = i - r * n;
     out[i] = silu_f(y[r * 2 * n + j]) * y[r * 2 * n + n + j];
@@ -211,8 +278,38 @@ extern "C" __global__ void sigmoid_f32(const float* __restrict__ x, float* __res
 
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, const float* __restrict__ gate,
                                        float* __restrict__ out, i64 n) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
     out[i] = x[i] * sigmoid_f(gate[i]);
+}
+
+// a * b as CuPy's float32 multiply computes it: CuPy builds its elementwise kernels with -ftz=true (subnormal
+// inputs and results flush to signed zero), these kernels keep subnormals when nvcc builds them. The host
+// emulator (no __CUDA_ARCH__; its CuPy is numpy) multiplies plainly.
+__device__ __forceinline__ float mul_as_cupy(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a * b;
+#endif
+}
+
+// out = x * sigmoid(gate) with strided gate rows, bit for bit sigmoid_f32 followed by a CuPy multiply (the same
+// sigmoid_f, then mul_as_cupy; sigmoid_mul's plain multiply keeps subnormals). x, out: C-contiguous [T, H, D];
+// gate element (t, h, j) at gate + t * g_st + h * g_sh + j (the gate half of a fused [query | gate] product).
+// Grid-stride over elements.
+extern "C" __global__ void sigmoid_mul_rows(const float* __restrict__ x, const float* __restrict__ gate,
+                                            float* __restrict__ out, i64 g_st, i64 g_sh, int T, int H, int D) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
+  const i64 n = (i64)T * H * D;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const i64 th = i / D, t = th / H;
+    out[i] = mul_as_cupy(x[i], sigmoid_f(gate[t * g_st + (th - t * H) * g_sh + (i - th * D)]));
+  }
 }
 
 // float32 -> bf16 bits (round to nearest even) and back.
@@ -257,11 +354,15 @@ __device__ __forceinline__ void kv_write_plain(const float* __restrict__ x, cons
 
 extern "C" __global__ void kv_write_f32(const float* x, const i64* slots, void* codes, u8* scales, int T, int H,
                                         int D) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   kv_write_plain<32>(x, slots, codes, T, H, D);
 }
 
 extern "C" __global__ void kv_write_bf16(const float* x, const i64* slots, void* codes, u8* scales, int T,
                                          int H, int D) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   kv_write_plain<16>(x, slots, codes, T, H, D);
 }
 
@@ -312,14 +413,20 @@ __device__ __forceinline__ void kv_write_mx(const float* __restrict__ x, const i
 
 extern "C" __global__ void kv_write_mx8(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
                                         int D) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   kv_write_mx<8>(x, slots, codes, scales, T, H, D);
 }
 extern "C" __global__ void kv_write_mx6(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
                                         int D) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   kv_write_mx<6>(x, slots, codes, scales, T, H, D);
 }
 extern "C" __global__ void kv_write_mx4(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
                                         int D) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
   kv_write_mx<4>(x, slots, codes, scales, T, H, D);
 }
 

@@ -12,7 +12,9 @@
 // rows). runs [R, 5] int32 = first row, rows, state slot, first segment, number of segments; segs [S, 2] int32 =
 // segment end (rows from the run start, exclusive), snapshot index (-1: none). Snapshots copy the state at
 // the segment's end into snap_conv [n_snap, C, CONV_K - 1] / snap_rec [n_snap, HV, DK, DV].
-// A decode forward (every run one row) takes gdn_decode + conv1d_state_update instead of the five kernels.
+// A decode forward (every run one row) takes gdn_decode + conv1d_state_update instead of the five kernels, or
+// gdn_decode + gdn_decode_finish (the conv state and the gated RMS norm after the core) when the caller fuses
+// the norm.
 #include "common.cuh"
 
 #ifndef DK
@@ -73,15 +75,12 @@ extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const f
   }
 }
 
-// Grid (ceil(C / 128), R), 128 threads: the conv state after each snapshotted segment (into snap_conv) and after
-// the run (into conv_state, in place: every value is read before the first write).
-extern "C" __global__ void conv1d_state_update(const float* __restrict__ x, float* __restrict__ conv_state,
-                                               const int* __restrict__ runs, const int* __restrict__ segs,
-                                               float* __restrict__ snap_conv, int C, i64 ldx) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  const int* run = runs + 5 * blockIdx.y;
-  const int row0 = run[0], len = run[1], slot = run[2], seg0 = run[3], nseg = run[4];
+// The conv state of channel c after each snapshotted segment of a run (into snap_conv) and after the run (into
+// conv_state, in place: every value is read before the first write).
+__device__ __forceinline__ void conv_state_update(const float* __restrict__ x, float* __restrict__ conv_state,
+                                                  const int* __restrict__ run, const int* __restrict__ segs,
+                                                  float* __restrict__ snap_conv, int C, i64 ldx, int c) {
+  const int row0 = run[0], slot = run[2], seg0 = run[3], nseg = run[4];
   float* st = conv_state + ((i64)slot * C + c) * KM1;
   float old[KM1], win[KM1];
 #pragma unroll
@@ -99,9 +98,18 @@ extern "C" __global__ void conv1d_state_update(const float* __restrict__ x, floa
       for (int j = 0; j < KM1; ++j) snap_conv[((i64)snap * C + c) * KM1 + j] = win[j];
     }
   }
-  (void)len;  // the last segment ends at the run's end
+  // win: the window at the last segment's end, which is the run's end
 #pragma unroll
   for (int j = 0; j < KM1; ++j) st[j] = win[j];
+}
+
+// Grid (ceil(C / 128), R), 128 threads: conv_state_update for every channel of every run.
+extern "C" __global__ void conv1d_state_update(const float* __restrict__ x, float* __restrict__ conv_state,
+                                               const int* __restrict__ runs, const int* __restrict__ segs,
+                                               float* __restrict__ snap_conv, int C, i64 ldx) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  conv_state_update(x, conv_state, runs + 5 * blockIdx.y, segs, snap_conv, C, ldx, c);
 }
 
 // ---- q / k normalisation and gates ----------------------------------------------------------------------
@@ -285,6 +293,14 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
   const int col = blockIdx.z * VCOLS + tid / KSPLIT;
   const int hk = h / (HV / HK);
+  // The recurrent state first: only this layer's earlier steps write it, so its loads may go out before the
+  // products that feed x, a and b have finished (launched overlapped, pdl.cuh).
+  float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
+  ACC S[ROWS];
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
+  pdl_trigger();
+  pdl_wait();
   const float* xr = x + (i64)row * ldx;
   const float* cs = conv_state + (i64)slot * C * KM1;
   auto conv_silu = [&](int c) {  // conv1d_silu_runs for a run of one row
@@ -298,10 +314,6 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   for (int i = tid; i < 2 * DK; i += NT)  // q then k channels of key head hk
     raw[i] = conv_silu(i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK);
   const float vt_f = conv_silu(2 * HK * DK + h * DV + col);
-  float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
-  ACC S[ROWS];
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
   float ng, nb;  // gdn_gates
   {
     const float v = a[(i64)row * ld_ab + h] + dt_bias[h];
@@ -344,4 +356,61 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     st[(i64)j * DV] = v;
     if (snap >= 0) snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
   }
+}
+
+// ---- a decode forward's last launch: conv state and the gated RMS norm ---------------------------------------
+// gated_rms_norm_warp's row (kernels/decode_ops.cu) for n = DV, by one warp: out = x / sqrt(mean(x^2) + eps) *
+// w * silu(z) with the same float operations in the same order, so the same bits: each lane sums x[i]^2 (fma)
+// over its elements i = lane + 32 j in j order, then warp_sum's butterfly; the same output expression.
+// (gated_rms_norm_warp's + 0 * 0 terms for j past the row are exact; its tail loop past 8 elements per lane
+// continues the same j order.)
+__device__ __forceinline__ void gated_norm_row(const float* __restrict__ x, const float* __restrict__ z,
+                                               const float* __restrict__ w, float* __restrict__ out, float eps,
+                                               int lane) {
+  constexpr int NJ = (DV + 31) / 32;
+  float xv[NJ], zv[NJ], wv[NJ];  // all loads first
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int i = lane + 32 * j;
+    xv[j] = i < DV ? x[i] : 0.0f;
+    zv[j] = i < DV ? z[i] : 0.0f;
+    wv[j] = i < DV ? w[i] : 0.0f;
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) ss += xv[j] * xv[j];
+  // __fadd_rn: with DV a compile-time power of two, `/ DV + eps` would become one fma (x * 2^-k + eps, rounded
+  // once); gated_rms_norm_warp's runtime n keeps a division (x / 2^k = x * 2^-k exactly) and a rounded add
+  const float denom = sqrtf(__fadd_rn(warp_sum(ss) / (float)DV, eps));
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (lane + 32 * j < DV) out[lane + 32 * j] = (xv[j] / denom) * wv[j] * silu_f(zv[j]);
+}
+
+// After gdn_decode (runs of one row), in place of conv1d_state_update: grid (NORM_BLOCKS + ceil(C / 128), R),
+// 128 threads. Blocks b < NORM_BLOCKS = ceil(HV / 4) give each warp one value head h = 4 b + warp of the run's
+// row: gated = gated_rms_norm(core, z, norm_w, eps) for that head (gated_norm_row: the bits gated_rms_norm_warp
+// gives); blocks b >= NORM_BLOCKS are conv1d_state_update's, channel c = (b - NORM_BLOCKS) * 128 + thread. The
+// stream orders this launch after gdn_decode, so every head's core output is complete here (a head's DV
+// columns come from DV / VCOLS CTAs of gdn_decode). core, gated: [T, HV, DV]; z: head h of row t at
+// z + t * ldz + h * DV (a column view of the fused qkv|z product, or contiguous); norm_w: [DV].
+extern "C" __global__ void gdn_decode_finish(const float* __restrict__ x, float* __restrict__ conv_state,
+                                             const int* __restrict__ runs, const int* __restrict__ segs,
+                                             float* __restrict__ snap_conv, int C, i64 ldx,
+                                             const float* __restrict__ core, const float* __restrict__ z,
+                                             const float* __restrict__ norm_w, float* __restrict__ gated, int HV,
+                                             i64 ldz, float eps) {
+  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
+  pdl_wait();
+  const int* run = runs + 5 * blockIdx.y;
+  const int nwarp = blockDim.x >> 5, norm_blocks = (HV + nwarp - 1) / nwarp;
+  if ((int)blockIdx.x >= norm_blocks) {
+    const int c = (blockIdx.x - norm_blocks) * blockDim.x + threadIdx.x;
+    if (c < C) conv_state_update(x, conv_state, run, segs, snap_conv, C, ldx, c);
+    return;
+  }
+  const int h = blockIdx.x * nwarp + (threadIdx.x >> 5);
+  if (h >= HV) return;  // whole warps leave together
+  const i64 row = run[0], o = (row * HV + h) * DV;
+  gated_norm_row(core + o, z + row * ldz + (i64)h * DV, norm_w, gated + o, eps, threadIdx.x & 31);
 }

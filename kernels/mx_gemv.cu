@@ -24,6 +24,8 @@
 // decapybara/backend/gemv_plan.py plans both and mirrors the index arithmetic).
 // Grouped mode (MoE): group_counts != 0, grid.z = groups * mtiles; group e reads rows gather[off_e + m] of x,
 // writes rows off_e + m of y, uses weights W + e * w_gstride.
+// Programmatic dependent launch (pdl.cuh): a dense launch loads its first register stages of weights, then
+// waits for the kernel before it; it lets its own dependents launch once its K loop is done.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -37,6 +39,7 @@ typedef long long i64;
 #define FMT_NVFP4 4
 #include "act_kind.cuh"
 #include "mx_pairs.cuh"
+#include "pdl.cuh"
 #ifndef MX_WARPS
 #define MX_WARPS 8  // warps per block (16 weight rows each); 4 doubles the blocks of a mid-sized matrix
 #endif
@@ -299,6 +302,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
             load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c0 + s) * 4 + t, A.Kp, whole);
             load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c0 + s) * 4 + t, A.Kp, whole);
         }
+    pdl_wait();  // x, partials and counters belong to the kernels before this one
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
     for (int sb = c0; sb < c1; sb += segc) {
         // stage x[m0:m0+m_valid, chunks sb..sb+segc) in the k-slot permutation
@@ -351,6 +355,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
         }
     }
 
+    pdl_trigger();  // the next product may start loading its weights (pdl.cuh)
     // Epilogue. acc[0][nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
 #pragma unroll
     for (int a = 1; a < Acc<NT>::N; ++a)
@@ -404,6 +409,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     static_assert(MT * RS * 2 + 4 <= 48 * 1024, "x buffer over the static shared-memory limit");
     __shared__ __align__(16) u16 xs[MT * RS];
     __shared__ int last_flag;
+    if (A.g_cnt) pdl_wait();  // group counts come from the router's kernels
     const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M;
     if (mt * MT >= m_cnt) return;  // uniform per block

@@ -172,9 +172,24 @@ class Backend(ABC):
     @abstractmethod
     def sigmoid(self, x: Any) -> Any: ...
 
+    def sigmoid_gate(self, o: Any, gate: Any) -> Any:
+        """o * sigmoid(gate), elementwise over one shape (gate may be a strided view, e.g. the gate columns of a
+        fused [query | gate] product): an attention layer's output gate. Backends may fuse the two (one launch);
+        the result must equal the two ops'."""
+        return o * self.sigmoid(gate)
+
     @abstractmethod
     def rope(self, x: Any, cos: Any, sin: Any, rotary_dim: int) -> Any:
         """Rotate-half RoPE on the first `rotary_dim` dims of x [T, heads, head_dim]; cos/sin [T, rotary_dim/2]."""
+
+    def qk_norm_rope(self, q: Any, k: Any, q_weight: Any, k_weight: Any, eps: float, offset: float, cos: Any,
+                     sin: Any, rotary_dim: int) -> tuple[Any, Any]:
+        """(rope(rms_norm(q, q_weight)), rope(rms_norm(k, k_weight))) for q [T, Hq, d], k [T, Hk, d]: an attention
+        layer's per-head norms and RoPE (q may be a strided view: the query columns of a fused [query | gate]
+        product). Backends may fuse the four (one launch); the results must equal the four ops'."""
+        q = self.rms_norm(q, q_weight, eps, offset)
+        k = self.rms_norm(k, k_weight, eps, offset)
+        return self.rope(q, cos, sin, rotary_dim), self.rope(k, cos, sin, rotary_dim)
 
     @abstractmethod
     def paged_attention(self, kv: KVCache, layer: int, q: Any, k: Any, v: Any, batch: ForwardBatch,
@@ -193,6 +208,17 @@ class Backend(ABC):
     @abstractmethod
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         """rms_norm(x) * weight * silu(z) over the last axis (x, z [..., d])."""
+
+    def deltanet_core_gated(self, states: StatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
+                            params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
+                            snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]], z: Any,
+                            norm_weight: Any, eps: float) -> Any:
+        """gated_rms_norm(deltanet_core(...), z, norm_weight, eps) [T, v_heads, v_dim] (z [T, v_heads, v_dim],
+        which may be a strided view as `gated_rms_norm` takes it): a DeltaNet layer's core and the norm after it,
+        with `deltanet_core`'s state updates and snapshots. Backends may fuse the norm into the core's launches;
+        the result must equal the two ops'."""
+        core = self.deltanet_core(states, layer, mixed_qkv, a, b, params, segments, cfg, snapshots)
+        return self.gated_rms_norm(core, z, norm_weight, eps)
 
     @abstractmethod
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from decapybara.backend import pdl
 from decapybara.backend.cupy_ops import F32, I32, check, empty, empty_like, f32, sm_count
 from decapybara.model.batch import ForwardBatch
 from kernels import get_kernel
@@ -167,15 +168,15 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
             fwd.max_dynamic_shared_size_bytes = smem
             _SMEM_SET.add(ddef)
         pages = (kc, ks, vc, vs) if mx else (kc, vc)
-        fwd((plan.num_work, nkv), (32 * warps,),
-            (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
-             I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+        pdl.launch(fwd, (plan.num_work, nkv), (32 * warps,),
+                   (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
+                    I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     else:
         _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
     if plan.num_reduce:
         red = get_kernel("attn_prefill", "attention_reduce", defines)
-        red((plan.num_reduce, nkv, bm), (NTHREADS,),
-            (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
+        pdl.launch(red, (plan.num_reduce, nkv, bm), (NTHREADS,),
+                   (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
     return out
 
 

@@ -151,6 +151,18 @@ class CupyBackend(Backend):
     def rope(self, x: Any, cos: Any, sin: Any, rotary_dim: int) -> Any:
         return ops.rope(x, cos, sin, rotary_dim)
 
+    def qk_norm_rope(self, q: Any, k: Any, q_weight: Any, k_weight: Any, eps: float, offset: float, cos: Any,
+                     sin: Any, rotary_dim: int) -> tuple[Any, Any]:
+        """Both norms and rotations in one launch (kernels/decode_ops.cu `qk_norm_rope`, the query columns of a
+        fused [query | gate] product read in place); heads longer than the warp norm's rows take the four ops."""
+        if q.shape[-1] > ops.WARP_ROW_MAX:
+            return super().qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, rotary_dim)
+        return ops.qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, rotary_dim)
+
+    def sigmoid_gate(self, o: Any, gate: Any) -> Any:
+        """One launch (`sigmoid_mul_rows`), the gate columns read in place."""
+        return ops.sigmoid_gate(o, gate)
+
     def paged_attention(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
                         scale: float) -> Any:
         nq, d = q.shape[1], q.shape[2]
@@ -174,6 +186,17 @@ class CupyBackend(Backend):
             self._runs = (segments, plan_runs(segments))
         return deltanet_core(states, layer, mixed_qkv, a, b, params, self._runs[1], cfg, snapshots,
                              acc="float" if self.bf16 else "double")
+
+    def deltanet_core_gated(self, states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
+                            params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
+                            snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]], z: Any,
+                            norm_weight: Any, eps: float) -> Any:
+        """A decode forward's gated norm comes from the launch after gdn_decode, which also updates the conv
+        state (`gdn_decode_finish`: no gated_rms_norm_warp launch, the same bits); other forwards run the two ops."""
+        if self._runs is None or self._runs[0] is not segments:
+            self._runs = (segments, plan_runs(segments))
+        return deltanet_core(states, layer, mixed_qkv, a, b, params, self._runs[1], cfg, snapshots,
+                             acc="float" if self.bf16 else "double", gate=(z, norm_weight, eps))
 
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         return ops.gated_rms_norm(x, z, weight, eps)

@@ -3,7 +3,8 @@
 `plan_runs(segments)` groups consecutive `DeltaNetSegment`s of one sequence (same slot, contiguous rows) into
 runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
 delta rule for every run in parallel (one fused launch when every run is one decode row), updating the state
-pool in place and copying snapshots to the host.
+pool in place and copying snapshots to the host. With `gate` it returns the gated RMS norm of the core output
+(on the decode path from the launch that also updates the conv state: `gdn_decode_finish`, no norm launch).
 `acc` is the recurrence's arithmetic: "double" reproduces the numpy reference (float64 inside chunks,
 float32 state at its store points), "float" is the fast variant.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_kv import CupyStatePool
 from decapybara.backend.cupy_ops import F32, I32, I64, THREADS, empty, f32, f32_any, grid_for
@@ -73,11 +75,23 @@ def _rows(a: Any) -> Any:
     return cp.ascontiguousarray(a)
 
 
+def _head_rows(z: Any, t: int, hv: int, dv: int) -> tuple[Any, int]:
+    """(z, ldz) for z [T, Hv, dv] whose heads are contiguous rows of dv floats, token t's at t * ldz (a column view
+    of a fused product as is; any other layout copied)."""
+    assert z.shape == (t, hv, dv), f"z {z.shape}, expected {(t, hv, dv)}"
+    if not (z.strides[2] == 4 and z.strides[1] == 4 * dv and z.strides[0] % 4 == 0 and z.strides[0] >= 0):
+        z = cp.ascontiguousarray(z)
+    return z, z.strides[0] // 4
+
+
 def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
                   plan: RunPlan, cfg: ModelConfig,
                   snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
-                  acc: str = "double") -> Any:
-    """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`)."""
+                  acc: str = "double", gate: tuple[Any, Any, float] | None = None) -> Any:
+    """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`), or with `gate` = (z, norm_weight,
+    eps) its `gated_rms_norm(core, z, norm_weight, eps)` (see `Backend.deltanet_core_gated`), bit for bit: a
+    decode forward computes it in gdn_decode_finish (gated_rms_norm_warp's arithmetic), anything else runs
+    `cupy_ops.gated_rms_norm` after the core."""
     x, a, b = _rows(f32_any(mixed_qkv)), _rows(f32_any(a)), _rows(f32_any(b))
     if a.strides != b.strides:
         a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
@@ -91,7 +105,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     conv_state, rec = states.conv[layer], states.rec[layer]
     out = empty((t, hv, dv), cp.float32)
     if t == 0 or plan.num_runs == 0:
-        return out
+        return out if gate is None else cupy_ops.gated_rms_norm(out, *gate)
     defines = (("DK", dk), ("DV", dv), ("CONV_K", ksz), ("ACC", acc))
     nsnap = len(plan.snapshot_keys)
     snap_conv = empty((max(nsnap, 1), c, ksz - 1), cp.float32)
@@ -101,11 +115,12 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     vcols = min(32, dv)  # value columns per CTA, 4 threads each (kernels/deltanet_prefill.cu VCOLS, KSPLIT)
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     ldx = I64(x.strides[0] // 4)
-    if plan.max_len == 1 and FUSED_DECODE["enabled"]:  # decode: conv, norms, gates and the step in one launch
-        get_kernel("deltanet_prefill", "gdn_decode", defines)(
-            (plan.num_runs, hv, dv // vcols), (4 * vcols,),
-            (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),
-             I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
+    decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
+    if decode:  # conv, norms, gates and the step in one launch
+        pdl.launch(get_kernel("deltanet_prefill", "gdn_decode", defines),
+                   (plan.num_runs, hv, dv // vcols), (4 * vcols,),
+                   (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk),
+                    I32(hv), I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
     else:
         y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
         get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
@@ -123,11 +138,22 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         get_kernel("deltanet_prefill", "gdn_recurrent", defines)(
             (plan.num_runs, hv, dv // vcols), (4 * vcols,),
             (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c), I32(CHUNK)))
-    # the conv state after the run, once every reader above has run
-    get_kernel("deltanet_prefill", "conv1d_state_update", defines)(
-        (cblocks, plan.num_runs), (128,), (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx))
+    # the conv state after the run, once every reader above has run (and, fused, the gated norm of `out`)
+    state_args = (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx)
+    if decode and gate is not None:
+        z, norm_w, eps = gate
+        z, ldz = _head_rows(f32_any(z), t, hv, dv)
+        cupy_ops.check(norm_w, np.float32, "norm weight", 1)
+        assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
+        gated = empty((t, hv, dv), cp.float32)
+        pdl.launch(get_kernel("deltanet_prefill", "gdn_decode_finish", defines),
+                   (-(-hv // 4) + cblocks, plan.num_runs), (128,),
+                   (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps)))
+    else:
+        get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
+        gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)
     if nsnap:
         conv_h, rec_h = cp.asnumpy(snap_conv[:nsnap]), cp.asnumpy(snap_rec[:nsnap])
         for i, key in enumerate(plan.snapshot_keys):
             snapshots.setdefault(key, {})[layer] = (conv_h[i], rec_h[i])
-    return out
+    return out if gated is None else gated

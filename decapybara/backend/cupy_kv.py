@@ -13,6 +13,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from decapybara.backend import pdl
 from decapybara.backend.base import HybridState, KVCache, KVPageData, StatePool
 from decapybara.backend.cupy_ops import I32, THREADS, check, f32, grid_for
 from decapybara.backend.kv_codec import BF16Codec, F32Codec, KVCodec, MicroscaledCodec
@@ -51,7 +52,7 @@ def write_kv(codes: Any, scales: Any, bits: int, x: Any, slots: Any) -> None:
         assert codes.shape[-1] == -(-d // 32) * 32 * bits // 8, f"codes {codes.shape} for head_dim {d}"
         func = f"kv_write_mx{bits}"
         blocks = -(-(t * h * -(-d // 32) * 32) // THREADS)  # one warp per (t, h, 32-block)
-    get_kernel("decode_ops", func)((blocks,), (THREADS,), (x, slots, codes, scales, I32(t), I32(h), I32(d)))
+    pdl.launch(get_kernel("decode_ops", func), (blocks,), (THREADS,), (x, slots, codes, scales, I32(t), I32(h), I32(d)))
 
 
 class CupyKVCache(KVCache):

@@ -13,6 +13,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from decapybara.backend import pdl
 from kernels import get_kernel
 
 I32, I64, F32 = np.int32, np.int64, np.float32
@@ -78,6 +79,9 @@ def _k(func: str) -> Any:
 
 
 # ---- norms -------------------------------------------------------------------------------------------
+WARP_ROW_MAX = 1024  # rows up to this long are normed a warp each (rms_norm_warp), longer ones a block each
+
+
 def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = None) -> Any:
     """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis. With `residual`, normalises h = x + residual
     and returns (out, h) (the fused residual add); else returns out."""
@@ -94,10 +98,10 @@ def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = Non
     if rows:
         args = (x, null() if residual is None else residual, weight, out,
                 null() if res_out is None else res_out, I32(rows), I32(n), F32(eps), F32(offset))
-        if n <= 1024:
-            _k("rms_norm_warp")((-(-rows // 8),), (256,), args)
+        if n <= WARP_ROW_MAX:
+            pdl.launch(_k("rms_norm_warp"), (-(-rows // 8),), (256,), args)
         else:
-            _k("rms_norm_block")((rows,), (512,), args)
+            pdl.launch(_k("rms_norm_block"), (rows,), (512,), args)
     return out if residual is None else (out, res_out)
 
 
@@ -115,8 +119,8 @@ def gated_rms_norm(x: Any, z: Any, weight: Any, eps: float) -> Any:
     zh, ldz = groups
     out = empty_like(x)
     if rows:
-        _k("gated_rms_norm_warp")((-(-rows // 8),), (256,),
-                                  (x, z, weight, out, I32(rows), I32(n), F32(eps), I32(zh), I64(ldz)))
+        pdl.launch(_k("gated_rms_norm_warp"), (-(-rows // 8),), (256,),
+                   (x, z, weight, out, I32(rows), I32(n), F32(eps), I32(zh), I64(ldz)))
     return out
 
 
@@ -164,6 +168,47 @@ def rope_positions(x: Any, positions: Any, inv_freq: Any, attention_factor: floa
     return out
 
 
+def _heads(x: Any) -> tuple[Any, int, int]:
+    """(x, token stride, head stride) in elements for x [T, H, D] read in place when it is a float32 device
+    array whose rows of D are contiguous (C-contiguous, or a column view of a fused product such as the query
+    half of [query | gate] heads); else a C-contiguous float32 copy of x with its strides."""
+    x = f32_any(x)
+    assert x.ndim == 3, f"expected [T, H, D], got shape {x.shape}"
+    st, sh, sd = x.strides
+    if not (sd == 4 and st >= 0 and sh >= 0 and st % 4 == 0 and sh % 4 == 0):
+        x = f32(x)
+        st, sh = x.strides[:2]
+    return x, st // 4, sh // 4
+
+
+def qk_norm_rope(q: Any, k: Any, q_w: Any, k_w: Any, eps: float, offset: float, cos: Any, sin: Any,
+                 rotary_dim: int) -> tuple[Any, Any]:
+    """(rope(rms_norm(q, q_w)), rope(rms_norm(k, k_w))) for q [T, Hq, D], k [T, Hk, D] (D <= WARP_ROW_MAX) in
+    one launch, bit-identical to `rms_norm` (rms_norm_warp) then `rope` (rope_table). q / k are read in place
+    when their rows of D are contiguous (`_heads`); cos / sin [T, rotary_dim / 2]. Returns fresh C-contiguous
+    float32 [T, Hq, D], [T, Hk, D]."""
+    q, q_st, q_sh = _heads(q)
+    k, k_st, k_sh = _heads(k)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    assert k.shape[0] == t and k.shape[2] == d, f"q {q.shape} vs k {k.shape}"
+    assert 0 < d <= WARP_ROW_MAX, f"head_dim {d}: warp-per-row norm only up to {WARP_ROW_MAX}"
+    for w, name in ((q_w, "q_w"), (k_w, "k_w")):
+        check(w, np.float32, name, 1)
+        assert w.shape[0] == d, f"{name} {w.shape} for heads of {d}"
+    cos, sin = f32(cos), f32(sin)
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= d, f"rotary_dim {rotary_dim} for head_dim {d}"
+    assert cos.shape == (t, rotary_dim // 2) == sin.shape, f"cos {cos.shape} sin {sin.shape} for T={t}"
+    q_out, k_out = empty((t, hq, d)), empty((t, hk, d))
+    rows = t * (hq + hk)
+    if rows:  # 8 warps of 256 threads, a warp per row; shared memory: one normed row per warp
+        pdl.launch(_k("qk_norm_rope"), (-(-rows // 8),), (256,),
+                   (q, k, q_w, k_w, cos, sin, q_out, k_out, I64(q_st), I64(q_sh), I64(k_st), I64(k_sh),
+                    I32(t), I32(hq), I32(hk), I32(d), I32(rotary_dim), F32(eps), F32(offset)),
+                   shared_mem=8 * d * 4)
+    return q_out, k_out
+
+
 # ---- elementwise --------------------------------------------------------------------------------------
 def _elementwise(func: str, *inputs: Any, out_dtype: Any = np.float32, in_dtype: Any = np.float32) -> Any:
     arrs = [cp.ascontiguousarray(cp.asarray(a, dtype=in_dtype)) for a in inputs]
@@ -187,7 +232,7 @@ def silu_mul_halves(y: Any) -> Any:
     assert n2 % 2 == 0, f"silu_mul_halves: odd width {n2}"
     out = empty((rows, n2 // 2), np.float32)
     if out.size:
-        _k("silu_mul_halves")((grid_for(out.size),), (THREADS,), (y, out, I64(rows), I32(n2 // 2)))
+        pdl.launch(_k("silu_mul_halves"), (grid_for(out.size),), (THREADS,), (y, out, I64(rows), I32(n2 // 2)))
     return out
 
 
@@ -198,6 +243,23 @@ def sigmoid(x: Any) -> Any:
 def sigmoid_mul(x: Any, gate: Any) -> Any:
     """x * sigmoid(gate)."""
     return _elementwise("sigmoid_mul", x, gate)
+
+
+def sigmoid_gate(x: Any, gate: Any) -> Any:
+    """x * sigmoid(gate) for x, gate [T, H, D] (or [T, N]) in one launch (sigmoid_mul_rows), bit-identical to
+    `sigmoid(gate)` followed by a CuPy multiply. gate is read in place when its rows of D are contiguous
+    (`_heads`: e.g. the gate half of [query | gate] heads). Returns a fresh C-contiguous float32 array."""
+    x = f32(x)
+    if x.ndim == 2:
+        return sigmoid_gate(x[:, None], gate[:, None])[:, 0]
+    gate, g_st, g_sh = _heads(gate)
+    assert gate.shape == x.shape, f"x {x.shape} vs gate {gate.shape}"
+    t, h, d = x.shape
+    out = empty_like(x)
+    if out.size:
+        pdl.launch(_k("sigmoid_mul_rows"), (grid_for(out.size),), (THREADS,),
+                   (x, gate, out, I64(g_st), I64(g_sh), I32(t), I32(h), I32(d)))
+    return out
 
 
 def to_bf16_bits(x: Any) -> Any:

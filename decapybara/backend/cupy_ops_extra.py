@@ -21,6 +21,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from decapybara.backend import pdl
 from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, gemm_bf16, null, sm_count, to_bf16_bits
 from decapybara.backend.gemv_plan import merge_tune, plan_gemm
 from decapybara.backend.gemv_plan import tune_for as _tune_for
@@ -146,7 +147,8 @@ def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
           max_rows: int | None = None) -> None:
-    """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts))."""
+    """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts)).
+    The launch may overlap the kernel before it (`pdl.launch`): the kernel waits for it before reading x."""
     tune = tune_for(w.fmt)
     counters = _counters(cp.cuda.Device().id)
     m = x.shape[0] if groups is None else int(max_rows)
@@ -171,7 +173,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune))
-    func(plan.grid, (32 * warps,),
+    pdl.launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,

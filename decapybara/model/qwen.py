@@ -171,19 +171,17 @@ class QwenModel:
         q = ops.linear(x, w[f"{a}.q_proj.weight"], w.get(f"{a}.q_proj.bias"))
         if cfg.attn_output_gate:
             qg = q.reshape(t, nq, 2 * d)  # per head: [query | gate]
-            q, gate = qg[..., :d], qg[..., d:].reshape(t, nq * d)
+            q, gate = qg[..., :d], qg[..., d:]  # column views [T, nq, d]
         else:
             q, gate = q.reshape(t, nq, d), None
         k = ops.linear(x, w[f"{a}.k_proj.weight"], w.get(f"{a}.k_proj.bias")).reshape(t, nkv, d)
         v = ops.linear(x, w[f"{a}.v_proj.weight"], w.get(f"{a}.v_proj.bias")).reshape(t, nkv, d)
-        q = ops.rms_norm(q, w[f"{a}.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = ops.rms_norm(k, w[f"{a}.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-        q = ops.rope(q, cos, sin, cfg.rotary_dim)
-        k = ops.rope(k, cos, sin, cfg.rotary_dim)
-        o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale).reshape(t, nq * d)
+        q, k = ops.qk_norm_rope(q, k, w[f"{a}.q_norm.weight"], w[f"{a}.k_norm.weight"], cfg.rms_norm_eps,
+                                cfg.norm_offset, cos, sin, cfg.rotary_dim)
+        o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
         if gate is not None:
-            o = o * ops.sigmoid(gate)
-        return ops.linear(o, w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
+            o = ops.sigmoid_gate(o, gate)
+        return ops.linear(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
 
     def _deltanet(self, p: str, layer: int, x: Any, states: StatePool | None, segments: list[DeltaNetSegment],
                   raw_snaps: dict) -> Any:
@@ -202,8 +200,8 @@ class QwenModel:
             b = ops.linear(x, w[f"{la}.in_proj_b.weight"])  # [T, Hv]
             a = ops.linear(x, w[f"{la}.in_proj_a.weight"])  # [T, Hv]
         z = z.reshape(t, hv, cfg.linear_value_head_dim)
-        core = ops.deltanet_core(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps)
-        core = ops.gated_rms_norm(core, z, w[f"{la}.norm.weight"], cfg.rms_norm_eps)  # [T, Hv, dv]
+        core = ops.deltanet_core_gated(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps,
+                                       z, w[f"{la}.norm.weight"], cfg.rms_norm_eps)  # [T, Hv, dv], gated norm
         return ops.linear(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
 
     def _ffn(self, p: str, layer: int, x: Any) -> Any:

@@ -451,6 +451,75 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims):
                 assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
 
 
+@pytest.mark.parametrize("views", [True, False])
+@pytest.mark.parametrize("acc", ["double", "float"])
+@pytest.mark.parametrize("dims,batches", [((4, 8, 128, 128), (1, 3, 12)), ((16, 48, 128, 128), (1, 5)),
+                                          ((2, 6, 64, 32), (2, 7)), ((2, 4, 16, 8), (1, 4))])
+def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, batches, views):
+    """deltanet_core_gated on a decode forward (gdn_decode, then gdn_decode_finish: conv state and gated RMS norm,
+    no gated_rms_norm_warp launch) gives the bits of deltanet_core then gated_rms_norm (gdn_decode,
+    conv1d_state_update, gated_rms_norm_warp): gated output, conv and recurrent states, snapshots. Per batch size:
+    a two-row prefill round (both ways take the two ops), then two decode steps in scattered slots from random
+    states; with `views` mixed / a / b / z are column views of fused products as QwenModel passes them (z a
+    contiguous array in the last step), else contiguous arrays (what the host emulator can run). Outputs start
+    NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128), 6 (a partial norm block), dv = 8."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    assert ops.POISON, "outputs must start poisoned (tests/conftest.py)"
+    rng = np.random.default_rng(sum(dims) + 11)
+    cfg = dn_config(*dims)
+    cub = CupyBackend("fp32" if acc == "double" else "bf16")
+    c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    params = dn_params(cub, cfg, np.random.default_rng(1))
+    norm_w = cp.asarray(rand(rng, dv, scale=0.5) + 1.0)
+    launched = []
+    get_dn, get_ops = cd.get_kernel, ops.get_kernel
+    monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get_dn(m, f, d))
+    monkeypatch.setattr(ops, "get_kernel", lambda m, f, d=(): launched.append(f) or get_ops(m, f, d))
+    for n in batches:
+        nslots = n + 3
+        pools = {fused: cub.new_state_pool(cfg, nslots) for fused in (True, False)}
+        init = [rand(rng, *pools[True].conv[0].shape), rand(rng, *pools[True].rec[0].shape, scale=0.1)]
+        for pool in pools.values():
+            pool.conv[0][...] = cp.asarray(init[0])
+            pool.rec[0][...] = cp.asarray(init[1])
+        slots = [int(s) for s in rng.permutation(nslots)[:n]]
+        for step in range(3):
+            rows = 2 if step == 0 else 1  # step 0: a prefill forward (runs of two rows)
+            segs = [DeltaNetSegment(i * rows, rows, slot, (i, step) if i % 2 else None) for i, slot in enumerate(slots)]
+            qkvz = cp.asarray(rand(rng, n * rows, c + hv * dv + 5))  # [T, conv_dim | Hv * dv | 5 more columns]
+            ab = cp.asarray(rand(rng, n * rows, 2 * hv))
+            x, a, b = qkvz[:, :c], ab[:, hv:], ab[:, :hv]
+            z = qkvz[:, c:c + hv * dv].reshape(n * rows, hv, dv)
+            if not views:
+                x, a, b = (cp.ascontiguousarray(v) for v in (x, a, b))
+            if step == 2 or not views:
+                z = cp.ascontiguousarray(z)
+            got = {}
+            for fused, pool in pools.items():
+                launched.clear()
+                snaps = {}
+                if fused:
+                    out = cub.deltanet_core_gated(pool, 0, x, a, b, params, segs, cfg, snaps, z, norm_w, 1e-6)
+                else:
+                    core = cub.deltanet_core(pool, 0, x, a, b, params, segs, cfg, snaps)
+                    out = cub.gated_rms_norm(core, z, norm_w, 1e-6)
+                two_step = not fused or rows > 1
+                assert ("gated_rms_norm_warp" in launched) == two_step, launched
+                assert ("conv1d_state_update" in launched) == two_step, launched
+                assert ("gdn_decode_finish" in launched) != two_step, launched
+                got[fused] = (cp.asnumpy(out), cp.asnumpy(pool.conv[0]), cp.asnumpy(pool.rec[0]), snaps)
+            assert not np.isnan(got[True][0]).any(), f"unwritten gated output, batch {n} step {step}"
+            for i, name in enumerate(("gated output", "conv state", "recurrent state")):
+                assert_bytes_equal(got[True][i], got[False][i], f"{name} batch {n} step {step} dims {dims} acc {acc}")
+            keys = [(i, step) for i in range(1, n, 2)]
+            assert sorted(got[True][3]) == sorted(got[False][3]) == keys
+            for key, layers in got[True][3].items():
+                for j in (0, 1):
+                    assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
+
+
 # ---- MoE ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_moe_matches_reference(dtype):

@@ -50,7 +50,7 @@ def assert_close(got, ref, rtol, name):
 
 
 def assert_bytes_equal(got, ref, name):
-    got, ref = host(got), np.asarray(ref)
+    got, ref = host(got), host(ref)
     assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {got.dtype}{got.shape} vs {ref.dtype}{ref.shape}"
     if got.dtype.kind == "f":
         got, ref = got.view(f"u{got.dtype.itemsize}"), ref.view(f"u{ref.dtype.itemsize}")

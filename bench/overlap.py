@@ -1,0 +1,70 @@
+"""Launch overlap in a 27B decode step: graph decode with and without programmatic dependent launch.
+
+    PYTHONUNBUFFERED=1 python3 bench/overlap.py [variant]        # default mxfp4; JSON to $OUT/overlap.json
+
+Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device, bf16 KV pages),
+then for each setting captures fresh decode graphs and times graph steps (median of 10, synchronised as an
+engine step) at OVERLAP_SHAPES (batch x context, default 1x1024,12x1024,1x32768,12x32768):
+
+- "before": every kernel launched plainly (stream order: each waits for the one before to finish);
+- "pdl": products, norms, gates, KV writes, attention and the DeltaNet decode kernels launched with
+  programmatic dependent launch (`pdl.launch`): a product's first weight loads go out while the kernel
+  before it finishes, a small kernel is resident and waiting when the product before it ends.
+
+Prints step ms, tok/s and the ratio to "before" per shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import cupy as cp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu as B
+
+from decapybara.backend.cuda_graph import DecodeGraphRunner
+
+SHAPES = [tuple(int(v) for v in s.split("x"))
+          for s in os.environ.get("OVERLAP_SHAPES", "1x1024,12x1024,1x32768,12x32768").split(",")]
+SETTINGS = {"before": "0", "pdl": "1"}  # name: $DECAPYBARA_PDL while the graphs are captured
+if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
+    SETTINGS = {k: v for k, v in SETTINGS.items() if k in os.environ["OVERLAP_SETTINGS"].split(",")}
+
+
+def main() -> None:
+    variant = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
+    kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE, "16/16")
+    states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
+    B.fill_random(kv, states)
+    model = B.build_model(variant)
+    res: dict[str, dict[str, float]] = {}
+    for name, pdl_env in SETTINGS.items():
+        os.environ["DECAPYBARA_PDL"] = pdl_env
+        runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
+        for b, ctx in SHAPES:
+            batch = B.decode_batch(b, ctx)
+            t = B.median_time(lambda batch=batch, r=runner: r.forward(batch, kv, states), 10, warmup=3)
+            res.setdefault(name, {})[f"{b}x{ctx}"] = t * 1e3
+        print(name, {k: round(v, 3) for k, v in res[name].items()}, "graph steps:", runner.stats["graph_steps"], "failures:", runner.stats["failures"])
+        runner = None
+        cp.get_default_memory_pool().free_all_blocks()
+    os.environ.pop("DECAPYBARA_PDL", None)
+    print(f"\n{variant}, graph decode steps (ms; tok/s; x vs before)")
+    print(f"{'setting':<22}" + "".join(f"{f'{b}x{c}':>26}" for b, c in SHAPES))
+    for name, row in res.items():
+        cells = []
+        for b, c in SHAPES:
+            ms = row[f"{b}x{c}"]
+            cells.append(f"{ms:7.2f} {b / ms * 1e3:7.1f} {res['before'][f'{b}x{c}'] / ms:6.3f}x")
+        print(f"{name:<22}" + "".join(f"{cell:>26}" for cell in cells))
+    dest = os.environ.get("OUT")
+    if dest:
+        Path(dest, "overlap.json").write_text(json.dumps({variant: res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Programmatic dependent launch (Hopper and newer): a kernel launched through `launch` may begin while the
+kernel before it in the stream is still running, once every block of that one has executed `pdl_trigger()`
+(kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before touching anything the earlier kernel
+reads or writes; what it does before (the skinny GEMM: its first weight loads) overlaps the earlier kernel's
+tail and the launch itself. Stream capture records the overlap as a programmatic graph edge, so CUDA-graph
+decode steps keep it.
+
+`launch(kernel, grid, block, args)` goes through the driver's ``cuLaunchKernelEx`` with the
+programmatic-stream-serialization attribute when `enabled()`: compute capability 9.0 or newer, a driver
+that exports it, and the current stream capturing a CUDA graph ($DECAPYBARA_PDL: ``1``, the default;
+``always`` also overlaps launches outside graphs, ``0`` never); otherwise (and for kernels without a driver
+handle, e.g. on the host emulator) it is the plain CuPy launch. Either way the kernel computes the same
+values: under a plain launch `pdl_wait()` returns at once. Graphs only by default: an eager step is bound by
+its Python launches, where the ctypes launch costs more than CuPy's and the overlap gains nothing.
+
+Arguments are those of a CuPy `RawKernel` call as the wrappers pass them: device arrays and typed numpy
+scalars (int32 / int64 / uint32 / uint64 / float32 / float64).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+            np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
+            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+@functools.cache
+def _launch_ex() -> Any:
+    """The driver's cuLaunchKernelEx, or None where the driver library or the entry point is missing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return fn
+
+
+@functools.cache
+def _device_ok(device: int) -> bool:
+    return int(cp.cuda.Device(device).compute_capability) >= 90
+
+
+def enabled() -> bool:
+    """Whether `launch` overlaps kernels now (see the module docstring)."""
+    mode = os.environ.get("DECAPYBARA_PDL", "1")
+    if mode == "0":
+        return False
+    try:
+        if not (_device_ok(cp.cuda.Device().id) and _launch_ex() is not None):
+            return False
+        return mode == "always" or cp.cuda.get_current_stream().is_capturing()
+    except Exception:  # noqa: BLE001 - no usable device or driver: plain launches
+        return False
+
+
+def _function_handle(kernel: Any) -> int | None:
+    """The CUfunction of a CuPy RawKernel (None when it has none, e.g. the host emulator's kernels)."""
+    fn = getattr(kernel, "kernel", None)
+    ptr = getattr(fn, "ptr", None)
+    return int(ptr) if ptr else None
+
+
+def _arg(a: Any) -> Any:
+    if a is None:
+        return ctypes.c_void_p(0)
+    if isinstance(a, cp.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, np.generic) and a.dtype in _SCALARS:
+        return _SCALARS[a.dtype](a.item())
+    raise TypeError(f"kernel argument of type {type(a).__name__} (expected a device array or a numpy scalar)")
+
+
+def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+           shared_mem: int = 0) -> None:
+    """Launch `kernel` on the current stream, allowed to overlap the previous kernel (when `enabled()`)."""
+    handle = _function_handle(kernel) if enabled() else None
+    if handle is None:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    g = (*grid, 1, 1, 1)[:3]
+    b = (*block, 1, 1, 1)[:3]
+    attr = _Attr(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
+                  ctypes.c_void_p(cp.cuda.get_current_stream().ptr), ctypes.pointer(attr), 1)
+    values = [_arg(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    err = _launch_ex()(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} ({getattr(kernel, 'name', kernel)})")

@@ -1,0 +1,151 @@
+"""Programmatic dependent launch (decapybara/backend/pdl.py) and the skinny GEMM's gated input (GPU only).
+
+A product launched through `pdl.launch` may start before the kernel that writes its x has finished; it must
+wait for that kernel before reading x. Chains of norm -> product -> norm -> ... where each product reads what
+the kernel just before it wrote give byte-identical results with and without the overlap, eager and
+replayed as a CUDA graph, on fresh inputs each time: a read of x before the wait would see the previous
+replay's values. Decode steps of a tiny hybrid model (products, norms, KV writes, decode attention over
+bf16 and 6/4-bit pages, the DeltaNet decode kernels) give the same logits, KV pages and states, byte for
+byte, with and without the overlap, eager and as graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend import pdl
+from decapybara.backend.cuda_graph import DecodeGraphRunner, capture_graph
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import ModelConfig
+from decapybara.model.quant import quantize
+from decapybara.model.qwen import QwenModel
+from decapybara.model.weights import random_tensors
+from decapybara.testing import TINY_HF_CONFIGS
+
+pytestmark = pytest.mark.gpu
+FORMATS = ("bf16", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+
+
+def packed(rng, fmt, n, k, scale=0.05):
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    if fmt == "bf16":
+        from decapybara.model.quant.elements import bf16_encode
+
+        return ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)))
+    return ex.pack_weight(quantize(w, fmt))
+
+
+def assert_same_bytes(got, ref, name):
+    got, ref = cp.asnumpy(got), cp.asnumpy(ref)
+    assert got.shape == ref.shape, f"{name}: {got.shape} vs {ref.shape}"
+    diff = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
+    assert not diff.size, f"{name}: {len(diff)} of {got.size} differ, first at {tuple(diff[0])}"
+
+
+def test_pdl_is_used_on_hopper(monkeypatch):
+    """Overlapped launches while a graph is captured (the default) or always, never with DECAPYBARA_PDL=0."""
+    cc = int(cp.cuda.Device().compute_capability)
+    func = kernels.get_kernel("mx_gemv", "mx_gemm_bf16_1", ex.gemm_defines(ex.tune_for("bf16")))
+    assert pdl._function_handle(func) is not None, "no CUfunction handle on the CuPy kernel"
+    assert not pdl.enabled()  # the default: not capturing here
+    monkeypatch.setenv("DECAPYBARA_PDL", "always")
+    assert pdl.enabled() == (cc >= 90)
+    monkeypatch.setenv("DECAPYBARA_PDL", "0")
+    assert not pdl.enabled()
+    monkeypatch.setenv("DECAPYBARA_PDL", "1")
+    seen = []
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    capture_graph(lambda: seen.append(pdl.enabled()) or cp.zeros(4), stream, pool)
+    assert seen == [False, cc >= 90]  # the warm-up call, then the captured one
+
+
+def _chain(x, norm_w, weights, gate_up, down):
+    """norm -> product repeated (each product reads what the norm just wrote), then an MLP."""
+    h = x
+    for w in weights:
+        h = ex.mx_linear(ops.rms_norm(h, norm_w, 1e-6, 1.0), w)
+    return ex.mx_linear(ops.silu_mul_halves(ex.mx_linear(ops.rms_norm(h, norm_w, 1e-6, 1.0), gate_up)), down)
+
+
+@pytest.mark.parametrize("fmt,m", [("mxfp4", 1), ("mxfp4", 12), ("bf16", 1), ("mxfp8", 4)])
+def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch):
+    rng = np.random.default_rng(7)
+    d, inter = 2048, 3072
+    weights = [packed(rng, fmt, d, d, 0.03) for _ in range(6)]
+    gate_up, down = packed(rng, fmt, 2 * inter, d, 0.03), packed(rng, fmt, d, inter, 0.03)
+    norm_w = cp.asarray(rng.uniform(-0.2, 0.2, d).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((m, d)).astype(np.float32))  # the graph's static input
+
+    def run(overlap):
+        monkeypatch.setenv("DECAPYBARA_PDL", "always" if overlap else "0")
+        return _chain(x, norm_w, weights, gate_up, down)
+
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    monkeypatch.setenv("DECAPYBARA_PDL", "1")
+    graph, out = capture_graph(lambda: _chain(x, norm_w, weights, gate_up, down), stream, pool)
+    for i in range(5):
+        x[...] = cp.asarray(rng.standard_normal((m, d)).astype(np.float32) * (1 + i))
+        cp.cuda.get_current_stream().synchronize()
+        plain = run(False)
+        assert_same_bytes(run(True), plain, f"eager, input {i}")
+        graph.launch(stream)
+        stream.synchronize()
+        assert_same_bytes(out, plain, f"graph replay, input {i}")
+
+
+@pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])
+def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, monkeypatch):
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "head_dim": head_dim})
+    model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=5, std=0.2),
+                                   include_mtp=False)
+    page, num_pages = 8, 40
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(5)
+    runners = {}
+    for flag in ("0", "1"):  # graphs captured with and without overlapped launches
+        runners[flag] = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=4)
+    rng = np.random.default_rng(2)
+    seqs = []
+    for i, n in enumerate((6, 13, 21)):
+        states.reset(i)
+        seqs.append([list(rng.integers(0, 512, n)), i, np.arange(8 * i, 8 * i + 8, dtype=np.int32)])
+    prefill = ForwardBatch.build([(s[0], 0, s[2], s[1]) for s in seqs], page, logits="last")
+    last = cp.asnumpy(model.forward(prefill, kv, states).logits)
+    for i, s in enumerate(seqs):
+        s[0].append(int(np.argmax(last[i])))
+    slots = [s[1] for s in seqs]
+
+    def state_bytes():
+        pages = kv.export_pages(np.arange(num_pages - 1))
+        return [np.asarray(a).tobytes() for a in pages.arrays.values()] + [
+            np.asarray(x).tobytes() for s in slots for st in [states.get(s)] for x in (*st.conv, *st.recurrent)]
+
+    for step in range(4):
+        batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
+        before_pages, before_states = kv.export_pages(np.arange(num_pages - 1)), {s: states.get(s) for s in slots}
+        results = {}
+        for name in ("eager 0", "eager 1", "graph 0", "graph 1"):
+            kind, flag = name.split()
+            kv.import_pages(np.arange(num_pages - 1), before_pages)
+            for s, st in before_states.items():
+                states.set(s, st)
+            monkeypatch.setenv("DECAPYBARA_PDL", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
+            fwd = model.forward if kind == "eager" else runners[flag].forward
+            logits = cp.asnumpy(fwd(batch, kv, states).logits)
+            results[name] = (logits.tobytes(), state_bytes(), logits)
+        for a, b in (("eager 0", "eager 1"), ("graph 0", "graph 1")):
+            assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
+            assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
+        for s, row in zip(seqs, results["eager 0"][2]):
+            s[0].append(int(np.argmax(row)))
+    assert all(r.stats["graph_steps"] == 4 for r in runners.values()), [r.stats for r in runners.values()]

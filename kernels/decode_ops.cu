@@ -278,8 +278,6 @@ extern "C" __global__ void sigmoid_f32(const float* __restrict__ x, float* __res
 
 extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, const float* __restrict__ gate,
                                        float* __restrict__ out, i64 n) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
     out[i] = x[i] * sigmoid_f(gate[i]);
 }

@@ -293,8 +293,9 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
   const int col = blockIdx.z * VCOLS + tid / KSPLIT;
   const int hk = h / (HV / HK);
-  // The recurrent state first: only this layer's earlier steps write it, so its loads may go out before the
-  // products that feed x, a and b have finished (launched overlapped, pdl.cuh).
+  // The recurrent state first: no other kernel of this step writes it (this layer's kernel of earlier steps
+  // and host-ordered resets / copies between steps do), so its loads may go out before the products that feed
+  // x, a and b have finished (launched overlapped, pdl.cuh).
   float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
   ACC S[ROWS];
 #pragma unroll

@@ -1,12 +1,15 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with the programmatic-stream-serialization
 // attribute (decapybara/backend/pdl.py) may start while the kernel before it in the stream still runs, once
-// every block of that kernel has called pdl_trigger() (or exited). It must call pdl_wait() before it reads
-// anything the earlier kernel writes, or writes anything the earlier kernel reads: pdl_wait() returns when
-// the earlier kernel has completed and its memory is visible. Both are no-ops on older GPUs, under a plain
-// launch (pdl_wait() returns at once: the stream already ordered the kernels) and in the host emulator.
+// every block of that kernel has called pdl_trigger() (or exited). pdl_wait() returns when the kernel before
+// has completed and its memory is visible. Kernels here that trigger at their start do so before their own
+// wait, so a launched kernel may run alongside several earlier ones: before pdl_wait() it may only read data
+// that no kernel of the current step writes (persistent weights; the DeltaNet state, written only by the same
+// layer's kernel of an earlier step or by host-ordered copies between steps) and must write nothing. Both are
+// no-ops on older GPUs, under a plain launch (pdl_wait() returns at once: the stream already ordered the
+// kernels) and in the host emulator.
 //
 // The skinny GEMM uses it to have its first weight loads in flight before the small kernel that produces
-// its x (a norm, a gate) has finished: weights are never written by a decode step.
+// its x (a norm, a gate) has finished.
 #pragma once
 
 __device__ __forceinline__ void pdl_trigger() {

@@ -34,6 +34,7 @@ import cupy as cp
 import cupyx
 import numpy as np
 
+from decapybara.backend import pdl
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
 from decapybara.backend.cupy_attention import DECODE_MIN_KEYS, MIN_KEYS_PER_SPLIT, decode_launch
 from decapybara.backend.cupy_ops_extra import embedding_rows
@@ -68,7 +69,8 @@ def capture_graph(fn: Any, stream: Any, pool: Any, warmup: int = 1) -> tuple[Any
         stream.synchronize()
         stream.begin_capture()
         try:
-            out = fn()
+            with pdl.capturing():  # overlapped launches under DECAPYBARA_PDL=1
+                out = fn()
         except BaseException:
             with contextlib.suppress(Exception):  # an invalidated capture fails to end too; the first error wins
                 stream.end_capture()

@@ -101,7 +101,7 @@ class CupyBackend(Backend):
             if weight.dtype == cp.float32 and weight.flags.c_contiguous:
                 return ops.gemv_f32(x, weight, bias)
             if weight.dtype == cp.uint16:
-                packed = PackedWeight("bf16", weight.shape, weight)
+                packed = PackedWeight("bf16", weight.shape, weight, persistent=True)  # `linear` takes model weights
                 if gemm_ready(packed):
                     return mx_linear(cp.ascontiguousarray(x, dtype=cp.float32), packed, bias,
                                      out_dtype=cp.float32)
@@ -127,14 +127,15 @@ class CupyBackend(Backend):
                 return None
             codes = cp.concatenate([w.codes for w in weights], axis=0)
             scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
-            fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale)
+            persistent = all(w.persistent for w in weights)  # stacked at load time from model weights
+            fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale, persistent)
             if not gemm_ready(fused):
                 return None
             views, r = [], 0
             for w in weights:
                 n = w.shape[0]
                 views.append(PackedWeight(w.fmt, w.shape, codes[r:r + n], None if scales is None else scales[r:r + n],
-                                          w.tensor_scale))
+                                          w.tensor_scale, persistent))
                 r += n
             return fused, views
         if not all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in weights):

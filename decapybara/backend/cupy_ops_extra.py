@@ -49,6 +49,8 @@ class PackedWeight:
 
     `codes`: uint8 [..., N, Kp * bits / 8] packed as `QuantTensor.codes`, or uint16 [..., N, K] bf16 bits;
     `scales`: uint8 [..., N, Kp / block] (E8M0, NVFP4: E4M3), None for bf16; `tensor_scale`: NVFP4's float32.
+    `persistent`: a model weight, written before any forward that reads it (load time): only then may a product
+    launched overlapped (`pdl.launch`) load it before waiting for the kernel before it.
     """
 
     fmt: str
@@ -56,6 +58,7 @@ class PackedWeight:
     codes: Any
     scales: Any = None
     tensor_scale: float = 1.0
+    persistent: bool = False
 
     @property
     def K(self) -> int:
@@ -148,7 +151,9 @@ def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
           max_rows: int | None = None) -> None:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts)).
-    The launch may overlap the kernel before it (`pdl.launch`): the kernel waits for it before reading x."""
+    A persistent weight's launch may overlap the kernel before it (`pdl.launch`): the kernel loads its first
+    weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
+    kernel file (`tune["source"]`, no wait in it), launch plainly."""
     tune = tune_for(w.fmt)
     counters = _counters(cp.cuda.Device().id)
     m = x.shape[0] if groups is None else int(max_rows)
@@ -173,7 +178,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune))
-    pdl.launch(func, plan.grid, (32 * warps,),
+    launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
+    launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
@@ -262,6 +268,7 @@ class PackedWeightsMixin:
     def prepare_weight(self, name: str, value: Any) -> Any:
         if hasattr(value, "to_parts") and value.fmt in FMT_IDS and len(value.shape) >= 2:
             w = pack_weight(value)
+            w.persistent = True  # a model weight, uploaded at load
             if gemm_ready(w):
                 return w
         return super().prepare_weight(name, value)  # type: ignore[misc]

@@ -1,37 +1,44 @@
 """Programmatic dependent launch (Hopper and newer): a kernel launched through `launch` may begin while the
 kernel before it in the stream is still running, once every block of that one has executed `pdl_trigger()`
-(kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before touching anything the earlier kernel
-reads or writes; what it does before (the skinny GEMM: its first weight loads) overlaps the earlier kernel's
-tail and the launch itself. Stream capture records the overlap as a programmatic graph edge, so CUDA-graph
-decode steps keep it.
+(kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before it reads anything written since the last
+kernel that completes only after waiting itself (in practice: anything a kernel of this step writes) and
+before it writes anything; what it does before (the skinny GEMM: its first loads of a persistent weight;
+gdn_decode: its recurrent state) overlaps the earlier kernels' tails and the launch itself. Stream capture
+records the overlap as a programmatic graph edge, so CUDA-graph decode steps keep it.
 
 `launch(kernel, grid, block, args)` goes through the driver's ``cuLaunchKernelEx`` with the
 programmatic-stream-serialization attribute when `enabled()`: compute capability 9.0 or newer, a driver
-that exports it, and the current stream capturing a CUDA graph ($DECAPYBARA_PDL: ``1``, the default;
-``always`` also overlaps launches outside graphs, ``0`` never); otherwise (and for kernels without a driver
-handle, e.g. on the host emulator) it is the plain CuPy launch. Either way the kernel computes the same
-values: under a plain launch `pdl_wait()` returns at once. Graphs only by default: an eager step is bound by
-its Python launches, where the ctypes launch costs more than CuPy's and the overlap gains nothing.
+that exports it, and $DECAPYBARA_PDL: ``0`` (the default) never, ``1`` while `capturing()` (the decode graphs,
+`cuda_graph.capture_graph`), ``always`` also for eager launches. Otherwise (and for kernels without a driver
+handle, e.g. on the host emulator) it is `plain`, the CuPy launch. Either way the kernel computes the same
+values: under a plain launch `pdl_wait()` returns at once. Graphs only, not eager steps: an eager step is
+bound by its Python launches, where the ctypes launch costs more than CuPy's and the overlap gains nothing.
+Off by default until the overlap tests (tests/gpu/test_pdl.py, which turn the output poisoning off so that
+kernels really overlap) have passed on the GPU (docs/perf.md).
 
-Arguments are those of a CuPy `RawKernel` call as the wrappers pass them: device arrays and typed numpy
-scalars (int32 / int64 / uint32 / uint64 / float32 / float64).
+Arguments are those of a CuPy `RawKernel` call as the wrappers pass them: device arrays, None (a null
+pointer) and typed numpy scalars (int32 / int64 / uint32 / uint64 / float32 / float64).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+_STATE = threading.local()  # depth: nesting of `capturing()` on this thread
 
 
-class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union (8-aligned)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
 
 
 class _Config(ctypes.Structure):  # CUlaunchConfig
@@ -45,16 +52,40 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int
 
 
 @functools.cache
+def _driver() -> Any:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+@functools.cache
 def _launch_ex() -> Any:
     """The driver's cuLaunchKernelEx, or None where the driver library or the entry point is missing."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
-    except (OSError, AttributeError):
+    fn = getattr(_driver(), "cuLaunchKernelEx", None)
+    if fn is None:
         return None
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     return fn
+
+
+def _error_name(code: int) -> str:
+    name = ctypes.c_char_p()
+    get = getattr(_driver(), "cuGetErrorName", None)
+    if get is None or get(ctypes.c_int(code), ctypes.byref(name)) != 0 or not name.value:
+        return f"CUresult {code}"
+    return name.value.decode()
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Marks this thread's launches as part of a graph capture (with $DECAPYBARA_PDL=1 they overlap)."""
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
 
 
 @functools.cache
@@ -64,13 +95,11 @@ def _device_ok(device: int) -> bool:
 
 def enabled() -> bool:
     """Whether `launch` overlaps kernels now (see the module docstring)."""
-    mode = os.environ.get("DECAPYBARA_PDL", "1")
-    if mode == "0":
+    mode = os.environ.get("DECAPYBARA_PDL", "0")
+    if mode not in ("1", "always") or (mode == "1" and not getattr(_STATE, "depth", 0)):
         return False
     try:
-        if not (_device_ok(cp.cuda.Device().id) and _launch_ex() is not None):
-            return False
-        return mode == "always" or cp.cuda.get_current_stream().is_capturing()
+        return _device_ok(cp.cuda.Device().id) and _launch_ex() is not None
     except Exception:  # noqa: BLE001 - no usable device or driver: plain launches
         return False
 
@@ -92,12 +121,19 @@ def _arg(a: Any) -> Any:
     raise TypeError(f"kernel argument of type {type(a).__name__} (expected a device array or a numpy scalar)")
 
 
+def plain(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+          shared_mem: int = 0) -> None:
+    """The CuPy launch (the kernel starts after the one before it has finished)."""
+    kernel(grid, block, args, shared_mem=shared_mem)
+
+
 def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
            shared_mem: int = 0) -> None:
-    """Launch `kernel` on the current stream, allowed to overlap the previous kernel (when `enabled()`)."""
+    """Launch `kernel` on the current stream, allowed to overlap the previous kernel (when `enabled()`). Only
+    for kernels that call pdl_wait() as the module docstring says."""
     handle = _function_handle(kernel) if enabled() else None
     if handle is None:
-        kernel(grid, block, args, shared_mem=shared_mem)
+        plain(kernel, grid, block, args, shared_mem)
         return
     g = (*grid, 1, 1, 1)[:3]
     b = (*block, 1, 1, 1)[:3]
@@ -109,4 +145,4 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
     err = _launch_ex()(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
     if err != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} ({getattr(kernel, 'name', kernel)})")
+        raise RuntimeError(f"cuLaunchKernelEx failed: {_error_name(err)} ({getattr(kernel, 'name', kernel)})")

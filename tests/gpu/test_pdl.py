@@ -1,7 +1,9 @@
-"""Programmatic dependent launch (decapybara/backend/pdl.py) and the skinny GEMM's gated input (GPU only).
+"""Programmatic dependent launch (decapybara/backend/pdl.py), GPU only.
 
 A product launched through `pdl.launch` may start before the kernel that writes its x has finished; it must
-wait for that kernel before reading x. Chains of norm -> product -> norm -> ... where each product reads what
+wait for that kernel before reading x. The output poisoning of the GPU tests (`cupy_ops.POISON`) is off
+here: its fill kernels, launched plainly before each kernel's launch, would keep every kernel from
+overlapping the one that feeds it. The tests count the overlapped launches they make. Chains of norm -> product -> norm -> ... where each product reads what
 the kernel just before it wrote give byte-identical results with and without the overlap, eager and
 replayed as a CUDA graph, on fresh inputs each time: a read of x before the wait would see the previous
 replay's values. Decode steps of a tiny hybrid model (products, norms, KV writes, decode attention over
@@ -33,7 +35,17 @@ from decapybara.model.weights import random_tensors
 from decapybara.testing import TINY_HF_CONFIGS
 
 pytestmark = pytest.mark.gpu
-FORMATS = ("bf16", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+
+
+@pytest.fixture(autouse=True)
+def overlapping(monkeypatch):
+    """No poisoning fills between kernels; a list that counts the overlapped launches (cuLaunchKernelEx)."""
+    monkeypatch.setattr(ops, "POISON", False)
+    monkeypatch.delenv("DECAPYBARA_PDL", raising=False)
+    calls, real = [], pdl._launch_ex()
+    if real is not None:
+        monkeypatch.setattr(pdl, "_launch_ex", lambda: (lambda *a: calls.append(1) or real(*a)))
+    return calls
 
 
 def packed(rng, fmt, n, k, scale=0.05):
@@ -41,8 +53,10 @@ def packed(rng, fmt, n, k, scale=0.05):
     if fmt == "bf16":
         from decapybara.model.quant.elements import bf16_encode
 
-        return ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)))
-    return ex.pack_weight(quantize(w, fmt))
+        return ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)), persistent=True)
+    p = ex.pack_weight(quantize(w, fmt))
+    p.persistent = True  # uploaded before the products that read it, as a model weight
+    return p
 
 
 def assert_same_bytes(got, ref, name):
@@ -52,12 +66,14 @@ def assert_same_bytes(got, ref, name):
     assert not diff.size, f"{name}: {len(diff)} of {got.size} differ, first at {tuple(diff[0])}"
 
 
-def test_pdl_is_used_on_hopper(monkeypatch):
-    """Overlapped launches while a graph is captured (the default) or always, never with DECAPYBARA_PDL=0."""
+def test_pdl_modes(monkeypatch):
+    """Never by default or with DECAPYBARA_PDL=0; with 1 while a graph is captured; with always everywhere."""
     cc = int(cp.cuda.Device().compute_capability)
     func = kernels.get_kernel("mx_gemv", "mx_gemm_bf16_1", ex.gemm_defines(ex.tune_for("bf16")))
     assert pdl._function_handle(func) is not None, "no CUfunction handle on the CuPy kernel"
-    assert not pdl.enabled()  # the default: not capturing here
+    assert not pdl.enabled()  # the default
+    monkeypatch.setenv("DECAPYBARA_PDL", "1")
+    assert not pdl.enabled()  # not capturing
     monkeypatch.setenv("DECAPYBARA_PDL", "always")
     assert pdl.enabled() == (cc >= 90)
     monkeypatch.setenv("DECAPYBARA_PDL", "0")
@@ -78,7 +94,7 @@ def _chain(x, norm_w, weights, gate_up, down):
 
 
 @pytest.mark.parametrize("fmt,m", [("mxfp4", 1), ("mxfp4", 12), ("bf16", 1), ("mxfp8", 4)])
-def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch):
+def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch, overlapping):
     rng = np.random.default_rng(7)
     d, inter = 2048, 3072
     weights = [packed(rng, fmt, d, d, 0.03) for _ in range(6)]
@@ -93,6 +109,8 @@ def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch):
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
     monkeypatch.setenv("DECAPYBARA_PDL", "1")
     graph, out = capture_graph(lambda: _chain(x, norm_w, weights, gate_up, down), stream, pool)
+    captured = len(overlapping)
+    assert captured >= 2 * len(weights) + 4, f"{captured} overlapped launches in the capture"
     for i in range(5):
         x[...] = cp.asarray(rng.standard_normal((m, d)).astype(np.float32) * (1 + i))
         cp.cuda.get_current_stream().synchronize()
@@ -101,10 +119,11 @@ def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch):
         graph.launch(stream)
         stream.synchronize()
         assert_same_bytes(out, plain, f"graph replay, input {i}")
+    assert len(overlapping) > captured, "the eager runs made no overlapped launch"
 
 
 @pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])
-def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, monkeypatch):
+def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, monkeypatch, overlapping):
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
                                "num_key_value_heads": 2, "head_dim": head_dim})
     model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=5, std=0.2),
@@ -149,3 +168,4 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
         for s, row in zip(seqs, results["eager 0"][2]):
             s[0].append(int(np.argmax(row)))
     assert all(r.stats["graph_steps"] == 4 for r in runners.values()), [r.stats for r in runners.values()]
+    assert len(overlapping) > 100, f"{len(overlapping)} overlapped launches"

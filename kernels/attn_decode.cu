@@ -258,8 +258,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1)
                            float* __restrict__ part_o, float* __restrict__ part_ml, int nq, int nkv, int max_pages,
                            int page_size, float scale) {
   DYN_SMEM_DECL(smem);
-  pdl_trigger();  // launched overlapped (pdl.cuh): let the next kernel launch, then wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const WarpTiles wt(work, seq_info, block_tables, max_pages, page_size);
   const int kvh = blockIdx.y, g = nq / nkv, start = wt.start, kbeg = wt.kbeg, kend = wt.kend;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, t = lane & 3;
@@ -437,8 +436,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1)
                               int nq, int nkv, int max_pages, int page_size, float scale) {
   using namespace mxd;
   DYN_SMEM_DECL(smem);
-  pdl_trigger();  // launched overlapped (pdl.cuh): let the next kernel launch, then wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const WarpTiles wt(work, seq_info, block_tables, max_pages, page_size);
   const int kvh = blockIdx.y, g = nq / nkv, start = wt.start, kbeg = wt.kbeg, kend = wt.kend;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, t = lane & 3;

@@ -195,8 +195,7 @@ paged_attention_fwd(const float* __restrict__ q, const void* __restrict__ k_code
 extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                             const int* __restrict__ items, const int* __restrict__ seq_info,
                                             float* __restrict__ out, int nq, int nkv) {
-  pdl_trigger();  // launched overlapped (pdl.cuh): let the next kernel launch, then wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const int* it = items + 4 * (i64)blockIdx.x;
   const int seq = it[0], row0 = it[1], p0 = it[2], np = it[3];
   const int kvh = blockIdx.y, g = nq / nkv, r = blockIdx.z, rho = row0 + r;

@@ -41,8 +41,7 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
                                          const float* __restrict__ w, float* __restrict__ out,
                                          float* __restrict__ res_out, int rows, int n, float eps,
                                          float offset) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps leave together
@@ -79,8 +78,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
                                           const float* __restrict__ w, float* __restrict__ out,
                                           float* __restrict__ res_out, int rows, int n, float eps,
                                           float offset) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   __shared__ float scratch[33];
   const int row = blockIdx.x;
   if (row >= rows) return;
@@ -115,8 +113,7 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
 extern "C" __global__ void gated_rms_norm_warp(const float* __restrict__ x, const float* __restrict__ z,
                                                const float* __restrict__ w, float* __restrict__ out, int rows,
                                                int n, float eps, int zh, i64 ldz) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   // z row `row` starts at (row / zh) * ldz + (row % zh) * n: zh rows of n per token, tokens ldz apart
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -210,8 +207,7 @@ extern "C" __global__ void qk_norm_rope(const float* __restrict__ q, const float
                                         float* __restrict__ q_out, float* __restrict__ k_out, i64 q_st, i64 q_sh,
                                         i64 k_st, i64 k_sh, int T, int Hq, int Hk, int D, int rot, float eps,
                                         float offset) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   DYN_SMEM_DECL(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const i64 qrows = (i64)T * Hq, row = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
@@ -263,8 +259,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
 
 // out [rows, n] = silu(y[:, :n]) * y[:, n:] for y [rows, 2n]: the fused gate|up product's halves.
 extern "C" __global__ void silu_mul_halves(const float* __restrict__ y, float* __restrict__ out, i64 rows, int n) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * n; i += (i64)gridDim.x * blockDim.x) {
     const i64 r = i / n, j = i - r * n;
     out[i] = silu_f(y[r * 2 * n + j]) * y[r * 2 * n + n + j];
@@ -301,8 +296,7 @@ __device__ __forceinline__ float mul_as_cupy(float a, float b) {
 // Grid-stride over elements.
 extern "C" __global__ void sigmoid_mul_rows(const float* __restrict__ x, const float* __restrict__ gate,
                                             float* __restrict__ out, i64 g_st, i64 g_sh, int T, int H, int D) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const i64 n = (i64)T * H * D;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     const i64 th = i / D, t = th / H;
@@ -352,15 +346,13 @@ __device__ __forceinline__ void kv_write_plain(const float* __restrict__ x, cons
 
 extern "C" __global__ void kv_write_f32(const float* x, const i64* slots, void* codes, u8* scales, int T, int H,
                                         int D) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   kv_write_plain<32>(x, slots, codes, T, H, D);
 }
 
 extern "C" __global__ void kv_write_bf16(const float* x, const i64* slots, void* codes, u8* scales, int T,
                                          int H, int D) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   kv_write_plain<16>(x, slots, codes, T, H, D);
 }
 
@@ -411,20 +403,17 @@ __device__ __forceinline__ void kv_write_mx(const float* __restrict__ x, const i
 
 extern "C" __global__ void kv_write_mx8(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
                                         int D) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   kv_write_mx<8>(x, slots, codes, scales, T, H, D);
 }
 extern "C" __global__ void kv_write_mx6(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
                                         int D) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   kv_write_mx<6>(x, slots, codes, scales, T, H, D);
 }
 extern "C" __global__ void kv_write_mx4(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
                                         int D) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   kv_write_mx<4>(x, slots, codes, scales, T, H, D);
 }
 

@@ -300,8 +300,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   ACC S[ROWS];
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
-  pdl_trigger();
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const float* xr = x + (i64)row * ldx;
   const float* cs = conv_state + (i64)slot * C * KM1;
   auto conv_silu = [&](int c) {  // conv1d_silu_runs for a run of one row
@@ -401,8 +400,7 @@ extern "C" __global__ void gdn_decode_finish(const float* __restrict__ x, float*
                                              const float* __restrict__ core, const float* __restrict__ z,
                                              const float* __restrict__ norm_w, float* __restrict__ gated, int HV,
                                              i64 ldz, float eps) {
-  pdl_trigger();  // overlapped launches (pdl.cuh): the next kernel may launch now; wait for the one before
-  pdl_wait();
+  pdl_begin();  // overlapped launch (pdl.cuh)
   const int* run = runs + 5 * blockIdx.y;
   const int nwarp = blockDim.x >> 5, norm_blocks = (HV + nwarp - 1) / nwarp;
   if ((int)blockIdx.x >= norm_blocks) {

@@ -23,3 +23,10 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+
+// The start of an overlapped kernel that has nothing to load before its wait: let the next kernel launch,
+// then wait for the one before.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_trigger();
+  pdl_wait();
+}

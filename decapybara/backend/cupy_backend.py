@@ -182,11 +182,13 @@ class CupyBackend(Backend):
 
     def deltanet_core(self, states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
                       params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
-                      snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]]) -> Any:
+                      snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
+                      gate: tuple[Any, Any, float] | None = None) -> Any:
+        """`gate` = (z, norm_weight, eps): `deltanet_core_gated` (cupy_deltanet.deltanet_core's `gate`)."""
         if self._runs is None or self._runs[0] is not segments:
             self._runs = (segments, plan_runs(segments))
         return deltanet_core(states, layer, mixed_qkv, a, b, params, self._runs[1], cfg, snapshots,
-                             acc="float" if self.bf16 else "double")
+                             acc="float" if self.bf16 else "double", gate=gate)
 
     def deltanet_core_gated(self, states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
                             params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
@@ -194,10 +196,8 @@ class CupyBackend(Backend):
                             norm_weight: Any, eps: float) -> Any:
         """A decode forward's gated norm comes from the launch after gdn_decode, which also updates the conv
         state (`gdn_decode_finish`: no gated_rms_norm_warp launch, the same bits); other forwards run the two ops."""
-        if self._runs is None or self._runs[0] is not segments:
-            self._runs = (segments, plan_runs(segments))
-        return deltanet_core(states, layer, mixed_qkv, a, b, params, self._runs[1], cfg, snapshots,
-                             acc="float" if self.bf16 else "double", gate=(z, norm_weight, eps))
+        return self.deltanet_core(states, layer, mixed_qkv, a, b, params, segments, cfg, snapshots,
+                                  (z, norm_weight, eps))
 
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         return ops.gated_rms_norm(x, z, weight, eps)

@@ -8,13 +8,13 @@ records the overlap as a programmatic graph edge, so CUDA-graph decode steps kee
 
 `launch(kernel, grid, block, args)` goes through the driver's ``cuLaunchKernelEx`` with the
 programmatic-stream-serialization attribute when `enabled()`: compute capability 9.0 or newer, a driver
-that exports it, and $DECAPYBARA_PDL: ``0`` (the default) never, ``1`` while `capturing()` (the decode graphs,
+that exports it, and $DECAPYBARA_PDL: ``0`` never, ``1`` (the default) while `capturing()` (the decode graphs,
 `cuda_graph.capture_graph`), ``always`` also for eager launches. Otherwise (and for kernels without a driver
 handle, e.g. on the host emulator) it is `plain`, the CuPy launch. Either way the kernel computes the same
 values: under a plain launch `pdl_wait()` returns at once. Graphs only, not eager steps: an eager step is
 bound by its Python launches, where the ctypes launch costs more than CuPy's and the overlap gains nothing.
-Off by default until the overlap tests (tests/gpu/test_pdl.py, which turn the output poisoning off so that
-kernels really overlap) have passed on the GPU (docs/perf.md).
+On by default since the overlap tests (tests/gpu/test_pdl.py, which turn the output poisoning off so that
+kernels really overlap) passed on the GPU (docs/perf.md).
 
 Arguments are those of a CuPy `RawKernel` call as the wrappers pass them: device arrays, None (a null
 pointer) and typed numpy scalars (int32 / int64 / uint32 / uint64 / float32 / float64).
@@ -95,7 +95,7 @@ def _device_ok(device: int) -> bool:
 
 def enabled() -> bool:
     """Whether `launch` overlaps kernels now (see the module docstring)."""
-    mode = os.environ.get("DECAPYBARA_PDL", "0")
+    mode = os.environ.get("DECAPYBARA_PDL", "1")
     if mode not in ("1", "always") or (mode == "1" and not getattr(_STATE, "depth", 0)):
         return False
     try:

@@ -8,7 +8,9 @@ large ones at M = 12, as CUDA-graph replays timed with CUDA events. Each product
 copies of its weights that they do not stay in the 50 MB L2 between calls (as in a real step, where the
 next product's weights are not cached). Prints per-shape % of the copy bandwidth and the step-weighted total
 (products x their count per step): the time the step spends in these products. `diag` variants skip the
-weight decoding (their results are wrong; they measure what the decoding costs).
+weight decoding (their results are wrong; they measure what the decoding costs). MXFP4 / NVFP4 weights are
+repacked before each variant into the code layout its kernel reads (`e2m1_split`: split fields or plain
+nibbles, `reads_split`), values unchanged, so every other variant's product is checked against the baseline's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import numpy as np
 from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
-from kernels import get_kernel
+from decapybara.backend.gemv_plan import e2m1_plain_words, e2m1_split_words
+from kernels import KERNEL_DIR, get_kernel
 
 # [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused)
 STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
@@ -46,6 +49,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
+    ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.
@@ -55,6 +59,24 @@ if os.environ.get("SWEEP_VARIANTS"):  # e.g. "default,3/SM s1"
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["SWEEP_VARIANTS"].split(",")]
 
 
+def reads_split(tune: dict, fmt: str) -> bool:
+    """Whether the kernel of a variant (TUNE overrides `tune`) reads `fmt` codes in the split-field layout: its
+    `e2m1_split` for an E2M1 format, in a kernel file that knows MX_E2M1 (an older one reads plain codes)."""
+    full = ex.tune_for(fmt, {**ex.TUNE, **tune})
+    return ex.e2m1_layout(fmt, full["e2m1_split"]) and "MX_E2M1" in (KERNEL_DIR / f"{full['source']}.cu").read_text()
+
+
+def relayout(weights: dict, split: bool) -> None:
+    """Every E2M1 weight of `weights` (name -> PackedWeights) repacked into the split-field (or plain) code
+    layout where it is in the other one: same values, so products stay comparable across variants."""
+    for ws in weights.values():
+        for w in ws:
+            if w.fmt in ex.E2M1_FMTS and w.e2m1_split != split:
+                w.codes = e2m1_split_words(w.codes) if split else e2m1_plain_words(w.codes)
+                w.e2m1_split = split
+    cp.cuda.Device().synchronize()  # the repacks run on the default stream, the timed graphs on their own
+
+
 def precompile(variants: list, fmts: list[str]) -> None:
     """Build every (variant, format, tile) kernel up front, nvcc processes side by side."""
     jobs = set()
@@ -62,7 +84,8 @@ def precompile(variants: list, fmts: list[str]) -> None:
         for f in fmts:
             full = ex.tune_for(f, {**ex.TUNE, **tune})
             for nt in (1, 2):
-                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(full), *defines)))
+                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(full, reads_split(tune, f)),
+                                                                *defines)))
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         list(pool.map(lambda j: get_kernel(*j), sorted(jobs)))
 
@@ -131,6 +154,7 @@ def main() -> None:
         cols = [f"{n} M{m}" for n in STEP for m in ((1, 12) if n in M12 else (1,))]
         print(f"{'variant':<24}{'step ms':>8}{'M12 ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
         for vname, tune, defines in VARIANTS:
+            relayout(weights, reads_split(tune, fmt))
             try:
                 with tuned(tune, defines):
                     r = run_variant(weights, xs, copy_bw, None if defines else ref)

@@ -105,7 +105,9 @@ def random_bytes(shape: tuple[int, ...]) -> Any:
 
 
 def random_packed(fmt: str, shape: tuple[int, ...]) -> ex.PackedWeight:
-    """A PackedWeight of random codes (no NaN codes) and realistic scales: weights of magnitude ~1e-2."""
+    """A PackedWeight of random codes (no NaN codes) and realistic scales: weights of magnitude ~1e-2. MXFP4 /
+    NVFP4 codes are taken as in the layout `ex.TUNE["e2m1_split"]` names (random either way: the flag picks the
+    kernel that decodes them, as `pack_weight` would)."""
     if fmt == "bf16":
         return ex.PackedWeight("bf16", shape, ops.to_bf16_bits(cp.random.standard_normal(shape, cp.float32) * 0.02))
     f = get_format(fmt)
@@ -114,7 +116,8 @@ def random_packed(fmt: str, shape: tuple[int, ...]) -> ex.PackedWeight:
         codes &= cp.uint8(0xBF)  # exponent MSB clear: no NaN code, values up to 2^0
     lo, hi = (0x20, 0x30) if fmt == "nvfp4" else (118, 122)
     scales = cp.random.randint(lo, hi, f.scale_shape(shape), dtype=cp.int32).astype(cp.uint8)
-    return ex.PackedWeight(fmt, shape, cp.ascontiguousarray(codes), scales, 0.01 if fmt == "nvfp4" else 1.0)
+    return ex.PackedWeight(fmt, shape, cp.ascontiguousarray(codes), scales, 0.01 if fmt == "nvfp4" else 1.0,
+                           e2m1_split=ex.e2m1_layout(fmt))
 
 
 def build_model(variant: str, seed: int = 0) -> QwenModel:
@@ -137,6 +140,7 @@ def build_model(variant: str, seed: int = 0) -> QwenModel:
             w[name] = ops.to_bf16_bits(cp.random.standard_normal(shape, cp.float32) * 0.02)
         else:
             w[name] = random_packed("bf16" if role == "bf16" else fmt, shape)
+            w[name].persistent = True  # a model weight, as prepare_weight marks those of a loaded checkpoint
     return QwenModel(CFG, backend, w)
 
 

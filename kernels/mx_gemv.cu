@@ -7,6 +7,10 @@
 //   MXFP6  codes u8 [N, Kp*3/4] E2M3, 4 codes in 3 bytes little-endian  Kp % 64 == 0
 //   MXFP4  codes u8 [N, Kp/2] E2M1, element 2j in the low nibble         Kp % 32 == 0
 //   NVFP4  codes u8 [N, Kp/2] E2M1, scales u8 [N, Kp/16] E4M3, fp32 tensor scale `post`
+// except that MXFP4 / NVFP4 codes may instead be stored in the split-field layout (MX_E2M1 = 1; the weight's
+// `PackedWeight.e2m1_split`, repacked at load by decapybara/backend/gemv_plan.py `e2m1_split_words`): each
+// 32-bit word keeps its 8 codes, in each 16-bit half the 3-bit magnitudes side by side and the signs in the top
+// 4 bits (mx_pairs.cuh `e2m1_pairs_split`), which decodes in fewer instructions.
 // Every row must start 16-byte aligned (the wrapper asserts it). A stacked [E, N, K] expert tensor is E such
 // matrices `w_gstride` bytes apart (grouped mode, see below).
 //
@@ -66,6 +70,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #endif
 #ifndef MX_STAGES2
 #define MX_STAGES2 0  // register stages of the two-n-tile kernels; 0: max(2, the format's STAGES)
+#endif
+#ifndef MX_E2M1
+#define MX_E2M1 0  // layout of MXFP4 / NVFP4 codes: 0 plain nibbles, 1 split fields (header); mx_dequant_rows reads both
 #endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
@@ -158,6 +165,8 @@ __device__ __forceinline__ void dequant(const u32 (&w)[Fmt<FMT>::LB / 4], const 
         const u32 g01 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x6532 : 0x4310);
         const u32 g23 = __byte_perm(w[wb], w[wb + 1], (JJ & 1) ? 0x7643 : 0x5421);
         e2m3_pairs(g01, g23, f[JJ / 4], a);
+    } else if (MX_E2M1) {  // E2M1, split fields: codes (i, i+4) share their shifts
+        e2m1_pairs_split(w[JJ], FMT == FMT_MXFP4 ? f[JJ / 4] : f[JJ / 2], a);
     } else {  // E2M1: nibbles (i, i+4) share their shifts
         e2m1_pairs(w[JJ], FMT == FMT_MXFP4 ? f[JJ / 4] : f[JJ / 2], a);
     }
@@ -174,26 +183,16 @@ template <int NS> __device__ __forceinline__ u32 ld_scales(const u8* p) {  // NS
     return __ldg((const u32*)p);
 }
 
-// Lane-row lr (chunk * 4 + t) of one weight row. `whole` (uniform): every chunk lies inside Kp and the scale
-// rows are NS-byte aligned, so no load needs a K bound and the NS scale bytes are one load (the decode loop's
-// loads: ~16 instructions a chunk instead of ~110 with per-byte bounds and branches).
+// Lane-row lr (chunk * 4 + t) of one weight row, every load bounded by Kp (the loop over chunks that are not
+// all whole, see mx_segment): byte loads of the scales, so scale rows need no alignment.
 template <int FMT>
 __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, u32 wo, const u8* S, u32 so, bool row_ok,
-                                         int lr, int Kp, bool whole) {
+                                         int lr, int Kp) {
     constexpr int LK = Fmt<FMT>::LANE_K, LB = Fmt<FMT>::LB, NLD = LB / 16;
     constexpr int NS = Fmt<FMT>::NS, SPAN = NS ? LK / NS : LK;  // codes per scale
     const int k0 = lr * LK;
     const u8* wp = W + (wo + (u32)(lr * LB));
     const u8* sp = S + (so + (u32)(lr * NS));
-    if (whole) {  // predicated loads, zero-filled past N (a branch per row cost 10% at M = 12, bf16 H200)
-#pragma unroll
-        for (int p = 0; p < NLD; ++p) {
-            const uint4 v = row_ok ? ld_stream(wp + p * 16) : u4(0, 0, 0, 0);
-            r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
-        }
-        r.s = NS && row_ok ? ld_scales<NS>(sp) : 0u;
-        return;
-    }
 #pragma unroll
     for (int p = 0; p < NLD; ++p) {
         bool ok = row_ok && (FMT == FMT_MXFP6 ? k0 < Kp : k0 + p * (LK / NLD) < Kp);
@@ -202,10 +201,29 @@ __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, u32 wo, c
     }
     r.s = 0;
 #pragma unroll
-    for (int i = 0; i < NS; ++i) {  // byte loads: scale rows need no alignment
+    for (int i = 0; i < NS; ++i) {
         const u32 b = row_ok && k0 + i * SPAN < Kp ? __ldg(sp + i) : 0u;
         r.s |= b << (8 * i);
     }
+}
+
+// The next lane-row of one weight row in the loop over whole chunks (WHOLE below): its code and scale
+// addresses, each load advancing them one chunk (4 lane-rows): two pointer bumps a chunk, no bounds. A row
+// past N reads row N - 1 instead (its MMA rows are never stored), so no load is predicated or zero-filled.
+struct RowPtr {
+    const u8* w;
+    const u8* s;
+};
+template <int FMT> __device__ __forceinline__ void load_next(LaneRow<FMT>& r, RowPtr& p) {
+    constexpr int LB = Fmt<FMT>::LB, NLD = LB / 16, NS = Fmt<FMT>::NS;
+#pragma unroll
+    for (int q = 0; q < NLD; ++q) {
+        const uint4 v = ld_stream(p.w + q * 16);
+        r.w[4 * q] = v.x; r.w[4 * q + 1] = v.y; r.w[4 * q + 2] = v.z; r.w[4 * q + 3] = v.w;
+    }
+    r.s = NS ? ld_scales<NS>(p.s) : 0u;
+    p.w += 4 * LB;
+    p.s += 4 * NS;
 }
 
 template <int FMT, int NT>
@@ -249,7 +267,9 @@ struct Args {
 // One output tile's K range [c0, c1) of chunks, as contributor `part` of `nparts` (nparts 1: the whole K range,
 // stored directly; else float32 partial sums, and the tile's last contributor to finish reduces them in a
 // fixed order, so the result does not depend on timing).
-template <int FMT, int NT>
+// WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
+// and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
+template <int FMT, int NT, bool WHOLE>
 __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_flag, const int grp, const int mt,
                                            const int tile, const int c0, const int c1, const int part,
                                            const int nparts) {
@@ -266,8 +286,11 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
     const u32 wo0 = (u32)(rows0 + g) * (u32)A.w_row, wo8 = wo0 + 8u * (u32)A.w_row;
     const u32 so0 = (u32)(rows0 + g) * (u32)A.s_row, so8 = so0 + 8u * (u32)A.s_row;
-    constexpr int NS = Fmt<FMT>::NS;
-    const bool whole = A.Kp % CK == 0 && (NS == 0 || ((A.s_row | A.s_gstride | (i64)A.S) % NS == 0));
+    constexpr int NS = Fmt<FMT>::NS, LB = Fmt<FMT>::LB;
+    const u32 lr0 = (u32)(c0 * 4 + t), last = (u32)(A.N - 1);
+    const u32 rg0 = min((u32)(rows0 + g), last), rg8 = min((u32)(rows0 + g + 8), last);
+    RowPtr p0{W + (rg0 * (u32)A.w_row + lr0 * LB), S + (rg0 * (u32)A.s_row + lr0 * NS)};
+    RowPtr p8{W + (rg8 * (u32)A.w_row + lr0 * LB), S + (rg8 * (u32)A.s_row + lr0 * NS)};
 
     float acc[Acc<NT>::N][NT][4];
 #pragma unroll
@@ -299,8 +322,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
 #pragma unroll
     for (int s = 0; s < ST; ++s)
         if (c0 + s < c1) {
-            load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c0 + s) * 4 + t, A.Kp, whole);
-            load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c0 + s) * 4 + t, A.Kp, whole);
+            if (WHOLE) {
+                load_next<FMT>(r0[s], p0);
+                load_next<FMT>(r1[s], p8);
+            } else {
+                load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c0 + s) * 4 + t, A.Kp);
+                load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c0 + s) * 4 + t, A.Kp);
+            }
         }
     pdl_wait();  // x, partials and counters belong to the kernels before this one
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
@@ -348,8 +376,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
                 if (warp_on)
                     mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + (c - sb) * CK + 8 * t, xrow);
                 if (c + ST < c1) {  // refill this stage with the chunk ST ahead
-                    load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c + ST) * 4 + t, A.Kp, whole);
-                    load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c + ST) * 4 + t, A.Kp, whole);
+                    if (WHOLE) {
+                        load_next<FMT>(r0[s], p0);
+                        load_next<FMT>(r1[s], p8);
+                    } else {
+                        load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c + ST) * 4 + t, A.Kp);
+                        load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c + ST) * 4 + t, A.Kp);
+                    }
                 }
             }
         }
@@ -414,6 +447,8 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M;
     if (mt * MT >= m_cnt) return;  // uniform per block
     const int nchunks = (A.Kp + CK - 1) / CK;
+    constexpr int NS = Fmt<FMT>::NS;
+    const bool whole = A.Kp % CK == 0 && (NS == 0 || ((A.s_row | A.s_gstride | (i64)A.S) % NS == 0));
     // tile grid (!A.stream): one segment, blockIdx.x = output tile, blockIdx.y = K split of A.cps chunks
     const int B = gridDim.x, ntiles = (A.N + TILE_ROWS - 1) / TILE_ROWS;
     const i64 U = (i64)ntiles * nchunks;
@@ -431,7 +466,10 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
             nparts = stream_block_of((i64)tile * nchunks + nchunks - 1, U, B) - first + 1;
             step = c1 - c0;
         }
-        mx_segment<FMT, NT>(A, xs, last_flag, grp, mt, tile, c0, c1, part, nparts);
+        if (whole)
+            mx_segment<FMT, NT, true>(A, xs, last_flag, grp, mt, tile, c0, c1, part, nparts);
+        else
+            mx_segment<FMT, NT, false>(A, xs, last_flag, grp, mt, tile, c0, c1, part, nparts);
         u += step;
     }
 }
@@ -457,7 +495,8 @@ MX_FORMAT(nvfp4, FMT_NVFP4)
 
 // Dequantise rows: out[r, k] = W[rows ? rows[r] : r, k] for k < K (fp32 / bf16 / f16 by out_kind). Used for
 // embedding lookups of quantised tables and for the large-M path (dequantise once, then a dense GEMM).
-// NVFP4 follows docs/quant.md: fl32(fl32(elem * e4m3) * tensor_scale).
+// NVFP4 follows docs/quant.md: fl32(fl32(elem * e4m3) * tensor_scale). e2m1_split: MXFP4 / NVFP4 codes in the
+// split-field layout (header), else plain nibbles.
 __device__ __forceinline__ float decode_code(int fmt, u32 c) {
     if (fmt == FMT_MXFP8) return e4m3_f32(c);
     const u32 sign = fmt == FMT_MXFP6 ? (c & 0x20u) << 26 : (c & 0x8u) << 28;
@@ -466,8 +505,16 @@ __device__ __forceinline__ float decode_code(int fmt, u32 c) {
                         : (float)m * (fmt == FMT_MXFP6 ? 0.125f : 0.5f);
     return __uint_as_float(__float_as_uint(mag) | sign);
 }
-extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, int fmt, const i64* rows,
-                                           int R, int K, i64 w_row, i64 s_row, void* out, int out_kind) {
+// E2M1 code k of a row w: nibble k % 2 of byte k / 2, or (split) code r = k % 4 of 16-bit half k / 4 (bytes
+// 2 (k / 4), little-endian): magnitude at bits 3r..3r+2, sign at bit 12 + (r ^ 1).
+__device__ __forceinline__ u32 e2m1_code(const u8* w, int k, int split) {
+    if (!split) return (w[k >> 1] >> (4 * (k & 1))) & 0xFu;
+    const u32 half = w[2 * (k >> 2)] | ((u32)w[2 * (k >> 2) + 1] << 8), r = k & 3;
+    return ((half >> (3 * r)) & 7u) | (((half >> (12 + (r ^ 1))) & 1u) << 3);
+}
+extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, int fmt, int e2m1_split,
+                                           const i64* rows, int R, int K, i64 w_row, i64 s_row, void* out,
+                                           int out_kind) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)R * K) return;
     const int r = (int)(i / K), k = (int)(i % K);
@@ -483,7 +530,7 @@ extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, i
             const u8* b = w + (k >> 2) * 3;
             u32 word = b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16);
             c = (word >> (6 * (k & 3))) & 0x3Fu;
-        } else c = (w[k >> 1] >> (4 * (k & 1))) & 0xFu;
+        } else c = e2m1_code(w, k, e2m1_split);
         const u32 s = S[row * s_row + k / (fmt == FMT_NVFP4 ? 16 : 32)];
         if (fmt == FMT_NVFP4) {
             v = (decode_code(fmt, c) * e4m3_f32(s)) * ts;

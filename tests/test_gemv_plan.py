@@ -1,14 +1,25 @@
 """The skinny GEMM's launch plan (decapybara/backend/gemv_plan.py), checked without a GPU: every stream-K unit
 is computed exactly once, each tile's contributors number their partial sums 0..nparts-1 within the buffer,
-and the tile-grid splits cover K."""
+and the tile-grid splits cover K. Also the split-field layout of E2M1 weight codes: the repacking is a bit
+permutation, and a numpy model of the kernel's decoders shows that it decodes to the plain decoder's bits."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from decapybara.backend.gemv_plan import GemmPlan, merge_tune, plan_gemm, stream_segments, tune_for
+from decapybara.backend.gemv_plan import (
+    GemmPlan,
+    e2m1_plain_words,
+    e2m1_split_words,
+    merge_tune,
+    plan_gemm,
+    stream_segments,
+    tune_for,
+)
+from decapybara.model.quant import E2M1, bf16_decode, decode_elements
 
 TUNE = {"policy": "auto", "min_chunks": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85}
 
@@ -93,3 +104,103 @@ def test_by_format_tuning_resolves_and_merges():
     assert tune == {"stages": {"*": 2, "mxfp4": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3}, "warps": 8}
     with pytest.raises(KeyError):  # a by-format dict needs a "*" entry for the formats it does not name
         tune_for("nvfp4", {"stages": {"mxfp4": 1}})
+
+
+# ---- E2M1 split-field layout (kernels/mx_pairs.cuh) ------------------------------------------------------------
+U = np.uint32
+M, S = U(0x01C001C0), U(0x80008000)
+
+
+def plain_pairs(v: np.ndarray) -> list[np.ndarray]:
+    """`e2m1_pairs` before its FMA, line for line: plain words v -> bf16x2 operands a[r] = (c_r, c_{r+4})."""
+    return [((v << U(6)) & M) | ((v << U(12)) & S), ((v << U(2)) & M) | ((v << U(8)) & S),
+            ((v >> U(2)) & M) | ((v << U(4)) & S), ((v >> U(6)) & M) | (v & S)]
+
+
+def split_pairs(w: np.ndarray) -> list[np.ndarray]:
+    """`e2m1_pairs_split` before its FMA, line for line (a[0] as the kernel's multiply, wrapping mod 2^32)."""
+    return [((w & U(0x20072007)) * U(68)) & (M | S), (w << U(3)) & (M | S), w & (M | S),
+            ((w >> U(3)) & M) | ((w << U(1)) & S)]
+
+
+def split_pairs_by_shifts(w: np.ndarray) -> list[np.ndarray]:
+    """The split decoder with a[0] as two shifted fields (what the multiply computes)."""
+    return [((w << U(6)) & M) | ((w << U(2)) & S), *split_pairs(w)[1:]]
+
+
+def words_to_check() -> np.ndarray:
+    """uint32 words: every 16-bit half under random other halves, every byte value at every byte position
+    (other bytes zero or random), and random words."""
+    rng = np.random.default_rng(3)
+    half = np.arange(1 << 16, dtype=U)[None, :]
+    other = rng.integers(0, 1 << 16, (4, 1), dtype=U)
+    byte = np.arange(256, dtype=U)
+    per_byte = [(byte << U(8 * j)) | (rng.integers(0, 1 << 32, (2, 256), dtype=U) * U(k) & ~U(0xFF << 8 * j))
+                for j in range(4) for k in (0, 1)]
+    return np.concatenate([(half | (other << U(16))).ravel(), ((half << U(16)) | other).ravel(),
+                           *(b.ravel() for b in per_byte), rng.integers(0, 1 << 32, 1 << 16, dtype=U)])
+
+
+def test_e2m1_split_words_is_a_bit_permutation_with_its_inverse():
+    rng = np.random.default_rng(11)
+    for shape in ((7, 16), (2, 3, 40), (0, 8), (4,)):
+        raw = rng.integers(0, 256, shape, dtype=np.uint8)
+        split = e2m1_split_words(raw)
+        assert split.dtype == np.uint8 and split.shape == raw.shape
+        np.testing.assert_array_equal(e2m1_plain_words(split), raw)
+        np.testing.assert_array_equal(e2m1_split_words(e2m1_plain_words(raw)), raw)
+    raw = rng.integers(0, 256, (6, 32), dtype=np.uint8)
+    np.testing.assert_array_equal(e2m1_split_words(raw[:, 8:24]), e2m1_split_words(raw)[:, 8:24])  # a strided view
+    assert not e2m1_split_words(np.zeros((3, 8), np.uint8)).any()  # zero padding stays zero
+    for i in range(32):  # one plain bit -> one split bit, each its own: a permutation of the 32 bits
+        one = e2m1_split_words(np.array([1 << i], U).view(np.uint8)).view(U)[0]
+        h, r, b = i // 16, (i % 16) // 4, i % 4
+        assert one == 1 << (16 * h + (3 * r + b if b < 3 else (13, 12, 15, 14)[r])), f"plain bit {i}"
+
+
+def test_e2m1_split_layout_on_known_bytes():
+    """Plain word 0x876D4BA1, codes c0..c7 = 1, 0xA, 0xB, 4, 0xD, 6, 7, 8 (signs on c1, c2, c4, c7): low half
+    magnitudes 1 | 2 << 3 | 3 << 6 | 4 << 9 = 0x08D1, signs of c1, c2 at bits 12, 15 -> 0x98D1; high half
+    5 | 6 << 3 | 7 << 6 | 0 << 9 = 0x01F5, signs of c4, c7 at bits 13, 14 -> 0x61F5."""
+    got = e2m1_split_words(np.array([0xA1, 0x4B, 0x6D, 0x87], np.uint8))
+    np.testing.assert_array_equal(got, np.array([0xD1, 0x98, 0xF5, 0x61], np.uint8))
+
+
+def test_e2m1_split_decoder_gives_the_plain_decoders_bits():
+    """For every code pattern checked, the kernel's split decoder on `e2m1_split_words` of a word gives the same
+    bf16x2 operands bit for bit as the plain decoder on the word (so the same products after the same FMA), and
+    those are the E2M1 values times 2^-126 (c_r in the low half, c_{r+4} in the high half)."""
+    v = words_to_check()
+    w = e2m1_split_words(v.view(np.uint8)).view(U)
+    plain, split, by_shifts = plain_pairs(v), split_pairs(w), split_pairs_by_shifts(w)
+    codes = [(v >> U(4 * i)) & U(0xF) for i in range(8)]
+    for r in range(4):
+        np.testing.assert_array_equal(split[r], plain[r], err_msg=f"a[{r}]")
+        np.testing.assert_array_equal(by_shifts[r], plain[r], err_msg=f"a[{r}], shift form")
+        for half, code in ((0, codes[r]), (1, codes[r + 4])):
+            bits = ((plain[r] >> U(16 * half)) & U(0xFFFF)).astype(np.uint16)
+            want = decode_elements(E2M1, code.astype(np.uint8)).astype(np.float64)
+            np.testing.assert_array_equal(bf16_decode(bits).astype(np.float64) * 2.0**126, want,
+                                          err_msg=f"a[{r}] half {half}")
+
+
+def test_e2m1_code_of_a_split_row_as_mx_dequant_rows_reads_it():
+    """kernels/mx_gemv.cu `e2m1_code` on a split row, line for line: code k from 16-bit half k / 4 (bytes
+    2 (k / 4), 2 (k / 4) + 1), magnitude at bits 3r..3r+2 and sign at bit 12 + (r ^ 1), r = k % 4."""
+    raw = np.random.default_rng(5).integers(0, 256, 64, dtype=np.uint8)
+    row = e2m1_split_words(raw).astype(np.uint32)
+    k = np.arange(128)
+    half = row[2 * (k >> 2)] | (row[2 * (k >> 2) + 1] << U(8))
+    r = (k & 3).astype(np.uint32)
+    code = ((half >> (U(3) * r)) & U(7)) | (((half >> (U(12) + (r ^ U(1)))) & U(1)) << U(3))
+    np.testing.assert_array_equal(code, (raw[k >> 1] >> (4 * (k & 1))) & 0xF)
+
+
+def test_e2m1_split_a0_multiply_is_exact_for_every_field_value():
+    """a[0] = ((w & 0x20072007) * 68) & (M | S) equals ((w << 6) & M) | ((w << 2) & S) for all 2^8 values of the
+    masked bits (both halves' magnitude and sign of code 0), hence for every word."""
+    bits = (0, 1, 2, 13, 16, 17, 18, 29)
+    x = np.zeros(256, U)
+    for j, b in enumerate(bits):
+        x |= ((np.arange(256, dtype=U) >> U(j)) & U(1)) << U(b)
+    np.testing.assert_array_equal((x * U(68)) & (M | S), ((x << U(6)) & M) | ((x << U(2)) & S))

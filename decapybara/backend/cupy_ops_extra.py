@@ -4,7 +4,8 @@ Conventions (as `cupy_ops`): device arrays are checked for dtype and contiguity 
 typed numpy values, fresh outputs come from `cupy_ops.empty` (NaN-poisoned under `cupy_ops.POISON`). bf16
 tensors are uint16 arrays of bfloat16 bits; activations may be float32, bf16 bits or float16.
 
-Weights for `mx_linear` are `PackedWeight`s: the bytes of a `QuantTensor` (docs/quant.md) uploaded unchanged,
+Weights for `mx_linear` are `PackedWeight`s: the bytes of a `QuantTensor` (docs/quant.md) uploaded unchanged
+(MXFP4 / NVFP4 codes repacked into the split-field layout, `gemv_plan.e2m1_split_words`, see `pack_weight`),
 or bf16 bits. Kernel layout requirements (else `mx_linear` dequantises and multiplies densely): every row
 16-byte aligned, i.e. bf16 K % 8 == 0, MXFP6 Kp % 64 == 0, NVFP4 Kp % 32 == 0 (MXFP8 / MXFP4 always).
 The sampler is `cuda_sample` (same tokens as `decapybara.engine.sampling.sample`, see kernels/sample.cu).
@@ -23,7 +24,7 @@ import numpy as np
 
 from decapybara.backend import pdl
 from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, gemm_bf16, null, sm_count, to_bf16_bits
-from decapybara.backend.gemv_plan import merge_tune, plan_gemm
+from decapybara.backend.gemv_plan import e2m1_split_words, merge_tune, plan_gemm
 from decapybara.backend.gemv_plan import tune_for as _tune_for
 from kernels import get_kernel
 
@@ -31,6 +32,7 @@ FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
 BITS = {"bf16": 16, "mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
 BLOCK = {"bf16": 1, "mxfp8": 32, "mxfp6": 32, "mxfp4": 32, "nvfp4": 16}
 LANE_K = {"bf16": 16, "mxfp8": 32, "mxfp6": 64, "mxfp4": 64, "nvfp4": 64}  # codes per lane per chunk
+E2M1_FMTS = ("mxfp4", "nvfp4")  # formats of E2M1 codes: plain nibbles or the split-field layout
 U64 = np.uint64
 
 
@@ -51,6 +53,8 @@ class PackedWeight:
     `scales`: uint8 [..., N, Kp / block] (E8M0, NVFP4: E4M3), None for bf16; `tensor_scale`: NVFP4's float32.
     `persistent`: a model weight, written before any forward that reads it (load time): only then may a product
     launched overlapped (`pdl.launch`) load it before waiting for the kernel before it.
+    `e2m1_split`: MXFP4 / NVFP4 codes in the split-field layout (`gemv_plan.e2m1_split_words` of the
+    QuantTensor's codes; kernels/mx_gemv.cu decodes it under MX_E2M1 = 1), else plain nibbles; False otherwise.
     """
 
     fmt: str
@@ -59,6 +63,7 @@ class PackedWeight:
     scales: Any = None
     tensor_scale: float = 1.0
     persistent: bool = False
+    e2m1_split: bool = False
 
     @property
     def K(self) -> int:
@@ -83,12 +88,36 @@ class PackedWeight:
         return row % 16 == 0 and self.codes.data.ptr % 16 == 0 and self.codes.flags.c_contiguous
 
 
-def pack_weight(value: Any) -> PackedWeight:
-    """A `QuantTensor` (host), a float array (host or device; rounded to bf16) or bf16 bits -> PackedWeight."""
+def e2m1_layout(fmt: str, split: bool | None = None) -> bool:
+    """Whether weights of format `fmt` get E2M1 codes in the split-field layout: `split` if given, else TUNE's
+    `e2m1_split`; False for formats without E2M1 codes."""
+    return fmt in E2M1_FMTS and bool(tune_for(fmt).get("e2m1_split", 0) if split is None else split)
+
+
+SPLIT_SLICE = 1 << 26  # bytes of codes repacked at a time (bounds the temporaries of a large tensor)
+
+
+def _split_codes(codes: Any) -> Any:
+    """Device E2M1 codes (C-contiguous uint8, rows of whole 32-bit words) -> a new array of the same shape in the
+    split-field layout, repacked SPLIT_SLICE bytes at a time."""
+    flat, out = codes.reshape(-1), cp.empty_like(codes)
+    dst = out.reshape(-1)
+    for s in range(0, flat.size, SPLIT_SLICE):
+        dst[s:s + SPLIT_SLICE] = e2m1_split_words(flat[s:s + SPLIT_SLICE])
+    return out
+
+
+def pack_weight(value: Any, e2m1_split: bool | None = None) -> PackedWeight:
+    """A `QuantTensor` (host), a float array (host or device; rounded to bf16) or bf16 bits -> PackedWeight.
+    MXFP4 / NVFP4 codes are repacked into the split-field layout when `e2m1_layout(fmt, e2m1_split)` (by
+    default TUNE's `e2m1_split`), else uploaded as they are."""
     if hasattr(value, "to_parts"):
         ts = value.tensor_scale
-        return PackedWeight(value.fmt, tuple(value.shape), cp.asarray(np.ascontiguousarray(value.codes)),
-                            cp.asarray(np.ascontiguousarray(value.scales)), float(ts) if ts is not None else 1.0)
+        split = e2m1_layout(value.fmt, e2m1_split)
+        codes = cp.asarray(np.ascontiguousarray(value.codes))
+        return PackedWeight(value.fmt, tuple(value.shape), _split_codes(codes) if split else codes,
+                            cp.asarray(np.ascontiguousarray(value.scales)), float(ts) if ts is not None else 1.0,
+                            e2m1_split=split)
     a = value if isinstance(value, cp.ndarray) else cp.asarray(np.asarray(value))
     bits = a if a.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(a, dtype=cp.float32))
     return PackedWeight("bf16", tuple(a.shape), cp.ascontiguousarray(bits))
@@ -96,6 +125,7 @@ def pack_weight(value: Any) -> PackedWeight:
 
 def _check_packed(w: PackedWeight) -> None:
     assert w.fmt in FMT_IDS, f"unknown format {w.fmt!r}"
+    assert not w.e2m1_split or w.fmt in E2M1_FMTS, f"{w.fmt} has no E2M1 codes to split"
     lead = w.shape[:-1]
     if w.fmt == "bf16":
         check(w.codes, np.uint16, "codes")
@@ -123,13 +153,15 @@ def _counters(device: int) -> Any:
 # kernels, built in through their launch bounds (MX_MINB; two-n-tile kernels, 9 <= M <= 16: `wide_blocks_per_sm`
 # (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)); wider tiles stay at <= 2); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
-# bench/gemv_sweep.py times an older one in the same run). A value is one setting for every format or a dict
+# bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
+# MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
+# and a `source` older than MX_E2M1 reads plain codes only). A value is one setting for every format or a dict
 # by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
 # DECAPYBARA_MX_TUNE is merged into the default's.
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
-    "min_chunks": 2,
+    "min_chunks": 2, "e2m1_split": 1,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
@@ -141,11 +173,13 @@ def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
     return _tune_for(fmt, TUNE if tune is None else tune)
 
 
-def gemm_defines(tune: dict) -> tuple[tuple[str, int], ...]:
-    """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for`) builds in (plus TUNE_DEFINES)."""
+def gemm_defines(tune: dict, e2m1_split: bool = False) -> tuple[tuple[str, int], ...]:
+    """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for`) builds in, for weights whose E2M1
+    codes are split (`PackedWeight.e2m1_split`, MX_E2M1) or not (plus TUNE_DEFINES)."""
     return (("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
             ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
-            ("MX_STAGES2", tune["wide_stages"]), *TUNE_DEFINES)
+            ("MX_STAGES2", tune["wide_stages"]),
+            ("MX_E2M1", int(e2m1_split)), *TUNE_DEFINES)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
@@ -177,7 +211,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     # the kernel addresses one group's rows by 32-bit byte offsets
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
-    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune))
+    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.e2m1_split))
     launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
     launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
@@ -235,8 +269,9 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
         get_kernel("mx_gemv", "mx_dequant_rows")(
             (-(-out.size // 256),), (256,),
             (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale), I32(FMT_IDS[w.fmt]),
-             rows if rows is not None else null(), I32(r), I32(w.K), I64(w.codes.shape[-1] * w.codes.itemsize),
-             I64(w.scales.shape[-1] if w.scales is not None else 0), out, I32(kind(out_dtype))))
+             I32(int(w.e2m1_split)), rows if rows is not None else null(), I32(r), I32(w.K),
+             I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
+             out, I32(kind(out_dtype))))
     return out
 
 

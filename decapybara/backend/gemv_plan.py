@@ -17,6 +17,9 @@ units) and "auto" ("balance" where its blocks fill between `auto_fill` and all o
 A tuning value may be one setting or a dict by weight format ("*": every other format): `tune_for` resolves
 it for one format, `merge_tune` lays overrides over a tuning (a dict over a dict merges, anything else
 replaces).
+
+Also the device layout of E2M1 (MXFP4 / NVFP4) weight codes that the kernel decodes in fewer instructions
+(`e2m1_split_words`, inverse `e2m1_plain_words`), pure array arithmetic on numpy or cupy arrays.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -124,3 +129,43 @@ def merge_tune(tune: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     for k, v in overrides.items():
         out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+# ---- E2M1 split-field code layout (kernels/mx_pairs.cuh `e2m1_pairs_split`) -----------------------------------
+E2M1_SIGN_BIT = (13, 12, 15, 14)  # bit of code r's sign within its 16-bit half (its magnitude: bits 3r..3r+2)
+
+
+def _words(codes: Any) -> Any:
+    """uint8 [..., B] (numpy or cupy, B % 4 == 0) -> uint32 [..., B / 4], the little-endian words of the bytes."""
+    assert codes.dtype == np.uint8 and codes.ndim >= 1 and codes.shape[-1] % 4 == 0, \
+        f"E2M1 codes must be uint8 rows of whole 32-bit words, got {codes.dtype} {codes.shape}"
+    return (codes if codes.flags.c_contiguous else codes.copy()).view(np.uint32)
+
+
+def e2m1_split_words(codes: Any) -> Any:
+    """Plain E2M1 codes (`QuantTensor.codes` of MXFP4 / NVFP4: code 2j in the low nibble of byte j) -> the
+    split-field layout, word by word: uint8 [..., B] -> a new uint8 [..., B] (B % 4 == 0), numpy or cupy as given.
+
+    In each little-endian 32-bit word (codes c0..c7, nibble i = c_i) half h (bits 16h..16h+15) holds c_{4h+r},
+    r = 0..3: magnitude (code bits 0-2) at bits 3r..3r+2 of the half, sign (code bit 3) at E2M1_SIGN_BIT[r].
+    Zero codes stay zero bytes, so padding is unchanged."""
+    v = _words(codes)
+    out = v & np.uint32(0)
+    for i in range(8):
+        h, r = divmod(i, 4)
+        c = v >> np.uint32(4 * i)
+        out |= (c & np.uint32(7)) << np.uint32(16 * h + 3 * r)
+        out |= ((c >> np.uint32(3)) & np.uint32(1)) << np.uint32(16 * h + E2M1_SIGN_BIT[r])
+    return out.view(np.uint8)
+
+
+def e2m1_plain_words(words: Any) -> Any:
+    """The inverse of `e2m1_split_words`: split-field uint8 [..., B] -> plain nibble codes uint8 [..., B]."""
+    v = _words(words)
+    out = v & np.uint32(0)
+    for i in range(8):
+        h, r = divmod(i, 4)
+        mag = (v >> np.uint32(16 * h + 3 * r)) & np.uint32(7)
+        sign = (v >> np.uint32(16 * h + E2M1_SIGN_BIT[r])) & np.uint32(1)
+        out |= (mag | (sign << np.uint32(3))) << np.uint32(4 * i)
+    return out.view(np.uint8)

@@ -21,6 +21,8 @@ if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.backend.gemv_plan import e2m1_split_words
 from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.engine import philox, sampling
 from decapybara.model import quant
@@ -98,6 +100,7 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
         _WEIGHTS.clear()
         _WEIGHTS[(fmt, n, k)] = (ex.pack_weight(wq), w_ref)
     w, w_ref = _WEIGHTS[(fmt, n, k)]
+    assert w.e2m1_split == (fmt in ex.E2M1_FMTS)  # MXFP4 / NVFP4: the split-field kernels (pack_weight's default)
     x = rng.standard_normal((m, k)).astype(np.float32)
     xb = bf16_round(x).astype(np.float64)
     ref = xb @ w_ref.T
@@ -160,6 +163,35 @@ def test_mx_linear_bias_and_fallback_layout():
     assert_close(got, x4.astype(np.float64) @ w4.T + bias4, 1e-4, "mxfp4 kernel with bias")
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_e2m1_code_layouts_compute_the_same_products(fmt, split):
+    """MXFP4 / NVFP4 weights packed with plain nibble codes (MX_E2M1 = 0) or split-field codes (MX_E2M1 = 1):
+    the device bytes, the skinny kernels (one to eight n-tiles, more M-tiles; MXFP4 past DENSE_ROWS: the
+    dequantised cuBLAS path), dequantisation of all rows and embedding rows, and fused stacks of one layout."""
+    rng = np.random.default_rng(zlib.crc32(f"layout-{fmt}-{split}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (700, 1536))
+    w = ex.pack_weight(wq, e2m1_split=split)
+    assert w.e2m1_split == split
+    assert_bytes_equal(w.codes, e2m1_split_words(wq.codes) if split else wq.codes, f"{fmt} split={split} codes")
+    for m in (1, 12, 40, 130):
+        x = bf16_round(rng.standard_normal((m, 1536))).astype(np.float32)
+        got = ex.mx_linear(cp.asarray(x), w)
+        assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} split={split} M{m}")
+    assert_bytes_equal(ex.mx_dequant(w), w_ref.astype(np.float32), f"{fmt} split={split} dequantise all rows")
+    rows = rng.integers(0, 700, 19).astype(np.int64)
+    assert_bytes_equal(ex.embedding_rows(w, cp.asarray(rows)), w_ref[rows].astype(np.float32),
+                       f"{fmt} split={split} rows")
+    other = ex.pack_weight(wq, e2m1_split=not split)
+    backend = CupyBackend("fp32")
+    assert backend.concat_rows([w, other]) is None  # codes of two layouts cannot share one launch
+    fused, (a, b) = backend.concat_rows([w, w])
+    assert fused.e2m1_split == a.e2m1_split == b.e2m1_split == split
+    x = bf16_round(rng.standard_normal((3, 1536))).astype(np.float32)
+    ref = x.astype(np.float64) @ w_ref.T
+    assert_close(ex.mx_linear(cp.asarray(x), fused), np.concatenate([ref, ref], 1), 1e-4, f"{fmt} fused")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_dequant_rows_is_exact(fmt):
     rng = np.random.default_rng(len(fmt))
@@ -198,7 +230,7 @@ def test_act_quant_bytes_equal_reference(k, dtype):
 # ---- MoE -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("t", [1, 3, 12, 37])
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4", "mxfp4-plain"])  # MXFP4 codes split (default) or plain
 @pytest.mark.parametrize("h,inter", [(128, 192), (256, 512)])  # 256 / 512: whole chunks (grouped scale loads)
 def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
     rng = np.random.default_rng(t * 10 + normalize + h)
@@ -213,7 +245,7 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
             refs.append(wv)
         else:
             q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
-            weights.append(ex.pack_weight(q))
+            weights.append(ex.pack_weight(q, e2m1_split=experts == "mxfp4"))
             refs.append(q.dequantize())
     ref = NumpyBackend().moe(x, router, *refs, k, normalize)
     got = ex.moe(cp.asarray(x), cp.asarray(router), *weights, k, normalize)

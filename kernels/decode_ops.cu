@@ -326,11 +326,14 @@ extern "C" __global__ void embed_bf16(const u16* __restrict__ table, const i64* 
 }
 
 // ---- KV writes ---------------------------------------------------------------------------------------------
-// x: [T, H, D] float32 new keys (or values); slots: [T] int64 flat page slots (page * page_size + offset;
-// negative = skip). Vector (slot, h) is index slot * H + h of the layer's [pages, page_size, H, ...] parts.
+// x: [T, H, D] float32 new keys (or values), vector (t, h) at x + t * x_st + h * x_sh (elements; unit stride
+// along D: a column view of a fused q|k|v product works); slots: [T] int64 flat page slots (page * page_size +
+// offset; negative = skip). Vector (slot, h) is index slot * H + h of the layer's [pages, page_size, H, ...]
+// parts.
 template <int BITS>
 __device__ __forceinline__ void kv_write_plain(const float* __restrict__ x, const i64* __restrict__ slots,
-                                               void* __restrict__ codes, int T, int H, int D) {
+                                               void* __restrict__ codes, i64 x_st, i64 x_sh, int T, int H,
+                                               int D) {
   const i64 n = (i64)T * H * D;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     const i64 th = i / D;
@@ -339,29 +342,30 @@ __device__ __forceinline__ void kv_write_plain(const float* __restrict__ x, cons
     const i64 slot = slots[t];
     if (slot < 0) continue;
     const i64 dst = (slot * H + h) * D + d;
-    if (BITS == 32) ((float*)codes)[dst] = x[i];
-    else ((u16*)codes)[dst] = f32_to_bf16(x[i]);
+    const float v = x[t * x_st + h * x_sh + d];
+    if (BITS == 32) ((float*)codes)[dst] = v;
+    else ((u16*)codes)[dst] = f32_to_bf16(v);
   }
 }
 
-extern "C" __global__ void kv_write_f32(const float* x, const i64* slots, void* codes, u8* scales, int T, int H,
-                                        int D) {
+extern "C" __global__ void kv_write_f32(const float* x, const i64* slots, void* codes, u8* scales, i64 x_st,
+                                        i64 x_sh, int T, int H, int D) {
   pdl_begin();  // overlapped launch (pdl.cuh)
-  kv_write_plain<32>(x, slots, codes, T, H, D);
+  kv_write_plain<32>(x, slots, codes, x_st, x_sh, T, H, D);
 }
 
-extern "C" __global__ void kv_write_bf16(const float* x, const i64* slots, void* codes, u8* scales, int T,
-                                         int H, int D) {
+extern "C" __global__ void kv_write_bf16(const float* x, const i64* slots, void* codes, u8* scales, i64 x_st,
+                                         i64 x_sh, int T, int H, int D) {
   pdl_begin();  // overlapped launch (pdl.cuh)
-  kv_write_plain<16>(x, slots, codes, T, H, D);
+  kv_write_plain<16>(x, slots, codes, x_st, x_sh, T, H, D);
 }
 
 // One warp per (t, h, 32-block): lane l quantises element 32 * b + l (zero beyond D), the block's amax and
 // NaN/inf flag come from warp reductions, and lanes gather the packed bytes with shuffles.
 template <int BITS>
 __device__ __forceinline__ void kv_write_mx(const float* __restrict__ x, const i64* __restrict__ slots,
-                                            u8* __restrict__ codes, u8* __restrict__ scales, int T, int H,
-                                            int D) {
+                                            u8* __restrict__ codes, u8* __restrict__ scales, i64 x_st, i64 x_sh,
+                                            int T, int H, int D) {
   typedef KVElem<BITS> E;
   const int nb = kv_scale_stride(D);
   const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -372,7 +376,7 @@ __device__ __forceinline__ void kv_write_mx(const float* __restrict__ x, const i
   const i64 slot = slots[t];
   if (slot < 0) return;
   const int d = b * 32 + lane;
-  const float v = d < D ? x[th * D + d] : 0.0f;
+  const float v = d < D ? x[t * x_st + h * x_sh + d] : 0.0f;
   const bool bad = __any_sync(FULL_MASK, is_nonfinite(v));
   const float amax = warp_max(fabsf(v));
   const u32 sc = e8m0_select(amax, bad, MxElem<E::EB, E::MB>::EMAX);
@@ -401,20 +405,20 @@ __device__ __forceinline__ void kv_write_mx(const float* __restrict__ x, const i
   if (lane == 0) scales[vi * nb + b] = (u8)sc;
 }
 
-extern "C" __global__ void kv_write_mx8(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
-                                        int D) {
+extern "C" __global__ void kv_write_mx8(const float* x, const i64* slots, u8* codes, u8* scales, i64 x_st,
+                                        i64 x_sh, int T, int H, int D) {
   pdl_begin();  // overlapped launch (pdl.cuh)
-  kv_write_mx<8>(x, slots, codes, scales, T, H, D);
+  kv_write_mx<8>(x, slots, codes, scales, x_st, x_sh, T, H, D);
 }
-extern "C" __global__ void kv_write_mx6(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
-                                        int D) {
+extern "C" __global__ void kv_write_mx6(const float* x, const i64* slots, u8* codes, u8* scales, i64 x_st,
+                                        i64 x_sh, int T, int H, int D) {
   pdl_begin();  // overlapped launch (pdl.cuh)
-  kv_write_mx<6>(x, slots, codes, scales, T, H, D);
+  kv_write_mx<6>(x, slots, codes, scales, x_st, x_sh, T, H, D);
 }
-extern "C" __global__ void kv_write_mx4(const float* x, const i64* slots, u8* codes, u8* scales, int T, int H,
-                                        int D) {
+extern "C" __global__ void kv_write_mx4(const float* x, const i64* slots, u8* codes, u8* scales, i64 x_st,
+                                        i64 x_sh, int T, int H, int D) {
   pdl_begin();  // overlapped launch (pdl.cuh)
-  kv_write_mx<4>(x, slots, codes, scales, T, H, D);
+  kv_write_mx<4>(x, slots, codes, scales, x_st, x_sh, T, H, D);
 }
 
 // ---- weight dequantisation (QuantTensor -> float32 / bf16 rows) ------------------------------------------

@@ -165,8 +165,9 @@ class Backend(ABC):
         products. Fusing lets a skinny product read several matrices in one launch.
 
         A backend that fuses must accept column-range views of its `linear` outputs (rows not contiguous: row
-        stride = the fused width) as `deltanet_core`'s mixed_qkv / a / b and `gated_rms_norm`'s z, which is what
-        `QwenModel` passes then; `QwenModel` also replaces the inputs' entries of its weight dict by the views."""
+        stride = the fused width) as `deltanet_core`'s mixed_qkv / a / b, `gated_rms_norm`'s z, `qk_norm_rope`'s
+        q / k and `paged_attention`'s v (the columns of a fused q|k|v product), which is what `QwenModel` passes
+        then; `QwenModel` also replaces the inputs' entries of its weight dict by the views."""
         return None
 
     @abstractmethod
@@ -194,8 +195,9 @@ class Backend(ABC):
     @abstractmethod
     def paged_attention(self, kv: KVCache, layer: int, q: Any, k: Any, v: Any, batch: ForwardBatch,
                         scale: float) -> Any:
-        """Write k, v [T, kv_heads, d] at `batch.slot_mapping`, then causal attention of q [T, heads, d] over
-        each sequence's cached + new tokens. Returns [T, heads, d]."""
+        """Write k, v [T, kv_heads, d] at `batch.slot_mapping` (either may be a strided view: v the value columns
+        of a fused q|k|v product), then causal attention of q [T, heads, d] over each sequence's cached + new
+        tokens. Returns [T, heads, d]."""
 
     @abstractmethod
     def deltanet_core(self, states: StatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,

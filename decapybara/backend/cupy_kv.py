@@ -15,7 +15,7 @@ import numpy as np
 
 from decapybara.backend import pdl
 from decapybara.backend.base import HybridState, KVCache, KVPageData, StatePool
-from decapybara.backend.cupy_ops import I32, THREADS, check, f32, grid_for
+from decapybara.backend.cupy_ops import I32, I64, THREADS, check, grid_for, heads
 from decapybara.backend.kv_codec import BF16Codec, F32Codec, KVCodec, MicroscaledCodec
 from decapybara.model.config import ModelConfig
 from kernels import get_kernel
@@ -35,8 +35,9 @@ def codec_bits(codec: KVCodec) -> tuple[int, int]:
 
 
 def write_kv(codes: Any, scales: Any, bits: int, x: Any, slots: Any) -> None:
-    """Store x [T, H, D] (float32) at flat slots [T] (int64, device) into one layer's k or v parts."""
-    x = f32(x)
+    """Store x [T, H, D] (float32) at flat slots [T] (int64, device) into one layer's k or v parts. x is read in
+    place when its rows of D are contiguous (`heads`: e.g. the value columns of a fused q|k|v product)."""
+    x, x_st, x_sh = heads(x)
     check(slots, np.int64, "slots", 1)
     t, h, d = x.shape
     assert slots.shape[0] == t, f"{t} rows but {slots.shape[0]} slots"
@@ -52,7 +53,8 @@ def write_kv(codes: Any, scales: Any, bits: int, x: Any, slots: Any) -> None:
         assert codes.shape[-1] == -(-d // 32) * 32 * bits // 8, f"codes {codes.shape} for head_dim {d}"
         func = f"kv_write_mx{bits}"
         blocks = -(-(t * h * -(-d // 32) * 32) // THREADS)  # one warp per (t, h, 32-block)
-    pdl.launch(get_kernel("decode_ops", func), (blocks,), (THREADS,), (x, slots, codes, scales, I32(t), I32(h), I32(d)))
+    pdl.launch(get_kernel("decode_ops", func), (blocks,), (THREADS,),
+               (x, slots, codes, scales, I64(x_st), I64(x_sh), I32(t), I32(h), I32(d)))
 
 
 class CupyKVCache(KVCache):

@@ -168,7 +168,7 @@ def rope_positions(x: Any, positions: Any, inv_freq: Any, attention_factor: floa
     return out
 
 
-def _heads(x: Any) -> tuple[Any, int, int]:
+def heads(x: Any) -> tuple[Any, int, int]:
     """(x, token stride, head stride) in elements for x [T, H, D] read in place when it is a float32 device
     array whose rows of D are contiguous (C-contiguous, or a column view of a fused product such as the query
     half of [query | gate] heads); else a C-contiguous float32 copy of x with its strides."""
@@ -185,10 +185,10 @@ def qk_norm_rope(q: Any, k: Any, q_w: Any, k_w: Any, eps: float, offset: float, 
                  rotary_dim: int) -> tuple[Any, Any]:
     """(rope(rms_norm(q, q_w)), rope(rms_norm(k, k_w))) for q [T, Hq, D], k [T, Hk, D] (D <= WARP_ROW_MAX) in
     one launch, bit-identical to `rms_norm` (rms_norm_warp) then `rope` (rope_table). q / k are read in place
-    when their rows of D are contiguous (`_heads`); cos / sin [T, rotary_dim / 2]. Returns fresh C-contiguous
+    when their rows of D are contiguous (`heads`); cos / sin [T, rotary_dim / 2]. Returns fresh C-contiguous
     float32 [T, Hq, D], [T, Hk, D]."""
-    q, q_st, q_sh = _heads(q)
-    k, k_st, k_sh = _heads(k)
+    q, q_st, q_sh = heads(q)
+    k, k_st, k_sh = heads(k)
     t, hq, d = q.shape
     hk = k.shape[1]
     assert k.shape[0] == t and k.shape[2] == d, f"q {q.shape} vs k {k.shape}"
@@ -248,11 +248,11 @@ def sigmoid_mul(x: Any, gate: Any) -> Any:
 def sigmoid_gate(x: Any, gate: Any) -> Any:
     """x * sigmoid(gate) for x, gate [T, H, D] (or [T, N]) in one launch (sigmoid_mul_rows), bit-identical to
     `sigmoid(gate)` followed by a CuPy multiply. gate is read in place when its rows of D are contiguous
-    (`_heads`: e.g. the gate half of [query | gate] heads). Returns a fresh C-contiguous float32 array."""
+    (`heads`: e.g. the gate half of [query | gate] heads). Returns a fresh C-contiguous float32 array."""
     x = f32(x)
     if x.ndim == 2:
         return sigmoid_gate(x[:, None], gate[:, None])[:, 0]
-    gate, g_st, g_sh = _heads(gate)
+    gate, g_st, g_sh = heads(gate)
     assert gate.shape == x.shape, f"x {x.shape} vs gate {gate.shape}"
     t, h, d = x.shape
     out = empty_like(x)

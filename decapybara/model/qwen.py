@@ -49,6 +49,35 @@ class QwenModel:
             )
         self.fused_mlp: dict[str, Any] = self._fuse_mlps()
         self.fused_dn: dict[str, tuple[Any, Any]] = self._fuse_deltanet_inputs()
+        self.fused_qkv: dict[str, tuple[Any, Any]] = self._fuse_attention_inputs()
+
+    def _fuse_attention_inputs(self) -> dict[str, tuple[Any, Any]]:
+        """Attention prefix -> (q|k|v stacked [q_out + 2 kv_out, H], their biases stacked or None): one input
+        product per attention layer instead of three, where the backend fuses (biases on all three or none)."""
+        fused = {}
+        for name in list(self.w):
+            if not name.endswith(".self_attn.q_proj.weight"):
+                continue
+            a = name[: -len(".q_proj.weight")]
+            names = [f"{a}.{n}_proj.weight" for n in "qkv"]
+            bias_names = [f"{a}.{n}_proj.bias" for n in "qkv"]
+            has_bias = [b in self.w for b in bias_names]
+            if not all(n in self.w for n in names) or any(has_bias) != all(has_bias):
+                continue
+            got = self.backend.concat_rows([self.w[n] for n in names])
+            if got is None:
+                continue
+            bias = None
+            if all(has_bias):
+                bias = self.backend.xp.concatenate([self.w[b] for b in bias_names])
+                r = 0
+                for b in bias_names:  # views of the stacked biases, as the weights below
+                    rows = self.w[b].shape[0]
+                    self.w[b], r = bias[r:r + rows], r + rows
+            fused[a] = (got[0], bias)
+            for n, view in zip(names, got[1], strict=True):
+                self.w[n] = view
+        return fused
 
     def _fuse_deltanet_inputs(self) -> dict[str, tuple[Any, Any]]:
         """DeltaNet prefix -> (qkv|z stacked, b|a stacked): two input products per layer instead of four,
@@ -168,14 +197,21 @@ class QwenModel:
         t, d = x.shape[0], cfg.head_dim
         nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         a = f"{p}.self_attn"
-        q = ops.linear(x, w[f"{a}.q_proj.weight"], w.get(f"{a}.q_proj.bias"))
+        if a in self.fused_qkv:  # column views of one fused product (the backend's kernels take row strides)
+            qkv = ops.linear(x, *self.fused_qkv[a])  # [T, q_out + 2 kv_out]
+            kv_out = nkv * d
+            q_out = qkv.shape[1] - 2 * kv_out
+            q, k, v = qkv[:, :q_out], qkv[:, q_out:q_out + kv_out], qkv[:, q_out + kv_out:]
+        else:
+            q = ops.linear(x, w[f"{a}.q_proj.weight"], w.get(f"{a}.q_proj.bias"))
+            k = ops.linear(x, w[f"{a}.k_proj.weight"], w.get(f"{a}.k_proj.bias"))
+            v = ops.linear(x, w[f"{a}.v_proj.weight"], w.get(f"{a}.v_proj.bias"))
         if cfg.attn_output_gate:
             qg = q.reshape(t, nq, 2 * d)  # per head: [query | gate]
             q, gate = qg[..., :d], qg[..., d:]  # column views [T, nq, d]
         else:
             q, gate = q.reshape(t, nq, d), None
-        k = ops.linear(x, w[f"{a}.k_proj.weight"], w.get(f"{a}.k_proj.bias")).reshape(t, nkv, d)
-        v = ops.linear(x, w[f"{a}.v_proj.weight"], w.get(f"{a}.v_proj.bias")).reshape(t, nkv, d)
+        k, v = k.reshape(t, nkv, d), v.reshape(t, nkv, d)
         q, k = ops.qk_norm_rope(q, k, w[f"{a}.q_norm.weight"], w[f"{a}.k_norm.weight"], cfg.rms_norm_eps,
                                 cfg.norm_offset, cos, sin, cfg.rotary_dim)
         o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]

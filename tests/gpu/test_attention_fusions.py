@@ -3,7 +3,8 @@ launch) and `sigmoid_mul_rows` (the output gate o * sigmoid(gate), one launch).
 
 Each must give the unfused CUDA ops' bytes (rms_norm_warp then rope_table; sigmoid_f32 then a CuPy multiply)
 and the numpy reference within float32 rounding. q and the gate are read as the column views QwenModel passes
-(the query / gate halves of a fused [query | gate] product), and that product must come back untouched. Fresh
+(the query / gate halves of a fused [query | gate] product; with `qkv` q and k the columns of one fused q|k|v
+product), and that product must come back untouched. Fresh
 random inputs; every output starts NaN-poisoned (`cupy_ops.POISON`), so an unwritten element fails.
 """
 
@@ -51,24 +52,28 @@ SHAPES = [(1, 24, 4, 256, 64), (12, 24, 4, 256, 64), (3, 4, 2, 64, 64), (5, 3, 1
 @pytest.mark.parametrize("t,nq,nkv,d,rot", SHAPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("gated", [True, False])
-def test_qk_norm_rope_matches_the_unfused_ops(t, nq, nkv, d, rot, offset, gated):
+@pytest.mark.parametrize("qkv", [True, False])
+def test_qk_norm_rope_matches_the_unfused_ops(t, nq, nkv, d, rot, offset, gated, qkv):
     rng = np.random.default_rng(t * 1000 + d + nq + int(offset) + 7 * gated)
-    prod = rand(rng, t, nq * d * (2 if gated else 1), scale=3.0) * np.exp(rng.uniform(-4, 4, (t, 1))).astype(
-        np.float32)
+    q_out = nq * d * (2 if gated else 1)
+    prod = rand(rng, t, q_out, scale=3.0) * np.exp(rng.uniform(-4, 4, (t, 1))).astype(np.float32)
     k = rand(rng, t, nkv, d, scale=2.0)
+    if qkv:  # [T, q | k | v]: q and k column views of one product
+        prod = np.concatenate([prod, k.reshape(t, nkv * d), rand(rng, t, nkv * d)], axis=1)
     wq, wk = rand(rng, d, scale=0.3) + np.float32(1 - offset), rand(rng, d, scale=0.3) + np.float32(1 - offset)
     positions = np.sort(rng.integers(0, 1_000_000, t)).astype(np.int64)
     cos, sin = RotaryTable(default_inv_freq(1e7, rot), 1.0).cos_sin(positions)
     prod_d = cp.asarray(prod)
-    q_d, _ = heads(prod_d, nq, d, gated)
+    q_d, _ = heads(prod_d[:, :q_out], nq, d, gated)
+    k_d = prod_d[:, q_out:q_out + nkv * d].reshape(t, nkv, d) if qkv else cp.asarray(k)
     args = (cp.asarray(wq), cp.asarray(wk), 1e-6, offset, cp.asarray(cos), cp.asarray(sin), rot)
-    got_q, got_k = CUDA.qk_norm_rope(q_d, cp.asarray(k), *args)
-    ref_q, ref_k = Backend.qk_norm_rope(CUDA, q_d, cp.asarray(k), *args)  # rms_norm_warp, rope_table
-    name = f"T={t} nq={nq} nkv={nkv} d={d} rot={rot} offset={offset} gated={gated}"
+    got_q, got_k = CUDA.qk_norm_rope(q_d, k_d, *args)
+    ref_q, ref_k = Backend.qk_norm_rope(CUDA, q_d, k_d, *args)  # rms_norm_warp, rope_table
+    name = f"T={t} nq={nq} nkv={nkv} d={d} rot={rot} offset={offset} gated={gated} qkv={qkv}"
     assert_bytes_equal(got_q, ref_q, f"q vs unfused, {name}")
     assert_bytes_equal(got_k, ref_k, f"k vs unfused, {name}")
     assert_bytes_equal(prod_d, prod, f"q product untouched, {name}")
-    np_q, np_k = NP.qk_norm_rope(heads(prod, nq, d, gated)[0], k, wq, wk, 1e-6, offset, cos, sin, rot)
+    np_q, np_k = NP.qk_norm_rope(heads(prod[:, :q_out], nq, d, gated)[0], k, wq, wk, 1e-6, offset, cos, sin, rot)
     assert_close(got_q, np_q, 1e-5, f"q vs numpy, {name}")
     assert_close(got_k, np_k, 1e-5, f"k vs numpy, {name}")
 

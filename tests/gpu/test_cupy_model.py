@@ -135,6 +135,46 @@ def test_bf16_logits_close(family):
     assert good >= (0.9 if "moe" in family else 1.0)
 
 
+def fused_and_unfused(family: str, backend, bias: bool, monkeypatch) -> tuple[QwenModel, QwenModel]:
+    """The model with q|k|v stacked (one product per attention layer) and without (three products)."""
+    from test_fused_products import with_attention_biases
+
+    cfg, tensors = tiny_checkpoint(family)
+    if bias:
+        cfg, tensors = with_attention_biases(cfg, tensors)
+    fused = QwenModel.from_tensors(cfg, backend(), tensors)
+    with monkeypatch.context() as m:
+        m.setattr(QwenModel, "_fuse_attention_inputs", lambda self: {})
+        plain = QwenModel.from_tensors(cfg, backend(), tensors)
+    assert len(fused.fused_qkv) == len(cfg.attention_layers) and not plain.fused_qkv
+    return fused, plain
+
+
+@pytest.mark.parametrize("kv_mode", [None, "16/16", "6/4"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])  # without / with the output gate
+def test_fp32_fused_qkv_is_bit_identical(family, bias, kv_mode, monkeypatch):
+    """fp32: k and v as strided column views of the fused product (qk_norm_rope, the KV write of float32 / bf16
+    / microscaled pages read them in place) give the three products' logits bit for bit, prefill chunks and
+    decode (every product here has at most 64 rows: gemv_f32, one column each, whatever the matrix's height)."""
+    fused, plain = fused_and_unfused(family, lambda: CupyBackend("fp32"), bias, monkeypatch)
+    for chunk in (13, 1):
+        got = forward_chunks(fused, PROMPT[:27], chunk, kv_mode)
+        ref = forward_chunks(plain, PROMPT[:27], chunk, kv_mode)
+        assert not np.isnan(got).any()
+        np.testing.assert_array_equal(got, ref, err_msg=f"{family} bias={bias} kv {kv_mode} chunk {chunk}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_bf16_fused_qkv_matches_unfused(family, monkeypatch):
+    """bf16: the fused product's launch plan may split K differently (float32 sums in another order), so the
+    logits agree to rounding (these tiny models amplify bf16 rounding: the bf16 tests' 1e-2), not bits."""
+    fused, plain = fused_and_unfused(family, lambda: CupyBackend("bf16"), False, monkeypatch)
+    got, ref = forward_chunks(fused, PROMPT, 13), forward_chunks(plain, PROMPT, 13)
+    assert rel_err(got, ref.astype(np.float64), f"{family} bf16 fused q|k|v vs unfused") <= 1e-2
+    assert float(np.mean(got.argmax(-1) == ref.argmax(-1))) >= 0.95
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe_text"])
 def test_quantised_weights_dequantise_on_device(family):
     """QuantTensor weights (MXFP8 / MXFP6 / MXFP4 / NVFP4) prepared by the backend give the numpy logits."""

@@ -157,10 +157,13 @@ def test_gemm_bf16(t, n, k):
 
 
 # ---- KV pages ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("bits", [32, 16, 8, 6, 4])
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
-def test_kv_write_matches_codec_bytes(bits, d):
-    """Quantised in the kernel exactly as quant.quantize_kv: same scales, rounding and packed bytes."""
+def test_kv_write_matches_codec_bytes(bits, d, view):
+    """Quantised in the kernel exactly as quant.quantize_kv: same scales, rounding and packed bytes. With `view`
+    x is read in place as the value columns of a fused q|k|v product (rows of D contiguous, tokens a row of the
+    product apart); without, a C-contiguous array."""
     rng = np.random.default_rng(bits * 1000 + d)
     pages, page_size, heads, t = 6, 16, 3, 37
     codec = codec_for({32: None, 16: "16/16"}.get(bits, f"{bits}/{bits}"))
@@ -174,7 +177,13 @@ def test_kv_write_matches_codec_bytes(bits, d):
     x[1, 1] = 0.0
     slots = rng.permutation(pages * page_size)[:t].astype(np.int64)  # unique, across page boundaries
     codes = store.get("x", store.get("codes"))
-    write_kv(codes, store.get("scales", cp.zeros(1, cp.uint8)), bits, cp.asarray(x), cp.asarray(slots))
+    x_dev = cp.asarray(x)
+    if view:  # [T, q | k | v] with x as v, the columns around it poisoned
+        prod = cp.asarray(np.full((t, 3 * heads * d + heads * d), np.nan, np.float32))
+        prod[:, -heads * d:] = x_dev.reshape(t, heads * d)
+        x_dev = prod[:, -heads * d:].reshape(t, heads, d)
+        assert not x_dev.flags.c_contiguous and x_dev.strides[0] == prod.strides[0]
+    write_kv(codes, store.get("scales", cp.zeros(1, cp.uint8)), bits, x_dev, cp.asarray(slots))
     ref = codec.encode(x, "k")
     pg, off = slots // page_size, slots % page_size
     for name, a in store.items():

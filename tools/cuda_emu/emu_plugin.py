@@ -4,6 +4,9 @@ emulated). For checking kernels and launch code without a GPU before spending de
 races, timing, NVRTC/nvcc differences or cuBLAS itself, so the real GPU run stays the proof.
 
     PYTHONPATH=tools/cuda_emu python3 -m pytest -p emu_plugin -m gpu tests/gpu/test_kernels_core.py
+
+Kernel arguments must be C-contiguous arrays unless CUDA_EMU_STRIDED=1, which passes a view as CuPy does (its
+first element's address) for the kernels that take row strides (tests with column views of fused products).
 """
 
 from __future__ import annotations

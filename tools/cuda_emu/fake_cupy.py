@@ -6,6 +6,10 @@ EMU = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(EMU, "build")
 os.makedirs(BUILD, exist_ok=True)
 _TYPES = {"ptr": 0, "i32": 1, "i64": 2, "f32": 3, "f64": 4}
+# CUDA_EMU_STRIDED=1: a non-contiguous array argument passes its first element's address, as CuPy passes a view
+# (for kernels that take row strides, e.g. column views of fused products); else it is refused, so that a
+# wrapper that forgets a copy shows up.
+STRIDED = os.environ.get("CUDA_EMU_STRIDED") == "1"
 
 
 def _classify(param: str) -> str:
@@ -56,7 +60,7 @@ class FakeKernel:
             if isinstance(a, np.ndarray):
                 if kind != "ptr":
                     raise TypeError(f"{self.name} arg {i}: array for {kind}")
-                if not a.flags.c_contiguous:
+                if not a.flags.c_contiguous and not STRIDED:
                     raise TypeError(f"{self.name} arg {i}: non-contiguous array")
                 v = ctypes.c_void_p(a.ctypes.data if a.size else 0)
             elif a is None:

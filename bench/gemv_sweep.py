@@ -36,10 +36,11 @@ from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.gemv_plan import e2m1_plain_words, e2m1_split_words
 from kernels import KERNEL_DIR, get_kernel
 
-# [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused)
+# [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused as
+# QwenModel fuses them: gate|up, qkv|z, q|k|v; the sweeps in docs/perf.md up to the seventh session's had
+# "q" [12288, 5120] x 16 and "k" [1024, 5120] x 32 (k and v) where q|k|v is now)
 STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
-        "out": ((5120, 6144), 64), "q": ((12288, 5120), 16), "k": ((1024, 5120), 32),
-        "lm_head": ((248320, 5120), 1)}
+        "out": ((5120, 6144), 64), "q|k|v": ((14336, 5120), 16), "lm_head": ((248320, 5120), 1)}
 M12 = ("gate|up", "down", "qkv|z")
 L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 

@@ -278,8 +278,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
     const int m0 = mt * MT;
     const int m_valid = min(MT, m_cnt - m0);
-    // Row addresses as 32-bit offsets (a matrix of one group is < 4 GB, the wrapper checks) from the block's
-    // base pointers: the compiler keeps two offsets a row instead of rematerialising 64-bit row pointers.
+    // Row addresses of the bounded loop (!WHOLE) as 32-bit offsets (a matrix of one group is < 4 GB, the
+    // wrapper checks) from the block's base pointers; the loop over whole chunks walks RowPtrs from them.
     const u8* W = A.W + (i64)grp * A.w_gstride;
     const u8* S = A.S + (i64)grp * A.s_gstride;
     const int rows0 = tile * TILE_ROWS + warp * 16;

@@ -186,8 +186,9 @@ class Backend(ABC):
     def qk_norm_rope(self, q: Any, k: Any, q_weight: Any, k_weight: Any, eps: float, offset: float, cos: Any,
                      sin: Any, rotary_dim: int) -> tuple[Any, Any]:
         """(rope(rms_norm(q, q_weight)), rope(rms_norm(k, k_weight))) for q [T, Hq, d], k [T, Hk, d]: an attention
-        layer's per-head norms and RoPE (q may be a strided view: the query columns of a fused [query | gate]
-        product). Backends may fuse the four (one launch); the results must equal the four ops'."""
+        layer's per-head norms and RoPE (q and k may be strided views: the query columns of a fused [query | gate]
+        product, the columns of a fused q|k|v product). Backends may fuse the four (one launch); the results must
+        equal the four ops'."""
         q = self.rms_norm(q, q_weight, eps, offset)
         k = self.rms_norm(k, k_weight, eps, offset)
         return self.rope(q, cos, sin, rotary_dim), self.rope(k, cos, sin, rotary_dim)

@@ -49,7 +49,8 @@ def kind(dtype: Any) -> int:
 class PackedWeight:
     """A weight [N, K] (or stacked experts [E, N, K]) on the device in a kernel-ready format.
 
-    `codes`: uint8 [..., N, Kp * bits / 8] packed as `QuantTensor.codes`, or uint16 [..., N, K] bf16 bits;
+    `codes`: uint8 [..., N, Kp * bits / 8] packed as `QuantTensor.codes` (MXFP4 / NVFP4: or in the split-field
+    layout, `e2m1_split` below), or uint16 [..., N, K] bf16 bits;
     `scales`: uint8 [..., N, Kp / block] (E8M0, NVFP4: E4M3), None for bf16; `tensor_scale`: NVFP4's float32.
     `persistent`: a model weight, written before any forward that reads it (load time): only then may a product
     launched overlapped (`pdl.launch`) load it before waiting for the kernel before it.
@@ -188,10 +189,12 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     A persistent weight's launch may overlap the kernel before it (`pdl.launch`): the kernel loads its first
     weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
     kernel file (`tune["source"]`, no wait in it), launch plainly."""
-    tune = tune_for(w.fmt)
-    counters = _counters(cp.cuda.Device().id)
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
+    if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
+        return
+    tune = tune_for(w.fmt)
+    counters = _counters(cp.cuda.Device().id)
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
     mtiles = -(-m // (8 * nt))
     ck = 4 * LANE_K[w.fmt]

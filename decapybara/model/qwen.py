@@ -53,7 +53,8 @@ class QwenModel:
 
     def _fuse_attention_inputs(self) -> dict[str, tuple[Any, Any]]:
         """Attention prefix -> (q|k|v stacked [q_out + 2 kv_out, H], their biases stacked or None): one input
-        product per attention layer instead of three, where the backend fuses (biases on all three or none)."""
+        product per attention layer instead of three, where the backend fuses (biases on all three or none).
+        Every `*.self_attn` prefix counts, the MTP layers' (`mtp.layers.*`) too, as `_fuse_mlps` stacks theirs."""
         fused = {}
         for name in list(self.w):
             if not name.endswith(".self_attn.q_proj.weight"):

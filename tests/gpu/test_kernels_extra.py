@@ -149,6 +149,23 @@ def test_mx_linear_k_tail(fmt):
         assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} K tail M{m}")
 
 
+@pytest.mark.parametrize("n", [1, 7, 16, 17])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mx_linear_few_rows_over_whole_chunks(fmt, n, monkeypatch):
+    """N < 16 and partial warps with K = 1536 (whole chunks in every format: the loop walks row pointers, rows
+    past N read row N - 1 and must never be stored, neither to y nor to the partial sums): the default plan
+    (stream-K over a single tile), a tile grid split three ways, and one chunk per stream-K block."""
+    rng = np.random.default_rng(zlib.crc32(f"few-rows-{fmt}-{n}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (n, 1536))
+    w = ex.pack_weight(wq)
+    for tune in ({}, {"ksplit": 3}, {"policy": "stream", "min_chunks": 1}):
+        monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+        for m in (1, 12):
+            x = bf16_round(rng.standard_normal((m, 1536))).astype(np.float32)
+            got = host(ex.mx_linear(cp.asarray(x), w))
+            assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} N={n} {tune} M{m}")
+
+
 def test_mx_linear_bias_and_fallback_layout():
     rng = np.random.default_rng(7)
     q, w_ref = random_weight(rng, "mxfp6", (70, 96))  # Kp = 96: rows not 16-byte aligned -> dense fallback
@@ -231,7 +248,8 @@ def test_act_quant_bytes_equal_reference(k, dtype):
 @pytest.mark.parametrize("t", [1, 3, 12, 37])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4", "mxfp4-plain"])  # MXFP4 codes split (default) or plain
-@pytest.mark.parametrize("h,inter", [(128, 192), (256, 512)])  # 256 / 512: whole chunks (grouped scale loads)
+# 256 / 512: whole chunks (grouped scale loads); 256 / 200: gate / up over whole chunks with rows past N
+@pytest.mark.parametrize("h,inter", [(128, 192), (256, 512), (256, 200)])
 def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
     rng = np.random.default_rng(t * 10 + normalize + h)
     e, k = 16, 4

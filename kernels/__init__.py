@@ -19,6 +19,7 @@ works on machines without CuPy.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -122,13 +123,20 @@ def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
     out = cache / f"{name}-{key}.cubin"
     if out.is_file():
         return out
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        tmp_out = Path(tmp) / out.name
-        cmd = [nvcc, "-cubin", *options, "-o", str(tmp_out), str(KERNEL_DIR / f"{name}.cu")]
-        res = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed for {name}.cu ({' '.join(cmd)}):\n{res.stderr}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders leave one complete file
+    # One build per cubin across processes (pytest-xdist workers, a benchmark's compile pool): the others wait
+    # on the lock, then find the file. Without it every worker compiled every kernel variant itself, and the
+    # GPU suite's first run spent minutes of its device time in duplicate nvcc processes.
+    with open(cache / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file():
+            return out
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            tmp_out = Path(tmp) / out.name
+            cmd = [nvcc, "-cubin", *options, "-o", str(tmp_out), str(KERNEL_DIR / f"{name}.cu")]
+            res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"nvcc failed for {name}.cu ({' '.join(cmd)}):\n{res.stderr}")
+            os.replace(tmp_out, out)  # atomic: a reader without the lock sees no file or the whole one
     return out
 
 

@@ -1,0 +1,62 @@
+"""kernels/__init__.py's nvcc cache: processes that need the same cubin at once compile it once.
+
+A fake `nvcc` (a shell script under a temporary CUDA_PATH) counts its compiles and takes a moment over each,
+so that the builders overlap; no CUDA toolkit or device is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_NVCC = textwrap.dedent("""\
+    #!/bin/sh
+    if [ "$1" = "--version" ]; then echo "fake nvcc 0.0"; exit 0; fi
+    out=""
+    while [ $# -gt 0 ]; do
+      if [ "$1" = "-o" ]; then out="$2"; shift; fi
+      shift
+    done
+    echo compile >> "$FAKE_NVCC_LOG"
+    sleep 0.5
+    printf 'cubin' > "$out"
+    """)
+
+BUILD = textwrap.dedent("""\
+    import sys
+    import kernels
+    print(kernels._build_cubin("probe", ("--std=c++17", "-arch=sm_90", "-DVARIANT=" + sys.argv[1])))
+    """)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "cuda" / "bin"
+    bin_dir.mkdir(parents=True)
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text(FAKE_NVCC)
+    nvcc.chmod(0o755)
+    return {**os.environ, "CUDA_PATH": str(tmp_path / "cuda"), "DECAPYBARA_KERNEL_CACHE": str(tmp_path / "cache"),
+            "FAKE_NVCC_LOG": str(tmp_path / "compiles.log"), "PYTHONPATH": str(ROOT)}
+
+
+def _builders(env: dict[str, str], variants: list[str]) -> list[str]:
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, v], env=env, stdout=subprocess.PIPE, text=True)
+             for v in variants]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return outs
+
+
+def test_concurrent_builders_compile_a_cubin_once(tmp_path):
+    env = _env(tmp_path)
+    paths = _builders(env, ["1"] * 5)
+    assert len(set(paths)) == 1 and Path(paths[0]).read_text() == "cubin"
+    assert (tmp_path / "compiles.log").read_text().count("compile") == 1
+    # a later builder finds the cubin; another variant is its own build
+    assert _builders(env, ["1", "2"])[0] == paths[0]
+    assert (tmp_path / "compiles.log").read_text().count("compile") == 2

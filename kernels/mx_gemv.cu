@@ -226,6 +226,21 @@ template <int FMT> __device__ __forceinline__ void load_next(LaneRow<FMT>& r, Ro
     p.s += 4 * NS;
 }
 
+// Chunk lr / 4's lane-rows of weight rows g and g + 8 into one ring slot: the next chunk of the pointer walk
+// (WHOLE), or lane-row lr bounded by Kp.
+template <int FMT, bool WHOLE>
+__device__ __forceinline__ void load_chunk(LaneRow<FMT>& a, LaneRow<FMT>& b, RowPtr& p0, RowPtr& p8, const u8* W,
+                                           const u8* S, u32 wo0, u32 wo8, u32 so0, u32 so8, bool ok0, bool ok8,
+                                           int lr, int Kp) {
+    if (WHOLE) {
+        load_next<FMT>(a, p0);
+        load_next<FMT>(b, p8);
+    } else {
+        load_row<FMT>(a, W, wo0, S, so0, ok0, lr, Kp);
+        load_row<FMT>(b, W, wo8, S, so8, ok8, lr, Kp);
+    }
+}
+
 template <int FMT, int NT>
 __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0,
                                           const LaneRow<FMT>& r1, const u16* xs_lane, const int (&xrow)[NT]) {
@@ -321,15 +336,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     LaneRow<FMT> r0[ST], r1[ST];
 #pragma unroll
     for (int s = 0; s < ST; ++s)
-        if (c0 + s < c1) {
-            if (WHOLE) {
-                load_next<FMT>(r0[s], p0);
-                load_next<FMT>(r1[s], p8);
-            } else {
-                load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c0 + s) * 4 + t, A.Kp);
-                load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c0 + s) * 4 + t, A.Kp);
-            }
-        }
+        if (c0 + s < c1)
+            load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
     pdl_wait();  // x, partials and counters belong to the kernels before this one
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
     for (int sb = c0; sb < c1; sb += segc) {
@@ -375,15 +383,9 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
                 if (c >= se) break;  // uniform per block
                 if (warp_on)
                     mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + (c - sb) * CK + 8 * t, xrow);
-                if (c + ST < c1) {  // refill this stage with the chunk ST ahead
-                    if (WHOLE) {
-                        load_next<FMT>(r0[s], p0);
-                        load_next<FMT>(r1[s], p8);
-                    } else {
-                        load_row<FMT>(r0[s], W, wo0, S, so0, ok0, (c + ST) * 4 + t, A.Kp);
-                        load_row<FMT>(r1[s], W, wo8, S, so8, ok8, (c + ST) * 4 + t, A.Kp);
-                    }
-                }
+                if (c + ST < c1)  // refill this stage with the chunk ST ahead
+                    load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8,
+                                           (c + ST) * 4 + t, A.Kp);
             }
         }
     }

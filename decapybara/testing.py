@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 # Special tokens in the order the ChatML / Qwen tokenizers use them.
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
@@ -165,6 +167,25 @@ def tiny_qwen(family: str, seed: int = 0, backend=None, overrides: dict[str, Any
     hf = make_hf_model(family, seed, overrides)
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     return QwenModel.from_tensors(cfg, backend or NumpyBackend(), canonical_tensors(hf)), hf
+
+
+def prefilled_sequences(model, kv, states, lengths, seed: int, pages_each: int = 8) -> list[list]:
+    """Sequences of random prompts (`lengths` tokens; state slot i, pages [i * pages_each, (i + 1) *
+    pages_each)) prefilled in one batch, each with its greedy next token appended: [[tokens, slot, pages]]
+    ready for decode steps (the decode-graph tests' set-up)."""
+    from decapybara.model.batch import ForwardBatch
+
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i, n in enumerate(lengths):
+        states.reset(i)
+        seqs.append([list(rng.integers(0, 512, n)), i,
+                     np.arange(pages_each * i, pages_each * (i + 1), dtype=np.int32)])
+    prefill = ForwardBatch.build([(s[0], 0, s[2], s[1]) for s in seqs], kv.page_size, logits="last")
+    last = model.backend.to_host(model.forward(prefill, kv, states).logits)
+    for i, s in enumerate(seqs):
+        s[0].append(int(np.argmax(last[i])))
+    return seqs
 
 
 @functools.cache

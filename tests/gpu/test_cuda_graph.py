@@ -25,7 +25,7 @@ from decapybara.model.config import ModelConfig
 from decapybara.model.quant import quantize
 from decapybara.model.qwen import QwenModel
 from decapybara.model.weights import random_tensors
-from decapybara.testing import TINY_HF_CONFIGS
+from decapybara.testing import TINY_HF_CONFIGS, prefilled_sequences
 
 pytestmark = pytest.mark.gpu
 
@@ -102,15 +102,7 @@ def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
     page, num_pages = 8, 40
     kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
     runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
-    rng = np.random.default_rng(1)
-    seqs = []  # [tokens, slot, pages]
-    for i, n in enumerate((5, 11, 20)):
-        states.reset(i)
-        seqs.append([list(rng.integers(0, 512, n)), i, np.arange(8 * i, 8 * i + 8, dtype=np.int32)])
-    prefill = ForwardBatch.build([(s[0], 0, s[2], s[1]) for s in seqs], page, logits="last")
-    last = cp.asnumpy(model.forward(prefill, kv, states).logits)
-    for i, s in enumerate(seqs):
-        s[0].append(int(np.argmax(last[i])))
+    seqs = prefilled_sequences(model, kv, states, (5, 11, 20), seed=1)  # [tokens, slot, pages]
     plan = [[0, 1, 2], [0, 1, 2], [2, 0], [1, 2, 0], [1], [0, 1, 2]]  # bucket 4 (padded), 2, 4, 1, 4
     for step, order in enumerate(plan):
         active = [seqs[i] for i in order]

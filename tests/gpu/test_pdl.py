@@ -32,7 +32,7 @@ from decapybara.model.config import ModelConfig
 from decapybara.model.quant import quantize
 from decapybara.model.qwen import QwenModel
 from decapybara.model.weights import random_tensors
-from decapybara.testing import TINY_HF_CONFIGS
+from decapybara.testing import TINY_HF_CONFIGS, prefilled_sequences
 
 pytestmark = pytest.mark.gpu
 
@@ -133,15 +133,7 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
     runners = {}
     for flag in ("0", "1"):  # graphs captured with and without overlapped launches
         runners[flag] = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=4)
-    rng = np.random.default_rng(2)
-    seqs = []
-    for i, n in enumerate((6, 13, 21)):
-        states.reset(i)
-        seqs.append([list(rng.integers(0, 512, n)), i, np.arange(8 * i, 8 * i + 8, dtype=np.int32)])
-    prefill = ForwardBatch.build([(s[0], 0, s[2], s[1]) for s in seqs], page, logits="last")
-    last = cp.asnumpy(model.forward(prefill, kv, states).logits)
-    for i, s in enumerate(seqs):
-        s[0].append(int(np.argmax(last[i])))
+    seqs = prefilled_sequences(model, kv, states, (6, 13, 21), seed=2)
     slots = [s[1] for s in seqs]
 
     def state_bytes():

@@ -85,7 +85,7 @@ def precompile(variants: list, fmts: list[str]) -> None:
         for f in fmts:
             full = ex.tune_for(f, {**ex.TUNE, **tune})
             for nt in (1, 2):
-                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(full, reads_split(tune, f)),
+                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(full, f, reads_split(tune, f)),
                                                                 *defines)))
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         list(pool.map(lambda j: get_kernel(*j), sorted(jobs)))

@@ -489,11 +489,28 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 #define MX_FORMAT(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2) \
     MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8)
+// MX_ONLY = a format id builds only that format's four kernels (each format has its own tuning defines, so a
+// module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32); unset, all five.
+#ifndef MX_ONLY
+#define MX_ONLY_IS(F) 1
+#else
+#define MX_ONLY_IS(F) (MX_ONLY == (F))
+#endif
+#if MX_ONLY_IS(FMT_BF16)
 MX_FORMAT(bf16, FMT_BF16)
+#endif
+#if MX_ONLY_IS(FMT_MXFP8)
 MX_FORMAT(mxfp8, FMT_MXFP8)
+#endif
+#if MX_ONLY_IS(FMT_MXFP6)
 MX_FORMAT(mxfp6, FMT_MXFP6)
+#endif
+#if MX_ONLY_IS(FMT_MXFP4)
 MX_FORMAT(mxfp4, FMT_MXFP4)
+#endif
+#if MX_ONLY_IS(FMT_NVFP4)
 MX_FORMAT(nvfp4, FMT_NVFP4)
+#endif
 
 // Dequantise rows: out[r, k] = W[rows ? rows[r] : r, k] for k < K (fp32 / bf16 / f16 by out_kind). Used for
 // embedding lookups of quantised tables and for the large-M path (dequantise once, then a dense GEMM).

@@ -23,7 +23,18 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import pdl
-from decapybara.backend.cupy_ops import F32, I32, I64, check, empty, gemm_bf16, null, sm_count, to_bf16_bits
+from decapybara.backend.cupy_ops import (
+    F32,
+    I32,
+    I64,
+    MX_NO_GEMM,
+    check,
+    empty,
+    gemm_bf16,
+    null,
+    sm_count,
+    to_bf16_bits,
+)
 from decapybara.backend.gemv_plan import e2m1_split_words, merge_tune, plan_gemm
 from decapybara.backend.gemv_plan import tune_for as _tune_for
 from kernels import get_kernel
@@ -174,10 +185,11 @@ def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
     return _tune_for(fmt, TUNE if tune is None else tune)
 
 
-def gemm_defines(tune: dict, e2m1_split: bool = False) -> tuple[tuple[str, int], ...]:
-    """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for`) builds in, for weights whose E2M1
-    codes are split (`PackedWeight.e2m1_split`, MX_E2M1) or not (plus TUNE_DEFINES)."""
-    return (("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
+def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False) -> tuple[tuple[str, int], ...]:
+    """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for(fmt)`) builds in for weights of
+    format `fmt` (MX_ONLY: a module holds that format's kernels alone) whose E2M1 codes are split
+    (`PackedWeight.e2m1_split`, MX_E2M1) or not (plus TUNE_DEFINES)."""
+    return (("MX_ONLY", FMT_IDS[fmt]), ("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
             ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
             ("MX_STAGES2", tune["wide_stages"]),
             ("MX_E2M1", int(e2m1_split)), *TUNE_DEFINES)
@@ -214,7 +226,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     # the kernel addresses one group's rows by 32-bit byte offsets
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
-    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.e2m1_split))
+    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split))
     launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
     launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
@@ -269,7 +281,7 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
     r = w.N if rows is None else rows.shape[0]
     out = empty((r, w.K), out_dtype)
     if out.size:
-        get_kernel("mx_gemv", "mx_dequant_rows")(
+        get_kernel("mx_gemv", "mx_dequant_rows", MX_NO_GEMM)(
             (-(-out.size // 256),), (256,),
             (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale), I32(FMT_IDS[w.fmt]),
              I32(int(w.e2m1_split)), rows if rows is not None else null(), I32(r), I32(w.K),

@@ -69,7 +69,7 @@ def assert_same_bytes(got, ref, name):
 def test_pdl_modes(monkeypatch):
     """With DECAPYBARA_PDL=1 (the default) while a graph is captured; with always everywhere; never with 0."""
     cc = int(cp.cuda.Device().compute_capability)
-    func = kernels.get_kernel("mx_gemv", "mx_gemm_bf16_1", ex.gemm_defines(ex.tune_for("bf16")))
+    func = kernels.get_kernel("mx_gemv", "mx_gemm_bf16_1", ex.gemm_defines(ex.tune_for("bf16"), "bf16"))
     assert pdl._function_handle(func) is not None, "no CUfunction handle on the CuPy kernel"
     assert not pdl.enabled()  # the default (1), not capturing
     monkeypatch.setenv("DECAPYBARA_PDL", "1")

@@ -99,6 +99,12 @@ __device__ __forceinline__ uint4 u4(u32 a, u32 b, u32 c, u32 d) {
     r.x = a; r.y = b; r.z = c; r.w = d;
     return r;
 }
+// (lo, hi) -> bf16x2 bits, each rounded to nearest even (the bits of two f2bf calls, in one instruction)
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -345,22 +351,31 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
         __syncthreads();
         const i64 kseg = (i64)sb * CK;
         const int se = min(c1, sb + segc), seg8 = (se - sb) * (CK / 8);
-        for (int i = tid; i < mrows * seg8; i += blockDim.x) {
-            const int m = i / seg8, d8 = (i % seg8) * 8;
-            const int rc = d8 % CK, jj = rc / 32, tt = (rc % 32) / 8;
-            const i64 k0 = kseg + (d8 / CK) * CK + tt * LK + 8 * jj;
+        // groups of 8 codes: thread tid takes groups tid, tid + blockDim.x, ... of the mrows x seg8 grid, its
+        // (row m, group d) stepped without dividing
+        int m = tid / seg8, d = tid - m * seg8;
+        while (m < mrows) {
+            // group d: chunk d / G, lane t = d % 4, its 8-code slot jj = (d % G) / 4 (G = CK / 8 groups a chunk)
+            constexpr u32 G = CK / 8;
+            static_assert((G & (G - 1)) == 0 && G % 4 == 0, "groups of a chunk: a power of two, 4 lanes");
+            const u32 du = (u32)d, d8 = du * 8u;
+            const i64 k0 = kseg + (i64)((du / G) * CK + (du & 3u) * LK + ((du & (G - 1)) >> 2) * 8u);
             float v[8];
-            if (m < m_valid && k0 < A.K) {
-                const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
-                const i64 base = (i64)row * A.ldx + k0;
-                if (A.x_vec && k0 + 8 <= A.K && A.x_kind != KIND_F32) {
-                    uint4 q = *(const uint4*)((const u16*)A.x + base);
-                    u32 qq[4] = {q.x, q.y, q.z, q.w};
+            const bool live = m < m_valid && k0 < A.K;
+            const int row = !live ? 0 : A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
+            const i64 base = (i64)row * A.ldx + k0;
+            if (live && A.x_vec && A.x_kind == KIND_BF16 && k0 + 8 <= A.K) {  // the decode case: bf16 rows
+                const uint4 q = *(const uint4*)((const u16*)A.x + base);
+                const u32 qq[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        u16 h = (u16)(qq[e >> 1] >> (16 * (e & 1)));
-                        v[e] = A.x_kind == KIND_BF16 ? __uint_as_float((u32)h << 16) : h2f(h);
-                    }
+                for (int e = 0; e < 8; ++e)
+                    v[e] = __uint_as_float((e & 1) ? qq[e >> 1] & 0xFFFF0000u : qq[e >> 1] << 16);
+            } else if (live) {
+                if (A.x_vec && k0 + 8 <= A.K && A.x_kind == KIND_F16) {
+                    const uint4 q = *(const uint4*)((const u16*)A.x + base);
+                    const u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = h2f((u16)(qq[e >> 1] >> (16 * (e & 1))));
                 } else {
 #pragma unroll
                     for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
@@ -371,9 +386,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
             }
             u32 o[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                o[e] = (u32)f2bf(v[perm8(FMT, 2 * e)] * xmul) | ((u32)f2bf(v[perm8(FMT, 2 * e + 1)] * xmul) << 16);
+            for (int e = 0; e < 4; ++e) o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
             *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
+            d += blockDim.x;
+            while (d >= seg8) {
+                d -= seg8;
+                ++m;
+            }
         }
         __syncthreads();
         for (int cb = sb; cb < se; cb += ST) {

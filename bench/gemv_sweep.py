@@ -49,6 +49,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("2/SM s2", {"stages": 2, "blocks_per_sm": 2}, ()),     # 2 resident blocks, 2 register stages
     ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
     ("2/SM s4", {"stages": 4, "blocks_per_sm": 2}, ()),     # 4 register stages: a small product's chunks all in flight
+    ("small 2/SM s2", {"small_bytes": 24_000_000}, ()),     # the 2 / 2 build for products under 24 MB of codes ("out")
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)

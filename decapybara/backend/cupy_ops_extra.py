@@ -169,11 +169,14 @@ def _counters(device: int) -> Any:
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
 # and a `source` older than MX_E2M1 reads plain codes only). A value is one setting for every format or a dict
 # by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
-# DECAPYBARA_MX_TUNE is merged into the default's.
+# DECAPYBARA_MX_TUNE is merged into the default's. `small_bytes` (0: off): dense one-n-tile products of fewer
+# code bytes run the `small_stages` / `small_blocks_per_sm` build instead (a few chunks per warp: more of them
+# in flight; the eighth session's sweep measured the 27B "out" product at 26.8 -> 34.7% of copy bandwidth with
+# 2 stages at 2 blocks per SM, the larger products within +-2 points).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
-    "min_chunks": 2, "e2m1_split": 1,
+    "min_chunks": 2, "e2m1_split": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
@@ -208,6 +211,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     tune = tune_for(w.fmt)
     counters = _counters(cp.cuda.Device().id)
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+    if groups is None and nt == 1 and w.codes.nbytes < tune["small_bytes"]:
+        tune = {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
     mtiles = -(-m // (8 * nt))
     ck = 4 * LANE_K[w.fmt]
     nchunks = -(-kp // ck)

@@ -122,7 +122,8 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     ({"policy": "stream", "acc": 2}, (700, 1536)), ({"policy": "stream", "min_chunks": 1}, (4100, 5120)),
     ({"policy": "stream", "acc": 2, "warps": 4}, (4100, 5120)), ({"policy": "stream", "min_chunks": 7}, (300, 5120)),
     ({"blocks_per_sm": 3, "stages": 1}, (4100, 5120)), ({"blocks_per_sm": 2, "stages": 2}, (4100, 5120)),
-    ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4100, 5120))])
+    ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4100, 5120)),
+    ({"small_bytes": 1 << 40}, (700, 1536)), ({"small_bytes": 1 << 40, "small_stages": 3}, (4100, 5120))])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, monkeypatch):
     """Every launch / kernel knob of mx_gemm (ex.TUNE) computes the product, split or not."""

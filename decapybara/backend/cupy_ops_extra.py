@@ -172,7 +172,7 @@ def _counters(device: int) -> Any:
 # DECAPYBARA_MX_TUNE is merged into the default's. `small_bytes` (0: off): dense one-n-tile products of fewer
 # code bytes run the `small_stages` / `small_blocks_per_sm` build instead (a few chunks per warp: more of them
 # in flight; the eighth session's sweep measured the 27B "out" product at 26.8 -> 34.7% of copy bandwidth with
-# 2 stages at 2 blocks per SM, the larger products within +-2 points).
+# 2 stages at 2 blocks per SM, the larger products within 2.1 points either way).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",

@@ -150,6 +150,26 @@ def test_mx_linear_k_tail(fmt):
         assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} K tail M{m}")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_mx_linear_float32_x_off_the_vector_loads(fmt):
+    """float32 x that the staging's 16-byte loads cannot take, so each element is loaded on its own: K % 8 != 0
+    (K = 100: a partial last group) and rows that do not start 16-byte aligned (a contiguous view one float
+    into its buffer)."""
+    rng = np.random.default_rng(zlib.crc32(f"f32-scalar-{fmt}".encode()))
+    for k, offset in ((100, 0), (1536, 1)):
+        wq, w_ref = random_weight(rng, fmt, (300, k))
+        w = ex.pack_weight(wq)
+        assert ex.gemm_ready(w), f"{fmt} K={k}: not on the skinny kernel"
+        for m in (1, 12):
+            x = bf16_round(rng.standard_normal((m, k))).astype(np.float32)
+            buf = cp.empty(m * k + offset, cp.float32)
+            xd = buf[offset:].reshape(m, k)
+            xd[...] = cp.asarray(x)
+            assert xd.flags.c_contiguous and (xd.data.ptr % 16 != 0) == bool(offset)
+            got = host(ex.mx_linear(xd, w))
+            assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} K={k} offset={offset} M{m}")
+
+
 @pytest.mark.parametrize("n", [1, 7, 16, 17])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_few_rows_over_whole_chunks(fmt, n, monkeypatch):

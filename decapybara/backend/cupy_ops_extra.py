@@ -29,6 +29,7 @@ from decapybara.backend.cupy_ops import (
     I64,
     MX_NO_GEMM,
     check,
+    dev_ptr,
     empty,
     gemm_bf16,
     null,
@@ -97,7 +98,7 @@ class PackedWeight:
     def kernel_ok(self) -> bool:
         """Whether the rows meet the kernel's 16-byte alignment (see the module docstring)."""
         row = self.codes.shape[-1] * self.codes.itemsize
-        return row % 16 == 0 and self.codes.data.ptr % 16 == 0 and self.codes.flags.c_contiguous
+        return row % 16 == 0 and dev_ptr(self.codes) % 16 == 0 and self.codes.flags.c_contiguous
 
 
 def e2m1_layout(fmt: str, split: bool | None = None) -> bool:
@@ -225,7 +226,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=tune,
                      dense=groups is None, max_counters=counters.size)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
-    x_vec = int(x.data.ptr % 16 == 0 and x.shape[1] % 8 == 0)  # 8-element groups of x in 16- / 32-byte loads
+    x_vec = int(dev_ptr(x) % 16 == 0 and x.shape[1] % 8 == 0)  # 8-element groups of x in 16- / 32-byte loads
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
     # the kernel addresses one group's rows by 32-bit byte offsets

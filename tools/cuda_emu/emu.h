@@ -37,7 +37,7 @@ bool lane_alive(int l);
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 #define DYN_SMEM_DECL(name) unsigned char* name = emu::dyn_smem
 inline void __syncthreads() { emu::sync_block(); }
@@ -79,3 +79,91 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   for (int i = 0; i < 4; i++) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
   return r;
 }
+// CUDA intrinsics the kernels use beyond the above. Blocks run one at a time and their threads cooperatively,
+// so atomics are plain read-modify-writes and fences are no-ops.
+template <class T> T __ldg(const T* p) { return *p; }
+inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }
+inline void __threadfence() {}
+inline unsigned __vminu2(unsigned a, unsigned b) {
+  unsigned lo = std::min(a & 0xffffu, b & 0xffffu), hi = std::min(a >> 16, b >> 16);
+  return lo | (hi << 16);
+}
+
+// Inline PTX, lowered by ptx_lower.py to these calls (operands in the asm statement's order, outputs first).
+namespace emu_ptx {
+typedef unsigned int u32;
+typedef unsigned short u16;
+inline void nop() {}
+[[noreturn]] inline void unsupported(const char* insn) {
+  fprintf(stderr, "EMU: inline PTX '%s' has no emulation (tools/cuda_emu/emu.h)\n", insn);
+  abort();
+}
+inline float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+inline u16 f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN (quiet)
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+  return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline void ld_v4(u32& x, u32& y, u32& z, u32& w, const void* p) {
+  const u32* q = (const u32*)p; x = q[0]; y = q[1]; z = q[2]; w = q[3];
+}
+inline void st_v4(void* p, u32 x, u32 y, u32 z, u32 w) { u32* q = (u32*)p; q[0] = x; q[1] = y; q[2] = z; q[3] = w; }
+inline void ld_f32(float& v, const float* p) { v = *(const volatile float*)p; }
+inline void cvt_f32_f16(float& f, u16 h) { _Float16 x; memcpy(&x, &h, 2); f = (float)x; }
+inline void cvt_rn_f16_f32(u16& h, float f) { _Float16 x = (_Float16)f; memcpy(&h, &x, 2); }
+inline void cvt_rn_bf16_f32(u16& h, float f) { h = f32_to_bf16(f); }
+inline void cvt_rn_bf16x2_f32(u32& r, float hi, float lo) { r = (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
+// Exact here (the kernels multiply bf16 values whose float product is exact and add -0): one rounding to bf16.
+inline void fma_rn_bf16x2(u32& d, u32 a, u32 b, u32 c) {
+  u16 r[2];
+  for (int i = 0; i < 2; i++)
+    r[i] = f32_to_bf16(std::fma(bf16_to_f32((u16)(a >> 16 * i)), bf16_to_f32((u16)(b >> 16 * i)),
+                                bf16_to_f32((u16)(c >> 16 * i))));
+  d = (u32)r[0] | ((u32)r[1] << 16);
+}
+inline void mul_rn_ftz_f32(float& d, float a, float b) {
+  auto ftz = [](float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.f, v) : v; };
+  d = ftz(ftz(a) * ftz(b));
+}
+// The 64 bits of every lane of the warp (all lanes take part, as .aligned PTX requires).
+inline void warp_gather(unsigned long long v, unsigned long long (&all)[32]) {
+  unsigned long long* buf = emu::warp_buf();
+  buf[emu::lane()] = v;
+  emu::sync_warp();
+  for (int l = 0; l < 32; l++) {
+    if (!emu::lane_alive(l)) { fprintf(stderr, "EMU: mma with exited lane %d\n", l); abort(); }
+    all[l] = buf[l];
+  }
+  emu::sync_warp();
+}
+// mma.sync m16n8k16, row-major A (16 x 16 bf16), column-major B (16 x 8 bf16), float32 C = D. Lane (g, t) =
+// (lane / 4, lane % 4) holds a0 = A[g][2t, 2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..],
+// b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g] (low half first) and d = D[g][2t], D[g][2t+1], D[g+8][2t],
+// D[g+8][2t+1]. Sums in k order in float32 (the products of bf16 values are exact).
+inline void mma_m16n8k16_bf16(float& d0, float& d1, float& d2, float& d3, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                              u32 b1) {
+  unsigned long long A01[32], A23[32], B01[32];
+  warp_gather(a0 | ((unsigned long long)a1 << 32), A01);
+  warp_gather(a2 | ((unsigned long long)a3 << 32), A23);
+  warp_gather(b0 | ((unsigned long long)b1 << 32), B01);
+  auto a_at = [&](int r, int k) {  // A[r][k]
+    const int src = 4 * (r % 8) + (k % 8) / 2, reg = (r >= 8) + 2 * (k >= 8);
+    const unsigned long long v = reg < 2 ? A01[src] : A23[src];
+    return bf16_to_f32((u16)(v >> (32 * (reg & 1) + 16 * (k & 1))));
+  };
+  auto b_at = [&](int k, int n) {  // B[k][n]
+    const unsigned long long v = B01[4 * n + (k % 8) / 2];
+    return bf16_to_f32((u16)(v >> (32 * (k >= 8) + 16 * (k & 1))));
+  };
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  float* d[4] = {&d0, &d1, &d2, &d3};
+  for (int q = 0; q < 4; q++) {
+    const int r = g + 8 * (q >> 1), n = 2 * t + (q & 1);
+    float s = *d[q];
+    for (int k = 0; k < 16; k++) s += a_at(r, k) * b_at(k, n);
+    *d[q] = s;
+  }
+}
+}  // namespace emu_ptx

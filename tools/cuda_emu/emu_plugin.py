@@ -1,7 +1,8 @@
 """pytest plugin: run the GPU tests on the host CUDA emulator (a numpy-backed CuPy stand-in whose RawModule
 kernels are compiled for the CPU against emu.h, one host thread per CUDA thread, barriers and warp shuffles
-emulated). For checking kernels and launch code without a GPU before spending device time; it cannot see
-races, timing, NVRTC/nvcc differences or cuBLAS itself, so the real GPU run stays the proof.
+emulated; inline PTX lowered by ptx_lower.py, e.g. mma.sync as a warp collective). For checking kernels and
+launch code without a GPU before spending device time; it cannot see races, timing, NVRTC/nvcc differences,
+the tensor cores' own summation order or cuBLAS itself, so the real GPU run stays the proof.
 
     PYTHONPATH=tools/cuda_emu python3 -m pytest -p emu_plugin -m gpu tests/gpu/test_kernels_core.py
 

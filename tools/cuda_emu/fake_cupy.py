@@ -1,6 +1,7 @@
 """A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
 import ctypes, hashlib, os, re, subprocess, sys, types
 import numpy as np
+from ptx_lower import inline_includes, lower_asm
 
 EMU = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(EMU, "build")
@@ -90,8 +91,10 @@ class RawModule:
         assert code is not None, "fake RawModule needs code"
         incs = [o for o in options if o.startswith("-I")]
         defs = [o for o in options if o.startswith("-D")]
-        emu_src = ""  # the emulator's own sources: every kernel .so links emu.o
-        for f in ("emu.h", "emu.cpp"):
+        # local headers inlined and inline PTX lowered to emulator calls (ptx_lower.py)
+        code = lower_asm(inline_includes(code, [i[2:] for i in incs]))
+        emu_src = ""  # the emulator's own sources and the lowering: every kernel .so links emu.o
+        for f in ("emu.h", "emu.cpp", "ptx_lower.py"):
             with open(os.path.join(EMU, f)) as fh:
                 emu_src += fh.read()
         key = hashlib.sha256((code + "|".join(options) + emu_src).encode()).hexdigest()[:16]

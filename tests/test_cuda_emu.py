@@ -1,0 +1,72 @@
+"""The host CUDA emulator (tools/cuda_emu): inline PTX lowered to emulator calls, headers inlined, and the skinny
+GEMM's GPU tests run on it end to end (where g++ and libffi are installed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EMU = ROOT / "tools" / "cuda_emu"
+sys.path.insert(0, str(EMU))
+from ptx_lower import inline_includes, lower_asm
+
+
+def test_lowering_keeps_operand_order_outputs_first():
+    src = '''void f() {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(f(b, c)));
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p + 4));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+}'''
+    out = lower_asm(src)
+    assert "asm" not in out
+    assert "emu_ptx::mma_m16n8k16_bf16(d[0], d[1], d[2], d[3], a0, a1, a2, a3, b.x, f(b, c));" in out
+    assert "emu_ptx::ld_f32(v, p + 4);" in out
+    assert "emu_ptx::cvt_rn_bf16x2_f32(r, hi, lo);" in out
+
+
+def test_unknown_instruction_aborts_when_reached_and_operandless_ones_lower():
+    out = lower_asm('asm volatile("griddepcontrol.wait;" ::: "memory");\nasm("prefetch.global.L2 [%0];" :: "l"(p));')
+    assert 'emu_ptx::nop();' in out
+    assert 'emu_ptx::unsupported("prefetch.global.L2");' in out
+
+
+def test_headers_inlined_once_without_pragma(tmp_path):
+    (tmp_path / "a.cuh").write_text('#pragma once\n#include "b.cuh"\nint a;\n')
+    (tmp_path / "b.cuh").write_text("#pragma once\nint b;\n")
+    out = inline_includes('#include "a.cuh"\n#include "b.cuh"\n#include <cstdio>\nint c;\n', [str(tmp_path)])
+    assert out.count("int b;") == 1 and out.count("int a;") == 1 and "#include <cstdio>" in out
+    assert "pragma once" not in out
+
+
+def test_every_kernel_file_lowers_to_known_handlers_or_named_aborts():
+    for cu in sorted((ROOT / "kernels").glob("*.cu")):
+        out = lower_asm(inline_includes(cu.read_text(), [str(ROOT / "kernels")]))
+        assert "asm(" not in out.replace(" ", "") and "asmvolatile(" not in out.replace(" ", ""), cu.name
+
+
+def _emulator_toolchain() -> bool:
+    if shutil.which("g++") is None:
+        return False
+    probe = subprocess.run(["g++", "-x", "c++", "-E", "-"], input="#include <ffi.h>\n", capture_output=True,
+                           text=True, check=False)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_skinny_gemm_gpu_tests_pass_on_the_emulator():
+    """The mx_gemv kernels (tensor-core MMAs, bf16x2 decode, split-K reduction) against the numpy reference:
+    the K-tail GPU tests of every weight format, through the emulator plugin in a separate process."""
+    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
+                          "gpu", "tests/gpu/test_kernels_extra.py", "-k", "mx_linear_k_tail"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

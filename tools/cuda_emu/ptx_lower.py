@@ -1,0 +1,130 @@
+"""Kernel sources for the host emulator: local headers inlined, inline PTX lowered to emulator calls.
+
+g++ cannot compile CUDA inline assembly, so each `asm(...)` / `asm volatile(...)` statement becomes a call
+`emu_ptx::<handler>(outputs..., inputs...)` (emu.h), the handler chosen by the instruction's first token; the
+operands keep their order (outputs by reference). An instruction without a handler becomes a call that aborts
+when reached, naming it: code under `#if` that the emulator does not compile (sm_90 launch control) costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+HANDLERS = {
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": "mma_m16n8k16_bf16",
+    "ld.global.nc.L1::no_allocate.L2::256B.v4.u32": "ld_v4",
+    "ld.global.cs.v4.u32": "ld_v4",
+    "st.global.cs.v4.u32": "st_v4",
+    "ld.global.cg.f32": "ld_f32",
+    "cvt.f32.f16": "cvt_f32_f16",
+    "cvt.rn.f16.f32": "cvt_rn_f16_f32",
+    "cvt.rn.bf16.f32": "cvt_rn_bf16_f32",
+    "cvt.rn.bf16x2.f32": "cvt_rn_bf16x2_f32",
+    "fma.rn.bf16x2": "fma_rn_bf16x2",
+    "mul.rn.ftz.f32": "mul_rn_ftz_f32",
+    "griddepcontrol.wait": "nop",
+    "griddepcontrol.launch_dependents": "nop",
+}
+_ASM = re.compile(r"\basm\b\s*(?:volatile\b\s*)?\(")
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def inline_includes(code: str, dirs: list[str], seen: set[str] | None = None) -> str:
+    """`#include "x"` lines replaced by the file (searched in `dirs`), recursively; a `#pragma once` file once."""
+    seen = set() if seen is None else seen
+
+    def one(m: re.Match) -> str:
+        for d in dirs:
+            path = os.path.realpath(os.path.join(d, m.group(1)))
+            if os.path.isfile(path):
+                break
+        else:
+            return m.group(0)  # left to the compiler (e.g. a system header)
+        if path in seen:
+            return ""
+        with open(path) as f:
+            text = f.read()
+        if re.search(r"^\s*#\s*pragma\s+once", text, re.MULTILINE):
+            seen.add(path)
+            text = re.sub(r"^\s*#\s*pragma\s+once[ \t]*$", "", text, flags=re.MULTILINE)
+        return inline_includes(text, dirs, seen)
+
+    return _INCLUDE.sub(one, code)
+
+
+def _close(code: str, i: int) -> int:
+    """Index just past the parenthesis closing the one before `i` (string literals skipped)."""
+    depth = 1
+    while depth:
+        c = code[i]
+        if c == '"':
+            i += 1
+            while code[i] != '"':
+                i += 2 if code[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return i
+
+
+def _split(text: str, sep: str) -> list[str]:
+    """`text` split at `sep` outside parentheses and string literals."""
+    parts, depth, cur, i = [], 0, [], 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            cur.append(text[i:j + 1])
+            i = j + 1
+            continue
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        if c == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    parts.append("".join(cur))
+    return parts
+
+
+def _operands(text: str) -> list[str]:
+    """'"=r"(a), "l"(p)' -> ['a', 'p'] (the expressions, in order)."""
+    out = []
+    for op in _split(text, ","):
+        op = op.strip()
+        if not op:
+            continue
+        m = re.fullmatch(r'"[^"]*"\s*\((.*)\)', op, re.DOTALL)
+        if not m:
+            raise ValueError(f"cannot read asm operand {op!r}")
+        out.append(m.group(1).strip())
+    return out
+
+
+def lower_asm(code: str) -> str:
+    """Every inline-assembly statement of `code` as an emu_ptx call (see the module docstring)."""
+    out, pos = [], 0
+    while m := _ASM.search(code, pos):
+        end = _close(code, m.end())
+        parts = _split(code[m.end():end - 1], ":")
+        template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', parts[0]))
+        first = template.strip().split()[0].rstrip(";") if template.strip() else ""
+        args = [a for p in parts[1:3] for a in _operands(p)]
+        handler = HANDLERS.get(first)
+        if handler is None:
+            call = f'emu_ptx::unsupported("{first}")'
+        else:
+            call = f"emu_ptx::{handler}({', '.join(args)})"
+        out += [code[pos:m.start()], call]
+        pos = end
+    out.append(code[pos:])
+    return "".join(out)

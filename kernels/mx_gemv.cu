@@ -393,9 +393,14 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
             for (int e = 0; e < 4; ++e) o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
             *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
             d += blockDim.x;
-            while (d >= seg8) {
+            if (d >= seg8) {  // the next row; a division only where segments are shorter than half a block
                 d -= seg8;
                 ++m;
+                if (d >= seg8) {
+                    const int q = d / seg8;
+                    m += q;
+                    d -= q * seg8;
+                }
             }
         }
         __syncthreads();
@@ -458,8 +463,21 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
 
 // Block b of a stream-K launch (A.stream, dense only) takes units [b U / B, (b + 1) U / B) of the U = tiles x
 // chunks units, tile-major: long contiguous K ranges, every block the same work (+-1 chunk), whatever the
-// shape. A tile's contributors are the blocks whose ranges meet its units.
-__device__ __forceinline__ int stream_block_of(i64 u, i64 U, int B) { return (int)(((u + 1) * B - 1) / U); }
+// shape. A tile's contributors are the blocks whose ranges meet its units: block_of(u) = ((u + 1) B - 1) / U.
+// Unit u of block blockIdx.x (up to u_end) -> its tile, chunk range [c0, c1) and contributor index, in T =
+// unsigned 32-bit where U B < 2^32 (every real matrix: a 64-bit division is a long software routine on the way
+// to a block's first weight loads), else 64-bit.
+template <typename T>
+__device__ __forceinline__ void stream_unit(T u, T u_end, T U, T B, int nchunks, int& tile, int& c0, int& c1,
+                                            int& part, int& nparts) {
+    tile = (int)(u / (T)nchunks);
+    c0 = (int)(u - (T)tile * (T)nchunks);
+    c1 = (int)min((T)nchunks, (T)c0 + (u_end - u));
+    const T f = (T)tile * (T)nchunks;  // the tile's first unit
+    const int first = (int)(((f + 1) * B - 1) / U), last = (int)(((f + (T)nchunks) * B - 1) / U);
+    part = (int)blockIdx.x - first;
+    nparts = last - first + 1;
+}
 
 template <int FMT, int NT>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
@@ -477,18 +495,19 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     // tile grid (!A.stream): one segment, blockIdx.x = output tile, blockIdx.y = K split of A.cps chunks
     const int B = gridDim.x, ntiles = (A.N + TILE_ROWS - 1) / TILE_ROWS;
     const i64 U = (i64)ntiles * nchunks;
-    const i64 u_end = A.stream ? (i64)(blockIdx.x + 1) * U / B : 1;
-    for (i64 u = A.stream ? (i64)blockIdx.x * U / B : 0; u < u_end;) {
+    const bool narrow = (unsigned long long)U * (unsigned)B < (1ull << 32);
+    const i64 u0 = !A.stream ? 0 : narrow ? (i64)((u32)blockIdx.x * (u32)U / (u32)B) : (i64)blockIdx.x * U / B;
+    const i64 u_end = !A.stream ? 1 : narrow ? (i64)((u32)(blockIdx.x + 1) * (u32)U / (u32)B)
+                                             : (i64)(blockIdx.x + 1) * U / B;
+    for (i64 u = u0; u < u_end;) {
         int tile = blockIdx.x, c0 = blockIdx.y * A.cps, c1 = min(nchunks, c0 + A.cps);
         int part = blockIdx.y, nparts = gridDim.y;
         i64 step = 1;
         if (A.stream) {
-            tile = (int)(u / nchunks);
-            c0 = (int)(u % nchunks);
-            c1 = (int)min((i64)nchunks, c0 + (u_end - u));
-            const int first = stream_block_of((i64)tile * nchunks, U, B);
-            part = blockIdx.x - first;
-            nparts = stream_block_of((i64)tile * nchunks + nchunks - 1, U, B) - first + 1;
+            if (narrow)
+                stream_unit<u32>((u32)u, (u32)u_end, (u32)U, (u32)B, nchunks, tile, c0, c1, part, nparts);
+            else
+                stream_unit<unsigned long long>(u, u_end, U, B, nchunks, tile, c0, c1, part, nparts);
             step = c1 - c0;
         }
         if (whole)

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tools" / "cuda_emu"
 sys.path.insert(0, str(EMU))
-from ptx_lower import inline_includes, lower_asm
+from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
 
 
 def test_lowering_keeps_operand_order_outputs_first():
@@ -37,6 +37,12 @@ def test_unknown_instruction_aborts_when_reached_and_operandless_ones_lower():
     out = lower_asm('asm volatile("griddepcontrol.wait;" ::: "memory");\nasm("prefetch.global.L2 [%0];" :: "l"(p));')
     assert 'emu_ptx::nop();' in out
     assert 'emu_ptx::unsupported("prefetch.global.L2");' in out
+
+
+def test_dynamic_shared_memory_becomes_the_launch_buffer():
+    out = lower_dynamic_shared("    extern __shared__ int sh[];  // counts\n    extern __shared__ __align__(16) unsigned char buf[];")
+    assert "int* sh = (int*)emu::dyn_smem;" in out
+    assert "unsigned char* buf = (unsigned char*)emu::dyn_smem;" in out
 
 
 def test_headers_inlined_once_without_pragma(tmp_path):

@@ -1,7 +1,7 @@
 """A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
 import ctypes, hashlib, os, re, subprocess, sys, types
 import numpy as np
-from ptx_lower import inline_includes, lower_asm
+from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
 
 EMU = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(EMU, "build")
@@ -92,7 +92,7 @@ class RawModule:
         incs = [o for o in options if o.startswith("-I")]
         defs = [o for o in options if o.startswith("-D")]
         # local headers inlined and inline PTX lowered to emulator calls (ptx_lower.py)
-        code = lower_asm(inline_includes(code, [i[2:] for i in incs]))
+        code = lower_dynamic_shared(lower_asm(inline_includes(code, [i[2:] for i in incs])))
         emu_src = ""  # the emulator's own sources and the lowering: every kernel .so links emu.o
         for f in ("emu.h", "emu.cpp", "ptx_lower.py"):
             with open(os.path.join(EMU, f)) as fh:

@@ -1,4 +1,5 @@
-"""Kernel sources for the host emulator: local headers inlined, inline PTX lowered to emulator calls.
+"""Kernel sources for the host emulator: local headers inlined, inline PTX lowered to emulator calls, dynamic
+shared memory declarations turned into pointers to the launch's buffer.
 
 g++ cannot compile CUDA inline assembly, so each `asm(...)` / `asm volatile(...)` statement becomes a call
 `emu_ptx::<handler>(outputs..., inputs...)` (emu.h), the handler chosen by the instruction's first token; the
@@ -108,6 +109,14 @@ def _operands(text: str) -> list[str]:
             raise ValueError(f"cannot read asm operand {op!r}")
         out.append(m.group(1).strip())
     return out
+
+
+_DYN_SMEM = re.compile(r"\bextern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?([A-Za-z_][\w\s]*?)\s+(\w+)\s*\[\s*\]\s*;")
+
+
+def lower_dynamic_shared(code: str) -> str:
+    """`extern __shared__ T name[];` -> a pointer to the launch's dynamic shared memory (emu::dyn_smem)."""
+    return _DYN_SMEM.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ({m.group(1)}*)emu::dyn_smem;", code)
 
 
 def lower_asm(code: str) -> str:

@@ -33,6 +33,11 @@ def test_lowering_keeps_operand_order_outputs_first():
     assert "emu_ptx::cvt_rn_bf16x2_f32(r, hi, lo);" in out
 
 
+def test_copies_whose_size_is_a_literal_take_the_instruction_text():
+    out = lower_asm('asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(n));')
+    assert out == 'emu_ptx::cp_async("cp.async.ca.shared.global [%0], [%1], 8, %2;", dst, src, n);'
+
+
 def test_unknown_instruction_aborts_when_reached_and_operandless_ones_lower():
     out = lower_asm('asm volatile("griddepcontrol.wait;" ::: "memory");\nasm("prefetch.global.L2 [%0];" :: "l"(p));')
     assert 'emu_ptx::nop();' in out

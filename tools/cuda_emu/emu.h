@@ -95,7 +95,7 @@ inline unsigned __vminu2(unsigned a, unsigned b) {
 namespace emu_ptx {
 typedef unsigned int u32;
 typedef unsigned short u16;
-inline void nop() {}
+template <class... A> inline void nop(A...) {}  // launch control, cp.async groups (copies complete at once)
 [[noreturn]] inline void unsupported(const char* insn) {
   fprintf(stderr, "EMU: inline PTX '%s' has no emulation (tools/cuda_emu/emu.h)\n", insn);
   abort();
@@ -166,4 +166,58 @@ inline void mma_m16n8k16_bf16(float& d0, float& d1, float& d2, float& d3, u32 a0
     *d[q] = s;
   }
 }
+// Shared-memory addresses (32-bit, as __cvta_generic_to_shared gives them): offsets into the launch's dynamic
+// shared memory, the only shared memory the kernels address that way.
+inline unsigned char* smem_at(u32 a) { return emu::dyn_smem + a; }
+inline void ld_shared_v4(u32& x, u32& y, u32& z, u32& w, u32 a) { ld_v4(x, y, z, w, smem_at(a)); }
+inline void ld_shared_v2(u32& x, u32& y, u32 a) { memcpy(&x, smem_at(a), 4); memcpy(&y, smem_at(a) + 4, 4); }
+inline void ld_shared_u32(u32& v, u32 a) { memcpy(&v, smem_at(a), 4); }
+inline void ld_shared_u8(u32& v, u32 a) { v = *smem_at(a); }
+// cp.async of the template's size (16 for .cg): src_bytes copied, the rest zero-filled, at once.
+inline void cp_async(const char* tmpl, u32 dst, const void* src, u32 src_bytes) {
+  const char* c = tmpl;
+  for (int commas = 0; *c && commas < 2; c++) commas += *c == ',';
+  const int size = atoi(c);
+  if (size != 4 && size != 8 && size != 16) unsupported(tmpl);
+  const u32 n = src_bytes < (u32)size ? src_bytes : (u32)size;
+  memcpy(smem_at(dst), src, n);
+  memset(smem_at(dst) + n, 0, size - n);
+}
+// ldmatrix m8n8 x4 (b16): lane l gives the address of row l % 8 of matrix l / 8; lane (g, t) receives of
+// matrix j the elements (g, 2t), (g, 2t+1), or transposed (2t, g), (2t+1, g).
+inline void ldmatrix_x4_impl(u32& r0, u32& r1, u32& r2, u32& r3, u32 a, bool trans) {
+  unsigned long long rows[32];
+  warp_gather(a, rows);
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  u32* r[4] = {&r0, &r1, &r2, &r3};
+  auto at = [&](int j, int row, int col) { u16 v; memcpy(&v, smem_at((u32)rows[8 * j + row]) + 2 * col, 2); return v; };
+  for (int j = 0; j < 4; j++)
+    *r[j] = trans ? (u32)at(j, 2 * t, g) | ((u32)at(j, 2 * t + 1, g) << 16)
+                  : (u32)at(j, g, 2 * t) | ((u32)at(j, g, 2 * t + 1) << 16);
+}
+inline void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) { ldmatrix_x4_impl(r0, r1, r2, r3, a, false); }
+inline void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) { ldmatrix_x4_impl(r0, r1, r2, r3, a, true); }
+// float -> E4M3 (bias 7, max 448, no infinities), round to nearest even, saturated to +-448; NaN -> 0x7F.
+inline unsigned e4m3_satfinite(float f) {
+  const unsigned sign = std::signbit(f) ? 0x80u : 0u;
+  if (std::isnan(f)) return 0x7Fu;
+  const double a = std::fabs((double)f);
+  unsigned best = 0;
+  double best_err = a;  // code 0 (zero)
+  for (unsigned c = 1; c <= 0x7E; c++) {
+    const unsigned e = c >> 3, m = c & 7u;
+    const double v = e ? std::ldexp(1.0 + m / 8.0, (int)e - 7) : std::ldexp(m / 8.0, -6);
+    const double err = std::fabs(v - a);
+    if (err < best_err || (err == best_err && (c & 1u) == 0)) { best = c; best_err = err; }
+  }
+  return sign | best;
+}
+inline void cvt_rn_satfinite_e4m3x2_f32(u16& d, float hi, float lo) {
+  d = (u16)(e4m3_satfinite(lo) | (e4m3_satfinite(hi) << 8));
+}
 }  // namespace emu_ptx
+inline unsigned long long __cvta_generic_to_shared(const void* p) {
+  const long long off = (const unsigned char*)p - emu::dyn_smem;
+  if (off < 0 || off >= (1LL << 31)) { fprintf(stderr, "EMU: shared address outside dynamic shared memory\n"); abort(); }
+  return (unsigned long long)off;
+}

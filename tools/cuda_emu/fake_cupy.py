@@ -139,6 +139,8 @@ def install():
     class Device:
         def __init__(self, i=0): self.id = i
         compute_capability = "90"
+        attributes = {"MaxSharedMemoryPerBlockOptin": 232448, "MaxSharedMemoryPerMultiprocessor": 233472,
+                      "MultiProcessorCount": 132}  # an H200's
         def synchronize(self): pass
     cuda.Device = Device
     runtime = types.ModuleType("cupy.cuda.runtime")

@@ -26,7 +26,19 @@ HANDLERS = {
     "mul.rn.ftz.f32": "mul_rn_ftz_f32",
     "griddepcontrol.wait": "nop",
     "griddepcontrol.launch_dependents": "nop",
+    "ld.shared.v4.u32": "ld_shared_v4",
+    "ld.shared.v2.u32": "ld_shared_v2",
+    "ld.shared.u32": "ld_shared_u32",
+    "ld.shared.u8": "ld_shared_u8",
+    "cp.async.cg.shared.global": "cp_async",
+    "cp.async.ca.shared.global": "cp_async",
+    "cp.async.commit_group": "nop",
+    "cp.async.wait_group": "nop",
+    "ldmatrix.sync.aligned.m8n8.x4.shared.b16": "ldmatrix_x4",
+    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16": "ldmatrix_x4_trans",
+    "cvt.rn.satfinite.e4m3x2.f32": "cvt_rn_satfinite_e4m3x2_f32",
 }
+TEMPLATE_FIRST = {"cp_async"}  # handlers that also take the instruction text (its size operand is a literal)
 _ASM = re.compile(r"\basm\b\s*(?:volatile\b\s*)?\(")
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 
@@ -132,7 +144,8 @@ def lower_asm(code: str) -> str:
         if handler is None:
             call = f'emu_ptx::unsupported("{first}")'
         else:
-            call = f"emu_ptx::{handler}({', '.join(args)})"
+            lead = [f'"{template.strip()}"'] if handler in TEMPLATE_FIRST else []
+            call = f"emu_ptx::{handler}({', '.join(lead + args)})"
         out += [code[pos:m.start()], call]
         pos = end
     out.append(code[pos:])

@@ -86,8 +86,8 @@ def precompile(variants: list, fmts: list[str]) -> None:
     for _, tune, defines in variants:
         for f in fmts:
             full = ex.tune_for(f, {**ex.TUNE, **tune})
-            small = {**full, "stages": full["small_stages"], "blocks_per_sm": full["small_blocks_per_sm"]}
-            for nt, t in ((1, full), (2, full), (1, small) if full["small_bytes"] else (1, full)):
+            builds = [(1, full), (2, full)] + ([(1, ex.small_tune(full))] if full["small_bytes"] else [])
+            for nt, t in builds:
                 jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(t, f, reads_split(tune, f)),
                                                                 *defines)))
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:

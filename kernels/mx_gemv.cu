@@ -364,26 +364,23 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
             const bool live = m < m_valid && k0 < A.K;
             const int row = !live ? 0 : A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
             const i64 base = (i64)row * A.ldx + k0;
-            if (live && A.x_vec && A.x_kind == KIND_F32 && k0 + 8 <= A.K) {  // the model's activations
-                const float4* p = (const float4*)((const float*)A.x + base);
-                const float4 a = p[0], b = p[1];
-                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-            } else if (live && A.x_vec && A.x_kind == KIND_BF16 && k0 + 8 <= A.K) {
-                const uint4 q = *(const uint4*)((const u16*)A.x + base);
-                const u32 qq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    v[e] = __uint_as_float((e & 1) ? qq[e >> 1] & 0xFFFF0000u : qq[e >> 1] << 16);
-            } else if (live) {
-                if (A.x_vec && k0 + 8 <= A.K && A.x_kind == KIND_F16) {
+            if (live && A.x_vec && k0 + 8 <= A.K) {  // a whole group: 16- / 32-byte loads
+                if (A.x_kind == KIND_F32) {  // the model's activations
+                    const float4* p = (const float4*)((const float*)A.x + base);
+                    const float4 a = p[0], b = p[1];
+                    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                } else {
                     const uint4 q = *(const uint4*)((const u16*)A.x + base);
                     const u32 qq[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = h2f((u16)(qq[e >> 1] >> (16 * (e & 1))));
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
+                    for (int e = 0; e < 8; ++e) {
+                        const u32 h = (e & 1) ? qq[e >> 1] >> 16 : qq[e >> 1] & 0xFFFFu;
+                        v[e] = A.x_kind == KIND_BF16 ? __uint_as_float(h << 16) : h2f((u16)h);
+                    }
                 }
+            } else if (live) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) v[e] = 0.f;

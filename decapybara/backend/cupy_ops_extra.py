@@ -189,14 +189,19 @@ def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
     return _tune_for(fmt, TUNE if tune is None else tune)
 
 
+def small_tune(tune: dict) -> dict:
+    """A resolved tuning with its `small_stages` / `small_blocks_per_sm` build in place of the default's (what
+    dense one-row products under `small_bytes` of codes run)."""
+    return {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
+
+
 def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False) -> tuple[tuple[str, int], ...]:
     """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for(fmt)`) builds in for weights of
     format `fmt` (MX_ONLY: a module holds that format's kernels alone) whose E2M1 codes are split
     (`PackedWeight.e2m1_split`, MX_E2M1) or not (plus TUNE_DEFINES)."""
-    return (("MX_ONLY", FMT_IDS[fmt]), ("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]), ("MX_ACC", tune["acc"]),
-            ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
-            ("MX_STAGES2", tune["wide_stages"]),
-            ("MX_E2M1", int(e2m1_split)), *TUNE_DEFINES)
+    return (("MX_ONLY", FMT_IDS[fmt]), ("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]),
+            ("MX_ACC", tune["acc"]), ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
+            ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *TUNE_DEFINES)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
@@ -213,7 +218,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     counters = _counters(cp.cuda.Device().id)
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
     if groups is None and nt == 1 and w.codes.nbytes < tune["small_bytes"]:
-        tune = {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
+        tune = small_tune(tune)
     mtiles = -(-m // (8 * nt))
     ck = 4 * LANE_K[w.fmt]
     nchunks = -(-kp // ck)

@@ -133,7 +133,7 @@ inline void warp_gather(unsigned long long v, unsigned long long (&all)[32]) {
   buf[emu::lane()] = v;
   emu::sync_warp();
   for (int l = 0; l < 32; l++) {
-    if (!emu::lane_alive(l)) { fprintf(stderr, "EMU: mma with exited lane %d\n", l); abort(); }
+    if (!emu::lane_alive(l)) { fprintf(stderr, "EMU: warp collective (mma / ldmatrix) with exited lane %d\n", l); abort(); }
     all[l] = buf[l];
   }
   emu::sync_warp();

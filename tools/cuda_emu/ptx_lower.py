@@ -9,6 +9,7 @@ when reached, naming it: code under `#if` that the emulator does not compile (sm
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -66,47 +67,32 @@ def inline_includes(code: str, dirs: list[str], seen: set[str] | None = None) ->
     return _INCLUDE.sub(one, code)
 
 
-def _close(code: str, i: int) -> int:
-    """Index just past the parenthesis closing the one before `i` (string literals skipped)."""
-    depth = 1
-    while depth:
-        c = code[i]
+def _scan(text: str, i: int = 0):
+    """(index, character, parenthesis depth before it) of each character of `text` from `i`, string literals
+    skipped."""
+    depth = 0
+    while i < len(text):
+        c = text[i]
         if c == '"':
             i += 1
-            while code[i] != '"':
-                i += 2 if code[i] == "\\" else 1
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
+            while text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+            continue
+        yield i, c, depth
+        depth += (c == "(") - (c == ")")
         i += 1
-    return i
+
+
+def _close(code: str, i: int) -> int:
+    """Index just past the parenthesis closing the one before `i`."""
+    return next(j for j, c, depth in _scan(code, i) if c == ")" and depth == 0) + 1
 
 
 def _split(text: str, sep: str) -> list[str]:
     """`text` split at `sep` outside parentheses and string literals."""
-    parts, depth, cur, i = [], 0, [], 0
-    while i < len(text):
-        c = text[i]
-        if c == '"':
-            j = i + 1
-            while text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            cur.append(text[i:j + 1])
-            i = j + 1
-            continue
-        if c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        if c == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-        i += 1
-    parts.append("".join(cur))
-    return parts
+    cuts = [-1, *(j for j, c, depth in _scan(text) if c == sep and depth == 0), len(text)]
+    return [text[a + 1:b] for a, b in itertools.pairwise(cuts)]
 
 
 def _operands(text: str) -> list[str]:

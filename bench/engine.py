@@ -19,8 +19,8 @@ import numpy as np
 def build(family: str, seed: int):
     from decapybara.testing import tiny_qwen
 
-    overrides = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    overrides = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096}
     if "qwen3_5" in family:
         overrides.update(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4,
                          linear_num_value_heads=8)

@@ -9,8 +9,9 @@ copies of its weights that they do not stay in the 50 MB L2 between calls (as in
 next product's weights are not cached). Prints per-shape % of the copy bandwidth and the step-weighted total
 (products x their count per step): the time the step spends in these products. `diag` variants skip the
 weight decoding (their results are wrong; they measure what the decoding costs). MXFP4 / NVFP4 weights are
-repacked before each variant into the code layout its kernel reads (`e2m1_split`: split fields or plain
-nibbles, `reads_split`), values unchanged, so every other variant's product is checked against the baseline's.
+repacked before each variant into the code layouts its kernel reads (`e2m1_split`: split fields or plain
+nibbles; `tiled`: band tiles or row-major; `reads_layout`), values unchanged, so every other variant's product
+is checked against the baseline's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
-from decapybara.backend.gemv_plan import e2m1_plain_words, e2m1_split_words
+from decapybara.backend.gemv_plan import band_rows, band_tiles, e2m1_plain_words, e2m1_split_words
 from kernels import KERNEL_DIR, get_kernel
 
 # [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused as
@@ -49,10 +50,11 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("2/SM s2", {"stages": 2, "blocks_per_sm": 2}, ()),     # 2 resident blocks, 2 register stages
     ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
     ("2/SM s4", {"stages": 4, "blocks_per_sm": 2}, ()),     # 4 register stages: a small product's chunks all in flight
-    ("small 2/SM s2", {"small_bytes": 24_000_000}, ()),     # the 2 / 2 build for products under 24 MB of codes ("out")
+    ("no small build", {"small_bytes": 0}, ()),             # "out" on the default build, not the small 2 / 2 one
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
+    ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.
@@ -62,21 +64,32 @@ if os.environ.get("SWEEP_VARIANTS"):  # e.g. "default,3/SM s1"
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["SWEEP_VARIANTS"].split(",")]
 
 
-def reads_split(tune: dict, fmt: str) -> bool:
-    """Whether the kernel of a variant (TUNE overrides `tune`) reads `fmt` codes in the split-field layout: its
-    `e2m1_split` for an E2M1 format, in a kernel file that knows MX_E2M1 (an older one reads plain codes)."""
+def reads_layout(tune: dict, fmt: str, shape: tuple[int, ...]) -> tuple[bool, bool]:
+    """(split, tiled): whether the kernel of a variant (TUNE overrides `tune`) reads `fmt` codes of `shape` in
+    the split-field layout and in band tiles: its `e2m1_split` / `tiled` for an E2M1 format, in a kernel file
+    that knows MX_E2M1 / MX_TILED (an older one reads plain, row-major codes)."""
     full = ex.tune_for(fmt, {**ex.TUNE, **tune})
-    return ex.e2m1_layout(fmt, full["e2m1_split"]) and "MX_E2M1" in (KERNEL_DIR / f"{full['source']}.cu").read_text()
+    src = (KERNEL_DIR / f"{full['source']}.cu").read_text()
+    return (ex.e2m1_layout(fmt, full["e2m1_split"]) and "MX_E2M1" in src,
+            ex.tile_layout(fmt, shape, full["tiled"]) and "MX_TILED" in src)
 
 
-def relayout(weights: dict, split: bool) -> None:
-    """Every E2M1 weight of `weights` (name -> PackedWeights) repacked into the split-field (or plain) code
-    layout where it is in the other one: same values, so products stay comparable across variants."""
+def relayout(weights: dict, tune: dict) -> None:
+    """Every E2M1 weight of `weights` (name -> PackedWeights) repacked into the code layouts the kernel of
+    variant `tune` reads, where it is in others: same values, so products stay comparable across variants."""
     for ws in weights.values():
         for w in ws:
-            if w.fmt in ex.E2M1_FMTS and w.e2m1_split != split:
+            if w.fmt not in ex.E2M1_FMTS:
+                continue
+            split, tiled = reads_layout(tune, w.fmt, w.codes.shape)
+            piece = ex.scale_piece(w.fmt)
+            if w.tiled and not tiled:
+                w.codes, w.scales, w.tiled = band_rows(w.codes), band_rows(w.scales, piece), False
+            if w.e2m1_split != split:
                 w.codes = e2m1_split_words(w.codes) if split else e2m1_plain_words(w.codes)
                 w.e2m1_split = split
+            if tiled and not w.tiled:
+                w.codes, w.scales, w.tiled = band_tiles(w.codes), band_tiles(w.scales, piece), True
     cp.cuda.Device().synchronize()  # the repacks run on the default stream, the timed graphs on their own
 
 
@@ -88,7 +101,7 @@ def precompile(variants: list, fmts: list[str]) -> None:
             full = ex.tune_for(f, {**ex.TUNE, **tune})
             builds = [(1, full), (2, full)] + ([(1, ex.small_tune(full))] if full["small_bytes"] else [])
             for nt, t in builds:
-                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(t, f, reads_split(tune, f)),
+                jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(t, f, *reads_layout(tune, f, (16, 128))),
                                                                 *defines)))
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         list(pool.map(lambda j: get_kernel(*j), sorted(jobs)))
@@ -158,7 +171,7 @@ def main() -> None:
         cols = [f"{n} M{m}" for n in STEP for m in ((1, 12) if n in M12 else (1,))]
         print(f"{'variant':<24}{'step ms':>8}{'M12 ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
         for vname, tune, defines in VARIANTS:
-            relayout(weights, reads_split(tune, fmt))
+            relayout(weights, tune)
             try:
                 with tuned(tune, defines):
                     r = run_variant(weights, xs, copy_bw, None if defines else ref)

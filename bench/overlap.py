@@ -11,7 +11,8 @@ engine step) at OVERLAP_SHAPES (batch x context, default 1x1024,12x1024,1x32768,
   programmatic dependent launch (`pdl.launch`): a product's first weight loads go out while the kernel
   before it finishes, a small kernel is resident and waiting when the product before it ends.
 
-Prints step ms, tok/s and the ratio to "before" per shape.
+Prints step ms, tok/s and the ratio to the first setting per shape. OVERLAP_TUNES names `cupy_ops_extra.TUNE`
+overrides timed under each setting (graphs captured afresh for each), OVERLAP_ROUNDS repeats the sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import cupy as cp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 
 SHAPES = [tuple(int(v) for v in s.split("x"))
@@ -33,6 +35,10 @@ SHAPES = [tuple(int(v) for v in s.split("x"))
 SETTINGS = {"before": "0", "pdl": "1"}  # name: $DECAPYBARA_PDL while the graphs are captured
 if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
     SETTINGS = {k: v for k, v in SETTINGS.items() if k in os.environ["OVERLAP_SETTINGS"].split(",")}
+# named TUNE overrides, each captured and timed under every setting, e.g. '{"": {}, "small": {"small_bytes":
+# 24000000}}'; OVERLAP_ROUNDS > 1 repeats the whole interleaved sequence (run-to-run spread beside the effect)
+TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
+ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
 
 def main() -> None:
@@ -42,8 +48,13 @@ def main() -> None:
     B.fill_random(kv, states)
     model = B.build_model(variant)
     res: dict[str, dict[str, float]] = {}
-    for name, pdl_env in SETTINGS.items():
+    base_tune = dict(ex.TUNE)
+    runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
+            for r in range(ROUNDS) for name, pdl_env in SETTINGS.items() for tname, tune in TUNES.items()]
+    for name, pdl_env, tune in runs:
         os.environ["DECAPYBARA_PDL"] = pdl_env
+        ex.TUNE.clear()
+        ex.TUNE.update({**base_tune, **tune})
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
         for b, ctx in SHAPES:
             batch = B.decode_batch(b, ctx)
@@ -53,13 +64,16 @@ def main() -> None:
         runner = None
         cp.get_default_memory_pool().free_all_blocks()
     os.environ.pop("DECAPYBARA_PDL", None)
-    print(f"\n{variant}, graph decode steps (ms; tok/s; x vs before)")
+    ex.TUNE.clear()
+    ex.TUNE.update(base_tune)
+    first = next(iter(res))
+    print(f"\n{variant}, graph decode steps (ms; tok/s; x vs {first})")
     print(f"{'setting':<22}" + "".join(f"{f'{b}x{c}':>26}" for b, c in SHAPES))
     for name, row in res.items():
         cells = []
         for b, c in SHAPES:
             ms = row[f"{b}x{c}"]
-            cells.append(f"{ms:7.2f} {b / ms * 1e3:7.1f} {res['before'][f'{b}x{c}'] / ms:6.3f}x")
+            cells.append(f"{ms:7.2f} {b / ms * 1e3:7.1f} {res[first][f'{b}x{c}'] / ms:6.3f}x")
         print(f"{name:<22}" + "".join(f"{cell:>26}" for cell in cells))
     dest = os.environ.get("OUT")
     if dest:

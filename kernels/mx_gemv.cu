@@ -10,7 +10,11 @@
 // except that MXFP4 / NVFP4 codes may instead be stored in the split-field layout (MX_E2M1 = 1; the weight's
 // `PackedWeight.e2m1_split`, repacked at load by decapybara/backend/gemv_plan.py `e2m1_split_words`): each
 // 32-bit word keeps its 8 codes, in each 16-bit half the 3-bit magnitudes side by side and the signs in the top
-// 4 bits (mx_pairs.cuh `e2m1_pairs_split`), which decodes in fewer instructions.
+// 4 bits (mx_pairs.cuh `e2m1_pairs_split`), which decodes in fewer instructions; and where N % 16 == 0 and
+// whole 256-code chunks cover K, in band tiles (MX_TILED = 1, `PackedWeight.tiled`, `gemv_plan.band_tiles`): the
+// rows of each band of 16 stored chunk by chunk, 16 rows x 128 bytes, so that the 16 rows one warp streams are
+// one contiguous 2 KB block per chunk (DRAM pages read whole rather than in 128-byte pieces of 16 rows), and
+// their scales likewise (16 rows x a chunk's 8 / 16 scale bytes).
 // Every row must start 16-byte aligned (the wrapper asserts it). A stacked [E, N, K] expert tensor is E such
 // matrices `w_gstride` bytes apart (grouped mode, see below).
 //
@@ -73,6 +77,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #endif
 #ifndef MX_E2M1
 #define MX_E2M1 0  // layout of MXFP4 / NVFP4 codes: 0 plain nibbles, 1 split fields (header); mx_dequant_rows reads both
+#endif
+#ifndef MX_TILED
+#define MX_TILED 0  // code layout: 0 row-major, 1 in 16-row bands of 2 KB chunk tiles (header; E2M1 formats)
 #endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
@@ -183,6 +190,18 @@ template <int FMT> struct LaneRow {  // one lane's codes and scales of one row f
     u32 s;
 };
 
+// Byte offsets of the codes (LB bytes a lane-row) or scales (NS bytes) of (weight row r, lane-row lr = chunk *
+// 4 + t) within one matrix: row_off(r) + lane_off(lr). Row-major: r * row_bytes + lr * LB. Tiled (MX_TILED):
+// the rows of band r / 16 chunk by chunk, each chunk 16 rows x 4 lane-rows (2 KB of E2M1 codes, 128 / 256
+// bytes of MXFP4 / NVFP4 scales), so that a warp's chunk is one contiguous block.
+template <int LB> __device__ __forceinline__ u32 row_off(u32 r, u32 row_bytes) {
+    return MX_TILED ? (r & ~15u) * row_bytes + (r & 15u) * (4 * LB) : r * row_bytes;
+}
+template <int LB> __device__ __forceinline__ u32 lane_off(u32 lr) {
+    return MX_TILED ? (lr >> 2) * (64 * LB) + (lr & 3u) * LB : lr * LB;
+}
+#define CHUNK_STEP(LB) ((MX_TILED ? 64 : 4) * (LB))  // bytes from a lane-row to the next chunk's
+
 template <int NS> __device__ __forceinline__ u32 ld_scales(const u8* p) {  // NS-byte aligned, NS in {1, 2, 4}
     if (NS == 1) return __ldg(p);
     if (NS == 2) return __ldg((const unsigned short*)p);
@@ -197,8 +216,8 @@ __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, u32 wo, c
     constexpr int LK = Fmt<FMT>::LANE_K, LB = Fmt<FMT>::LB, NLD = LB / 16;
     constexpr int NS = Fmt<FMT>::NS, SPAN = NS ? LK / NS : LK;  // codes per scale
     const int k0 = lr * LK;
-    const u8* wp = W + (wo + (u32)(lr * LB));
-    const u8* sp = S + (so + (u32)(lr * NS));
+    const u8* wp = W + (wo + lane_off<LB>((u32)lr));
+    const u8* sp = S + (so + lane_off<NS>((u32)lr));
 #pragma unroll
     for (int p = 0; p < NLD; ++p) {
         bool ok = row_ok && (FMT == FMT_MXFP6 ? k0 < Kp : k0 + p * (LK / NLD) < Kp);
@@ -228,8 +247,8 @@ template <int FMT> __device__ __forceinline__ void load_next(LaneRow<FMT>& r, Ro
         r.w[4 * q] = v.x; r.w[4 * q + 1] = v.y; r.w[4 * q + 2] = v.z; r.w[4 * q + 3] = v.w;
     }
     r.s = NS ? ld_scales<NS>(p.s) : 0u;
-    p.w += 4 * LB;
-    p.s += 4 * NS;
+    p.w += CHUNK_STEP(LB);
+    p.s += CHUNK_STEP(NS);
 }
 
 // Chunk lr / 4's lane-rows of weight rows g and g + 8 into one ring slot: the next chunk of the pointer walk
@@ -305,13 +324,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     const u8* S = A.S + (i64)grp * A.s_gstride;
     const int rows0 = tile * TILE_ROWS + warp * 16;
     const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
-    const u32 wo0 = (u32)(rows0 + g) * (u32)A.w_row, wo8 = wo0 + 8u * (u32)A.w_row;
-    const u32 so0 = (u32)(rows0 + g) * (u32)A.s_row, so8 = so0 + 8u * (u32)A.s_row;
     constexpr int NS = Fmt<FMT>::NS, LB = Fmt<FMT>::LB;
+    const u32 wo0 = row_off<LB>(rows0 + g, A.w_row), wo8 = row_off<LB>(rows0 + g + 8, A.w_row);
+    const u32 so0 = row_off<NS>(rows0 + g, A.s_row), so8 = row_off<NS>(rows0 + g + 8, A.s_row);
     const u32 lr0 = (u32)(c0 * 4 + t), last = (u32)(A.N - 1);
     const u32 rg0 = min((u32)(rows0 + g), last), rg8 = min((u32)(rows0 + g + 8), last);
-    RowPtr p0{W + (rg0 * (u32)A.w_row + lr0 * LB), S + (rg0 * (u32)A.s_row + lr0 * NS)};
-    RowPtr p8{W + (rg8 * (u32)A.w_row + lr0 * LB), S + (rg8 * (u32)A.s_row + lr0 * NS)};
+    RowPtr p0{W + (row_off<LB>(rg0, A.w_row) + lane_off<LB>(lr0)), S + (row_off<NS>(rg0, A.s_row) + lane_off<NS>(lr0))};
+    RowPtr p8{W + (row_off<LB>(rg8, A.w_row) + lane_off<LB>(lr0)), S + (row_off<NS>(rg8, A.s_row) + lane_off<NS>(lr0))};
 
     float acc[Acc<NT>::N][NT][4];
 #pragma unroll
@@ -563,14 +582,25 @@ __device__ __forceinline__ float decode_code(int fmt, u32 c) {
                         : (float)m * (fmt == FMT_MXFP6 ? 0.125f : 0.5f);
     return __uint_as_float(__float_as_uint(mag) | sign);
 }
-// E2M1 code k of a row w: nibble k % 2 of byte k / 2, or (split) code r = k % 4 of 16-bit half k / 4 (bytes
-// 2 (k / 4), little-endian): magnitude at bits 3r..3r+2, sign at bit 12 + (r ^ 1).
-__device__ __forceinline__ u32 e2m1_code(const u8* w, int k, int split) {
-    if (!split) return (w[k >> 1] >> (4 * (k & 1))) & 0xFu;
-    const u32 half = w[2 * (k >> 2)] | ((u32)w[2 * (k >> 2) + 1] << 8), r = k & 3;
+// Byte j of weight row `row`'s codes (piece 128) or scales (piece: a chunk's scale bytes): row-major, or
+// (tiled, E2M1 formats) in 16-row bands of `piece`-byte row pieces, band by band and within a band chunk by
+// chunk (row_off / lane_off above).
+__device__ __forceinline__ const u8* tile_byte(const u8* W, i64 row, i64 row_bytes, int j, int tiled, int piece) {
+    if (!tiled) return W + row * row_bytes + j;
+    return W + (row & ~15LL) * row_bytes + (i64)(j / piece) * (16 * piece) + (row & 15) * piece + j % piece;
+}
+__device__ __forceinline__ const u8* code_byte(const u8* W, i64 row, i64 w_row, int j, int tiled) {
+    return tile_byte(W, row, w_row, j, tiled, 128);
+}
+// E2M1 code k of a row: nibble k % 2 of byte k / 2, or (split) code r = k % 4 of 16-bit half k / 4 (bytes
+// 2 (k / 4), little-endian, in one 128-byte piece): magnitude at bits 3r..3r+2, sign at bit 12 + (r ^ 1).
+__device__ __forceinline__ u32 e2m1_code(const u8* W, i64 row, i64 w_row, int k, int split, int tiled) {
+    if (!split) return (*code_byte(W, row, w_row, k >> 1, tiled) >> (4 * (k & 1))) & 0xFu;
+    const u8* b = code_byte(W, row, w_row, 2 * (k >> 2), tiled);
+    const u32 half = b[0] | ((u32)b[1] << 8), r = k & 3;
     return ((half >> (3 * r)) & 7u) | (((half >> (12 + (r ^ 1))) & 1u) << 3);
 }
-extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, int fmt, int e2m1_split,
+extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, int fmt, int e2m1_split, int tiled,
                                            const i64* rows, int R, int K, i64 w_row, i64 s_row, void* out,
                                            int out_kind) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -588,8 +618,9 @@ extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, i
             const u8* b = w + (k >> 2) * 3;
             u32 word = b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16);
             c = (word >> (6 * (k & 3))) & 0x3Fu;
-        } else c = e2m1_code(w, k, e2m1_split);
-        const u32 s = S[row * s_row + k / (fmt == FMT_NVFP4 ? 16 : 32)];
+        } else c = e2m1_code(W, row, w_row, k, e2m1_split, tiled);
+        const int blk = fmt == FMT_NVFP4 ? 16 : 32;
+        const u32 s = *tile_byte(S, row, s_row, k / blk, tiled, 256 / blk);
         if (fmt == FMT_NVFP4) {
             v = (decode_code(fmt, c) * e4m3_f32(s)) * ts;
         } else {

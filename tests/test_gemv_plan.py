@@ -12,6 +12,9 @@ import pytest
 
 from decapybara.backend.gemv_plan import (
     GemmPlan,
+    band_rows,
+    band_tiles,
+    band_tiles_ok,
     e2m1_plain_words,
     e2m1_split_words,
     merge_tune,
@@ -204,3 +207,32 @@ def test_e2m1_split_a0_multiply_is_exact_for_every_field_value():
     for j, b in enumerate(bits):
         x |= ((np.arange(256, dtype=U) >> U(j)) & U(1)) << U(b)
     np.testing.assert_array_equal((x * U(68)) & (M | S), ((x << U(6)) & M) | ((x << U(2)) & S))
+
+
+def test_band_tiles_put_each_warps_chunk_in_one_block_and_invert():
+    """Byte j of row r of each matrix lands at (r // 16) * 16 B + (j // 128) * 2048 + (r % 16) * 128 + j % 128
+    (the kernel's row_off + lane_off), for single matrices and stacks, and band_rows undoes it."""
+    rng = np.random.default_rng(5)
+    for shape in ((16, 128), (48, 384), (3, 32, 256)):
+        raw = rng.integers(0, 256, shape, dtype=np.uint8)
+        tiles = band_tiles(raw)
+        assert tiles.shape == raw.shape and tiles.dtype == np.uint8 and tiles.flags.c_contiguous
+        np.testing.assert_array_equal(band_rows(tiles), raw)
+        flat = tiles.reshape(-1, shape[-2] * shape[-1])
+        mats = raw.reshape(-1, *shape[-2:])
+        b = shape[-1]
+        for e in range(mats.shape[0]):
+            for r, j in ((0, 0), (shape[-2] - 1, b - 1), (17 % shape[-2], 130 % b), (5, 127)):
+                assert flat[e, (r // 16) * 16 * b + (j // 128) * 2048 + (r % 16) * 128 + j % 128] == mats[e, r, j]
+    one = np.zeros((32, 256), np.uint8)
+    one[16:, 128:] = 1  # band 1's second chunk: the last 2 KB of the matrix
+    assert band_tiles(one).reshape(-1)[-2048:].all() and band_tiles(one).reshape(-1)[:-2048].sum() == 0
+    assert band_tiles_ok((32, 256)) and not band_tiles_ok((24, 256)) and not band_tiles_ok((32, 192))
+    assert not band_tiles_ok((256,))
+    scales = rng.integers(0, 256, (32, 40), dtype=np.uint8)  # MXFP4 scales of K = 1280: 8-byte pieces
+    st = band_tiles(scales, 8)
+    np.testing.assert_array_equal(band_rows(st, 8), scales)
+    assert st.reshape(-1)[(19 // 16) * 16 * 40 + (13 // 8) * 128 + (19 % 16) * 8 + 13 % 8] == scales[19, 13]
+    assert band_tiles_ok((32, 40), 8) and not band_tiles_ok((32, 40), 16)
+    with pytest.raises(AssertionError):
+        band_tiles(np.zeros((8, 128), np.uint8))

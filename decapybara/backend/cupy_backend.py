@@ -119,25 +119,25 @@ class CupyBackend(Backend):
 
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """Stacks device matrices of one storage (float32, bf16 bits, or PackedWeights of one format, tensor
-        scale and E2M1 code layout); None for anything else (e.g. NVFP4 tensors of different tensor scales)."""
+        scale and E2M1 code layouts); None for anything else (e.g. NVFP4 tensors of different tensor scales)."""
         if all(isinstance(w, PackedWeight) for w in weights):
             first = weights[0]
             if any(w.fmt != first.fmt or len(w.shape) != 2 or w.K != first.K or w.tensor_scale != first.tensor_scale
                    or (w.scales is None) != (first.scales is None) or w.e2m1_split != first.e2m1_split
-                   for w in weights):
+                   or w.tiled != first.tiled for w in weights):
                 return None
             codes = cp.concatenate([w.codes for w in weights], axis=0)
             scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
             persistent = all(w.persistent for w in weights)  # stacked at load time from model weights
             fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale, persistent,
-                                 first.e2m1_split)
+                                 first.e2m1_split, first.tiled)  # tiled parts are whole bands: so is their stack
             if not gemm_ready(fused):
                 return None
             views, r = [], 0
             for w in weights:
                 n = w.shape[0]
                 views.append(PackedWeight(w.fmt, w.shape, codes[r:r + n], None if scales is None else scales[r:r + n],
-                                          w.tensor_scale, persistent, w.e2m1_split))
+                                          w.tensor_scale, persistent, w.e2m1_split, w.tiled))
                 r += n
             return fused, views
         if not all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in weights):

@@ -36,7 +36,14 @@ from decapybara.backend.cupy_ops import (
     sm_count,
     to_bf16_bits,
 )
-from decapybara.backend.gemv_plan import e2m1_split_words, merge_tune, plan_gemm
+from decapybara.backend.gemv_plan import (
+    CHUNK_CODES,
+    band_tiles,
+    band_tiles_ok,
+    e2m1_split_words,
+    merge_tune,
+    plan_gemm,
+)
 from decapybara.backend.gemv_plan import tune_for as _tune_for
 from kernels import get_kernel
 
@@ -68,6 +75,10 @@ class PackedWeight:
     launched overlapped (`pdl.launch`) load it before waiting for the kernel before it.
     `e2m1_split`: MXFP4 / NVFP4 codes in the split-field layout (`gemv_plan.e2m1_split_words` of the
     QuantTensor's codes; kernels/mx_gemv.cu decodes it under MX_E2M1 = 1), else plain nibbles; False otherwise.
+    `tiled`: MXFP4 / NVFP4 codes (either field layout) and scales in 16-row bands of chunk tiles
+    (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; kernels/mx_gemv.cu reads them
+    under MX_TILED = 1), else row-major: needs N % 16 == 0 and whole 256-code chunks (`tile_layout`). Row slices
+    of whole bands keep the layout.
     """
 
     fmt: str
@@ -77,6 +88,7 @@ class PackedWeight:
     tensor_scale: float = 1.0
     persistent: bool = False
     e2m1_split: bool = False
+    tiled: bool = False
 
     @property
     def K(self) -> int:
@@ -107,30 +119,48 @@ def e2m1_layout(fmt: str, split: bool | None = None) -> bool:
     return fmt in E2M1_FMTS and bool(tune_for(fmt).get("e2m1_split", 0) if split is None else split)
 
 
+def tile_layout(fmt: str, codes_shape: tuple[int, ...], tiled: bool | None = None) -> bool:
+    """Whether E2M1 codes of shape `codes_shape` get the band-tile layout: `tiled` if given, else TUNE's `tiled`,
+    and only where whole tiles cover the matrix (`band_tiles_ok`); False for formats without E2M1 codes."""
+    want = bool(tune_for(fmt).get("tiled", 0) if tiled is None else tiled)
+    return fmt in E2M1_FMTS and want and band_tiles_ok(tuple(codes_shape))
+
+
+def scale_piece(fmt: str) -> int:
+    """Scale bytes of one weight row per 256-code chunk (a band tile's row piece of scales)."""
+    return CHUNK_CODES // BLOCK[fmt]
+
+
 SPLIT_SLICE = 1 << 26  # bytes of codes repacked at a time (bounds the temporaries of a large tensor)
 
 
-def _split_codes(codes: Any) -> Any:
-    """Device E2M1 codes (C-contiguous uint8, rows of whole 32-bit words) -> a new array of the same shape in the
-    split-field layout, repacked SPLIT_SLICE bytes at a time."""
-    flat, out = codes.reshape(-1), cp.empty_like(codes)
-    dst = out.reshape(-1)
-    for s in range(0, flat.size, SPLIT_SLICE):
-        dst[s:s + SPLIT_SLICE] = e2m1_split_words(flat[s:s + SPLIT_SLICE])
+def repack_codes(codes: Any, split: bool, tiled: bool) -> Any:
+    """Device E2M1 codes, row-major plain nibbles (C-contiguous uint8 [..., N, B], rows of whole 32-bit words)
+    -> a new array of the same shape in the split-field layout (`split`) and / or in band tiles (`tiled`),
+    repacked about SPLIT_SLICE bytes at a time. Bands never straddle two matrices of a stack (N % 16 == 0), so
+    the rows of every matrix are tiled together as one [rows, B] array."""
+    out = cp.empty_like(codes)
+    src, dst = codes.reshape(-1, codes.shape[-1]), out.reshape(-1, codes.shape[-1])
+    step = max(16, SPLIT_SLICE // max(1, src.shape[1]) // 16 * 16)
+    for r in range(0, src.shape[0], step):
+        part = e2m1_split_words(src[r:r + step]) if split else src[r:r + step]
+        dst[r:r + step] = band_tiles(part) if tiled else part
     return out
 
 
-def pack_weight(value: Any, e2m1_split: bool | None = None) -> PackedWeight:
+def pack_weight(value: Any, e2m1_split: bool | None = None, tiled: bool | None = None) -> PackedWeight:
     """A `QuantTensor` (host), a float array (host or device; rounded to bf16) or bf16 bits -> PackedWeight.
-    MXFP4 / NVFP4 codes are repacked into the split-field layout when `e2m1_layout(fmt, e2m1_split)` (by
-    default TUNE's `e2m1_split`), else uploaded as they are."""
+    MXFP4 / NVFP4 codes are repacked into the split-field layout when `e2m1_layout(fmt, e2m1_split)` and into
+    band tiles when `tile_layout(fmt, shape, tiled)` (by default TUNE's `e2m1_split` and `tiled`), else
+    uploaded as they are."""
     if hasattr(value, "to_parts"):
         ts = value.tensor_scale
-        split = e2m1_layout(value.fmt, e2m1_split)
         codes = cp.asarray(np.ascontiguousarray(value.codes))
-        return PackedWeight(value.fmt, tuple(value.shape), _split_codes(codes) if split else codes,
-                            cp.asarray(np.ascontiguousarray(value.scales)), float(ts) if ts is not None else 1.0,
-                            e2m1_split=split)
+        split, tile = e2m1_layout(value.fmt, e2m1_split), tile_layout(value.fmt, codes.shape, tiled)
+        scales = cp.asarray(np.ascontiguousarray(value.scales))
+        return PackedWeight(value.fmt, tuple(value.shape), repack_codes(codes, split, tile) if split or tile else codes,
+                            band_tiles(scales, scale_piece(value.fmt)) if tile else scales,
+                            float(ts) if ts is not None else 1.0, e2m1_split=split, tiled=tile)
     a = value if isinstance(value, cp.ndarray) else cp.asarray(np.asarray(value))
     bits = a if a.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(a, dtype=cp.float32))
     return PackedWeight("bf16", tuple(a.shape), cp.ascontiguousarray(bits))
@@ -139,6 +169,9 @@ def pack_weight(value: Any, e2m1_split: bool | None = None) -> PackedWeight:
 def _check_packed(w: PackedWeight) -> None:
     assert w.fmt in FMT_IDS, f"unknown format {w.fmt!r}"
     assert not w.e2m1_split or w.fmt in E2M1_FMTS, f"{w.fmt} has no E2M1 codes to split"
+    assert not w.tiled or (w.fmt in E2M1_FMTS and band_tiles_ok(w.codes.shape)
+                           and band_tiles_ok(w.scales.shape, scale_piece(w.fmt))), \
+        f"{w.fmt} codes {w.codes.shape} / scales {w.scales.shape} cannot be band tiles"
     lead = w.shape[:-1]
     if w.fmt == "bf16":
         check(w.codes, np.uint16, "codes")
@@ -168,16 +201,17 @@ def _counters(device: int) -> Any:
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
 # bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
-# and a `source` older than MX_E2M1 reads plain codes only). A value is one setting for every format or a dict
+# and a `source` older than MX_E2M1 reads plain codes only); `tiled` likewise puts them in 16-row bands of 2 KB
+# chunk tiles where whole tiles cover the matrix (MX_TILED; the ninth session: step-weighted one-row products
+# 6.23 -> 5.96 ms, a one-stream 27B step ~7%, docs/perf.md). A value is one setting for every format or a dict
 # by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
 # DECAPYBARA_MX_TUNE is merged into the default's. `small_bytes` (0: off): dense one-n-tile products of fewer
 # code bytes run the `small_stages` / `small_blocks_per_sm` build instead (a few chunks per warp: more of them
-# in flight; the eighth session's sweep measured the 27B "out" product at 26.8 -> 34.7% of copy bandwidth with
-# 2 stages at 2 blocks per SM, the larger products within 2.1 points either way).
+# in flight): 24 MB gives the 27B "out" product (16 MB) 28 -> 34% of copy bandwidth, a one-stream step ~2%.
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
-    "min_chunks": 2, "e2m1_split": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
+    "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.85, "source": "mx_gemv",
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
@@ -195,13 +229,15 @@ def small_tune(tune: dict) -> dict:
     return {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
 
 
-def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False) -> tuple[tuple[str, int], ...]:
+def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = False) -> tuple[tuple[str, int], ...]:
     """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for(fmt)`) builds in for weights of
     format `fmt` (MX_ONLY: a module holds that format's kernels alone) whose E2M1 codes are split
-    (`PackedWeight.e2m1_split`, MX_E2M1) or not (plus TUNE_DEFINES)."""
+    (`PackedWeight.e2m1_split`, MX_E2M1) or not, in band tiles (`PackedWeight.tiled`, MX_TILED; only named when
+    set, so that kernel files older than the layout still build) or not (plus TUNE_DEFINES)."""
     return (("MX_ONLY", FMT_IDS[fmt]), ("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]),
             ("MX_ACC", tune["acc"]), ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
-            ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *TUNE_DEFINES)
+            ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
+            *TUNE_DEFINES)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
@@ -237,7 +273,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     # the kernel addresses one group's rows by 32-bit byte offsets
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
-    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split))
+    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
     launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
@@ -295,7 +331,7 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
         get_kernel("mx_gemv", "mx_dequant_rows", MX_NO_GEMM)(
             (-(-out.size // 256),), (256,),
             (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale), I32(FMT_IDS[w.fmt]),
-             I32(int(w.e2m1_split)), rows if rows is not None else null(), I32(r), I32(w.K),
+             I32(int(w.e2m1_split)), I32(int(w.tiled)), rows if rows is not None else null(), I32(r), I32(w.K),
              I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
              out, I32(kind(out_dtype))))
     return out

@@ -18,8 +18,9 @@ A tuning value may be one setting or a dict by weight format ("*": every other f
 it for one format, `merge_tune` lays overrides over a tuning (a dict over a dict merges, anything else
 replaces).
 
-Also the device layout of E2M1 (MXFP4 / NVFP4) weight codes that the kernel decodes in fewer instructions
-(`e2m1_split_words`, inverse `e2m1_plain_words`), pure array arithmetic on numpy or cupy arrays.
+Also the device layouts of E2M1 (MXFP4 / NVFP4) weight codes: split fields, which the kernel decodes in fewer
+instructions (`e2m1_split_words`, inverse `e2m1_plain_words`), and 16-row bands of chunk tiles (codes and scales), which it
+reads as contiguous blocks (`band_tiles`, inverse `band_rows`); pure array arithmetic on numpy or cupy arrays.
 """
 
 from __future__ import annotations
@@ -169,3 +170,35 @@ def e2m1_plain_words(words: Any) -> Any:
         sign = (v >> np.uint32(16 * h + E2M1_SIGN_BIT[r])) & np.uint32(1)
         out |= (mag | (sign << np.uint32(3))) << np.uint32(4 * i)
     return out.view(np.uint8)
+
+
+BAND_ROWS, PIECE = 16, 128  # a tile: 16 weight rows x one 128-byte piece of each (one chunk of E2M1 codes)
+CHUNK_CODES = 256  # codes of one E2M1 chunk: its scales are 256 / block bytes a row (MXFP4 8, NVFP4 16)
+
+
+def band_tiles_ok(shape: tuple[int, ...], piece: int = PIECE) -> bool:
+    """Whether an array [..., N, B] can take the band-tile layout with `piece`-byte row pieces: N % 16 == 0 and
+    B % piece == 0 (whole tiles)."""
+    return len(shape) >= 2 and shape[-2] % BAND_ROWS == 0 and shape[-1] % piece == 0
+
+
+def band_tiles(rows: Any, piece: int = PIECE) -> Any:
+    """Row-major uint8 [..., N, B] (E2M1 codes, piece 128; or their scales, piece 256 / block) -> the band-tile
+    layout, a new array of the same shape and type (numpy or cupy as given; `band_tiles_ok` must hold).
+
+    The rows of each band of 16 are stored chunk by chunk: byte j of row r goes to flat offset (within its
+    matrix) (r // 16) * 16 B + (j // piece) * 16 piece + (r % 16) * piece + j % piece. One warp of
+    kernels/mx_gemv.cu streams one band, so each of its chunks is one contiguous block (MX_TILED): 2 KB of
+    codes, 128 / 256 bytes of scales."""
+    assert band_tiles_ok(rows.shape, piece), f"band tiles need [..., N % 16, B % {piece}], got {rows.shape}"
+    *lead, n, b = rows.shape
+    t = rows.reshape(*lead, n // BAND_ROWS, BAND_ROWS, b // piece, piece).swapaxes(-3, -2)
+    return t.copy().reshape(rows.shape)
+
+
+def band_rows(tiles: Any, piece: int = PIECE) -> Any:
+    """The inverse of `band_tiles`: band tiles [..., N, B] -> row-major, a new array."""
+    assert band_tiles_ok(tiles.shape, piece), f"band tiles need [..., N % 16, B % {piece}], got {tiles.shape}"
+    *lead, n, b = tiles.shape
+    t = tiles.reshape(*lead, n // BAND_ROWS, b // piece, BAND_ROWS, piece).swapaxes(-3, -2)
+    return t.copy().reshape(tiles.shape)

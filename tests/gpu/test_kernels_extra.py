@@ -22,7 +22,7 @@ if not kernels.has_cuda():
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cupy_backend import CupyBackend
-from decapybara.backend.gemv_plan import e2m1_split_words
+from decapybara.backend.gemv_plan import band_tiles, e2m1_split_words
 from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.engine import philox, sampling
 from decapybara.model import quant
@@ -91,7 +91,7 @@ _WEIGHTS: dict = {}
 
 
 @pytest.mark.parametrize("m", [1, 5, 12, 16, 33, 64, 130])
-@pytest.mark.parametrize("n,k", [(1000, 320), (4100, 1536), (130, 64)])
+@pytest.mark.parametrize("n,k", [(1000, 320), (4100, 1536), (130, 64), (1040, 768)])  # the last: band tiles
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     rng = np.random.default_rng(zlib.crc32(f"{fmt}-{n}-{k}-{m}".encode()))
@@ -123,7 +123,11 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     ({"policy": "stream", "acc": 2, "warps": 4}, (4100, 5120)), ({"policy": "stream", "min_chunks": 7}, (300, 5120)),
     ({"blocks_per_sm": 3, "stages": 1}, (4100, 5120)), ({"blocks_per_sm": 2, "stages": 2}, (4100, 5120)),
     ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4100, 5120)),
-    ({"small_bytes": 1 << 40}, (700, 1536)), ({"small_bytes": 1 << 40, "small_stages": 3}, (4100, 5120))])
+    ({"small_bytes": 1 << 40}, (700, 1536)), ({"small_bytes": 1 << 40, "small_stages": 3}, (4100, 5120)),
+    # whole bands of whole chunks: MXFP4 / NVFP4 codes in band tiles (MX_TILED)
+    ({"policy": "stream", "min_chunks": 1}, (4096, 5120)), ({"policy": "stream", "acc": 2, "warps": 4}, (4096, 5120)),
+    ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40}, (704, 1536)),
+    ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120))])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, monkeypatch):
     """Every launch / kernel knob of mx_gemm (ex.TUNE) computes the product, split or not."""
@@ -201,33 +205,54 @@ def test_mx_linear_bias_and_fallback_layout():
     assert_close(got, x4.astype(np.float64) @ w4.T + bias4, 1e-4, "mxfp4 kernel with bias")
 
 
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_e2m1_code_layouts_compute_the_same_products(fmt, split):
-    """MXFP4 / NVFP4 weights packed with plain nibble codes (MX_E2M1 = 0) or split-field codes (MX_E2M1 = 1):
-    the device bytes, the skinny kernels (one to eight n-tiles, more M-tiles; MXFP4 past DENSE_ROWS: the
-    dequantised cuBLAS path), dequantisation of all rows and embedding rows, and fused stacks of one layout."""
-    rng = np.random.default_rng(zlib.crc32(f"layout-{fmt}-{split}".encode()))
-    wq, w_ref = random_weight(rng, fmt, (700, 1536))
-    w = ex.pack_weight(wq, e2m1_split=split)
-    assert w.e2m1_split == split
-    assert_bytes_equal(w.codes, e2m1_split_words(wq.codes) if split else wq.codes, f"{fmt} split={split} codes")
+def test_e2m1_code_layouts_compute_the_same_products(fmt, split, tiled):
+    """MXFP4 / NVFP4 weights packed with plain nibble codes (MX_E2M1 = 0) or split-field codes (MX_E2M1 = 1),
+    row-major or in band tiles (MX_TILED): the device bytes, the skinny kernels (one to eight n-tiles, more
+    M-tiles; MXFP4 past DENSE_ROWS: the dequantised cuBLAS path), dequantisation of all rows and embedding rows,
+    and fused stacks of one layout."""
+    rng = np.random.default_rng(zlib.crc32(f"layout-{fmt}-{split}-{tiled}".encode()))
+    n, k = 704, 1536  # 44 bands of 16 rows, 6 chunks of 256 codes
+    wq, w_ref = random_weight(rng, fmt, (n, k))
+    w = ex.pack_weight(wq, e2m1_split=split, tiled=tiled)
+    assert (w.e2m1_split, w.tiled) == (split, tiled)
+    want = e2m1_split_words(wq.codes) if split else wq.codes
+    assert_bytes_equal(w.codes, band_tiles(want) if tiled else want, f"{fmt} split={split} tiled={tiled} codes")
+    assert_bytes_equal(w.scales, band_tiles(wq.scales, ex.scale_piece(fmt)) if tiled else wq.scales, f"{fmt} scales")
     for m in (1, 12, 40, 130):
-        x = bf16_round(rng.standard_normal((m, 1536))).astype(np.float32)
+        x = bf16_round(rng.standard_normal((m, k))).astype(np.float32)
         got = ex.mx_linear(cp.asarray(x), w)
-        assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} split={split} M{m}")
-    assert_bytes_equal(ex.mx_dequant(w), w_ref.astype(np.float32), f"{fmt} split={split} dequantise all rows")
-    rows = rng.integers(0, 700, 19).astype(np.int64)
+        assert_close(got, x.astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} split={split} tiled={tiled} M{m}")
+    assert_bytes_equal(ex.mx_dequant(w), w_ref.astype(np.float32), f"{fmt} split={split} tiled={tiled} all rows")
+    rows = rng.integers(0, n, 19).astype(np.int64)
     assert_bytes_equal(ex.embedding_rows(w, cp.asarray(rows)), w_ref[rows].astype(np.float32),
-                       f"{fmt} split={split} rows")
-    other = ex.pack_weight(wq, e2m1_split=not split)
+                       f"{fmt} split={split} tiled={tiled} rows")
     backend = CupyBackend("fp32")
-    assert backend.concat_rows([w, other]) is None  # codes of two layouts cannot share one launch
+    for other in (ex.pack_weight(wq, e2m1_split=not split, tiled=tiled),
+                  ex.pack_weight(wq, e2m1_split=split, tiled=not tiled)):
+        assert backend.concat_rows([w, other]) is None  # codes of two layouts cannot share one launch
     fused, (a, b) = backend.concat_rows([w, w])
-    assert fused.e2m1_split == a.e2m1_split == b.e2m1_split == split
-    x = bf16_round(rng.standard_normal((3, 1536))).astype(np.float32)
+    assert fused.e2m1_split == a.e2m1_split == b.e2m1_split == split and fused.tiled == a.tiled == b.tiled == tiled
+    x = bf16_round(rng.standard_normal((3, k))).astype(np.float32)
     ref = x.astype(np.float64) @ w_ref.T
     assert_close(ex.mx_linear(cp.asarray(x), fused), np.concatenate([ref, ref], 1), 1e-4, f"{fmt} fused")
+    assert_close(ex.mx_linear(cp.asarray(x), b), ref, 1e-4, f"{fmt} second view of the stack")
+
+
+@pytest.mark.parametrize("shape", [(700, 1536), (704, 1440), (704, 1520), (16, 256)])
+def test_band_tiles_only_where_whole_tiles_cover_the_matrix(shape):
+    """pack_weight tiles E2M1 codes (TUNE's default) only where N % 16 == 0 and whole 256-code chunks cover the
+    padded K (Kp, a multiple of 32: K = 1520 has Kp = 1536, tiled with a K tail); other weights stay row-major
+    and compute the same product."""
+    rng = np.random.default_rng(zlib.crc32(f"band-{shape}".encode()))
+    wq, w_ref = random_weight(rng, "mxfp4", shape)
+    w = ex.pack_weight(wq)
+    assert w.tiled == (shape[0] % 16 == 0 and -(-shape[1] // 32) * 32 % 256 == 0)
+    x = bf16_round(rng.standard_normal((5, shape[1]))).astype(np.float32)
+    assert_close(ex.mx_linear(cp.asarray(x), w), x.astype(np.float64) @ w_ref.T, 1e-4, f"mxfp4 {shape}")
+    assert not ex.pack_weight(random_weight(rng, "mxfp8", (64, 512))[0]).tiled  # E2M1 formats only
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

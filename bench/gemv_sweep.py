@@ -51,10 +51,12 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
     ("2/SM s4", {"stages": 4, "blocks_per_sm": 2}, ()),     # 4 register stages: a small product's chunks all in flight
     ("no small build", {"small_bytes": 0}, ()),             # "out" on the default build, not the small 2 / 2 one
+    ("small s4", {"small_stages": 4}, ()),                   # the small build with 4 register stages
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
+    ("4 warps", {"warps": 4}, ()),                        # 64-row tiles: twice the tiles of every matrix
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.
@@ -170,8 +172,14 @@ def main() -> None:
         print(f"\n{fmt}: % of copy bandwidth per product (M1 unless marked), step-weighted M1 total")
         cols = [f"{n} M{m}" for n in STEP for m in ((1, 12) if n in M12 else (1,))]
         print(f"{'variant':<24}{'step ms':>8}{'M12 ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
-        for vname, tune, defines in VARIANTS:
+        # the first variant once untimed first: on a freshly started machine the first timed variant ran a few
+        # % slow (ninth session: gate|up M1 57.9% where the same kernels gave 65.6% later in the run)
+        for vname, tune, defines in [(None, *VARIANTS[0][1:]), *VARIANTS]:
             relayout(weights, tune)
+            if vname is None:
+                with tuned(tune, defines):
+                    run_variant(weights, xs, copy_bw, None)
+                continue
             try:
                 with tuned(tune, defines):
                     r = run_variant(weights, xs, copy_bw, None if defines else ref)

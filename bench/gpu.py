@@ -16,8 +16,8 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs; prefill tokens/s (one
    2048-token chunk); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
-   the measured 1k step times the 32k / 1k ratio of 4- and 8-decoder-layer models (3:1 DeltaNet : attention as
-   the model) each extrapolated linearly to 64 layers, t64 = t4 + (t8 - t4) * 15. Its 32k
+   4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
+   t64 = t4 + (t8 - t4) * 15, checked against the measured 64 layers at 1k (a lower bound there). Its 32k
    cache for 12 sequences is the 1-sequence cache repeated along the batch (prefilling 12 x 32k tokens through
    eager attention does not fit the time budget).
 Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth.
@@ -369,11 +369,12 @@ def bench_hf_layers(layers: int, contexts: tuple[int, ...] = CONTEXTS) -> dict[s
 
 
 def bench_hf() -> None:
-    """HF at 1k context with all 64 layers, measured; at 32k estimated from 4- and 8-layer models: their
-    64-layer extrapolations at 32k and at 1k give the ratio 32k / 1k, applied to the measured 64-layer 1k step
-    (prefilling 32k tokens through 64 eager layers does not fit the budget). HF's eager step is bound by its
-    host-side launches, so its absolute time follows the host's speed from run to run; the ratio within one
-    run, on one host, cancels most of that."""
+    """HF at 1k context with all 64 layers, measured; at 32k extrapolated from 4- and 8-layer models
+    (prefilling 32k tokens through 64 eager layers does not fit the budget). The same extrapolation is made at
+    1k and compared with the measured 64-layer step (`extrapolation_vs_measured_1k`): HF's eager step is bound
+    by host-side work that does not grow linearly with depth, and the ninth session measured the 64-layer 1k step
+    at ~4x its extrapolation, so the 32k figures are a lower bound on HF's time (the ratios against it
+    conservative)."""
     full = bench_hf_layers(CFG.num_hidden_layers, (1024,))
     t4 = guarded("hf 4 layers", bench_hf_layers, 4, CONTEXTS, need=40) or {}
     t8 = guarded("hf 8 layers", bench_hf_layers, 8, CONTEXTS, need=40) or {}
@@ -384,16 +385,13 @@ def bench_hf() -> None:
 
     steps = {k: v for k, v in full.items() if k != "prefill_tok_s"}
     extrapolated = {k: to64(t4[k], t8.get(k)) for k in t4 if k != "prefill_tok_s"}
-    for b in BATCHES:
-        lo, hi, meas = extrapolated.get(f"b{b}_ctx1024"), extrapolated.get(f"b{b}_ctx32768"), steps.get(f"b{b}_ctx1024")
-        if lo and hi and meas:
-            steps[f"b{b}_ctx32768"] = meas * hi / lo
+    steps.update({k: v for k, v in extrapolated.items() if k.endswith("ctx32768")})
+    check = {k: full[k] / v for k, v in extrapolated.items() if k in full}
     RESULTS["hf"] = {"t64_step_s": steps, "measured_64_layers": full, "extrapolated_64": extrapolated, "t4_s": t4,
-                     "t8_s": t8, "prefill_tok_s": full.get("prefill_tok_s"),
-                     "note": "1k: all 64 layers measured; 32k: the measured 1k step x the 32k / 1k ratio of the "
-                             "64-layer extrapolations from 4 and 8 layers"}
-    print("HF eager, 64 layers (s/step; 32k from the 1k step and the 4/8-layer ratio):",
-          {k: round(v, 4) for k, v in steps.items()}, "extrapolated:", {k: round(v, 4) for k, v in extrapolated.items()},
+                     "t8_s": t8, "extrapolation_vs_measured_1k": check, "prefill_tok_s": full.get("prefill_tok_s"),
+                     "note": "1k: all 64 layers measured; 32k: extrapolated from 4 and 8 layers (a lower bound)"}
+    print("HF eager, 64 layers (s/step; 32k extrapolated):", {k: round(v, 4) for k, v in steps.items()},
+          "measured / extrapolated at 1k:", {k: round(v, 2) for k, v in check.items()},
           "prefill tok/s", round(full.get("prefill_tok_s", 0), 1))
 
 

@@ -39,9 +39,9 @@ def test_copies_whose_size_is_a_literal_take_the_instruction_text():
 
 
 def test_unknown_instruction_aborts_when_reached_and_operandless_ones_lower():
-    out = lower_asm('asm volatile("griddepcontrol.wait;" ::: "memory");\nasm("prefetch.global.L2 [%0];" :: "l"(p));')
+    out = lower_asm('asm volatile("griddepcontrol.wait;" ::: "memory");\nasm("prefetch.global.L1 [%0];" :: "l"(p));')
     assert 'emu_ptx::nop();' in out
-    assert 'emu_ptx::unsupported("prefetch.global.L2");' in out
+    assert 'emu_ptx::unsupported("prefetch.global.L1");' in out
 
 
 def test_dynamic_shared_memory_becomes_the_launch_buffer():

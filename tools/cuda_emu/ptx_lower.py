@@ -27,6 +27,7 @@ HANDLERS = {
     "mul.rn.ftz.f32": "mul_rn_ftz_f32",
     "griddepcontrol.wait": "nop",
     "griddepcontrol.launch_dependents": "nop",
+    "prefetch.global.L2": "nop",  # a cache hint: no effect on results
     "ld.shared.v4.u32": "ld_shared_v4",
     "ld.shared.v2.u32": "ld_shared_v2",
     "ld.shared.u32": "ld_shared_u32",

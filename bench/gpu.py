@@ -333,7 +333,8 @@ def bench_hf_layers(layers: int, contexts: tuple[int, ...] = CONTEXTS) -> dict[s
 
     def sync_time(fn: Any, reps: int, warmup: int = 3) -> float:
         """Median seconds of `reps` synchronised calls after `warmup` untimed ones (a new shape's first calls
-        run slow: the ninth session saw the first-timed context of each model up to 2x its later steps)."""
+        run slow: the ninth session saw the first-timed context of each model up to 1.4x slower than its 32k
+        steps)."""
         ts = []
         for i in range(reps + warmup):
             torch.cuda.synchronize()

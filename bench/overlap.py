@@ -29,14 +29,17 @@ import gpu as B
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_graph import DecodeGraphRunner
+from decapybara.backend.gemv_plan import merge_tune
 
 SHAPES = [tuple(int(v) for v in s.split("x"))
           for s in os.environ.get("OVERLAP_SHAPES", "1x1024,12x1024,1x32768,12x32768").split(",")]
 SETTINGS = {"before": "0", "pdl": "1"}  # name: $DECAPYBARA_PDL while the graphs are captured
 if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
     SETTINGS = {k: v for k, v in SETTINGS.items() if k in os.environ["OVERLAP_SETTINGS"].split(",")}
-# named TUNE overrides, each captured and timed under every setting, e.g. '{"": {}, "small": {"small_bytes":
-# 24000000}}'; OVERLAP_ROUNDS > 1 repeats the whole interleaved sequence (run-to-run spread beside the effect)
+# named TUNE overrides (merged as DECAPYBARA_MX_TUNE is), each captured and timed under every setting, e.g.
+# '{"": {}, "small": {"small_bytes": 0}}'; OVERLAP_ROUNDS > 1 repeats the whole interleaved sequence (run-to-run
+# spread beside the effect). The weights are packed once, before: layout keys (`e2m1_split`, `tiled`) belong in
+# DECAPYBARA_MX_TUNE, one run per layout
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
@@ -54,7 +57,7 @@ def main() -> None:
     for name, pdl_env, tune in runs:
         os.environ["DECAPYBARA_PDL"] = pdl_env
         ex.TUNE.clear()
-        ex.TUNE.update({**base_tune, **tune})
+        ex.TUNE.update(merge_tune(base_tune, tune))
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
         for b, ctx in SHAPES:
             batch = B.decode_batch(b, ctx)

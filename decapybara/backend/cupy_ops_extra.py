@@ -45,7 +45,7 @@ from decapybara.backend.gemv_plan import (
     plan_gemm,
 )
 from decapybara.backend.gemv_plan import tune_for as _tune_for
-from kernels import get_kernel
+from kernels import KERNEL_DIR, get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
 BITS = {"bf16": 16, "mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
@@ -189,6 +189,12 @@ def gemm_ready(w: PackedWeight) -> bool:
 
 
 @functools.cache
+def _reads_tiles(source: str) -> bool:
+    """Whether kernel file `source` (TUNE's; an older one in bench/gemv_sweep.py) knows the band-tile layout."""
+    return "MX_TILED" in (KERNEL_DIR / f"{source}.cu").read_text()
+
+
+@functools.cache
 def _counters(device: int) -> Any:
     return cp.zeros(1 << 16, cp.int32)  # split-K tile counters: zero at rest, reset by the last block
 
@@ -203,7 +209,7 @@ def _counters(device: int) -> Any:
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
 # and a `source` older than MX_E2M1 reads plain codes only); `tiled` likewise puts them in 16-row bands of 2 KB
 # chunk tiles where whole tiles cover the matrix (MX_TILED; the ninth session: step-weighted one-row products
-# 6.23 -> 5.96 ms, a one-stream 27B step ~7%, docs/perf.md). A value is one setting for every format or a dict
+# 6.02 -> 5.71 ms, a one-stream 27B step ~7%, docs/perf.md). A value is one setting for every format or a dict
 # by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
 # DECAPYBARA_MX_TUNE is merged into the default's. `small_bytes` (0: off): dense one-n-tile products of fewer
 # code bytes run the `small_stages` / `small_blocks_per_sm` build instead (a few chunks per warp: more of them
@@ -273,6 +279,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     # the kernel addresses one group's rows by 32-bit byte offsets
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
+    assert not w.tiled or _reads_tiles(tune["source"]), f"kernels/{tune['source']}.cu does not read band tiles"
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
     launch(func, plan.grid, (32 * warps,),

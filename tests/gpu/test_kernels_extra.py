@@ -101,6 +101,7 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
         _WEIGHTS[(fmt, n, k)] = (ex.pack_weight(wq), w_ref)
     w, w_ref = _WEIGHTS[(fmt, n, k)]
     assert w.e2m1_split == (fmt in ex.E2M1_FMTS)  # MXFP4 / NVFP4: the split-field kernels (pack_weight's default)
+    assert w.tiled == (fmt in ex.E2M1_FMTS and n % 16 == 0 and k % 256 == 0)  # band tiles where whole
     x = rng.standard_normal((m, k)).astype(np.float32)
     xb = bf16_round(x).astype(np.float64)
     ref = xb @ w_ref.T
@@ -114,7 +115,10 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
         assert_close(got, this_ref, rtol, f"mx_linear {fmt} [{m}x{k}] @ [{n}x{k}]^T x={x_dev.dtype} y={out_dtype}")
 
 
-@pytest.mark.parametrize("tune,shape", [
+# launch / kernel knobs of mx_gemm; each case runs with `small_bytes` 0 unless it sets its own, so that one-row
+# products take the build the step's large products use (the default's 24 MB would give every test shape the
+# small build)
+TUNE_CASES = [
     ({"acc": 2}, (700, 1536)), ({"acc": 2, "policy": "balance"}, (700, 1536)), ({"ksplit": 3, "acc": 2}, (700, 1536)),
     ({"stages": 3, "acc": 2}, (700, 1536)), ({"stages": 4, "acc": 1}, (700, 1536)), ({"stages": 1}, (700, 1536)),
     ({"warps": 4, "acc": 2}, (700, 1536)), ({"policy": "wave", "acc": 1}, (4100, 5120)),
@@ -127,13 +131,19 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     # whole bands of whole chunks: MXFP4 / NVFP4 codes in band tiles (MX_TILED)
     ({"policy": "stream", "min_chunks": 1}, (4096, 5120)), ({"policy": "stream", "acc": 2, "warps": 4}, (4096, 5120)),
     ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40}, (704, 1536)),
-    ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120))])
+    ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120)), ({"blocks_per_sm": 3, "stages": 1}, (704, 1536)),
+    ({"small_bytes": ex.TUNE["small_bytes"]}, (704, 1536))]  # the default: the small build
+
+
+@pytest.mark.parametrize("tune,shape", [({"small_bytes": 0, **t}, s) for t, s in TUNE_CASES])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, monkeypatch):
-    """Every launch / kernel knob of mx_gemm (ex.TUNE) computes the product, split or not."""
+    """Every launch / kernel knob of mx_gemm (ex.TUNE) computes the product, split or not; MXFP4 / NVFP4
+    matrices of whole bands and chunks in band tiles."""
     rng = np.random.default_rng(zlib.crc32(f"tune-{fmt}-{sorted(tune.items())}-{shape}".encode()))
     wq, w_ref = random_weight(rng, fmt, shape)
     w = ex.pack_weight(wq)
+    assert w.tiled == (fmt in ex.E2M1_FMTS and shape[0] % 16 == 0 and shape[1] % 256 == 0)
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
     for m in (1, 12, 40):
         x = rng.standard_normal((m, shape[1])).astype(np.float32)
@@ -241,6 +251,22 @@ def test_e2m1_code_layouts_compute_the_same_products(fmt, split, tiled):
     assert_close(ex.mx_linear(cp.asarray(x), b), ref, 1e-4, f"{fmt} second view of the stack")
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_repack_codes_in_slices_keeps_every_experts_bands(split, monkeypatch):
+    """pack_weight's repack of a stacked [E, N, K] tensor in slices of a few bands (SPLIT_SLICE shrunk so that
+    slices cut through the stack): the bytes of E2M1 codes split and / or tiled matrix by matrix, the scales
+    tiled, and the dequantised rows of every expert."""
+    monkeypatch.setattr(ex, "SPLIT_SLICE", 48 * 128)  # 48 rows of 128 code bytes: slices end mid-expert
+    rng = np.random.default_rng(7 + split)
+    q = quant.quantize(rng.standard_normal((3, 32, 256)).astype(np.float32), "mxfp4")
+    w = ex.pack_weight(q, e2m1_split=split)
+    assert w.tiled and w.e2m1_split == split
+    for e in range(3):
+        want = e2m1_split_words(q.codes[e]) if split else q.codes[e]
+        assert_bytes_equal(w.codes[e], band_tiles(want), f"expert {e} codes")
+        assert_bytes_equal(w.scales[e], band_tiles(q.scales[e], ex.scale_piece("mxfp4")), f"expert {e} scales")
+
+
 @pytest.mark.parametrize("shape", [(700, 1536), (704, 1440), (704, 1520), (16, 256)])
 def test_band_tiles_only_where_whole_tiles_cover_the_matrix(shape):
     """pack_weight tiles E2M1 codes (TUNE's default) only where N % 16 == 0 and whole 256-code chunks cover the
@@ -310,6 +336,7 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
         else:
             q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
             weights.append(ex.pack_weight(q, e2m1_split=experts == "mxfp4"))
+            assert weights[-1].tiled == (shape[1] % 16 == 0 and shape[2] % 256 == 0)  # experts in band tiles
             refs.append(q.dequantize())
     ref = NumpyBackend().moe(x, router, *refs, k, normalize)
     got = ex.moe(cp.asarray(x), cp.asarray(router), *weights, k, normalize)

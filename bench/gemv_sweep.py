@@ -52,6 +52,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("2/SM s4", {"stages": 4, "blocks_per_sm": 2}, ()),     # 4 register stages: a small product's chunks all in flight
     ("no small build", {"small_bytes": 0}, ()),             # "out" on the default build, not the small 2 / 2 one
     ("small s4", {"small_stages": 4}, ()),                   # the small build with 4 register stages
+    ("small s3", {"small_stages": 3}, ()),
+    ("small 3/SM s1", {"small_blocks_per_sm": 3, "small_stages": 1}, ()),
+    ("auto_fill 0.7", {"auto_fill": 0.7}, ()),               # tile grids down to 70% of a wave, not stream-K
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)

@@ -42,7 +42,9 @@ from kernels import KERNEL_DIR, get_kernel
 # "q" [12288, 5120] x 16 and "k" [1024, 5120] x 32 (k and v) where q|k|v is now)
 STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
         "out": ((5120, 6144), 64), "q|k|v": ((14336, 5120), 16), "lm_head": ((248320, 5120), 1)}
-M12 = ("gate|up", "down", "qkv|z")
+# products also timed at M = 12 ("M12 ms": their step-weighted sum); SWEEP_M12 names others, e.g. "gate|up,down,
+# qkv|z,out,q|k|v" (the column is then not comparable with docs/perf.md's earlier tables)
+M12 = tuple(os.environ.get("SWEEP_M12", "gate|up,down,qkv|z").split(","))
 L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 
 VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
@@ -54,7 +56,10 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("small s4", {"small_stages": 4}, ()),                   # the small build with 4 register stages
     ("small s3", {"small_stages": 3}, ()),
     ("small 3/SM s1", {"small_blocks_per_sm": 3, "small_stages": 1}, ()),
-    ("auto_fill 0.7", {"auto_fill": 0.7}, ()),               # tile grids down to 70% of a wave, not stream-K
+    ("auto_fill 0.85", {"auto_fill": 0.85}, ()),             # stream-K below 85% of a wave (before the ninth session)
+    ("ksplit 2", {"ksplit": 2}, ()),                         # every product on a tile grid of 2 / 3 / 4 K splits
+    ("ksplit 3", {"ksplit": 3}, ()),
+    ("ksplit 4", {"ksplit": 4}, ()),
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
@@ -152,7 +157,7 @@ def run_variant(weights: dict, xs: dict, copy_bw: float, ref: dict | None) -> di
             err = float(np.max(np.abs(got - ref[name])) / (np.max(np.abs(ref[name])) + 1e-30))
             out["max_rel_err_vs_base"] = max(out.get("max_rel_err_vs_base", 0.0), err)
     out["step_us_M1"] = step_us
-    out["step_us_M12_main"] = m12_us  # the M12-timed products (gate|up, down, qkv|z), weighted by their count
+    out["step_us_M12_main"] = m12_us  # the M12-timed products (M12: gate|up, down, qkv|z), weighted by their count
     return out
 
 

@@ -35,7 +35,7 @@ from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.gemv_plan import band_rows, band_tiles, e2m1_plain_words, e2m1_split_words
-from kernels import KERNEL_DIR, get_kernel
+from kernels import get_kernel
 
 # [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused as
 # QwenModel fuses them: gate|up, qkv|z, q|k|v; the sweeps in docs/perf.md up to the seventh session's had
@@ -79,9 +79,8 @@ def reads_layout(tune: dict, fmt: str, shape: tuple[int, ...]) -> tuple[bool, bo
     the split-field layout and in band tiles: its `e2m1_split` / `tiled` for an E2M1 format, in a kernel file
     that knows MX_E2M1 / MX_TILED (an older one reads plain, row-major codes)."""
     full = ex.tune_for(fmt, {**ex.TUNE, **tune})
-    src = (KERNEL_DIR / f"{full['source']}.cu").read_text()
-    return (ex.e2m1_layout(fmt, full["e2m1_split"]) and "MX_E2M1" in src,
-            ex.tile_layout(fmt, shape, full["tiled"]) and "MX_TILED" in src)
+    return (ex.e2m1_layout(fmt, full["e2m1_split"]) and ex.kernel_knows(full["source"], "MX_E2M1"),
+            ex.tile_layout(fmt, shape, full["tiled"]) and ex.kernel_knows(full["source"], "MX_TILED"))
 
 
 def relayout(weights: dict, tune: dict) -> None:

@@ -17,7 +17,7 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    2048-token chunk); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
    4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
-   t64 = t4 + (t8 - t4) * 15, checked against the measured 64 layers at 1k (a lower bound there). Its 32k
+   t64 = t4 + (t8 - t4) * 15; the same extrapolation at 1k is printed beside the measured 64 layers. Its 32k
    cache for 12 sequences is the 1-sequence cache repeated along the batch (prefilling 12 x 32k tokens through
    eager attention does not fit the time budget).
 Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth.

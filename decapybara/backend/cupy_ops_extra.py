@@ -189,9 +189,10 @@ def gemm_ready(w: PackedWeight) -> bool:
 
 
 @functools.cache
-def _reads_tiles(source: str) -> bool:
-    """Whether kernel file `source` (TUNE's; an older one in bench/gemv_sweep.py) knows the band-tile layout."""
-    return "MX_TILED" in (KERNEL_DIR / f"{source}.cu").read_text()
+def kernel_knows(source: str, define: str) -> bool:
+    """Whether kernel file `source` (TUNE's; an older one in bench/gemv_sweep.py) knows layout define `define`
+    (MX_E2M1, MX_TILED); read once per file and define."""
+    return define in (KERNEL_DIR / f"{source}.cu").read_text()
 
 
 @functools.cache
@@ -282,7 +283,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     # the kernel addresses one group's rows by 32-bit byte offsets
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
-    assert not w.tiled or _reads_tiles(tune["source"]), f"kernels/{tune['source']}.cu does not read band tiles"
+    assert not w.tiled or kernel_knows(tune["source"], "MX_TILED"), f"kernels/{tune['source']}.cu reads no band tiles"
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
     launch(func, plan.grid, (32 * warps,),

@@ -83,6 +83,23 @@ def guarded(name: str, fn: Any, *args: Any, need: float = 10.0) -> Any:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def shape_table(first: str, rows: dict[str, Any], shapes: list[tuple[int, int]], cell: Any, width: int = 22) -> None:
+    """Print one line per named row and one column per (batch, context) shape: cell(row, batch, context) -> str.
+    (bench/overlap.py and bench/what_if.py.)"""
+    print(f"{first:<{width}}" + "".join(f"{f'{b}x{c}':>26}" for b, c in shapes))
+    for name, row in rows.items():
+        print(f"{name:<{width}}" + "".join(f"{cell(row, b, c):>26}" for b, c in shapes))
+
+
+def decode_setup(variant: str) -> tuple[Any, Any, QwenModel]:
+    """(bf16 KV pages and DeltaNet states for SLOTS sequences of SEQ_PAGES pages, filled at random; the model
+    of `variant`): what the graph-step benchmarks (bench/overlap.py, bench/what_if.py) time."""
+    kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE, "16/16")
+    states = CupyBackend("bf16").new_state_pool(CFG, SLOTS + 1)
+    fill_random(kv, states)
+    return kv, states, build_model(variant)
+
+
 def median_time(fn: Any, reps: int, warmup: int = 2) -> float:
     """Median seconds of fn() with a device sync after each call (as an engine step reads its tokens)."""
     for _ in range(warmup):

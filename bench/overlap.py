@@ -46,10 +46,7 @@ ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
 def main() -> None:
     variant = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
-    kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE, "16/16")
-    states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
-    B.fill_random(kv, states)
-    model = B.build_model(variant)
+    kv, states, model = B.decode_setup(variant)
     res: dict[str, dict[str, float]] = {}
     base_tune = dict(ex.TUNE)
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
@@ -71,13 +68,11 @@ def main() -> None:
     ex.TUNE.update(base_tune)
     first = next(iter(res))
     print(f"\n{variant}, graph decode steps (ms; tok/s; x vs {first})")
-    print(f"{'setting':<22}" + "".join(f"{f'{b}x{c}':>26}" for b, c in SHAPES))
-    for name, row in res.items():
-        cells = []
-        for b, c in SHAPES:
-            ms = row[f"{b}x{c}"]
-            cells.append(f"{ms:7.2f} {b / ms * 1e3:7.1f} {res[first][f'{b}x{c}'] / ms:6.3f}x")
-        print(f"{name:<22}" + "".join(f"{cell:>26}" for cell in cells))
+    def cell(row: dict[str, float], b: int, c: int) -> str:
+        ms = row[f"{b}x{c}"]
+        return f"{ms:7.2f} {b / ms * 1e3:7.1f} {res[first][f'{b}x{c}'] / ms:6.3f}x"
+
+    B.shape_table("setting", res, SHAPES, cell)
     dest = os.environ.get("OUT")
     if dest:
         Path(dest, "overlap.json").write_text(json.dumps({variant: res}, indent=1))

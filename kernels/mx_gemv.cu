@@ -34,6 +34,19 @@
 // writes rows off_e + m of y, uses weights W + e * w_gstride.
 // Programmatic dependent launch (pdl.cuh): a dense launch loads its first register stages of weights, then
 // waits for the kernel before it; it lets its own dependents launch once its K loop is done.
+// Fused residual add and RMSNorm across two dense products (decapybara/backend/cupy_ops_extra.py
+// `mx_linear_add_norm`, `NormedRows`), so that no norm kernel runs between them:
+// - the producer (res != 0) stores y = x @ W^T * post + bias + res (res: the residual stream, y's shape and
+//   stride; the same float operations as the product then a separate add), xg = y * (gw_off + gw[n]) (the
+//   next norm's weight applied; same shape) and each output tile's sums of squares of its y rows, sq[m,
+//   tile] (tiles of TILE_ROWS columns; a fixed order: per warp a butterfly over its 16 rows, then the warps
+//   in order);
+// - the consumer (nsq != 0) takes x = such an xg and divides each output by its row's denom = sqrt(sum / K +
+//   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
+//   computed while the first weight loads are in flight): the product of rms_norm(y) = y / denom * (gw_off
+//   + gw), with y (gw_off + gw) rounded to bf16 as any x.
+// Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
+// (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -302,6 +315,8 @@ struct Args {
     float* partial; int* counters;
     int M, N, K, Kp; i64 w_row, s_row, w_gstride, s_gstride;
     const int* g_off; const int* g_cnt; int mtiles, cps, x_vec, stream;
+    const float* res; float* sq; float* xg; const float* gw; float gw_off;  // fused producer (header), else null
+    const float* nsq; int nsq_tiles; float n_eps;                          // fused consumer, else nsq null
 };
 
 // One output tile's K range [c0, c1) of chunks, as contributor `part` of `nparts` (nparts 1: the whole K range,
@@ -310,10 +325,11 @@ struct Args {
 // WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
 // and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
 template <int FMT, int NT, bool WHOLE>
-__device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_flag, const int grp, const int mt,
-                                           const int tile, const int c0, const int c1, const int part,
-                                           const int nparts) {
+__device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, int& last_flag,
+                                           const int grp, const int mt, const int tile, const int c0,
+                                           const int c1, const int part, const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
+    constexpr bool FUSE = NT == 1;  // fused norms (header): one-n-tile kernels only, the wider ones keep their code
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
     const int m0 = mt * MT;
@@ -364,6 +380,18 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
         if (c0 + s < c1)
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
     pdl_wait();  // x, partials and counters belong to the kernels before this one
+    // Fused consumer: each real row's denominator, read by the epilogue (after the staging loop's barriers),
+    // while the first weight loads are in flight; a warp a row: lane-strided tile sums, then a butterfly.
+    if (FUSE && A.nsq) {
+        for (int m = warp; m < m_valid; m += WARPS) {
+            const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
+            float s = (lane < A.nsq_tiles ? q[lane] : 0.f) + (lane + 32 < A.nsq_tiles ? q[lane + 32] : 0.f);
+            for (int i = lane + 64; i < A.nsq_tiles; i += 32) s += q[i];
+#pragma unroll
+            for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) nden[m] = sqrtf(s / (float)A.K + A.n_eps);
+        }
+    }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
     for (int sb = c0; sb < c1; sb += segc) {
         // stage x[m0:m0+m_valid, chunks sb..sb+segc) in the k-slot permutation
@@ -444,6 +472,9 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
             for (int q = 0; q < 4; ++q) acc[0][i][q] += acc[a][i][q];
     const int ntiles = (A.N + TILE_ROWS - 1) / TILE_ROWS;
     const bool split = nparts > 1;
+    float sq2[NT][2];  // fused producer, direct stores: this lane's sums of squares of rows m = nt 8 + 2t + j
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) sq2[nt][0] = sq2[nt][1] = 0.f;
     if (warp_on) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -454,12 +485,38 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
                 if (split) {
                     A.partial[((i64)part * A.M + m0 + m) * A.N + n] = acc[0][nt][q];
                 } else {
-                    float v = acc[0][nt][q] * A.post + (A.bias ? A.bias[n] : 0.f);
-                    store_kind(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + n, v);
+                    const float a = FUSE && A.nsq ? acc[0][nt][q] / nden[m] : acc[0][nt][q];
+                    float v = a * A.post + (A.bias ? A.bias[n] : 0.f);
+                    const i64 o = (i64)(y_off + m0 + m) * A.ldy + n;
+                    if (FUSE && A.res) {
+                        v += A.res[o];
+                        sq2[nt][q & 1] += v * v;  // rows g then g + 8
+                        A.xg[o] = v * (A.gw_off + __ldg(A.gw + n));
+                    }
+                    store_kind(A.y, A.y_kind, o, v);
                 }
             }
     }
-    if (!split) return;
+    if (!split) {
+        if (!FUSE || !A.res) return;
+        // the tile's sums of squares: over the warp's 16 rows (lanes of one t), then over the warps in order
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float s = sq2[nt][j];
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                if (g == 0) sqp[warp * MT + nt * 8 + 2 * t + j] = s;
+            }
+        __syncthreads();
+        if (tid < m_valid) {
+            float s = 0.f;
+            for (int w = 0; w < WARPS; ++w) s += sqp[w * MT + tid];
+            A.sq[(i64)(m0 + tid) * ntiles + tile] = s;
+        }
+        return;
+    }
     __threadfence();
     __syncthreads();
     int* ctr = A.counters + (i64)mt * ntiles + tile;
@@ -467,12 +524,36 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, int& last_fla
     __syncthreads();
     if (!last_flag) return;
     __threadfence();
-    for (int i = tid; i < MT * TILE_ROWS; i += blockDim.x) {
-        const int m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
-        if (m >= m_valid || n >= A.N) continue;
-        float s = 0.f;
-        for (int ks = 0; ks < nparts; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
-        store_kind(A.y, A.y_kind, (i64)(m0 + m) * A.ldy + n, s * A.post + (A.bias ? A.bias[n] : 0.f));
+    // blockDim.x = 2 TILE_ROWS: each pass covers rows m, m + 1 of the tile, each warp 32 of one row's columns
+    for (int i0 = 0; i0 < MT * TILE_ROWS; i0 += blockDim.x) {
+        const int i = i0 + tid, m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
+        float v = 0.f;
+        if (m < m_valid && n < A.N) {
+            float s = 0.f;
+            for (int ks = 0; ks < nparts; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
+            if (FUSE && A.nsq) s /= nden[m];
+            v = s * A.post + (A.bias ? A.bias[n] : 0.f);
+            const i64 o = (i64)(m0 + m) * A.ldy + n;
+            if (FUSE && A.res) {
+                v += A.res[o];
+                A.xg[o] = v * (A.gw_off + __ldg(A.gw + n));
+            }
+            store_kind(A.y, A.y_kind, o, v);
+        }
+        if (FUSE && A.res) {  // fused producer: this warp's 32 columns, then (below) the row's warps in order
+            float s = v * v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) sqp[m * (TILE_ROWS / 32) + (i % TILE_ROWS) / 32] = s;
+        }
+    }
+    if (FUSE && A.res) {
+        __syncthreads();
+        if (tid < m_valid) {
+            float s = 0.f;
+            for (int w = 0; w < TILE_ROWS / 32; ++w) s += sqp[tid * (TILE_ROWS / 32) + w];
+            A.sq[(i64)(m0 + tid) * ntiles + tile] = s;
+        }
     }
     if (tid == 0) *ctr = 0;
 }
@@ -498,8 +579,10 @@ __device__ __forceinline__ void stream_unit(T u, T u_end, T U, T B, int nchunks,
 template <int FMT, int NT>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
-    static_assert(MT * RS * 2 + 4 <= 48 * 1024, "x buffer over the static shared-memory limit");
+    static_assert(MT * RS * 2 + 4 * (MT + WARPS * MT) + 4 <= 48 * 1024, "shared memory over the static limit");
     __shared__ __align__(16) u16 xs[MT * RS];
+    constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
+    __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
     __shared__ int last_flag;
     if (A.g_cnt) pdl_wait();  // group counts come from the router's kernels
     const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
@@ -527,9 +610,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
             step = c1 - c0;
         }
         if (whole)
-            mx_segment<FMT, NT, true>(A, xs, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, true>(A, xs, nden, sqp, last_flag, grp, mt, tile, c0, c1, part, nparts);
         else
-            mx_segment<FMT, NT, false>(A, xs, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, false>(A, xs, nden, sqp, last_flag, grp, mt, tile, c0, c1, part, nparts);
         u += step;
     }
 }
@@ -539,9 +622,11 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \
-        int mtiles, int cps, int x_vec, int stream) {                                                        \
+        int mtiles, int cps, int x_vec, int stream, const float* res, float* sq, float* xg, const float* gw, \
+        float gw_off, const float* nsq, int nsq_tiles, float n_eps) {                                        \
         Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
-               w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream};               \
+               w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream, res, sq, xg,   \
+               gw, gw_off, nsq, nsq_tiles, n_eps};                                                          \
         mx_gemm_impl<FMT, NT>(a);                                                                           \
     }
 #define MX_FORMAT(NAME, FMT) \

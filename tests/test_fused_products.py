@@ -181,3 +181,50 @@ def test_fused_qkv_needs_biases_on_all_three_or_none():
     fused = model._fuse_attention_inputs()
     assert a not in fused and len(fused) == len(cfg.attention_layers) - 1
     assert model.w[f"{a}.k_proj.weight"] is tensors[f"{a}.k_proj.weight"]
+
+
+class Deferred:
+    """Normed rows a backend hands back from `linear_add_rms_norm` in a deferred form: only `shape` and the
+    backend's `linear` may touch them (anything else raises), as `NormedRows` on the GPU."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows, self.shape = rows, rows.shape
+
+
+class DeferringBackend(FusingNumpyBackend):
+    """Fuses the output projections with the residual add and the next norm the way CupyBackend does (normed
+    rows deferred to the next products), computing the plain values; counts the fused calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+
+    def linear_add_rms_norm(self, x, weight, bias, residual, norm_weight, eps, offset):
+        self.fused += 1
+        normed, h = super().linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, offset)
+        return Deferred(normed), h
+
+    def linear(self, x, weight, bias=None):
+        return super().linear(x.rows if isinstance(x, Deferred) else x, weight, bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"])
+def test_output_projections_fuse_into_the_next_norm(family, bias):
+    """Every block's output projection runs with the residual add and the next norm (`linear_add_rms_norm`)
+    where that norm's rows go only to products: the post-attention norm before a dense MLP (not before a MoE
+    block, whose router takes the rows) and the next layer's input norm after a dense MLP's down projection
+    (a MoE block's output is no single product). The normed rows reach nothing but `linear`, and the logits
+    are the unfused model's, bit for bit."""
+    cfg, tensors = tiny_checkpoint(family)
+    if bias:
+        cfg, tensors = with_attention_biases(cfg, tensors)
+    plain = QwenModel.from_tensors(cfg, FusingNumpyBackend(), tensors)
+    backend = DeferringBackend()
+    fused = QwenModel.from_tensors(cfg, backend, tensors)
+    chunks = [9, 1, 1]
+    for got, ref in zip(logits_of(fused, chunks), logits_of(plain, chunks)):
+        np.testing.assert_array_equal(got, ref)
+    dense = [not cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
+    assert backend.fused == len(chunks) * (sum(dense) + sum(dense[:-1]))
+    assert backend.fused > 0 or "moe" in family

@@ -151,6 +151,14 @@ class Backend(ABC):
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """x @ weight^T (+ bias): [T, in] -> [T, out]."""
 
+    def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any, residual: Any, norm_weight: Any, eps: float,
+                            offset: float) -> tuple[Any, Any]:
+        """`add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps, offset)`: a block's output
+        projection, the residual add and the next norm. A backend may fuse them and return the normed rows in a
+        deferred form: the caller passes them only to this backend's `linear` (as x) and reads only their
+        `shape`. The new residual must equal the plain float32 `linear(...) + residual`."""
+        return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps, offset)
+
     @abstractmethod
     def silu_mul(self, gate: Any, up: Any) -> Any: ...
 

@@ -24,7 +24,14 @@ from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
 from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
-from decapybara.backend.cupy_ops_extra import DENSE_ROWS, PackedWeight, gemm_ready, mx_linear
+from decapybara.backend.cupy_ops_extra import (
+    DENSE_ROWS,
+    NormedRows,
+    PackedWeight,
+    gemm_ready,
+    mx_linear,
+    mx_linear_add_norm,
+)
 from decapybara.backend.kv_codec import BF16Codec, codec_for
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import ModelConfig
@@ -96,20 +103,38 @@ class CupyBackend(Backend):
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Skinny products (at most SKINNY_ROWS rows: decode, speculative verification, small chunks) run on
         the skinny-GEMM kernels (kernels/mx_gemv.cu), which need no cuBLAS and so are capturable by decode
-        graphs; larger ones go to cuBLAS."""
-        if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2:
-            if weight.dtype == cp.float32 and weight.flags.c_contiguous:
-                return ops.gemv_f32(x, weight, bias)
-            if weight.dtype == cp.uint16:
-                packed = PackedWeight("bf16", weight.shape, weight, persistent=True)  # `linear` takes model weights
-                if gemm_ready(packed):
-                    return mx_linear(cp.ascontiguousarray(x, dtype=cp.float32), packed, bias,
-                                     out_dtype=cp.float32)
+        graphs; larger ones go to cuBLAS. x may be `NormedRows` (from `linear_add_rms_norm`): bf16 products
+        of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows."""
+        if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2 and weight.dtype == cp.uint16:
+            packed = PackedWeight("bf16", weight.shape, weight, persistent=True)  # `linear` takes model weights
+            if gemm_ready(packed):
+                x = x if isinstance(x, NormedRows) else cp.ascontiguousarray(x, dtype=cp.float32)
+                return mx_linear(x, packed, bias, out_dtype=cp.float32)
+        if isinstance(x, NormedRows):
+            x = x.materialize()
+        if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous:
+            return ops.gemv_f32(x, weight, bias)
         if weight.dtype == cp.uint16:
             y = ops.gemm_bf16(ops.to_bf16_bits(x), weight)
         else:
             y = cp.matmul(ops.f32(x), weight.T)
         return y + bias if bias is not None else y
+
+    def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any, residual: Any, norm_weight: Any, eps: float,
+                            offset: float) -> tuple[Any, Any]:
+        """Products of up to 8 rows (decode) over packed or bf16 weights fuse the residual add into their
+        epilogue and leave the norm to the products that read its rows (`NormedRows`, `mx_linear_add_norm`):
+        no norm kernel between them. Anything else runs the plain ops."""
+        w = weight
+        if not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == cp.uint16:
+            w = PackedWeight("bf16", w.shape, w, persistent=True)
+        if (isinstance(w, PackedWeight) and x.shape[0] <= SKINNY_ROWS and residual.dtype == cp.float32
+                and residual.flags.c_contiguous and norm_weight.dtype == cp.float32):
+            got = mx_linear_add_norm(cp.ascontiguousarray(x, dtype=cp.float32), w, bias, residual, norm_weight, eps,
+                                     offset)
+            if got is not None:
+                return got
+        return super().linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, offset)
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
         return ops.silu_mul(gate, up)

@@ -217,12 +217,14 @@ def _counters(device: int) -> Any:
 # in flight): 24 MB gives the 27B "out" product (16 MB) 28 -> 34% of copy bandwidth, a one-stream step ~2%.
 # `auto_fill` 0.7 (was 0.85): tile grids down to 70% of a wave rather than stream-K; the 27B q|k|v (one and
 # twelve rows) and twelve-row "out" products take a tile grid then (twelve-row "out" 17 -> 22% of copy
-# bandwidth), twelve-stream steps ~3% faster (three interleaved captures each, docs/perf.md).
+# bandwidth), twelve-stream steps ~3% faster (three interleaved captures each, docs/perf.md). `fuse_norms` (0:
+# off) lets a block's output projection add the residual and sum its rows' squares, and the next products
+# stage the norm themselves (`mx_linear_add_norm`, `NormedRows`): no norm kernel between them.
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
-    "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv",
+    "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -250,16 +252,48 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             *TUNE_DEFINES)
 
 
+@dataclass
+class NormedRows:
+    """rms_norm(h) = h / denom * (offset + weight) not yet computed, as `mx_linear_add_norm` leaves it: h
+    float32 [T, H] (contiguous), xg = h * (offset + weight) float32 [T, H], sq float32 [T, tiles] the sums of
+    squares of h's rows by tile of the product's columns, the norm's weight float32 [H], eps and offset.
+    `mx_linear` takes the product over xg and divides each row's outputs by its denom = sqrt(sum(sq) / H +
+    eps) (one launch, no norm kernel); anything else takes `materialize()`."""
+
+    h: Any
+    xg: Any
+    sq: Any
+    weight: Any
+    eps: float
+    offset: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.h.shape
+
+    def materialize(self) -> Any:
+        """The normalised rows as a float32 array (the norm kernel: its own sums of squares)."""
+        from decapybara.backend.cupy_ops import rms_norm
+
+        return rms_norm(self.h, self.weight, self.eps, self.offset)
+
+
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
-          max_rows: int | None = None) -> None:
+          max_rows: int | None = None, res: Any = None, norm: NormedRows | None = None) -> Any:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts)).
     A persistent weight's launch may overlap the kernel before it (`pdl.launch`): the kernel loads its first
     weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
-    kernel file (`tune["source"]`, no wait in it), launch plainly."""
+    kernel file (`tune["source"]`, no wait in it), launch plainly.
+    Dense launches may fuse the residual add and RMSNorm across two products (kernels/mx_gemv.cu, header):
+    `res` = (residual, xg, gw, offset) (float32, y's shape; y float32 contiguous; gw [N]) makes y = x @ w^T +
+    residual, xg = y * (offset + gw) and returns y's rows' sums of squares by output tile, float32 [M, tiles];
+    `norm` (x = norm.xg) divides each output row by its denominator from norm.sq."""
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
+    fused = res is not None or norm is not None
+    assert not fused or (groups is None and gather is None and m <= FUSED_ROWS), "fused norms: dense, M <= 8"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
-        return
+        return empty((m, 0), cp.float32) if res is not None else None
     tune = tune_for(w.fmt)
     counters = _counters(cp.cuda.Device().id)
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
@@ -286,6 +320,25 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     assert not w.tiled or kernel_knows(tune["source"], "MX_TILED"), f"kernels/{tune['source']}.cu reads no band tiles"
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
+    sq = None
+    fuse_args: tuple[Any, ...] = ()
+    if kernel_knows(tune["source"], "nsq_tiles"):  # older kernel files (bench/gemv_sweep.py) take no fused norms
+        residual, xg, gw, gw_off = res if res is not None else (null(), null(), null(), 0.0)
+        if res is not None:
+            for a, name in ((residual, "residual"), (xg, "xg")):
+                check(a, np.float32, name, 2)
+                assert a.shape == y.shape, f"{name} {a.shape} vs y {y.shape}"
+            check(gw, np.float32, "gw", 1)
+            assert y.dtype == np.float32 and y.flags.c_contiguous and gw.shape[0] == n
+            sq = empty((m, nrb), cp.float32)
+        if norm is not None:
+            check(norm.sq, np.float32, "norm.sq", 2)
+            assert x is norm.xg and norm.sq.shape[0] == m
+        fuse_args = (residual, sq if sq is not None else null(), xg, gw, F32(gw_off),
+                     norm.sq if norm is not None else null(), I32(norm.sq.shape[1] if norm is not None else 0),
+                     F32(norm.eps if norm is not None else 0.0))
+    else:
+        assert not fused, f"kernels/{tune['source']}.cu fuses no norms"
     launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
@@ -293,18 +346,34 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
           counters, I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
-          I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream))))
+          I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream)), *fuse_args))
+    return sq
 
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM
+FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) may fuse norms (mx_linear_add_norm)
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
 
 
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:
     """y [M, N] = x [M, K] @ w^T (+ bias float32 [N]); x float32 / bf16 bits / float16, y in `out_dtype`
-    (default x's). Weights dequantised in registers; x is rounded to bf16; float32 accumulation."""
+    (default x's). Weights dequantised in registers; x is rounded to bf16; float32 accumulation.
+    x may be `NormedRows`: a product of at most FUSED_ROWS rows takes them as they are (one launch), others
+    materialise them."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
+    if isinstance(x, NormedRows):
+        if not (gemm_ready(w) and x.shape[0] <= FUSED_ROWS and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")):
+            return mx_linear(x.materialize(), w, bias, out_dtype)
+        check(x.xg, np.float32, "x", 2)
+        assert x.shape[1] == w.K, f"x {x.shape} @ w {w.shape}^T"
+        if bias is not None:
+            check(bias, np.float32, "bias", 1)
+            assert bias.shape[0] == w.N
+        y = empty((x.shape[0], w.N), out_dtype or np.float32)
+        if y.size:
+            _gemm(x.xg, w, y, bias=bias, norm=x)
+        return y
     check(x, x.dtype, "x", 2)
     kind(x.dtype)
     assert x.shape[1] == w.K, f"x {x.shape} @ w {w.shape}^T"
@@ -328,6 +397,32 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     if x.shape[0] and w.N:
         _gemm(x, w, y, bias=bias)
     return y
+
+
+def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_weight: Any, eps: float,
+                       offset: float) -> tuple[NormedRows, Any] | None:
+    """(rms_norm(h), h) with h = x @ w^T (+ bias) + residual in one skinny product: h, h * (offset +
+    norm_weight) and h's sums of squares by column tile come out of the product's epilogue, the division by
+    each row's RMS is left to the consumer (`NormedRows`, `mx_linear`). None for more than FUSED_ROWS rows
+    (the kernels that fuse are the one-n-tile ones), or where TUNE's `fuse_norms` is 0: the caller then runs
+    the product plainly. x float32 [M, K], residual
+    float32 [M, N], norm_weight float32 [N]."""
+    assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
+    _check_packed(w)
+    tune = tune_for(w.fmt)
+    if not (tune["fuse_norms"] and gemm_ready(w) and 0 < x.shape[0] <= FUSED_ROWS and w.N
+            and kernel_knows(tune["source"], "nsq_tiles")):
+        return None
+    check(x, np.float32, "x", 2)
+    check(residual, np.float32, "residual", 2)
+    assert x.shape[1] == w.K and residual.shape == (x.shape[0], w.N), f"x {x.shape} @ w {w.shape}^T + {residual.shape}"
+    if bias is not None:
+        check(bias, np.float32, "bias", 1)
+        assert bias.shape[0] == w.N
+    check(norm_weight, np.float32, "norm_weight", 1)
+    h, xg = empty((x.shape[0], w.N), np.float32), empty((x.shape[0], w.N), np.float32)
+    sq = _gemm(x, w, h, bias=bias, res=(residual, xg, norm_weight, float(offset)))
+    return NormedRows(h, xg, sq, norm_weight, float(eps), float(offset)), h
 
 
 def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -> Any:
@@ -383,7 +478,8 @@ class PackedWeightsMixin:
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         if isinstance(weight, PackedWeight):
-            return mx_linear(cp.ascontiguousarray(x, dtype=cp.float32), weight, bias, out_dtype=cp.float32)
+            x = x if isinstance(x, NormedRows) else cp.ascontiguousarray(x, dtype=cp.float32)
+            return mx_linear(x, weight, bias, out_dtype=cp.float32)
         return super().linear(x, weight, bias)  # type: ignore[misc]
 
     def embedding(self, table: Any, ids: Any) -> Any:

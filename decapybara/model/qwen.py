@@ -21,6 +21,16 @@ from decapybara.model.rope import RotaryTable
 from decapybara.model.weights import expected_tensors
 
 
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """A block's output projection not yet run: `linear(x, weight, bias)`. `decoder_layers` runs it together
+    with the residual add and the norm after it (`Backend.linear_add_rms_norm`)."""
+
+    x: Any
+    weight: Any
+    bias: Any = None
+
+
 @dataclass(slots=True)
 class ForwardOutput:
     """Logits [R, vocab] for the requested rows, the residual stream of those rows before the final norm,
@@ -162,19 +172,29 @@ class QwenModel:
 
     def decoder_layers(self, h: Any, attention: Any, deltanet: Any) -> Any:
         """The decoder stack on the residual stream h [T, H]; `attention(p, i, x)` / `deltanet(p, i, x)` run the
-        token mixer of layer i (prefix p). Each residual add is fused into the norm that follows it."""
+        token mixer of layer i (prefix p) and return its output or its output `Projection`. Each residual add
+        is fused into the norm that follows it, and a block's output projection into both where the norm's
+        rows go only to products (`Backend.linear_add_rms_norm`; not before a MoE block)."""
         cfg, ops, w = self.cfg, self.backend, self.w
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
+
+        def add_norm(out: Any, h: Any, weight: Any, to_products: bool) -> tuple[Any, Any]:
+            if not isinstance(out, Projection):
+                return ops.add_rms_norm(out, h, weight, eps, off)
+            if to_products:
+                return ops.linear_add_rms_norm(out.x, out.weight, out.bias, h, weight, eps, off)
+            return ops.add_rms_norm(ops.linear(out.x, out.weight, out.bias), h, weight, eps, off)
+
         x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], eps, off)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            x = attention(p, i, x) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, x)
-            x, h = ops.add_rms_norm(x, h, w[f"{p}.post_attention_layernorm.weight"], eps, off)
-            x = self._ffn(p, i, x)
+            out = attention(p, i, x) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, x)
+            x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not cfg.layer_is_moe(i))
+            out = self._ffn(p, i, x)
             if i + 1 < cfg.num_hidden_layers:
-                x, h = ops.add_rms_norm(x, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, off)
+                x, h = add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
             else:
-                h = h + x
+                h = h + (ops.linear(out.x, out.weight, out.bias) if isinstance(out, Projection) else out)
         return h
 
     def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
@@ -218,7 +238,7 @@ class QwenModel:
         o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
         if gate is not None:
             o = ops.sigmoid_gate(o, gate)
-        return ops.linear(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
+        return Projection(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
 
     def _deltanet(self, p: str, layer: int, x: Any, states: StatePool | None, segments: list[DeltaNetSegment],
                   raw_snaps: dict) -> Any:
@@ -239,7 +259,7 @@ class QwenModel:
         z = z.reshape(t, hv, cfg.linear_value_head_dim)
         core = ops.deltanet_core_gated(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps,
                                        z, w[f"{la}.norm.weight"], cfg.rms_norm_eps)  # [T, Hv, dv], gated norm
-        return ops.linear(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
+        return Projection(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
 
     def _ffn(self, p: str, layer: int, x: Any) -> Any:
         cfg, ops, w = self.cfg, self.backend, self.w
@@ -250,12 +270,14 @@ class QwenModel:
                     w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
         if cfg.shared_expert_intermediate_size:
             shared = self._mlp(f"{m}.shared_expert", x)
+            shared = ops.linear(shared.x, shared.weight)
             y = y + ops.sigmoid(ops.linear(x, w[f"{m}.shared_expert_gate.weight"])) * shared
         return y
 
-    def _mlp(self, m: str, x: Any) -> Any:
+    def _mlp(self, m: str, x: Any) -> Projection:
         ops, w = self.backend, self.w
         if m in self.fused_mlp:
-            return ops.linear(ops.silu_mul_halves(ops.linear(x, self.fused_mlp[m])), w[f"{m}.down_proj.weight"])
-        h = ops.silu_mul(ops.linear(x, w[f"{m}.gate_proj.weight"]), ops.linear(x, w[f"{m}.up_proj.weight"]))
-        return ops.linear(h, w[f"{m}.down_proj.weight"])
+            h = ops.silu_mul_halves(ops.linear(x, self.fused_mlp[m]))
+        else:
+            h = ops.silu_mul(ops.linear(x, w[f"{m}.gate_proj.weight"]), ops.linear(x, w[f"{m}.up_proj.weight"]))
+        return Projection(h, w[f"{m}.down_proj.weight"])

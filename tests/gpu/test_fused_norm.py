@@ -1,0 +1,191 @@
+"""The residual add and RMSNorm fused across two skinny products (kernels/mx_gemv.cu, header; GPU only).
+
+The producer (`mx_linear_add_norm`) must store exactly the unfused h = `mx_linear(x, w, bias) + residual`, h
+times the norm's (offset + weight), and the sums of squares of h's rows by column tile; the consumer
+(`mx_linear` on `NormedRows`) must compute the product of the normalised rows. Outputs NaN-poisoned
+(`cupy_ops.POISON`), so unwritten sums fail. Launch variants as the plain products' tuning test: tile grids,
+K splits, stream-K, the small build, 4-warp blocks. Only products of up to FUSED_ROWS rows fuse (the
+one-n-tile kernels); wider ones run the plain ops.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from test_kernels_extra import (
+    FORMATS,
+    TUNE_CASES,
+    assert_bytes_equal,
+    assert_close,
+    bf16_round,
+    host,
+    random_weight,
+)
+
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.cuda_factory import cuda_backend
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.model import quant
+from decapybara.model.qwen import QwenModel
+from decapybara.testing import tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+CASES = [({"small_bytes": 0, **t}, s) for t, s in TUNE_CASES]
+
+
+def tile_sums(h: np.ndarray, tile: int) -> np.ndarray:
+    """float64 sums of squares of h's rows by column tile [M, ceil(N / tile)]."""
+    m, n = h.shape
+    pad = np.zeros((m, -(-n // tile) * tile))
+    pad[:, :n] = np.asarray(h, np.float64) ** 2
+    return pad.reshape(m, -1, tile).sum(axis=2)
+
+
+@pytest.mark.parametrize("tune,shape", CASES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_producer_adds_the_residual_and_sums_each_tile(fmt, tune, shape, monkeypatch):
+    rng = np.random.default_rng(zlib.crc32(f"fused-{fmt}-{sorted(tune.items())}-{shape}".encode()))
+    wq, _ = random_weight(rng, fmt, shape)
+    w = ex.pack_weight(wq)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    tile = 16 * ex.tune_for(fmt)["warps"]
+    for m, with_bias in ((1, False), (5, True), (8, False), (9, False)):
+        x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
+        res = cp.asarray(rng.standard_normal((m, shape[0])).astype(np.float32))
+        bias = cp.asarray(rng.standard_normal(shape[0]).astype(np.float32)) if with_bias else None
+        nw = cp.asarray(rng.standard_normal(shape[0]).astype(np.float32))
+        got = ex.mx_linear_add_norm(x, w, bias, res, nw, 1e-6, 1.0)
+        if m > ex.FUSED_ROWS:  # the two-n-tile kernels do not fuse: the caller runs the plain ops
+            assert got is None
+            continue
+        normed, h = got
+        assert normed.h is h and normed.weight is nw and normed.sq.shape == (m, -(-shape[0] // tile))
+        assert_bytes_equal(h, ex.mx_linear(x, w, bias, out_dtype=cp.float32) + res, f"{fmt} {tune} M{m} h")
+        assert_bytes_equal(normed.xg, host(h) * (np.float32(1.0) + host(nw)), f"{fmt} {tune} M{m} xg")
+        assert_close(normed.sq, tile_sums(host(h), tile), 1e-5, f"{fmt} {tune} M{m} tile sums")
+
+
+@pytest.mark.parametrize("tune,shape", CASES[::3])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_consumer_stages_the_normalised_rows(fmt, tune, shape, monkeypatch):
+    """A product over NormedRows = the product over h (offset + w) rounded to bf16 (as x always is), each row
+    divided by its denominator from the tile sums; and within rounding the product over the norm kernel's
+    rows (those are rounded to bf16 after the division, so a few round the other way)."""
+    rng = np.random.default_rng(zlib.crc32(f"consumer-{fmt}-{sorted(tune.items())}-{shape}".encode()))
+    k = shape[1]
+    wq, w_ref = random_weight(rng, fmt, shape)
+    w = ex.pack_weight(wq)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    eps, off = 1e-6, 1.0
+    for m in (1, 5, 8, 12):
+        h = rng.standard_normal((m, k)).astype(np.float32) * 3
+        nw = (rng.standard_normal(k) * 0.2).astype(np.float32)
+        sq = tile_sums(h, 128).astype(np.float32)
+        xg = h * (np.float32(off) + nw)
+        normed = ex.NormedRows(cp.asarray(h), cp.asarray(xg), cp.asarray(sq), cp.asarray(nw), eps, off)
+        denom = np.sqrt(sq.astype(np.float64).sum(axis=1, keepdims=True) / k + eps)
+        got = ex.mx_linear(normed, w)
+        plain = ex.mx_linear(ops.rms_norm(cp.asarray(h), cp.asarray(nw), eps, off), w)
+        if m > ex.FUSED_ROWS:  # materialised by the norm kernel: the plain product
+            assert_bytes_equal(got, plain, f"{fmt} {tune} M{m} materialised")
+            continue
+        assert_close(got, bf16_round(xg).astype(np.float64) @ w_ref.T / denom, 1e-4, f"{fmt} {tune} M{m}")
+        assert_close(got, host(plain), 1e-2, f"{fmt} {tune} M{m} vs the norm kernel's rows")
+
+
+def test_normed_rows_materialise_where_no_skinny_product_runs():
+    """Past DENSE_ROWS rows (the dequantise + cuBLAS path) NormedRows go through the norm kernel, and no
+    product of that many rows fuses."""
+    rng = np.random.default_rng(7)
+    wq, _ = random_weight(rng, "mxfp4", (256, 512))
+    w = ex.pack_weight(wq)
+    m = ex.DENSE_ROWS + 3
+    h = rng.standard_normal((m, 512)).astype(np.float32)
+    nw = rng.standard_normal(512).astype(np.float32)
+    normed = ex.NormedRows(cp.asarray(h), cp.asarray(h * (1 + nw)), cp.asarray(tile_sums(h, 128).astype(np.float32)),
+                           cp.asarray(nw), 1e-6, 1.0)
+    x = ops.rms_norm(cp.asarray(h), cp.asarray(nw), 1e-6, 1.0)
+    assert_bytes_equal(ex.mx_linear(normed, w), ex.mx_linear(x, w), "materialised")
+    assert ex.mx_linear_add_norm(cp.asarray(h), w, None, cp.zeros((m, 256), cp.float32), cp.asarray(nw[:256]),
+                                 1e-6, 1.0) is None
+
+
+class EmulatedRows:
+    """`NumpyBF16Fused`'s deferred normed rows: xg = h (offset + w) and each row's denominator."""
+
+    def __init__(self, xg: np.ndarray, denom: np.ndarray) -> None:
+        self.xg, self.denom, self.shape = xg, denom, xg.shape
+
+
+def numpy_bf16_fused():
+    """The bf16 emulation (test_cupy_model.NumpyBF16) with the fused norms' rounding: up to FUSED_ROWS rows, an
+    output projection's rows h = product + residual are normed for the next products as bf16(h (offset + w))
+    @ W^T / denom (rounded to bf16 before the division by the RMS, not after)."""
+    from test_cupy_model import NumpyBF16
+
+    class NumpyBF16Fused(NumpyBF16):
+        def linear_add_rms_norm(self, x, weight, bias, residual, norm_weight, eps, offset):
+            if x.shape[0] > ex.FUSED_ROWS:
+                return super().linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, offset)
+            h = (self.linear(x, weight, bias) + residual).astype(np.float32)
+            xg = (h * (np.float32(offset) + norm_weight)).astype(np.float32)
+            denom = np.sqrt((h.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps).astype(np.float32)
+            return EmulatedRows(xg, denom), h
+
+        def linear(self, x, weight, bias=None):
+            if not isinstance(x, EmulatedRows):
+                return super().linear(x, weight, bias)
+            y = (super().linear(x.xg, weight) / x.denom).astype(np.float32)
+            return y + bias if bias is not None else y
+
+    return NumpyBF16Fused()
+
+
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_fused_norm_decode_matches_the_bf16_emulation(family, weights):
+    """Decode steps (one row: fused norms) of the bf16 backend over bf16 matrices or MXFP4 packed ones against
+    the numpy bf16 emulation with the fused rounding: every row within 1e-2 (test_cupy_model's bf16 bound).
+    The GPU's sums of squares come in another order than the emulation's; the fused calls happened."""
+    from test_cupy_model import PROMPT, forward_chunks
+
+    cfg, tensors = tiny_checkpoint(family)
+    if weights == "mxfp4":
+        tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+                   for k, v in tensors.items()}
+    backend = CupyBackend("bf16") if weights == "bf16" else cuda_backend("bf16")
+    calls = []
+    real = backend.linear_add_rms_norm
+    backend.linear_add_rms_norm = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    got = forward_chunks(QwenModel.from_tensors(cfg, backend, tensors), PROMPT[:24], 1)
+    emul = forward_chunks(QwenModel.from_tensors(cfg, numpy_bf16_fused(), tensors), PROMPT[:24], 1)
+    assert calls and set(calls) == {1}
+    rows = np.abs(got - emul).max(-1) / np.abs(emul).max()
+    print(f"{family} {weights}: worst rows {np.sort(rows)[-3:]}")
+    assert rows.max() <= 1e-2
+
+
+def test_fused_producer_output_is_a_normed_rows_object():
+    """The bf16 backend hands NormedRows (no norm kernel) to the next products of a skinny step."""
+    backend = CupyBackend("bf16")
+    rng = np.random.default_rng(2)
+    w = ops.to_bf16_bits(cp.asarray(rng.standard_normal((256, 128)).astype(np.float32)))
+    x = cp.asarray(rng.standard_normal((3, 128)).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((3, 256)).astype(np.float32))
+    nw = cp.asarray(rng.standard_normal(256).astype(np.float32))
+    normed, h = backend.linear_add_rms_norm(x, w, None, res, nw, 1e-6, 1.0)
+    assert isinstance(normed, ex.NormedRows) and normed.h is h
+    ref_x, ref_h = backend.add_rms_norm(backend.linear(x, w), res, nw, 1e-6, 1.0)
+    assert_bytes_equal(h, ref_h, "residual stream")
+    w2 = ops.to_bf16_bits(cp.asarray(rng.standard_normal((64, 256)).astype(np.float32)))
+    assert_close(backend.linear(normed, w2), host(backend.linear(ref_x, w2)), 1e-2, "consumer")

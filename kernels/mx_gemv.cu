@@ -131,6 +131,9 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 __device__ __forceinline__ float ld_cg(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -379,6 +382,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     for (int s = 0; s < ST; ++s)
         if (c0 + s < c1)
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
+    if (FUSE && A.res && g == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
     pdl_wait();  // x, partials and counters belong to the kernels before this one
     // Fused consumer: each real row's denominator, read by the epilogue (after the staging loop's barriers),
     // while the first weight loads are in flight; a warp a row: lane-strided tile sums, then a butterfly.
@@ -498,22 +502,23 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             }
     }
     if (!split) {
-        if (!FUSE || !A.res) return;
-        // the tile's sums of squares: over the warp's 16 rows (lanes of one t), then over the warps in order
+        if (FUSE && A.res) {
+            // the tile's sums of squares: over the warp's 16 rows (lanes of one t), then over the warps in order
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                float s = sq2[nt][j];
+                for (int j = 0; j < 2; ++j) {
+                    float s = sq2[nt][j];
 #pragma unroll
-                for (int o = 4; o < 32; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (g == 0) sqp[warp * MT + nt * 8 + 2 * t + j] = s;
+                    for (int o = 4; o < 32; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                    if (g == 0) sqp[warp * MT + nt * 8 + 2 * t + j] = s;
+                }
+            __syncthreads();
+            if (tid < m_valid) {
+                float s = 0.f;
+                for (int w = 0; w < WARPS; ++w) s += sqp[w * MT + tid];
+                A.sq[(i64)(m0 + tid) * ntiles + tile] = s;
             }
-        __syncthreads();
-        if (tid < m_valid) {
-            float s = 0.f;
-            for (int w = 0; w < WARPS; ++w) s += sqp[w * MT + tid];
-            A.sq[(i64)(m0 + tid) * ntiles + tile] = s;
         }
         return;
     }
@@ -529,14 +534,16 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         const int i = i0 + tid, m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
         float v = 0.f;
         if (m < m_valid && n < A.N) {
+            const i64 o = (i64)(m0 + m) * A.ldy + n;
+            // the fused producer's operands first, so that their loads overlap the partial sums'
+            const float r = FUSE && A.res ? A.res[o] : 0.f, gn = FUSE && A.res ? __ldg(A.gw + n) : 0.f;
             float s = 0.f;
             for (int ks = 0; ks < nparts; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
             if (FUSE && A.nsq) s /= nden[m];
             v = s * A.post + (A.bias ? A.bias[n] : 0.f);
-            const i64 o = (i64)(m0 + m) * A.ldy + n;
             if (FUSE && A.res) {
-                v += A.res[o];
-                A.xg[o] = v * (A.gw_off + __ldg(A.gw + n));
+                v += r;
+                A.xg[o] = v * (A.gw_off + gn);
             }
             store_kind(A.y, A.y_kind, o, v);
         }

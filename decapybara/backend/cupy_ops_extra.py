@@ -319,7 +319,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     assert not w.tiled or kernel_knows(tune["source"], "MX_TILED"), f"kernels/{tune['source']}.cu reads no band tiles"
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
-    launch = pdl.launch if w.persistent and tune["source"] == "mx_gemv" else pdl.plain
+    launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
     sq = None
     fuse_args: tuple[Any, ...] = ()
     if kernel_knows(tune["source"], "nsq_tiles"):  # older kernel files (bench/gemv_sweep.py) take no fused norms

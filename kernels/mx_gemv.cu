@@ -39,8 +39,9 @@
 // - the producer (res != 0) stores y = x @ W^T * post + bias + res (res: the residual stream, y's shape and
 //   stride; the same float operations as the product then a separate add), xg = y * (gw_off + gw[n]) (the
 //   next norm's weight applied; same shape) and each output tile's sums of squares of its y rows, sq[m,
-//   tile] (tiles of TILE_ROWS columns; a fixed order: per warp a butterfly over its 16 rows, then the warps
-//   in order);
+//   tile] (tiles of TILE_ROWS columns) in a fixed order for a given launch plan: where one block computes the
+//   whole tile, a butterfly over each warp's 16 columns, then the warps in order; where the tile's last K
+//   split reduces it, a butterfly over each 32 columns, then those in order;
 // - the consumer (nsq != 0) takes x = such an xg and divides each output by its row's denom = sqrt(sum / K +
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
 //   computed while the first weight loads are in flight): the product of rms_norm(y) = y / denom * (gw_off
@@ -328,7 +329,7 @@ struct Args {
 // WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
 // and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
 template <int FMT, int NT, bool WHOLE>
-__device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, int& last_flag,
+__device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, bool first, int& last_flag,
                                            const int grp, const int mt, const int tile, const int c0,
                                            const int c1, const int part, const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
@@ -382,11 +383,12 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     for (int s = 0; s < ST; ++s)
         if (c0 + s < c1)
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
-    if (FUSE && A.res && g == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
+    if (FUSE && A.res && lane == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
     pdl_wait();  // x, partials and counters belong to the kernels before this one
-    // Fused consumer: each real row's denominator, read by the epilogue (after the staging loop's barriers),
-    // while the first weight loads are in flight; a warp a row: lane-strided tile sums, then a butterfly.
-    if (FUSE && A.nsq) {
+    // Fused consumer: each real row's denominator, read by the epilogues (after the staging loop's barriers),
+    // while the first weight loads are in flight; a warp a row: lane-strided tile sums, then a butterfly. Once a
+    // block (its first segment): every segment of the block has the same rows of x.
+    if (FUSE && A.nsq && first) {
         for (int m = warp; m < m_valid; m += WARPS) {
             const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
             float s = (lane < A.nsq_tiles ? q[lane] : 0.f) + (lane + 32 < A.nsq_tiles ? q[lane + 32] : 0.f);
@@ -617,9 +619,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
             step = c1 - c0;
         }
         if (whole)
-            mx_segment<FMT, NT, true>(A, xs, nden, sqp, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, true>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         else
-            mx_segment<FMT, NT, false>(A, xs, nden, sqp, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, false>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         u += step;
     }
 }

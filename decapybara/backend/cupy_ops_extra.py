@@ -403,9 +403,10 @@ def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_w
                        offset: float) -> tuple[NormedRows, Any] | None:
     """(rms_norm(h), h) with h = x @ w^T (+ bias) + residual in one skinny product: h, h * (offset +
     norm_weight) and h's sums of squares by column tile come out of the product's epilogue, the division by
-    each row's RMS is left to the consumer (`NormedRows`, `mx_linear`). None for more than FUSED_ROWS rows
-    (the kernels that fuse are the one-n-tile ones), or where TUNE's `fuse_norms` is 0: the caller then runs
-    the product plainly. x float32 [M, K], residual
+    each row's RMS is left to the consumer (`NormedRows`, `mx_linear`). None where this does not apply, and the
+    caller then runs the plain ops: more than FUSED_ROWS rows (the kernels that fuse are the one-n-tile ones),
+    no rows or columns, a weight the kernels cannot stream (`gemm_ready`), a kernel file (TUNE `source`)
+    without the fusion, or TUNE's `fuse_norms` 0. x float32 [M, K], residual
     float32 [M, N], norm_weight float32 [N]."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)

@@ -3,9 +3,10 @@
 The producer (`mx_linear_add_norm`) must store exactly the unfused h = `mx_linear(x, w, bias) + residual`, h
 times the norm's (offset + weight), and the sums of squares of h's rows by column tile; the consumer
 (`mx_linear` on `NormedRows`) must compute the product of the normalised rows. Outputs NaN-poisoned
-(`cupy_ops.POISON`), so unwritten sums fail. Launch variants as the plain products' tuning test: tile grids,
-K splits, stream-K, the small build, 4-warp blocks. Only products of up to FUSED_ROWS rows fuse (the
-one-n-tile kernels); wider ones run the plain ops.
+(`cupy_ops.POISON`), so unwritten sums fail. Launch variants: the plain products' tuning cases (at up to 8 rows
+they all split K: the tile's last split reduces it) and DIRECT, where one block computes a whole tile (one
+split: the direct store) or a stream-K block runs whole tiles and split ones in turn, with 8 and 4 warps. Only
+products of up to FUSED_ROWS rows fuse (the one-n-tile kernels); wider ones run the plain ops.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ from decapybara.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 CASES = [({"small_bytes": 0, **t}, s) for t, s in TUNE_CASES]
+DIRECT = [({"small_bytes": 0, **t}, s) for t, s in [
+    ({"ksplit": 1}, (700, 1536)), ({"ksplit": 1, "warps": 4}, (4096, 1024)), ({"ksplit": 1}, (300, 700)),
+    ({"policy": "stream", "min_chunks": 3}, (4100, 512)),
+    ({"policy": "stream", "warps": 4, "min_chunks": 2}, (700, 256))]]
 
 
 def tile_sums(h: np.ndarray, tile: int) -> np.ndarray:
@@ -51,7 +56,7 @@ def tile_sums(h: np.ndarray, tile: int) -> np.ndarray:
     return pad.reshape(m, -1, tile).sum(axis=2)
 
 
-@pytest.mark.parametrize("tune,shape", CASES)
+@pytest.mark.parametrize("tune,shape", CASES + DIRECT)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_producer_adds_the_residual_and_sums_each_tile(fmt, tune, shape, monkeypatch):
     rng = np.random.default_rng(zlib.crc32(f"fused-{fmt}-{sorted(tune.items())}-{shape}".encode()))
@@ -65,8 +70,8 @@ def test_producer_adds_the_residual_and_sums_each_tile(fmt, tune, shape, monkeyp
         bias = cp.asarray(rng.standard_normal(shape[0]).astype(np.float32)) if with_bias else None
         nw = cp.asarray(rng.standard_normal(shape[0]).astype(np.float32))
         got = ex.mx_linear_add_norm(x, w, bias, res, nw, 1e-6, 1.0)
-        if m > ex.FUSED_ROWS:  # the two-n-tile kernels do not fuse: the caller runs the plain ops
-            assert got is None
+        if m > ex.FUSED_ROWS or not ex.gemm_ready(w):  # the two-n-tile kernels do not fuse, and nothing fuses
+            assert got is None                         # a weight they cannot stream: the caller runs the plain ops
             continue
         normed, h = got
         assert normed.h is h and normed.weight is nw and normed.sq.shape == (m, -(-shape[0] // tile))
@@ -75,7 +80,7 @@ def test_producer_adds_the_residual_and_sums_each_tile(fmt, tune, shape, monkeyp
         assert_close(normed.sq, tile_sums(host(h), tile), 1e-5, f"{fmt} {tune} M{m} tile sums")
 
 
-@pytest.mark.parametrize("tune,shape", CASES[::3])
+@pytest.mark.parametrize("tune,shape", CASES[::3] + DIRECT)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_consumer_stages_the_normalised_rows(fmt, tune, shape, monkeypatch):
     """A product over NormedRows = the product over h (offset + w) rounded to bf16 (as x always is), each row
@@ -96,11 +101,29 @@ def test_consumer_stages_the_normalised_rows(fmt, tune, shape, monkeypatch):
         denom = np.sqrt(sq.astype(np.float64).sum(axis=1, keepdims=True) / k + eps)
         got = ex.mx_linear(normed, w)
         plain = ex.mx_linear(ops.rms_norm(cp.asarray(h), cp.asarray(nw), eps, off), w)
-        if m > ex.FUSED_ROWS:  # materialised by the norm kernel: the plain product
+        if m > ex.FUSED_ROWS or not ex.gemm_ready(w):  # materialised by the norm kernel: the plain product
             assert_bytes_equal(got, plain, f"{fmt} {tune} M{m} materialised")
             continue
         assert_close(got, bf16_round(xg).astype(np.float64) @ w_ref.T / denom, 1e-4, f"{fmt} {tune} M{m}")
         assert_close(got, host(plain), 1e-2, f"{fmt} {tune} M{m} vs the norm kernel's rows")
+
+
+@pytest.mark.parametrize("tile", [16, 32, 57])
+def test_consumer_sums_any_number_of_tiles(tile, monkeypatch):
+    """37, 66 and 132 tile sums a row (4-warp producers of wide rows give more than 64): every one counts."""
+    rng = np.random.default_rng(tile)
+    k, m = 2100, 5
+    wq, w_ref = random_weight(rng, "mxfp4", (300, k))
+    w = ex.pack_weight(wq)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, "ksplit": 1})
+    h = rng.standard_normal((m, k)).astype(np.float32) * 3
+    nw = (rng.standard_normal(k) * 0.2).astype(np.float32)
+    sq = tile_sums(h, tile).astype(np.float32)
+    xg = h * (np.float32(1.0) + nw)
+    normed = ex.NormedRows(cp.asarray(h), cp.asarray(xg), cp.asarray(sq), cp.asarray(nw), 1e-6, 1.0)
+    denom = np.sqrt(sq.astype(np.float64).sum(axis=1, keepdims=True) / k + 1e-6)
+    got = ex.mx_linear(normed, w)
+    assert_close(got, bf16_round(xg).astype(np.float64) @ w_ref.T / denom, 1e-4, f"{sq.shape[1]} tiles")
 
 
 def test_normed_rows_materialise_where_no_skinny_product_runs():

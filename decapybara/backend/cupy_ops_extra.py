@@ -218,8 +218,9 @@ def _counters(device: int) -> Any:
 # `auto_fill` 0.7 (was 0.85): tile grids down to 70% of a wave rather than stream-K; the 27B q|k|v (one and
 # twelve rows) and twelve-row "out" products take a tile grid then (twelve-row "out" 17 -> 22% of copy
 # bandwidth), twelve-stream steps ~3% faster (three interleaved captures each, docs/perf.md). `fuse_norms` (0:
-# off) lets a block's output projection add the residual and sum its rows' squares, and the next products
-# stage the norm themselves (`mx_linear_add_norm`, `NormedRows`): no norm kernel between them.
+# off) lets a block's output projection add the residual, apply the next norm's weight and sum its rows'
+# squares, and the next products divide by each row's RMS (`mx_linear_add_norm`, `NormedRows`; up to 8 rows):
+# no norm kernel between them, one-stream 27B steps ~6% faster (interleaved captures, docs/perf.md).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
@@ -406,8 +407,8 @@ def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_w
     each row's RMS is left to the consumer (`NormedRows`, `mx_linear`). None where this does not apply, and the
     caller then runs the plain ops: more than FUSED_ROWS rows (the kernels that fuse are the one-n-tile ones),
     no rows or columns, a weight the kernels cannot stream (`gemm_ready`), a kernel file (TUNE `source`)
-    without the fusion, or TUNE's `fuse_norms` 0. x float32 [M, K], residual
-    float32 [M, N], norm_weight float32 [N]."""
+    without the fusion, or TUNE's `fuse_norms` 0. x float32 [M, K], residual float32 [M, N], norm_weight
+    float32 [N]."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
     tune = tune_for(w.fmt)

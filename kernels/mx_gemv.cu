@@ -323,6 +323,17 @@ struct Args {
     const float* nsq; int nsq_tiles; float n_eps;                          // fused consumer, else nsq null
 };
 
+// Fused producer: sq[m0 + m, tile] = the tile's partial sums of squares of row m, sqp[m * ms + p * ps] for
+// parts p < np, added in order (thread m of the block, m < m_valid; after the barrier that publishes sqp).
+__device__ __forceinline__ void store_tile_sums(const Args& A, const float* sqp, int ms, int ps, int np, int m0,
+                                                int m_valid, int ntiles, int tile) {
+    const int m = threadIdx.x;
+    if (m >= m_valid) return;
+    float s = 0.f;
+    for (int p = 0; p < np; ++p) s += sqp[m * ms + p * ps];
+    A.sq[(i64)(m0 + m) * ntiles + tile] = s;
+}
+
 // One output tile's K range [c0, c1) of chunks, as contributor `part` of `nparts` (nparts 1: the whole K range,
 // stored directly; else float32 partial sums, and the tile's last contributor to finish reduces them in a
 // fixed order, so the result does not depend on timing).
@@ -516,11 +527,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                     if (g == 0) sqp[warp * MT + nt * 8 + 2 * t + j] = s;
                 }
             __syncthreads();
-            if (tid < m_valid) {
-                float s = 0.f;
-                for (int w = 0; w < WARPS; ++w) s += sqp[w * MT + tid];
-                A.sq[(i64)(m0 + tid) * ntiles + tile] = s;
-            }
+            store_tile_sums(A, sqp, 1, MT, WARPS, m0, m_valid, ntiles, tile);
         }
         return;
     }
@@ -558,11 +565,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     }
     if (FUSE && A.res) {
         __syncthreads();
-        if (tid < m_valid) {
-            float s = 0.f;
-            for (int w = 0; w < TILE_ROWS / 32; ++w) s += sqp[tid * (TILE_ROWS / 32) + w];
-            A.sq[(i64)(m0 + tid) * ntiles + tile] = s;
-        }
+        store_tile_sums(A, sqp, TILE_ROWS / 32, 1, TILE_ROWS / 32, m0, m_valid, ntiles, tile);
     }
     if (tid == 0) *ctr = 0;
 }
@@ -588,9 +591,9 @@ __device__ __forceinline__ void stream_unit(T u, T u_end, T U, T B, int nchunks,
 template <int FMT, int NT>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
-    static_assert(MT * RS * 2 + 4 * (MT + WARPS * MT) + 4 <= 48 * 1024, "shared memory over the static limit");
-    __shared__ __align__(16) u16 xs[MT * RS];
     constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
+    static_assert(MT * RS * 2 + 4 * (NF + WARPS * NF) + 4 <= 48 * 1024, "shared memory over the static limit");
+    __shared__ __align__(16) u16 xs[MT * RS];
     __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
     __shared__ int last_flag;
     if (A.g_cnt) pdl_wait();  // group counts come from the router's kernels

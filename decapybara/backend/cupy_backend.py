@@ -26,6 +26,7 @@ from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
 from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
 from decapybara.backend.cupy_ops_extra import (
     DENSE_ROWS,
+    FUSED_ROWS,
     NormedRows,
     PackedWeight,
     gemm_ready,
@@ -42,6 +43,13 @@ SKINNY_ROWS = DENSE_ROWS  # products with at most this many rows take the skinny
 def _is_matrix(name: str, ndim: int) -> bool:
     """Matrices (and stacked experts) go bf16 in bf16 mode; 1-D tensors and the conv1d stay float32."""
     return ndim >= 2 and not name.endswith("conv1d.weight")
+
+
+def _bf16_packed(weight: Any) -> PackedWeight | None:
+    """A bf16-bits matrix as the skinny kernels' PackedWeight (a model weight: `linear` takes those), else None."""
+    if weight.ndim == 2 and weight.dtype == cp.uint16:
+        return PackedWeight("bf16", weight.shape, weight, persistent=True)
+    return None
 
 
 class CupyBackend(Backend):
@@ -105,11 +113,10 @@ class CupyBackend(Backend):
         the skinny-GEMM kernels (kernels/mx_gemv.cu), which need no cuBLAS and so are capturable by decode
         graphs; larger ones go to cuBLAS. x may be `NormedRows` (from `linear_add_rms_norm`): bf16 products
         of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows."""
-        if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2 and weight.dtype == cp.uint16:
-            packed = PackedWeight("bf16", weight.shape, weight, persistent=True)  # `linear` takes model weights
-            if gemm_ready(packed):
-                x = x if isinstance(x, NormedRows) else cp.ascontiguousarray(x, dtype=cp.float32)
-                return mx_linear(x, packed, bias, out_dtype=cp.float32)
+        packed = _bf16_packed(weight) if x.shape[0] <= SKINNY_ROWS else None
+        if packed is not None and gemm_ready(packed):
+            x = x if isinstance(x, NormedRows) else cp.ascontiguousarray(x, dtype=cp.float32)
+            return mx_linear(x, packed, bias, out_dtype=cp.float32)
         if isinstance(x, NormedRows):
             x = x.materialize()
         if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous:
@@ -125,10 +132,8 @@ class CupyBackend(Backend):
         """Products of up to 8 rows (decode) over packed or bf16 weights fuse the residual add into their
         epilogue and leave the norm to the products that read its rows (`NormedRows`, `mx_linear_add_norm`):
         no norm kernel between them. Anything else runs the plain ops."""
-        w = weight
-        if not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == cp.uint16:
-            w = PackedWeight("bf16", w.shape, w, persistent=True)
-        if (isinstance(w, PackedWeight) and x.shape[0] <= SKINNY_ROWS and residual.dtype == cp.float32
+        w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
+        if (w is not None and x.shape[0] <= FUSED_ROWS and residual.dtype == cp.float32
                 and residual.flags.c_contiguous and norm_weight.dtype == cp.float32):
             got = mx_linear_add_norm(cp.ascontiguousarray(x, dtype=cp.float32), w, bias, residual, norm_weight, eps,
                                      offset)

@@ -356,6 +356,12 @@ FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) ma
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
 
 
+def fuses_norms(w: PackedWeight, rows: int) -> bool:
+    """Whether a product of `rows` rows over `w` can take part in fused norms (kernels/mx_gemv.cu, header): a
+    weight the kernels stream, at most FUSED_ROWS rows (the one-n-tile kernels), a kernel file that fuses."""
+    return gemm_ready(w) and rows <= FUSED_ROWS and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")
+
+
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:
     """y [M, N] = x [M, K] @ w^T (+ bias float32 [N]); x float32 / bf16 bits / float16, y in `out_dtype`
     (default x's). Weights dequantised in registers; x is rounded to bf16; float32 accumulation.
@@ -363,18 +369,9 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     materialise them."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
-    if isinstance(x, NormedRows):
-        if not (gemm_ready(w) and x.shape[0] <= FUSED_ROWS and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")):
-            return mx_linear(x.materialize(), w, bias, out_dtype)
-        check(x.xg, np.float32, "x", 2)
-        assert x.shape[1] == w.K, f"x {x.shape} @ w {w.shape}^T"
-        if bias is not None:
-            check(bias, np.float32, "bias", 1)
-            assert bias.shape[0] == w.N
-        y = empty((x.shape[0], w.N), out_dtype or np.float32)
-        if y.size:
-            _gemm(x.xg, w, y, bias=bias, norm=x)
-        return y
+    norm = None
+    if isinstance(x, NormedRows):  # fused: the kernel path below (gemm_ready, at most FUSED_ROWS rows)
+        norm, x = (x, x.xg) if fuses_norms(w, x.shape[0]) else (None, x.materialize())
     check(x, x.dtype, "x", 2)
     kind(x.dtype)
     assert x.shape[1] == w.K, f"x {x.shape} @ w {w.shape}^T"
@@ -396,7 +393,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     y = empty((x.shape[0], w.N), out_dtype)
     if x.shape[0] and w.N:
-        _gemm(x, w, y, bias=bias)
+        _gemm(x, w, y, bias=bias, norm=norm)
     return y
 
 
@@ -411,9 +408,7 @@ def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_w
     float32 [N]."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
-    tune = tune_for(w.fmt)
-    if not (tune["fuse_norms"] and gemm_ready(w) and 0 < x.shape[0] <= FUSED_ROWS and w.N
-            and kernel_knows(tune["source"], "nsq_tiles")):
+    if not (tune_for(w.fmt)["fuse_norms"] and x.shape[0] and w.N and fuses_norms(w, x.shape[0])):
         return None
     check(x, np.float32, "x", 2)
     check(residual, np.float32, "residual", 2)

@@ -30,6 +30,11 @@ class Projection:
     weight: Any
     bias: Any = None
 
+    @staticmethod
+    def output(out: Any, ops: Backend) -> Any:
+        """A mixer's or FFN's output: `out` itself, or a `Projection` run plainly."""
+        return ops.linear(out.x, out.weight, out.bias) if isinstance(out, Projection) else out
+
 
 @dataclass(slots=True)
 class ForwardOutput:
@@ -179,11 +184,9 @@ class QwenModel:
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
         def add_norm(out: Any, h: Any, weight: Any, to_products: bool) -> tuple[Any, Any]:
-            if not isinstance(out, Projection):
-                return ops.add_rms_norm(out, h, weight, eps, off)
-            if to_products:
+            if to_products and isinstance(out, Projection):
                 return ops.linear_add_rms_norm(out.x, out.weight, out.bias, h, weight, eps, off)
-            return ops.add_rms_norm(ops.linear(out.x, out.weight, out.bias), h, weight, eps, off)
+            return ops.add_rms_norm(Projection.output(out, ops), h, weight, eps, off)
 
         x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], eps, off)
         for i in range(cfg.num_hidden_layers):
@@ -194,7 +197,7 @@ class QwenModel:
             if i + 1 < cfg.num_hidden_layers:
                 x, h = add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
             else:
-                h = h + (ops.linear(out.x, out.weight, out.bias) if isinstance(out, Projection) else out)
+                h = h + Projection.output(out, ops)
         return h
 
     def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
@@ -269,8 +272,7 @@ class QwenModel:
         y = ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
                     w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
         if cfg.shared_expert_intermediate_size:
-            shared = self._mlp(f"{m}.shared_expert", x)
-            shared = ops.linear(shared.x, shared.weight)
+            shared = Projection.output(self._mlp(f"{m}.shared_expert", x), ops)
             y = y + ops.sigmoid(ops.linear(x, w[f"{m}.shared_expert_gate.weight"])) * shared
         return y
 

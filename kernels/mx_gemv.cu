@@ -44,7 +44,7 @@
 //   split reduces it, a butterfly over each 32 columns, then those in order;
 // - the consumer (nsq != 0) takes x = such an xg and divides each output by its row's denom = sqrt(sum / K +
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
-//   computed while the first weight loads are in flight): the product of rms_norm(y) = y / denom * (gw_off
+//   loaded before the x staging, summed after it): the product of rms_norm(y) = y / denom * (gw_off
 //   + gw), with y (gw_off + gw) rounded to bf16 as any x.
 // Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
 // (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
@@ -95,6 +95,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #ifndef MX_TILED
 #define MX_TILED 0  // code layout: 0 row-major, 1 in 16-row bands of 2 KB chunk tiles (header; E2M1 formats)
 #endif
+#ifndef MX_TRACE
+#define MX_TRACE 0  // measurement only (bench/gemv_trace.py): per-block timestamps of up to two launches
+#endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
 #endif
@@ -140,6 +143,36 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
+    int r;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(r) : "l"(p), "r"(v) : "memory");
+    return r;
+}
+#if MX_TRACE
+// Launches whose weight pointer is mx_trace_key[i] write, per block (thread 0; block x + gridDim.x y, z = 0),
+// globaltimer ns at: entry, after the wait, after the first x staging, the end of warp 0's last K loop, the
+// exit; and the SM id.
+__device__ unsigned long long mx_trace_key[2];
+__device__ unsigned long long mx_trace[2][4096][6];
+__device__ __forceinline__ void trace_at(const void* W, int i) {
+    const unsigned int b = blockIdx.x + gridDim.x * blockIdx.y;
+    if (threadIdx.x || b >= 4096 || blockIdx.z) return;
+    const int slot = (unsigned long long)W == mx_trace_key[0] ? 0 : (unsigned long long)W == mx_trace_key[1] ? 1 : -1;
+    if (slot < 0) return;
+    unsigned long long t;
+    if (i == 5) {
+        unsigned int sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        t = sm;
+    } else {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    }
+    mx_trace[slot][b][i] = t;
+}
+#define TRACE(W, i) trace_at(W, i)
+#else
+#define TRACE(W, i)
+#endif
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
@@ -396,17 +429,21 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
     if (FUSE && A.res && lane == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
     pdl_wait();  // x, partials and counters belong to the kernels before this one
-    // Fused consumer: each real row's denominator, read by the epilogues (after the staging loop's barriers),
-    // while the first weight loads are in flight; a warp a row: lane-strided tile sums, then a butterfly. Once a
-    // block (its first segment): every segment of the block has the same rows of x.
-    if (FUSE && A.nsq && first) {
-        for (int m = warp; m < m_valid; m += WARPS) {
-            const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
-            float s = (lane < A.nsq_tiles ? q[lane] : 0.f) + (lane + 32 < A.nsq_tiles ? q[lane + 32] : 0.f);
-            for (int i = lane + 64; i < A.nsq_tiles; i += 32) s += q[i];
+    if (first) TRACE(A.W, 1);
+    // Fused consumer: each real row's denominator, read by the epilogues (after a barrier that follows the K
+    // loop); a warp a row: lane-strided tile sums, then a butterfly. Once a block (its first segment): every
+    // segment of the block has the same rows of x. The first two sums of each row are loaded here and added
+    // after the first x staging, so that their round trip overlaps the staging's.
+    constexpr int NR = FUSE ? (MT + WARPS - 1) / WARPS : 1;  // rows a warp takes
+    float nq0[NR], nq1[NR];
+    const bool norm_rows = FUSE && A.nsq && first;
+    if (norm_rows) {
 #pragma unroll
-            for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) nden[m] = sqrtf(s / (float)A.K + A.n_eps);
+        for (int r = 0; r < NR; ++r) {
+            const int m = warp + r * WARPS;
+            const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
+            nq0[r] = m < m_valid && lane < A.nsq_tiles ? q[lane] : 0.f;
+            nq1[r] = m < m_valid && lane + 32 < A.nsq_tiles ? q[lane + 32] : 0.f;
         }
     }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
@@ -465,6 +502,20 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             }
         }
         __syncthreads();
+        if (first && sb == c0) TRACE(A.W, 2);
+        if (norm_rows && sb == c0) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const int m = warp + r * WARPS;
+                if (m >= m_valid) break;  // uniform per warp
+                const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
+                float s = nq0[r] + nq1[r];
+                for (int i = lane + 64; i < A.nsq_tiles; i += 32) s += q[i];
+#pragma unroll
+                for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                if (lane == 0) nden[m] = sqrtf(s / (float)A.K + A.n_eps);
+            }
+        }
         for (int cb = sb; cb < se; cb += ST) {
 #pragma unroll
             for (int s = 0; s < ST; ++s) {
@@ -480,6 +531,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     }
 
     pdl_trigger();  // the next product may start loading its weights (pdl.cuh)
+    TRACE(A.W, 3);
+    if (FUSE && A.nsq) __syncthreads();  // the row denominators of the first segment, for every warp's epilogue
     // Epilogue. acc[0][nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
 #pragma unroll
     for (int a = 1; a < Acc<NT>::N; ++a)
@@ -531,13 +584,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         }
         return;
     }
-    __threadfence();
+    // every partial sum of this block before the count: the barrier, then one acq_rel add whose release covers
+    // the block's stores (the barrier orders them before it) and whose acquire, in the last block, the others'
     __syncthreads();
     int* ctr = A.counters + (i64)mt * ntiles + tile;
-    if (tid == 0) last_flag = atomicAdd(ctr, 1) == nparts - 1;
+    if (tid == 0) last_flag = atom_add_acq_rel(ctr, 1) == nparts - 1;
     __syncthreads();
     if (!last_flag) return;
-    __threadfence();
     // blockDim.x = 2 TILE_ROWS: each pass covers rows m, m + 1 of the tile, each warp 32 of one row's columns
     for (int i0 = 0; i0 < MT * TILE_ROWS; i0 += blockDim.x) {
         const int i = i0 + tid, m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
@@ -596,6 +649,8 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     __shared__ __align__(16) u16 xs[MT * RS];
     __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
     __shared__ int last_flag;
+    TRACE(A.W, 0);
+    TRACE(A.W, 5);
     if (A.g_cnt) pdl_wait();  // group counts come from the router's kernels
     const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M;
@@ -627,6 +682,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
             mx_segment<FMT, NT, false>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         u += step;
     }
+    TRACE(A.W, 4);
 }
 
 #define MX_KERNEL(NAME, FMT, NT)                                                                            \

@@ -111,6 +111,7 @@ inline void ld_v4(u32& x, u32& y, u32& z, u32& w, const void* p) {
 }
 inline void st_v4(void* p, u32 x, u32 y, u32 z, u32 w) { u32* q = (u32*)p; q[0] = x; q[1] = y; q[2] = z; q[3] = w; }
 inline void ld_f32(float& v, const float* p) { v = *(const volatile float*)p; }
+inline void atom_add_s32(int& r, int* p, int v) { r = atomicAdd(p, v); }  // blocks run one at a time
 inline void cvt_f32_f16(float& f, u16 h) { _Float16 x; memcpy(&x, &h, 2); f = (float)x; }
 inline void cvt_rn_f16_f32(u16& h, float f) { _Float16 x = (_Float16)f; memcpy(&h, &x, 2); }
 inline void cvt_rn_bf16_f32(u16& h, float f) { h = f32_to_bf16(f); }

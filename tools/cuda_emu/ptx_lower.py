@@ -19,6 +19,7 @@ HANDLERS = {
     "ld.global.cs.v4.u32": "ld_v4",
     "st.global.cs.v4.u32": "st_v4",
     "ld.global.cg.f32": "ld_f32",
+    "atom.acq_rel.gpu.global.add.s32": "atom_add_s32",
     "cvt.f32.f16": "cvt_f32_f16",
     "cvt.rn.f16.f32": "cvt_rn_f16_f32",
     "cvt.rn.bf16.f32": "cvt_rn_bf16_f32",

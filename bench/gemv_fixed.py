@@ -12,7 +12,7 @@ weights: overlapped, `pdl.launch`), and times its replays. A least-squares line 
 splits each variant's cost into a fixed part per launch (ramp-up, tail, reductions, the launch itself) and a
 streaming rate. Reference: `probe_read` (kernels/probe.cu, a grid-stride read) over the same bytes.
 FIXED_TUNES names `cupy_ops_extra.TUNE` overrides to compare (default: the default alone);
-FIXED_DEFINES names kernel define sets built over the default tuning; FIXED_DIAG=1 adds the default's build without the code decoding (MX_DIAG: wrong results, timing only).
+FIXED_M sets the rows of x (default 1); FIXED_DEFINES names kernel define sets built over the default tuning; FIXED_DIAG=1 adds the default's build without the code decoding (MX_DIAG: wrong results, timing only).
 Prints, per family and variant, us per product at each size, fixed us, rate TB/s and % of the copy bandwidth.
 """
 
@@ -41,6 +41,7 @@ FAMILIES: dict[str, list[tuple[int, int]]] = {  # [N, K] of each size
 }
 TUNES: dict[str, dict] = json.loads(os.environ.get("FIXED_TUNES", '{"default": {}}'))
 DIAG = os.environ.get("FIXED_DIAG", "0") == "1"
+ROWS = int(os.environ.get("FIXED_M", "1"))  # rows of x (decode: sequences in the batch)
 # named kernel define sets, each a variant of the default tuning, e.g. '{"sync 0": [["MX_SYNC", 0]]}'
 DEFINES: dict[str, list] = json.loads(os.environ.get("FIXED_DEFINES", "{}"))
 
@@ -60,7 +61,7 @@ def product_times(fmt: str, shapes: list[tuple[int, int]]) -> tuple[list[int], l
         ws = [w0] + [random_packed(fmt, (n, k)) for _ in range(copies - 1)]
         for w in ws:
             w.persistent = True  # model weights: the decode graph's products launch overlapped
-        x = cp.random.standard_normal((1, k), cp.float32)
+        x = cp.random.standard_normal((ROWS, k), cp.float32)
         state = {"i": 0}
 
         def call(ws=ws, x=x, state=state) -> None:
@@ -104,7 +105,7 @@ def main() -> None:
     precompile(variants, [fmt])
     res: dict[str, Any] = {"copy_GBps": copy_bw / 1e9}
     for fam, shapes in FAMILIES.items():
-        print(f"\n{fam}, {fmt}, one row: us per product at each size (MB of weights), fixed us + rate")
+        print(f"\n{fam}, {fmt}, {ROWS} row(s): us per product at each size (MB of weights), fixed us + rate")
         rows: dict[str, Any] = {}
         sizes: list[int] = []
         for name, tune, defines in variants:

@@ -8,7 +8,7 @@ its exit), captures a CUDA graph of one-row products over distinct weight copies
 holds) launched as a decode graph launches them (`pdl.launch`), replays it, and reads the stamps of the last
 two consecutive launches (A, then B). Prints for each stamp the earliest, median and latest block in us from
 A's first entry, and what the bytes of one product take at the probe's read bandwidth. TRACE_DEFINES adds
-kernel defines (JSON list of [name, value]), e.g. '[["MX_SYNC", 0]]', TRACE_TUNE TUNE overrides.
+kernel defines (JSON list of [name, value]), e.g. '[["MX_SYNC", 0]]', TRACE_TUNE TUNE overrides, TRACE_M the rows of x (default 1).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SHAPES = {"gate|up": (34816, 5120), "down": (5120, 17408), "qkv|z": (16384, 5120
 STAMPS = ("entry", "waited", "staged", "loop end", "exit")
 EXTRA = tuple(tuple(d) for d in json.loads(os.environ.get("TRACE_DEFINES", "[]")))
 TUNE = json.loads(os.environ.get("TRACE_TUNE", "{}"))  # cupy_ops_extra.TUNE overrides, e.g. '{"warps": 4}'
+ROWS = int(os.environ.get("TRACE_M", "1"))  # rows of x
 
 
 def trace_pair(fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, int]:
@@ -43,7 +44,7 @@ def trace_pair(fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, int]:
     ws = [w0] + [random_packed(fmt, shape) for _ in range(max(3, -(-int(L2_CYCLE) // w0.nbytes)) - 1)]
     for w in ws:
         w.persistent = True
-    x = cp.random.standard_normal((1, shape[1]), cp.float32)
+    x = cp.random.standard_normal((ROWS, shape[1]), cp.float32)
     defines = (("MX_TRACE", 1), *EXTRA)
     with tuned(TUNE, defines):
         full = ex.tune_for(fmt)
@@ -81,7 +82,7 @@ def main() -> None:
     for name, shape in SHAPES.items():
         st, nbytes = trace_pair(fmt, shape)
         t0 = st[0, :, 0].min()
-        print(f"\n{name} {shape}, {fmt}, {st.shape[1]} blocks a launch, {nbytes / 1e6:.1f} MB: its bytes take "
+        print(f"\n{name} {shape}, {fmt}, M {ROWS}, {st.shape[1]} blocks a launch, {nbytes / 1e6:.1f} MB: its bytes take "
               f"{nbytes / read_bw * 1e6:.2f} us at {read_bw / 1e12:.2f} TB/s read; us from A's first entry "
               "(earliest / median / latest block)")
         out: dict[str, Any] = {"blocks": st.shape[1], "bytes": nbytes}

@@ -52,25 +52,32 @@ def fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
     return float(fixed), float(1.0 / slope)
 
 
+def weight_chain(fmt: str, shape: tuple[int, int], rows: int, copies: int = 2) -> tuple[list, Any]:
+    """(weights, call): at least `copies` random weight copies of `shape`, enough that they do not stay in the L2
+    together, marked as model weights (a decode graph's products launch overlapped), and a call that runs the
+    next product over them on `rows` random rows of x."""
+    ws = [random_packed(fmt, shape)]
+    ws += [random_packed(fmt, shape) for _ in range(max(copies, -(-int(L2_CYCLE) // ws[0].nbytes)) - 1)]
+    for w in ws:
+        w.persistent = True
+    x = cp.random.standard_normal((rows, shape[1]), cp.float32)
+    state = {"i": 0}
+
+    def call() -> None:
+        ex.mx_linear(x, ws[state["i"] % len(ws)])
+        state["i"] += 1
+
+    return ws, call
+
+
 def product_times(fmt: str, shapes: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
     """Bytes and seconds per product of each shape under the current tuning, as a chain of overlapped launches."""
     sizes, times = [], []
-    for n, k in shapes:
-        w0 = random_packed(fmt, (n, k))
-        copies = max(2, -(-int(L2_CYCLE) // w0.nbytes))
-        ws = [w0] + [random_packed(fmt, (n, k)) for _ in range(copies - 1)]
-        for w in ws:
-            w.persistent = True  # model weights: the decode graph's products launch overlapped
-        x = cp.random.standard_normal((ROWS, k), cp.float32)
-        state = {"i": 0}
-
-        def call(ws=ws, x=x, state=state) -> None:
-            ex.mx_linear(x, ws[state["i"] % len(ws)])
-            state["i"] += 1
-
+    for shape in shapes:
+        ws, call = weight_chain(fmt, shape, ROWS)
         times.append(graph_time(call, calls=max(16, 2 * len(ws)), reps=5))
-        sizes.append(w0.nbytes)
-        del ws, w0
+        sizes.append(ws[0].nbytes)
+        del ws, call
         cp.get_default_memory_pool().free_all_blocks()
     return sizes, times
 

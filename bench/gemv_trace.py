@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
-from gemv_sweep import L2_CYCLE, tuned  # bench/gemv_sweep.py
-from gpu import random_packed  # bench/gpu.py
+from gemv_fixed import weight_chain  # bench/gemv_fixed.py
+from gemv_sweep import tuned  # bench/gemv_sweep.py
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_graph import capture_graph
@@ -40,27 +40,17 @@ ROWS = int(os.environ.get("TRACE_M", "1"))  # rows of x
 
 def trace_pair(fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, int]:
     """Stamps [2 launches, blocks, 6] (ns; column 5 the SM id) of two consecutive launches, and their blocks."""
-    w0 = random_packed(fmt, shape)
-    ws = [w0] + [random_packed(fmt, shape) for _ in range(max(3, -(-int(L2_CYCLE) // w0.nbytes)) - 1)]
-    for w in ws:
-        w.persistent = True
-    x = cp.random.standard_normal((ROWS, shape[1]), cp.float32)
+    ws, call = weight_chain(fmt, shape, ROWS, copies=3)
     defines = (("MX_TRACE", 1), *EXTRA)
     with tuned(TUNE, defines):
-        full = ex.tune_for(fmt)
-        t = ex.small_tune(full) if w0.codes.nbytes < full["small_bytes"] else full
-        mod = load_module(full["source"], ex.gemm_defines(t, fmt, w0.e2m1_split, w0.tiled))
+        w0 = ws[0]
+        t = ex.launch_tune(w0, ROWS)  # the build the products launch, whose module holds the stamps
+        mod = load_module(t["source"], ex.gemm_defines(t, w0.fmt, w0.e2m1_split, w0.tiled))
         calls = 2 * len(ws)
         # the last launch over copy 0 is calls - len(ws); copy 1's follows it
         keys = np.array([ws[0].codes.data.ptr, ws[1].codes.data.ptr], np.uint64)
         cp.cuda.runtime.memcpy(mod.get_global("mx_trace_key").ptr, keys.ctypes.data, keys.nbytes,
                                cp.cuda.runtime.memcpyHostToDevice)
-        state = {"i": 0}
-
-        def call() -> None:
-            ex.mx_linear(x, ws[state["i"] % len(ws)])
-            state["i"] += 1
-
         stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
         graph, _ = capture_graph(lambda: [call() for _ in range(calls)], stream, pool)
         tr = mod.get_global("mx_trace")

@@ -150,8 +150,8 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
 }
 #if MX_TRACE
 // Launches whose weight pointer is mx_trace_key[i] write, per block (thread 0; block x + gridDim.x y, z = 0),
-// globaltimer ns at: entry, after the wait, after the first x staging, the end of warp 0's last K loop, the
-// exit; and the SM id.
+// globaltimer ns at: entry (0, with the SM id at 5), after the wait, after the first x staging, the end of
+// warp 0's last K loop, the exit.
 __device__ unsigned long long mx_trace_key[2];
 __device__ unsigned long long mx_trace[2][4096][6];
 __device__ __forceinline__ void trace_at(const void* W, int i) {
@@ -160,14 +160,13 @@ __device__ __forceinline__ void trace_at(const void* W, int i) {
     const int slot = (unsigned long long)W == mx_trace_key[0] ? 0 : (unsigned long long)W == mx_trace_key[1] ? 1 : -1;
     if (slot < 0) return;
     unsigned long long t;
-    if (i == 5) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    mx_trace[slot][b][i] = t;
+    if (i == 0) {
         unsigned int sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        t = sm;
-    } else {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        mx_trace[slot][b][5] = sm;
     }
-    mx_trace[slot][b][i] = t;
 }
 #define TRACE(W, i) trace_at(W, i)
 #else
@@ -434,14 +433,15 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     // loop); a warp a row: lane-strided tile sums, then a butterfly. Once a block (its first segment): every
     // segment of the block has the same rows of x. The first two sums of each row are loaded here and added
     // after the first x staging, so that their round trip overlaps the staging's.
-    constexpr int NR = FUSE ? (MT + WARPS - 1) / WARPS : 1;  // rows a warp takes
+    constexpr int NR = FUSE ? (MT + WARPS - 1) / WARPS : 1;  // rows a warp takes: m = warp + r WARPS
     float nq0[NR], nq1[NR];
     const bool norm_rows = FUSE && A.nsq && first;
+    const auto nsq_row = [&](int m) { return A.nsq + (i64)(m0 + m) * A.nsq_tiles; };
     if (norm_rows) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             const int m = warp + r * WARPS;
-            const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
+            const float* q = nsq_row(m);
             nq0[r] = m < m_valid && lane < A.nsq_tiles ? q[lane] : 0.f;
             nq1[r] = m < m_valid && lane + 32 < A.nsq_tiles ? q[lane + 32] : 0.f;
         }
@@ -508,7 +508,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             for (int r = 0; r < NR; ++r) {
                 const int m = warp + r * WARPS;
                 if (m >= m_valid) break;  // uniform per warp
-                const float* q = A.nsq + (i64)(m0 + m) * A.nsq_tiles;
+                const float* q = nsq_row(m);
                 float s = nq0[r] + nq1[r];
                 for (int i = lane + 64; i < A.nsq_tiles; i += 32) s += q[i];
 #pragma unroll
@@ -650,7 +650,6 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
     __shared__ int last_flag;
     TRACE(A.W, 0);
-    TRACE(A.W, 5);
     if (A.g_cnt) pdl_wait();  // group counts come from the router's kernels
     const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M;

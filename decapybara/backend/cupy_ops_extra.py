@@ -242,6 +242,18 @@ def small_tune(tune: dict) -> dict:
     return {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
 
 
+def n_tiles(rows: int) -> int:
+    """n-tiles of 8 rows a mx_gemm kernel takes for a product of `rows` rows (its `_1` / `_2` / `_4` / `_8` build)."""
+    return 1 if rows <= 8 else 2 if rows <= 16 else 4 if rows <= 32 else 8
+
+
+def launch_tune(w: PackedWeight, rows: int, dense: bool = True) -> dict:
+    """The resolved tuning a product of `rows` rows over `w` launches with: TUNE for its format, or its small
+    build where a dense one-n-tile product has fewer than `small_bytes` of codes."""
+    tune = tune_for(w.fmt)
+    return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
+
+
 def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = False) -> tuple[tuple[str, int], ...]:
     """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for(fmt)`) builds in for weights of
     format `fmt` (MX_ONLY: a module holds that format's kernels alone) whose E2M1 codes are split
@@ -295,11 +307,9 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     assert not fused or (groups is None and gather is None and m <= FUSED_ROWS), "fused norms: dense, M <= 8"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
-    tune = tune_for(w.fmt)
+    tune = launch_tune(w, m, dense=groups is None)
     counters = _counters(cp.cuda.Device().id)
-    nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
-    if groups is None and nt == 1 and w.codes.nbytes < tune["small_bytes"]:
-        tune = small_tune(tune)
+    nt = n_tiles(m)
     mtiles = -(-m // (8 * nt))
     ck = 4 * LANE_K[w.fmt]
     nchunks = -(-kp // ck)

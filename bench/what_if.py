@@ -62,7 +62,7 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
         ops.rms_norm = lambda x, w, eps, off: x
         ops.linear_add_rms_norm = lambda x, w, bias, res, nw, eps, off: (ops.linear(x, w, bias), res)
     if "silu" in drop:
-        ops.silu_mul_halves = lambda y: buf.get(y.shape[0], y.shape[1] // 2)
+        ops.silu_mul_halves = lambda y, to_product=None: buf.get(y.shape[0], y.shape[1] // 2)
     if "small" in drop:
         def linear(x: Any, w: Any, bias: Any = None) -> Any:
             if isinstance(w, ex.PackedWeight) and w.nbytes < SMALL_BYTES:

@@ -10,7 +10,9 @@
 
 // ---- RMSNorm ----------------------------------------------------------------------------------------------
 // h = x (+ res); out = h / sqrt(mean(h^2) + eps) * (offset + w); res_out = h when res is given.
-// x, res, out, res_out: [rows, n] float32; w: [n] float32. res / res_out may be null (plain norm).
+// x, res, res_out: [rows, n] float32; w: [n] float32; out: [rows, n] float32, or bf16 bits (out_bf16: the
+// float32 value rounded to nearest even, for rows that only feed products that round x to bf16 anyway).
+// res / res_out may be null (plain norm).
 __device__ __forceinline__ float load_h(const float* __restrict__ x, const float* __restrict__ res, i64 i) {
   return res ? __fadd_rn(x[i], res[i]) : x[i];
 }
@@ -36,11 +38,18 @@ __device__ __forceinline__ void load_row(const float* __restrict__ x, const floa
   }
 }
 
+__device__ __forceinline__ void store_out(void* out, int out_bf16, i64 i, float v) {
+  if (out_bf16)
+    ((u16*)out)[i] = f32_to_bf16(v);
+  else
+    ((float*)out)[i] = v;
+}
+
 #define RW_CACHE 8  // elements per lane a warp-per-row kernel keeps in registers (rows up to 256 in one pass)
 extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ res,
-                                         const float* __restrict__ w, float* __restrict__ out,
+                                         const float* __restrict__ w, void* __restrict__ out,
                                          float* __restrict__ res_out, int rows, int n, float eps,
-                                         float offset) {
+                                         float offset, int out_bf16) {
   pdl_begin();  // overlapped launch (pdl.cuh)
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -61,13 +70,13 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
     const int i = lane + 32 * j;
     if (i < n) {
       if (res_out) res_out[base + i] = hv[j];
-      out[base + i] = (hv[j] / denom) * (offset + wv[j]);
+      store_out(out, out_bf16, base + i, (hv[j] / denom) * (offset + wv[j]));
     }
   }
   for (int i = lane + 32 * RW_CACHE; i < n; i += 32) {
     const float h = load_h(x, res, base + i);
     if (res_out) res_out[base + i] = h;
-    out[base + i] = (h / denom) * (offset + w[i]);
+    store_out(out, out_bf16, base + i, (h / denom) * (offset + w[i]));
   }
 }
 
@@ -75,9 +84,9 @@ extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const floa
 // the two passes.
 #define RN_CACHE 16
 extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const float* __restrict__ res,
-                                          const float* __restrict__ w, float* __restrict__ out,
+                                          const float* __restrict__ w, void* __restrict__ out,
                                           float* __restrict__ res_out, int rows, int n, float eps,
-                                          float offset) {
+                                          float offset, int out_bf16) {
   pdl_begin();  // overlapped launch (pdl.cuh)
   __shared__ float scratch[33];
   const int row = blockIdx.x;
@@ -99,13 +108,13 @@ extern "C" __global__ void rms_norm_block(const float* __restrict__ x, const flo
     const int i = threadIdx.x + j * step;
     if (i < n) {
       if (res_out) res_out[base + i] = hv[j];
-      out[base + i] = (hv[j] / denom) * (offset + wv[j]);
+      store_out(out, out_bf16, base + i, (hv[j] / denom) * (offset + wv[j]));
     }
   }
   for (int i = tail; i < n; i += step) {
     const float h = load_h(x, res, base + i);
     if (res_out) res_out[base + i] = h;
-    out[base + i] = (h / denom) * (offset + w[i]);
+    store_out(out, out_bf16, base + i, (h / denom) * (offset + w[i]));
   }
 }
 
@@ -258,11 +267,12 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
 }
 
 // out [rows, n] = silu(y[:, :n]) * y[:, n:] for y [rows, 2n]: the fused gate|up product's halves.
-extern "C" __global__ void silu_mul_halves(const float* __restrict__ y, float* __restrict__ out, i64 rows, int n) {
+extern "C" __global__ void silu_mul_halves(const float* __restrict__ y, void* __restrict__ out, i64 rows, int n,
+                                           int out_bf16) {
   pdl_begin();  // overlapped launch (pdl.cuh)
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * n; i += (i64)gridDim.x * blockDim.x) {
     const i64 r = i / n, j = i - r * n;
-    out[i] = silu_f(y[r * 2 * n + j]) * y[r * 2 * n + n + j];
+    store_out(out, out_bf16, i, silu_f(y[r * 2 * n + j]) * y[r * 2 * n + n + j]);
   }
 }
 

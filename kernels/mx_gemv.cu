@@ -38,7 +38,8 @@
 // `mx_linear_add_norm`, `NormedRows`), so that no norm kernel runs between them:
 // - the producer (res != 0) stores y = x @ W^T * post + bias + res (res: the residual stream, y's shape and
 //   stride; the same float operations as the product then a separate add), xg = y * (gw_off + gw[n]) (the
-//   next norm's weight applied; same shape) and each output tile's sums of squares of its y rows, sq[m,
+//   next norm's weight applied; same shape, in bf16 bits (xg_kind; float32 for measurement): the rounding the
+//   consumer's staging applies to any x, so it stages half the bytes for the same result) and each output tile's sums of squares of its y rows, sq[m,
 //   tile] (tiles of TILE_ROWS columns) in a fixed order for a given launch plan: where one block computes the
 //   whole tile, a butterfly over each warp's 16 columns, then the warps in order; where the tile's last K
 //   split reduces it, a butterfly over each 32 columns, then those in order;
@@ -344,6 +345,20 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
     }
 }
 
+// One group of 8 bf16 codes of x (16 bytes, k order) staged: scaled by xmul, in the k-slot permutation, as
+// bf16x2 words (exact: xmul is a power of two).
+template <int FMT>
+__device__ __forceinline__ uint4 stage_bf16(const uint4 q, const float xmul) {
+    const u32 qq[4] = {q.x, q.y, q.z, q.w};
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = __uint_as_float((e & 1) ? qq[e >> 1] & 0xFFFF0000u : qq[e >> 1] << 16);
+    u32 o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
+    return u4(o[0], o[1], o[2], o[3]);
+}
+
 struct Args {
     const u8* W; const u8* S; float post; const float* bias;
     const void* x; int x_kind; i64 ldx; const int* gather;
@@ -351,8 +366,9 @@ struct Args {
     float* partial; int* counters;
     int M, N, K, Kp; i64 w_row, s_row, w_gstride, s_gstride;
     const int* g_off; const int* g_cnt; int mtiles, cps, x_vec, stream;
-    const float* res; float* sq; float* xg; const float* gw; float gw_off;  // fused producer (header), else null
+    const float* res; float* sq; void* xg; const float* gw; float gw_off;  // fused producer (header), else null
     const float* nsq; int nsq_tiles; float n_eps;                          // fused consumer, else nsq null
+    int xg_kind;  // the fused producer's xg: KIND_BF16 (the default), or KIND_F32 (measurement)
 };
 
 // Fused producer: sq[m0 + m, tile] = the tile's partial sums of squares of row m, sqp[m * ms + p * ps] for
@@ -452,52 +468,63 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         __syncthreads();
         const i64 kseg = (i64)sb * CK;
         const int se = min(c1, sb + segc), seg8 = (se - sb) * (CK / 8);
-        // groups of 8 codes: thread tid takes groups tid, tid + blockDim.x, ... of the mrows x seg8 grid, its
-        // (row m, group d) stepped without dividing
-        int m = tid / seg8, d = tid - m * seg8;
+        // groups of 8 codes: thread tid takes items tid, tid + blockDim.x, ... of the mrows x segi grid, its
+        // (row m, item i) stepped without dividing. An item is one group d, or for bf16 rows in 16-byte loads
+        // two, d and d + 4 (16 consecutive codes of k: both loads in flight at once, so that a twelve-row
+        // segment takes half the round trips to L2 in a row; G % 8 == 0, so seg8 is even)
+        const int pairs = A.x_kind == KIND_BF16 && A.x_vec, segi = seg8 >> pairs;
+        int m = tid / segi, i = tid - m * segi;
         while (m < mrows) {
             // group d: chunk d / G, lane t = d % 4, its 8-code slot jj = (d % G) / 4 (G = CK / 8 groups a chunk)
             constexpr u32 G = CK / 8;
-            static_assert((G & (G - 1)) == 0 && G % 4 == 0, "groups of a chunk: a power of two, 4 lanes");
-            const u32 du = (u32)d, d8 = du * 8u;
+            static_assert((G & (G - 1)) == 0 && G % 8 == 0, "groups of a chunk: a power of two, 4 lanes x 2");
+            const u32 iu = (u32)i, du = pairs ? ((iu >> 2) << 3) | (iu & 3u) : iu, d8 = du * 8u;
             const i64 k0 = kseg + (i64)((du / G) * CK + (du & 3u) * LK + ((du & (G - 1)) >> 2) * 8u);
-            float v[8];
             const bool live = m < m_valid && k0 < A.K;
             const int row = !live ? 0 : A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
             const i64 base = (i64)row * A.ldx + k0;
-            if (live && A.x_vec && k0 + 8 <= A.K) {  // a whole group: 16- / 32-byte loads
-                if (A.x_kind == KIND_F32) {  // the model's activations
-                    const float4* p = (const float4*)((const float*)A.x + base);
-                    const float4 a = p[0], b = p[1];
-                    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-                } else {
-                    const uint4 q = *(const uint4*)((const u16*)A.x + base);
-                    const u32 qq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const u32 h = (e & 1) ? qq[e >> 1] >> 16 : qq[e >> 1] & 0xFFFFu;
-                        v[e] = A.x_kind == KIND_BF16 ? __uint_as_float(h << 16) : h2f((u16)h);
-                    }
-                }
-            } else if (live) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
+            if (pairs) {  // k0 + 8 <= K where k0 < K (x_vec: K % 8 == 0)
+                const uint4* p = (const uint4*)((const u16*)A.x + base);
+                const uint4 q0 = live ? p[0] : u4(0, 0, 0, 0), q1 = live && k0 + 8 < A.K ? p[1] : u4(0, 0, 0, 0);
+                *(uint4*)(xs + m * rs + d8) = stage_bf16<FMT>(q0, xmul);
+                *(uint4*)(xs + m * rs + d8 + 32) = stage_bf16<FMT>(q1, xmul);
             } else {
+                float v[8];
+                if (live && A.x_vec && k0 + 8 <= A.K) {  // a whole group: 16- / 32-byte loads
+                    if (A.x_kind == KIND_F32) {  // the model's activations
+                        const float4* p = (const float4*)((const float*)A.x + base);
+                        const float4 a = p[0], b = p[1];
+                        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                    } else {
+                        const uint4 q = *(const uint4*)((const u16*)A.x + base);
+                        const u32 qq[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = 0.f;
+                        for (int e = 0; e < 8; ++e) {
+                            const u32 h = (e & 1) ? qq[e >> 1] >> 16 : qq[e >> 1] & 0xFFFFu;
+                            v[e] = A.x_kind == KIND_BF16 ? __uint_as_float(h << 16) : h2f((u16)h);
+                        }
+                    }
+                } else if (live) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+                }
+                u32 o[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
+                *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
             }
-            u32 o[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
-            *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
-            d += blockDim.x;
-            if (d >= seg8) {  // the next row; a division only where segments are shorter than half a block
-                d -= seg8;
+            i += blockDim.x;
+            if (i >= segi) {  // the next row; a division only where segments are shorter than half a block
+                i -= segi;
                 ++m;
-                if (d >= seg8) {
-                    const int q = d / seg8;
+                if (i >= segi) {
+                    const int q = i / segi;
                     m += q;
-                    d -= q * seg8;
+                    i -= q * segi;
                 }
             }
         }
@@ -561,7 +588,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                     if (FUSE && A.res) {
                         v += A.res[o];
                         sq2[nt][q & 1] += v * v;  // rows g then g + 8
-                        A.xg[o] = v * (A.gw_off + __ldg(A.gw + n));
+                        store_kind(A.xg, A.xg_kind, o, v * (A.gw_off + __ldg(A.gw + n)));
                     }
                     store_kind(A.y, A.y_kind, o, v);
                 }
@@ -605,7 +632,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             v = s * A.post + (A.bias ? A.bias[n] : 0.f);
             if (FUSE && A.res) {
                 v += r;
-                A.xg[o] = v * (A.gw_off + gn);
+                store_kind(A.xg, A.xg_kind, o, v * (A.gw_off + gn));
             }
             store_kind(A.y, A.y_kind, o, v);
         }
@@ -626,17 +653,15 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
 // Block b of a stream-K launch (A.stream, dense only) takes units [b U / B, (b + 1) U / B) of the U = tiles x
 // chunks units, tile-major: long contiguous K ranges, every block the same work (+-1 chunk), whatever the
 // shape. A tile's contributors are the blocks whose ranges meet its units: block_of(u) = ((u + 1) B - 1) / U.
-// Unit u of block blockIdx.x (up to u_end) -> its tile, chunk range [c0, c1) and contributor index, in T =
-// unsigned 32-bit where U B < 2^32 (every real matrix: a 64-bit division is a long software routine on the way
-// to a block's first weight loads), else 64-bit.
-template <typename T>
-__device__ __forceinline__ void stream_unit(T u, T u_end, T U, T B, int nchunks, int& tile, int& c0, int& c1,
+// Unit u of block blockIdx.x (up to u_end) -> its tile, chunk range [c0, c1) and contributor index, in
+// unsigned 32-bit arithmetic (the plan keeps U B < 2^32).
+__device__ __forceinline__ void stream_unit(u32 u, u32 u_end, u32 U, u32 B, int nchunks, int& tile, int& c0, int& c1,
                                             int& part, int& nparts) {
-    tile = (int)(u / (T)nchunks);
-    c0 = (int)(u - (T)tile * (T)nchunks);
-    c1 = (int)min((T)nchunks, (T)c0 + (u_end - u));
-    const T f = (T)tile * (T)nchunks;  // the tile's first unit
-    const int first = (int)(((f + 1) * B - 1) / U), last = (int)(((f + (T)nchunks) * B - 1) / U);
+    tile = (int)(u / (u32)nchunks);
+    c0 = (int)(u - (u32)tile * (u32)nchunks);
+    c1 = (int)min((u32)nchunks, (u32)c0 + (u_end - u));
+    const u32 f = (u32)tile * (u32)nchunks;  // the tile's first unit
+    const int first = (int)(((f + 1) * B - 1) / U), last = (int)(((f + (u32)nchunks) * B - 1) / U);
     part = (int)blockIdx.x - first;
     nparts = last - first + 1;
 }
@@ -657,29 +682,20 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     const int nchunks = (A.Kp + CK - 1) / CK;
     constexpr int NS = Fmt<FMT>::NS;
     const bool whole = A.Kp % CK == 0 && (NS == 0 || ((A.s_row | A.s_gstride | (i64)A.S) % NS == 0));
-    // tile grid (!A.stream): one segment, blockIdx.x = output tile, blockIdx.y = K split of A.cps chunks
-    const int B = gridDim.x, ntiles = (A.N + TILE_ROWS - 1) / TILE_ROWS;
-    const i64 U = (i64)ntiles * nchunks;
-    const bool narrow = (unsigned long long)U * (unsigned)B < (1ull << 32);
-    const i64 u0 = !A.stream ? 0 : narrow ? (i64)((u32)blockIdx.x * (u32)U / (u32)B) : (i64)blockIdx.x * U / B;
-    const i64 u_end = !A.stream ? 1 : narrow ? (i64)((u32)(blockIdx.x + 1) * (u32)U / (u32)B)
-                                             : (i64)(blockIdx.x + 1) * U / B;
-    for (i64 u = u0; u < u_end;) {
+    // tile grid (!A.stream): one segment, blockIdx.x = output tile, blockIdx.y = K split of A.cps chunks.
+    // The unit arithmetic is unsigned 32-bit (the plan keeps U B < 2^32): a 64-bit division is a long software
+    // routine on the way to a block's first weight loads.
+    const u32 B = gridDim.x, U = (u32)((A.N + TILE_ROWS - 1) / TILE_ROWS) * (u32)nchunks;
+    const u32 u0 = !A.stream ? 0u : blockIdx.x * U / B, u_end = !A.stream ? 1u : (blockIdx.x + 1) * U / B;
+    for (u32 u = u0; u < u_end;) {
         int tile = blockIdx.x, c0 = blockIdx.y * A.cps, c1 = min(nchunks, c0 + A.cps);
         int part = blockIdx.y, nparts = gridDim.y;
-        i64 step = 1;
-        if (A.stream) {
-            if (narrow)
-                stream_unit<u32>((u32)u, (u32)u_end, (u32)U, (u32)B, nchunks, tile, c0, c1, part, nparts);
-            else
-                stream_unit<unsigned long long>(u, u_end, U, B, nchunks, tile, c0, c1, part, nparts);
-            step = c1 - c0;
-        }
+        if (A.stream) stream_unit(u, u_end, U, B, nchunks, tile, c0, c1, part, nparts);
         if (whole)
             mx_segment<FMT, NT, true>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         else
             mx_segment<FMT, NT, false>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
-        u += step;
+        u += A.stream ? (u32)(c1 - c0) : 1u;
     }
     TRACE(A.W, 4);
 }
@@ -689,11 +705,11 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \
-        int mtiles, int cps, int x_vec, int stream, const float* res, float* sq, float* xg, const float* gw, \
-        float gw_off, const float* nsq, int nsq_tiles, float n_eps) {                                        \
+        int mtiles, int cps, int x_vec, int stream, const float* res, float* sq, void* xg, const float* gw,  \
+        float gw_off, const float* nsq, int nsq_tiles, float n_eps, int xg_kind) {                           \
         Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
                w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream, res, sq, xg,   \
-               gw, gw_off, nsq, nsq_tiles, n_eps};                                                          \
+               gw, gw_off, nsq, nsq_tiles, n_eps, xg_kind};                                                 \
         mx_gemm_impl<FMT, NT>(a);                                                                           \
     }
 #define MX_FORMAT(NAME, FMT) \

@@ -31,18 +31,20 @@ def check_stream(plan: GemmPlan, tiles: int, nchunks: int) -> None:
     blocks = plan.grid[0]
     seen = [[0] * nchunks for _ in range(tiles)]
     parts: dict[int, dict[int, int]] = {}
+    segments = []
     for b in range(blocks):
         segs = stream_segments(b, blocks, tiles, nchunks)
         assert segs, f"block {b} of {blocks} has no work"
-        for tile, c0, c1, part, nparts in segs:
-            assert 0 <= c0 < c1 <= nchunks
-            for c in range(c0, c1):
-                seen[tile][c] += 1
-            assert 0 <= part < nparts
-            if nparts > 1:
-                assert nparts <= plan.partial_rows, (nparts, plan.partial_rows)
-            assert parts.setdefault(tile, {}).setdefault(part, nparts) == nparts
-            assert (c0, c1) != (0, nchunks) or nparts == 1
+        segments += segs
+    for tile, c0, c1, part, nparts in segments:
+        assert 0 <= c0 < c1 <= nchunks
+        for c in range(c0, c1):
+            seen[tile][c] += 1
+        assert 0 <= part < nparts
+        if nparts > 1:
+            assert nparts <= plan.partial_rows, (nparts, plan.partial_rows)
+        assert parts.setdefault(tile, {}).setdefault(part, nparts) == nparts
+        assert (c0, c1) != (0, nchunks) or nparts == 1
     assert all(v == 1 for row in seen for v in row), "a unit computed twice or never"
     for tile, p in parts.items():  # contributors 0..nparts-1, all present, all agreeing on nparts
         (nparts,) = set(p.values())
@@ -60,6 +62,15 @@ def test_stream_k_covers_every_unit_once(seed):
     assert plan.stream and plan.grid[2] == mtiles
     assert 1 <= plan.grid[0] <= max(1, slots // mtiles)
     check_stream(plan, tiles, nchunks)
+
+
+def test_stream_k_stays_within_32_bit_unit_arithmetic():
+    big = plan_gemm(tiles=1 << 16, nchunks=1 << 10, mtiles=1, groups=1, slots=1 << 10, weight_bytes=0,
+                    partial_bytes=0, tune={**TUNE, "policy": "stream"}, max_counters=1 << 17)
+    assert not big.stream and big.grid[1] == 1  # 2^26 units x 2^10 blocks: a tile grid, unsplit
+    near = plan_gemm(tiles=1 << 12, nchunks=1 << 10, mtiles=1, groups=1, slots=1 << 9, weight_bytes=0,
+                     partial_bytes=0, tune={**TUNE, "policy": "stream"})
+    assert near.stream and near.grid[0] == 1 << 9  # 2^22 units x 2^9 blocks < 2^32
 
 
 @pytest.mark.parametrize("policy", ["cost", "wave", "balance", "auto"])

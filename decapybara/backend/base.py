@@ -155,15 +155,18 @@ class Backend(ABC):
                             offset: float) -> tuple[Any, Any]:
         """`add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps, offset)`: a block's output
         projection, the residual add and the next norm. A backend may fuse them and return the normed rows in a
-        deferred form: the caller passes them only to this backend's `linear` (as x) and reads only their
-        `shape`. The new residual must equal the plain float32 `linear(...) + residual`."""
+        deferred form, or in the precision its products read them in: the caller passes them only to this
+        backend's `linear` (as x) and reads only their `shape`. The new residual must equal the plain float32
+        `linear(...) + residual`."""
         return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps, offset)
 
     @abstractmethod
     def silu_mul(self, gate: Any, up: Any) -> Any: ...
 
-    def silu_mul_halves(self, y: Any) -> Any:
-        """silu(y[:, :n]) * y[:, n:] for y [T, 2n]: the activation of a fused gate|up product."""
+    def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:
+        """silu(y[:, :n]) * y[:, n:] for y [T, 2n]: the activation of a fused gate|up product. `to_product`: the
+        weight of the one product the caller passes the result to (this backend's `linear`, as x), where
+        nothing else reads it; a backend may then return it in the precision that product reads x in."""
         n = y.shape[-1] // 2
         return self.silu_mul(y[..., :n], y[..., n:])
 

@@ -20,6 +20,7 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra
 from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
@@ -50,6 +51,16 @@ def _bf16_packed(weight: Any) -> PackedWeight | None:
     if weight.ndim == 2 and weight.dtype == cp.uint16:
         return PackedWeight("bf16", weight.shape, weight, persistent=True)
     return None
+
+
+def _reads_bf16(weight: Any, rows: int) -> bool:
+    """Whether a product of `rows` rows over `weight` (or over the model's other weights, stored alike) runs on
+    the skinny kernels, which round x to bf16 as they stage it, so that its x may come in bf16 bits (half the
+    bytes staged, the same results): packed or bf16 weights they stream, at most SKINNY_ROWS rows, TUNE
+    `bf16_rows` rows at least (0: off)."""
+    w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
+    least = cupy_ops_extra.TUNE["bf16_rows"]
+    return bool(w is not None and 0 < least <= rows <= SKINNY_ROWS and gemm_ready(w))
 
 
 class CupyBackend(Backend):
@@ -112,13 +123,18 @@ class CupyBackend(Backend):
         """Skinny products (at most SKINNY_ROWS rows: decode, speculative verification, small chunks) run on
         the skinny-GEMM kernels (kernels/mx_gemv.cu), which need no cuBLAS and so are capturable by decode
         graphs; larger ones go to cuBLAS. x may be `NormedRows` (from `linear_add_rms_norm`): bf16 products
-        of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows."""
+        of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows; or bf16 bits
+        (uint16, also from `linear_add_rms_norm`), which the skinny kernels read as they are (they round x to
+        bf16 anyway) and anything else widens to float32."""
         packed = _bf16_packed(weight) if x.shape[0] <= SKINNY_ROWS else None
         if packed is not None and gemm_ready(packed):
-            x = x if isinstance(x, NormedRows) else cp.ascontiguousarray(x, dtype=cp.float32)
+            if not isinstance(x, NormedRows):
+                x = cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
             return mx_linear(x, packed, bias, out_dtype=cp.float32)
         if isinstance(x, NormedRows):
             x = x.materialize()
+        if x.dtype == cp.uint16:
+            x = ops.bf16_bits_to_f32(x)
         if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous:
             return ops.gemv_f32(x, weight, bias)
         if weight.dtype == cp.uint16:
@@ -131,21 +147,29 @@ class CupyBackend(Backend):
                             offset: float) -> tuple[Any, Any]:
         """Products of up to 8 rows (decode) over packed or bf16 weights fuse the residual add into their
         epilogue and leave the norm to the products that read its rows (`NormedRows`, `mx_linear_add_norm`):
-        no norm kernel between them. Anything else runs the plain ops."""
+        no norm kernel between them. Past that, up to SKINNY_ROWS rows over weights the skinny kernels stream
+        (`_reads_bf16`), the norm writes its rows in bf16 bits: the products after it round x to bf16 anyway,
+        and stage half the bytes (`linear`). Anything else runs the plain ops. x may be bf16 bits (the MLP
+        activation, `silu_mul_halves`)."""
         w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
         if (w is not None and x.shape[0] <= FUSED_ROWS and residual.dtype == cp.float32
                 and residual.flags.c_contiguous and norm_weight.dtype == cp.float32):
-            got = mx_linear_add_norm(cp.ascontiguousarray(x, dtype=cp.float32), w, bias, residual, norm_weight, eps,
-                                     offset)
+            x = cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
+            got = mx_linear_add_norm(x, w, bias, residual, norm_weight, eps, offset)
             if got is not None:
                 return got
+        if _reads_bf16(weight, x.shape[0]) and norm_weight.dtype == cp.float32:
+            y = self.linear(x, weight, bias)
+            return ops.rms_norm(y, norm_weight, eps, offset, residual=residual, out_dtype=cp.uint16)
         return super().linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, offset)
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
         return ops.silu_mul(gate, up)
 
-    def silu_mul_halves(self, y: Any) -> Any:
-        return ops.silu_mul_halves(y)
+    def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:
+        """bf16 bits where the one product that reads the result rounds x to bf16 anyway (`_reads_bf16`)."""
+        bf16 = to_product is not None and _reads_bf16(to_product, y.shape[0])
+        return ops.silu_mul_halves(y, out_dtype=cp.uint16 if bf16 else cp.float32)
 
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """Stacks device matrices of one storage (float32, bf16 bits, or PackedWeights of one format, tensor

@@ -83,22 +83,25 @@ def _k(func: str) -> Any:
 WARP_ROW_MAX = 1024  # rows up to this long are normed a warp each (rms_norm_warp), longer ones a block each
 
 
-def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = None) -> Any:
+def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = None, out_dtype: Any = np.float32) -> Any:
     """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis. With `residual`, normalises h = x + residual
-    and returns (out, h) (the fused residual add); else returns out."""
+    and returns (out, h) (the fused residual add); else returns out. out_dtype uint16: out in bf16 bits (the
+    float32 values rounded to nearest even; h stays float32)."""
     x = f32(x)
     n = x.shape[-1]
     rows = x.size // n if n else 0
     check(weight, np.float32, "weight", 1)
     assert weight.shape[0] == n, f"weight {weight.shape} for rows of {n}"
-    out = empty_like(x)
+    out_bf16 = np.dtype(out_dtype) == np.uint16
+    assert out_bf16 or np.dtype(out_dtype) == np.float32, f"out_dtype {out_dtype}"
+    out = empty(x.shape, cp.uint16 if out_bf16 else cp.float32)
     res_out = empty_like(x) if residual is not None else None
     if residual is not None:
         residual = f32(residual)
         assert residual.shape == x.shape, f"residual {residual.shape} vs x {x.shape}"
     if rows:
         args = (x, null() if residual is None else residual, weight, out,
-                null() if res_out is None else res_out, I32(rows), I32(n), F32(eps), F32(offset))
+                null() if res_out is None else res_out, I32(rows), I32(n), F32(eps), F32(offset), I32(out_bf16))
         if n <= WARP_ROW_MAX:
             pdl.launch(_k("rms_norm_warp"), (-(-rows // 8),), (256,), args)
         else:
@@ -226,14 +229,18 @@ def silu_mul(gate: Any, up: Any) -> Any:
     return _elementwise("silu_mul", gate, up)
 
 
-def silu_mul_halves(y: Any) -> Any:
-    """silu(y[:, :n]) * y[:, n:] for y [rows, 2n] float32 -> [rows, n] (one launch, no slice copies)."""
+def silu_mul_halves(y: Any, out_dtype: Any = np.float32) -> Any:
+    """silu(y[:, :n]) * y[:, n:] for y [rows, 2n] float32 -> [rows, n] (one launch, no slice copies); out_dtype
+    uint16: in bf16 bits (the float32 values rounded to nearest even)."""
     y = cp.ascontiguousarray(f32(y))
     rows, n2 = y.shape
     assert n2 % 2 == 0, f"silu_mul_halves: odd width {n2}"
-    out = empty((rows, n2 // 2), np.float32)
+    out_bf16 = np.dtype(out_dtype) == np.uint16
+    assert out_bf16 or np.dtype(out_dtype) == np.float32, f"out_dtype {out_dtype}"
+    out = empty((rows, n2 // 2), cp.uint16 if out_bf16 else cp.float32)
     if out.size:
-        pdl.launch(_k("silu_mul_halves"), (grid_for(out.size),), (THREADS,), (y, out, I64(rows), I32(n2 // 2)))
+        pdl.launch(_k("silu_mul_halves"), (grid_for(out.size),), (THREADS,),
+                   (y, out, I64(rows), I32(n2 // 2), I32(out_bf16)))
     return out
 
 

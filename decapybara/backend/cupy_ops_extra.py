@@ -38,6 +38,7 @@ from decapybara.backend.cupy_ops import (
 )
 from decapybara.backend.gemv_plan import (
     CHUNK_CODES,
+    GemmPlan,
     band_tiles,
     band_tiles_ok,
     e2m1_split_words,
@@ -221,11 +222,18 @@ def _counters(device: int) -> Any:
 # off) lets a block's output projection add the residual, apply the next norm's weight and sum its rows'
 # squares, and the next products divide by each row's RMS (`mx_linear_add_norm`, `NormedRows`; up to 8 rows):
 # no norm kernel between them, one-stream 27B steps ~6% faster (interleaved captures, docs/perf.md).
+# `bf16_rows` (0: off): products of at least this many rows get x in bf16 bits where x only feeds products,
+# which round it to bf16 anyway (the same results): the fused norms' xg (`mx_linear_add_norm`), past
+# FUSED_ROWS the norm after an output projection and the MLP activation (CupyBackend): half the bytes staged,
+# and the kernels' staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream
+# 27B steps 5.5% and 4.5% faster, one stream within noise (interleaved captures, docs/perf.md); at one row x
+# stays float32 (its staging is one round trip either way).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
+    "bf16_rows": 2,
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -245,6 +253,24 @@ def small_tune(tune: dict) -> dict:
 def n_tiles(rows: int) -> int:
     """n-tiles of 8 rows a mx_gemm kernel takes for a product of `rows` rows (its `_1` / `_2` / `_4` / `_8` build)."""
     return 1 if rows <= 8 else 2 if rows <= 16 else 4 if rows <= 32 else 8
+
+
+def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int = 0,
+              tune: dict | None = None) -> GemmPlan:
+    """The launch plan (gemv_plan.plan_gemm) of a product of `rows` rows over `w`: dense (`groups` 0) or over
+    `groups` expert groups; `x_rows` rows of x (the partial sums' size; default `rows`); `tune` resolved
+    (default `launch_tune`'s)."""
+    dense = not groups
+    tune = launch_tune(w, rows, dense=dense) if tune is None else tune
+    nt = n_tiles(rows)
+    per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
+              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // tune["warps"])
+    plan = plan_gemm(tiles=-(-w.N // (16 * tune["warps"])), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
+                     mtiles=-(-rows // (8 * nt)), groups=max(1, groups), slots=per_sm * sm_count(),
+                     weight_bytes=-(-rows // (8 * nt)) * w.codes.nbytes,
+                     partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N, tune=tune, dense=dense,
+                     max_counters=_counters(cp.cuda.Device().id).size)
+    return plan
 
 
 def launch_tune(w: PackedWeight, rows: int, dense: bool = True) -> dict:
@@ -268,7 +294,8 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
 @dataclass
 class NormedRows:
     """rms_norm(h) = h / denom * (offset + weight) not yet computed, as `mx_linear_add_norm` leaves it: h
-    float32 [T, H] (contiguous), xg = h * (offset + weight) float32 [T, H], sq float32 [T, tiles] the sums of
+    float32 [T, H] (contiguous), xg = h * (offset + weight) [T, H] in bf16 bits (as the product rounds any x; the
+    producer writes it so) or float32, sq float32 [T, tiles] the sums of
     squares of h's rows by tile of the product's columns, the norm's weight float32 [H], eps and offset.
     `mx_linear` takes the product over xg and divides each row's outputs by its denom = sqrt(sum(sq) / H +
     eps) (one launch, no norm kernel); anything else takes `materialize()`."""
@@ -298,8 +325,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
     kernel file (`tune["source"]`, no wait in it), launch plainly.
     Dense launches may fuse the residual add and RMSNorm across two products (kernels/mx_gemv.cu, header):
-    `res` = (residual, xg, gw, offset) (float32, y's shape; y float32 contiguous; gw [N]) makes y = x @ w^T +
-    residual, xg = y * (offset + gw) and returns y's rows' sums of squares by output tile, float32 [M, tiles];
+    `res` = (residual, xg, gw, offset) (residual float32, xg bf16 bits or float32, y's shape; y float32
+    contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows' sums of squares by output tile, float32 [M, tiles];
     `norm` (x = norm.xg) divides each output row by its denominator from norm.sq."""
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
@@ -308,19 +335,11 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
     tune = launch_tune(w, m, dense=groups is None)
-    counters = _counters(cp.cuda.Device().id)
     nt = n_tiles(m)
     mtiles = -(-m // (8 * nt))
-    ck = 4 * LANE_K[w.fmt]
-    nchunks = -(-kp // ck)
-    warps = tune["warps"]
-    nrb = -(-n // (16 * warps))
+    nrb = -(-n // (16 * tune["warps"]))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
-              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // warps)
-    plan = plan_gemm(tiles=nrb, nchunks=nchunks, mtiles=mtiles, groups=ngroups, slots=per_sm * sm_count(),
-                     weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * x.shape[0] * n, tune=tune,
-                     dense=groups is None, max_counters=counters.size)
+    plan = gemm_plan(w, m, x.shape[0], 0 if groups is None else ngroups, tune)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(dev_ptr(x) % 16 == 0 and x.shape[1] % 8 == 0)  # 8-element groups of x in 16- / 32-byte loads
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
@@ -333,12 +352,14 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
     sq = None
     fuse_args: tuple[Any, ...] = ()
+    xg_args = kernel_knows(tune["source"], "xg_kind")  # older kernel files store float32 xg
     if kernel_knows(tune["source"], "nsq_tiles"):  # older kernel files (bench/gemv_sweep.py) take no fused norms
         residual, xg, gw, gw_off = res if res is not None else (null(), null(), null(), 0.0)
         if res is not None:
-            for a, name in ((residual, "residual"), (xg, "xg")):
-                check(a, np.float32, name, 2)
+            for a, name, dt in ((residual, "residual", np.float32), (xg, "xg", xg.dtype)):
+                check(a, dt, name, 2)
                 assert a.shape == y.shape, f"{name} {a.shape} vs y {y.shape}"
+            assert xg.dtype == np.float32 or (xg.dtype == np.uint16 and xg_args), f"xg {xg.dtype}"
             check(gw, np.float32, "gw", 1)
             assert y.dtype == np.float32 and y.flags.c_contiguous and gw.shape[0] == n
             sq = empty((m, nrb), cp.float32)
@@ -348,13 +369,15 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         fuse_args = (residual, sq if sq is not None else null(), xg, gw, F32(gw_off),
                      norm.sq if norm is not None else null(), I32(norm.sq.shape[1] if norm is not None else 0),
                      F32(norm.eps if norm is not None else 0.0))
+        if xg_args:
+            fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
         assert not fused, f"kernels/{tune['source']}.cu fuses no norms"
-    launch(func, plan.grid, (32 * warps,),
+    launch(func, plan.grid, (32 * tune["warps"],),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
-          counters, I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
+          _counters(cp.cuda.Device().id), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
           I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream)), *fuse_args))
@@ -414,20 +437,23 @@ def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_w
     each row's RMS is left to the consumer (`NormedRows`, `mx_linear`). None where this does not apply, and the
     caller then runs the plain ops: more than FUSED_ROWS rows (the kernels that fuse are the one-n-tile ones),
     no rows or columns, a weight the kernels cannot stream (`gemm_ready`), a kernel file (TUNE `source`)
-    without the fusion, or TUNE's `fuse_norms` 0. x float32 [M, K], residual float32 [M, N], norm_weight
-    float32 [N]."""
+    without the fusion, or TUNE's `fuse_norms` 0. x float32 or bf16 bits [M, K], residual float32 [M, N],
+    norm_weight float32 [N]."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
     if not (tune_for(w.fmt)["fuse_norms"] and x.shape[0] and w.N and fuses_norms(w, x.shape[0])):
         return None
-    check(x, np.float32, "x", 2)
+    check(x, np.uint16 if x.dtype == np.uint16 else np.float32, "x", 2)
     check(residual, np.float32, "residual", 2)
     assert x.shape[1] == w.K and residual.shape == (x.shape[0], w.N), f"x {x.shape} @ w {w.shape}^T + {residual.shape}"
     if bias is not None:
         check(bias, np.float32, "bias", 1)
         assert bias.shape[0] == w.N
     check(norm_weight, np.float32, "norm_weight", 1)
-    h, xg = empty((x.shape[0], w.N), np.float32), empty((x.shape[0], w.N), np.float32)
+    # xg in bf16 bits from TUNE `bf16_rows` rows up (0: off; a kernel file that predates them: float32)
+    tune = tune_for(w.fmt)
+    bf16 = 0 < tune["bf16_rows"] <= x.shape[0] and kernel_knows(tune["source"], "xg_kind")
+    h, xg = empty((x.shape[0], w.N), np.float32), empty((x.shape[0], w.N), np.uint16 if bf16 else np.float32)
     sq = _gemm(x, w, h, bias=bias, res=(residual, xg, norm_weight, float(offset)))
     return NormedRows(h, xg, sq, norm_weight, float(eps), float(offset)), h
 
@@ -484,8 +510,9 @@ class PackedWeightsMixin:
         return super().prepare_weight(name, value)  # type: ignore[misc]
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        if isinstance(weight, PackedWeight):
-            x = x if isinstance(x, NormedRows) else cp.ascontiguousarray(x, dtype=cp.float32)
+        if isinstance(weight, PackedWeight):  # x float32, bf16 bits (CupyBackend.linear_add_rms_norm) or NormedRows
+            if not isinstance(x, NormedRows):
+                x = cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
             return mx_linear(x, weight, bias, out_dtype=cp.float32)
         return super().linear(x, weight, bias)  # type: ignore[misc]
 

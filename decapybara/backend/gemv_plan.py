@@ -6,7 +6,8 @@ Pure arithmetic (no CuPy), so the split logic is tested on any machine. The kern
   ksplit > 1 writes float32 partial sums [ksplit, M, N] that the tile's last block reduces in order.
 - stream-K: grid (blocks, 1, mtiles); block b takes units [b U / B, (b+1) U / B) of the U = tiles x chunks
   units, tile-major, and a tile's contributors are the blocks whose ranges meet its units
-  (`stream_segments` below is the kernel's index arithmetic, line for line).
+  (`stream_segments` below is the kernel's index arithmetic, line for line; unsigned 32-bit: stream-K only
+  where units x blocks < 2^32).
 
 Policies (`tune["policy"]`): "cost" (K splits minimising bytes / wave occupancy), "wave" (one wave of blocks,
 each streaming at least `min_chunks` chunks), "balance" (K splits minimising waves x (chunks per block +
@@ -91,8 +92,10 @@ def _plan(tiles: int, nchunks: int, mtiles: int, groups: int, slots: int, weight
         if policy == "stream" and tune["ksplit"] <= 0:
             units = tiles * nchunks
             stream = max(1, min(max(1, slots // mtiles), units // max(1, tune["min_chunks"])))
-            # a tile meets at most ceil(nchunks / (units // blocks)) + 1 blocks' ranges
-            ksplit = min(stream, _ceil(nchunks, units // stream) + 1)
+            if units * stream >= 1 << 32:  # the kernel's unit arithmetic is 32-bit: a tile grid instead
+                stream, ksplit = 0, 1
+            else:  # a tile meets at most ceil(nchunks / (units // blocks)) + 1 blocks' ranges
+                ksplit = min(stream, _ceil(nchunks, units // stream) + 1)
     if stream:
         return GemmPlan((stream, 1, mtiles * groups), nchunks, ksplit, True)
     cps = _ceil(nchunks, ksplit)

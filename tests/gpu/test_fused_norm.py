@@ -1,7 +1,7 @@
 """The residual add and RMSNorm fused across two skinny products (kernels/mx_gemv.cu, header; GPU only).
 
 The producer (`mx_linear_add_norm`) must store exactly the unfused h = `mx_linear(x, w, bias) + residual`, h
-times the norm's (offset + weight), and the sums of squares of h's rows by column tile; the consumer
+times the norm's (offset + weight) rounded to bf16 bits, and the sums of squares of h's rows by column tile; the consumer
 (`mx_linear` on `NormedRows`) must compute the product of the normalised rows. Outputs NaN-poisoned
 (`cupy_ops.POISON`), so unwritten sums fail. Launch variants: the plain products' tuning cases (at up to 8 rows
 they all split K: the tile's last split reduces it) and DIRECT, where one block computes a whole tile (one
@@ -35,8 +35,9 @@ from test_kernels_extra import (
 from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_factory import cuda_backend
-from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.backend.cupy_backend import CupyBackend, _reads_bf16
 from decapybara.model import quant
+from decapybara.model.quant.elements import bf16_encode
 from decapybara.model.qwen import QwenModel
 from decapybara.testing import tiny_checkpoint
 
@@ -76,7 +77,8 @@ def test_producer_adds_the_residual_and_sums_each_tile(fmt, tune, shape, monkeyp
         normed, h = got
         assert normed.h is h and normed.weight is nw and normed.sq.shape == (m, -(-shape[0] // tile))
         assert_bytes_equal(h, ex.mx_linear(x, w, bias, out_dtype=cp.float32) + res, f"{fmt} {tune} M{m} h")
-        assert_bytes_equal(normed.xg, host(h) * (np.float32(1.0) + host(nw)), f"{fmt} {tune} M{m} xg")
+        xg = host(h) * (np.float32(1.0) + host(nw))  # in bf16 bits from TUNE bf16_rows rows up
+        assert_bytes_equal(normed.xg, bf16_encode(xg) if m >= ex.TUNE["bf16_rows"] else xg, f"{fmt} {tune} M{m} xg")
         assert_close(normed.sq, tile_sums(host(h), tile), 1e-5, f"{fmt} {tune} M{m} tile sums")
 
 
@@ -212,3 +214,72 @@ def test_fused_producer_output_is_a_normed_rows_object():
     assert_bytes_equal(h, ref_h, "residual stream")
     w2 = ops.to_bf16_bits(cp.asarray(rng.standard_normal((64, 256)).astype(np.float32)))
     assert_close(backend.linear(normed, w2), host(backend.linear(ref_x, w2)), 1e-2, "consumer")
+
+
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+def test_wider_steps_hand_bf16_rows_to_the_products(weights):
+    """Past FUSED_ROWS (up to SKINNY_ROWS), the bf16 backend's output projection + residual add + norm writes
+    the normed rows in bf16 bits: the rounding the next products apply to float32 rows anyway, so their
+    outputs are byte for byte those of the float32 rows, and the residual stream is unchanged."""
+    backend = cuda_backend("bf16")
+    rng = np.random.default_rng(12)
+    m = 12
+
+    def weight(n, k):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        return ex.pack_weight(quant.quantize(w, "mxfp4")) if weights == "mxfp4" else ops.to_bf16_bits(cp.asarray(w))
+
+    w, w2 = weight(512, 256), weight(384, 512)
+    x = cp.asarray(rng.standard_normal((m, 256)).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((m, 512)).astype(np.float32))
+    nw = cp.asarray(rng.uniform(-0.2, 0.2, 512).astype(np.float32))
+    normed, h = backend.linear_add_rms_norm(x, w, None, res, nw, 1e-6, 1.0)
+    ref_x, ref_h = backend.add_rms_norm(backend.linear(x, w), res, nw, 1e-6, 1.0)
+    assert normed.dtype == cp.uint16 and normed.shape == (m, 512)
+    assert_bytes_equal(normed, ops.to_bf16_bits(ref_x), "bf16 rows")
+    assert_bytes_equal(h, ref_h, "residual stream")
+    assert_bytes_equal(backend.linear(normed, w2), backend.linear(ref_x, w2), "the next product")
+    dense = cp.asarray(rng.standard_normal((64, 512)).astype(np.float32))  # a float32 weight widens the rows
+    assert_bytes_equal(backend.linear(normed, dense), backend.linear(ops.bf16_bits_to_f32(normed), dense), "float32")
+
+
+def test_mlp_activation_goes_to_the_down_product_in_bf16_bits():
+    """silu(gate) * up for a down product the skinny kernels run comes in bf16 bits (from TUNE bf16_rows rows
+    up to SKINNY_ROWS: the fused norms do not cover it); the down product's bytes are those of the float32
+    rows. One row, and a float32 down weight (the reference backend's), get float32 rows."""
+    backend = cuda_backend("bf16")
+    rng = np.random.default_rng(5)
+    assert ex.TUNE["bf16_rows"] == 2
+    for m in (1, 2, 8, 12):
+        y = cp.asarray(rng.standard_normal((m, 1024)).astype(np.float32))
+        down = ex.pack_weight(quant.quantize(rng.standard_normal((256, 512)).astype(np.float32) * 0.05, "mxfp4"))
+        act = backend.silu_mul_halves(y, to_product=down)
+        plain = backend.silu_mul_halves(y)
+        assert act.dtype == (cp.uint16 if m >= 2 else cp.float32) and plain.dtype == cp.float32
+        assert_bytes_equal(act, ops.to_bf16_bits(plain) if m >= 2 else plain, f"M{m} activation")
+        assert_bytes_equal(backend.linear(act, down), backend.linear(plain, down), f"M{m} down product")
+        dense = cp.asarray(rng.standard_normal((256, 512)).astype(np.float32))
+        assert backend.silu_mul_halves(y, to_product=dense).dtype == cp.float32
+
+
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_bf16_rows_change_no_logit(family, weights, monkeypatch):
+    """Rows handed to the products in bf16 bits (TUNE `bf16_rows`, here from one row up: the fused norms' xg,
+    the norms after output projections past 8 rows, the MLP activation) give every logit byte for byte as
+    float32 rows do, over decode rows (fused norms) and chunks of 12 rows (the wide kernels)."""
+    from test_cupy_model import PROMPT, forward_chunks
+
+    cfg, tensors = tiny_checkpoint(family)
+    if weights == "mxfp4":
+        tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+                   for k, v in tensors.items()}
+    model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+    down = model.w["model.layers.0.mlp.down_proj.weight"]
+    assert _reads_bf16(down, 12), "the tiny model's products are not on the skinny kernels"
+    got = {}
+    for on in (1, 0):
+        monkeypatch.setitem(ex.TUNE, "bf16_rows", on and 1)  # every row count, or none
+        got[on] = [forward_chunks(model, PROMPT[:24], chunk) for chunk in (1, 12)]
+    for chunk, a, b in zip((1, 12), got[1], got[0], strict=True):
+        assert_bytes_equal(a, b, f"{family} {weights} chunks of {chunk}")

@@ -80,6 +80,13 @@ def test_rms_norm_and_fused_residual(n, offset):
     out, h = ops.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, offset, residual=cp.asarray(r))
     assert_close(h, x + r, 0.0, "residual sum")
     assert_close(out, NP.rms_norm(x + r, w, 1e-6, offset), 1e-5, f"add_rms_norm n={n}")
+    # bf16 rows for the products (out_dtype uint16): the float32 rows rounded to nearest even, h unchanged
+    out16, h16 = ops.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, offset, residual=cp.asarray(r),
+                              out_dtype=cp.uint16)
+    assert_bytes_equal(out16, cp.asnumpy(ops.to_bf16_bits(out)), f"add_rms_norm n={n} in bf16 bits")
+    assert_bytes_equal(h16, cp.asnumpy(h), "residual sum beside bf16 rows")
+    assert_bytes_equal(ops.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, offset, out_dtype=cp.uint16),
+                       cp.asnumpy(ops.to_bf16_bits(got)), f"rms_norm n={n} in bf16 bits")
 
 
 @pytest.mark.parametrize("shape", [(5, 4, 16), (9, 48, 128), (1, 3, 256)])
@@ -118,6 +125,16 @@ def test_elementwise(n):
     assert_close(ops.silu_mul(cp.asarray(a), cp.asarray(b)), NP.silu_mul(a, b), 1e-6, "silu_mul")
     assert_close(ops.sigmoid(cp.asarray(a)), NP.sigmoid(a), 1e-6, "sigmoid")
     assert_close(ops.sigmoid_mul(cp.asarray(b), cp.asarray(a)), b * NP.sigmoid(a), 1e-6, "sigmoid_mul")
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 1000), (12, 8704)])
+def test_silu_mul_halves_in_float32_and_bf16_bits(rows, n):
+    rng = np.random.default_rng(rows * n)
+    y = rand(rng, rows, 2 * n, scale=4.0)
+    got = ops.silu_mul_halves(cp.asarray(y))
+    assert_close(got, NP.silu_mul(y[:, :n], y[:, n:]), 1e-6, "silu_mul_halves")
+    assert_bytes_equal(ops.silu_mul_halves(cp.asarray(y), out_dtype=cp.uint16), cp.asnumpy(ops.to_bf16_bits(got)),
+                       "silu_mul_halves in bf16 bits")
 
 
 def test_bf16_rounding_is_exact():

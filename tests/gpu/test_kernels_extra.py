@@ -105,14 +105,18 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     x = rng.standard_normal((m, k)).astype(np.float32)
     xb = bf16_round(x).astype(np.float64)
     ref = xb @ w_ref.T
+    outs = []
     for x_dev, out_dtype, rtol in ((cp.asarray(x), cp.float32, 1e-4),
                                    (cp.asarray(bf16_encode(x)), cp.float32, 1e-4),
                                    (cp.asarray(x.astype(np.float16)), cp.uint16, 1e-2)):
         y = ex.mx_linear(x_dev, w, out_dtype=out_dtype)
+        outs.append(y)
         got = bf16_decode(host(y)) if out_dtype == cp.uint16 else host(y)
         this_ref = (bf16_round(x.astype(np.float16)).astype(np.float64) @ w_ref.T
                     if x_dev.dtype == cp.float16 else ref)
         assert_close(got, this_ref, rtol, f"mx_linear {fmt} [{m}x{k}] @ [{n}x{k}]^T x={x_dev.dtype} y={out_dtype}")
+    # the kernels round float32 x to bf16 as they stage it: bf16 rows of the same values give the same bytes
+    assert_bytes_equal(outs[1], outs[0], f"mx_linear {fmt} [{m}x{k}]: bf16 x against float32 x")
 
 
 # launch / kernel knobs of mx_gemm; each case runs with `small_bytes` 0 unless it sets its own, so that one-row

@@ -52,7 +52,7 @@ def timed(m: int, flush, base: float) -> list[tuple[str, int, float]]:
         def norm(t: int = threads) -> None:
             flush()
             ops._k("rms_norm_block")((m,), (t,), (x, res, w, out, res_out, I32(m), I32(hidden), F32(1e-6),
-                                                   F32(1.0)))
+                                                   F32(1.0), I32(0)))
         rows.append((f"rms_norm_block + residual, {threads} threads", m, B.graph_time(norm) - base))
     q = cp.random.standard_normal((m, cfg.num_attention_heads, cfg.head_dim), cp.float32)
     qw = cp.random.standard_normal(cfg.head_dim, cp.float32)

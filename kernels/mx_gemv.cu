@@ -38,8 +38,10 @@
 // `mx_linear_add_norm`, `NormedRows`), so that no norm kernel runs between them:
 // - the producer (res != 0) stores y = x @ W^T * post + bias + res (res: the residual stream, y's shape and
 //   stride; the same float operations as the product then a separate add), xg = y * (gw_off + gw[n]) (the
-//   next norm's weight applied; same shape, in bf16 bits (xg_kind; float32 for measurement): the rounding the
-//   consumer's staging applies to any x, so it stages half the bytes for the same result) and each output tile's sums of squares of its y rows, sq[m,
+//   next norm's weight applied; same shape, in bf16 bits or float32 (xg_kind: bf16 from TUNE `bf16_rows`
+//   rows up, decapybara/backend/cupy_ops_extra.py): bf16 is the rounding the consumer's staging applies to
+//   any x (but for x below 2^-126, which the float32 staging scales by 2^64 before it rounds), so it stages
+//   half the bytes for the same result) and each output tile's sums of squares of its y rows, sq[m,
 //   tile] (tiles of TILE_ROWS columns) in a fixed order for a given launch plan: where one block computes the
 //   whole tile, a butterfly over each warp's 16 columns, then the warps in order; where the tile's last K
 //   split reduces it, a butterfly over each 32 columns, then those in order;
@@ -368,7 +370,7 @@ struct Args {
     const int* g_off; const int* g_cnt; int mtiles, cps, x_vec, stream;
     const float* res; float* sq; void* xg; const float* gw; float gw_off;  // fused producer (header), else null
     const float* nsq; int nsq_tiles; float n_eps;                          // fused consumer, else nsq null
-    int xg_kind;  // the fused producer's xg: KIND_BF16 (the default), or KIND_F32 (measurement)
+    int xg_kind;  // the fused producer's xg: KIND_BF16 or KIND_F32 (header)
 };
 
 // Fused producer: sq[m0 + m, tile] = the tile's partial sums of squares of row m, sqp[m * ms + p * ps] for

@@ -54,13 +54,17 @@ def _bf16_packed(weight: Any) -> PackedWeight | None:
 
 
 def _reads_bf16(weight: Any, rows: int) -> bool:
-    """Whether a product of `rows` rows over `weight` (or over the model's other weights, stored alike) runs on
-    the skinny kernels, which round x to bf16 as they stage it, so that its x may come in bf16 bits (half the
-    bytes staged, the same results): packed or bf16 weights they stream, at most SKINNY_ROWS rows, TUNE
-    `bf16_rows` rows at least (0: off)."""
+    """Whether a product of `rows` rows over `weight` (or over the model's other weights, stored alike: the
+    bf16 backend's matrices are all bf16 or packed) runs on the skinny kernels, which round x to bf16 as they
+    stage it, so that its x may come in bf16 bits (half the bytes staged, the same results but for x below
+    2^-126, which the kernels' float32 staging scales before it rounds): packed or bf16 weights they stream,
+    at most SKINNY_ROWS rows, TUNE `bf16_rows` rows at least (0: off). For the bf16 backend only (the caller's
+    check): the fp32 one keeps float32 matrices beside packed ones."""
     w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
-    least = cupy_ops_extra.TUNE["bf16_rows"]
-    return bool(w is not None and 0 < least <= rows <= SKINNY_ROWS and gemm_ready(w))
+    if w is None or not gemm_ready(w):
+        return False
+    least = cupy_ops_extra.tune_for(w.fmt)["bf16_rows"]
+    return bool(0 < least <= rows <= SKINNY_ROWS)
 
 
 class CupyBackend(Backend):
@@ -147,9 +151,9 @@ class CupyBackend(Backend):
                             offset: float) -> tuple[Any, Any]:
         """Products of up to 8 rows (decode) over packed or bf16 weights fuse the residual add into their
         epilogue and leave the norm to the products that read its rows (`NormedRows`, `mx_linear_add_norm`):
-        no norm kernel between them. Past that, up to SKINNY_ROWS rows over weights the skinny kernels stream
-        (`_reads_bf16`), the norm writes its rows in bf16 bits: the products after it round x to bf16 anyway,
-        and stage half the bytes (`linear`). Anything else runs the plain ops. x may be bf16 bits (the MLP
+        no norm kernel between them. Where that does not apply, up to SKINNY_ROWS rows over weights the skinny
+        kernels stream (`_reads_bf16`; bf16 backend), the norm writes its rows in bf16 bits: the products after
+        it round x to bf16 anyway, and stage half the bytes (`linear`). Anything else runs the plain ops. x may be bf16 bits (the MLP
         activation, `silu_mul_halves`)."""
         w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
         if (w is not None and x.shape[0] <= FUSED_ROWS and residual.dtype == cp.float32
@@ -158,7 +162,7 @@ class CupyBackend(Backend):
             got = mx_linear_add_norm(x, w, bias, residual, norm_weight, eps, offset)
             if got is not None:
                 return got
-        if _reads_bf16(weight, x.shape[0]) and norm_weight.dtype == cp.float32:
+        if self.bf16 and _reads_bf16(weight, x.shape[0]) and norm_weight.dtype == cp.float32:
             y = self.linear(x, weight, bias)
             return ops.rms_norm(y, norm_weight, eps, offset, residual=residual, out_dtype=cp.uint16)
         return super().linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, offset)
@@ -168,7 +172,7 @@ class CupyBackend(Backend):
 
     def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:
         """bf16 bits where the one product that reads the result rounds x to bf16 anyway (`_reads_bf16`)."""
-        bf16 = to_product is not None and _reads_bf16(to_product, y.shape[0])
+        bf16 = self.bf16 and to_product is not None and _reads_bf16(to_product, y.shape[0])
         return ops.silu_mul_halves(y, out_dtype=cp.uint16 if bf16 else cp.float32)
 
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:

@@ -223,11 +223,12 @@ def _counters(device: int) -> Any:
 # squares, and the next products divide by each row's RMS (`mx_linear_add_norm`, `NormedRows`; up to 8 rows):
 # no norm kernel between them, one-stream 27B steps ~6% faster (interleaved captures, docs/perf.md).
 # `bf16_rows` (0: off): products of at least this many rows get x in bf16 bits where x only feeds products,
-# which round it to bf16 anyway (the same results): the fused norms' xg (`mx_linear_add_norm`), past
-# FUSED_ROWS the norm after an output projection and the MLP activation (CupyBackend): half the bytes staged,
-# and the kernels' staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream
-# 27B steps 5.5% and 4.5% faster, one stream within noise (interleaved captures, docs/perf.md); at one row x
-# stays float32 (its staging is one round trip either way).
+# which round it to bf16 anyway (the same results, but for x below 2^-126: the float32 staging scales before
+# it rounds): the fused norms' xg (`mx_linear_add_norm`), where those do not apply the norm after an output
+# projection, and the MLP activation (CupyBackend, bf16 backend): half the bytes staged, and the kernels'
+# staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream 27B steps 4% and
+# 3% faster, one stream within noise (interleaved captures, docs/perf.md); at one row x stays float32 (its
+# staging is one round trip either way; bf16 from one row up measured no better).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
@@ -255,18 +256,18 @@ def n_tiles(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4 if rows <= 32 else 8
 
 
-def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int = 0,
+def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int | None = None,
               tune: dict | None = None) -> GemmPlan:
-    """The launch plan (gemv_plan.plan_gemm) of a product of `rows` rows over `w`: dense (`groups` 0) or over
-    `groups` expert groups; `x_rows` rows of x (the partial sums' size; default `rows`); `tune` resolved
+    """The launch plan (gemv_plan.plan_gemm) of a product of `rows` rows over `w`: dense (`groups` None) or
+    over `groups` expert groups; `x_rows` rows of x (the partial sums' size; default `rows`); `tune` resolved
     (default `launch_tune`'s)."""
-    dense = not groups
+    dense = groups is None
     tune = launch_tune(w, rows, dense=dense) if tune is None else tune
     nt = n_tiles(rows)
     per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
               else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // tune["warps"])
     plan = plan_gemm(tiles=-(-w.N // (16 * tune["warps"])), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
-                     mtiles=-(-rows // (8 * nt)), groups=max(1, groups), slots=per_sm * sm_count(),
+                     mtiles=-(-rows // (8 * nt)), groups=1 if dense else groups, slots=per_sm * sm_count(),
                      weight_bytes=-(-rows // (8 * nt)) * w.codes.nbytes,
                      partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N, tune=tune, dense=dense,
                      max_counters=_counters(cp.cuda.Device().id).size)
@@ -339,7 +340,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     mtiles = -(-m // (8 * nt))
     nrb = -(-n // (16 * tune["warps"]))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    plan = gemm_plan(w, m, x.shape[0], 0 if groups is None else ngroups, tune)
+    plan = gemm_plan(w, m, x.shape[0], None if groups is None else ngroups, tune)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(dev_ptr(x) % 16 == 0 and x.shape[1] % 8 == 0)  # 8-element groups of x in 16- / 32-byte loads
     stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
@@ -397,7 +398,7 @@ def fuses_norms(w: PackedWeight, rows: int) -> bool:
 
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:
     """y [M, N] = x [M, K] @ w^T (+ bias float32 [N]); x float32 / bf16 bits / float16, y in `out_dtype`
-    (default x's). Weights dequantised in registers; x is rounded to bf16; float32 accumulation.
+    (default x's; float32 for NormedRows). Weights dequantised in registers; x is rounded to bf16; float32 accumulation.
     x may be `NormedRows`: a product of at most FUSED_ROWS rows takes them as they are (one launch), others
     materialise them."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
@@ -411,7 +412,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     if bias is not None:
         check(bias, np.float32, "bias", 1)
         assert bias.shape[0] == w.N
-    out_dtype = np.dtype(out_dtype or x.dtype)
+    out_dtype = np.dtype(out_dtype or (np.float32 if norm is not None else x.dtype))
     if not gemm_ready(w):  # layout the kernel cannot stream: dequantise once, dense product
         y = cp.matmul(cp.asarray(x if x.dtype == cp.float32 else _to_f32(x)), mx_dequant(w).T)
         y = y + bias if bias is not None else y
@@ -499,7 +500,8 @@ def _from_f32(y: Any, dtype: Any) -> Any:
 class PackedWeightsMixin:
     """Backend mixin: kernel-ready QuantTensors stay packed and `linear` / `embedding` / `moe` send
     PackedWeights to the kernels above; anything else goes to the base backend. `class B(PackedWeightsMixin,
-    CupyBackend)`. Activations stay float32 between ops, as CupyBackend keeps them."""
+    CupyBackend)`. Activations stay float32 between ops, as CupyBackend keeps them, but for rows that only feed
+    skinny products (bf16 bits: CupyBackend `_reads_bf16`)."""
 
     def prepare_weight(self, name: str, value: Any) -> Any:
         if hasattr(value, "to_parts") and value.fmt in FMT_IDS and len(value.shape) >= 2:

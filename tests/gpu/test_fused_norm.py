@@ -239,8 +239,12 @@ def test_wider_steps_hand_bf16_rows_to_the_products(weights):
     assert_bytes_equal(normed, ops.to_bf16_bits(ref_x), "bf16 rows")
     assert_bytes_equal(h, ref_h, "residual stream")
     assert_bytes_equal(backend.linear(normed, w2), backend.linear(ref_x, w2), "the next product")
-    dense = cp.asarray(rng.standard_normal((64, 512)).astype(np.float32))  # a float32 weight widens the rows
+    # a float32 weight takes bf16 rows widened to their float32 values (not their bits as integers)
+    dense = cp.asarray(rng.standard_normal((64, 512)).astype(np.float32))
     assert_bytes_equal(backend.linear(normed, dense), backend.linear(ops.bf16_bits_to_f32(normed), dense), "float32")
+    # the fp32 backend keeps float32 rows: its matrices may be float32 (no rounding of x) beside packed ones
+    fp32 = cuda_backend("fp32")
+    assert fp32.linear_add_rms_norm(x, w, None, res, nw, 1e-6, 1.0)[0].dtype == cp.float32
 
 
 def test_mlp_activation_goes_to_the_down_product_in_bf16_bits():
@@ -249,14 +253,16 @@ def test_mlp_activation_goes_to_the_down_product_in_bf16_bits():
     rows. One row, and a float32 down weight (the reference backend's), get float32 rows."""
     backend = cuda_backend("bf16")
     rng = np.random.default_rng(5)
-    assert ex.TUNE["bf16_rows"] == 2
+    least = ex.tune_for("mxfp4")["bf16_rows"]
     for m in (1, 2, 8, 12):
+        bf16 = 0 < least <= m
         y = cp.asarray(rng.standard_normal((m, 1024)).astype(np.float32))
         down = ex.pack_weight(quant.quantize(rng.standard_normal((256, 512)).astype(np.float32) * 0.05, "mxfp4"))
         act = backend.silu_mul_halves(y, to_product=down)
         plain = backend.silu_mul_halves(y)
-        assert act.dtype == (cp.uint16 if m >= 2 else cp.float32) and plain.dtype == cp.float32
-        assert_bytes_equal(act, ops.to_bf16_bits(plain) if m >= 2 else plain, f"M{m} activation")
+        assert act.dtype == (cp.uint16 if bf16 else cp.float32) and plain.dtype == cp.float32
+        assert_bytes_equal(act, ops.to_bf16_bits(plain) if bf16 else plain, f"M{m} activation")
+        assert cuda_backend("fp32").silu_mul_halves(y, to_product=down).dtype == cp.float32
         assert_bytes_equal(backend.linear(act, down), backend.linear(plain, down), f"M{m} down product")
         dense = cp.asarray(rng.standard_normal((256, 512)).astype(np.float32))
         assert backend.silu_mul_halves(y, to_product=dense).dtype == cp.float32

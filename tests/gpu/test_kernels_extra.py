@@ -156,6 +156,27 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_x_staging_edges(fmt):
+    """bf16 x staged two groups a pass (d, d + 4) where K % 16 == 8 (the second group of the last pair lies
+    past K: zeros), and bf16 x the 16-byte loads cannot take (rows one element off alignment): the bytes of
+    the product over float32 x of the same values."""
+    rng = np.random.default_rng(zlib.crc32(f"bf16-edges-{fmt}".encode()))
+    for k in (264, 360):
+        wq, _ = random_weight(rng, fmt, (300, k))
+        w = ex.pack_weight(wq)
+        for m in (1, 5, 12):
+            x = bf16_round(rng.standard_normal((m, k))).astype(np.float32)
+            ref = ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32)
+            got = ex.mx_linear(cp.asarray(bf16_encode(x)), w, out_dtype=cp.float32)
+            assert_bytes_equal(got, ref, f"{fmt} K={k} M{m} bf16 x")
+            buf = cp.empty(m * k + 1, cp.uint16)
+            xd = buf[1:].reshape(m, k)
+            xd[...] = cp.asarray(bf16_encode(x))
+            assert ex.dev_ptr(xd) % 16 != 0
+            assert_bytes_equal(ex.mx_linear(xd, w, out_dtype=cp.float32), ref, f"{fmt} K={k} M{m} unaligned bf16 x")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_linear_k_tail(fmt):
     """K = 352 leaves a partial last chunk in every format, bf16's (64-code chunks) included: the kernel's
     bounds-checked loads (x pre-rounded to bf16, so a dense fallback layout compares exactly too)."""

@@ -33,6 +33,7 @@ from decapybara.backend.cupy_ops_extra import (
     gemm_ready,
     mx_linear,
     mx_linear_add_norm,
+    product_rows,
 )
 from decapybara.backend.kv_codec import BF16Codec, codec_for
 from decapybara.model.batch import ForwardBatch
@@ -132,9 +133,7 @@ class CupyBackend(Backend):
         bf16 anyway) and anything else widens to float32."""
         packed = _bf16_packed(weight) if x.shape[0] <= SKINNY_ROWS else None
         if packed is not None and gemm_ready(packed):
-            if not isinstance(x, NormedRows):
-                x = cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
-            return mx_linear(x, packed, bias, out_dtype=cp.float32)
+            return mx_linear(x if isinstance(x, NormedRows) else product_rows(x), packed, bias, out_dtype=cp.float32)
         if isinstance(x, NormedRows):
             x = x.materialize()
         if x.dtype == cp.uint16:
@@ -153,13 +152,12 @@ class CupyBackend(Backend):
         epilogue and leave the norm to the products that read its rows (`NormedRows`, `mx_linear_add_norm`):
         no norm kernel between them. Where that does not apply, up to SKINNY_ROWS rows over weights the skinny
         kernels stream (`_reads_bf16`; bf16 backend), the norm writes its rows in bf16 bits: the products after
-        it round x to bf16 anyway, and stage half the bytes (`linear`). Anything else runs the plain ops. x may be bf16 bits (the MLP
-        activation, `silu_mul_halves`)."""
+        it round x to bf16 anyway, and stage half the bytes (`linear`). Anything else runs the plain ops. x may
+        be bf16 bits (the MLP activation, `silu_mul_halves`)."""
         w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
         if (w is not None and x.shape[0] <= FUSED_ROWS and residual.dtype == cp.float32
                 and residual.flags.c_contiguous and norm_weight.dtype == cp.float32):
-            x = cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
-            got = mx_linear_add_norm(x, w, bias, residual, norm_weight, eps, offset)
+            got = mx_linear_add_norm(product_rows(x), w, bias, residual, norm_weight, eps, offset)
             if got is not None:
                 return got
         if self.bf16 and _reads_bf16(weight, x.shape[0]) and norm_weight.dtype == cp.float32:

@@ -80,6 +80,12 @@ def _k(func: str) -> Any:
 
 
 # ---- norms -------------------------------------------------------------------------------------------
+def _bf16_out(out_dtype: Any) -> bool:
+    """Whether a kernel with a float32 / bf16-bits output (`out_bf16`) writes bf16 bits for `out_dtype`."""
+    assert np.dtype(out_dtype) in (np.float32, np.uint16), f"out_dtype {out_dtype}: float32 or uint16 (bf16 bits)"
+    return np.dtype(out_dtype) == np.uint16
+
+
 WARP_ROW_MAX = 1024  # rows up to this long are normed a warp each (rms_norm_warp), longer ones a block each
 
 
@@ -92,9 +98,8 @@ def rms_norm(x: Any, weight: Any, eps: float, offset: float, residual: Any = Non
     rows = x.size // n if n else 0
     check(weight, np.float32, "weight", 1)
     assert weight.shape[0] == n, f"weight {weight.shape} for rows of {n}"
-    out_bf16 = np.dtype(out_dtype) == np.uint16
-    assert out_bf16 or np.dtype(out_dtype) == np.float32, f"out_dtype {out_dtype}"
-    out = empty(x.shape, cp.uint16 if out_bf16 else cp.float32)
+    out_bf16 = _bf16_out(out_dtype)
+    out = empty(x.shape, out_dtype)
     res_out = empty_like(x) if residual is not None else None
     if residual is not None:
         residual = f32(residual)
@@ -235,9 +240,8 @@ def silu_mul_halves(y: Any, out_dtype: Any = np.float32) -> Any:
     y = cp.ascontiguousarray(f32(y))
     rows, n2 = y.shape
     assert n2 % 2 == 0, f"silu_mul_halves: odd width {n2}"
-    out_bf16 = np.dtype(out_dtype) == np.uint16
-    assert out_bf16 or np.dtype(out_dtype) == np.float32, f"out_dtype {out_dtype}"
-    out = empty((rows, n2 // 2), cp.uint16 if out_bf16 else cp.float32)
+    out_bf16 = _bf16_out(out_dtype)
+    out = empty((rows, n2 // 2), out_dtype)
     if out.size:
         pdl.launch(_k("silu_mul_halves"), (grid_for(out.size),), (THREADS,),
                    (y, out, I64(rows), I32(n2 // 2), I32(out_bf16)))

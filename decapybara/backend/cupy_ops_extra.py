@@ -266,12 +266,17 @@ def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int
     nt = n_tiles(rows)
     per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
               else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // tune["warps"])
-    plan = plan_gemm(tiles=-(-w.N // (16 * tune["warps"])), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
-                     mtiles=-(-rows // (8 * nt)), groups=1 if dense else groups, slots=per_sm * sm_count(),
-                     weight_bytes=-(-rows // (8 * nt)) * w.codes.nbytes,
-                     partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N, tune=tune, dense=dense,
-                     max_counters=_counters(cp.cuda.Device().id).size)
-    return plan
+    mtiles = -(-rows // (8 * nt))
+    return plan_gemm(tiles=-(-w.N // (16 * tune["warps"])), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
+                     mtiles=mtiles, groups=1 if dense else groups, slots=per_sm * sm_count(),
+                     weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N,
+                     tune=tune, dense=dense, max_counters=_counters(cp.cuda.Device().id).size)
+
+
+def product_rows(x: Any) -> Any:
+    """x as the skinny kernels take it from a backend: C-contiguous, bf16 bits (uint16) as they are, anything
+    else as float32."""
+    return cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
 
 
 def launch_tune(w: PackedWeight, rows: int, dense: bool = True) -> dict:
@@ -296,8 +301,8 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
 class NormedRows:
     """rms_norm(h) = h / denom * (offset + weight) not yet computed, as `mx_linear_add_norm` leaves it: h
     float32 [T, H] (contiguous), xg = h * (offset + weight) [T, H] in bf16 bits (as the product rounds any x; the
-    producer writes it so) or float32, sq float32 [T, tiles] the sums of
-    squares of h's rows by tile of the product's columns, the norm's weight float32 [H], eps and offset.
+    producer writes it so) or float32, sq float32 [T, tiles] the sums of squares of h's rows by tile of the
+    product's columns, the norm's weight float32 [H], eps and offset.
     `mx_linear` takes the product over xg and divides each row's outputs by its denom = sqrt(sum(sq) / H +
     eps) (one launch, no norm kernel); anything else takes `materialize()`."""
 
@@ -327,7 +332,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     kernel file (`tune["source"]`, no wait in it), launch plainly.
     Dense launches may fuse the residual add and RMSNorm across two products (kernels/mx_gemv.cu, header):
     `res` = (residual, xg, gw, offset) (residual float32, xg bf16 bits or float32, y's shape; y float32
-    contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows' sums of squares by output tile, float32 [M, tiles];
+    contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows'
+    sums of squares by output tile, float32 [M, tiles];
     `norm` (x = norm.xg) divides each output row by its denominator from norm.sq."""
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
@@ -398,7 +404,8 @@ def fuses_norms(w: PackedWeight, rows: int) -> bool:
 
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:
     """y [M, N] = x [M, K] @ w^T (+ bias float32 [N]); x float32 / bf16 bits / float16, y in `out_dtype`
-    (default x's; float32 for NormedRows). Weights dequantised in registers; x is rounded to bf16; float32 accumulation.
+    (default x's; float32 for NormedRows). Weights dequantised in registers; x is rounded to bf16; float32
+    accumulation.
     x may be `NormedRows`: a product of at most FUSED_ROWS rows takes them as they are (one launch), others
     materialise them."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
@@ -513,9 +520,7 @@ class PackedWeightsMixin:
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         if isinstance(weight, PackedWeight):  # x float32, bf16 bits (CupyBackend.linear_add_rms_norm) or NormedRows
-            if not isinstance(x, NormedRows):
-                x = cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
-            return mx_linear(x, weight, bias, out_dtype=cp.float32)
+            return mx_linear(x if isinstance(x, NormedRows) else product_rows(x), weight, bias, out_dtype=cp.float32)
         return super().linear(x, weight, bias)  # type: ignore[misc]
 
     def embedding(self, table: Any, ids: Any) -> Any:

@@ -27,6 +27,8 @@ import cupy as cp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import cupy_backend as cb
+from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 from decapybara.backend.gemv_plan import merge_tune
@@ -39,7 +41,10 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # named TUNE overrides (merged as DECAPYBARA_MX_TUNE is), each captured and timed under every setting, e.g.
 # '{"": {}, "small": {"small_bytes": 0}}'; OVERLAP_ROUNDS > 1 repeats the whole interleaved sequence (run-to-run
 # spread beside the effect). The weights are packed once, before: layout keys (`e2m1_split`, `tiled`) belong in
-# DECAPYBARA_MX_TUNE, one run per layout
+# DECAPYBARA_MX_TUNE, one run per layout. Three more keys go elsewhere: "pairs" updates cupy_backend.PAIRS (the
+# side stream of `linear_pair`), "deltanet" cupy_deltanet.FUSED_DECODE (e.g. {"enabled": false}),
+# "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
+# ["sigmoid_gate", "deltanet_core_gated"]
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
@@ -48,11 +53,20 @@ def main() -> None:
     variant = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
     kv, states, model = B.decode_setup(variant)
     res: dict[str, dict[str, float]] = {}
-    base_tune = dict(ex.TUNE)
+    base_tune, base_pairs, base_dn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE)
+    base_methods = {name: getattr(cb.CupyBackend, name) for name in ("sigmoid_gate", "deltanet_core_gated",
+                                                                      "silu_mul_halves")}
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
             for r in range(ROUNDS) for name, pdl_env in SETTINGS.items() for tname, tune in TUNES.items()]
     for name, pdl_env, tune in runs:
         os.environ["DECAPYBARA_PDL"] = pdl_env
+        tune = dict(tune)
+        cb.PAIRS.update({**base_pairs, **tune.pop("pairs", {})})
+        cd.FUSED_DECODE.update({**base_dn, **tune.pop("deltanet", {})})
+        for meth, fn in base_methods.items():
+            setattr(cb.CupyBackend, meth, fn)
+        for meth in tune.pop("x_f32", []):
+            setattr(cb.CupyBackend, meth, lambda self, *a, _m=base_methods[meth], to_product=None, **kw: _m(self, *a, **kw))
         ex.TUNE.clear()
         ex.TUNE.update(merge_tune(base_tune, tune))
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
@@ -66,6 +80,10 @@ def main() -> None:
     os.environ.pop("DECAPYBARA_PDL", None)
     ex.TUNE.clear()
     ex.TUNE.update(base_tune)
+    cb.PAIRS.update(base_pairs)
+    cd.FUSED_DECODE.update(base_dn)
+    for meth, fn in base_methods.items():
+        setattr(cb.CupyBackend, meth, fn)
     first = next(iter(res))
     print(f"\n{variant}, graph decode steps (ms; tok/s; x vs {first})")
     def cell(row: dict[str, float], b: int, c: int) -> str:

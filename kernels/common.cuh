@@ -34,6 +34,15 @@ __device__ __forceinline__ u16 f32_to_bf16(float x) {
   return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// out[i] = v as float32, or (out_bf16) as bf16 bits rounded to nearest even: a kernel whose rows may feed only
+// skinny products, which round x to bf16 as they stage it (decapybara/backend/cupy_ops.py `_bf16_out`).
+__device__ __forceinline__ void store_out(void* out, int out_bf16, i64 i, float v) {
+  if (out_bf16)
+    ((u16*)out)[i] = f32_to_bf16(v);
+  else
+    ((float*)out)[i] = v;
+}
+
 __device__ __forceinline__ bool is_nonfinite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
 }

@@ -38,12 +38,6 @@ __device__ __forceinline__ void load_row(const float* __restrict__ x, const floa
   }
 }
 
-__device__ __forceinline__ void store_out(void* out, int out_bf16, i64 i, float v) {
-  if (out_bf16)
-    ((u16*)out)[i] = f32_to_bf16(v);
-  else
-    ((float*)out)[i] = v;
-}
 
 #define RW_CACHE 8  // elements per lane a warp-per-row kernel keeps in registers (rows up to 256 in one pass)
 extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ res,
@@ -305,12 +299,13 @@ __device__ __forceinline__ float mul_as_cupy(float a, float b) {
 // gate element (t, h, j) at gate + t * g_st + h * g_sh + j (the gate half of a fused [query | gate] product).
 // Grid-stride over elements.
 extern "C" __global__ void sigmoid_mul_rows(const float* __restrict__ x, const float* __restrict__ gate,
-                                            float* __restrict__ out, i64 g_st, i64 g_sh, int T, int H, int D) {
+                                            void* __restrict__ out, i64 g_st, i64 g_sh, int T, int H, int D,
+                                            int out_bf16) {
   pdl_begin();  // overlapped launch (pdl.cuh)
   const i64 n = (i64)T * H * D;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     const i64 th = i / D, t = th / H;
-    out[i] = mul_as_cupy(x[i], sigmoid_f(gate[t * g_st + (th - t * H) * g_sh + (i - th * D)]));
+    store_out(out, out_bf16, i, mul_as_cupy(x[i], sigmoid_f(gate[t * g_st + (th - t * H) * g_sh + (i - th * D)])));
   }
 }
 

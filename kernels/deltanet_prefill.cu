@@ -365,8 +365,8 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
 // (gated_rms_norm_warp's + 0 * 0 terms for j past the row are exact; its tail loop past 8 elements per lane
 // continues the same j order.)
 __device__ __forceinline__ void gated_norm_row(const float* __restrict__ x, const float* __restrict__ z,
-                                               const float* __restrict__ w, float* __restrict__ out, float eps,
-                                               int lane) {
+                                               const float* __restrict__ w, void* __restrict__ out, i64 o,
+                                               int out_bf16, float eps, int lane) {
   constexpr int NJ = (DV + 31) / 32;
   float xv[NJ], zv[NJ], wv[NJ];  // all loads first
 #pragma unroll
@@ -384,7 +384,7 @@ __device__ __forceinline__ void gated_norm_row(const float* __restrict__ x, cons
   const float denom = sqrtf(__fadd_rn(warp_sum(ss) / (float)DV, eps));
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
-    if (lane + 32 * j < DV) out[lane + 32 * j] = (xv[j] / denom) * wv[j] * silu_f(zv[j]);
+    if (lane + 32 * j < DV) store_out(out, out_bf16, o + lane + 32 * j, (xv[j] / denom) * wv[j] * silu_f(zv[j]));
 }
 
 // After gdn_decode (runs of one row), in place of conv1d_state_update: grid (NORM_BLOCKS + ceil(C / 128), R),
@@ -393,13 +393,14 @@ __device__ __forceinline__ void gated_norm_row(const float* __restrict__ x, cons
 // gives); blocks b >= NORM_BLOCKS are conv1d_state_update's, channel c = (b - NORM_BLOCKS) * 128 + thread. The
 // stream orders this launch after gdn_decode, so every head's core output is complete here (a head's DV
 // columns come from DV / VCOLS CTAs of gdn_decode). core, gated: [T, HV, DV]; z: head h of row t at
-// z + t * ldz + h * DV (a column view of the fused qkv|z product, or contiguous); norm_w: [DV].
+// z + t * ldz + h * DV (a column view of the fused qkv|z product, or contiguous); norm_w: [DV]; gated in bf16
+// bits where out_bf16 (store_out: rows that only feed a skinny product), else float32.
 extern "C" __global__ void gdn_decode_finish(const float* __restrict__ x, float* __restrict__ conv_state,
                                              const int* __restrict__ runs, const int* __restrict__ segs,
                                              float* __restrict__ snap_conv, int C, i64 ldx,
                                              const float* __restrict__ core, const float* __restrict__ z,
-                                             const float* __restrict__ norm_w, float* __restrict__ gated, int HV,
-                                             i64 ldz, float eps) {
+                                             const float* __restrict__ norm_w, void* __restrict__ gated, int HV,
+                                             i64 ldz, float eps, int out_bf16) {
   pdl_begin();  // overlapped launch (pdl.cuh)
   const int* run = runs + 5 * blockIdx.y;
   const int nwarp = blockDim.x >> 5, norm_blocks = (HV + nwarp - 1) / nwarp;
@@ -411,5 +412,5 @@ extern "C" __global__ void gdn_decode_finish(const float* __restrict__ x, float*
   const int h = blockIdx.x * nwarp + (threadIdx.x >> 5);
   if (h >= HV) return;  // whole warps leave together
   const i64 row = run[0], o = (row * HV + h) * DV;
-  gated_norm_row(core + o, z + row * ldz + (i64)h * DV, norm_w, gated + o, eps, threadIdx.x & 31);
+  gated_norm_row(core + o, z + row * ldz + (i64)h * DV, norm_w, gated, o, out_bf16, eps, threadIdx.x & 31);
 }

@@ -57,9 +57,9 @@ class CountingBackend(NumpyBackend):
         self.calls["qk_norm_rope"] += 1
         return super().qk_norm_rope(*args)
 
-    def sigmoid_gate(self, o: Any, gate: Any) -> Any:
+    def sigmoid_gate(self, o: Any, gate: Any, to_product: Any = None) -> Any:
         self.calls["sigmoid_gate"] += 1
-        return super().sigmoid_gate(o, gate)
+        return super().sigmoid_gate(o, gate, to_product)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])

@@ -151,6 +151,11 @@ class Backend(ABC):
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """x @ weight^T (+ bias): [T, in] -> [T, out]."""
 
+    def linear_pair(self, x: Any, weight_a: Any, weight_b: Any) -> tuple[Any, Any]:
+        """(linear(x, weight_a), linear(x, weight_b)): two products of the same rows that do not depend on each
+        other. A backend may run them concurrently; the results must be those of the two `linear` calls."""
+        return self.linear(x, weight_a), self.linear(x, weight_b)
+
     def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any, residual: Any, norm_weight: Any, eps: float,
                             offset: float) -> tuple[Any, Any]:
         """`add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps, offset)`: a block's output
@@ -184,10 +189,12 @@ class Backend(ABC):
     @abstractmethod
     def sigmoid(self, x: Any) -> Any: ...
 
-    def sigmoid_gate(self, o: Any, gate: Any) -> Any:
+    def sigmoid_gate(self, o: Any, gate: Any, to_product: Any = None) -> Any:
         """o * sigmoid(gate), elementwise over one shape (gate may be a strided view, e.g. the gate columns of a
         fused [query | gate] product): an attention layer's output gate. Backends may fuse the two (one launch);
-        the result must equal the two ops'."""
+        the result must equal the two ops'. `to_product`: the weight of the one product that reads the result
+        (`linear` or `linear_add_rms_norm`, as x); a backend may then return it in the precision that product
+        reads x in."""
         return o * self.sigmoid(gate)
 
     @abstractmethod
@@ -226,11 +233,11 @@ class Backend(ABC):
     def deltanet_core_gated(self, states: StatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
                             params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
                             snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]], z: Any,
-                            norm_weight: Any, eps: float) -> Any:
+                            norm_weight: Any, eps: float, to_product: Any = None) -> Any:
         """gated_rms_norm(deltanet_core(...), z, norm_weight, eps) [T, v_heads, v_dim] (z [T, v_heads, v_dim],
         which may be a strided view as `gated_rms_norm` takes it): a DeltaNet layer's core and the norm after it,
         with `deltanet_core`'s state updates and snapshots. Backends may fuse the norm into the core's launches;
-        the result must equal the two ops'."""
+        the result must equal the two ops'. `to_product` as `sigmoid_gate`'s."""
         core = self.deltanet_core(states, layer, mixed_qkv, a, b, params, segments, cfg, snapshots)
         return self.gated_rms_norm(core, z, norm_weight, eps)
 

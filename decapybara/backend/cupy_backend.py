@@ -13,6 +13,8 @@ DeltaNet runs) is uploaded once and reused by every layer.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 from typing import Any
 
@@ -20,7 +22,7 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import cupy_ops as ops
-from decapybara.backend import cupy_ops_extra
+from decapybara.backend import cupy_ops_extra, pdl
 from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
@@ -30,6 +32,7 @@ from decapybara.backend.cupy_ops_extra import (
     FUSED_ROWS,
     NormedRows,
     PackedWeight,
+    fuses_norms,
     gemm_ready,
     mx_linear,
     mx_linear_add_norm,
@@ -40,6 +43,14 @@ from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import ModelConfig
 
 SKINNY_ROWS = DENSE_ROWS  # products with at most this many rows take the skinny-GEMM kernels (mx_linear's bound)
+# `linear_pair` runs its second product on a side stream (False: both on the current stream, one after the other),
+# launched overlapped (pdl.py) where `side_pdl`, else plainly (it then starts once the kernel before the fork ends)
+PAIRS = {"side_stream": True, "side_pdl": False}
+
+
+@functools.cache
+def _side_stream(device: int) -> Any:
+    return cp.cuda.Stream(non_blocking=True)
 
 
 def _is_matrix(name: str, ndim: int) -> bool:
@@ -146,6 +157,31 @@ class CupyBackend(Backend):
             y = cp.matmul(ops.f32(x), weight.T)
         return y + bias if bias is not None else y
 
+    def linear_pair(self, x: Any, weight_a: Any, weight_b: Any) -> tuple[Any, Any]:
+        """The two products, the second on a side stream that forks from the current one before the first and
+        joins it after the second (`PAIRS`): in a decode graph the second's blocks (the DeltaNet b|a product,
+        a latency-bound 1 MB) take the SMs the first's (qkv|z) leave as its blocks end, instead of running
+        after it. Each product's kernels are the ones `linear` launches, so the results are the same bits.
+        NormedRows that either product would materialise (a launch on its own stream, which the other product's
+        would not wait for) keep both on the current stream."""
+        if not PAIRS["side_stream"] or (isinstance(x, NormedRows) and not all(
+                self._reads_normed(w, x.shape[0]) for w in (weight_a, weight_b))):
+            return super().linear_pair(x, weight_a, weight_b)
+        main = cp.cuda.get_current_stream()
+        side = _side_stream(cp.cuda.Device().id)
+        side.wait_event(main.record())
+        y_a = self.linear(x, weight_a)
+        with side, contextlib.nullcontext() if PAIRS["side_pdl"] else pdl.serial():
+            y_b = self.linear(x, weight_b)
+        main.wait_event(side.record())
+        return y_a, y_b
+
+    @staticmethod
+    def _reads_normed(weight: Any, rows: int) -> bool:
+        """Whether `linear` takes NormedRows of `rows` rows over `weight` as they are (no materialise)."""
+        w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight) if rows <= SKINNY_ROWS else None
+        return w is not None and fuses_norms(w, rows)
+
     def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any, residual: Any, norm_weight: Any, eps: float,
                             offset: float) -> tuple[Any, Any]:
         """Products of up to 8 rows (decode) over packed or bf16 weights fuse the residual add into their
@@ -170,8 +206,7 @@ class CupyBackend(Backend):
 
     def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:
         """bf16 bits where the one product that reads the result rounds x to bf16 anyway (`_reads_bf16`)."""
-        bf16 = self.bf16 and to_product is not None and _reads_bf16(to_product, y.shape[0])
-        return ops.silu_mul_halves(y, out_dtype=cp.uint16 if bf16 else cp.float32)
+        return ops.silu_mul_halves(y, out_dtype=self._product_x_dtype(to_product, y.shape[0]))
 
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """Stacks device matrices of one storage (float32, bf16 bits, or PackedWeights of one format, tensor
@@ -219,9 +254,16 @@ class CupyBackend(Backend):
             return super().qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, rotary_dim)
         return ops.qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, rotary_dim)
 
-    def sigmoid_gate(self, o: Any, gate: Any) -> Any:
-        """One launch (`sigmoid_mul_rows`), the gate columns read in place."""
-        return ops.sigmoid_gate(o, gate)
+    def sigmoid_gate(self, o: Any, gate: Any, to_product: Any = None) -> Any:
+        """One launch (`sigmoid_mul_rows`), the gate columns read in place; bf16 bits where the one product that
+        reads the result rounds x to bf16 anyway (`_reads_bf16`)."""
+        return ops.sigmoid_gate(o, gate, out_dtype=self._product_x_dtype(to_product, o.shape[0]))
+
+    def _product_x_dtype(self, to_product: Any, rows: int) -> Any:
+        """The dtype of rows that only feed a product of `rows` rows over `to_product` (None: unknown): bf16
+        bits where the skinny kernels read them (bf16 backend, `_reads_bf16`), else float32."""
+        bf16 = self.bf16 and to_product is not None and _reads_bf16(to_product, rows)
+        return cp.uint16 if bf16 else cp.float32
 
     def paged_attention(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
                         scale: float) -> Any:
@@ -242,21 +284,23 @@ class CupyBackend(Backend):
     def deltanet_core(self, states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
                       params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
                       snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
-                      gate: tuple[Any, Any, float] | None = None) -> Any:
-        """`gate` = (z, norm_weight, eps): `deltanet_core_gated` (cupy_deltanet.deltanet_core's `gate`)."""
+                      gate: tuple[Any, Any, float] | None = None, out_dtype: Any = cp.float32) -> Any:
+        """`gate` = (z, norm_weight, eps): `deltanet_core_gated` (cupy_deltanet.deltanet_core's `gate`,
+        `out_dtype`)."""
         if self._runs is None or self._runs[0] is not segments:
             self._runs = (segments, plan_runs(segments))
         return deltanet_core(states, layer, mixed_qkv, a, b, params, self._runs[1], cfg, snapshots,
-                             acc="float" if self.bf16 else "double", gate=gate)
+                             acc="float" if self.bf16 else "double", gate=gate, out_dtype=out_dtype)
 
     def deltanet_core_gated(self, states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any,
                             params: DeltaNetParams, segments: list[DeltaNetSegment], cfg: ModelConfig,
                             snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]], z: Any,
-                            norm_weight: Any, eps: float) -> Any:
+                            norm_weight: Any, eps: float, to_product: Any = None) -> Any:
         """A decode forward's gated norm comes from the launch after gdn_decode, which also updates the conv
-        state (`gdn_decode_finish`: no gated_rms_norm_warp launch, the same bits); other forwards run the two ops."""
+        state (`gdn_decode_finish`: no gated_rms_norm_warp launch, the same bits; in bf16 bits as
+        `sigmoid_gate`'s); other forwards run the two ops (float32)."""
         return self.deltanet_core(states, layer, mixed_qkv, a, b, params, segments, cfg, snapshots,
-                                  (z, norm_weight, eps))
+                                  (z, norm_weight, eps), self._product_x_dtype(to_product, mixed_qkv.shape[0]))
 
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         return ops.gated_rms_norm(x, z, weight, eps)

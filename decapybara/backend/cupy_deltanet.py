@@ -87,11 +87,12 @@ def _head_rows(z: Any, t: int, hv: int, dv: int) -> tuple[Any, int]:
 def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
                   plan: RunPlan, cfg: ModelConfig,
                   snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
-                  acc: str = "double", gate: tuple[Any, Any, float] | None = None) -> Any:
+                  acc: str = "double", gate: tuple[Any, Any, float] | None = None,
+                  out_dtype: Any = np.float32) -> Any:
     """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`), or with `gate` = (z, norm_weight,
     eps) its `gated_rms_norm(core, z, norm_weight, eps)` (see `Backend.deltanet_core_gated`), bit for bit: a
-    decode forward computes it in gdn_decode_finish (gated_rms_norm_warp's arithmetic), anything else runs
-    `cupy_ops.gated_rms_norm` after the core."""
+    decode forward computes it in gdn_decode_finish (gated_rms_norm_warp's arithmetic), in `out_dtype` (uint16:
+    bf16 bits, rounded to nearest even), anything else runs `cupy_ops.gated_rms_norm` after the core (float32)."""
     x, a, b = _rows(f32_any(mixed_qkv)), _rows(f32_any(a)), _rows(f32_any(b))
     if a.strides != b.strides:
         a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
@@ -145,10 +146,11 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         z, ldz = _head_rows(f32_any(z), t, hv, dv)
         cupy_ops.check(norm_w, np.float32, "norm weight", 1)
         assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
-        gated = empty((t, hv, dv), cp.float32)
+        gated = empty((t, hv, dv), out_dtype)
         pdl.launch(get_kernel("deltanet_prefill", "gdn_decode_finish", defines),
                    (-(-hv // 4) + cblocks, plan.num_runs), (128,),
-                   (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps)))
+                   (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
+                    I32(cupy_ops._bf16_out(out_dtype))))
     else:
         get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)

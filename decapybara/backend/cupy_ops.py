@@ -257,20 +257,22 @@ def sigmoid_mul(x: Any, gate: Any) -> Any:
     return _elementwise("sigmoid_mul", x, gate)
 
 
-def sigmoid_gate(x: Any, gate: Any) -> Any:
+def sigmoid_gate(x: Any, gate: Any, out_dtype: Any = np.float32) -> Any:
     """x * sigmoid(gate) for x, gate [T, H, D] (or [T, N]) in one launch (sigmoid_mul_rows), bit-identical to
     `sigmoid(gate)` followed by a CuPy multiply. gate is read in place when its rows of D are contiguous
-    (`heads`: e.g. the gate half of [query | gate] heads). Returns a fresh C-contiguous float32 array."""
+    (`heads`: e.g. the gate half of [query | gate] heads). Returns a fresh C-contiguous array: float32, or
+    out_dtype uint16: bf16 bits (the float32 values rounded to nearest even)."""
     x = f32(x)
     if x.ndim == 2:
-        return sigmoid_gate(x[:, None], gate[:, None])[:, 0]
+        return sigmoid_gate(x[:, None], gate[:, None], out_dtype)[:, 0]
     gate, g_st, g_sh = heads(gate)
     assert gate.shape == x.shape, f"x {x.shape} vs gate {gate.shape}"
     t, h, d = x.shape
-    out = empty_like(x)
+    out_bf16 = _bf16_out(out_dtype)
+    out = empty(x.shape, out_dtype)
     if out.size:
         pdl.launch(_k("sigmoid_mul_rows"), (grid_for(out.size),), (THREADS,),
-                   (x, gate, out, I64(g_st), I64(g_sh), I32(t), I32(h), I32(d)))
+                   (x, gate, out, I64(g_st), I64(g_sh), I32(t), I32(h), I32(d), I32(out_bf16)))
     return out
 
 

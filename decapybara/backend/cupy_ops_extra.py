@@ -196,9 +196,15 @@ def kernel_knows(source: str, define: str) -> bool:
     return define in (KERNEL_DIR / f"{source}.cu").read_text()
 
 
+def _counters() -> Any:
+    """Split-K tile counters (zero at rest, reset by each tile's last block) of the current device and stream:
+    products on two streams may run at once (`CupyBackend.linear_pair`), one stream's run one after another."""
+    return _stream_counters(cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+
+
 @functools.cache
-def _counters(device: int) -> Any:
-    return cp.zeros(1 << 16, cp.int32)  # split-K tile counters: zero at rest, reset by the last block
+def _stream_counters(device: int, stream: int) -> Any:
+    return cp.zeros(1 << 16, cp.int32)
 
 
 # Launch tuning of mx_gemm (bench/gpu.py and bench/gemv_sweep.py sweep it): `stages` chunks in flight per lane
@@ -270,7 +276,7 @@ def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int
     return plan_gemm(tiles=-(-w.N // (16 * tune["warps"])), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
                      mtiles=mtiles, groups=1 if dense else groups, slots=per_sm * sm_count(),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N,
-                     tune=tune, dense=dense, max_counters=_counters(cp.cuda.Device().id).size)
+                     tune=tune, dense=dense, max_counters=_counters().size)
 
 
 def product_rows(x: Any) -> Any:
@@ -384,7 +390,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
-          _counters(cp.cuda.Device().id), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
+          _counters(), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
           I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream)), *fuse_args))

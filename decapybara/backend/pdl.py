@@ -88,6 +88,16 @@ def capturing() -> Iterator[None]:
         _STATE.depth -= 1
 
 
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """This thread's launches inside are plain ones, even while `capturing()`."""
+    _STATE.serial = getattr(_STATE, "serial", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.serial -= 1
+
+
 @functools.cache
 def _device_ok(device: int) -> bool:
     return int(cp.cuda.Device(device).compute_capability) >= 90
@@ -96,7 +106,7 @@ def _device_ok(device: int) -> bool:
 def enabled() -> bool:
     """Whether `launch` overlaps kernels now (see the module docstring)."""
     mode = os.environ.get("DECAPYBARA_PDL", "1")
-    if mode not in ("1", "always") or (mode == "1" and not getattr(_STATE, "depth", 0)):
+    if mode not in ("1", "always") or (mode == "1" and not getattr(_STATE, "depth", 0)) or getattr(_STATE, "serial", 0):
         return False
     try:
         return _device_ok(cp.cuda.Device().id) and _launch_ex() is not None

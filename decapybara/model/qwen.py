@@ -240,7 +240,7 @@ class QwenModel:
                                 cfg.norm_offset, cos, sin, cfg.rotary_dim)
         o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
         if gate is not None:
-            o = ops.sigmoid_gate(o, gate)
+            o = ops.sigmoid_gate(o, gate, to_product=w[f"{a}.o_proj.weight"])
         return Projection(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
 
     def _deltanet(self, p: str, layer: int, x: Any, states: StatePool | None, segments: list[DeltaNetSegment],
@@ -252,7 +252,7 @@ class QwenModel:
         t = x.shape[0]
         hv, c = cfg.linear_num_value_heads, cfg.linear_conv_dim
         if la in self.fused_dn:  # column views of two fused products (the backend's kernels take row strides)
-            qkvz, ba = (ops.linear(x, f) for f in self.fused_dn[la])  # [T, conv_dim + Hv * dv], [T, 2 Hv]
+            qkvz, ba = ops.linear_pair(x, *self.fused_dn[la])  # [T, conv_dim + Hv * dv], [T, 2 Hv]
             mixed, z, b, a = qkvz[:, :c], qkvz[:, c:], ba[:, :hv], ba[:, hv:]
         else:
             mixed = ops.linear(x, w[f"{la}.in_proj_qkv.weight"])  # [T, conv_dim]
@@ -261,7 +261,8 @@ class QwenModel:
             a = ops.linear(x, w[f"{la}.in_proj_a.weight"])  # [T, Hv]
         z = z.reshape(t, hv, cfg.linear_value_head_dim)
         core = ops.deltanet_core_gated(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps,
-                                       z, w[f"{la}.norm.weight"], cfg.rms_norm_eps)  # [T, Hv, dv], gated norm
+                                       z, w[f"{la}.norm.weight"], cfg.rms_norm_eps,
+                                       to_product=w[f"{la}.out_proj.weight"])  # [T, Hv, dv], gated norm
         return Projection(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
 
     def _ffn(self, p: str, layer: int, x: Any) -> Any:

@@ -96,3 +96,6 @@ def test_sigmoid_gate_matches_the_unfused_ops(t, nq, d, gated):
     assert_close(got, o * NP.sigmoid(gate), 1e-6, f"vs numpy, {name}")
     flat = ops.sigmoid_gate(cp.asarray(o).reshape(t, nq * d), cp.asarray(np.ascontiguousarray(gate)).reshape(t, -1))
     assert_bytes_equal(flat, host(got).reshape(t, nq * d), f"[T, N] form, {name}")
+    bits = ops.sigmoid_gate(cp.asarray(o), gate_d, out_dtype=cp.uint16)  # rows that only feed a skinny product
+    assert bits.dtype == cp.uint16 and bits.shape == got.shape
+    assert_bytes_equal(bits, ops.to_bf16_bits(got), f"in bf16 bits, {name}")

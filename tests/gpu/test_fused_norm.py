@@ -272,8 +272,9 @@ def test_mlp_activation_goes_to_the_down_product_in_bf16_bits():
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
 def test_bf16_rows_change_no_logit(family, weights, monkeypatch):
     """Rows handed to the products in bf16 bits (TUNE `bf16_rows`, here from one row up: the fused norms' xg,
-    the norms after output projections past 8 rows, the MLP activation) give every logit byte for byte as
-    float32 rows do, over decode rows (fused norms) and chunks of 12 rows (the wide kernels)."""
+    the norms after output projections past 8 rows, the MLP activation, the attention output gate, and on
+    decode rows of the hybrid family the DeltaNet gated norm) give every logit byte for byte as float32 rows
+    do, over decode rows (fused norms) and chunks of 12 rows (the wide kernels)."""
     from test_cupy_model import PROMPT, forward_chunks
 
     cfg, tensors = tiny_checkpoint(family)

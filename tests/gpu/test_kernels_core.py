@@ -568,3 +568,36 @@ def test_moe_matches_reference(dtype):
         ref = NP.moe(x_ref, router, gate, up, down, k, normalize)
         got = cub.moe(cp.asarray(x), *dev, k, normalize)
         assert_close(got, ref, 1e-5 if dtype == "fp32" else 2e-2, f"moe {dtype} normalize={normalize}")
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_deltanet_decode_gated_norm_in_bf16_bits(batch):
+    """gdn_decode_finish with a bf16-bits output (rows that only feed the out product): the float32 output's
+    values rounded to nearest even, the states alike; a two-row forward (the two-op path) stays float32."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    rng = np.random.default_rng(batch + 40)
+    cfg = dn_config(16, 48, 128, 128)
+    cub = CupyBackend("bf16")
+    c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    params = dn_params(cub, cfg, np.random.default_rng(2))
+    norm_w = cp.asarray(rand(rng, dv, scale=0.5) + 1.0)
+    pools = {dt: cub.new_state_pool(cfg, batch + 1) for dt in (np.float32, np.uint16)}
+    init = [rand(rng, *pools[np.float32].conv[0].shape), rand(rng, *pools[np.float32].rec[0].shape, scale=0.1)]
+    for pool in pools.values():
+        pool.conv[0][...] = cp.asarray(init[0])
+        pool.rec[0][...] = cp.asarray(init[1])
+    for rows in (1, 2):
+        segs = [DeltaNetSegment(i * rows, rows, i, None) for i in range(batch)]
+        plan = cd.plan_runs(segs)
+        x, z = cp.asarray(rand(rng, batch * rows, c)), cp.asarray(rand(rng, batch * rows, hv, dv))
+        ab = cp.asarray(rand(rng, batch * rows, 2 * hv))
+        got = {dt: cd.deltanet_core(pool, 0, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
+                                    gate=(z, norm_w, 1e-6), out_dtype=dt) for dt, pool in pools.items()}
+        want = ops.to_bf16_bits(got[np.float32]) if rows == 1 else got[np.float32]
+        assert got[np.uint16].dtype == want.dtype and not np.isnan(cp.asnumpy(got[np.float32])).any()
+        assert_bytes_equal(cp.asnumpy(got[np.uint16]), cp.asnumpy(want), f"gated output, batch {batch}, rows {rows}")
+        for name in ("conv", "rec"):
+            assert_bytes_equal(cp.asnumpy(getattr(pools[np.uint16], name)[0]),
+                               cp.asnumpy(getattr(pools[np.float32], name)[0]), f"{name} state, batch {batch}")

@@ -59,6 +59,13 @@ def packed(rng, fmt, n, k, scale=0.05):
     return p
 
 
+def cache_bytes(kv, states, num_pages, slots):
+    """Bytes of every KV page but the padding one, and of the slots' conv and recurrent states."""
+    pages = kv.export_pages(np.arange(num_pages - 1))
+    return [np.asarray(a).tobytes() for a in pages.arrays.values()] + [
+        np.asarray(x).tobytes() for s in slots for st in [states.get(s)] for x in (*st.conv, *st.recurrent)]
+
+
 def assert_same_bytes(got, ref, name):
     got, ref = cp.asnumpy(got), cp.asnumpy(ref)
     assert got.shape == ref.shape, f"{name}: {got.shape} vs {ref.shape}"
@@ -137,9 +144,7 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
     slots = [s[1] for s in seqs]
 
     def state_bytes():
-        pages = kv.export_pages(np.arange(num_pages - 1))
-        return [np.asarray(a).tobytes() for a in pages.arrays.values()] + [
-            np.asarray(x).tobytes() for s in slots for st in [states.get(s)] for x in (*st.conv, *st.recurrent)]
+        return cache_bytes(kv, states, num_pages, slots)
 
     for step in range(4):
         batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
@@ -161,3 +166,92 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
             s[0].append(int(np.argmax(row)))
     assert all(r.stats["graph_steps"] == 4 for r in runners.values()), [r.stats for r in runners.values()]
     assert len(overlapping) > 100, f"{len(overlapping)} overlapped launches"
+
+
+def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlapping):
+    """CupyBackend.linear_pair (a DeltaNet layer's qkv|z and b|a products, the second on a side stream that forks
+    and joins around it) gives the bytes of the two products one after the other: logits, KV pages and states
+    of decode steps of a tiny hybrid model, eager and as graphs captured with overlapped launches (the side
+    product overlapped or launched plainly)."""
+    from decapybara.backend import cupy_backend as cb
+
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "head_dim": 64})
+    model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=7, std=0.2),
+                                   include_mtp=False)
+    assert model.fused_dn, "the tiny hybrid model's DeltaNet products should be fused pairs"
+    page, num_pages = 8, 40
+    kv, states = model.new_kv_cache(num_pages, page, "16/16"), model.new_state_pool(5)
+    variants = {"eager serial": {"side_stream": False}, "eager side": {"side_stream": True},
+                "graph serial": {"side_stream": False}, "graph side": {"side_stream": True, "side_pdl": True},
+                "graph side plain": {"side_stream": True, "side_pdl": False}}
+    runners = {name: DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=4)
+               for name in variants if name.startswith("graph")}
+    seqs = prefilled_sequences(model, kv, states, (5, 11, 19), seed=3)
+    slots = [s[1] for s in seqs]
+    forks = []
+    side = cb._side_stream
+    monkeypatch.setattr(cb, "_side_stream", lambda d: forks.append(d) or side(d))
+
+    def state_bytes():
+        return cache_bytes(kv, states, num_pages, slots)
+
+    for step in range(3):
+        batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
+        before_pages, before_states = kv.export_pages(np.arange(num_pages - 1)), {s: states.get(s) for s in slots}
+        results = {}
+        for name, setting in variants.items():
+            kv.import_pages(np.arange(num_pages - 1), before_pages)
+            for s, st in before_states.items():
+                states.set(s, st)
+            monkeypatch.setitem(cb.PAIRS, "side_stream", setting["side_stream"])
+            monkeypatch.setitem(cb.PAIRS, "side_pdl", setting.get("side_pdl", True))
+            n = len(forks)
+            fwd = model.forward if name.startswith("eager") else runners[name].forward
+            logits = cp.asnumpy(fwd(batch, kv, states).logits)
+            if name.startswith("eager"):
+                assert (len(forks) > n) == setting["side_stream"], (name, len(forks) - n)
+            results[name] = (logits.tobytes(), state_bytes(), logits)
+        for a, b in (("eager serial", "eager side"), ("graph serial", "graph side"),
+                     ("graph serial", "graph side plain")):
+            assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
+            assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
+        for s, row in zip(seqs, results["eager serial"][2]):
+            s[0].append(int(np.argmax(row)))
+    assert all(r.stats["graph_steps"] == 3 and not r.stats["failures"] for r in runners.values()), \
+        [r.stats for r in runners.values()]
+    assert len(overlapping) > 100, f"{len(overlapping)} overlapped launches"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_linear_pair_matches_two_linears(rows, monkeypatch):
+    """linear_pair over the normed rows a fused output projection leaves (NormedRows up to 8 rows, bf16 bits
+    at 12): two bf16 matrices that read them as they are (forked), and a float32 one beside a bf16 one (which
+    the float32 one materialises: no fork below 9 rows), the same bytes as two `linear` calls on one stream."""
+    from decapybara.backend import cupy_backend as cb
+    from decapybara.model.quant.elements import bf16_encode
+
+    rng = np.random.default_rng(rows)
+    be = CupyBackend("bf16")
+    k = 256
+    w_out = cp.asarray(bf16_encode((rng.standard_normal((k, 192)) * 0.05).astype(np.float32)))
+    w_a = cp.asarray(bf16_encode((rng.standard_normal((320, k)) * 0.05).astype(np.float32)))
+    w_b = cp.asarray(bf16_encode((rng.standard_normal((24, k)) * 0.05).astype(np.float32)))
+    w_f = cp.asarray((rng.standard_normal((40, k)) * 0.05).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((rows, 192)).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+    nw = cp.asarray((rng.standard_normal(k) * 0.1 + 1).astype(np.float32))
+    normed, _ = be.linear_add_rms_norm(x, w_out, None, res, nw, 1e-6, 0.0)
+    assert isinstance(normed, ex.NormedRows) == (rows <= ex.FUSED_ROWS), type(normed)
+    forks = []
+    side = cb._side_stream
+    monkeypatch.setattr(cb, "_side_stream", lambda d: forks.append(d) or side(d))
+    for wa, wb in ((w_a, w_b), (w_f, w_b), (w_b, w_f)):
+        monkeypatch.setitem(cb.PAIRS, "side_stream", False)
+        ref = be.linear_pair(normed, wa, wb)
+        monkeypatch.setitem(cb.PAIRS, "side_stream", True)
+        n = len(forks)
+        got = be.linear_pair(normed, wa, wb)
+        assert (len(forks) > n) == (wa is w_a or rows > ex.FUSED_ROWS), (rows, wa.dtype, wb.dtype)
+        for g, r, name in zip(got, ref, ("first", "second")):
+            assert_same_bytes(g, r, f"{name} product, {rows} rows, {wa.dtype} / {wb.dtype}")

@@ -148,9 +148,17 @@ def install():
     runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
     runtime.deviceSynchronize = lambda: None
     cuda.runtime = runtime
-    class Stream:
-        ptr = 0
+    class Event:  # the emulator runs every launch at once: events and streams order nothing
         def synchronize(self): pass
+    class Stream:  # the current stream: one object; `with stream:` changes nothing
+        def __init__(self, non_blocking=False, ptr=0): self.ptr = ptr
+        def synchronize(self): pass
+        def record(self, event=None): return event or Event()
+        def wait_event(self, event): pass
+        def __enter__(self): return self
+        def __exit__(self, *exc): return False
+    cuda.Event = Event
+    cuda.Stream = lambda non_blocking=False: Stream(non_blocking, ptr=id(object()))
     cuda.get_current_stream = lambda: Stream()
     device = types.ModuleType("cupy.cuda.device")
     device.get_cublas_handle = lambda: 1

@@ -1,0 +1,96 @@
+"""The DeltaNet decode of one layer at the 27B shape (Hk 16, Hv 48, dk = dv = 128): gdn_decode + gdn_decode_finish.
+
+    python3 bench/gdn_decode.py                    # table: batch, us a layer, state GB/s, % of copy bandwidth
+    GDN_BATCHES=12 GDN_ITERS=1 ncu --clock-control none -k regex:gdn_decode$ --launch-skip 20 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        python3 bench/gdn_decode.py                # one launch for Nsight Compute
+
+A CUDA graph of GDN_LAYERS layers (default 16: at 12 sequences 16 x 37.7 MB of state, past the L2; launched
+overlapped as in a decode graph) is timed with CUDA events, median of GDN_ITERS replays, per layer. A layer reads and writes 3.1 MB of float32 state per
+sequence; the table compares that traffic with the copy bandwidth (a CuPy device-to-device copy, read + write)
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp
+import numpy as np
+
+from decapybara.backend import cupy_deltanet as cd
+from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
+from decapybara.backend.cuda_graph import capture_graph
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.model.config import ModelConfig
+
+BATCHES = [int(b) for b in os.environ.get("GDN_BATCHES", "1,4,8,12").split(",")]
+LAYERS = int(os.environ.get("GDN_LAYERS", "16"))
+ITERS = int(os.environ.get("GDN_ITERS", "20"))
+
+
+def config() -> ModelConfig:
+    return ModelConfig(model_type="qwen3_5_text", vocab_size=16, hidden_size=16, num_hidden_layers=LAYERS,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       layer_types=("linear_attention",) * LAYERS, linear_num_key_heads=16,
+                       linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4)
+
+
+def copy_bandwidth() -> float:
+    """Bytes moved (read + write) per second by a 1 GB device-to-device copy, median of 5."""
+    a, b = cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32)
+    times = []
+    for _ in range(6):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        b[...] = a
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3)
+    return 2 * a.nbytes / float(np.median(times[1:]))
+
+
+def main() -> None:
+    cfg = config()
+    be = CupyBackend("bf16")
+    rng = np.random.default_rng(0)
+    c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    params = DeltaNetParams(cp.asarray(rng.standard_normal((c, 4)).astype(np.float32) * 0.5),
+                            -cp.exp(cp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32))),
+                            cp.asarray(rng.standard_normal(hv).astype(np.float32) * 0.5 + 1))
+    norm_w = cp.ones(dv, cp.float32)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {LAYERS} layers of state cycled; ACC float (bf16 backend)")
+    print(f"{'batch':>5} {'us/layer':>9} {'state MB':>9} {'GB/s':>7} {'% copy':>7}")
+    for n in BATCHES:
+        pool = be.new_state_pool(cfg, n)
+        for layer in range(LAYERS):
+            pool.rec[layer][...] = cp.asarray(rng.standard_normal(pool.rec[layer].shape).astype(np.float32) * 0.05)
+        segs = [DeltaNetSegment(i, 1, i, None) for i in range(n)]
+        plan = cd.plan_runs(segs)
+        qkvz = cp.asarray(rng.standard_normal((n, c + hv * dv)).astype(np.float32))
+        ab = cp.asarray(rng.standard_normal((n, 2 * hv)).astype(np.float32))
+        x, z = qkvz[:, :c], qkvz[:, c:].reshape(n, hv, dv)
+        stream = cp.cuda.Stream(non_blocking=True)
+        graph, _ = capture_graph(lambda pool=pool, plan=plan, x=x, z=z, ab=ab: [
+            cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
+                             gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], stream, cp.cuda.MemoryPool())
+        times = []
+        for _ in range(ITERS):
+            start, end = stream.record(), None
+            graph.launch(stream)
+            end = stream.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / LAYERS)
+        t = float(np.median(times[min(3, len(times) - 1):]))
+        state = pool.rec[0].nbytes * n / pool.rec[0].shape[0]  # this batch's slots
+        print(f"{n:5d} {t * 1e6:9.1f} {state / 1e6:9.1f} {2 * state / t / 1e9:7.0f} {2 * state / t / bw * 100:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -76,10 +76,10 @@ def main() -> None:
         qkvz = cp.asarray(rng.standard_normal((n, c + hv * dv)).astype(np.float32))
         ab = cp.asarray(rng.standard_normal((n, 2 * hv)).astype(np.float32))
         x, z = qkvz[:, :c], qkvz[:, c:].reshape(n, hv, dv)
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()  # the graph's buffers live in mem
         graph, _ = capture_graph(lambda pool=pool, plan=plan, x=x, z=z, ab=ab: [
             cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
-                             gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], stream, cp.cuda.MemoryPool())
+                             gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], stream, mem)
         times = []
         for _ in range(ITERS):
             start, end = stream.record(), None

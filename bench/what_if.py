@@ -70,12 +70,12 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
             return cls.linear(ops, x, w, bias)
         ops.linear = linear
     if "deltanet" in drop:
-        ops.deltanet_core_gated = lambda states, layer, mixed, a, b, params, segments, cfg, raw, z, w, eps: \
-            buf.get(*z.shape)
+        ops.deltanet_core_gated = lambda states, layer, mixed, a, b, params, segments, cfg, raw, z, w, eps, \
+            to_product=None: buf.get(*z.shape)
     if "attention" in drop:
         ops.qk_norm_rope = lambda q, k, *a: (q, k)
         ops.paged_attention = lambda kv, layer, q, k, v, batch, scale: buf.get(*q.shape)
-        ops.sigmoid_gate = lambda o, gate: o
+        ops.sigmoid_gate = lambda o, gate, to_product=None: o
 
 
 def unpatch(ops: Any) -> None:

@@ -32,7 +32,6 @@ from decapybara.backend.cupy_ops_extra import (
     FUSED_ROWS,
     NormedRows,
     PackedWeight,
-    fuses_norms,
     gemm_ready,
     mx_linear,
     mx_linear_add_norm,
@@ -158,29 +157,24 @@ class CupyBackend(Backend):
         return y + bias if bias is not None else y
 
     def linear_pair(self, x: Any, weight_a: Any, weight_b: Any) -> tuple[Any, Any]:
-        """The two products, the second on a side stream that forks from the current one before the first and
-        joins it after the second (`PAIRS`): in a decode graph the second's blocks (the DeltaNet b|a product,
-        a latency-bound 1 MB) take the SMs the first's (qkv|z) leave as its blocks end, instead of running
-        after it. Each product's kernels are the ones `linear` launches, so the results are the same bits.
-        NormedRows that either product would materialise (a launch on its own stream, which the other product's
-        would not wait for) keep both on the current stream."""
-        if not PAIRS["side_stream"] or (isinstance(x, NormedRows) and not all(
-                self._reads_normed(w, x.shape[0]) for w in (weight_a, weight_b))):
+        """Skinny products (at most SKINNY_ROWS rows): the second on a side stream that forks from the current
+        one before the first and joins it after the second (`PAIRS`): in a decode graph the second's blocks (the
+        DeltaNet b|a product, a latency-bound 1 MB) take the SMs the first's (qkv|z) leave as its blocks end,
+        instead of running after it. Each product's kernels are the ones `linear` launches on its own stream
+        (NormedRows that a product materialises, it materialises itself), so the results are the same bits.
+        Larger products (cuBLAS, one handle) run one after the other."""
+        if not PAIRS["side_stream"] or x.shape[0] > SKINNY_ROWS:
             return super().linear_pair(x, weight_a, weight_b)
         main = cp.cuda.get_current_stream()
         side = _side_stream(cp.cuda.Device().id)
         side.wait_event(main.record())
-        y_a = self.linear(x, weight_a)
-        with side, contextlib.nullcontext() if PAIRS["side_pdl"] else pdl.serial():
-            y_b = self.linear(x, weight_b)
-        main.wait_event(side.record())
+        try:
+            y_a = self.linear(x, weight_a)
+            with side, contextlib.nullcontext() if PAIRS["side_pdl"] else pdl.serial():
+                y_b = self.linear(x, weight_b)
+        finally:
+            main.wait_event(side.record())  # joined even when a launch fails (a capture must not end forked)
         return y_a, y_b
-
-    @staticmethod
-    def _reads_normed(weight: Any, rows: int) -> bool:
-        """Whether `linear` takes NormedRows of `rows` rows over `weight` as they are (no materialise)."""
-        w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight) if rows <= SKINNY_ROWS else None
-        return w is not None and fuses_norms(w, rows)
 
     def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any, residual: Any, norm_weight: Any, eps: float,
                             offset: float) -> tuple[Any, Any]:

@@ -198,13 +198,16 @@ def kernel_knows(source: str, define: str) -> bool:
 
 def _counters() -> Any:
     """Split-K tile counters (zero at rest, reset by each tile's last block) of the current device and stream:
-    products on two streams may run at once (`CupyBackend.linear_pair`), one stream's run one after another."""
+    products on two streams may run at once (`CupyBackend.linear_pair`), one stream's run one after another.
+    From the default memory pool, not a decode graph's own (`cuda_graph.capture_graph`, whose warm-up run
+    creates them for its streams before the capture)."""
     return _stream_counters(cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
 
 
 @functools.cache
 def _stream_counters(device: int, stream: int) -> Any:
-    return cp.zeros(1 << 16, cp.int32)
+    with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+        return cp.zeros(1 << 16, cp.int32)
 
 
 # Launch tuning of mx_gemm (bench/gpu.py and bench/gemv_sweep.py sweep it): `stages` chunks in flight per lane

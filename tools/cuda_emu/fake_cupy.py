@@ -1,5 +1,5 @@
 """A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
-import ctypes, hashlib, os, re, subprocess, sys, types
+import contextlib, ctypes, hashlib, itertools, os, re, subprocess, sys, types
 import numpy as np
 from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
 
@@ -158,8 +158,11 @@ def install():
         def __enter__(self): return self
         def __exit__(self, *exc): return False
     cuda.Event = Event
-    cuda.Stream = lambda non_blocking=False: Stream(non_blocking, ptr=id(object()))
+    stream_ids = itertools.count(1)
+    cuda.Stream = lambda non_blocking=False: Stream(non_blocking, ptr=next(stream_ids))
     cuda.get_current_stream = lambda: Stream()
+    cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()  # numpy allocates
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
     device = types.ModuleType("cupy.cuda.device")
     device.get_cublas_handle = lambda: 1
     cuda.device = device

@@ -52,6 +52,19 @@ def _side_stream(device: int) -> Any:
     return cp.cuda.Stream(non_blocking=True)
 
 
+def _own_kernels(weight: Any, rows: int) -> bool:
+    """Whether `linear` runs a product of `rows` rows over `weight` on kernels/ alone (no cuBLAS): the skinny
+    kernels over packed or bf16 weights they stream, gemv_f32 over contiguous float32 matrices."""
+    if rows > SKINNY_ROWS:
+        return False
+    if isinstance(weight, PackedWeight):
+        return gemm_ready(weight)
+    packed = _bf16_packed(weight)
+    if packed is not None:
+        return gemm_ready(packed)
+    return weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous
+
+
 def _is_matrix(name: str, ndim: int) -> bool:
     """Matrices (and stacked experts) go bf16 in bf16 mode; 1-D tensors and the conv1d stay float32."""
     return ndim >= 2 and not name.endswith("conv1d.weight")
@@ -162,8 +175,8 @@ class CupyBackend(Backend):
         DeltaNet b|a product, a latency-bound 1 MB) take the SMs the first's (qkv|z) leave as its blocks end,
         instead of running after it. Each product's kernels are the ones `linear` launches on its own stream
         (NormedRows that a product materialises, it materialises itself), so the results are the same bits.
-        Larger products (cuBLAS, one handle) run one after the other."""
-        if not PAIRS["side_stream"] or x.shape[0] > SKINNY_ROWS:
+        Products that would take cuBLAS (one handle and workspace for both streams) run one after the other."""
+        if not (PAIRS["side_stream"] and all(_own_kernels(w, x.shape[0]) for w in (weight_a, weight_b))):
             return super().linear_pair(x, weight_a, weight_b)
         main = cp.cuda.get_current_stream()
         side = _side_stream(cp.cuda.Device().id)

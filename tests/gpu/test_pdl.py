@@ -228,7 +228,8 @@ def test_linear_pair_matches_two_linears(rows, monkeypatch):
     """linear_pair over the normed rows a fused output projection leaves (NormedRows up to 8 rows, bf16 bits
     at 12, float32 past 64): two bf16 matrices that read them as they are, and a float32 one beside a bf16 one
     (which materialises NormedRows on its own stream), the same bytes as two `linear` calls on one stream;
-    forked up to 64 rows (the skinny kernels), not past (cuBLAS)."""
+    forked up to 64 rows (the skinny kernels), not past (cuBLAS) nor beside a product that takes cuBLAS (a
+    float32 matrix that is a transposed view)."""
     from decapybara.backend import cupy_backend as cb
     from decapybara.model.quant.elements import bf16_encode
 
@@ -239,6 +240,7 @@ def test_linear_pair_matches_two_linears(rows, monkeypatch):
     w_a = cp.asarray(bf16_encode((rng.standard_normal((320, k)) * 0.05).astype(np.float32)))
     w_b = cp.asarray(bf16_encode((rng.standard_normal((24, k)) * 0.05).astype(np.float32)))
     w_f = cp.asarray((rng.standard_normal((40, k)) * 0.05).astype(np.float32))
+    w_t = cp.asarray((rng.standard_normal((k, 40)) * 0.05).astype(np.float32)).T  # cp.matmul: cuBLAS
     x = cp.asarray(rng.standard_normal((rows, 192)).astype(np.float32))
     res = cp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
     nw = cp.asarray((rng.standard_normal(k) * 0.1 + 1).astype(np.float32))
@@ -247,12 +249,12 @@ def test_linear_pair_matches_two_linears(rows, monkeypatch):
     forks = []
     side = cb._side_stream
     monkeypatch.setattr(cb, "_side_stream", lambda d: forks.append(d) or side(d))
-    for wa, wb in ((w_a, w_b), (w_f, w_b), (w_b, w_f)):
+    for wa, wb in ((w_a, w_b), (w_f, w_b), (w_b, w_f), (w_b, w_t)):
         monkeypatch.setitem(cb.PAIRS, "side_stream", False)
         ref = be.linear_pair(normed, wa, wb)
         monkeypatch.setitem(cb.PAIRS, "side_stream", True)
         n = len(forks)
         got = be.linear_pair(normed, wa, wb)
-        assert (len(forks) > n) == (rows <= cb.SKINNY_ROWS), (rows, wa.dtype, wb.dtype)
+        assert (len(forks) > n) == (rows <= cb.SKINNY_ROWS and wb is not w_t), (rows, wa.dtype, wb.dtype)
         for g, r, name in zip(got, ref, ("first", "second")):
             assert_same_bytes(g, r, f"{name} product, {rows} rows, {wa.dtype} / {wb.dtype}")

@@ -57,11 +57,8 @@ def _own_kernels(weight: Any, rows: int) -> bool:
     kernels over packed or bf16 weights they stream, gemv_f32 over contiguous float32 matrices."""
     if rows > SKINNY_ROWS:
         return False
-    if isinstance(weight, PackedWeight):
-        return gemm_ready(weight)
-    packed = _bf16_packed(weight)
-    if packed is not None:
-        return gemm_ready(packed)
+    if isinstance(weight, PackedWeight) or weight.dtype == cp.uint16:
+        return _streamed(weight) is not None
     return weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous
 
 
@@ -77,6 +74,12 @@ def _bf16_packed(weight: Any) -> PackedWeight | None:
     return None
 
 
+def _streamed(weight: Any) -> PackedWeight | None:
+    """`weight` as the skinny kernels stream it (packed, or bf16 bits as a PackedWeight); None where they cannot."""
+    w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
+    return w if w is not None and gemm_ready(w) else None
+
+
 def _reads_bf16(weight: Any, rows: int) -> bool:
     """Whether a product of `rows` rows over `weight` (or over the model's other weights, stored alike: the
     bf16 backend's matrices are all bf16 or packed) runs on the skinny kernels, which round x to bf16 as they
@@ -84,8 +87,8 @@ def _reads_bf16(weight: Any, rows: int) -> bool:
     2^-126, which the kernels' float32 staging scales before it rounds): packed or bf16 weights they stream,
     at most SKINNY_ROWS rows, TUNE `bf16_rows` rows at least (0: off). For the bf16 backend only (the caller's
     check): the fp32 one keeps float32 matrices beside packed ones."""
-    w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
-    if w is None or not gemm_ready(w):
+    w = _streamed(weight)
+    if w is None:
         return False
     least = cupy_ops_extra.tune_for(w.fmt)["bf16_rows"]
     return bool(0 < least <= rows <= SKINNY_ROWS)

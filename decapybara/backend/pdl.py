@@ -79,23 +79,23 @@ def _error_name(code: int) -> str:
 
 
 @contextlib.contextmanager
-def capturing() -> Iterator[None]:
+def _nested(counter: str) -> Iterator[None]:
+    """Counts this thread's nesting in `_STATE.<counter>` while inside."""
+    setattr(_STATE, counter, getattr(_STATE, counter, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_STATE, counter, getattr(_STATE, counter) - 1)
+
+
+def capturing() -> contextlib.AbstractContextManager[None]:
     """Marks this thread's launches as part of a graph capture (with $DECAPYBARA_PDL=1 they overlap)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
+    return _nested("depth")
 
 
-@contextlib.contextmanager
-def serial() -> Iterator[None]:
+def serial() -> contextlib.AbstractContextManager[None]:
     """This thread's launches inside are plain ones, even while `capturing()`."""
-    _STATE.serial = getattr(_STATE, "serial", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.serial -= 1
+    return _nested("serial")
 
 
 @functools.cache

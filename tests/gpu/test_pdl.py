@@ -59,6 +59,27 @@ def packed(rng, fmt, n, k, scale=0.05):
     return p
 
 
+def cache_restorer(kv, states, num_pages, slots):
+    """A function that puts every KV page but the padding one, and the slots' states, back as they are now."""
+    pages, saved = kv.export_pages(np.arange(num_pages - 1)), {s: states.get(s) for s in slots}
+
+    def restore():
+        kv.import_pages(np.arange(num_pages - 1), pages)
+        for s, st in saved.items():
+            states.set(s, st)
+    return restore
+
+
+@pytest.fixture
+def forks(monkeypatch):
+    """The side-stream forks of CupyBackend.linear_pair, counted (one entry each)."""
+    from decapybara.backend import cupy_backend as cb
+
+    calls, side = [], cb._side_stream
+    monkeypatch.setattr(cb, "_side_stream", lambda d: calls.append(d) or side(d))
+    return calls
+
+
 def cache_bytes(kv, states, num_pages, slots):
     """Bytes of every KV page but the padding one, and of the slots' conv and recurrent states."""
     pages = kv.export_pages(np.arange(num_pages - 1))
@@ -143,22 +164,17 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
     seqs = prefilled_sequences(model, kv, states, (6, 13, 21), seed=2)
     slots = [s[1] for s in seqs]
 
-    def state_bytes():
-        return cache_bytes(kv, states, num_pages, slots)
-
     for step in range(4):
         batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
-        before_pages, before_states = kv.export_pages(np.arange(num_pages - 1)), {s: states.get(s) for s in slots}
+        restore = cache_restorer(kv, states, num_pages, slots)
         results = {}
         for name in ("eager 0", "eager 1", "graph 0", "graph 1"):
             kind, flag = name.split()
-            kv.import_pages(np.arange(num_pages - 1), before_pages)
-            for s, st in before_states.items():
-                states.set(s, st)
+            restore()
             monkeypatch.setenv("DECAPYBARA_PDL", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
             fwd = model.forward if kind == "eager" else runners[flag].forward
             logits = cp.asnumpy(fwd(batch, kv, states).logits)
-            results[name] = (logits.tobytes(), state_bytes(), logits)
+            results[name] = (logits.tobytes(), cache_bytes(kv, states, num_pages, slots), logits)
         for a, b in (("eager 0", "eager 1"), ("graph 0", "graph 1")):
             assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
             assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
@@ -168,7 +184,7 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
     assert len(overlapping) > 100, f"{len(overlapping)} overlapped launches"
 
 
-def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlapping):
+def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlapping, forks):
     """CupyBackend.linear_pair (a DeltaNet layer's qkv|z and b|a products, the second on a side stream that forks
     and joins around it) gives the bytes of the two products one after the other: logits, KV pages and states
     of decode steps of a tiny hybrid model, eager and as graphs captured with overlapped launches (the side
@@ -189,21 +205,13 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
                for name in variants if name.startswith("graph")}
     seqs = prefilled_sequences(model, kv, states, (5, 11, 19), seed=3)
     slots = [s[1] for s in seqs]
-    forks = []
-    side = cb._side_stream
-    monkeypatch.setattr(cb, "_side_stream", lambda d: forks.append(d) or side(d))
-
-    def state_bytes():
-        return cache_bytes(kv, states, num_pages, slots)
 
     for step in range(3):
         batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
-        before_pages, before_states = kv.export_pages(np.arange(num_pages - 1)), {s: states.get(s) for s in slots}
+        restore = cache_restorer(kv, states, num_pages, slots)
         results = {}
         for name, setting in variants.items():
-            kv.import_pages(np.arange(num_pages - 1), before_pages)
-            for s, st in before_states.items():
-                states.set(s, st)
+            restore()
             monkeypatch.setitem(cb.PAIRS, "side_stream", setting["side_stream"])
             monkeypatch.setitem(cb.PAIRS, "side_pdl", setting.get("side_pdl", True))
             n = len(forks)
@@ -211,7 +219,7 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
             logits = cp.asnumpy(fwd(batch, kv, states).logits)
             if name.startswith("eager") or step == 0:  # a graph forks while it is captured (step 0)
                 assert (len(forks) > n) == setting["side_stream"], (name, step, len(forks) - n)
-            results[name] = (logits.tobytes(), state_bytes(), logits)
+            results[name] = (logits.tobytes(), cache_bytes(kv, states, num_pages, slots), logits)
         for a, b in (("eager serial", "eager side"), ("graph serial", "graph side"),
                      ("graph serial", "graph side plain")):
             assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
@@ -224,7 +232,7 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 80])
-def test_linear_pair_matches_two_linears(rows, monkeypatch):
+def test_linear_pair_matches_two_linears(rows, monkeypatch, forks):
     """linear_pair over the normed rows a fused output projection leaves (NormedRows up to 8 rows, bf16 bits
     at 12, float32 past 64): two bf16 matrices that read them as they are, and a float32 one beside a bf16 one
     (which materialises NormedRows on its own stream), the same bytes as two `linear` calls on one stream;
@@ -246,9 +254,6 @@ def test_linear_pair_matches_two_linears(rows, monkeypatch):
     nw = cp.asarray((rng.standard_normal(k) * 0.1 + 1).astype(np.float32))
     normed, _ = be.linear_add_rms_norm(x, w_out, None, res, nw, 1e-6, 0.0)
     assert isinstance(normed, ex.NormedRows) == (rows <= ex.FUSED_ROWS), type(normed)
-    forks = []
-    side = cb._side_stream
-    monkeypatch.setattr(cb, "_side_stream", lambda d: forks.append(d) or side(d))
     for wa, wb in ((w_a, w_b), (w_f, w_b), (w_b, w_f), (w_b, w_t)):
         monkeypatch.setitem(cb.PAIRS, "side_stream", False)
         ref = be.linear_pair(normed, wa, wb)

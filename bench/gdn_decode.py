@@ -5,6 +5,10 @@
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         python3 bench/gdn_decode.py                # one launch for Nsight Compute
 
+GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "prev": {"source": "deltanet_prefill_prev"},
+"minb8": {"defines": {"GDN_MINB": 8}}}'), each captured afresh and timed in turn, GDN_ROUNDS times over
+(interleaved: the spread between rounds beside the effect); the table's last column is the ratio to the first.
+
 A CUDA graph of GDN_LAYERS layers (default 16: at 12 sequences 16 x 37.7 MB of state, past the L2; launched
 overlapped as in a decode graph) is timed with CUDA events, median of GDN_ITERS replays, per layer. A layer reads and writes 3.1 MB of float32 state per
 sequence; the table compares that traffic with the copy bandwidth (a CuPy device-to-device copy, read + write)
@@ -13,6 +17,7 @@ measured in the same run.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +36,8 @@ from decapybara.model.config import ModelConfig
 BATCHES = [int(b) for b in os.environ.get("GDN_BATCHES", "1,4,8,12").split(",")]
 LAYERS = int(os.environ.get("GDN_LAYERS", "16"))
 ITERS = int(os.environ.get("GDN_ITERS", "20"))
+TUNES: dict[str, dict] = json.loads(os.environ.get("GDN_TUNES", '{"": {}}'))
+ROUNDS = int(os.environ.get("GDN_ROUNDS", "1"))
 
 
 def config() -> ModelConfig:
@@ -66,7 +73,8 @@ def main() -> None:
     norm_w = cp.ones(dv, cp.float32)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {LAYERS} layers of state cycled; ACC float (bf16 backend)")
-    print(f"{'batch':>5} {'us/layer':>9} {'state MB':>9} {'GB/s':>7} {'% copy':>7}")
+    print(f"{'batch':>5} {'variant':>12} {'us/layer':>9} {'state MB':>9} {'GB/s':>7} {'% copy':>7} {'ratio':>6}")
+    base_dn = dict(cd.FUSED_DECODE)
     for n in BATCHES:
         pool = be.new_state_pool(cfg, n)
         for layer in range(LAYERS):
@@ -76,21 +84,34 @@ def main() -> None:
         qkvz = cp.asarray(rng.standard_normal((n, c + hv * dv)).astype(np.float32))
         ab = cp.asarray(rng.standard_normal((n, 2 * hv)).astype(np.float32))
         x, z = qkvz[:, :c], qkvz[:, c:].reshape(n, hv, dv)
-        stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()  # the graph's buffers live in mem
-        graph, _ = capture_graph(lambda pool=pool, plan=plan, x=x, z=z, ab=ab: [
-            cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
-                             gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], stream, mem)
-        times = []
-        for _ in range(ITERS):
-            start, end = stream.record(), None
-            graph.launch(stream)
-            end = stream.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / LAYERS)
-        t = float(np.median(times[min(3, len(times) - 1):]))
-        state = pool.rec[0].nbytes * n / pool.rec[0].shape[0]  # this batch's slots
-        print(f"{n:5d} {t * 1e6:9.1f} {state / 1e6:9.1f} {2 * state / t / 1e9:7.0f} {2 * state / t / bw * 100:6.1f}%")
+        first = None
+        for r in range(ROUNDS):
+            for tname, tune in TUNES.items():
+                cd.FUSED_DECODE.update({**base_dn, **tune})
+                t = time_layers(pool, plan, x, z, ab, params, norm_w, cfg)
+                first = first or t
+                state = pool.rec[0].nbytes * n / pool.rec[0].shape[0]  # this batch's slots
+                name = (tname or "default") + (f" #{r + 1}" if ROUNDS > 1 else "")
+                print(f"{n:5d} {name:>12} {t * 1e6:9.1f} {state / 1e6:9.1f} {2 * state / t / 1e9:7.0f} "
+                      f"{2 * state / t / bw * 100:6.1f}% {t / first:6.3f}")
+    cd.FUSED_DECODE.update(base_dn)
 
+
+def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
+    """Seconds a layer: a fresh graph of LAYERS decode forwards, median of ITERS replays (after 3)."""
+    hv = cfg.linear_num_value_heads
+    stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()  # the graph's buffers live in mem
+    graph, _ = capture_graph(lambda: [
+        cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
+                         gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], stream, mem)
+    times = []
+    for _ in range(ITERS):
+        start = stream.record()
+        graph.launch(stream)
+        end = stream.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / LAYERS)
+    return float(np.median(times[min(3, len(times) - 1):]))
 
 if __name__ == "__main__":
     main()

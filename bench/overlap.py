@@ -27,6 +27,7 @@ import cupy as cp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import cupy_attention as ca
 from decapybara.backend import cupy_backend as cb
 from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import cupy_ops_extra as ex
@@ -41,8 +42,9 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # named TUNE overrides (merged as DECAPYBARA_MX_TUNE is), each captured and timed under every setting, e.g.
 # '{"": {}, "small": {"small_bytes": 0}}'; OVERLAP_ROUNDS > 1 repeats the whole interleaved sequence (run-to-run
 # spread beside the effect). The weights are packed once, before: layout keys (`e2m1_split`, `tiled`) belong in
-# DECAPYBARA_MX_TUNE, one run per layout. Three more keys go elsewhere: "pairs" updates cupy_backend.PAIRS (the
-# side stream of `linear_pair`), "deltanet" cupy_deltanet.FUSED_DECODE (e.g. {"enabled": false}),
+# DECAPYBARA_MX_TUNE, one run per layout. Four more keys go elsewhere: "pairs" updates cupy_backend.PAIRS (the
+# side stream of `linear_pair`), "deltanet" cupy_deltanet.FUSED_DECODE (e.g. {"enabled": false}), "attention"
+# cupy_attention.DECODE (e.g. {"min_keys": 128}),
 # "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
 # ["sigmoid_gate", "deltanet_core_gated"]
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
@@ -53,7 +55,7 @@ def main() -> None:
     variant = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
     kv, states, model = B.decode_setup(variant)
     res: dict[str, dict[str, float]] = {}
-    base_tune, base_pairs, base_dn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE)
+    base_tune, base_pairs, base_dn, base_attn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE), dict(ca.DECODE)
     base_methods = {name: getattr(cb.CupyBackend, name) for name in ("sigmoid_gate", "deltanet_core_gated",
                                                                       "silu_mul_halves")}
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
@@ -63,6 +65,7 @@ def main() -> None:
         tune = dict(tune)
         cb.PAIRS.update({**base_pairs, **tune.pop("pairs", {})})
         cd.FUSED_DECODE.update({**base_dn, **tune.pop("deltanet", {})})
+        ca.DECODE.update({**base_attn, **tune.pop("attention", {})})
         for meth, fn in base_methods.items():
             setattr(cb.CupyBackend, meth, fn)
         for meth in tune.pop("x_f32", []):
@@ -82,6 +85,7 @@ def main() -> None:
     ex.TUNE.update(base_tune)
     cb.PAIRS.update(base_pairs)
     cd.FUSED_DECODE.update(base_dn)
+    ca.DECODE.update(base_attn)
     for meth, fn in base_methods.items():
         setattr(cb.CupyBackend, meth, fn)
     first = next(iter(res))

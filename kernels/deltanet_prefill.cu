@@ -275,24 +275,41 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 
 // ---- one decode token per run ---------------------------------------------------------------------------
 // conv1d_silu_runs + gdn_qk_norm + gdn_gates + gdn_recurrent for runs of exactly one row, in one launch and
-// with the same arithmetic in the same order (so the same bits): grid (R, HV, DV / VCOLS), NT threads. Each
-// CTA computes the conv + SiLU of its key head's q and k channels (the DV / VCOLS CTAs of a value head and
-// the HV / HK value heads of a key head repeat this small work), their L2 norms, its value columns and its
-// head's gates, then the recurrent step. The conv state is only read: conv1d_state_update writes it after
-// this kernel (some other CTA may still read it here). x: mixed rows [T, C] (stride ldx); a, b: [T, HV]
-// (stride ld_ab); the rest as gdn_recurrent.
-extern "C" __global__ void __launch_bounds__(NT)
+// with the same arithmetic in the same order (so the same bits): grid (R, HV, DV / DVC), DEC_NT threads (DVC
+// value columns a CTA, KSPLIT threads a column). Each CTA computes the conv + SiLU of its key head's q and k
+// channels (the DV / DVC CTAs of a value head and the HV / HK value heads of a key head repeat this small
+// work; thread tid takes channels tid, tid + DEC_NT, ...), their L2 norms (one warp for q, one for k:
+// gdn_qk_norm's lane-strided sum and butterfly), its value columns and its head's gates, then the recurrent
+// step. Everything no kernel of this step writes goes out before the wait (pdl.cuh): the recurrent state, and
+// each conv channel's terms over the conv state (gdn_decode_finish or conv1d_state_update writes it, after
+// this kernel) summed in the reference's order, so that only the new input's term is added after the wait. The
+// conv state is only read here. x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); the rest as
+// gdn_recurrent.
+#ifndef DEC_VCOLS
+#define DEC_VCOLS 64  // cupy_deltanet.FUSED_DECODE["vcols"]
+#endif
+constexpr int DVC = DV < DEC_VCOLS ? DV : DEC_VCOLS;
+constexpr int DEC_NT = DVC * KSPLIT;
+static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multiple of DEC_VCOLS (or below it)");
+#ifndef GDN_MINB  // resident CTAs per SM the decode kernel is built for (__launch_bounds__): a float32 state,
+#define GDN_MINB (sizeof(ACC) == 4 ? 65536 / (DEC_NT * 72) : 1)  // 72 registers a thread at 128 (80 at 256)
+#endif
+constexpr int QK_J = (DK + 31) / 32;  // q (or k) channels per lane of the norm warps
+
+extern "C" __global__ void __launch_bounds__(DEC_NT, GDN_MINB)
 gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ conv_state,
            const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ neg_A,
            const float* __restrict__ dt_bias, float* __restrict__ state, const int* __restrict__ runs,
            const int* __restrict__ segs, float* __restrict__ out, float* __restrict__ snap_rec, int HK, int HV,
            int C, i64 ldx, i64 ld_ab, float q_scale) {
-  __shared__ float raw[2 * DK], qs[KSPLIT * KPAD], ks[KSPLIT * KPAD], red[4];
+  __shared__ float qs[KSPLIT * KPAD], ks[KSPLIT * KPAD];
+  __shared__ float raw[2 * DK];
   const int* run = runs + 5 * blockIdx.x;
   const int row = run[0], slot = run[2], seg0 = run[3];
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
-  const int col = blockIdx.z * VCOLS + tid / KSPLIT;
+  const int col = blockIdx.z * DVC + tid / KSPLIT;
   const int hk = h / (HV / HK);
+  constexpr int NWARP = DEC_NT / 32;
   // The recurrent state first: no other kernel of this step writes it (this layer's kernel of earlier steps
   // and host-ordered resets / copies between steps do), so its loads may go out before the products that feed
   // x, a and b have finished (launched overlapped, pdl.cuh).
@@ -300,47 +317,65 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   ACC S[ROWS];
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
-  pdl_begin();  // overlapped launch (pdl.cuh)
-  const float* xr = x + (i64)row * ldx;
+  // conv1d_silu_runs for a run of one row: acc = sum_j state_j * w_j over the conv state (before the wait),
+  // then acc + x * w_last (after it); the same rounded operations in the same order
   const float* cs = conv_state + (i64)slot * C * KM1;
-  auto conv_silu = [&](int c) {  // conv1d_silu_runs for a run of one row
-    const float* st = cs + (i64)c * KM1;
+  auto conv_head = [&](int c) {
+    const float* s = cs + (i64)c * KM1;
     float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(st[j], w[(i64)c * CONV_K + j]));
-    acc = __fadd_rn(acc, __fmul_rn(xr[c], w[(i64)c * CONV_K + KM1]));
-    return silu_f(acc);
+    for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(s[j], w[(i64)c * CONV_K + j]));
+    return acc;
   };
-  for (int i = tid; i < 2 * DK; i += NT)  // q then k channels of key head hk
-    raw[i] = conv_silu(i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK);
-  const float vt_f = conv_silu(2 * HK * DK + h * DV + col);
+  const int vc = 2 * HK * DK + h * DV + col;
+  const float v_head = conv_head(vc), v_w = w[(i64)vc * CONV_K + KM1];
+  constexpr int CH = (2 * DK + DEC_NT - 1) / DEC_NT;  // q then k channels i = tid + DEC_NT j of key head hk
+  float ch_head[CH], ch_w[CH];
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+    const int i = tid + DEC_NT * j, c = i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK;
+    ch_head[j] = i < 2 * DK ? conv_head(c) : 0.0f;
+    ch_w[j] = i < 2 * DK ? w[(i64)c * CONV_K + KM1] : 0.0f;
+  }
+  const float nA = neg_A[h], dtb = dt_bias[h];
+  pdl_begin();  // overlapped launch (pdl.cuh)
+  const float* xr = x + (i64)row * ldx;
+  const float vt_f = silu_f(__fadd_rn(v_head, __fmul_rn(xr[vc], v_w)));
   float ng, nb;  // gdn_gates
   {
-    const float v = a[(i64)row * ld_ab + h] + dt_bias[h];
+    const float v = a[(i64)row * ld_ab + h] + dtb;
     float sp;
     if (v == 0.0f) sp = 0.693147180559945309f;
     else if (v > 0.0f) sp = v + log1pf(expf(-v));
     else sp = log1pf(expf(v));
-    ng = neg_A[h] * sp;
+    ng = nA * sp;
     nb = sigmoid_f(b[(i64)row * ld_ab + h]);
   }
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+    const int i = tid + DEC_NT * j, c = i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK;
+    if (i < 2 * DK) raw[i] = silu_f(__fadd_rn(ch_head[j], __fmul_rn(xr[c], ch_w[j])));
+  }
   __syncthreads();
-  // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if NT == 32)
-  constexpr int NWARP = NT / 32;
+  // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
 #pragma unroll
   for (int qk = 0; qk < 2; ++qk) {
     if (warp == (NWARP > 1 ? qk : 0)) {
-      const float* r = raw + qk * DK;
-      float s = 0.0f;
-      for (int i = lane; i < DK; i += 32) s += r[i] * r[i];
-      s = warp_sum(s);
-      if (lane == 0) red[qk] = sqrtf(s + 1e-6f);
+      float r[QK_J], s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < QK_J; ++j) {
+        const int i = lane + 32 * j;
+        r[j] = i < DK ? raw[qk * DK + i] : 0.0f;
+        if (i < DK) s += r[j] * r[j];
+      }
+      const float norm = sqrtf(warp_sum(s) + 1e-6f);
+      float* dst = qk == 0 ? qs : ks;
+#pragma unroll
+      for (int j = 0; j < QK_J; ++j) {
+        const int k = lane + 32 * j;
+        if (k < DK) dst[(k / ROWS) * KPAD + k % ROWS] = qk == 0 ? (r[j] / norm) * q_scale : r[j] / norm;
+      }
     }
-  }
-  __syncthreads();
-  for (int k = tid; k < DK; k += NT) {
-    qs[(k / ROWS) * KPAD + k % ROWS] = (raw[k] / red[0]) * q_scale;
-    ks[(k / ROWS) * KPAD + k % ROWS] = raw[DK + k] / red[1];
   }
   __syncthreads();
   // gdn_recurrent, one token
@@ -392,7 +427,7 @@ __device__ __forceinline__ void gated_norm_row(const float* __restrict__ x, cons
 // row: gated = gated_rms_norm(core, z, norm_w, eps) for that head (gated_norm_row: the bits gated_rms_norm_warp
 // gives); blocks b >= NORM_BLOCKS are conv1d_state_update's, channel c = (b - NORM_BLOCKS) * 128 + thread. The
 // stream orders this launch after gdn_decode, so every head's core output is complete here (a head's DV
-// columns come from DV / VCOLS CTAs of gdn_decode). core, gated: [T, HV, DV]; z: head h of row t at
+// columns come from DV / DVC CTAs of gdn_decode). core, gated: [T, HV, DV]; z: head h of row t at
 // z + t * ldz + h * DV (a column view of the fused qkv|z product, or contiguous); norm_w: [DV]; gated in bf16
 // bits where out_bf16 (store_out: rows that only feed a skinny product), else float32.
 extern "C" __global__ void gdn_decode_finish(const float* __restrict__ x, float* __restrict__ conv_state,

@@ -37,10 +37,12 @@ DECODE_MX_BITS = (8, 6, 4)
 DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column tiles hold
 # decode kernel: on / off; warps per CTA and 16-key tiles in flight per warp (lowered to fit the shared
 # memory) for bf16 pages, and (mx_warps, mx_stages) for microscaled ones; accumulator chains of the scores
+# "min_keys": keys per split of a decode plan at least (a CTA's setup, merge and partial write amortised),
+# except that a plan of fewer than "short_ctas" CTAs splits further, down to "short_keys" keys a split (one
+# sequence at 1k: 8 splits of 128 keys rather than 2 of 512)
 DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
-          "mx_warps": 4, "mx_stages": 3, "chains": 2}
+          "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "short_keys": 128, "short_ctas": 32}
 DECODE_WAVES = 8  # decode plans aim at this many CTAs per SM (one resident each): short tails between waves
-DECODE_MIN_KEYS = 512  # keys per split of a decode plan: a CTA's setup, merge and partial write amortised
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,11 +83,12 @@ def rows_per_warp(head_dim: int, max_rows: int) -> int:
 
 
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,
-              splits: int | None = None, waves: int = 2,
-              min_keys: int = MIN_KEYS_PER_SPLIT) -> tuple[np.ndarray, np.ndarray, int]:
+              splits: int | None = None, waves: int = 2, min_keys: int = MIN_KEYS_PER_SPLIT,
+              short: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(work [nwork, 5], reduce [nreduce, 4], number of parts) for sequences of `lengths` new tokens on top of
     `contexts`. `splits` forces the number of key splits per tile (tests); else about `waves` CTAs per SM, no
-    split shorter than `min_keys` keys."""
+    split shorter than `min_keys` keys, but with `short` = (keys, ctas) as many splits of `keys` keys or more
+    as bring the launch to `ctas` CTAs where it has fewer."""
     tiles = []
     for si, (n, ctx) in enumerate(zip(lengths, contexts)):
         rows = n * g
@@ -99,6 +102,8 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
             n = splits
         else:
             n = min(cdiv(target, len(tiles) * nkv), max(1, kend // min_keys))
+            if short is not None:
+                n = max(n, min(cdiv(short[1], len(tiles) * nkv), max(1, kend // short[0])))
         n = max(1, min(n, cdiv(kend, BLOCK_N)))
         chunk = cdiv(cdiv(kend, n), BLOCK_N) * BLOCK_N
         n = cdiv(kend, chunk)
@@ -123,7 +128,8 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
-                                    *((DECODE_WAVES, DECODE_MIN_KEYS) if decode is not None else ()))
+                                    *((DECODE_WAVES, DECODE["min_keys"], (DECODE["short_keys"], DECODE["short_ctas"]))
+                                      if decode is not None else ()))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):

@@ -26,8 +26,11 @@ from kernels import get_kernel
 
 CHUNK = 64  # the reference's chunk: the state is stored as float32 every CHUNK tokens of a segment
 CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_prefill.cu)
-# decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces
-FUSED_DECODE = {"enabled": True}
+# decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces;
+# "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
+# value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
+# bench/overlap.py)
+FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": 64}
 
 
 @dataclass(slots=True)
@@ -117,9 +120,14 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     ldx = I64(x.strides[0] // 4)
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
+    src, dn_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
     if decode:  # conv, norms, gates and the step in one launch
-        pdl.launch(get_kernel("deltanet_prefill", "gdn_decode", defines),
-                   (plan.num_runs, hv, dv // vcols), (4 * vcols,),
+        dvcols = min(FUSED_DECODE["vcols"], dv)
+        assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
+        if FUSED_DECODE["vcols"] != 64:  # the kernel's default
+            dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]),)
+        pdl.launch(get_kernel(src, "gdn_decode", dn_defines),
+                   (plan.num_runs, hv, dv // dvcols), (4 * dvcols,),
                    (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk),
                     I32(hv), I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
     else:
@@ -147,7 +155,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         cupy_ops.check(norm_w, np.float32, "norm weight", 1)
         assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
         gated = empty((t, hv, dv), out_dtype)
-        pdl.launch(get_kernel("deltanet_prefill", "gdn_decode_finish", defines),
+        pdl.launch(get_kernel(src, "gdn_decode_finish", dn_defines),
                    (-(-hv // 4) + cblocks, plan.num_runs), (128,),
                    (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
                     I32(cupy_ops._bf16_out(out_dtype))))

@@ -432,13 +432,15 @@ def test_deltanet_core_matches_reference(acc, dims):
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
 
 
+@pytest.mark.parametrize("vcols", [64, 32, 16])
 @pytest.mark.parametrize("acc", ["double", "float"])
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
-def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims):
+def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols):
     """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
-    of 8 make one warp a CTA (it computes both norms)."""
+    of 8 make one warp a CTA (it computes both norms); `vcols` value columns a CTA: 64 (the default: eight warps
+    where dv allows), 32 and 16 (two warps)."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -456,6 +458,7 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims):
     launched = []
     get = cd.get_kernel
     monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    monkeypatch.setitem(cd.FUSED_DECODE, "vcols", vcols)
     for step in range(3):
         segs = [DeltaNetSegment(i, 1, slot, (i, step) if i in (1, 3) else None) for i, slot in enumerate(slots)]
         x = cp.asarray(rand(rng, len(slots), c))

@@ -36,7 +36,8 @@ import numpy as np
 
 from decapybara.backend import pdl
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
-from decapybara.backend.cupy_attention import DECODE, MIN_KEYS_PER_SPLIT, decode_launch, rows_per_warp
+from decapybara.backend.cupy_attention import MIN_KEYS_PER_SPLIT, decode_launch, decode_splits, rows_per_warp
+from decapybara.backend.cupy_ops import sm_count
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
 from decapybara.model.qwen import ForwardOutput, QwenModel
@@ -167,19 +168,16 @@ class DecodeGraphRunner:
         return min(b for b in self.buckets if b >= n)
 
     def _splits(self, batch: ForwardBatch, kv: KVCache) -> int:
-        """Key splits per tile (a graph per value): enough CTAs for short contexts too. The tensor-core decode
-        kernel streams ~512+ keys a split (cupy_attention.DECODE["min_keys"]), or down to "short_keys" keys
-        where the bucket's launch would have fewer than "short_ctas" CTAs; a power of two up to 32. The general
-        kernel 64+."""
+        """Key splits per tile (a graph per value): the tensor-core decode kernel's by
+        cupy_attention.decode_splits for the bucket's launch (a power of two up to 32), the general kernel's
+        enough for short contexts too (64+ keys)."""
         longest = max(s.total for s in batch.seqs)
         if self._decode_launch(kv) is not None:
             cfg = self.model.cfg
             g = cfg.num_attention_heads // cfg.num_key_value_heads
             per_split = self._bucket(len(batch.seqs)) * -(-g // (4 * rows_per_warp(cfg.head_dim, g))) \
                 * cfg.num_key_value_heads  # CTAs of one split
-            need, cap = max(1, -(-DECODE["short_ctas"] // per_split)), longest // DECODE["short_keys"]
-            short = min((need - 1).bit_length(), cap.bit_length() - 1)  # log2: up to `need`, at most `cap`
-            return 1 << min(5, max(0, (longest // DECODE["min_keys"]).bit_length() - 1, short))
+            return decode_splits(per_split, longest, sm_count(), pow2=True, cap=32)
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
     def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:

@@ -37,11 +37,11 @@ DECODE_MX_BITS = (8, 6, 4)
 DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column tiles hold
 # decode kernel: on / off; warps per CTA and 16-key tiles in flight per warp (lowered to fit the shared
 # memory) for bf16 pages, and (mx_warps, mx_stages) for microscaled ones; accumulator chains of the scores
-# "min_keys": keys per split of a decode plan at least (a CTA's setup, merge and partial write amortised),
-# except that a plan of fewer than "short_ctas" CTAs splits further, down to "short_keys" keys a split (one
-# sequence at 1k: 8 splits of 128 keys rather than 2 of 512)
+# the split rule of decode plans (`decode_splits`): "min_keys", "fill_ctas" / "fill_eff", "short_keys" /
+# "short_ctas"
 DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
-          "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "short_keys": 128, "short_ctas": 32}
+          "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "fill_ctas": 128, "fill_eff": 0.8,
+          "short_keys": 128, "short_ctas": 32}
 DECODE_WAVES = 8  # decode plans aim at this many CTAs per SM (one resident each): short tails between waves
 
 
@@ -82,13 +82,45 @@ def rows_per_warp(head_dim: int, max_rows: int) -> int:
     return rpw
 
 
+def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: int = 0) -> int:
+    """Key splits of a decode-kernel launch whose one split has `per_split` CTAs (sequences x row tiles x KV
+    heads), over ranges of up to `keys` keys, on `sms` SMs, by DECODE's rule (`bench/attn_decode.py`
+    ATTN_MIN_KEYS: long splits over about one wave beat many short ones, e.g. one sequence at 32k 48 us in 32
+    splits against 74 in 64, four 128 us in 8 against 185 in 64):
+    - no split shorter than "min_keys" keys (a CTA's setup, merge and partial write amortised);
+    - within that, the fewest splits that bring the launch to "fill_ctas" CTAs, more while its CTAs fill less
+      than "fill_eff" of their last wave of one CTA an SM (twelve sequences: 8 splits, 384 CTAs; 0: no fill
+      rule, as many splits as "min_keys" allows);
+    - but a launch of fewer than "short_ctas" CTAs splits further, down to "short_keys" keys a split (one
+      sequence at 1k: 8 splits of 128 keys rather than 2 of 512).
+    `pow2`: a power of two (graphs are captured per count); `cap` > 0: at most that many."""
+    def floor(n: int) -> int:
+        n = max(1, n)
+        return 1 << (n.bit_length() - 1) if pow2 else n
+
+    def ceil(n: int) -> int:
+        n = max(1, n)
+        return 1 << (n - 1).bit_length() if pow2 else n
+
+    by_keys = floor(keys // DECODE["min_keys"])
+    n = by_keys
+    if DECODE["fill_ctas"] > 0:
+        n = ceil(cdiv(DECODE["fill_ctas"], per_split))
+        while n < by_keys and n * per_split / (cdiv(n * per_split, sms) * sms) < DECODE["fill_eff"]:
+            n = 2 * n if pow2 else n + 1
+        n = min(n, by_keys)
+    if per_split * n < DECODE["short_ctas"]:
+        n = max(n, min(ceil(cdiv(DECODE["short_ctas"], per_split)), floor(keys // DECODE["short_keys"])))
+    return max(1, min(n, cap) if cap > 0 else n)
+
+
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,
               splits: int | None = None, waves: int = 2, min_keys: int = MIN_KEYS_PER_SPLIT,
-              short: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+              decode: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """(work [nwork, 5], reduce [nreduce, 4], number of parts) for sequences of `lengths` new tokens on top of
-    `contexts`. `splits` forces the number of key splits per tile (tests); else about `waves` CTAs per SM, no
-    split shorter than `min_keys` keys, but with `short` = (keys, ctas) as many splits of `keys` keys or more
-    as bring the launch to `ctas` CTAs where it has fewer."""
+    `contexts`. `splits` forces the number of key splits per tile (tests); else `decode_splits` for the decode
+    kernel (`decode`: at most `waves` CTAs per SM; `min_keys` is DECODE's), or about `waves` CTAs per SM with no
+    split shorter than `min_keys` keys."""
     tiles = []
     for si, (n, ctx) in enumerate(zip(lengths, contexts)):
         rows = n * g
@@ -100,10 +132,10 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
     for si, row0, kend in tiles:
         if splits is not None:
             n = splits
+        elif decode:
+            n = decode_splits(len(tiles) * nkv, kend, sm_count(), cap=cdiv(target, len(tiles) * nkv))
         else:
             n = min(cdiv(target, len(tiles) * nkv), max(1, kend // min_keys))
-            if short is not None:
-                n = max(n, min(cdiv(short[1], len(tiles) * nkv), max(1, kend // short[0])))
         n = max(1, min(n, cdiv(kend, BLOCK_N)))
         chunk = cdiv(cdiv(kend, n), BLOCK_N) * BLOCK_N
         n = cdiv(kend, chunk)
@@ -128,8 +160,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
-                                    *((DECODE_WAVES, DECODE["min_keys"], (DECODE["short_keys"], DECODE["short_ctas"]))
-                                      if decode is not None else ()))
+                                    **({"waves": DECODE_WAVES, "decode": True} if decode is not None else {}))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):

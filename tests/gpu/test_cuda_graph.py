@@ -140,38 +140,37 @@ def test_decode_graph_runs_prefill_eagerly():
     assert np.array_equal(got, ref)
 
 
-def test_decode_attention_splits_fill_short_contexts():
-    """Key splits of decode plans (cupy_attention.DECODE): at least "min_keys" (512) keys a split, except that a
-    launch of fewer than "short_ctas" (32) CTAs splits further, down to "short_keys" (128) keys a split. 27B
-    attention shapes (24 query heads over 4 KV heads of 256: one tile of rows a sequence, 4 CTAs a split): one
-    sequence at 1k keys takes 8 splits, two take 4, twelve keep 2; the graph runner's count is a power of two
-    up to 32, the eager plan's any count."""
+def test_decode_attention_splits():
+    """Key splits of decode plans (cupy_attention.decode_splits, DECODE's rule) at 27B attention shapes (24 query
+    heads over 4 KV heads of 256: one tile of rows a sequence, 4 CTAs a split) on 132 SMs: at least 512 keys a
+    split; within that the fewest splits that make 128 CTAs, more while the last wave is under 80% full
+    (twelve sequences: 8 splits, 384 CTAs); a launch of fewer than 32 CTAs splits down to 128 keys a split (one
+    sequence at 1k: 8 splits). The graph runner's count is a power of two up to 32, the eager plan's any count;
+    both through the runner and plan_work."""
     from types import SimpleNamespace
 
     from decapybara.backend import cupy_attention as ca
+
+    graph = {(1, 1025): 8, (2, 1025): 4, (4, 1025): 2, (12, 1025): 2, (1, 700): 4, (1, 300): 2, (1, 100): 1,
+             (12, 300): 1, (1, 2049): 8, (1, 8193): 16, (4, 8193): 8, (8, 8193): 4, (12, 8193): 8,
+             (2, 16385): 16, (12, 16385): 8, (1, 32769): 32, (2, 32769): 16, (4, 32769): 8, (8, 32769): 4,
+             (12, 32769): 8, (1, 131073): 32}
+    got = {(b, keys): ca.decode_splits(4 * b, keys, 132, pow2=True, cap=32) for b, keys in graph}
+    assert got == graph, got
+    eager = {(1, 1025): 8, (1, 700): 5, (12, 8193): 5, (12, 32769): 5, (4, 32769): 8, (1, 131073): 32}
+    got = {(b, keys): ca.decode_splits(4 * b, keys, 132, cap=-(-1056 // (4 * b))) for b, keys in eager}
+    assert got == eager, got
 
     model = tiny_model(num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     kv = model.new_kv_cache(8, 16, "16/16")
     runner = DecodeGraphRunner(model, max_pages=4, pad_page=7, pad_slot=3)
     assert runner._decode_launch(kv) is not None
-
-    def splits(n, total):
-        return runner._splits(SimpleNamespace(seqs=[SimpleNamespace(total=total)] * n), kv)
-
-    cases = {(1, 1025): 8, (2, 1025): 4, (4, 1025): 2, (12, 1025): 2, (1, 700): 4, (1, 300): 2, (1, 100): 1,
-             (12, 300): 1, (1, 2049): 8, (1, 8193): 16, (12, 8193): 16, (1, 40000): 32, (12, 40000): 32}
-    got = {case: splits(*case) for case in cases}
-    assert got == cases, got
-
-    def eager(lengths, keys=None):  # splits per sequence of the eager decode plan
-        work, _, _ = ca.plan_work([1] * len(lengths), lengths, 6, 4, 8, None, ca.DECODE_WAVES,
-                                  ca.DECODE["min_keys"], keys)
-        counts = np.bincount(work[:, 0], minlength=len(lengths))
-        spans = work[:, 3] - work[:, 2]
-        return counts.tolist(), int(spans.min())
-
-    short = (ca.DECODE["short_keys"], ca.DECODE["short_ctas"])
-    assert eager([1023], short) == ([8], 128) and eager([1023]) == ([2], 512)  # 1,024 keys with the new token
-    assert eager([1023] * 2, short) == ([4, 4], 256)
-    assert eager([1023] * 12, short) == ([2] * 12, 512) == eager([1023] * 12)
-    assert eager([200], short) == ([1], 201)  # below two splits of 128 keys: one
+    sms = ca.sm_count()
+    for b, keys in ((1, 1025), (3, 1025), (12, 32769), (5, 20000)):
+        batch = SimpleNamespace(seqs=[SimpleNamespace(total=keys)] * b)
+        per_split = 4 * runner._bucket(b)
+        assert runner._splits(batch, kv) == ca.decode_splits(per_split, keys, sms, pow2=True, cap=32), (b, keys)
+        work, _, _ = ca.plan_work([1] * b, [keys - 1] * b, 6, 4, 8, waves=ca.DECODE_WAVES, decode=True)
+        splits = ca.decode_splits(4 * b, keys, sms, cap=-(-ca.DECODE_WAVES * sms // (4 * b)))
+        chunk = ca.cdiv(ca.cdiv(keys, splits), ca.BLOCK_N) * ca.BLOCK_N  # whole 32-key tiles a split
+        assert np.bincount(work[:, 0]).tolist() == [ca.cdiv(keys, chunk)] * b, (b, keys, splits)

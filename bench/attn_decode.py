@@ -3,7 +3,7 @@ launch shapes against the general kernel (kernels/attn_prefill.cu) and torch's S
 
     PYTHONUNBUFFERED=1 python3 bench/attn_decode.py   # ATTN_KV=16/16,6/4 (page modes), ATTN_SHAPES /
                                                       # ATTN_MX_SHAPES=warps x stages,... to sweep,
-                                                      # ATTN_MIN_KEYS=128,256: shorter splits too,
+                                                      # ATTN_MIN_KEYS=512,2048: plans of N+ keys a split,
                                                       # ATTN_CASES=1x1024,12x1024: batch x context
 
 24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache: its 16 attention layers,
@@ -37,7 +37,8 @@ CASES = [tuple(int(v) for v in c.split("x")) for c in  # batch x context
 MODES = os.environ.get("ATTN_KV", "16/16,8/8,6/4,4/4").split(",")
 SHAPES = {bf: [tuple(int(v) for v in s.split("x")) for s in os.environ.get(env, default).split(",")]
           for bf, env, default in ((True, "ATTN_SHAPES", "4x3,4x2"), (False, "ATTN_MX_SHAPES", "4x3,4x4,4x2,8x3"))}
-# decode plans' least keys a split (cupy_attention.DECODE["min_keys"]) timed besides the default, e.g. "128,256"
+# plans of at least this many keys a split and about 8 CTAs an SM (cupy_attention.DECODE "min_keys" with the
+# fill and short rules off: the plans before decode_splits) timed besides the default rule, e.g. "512,2048"
 MIN_KEYS = [int(v) for v in os.environ.get("ATTN_MIN_KEYS", "").split(",") if v]
 
 
@@ -55,7 +56,7 @@ def main() -> None:
         bits = (kv.key_bits, kv.value_bits)
         bf = bits == (16, 16)
         wk, sk = ("warps", "stages") if bf else ("mx_warps", "mx_stages")
-        default, min_keys = (ca.DECODE[wk], ca.DECODE[sk]), ca.DECODE["min_keys"]
+        default = (ca.DECODE[wk], ca.DECODE[sk])
         for b, ctx in CASES:
             batch = B.decode_batch(b, ctx)
             q = cp.random.standard_normal((b, nq, d), cp.float32)
@@ -77,14 +78,15 @@ def main() -> None:
                 err = max(err, float(np.abs(got - ref).max() / np.abs(ref).max()))
                 res[f"tc{i}"] = B.graph_time(layer_cycle(kv, layers, q, shaped, nkv, d))
             ca.DECODE[wk], ca.DECODE[sk] = default
-            for mk in MIN_KEYS:  # the default shape over shorter or longer splits
-                ca.DECODE["min_keys"] = mk
+            rule = {k: ca.DECODE[k] for k in ("min_keys", "fill_ctas", "short_ctas")}
+            for mk in MIN_KEYS:  # the default shape over splits of `mk` keys at least, about 8 CTAs an SM
+                ca.DECODE.update(min_keys=mk, fill_ctas=0, short_ctas=0)
                 split = plan_attention(batch, nq, nkv, d, kv_bits=bits)
                 got = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), split, nkv,
                                            B.PAGE, d ** -0.5))
                 err = max(err, float(np.abs(got - ref).max() / np.abs(ref).max()))
                 res[f"{mk} keys"] = B.graph_time(layer_cycle(kv, layers, q, split, nkv, d))
-            ca.DECODE["min_keys"] = min_keys
+            ca.DECODE.update(rule)
             ca.DECODE["chains"] = 1  # the default shape with one accumulator chain for the scores
             res["1 chain"] = B.graph_time(call)
             ca.DECODE["chains"] = 2

@@ -5,9 +5,11 @@
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         python3 bench/gdn_decode.py                # one launch for Nsight Compute
 
-GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "prev": {"source": "deltanet_prefill_prev"},
-"minb8": {"defines": {"GDN_MINB": 8}}}'), each captured afresh and timed in turn, GDN_ROUNDS times over
-(interleaved: the spread between rounds beside the effect); the table's last column is the ratio to the first.
+GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "v32": {"vcols": 32}, "minb4": {"defines":
+{"GDN_MINB": 4}}, "prev": {"source": "deltanet_prefill_prev", "vcols": 32}}', the last an older kernel file:
+`git show <commit>:kernels/deltanet_prefill.cu > kernels/deltanet_prefill_prev.cu`, ignored by git; its CTAs
+have 32 value columns), each captured afresh and timed in turn, GDN_ROUNDS times over (interleaved: the spread
+between rounds beside the effect); the table's last column is the ratio to the first.
 
 A CUDA graph of GDN_LAYERS layers (default 16: at 12 sequences 16 x 37.7 MB of state, past the L2; launched
 overlapped as in a decode graph) is timed with CUDA events, median of GDN_ITERS replays, per layer. A layer reads and writes 3.1 MB of float32 state per
@@ -112,6 +114,7 @@ def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / LAYERS)
     return float(np.median(times[min(3, len(times) - 1):]))
+
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,8 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # spread beside the effect). The weights are packed once, before: layout keys (`e2m1_split`, `tiled`) belong in
 # DECAPYBARA_MX_TUNE, one run per layout. Four more keys go elsewhere: "pairs" updates cupy_backend.PAIRS (the
 # side stream of `linear_pair`), "deltanet" cupy_deltanet.FUSED_DECODE (e.g. {"enabled": false}), "attention"
-# cupy_attention.DECODE (e.g. {"min_keys": 128}),
+# cupy_attention.DECODE (e.g. {"fill_ctas": 0, "short_ctas": 0}: decode_splits' rule before its fill and short
+# parts),
 # "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
 # ["sigmoid_gate", "deltanet_core_gated"]
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))

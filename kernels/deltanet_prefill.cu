@@ -280,19 +280,24 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 // channels (the DV / DVC CTAs of a value head and the HV / HK value heads of a key head repeat this small
 // work; thread tid takes channels tid, tid + DEC_NT, ...), their L2 norms (one warp for q, one for k:
 // gdn_qk_norm's lane-strided sum and butterfly), its value columns and its head's gates, then the recurrent
-// step. Everything no kernel of this step writes goes out before the wait (pdl.cuh): the recurrent state, and
-// each conv channel's terms over the conv state (gdn_decode_finish or conv1d_state_update writes it, after
-// this kernel) summed in the reference's order, so that only the new input's term is added after the wait. The
-// conv state is only read here. x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); the rest as
+// step. Everything no kernel of this step writes goes out before the wait (pdl.cuh): the recurrent state, the
+// conv weights, A and dt (the model's own arrays: cupy_deltanet launches plainly otherwise), and each conv
+// channel's terms over the conv state (gdn_decode_finish or conv1d_state_update writes it, after this kernel)
+// summed in the reference's order, so that only the new input's term is added after the wait. The conv state
+// is only read here. x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); the rest as
 // gdn_recurrent.
 #ifndef DEC_VCOLS
-#define DEC_VCOLS 64  // cupy_deltanet.FUSED_DECODE["vcols"]
+#define DEC_VCOLS 64  // cupy_deltanet.FUSED_DECODE["vcols"] (always passed)
 #endif
 constexpr int DVC = DV < DEC_VCOLS ? DV : DEC_VCOLS;
 constexpr int DEC_NT = DVC * KSPLIT;
 static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multiple of DEC_VCOLS (or below it)");
-#ifndef GDN_MINB  // resident CTAs per SM the decode kernel is built for (__launch_bounds__): a float32 state,
-#define GDN_MINB (sizeof(ACC) == 4 ? 65536 / (DEC_NT * 72) : 1)  // 72 registers a thread at 128 (80 at 256)
+// resident CTAs per SM the decode kernel is built for (__launch_bounds__): with a float32 state, room for ROWS
+// state registers and 40 others a thread (dk = 128: 72 registers at 128 threads, 80 used at 256), 1 to 8
+constexpr int DEC_MINB_F32 = 65536 / (DEC_NT * (ROWS + 40)) < 1 ? 1 : 65536 / (DEC_NT * (ROWS + 40)) > 8 ? 8
+                           : 65536 / (DEC_NT * (ROWS + 40));
+#ifndef GDN_MINB
+#define GDN_MINB (sizeof(ACC) == 4 ? DEC_MINB_F32 : 1)
 #endif
 constexpr int QK_J = (DK + 31) / 32;  // q (or k) channels per lane of the norm warps
 

@@ -36,7 +36,13 @@ import numpy as np
 
 from decapybara.backend import pdl
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
-from decapybara.backend.cupy_attention import MIN_KEYS_PER_SPLIT, decode_launch, decode_splits, rows_per_warp
+from decapybara.backend.cupy_attention import (
+    MIN_KEYS_PER_SPLIT,
+    decode_launch,
+    decode_per_sm,
+    decode_splits,
+    rows_per_warp,
+)
 from decapybara.backend.cupy_ops import sm_count
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
@@ -172,12 +178,14 @@ class DecodeGraphRunner:
         cupy_attention.decode_splits for the bucket's launch (a power of two up to 32), the general kernel's
         enough for short contexts too (64+ keys)."""
         longest = max(s.total for s in batch.seqs)
-        if self._decode_launch(kv) is not None:
+        shape = self._decode_launch(kv)
+        if shape is not None:
             cfg = self.model.cfg
             g = cfg.num_attention_heads // cfg.num_key_value_heads
             per_split = self._bucket(len(batch.seqs)) * -(-g // (4 * rows_per_warp(cfg.head_dim, g))) \
                 * cfg.num_key_value_heads  # CTAs of one split
-            return decode_splits(per_split, longest, sm_count(), pow2=True, cap=32)
+            return decode_splits(per_split, longest, sm_count(), pow2=True, cap=32,
+                                 per_sm=decode_per_sm(cfg.head_dim, _kv_bits(kv), shape))
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
     def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:

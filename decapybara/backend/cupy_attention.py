@@ -42,7 +42,7 @@ DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column til
 DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
           "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "fill_ctas": 128, "fill_eff": 0.8,
           "short_keys": 128, "short_ctas": 32}
-DECODE_WAVES = 8  # decode plans aim at this many CTAs per SM (one resident each): short tails between waves
+DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -82,15 +82,17 @@ def rows_per_warp(head_dim: int, max_rows: int) -> int:
     return rpw
 
 
-def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: int = 0) -> int:
+def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: int = 0, per_sm: int = 1) -> int:
     """Key splits of a decode-kernel launch whose one split has `per_split` CTAs (sequences x row tiles x KV
-    heads), over ranges of up to `keys` keys, on `sms` SMs, by DECODE's rule (`bench/attn_decode.py`
-    ATTN_MIN_KEYS: long splits over about one wave beat many short ones, e.g. one sequence at 32k 48 us in 32
-    splits against 74 in 64, four 128 us in 8 against 185 in 64):
+    heads), over ranges of up to `keys` keys, on `sms` SMs holding `per_sm` of its CTAs each (`decode_per_sm`),
+    by DECODE's rule (`bench/attn_decode.py` ATTN_MIN_KEYS, bf16 pages, one CTA an SM: long splits over about
+    one wave beat many short ones, e.g. one sequence at 32k 48 us in 32 splits against 74 in 64, four 131 us in
+    8 against 185 in 64; 6/4-bit pages, three CTAs an SM, want three times the CTAs):
     - no split shorter than "min_keys" keys (a CTA's setup, merge and partial write amortised);
-    - within that, the fewest splits that bring the launch to "fill_ctas" CTAs, more while its CTAs fill less
-      than "fill_eff" of their last wave of one CTA an SM (twelve sequences: 8 splits, 384 CTAs; 0: no fill
-      rule, as many splits as "min_keys" allows);
+    - within that, the fewest splits that bring the launch to "fill_ctas" x `per_sm` CTAs, more while its CTAs
+      fill less than "fill_eff" of the slots of their waves (CTAs / (waves x SMs x `per_sm`); twelve sequences
+      at 27B shapes over bf16 pages: 8 splits and 384 CTAs in graphs, 5 and 240 in eager plans; "fill_ctas" 0:
+      no fill rule, as many splits as "min_keys" allows);
     - but a launch of fewer than "short_ctas" CTAs splits further, down to "short_keys" keys a split (one
       sequence at 1k: 8 splits of 128 keys rather than 2 of 512).
     `pow2`: a power of two (graphs are captured per count); `cap` > 0: at most that many."""
@@ -102,11 +104,11 @@ def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: 
         n = max(1, n)
         return 1 << (n - 1).bit_length() if pow2 else n
 
-    by_keys = floor(keys // DECODE["min_keys"])
+    by_keys, slots = floor(keys // DECODE["min_keys"]), sms * max(1, per_sm)
     n = by_keys
     if DECODE["fill_ctas"] > 0:
-        n = ceil(cdiv(DECODE["fill_ctas"], per_split))
-        while n < by_keys and n * per_split / (cdiv(n * per_split, sms) * sms) < DECODE["fill_eff"]:
+        n = ceil(cdiv(DECODE["fill_ctas"] * max(1, per_sm), per_split))
+        while n < by_keys and n * per_split / (cdiv(n * per_split, slots) * slots) < DECODE["fill_eff"]:
             n = 2 * n if pow2 else n + 1
         n = min(n, by_keys)
     if per_split * n < DECODE["short_ctas"]:
@@ -116,11 +118,11 @@ def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: 
 
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,
               splits: int | None = None, waves: int = 2, min_keys: int = MIN_KEYS_PER_SPLIT,
-              decode: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+              decode_per_sm: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """(work [nwork, 5], reduce [nreduce, 4], number of parts) for sequences of `lengths` new tokens on top of
     `contexts`. `splits` forces the number of key splits per tile (tests); else `decode_splits` for the decode
-    kernel (`decode`: at most `waves` CTAs per SM; `min_keys` is DECODE's), or about `waves` CTAs per SM with no
-    split shorter than `min_keys` keys."""
+    kernel (`decode_per_sm` > 0: its CTAs an SM; at most `waves` CTAs per SM; `min_keys` is DECODE's), or about
+    `waves` CTAs per SM with no split shorter than `min_keys` keys."""
     tiles = []
     for si, (n, ctx) in enumerate(zip(lengths, contexts)):
         rows = n * g
@@ -132,8 +134,9 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
     for si, row0, kend in tiles:
         if splits is not None:
             n = splits
-        elif decode:
-            n = decode_splits(len(tiles) * nkv, kend, sm_count(), cap=cdiv(target, len(tiles) * nkv))
+        elif decode_per_sm > 0:
+            n = decode_splits(len(tiles) * nkv, kend, sm_count(), cap=cdiv(target, len(tiles) * nkv),
+                              per_sm=decode_per_sm)
         else:
             n = min(cdiv(target, len(tiles) * nkv), max(1, kend // min_keys))
         n = max(1, min(n, cdiv(kend, BLOCK_N)))
@@ -160,7 +163,8 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
-                                    **({"waves": DECODE_WAVES, "decode": True} if decode is not None else {}))
+                                    **({"waves": DECODE_WAVES, "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
+                                       if decode is not None else {}))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
@@ -265,6 +269,20 @@ def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tup
     while not fits(warps, stages) and warps > 1:
         warps //= 2
     return (warps, stages) if fits(warps, stages) else None
+
+
+def decode_per_sm(head_dim: int, kv_bits: tuple[int, int], shape: tuple[int, int]) -> int:
+    """CTAs of a decode-kernel launch of `shape` (warps, stages) that one SM holds by its shared memory: 1 for
+    bf16 pages of head_dim 256 at 4 x 3 (192 KB), 3 for 6/4-bit ones (63 KB)."""
+    return max(1, _smem_per_sm_of(cp.cuda.Device().id) // (decode_smem(head_dim, *kv_bits, *shape) + 1024))
+
+
+@functools.cache
+def _smem_per_sm_of(device: int) -> int:
+    try:
+        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"])
+    except (RuntimeError, KeyError, AttributeError, ValueError):
+        return 0
 
 
 def _smem_optin() -> int:

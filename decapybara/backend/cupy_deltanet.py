@@ -122,11 +122,15 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
     src, dn_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
     if decode:  # conv, norms, gates and the step in one launch
-        dvcols = min(FUSED_DECODE["vcols"], dv)
+        dvcols = min(FUSED_DECODE["vcols"], dv)  # the kernel's DVC
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
-        if FUSED_DECODE["vcols"] != 64:  # the kernel's default
-            dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]),)
-        pdl.launch(get_kernel(src, "gdn_decode", dn_defines),
+        assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
+        dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]),)
+        # gdn_decode reads the conv weight, A and dt before its wait (overlapped launch): only where they are the
+        # model's own float32 arrays, not copies this step makes
+        persistent = all(isinstance(p, cp.ndarray) and p.dtype == cp.float32 and p.flags.c_contiguous
+                         for p in (params.conv_weight, params.neg_A, params.dt_bias))
+        (pdl.launch if persistent else pdl.plain)(get_kernel(src, "gdn_decode", dn_defines),
                    (plan.num_runs, hv, dv // dvcols), (4 * dvcols,),
                    (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk),
                     I32(hv), I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))

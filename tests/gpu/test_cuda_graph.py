@@ -143,10 +143,10 @@ def test_decode_graph_runs_prefill_eagerly():
 def test_decode_attention_splits():
     """Key splits of decode plans (cupy_attention.decode_splits, DECODE's rule) at 27B attention shapes (24 query
     heads over 4 KV heads of 256: one tile of rows a sequence, 4 CTAs a split) on 132 SMs: at least 512 keys a
-    split; within that the fewest splits that make 128 CTAs, more while the last wave is under 80% full
-    (twelve sequences: 8 splits, 384 CTAs); a launch of fewer than 32 CTAs splits down to 128 keys a split (one
-    sequence at 1k: 8 splits). The graph runner's count is a power of two up to 32, the eager plan's any count;
-    both through the runner and plan_work."""
+    split; within that the fewest splits that make 128 CTAs (x the CTAs an SM holds), more while the CTAs fill
+    under 80% of their waves' slots (twelve sequences: 8 splits, 384 CTAs in graphs); a launch of fewer than 32
+    CTAs splits down to 128 keys a split (one sequence at 1k: 8 splits). The graph runner's count is a power of
+    two up to 32, the eager plan's any count; both through the runner and plan_work."""
     from types import SimpleNamespace
 
     from decapybara.backend import cupy_attention as ca
@@ -160,6 +160,14 @@ def test_decode_attention_splits():
     eager = {(1, 1025): 8, (1, 700): 5, (12, 8193): 5, (12, 32769): 5, (4, 32769): 8, (1, 131073): 32}
     got = {(b, keys): ca.decode_splits(4 * b, keys, 132, cap=-(-1056 // (4 * b))) for b, keys in eager}
     assert got == eager, got
+    # three CTAs an SM (6/4-bit pages): three times the CTAs, so one or two sequences keep many splits
+    three = {(1, 32769, True): 32, (2, 16385, True): 32, (12, 32769, True): 8, (1, 32769, False): 64,
+             (2, 16385, False): 32, (1, 1025, False): 8}
+    got = {(b, keys, p2): ca.decode_splits(4 * b, keys, 132, pow2=p2, cap=32 if p2 else -(-1056 // (4 * b)),
+                                           per_sm=3) for b, keys, p2 in three}
+    assert got == three, got
+    if ca._smem_per_sm_of(cp.cuda.Device().id) == 228 * 1024:  # H100 / H200
+        assert ca.decode_per_sm(256, (16, 16), (4, 3)) == 1 and ca.decode_per_sm(256, (6, 4), (4, 3)) == 3
 
     model = tiny_model(num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     kv = model.new_kv_cache(8, 16, "16/16")
@@ -169,8 +177,10 @@ def test_decode_attention_splits():
     for b, keys in ((1, 1025), (3, 1025), (12, 32769), (5, 20000)):
         batch = SimpleNamespace(seqs=[SimpleNamespace(total=keys)] * b)
         per_split = 4 * runner._bucket(b)
-        assert runner._splits(batch, kv) == ca.decode_splits(per_split, keys, sms, pow2=True, cap=32), (b, keys)
-        work, _, _ = ca.plan_work([1] * b, [keys - 1] * b, 6, 4, 8, waves=ca.DECODE_WAVES, decode=True)
-        splits = ca.decode_splits(4 * b, keys, sms, cap=-(-ca.DECODE_WAVES * sms // (4 * b)))
+        per_sm = ca.decode_per_sm(256, (16, 16), runner._decode_launch(kv))
+        assert runner._splits(batch, kv) == ca.decode_splits(per_split, keys, sms, pow2=True, cap=32,
+                                                             per_sm=per_sm), (b, keys)
+        work, _, _ = ca.plan_work([1] * b, [keys - 1] * b, 6, 4, 8, waves=ca.DECODE_WAVES, decode_per_sm=per_sm)
+        splits = ca.decode_splits(4 * b, keys, sms, cap=-(-ca.DECODE_WAVES * sms // (4 * b)), per_sm=per_sm)
         chunk = ca.cdiv(ca.cdiv(keys, splits), ca.BLOCK_N) * ca.BLOCK_N  # whole 32-key tiles a split
         assert np.bincount(work[:, 0]).tolist() == [ca.cdiv(keys, chunk)] * b, (b, keys, splits)

@@ -440,7 +440,7 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols):
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
     of 8 make one warp a CTA (it computes both norms); `vcols` value columns a CTA: 64 (the default: eight warps
-    where dv allows), 32 and 16 (two warps)."""
+    where dv allows), 32 (four) and 16 (two); for dv <= 32 some of them build the same kernel."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -478,6 +478,45 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols):
         for key, layers in got[True][3].items():
             for j in (0, 1):
                 assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
+
+
+def test_deltanet_decode_overlaps_only_over_model_parameters(monkeypatch):
+    """gdn_decode reads the conv weight, A and dt before its wait, so it launches overlapped (`pdl.launch`) only
+    where they are float32 device arrays the step does not make: parameters given as host arrays or in another
+    dtype are copied for the call, and then the launch is plain. Both give the same bits."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend import pdl
+    from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
+
+    rng = np.random.default_rng(5)
+    cfg = dn_config(2, 4, 16, 16)
+    cub = CupyBackend("bf16")
+    params = dn_params(cub, cfg, np.random.default_rng(1))
+    copied = DeltaNetParams(cp.asnumpy(params.conv_weight), params.neg_A.astype(cp.float64), params.dt_bias)
+    c, hv = cfg.linear_conv_dim, cfg.linear_num_value_heads
+    x, ab = cp.asarray(rand(rng, 3, c)), cp.asarray(rand(rng, 3, 2 * hv))
+    segs = [DeltaNetSegment(i, 1, i, None) for i in range(3)]
+    init = rand(rng, *cub.new_state_pool(cfg, 3).rec[0].shape, scale=0.1)
+    calls, outs, names = [], [], {}
+    get = cd.get_kernel
+
+    def named(module, func, defines=()):
+        kernel = get(module, func, defines)
+        names[id(kernel)] = func
+        return kernel
+    monkeypatch.setattr(cd, "get_kernel", named)
+    for name in ("launch", "plain"):
+        real = getattr(pdl, name)
+        monkeypatch.setattr(pdl, name, lambda k, *a, _r=real, _n=name, **kw: calls.append((_n, k)) or _r(k, *a, **kw))
+    for p in (params, copied):
+        pool = cub.new_state_pool(cfg, 3)
+        pool.rec[0][...] = cp.asarray(init)
+        calls.clear()
+        outs.append(cp.asnumpy(cub.deltanet_core(pool, 0, x, ab[:, :hv], ab[:, hv:], p, segs, cfg, {})))
+        decode = [n for n, k in calls if names.get(id(k)) == "gdn_decode"]  # launch may call plain
+        assert decode[:1] == (["launch"] if p is params else ["plain"]) and len(decode) <= 2, calls
+        assert p is params or "launch" not in decode, calls
+    assert_bytes_equal(outs[0], outs[1], "plain against overlapped launch")
 
 
 @pytest.mark.parametrize("views", [True, False])

@@ -81,3 +81,15 @@ def test_skinny_gemm_gpu_tests_pass_on_the_emulator():
                           "gpu", "tests/gpu/test_kernels_extra.py", "-k", "mx_linear_k_tail"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator():
+    """The tensor-core decode attention over 6/6-bit pages (codes unpacked with funnel shifts, MMAs, the split-K
+    reduce) against numpy: one case of its GPU test, through the emulator plugin in a separate process."""
+    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
+                          "gpu", "tests/gpu/test_kernels_core.py", "-k",
+                          "test_decode_attention_microscaled_pages and 6/6-heads1-shape1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

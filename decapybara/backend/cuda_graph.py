@@ -35,20 +35,13 @@ import cupyx
 import numpy as np
 
 from decapybara.backend import pdl
+from decapybara.backend.attn_plan import BLOCK_N, MIN_KEYS_PER_SPLIT, decode_splits, rows_per_warp
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
-from decapybara.backend.cupy_attention import (
-    MIN_KEYS_PER_SPLIT,
-    decode_launch,
-    decode_per_sm,
-    decode_splits,
-    rows_per_warp,
-)
+from decapybara.backend.cupy_attention import decode_launch, decode_per_sm
 from decapybara.backend.cupy_ops import sm_count
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
 from decapybara.model.qwen import ForwardOutput, QwenModel
-
-BLOCK_N = 32  # keys per attention tile (kernels/attn_prefill.cu)
 
 
 class GraphUnsupported(RuntimeError):

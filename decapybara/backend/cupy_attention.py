@@ -1,10 +1,10 @@
-"""Paged causal attention on the device (kernels/attn_prefill.cu): work planning and launches.
+"""Paged causal attention on the device (kernels/attn_prefill.cu): device metadata and launches.
 
 `plan_attention(batch, ...)` turns a `ForwardBatch` into device metadata once per forward: per-sequence
-(start, length, context), padded block tables, and work items. A work item is a tile of BLOCK_M query rows
-(row = token * g + head in group, g = nq / nkv) of one sequence over a key range; long key ranges are split
-(split-K, "flash decoding") so that 1..12 decoding sequences still fill the GPU, and `attention_reduce` merges
-the parts. `attention(...)` launches both kernels for one layer.
+(start, length, context), padded block tables, and work items (decapybara/backend/attn_plan.py: a tile of
+BLOCK_M query rows of one sequence over a key range; long key ranges are split, split-K or "flash decoding", so
+that 1..12 decoding sequences still fill the GPU, and `attention_reduce` merges the parts), planned with this
+device's SM count. `attention(...)` launches both kernels for one layer.
 
 A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
 instead when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and values
@@ -16,7 +16,6 @@ it off; bench/attn_decode.py times both).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,29 +23,16 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import pdl
+from decapybara.backend.attn_plan import BLOCK_N, DECODE, DECODE_WAVES, plan_work, rows_per_warp
 from decapybara.backend.cupy_ops import F32, I32, check, empty, empty_like, f32, sm_count
 from decapybara.model.batch import ForwardBatch
 from kernels import get_kernel
 
-BLOCK_N = 32  # keys per tile (one per lane)
 NTHREADS = 128
-MIN_KEYS_PER_SPLIT = 64  # short decode contexts still spread over many CTAs
 DECODE_HEAD_DIMS = (64, 128, 256)  # bf16 pages
 DECODE_MX_HEAD_DIMS = (128, 256)  # microscaled pages (a lane's value dims lie in one 32-element scale block)
 DECODE_MX_BITS = (8, 6, 4)
 DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column tiles hold
-# decode kernel: on / off; warps per CTA and 16-key tiles in flight per warp (lowered to fit the shared
-# memory) for bf16 pages, and (mx_warps, mx_stages) for microscaled ones; accumulator chains of the scores
-# the split rule of decode plans (`decode_splits`): "min_keys", "fill_ctas" / "fill_eff", "short_keys" /
-# "short_ctas"
-DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
-          "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "fill_ctas": 128, "fill_eff": 0.8,
-          "short_keys": 128, "short_ctas": 32}
-DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -72,86 +58,6 @@ class AttentionPlan:
         return 4 * self.rows_per_warp
 
 
-def rows_per_warp(head_dim: int, max_rows: int) -> int:
-    """Smallest of 1, 2, 4, 8 rows per warp covering `max_rows` rows in one CTA, capped so that a lane holds
-    at most 32 accumulators (rows x head_dim / 32)."""
-    cap = max(1, min(8, 32 // -(-head_dim // 32)))
-    rpw = 1
-    while rpw < cap and 4 * rpw < max_rows:
-        rpw *= 2
-    return rpw
-
-
-def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: int = 0, per_sm: int = 1) -> int:
-    """Key splits of a decode-kernel launch whose one split has `per_split` CTAs (sequences x row tiles x KV
-    heads), over ranges of up to `keys` keys, on `sms` SMs holding `per_sm` of its CTAs each (`decode_per_sm`),
-    by DECODE's rule (`bench/attn_decode.py` ATTN_MIN_KEYS, bf16 pages, one CTA an SM: long splits over about
-    one wave beat many short ones, e.g. one sequence at 32k 48 us in 32 splits against 74 in 64, four 131 us in
-    8 against 185 in 64; 6/4-bit pages, three CTAs an SM, want three times the CTAs):
-    - no split shorter than "min_keys" keys (a CTA's setup, merge and partial write amortised);
-    - within that, the fewest splits that bring the launch to "fill_ctas" x `per_sm` CTAs, more while its CTAs
-      fill less than "fill_eff" of the slots of their waves (CTAs / (waves x SMs x `per_sm`); twelve sequences
-      at 27B shapes over bf16 pages: 8 splits and 384 CTAs in graphs, 5 and 240 in eager plans; "fill_ctas" 0:
-      no fill rule, as many splits as "min_keys" allows);
-    - but a launch of fewer than "short_ctas" CTAs splits further, down to "short_keys" keys a split (one
-      sequence at 1k: 8 splits of 128 keys rather than 2 of 512).
-    `pow2`: a power of two (graphs are captured per count); `cap` > 0: at most that many."""
-    def floor(n: int) -> int:
-        n = max(1, n)
-        return 1 << (n.bit_length() - 1) if pow2 else n
-
-    def ceil(n: int) -> int:
-        n = max(1, n)
-        return 1 << (n - 1).bit_length() if pow2 else n
-
-    by_keys, slots = floor(keys // DECODE["min_keys"]), sms * max(1, per_sm)
-    n = by_keys
-    if DECODE["fill_ctas"] > 0:
-        n = ceil(cdiv(DECODE["fill_ctas"] * max(1, per_sm), per_split))
-        while n < by_keys and n * per_split / (cdiv(n * per_split, slots) * slots) < DECODE["fill_eff"]:
-            n = 2 * n if pow2 else n + 1
-        n = min(n, by_keys)
-    if per_split * n < DECODE["short_ctas"]:
-        n = max(n, min(ceil(cdiv(DECODE["short_ctas"], per_split)), floor(keys // DECODE["short_keys"])))
-    return max(1, min(n, cap) if cap > 0 else n)
-
-
-def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,
-              splits: int | None = None, waves: int = 2, min_keys: int = MIN_KEYS_PER_SPLIT,
-              decode_per_sm: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
-    """(work [nwork, 5], reduce [nreduce, 4], number of parts) for sequences of `lengths` new tokens on top of
-    `contexts`. `splits` forces the number of key splits per tile (tests); else `decode_splits` for the decode
-    kernel (`decode_per_sm` > 0: its CTAs an SM; at most `waves` CTAs per SM; `min_keys` is DECODE's), or about
-    `waves` CTAs per SM with no split shorter than `min_keys` keys."""
-    tiles = []
-    for si, (n, ctx) in enumerate(zip(lengths, contexts)):
-        rows = n * g
-        for row0 in range(0, rows, block_m):
-            last_token = (min(rows, row0 + block_m) - 1) // g
-            tiles.append((si, row0, ctx + last_token + 1))
-    target = waves * sm_count()
-    work, reduce, parts = [], [], 0
-    for si, row0, kend in tiles:
-        if splits is not None:
-            n = splits
-        elif decode_per_sm > 0:
-            n = decode_splits(len(tiles) * nkv, kend, sm_count(), cap=cdiv(target, len(tiles) * nkv),
-                              per_sm=decode_per_sm)
-        else:
-            n = min(cdiv(target, len(tiles) * nkv), max(1, kend // min_keys))
-        n = max(1, min(n, cdiv(kend, BLOCK_N)))
-        chunk = cdiv(cdiv(kend, n), BLOCK_N) * BLOCK_N
-        n = cdiv(kend, chunk)
-        if n == 1:
-            work.append((si, row0, 0, kend, -1))
-            continue
-        reduce.append((si, row0, parts, n))
-        for b in range(0, kend, chunk):
-            work.append((si, row0, b, min(b + chunk, kend), parts))
-            parts += 1
-    return (np.asarray(work, np.int32).reshape(-1, 5), np.asarray(reduce, np.int32).reshape(-1, 4), parts)
-
-
 def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits: int | None = None,
                    kv_bits: tuple[int, int] | None = None) -> AttentionPlan:
     """The attention plan of one forward; a pure decode batch that the decode kernel takes (`decode_launch`:
@@ -163,8 +69,9 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
-                                    **({"waves": DECODE_WAVES, "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
-                                       if decode is not None else {}))
+                                    sms=sm_count(), **({"waves": DECODE_WAVES,
+                                                        "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
+                                                       if decode is not None else {}))
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):

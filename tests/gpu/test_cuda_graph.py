@@ -140,47 +140,32 @@ def test_decode_graph_runs_prefill_eagerly():
     assert np.array_equal(got, ref)
 
 
-def test_decode_attention_splits():
-    """Key splits of decode plans (cupy_attention.decode_splits, DECODE's rule) at 27B attention shapes (24 query
-    heads over 4 KV heads of 256: one tile of rows a sequence, 4 CTAs a split) on 132 SMs: at least 512 keys a
-    split; within that the fewest splits that make 128 CTAs (x the CTAs an SM holds), more while the CTAs fill
-    under 80% of their waves' slots (twelve sequences: 8 splits, 384 CTAs in graphs); a launch of fewer than 32
-    CTAs splits down to 128 keys a split (one sequence at 1k: 8 splits). The graph runner's count is a power of
-    two up to 32, the eager plan's any count; both through the runner and plan_work."""
+def test_decode_attention_splits_on_this_device():
+    """The graph runner and the eager decode plans split keys by attn_plan.decode_splits with this device's SM
+    count and the CTAs an SM holds (`decode_per_sm`: by shared memory, 1 for bf16 pages of head_dim 256 at 4
+    warps x 3 stages, 3 for 6/4-bit pages on an H100 / H200), at 27B attention shapes (24 query heads over 4 KV
+    heads of 256: one tile of rows a sequence, 4 CTAs a split). The rule's own counts: tests/test_attn_plan.py."""
     from types import SimpleNamespace
 
+    from decapybara.backend import attn_plan as ap
     from decapybara.backend import cupy_attention as ca
 
-    graph = {(1, 1025): 8, (2, 1025): 4, (4, 1025): 2, (12, 1025): 2, (1, 700): 4, (1, 300): 2, (1, 100): 1,
-             (12, 300): 1, (1, 2049): 8, (1, 8193): 16, (4, 8193): 8, (8, 8193): 4, (12, 8193): 8,
-             (2, 16385): 16, (12, 16385): 8, (1, 32769): 32, (2, 32769): 16, (4, 32769): 8, (8, 32769): 4,
-             (12, 32769): 8, (1, 131073): 32}
-    got = {(b, keys): ca.decode_splits(4 * b, keys, 132, pow2=True, cap=32) for b, keys in graph}
-    assert got == graph, got
-    eager = {(1, 1025): 8, (1, 700): 5, (12, 8193): 5, (12, 32769): 5, (4, 32769): 8, (1, 131073): 32}
-    got = {(b, keys): ca.decode_splits(4 * b, keys, 132, cap=-(-1056 // (4 * b))) for b, keys in eager}
-    assert got == eager, got
-    # three CTAs an SM (6/4-bit pages): three times the CTAs, so one or two sequences keep many splits
-    three = {(1, 32769, True): 32, (2, 16385, True): 32, (12, 32769, True): 8, (1, 32769, False): 64,
-             (2, 16385, False): 32, (1, 1025, False): 8}
-    got = {(b, keys, p2): ca.decode_splits(4 * b, keys, 132, pow2=p2, cap=32 if p2 else -(-1056 // (4 * b)),
-                                           per_sm=3) for b, keys, p2 in three}
-    assert got == three, got
     if ca._smem_per_sm_of(cp.cuda.Device().id) == 228 * 1024:  # H100 / H200
         assert ca.decode_per_sm(256, (16, 16), (4, 3)) == 1 and ca.decode_per_sm(256, (6, 4), (4, 3)) == 3
-
     model = tiny_model(num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     kv = model.new_kv_cache(8, 16, "16/16")
     runner = DecodeGraphRunner(model, max_pages=4, pad_page=7, pad_slot=3)
-    assert runner._decode_launch(kv) is not None
-    sms = ca.sm_count()
+    shape = runner._decode_launch(kv)
+    assert shape is not None
+    sms, per_sm = ca.sm_count(), ca.decode_per_sm(256, (16, 16), shape)
     for b, keys in ((1, 1025), (3, 1025), (12, 32769), (5, 20000)):
         batch = SimpleNamespace(seqs=[SimpleNamespace(total=keys)] * b)
-        per_split = 4 * runner._bucket(b)
-        per_sm = ca.decode_per_sm(256, (16, 16), runner._decode_launch(kv))
-        assert runner._splits(batch, kv) == ca.decode_splits(per_split, keys, sms, pow2=True, cap=32,
+        assert runner._splits(batch, kv) == ap.decode_splits(4 * runner._bucket(b), keys, sms, pow2=True, cap=32,
                                                              per_sm=per_sm), (b, keys)
-        work, _, _ = ca.plan_work([1] * b, [keys - 1] * b, 6, 4, 8, waves=ca.DECODE_WAVES, decode_per_sm=per_sm)
-        splits = ca.decode_splits(4 * b, keys, sms, cap=-(-ca.DECODE_WAVES * sms // (4 * b)), per_sm=per_sm)
-        chunk = ca.cdiv(ca.cdiv(keys, splits), ca.BLOCK_N) * ca.BLOCK_N  # whole 32-key tiles a split
-        assert np.bincount(work[:, 0]).tolist() == [ca.cdiv(keys, chunk)] * b, (b, keys, splits)
+        table = np.zeros(ap.cdiv(keys, 16), np.int32)  # pages of 16 keys
+        plan = ca.plan_attention(ForwardBatch.build([([0], keys - 1, table, None)] * b, 16), 24, 4, 256,
+                                 kv_bits=(16, 16))
+        splits = ap.decode_splits(4 * b, keys, sms, cap=ap.cdiv(ap.DECODE_WAVES * sms, 4 * b), per_sm=per_sm)
+        chunk = ap.cdiv(ap.cdiv(keys, splits), ap.BLOCK_N) * ap.BLOCK_N  # whole 32-key tiles a split
+        work = cp.asnumpy(plan.work)
+        assert plan.decode == shape and np.bincount(work[:, 0]).tolist() == [ap.cdiv(keys, chunk)] * b, (b, keys)

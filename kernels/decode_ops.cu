@@ -38,7 +38,6 @@ __device__ __forceinline__ void load_row(const float* __restrict__ x, const floa
   }
 }
 
-
 #define RW_CACHE 8  // elements per lane a warp-per-row kernel keeps in registers (rows up to 256 in one pass)
 extern "C" __global__ void rms_norm_warp(const float* __restrict__ x, const float* __restrict__ res,
                                          const float* __restrict__ w, void* __restrict__ out,

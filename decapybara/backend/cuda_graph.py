@@ -167,19 +167,24 @@ class DecodeGraphRunner:
         return min(b for b in self.buckets if b >= n)
 
     def _splits(self, batch: ForwardBatch, kv: KVCache) -> int:
-        """Key splits per tile (a graph per value): the tensor-core decode kernel's by
-        cupy_attention.decode_splits for the bucket's launch (a power of two up to 32), the general kernel's
-        enough for short contexts too (64+ keys)."""
+        """Key splits per tile (a graph per value): the tensor-core decode kernel's by attn_plan.decode_splits
+        for the bucket's launch (a power of two up to 32), the general kernel's enough for short contexts too
+        (64+ keys)."""
         longest = max(s.total for s in batch.seqs)
         shape = self._decode_launch(kv)
         if shape is not None:
             cfg = self.model.cfg
-            g = cfg.num_attention_heads // cfg.num_key_value_heads
-            per_split = self._bucket(len(batch.seqs)) * -(-g // (4 * rows_per_warp(cfg.head_dim, g))) \
-                * cfg.num_key_value_heads  # CTAs of one split
+            per_split = self._bucket(len(batch.seqs)) * self._row_tiles()[1] * cfg.num_key_value_heads  # CTAs
             return decode_splits(per_split, longest, sm_count(), pow2=True, cap=32,
                                  per_sm=decode_per_sm(cfg.head_dim, _kv_bits(kv), shape))
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
+
+    def _row_tiles(self) -> tuple[int, int]:
+        """(rows per warp, row tiles a sequence) of a decode step's attention: its g query heads per KV head."""
+        cfg = self.model.cfg
+        g = cfg.num_attention_heads // cfg.num_key_value_heads
+        rpw = rows_per_warp(cfg.head_dim, g)
+        return rpw, -(-g // (4 * rpw))
 
     def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:
         """The tensor-core decode kernel's launch shape on `kv` (cupy_attention.decode_launch); None: the
@@ -219,10 +224,7 @@ class DecodeGraphRunner:
         from decapybara.backend.cupy_attention import AttentionPlan
         from decapybara.backend.cupy_deltanet import RunPlan
 
-        cfg = self.model.cfg
-        g = cfg.num_attention_heads // cfg.num_key_value_heads
-        rpw = rows_per_warp(cfg.head_dim, g)
-        tiles = -(-g // (4 * rpw))
+        rpw, tiles = self._row_tiles()
         nwork = bucket * tiles * splits
         shapes = {"seq_info": (bucket, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
                   "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (bucket, 5), "segs": (bucket, 2)}

@@ -130,10 +130,10 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         # model's own float32 arrays, not copies this step makes
         persistent = all(isinstance(p, cp.ndarray) and p.dtype == cp.float32 and p.flags.c_contiguous
                          for p in (params.conv_weight, params.neg_A, params.dt_bias))
-        (pdl.launch if persistent else pdl.plain)(get_kernel(src, "gdn_decode", dn_defines),
-                   (plan.num_runs, hv, dv // dvcols), (4 * dvcols,),
-                   (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk),
-                    I32(hv), I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
+        launch = pdl.launch if persistent else pdl.plain
+        launch(get_kernel(src, "gdn_decode", dn_defines), (plan.num_runs, hv, dv // dvcols), (4 * dvcols,),
+               (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),
+                I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
     else:
         y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
         get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(

@@ -3,8 +3,9 @@ kernel before it in the stream is still running, once every block of that one ha
 (kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before it reads anything written since the last
 kernel that completes only after waiting itself (in practice: anything a kernel of this step writes) and
 before it writes anything; what it does before (the skinny GEMM: its first loads of a persistent weight;
-gdn_decode: its recurrent state, its conv state's terms of the conv and the A / dt parameters) overlaps the earlier kernels' tails and the launch itself. Stream capture
-records the overlap as a programmatic graph edge, so CUDA-graph decode steps keep it.
+gdn_decode: its recurrent state, the conv weights, A and dt, and the conv terms over its conv state) overlaps
+the earlier kernels' tails and the launch itself. Stream capture records the overlap as a programmatic graph
+edge, so CUDA-graph decode steps keep it.
 
 `launch(kernel, grid, block, args)` goes through the driver's ``cuLaunchKernelEx`` with the
 programmatic-stream-serialization attribute when `enabled()`: compute capability 9.0 or newer, a driver

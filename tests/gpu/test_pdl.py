@@ -35,6 +35,7 @@ from decapybara.model.weights import random_tensors
 from decapybara.testing import TINY_HF_CONFIGS, prefilled_sequences
 
 pytestmark = pytest.mark.gpu
+PAGE, KV_PAGES = 8, 40  # the tiny models' KV cache: keys a page, pages (the last one pads graph rows)
 
 
 @pytest.fixture(autouse=True)
@@ -59,12 +60,41 @@ def packed(rng, fmt, n, k, scale=0.05):
     return p
 
 
-def cache_restorer(kv, states, num_pages, slots):
-    """A function that puts every KV page but the padding one, and the slots' states, back as they are now."""
-    pages, saved = kv.export_pages(np.arange(num_pages - 1)), {s: states.get(s) for s in slots}
+def hybrid_model(head_dim, kv_mode, seed, lengths, prefill_seed):
+    """(model, kv, states, seqs): a tiny hybrid model (8 query heads over 2 KV heads of `head_dim`) over bf16
+    weights, KV_PAGES pages of PAGE keys in `kv_mode`, 5 state slots, and sequences of `lengths` prompt tokens
+    prefilled ([tokens, slot, pages] each)."""
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "head_dim": head_dim})
+    model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=seed, std=0.2),
+                                   include_mtp=False)
+    kv, states = model.new_kv_cache(KV_PAGES, PAGE, kv_mode), model.new_state_pool(5)
+    return model, kv, states, prefilled_sequences(model, kv, states, lengths, seed=prefill_seed)
+
+
+def graph_runner(model):
+    return DecodeGraphRunner(model, max_pages=8, pad_page=KV_PAGES - 1, pad_slot=4)
+
+
+def decode_batch(seqs):
+    """One decode step of `seqs`: each one's last token on top of the rest."""
+    return ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], PAGE, logits="last")
+
+
+def assert_same_results(results, pairs, step):
+    """results[name] = (logits bytes, cache bytes, logits): each pair's logits and caches byte for byte."""
+    for a, b in pairs:
+        assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
+        assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
+
+
+def cache_restorer(kv, states, slots):
+    """A function that puts every KV page but the padding one (the last), and the slots' states, back as they
+    are now."""
+    pages, saved = kv.export_pages(np.arange(kv.num_pages - 1)), {s: states.get(s) for s in slots}
 
     def restore():
-        kv.import_pages(np.arange(num_pages - 1), pages)
+        kv.import_pages(np.arange(kv.num_pages - 1), pages)
         for s, st in saved.items():
             states.set(s, st)
     return restore
@@ -80,9 +110,9 @@ def forks(monkeypatch):
     return calls
 
 
-def cache_bytes(kv, states, num_pages, slots):
-    """Bytes of every KV page but the padding one, and of the slots' conv and recurrent states."""
-    pages = kv.export_pages(np.arange(num_pages - 1))
+def cache_bytes(kv, states, slots):
+    """Bytes of every KV page but the padding one (the last), and of the slots' conv and recurrent states."""
+    pages = kv.export_pages(np.arange(kv.num_pages - 1))
     return [np.asarray(a).tobytes() for a in pages.arrays.values()] + [
         np.asarray(x).tobytes() for s in slots for st in [states.get(s)] for x in (*st.conv, *st.recurrent)]
 
@@ -152,21 +182,13 @@ def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch, overlap
 
 @pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])
 def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, monkeypatch, overlapping):
-    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
-                               "num_key_value_heads": 2, "head_dim": head_dim})
-    model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=5, std=0.2),
-                                   include_mtp=False)
-    page, num_pages = 8, 40
-    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(5)
-    runners = {}
-    for flag in ("0", "1"):  # graphs captured with and without overlapped launches
-        runners[flag] = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=4)
-    seqs = prefilled_sequences(model, kv, states, (6, 13, 21), seed=2)
+    model, kv, states, seqs = hybrid_model(head_dim, kv_mode, 5, (6, 13, 21), 2)
+    runners = {flag: graph_runner(model) for flag in ("0", "1")}  # graphs captured with and without overlap
     slots = [s[1] for s in seqs]
 
     for step in range(4):
-        batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
-        restore = cache_restorer(kv, states, num_pages, slots)
+        batch = decode_batch(seqs)
+        restore = cache_restorer(kv, states, slots)
         results = {}
         for name in ("eager 0", "eager 1", "graph 0", "graph 1"):
             kind, flag = name.split()
@@ -174,10 +196,8 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
             monkeypatch.setenv("DECAPYBARA_PDL", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
             fwd = model.forward if kind == "eager" else runners[flag].forward
             logits = cp.asnumpy(fwd(batch, kv, states).logits)
-            results[name] = (logits.tobytes(), cache_bytes(kv, states, num_pages, slots), logits)
-        for a, b in (("eager 0", "eager 1"), ("graph 0", "graph 1")):
-            assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
-            assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
+            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
+        assert_same_results(results, (("eager 0", "eager 1"), ("graph 0", "graph 1")), step)
         for s, row in zip(seqs, results["eager 0"][2]):
             s[0].append(int(np.argmax(row)))
     assert all(r.stats["graph_steps"] == 4 for r in runners.values()), [r.stats for r in runners.values()]
@@ -191,24 +211,17 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
     product overlapped or launched plainly)."""
     from decapybara.backend import cupy_backend as cb
 
-    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
-                               "num_key_value_heads": 2, "head_dim": 64})
-    model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=7, std=0.2),
-                                   include_mtp=False)
+    model, kv, states, seqs = hybrid_model(64, "16/16", 7, (5, 11, 19), 3)
     assert model.fused_dn, "the tiny hybrid model's DeltaNet products should be fused pairs"
-    page, num_pages = 8, 40
-    kv, states = model.new_kv_cache(num_pages, page, "16/16"), model.new_state_pool(5)
     variants = {"eager serial": {"side_stream": False}, "eager side": {"side_stream": True},
                 "graph serial": {"side_stream": False}, "graph side": {"side_stream": True, "side_pdl": True},
                 "graph side plain": {"side_stream": True, "side_pdl": False}}
-    runners = {name: DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=4)
-               for name in variants if name.startswith("graph")}
-    seqs = prefilled_sequences(model, kv, states, (5, 11, 19), seed=3)
+    runners = {name: graph_runner(model) for name in variants if name.startswith("graph")}
     slots = [s[1] for s in seqs]
 
     for step in range(3):
-        batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in seqs], page, logits="last")
-        restore = cache_restorer(kv, states, num_pages, slots)
+        batch = decode_batch(seqs)
+        restore = cache_restorer(kv, states, slots)
         results = {}
         for name, setting in variants.items():
             restore()
@@ -219,11 +232,9 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
             logits = cp.asnumpy(fwd(batch, kv, states).logits)
             if name.startswith("eager") or step == 0:  # a graph forks while it is captured (step 0)
                 assert (len(forks) > n) == setting["side_stream"], (name, step, len(forks) - n)
-            results[name] = (logits.tobytes(), cache_bytes(kv, states, num_pages, slots), logits)
-        for a, b in (("eager serial", "eager side"), ("graph serial", "graph side"),
-                     ("graph serial", "graph side plain")):
-            assert results[a][0] == results[b][0], f"step {step}: {a} and {b} logits differ"
-            assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
+            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
+        assert_same_results(results, (("eager serial", "eager side"), ("graph serial", "graph side"),
+                                      ("graph serial", "graph side plain")), step)
         for s, row in zip(seqs, results["eager serial"][2]):
             s[0].append(int(np.argmax(row)))
     assert all(r.stats["graph_steps"] == 3 and not r.stats["failures"] for r in runners.values()), \

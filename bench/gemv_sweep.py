@@ -65,6 +65,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
     ("4 warps", {"warps": 4}, ()),                        # 64-row tiles: twice the tiles of every matrix
+    ("12 warps", {"warps": 12}, ()),                      # 192-row tiles, 2 blocks an SM: x staged for more rows
+    ("24 warps", {"warps": 24}, ()),                      # 384-row tiles, one block an SM
+    ("wide 8 warps", {"wide_warps": 8}, ()),              # two-n-tile blocks of 8 warps (before the fifteenth session)
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.

@@ -91,10 +91,11 @@ def shape_table(first: str, rows: dict[str, Any], shapes: list[tuple[int, int]],
         print(f"{name:<{width}}" + "".join(f"{cell(row, b, c):>26}" for b, c in shapes))
 
 
-def decode_setup(variant: str) -> tuple[Any, Any, QwenModel]:
-    """(bf16 KV pages and DeltaNet states for SLOTS sequences of SEQ_PAGES pages, filled at random; the model
-    of `variant`): what the graph-step benchmarks (bench/overlap.py, bench/what_if.py) time."""
-    kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE, "16/16")
+def decode_setup(variant: str, kv_mode: str = "16/16") -> tuple[Any, Any, QwenModel]:
+    """(KV pages of `kv_mode` (default bf16) and DeltaNet states for SLOTS sequences of SEQ_PAGES pages, filled
+    at random; the model of `variant`): what the graph-step benchmarks (bench/overlap.py, bench/what_if.py)
+    time."""
+    kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE, kv_mode)
     states = CupyBackend("bf16").new_state_pool(CFG, SLOTS + 1)
     fill_random(kv, states)
     return kv, states, build_model(variant)

@@ -2,9 +2,10 @@
 
     PYTHONUNBUFFERED=1 python3 bench/overlap.py [variant]        # default mxfp4; JSON to $OUT/overlap.json
 
-Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device, bf16 KV pages),
-then for each setting captures fresh decode graphs and times graph steps (median of 10, synchronised as an
-engine step) at OVERLAP_SHAPES (batch x context, default 1x1024,12x1024,1x32768,12x32768):
+Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device, bf16 KV pages or
+OVERLAP_KV's mode, e.g. "6/4"), then for each setting captures fresh decode graphs and times graph steps
+(median of 10, synchronised as an engine step) at OVERLAP_SHAPES (batch x context, default
+1x1024,12x1024,1x32768,12x32768):
 
 - "before": every kernel launched plainly (stream order: each waits for the one before to finish);
 - "pdl": products, norms, gates, KV writes, attention and the DeltaNet decode kernels launched with
@@ -45,7 +46,7 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # DECAPYBARA_MX_TUNE, one run per layout. Four more keys go elsewhere: "pairs" updates cupy_backend.PAIRS (the
 # side stream of `linear_pair`), "deltanet" cupy_deltanet.FUSED_DECODE (e.g. {"enabled": false}), "attention"
 # cupy_attention.DECODE (e.g. {"fill_ctas": 0, "short_ctas": 0}: decode_splits' rule before its fill and short
-# parts),
+# parts; {"graph_cap": 32}: decode graphs' split cap before the fifteenth session),
 # "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
 # ["sigmoid_gate", "deltanet_core_gated"]
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
@@ -54,7 +55,7 @@ ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
 def main() -> None:
     variant = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
-    kv, states, model = B.decode_setup(variant)
+    kv, states, model = B.decode_setup(variant, os.environ.get("OVERLAP_KV", "16/16"))
     res: dict[str, dict[str, float]] = {}
     base_tune, base_pairs, base_dn, base_attn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE), dict(ca.DECODE)
     base_methods = {name: getattr(cb.CupyBackend, name) for name in ("sigmoid_gate", "deltanet_core_gated",

@@ -68,8 +68,11 @@ typedef long long i64;
 #ifndef MX_WARPS
 #define MX_WARPS 8  // warps per block (16 weight rows each); 4 doubles the blocks of a mid-sized matrix
 #endif
-#define WARPS MX_WARPS
-#define TILE_ROWS (16 * WARPS)
+#ifndef MX_WARPS2
+#define MX_WARPS2 MX_WARPS  // warps per block of the two-n-tile kernels (9 <= M <= 16)
+#endif
+// Warps of an NT-n-tile kernel's block and the output rows of its tile (TILE_ROWS in the functions below).
+template <int NT> struct Wp { static constexpr int W = NT == 2 ? MX_WARPS2 : MX_WARPS, ROWS = 16 * W; };
 
 template <int NT> struct XBuf {  // x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding)
     static constexpr int SEGK = 2048 / NT, RS = SEGK + 32;
@@ -395,6 +398,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                                            const int c1, const int part, const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
     constexpr bool FUSE = NT == 1;  // fused norms (header): one-n-tile kernels only, the wider ones keep their code
+    constexpr int WARPS = Wp<NT>::W, TILE_ROWS = Wp<NT>::ROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
     const int m0 = mt * MT;
@@ -672,6 +676,7 @@ template <int FMT, int NT>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
     constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
+    constexpr int WARPS = Wp<NT>::W, TILE_ROWS = Wp<NT>::ROWS;
     static_assert(MT * RS * 2 + 4 * (NF + WARPS * NF) + 4 <= 48 * 1024, "shared memory over the static limit");
     __shared__ __align__(16) u16 xs[MT * RS];
     __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
@@ -702,8 +707,10 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     TRACE(A.W, 4);
 }
 
+// resident blocks of W warps for B of 8 warps (at least 1)
+#define MX_BLOCKS(B, W) ((B) * 8 / (W) > 0 ? (B) * 8 / (W) : 1)
 #define MX_KERNEL(NAME, FMT, NT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, (NT == 1 ? MX_MINB : NT == 2 ? MX_MINB2 : NT <= 4 ? 2 : 1) * (8 / WARPS)) NAME(    \
+    extern "C" __global__ void __launch_bounds__(32 * Wp<NT>::W, MX_BLOCKS(NT == 1 ? MX_MINB : NT == 2 ? MX_MINB2 : NT <= 4 ? 2 : 1, Wp<NT>::W)) NAME( \
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \

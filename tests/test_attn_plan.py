@@ -16,7 +16,8 @@ SMS = 132  # an H100 / H200
 
 def graph_splits(seqs: int, keys: int, per_sm: int = 1) -> int:
     """Splits of a decode graph at 27B attention shapes (4 KV heads, one row tile a sequence: 4 CTAs a split)."""
-    return ap.decode_splits(4 * seqs, keys, SMS, pow2=True, cap=32, per_sm=per_sm)
+    return ap.decode_splits(4 * seqs, keys, SMS, pow2=True, cap=ap.graph_split_cap(4 * seqs, SMS, per_sm),
+                            per_sm=per_sm)
 
 
 def eager_splits(seqs: int, keys: int, per_sm: int = 1) -> int:
@@ -34,9 +35,21 @@ def test_decode_splits_at_27b_shapes():
     assert {case: graph_splits(*case) for case in graph} == graph
     eager = {(1, 1025): 8, (1, 700): 5, (12, 8193): 5, (12, 32769): 5, (4, 32769): 8, (1, 131073): 32}
     assert {case: eager_splits(*case) for case in eager} == eager
-    # three CTAs an SM (6/4-bit pages): three times the CTAs, so one or two sequences keep many splits
-    assert [graph_splits(1, 32769, 3), graph_splits(2, 16385, 3), graph_splits(12, 32769, 3)] == [32, 32, 8]
+    # three CTAs an SM (6/4-bit pages): three times the CTAs, so one or two sequences keep many splits (one
+    # sequence's graphs 64, as many as one wave holds; two sequences' 32, where 64 was slower)
+    assert [graph_splits(1, 32769, 3), graph_splits(2, 32769, 3), graph_splits(2, 16385, 3),
+            graph_splits(12, 32769, 3)] == [64, 32, 32, 8]
     assert [eager_splits(1, 32769, 3), eager_splits(2, 16385, 3), eager_splits(1, 1025, 3)] == [64, 32, 8]
+
+
+def test_graph_split_cap(monkeypatch):
+    """32, or the power of two one wave of the kernel's CTAs holds where that is more: 64 for one sequence's 4
+    CTAs a split at three CTAs an SM (396 slots), 32 at one (132) and for two sequences; DECODE["graph_cap"]
+    overrides."""
+    assert [ap.graph_split_cap(4, SMS, 3), ap.graph_split_cap(4, SMS, 1), ap.graph_split_cap(8, SMS, 3),
+            ap.graph_split_cap(1, SMS, 3), ap.graph_split_cap(2000, SMS, 3)] == [64, 32, 32, 256, 32]
+    monkeypatch.setitem(ap.DECODE, "graph_cap", 16)
+    assert ap.graph_split_cap(4, SMS, 3) == 16
 
 
 def test_decode_splits_parts_of_the_rule(monkeypatch):

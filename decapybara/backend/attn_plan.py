@@ -20,10 +20,10 @@ MIN_KEYS_PER_SPLIT = 64  # general kernel: short decode contexts still spread ov
 # decode kernel: on / off; warps per CTA and 16-key tiles in flight per warp (lowered to fit the shared
 # memory) for bf16 pages, and (mx_warps, mx_stages) for microscaled ones; accumulator chains of the scores;
 # the split rule of its plans (`decode_splits`): "min_keys", "fill_ctas" / "fill_eff", "short_keys" /
-# "short_ctas"
+# "short_ctas"; "graph_cap" the most splits a decode graph takes (0: `graph_split_cap`'s rule)
 DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
           "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "fill_ctas": 128, "fill_eff": 0.8,
-          "short_keys": 128, "short_ctas": 32}
+          "short_keys": 128, "short_ctas": 32, "graph_cap": 0}
 DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)
 
 
@@ -73,6 +73,19 @@ def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: 
     if per_split * n < DECODE["short_ctas"]:
         n = max(n, min(ceil(cdiv(DECODE["short_ctas"], per_split)), floor(keys // DECODE["short_keys"])))
     return max(1, min(n, cap) if cap > 0 else n)
+
+
+def graph_split_cap(per_split: int, sms: int, per_sm: int = 1) -> int:
+    """Most key splits a decode graph captures for a launch whose one split has `per_split` CTAs, on `sms` SMs
+    holding `per_sm` of its CTAs each: 32, or as many as one wave holds where that is more, as a power of two
+    (graphs are captured per count). Over bf16 pages (one CTA an SM) that is 32; over microscaled pages (three)
+    one sequence gets 64, 27B steps at 1 x 32k over 6/4 pages 1-3% faster, while two sequences keep 32 (64 was
+    5% slower there: a second wave under a third full; docs/perf.md, fifteenth session). DECODE["graph_cap"]
+    > 0 replaces the rule (measurement)."""
+    if DECODE["graph_cap"]:
+        return DECODE["graph_cap"]
+    wave = max(1, sms * max(1, per_sm) // max(1, per_split))
+    return max(32, 1 << (wave.bit_length() - 1))
 
 
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,

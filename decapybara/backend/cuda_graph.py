@@ -35,7 +35,13 @@ import cupyx
 import numpy as np
 
 from decapybara.backend import pdl
-from decapybara.backend.attn_plan import BLOCK_N, MIN_KEYS_PER_SPLIT, decode_splits, rows_per_warp
+from decapybara.backend.attn_plan import (
+    BLOCK_N,
+    MIN_KEYS_PER_SPLIT,
+    decode_splits,
+    graph_split_cap,
+    rows_per_warp,
+)
 from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
 from decapybara.backend.cupy_attention import decode_launch, decode_per_sm
 from decapybara.backend.cupy_ops import sm_count
@@ -168,15 +174,16 @@ class DecodeGraphRunner:
 
     def _splits(self, batch: ForwardBatch, kv: KVCache) -> int:
         """Key splits per tile (a graph per value): the tensor-core decode kernel's by attn_plan.decode_splits
-        for the bucket's launch (a power of two up to 32), the general kernel's enough for short contexts too
-        (64+ keys)."""
+        for the bucket's launch (a power of two up to attn_plan.graph_split_cap), the general kernel's enough
+        for short contexts too (64+ keys)."""
         longest = max(s.total for s in batch.seqs)
         shape = self._decode_launch(kv)
         if shape is not None:
             cfg = self.model.cfg
             per_split = self._bucket(len(batch.seqs)) * self._row_tiles()[1] * cfg.num_key_value_heads  # CTAs
-            return decode_splits(per_split, longest, sm_count(), pow2=True, cap=32,
-                                 per_sm=decode_per_sm(cfg.head_dim, _kv_bits(kv), shape))
+            sms, per_sm = sm_count(), decode_per_sm(cfg.head_dim, _kv_bits(kv), shape)
+            return decode_splits(per_split, longest, sms, pow2=True, cap=graph_split_cap(per_split, sms, per_sm),
+                                 per_sm=per_sm)
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
     def _row_tiles(self) -> tuple[int, int]:

@@ -214,7 +214,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # (kernel define MX_STAGES); `warps` per block (MX_WARPS, 16 weight rows each); `acc` independent accumulator
 # chains (MX_ACC); `blocks_per_sm` resident blocks per SM, counted by the split policy and, for one-n-tile
 # kernels, built in through their launch bounds (MX_MINB; two-n-tile kernels, 9 <= M <= 16: `wide_blocks_per_sm`
-# (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)); wider tiles stay at <= 2); the split policy and its
+# (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)) and `wide_warps` warps a block (MX_WARPS2); wider
+# tiles stay at <= 2; the blocks-per-SM counts are of 8-warp blocks, a block of W warps taking 8 / W of one:
+# MXFP4's wide_warps 12 at 3 is two blocks of 12 warps an SM, which stage x once for 192 rows of output rather
+# than 128: the twelve-row products 4% faster (`gemv_sweep`), 27B steps at 10 and 12 streams 1.7-3% faster
+# (interleaved captures; one-row products were 2% slower at 12 warps, so `warps` stays 8); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
 # bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
@@ -240,7 +244,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # staging is one round trip either way; bf16 from one row up measured no better).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
-    "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "policy": "auto",
+    "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "wide_warps": {"*": 8, "mxfp4": 12},
+    "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 2,
@@ -260,6 +265,13 @@ def small_tune(tune: dict) -> dict:
     return {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
 
 
+def block_warps(tune: dict, nt: int) -> int:
+    """Warps of a block of the `nt`-n-tile kernels under a resolved tuning: `wide_warps` for two n-tiles, else
+    `warps` (kernels/mx_gemv.cu MX_WARPS2 / MX_WARPS; 16 output rows each; a kernel file older than MX_WARPS2
+    builds every kernel with `warps`)."""
+    return tune["wide_warps"] if nt == 2 and kernel_knows(tune["source"], "MX_WARPS2") else tune["warps"]
+
+
 def n_tiles(rows: int) -> int:
     """n-tiles of 8 rows a mx_gemm kernel takes for a product of `rows` rows (its `_1` / `_2` / `_4` / `_8` build)."""
     return 1 if rows <= 8 else 2 if rows <= 16 else 4 if rows <= 32 else 8
@@ -273,10 +285,11 @@ def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int
     dense = groups is None
     tune = launch_tune(w, rows, dense=dense) if tune is None else tune
     nt = n_tiles(rows)
+    warps = block_warps(tune, nt)
     per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
-              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * (8 // tune["warps"])
+              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * 8 // warps or 1  # blocks of 8 warps' slots
     mtiles = -(-rows // (8 * nt))
-    return plan_gemm(tiles=-(-w.N // (16 * tune["warps"])), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
+    return plan_gemm(tiles=-(-w.N // (16 * warps)), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
                      mtiles=mtiles, groups=1 if dense else groups, slots=per_sm * sm_count(),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N,
                      tune=tune, dense=dense, max_counters=_counters().size)
@@ -301,6 +314,7 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
     (`PackedWeight.e2m1_split`, MX_E2M1) or not, in band tiles (`PackedWeight.tiled`, MX_TILED; only named when
     set, so that kernel files older than the layout still build) or not (plus TUNE_DEFINES)."""
     return (("MX_ONLY", FMT_IDS[fmt]), ("MX_STAGES", tune["stages"]), ("MX_WARPS", tune["warps"]),
+            ("MX_WARPS2", tune["wide_warps"]),
             ("MX_ACC", tune["acc"]), ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
             *TUNE_DEFINES)
@@ -353,7 +367,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     tune = launch_tune(w, m, dense=groups is None)
     nt = n_tiles(m)
     mtiles = -(-m // (8 * nt))
-    nrb = -(-n // (16 * tune["warps"]))
+    nrb = -(-n // (16 * block_warps(tune, nt)))
     ngroups = 1 if groups is None else groups[0].shape[0]
     plan = gemm_plan(w, m, x.shape[0], None if groups is None else ngroups, tune)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
@@ -389,7 +403,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
             fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
         assert not fused, f"kernels/{tune['source']}.cu fuses no norms"
-    launch(func, plan.grid, (32 * tune["warps"],),
+    launch(func, plan.grid, (32 * block_warps(tune, nt),),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,

@@ -160,7 +160,9 @@ def test_decode_attention_splits_on_this_device():
     sms, per_sm = ca.sm_count(), ca.decode_per_sm(256, (16, 16), shape)
     for b, keys in ((1, 1025), (3, 1025), (12, 32769), (5, 20000)):
         batch = SimpleNamespace(seqs=[SimpleNamespace(total=keys)] * b)
-        assert runner._splits(batch, kv) == ap.decode_splits(4 * runner._bucket(b), keys, sms, pow2=True, cap=32,
+        per_split = 4 * runner._bucket(b)
+        assert runner._splits(batch, kv) == ap.decode_splits(per_split, keys, sms, pow2=True,
+                                                             cap=ap.graph_split_cap(per_split, sms, per_sm),
                                                              per_sm=per_sm), (b, keys)
         table = np.zeros(ap.cdiv(keys, 16), np.int32)  # pages of 16 keys
         plan = ca.plan_attention(ForwardBatch.build([([0], keys - 1, table, None)] * b, 16), 24, 4, 256,

@@ -136,7 +136,10 @@ TUNE_CASES = [
     ({"policy": "stream", "min_chunks": 1}, (4096, 5120)), ({"policy": "stream", "acc": 2, "warps": 4}, (4096, 5120)),
     ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40}, (704, 1536)),
     ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120)), ({"blocks_per_sm": 3, "stages": 1}, (704, 1536)),
-    ({"small_bytes": ex.TUNE["small_bytes"]}, (704, 1536))]  # the default: the small build
+    ({"small_bytes": ex.TUNE["small_bytes"]}, (704, 1536)),  # the default: the small build
+    # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 12 (MXFP4's default), 16 and 4
+    ({"wide_warps": 8}, (4096, 5120)), ({"wide_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
+    ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536))]
 
 
 @pytest.mark.parametrize("tune,shape", [({"small_bytes": 0, **t}, s) for t, s in TUNE_CASES])

@@ -60,14 +60,18 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("ksplit 2", {"ksplit": 2}, ()),                         # every product on a tile grid of 2 / 3 / 4 K splits
     ("ksplit 3", {"ksplit": 3}, ()),
     ("ksplit 4", {"ksplit": 4}, ()),
-    ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0}, ()),  # two-n-tile kernels as before MXFP4's 3/1
+    ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0, "wide_warps": 8}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
-    ("4 warps", {"warps": 4}, ()),                        # 64-row tiles: twice the tiles of every matrix
-    ("12 warps", {"warps": 12}, ()),                      # 192-row tiles, 2 blocks an SM: x staged for more rows
+    # `warps`: the one-n-tile kernels' blocks (and those past 16 rows); `wide_warps`: the two-n-tile ones'.
+    # Blocks an SM: blocks_per_sm x 8 / warps (at least 1), e.g. MXFP4's 3 at 12 warps: 2
+    ("4 warps", {"warps": 4}, ()),                        # 64-row tiles: twice the tiles of a one-row product
+    ("12 warps", {"warps": 12}, ()),                      # 192-row tiles: x staged once for more rows
     ("24 warps", {"warps": 24}, ()),                      # 384-row tiles, one block an SM
     ("wide 8 warps", {"wide_warps": 8}, ()),              # two-n-tile blocks of 8 warps (before the fifteenth session)
+    ("wide 24 warps", {"wide_warps": 24}, ()),            # one two-n-tile block of 24 warps an SM
+    ("wide 16 warps s2", {"wide_warps": 16, "wide_blocks_per_sm": 2, "wide_stages": 2}, ()),  # one of 16, 2 stages
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.

@@ -87,10 +87,11 @@ template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per
 #endif                // do not wait on each other (wider tiles already have one chain per n-tile)
 template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #ifndef MX_MINB
-#define MX_MINB 2  // resident blocks per SM the one-n-tile kernels are built for (registers: 65536 / (256 MINB))
+#define MX_MINB 2  // resident 8-warp blocks per SM the one-n-tile kernels are built for (registers: 65536 / (256
+                   // MINB)); blocks of W warps: MX_BLOCKS(MINB, W) of them
 #endif
 #ifndef MX_MINB2
-#define MX_MINB2 2  // resident blocks per SM the two-n-tile (9 <= M <= 16) kernels are built for
+#define MX_MINB2 2  // the same for the two-n-tile (9 <= M <= 16) kernels
 #endif
 #ifndef MX_STAGES2
 #define MX_STAGES2 0  // register stages of the two-n-tile kernels; 0: max(2, the format's STAGES)
@@ -430,7 +431,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     // so a segment is as long as the buffer allows (M = 1: 64 chunks of 256 codes, 8x the 8-row segment);
     // wider tiles stage all MT rows, zero-filled (no per-row predicate: their registers are spoken for).
     // ST divides CPSEG and segc, so every segment starts at ring slot 0.
-    // wide M tiles: registers for acc; two-n-tile tiles (built for 2 blocks per SM) keep >= 2 stages
+    // wide M tiles: registers for acc; two-n-tile tiles keep >= 2 stages unless MX_STAGES2 says otherwise
     constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4                            ? 2
                                        : NT == 2 && MX_STAGES2 > 0        ? MX_STAGES2
                                        : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2

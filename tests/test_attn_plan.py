@@ -50,6 +50,8 @@ def test_graph_split_cap(monkeypatch):
             ap.graph_split_cap(1, SMS, 3), ap.graph_split_cap(2000, SMS, 3)] == [64, 32, 32, 256, 32]
     monkeypatch.setitem(ap.DECODE, "graph_cap", 16)
     assert ap.graph_split_cap(4, SMS, 3) == 16
+    monkeypatch.setitem(ap.DECODE, "graph_cap", 48)  # a power of two, as graphs are captured per count
+    assert ap.graph_split_cap(4, SMS, 3) == 32
 
 
 def test_decode_splits_parts_of_the_rule(monkeypatch):

@@ -78,12 +78,13 @@ def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: 
 def graph_split_cap(per_split: int, sms: int, per_sm: int = 1) -> int:
     """Most key splits a decode graph captures for a launch whose one split has `per_split` CTAs, on `sms` SMs
     holding `per_sm` of its CTAs each: 32, or as many as one wave holds where that is more, as a power of two
-    (graphs are captured per count). Over bf16 pages (one CTA an SM) that is 32; over microscaled pages (three)
-    one sequence gets 64, 27B steps at 1 x 32k over 6/4 pages 1-3% faster, while two sequences keep 32 (64 was
-    5% slower there: a second wave under a third full; docs/perf.md, fifteenth session). DECODE["graph_cap"]
-    > 0 replaces the rule (measurement)."""
-    if DECODE["graph_cap"]:
-        return DECODE["graph_cap"]
+    (graphs are captured per count). At 27B shapes (4 KV heads: 4 CTAs a split and sequence) over bf16 pages
+    (one CTA an SM) that is 32; over microscaled pages (three) one sequence gets 64 (27B steps at 1 x 32k over
+    6/4 pages 2-4% faster in one interleaved run, within the spread in another), while two sequences keep 32
+    (64 was 5% slower there: a second wave under a third full; docs/perf.md, fifteenth session).
+    DECODE["graph_cap"] > 0 replaces the rule (measurement), rounded down to a power of two."""
+    if DECODE["graph_cap"] > 0:
+        return 1 << (int(DECODE["graph_cap"]).bit_length() - 1)
     wave = max(1, sms * max(1, per_sm) // max(1, per_split))
     return max(32, 1 << (wave.bit_length() - 1))
 

@@ -215,8 +215,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # chains (MX_ACC); `blocks_per_sm` resident blocks per SM, counted by the split policy and, for one-n-tile
 # kernels, built in through their launch bounds (MX_MINB; two-n-tile kernels, 9 <= M <= 16: `wide_blocks_per_sm`
 # (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)) and `wide_warps` warps a block (MX_WARPS2); wider
-# tiles stay at <= 2; the blocks-per-SM counts are of 8-warp blocks, a block of W warps taking 8 / W of one:
-# MXFP4's wide_warps 12 at 3 is two blocks of 12 warps an SM, which stage x once for 192 rows of output rather
+# tiles stay at <= 2; the blocks-per-SM counts are of 8-warp blocks, a block of W warps taking W / 8 of them
+# (B of them: B x 8 // W blocks, at least 1): MXFP4's wide_warps 12 at 3 is two blocks of 12 warps an SM, which
+# stage x once for 192 rows of output rather
 # than 128: the twelve-row products 4% faster (`gemv_sweep`), 27B steps at 10 and 12 streams 1.7-3% faster
 # (interleaved captures; one-row products were 2% slower at 12 warps, so `warps` stays 8); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:

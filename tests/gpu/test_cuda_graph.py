@@ -150,13 +150,17 @@ def test_decode_attention_splits_on_this_device():
     from decapybara.backend import attn_plan as ap
     from decapybara.backend import cupy_attention as ca
 
-    if ca._smem_per_sm_of(cp.cuda.Device().id) == 228 * 1024:  # H100 / H200
-        assert ca.decode_per_sm(256, (16, 16), (4, 3)) == 1 and ca.decode_per_sm(256, (6, 4), (4, 3)) == 3
     model = tiny_model(num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     kv = model.new_kv_cache(8, 16, "16/16")
     runner = DecodeGraphRunner(model, max_pages=4, pad_page=7, pad_slot=3)
     shape = runner._decode_launch(kv)
     assert shape is not None
+    if ca._smem_per_sm_of(cp.cuda.Device().id) == 228 * 1024:  # H100 / H200
+        assert ca.decode_per_sm(256, (16, 16), (4, 3)) == 1 and ca.decode_per_sm(256, (6, 4), (4, 3)) == 3
+        # over 6/4-bit pages one sequence's graphs take 64 splits at 32k (graph_split_cap), two sequences 32
+        kv64 = model.new_kv_cache(8, 16, "6/4")
+        assert [runner._splits(SimpleNamespace(seqs=[SimpleNamespace(total=32769)] * b), kv64)
+                for b in (1, 2)] == [64, 32]
     sms, per_sm = ca.sm_count(), ca.decode_per_sm(256, (16, 16), shape)
     for b, keys in ((1, 1025), (3, 1025), (12, 32769), (5, 20000)):
         batch = SimpleNamespace(seqs=[SimpleNamespace(total=keys)] * b)

@@ -72,6 +72,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide 8 warps", {"wide_warps": 8}, ()),              # two-n-tile blocks of 8 warps (before the fifteenth session)
     ("wide 24 warps", {"wide_warps": 24}, ()),            # one two-n-tile block of 24 warps an SM
     ("wide 16 warps s2", {"wide_warps": 16, "wide_blocks_per_sm": 2, "wide_stages": 2}, ()),  # one of 16, 2 stages
+    ("wide 12 3/SM s1", {"wide_warps": 12, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's, any format
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.

@@ -216,10 +216,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # kernels, built in through their launch bounds (MX_MINB; two-n-tile kernels, 9 <= M <= 16: `wide_blocks_per_sm`
 # (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)) and `wide_warps` warps a block (MX_WARPS2); wider
 # tiles stay at <= 2; the blocks-per-SM counts are of 8-warp blocks, a block of W warps taking W / 8 of them
-# (B of them: B x 8 // W blocks, at least 1): MXFP4's wide_warps 12 at 3 is two blocks of 12 warps an SM, which
-# stage x once for 192 rows of output rather
-# than 128: the twelve-row products 4% faster (`gemv_sweep`), 27B steps at 10 and 12 streams 1.7-3% faster
-# (interleaved captures; one-row products were 2% slower at 12 warps, so `warps` stays 8); the split policy and its
+# (B of them: B x 8 // W blocks, at least 1): the 4- and 8-bit formats' wide_warps 12 at 3 is two blocks of 12
+# warps an SM, which stage x once for 192 rows of output rather than 128: the twelve-row products 4% (MXFP4), 10%
+# (NVFP4) and 8% (MXFP8, also from 2 to 3 blocks' registers and 1 stage) faster (`gemv_sweep`), 27B steps at 10
+# and 12 streams 1.7-3% faster (interleaved captures; one-row products were 2% slower at 12 warps, so `warps`
+# stays 8); the split policy and its
 # knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
 # bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
@@ -245,7 +246,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # staging is one round trip either way; bf16 from one row up measured no better).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
-    "wide_blocks_per_sm": {"*": 2, "mxfp4": 3}, "wide_stages": {"*": 0, "mxfp4": 1}, "wide_warps": {"*": 8, "mxfp4": 12},
+    "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
+    "wide_warps": {"*": 8, "mxfp4": 12, "nvfp4": 12, "mxfp8": 12},
     "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,

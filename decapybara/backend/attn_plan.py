@@ -31,6 +31,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= max(1, n)."""
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def rows_per_warp(head_dim: int, max_rows: int) -> int:
     """Smallest of 1, 2, 4, 8 rows per warp covering `max_rows` rows in one CTA, capped so that a lane holds
     at most 32 accumulators (rows x head_dim / 32)."""
@@ -56,8 +61,7 @@ def decode_splits(per_split: int, keys: int, sms: int, pow2: bool = False, cap: 
       sequence at 1k: 8 splits of 128 keys rather than 2 of 512).
     `pow2`: a power of two (graphs are captured per count); `cap` > 0: at most that many."""
     def floor(n: int) -> int:
-        n = max(1, n)
-        return 1 << (n.bit_length() - 1) if pow2 else n
+        return pow2_floor(n) if pow2 else max(1, n)
 
     def ceil(n: int) -> int:
         n = max(1, n)
@@ -84,9 +88,8 @@ def graph_split_cap(per_split: int, sms: int, per_sm: int = 1) -> int:
     (64 was 5% slower there: a second wave under a third full; docs/perf.md, fifteenth session).
     DECODE["graph_cap"] > 0 replaces the rule (measurement), rounded down to a power of two."""
     if DECODE["graph_cap"] > 0:
-        return 1 << (int(DECODE["graph_cap"]).bit_length() - 1)
-    wave = max(1, sms * max(1, per_sm) // max(1, per_split))
-    return max(32, 1 << (wave.bit_length() - 1))
+        return pow2_floor(int(DECODE["graph_cap"]))
+    return max(32, pow2_floor(sms * max(1, per_sm) // max(1, per_split)))
 
 
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,

@@ -220,9 +220,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # warps an SM, which stage x once for 192 rows of output rather than 128: the twelve-row products 4% (MXFP4), 10%
 # (NVFP4) and 8% (MXFP8, also from 2 to 3 blocks' registers and 1 stage) faster (`gemv_sweep`), 27B steps at 10
 # and 12 streams 1.7-3% faster (interleaved captures; one-row products were 2% slower at 12 warps, so `warps`
-# stays 8); the split policy and its
-# knobs are described in decapybara/backend/gemv_plan.py; `source` is the kernel file (measurement only:
-# bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
+# stays 8); the split policy and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
+# kernel file (measurement only: bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
 # and a `source` older than MX_E2M1 reads plain codes only); `tiled` likewise puts them in 16-row bands of 2 KB
 # chunk tiles where whole tiles cover the matrix (MX_TILED; the ninth session: step-weighted one-row products
@@ -369,8 +368,9 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         return empty((m, 0), cp.float32) if res is not None else None
     tune = launch_tune(w, m, dense=groups is None)
     nt = n_tiles(m)
+    warps = block_warps(tune, nt)
     mtiles = -(-m // (8 * nt))
-    nrb = -(-n // (16 * block_warps(tune, nt)))
+    nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
     plan = gemm_plan(w, m, x.shape[0], None if groups is None else ngroups, tune)
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
@@ -406,7 +406,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
             fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
         assert not fused, f"kernels/{tune['source']}.cu fuses no norms"
-    launch(func, plan.grid, (32 * block_warps(tune, nt),),
+    launch(func, plan.grid, (32 * warps,),
          (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
           bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
           gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,

@@ -59,7 +59,7 @@ def main() -> None:
     res: dict[str, dict[str, float]] = {}
     base_tune, base_pairs, base_dn, base_attn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE), dict(ca.DECODE)
     base_methods = {name: getattr(cb.CupyBackend, name) for name in ("sigmoid_gate", "deltanet_core_gated",
-                                                                      "silu_mul_halves")}
+                                                                      "silu_mul_halves", "swiglu")}
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
             for r in range(ROUNDS) for name, pdl_env in SETTINGS.items() for tname, tune in TUNES.items()]
     for name, pdl_env, tune in runs:

@@ -9,7 +9,8 @@ decode graphs and times graph steps (median of 10) at WHATIF_SHAPES (default 1x1
 
 - norms: the residual add + RMSNorm between blocks (129 a step, or what is left of them where the output
   projections fuse them, `fuse_norms`), and the final norm;
-- silu: silu(gate) * up after the fused gate|up product (64);
+- silu: silu(gate) * up after the fused gate|up product (64; up to 8 rows the product's own epilogue, `swiglu`,
+  which then runs as the plain product);
 - small: products over weights under 4 MB (the DeltaNet a|b products, 48);
 - deltanet: the DeltaNet decode (conv1d state, recurrence, gated norm; 48 layers);
 - attention: q / k norm + RoPE, paged attention with its KV write, the output gate (16 layers);
@@ -63,6 +64,7 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
         ops.linear_add_rms_norm = lambda x, w, bias, res, nw, eps, off: (ops.linear(x, w, bias), res)
     if "silu" in drop:
         ops.silu_mul_halves = lambda y, to_product=None: buf.get(y.shape[0], y.shape[1] // 2)
+        ops.swiglu = lambda x, w, to_product=None: ops.silu_mul_halves(ops.linear(x, w))
     if "small" in drop:
         def linear(x: Any, w: Any, bias: Any = None) -> Any:
             if isinstance(w, ex.PackedWeight) and w.nbytes < SMALL_BYTES:
@@ -79,7 +81,7 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
 
 
 def unpatch(ops: Any) -> None:
-    for name in ("add_rms_norm", "rms_norm", "linear_add_rms_norm", "silu_mul_halves", "linear",
+    for name in ("add_rms_norm", "rms_norm", "linear_add_rms_norm", "silu_mul_halves", "swiglu", "linear",
                  "deltanet_core_gated", "qk_norm_rope", "paged_attention", "sigmoid_gate"):
         ops.__dict__.pop(name, None)
 

@@ -3,6 +3,7 @@
 // store. Inline PTX conversions: included by the kernels the host emulator does not build (mx_gemv, moe,
 // act_quant), never by common.cuh.
 #pragma once
+#include "silu.cuh"
 
 #define KIND_F32 0
 #define KIND_BF16 1

@@ -7,6 +7,7 @@
 // all-zero block and 0xFF (NaN) for a block holding NaN or inf.
 #pragma once
 #include "pdl.cuh"
+#include "silu.cuh"
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -55,8 +56,6 @@ __device__ __forceinline__ int floor_log2(float a) {
   return (int)((__float_as_uint(a) >> 23) & 0xffu) - 127;
 }
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // ---- reductions ----------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

@@ -49,6 +49,15 @@
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
 //   loaded before the x staging, summed after it): the product of rms_norm(y) = y / denom * (gw_off
 //   + gw), with y (gw_off + gw) rounded to bf16 as any x.
+// Fused SwiGLU (the `mx_gemm_<fmt>_1s` kernels, decapybara/backend/cupy_ops_extra.py `mx_swiglu`): W is [gate;
+// up] stacked along rows (N rows, N % 16 == 0, no bias, no fused residual) and y [M, N / 2] = silu(x @ gate^T) *
+// (x @ up^T). The kernel's output rows are taken in bands of 16 whose rows 0-7 are gate rows 8 b.. and rows 8-15
+// the up rows N / 2 + 8 b.. of the same columns (each lane's two rows, g and g + 8: one gate, one up), so the
+// epilogue finishes both sums of a column in one lane (direct store) or one pass (the split tile's last block)
+// and stores silu(gate) * up (silu.cuh) with the plain epilogue's float operations, then decode_ops'
+// silu_mul_halves': the bits of those two launches wherever each column's K range is split at the same chunks
+// (tile grids split every tile alike; under stream-K a column's tile, so its split points, may differ, and its
+// sums then by float32 rounding). A fused norm consumer too (x = NormedRows' xg).
 // Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
 // (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
 
@@ -393,7 +402,7 @@ __device__ __forceinline__ void store_tile_sums(const Args& A, const float* sqp,
 // fixed order, so the result does not depend on timing).
 // WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
 // and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
-template <int FMT, int NT, bool WHOLE>
+template <int FMT, int NT, bool WHOLE, bool SWI>
 __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, bool first, int& last_flag,
                                            const int grp, const int mt, const int tile, const int c0,
                                            const int c1, const int part, const int nparts) {
@@ -411,10 +420,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     const int rows0 = tile * TILE_ROWS + warp * 16;
     const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
     constexpr int NS = Fmt<FMT>::NS, LB = Fmt<FMT>::LB;
-    const u32 wo0 = row_off<LB>(rows0 + g, A.w_row), wo8 = row_off<LB>(rows0 + g + 8, A.w_row);
-    const u32 so0 = row_off<NS>(rows0 + g, A.s_row), so8 = row_off<NS>(rows0 + g + 8, A.s_row);
+    // the matrix rows behind the lane's rows g and g + 8 of its band (SWI: gate row 8 b + g and up row N / 2 +
+    // 8 b + g for band b, header; else the same rows)
+    const int pr0 = SWI ? (rows0 >> 1) + g : rows0 + g, pr8 = SWI ? (A.N >> 1) + (rows0 >> 1) + g : rows0 + g + 8;
+    const u32 wo0 = row_off<LB>(pr0, A.w_row), wo8 = row_off<LB>(pr8, A.w_row);
+    const u32 so0 = row_off<NS>(pr0, A.s_row), so8 = row_off<NS>(pr8, A.s_row);
     const u32 lr0 = (u32)(c0 * 4 + t), last = (u32)(A.N - 1);
-    const u32 rg0 = min((u32)(rows0 + g), last), rg8 = min((u32)(rows0 + g + 8), last);
+    const u32 rg0 = min((u32)pr0, last), rg8 = min((u32)pr8, last);
     RowPtr p0{W + (row_off<LB>(rg0, A.w_row) + lane_off<LB>(lr0)), S + (row_off<NS>(rg0, A.s_row) + lane_off<NS>(lr0))};
     RowPtr p8{W + (row_off<LB>(rg8, A.w_row) + lane_off<LB>(lr0)), S + (row_off<NS>(rg8, A.s_row) + lane_off<NS>(lr0))};
 
@@ -579,7 +591,17 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     float sq2[NT][2];  // fused producer, direct stores: this lane's sums of squares of rows m = nt 8 + 2t + j
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) sq2[nt][0] = sq2[nt][1] = 0.f;
-    if (warp_on) {
+    if (SWI && warp_on && !split) {  // rows g (gate) and g + 8 (up) of the band: h column rows0 / 2 + g
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int m = 2 * t + j;
+            if (m >= m_valid) continue;
+            const float ag = FUSE && A.nsq ? acc[0][0][j] / nden[m] : acc[0][0][j];
+            const float au = FUSE && A.nsq ? acc[0][0][j + 2] / nden[m] : acc[0][0][j + 2];
+            const float vg = ag * A.post + 0.f, vu = au * A.post + 0.f;  // the plain epilogue's operations
+            store_kind(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + (rows0 >> 1) + g, silu_f(vg) * vu);
+        }
+    } else if (warp_on) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -625,8 +647,27 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     if (tid == 0) last_flag = atom_add_acq_rel(ctr, 1) == nparts - 1;
     __syncthreads();
     if (!last_flag) return;
+    if (SWI) {  // pairs (gate n, up n + 8) of the tile's bands, each summed in the plain order
+        for (int i = tid; i < MT * TILE_ROWS / 2; i += blockDim.x) {
+            const int m = i / (TILE_ROWS / 2), c = i % (TILE_ROWS / 2);
+            const int n = tile * TILE_ROWS + (c >> 3) * 16 + (c & 7);
+            if (m >= m_valid || n >= A.N) continue;
+            float sg = 0.f, su = 0.f;
+            for (int ks = 0; ks < nparts; ++ks) {
+                const float* pp = A.partial + ((i64)ks * A.M + m0 + m) * A.N + n;
+                sg += ld_cg(pp);
+                su += ld_cg(pp + 8);
+            }
+            if (FUSE && A.nsq) {
+                sg /= nden[m];
+                su /= nden[m];
+            }
+            const float vg = sg * A.post + 0.f, vu = su * A.post + 0.f;
+            store_kind(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + ((tile * TILE_ROWS) >> 1) + c, silu_f(vg) * vu);
+        }
+    }
     // blockDim.x = 2 TILE_ROWS: each pass covers rows m, m + 1 of the tile, each warp 32 of one row's columns
-    for (int i0 = 0; i0 < MT * TILE_ROWS; i0 += blockDim.x) {
+    for (int i0 = 0; !SWI && i0 < MT * TILE_ROWS; i0 += blockDim.x) {
         const int i = i0 + tid, m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
         float v = 0.f;
         if (m < m_valid && n < A.N) {
@@ -673,7 +714,7 @@ __device__ __forceinline__ void stream_unit(u32 u, u32 u_end, u32 U, u32 B, int 
     nparts = last - first + 1;
 }
 
-template <int FMT, int NT>
+template <int FMT, int NT, bool SWI>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
     constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
@@ -700,9 +741,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         int part = blockIdx.y, nparts = gridDim.y;
         if (A.stream) stream_unit(u, u_end, U, B, nchunks, tile, c0, c1, part, nparts);
         if (whole)
-            mx_segment<FMT, NT, true>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, true, SWI>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         else
-            mx_segment<FMT, NT, false>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, false, SWI>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         u += A.stream ? (u32)(c1 - c0) : 1u;
     }
     TRACE(A.W, 4);
@@ -710,7 +751,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 
 // resident blocks of W warps for B of 8 warps (at least 1)
 #define MX_BLOCKS(B, W) ((B) * 8 / (W) > 0 ? (B) * 8 / (W) : 1)
-#define MX_KERNEL(NAME, FMT, NT)                                                                            \
+#define MX_KERNEL(NAME, FMT, NT, SWI)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * Wp<NT>::W, MX_BLOCKS(NT == 1 ? MX_MINB : NT == 2 ? MX_MINB2 : NT <= 4 ? 2 : 1, Wp<NT>::W)) NAME( \
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
@@ -720,12 +761,13 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
                w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream, res, sq, xg,   \
                gw, gw_off, nsq, nsq_tiles, n_eps, xg_kind};                                                 \
-        mx_gemm_impl<FMT, NT>(a);                                                                           \
+        mx_gemm_impl<FMT, NT, SWI>(a);                                                                         \
     }
 #define MX_FORMAT(NAME, FMT) \
-    MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2) \
-    MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8)
-// MX_ONLY = a format id builds only that format's four kernels (each format has its own tuning defines, so a
+    MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1, false) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2, false) \
+    MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4, false) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8, false) \
+    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true)
+// MX_ONLY = a format id builds only that format's five kernels (each format has its own tuning defines, so a
 // module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32); unset, all five.
 #ifndef MX_ONLY
 #define MX_ONLY_IS(F) 1

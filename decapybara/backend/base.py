@@ -168,6 +168,12 @@ class Backend(ABC):
     @abstractmethod
     def silu_mul(self, gate: Any, up: Any) -> Any: ...
 
+    def swiglu(self, x: Any, gate_up: Any, to_product: Any = None) -> Any:
+        """silu(x @ gate^T) * (x @ up^T) for `gate_up` = [gate; up] stacked along rows (`concat_rows`): the fused
+        gate|up product and its activation, `silu_mul_halves(linear(x, gate_up), to_product)`, which a backend may
+        run as one kernel (the same results). x as `linear` takes it."""
+        return self.silu_mul_halves(self.linear(x, gate_up), to_product=to_product)
+
     def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:
         """silu(y[:, :n]) * y[:, n:] for y [T, 2n]: the activation of a fused gate|up product. `to_product`: the
         weight of the one product the caller passes the result to (this backend's `linear`, as x), where

@@ -32,9 +32,11 @@ from decapybara.backend.cupy_ops_extra import (
     FUSED_ROWS,
     NormedRows,
     PackedWeight,
+    fuses_swiglu,
     gemm_ready,
     mx_linear,
     mx_linear_add_norm,
+    mx_swiglu,
     product_rows,
 )
 from decapybara.backend.kv_codec import BF16Codec, codec_for
@@ -213,6 +215,17 @@ class CupyBackend(Backend):
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
         return ops.silu_mul(gate, up)
+
+    def swiglu(self, x: Any, gate_up: Any, to_product: Any = None) -> Any:
+        """From TUNE `swiglu_rows` rows (0: never) up to 8 over a [gate; up] matrix the skinny kernels stream: one launch (`mx_swiglu`: the product and silu(gate) * up in its
+        epilogue, x NormedRows fused), its rows in the dtype `silu_mul_halves` would give them; anything else the
+        two ops."""
+        w = _streamed(gate_up) if x.shape[0] <= FUSED_ROWS else None
+        least = cupy_ops_extra.tune_for(w.fmt)["swiglu_rows"] if w is not None else 0
+        if w is not None and 0 < least <= x.shape[0] and fuses_swiglu(w, x.shape[0]):
+            rows = x if isinstance(x, NormedRows) else product_rows(x)
+            return mx_swiglu(rows, w, out_dtype=self._product_x_dtype(to_product, x.shape[0]))
+        return super().swiglu(x, gate_up, to_product)
 
     def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:
         """bf16 bits where the one product that reads the result rounds x to bf16 anyway (`_reads_bf16`)."""

@@ -243,6 +243,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream 27B steps 4% and
 # 3% faster, one stream within noise (interleaved captures, docs/perf.md); at one row x stays float32 (its
 # staging is one round trip either way; bf16 from one row up measured no better).
+# `swiglu_rows` (0: off): MLPs of this many rows up to 8 run their fused gate|up product and silu(gate) * up
+# as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s`): 27B steps at 1, 2, 4 and 8 streams 1-3% faster
+# (interleaved captures, docs/perf.md).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -250,7 +253,7 @@ TUNE: dict[str, Any] = {
     "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
-    "bf16_rows": 2,
+    "bf16_rows": 2, "swiglu_rows": 1,
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -350,7 +353,7 @@ class NormedRows:
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
-          max_rows: int | None = None, res: Any = None, norm: NormedRows | None = None) -> Any:
+          max_rows: int | None = None, res: Any = None, norm: NormedRows | None = None, swiglu: bool = False) -> Any:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts)).
     A persistent weight's launch may overlap the kernel before it (`pdl.launch`): the kernel loads its first
     weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
@@ -359,11 +362,14 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     `res` = (residual, xg, gw, offset) (residual float32, xg bf16 bits or float32, y's shape; y float32
     contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows'
     sums of squares by output tile, float32 [M, tiles];
-    `norm` (x = norm.xg) divides each output row by its denominator from norm.sq."""
+    `norm` (x = norm.xg) divides each output row by its denominator from norm.sq;
+    `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` kernels)."""
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
-    fused = res is not None or norm is not None
-    assert not fused or (groups is None and gather is None and m <= FUSED_ROWS), "fused norms: dense, M <= 8"
+    fused = res is not None or norm is not None or swiglu
+    assert not fused or (groups is None and gather is None and m <= FUSED_ROWS), "fused norms / swiglu: dense, M <= 8"
+    assert not swiglu or (n % 16 == 0 and bias is None and res is None and y.shape == (m, n // 2)), \
+        f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
     tune = launch_tune(w, m, dense=groups is None)
@@ -381,7 +387,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     assert not w.tiled or kernel_knows(tune["source"], "MX_TILED"), f"kernels/{tune['source']}.cu reads no band tiles"
-    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
+    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}{'s' if swiglu else ''}",
+                      gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
     sq = None
     fuse_args: tuple[Any, ...] = ()
@@ -426,6 +433,33 @@ def fuses_norms(w: PackedWeight, rows: int) -> bool:
     """Whether a product of `rows` rows over `w` can take part in fused norms (kernels/mx_gemv.cu, header): a
     weight the kernels stream, at most FUSED_ROWS rows (the one-n-tile kernels), a kernel file that fuses."""
     return gemm_ready(w) and rows <= FUSED_ROWS and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")
+
+
+def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
+    """Whether `mx_swiglu` can take a product of `rows` rows over `w` ([gate; up] stacked): as `fuses_norms`,
+    with at least one row, N a multiple of 16 and a kernel file that has the `_1s` kernels. (The backend uses
+    it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
+    return rows > 0 and w.N % 16 == 0 and fuses_norms(w, rows) and kernel_knows(tune_for(w.fmt)["source"], "_1s")
+
+
+def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
+    """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
+    one launch (kernels/mx_gemv.cu `_1s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes under
+    tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
+    kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or `NormedRows` (fused); at most
+    FUSED_ROWS rows (the caller checks `fuses_swiglu`)."""
+    assert isinstance(w, PackedWeight) and len(w.shape) == 2 and fuses_swiglu(w, x.shape[0]), \
+        f"swiglu over {w!r:.80} at {x.shape[0]} rows"
+    _check_packed(w)
+    norm = None
+    if isinstance(x, NormedRows):
+        norm, x = x, x.xg
+    check(x, x.dtype, "x", 2)
+    kind(x.dtype)
+    assert x.shape[1] == w.K, f"x {x.shape} @ w {w.shape}^T"
+    y = empty((x.shape[0], w.N // 2), np.dtype(out_dtype))
+    _gemm(x, w, y, norm=norm, swiglu=True)
+    return y
 
 
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:

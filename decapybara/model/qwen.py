@@ -280,7 +280,7 @@ class QwenModel:
     def _mlp(self, m: str, x: Any) -> Projection:
         ops, w = self.backend, self.w
         if m in self.fused_mlp:
-            h = ops.silu_mul_halves(ops.linear(x, self.fused_mlp[m]), to_product=w[f"{m}.down_proj.weight"])
+            h = ops.swiglu(x, self.fused_mlp[m], to_product=w[f"{m}.down_proj.weight"])
         else:
             h = ops.silu_mul(ops.linear(x, w[f"{m}.gate_proj.weight"]), ops.linear(x, w[f"{m}.up_proj.weight"]))
         return Projection(h, w[f"{m}.down_proj.weight"])

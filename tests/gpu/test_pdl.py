@@ -201,7 +201,7 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
         for s, row in zip(seqs, results["eager 0"][2]):
             s[0].append(int(np.argmax(row)))
     assert all(r.stats["graph_steps"] == 4 for r in runners.values()), [r.stats for r in runners.values()]
-    assert len(overlapping) > 100, f"{len(overlapping)} overlapped launches"
+    assert len(overlapping) > 80, f"{len(overlapping)} overlapped launches"
 
 
 def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlapping, forks):
@@ -239,7 +239,7 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
             s[0].append(int(np.argmax(row)))
     assert all(r.stats["graph_steps"] == 3 and not r.stats["failures"] for r in runners.values()), \
         [r.stats for r in runners.values()]
-    assert len(overlapping) > 100, f"{len(overlapping)} overlapped launches"
+    assert len(overlapping) > 80, f"{len(overlapping)} overlapped launches"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 80])

@@ -1,0 +1,162 @@
+"""The MLP's gate|up product and silu(gate) * up in one launch (kernels/mx_gemv.cu `_1s` kernels, `mx_swiglu`;
+GPU only).
+
+`mx_swiglu(x, [gate; up])` must be `silu_mul_halves(mx_linear(x, [gate; up]))`: the kernel reads each band's
+gate and up rows in one lane and finishes them with the same float operations, so that where every output tile
+splits K alike (tile grids) the bytes are the same; under stream-K a column's K range may be split at other
+chunks than the plain product's (its tile is another), so there within float32 rounding. Launch variants:
+the plain products' tuning cases and the fused norms' DIRECT ones (whole-tile stores, split tiles reduced by
+their last block, stream-K), x as float32 rows, bf16 bits and NormedRows (a fused norm consumer), output in
+float32 and bf16 bits. Only products of up to FUSED_ROWS rows over N % 16 == 0 rows take it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from test_fused_norm import CASES, DIRECT, tile_sums
+from test_kernels_extra import FORMATS, assert_bytes_equal, assert_close, host, random_weight
+
+from decapybara.backend import cupy_backend as cb
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.cuda_factory import cuda_backend
+from decapybara.model import quant
+from decapybara.model.qwen import QwenModel
+from decapybara.testing import tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+def assert_same(got, plain, w, m, name):
+    """Bytes equal under a tile-grid plan, within float32 rounding of the sums under stream-K (header)."""
+    if ex.gemm_plan(w, m).stream:
+        assert_close(got, host(plain), 2e-6, name)
+    else:
+        assert_bytes_equal(got, plain, name)
+
+
+def stacked(rng, fmt: str, shape: tuple[int, int]) -> ex.PackedWeight:
+    """A [gate; up] matrix of 2 I rows (I = the case's N rounded up to 8) over K: gate its first I rows."""
+    wq, _ = random_weight(rng, fmt, (-(-shape[0] // 16) * 16, shape[1]))
+    return ex.pack_weight(wq)
+
+
+@pytest.mark.parametrize("tune,shape", CASES[::2] + DIRECT)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch):
+    rng = np.random.default_rng(zlib.crc32(f"swiglu-{fmt}-{sorted(tune.items())}-{shape}".encode()))
+    w = stacked(rng, fmt, shape)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    if not ex.fuses_swiglu(w, 1):
+        assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
+        return
+    for m in (1, 3, 8):
+        x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
+        for xr in (x, ops.to_bf16_bits(x)):
+            plain = ops.silu_mul_halves(ex.mx_linear(xr, w, out_dtype=cp.float32))
+            got = ex.mx_swiglu(xr, w)
+            assert_same(got, plain, w, m, f"{fmt} {tune} M{m} x {xr.dtype}")
+        bits = ex.mx_swiglu(x, w, out_dtype=cp.uint16)
+        assert_bytes_equal(bits, ops.to_bf16_bits(ex.mx_swiglu(x, w)), f"{fmt} M{m} bf16 out")
+
+
+@pytest.mark.parametrize("tune,shape", CASES[1::4] + DIRECT)
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])
+def test_swiglu_consumes_normed_rows(fmt, tune, shape, monkeypatch):
+    """x = NormedRows (the gate|up product after an output projection that fused the norm): each row divided
+    by its denominator before the activation, as the plain consumer product does."""
+    rng = np.random.default_rng(zlib.crc32(f"swiglu-normed-{fmt}-{sorted(tune.items())}-{shape}".encode()))
+    w = stacked(rng, fmt, shape)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    if not ex.fuses_swiglu(w, 1):
+        return
+    k = w.K
+    for m in (1, 6):
+        h = rng.standard_normal((m, k)).astype(np.float32) * 3
+        nw = (rng.standard_normal(k) * 0.2).astype(np.float32)
+        normed = ex.NormedRows(cp.asarray(h), cp.asarray(h * (np.float32(1.0) + nw)),
+                               cp.asarray(tile_sums(h, 128).astype(np.float32)), cp.asarray(nw), 1e-6, 1.0)
+        plain = ops.silu_mul_halves(ex.mx_linear(normed, w))
+        assert_same(ex.mx_swiglu(normed, w), plain, w, m, f"{fmt} {tune} M{m} normed")
+
+
+def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
+    """`swiglu` on the bf16 backend: mx_swiglu from TUNE `swiglu_rows` (here 2) up to FUSED_ROWS rows over
+    packed or bf16 [gate; up] matrices, in bf16 bits where the down product reads them so (`silu_mul_halves`'
+    dtype rule); the two ops below `swiglu_rows`, past FUSED_ROWS, over float32 matrices and with `swiglu_rows`
+    0; every result the two ops' (bytes under tile grids)."""
+    monkeypatch.setitem(ex.TUNE, "swiglu_rows", 2)
+    rng = np.random.default_rng(6)
+    backend = cuda_backend("bf16")
+    calls = []
+    monkeypatch.setattr(ex, "_gemm", lambda *a, real=ex._gemm, **kw: calls.append(kw.get("swiglu")) or real(*a, **kw))
+    down = ex.pack_weight(quant.quantize(rng.standard_normal((128, 256)).astype(np.float32) * 0.05, "mxfp4"))
+    gate = rng.standard_normal((256, 192)).astype(np.float32) * 0.05
+    up = rng.standard_normal((256, 192)).astype(np.float32) * 0.05
+    packed = backend.concat_rows([ex.pack_weight(quant.quantize(a, "mxfp4")) for a in (gate, up)])[0]
+    bf16 = backend.concat_rows([ops.to_bf16_bits(cp.asarray(a)) for a in (gate, up)])[0]
+    dense = cp.asarray(np.concatenate([gate, up]))
+    for gu in (packed, bf16, dense):
+        for m in (1, 5, 8, 12):
+            x = cp.asarray(rng.standard_normal((m, 192)).astype(np.float32))
+            calls.clear()
+            got = backend.swiglu(x, gu, to_product=down)
+            ref = backend.silu_mul_halves(backend.linear(x, gu), to_product=down)
+            w = cb._streamed(gu)
+            if w is None or not 2 <= m <= ex.FUSED_ROWS or not ex.gemm_plan(w, m).stream:  # two ops / a tile grid
+                assert_bytes_equal(got, ref, f"{type(gu).__name__} M{m}")
+            else:  # float32 rounding of the sums, then (from bf16_rows rows) bf16 rounding of the rows
+                f32 = (lambda a: host(ops.bf16_bits_to_f32(a) if a.dtype == cp.uint16 else a))
+                assert got.dtype == ref.dtype
+                assert_close(f32(got), f32(ref), 1e-2 if got.dtype == cp.uint16 else 2e-6, f"{type(gu).__name__} M{m}")
+            assert (True in calls) == (2 <= m <= ex.FUSED_ROWS and gu is not dense), (m, calls)
+    monkeypatch.setitem(ex.TUNE, "swiglu_rows", 0)
+    calls.clear()
+    x = cp.asarray(rng.standard_normal((2, 192)).astype(np.float32))
+    assert_bytes_equal(backend.swiglu(x, packed), backend.silu_mul_halves(backend.linear(x, packed)), "off")
+    assert True not in calls
+
+
+@pytest.mark.parametrize("policy", ["auto", "balance"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
+    """Decode rows and chunks of 4 (one launch for gate|up and the activation, x NormedRows; TUNE `swiglu_rows`
+    1) and of 12 (the two ops) give the logits of `swiglu_rows` 0: byte for byte where every gate|up product runs
+    a tile grid (policy "balance"), within float32 rounding and with the same greedy tokens under the default
+    plans."""
+    from test_cupy_model import PROMPT, forward_chunks
+
+    cfg, tensors = tiny_checkpoint(family)
+    if weights == "mxfp4":
+        tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+                   for k, v in tensors.items()}
+    model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+    assert model.fused_mlp, "the tiny model's MLPs should be fused gate|up products"
+    monkeypatch.setitem(ex.TUNE, "policy", policy)
+    grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4))
+    assert grids or policy != "balance"
+    calls = []
+    monkeypatch.setattr(cb, "mx_swiglu", lambda x, *a, real=ex.mx_swiglu, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    got = {}
+    for on in (1, 0):
+        monkeypatch.setitem(ex.TUNE, "swiglu_rows", on)
+        got[on] = [forward_chunks(model, PROMPT[:24], chunk) for chunk in (1, 4, 12)]
+        if on:
+            assert set(calls) == {1, 4}, set(calls)
+    for chunk, a, b in zip((1, 4, 12), got[1], got[0], strict=True):
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"{family} {weights} chunks of {chunk}: greedy tokens"
+        if grids:
+            assert_bytes_equal(a, b, f"{family} {weights} chunks of {chunk}")
+        else:
+            assert_close(a, b, 1e-4, f"{family} {weights} chunks of {chunk}")

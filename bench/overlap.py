@@ -48,7 +48,8 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # cupy_attention.DECODE (e.g. {"fill_ctas": 0, "short_ctas": 0}: decode_splits' rule before its fill and short
 # parts; {"graph_cap": 32}: decode graphs' split cap before the fifteenth session),
 # "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
-# ["sigmoid_gate", "deltanet_core_gated"]
+# ["sigmoid_gate", "deltanet_core_gated"]; the MLP activation is "silu_mul_halves" and, from TUNE `swiglu_rows`
+# rows up, "swiglu"
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 

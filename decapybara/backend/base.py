@@ -171,7 +171,8 @@ class Backend(ABC):
     def swiglu(self, x: Any, gate_up: Any, to_product: Any = None) -> Any:
         """silu(x @ gate^T) * (x @ up^T) for `gate_up` = [gate; up] stacked along rows (`concat_rows`): the fused
         gate|up product and its activation, `silu_mul_halves(linear(x, gate_up), to_product)`, which a backend may
-        run as one kernel (the same results). x as `linear` takes it."""
+        run as one kernel (the same values, up to float32 rounding of the product's sums). x as `linear` takes
+        it."""
         return self.silu_mul_halves(self.linear(x, gate_up), to_product=to_product)
 
     def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:

@@ -201,7 +201,7 @@ class CupyBackend(Backend):
         no norm kernel between them. Where that does not apply, up to SKINNY_ROWS rows over weights the skinny
         kernels stream (`_reads_bf16`; bf16 backend), the norm writes its rows in bf16 bits: the products after
         it round x to bf16 anyway, and stage half the bytes (`linear`). Anything else runs the plain ops. x may
-        be bf16 bits (the MLP activation, `silu_mul_halves`)."""
+        be bf16 bits (the MLP activation, `silu_mul_halves` or `swiglu`)."""
         w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
         if (w is not None and x.shape[0] <= FUSED_ROWS and residual.dtype == cp.float32
                 and residual.flags.c_contiguous and norm_weight.dtype == cp.float32):
@@ -217,9 +217,9 @@ class CupyBackend(Backend):
         return ops.silu_mul(gate, up)
 
     def swiglu(self, x: Any, gate_up: Any, to_product: Any = None) -> Any:
-        """From TUNE `swiglu_rows` rows (0: never) up to 8 over a [gate; up] matrix the skinny kernels stream: one launch (`mx_swiglu`: the product and silu(gate) * up in its
-        epilogue, x NormedRows fused), its rows in the dtype `silu_mul_halves` would give them; anything else the
-        two ops."""
+        """From TUNE `swiglu_rows` rows (0: never) up to 8 over a [gate; up] matrix the skinny kernels stream: one
+        launch (`mx_swiglu`: the product and silu(gate) * up in its epilogue, x NormedRows fused), its rows in the
+        dtype `silu_mul_halves` would give them; anything else the two ops."""
         w = _streamed(gate_up) if x.shape[0] <= FUSED_ROWS else None
         least = cupy_ops_extra.tune_for(w.fmt)["swiglu_rows"] if w is not None else 0
         if w is not None and 0 < least <= x.shape[0] and fuses_swiglu(w, x.shape[0]):

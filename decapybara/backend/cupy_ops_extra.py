@@ -439,15 +439,16 @@ def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
     """Whether `mx_swiglu` can take a product of `rows` rows over `w` ([gate; up] stacked): as `fuses_norms`,
     with at least one row, N a multiple of 16 and a kernel file that has the `_1s` kernels. (The backend uses
     it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
-    return rows > 0 and w.N % 16 == 0 and fuses_norms(w, rows) and kernel_knows(tune_for(w.fmt)["source"], "_1s")
+    return (rows > 0 and w.N % 16 == 0 and fuses_norms(w, rows)
+            and kernel_knows(tune_for(w.fmt)["source"], "NAME##_1s"))  # the kernel file's entry macro
 
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
     one launch (kernels/mx_gemv.cu `_1s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes under
     tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
-    kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or `NormedRows` (fused); at most
-    FUSED_ROWS rows (the caller checks `fuses_swiglu`)."""
+    kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or `NormedRows`
+    (fused); at most FUSED_ROWS rows (the caller checks `fuses_swiglu`)."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2 and fuses_swiglu(w, x.shape[0]), \
         f"swiglu over {w!r:.80} at {x.shape[0]} rows"
     _check_packed(w)

@@ -46,7 +46,7 @@ def assert_same(got, plain, w, m, name):
 
 
 def stacked(rng, fmt: str, shape: tuple[int, int]) -> ex.PackedWeight:
-    """A [gate; up] matrix of 2 I rows (I = the case's N rounded up to 8) over K: gate its first I rows."""
+    """A [gate; up] matrix of 2 I rows (2 I: the case's N rounded up to 16) over K: gate its first I rows."""
     wq, _ = random_weight(rng, fmt, (-(-shape[0] // 16) * 16, shape[1]))
     return ex.pack_weight(wq)
 
@@ -79,6 +79,7 @@ def test_swiglu_consumes_normed_rows(fmt, tune, shape, monkeypatch):
     w = stacked(rng, fmt, shape)
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
     if not ex.fuses_swiglu(w, 1):
+        assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
         return
     k = w.K
     for m in (1, 6):
@@ -147,7 +148,8 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4))
     assert grids or policy != "balance"
     calls = []
-    monkeypatch.setattr(cb, "mx_swiglu", lambda x, *a, real=ex.mx_swiglu, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    monkeypatch.setattr(cb, "mx_swiglu",
+                        lambda x, *a, real=ex.mx_swiglu, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     got = {}
     for on in (1, 0):
         monkeypatch.setitem(ex.TUNE, "swiglu_rows", on)

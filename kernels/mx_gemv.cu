@@ -49,15 +49,16 @@
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
 //   loaded before the x staging, summed after it): the product of rms_norm(y) = y / denom * (gw_off
 //   + gw), with y (gw_off + gw) rounded to bf16 as any x.
-// Fused SwiGLU (the `mx_gemm_<fmt>_1s` kernels, decapybara/backend/cupy_ops_extra.py `mx_swiglu`): W is [gate;
-// up] stacked along rows (N rows, N % 16 == 0, no bias, no fused residual) and y [M, N / 2] = silu(x @ gate^T) *
-// (x @ up^T). The kernel's output rows are taken in bands of 16 whose rows 0-7 are gate rows 8 b.. and rows 8-15
-// the up rows N / 2 + 8 b.. of the same columns (each lane's two rows, g and g + 8: one gate, one up), so the
-// epilogue finishes both sums of a column in one lane (direct store) or one pass (the split tile's last block)
-// and stores silu(gate) * up (silu.cuh) with the plain epilogue's float operations, then decode_ops'
-// silu_mul_halves': the bits of those two launches wherever each column's K range is split at the same chunks
-// (tile grids split every tile alike; under stream-K a column's tile, so its split points, may differ, and its
-// sums then by float32 rounding). A fused norm consumer too (x = NormedRows' xg).
+// Fused SwiGLU (the `mx_gemm_<fmt>_1s` and `_2s` kernels, up to 8 and 16 rows of x; decapybara/backend/
+// cupy_ops_extra.py `mx_swiglu`): W is [gate; up] stacked along rows (N rows, N % 16 == 0, no bias, no fused
+// residual) and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T). The kernel's output rows are taken in bands of 16
+// whose rows 0-7 are gate rows 8 b.. and rows 8-15 the up rows N / 2 + 8 b.. of the same columns (each lane's
+// two rows, g and g + 8: one gate, one up), so the epilogue finishes both sums of a column in one lane (direct
+// store) or one pass (the split tile's last block) and stores silu(gate) * up (silu.cuh) with the plain
+// epilogue's float operations, then decode_ops' silu_mul_halves': the bits of those two launches wherever each
+// column's K range is split at the same chunks (tile grids split every tile alike; under stream-K a column's
+// tile, so its split points, may differ, and its sums then by float32 rounding). The `_1s` kernels may also be
+// fused norm consumers (x = NormedRows' xg).
 // Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
 // (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
 
@@ -593,14 +594,16 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     for (int nt = 0; nt < NT; ++nt) sq2[nt][0] = sq2[nt][1] = 0.f;
     if (SWI && warp_on && !split) {  // rows g (gate) and g + 8 (up) of the band: h column rows0 / 2 + g
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int m = 2 * t + j;
-            if (m >= m_valid) continue;
-            const float ag = FUSE && A.nsq ? acc[0][0][j] / nden[m] : acc[0][0][j];
-            const float au = FUSE && A.nsq ? acc[0][0][j + 2] / nden[m] : acc[0][0][j + 2];
-            const float vg = ag * A.post + 0.f, vu = au * A.post + 0.f;  // the plain epilogue's operations
-            store_kind(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + (rows0 >> 1) + g, silu_f(vg) * vu);
-        }
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int m = nt * 8 + 2 * t + j;
+                if (m >= m_valid) continue;
+                const float ag = FUSE && A.nsq ? acc[0][nt][j] / nden[m] : acc[0][nt][j];
+                const float au = FUSE && A.nsq ? acc[0][nt][j + 2] / nden[m] : acc[0][nt][j + 2];
+                const float vg = ag * A.post + 0.f, vu = au * A.post + 0.f;  // the plain epilogue's operations
+                store_kind(A.y, A.y_kind, (i64)(y_off + m0 + m) * A.ldy + (rows0 >> 1) + g, silu_f(vg) * vu);
+            }
     } else if (warp_on) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -766,8 +769,8 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 #define MX_FORMAT(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1, false) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2, false) \
     MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4, false) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8, false) \
-    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true)
-// MX_ONLY = a format id builds only that format's five kernels (each format has its own tuning defines, so a
+    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true) MX_KERNEL(mx_gemm_##NAME##_2s, FMT, 2, true)
+// MX_ONLY = a format id builds only that format's six kernels (each format has its own tuning defines, so a
 // module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32); unset, all five.
 #ifndef MX_ONLY
 #define MX_ONLY_IS(F) 1

@@ -30,6 +30,7 @@ from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
 from decapybara.backend.cupy_ops_extra import (
     DENSE_ROWS,
     FUSED_ROWS,
+    SWIGLU_ROWS,
     NormedRows,
     PackedWeight,
     fuses_swiglu,
@@ -217,10 +218,10 @@ class CupyBackend(Backend):
         return ops.silu_mul(gate, up)
 
     def swiglu(self, x: Any, gate_up: Any, to_product: Any = None) -> Any:
-        """From TUNE `swiglu_rows` rows (0: never) up to 8 over a [gate; up] matrix the skinny kernels stream: one
+        """From TUNE `swiglu_rows` rows (0: never) up to 16 over a [gate; up] matrix the skinny kernels stream: one
         launch (`mx_swiglu`: the product and silu(gate) * up in its epilogue, x NormedRows fused), its rows in the
         dtype `silu_mul_halves` would give them; anything else the two ops."""
-        w = _streamed(gate_up) if x.shape[0] <= FUSED_ROWS else None
+        w = _streamed(gate_up) if x.shape[0] <= SWIGLU_ROWS else None
         least = cupy_ops_extra.tune_for(w.fmt)["swiglu_rows"] if w is not None else 0
         if w is not None and 0 < least <= x.shape[0] and fuses_swiglu(w, x.shape[0]):
             rows = x if isinstance(x, NormedRows) else product_rows(x)

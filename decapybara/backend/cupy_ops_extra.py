@@ -243,9 +243,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream 27B steps 4% and
 # 3% faster, one stream within noise (interleaved captures, docs/perf.md); at one row x stays float32 (its
 # staging is one round trip either way; bf16 from one row up measured no better).
-# `swiglu_rows` (0: off): MLPs of this many rows up to 8 run their fused gate|up product and silu(gate) * up
-# as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s`): 27B steps at 1, 2, 4 and 8 streams 1-3% faster
-# (interleaved captures, docs/perf.md).
+# `swiglu_rows` (0: off): MLPs of this many rows up to 16 (SWIGLU_ROWS) run their fused gate|up product and
+# silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` / `_2s`): 27B steps at 1 to 12 streams
+# 1-3% faster (interleaved captures, docs/perf.md).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -363,11 +363,13 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows'
     sums of squares by output tile, float32 [M, tiles];
     `norm` (x = norm.xg) divides each output row by its denominator from norm.sq;
-    `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` kernels)."""
+    `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` / `_2s` kernels, up
+    to SWIGLU_ROWS rows)."""
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
     fused = res is not None or norm is not None or swiglu
-    assert not fused or (groups is None and gather is None and m <= FUSED_ROWS), "fused norms / swiglu: dense, M <= 8"
+    most = SWIGLU_ROWS if swiglu and res is None and norm is None else FUSED_ROWS
+    assert not fused or (groups is None and gather is None and m <= most), f"fused norms / swiglu: dense, M <= {most}"
     assert not swiglu or (n % 16 == 0 and bias is None and res is None and y.shape == (m, n // 2)), \
         f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
@@ -426,6 +428,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM
 FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) may fuse norms (mx_linear_add_norm)
+SWIGLU_ROWS = 16  # and of at most this many (the one- and two-n-tile kernels) the MLP activation (mx_swiglu)
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
 
 
@@ -436,24 +439,25 @@ def fuses_norms(w: PackedWeight, rows: int) -> bool:
 
 
 def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
-    """Whether `mx_swiglu` can take a product of `rows` rows over `w` ([gate; up] stacked): as `fuses_norms`,
-    with at least one row, N a multiple of 16 and a kernel file that has the `_1s` kernels. (The backend uses
-    it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
-    return (rows > 0 and w.N % 16 == 0 and fuses_norms(w, rows)
-            and kernel_knows(tune_for(w.fmt)["source"], "NAME##_1s"))  # the kernel file's entry macro
+    """Whether `mx_swiglu` can take a product of `rows` rows over `w` ([gate; up] stacked): 1 to SWIGLU_ROWS
+    rows, a weight the kernels stream, N a multiple of 16 and a kernel file that has the `_1s` / `_2s` kernels
+    (its entry macro). (The backend uses it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
+    return (0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
+            and kernel_knows(tune_for(w.fmt)["source"], f"NAME##_{n_tiles(rows)}s"))
 
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
     one launch (kernels/mx_gemv.cu `_1s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes under
     tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
-    kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or `NormedRows`
-    (fused); at most FUSED_ROWS rows (the caller checks `fuses_swiglu`)."""
+    kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or (up to
+    FUSED_ROWS rows) `NormedRows`, fused; at most SWIGLU_ROWS rows (the caller checks `fuses_swiglu`)."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2 and fuses_swiglu(w, x.shape[0]), \
         f"swiglu over {w!r:.80} at {x.shape[0]} rows"
     _check_packed(w)
     norm = None
     if isinstance(x, NormedRows):
+        assert fuses_norms(w, x.shape[0]), f"NormedRows of {x.shape[0]} rows"
         norm, x = x, x.xg
     check(x, x.dtype, "x", 2)
     kind(x.dtype)

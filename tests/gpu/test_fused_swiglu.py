@@ -7,7 +7,8 @@ splits K alike (tile grids) the bytes are the same; under stream-K a column's K 
 chunks than the plain product's (its tile is another), so there within float32 rounding. Launch variants:
 the plain products' tuning cases and the fused norms' DIRECT ones (whole-tile stores, split tiles reduced by
 their last block, stream-K), x as float32 rows, bf16 bits and NormedRows (a fused norm consumer), output in
-float32 and bf16 bits. Only products of up to FUSED_ROWS rows over N % 16 == 0 rows take it.
+float32 and bf16 bits; one and two n-tiles of rows (`_1s`, `_2s`). Only products of up to SWIGLU_ROWS rows over
+N % 16 == 0 rows take it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch
     if not ex.fuses_swiglu(w, 1):
         assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
         return
-    for m in (1, 3, 8):
+    for m in (1, 3, 8, 12, 16):
         x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
         for xr in (x, ops.to_bf16_bits(x)):
             plain = ops.silu_mul_halves(ex.mx_linear(xr, w, out_dtype=cp.float32))
@@ -92,10 +93,10 @@ def test_swiglu_consumes_normed_rows(fmt, tune, shape, monkeypatch):
 
 
 def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
-    """`swiglu` on the bf16 backend: mx_swiglu from TUNE `swiglu_rows` (here 2) up to FUSED_ROWS rows over
+    """`swiglu` on the bf16 backend: mx_swiglu from TUNE `swiglu_rows` (here 2) up to SWIGLU_ROWS rows over
     packed or bf16 [gate; up] matrices, in bf16 bits where the down product reads them so (`silu_mul_halves`'
-    dtype rule); the two ops below `swiglu_rows`, past FUSED_ROWS, over float32 matrices and with `swiglu_rows`
-    0; every result the two ops' (bytes under tile grids)."""
+    dtype rule); the two ops below `swiglu_rows`, past SWIGLU_ROWS, over float32 matrices and with
+    `swiglu_rows` 0; every result the two ops' (bytes under tile grids)."""
     monkeypatch.setitem(ex.TUNE, "swiglu_rows", 2)
     rng = np.random.default_rng(6)
     backend = cuda_backend("bf16")
@@ -108,19 +109,19 @@ def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
     bf16 = backend.concat_rows([ops.to_bf16_bits(cp.asarray(a)) for a in (gate, up)])[0]
     dense = cp.asarray(np.concatenate([gate, up]))
     for gu in (packed, bf16, dense):
-        for m in (1, 5, 8, 12):
+        for m in (1, 5, 8, 12, 17):
             x = cp.asarray(rng.standard_normal((m, 192)).astype(np.float32))
             calls.clear()
             got = backend.swiglu(x, gu, to_product=down)
             ref = backend.silu_mul_halves(backend.linear(x, gu), to_product=down)
             w = cb._streamed(gu)
-            if w is None or not 2 <= m <= ex.FUSED_ROWS or not ex.gemm_plan(w, m).stream:  # two ops / a tile grid
+            if w is None or not 2 <= m <= ex.SWIGLU_ROWS or not ex.gemm_plan(w, m).stream:  # two ops / a tile grid
                 assert_bytes_equal(got, ref, f"{type(gu).__name__} M{m}")
             else:  # float32 rounding of the sums, then (from bf16_rows rows) bf16 rounding of the rows
                 f32 = (lambda a: host(ops.bf16_bits_to_f32(a) if a.dtype == cp.uint16 else a))
                 assert got.dtype == ref.dtype
                 assert_close(f32(got), f32(ref), 1e-2 if got.dtype == cp.uint16 else 2e-6, f"{type(gu).__name__} M{m}")
-            assert (True in calls) == (2 <= m <= ex.FUSED_ROWS and gu is not dense), (m, calls)
+            assert (True in calls) == (2 <= m <= ex.SWIGLU_ROWS and gu is not dense), (m, calls)
     monkeypatch.setitem(ex.TUNE, "swiglu_rows", 0)
     calls.clear()
     x = cp.asarray(rng.standard_normal((2, 192)).astype(np.float32))
@@ -133,9 +134,9 @@ def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
 def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     """Decode rows and chunks of 4 (one launch for gate|up and the activation, x NormedRows; TUNE `swiglu_rows`
-    1) and of 12 (the two ops) give the logits of `swiglu_rows` 0: byte for byte where every gate|up product runs
-    a tile grid (policy "balance"), within float32 rounding and with the same greedy tokens under the default
-    plans."""
+    1), of 12 (one launch, the two-n-tile kernel) and of 20 (the two ops) give the logits of `swiglu_rows` 0:
+    byte for byte where every gate|up product runs a tile grid (policy "balance"), within float32 rounding and
+    with the same greedy tokens under the default plans."""
     from test_cupy_model import PROMPT, forward_chunks
 
     cfg, tensors = tiny_checkpoint(family)
@@ -145,7 +146,7 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
     assert model.fused_mlp, "the tiny model's MLPs should be fused gate|up products"
     monkeypatch.setitem(ex.TUNE, "policy", policy)
-    grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4))
+    grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4, 12))
     assert grids or policy != "balance"
     calls = []
     monkeypatch.setattr(cb, "mx_swiglu",
@@ -153,10 +154,10 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     got = {}
     for on in (1, 0):
         monkeypatch.setitem(ex.TUNE, "swiglu_rows", on)
-        got[on] = [forward_chunks(model, PROMPT[:24], chunk) for chunk in (1, 4, 12)]
+        got[on] = [forward_chunks(model, PROMPT[:24], chunk) for chunk in (1, 4, 12, 20)]
         if on:
-            assert set(calls) == {1, 4}, set(calls)
-    for chunk, a, b in zip((1, 4, 12), got[1], got[0], strict=True):
+            assert set(calls) == {1, 4, 12}, set(calls)
+    for chunk, a, b in zip((1, 4, 12, 20), got[1], got[0], strict=True):
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"{family} {weights} chunks of {chunk}: greedy tokens"
         if grids:
             assert_bytes_equal(a, b, f"{family} {weights} chunks of {chunk}")

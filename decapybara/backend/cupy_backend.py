@@ -221,11 +221,11 @@ class CupyBackend(Backend):
         """From TUNE `swiglu_rows` rows (0: never) up to 16 over a [gate; up] matrix the skinny kernels stream: one
         launch (`mx_swiglu`: the product and silu(gate) * up in its epilogue, x NormedRows fused), its rows in the
         dtype `silu_mul_halves` would give them; anything else the two ops."""
-        w = _streamed(gate_up) if x.shape[0] <= SWIGLU_ROWS else None
-        least = cupy_ops_extra.tune_for(w.fmt)["swiglu_rows"] if w is not None else 0
-        if w is not None and 0 < least <= x.shape[0] and fuses_swiglu(w, x.shape[0]):
-            rows = x if isinstance(x, NormedRows) else product_rows(x)
-            return mx_swiglu(rows, w, out_dtype=self._product_x_dtype(to_product, x.shape[0]))
+        rows = x.shape[0]
+        w = _streamed(gate_up) if rows <= SWIGLU_ROWS else None
+        if w is not None and 0 < cupy_ops_extra.tune_for(w.fmt)["swiglu_rows"] <= rows and fuses_swiglu(w, rows):
+            x = x if isinstance(x, NormedRows) else product_rows(x)
+            return mx_swiglu(x, w, out_dtype=self._product_x_dtype(to_product, rows))
         return super().swiglu(x, gate_up, to_product)
 
     def silu_mul_halves(self, y: Any, to_product: Any = None) -> Any:

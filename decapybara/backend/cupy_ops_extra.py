@@ -368,7 +368,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     m = x.shape[0] if groups is None else int(max_rows)
     n, kp = w.N, w.Kp
     fused = res is not None or norm is not None or swiglu
-    most = SWIGLU_ROWS if swiglu and res is None and norm is None else FUSED_ROWS
+    most = FUSED_ROWS if res is not None or norm is not None else SWIGLU_ROWS
     assert not fused or (groups is None and gather is None and m <= most), f"fused norms / swiglu: dense, M <= {most}"
     assert not swiglu or (n % 16 == 0 and bias is None and res is None and y.shape == (m, n // 2)), \
         f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
@@ -448,13 +448,12 @@ def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
-    one launch (kernels/mx_gemv.cu `_1s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes under
-    tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
+    one launch (kernels/mx_gemv.cu `_1s` / `_2s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes
+    under tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
     kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or (up to
     FUSED_ROWS rows) `NormedRows`, fused; at most SWIGLU_ROWS rows (the caller checks `fuses_swiglu`)."""
-    assert isinstance(w, PackedWeight) and len(w.shape) == 2 and fuses_swiglu(w, x.shape[0]), \
-        f"swiglu over {w!r:.80} at {x.shape[0]} rows"
-    _check_packed(w)
+    assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
+    _check_packed(w)  # the rest of `fuses_swiglu`: _gemm's asserts and the kernel lookup
     norm = None
     if isinstance(x, NormedRows):
         assert fuses_norms(w, x.shape[0]), f"NormedRows of {x.shape[0]} rows"

@@ -46,21 +46,26 @@ def assert_same(got, plain, w, m, name):
         assert_bytes_equal(got, plain, name)
 
 
-def stacked(rng, fmt: str, shape: tuple[int, int]) -> ex.PackedWeight:
-    """A [gate; up] matrix of 2 I rows (2 I: the case's N rounded up to 16) over K: gate its first I rows."""
+def stacked_case(name: str, fmt: str, tune: dict, shape: tuple[int, int], monkeypatch):
+    """(rng, a [gate; up] matrix of 2 I rows (2 I: the case's N rounded up to 16) over K, gate its first I rows)
+    under the case's tuning; None where the kernels cannot stream its layout (asserted)."""
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{fmt}-{sorted(tune.items())}-{shape}".encode()))
     wq, _ = random_weight(rng, fmt, (-(-shape[0] // 16) * 16, shape[1]))
-    return ex.pack_weight(wq)
+    w = ex.pack_weight(wq)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    if not ex.fuses_swiglu(w, 1):
+        assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
+        return None
+    return rng, w
 
 
 @pytest.mark.parametrize("tune,shape", CASES[::2] + DIRECT)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch):
-    rng = np.random.default_rng(zlib.crc32(f"swiglu-{fmt}-{sorted(tune.items())}-{shape}".encode()))
-    w = stacked(rng, fmt, shape)
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
-    if not ex.fuses_swiglu(w, 1):
-        assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
+    case = stacked_case("swiglu", fmt, tune, shape, monkeypatch)
+    if case is None:
         return
+    rng, w = case
     for m in (1, 3, 8, 12, 16):
         x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
         for xr in (x, ops.to_bf16_bits(x)):
@@ -76,12 +81,10 @@ def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch
 def test_swiglu_consumes_normed_rows(fmt, tune, shape, monkeypatch):
     """x = NormedRows (the gate|up product after an output projection that fused the norm): each row divided
     by its denominator before the activation, as the plain consumer product does."""
-    rng = np.random.default_rng(zlib.crc32(f"swiglu-normed-{fmt}-{sorted(tune.items())}-{shape}".encode()))
-    w = stacked(rng, fmt, shape)
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
-    if not ex.fuses_swiglu(w, 1):
-        assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
+    case = stacked_case("swiglu-normed", fmt, tune, shape, monkeypatch)
+    if case is None:
         return
+    rng, w = case
     k = w.K
     for m in (1, 6):
         h = rng.standard_normal((m, k)).astype(np.float32) * 3

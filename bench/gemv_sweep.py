@@ -52,16 +52,19 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("2/SM s2", {"stages": 2, "blocks_per_sm": 2}, ()),     # 2 resident blocks, 2 register stages
     ("3/SM s1", {"stages": 1, "blocks_per_sm": 3}, ()),     # 3 resident blocks (80 registers), 1 stage
     ("2/SM s4", {"stages": 4, "blocks_per_sm": 2}, ()),     # 4 register stages: a small product's chunks all in flight
-    ("no small build", {"small_bytes": 0}, ()),             # "out" on the default build, not the small 2 / 2 one
-    ("small s4", {"small_stages": 4}, ()),                   # the small build with 4 register stages
-    ("small s3", {"small_stages": 3}, ()),
-    ("small 3/SM s1", {"small_blocks_per_sm": 3, "small_stages": 1}, ()),
+    # the small build ("out" under 24 MB of codes on 2 / 2 rather than the default build; the default until the
+    # `_1r` kernels, off since)
+    ("small build", {"small_bytes": 24_000_000}, ()),
+    ("small s4", {"small_bytes": 24_000_000, "small_stages": 4}, ()),  # the small build with 4 register stages
+    ("small s3", {"small_bytes": 24_000_000, "small_stages": 3}, ()),
     ("auto_fill 0.85", {"auto_fill": 0.85}, ()),             # stream-K below 85% of a wave (before the ninth session)
     ("ksplit 2", {"ksplit": 2}, ()),                         # every product on a tile grid of 2 / 3 / 4 K splits
     ("ksplit 3", {"ksplit": 3}, ()),
     ("ksplit 4", {"ksplit": 4}, ()),
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0, "wide_warps": 8}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
+    ("row1 off", {"row1": 0}, ()),                        # one-row MXFP4 on the `_1` kernels (a bf16x2 FMA a code pair)
+    ("diag row1 off", {"row1": 0}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
     # `warps`: the one-n-tile kernels' blocks (and those past 16 rows); `wide_warps`: the two-n-tile ones'.

@@ -13,11 +13,14 @@ decode graphs and times graph steps (median of 10) at WHATIF_SHAPES (default 1x1
   which then runs as the plain product);
 - small: products over weights under 4 MB (the DeltaNet a|b products, 48);
 - deltanet: the DeltaNet decode (conv1d state, recurrence, gated norm; 48 layers);
+- finish: the DeltaNet decode's second launch alone (gdn_decode_finish: the conv state update and the gated
+  norm; the output projection then reads the core's float32 rows);
 - attention: q / k norm + RoPE, paged attention with its KV write, the output gate (16 layers);
 - rest: all of the above: what remains is the large products and the embedding row.
 
 Prints step ms and the saving against the full step per shape; WHATIF_ROUNDS repeats the interleaved
-sequence (two captures of one graph differ by a few %).
+sequence (two captures of one graph differ by a few %); WHATIF_DROPS names the sets to time (e.g.
+"full,finish"; default all).
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ import cupy as cp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("WHATIF_SHAPES", "1x1024,12x1024").split(",")]
 GROUPS = ("norms", "silu", "small", "deltanet", "attention")
-DROPS: dict[str, tuple[str, ...]] = {"full": (), **{g: (g,) for g in GROUPS}, "rest": GROUPS}
+DROPS: dict[str, tuple[str, ...]] = {"full": (), **{g: (g,) for g in GROUPS}, "finish": ("finish",), "rest": GROUPS}
+if os.environ.get("WHATIF_DROPS"):
+    DROPS = {k: v for k, v in DROPS.items() if k in os.environ["WHATIF_DROPS"].split(",")}
+_GET_KERNEL = cd.get_kernel
 ROUNDS = int(os.environ.get("WHATIF_ROUNDS", "2"))
 SMALL_BYTES = 4 << 20
 
@@ -74,6 +81,11 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
     if "deltanet" in drop:
         ops.deltanet_core_gated = lambda states, layer, mixed, a, b, params, segments, cfg, raw, z, w, eps, \
             to_product=None: buf.get(*z.shape)
+    if "finish" in drop:  # the core without its gate: gdn_decode, then conv1d_state_update, dropped below
+        ops.deltanet_core_gated = lambda states, layer, mixed, a, b, params, segments, cfg, raw, z, w, eps, \
+            to_product=None: ops.deltanet_core(states, layer, mixed, a, b, params, segments, cfg, raw)
+        cd.get_kernel = lambda src, name, defines=(): ((lambda *a, **k: None) if name == "conv1d_state_update"
+                                                       else _GET_KERNEL(src, name, defines))
     if "attention" in drop:
         ops.qk_norm_rope = lambda q, k, *a: (q, k)
         ops.paged_attention = lambda kv, layer, q, k, v, batch, scale: buf.get(*q.shape)
@@ -84,6 +96,7 @@ def unpatch(ops: Any) -> None:
     for name in ("add_rms_norm", "rms_norm", "linear_add_rms_norm", "silu_mul_halves", "swiglu", "linear",
                  "deltanet_core_gated", "qk_norm_rope", "paged_attention", "sigmoid_gate"):
         ops.__dict__.pop(name, None)
+    cd.get_kernel = _GET_KERNEL
 
 
 def main() -> None:

@@ -61,6 +61,12 @@
 // fused norm consumers (x = NormedRows' xg).
 // Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
 // (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
+// One row of x, MXFP4 (the `mx_gemm_mxfp4_1r` / `_1rs` kernels; cupy_ops_extra.py `one_row`): with one row, 7 of
+// an MMA's 8 columns would repeat it. Here column n of a chunk's MMAs sums the chunk's block n alone (x where the
+// lane's codes are block n, zeros elsewhere: each lane's k-slots are its own two blocks), so the codes enter the
+// MMAs unscaled and each lane applies its four (row, block) scales to float32 block sums once a chunk
+// (`mma_chunk_r1`) instead of a bf16x2 FMA per code pair: the same products within float32 rounding (the sums
+// are grouped by block), the same epilogues (fused norms, SwiGLU) after a sum over the lanes of a row.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -215,14 +221,24 @@ template <int FMT> __device__ __forceinline__ u32 scale_factor(u32 s) {
     return h | (h << 16);
 }
 
-// scale_factor<MXFP4 / MXFP6> of both E8M0 bytes of s at once (16-bit lanes): f[0] from byte 0, f[1] from
-// byte 1. e = min(s + 62, 255) saturates to infinity as above, and s = 255 sets the quiet-NaN bit.
-__device__ __forceinline__ void scale_pair(const u32 s, u32 (&f)[4]) {
+// scale_factor<MXFP4 / MXFP6> of both E8M0 bytes of s at once: its bf16 bits in 16-bit lanes (byte 0 low).
+// e = min(s + 62, 255) saturates to infinity as above, and s = 255 sets the quiet-NaN bit.
+__device__ __forceinline__ u32 scale_halves(const u32 s) {
     const u32 t = __byte_perm(s, 0u, 0x4140);  // {s0, s1} in 16-bit lanes
     const u32 e = __vminu2(t + 0x003E003Eu, 0x00FF00FFu);  // one VIMNMX.U16x2 on sm_90, emulated before
-    const u32 h = (e << 7) | (((t + 0x00010001u) >> 2) & 0x00400040u);
+    return (e << 7) | (((t + 0x00010001u) >> 2) & 0x00400040u);
+}
+// as bf16x2 factors: f[0] from byte 0, f[1] from byte 1
+__device__ __forceinline__ void scale_pair(const u32 s, u32 (&f)[4]) {
+    const u32 h = scale_halves(s);
     f[0] = __byte_perm(h, 0u, 0x1010);
     f[1] = __byte_perm(h, 0u, 0x3232);
+}
+// as float32 (the same value: bf16 bits are a float's top half): f[0] from byte 0, f[1] from byte 1
+__device__ __forceinline__ void scale_pair_f32(const u32 s, float (&f)[2]) {
+    const u32 h = scale_halves(s);
+    f[0] = __uint_as_float(h << 16);
+    f[1] = __uint_as_float(h & 0xFFFF0000u);
 }
 
 // Codes of one lane-row (LB bytes as words w) -> the four A-operand bf16x2 pairs of slice pair JJ:
@@ -361,6 +377,45 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
     }
 }
 
+// One row of x, MXFP4 (the `_1r` kernels, header): chunk partial sums by block, the block scales applied to them.
+// MMA column n of this chunk sums block n's codes only: lane (g, t) feeds the A k-slots of its own codes, blocks
+// 2t (words 0-3) and 2t + 1 (words 4-7), so B column g holds x where g = 2t (words 0-3: xlo) or g = 2t + 1
+// (words 4-7: xhi) and zeros elsewhere (the caller points the other lanes at a zero row). The lane's D
+// fragment, rows g / g + 8 by columns 2t / 2t + 1, is then exactly its own four (row, block) pairs, whose scales
+// it holds: fin[0] (row g) += D[g][2t] * s(g, 2t) + D[g][2t + 1] * s(g, 2t + 1), fin[1] (row g + 8) likewise.
+// Codes enter the MMA unscaled (value * 2^-126, bf16 subnormals for +-0.5) and x staged times 2^64, so a
+// block's sum is 2^-62 of its true dot product and the float32 factor 2^(s - 65) (scale_pair_f32) restores it.
+template <int FMT>
+__device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
+                                             const u16* xlo, const u16* xhi) {
+    static_assert(FMT == FMT_MXFP4, "one-row block sums: MXFP4 (two 32-code blocks a lane-row)");
+    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two MMA chains (slices 2jj, 2jj + 1)
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+        u32 a0[4], a1[4];
+        if (MX_DIAG) {  // the same words, undecoded (timing only)
+            a0[0] = r0.w[jj]; a0[1] = r0.w[jj] >> 1; a0[2] = r0.w[jj] << 1; a0[3] = ~r0.w[jj];
+            a1[0] = r1.w[jj]; a1[1] = r1.w[jj] >> 1; a1[2] = r1.w[jj] << 1; a1[3] = ~r1.w[jj];
+        } else if (MX_E2M1) {
+            e2m1_pairs_split_raw(r0.w[jj], a0);
+            e2m1_pairs_split_raw(r1.w[jj], a1);
+        } else {
+            e2m1_pairs_raw(r0.w[jj], a0);
+            e2m1_pairs_raw(r1.w[jj], a1);
+        }
+        const uint4 b = *(const uint4*)((jj < 4 ? xlo : xhi) + 32 * jj);
+        mma16816(d[0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+        mma16816(d[1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
+    }
+    float f0[2], f1[2];
+    scale_pair_f32(r0.s, f0);
+    scale_pair_f32(r1.s, f1);
+    fin[0] = fmaf(d[0][0] + d[1][0], f0[0], fin[0]);
+    fin[0] = fmaf(d[0][1] + d[1][1], f0[1], fin[0]);
+    fin[1] = fmaf(d[0][2] + d[1][2], f1[0], fin[1]);
+    fin[1] = fmaf(d[0][3] + d[1][3], f1[1], fin[1]);
+}
+
 // One group of 8 bf16 codes of x (16 bytes, k order) staged: scaled by xmul, in the k-slot permutation, as
 // bf16x2 words (exact: xmul is a power of two).
 template <int FMT>
@@ -403,12 +458,13 @@ __device__ __forceinline__ void store_tile_sums(const Args& A, const float* sqp,
 // fixed order, so the result does not depend on timing).
 // WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
 // and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
-template <int FMT, int NT, bool WHOLE, bool SWI>
+template <int FMT, int NT, bool WHOLE, bool SWI, bool R1>
 __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, bool first, int& last_flag,
                                            const int grp, const int mt, const int tile, const int c0,
                                            const int c1, const int part, const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
     constexpr bool FUSE = NT == 1;  // fused norms (header): one-n-tile kernels only, the wider ones keep their code
+    static_assert(!R1 || (NT == 1 && FMT == FMT_MXFP4), "one-row block sums: the one-n-tile MXFP4 kernels");
     constexpr int WARPS = Wp<NT>::W, TILE_ROWS = Wp<NT>::ROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
@@ -451,7 +507,12 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                                                                           : Fmt<FMT>::STAGES;
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
-    const int segc = (((MT * RS) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
+    // R1: the buffer's last ZX codes stay zero (the B columns of other blocks, mma_chunk_r1); x row 0 before them
+    constexpr int ZX = R1 ? 128 : 0;
+    const int segc = (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
+    u16* const zx = xs + (MT * RS - ZX);
+    if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
+    float fin[2] = {0.f, 0.f};  // R1: this lane's sums of rows g and g + 8 (blocks 2t, 2t + 1 of each chunk)
     // Staged row of x that feeds MMA column g of n-tile nt. Rows past m_valid are not staged (<= 2 n-tiles):
     // their columns read the last real row instead, and those output columns are never stored.
     int xrow[NT];
@@ -568,8 +629,13 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             for (int s = 0; s < ST; ++s) {
                 const int c = cb + s;
                 if (c >= se) break;  // uniform per block
-                if (warp_on)
+                if constexpr (R1) {
+                    const u16* xc = xs + (c - sb) * CK + 8 * t;  // x row 0 (R1: m_valid == 1, xrow 0)
+                    if (warp_on)
+                        mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zx, g == 2 * t + 1 ? xc : zx - 128);
+                } else if (warp_on) {
                     mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + (c - sb) * CK + 8 * t, xrow);
+                }
                 if (c + ST < c1)  // refill this stage with the chunk ST ahead
                     load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8,
                                            (c + ST) * 4 + t, A.Kp);
@@ -577,6 +643,15 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         }
     }
 
+    if (R1) {  // the four lanes t of rows g, g + 8 hold disjoint blocks: their sum, into the (row g / g + 8, m 0) slots
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            fin[0] += __shfl_xor_sync(0xffffffffu, fin[0], o);
+            fin[1] += __shfl_xor_sync(0xffffffffu, fin[1], o);
+        }
+        acc[0][0][0] = fin[0];
+        acc[0][0][2] = fin[1];
+    }
     pdl_trigger();  // the next product may start loading its weights (pdl.cuh)
     TRACE(A.W, 3);
     if (FUSE && A.nsq) __syncthreads();  // the row denominators of the first segment, for every warp's epilogue
@@ -717,7 +792,7 @@ __device__ __forceinline__ void stream_unit(u32 u, u32 u_end, u32 U, u32 B, int 
     nparts = last - first + 1;
 }
 
-template <int FMT, int NT, bool SWI>
+template <int FMT, int NT, bool SWI, bool R1>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
     constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
@@ -744,9 +819,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         int part = blockIdx.y, nparts = gridDim.y;
         if (A.stream) stream_unit(u, u_end, U, B, nchunks, tile, c0, c1, part, nparts);
         if (whole)
-            mx_segment<FMT, NT, true, SWI>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, true, SWI, R1>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         else
-            mx_segment<FMT, NT, false, SWI>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, false, SWI, R1>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
         u += A.stream ? (u32)(c1 - c0) : 1u;
     }
     TRACE(A.W, 4);
@@ -754,7 +829,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 
 // resident blocks of W warps for B of 8 warps (at least 1)
 #define MX_BLOCKS(B, W) ((B) * 8 / (W) > 0 ? (B) * 8 / (W) : 1)
-#define MX_KERNEL(NAME, FMT, NT, SWI)                                                                          \
+#define MX_KERNEL(NAME, FMT, NT, SWI, R1)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * Wp<NT>::W, MX_BLOCKS(NT == 1 ? MX_MINB : NT == 2 ? MX_MINB2 : NT <= 4 ? 2 : 1, Wp<NT>::W)) NAME( \
         const u8* W, const u8* S, float post, const float* bias, const void* x, int x_kind, i64 ldx,         \
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
@@ -764,12 +839,15 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
                w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream, res, sq, xg,   \
                gw, gw_off, nsq, nsq_tiles, n_eps, xg_kind};                                                 \
-        mx_gemm_impl<FMT, NT, SWI>(a);                                                                         \
+        mx_gemm_impl<FMT, NT, SWI, R1>(a);                                                                     \
     }
 #define MX_FORMAT(NAME, FMT) \
-    MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1, false) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2, false) \
-    MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4, false) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8, false) \
-    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true) MX_KERNEL(mx_gemm_##NAME##_2s, FMT, 2, true)
+    MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1, false, false) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2, false, false) \
+    MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4, false, false) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8, false, false) \
+    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true, false) MX_KERNEL(mx_gemm_##NAME##_2s, FMT, 2, true, false)
+// the one-row kernels with block sums (header), MXFP4 only
+#define MX_FORMAT_R1(NAME, FMT) \
+    MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, true) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, true)
 // MX_ONLY = a format id builds only that format's six kernels (each format has its own tuning defines, so a
 // module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32); unset, all five.
 #ifndef MX_ONLY
@@ -788,6 +866,7 @@ MX_FORMAT(mxfp6, FMT_MXFP6)
 #endif
 #if MX_ONLY_IS(FMT_MXFP4)
 MX_FORMAT(mxfp4, FMT_MXFP4)
+MX_FORMAT_R1(mxfp4, FMT_MXFP4)
 #endif
 #if MX_ONLY_IS(FMT_NVFP4)
 MX_FORMAT(nvfp4, FMT_NVFP4)

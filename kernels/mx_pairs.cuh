@@ -32,13 +32,21 @@ __device__ __forceinline__ void e4m3_pairs(unsigned int v, unsigned int f, unsig
   p13 = mx_bfma2(((v >> 4) & M) | (v & S), f);
 }
 
-// E2M1: word v = codes c0..c7 (nibble i = c_i) -> a[r] = (c_r, c_{r+4}), times f.
-__device__ __forceinline__ void e2m1_pairs(unsigned int v, unsigned int f, unsigned int (&a)[4]) {
+// E2M1: word v = codes c0..c7 (nibble i = c_i) -> a[r] = (c_r, c_{r+4}) as bf16x2 of value * 2^-126 (the
+// subnormal codes +-0.5 as bf16 subnormals), unscaled.
+__device__ __forceinline__ void e2m1_pairs_raw(unsigned int v, unsigned int (&a)[4]) {
   const unsigned int M = 0x01C001C0u, S = 0x80008000u;
-  a[0] = mx_bfma2(((v << 6) & M) | ((v << 12) & S), f);
-  a[1] = mx_bfma2(((v << 2) & M) | ((v << 8) & S), f);
-  a[2] = mx_bfma2(((v >> 2) & M) | ((v << 4) & S), f);
-  a[3] = mx_bfma2(((v >> 6) & M) | (v & S), f);
+  a[0] = ((v << 6) & M) | ((v << 12) & S);
+  a[1] = ((v << 2) & M) | ((v << 8) & S);
+  a[2] = ((v >> 2) & M) | ((v << 4) & S);
+  a[3] = ((v >> 6) & M) | (v & S);
+}
+
+// E2M1: the same pairs times f.
+__device__ __forceinline__ void e2m1_pairs(unsigned int v, unsigned int f, unsigned int (&a)[4]) {
+  e2m1_pairs_raw(v, a);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) a[r] = mx_bfma2(a[r], f);
 }
 
 // E2M1, split-field layout (weights only: decapybara/backend/gemv_plan.py `e2m1_split_words` packs it): each
@@ -47,12 +55,20 @@ __device__ __forceinline__ void e2m1_pairs(unsigned int v, unsigned int f, unsig
 // word. a[2] needs no shift, a[1] one, a[3] two; a[0] = ((w << 6) & M) | ((w << 2) & S) is computed as one
 // multiply of its fields (w & 0x20072007) by 2^6 + 2^2 (the two terms overlap only at bits 18-21, whose carry
 // stops below bit 22). 14 instructions a word with the FMAs, instead of 20; no field crosses a 16-bit half.
-__device__ __forceinline__ void e2m1_pairs_split(unsigned int w, unsigned int f, unsigned int (&a)[4]) {
+// The pairs unscaled (value * 2^-126, as e2m1_pairs_raw):
+__device__ __forceinline__ void e2m1_pairs_split_raw(unsigned int w, unsigned int (&a)[4]) {
   const unsigned int M = 0x01C001C0u, S = 0x80008000u;
-  a[0] = mx_bfma2(((w & 0x20072007u) * 68u) & (M | S), f);
-  a[1] = mx_bfma2((w << 3) & (M | S), f);
-  a[2] = mx_bfma2(w & (M | S), f);
-  a[3] = mx_bfma2(((w >> 3) & M) | ((w << 1) & S), f);
+  a[0] = ((w & 0x20072007u) * 68u) & (M | S);
+  a[1] = (w << 3) & (M | S);
+  a[2] = w & (M | S);
+  a[3] = ((w >> 3) & M) | ((w << 1) & S);
+}
+
+// and times f:
+__device__ __forceinline__ void e2m1_pairs_split(unsigned int w, unsigned int f, unsigned int (&a)[4]) {
+  e2m1_pairs_split_raw(w, a);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) a[r] = mx_bfma2(a[r], f);
 }
 
 // E2M3: two groups A, B of four 6-bit codes (24-bit little-endian c0 | c1 << 6 | c2 << 12 | c3 << 18) given

@@ -229,7 +229,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # by format ("*": the others); a plain value set over it (tests, sweeps) applies to every format, a dict in
 # DECAPYBARA_MX_TUNE is merged into the default's. `small_bytes` (0: off): dense one-n-tile products of fewer
 # code bytes run the `small_stages` / `small_blocks_per_sm` build instead (a few chunks per warp: more of them
-# in flight): 24 MB gives the 27B "out" product (16 MB) 28 -> 34% of copy bandwidth, a one-stream step ~2%.
+# in flight): at 24 MB it gave the 27B "out" product (16 MB) 28 -> 34% of copy bandwidth, a one-stream step ~2%
+# (ninth session); since the `_1r` kernels it is off: 27B steps at 1 to 8 streams 1.2-2.2% faster without it.
 # `auto_fill` 0.7 (was 0.85): tile grids down to 70% of a wave rather than stream-K; the 27B q|k|v (one and
 # twelve rows) and twelve-row "out" products take a tile grid then (twelve-row "out" 17 -> 22% of copy
 # bandwidth), twelve-stream steps ~3% faster (three interleaved captures each, docs/perf.md). `fuse_norms` (0:
@@ -246,14 +247,17 @@ def _stream_counters(device: int, stream: int) -> Any:
 # `swiglu_rows` (0: off): MLPs of this many rows up to 16 (SWIGLU_ROWS) run their fused gate|up product and
 # silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` / `_2s`): 27B steps at 1 to 12 streams
 # 1-3% faster (interleaved captures, docs/perf.md).
+# `row1` (0: off): dense one-row MXFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu, header:
+# partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA per code
+# pair; the same products within float32 rounding).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
     "wide_warps": {"*": 8, "mxfp4": 12, "nvfp4": 12, "mxfp8": 12},
     "policy": "auto",
-    "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 24_000_000, "small_stages": 2, "small_blocks_per_sm": 2,
+    "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
-    "bf16_rows": 2, "swiglu_rows": 1,
+    "bf16_rows": 2, "swiglu_rows": 1, "row1": 1,
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -352,6 +356,13 @@ class NormedRows:
         return rms_norm(self.h, self.weight, self.eps, self.offset)
 
 
+def one_row(w: PackedWeight, rows: int, tune: dict, groups: Any = None) -> bool:
+    """Whether a product launches the one-row block-sum kernels (`_1r` / `_1rs`, kernels/mx_gemv.cu header):
+    dense, one row, MXFP4, TUNE `row1` (resolved `tune`) and a kernel file that has them."""
+    return (groups is None and rows == 1 and w.fmt == "mxfp4" and bool(tune.get("row1", 0))
+            and kernel_knows(tune["source"], "NAME##_1r"))
+
+
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
           max_rows: int | None = None, res: Any = None, norm: NormedRows | None = None, swiglu: bool = False) -> Any:
     """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts)).
@@ -389,8 +400,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     if w.codes.nbytes // ngroups >= 1 << 32:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     assert not w.tiled or kernel_knows(tune["source"], "MX_TILED"), f"kernels/{tune['source']}.cu reads no band tiles"
-    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{nt}{'s' if swiglu else ''}",
-                      gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
+    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else nt}"
+                      f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
     sq = None
     fuse_args: tuple[Any, ...] = ()

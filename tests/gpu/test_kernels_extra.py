@@ -119,9 +119,7 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     assert_bytes_equal(outs[1], outs[0], f"mx_linear {fmt} [{m}x{k}]: bf16 x against float32 x")
 
 
-# launch / kernel knobs of mx_gemm; each case runs with `small_bytes` 0 unless it sets its own, so that one-row
-# products take the build the step's large products use (the default's 24 MB would give every test shape the
-# small build)
+# launch / kernel knobs of mx_gemm; each case runs with `small_bytes` 0 (the default) unless it sets its own
 TUNE_CASES = [
     ({"acc": 2}, (700, 1536)), ({"acc": 2, "policy": "balance"}, (700, 1536)), ({"ksplit": 3, "acc": 2}, (700, 1536)),
     ({"stages": 3, "acc": 2}, (700, 1536)), ({"stages": 4, "acc": 1}, (700, 1536)), ({"stages": 1}, (700, 1536)),
@@ -136,7 +134,7 @@ TUNE_CASES = [
     ({"policy": "stream", "min_chunks": 1}, (4096, 5120)), ({"policy": "stream", "acc": 2, "warps": 4}, (4096, 5120)),
     ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40}, (704, 1536)),
     ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120)), ({"blocks_per_sm": 3, "stages": 1}, (704, 1536)),
-    ({"small_bytes": ex.TUNE["small_bytes"]}, (704, 1536)),  # the default: the small build
+    ({"small_bytes": 24_000_000}, (704, 1536)),  # the small build under 24 MB (the default until the `_1r` kernels)
     # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 12 (MXFP4's default), 16 and 4
     ({"wide_warps": 8}, (4096, 5120)), ({"wide_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
     ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536))]
@@ -277,6 +275,46 @@ def test_e2m1_code_layouts_compute_the_same_products(fmt, split, tiled):
     ref = x.astype(np.float64) @ w_ref.T
     assert_close(ex.mx_linear(cp.asarray(x), fused), np.concatenate([ref, ref], 1), 1e-4, f"{fmt} fused")
     assert_close(ex.mx_linear(cp.asarray(x), b), ref, 1e-4, f"{fmt} second view of the stack")
+
+
+@pytest.mark.parametrize("split,tiled", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["split-tiled", "plain-tiled", "split-rows", "plain-rows"])
+@pytest.mark.parametrize("shape,tune", [((704, 1536), {}), ((4096, 5120), {"policy": "stream", "min_chunks": 1}),
+                                        ((704, 1536), {"ksplit": 3}), ((300, 352), {}),
+                                        ((704, 1536), {"small_bytes": 1 << 40})],
+                         ids=["grid", "stream", "ksplit", "tail", "small"])
+def test_one_row_block_sums(shape, tune, split, tiled, monkeypatch):
+    """One-row MXFP4 products on the `_1r` kernels (kernels/mx_gemv.cu: codes unscaled into the MMA, one
+    column per 32-code block, block scales on float32 sums): the reference product with block scales over the
+    whole E8M0 range the kernels take (0..192, so block values from 2^-127 to 2^65 in one row, and +-0.5 codes
+    as bf16 subnormals), NaN where a block's scale is NaN (255) and nowhere else; within float32 rounding of
+    the `_1` kernels' product (row1 off). Whole and partial chunks, tile grids, K splits, stream-K, the small
+    build, both code layouts."""
+    n, k = shape
+    rng = np.random.default_rng(zlib.crc32(f"row1-{shape}-{sorted(tune.items())}-{split}-{tiled}".encode()))
+    f = quant.get_format("mxfp4")
+    codes = rng.integers(0, 256, f.code_shape(shape), dtype=np.uint8)
+    scales = rng.integers(100, 140, f.scale_shape(shape), dtype=np.uint8)
+    scales[:8] = rng.integers(0, 193, scales[:8].shape, dtype=np.uint8)  # the range, rows of wild scales
+    scales[8, 1] = 255  # row 8: NaN
+    q = quant.QuantTensor("mxfp4", shape, codes, scales, None)
+    w_ref = quant.dequantize(q).astype(np.float64)
+    w = ex.pack_weight(q, e2m1_split=split, tiled=tiled and n % 16 == 0 and k % 256 == 0)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, **tune})
+    assert ex.one_row(w, 1, ex.launch_tune(w, 1))
+    x = bf16_round(rng.standard_normal((1, k)) * 0.5).astype(np.float32)
+    ref = x.astype(np.float64) @ np.nan_to_num(w_ref, nan=0.0).T
+    ref[:, 8] = np.nan
+    got = host(ex.mx_linear(cp.asarray(x), w))
+    assert np.isnan(got[0, 8]) and not np.isnan(np.delete(got, 8, 1)).any(), "NaN exactly where a scale is NaN"
+    wild, calm = slice(0, 8), slice(9, n)  # each against its own magnitude
+    assert_close(got[:, wild], ref[:, wild], 1e-5, f"row1 {shape} {tune} wild scales")
+    assert_close(got[:, calm], ref[:, calm], 1e-5, f"row1 {shape} {tune}")
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1": 0})
+    assert not ex.one_row(w, 1, ex.launch_tune(w, 1))
+    plain = host(ex.mx_linear(cp.asarray(x), w))
+    for rows in (wild, calm):
+        assert_close(got[:, rows], plain[:, rows], 1e-5, f"row1 against the _1 kernels {shape} {tune}")
 
 
 @pytest.mark.parametrize("split", [False, True])

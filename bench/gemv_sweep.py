@@ -58,6 +58,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("small s4", {"small_bytes": 24_000_000, "small_stages": 4}, ()),  # the small build with 4 register stages
     ("small s3", {"small_bytes": 24_000_000, "small_stages": 3}, ()),
     ("auto_fill 0.85", {"auto_fill": 0.85}, ()),             # stream-K below 85% of a wave (before the ninth session)
+    ("stream-K", {"policy": "stream"}, ()),                   # every product stream-K
+    ("min_chunks 4", {"min_chunks": 4}, ()),                  # stream-K blocks of at least 4 chunks (one-row "out")
+    ("ksplit 1", {"ksplit": 1}, ()),                         # no K split (one-row gate|up: 272 blocks, no partial sums)
     ("ksplit 2", {"ksplit": 2}, ()),                         # every product on a tile grid of 2 / 3 / 4 K splits
     ("ksplit 3", {"ksplit": 3}, ()),
     ("ksplit 4", {"ksplit": 4}, ()),

@@ -13,6 +13,8 @@ decode graphs and times graph steps (median of 10) at WHATIF_SHAPES (default 1x1
   which then runs as the plain product);
 - small: products over weights under 4 MB (the DeltaNet a|b products, 48);
 - deltanet: the DeltaNet decode (conv1d state, recurrence, gated norm; 48 layers);
+- gate: the attention output gate alone (`sigmoid_gate`, 16);
+- kvwrite: the attention layers' KV page writes alone (two launches a layer, 32);
 - finish: the DeltaNet decode's second launch alone (gdn_decode_finish: the conv state update and the gated
   norm; the output projection then reads the core's float32 rows);
 - attention: q / k norm + RoPE, paged attention with its KV write, the output gate (16 layers);
@@ -37,15 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
 from decapybara.backend import cupy_deltanet as cd
+from decapybara.backend import cupy_kv as ck
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("WHATIF_SHAPES", "1x1024,12x1024").split(",")]
 GROUPS = ("norms", "silu", "small", "deltanet", "attention")
-DROPS: dict[str, tuple[str, ...]] = {"full": (), **{g: (g,) for g in GROUPS}, "finish": ("finish",), "rest": GROUPS}
+DROPS: dict[str, tuple[str, ...]] = {"full": (), **{g: (g,) for g in GROUPS}, "finish": ("finish",), "gate": ("gate",),
+                                     "kvwrite": ("kvwrite",), "rest": GROUPS}
 if os.environ.get("WHATIF_DROPS"):
     DROPS = {k: v for k, v in DROPS.items() if k in os.environ["WHATIF_DROPS"].split(",")}
 _GET_KERNEL = cd.get_kernel
+_KV_WRITE = ck.CupyKVCache.write
 ROUNDS = int(os.environ.get("WHATIF_ROUNDS", "2"))
 SMALL_BYTES = 4 << 20
 
@@ -86,6 +91,10 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
             to_product=None: ops.deltanet_core(states, layer, mixed, a, b, params, segments, cfg, raw)
         cd.get_kernel = lambda src, name, defines=(): ((lambda *a, **k: None) if name == "conv1d_state_update"
                                                        else _GET_KERNEL(src, name, defines))
+    if "gate" in drop:
+        ops.sigmoid_gate = lambda o, gate, to_product=None: o
+    if "kvwrite" in drop:
+        ck.CupyKVCache.write = lambda self, layer, slots, k, v: None
     if "attention" in drop:
         ops.qk_norm_rope = lambda q, k, *a: (q, k)
         ops.paged_attention = lambda kv, layer, q, k, v, batch, scale: buf.get(*q.shape)
@@ -97,6 +106,7 @@ def unpatch(ops: Any) -> None:
                  "deltanet_core_gated", "qk_norm_rope", "paged_attention", "sigmoid_gate"):
         ops.__dict__.pop(name, None)
     cd.get_kernel = _GET_KERNEL
+    ck.CupyKVCache.write = _KV_WRITE
 
 
 def main() -> None:

@@ -66,7 +66,10 @@
 // lane's codes are block n, zeros elsewhere: each lane's k-slots are its own two blocks), so the codes enter the
 // MMAs unscaled and each lane applies its four (row, block) scales to float32 block sums once a chunk
 // (`mma_chunk_r1`) instead of a bf16x2 FMA per code pair: the same products within float32 rounding (the sums
-// are grouped by block), the same epilogues (fused norms, SwiGLU) after a sum over the lanes of a row.
+// are grouped by block) wherever the `_1` kernels' scaled bf16 codes are exact (block scales from 2^-61
+// up; below, those lose bits that the float32 factors here keep), but for blocks whose unscaled sum of x times
+// codes is under 2^-64, which enter their scale as float32 subnormals (flushed where subnormals are, e.g. the
+// NVRTC build); the same epilogues (fused norms, SwiGLU) after a sum over the lanes of a row.
 
 typedef unsigned int u32;
 typedef unsigned short u16;

@@ -249,7 +249,7 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 1-3% faster (interleaved captures, docs/perf.md).
 # `row1` (0: off): dense one-row MXFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu, header:
 # partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA per code
-# pair; the same products within float32 rounding).
+# pair; the same products within float32 rounding for block scales from 2^-61 up, more exact below).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},

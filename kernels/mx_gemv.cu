@@ -61,12 +61,12 @@
 // fused norm consumers (x = NormedRows' xg).
 // Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
 // (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
-// One row of x, MXFP4 (the `mx_gemm_mxfp4_1r` / `_1rs` kernels; cupy_ops_extra.py `one_row`): with one row, 7 of
-// an MMA's 8 columns would repeat it. Here column n of a chunk's MMAs sums the chunk's block n alone (x where the
-// lane's codes are block n, zeros elsewhere: each lane's k-slots are its own two blocks), so the codes enter the
-// MMAs unscaled and each lane applies its four (row, block) scales to float32 block sums once a chunk
+// One row of x, MXFP4 / NVFP4 (the `mx_gemm_<fmt>_1r` / `_1rs` kernels; cupy_ops_extra.py `one_row`): with one
+// row, 7 of an MMA's 8 columns would repeat it. Here each column of a chunk's MMAs sums one block alone (x where
+// the lane's codes are that block, zeros elsewhere: each lane's k-slots are its own blocks), so the codes enter
+// the MMAs unscaled and each lane applies its (row, block) scales to float32 block sums once a chunk
 // (`mma_chunk_r1`) instead of a bf16x2 FMA per code pair: the same products within float32 rounding (the sums
-// are grouped by block) wherever the `_1` kernels' scaled bf16 codes are exact (block scales from 2^-61
+// are grouped by block) wherever the `_1` kernels' scaled bf16 codes are exact (MXFP4 block scales from 2^-61
 // up; below, those lose bits that the float32 factors here keep), but for blocks whose unscaled sum of x times
 // codes is under 2^-64, which enter their scale as float32 subnormals (flushed where subnormals are, e.g. the
 // NVRTC build); the same epilogues (fused norms, SwiGLU) after a sum over the lanes of a row.
@@ -123,6 +123,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #endif
 #ifndef MX_TRACE
 #define MX_TRACE 0  // measurement only (bench/gemv_trace.py): per-block timestamps of up to two launches
+#endif
+#ifndef MX_R1_CHAINS
+#define MX_R1_CHAINS 1  // MMA chains of each of the NVFP4 `_1r` kernels' two sets of block sums (R1Cols)
 #endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
@@ -380,19 +383,37 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
     }
 }
 
-// One row of x, MXFP4 (the `_1r` kernels, header): chunk partial sums by block, the block scales applied to them.
-// MMA column n of this chunk sums block n's codes only: lane (g, t) feeds the A k-slots of its own codes, blocks
-// 2t (words 0-3) and 2t + 1 (words 4-7), so B column g holds x where g = 2t (words 0-3: xlo) or g = 2t + 1
-// (words 4-7: xhi) and zeros elsewhere (the caller points the other lanes at a zero row). The lane's D
-// fragment, rows g / g + 8 by columns 2t / 2t + 1, is then exactly its own four (row, block) pairs, whose scales
-// it holds: fin[0] (row g) += D[g][2t] * s(g, 2t) + D[g][2t + 1] * s(g, 2t + 1), fin[1] (row g + 8) likewise.
-// Codes enter the MMA unscaled (value * 2^-126, bf16 subnormals for +-0.5) and x staged times 2^64, so a
-// block's sum is 2^-62 of its true dot product and the float32 factor 2^(s - 65) (scale_pair_f32) restores it.
+// One row of x, MXFP4 / NVFP4 (the `_1r` kernels, header): chunk partial sums by block, the block scales applied
+// to them. MMA column n sums one block's codes only: lane (g, t) feeds the A k-slots of its own codes, and B
+// column g holds x where g is the column of the block the lane's word jj belongs to (R1Cols::second(jj): 0,
+// pointer xa, column 2t; 1, pointer xb, column 2t + 1) and zeros elsewhere (the caller points the other lanes
+// at a zero row). MXFP4: blocks 2t (words 0-3) and 2t + 1 (words 4-7), one set of sums; NVFP4 (16-code
+// blocks): blocks 4t + jj / 2, so words 0-3 (blocks 4t, 4t + 1) and words 4-7 (4t + 2, 4t + 3) take two sets.
+// The lane's D fragment, rows g / g + 8 by columns 2t / 2t + 1, is then exactly its own (row, block) pairs,
+// whose scales it holds: fin[0] (row g) += D[g][2t] * s(g, block of column 2t) + D[g][2t + 1] * s(g, ...),
+// fin[1] (row g + 8) likewise. Codes enter the MMA unscaled (value * 2^-126, bf16 subnormals for +-0.5) and x
+// staged times 2^64, so a block's sum is 2^-62 of its true dot product and the float32 factor restores it:
+// 2^(s - 65) for an E8M0 code s (scale_pair_f32), e4m3(s) * 2^62 for an NVFP4 block (its tensor scale `post`
+// in the epilogue, as before).
+template <int FMT> struct R1Cols {
+    static_assert(FMT == FMT_MXFP4 || FMT == FMT_NVFP4, "one-row block sums: E2M1 codes");
+    static constexpr int SETS = FMT == FMT_MXFP4 ? 1 : 2;  // sums a chunk keeps apart: words 0-3 and 4-7 (NVFP4)
+    // independent MMA chains of a set (the two MMAs of a word on accumulators of their own): MXFP4's one set two,
+    // NVFP4's two sets MX_R1_CHAINS each (1: the `_1r` build spills no more than the `_1` one)
+    static constexpr int CHAINS = SETS == 1 ? 2 : MX_R1_CHAINS;
+    static constexpr int ZX = FMT == FMT_MXFP4 ? 128 : 192;  // zero codes the off lanes read: xa + 32 jj + 8
+    static constexpr int XB = FMT == FMT_MXFP4 ? 128 : 64;  // and xb = zx - XB, for the words that take xb
+    static __device__ __forceinline__ bool second(int jj) { return FMT == FMT_MXFP4 ? jj >= 4 : (jj >> 1) & 1; }
+};
 template <int FMT>
 __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
-                                             const u16* xlo, const u16* xhi) {
-    static_assert(FMT == FMT_MXFP4, "one-row block sums: MXFP4 (two 32-code blocks a lane-row)");
-    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two MMA chains (slices 2jj, 2jj + 1)
+                                             const u16* xa, const u16* xb) {
+    constexpr int SETS = R1Cols<FMT>::SETS, CH = R1Cols<FMT>::CHAINS;
+    float d[SETS][CH][4];  // [set][MMA chain: slices 2jj, 2jj + 1 where two][fragment]
+#pragma unroll
+    for (int i = 0; i < SETS; ++i)
+#pragma unroll
+        for (int c = 0; c < CH; ++c) d[i][c][0] = d[i][c][1] = d[i][c][2] = d[i][c][3] = 0.f;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
         u32 a0[4], a1[4];
@@ -406,17 +427,32 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
             e2m1_pairs_raw(r0.w[jj], a0);
             e2m1_pairs_raw(r1.w[jj], a1);
         }
-        const uint4 b = *(const uint4*)((jj < 4 ? xlo : xhi) + 32 * jj);
-        mma16816(d[0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
-        mma16816(d[1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
+        const int set = SETS == 1 ? 0 : jj >> 2;
+        const uint4 b = *(const uint4*)((R1Cols<FMT>::second(jj) ? xb : xa) + 32 * jj);
+        mma16816(d[set][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+        mma16816(d[set][CH - 1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
     }
-    float f0[2], f1[2];
-    scale_pair_f32(r0.s, f0);
-    scale_pair_f32(r1.s, f1);
-    fin[0] = fmaf(d[0][0] + d[1][0], f0[0], fin[0]);
-    fin[0] = fmaf(d[0][1] + d[1][1], f0[1], fin[0]);
-    fin[1] = fmaf(d[0][2] + d[1][2], f1[0], fin[1]);
-    fin[1] = fmaf(d[0][3] + d[1][3], f1[1], fin[1]);
+    float f0[2 * SETS], f1[2 * SETS];  // the scales of rows g / g + 8 by block: column 2t, 2t + 1 of each set
+    if constexpr (FMT == FMT_MXFP4) {
+        scale_pair_f32(r0.s, f0);
+        scale_pair_f32(r1.s, f1);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 2 * SETS; ++i) {
+            f0[i] = e4m3_f32((r0.s >> (8 * i)) & 0xFFu) * 0x1p62f;
+            f1[i] = e4m3_f32((r1.s >> (8 * i)) & 0xFFu) * 0x1p62f;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < SETS; ++i) {
+        float v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = CH == 2 ? d[i][0][q] + d[i][CH - 1][q] : d[i][0][q];
+        fin[0] = fmaf(v[0], f0[2 * i], fin[0]);
+        fin[0] = fmaf(v[1], f0[2 * i + 1], fin[0]);
+        fin[1] = fmaf(v[2], f1[2 * i], fin[1]);
+        fin[1] = fmaf(v[3], f1[2 * i + 1], fin[1]);
+    }
 }
 
 // One group of 8 bf16 codes of x (16 bytes, k order) staged: scaled by xmul, in the k-slot permutation, as
@@ -467,7 +503,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                                            const int c1, const int part, const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
     constexpr bool FUSE = NT == 1;  // fused norms (header): one-n-tile kernels only, the wider ones keep their code
-    static_assert(!R1 || (NT == 1 && FMT == FMT_MXFP4), "one-row block sums: the one-n-tile MXFP4 kernels");
+    static_assert(!R1 || (NT == 1 && (FMT == FMT_MXFP4 || FMT == FMT_NVFP4)),
+                  "one-row block sums: the one-n-tile MXFP4 / NVFP4 kernels");
     constexpr int WARPS = Wp<NT>::W, TILE_ROWS = Wp<NT>::ROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M, y_off = A.g_cnt ? A.g_off[grp] : 0;
@@ -511,11 +548,11 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
     // R1: the buffer's last ZX codes stay zero (the B columns of other blocks, mma_chunk_r1); x row 0 before them
-    constexpr int ZX = R1 ? 128 : 0;
+    constexpr int ZX = !R1 ? 0 : FMT == FMT_MXFP4 ? 128 : 192;  // R1Cols<FMT>::ZX
     const int segc = (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
     u16* const zx = xs + (MT * RS - ZX);
     if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
-    float fin[2] = {0.f, 0.f};  // R1: this lane's sums of rows g and g + 8 (blocks 2t, 2t + 1 of each chunk)
+    float fin[2] = {0.f, 0.f};  // R1: this lane's sums of rows g and g + 8 (its own blocks of each chunk)
     // Staged row of x that feeds MMA column g of n-tile nt. Rows past m_valid are not staged (<= 2 n-tiles):
     // their columns read the last real row instead, and those output columns are never stored.
     int xrow[NT];
@@ -635,7 +672,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                 if constexpr (R1) {
                     const u16* xc = xs + (c - sb) * CK + 8 * t;  // x row 0 (R1: m_valid == 1, xrow 0)
                     if (warp_on)
-                        mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zx, g == 2 * t + 1 ? xc : zx - 128);
+                        mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zx,
+                                          g == 2 * t + 1 ? xc : zx - R1Cols<FMT>::XB);
                 } else if (warp_on) {
                     mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + (c - sb) * CK + 8 * t, xrow);
                 }
@@ -848,7 +886,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1, false, false) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2, false, false) \
     MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4, false, false) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8, false, false) \
     MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true, false) MX_KERNEL(mx_gemm_##NAME##_2s, FMT, 2, true, false)
-// the one-row kernels with block sums (header), MXFP4 only
+// the one-row kernels with block sums (header), MXFP4 and NVFP4
 #define MX_FORMAT_R1(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, true) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, true)
 // MX_ONLY = a format id builds only that format's six kernels (each format has its own tuning defines, so a
@@ -873,6 +911,7 @@ MX_FORMAT_R1(mxfp4, FMT_MXFP4)
 #endif
 #if MX_ONLY_IS(FMT_NVFP4)
 MX_FORMAT(nvfp4, FMT_NVFP4)
+MX_FORMAT_R1(nvfp4, FMT_NVFP4)
 #endif
 
 // Dequantise rows: out[r, k] = W[rows ? rows[r] : r, k] for k < K (fp32 / bf16 / f16 by out_kind). Used for

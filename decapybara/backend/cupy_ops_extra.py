@@ -247,9 +247,10 @@ def _stream_counters(device: int, stream: int) -> Any:
 # `swiglu_rows` (0: off): MLPs of this many rows up to 16 (SWIGLU_ROWS) run their fused gate|up product and
 # silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` / `_2s`): 27B steps at 1 to 12 streams
 # 1-3% faster (interleaved captures, docs/perf.md).
-# `row1` (0: off): dense one-row MXFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu, header:
-# partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA per code
-# pair; the same products within float32 rounding for block scales from 2^-61 up, more exact below).
+# `row1` (0: off): dense one-row MXFP4 / NVFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu,
+# header: partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA
+# per code pair; the same products within float32 rounding, for MXFP4 block scales from 2^-61 up, more exact
+# below).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -358,9 +359,11 @@ class NormedRows:
 
 def one_row(w: PackedWeight, rows: int, tune: dict, groups: Any = None) -> bool:
     """Whether a product launches the one-row block-sum kernels (`_1r` / `_1rs`, kernels/mx_gemv.cu header):
-    dense, one row, MXFP4, TUNE `row1` (resolved `tune`) and a kernel file that has them."""
-    return (groups is None and rows == 1 and w.fmt == "mxfp4" and bool(tune.get("row1", 0))
-            and kernel_knows(tune["source"], "NAME##_1r"))
+    dense, one row, MXFP4 or NVFP4 (NVFP4 where the kernel file has its `R1Cols`), TUNE `row1` (resolved
+    `tune`) and a kernel file that has them."""
+    src = tune["source"]
+    return (groups is None and rows == 1 and bool(tune.get("row1", 0)) and kernel_knows(src, "NAME##_1r")
+            and (w.fmt == "mxfp4" or (w.fmt == "nvfp4" and kernel_knows(src, "R1Cols"))))
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

@@ -283,24 +283,35 @@ def test_e2m1_code_layouts_compute_the_same_products(fmt, split, tiled):
                                         ((704, 1536), {"ksplit": 3}), ((300, 352), {}),
                                         ((704, 1536), {"small_bytes": 1 << 40}), ((64, 17408), {"ksplit": 1})],
                          ids=["grid", "stream", "ksplit", "tail", "small", "segments"])
-def test_one_row_block_sums(shape, tune, split, tiled, monkeypatch):
-    """One-row MXFP4 products on the `_1r` kernels (kernels/mx_gemv.cu: codes unscaled into the MMA, one
-    column per 32-code block, block scales on float32 sums; the launch checked by kernel name). Every output
-    against the reference within 1e-5 of its row's sum of |terms|: rows whose blocks all take one E8M0 scale
-    from the whole range the kernels take (0 to 192: row values from ~2^-127 to 2^65), rows of mixed scales
-    (their small blocks below the bound), the rest within 2^-9..2^9; +-0.5 codes (bf16 subnormals) throughout;
-    NaN where a block's scale is NaN (255) and nowhere else. Against the `_1` kernels (row1 off) where their bf16
-    scaled codes are exact (every scale of the row >= 70). Whole and partial chunks, tile grids, K splits,
-    stream-K, the small build, a block's K range over two x staging segments (K = 17408), both code layouts."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_one_row_block_sums(fmt, shape, tune, split, tiled, monkeypatch):
+    """One-row MXFP4 / NVFP4 products on the `_1r` kernels (kernels/mx_gemv.cu: codes unscaled into the MMA,
+    one column per block, block scales on float32 sums; the launch checked by kernel name). Every output
+    against the reference within 1e-5 of its row's sum of |terms|: rows whose blocks all take one scale from
+    the whole range (MXFP4: the E8M0 codes the kernels take, 0 to 192, row values from ~2^-127 to 2^65; NVFP4:
+    E4M3 from the smallest subnormal to 448, with a tensor scale), rows of mixed scales (their small blocks below
+    the bound), the rest calm; +-0.5 codes (bf16 subnormals) throughout; NaN where a block's scale is NaN and
+    nowhere else. Against the `_1` kernels (row1 off) where their bf16 scaled codes are exact (MXFP4: every
+    scale of the row >= 70; NVFP4: all). Whole and partial chunks, tile grids, K splits, stream-K, the small
+    build, a block's K range over two x staging segments (K = 17408), both code layouts."""
     n, k = shape
-    rng = np.random.default_rng(zlib.crc32(f"row1-{shape}-{sorted(tune.items())}-{split}-{tiled}".encode()))
-    f = quant.get_format("mxfp4")
+    rng = np.random.default_rng(zlib.crc32(f"row1-{fmt}-{shape}-{sorted(tune.items())}-{split}-{tiled}".encode()))
+    f = quant.get_format(fmt)
     codes = rng.integers(0, 256, f.code_shape(shape), dtype=np.uint8)
-    scales = rng.integers(118, 137, f.scale_shape(shape), dtype=np.uint8)
-    scales[:8] = np.array([0, 1, 40, 64, 100, 127, 160, 192], np.uint8)[:, None]  # one scale a row
-    scales[8, 1] = 255  # row 8: NaN
-    scales[9:17] = rng.integers(0, 193, scales[9:17].shape, dtype=np.uint8)  # mixed
-    q = quant.QuantTensor("mxfp4", shape, codes, scales, None)
+    if fmt == "mxfp4":  # E8M0
+        scales = rng.integers(118, 137, f.scale_shape(shape), dtype=np.uint8)
+        scales[:8] = np.array([0, 1, 40, 64, 100, 127, 160, 192], np.uint8)[:, None]  # one scale a row
+        scales[8, 1] = 255  # row 8: NaN
+        scales[9:17] = rng.integers(0, 193, scales[9:17].shape, dtype=np.uint8)  # mixed
+        ts, lowest = None, 70
+    else:  # E4M3 (0x7F / 0xFF NaN), and a float32 tensor scale
+        scales = rng.integers(0x30, 0x41, f.scale_shape(shape), dtype=np.uint8)
+        scales[:8] = np.array([0x01, 0x05, 0x08, 0x20, 0x38, 0x50, 0x70, 0x7E], np.uint8)[:, None]
+        scales[:8:2] |= 0x80  # negative scales too
+        scales[8, 1] = 0x7F
+        scales[9:17] = rng.integers(1, 0x7F, scales[9:17].shape, dtype=np.uint8)
+        ts, lowest = np.float32(rng.uniform(1e-4, 1e-2)), 0
+    q = quant.QuantTensor(fmt, shape, codes, scales, ts)
     w_ref = np.nan_to_num(quant.dequantize(q).astype(np.float64), nan=0.0)
     w = ex.pack_weight(q, e2m1_split=split, tiled=tiled and n % 16 == 0 and k % 256 == 0)
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, **tune})
@@ -311,23 +322,25 @@ def test_one_row_block_sums(shape, tune, split, tiled, monkeypatch):
     xd = x.astype(np.float64)
     ref, bound = (xd @ w_ref.T)[0], (np.abs(xd) @ np.abs(w_ref).T)[0]
     got = host(ex.mx_linear(cp.asarray(x), w))[0]
-    assert launched[-1] == "mx_gemm_mxfp4_1r", launched
+    assert launched[-1] == f"mx_gemm_{fmt}_1r", launched
     assert np.isnan(got[8]) and not np.isnan(np.delete(got, 8)).any(), "NaN exactly where a scale is NaN"
 
     def check_rows(out, rows, name):
         err = np.abs(out[rows].astype(np.float64) - ref[rows])
         bad = np.flatnonzero(err > 1e-5 * bound[rows])
-        assert not bad.size, (f"{name} {shape} {tune}: {bad.size} rows off, first {rows[bad[0]]}: got "
+        assert not bad.size, (f"{name} {fmt} {shape} {tune}: {bad.size} rows off, first {rows[bad[0]]}: got "
                               f"{out[rows[bad[0]]]!r}, ref {ref[rows[bad[0]]]!r}, bound {bound[rows[bad[0]]]:.3e}")
 
     check_rows(got, np.delete(np.arange(n), 8), "row1")
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1": 0})
     plain = host(ex.mx_linear(cp.asarray(x), w))[0]
-    assert launched[-1] == "mx_gemm_mxfp4_1", launched
-    exact = np.flatnonzero((scales.min(axis=1) >= 70) & (scales.max(axis=1) <= 192))  # not row 8 (NaN)
+    assert launched[-1] == f"mx_gemm_{fmt}_1", launched
+    exact = np.delete(np.arange(n), 8)
+    if fmt == "mxfp4":
+        exact = np.flatnonzero((scales.min(axis=1) >= lowest) & (scales.max(axis=1) <= 192))  # not row 8 (NaN)
     check_rows(plain, exact, "the _1 kernels")
     err = np.abs(got[exact].astype(np.float64) - plain[exact])
-    assert (err <= 2e-5 * bound[exact]).all(), f"row1 against the _1 kernels {shape} {tune}"
+    assert (err <= 2e-5 * bound[exact]).all(), f"row1 against the _1 kernels {fmt} {shape} {tune}"
 
 
 @pytest.mark.parametrize("split", [False, True])

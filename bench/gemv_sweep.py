@@ -66,7 +66,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("ksplit 4", {"ksplit": 4}, ()),
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0, "wide_warps": 8}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
-    ("row1 off", {"row1": 0}, ()),                        # one-row MXFP4 on the `_1` kernels (a bf16x2 FMA a code pair)
+    ("row1 off", {"row1": 0}, ()),                        # one-row MXFP4 / NVFP4 on the `_1` kernels (an FMA a code pair)
     ("diag row1 off", {"row1": 0}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)

@@ -395,13 +395,16 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
 // staged times 2^64, so a block's sum is 2^-62 of its true dot product and the float32 factor restores it:
 // 2^(s - 65) for an E8M0 code s (scale_pair_f32), e4m3(s) * 2^62 for an NVFP4 block (its tensor scale `post`
 // in the epilogue, as before).
+// zero codes (u16) at the end of the x staging buffer that the `_1r` kernels' off lanes read (R1Cols)
+__host__ __device__ constexpr int r1_zero_codes(int fmt) { return fmt == FMT_MXFP4 ? 128 : 192; }
 template <int FMT> struct R1Cols {
     static_assert(FMT == FMT_MXFP4 || FMT == FMT_NVFP4, "one-row block sums: E2M1 codes");
     static constexpr int SETS = FMT == FMT_MXFP4 ? 1 : 2;  // sums a chunk keeps apart: words 0-3 and 4-7 (NVFP4)
     // independent MMA chains of a set (the two MMAs of a word on accumulators of their own): MXFP4's one set two,
     // NVFP4's two sets MX_R1_CHAINS each (1: the `_1r` build spills no more than the `_1` one)
     static constexpr int CHAINS = SETS == 1 ? 2 : MX_R1_CHAINS;
-    static constexpr int ZX = FMT == FMT_MXFP4 ? 128 : 192;  // zero codes the off lanes read: xa + 32 jj + 8
+    static_assert(CHAINS == 1 || CHAINS == 2, "MX_R1_CHAINS: 1 or 2");
+    static constexpr int ZX = r1_zero_codes(FMT);  // zero codes the off lanes read: xa + 32 jj + 8
     static constexpr int XB = FMT == FMT_MXFP4 ? 128 : 64;  // and xb = zx - XB, for the words that take xb
     static __device__ __forceinline__ bool second(int jj) { return FMT == FMT_MXFP4 ? jj >= 4 : (jj >> 1) & 1; }
 };
@@ -548,7 +551,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
     // R1: the buffer's last ZX codes stay zero (the B columns of other blocks, mma_chunk_r1); x row 0 before them
-    constexpr int ZX = !R1 ? 0 : FMT == FMT_MXFP4 ? 128 : 192;  // R1Cols<FMT>::ZX
+    constexpr int ZX = R1 ? r1_zero_codes(FMT) : 0;
     const int segc = (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
     u16* const zx = xs + (MT * RS - ZX);
     if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
@@ -889,8 +892,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 // the one-row kernels with block sums (header), MXFP4 and NVFP4
 #define MX_FORMAT_R1(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, true) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, true)
-// MX_ONLY = a format id builds only that format's six kernels (each format has its own tuning defines, so a
-// module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32); unset, all five.
+// MX_ONLY = a format id builds only that format's kernels (six; MXFP4 and NVFP4 eight: each format has its own
+// tuning defines, so a module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32);
+// unset, all five.
 #ifndef MX_ONLY
 #define MX_ONLY_IS(F) 1
 #else

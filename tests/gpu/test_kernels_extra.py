@@ -290,8 +290,8 @@ def test_one_row_block_sums(fmt, shape, tune, split, tiled, monkeypatch):
     against the reference within 1e-5 of its row's sum of |terms|: rows whose blocks all take one scale from
     the whole range (MXFP4: the E8M0 codes the kernels take, 0 to 192, row values from ~2^-127 to 2^65; NVFP4:
     E4M3 from the smallest subnormal to 448, with a tensor scale), rows of mixed scales (their small blocks below
-    the bound), the rest calm; +-0.5 codes (bf16 subnormals) throughout; NaN where a block's scale is NaN and
-    nowhere else. Against the `_1` kernels (row1 off) where their bf16 scaled codes are exact (MXFP4: every
+    the bound; NVFP4 of either sign), the rest calm but for one block of scale 2^-127 / zero; +-0.5 codes (bf16
+    subnormals) throughout; NaN where a block's scale is NaN (NVFP4: in either set of sums) and nowhere else. Against the `_1` kernels (row1 off) where their bf16 scaled codes are exact (MXFP4: every
     scale of the row >= 70; NVFP4: all). Whole and partial chunks, tile grids, K splits, stream-K, the small
     build, a block's K range over two x staging segments (K = 17408), both code layouts."""
     n, k = shape
@@ -303,14 +303,16 @@ def test_one_row_block_sums(fmt, shape, tune, split, tiled, monkeypatch):
         scales[:8] = np.array([0, 1, 40, 64, 100, 127, 160, 192], np.uint8)[:, None]  # one scale a row
         scales[8, 1] = 255  # row 8: NaN
         scales[9:17] = rng.integers(0, 193, scales[9:17].shape, dtype=np.uint8)  # mixed
-        ts, lowest = None, 70
+        ts = None
     else:  # E4M3 (0x7F / 0xFF NaN), and a float32 tensor scale
         scales = rng.integers(0x30, 0x41, f.scale_shape(shape), dtype=np.uint8)
         scales[:8] = np.array([0x01, 0x05, 0x08, 0x20, 0x38, 0x50, 0x70, 0x7E], np.uint8)[:, None]
         scales[:8:2] |= 0x80  # negative scales too
-        scales[8, 1] = 0x7F
+        scales[8, 1], scales[8, 6] = 0x7F, 0xFF  # NaN in the first set of sums (block 1: lane 0, 4t + 1) and the second (block 6: lane 1, 4t + 2)
         scales[9:17] = rng.integers(1, 0x7F, scales[9:17].shape, dtype=np.uint8)
-        ts, lowest = np.float32(rng.uniform(1e-4, 1e-2)), 0
+        scales[9:17] |= (rng.integers(0, 2, scales[9:17].shape) << 7).astype(np.uint8)
+        ts = np.float32(rng.uniform(1e-4, 1e-2))
+    scales[20, 3] = 0  # a block of scale 2^-127 (MXFP4) or zero (NVFP4) among calm ones
     q = quant.QuantTensor(fmt, shape, codes, scales, ts)
     w_ref = np.nan_to_num(quant.dequantize(q).astype(np.float64), nan=0.0)
     w = ex.pack_weight(q, e2m1_split=split, tiled=tiled and n % 16 == 0 and k % 256 == 0)
@@ -335,9 +337,9 @@ def test_one_row_block_sums(fmt, shape, tune, split, tiled, monkeypatch):
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1": 0})
     plain = host(ex.mx_linear(cp.asarray(x), w))[0]
     assert launched[-1] == f"mx_gemm_{fmt}_1", launched
-    exact = np.delete(np.arange(n), 8)
+    exact = np.delete(np.arange(n), 8)  # NVFP4: every row but the NaN one
     if fmt == "mxfp4":
-        exact = np.flatnonzero((scales.min(axis=1) >= lowest) & (scales.max(axis=1) <= 192))  # not row 8 (NaN)
+        exact = np.flatnonzero((scales.min(axis=1) >= 70) & (scales.max(axis=1) <= 192))  # not row 8 (NaN)
     check_rows(plain, exact, "the _1 kernels")
     err = np.abs(got[exact].astype(np.float64) - plain[exact])
     assert (err <= 2e-5 * bound[exact]).all(), f"row1 against the _1 kernels {fmt} {shape} {tune}"

@@ -56,7 +56,6 @@ __device__ __forceinline__ int floor_log2(float a) {
   return (int)((__float_as_uint(a) >> 23) & 0xffu) - 127;
 }
 
-
 // ---- reductions ----------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -404,10 +404,21 @@ template <int FMT> struct R1Cols {
     // NVFP4's two sets MX_R1_CHAINS each (1: the `_1r` build spills no more than the `_1` one)
     static constexpr int CHAINS = SETS == 1 ? 2 : MX_R1_CHAINS;
     static_assert(CHAINS == 1 || CHAINS == 2, "MX_R1_CHAINS: 1 or 2");
-    static constexpr int ZX = r1_zero_codes(FMT);  // zero codes the off lanes read: xa + 32 jj + 8
-    static constexpr int XB = FMT == FMT_MXFP4 ? 128 : 64;  // and xb = zx - XB, for the words that take xb
+    // the off lanes read zero codes at xa + 32 jj (+8) from the zero area's start (r1_zero_codes), and at xb = that
+    // start - XB for the words that take xb
+    static constexpr int XB = FMT == FMT_MXFP4 ? 128 : 64;
     static __device__ __forceinline__ bool second(int jj) { return FMT == FMT_MXFP4 ? jj >= 4 : (jj >> 1) & 1; }
 };
+// A word of E2M1 codes as the unscaled MMA operand pairs of its layout (MX_E2M1), or undecoded (MX_DIAG: timing)
+__device__ __forceinline__ void e2m1_raw(const u32 w, u32 (&a)[4]) {
+    if (MX_DIAG) {
+        a[0] = w; a[1] = w >> 1; a[2] = w << 1; a[3] = ~w;
+    } else if (MX_E2M1) {
+        e2m1_pairs_split_raw(w, a);
+    } else {
+        e2m1_pairs_raw(w, a);
+    }
+}
 template <int FMT>
 __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
                                              const u16* xa, const u16* xb) {
@@ -420,16 +431,8 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
         u32 a0[4], a1[4];
-        if (MX_DIAG) {  // the same words, undecoded (timing only)
-            a0[0] = r0.w[jj]; a0[1] = r0.w[jj] >> 1; a0[2] = r0.w[jj] << 1; a0[3] = ~r0.w[jj];
-            a1[0] = r1.w[jj]; a1[1] = r1.w[jj] >> 1; a1[2] = r1.w[jj] << 1; a1[3] = ~r1.w[jj];
-        } else if (MX_E2M1) {
-            e2m1_pairs_split_raw(r0.w[jj], a0);
-            e2m1_pairs_split_raw(r1.w[jj], a1);
-        } else {
-            e2m1_pairs_raw(r0.w[jj], a0);
-            e2m1_pairs_raw(r1.w[jj], a1);
-        }
+        e2m1_raw(r0.w[jj], a0);
+        e2m1_raw(r1.w[jj], a1);
         const int set = SETS == 1 ? 0 : jj >> 2;
         const uint4 b = *(const uint4*)((R1Cols<FMT>::second(jj) ? xb : xa) + 32 * jj);
         mma16816(d[set][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);

@@ -79,6 +79,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide 24 warps", {"wide_warps": 24}, ()),            # one two-n-tile block of 24 warps an SM
     ("wide 16 warps s2", {"wide_warps": 16, "wide_blocks_per_sm": 2, "wide_stages": 2}, ()),  # one of 16, 2 stages
     ("wide 12 3/SM s1", {"wide_warps": 12, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's, any format
+    # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes, and 2688 in dynamic shared memory
+    ("wide segk 1024", {"wide_segk": 1024}, ()),
+    ("wide segk 2688", {"wide_segk": 2688}, ()),
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.

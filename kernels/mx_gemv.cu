@@ -93,8 +93,16 @@ typedef long long i64;
 // Warps of an NT-n-tile kernel's block and the output rows of its tile (TILE_ROWS in the functions below).
 template <int NT> struct Wp { static constexpr int W = NT == 2 ? MX_WARPS2 : MX_WARPS, ROWS = 16 * W; };
 
-template <int NT> struct XBuf {  // x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding)
-    static constexpr int SEGK = 2048 / NT, RS = SEGK + 32;
+#ifndef MX_SEGK2
+#define MX_SEGK2 1024  // codes a row of the two-n-tile kernels' x staging buffer holds: up to 1440 in static shared
+#endif                 // memory, past that in dynamic shared memory of 32 (MX_SEGK2 + 32) bytes (the launch's:
+                       // decapybara/backend/cupy_ops_extra.py `staging_bytes`)
+// x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding); the ring's depth follows NSEGK, the
+// codes of the buffer of 2048 / NT a row that every build had before MX_SEGK2 (see ST in mx_segment)
+template <int NT> struct XBuf {
+    static constexpr int NSEGK = 2048 / NT, SEGK = NT == 2 ? MX_SEGK2 : NSEGK, RS = SEGK + 32;
+    static constexpr bool DYN = NT == 2 && SEGK > 1440;  // in dynamic shared memory
+    static_assert(SEGK >= NSEGK, "a staging row of at least the nominal segment");
 };
 template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per lane-row, NS scale bytes
 #ifndef MX_STAGES
@@ -507,7 +515,7 @@ template <int FMT, int NT, bool WHOLE, bool SWI, bool R1>
 __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, bool first, int& last_flag,
                                            const int grp, const int mt, const int tile, const int c0,
                                            const int c1, const int part, const int nparts) {
-    constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, SEGK = XBuf<NT>::SEGK, RS = XBuf<NT>::RS;
+    constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, RS = XBuf<NT>::RS;
     constexpr bool FUSE = NT == 1;  // fused norms (header): one-n-tile kernels only, the wider ones keep their code
     static_assert(!R1 || (NT == 1 && (FMT == FMT_MXFP4 || FMT == FMT_NVFP4)),
                   "one-row block sums: the one-n-tile MXFP4 / NVFP4 kernels");
@@ -545,9 +553,10 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     // small (one copy of the chunk's MMAs per stage). Tiles of <= 2 n-tiles stage only the m_valid real rows,
     // so a segment is as long as the buffer allows (M = 1: 64 chunks of 256 codes, 8x the 8-row segment);
     // wider tiles stage all MT rows, zero-filled (no per-row predicate: their registers are spoken for).
-    // ST divides CPSEG and segc, so every segment starts at ring slot 0.
+    // ST divides CPSEG (the nominal segment's chunks: segc is at least as long) and segc, so every segment starts
+    // at ring slot 0.
     // wide M tiles: registers for acc; two-n-tile tiles keep >= 2 stages unless MX_STAGES2 says otherwise
-    constexpr int CPSEG = SEGK / CK, ST0 = NT >= 4                            ? 2
+    constexpr int CPSEG = XBuf<NT>::NSEGK / CK, ST0 = NT >= 4                            ? 2
                                        : NT == 2 && MX_STAGES2 > 0        ? MX_STAGES2
                                        : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2
                                                                           : Fmt<FMT>::STAGES;
@@ -844,8 +853,12 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
     constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
     constexpr int WARPS = Wp<NT>::W, TILE_ROWS = Wp<NT>::ROWS;
-    static_assert(MT * RS * 2 + 4 * (NF + WARPS * NF) + 4 <= 48 * 1024, "shared memory over the static limit");
-    __shared__ __align__(16) u16 xs[MT * RS];
+    constexpr bool XDYN = XBuf<NT>::DYN;
+    static_assert((XDYN ? 16 : MT * RS * 2) + 4 * (NF + WARPS * NF) + 4 <= 48 * 1024,
+                  "shared memory over the static limit");
+    __shared__ __align__(16) u16 xs_static[XDYN ? 8 : MT * RS];
+    extern __shared__ __align__(16) u16 xs_dynamic[];  // XDYN: MT * RS codes
+    u16* const xs = XDYN ? xs_dynamic : xs_static;
     __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
     __shared__ int last_flag;
     TRACE(A.W, 0);

@@ -242,15 +242,21 @@ def _stream_counters(device: int, stream: int) -> Any:
 # it rounds): the fused norms' xg (`mx_linear_add_norm`), where those do not apply the norm after an output
 # projection, and the MLP activation (CupyBackend, bf16 backend): half the bytes staged, and the kernels'
 # staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream 27B steps 4% and
-# 3% faster, one stream within noise (interleaved captures, docs/perf.md); at one row x stays float32 (its
-# staging is one round trip either way; bf16 from one row up measured no better).
+# 3% faster (interleaved captures, docs/perf.md); from one row up since the `_1r` kernels (a one-row block's x
+# staging then takes half the passes): one-stream 27B steps ~1% faster (eight interleaved rounds; before the
+# `_1r` kernels it measured no better).
 # `swiglu_rows` (0: off): MLPs of this many rows up to 16 (SWIGLU_ROWS) run their fused gate|up product and
 # silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` / `_2s`): 27B steps at 1 to 12 streams
 # 1-3% faster (interleaved captures, docs/perf.md).
 # `row1` (0: off): dense one-row MXFP4 / NVFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu,
 # header: partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA
 # per code pair; the same products within float32 rounding, for MXFP4 block scales from 2^-61 up, more exact
-# below).
+# below). `wide_segk`: codes a row of the two-n-tile kernels' x staging buffer holds (kernels/mx_gemv.cu
+# MX_SEGK2; past 1440 the buffer is dynamic shared memory, `staging_bytes`): at 2688 (87 KB a block, two blocks
+# an SM as before) twelve rows take 14 chunks a staging segment rather than 5, so a block stages x (and waits at
+# its barriers) once or twice rather than three or four times: MXFP4 twelve-row products 3% faster (`gemv_sweep`), 27B
+# steps at 10 and 12 streams 2% (MXFP4) and 3% (NVFP4, 12x1k) faster (interleaved, docs/perf.md); the same
+# bytes (a segment's length does not change the summation order). The other formats keep 1024 (not measured).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -258,7 +264,7 @@ TUNE: dict[str, Any] = {
     "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
-    "bf16_rows": 2, "swiglu_rows": 1, "row1": 1,
+    "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -327,7 +333,7 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             ("MX_WARPS2", tune["wide_warps"]),
             ("MX_ACC", tune["acc"]), ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
-            *TUNE_DEFINES)
+            *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()), *TUNE_DEFINES)
 
 
 @dataclass
@@ -364,6 +370,17 @@ def one_row(w: PackedWeight, rows: int, tune: dict, groups: Any = None) -> bool:
     src = tune["source"]
     return (groups is None and rows == 1 and bool(tune.get("row1", 0)) and kernel_knows(src, "NAME##_1r")
             and (w.fmt == "mxfp4" or (w.fmt == "nvfp4" and kernel_knows(src, "R1Cols"))))
+
+
+STATIC_SEGK = 1440  # the longest x staging row of the two-n-tile kernels in static shared memory (MX_SEGK2)
+_SMEM_SET: dict[int, set[int]] = {}  # dynamic shared memory limits set, by kernel
+
+
+def staging_bytes(tune: dict, nt: int) -> int:
+    """Dynamic shared memory of an `nt`-n-tile product's launch: the two-n-tile kernels' x staging buffer where
+    its rows (`wide_segk` codes) are longer than static shared memory holds (kernels/mx_gemv.cu XBuf), else 0."""
+    segk = tune.get("wide_segk", 1024)
+    return 16 * (segk + 32) * 2 if nt == 2 and segk > STATIC_SEGK else 0
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
@@ -406,6 +423,10 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else nt}"
                       f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
+    smem = staging_bytes(tune, nt)
+    if smem and smem not in _SMEM_SET.setdefault(id(func), set()):  # past the default 48 KB limit: raise it once
+        func.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[id(func)].add(smem)
     sq = None
     fuse_args: tuple[Any, ...] = ()
     xg_args = kernel_knows(tune["source"], "xg_kind")  # older kernel files store float32 xg
@@ -436,7 +457,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
           _counters(), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
           I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
           I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
-          I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream)), *fuse_args))
+          I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream)), *fuse_args), shared_mem=smem)
     return sq
 
 

@@ -137,7 +137,10 @@ TUNE_CASES = [
     ({"small_bytes": 24_000_000}, (704, 1536)),  # the small build under 24 MB (the default until the `_1r` kernels)
     # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 12 (MXFP4's default), 16 and 4
     ({"wide_warps": 8}, (4096, 5120)), ({"wide_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
-    ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536))]
+    ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536)),
+    # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes and MXFP4's 1408 for every format
+    ({"wide_segk": 1024}, (4096, 5120)), ({"wide_segk": 1408, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
+    ({"wide_segk": 1408, "ksplit": 3}, (700, 17408))]
 
 
 @pytest.mark.parametrize("tune,shape", [({"small_bytes": 0, **t}, s) for t, s in TUNE_CASES])
@@ -154,6 +157,24 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
         x = rng.standard_normal((m, shape[1])).astype(np.float32)
         got = host(ex.mx_linear(cp.asarray(x), w))
         assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} {tune} M{m}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
+    """The two-n-tile kernels' x staging row length (`wide_segk`, MX_SEGK2; in static shared memory or past it
+    in dynamic) changes how often a block stages x, not what it sums: the same bytes at 9, 12 and 16 rows, tile
+    grid and stream-K."""
+    rng = np.random.default_rng(zlib.crc32(f"segk-{fmt}".encode()))
+    wq, _ = random_weight(rng, fmt, (4096, 5120))
+    w = ex.pack_weight(wq)
+    for tune in ({}, {"policy": "stream", "min_chunks": 1}):
+        for m in (9, 12, 16):
+            x = cp.asarray(rng.standard_normal((m, 5120)).astype(np.float32))
+            got = []
+            for segk in (1024, 1408, 2688):  # 2688: past static shared memory (dynamic)
+                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune, "wide_segk": segk})
+                got.append(host(ex.mx_linear(x, w)).view(np.uint32))
+            assert all(np.array_equal(g, got[0]) for g in got[1:]), f"{fmt} {tune} M{m}: wide_segk changed the bytes"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

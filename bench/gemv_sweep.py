@@ -82,6 +82,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes, and 2688 in dynamic shared memory
     ("wide segk 1024", {"wide_segk": 1024}, ()),
     ("wide segk 2688", {"wide_segk": 2688}, ()),
+    ("part batch 1", {"part_batch": 1}, ()),              # a split tile's partial sums loaded one at a time (before)
 ]
 # An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.

@@ -135,6 +135,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #ifndef MX_R1_CHAINS
 #define MX_R1_CHAINS 1  // MMA chains of each of the NVFP4 `_1r` kernels' two sets of block sums (R1Cols)
 #endif
+#ifndef MX_PART_BATCH
+#define MX_PART_BATCH 8  // split-K partial sums a thread of a one-row (`_1r`) tile's last block loads at once (sum_parts)
+#endif
 #ifndef MX_DIAG
 #define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
 #endif
@@ -179,6 +182,29 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
+}
+// s[q] += p[k * stride + off[q]] for k = 0 .. n - 1 in that order (the split tile's reduction: the same sums as
+// one load and add at a time), the loads issued BATCH at a time (NP sums share them) so that a tile's last block
+// waits for one L2 round trip a batch rather than one a part; a batch past n reloads part n - 1 and does not add
+// it. The one-row kernels batch (MX_PART_BATCH): their products 1.7% faster; the others load one part at a time
+// (BATCH 1, as before): the twelve-row kernels were 1.4-4.4% slower with batches (docs/perf.md).
+template <int BATCH, int NP>
+__device__ __forceinline__ void sum_parts(const float* p, long long stride, int n, const int (&off)[NP], float (&s)[NP]) {
+    constexpr int B = BATCH / NP > 0 ? BATCH / NP : 1;
+    for (int k0 = 0; k0 < n; k0 += B) {
+        float v[B][NP];
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const long long k = min(k0 + j, n - 1);
+#pragma unroll
+            for (int q = 0; q < NP; ++q) v[j][q] = ld_cg(p + k * stride + off[q]);
+        }
+#pragma unroll
+        for (int j = 0; j < B; ++j)
+            if (k0 + j < n)
+#pragma unroll
+                for (int q = 0; q < NP; ++q) s[q] += v[j][q];
+    }
 }
 __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
     int r;
@@ -786,12 +812,10 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             const int m = i / (TILE_ROWS / 2), c = i % (TILE_ROWS / 2);
             const int n = tile * TILE_ROWS + (c >> 3) * 16 + (c & 7);
             if (m >= m_valid || n >= A.N) continue;
-            float sg = 0.f, su = 0.f;
-            for (int ks = 0; ks < nparts; ++ks) {
-                const float* pp = A.partial + ((i64)ks * A.M + m0 + m) * A.N + n;
-                sg += ld_cg(pp);
-                su += ld_cg(pp + 8);
-            }
+            float su2[2] = {0.f, 0.f};
+            constexpr int off2[2] = {0, 8};
+            sum_parts<R1 ? MX_PART_BATCH : 1, 2>(A.partial + (i64)(m0 + m) * A.N + n, (i64)A.M * A.N, nparts, off2, su2);
+            float sg = su2[0], su = su2[1];
             if (FUSE && A.nsq) {
                 sg /= nden[m];
                 su /= nden[m];
@@ -808,8 +832,10 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             const i64 o = (i64)(m0 + m) * A.ldy + n;
             // the fused producer's operands first, so that their loads overlap the partial sums'
             const float r = FUSE && A.res ? A.res[o] : 0.f, gn = FUSE && A.res ? __ldg(A.gw + n) : 0.f;
-            float s = 0.f;
-            for (int ks = 0; ks < nparts; ++ks) s += ld_cg(A.partial + ((i64)ks * A.M + m0 + m) * A.N + n);
+            float s1[1] = {0.f};
+            constexpr int off1[1] = {0};
+            sum_parts<R1 ? MX_PART_BATCH : 1, 1>(A.partial + (i64)(m0 + m) * A.N + n, (i64)A.M * A.N, nparts, off1, s1);
+            float s = s1[0];
             if (FUSE && A.nsq) s /= nden[m];
             v = s * A.post + (A.bias ? A.bias[n] : 0.f);
             if (FUSE && A.res) {

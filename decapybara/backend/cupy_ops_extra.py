@@ -257,6 +257,10 @@ def _stream_counters(device: int, stream: int) -> Any:
 # its barriers) once or twice rather than three or four times: MXFP4 twelve-row products 3% faster (`gemv_sweep`), 27B
 # steps at 10 and 12 streams 2% (MXFP4) and 3% (NVFP4, 12x1k) faster (interleaved, docs/perf.md); the same
 # bytes (a segment's length does not change the summation order). The other formats keep 1024 (not measured).
+# `part_batch`: split-K partial sums a thread of a one-row (`_1r` / `_1rs`) tile's last block loads at once
+# before adding them in order (kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time, as
+# the other kernels do): the same bytes; one-row products 1.7% faster (`gemv_sweep`), one-stream steps within
+# their spread (docs/perf.md).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -265,6 +269,7 @@ TUNE: dict[str, Any] = {
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
+    "part_batch": 8,
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -333,7 +338,8 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             ("MX_WARPS2", tune["wide_warps"]),
             ("MX_ACC", tune["acc"]), ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
-            *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()), *TUNE_DEFINES)
+            *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()),
+            *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()), *TUNE_DEFINES)
 
 
 @dataclass
@@ -380,7 +386,7 @@ def staging_bytes(tune: dict, nt: int) -> int:
     """Dynamic shared memory of an `nt`-n-tile product's launch: the two-n-tile kernels' x staging buffer where
     its rows (`wide_segk` codes) are longer than static shared memory holds (kernels/mx_gemv.cu XBuf), else 0."""
     segk = tune.get("wide_segk", 1024)
-    return 16 * (segk + 32) * 2 if nt == 2 and segk > STATIC_SEGK else 0
+    return 16 * (segk + 32) * 2 if nt == 2 and segk > STATIC_SEGK and kernel_knows(tune["source"], "MX_SEGK2") else 0
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

@@ -177,6 +177,28 @@ def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
             assert all(np.array_equal(g, got[0]) for g in got[1:]), f"{fmt} {tune} M{m}: wide_segk changed the bytes"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])
+def test_split_sums_in_batches_keep_the_bytes(fmt, monkeypatch):
+    """A split tile's last block loads its partial sums in batches (TUNE `part_batch`, kernels/mx_gemv.cu
+    `sum_parts`: the one-row kernels) and adds them in the same order: the same bytes as one at a time, with
+    batches that divide the parts and batches that do not (11 K splits; 5 of 3), plain and SwiGLU epilogues,
+    tile grid and stream-K; the few- and twelve-row kernels (one at a time whatever the setting) alike."""
+    rng = np.random.default_rng(zlib.crc32(f"parts-{fmt}".encode()))
+    for shape, tune in (((704, 5632), {"ksplit": 11}), ((704, 1536), {"ksplit": 5}),
+                        ((4096, 5120), {"policy": "stream", "min_chunks": 1})):
+        wq, _ = random_weight(rng, fmt, shape)
+        w = ex.pack_weight(wq)
+        for m in (1, 5, 12):
+            x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
+            got = []
+            for batch in (1, 3, 8):
+                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, **tune, "part_batch": batch})
+                got.append((host(ex.mx_linear(x, w)).view(np.uint32), host(ex.mx_swiglu(x, w)).view(np.uint32)))
+            for g in got[1:]:
+                for a, b, name in zip(g, got[0], ("mx_linear", "mx_swiglu"), strict=True):
+                    assert np.array_equal(a, b), f"{name} {fmt} {shape} {tune} M{m}: part_batch changed the bytes"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_x_staging_edges(fmt):
     """bf16 x staged two groups a pass (d, d + 4) where K % 16 == 8 (the second group of the last pair lies

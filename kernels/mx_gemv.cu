@@ -187,7 +187,7 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // one load and add at a time), the loads issued BATCH at a time (NP sums share them) so that a tile's last block
 // waits for one L2 round trip a batch rather than one a part; a batch past n reloads part n - 1 and does not add
 // it. The one-row kernels batch (MX_PART_BATCH): their products 1.7% faster; the others load one part at a time
-// (BATCH 1, as before): the twelve-row kernels were 1.4-4.4% slower with batches (docs/perf.md).
+// (BATCH 1, as before): with batches the twelve-row products were 2.3% slower, 12x1k steps 1.3-4.4% (docs/perf.md).
 template <int BATCH, int NP>
 __device__ __forceinline__ void sum_parts(const float* p, long long stride, int n, const int (&off)[NP], float (&s)[NP]) {
     constexpr int B = BATCH / NP > 0 ? BATCH / NP : 1;

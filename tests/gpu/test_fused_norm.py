@@ -250,7 +250,8 @@ def test_wider_steps_hand_bf16_rows_to_the_products(weights):
 def test_mlp_activation_goes_to_the_down_product_in_bf16_bits():
     """silu(gate) * up for a down product the skinny kernels run comes in bf16 bits (from TUNE bf16_rows rows
     up to SKINNY_ROWS: the fused norms do not cover it); the down product's bytes are those of the float32
-    rows. One row, and a float32 down weight (the reference backend's), get float32 rows."""
+    rows. Rows below bf16_rows (none at its default of one), and a float32 down weight (the reference
+    backend's), get float32 rows."""
     backend = cuda_backend("bf16")
     rng = np.random.default_rng(5)
     least = ex.tune_for("mxfp4")["bf16_rows"]

@@ -138,7 +138,7 @@ TUNE_CASES = [
     # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 12 (MXFP4's default), 16 and 4
     ({"wide_warps": 8}, (4096, 5120)), ({"wide_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
     ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536)),
-    # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes and MXFP4's 1408 for every format
+    # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes and the longest static row, 1408
     ({"wide_segk": 1024}, (4096, 5120)), ({"wide_segk": 1408, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
     ({"wide_segk": 1408, "ksplit": 3}, (700, 17408))]
 
@@ -163,13 +163,14 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
 def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
     """The two-n-tile kernels' x staging row length (`wide_segk`, MX_SEGK2; in static shared memory or past it
     in dynamic) changes how often a block stages x, not what it sums: the same bytes at 9, 12 and 16 rows, tile
-    grid and stream-K."""
+    grid and stream-K, and blocks whose K range takes several segments at every length (K = 17408 unsplit)."""
     rng = np.random.default_rng(zlib.crc32(f"segk-{fmt}".encode()))
-    wq, _ = random_weight(rng, fmt, (4096, 5120))
-    w = ex.pack_weight(wq)
-    for tune in ({}, {"policy": "stream", "min_chunks": 1}):
+    for shape, tune in (((4096, 5120), {}), ((4096, 5120), {"policy": "stream", "min_chunks": 1}),
+                        ((192, 17408), {"ksplit": 1})):
+        wq, _ = random_weight(rng, fmt, shape)
+        w = ex.pack_weight(wq)
         for m in (9, 12, 16):
-            x = cp.asarray(rng.standard_normal((m, 5120)).astype(np.float32))
+            x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
             got = []
             for segk in (1024, 1408, 2688):  # 2688: past static shared memory (dynamic)
                 monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune, "wide_segk": segk})
@@ -181,8 +182,9 @@ def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
 def test_split_sums_in_batches_keep_the_bytes(fmt, monkeypatch):
     """A split tile's last block loads its partial sums in batches (TUNE `part_batch`, kernels/mx_gemv.cu
     `sum_parts`: the one-row kernels) and adds them in the same order: the same bytes as one at a time, with
-    batches that divide the parts and batches that do not (11 K splits; 5 of 3), plain and SwiGLU epilogues,
-    tile grid and stream-K; the few- and twelve-row kernels (one at a time whatever the setting) alike."""
+    batches that do not divide the parts (11 K splits, batches of 3 and 8; stream-K), plain and SwiGLU
+    epilogues (SwiGLU's two sums share a batch: 3 gives one part at a time there), tile grid and stream-K; the
+    few- and twelve-row kernels (one at a time whatever the setting) alike."""
     rng = np.random.default_rng(zlib.crc32(f"parts-{fmt}".encode()))
     for shape, tune in (((704, 5632), {"ksplit": 11}), ((704, 1536), {"ksplit": 5}),
                         ((4096, 5120), {"policy": "stream", "min_chunks": 1})):

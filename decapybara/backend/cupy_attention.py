@@ -24,7 +24,17 @@ import numpy as np
 
 from decapybara.backend import pdl
 from decapybara.backend.attn_plan import BLOCK_N, DECODE, DECODE_WAVES, plan_work, rows_per_warp
-from decapybara.backend.cupy_ops import F32, I32, check, empty, empty_like, f32, sm_count
+from decapybara.backend.cupy_ops import (
+    F32,
+    I32,
+    allow_dynamic_smem,
+    check,
+    empty,
+    empty_like,
+    f32,
+    sm_count,
+    smem_per_sm,
+)
 from decapybara.model.batch import ForwardBatch
 from kernels import get_kernel
 
@@ -82,7 +92,6 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
                          cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode)
 
 
-_SMEM_SET: set[tuple] = set()
 
 
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
@@ -112,9 +121,7 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         ddef += (("KBITS", kb), ("VBITS", vb)) if mx else ()
         fwd = get_kernel("attn_decode", "paged_decode_attention_mx" if mx else "paged_decode_attention", ddef)
         smem = decode_smem(d, kb, vb, warps, stages)
-        if smem > 48 * 1024 and ddef not in _SMEM_SET:
-            fwd.max_dynamic_shared_size_bytes = smem
-            _SMEM_SET.add(ddef)
+        allow_dynamic_smem(fwd, smem)
         pages = (kc, ks, vc, vs) if mx else (kc, vc)
         pdl.launch(fwd, (plan.num_work, nkv), (32 * warps,),
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
@@ -181,15 +188,7 @@ def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tup
 def decode_per_sm(head_dim: int, kv_bits: tuple[int, int], shape: tuple[int, int]) -> int:
     """CTAs of a decode-kernel launch of `shape` (warps, stages) that one SM holds by its shared memory: 1 for
     bf16 pages of head_dim 256 at 4 x 3 (192 KB), 3 for 6/4-bit ones (63 KB)."""
-    return max(1, _smem_per_sm_of(cp.cuda.Device().id) // (decode_smem(head_dim, *kv_bits, *shape) + 1024))
-
-
-@functools.cache
-def _smem_per_sm_of(device: int) -> int:
-    try:
-        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"])
-    except (RuntimeError, KeyError, AttributeError, ValueError):
-        return 0
+    return max(1, smem_per_sm() // (decode_smem(head_dim, *kv_bits, *shape) + 1024))
 
 
 def _smem_optin() -> int:
@@ -217,9 +216,7 @@ def _attention_fwd(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, An
     bm = plan.block_m
     fwd = get_kernel("attn_prefill", "paged_attention_fwd", defines)
     smem = 4 * (bm * d + BLOCK_N * (d + 4) + BLOCK_N * d)
-    if smem > 48 * 1024 and defines not in _SMEM_SET:
-        fwd.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET.add(defines)
+    allow_dynamic_smem(fwd, smem)
     fwd((plan.num_work, nkv), (NTHREADS,),
         (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq), I32(nkv),
          I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)

@@ -70,6 +70,31 @@ def sm_count() -> int:
         return 132
 
 
+def smem_per_sm() -> int:
+    """Shared memory an SM of the current device holds (0 where the device does not say)."""
+    return _smem_per_sm_of(cp.cuda.Device().id)
+
+
+@functools.cache
+def _smem_per_sm_of(device: int) -> int:
+    try:
+        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"])
+    except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):
+        return 0
+
+
+_SMEM_RAISED: set[tuple[int, int, int]] = set()  # (device, kernel, bytes) whose limit is raised
+
+
+def allow_dynamic_smem(kernel: Any, nbytes: int) -> None:
+    """Raise `kernel`'s dynamic shared memory limit on the current device to `nbytes` where that is past the
+    default 48 KB (once per device, kernel and size)."""
+    key = (cp.cuda.Device().id, id(kernel), nbytes)
+    if nbytes > 48 * 1024 and key not in _SMEM_RAISED:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+        _SMEM_RAISED.add(key)
+
+
 def grid_for(n: int, threads: int = THREADS) -> int:
     """Blocks for a grid-stride loop over n items."""
     return max(1, min(-(-n // threads), sm_count() * 16))

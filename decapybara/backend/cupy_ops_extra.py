@@ -28,12 +28,14 @@ from decapybara.backend.cupy_ops import (
     I32,
     I64,
     MX_NO_GEMM,
+    allow_dynamic_smem,
     check,
     dev_ptr,
     empty,
     gemm_bf16,
     null,
     sm_count,
+    smem_per_sm,
     to_bf16_bits,
 )
 from decapybara.backend.gemv_plan import (
@@ -309,7 +311,7 @@ def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int
     warps = block_warps(tune, nt)
     per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
               else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * 8 // warps or 1  # blocks of 8 warps' slots
-    smem, per_sm_smem = staging_bytes(tune, nt), _smem_per_sm()
+    smem, per_sm_smem = staging_bytes(tune, nt), smem_per_sm()
     if smem and per_sm_smem:  # a dynamic x staging buffer: no more blocks than the SM's shared memory holds
         per_sm = max(1, min(per_sm, per_sm_smem // (smem + 2048)))
     mtiles = -(-rows // (8 * nt))
@@ -382,20 +384,6 @@ def one_row(w: PackedWeight, rows: int, tune: dict, groups: Any = None) -> bool:
 
 
 STATIC_SEGK = 1440  # the longest x staging row of the two-n-tile kernels in static shared memory (MX_SEGK2)
-_SMEM_SET: dict[tuple[int, int], set[int]] = {}  # dynamic shared memory limits set, by device and kernel
-
-
-def _smem_per_sm() -> int:
-    return _smem_per_sm_of(cp.cuda.Device().id)
-
-
-@functools.cache
-def _smem_per_sm_of(device: int) -> int:
-    """Shared memory an SM of `device` holds (0 where the device does not say)."""
-    try:
-        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"])
-    except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):
-        return 0
 
 
 def staging_bytes(tune: dict, nt: int) -> int:
@@ -446,10 +434,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
                       f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
     smem = staging_bytes(tune, nt)
-    key = (cp.cuda.Device().id, id(func))  # the limit is the current device's
-    if smem and smem not in _SMEM_SET.setdefault(key, set()):  # past the default 48 KB limit: raise it once
-        func.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[key].add(smem)
+    allow_dynamic_smem(func, smem)
     sq = None
     fuse_args: tuple[Any, ...] = ()
     xg_args = kernel_knows(tune["source"], "xg_kind")  # older kernel files store float32 xg

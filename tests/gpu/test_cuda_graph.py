@@ -155,7 +155,7 @@ def test_decode_attention_splits_on_this_device():
     runner = DecodeGraphRunner(model, max_pages=4, pad_page=7, pad_slot=3)
     shape = runner._decode_launch(kv)
     assert shape is not None
-    if ca._smem_per_sm_of(cp.cuda.Device().id) == 228 * 1024:  # H100 / H200
+    if ca.smem_per_sm() == 228 * 1024:  # H100 / H200
         assert ca.decode_per_sm(256, (16, 16), (4, 3)) == 1 and ca.decode_per_sm(256, (6, 4), (4, 3)) == 3
         # over 6/4-bit pages one sequence's graphs take 64 splits at 32k (graph_split_cap), two sequences 32
         kv64 = model.new_kv_cache(8, 16, "6/4")

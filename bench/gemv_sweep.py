@@ -11,7 +11,8 @@ next product's weights are not cached). Prints per-shape % of the copy bandwidth
 weight decoding (their results are wrong; they measure what the decoding costs). MXFP4 / NVFP4 weights are
 repacked before each variant into the code layouts its kernel reads (`e2m1_split`: split fields or plain
 nibbles; `tiled`: band tiles or row-major; `reads_layout`), values unchanged, so every other variant's product
-is checked against the baseline's.
+is checked against the baseline's. x rows are float32 unless SWEEP_X=bf16 (bf16 bits, as the decode step's
+products take them from one row up: `TUNE["bf16_rows"]`), which halves the bytes the kernels stage.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((
 # products also timed at M = 12 ("M12 ms": their step-weighted sum); SWEEP_M12 names others, e.g. "gate|up,down,
 # qkv|z,out,q|k|v" (the column is then not comparable with docs/perf.md's earlier tables)
 M12 = tuple(os.environ.get("SWEEP_M12", "gate|up,down,qkv|z").split(","))
+X_BF16 = os.environ.get("SWEEP_X", "f32") == "bf16"  # x rows in bf16 bits (the steps' products) or float32
 L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 
 VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
@@ -66,6 +68,11 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("ksplit 4", {"ksplit": 4}, ()),
     ("M12 2/SM s2", {"wide_blocks_per_sm": 2, "wide_stages": 0, "wide_warps": 8}, ()),  # two-n-tile kernels as before MXFP4's 3/1
     ("diag", {}, (("MX_DIAG", 1),)),
+    ("diag nt1", {}, (("MX_DIAG", 2),)),                  # two-n-tile kernels: the first n-tile's MMAs only
+    ("diag nt1 nodecode", {}, (("MX_DIAG", 3),)),
+    ("diag nostage", {}, (("MX_DIAG", 4),)),              # no x staging (its barriers kept)
+    ("diag nt1 nostage", {}, (("MX_DIAG", 6),)),
+    ("diag all", {}, (("MX_DIAG", 7),)),                  # none of the three
     ("row1 off", {"row1": 0}, ()),                        # one-row MXFP4 / NVFP4 on the `_1` kernels (an FMA a code pair)
     ("diag row1 off", {"row1": 0}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
@@ -77,6 +84,8 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("24 warps", {"warps": 24}, ()),                      # 384-row tiles, one block an SM
     ("wide 8 warps", {"wide_warps": 8}, ()),              # two-n-tile blocks of 8 warps (before the fifteenth session)
     ("wide 24 warps", {"wide_warps": 24}, ()),            # one two-n-tile block of 24 warps an SM
+    ("wide 24 nostage", {"wide_warps": 24}, (("MX_DIAG", 4),)),
+    ("wide 8 nostage", {"wide_warps": 8}, (("MX_DIAG", 4),)),
     ("wide 16 warps s2", {"wide_warps": 16, "wide_blocks_per_sm": 2, "wide_stages": 2}, ()),  # one of 16, 2 stages
     ("wide 12 3/SM s1", {"wide_warps": 12, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's, any format
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes, and 2688 in dynamic shared memory
@@ -193,6 +202,10 @@ def main() -> None:
             one = random_packed(fmt, (n, k))
             weights[name] = [one] + [random_packed(fmt, (n, k)) for _ in range(int(L2_CYCLE // one.nbytes))]
         xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, 12) for k in (5120, 6144, 17408)}
+        if X_BF16:  # x in bf16 bits (rounded toward zero), as the decode step's products take it (TUNE bf16_rows)
+            xs = {key: (v.view(cp.uint32) >> 16).astype(cp.uint16) for key, v in xs.items()}
+        if os.environ.get("SWEEP_X_ZERO"):  # measurement: x all zeros (does the products' speed depend on values?)
+            xs = {key: cp.zeros_like(v) for key, v in xs.items()}
         ref = {name: cp.asnumpy(ex.mx_linear(xs[1, k], weights[name][0])) for name, ((n, k), _) in STEP.items()}
         print(f"\n{fmt}: % of copy bandwidth per product (M1 unless marked), step-weighted M1 total")
         cols = [f"{n} M{m}" for n in STEP for m in ((1, 12) if n in M12 else (1,))]

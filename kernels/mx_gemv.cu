@@ -139,8 +139,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #define MX_PART_BATCH 8  // split-K partial sums a thread of a one-row (`_1r`) tile's last block loads at once (sum_parts)
 #endif
 #ifndef MX_DIAG
-#define MX_DIAG 0  // measurement only (bench/gemv_sweep.py): 1 skips the code decoding, so results are wrong
-#endif
+#define MX_DIAG 0  // measurement only (bench/gemv_sweep.py), results wrong: bit 0 skips the code decoding, bit 1
+#endif             // has kernels of two n-tiles and more compute their first only (no others' x fragments or MMAs),
+                   // bit 2 skips the x staging (its barriers kept)
 template <> struct Fmt<FMT_BF16> { static constexpr int LANE_K = 16, LB = 32, NS = 0, XSHIFT = 0, STAGES = MX_STAGES; };
 template <> struct Fmt<FMT_MXFP8> { static constexpr int LANE_K = 32, LB = 32, NS = 1, XSHIFT = 64, STAGES = MX_STAGES; };
 #ifndef MX_FP6_STAGES
@@ -289,7 +290,7 @@ __device__ __forceinline__ void dequant(const u32 (&w)[Fmt<FMT>::LB / 4], const 
                                         u32 (&a)[4]) {
     if (FMT == FMT_BF16) {
         a[0] = w[4 * JJ]; a[1] = w[4 * JJ + 1]; a[2] = w[4 * JJ + 2]; a[3] = w[4 * JJ + 3];
-    } else if (MX_DIAG) {  // the same words, undecoded (timing of everything but the decode)
+    } else if (MX_DIAG & 1) {  // the same words, undecoded (timing of everything but the decode)
         const u32 v = w[(JJ * (Fmt<FMT>::LB / 4)) / (Fmt<FMT>::LANE_K / 8)];
         a[0] = v; a[1] = v ^ f[0]; a[2] = v >> 1; a[3] = v << 1;
     } else if (FMT == FMT_MXFP8) {  // (b0, b2) and (b1, b3) of a word share their shifts
@@ -409,7 +410,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
         dequant<FMT>(r0.w, f0, jj, a0);
         dequant<FMT>(r1.w, f1, jj, a1);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < ((MX_DIAG & 2) ? 1 : NT); ++nt) {
             const uint4 b = *(const uint4*)(xs_lane + xrow[nt] + 32 * jj);
             mma16816(acc[0][nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
             mma16816(acc[Acc<NT>::N - 1][nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
@@ -445,7 +446,7 @@ template <int FMT> struct R1Cols {
 };
 // A word of E2M1 codes as the unscaled MMA operand pairs of its layout (MX_E2M1), or undecoded (MX_DIAG: timing)
 __device__ __forceinline__ void e2m1_raw(const u32 w, u32 (&a)[4]) {
-    if (MX_DIAG) {
+    if (MX_DIAG & 1) {
         a[0] = w; a[1] = w >> 1; a[2] = w << 1; a[3] = ~w;
     } else if (MX_E2M1) {
         e2m1_pairs_split_raw(w, a);
@@ -636,7 +637,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         // segment takes half the round trips to L2 in a row; G % 8 == 0, so seg8 is even)
         const int pairs = A.x_kind == KIND_BF16 && A.x_vec, segi = seg8 >> pairs;
         int m = tid / segi, i = tid - m * segi;
-        while (m < mrows) {
+        while (!(MX_DIAG & 4) && m < mrows) {
             // group d: chunk d / G, lane t = d % 4, its 8-code slot jj = (d % G) / 4 (G = CK / 8 groups a chunk)
             constexpr u32 G = CK / 8;
             static_assert((G & (G - 1)) == 0 && G % 8 == 0, "groups of a chunk: a power of two, 4 lanes x 2");

@@ -263,6 +263,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # before adding them in order (kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time, as
 # the other kernels do): the same bytes; one-row products 1.7% faster (`gemv_sweep`), one-stream steps within
 # their spread (docs/perf.md).
+# `swiglu_wide_warps` (0: `wide_warps`): warps of a two-n-tile (9-16 rows) SwiGLU launch's blocks (`_2s`; its
+# own build of MX_WARPS2). MXFP4 / NVFP4 24 (one block an SM, 384-row tiles): the twelve-row gate|up product
+# stages x for twice the rows of weights, and 27B steps at 10 and 12 streams are ~1.2% faster (interleaved,
+# MXFP4 and NVFP4, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
+# than the plain product's, so other K split points: the same products within float32 rounding.
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -271,7 +276,7 @@ TUNE: dict[str, Any] = {
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
-    "part_batch": 8,
+    "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -327,10 +332,13 @@ def product_rows(x: Any) -> Any:
     return cp.ascontiguousarray(x, dtype=cp.uint16 if x.dtype == cp.uint16 else cp.float32)
 
 
-def launch_tune(w: PackedWeight, rows: int, dense: bool = True) -> dict:
+def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = False) -> dict:
     """The resolved tuning a product of `rows` rows over `w` launches with: TUNE for its format, or its small
-    build where a dense one-n-tile product has fewer than `small_bytes` of codes."""
+    build where a dense one-n-tile product has fewer than `small_bytes` of codes, or for a two-n-tile SwiGLU
+    launch the `swiglu_wide_warps` blocks where set."""
     tune = tune_for(w.fmt)
+    if swiglu and n_tiles(rows) == 2 and tune.get("swiglu_wide_warps"):
+        return {**tune, "wide_warps": tune["swiglu_wide_warps"]}
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 
@@ -415,7 +423,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
-    tune = launch_tune(w, m, dense=groups is None)
+    tune = launch_tune(w, m, dense=groups is None, swiglu=swiglu)
     nt = n_tiles(m)
     warps = block_warps(tune, nt)
     mtiles = -(-m // (8 * nt))

@@ -8,7 +8,9 @@ chunks than the plain product's (its tile is another), so there within float32 r
 the plain products' tuning cases and the fused norms' DIRECT ones (whole-tile stores, split tiles reduced by
 their last block, stream-K), x as float32 rows, bf16 bits and NormedRows (a fused norm consumer), output in
 float32 and bf16 bits; one and two n-tiles of rows (`_1s`, `_2s`). Only products of up to SWIGLU_ROWS rows over
-N % 16 == 0 rows take it.
+N % 16 == 0 rows take it. The byte comparisons run the two-n-tile SwiGLU launches in the plain products' blocks
+(TUNE `swiglu_wide_warps` 0); their own block width (MXFP4 / NVFP4: 24 warps) is compared within float32
+rounding (`test_swiglu_blocks_of_their_own_width`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def stacked_case(name: str, fmt: str, tune: dict, shape: tuple[int, int], monkey
     rng = np.random.default_rng(zlib.crc32(f"{name}-{fmt}-{sorted(tune.items())}-{shape}".encode()))
     wq, _ = random_weight(rng, fmt, (-(-shape[0] // 16) * 16, shape[1]))
     w = ex.pack_weight(wq)
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "swiglu_wide_warps": 0, **tune})  # the plain products' tiles
     if not ex.fuses_swiglu(w, 1):
         assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
         return None
@@ -74,6 +76,28 @@ def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch
             assert_same(got, plain, w, m, f"{fmt} {tune} M{m} x {xr.dtype}")
         bits = ex.mx_swiglu(x, w, out_dtype=cp.uint16)
         assert_bytes_equal(bits, ops.to_bf16_bits(ex.mx_swiglu(x, w)), f"{fmt} M{m} bf16 out")
+
+
+@pytest.mark.parametrize("tune,shape", [({"swiglu_wide_warps": 24}, (4096, 5120)), ({"swiglu_wide_warps": 24}, (700, 1536)),
+                                        ({"swiglu_wide_warps": 24, "policy": "stream", "min_chunks": 1}, (4100, 2048)),
+                                        ({"swiglu_wide_warps": 16, "ksplit": 3}, (1504, 1536))])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4", "mxfp8"])
+def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
+    """`swiglu_wide_warps`: two-n-tile SwiGLU launches (9-16 rows) take blocks of that many warps whatever the
+    plain two-n-tile products take (`wide_warps`): other tiles, so other K split points, so the plain product
+    then the activation within float32 rounding; the one-n-tile launches keep theirs."""
+    case = stacked_case("swiglu-width", fmt, tune, shape, monkeypatch)
+    if case is None:
+        return
+    rng, w = case
+    assert ex.launch_tune(w, 12, swiglu=True)["wide_warps"] == tune["swiglu_wide_warps"]
+    assert ex.launch_tune(w, 12)["wide_warps"] == ex.tune_for(w.fmt)["wide_warps"]
+    assert ex.launch_tune(w, 8, swiglu=True)["warps"] == ex.tune_for(w.fmt)["warps"]
+    for m in (9, 12, 16, 5):
+        x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
+        for xr in (x, ops.to_bf16_bits(x)):
+            plain = ops.silu_mul_halves(ex.mx_linear(xr, w, out_dtype=cp.float32))
+            assert_close(ex.mx_swiglu(xr, w), host(plain), 2e-6, f"{fmt} {tune} M{m} x {xr.dtype}")
 
 
 @pytest.mark.parametrize("tune,shape", CASES[1::4] + DIRECT)
@@ -101,6 +125,7 @@ def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
     dtype rule); the two ops below `swiglu_rows`, past SWIGLU_ROWS, over float32 matrices and with
     `swiglu_rows` 0; every result the two ops' (bytes under tile grids)."""
     monkeypatch.setitem(ex.TUNE, "swiglu_rows", 2)
+    monkeypatch.setitem(ex.TUNE, "swiglu_wide_warps", 0)  # the plain products' tiles (bytes compared)
     rng = np.random.default_rng(6)
     backend = cuda_backend("bf16")
     calls = []
@@ -149,6 +174,7 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
     assert model.fused_mlp, "the tiny model's MLPs should be fused gate|up products"
     monkeypatch.setitem(ex.TUNE, "policy", policy)
+    monkeypatch.setitem(ex.TUNE, "swiglu_wide_warps", 0)  # the plain products' tiles (bytes compared)
     grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4, 12))
     assert grids or policy != "balance"
     calls = []

@@ -268,6 +268,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # stages x for twice the rows of weights, and 27B steps at 10 and 12 streams are ~1.2% faster (interleaved,
 # MXFP4 and NVFP4, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
+# `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the `_1rs`
+# kernels' blocks): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -277,6 +279,7 @@ TUNE: dict[str, Any] = {
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
+    "swiglu_warps": 0,
 }  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -339,6 +342,8 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     tune = tune_for(w.fmt)
     if swiglu and n_tiles(rows) == 2 and tune.get("swiglu_wide_warps"):
         return {**tune, "wide_warps": tune["swiglu_wide_warps"]}
+    if swiglu and 1 < rows <= 8 and tune.get("swiglu_warps"):
+        return {**tune, "warps": tune["swiglu_warps"]}
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 

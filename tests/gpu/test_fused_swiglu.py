@@ -40,6 +40,9 @@ from decapybara.testing import tiny_checkpoint
 pytestmark = pytest.mark.gpu
 
 
+NO_OWN_WIDTH = {"swiglu_wide_warps": 0, "swiglu_warps": 0}  # SwiGLU launches in the plain products' blocks
+
+
 def assert_same(got, plain, w, m, name):
     """Bytes equal under a tile-grid plan, within float32 rounding of the sums under stream-K (header)."""
     if ex.gemm_plan(w, m).stream:
@@ -54,7 +57,7 @@ def stacked_case(name: str, fmt: str, tune: dict, shape: tuple[int, int], monkey
     rng = np.random.default_rng(zlib.crc32(f"{name}-{fmt}-{sorted(tune.items())}-{shape}".encode()))
     wq, _ = random_weight(rng, fmt, (-(-shape[0] // 16) * 16, shape[1]))
     w = ex.pack_weight(wq)
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "swiglu_wide_warps": 0, **tune})  # the plain products' tiles
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **NO_OWN_WIDTH, **tune})  # the plain products' tiles
     if not ex.fuses_swiglu(w, 1):
         assert not ex.gemm_ready(w)  # a layout the kernels cannot stream
         return None
@@ -80,20 +83,25 @@ def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch
 
 @pytest.mark.parametrize("tune,shape", [({"swiglu_wide_warps": 24}, (4096, 5120)), ({"swiglu_wide_warps": 24}, (700, 1536)),
                                         ({"swiglu_wide_warps": 24, "policy": "stream", "min_chunks": 1}, (4100, 2048)),
-                                        ({"swiglu_wide_warps": 16, "ksplit": 3}, (1504, 1536))])
+                                        ({"swiglu_wide_warps": 16, "ksplit": 3}, (1504, 1536)),
+                                        ({"swiglu_warps": 24, "swiglu_wide_warps": 24}, (4096, 5120)),
+                                        ({"swiglu_warps": 16, "policy": "stream", "min_chunks": 1}, (4100, 2048))])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4", "mxfp8"])
 def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
-    """`swiglu_wide_warps`: two-n-tile SwiGLU launches (9-16 rows) take blocks of that many warps whatever the
-    plain two-n-tile products take (`wide_warps`): other tiles, so other K split points, so the plain product
-    then the activation within float32 rounding; the one-n-tile launches keep theirs."""
+    """`swiglu_wide_warps` / `swiglu_warps`: two-n-tile SwiGLU launches (9-16 rows) / one-n-tile ones of 2-8
+    rows take blocks of that many warps whatever the plain products take (`wide_warps` / `warps`): other tiles,
+    so other K split points, so the plain product then the activation within float32 rounding; one row keeps
+    its blocks."""
     case = stacked_case("swiglu-width", fmt, tune, shape, monkeypatch)
     if case is None:
         return
     rng, w = case
-    assert ex.launch_tune(w, 12, swiglu=True)["wide_warps"] == tune["swiglu_wide_warps"]
-    assert ex.launch_tune(w, 12)["wide_warps"] == ex.tune_for(w.fmt)["wide_warps"]
-    assert ex.launch_tune(w, 8, swiglu=True)["warps"] == ex.tune_for(w.fmt)["warps"]
-    for m in (9, 12, 16, 5):
+    own = ex.tune_for(w.fmt)
+    assert ex.launch_tune(w, 12, swiglu=True)["wide_warps"] == (tune.get("swiglu_wide_warps") or own["wide_warps"])
+    assert ex.launch_tune(w, 12)["wide_warps"] == own["wide_warps"]
+    assert ex.launch_tune(w, 5, swiglu=True)["warps"] == (tune.get("swiglu_warps") or own["warps"])
+    assert ex.launch_tune(w, 1, swiglu=True)["warps"] == own["warps"]  # one row: the `_1rs` kernels' blocks
+    for m in (9, 12, 16, 5, 2, 1):
         x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
         for xr in (x, ops.to_bf16_bits(x)):
             plain = ops.silu_mul_halves(ex.mx_linear(xr, w, out_dtype=cp.float32))
@@ -125,7 +133,7 @@ def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
     dtype rule); the two ops below `swiglu_rows`, past SWIGLU_ROWS, over float32 matrices and with
     `swiglu_rows` 0; every result the two ops' (bytes under tile grids)."""
     monkeypatch.setitem(ex.TUNE, "swiglu_rows", 2)
-    monkeypatch.setitem(ex.TUNE, "swiglu_wide_warps", 0)  # the plain products' tiles (bytes compared)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **NO_OWN_WIDTH})  # the plain products' tiles (bytes compared)
     rng = np.random.default_rng(6)
     backend = cuda_backend("bf16")
     calls = []
@@ -174,7 +182,7 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
     assert model.fused_mlp, "the tiny model's MLPs should be fused gate|up products"
     monkeypatch.setitem(ex.TUNE, "policy", policy)
-    monkeypatch.setitem(ex.TUNE, "swiglu_wide_warps", 0)  # the plain products' tiles (bytes compared)
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **NO_OWN_WIDTH})  # the plain products' tiles (bytes compared)
     grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4, 12))
     assert grids or policy != "balance"
     calls = []

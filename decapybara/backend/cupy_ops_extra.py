@@ -265,11 +265,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # their spread (docs/perf.md).
 # `swiglu_wide_warps` (0: `wide_warps`): warps of a two-n-tile (9-16 rows) SwiGLU launch's blocks (`_2s`; its
 # own build of MX_WARPS2). MXFP4 / NVFP4 24 (one block an SM, 384-row tiles): the twelve-row gate|up product
-# stages x for twice the rows of weights, and 27B steps at 10 and 12 streams are ~1.2% faster (interleaved,
-# MXFP4 and NVFP4, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
+# stages x for twice the rows of weights, and 27B steps ~1.2% faster (interleaved: MXFP4 at 10 and 12 streams,
+# NVFP4 at 12, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
-# `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the `_1rs`
-# kernels' blocks): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
+# `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
+# width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -309,12 +309,12 @@ def n_tiles(rows: int) -> int:
 
 
 def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int | None = None,
-              tune: dict | None = None) -> GemmPlan:
+              tune: dict | None = None, swiglu: bool = False) -> GemmPlan:
     """The launch plan (gemv_plan.plan_gemm) of a product of `rows` rows over `w`: dense (`groups` None) or
     over `groups` expert groups; `x_rows` rows of x (the partial sums' size; default `rows`); `tune` resolved
-    (default `launch_tune`'s)."""
+    (default `launch_tune`'s, of a SwiGLU launch where `swiglu`)."""
     dense = groups is None
-    tune = launch_tune(w, rows, dense=dense) if tune is None else tune
+    tune = launch_tune(w, rows, dense=dense, swiglu=swiglu) if tune is None else tune
     nt = n_tiles(rows)
     warps = block_warps(tune, nt)
     per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
@@ -337,8 +337,9 @@ def product_rows(x: Any) -> Any:
 
 def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = False) -> dict:
     """The resolved tuning a product of `rows` rows over `w` launches with: TUNE for its format, or its small
-    build where a dense one-n-tile product has fewer than `small_bytes` of codes, or for a two-n-tile SwiGLU
-    launch the `swiglu_wide_warps` blocks where set."""
+    build where a dense one-n-tile product has fewer than `small_bytes` of codes; a SwiGLU launch (`swiglu`)
+    takes blocks of `swiglu_wide_warps` at 9-16 rows and of `swiglu_warps` at 2-8 rows where set (not the small
+    build then)."""
     tune = tune_for(w.fmt)
     if swiglu and n_tiles(rows) == 2 and tune.get("swiglu_wide_warps"):
         return {**tune, "wide_warps": tune["swiglu_wide_warps"]}

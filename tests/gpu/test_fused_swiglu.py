@@ -8,9 +8,9 @@ chunks than the plain product's (its tile is another), so there within float32 r
 the plain products' tuning cases and the fused norms' DIRECT ones (whole-tile stores, split tiles reduced by
 their last block, stream-K), x as float32 rows, bf16 bits and NormedRows (a fused norm consumer), output in
 float32 and bf16 bits; one and two n-tiles of rows (`_1s`, `_2s`). Only products of up to SWIGLU_ROWS rows over
-N % 16 == 0 rows take it. The byte comparisons run the two-n-tile SwiGLU launches in the plain products' blocks
-(TUNE `swiglu_wide_warps` 0); their own block width (MXFP4 / NVFP4: 24 warps) is compared within float32
-rounding (`test_swiglu_blocks_of_their_own_width`).
+N % 16 == 0 rows take it. The byte comparisons run the SwiGLU launches in the plain products' blocks
+(`NO_OWN_WIDTH`: TUNE `swiglu_wide_warps` and `swiglu_warps` 0); their own block widths (MXFP4 / NVFP4 two-n-tile
+launches: 24 warps) are compared within float32 rounding (`test_swiglu_blocks_of_their_own_width`).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4", "mxfp8"])
 def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
     """`swiglu_wide_warps` / `swiglu_warps`: two-n-tile SwiGLU launches (9-16 rows) / one-n-tile ones of 2-8
-    rows take blocks of that many warps whatever the plain products take (`wide_warps` / `warps`): other tiles,
-    so other K split points, so the plain product then the activation within float32 rounding; one row keeps
-    its blocks."""
+    rows take blocks of that many warps whatever the plain products take (`wide_warps` / `warps`; the kernels
+    each launch builds are recorded): other tiles, so other K split points, so the plain product then the
+    activation within float32 rounding; one row keeps its blocks."""
     case = stacked_case("swiglu-width", fmt, tune, shape, monkeypatch)
     if case is None:
         return
@@ -101,11 +101,22 @@ def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
     assert ex.launch_tune(w, 12)["wide_warps"] == own["wide_warps"]
     assert ex.launch_tune(w, 5, swiglu=True)["warps"] == (tune.get("swiglu_warps") or own["warps"])
     assert ex.launch_tune(w, 1, swiglu=True)["warps"] == own["warps"]  # one row: the `_1rs` kernels' blocks
+    built = []  # (kernel name, its warps define) of every launch
+    monkeypatch.setattr(ex, "get_kernel", lambda src, name, defines, real=ex.get_kernel: built.append(
+        (name, dict(defines)["MX_WARPS2" if name.endswith(("_2s", "_2")) else "MX_WARPS"]))
+        or real(src, name, defines))
     for m in (9, 12, 16, 5, 2, 1):
         x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
         for xr in (x, ops.to_bf16_bits(x)):
+            built.clear()
             plain = ops.silu_mul_halves(ex.mx_linear(xr, w, out_dtype=cp.float32))
-            assert_close(ex.mx_swiglu(xr, w), host(plain), 2e-6, f"{fmt} {tune} M{m} x {xr.dtype}")
+            got = ex.mx_swiglu(xr, w)
+            assert_close(got, host(plain), 2e-6, f"{fmt} {tune} M{m} x {xr.dtype}")
+            # the plain product in its own blocks, the SwiGLU launch in the knob's (one row: the plain width)
+            (_, plain_w), (name, swi_w) = built
+            knob = tune.get("swiglu_wide_warps" if m > 8 else "swiglu_warps") if m > 1 else None
+            assert name.endswith("s") and swi_w == (knob or plain_w), (m, built)
+            assert plain_w == own["wide_warps" if m > 8 else "warps"], (m, built)
 
 
 @pytest.mark.parametrize("tune,shape", CASES[1::4] + DIRECT)

@@ -92,8 +92,6 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
                          cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode)
 
 
-
-
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
               nkv: int, page_size: int, scale: float) -> Any:
     """Causal attention of q [T, nq, D] over the paged keys / values (codes, scales, bits) -> [T, nq, D]."""

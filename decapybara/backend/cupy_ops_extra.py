@@ -341,10 +341,10 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     takes blocks of `swiglu_wide_warps` at 9-16 rows and of `swiglu_warps` at 2-8 rows where set (not the small
     build then)."""
     tune = tune_for(w.fmt)
-    if swiglu and n_tiles(rows) == 2 and tune.get("swiglu_wide_warps"):
-        return {**tune, "wide_warps": tune["swiglu_wide_warps"]}
-    if swiglu and 1 < rows <= 8 and tune.get("swiglu_warps"):
-        return {**tune, "warps": tune["swiglu_warps"]}
+    if swiglu and 1 < rows and n_tiles(rows) <= 2:
+        key = "wide_warps" if n_tiles(rows) == 2 else "warps"
+        if tune.get(f"swiglu_{key}"):
+            return {**tune, key: tune[f"swiglu_{key}"]}
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 

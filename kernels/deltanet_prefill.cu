@@ -275,126 +275,217 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 
 // ---- one decode token per run ---------------------------------------------------------------------------
 // conv1d_silu_runs + gdn_qk_norm + gdn_gates + gdn_recurrent for runs of exactly one row, in one launch and
-// with the same arithmetic in the same order (so the same bits): grid (R, HV, DV / DVC), DEC_NT threads (DVC
-// value columns a CTA, KSPLIT threads a column). Each CTA computes the conv + SiLU of its key head's q and k
-// channels (the DV / DVC CTAs of a value head and the HV / HK value heads of a key head repeat this small
-// work; thread tid takes channels tid, tid + DEC_NT, ...), their L2 norms (one warp for q, one for k:
-// gdn_qk_norm's lane-strided sum and butterfly), its value columns and its head's gates, then the recurrent
-// step. Everything no kernel of this step writes goes out before the wait (pdl.cuh): the recurrent state, the
-// conv weights, A and dt (the model's own arrays: cupy_deltanet launches plainly otherwise), and each conv
-// channel's terms over the conv state (gdn_decode_finish or conv1d_state_update writes it, after this kernel)
-// summed in the reference's order, so that only the new input's term is added after the wait. The conv state
-// is only read here. x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); the rest as
-// gdn_recurrent.
+// with the same arithmetic in the same order (so the same bits): grid (ceil(R / per_cta), HV, DV / DVC),
+// DEC_NT threads (DVC value columns a CTA, KSPLIT threads a column). A CTA takes runs blockIdx.x * per_cta ..
+// + per_cta - 1 (fewer at the end; per_cta <= DEC_MAXRUNS) one after another for its value head and columns.
+// For each it computes the conv + SiLU of its key head's q and k channels (the DV / DVC CTAs of a value head
+// and the HV / HK value heads of a key head repeat this small work; thread tid takes channels tid, tid +
+// DEC_NT, ...), their L2 norms (one warp for q, one for k: gdn_qk_norm's lane-strided sum and butterfly), its
+// value columns and its head's gates, then the recurrent step. Everything no kernel of this step writes goes
+// out before the wait (pdl.cuh): the first run's recurrent state and conv state, the conv weights, A and dt (the
+// model's own arrays: cupy_deltanet launches plainly otherwise). The conv state is only read here
+// (gdn_decode_finish or conv1d_state_update writes it, after this kernel); each conv channel's terms over it are
+// summed in the reference's order and the new input's term added last. While a run is computed, the next
+// run's state, conv state and inputs are in flight, so a CTA's runs stream like one long copy. A run's DK x DVC
+// state slice arrives by 16-byte cp.async copies (whole 128-byte lines a warp, no registers held while in
+// flight) into dynamic shared memory, each thread then reading its ROWS values of a column from there (the
+// parts KSPLIT apart in distinct banks); the next run's copies go out once every thread has read the current
+// one's (after the first barrier of its work). (Each thread loading its own values, 4-byte loads DV apart that
+// touch KSPLIT lines a warp, was 4-8% slower from 4 sequences up at the 27B shape; the stores the other way
+// round, through shared memory in 16-byte pieces, 5-8% slower than each thread's own: docs/perf.md.)
+// x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); R: runs; the rest as gdn_recurrent.
 #ifndef DEC_VCOLS
 #define DEC_VCOLS 64  // cupy_deltanet.FUSED_DECODE["vcols"] (always passed)
+#endif
+#ifndef DEC_MAXRUNS
+#define DEC_MAXRUNS 32  // cupy_deltanet.DECODE_MAX_RUNS: runs a CTA takes at most
 #endif
 constexpr int DVC = DV < DEC_VCOLS ? DV : DEC_VCOLS;
 constexpr int DEC_NT = DVC * KSPLIT;
 static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multiple of DEC_VCOLS (or below it)");
-// resident CTAs per SM the decode kernel is built for (__launch_bounds__): with a float32 state, room for ROWS
-// state registers and 40 others a thread (dk = 128: 72 registers at 128 threads, 80 used at 256), 1 to 8
-constexpr int DEC_MINB_F32 = 65536 / (DEC_NT * (ROWS + 40)) < 1 ? 1 : 65536 / (DEC_NT * (ROWS + 40)) > 8 ? 8
-                           : 65536 / (DEC_NT * (ROWS + 40));
+// resident CTAs per SM the decode kernel is built for (__launch_bounds__): with a float32 state, room for its
+// ROWS state registers and 72 others a thread (the next run's conv state and inputs beside the current run's;
+// dk = 128: 104 at 256 threads, 2 CTAs an SM: 3 with 80 registers spilled and ran 6-14% slower), 1 to 8;
+// cupy_deltanet.decode_ctas_per_sm is the same formula
+constexpr int DEC_REGS = ROWS + 72;
+constexpr int DEC_MINB_F32 = 65536 / (DEC_NT * DEC_REGS) < 1 ? 1 : 65536 / (DEC_NT * DEC_REGS) > 8 ? 8
+                           : 65536 / (DEC_NT * DEC_REGS);
 #ifndef GDN_MINB
 #define GDN_MINB (sizeof(ACC) == 4 ? DEC_MINB_F32 : 1)
 #endif
 constexpr int QK_J = (DK + 31) / 32;  // q (or k) channels per lane of the norm warps
+constexpr int CH = (2 * DK + DEC_NT - 1) / DEC_NT;  // q then k channels i = tid + DEC_NT j of key head hk
+
+// One run's loads into registers: before the wait its conv state over the run's channels (its recurrent state
+// goes to shared memory), after it its new inputs (x at those channels, a, b).
+struct DecodeRunIn {
+  float cv[KM1];         // conv state of the value channel
+  float cq[CH][KM1];     // conv state of the q / k channels
+};
+struct DecodeRunX {
+  float xv, av, bv;      // x at the value channel, a and b at the head
+  float xq[CH];          // x at the q / k channels
+};
+constexpr int SPART = ROWS * DVC + 8;  // floats of a part's rows in the shared state slice (+8: bank offset;
+                                       // cupy_deltanet.decode_smem_bytes)
+__device__ __forceinline__ unsigned dn_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void dn_cp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(16));
+}
 
 extern "C" __global__ void __launch_bounds__(DEC_NT, GDN_MINB)
 gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ conv_state,
            const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ neg_A,
            const float* __restrict__ dt_bias, float* __restrict__ state, const int* __restrict__ runs,
            const int* __restrict__ segs, float* __restrict__ out, float* __restrict__ snap_rec, int HK, int HV,
-           int C, i64 ldx, i64 ld_ab, float q_scale) {
+           int C, i64 ldx, i64 ld_ab, float q_scale, int R, int per_cta) {
   __shared__ float qs[KSPLIT * KPAD], ks[KSPLIT * KPAD];
   __shared__ float raw[2 * DK];
-  const int* run = runs + 5 * blockIdx.x;
-  const int row = run[0], slot = run[2], seg0 = run[3];
+  __shared__ int meta[DEC_MAXRUNS][3];  // row, state slot, snapshot index of each of this CTA's runs
+  extern __shared__ __align__(16) float sst[];  // KSPLIT * SPART floats (dynamic: cupy_deltanet.decode_smem_bytes):
+                                                // a run's state slice, row part * ROWS + j, column c at
+                                                // part * SPART + j * DVC + c
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
   const int col = blockIdx.z * DVC + tid / KSPLIT;
   const int hk = h / (HV / HK);
+  const int r0 = blockIdx.x * per_cta, nr = min(per_cta, R - r0);
   constexpr int NWARP = DEC_NT / 32;
-  // The recurrent state first: no other kernel of this step writes it (this layer's kernel of earlier steps
-  // and host-ordered resets / copies between steps do), so its loads may go out before the products that feed
-  // x, a and b have finished (launched overlapped, pdl.cuh).
-  float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
-  ACC S[ROWS];
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
-  // conv1d_silu_runs for a run of one row: acc = sum_j state_j * w_j over the conv state (before the wait),
-  // then acc + x * w_last (after it); the same rounded operations in the same order
-  const float* cs = conv_state + (i64)slot * C * KM1;
-  auto conv_head = [&](int c) {
-    const float* s = cs + (i64)c * KM1;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(s[j], w[(i64)c * CONV_K + j]));
-    return acc;
-  };
+  for (int i = tid; i < nr; i += DEC_NT) {
+    const int* run = runs + 5 * (r0 + i);
+    meta[i][0] = run[0];
+    meta[i][1] = run[2];
+    meta[i][2] = segs[2 * run[3] + 1];  // the run's one segment ends at its row: snapshot or -1
+  }
+  // per CTA: the conv weights of its channels, A and dt of its head
   const int vc = 2 * HK * DK + h * DV + col;
-  const float v_head = conv_head(vc), v_w = w[(i64)vc * CONV_K + KM1];
-  constexpr int CH = (2 * DK + DEC_NT - 1) / DEC_NT;  // q then k channels i = tid + DEC_NT j of key head hk
-  float ch_head[CH], ch_w[CH];
+  float wv[CONV_K], wq[CH][CONV_K];
+  int cq_c[CH];
 #pragma unroll
-  for (int j = 0; j < CH; ++j) {
-    const int i = tid + DEC_NT * j, c = i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK;
-    ch_head[j] = i < 2 * DK ? conv_head(c) : 0.0f;
-    ch_w[j] = i < 2 * DK ? w[(i64)c * CONV_K + KM1] : 0.0f;
+  for (int j = 0; j < CONV_K; ++j) wv[j] = w[(i64)vc * CONV_K + j];
+#pragma unroll
+  for (int jj = 0; jj < CH; ++jj) {
+    const int i = tid + DEC_NT * jj;
+    cq_c[jj] = i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK;
+#pragma unroll
+    for (int j = 0; j < CONV_K; ++j) wq[jj][j] = i < 2 * DK ? w[(i64)cq_c[jj] * CONV_K + j] : 0.0f;
   }
   const float nA = neg_A[h], dtb = dt_bias[h];
+  const i64 st_col = (i64)h * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS of a slot's head h
+  // The loads of run i (a slot's state is written only by this layer's kernel of earlier steps and host-ordered
+  // resets / copies between steps, the conv state after this kernel: both may be read before the wait).
+  auto fetch = [&](int i, DecodeRunIn& in) {
+    const float* cs = conv_state + (i64)meta[i][1] * C * KM1;
+#pragma unroll
+    for (int j = 0; j < KM1; ++j) in.cv[j] = cs[(i64)vc * KM1 + j];
+#pragma unroll
+    for (int jj = 0; jj < CH; ++jj)
+#pragma unroll
+      for (int j = 0; j < KM1; ++j) in.cq[jj][j] = tid + DEC_NT * jj < 2 * DK ? cs[(i64)cq_c[jj] * KM1 + j] : 0.0f;
+  };
+  auto fetch_state = [&](int i) {  // run i's slice into sst (every thread done reading the slice before)
+    const float* src = state + ((i64)meta[i][1] * HV + h) * DK * DV + blockIdx.z * DVC;
+    constexpr int Q = DVC / 4;  // 16-byte pieces of a row's DVC columns
+    for (int q = tid; q < DK * Q; q += DEC_NT) {
+      const int r = q / Q, c4 = q % Q;
+      dn_cp_async16(dn_smem_u32(sst + (r / ROWS) * SPART + (r % ROWS) * DVC + 4 * c4), src + (i64)r * DV + 4 * c4);
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  auto fetch_x = [&](int i, DecodeRunX& in) {  // the products' outputs: after the wait only
+    const int row = meta[i][0];
+    const float* xr = x + (i64)row * ldx;
+    in.xv = xr[vc];
+    in.av = a[(i64)row * ld_ab + h];
+    in.bv = b[(i64)row * ld_ab + h];
+#pragma unroll
+    for (int jj = 0; jj < CH; ++jj) in.xq[jj] = tid + DEC_NT * jj < 2 * DK ? xr[cq_c[jj]] : 0.0f;
+  };
+  __syncthreads();  // meta
+  DecodeRunIn cur;
+  DecodeRunX cx;
+  if (nr > 0) {
+    fetch(0, cur);
+    fetch_state(0);
+  }
   pdl_begin();  // overlapped launch (pdl.cuh)
-  const float* xr = x + (i64)row * ldx;
-  const float vt_f = silu_f(__fadd_rn(v_head, __fmul_rn(xr[vc], v_w)));
-  float ng, nb;  // gdn_gates
-  {
-    const float v = a[(i64)row * ld_ab + h] + dtb;
-    float sp;
-    if (v == 0.0f) sp = 0.693147180559945309f;
-    else if (v > 0.0f) sp = v + log1pf(expf(-v));
-    else sp = log1pf(expf(v));
-    ng = nA * sp;
-    nb = sigmoid_f(b[(i64)row * ld_ab + h]);
-  }
+  if (nr > 0) fetch_x(0, cx);
+  for (int i = 0; i < nr; ++i) {
+    const int row = meta[i][0], slot = meta[i][1], snap = meta[i][2];
+    const float xv = cx.xv, av = cx.av, bv = cx.bv;
+    ACC S[ROWS];
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // run i's state slice
 #pragma unroll
-  for (int j = 0; j < CH; ++j) {
-    const int i = tid + DEC_NT * j, c = i < DK ? hk * DK + i : HK * DK + hk * DK + i - DK;
-    if (i < 2 * DK) raw[i] = silu_f(__fadd_rn(ch_head[j], __fmul_rn(xr[c], ch_w[j])));
-  }
-  __syncthreads();
-  // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
+    for (int j = 0; j < ROWS; ++j) S[j] = (ACC)sst[part * SPART + j * DVC + tid / KSPLIT];
+    DecodeRunIn next;  // the next run's loads, in flight during this run's work
+    DecodeRunX nx;
+    if (i + 1 < nr) {
+      fetch(i + 1, next);
+      fetch_x(i + 1, nx);
+    }
+    // conv1d_silu_runs for a run of one row: acc = sum_j state_j * w_j over the conv state, then + x * w_last
+    float v_head = 0.0f;
 #pragma unroll
-  for (int qk = 0; qk < 2; ++qk) {
-    if (warp == (NWARP > 1 ? qk : 0)) {
-      float r[QK_J], s = 0.0f;
+    for (int j = 0; j < KM1; ++j) v_head = __fadd_rn(v_head, __fmul_rn(cur.cv[j], wv[j]));
+    const float vt_f = silu_f(__fadd_rn(v_head, __fmul_rn(xv, wv[KM1])));
+    float ng, nb;  // gdn_gates
+    {
+      const float v = av + dtb;
+      float sp;
+      if (v == 0.0f) sp = 0.693147180559945309f;
+      else if (v > 0.0f) sp = v + log1pf(expf(-v));
+      else sp = log1pf(expf(v));
+      ng = nA * sp;
+      nb = sigmoid_f(bv);
+    }
 #pragma unroll
-      for (int j = 0; j < QK_J; ++j) {
-        const int i = lane + 32 * j;
-        r[j] = i < DK ? raw[qk * DK + i] : 0.0f;
-        if (i < DK) s += r[j] * r[j];
-      }
-      const float norm = sqrtf(warp_sum(s) + 1e-6f);
-      float* dst = qk == 0 ? qs : ks;
+    for (int jj = 0; jj < CH; ++jj) {
+      const int c = tid + DEC_NT * jj;
+      if (c < 2 * DK) {
+        float acc = 0.0f;
 #pragma unroll
-      for (int j = 0; j < QK_J; ++j) {
-        const int k = lane + 32 * j;
-        if (k < DK) dst[(k / ROWS) * KPAD + k % ROWS] = qk == 0 ? (r[j] / norm) * q_scale : r[j] / norm;
+        for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(cur.cq[jj][j], wq[jj][j]));
+        raw[c] = silu_f(__fadd_rn(acc, __fmul_rn(cx.xq[jj], wq[jj][KM1])));
       }
     }
-  }
-  __syncthreads();
-  // gdn_recurrent, one token
-  const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)vt_f;
-  const float* q_ = qs + part * KPAD;
-  const float* k_ = ks + part * KPAD;
-  const ACC o = delta_step(S, q_, k_, decay, bt, vt);
-  if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
-  const int snap = segs[2 * seg0 + 1];  // the run's one segment ends here: the state as float32
+    __syncthreads();  // raw; every thread has read this run's slice (sst) and the previous run's qs / ks
+    if (i + 1 < nr) fetch_state(i + 1);
+    // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) {
-    const float v = (float)S[j];
-    st[(i64)j * DV] = v;
-    if (snap >= 0) snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
+    for (int qk = 0; qk < 2; ++qk) {
+      if (warp == (NWARP > 1 ? qk : 0)) {
+        float r[QK_J], s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < QK_J; ++j) {
+          const int k = lane + 32 * j;
+          r[j] = k < DK ? raw[qk * DK + k] : 0.0f;
+          if (k < DK) s += r[j] * r[j];
+        }
+        const float norm = sqrtf(warp_sum(s) + 1e-6f);
+        float* dst = qk == 0 ? qs : ks;
+#pragma unroll
+        for (int j = 0; j < QK_J; ++j) {
+          const int k = lane + 32 * j;
+          if (k < DK) dst[(k / ROWS) * KPAD + k % ROWS] = qk == 0 ? (r[j] / norm) * q_scale : r[j] / norm;
+        }
+      }
+    }
+    __syncthreads();  // qs / ks; and the norm warps read raw before this
+    // gdn_recurrent, one token
+    const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)vt_f;
+    const ACC o = delta_step(S, qs + part * KPAD, ks + part * KPAD, decay, bt, vt);
+    if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
+    float* st = state + (i64)slot * HV * DK * DV + st_col;  // the run's one segment ends here: float32 state
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      const float v = (float)S[j];
+      st[(i64)j * DV] = v;
+      if (snap >= 0) snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
+    }
+    if (i + 1 < nr) {
+      cur = next;
+      cx = nx;
+    }
   }
 }
 

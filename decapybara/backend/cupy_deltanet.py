@@ -30,7 +30,35 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_pref
 # "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
 # value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
 # bench/overlap.py)
-FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": 64}
+# bench/overlap.py); "runs" the runs a CTA takes one after another (None: `decode_runs_per_cta`)
+FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": 64,
+                                "runs": None}
+DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
+
+
+def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
+    """Resident gdn_decode CTAs an SM (its launch bounds' GDN_MINB default): a float32 state's dk / 4 registers
+    and 72 others a thread, 1 to 8; a float64 state, 1."""
+    if acc == "double":
+        return 1
+    return min(8, max(1, 65536 // (4 * vcols * (dk // 4 + 72))))
+
+
+def decode_smem_bytes(dk: int, vcols: int) -> int:
+    """Dynamic shared memory of a gdn_decode CTA: its state slice, dk rows of vcols floats with 8 floats after
+    each of the 4 parts' rows (the kernel's SPART)."""
+    return 4 * (dk * vcols + 4 * 8)
+
+
+def decode_runs_per_cta(runs: int, heads: int, col_blocks: int, slots: int) -> int:
+    """Runs per gdn_decode CTA, which takes them one after another (the next run's loads in flight during the
+    current one's work): 2 where one run a CTA (runs x heads x col_blocks CTAs) is over one wave of `slots`
+    resident CTAs and two a CTA fit one wave (its second wave would run partly filled), else 1. Measured (27B, 2
+    CTAs an SM, state loaded to registers, us a layer): 3 and 4 sequences 9.8 / 11.1 two a CTA against 10.7 /
+    12.0 one; 5 sequences 15.4 three a CTA (one wave) against 14.0 one (1.8 waves); 8 and 12 sequences in one
+    wave of longer CTAs 21.7 / 31.5 against 21.0 / 30.1 one a CTA."""
+    per_group = max(1, heads * col_blocks)  # CTAs of one run's grid
+    return 2 if slots < runs * per_group and -(-runs // 2) * per_group <= slots else 1
 
 
 @dataclass(slots=True)
@@ -131,9 +159,18 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         persistent = all(isinstance(p, cp.ndarray) and p.dtype == cp.float32 and p.flags.c_contiguous
                          for p in (params.conv_weight, params.neg_A, params.dt_bias))
         launch = pdl.launch if persistent else pdl.plain
-        launch(get_kernel(src, "gdn_decode", dn_defines), (plan.num_runs, hv, dv // dvcols), (4 * dvcols,),
+        per = FUSED_DECODE["runs"]
+        if per is None:
+            minb = FUSED_DECODE["defines"].get("GDN_MINB") or decode_ctas_per_sm(dk, dvcols, acc)
+            per = decode_runs_per_cta(plan.num_runs, hv, dv // dvcols, minb * cupy_ops.sm_count())
+        assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
+        kernel = get_kernel(src, "gdn_decode", dn_defines)
+        cupy_ops.allow_dynamic_smem(kernel, decode_smem_bytes(dk, dvcols))  # past 48 KB only at dk * vcols > 12k
+        launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols),
+               (4 * dvcols,),
                (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),
-                I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5)))
+                I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5), I32(plan.num_runs), I32(per)),
+               shared_mem=decode_smem_bytes(dk, dvcols))
     else:
         y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
         get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(

@@ -432,15 +432,17 @@ def test_deltanet_core_matches_reference(acc, dims):
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
 
 
+@pytest.mark.parametrize("runs", [None, 2, 5])
 @pytest.mark.parametrize("vcols", [64, 32, 16])
 @pytest.mark.parametrize("acc", ["double", "float"])
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
-def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols):
+def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, runs):
     """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
     of 8 make one warp a CTA (it computes both norms); `vcols` value columns a CTA: 64 (the default: eight warps
-    where dv allows), 32 (four) and 16 (two); for dv <= 32 some of them build the same kernel."""
+    where dv allows), 32 (four) and 16 (two); for dv <= 32 some of them build the same kernel. `runs` a CTA takes
+    one after another: as planned (one at these sizes), 2 (CTAs of 2, 2 and 1) and all five in one CTA."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -459,6 +461,7 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols):
     get = cd.get_kernel
     monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
     monkeypatch.setitem(cd.FUSED_DECODE, "vcols", vcols)
+    monkeypatch.setitem(cd.FUSED_DECODE, "runs", runs)
     for step in range(3):
         segs = [DeltaNetSegment(i, 1, slot, (i, step) if i in (1, 3) else None) for i, slot in enumerate(slots)]
         x = cp.asarray(rand(rng, len(slots), c))
@@ -478,6 +481,23 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols):
         for key, layers in got[True][3].items():
             for j in (0, 1):
                 assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
+
+
+def test_deltanet_decode_runs_per_cta_fold_a_partial_second_wave():
+    """decode_runs_per_cta: two runs a CTA exactly where one run a CTA is over one wave of resident CTAs and two
+    a CTA fit one; the 27B shape (48 heads, 2 column blocks, 2 CTAs on each of 132 SMs): two at 3 and 4
+    sequences. decode_ctas_per_sm: 2 CTAs an SM at 27B, 1 in float64."""
+    from decapybara.backend import cupy_deltanet as cd
+
+    assert [cd.decode_runs_per_cta(r, 48, 2, 264) for r in range(1, 13)] == [1, 1, 2, 2] + [1] * 8
+    assert [cd.decode_runs_per_cta(r, 48, 2, 396) for r in range(1, 13)] == [1] * 4 + [2] * 4 + [1] * 4
+    assert cd.decode_ctas_per_sm(128, 64, "float") == 2 and cd.decode_ctas_per_sm(128, 64, "double") == 1
+    for heads, blocks, slots in ((48, 2, 264), (48, 2, 396), (4, 1, 264), (300, 1, 264), (8, 4, 32), (7, 1, 10)):
+        for runs in range(1, 200):
+            per = cd.decode_runs_per_cta(runs, heads, blocks, slots)
+            fold = runs * heads * blocks > slots and -(-runs // 2) * heads * blocks <= slots
+            assert per == (2 if fold else 1), (runs, heads, blocks, slots, per)
+            assert per <= cd.DECODE_MAX_RUNS
 
 
 def test_deltanet_decode_overlaps_only_over_model_parameters(monkeypatch):

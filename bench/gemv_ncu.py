@@ -5,11 +5,14 @@
         python3 bench/gemv_ncu.py [fmt] [N] [K] [M]          # default: mxfp4 34816 5120 1 (fused 27B gate|up)
 
 Warp-state and scheduler statistics say whether the kernel waits on memory, on dependent instructions or on
-issue slots, which timing alone cannot separate.
+issue slots, which timing alone cannot separate. NCU_X=bf16 passes x in bf16 bits (as the decode step's products
+take it; default float32); NCU_OP=swiglu launches the fused SwiGLU product (`mx_swiglu`: the step's gate|up) in
+place of the plain one.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,10 +31,13 @@ def main() -> None:
     cp.random.seed(0)
     w = random_packed(fmt, (n, k))
     x = cp.random.standard_normal((m, k), cp.float32)
+    if os.environ.get("NCU_X") == "bf16":
+        x = (x.view(cp.uint32) >> 16).astype(cp.uint16)
+    op = ex.mx_swiglu if os.environ.get("NCU_OP") == "swiglu" else ex.mx_linear
     for _ in range(4):  # three warm-up launches (compile, caches), then the profiled one
-        ex.mx_linear(x, w)
+        op(x, w)
     cp.cuda.Device().synchronize()
-    print(f"{fmt} [{n}, {k}] M {m}: tuning {ex.tune_for(fmt)}")
+    print(f"{fmt} [{n}, {k}] M {m} x {x.dtype} {op.__name__}: tuning {ex.tune_for(fmt)}")
 
 
 if __name__ == "__main__":

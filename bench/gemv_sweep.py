@@ -87,7 +87,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide 24 nostage", {"wide_warps": 24}, (("MX_DIAG", 4),)),
     ("wide 8 nostage", {"wide_warps": 8}, (("MX_DIAG", 4),)),
     ("wide 16 warps s2", {"wide_warps": 16, "wide_blocks_per_sm": 2, "wide_stages": 2}, ()),  # one of 16, 2 stages
-    ("wide 12 3/SM s1", {"wide_warps": 12, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's, any format
+    ("wide 12 3/SM s1", {"wide_warps": 12, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's before, any format
+    ("wide 10 3/SM s1", {"wide_warps": 10, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's / NVFP4's: 92 registers
+    ("wide 20 warps", {"wide_warps": 20}, ()),            # one two-n-tile block of 20 warps an SM (96 registers)
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes, and 2688 in dynamic shared memory
     ("wide segk 1024", {"wide_segk": 1024}, ()),
     ("wide segk 2688", {"wide_segk": 2688}, ()),

@@ -222,7 +222,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # warps an SM, which stage x once for 192 rows of output rather than 128: the twelve-row products 4% (MXFP4), 10%
 # (NVFP4) and 8% (MXFP8, also from 2 to 3 blocks' registers and 1 stage) faster (`gemv_sweep`), 27B steps at 10
 # and 12 streams 1.7-3% faster (interleaved captures; one-row products were 2% slower at 12 warps, so `warps`
-# stays 8); the split policy and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
+# stays 8); MXFP4's and NVFP4's 10 (twentieth session; two blocks of 10 warps, 160-row tiles): ptxas gives the
+# two-n-tile kernels 92 registers (96 SwiGLU) where 12 warps held them to 80 and the loop recomputed its
+# shared-memory addresses every chunk (Nsight Compute: 321 instructions a chunk, 28.8 per 256 weights in all),
+# 27B steps 5-6% faster at 10 and 12 streams (MXFP4, three interleaved captures), 3.5% (NVFP4, 12 streams, two);
+# the split policy and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
 # kernel file (measurement only: bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
 # and a `source` older than MX_E2M1 reads plain codes only); `tiled` likewise puts them in 16-row bands of 2 KB
@@ -273,7 +277,7 @@ def _stream_counters(device: int, stream: int) -> Any:
 TUNE: dict[str, Any] = {
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
-    "wide_warps": {"*": 8, "mxfp4": 12, "nvfp4": 12, "mxfp8": 12},
+    "wide_warps": {"*": 8, "mxfp4": 10, "nvfp4": 10, "mxfp8": 12},
     "policy": "auto",
     "min_chunks": 2, "e2m1_split": 1, "tiled": 1, "small_bytes": 0, "small_stages": 2, "small_blocks_per_sm": 2,
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,

@@ -135,8 +135,10 @@ TUNE_CASES = [
     ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40}, (704, 1536)),
     ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120)), ({"blocks_per_sm": 3, "stages": 1}, (704, 1536)),
     ({"small_bytes": 24_000_000}, (704, 1536)),  # the small build under 24 MB (the default until the `_1r` kernels)
-    # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 12 (MXFP4's default), 16 and 4
+    # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 10 (MXFP4's and NVFP4's
+    # default), 12 (MXFP8's), 16 and 4
     ({"wide_warps": 8}, (4096, 5120)), ({"wide_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
+    ({"wide_warps": 10, "policy": "stream", "min_chunks": 1}, (4100, 5120)), ({"wide_warps": 10}, (700, 17408)),
     ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536)),
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes and the longest static row, 1408
     ({"wide_segk": 1024}, (4096, 5120)), ({"wide_segk": 1408, "policy": "stream", "min_chunks": 1}, (4100, 5120)),

@@ -78,7 +78,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
     # `warps`: the one-n-tile kernels' blocks (and those past 16 rows); `wide_warps`: the two-n-tile ones'.
-    # Blocks an SM: blocks_per_sm x 8 / warps (at least 1), e.g. MXFP4's 3 at 12 warps: 2
+    # Blocks an SM: blocks_per_sm x 8 / warps (at least 1), e.g. MXFP4's 3 at 10 warps: 2
     ("4 warps", {"warps": 4}, ()),                        # 64-row tiles: twice the tiles of a one-row product
     ("12 warps", {"warps": 12}, ()),                      # 192-row tiles: x staged once for more rows
     ("24 warps", {"warps": 24}, ()),                      # 384-row tiles, one block an SM

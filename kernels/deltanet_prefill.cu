@@ -291,7 +291,7 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 // flight) into dynamic shared memory, each thread then reading its ROWS values of a column from there (the
 // parts KSPLIT apart in distinct banks); the next run's copies go out once every thread has read the current
 // one's (after the first barrier of its work). (Each thread loading its own values, 4-byte loads DV apart that
-// touch KSPLIT lines a warp, was 4-8% slower from 4 sequences up at the 27B shape; the stores the other way
+// touch KSPLIT lines a warp, was 1-7% slower from 4 sequences up at the 27B shape; the stores the other way
 // round, through shared memory in 16-byte pieces, 5-8% slower than each thread's own: docs/perf.md.)
 // x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); R: runs; the rest as gdn_recurrent.
 #ifndef DEC_VCOLS
@@ -305,7 +305,8 @@ constexpr int DEC_NT = DVC * KSPLIT;
 static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multiple of DEC_VCOLS (or below it)");
 // resident CTAs per SM the decode kernel is built for (__launch_bounds__): with a float32 state, room for its
 // ROWS state registers and 72 others a thread (the next run's conv state and inputs beside the current run's;
-// dk = 128: 104 at 256 threads, 2 CTAs an SM: 3 with 80 registers spilled and ran 6-14% slower), 1 to 8;
+// dk = 128: a budget of 104 at 256 threads, 2 CTAs an SM, of which ptxas uses the 128 they leave; 3 CTAs an SM
+// held it to 80 registers with spills and ran up to 15% slower), 1 to 8;
 // cupy_deltanet.decode_ctas_per_sm is the same formula
 constexpr int DEC_REGS = ROWS + 72;
 constexpr int DEC_MINB_F32 = 65536 / (DEC_NT * DEC_REGS) < 1 ? 1 : 65536 / (DEC_NT * DEC_REGS) > 8 ? 8

@@ -29,7 +29,6 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_pref
 # decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces;
 # "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
 # value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
-# bench/overlap.py)
 # bench/overlap.py); "runs" the runs a CTA takes one after another (None: `decode_runs_per_cta`)
 FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": 64,
                                 "runs": None}
@@ -50,12 +49,18 @@ def decode_smem_bytes(dk: int, vcols: int) -> int:
     return 4 * (dk * vcols + 4 * 8)
 
 
+def decode_static_bytes(dk: int) -> int:
+    """Static shared memory of a gdn_decode CTA: q and k rows (4 parts of dk / 4 + 1 floats each), the raw q | k
+    channels (2 dk floats) and each run's 3 ints (DECODE_MAX_RUNS)."""
+    return 4 * (2 * 4 * (dk // 4 + 1) + 2 * dk + 3 * DECODE_MAX_RUNS)
+
+
 def decode_runs_per_cta(runs: int, heads: int, col_blocks: int, slots: int) -> int:
     """Runs per gdn_decode CTA, which takes them one after another (the next run's loads in flight during the
     current one's work): 2 where one run a CTA (runs x heads x col_blocks CTAs) is over one wave of `slots`
     resident CTAs and two a CTA fit one wave (its second wave would run partly filled), else 1. Measured (27B, 2
     CTAs an SM, state loaded to registers, us a layer): 3 and 4 sequences 9.8 / 11.1 two a CTA against 10.7 /
-    12.0 one; 5 sequences 15.4 three a CTA (one wave) against 14.0 one (1.8 waves); 8 and 12 sequences in one
+    12.0-12.1 one; 5 sequences 15.4 three a CTA (one wave) against 14.0 one (1.8 waves); 8 and 12 sequences in one
     wave of longer CTAs 21.7 / 31.5 against 21.0 / 30.1 one a CTA."""
     per_group = max(1, heads * col_blocks)  # CTAs of one run's grid
     return 2 if slots < runs * per_group and -(-runs // 2) * per_group <= slots else 1
@@ -153,7 +158,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         dvcols = min(FUSED_DECODE["vcols"], dv)  # the kernel's DVC
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
-        dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]),)
+        dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
         # gdn_decode reads the conv weight, A and dt before its wait (overlapped launch): only where they are the
         # model's own float32 arrays, not copies this step makes
         persistent = all(isinstance(p, cp.ndarray) and p.dtype == cp.float32 and p.flags.c_contiguous
@@ -165,7 +170,8 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
             per = decode_runs_per_cta(plan.num_runs, hv, dv // dvcols, minb * cupy_ops.sm_count())
         assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
         kernel = get_kernel(src, "gdn_decode", dn_defines)
-        cupy_ops.allow_dynamic_smem(kernel, decode_smem_bytes(dk, dvcols))  # past 48 KB only at dk * vcols > 12k
+        # static and dynamic shared memory past 48 KB need the kernel's limit raised (not at dk = 128)
+        cupy_ops.allow_dynamic_smem(kernel, decode_smem_bytes(dk, dvcols) + decode_static_bytes(dk))
         launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols),
                (4 * dvcols,),
                (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),

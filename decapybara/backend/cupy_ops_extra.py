@@ -218,15 +218,16 @@ def _stream_counters(device: int, stream: int) -> Any:
 # kernels, built in through their launch bounds (MX_MINB; two-n-tile kernels, 9 <= M <= 16: `wide_blocks_per_sm`
 # (MX_MINB2) with `wide_stages` (MX_STAGES2, 0: max(2, stages)) and `wide_warps` warps a block (MX_WARPS2); wider
 # tiles stay at <= 2; the blocks-per-SM counts are of 8-warp blocks, a block of W warps taking W / 8 of them
-# (B of them: B x 8 // W blocks, at least 1): the 4- and 8-bit formats' wide_warps 12 at 3 is two blocks of 12
-# warps an SM, which stage x once for 192 rows of output rather than 128: the twelve-row products 4% (MXFP4), 10%
-# (NVFP4) and 8% (MXFP8, also from 2 to 3 blocks' registers and 1 stage) faster (`gemv_sweep`), 27B steps at 10
-# and 12 streams 1.7-3% faster (interleaved captures; one-row products were 2% slower at 12 warps, so `warps`
-# stays 8); MXFP4's and NVFP4's 10 (twentieth session; two blocks of 10 warps, 160-row tiles): ptxas gives the
-# two-n-tile kernels 92 registers (96 SwiGLU) where 12 warps held them to 80 and the loop recomputed its
-# shared-memory addresses every chunk (Nsight Compute: 321 instructions a chunk, 28.8 per 256 weights in all),
-# 27B steps 5-6% faster at 10 and 12 streams (MXFP4, three interleaved captures), 3.5% (NVFP4, 12 streams, two);
-# the split policy and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
+# (B of them: B x 8 // W blocks, at least 1): wide_warps 12 at 3 (MXFP8's; the 4-bit formats' until the
+# twentieth session) is two blocks of 12 warps an SM, which stage x once for 192 rows of output rather than 128:
+# the twelve-row products 4% (MXFP4), 10% (NVFP4) and 8% (MXFP8, also from 2 to 3 blocks' registers and 1 stage)
+# faster (`gemv_sweep`), 27B steps at 10 and 12 streams 1.7-3% faster (interleaved captures; one-row products
+# were 2% slower at 12 warps, so `warps` stays 8); MXFP4's and NVFP4's 10 (twentieth session; two blocks of 10
+# warps, 160-row tiles): ptxas gives the plain two-n-tile kernels (`_2`) 92 registers where 12 warps held them to
+# 80, the build Nsight Compute found recomputing its shared-memory addresses every chunk (the 24-warp SwiGLU
+# launch, also at 80: 321 instructions a chunk, 28.8 per 256 weights in all; the plain twelve-row `down` at 12
+# warps 31.0), and 27B steps ran 5-6% faster at 10 and 12 streams (MXFP4, three interleaved captures), 3.2-3.6%
+# (NVFP4, 12 streams, two); the SwiGLU launch keeps `swiglu_wide_warps` 24 (20: no faster); the split policy and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
 # kernel file (measurement only: bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
 # and a `source` older than MX_E2M1 reads plain codes only); `tiled` likewise puts them in 16-row bands of 2 KB

@@ -3,7 +3,7 @@ kernel before it in the stream is still running, once every block of that one ha
 (kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before it reads anything written since the last
 kernel that completes only after waiting itself (in practice: anything a kernel of this step writes) and
 before it writes anything; what it does before (the skinny GEMM: its first loads of a persistent weight;
-gdn_decode: its recurrent state, the conv weights, A and dt, and the conv terms over its conv state) overlaps
+gdn_decode: its first run's recurrent state and conv state, the conv weights, A and dt) overlaps
 the earlier kernels' tails and the launch itself. Stream capture records the overlap as a programmatic graph
 edge, so CUDA-graph decode steps keep it.
 

@@ -432,7 +432,7 @@ def test_deltanet_core_matches_reference(acc, dims):
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
 
 
-@pytest.mark.parametrize("runs", [None, 2, 5])
+@pytest.mark.parametrize("runs", [None, 2, 3, 5])
 @pytest.mark.parametrize("vcols", [64, 32, 16])
 @pytest.mark.parametrize("acc", ["double", "float"])
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
@@ -442,7 +442,8 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
     of 8 make one warp a CTA (it computes both norms); `vcols` value columns a CTA: 64 (the default: eight warps
     where dv allows), 32 (four) and 16 (two); for dv <= 32 some of them build the same kernel. `runs` a CTA takes
-    one after another: as planned (one at these sizes), 2 (CTAs of 2, 2 and 1) and all five in one CTA."""
+    one after another: as planned (one at these sizes), 2 (CTAs of 2, 2 and 1: the snapshots at second runs), 3
+    (3 and 2: a snapshot at a CTA's middle run and at its first) and all five in one CTA."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -541,7 +542,7 @@ def test_deltanet_decode_overlaps_only_over_model_parameters(monkeypatch):
 
 @pytest.mark.parametrize("views", [True, False])
 @pytest.mark.parametrize("acc", ["double", "float"])
-@pytest.mark.parametrize("dims,batches", [((4, 8, 128, 128), (1, 3, 12)), ((16, 48, 128, 128), (1, 5)),
+@pytest.mark.parametrize("dims,batches", [((4, 8, 128, 128), (1, 3, 12)), ((16, 48, 128, 128), (1, 4, 5)),
                                           ((2, 6, 64, 32), (2, 7)), ((2, 4, 16, 8), (1, 4))])
 def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, batches, views):
     """deltanet_core_gated on a decode forward (gdn_decode, then gdn_decode_finish: conv state and gated RMS norm,
@@ -550,7 +551,8 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
     a two-row prefill round (both ways take the two ops), then two decode steps in scattered slots from random
     states; with `views` mixed / a / b / z are column views of fused products as QwenModel passes them (z a
     contiguous array in the last step), else contiguous arrays (what the host emulator can run). Outputs start
-    NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128), 6 (a partial norm block), dv = 8."""
+    NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128; 4 sequences take two runs a gdn_decode
+    CTA in float32 on 132 SMs, `decode_runs_per_cta`), 6 (a partial norm block), dv = 8."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 

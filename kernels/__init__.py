@@ -13,8 +13,9 @@ reference: IEEE division, sqrt, exp). Two compilers:
 - NVRTC through ``cupy.RawModule(code=...)``: CuPy appends the architecture itself and forces ``-ftz=true``,
   so float32 subnormals flush to zero (only results below ~1e-38 can differ from the reference).
 
-$DECAPYBARA_KERNEL_COMPILER = ``nvcc`` | ``nvrtc`` forces one. `cupy` is imported lazily: ``import kernels``
-works on machines without CuPy.
+$DECAPYBARA_KERNEL_COMPILER = ``nvcc`` | ``nvrtc`` forces one. $DECAPYBARA_KERNEL_LINEINFO (set, not empty) adds
+``-lineinfo``: the same code, with the source line of each instruction for profilers (Nsight Compute's source
+page; bench/ncu_source.py). `cupy` is imported lazily: ``import kernels`` works on machines without CuPy.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def _find_nvcc() -> str | None:
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
 
 
+def line_info() -> tuple[str, ...]:
+    """``("-lineinfo",)`` where $DECAPYBARA_KERNEL_LINEINFO is set (not empty), else nothing."""
+    return ("-lineinfo",) if os.environ.get("DECAPYBARA_KERNEL_LINEINFO") else ()
+
+
 def compiler() -> str:
     """``nvcc`` or ``nvrtc``: what `load_module` uses on this machine."""
     forced = os.environ.get("DECAPYBARA_KERNEL_COMPILER", "").lower()
@@ -140,18 +146,22 @@ def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
     return out
 
 
+def nvcc_options(arch: str, defines: Defines = ()) -> tuple[str, ...]:
+    """The nvcc options of a build for compute capability `arch` (e.g. "90") with `defines`."""
+    return (*BASE_OPTIONS, arch_flag(arch), f"-I{KERNEL_DIR}", *line_info(), *_define_flags(defines))
+
+
 @functools.cache
 def _load(name: str, defines: Defines, arch: str, which: str) -> Any:
     import cupy
 
     if which == "nvcc":
-        options = (*BASE_OPTIONS, arch_flag(arch), f"-I{KERNEL_DIR}", *_define_flags(defines))
         try:
-            return cupy.RawModule(path=str(_build_cubin(name, options)))
+            return cupy.RawModule(path=str(_build_cubin(name, nvcc_options(arch, defines))))
         except (RuntimeError, OSError) as e:  # e.g. nvcc without a host compiler: NVRTC still works
             warnings.warn(f"nvcc build of {name}.cu failed, compiling with NVRTC instead: {e}", stacklevel=3)
     # NOTE: CuPy adds -arch=sm_<device> (capped at NVRTC's newest) and -ftz=true itself.
-    options = (*BASE_OPTIONS[:1], f"-I{KERNEL_DIR}", *_define_flags(defines))
+    options = (*BASE_OPTIONS[:1], f"-I{KERNEL_DIR}", *line_info(), *_define_flags(defines))
     return cupy.RawModule(code=_source_text(name), options=options)
 
 

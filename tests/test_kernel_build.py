@@ -60,3 +60,23 @@ def test_concurrent_builders_compile_a_cubin_once(tmp_path):
     # a later builder finds the cubin; another variant is its own build
     assert _builders(env, ["1", "2"])[0] == paths[0]
     assert (tmp_path / "compiles.log").read_text().count("compile") == 2
+
+
+def test_line_info_is_its_own_build(tmp_path, monkeypatch):
+    """$DECAPYBARA_KERNEL_LINEINFO adds -lineinfo to the nvcc options (nothing else changes), and a cubin built
+    with it is cached apart from the one without."""
+    import kernels
+
+    env = _env(tmp_path)
+    for key in ("CUDA_PATH", "DECAPYBARA_KERNEL_CACHE", "FAKE_NVCC_LOG"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.delenv("DECAPYBARA_KERNEL_LINEINFO", raising=False)
+    plain = kernels.nvcc_options("90", (("X", 1),))
+    assert "-lineinfo" not in plain
+    monkeypatch.setenv("DECAPYBARA_KERNEL_LINEINFO", "1")
+    lined = kernels.nvcc_options("90", (("X", 1),))
+    assert [o for o in lined if o != "-lineinfo"] == list(plain) and lined.count("-lineinfo") == 1
+    monkeypatch.setenv("DECAPYBARA_KERNEL_LINEINFO", "")
+    assert kernels.nvcc_options("90", (("X", 1),)) == plain
+    paths = {kernels._build_cubin("probe", opts) for opts in (plain, lined, plain)}
+    assert len(paths) == 2 and (tmp_path / "compiles.log").read_text().count("compile") == 2

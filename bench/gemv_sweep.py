@@ -90,6 +90,10 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide 12 3/SM s1", {"wide_warps": 12, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's before, any format
     ("wide 10 3/SM s1", {"wide_warps": 10, "wide_blocks_per_sm": 3, "wide_stages": 1}, ()),  # MXFP4's / NVFP4's: 92 registers
     ("wide 20 warps", {"wide_warps": 20}, ()),            # one two-n-tile block of 20 warps an SM (96 registers)
+    # two register stages (a chunk's codes in flight while the one before is computed; ptxas, MXFP4 `_2` / `_2s`):
+    # 2 blocks of 10 warps spill (52 / 60 bytes at 96 registers), one block of 10 warps takes 129 / 130
+    ("wide 10 3/SM s2", {"wide_warps": 10, "wide_blocks_per_sm": 3, "wide_stages": 2}, ()),
+    ("wide 10 2/SM s2", {"wide_warps": 10, "wide_blocks_per_sm": 2, "wide_stages": 2}, ()),  # one block an SM
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes, and 2688 in dynamic shared memory
     ("wide segk 1024", {"wide_segk": 1024}, ()),
     ("wide segk 2688", {"wide_segk": 2688}, ()),

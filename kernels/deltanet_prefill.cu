@@ -303,17 +303,9 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 constexpr int DVC = DV < DEC_VCOLS ? DV : DEC_VCOLS;
 constexpr int DEC_NT = DVC * KSPLIT;
 static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multiple of DEC_VCOLS (or below it)");
-// resident CTAs per SM the decode kernel is built for (__launch_bounds__): with a float32 state, room for its
-// ROWS state registers and 72 others a thread (the next run's conv state and inputs beside the current run's;
-// dk = 128: a budget of 104 at 256 threads, 2 CTAs an SM, of which ptxas uses the 128 they leave; 3 CTAs an SM
-// held it to 80 registers with spills and ran up to 15% slower), 1 to 8;
-// cupy_deltanet.decode_ctas_per_sm is the same formula
-constexpr int DEC_REGS = ROWS + 72;
-constexpr int DEC_MINB_F32 = 65536 / (DEC_NT * DEC_REGS) < 1 ? 1 : 65536 / (DEC_NT * DEC_REGS) > 8 ? 8
-                           : 65536 / (DEC_NT * DEC_REGS);
 #ifndef GDN_MINB
-#define GDN_MINB (sizeof(ACC) == 4 ? DEC_MINB_F32 : 1)
-#endif
+#define GDN_MINB 1  // resident CTAs per SM the decode kernel is built for (__launch_bounds__): the launch passes
+#endif              // cupy_deltanet.decode_ctas_per_sm (27B, float32 state: 2)
 constexpr int QK_J = (DK + 31) / 32;  // q (or k) channels per lane of the norm warps
 constexpr int CH = (2 * DK + DEC_NT - 1) / DEC_NT;  // q then k channels i = tid + DEC_NT j of key head hk
 

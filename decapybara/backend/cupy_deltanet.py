@@ -36,8 +36,10 @@ DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
 
 
 def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
-    """Resident gdn_decode CTAs an SM (its launch bounds' GDN_MINB default): a float32 state's dk / 4 registers
-    and 72 others a thread, 1 to 8; a float64 state, 1."""
+    """Resident gdn_decode CTAs an SM, built into its launch bounds (GDN_MINB, unless FUSED_DECODE's defines
+    set it): room for a float32 state's dk / 4 registers and 72 others a thread (the next run's conv state and
+    inputs beside the current run's; dk = 128: 2 CTAs of 256 threads, where 3 held it to 80 registers with
+    spills and ran up to 15% slower), 1 to 8; a float64 state, 1."""
     if acc == "double":
         return 1
     return min(8, max(1, 65536 // (4 * vcols * (dk // 4 + 72))))
@@ -47,12 +49,6 @@ def decode_smem_bytes(dk: int, vcols: int) -> int:
     """Dynamic shared memory of a gdn_decode CTA: its state slice, dk rows of vcols floats with 8 floats after
     each of the 4 parts' rows (the kernel's SPART)."""
     return 4 * (dk * vcols + 4 * 8)
-
-
-def decode_static_bytes(dk: int) -> int:
-    """Static shared memory of a gdn_decode CTA: q and k rows (4 parts of dk / 4 + 1 floats each), the raw q | k
-    channels (2 dk floats) and each run's 3 ints (DECODE_MAX_RUNS)."""
-    return 4 * (2 * 4 * (dk // 4 + 1) + 2 * dk + 3 * DECODE_MAX_RUNS)
 
 
 def decode_runs_per_cta(runs: int, heads: int, col_blocks: int, slots: int) -> int:
@@ -159,6 +155,9 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
         dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
+        if "GDN_MINB" not in FUSED_DECODE["defines"]:
+            dn_defines += (("GDN_MINB", decode_ctas_per_sm(dk, dvcols, acc)),)
+        minb = dict(dn_defines)["GDN_MINB"]
         # gdn_decode reads the conv weight, A and dt before its wait (overlapped launch): only where they are the
         # model's own float32 arrays, not copies this step makes
         persistent = all(isinstance(p, cp.ndarray) and p.dtype == cp.float32 and p.flags.c_contiguous
@@ -166,17 +165,14 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         launch = pdl.launch if persistent else pdl.plain
         per = FUSED_DECODE["runs"]
         if per is None:
-            minb = FUSED_DECODE["defines"].get("GDN_MINB") or decode_ctas_per_sm(dk, dvcols, acc)
             per = decode_runs_per_cta(plan.num_runs, hv, dv // dvcols, minb * cupy_ops.sm_count())
         assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
-        kernel = get_kernel(src, "gdn_decode", dn_defines)
-        # static and dynamic shared memory past 48 KB need the kernel's limit raised (not at dk = 128)
-        cupy_ops.allow_dynamic_smem(kernel, decode_smem_bytes(dk, dvcols) + decode_static_bytes(dk))
-        launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols),
-               (4 * dvcols,),
+        kernel, smem = get_kernel(src, "gdn_decode", dn_defines), decode_smem_bytes(dk, dvcols)
+        cupy_ops.allow_dynamic_smem(kernel, smem)
+        launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols), (4 * dvcols,),
                (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),
                 I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5), I32(plan.num_runs), I32(per)),
-               shared_mem=decode_smem_bytes(dk, dvcols))
+               shared_mem=smem)
     else:
         y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
         get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(

@@ -83,16 +83,18 @@ def _smem_per_sm_of(device: int) -> int:
         return 0
 
 
-_SMEM_RAISED: set[tuple[int, int, int]] = set()  # (device, kernel, bytes) whose limit is raised
+_SMEM_CHECKED: set[tuple[int, int, int]] = set()  # (device, kernel, bytes) whose limit is settled
 
 
 def allow_dynamic_smem(kernel: Any, nbytes: int) -> None:
-    """Raise `kernel`'s dynamic shared memory limit on the current device to `nbytes` where that is past the
-    default 48 KB (once per device, kernel and size)."""
+    """Raise `kernel`'s dynamic shared memory limit on the current device to `nbytes` where that and the
+    kernel's static shared memory are past the default 48 KB together (once per device, kernel and size)."""
     key = (cp.cuda.Device().id, id(kernel), nbytes)
-    if nbytes > 48 * 1024 and key not in _SMEM_RAISED:
+    if key in _SMEM_CHECKED:
+        return
+    if nbytes + int(getattr(kernel, "shared_size_bytes", 0)) > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = nbytes
-        _SMEM_RAISED.add(key)
+    _SMEM_CHECKED.add(key)
 
 
 def grid_for(n: int, threads: int = THREADS) -> int:

@@ -227,7 +227,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 80, the build Nsight Compute found recomputing its shared-memory addresses every chunk (the 24-warp SwiGLU
 # launch, also at 80: 321 instructions a chunk, 28.8 per 256 weights in all; the plain twelve-row `down` at 12
 # warps 31.0), and 27B steps ran 5-6% faster at 10 and 12 streams (MXFP4, three interleaved captures), 3.2-3.6%
-# (NVFP4, 12 streams, two); the SwiGLU launch keeps `swiglu_wide_warps` 24 (20: no faster); the split policy and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
+# (NVFP4, 12 streams, two); the SwiGLU launch keeps `swiglu_wide_warps` 24 (20: no faster); the split policy
+# and its knobs are described in decapybara/backend/gemv_plan.py; `source` is the
 # kernel file (measurement only: bench/gemv_sweep.py times an older one in the same run); `e2m1_split` is the layout `pack_weight` gives
 # MXFP4 / NVFP4 codes (1: split fields; the kernel define MX_E2M1 follows each weight's own flag, not TUNE,
 # and a `source` older than MX_E2M1 reads plain codes only); `tiled` likewise puts them in 16-row bands of 2 KB

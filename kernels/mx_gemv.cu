@@ -389,9 +389,18 @@ __device__ __forceinline__ void load_chunk(LaneRow<FMT>& a, LaneRow<FMT>& b, Row
     }
 }
 
+// 16 bytes of shared memory at a 32-bit shared-window address (__cvta_generic_to_shared)
+__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+
+// One chunk's MMAs: xa[nt] is the shared-window byte address of n-tile nt's staged x for this lane and chunk
+// (its row, the chunk's codes, lane t's 8-code slot).
 template <int FMT, int NT>
 __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0,
-                                          const LaneRow<FMT>& r1, const u16* xs_lane, const int (&xrow)[NT]) {
+                                          const LaneRow<FMT>& r1, const u32 (&xa)[NT]) {
     constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS;
     u32 f0[4] = {0, 0, 0, 0}, f1[4] = {0, 0, 0, 0};
     if (FMT == FMT_MXFP4 || FMT == FMT_MXFP6) {
@@ -411,7 +420,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
         dequant<FMT>(r1.w, f1, jj, a1);
 #pragma unroll
         for (int nt = 0; nt < ((MX_DIAG & 2) ? 1 : NT); ++nt) {
-            const uint4 b = *(const uint4*)(xs_lane + xrow[nt] + 32 * jj);
+            const uint4 b = ld_shared_v4(xa[nt] + 64 * jj);  // codes 32 jj.. of the lane's slot
             mma16816(acc[0][nt], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
             mma16816(acc[Acc<NT>::N - 1][nt], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
         }
@@ -456,7 +465,7 @@ __device__ __forceinline__ void e2m1_raw(const u32 w, u32 (&a)[4]) {
 }
 template <int FMT>
 __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
-                                             const u16* xa, const u16* xb) {
+                                             const u32 xa, const u32 xb) {
     constexpr int SETS = R1Cols<FMT>::SETS, CH = R1Cols<FMT>::CHAINS;
     float d[SETS][CH][4];  // [set][MMA chain: slices 2jj, 2jj + 1 where two][fragment]
 #pragma unroll
@@ -469,7 +478,7 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
         e2m1_raw(r0.w[jj], a0);
         e2m1_raw(r1.w[jj], a1);
         const int set = SETS == 1 ? 0 : jj >> 2;
-        const uint4 b = *(const uint4*)((R1Cols<FMT>::second(jj) ? xb : xa) + 32 * jj);
+        const uint4 b = ld_shared_v4((R1Cols<FMT>::second(jj) ? xb : xa) + 64 * jj);
         mma16816(d[set][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
         mma16816(d[set][CH - 1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
     }
@@ -496,17 +505,22 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
     }
 }
 
-// One group of 8 bf16 codes of x (16 bytes, k order) staged: scaled by xmul, in the k-slot permutation, as
-// bf16x2 words (exact: xmul is a power of two).
+// One group of 8 bf16 codes of x (16 bytes, k order) staged: scaled by 2^XSHIFT, in the k-slot permutation, as
+// bf16x2 words.
+// Each output pair is one byte permute of two input words and, for the microscaled formats, one bf16x2 FMA by
+// 2^64 (XSHIFT): the bits of converting each code to float32, multiplying by 2^64 and rounding (exact either
+// way: a bf16 times a power of two, past the range infinity in both).
 template <int FMT>
-__device__ __forceinline__ uint4 stage_bf16(const uint4 q, const float xmul) {
+__device__ __forceinline__ uint4 stage_bf16(const uint4 q) {
     const u32 qq[4] = {q.x, q.y, q.z, q.w};
-    float v[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = __uint_as_float((e & 1) ? qq[e >> 1] & 0xFFFF0000u : qq[e >> 1] << 16);
     u32 o[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
+    for (int e = 0; e < 4; ++e) {
+        const int p = perm8(FMT, 2 * e), r = perm8(FMT, 2 * e + 1);  // codes of the low / high half
+        const u32 sel = (2u * (p & 1)) | (2u * (p & 1) + 1u) << 4 | (4u + 2u * (r & 1)) << 8 | (5u + 2u * (r & 1)) << 12;
+        const u32 v = __byte_perm(qq[p >> 1], qq[r >> 1], sel);
+        o[e] = Fmt<FMT>::XSHIFT ? mx_bfma2(v, ((127u + Fmt<FMT>::XSHIFT) << 7) * 0x10001u) : v;
+    }
     return u4(o[0], o[1], o[2], o[3]);
 }
 
@@ -594,12 +608,17 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     const int segc = (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
     u16* const zx = xs + (MT * RS - ZX);
     if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
+    const u32 zxa = R1 ? (u32)__cvta_generic_to_shared(zx) : 0u;  // its shared-window address
     float fin[2] = {0.f, 0.f};  // R1: this lane's sums of rows g and g + 8 (its own blocks of each chunk)
     // Staged row of x that feeds MMA column g of n-tile nt. Rows past m_valid are not staged (<= 2 n-tiles):
     // their columns read the last real row instead, and those output columns are never stored.
-    int xrow[NT];
+    // Its shared-window byte address at the segment's first chunk, lane t's slot; a chunk's is one add from it.
+    // (ptxas at 94 registers recomputes it every chunk from the lane index anyway, ~15 instructions; a copy it
+    // cannot recompute, held in a register, was no faster: docs/perf.md, twenty-first session.)
+    u32 xrow[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xrow[nt] = (NT > 2 ? nt * 8 + g : min(nt * 8 + g, m_valid - 1)) * rs;
+    for (int nt = 0; nt < NT; ++nt)
+        xrow[nt] = (u32)__cvta_generic_to_shared(xs + (NT > 2 ? nt * 8 + g : min(nt * 8 + g, m_valid - 1)) * rs + 8 * t);
     LaneRow<FMT> r0[ST], r1[ST];
 #pragma unroll
     for (int s = 0; s < ST; ++s)
@@ -649,8 +668,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             if (pairs) {  // k0 + 8 <= K where k0 < K (x_vec: K % 8 == 0)
                 const uint4* p = (const uint4*)((const u16*)A.x + base);
                 const uint4 q0 = live ? p[0] : u4(0, 0, 0, 0), q1 = live && k0 + 8 < A.K ? p[1] : u4(0, 0, 0, 0);
-                *(uint4*)(xs + m * rs + d8) = stage_bf16<FMT>(q0, xmul);
-                *(uint4*)(xs + m * rs + d8 + 32) = stage_bf16<FMT>(q1, xmul);
+                *(uint4*)(xs + m * rs + d8) = stage_bf16<FMT>(q0);
+                *(uint4*)(xs + m * rs + d8 + 32) = stage_bf16<FMT>(q1);
             } else {
                 float v[8];
                 if (live && A.x_vec && k0 + 8 <= A.K) {  // a whole group: 16- / 32-byte loads
@@ -711,13 +730,17 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             for (int s = 0; s < ST; ++s) {
                 const int c = cb + s;
                 if (c >= se) break;  // uniform per block
+                const u32 co = (u32)(c - sb) * (2 * CK);  // the chunk's bytes into the staged rows
                 if constexpr (R1) {
-                    const u16* xc = xs + (c - sb) * CK + 8 * t;  // x row 0 (R1: m_valid == 1, xrow 0)
+                    const u32 xc = xrow[0] + co;  // x row 0 (R1: m_valid == 1)
                     if (warp_on)
-                        mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zx,
-                                          g == 2 * t + 1 ? xc : zx - R1Cols<FMT>::XB);
+                        mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zxa,
+                                          g == 2 * t + 1 ? xc : zxa - 2 * R1Cols<FMT>::XB);
                 } else if (warp_on) {
-                    mma_chunk<FMT, NT>(acc, r0[s], r1[s], xs + (c - sb) * CK + 8 * t, xrow);
+                    u32 xa[NT];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) xa[nt] = xrow[nt] + co;
+                    mma_chunk<FMT, NT>(acc, r0[s], r1[s], xa);
                 }
                 if (c + ST < c1)  // refill this stage with the chunk ST ahead
                     load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8,

@@ -74,13 +74,15 @@ def _emulator_toolchain() -> bool:
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_skinny_gemm_gpu_tests_pass_on_the_emulator():
-    """The mx_gemv kernels (tensor-core MMAs, bf16x2 decode, split-K reduction) against the numpy reference:
-    the K-tail GPU tests of every weight format, through the emulator plugin in a separate process."""
+    """The mx_gemv kernels (tensor-core MMAs, bf16x2 decode, split-K reduction, x fragments by shared-window
+    addresses of static and dynamic shared memory) against the numpy reference: the K-tail GPU tests of every
+    weight format, and the bf16 x staging (byte permutes, bf16x2 FMAs by 2^64) against float32 x of the same
+    values, zeros, subnormals and overflow included, through the emulator plugin in a separate process."""
     env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", "tests/gpu/test_kernels_extra.py", "-k", "mx_linear_k_tail"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+                          "gpu", "tests/gpu/test_kernels_extra.py", "-k", "mx_linear_k_tail or bf16_x_staging_edges"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert res.returncode == 0 and "10 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")

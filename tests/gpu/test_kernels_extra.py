@@ -214,6 +214,11 @@ def test_bf16_x_staging_edges(fmt):
         w = ex.pack_weight(wq)
         for m in (1, 5, 12):
             x = bf16_round(rng.standard_normal((m, k))).astype(np.float32)
+            # zeros of both signs, bf16 subnormals (exact times 2^64) and, in the last row, a value whose 2^64
+            # multiple is past the range (infinity either way)
+            x[:, :6] = [0.0, -0.0, 2.0**-130, -(2.0**-133), 2.0**-126, 2.0**-128 + 2.0**-131]
+            if m > 1:
+                x[-1, 7] = 2.0**70
             ref = ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32)
             got = ex.mx_linear(cp.asarray(bf16_encode(x)), w, out_dtype=cp.float32)
             assert_bytes_equal(got, ref, f"{fmt} K={k} M{m} bf16 x")

@@ -7,6 +7,7 @@ struct Fiber { ucontext_t ctx; Dim3 t; int lane, warp, state, kind; };  // state
 Fiber* cur = nullptr;
 Dim3 g_block_idx, g_block_dim, g_grid_dim;
 unsigned char* dyn_smem = nullptr;
+long dyn_smem_bytes = 0;
 static ucontext_t sched_ctx;
 static std::vector<Fiber> fibers;
 static std::vector<char> stacks;
@@ -71,6 +72,7 @@ extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, un
   // poison dynamic shared memory
   memset(smem_buf.data(), 0xFF, smem_buf.size());
   dyn_smem = aligned;
+  dyn_smem_bytes = smem > 0 ? smem : 0;
   g_grid_dim.x = gx; g_grid_dim.y = gy; g_grid_dim.z = gz; g_block_dim.x = bx; g_block_dim.y = by; g_block_dim.z = bz;
   for (unsigned z = 0; z < gz; z++) for (unsigned y = 0; y < gy; y++) for (unsigned x = 0; x < gx; x++) {
     g_block_idx.x = x; g_block_idx.y = y; g_block_idx.z = z;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <vector>
 using std::fabs;
 using std::min;
 using std::max;
@@ -20,6 +21,7 @@ struct Fiber;
 extern Fiber* cur;
 extern Dim3 g_block_idx, g_block_dim, g_grid_dim;
 extern unsigned char* dyn_smem;
+extern long dyn_smem_bytes;  // the launch's dynamic shared memory size
 const Dim3& tid();
 int lane();
 void sync_block();
@@ -173,8 +175,12 @@ inline void mma_m16n8k16_bf16(float& d0, float& d1, float& d2, float& d3, u32 a0
   }
 }
 // Shared-memory addresses (32-bit, as __cvta_generic_to_shared gives them): offsets into the launch's dynamic
-// shared memory, the only shared memory the kernels address that way.
-inline unsigned char* smem_at(u32 a) { return emu::dyn_smem + a; }
+// shared memory, or, bit 31 set, window (bits 23-30) and offset (bits 0-22) of a static __shared__ array
+// (emulated as a static variable: static_smem_windows, below).
+inline std::vector<unsigned char*>& static_smem_windows();
+inline unsigned char* smem_at(u32 a) {
+  return a >> 31 ? static_smem_windows()[(a >> 23) & 0xFFu] + (a & 0x7FFFFFu) : emu::dyn_smem + a;
+}
 inline void ld_shared_v4(u32& x, u32& y, u32& z, u32& w, u32 a) { ld_v4(x, y, z, w, smem_at(a)); }
 inline void ld_shared_v2(u32& x, u32& y, u32 a) { memcpy(&x, smem_at(a), 4); memcpy(&y, smem_at(a) + 4, 4); }
 inline void ld_shared_u32(u32& v, u32 a) { memcpy(&v, smem_at(a), 4); }
@@ -222,8 +228,19 @@ inline void cvt_rn_satfinite_e4m3x2_f32(u16& d, float hi, float lo) {
   d = (u16)(e4m3_satfinite(lo) | (e4m3_satfinite(hi) << 8));
 }
 }  // namespace emu_ptx
+// Windows of 8 MB, each starting 4 MB below the first address seen in it, over the static __shared__ arrays.
+inline std::vector<unsigned char*>& emu_ptx::static_smem_windows() {
+  static std::vector<unsigned char*> w;
+  return w;
+}
 inline unsigned long long __cvta_generic_to_shared(const void* p) {
-  const long long off = (const unsigned char*)p - emu::dyn_smem;
-  if (off < 0 || off >= (1LL << 31)) { fprintf(stderr, "EMU: shared address outside dynamic shared memory\n"); abort(); }
-  return (unsigned long long)off;
+  unsigned char* const c = (unsigned char*)p;
+  const long long off = c - emu::dyn_smem;
+  if (emu::dyn_smem && off >= 0 && off <= emu::dyn_smem_bytes) return (unsigned long long)off;
+  std::vector<unsigned char*>& w = emu_ptx::static_smem_windows();
+  for (size_t i = 0; i < w.size(); i++)
+    if (c >= w[i] && c - w[i] < (1LL << 23)) return 0x80000000ull | (i << 23) | (unsigned long long)(c - w[i]);
+  if (w.size() == 256) { fprintf(stderr, "EMU: too many static shared-memory windows\n"); abort(); }
+  w.push_back(c - (1LL << 22));
+  return 0x80000000ull | ((w.size() - 1) << 23) | (1ull << 22);
 }

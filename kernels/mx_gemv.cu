@@ -392,7 +392,8 @@ __device__ __forceinline__ void load_chunk(LaneRow<FMT>& a, LaneRow<FMT>& b, Row
 // 16 bytes of shared memory at a 32-bit shared-window address (__cvta_generic_to_shared)
 __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
     uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr)
+                 : "memory");
     return r;
 }
 
@@ -509,7 +510,9 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
 // bf16x2 words.
 // Each output pair is one byte permute of two input words and, for the microscaled formats, one bf16x2 FMA by
 // 2^64 (XSHIFT): the bits of converting each code to float32, multiplying by 2^64 and rounding (exact either
-// way: a bf16 times a power of two, past the range infinity in both).
+// way: a bf16 times a power of two, past the range infinity in both), as nvcc builds it. (An NVRTC build's
+// -ftz flushes the float32 path's subnormal x to zero; the bf16x2 FMA keeps them: x below 2^-126 in bf16 bits
+// then stages as its exact value, in float32 as zero.)
 template <int FMT>
 __device__ __forceinline__ uint4 stage_bf16(const uint4 q) {
     const u32 qq[4] = {q.x, q.y, q.z, q.w};

@@ -179,7 +179,10 @@ inline void mma_m16n8k16_bf16(float& d0, float& d1, float& d2, float& d3, u32 a0
 // (emulated as a static variable: static_smem_windows, below).
 inline std::vector<unsigned char*>& static_smem_windows();
 inline unsigned char* smem_at(u32 a) {
-  return a >> 31 ? static_smem_windows()[(a >> 23) & 0xFFu] + (a & 0x7FFFFFu) : emu::dyn_smem + a;
+  if (!(a >> 31)) return emu::dyn_smem + a;
+  const std::vector<unsigned char*>& w = static_smem_windows();
+  if (((a >> 23) & 0xFFu) >= w.size()) { fprintf(stderr, "EMU: shared address %#x in no window\n", a); abort(); }
+  return w[(a >> 23) & 0xFFu] + (a & 0x7FFFFFu);
 }
 inline void ld_shared_v4(u32& x, u32& y, u32& z, u32& w, u32 a) { ld_v4(x, y, z, w, smem_at(a)); }
 inline void ld_shared_v2(u32& x, u32& y, u32 a) { memcpy(&x, smem_at(a), 4); memcpy(&y, smem_at(a) + 4, 4); }

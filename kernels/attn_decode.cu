@@ -35,6 +35,7 @@
 // 198 (E4M3) / 192 (E2M3, E2M1), blocks below 2^79 / 2^67 (a larger factor is inf); products below ~2^-62
 // become bf16 subnormals (an absolute error of that size).
 #include "common.cuh"
+#include "smem.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 256
@@ -61,11 +62,6 @@ static_assert(D == 64 || D == 128 || D == 256, "decode attention: head_dim 64, 1
 static_assert(BLOCK_M == 4 || BLOCK_M == 8, "decode attention: at most 8 query heads per KV head");
 static_assert(4 * NW * 8 * (D + 2) <= NW * NSTAGE * TILE_B, "the merge area must fit in the stage memory");
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {  // bytes 0: zero-fill
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 __device__ __forceinline__ void ldsm4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"

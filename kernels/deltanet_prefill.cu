@@ -16,6 +16,7 @@
 // gdn_decode + gdn_decode_finish (the conv state and the gated RMS norm after the core) when the caller fuses
 // the norm.
 #include "common.cuh"
+#include "smem.cuh"
 
 #ifndef DK
 #define DK 128
@@ -321,10 +322,6 @@ struct DecodeRunX {
 };
 constexpr int SPART = ROWS * DVC + 8;  // floats of a part's rows in the shared state slice (+8: bank offset;
                                        // cupy_deltanet.decode_smem_bytes)
-__device__ __forceinline__ unsigned dn_smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void dn_cp_async16(unsigned dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(16));
-}
 
 extern "C" __global__ void __launch_bounds__(DEC_NT, GDN_MINB)
 gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ conv_state,
@@ -380,9 +377,9 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     constexpr int Q = DVC / 4;  // 16-byte pieces of a row's DVC columns
     for (int q = tid; q < DK * Q; q += DEC_NT) {
       const int r = q / Q, c4 = q % Q;
-      dn_cp_async16(dn_smem_u32(sst + (r / ROWS) * SPART + (r % ROWS) * DVC + 4 * c4), src + (i64)r * DV + 4 * c4);
+      cp_async16(smem_u32(sst + (r / ROWS) * SPART + (r % ROWS) * DVC + 4 * c4), src + (i64)r * DV + 4 * c4, 16);
     }
-    asm volatile("cp.async.commit_group;");
+    cp_commit();
   };
   auto fetch_x = [&](int i, DecodeRunX& in) {  // the products' outputs: after the wait only
     const int row = meta[i][0];

@@ -84,6 +84,7 @@ typedef long long i64;
 #include "act_kind.cuh"
 #include "mx_pairs.cuh"
 #include "pdl.cuh"
+#include "smem.cuh"
 #ifndef MX_WARPS
 #define MX_WARPS 8  // warps per block (16 weight rows each); 4 doubles the blocks of a mid-sized matrix
 #endif
@@ -389,14 +390,6 @@ __device__ __forceinline__ void load_chunk(LaneRow<FMT>& a, LaneRow<FMT>& b, Row
     }
 }
 
-// 16 bytes of shared memory at a 32-bit shared-window address (__cvta_generic_to_shared)
-__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr)
-                 : "memory");
-    return r;
-}
-
 // One chunk's MMAs: xa[nt] is the shared-window byte address of n-tile nt's staged x for this lane and chunk
 // (its row, the chunk's codes, lane t's 8-code slot).
 template <int FMT, int NT>
@@ -611,7 +604,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     const int segc = (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
     u16* const zx = xs + (MT * RS - ZX);
     if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
-    const u32 zxa = R1 ? (u32)__cvta_generic_to_shared(zx) : 0u;  // its shared-window address
+    const u32 zxa = R1 ? smem_u32(zx) : 0u;  // its shared-window address
     float fin[2] = {0.f, 0.f};  // R1: this lane's sums of rows g and g + 8 (its own blocks of each chunk)
     // Staged row of x that feeds MMA column g of n-tile nt. Rows past m_valid are not staged (<= 2 n-tiles):
     // their columns read the last real row instead, and those output columns are never stored.
@@ -621,7 +614,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     u32 xrow[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
-        xrow[nt] = (u32)__cvta_generic_to_shared(xs + (NT > 2 ? nt * 8 + g : min(nt * 8 + g, m_valid - 1)) * rs + 8 * t);
+        xrow[nt] = smem_u32(xs + (NT > 2 ? nt * 8 + g : min(nt * 8 + g, m_valid - 1)) * rs + 8 * t);
     LaneRow<FMT> r0[ST], r1[ST];
 #pragma unroll
     for (int s = 0; s < ST; ++s)

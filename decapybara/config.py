@@ -29,7 +29,10 @@ class EngineConfig:
     balanced_prefill_share: float = 0.5  # balanced: share of the budget prefill may take while others decode
     enable_prefix_cache: bool = True
     kv_mode: str | None = None  # None = float32 pages (numpy reference); "16/16", "8/8", "6/6", "6/4", "4/4"
-    snapshot_budget_bytes: int = 64 << 20  # hybrid-state snapshots kept for prefix reuse
+    # host bytes of hybrid-state snapshots kept for prefix reuse; None: room for two a slot (the latest page
+    # boundary and the finished turn's end of each conversation; 3.8 GB for a 27B model's 157 MB state at 12
+    # slots), at least 64 MiB (`snapshot_budget`)
+    snapshot_budget_bytes: int | None = None
     snapshot_interval: int = 256  # tokens between hybrid-state snapshots (rounded up to whole pages)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds requests that bring none, so a whole run is reproducible
@@ -67,6 +70,12 @@ class EngineConfig:
     def snapshot_every(self) -> int:
         """Snapshot spacing in tokens: `snapshot_interval` rounded up to a whole number of pages."""
         return max(self.page_size, -(-self.snapshot_interval // self.page_size) * self.page_size)
+
+    def snapshot_budget(self, state_bytes: int) -> int:
+        """The snapshot budget for a model whose sequences hold `state_bytes` of hybrid state."""
+        if self.snapshot_budget_bytes is not None:
+            return self.snapshot_budget_bytes
+        return max(64 << 20, 2 * self.max_slots * state_bytes)
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)

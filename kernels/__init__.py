@@ -49,10 +49,18 @@ def has_cuda() -> bool:
 
 
 def device_arch() -> str:
-    """Compute capability of the current device as ``"90"`` (Hopper), ``"100"``..."""
+    """Compute capability of the current device as ``"90"`` (Hopper), ``"100"``... (cached per device: every
+    eager launch asks, through `get_kernel`)."""
     import cupy
 
-    return cupy.cuda.Device().compute_capability
+    return _arch_of(cupy.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _arch_of(device: int) -> str:
+    import cupy
+
+    return cupy.cuda.Device(device).compute_capability
 
 
 def arch_flag(arch: str) -> str:
@@ -81,10 +89,16 @@ def _define_flags(defines: Defines) -> tuple[str, ...]:
 
 
 def _find_nvcc() -> str | None:
-    cuda = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME")
+    return _nvcc_at(os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME"), os.environ.get("PATH"))
+
+
+@functools.cache
+def _nvcc_at(cuda: str | None, path: str | None) -> str | None:
+    """nvcc under $CUDA_PATH / $CUDA_HOME, else on PATH, else /usr/local/cuda's (cached by those settings: a
+    PATH search took ~80 us, and `get_kernel` asks at every eager launch)."""
     if cuda and (Path(cuda) / "bin" / "nvcc").is_file():
         return str(Path(cuda) / "bin" / "nvcc")
-    return shutil.which("nvcc") or (
+    return shutil.which("nvcc", path=path) or (
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
 
 

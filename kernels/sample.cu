@@ -6,9 +6,13 @@
 //                   masks (-inf, the pre-mask value kept in `scratch`)
 //   sample_rowmax   row max of y (ordered-bits atomicMax: order independent, so deterministic)
 //   sample_restore  a row left without a finite value by its masks gets its masked tokens back
-//   sample_stats    per 2048-token tile: z = y / T (greedy: T = 1), w = exp(z - zmax), tile sums of w and of
-//                   w >= min_p (and their count), greedy argmax (lowest id), and the tile's best L tokens in
-//                   canonical order (z descending, ties by ascending id) by a bitonic sort in shared memory
+//   (sample_greedy_pick: a batch of greedy rows with no edits and no logprobs stops here, the argmax found)
+//   sample_stats    per tile of up to 2048 tokens: z = y / T (greedy: T = 1), w = exp(z - zmax), tile sums of w
+//                   and of w >= min_p (and their count), greedy argmax (lowest id), and the tile's best L tokens
+//                   in canonical order (z descending, ties by ascending id) by a bitonic sort in shared memory.
+//                   Tile b of nblk holds the ids b, b + nblk, b + 2 nblk, ...: a vocabulary's likely tokens often
+//                   sit in one id range (the frequent ones first), and contiguous tiles then put more than L of
+//                   a row's best tokens in one tile, which cuts the certified prefix short (a full sort follows)
 //   sample_final    one block per row: merges the tiles' candidates; the prefix of the merged order down to
 //                   the best of the full tiles' L-th keys is certified to be the row's canonical prefix;
 //                   thread 0 then runs top-k, top-p, min-p and the inverse-CDF draw with sequential float64
@@ -114,6 +118,14 @@ extern "C" __global__ void sample_rowmax(const double* y, int V, u64* rowmax) {
     }
 }
 
+// Greedy rows without edits or logprobs (decapybara/backend/cupy_ops_extra.py `cuda_sample`'s short path, after
+// sample_prep and sample_rowmax): argmin[row] = the lowest id whose value is the row's maximum.
+extern "C" __global__ void sample_greedy_pick(const double* y, int V, const u64* rowmax, int* argmin) {
+    const int row = blockIdx.y;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < V && y[(long long)row * V + i] == unord64(rowmax[row])) atomicMin(argmin + row, (int)i);
+}
+
 extern "C" __global__ void sample_restore(const int* e_ptr, const int* e_tok, const int* e_flags, const double* scratch,
                                           double* y, int V, u64* rowmax, int B) {
     const int row = blockIdx.x * blockDim.x + threadIdx.x;
@@ -169,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_stats(
     double s = 0.0, sm = 0.0;
     int nm = 0, amin = 0x7FFFFFFF;
     for (int h = 0; h < 2; ++h) {
-        const int j = tid + h * (TILE / 2), i = b * TILE + j;
+        const int j = tid + h * (TILE / 2), i = b + nblk * j;  // strided: tile b holds the ids = b (mod nblk)
         double z = -INF_D;
         int id = 0x7FFFFFFF;
         if (i < V) {
@@ -288,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
     double tau_z = INF_D;
     int tau_id = -1, n_c = 0;
     for (int b = 0; b < nblk; ++b) {  // every thread walks the (small) block list: same n_c, tau everywhere
-        const int cnt = min(TILE, V - b * TILE), lb = min(L, cnt);
+        const int cnt = (V - b + nblk - 1) / nblk, lb = min(L, cnt);  // tile b's ids: b, b + nblk, ... < V
         for (int j = tid; j < lb; j += blockDim.x) {
             sz[n_c + j] = cz[((long long)row * nblk + b) * L + j];
             sid[n_c + j] = cid[((long long)row * nblk + b) * L + j];

@@ -64,12 +64,12 @@ def test_plan_respects_budget_and_policy():
     e.step()  # admits all four, prefills the first chunk(s)
     while all(s.in_prefill for s in e.running):
         e.step()
-    plan = plan_step(e.running, e.cfg, hybrid=False)
+    plan = plan_step(e.running, e.cfg, snapshots=False)
     decodes = [c for c in plan.chunks if not c.seq.in_prefill]
     prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.seq.in_prefill)
     assert decodes and plan.num_tokens <= 32
     assert prefill_tokens <= 16  # balanced: prefill takes at most half the budget while others decode
-    pp = plan_step(e.running, e.cfg.replace(prefill_policy="prefill-priority"), hybrid=False)
+    pp = plan_step(e.running, e.cfg.replace(prefill_policy="prefill-priority"), snapshots=False)
     assert sum(c.num_tokens for c in pp.chunks if c.seq.in_prefill) > prefill_tokens
 
 
@@ -87,6 +87,43 @@ def test_second_turn_computes_only_new_tokens(family, snapshot_interval):
     assert e.stats.computed_prompt_tokens == len(first) + len(new_message) + 1
     ref = engine(family, enable_prefix_cache=False).generate([turn2], GREEDY)[0]
     assert out == ref
+
+
+def test_snapshot_budget_fits_the_model():
+    """The default budget keeps two snapshots a slot (a 27B model's 157 MB state: 3.8 GB at 12 slots), at least
+    64 MiB. A hybrid model whose state exceeds an explicit budget takes no snapshots at all (each would cost a
+    copy that the budget drops at once): the same tokens, and a second turn recomputes its whole prompt, where
+    a budget that holds them reuses all but the new message."""
+    assert EngineConfig().snapshot_budget(157_000_000) == 24 * 157_000_000
+    assert EngineConfig(max_slots=2).snapshot_budget(1000) == 64 << 20
+    assert EngineConfig(snapshot_budget_bytes=5).snapshot_budget(10**9) == 5
+    roomy, tight = engine("qwen3_5_text"), engine("qwen3_5_text", snapshot_budget_bytes=1000)
+    assert roomy.snapshots and not tight.snapshots and not engine("qwen3").snapshots
+    first = prompts(1, seed=3, lo=37, hi=38)[0]
+    turn2 = first + run(roomy, Request(tuple(first), GREEDY))[0] + [5, 6, 7]
+    assert run(tight, Request(tuple(first), GREEDY))[0] == turn2[len(first):-3]
+    assert not tight.blocks.snapshots and tight.blocks.snapshot_bytes == 0
+    assert run(tight, Request(tuple(turn2), GREEDY))[1].num_cached_tokens == 0  # nothing to restart from
+    assert run(roomy, Request(tuple(turn2), GREEDY))[1].num_cached_tokens == len(turn2) - 4
+
+
+def test_engine_samples_through_the_backend():
+    """Logits stay the backend's arrays until `Backend.sample` draws from them (a GPU copies back only tokens);
+    a host `logits_processor` takes them to the host and the numpy reference samples."""
+    e = engine("qwen3")
+    calls = []
+    sample = e.model.backend.sample
+    e.model.backend.sample = lambda logits, rows, eos=(): calls.append(logits.shape) or sample(logits, rows, eos)
+    try:
+        ps = prompts(3, seed=8)
+        out = e.generate(ps, GREEDY)
+        assert calls and all(c[0] <= 3 for c in calls) and sum(c[0] for c in calls) == 3 * GREEDY.max_tokens
+        seen = []
+        hooked = Engine(model("qwen3"), e.cfg, logits_processor=lambda seq, row: seen.append(1) or row)
+        calls.clear()
+        assert hooked.generate(ps, GREEDY) == out and not calls and len(seen) == 3 * GREEDY.max_tokens
+    finally:
+        e.model.backend.sample = sample
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])

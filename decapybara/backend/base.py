@@ -122,6 +122,10 @@ class Backend(ABC):
     @abstractmethod
     def to_host(self, a: Any) -> np.ndarray: ...
 
+    def to_host_many(self, arrays: list[Any]) -> list[np.ndarray]:
+        """`to_host` of each array (a device backend may move them together)."""
+        return [self.to_host(a) for a in arrays]
+
     @abstractmethod
     def prepare_weight(self, name: str, value: Any) -> Any:
         """Device-ready form of one weight (float32 array or a `QuantTensor`) for `linear`/`embedding`."""
@@ -231,7 +235,8 @@ class Backend(ABC):
                       snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]]) -> Any:
         """Causal conv (silu) + L2-normed gated delta rule over each segment, updating the slot's conv and
         recurrent state in order. mixed_qkv [T, conv_dim], a/b [T, num_v_heads]. Returns [T, v_heads, v_dim].
-        Segments with a `snapshot_key` add {layer: (conv, recurrent)} host copies to `snapshots[key]`."""
+        Segments with a `snapshot_key` add {layer: (conv, recurrent)} copies (arrays of this backend, kept
+        apart from the pool) to `snapshots[key]`; the forward moves them to the host (`to_host_many`)."""
 
     @abstractmethod
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
@@ -251,6 +256,16 @@ class Backend(ABC):
     @abstractmethod
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
         """Softmax router over experts, top-k (optionally renormalised), SwiGLU experts, weighted sum. [T, H]."""
+
+    # ---- sampling ---------------------------------------------------------------------------------------
+    def sample(self, logits: Any, rows: Any, eos_token_ids: Any = ()) -> Any:
+        """One token per row of `logits` [len(rows), V] (this backend's array, float32 or bf16 bits) as
+        `decapybara.engine.sampling.sample` draws it from the same rows (`SamplerRow`s): a `SampleOutput` on
+        the host. The default copies the logits to the host and runs that numpy reference; a device backend
+        samples where the logits are and copies back only the tokens and logprobs."""
+        from decapybara.engine.sampling import sample
+
+        return sample(self.to_host(logits).astype(np.float32, copy=False), rows, eos_token_ids=eos_token_ids)
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on the CPU)."""

@@ -9,9 +9,11 @@ CuPy captures in relaxed mode (cudaMalloc by the pool is legal); synchronous cop
 anything else that waits on the device fail the capture, and the caller falls back to eager.
 
 `DecodeGraphRunner.forward(batch, kv, states)` is a drop-in for `QwenModel.forward` on decode batches (every
-sequence adds one token, no snapshots, logits for every row): rows are padded to the bucket (padding rows
-write a reserved KV page `pad_page` and state slot `pad_slot`, which no sequence may use), the metadata goes
-host -> pinned staging -> two static device buffers, then `graph.launch`. Anything else runs eagerly.
+sequence adds one token, logits for every row): rows are padded to the bucket (padding rows write a reserved
+KV page `pad_page` and state slot `pad_slot`, which no sequence may use), the metadata goes host -> pinned
+staging -> two static device buffers, then `graph.launch`. A row that asks for a hybrid-state snapshot (a
+decode row can only ask at its token's end) gets its slot's state copied out after the replay. Anything else
+runs eagerly.
 
 What the backend must guarantee for capture (CupyBackend does, through the plan caches seeded below):
 no host synchronisation or host -> device copy in the decode forward (no `from_host`, `cupy.asnumpy`, `int()`
@@ -157,8 +159,8 @@ class DecodeGraphRunner:
         seqs = batch.seqs
         if not seqs or len(seqs) > max(self.buckets):
             return f"{len(seqs)} sequences (buckets {self.buckets})"
-        if any(s.length != 1 or s.snapshot_at for s in seqs):
-            return "not a pure decode batch (prefill chunk or snapshot)"
+        if any(s.length != 1 or any(q != s.total for q in s.snapshot_at) for s in seqs):
+            return "not a pure decode batch (prefill chunk)"
         if not np.array_equal(batch.logits_rows, np.arange(len(seqs))):
             return "logits not requested for exactly every row"
         if any(len(s.block_table) > self.max_pages
@@ -217,7 +219,9 @@ class DecodeGraphRunner:
         self.stats["graph_steps"] += 1
         n = len(batch.seqs)
         logits, hidden = st.outputs
-        return ForwardOutput(logits[:n], hidden[:n], {})
+        # a decode row's snapshot point is its one token's end: the state its slot holds after this step
+        snaps = {(i, q): states.get(s.state_slot) for i, s in enumerate(batch.seqs) for q in s.snapshot_at}
+        return ForwardOutput(logits[:n], hidden[:n], snaps)
 
     def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
         if st.done is not None:

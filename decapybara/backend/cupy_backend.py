@@ -26,7 +26,7 @@ from decapybara.backend import cupy_ops_extra, pdl
 from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
-from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool
+from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool, host_copies
 from decapybara.backend.cupy_ops_extra import (
     DENSE_ROWS,
     FUSED_ROWS,
@@ -118,6 +118,9 @@ class CupyBackend(Backend):
     def to_host(self, a: Any) -> np.ndarray:
         return cp.asnumpy(a)
 
+    def to_host_many(self, arrays: list[Any]) -> list[np.ndarray]:
+        return host_copies(arrays)
+
     def prepare_weight(self, name: str, value: Any) -> Any:
         """float32 device array, or bf16 bits (uint16) for matrices in bf16 mode. Quantised weights are
         dequantised on the device (bf16 or float32) until the packed-weight GEMV path takes them."""
@@ -138,6 +141,14 @@ class CupyBackend(Backend):
 
     def synchronize(self) -> None:
         cp.cuda.get_current_stream().synchronize()
+
+    def sample(self, logits: Any, rows: Any, eos_token_ids: Any = ()) -> Any:
+        """The device sampler (kernels/sample.cu, `cupy_ops_extra.cuda_sample`): the reference's tokens from
+        the same seeds, but where a draw lands within rounding distance of a CDF step; greedy rows exactly.
+        Vocabularies past its limit take the host reference."""
+        if logits.shape[-1] > cupy_ops_extra.SAMPLE_MAX_VOCAB:
+            return super().sample(logits, rows, eos_token_ids)
+        return cupy_ops_extra.cuda_sample(logits, rows, eos_token_ids=eos_token_ids)
 
     # ---- ops ----------------------------------------------------------------------------------------
     def embedding(self, table: Any, ids: np.ndarray) -> Any:

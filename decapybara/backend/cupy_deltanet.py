@@ -3,8 +3,9 @@
 `plan_runs(segments)` groups consecutive `DeltaNetSegment`s of one sequence (same slot, contiguous rows) into
 runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
 delta rule for every run in parallel (one fused launch when every run is one decode row), updating the state
-pool in place and copying snapshots to the host. With `gate` it returns the gated RMS norm of the core output
-(on the decode path from the launch that also updates the conv state: `gdn_decode_finish`, no norm launch).
+pool in place and keeping device copies of snapshots (`QwenModel.forward` moves them to the host at its end).
+With `gate` it returns the gated RMS norm of the core output (on the decode path from the launch that also
+updates the conv state: `gdn_decode_finish`, no norm launch).
 `acc` is the recurrence's arithmetic: "double" reproduces the numpy reference (float64 inside chunks,
 float32 state at its store points), "float" is the fast variant.
 """
@@ -118,7 +119,7 @@ def _head_rows(z: Any, t: int, hv: int, dv: int) -> tuple[Any, int]:
 
 def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
                   plan: RunPlan, cfg: ModelConfig,
-                  snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]],
+                  snapshots: dict[tuple[int, int], dict[int, tuple[Any, Any]]],
                   acc: str = "double", gate: tuple[Any, Any, float] | None = None,
                   out_dtype: Any = np.float32) -> Any:
     """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`), or with `gate` = (z, norm_weight,
@@ -205,8 +206,6 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     else:
         get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)
-    if nsnap:
-        conv_h, rec_h = cp.asnumpy(snap_conv[:nsnap]), cp.asnumpy(snap_rec[:nsnap])
-        for i, key in enumerate(plan.snapshot_keys):
-            snapshots.setdefault(key, {})[layer] = (conv_h[i], rec_h[i])
+    for i, key in enumerate(plan.snapshot_keys):  # device copies: the forward moves them to the host at its end
+        snapshots.setdefault(key, {})[layer] = (snap_conv[i], snap_rec[i])
     return out if gated is None else gated

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import cupy as cp
+import cupyx
 import numpy as np
 
 from decapybara.backend import pdl
@@ -112,6 +113,23 @@ class CupyKVCache(KVCache):
                 a[d] = a[s]
 
 
+def host_copies(arrays: list[Any]) -> list[np.ndarray]:
+    """Host copies of device arrays of one dtype in one device-to-host transfer into pinned memory: one
+    synchronisation, where a copy each would wait on the stream once an array (a 27B model's hybrid state is 96
+    arrays, 157 MB), at the pinned rate and without first-touch page faults (CuPy's pinned pool hands a freed
+    block of the same size back: snapshots come and go at one size). The copies are views of one buffer."""
+    if len(arrays) < 2 or len({a.dtype for a in arrays}) > 1:
+        return [cp.asnumpy(a) for a in arrays]
+    flat = cp.concatenate([cp.ravel(a) for a in arrays])
+    host = cupyx.empty_pinned(flat.shape, flat.dtype)
+    flat.get(out=host)
+    out, o = [], 0
+    for a in arrays:
+        out.append(host[o:o + a.size].reshape(a.shape))
+        o += a.size
+    return out
+
+
 class CupyStatePool(StatePool):
     """Per-slot DeltaNet state in device memory: conv [slots, C, K - 1] and recurrent [slots, Hv, dk, dv]."""
 
@@ -129,8 +147,16 @@ class CupyStatePool(StatePool):
             self.rec[i][slot] = 0
 
     def get(self, slot: int) -> HybridState:
-        return HybridState([cp.asnumpy(self.conv[i][slot]) for i in self.layers],
-                           [cp.asnumpy(self.rec[i][slot]) for i in self.layers])
+        n = len(self.layers)
+        arrs = host_copies([self.conv[i][slot] for i in self.layers] + [self.rec[i][slot] for i in self.layers])
+        return HybridState(arrs[:n], arrs[n:])
+
+    def reserve_host_copies(self, n: int) -> None:
+        """Have CuPy's pinned pool hold `n` blocks of one slot's state, so that `get` (snapshots, pauses) takes
+        them rather than pinning fresh memory mid-step: ~0.1-0.2 s for a 27B model's 157 MB, measured."""
+        floats = sum(a[0].size for a in self.conv.values()) + sum(a[0].size for a in self.rec.values())
+        blocks = [cupyx.empty_pinned(floats, np.float32) for _ in range(n)]
+        del blocks  # back to the pool, which hands a freed block of the same size out again
 
     def set(self, slot: int, state: HybridState) -> None:
         for j, i in enumerate(self.layers):

@@ -772,6 +772,7 @@ def bandwidth_probe(nbytes: int = 1 << 31, repeats: int = 10) -> dict[str, float
 
 # ---- sampler ------------------------------------------------------------------------------------------
 SAMPLE_TILE, NTOP = 2048, 20
+SAMPLE_MAX_VOCAB = 128 * SAMPLE_TILE  # the widest row `cuda_sample` takes (a block's tiles of one row)
 EDIT_SEEN, EDIT_MASK, EDIT_BIAS = 1, 2, 4
 
 
@@ -818,19 +819,39 @@ def _row_edits(r: Any, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return tok, bias, flags, count
 
 
+def _needs_edits(r: Any) -> bool:
+    """Whether a row's sampling steps 1-3 change any logit (`_row_edits` would return edits)."""
+    p = r.params
+    return bool(p.logit_bias or max(p.repetition_penalty, r.extra_repetition_penalty) != 1.0 or p.presence_penalty
+                or p.frequency_penalty or len(r.banned_token_ids) or r.position < p.min_tokens)
+
+
 def _edits(rows: Any, eos: np.ndarray) -> tuple[np.ndarray, ...]:
     """All rows' edits as CSR: (row pointer [B + 1], row, token, bias, flags, count) arrays."""
-    per = [_row_edits(r, eos) for r in rows]
+    empty_row = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int32), np.zeros(0, np.int64))
+    per = [_row_edits(r, eos) if _needs_edits(r) else empty_row for r in rows]
     ptr = np.concatenate([[0], np.cumsum([e[0].size for e in per])]).astype(np.int32)
     row = np.concatenate([np.full(e[0].size, i, np.int32) for i, e in enumerate(per)])
     tok, bias, flags, count = (np.concatenate([e[j] for e in per]) for j in range(4))
     return ptr, row, tok.astype(np.int32), bias.astype(np.float64), flags.astype(np.int32), count.astype(np.int32)
 
 
+def _one_copy(parts: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Host arrays (8-byte types first) -> device views of one buffer: one host-to-device copy."""
+    host = np.concatenate([np.ascontiguousarray(a).view(np.uint8).ravel() for a in parts.values()])
+    dev, out, o = cp.asarray(host), {}, 0
+    for name, a in parts.items():
+        out[name] = dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
+        o += a.nbytes
+    return out
+
+
 def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     """`decapybara.engine.sampling.sample` on the device: logits [B, V] (device float32 / bf16 bits /
     float16, or host) -> SampleOutput with the same tokens for the same seeds (kernels/sample.cu has the
-    rounding caveat). One host synchronisation (the decided flags); undecided rows take a full stable sort."""
+    rounding caveat). The rows' parameters go over in one copy and the results come back in one (a second
+    only for rows whose draw lies past the certified prefix, which take a full stable sort, and for logprob
+    alternatives). A batch of greedy rows with no edits and no logprobs stops at the row maxima."""
     from decapybara.engine.sampling import GREEDY_TEMPERATURE, MASK64, SampleOutput
 
     if not isinstance(logits, cp.ndarray):
@@ -840,34 +861,51 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     if b != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
     nblk = -(-v // SAMPLE_TILE)
-    if nblk > 128:
-        raise ValueError(f"vocabulary {v} above the sampler's {128 * SAMPLE_TILE}")
+    if v > SAMPLE_MAX_VOCAB:
+        raise ValueError(f"vocabulary {v} above the sampler's {SAMPLE_MAX_VOCAB}")
     if b == 0:
         return SampleOutput(np.zeros(0, np.int64), np.zeros(0, np.float32), [])
     ps = [r.params for r in rows]
     temp = np.array([p.temperature for p in ps], np.float64)
     want = np.array([p.logprobs or 0 for p in ps], np.int32)
     greedy = (temp < GREEDY_TEMPERATURE).astype(np.int32)
-    dev = {k: cp.asarray(a) for k, a in {
-        "temp": temp, "greedy": greedy, "want": want, "top_k": np.array([p.top_k for p in ps], np.int32),
-        "top_p": np.array([p.top_p for p in ps], np.float64), "min_p": np.array([p.min_p for p in ps], np.float64),
+    edits = any(_needs_edits(r) for r in rows)
+    short = bool(greedy.all()) and not edits and not any(p.logprobs is not None for p in ps)
+    k = functools.partial(get_kernel, "sample")
+    # results: token int64 [B] | logprob float32 [B] | status int32 [B] | finite int32 [B] | argmin int32 [B]
+    res = cp.zeros(b * 24, cp.uint8)
+    token, logprob = res[:8 * b].view(cp.int64), res[8 * b:12 * b].view(cp.float32)
+    status, finite = res[12 * b:16 * b].view(cp.int32), res[16 * b:20 * b].view(cp.int32)
+    argmin = res[20 * b:24 * b].view(cp.int32)
+    y, rowmax = empty((b, v), cp.float64), empty(b, cp.uint64)
+    k("sample_prep")((-(-v // 256), b), (256,), (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y,
+                                                rowmax, argmin, finite))
+    if short:
+        k("sample_rowmax")((-(-v // 256), b), (256,), (y, I32(v), rowmax))
+        k("sample_greedy_pick")((-(-v // 256), b), (256,), (y, I32(v), rowmax, argmin))
+        host = res.get()
+        if not host[16 * b:20 * b].view(np.int32).all():
+            raise ValueError("every row of logits needs at least one finite value")
+        return SampleOutput(host[20 * b:].view(np.int32).astype(np.int64), np.full(b, np.nan, np.float32),
+                            [[] for _ in rows])
+    dev = _one_copy({
+        "temp": temp, "top_p": np.array([p.top_p for p in ps], np.float64),
+        "min_p": np.array([p.min_p for p in ps], np.float64),
         "rep": np.array([max(p.repetition_penalty, r.extra_repetition_penalty) for p, r in zip(ps, rows)]),
         "pres": np.array([p.presence_penalty for p in ps], np.float64),
         "freq": np.array([p.frequency_penalty for p in ps], np.float64),
         "seed": np.array([r.seed & MASK64 for r in rows], np.uint64),
-        "pos": np.array([r.position for r in rows], np.uint64)}.items()}
-    e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in _edits(rows, np.asarray(eos_token_ids,
-                                                                                                     np.int64)))
-    n_e = int(e_row.shape[0])
-    if n_e and int(e_tok.max()) >= v:
-        raise ValueError("a token id of logit_bias / penalties / masks is outside the vocabulary")
-    y = empty((b, v), cp.float64)
-    rowmax, argmin, finite = empty(b, cp.uint64), empty(b, cp.int32), cp.zeros(b, cp.int32)
-    k = functools.partial(get_kernel, "sample")
-    k("sample_prep")((-(-v // 256), b), (256,), (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y,
-                                                rowmax, argmin, finite))
-    scratch = empty(max(n_e, 1), cp.float64)
+        "pos": np.array([r.position for r in rows], np.uint64), "greedy": greedy, "want": want,
+        "top_k": np.array([p.top_k for p in ps], np.int32)})
+    n_e = 0
+    if edits:
+        e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in _edits(
+            rows, np.asarray(eos_token_ids, np.int64)))
+        n_e = int(e_row.shape[0])
+        if n_e and int(e_tok.max()) >= v:
+            raise ValueError("a token id of logit_bias / penalties / masks is outside the vocabulary")
     if n_e:
+        scratch = empty(n_e, cp.float64)
         k("sample_edits")((-(-n_e // 256),), (256,), (e_row, e_tok, e_bias, e_flags, e_count, I32(n_e), dev["rep"],
                                                      dev["pres"], dev["freq"], y, I32(v), scratch))
     k("sample_rowmax")((-(-v // 256), b), (256,), (y, I32(v), rowmax))
@@ -878,16 +916,16 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     cz, cid = empty((b, nblk, lc), cp.float64), empty((b, nblk, lc), cp.int32)
     k("sample_stats")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), dev["temp"], dev["greedy"], dev["want"],
                                                      dev["min_p"], rowmax, I32(lc), bz, bzm, bnm, argmin, cz, cid))
-    token, logprob, status = empty(b, cp.int64), empty(b, cp.float32), empty(b, cp.int32)
     info, nm = empty((b, 4), cp.float64), empty(b, cp.int32)
     top_id, top_lp = empty((b, NTOP), cp.int32), empty((b, NTOP), cp.float32)
     k("sample_final")((b,), (SAMPLE_TILE // 2,),
                       (I32(v), I32(nblk), I32(lc), dev["temp"], dev["greedy"], dev["want"], dev["top_k"],
                        dev["top_p"], dev["min_p"], dev["seed"], dev["pos"], rowmax, bz, bzm, bnm, argmin, cz, cid,
                        token, logprob, status, info, nm, top_id, top_lp))
-    if not cp.asnumpy(finite).all():
+    host = res.get()
+    if not host[16 * b:20 * b].view(np.int32).all():
         raise ValueError("every row of logits needs at least one finite value")
-    redo = np.flatnonzero(cp.asnumpy(status))
+    redo = np.flatnonzero(host[12 * b:16 * b].view(np.int32))
     if redo.size:  # the decision lies past the certified prefix: a full canonical order per such row
         t_eff = cp.asarray(np.where(greedy[redo] > 0, 1.0, temp[redo]))[:, None]
         z = y[cp.asarray(redo)] / t_eff + 0.0
@@ -896,9 +934,12 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
                          (cp.asarray(redo.astype(np.int32)), order, I32(v), y, dev["temp"], dev["greedy"],
                           dev["top_k"], dev["top_p"], dev["min_p"], info, nm, token, logprob, status, top_id,
                           top_lp))
-    tokens, lps = cp.asnumpy(token), cp.asnumpy(logprob)
-    tids, tlps = cp.asnumpy(top_id), cp.asnumpy(top_lp)
+        host = res.get()
+    tokens, lps = host[:8 * b].view(np.int64), host[8 * b:12 * b].view(np.float32)
     out_lp = np.where([p.logprobs is not None for p in ps], lps, np.nan).astype(np.float32)
-    top = [[(int(tids[i, j]), float(tlps[i, j])) for j in range(min(p.logprobs or 0, v))
-            if tids[i, j] >= 0 and np.isfinite(tlps[i, j])] for i, p in enumerate(ps)]
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    if want.any():
+        tids, tlps = cp.asnumpy(top_id), cp.asnumpy(top_lp)
+        top = [[(int(tids[i, j]), float(tlps[i, j])) for j in range(min(p.logprobs or 0, v))
+                if tids[i, j] >= 0 and np.isfinite(tlps[i, j])] for i, p in enumerate(ps)]
     return SampleOutput(tokens.astype(np.int64), out_lp, top)

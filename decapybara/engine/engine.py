@@ -62,9 +62,16 @@ class Engine(MemoryMixin):
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.hybrid = self.runner.hybrid
         salt = f"{model.cfg.model_type}|{cfg.kv_mode}|{cfg.page_size}".encode()
+        state_bytes = model.cfg.state_bytes_per_sequence() if self.hybrid else 0
+        budget = cfg.snapshot_budget(state_bytes)
+        # hybrid-state snapshots are taken only where the budget can keep one (a copy it would drop at once
+        # costs a step its device-to-host transfer for nothing)
+        self.snapshots = self.hybrid and cfg.enable_prefix_cache and state_bytes <= budget
+        if self.snapshots and hasattr(self.runner.states, "reserve_host_copies"):  # a device pool: pin them now
+            self.runner.states.reserve_host_copies(min(budget // max(state_bytes, 1), 2 * cfg.max_slots) + 2)
         # the block manager owns the usable pages only (with CUDA graphs the pool's last page is padding's)
         self.blocks = BlockManager(self.runner.plan.usable_pages, cfg.page_size, cfg.enable_prefix_cache,
-                                   self.hybrid, cfg.snapshot_budget_bytes, salt)
+                                   self.hybrid, budget, salt)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -154,7 +161,7 @@ class Engine(MemoryMixin):
     def _plan_with_pages(self) -> StepPlan:
         """Plan, then give every chunk the pages it writes; while short, pause a victim (`choose_victim`)."""
         while True:
-            plan = plan_step(self.running, self.cfg, self.hybrid)
+            plan = plan_step(self.running, self.cfg, self.snapshots)
             short = None
             for c in plan.chunks:
                 s = c.seq
@@ -181,10 +188,13 @@ class Engine(MemoryMixin):
         sampling = [c for c in plan.chunks if c.sample]
         rows = [SamplerRow(c.seq.params, c.seq.tokens[:c.seq.num_prompt], c.seq.output_ids(), c.seq.num_output,
                            c.seq.seed, c.seq.extra_penalty, c.seq.banned) for c in sampling]
-        logits = out.logits
-        if self.logits_processor is not None and rows:
-            logits = np.stack([self.logits_processor(c.seq, logits[j]) for j, c in enumerate(sampling)])
-        sampled = sample(logits, rows, eos_token_ids=self.eos_token_ids) if rows else None
+        sampled = None
+        if rows and self.logits_processor is not None:  # a host hook: the logits come to the host
+            host = self.model.backend.to_host(out.logits).astype(np.float32, copy=False)
+            logits = np.stack([self.logits_processor(c.seq, host[j]) for j, c in enumerate(sampling)])
+            sampled = sample(logits, rows, eos_token_ids=self.eos_token_ids)
+        elif rows:  # where the logits are: on a GPU only tokens and logprobs cross to the host
+            sampled = self.model.backend.sample(out.logits, rows, self.eos_token_ids)
         for ci, c in enumerate(plan.chunks):
             s = c.seq
             if s.num_computed < s.num_prompt:

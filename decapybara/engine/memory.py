@@ -197,7 +197,7 @@ class MemoryMixin:
         if not rem or not self.cfg.enable_prefix_cache or len(s.page_hashes) < full:
             return
         parent = s.page_hashes[full - 1] if full else root_hash(self.blocks.salt)
-        snap = self.runner.states.get(s.state_slot) if self.hybrid else None
+        snap = self.runner.states.get(s.state_slot) if self.snapshots else None
         self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
                                   snap.nbytes if snap is not None else 0)
 

@@ -43,9 +43,10 @@ class StepPlan:
         return sum(1 for c in self.chunks if c.num_tokens == 1 and c.sample)
 
 
-def plan_step(running: list[Sequence], cfg: EngineConfig, hybrid: bool) -> StepPlan:
-    """Compose one step over `running` (ordered oldest admission first). Pure: reads, never mutates."""
-    every = cfg.snapshot_every if (hybrid and cfg.enable_prefix_cache) else 0
+def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> StepPlan:
+    """Compose one step over `running` (ordered oldest admission first); `snapshots`: a hybrid model whose
+    state snapshots the prefix cache keeps. Pure: reads, never mutates."""
+    every = cfg.snapshot_every if (snapshots and cfg.enable_prefix_cache) else 0
     ps = cfg.page_size
     budget = cfg.max_batch_tokens
     decodes = [s for s in running if not s.in_prefill]

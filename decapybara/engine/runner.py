@@ -1,7 +1,8 @@
 """The data plane: the model, its paged KV cache and hybrid state pool, and one forward call per step.
 
 `ModelRunner.run(plan)` turns a `StepPlan` into a `ForwardBatch`, runs the model, and returns the logits of
-the sampling rows (host float32) plus hybrid-state snapshots. It also moves a sequence's pages and state to
+the sampling rows (the backend's array: the engine samples them there, `Backend.sample`) plus hybrid-state
+snapshots. It also moves a sequence's pages and state to
 and from host memory for pause/resume (`export_sequence` / `import_sequence`).
 
 On a backend with graph support (GRAPH_BACKENDS) and `cfg.cuda_graphs` on, forwards go through a
@@ -32,7 +33,8 @@ GRAPH_BACKENDS = ("cupy",)  # backend names whose decode steps can run as CUDA g
 
 @dataclass(slots=True)
 class StepOutput:
-    logits: np.ndarray  # [num_sampling_chunks, vocab] float32, in plan order of chunks with sample=True
+    logits: Any  # [num_sampling_chunks, vocab], the backend's array (on the device for a device backend), in plan
+    # order of chunks with sample=True: `backend.sample` draws from it where it is
     snapshots: dict[tuple[int, int], HybridState] = field(default_factory=dict)  # (chunk index, token count)
 
 
@@ -137,8 +139,7 @@ class ModelRunner:
                                    snapshot_at=[c.snapshot_at for c in chunks])
         batch.logits_rows = np.asarray([b.end - 1 for b, c in zip(batch.seqs, chunks) if c.sample], np.int64)
         out = self.forward(batch)
-        logits = self.model.backend.to_host(out.logits).astype(np.float32, copy=False)
-        return StepOutput(logits, out.snapshots)
+        return StepOutput(out.logits, out.snapshots)
 
     # ---- pause / resume --------------------------------------------------------------------------------
     def reset_state(self, slot: int, snapshot: HybridState | None = None) -> None:

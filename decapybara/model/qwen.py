@@ -11,8 +11,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment, HybridState, KVCache, StatePool
 from decapybara.errors import WeightError
 from decapybara.model.batch import ForwardBatch
@@ -162,7 +160,7 @@ class QwenModel:
         cos, sin = self.rotary.cos_sin(batch.positions)
         cos, sin = ops.from_host(cos), ops.from_host(sin)
         segments = self._segments(batch) if cfg.linear_layers else []
-        raw_snaps: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        raw_snaps: dict[tuple[int, int], dict[int, tuple[Any, Any]]] = {}
         h = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)  # [T, H]
         h = self.decoder_layers(h, lambda p, i, x: self._attention(p, i, x, batch, kv, cos, sin),
                                 lambda p, i, x: self._deltanet(p, i, x, states, segments, raw_snaps))
@@ -170,9 +168,12 @@ class QwenModel:
         last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
         hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         logits = ops.linear(hidden, self.w["lm_head.weight"]) if len(rows) else hidden[:0, :0]
-        snapshots = {key: HybridState([layers[i][0] for i in cfg.linear_layers],
-                                      [layers[i][1] for i in cfg.linear_layers])
-                     for key, layers in raw_snaps.items()}
+        snapshots = {}
+        for key, layers in raw_snaps.items():  # the backend's arrays (device copies on a GPU): one move each
+            n = len(cfg.linear_layers)
+            arrs = ops.to_host_many([layers[i][0] for i in cfg.linear_layers] +
+                                    [layers[i][1] for i in cfg.linear_layers])
+            snapshots[key] = HybridState(arrs[:n], arrs[n:])
         return ForwardOutput(logits, last, snapshots)
 
     def decoder_layers(self, h: Any, attention: Any, deltanet: Any) -> Any:

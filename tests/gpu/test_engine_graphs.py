@@ -84,6 +84,34 @@ def test_graph_decode_generates_the_eager_tokens(family, case):
         assert graphs.stats.pauses > 0 and graphs.stats.resumes == graphs.stats.pauses
 
 
+def test_graph_decode_snapshots_serve_the_next_turn():
+    """Decode steps that cross a snapshot boundary take the hybrid state from the graph path (no eager step):
+    the snapshots equal those of an engine with graphs off, and a second turn whose prompt continues the first
+    turn's prompt and output reuses that prefix and generates the tokens of a numpy engine that recomputes it."""
+    cfg = EngineConfig(page_size=8, max_batch_tokens=32, max_slots=6, loop_guard="off", num_pages=160,
+                       snapshot_interval=8)
+    prompt = np.random.default_rng(5).integers(0, 512, 13).tolist()
+    p1 = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engines = {g: Engine(build("qwen3_5_text", CupyBackend("fp32")), cfg.replace(cuda_graphs=g)) for g in (False, True)}
+    first = {g: e.generate([prompt], p1)[0] for g, e in engines.items()}
+    assert first[True] == first[False]
+    g = engines[True].runner.graph_stats()
+    assert g["eager_steps"] == 1 and g["graph_steps"] == 39, g  # the prefill alone ran eagerly
+    snaps = {g: e.blocks.snapshots for g, e in engines.items()}
+    assert len(snaps[True]) >= 6 and snaps[True].keys() == snaps[False].keys()
+    for h, (s_graph, _) in snaps[True].items():
+        s_eager = snaps[False][h][0]
+        for a, b in zip(s_graph.conv + s_graph.recurrent, s_eager.conv + s_eager.recurrent):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    second = prompt + first[True] + [3, 1, 4, 1, 5]
+    p2 = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = Engine(build("qwen3_5_text", NumpyBackend()), cfg.replace(enable_prefix_cache=False)).generate([second], p2)
+    for g, e in engines.items():
+        before = e.stats.reused_prompt_tokens
+        assert e.generate([second], p2) == ref, f"graphs {g}"
+        assert e.stats.reused_prompt_tokens - before >= 48, e.stats  # up to the first turn's last computed token
+
+
 def test_server_backend_with_packed_weights_and_graphs():
     """`cuda_backend` (PackedWeightsMixin over CupyBackend) with quantised matrices: graphs on generate the
     tokens of graphs off on the same backend (the packed kernels round activations to bf16, so the float32

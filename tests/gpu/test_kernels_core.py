@@ -37,7 +37,7 @@ def rand(rng, *shape, scale=1.0):
 def assert_close(got, ref, rtol, name):
     """max |got - ref| <= rtol * max |ref|; NaN where the reference has none fails (unwritten output)."""
     got = np.asarray(cp.asnumpy(got) if isinstance(got, cp.ndarray) else got, np.float64)
-    ref = np.asarray(ref, np.float64)
+    ref = np.asarray(cp.asnumpy(ref) if isinstance(ref, cp.ndarray) else ref, np.float64)
     assert got.shape == ref.shape, f"{name}: shape {got.shape}, reference {ref.shape}"
     bad_nan = np.isnan(got) & ~np.isnan(ref)
     if bad_nan.any():
@@ -57,7 +57,7 @@ def assert_close(got, ref, rtol, name):
 
 def assert_bytes_equal(got, ref, name):
     got = cp.asnumpy(got) if isinstance(got, cp.ndarray) else np.asarray(got)
-    ref = np.asarray(ref)
+    ref = cp.asnumpy(ref) if isinstance(ref, cp.ndarray) else np.asarray(ref)  # e.g. snapshots: device copies
     assert got.shape == ref.shape and got.dtype == ref.dtype, (
         f"{name}: {got.dtype} {got.shape} vs reference {ref.dtype} {ref.shape}")
     if got.dtype.kind == "f":  # compare bit patterns (NaN poison included)

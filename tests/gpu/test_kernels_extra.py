@@ -587,6 +587,41 @@ def test_cuda_sample_ties_masks_and_dtypes():
         ex.cuda_sample(cp.asarray(np.full((1, 8), np.nan, np.float32)), rows[:1])
 
 
+@pytest.mark.parametrize("v,b", [(64, 1), (5000, 5), (248_320, 12)])
+def test_cuda_sample_greedy_short_path(v, b):
+    """Greedy rows with no edits and no logprobs stop at the row maxima (`sample_greedy_pick`): the lowest id of
+    the maximum, ties planted before and after it, +inf (as the float32 maximum) and NaN (never chosen), float32
+    and bf16 logits; a batch with one row that wants logprobs, or one with a penalty, takes the full path."""
+    rng = np.random.default_rng(v + b)
+    logits = rng.standard_normal((b, v)).astype(np.float32)
+    for i in range(b):
+        j = int(rng.integers(1, v - 1))
+        logits[i, j] = logits[i, j - 1] = logits[i, j + 1] = logits[i].max() + 1.0  # a three-way tie
+    logits[0, v // 2] = np.nan
+    if b > 1:
+        logits[1, v - 1] = logits[1, v // 3] = np.inf  # two +inf: the lower id
+    rows = [sampling.SamplerRow(sampling.SamplingParams(temperature=0.0), [], [], position=i, seed=i)
+            for i in range(b)]
+    ref = sampling.sample(logits, rows).token_ids
+    got = ex.cuda_sample(cp.asarray(logits), rows)
+    assert np.array_equal(got.token_ids, ref) and np.isnan(got.logprobs).all() and got.top_logprobs == [[]] * b
+    bits = bf16_encode(logits)
+    assert np.array_equal(ex.cuda_sample(cp.asarray(bits), rows).token_ids,
+                          sampling.sample(bf16_decode(bits), rows).token_ids), "bf16 logits"
+    mixed = rows[:-1] + [sampling.SamplerRow(sampling.SamplingParams(temperature=0.0, logprobs=2), [], [],
+                                             position=0, seed=0)]
+    out = ex.cuda_sample(cp.asarray(logits), mixed)
+    assert np.array_equal(out.token_ids, ref) and np.isfinite(out.logprobs[-1]) and len(out.top_logprobs[-1]) == 2
+    banned = rows[:-1] + [sampling.SamplerRow(sampling.SamplingParams(temperature=0.0), [], [], position=0, seed=0,
+                                              banned_token_ids=[int(ref[-1])])]
+    assert np.array_equal(ex.cuda_sample(cp.asarray(logits), banned).token_ids,
+                          sampling.sample(logits, banned).token_ids), "a masked row"
+    dead = logits.copy()
+    dead[-1] = -np.inf
+    with pytest.raises(ValueError, match="finite"):
+        ex.cuda_sample(cp.asarray(dead), rows)
+
+
 # ---- checksum and probe -----------------------------------------------------------------------------------------
 def fletcher_ref(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
     raw = np.frombuffer(data.tobytes(), np.uint8)

@@ -145,6 +145,7 @@ def install():
     cuda.Device = Device
     runtime = types.ModuleType("cupy.cuda.runtime")
     runtime.getDeviceCount = lambda: 1
+    runtime.getDevice = lambda: 0
     runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
     runtime.deviceSynchronize = lambda: None
     cuda.runtime = runtime
@@ -171,7 +172,10 @@ def install():
     libs = types.ModuleType("cupy_backends.cuda.libs")
     import fake_cublas
     cb.cuda = cbc; cbc.libs = libs; libs.cublas = fake_cublas
-    for name, mod in [("cupy", cp), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime), ("cupy.cuda.device", device),
+    cupyx = types.ModuleType("cupyx")  # pinned host memory: plain numpy memory here
+    cupyx.empty_pinned = lambda shape, dtype=np.float32, order="C": np.empty(shape, dtype, order)
+    for name, mod in [("cupy", cp), ("cupyx", cupyx), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime),
+                      ("cupy.cuda.device", device),
                       ("cupy_backends", cb), ("cupy_backends.cuda", cbc), ("cupy_backends.cuda.libs", libs),
                       ("cupy_backends.cuda.libs.cublas", fake_cublas)]:
         sys.modules[name] = mod

@@ -7,6 +7,9 @@
 //   sample_rowmax   row max of y (ordered-bits atomicMax: order independent, so deterministic)
 //   sample_restore  a row left without a finite value by its masks gets its masked tokens back
 //   (sample_greedy_pick: a batch of greedy rows with no edits and no logprobs stops here, the argmax found)
+//   sample_tilemax  (rows that keep at most K tokens: top-k, logprob alternatives) each tile's first token in
+//                   canonical order; sample_stats then sorts only tiles with fewer than K tiles' first tokens
+//                   before their own (the others report that token alone, as a bound)
 //   sample_stats    per tile of up to 2048 tokens: z = y / T (greedy: T = 1), w = exp(z - zmax), tile sums of w
 //                   and of w >= min_p (and their count), greedy argmax (lowest id), and the tile's best L tokens
 //                   in canonical order (z descending, ties by ascending id) by a bitonic sort in shared memory.
@@ -169,11 +172,49 @@ __device__ double block_sum(double v, double* red) {
     return v;
 }
 
+// Each tile's first token in canonical order (z = y / T, greedy rows T = 1): (tz, tzid)[row, tile]. The
+// rows that keep only their first K tokens (keep[row] = K > 0: top-k, logprob alternatives) sort only the tiles
+// whose first token is among the row's K best tiles' (sample_stats).
+extern "C" __global__ void __launch_bounds__(TILE / 2) sample_tilemax(const double* y, int V, const double* temp,
+                                                                     const int* greedy, double* tz, int* tzid) {
+    __shared__ double rz[32];
+    __shared__ int ri[32];
+    const int row = blockIdx.y, nblk = gridDim.x, b = blockIdx.x, tid = threadIdx.x;
+    const double T = greedy[row] ? 1.0 : temp[row];
+    double bzv = -INF_D;
+    int bi = 0x7FFFFFFF;
+    for (int h = 0; h < 2; ++h) {
+        const int i = b + nblk * (tid + h * (TILE / 2));
+        if (i < V) {
+            const double z = __ddiv_rn(y[(long long)row * V + i], T) + 0.0;  // as sample_stats computes it
+            if (before(z, i, bzv, bi)) { bzv = z; bi = i; }
+        }
+    }
+    for (int o = 16; o; o >>= 1) {
+        const double qz = __shfl_xor_sync(0xFFFFFFFFu, bzv, o);
+        const int qi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
+        if (before(qz, qi, bzv, bi)) { bzv = qz; bi = qi; }
+    }
+    if ((tid & 31) == 0) { rz[tid >> 5] = bzv; ri[tid >> 5] = bi; }
+    __syncthreads();
+    if (tid == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (before(rz[w], ri[w], bzv, bi)) { bzv = rz[w]; bi = ri[w]; }
+        tz[row * nblk + b] = bzv;
+        tzid[row * nblk + b] = bi;
+    }
+}
+
+// keep[row] > 0: a tile with at least keep[row] tiles whose first token comes before its own holds none of the
+// row's first keep[row] tokens; it skips the sort and reports its first token alone (skipped[row, tile] = 1),
+// which bounds the certified prefix as a full tile's L-th key does (sample_final).
 extern "C" __global__ void __launch_bounds__(TILE / 2) sample_stats(
     const double* y, int V, const double* temp, const int* greedy, const int* want_sort, const double* min_p,
-    const u64* rowmax, int L, double* bz, double* bzm, int* bnm, int* argmin, double* cz, int* cid) {
+    const u64* rowmax, int L, const int* keep, const double* tz, const int* tzid, double* bz, double* bzm, int* bnm,
+    int* argmin, double* cz, int* cid, int* skipped) {
     __shared__ double sz[TILE];
     __shared__ int sid[TILE];
+    __shared__ int skip_tile;
     __shared__ double red[32];
     const int row = blockIdx.y, nblk = gridDim.x, b = blockIdx.x, tid = threadIdx.x;
     const double ymax = unord64(rowmax[row]);
@@ -207,6 +248,25 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_stats(
         bnm[row * nblk + b] = (int)nmd;
     }
     if (greedy[row] && !want_sort[row]) return;  // uniform per block
+    const int kt = keep[row];
+    if (kt > 0) {
+        const long long t0 = (long long)row * nblk;
+        const double z0 = tz[t0 + b];
+        const int i0 = tzid[t0 + b];
+        double ahead = 0.0;
+        for (int c = tid; c < nblk; c += blockDim.x) ahead += before(tz[t0 + c], tzid[t0 + c], z0, i0) ? 1.0 : 0.0;
+        ahead = block_sum(ahead, red);
+        if (tid == 0) {
+            skip_tile = ahead >= (double)kt;
+            skipped[t0 + b] = skip_tile;
+            if (skip_tile) {
+                cz[(t0 + b) * L] = z0;
+                cid[(t0 + b) * L] = i0;
+            }
+        }
+        __syncthreads();
+        if (skip_tile) return;  // uniform per block
+    }
     __syncthreads();
     bitonic(sz, sid);
     for (int j = tid; j < L; j += blockDim.x) {
@@ -291,23 +351,25 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
     int V, int nblk, int L, const double* temp, const int* greedy, const int* want_top, const int* top_k,
     const double* top_p, const double* min_p, const u64* seeds, const u64* pos, const u64* rowmax,
     const double* bz, const double* bzm, const int* bnm, const int* argmin, const double* cz, const int* cid,
-    long long* token, float* logprob, int* status, double* rowinfo, int* rownm, int* top_id, float* top_lp) {
+    const int* keep, const int* skipped, long long* token, float* logprob, int* status, double* rowinfo, int* rownm,
+    int* top_id, float* top_lp) {
     __shared__ double sz[TILE], sw[TILE];
     __shared__ int sid[TILE];
-    const int row = blockIdx.x, tid = threadIdx.x;
+    const int row = blockIdx.x, tid = threadIdx.x, kt = keep[row];
     const bool gr = greedy[row] != 0;
     const double T = gr ? 1.0 : temp[row], zmax = __ddiv_rn(unord64(rowmax[row]), T);
     double tau_z = INF_D;
     int tau_id = -1, n_c = 0;
     for (int b = 0; b < nblk; ++b) {  // every thread walks the (small) block list: same n_c, tau everywhere
-        const int cnt = (V - b + nblk - 1) / nblk, lb = min(L, cnt);  // tile b's ids: b, b + nblk, ... < V
+        const bool skip = kt > 0 && skipped[(long long)row * nblk + b];  // its first token alone, not reported
+        const int cnt = (V - b + nblk - 1) / nblk, lb = skip ? 0 : min(L, cnt);  // tile b's ids: b, b + nblk, ..
         for (int j = tid; j < lb; j += blockDim.x) {
             sz[n_c + j] = cz[((long long)row * nblk + b) * L + j];
             sid[n_c + j] = cid[((long long)row * nblk + b) * L + j];
         }
-        if (cnt > L) {  // a full tile: everything it did not report is after its L-th key
-            const double kz = cz[((long long)row * nblk + b) * L + L - 1];
-            const int ki = cid[((long long)row * nblk + b) * L + L - 1];
+        if (skip || cnt > L) {  // everything the tile did not report is at or after this key
+            const double kz = cz[((long long)row * nblk + b) * L + (skip ? 0 : L - 1)];
+            const int ki = cid[((long long)row * nblk + b) * L + (skip ? 0 : L - 1)];
             if (tau_id < 0 || before(kz, ki, tau_z, tau_id)) { tau_z = kz; tau_id = ki; }
         }
         n_c += lb;

@@ -59,6 +59,8 @@ def test_plan_capacity_arithmetic():
     assert p.tokens == 512 * (p.pages - 1) and p.context_per_slot == 512 * ((p.pages - 1) // 12)
     assert p.fits and p.why_not is None
     assert p.paused_in_ram == 64 * C.GIB // (32768 * p.kv_token_bytes + cfg.state_bytes_per_sequence())
+    assert p.snapshot_bytes == 24 * cfg.state_bytes_per_sequence()  # the engine's default: two states a slot
+    assert C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", 1, 1024).snapshot_bytes == 2 * cfg.state_bytes_per_sequence()
     # fewer bits per token: more tokens in the same memory
     assert C.plan_capacity(cfg, wb, 141 * C.GIB, "4/4", 12, 32768).tokens > 3 * p.tokens
     # a context longer than the pool's share per conversation does not fit, and says why

@@ -888,6 +888,10 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
             raise ValueError("every row of logits needs at least one finite value")
         return SampleOutput(host[20 * b:].view(np.int32).astype(np.int64), np.full(b, np.nan, np.float32),
                             [[] for _ in rows])
+    top_k = np.array([p.top_k for p in ps], np.int32)
+    # tokens a row keeps at most (top-k, its logprob alternatives; 0: all of them): tiles that cannot hold any
+    # of them skip their sort (sample_stats)
+    keep = np.where(top_k > 0, np.maximum(top_k, want), np.where(greedy > 0, want, 0)).astype(np.int32)
     dev = _one_copy({
         "temp": temp, "top_p": np.array([p.top_p for p in ps], np.float64),
         "min_p": np.array([p.min_p for p in ps], np.float64),
@@ -895,8 +899,8 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
         "pres": np.array([p.presence_penalty for p in ps], np.float64),
         "freq": np.array([p.frequency_penalty for p in ps], np.float64),
         "seed": np.array([r.seed & MASK64 for r in rows], np.uint64),
-        "pos": np.array([r.position for r in rows], np.uint64), "greedy": greedy, "want": want,
-        "top_k": np.array([p.top_k for p in ps], np.int32)})
+        "pos": np.array([r.position for r in rows], np.uint64), "greedy": greedy, "want": want, "top_k": top_k,
+        "keep": keep})
     n_e = 0
     if edits:
         e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in _edits(
@@ -914,14 +918,18 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     lc = SAMPLE_TILE // nblk
     bz, bzm, bnm = empty((b, nblk), cp.float64), empty((b, nblk), cp.float64), empty((b, nblk), cp.int32)
     cz, cid = empty((b, nblk, lc), cp.float64), empty((b, nblk, lc), cp.int32)
+    tz, tzid, skipped = empty((b, nblk), cp.float64), empty((b, nblk), cp.int32), empty((b, nblk), cp.int32)
+    if keep.any():
+        k("sample_tilemax")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), dev["temp"], dev["greedy"], tz, tzid))
     k("sample_stats")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), dev["temp"], dev["greedy"], dev["want"],
-                                                     dev["min_p"], rowmax, I32(lc), bz, bzm, bnm, argmin, cz, cid))
+                                                     dev["min_p"], rowmax, I32(lc), dev["keep"], tz, tzid, bz, bzm,
+                                                     bnm, argmin, cz, cid, skipped))
     info, nm = empty((b, 4), cp.float64), empty(b, cp.int32)
     top_id, top_lp = empty((b, NTOP), cp.int32), empty((b, NTOP), cp.float32)
     k("sample_final")((b,), (SAMPLE_TILE // 2,),
                       (I32(v), I32(nblk), I32(lc), dev["temp"], dev["greedy"], dev["want"], dev["top_k"],
                        dev["top_p"], dev["min_p"], dev["seed"], dev["pos"], rowmax, bz, bzm, bnm, argmin, cz, cid,
-                       token, logprob, status, info, nm, top_id, top_lp))
+                       dev["keep"], skipped, token, logprob, status, info, nm, top_id, top_lp))
     host = res.get()
     if not host[16 * b:20 * b].view(np.int32).all():
         raise ValueError("every row of logits needs at least one finite value")

@@ -76,6 +76,15 @@ class CapacityPlan:
         return None
 
     @property
+    def snapshot_bytes(self) -> int:
+        """Host memory (pinned) that the engine's default budget of hybrid-state snapshots takes for the prefix
+        cache: two states a conversation, at least 64 MiB (`EngineConfig.snapshot_budget`); 0 without DeltaNet."""
+        from decapybara.config import EngineConfig
+
+        each = self.state_bytes // (self.slots + 1)
+        return EngineConfig(max_slots=self.slots).snapshot_budget(each) if each else 0
+
+    @property
     def paused_in_ram(self) -> int:
         """Paused conversations of `context` tokens (KV + state) the RAM tier holds."""
         each = self.context * self.kv_token_bytes + self.state_bytes // (self.slots + 1)

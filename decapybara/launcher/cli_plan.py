@@ -172,9 +172,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), copy bandwidth {bw}; "
           f"RAM tier {ram / GIB:.1f} GiB; pages of {page} tokens"
           + ("" if on_gpu else "; weights held as float32 by the numpy backend"))
+    snaps = rows[0].plan.snapshot_bytes
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
-          f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; roofline = bytes a decode step moves / "
-          "bandwidth (an upper bound; docs/perf.md has measured fractions)")
+          f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; "
+          + (f"{snaps / GIB:.1f} GiB of host memory for prefix-cache state snapshots; " if snaps else "")
+          + "roofline = bytes a decode step moves / bandwidth (an upper bound; docs/perf.md has measured fractions)")
     for line in format_table(rows, args.slots, args.context):
         print(line)
     pick = [c for c in rows if c.plan.fits]

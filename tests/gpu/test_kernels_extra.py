@@ -622,6 +622,35 @@ def test_cuda_sample_greedy_short_path(v, b):
         ex.cuda_sample(cp.asarray(dead), rows)
 
 
+@pytest.mark.parametrize("where", ["low ids", "spread", "ties"])
+def test_cuda_sample_top_k_rows_sort_few_tiles(where):
+    """Rows that keep at most K tokens (top-k, logprob alternatives) sort only the tiles whose first token is
+    among the K best tiles' (`sample_tilemax`); the others bound the certified prefix with that token. Peaked
+    logits whose likely tokens sit in one id range, anywhere, or tie exactly: the reference's tokens, logprobs
+    and alternatives, beside rows with no top-k (every tile sorted) and a greedy row with alternatives."""
+    v, b = 248_320, 12
+    rng = np.random.default_rng(len(where))
+    logits = (rng.standard_normal((b, v)) * 2.0).astype(np.float32)
+    for i in range(b):
+        ids = np.arange(64) if where == "low ids" else rng.permutation(v)[:64]
+        if where == "ties":
+            logits[i, ids] = 12.0  # 64 equal best tokens: canonical order by id
+        else:
+            logits[i, ids] += np.linspace(14.0, 6.0, 64, dtype=np.float32)
+    params = [sampling.SamplingParams(temperature=0.7, top_p=0.8, top_k=20, logprobs=5),
+              sampling.SamplingParams(temperature=1.0, top_k=3),
+              sampling.SamplingParams(temperature=0.6, top_p=0.95),  # no top-k: every tile
+              sampling.SamplingParams(temperature=0.0, logprobs=4)]
+    rows = [sampling.SamplerRow(params[i % 4], [], [], position=i, seed=1000 + i) for i in range(b)]
+    ref = sampling.sample(logits, rows)
+    got = ex.cuda_sample(cp.asarray(logits), rows)
+    assert np.array_equal(got.token_ids, ref.token_ids), (got.token_ids, ref.token_ids)
+    for i, r in enumerate(rows):
+        if r.params.logprobs is not None:
+            assert abs(float(got.logprobs[i]) - float(ref.logprobs[i])) <= 1e-4 * max(1.0, abs(float(ref.logprobs[i])))
+            assert [t for t, _ in got.top_logprobs[i]] == [t for t, _ in ref.top_logprobs[i]], i
+
+
 # ---- checksum and probe -----------------------------------------------------------------------------------------
 def fletcher_ref(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
     raw = np.frombuffer(data.tobytes(), np.uint8)

@@ -17,7 +17,9 @@
 //                   sit in one id range (the frequent ones first), and contiguous tiles then put more than L of
 //                   a row's best tokens in one tile, which cuts the certified prefix short (a full sort follows)
 //   sample_final    one block per row: merges the tiles' candidates; the prefix of the merged order down to
-//                   the best of the full tiles' L-th keys is certified to be the row's canonical prefix;
+//                   the best of the full tiles' L-th keys (reported, so included) and of the skipped tiles'
+//                   first tokens (not reported, so strictly before them) is certified to be the row's canonical
+//                   prefix;
 //                   thread 0 then runs top-k, top-p, min-p and the inverse-CDF draw with sequential float64
 //                   running sums exactly as the numpy reference; rows whose decision lies past the certified
 //                   prefix are flagged (status 1) and redone by sample_scan over a full stable sort.

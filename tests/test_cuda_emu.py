@@ -95,3 +95,20 @@ def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator():
                           "test_decode_attention_microscaled_pages and 6/6-heads1-shape1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
+                  "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3)")
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_deltanet_snapshots_pass_on_the_emulator():
+    """The DeltaNet core's state snapshots (copied layer by layer into pinned host slabs by asynchronous copies,
+    `cupy_deltanet._to_slab`) against the numpy reference's, and the fused decode's against the unfused kernels'
+    byte for byte (one and three runs a CTA): three cases of their GPU tests, through the emulator plugin."""
+    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
+                          "gpu", "tests/gpu/test_kernels_core.py", "-k",
+                          SNAPSHOT_CASES],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0 and "3 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

@@ -235,8 +235,9 @@ class Backend(ABC):
                       snapshots: dict[tuple[int, int], dict[int, tuple[np.ndarray, np.ndarray]]]) -> Any:
         """Causal conv (silu) + L2-normed gated delta rule over each segment, updating the slot's conv and
         recurrent state in order. mixed_qkv [T, conv_dim], a/b [T, num_v_heads]. Returns [T, v_heads, v_dim].
-        Segments with a `snapshot_key` add {layer: (conv, recurrent)} copies (arrays of this backend, kept
-        apart from the pool) to `snapshots[key]`; the forward moves them to the host (`to_host_many`)."""
+        Segments with a `snapshot_key` add {layer: (conv, recurrent)} copies to `snapshots[key]`, apart from
+        the pool (host arrays; a device backend's may still be in flight, and may keep other entries under keys
+        that are not layers): the forward takes them through `to_host_many` once every layer has run."""
 
     @abstractmethod
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
@@ -259,7 +260,7 @@ class Backend(ABC):
 
     # ---- sampling ---------------------------------------------------------------------------------------
     def sample(self, logits: Any, rows: Any, eos_token_ids: Any = ()) -> Any:
-        """One token per row of `logits` [len(rows), V] (this backend's array, float32 or bf16 bits) as
+        """One token per row of `logits` [len(rows), V] (this backend's float32 array) as
         `decapybara.engine.sampling.sample` draws it from the same rows (`SamplerRow`s): a `SampleOutput` on
         the host. The default copies the logits to the host and runs that numpy reference; a device backend
         samples where the logits are and copies back only the tokens and logprobs."""

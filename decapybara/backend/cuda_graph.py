@@ -147,10 +147,15 @@ class DecodeGraphRunner:
         key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv))
         if key is not None and key not in self.stats["failures"]:
             try:
-                return self._replay(key, batch, kv, states)
+                out = self._replay(key, batch, kv, states)
             except Exception as e:  # noqa: BLE001 - any capture failure means: this key runs eagerly
                 self.stats["failures"][key] = f"{type(e).__name__}: {e}"
                 self._graphs.pop(key, None)
+            else:  # outside the try: once the graph ran, a failure here must not run the step a second time
+                # a decode row's snapshot point is its one token's end: the state its slot holds after this step
+                out.snapshots.update({(i, q): states.get(s.state_slot)
+                                      for i, s in enumerate(batch.seqs) for q in s.snapshot_at})
+                return out
         self.stats["eager_steps"] += 1
         return self.model.forward(batch, kv, states)
 
@@ -219,9 +224,7 @@ class DecodeGraphRunner:
         self.stats["graph_steps"] += 1
         n = len(batch.seqs)
         logits, hidden = st.outputs
-        # a decode row's snapshot point is its one token's end: the state its slot holds after this step
-        snaps = {(i, q): states.get(s.state_slot) for i, s in enumerate(batch.seqs) for q in s.snapshot_at}
-        return ForwardOutput(logits[:n], hidden[:n], snaps)
+        return ForwardOutput(logits[:n], hidden[:n], {})
 
     def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
         if st.done is not None:

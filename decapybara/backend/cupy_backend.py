@@ -119,6 +119,11 @@ class CupyBackend(Backend):
         return cp.asnumpy(a)
 
     def to_host_many(self, arrays: list[Any]) -> list[np.ndarray]:
+        """Device arrays in one pinned transfer (`host_copies`); host arrays (snapshots, whose asynchronous
+        copies `cupy_deltanet` queued) after one synchronisation of the stream."""
+        if all(isinstance(a, np.ndarray) for a in arrays):
+            cp.cuda.get_current_stream().synchronize()
+            return list(arrays)
         return host_copies(arrays)
 
     def prepare_weight(self, name: str, value: Any) -> Any:

@@ -3,7 +3,8 @@
 `plan_runs(segments)` groups consecutive `DeltaNetSegment`s of one sequence (same slot, contiguous rows) into
 runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
 delta rule for every run in parallel (one fused launch when every run is one decode row), updating the state
-pool in place and keeping device copies of snapshots (`QwenModel.forward` moves them to the host at its end).
+pool in place and copying snapshots to pinned host memory asynchronously, layer by layer (`QwenModel.forward`
+synchronises once at its end).
 With `gate` it returns the gated RMS norm of the core output (on the decode path from the launch that also
 updates the conv state: `gdn_decode_finish`, no norm launch).
 `acc` is the recurrence's arithmetic: "double" reproduces the numpy reference (float64 inside chunks,
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import cupy as cp
+import cupyx
 import numpy as np
 
 from decapybara.backend import cupy_ops, pdl
@@ -206,6 +208,28 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     else:
         get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)
-    for i, key in enumerate(plan.snapshot_keys):  # device copies: the forward moves them to the host at its end
-        snapshots.setdefault(key, {})[layer] = (snap_conv[i], snap_rec[i])
+    for i, key in enumerate(plan.snapshot_keys):
+        snap = snapshots.setdefault(key, {})
+        snap[layer] = _to_slab(snap, cfg, layer, snap_conv[i], snap_rec[i])
     return out if gated is None else gated
+
+
+def _to_slab(snap: dict, cfg: ModelConfig, layer: int, conv: Any, rec: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's snapshot copied asynchronously (current stream) into its key's pinned host slab, one state's
+    size laid out as `cupy_kv.host_copies` lays out a slot's state (every layer's conv, then every layer's
+    recurrent state) and taken from CuPy's pinned pool at the key's first layer (kept in `snap` under None).
+    Returns the layer's two host views, valid once the stream has passed the copies: the forward synchronises
+    once at its end (`CupyBackend.to_host_many`). The device copies can go at once (the pool reuses memory in
+    stream order), so a forward never holds more than one layer's snapshots on the device."""
+    lin = list(cfg.linear_layers)
+    if None not in snap:
+        snap[None] = cupyx.empty_pinned(len(lin) * (conv.size + rec.size), np.float32)
+    slab, j = snap[None], lin.index(layer)
+    cv = slab[j * conv.size:(j + 1) * conv.size].reshape(conv.shape)
+    o = len(lin) * conv.size + j * rec.size
+    rv = slab[o:o + rec.size].reshape(rec.shape)
+    stream = cp.cuda.get_current_stream().ptr
+    for host, dev in ((cv, conv), (rv, rec)):
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, cupy_ops.dev_ptr(dev), host.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream)
+    return cv, rv

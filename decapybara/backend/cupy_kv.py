@@ -117,12 +117,14 @@ def host_copies(arrays: list[Any]) -> list[np.ndarray]:
     """Host copies of device arrays of one dtype in one device-to-host transfer into pinned memory: one
     synchronisation, where a copy each would wait on the stream once an array (a 27B model's hybrid state is 96
     arrays, 157 MB), at the pinned rate and without first-touch page faults (CuPy's pinned pool hands a freed
-    block of the same size back: snapshots come and go at one size). The copies are views of one buffer."""
+    block of the same size back: snapshots come and go at one size). The copies are views of one buffer, which
+    stays pinned while any of them lives (a paused bundle or snapshot on its way to a tier: the Ray tiers
+    serialise them into their own memory)."""
     if len(arrays) < 2 or len({a.dtype for a in arrays}) > 1:
         return [cp.asnumpy(a) for a in arrays]
     flat = cp.concatenate([cp.ravel(a) for a in arrays])
     host = cupyx.empty_pinned(flat.shape, flat.dtype)
-    flat.get(out=host)
+    cp.asnumpy(flat, out=host)
     out, o = [], 0
     for a in arrays:
         out.append(host[o:o + a.size].reshape(a.shape))

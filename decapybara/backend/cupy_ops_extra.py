@@ -891,11 +891,12 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     top_k = np.array([p.top_k for p in ps], np.int32)
     # tokens a row keeps at most (top-k, its logprob alternatives; 0: all of them): tiles that cannot hold any
     # of them skip their sort (sample_stats)
-    keep = np.where(top_k > 0, np.maximum(top_k, want), np.where(greedy > 0, want, 0)).astype(np.int32)
+    keep = np.where(greedy > 0, want, np.where(top_k > 0, np.maximum(top_k, want), 0)).astype(np.int32)
     dev = _one_copy({
         "temp": temp, "top_p": np.array([p.top_p for p in ps], np.float64),
         "min_p": np.array([p.min_p for p in ps], np.float64),
-        "rep": np.array([max(p.repetition_penalty, r.extra_repetition_penalty) for p, r in zip(ps, rows)]),
+        "rep": np.array([max(p.repetition_penalty, r.extra_repetition_penalty) for p, r in zip(ps, rows)],
+                        np.float64),
         "pres": np.array([p.presence_penalty for p in ps], np.float64),
         "freq": np.array([p.frequency_penalty for p in ps], np.float64),
         "seed": np.array([r.seed & MASK64 for r in rows], np.uint64),

@@ -132,7 +132,12 @@ def install():
         if not k.startswith("__"):
             setattr(cp, k, getattr(np, k))
     cp.ndarray = np.ndarray
-    cp.asnumpy = lambda a, *args, **kw: np.array(a, copy=True)
+    def asnumpy(a, stream=None, order="C", out=None, blocking=True):
+        if out is None:
+            return np.array(a, copy=True)
+        out[...] = a
+        return out
+    cp.asnumpy = asnumpy
     cp.RawModule = RawModule
     cp.__version__ = "fake"
     cuda = types.ModuleType("cupy.cuda")
@@ -146,6 +151,8 @@ def install():
     runtime = types.ModuleType("cupy.cuda.runtime")
     runtime.getDeviceCount = lambda: 1
     runtime.getDevice = lambda: 0
+    runtime.memcpyDeviceToHost = 2
+    runtime.memcpyAsync = lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n)
     runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
     runtime.deviceSynchronize = lambda: None
     cuda.runtime = runtime

@@ -10,7 +10,7 @@ import pytest
 from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.planner import plan_step
-from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sampling import SamplerRow, SamplingParams
 from decapybara.engine.sequence import FinishReason, Request
 from decapybara.errors import ContextOverflowError, InvalidRequestError
 from decapybara.testing import tiny_qwen
@@ -105,6 +105,43 @@ def test_snapshot_budget_fits_the_model():
     assert not tight.blocks.snapshots and tight.blocks.snapshot_bytes == 0
     assert run(tight, Request(tuple(turn2), GREEDY))[1].num_cached_tokens == 0  # nothing to restart from
     assert run(roomy, Request(tuple(turn2), GREEDY))[1].num_cached_tokens == len(turn2) - 4
+
+
+def test_sampler_rows_carry_token_ids_only_for_penalties():
+    """A step hands the sampler a sequence's prompt and output ids only where a penalty reads them (a long
+    context's list copied every step costs ~0.8 ms a sequence at 131k tokens); the tokens are those of rows
+    that carry every id."""
+    e = engine("qwen3")
+    seen = []
+    sample = e.model.backend.sample
+    e.model.backend.sample = lambda logits, rows, eos=(): seen.extend(rows) or sample(logits, rows, eos)
+    try:
+        ps = prompts(2, seed=9)
+        plain = SamplingParams(temperature=0, max_tokens=6)
+        penal = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5)
+        out = e.generate(ps, [plain, penal])
+        by_params = {id(r.params): r for r in seen if r.position == 3}
+        assert len(by_params) == 2
+        quiet, loud = by_params[id(plain)], by_params[id(penal)]
+        assert len(quiet.prompt_token_ids) == 0 and len(quiet.output_token_ids) == 0
+        assert list(loud.output_token_ids) == out[1][:3]  # the repetition set: prompt and output ids, unique
+        assert list(loud.prompt_token_ids) == sorted(set(ps[1]) | set(out[1][:3]))
+        full = Engine(model("qwen3"), e.cfg)  # every row with every id, as before
+        full._sampler_row = lambda s: SamplerRow(s.params, s.tokens[:s.num_prompt], s.output_ids(), s.num_output,
+                                                 s.seed, s.extra_penalty, s.banned)
+        assert out == full.generate(ps, [plain, penal])
+    finally:
+        e.model.backend.sample = sample
+
+
+def test_seen_ids_follow_appended_tokens():
+    from decapybara.engine.sequence import Sequence
+
+    rng = np.random.default_rng(2)
+    s = Sequence(Request((1,)), seed=0, arrival=0.0, tokens=rng.integers(0, 50, 40).tolist(), num_prompt=40)
+    for step in range(30):
+        assert s.seen_ids().tolist() == sorted(set(s.tokens)), step
+        s.tokens.extend(rng.integers(0, 80, int(rng.integers(0, 4))).tolist())  # new ids, repeats, none
 
 
 def test_engine_samples_through_the_backend():

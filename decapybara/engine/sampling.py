@@ -173,7 +173,8 @@ def apply_penalties(logits: np.ndarray, prompt_token_ids: Sequence[int] | np.nda
     x = np.array(logits, dtype=np.float64)
     out_ids, counts = np.unique(_ids(output_token_ids), return_counts=True)
     if repetition != 1.0:
-        seen = np.union1d(_ids(prompt_token_ids), out_ids)
+        # every id of either list, repeats and all: a repeated id reads and writes the same value, so no sort
+        seen = np.concatenate([_ids(prompt_token_ids), out_ids])
         v = x[seen]
         x[seen] = np.where(v > 0, v / repetition, v * repetition)
     if presence != 0.0 or frequency != 0.0:

@@ -96,6 +96,8 @@ class Sequence:
     num_pauses: int = 0
     num_resumes: int = 0
     num_admissions: int = 0  # > 1 only when a lost bundle forced a recompute
+    _seen: Any = field(default=None, repr=False)  # seen_ids' sorted unique ids and the tokens they cover
+    _seen_n: int = field(default=0, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -120,6 +122,22 @@ class Sequence:
 
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt:]
+
+    def seen_ids(self) -> np.ndarray:
+        """Sorted unique ids of every token so far (prompt, output and forced tokens: the repetition penalty's
+        set), int64. Tokens only ever append, so it is kept up to date from the new ones: a step's cost is the
+        set's size, not the context's (np.unique over a 131k-token context took ~60 ms)."""
+        n = len(self.tokens)
+        if self._seen is None:
+            self._seen = np.unique(np.asarray(self.tokens, np.int64))
+        elif self._seen_n < n:
+            new = np.unique(np.asarray(self.tokens[self._seen_n:], np.int64))
+            at = np.searchsorted(self._seen, new)
+            fresh = (at == self._seen.size) | (self._seen[np.minimum(at, self._seen.size - 1)] != new)
+            if fresh.any():
+                self._seen = np.insert(self._seen, at[fresh], new[fresh])
+        self._seen_n = n
+        return self._seen
 
     def prompt_array(self) -> np.ndarray:
         return np.asarray(self.tokens[:self.num_prompt], dtype=np.int64)

@@ -48,6 +48,7 @@ from decapybara.backend.gemv_plan import (
     plan_gemm,
 )
 from decapybara.backend.gemv_plan import tune_for as _tune_for
+from decapybara.engine.sample_edits import edit_lists, needs_edits
 from kernels import KERNEL_DIR, get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
@@ -773,7 +774,6 @@ def bandwidth_probe(nbytes: int = 1 << 31, repeats: int = 10) -> dict[str, float
 # ---- sampler ------------------------------------------------------------------------------------------
 SAMPLE_TILE, NTOP = 2048, 20
 SAMPLE_MAX_VOCAB = 128 * SAMPLE_TILE  # the widest row `cuda_sample` takes (a block's tiles of one row)
-EDIT_SEEN, EDIT_MASK, EDIT_BIAS = 1, 2, 4
 
 
 def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
@@ -787,53 +787,6 @@ def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
         get_kernel("sample", "philox_uniforms")((-(-s.size // 256),), (256,),
                                                 (s_d, p_d, np.uint32(stream), out, I32(s.size)))
     return cp.asnumpy(out).reshape(s.shape)
-
-
-def _row_edits(r: Any, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One row's edits of sampling steps 1-3 merged per token: (tokens, bias, flags, output counts)."""
-    p = r.params
-    parts: list[tuple[np.ndarray, int, Any, Any]] = []  # (ids, flag, bias, count)
-    if p.logit_bias:
-        parts.append((np.fromiter(p.logit_bias, np.int64, len(p.logit_bias)), EDIT_BIAS,
-                      np.fromiter(p.logit_bias.values(), np.float64, len(p.logit_bias)), 0))
-    rep = max(p.repetition_penalty, r.extra_repetition_penalty)
-    if rep != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-        out_ids, counts = np.unique(np.asarray(r.output_token_ids, np.int64).reshape(-1), return_counts=True)
-        if rep != 1.0:
-            parts.append((np.union1d(np.asarray(r.prompt_token_ids, np.int64).reshape(-1), out_ids), EDIT_SEEN,
-                          0.0, 0))
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            parts.append((out_ids, 0, 0.0, counts))
-    masked = [np.asarray(r.banned_token_ids, np.int64).reshape(-1)]
-    if r.position < p.min_tokens:
-        masked.append(np.asarray(p.stop_token_ids, np.int64))
-        if not p.ignore_eos:
-            masked.append(eos)
-    parts.append((np.concatenate(masked), EDIT_MASK, 0.0, 0))
-    ids = np.concatenate([q[0] for q in parts])
-    tok, inv = np.unique(ids, return_inverse=True)
-    flags, bias, count = np.zeros(tok.size, np.int32), np.zeros(tok.size), np.zeros(tok.size, np.int64)
-    np.bitwise_or.at(flags, inv, np.concatenate([np.full(q[0].size, q[1], np.int32) for q in parts]))
-    np.add.at(bias, inv, np.concatenate([np.broadcast_to(np.asarray(q[2], np.float64), q[0].shape) for q in parts]))
-    np.add.at(count, inv, np.concatenate([np.broadcast_to(np.asarray(q[3], np.int64), q[0].shape) for q in parts]))
-    return tok, bias, flags, count
-
-
-def _needs_edits(r: Any) -> bool:
-    """Whether a row's sampling steps 1-3 change any logit (`_row_edits` would return edits)."""
-    p = r.params
-    return bool(p.logit_bias or max(p.repetition_penalty, r.extra_repetition_penalty) != 1.0 or p.presence_penalty
-                or p.frequency_penalty or len(r.banned_token_ids) or r.position < p.min_tokens)
-
-
-def _edits(rows: Any, eos: np.ndarray) -> tuple[np.ndarray, ...]:
-    """All rows' edits as CSR: (row pointer [B + 1], row, token, bias, flags, count) arrays."""
-    empty_row = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int32), np.zeros(0, np.int64))
-    per = [_row_edits(r, eos) if _needs_edits(r) else empty_row for r in rows]
-    ptr = np.concatenate([[0], np.cumsum([e[0].size for e in per])]).astype(np.int32)
-    row = np.concatenate([np.full(e[0].size, i, np.int32) for i, e in enumerate(per)])
-    tok, bias, flags, count = (np.concatenate([e[j] for e in per]) for j in range(4))
-    return ptr, row, tok.astype(np.int32), bias.astype(np.float64), flags.astype(np.int32), count.astype(np.int32)
 
 
 def _one_copy(parts: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -869,7 +822,7 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     temp = np.array([p.temperature for p in ps], np.float64)
     want = np.array([p.logprobs or 0 for p in ps], np.int32)
     greedy = (temp < GREEDY_TEMPERATURE).astype(np.int32)
-    edits = any(_needs_edits(r) for r in rows)
+    edits = any(needs_edits(r) for r in rows)
     short = bool(greedy.all()) and not edits and not any(p.logprobs is not None for p in ps)
     k = functools.partial(get_kernel, "sample")
     # results: token int64 [B] | logprob float32 [B] | status int32 [B] | finite int32 [B] | argmin int32 [B]
@@ -904,7 +857,7 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
         "keep": keep})
     n_e = 0
     if edits:
-        e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in _edits(
+        e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in edit_lists(
             rows, np.asarray(eos_token_ids, np.int64)))
         n_e = int(e_row.shape[0])
         if n_e and int(e_tok.max()) >= v:

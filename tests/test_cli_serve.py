@@ -23,8 +23,14 @@ def test_flags_map_onto_the_app_config():
                                                                                                  1024)
 
 
+def test_snapshot_memory_setting():
+    assert AppConfig().engine_config(cuda=False).snapshot_budget_bytes is None  # the engine's default
+    assert AppConfig(snapshot_memory_gb="0.5").engine_config(cuda=False).snapshot_budget_bytes == 2**29
+    assert AppConfig(snapshot_memory_gb="0").engine_config(cuda=False).snapshot_budget(10) == 0
+
+
 def test_bad_serve_flags_exit_with_2_before_starting_anything():
     for bad in (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"]):
         r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", *bad], capture_output=True, text=True,
-                           timeout=60)
+                           check=False, timeout=60)
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)

@@ -37,6 +37,9 @@ class AppConfig(BaseModel):
     ram_cache_gb: float = Field(default=RAM_CACHE_GB, ge=0, description="RAM tier budget (RAM_CACHE)")
     disk_cache: str = Field(default="~/.cache/decapybara/kv", description="disk tier fsspec URL (DISK_CACHE)")
     disk_cache_gb: float = Field(default=64.0, ge=0)
+    snapshot_memory_gb: float | None = Field(default=None, ge=0, description="host memory for the prefix cache's "
+                                             "hybrid-state snapshots (default: two states a slot, at least 64 MiB;"
+                                             " 0: none taken)")
     idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
@@ -85,7 +88,9 @@ class AppConfig(BaseModel):
         return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
                             prefill_policy=self.prefill_policy, kv_mode=kv_mode, max_model_len=self.max_model_len,
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
-                            cuda_graphs=self.cuda_graphs)
+                            cuda_graphs=self.cuda_graphs,
+                            snapshot_budget_bytes=None if self.snapshot_memory_gb is None
+                            else int(self.snapshot_memory_gb * 2**30))
 
     def resolved_model(self) -> str:
         return os.path.expanduser(self.model) if "://" not in self.model else self.model

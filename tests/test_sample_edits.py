@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from decapybara.engine import sample_edits as se
-from decapybara.engine.sampling import SamplerRow, SamplingParams
+from decapybara.engine.sampling import SamplerRow, SamplingParams, masked_ids
 
 
 def reference_row_edits(r, eos):
-    """The merge as it was: every list concatenated, one np.unique, ufunc.at updates."""
+    """The merge as it was: every list concatenated, one np.unique, ufunc.at updates (the masked ids from the
+    reference sampler's own list)."""
     p = r.params
     parts = []
     if p.logit_bias:
@@ -26,12 +27,7 @@ def reference_row_edits(r, eos):
                           0.0, 0))
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             parts.append((out_ids, 0, 0.0, counts))
-    masked = [np.asarray(r.banned_token_ids, np.int64).reshape(-1)]
-    if r.position < p.min_tokens:
-        masked.append(np.asarray(p.stop_token_ids, np.int64))
-        if not p.ignore_eos:
-            masked.append(eos)
-    parts.append((np.concatenate(masked), se.EDIT_MASK, 0.0, 0))
+    parts.append((masked_ids(r, eos), se.EDIT_MASK, 0.0, 0))
     ids = np.concatenate([q[0] for q in parts])
     tok, inv = np.unique(ids, return_inverse=True)
     flags, bias, count = np.zeros(tok.size, np.int32), np.zeros(tok.size), np.zeros(tok.size, np.int64)

@@ -799,6 +799,21 @@ def _one_copy(parts: dict[str, np.ndarray]) -> dict[str, Any]:
     return out
 
 
+# cuda_sample's results, one buffer so that they come back in one copy: (name, dtype), 8-byte types first
+SAMPLE_RESULTS = (("token", np.int64), ("logprob", np.float32), ("status", np.int32), ("finite", np.int32),
+                  ("argmin", np.int32))
+
+
+def _result_views(buf: Any, b: int) -> dict[str, Any]:
+    """SAMPLE_RESULTS' arrays of `b` rows as views of a uint8 buffer (on the device or its host copy)."""
+    out, o = {}, 0
+    for name, dtype in SAMPLE_RESULTS:
+        n = b * np.dtype(dtype).itemsize
+        out[name] = buf[o:o + n].view(dtype)
+        o += n
+    return out
+
+
 def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     """`decapybara.engine.sampling.sample` on the device: logits [B, V] (device float32 / bf16 bits /
     float16, or host) -> SampleOutput with the same tokens for the same seeds (kernels/sample.cu has the
@@ -825,21 +840,22 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     edits = any(needs_edits(r) for r in rows)
     short = bool(greedy.all()) and not edits and not any(p.logprobs is not None for p in ps)
     k = functools.partial(get_kernel, "sample")
-    # results: token int64 [B] | logprob float32 [B] | status int32 [B] | finite int32 [B] | argmin int32 [B]
-    res = cp.zeros(b * 24, cp.uint8)
-    token, logprob = res[:8 * b].view(cp.int64), res[8 * b:12 * b].view(cp.float32)
-    status, finite = res[12 * b:16 * b].view(cp.int32), res[16 * b:20 * b].view(cp.int32)
-    argmin = res[20 * b:24 * b].view(cp.int32)
+    res = cp.zeros(b * sum(np.dtype(d).itemsize for _, d in SAMPLE_RESULTS), cp.uint8)  # `finite` starts at 0
+    token, logprob, status, finite, argmin = _result_views(res, b).values()
+
+    def results() -> dict[str, np.ndarray]:  # the host's copy, with the rows' finite check
+        host = _result_views(res.get(), b)
+        if not host["finite"].all():
+            raise ValueError("every row of logits needs at least one finite value")
+        return host
+
     y, rowmax = empty((b, v), cp.float64), empty(b, cp.uint64)
     k("sample_prep")((-(-v // 256), b), (256,), (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y,
                                                 rowmax, argmin, finite))
     if short:
         k("sample_rowmax")((-(-v // 256), b), (256,), (y, I32(v), rowmax))
         k("sample_greedy_pick")((-(-v // 256), b), (256,), (y, I32(v), rowmax, argmin))
-        host = res.get()
-        if not host[16 * b:20 * b].view(np.int32).all():
-            raise ValueError("every row of logits needs at least one finite value")
-        return SampleOutput(host[20 * b:].view(np.int32).astype(np.int64), np.full(b, np.nan, np.float32),
+        return SampleOutput(results()["argmin"].astype(np.int64), np.full(b, np.nan, np.float32),
                             [[] for _ in rows])
     top_k = np.array([p.top_k for p in ps], np.int32)
     # tokens a row keeps at most (top-k, its logprob alternatives; 0: all of them): tiles that cannot hold any
@@ -884,10 +900,8 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
                       (I32(v), I32(nblk), I32(lc), dev["temp"], dev["greedy"], dev["want"], dev["top_k"],
                        dev["top_p"], dev["min_p"], dev["seed"], dev["pos"], rowmax, bz, bzm, bnm, argmin, cz, cid,
                        dev["keep"], skipped, token, logprob, status, info, nm, top_id, top_lp))
-    host = res.get()
-    if not host[16 * b:20 * b].view(np.int32).all():
-        raise ValueError("every row of logits needs at least one finite value")
-    redo = np.flatnonzero(host[12 * b:16 * b].view(np.int32))
+    host = results()
+    redo = np.flatnonzero(host["status"])
     if redo.size:  # the decision lies past the certified prefix: a full canonical order per such row
         t_eff = cp.asarray(np.where(greedy[redo] > 0, 1.0, temp[redo]))[:, None]
         z = y[cp.asarray(redo)] / t_eff + 0.0
@@ -896,8 +910,8 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
                          (cp.asarray(redo.astype(np.int32)), order, I32(v), y, dev["temp"], dev["greedy"],
                           dev["top_k"], dev["top_p"], dev["min_p"], info, nm, token, logprob, status, top_id,
                           top_lp))
-        host = res.get()
-    tokens, lps = host[:8 * b].view(np.int64), host[8 * b:12 * b].view(np.float32)
+        host = results()
+    tokens, lps = host["token"], host["logprob"]
     out_lp = np.where([p.logprobs is not None for p in ps], lps, np.nan).astype(np.float32)
     top: list[list[tuple[int, float]]] = [[] for _ in rows]
     if want.any():

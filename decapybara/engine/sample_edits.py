@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from decapybara.engine.sampling import masked_ids
+
 EDIT_SEEN, EDIT_MASK, EDIT_BIAS = 1, 2, 4  # flags of an edit: the repetition penalty's set, masked, has a bias
 
 
@@ -57,12 +59,7 @@ def row_edits(r: Any, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
             seen = _union_sorted(prompt, out_ids) if _sorted_unique(prompt) else np.union1d(prompt, out_ids)
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             parts.append((out_ids, 0, 0.0, counts))
-    masked = [np.asarray(r.banned_token_ids, np.int64).reshape(-1)]
-    if r.position < p.min_tokens:
-        masked.append(np.asarray(p.stop_token_ids, np.int64))
-        if not p.ignore_eos:
-            masked.append(eos)
-    parts.append((np.unique(np.concatenate(masked)), EDIT_MASK, 0.0, 0))
+    parts.append((np.unique(masked_ids(r, eos)), EDIT_MASK, 0.0, 0))
     small = np.unique(np.concatenate([q[0] for q in parts]))
     tok = small if seen is None else _union_sorted(seen, small)
     flags, bias, count = np.zeros(tok.size, np.int32), np.zeros(tok.size), np.zeros(tok.size, np.int64)

@@ -334,6 +334,17 @@ def top_n(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
 # ---------------------------------------------------------------------------------------------- the batch
 
 
+def masked_ids(row: SamplerRow, eos: np.ndarray) -> np.ndarray:
+    """Step 3's masked ids of a row, int64, repeats possible: the LoopGuard's banned ids and, while the row is
+    below min_tokens, the stop ids and (unless it ignores eos) `eos`."""
+    p, masked = row.params, [_ids(row.banned_token_ids)]
+    if row.position < p.min_tokens:
+        masked.append(_ids(p.stop_token_ids))
+        if not p.ignore_eos:
+            masked.append(eos)
+    return np.concatenate(masked)
+
+
 def _process(x: np.ndarray, rows: Sequence[SamplerRow], eos_token_ids: Sequence[int]) -> None:
     """Steps 1-3 of the module docstring, in place on float64 [B, V]."""
     eos = _ids(eos_token_ids)
@@ -345,12 +356,7 @@ def _process(x: np.ndarray, rows: Sequence[SamplerRow], eos_token_ids: Sequence[
         if rep != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             x[i] = apply_penalties(x[i], row.prompt_token_ids, row.output_token_ids, rep,
                                    p.presence_penalty, p.frequency_penalty)
-        masked = [_ids(row.banned_token_ids)]
-        if row.position < p.min_tokens:
-            masked.append(_ids(p.stop_token_ids))
-            if not p.ignore_eos:
-                masked.append(eos)
-        ids = np.concatenate(masked)
+        ids = masked_ids(row, eos)
         if ids.size:
             before = x[i, ids]
             x[i, ids] = -np.inf

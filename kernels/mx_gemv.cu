@@ -1041,6 +1041,113 @@ extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, i
     store_kind(out, out_kind, i, v);
 }
 
+// All rows of a weight as bf16 bits, the bits of mx_dequant_rows with out_kind bf16 (the same float values, then
+// the same rounding; cvt.rn.bf16x2 rounds each half as cvt.rn.bf16 does): the large-M path's dequantisation
+// (decapybara/backend/cupy_ops_extra.py `mx_dequant`, `dequant_bf16_ok`). Needs K % block == 0 (no padding
+// codes: 8 consecutive elements of a row are one run of code bytes and share one scale byte) and
+// rows * K / 8 < 2^31. Formats MXFP8 / MXFP6 / MXFP4 / NVFP4, E2M1 codes plain or split, row-major or tiled.
+// A thread takes MX_DQ_OCTETS octets (8 elements: 4 code bytes of E2M1, 8 of E4M3, 6 of E2M3; one scale byte)
+// DQ_THREADS apart, loads all of their codes and scales, then stores each octet as one 16-byte vector: the
+// threads of a warp take consecutive octets, so a warp reads one run of code bytes (a 128-byte piece of a tiled
+// band) and writes 512 contiguous output bytes a store. Octet o is output elements 8o..8o+7 of the dense
+// [N, K] result; its row and column (for the codes) come from one division a thread, then steps of DQ_THREADS.
+// Values: MXFP4 blocks with scale 2 <= s <= 252 take the bf16x2 path (codes as bf16 of value * 2^-126,
+// mx_pairs.cuh; times 2^126, then times 2^(s - 127): both products exact, every result a normal bf16 or +-0,
+// so the bits of the float path); everything else (other scales, other formats) the float32 expressions of
+// mx_dequant_rows element by element.
+#ifndef MX_DQ_OCTETS
+#define MX_DQ_OCTETS 4
+#endif
+#define DQ_THREADS 256
+// Code c_i (i < 8) of an octet's code words w (E2M1: w[0]; E4M3: w[0..1]; E2M3: the 6 bytes in w[0], w[1]).
+template <int FMT, bool SPLIT> __device__ __forceinline__ u32 dq_code(const u32 (&w)[2], int i) {
+    if (FMT == FMT_MXFP8) return (w[i >> 2] >> (8 * (i & 3))) & 0xFFu;
+    if (FMT == FMT_MXFP6) {
+        const u32 g = i < 4 ? w[0] & 0xFFFFFFu : (w[0] >> 24) | (w[1] << 8);
+        return (g >> (6 * (i & 3))) & 0x3Fu;
+    }
+    if (!SPLIT) return (w[0] >> (4 * i)) & 0xFu;
+    const u32 half = (w[0] >> (16 * (i >> 2))) & 0xFFFFu, r = i & 3;  // as e2m1_code
+    return ((half >> (3 * r)) & 7u) | (((half >> (12 + (r ^ 1))) & 1u) << 3);
+}
+// The octet as mx_dequant_rows computes it, element by element.
+template <int FMT, bool SPLIT> __device__ __forceinline__ uint4 dq_exact(const u32 (&w)[2], u32 s, float ts) {
+    float v[8];
+    if (FMT == FMT_NVFP4) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (decode_code(FMT, dq_code<FMT, SPLIT>(w, i)) * e4m3_f32(s)) * ts;
+    } else {
+        const float sc = s == 255u ? __int_as_float(0x7FC00000) : s == 0u ? 0x1p-127f : __uint_as_float(s << 23);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = decode_code(FMT, dq_code<FMT, SPLIT>(w, i)) * sc;
+    }
+    return u4(bf16x2_rn(v[0], v[1]), bf16x2_rn(v[2], v[3]), bf16x2_rn(v[4], v[5]), bf16x2_rn(v[6], v[7]));
+}
+// MXFP4 with 2 <= s <= 252: pairs (c_r, c_{r+4}) of value * 2^-126, times 2^126 (the exact unscaled values),
+// times 2^(s - 127), then regrouped as (c_0, c_1) .. (c_6, c_7).
+template <bool SPLIT> __device__ __forceinline__ uint4 dq_e2m1_fast(u32 w, u32 s) {
+    u32 a[4];
+    if (SPLIT) e2m1_pairs_split_raw(w, a);
+    else e2m1_pairs_raw(w, a);
+    const u32 f = (s << 7) | (s << 23);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = mx_bfma2(mx_bfma2(a[r], 0x7E807E80u), f);
+    return u4(__byte_perm(a[0], a[1], 0x5410), __byte_perm(a[2], a[3], 0x5410), __byte_perm(a[0], a[1], 0x7632),
+              __byte_perm(a[2], a[3], 0x7632));
+}
+template <int FMT, bool SPLIT>
+__device__ __forceinline__ void dq_bf16(const u8* W, const u8* S, float ts, int tiled, u32 N, u32 Q, i64 w_row,
+                                        i64 s_row, uint4* out) {
+    constexpr u32 OPB = FMT == FMT_NVFP4 ? 2u : 4u;  // octets a scale block
+    const u32 total = N * Q, o0 = blockIdx.x * (u32)(DQ_THREADS * MX_DQ_OCTETS) + threadIdx.x;
+    u32 row = o0 / Q, col = o0 - row * Q;
+    u32 w[MX_DQ_OCTETS][2], s[MX_DQ_OCTETS];
+#pragma unroll
+    for (int j = 0; j < MX_DQ_OCTETS; ++j) {
+        if (j) {
+            col += DQ_THREADS;
+            while (col >= Q) {
+                col -= Q;
+                ++row;
+            }
+        }
+        w[j][0] = w[j][1] = s[j] = 0u;
+        if (o0 + (u32)(j * DQ_THREADS) >= total) continue;
+        if (FMT == FMT_MXFP8) {
+            const uint2 v = __ldg((const uint2*)(W + (i64)row * w_row + col * 8u));
+            w[j][0] = v.x;
+            w[j][1] = v.y;
+        } else if (FMT == FMT_MXFP6) {
+            const u16* p = (const u16*)(W + (i64)row * w_row + col * 6u);
+            w[j][0] = __ldg(p) | ((u32)__ldg(p + 1) << 16);
+            w[j][1] = __ldg(p + 2);
+        } else {
+            w[j][0] = __ldg((const u32*)code_byte(W, row, w_row, (int)(col * 4u), tiled));
+        }
+        s[j] = __ldg(tile_byte(S, row, s_row, (int)(col / OPB), tiled, FMT == FMT_NVFP4 ? 16 : 8));
+    }
+#pragma unroll
+    for (int j = 0; j < MX_DQ_OCTETS; ++j) {
+        const u32 o = o0 + (u32)(j * DQ_THREADS);
+        if (o >= total) break;
+        uint4 v;
+        if (FMT == FMT_MXFP4 && s[j] - 2u <= 250u) v = dq_e2m1_fast<SPLIT>(w[j][0], s[j]);
+        else v = dq_exact<FMT, SPLIT>(w[j], s[j], ts);
+        out[o] = v;
+    }
+}
+extern "C" __global__ void __launch_bounds__(DQ_THREADS) mx_dequant_bf16(const u8* W, const u8* S, float ts, int fmt,
+                                                                     int e2m1_split, int tiled, int N, int K,
+                                                                     i64 w_row, i64 s_row, uint4* out) {
+    const u32 n = (u32)N, q = (u32)K / 8u;
+    if (fmt == FMT_MXFP8) dq_bf16<FMT_MXFP8, false>(W, S, ts, 0, n, q, w_row, s_row, out);
+    else if (fmt == FMT_MXFP6) dq_bf16<FMT_MXFP6, false>(W, S, ts, 0, n, q, w_row, s_row, out);
+    else if (fmt == FMT_MXFP4 && e2m1_split) dq_bf16<FMT_MXFP4, true>(W, S, ts, tiled, n, q, w_row, s_row, out);
+    else if (fmt == FMT_MXFP4) dq_bf16<FMT_MXFP4, false>(W, S, ts, tiled, n, q, w_row, s_row, out);
+    else if (fmt == FMT_NVFP4 && e2m1_split) dq_bf16<FMT_NVFP4, true>(W, S, ts, tiled, n, q, w_row, s_row, out);
+    else if (fmt == FMT_NVFP4) dq_bf16<FMT_NVFP4, false>(W, S, ts, tiled, n, q, w_row, s_row, out);
+}
+
 // Skinny float32 GEMM for the reference-precision backend: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small.
 // One warp per output column n, 8 rows of x per grid.y tile; lanes stride K (fma), then a butterfly sum:
 // a fixed summation order, so results are deterministic and need no cuBLAS (decode graphs can capture it).

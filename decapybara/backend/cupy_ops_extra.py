@@ -595,7 +595,11 @@ def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_w
 
 
 def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -> Any:
-    """Rows `rows` (int64 device array, default all) of a 2-D PackedWeight as a dense [R, K] array."""
+    """Rows `rows` (int64 device array, default all) of a 2-D PackedWeight as a dense [R, K] array of
+    `out_dtype` (float32, bf16 bits as uint16 or float16): docs/quant.md's float32 values (NVFP4:
+    fl32(fl32(elem * block scale) * tensor scale)) rounded to out_dtype, nearest even. All rows as bf16 bits
+    where `dequant_bf16_ok` (the large-M path of `mx_linear`) come from kernels/mx_gemv.cu `mx_dequant_bf16`,
+    anything else from `mx_dequant_rows`: the same bits either way."""
     _check_packed(w)
     assert len(w.shape) == 2
     if rows is not None:
@@ -603,13 +607,51 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
     r = w.N if rows is None else rows.shape[0]
     out = empty((r, w.K), out_dtype)
     if out.size:
+        if rows is None and out.dtype == np.uint16 and dequant_bf16_ok(w):
+            dequant_bf16(w, out)
+        else:
+            dequant_rows(w, rows, out)
+    return out
+
+
+DQ_THREADS, DQ_OCTETS = 256, 4  # kernels/mx_gemv.cu DQ_THREADS, MX_DQ_OCTETS: 8-element octets a block, a thread
+
+
+def dequant_bf16_ok(w: PackedWeight) -> bool:
+    """Whether `mx_dequant_bf16` takes all of 2-D weight `w`'s rows: a block-scaled format (not bf16), K a
+    multiple of its block (no padding codes; output rows of whole 16-byte octet stores), fewer than 2^31
+    elements / 8 (its 32-bit octet index), codes 8-byte aligned (its 4 / 8 / 2-byte code loads)."""
+    return (w.fmt != "bf16" and w.K % BLOCK[w.fmt] == 0 and w.N * (w.K // 8) < 2**31
+            and dev_ptr(w.codes) % 8 == 0)
+
+
+def dequant_bf16(w: PackedWeight, out: Any, defines: Any = MX_NO_GEMM, octets: int = DQ_OCTETS) -> None:
+    """out uint16 [N, K] = all rows of `w` (`dequant_bf16_ok`) as bf16 bits by kernels/mx_gemv.cu
+    `mx_dequant_bf16`. `defines` / `octets`: another build of it (bench/small_kernels.py: MX_DQ_OCTETS)."""
+    assert dequant_bf16_ok(w), f"{w.fmt} {w.shape}: not for mx_dequant_bf16"
+    check(out, np.uint16, "out", 2)
+    assert out.shape == (w.N, w.K), f"out {out.shape} for {w.shape}"
+    octs = w.N * (w.K // 8)
+    if octs:
+        get_kernel("mx_gemv", "mx_dequant_bf16", defines)(
+            (-(-octs // (DQ_THREADS * octets)),), (DQ_THREADS,),
+            (w.codes, w.scales, F32(w.tensor_scale), I32(FMT_IDS[w.fmt]), I32(int(w.e2m1_split)),
+             I32(int(w.tiled)), I32(w.N), I32(w.K), I64(w.codes.shape[-1]), I64(w.scales.shape[-1]), out))
+
+
+def dequant_rows(w: PackedWeight, rows: Any, out: Any) -> None:
+    """out [R, K] (float32 / bf16 bits / float16) = rows `rows` (int64 device, None: all) of `w` by
+    kernels/mx_gemv.cu `mx_dequant_rows`, one thread an element."""
+    r = w.N if rows is None else rows.shape[0]
+    check(out, out.dtype, "out", 2)
+    assert out.shape == (r, w.K), f"out {out.shape} for {r} rows of {w.shape}"
+    if out.size:
         get_kernel("mx_gemv", "mx_dequant_rows", MX_NO_GEMM)(
             (-(-out.size // 256),), (256,),
             (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale), I32(FMT_IDS[w.fmt]),
              I32(int(w.e2m1_split)), I32(int(w.tiled)), rows if rows is not None else null(), I32(r), I32(w.K),
              I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
-             out, I32(kind(out_dtype))))
-    return out
+             out, I32(kind(out.dtype))))
 
 
 def embedding_rows(table: Any, ids: Any) -> Any:

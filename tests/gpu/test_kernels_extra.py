@@ -440,6 +440,80 @@ def test_mx_dequant_rows_is_exact(fmt):
     assert_bytes_equal(ex.embedding_rows(w, cp.asarray(rows)), ref[rows].astype(np.float32), f"{fmt} rows")
 
 
+def special_scales(rng, q):
+    """q with some block scales replaced by the edge cases of the dequantisers: E8M0 0 (2^-127), 1, the bounds
+    2 and 252 of mx_dequant_bf16's MXFP4 bf16x2 path and 253 / 254 past them (overflow), 255 (NaN); NVFP4's
+    E4M3 0, -0, the smallest subnormal, 448 and NaN (0x7F / 0xFF). MXFP8 also gets E4M3 NaN codes."""
+    scales, codes = q.scales.copy(), q.codes.copy()
+    special = [0x00, 0x80, 0x01, 0x7E, 0x7F, 0xFF] if q.fmt == "nvfp4" else [0, 1, 2, 252, 253, 254, 255]
+    flat, count = scales.reshape(-1), min(scales.size // 2, 2 * len(special))
+    flat[rng.choice(flat.size, count, replace=False)] = np.resize(special, count)
+    if q.fmt == "mxfp8":
+        codes.reshape(-1)[rng.choice(codes.size, 5, replace=False)] = [0x7F, 0xFF, 0x7F, 0xFF, 0x7F]
+    return quant.QuantTensor(q.fmt, q.shape, codes, scales, q.tensor_scale)
+
+
+def bf16_reference(q):
+    """docs/quant.md's values of q as bf16 bits (round to nearest even), where they are NaN, and the elements
+    not to compare bit for bit: the NaNs and, where the kernels may flush float32 subnormals to zero (NVRTC's
+    -ftz), the subnormals."""
+    with np.errstate(over="ignore"):  # E8M0 253 / 254 times the largest codes: infinity, as in the kernels
+        ref = quant.dequantize(q).astype(np.float32)
+    nan = np.isnan(ref)
+    skip = nan.copy()
+    if kernels.compiler() == "nvrtc":
+        skip |= (np.abs(ref) < np.float32(2.0**-126)) & (ref != 0)
+    return bf16_encode(ref), nan, skip
+
+
+# (format, split, tiled, shape): every format and E2M1 layout; band tiles where N % 16 == 0 and whole 256-code
+# chunks cover K
+DQ_CASES = [(fmt, split, tiled, shape)
+            for fmt, split in (("mxfp8", False), ("mxfp6", False), ("mxfp4", False), ("mxfp4", True),
+                               ("nvfp4", False), ("nvfp4", True))
+            for tiled in ((False, True) if fmt in ex.E2M1_FMTS else (False,))
+            for shape in ([(48, 512), (16, 256)] if tiled else [(1, 32), (7, 96), (33, 256), (48, 512)])]
+
+
+@pytest.mark.parametrize("fmt,split,tiled,shape", DQ_CASES)
+def test_mx_dequant_bf16_matches_dequant_rows(fmt, split, tiled, shape):
+    """All rows as bf16 (the large-M path of mx_linear) by mx_dequant_bf16: bit for bit mx_dequant_rows' bf16
+    output (the old kernel, launched directly) and the numpy reference rounded to bf16, in every format and
+    E2M1 layout (band tiles where the shape allows: N % 16 == 0 and whole 256-code chunks), odd row counts,
+    rows of 4 to 64 octets (a thread's octets, 256 apart, lie in different rows) and several thread blocks, with
+    zero, NaN and out-of-range block scales. Both outputs start poisoned (all-ones bits), so unwritten elements
+    fail."""
+    rng = np.random.default_rng(zlib.crc32(f"dq-bf16-{fmt}-{split}-{tiled}-{shape}".encode()))
+    q = special_scales(rng, random_weight(rng, fmt, shape)[0])
+    w = ex.pack_weight(q, e2m1_split=split, tiled=tiled)
+    assert (w.e2m1_split, w.tiled) == (split, tiled) and ex.dequant_bf16_ok(w)
+    name = f"{fmt} split={split} tiled={tiled} {shape}"
+    new, old = ex.empty(shape, np.uint16), ex.empty(shape, np.uint16)
+    ex.dequant_bf16(w, new)
+    ex.dequant_rows(w, None, old)
+    assert_bytes_equal(new, old, f"{name}: mx_dequant_bf16 against mx_dequant_rows")
+    ref, nan, skip = bf16_reference(q)
+    got = host(new)
+    assert ((got[nan] & 0x7FFF) > 0x7F80).all(), f"{name}: NaN elements"
+    assert (got != 0xFFFF).all(), f"{name}: unwritten (poisoned) elements"
+    assert_bytes_equal(np.where(skip, 0, got), np.where(skip, 0, ref), f"{name}: against the numpy reference")
+    assert_bytes_equal(ex.mx_dequant(w, out_dtype=cp.uint16), new, f"{name}: mx_dequant's bf16 path")
+
+
+@pytest.mark.parametrize("fmt,shape", [("mxfp4", (5, 48)), ("nvfp4", (3, 40)), ("mxfp8", (4, 100)),
+                                       ("mxfp6", (6, 70))])
+def test_mx_dequant_bf16_falls_back_where_k_is_not_whole_blocks(fmt, shape):
+    """K not a multiple of the block (padding codes): mx_dequant leaves bf16 output to mx_dequant_rows, the
+    same bits as the reference."""
+    rng = np.random.default_rng(zlib.crc32(f"dq-bf16-tail-{fmt}-{shape}".encode()))
+    q = random_weight(rng, fmt, shape)[0]
+    w = ex.pack_weight(q)
+    assert not ex.dequant_bf16_ok(w)
+    ref, nan, _ = bf16_reference(q)
+    assert not nan.any()
+    assert_bytes_equal(ex.mx_dequant(w, out_dtype=cp.uint16), ref, f"{fmt} {shape} bf16 through mx_dequant_rows")
+
+
 # ---- activation quantiser ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [32, 100, 5120])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

@@ -3,6 +3,9 @@
     PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
     PROFILE_SHAPES=1x1024,12x1024 PROFILE_MODES=graph python3 bench/profile_step.py mxfp4
     PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
+    PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached)
+    PROFILE_PREFILL_ATTN=32:1,64:0,off ...   # prefill attention variants (keys a tile : split; off: general)
+                                             # a third field :N sets gdn_recurrent's staged tokens
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
 sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
@@ -22,17 +25,32 @@ import time
 from pathlib import Path
 
 import cupy as cp
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend.attn_plan import PREFILL as PREFILL_SETTINGS
 from decapybara.backend.cuda_graph import DecodeGraphRunner
+from decapybara.backend.cupy_deltanet import RECURRENT
 
 STEPS = 5
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROFILE_SHAPES", "1x1024,12x32768").split(",")]
 MODES = os.environ.get("PROFILE_MODES", "eager,graph").split(",")
+PREFILL = [tuple(int(v) for v in s.split("@")) for s in os.environ.get("PROFILE_PREFILL", "").split(",") if s]
+PREFILL_ATTN = os.environ.get("PROFILE_PREFILL_ATTN", "default").split(",")
+
+
+def prefill_attn(variant: str) -> None:
+    """Sets attn_plan.PREFILL (and cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry: "default",
+    "off" or "keys:split[:tokens]"."""
+    PREFILL_SETTINGS.update(enabled=variant != "off")
+    if ":" in variant:
+        n, split, *tokens = (int(v) for v in variant.split(":"))
+        PREFILL_SETTINGS.update(block_n=n, block_n_wide=n, split=split)
+        RECURRENT.update(tokens=tokens[0] if tokens else 16)
 
 
 def kernel_table(fn, steps: int = STEPS) -> tuple[float, dict[str, tuple[float, float]]]:
@@ -83,6 +101,18 @@ def main() -> None:
                     continue
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
+        defaults, rec_defaults = dict(PREFILL_SETTINGS), dict(RECURRENT)
+        for tokens, start in PREFILL:  # one sequence's chunk over its first pages (slot 0)
+            for attn in PREFILL_ATTN:
+                prefill_attn(attn)
+                # NOTE: a new batch object per variant: the backend keeps a batch's attention plan
+                chunk = B.ForwardBatch.build([(np.arange(start, start + tokens) % 1000, start,
+                                               np.arange(B.SEQ_PAGES, dtype=np.int32), 0)], B.PAGE)
+                wall, table = kernel_table(lambda chunk=chunk, m=model: m.forward(chunk, kv, states), steps=2)
+                title = f"{variant} prefill {tokens}@{start} attention {attn}"
+                out[title] = show(title + f" ({tokens / wall * 1e3:,.0f} tok/s)", wall, table, top=16)
+                PREFILL_SETTINGS.update(defaults)
+                RECURRENT.update(rec_defaults)
         print("graph stats:", runner.stats)
         model = runner = None
         cp.get_default_memory_pool().free_all_blocks()

@@ -11,6 +11,9 @@
 // merges the parts of a tile. Host metadata (decapybara/backend/cupy_attention.py):
 //   seq_info [nseq, 3] int32: first row in q, new tokens, cached tokens (context)
 //   block_tables [nseq, max_pages] int32; work [nwork, 5] int32: seq, row0, key_begin, key_end, part (-1: final)
+//
+// PREFILL_TC 1 builds the tensor-core kernel (paged_prefill_attention_tc, below) and the reduce for its tiles of
+// 64 rows (ROWS_PER_WARP 16) in place of paged_attention_fwd.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -25,6 +28,9 @@
 #ifndef ROWS_PER_WARP
 #define ROWS_PER_WARP 4
 #endif
+#ifndef PREFILL_TC
+#define PREFILL_TC 0
+#endif
 
 constexpr int D = HEAD_DIM;
 constexpr int NWARPS = 4;
@@ -36,6 +42,25 @@ constexpr int DPL = (D + 31) / 32;  // output dims per lane
 constexpr int KSTRIDE = D + 4;      // padded K row: conflict-free 16-byte reads, one key per lane
 static_assert(D % 4 == 0 && D <= 256, "head_dim must be a multiple of 4, at most 256");
 
+// This CTA's work item (blockIdx.x) and its sequence's metadata.
+struct WorkItem {
+  int seq, row0, kbeg, kend, part;  // the item: sequence, first row, key range, part (-1: final output)
+  int start, nrows, context;        // the sequence: first row in q, rows (new tokens x g), cached tokens
+  const int* bt;                    // its block table
+};
+__device__ __forceinline__ WorkItem work_item(const int* __restrict__ work, const int* __restrict__ seq_info,
+                                              const int* __restrict__ block_tables, int max_pages, int g) {
+  const int* w = work + 5 * (i64)blockIdx.x;
+  WorkItem it;
+  it.seq = w[0]; it.row0 = w[1]; it.kbeg = w[2]; it.kend = w[3]; it.part = w[4];
+  it.start = seq_info[3 * it.seq];
+  it.nrows = seq_info[3 * it.seq + 1] * g;
+  it.context = seq_info[3 * it.seq + 2];
+  it.bt = block_tables + (i64)it.seq * max_pages;
+  return it;
+}
+
+#if !PREFILL_TC
 // q: [T, nq, D] float32; k/v codes + scales: the layer's page parts (see common.cuh kv_load);
 // out: [T, nq, D] float32; part_o: [nparts, nkv, BLOCK_M, D]; part_ml: [nparts, nkv, BLOCK_M, 2].
 // Grid (nwork, nkv), NTHREADS threads, dynamic shared memory attention_smem_bytes().
@@ -50,12 +75,11 @@ paged_attention_fwd(const float* __restrict__ q, const void* __restrict__ k_code
   float* Ks = Qs + BLOCK_M * D;       // [BLOCK_N][KSTRIDE]
   float* Vs = Ks + BLOCK_N * KSTRIDE;  // [BLOCK_N][D]
 
-  const int* w = work + 5 * (i64)blockIdx.x;
-  const int seq = w[0], row0 = w[1], kbeg = w[2], kend = w[3], part = w[4];
   const int kvh = blockIdx.y, g = nq / nkv;
-  const int start = seq_info[3 * seq], length = seq_info[3 * seq + 1], context = seq_info[3 * seq + 2];
-  const int nrows = length * g;
-  const int* bt = block_tables + (i64)seq * max_pages;
+  const WorkItem it = work_item(work, seq_info, block_tables, max_pages, g);
+  const int row0 = it.row0, kbeg = it.kbeg, kend = it.kend, part = it.part;
+  const int start = it.start, nrows = it.nrows, context = it.context;
+  const int* bt = it.bt;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   for (int i = tid; i < BLOCK_M * D; i += NTHREADS) {
@@ -190,6 +214,8 @@ paged_attention_fwd(const float* __restrict__ q, const void* __restrict__ k_code
   }
 }
 
+#endif  // !PREFILL_TC
+
 // Merge split-K parts: items [nitems, 4] int32 = seq, row0, first part, number of parts. Grid (nitems, nkv,
 // BLOCK_M): one CTA per query row, threads over head dims (the parts' loads are independent: they overlap).
 extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -218,3 +244,285 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
     out[((i64)(start + t) * nq + qh) * D + d] = o / sum;
   }
 }
+
+#if PREFILL_TC
+// ---- Tensor-core prefill (FlashAttention-2 style) over bf16 or microscaled pages -------------------------------
+//
+// Compile-time: TC_BLOCK_N (keys per tile: 32 or 64), TC_SPLIT (1: q and P each carried as two bf16 terms,
+// hi + lo, so the scores and P @ V keep ~16 bits of q and P as the decode kernel's do; 0: one bf16 term each).
+// A CTA of 4 warps owns BLOCK_M = 64 query rows of one work item (seq, row0, key range, part: the general
+// kernel's items and partial layout, so attention_reduce merges split parts); warp w owns rows 16 w .. 16 w + 15.
+// Per key tile, with mma.sync m16n8k16 (bf16 in, float32 accumulate):
+//   S [16 rows, TBN keys] = Q [16, D] @ K^T            Q from shared memory (ldmatrix), K as the B operand
+//   online softmax on S in registers (exp2: q is staged times scale * log2(e))
+//   O [16 rows, D]       += P [16, TBN] @ V             P straight from S's accumulator fragments
+// Shared memory: Q (hi rows, then lo rows when TC_SPLIT) and one K and one V tile, rows of D bf16 padded by 16
+// bytes (ldmatrix's 8 rows of a 16-byte column fall in 8 distinct bank groups). bf16 pages arrive by cp.async
+// (zero-filled past the range); microscaled pages are decoded by the loading threads into bf16 (exact: an
+// E4M3 / E2M3 / E2M1 element times a power-of-two scale has at most 4 significant bits). Loads overlap the
+// math as FlashAttention-2 orders them: V(t) is requested before S(t), K(t + 1) once every warp has read K(t).
+#include "smem.cuh"
+#ifndef TC_BLOCK_N
+#define TC_BLOCK_N 64
+#endif
+#ifndef TC_SPLIT
+#define TC_SPLIT 1
+#endif
+constexpr int TBN = TC_BLOCK_N;
+constexpr int TC_RS = 2 * D + 16;                          // bytes per shared row (16-byte pad)
+constexpr int TC_QROWS = BLOCK_M * (TC_SPLIT ? 2 : 1);
+constexpr int TC_NT = TBN / 8;                              // score n-tiles of a warp
+constexpr int TC_DT = D / 8;                                // output n-tiles of a warp
+constexpr int TC_CH = D / 8;                                // 16-byte chunks of a row
+static_assert(BLOCK_M == 64 && NWARPS == 4, "tensor-core prefill: 4 warps of 16 rows (ROWS_PER_WARP 16)");
+static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple of 16, at most 256");
+static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
+
+__device__ __forceinline__ void tc_ldsm4(u32 a, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void tc_ldsm4t(u32 a, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void tc_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// (a, b) -> bf16x2 {a low, b high} rounded, and the same of the remainders a - bf16(a), b - bf16(b)
+__device__ __forceinline__ void tc_split2(float a, float b, u32& hi, u32& lo) {
+  const u16 ha = f32_to_bf16(a), hb = f32_to_bf16(b);
+  hi = (u32)ha | ((u32)hb << 16);
+  lo = (u32)f32_to_bf16(a - bf16_to_f32(ha)) | ((u32)f32_to_bf16(b - bf16_to_f32(hb)) << 16);
+}
+
+// Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows); keys at or past
+// kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies (one commit group by the caller).
+template <int BITS>
+__device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __restrict__ codes, const u8* __restrict__ scales,
+                                             const int* __restrict__ bt, int page_size, int nkv, int kvh, int k0,
+                                             int kend, int tid) {
+  for (int i = tid; i < TBN * TC_CH; i += NTHREADS) {
+    const int n = i / TC_CH, c = i - n * TC_CH, j = k0 + n;
+    unsigned char* to = dst + n * TC_RS + 16 * c;
+    const bool ok = j < kend;
+    const i64 vi = ok ? ((i64)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh : 0;
+    if constexpr (BITS == 16) {
+      cp_async16(smem_u32(to), (const u16*)codes + vi * D + 8 * c, ok ? 16u : 0u);
+    } else {
+      uint4 w;
+      w.x = w.y = w.z = w.w = 0u;
+      if (ok) {
+        float x[8];
+        kv_load8<BITS>(codes, scales, vi, D, 8 * c, x);
+        w.x = (u32)f32_to_bf16(x[0]) | ((u32)f32_to_bf16(x[1]) << 16);
+        w.y = (u32)f32_to_bf16(x[2]) | ((u32)f32_to_bf16(x[3]) << 16);
+        w.z = (u32)f32_to_bf16(x[4]) | ((u32)f32_to_bf16(x[5]) << 16);
+        w.w = (u32)f32_to_bf16(x[6]) | ((u32)f32_to_bf16(x[7]) << 16);
+      }
+      *(uint4*)to = w;
+    }
+  }
+}
+
+// q: [T, nq, D] float32; pages as paged_attention_fwd's; out / part_o / part_ml as there (BLOCK_M = 64).
+// Grid (nwork, nkv), NTHREADS threads, dynamic shared memory (TC_QROWS + 2 TBN) * TC_RS bytes.
+extern "C" __global__ void __launch_bounds__(NTHREADS, TBN == 32 ? 2 : 1)
+paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__ k_codes,
+                           const u8* __restrict__ k_scales, const void* __restrict__ v_codes,
+                           const u8* __restrict__ v_scales, const int* __restrict__ block_tables,
+                           const int* __restrict__ seq_info, const int* __restrict__ work, float* __restrict__ out,
+                           float* __restrict__ part_o, float* __restrict__ part_ml, int nq, int nkv, int max_pages,
+                           int page_size, float scale) {
+  DYN_SMEM_DECL(smem_raw);
+  unsigned char* const k_p = smem_raw + TC_QROWS * TC_RS;
+  unsigned char* const v_p = k_p + TBN * TC_RS;
+  const u32 q_s = smem_u32(smem_raw), k_s = smem_u32(k_p), v_s = smem_u32(v_p);
+  const int kvh = blockIdx.y, g = nq / nkv;
+  const WorkItem it = work_item(work, seq_info, block_tables, max_pages, g);
+  const int row0 = it.row0, kbeg = it.kbeg, kend = it.kend, part = it.part;
+  const int start = it.start, nrows = it.nrows, context = it.context;
+  const int* bt = it.bt;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
+  constexpr float LOG2E = 1.4426950408889634f;
+
+  if (kbeg < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, kbeg, kend, tid);
+  cp_commit();
+  // Q rows (times scale * log2 e) as bf16 hi (and lo) terms; padding rows zeros.
+  for (int i = tid; i < BLOCK_M * TC_CH; i += NTHREADS) {
+    const int r = i / TC_CH, c = i - r * TC_CH, rho = row0 + r;
+    float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (rho < nrows) {
+      const int t = rho / g, qh = kvh * g + (rho - t * g);
+      const float4* src = (const float4*)(q + ((i64)(start + t) * nq + qh) * D + 8 * c);
+      const float4 a = src[0], b = src[1];
+      const float sc = scale * LOG2E;
+      x[0] = a.x * sc; x[1] = a.y * sc; x[2] = a.z * sc; x[3] = a.w * sc;
+      x[4] = b.x * sc; x[5] = b.y * sc; x[6] = b.z * sc; x[7] = b.w * sc;
+    }
+    u32 hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) tc_split2(x[2 * e], x[2 * e + 1], hi[e], lo[e]);
+    uint4* to = (uint4*)(smem_raw + r * TC_RS + 16 * c);
+    to->x = hi[0]; to->y = hi[1]; to->z = hi[2]; to->w = hi[3];
+    if constexpr (TC_SPLIT) {
+      uint4* tl = (uint4*)(smem_raw + (BLOCK_M + r) * TC_RS + 16 * c);
+      tl->x = lo[0]; tl->y = lo[1]; tl->z = lo[2]; tl->w = lo[3];
+    }
+  }
+
+  // this lane's two rows: ra = 16 warp + gid, rb = ra + 8 (positions; -1: padding, every key masked)
+  int pos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rho = row0 + 16 * warp + gid + 8 * h;
+    pos[h] = rho < nrows ? context + rho / g : -1;
+  }
+  const int rho_first = row0 + 16 * warp;  // the warp's lowest position bounds where masking can start
+  const int first_pos = rho_first < nrows ? context + rho_first / g : -1;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float o[TC_DT][4];
+#pragma unroll
+  for (int i = 0; i < TC_DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+  // ldmatrix lane addresses (byte offsets within a tile / the Q block)
+  const u32 q_lane = (16 * warp + (lane & 15)) * TC_RS + (lane >> 4) * 16;
+  const u32 k_lane = ((lane & 7) + ((lane >> 4) << 3)) * TC_RS + ((lane >> 3) & 1) * 16;
+  const u32 v_lane = ((lane & 7) + (((lane >> 3) & 1) << 3)) * TC_RS + (lane >> 4) * 16;
+
+  for (int k0 = kbeg; k0 < kend; k0 += TBN) {
+    const bool more = k0 + TBN < kend;
+    tc_load_tile<VBITS>(v_p, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
+    cp_commit();
+    cp_wait_groups<1>();  // K(t) (and, on the first tile, Q's stores) complete for this thread
+    __syncthreads();  // ... and for every thread
+
+    float s[TC_NT][4];
+#pragma unroll
+    for (int i = 0; i < TC_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      u32 qa[4];
+      tc_ldsm4(q_s + q_lane + 32 * ks, qa);
+#if TC_SPLIT
+      u32 ql[4];
+      tc_ldsm4(q_s + BLOCK_M * TC_RS + q_lane + 32 * ks, ql);
+#endif
+      u32 b[TC_NT / 2][4];
+#pragma unroll
+      for (int np = 0; np < TC_NT / 2; ++np) tc_ldsm4(k_s + 16 * np * TC_RS + k_lane + 32 * ks, b[np]);
+#pragma unroll
+      for (int np = 0; np < TC_NT / 2; ++np) {
+        tc_mma(s[2 * np], qa, b[np][0], b[np][1]);
+        tc_mma(s[2 * np + 1], qa, b[np][2], b[np][3]);
+      }
+#if TC_SPLIT  // the lo terms after every hi one: no MMA waits on the one just issued
+#pragma unroll
+      for (int np = 0; np < TC_NT / 2; ++np) {
+        tc_mma(s[2 * np], ql, b[np][0], b[np][1]);
+        tc_mma(s[2 * np + 1], ql, b[np][2], b[np][3]);
+      }
+#endif
+    }
+    __syncthreads();  // every warp has read K(t): its buffer takes K(t + 1)
+    if (more) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
+    cp_commit();
+
+    // causal / range mask where some key of the tile may be invisible to some row of this warp
+    if (k0 + TBN > kend || k0 + TBN - 1 > first_pos) {
+#pragma unroll
+      for (int nt = 0; nt < TC_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = k0 + 8 * nt + 2 * tig + (e & 1);
+          if (j >= kend || j > pos[e >> 1]) s[nt][e] = NEG_INF;
+        }
+    }
+    // online softmax, rows h = 0 (ra) and 1 (rb); a row's TBN scores lie on the 4 lanes of its gid
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < TC_NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+      const float mn = fmaxf(m[h], mx);
+      float alpha = 1.f, sum = 0.f;
+      if (mn != NEG_INF) {  // some key of this row is visible so far
+        alpha = exp2f(m[h] - mn);
+#pragma unroll
+        for (int nt = 0; nt < TC_NT; ++nt) {
+          s[nt][2 * h] = exp2f(s[nt][2 * h] - mn);
+          s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - mn);
+          sum += s[nt][2 * h] + s[nt][2 * h + 1];
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < TC_NT; ++nt) s[nt][2 * h] = s[nt][2 * h + 1] = 0.f;
+      }
+      l[h] = l[h] * alpha + sum;  // this lane's part of the row sum (the 4 lanes' parts add up at the end)
+      m[h] = mn;
+#pragma unroll
+      for (int i = 0; i < TC_DT; ++i) {
+        o[i][2 * h] *= alpha;
+        o[i][2 * h + 1] *= alpha;
+      }
+    }
+
+    cp_wait_groups<1>();  // V(t) complete (K(t + 1) may still be in flight)
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < TBN / 16; ++kk) {
+      u32 ph[4], pl[4];
+      tc_split2(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
+      tc_split2(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
+      tc_split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
+      tc_split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {  // independent accumulators: the compiler interleaves
+        u32 b[4];
+        tc_ldsm4t(v_s + 16 * kk * TC_RS + v_lane + 32 * dp, b);
+        tc_mma(o[2 * dp], ph, b[0], b[1]);
+        tc_mma(o[2 * dp + 1], ph, b[2], b[3]);
+#if TC_SPLIT
+        tc_mma(o[2 * dp], pl, b[0], b[1]);
+        tc_mma(o[2 * dp + 1], pl, b[2], b[3]);
+#endif
+      }
+    }
+    __syncthreads();  // every warp has read V(t)
+  }
+  cp_wait_groups<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(FULL_MASK, l[h], 1);
+    l[h] += __shfl_xor_sync(FULL_MASK, l[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lr = 16 * warp + gid + 8 * h, rho = row0 + lr;
+    if (rho >= nrows) continue;
+    if (part < 0) {
+      const int t = rho / g, qh = kvh * g + (rho - t * g);
+      float* dst = out + ((i64)(start + t) * nq + qh) * D + 2 * tig;
+      const float inv = 1.0f / l[h];
+#pragma unroll
+      for (int i = 0; i < TC_DT; ++i)
+        *(float2*)(dst + 8 * i) = make_float2(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+    } else {
+      const i64 pr = ((i64)part * nkv + kvh) * BLOCK_M + lr;
+      float* dst = part_o + pr * D + 2 * tig;
+#pragma unroll
+      for (int i = 0; i < TC_DT; ++i) *(float2*)(dst + 8 * i) = make_float2(o[i][2 * h], o[i][2 * h + 1]);
+      if (tig == 0) {
+        part_ml[2 * pr] = m[h] * 0.6931471805599453f;  // natural-log units, as attention_reduce expects
+        part_ml[2 * pr + 1] = l[h];
+      }
+    }
+  }
+}
+#endif  // PREFILL_TC

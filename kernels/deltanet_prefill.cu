@@ -165,7 +165,6 @@ constexpr int KSPLIT = 4;
 constexpr int ROWS = DK / KSPLIT;
 constexpr int NT = VCOLS * KSPLIT;
 constexpr int KPAD = ROWS + 1;             // padded stride per row slice: the KSPLIT lanes hit distinct banks
-constexpr int FPT = (DK + NT - 1) / NT;    // q / k elements each thread fetches per token
 static_assert(DK % KSPLIT == 0 && NT % 32 == 0, "DK must split in 4; DV >= 8");
 
 __device__ __forceinline__ ACC group_sum(ACC v) {  // over the KSPLIT = 4 adjacent lanes of a column
@@ -199,76 +198,102 @@ __device__ __forceinline__ ACC delta_step(ACC (&S)[ROWS], const float* q_, const
   return group_sum(oa + ob);
 }
 
+// Inputs arrive in blocks of GDN_TOKENS tokens (q / k slices, v of this CTA's columns, g, beta) by cp.async
+// into a double-buffered dynamic shared memory area (gdn_recurrent_smem bytes): the next block's copies are in
+// flight while this one's tokens run, and there is no barrier between a block's tokens (each column's lanes
+// read only what the block barrier published). The arithmetic per token is delta_step's, as before.
+#ifndef GDN_TOKENS
+#define GDN_TOKENS 16
+#endif
+constexpr int GT = GDN_TOKENS;
+constexpr int SLICE = (ROWS + 3) / 4 * 4 + 4;  // floats per row slice of q / k in shared memory (16-byte aligned,
+                                               // the KSPLIT slices of a token in distinct banks)
+constexpr int TOKQ = KSPLIT * SLICE;           // floats of one token's q (or k)
+constexpr int BLOCKF = GT * (2 * TOKQ + VCOLS + 2);  // floats of one buffer: q, k, v, g, beta
+static_assert(NT % 32 == 0, "whole warps");
+
 extern "C" __global__ void __launch_bounds__(NT)
 gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ y,
               const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
               const int* __restrict__ runs, const int* __restrict__ segs, float* __restrict__ out,
               float* __restrict__ snap_rec, int HK, int HV, int C, int chunk) {
-  __shared__ float qs[2][KSPLIT * KPAD], ks[2][KSPLIT * KPAD];
+  DYN_SMEM_DECL(smem_raw);
+  float* const area = (float*)smem_raw;  // [2][BLOCKF]: per buffer q [GT][TOKQ], k [GT][TOKQ], v [GT][VCOLS],
+                                         // g [GT], beta [GT]
   const int* run = runs + 5 * blockIdx.x;
   const int row0 = run[0], len = run[1], slot = run[2], seg0 = run[3], nseg = run[4];
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT;
-  const int col = blockIdx.z * VCOLS + tid / KSPLIT;
+  const int col0 = blockIdx.z * VCOLS, ccol = tid / KSPLIT, col = col0 + ccol;
   const int hk = h / (HV / HK);
   float* st = state + ((i64)slot * HV + h) * DK * DV + (i64)part * ROWS * DV + col;  // row part * ROWS
   ACC S[ROWS];
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) S[j] = (ACC)st[(i64)j * DV];
 
-  float nq[FPT], nk[FPT], ng = 0.0f, nb = 0.0f, nv = 0.0f;  // the next token's inputs
-  auto fetch = [&](int i) {
-    const i64 row = row0 + i;
-#pragma unroll
-    for (int f = 0; f < FPT; ++f) {
-      const int k = tid + f * NT;
-      nq[f] = k < DK ? qn[(row * HK + hk) * DK + k] : 0.0f;
-      nk[f] = k < DK ? kn[(row * HK + hk) * DK + k] : 0.0f;
+  // tokens [b0, b0 + GT) of the run into buffer `buf` (4-byte copies, zero-filled past the run's end)
+  auto stage = [&](int b0, int buf) {
+    float* qb = area + buf * BLOCKF;
+    float* kb = qb + GT * TOKQ;
+    float* vb = kb + GT * TOKQ;
+    float* gb = vb + GT * VCOLS;
+    float* bb = gb + GT;
+    for (int e = tid; e < GT * DK; e += NT) {
+      const int t = e / DK, k = e - t * DK, i = b0 + t;
+      const unsigned n = i < len ? 4u : 0u;
+      const i64 src = ((i64)(row0 + (i < len ? i : 0)) * HK + hk) * DK + k;
+      const int dst = t * TOKQ + (k / ROWS) * SLICE + k % ROWS;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(qb + dst)), "l"(qn + src), "r"(n));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(kb + dst)), "l"(kn + src), "r"(n));
     }
-    ng = g[row * HV + h];
-    nb = beta[row * HV + h];
-    nv = y[row * C + 2 * HK * DK + h * DV + col];
-  };
-  auto stage = [&](int buf) {
-#pragma unroll
-    for (int f = 0; f < FPT; ++f) {
-      const int k = tid + f * NT;
-      if (k < DK) {
-        qs[buf][(k / ROWS) * KPAD + k % ROWS] = nq[f];
-        ks[buf][(k / ROWS) * KPAD + k % ROWS] = nk[f];
-      }
+    for (int e = tid; e < GT * (VCOLS + 2); e += NT) {
+      const int t = e / (VCOLS + 2), c = e - t * (VCOLS + 2), i = b0 + t;
+      const unsigned n = i < len ? 4u : 0u;
+      const i64 row = row0 + (i < len ? i : 0);
+      const float* src = c < VCOLS ? y + row * C + 2 * HK * DK + h * DV + col0 + c
+                                   : (c == VCOLS ? g : beta) + row * HV + h;
+      float* dst = c < VCOLS ? vb + t * VCOLS + c : (c == VCOLS ? gb : bb) + t;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(n));
     }
+    cp_commit();
   };
-  if (len > 0) {
-    fetch(0);
-    stage(0);
-  }
-  __syncthreads();
+  if (len > 0) stage(0, 0);
   int seg = seg0, seg_start = 0, seg_end = segs[2 * seg];
-  for (int i = 0; i < len; ++i) {
-    const int buf = i & 1;
-    const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)nv;
-    if (i + 1 < len) fetch(i + 1);  // loads in flight during this token's arithmetic
-    const float* q_ = qs[buf] + part * KPAD;
-    const float* k_ = ks[buf] + part * KPAD;
-    const ACC o = delta_step(S, q_, k_, decay, bt, vt);
-    if (part == 0) out[((i64)(row0 + i) * HV + h) * DV + col] = (float)o;
-    const bool at_end = (i + 1 == seg_end);
-    if (at_end || (i + 1 - seg_start) % chunk == 0) {  // the reference stores the state as float32 here
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) S[j] = (ACC)(float)S[j];
+  for (int b0 = 0, buf = 0; b0 < len; b0 += GT, buf ^= 1) {
+    if (b0 + GT < len) {  // the next block's copies fly during this one (its buffer was read before the last barrier)
+      stage(b0 + GT, buf ^ 1);
+      cp_wait_groups<1>();
+    } else {
+      cp_wait_groups<0>();
     }
-    if (at_end) {
-      const int snap = segs[2 * seg + 1];
-      if (snap >= 0) {
-        float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
+    __syncthreads();  // this block's inputs, from every thread's copies
+    const float* qb = area + buf * BLOCKF;
+    const float* kb = qb + GT * TOKQ;
+    const float* vb = kb + GT * TOKQ;
+    const float* gb = vb + GT * VCOLS;
+    const float* bb = gb + GT;
+    const int nt = min(GT, len - b0);
+    for (int t = 0; t < nt; ++t) {
+      const int i = b0 + t;
+      const ACC decay = exp((ACC)gb[t]), bt = (ACC)bb[t], vt = (ACC)vb[t * VCOLS + ccol];
+      const ACC o = delta_step(S, qb + t * TOKQ + part * SLICE, kb + t * TOKQ + part * SLICE, decay, bt, vt);
+      if (part == 0) out[((i64)(row0 + i) * HV + h) * DV + col] = (float)o;
+      const bool at_end = (i + 1 == seg_end);
+      if (at_end || (i + 1 - seg_start) % chunk == 0) {  // the reference stores the state as float32 here
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) sr[(i64)j * DV] = (float)S[j];
+        for (int j = 0; j < ROWS; ++j) S[j] = (ACC)(float)S[j];
       }
-      seg_start = seg_end;
-      if (++seg < seg0 + nseg) seg_end = segs[2 * seg];
+      if (at_end) {
+        const int snap = segs[2 * seg + 1];
+        if (snap >= 0) {
+          float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
+#pragma unroll
+          for (int j = 0; j < ROWS; ++j) sr[(i64)j * DV] = (float)S[j];
+        }
+        seg_start = seg_end;
+        if (++seg < seg0 + nseg) seg_end = segs[2 * seg];
+      }
     }
-    if (i + 1 < len) stage(buf ^ 1);  // buffer buf ^ 1 was last read for token i - 1, before the barrier below
-    __syncthreads();
+    __syncthreads();  // every thread has read this buffer: the next stage may overwrite it
   }
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) st[(i64)j * DV] = (float)S[j];

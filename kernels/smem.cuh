@@ -9,6 +9,8 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, un
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+// wait until at most N of this thread's committed groups are in flight
+template <int N> __device__ __forceinline__ void cp_wait_groups() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // 16 bytes of shared memory at a shared-window address
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned int addr) {

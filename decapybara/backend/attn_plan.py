@@ -24,6 +24,12 @@ MIN_KEYS_PER_SPLIT = 64  # general kernel: short decode contexts still spread ov
 DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
           "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "fill_ctas": 128, "fill_eff": 0.8,
           "short_keys": 128, "short_ctas": 32, "graph_cap": 0}
+# tensor-core prefill kernel (attn_prefill.cu PREFILL_TC) for every other batch over bf16 or microscaled pages:
+# on / off (env DECAPYBARA_PREFILL_ATTN=0); keys a tile for head_dim <= 128 and for larger; "split" 1 carries
+# q and P as two bf16 terms each (~16 bits, as the decode kernel), 0 as one
+PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
+           "split": 1}
+PREFILL_ROWS_PER_WARP = 16  # its tiles: 4 warps of 16 query rows
 DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)
 
 

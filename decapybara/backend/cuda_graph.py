@@ -256,7 +256,8 @@ class DecodeGraphRunner:
         st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
                              max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
                              num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
-                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv))
+                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv),
+                             prefill=None)  # decode batches: the decode kernel or the general one
         st.kv_bits = _kv_bits(kv)
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
                             snapshot_keys=[])

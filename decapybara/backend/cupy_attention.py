@@ -6,6 +6,12 @@ BLOCK_M query rows of one sequence over a key range; long key ranges are split, 
 that 1..12 decoding sequences still fill the GPU, and `attention_reduce` merges the parts), planned with this
 device's SM count. `attention(...)` launches both kernels for one layer.
 
+Any forward with more than one new token for some sequence (prefill chunks, mixed steps, verification rows)
+over bf16 or microscaled pages runs the tensor-core prefill kernel (attn_prefill.cu built with PREFILL_TC:
+FlashAttention-2 style, 64-row tiles; `PREFILL` in attn_plan holds its switch, env DECAPYBARA_PREFILL_ATTN=0,
+and tile shape); float32 pages keep the general float32 kernel, as do pure decode forwards the decode kernel
+does not take (eager and graph plans alike).
+
 A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
 instead when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and values
 (head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and partial
@@ -23,7 +29,15 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import pdl
-from decapybara.backend.attn_plan import BLOCK_N, DECODE, DECODE_WAVES, plan_work, rows_per_warp
+from decapybara.backend.attn_plan import (
+    BLOCK_N,
+    DECODE,
+    DECODE_WAVES,
+    PREFILL,
+    PREFILL_ROWS_PER_WARP,
+    plan_work,
+    rows_per_warp,
+)
 from decapybara.backend.cupy_ops import (
     F32,
     I32,
@@ -62,6 +76,9 @@ class AttentionPlan:
     # (warps, stages) of the decode kernel (decode_launch) when it runs this plan: every sequence has one new
     # token and g <= DECODE_MAX_GROUP (one tile, row0 0); None: the general kernel
     decode: tuple[int, int] | None = None
+    # (keys a tile, split) of the tensor-core prefill kernel when it runs this plan (rows_per_warp is then 16);
+    # None: the decode kernel or the general one
+    prefill: tuple[int, int] | None = None
 
     @property
     def block_m(self) -> int:
@@ -78,10 +95,15 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     rpw = rows_per_warp(head_dim, max((s.length for s in seqs), default=1) * g)
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
+    prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
+    if prefill is not None:
+        rpw = PREFILL_ROWS_PER_WARP
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
                                     sms=sm_count(), **({"waves": DECODE_WAVES,
                                                         "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
                                                        if decode is not None else {}))
+    if prefill is not None and len(work) > 1:  # the longest key ranges first: the launch's tail is the short ones
+        work = work[np.argsort(work[:, 2] - work[:, 3], kind="stable")]
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
@@ -89,7 +111,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     info = np.asarray([(s.start, s.length, s.context) for s in seqs], np.int32).reshape(-1, 3)
     return AttentionPlan(cp.asarray(info), cp.asarray(tables), max_pages, cp.asarray(work), cp.asarray(reduce),
                          len(work), len(reduce), parts, rpw,
-                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode)
+                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode, prefill)
 
 
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
@@ -124,6 +146,15 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         pdl.launch(fwd, (plan.num_work, nkv), (32 * warps,),
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
                     I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+    elif plan.prefill is not None:
+        block_n, split = plan.prefill
+        defines += (("PREFILL_TC", 1), ("TC_BLOCK_N", block_n), ("TC_SPLIT", split))
+        fwd = get_kernel("attn_prefill", "paged_prefill_attention_tc", defines)
+        smem = prefill_smem(d, block_n, split)
+        allow_dynamic_smem(fwd, smem)
+        fwd((plan.num_work, nkv), (NTHREADS,),
+            (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
+             I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     else:
         _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
     if plan.num_reduce:
@@ -139,6 +170,24 @@ def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tup
     if kv_bits is None or g > DECODE_MAX_GROUP:
         return None
     return decode_shape(head_dim, *kv_bits)
+
+
+def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int] | None:
+    """(keys a tile, split) of the tensor-core prefill kernel for pages of `kv_bits` (key, value; None:
+    unknown) on this device; None where the general kernel runs: off, float32 or unknown pages, head_dim not a
+    multiple of 16 or over 256, a device before sm_80, or its shared memory too small."""
+    if not PREFILL["enabled"] or kv_bits is None or head_dim % 16 or head_dim > 256:
+        return None
+    if any(b not in (16, *DECODE_MX_BITS) for b in kv_bits):
+        return None
+    block_n, split = int(PREFILL["block_n" if head_dim <= 128 else "block_n_wide"]), int(PREFILL["split"])
+    return (block_n, split) if prefill_smem(head_dim, block_n, split) <= _smem_optin() else None
+
+
+def prefill_smem(head_dim: int, block_n: int, split: int) -> int:
+    """Dynamic shared memory of a tensor-core prefill launch: the 64 query rows (twice when split), one K and
+    one V tile, rows of head_dim bf16 padded by 16 bytes (D = 256, 32 keys, split: 99 KB, two CTAs an SM)."""
+    return (64 * (2 if split else 1) + 2 * block_n) * (2 * head_dim + 16)
 
 
 def decode_smem(head_dim: int, key_bits: int, value_bits: int, warps: int, stages: int) -> int:

@@ -85,16 +85,18 @@ def _streamed(weight: Any) -> PackedWeight | None:
 
 def _reads_bf16(weight: Any, rows: int) -> bool:
     """Whether a product of `rows` rows over `weight` (or over the model's other weights, stored alike: the
-    bf16 backend's matrices are all bf16 or packed) runs on the skinny kernels, which round x to bf16 as they
-    stage it, so that its x may come in bf16 bits (half the bytes staged, the same results but for x below
-    2^-126, which the kernels' float32 staging scales before it rounds): packed or bf16 weights they stream,
-    at most SKINNY_ROWS rows, TUNE `bf16_rows` rows at least (0: off). For the bf16 backend only (the caller's
+    bf16 backend's matrices are all bf16 or packed) rounds x to bf16 anyway, so that its x may come in bf16 bits:
+    packed or bf16 weights the skinny kernels stream, TUNE `bf16_rows` rows at least (0: off). Up to
+    SKINNY_ROWS rows the skinny kernels stage it (half the bytes staged, the same results but for x below
+    2^-126, which their float32 staging scales before it rounds); larger products are cuBLAS GEMMs over bf16
+    operands (`mx_linear`, `linear`), which took x's rounded bits before (the same bits: one rounding to
+    nearest even either way) or, NVFP4, the skinny kernels again. For the bf16 backend only (the caller's
     check): the fp32 one keeps float32 matrices beside packed ones."""
     w = _streamed(weight)
     if w is None:
         return False
     least = cupy_ops_extra.tune_for(w.fmt)["bf16_rows"]
-    return bool(0 < least <= rows <= SKINNY_ROWS)
+    return bool(0 < least <= rows)
 
 
 class CupyBackend(Backend):
@@ -181,6 +183,9 @@ class CupyBackend(Backend):
             return mx_linear(x if isinstance(x, NormedRows) else product_rows(x), packed, bias, out_dtype=cp.float32)
         if isinstance(x, NormedRows):
             x = x.materialize()
+        if x.dtype == cp.uint16 and weight.dtype == cp.uint16 and weight.ndim == 2:  # bf16 operands as they are
+            y = ops.gemm_bf16(cp.ascontiguousarray(x), weight)
+            return y + bias if bias is not None else y
         if x.dtype == cp.uint16:
             x = ops.bf16_bits_to_f32(x)
         if x.shape[0] <= SKINNY_ROWS and weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous:

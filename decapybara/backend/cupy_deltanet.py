@@ -36,6 +36,8 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_pref
 FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": 64,
                                 "runs": None}
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
+# other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
+RECURRENT: dict[str, Any] = {"tokens": 16}
 
 
 def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
@@ -46,6 +48,13 @@ def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
     if acc == "double":
         return 1
     return min(8, max(1, 65536 // (4 * vcols * (dk // 4 + 72))))
+
+
+def recurrent_smem_bytes(dk: int, vcols: int, tokens: int) -> int:
+    """Dynamic shared memory of a gdn_recurrent CTA: two buffers of `tokens` tokens' inputs (q and k in 4 row
+    slices of ceil4(dk / 4) + 4 floats, v of its `vcols` columns, g and beta)."""
+    slice_ = -(-(dk // 4) // 4) * 4 + 4
+    return 2 * 4 * tokens * (2 * 4 * slice_ + vcols + 2)
 
 
 def decode_smem_bytes(dk: int, vcols: int) -> int:
@@ -190,9 +199,13 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         get_kernel("deltanet_prefill", "gdn_gates", defines)(
             (grid_for(t * hv),), (THREADS,),
             (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4)))
-        get_kernel("deltanet_prefill", "gdn_recurrent", defines)(
-            (plan.num_runs, hv, dv // vcols), (4 * vcols,),
-            (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c), I32(CHUNK)))
+        tokens = int(RECURRENT["tokens"])
+        rec_kernel = get_kernel("deltanet_prefill", "gdn_recurrent", defines + (("GDN_TOKENS", tokens),))
+        smem = recurrent_smem_bytes(dk, vcols, tokens)
+        cupy_ops.allow_dynamic_smem(rec_kernel, smem)
+        rec_kernel((plan.num_runs, hv, dv // vcols), (4 * vcols,),
+                   (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c),
+                    I32(CHUNK)), shared_mem=smem)
     # the conv state after the run, once every reader above has run (and, fused, the gated norm of `out`)
     state_args = (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx)
     if decode and gate is not None:

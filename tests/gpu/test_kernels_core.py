@@ -127,14 +127,21 @@ def test_elementwise(n):
     assert_close(ops.sigmoid_mul(cp.asarray(b), cp.asarray(a)), b * NP.sigmoid(a), 1e-6, "sigmoid_mul")
 
 
-@pytest.mark.parametrize("rows,n", [(1, 1), (3, 1000), (12, 8704)])
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 1000), (12, 8704), (5, 1030), (300, 2052)])
 def test_silu_mul_halves_in_float32_and_bf16_bits(rows, n):
+    """Widths that are multiples of 4 take silu_mul_halves4 (4 columns a thread): the bits of the one-element
+    kernel, launched directly here, in float32 and bf16 bits; other widths take that kernel."""
     rng = np.random.default_rng(rows * n)
     y = rand(rng, rows, 2 * n, scale=4.0)
     got = ops.silu_mul_halves(cp.asarray(y))
     assert_close(got, NP.silu_mul(y[:, :n], y[:, n:]), 1e-6, "silu_mul_halves")
-    assert_bytes_equal(ops.silu_mul_halves(cp.asarray(y), out_dtype=cp.uint16), cp.asnumpy(ops.to_bf16_bits(got)),
-                       "silu_mul_halves in bf16 bits")
+    bits = ops.silu_mul_halves(cp.asarray(y), out_dtype=cp.uint16)
+    assert_bytes_equal(bits, cp.asnumpy(ops.to_bf16_bits(got)), "silu_mul_halves in bf16 bits")
+    for out_bf16, want in ((0, got), (1, bits)):
+        one = ops.empty((rows, n), cp.uint16 if out_bf16 else cp.float32)
+        ops._k("silu_mul_halves")((ops.grid_for(one.size),), (ops.THREADS,),
+                                  (cp.asarray(y), one, ops.I64(rows), ops.I32(n), ops.I32(out_bf16)))
+        assert_bytes_equal(want, cp.asnumpy(one), f"one element a thread, out_bf16={out_bf16}")
 
 
 def test_bf16_rounding_is_exact():
@@ -218,7 +225,8 @@ def attn_config(nq: int, nkv: int, d: int) -> ModelConfig:
                        layer_types=("full_attention",))
 
 
-def run_attention_steps(cfg, kv_mode, steps, page_size, num_pages, splits=None, seed=0, fill_first=False):
+def run_attention_steps(cfg, kv_mode, steps, page_size, num_pages, splits=None, seed=0, fill_first=False,
+                        rtol=2e-5):
     """Drive numpy and cupy paged attention through the same calls; each step lists new tokens per sequence.
     With `fill_first` the first step only writes K/V (long contexts without a quadratic numpy reference)."""
     rng = np.random.default_rng(seed)
@@ -247,7 +255,7 @@ def run_attention_steps(cfg, kv_mode, steps, page_size, num_pages, splits=None, 
         else:
             ref = NP.paged_attention(np_kv, 0, q, k, v, batch, d ** -0.5)
             got = cub.paged_attention(cu_kv, 0, cp.asarray(q), cp.asarray(k), cp.asarray(v), batch, d ** -0.5)
-            assert_close(got, ref, 2e-5, f"attention step {si} (T={t}, {kv_mode or '32/32'}, d={d}, {nq}/{nkv}, "
+            assert_close(got, ref, rtol, f"attention step {si} (T={t}, {kv_mode or '32/32'}, d={d}, {nq}/{nkv}, "
                                          f"splits={splits})")
         ctx = [c + n for c, n in zip(ctx, step)]
     pages = np.concatenate(tables)
@@ -276,6 +284,15 @@ def test_attention_decode_twelve_sequences_split_k(splits, kv_mode):
                         fill_first=True)
 
 
+def record_kernels(monkeypatch, module) -> list:
+    """The (function, defines) of every kernel `module` gets from kernels.get_kernel from now on."""
+    launched = []
+    get = module.get_kernel
+    monkeypatch.setattr(module, "get_kernel",
+                        lambda m, f, defs=(): launched.append((f, dict(defs))) or get(m, f, defs))
+    return launched
+
+
 def run_decode_kernel(monkeypatch, kv_mode, heads, shape, mx):
     """Decode steps over contexts of 1-300 keys (forced and planned splits) with the decode kernel's launch
     shape (warps, stages) set; one score chain for the (1, 2) shape. Returns the decode launches' defines."""
@@ -284,9 +301,7 @@ def run_decode_kernel(monkeypatch, kv_mode, heads, shape, mx):
     monkeypatch.setitem(ca.DECODE, "mx_warps" if mx else "warps", shape[0])
     monkeypatch.setitem(ca.DECODE, "mx_stages" if mx else "stages", shape[1])
     monkeypatch.setitem(ca.DECODE, "chains", 1 if shape == (1, 2) else 2)
-    launched = []
-    get = ca.get_kernel
-    monkeypatch.setattr(ca, "get_kernel", lambda m, f, defs=(): launched.append((f, dict(defs))) or get(m, f, defs))
+    launched = record_kernels(monkeypatch, ca)
     steps = [[1, 17, 40, 300], [1, 1, 1, 1], [1, 1, 1, 1]]
     for splits in (None, 3):
         run_attention_steps(attn_config(nq, nkv, d), kv_mode, steps, page_size, num_pages=420 // page_size + 8,
@@ -360,6 +375,53 @@ def test_decode_attention_long_context_and_off_switch(monkeypatch, kv_mode):
                             fill_first=True)
 
 
+PREFILL_TC_CASES = [("16/16", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)), ("16/16", (4, 4, 64, 5)),
+                    ("16/16", (12, 1, 16, 7)), ("8/8", (24, 4, 256, 64)), ("6/4", (8, 1, 128, 16)),
+                    ("4/4", (4, 2, 64, 7)), ("4/8", (24, 4, 256, 512))]
+
+
+@pytest.mark.parametrize("tile", [(64, 1), (32, 1), (64, 0)])
+@pytest.mark.parametrize("kv_mode,heads", PREFILL_TC_CASES)
+def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile):
+    """kernels/attn_prefill.cu's paged_prefill_attention_tc (bf16 and microscaled pages): prefill chunks over
+    earlier chunks' keys, partial key tiles, pages of 5 / 7 keys splitting tiles, mixed steps of chunks and
+    decode rows, forced and planned splits, 32- and 64-key tiles, against numpy. q and P as two bf16 terms
+    (split) keep float32 tolerance; one term each is within bf16 tolerance. (Pure decode steps take the decode
+    kernel or the general one: tested above.)"""
+    from decapybara.backend import cupy_attention as ca
+    nq, nkv, d, page_size = heads
+    monkeypatch.setitem(ca.PREFILL, "block_n", tile[0])
+    monkeypatch.setitem(ca.PREFILL, "block_n_wide", tile[0])
+    monkeypatch.setitem(ca.PREFILL, "split", tile[1])
+    launched = record_kernels(monkeypatch, ca)
+    steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
+    for splits in (None, 3):
+        run_attention_steps(attn_config(nq, nkv, d), kv_mode, steps, page_size, num_pages=560 // page_size + 8,
+                            splits=splits, seed=d + nq + page_size, rtol=2e-5 if tile[1] else 2e-2)
+    tc = [defs for f, defs in launched if f == "paged_prefill_attention_tc"]
+    kb, vb = (int(b) for b in kv_mode.split("/"))
+    assert tc and all((defs["TC_BLOCK_N"], defs["TC_SPLIT"], defs["KBITS"], defs["VBITS"], defs["ROWS_PER_WARP"])
+                      == (*tile, kb, vb, 16) for defs in tc), tc
+    assert not any(f == "paged_attention_fwd" for f, _ in launched)
+
+
+@pytest.mark.parametrize("kv_mode", ["16/16", "6/4"])
+def test_prefill_attention_long_prefix_and_off_switch(monkeypatch, kv_mode):
+    """A 700-token chunk over a 3,000-key prefix and a 40-token chunk over 5,000 (split over the SMs) match
+    numpy through the tensor-core kernel and through the general kernel (PREFILL off); float32 pages never
+    take the tensor-core kernel."""
+    from decapybara.backend import cupy_attention as ca
+    steps = [[3000, 5000], [700, 40], [1, 1]]
+    for on in (True, False):
+        monkeypatch.setitem(ca.PREFILL, "enabled", on)
+        run_attention_steps(attn_config(24, 4, 256), kv_mode, steps, page_size=512, num_pages=24, seed=5,
+                            fill_first=True)
+    monkeypatch.setitem(ca.PREFILL, "enabled", True)
+    assert ca.prefill_launch(256, (16, 16)) is not None and ca.prefill_launch(256, (32, 32)) is None
+    assert ca.prefill_launch(96, (16, 16)) is not None and ca.prefill_launch(72, (16, 16)) is None
+    assert ca.prefill_launch(256, None) is None and ca.prefill_smem(256, 32, 1) <= 100 * 1024
+
+
 def test_attention_single_long_sequence_split_k():
     steps = [[3000], [1], [4]]
     run_attention_steps(attn_config(8, 2, 128), "8/8", steps, page_size=32, num_pages=128, seed=3, fill_first=True)
@@ -430,6 +492,41 @@ def test_deltanet_core_matches_reference(acc, dims):
         for key in snaps_np:
             assert_close(snaps_cu[key][0][0], snaps_np[key][0][0], 1e-6, f"conv snapshot {key}")
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 12, 8)])
+def test_deltanet_recurrent_blocks_give_the_same_bits(monkeypatch, dims):
+    """gdn_recurrent stages its inputs in blocks of RECURRENT["tokens"] tokens: blocks of 1, 5, 16 and 32 tokens
+    give the same bits (outputs, states, snapshots) for runs of 1, 70 and 130 tokens with snapshots inside
+    (block edges inside and outside chunks and segments); dk 12 makes row slices of 3 floats."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    cfg = dn_config(*dims)
+    c, hv = cfg.linear_conv_dim, cfg.linear_num_value_heads
+    rng = np.random.default_rng(3)
+    x, a, b = rand(rng, 201, c), rand(rng, 201, hv), rand(rng, 201, hv, scale=2.0)
+    segs = [DeltaNetSegment(0, 1, 2, None), DeltaNetSegment(1, 33, 0, (1, 33)), DeltaNetSegment(34, 37, 0, None),
+            DeltaNetSegment(71, 64, 3, (2, 64)), DeltaNetSegment(135, 66, 3, None)]
+    results = []
+    for tokens in (1, 5, 16, 32):
+        monkeypatch.setitem(cd.RECURRENT, "tokens", tokens)
+        cub = CupyBackend("bf16")
+        pool = cub.new_state_pool(cfg, 4)
+        for s in range(4):
+            pool.reset(s)
+        snaps = {}
+        out = cub.deltanet_core(pool, 0, cp.asarray(x), cp.asarray(a), cp.asarray(b),
+                                dn_params(cub, cfg, np.random.default_rng(1)), segs, cfg, snaps)
+        results.append((cp.asnumpy(out), [cp.asnumpy(pool.get(s).recurrent[0]) for s in (0, 2, 3)],
+                        {k: np.asarray(v[0][1]) for k, v in snaps.items()}))
+    for tokens, (out, rec, snaps) in zip((5, 16, 32), results[1:]):
+        assert_bytes_equal(out, results[0][0], f"outputs, blocks of {tokens} tokens against 1")
+        for got, want in zip(rec, results[0][1]):
+            assert_bytes_equal(got, want, f"recurrent state, blocks of {tokens}")
+        assert sorted(snaps) == sorted(results[0][2])
+        for key in snaps:
+            assert_bytes_equal(snaps[key], results[0][2][key], f"snapshot {key}, blocks of {tokens}")
 
 
 @pytest.mark.parametrize("runs", [None, 2, 3, 5])

@@ -393,14 +393,8 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   const u32 k_lane = ((lane & 7) + ((lane >> 4) << 3)) * TC_RS + ((lane >> 3) & 1) * 16;
   const u32 v_lane = ((lane & 7) + (((lane >> 3) & 1) << 3)) * TC_RS + (lane >> 4) * 16;
 
-  for (int k0 = kbeg; k0 < kend; k0 += TBN) {
-    const bool more = k0 + TBN < kend;
-    tc_load_tile<VBITS>(v_p, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
-    cp_commit();
-    cp_wait_groups<1>();  // K(t) (and, on the first tile, Q's stores) complete for this thread
-    __syncthreads();  // ... and for every thread
-
-    float s[TC_NT][4];
+  // S = Q K^T of the key tile at shared address kt (all warps' K rows ready)
+  auto scores = [&](float (&s)[TC_NT][4], const u32 kt) {
 #pragma unroll
     for (int i = 0; i < TC_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
@@ -413,7 +407,7 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #endif
       u32 b[TC_NT / 2][4];
 #pragma unroll
-      for (int np = 0; np < TC_NT / 2; ++np) tc_ldsm4(k_s + 16 * np * TC_RS + k_lane + 32 * ks, b[np]);
+      for (int np = 0; np < TC_NT / 2; ++np) tc_ldsm4(kt + 16 * np * TC_RS + k_lane + 32 * ks, b[np]);
 #pragma unroll
       for (int np = 0; np < TC_NT / 2; ++np) {
         tc_mma(s[2 * np], qa, b[np][0], b[np][1]);
@@ -427,12 +421,10 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
       }
 #endif
     }
-    __syncthreads();  // every warp has read K(t): its buffer takes K(t + 1)
-    if (more) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
-    cp_commit();
-
-    // causal / range mask where some key of the tile may be invisible to some row of this warp
-    if (k0 + TBN > kend || k0 + TBN - 1 > first_pos) {
+  };
+  // masked online softmax of the tile at key k0: s becomes P; m, l and the output rows rescaled
+  auto softmax = [&](float (&s)[TC_NT][4], const int k0) {
+    if (k0 + TBN > kend || k0 + TBN - 1 > first_pos) {  // some key may be invisible to some row of this warp
 #pragma unroll
       for (int nt = 0; nt < TC_NT; ++nt)
 #pragma unroll
@@ -441,7 +433,7 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
           if (j >= kend || j > pos[e >> 1]) s[nt][e] = NEG_INF;
         }
     }
-    // online softmax, rows h = 0 (ra) and 1 (rb); a row's TBN scores lie on the 4 lanes of its gid
+    // rows h = 0 (ra) and 1 (rb); a row's TBN scores lie on the 4 lanes of its gid
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = NEG_INF;
@@ -471,9 +463,9 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
         o[i][2 * h + 1] *= alpha;
       }
     }
-
-    cp_wait_groups<1>();  // V(t) complete (K(t + 1) may still be in flight)
-    __syncthreads();
+  };
+  // O += P V of the value tile at shared address vt (all warps' V rows ready)
+  auto values = [&](const float (&s)[TC_NT][4], const u32 vt) {
 #pragma unroll
     for (int kk = 0; kk < TBN / 16; ++kk) {
       u32 ph[4], pl[4];
@@ -484,7 +476,7 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {  // independent accumulators: the compiler interleaves
         u32 b[4];
-        tc_ldsm4t(v_s + 16 * kk * TC_RS + v_lane + 32 * dp, b);
+        tc_ldsm4t(vt + 16 * kk * TC_RS + v_lane + 32 * dp, b);
         tc_mma(o[2 * dp], ph, b[0], b[1]);
         tc_mma(o[2 * dp + 1], ph, b[2], b[3]);
 #if TC_SPLIT
@@ -493,6 +485,23 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #endif
       }
     }
+  };
+
+  // one K and one V buffer: V(t) requested before S(t), K(t + 1) once every warp has read K(t)
+  for (int k0 = kbeg; k0 < kend; k0 += TBN) {
+    tc_load_tile<VBITS>(v_p, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
+    cp_commit();
+    cp_wait_groups<1>();  // K(t) (and, on the first tile, Q's stores) complete for this thread
+    __syncthreads();      // ... and for every thread
+    float s[TC_NT][4];
+    scores(s, k_s);
+    __syncthreads();  // every warp has read K(t): its buffer takes K(t + 1)
+    if (k0 + TBN < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
+    cp_commit();
+    softmax(s, k0);
+    cp_wait_groups<1>();  // V(t) complete (K(t + 1) may still be in flight)
+    __syncthreads();
+    values(s, v_s);
     __syncthreads();  // every warp has read V(t)
   }
   cp_wait_groups<0>();

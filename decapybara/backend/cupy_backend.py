@@ -90,8 +90,8 @@ def _reads_bf16(weight: Any, rows: int) -> bool:
     SKINNY_ROWS rows the skinny kernels stage it (half the bytes staged, the same results but for x below
     2^-126, which their float32 staging scales before it rounds); larger products are cuBLAS GEMMs over bf16
     operands (`mx_linear`, `linear`), which took x's rounded bits before (the same bits: one rounding to
-    nearest even either way) or, NVFP4, the skinny kernels again. For the bf16 backend only (the caller's
-    check): the fp32 one keeps float32 matrices beside packed ones."""
+    nearest even either way). For the bf16 backend only (the caller's check): the fp32 one keeps float32
+    matrices beside packed ones."""
     w = _streamed(weight)
     if w is None:
         return False

@@ -352,8 +352,9 @@ def _product_dims(x: Any, w: Any, dtype: Any) -> tuple[int, int, int]:
     return x.shape[0], w.shape[0], x.shape[1]
 
 
-def gemm_bf16(x_bits: Any, w_bits: Any) -> Any:
-    """x [T, K] @ w [N, K]^T with bf16 operands (uint16 bits), float32 accumulation and output [T, N]."""
+def gemm_bf16(x_bits: Any, w_bits: Any, alpha: float = 1.0) -> Any:
+    """alpha * (x [T, K] @ w [N, K]^T) with bf16 operands (uint16 bits), float32 accumulation and output [T, N]
+    (alpha scales the float32 sums in cuBLAS's epilogue)."""
     from cupy_backends.cuda.libs import cublas
 
     t, n, k = _product_dims(x_bits, w_bits, np.uint16)
@@ -363,7 +364,7 @@ def gemm_bf16(x_bits: Any, w_bits: Any) -> Any:
     if k == 0:
         y.fill(0)
         return y
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    one, zero = np.full(1, alpha, np.float32), np.zeros(1, np.float32)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cupy as cp
@@ -494,6 +494,9 @@ DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once a
 FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) may fuse norms (mx_linear_add_norm)
 SWIGLU_ROWS = 16  # and of at most this many (the one- and two-n-tile kernels) the MLP activation (mx_swiglu)
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
+# formats whose values bf16 holds exactly but for one float32 factor a matrix: NVFP4's codes times their E4M3
+# block scales have at most 5 significant bits; its tensor scale multiplies a product's float32 sums instead
+BF16_EXACT_SCALED = ("nvfp4",)
 
 
 def fuses_norms(w: PackedWeight, rows: int) -> bool:
@@ -552,12 +555,15 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         y = cp.matmul(cp.asarray(x if x.dtype == cp.float32 else _to_f32(x)), mx_dequant(w).T)
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
-    if x.shape[0] > DENSE_ROWS and w.fmt in BF16_EXACT and w.N and w.K:
+    if x.shape[0] > DENSE_ROWS and w.fmt in BF16_EXACT + BF16_EXACT_SCALED and w.N and w.K:
         # prefill-sized: the weights' exact bf16 values once, then a tensor-core cuBLAS GEMM (bf16 operands,
-        # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16)
-        wb = w.codes if w.fmt == "bf16" else mx_dequant(w, out_dtype=cp.uint16)
+        # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16); NVFP4's tensor
+        # scale is the GEMM's alpha (on each float32 sum, where the reference rounds each weight times it)
+        scaled = w.fmt in BF16_EXACT_SCALED
+        wb = w.codes if w.fmt == "bf16" else mx_dequant(replace(w, tensor_scale=1.0) if scaled else w,
+                                                       out_dtype=cp.uint16)
         xb = x if x.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(x, dtype=cp.float32))
-        y = gemm_bf16(xb, wb)
+        y = gemm_bf16(xb, wb, alpha=w.tensor_scale if scaled else 1.0)
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     y = empty((x.shape[0], w.N), out_dtype)

@@ -119,6 +119,26 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     assert_bytes_equal(outs[1], outs[0], f"mx_linear {fmt} [{m}x{k}]: bf16 x against float32 x")
 
 
+def test_nvfp4_past_dense_rows_is_a_cublas_product_scaled_by_alpha(monkeypatch):
+    """NVFP4 products of more than DENSE_ROWS rows: the codes times their E4M3 block scales (exact in bf16) in one
+    cuBLAS GEMM whose alpha is the tensor scale; against numpy and the skinny kernels on the same rows."""
+    rng = np.random.default_rng(41)
+    wq, w_ref = random_weight(rng, "nvfp4", (1040, 768))
+    w = ex.pack_weight(wq)
+    assert w.tensor_scale != 1.0
+    x = rng.standard_normal((130, 768)).astype(np.float32)
+    alphas = []
+    gemm = ex.gemm_bf16
+    monkeypatch.setattr(ex, "gemm_bf16", lambda a, b, alpha=1.0: alphas.append(alpha) or gemm(a, b, alpha))
+    got = host(ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32))
+    assert alphas == [np.float32(w.tensor_scale)] or alphas == [w.tensor_scale], alphas
+    assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, "nvfp4 through cuBLAS")
+    monkeypatch.setattr(ex, "DENSE_ROWS", 1000)  # the skinny kernels take the same rows
+    skinny = host(ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32))
+    assert len(alphas) == 1
+    assert_close(got, skinny, 1e-5, "nvfp4: cuBLAS against the skinny kernels")
+
+
 # launch / kernel knobs of mx_gemm; each case runs with `small_bytes` 0 (the default) unless it sets its own
 TUNE_CASES = [
     ({"acc": 2}, (700, 1536)), ({"acc": 2, "policy": "balance"}, (700, 1536)), ({"ksplit": 3, "acc": 2}, (700, 1536)),

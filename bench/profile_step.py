@@ -46,7 +46,8 @@ PREFILL_ATTN = os.environ.get("PROFILE_PREFILL_ATTN", "default").split(",")
 def prefill_attn(variant: str) -> None:
     """Sets attn_plan.PREFILL (and cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry: "default",
     "off" or "keys:split[:tokens]"."""
-    PREFILL_SETTINGS.update(enabled=variant != "off")
+    if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
+        PREFILL_SETTINGS.update(enabled=False)
     if ":" in variant:
         n, split, *tokens = (int(v) for v in variant.split(":"))
         PREFILL_SETTINGS.update(block_n=n, block_n_wide=n, split=split)

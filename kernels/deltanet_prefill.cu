@@ -159,8 +159,8 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ a, const float* _
 // Grid (R runs, HV, DV / VCOLS), VCOLS * KSPLIT threads. Column v of S evolves independently of the others given
 // q, k, g, beta; KSPLIT adjacent lanes share a column, each holding ROWS = DK / KSPLIT of its rows in registers
 // (ACC precision), and combine S^T k and S^T q partial sums with two shuffles. v: y[:, 2 * HK * DK + h * DV +
-// col]; state: [slots, HV, DK, DV] float32; out: [T, HV, DV] float32. Token i + 1's inputs are fetched into
-// registers while token i is computed (double-buffered q / k in shared memory, one barrier per token).
+// col]; state: [slots, HV, DK, DV] float32; out: [T, HV, DV] float32. The inputs arrive in blocks of tokens
+// (gdn_recurrent, below).
 constexpr int KSPLIT = 4;
 constexpr int ROWS = DK / KSPLIT;
 constexpr int NT = VCOLS * KSPLIT;

@@ -270,7 +270,7 @@ def silu_mul_halves(y: Any, out_dtype: Any = np.float32) -> Any:
     out_bf16 = _bf16_out(out_dtype)
     out = empty((rows, n2 // 2), out_dtype)
     n = n2 // 2
-    if out.size and n % 4 == 0:  # 4 columns a thread (16-byte loads), the same arithmetic
+    if out.size and n % 4 == 0 and dev_ptr(y) % 16 == 0:  # 4 columns a thread (16-byte loads), the same arithmetic
         pdl.launch(_k("silu_mul_halves4"), (-(-n // (4 * THREADS)), min(rows, 65535)), (THREADS,),
                    (y, out, I64(rows), I32(n), I32(out_bf16)))
     elif out.size:

@@ -495,7 +495,7 @@ FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) ma
 SWIGLU_ROWS = 16  # and of at most this many (the one- and two-n-tile kernels) the MLP activation (mx_swiglu)
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
 # formats whose values bf16 holds exactly but for one float32 factor a matrix: NVFP4's codes times their E4M3
-# block scales have at most 5 significant bits; its tensor scale multiplies a product's float32 sums instead
+# block scales have at most 6 significant bits (of bf16's 8); its tensor scale multiplies a product's float32 sums instead
 BF16_EXACT_SCALED = ("nvfp4",)
 
 

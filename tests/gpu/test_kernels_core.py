@@ -414,8 +414,11 @@ def test_prefill_attention_long_prefix_and_off_switch(monkeypatch, kv_mode):
     steps = [[3000, 5000], [700, 40], [1, 1]]
     for on in (True, False):
         monkeypatch.setitem(ca.PREFILL, "enabled", on)
+        launched = record_kernels(monkeypatch, ca)
         run_attention_steps(attn_config(24, 4, 256), kv_mode, steps, page_size=512, num_pages=24, seed=5,
                             fill_first=True)
+        names = {f for f, _ in launched}
+        assert ("paged_prefill_attention_tc" in names) == on and ("paged_attention_fwd" in names) != on, names
     monkeypatch.setitem(ca.PREFILL, "enabled", True)
     assert ca.prefill_launch(256, (16, 16)) is not None and ca.prefill_launch(256, (32, 32)) is None
     assert ca.prefill_launch(96, (16, 16)) is not None and ca.prefill_launch(72, (16, 16)) is None
@@ -498,7 +501,9 @@ def test_deltanet_core_matches_reference(acc, dims):
 def test_deltanet_recurrent_blocks_give_the_same_bits(monkeypatch, dims):
     """gdn_recurrent stages its inputs in blocks of RECURRENT["tokens"] tokens: blocks of 1, 5, 16 and 32 tokens
     give the same bits (outputs, states, snapshots) for runs of 1, 70 and 130 tokens with snapshots inside
-    (block edges inside and outside chunks and segments); dk 12 makes row slices of 3 floats."""
+    (block edges inside and outside chunks and segments); dk 12 makes row slices of 3 floats. (Each token's
+    arithmetic is delta_step's, which gdn_decode shares: test_deltanet_decode_fused_is_bit_identical holds the
+    two kernels to the same bits, and the reference tests above hold both to numpy.)"""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 

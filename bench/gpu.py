@@ -14,7 +14,7 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    small gates as the presets keep them); KV pages (bf16; BENCH_KV="16/16,6/4" adds a pass over 6/4-bit pages
    with the first variant, MXFP4 unless skipped) and DeltaNet states filled with random data; decode
    steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs; prefill tokens/s (one
-   2048-token chunk); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
+   2048-token chunk at the start of a prompt and after 16k cached tokens); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
    4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
    t64 = t4 + (t8 - t4) * 15; the same extrapolation at 1k is printed beside the measured 64 layers. Its 32k
@@ -302,6 +302,9 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
     if left() > 40:
         pre = ForwardBatch.build([(np.arange(2048) % 1000, 0, np.arange(SEQ_PAGES, dtype=np.int32), 0)], PAGE)
         res["prefill_tok_s"] = 2048 / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
+    if left() > 40:  # the same chunk after 16k cached tokens (the random pages): an agent's next turn
+        pre = ForwardBatch.build([(np.arange(2048) % 1000, 16384, np.arange(SEQ_PAGES, dtype=np.int32), 0)], PAGE)
+        res["prefill_16k_tok_s"] = 2048 / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
     RESULTS.setdefault("model", {})[label or variant] = res
     print(label or variant, json.dumps(res, default=float)[:900])
 
@@ -437,6 +440,7 @@ def table() -> None:
         hp = RESULTS.get("hf", {}).get("prefill_tok_s")
         print(f"{variant:<18}prefill {pre or 0:>10.0f} tok/s"
               + (f"  vs HF {pre / hp:.1f}x" if pre and hp else "")
+              + f"  after 16k {res.get('prefill_16k_tok_s', 0):.0f} tok/s"
               + f"  sampler peaked {res.get('sampler_ms_peaked', 0):.2f} ms / flat {res.get('sampler_ms_flat', 0):.2f}"
               f" ms (numpy {res.get('numpy_sampler_ms_peaked', 0):.0f} / {res.get('numpy_sampler_ms_flat', 0):.0f})")
     if RESULTS["errors"]:

@@ -35,6 +35,7 @@
 // 198 (E4M3) / 192 (E2M3, E2M1), blocks below 2^79 / 2^67 (a larger factor is inf); products below ~2^-62
 // become bf16 subnormals (an absolute error of that size).
 #include "common.cuh"
+#include "mma.cuh"
 #include "smem.cuh"
 
 #ifndef HEAD_DIM
@@ -61,28 +62,6 @@ constexpr int KS = D / 16;              // k-steps of Q K^T = 16-row tiles of O^
 static_assert(D == 64 || D == 128 || D == 256, "decode attention: head_dim 64, 128 or 256");
 static_assert(BLOCK_M == 4 || BLOCK_M == 8, "decode attention: at most 8 query heads per KV head");
 static_assert(4 * NW * 8 * (D + 2) <= NW * NSTAGE * TILE_B, "the merge area must fit in the stage memory");
-
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-__device__ __forceinline__ void ldsm4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
-}
-__device__ __forceinline__ void ldsm4t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
-}
-__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// (a, b) -> bf16x2 {a low, b high} of the rounded values, and of the remainders a - bf16(a), b - bf16(b).
-__device__ __forceinline__ void split2(float a, float b, u32& hi, u32& lo) {
-  const u16 ha = f32_to_bf16(a), hb = f32_to_bf16(b);
-  hi = (u32)ha | ((u32)hb << 16);
-  lo = (u32)f32_to_bf16(a - bf16_to_f32(ha)) | ((u32)f32_to_bf16(b - bf16_to_f32(hb)) << 16);
-}
 
 // Online softmax over one tile's scores sc (keys 2t, 2t+1, 8+2t, 9+2t of head gr, log2 units, -inf masked)
 // -> p; running max m / sum l of this lane's head; acc (O^T, columns = heads 2t, 2t+1) rescaled.
@@ -172,12 +151,12 @@ __device__ __forceinline__ void tile_ring(const WarpTiles& wt, Load load, Tile t
     if (it + NSTAGE - 1 < mine) load(it + NSTAGE - 1, (it + NSTAGE - 1) % NSTAGE, page);
     if (it + NSTAGE < mine) page = wt.page(it + NSTAGE);  // for the next iteration's copies
     cp_commit();
-    cp_wait<NSTAGE - 1>();
+    cp_wait_groups<NSTAGE - 1>();
     __syncwarp();
     tile(it, it % NSTAGE);
     __syncwarp();  // every lane's reads of this stage are done before a later copy refills it
   }
-  cp_wait<0>();
+  cp_wait_groups<0>();
 }
 
 // After every warp wrote its O^T (mo [NW][8 heads][D]) and (max, sum) (mml [NW][8][2]) and a block barrier:

@@ -37,9 +37,6 @@ constexpr int NWARPS = 4;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int RPW = ROWS_PER_WARP;
 constexpr int BLOCK_M = NWARPS * RPW;
-constexpr int BLOCK_N = 32;
-constexpr int DPL = (D + 31) / 32;  // output dims per lane
-constexpr int KSTRIDE = D + 4;      // padded K row: conflict-free 16-byte reads, one key per lane
 static_assert(D % 4 == 0 && D <= 256, "head_dim must be a multiple of 4, at most 256");
 
 // This CTA's work item (blockIdx.x) and its sequence's metadata.
@@ -61,6 +58,10 @@ __device__ __forceinline__ WorkItem work_item(const int* __restrict__ work, cons
 }
 
 #if !PREFILL_TC
+constexpr int BLOCK_N = 32;
+constexpr int DPL = (D + 31) / 32;  // output dims per lane
+constexpr int KSTRIDE = D + 4;      // padded K row: conflict-free 16-byte reads, one key per lane
+
 // q: [T, nq, D] float32; k/v codes + scales: the layer's page parts (see common.cuh kv_load);
 // out: [T, nq, D] float32; part_o: [nparts, nkv, BLOCK_M, D]; part_ml: [nparts, nkv, BLOCK_M, 2].
 // Grid (nwork, nkv), NTHREADS threads, dynamic shared memory attention_smem_bytes().
@@ -261,6 +262,7 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 // (zero-filled past the range); microscaled pages are decoded by the loading threads into bf16 (exact: an
 // E4M3 / E2M3 / E2M1 element times a power-of-two scale has at most 4 significant bits). Loads overlap the
 // math as FlashAttention-2 orders them: V(t) is requested before S(t), K(t + 1) once every warp has read K(t).
+#include "mma.cuh"
 #include "smem.cuh"
 #ifndef TC_BLOCK_N
 #define TC_BLOCK_N 64
@@ -277,27 +279,6 @@ constexpr int TC_CH = D / 8;                                // 16-byte chunks of
 static_assert(BLOCK_M == 64 && NWARPS == 4, "tensor-core prefill: 4 warps of 16 rows (ROWS_PER_WARP 16)");
 static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple of 16, at most 256");
 static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
-
-__device__ __forceinline__ void tc_ldsm4(u32 a, u32 (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void tc_ldsm4t(u32 a, u32 (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void tc_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// (a, b) -> bf16x2 {a low, b high} rounded, and the same of the remainders a - bf16(a), b - bf16(b)
-__device__ __forceinline__ void tc_split2(float a, float b, u32& hi, u32& lo) {
-  const u16 ha = f32_to_bf16(a), hb = f32_to_bf16(b);
-  hi = (u32)ha | ((u32)hb << 16);
-  lo = (u32)f32_to_bf16(a - bf16_to_f32(ha)) | ((u32)f32_to_bf16(b - bf16_to_f32(hb)) << 16);
-}
 
 // Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows); keys at or past
 // kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies (one commit group by the caller).
@@ -365,7 +346,7 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     }
     u32 hi[4], lo[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) tc_split2(x[2 * e], x[2 * e + 1], hi[e], lo[e]);
+    for (int e = 0; e < 4; ++e) split2(x[2 * e], x[2 * e + 1], hi[e], lo[e]);
     uint4* to = (uint4*)(smem_raw + r * TC_RS + 16 * c);
     to->x = hi[0]; to->y = hi[1]; to->z = hi[2]; to->w = hi[3];
     if constexpr (TC_SPLIT) {
@@ -400,24 +381,25 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       u32 qa[4];
-      tc_ldsm4(q_s + q_lane + 32 * ks, qa);
+      ldsm4(q_s + q_lane + 32 * ks, qa[0], qa[1], qa[2], qa[3]);
 #if TC_SPLIT
       u32 ql[4];
-      tc_ldsm4(q_s + BLOCK_M * TC_RS + q_lane + 32 * ks, ql);
+      ldsm4(q_s + BLOCK_M * TC_RS + q_lane + 32 * ks, ql[0], ql[1], ql[2], ql[3]);
 #endif
       u32 b[TC_NT / 2][4];
 #pragma unroll
-      for (int np = 0; np < TC_NT / 2; ++np) tc_ldsm4(kt + 16 * np * TC_RS + k_lane + 32 * ks, b[np]);
+      for (int np = 0; np < TC_NT / 2; ++np)
+        ldsm4(kt + 16 * np * TC_RS + k_lane + 32 * ks, b[np][0], b[np][1], b[np][2], b[np][3]);
 #pragma unroll
       for (int np = 0; np < TC_NT / 2; ++np) {
-        tc_mma(s[2 * np], qa, b[np][0], b[np][1]);
-        tc_mma(s[2 * np + 1], qa, b[np][2], b[np][3]);
+        mma(s[2 * np], qa[0], qa[1], qa[2], qa[3], b[np][0], b[np][1]);
+        mma(s[2 * np + 1], qa[0], qa[1], qa[2], qa[3], b[np][2], b[np][3]);
       }
 #if TC_SPLIT  // the lo terms after every hi one: no MMA waits on the one just issued
 #pragma unroll
       for (int np = 0; np < TC_NT / 2; ++np) {
-        tc_mma(s[2 * np], ql, b[np][0], b[np][1]);
-        tc_mma(s[2 * np + 1], ql, b[np][2], b[np][3]);
+        mma(s[2 * np], ql[0], ql[1], ql[2], ql[3], b[np][0], b[np][1]);
+        mma(s[2 * np + 1], ql[0], ql[1], ql[2], ql[3], b[np][2], b[np][3]);
       }
 #endif
     }
@@ -469,19 +451,19 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #pragma unroll
     for (int kk = 0; kk < TBN / 16; ++kk) {
       u32 ph[4], pl[4];
-      tc_split2(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
-      tc_split2(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
-      tc_split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
-      tc_split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
+      split2(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
+      split2(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
+      split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
+      split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {  // independent accumulators: the compiler interleaves
         u32 b[4];
-        tc_ldsm4t(vt + 16 * kk * TC_RS + v_lane + 32 * dp, b);
-        tc_mma(o[2 * dp], ph, b[0], b[1]);
-        tc_mma(o[2 * dp + 1], ph, b[2], b[3]);
+        ldsm4t(vt + 16 * kk * TC_RS + v_lane + 32 * dp, b[0], b[1], b[2], b[3]);
+        mma(o[2 * dp], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+        mma(o[2 * dp + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
 #if TC_SPLIT
-        tc_mma(o[2 * dp], pl, b[0], b[1]);
-        tc_mma(o[2 * dp + 1], pl, b[2], b[3]);
+        mma(o[2 * dp], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+        mma(o[2 * dp + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
 #endif
       }
     }

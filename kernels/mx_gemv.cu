@@ -1004,11 +1004,14 @@ __device__ __forceinline__ const u8* code_byte(const u8* W, i64 row, i64 w_row, 
 }
 // E2M1 code k of a row: nibble k % 2 of byte k / 2, or (split) code r = k % 4 of 16-bit half k / 4 (bytes
 // 2 (k / 4), little-endian, in one 128-byte piece): magnitude at bits 3r..3r+2, sign at bit 12 + (r ^ 1).
+// Code r (< 4) of a split-layout 16-bit half.
+__device__ __forceinline__ u32 e2m1_split_code(u32 half, u32 r) {
+    return ((half >> (3 * r)) & 7u) | (((half >> (12 + (r ^ 1))) & 1u) << 3);
+}
 __device__ __forceinline__ u32 e2m1_code(const u8* W, i64 row, i64 w_row, int k, int split, int tiled) {
     if (!split) return (*code_byte(W, row, w_row, k >> 1, tiled) >> (4 * (k & 1))) & 0xFu;
     const u8* b = code_byte(W, row, w_row, 2 * (k >> 2), tiled);
-    const u32 half = b[0] | ((u32)b[1] << 8), r = k & 3;
-    return ((half >> (3 * r)) & 7u) | (((half >> (12 + (r ^ 1))) & 1u) << 3);
+    return e2m1_split_code(b[0] | ((u32)b[1] << 8), k & 3);
 }
 extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, int fmt, int e2m1_split, int tiled,
                                            const i64* rows, int R, int K, i64 w_row, i64 s_row, void* out,
@@ -1067,8 +1070,7 @@ template <int FMT, bool SPLIT> __device__ __forceinline__ u32 dq_code(const u32 
         return (g >> (6 * (i & 3))) & 0x3Fu;
     }
     if (!SPLIT) return (w[0] >> (4 * i)) & 0xFu;
-    const u32 half = (w[0] >> (16 * (i >> 2))) & 0xFFFFu, r = i & 3;  // as e2m1_code
-    return ((half >> (3 * r)) & 7u) | (((half >> (12 + (r ^ 1))) & 1u) << 3);
+    return e2m1_split_code((w[0] >> (16 * (i >> 2))) & 0xFFFFu, i & 3);
 }
 // The octet as mx_dequant_rows computes it, element by element.
 template <int FMT, bool SPLIT> __device__ __forceinline__ uint4 dq_exact(const u32 (&w)[2], u32 s, float ts) {

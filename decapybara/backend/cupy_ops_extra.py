@@ -837,14 +837,21 @@ def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
     return cp.asnumpy(out).reshape(s.shape)
 
 
+def _views(buf: Any, layout: Any) -> dict[str, Any]:
+    """Named views of a uint8 buffer (device or host) holding arrays back to back: `layout` lists (name, dtype,
+    shape) in buffer order (8-byte types first keeps every view aligned)."""
+    out, o = {}, 0
+    for name, dtype, shape in layout:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        out[name] = buf[o:o + n].view(dtype).reshape(shape)
+        o += n
+    return out
+
+
 def _one_copy(parts: dict[str, np.ndarray]) -> dict[str, Any]:
     """Host arrays (8-byte types first) -> device views of one buffer: one host-to-device copy."""
     host = np.concatenate([np.ascontiguousarray(a).view(np.uint8).ravel() for a in parts.values()])
-    dev, out, o = cp.asarray(host), {}, 0
-    for name, a in parts.items():
-        out[name] = dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
-        o += a.nbytes
-    return out
+    return _views(cp.asarray(host), [(name, a.dtype, a.shape) for name, a in parts.items()])
 
 
 # cuda_sample's results, one buffer so that they come back in one copy: (name, dtype), 8-byte types first
@@ -854,12 +861,7 @@ SAMPLE_RESULTS = (("token", np.int64), ("logprob", np.float32), ("status", np.in
 
 def _result_views(buf: Any, b: int) -> dict[str, Any]:
     """SAMPLE_RESULTS' arrays of `b` rows as views of a uint8 buffer (on the device or its host copy)."""
-    out, o = {}, 0
-    for name, dtype in SAMPLE_RESULTS:
-        n = b * np.dtype(dtype).itemsize
-        out[name] = buf[o:o + n].view(dtype)
-        o += n
-    return out
+    return _views(buf, [(name, dtype, (b,)) for name, dtype in SAMPLE_RESULTS])
 
 
 def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:

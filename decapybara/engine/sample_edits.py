@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from decapybara.engine.sampling import masked_ids
+from decapybara.engine.sampling import masked_ids, union_sorted
 
 EDIT_SEEN, EDIT_MASK, EDIT_BIAS = 1, 2, 4  # flags of an edit: the repetition penalty's set, masked, has a bias
 
@@ -29,17 +29,6 @@ def needs_edits(r: Any) -> bool:
 
 def _sorted_unique(a: np.ndarray) -> bool:
     return a.size < 2 or bool((a[1:] > a[:-1]).all())
-
-
-def _union_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The union of two sorted unique int64 arrays, sorted unique: b's new ids inserted into a."""
-    if not b.size:
-        return a
-    if not a.size:
-        return b
-    at = np.searchsorted(a, b)
-    new = b[(at == a.size) | (a[np.minimum(at, a.size - 1)] != b)]
-    return np.insert(a, np.searchsorted(a, new), new) if new.size else a
 
 
 def row_edits(r: Any, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -56,12 +45,12 @@ def row_edits(r: Any, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
         out_ids, counts = np.unique(np.asarray(r.output_token_ids, np.int64).reshape(-1), return_counts=True)
         if rep != 1.0:
             prompt = np.asarray(r.prompt_token_ids, np.int64).reshape(-1)
-            seen = _union_sorted(prompt, out_ids) if _sorted_unique(prompt) else np.union1d(prompt, out_ids)
+            seen = union_sorted(prompt, out_ids) if _sorted_unique(prompt) else np.union1d(prompt, out_ids)
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             parts.append((out_ids, 0, 0.0, counts))
     parts.append((np.unique(masked_ids(r, eos)), EDIT_MASK, 0.0, 0))
     small = np.unique(np.concatenate([q[0] for q in parts]))
-    tok = small if seen is None else _union_sorted(seen, small)
+    tok = small if seen is None else union_sorted(seen, small)
     flags, bias, count = np.zeros(tok.size, np.int32), np.zeros(tok.size), np.zeros(tok.size, np.int64)
     if seen is not None:
         flags[np.searchsorted(tok, seen)] |= EDIT_SEEN

@@ -153,6 +153,18 @@ def _ids(values: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
+def union_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The union of two sorted unique int64 arrays, sorted unique: b's new ids inserted into a (a's size in
+    work, where sorting everything again costs the union's; a itself when b adds nothing)."""
+    if not b.size:
+        return a
+    if not a.size:
+        return b
+    at = np.searchsorted(a, b)
+    fresh = (at == a.size) | (a[np.minimum(at, a.size - 1)] != b)
+    return np.insert(a, at[fresh], b[fresh]) if fresh.any() else a
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """log_softmax over the last axis in float64; -inf entries stay -inf (a row of only -inf gives NaN)."""
     x = np.asarray(x, dtype=np.float64)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sampling import SamplingParams, union_sorted
 
 _ids = itertools.count()
 
@@ -131,11 +131,7 @@ class Sequence:
         if self._seen is None:
             self._seen = np.unique(np.asarray(self.tokens, np.int64))
         elif self._seen_n < n:
-            new = np.unique(np.asarray(self.tokens[self._seen_n:], np.int64))
-            at = np.searchsorted(self._seen, new)
-            fresh = (at == self._seen.size) | (self._seen[np.minimum(at, self._seen.size - 1)] != new)
-            if fresh.any():
-                self._seen = np.insert(self._seen, at[fresh], new[fresh])
+            self._seen = union_sorted(self._seen, np.unique(np.asarray(self.tokens[self._seen_n:], np.int64)))
         self._seen_n = n
         return self._seen
 

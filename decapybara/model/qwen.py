@@ -168,9 +168,8 @@ class QwenModel:
         last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
         hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         logits = ops.linear(hidden, self.w["lm_head.weight"]) if len(rows) else hidden[:0, :0]
-        snapshots = {}
+        snapshots, n = {}, len(cfg.linear_layers)
         for key, layers in raw_snaps.items():  # the backend's arrays (device copies on a GPU): one move each
-            n = len(cfg.linear_layers)
             arrs = ops.to_host_many([layers[i][0] for i in cfg.linear_layers] +
                                     [layers[i][1] for i in cfg.linear_layers])
             snapshots[key] = HybridState(arrs[:n], arrs[n:])

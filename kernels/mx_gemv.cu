@@ -1056,8 +1056,10 @@ extern "C" __global__ void mx_dequant_rows(const u8* W, const u8* S, float ts, i
 // [N, K] result; its row and column (for the codes) come from one division a thread, then steps of DQ_THREADS.
 // Values: MXFP4 blocks with scale 2 <= s <= 252 take the bf16x2 path (codes as bf16 of value * 2^-126,
 // mx_pairs.cuh; times 2^126, then times 2^(s - 127): both products exact, every result a normal bf16 or +-0,
-// so the bits of the float path); everything else (other scales, other formats) the float32 expressions of
-// mx_dequant_rows element by element.
+// so the bits of the float path); so do NVFP4 blocks with a tensor scale of 1 and a finite E4M3 scale s (times
+// e4m3(s) instead: an E2M1 value (<= 2 significant bits) times an E4M3 one (<= 4) is exact in bf16 and normal
+// (|product| >= 0.5 * 2^-9) or +-0, the sign the XOR of the two signs, as in float32); everything else (other
+// scales, other formats) the float32 expressions of mx_dequant_rows element by element.
 #ifndef MX_DQ_OCTETS
 #define MX_DQ_OCTETS 4
 #endif
@@ -1085,13 +1087,13 @@ template <int FMT, bool SPLIT> __device__ __forceinline__ uint4 dq_exact(const u
     }
     return u4(bf16x2_rn(v[0], v[1]), bf16x2_rn(v[2], v[3]), bf16x2_rn(v[4], v[5]), bf16x2_rn(v[6], v[7]));
 }
-// MXFP4 with 2 <= s <= 252: pairs (c_r, c_{r+4}) of value * 2^-126, times 2^126 (the exact unscaled values),
-// times 2^(s - 127), then regrouped as (c_0, c_1) .. (c_6, c_7).
-template <bool SPLIT> __device__ __forceinline__ uint4 dq_e2m1_fast(u32 w, u32 s) {
+// E2M1 octet w times the block's bf16x2 factor f (one value in both halves; every product exact, header): pairs
+// (c_r, c_{r+4}) of value * 2^-126, times 2^126 (the exact unscaled values), times f, then regrouped as
+// (c_0, c_1) .. (c_6, c_7). f: 2^(s - 127) for MXFP4 (2 <= s <= 252), e4m3(s) for NVFP4 (s not NaN, ts 1).
+template <bool SPLIT> __device__ __forceinline__ uint4 dq_e2m1_fast(u32 w, u32 f) {
     u32 a[4];
     if (SPLIT) e2m1_pairs_split_raw(w, a);
     else e2m1_pairs_raw(w, a);
-    const u32 f = (s << 7) | (s << 23);
 #pragma unroll
     for (int r = 0; r < 4; ++r) a[r] = mx_bfma2(mx_bfma2(a[r], 0x7E807E80u), f);
     return u4(__byte_perm(a[0], a[1], 0x5410), __byte_perm(a[2], a[3], 0x5410), __byte_perm(a[0], a[1], 0x7632),
@@ -1133,7 +1135,9 @@ __device__ __forceinline__ void dq_bf16(const u8* W, const u8* S, float ts, int 
         const u32 o = o0 + (u32)(j * DQ_THREADS);
         if (o >= total) break;
         uint4 v;
-        if (FMT == FMT_MXFP4 && s[j] - 2u <= 250u) v = dq_e2m1_fast<SPLIT>(w[j][0], s[j]);
+        if (FMT == FMT_MXFP4 && s[j] - 2u <= 250u) v = dq_e2m1_fast<SPLIT>(w[j][0], (s[j] << 7) | (s[j] << 23));
+        else if (FMT == FMT_NVFP4 && ts == 1.0f && (s[j] & 0x7Fu) != 0x7Fu)  // f: e4m3(s)'s exact bf16, twice
+            v = dq_e2m1_fast<SPLIT>(w[j][0], __byte_perm(__float_as_uint(e4m3_f32(s[j])), 0u, 0x3232));
         else v = dq_exact<FMT, SPLIT>(w[j], s[j], ts);
         out[o] = v;
     }

@@ -460,17 +460,28 @@ def test_mx_dequant_rows_is_exact(fmt):
     assert_bytes_equal(ex.embedding_rows(w, cp.asarray(rows)), ref[rows].astype(np.float32), f"{fmt} rows")
 
 
-def special_scales(rng, q):
+def special_scales(rng, q, ts=None):
     """q with some block scales replaced by the edge cases of the dequantisers: E8M0 0 (2^-127), 1, the bounds
     2 and 252 of mx_dequant_bf16's MXFP4 bf16x2 path and 253 / 254 past them (overflow), 255 (NaN); NVFP4's
-    E4M3 0, -0, the smallest subnormal, 448 and NaN (0x7F / 0xFF). MXFP8 also gets E4M3 NaN codes."""
+    E4M3 +-0, +-the smallest and largest subnormals, +-the smallest normal, +-448 and NaN (0x7F / 0xFF), each of
+    those blocks holding all 16 E2M1 codes (+-0 included), the other scales of random sign, and tensor scale
+    `ts` (None: q's). MXFP8 also gets E4M3 NaN codes."""
     scales, codes = q.scales.copy(), q.codes.copy()
-    special = [0x00, 0x80, 0x01, 0x7E, 0x7F, 0xFF] if q.fmt == "nvfp4" else [0, 1, 2, 252, 253, 254, 255]
+    if q.fmt == "nvfp4":
+        scales |= (rng.integers(0, 2, scales.shape) << 7).astype(np.uint8)
+        special = [0x00, 0x80, 0x01, 0x81, 0x07, 0x87, 0x08, 0x88, 0x7E, 0xFE, 0x7F, 0xFF]
+    else:
+        special = [0, 1, 2, 252, 253, 254, 255]
     flat, count = scales.reshape(-1), min(scales.size // 2, 2 * len(special))
-    flat[rng.choice(flat.size, count, replace=False)] = np.resize(special, count)
+    at = rng.choice(flat.size, count, replace=False)
+    flat[at] = np.resize(special, count)
+    if q.fmt == "nvfp4":  # block b of row r: code bytes 8b .. 8b + 7, two nibbles each (low first)
+        for r, b in zip(*np.divmod(at, scales.shape[-1])):
+            c = rng.permutation(16).astype(np.uint8)
+            codes[r, 8 * b:8 * b + 8] = c[0::2] | (c[1::2] << 4)
     if q.fmt == "mxfp8":
         codes.reshape(-1)[rng.choice(codes.size, 5, replace=False)] = [0x7F, 0xFF, 0x7F, 0xFF, 0x7F]
-    return quant.QuantTensor(q.fmt, q.shape, codes, scales, q.tensor_scale)
+    return quant.QuantTensor(q.fmt, q.shape, codes, scales, q.tensor_scale if ts is None else ts)
 
 
 def bf16_reference(q):
@@ -486,28 +497,31 @@ def bf16_reference(q):
     return bf16_encode(ref), nan, skip
 
 
-# (format, split, tiled, shape): every format and E2M1 layout; band tiles where N % 16 == 0 and whole 256-code
-# chunks cover K
-DQ_CASES = [(fmt, split, tiled, shape)
+# (format, split, tiled, shape, tensor scale): every format and E2M1 layout; band tiles where N % 16 == 0 and
+# whole 256-code chunks cover K; NVFP4 with a random tensor scale (None: random_weight's) and with 1 (its bf16x2
+# path)
+DQ_CASES = [(fmt, split, tiled, shape, ts)
             for fmt, split in (("mxfp8", False), ("mxfp6", False), ("mxfp4", False), ("mxfp4", True),
                                ("nvfp4", False), ("nvfp4", True))
             for tiled in ((False, True) if fmt in ex.E2M1_FMTS else (False,))
-            for shape in ([(48, 512), (16, 256)] if tiled else [(1, 32), (7, 96), (33, 256), (48, 512)])]
+            for shape in ([(48, 512), (16, 256)] if tiled else [(1, 32), (7, 96), (33, 256), (48, 512)])
+            for ts in ((None, 1.0) if fmt == "nvfp4" else (None,))]
 
 
-@pytest.mark.parametrize("fmt,split,tiled,shape", DQ_CASES)
-def test_mx_dequant_bf16_matches_dequant_rows(fmt, split, tiled, shape):
+@pytest.mark.parametrize("fmt,split,tiled,shape,ts", DQ_CASES)
+def test_mx_dequant_bf16_matches_dequant_rows(fmt, split, tiled, shape, ts):
     """All rows as bf16 (the large-M path of mx_linear) by mx_dequant_bf16: bit for bit mx_dequant_rows' bf16
     output (the old kernel, launched directly) and the numpy reference rounded to bf16, in every format and
     E2M1 layout (band tiles where the shape allows: N % 16 == 0 and whole 256-code chunks), odd row counts,
     rows of 4 to 64 octets (a thread's octets, 256 apart, lie in different rows) and several thread blocks, with
-    zero, NaN and out-of-range block scales. Both outputs start poisoned (all-ones bits), so unwritten elements
-    fail."""
-    rng = np.random.default_rng(zlib.crc32(f"dq-bf16-{fmt}-{split}-{tiled}-{shape}".encode()))
-    q = special_scales(rng, random_weight(rng, fmt, shape)[0])
+    zero, NaN and out-of-range block scales (NVFP4: also negative and subnormal ones, under tensor scale 1, the
+    bf16x2 path, and another). Both outputs start poisoned (all-ones bits), so unwritten elements fail."""
+    seed = f"dq-bf16-{fmt}-{split}-{tiled}-{shape}" + ("-ts1" if ts else "")
+    rng = np.random.default_rng(zlib.crc32(seed.encode()))
+    q = special_scales(rng, random_weight(rng, fmt, shape)[0], ts)
     w = ex.pack_weight(q, e2m1_split=split, tiled=tiled)
     assert (w.e2m1_split, w.tiled) == (split, tiled) and ex.dequant_bf16_ok(w)
-    name = f"{fmt} split={split} tiled={tiled} {shape}"
+    name = f"{fmt} split={split} tiled={tiled} {shape} ts={w.tensor_scale}"
     new, old = ex.empty(shape, np.uint16), ex.empty(shape, np.uint16)
     ex.dequant_bf16(w, new)
     ex.dequant_rows(w, None, old)

@@ -6,7 +6,8 @@
 // With ACC = double the state is rounded to float32 exactly where the numpy reference stores it (every
 // `chunk` tokens of a segment and at each segment end), so the result matches the reference to float32
 // rounding of the inputs. This is the per-token recurrent form (O(L) dependent steps per run and head, each
-// DK * DV / threads work per thread); the chunked UT form is the faster prefill path still to come.
+// DK * DV / threads work per thread); the bf16 backend's long prefill runs take the chunked form instead
+// (deltanet_chunk.cu, cupy_deltanet.CHUNKED).
 //
 // Work is given as runs: maximal groups of consecutive segments of one sequence (same state slot, contiguous
 // rows). runs [R, 5] int32 = first row, rows, state slot, first segment, number of segments; segs [S, 2] int32 =

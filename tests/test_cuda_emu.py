@@ -98,17 +98,20 @@ def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator():
 
 
 SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
-                  "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3)")
+                  "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
+                  "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits")
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_deltanet_snapshots_pass_on_the_emulator():
     """The DeltaNet core's state snapshots (copied layer by layer into pinned host slabs by asynchronous copies,
     `cupy_deltanet._to_slab`) against the numpy reference's, and the fused decode's against the unfused kernels'
-    byte for byte (one and three runs a CTA): three cases of their GPU tests, through the emulator plugin."""
+    byte for byte (one and three runs a CTA); the chunked prefill kernels (tensor-core MMAs on hi/lo fragments,
+    cp.async staging) against the reference and gdn_recurrent, and their chunk table: five cases of their GPU
+    tests, through the emulator plugin."""
     env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
                           "gpu", "tests/gpu/test_kernels_core.py", "-k",
                           SNAPSHOT_CASES],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "3 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

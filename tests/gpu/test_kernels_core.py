@@ -497,6 +497,76 @@ def test_deltanet_core_matches_reference(acc, dims):
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
 
 
+def test_deltanet_chunk_table_splits_segments_from_their_starts():
+    """Chunks of at most CHUNK rows from each segment's start; a segment's snapshot on its last chunk; runs'
+    chunk ranges."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    segs = [DeltaNetSegment(0, 64, 0, (0, 64)), DeltaNetSegment(64, 1, 0, None), DeltaNetSegment(65, 150, 0, (0, 215)),
+            DeltaNetSegment(215, 1, 1, None), DeltaNetSegment(216, 129, 2, None)]
+    plan = cd.plan_runs(segs)
+    chunks, run_chunks = cp.asnumpy(plan.chunks).tolist(), cp.asnumpy(plan.run_chunks).tolist()
+    assert chunks == [[0, 64, 0], [64, 1, -1], [65, 64, -1], [129, 64, -1], [193, 22, 1], [215, 1, -1],
+                      [216, 64, -1], [280, 64, -1], [344, 1, -1]]
+    assert run_chunks == [[0, 5], [5, 1], [6, 3]]
+    assert cd.plan_runs([DeltaNetSegment(0, 1, 0, None), DeltaNetSegment(1, 1, 1, None)]).chunks is None
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (2, 6, 128, 128), (2, 6, 64, 32), (1, 2, 32, 128)])
+def test_deltanet_chunked_matches_reference(monkeypatch, dims):
+    """The chunked form on tensor cores (gdn_chunk_prep + gdn_chunk_scan, the bf16 backend's prefill) against the
+    numpy reference, and against gdn_recurrent at float arithmetic, to 1e-4 of the largest value: outputs, the
+    final recurrent states and snapshots, over runs of 215 rows in three segments (a 64-row segment ending in a
+    snapshot, a 1-row one, 150 rows in three chunks of which the last has 22 rows, ending in a snapshot), a
+    1-row run (a decode row in the same forward) and a 129-row run (a 1-row last chunk), from nonzero states."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    cfg = dn_config(*dims)
+    c, hv = cfg.linear_conv_dim, cfg.linear_num_value_heads
+    rng = np.random.default_rng(sum(dims))
+    segs = [DeltaNetSegment(0, 64, 0, (0, 64)), DeltaNetSegment(64, 1, 0, None), DeltaNetSegment(65, 150, 0, (0, 215)),
+            DeltaNetSegment(215, 1, 1, None), DeltaNetSegment(216, 129, 2, None)]
+    t = 345
+    warm = [DeltaNetSegment(40 * s, 40, s, None) for s in range(3)]
+    xw, aw, bw = rand(rng, 120, c), rand(rng, 120, hv), rand(rng, 120, hv, scale=2.0)
+    x, a, b = rand(rng, t, c), rand(rng, t, hv), rand(rng, t, hv, scale=2.0)
+    np_pool = NP.new_state_pool(cfg, 3)
+    for s in range(3):
+        np_pool.reset(s)
+    p_np = dn_params(NP, cfg, np.random.default_rng(1))
+    NP.deltanet_core(np_pool, 0, xw, aw, bw, p_np, warm, cfg, {})
+    warm_states = [(np_pool.get(s).conv[0].copy(), np_pool.get(s).recurrent[0].copy()) for s in range(3)]
+    snaps_np = {}
+    ref = NP.deltanet_core(np_pool, 0, x, a, b, p_np, segs, cfg, snaps_np)
+    results = {}
+    monkeypatch.setitem(cd.CHUNKED, "min_len", 2)  # runs of 215 rows take the chunked kernels
+    for chunked in (True, False):
+        monkeypatch.setitem(cd.CHUNKED, "enabled", chunked)
+        launched = record_kernels(monkeypatch, cd)
+        cub = CupyBackend("bf16")
+        pool = cub.new_state_pool(cfg, 3)
+        for s in range(3):
+            pool.reset(s)
+            pool.conv[0][s] = cp.asarray(warm_states[s][0])
+            pool.rec[0][s] = cp.asarray(warm_states[s][1])
+        snaps = {}
+        out = cub.deltanet_core(pool, 0, cp.asarray(x), cp.asarray(a), cp.asarray(b),
+                                dn_params(cub, cfg, np.random.default_rng(1)), segs, cfg, snaps)
+        names = {f for f, _ in launched}
+        assert ("gdn_chunk_scan" in names) == chunked and ("gdn_recurrent" in names) != chunked, names
+        results[chunked] = cp.asnumpy(out)
+        what = "chunked" if chunked else "recurrent"
+        assert_close(out, ref, 1e-4, f"{what} out dims {dims}")
+        for s in range(3):
+            assert_close(pool.get(s).recurrent[0], np_pool.get(s).recurrent[0], 1e-4, f"{what} state {s}")
+        assert sorted(snaps) == sorted(snaps_np)
+        for key in snaps_np:
+            assert_close(snaps[key][0][1], snaps_np[key][0][1], 1e-4, f"{what} snapshot {key}")
+    assert_close(results[True], results[False], 1e-4, f"chunked against recurrent, dims {dims}")
+
+
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 12, 8)])
 def test_deltanet_recurrent_blocks_give_the_same_bits(monkeypatch, dims):
     """gdn_recurrent stages its inputs in blocks of RECURRENT["tokens"] tokens: blocks of 1, 5, 16 and 32 tokens
@@ -507,6 +577,7 @@ def test_deltanet_recurrent_blocks_give_the_same_bits(monkeypatch, dims):
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
+    monkeypatch.setitem(cd.CHUNKED, "enabled", False)
     cfg = dn_config(*dims)
     c, hv = cfg.linear_conv_dim, cfg.linear_num_value_heads
     rng = np.random.default_rng(3)

@@ -12,7 +12,8 @@ chunked and recurrent variants interleaved. "HF" is `torch_chunk_gated_delta_rul
 gates), one call per run. "err" is the chunked output's largest difference from the recurrent one, relative to
 the latter's largest magnitude. GDN_DIAGS (e.g. "1,2,4,7") then times the first case's chunked forward built with
 each CHUNK_DIAG (phases of gdn_chunk_prep left out; results wrong) against the full one, and GDN_WARPS (e.g.
-"4,8") with each number of warps a gdn_chunk_scan CTA.
+"4,8") with each number of warps a gdn_chunk_scan CTA, GDN_BUFS (e.g. "2") with each number of W | q fragment
+buffers (SCAN_WQ_BUFS).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CASES = os.environ.get("GDN_CASES", "1x2048,4x512,1x2048+11x1,1x256,1x64,1x32,1x
 ITERS = int(os.environ.get("GDN_ITERS", "10"))
 DIAGS = [int(d) for d in os.environ.get("GDN_DIAGS", "").split(",") if d]
 WARPS = [int(w) for w in os.environ.get("GDN_WARPS", "").split(",") if w]
+BUFS = [int(b) for b in os.environ.get("GDN_BUFS", "").split(",") if b]
 HK, HV, D = 16, 48, 128
 
 
@@ -155,6 +157,11 @@ def main() -> None:
                 w_ms = float(np.median([median_ms(functools.partial(call, {}), 1) for _ in range(ITERS)]))
                 print(f"  gdn_chunk_scan of {warps} warps: {w_ms:.3f} ms (default {chk:.3f})")
             cd.CHUNKED["warps"] = None
+            for bufs in BUFS:
+                cd.CHUNKED["wq_bufs"] = bufs
+                b_ms = float(np.median([median_ms(functools.partial(call, {}), 1) for _ in range(ITERS)]))
+                print(f"  gdn_chunk_scan with {bufs} W | q buffers: {b_ms:.3f} ms (default {chk:.3f})")
+            cd.CHUNKED["wq_bufs"] = 1
 
 
 if __name__ == "__main__":

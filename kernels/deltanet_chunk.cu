@@ -16,11 +16,11 @@
 // (n-tile, k-step, lane): W and q exp(cum) [n = token, k = key dim], k exp(cum_last - cum) [n = key dim,
 // k = token], P [n = token, k = token] (pairs on or below the diagonal only); U as float32 C fragments of
 // V_new^T (m = value column, n = token); and exp(cum_last).
-// gdn_chunk_scan (grid (runs, HV, DV / (16 SCAN_WARPS)), a warp per 16 value columns, no shared memory) walks a
-// run's chunks in order. It keeps S^T for its columns in registers as C fragments (m = value column, n = key
-// dim), which are also the A fragments of S^T's products over the key dims (two n-tiles a k-step, as attention
-// kernels keep P), and likewise V_new^T: every product takes its A operand from registers and its B operand from
-// the fragments above, read straight from global memory (L1 / L2: the warps of a head share them).
+// gdn_chunk_scan (grid (runs, HV, ceil(DV / 16 / SCAN_WARPS)), a warp per 16 value columns) walks a run's chunks
+// in order. It keeps S^T for its columns in registers as C fragments (m = value column, n = key dim), which are
+// also the A fragments of S^T's products over the key dims (two n-tiles a k-step, as attention kernels keep P),
+// and likewise V_new^T: every product takes its A operand from registers and its B operand from the fragments
+// above, which the CTA's warps share, staged in shared memory.
 //
 // Inputs: qn, kn [T, HK, DK] (normed q, k: gdn_qk_norm); v at y[:, 2 HK DK + h DV + col] (row stride C); g, beta
 // [T, HV] (gdn_gates). chunks [NCH, 3] int32: first row, tokens (1..CT), snapshot index (-1: none; set on the last
@@ -177,7 +177,7 @@ gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn, const
   }
   __syncthreads();
 
-  // fragments of q exp(cum), k exp(cum_last - cum) and P (they read q^T, k^T, P before the staging reuses them)
+  // fragments of q exp(cum), k exp(cum_last - cum) and P (they read q^T and k^T before the staging reuses them)
   for (int x = tid; x < FRAGS * NTC * KS * 32; x += PREP_NT) {
     const int ks = (x >> 5) % KS, nt = (x >> 5) / KS;
     qf[item * (NTC * KS * 32) + x] = b_frag([&](int n, int k) { return qT[k * TLD + n] * eg[n]; }, nt, ks, x & 31);
@@ -241,7 +241,7 @@ gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn, const
 
 // ---- the scan over a run's chunks ---------------------------------------------------------------------------
 #ifndef SCAN_WARPS
-#define SCAN_WARPS 4  // warps (16 value columns each) a CTA; cupy_deltanet passes min(4, DV / 16)
+#define SCAN_WARPS 4  // warps (16 value columns each) a CTA; cupy_deltanet passes the most of 4, 2, 1 dividing DV / 16
 #endif
 
 // (a, b) -> bf16x2 {a low, b high} rounded to nearest even (one cvt), and of the remainders: split2's values for
@@ -279,39 +279,46 @@ __device__ __forceinline__ void mma3_rows(float (&d)[N][4], const u32 (&ah)[4], 
     if (on[n]) mma(d[n], ah[0], ah[1], ah[2], ah[3], b[n].z, b[n].w);
 }
 
+#ifndef SCAN_WQ_BUFS
+#define SCAN_WQ_BUFS 1  // chunks of W | q exp(cum) fragments staged at once (1 or 2; cupy_deltanet passes it)
+#endif
+static_assert(SCAN_WQ_BUFS == 1 || SCAN_WQ_BUFS == 2, "one or two W | q buffers");
 // shared memory of gdn_chunk_scan, in 16-byte items (cupy_deltanet.chunk_scan_smem_bytes mirrors it): W and
-// q exp(cum) fragments [2][WQ_ITEMS], then k exp(cum_last - cum) [K_ITEMS] and P [P_ITEMS], then U of each warp's
-// m-tile [SCAN_WARPS][U_ITEMS]
+// q exp(cum) fragments [SCAN_WQ_BUFS][2][WQ_ITEMS], then k exp(cum_last - cum) [K_ITEMS] and P [P_ITEMS], then U of
+// each warp's m-tile [SCAN_WARPS][U_ITEMS]
 constexpr int WQ_ITEMS = NTC * KS * 32, K_ITEMS = NTK * KSC * 32, P_ITEMS = NTC * KSC * 32, U_ITEMS = NTC * 32;
-constexpr int SCAN_ITEMS = 2 * WQ_ITEMS + K_ITEMS + P_ITEMS + SCAN_WARPS * U_ITEMS;
+constexpr int SCAN_ITEMS = SCAN_WQ_BUFS * 2 * WQ_ITEMS + K_ITEMS + P_ITEMS + SCAN_WARPS * U_ITEMS;
 static_assert(16 * SCAN_ITEMS <= 227 * 1024, "gdn_chunk_scan's shared memory");
 
 // A CTA takes SCAN_WARPS m-tiles of one (run, value head); its warps share the chunk's B fragments, staged in
 // shared memory by 16-byte asynchronous copies in two groups: W | q exp(cum) (products over the state), then
-// k exp(cum_last - cum) | P | U (the rest). Each group's copies for the next chunk (or phase) are in flight
-// while the other group's phase computes.
+// k exp(cum_last - cum) | P | U (the rest). The second group of a chunk flies during its first phase; the first
+// group flies during the chunk before (SCAN_WQ_BUFS 2: from the start of the chunk before; 1: from the end of
+// its first phase).
 extern "C" __global__ void __launch_bounds__(32 * SCAN_WARPS)
 gdn_chunk_scan(const uint4* __restrict__ wf, const uint4* __restrict__ qf, const uint4* __restrict__ kf,
                const uint4* __restrict__ pf, const float4* __restrict__ uf, const float* __restrict__ gl,
                const int* __restrict__ chunks, const int* __restrict__ runs, const int* __restrict__ run_chunks,
                float* __restrict__ state, float* __restrict__ out, float* __restrict__ snap_rec, int HV) {
   DYN_SMEM_DECL(smem_raw);
-  const u32 sm_wq = smem_u32(smem_raw), sm_k = sm_wq + 16 * 2 * WQ_ITEMS, sm_p = sm_k + 16 * K_ITEMS;
+  const u32 sm_wq = smem_u32(smem_raw), sm_k = sm_wq + 16 * SCAN_WQ_BUFS * 2 * WQ_ITEMS, sm_p = sm_k + 16 * K_ITEMS;
   const u32 sm_u = sm_p + 16 * P_ITEMS;
   const int r = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mt0 = blockIdx.z * SCAN_WARPS, mt = mt0 + warp;
   const bool active = mt < MTV;
   const int slot = runs[5 * r + 2], ch0 = run_chunks[2 * r], nch = run_chunks[2 * r + 1];
   const int gq = lane >> 2, tq = lane & 3, col0 = 16 * mt;
-  auto load_wq = [&](int ch) {
+  auto load_wq = [&](int ch, int buf) {
     const i64 item = (i64)ch * HV + h;
+    const u32 dst = sm_wq + 16 * buf * 2 * WQ_ITEMS;
     for (int x = tid; x < 2 * WQ_ITEMS; x += 32 * SCAN_WARPS)
-      cp_async16(sm_wq + 16 * x, x < WQ_ITEMS ? wf + item * WQ_ITEMS + x : qf + item * WQ_ITEMS + x - WQ_ITEMS, 16);
+      cp_async16(dst + 16 * x, x < WQ_ITEMS ? wf + item * WQ_ITEMS + x : qf + item * WQ_ITEMS + x - WQ_ITEMS, 16);
   };
   auto load_kpu = [&](int ch) {
     const i64 item = (i64)ch * HV + h;
     for (int x = tid; x < K_ITEMS; x += 32 * SCAN_WARPS) cp_async16(sm_k + 16 * x, kf + item * K_ITEMS + x, 16);
-    for (int x = tid; x < P_ITEMS; x += 32 * SCAN_WARPS) cp_async16(sm_p + 16 * x, pf + item * P_ITEMS + x, 16);
+    for (int x = tid; x < P_ITEMS; x += 32 * SCAN_WARPS)  // the items on or below the diagonal (prep writes no others)
+      if ((x >> 5) % KSC <= (x >> 5) / KSC / 2) cp_async16(sm_p + 16 * x, pf + item * P_ITEMS + x, 16);
     for (int x = tid; x < SCAN_WARPS * U_ITEMS; x += 32 * SCAN_WARPS) {
       const int m = mt0 + x / U_ITEMS;
       if (m < MTV) cp_async16(sm_u + 16 * x, uf + (item * MTV + m) * U_ITEMS + x % U_ITEMS, 16);
@@ -326,13 +333,19 @@ gdn_chunk_scan(const uint4* __restrict__ wf, const uint4* __restrict__ qf, const
 #pragma unroll
     for (int e = 0; e < 4; ++e) S[nt][e] = active ? st[s_at(nt, e)] : 0.f;
 
-  if (nch > 0) load_wq(ch0);
+  // groups in commit order: WQ_0 [, WQ_1], then per chunk c: K_c, WQ_{c + SCAN_WQ_BUFS} (possibly empty)
+  if (nch > 0) load_wq(ch0, 0);
   cp_commit();
+  if (SCAN_WQ_BUFS == 2) {
+    if (nch > 1) load_wq(ch0 + 1, 1);
+    cp_commit();
+  }
   for (int ci = 0; ci < nch; ++ci) {
     const int ch = ch0 + ci, row0 = chunks[3 * ch], c = chunks[3 * ch + 1], snap = chunks[3 * ch + 2];
+    const u32 wq = sm_wq + 16 * (SCAN_WQ_BUFS == 2 ? ci & 1 : 0) * 2 * WQ_ITEMS;  // this chunk's W | q buffer
     load_kpu(ch);
     cp_commit();
-    cp_wait_groups<1>();  // this chunk's W | q exp(cum)
+    cp_wait_groups<SCAN_WQ_BUFS>();  // this chunk's W | q exp(cum) (after chunk 0: done at the last chunk's wait)
     __syncthreads();
     float vn[NTC][4], o[NTC][4];  // (W S)^T, then V_new^T; (q exp(cum) S)^T, then O^T
 #pragma unroll
@@ -352,16 +365,16 @@ gdn_chunk_scan(const uint4* __restrict__ wf, const uint4* __restrict__ qf, const
           uint4 b[NTC];
 #pragma unroll
           for (int nt = 0; nt < NTC; ++nt)
-            if (on[nt]) b[nt] = ld_shared_v4(sm_wq + 16 * (pass * WQ_ITEMS + (nt * KS + ks) * 32 + lane));
+            if (on[nt]) b[nt] = ld_shared_v4(wq + 16 * (pass * WQ_ITEMS + (nt * KS + ks) * 32 + lane));
           if (pass) mma3_rows(o, ah, al, b, on);
           else mma3_rows(vn, ah, al, b, on);
         }
       }
     }
-    __syncthreads();  // every warp is done with W | q exp(cum): the next chunk's may land there
-    if (ci + 1 < nch) load_wq(ch + 1);
+    __syncthreads();  // every warp is done with this W | q buffer: the chunk SCAN_WQ_BUFS on may land there
+    if (ci + SCAN_WQ_BUFS < nch) load_wq(ch + SCAN_WQ_BUFS, SCAN_WQ_BUFS == 2 ? ci & 1 : 0);
     cp_commit();
-    cp_wait_groups<1>();  // this chunk's k exp(cum_last - cum) | P | U
+    cp_wait_groups<1>();  // this chunk's k exp(cum_last - cum) | P | U (and the next chunk's W | q)
     __syncthreads();
     if (active) {
       const u32 ui = sm_u + 16 * (warp * U_ITEMS + lane);

@@ -260,7 +260,7 @@ class DecodeGraphRunner:
                              prefill=None)  # decode batches: the decode kernel or the general one
         st.kv_bits = _kv_bits(kv)
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
-                            snapshot_keys=[], chunks=None, run_chunks=None)  # decode: no chunked prefill
+                            snapshot_keys=[], chunk_src=None, chunk_work=None)  # decode: no chunked work
         return st
 
     def _fill(self, st: _Static, batch: ForwardBatch | None) -> None:

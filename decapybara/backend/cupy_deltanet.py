@@ -42,10 +42,12 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # other forwards at float arithmetic (the bf16 backend) whose head dims are multiples of 16 (dk + dv <= 256): the
 # chunked form on tensor cores (kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that
-# divides dv / 16); "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
+# divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 1, as measured,
+# or 2: the next chunk's copies in flight from the start of the chunk before, checked on the host emulator only);
+# "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off.
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0", "min_len": 512,
-                           "warps": None, "defines": {}}
+                           "warps": None, "wq_bufs": 1, "defines": {}}
 
 
 def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
@@ -66,19 +68,19 @@ def recurrent_smem_bytes(dk: int, vcols: int, tokens: int) -> int:
 
 
 def chunk_prep_smem_bytes(dk: int, dv: int) -> int:
-    """Dynamic shared memory of a gdn_chunk_prep CTA (kernels/deltanet_chunk.cu PREP_FLOATS): q^T and k^T (dk rows
-    of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4), whichever is larger; A and
+    """Dynamic shared memory of a gdn_chunk_prep CTA (kernels/deltanet_chunk.cu: REGION0, A, P, the scalars): q^T
+    and k^T (dk rows of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4), whichever is larger; A and
     P (CHUNK rows of CHUNK + 4); four per-token scalars."""
     region0 = max(2 * dk * (CHUNK + 4), CHUNK * (dv + dk + 8))
     return 4 * (region0 + 2 * CHUNK * (CHUNK + 4) + 4 * CHUNK)
 
 
-def chunk_scan_smem_bytes(dk: int, dv: int, warps: int) -> int:
-    """Dynamic shared memory of a gdn_chunk_scan CTA (kernels/deltanet_chunk.cu SCAN_ITEMS, 16-byte items): W and
-    q fragments (2 x CHUNK / 8 n-tiles x dk / 16 k-steps x 32 lanes), k (dk / 8 x CHUNK / 16 x 32), P (CHUNK / 8 x
-    CHUNK / 16 x 32), U of each warp's 16 columns (CHUNK / 8 x 32)."""
+def chunk_scan_smem_bytes(dk: int, warps: int, wq_bufs: int) -> int:
+    """Dynamic shared memory of a gdn_chunk_scan CTA (kernels/deltanet_chunk.cu SCAN_ITEMS, 16-byte items):
+    `wq_bufs` chunks of W and q fragments (2 x CHUNK / 8 n-tiles x dk / 16 k-steps x 32 lanes), k (dk / 8 x
+    CHUNK / 16 x 32), P (CHUNK / 8 x CHUNK / 16 x 32), U of each warp's 16 columns (CHUNK / 8 x 32)."""
     n8, k16 = CHUNK // 8, CHUNK // 16
-    return 16 * (2 * n8 * (dk // 16) * 32 + (dk // 8) * k16 * 32 + n8 * k16 * 32 + warps * n8 * 32)
+    return 16 * (wq_bufs * 2 * n8 * (dk // 16) * 32 + (dk // 8) * k16 * 32 + n8 * k16 * 32 + warps * n8 * 32)
 
 
 def chunked_ok(dk: int, dv: int) -> bool:
@@ -112,27 +114,55 @@ class RunPlan:
     num_runs: int
     max_len: int  # rows of the longest run
     snapshot_keys: list[tuple[int, int]]  # snapshot index -> key
-    # the chunked kernels' work, where some run has more than one row (else None): each segment in chunks of at
-    # most CHUNK rows from its start, as the reference chunks it
-    chunks: Any = None  # [NCH, 3] int32: first row, rows, snapshot index (its segment's, on its last chunk) or -1
-    run_chunks: Any = None  # [R, 2] int32: first chunk, chunks
+    # where some run has more than one row: (segments, runs as host lists, each segment's snapshot index or -1),
+    # from which `chunk_work` builds the chunked kernels' work on first use (cached in chunk_work); else None
+    chunk_src: tuple[list[DeltaNetSegment], list[list[int]], list[int]] | None = None
+    chunk_work: ChunkWork | None = None
+
+
+@dataclass(slots=True)
+class ChunkWork:
+    """The chunked kernels' share of a forward: runs of CHUNK rows or more, each segment cut into chunks of at
+    most CHUNK rows from its start (as the reference chunks it); shorter runs (decode rows beside a prompt) take
+    gdn_recurrent."""
+
+    chunks: Any  # [NCH, 3] int32: first row, rows, snapshot index (its segment's, on its last chunk) or -1
+    run_chunks: Any  # [RL, 2] int32: first chunk, chunks of each long run
+    long_runs: Any  # [RL, 5] int32: the long runs' rows of RunPlan.runs
+    num_long: int
+    short_runs: Any  # [RS, 5] int32 or None
+    num_short: int
 
 
 def chunk_table(segments: list[DeltaNetSegment], runs: list[list[int]],
                 snaps: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(chunks [NCH, 3], run_chunks [R, 2]) of `segments` (grouped into `runs` as plan_runs groups them; snaps[i]
-    the snapshot index of segment i or -1): see RunPlan."""
+    """(chunks [NCH, 3], run_chunks [R, 2]) of `runs` (rows of RunPlan.runs over `segments`, as plan_runs groups
+    them; snaps[i] the snapshot index of segment i or -1): see ChunkWork."""
     chunks: list[tuple[int, int, int]] = []
-    for seg, snap in zip(segments, snaps):
-        for off in range(0, seg.length, CHUNK):
-            n = min(CHUNK, seg.length - off)
-            chunks.append((seg.start + off, n, snap if off + n == seg.length else -1))
-    run_chunks, first = [], 0
+    run_chunks = []
     for run in runs:
-        n = sum(-(-segments[i].length // CHUNK) for i in range(run[3], run[3] + run[4]))
-        run_chunks.append((first, n))
-        first += n
+        run_chunks.append((len(chunks), 0))
+        for i in range(run[3], run[3] + run[4]):
+            seg = segments[i]
+            for off in range(0, seg.length, CHUNK):
+                n = min(CHUNK, seg.length - off)
+                chunks.append((seg.start + off, n, snaps[i] if off + n == seg.length else -1))
+        run_chunks[-1] = (run_chunks[-1][0], len(chunks) - run_chunks[-1][0])
     return np.asarray(chunks, np.int32).reshape(-1, 3), np.asarray(run_chunks, np.int32).reshape(-1, 2)
+
+
+def chunk_work(plan: RunPlan) -> ChunkWork:
+    """`plan`'s ChunkWork, built (and copied to the device) once per plan."""
+    if plan.chunk_work is None:
+        assert plan.chunk_src is not None, "a forward of decode rows only has no chunked work"
+        segments, runs, snaps = plan.chunk_src
+        long = [r for r in runs if r[1] >= CHUNK]
+        short = [r for r in runs if r[1] < CHUNK]
+        chunks, run_chunks = chunk_table(segments, long, snaps)
+        rows = (lambda rs: cp.asarray(np.asarray(rs, np.int32).reshape(-1, 5)))
+        plan.chunk_work = ChunkWork(cp.asarray(chunks), cp.asarray(run_chunks), rows(long), len(long),
+                                    rows(short) if short else None, len(short))
+    return plan.chunk_work
 
 
 def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
@@ -158,12 +188,9 @@ def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
     if len(set(slots)) != len(slots):
         raise ValueError(f"state slots {slots}: a slot's segments must be consecutive rows of one sequence")
     max_len = max((r[1] for r in runs), default=0)
-    chunks = run_chunks = None
-    if max_len > 1:
-        chunks, run_chunks = (cp.asarray(a) for a in chunk_table(segments, runs, [s[1] for s in segs]))
+    src = (list(segments), runs, [s[1] for s in segs]) if max_len > 1 else None
     return RunPlan(cp.asarray(np.asarray(runs, np.int32).reshape(-1, 5)),
-                   cp.asarray(np.asarray(segs, np.int32).reshape(-1, 2)), len(runs), max_len, keys, chunks,
-                   run_chunks)
+                   cp.asarray(np.asarray(segs, np.int32).reshape(-1, 2)), len(runs), max_len, keys, src)
 
 
 def _rows(a: Any) -> Any:
@@ -253,16 +280,19 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         get_kernel("deltanet_prefill", "gdn_gates", defines)(
             (grid_for(t * hv),), (THREADS,),
             (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4)))
-        if (acc == "float" and CHUNKED["enabled"] and chunked_ok(dk, dv) and plan.chunks is not None
+        rec_runs, num_rec = plan.runs, plan.num_runs  # gdn_recurrent's runs
+        if (acc == "float" and CHUNKED["enabled"] and chunked_ok(dk, dv) and plan.chunk_src is not None
                 and plan.max_len >= CHUNKED["min_len"]):
-            _chunked(qn, kn, y, g, beta, rec, plan, out, snap_rec, hk, hv, dk, dv, c)
-        else:
+            work = chunk_work(plan)
+            _chunked(qn, kn, y, g, beta, rec, plan, work, out, snap_rec, hk, hv, dk, dv, c)
+            rec_runs, num_rec = work.short_runs, work.num_short
+        if num_rec:
             tokens = int(RECURRENT["tokens"])
             rec_kernel = get_kernel("deltanet_prefill", "gdn_recurrent", defines + (("GDN_TOKENS", tokens),))
             smem = recurrent_smem_bytes(dk, vcols, tokens)
             cupy_ops.allow_dynamic_smem(rec_kernel, smem)
-            rec_kernel((plan.num_runs, hv, dv // vcols), (4 * vcols,),
-                       (qn, kn, y, g, beta, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c),
+            rec_kernel((num_rec, hv, dv // vcols), (4 * vcols,),
+                       (qn, kn, y, g, beta, rec, rec_runs, plan.segs, out, snap_rec, I32(hk), I32(hv), I32(c),
                         I32(CHUNK)), shared_mem=smem)
     # the conv state after the run, once every reader above has run (and, fused, the gated norm of `out`)
     state_args = (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx)
@@ -285,12 +315,12 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     return out if gated is None else gated
 
 
-def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPlan, out: Any, snap_rec: Any,
-             hk: int, hv: int, dk: int, dv: int, c: int) -> None:
-    """The gated delta rule of every run by chunks (kernels/deltanet_chunk.cu): gdn_chunk_prep over every
+def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPlan, work: ChunkWork, out: Any,
+             snap_rec: Any, hk: int, hv: int, dk: int, dv: int, c: int) -> None:
+    """The gated delta rule of `work`'s long runs by chunks (kernels/deltanet_chunk.cu): gdn_chunk_prep over every
     (chunk, value head) at once, then gdn_chunk_scan along each run's chunks. Updates `rec`, writes `out` and
-    `snap_rec` as gdn_recurrent does."""
-    nch = int(plan.chunks.shape[0])
+    `snap_rec` as gdn_recurrent does, for those runs only."""
+    nch = int(work.chunks.shape[0])
     defines = (("DK", dk), ("DV", dv), *CHUNKED["defines"].items())
     n = nch * hv * (CHUNK // 8) * 32  # B-fragment items over a chunk's tokens, times k-steps below
     wf, qf = empty((n * dk // 16, 4), cp.uint32), empty((n * dk // 16, 4), cp.uint32)
@@ -300,15 +330,16 @@ def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPla
     gl = empty((nch, hv), cp.float32)
     prep, smem = get_kernel("deltanet_chunk", "gdn_chunk_prep", defines), chunk_prep_smem_bytes(dk, dv)
     cupy_ops.allow_dynamic_smem(prep, smem)
-    prep((nch, hv), (256,), (qn, kn, y, g, beta, plan.chunks, wf, qf, kf, pf, uf, gl, I32(hk), I32(hv), I32(c)),
+    prep((nch, hv), (256,), (qn, kn, y, g, beta, work.chunks, wf, qf, kf, pf, uf, gl, I32(hk), I32(hv), I32(c)),
          shared_mem=smem)
     mtiles = dv // 16
     warps = CHUNKED["warps"] or next(w for w in (4, 2, 1) if mtiles % w == 0)
-    scan = get_kernel("deltanet_chunk", "gdn_chunk_scan", defines + (("SCAN_WARPS", warps),))
-    smem = chunk_scan_smem_bytes(dk, dv, warps)
+    bufs = int(CHUNKED["wq_bufs"])
+    scan = get_kernel("deltanet_chunk", "gdn_chunk_scan", defines + (("SCAN_WARPS", warps), ("SCAN_WQ_BUFS", bufs)))
+    smem = chunk_scan_smem_bytes(dk, warps, bufs)
     cupy_ops.allow_dynamic_smem(scan, smem)
-    scan((plan.num_runs, hv, -(-mtiles // warps)), (32 * warps,),
-         (wf, qf, kf, pf, uf, gl, plan.chunks, plan.runs, plan.run_chunks, rec, out, snap_rec, I32(hv)),
+    scan((work.num_long, hv, -(-mtiles // warps)), (32 * warps,),
+         (wf, qf, kf, pf, uf, gl, work.chunks, work.long_runs, work.run_chunks, rec, out, snap_rec, I32(hv)),
          shared_mem=smem)
 
 

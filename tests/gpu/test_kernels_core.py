@@ -498,28 +498,35 @@ def test_deltanet_core_matches_reference(acc, dims):
 
 
 def test_deltanet_chunk_table_splits_segments_from_their_starts():
-    """Chunks of at most CHUNK rows from each segment's start; a segment's snapshot on its last chunk; runs'
-    chunk ranges."""
+    """Chunks of at most CHUNK rows from each segment's start; a segment's snapshot on its last chunk; long runs'
+    chunk ranges; runs under CHUNK rows left to gdn_recurrent."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
     segs = [DeltaNetSegment(0, 64, 0, (0, 64)), DeltaNetSegment(64, 1, 0, None), DeltaNetSegment(65, 150, 0, (0, 215)),
             DeltaNetSegment(215, 1, 1, None), DeltaNetSegment(216, 129, 2, None)]
     plan = cd.plan_runs(segs)
-    chunks, run_chunks = cp.asnumpy(plan.chunks).tolist(), cp.asnumpy(plan.run_chunks).tolist()
-    assert chunks == [[0, 64, 0], [64, 1, -1], [65, 64, -1], [129, 64, -1], [193, 22, 1], [215, 1, -1],
+    work = cd.chunk_work(plan)
+    assert cd.chunk_work(plan) is work  # built once a plan
+    chunks, run_chunks = cp.asnumpy(work.chunks).tolist(), cp.asnumpy(work.run_chunks).tolist()
+    assert chunks == [[0, 64, 0], [64, 1, -1], [65, 64, -1], [129, 64, -1], [193, 22, 1],
                       [216, 64, -1], [280, 64, -1], [344, 1, -1]]
-    assert run_chunks == [[0, 5], [5, 1], [6, 3]]
-    assert cd.plan_runs([DeltaNetSegment(0, 1, 0, None), DeltaNetSegment(1, 1, 1, None)]).chunks is None
+    assert run_chunks == [[0, 5], [5, 3]]
+    assert cp.asnumpy(work.long_runs).tolist() == [[0, 215, 0, 0, 3], [216, 129, 2, 4, 1]] and work.num_long == 2
+    assert cp.asnumpy(work.short_runs).tolist() == [[215, 1, 1, 3, 1]] and work.num_short == 1  # a decode row
+    assert cd.plan_runs([DeltaNetSegment(0, 1, 0, None), DeltaNetSegment(1, 1, 1, None)]).chunk_src is None
 
 
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (2, 6, 128, 128), (2, 6, 64, 32), (1, 2, 32, 128)])
 def test_deltanet_chunked_matches_reference(monkeypatch, dims):
-    """The chunked form on tensor cores (gdn_chunk_prep + gdn_chunk_scan, the bf16 backend's prefill) against the
-    numpy reference, and against gdn_recurrent at float arithmetic, to 1e-4 of the largest value: outputs, the
+    """The chunked form on tensor cores (gdn_chunk_prep + gdn_chunk_scan, the bf16 backend's prefill; the scan with
+    one and two chunks of W | q fragments staged, the same bits) against the numpy reference, and against
+    gdn_recurrent at float arithmetic, to 1e-4 of the largest value: outputs, the
     final recurrent states and snapshots, over runs of 215 rows in three segments (a 64-row segment ending in a
     snapshot, a 1-row one, 150 rows in three chunks of which the last has 22 rows, ending in a snapshot), a
-    1-row run (a decode row in the same forward) and a 129-row run (a 1-row last chunk), from nonzero states."""
+    1-row run (a decode row in the same forward: gdn_recurrent's) and a 129-row run (a 1-row last chunk), from
+    nonzero states; the scan's CTAs also with 4 warps where dv / 16 is not a multiple of 4 (warps past the
+    value columns idle)."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -542,8 +549,13 @@ def test_deltanet_chunked_matches_reference(monkeypatch, dims):
     ref = NP.deltanet_core(np_pool, 0, x, a, b, p_np, segs, cfg, snaps_np)
     results = {}
     monkeypatch.setitem(cd.CHUNKED, "min_len", 2)  # runs of 215 rows take the chunked kernels
-    for chunked in (True, False):
+    variants = [(True, 1, None), (True, 2, None), (False, 1, None)]  # W | q fragments one or two chunks ahead
+    if (cfg.linear_value_head_dim // 16) % 4:
+        variants.append((True, 1, 4))
+    for chunked, bufs, warps in variants:
         monkeypatch.setitem(cd.CHUNKED, "enabled", chunked)
+        monkeypatch.setitem(cd.CHUNKED, "wq_bufs", bufs)
+        monkeypatch.setitem(cd.CHUNKED, "warps", warps)
         launched = record_kernels(monkeypatch, cd)
         cub = CupyBackend("bf16")
         pool = cub.new_state_pool(cfg, 3)
@@ -555,16 +567,20 @@ def test_deltanet_chunked_matches_reference(monkeypatch, dims):
         out = cub.deltanet_core(pool, 0, cp.asarray(x), cp.asarray(a), cp.asarray(b),
                                 dn_params(cub, cfg, np.random.default_rng(1)), segs, cfg, snaps)
         names = {f for f, _ in launched}
-        assert ("gdn_chunk_scan" in names) == chunked and ("gdn_recurrent" in names) != chunked, names
-        results[chunked] = cp.asnumpy(out)
-        what = "chunked" if chunked else "recurrent"
+        assert ("gdn_chunk_scan" in names) == chunked and "gdn_recurrent" in names, names  # the 1-row run
+        assert all(d["SCAN_WQ_BUFS"] == bufs for f, d in launched if f == "gdn_chunk_scan"), launched
+        results[chunked, bufs, warps] = cp.asnumpy(out)
+        what = f"chunked ({bufs} W | q buffers, warps {warps})" if chunked else "recurrent"
         assert_close(out, ref, 1e-4, f"{what} out dims {dims}")
         for s in range(3):
             assert_close(pool.get(s).recurrent[0], np_pool.get(s).recurrent[0], 1e-4, f"{what} state {s}")
         assert sorted(snaps) == sorted(snaps_np)
         for key in snaps_np:
             assert_close(snaps[key][0][1], snaps_np[key][0][1], 1e-4, f"{what} snapshot {key}")
-    assert_close(results[True], results[False], 1e-4, f"chunked against recurrent, dims {dims}")
+    assert_close(results[True, 1, None], results[False, 1, None], 1e-4, f"chunked against recurrent, dims {dims}")
+    for key, got in results.items():
+        if key[0]:
+            assert_bytes_equal(got, results[True, 1, None], f"chunked {key} against the default, {dims}")
 
 
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 12, 8)])

@@ -25,10 +25,10 @@ from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_kv import CupyStatePool
 from decapybara.backend.cupy_ops import F32, I32, I64, THREADS, empty, f32, f32_any, grid_for
+from decapybara.backend.deltanet_plan import CHUNK, chunk_table, group_runs, split_runs
 from decapybara.model.config import ModelConfig
 from kernels import get_kernel
 
-CHUNK = 64  # the reference's chunk: the state is stored as float32 every CHUNK tokens of a segment
 CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_prefill.cu)
 # decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces;
 # "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
@@ -69,8 +69,8 @@ def recurrent_smem_bytes(dk: int, vcols: int, tokens: int) -> int:
 
 def chunk_prep_smem_bytes(dk: int, dv: int) -> int:
     """Dynamic shared memory of a gdn_chunk_prep CTA (kernels/deltanet_chunk.cu: REGION0, A, P, the scalars): q^T
-    and k^T (dk rows of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4), whichever is larger; A and
-    P (CHUNK rows of CHUNK + 4); four per-token scalars."""
+    and k^T (dk rows of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4), whichever
+    is larger; A and P (CHUNK rows of CHUNK + 4); four per-token scalars."""
     region0 = max(2 * dk * (CHUNK + 4), CHUNK * (dv + dk + 8))
     return 4 * (region0 + 2 * CHUNK * (CHUNK + 4) + 4 * CHUNK)
 
@@ -134,30 +134,12 @@ class ChunkWork:
     num_short: int
 
 
-def chunk_table(segments: list[DeltaNetSegment], runs: list[list[int]],
-                snaps: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(chunks [NCH, 3], run_chunks [R, 2]) of `runs` (rows of RunPlan.runs over `segments`, as plan_runs groups
-    them; snaps[i] the snapshot index of segment i or -1): see ChunkWork."""
-    chunks: list[tuple[int, int, int]] = []
-    run_chunks = []
-    for run in runs:
-        run_chunks.append((len(chunks), 0))
-        for i in range(run[3], run[3] + run[4]):
-            seg = segments[i]
-            for off in range(0, seg.length, CHUNK):
-                n = min(CHUNK, seg.length - off)
-                chunks.append((seg.start + off, n, snaps[i] if off + n == seg.length else -1))
-        run_chunks[-1] = (run_chunks[-1][0], len(chunks) - run_chunks[-1][0])
-    return np.asarray(chunks, np.int32).reshape(-1, 3), np.asarray(run_chunks, np.int32).reshape(-1, 2)
-
-
 def chunk_work(plan: RunPlan) -> ChunkWork:
     """`plan`'s ChunkWork, built (and copied to the device) once per plan."""
     if plan.chunk_work is None:
         assert plan.chunk_src is not None, "a forward of decode rows only has no chunked work"
         segments, runs, snaps = plan.chunk_src
-        long = [r for r in runs if r[1] >= CHUNK]
-        short = [r for r in runs if r[1] < CHUNK]
+        long, short = split_runs(runs)
         chunks, run_chunks = chunk_table(segments, long, snaps)
         rows = (lambda rs: cp.asarray(np.asarray(rs, np.int32).reshape(-1, 5)))
         plan.chunk_work = ChunkWork(cp.asarray(chunks), cp.asarray(run_chunks), rows(long), len(long),
@@ -166,31 +148,13 @@ def chunk_work(plan: RunPlan) -> ChunkWork:
 
 
 def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
-    runs: list[list[int]] = []
-    segs: list[tuple[int, int]] = []
-    keys: list[tuple[int, int]] = []
-    for seg in segments:
-        if seg.length <= 0:
-            raise ValueError(f"empty DeltaNet segment {seg}")
-        last = runs[-1] if runs else None
-        if last is not None and last[2] == seg.slot and last[0] + last[1] == seg.start:
-            last[1] += seg.length
-            last[4] += 1
-        else:
-            runs.append([seg.start, seg.length, seg.slot, len(segs), 1])
-            last = runs[-1]
-        snap = -1
-        if seg.snapshot_key is not None:
-            snap = len(keys)
-            keys.append(seg.snapshot_key)
-        segs.append((last[1], snap))
-    slots = [r[2] for r in runs]
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"state slots {slots}: a slot's segments must be consecutive rows of one sequence")
-    max_len = max((r[1] for r in runs), default=0)
-    src = (list(segments), runs, [s[1] for s in segs]) if max_len > 1 else None
+    """The device plan of `segments` (deltanet_plan.group_runs; ValueError as there)."""
+    groups = group_runs(segments)
+    runs = groups.runs
+    src = (list(segments), runs, [s[1] for s in groups.segs]) if groups.max_len > 1 else None
     return RunPlan(cp.asarray(np.asarray(runs, np.int32).reshape(-1, 5)),
-                   cp.asarray(np.asarray(segs, np.int32).reshape(-1, 2)), len(runs), max_len, keys, src)
+                   cp.asarray(np.asarray(groups.segs, np.int32).reshape(-1, 2)), len(runs), groups.max_len,
+                   groups.snapshot_keys, src)
 
 
 def _rows(a: Any) -> Any:

@@ -5,7 +5,8 @@ chunked rule on the same shapes.
     python3 bench/gdn_prefill.py          # table: runs, ms a layer (recurrent, chunked, HF), ratios, max error
 
 GDN_CASES: comma-separated run layouts "NxL" (N runs of L rows; "+" joins layouts into one forward), default
-"1x2048,4x512,1x2048+11x1,1x256,1x64,1x32,1x16". Each forward is `CupyBackend.deltanet_core` whole (conv + SiLU,
+"1x2048,4x512,1x2048+11x1,1x2048+64x1,1x512,1x256,1x64" ("chunked" runs every case through the chunked kernels,
+its runs under 64 rows through gdn_recurrent). Each forward is `CupyBackend.deltanet_core` whole (conv + SiLU,
 q / k norms, gates, the rule, the conv state), timed with CUDA events, median of GDN_ITERS after a warm-up, the
 chunked and recurrent variants interleaved. "HF" is `torch_chunk_gated_delta_rule` of transformers' qwen3_5 model
 (float32, q / k already normed and repeated to the value heads as its layer does; the rule alone, no conv or
@@ -33,7 +34,7 @@ from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_backend import CupyBackend
 from decapybara.model.config import ModelConfig
 
-CASES = os.environ.get("GDN_CASES", "1x2048,4x512,1x2048+11x1,1x256,1x64,1x32,1x16").split(",")
+CASES = os.environ.get("GDN_CASES", "1x2048,4x512,1x2048+11x1,1x2048+64x1,1x512,1x256,1x64").split(",")
 ITERS = int(os.environ.get("GDN_ITERS", "10"))
 DIAGS = [int(d) for d in os.environ.get("GDN_DIAGS", "").split(",") if d]
 WARPS = [int(w) for w in os.environ.get("GDN_WARPS", "").split(",") if w]

@@ -64,8 +64,8 @@ constexpr int REGION0 = QK_FLOATS > STAGE_FLOATS ? QK_FLOATS : STAGE_FLOATS;  //
 template <class F> __device__ __forceinline__ uint4 b_frag(const F& m, int nt, int ks, int lane) {
   const int n = 8 * nt + (lane >> 2), k = 16 * ks + 2 * (lane & 3);
   uint4 r;
-  split2(m(n, k), m(n, k + 1), r.x, r.z);
-  split2(m(n, k + 8), m(n, k + 9), r.y, r.w);
+  split2_cvt(m(n, k), m(n, k + 1), r.x, r.z);
+  split2_cvt(m(n, k + 8), m(n, k + 9), r.y, r.w);
   return r;
 }
 
@@ -244,17 +244,6 @@ gdn_chunk_prep(const float* __restrict__ qn, const float* __restrict__ kn, const
 #define SCAN_WARPS 4  // warps (16 value columns each) a CTA; cupy_deltanet passes the most of 4, 2, 1 dividing DV / 16
 #endif
 
-// (a, b) -> bf16x2 {a low, b high} rounded to nearest even (one cvt), and of the remainders: split2's values for
-// finite a, b
-__device__ __forceinline__ u32 bf16x2_rne(float a, float b) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-}
-__device__ __forceinline__ void split2_cvt(float a, float b, u32& hi, u32& lo) {
-  hi = bf16x2_rne(a, b);
-  lo = bf16x2_rne(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xFFFF0000u));
-}
 // the A fragments (hi, lo) of k-step s from C fragments f (m rows by n-tiles 2s, 2s + 1)
 __device__ __forceinline__ void a_frag(const float (&f0)[4], const float (&f1)[4], u32 (&ah)[4], u32 (&al)[4]) {
   split2_cvt(f0[0], f0[1], ah[0], al[0]);

@@ -26,3 +26,13 @@ __device__ __forceinline__ void split2(float a, float b, u32& hi, u32& lo) {
   hi = (u32)ha | ((u32)hb << 16);
   lo = (u32)f32_to_bf16(a - bf16_to_f32(ha)) | ((u32)f32_to_bf16(b - bf16_to_f32(hb)) << 16);
 }
+// split2's values for finite a, b by one cvt.rn.bf16x2 a term (deltanet_chunk; NaN becomes the canonical NaN)
+__device__ __forceinline__ u32 bf16x2_rne(float a, float b) {  // {a low, b high}, rounded to nearest even
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+__device__ __forceinline__ void split2_cvt(float a, float b, u32& hi, u32& lo) {
+  hi = bf16x2_rne(a, b);
+  lo = bf16x2_rne(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xFFFF0000u));
+}

@@ -25,7 +25,7 @@ from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_kv import CupyStatePool
 from decapybara.backend.cupy_ops import F32, I32, I64, THREADS, empty, f32, f32_any, grid_for
-from decapybara.backend.deltanet_plan import CHUNK, chunk_table, group_runs, split_runs
+from decapybara.backend.deltanet_plan import CHUNK, RunGroups, chunk_table, group_runs, split_runs
 from decapybara.model.config import ModelConfig
 from kernels import get_kernel
 
@@ -114,9 +114,9 @@ class RunPlan:
     num_runs: int
     max_len: int  # rows of the longest run
     snapshot_keys: list[tuple[int, int]]  # snapshot index -> key
-    # where some run has more than one row: (segments, runs as host lists, each segment's snapshot index or -1),
-    # from which `chunk_work` builds the chunked kernels' work on first use (cached in chunk_work); else None
-    chunk_src: tuple[list[DeltaNetSegment], list[list[int]], list[int]] | None = None
+    # where some run has more than one row: the segments and their host-side runs, from which `chunk_work` builds
+    # the chunked kernels' work on first use (cached in chunk_work); else None
+    chunk_src: tuple[list[DeltaNetSegment], RunGroups] | None = None
     chunk_work: ChunkWork | None = None
 
 
@@ -138,9 +138,9 @@ def chunk_work(plan: RunPlan) -> ChunkWork:
     """`plan`'s ChunkWork, built (and copied to the device) once per plan."""
     if plan.chunk_work is None:
         assert plan.chunk_src is not None, "a forward of decode rows only has no chunked work"
-        segments, runs, snaps = plan.chunk_src
-        long, short = split_runs(runs)
-        chunks, run_chunks = chunk_table(segments, long, snaps)
+        segments, groups = plan.chunk_src
+        long, short = split_runs(groups.runs)
+        chunks, run_chunks = chunk_table(segments, long, [snap for _, snap in groups.segs])
         rows = (lambda rs: cp.asarray(np.asarray(rs, np.int32).reshape(-1, 5)))
         plan.chunk_work = ChunkWork(cp.asarray(chunks), cp.asarray(run_chunks), rows(long), len(long),
                                     rows(short) if short else None, len(short))
@@ -150,11 +150,9 @@ def chunk_work(plan: RunPlan) -> ChunkWork:
 def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
     """The device plan of `segments` (deltanet_plan.group_runs; ValueError as there)."""
     groups = group_runs(segments)
-    runs = groups.runs
-    src = (list(segments), runs, [s[1] for s in groups.segs]) if groups.max_len > 1 else None
-    return RunPlan(cp.asarray(np.asarray(runs, np.int32).reshape(-1, 5)),
-                   cp.asarray(np.asarray(groups.segs, np.int32).reshape(-1, 2)), len(runs), groups.max_len,
-                   groups.snapshot_keys, src)
+    return RunPlan(cp.asarray(np.asarray(groups.runs, np.int32).reshape(-1, 5)),
+                   cp.asarray(np.asarray(groups.segs, np.int32).reshape(-1, 2)), len(groups.runs), groups.max_len,
+                   groups.snapshot_keys, (list(segments), groups) if groups.max_len > 1 else None)
 
 
 def _rows(a: Any) -> Any:

@@ -5,7 +5,9 @@
     PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
     PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached)
     PROFILE_PREFILL_ATTN=32:1,64:0,off ...   # prefill attention variants (keys a tile : split; off: general)
-                                             # a third field :N sets gdn_recurrent's staged tokens
+                                             # a third field :N sets gdn_recurrent's staged tokens; "mma" /
+                                             # "wg": the mma.sync / warpgroup-MMA build (PREFILL "wg"),
+                                             # "mma8" / "wg8" with 8 warps, "wg/3" with TC_DIAG 3
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
 sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
@@ -45,9 +47,13 @@ PREFILL_ATTN = os.environ.get("PROFILE_PREFILL_ATTN", "default").split(",")
 
 def prefill_attn(variant: str) -> None:
     """Sets attn_plan.PREFILL (and cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry: "default",
-    "off" or "keys:split[:tokens]"."""
+    "off", "mma", "wg" or "keys:split[:tokens]"."""
     if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
         PREFILL_SETTINGS.update(enabled=False)
+    name, *diag = variant.split("/")
+    if name.rstrip("r8") in ("mma", "wg"):  # "wg8": 8 warps; "wg8r": rowmap; "wg/3": TC_DIAG 3 (measurement)
+        PREFILL_SETTINGS.update(wg=int(name.startswith("wg")), warps=8 if "8" in name else 4,
+                                diag=int(diag[0]) if diag else 0, rowmap=int(name.endswith("r")))
     if ":" in variant:
         n, split, *tokens = (int(v) for v in variant.split(":"))
         PREFILL_SETTINGS.update(block_n=n, block_n_wide=n, split=split)

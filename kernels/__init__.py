@@ -63,9 +63,11 @@ def _arch_of(device: int) -> str:
     return cupy.cuda.Device(device).compute_capability
 
 
-def arch_flag(arch: str) -> str:
-    """``-arch=sm_90`` on Hopper, else the device's own ``sm_XX``."""
-    return f"-arch=sm_{arch}"
+def arch_flag(arch: str, defines: Defines = ()) -> str:
+    """``-arch=sm_90`` on Hopper, else the device's own ``sm_XX``; ``sm_90a`` (Hopper's arch-specific features:
+    wgmma, kernels/wgmma.cuh) for a build whose defines set SM90A."""
+    accel = arch == "90" and any(k == "SM90A" and v for k, v in defines)
+    return f"-arch=sm_{arch}{'a' if accel else ''}"
 
 
 def _source_text(name: str) -> str:
@@ -162,7 +164,7 @@ def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
 
 def nvcc_options(arch: str, defines: Defines = ()) -> tuple[str, ...]:
     """The nvcc options of a build for compute capability `arch` (e.g. "90") with `defines`."""
-    return (*BASE_OPTIONS, arch_flag(arch), f"-I{KERNEL_DIR}", *line_info(), *_define_flags(defines))
+    return (*BASE_OPTIONS, arch_flag(arch, defines), f"-I{KERNEL_DIR}", *line_info(), *_define_flags(defines))
 
 
 @functools.cache

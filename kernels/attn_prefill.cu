@@ -32,8 +32,12 @@
 #define PREFILL_TC 0
 #endif
 
+#ifndef TC_WARPS
+#define TC_WARPS 4  // warps of the tensor-core prefill kernel's CTA (4 or 8: 64 or 128 query rows)
+#endif
+
 constexpr int D = HEAD_DIM;
-constexpr int NWARPS = 4;
+constexpr int NWARPS = PREFILL_TC ? TC_WARPS : 4;
 constexpr int NTHREADS = NWARPS * 32;
 constexpr int RPW = ROWS_PER_WARP;
 constexpr int BLOCK_M = NWARPS * RPW;
@@ -251,8 +255,9 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 //
 // Compile-time: TC_BLOCK_N (keys per tile: 32 or 64), TC_SPLIT (1: q and P each carried as two bf16 terms,
 // hi + lo, so the scores and P @ V keep ~16 bits of q and P as the decode kernel's do; 0: one bf16 term each).
-// A CTA of 4 warps owns BLOCK_M = 64 query rows of one work item (seq, row0, key range, part: the general
-// kernel's items and partial layout, so attention_reduce merges split parts); warp w owns rows 16 w .. 16 w + 15.
+// A CTA of TC_WARPS = 4 or 8 warps owns BLOCK_M = 64 or 128 query rows of one work item (seq, row0, key range,
+// part: the general kernel's items and partial layout, so attention_reduce merges split parts); warp w owns
+// rows 16 w .. 16 w + 15 (in the wgmma build, warpgroup w / 4 rows 64 (w / 4) ..).
 // Per key tile, with mma.sync m16n8k16 (bf16 in, float32 accumulate):
 //   S [16 rows, TBN keys] = Q [16, D] @ K^T            Q from shared memory (ldmatrix), K as the B operand
 //   online softmax on S in registers (exp2: q is staged times scale * log2(e))
@@ -262,21 +267,52 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 // (zero-filled past the range); microscaled pages are decoded by the loading threads into bf16 (exact: an
 // E4M3 / E2M3 / E2M1 element times a power-of-two scale has at most 4 significant bits). Loads overlap the
 // math as FlashAttention-2 orders them: V(t) is requested before S(t), K(t + 1) once every warp has read K(t).
+// PREFILL_WG 1 (Hopper, built for sm_90a: define SM90A; head_dim 64 / 128 / 256) runs the same tiles, loads,
+// barriers and softmax with warpgroup MMAs (kernels/wgmma.cuh): the 4 warps are one warpgroup, S and P @ V are
+// wgmma m64 products (S from Q and K in shared memory, P @ V from P's fragments in registers and V read
+// transposed), so no operand passes through ldmatrix and the MMAs run asynchronously at the wgmma rate. Its Q, K
+// and V sit in chunk-major tiles (wgmma.cuh, no padding) that 8 threads at a time fill in distinct banks.
 #include "mma.cuh"
 #include "smem.cuh"
+#ifndef PREFILL_WG
+#define PREFILL_WG 0
+#endif
+#if PREFILL_WG
+#include "wgmma.cuh"
+#endif
 #ifndef TC_BLOCK_N
 #define TC_BLOCK_N 64
 #endif
 #ifndef TC_SPLIT
 #define TC_SPLIT 1
 #endif
+#ifndef TC_DIAG
+#define TC_DIAG 0  // measurement only (bench/profile_step.py PROFILE_PREFILL_DIAG): wrong results when set
+#endif
 constexpr int TBN = TC_BLOCK_N;
 constexpr int TC_RS = 2 * D + 16;                          // bytes per shared row (16-byte pad)
-constexpr int TC_QROWS = BLOCK_M * (TC_SPLIT ? 2 : 1);
+constexpr int TC_QTERMS = TC_SPLIT ? 2 : 1;                 // Q terms in shared memory (hi, lo)
 constexpr int TC_NT = TBN / 8;                              // score n-tiles of a warp
 constexpr int TC_DT = D / 8;                                // output n-tiles of a warp
 constexpr int TC_CH = D / 8;                                // 16-byte chunks of a row
-static_assert(BLOCK_M == 64 && NWARPS == 4, "tensor-core prefill: 4 warps of 16 rows (ROWS_PER_WARP 16)");
+#if PREFILL_WG
+static_assert(D == 64 || D == 128 || D == 256, "wgmma prefill: head_dim 64, 128 or 256");
+constexpr int TC_QB = BLOCK_M * 2 * D;                      // bytes of one Q term (chunk-major)
+constexpr int TC_TILE = TBN * 2 * D;                        // bytes of a K or V tile (chunk-major)
+// item i of a rows x TC_CH chunk loop -> (row, chunk): 8 consecutive threads take one chunk of 8 rows (distinct
+// banks in a chunk-major tile), a warp 4 chunks (64 contiguous bytes) of each of those 8 rows
+#ifndef TC_WG_ROWMAP
+#define TC_WG_ROWMAP 0  // 1: K / V tiles' items a row's consecutive chunks (whole 128-byte lines; 8-way bank conflicts)
+#endif
+__device__ __forceinline__ void wg_item(int i, int rows, int& r, int& c) {
+  r = 8 * ((i >> 5) % (rows / 8)) + (i & 7);
+  c = 4 * ((i >> 5) / (rows / 8)) + ((i >> 3) & 3);
+}
+#else
+constexpr int TC_QB = BLOCK_M * TC_RS;
+constexpr int TC_TILE = TBN * TC_RS;
+#endif
+static_assert(RPW == 16 && (NWARPS == 4 || NWARPS == 8), "tensor-core prefill: 4 or 8 warps of 16 rows");
 static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple of 16, at most 256");
 static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
 
@@ -287,8 +323,15 @@ __device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __r
                                              const int* __restrict__ bt, int page_size, int nkv, int kvh, int k0,
                                              int kend, int tid) {
   for (int i = tid; i < TBN * TC_CH; i += NTHREADS) {
-    const int n = i / TC_CH, c = i - n * TC_CH, j = k0 + n;
+#if PREFILL_WG
+    int n = i / TC_CH, c = i - n * TC_CH;
+    if (!TC_WG_ROWMAP) wg_item(i, TBN, n, c);
+    unsigned char* to = dst + wg_chunk(n, c, TBN);
+#else
+    const int n = i / TC_CH, c = i - n * TC_CH;
     unsigned char* to = dst + n * TC_RS + 16 * c;
+#endif
+    const int j = k0 + n;
     const bool ok = j < kend;
     const i64 vi = ok ? ((i64)bt[j / page_size] * page_size + (j % page_size)) * nkv + kvh : 0;
     if constexpr (BITS == 16) {
@@ -309,9 +352,10 @@ __device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __r
   }
 }
 
-// q: [T, nq, D] float32; pages as paged_attention_fwd's; out / part_o / part_ml as there (BLOCK_M = 64).
-// Grid (nwork, nkv), NTHREADS threads, dynamic shared memory (TC_QROWS + 2 TBN) * TC_RS bytes.
-extern "C" __global__ void __launch_bounds__(NTHREADS, TBN == 32 ? 2 : 1)
+// q: [T, nq, D] float32; pages as paged_attention_fwd's; out / part_o / part_ml as there (BLOCK_M = 16 TC_WARPS).
+// Grid (nwork, nkv), NTHREADS threads, dynamic shared memory TC_QTERMS * TC_QB + 2 * TC_TILE bytes
+// (decapybara/backend/cupy_attention.py `prefill_smem`).
+extern "C" __global__ void __launch_bounds__(NTHREADS, NWARPS == 4 && TBN == 32 ? 2 : 1)
 paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__ k_codes,
                            const u8* __restrict__ k_scales, const void* __restrict__ v_codes,
                            const u8* __restrict__ v_scales, const int* __restrict__ block_tables,
@@ -319,8 +363,8 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
                            float* __restrict__ part_o, float* __restrict__ part_ml, int nq, int nkv, int max_pages,
                            int page_size, float scale) {
   DYN_SMEM_DECL(smem_raw);
-  unsigned char* const k_p = smem_raw + TC_QROWS * TC_RS;
-  unsigned char* const v_p = k_p + TBN * TC_RS;
+  unsigned char* const k_p = smem_raw + TC_QTERMS * TC_QB;
+  unsigned char* const v_p = k_p + TC_TILE;
   const u32 q_s = smem_u32(smem_raw), k_s = smem_u32(k_p), v_s = smem_u32(v_p);
   const int kvh = blockIdx.y, g = nq / nkv;
   const WorkItem it = work_item(work, seq_info, block_tables, max_pages, g);
@@ -334,7 +378,15 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   cp_commit();
   // Q rows (times scale * log2 e) as bf16 hi (and lo) terms; padding rows zeros.
   for (int i = tid; i < BLOCK_M * TC_CH; i += NTHREADS) {
-    const int r = i / TC_CH, c = i - r * TC_CH, rho = row0 + r;
+#if PREFILL_WG
+    int r, c;
+    wg_item(i, BLOCK_M, r, c);
+    const u32 q_at = wg_chunk(r, c, BLOCK_M);
+#else
+    const int r = i / TC_CH, c = i - r * TC_CH;
+    const u32 q_at = r * TC_RS + 16 * c;
+#endif
+    const int rho = row0 + r;
     float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (rho < nrows) {
       const int t = rho / g, qh = kvh * g + (rho - t * g);
@@ -347,10 +399,10 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     u32 hi[4], lo[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) split2(x[2 * e], x[2 * e + 1], hi[e], lo[e]);
-    uint4* to = (uint4*)(smem_raw + r * TC_RS + 16 * c);
+    uint4* to = (uint4*)(smem_raw + q_at);
     to->x = hi[0]; to->y = hi[1]; to->z = hi[2]; to->w = hi[3];
     if constexpr (TC_SPLIT) {
-      uint4* tl = (uint4*)(smem_raw + (BLOCK_M + r) * TC_RS + 16 * c);
+      uint4* tl = (uint4*)(smem_raw + TC_QB + q_at);
       tl->x = lo[0]; tl->y = lo[1]; tl->z = lo[2]; tl->w = lo[3];
     }
   }
@@ -369,6 +421,22 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #pragma unroll
   for (int i = 0; i < TC_DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
+#if PREFILL_WG
+  // S = Q K^T of the key tile at shared address kt: D / 16 wgmma steps a term, the first one overwriting S
+  auto scores = [&](float (&s)[TC_NT][4], const u32 kt) {
+    float(&sf)[TBN / 2] = reinterpret_cast<float(&)[TBN / 2]>(s);
+    const u32 qw = q_s + 1024u * (warp >> 2);  // this warpgroup's 64 rows of the chunk-major Q tile
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, wg_desc_k(qw, BLOCK_M, ks), wg_desc_k(kt, TBN, ks), ks);
+#if TC_SPLIT
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, wg_desc_k(qw + TC_QB, BLOCK_M, ks), wg_desc_k(kt, TBN, ks), 1);
+#endif
+    wg_commit();
+    wg_wait<0>();
+  };
+#else
   // ldmatrix lane addresses (byte offsets within a tile / the Q block)
   const u32 q_lane = (16 * warp + (lane & 15)) * TC_RS + (lane >> 4) * 16;
   const u32 k_lane = ((lane & 7) + ((lane >> 4) << 3)) * TC_RS + ((lane >> 3) & 1) * 16;
@@ -404,6 +472,7 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 #endif
     }
   };
+#endif
   // masked online softmax of the tile at key k0: s becomes P; m, l and the output rows rescaled
   auto softmax = [&](float (&s)[TC_NT][4], const int k0) {
     if (k0 + TBN > kend || k0 + TBN - 1 > first_pos) {  // some key may be invisible to some row of this warp
@@ -447,6 +516,28 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     }
   };
   // O += P V of the value tile at shared address vt (all warps' V rows ready)
+#if PREFILL_WG
+  auto values = [&](const float (&s)[TC_NT][4], const u32 vt) {
+    u32 ph[TBN / 16][4], pl[TBN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < TBN / 16; ++kk) {
+      split2(s[2 * kk][0], s[2 * kk][1], ph[kk][0], pl[kk][0]);
+      split2(s[2 * kk][2], s[2 * kk][3], ph[kk][1], pl[kk][1]);
+      split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[kk][2], pl[kk][2]);
+      split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[kk][3], pl[kk][3]);
+    }
+    float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
+    wg_fence();  // o was rescaled by the softmax
+#pragma unroll
+    for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, ph[kk], wg_desc_mn(vt, TBN, kk), 1);
+#if TC_SPLIT
+#pragma unroll
+    for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, pl[kk], wg_desc_mn(vt, TBN, kk), 1);
+#endif
+    wg_commit();
+    wg_wait<0>();
+  };
+#else
   auto values = [&](const float (&s)[TC_NT][4], const u32 vt) {
 #pragma unroll
     for (int kk = 0; kk < TBN / 16; ++kk) {
@@ -468,22 +559,35 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
       }
     }
   };
+#endif
 
   // one K and one V buffer: V(t) requested before S(t), K(t + 1) once every warp has read K(t)
   for (int k0 = kbeg; k0 < kend; k0 += TBN) {
-    tc_load_tile<VBITS>(v_p, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
+    const bool load = !(TC_DIAG & 1) || k0 == kbeg;  // measurement: TC_DIAG bit 0 loads the first tiles only
+    if (load) tc_load_tile<VBITS>(v_p, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
     cp_commit();
     cp_wait_groups<1>();  // K(t) (and, on the first tile, Q's stores) complete for this thread
+#if PREFILL_WG
+    wg_fence_smem();  // ... and visible to the wgmma proxy
+#endif
     __syncthreads();      // ... and for every thread
     float s[TC_NT][4];
-    scores(s, k_s);
+    if (TC_DIAG & 2) {  // measurement: no score MMAs (nor value MMAs below)
+#pragma unroll
+      for (int i = 0; i < TC_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.25f * i;
+    } else {
+      scores(s, k_s);
+    }
     __syncthreads();  // every warp has read K(t): its buffer takes K(t + 1)
-    if (k0 + TBN < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
+    if (load && k0 + TBN < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
     cp_commit();
     softmax(s, k0);
     cp_wait_groups<1>();  // V(t) complete (K(t + 1) may still be in flight)
+#if PREFILL_WG
+    wg_fence_smem();
+#endif
     __syncthreads();
-    values(s, v_s);
+    if (!(TC_DIAG & 2)) values(s, v_s);
     __syncthreads();  // every warp has read V(t)
   }
   cp_wait_groups<0>();

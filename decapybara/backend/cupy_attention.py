@@ -28,6 +28,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+import kernels
 from decapybara.backend import pdl
 from decapybara.backend.attn_plan import (
     BLOCK_N,
@@ -35,6 +36,7 @@ from decapybara.backend.attn_plan import (
     DECODE_WAVES,
     PREFILL,
     PREFILL_ROWS_PER_WARP,
+    PREFILL_WG_HEAD_DIMS,
     plan_work,
     rows_per_warp,
 )
@@ -76,13 +78,18 @@ class AttentionPlan:
     # (warps, stages) of the decode kernel (decode_launch) when it runs this plan: every sequence has one new
     # token and g <= DECODE_MAX_GROUP (one tile, row0 0); None: the general kernel
     decode: tuple[int, int] | None = None
-    # (keys a tile, split) of the tensor-core prefill kernel when it runs this plan (rows_per_warp is then 16);
-    # None: the decode kernel or the general one
-    prefill: tuple[int, int] | None = None
+    # (keys a tile, split, wg, warps) of the tensor-core prefill kernel when it runs this plan (`prefill_launch`;
+    # rows_per_warp is then 16); None: the decode kernel or the general one
+    prefill: tuple[int, int, int, int] | None = None
+
+    @property
+    def warps(self) -> int:
+        """Warps of a work item's CTA (the tensor-core prefill kernel's `warps`, else 4)."""
+        return self.prefill[3] if self.prefill is not None else 4
 
     @property
     def block_m(self) -> int:
-        return 4 * self.rows_per_warp
+        return self.warps * self.rows_per_warp
 
 
 def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits: int | None = None,
@@ -98,7 +105,8 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
     if prefill is not None:
         rpw = PREFILL_ROWS_PER_WARP
-    work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, 4 * rpw, splits,
+    warps = prefill[3] if prefill is not None else 4
+    work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, warps * rpw, splits,
                                     sms=sm_count(), **({"waves": DECODE_WAVES,
                                                         "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
                                                        if decode is not None else {}))
@@ -147,12 +155,16 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
                     I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     elif plan.prefill is not None:
-        block_n, split = plan.prefill
+        block_n, split, wg, warps = plan.prefill
         defines += (("PREFILL_TC", 1), ("TC_BLOCK_N", block_n), ("TC_SPLIT", split))
+        defines += (("PREFILL_WG", 1), ("SM90A", 1)) if wg else ()
+        defines += (("TC_WARPS", warps),) if warps != 4 else ()
+        defines += (("TC_DIAG", PREFILL["diag"]),) if PREFILL["diag"] else ()  # measurement only
+        defines += (("TC_WG_ROWMAP", 1),) if wg and PREFILL["rowmap"] else ()  # measurement only
         fwd = get_kernel("attn_prefill", "paged_prefill_attention_tc", defines)
-        smem = prefill_smem(d, block_n, split)
+        smem = prefill_smem(d, block_n, split, wg, warps)
         allow_dynamic_smem(fwd, smem)
-        fwd((plan.num_work, nkv), (NTHREADS,),
+        fwd((plan.num_work, nkv), (32 * warps,),
             (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
              I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     else:
@@ -172,22 +184,36 @@ def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tup
     return decode_shape(head_dim, *kv_bits)
 
 
-def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int] | None:
-    """(keys a tile, split) of the tensor-core prefill kernel for pages of `kv_bits` (key, value; None:
-    unknown) on this device; None where the general kernel runs: off, float32 or unknown pages, head_dim not a
-    multiple of 16 or over 256, a device before sm_80, or its shared memory too small."""
+def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int, int, int] | None:
+    """(keys a tile, split, wg, warps) of the tensor-core prefill kernel for pages of `kv_bits` (key, value;
+    None: unknown) on this device; None where the general kernel runs: off, float32 or unknown pages, head_dim
+    not a multiple of 16 or over 256, a device before sm_80, or its shared memory too small. wg 1: the
+    warpgroup-MMA build (`prefill_wg`); warps (PREFILL "warps", 4 or 8: 64 or 128 query rows a CTA), 4 where
+    8 do not fit the shared memory."""
     if not PREFILL["enabled"] or kv_bits is None or head_dim % 16 or head_dim > 256:
         return None
     if any(b not in (16, *DECODE_MX_BITS) for b in kv_bits):
         return None
     block_n, split = int(PREFILL["block_n" if head_dim <= 128 else "block_n_wide"]), int(PREFILL["split"])
-    return (block_n, split) if prefill_smem(head_dim, block_n, split) <= _smem_optin() else None
+    wg = int(prefill_wg(head_dim))
+    for warps in dict.fromkeys((int(PREFILL["warps"]), 4)):
+        if prefill_smem(head_dim, block_n, split, wg, warps) <= _smem_optin():
+            return block_n, split, wg, warps
+    return None
 
 
-def prefill_smem(head_dim: int, block_n: int, split: int) -> int:
-    """Dynamic shared memory of a tensor-core prefill launch: the 64 query rows (twice when split), one K and
-    one V tile, rows of head_dim bf16 padded by 16 bytes (D = 256, 32 keys, split: 99 KB, two CTAs an SM)."""
-    return (64 * (2 if split else 1) + 2 * block_n) * (2 * head_dim + 16)
+def prefill_wg(head_dim: int) -> bool:
+    """Whether the prefill kernel takes its warpgroup-MMA build: PREFILL "wg", head_dim 64 / 128 / 256, a Hopper
+    device (sm_90a code) and the nvcc compiler (the NVRTC fallback targets plain sm_90)."""
+    return (bool(PREFILL["wg"]) and head_dim in PREFILL_WG_HEAD_DIMS and kernels.device_arch() == "90"
+            and kernels.compiler() == "nvcc")
+
+
+def prefill_smem(head_dim: int, block_n: int, split: int, wg: int = 0, warps: int = 4) -> int:
+    """Dynamic shared memory of a tensor-core prefill launch: the 16 `warps` query rows (twice when split), one
+    K and one V tile, rows of head_dim bf16, padded by 16 bytes in the mma.sync build (D = 256, 32 keys, split,
+    4 warps: 99 KB, two CTAs an SM; the wgmma build's unpadded tiles 96 KB)."""
+    return (16 * warps * (2 if split else 1) + 2 * block_n) * (2 * head_dim + (0 if wg else 16))
 
 
 def decode_smem(head_dim: int, key_bits: int, value_bits: int, warps: int, stages: int) -> int:

@@ -6,8 +6,9 @@
     PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached)
     PROFILE_PREFILL_ATTN=32:1,64:0,off ...   # prefill attention variants (keys a tile : split; off: general)
                                              # a third field :N sets gdn_recurrent's staged tokens; "mma" /
-                                             # "wg": the mma.sync / warpgroup-MMA build (PREFILL "wg"),
-                                             # "mma8" / "wg8" with 8 warps, "wg/3" with TC_DIAG 3
+                                             # "wg": the mma.sync / warpgroup-MMA build (PREFILL "wg"), then
+                                             # "4" for 4 warps (default 8), "s" for 2 stages (default 1),
+                                             # "/3" for TC_DIAG 3 (measurement only)
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
 sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
@@ -51,9 +52,10 @@ def prefill_attn(variant: str) -> None:
     if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
         PREFILL_SETTINGS.update(enabled=False)
     name, *diag = variant.split("/")
-    if name.rstrip("r8") in ("mma", "wg"):  # "wg8": 8 warps; "wg8r": rowmap; "wg/3": TC_DIAG 3 (measurement)
-        PREFILL_SETTINGS.update(wg=int(name.startswith("wg")), warps=8 if "8" in name else 4,
-                                diag=int(diag[0]) if diag else 0, rowmap=int(name.endswith("r")))
+    base = name.rstrip("48s")
+    if base in ("mma", "wg"):  # e.g. "wg8s": 8 warps, 2 stages; "mma4/3": 4 warps, 1 stage, TC_DIAG 3
+        PREFILL_SETTINGS.update(wg=int(base == "wg"), warps=4 if "4" in name else 8,
+                                stages=2 if "s" in name[len(base):] else 1, diag=int(diag[0]) if diag else 0)
     if ":" in variant:
         n, split, *tokens = (int(v) for v in variant.split(":"))
         PREFILL_SETTINGS.update(block_n=n, block_n_wide=n, split=split)

@@ -13,7 +13,7 @@
 //   block_tables [nseq, max_pages] int32; work [nwork, 5] int32: seq, row0, key_begin, key_end, part (-1: final)
 //
 // PREFILL_TC 1 builds the tensor-core kernel (paged_prefill_attention_tc, below) and the reduce for its tiles of
-// 64 rows (ROWS_PER_WARP 16) in place of paged_attention_fwd.
+// 16 TC_WARPS rows (ROWS_PER_WARP 16) in place of paged_attention_fwd.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -271,7 +271,8 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 // barriers and softmax with warpgroup MMAs (kernels/wgmma.cuh): the 4 warps are one warpgroup, S and P @ V are
 // wgmma m64 products (S from Q and K in shared memory, P @ V from P's fragments in registers and V read
 // transposed), so no operand passes through ldmatrix and the MMAs run asynchronously at the wgmma rate. Its Q, K
-// and V sit in chunk-major tiles (wgmma.cuh, no padding) that 8 threads at a time fill in distinct banks.
+// and V sit in 128-byte swizzled tiles (wgmma.cuh), which 8 consecutive threads fill with a key's (or a query
+// row's) 128 bytes in 8 distinct banks.
 #include "mma.cuh"
 #include "smem.cuh"
 #ifndef PREFILL_WG
@@ -286,35 +287,30 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 #ifndef TC_SPLIT
 #define TC_SPLIT 1
 #endif
+#ifndef TC_STAGES
+#define TC_STAGES 1  // (K, V) tile pairs in shared memory: 1 (a K and a V buffer) or 2 (a ring of two pairs)
+#endif
 #ifndef TC_DIAG
 #define TC_DIAG 0  // measurement only (bench/profile_step.py PROFILE_PREFILL_DIAG): wrong results when set
 #endif
 constexpr int TBN = TC_BLOCK_N;
-constexpr int TC_RS = 2 * D + 16;                          // bytes per shared row (16-byte pad)
 constexpr int TC_QTERMS = TC_SPLIT ? 2 : 1;                 // Q terms in shared memory (hi, lo)
 constexpr int TC_NT = TBN / 8;                              // score n-tiles of a warp
 constexpr int TC_DT = D / 8;                                // output n-tiles of a warp
 constexpr int TC_CH = D / 8;                                // 16-byte chunks of a row
 #if PREFILL_WG
 static_assert(D == 64 || D == 128 || D == 256, "wgmma prefill: head_dim 64, 128 or 256");
-constexpr int TC_QB = BLOCK_M * 2 * D;                      // bytes of one Q term (chunk-major)
-constexpr int TC_TILE = TBN * 2 * D;                        // bytes of a K or V tile (chunk-major)
-// item i of a rows x TC_CH chunk loop -> (row, chunk): 8 consecutive threads take one chunk of 8 rows (distinct
-// banks in a chunk-major tile), a warp 4 chunks (64 contiguous bytes) of each of those 8 rows
-#ifndef TC_WG_ROWMAP
-#define TC_WG_ROWMAP 0  // 1: K / V tiles' items a row's consecutive chunks (whole 128-byte lines; 8-way bank conflicts)
-#endif
-__device__ __forceinline__ void wg_item(int i, int rows, int& r, int& c) {
-  r = 8 * ((i >> 5) % (rows / 8)) + (i & 7);
-  c = 4 * ((i >> 5) / (rows / 8)) + ((i >> 3) & 3);
-}
+constexpr int TC_QB = BLOCK_M * 2 * D;                      // bytes of one Q term (swizzled tile)
+constexpr int TC_TILE = TBN * 2 * D;                        // bytes of a K or V tile (swizzled tile)
 #else
+constexpr int TC_RS = 2 * D + 16;                          // bytes per shared row (16-byte pad)
 constexpr int TC_QB = BLOCK_M * TC_RS;
 constexpr int TC_TILE = TBN * TC_RS;
 #endif
 static_assert(RPW == 16 && (NWARPS == 4 || NWARPS == 8), "tensor-core prefill: 4 or 8 warps of 16 rows");
 static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple of 16, at most 256");
 static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
+static_assert(TC_STAGES == 1 || TC_STAGES == 2, "tensor-core prefill: 1 or 2 (K, V) pairs");
 
 // Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows); keys at or past
 // kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies (one commit group by the caller).
@@ -323,12 +319,10 @@ __device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __r
                                              const int* __restrict__ bt, int page_size, int nkv, int kvh, int k0,
                                              int kend, int tid) {
   for (int i = tid; i < TBN * TC_CH; i += NTHREADS) {
+    const int n = i / TC_CH, c = i - n * TC_CH;  // 8 consecutive threads: 128 bytes of a key
 #if PREFILL_WG
-    int n = i / TC_CH, c = i - n * TC_CH;
-    if (!TC_WG_ROWMAP) wg_item(i, TBN, n, c);
-    unsigned char* to = dst + wg_chunk(n, c, TBN);
+    unsigned char* to = dst + wg_sw_chunk(n, c, TBN);
 #else
-    const int n = i / TC_CH, c = i - n * TC_CH;
     unsigned char* to = dst + n * TC_RS + 16 * c;
 #endif
     const int j = k0 + n;
@@ -353,7 +347,8 @@ __device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __r
 }
 
 // q: [T, nq, D] float32; pages as paged_attention_fwd's; out / part_o / part_ml as there (BLOCK_M = 16 TC_WARPS).
-// Grid (nwork, nkv), NTHREADS threads, dynamic shared memory TC_QTERMS * TC_QB + 2 * TC_TILE bytes
+// Grid (nwork, nkv), NTHREADS threads, dynamic shared memory TC_QTERMS * TC_QB + 2 * TC_STAGES * TC_TILE bytes
+// (+ 1024 in the swizzled wgmma build)
 // (decapybara/backend/cupy_attention.py `prefill_smem`).
 extern "C" __global__ void __launch_bounds__(NTHREADS, NWARPS == 4 && TBN == 32 ? 2 : 1)
 paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__ k_codes,
@@ -362,8 +357,13 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
                            const int* __restrict__ seq_info, const int* __restrict__ work, float* __restrict__ out,
                            float* __restrict__ part_o, float* __restrict__ part_ml, int nq, int nkv, int max_pages,
                            int page_size, float scale) {
+#if PREFILL_WG  // swizzled tiles start 1024-byte aligned (1 KB more dynamic shared memory)
+  DYN_SMEM_DECL(smem_dyn);
+  unsigned char* const smem_raw = smem_dyn + ((1024u - (smem_u32(smem_dyn) & 1023u)) & 1023u);
+#else
   DYN_SMEM_DECL(smem_raw);
-  unsigned char* const k_p = smem_raw + TC_QTERMS * TC_QB;
+#endif
+  unsigned char* const k_p = smem_raw + TC_QTERMS * TC_QB;  // K of pair i at k_p + 2 i TC_TILE, V after it
   unsigned char* const v_p = k_p + TC_TILE;
   const u32 q_s = smem_u32(smem_raw), k_s = smem_u32(k_p), v_s = smem_u32(v_p);
   const int kvh = blockIdx.y, g = nq / nkv;
@@ -374,16 +374,27 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
   constexpr float LOG2E = 1.4426950408889634f;
 
+#if TC_STAGES == 2
+  // the ring's first two (K, V) pairs, one commit group each
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int k0 = kbeg + i * TBN;
+    if (k0 < kend) {
+      tc_load_tile<KBITS>(k_p + 2 * i * TC_TILE, k_codes, k_scales, bt, page_size, nkv, kvh, k0, kend, tid);
+      tc_load_tile<VBITS>(v_p + 2 * i * TC_TILE, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
+    }
+    cp_commit();
+  }
+#else
   if (kbeg < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, kbeg, kend, tid);
   cp_commit();
+#endif
   // Q rows (times scale * log2 e) as bf16 hi (and lo) terms; padding rows zeros.
   for (int i = tid; i < BLOCK_M * TC_CH; i += NTHREADS) {
-#if PREFILL_WG
-    int r, c;
-    wg_item(i, BLOCK_M, r, c);
-    const u32 q_at = wg_chunk(r, c, BLOCK_M);
-#else
     const int r = i / TC_CH, c = i - r * TC_CH;
+#if PREFILL_WG
+    const u32 q_at = wg_sw_chunk(r, c, BLOCK_M);
+#else
     const u32 q_at = r * TC_RS + 16 * c;
 #endif
     const int rho = row0 + r;
@@ -425,13 +436,15 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   // S = Q K^T of the key tile at shared address kt: D / 16 wgmma steps a term, the first one overwriting S
   auto scores = [&](float (&s)[TC_NT][4], const u32 kt) {
     float(&sf)[TBN / 2] = reinterpret_cast<float(&)[TBN / 2]>(s);
-    const u32 qw = q_s + 1024u * (warp >> 2);  // this warpgroup's 64 rows of the chunk-major Q tile
+    // this warpgroup's 64 rows of the Q tile; K-major descriptors of Q and K
+    const u32 qw = q_s + 8192u * (warp >> 2);
+    auto dk = [](u32 base, int rows, int ks) { return wg_desc_k_sw(base, rows, ks); };
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, wg_desc_k(qw, BLOCK_M, ks), wg_desc_k(kt, TBN, ks), ks);
+    for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, dk(qw, BLOCK_M, ks), dk(kt, TBN, ks), ks);
 #if TC_SPLIT
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, wg_desc_k(qw + TC_QB, BLOCK_M, ks), wg_desc_k(kt, TBN, ks), 1);
+    for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, dk(qw + TC_QB, BLOCK_M, ks), dk(kt, TBN, ks), 1);
 #endif
     wg_commit();
     wg_wait<0>();
@@ -527,12 +540,13 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
       split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[kk][3], pl[kk][3]);
     }
     float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
+    auto dv = [](u32 base, int kk) { return wg_desc_mn_sw(base, TBN, kk); };
     wg_fence();  // o was rescaled by the softmax
 #pragma unroll
-    for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, ph[kk], wg_desc_mn(vt, TBN, kk), 1);
+    for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, ph[kk], dv(vt, kk), 1);
 #if TC_SPLIT
 #pragma unroll
-    for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, pl[kk], wg_desc_mn(vt, TBN, kk), 1);
+    for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, pl[kk], dv(vt, kk), 1);
 #endif
     wg_commit();
     wg_wait<0>();
@@ -561,35 +575,58 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   };
 #endif
 
+  // every commit group but the newest complete for every thread (and visible to the wgmma proxy)
+  auto landed = [&]() {
+    cp_wait_groups<1>();
+#if PREFILL_WG
+    wg_fence_smem();
+#endif
+    __syncthreads();
+  };
+  auto tile_scores = [&](float (&s)[TC_NT][4], const u32 kt) {
+    if (TC_DIAG & 2) {  // measurement: no score MMAs (nor value MMAs below)
+#pragma unroll
+      for (int i = 0; i < TC_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.25f * i;
+    } else {
+      scores(s, kt);
+    }
+  };
+
+#if TC_STAGES == 2
+  // a ring of two (K, V) pairs: tile t + 2 is requested once every warp is done with tile t, so each pair has
+  // a whole tile's math to arrive in; two barriers a tile
+  for (int k0 = kbeg, t = 0; k0 < kend; k0 += TBN, ++t) {
+    const u32 slot = (t & 1) * 2 * TC_TILE;
+    landed();  // tile t's pair (and, on the first tile, Q's stores)
+    float s[TC_NT][4];
+    tile_scores(s, k_s + slot);
+    softmax(s, k0);
+    if (!(TC_DIAG & 2)) values(s, v_s + slot);
+    __syncthreads();  // every warp is done with the slot: it takes tile t + 2
+    if (!(TC_DIAG & 1) && k0 + 2 * TBN < kend) {  // measurement: TC_DIAG bit 0 loads the first two tiles only
+      tc_load_tile<KBITS>(k_p + slot, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + 2 * TBN, kend, tid);
+      tc_load_tile<VBITS>(v_p + slot, v_codes, v_scales, bt, page_size, nkv, kvh, k0 + 2 * TBN, kend, tid);
+    }
+    cp_commit();
+  }
+#else
   // one K and one V buffer: V(t) requested before S(t), K(t + 1) once every warp has read K(t)
   for (int k0 = kbeg; k0 < kend; k0 += TBN) {
     const bool load = !(TC_DIAG & 1) || k0 == kbeg;  // measurement: TC_DIAG bit 0 loads the first tiles only
     if (load) tc_load_tile<VBITS>(v_p, v_codes, v_scales, bt, page_size, nkv, kvh, k0, kend, tid);
     cp_commit();
-    cp_wait_groups<1>();  // K(t) (and, on the first tile, Q's stores) complete for this thread
-#if PREFILL_WG
-    wg_fence_smem();  // ... and visible to the wgmma proxy
-#endif
-    __syncthreads();      // ... and for every thread
+    landed();  // K(t) (and, on the first tile, Q's stores)
     float s[TC_NT][4];
-    if (TC_DIAG & 2) {  // measurement: no score MMAs (nor value MMAs below)
-#pragma unroll
-      for (int i = 0; i < TC_NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.25f * i;
-    } else {
-      scores(s, k_s);
-    }
+    tile_scores(s, k_s);
     __syncthreads();  // every warp has read K(t): its buffer takes K(t + 1)
     if (load && k0 + TBN < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
     cp_commit();
     softmax(s, k0);
-    cp_wait_groups<1>();  // V(t) complete (K(t + 1) may still be in flight)
-#if PREFILL_WG
-    wg_fence_smem();
-#endif
-    __syncthreads();
+    landed();  // V(t) (K(t + 1) may still be in flight)
     if (!(TC_DIAG & 2)) values(s, v_s);
     __syncthreads();  // every warp has read V(t)
   }
+#endif
   cp_wait_groups<0>();
 
 #pragma unroll

@@ -13,6 +13,12 @@
 //   along K (the descriptor's leading byte offset) and 128 apart along rows (its stride byte offset);
 // - MN-major (rows = K, elements along N, read transposed): k16 step s starts at byte 256 s; core matrices 128
 //   apart along K (leading) and 16 R apart along N (stride).
+// Or 128-byte swizzled tiles (head_dim a multiple of 64): the elements of each row in blocks of 64 (128 bytes),
+// block b of an R-row tile at byte 128 R b, row r of it at 128 r, its 16-byte chunk j in slot j ^ (r % 8) (the
+// hardware's 128-byte swizzle; the tile must start 1024-byte aligned). A row's 128 bytes are written by 8
+// consecutive threads in 8 distinct banks. K-major: k16 step s starts at byte 128 R (s / 4) + 32 (s % 4), 8-row
+// groups 1024 apart (stride); MN-major (rows = K): step s starts at byte 2048 s, the 64-element blocks along N
+// 128 R apart (leading), 8-row groups along K 1024 apart (stride).
 // Shared memory written by ordinary stores or cp.async must be made visible to the wgmma (async) proxy:
 // `wg_fence_smem()` by the writing threads after their writes, then a barrier, then the wgmma.
 #pragma once
@@ -31,6 +37,17 @@ __device__ __forceinline__ u64 wg_desc_mn(u32 base, int rows, int s) {
 }
 // byte offset of chunk c of row r in a chunk-major tile of `rows` rows
 __device__ __forceinline__ int wg_chunk(int r, int c, int rows) { return 16 * (c * rows + r); }
+// the same for a 128-byte swizzled tile, and its descriptors
+__device__ __forceinline__ int wg_sw_chunk(int r, int c, int rows) {
+  return 128 * ((c >> 3) * rows + r) + (((c ^ r) & 7) << 4);
+}
+__device__ __forceinline__ u64 wg_desc_sw(u32 saddr, u32 lbo, u32 sbo) { return wg_desc(saddr, lbo, sbo) | (1ull << 62); }
+__device__ __forceinline__ u64 wg_desc_k_sw(u32 base, int rows, int s) {
+  return wg_desc_sw(base + 128u * rows * (s >> 2) + 32u * (s & 3), 16u, 1024u);
+}
+__device__ __forceinline__ u64 wg_desc_mn_sw(u32 base, int rows, int s) {
+  return wg_desc_sw(base + 2048u * s, 128u * rows, 1024u);
+}
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }

@@ -28,12 +28,13 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
 # on / off (env DECAPYBARA_PREFILL_ATTN=0); keys a tile for head_dim <= 128 and for larger; "split" 1 carries
 # q and P as two bf16 terms each (~16 bits, as the decode kernel), 0 as one (5-8% faster at 16-30k contexts);
 # "wg" 1 takes its warpgroup-MMA build (PREFILL_WG) on Hopper for head_dim 64 / 128 / 256 (env
-# DECAPYBARA_PREFILL_WG=1; off by default: slower than the mma.sync build as measured, docs/perf.md); "warps" 4
-# or 8 a CTA (64 or 128 query rows: each K / V tile read from L2 serves twice the rows; 8: 14% faster at 16k);
-# "diag" the kernel's TC_DIAG, "rowmap" its TC_WG_ROWMAP (measurement only, bench/profile_step.py)
+# DECAPYBARA_PREFILL_WG=0: the mma.sync build everywhere); "warps" 4 or 8 a CTA (64 or 128 query rows: each K / V
+# tile read from L2 serves twice the rows); "stages" 1 or 2 (K, V) tile pairs in shared memory (2: a ring, tile
+# t + 2 requested after tile t); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1 stage) -> 6.86 (docs/perf.md);
+# "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
-           "split": 1, "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "0") == "1"), "warps": 8, "diag": 0,
-           "rowmap": 0}
+           "split": 1, "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 2,
+           "diag": 0}
 PREFILL_WG_HEAD_DIMS = (64, 128, 256)
 PREFILL_ROWS_PER_WARP = 16  # its tiles: 4 warps of 16 query rows
 DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import cupy as cp
 import numpy as np
@@ -61,6 +61,16 @@ DECODE_MX_BITS = (8, 6, 4)
 DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column tiles hold
 
 
+class PrefillLaunch(NamedTuple):
+    """The tensor-core prefill kernel's build and launch (kernels/attn_prefill.cu PREFILL_TC)."""
+
+    block_n: int  # keys a tile (TC_BLOCK_N)
+    split: int  # 1: q and P as hi + lo bf16 terms (TC_SPLIT)
+    wg: int  # 1: the warpgroup-MMA build (PREFILL_WG, sm_90a)
+    warps: int  # warps a CTA, 4 or 8: 64 or 128 query rows (TC_WARPS)
+    stages: int  # (K, V) tile pairs in shared memory, 1 or 2 (TC_STAGES)
+
+
 @dataclass(slots=True)
 class AttentionPlan:
     """Device metadata of one forward's attention (shared by every attention layer)."""
@@ -78,14 +88,14 @@ class AttentionPlan:
     # (warps, stages) of the decode kernel (decode_launch) when it runs this plan: every sequence has one new
     # token and g <= DECODE_MAX_GROUP (one tile, row0 0); None: the general kernel
     decode: tuple[int, int] | None = None
-    # (keys a tile, split, wg, warps) of the tensor-core prefill kernel when it runs this plan (`prefill_launch`;
-    # rows_per_warp is then 16); None: the decode kernel or the general one
-    prefill: tuple[int, int, int, int] | None = None
+    # the tensor-core prefill kernel's launch when it runs this plan (`prefill_launch`; rows_per_warp is then
+    # 16); None: the decode kernel or the general one
+    prefill: PrefillLaunch | None = None
 
     @property
     def warps(self) -> int:
         """Warps of a work item's CTA (the tensor-core prefill kernel's `warps`, else 4)."""
-        return self.prefill[3] if self.prefill is not None else 4
+        return self.prefill.warps if self.prefill is not None else 4
 
     @property
     def block_m(self) -> int:
@@ -105,7 +115,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
     if prefill is not None:
         rpw = PREFILL_ROWS_PER_WARP
-    warps = prefill[3] if prefill is not None else 4
+    warps = prefill.warps if prefill is not None else 4
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, warps * rpw, splits,
                                     sms=sm_count(), **({"waves": DECODE_WAVES,
                                                         "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
@@ -155,16 +165,16 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
                     I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     elif plan.prefill is not None:
-        block_n, split, wg, warps = plan.prefill
-        defines += (("PREFILL_TC", 1), ("TC_BLOCK_N", block_n), ("TC_SPLIT", split))
-        defines += (("PREFILL_WG", 1), ("SM90A", 1)) if wg else ()
-        defines += (("TC_WARPS", warps),) if warps != 4 else ()
+        pl = plan.prefill
+        defines += (("PREFILL_TC", 1), ("TC_BLOCK_N", pl.block_n), ("TC_SPLIT", pl.split))
+        defines += (("PREFILL_WG", 1), ("SM90A", 1)) if pl.wg else ()
+        defines += (("TC_WARPS", pl.warps),) if pl.warps != 4 else ()
+        defines += (("TC_STAGES", pl.stages),) if pl.stages != 1 else ()
         defines += (("TC_DIAG", PREFILL["diag"]),) if PREFILL["diag"] else ()  # measurement only
-        defines += (("TC_WG_ROWMAP", 1),) if wg and PREFILL["rowmap"] else ()  # measurement only
         fwd = get_kernel("attn_prefill", "paged_prefill_attention_tc", defines)
-        smem = prefill_smem(d, block_n, split, wg, warps)
+        smem = prefill_smem(d, *pl)
         allow_dynamic_smem(fwd, smem)
-        fwd((plan.num_work, nkv), (32 * warps,),
+        fwd((plan.num_work, nkv), (32 * pl.warps,),
             (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
              I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     else:
@@ -184,12 +194,12 @@ def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tup
     return decode_shape(head_dim, *kv_bits)
 
 
-def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int, int, int] | None:
-    """(keys a tile, split, wg, warps) of the tensor-core prefill kernel for pages of `kv_bits` (key, value;
-    None: unknown) on this device; None where the general kernel runs: off, float32 or unknown pages, head_dim
-    not a multiple of 16 or over 256, a device before sm_80, or its shared memory too small. wg 1: the
-    warpgroup-MMA build (`prefill_wg`); warps (PREFILL "warps", 4 or 8: 64 or 128 query rows a CTA), 4 where
-    8 do not fit the shared memory."""
+def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLaunch | None:
+    """The tensor-core prefill kernel's launch for pages of `kv_bits` (key, value; None: unknown) on this
+    device; None where the general kernel runs: off, float32 or unknown pages, head_dim not a multiple of 16 or
+    over 256, a device before sm_80, or its shared memory too small. wg 1: the warpgroup-MMA build
+    (`prefill_wg`); warps and stages as PREFILL says where they fit the shared memory, else fewer stages, then
+    4 warps."""
     if not PREFILL["enabled"] or kv_bits is None or head_dim % 16 or head_dim > 256:
         return None
     if any(b not in (16, *DECODE_MX_BITS) for b in kv_bits):
@@ -197,8 +207,10 @@ def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int,
     block_n, split = int(PREFILL["block_n" if head_dim <= 128 else "block_n_wide"]), int(PREFILL["split"])
     wg = int(prefill_wg(head_dim))
     for warps in dict.fromkeys((int(PREFILL["warps"]), 4)):
-        if prefill_smem(head_dim, block_n, split, wg, warps) <= _smem_optin():
-            return block_n, split, wg, warps
+        for stages in dict.fromkeys((int(PREFILL["stages"]), 1)):
+            launch = PrefillLaunch(block_n, split, wg, warps, stages)
+            if prefill_smem(head_dim, *launch) <= _smem_optin():
+                return launch
     return None
 
 
@@ -209,11 +221,13 @@ def prefill_wg(head_dim: int) -> bool:
             and kernels.compiler() == "nvcc")
 
 
-def prefill_smem(head_dim: int, block_n: int, split: int, wg: int = 0, warps: int = 4) -> int:
-    """Dynamic shared memory of a tensor-core prefill launch: the 16 `warps` query rows (twice when split), one
-    K and one V tile, rows of head_dim bf16, padded by 16 bytes in the mma.sync build (D = 256, 32 keys, split,
-    4 warps: 99 KB, two CTAs an SM; the wgmma build's unpadded tiles 96 KB)."""
-    return (16 * warps * (2 if split else 1) + 2 * block_n) * (2 * head_dim + (0 if wg else 16))
+def prefill_smem(head_dim: int, block_n: int, split: int, wg: int = 0, warps: int = 4, stages: int = 1) -> int:
+    """Dynamic shared memory of a tensor-core prefill launch: the 16 `warps` query rows (twice when split),
+    `stages` K and V tiles, rows of head_dim bf16, padded by 16 bytes in the mma.sync build (D = 256, 32 keys,
+    split, 4 warps, 1 stage: 99 KB, two CTAs an SM; the wgmma build's unpadded tiles 96 KB, and 1 KB to align
+    its swizzled tiles)."""
+    return ((16 * warps * (2 if split else 1) + 2 * stages * block_n) * (2 * head_dim + (0 if wg else 16))
+            + (1024 if wg else 0))
 
 
 def decode_smem(head_dim: int, key_bits: int, value_bits: int, warps: int, stages: int) -> int:

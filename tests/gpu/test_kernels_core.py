@@ -380,14 +380,15 @@ PREFILL_TC_CASES = [("16/16", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)), ("1
                     ("4/4", (4, 2, 64, 7)), ("4/8", (24, 4, 256, 512))]
 
 
-@pytest.mark.parametrize("wg,warps", [(1, 4), (0, 4), (1, 8), (0, 8)])
+@pytest.mark.parametrize("wg,warps,stages", [(1, 4, 1), (0, 4, 1), (1, 8, 1), (0, 8, 1), (1, 8, 2), (0, 8, 2)])
 @pytest.mark.parametrize("tile", [(64, 1), (32, 1), (64, 0)])
 @pytest.mark.parametrize("kv_mode,heads", PREFILL_TC_CASES)
-def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, warps):
+def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, warps, stages):
     """kernels/attn_prefill.cu's paged_prefill_attention_tc (bf16 and microscaled pages): prefill chunks over
     earlier chunks' keys, partial key tiles, pages of 5 / 7 keys splitting tiles, mixed steps of chunks and
     decode rows, forced and planned splits, 32- and 64-key tiles, against numpy; its warpgroup-MMA build (wg,
-    on Hopper for head_dim 64 / 128 / 256) and its mma.sync build, CTAs of 4 and 8 warps. q and P as two bf16 terms (split) keep
+    on Hopper for head_dim 64 / 128 / 256, swizzled tiles) and its mma.sync build, CTAs of 4 and 8 warps, one
+    (K, V) pair or a ring of two. q and P as two bf16 terms (split) keep
     float32 tolerance; one term each is within bf16 tolerance. (Pure decode steps take the decode kernel or
     the general one: tested above.)"""
     import kernels
@@ -398,6 +399,7 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
     monkeypatch.setitem(ca.PREFILL, "split", tile[1])
     monkeypatch.setitem(ca.PREFILL, "wg", wg)
     monkeypatch.setitem(ca.PREFILL, "warps", warps)
+    monkeypatch.setitem(ca.PREFILL, "stages", stages)
     want_wg = int(bool(wg) and d in (64, 128, 256) and kernels.device_arch() == "90" and kernels.compiler() == "nvcc")
     launched = record_kernels(monkeypatch, ca)
     steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
@@ -406,9 +408,14 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
                             splits=splits, seed=d + nq + page_size, rtol=2e-5 if tile[1] else 2e-2)
     tc = [defs for f, defs in launched if f == "paged_prefill_attention_tc"]
     kb, vb = (int(b) for b in kv_mode.split("/"))
+    want = ca.prefill_launch(d, (kb, vb))  # the settings, or fewer stages / warps where they do not fit
+    limit = ca._smem_optin()
+    assert want.wg == want_wg
+    assert want.warps == warps or ca.prefill_smem(d, *tile, want.wg, warps, 1) > limit
+    assert want.stages == stages or ca.prefill_smem(d, *tile, want.wg, want.warps, stages) > limit
     assert tc and all((defs["TC_BLOCK_N"], defs["TC_SPLIT"], defs["KBITS"], defs["VBITS"], defs["ROWS_PER_WARP"],
-                       defs.get("PREFILL_WG", 0), defs.get("TC_WARPS", 4)) == (*tile, kb, vb, 16, want_wg, warps)
-                      for defs in tc), tc
+                       defs.get("PREFILL_WG", 0), defs.get("TC_WARPS", 4), defs.get("TC_STAGES", 1))
+                      == (*tile, kb, vb, 16, *want[2:]) for defs in tc), tc
     assert not any(f == "paged_attention_fwd" for f, _ in launched)
 
 
@@ -430,7 +437,7 @@ def test_prefill_attention_long_prefix_and_off_switch(monkeypatch, kv_mode):
     assert ca.prefill_launch(256, (16, 16)) is not None and ca.prefill_launch(256, (32, 32)) is None
     assert ca.prefill_launch(96, (16, 16)) is not None and ca.prefill_launch(72, (16, 16)) is None
     assert ca.prefill_launch(256, None) is None and ca.prefill_smem(256, 32, 1) <= 100 * 1024
-    assert ca.prefill_smem(256, 32, 1, 1) == 96 * 1024
+    assert ca.prefill_smem(256, 32, 1, 1) == 97 * 1024 and ca.prefill_smem(256, 32, 1, 0, 8, 2) <= 227 * 1024
 
 
 def test_attention_single_long_sequence_split_k():

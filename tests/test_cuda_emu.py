@@ -115,3 +115,16 @@ def test_deltanet_snapshots_pass_on_the_emulator():
                           SNAPSHOT_CASES],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_prefill_attention_ring_passes_on_the_emulator():
+    """The tensor-core prefill attention's mma.sync build with 8-warp CTAs and a ring of two (K, V) tile pairs
+    (cp.async commit groups, two barriers a tile) over 4/4-bit pages against numpy: one case of its GPU test,
+    through the emulator plugin (the emulator builds with NVRTC, so the wgmma build is not taken)."""
+    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
+                          "gpu", "tests/gpu/test_kernels_core.py", "-k",
+                          "prefill_attention_tensor_cores and 4/4-heads6-tile0-1-8-2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

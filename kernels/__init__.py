@@ -66,7 +66,7 @@ def _arch_of(device: int) -> str:
 def arch_flag(arch: str, defines: Defines = ()) -> str:
     """``-arch=sm_90`` on Hopper, else the device's own ``sm_XX``; ``sm_90a`` (Hopper's arch-specific features:
     wgmma, kernels/wgmma.cuh) for a build whose defines set SM90A."""
-    accel = arch == "90" and any(k == "SM90A" and v for k, v in defines)
+    accel = arch == "90" and needs_sm90a(defines)
     return f"-arch=sm_{arch}{'a' if accel else ''}"
 
 
@@ -162,6 +162,30 @@ def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
     return out
 
 
+def needs_sm90a(defines: Defines) -> bool:
+    """Whether a build's defines ask for Hopper's arch-specific code (SM90A: wgmma)."""
+    return any(k == "SM90A" and v for k, v in defines)
+
+
+def sm90a_ok() -> bool:
+    """Whether this device takes sm_90a builds: a Hopper device, the nvcc compiler, and a build of
+    ``wgmma_probe.cu`` that succeeds (once per process; the cubin is cached on disk). Where it does not, callers
+    choose their plain builds (a failed nvcc build of sm_90a code has no NVRTC fallback)."""
+    return _sm90a_ok(device_arch(), compiler())
+
+
+@functools.cache
+def _sm90a_ok(arch: str, which: str) -> bool:
+    if arch != "90" or which != "nvcc":
+        return False
+    try:
+        load_module("wgmma_probe", (("SM90A", 1),))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"no sm_90a build here, the plain builds serve: {e}", stacklevel=2)
+        return False
+    return True
+
+
 def nvcc_options(arch: str, defines: Defines = ()) -> tuple[str, ...]:
     """The nvcc options of a build for compute capability `arch` (e.g. "90") with `defines`."""
     return (*BASE_OPTIONS, arch_flag(arch, defines), f"-I{KERNEL_DIR}", *line_info(), *_define_flags(defines))
@@ -175,6 +199,8 @@ def _load(name: str, defines: Defines, arch: str, which: str) -> Any:
         try:
             return cupy.RawModule(path=str(_build_cubin(name, nvcc_options(arch, defines))))
         except (RuntimeError, OSError) as e:  # e.g. nvcc without a host compiler: NVRTC still works
+            if needs_sm90a(defines):  # but not for sm_90a code (NVRTC targets plain sm_90): callers check first
+                raise
             warnings.warn(f"nvcc build of {name}.cu failed, compiling with NVRTC instead: {e}", stacklevel=3)
     # NOTE: CuPy adds -arch=sm_<device> (capped at NVRTC's newest) and -ftz=true itself.
     options = (*BASE_OPTIONS[:1], f"-I{KERNEL_DIR}", *line_info(), *_define_flags(defines))

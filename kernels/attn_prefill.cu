@@ -262,16 +262,18 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 //   S [16 rows, TBN keys] = Q [16, D] @ K^T            Q from shared memory (ldmatrix), K as the B operand
 //   online softmax on S in registers (exp2: q is staged times scale * log2(e))
 //   O [16 rows, D]       += P [16, TBN] @ V             P straight from S's accumulator fragments
-// Shared memory: Q (hi rows, then lo rows when TC_SPLIT) and one K and one V tile, rows of D bf16 padded by 16
-// bytes (ldmatrix's 8 rows of a 16-byte column fall in 8 distinct bank groups). bf16 pages arrive by cp.async
-// (zero-filled past the range); microscaled pages are decoded by the loading threads into bf16 (exact: an
-// E4M3 / E2M3 / E2M1 element times a power-of-two scale has at most 4 significant bits). Loads overlap the
-// math as FlashAttention-2 orders them: V(t) is requested before S(t), K(t + 1) once every warp has read K(t).
+// Shared memory: Q (hi rows, then lo rows when TC_SPLIT) and TC_STAGES K and V tiles, rows of D bf16 padded by
+// 16 bytes in this build (ldmatrix's 8 rows of a 16-byte column fall in 8 distinct bank groups). bf16 pages
+// arrive by cp.async (zero-filled past the range); microscaled pages are decoded by the loading threads into
+// bf16 (exact: an E4M3 / E2M3 / E2M1 element times a power-of-two scale has at most 4 significant bits). With
+// one K and one V buffer (TC_STAGES 1) loads overlap the math as FlashAttention-2 orders them: V(t) is requested
+// before S(t), K(t + 1) once every warp has read K(t); with a ring of two (K, V) pairs (TC_STAGES 2), tile t + 2
+// is requested once every warp is done with tile t.
 // PREFILL_WG 1 (Hopper, built for sm_90a: define SM90A; head_dim 64 / 128 / 256) runs the same tiles, loads,
-// barriers and softmax with warpgroup MMAs (kernels/wgmma.cuh): the 4 warps are one warpgroup, S and P @ V are
-// wgmma m64 products (S from Q and K in shared memory, P @ V from P's fragments in registers and V read
-// transposed), so no operand passes through ldmatrix and the MMAs run asynchronously at the wgmma rate. Its Q, K
-// and V sit in 128-byte swizzled tiles (wgmma.cuh), which 8 consecutive threads fill with a key's (or a query
+// barriers and softmax with warpgroup MMAs (kernels/wgmma.cuh): each 4 warps are one warpgroup of 64 rows, S and
+// P @ V are wgmma m64 products (S from Q and K in shared memory, P @ V from P's fragments in registers and V read
+// transposed), so no operand passes through ldmatrix; each product's group is waited for at once. Its Q, K and V
+// sit in unpadded 128-byte swizzled tiles (wgmma.cuh), which 8 consecutive threads fill with a key's (or a query
 // row's) 128 bytes in 8 distinct banks.
 #include "mma.cuh"
 #include "smem.cuh"
@@ -291,7 +293,7 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 #define TC_STAGES 1  // (K, V) tile pairs in shared memory: 1 (a K and a V buffer) or 2 (a ring of two pairs)
 #endif
 #ifndef TC_DIAG
-#define TC_DIAG 0  // measurement only (bench/profile_step.py PROFILE_PREFILL_DIAG): wrong results when set
+#define TC_DIAG 0  // measurement only (bench/profile_step.py, a "/N" variant): wrong results when set
 #endif
 constexpr int TBN = TC_BLOCK_N;
 constexpr int TC_QTERMS = TC_SPLIT ? 2 : 1;                 // Q terms in shared memory (hi, lo)
@@ -312,8 +314,9 @@ static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple
 static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
 static_assert(TC_STAGES == 1 || TC_STAGES == 2, "tensor-core prefill: 1 or 2 (K, V) pairs");
 
-// Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows); keys at or past
-// kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies (one commit group by the caller).
+// Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows, or a swizzled tile
+// in the wgmma build); keys at or past kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies
+// (one commit group by the caller).
 template <int BITS>
 __device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __restrict__ codes, const u8* __restrict__ scales,
                                              const int* __restrict__ bt, int page_size, int nkv, int kvh, int k0,

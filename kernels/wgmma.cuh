@@ -20,7 +20,11 @@
 // groups 1024 apart (stride); MN-major (rows = K): step s starts at byte 2048 s, the 64-element blocks along N
 // 128 R apart (leading), 8-row groups along K 1024 apart (stride).
 // Shared memory written by ordinary stores or cp.async must be made visible to the wgmma (async) proxy:
-// `wg_fence_smem()` by the writing threads after their writes, then a barrier, then the wgmma.
+// `wg_fence_smem()` by the writing threads once their writes are complete (for cp.async: after its wait), then a
+// barrier, then the wgmma. Registers: `wg_fence()` after the last write of an accumulator or A fragment before
+// the wgmmas that read it; none of them written between the wgmmas and `wg_wait` (ptxas reports C7519 / C7520
+// where it has to insert fences or serialise the wgmmas itself; `tests/test_kernel_build.py` checks the prefill
+// builds have none).
 #pragma once
 #include "common.cuh"
 

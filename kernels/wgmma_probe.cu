@@ -77,14 +77,15 @@ extern "C" __global__ void wg_probe_rs(const u16* __restrict__ A, const u16* __r
   const int r0 = 16 * warp + gid;
   auto pair = [&](int r, int k) { return *(const u32*)(A + (i64)r * K + k); };
   float d[128];
-  wg_fence();
   for (int s = 0; s < K / 16; ++s) {
     const int k = 16 * s + 2 * tig;
+    const u32 a0 = pair(r0, k), a1 = pair(r0 + 8, k), a2 = pair(r0, k + 8), a3 = pair(r0 + 8, k + 8);
+    wg_fence();  // A's registers are written before each wgmma
     const u64 db = layout == 0 ? wg_desc_mn(v_s, K, s)
                    : layout == 1 ? wg_desc(v_s + 256u * s, 16u * K, 128u)
                    : layout == 2 ? wg_desc_mn_sw(v_s, K, s)
                                  : wg_desc_sw(v_s + 2048u * s, 1024u, 128u * K);
-    wg_rs_n256_t(d, pair(r0, k), pair(r0 + 8, k), pair(r0, k + 8), pair(r0 + 8, k + 8), db, s);
+    wg_rs_n256_t(d, a0, a1, a2, a3, db, s);
   }
   wg_commit();
   wg_wait<0>();

@@ -12,7 +12,17 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def kernels_nvcc() -> str | None:
+    """The CUDA toolkit's nvcc as the kernel loader finds it, or None."""
+    sys.path.insert(0, str(ROOT))
+    import kernels
+
+    return kernels._find_nvcc()
 
 FAKE_NVCC = textwrap.dedent("""\
     #!/bin/sh
@@ -80,3 +90,37 @@ def test_line_info_is_its_own_build(tmp_path, monkeypatch):
     assert kernels.nvcc_options("90", (("X", 1),)) == plain
     paths = {kernels._build_cubin("probe", opts) for opts in (plain, lined, plain)}
     assert len(paths) == 2 and (tmp_path / "compiles.log").read_text().count("compile") == 2
+
+
+def test_sm90a_builds_target_sm90a_only_on_hopper():
+    """A build whose defines set SM90A targets sm_90a on Hopper; others, and other devices, their plain arch."""
+    import kernels
+
+    assert "-arch=sm_90a" in kernels.nvcc_options("90", (("SM90A", 1),))
+    assert "-arch=sm_90" in kernels.nvcc_options("90", (("SM90A", 0),))
+    assert "-arch=sm_100" in kernels.nvcc_options("100", (("SM90A", 1),))
+    assert kernels.needs_sm90a((("X", 1), ("SM90A", 1))) and not kernels.needs_sm90a((("X", 1),))
+
+
+PREFILL_WG_BUILDS = [  # the wgmma prefill attention's default builds: 27B (head_dim 256) and head_dim 128 shapes
+    (("HEAD_DIM", 256), ("TC_BLOCK_N", 32), ("KBITS", 16), ("VBITS", 16)),
+    (("HEAD_DIM", 128), ("TC_BLOCK_N", 64), ("KBITS", 6), ("VBITS", 4)),
+]
+
+
+@pytest.mark.skipif(kernels_nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.parametrize("shape", PREFILL_WG_BUILDS, ids=["d256", "d128-6/4"])
+def test_wgmma_prefill_builds_need_no_compiler_fences(shape, tmp_path):
+    """ptxas inserts warpgroup fences itself (C7519) or serialises wgmmas (C7520) where registers that a wgmma
+    reads or accumulates are written in its way; the prefill attention's wgmma builds (kernels/wgmma.cuh's
+    register rules) must need neither."""
+    import kernels
+
+    defines = (*shape, ("ROWS_PER_WARP", 16), ("PREFILL_TC", 1), ("TC_SPLIT", 1), ("PREFILL_WG", 1), ("SM90A", 1),
+               ("TC_WARPS", 8), ("TC_STAGES", 2))
+    cmd = [kernels_nvcc(), *kernels.nvcc_options("90", defines), "-Xptxas", "-v", "-cubin",
+           "-o", str(tmp_path / "a.cubin"), str(ROOT / "kernels" / "attn_prefill.cu")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "C7519" not in res.stderr and "C7520" not in res.stderr, res.stderr[-2000:]
+    assert " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]

@@ -36,7 +36,7 @@ PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "bl
            "split": 1, "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 2,
            "diag": 0}
 PREFILL_WG_HEAD_DIMS = (64, 128, 256)
-PREFILL_ROWS_PER_WARP = 16  # its tiles: 4 warps of 16 query rows
+PREFILL_ROWS_PER_WARP = 16  # its CTAs: PREFILL "warps" warps of 16 query rows
 DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)
 
 

@@ -8,8 +8,8 @@ device's SM count. `attention(...)` launches both kernels for one layer.
 
 Any forward with more than one new token for some sequence (prefill chunks, mixed steps, verification rows)
 over bf16 or microscaled pages runs the tensor-core prefill kernel (attn_prefill.cu built with PREFILL_TC:
-FlashAttention-2 style, 64-row tiles; `PREFILL` in attn_plan holds its switch, env DECAPYBARA_PREFILL_ATTN=0,
-and tile shape); float32 pages keep the general float32 kernel, as do pure decode forwards the decode kernel
+FlashAttention-2 style, CTAs of 64 or 128 query rows, on Hopper with warpgroup MMAs; `PREFILL` in attn_plan
+holds its switch, env DECAPYBARA_PREFILL_ATTN=0, and build); float32 pages keep the general float32 kernel, as do pure decode forwards the decode kernel
 does not take (eager and graph plans alike).
 
 A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
@@ -215,10 +215,9 @@ def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLau
 
 
 def prefill_wg(head_dim: int) -> bool:
-    """Whether the prefill kernel takes its warpgroup-MMA build: PREFILL "wg", head_dim 64 / 128 / 256, a Hopper
-    device (sm_90a code) and the nvcc compiler (the NVRTC fallback targets plain sm_90)."""
-    return (bool(PREFILL["wg"]) and head_dim in PREFILL_WG_HEAD_DIMS and kernels.device_arch() == "90"
-            and kernels.compiler() == "nvcc")
+    """Whether the prefill kernel takes its warpgroup-MMA build: PREFILL "wg", head_dim 64 / 128 / 256, and a
+    device that takes sm_90a builds (`kernels.sm90a_ok`: Hopper, nvcc, a wgmma build that compiles)."""
+    return bool(PREFILL["wg"]) and head_dim in PREFILL_WG_HEAD_DIMS and kernels.sm90a_ok()
 
 
 def prefill_smem(head_dim: int, block_n: int, split: int, wg: int = 0, warps: int = 4, stages: int = 1) -> int:

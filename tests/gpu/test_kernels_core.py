@@ -400,7 +400,7 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
     monkeypatch.setitem(ca.PREFILL, "wg", wg)
     monkeypatch.setitem(ca.PREFILL, "warps", warps)
     monkeypatch.setitem(ca.PREFILL, "stages", stages)
-    want_wg = int(bool(wg) and d in (64, 128, 256) and kernels.device_arch() == "90" and kernels.compiler() == "nvcc")
+    want_wg = int(bool(wg) and d in (64, 128, 256) and kernels.sm90a_ok())
     launched = record_kernels(monkeypatch, ca)
     steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
     for splits in (None, 3):

@@ -16,7 +16,7 @@ import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
-if kernels.device_arch() != "90" or kernels.compiler() != "nvcc":
+if not kernels.sm90a_ok():
     pytest.skip("wgmma: Hopper (sm_90a), built by nvcc", allow_module_level=True)
 
 from decapybara.backend.kv_codec import f32_to_bf16_bits

@@ -1,0 +1,125 @@
+"""Prefill attention of the `qwen3.8-27b` shapes: the tensor-core kernel's builds (kernels/attn_prefill.cu) against
+the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all in one run.
+
+    PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384 (tokens@prefix),
+                                                         # ATTN_KV=16/16,6/4 (page modes),
+                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/1,wg8/2
+
+24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache and its 16 attention layers),
+one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones. A build is "mma" (mma.sync) or "wg"
+(warpgroup MMAs, Hopper), then warps a CTA, then "/" and the (K, V) tile pairs (cupy_attention.PREFILL). Each timed
+call is one layer's attention with its split-K reduce, cycling through the 16 layers, 5 calls captured in one CUDA
+graph, replays timed with CUDA events. TFLOP/s = 4 x heads x head_dim x (query, key) pairs under the causal rule /
+time (the useful products; the hi / lo split doubles the MMAs). Each build's output is checked against the general
+kernel's in the same run (max error / max |output|). torch = F.scaled_dot_product_attention on bf16 q, K and V with
+a lower-right causal mask (`causal_lower_right`: the chunk's rows see the prefix and their own past), K and V
+repeated to the 24 query heads, whichever backend torch picks, back-to-back launches.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cupy as cp
+import gpu as B
+from attn_decode import layer_cycle  # one layer's attention per call, the next layer each call
+
+from decapybara.backend import cupy_attention as ca
+from decapybara.backend.cupy_attention import attention, plan_attention
+from decapybara.model.batch import ForwardBatch
+
+CASES = [tuple(int(v) for v in c.split("@"))  # tokens @ prefix
+         for c in os.environ.get("ATTN_PREFILL", "2048@0,2048@16384,2048@30720").split(",")]
+MODES = os.environ.get("ATTN_KV", "16/16,6/4").split(",")
+BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2").split(",")
+
+
+def build_settings(name: str) -> dict:
+    """cupy_attention.PREFILL settings of a build name such as "wg8/2"."""
+    head, stages = name.split("/")
+    kind = head.rstrip("0123456789")
+    assert kind in ("mma", "wg"), name
+    return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]), "stages": int(stages)}
+
+
+def causal_pairs(tokens: int, prefix: int) -> int:
+    """(query, key) pairs a chunk's rows attend: each row sees the prefix and the chunk up to itself."""
+    return tokens * prefix + tokens * (tokens + 1) // 2
+
+
+def main() -> None:
+    cfg = B.CFG
+    nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    states = B.CupyBackend("bf16").new_state_pool(cfg, 1)
+    defaults = dict(ca.PREFILL)
+    rows = []
+    for mode in MODES:
+        kv = B.CupyBackend("bf16").new_kv_cache(cfg, B.SEQ_PAGES + 1, B.PAGE, mode)
+        B.fill_random(kv, states)
+        layers = sorted(kv.store)
+        bits = (kv.key_bits, kv.value_bits)
+        for tokens, prefix in CASES:
+            batch = ForwardBatch.build([(np.arange(tokens) % 1000, prefix, np.arange(B.SEQ_PAGES, dtype=np.int32),
+                                           0)], B.PAGE)
+            q = cp.random.standard_normal((tokens, nq, d), cp.float32)
+            ca.PREFILL.update(enabled=False)  # the general float32 kernel: the reference and the baseline
+            plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)
+            ref = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv, B.PAGE,
+                                       d ** -0.5))
+            res = {"general": B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)}
+            errs = {}
+            for name in BUILDS:
+                ca.PREFILL.update(defaults)
+                ca.PREFILL.update(build_settings(name))
+                plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)  # the plan carries the build
+                if plan.prefill is None or (plan.prefill.wg, plan.prefill.warps, plan.prefill.stages) != (
+                        ca.PREFILL["wg"], ca.PREFILL["warps"], ca.PREFILL["stages"]):
+                    continue  # not on this device (e.g. wg off Hopper) or not in its shared memory
+                got = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv,
+                                           B.PAGE, d ** -0.5))
+                errs[name] = float(np.abs(got - ref).max() / np.abs(ref).max())
+                res[name] = B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)
+            ca.PREFILL.update(defaults)
+            if mode == MODES[0]:
+                res["torch sdpa"] = torch_sdpa(tokens, prefix, nq, nkv, d)
+            rows.append((mode, tokens, prefix, res, errs))
+        kv = None
+        cp.get_default_memory_pool().free_all_blocks()
+    print("\nprefill attention, one layer: ms per call (TFLOP/s of the causal products); err = max |build - "
+          "general| / max |general|")
+    names = list(dict.fromkeys(n for row in rows for n in row[3]))
+    print(f"{'KV':>6}{'chunk@prefix':>14}" + "".join(f"{n:>18}" for n in names) + f"{'best x general':>16}"
+          + f"{'max err':>10}")
+    for mode, tokens, prefix, res, errs in rows:
+        flop = 4 * nq * d * causal_pairs(tokens, prefix)
+        cells = "".join(f"{res[n] * 1e3:>9.3f} ({flop / res[n] / 1e12:>5.0f})" if n in res else f"{'':>18}"
+                        for n in names)
+        best = min(v for n, v in res.items() if n in BUILDS)
+        print(f"{mode:>6}{f'{tokens}@{prefix}':>14}{cells}{res['general'] / best:>15.2f}x"
+              f"{max(errs.values(), default=0.0):>10.1e}")
+
+
+def torch_sdpa(tokens: int, prefix: int, nq: int, nkv: int, d: int) -> float:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    keys = prefix + tokens
+    qt = torch.randn(1, nq, tokens, d, device="cuda", dtype=torch.bfloat16)
+    kt = torch.randn(1, nkv, keys, d, device="cuda", dtype=torch.bfloat16).repeat_interleave(nq // nkv, dim=1)
+    vt = torch.randn(1, nkv, keys, d, device="cuda", dtype=torch.bfloat16).repeat_interleave(nq // nkv, dim=1)
+    mask = causal_lower_right(tokens, keys)
+    t = B.torch_time(lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask), calls=5, reps=3)
+    qt = kt = vt = None
+    torch.cuda.empty_cache()
+    return t
+
+
+if __name__ == "__main__":
+    main()

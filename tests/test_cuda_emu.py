@@ -117,14 +117,19 @@ def test_deltanet_snapshots_pass_on_the_emulator():
     assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
+PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2 or 4/4-heads6-tile0-0-8-2)) "
+                     "or shared_operands or register_a_transposed_b")
+
+
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_prefill_attention_ring_passes_on_the_emulator():
-    """The tensor-core prefill attention's mma.sync build with 8-warp CTAs and a ring of two (K, V) tile pairs
-    (cp.async commit groups, two barriers a tile) over 4/4-bit pages against numpy: one case of its GPU test,
-    through the emulator plugin (the emulator builds with NVRTC, so the wgmma build is not taken)."""
+def test_prefill_attention_builds_pass_on_the_emulator():
+    """The tensor-core prefill attention with 8-warp CTAs and a ring of two (K, V) tile pairs over 4/4-bit pages
+    against numpy, in its warpgroup-MMA build (two warpgroups, swizzled tiles: emu.h runs wgmma from the
+    descriptors) and its mma.sync build, and the wgmma building blocks' probes: cases of their GPU tests, through
+    the emulator plugin."""
     env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", "tests/gpu/test_kernels_core.py", "-k",
-                          "prefill_attention_tensor_cores and 4/4-heads6-tile0-1-8-2"],
+                          "gpu", "tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py", "-k",
+                          PREFILL_EMU_CASES],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.returncode == 0 and "18 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

@@ -4,6 +4,7 @@
 #include <ffi.h>
 namespace emu {
 struct Fiber { ucontext_t ctx; Dim3 t; int lane, warp, state, kind; };  // state 0 run 1 wait 2 done; kind 0 block 1 warp
+                                                                         // 2 warpgroup (4 warps: wgmma)
 Fiber* cur = nullptr;
 Dim3 g_block_idx, g_block_dim, g_grid_dim;
 unsigned char* dyn_smem = nullptr;
@@ -11,16 +12,18 @@ long dyn_smem_bytes = 0;
 static ucontext_t sched_ctx;
 static std::vector<Fiber> fibers;
 static std::vector<char> stacks;
-static std::vector<unsigned long long> wbuf;
+static std::vector<unsigned long long> wbuf, wgbuf;
 static const size_t STACK = 256 * 1024;
 static ffi_cif* g_cif; static void* g_fn; static void** g_vals;
 const Dim3& tid() { return cur->t; }
 int lane() { return cur->lane; }
 unsigned long long* warp_buf() { return &wbuf[cur->warp * 32]; }
+unsigned long long* warpgroup_buf() { return &wgbuf[(cur->warp / 4) * 256]; }
 bool lane_alive(int l) { size_t i = cur->warp * 32 + l; return i < fibers.size() && fibers[i].state != 2; }
 static void wait(int kind) { cur->state = 1; cur->kind = kind; swapcontext(&cur->ctx, &sched_ctx); }
 void sync_block() { wait(0); }
 void sync_warp() { wait(1); }
+void sync_warpgroup() { wait(2); }
 static void entry() { ffi_arg ret; ffi_call(g_cif, FFI_FN(g_fn), &ret, g_vals); cur->state = 2; swapcontext(&cur->ctx, &sched_ctx); }
 static void run_block(int n) {
   for (int i = 0; i < n; i++) {
@@ -43,6 +46,14 @@ static void run_block(int n) {
         any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 1)) all = false;
       }
       if (any && all) { released = true; for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
+    }
+    for (int w = 0; w < (n + 127) / 128; w++) {  // warpgroups: every live thread of the 4 warps at the collective
+      bool any = false, all = true;
+      for (int i = w * 128; i < std::min(n, w * 128 + 128); i++) {
+        if (fibers[i].state == 2) continue;
+        any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 2)) all = false;
+      }
+      if (any && all) { released = true; for (int i = w * 128; i < std::min(n, w * 128 + 128); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
     }
     if (released) continue;
     bool all_block = true;
@@ -67,6 +78,7 @@ extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, un
   fibers.assign(n, Fiber());
   if (stacks.size() < (size_t)n * STACK) stacks.resize((size_t)n * STACK);
   wbuf.assign(((n + 31) / 32) * 32, 0);
+  wgbuf.assign(((n + 127) / 128) * 256, 0);
   std::vector<unsigned char> smem_buf(smem > 0 ? smem + 64 : 64);
   unsigned char* aligned = (unsigned char*)(((uintptr_t)smem_buf.data() + 15) & ~(uintptr_t)15);
   // poison dynamic shared memory

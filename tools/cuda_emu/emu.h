@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <initializer_list>
 #include <vector>
 using std::fabs;
 using std::min;
@@ -28,6 +29,8 @@ int lane();
 void sync_block();
 void sync_warp();
 unsigned long long* warp_buf();
+void sync_warpgroup();
+unsigned long long* warpgroup_buf();  // 256 words: 2 a thread of the warpgroup
 bool lane_alive(int l);
 }
 #define threadIdx (emu::tid())
@@ -213,6 +216,71 @@ inline void ldmatrix_x4_impl(u32& r0, u32& r1, u32& r2, u32& r3, u32 a, bool tra
 }
 inline void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) { ldmatrix_x4_impl(r0, r1, r2, r3, a, false); }
 inline void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) { ldmatrix_x4_impl(r0, r1, r2, r3, a, true); }
+// wgmma.mma_async m64nNk16 bf16 -> f32 (kernels/wgmma.cuh), run at issue: the kernels leave its operands alone
+// until wgmma.wait_group, so the asynchronous read gives the same values. `tmpl` is the asm text (N, and A from
+// registers or a descriptor); `d` the thread's N / 2 accumulators; `in` the inputs: A's descriptor or its 4
+// registers (mma.sync m16n8k16 A fragments), B's descriptor, scale-d (0: D = A B), in that order. A descriptor:
+// start address >> 4 (bits 0-13), leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45), swizzle
+// (62-63: 0 none, 1 128-byte). Element addresses follow the canonical layouts: K-major (A; B unless transposed)
+// (row, k) at start + (row / 8) SBO + (k / 8) LBO + 16 (row % 8) + 2 (k % 8), or swizzled start + (row / 8) SBO +
+// 128 (row % 8) + 2 k; MN-major (B transposed) (k, n) at start + (k / 8) LBO + (n / 8) SBO + 16 (k % 8) + 2 (n % 8),
+// or swizzled start + (n / 64) LBO + (k / 8) SBO + 128 (k % 8) + 2 (n % 64); a swizzled address has its bits 4-6
+// XORed with bits 7-9. Sums in k order in float32 onto the accumulator (the products of bf16 values are exact).
+inline u32 wg_addr(unsigned long long desc, int row, int k, bool mn_major) {
+  const u32 start = (u32)(desc & 0x3FFFu) << 4, lbo = (u32)((desc >> 16) & 0x3FFFu) << 4;
+  const u32 sbo = (u32)((desc >> 32) & 0x3FFFu) << 4, swz = (u32)(desc >> 62);
+  if (swz != 0 && swz != 1) unsupported("wgmma descriptor swizzle other than none / 128-byte");
+  u32 a;
+  if (!mn_major) a = swz ? start + (row / 8) * sbo + 128 * (row % 8) + 2 * k
+                         : start + (row / 8) * sbo + (k / 8) * lbo + 16 * (row % 8) + 2 * (k % 8);
+  else a = swz ? start + (row / 64) * lbo + (k / 8) * sbo + 128 * (k % 8) + 2 * (row % 64)
+               : start + (k / 8) * lbo + (row / 8) * sbo + 16 * (k % 8) + 2 * (row % 8);
+  return swz ? a ^ (((a >> 7) & 7u) << 4) : a;
+}
+inline float wg_bf16_at(u32 a) { u16 v; memcpy(&v, smem_at(a), 2); return bf16_to_f32(v); }
+inline void wgmma(const char* tmpl, std::initializer_list<float*> d, std::initializer_list<unsigned long long> in) {
+  const char* shape = strstr(tmpl, "m64n");
+  if (!shape || !strstr(tmpl, ".f32.bf16.bf16")) unsupported(tmpl);
+  const int n = atoi(shape + 4), lane = emu::lane(), w = (int)(threadIdx.x / 32) % 4;
+  if ((int)d.size() != n / 2) unsupported(tmpl);
+  const bool a_regs = in.size() == 6;  // 4 A registers, B's descriptor, scale-d (else A's descriptor, B's, scale-d)
+  // the immediates after "p, ": scale-a, scale-b[, trans-a], trans-b
+  const char* imm = strstr(strstr(tmpl, "wgmma.mma_async"), ", p, ");
+  int vals[4] = {0, 0, 0, 0}, nv = 0;
+  for (const char* c = imm ? imm + 5 : ""; *c && nv < 4; c++)
+    if (*c >= '0' && *c <= '9') vals[nv++] = *c - '0';
+  const bool trans_b = nv ? vals[nv - 1] != 0 : false;
+  if ((a_regs ? nv != 3 : nv != 4) || vals[0] != 1 || vals[1] != 1 || (!a_regs && vals[2] != 0)) unsupported(tmpl);
+  const unsigned long long* v = in.begin();
+  const unsigned long long b_desc = a_regs ? v[4] : v[1];
+  const int accumulate = (int)(a_regs ? v[5] : v[2]);
+  u32 areg[4][32 * 4];  // a_regs: every thread's 4 A registers, by warp of the warpgroup and lane
+  if (a_regs) {
+    unsigned long long* buf = emu::warpgroup_buf();
+    const int t = 32 * w + lane;
+    buf[2 * t] = v[0] | (v[1] << 32);
+    buf[2 * t + 1] = v[2] | (v[3] << 32);
+    emu::sync_warpgroup();
+    for (int i = 0; i < 128; i++)
+      for (int r = 0; r < 4; r++) areg[r][i] = (u32)(buf[2 * i + r / 2] >> (32 * (r % 2)));
+    emu::sync_warpgroup();
+  }
+  auto a_at = [&](int m, int k) {  // A[m][k], m in the warpgroup's 64 rows
+    if (!a_regs) return wg_bf16_at(wg_addr(v[0], m, k, false));
+    const int src = 32 * (m / 16) + 4 * (m % 8) + (k % 8) / 2, reg = (m % 16 >= 8) + 2 * (k >= 8);
+    return bf16_to_f32((u16)(areg[reg][src] >> (16 * (k & 1))));
+  };
+  const int g = lane / 4, t = lane % 4;
+  int q = 0;
+  for (float* acc : d) {
+    const int i = q / 4, e = q % 4, m = 16 * w + g + 8 * (e >> 1), col = 8 * i + 2 * t + (e & 1);
+    float s = accumulate ? *acc : 0.f;
+    for (int k = 0; k < 16; k++)
+      s += a_at(m, k) * wg_bf16_at(trans_b ? wg_addr(b_desc, col, k, true) : wg_addr(b_desc, col, k, false));
+    *acc = s;
+    q++;
+  }
+}
 // float -> E4M3 (bias 7, max 448, no infinities), round to nearest even, saturated to +-448; NaN -> 0x7F.
 inline unsigned e4m3_satfinite(float f) {
   const unsigned sign = std::signbit(f) ? 0x80u : 0u;

@@ -1,6 +1,6 @@
 """pytest plugin: run the GPU tests on the host CUDA emulator (a numpy-backed CuPy stand-in whose RawModule
 kernels are compiled for the CPU against emu.h, one host thread per CUDA thread, barriers and warp shuffles
-emulated; inline PTX lowered by ptx_lower.py, e.g. mma.sync as a warp collective). For checking kernels and
+emulated; inline PTX lowered by ptx_lower.py, e.g. mma.sync as a warp collective, wgmma as a warpgroup one). For checking kernels and
 launch code without a GPU before spending device time; it cannot see races, timing, NVRTC/nvcc differences,
 the tensor cores' own summation order or cuBLAS itself, so the real GPU run stays the proof.
 
@@ -21,6 +21,8 @@ import fake_cupy  # noqa: E402
 
 fake_cupy.install()
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+import kernels  # noqa: E402
 from decapybara.backend import cupy_ops  # noqa: E402
 
 cupy_ops.dev_ptr = lambda a: a.ctypes.data
+kernels.sm90a_ok = lambda: True  # the emulator runs wgmma (emu.h `wgmma`), whatever compiler it stands in for

@@ -3,7 +3,8 @@ shared memory declarations turned into pointers to the launch's buffer.
 
 g++ cannot compile CUDA inline assembly, so each `asm(...)` / `asm volatile(...)` statement becomes a call
 `emu_ptx::<handler>(outputs..., inputs...)` (emu.h), the handler chosen by the instruction's first token; the
-operands keep their order (outputs by reference). An instruction without a handler becomes a call that aborts
+operands keep their order (outputs by reference). A `wgmma.mma_async` statement becomes `emu_ptx::wgmma(text,
+{&accumulators...}, {inputs...})`. An instruction without a handler becomes a call that aborts
 when reached, naming it: code under `#if` that the emulator does not compile (sm_90 launch control) costs nothing.
 """
 
@@ -40,7 +41,12 @@ HANDLERS = {
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16": "ldmatrix_x4",
     "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16": "ldmatrix_x4_trans",
     "cvt.rn.satfinite.e4m3x2.f32": "cvt_rn_satfinite_e4m3x2_f32",
+    "wgmma.fence.sync.aligned": "nop",  # wgmma runs at issue (emu.h `wgmma`): its fences and groups are no-ops
+    "wgmma.commit_group.sync.aligned": "nop",
+    "wgmma.wait_group.sync.aligned": "nop",
+    "fence.proxy.async.shared::cta": "nop",
 }
+WGMMA = "wgmma.mma_async"  # a template holding it (after its predicate set-up) lowers to emu_ptx::wgmma
 TEMPLATE_FIRST = {"cp_async"}  # handlers that also take the instruction text (its size operand is a literal)
 _ASM = re.compile(r"\basm\b\s*(?:volatile\b\s*)?\(")
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
@@ -129,7 +135,11 @@ def lower_asm(code: str) -> str:
         first = template.strip().split()[0].rstrip(";") if template.strip() else ""
         args = [a for p in parts[1:3] for a in _operands(p)]
         handler = HANDLERS.get(first)
-        if handler is None:
+        if WGMMA in template:  # accumulators by address, inputs as 64-bit words: emu.h `wgmma`
+            outs = ", ".join(f"&({a})" for a in _operands(parts[1]))
+            ins = ", ".join(f"(unsigned long long)({a})" for a in _operands(parts[2]))
+            call = f'emu_ptx::wgmma("{template.strip()}", {{{outs}}}, {{{ins}}})'
+        elif handler is None:
             call = f'emu_ptx::unsupported("{first}")'
         else:
             lead = [f'"{template.strip()}"'] if handler in TEMPLATE_FIRST else []

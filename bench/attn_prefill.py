@@ -3,7 +3,7 @@ the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all
 
     PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384 (tokens@prefix),
                                                          # ATTN_KV=16/16,6/4 (page modes),
-                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/1,wg8/2
+                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3
 
 24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache and its 16 attention layers),
 one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones. A build is "mma" (mma.sync) or "wg"
@@ -37,7 +37,7 @@ from decapybara.model.batch import ForwardBatch
 CASES = [tuple(int(v) for v in c.split("@"))  # tokens @ prefix
          for c in os.environ.get("ATTN_PREFILL", "2048@0,2048@16384,2048@30720").split(",")]
 MODES = os.environ.get("ATTN_KV", "16/16,6/4").split(",")
-BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2").split(",")
+BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2,wg8/3").split(",")
 
 
 def build_settings(name: str) -> dict:

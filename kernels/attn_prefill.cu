@@ -267,8 +267,8 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 // arrive by cp.async (zero-filled past the range); microscaled pages are decoded by the loading threads into
 // bf16 (exact: an E4M3 / E2M3 / E2M1 element times a power-of-two scale has at most 4 significant bits). With
 // one K and one V buffer (TC_STAGES 1) loads overlap the math as FlashAttention-2 orders them: V(t) is requested
-// before S(t), K(t + 1) once every warp has read K(t); with a ring of two (K, V) pairs (TC_STAGES 2), tile t + 2
-// is requested once every warp is done with tile t.
+// before S(t), K(t + 1) once every warp has read K(t); with a ring of TC_STAGES = 2 or 3 (K, V) pairs, tile
+// t + TC_STAGES is requested once every warp is done with tile t.
 // PREFILL_WG 1 (Hopper, built for sm_90a: define SM90A; head_dim 64 / 128 / 256) runs the same tiles, loads,
 // barriers and softmax with warpgroup MMAs (kernels/wgmma.cuh): each 4 warps are one warpgroup of 64 rows, S and
 // P @ V are wgmma m64 products (S from Q and K in shared memory, P @ V from P's fragments in registers and V read
@@ -290,7 +290,7 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 #define TC_SPLIT 1
 #endif
 #ifndef TC_STAGES
-#define TC_STAGES 1  // (K, V) tile pairs in shared memory: 1 (a K and a V buffer) or 2 (a ring of two pairs)
+#define TC_STAGES 1  // (K, V) tile pairs in shared memory: 1 (a K and a V buffer), or 2 or 3 (a ring of pairs)
 #endif
 #ifndef TC_DIAG
 #define TC_DIAG 0  // measurement only (bench/profile_step.py, a "/N" variant): wrong results when set
@@ -312,7 +312,7 @@ constexpr int TC_TILE = TBN * TC_RS;
 static_assert(RPW == 16 && (NWARPS == 4 || NWARPS == 8), "tensor-core prefill: 4 or 8 warps of 16 rows");
 static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple of 16, at most 256");
 static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
-static_assert(TC_STAGES == 1 || TC_STAGES == 2, "tensor-core prefill: 1 or 2 (K, V) pairs");
+static_assert(TC_STAGES >= 1 && TC_STAGES <= 3, "tensor-core prefill: 1 to 3 (K, V) pairs");
 
 // Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows, or a swizzled tile
 // in the wgmma build); keys at or past kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies
@@ -377,10 +377,10 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
   constexpr float LOG2E = 1.4426950408889634f;
 
-#if TC_STAGES == 2
-  // the ring's first two (K, V) pairs, one commit group each
+#if TC_STAGES >= 2
+  // the ring's first TC_STAGES (K, V) pairs, one commit group each
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < TC_STAGES; ++i) {
     const int k0 = kbeg + i * TBN;
     if (k0 < kend) {
       tc_load_tile<KBITS>(k_p + 2 * i * TC_TILE, k_codes, k_scales, bt, page_size, nkv, kvh, k0, kend, tid);
@@ -578,9 +578,10 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   };
 #endif
 
-  // every commit group but the newest complete for every thread (and visible to the wgmma proxy)
+  // every commit group but the newest (the two newest in a ring of 3) complete for every thread (and visible to
+  // the wgmma proxy)
   auto landed = [&]() {
-    cp_wait_groups<1>();
+    cp_wait_groups<TC_STAGES == 3 ? 2 : 1>();
 #if PREFILL_WG
     wg_fence_smem();
 #endif
@@ -595,20 +596,21 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     }
   };
 
-#if TC_STAGES == 2
-  // a ring of two (K, V) pairs: tile t + 2 is requested once every warp is done with tile t, so each pair has
-  // a whole tile's math to arrive in; two barriers a tile
+#if TC_STAGES >= 2
+  // a ring of TC_STAGES (K, V) pairs: tile t + TC_STAGES is requested once every warp is done with tile t, so
+  // each pair has TC_STAGES - 1 tiles' math to arrive in; two barriers a tile
   for (int k0 = kbeg, t = 0; k0 < kend; k0 += TBN, ++t) {
-    const u32 slot = (t & 1) * 2 * TC_TILE;
+    const u32 slot = (TC_STAGES == 2 ? (t & 1) : t % TC_STAGES) * 2 * TC_TILE;
     landed();  // tile t's pair (and, on the first tile, Q's stores)
     float s[TC_NT][4];
     tile_scores(s, k_s + slot);
     softmax(s, k0);
     if (!(TC_DIAG & 2)) values(s, v_s + slot);
-    __syncthreads();  // every warp is done with the slot: it takes tile t + 2
-    if (!(TC_DIAG & 1) && k0 + 2 * TBN < kend) {  // measurement: TC_DIAG bit 0 loads the first two tiles only
-      tc_load_tile<KBITS>(k_p + slot, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + 2 * TBN, kend, tid);
-      tc_load_tile<VBITS>(v_p + slot, v_codes, v_scales, bt, page_size, nkv, kvh, k0 + 2 * TBN, kend, tid);
+    __syncthreads();  // every warp is done with the slot: it takes tile t + TC_STAGES
+    const int kn = k0 + TC_STAGES * TBN;
+    if (!(TC_DIAG & 1) && kn < kend) {  // measurement: TC_DIAG bit 0 loads the first TC_STAGES tiles only
+      tc_load_tile<KBITS>(k_p + slot, k_codes, k_scales, bt, page_size, nkv, kvh, kn, kend, tid);
+      tc_load_tile<VBITS>(v_p + slot, v_codes, v_scales, bt, page_size, nkv, kvh, kn, kend, tid);
     }
     cp_commit();
   }

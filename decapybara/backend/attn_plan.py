@@ -29,8 +29,9 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
 # q and P as two bf16 terms each (~16 bits, as the decode kernel), 0 as one (5-8% faster at 16-30k contexts);
 # "wg" 1 takes its warpgroup-MMA build (PREFILL_WG) on Hopper for head_dim 64 / 128 / 256 (env
 # DECAPYBARA_PREFILL_WG=0: the mma.sync build everywhere); "warps" 4 or 8 a CTA (64 or 128 query rows: each K / V
-# tile read from L2 serves twice the rows); "stages" 1 or 2 (K, V) tile pairs in shared memory (2: a ring, tile
-# t + 2 requested after tile t); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1 stage) -> 6.86 (docs/perf.md);
+# tile read from L2 serves twice the rows); "stages" 1 to 3 (K, V) tile pairs in shared memory (2 or 3: a ring,
+# tile t + stages requested after tile t; 3 not yet measured); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1
+# stage) -> 6.86 (docs/perf.md);
 # "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
            "split": 1, "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 2,

@@ -68,7 +68,7 @@ class PrefillLaunch(NamedTuple):
     split: int  # 1: q and P as hi + lo bf16 terms (TC_SPLIT)
     wg: int  # 1: the warpgroup-MMA build (PREFILL_WG, sm_90a)
     warps: int  # warps a CTA, 4 or 8: 64 or 128 query rows (TC_WARPS)
-    stages: int  # (K, V) tile pairs in shared memory, 1 or 2 (TC_STAGES)
+    stages: int  # (K, V) tile pairs in shared memory, 1 to 3 (TC_STAGES)
 
 
 @dataclass(slots=True)
@@ -207,7 +207,7 @@ def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLau
     block_n, split = int(PREFILL["block_n" if head_dim <= 128 else "block_n_wide"]), int(PREFILL["split"])
     wg = int(prefill_wg(head_dim))
     for warps in dict.fromkeys((int(PREFILL["warps"]), 4)):
-        for stages in dict.fromkeys((int(PREFILL["stages"]), 1)):
+        for stages in range(int(PREFILL["stages"]), 0, -1):
             launch = PrefillLaunch(block_n, split, wg, warps, stages)
             if prefill_smem(head_dim, *launch) <= _smem_optin():
                 return launch

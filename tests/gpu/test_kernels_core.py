@@ -380,7 +380,8 @@ PREFILL_TC_CASES = [("16/16", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)), ("1
                     ("4/4", (4, 2, 64, 7)), ("4/8", (24, 4, 256, 512))]
 
 
-@pytest.mark.parametrize("wg,warps,stages", [(1, 4, 1), (0, 4, 1), (1, 8, 1), (0, 8, 1), (1, 8, 2), (0, 8, 2)])
+@pytest.mark.parametrize("wg,warps,stages", [(1, 4, 1), (0, 4, 1), (1, 8, 1), (0, 8, 1), (1, 8, 2), (0, 8, 2),
+                                             (1, 8, 3), (0, 8, 3)])
 @pytest.mark.parametrize("tile", [(64, 1), (32, 1), (64, 0)])
 @pytest.mark.parametrize("kv_mode,heads", PREFILL_TC_CASES)
 def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, warps, stages):
@@ -388,7 +389,7 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
     earlier chunks' keys, partial key tiles, pages of 5 / 7 keys splitting tiles, mixed steps of chunks and
     decode rows, forced and planned splits, 32- and 64-key tiles, against numpy; its warpgroup-MMA build (wg,
     on Hopper for head_dim 64 / 128 / 256, swizzled tiles) and its mma.sync build, CTAs of 4 and 8 warps, one
-    (K, V) pair or a ring of two. q and P as two bf16 terms (split) keep
+    (K, V) pair or a ring of two or three (fewer where they do not fit). q and P as two bf16 terms (split) keep
     float32 tolerance; one term each is within bf16 tolerance. (Pure decode steps take the decode kernel or
     the general one: tested above.)"""
     import kernels

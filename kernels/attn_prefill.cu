@@ -624,7 +624,8 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     float s[TC_NT][4];
     tile_scores(s, k_s);
     __syncthreads();  // every warp has read K(t): its buffer takes K(t + 1)
-    if (load && k0 + TBN < kend) tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
+    if (load && k0 + TBN < kend)
+      tc_load_tile<KBITS>(k_p, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + TBN, kend, tid);
     cp_commit();
     softmax(s, k0);
     landed();  // V(t) (K(t + 1) may still be in flight)

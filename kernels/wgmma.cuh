@@ -45,7 +45,9 @@ __device__ __forceinline__ int wg_chunk(int r, int c, int rows) { return 16 * (c
 __device__ __forceinline__ int wg_sw_chunk(int r, int c, int rows) {
   return 128 * ((c >> 3) * rows + r) + (((c ^ r) & 7) << 4);
 }
-__device__ __forceinline__ u64 wg_desc_sw(u32 saddr, u32 lbo, u32 sbo) { return wg_desc(saddr, lbo, sbo) | (1ull << 62); }
+__device__ __forceinline__ u64 wg_desc_sw(u32 saddr, u32 lbo, u32 sbo) {
+  return wg_desc(saddr, lbo, sbo) | (1ull << 62);
+}
 __device__ __forceinline__ u64 wg_desc_k_sw(u32 base, int rows, int s) {
   return wg_desc_sw(base + 128u * rows * (s >> 2) + 32u * (s & 3), 16u, 1024u);
 }

@@ -9,8 +9,8 @@ device's SM count. `attention(...)` launches both kernels for one layer.
 Any forward with more than one new token for some sequence (prefill chunks, mixed steps, verification rows)
 over bf16 or microscaled pages runs the tensor-core prefill kernel (attn_prefill.cu built with PREFILL_TC:
 FlashAttention-2 style, CTAs of 64 or 128 query rows, on Hopper with warpgroup MMAs; `PREFILL` in attn_plan
-holds its switch, env DECAPYBARA_PREFILL_ATTN=0, and build); float32 pages keep the general float32 kernel, as do pure decode forwards the decode kernel
-does not take (eager and graph plans alike).
+holds its switch, env DECAPYBARA_PREFILL_ATTN=0, and build); float32 pages keep the general float32 kernel, as
+do pure decode forwards the decode kernel does not take (eager and graph plans alike).
 
 A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
 instead when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and values

@@ -292,10 +292,14 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 #ifndef TC_STAGES
 #define TC_STAGES 1  // (K, V) tile pairs in shared memory: 1 (a K and a V buffer), or 2 or 3 (a ring of pairs)
 #endif
+#ifndef TC_OVERLAP
+#define TC_OVERLAP 0  // wgmma build, ring of 3: S(t + 1) issued before the softmax of tile t (not yet measured)
+#endif
 #ifndef TC_DIAG
 #define TC_DIAG 0  // measurement only (bench/profile_step.py, a "/N" variant): wrong results when set
 #endif
 constexpr int TBN = TC_BLOCK_N;
+template <bool B> struct TcFlag { static constexpr bool value = B; };
 constexpr int TC_QTERMS = TC_SPLIT ? 2 : 1;                 // Q terms in shared memory (hi, lo)
 constexpr int TC_NT = TBN / 8;                              // score n-tiles of a warp
 constexpr int TC_DT = D / 8;                                // output n-tiles of a warp
@@ -313,6 +317,7 @@ static_assert(RPW == 16 && (NWARPS == 4 || NWARPS == 8), "tensor-core prefill: 4
 static_assert(D % 16 == 0 && D <= 256, "tensor-core prefill: head_dim a multiple of 16, at most 256");
 static_assert(TBN == 32 || TBN == 64, "tensor-core prefill: 32 or 64 keys a tile");
 static_assert(TC_STAGES >= 1 && TC_STAGES <= 3, "tensor-core prefill: 1 to 3 (K, V) pairs");
+static_assert(!TC_OVERLAP || (PREFILL_WG && TC_STAGES == 3 && !TC_DIAG), "overlap: the wgmma build, 3 pairs");
 
 // Rows [0, TBN) of a K or V tile (keys k0 + n) into shared memory at `dst` (TC_RS-byte rows, or a swizzled tile
 // in the wgmma build); keys at or past kend are zeros (P = 0 must not meet garbage). bf16: asynchronous copies
@@ -437,11 +442,14 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
 
 #if PREFILL_WG
   // S = Q K^T of the key tile at shared address kt: D / 16 wgmma steps a term, the first one overwriting S
-  auto scores = [&](float (&s)[TC_NT][4], const u32 kt) {
+  auto scores_issue = [&](float (&s)[TC_NT][4], const u32 kt) {  // committed as one group, not waited for
     float(&sf)[TBN / 2] = reinterpret_cast<float(&)[TBN / 2]>(s);
     // this warpgroup's 64 rows of the Q tile; K-major descriptors of Q and K
     const u32 qw = q_s + 8192u * (warp >> 2);
     auto dk = [](u32 base, int rows, int ks) { return wg_desc_k_sw(base, rows, ks); };
+#if TC_OVERLAP
+    wg_pin(sf);
+#endif
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, dk(qw, BLOCK_M, ks), dk(kt, TBN, ks), ks);
@@ -450,6 +458,9 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     for (int ks = 0; ks < D / 16; ++ks) wg_ss<TBN>(sf, dk(qw + TC_QB, BLOCK_M, ks), dk(kt, TBN, ks), 1);
 #endif
     wg_commit();
+  };
+  auto scores = [&](float (&s)[TC_NT][4], const u32 kt) {
+    scores_issue(s, kt);
     wg_wait<0>();
   };
 #else
@@ -490,7 +501,9 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   };
 #endif
   // masked online softmax of the tile at key k0: s becomes P; m, l and the output rows rescaled
-  auto softmax = [&](float (&s)[TC_NT][4], const int k0) {
+  // (rescale: TcFlag<true> scales the output rows by each row's alpha here; TcFlag<false> leaves them and
+  // returns the alphas in `alpha`, for a caller whose output rows are in a wgmma's flight)
+  auto softmax_rows = [&](float (&s)[TC_NT][4], const int k0, float (&alpha_out)[2], auto rescale) {
     if (k0 + TBN > kend || k0 + TBN - 1 > first_pos) {  // some key may be invisible to some row of this warp
 #pragma unroll
       for (int nt = 0; nt < TC_NT; ++nt)
@@ -524,16 +537,24 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
       }
       l[h] = l[h] * alpha + sum;  // this lane's part of the row sum (the 4 lanes' parts add up at the end)
       m[h] = mn;
+      if constexpr (decltype(rescale)::value) {
 #pragma unroll
-      for (int i = 0; i < TC_DT; ++i) {
-        o[i][2 * h] *= alpha;
-        o[i][2 * h + 1] *= alpha;
+        for (int i = 0; i < TC_DT; ++i) {
+          o[i][2 * h] *= alpha;
+          o[i][2 * h + 1] *= alpha;
+        }
+      } else {
+        alpha_out[h] = alpha;
       }
     }
   };
+  auto softmax = [&](float (&s)[TC_NT][4], const int k0) {
+    float unused[2];
+    softmax_rows(s, k0, unused, TcFlag<true>{});
+  };
   // O += P V of the value tile at shared address vt (all warps' V rows ready)
 #if PREFILL_WG
-  auto values = [&](const float (&s)[TC_NT][4], const u32 vt) {
+  auto values_issue = [&](const float (&s)[TC_NT][4], const u32 vt) {  // committed as one group, not waited for
     u32 ph[TBN / 16][4], pl[TBN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < TBN / 16; ++kk) {
@@ -544,6 +565,11 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     }
     float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
     auto dv = [](u32 base, int kk) { return wg_desc_mn_sw(base, TBN, kk); };
+#if TC_OVERLAP  // the rescale of o and P's fragments stay before the fence (S(t + 1) is in flight)
+    wg_pin(of);
+    wg_pin(ph);
+    wg_pin(pl);
+#endif
     wg_fence();  // o was rescaled by the softmax
 #pragma unroll
     for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, ph[kk], dv(vt, kk), 1);
@@ -552,6 +578,9 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     for (int kk = 0; kk < TBN / 16; ++kk) wg_rs_t<D>(of, pl[kk], dv(vt, kk), 1);
 #endif
     wg_commit();
+  };
+  auto values = [&](const float (&s)[TC_NT][4], const u32 vt) {
+    values_issue(s, vt);
     wg_wait<0>();
   };
 #else
@@ -596,7 +625,54 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
     }
   };
 
-#if TC_STAGES >= 2
+#if PREFILL_WG && TC_OVERLAP
+  // the ring of three pairs with FlashAttention-3's overlap inside a warpgroup: S(t + 1) and P(t) V(t) go out
+  // together, the softmax of tile t + 1 runs while P(t) V(t) is on the tensor cores, and the output rows take tile
+  // t + 1's alphas once it is done. Tile t + 1 must have landed when tile t starts: two tiles after its request.
+  float s[TC_NT][4], sn[TC_NT][4];
+  auto rescale_rows = [&](const float (&a)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < TC_DT; ++i) {
+        o[i][2 * h] *= a[h];
+        o[i][2 * h + 1] *= a[h];
+      }
+  };
+  // tile t at key k0: cur holds P(t) and the output rows are rescaled for it; nxt takes S(t + 1), then P(t + 1)
+  // (which the loop moves into cur).
+  // Past the last tile, S(t + 1) comes from a slot of stale or unwritten keys that the softmax masks whole
+  // (alpha 1, P 0): no branch around the wgmmas.
+  auto step = [&](float (&cur)[TC_NT][4], float (&nxt)[TC_NT][4], const int k0, const int t) {
+    const u32 slot = (t % 3) * 2 * TC_TILE, next = ((t + 1) % 3) * 2 * TC_TILE;
+    cp_wait_groups<1>();  // tile t + 1's pair: every group but the newest complete
+    wg_fence_smem();
+    __syncthreads();
+    scores_issue(nxt, k_s + next);
+    values_issue(cur, v_s + slot);
+    float a[2];
+    wg_wait<1>();  // S(t + 1); P(t) V(t) may still run
+    softmax_rows(nxt, k0 + TBN, a, TcFlag<false>{});
+    wg_wait<0>();  // P(t) V(t)
+    rescale_rows(a);
+    __syncthreads();  // every warp is done with tile t's slot: it takes tile t + 3
+    if (k0 + 3 * TBN < kend) {
+      tc_load_tile<KBITS>(k_p + slot, k_codes, k_scales, bt, page_size, nkv, kvh, k0 + 3 * TBN, kend, tid);
+      tc_load_tile<VBITS>(v_p + slot, v_codes, v_scales, bt, page_size, nkv, kvh, k0 + 3 * TBN, kend, tid);
+    }
+    cp_commit();
+  };
+  landed();  // tile 0's pair and Q's stores
+  scores(s, k_s);
+  softmax(s, kbeg);
+  for (int k0 = kbeg, t = 0; k0 < kend; k0 += TBN, ++t) {
+    step(s, sn, k0, t);
+#pragma unroll
+    for (int i = 0; i < TC_NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = sn[i][e];  // P(t + 1)
+  }
+#elif TC_STAGES >= 2
   // a ring of TC_STAGES (K, V) pairs: tile t + TC_STAGES is requested once every warp is done with tile t, so
   // each pair has TC_STAGES - 1 tiles' math to arrive in; two barriers a tile
   for (int k0 = kbeg, t = 0; k0 < kend; k0 += TBN, ++t) {

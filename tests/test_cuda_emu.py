@@ -117,14 +117,15 @@ def test_deltanet_snapshots_pass_on_the_emulator():
     assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
-PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2 or 4/4-heads6-tile0-0-8-2 or "
-                     "4/4-heads6-tile0-1-8-3)) or shared_operands or register_a_transposed_b")
+PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
+                     "4/4-heads6-tile0-1-8-3-0 or 4/4-heads6-tile0-1-8-3-1 or 16/16-heads2-tile0-1-8-3-1)) "
+                     "or shared_operands or register_a_transposed_b")
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_prefill_attention_builds_pass_on_the_emulator():
     """The tensor-core prefill attention with 8-warp CTAs and a ring of two (K, V) tile pairs over 4/4-bit pages
-    against numpy (and of three, wgmma), in its warpgroup-MMA build (two warpgroups, swizzled tiles: emu.h runs wgmma from the
+    against numpy (and of three, wgmma, with and without the overlapped loop), in its warpgroup-MMA build (two warpgroups, swizzled tiles: emu.h runs wgmma from the
     descriptors) and its mma.sync build, and the wgmma building blocks' probes: cases of their GPU tests, through
     the emulator plugin."""
     env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
@@ -132,4 +133,4 @@ def test_prefill_attention_builds_pass_on_the_emulator():
                           "gpu", "tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py", "-k",
                           PREFILL_EMU_CASES],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "19 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    assert res.returncode == 0 and "21 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

@@ -7,6 +7,7 @@ so that the builders overlap; no CUDA toolkit or device is needed.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,25 +103,27 @@ def test_sm90a_builds_target_sm90a_only_on_hopper():
     assert kernels.needs_sm90a((("X", 1), ("SM90A", 1))) and not kernels.needs_sm90a((("X", 1),))
 
 
-PREFILL_WG_BUILDS = [  # the wgmma prefill attention's default builds: 27B (head_dim 256) and head_dim 128 shapes
-    (("HEAD_DIM", 256), ("TC_BLOCK_N", 32), ("KBITS", 16), ("VBITS", 16)),
-    (("HEAD_DIM", 128), ("TC_BLOCK_N", 64), ("KBITS", 6), ("VBITS", 4)),
+PREFILL_WG_BUILDS = [  # the wgmma prefill attention's builds: 27B (head_dim 256) and head_dim 128 shapes, ring of 2
+    (("HEAD_DIM", 256), ("TC_BLOCK_N", 32), ("KBITS", 16), ("VBITS", 16), ("TC_STAGES", 2)),
+    (("HEAD_DIM", 128), ("TC_BLOCK_N", 64), ("KBITS", 6), ("VBITS", 4), ("TC_STAGES", 2)),
+    (("HEAD_DIM", 256), ("TC_BLOCK_N", 32), ("KBITS", 16), ("VBITS", 16), ("TC_STAGES", 3), ("TC_OVERLAP", 1)),
 ]
 
 
 @pytest.mark.skipif(kernels_nvcc() is None, reason="needs the CUDA toolkit's nvcc")
-@pytest.mark.parametrize("shape", PREFILL_WG_BUILDS, ids=["d256", "d128-6/4"])
+@pytest.mark.parametrize("shape", PREFILL_WG_BUILDS, ids=["d256", "d128-6/4", "d256-overlap"])
 def test_wgmma_prefill_builds_need_no_compiler_fences(shape, tmp_path):
-    """ptxas inserts warpgroup fences itself (C7519) or serialises wgmmas (C7520) where registers that a wgmma
-    reads or accumulates are written in its way; the prefill attention's wgmma builds (kernels/wgmma.cuh's
-    register rules) must need neither."""
+    """ptxas inserts warpgroup fences or waits itself (C7519, C7517) or serialises wgmmas (C7520, C7514, C7515)
+    where registers that a wgmma reads or accumulates are touched in its way; the prefill attention's wgmma builds
+    (kernels/wgmma.cuh's register rules), the overlapped loop among them, must need none of it."""
     import kernels
 
     defines = (*shape, ("ROWS_PER_WARP", 16), ("PREFILL_TC", 1), ("TC_SPLIT", 1), ("PREFILL_WG", 1), ("SM90A", 1),
-               ("TC_WARPS", 8), ("TC_STAGES", 2))
+               ("TC_WARPS", 8))
     cmd = [kernels_nvcc(), *kernels.nvcc_options("90", defines), "-Xptxas", "-v", "-cubin",
            "-o", str(tmp_path / "a.cubin"), str(ROOT / "kernels" / "attn_prefill.cu")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "C7519" not in res.stderr and "C7520" not in res.stderr, res.stderr[-2000:]
-    assert " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
+    assert not any(f"C75{n}" in res.stderr for n in (14, 15, 17, 19, 20)), res.stderr[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    assert spills and not any(int(n) for n in spills), res.stderr[-2000:]

@@ -32,10 +32,11 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
 # tile read from L2 serves twice the rows); "stages" 1 to 3 (K, V) tile pairs in shared memory (2 or 3: a ring,
 # tile t + stages requested after tile t; 3 not yet measured); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1
 # stage) -> 6.86 (docs/perf.md);
-# "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
+# "overlap" 1: the wgmma build over a ring of 3 runs tile t + 1's softmax beside P(t) V(t) (TC_OVERLAP; not yet
+# measured); "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
            "split": 1, "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 2,
-           "diag": 0}
+           "overlap": 0, "diag": 0}
 PREFILL_WG_HEAD_DIMS = (64, 128, 256)
 PREFILL_ROWS_PER_WARP = 16  # its CTAs: PREFILL "warps" warps of 16 query rows
 DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)

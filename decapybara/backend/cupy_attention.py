@@ -170,6 +170,7 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         defines += (("PREFILL_WG", 1), ("SM90A", 1)) if pl.wg else ()
         defines += (("TC_WARPS", pl.warps),) if pl.warps != 4 else ()
         defines += (("TC_STAGES", pl.stages),) if pl.stages != 1 else ()
+        defines += (("TC_OVERLAP", 1),) if prefill_overlap(pl) else ()
         defines += (("TC_DIAG", PREFILL["diag"]),) if PREFILL["diag"] else ()  # measurement only
         fwd = get_kernel("attn_prefill", "paged_prefill_attention_tc", defines)
         smem = prefill_smem(d, *pl)
@@ -212,6 +213,12 @@ def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLau
             if prefill_smem(head_dim, *launch) <= _smem_optin():
                 return launch
     return None
+
+
+def prefill_overlap(launch: PrefillLaunch) -> bool:
+    """Whether a launch takes the kernel's overlapped loop (TC_OVERLAP: PREFILL "overlap", the wgmma build, a
+    ring of three pairs) and no measurement variant (PREFILL "diag")."""
+    return bool(PREFILL["overlap"]) and bool(launch.wg) and launch.stages == 3 and not PREFILL["diag"]
 
 
 def prefill_wg(head_dim: int) -> bool:

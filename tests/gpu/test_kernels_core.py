@@ -380,16 +380,17 @@ PREFILL_TC_CASES = [("16/16", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)), ("1
                     ("4/4", (4, 2, 64, 7)), ("4/8", (24, 4, 256, 512))]
 
 
-@pytest.mark.parametrize("wg,warps,stages", [(1, 4, 1), (0, 4, 1), (1, 8, 1), (0, 8, 1), (1, 8, 2), (0, 8, 2),
-                                             (1, 8, 3), (0, 8, 3)])
+@pytest.mark.parametrize("wg,warps,stages,overlap", [(1, 4, 1, 0), (0, 4, 1, 0), (1, 8, 1, 0), (0, 8, 1, 0),
+                                                     (1, 8, 2, 0), (0, 8, 2, 0), (1, 8, 3, 0), (0, 8, 3, 0),
+                                                     (1, 8, 3, 1)])
 @pytest.mark.parametrize("tile", [(64, 1), (32, 1), (64, 0)])
 @pytest.mark.parametrize("kv_mode,heads", PREFILL_TC_CASES)
-def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, warps, stages):
+def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, warps, stages, overlap):
     """kernels/attn_prefill.cu's paged_prefill_attention_tc (bf16 and microscaled pages): prefill chunks over
     earlier chunks' keys, partial key tiles, pages of 5 / 7 keys splitting tiles, mixed steps of chunks and
     decode rows, forced and planned splits, 32- and 64-key tiles, against numpy; its warpgroup-MMA build (wg,
     on Hopper for head_dim 64 / 128 / 256, swizzled tiles) and its mma.sync build, CTAs of 4 and 8 warps, one
-    (K, V) pair or a ring of two or three (fewer where they do not fit). q and P as two bf16 terms (split) keep
+    (K, V) pair or a ring of two or three (fewer where they do not fit), the wgmma build's overlapped loop. q and P as two bf16 terms (split) keep
     float32 tolerance; one term each is within bf16 tolerance. (Pure decode steps take the decode kernel or
     the general one: tested above.)"""
     import kernels
@@ -401,6 +402,7 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
     monkeypatch.setitem(ca.PREFILL, "wg", wg)
     monkeypatch.setitem(ca.PREFILL, "warps", warps)
     monkeypatch.setitem(ca.PREFILL, "stages", stages)
+    monkeypatch.setitem(ca.PREFILL, "overlap", overlap)
     want_wg = int(bool(wg) and d in (64, 128, 256) and kernels.sm90a_ok())
     launched = record_kernels(monkeypatch, ca)
     steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
@@ -415,8 +417,9 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
     assert want.warps == warps or ca.prefill_smem(d, *tile, want.wg, warps, 1) > limit
     assert want.stages == stages or ca.prefill_smem(d, *tile, want.wg, want.warps, stages) > limit
     assert tc and all((defs["TC_BLOCK_N"], defs["TC_SPLIT"], defs["KBITS"], defs["VBITS"], defs["ROWS_PER_WARP"],
-                       defs.get("PREFILL_WG", 0), defs.get("TC_WARPS", 4), defs.get("TC_STAGES", 1))
-                      == (*tile, kb, vb, 16, *want[2:]) for defs in tc), tc
+                       defs.get("PREFILL_WG", 0), defs.get("TC_WARPS", 4), defs.get("TC_STAGES", 1),
+                       defs.get("TC_OVERLAP", 0)) == (*tile, kb, vb, 16, *want[2:], int(ca.prefill_overlap(want)))
+                      for defs in tc), tc
     assert not any(f == "paged_attention_fwd" for f, _ in launched)
 
 

@@ -610,7 +610,7 @@ paged_prefill_attention_tc(const float* __restrict__ q, const void* __restrict__
   // every commit group but the newest (the two newest in a ring of 3) complete for every thread (and visible to
   // the wgmma proxy)
   auto landed = [&]() {
-    cp_wait_groups<TC_STAGES == 3 ? 2 : 1>();
+    cp_wait_groups<TC_STAGES == 1 ? 1 : TC_STAGES - 1>();
 #if PREFILL_WG
     wg_fence_smem();
 #endif

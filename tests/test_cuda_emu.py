@@ -72,29 +72,35 @@ def _emulator_toolchain() -> bool:
     return probe.returncode == 0
 
 
+def run_on_emulator(files: list[str], cases: str, strided: bool = True, timeout: int = 600) -> tuple[str, str]:
+    """(stdout, stderr) of `pytest -m gpu files -k cases` through the emulator plugin in a separate process;
+    asserts that it exited 0."""
+    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", **({"CUDA_EMU_STRIDED": "1"} if strided else {})}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
+                          "gpu", *files, "-k", cases], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    return res.stdout, res.stderr
+
+
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_skinny_gemm_gpu_tests_pass_on_the_emulator():
     """The mx_gemv kernels (tensor-core MMAs, bf16x2 decode, split-K reduction, x fragments by shared-window
     addresses of static and dynamic shared memory) against the numpy reference: the K-tail GPU tests of every
     weight format, and the bf16 x staging (byte permutes, bf16x2 FMAs by 2^64) against float32 x of the same
     values, zeros, subnormals and overflow included, through the emulator plugin in a separate process."""
-    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", "tests/gpu/test_kernels_extra.py", "-k", "mx_linear_k_tail or bf16_x_staging_edges"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert res.returncode == 0 and "10 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    out, _ = run_on_emulator(["tests/gpu/test_kernels_extra.py"], "mx_linear_k_tail or bf16_x_staging_edges",
+                             strided=False, timeout=900)
+    assert "10 passed" in out, out[-3000:]
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator():
     """The tensor-core decode attention over 6/6-bit pages (codes unpacked with funnel shifts, MMAs, the split-K
     reduce) against numpy: one case of its GPU test, through the emulator plugin in a separate process."""
-    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", "tests/gpu/test_kernels_core.py", "-k",
-                          "test_decode_attention_microscaled_pages and 6/6-heads1-shape1"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py"],
+                             "test_decode_attention_microscaled_pages and 6/6-heads1-shape1")
+    assert "1 passed" in out, out[-3000:]
 
 
 SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
@@ -109,12 +115,8 @@ def test_deltanet_snapshots_pass_on_the_emulator():
     byte for byte (one and three runs a CTA); the chunked prefill kernels (tensor-core MMAs on hi/lo fragments,
     cp.async staging) against the reference and gdn_recurrent, and their chunk table: five cases of their GPU
     tests, through the emulator plugin."""
-    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", "tests/gpu/test_kernels_core.py", "-k",
-                          SNAPSHOT_CASES],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "5 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py"], SNAPSHOT_CASES)
+    assert "5 passed" in out, out[-3000:]
 
 
 PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
@@ -124,13 +126,9 @@ PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_prefill_attention_builds_pass_on_the_emulator():
-    """The tensor-core prefill attention with 8-warp CTAs and a ring of two (K, V) tile pairs over 4/4-bit pages
-    against numpy (and of three, wgmma, with and without the overlapped loop), in its warpgroup-MMA build (two warpgroups, swizzled tiles: emu.h runs wgmma from the
-    descriptors) and its mma.sync build, and the wgmma building blocks' probes: cases of their GPU tests, through
-    the emulator plugin."""
-    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_STRIDED": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", "tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py", "-k",
-                          PREFILL_EMU_CASES],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "21 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    """The tensor-core prefill attention with 8-warp CTAs against numpy: its warpgroup-MMA build (two
+    warpgroups, swizzled tiles; emu.h runs wgmma from the descriptors) with rings of two and three (K, V) pairs
+    and the overlapped loop, its mma.sync build with a ring of two, over 4/4-bit and bf16 pages; and the wgmma
+    building blocks' probes: cases of their GPU tests, through the emulator plugin."""
+    out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"], PREFILL_EMU_CASES)
+    assert "21 passed" in out, out[-3000:]

@@ -3,12 +3,14 @@ the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all
 
     PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384 (tokens@prefix),
                                                          # ATTN_KV=16/16,6/4 (page modes),
-                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3o
+                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3o,wg8/1d
 
 24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache and its 16 attention layers),
 one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones. A build is "mma" (mma.sync) or "wg"
 (warpgroup MMAs, Hopper), then warps a CTA, then "/" and the (K, V) tile pairs, "o" for the overlapped loop
-(cupy_attention.PREFILL). Each timed call is one layer's attention with its split-K reduce, cycling through the 16
+(cupy_attention.PREFILL), "b" for q and P as one bf16 term each (PREFILL "split" 0; else hi + lo terms); over
+microscaled pages a build decodes each tile itself, and with "d" it runs over bf16 scratch copies of the pages it
+reads, decoded once a call (`dequant_pages`; the time includes that decoding). Each timed call is one layer's attention with its split-K reduce, cycling through the 16
 layers, 5 calls captured in one CUDA graph, replays timed with CUDA events. TFLOP/s = 4 x heads x head_dim x (query, key) pairs under the causal rule /
 time (the useful products; the hi / lo split doubles the MMAs). Each build's output is checked against the general
 kernel's in the same run (max error / max |output|). torch = F.scaled_dot_product_attention on bf16 q, K and V with
@@ -41,12 +43,15 @@ BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2,wg8/3,w
 
 
 def build_settings(name: str) -> dict:
-    """cupy_attention.PREFILL settings of a build name such as "wg8/2" ("wg8/3o": the overlapped loop)."""
-    head, stages = name.split("/")
+    """cupy_attention.PREFILL settings of a build name such as "wg8/2" ("wg8/3o": the overlapped loop; "wg8/3ob":
+    q and P as one bf16 term each; "wg8/3od": over bf16 scratch copies of microscaled pages)."""
+    head, tail = name.split("/")
     kind = head.rstrip("0123456789")
-    assert kind in ("mma", "wg"), name
-    return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]),
-            "stages": int(stages.rstrip("o")), "overlap": int(stages.endswith("o"))}
+    assert kind in ("mma", "wg") and tail.rstrip("obd").isdigit(), name
+    stages = int(tail.rstrip("obd"))
+    return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]), "stages": stages,
+            "mx_stages": stages, "overlap": int("o" in tail), "split": int("b" not in tail),
+            "dequant_reads": 0 if tail.endswith("d") else -1}
 
 
 def causal_pairs(tokens: int, prefix: int) -> int:
@@ -78,10 +83,13 @@ def main() -> None:
             for name in BUILDS:
                 ca.PREFILL.update(defaults)
                 ca.PREFILL.update(build_settings(name))
+                if name.endswith("d") and bits == (16, 16):
+                    continue  # bf16 pages need no scratch
                 plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)  # the plan carries the build
                 if plan.prefill is None or (plan.prefill.wg, plan.prefill.warps, plan.prefill.stages) != (
                         ca.PREFILL["wg"], ca.PREFILL["warps"], ca.PREFILL["stages"]) or (
-                        ca.PREFILL["overlap"] and not ca.prefill_overlap(plan.prefill)):
+                        ca.PREFILL["overlap"] and not ca.prefill_overlap(plan.prefill)) or (
+                        name.endswith("d") and plan.dequant is None):
                     continue  # not on this device (e.g. wg off Hopper) or not in its shared memory
                 got = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv,
                                            B.PAGE, d ** -0.5))

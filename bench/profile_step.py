@@ -7,8 +7,10 @@
     PROFILE_PREFILL_ATTN=32:1,64:0,off ...   # prefill attention variants (keys a tile : split; off: general)
                                              # a third field :N sets gdn_recurrent's staged tokens; "mma" /
                                              # "wg": the mma.sync / warpgroup-MMA build (PREFILL "wg"), then
-                                             # "4" for 4 warps (default 8), "s" for 2 stages (default 1),
-                                             # "/3" for TC_DIAG 3 (measurement only)
+                                             # "4" for 4 warps (default 8), "s" for 2 stages (default 1), no
+                                             # overlap, "/3" for TC_DIAG 3 (measurement only); "default": as
+                                             # configured (wgmma, 8 warps, 3 stages, the overlap); "direct":
+                                             # microscaled pages decoded by the kernel (no bf16 scratch)
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
 sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
@@ -48,14 +50,17 @@ PREFILL_ATTN = os.environ.get("PROFILE_PREFILL_ATTN", "default").split(",")
 
 def prefill_attn(variant: str) -> None:
     """Sets attn_plan.PREFILL (and cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry: "default",
-    "off", "mma", "wg" or "keys:split[:tokens]"."""
+    "off", "direct", "mma", "wg" or "keys:split[:tokens]"."""
     if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
         PREFILL_SETTINGS.update(enabled=False)
+    if variant == "direct":
+        PREFILL_SETTINGS.update(dequant_reads=-1)
     name, *diag = variant.split("/")
     base = name.rstrip("48s")
     if base in ("mma", "wg"):  # e.g. "wg8s": 8 warps, 2 stages; "mma4/3": 4 warps, 1 stage, TC_DIAG 3
-        PREFILL_SETTINGS.update(wg=int(base == "wg"), warps=4 if "4" in name else 8,
-                                stages=2 if "s" in name[len(base):] else 1, diag=int(diag[0]) if diag else 0)
+        stages = 2 if "s" in name[len(base):] else 1
+        PREFILL_SETTINGS.update(wg=int(base == "wg"), warps=4 if "4" in name else 8, stages=stages,
+                                mx_stages=stages, overlap=0, diag=int(diag[0]) if diag else 0)
     if ":" in variant:
         n, split, *tokens = (int(v) for v in variant.split(":"))
         PREFILL_SETTINGS.update(block_n=n, block_n_wide=n, split=split)

@@ -221,6 +221,16 @@ paged_attention_fwd(const float* __restrict__ q, const void* __restrict__ k_code
 
 #endif  // !PREFILL_TC
 
+// Eight floats as eight bf16 (round to nearest even), element 0 in the low half of .x.
+__device__ __forceinline__ uint4 pack_bf16x8(const float* x) {
+  uint4 w;
+  w.x = (u32)f32_to_bf16(x[0]) | ((u32)f32_to_bf16(x[1]) << 16);
+  w.y = (u32)f32_to_bf16(x[2]) | ((u32)f32_to_bf16(x[3]) << 16);
+  w.z = (u32)f32_to_bf16(x[4]) | ((u32)f32_to_bf16(x[5]) << 16);
+  w.w = (u32)f32_to_bf16(x[6]) | ((u32)f32_to_bf16(x[7]) << 16);
+  return w;
+}
+
 // Merge split-K parts: items [nitems, 4] int32 = seq, row0, first part, number of parts. Grid (nitems, nkv,
 // BLOCK_M): one CTA per query row, threads over head dims (the parts' loads are independent: they overlap).
 extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -247,6 +257,29 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
       o += part_o[pr * D + d] * wgt;
     }
     out[((i64)(start + t) * nq + qh) * D + d] = o / sum;
+  }
+}
+
+// Microscaled pages -> bf16 pages: the tensor-core prefill's scratch (cupy_attention `DequantPages`), so that a
+// long chunk's CTAs read keys and values by asynchronous copies instead of each decoding every tile again.
+// Scratch page p holds source page src_pages[p], vectors (slot, KV head) in the pages' order; one thread per
+// 8-element group of a key and of a value, decoded as tc_load_tile decodes them (the same bf16 bits).
+// Grid-stride over npages * page_size * nkv * D / 8 groups.
+extern "C" __global__ void __launch_bounds__(256)
+kv_pages_bf16(const void* __restrict__ k_codes, const u8* __restrict__ k_scales, const void* __restrict__ v_codes,
+              const u8* __restrict__ v_scales, const int* __restrict__ src_pages, int npages, int page_size,
+              int nkv, u16* __restrict__ k_out, u16* __restrict__ v_out) {
+  static_assert(D % 8 == 0, "kv_pages_bf16: head_dim a multiple of 8");
+  const i64 per_page = (i64)page_size * nkv * (D / 8), n = per_page * npages;
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const i64 p = i / per_page, r = i - p * per_page, v = r / (D / 8);
+    const int c = (int)(r - v * (D / 8));
+    const i64 src = (i64)src_pages[p] * page_size * nkv + v, dst = (p * page_size * nkv + v) * D + 8 * c;
+    float x[8];
+    kv_load8<KBITS>(k_codes, k_scales, src, D, 8 * c, x);
+    *(uint4*)(k_out + dst) = pack_bf16x8(x);
+    kv_load8<VBITS>(v_codes, v_scales, src, D, 8 * c, x);
+    *(uint4*)(v_out + dst) = pack_bf16x8(x);
   }
 }
 
@@ -344,10 +377,7 @@ __device__ __forceinline__ void tc_load_tile(unsigned char* dst, const void* __r
       if (ok) {
         float x[8];
         kv_load8<BITS>(codes, scales, vi, D, 8 * c, x);
-        w.x = (u32)f32_to_bf16(x[0]) | ((u32)f32_to_bf16(x[1]) << 16);
-        w.y = (u32)f32_to_bf16(x[2]) | ((u32)f32_to_bf16(x[3]) << 16);
-        w.z = (u32)f32_to_bf16(x[4]) | ((u32)f32_to_bf16(x[5]) << 16);
-        w.w = (u32)f32_to_bf16(x[6]) | ((u32)f32_to_bf16(x[7]) << 16);
+        w = pack_bf16x8(x);
       }
       *(uint4*)to = w;
     }

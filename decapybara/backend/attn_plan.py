@@ -26,17 +26,27 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
           "short_keys": 128, "short_ctas": 32, "graph_cap": 0}
 # tensor-core prefill kernel (attn_prefill.cu PREFILL_TC) for every other batch over bf16 or microscaled pages:
 # on / off (env DECAPYBARA_PREFILL_ATTN=0); keys a tile for head_dim <= 128 and for larger; "split" 1 carries
-# q and P as two bf16 terms each (~16 bits, as the decode kernel), 0 as one (5-8% faster at 16-30k contexts);
+# q and P as two bf16 terms each (~16 bits, as the decode kernel), 0 as one (env DECAPYBARA_PREFILL_SPLIT=0:
+# FlashAttention's precision, ~3e-3 of the output's scale; 27B layer at 16k 6.45 -> 5.05 ms, a 2,048-token chunk
+# at 30k 5,439 -> 5,944 tok/s);
 # "wg" 1 takes its warpgroup-MMA build (PREFILL_WG) on Hopper for head_dim 64 / 128 / 256 (env
 # DECAPYBARA_PREFILL_WG=0: the mma.sync build everywhere); "warps" 4 or 8 a CTA (64 or 128 query rows: each K / V
-# tile read from L2 serves twice the rows); "stages" 1 to 3 (K, V) tile pairs in shared memory (2 or 3: a ring,
-# tile t + stages requested after tile t; 3 not yet measured); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1
-# stage) -> 6.86 (docs/perf.md);
-# "overlap" 1: the wgmma build over a ring of 3 runs tile t + 1's softmax beside P(t) V(t) (TC_OVERLAP; not yet
-# measured); "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
+# tile read from L2 serves twice the rows); "stages" 1 to 3 (K, V) tile pairs in shared memory over bf16 pages
+# (2 or 3: a ring, tile t + stages requested after tile t), "mx_stages" over microscaled pages the kernel decodes
+# itself (its loads are not asynchronous: 1 was fastest); "overlap" 1: the wgmma build over a ring of 3 runs tile
+# t + 1's softmax beside P(t) V(t) (TC_OVERLAP); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1 stage) -> 6.86
+# (wgmma, 8 warps, 2 stages) -> 6.42 (the overlap; docs/perf.md);
+# "dequant_reads": a plan over microscaled pages whose CTAs read each page at least this often on average first
+# decodes the pages it reads into bf16 scratch pages, once a layer (cupy_attention.dequant_pages; -1 never, env
+# DECAPYBARA_PREFILL_DEQUANT=0), when K and V scratch take at most "dequant_mb" MiB; 1 (every plan): one CTA a
+# page (16 new tokens at 16k, 27B) already gained 0.211 -> 0.183 ms a layer, a 2,048-token chunk 15.0 -> 6.46;
+# "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
-           "split": 1, "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 2,
-           "overlap": 0, "diag": 0}
+           "split": int(os.environ.get("DECAPYBARA_PREFILL_SPLIT", "1") != "0"),
+           "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 3, "mx_stages": 1,
+           "overlap": 1,
+           "dequant_reads": 1 if os.environ.get("DECAPYBARA_PREFILL_DEQUANT", "1") != "0" else -1,
+           "dequant_mb": 1024, "diag": 0}
 PREFILL_WG_HEAD_DIMS = (64, 128, 256)
 PREFILL_ROWS_PER_WARP = 16  # its CTAs: PREFILL "warps" warps of 16 query rows
 DECODE_WAVES = 8  # eager decode plans: at most this many CTAs per SM (one resident each; decode_splits' cap)

@@ -257,7 +257,7 @@ class DecodeGraphRunner:
                              max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
                              num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
                              rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv),
-                             prefill=None)  # decode batches: the decode kernel or the general one
+                             prefill=None, dequant=None)  # decode batches: the decode kernel or the general one
         st.kv_bits = _kv_bits(kv)
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
                             snapshot_keys=[], chunk_src=None, chunk_work=None)  # decode: no chunked work

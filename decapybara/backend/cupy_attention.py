@@ -37,6 +37,7 @@ from decapybara.backend.attn_plan import (
     PREFILL,
     PREFILL_ROWS_PER_WARP,
     PREFILL_WG_HEAD_DIMS,
+    cdiv,
     plan_work,
     rows_per_warp,
 )
@@ -72,6 +73,17 @@ class PrefillLaunch(NamedTuple):
 
 
 @dataclass(slots=True)
+class DequantPages:
+    """The microscaled pages a prefill plan reads, decoded once a layer into bf16 scratch pages
+    (`kv_pages_bf16`) so that the tensor-core kernel's CTAs copy tiles instead of each decoding them again."""
+
+    src: Any  # [npages] int32: the source page of every scratch page
+    block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers
+    npages: int
+    direct: PrefillLaunch  # the launch over the pages themselves, should the scratch not be allocated
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     """Device metadata of one forward's attention (shared by every attention layer)."""
 
@@ -91,6 +103,9 @@ class AttentionPlan:
     # the tensor-core prefill kernel's launch when it runs this plan (`prefill_launch`; rows_per_warp is then
     # 16); None: the decode kernel or the general one
     prefill: PrefillLaunch | None = None
+    # set when the prefill kernel reads bf16 copies of microscaled pages (`dequant_pages`); prefill is then the
+    # bf16 pages' launch
+    dequant: DequantPages | None = None
 
     @property
     def warps(self) -> int:
@@ -113,8 +128,13 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
+    dequant = None
     if prefill is not None:
         rpw = PREFILL_ROWS_PER_WARP
+        bf16 = prefill_launch(head_dim, (16, 16)) if kv_bits != (16, 16) else None
+        if bf16 is not None and bf16.warps == prefill.warps:
+            dequant = dequant_pages(batch, g, bf16.warps * rpw, nkv, head_dim, prefill)
+            prefill = bf16 if dequant is not None else prefill
     warps = prefill.warps if prefill is not None else 4
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, warps * rpw, splits,
                                     sms=sm_count(), **({"waves": DECODE_WAVES,
@@ -129,7 +149,33 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     info = np.asarray([(s.start, s.length, s.context) for s in seqs], np.int32).reshape(-1, 3)
     return AttentionPlan(cp.asarray(info), cp.asarray(tables), max_pages, cp.asarray(work), cp.asarray(reduce),
                          len(work), len(reduce), parts, rpw,
-                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode, prefill)
+                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode, prefill, dequant)
+
+
+def dequant_pages(batch: ForwardBatch, g: int, block_m: int, nkv: int, head_dim: int,
+                  direct: PrefillLaunch) -> DequantPages | None:
+    """The scratch pages of a prefill plan over microscaled pages (`direct`: its launch over the pages
+    themselves), or None where the kernel decodes each tile itself: PREFILL "dequant_reads" negative, the CTAs
+    reading a page (a sequence's row tiles of `block_m` query rows, g per token) fewer than "dequant_reads" on
+    average, or the K and V scratch over "dequant_mb" MiB. Pages shared by sequences (prefix reuse) are decoded
+    once."""
+    reads = int(PREFILL["dequant_reads"])
+    if reads < 0:
+        return None
+    ps = batch.page_size
+    used = [s.block_table[:cdiv(s.context + s.length, ps)] for s in batch.seqs]
+    pages = sum(len(u) for u in used)
+    if not pages or sum(len(u) * cdiv(s.length * g, block_m) for u, s in zip(used, batch.seqs)) < reads * pages:
+        return None
+    src, inverse = np.unique(np.concatenate(used).astype(np.int32), return_inverse=True)
+    if 4 * len(src) * ps * nkv * head_dim > PREFILL["dequant_mb"] * 2 ** 20:
+        return None
+    tables = np.zeros((len(batch.seqs), max(len(s.block_table) for s in batch.seqs)), np.int32)  # the plan's width
+    at = 0
+    for i, u in enumerate(used):
+        tables[i, :len(u)] = inverse[at:at + len(u)]
+        at += len(u)
+    return DequantPages(cp.asarray(src), cp.asarray(tables), len(src), direct)
 
 
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
@@ -165,7 +211,15 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
                     I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     elif plan.prefill is not None:
-        pl = plan.prefill
+        pl, tables = plan.prefill, plan.block_tables
+        if plan.dequant is not None:  # the pages as bf16 scratch pages, the bf16 build
+            try:
+                kc, vc = dequant_kv(plan.dequant, k_parts, v_parts, nkv, page_size, d)
+            except cp.cuda.memory.OutOfMemoryError:  # no room beside the pool: the kernel decodes the tiles
+                pl = plan.dequant.direct
+            else:
+                tables, kb, vb = plan.dequant.block_tables, 16, 16
+                defines = (("HEAD_DIM", d), ("KBITS", 16), ("VBITS", 16), ("ROWS_PER_WARP", plan.rows_per_warp))
         defines += (("PREFILL_TC", 1), ("TC_BLOCK_N", pl.block_n), ("TC_SPLIT", pl.split))
         defines += (("PREFILL_WG", 1), ("SM90A", 1)) if pl.wg else ()
         defines += (("TC_WARPS", pl.warps),) if pl.warps != 4 else ()
@@ -176,7 +230,7 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         smem = prefill_smem(d, *pl)
         allow_dynamic_smem(fwd, smem)
         fwd((plan.num_work, nkv), (32 * pl.warps,),
-            (q, kc, ks, vc, vs, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
+            (q, kc, ks, vc, vs, tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
              I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     else:
         _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
@@ -185,6 +239,19 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         pdl.launch(red, (plan.num_reduce, nkv, bm), (NTHREADS,),
                    (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
     return out
+
+
+def dequant_kv(dq: DequantPages, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], nkv: int,
+               page_size: int, head_dim: int) -> tuple[Any, Any]:
+    """(keys, values) of the pages `dq` names as bf16 bits [npages * page_size * nkv * head_dim] uint16, each
+    element as the prefill kernel decodes it on load (kernels/attn_prefill.cu kv_pages_bf16)."""
+    (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
+    n = dq.npages * page_size * nkv * head_dim
+    kx, vx = empty(n, cp.uint16), empty(n, cp.uint16)
+    fn = get_kernel("attn_prefill", "kv_pages_bf16", (("HEAD_DIM", head_dim), ("KBITS", kb), ("VBITS", vb)))
+    fn((max(1, min(cdiv(n // 8, 256), 16 * sm_count())),), (256,),
+       (kc, ks, vc, vs, dq.src, I32(dq.npages), I32(page_size), I32(nkv), kx, vx))
+    return kx, vx
 
 
 def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -199,8 +266,8 @@ def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLau
     """The tensor-core prefill kernel's launch for pages of `kv_bits` (key, value; None: unknown) on this
     device; None where the general kernel runs: off, float32 or unknown pages, head_dim not a multiple of 16 or
     over 256, a device before sm_80, or its shared memory too small. wg 1: the warpgroup-MMA build
-    (`prefill_wg`); warps and stages as PREFILL says where they fit the shared memory, else fewer stages, then
-    4 warps."""
+    (`prefill_wg`); warps and stages (microscaled pages: "mx_stages") as PREFILL says where they fit the shared
+    memory, else fewer stages, then 4 warps."""
     if not PREFILL["enabled"] or kv_bits is None or head_dim % 16 or head_dim > 256:
         return None
     if any(b not in (16, *DECODE_MX_BITS) for b in kv_bits):
@@ -208,7 +275,7 @@ def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLau
     block_n, split = int(PREFILL["block_n" if head_dim <= 128 else "block_n_wide"]), int(PREFILL["split"])
     wg = int(prefill_wg(head_dim))
     for warps in dict.fromkeys((int(PREFILL["warps"]), 4)):
-        for stages in range(int(PREFILL["stages"]), 0, -1):
+        for stages in range(int(PREFILL["stages" if kv_bits == (16, 16) else "mx_stages"]), 0, -1):
             launch = PrefillLaunch(block_n, split, wg, warps, stages)
             if prefill_smem(head_dim, *launch) <= _smem_optin():
                 return launch

@@ -171,6 +171,12 @@ def install():
     cuda.get_current_stream = lambda: Stream()
     cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()  # numpy allocates
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
+    memory = types.ModuleType("cupy.cuda.memory")
+    class OutOfMemoryError(MemoryError):  # cupy's signature
+        def __init__(self, size, total, limit=0):
+            super().__init__(f"out of memory allocating {size} bytes (allocated so far: {total} bytes)")
+    memory.OutOfMemoryError = OutOfMemoryError
+    cuda.memory = memory
     device = types.ModuleType("cupy.cuda.device")
     device.get_cublas_handle = lambda: 1
     cuda.device = device
@@ -182,7 +188,7 @@ def install():
     cupyx = types.ModuleType("cupyx")  # pinned host memory: plain numpy memory here
     cupyx.empty_pinned = lambda shape, dtype=np.float32, order="C": np.empty(shape, dtype, order)
     for name, mod in [("cupy", cp), ("cupyx", cupyx), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime),
-                      ("cupy.cuda.device", device),
+                      ("cupy.cuda.device", device), ("cupy.cuda.memory", memory),
                       ("cupy_backends", cb), ("cupy_backends.cuda", cbc), ("cupy_backends.cuda.libs", libs),
                       ("cupy_backends.cuda.libs.cublas", fake_cublas)]:
         sys.modules[name] = mod

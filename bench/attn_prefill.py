@@ -1,16 +1,19 @@
 """Prefill attention of the `qwen3.8-27b` shapes: the tensor-core kernel's builds (kernels/attn_prefill.cu) against
 the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all in one run.
 
-    PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384 (tokens@prefix),
+    PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384+11 (tokens@prefix,
+                                                         # +N: N decode rows at that context beside the chunk),
                                                          # ATTN_KV=16/16,6/4 (page modes),
                                                          # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3o,wg8/1d
 
 24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache and its 16 attention layers),
-one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones. A build is "mma" (mma.sync) or "wg"
+one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones (and "+N" decode rows of as many
+other sequences at the same context, each on its own pages: a mixed step; no torch row). A build is "mma" (mma.sync) or "wg"
 (warpgroup MMAs, Hopper), then warps a CTA, then "/" and the (K, V) tile pairs, "o" for the overlapped loop
 (cupy_attention.PREFILL), "b" for q and P as one bf16 term each (PREFILL "split" 0; else hi + lo terms); over
-microscaled pages a build decodes each tile itself, and with "d" it runs over bf16 scratch copies of the pages it
-reads, decoded once a call (`dequant_pages`; the time includes that decoding). Each timed call is one layer's attention with its split-K reduce, cycling through the 16
+microscaled pages a build decodes each tile itself; with "d" the sequences of 16+ new tokens read bf16 scratch
+copies of their pages, decoded once a call (`dequant_pages`; the time includes that decoding), the others as
+before in a second launch; with "a" every sequence reads the scratch. Each timed call is one layer's attention with its split-K reduce, cycling through the 16
 layers, 5 calls captured in one CUDA graph, replays timed with CUDA events. TFLOP/s = 4 x heads x head_dim x (query, key) pairs under the causal rule /
 time (the useful products; the hi / lo split doubles the MMAs). Each build's output is checked against the general
 kernel's in the same run (max error / max |output|). torch = F.scaled_dot_product_attention on bf16 q, K and V with
@@ -36,7 +39,7 @@ from decapybara.backend import cupy_attention as ca
 from decapybara.backend.cupy_attention import attention, plan_attention
 from decapybara.model.batch import ForwardBatch
 
-CASES = [tuple(int(v) for v in c.split("@"))  # tokens @ prefix
+CASES = [tuple(int(v) for v in c.replace("+", "@").split("@")) + (0,) * (1 - c.count("+"))  # tokens @ prefix + rows
          for c in os.environ.get("ATTN_PREFILL", "2048@0,2048@16384,2048@30720").split(",")]
 MODES = os.environ.get("ATTN_KV", "16/16,6/4").split(",")
 BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2,wg8/3,wg8/3o").split(",")
@@ -44,19 +47,29 @@ BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2,wg8/3,w
 
 def build_settings(name: str) -> dict:
     """cupy_attention.PREFILL settings of a build name such as "wg8/2" ("wg8/3o": the overlapped loop; "wg8/3ob":
-    q and P as one bf16 term each; "wg8/3od": over bf16 scratch copies of microscaled pages)."""
+    q and P as one bf16 term each; "wg8/3od": chunks over bf16 scratch copies of microscaled pages, "wg8/3oa":
+    every sequence)."""
     head, tail = name.split("/")
     kind = head.rstrip("0123456789")
-    assert kind in ("mma", "wg") and tail.rstrip("obd").isdigit(), name
-    stages = int(tail.rstrip("obd"))
+    assert kind in ("mma", "wg") and tail.rstrip("obda").isdigit(), name
+    stages = int(tail.rstrip("obda"))
     return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]), "stages": stages,
-            "mx_stages": stages, "overlap": int("o" in tail), "split": int("b" not in tail),
-            "dequant_reads": 0 if tail.endswith("d") else -1}
+            "mx_stages": 1 if tail[-1] == "d" else stages,  # "d": the rest as the default decodes them "overlap": int("o" in tail), "split": int("b" not in tail),
+            "dequant_tokens": {"d": 16, "a": 1}.get(tail[-1], 0)}
 
 
-def causal_pairs(tokens: int, prefix: int) -> int:
-    """(query, key) pairs a chunk's rows attend: each row sees the prefix and the chunk up to itself."""
-    return tokens * prefix + tokens * (tokens + 1) // 2
+def causal_pairs(tokens: int, prefix: int, rows: int = 0) -> int:
+    """(query, key) pairs a chunk's rows attend (each sees the prefix and the chunk up to itself), and `rows`
+    decode rows over prefix + 1 keys each."""
+    return tokens * prefix + tokens * (tokens + 1) // 2 + rows * (prefix + 1)
+
+
+def mixed_batch(tokens: int, prefix: int, rows: int) -> ForwardBatch:
+    """A chunk of `tokens` after `prefix` cached ones, and `rows` decode rows at the same context, each sequence on
+    its own pages (bench/gpu.py's SEQ_PAGES a sequence)."""
+    pages = [np.arange(i * B.SEQ_PAGES, (i + 1) * B.SEQ_PAGES, dtype=np.int32) for i in range(1 + rows)]
+    return ForwardBatch.build([(np.arange(tokens) % 1000, prefix, pages[0], 0)]
+                              + [([7], prefix, pages[1 + i], 1 + i) for i in range(rows)], B.PAGE)
 
 
 def main() -> None:
@@ -65,15 +78,15 @@ def main() -> None:
     states = B.CupyBackend("bf16").new_state_pool(cfg, 1)
     defaults = dict(ca.PREFILL)
     rows = []
+    seqs = 1 + max(c[2] for c in CASES)
     for mode in MODES:
-        kv = B.CupyBackend("bf16").new_kv_cache(cfg, B.SEQ_PAGES + 1, B.PAGE, mode)
+        kv = B.CupyBackend("bf16").new_kv_cache(cfg, seqs * B.SEQ_PAGES + 1, B.PAGE, mode)
         B.fill_random(kv, states)
         layers = sorted(kv.store)
         bits = (kv.key_bits, kv.value_bits)
-        for tokens, prefix in CASES:
-            batch = ForwardBatch.build([(np.arange(tokens) % 1000, prefix, np.arange(B.SEQ_PAGES, dtype=np.int32),
-                                           0)], B.PAGE)
-            q = cp.random.standard_normal((tokens, nq, d), cp.float32)
+        for tokens, prefix, extra in CASES:
+            batch = mixed_batch(tokens, prefix, extra)
+            q = cp.random.standard_normal((batch.num_tokens, nq, d), cp.float32)
             ca.PREFILL.update(enabled=False)  # the general float32 kernel: the reference and the baseline
             plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)
             ref = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv, B.PAGE,
@@ -83,35 +96,35 @@ def main() -> None:
             for name in BUILDS:
                 ca.PREFILL.update(defaults)
                 ca.PREFILL.update(build_settings(name))
-                if name.endswith("d") and bits == (16, 16):
+                if name[-1] in "da" and bits == (16, 16):
                     continue  # bf16 pages need no scratch
                 plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)  # the plan carries the build
                 if plan.prefill is None or (plan.prefill.wg, plan.prefill.warps, plan.prefill.stages) != (
                         ca.PREFILL["wg"], ca.PREFILL["warps"], ca.PREFILL["stages"]) or (
                         ca.PREFILL["overlap"] and not ca.prefill_overlap(plan.prefill)) or (
-                        name.endswith("d") and plan.dequant is None):
+                        name[-1] in "da" and plan.dequant is None):
                     continue  # not on this device (e.g. wg off Hopper) or not in its shared memory
                 got = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv,
                                            B.PAGE, d ** -0.5))
                 errs[name] = float(np.abs(got - ref).max() / np.abs(ref).max())
                 res[name] = B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)
             ca.PREFILL.update(defaults)
-            if mode == MODES[0]:
+            if mode == MODES[0] and not extra:
                 res["torch sdpa"] = torch_sdpa(tokens, prefix, nq, nkv, d)
-            rows.append((mode, tokens, prefix, res, errs))
+            rows.append((mode, tokens, prefix, extra, res, errs))
         kv = None
         cp.get_default_memory_pool().free_all_blocks()
     print("\nprefill attention, one layer: ms per call (TFLOP/s of the causal products); err = max |build - "
           "general| / max |general|")
-    names = list(dict.fromkeys(n for row in rows for n in row[3]))
-    print(f"{'KV':>6}{'chunk@prefix':>14}" + "".join(f"{n:>18}" for n in names) + f"{'best x general':>16}"
+    names = list(dict.fromkeys(n for row in rows for n in row[4]))
+    print(f"{'KV':>6}{'chunk@prefix+rows':>17}" + "".join(f"{n:>18}" for n in names) + f"{'best x general':>16}"
           + f"{'max err':>10}")
-    for mode, tokens, prefix, res, errs in rows:
-        flop = 4 * nq * d * causal_pairs(tokens, prefix)
+    for mode, tokens, prefix, extra, res, errs in rows:
+        flop = 4 * nq * d * causal_pairs(tokens, prefix, extra)
         cells = "".join(f"{res[n] * 1e3:>9.3f} ({flop / res[n] / 1e12:>5.0f})" if n in res else f"{'':>18}"
                         for n in names)
         best = min(v for n, v in res.items() if n in BUILDS)
-        print(f"{mode:>6}{f'{tokens}@{prefix}':>14}{cells}{res['general'] / best:>15.2f}x"
+        print(f"{mode:>6}{f'{tokens}@{prefix}' + (f'+{extra}' if extra else ''):>17}{cells}{res['general'] / best:>15.2f}x"
               f"{max(errs.values(), default=0.0):>10.1e}")
 
 

@@ -54,7 +54,7 @@ def prefill_attn(variant: str) -> None:
     if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
         PREFILL_SETTINGS.update(enabled=False)
     if variant == "direct":
-        PREFILL_SETTINGS.update(dequant_reads=-1)
+        PREFILL_SETTINGS.update(dequant_tokens=0)
     name, *diag = variant.split("/")
     base = name.rstrip("48s")
     if base in ("mma", "wg"):  # e.g. "wg8s": 8 warps, 2 stages; "mma4/3": 4 warps, 1 stage, TC_DIAG 3

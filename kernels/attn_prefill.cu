@@ -265,11 +265,11 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
 // Scratch page p holds source page src_pages[p], vectors (slot, KV head) in the pages' order; one thread per
 // 8-element group of a key and of a value, decoded as tc_load_tile decodes them (the same bf16 bits).
 // Grid-stride over npages * page_size * nkv * D / 8 groups.
+#if HEAD_DIM % 8 == 0  // the general kernel takes any multiple of 4; the tensor-core one (this scratch's user) 16
 extern "C" __global__ void __launch_bounds__(256)
 kv_pages_bf16(const void* __restrict__ k_codes, const u8* __restrict__ k_scales, const void* __restrict__ v_codes,
               const u8* __restrict__ v_scales, const int* __restrict__ src_pages, int npages, int page_size,
               int nkv, u16* __restrict__ k_out, u16* __restrict__ v_out) {
-  static_assert(D % 8 == 0, "kv_pages_bf16: head_dim a multiple of 8");
   const i64 per_page = (i64)page_size * nkv * (D / 8), n = per_page * npages;
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     const i64 p = i / per_page, r = i - p * per_page, v = r / (D / 8);
@@ -282,6 +282,7 @@ kv_pages_bf16(const void* __restrict__ k_codes, const u8* __restrict__ k_scales,
     *(uint4*)(v_out + dst) = pack_bf16x8(x);
   }
 }
+#endif
 
 #if PREFILL_TC
 // ---- Tensor-core prefill (FlashAttention-2 style) over bf16 or microscaled pages -------------------------------

@@ -127,3 +127,18 @@ def test_wgmma_prefill_builds_need_no_compiler_fences(shape, tmp_path):
     assert not any(f"C75{n}" in res.stderr for n in (14, 15, 17, 19, 20)), res.stderr[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
     assert spills and not any(int(n) for n in spills), res.stderr[-2000:]
+
+
+@pytest.mark.skipif(kernels_nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.parametrize("head_dim,kv_bits", [(20, 16), (36, 4), (256, 6)])
+def test_attention_file_builds_for_every_head_dim_it_promises(head_dim, kv_bits, tmp_path):
+    """kernels/attn_prefill.cu's general kernel and reduce take head_dim any multiple of 4 (KV pages of any
+    format): the file builds there too, the tensor-core prefill's scratch decoder (head_dim a multiple of 8)
+    left out where it does not apply."""
+    import kernels
+
+    defines = (("HEAD_DIM", head_dim), ("KBITS", kv_bits), ("VBITS", kv_bits), ("ROWS_PER_WARP", 4))
+    cmd = [kernels_nvcc(), *kernels.nvcc_options("90", defines), "-cubin", "-o", str(tmp_path / "a.cubin"),
+           str(ROOT / "kernels" / "attn_prefill.cu")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]

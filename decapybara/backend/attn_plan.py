@@ -36,16 +36,17 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
 # itself (its loads are not asynchronous: 1 was fastest); "overlap" 1: the wgmma build over a ring of 3 runs tile
 # t + 1's softmax beside P(t) V(t) (TC_OVERLAP); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1 stage) -> 6.86
 # (wgmma, 8 warps, 2 stages) -> 6.42 (the overlap; docs/perf.md);
-# "dequant_reads": a plan over microscaled pages whose CTAs read each page at least this often on average first
-# decodes the pages it reads into bf16 scratch pages, once a layer (cupy_attention.dequant_pages; -1 never, env
-# DECAPYBARA_PREFILL_DEQUANT=0), when K and V scratch take at most "dequant_mb" MiB; 1 (every plan): one CTA a
-# page (16 new tokens at 16k, 27B) already gained 0.211 -> 0.183 ms a layer, a 2,048-token chunk 15.0 -> 6.46;
+# "dequant_tokens": over microscaled pages, the sequences of a plan with at least this many new tokens read their
+# pages through bf16 scratch pages decoded once a layer (cupy_attention.dequant_pages; the others, decode rows
+# among them, in a second launch over the pages themselves; 0: none, env DECAPYBARA_PREFILL_DEQUANT=0), when
+# their K and V scratch take at most "dequant_mb" MiB (262,144 tokens of the 27B shape): 16 new tokens after 16k
+# (one CTA a page, 27B, 6/4 pages) already gained 0.211 -> 0.183 ms a layer, 2,048 tokens 15.0 -> 6.46 ms;
 # "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
            "split": int(os.environ.get("DECAPYBARA_PREFILL_SPLIT", "1") != "0"),
            "wg": int(os.environ.get("DECAPYBARA_PREFILL_WG", "1") != "0"), "warps": 8, "stages": 3, "mx_stages": 1,
            "overlap": 1,
-           "dequant_reads": 1 if os.environ.get("DECAPYBARA_PREFILL_DEQUANT", "1") != "0" else -1,
+           "dequant_tokens": 16 if os.environ.get("DECAPYBARA_PREFILL_DEQUANT", "1") != "0" else 0,
            "dequant_mb": 1024, "diag": 0}
 PREFILL_WG_HEAD_DIMS = (64, 128, 256)
 PREFILL_ROWS_PER_WARP = 16  # its CTAs: PREFILL "warps" warps of 16 query rows

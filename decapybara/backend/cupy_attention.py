@@ -74,13 +74,17 @@ class PrefillLaunch(NamedTuple):
 
 @dataclass(slots=True)
 class DequantPages:
-    """The microscaled pages a prefill plan reads, decoded once a layer into bf16 scratch pages
-    (`kv_pages_bf16`) so that the tensor-core kernel's CTAs copy tiles instead of each decoding them again."""
+    """The microscaled pages that a prefill plan's chunks read, decoded once a layer into bf16 scratch pages
+    (`kv_pages_bf16`) so that the tensor-core kernel's CTAs copy tiles instead of each decoding them again. The
+    plan's first `num_work` work items (the chunks') run over the scratch, the rest (decode rows and short
+    chunks) over the pages themselves, in a second launch."""
 
     src: Any  # [npages] int32: the source page of every scratch page
-    block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers
+    block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers (chunks' rows)
     npages: int
-    direct: PrefillLaunch  # the launch over the pages themselves, should the scratch not be allocated
+    chunks: np.ndarray  # [nseq] bool: the sequences read through the scratch
+    direct: PrefillLaunch  # the launch over the pages themselves (the other items; all if no scratch is had)
+    num_work: int = 0
 
 
 @dataclass(slots=True)
@@ -133,7 +137,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
         rpw = PREFILL_ROWS_PER_WARP
         bf16 = prefill_launch(head_dim, (16, 16)) if kv_bits != (16, 16) else None
         if bf16 is not None and bf16.warps == prefill.warps:
-            dequant = dequant_pages(batch, g, bf16.warps * rpw, nkv, head_dim, prefill)
+            dequant = dequant_pages(batch, nkv, head_dim, prefill)
             prefill = bf16 if dequant is not None else prefill
     warps = prefill.warps if prefill is not None else 4
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, warps * rpw, splits,
@@ -142,6 +146,10 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
                                                        if decode is not None else {}))
     if prefill is not None and len(work) > 1:  # the longest key ranges first: the launch's tail is the short ones
         work = work[np.argsort(work[:, 2] - work[:, 3], kind="stable")]
+    if dequant is not None and len(work):  # the chunks' items first (the scratch launch), each group longest first
+        over = dequant.chunks[work[:, 0]]
+        work = np.concatenate([work[over], work[~over]])
+        dequant.num_work = int(over.sum())
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
@@ -152,30 +160,27 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
                          cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode, prefill, dequant)
 
 
-def dequant_pages(batch: ForwardBatch, g: int, block_m: int, nkv: int, head_dim: int,
-                  direct: PrefillLaunch) -> DequantPages | None:
+def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch) -> DequantPages | None:
     """The scratch pages of a prefill plan over microscaled pages (`direct`: its launch over the pages
-    themselves), or None where the kernel decodes each tile itself: PREFILL "dequant_reads" negative, the CTAs
-    reading a page (a sequence's row tiles of `block_m` query rows, g per token) fewer than "dequant_reads" on
-    average, or the K and V scratch over "dequant_mb" MiB. Pages shared by sequences (prefix reuse) are decoded
-    once."""
-    reads = int(PREFILL["dequant_reads"])
-    if reads < 0:
+    themselves): the pages of its sequences with at least PREFILL "dequant_tokens" new tokens (0: none), or None
+    where there are none or their K and V scratch would pass "dequant_mb" MiB. Pages shared by sequences (prefix
+    reuse) are decoded once."""
+    least = int(PREFILL["dequant_tokens"])
+    chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool)
+    if not chunks.any():
         return None
     ps = batch.page_size
-    used = [s.block_table[:cdiv(s.context + s.length, ps)] for s in batch.seqs]
-    pages = sum(len(u) for u in used)
-    if not pages or sum(len(u) * cdiv(s.length * g, block_m) for u, s in zip(used, batch.seqs)) < reads * pages:
-        return None
+    used = [s.block_table[:cdiv(s.context + s.length, ps)] if c else s.block_table[:0]
+            for s, c in zip(batch.seqs, chunks)]
     src, inverse = np.unique(np.concatenate(used).astype(np.int32), return_inverse=True)
-    if 4 * len(src) * ps * nkv * head_dim > PREFILL["dequant_mb"] * 2 ** 20:
+    if not len(src) or 4 * len(src) * ps * nkv * head_dim > PREFILL["dequant_mb"] * 2 ** 20:
         return None
     tables = np.zeros((len(batch.seqs), max(len(s.block_table) for s in batch.seqs)), np.int32)  # the plan's width
     at = 0
     for i, u in enumerate(used):
         tables[i, :len(u)] = inverse[at:at + len(u)]
         at += len(u)
-    return DequantPages(cp.asarray(src), cp.asarray(tables), len(src), direct)
+    return DequantPages(cp.asarray(src), cp.asarray(tables), len(src), chunks, direct)
 
 
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
@@ -211,27 +216,20 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
                     I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     elif plan.prefill is not None:
-        pl, tables = plan.prefill, plan.block_tables
-        if plan.dequant is not None:  # the pages as bf16 scratch pages, the bf16 build
+        args = (q, plan.seq_info, out, part_o, part_ml, nq, nkv, plan.max_pages, page_size, scale)
+        dq, at = plan.dequant, 0
+        if dq is not None:  # the chunks' items over bf16 scratch pages (the bf16 build), then the rest
             try:
-                kc, vc = dequant_kv(plan.dequant, k_parts, v_parts, nkv, page_size, d)
-            except cp.cuda.memory.OutOfMemoryError:  # no room beside the pool: the kernel decodes the tiles
-                pl = plan.dequant.direct
+                kx, vx = dequant_kv(dq, k_parts, v_parts, nkv, page_size, d)
+            except cp.cuda.memory.OutOfMemoryError:  # no room beside the pool: the kernel decodes every tile
+                pass
             else:
-                tables, kb, vb = plan.dequant.block_tables, 16, 16
-                defines = (("HEAD_DIM", d), ("KBITS", 16), ("VBITS", 16), ("ROWS_PER_WARP", plan.rows_per_warp))
-        defines += (("PREFILL_TC", 1), ("TC_BLOCK_N", pl.block_n), ("TC_SPLIT", pl.split))
-        defines += (("PREFILL_WG", 1), ("SM90A", 1)) if pl.wg else ()
-        defines += (("TC_WARPS", pl.warps),) if pl.warps != 4 else ()
-        defines += (("TC_STAGES", pl.stages),) if pl.stages != 1 else ()
-        defines += (("TC_OVERLAP", 1),) if prefill_overlap(pl) else ()
-        defines += (("TC_DIAG", PREFILL["diag"]),) if PREFILL["diag"] else ()  # measurement only
-        fwd = get_kernel("attn_prefill", "paged_prefill_attention_tc", defines)
-        smem = prefill_smem(d, *pl)
-        allow_dynamic_smem(fwd, smem)
-        fwd((plan.num_work, nkv), (32 * pl.warps,),
-            (q, kc, ks, vc, vs, tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
-             I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+                at = dq.num_work
+                defines = _prefill_tc(plan.prefill, (kx, ks, vx, vs), (16, 16), dq.block_tables, plan.work[:at],
+                                      at, plan.rows_per_warp, *args)
+        if at < plan.num_work:  # (both launches' CTAs have the same rows: the reduce takes either's defines)
+            defines = _prefill_tc(plan.prefill if dq is None else dq.direct, (kc, ks, vc, vs), (kb, vb),
+                                  plan.block_tables, plan.work[at:], plan.num_work - at, plan.rows_per_warp, *args)
     else:
         _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
     if plan.num_reduce:
@@ -239,6 +237,28 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         pdl.launch(red, (plan.num_reduce, nkv, bm), (NTHREADS,),
                    (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
     return out
+
+
+def _prefill_tc(pl: PrefillLaunch, pages: tuple[Any, Any, Any, Any], kv_bits: tuple[int, int], tables: Any,
+                work: Any, nwork: int, rpw: int, q: Any, seq_info: Any, out: Any, part_o: Any, part_ml: Any, nq: int,
+                nkv: int, max_pages: int, page_size: int, scale: float) -> tuple:
+    """One launch of the tensor-core prefill kernel (build `pl` over pages of `kv_bits`) over `nwork` (> 0) work
+    items; returns its build's defines (BLOCK_M among them: `attention_reduce` needs the same)."""
+    d = q.shape[2]
+    defines = (("HEAD_DIM", d), ("KBITS", kv_bits[0]), ("VBITS", kv_bits[1]), ("ROWS_PER_WARP", rpw),
+               ("PREFILL_TC", 1), ("TC_BLOCK_N", pl.block_n), ("TC_SPLIT", pl.split))
+    defines += (("PREFILL_WG", 1), ("SM90A", 1)) if pl.wg else ()
+    defines += (("TC_WARPS", pl.warps),) if pl.warps != 4 else ()
+    defines += (("TC_STAGES", pl.stages),) if pl.stages != 1 else ()
+    defines += (("TC_OVERLAP", 1),) if prefill_overlap(pl) else ()
+    defines += (("TC_DIAG", PREFILL["diag"]),) if PREFILL["diag"] else ()  # measurement only
+    fwd = get_kernel("attn_prefill", "paged_prefill_attention_tc", defines)
+    smem = prefill_smem(d, *pl)
+    allow_dynamic_smem(fwd, smem)
+    kc, ks, vc, vs = pages
+    fwd((nwork, nkv), (32 * pl.warps,), (q, kc, ks, vc, vs, tables, seq_info, work, out, part_o, part_ml, I32(nq),
+                                         I32(nkv), I32(max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+    return defines
 
 
 def dequant_kv(dq: DequantPages, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], nkv: int,

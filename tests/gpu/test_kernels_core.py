@@ -404,7 +404,7 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
     monkeypatch.setitem(ca.PREFILL, "stages", stages)
     monkeypatch.setitem(ca.PREFILL, "mx_stages", stages)
     monkeypatch.setitem(ca.PREFILL, "overlap", overlap)
-    monkeypatch.setitem(ca.PREFILL, "dequant_reads", -1)  # microscaled pages decoded by the kernel (below: scratch)
+    monkeypatch.setitem(ca.PREFILL, "dequant_tokens", 0)  # microscaled pages decoded by the kernel (below: scratch)
     want_wg = int(bool(wg) and d in (64, 128, 256) and kernels.sm90a_ok())
     launched = record_kernels(monkeypatch, ca)
     steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
@@ -428,29 +428,32 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
 @pytest.mark.parametrize("kv_mode,heads", [("6/4", (24, 4, 256, 64)), ("8/8", (8, 2, 128, 16)),
                                            ("4/4", (4, 2, 64, 7)), ("4/8", (24, 4, 256, 512))])
 def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
-    """Prefill plans over microscaled pages that first decode the pages they read into bf16 scratch pages
-    (kv_pages_bf16) and run the bf16 pages' build: against numpy through prefill chunks, mixed steps and forced
-    splits; the same bits as the kernel decoding each tile itself at the same launch shape; pages two sequences
-    share decoded once; short chunks, decode rows and the size cap keep the kernel's own decoding."""
+    """Prefill plans over microscaled pages whose chunks first decode the pages they read into bf16 scratch pages
+    (kv_pages_bf16) and run the bf16 pages' build, the other sequences (decode rows, short chunks) in a second
+    launch over the pages: against numpy through prefill chunks, mixed steps and forced splits, every sequence
+    through the scratch or only chunks of 16+ tokens; the same bits as the kernel decoding each tile itself at
+    the same launch shape, also when the scratch cannot be allocated; pages shared by two sequences decoded once;
+    the rule and the size cap."""
     from decapybara.backend import cupy_attention as ca
     nq, nkv, d, page_size = heads
     kb, vb = (int(b) for b in kv_mode.split("/"))
-    monkeypatch.setitem(ca.PREFILL, "dequant_reads", 0)  # every prefill plan, however short its chunks
-    launched = record_kernels(monkeypatch, ca)
+    cfg = attn_config(nq, nkv, d)
     steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
-    for splits in (None, 3):
-        run_attention_steps(attn_config(nq, nkv, d), kv_mode, steps, page_size, num_pages=560 // page_size + 8,
-                            splits=splits, seed=d + nq + page_size + 1)
-    tc = [defs for f, defs in launched if f == "paged_prefill_attention_tc"]
-    assert tc and all((defs["KBITS"], defs["VBITS"]) == (16, 16) for defs in tc), tc
-    dq = [defs for f, defs in launched if f == "kv_pages_bf16"]
-    assert len(dq) == len(tc) and all((defs["KBITS"], defs["VBITS"]) == (kb, vb) for defs in dq), dq
+    for least in (1, 16):  # every sequence through the scratch; the chunks of 16+ tokens
+        monkeypatch.setitem(ca.PREFILL, "dequant_tokens", least)
+        launched = record_kernels(monkeypatch, ca)
+        for splits in (None, 3):
+            run_attention_steps(cfg, kv_mode, steps, page_size, num_pages=560 // page_size + 8, splits=splits,
+                                seed=d + nq + page_size + 1)
+        tc = [(defs["KBITS"], defs["VBITS"]) for f, defs in launched if f == "paged_prefill_attention_tc"]
+        dq = [(defs["KBITS"], defs["VBITS"]) for f, defs in launched if f == "kv_pages_bf16"]
+        assert dq and set(dq) == {(kb, vb)} and tc.count((16, 16)) == len(dq), (tc, dq)
+        assert set(tc) == ({(16, 16)} if least == 1 else {(16, 16), (kb, vb)}), tc
 
     # the same launch shape both ways: bit-identical outputs
     for key, val in (("stages", 1), ("mx_stages", 1), ("overlap", 0)):
         monkeypatch.setitem(ca.PREFILL, key, val)
     rng = np.random.default_rng(d + kb)
-    cfg = attn_config(nq, nkv, d)
     npages = 700 // page_size + 8
     kv = CupyBackend("fp32").new_kv_cache(cfg, npages, page_size, kv_mode)
     slots = cp.arange(npages * page_size, dtype=cp.int64)
@@ -459,42 +462,53 @@ def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
     perm = rng.permutation(npages).astype(np.int32)
     ta = perm[:-(-650 // page_size)]
     tb = np.concatenate([ta[:shared], perm[len(ta):len(ta) + -(-350 // page_size) - shared]])
-    tc = perm[npages - -(-120 // page_size):]  # a decode row beside them (its pages may be theirs: read alike)
+    td = perm[npages - -(-120 // page_size):]  # a decode row beside them (its pages may be theirs: read alike)
     batch = ForwardBatch.build([(np.zeros(250, np.int64), 400, ta, None), (np.zeros(50, np.int64), 300, tb, None),
-                                (np.zeros(1, np.int64), 119, tc, None)], page_size, logits="none")
+                                (np.zeros(1, np.int64), 119, td, None)], page_size, logits="none")
     q = cp.asarray(rand(rng, batch.num_tokens, nq, d))
+
+    def run(plan):
+        return cp.asnumpy(ca.attention(q, kv.parts(0, "k"), kv.parts(0, "v"), plan, nkv, page_size, d ** -0.5))
+
     outs = {}
-    for reads in (0, -1):
-        monkeypatch.setitem(ca.PREFILL, "dequant_reads", reads)
+    for least, used in ((0, None), (16, [ta, tb]), (1, [ta, tb, td])):
+        monkeypatch.setitem(ca.PREFILL, "dequant_tokens", least)
         plan = ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb))
-        assert (plan.dequant is not None) == (reads == 0)
-        outs[reads] = cp.asnumpy(ca.attention(q, kv.parts(0, "k"), kv.parts(0, "v"), plan, nkv, page_size, d ** -0.5))
-    used = np.unique(np.concatenate([ta, tb, tc]))
-    monkeypatch.setitem(ca.PREFILL, "dequant_reads", 0)
-    assert ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb)).dequant.npages == len(used)
-    assert np.isfinite(outs[0]).all() and np.array_equal(outs[0].view(np.uint32), outs[-1].view(np.uint32))
+        if used is None:
+            assert plan.dequant is None
+        else:
+            assert plan.dequant.npages == len(np.unique(np.concatenate(used)))  # shared pages decoded once
+            assert list(plan.dequant.chunks) == [True, True, least == 1]
+            work = cp.asnumpy(plan.work)
+            first = plan.dequant.chunks[work[:plan.dequant.num_work, 0]]
+            assert first.all() and not plan.dequant.chunks[work[plan.dequant.num_work:, 0]].any()
+        outs[least] = run(plan)
+    assert np.isfinite(outs[0]).all()
+    for least in (16, 1):
+        assert np.array_equal(outs[least].view(np.uint32), outs[0].view(np.uint32)), least
 
     def no_room(*args):
         raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
 
-    monkeypatch.setattr(ca, "dequant_kv", no_room)  # the scratch not allocated: the kernel decodes the tiles
+    monkeypatch.setattr(ca, "dequant_kv", no_room)  # the scratch not allocated: the kernel decodes every tile
     launched.clear()
-    got = ca.attention(q, kv.parts(0, "k"), kv.parts(0, "v"), ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb)),
-                       nkv, page_size, d ** -0.5)
-    assert np.array_equal(cp.asnumpy(got).view(np.uint32), outs[-1].view(np.uint32))
+    got = run(ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb)))
+    assert np.array_equal(got.view(np.uint32), outs[0].view(np.uint32))
     assert [(defs["KBITS"], defs["VBITS"]) for f, defs in launched if f == "paged_prefill_attention_tc"] == [(kb, vb)]
 
-    # the rule: reads per page under PREFILL "dequant_reads", scratch over "dequant_mb"
-    monkeypatch.setitem(ca.PREFILL, "dequant_reads", 4)
-    g = nq // nkv
-    long_rows = ForwardBatch.build([(np.zeros(-(-4 * 128 // g), np.int64), 300, ta, None)], page_size, logits="none")
-    short = ForwardBatch.build([(np.zeros(-(-3 * 128 // g) - 1, np.int64), 300, ta, None),
-                                (np.zeros(1, np.int64), 600, ta, None)], page_size, logits="none")
-    assert ca.plan_attention(long_rows, nq, nkv, d, kv_bits=(kb, vb)).dequant is not None
+    # the rule: chunks of PREFILL "dequant_tokens" new tokens or more; their scratch at most "dequant_mb"
+    monkeypatch.setitem(ca.PREFILL, "dequant_tokens", 16)
+    short = ForwardBatch.build([(np.zeros(15, np.int64), 300, ta, None), (np.zeros(1, np.int64), 600, ta, None)],
+                               page_size, logits="none")
     assert ca.plan_attention(short, nq, nkv, d, kv_bits=(kb, vb)).dequant is None
-    scratch = 4 * -(-(300 + long_rows.num_tokens) // page_size) * page_size * nkv * d  # bytes, K and V
+    chunk = ForwardBatch.build([(np.zeros(16, np.int64), 300, ta, None), (np.zeros(1, np.int64), 600, ta, None)],
+                               page_size, logits="none")
+    assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant.npages == -(-316 // page_size)
+    scratch = 4 * -(-316 // page_size) * page_size * nkv * d  # bytes, K and V
     monkeypatch.setitem(ca.PREFILL, "dequant_mb", (scratch - 1) / 2 ** 20)
-    assert ca.plan_attention(long_rows, nq, nkv, d, kv_bits=(kb, vb)).dequant is None
+    assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant is None
+    monkeypatch.setitem(ca.PREFILL, "dequant_mb", scratch / 2 ** 20)
+    assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant is not None
 
 
 @pytest.mark.parametrize("kv_mode", ["16/16", "6/4"])

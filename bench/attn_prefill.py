@@ -4,7 +4,7 @@ the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all
     PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384+11 (tokens@prefix,
                                                          # +N: N decode rows at that context beside the chunk),
                                                          # ATTN_KV=16/16,6/4 (page modes),
-                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3o,wg8/1d
+                                                         # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3o,wg8/3od
 
 24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache and its 16 attention layers),
 one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones (and "+N" decode rows of as many
@@ -51,11 +51,14 @@ def build_settings(name: str) -> dict:
     every sequence)."""
     head, tail = name.split("/")
     kind = head.rstrip("0123456789")
-    assert kind in ("mma", "wg") and tail.rstrip("obda").isdigit(), name
-    stages = int(tail.rstrip("obda"))
+    digits = tail.rstrip("obda")
+    assert kind in ("mma", "wg") and digits.isdigit() and not ("d" in tail and "a" in tail), name
+    stages = int(digits)
+    scratch = "d" if "d" in tail else "a" if "a" in tail else ""
     return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]), "stages": stages,
-            "mx_stages": 1 if tail[-1] == "d" else stages,  # "d": the rest as the default decodes them "overlap": int("o" in tail), "split": int("b" not in tail),
-            "dequant_tokens": {"d": 16, "a": 1}.get(tail[-1], 0)}
+            "mx_stages": 1 if scratch == "d" else stages,  # "d": the other sequences as the default decodes them
+            "overlap": int("o" in tail), "split": int("b" not in tail),
+            "dequant_tokens": {"d": 16, "a": 1}.get(scratch, 0)}
 
 
 def causal_pairs(tokens: int, prefix: int, rows: int = 0) -> int:
@@ -96,13 +99,13 @@ def main() -> None:
             for name in BUILDS:
                 ca.PREFILL.update(defaults)
                 ca.PREFILL.update(build_settings(name))
-                if name[-1] in "da" and bits == (16, 16):
+                if build_settings(name)["dequant_tokens"] and bits == (16, 16):
                     continue  # bf16 pages need no scratch
                 plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)  # the plan carries the build
                 if plan.prefill is None or (plan.prefill.wg, plan.prefill.warps, plan.prefill.stages) != (
                         ca.PREFILL["wg"], ca.PREFILL["warps"], ca.PREFILL["stages"]) or (
                         ca.PREFILL["overlap"] and not ca.prefill_overlap(plan.prefill)) or (
-                        name[-1] in "da" and plan.dequant is None):
+                        ca.PREFILL["dequant_tokens"] and plan.dequant is None):
                     continue  # not on this device (e.g. wg off Hopper) or not in its shared memory
                 got = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv,
                                            B.PAGE, d ** -0.5))
@@ -123,7 +126,7 @@ def main() -> None:
         flop = 4 * nq * d * causal_pairs(tokens, prefix, extra)
         cells = "".join(f"{res[n] * 1e3:>9.3f} ({flop / res[n] / 1e12:>5.0f})" if n in res else f"{'':>18}"
                         for n in names)
-        best = min(v for n, v in res.items() if n in BUILDS)
+        best = min((v for n, v in res.items() if n in BUILDS), default=res["general"])
         print(f"{mode:>6}{f'{tokens}@{prefix}' + (f'+{extra}' if extra else ''):>17}{cells}{res['general'] / best:>15.2f}x"
               f"{max(errs.values(), default=0.0):>10.1e}")
 

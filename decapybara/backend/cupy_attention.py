@@ -107,8 +107,8 @@ class AttentionPlan:
     # the tensor-core prefill kernel's launch when it runs this plan (`prefill_launch`; rows_per_warp is then
     # 16); None: the decode kernel or the general one
     prefill: PrefillLaunch | None = None
-    # set when the prefill kernel reads bf16 copies of microscaled pages (`dequant_pages`); prefill is then the
-    # bf16 pages' launch
+    # set when the prefill kernel's chunks read bf16 copies of microscaled pages (`dequant_pages`); prefill is
+    # then the bf16 pages' launch, and dequant.direct the launch of the other sequences' items over the pages
     dequant: DequantPages | None = None
 
     @property
@@ -133,11 +133,12 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
     dequant = None
+    max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     if prefill is not None:
         rpw = PREFILL_ROWS_PER_WARP
         bf16 = prefill_launch(head_dim, (16, 16)) if kv_bits != (16, 16) else None
         if bf16 is not None and bf16.warps == prefill.warps:
-            dequant = dequant_pages(batch, nkv, head_dim, prefill)
+            dequant = dequant_pages(batch, nkv, head_dim, prefill, max_pages)
             prefill = bf16 if dequant is not None else prefill
     warps = prefill.warps if prefill is not None else 4
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, warps * rpw, splits,
@@ -150,7 +151,6 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
         over = dequant.chunks[work[:, 0]]
         work = np.concatenate([work[over], work[~over]])
         dequant.num_work = int(over.sum())
-    max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
         tables[i, :len(s.block_table)] = s.block_table
@@ -160,11 +160,12 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
                          cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode, prefill, dequant)
 
 
-def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch) -> DequantPages | None:
+def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch,
+                  max_pages: int) -> DequantPages | None:
     """The scratch pages of a prefill plan over microscaled pages (`direct`: its launch over the pages
-    themselves): the pages of its sequences with at least PREFILL "dequant_tokens" new tokens (0: none), or None
-    where there are none or their K and V scratch would pass "dequant_mb" MiB. Pages shared by sequences (prefix
-    reuse) are decoded once."""
+    themselves; `max_pages`: its block tables' width): the pages of its sequences with at least PREFILL
+    "dequant_tokens" new tokens (0: none), or None where there are none or their K and V scratch would pass
+    "dequant_mb" MiB. Pages shared by sequences (prefix reuse) are decoded once."""
     least = int(PREFILL["dequant_tokens"])
     chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool)
     if not chunks.any():
@@ -175,7 +176,7 @@ def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillL
     src, inverse = np.unique(np.concatenate(used).astype(np.int32), return_inverse=True)
     if not len(src) or 4 * len(src) * ps * nkv * head_dim > PREFILL["dequant_mb"] * 2 ** 20:
         return None
-    tables = np.zeros((len(batch.seqs), max(len(s.block_table) for s in batch.seqs)), np.int32)  # the plan's width
+    tables = np.zeros((len(batch.seqs), max_pages), np.int32)
     at = 0
     for i, u in enumerate(used):
         tables[i, :len(u)] = inverse[at:at + len(u)]

@@ -81,10 +81,13 @@ class DequantPages:
 
     src: Any  # [npages] int32: the source page of every scratch page
     block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers (chunks' rows)
-    npages: int
     chunks: np.ndarray  # [nseq] bool: the sequences read through the scratch
     direct: PrefillLaunch  # the launch over the pages themselves (the other items; all if no scratch is had)
     num_work: int = 0
+
+    @property
+    def npages(self) -> int:
+        return int(self.src.size)
 
 
 @dataclass(slots=True)
@@ -177,11 +180,9 @@ def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillL
     if not len(src) or 4 * len(src) * ps * nkv * head_dim > PREFILL["dequant_mb"] * 2 ** 20:
         return None
     tables = np.zeros((len(batch.seqs), max_pages), np.int32)
-    at = 0
-    for i, u in enumerate(used):
-        tables[i, :len(u)] = inverse[at:at + len(u)]
-        at += len(u)
-    return DequantPages(cp.asarray(src), cp.asarray(tables), len(src), chunks, direct)
+    for i, row in enumerate(np.split(inverse, np.cumsum([len(u) for u in used])[:-1])):
+        tables[i, :len(row)] = row
+    return DequantPages(cp.asarray(src), cp.asarray(tables), chunks, direct)
 
 
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
@@ -217,7 +218,7 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
                     I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     elif plan.prefill is not None:
-        args = (q, plan.seq_info, out, part_o, part_ml, nq, nkv, plan.max_pages, page_size, scale)
+        args = (plan, q, out, part_o, part_ml, nkv, page_size, scale)
         dq, at = plan.dequant, 0
         if dq is not None:  # the chunks' items over bf16 scratch pages (the bf16 build), then the rest
             try:
@@ -226,11 +227,10 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
                 pass
             else:
                 at = dq.num_work
-                defines = _prefill_tc(plan.prefill, (kx, ks, vx, vs), (16, 16), dq.block_tables, plan.work[:at],
-                                      at, plan.rows_per_warp, *args)
+                defines = _prefill_tc(plan.prefill, (kx, ks, vx, vs), (16, 16), dq.block_tables, 0, at, *args)
         if at < plan.num_work:  # (both launches' CTAs have the same rows: the reduce takes either's defines)
             defines = _prefill_tc(plan.prefill if dq is None else dq.direct, (kc, ks, vc, vs), (kb, vb),
-                                  plan.block_tables, plan.work[at:], plan.num_work - at, plan.rows_per_warp, *args)
+                                  plan.block_tables, at, plan.num_work, *args)
     else:
         _attention_fwd(q, (kc, ks, kb), (vc, vs, vb), plan, defines, out, part_o, part_ml, nkv, page_size, scale)
     if plan.num_reduce:
@@ -241,12 +241,13 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
 
 
 def _prefill_tc(pl: PrefillLaunch, pages: tuple[Any, Any, Any, Any], kv_bits: tuple[int, int], tables: Any,
-                work: Any, nwork: int, rpw: int, q: Any, seq_info: Any, out: Any, part_o: Any, part_ml: Any, nq: int,
-                nkv: int, max_pages: int, page_size: int, scale: float) -> tuple:
-    """One launch of the tensor-core prefill kernel (build `pl` over pages of `kv_bits`) over `nwork` (> 0) work
-    items; returns its build's defines (BLOCK_M among them: `attention_reduce` needs the same)."""
-    d = q.shape[2]
-    defines = (("HEAD_DIM", d), ("KBITS", kv_bits[0]), ("VBITS", kv_bits[1]), ("ROWS_PER_WARP", rpw),
+                begin: int, end: int, plan: AttentionPlan, q: Any, out: Any, part_o: Any, part_ml: Any, nkv: int,
+                page_size: int, scale: float) -> tuple:
+    """One launch of the tensor-core prefill kernel (build `pl` over pages of `kv_bits`, block `tables`) over the
+    plan's work items [begin, end) (not empty); returns its build's defines (BLOCK_M among them:
+    `attention_reduce` needs the same)."""
+    nq, d = q.shape[1], q.shape[2]
+    defines = (("HEAD_DIM", d), ("KBITS", kv_bits[0]), ("VBITS", kv_bits[1]), ("ROWS_PER_WARP", plan.rows_per_warp),
                ("PREFILL_TC", 1), ("TC_BLOCK_N", pl.block_n), ("TC_SPLIT", pl.split))
     defines += (("PREFILL_WG", 1), ("SM90A", 1)) if pl.wg else ()
     defines += (("TC_WARPS", pl.warps),) if pl.warps != 4 else ()
@@ -257,8 +258,9 @@ def _prefill_tc(pl: PrefillLaunch, pages: tuple[Any, Any, Any, Any], kv_bits: tu
     smem = prefill_smem(d, *pl)
     allow_dynamic_smem(fwd, smem)
     kc, ks, vc, vs = pages
-    fwd((nwork, nkv), (32 * pl.warps,), (q, kc, ks, vc, vs, tables, seq_info, work, out, part_o, part_ml, I32(nq),
-                                         I32(nkv), I32(max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+    fwd((end - begin, nkv), (32 * pl.warps,),
+        (q, kc, ks, vc, vs, tables, plan.seq_info, plan.work[begin:end], out, part_o, part_ml, I32(nq), I32(nkv),
+         I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
     return defines
 
 

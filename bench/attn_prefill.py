@@ -13,7 +13,8 @@ other sequences at the same context, each on its own pages: a mixed step; no tor
 (cupy_attention.PREFILL), "b" for q and P as one bf16 term each (PREFILL "split" 0; else hi + lo terms); over
 microscaled pages a build decodes each tile itself; with "d" the sequences of 16+ new tokens read bf16 scratch
 copies of their pages, decoded once a call (`dequant_pages`; the time includes that decoding), the others as
-before in a second launch; with "a" every sequence reads the scratch. Each timed call is one layer's attention with its split-K reduce, cycling through the 16
+before in a second launch; with "a" every sequence reads the scratch; the decode rows of a mixed step run the
+decode kernel (attn_decode.cu, DECODE "mixed"), with "p" the prefill kernel instead. Each timed call is one layer's attention with its split-K reduce, cycling through the 16
 layers, 5 calls captured in one CUDA graph, replays timed with CUDA events. TFLOP/s = 4 x heads x head_dim x (query, key) pairs under the causal rule /
 time (the useful products; the hi / lo split doubles the MMAs). Each build's output is checked against the general
 kernel's in the same run (max error / max |output|). torch = F.scaled_dot_product_attention on bf16 q, K and V with
@@ -48,17 +49,18 @@ BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2,wg8/3,w
 def build_settings(name: str) -> dict:
     """cupy_attention.PREFILL settings of a build name such as "wg8/2" ("wg8/3o": the overlapped loop; "wg8/3ob":
     q and P as one bf16 term each; "wg8/3od": chunks over bf16 scratch copies of microscaled pages, "wg8/3oa":
-    every sequence)."""
+    every sequence; "p": a mixed step's decode rows through this build rather than the decode kernel; the key
+    "mixed" is DECODE's)."""
     head, tail = name.split("/")
     kind = head.rstrip("0123456789")
-    digits = tail.rstrip("obda")
+    digits = tail.rstrip("obdap")
     assert kind in ("mma", "wg") and digits.isdigit() and not ("d" in tail and "a" in tail), name
     stages = int(digits)
     scratch = "d" if "d" in tail else "a" if "a" in tail else ""
     return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]), "stages": stages,
             "mx_stages": 1 if scratch == "d" else stages,  # "d": the other sequences as the default decodes them
             "overlap": int("o" in tail), "split": int("b" not in tail),
-            "dequant_tokens": {"d": 16, "a": 1}.get(scratch, 0)}
+            "dequant_tokens": {"d": 16, "a": 1}.get(scratch, 0), "mixed": int("p" not in tail)}
 
 
 def causal_pairs(tokens: int, prefix: int, rows: int = 0) -> int:
@@ -79,7 +81,7 @@ def main() -> None:
     cfg = B.CFG
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     states = B.CupyBackend("bf16").new_state_pool(cfg, 1)
-    defaults = dict(ca.PREFILL)
+    defaults, mixed = dict(ca.PREFILL), ca.DECODE["mixed"]
     rows = []
     seqs = 1 + max(c[2] for c in CASES)
     for mode in MODES:
@@ -97,10 +99,14 @@ def main() -> None:
             res = {"general": B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)}
             errs = {}
             for name in BUILDS:
+                settings = build_settings(name)
                 ca.PREFILL.update(defaults)
-                ca.PREFILL.update(build_settings(name))
-                if build_settings(name)["dequant_tokens"] and bits == (16, 16):
+                ca.DECODE["mixed"] = settings.pop("mixed")
+                ca.PREFILL.update(settings)
+                if settings["dequant_tokens"] and bits == (16, 16):
                     continue  # bf16 pages need no scratch
+                if not ca.DECODE["mixed"] and not extra:
+                    continue  # no decode rows: the same as without "p"
                 plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)  # the plan carries the build
                 if plan.prefill is None or (plan.prefill.wg, plan.prefill.warps, plan.prefill.stages) != (
                         ca.PREFILL["wg"], ca.PREFILL["warps"], ca.PREFILL["stages"]) or (
@@ -112,6 +118,7 @@ def main() -> None:
                 errs[name] = float(np.abs(got - ref).max() / np.abs(ref).max())
                 res[name] = B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)
             ca.PREFILL.update(defaults)
+            ca.DECODE["mixed"] = mixed
             if mode == MODES[0] and not extra:
                 res["torch sdpa"] = torch_sdpa(tokens, prefix, nq, nkv, d)
             rows.append((mode, tokens, prefix, extra, res, errs))

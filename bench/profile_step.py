@@ -3,14 +3,17 @@
     PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
     PROFILE_SHAPES=1x1024,12x1024 PROFILE_MODES=graph python3 bench/profile_step.py mxfp4
     PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
-    PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached)
+    PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached);
+                                             # tokens@start+N: and N decode rows at that context (a mixed step)
     PROFILE_PREFILL_ATTN=32:1,64:0,off ...   # prefill attention variants (keys a tile : split; off: general)
                                              # a third field :N sets gdn_recurrent's staged tokens; "mma" /
                                              # "wg": the mma.sync / warpgroup-MMA build (PREFILL "wg"), then
                                              # "4" for 4 warps (default 8), "s" for 2 stages (default 1), no
                                              # overlap, "/3" for TC_DIAG 3 (measurement only); "default": as
                                              # configured (wgmma, 8 warps, 3 stages, the overlap); "direct":
-                                             # microscaled pages decoded by the kernel (no bf16 scratch)
+                                             # microscaled pages decoded by the kernel (no bf16 scratch);
+                                             # "rows": a mixed step's decode rows through the prefill
+                                             # kernel (DECODE "mixed" 0), not the decode kernel
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
 sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
@@ -37,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend.attn_plan import DECODE as DECODE_SETTINGS
 from decapybara.backend.attn_plan import PREFILL as PREFILL_SETTINGS
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 from decapybara.backend.cupy_deltanet import RECURRENT
@@ -44,17 +48,20 @@ from decapybara.backend.cupy_deltanet import RECURRENT
 STEPS = 5
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROFILE_SHAPES", "1x1024,12x32768").split(",")]
 MODES = os.environ.get("PROFILE_MODES", "eager,graph").split(",")
-PREFILL = [tuple(int(v) for v in s.split("@")) for s in os.environ.get("PROFILE_PREFILL", "").split(",") if s]
+PREFILL = [tuple(int(v) for v in s.replace("+", "@").split("@")) + (0,) * (1 - s.count("+"))  # tokens, start, rows
+           for s in os.environ.get("PROFILE_PREFILL", "").split(",") if s]
 PREFILL_ATTN = os.environ.get("PROFILE_PREFILL_ATTN", "default").split(",")
 
 
 def prefill_attn(variant: str) -> None:
-    """Sets attn_plan.PREFILL (and cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry: "default",
-    "off", "direct", "mma", "wg" or "keys:split[:tokens]"."""
+    """Sets attn_plan.PREFILL (and DECODE "mixed", cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry:
+    "default", "off", "direct", "rows", "mma", "wg" or "keys:split[:tokens]"."""
     if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
         PREFILL_SETTINGS.update(enabled=False)
     if variant == "direct":
         PREFILL_SETTINGS.update(dequant_tokens=0)
+    if variant == "rows":
+        DECODE_SETTINGS.update(mixed=0)
     name, *diag = variant.split("/")
     base = name.rstrip("48s")
     if base in ("mma", "wg"):  # e.g. "wg8s": 8 warps, 2 stages; "mma4/3": 4 warps, 1 stage, TC_DIAG 3
@@ -115,17 +122,21 @@ def main() -> None:
                     continue
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
-        defaults, rec_defaults = dict(PREFILL_SETTINGS), dict(RECURRENT)
-        for tokens, start in PREFILL:  # one sequence's chunk over its first pages (slot 0)
+        defaults, rec_defaults, mixed = dict(PREFILL_SETTINGS), dict(RECURRENT), DECODE_SETTINGS["mixed"]
+        for tokens, start, rows in PREFILL:  # one sequence's chunk over its first pages (slot 0), decode rows after
             for attn in PREFILL_ATTN:
                 prefill_attn(attn)
                 # NOTE: a new batch object per variant: the backend keeps a batch's attention plan
                 chunk = B.ForwardBatch.build([(np.arange(start, start + tokens) % 1000, start,
-                                               np.arange(B.SEQ_PAGES, dtype=np.int32), 0)], B.PAGE)
+                                               np.arange(B.SEQ_PAGES, dtype=np.int32), 0)]
+                                             + [([7], start, np.arange(i * B.SEQ_PAGES, (i + 1) * B.SEQ_PAGES,
+                                                                       dtype=np.int32), i) for i in range(1, rows + 1)],
+                                             B.PAGE)
                 wall, table = kernel_table(lambda chunk=chunk, m=model: m.forward(chunk, kv, states), steps=2)
-                title = f"{variant} prefill {tokens}@{start} attention {attn}"
+                title = f"{variant} prefill {tokens}@{start}" + (f"+{rows}" if rows else "") + f" attention {attn}"
                 out[title] = show(title + f" ({tokens / wall * 1e3:,.0f} tok/s)", wall, table, top=16)
                 PREFILL_SETTINGS.update(defaults)
+                DECODE_SETTINGS.update(mixed=mixed)
                 RECURRENT.update(rec_defaults)
         print("graph stats:", runner.stats)
         model = runner = None

@@ -121,7 +121,8 @@ def test_deltanet_snapshots_pass_on_the_emulator():
 
 PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
                      "4/4-heads6-tile0-1-8-3-0 or 4/4-heads6-tile0-1-8-3-1 or 16/16-heads2-tile0-1-8-3-1)) "
-                     "or (prefill_attention_dequant_pages and 4/4) or shared_operands or register_a_transposed_b")
+                     "or (prefill_attention_dequant_pages and 4/4) or (mixed_step_decode_rows and 16/16) "
+                     "or shared_operands or register_a_transposed_b")
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
@@ -129,7 +130,7 @@ def test_prefill_attention_builds_pass_on_the_emulator():
     """The tensor-core prefill attention with 8-warp CTAs against numpy: its warpgroup-MMA build (two
     warpgroups, swizzled tiles; emu.h runs wgmma from the descriptors) with rings of two and three (K, V) pairs
     and the overlapped loop, its mma.sync build with a ring of two, over 4/4-bit and bf16 pages; 4/4-bit pages
-    decoded into bf16 scratch pages first; and the wgmma building blocks' probes: cases of their GPU tests,
-    through the emulator plugin."""
+    decoded into bf16 scratch pages first; a mixed step's decode rows through the decode kernel beside the chunks;
+    and the wgmma building blocks' probes: cases of their GPU tests, through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"], PREFILL_EMU_CASES)
-    assert "22 passed" in out, out[-3000:]
+    assert "23 passed" in out, out[-3000:]

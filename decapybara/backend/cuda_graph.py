@@ -253,11 +253,12 @@ class DecodeGraphRunner:
                                    np.arange(bucket), page_size)
         segments = [DeltaNetSegment(i, 1, i) for i in range(bucket)]
         st = _Static(bucket, splits, tiles, 4 * rpw, host64, host32, dev64, dev32, views, placeholder, segments)
+        # decode batches: the decode kernel or the general one
         st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
                              max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
                              num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
                              rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv),
-                             prefill=None, dequant=None)  # decode batches: the decode kernel or the general one
+                             prefill=None, dequant=None, rows=None)
         st.kv_bits = _kv_bits(kv)
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
                             snapshot_keys=[], chunk_src=None, chunk_work=None)  # decode: no chunked work

@@ -13,10 +13,11 @@ holds its switch, env DECAPYBARA_PREFILL_ATTN=0, and build); float32 pages keep 
 do pure decode forwards the decode kernel does not take (eager and graph plans alike).
 
 A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
-instead when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and values
-(head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and partial
-layout (so the same reduce). `DECODE` holds its switch and launch shapes (env DECAPYBARA_DECODE_ATTN=0 turns
-it off; bench/attn_decode.py times both).
+instead, and so do the decode rows of a mixed step (planned apart, as a pure decode batch of them: `rows`;
+DECODE "mixed"), when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and
+values (head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and
+partial layout (so the same reduce). `DECODE` holds its switch and launch shapes (env DECAPYBARA_DECODE_ATTN=0
+turns it off; bench/attn_decode.py times both).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class PrefillLaunch(NamedTuple):
 class DequantPages:
     """The microscaled pages that a prefill plan's chunks read, decoded once a layer into bf16 scratch pages
     (`kv_pages_bf16`) so that the tensor-core kernel's CTAs copy tiles instead of each decoding them again. The
-    plan's first `num_work` work items (the chunks') run over the scratch, the rest (decode rows and short
-    chunks) over the pages themselves, in a second launch."""
+    plan's first `num_work` work items (the chunks') run over the scratch, the rest (short runs; decode rows where
+    the decode kernel does not take them) over the pages themselves, in a second launch."""
 
     src: Any  # [npages] int32: the source page of every scratch page
     block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers (chunks' rows)
@@ -113,6 +114,9 @@ class AttentionPlan:
     # set when the prefill kernel's chunks read bf16 copies of microscaled pages (`dequant_pages`); prefill is
     # then the bf16 pages' launch, and dequant.direct the launch of the other sequences' items over the pages
     dequant: DequantPages | None = None
+    # a mixed step's decode rows (DECODE "mixed"): their work items, parts and reduce in a plan of their own for
+    # the decode kernel (its `decode` set), over the same seq_info and block tables; this plan's work the rest
+    rows: AttentionPlan | None = None
 
     @property
     def warps(self) -> int:
@@ -127,50 +131,76 @@ class AttentionPlan:
 def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits: int | None = None,
                    kv_bits: tuple[int, int] | None = None) -> AttentionPlan:
     """The attention plan of one forward; a pure decode batch that the decode kernel takes (`decode_launch`:
-    g, head_dim and the pages' `kv_bits` (key, value) permitting; None: unknown, the general kernel's plan)
-    gets its longer splits and the kernel's launch shape in `decode`."""
+    g, head_dim and the pages' `kv_bits` (key, value; None: unknown, the general kernel's plan) permitting) gets
+    its longer splits and the kernel's launch shape in `decode`. In a mixed step (DECODE "mixed") the sequences
+    of one new token go to `rows`, a plan of their own for the decode kernel, and the rest to the prefill
+    kernel."""
     g = nq // nkv
     seqs = batch.seqs
-    rpw = rows_per_warp(head_dim, max((s.length for s in seqs), default=1) * g)
     pure = bool(seqs) and all(s.length == 1 for s in seqs)
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
-    dequant = None
+    ones = np.asarray([s.length == 1 for s in seqs], bool)
+    shape = decode_launch(g, head_dim, kv_bits) if prefill is not None and DECODE["mixed"] and ones.any() else None
+    own = ~ones if shape is not None else np.ones(len(seqs), bool)  # the sequences of this plan's own work
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
+    dequant = None
     if prefill is not None:
-        rpw = PREFILL_ROWS_PER_WARP
         bf16 = prefill_launch(head_dim, (16, 16)) if kv_bits != (16, 16) else None
         if bf16 is not None and bf16.warps == prefill.warps:
-            dequant = dequant_pages(batch, nkv, head_dim, prefill, max_pages)
+            dequant = dequant_pages(batch, nkv, head_dim, prefill, max_pages, own)
             prefill = bf16 if dequant is not None else prefill
+    tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = s.block_table
+    info = np.asarray([(s.start, s.length, s.context) for s in seqs], np.int32).reshape(-1, 3)
+    seq_info, block_tables = cp.asarray(info), cp.asarray(tables)
+    slots = cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64))
+    rows = None
+    if shape is not None:  # the decode rows: planned as a pure decode batch of them, over the same metadata
+        rpw = rows_per_warp(head_dim, g)
+        work, reduce, parts = _plan_work(batch, ones, g, nkv, 4 * rpw, splits, head_dim, kv_bits, shape)
+        rows = AttentionPlan(seq_info, block_tables, max_pages, cp.asarray(work), cp.asarray(reduce), len(work),
+                             len(reduce), parts, rpw, slots, shape)
+    rpw = PREFILL_ROWS_PER_WARP if prefill is not None else rows_per_warp(
+        head_dim, max((s.length for s in seqs), default=1) * g)
     warps = prefill.warps if prefill is not None else 4
-    work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, warps * rpw, splits,
-                                    sms=sm_count(), **({"waves": DECODE_WAVES,
-                                                        "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
-                                                       if decode is not None else {}))
+    work, reduce, parts = _plan_work(batch, own, g, nkv, warps * rpw, splits, head_dim, kv_bits, decode)
     if prefill is not None and len(work) > 1:  # the longest key ranges first: the launch's tail is the short ones
         work = work[np.argsort(work[:, 2] - work[:, 3], kind="stable")]
     if dequant is not None and len(work):  # the chunks' items first (the scratch launch), each group longest first
         over = dequant.chunks[work[:, 0]]
         work = np.concatenate([work[over], work[~over]])
         dequant.num_work = int(over.sum())
-    tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
-    for i, s in enumerate(seqs):
-        tables[i, :len(s.block_table)] = s.block_table
-    info = np.asarray([(s.start, s.length, s.context) for s in seqs], np.int32).reshape(-1, 3)
-    return AttentionPlan(cp.asarray(info), cp.asarray(tables), max_pages, cp.asarray(work), cp.asarray(reduce),
-                         len(work), len(reduce), parts, rpw,
-                         cp.asarray(np.ascontiguousarray(batch.slot_mapping, np.int64)), decode, prefill, dequant)
+    return AttentionPlan(seq_info, block_tables, max_pages, cp.asarray(work), cp.asarray(reduce), len(work),
+                         len(reduce), parts, rpw, slots, decode, prefill, dequant, rows)
 
 
-def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch,
-                  max_pages: int) -> DequantPages | None:
+def _plan_work(batch: ForwardBatch, which: np.ndarray, g: int, nkv: int, block_m: int, splits: int | None,
+               head_dim: int, kv_bits: tuple[int, int] | None,
+               decode: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """`attn_plan.plan_work` over the batch's sequences where `which` holds, their indices the batch's (decode:
+    the decode kernel's launch shape, whose plans take its split rule)."""
+    idx = np.flatnonzero(which).astype(np.int32)
+    seqs = [batch.seqs[i] for i in idx]
+    work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, block_m, splits,
+                                    sms=sm_count(), **({"waves": DECODE_WAVES,
+                                                        "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
+                                                       if decode is not None else {}))
+    work[:, 0], reduce[:, 0] = idx[work[:, 0]], idx[reduce[:, 0]]
+    return work, reduce, parts
+
+
+def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch, max_pages: int,
+                  own: np.ndarray | None = None) -> DequantPages | None:
     """The scratch pages of a prefill plan over microscaled pages (`direct`: its launch over the pages
-    themselves; `max_pages`: its block tables' width): the pages of its sequences with at least PREFILL
-    "dequant_tokens" new tokens (0: none), or None where there are none or their K and V scratch would pass
-    "dequant_mb" MiB. Pages shared by sequences (prefix reuse) are decoded once."""
+    themselves; `max_pages`: its block tables' width; `own`: the sequences the plan's prefill launches take,
+    default all): the pages of those with at least PREFILL "dequant_tokens" new tokens (0: none), or None where
+    there are none or their K and V scratch would pass "dequant_mb" MiB. Pages shared by sequences (prefix
+    reuse) are decoded once."""
     least = int(PREFILL["dequant_tokens"])
     chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool)
+    chunks &= own if own is not None else True
     if not chunks.any():
         return None
     ps = batch.page_size
@@ -192,12 +222,23 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     t, nq, d = q.shape
     assert d % 4 == 0 and d <= 256, f"head_dim {d}: the kernel needs a multiple of 4, at most 256"
     assert nq % nkv == 0, f"{nq} query heads for {nkv} KV heads"
-    (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
-    for name, a in (("k codes", kc), ("v codes", vc), ("k scales", ks), ("v scales", vs)):
+    for name, a in (("k codes", k_parts[0]), ("v codes", v_parts[0]), ("k scales", k_parts[1]),
+                    ("v scales", v_parts[1])):
         check(a, a.dtype, name)  # device array, C-contiguous
     out = empty_like(q)
-    if t == 0 or plan.num_work == 0:
+    if t == 0:
         return out
+    for p in (plan, plan.rows):  # disjoint rows of `out`: the chunks', then the decode rows'
+        if p is not None and p.num_work:
+            _attend(q, k_parts, v_parts, p, out, nkv, page_size, scale)
+    return out
+
+
+def _attend(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan, out: Any,
+            nkv: int, page_size: int, scale: float) -> None:
+    """The launches of one plan's work items (not empty) and their split-K reduce, into its rows of `out`."""
+    nq, d = q.shape[1], q.shape[2]
+    (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
     bm = plan.block_m
     parts = max(plan.num_parts, 1)
     part_o = empty(parts * nkv * bm * d, cp.float32)
@@ -237,7 +278,6 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         red = get_kernel("attn_prefill", "attention_reduce", defines)
         pdl.launch(red, (plan.num_reduce, nkv, bm), (NTHREADS,),
                    (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
-    return out
 
 
 def _prefill_tc(pl: PrefillLaunch, pages: tuple[Any, Any, Any, Any], kv_bits: tuple[int, int], tables: Any,

@@ -429,15 +429,16 @@ def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, w
                                            ("4/4", (4, 2, 64, 7)), ("4/8", (24, 4, 256, 512))])
 def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
     """Prefill plans over microscaled pages whose chunks first decode the pages they read into bf16 scratch pages
-    (kv_pages_bf16) and run the bf16 pages' build, the other sequences (decode rows, short chunks) in a second
-    launch over the pages: against numpy through prefill chunks, mixed steps and forced splits, every sequence
-    through the scratch or only chunks of 16+ tokens; the same bits as the kernel decoding each tile itself at
-    the same launch shape, also when the scratch cannot be allocated; pages shared by two sequences decoded once;
-    the rule and the size cap."""
+    (kv_pages_bf16) and run the bf16 pages' build, the other sequences (short chunks; decode rows where the decode
+    kernel does not take them) in a second launch over the pages: against numpy through prefill chunks, mixed
+    steps and forced splits, every sequence through the scratch or only chunks of 16+ tokens; the same bits as
+    the kernel decoding each tile itself at the same launch shape, also when the scratch cannot be allocated;
+    pages shared by two sequences decoded once; the rule and the size cap."""
     from decapybara.backend import cupy_attention as ca
     nq, nkv, d, page_size = heads
     kb, vb = (int(b) for b in kv_mode.split("/"))
     cfg = attn_config(nq, nkv, d)
+    rows = ca.decode_launch(nq // nkv, d, (kb, vb)) is not None  # the decode kernel takes mixed steps' decode rows
     steps = [[1, 17, 40, 300], [70, 1, 130, 5], [2, 1, 1, 1]]
     for least in (1, 16):  # every sequence through the scratch; the chunks of 16+ tokens
         monkeypatch.setitem(ca.PREFILL, "dequant_tokens", least)
@@ -448,10 +449,12 @@ def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
         tc = [(defs["KBITS"], defs["VBITS"]) for f, defs in launched if f == "paged_prefill_attention_tc"]
         dq = [(defs["KBITS"], defs["VBITS"]) for f, defs in launched if f == "kv_pages_bf16"]
         assert set(dq) == {(kb, vb)} and tc.count((16, 16)) == len(dq), (tc, dq)
-        # per run of the steps: three scratch launches (least 1); or two, beside the decode rows' and short runs'
-        # launches over the pages in each step (least 16; the last step has no chunk of 16)
-        want = {(16, 16): 6} if least == 1 else {(16, 16): 4, (kb, vb): 6}
+        # per run of the steps: three scratch launches (least 1); or two, beside the short runs' launches over
+        # the pages (least 16: the 5 and the 2 tokens of steps 2 and 3; the last step has no chunk of 16), and
+        # the decode rows', unless the decode kernel takes them (one launch in every step)
+        want = {(16, 16): 6} if least == 1 else {(16, 16): 4, (kb, vb): 4 if rows else 6}
         assert {k: tc.count(k) for k in set(tc)} == want, tc
+        assert sum(f == "paged_decode_attention_mx" for f, _ in launched) == (6 if rows else 0)
 
     # the same launch shape both ways: bit-identical outputs
     for key, val in (("stages", 1), ("mx_stages", 1), ("overlap", 0)):
@@ -474,14 +477,15 @@ def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
         return cp.asnumpy(ca.attention(q, kv.parts(0, "k"), kv.parts(0, "v"), plan, nkv, page_size, d ** -0.5))
 
     outs = {}
-    for least, used in ((0, None), (16, [ta, tb]), (1, [ta, tb, td])):
+    for least, used in ((0, None), (16, [ta, tb]), (1, [ta, tb] if rows else [ta, tb, td])):
         monkeypatch.setitem(ca.PREFILL, "dequant_tokens", least)
         plan = ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb))
         if used is None:
             assert plan.dequant is None
         else:
             assert plan.dequant.npages == len(np.unique(np.concatenate(used)))  # shared pages decoded once
-            assert list(plan.dequant.chunks) == [True, True, least == 1]
+            assert list(plan.dequant.chunks) == [True, True, least == 1 and not rows]
+            assert (plan.rows is not None) == rows
             work = cp.asnumpy(plan.work)
             first = plan.dequant.chunks[work[:plan.dequant.num_work, 0]]
             assert first.all() and not plan.dequant.chunks[work[plan.dequant.num_work:, 0]].any()
@@ -512,6 +516,73 @@ def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
     assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant is None
     monkeypatch.setitem(ca.PREFILL, "dequant_mb", scratch / 2 ** 20)
     assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant is not None
+
+
+@pytest.mark.parametrize("kv_mode,heads", [("6/4", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)),
+                                           ("8/8", (4, 1, 128, 32)), ("4/4", (4, 2, 64, 16))])
+def test_mixed_step_decode_rows(monkeypatch, kv_mode, heads):
+    """A mixed step's decode rows run the decode kernel, planned as the pure decode step of the same sequences:
+    their outputs are that step's bit for bit, and the chunks' rows those of the step without the decode rows
+    (the same prefill plan); the whole step matches numpy, and with DECODE "mixed" off (every row through the
+    prefill kernel) agrees within float32 rounding. Where the decode kernel does not take the pages (microscaled
+    at head_dim 64) the prefill kernel keeps them."""
+    from decapybara.backend import cupy_attention as ca
+    nq, nkv, d, page_size = heads
+    kb, vb = (int(b) for b in kv_mode.split("/"))
+    cfg = attn_config(nq, nkv, d)
+    rng = np.random.default_rng(d + nq + kb)
+    lens = {"chunk": (300, 200), "short": (5, 90), "d1": (1, 118), "d2": (1, 700), "d3": (1, 2500)}  # new, cached
+    names = list(lens)
+    npages = sum(-(-(n + c) // page_size) for n, c in lens.values())
+    perm, at, tables = rng.permutation(npages).astype(np.int32), 0, {}
+    for name, (n, ctx) in lens.items():
+        tables[name] = perm[at:at + -(-(n + ctx) // page_size)]
+        at += len(tables[name])
+
+    def batch_of(which, cached=False):  # the sequences' new tokens; `cached`: their cached ones instead
+        return ForwardBatch.build([(np.zeros(lens[n][1] if cached else lens[n][0], np.int64),
+                                    0 if cached else lens[n][1], tables[n], None) for n in which],
+                                  page_size, logits="none")
+
+    np_kv = NP.new_kv_cache(cfg, npages, page_size, kv_mode)
+    kv = CupyBackend("fp32").new_kv_cache(cfg, npages, page_size, kv_mode)
+    mixed = batch_of(names)
+    for batch in (batch_of(names, cached=True), mixed):  # the cached keys, then the step's own
+        k, v = rand(rng, batch.num_tokens, nkv, d), rand(rng, batch.num_tokens, nkv, d, scale=2.0)
+        kv.write(0, cp.asarray(batch.slot_mapping), cp.asarray(k), cp.asarray(v))
+        if batch is not mixed:
+            np_kv.write(0, batch.slot_mapping, k, v)
+    q = rand(rng, mixed.num_tokens, nq, d)
+    ref = NP.paged_attention(np_kv, 0, q, k, v, mixed, d ** -0.5)  # writes the step's keys as the kernel did
+    rows = {n: np.arange(s.start, s.start + s.length) for n, s in zip(names, mixed.seqs)}
+    decoding, chunks = ["d1", "d2", "d3"], ["chunk", "short"]
+
+    def run(which):
+        batch = batch_of(which)
+        plan = ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb))
+        qq = cp.asarray(q[np.concatenate([rows[n] for n in which])])
+        return plan, cp.asnumpy(ca.attention(qq, kv.parts(0, "k"), kv.parts(0, "v"), plan, nkv, page_size,
+                                             d ** -0.5))
+
+    takes = ca.decode_launch(nq // nkv, d, (kb, vb)) is not None
+    launched = record_kernels(monkeypatch, ca)
+    plan, got = run(names)
+    assert (plan.rows is not None) == takes and plan.decode is None and plan.prefill is not None
+    assert sum(f.startswith("paged_decode_attention") for f, _ in launched) == int(takes)
+    if takes:
+        assert plan.rows.decode == ca.decode_launch(nq // nkv, d, (kb, vb)) and plan.rows.prefill is None
+        assert sorted(set(cp.asnumpy(plan.rows.work)[:, 0])) == [2, 3, 4]  # indices of the batch's sequences
+        assert sorted(set(cp.asnumpy(plan.work)[:, 0])) == [0, 1]
+        assert plan.rows.num_reduce > 0  # the 2,500-key row is split: its own parts and reduce
+        for which in (decoding, chunks):
+            _, alone = run(which)
+            part = np.concatenate([rows[n] for n in which])
+            assert np.array_equal(got[part].view(np.uint32), alone.view(np.uint32)), which
+    assert_close(got, ref, 2e-5, f"mixed step against numpy ({kv_mode})")
+    monkeypatch.setitem(ca.DECODE, "mixed", 0)
+    plan, off = run(names)
+    assert plan.rows is None
+    assert_close(got, off, 2e-5, "mixed step: decode rows in the decode kernel against the prefill kernel")
 
 
 @pytest.mark.parametrize("kv_mode", ["16/16", "6/4"])

@@ -5,6 +5,7 @@ the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all
                                                          # +N: N decode rows at that context beside the chunk),
                                                          # ATTN_KV=16/16,6/4 (page modes),
                                                          # ATTN_BUILDS=mma4/1,mma8/2,wg8/2,wg8/3o,wg8/3od
+                                                         # ATTN_GENERAL=0: the general kernel untimed
 
 24 query heads over 4 KV heads of 256 dims, pages of 512 keys (bench/gpu.py's cache and its 16 attention layers),
 one sequence whose chunk of `tokens` new tokens follows `prefix` cached ones (and "+N" decode rows of as many
@@ -25,6 +26,7 @@ repeated to the 24 query heads, whichever backend torch picks, back-to-back laun
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -44,23 +46,26 @@ CASES = [tuple(int(v) for v in c.replace("+", "@").split("@")) + (0,) * (1 - c.c
          for c in os.environ.get("ATTN_PREFILL", "2048@0,2048@16384,2048@30720").split(",")]
 MODES = os.environ.get("ATTN_KV", "16/16,6/4").split(",")
 BUILDS = os.environ.get("ATTN_BUILDS", "mma4/1,mma8/1,mma8/2,wg8/1,wg8/2,wg8/3,wg8/3o").split(",")
+GENERAL = os.environ.get("ATTN_GENERAL", "1") != "0"  # time the general kernel (its output is the reference anyway)
+SEQ_PAGES = max(B.SEQ_PAGES, *(-(-(t + p) // B.PAGE) for t, p, _ in CASES))  # pages a sequence: the longest case
 
 
 def build_settings(name: str) -> dict:
     """cupy_attention.PREFILL settings of a build name such as "wg8/2" ("wg8/3o": the overlapped loop; "wg8/3ob":
     q and P as one bf16 term each; "wg8/3od": chunks over bf16 scratch copies of microscaled pages, "wg8/3oa":
     every sequence; "p": a mixed step's decode rows through this build rather than the decode kernel; the key
-    "mixed" is DECODE's)."""
+    "mixed" is DECODE's; a tail "w<MiB>": the scratch's cap, past which it is taken in windows)."""
     head, tail = name.split("/")
     kind = head.rstrip("0123456789")
-    digits = tail.rstrip("obdap")
-    assert kind in ("mma", "wg") and digits.isdigit() and not ("d" in tail and "a" in tail), name
-    stages = int(digits)
-    scratch = "d" if "d" in tail else "a" if "a" in tail else ""
+    parsed = re.fullmatch(r"(\d+)([obdap]*)(?:w(\d+))?", tail)
+    assert kind in ("mma", "wg") and parsed and not ("d" in tail and "a" in tail), name
+    stages, flags, cap = int(parsed[1]), parsed[2], parsed[3]
+    scratch = "d" if "d" in flags else "a" if "a" in flags else ""
     return {"enabled": True, "wg": int(kind == "wg"), "warps": int(head[len(kind):]), "stages": stages,
             "mx_stages": 1 if scratch == "d" else stages,  # "d": the other sequences as the default decodes them
-            "overlap": int("o" in tail), "split": int("b" not in tail),
-            "dequant_tokens": {"d": 16, "a": 1}.get(scratch, 0), "mixed": int("p" not in tail)}
+            "overlap": int("o" in flags), "split": int("b" not in flags),
+            "dequant_tokens": {"d": 16, "a": 1}.get(scratch, 0), "mixed": int("p" not in flags),
+            **({"dequant_mb": int(cap)} if cap else {})}
 
 
 def causal_pairs(tokens: int, prefix: int, rows: int = 0) -> int:
@@ -71,8 +76,8 @@ def causal_pairs(tokens: int, prefix: int, rows: int = 0) -> int:
 
 def mixed_batch(tokens: int, prefix: int, rows: int) -> ForwardBatch:
     """A chunk of `tokens` after `prefix` cached ones, and `rows` decode rows at the same context, each sequence on
-    its own pages (bench/gpu.py's SEQ_PAGES a sequence)."""
-    pages = [np.arange(i * B.SEQ_PAGES, (i + 1) * B.SEQ_PAGES, dtype=np.int32) for i in range(1 + rows)]
+    its own pages (SEQ_PAGES a sequence)."""
+    pages = [np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES, dtype=np.int32) for i in range(1 + rows)]
     return ForwardBatch.build([(np.arange(tokens) % 1000, prefix, pages[0], 0)]
                               + [([7], prefix, pages[1 + i], 1 + i) for i in range(rows)], B.PAGE)
 
@@ -85,7 +90,7 @@ def main() -> None:
     rows = []
     seqs = 1 + max(c[2] for c in CASES)
     for mode in MODES:
-        kv = B.CupyBackend("bf16").new_kv_cache(cfg, seqs * B.SEQ_PAGES + 1, B.PAGE, mode)
+        kv = B.CupyBackend("bf16").new_kv_cache(cfg, seqs * SEQ_PAGES + 1, B.PAGE, mode)
         B.fill_random(kv, states)
         layers = sorted(kv.store)
         bits = (kv.key_bits, kv.value_bits)
@@ -96,7 +101,8 @@ def main() -> None:
             plan = plan_attention(batch, nq, nkv, d, kv_bits=bits)
             ref = cp.asnumpy(attention(q, kv.parts(layers[0], "k"), kv.parts(layers[0], "v"), plan, nkv, B.PAGE,
                                        d ** -0.5))
-            res = {"general": B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)}
+            res = {"general": B.graph_time(layer_cycle(kv, layers, q, plan, nkv, d), calls=5, reps=3)} if GENERAL \
+                else {}
             errs = {}
             for name in BUILDS:
                 settings = build_settings(name)
@@ -133,9 +139,11 @@ def main() -> None:
         flop = 4 * nq * d * causal_pairs(tokens, prefix, extra)
         cells = "".join(f"{res[n] * 1e3:>9.3f} ({flop / res[n] / 1e12:>5.0f})" if n in res else f"{'':>18}"
                         for n in names)
-        best = min((v for n, v in res.items() if n in BUILDS), default=res["general"])
-        print(f"{mode:>6}{f'{tokens}@{prefix}' + (f'+{extra}' if extra else ''):>17}{cells}{res['general'] / best:>15.2f}x"
+        best = min((v for n, v in res.items() if n in BUILDS), default=res.get("general", 0.0))
+        vs = f"{res['general'] / best:>15.2f}x" if "general" in res and best else f"{'-':>16}"
+        print(f"{mode:>6}{f'{tokens}@{prefix}' + (f'+{extra}' if extra else ''):>17}{cells}{vs}"
               f"{max(errs.values(), default=0.0):>10.1e}")
+        print(f"{'err':>23}" + "".join(f"{errs[n]:>18.1e}" if n in errs else f"{'':>18}" for n in names))
 
 
 def torch_sdpa(tokens: int, prefix: int, nq: int, nkv: int, d: int) -> float:

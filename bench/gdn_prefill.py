@@ -13,8 +13,8 @@ chunked and recurrent variants interleaved. "HF" is `torch_chunk_gated_delta_rul
 gates), one call per run. "err" is the chunked output's largest difference from the recurrent one, relative to
 the latter's largest magnitude. GDN_DIAGS (e.g. "1,2,4,7") then times the first case's chunked forward built with
 each CHUNK_DIAG (phases of gdn_chunk_prep left out; results wrong) against the full one, and GDN_WARPS (e.g.
-"4,8") with each number of warps a gdn_chunk_scan CTA, GDN_BUFS (e.g. "2") with each number of W | q fragment
-buffers (SCAN_WQ_BUFS).
+"4,8") with each number of warps a gdn_chunk_scan CTA, GDN_BUFS (e.g. "1") with each number of W | q fragment
+buffers (SCAN_WQ_BUFS; default 2).
 """
 
 from __future__ import annotations
@@ -158,11 +158,12 @@ def main() -> None:
                 w_ms = float(np.median([median_ms(functools.partial(call, {}), 1) for _ in range(ITERS)]))
                 print(f"  gdn_chunk_scan of {warps} warps: {w_ms:.3f} ms (default {chk:.3f})")
             cd.CHUNKED["warps"] = None
+            default_bufs = cd.CHUNKED["wq_bufs"]
             for bufs in BUFS:
                 cd.CHUNKED["wq_bufs"] = bufs
                 b_ms = float(np.median([median_ms(functools.partial(call, {}), 1) for _ in range(ITERS)]))
                 print(f"  gdn_chunk_scan with {bufs} W | q buffers: {b_ms:.3f} ms (default {chk:.3f})")
-            cd.CHUNKED["wq_bufs"] = 1
+            cd.CHUNKED["wq_bufs"] = default_bufs
 
 
 if __name__ == "__main__":

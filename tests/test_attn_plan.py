@@ -71,15 +71,21 @@ def test_decode_splits_parts_of_the_rule(monkeypatch):
             assert ap.decode_splits(per_split, keys, SMS, cap=3) <= 3
 
 
-@pytest.mark.parametrize("decode_per_sm", [0, 1, 3])
+@pytest.mark.parametrize("decode_per_sm,windowed", [(0, False), (1, False), (3, False), (0, True)])
 @pytest.mark.parametrize("lengths,contexts", [([1] * 12, [1023] * 12), ([1, 1, 1], [5, 40000, 700]),
-                                              ([9, 1], [0, 300])])
-def test_plan_work_covers_every_key_once(decode_per_sm, lengths, contexts):
+                                              ([9, 1], [0, 300]), ([300, 40], [9000, 2000])])
+def test_plan_work_covers_every_key_once(decode_per_sm, windowed, lengths, contexts):
     """Every tile's keys [0, context + its last token] come in order, once, in whole 32-key tiles but the last
-    split; split tiles have one reduce entry over consecutive parts, numbered in order."""
+    split; split tiles have one reduce entry over consecutive parts, numbered in order; with windows, no item
+    reads keys of two windows of its sequence."""
     g, nkv, block_m = 6, 4, 8
+    windows = [(0, 32, 224, 4096)[s % 4] for s in range(len(lengths))] if windowed else None
     work, reduce, parts = ap.plan_work(lengths, contexts, g, nkv, block_m, waves=ap.DECODE_WAVES,
-                                       decode_per_sm=decode_per_sm, sms=SMS)
+                                       decode_per_sm=decode_per_sm, sms=SMS, windows=windows)
+    if windowed:
+        for seq, _, begin, end, _ in work.tolist():
+            assert not windows[seq] or begin // windows[seq] == (end - 1) // windows[seq], (seq, begin, end)
+        assert len(work) > len(ap.plan_work(lengths, contexts, g, nkv, block_m, waves=ap.DECODE_WAVES, sms=SMS)[0])
     assert work.dtype == np.int32 and reduce.dtype == np.int32
     tiles = {}
     for seq, row0, begin, end, part in work.tolist():

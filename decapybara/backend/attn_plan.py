@@ -41,8 +41,9 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
 # (wgmma, 8 warps, 2 stages) -> 6.42 (the overlap; docs/perf.md);
 # "dequant_tokens": over microscaled pages, the sequences of a plan with at least this many new tokens read their
 # pages through bf16 scratch pages decoded once a layer (cupy_attention.dequant_pages; the others, decode rows
-# among them, in a second launch over the pages themselves; 0: none, env DECAPYBARA_PREFILL_DEQUANT=0), when
-# their K and V scratch take at most "dequant_mb" MiB (262,144 tokens of the 27B shape): 16 new tokens after 16k
+# among them, in a second launch over the pages themselves; 0: none, env DECAPYBARA_PREFILL_DEQUANT=0), their K
+# and V scratch at most "dequant_mb" MiB (262,144 tokens of the 27B shape; past it the keys are taken in windows
+# that keep each window's scratch under it, `plan_work`'s `windows`): 16 new tokens after 16k
 # (one CTA a page, 27B, 6/4 pages) already gained 0.211 -> 0.183 ms a layer, 2,048 tokens 15.0 -> 6.46 ms;
 # "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,
@@ -123,13 +124,16 @@ def graph_split_cap(per_split: int, sms: int, per_sm: int = 1) -> int:
 
 def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m: int,
               splits: int | None = None, waves: int = 2, min_keys: int = MIN_KEYS_PER_SPLIT,
-              decode_per_sm: int = 0, *, sms: int) -> tuple[np.ndarray, np.ndarray, int]:
+              decode_per_sm: int = 0, *, sms: int,
+              windows: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(work [nwork, 5] int32: seq, row0, key_begin, key_end, part (-1: final output); reduce [nreduce, 4]
     int32: seq, row0, first part, number of parts; number of parts) for sequences of `lengths` new tokens on top
     of `contexts`, on a GPU of `sms` SMs. `splits` forces the number of key splits per tile (tests); else
     `decode_splits` for the decode kernel (`decode_per_sm` > 0: its CTAs an SM; at most `waves` CTAs per SM;
     `min_keys` is DECODE's), or about `waves` CTAs per SM with no split shorter than `min_keys` keys. Splits
-    are whole BLOCK_N-key tiles, so the count may come out lower than asked."""
+    are whole BLOCK_N-key tiles, so the count may come out lower than asked. `windows` (per sequence, a multiple
+    of BLOCK_N or 0): that sequence's key ranges are also cut at every multiple of its window, so that no item
+    reads keys of two windows (the prefill kernel's scratch pages hold one window's at a time)."""
     tiles = []
     for si, (n, ctx) in enumerate(zip(lengths, contexts)):
         rows = n * g
@@ -148,12 +152,14 @@ def plan_work(lengths: list[int], contexts: list[int], g: int, nkv: int, block_m
             n = min(cdiv(target, len(tiles) * nkv), max(1, kend // min_keys))
         n = max(1, min(n, cdiv(kend, BLOCK_N)))
         chunk = cdiv(cdiv(kend, n), BLOCK_N) * BLOCK_N
-        n = cdiv(kend, chunk)
-        if n == 1:
+        window = windows[si] if windows is not None else 0
+        assert window % BLOCK_N == 0, f"window of {window} keys: whole {BLOCK_N}-key tiles"
+        cuts = sorted(set(range(0, kend, chunk)) | (set(range(window, kend, window)) if window else set()))
+        if len(cuts) == 1:
             work.append((si, row0, 0, kend, -1))
             continue
-        reduce.append((si, row0, parts, n))
-        for b in range(0, kend, chunk):
-            work.append((si, row0, b, min(b + chunk, kend), parts))
+        reduce.append((si, row0, parts, len(cuts)))
+        for b, e in zip(cuts, cuts[1:] + [kend]):
+            work.append((si, row0, b, e, parts))
             parts += 1
     return (np.asarray(work, np.int32).reshape(-1, 5), np.asarray(reduce, np.int32).reshape(-1, 4), parts)

@@ -23,7 +23,8 @@ turns it off; bench/attn_decode.py times both).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import cupy as cp
@@ -74,21 +75,39 @@ class PrefillLaunch(NamedTuple):
 
 
 @dataclass(slots=True)
-class DequantPages:
-    """The microscaled pages that a prefill plan's chunks read, decoded once a layer into bf16 scratch pages
-    (`kv_pages_bf16`) so that the tensor-core kernel's CTAs copy tiles instead of each decoding them again. The
-    plan's first `num_work` work items (the chunks') run over the scratch, the rest (short runs; decode rows where
-    the decode kernel does not take them) over the pages themselves, in a second launch."""
+class ScratchWindow:
+    """One window of a plan's scratch pages: the pages its work items read, decoded together."""
 
     src: Any  # [npages] int32: the source page of every scratch page
-    block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers (chunks' rows)
-    chunks: np.ndarray  # [nseq] bool: the sequences read through the scratch
-    direct: PrefillLaunch  # the launch over the pages themselves (the other items; all if no scratch is had)
-    num_work: int = 0
+    block_tables: Any  # [nseq, max_pages] int32: the plan's tables over scratch page numbers (this window's pages)
+    begin: int  # its work items [begin, end) of the plan's
+    end: int
 
     @property
     def npages(self) -> int:
         return int(self.src.size)
+
+
+@dataclass(slots=True)
+class DequantPages:
+    """The microscaled pages that a prefill plan's chunks read, decoded once a layer into bf16 scratch pages
+    (`kv_pages_bf16`) so that the tensor-core kernel's CTAs copy tiles instead of each decoding them again. The
+    plan's first `num_work` work items (the chunks') run over the scratch, the rest (short runs; decode rows where
+    the decode kernel does not take them) over the pages themselves, in a second launch. Where the chunks' pages
+    pass the scratch's cap, their keys are taken in windows of `window` keys a sequence (0: one window), each
+    decoded into the same scratch and read by a launch of its own items (`windows`; the plan cuts the chunks' key
+    ranges at every multiple of `window`)."""
+
+    chunks: np.ndarray  # [nseq] bool: the sequences read through the scratch
+    direct: PrefillLaunch  # the launch over the pages themselves (the other items; all if no scratch is had)
+    window: int = 0
+    windows: list[ScratchWindow] = field(default_factory=list)
+    num_work: int = 0
+
+    @property
+    def npages(self) -> int:
+        """Pages of the scratch: its largest window's."""
+        return max((w.npages for w in self.windows), default=0)
 
 
 @dataclass(slots=True)
@@ -148,7 +167,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     if prefill is not None:
         bf16 = prefill_launch(head_dim, (16, 16)) if kv_bits != (16, 16) else None
         if bf16 is not None and bf16.warps == prefill.warps:
-            dequant = dequant_pages(batch, nkv, head_dim, prefill, max_pages, own)
+            dequant = dequant_pages(batch, nkv, head_dim, prefill, own)
             prefill = bf16 if dequant is not None else prefill
     tables = np.zeros((max(len(seqs), 1), max_pages), np.int32)
     for i, s in enumerate(seqs):
@@ -165,54 +184,82 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     rpw = PREFILL_ROWS_PER_WARP if prefill is not None else rows_per_warp(
         head_dim, max((s.length for s in seqs), default=1) * g)
     warps = prefill.warps if prefill is not None else 4
-    work, reduce, parts = _plan_work(batch, own, g, nkv, warps * rpw, splits, head_dim, kv_bits, decode)
+    windows = dequant.chunks * dequant.window if dequant is not None else None
+    work, reduce, parts = _plan_work(batch, own, g, nkv, warps * rpw, splits, head_dim, kv_bits, decode, windows)
     if prefill is not None and len(work) > 1:  # the longest key ranges first: the launch's tail is the short ones
         work = work[np.argsort(work[:, 2] - work[:, 3], kind="stable")]
-    if dequant is not None and len(work):  # the chunks' items first (the scratch launch), each group longest first
-        over = dequant.chunks[work[:, 0]]
-        work = np.concatenate([work[over], work[~over]])
+    if dequant is not None and len(work):  # the chunks' items first (the scratch launches: window by window,
+        over = dequant.chunks[work[:, 0]]  # each longest first), then the rest
+        chunk_items = work[over]
+        if dequant.window:
+            chunk_items = chunk_items[np.argsort(chunk_items[:, 2] // dequant.window, kind="stable")]
+        work = np.concatenate([chunk_items, work[~over]])
         dequant.num_work = int(over.sum())
+        scratch_windows(dequant, work, batch, max_pages)
     return AttentionPlan(seq_info, block_tables, max_pages, cp.asarray(work), cp.asarray(reduce), len(work),
                          len(reduce), parts, rpw, slots, decode, prefill, dequant, rows)
 
 
 def _plan_work(batch: ForwardBatch, which: np.ndarray, g: int, nkv: int, block_m: int, splits: int | None,
-               head_dim: int, kv_bits: tuple[int, int] | None,
-               decode: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, int]:
+               head_dim: int, kv_bits: tuple[int, int] | None, decode: tuple[int, int] | None,
+               windows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """`attn_plan.plan_work` over the batch's sequences where `which` holds, their indices the batch's (decode:
-    the decode kernel's launch shape, whose plans take its split rule)."""
+    the decode kernel's launch shape, whose plans take its split rule; `windows`: every sequence's key window,
+    0 for none)."""
     idx = np.flatnonzero(which).astype(np.int32)
     seqs = [batch.seqs[i] for i in idx]
     work, reduce, parts = plan_work([s.length for s in seqs], [s.context for s in seqs], g, nkv, block_m, splits,
-                                    sms=sm_count(), **({"waves": DECODE_WAVES,
-                                                        "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
-                                                       if decode is not None else {}))
+                                    sms=sm_count(), windows=[int(w) for w in windows[idx]] if windows is not None
+                                    else None, **({"waves": DECODE_WAVES,
+                                                   "decode_per_sm": decode_per_sm(head_dim, kv_bits, decode)}
+                                                  if decode is not None else {}))
     work[:, 0], reduce[:, 0] = idx[work[:, 0]], idx[reduce[:, 0]]
     return work, reduce, parts
 
 
-def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch, max_pages: int,
+def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch,
                   own: np.ndarray | None = None) -> DequantPages | None:
-    """The scratch pages of a prefill plan over microscaled pages (`direct`: its launch over the pages
-    themselves; `max_pages`: its block tables' width; `own`: the sequences the plan's prefill launches take,
-    default all): the pages of those with at least PREFILL "dequant_tokens" new tokens (0: none), or None where
-    there are none or their K and V scratch would pass "dequant_mb" MiB. Pages shared by sequences (prefix
-    reuse) are decoded once."""
+    """The scratch of a prefill plan over microscaled pages (`direct`: its launch over the pages themselves;
+    `own`: the sequences the plan's prefill launches take, default all) for those with at least PREFILL
+    "dequant_tokens" new tokens (0: none; None where there are none): one window where their pages' K and V
+    scratch take at most "dequant_mb" MiB, else windows of the most keys a sequence (whole pages and 32-key
+    tiles) that keep each window's under it (None where not even one such tile a sequence fits). Pages shared
+    by sequences (prefix reuse) are decoded once a window. Its windows' pages come from the plan's work items
+    (`scratch_windows`)."""
     least = int(PREFILL["dequant_tokens"])
     chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool)
     chunks &= own if own is not None else True
     if not chunks.any():
         return None
     ps = batch.page_size
-    used = [s.block_table[:cdiv(s.context + s.length, ps)] if c else s.block_table[:0]
-            for s, c in zip(batch.seqs, chunks)]
-    src, inverse = np.unique(np.concatenate(used).astype(np.int32), return_inverse=True)
-    if not len(src) or 4 * len(src) * ps * nkv * head_dim > PREFILL["dequant_mb"] * 2 ** 20:
-        return None
-    tables = np.zeros((len(batch.seqs), max_pages), np.int32)
-    for i, row in enumerate(np.split(inverse, np.cumsum([len(u) for u in used])[:-1])):
-        tables[i, :len(row)] = row
-    return DequantPages(cp.asarray(src), cp.asarray(tables), chunks, direct)
+    cap = int(PREFILL["dequant_mb"] * 2 ** 20 // (4 * ps * nkv * head_dim))  # pages
+    used = np.unique(np.concatenate([s.block_table[:cdiv(s.context + s.length, ps)]
+                                     for s, c in zip(batch.seqs, chunks) if c]))
+    if len(used) <= cap:
+        return DequantPages(chunks, direct) if len(used) else None
+    unit = math.lcm(ps, BLOCK_N)  # a window: whole pages and whole key tiles
+    window = cap // int(chunks.sum()) * ps // unit * unit
+    return DequantPages(chunks, direct, window) if window else None
+
+
+def scratch_windows(dq: DequantPages, work: np.ndarray, batch: ForwardBatch, max_pages: int) -> None:
+    """Fills `dq.windows` from the plan's ordered work items (the chunks' first, window by window: `num_work`
+    of them): each window's item range, the unique pages its items read and its block tables over them."""
+    ps, nseq = batch.page_size, len(batch.seqs)
+    items = work[:dq.num_work]
+    which = items[:, 2] // dq.window if dq.window else np.zeros(len(items), np.int64)
+    bounds = np.flatnonzero(np.diff(which)) + 1
+    for begin, end in zip([0, *bounds], [*bounds, len(items)]):
+        part = items[begin:end]
+        seqs = np.unique(part[:, 0])
+        first = [int(part[part[:, 0] == s, 2].min()) // ps for s in seqs]
+        last = [(int(part[part[:, 0] == s, 3].max()) - 1) // ps for s in seqs]
+        used = [batch.seqs[s].block_table[a:b + 1] for s, a, b in zip(seqs, first, last)]
+        src, inverse = np.unique(np.concatenate(used).astype(np.int32), return_inverse=True)
+        tables = np.zeros((max(nseq, 1), max_pages), np.int32)
+        for s, a, row in zip(seqs, first, np.split(inverse, np.cumsum([len(u) for u in used])[:-1])):
+            tables[s, a:a + len(row)] = row
+        dq.windows.append(ScratchWindow(cp.asarray(src), cp.asarray(tables), int(begin), int(end)))
 
 
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
@@ -263,12 +310,15 @@ def _attend(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int]
         dq, at = plan.dequant, 0
         if dq is not None:  # the chunks' items over bf16 scratch pages (the bf16 build), then the rest
             try:
-                kx, vx = dequant_kv(dq, k_parts, v_parts, nkv, page_size, d)
+                kx, vx = scratch_kv(dq, nkv, page_size, d)
             except cp.cuda.memory.OutOfMemoryError:  # no room beside the pool: the kernel decodes every tile
                 pass
             else:
+                for win in dq.windows:  # each window's pages, then its items (the same stream: in order)
+                    dequant_kv(win, k_parts, v_parts, nkv, page_size, d, (kx, vx))
+                    defines = _prefill_tc(plan.prefill, (kx, ks, vx, vs), (16, 16), win.block_tables, win.begin,
+                                          win.end, *args)
                 at = dq.num_work
-                defines = _prefill_tc(plan.prefill, (kx, ks, vx, vs), (16, 16), dq.block_tables, 0, at, *args)
         if at < plan.num_work:  # (both launches' CTAs have the same rows: the reduce takes either's defines)
             defines = _prefill_tc(plan.prefill if dq is None else dq.direct, (kc, ks, vc, vs), (kb, vb),
                                   plan.block_tables, at, plan.num_work, *args)
@@ -304,17 +354,22 @@ def _prefill_tc(pl: PrefillLaunch, pages: tuple[Any, Any, Any, Any], kv_bits: tu
     return defines
 
 
-def dequant_kv(dq: DequantPages, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], nkv: int,
-               page_size: int, head_dim: int) -> tuple[Any, Any]:
-    """(keys, values) of the pages `dq` names as bf16 bits [npages * page_size * nkv * head_dim] uint16, each
-    element as the prefill kernel decodes it on load (kernels/attn_prefill.cu kv_pages_bf16)."""
-    (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
+def scratch_kv(dq: DequantPages, nkv: int, page_size: int, head_dim: int) -> tuple[Any, Any]:
+    """(keys, values) scratch of `dq`'s largest window: bf16 bits [npages * page_size * nkv * head_dim] uint16
+    each (raises cupy's OutOfMemoryError where the pool cannot give them)."""
     n = dq.npages * page_size * nkv * head_dim
-    kx, vx = empty(n, cp.uint16), empty(n, cp.uint16)
+    return empty(n, cp.uint16), empty(n, cp.uint16)
+
+
+def dequant_kv(win: ScratchWindow, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], nkv: int,
+               page_size: int, head_dim: int, out: tuple[Any, Any]) -> None:
+    """The pages `win` names decoded into its scratch pages of `out` (keys, values: `scratch_kv`), each element
+    as the prefill kernel decodes it on load (kernels/attn_prefill.cu kv_pages_bf16)."""
+    (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
+    n = win.npages * page_size * nkv * head_dim
     fn = get_kernel("attn_prefill", "kv_pages_bf16", (("HEAD_DIM", head_dim), ("KBITS", kb), ("VBITS", vb)))
     fn((max(1, min(cdiv(n // 8, 256), 16 * sm_count())),), (256,),
-       (kc, ks, vc, vs, dq.src, I32(dq.npages), I32(page_size), I32(nkv), kx, vx))
-    return kx, vx
+       (kc, ks, vc, vs, win.src, I32(win.npages), I32(page_size), I32(nkv), *out))
 
 
 def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tuple[int, int] | None:

@@ -42,12 +42,13 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # other forwards at float arithmetic (the bf16 backend) whose head dims are multiples of 16 (dk + dv <= 256): the
 # chunked form on tensor cores (kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that
-# divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 1, as measured,
-# or 2: the next chunk's copies in flight from the start of the chunk before, checked on the host emulator only);
+# divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 2: the next
+# chunk's copies in flight from the start of the chunk before, 192 KB at dk 128, 1 where that does not fit; the
+# same bits; 27B layer at 2,048 rows 0.858 -> 0.705 ms, docs/perf.md twenty-seventh session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off.
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0", "min_len": 512,
-                           "warps": None, "wq_bufs": 1, "defines": {}}
+                           "warps": None, "wq_bufs": 2, "defines": {}}
 
 
 def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
@@ -297,6 +298,8 @@ def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPla
     mtiles = dv // 16
     warps = CHUNKED["warps"] or next(w for w in (4, 2, 1) if mtiles % w == 0)
     bufs = int(CHUNKED["wq_bufs"])
+    if bufs > 1 and chunk_scan_smem_bytes(dk, warps, bufs) > cupy_ops.smem_per_block():
+        bufs = 1  # two chunks of W | q do not fit beside the rest (dk over 128)
     scan = get_kernel("deltanet_chunk", "gdn_chunk_scan", defines + (("SCAN_WARPS", warps), ("SCAN_WQ_BUFS", bufs)))
     smem = chunk_scan_smem_bytes(dk, warps, bufs)
     cupy_ops.allow_dynamic_smem(scan, smem)

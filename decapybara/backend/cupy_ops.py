@@ -83,6 +83,19 @@ def _smem_per_sm_of(device: int) -> int:
         return 0
 
 
+def smem_per_block() -> int:
+    """Opt-in shared memory a block of the current device may have (48 KB where the device does not say)."""
+    return _smem_per_block_of(cp.cuda.Device().id)
+
+
+@functools.cache
+def _smem_per_block_of(device: int) -> int:
+    try:
+        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+    except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):
+        return 48 * 1024
+
+
 _SMEM_CHECKED: set[tuple[int, int, int]] = set()  # (device, kernel, bytes) whose limit is settled
 
 

@@ -8,6 +8,8 @@ the first offending index with both values, and the shapes.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -497,11 +499,40 @@ def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
     def no_room(*args):
         raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
 
-    monkeypatch.setattr(ca, "dequant_kv", no_room)  # the scratch not allocated: the kernel decodes every tile
-    launched.clear()
-    got = run(ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb)))
+    with monkeypatch.context() as m:
+        m.setattr(ca, "scratch_kv", no_room)  # the scratch not allocated: the kernel decodes every tile
+        launched.clear()
+        got = run(ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb)))
     assert np.array_equal(got.view(np.uint32), outs[0].view(np.uint32))
     assert [(defs["KBITS"], defs["VBITS"]) for f, defs in launched if f == "paged_prefill_attention_tc"] == [(kb, vb)]
+
+    # past the cap: the chunks' keys in windows of whole pages and 32-key tiles, each within the cap
+    unit = math.lcm(page_size, 32)
+    cap = 2 * unit // page_size  # pages: windows of `unit` keys for the two chunks
+    with monkeypatch.context() as m:
+        m.setitem(ca.PREFILL, "dequant_tokens", 16)
+        m.setitem(ca.PREFILL, "dequant_mb", 4 * cap * page_size * nkv * d / 2 ** 20)
+        launched.clear()
+        plan = ca.plan_attention(batch, nq, nkv, d, kv_bits=(kb, vb))
+        dq = plan.dequant
+        over = len(np.unique(np.concatenate([ta, tb]))) > cap  # pages the chunks read (pages of 512: 2, no windows)
+        assert dq.window == (unit if over else 0) and len(dq.windows) == (-(-650 // unit) if over else 1)
+        assert dq.npages <= cap
+        work = cp.asnumpy(plan.work)
+        assert [w.begin for w in dq.windows] == [0] + [w.end for w in dq.windows[:-1]]
+        assert dq.windows[-1].end == dq.num_work and dq.chunks[work[:dq.num_work, 0]].all()
+        for i, w in enumerate(dq.windows):  # each window's items: its keys only, the pages they read
+            items = work[w.begin:w.end]
+            if over:
+                assert (items[:, 2] // unit == i).all() and ((items[:, 3] - 1) // unit == i).all(), (i, items)
+            tables, src = cp.asnumpy(w.block_tables), cp.asnumpy(w.src)
+            for seq, _, begin, end, _ in items:
+                pages = np.arange(begin // page_size, (end - 1) // page_size + 1)
+                assert (src[tables[seq, pages]] == batch.seqs[seq].block_table[pages]).all()
+        got = run(plan)
+        dq_calls = [f for f, _ in launched if f == "kv_pages_bf16"]
+        assert len(dq_calls) == len(dq.windows)
+    assert_close(got, outs[0], 2e-5, f"windowed scratch ({kv_mode}, page {page_size})")
 
     # the rule: chunks of PREFILL "dequant_tokens" new tokens or more; their scratch at most "dequant_mb"
     monkeypatch.setitem(ca.PREFILL, "dequant_tokens", 16)
@@ -512,10 +543,13 @@ def test_prefill_attention_dequant_pages(monkeypatch, kv_mode, heads):
                                page_size, logits="none")
     assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant.npages == -(-316 // page_size)
     scratch = 4 * -(-316 // page_size) * page_size * nkv * d  # bytes, K and V
-    monkeypatch.setitem(ca.PREFILL, "dequant_mb", (scratch - 1) / 2 ** 20)
-    assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant is None
     monkeypatch.setitem(ca.PREFILL, "dequant_mb", scratch / 2 ** 20)
-    assert ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant is not None
+    dq = ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant
+    assert dq.window == 0 and len(dq.windows) == 1
+    monkeypatch.setitem(ca.PREFILL, "dequant_mb", (scratch - 1) / 2 ** 20)  # a page short: windows, or none
+    window = (-(-316 // page_size) - 1) * page_size // unit * unit
+    dq = ca.plan_attention(chunk, nq, nkv, d, kv_bits=(kb, vb)).dequant
+    assert dq is None if window == 0 else (dq.window == window and len(dq.windows) == 2), (window, dq)
 
 
 @pytest.mark.parametrize("kv_mode,heads", [("6/4", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)),

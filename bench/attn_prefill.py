@@ -14,7 +14,7 @@ other sequences at the same context, each on its own pages: a mixed step; no tor
 (cupy_attention.PREFILL), "b" for q and P as one bf16 term each (PREFILL "split" 0; else hi + lo terms); over
 microscaled pages a build decodes each tile itself; with "d" the sequences of 16+ new tokens read bf16 scratch
 copies of their pages, decoded once a call (`dequant_pages`; the time includes that decoding), the others as
-before in a second launch; with "a" every sequence reads the scratch; the decode rows of a mixed step run the
+before in a second launch; with "a" every sequence the prefill kernel takes reads the scratch; the decode rows of a mixed step run the
 decode kernel (attn_decode.cu, DECODE "mixed"), with "p" the prefill kernel instead. Each timed call is one layer's attention with its split-K reduce, cycling through the 16
 layers, 5 calls captured in one CUDA graph, replays timed with CUDA events. TFLOP/s = 4 x heads x head_dim x (query, key) pairs under the causal rule /
 time (the useful products; the hi / lo split doubles the MMAs). Each build's output is checked against the general

@@ -40,10 +40,11 @@ DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warp
 # t + 1's softmax beside P(t) V(t) (TC_OVERLAP); 27B layer at 16k: 9.03 ms (mma.sync, 4 warps, 1 stage) -> 6.86
 # (wgmma, 8 warps, 2 stages) -> 6.42 (the overlap; docs/perf.md);
 # "dequant_tokens": over microscaled pages, the sequences of a plan with at least this many new tokens read their
-# pages through bf16 scratch pages decoded once a layer (cupy_attention.dequant_pages; the others, decode rows
-# among them, in a second launch over the pages themselves; 0: none, env DECAPYBARA_PREFILL_DEQUANT=0), their K
-# and V scratch at most "dequant_mb" MiB (262,144 tokens of the 27B shape; past it the keys are taken in windows
-# that keep each window's scratch under it, `plan_work`'s `windows`): 16 new tokens after 16k
+# pages through bf16 scratch pages decoded once a layer (cupy_attention.dequant_pages; the others, short runs and
+# decode rows the decode kernel does not take, in a second launch over the pages themselves; 0: none, env
+# DECAPYBARA_PREFILL_DEQUANT=0), their K and V scratch at most "dequant_mb" MiB (262,144 tokens of the 27B shape;
+# past it the keys are taken in windows that keep each window's scratch under it, `plan_work`'s `windows`; the
+# split-K partial sums, one part a window at least, are not counted): 16 new tokens after 16k
 # (one CTA a page, 27B, 6/4 pages) already gained 0.211 -> 0.183 ms a layer, 2,048 tokens 15.0 -> 6.46 ms;
 # "diag" the kernel's TC_DIAG (measurement only: wrong results when set; bench/profile_step.py)
 PREFILL = {"enabled": os.environ.get("DECAPYBARA_PREFILL_ATTN", "1") != "0", "block_n": 64, "block_n_wide": 32,

@@ -52,6 +52,7 @@ from decapybara.backend.cupy_ops import (
     empty_like,
     f32,
     sm_count,
+    smem_per_block_of,
     smem_per_sm,
 )
 from decapybara.model.batch import ForwardBatch
@@ -124,8 +125,8 @@ class AttentionPlan:
     num_parts: int
     rows_per_warp: int
     slots: Any  # [T] int64 flat KV slot of every row
-    # (warps, stages) of the decode kernel (decode_launch) when it runs this plan: every sequence has one new
-    # token and g <= DECODE_MAX_GROUP (one tile, row0 0); None: the general kernel
+    # (warps, stages) of the decode kernel (decode_launch) when it runs this plan: every sequence of its work items
+    # has one new token and g <= DECODE_MAX_GROUP (one tile, row0 0); None: the general kernel
     decode: tuple[int, int] | None = None
     # the tensor-core prefill kernel's launch when it runs this plan (`prefill_launch`; rows_per_warp is then
     # 16); None: the decode kernel or the general one
@@ -222,10 +223,10 @@ def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillL
     """The scratch of a prefill plan over microscaled pages (`direct`: its launch over the pages themselves;
     `own`: the sequences the plan's prefill launches take, default all) for those with at least PREFILL
     "dequant_tokens" new tokens (0: none; None where there are none): one window where their pages' K and V
-    scratch take at most "dequant_mb" MiB, else windows of the most keys a sequence (whole pages and 32-key
-    tiles) that keep each window's under it (None where not even one such tile a sequence fits). Pages shared
-    by sequences (prefix reuse) are decoded once a window. Its windows' pages come from the plan's work items
-    (`scratch_windows`)."""
+    scratch take at most "dequant_mb" MiB, else the fewest windows that keep each window's under it, of equal
+    keys a sequence (whole pages and 32-key tiles; None where not even one such unit a sequence fits). Pages
+    shared by sequences (prefix reuse) are decoded once a window. Its windows' pages come from the plan's work
+    items (`scratch_windows`)."""
     least = int(PREFILL["dequant_tokens"])
     chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool)
     chunks &= own if own is not None else True
@@ -238,8 +239,11 @@ def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillL
     if len(used) <= cap:
         return DequantPages(chunks, direct) if len(used) else None
     unit = math.lcm(ps, BLOCK_N)  # a window: whole pages and whole key tiles
-    window = cap // int(chunks.sum()) * ps // unit * unit
-    return DequantPages(chunks, direct, window) if window else None
+    most = cap // int(chunks.sum()) * ps // unit * unit  # keys a sequence a window may have
+    if not most:
+        return None
+    keys = max(s.context + s.length for s, c in zip(batch.seqs, chunks) if c)
+    return DequantPages(chunks, direct, cdiv(cdiv(keys, cdiv(keys, most)), unit) * unit)
 
 
 def scratch_windows(dq: DequantPages, work: np.ndarray, batch: ForwardBatch, max_pages: int) -> None:
@@ -477,12 +481,11 @@ def _smem_optin() -> int:
 def _smem_optin_of(device: int) -> int:
     """Opt-in shared memory per block of `device`; 0 before compute capability 8.0 (the kernel's floor)."""
     try:
-        dev = cp.cuda.Device(device)
-        if int(dev.compute_capability) < 80:
+        if int(cp.cuda.Device(device).compute_capability) < 80:
             return 0
-        return int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
-    except (RuntimeError, KeyError, AttributeError, ValueError):
-        return 48 * 1024
+    except (RuntimeError, AttributeError, ValueError):
+        pass
+    return smem_per_block_of(device)
 
 
 def _attention_fwd(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,

@@ -43,7 +43,8 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # chunked form on tensor cores (kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that
 # divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 2: the next
-# chunk's copies in flight from the start of the chunk before, 192 KB at dk 128, 1 where that does not fit; the
+# chunk's copies in flight from the start of the chunk before, 192 KB at dk 128, 1 where the device's shared
+# memory a block does not hold that (`scan_wq_bufs`); the
 # same bits; 27B layer at 2,048 rows 0.858 -> 0.705 ms, docs/perf.md twenty-seventh session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off.
@@ -297,15 +298,20 @@ def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPla
          shared_mem=smem)
     mtiles = dv // 16
     warps = CHUNKED["warps"] or next(w for w in (4, 2, 1) if mtiles % w == 0)
-    bufs = int(CHUNKED["wq_bufs"])
-    if bufs > 1 and chunk_scan_smem_bytes(dk, warps, bufs) > cupy_ops.smem_per_block():
-        bufs = 1  # two chunks of W | q do not fit beside the rest (dk over 128)
+    bufs = scan_wq_bufs(dk, warps)
     scan = get_kernel("deltanet_chunk", "gdn_chunk_scan", defines + (("SCAN_WARPS", warps), ("SCAN_WQ_BUFS", bufs)))
     smem = chunk_scan_smem_bytes(dk, warps, bufs)
     cupy_ops.allow_dynamic_smem(scan, smem)
     scan((work.num_long, hv, -(-mtiles // warps)), (32 * warps,),
          (wf, qf, kf, pf, uf, gl, work.chunks, work.long_runs, work.run_chunks, rec, out, snap_rec, I32(hv)),
          shared_mem=smem)
+
+
+def scan_wq_bufs(dk: int, warps: int) -> int:
+    """W | q fragment buffers of a gdn_chunk_scan launch: CHUNKED "wq_bufs", or 1 where the shared memory of two
+    does not fit a block of this device (on an H200: dk over 128)."""
+    bufs = int(CHUNKED["wq_bufs"])
+    return bufs if bufs == 1 or chunk_scan_smem_bytes(dk, warps, bufs) <= cupy_ops.smem_per_block() else 1
 
 
 def _to_slab(snap: dict, cfg: ModelConfig, layer: int, conv: Any, rec: Any) -> tuple[np.ndarray, np.ndarray]:

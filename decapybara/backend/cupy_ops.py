@@ -85,11 +85,12 @@ def _smem_per_sm_of(device: int) -> int:
 
 def smem_per_block() -> int:
     """Opt-in shared memory a block of the current device may have (48 KB where the device does not say)."""
-    return _smem_per_block_of(cp.cuda.Device().id)
+    return smem_per_block_of(cp.cuda.Device().id)
 
 
 @functools.cache
-def _smem_per_block_of(device: int) -> int:
+def smem_per_block_of(device: int) -> int:
+    """`smem_per_block` of device number `device`."""
     try:
         return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
     except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):

@@ -71,21 +71,23 @@ def test_decode_splits_parts_of_the_rule(monkeypatch):
             assert ap.decode_splits(per_split, keys, SMS, cap=3) <= 3
 
 
-@pytest.mark.parametrize("decode_per_sm,windowed", [(0, False), (1, False), (3, False), (0, True)])
+@pytest.mark.parametrize("decode_per_sm,windowed,splits", [(0, False, None), (1, False, None), (3, False, None),
+                                                            (0, True, None), (0, True, 3), (0, False, 3)])
 @pytest.mark.parametrize("lengths,contexts", [([1] * 12, [1023] * 12), ([1, 1, 1], [5, 40000, 700]),
                                               ([9, 1], [0, 300]), ([300, 40], [9000, 2000])])
-def test_plan_work_covers_every_key_once(decode_per_sm, windowed, lengths, contexts):
+def test_plan_work_covers_every_key_once(decode_per_sm, windowed, splits, lengths, contexts):
     """Every tile's keys [0, context + its last token] come in order, once, in whole 32-key tiles but the last
     split; split tiles have one reduce entry over consecutive parts, numbered in order; with windows, no item
     reads keys of two windows of its sequence."""
     g, nkv, block_m = 6, 4, 8
     windows = [(0, 32, 224, 4096)[s % 4] for s in range(len(lengths))] if windowed else None
-    work, reduce, parts = ap.plan_work(lengths, contexts, g, nkv, block_m, waves=ap.DECODE_WAVES,
+    work, reduce, parts = ap.plan_work(lengths, contexts, g, nkv, block_m, splits, waves=ap.DECODE_WAVES,
                                        decode_per_sm=decode_per_sm, sms=SMS, windows=windows)
     if windowed:
         for seq, _, begin, end, _ in work.tolist():
             assert not windows[seq] or begin // windows[seq] == (end - 1) // windows[seq], (seq, begin, end)
-        assert len(work) > len(ap.plan_work(lengths, contexts, g, nkv, block_m, waves=ap.DECODE_WAVES, sms=SMS)[0])
+        plain = ap.plan_work(lengths, contexts, g, nkv, block_m, splits, waves=ap.DECODE_WAVES, sms=SMS)[0]
+        assert len(work) > len(plain)
     assert work.dtype == np.int32 and reduce.dtype == np.int32
     tiles = {}
     for seq, row0, begin, end, part in work.tolist():

@@ -103,7 +103,11 @@ class DequantPages:
     direct: PrefillLaunch  # the launch over the pages themselves (the other items; all if no scratch is had)
     window: int = 0
     windows: list[ScratchWindow] = field(default_factory=list)
-    num_work: int = 0
+
+    @property
+    def num_work(self) -> int:
+        """The plan's work items that run over the scratch: its first, its windows' together."""
+        return self.windows[-1].end if self.windows else 0
 
     @property
     def npages(self) -> int:
@@ -157,10 +161,10 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
     kernel."""
     g = nq // nkv
     seqs = batch.seqs
-    pure = bool(seqs) and all(s.length == 1 for s in seqs)
+    ones = np.asarray([s.length == 1 for s in seqs], bool)
+    pure = bool(seqs) and bool(ones.all())
     decode = decode_launch(g, head_dim, kv_bits) if pure else None
     prefill = prefill_launch(head_dim, kv_bits) if seqs and not pure else None  # decode rows alone: as graphs do
-    ones = np.asarray([s.length == 1 for s in seqs], bool)
     shape = decode_launch(g, head_dim, kv_bits) if prefill is not None and DECODE["mixed"] and ones.any() else None
     own = ~ones if shape is not None else np.ones(len(seqs), bool)  # the sequences of this plan's own work
     max_pages = max((len(s.block_table) for s in seqs), default=1) or 1
@@ -195,8 +199,7 @@ def plan_attention(batch: ForwardBatch, nq: int, nkv: int, head_dim: int, splits
         if dequant.window:
             chunk_items = chunk_items[np.argsort(chunk_items[:, 2] // dequant.window, kind="stable")]
         work = np.concatenate([chunk_items, work[~over]])
-        dequant.num_work = int(over.sum())
-        scratch_windows(dequant, work, batch, max_pages)
+        scratch_windows(dequant, chunk_items, batch, max_pages)
     return AttentionPlan(seq_info, block_tables, max_pages, cp.asarray(work), cp.asarray(reduce), len(work),
                          len(reduce), parts, rpw, slots, decode, prefill, dequant, rows)
 
@@ -219,17 +222,16 @@ def _plan_work(batch: ForwardBatch, which: np.ndarray, g: int, nkv: int, block_m
 
 
 def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillLaunch,
-                  own: np.ndarray | None = None) -> DequantPages | None:
+                  own: np.ndarray) -> DequantPages | None:
     """The scratch of a prefill plan over microscaled pages (`direct`: its launch over the pages themselves;
-    `own`: the sequences the plan's prefill launches take, default all) for those with at least PREFILL
+    `own`: [nseq] bool, the sequences the plan's prefill launches take) for those with at least PREFILL
     "dequant_tokens" new tokens (0: none; None where there are none): one window where their pages' K and V
     scratch take at most "dequant_mb" MiB, else the fewest windows that keep each window's under it, of equal
     keys a sequence (whole pages and 32-key tiles; None where not even one such unit a sequence fits). Pages
     shared by sequences (prefix reuse) are decoded once a window. Its windows' pages come from the plan's work
     items (`scratch_windows`)."""
     least = int(PREFILL["dequant_tokens"])
-    chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool)
-    chunks &= own if own is not None else True
+    chunks = np.asarray([least > 0 and s.length >= least for s in batch.seqs], bool) & own
     if not chunks.any():
         return None
     ps = batch.page_size
@@ -246,19 +248,18 @@ def dequant_pages(batch: ForwardBatch, nkv: int, head_dim: int, direct: PrefillL
     return DequantPages(chunks, direct, cdiv(cdiv(keys, cdiv(keys, most)), unit) * unit)
 
 
-def scratch_windows(dq: DequantPages, work: np.ndarray, batch: ForwardBatch, max_pages: int) -> None:
-    """Fills `dq.windows` from the plan's ordered work items (the chunks' first, window by window: `num_work`
-    of them): each window's item range, the unique pages its items read and its block tables over them."""
+def scratch_windows(dq: DequantPages, items: np.ndarray, batch: ForwardBatch, max_pages: int) -> None:
+    """Fills `dq.windows` from the chunks' work items, the plan's first, window by window: each window's item
+    range, the unique pages its items read and its block tables over them."""
     ps, nseq = batch.page_size, len(batch.seqs)
-    items = work[:dq.num_work]
     which = items[:, 2] // dq.window if dq.window else np.zeros(len(items), np.int64)
     bounds = np.flatnonzero(np.diff(which)) + 1
     for begin, end in zip([0, *bounds], [*bounds, len(items)]):
         part = items[begin:end]
         seqs = np.unique(part[:, 0])
-        first = [int(part[part[:, 0] == s, 2].min()) // ps for s in seqs]
-        last = [(int(part[part[:, 0] == s, 3].max()) - 1) // ps for s in seqs]
-        used = [batch.seqs[s].block_table[a:b + 1] for s, a, b in zip(seqs, first, last)]
+        first = [int(part[part[:, 0] == s, 2].min()) // ps for s in seqs]  # each sequence's pages [first, last]
+        used = [batch.seqs[s].block_table[a:(int(part[part[:, 0] == s, 3].max()) - 1) // ps + 1]
+                for s, a in zip(seqs, first)]
         src, inverse = np.unique(np.concatenate(used).astype(np.int32), return_inverse=True)
         tables = np.zeros((max(nseq, 1), max_pages), np.int32)
         for s, a, row in zip(seqs, first, np.split(inverse, np.cumsum([len(u) for u in used])[:-1])):

@@ -44,8 +44,8 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that
 # divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 2: the next
 # chunk's copies in flight from the start of the chunk before, 192 KB at dk 128, 1 where the device's shared
-# memory a block does not hold that (`scan_wq_bufs`); the
-# same bits; 27B layer at 2,048 rows 0.858 -> 0.705 ms, docs/perf.md twenty-seventh session);
+# memory a block does not hold that (`scan_wq_bufs`); the same bits; 27B layer at 2,048 rows 0.858 -> 0.705 ms,
+# docs/perf.md twenty-seventh session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off.
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0", "min_len": 512,

@@ -70,31 +70,28 @@ def sm_count() -> int:
         return 132
 
 
+@functools.cache
+def _device_attribute(device: int, name: str, default: int) -> int:
+    """Device `device`'s CUDA attribute `name`, or `default` where the device does not say."""
+    try:
+        return int(cp.cuda.Device(device).attributes[name])
+    except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):
+        return default
+
+
 def smem_per_sm() -> int:
     """Shared memory an SM of the current device holds (0 where the device does not say)."""
-    return _smem_per_sm_of(cp.cuda.Device().id)
+    return _device_attribute(cp.cuda.Device().id, "MaxSharedMemoryPerMultiprocessor", 0)
 
 
-@functools.cache
-def _smem_per_sm_of(device: int) -> int:
-    try:
-        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"])
-    except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):
-        return 0
+def smem_per_block_of(device: int) -> int:
+    """Opt-in shared memory a block of device `device` may have (48 KB where the device does not say)."""
+    return _device_attribute(device, "MaxSharedMemoryPerBlockOptin", 48 * 1024)
 
 
 def smem_per_block() -> int:
-    """Opt-in shared memory a block of the current device may have (48 KB where the device does not say)."""
+    """`smem_per_block_of` the current device."""
     return smem_per_block_of(cp.cuda.Device().id)
-
-
-@functools.cache
-def smem_per_block_of(device: int) -> int:
-    """`smem_per_block` of device number `device`."""
-    try:
-        return int(cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
-    except (RuntimeError, KeyError, AttributeError, ValueError, TypeError):
-        return 48 * 1024
 
 
 _SMEM_CHECKED: set[tuple[int, int, int]] = set()  # (device, kernel, bytes) whose limit is settled

@@ -13,7 +13,8 @@
                                              # configured (wgmma, 8 warps, 3 stages, the overlap); "direct":
                                              # microscaled pages decoded by the kernel (no bf16 scratch);
                                              # "rows": a mixed step's decode rows through the prefill
-                                             # kernel (DECODE "mixed" 0), not the decode kernel
+                                             # kernel (DECODE "mixed" 0), not the decode kernel;
+                                             # "min256": the chunked DeltaNet from 256 rows (CHUNKED min_len)
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device), then, for 1
 sequence at 1k context and 12 sequences at 32k (PROFILE_SHAPES: batch x context, comma-separated), records
@@ -43,7 +44,7 @@ import gpu as B
 from decapybara.backend.attn_plan import DECODE as DECODE_SETTINGS
 from decapybara.backend.attn_plan import PREFILL as PREFILL_SETTINGS
 from decapybara.backend.cuda_graph import DecodeGraphRunner
-from decapybara.backend.cupy_deltanet import RECURRENT
+from decapybara.backend.cupy_deltanet import CHUNKED, RECURRENT
 
 STEPS = 5
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROFILE_SHAPES", "1x1024,12x32768").split(",")]
@@ -54,8 +55,12 @@ PREFILL_ATTN = os.environ.get("PROFILE_PREFILL_ATTN", "default").split(",")
 
 
 def prefill_attn(variant: str) -> None:
-    """Sets attn_plan.PREFILL (and DECODE "mixed", cupy_deltanet.RECURRENT) for a PROFILE_PREFILL_ATTN entry:
-    "default", "off", "direct", "rows", "mma", "wg" or "keys:split[:tokens]"."""
+    """Sets attn_plan.PREFILL (and DECODE "mixed", cupy_deltanet.RECURRENT / CHUNKED) for a PROFILE_PREFILL_ATTN
+    entry: "default", "off", "direct", "rows", "mma", "wg", "min<rows>" (the chunked DeltaNet's min_len) or
+    "keys:split[:tokens]"."""
+    if variant.startswith("min"):
+        CHUNKED.update(min_len=int(variant[3:]))
+        return
     if variant == "off":  # else as configured (DECAPYBARA_PREFILL_ATTN)
         PREFILL_SETTINGS.update(enabled=False)
     if variant == "direct":
@@ -123,6 +128,7 @@ def main() -> None:
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
         defaults, rec_defaults, mixed = dict(PREFILL_SETTINGS), dict(RECURRENT), DECODE_SETTINGS["mixed"]
+        chunked_defaults = dict(CHUNKED)
         for tokens, start, rows in PREFILL:  # one sequence's chunk over its first pages (slot 0), decode rows after
             for attn in PREFILL_ATTN:
                 prefill_attn(attn)
@@ -138,6 +144,7 @@ def main() -> None:
                 PREFILL_SETTINGS.update(defaults)
                 DECODE_SETTINGS.update(mixed=mixed)
                 RECURRENT.update(rec_defaults)
+                CHUNKED.update(chunked_defaults)
         print("graph stats:", runner.stats)
         model = runner = None
         cp.get_default_memory_pool().free_all_blocks()

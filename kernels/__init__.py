@@ -212,9 +212,21 @@ def load_module(name: str, defines: Defines = ()) -> Any:
     return _load(name, tuple((str(k), v) for k, v in defines), device_arch(), compiler())
 
 
+_KERNELS: dict[tuple[Any, ...], Any] = {}  # (name, func, defines as given, device) -> kernel
+
+
 def get_kernel(name: str, func: str, defines: Defines = ()) -> Any:
-    """One ``extern "C"`` kernel of ``kernels/<name>.cu`` (a ``cupy.RawKernel``), cached like its module."""
-    return _get_kernel(name, func, tuple((str(k), v) for k, v in defines), device_arch(), compiler())
+    """One ``extern "C"`` kernel of ``kernels/<name>.cu`` (a ``cupy.RawKernel``), cached like its module. Every
+    eager launch asks, so a kernel seen before on this device comes from one dict lookup, without reading the
+    environment again: the compiler in force at its first use on a device (`compiler()`) is the one it keeps."""
+    import cupy
+
+    key = (name, func, defines if type(defines) is tuple else tuple(defines), cupy.cuda.runtime.getDevice())
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _get_kernel(name, func, tuple((str(k), v) for k, v in defines), device_arch(),
+                                             compiler())
+    return kernel
 
 
 @functools.cache

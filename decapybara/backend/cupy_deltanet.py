@@ -47,8 +47,9 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # memory a block does not hold that (`scan_wq_bufs`); the same bits; 27B layer at 2,048 rows 0.858 -> 0.705 ms,
 # docs/perf.md twenty-seventh session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
-# DECAPYBARA_DELTANET_CHUNKED=0 turns it off.
-CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0", "min_len": 512,
+# DECAPYBARA_DELTANET_CHUNKED=0 turns it off; DECAPYBARA_DELTANET_CHUNKED_MIN sets "min_len".
+CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0",
+                           "min_len": int(os.environ.get("DECAPYBARA_DELTANET_CHUNKED_MIN", "512")),
                            "warps": None, "wq_bufs": 2, "defines": {}}
 
 

@@ -48,7 +48,13 @@ def empty_like(x: Any) -> Any:
 
 
 def null() -> Any:
-    """A NULL pointer kernel argument (a zero-size array has device pointer 0)."""
+    """A NULL pointer kernel argument (a zero-size array has device pointer 0), one a device: an eager step asks
+    for thousands."""
+    return _null(cp.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _null(device: int) -> Any:  # asked with `device` current
     return cp.empty(0, cp.float32)
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Self
 
 import cupy as cp
 import numpy as np
@@ -59,9 +59,12 @@ E2M1_FMTS = ("mxfp4", "nvfp4")  # formats of E2M1 codes: plain nibbles or the sp
 U64 = np.uint64
 
 
+_KINDS = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}
+
+
 def kind(dtype: Any) -> int:
     """Activation dtype code of the kernels: 0 float32, 1 bf16 bits (uint16), 2 float16."""
-    k = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}.get(np.dtype(dtype))
+    k = _KINDS.get(dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
     if k is None:
         raise TypeError(f"activations must be float32, bf16 bits (uint16) or float16, got {dtype}")
     return k
@@ -93,6 +96,8 @@ class PackedWeight:
     persistent: bool = False
     e2m1_split: bool = False
     tiled: bool = False
+    # `_launch_of`'s recipes, by rows, tuning and device (not copied by `dataclasses.replace`)
+    launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def K(self) -> int:
@@ -171,6 +176,16 @@ def pack_weight(value: Any, e2m1_split: bool | None = None, tiled: bool | None =
 
 
 def _check_packed(w: PackedWeight) -> None:
+    """Asserts that `w`'s codes and scales are what its format and shape call for (once per pair of arrays: a
+    weight remembers the pair it passed with, in `launches`)."""
+    key = ("checked", id(w.codes), id(w.scales))
+    if key in w.launches:
+        return
+    _check_packed_now(w)
+    w.launches[key] = (w.codes, w.scales)  # held, so that their ids stay theirs
+
+
+def _check_packed_now(w: PackedWeight) -> None:
     assert w.fmt in FMT_IDS, f"unknown format {w.fmt!r}"
     assert not w.e2m1_split or w.fmt in E2M1_FMTS, f"{w.fmt} has no E2M1 codes to split"
     assert not w.tiled or (w.fmt in E2M1_FMTS and band_tiles_ok(w.codes.shape)
@@ -188,8 +203,14 @@ def _check_packed(w: PackedWeight) -> None:
 
 
 def gemm_ready(w: PackedWeight) -> bool:
-    lane_ok = w.fmt != "mxfp6" or w.Kp % 64 == 0
-    return lane_ok and (w.fmt != "nvfp4" or w.Kp % 32 == 0) and (w.fmt != "bf16" or w.K % 8 == 0) and w.kernel_ok()
+    """Whether the skinny kernels stream `w` (the module docstring's layout rules; remembered per codes array)."""
+    key = ("ready", id(w.codes))
+    got = w.launches.get(key)
+    if got is None:
+        lane_ok = w.fmt != "mxfp6" or w.Kp % 64 == 0
+        got = w.launches[key] = (w.codes, lane_ok and (w.fmt != "nvfp4" or w.Kp % 32 == 0)
+                                 and (w.fmt != "bf16" or w.K % 8 == 0) and w.kernel_ok())  # codes held: its id
+    return got[1]
 
 
 @functools.cache
@@ -277,7 +298,52 @@ def _stream_counters(device: int, stream: int) -> Any:
 # than the plain product's, so other K split points: the same products within float32 rounding.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
-TUNE: dict[str, Any] = {
+class TuneDict(dict):
+    """TUNE's type: a dict that counts its changes (`version`: item sets and deletes, update, clear, pop...), so
+    that what is derived from it and cached (`tune_for`'s resolved tunings, `_launch_of`'s recipes) sees every
+    change. Its by-format entries are replaced, never edited in place. A plain dict put in TUNE's place (tests'
+    monkeypatch.setattr) works too, uncached."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.version = 0
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def __ior__(self, other: Any) -> Self:
+        self.update(other)
+        return self
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        super().update(*args, **kw)
+        self.version += 1
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
+
+
+TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
     "wide_warps": {"*": 8, "mxfp4": 10, "nvfp4": 10, "mxfp8": 12},
@@ -287,14 +353,36 @@ TUNE: dict[str, Any] = {
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0,
-}  # the H200 sweeps' best (docs/perf.md)
+})  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
 
 
+def tune_state() -> tuple[Any, ...] | None:
+    """What TUNE's derived values depend on, as a cache key (TUNE's identity and version, TUNE_DEFINES), or None
+    where TUNE is not a `TuneDict` (then nothing derived from it is cached)."""
+    t = TUNE
+    return (id(t), t.version, TUNE_DEFINES) if type(t) is TuneDict else None
+
+
+_TUNED: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
 def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
-    """`tune` (default TUNE) with every by-format value resolved for weight format `fmt`."""
-    return _tune_for(fmt, TUNE if tune is None else tune)
+    """`tune` (default TUNE) with every by-format value resolved for weight format `fmt`. TUNE's is cached by its
+    `tune_state` (one dict shared by the callers: read it, do not edit it)."""
+    if tune is not None:
+        return _tune_for(fmt, tune)
+    state = tune_state()
+    if state is None:
+        return _tune_for(fmt, TUNE)
+    key = (fmt, *state)
+    out = _TUNED.get(key)
+    if out is None:
+        if len(_TUNED) > 256:
+            _TUNED.clear()
+        out = _TUNED[key] = _tune_for(fmt, TUNE)
+    return out
 
 
 def small_tune(tune: dict) -> dict:
@@ -428,7 +516,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` / `_2s` kernels, up
     to SWIGLU_ROWS rows)."""
     m = x.shape[0] if groups is None else int(max_rows)
-    n, kp = w.N, w.Kp
+    n = w.N
     fused = res is not None or norm is not None or swiglu
     most = FUSED_ROWS if res is not None or norm is not None else SWIGLU_ROWS
     assert not fused or (groups is None and gather is None and m <= most), f"fused norms / swiglu: dense, M <= {most}"
@@ -436,30 +524,16 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
-    tune = launch_tune(w, m, dense=groups is None, swiglu=swiglu)
-    nt = n_tiles(m)
-    warps = block_warps(tune, nt)
-    mtiles = -(-m // (8 * nt))
-    nrb = -(-n // (16 * warps))
     ngroups = 1 if groups is None else groups[0].shape[0]
-    plan = gemm_plan(w, m, x.shape[0], None if groups is None else ngroups, tune)
+    r = _launch_of(w, m, x.shape[0], None if groups is None else ngroups, swiglu)
+    plan, nrb = r.plan, r.nrb
     partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(dev_ptr(x) % 16 == 0 and x.shape[1] % 8 == 0)  # 8-element groups of x in 16- / 32-byte loads
-    stride = (lambda a: a.strides[0] if a.ndim == 3 else 0)
     g_off, g_cnt = groups if groups is not None else (null(), null())
-    # the kernel addresses one group's rows by 32-bit byte offsets
-    if w.codes.nbytes // ngroups >= 1 << 32:
-        raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
-    assert not w.tiled or kernel_knows(tune["source"], "MX_TILED"), f"kernels/{tune['source']}.cu reads no band tiles"
-    func = get_kernel(tune["source"], f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else nt}"
-                      f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
-    launch = pdl.launch if w.persistent and kernel_knows(tune["source"], "pdl_wait") else pdl.plain
-    smem = staging_bytes(tune, nt)
-    allow_dynamic_smem(func, smem)
     sq = None
     fuse_args: tuple[Any, ...] = ()
-    xg_args = kernel_knows(tune["source"], "xg_kind")  # older kernel files store float32 xg
-    if kernel_knows(tune["source"], "nsq_tiles"):  # older kernel files (bench/gemv_sweep.py) take no fused norms
+    xg_args = r.xg_args
+    if r.fuses:  # older kernel files (bench/gemv_sweep.py) take no fused norms
         residual, xg, gw, gw_off = res if res is not None else (null(), null(), null(), 0.0)
         if res is not None:
             for a, name, dt in ((residual, "residual", np.float32), (xg, "xg", xg.dtype)):
@@ -478,16 +552,77 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         if xg_args:
             fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
-        assert not fused, f"kernels/{tune['source']}.cu fuses no norms"
-    launch(func, plan.grid, (32 * warps,),
-         (w.codes, w.scales if w.scales is not None else null(), F32(w.tensor_scale),
-          bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
-          gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
-          _counters(), I32(x.shape[0]), I32(n), I32(w.K), I32(kp),
-          I64(w.codes.shape[-1] * w.codes.itemsize), I64(w.scales.shape[-1] if w.scales is not None else 0),
-          I64(stride(w.codes)), I64(stride(w.scales) if w.scales is not None else 0), g_off, g_cnt,
-          I32(mtiles), I32(plan.cps), I32(x_vec), I32(int(plan.stream)), *fuse_args), shared_mem=smem)
+        assert not fused, f"kernels/{TUNE['source']}.cu fuses no norms"
+    w_args, tail = r.args
+    r.launch(r.func, plan.grid, r.block,
+             (*w_args, bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
+              gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
+              _counters(), I32(x.shape[0]), *tail[0], g_off, g_cnt, *tail[1], I32(x_vec), *tail[2], *fuse_args),
+             shared_mem=r.smem)
     return sq
+
+
+@dataclass(slots=True, frozen=True)
+class _Launch:
+    """What a product's launch derives from its weight, its row counts and the tuning alone (`_launch_of`)."""
+
+    plan: GemmPlan
+    func: Any        # the kernel
+    launch: Any      # pdl.launch or pdl.plain
+    warps: int       # a block's
+    mtiles: int      # row tiles of 8 * n-tiles rows
+    nrb: int         # blocks of 16 * warps output columns (the fused norms' sums of squares a row)
+    smem: int        # dynamic shared memory (staging_bytes)
+    fuses: bool      # the kernel file takes the fused norms' arguments (nsq_tiles)
+    xg_args: bool    # and the xg kind (xg_kind)
+    block: tuple[int]
+    args: tuple[Any, ...]  # the launch's arguments that depend on the weight and the plan alone (`_gemm`)
+
+
+def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu: bool) -> _Launch:
+    """The launch recipe of a product of `m` rows (`x_rows` rows of x; `groups` expert groups, None dense, of a
+    SwiGLU launch where `swiglu`) over `w`: its tuning (`launch_tune`), plan (`gemm_plan`), kernel and launch
+    function. Every eager product asks; a weight keeps its recipes (`PackedWeight.launches`) by those and
+    `tune_state()` (none while TUNE is not a TuneDict) and the device."""
+    state = tune_state()
+    key = (m, x_rows, groups, swiglu, w.persistent, id(w.codes), id(w.scales), w.tensor_scale,
+           cp.cuda.runtime.getDevice(), state)  # the recipe holds the arrays: their ids stay theirs
+    if state is not None:
+        got = w.launches.get(key)
+        if got is not None:
+            return got
+    tune = launch_tune(w, m, dense=groups is None, swiglu=swiglu)
+    nt = n_tiles(m)
+    warps = block_warps(tune, nt)
+    # the kernel addresses one group's rows by 32-bit byte offsets
+    if w.codes.nbytes // (groups or 1) >= 1 << 32:
+        raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
+    src = tune["source"]
+    assert not w.tiled or kernel_knows(src, "MX_TILED"), f"kernels/{src}.cu reads no band tiles"
+    func = get_kernel(src, f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else nt}"
+                      f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
+    smem = staging_bytes(tune, nt)
+    allow_dynamic_smem(func, smem)
+    plan, mtiles = gemm_plan(w, m, x_rows, groups, tune), -(-m // (8 * nt))
+    sc = w.scales
+
+    def stride(a: Any) -> int:
+        return a.strides[0] if a.ndim == 3 else 0
+
+    args = ((w.codes, sc if sc is not None else null(), F32(w.tensor_scale)),
+            ((I32(w.N), I32(w.K), I32(w.Kp), I64(w.codes.shape[-1] * w.codes.itemsize),
+              I64(sc.shape[-1] if sc is not None else 0), I64(stride(w.codes)), I64(stride(sc) if sc is not None else 0)),
+             (I32(mtiles), I32(plan.cps)), (I32(int(plan.stream)),)))
+    out = _Launch(plan=plan, func=func,
+                  launch=pdl.launch if w.persistent and kernel_knows(src, "pdl_wait") else pdl.plain,
+                  warps=warps, mtiles=mtiles, nrb=-(-w.N // (16 * warps)), smem=smem,
+                  fuses=kernel_knows(src, "nsq_tiles"), xg_args=kernel_knows(src, "xg_kind"),
+                  block=(32 * warps,), args=args)
+    if state is not None:
+        if len(w.launches) > 64:
+            w.launches.clear()
+        w.launches[key] = out
+    return out
 
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM

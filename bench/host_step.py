@@ -1,0 +1,146 @@
+"""Host time of eager forwards (prefill chunks, mixed steps): what the Python side costs beside the GPU's work.
+
+    PYTHONUNBUFFERED=1 python3 bench/host_step.py [variant]           # default: mxfp4
+    HOST_CASES=256@0,16@16384+11 HOST_KV=6/4 HOST_PROFILE=40 python3 bench/host_step.py mxfp4
+
+Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device). For each case
+(tokens@start, +N decode rows at that context, as bench/profile_step.py's PROFILE_PREFILL) it times, after two
+warm-up forwards on the same batch object (its plans cached, as the engine's step reuses them within a step),
+HOST_REPS (9) of each (medians; every sample printed):
+- wall: one forward and a device synchronize, median of HOST_REPS;
+- host: the forward's return without a synchronize, after one (the time Python takes to enqueue the step);
+- gpu: CUDA events around the forward, enqueued behind a spin kernel that holds the stream until the host is
+  done, so the span is the GPU's work alone (unless the forward synchronizes inside).
+Then, with HOST_PROFILE=N, cProfile of HOST_REPS forwards (no synchronize inside): the top N functions by own
+time and by cumulative time. A table of ratios (wall / gpu-alone, host / wall) ends the output; JSON to
+$OUT/host_step.json.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu as B
+
+CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
+REPS = int(os.environ.get("HOST_REPS", "9"))
+TOP = int(os.environ.get("HOST_PROFILE", "30"))
+
+
+def parse(case: str) -> tuple[int, int, int]:
+    """"tokens@start[+rows]" -> (tokens, start, rows)."""
+    tokens, rest = case.split("@")
+    start, _, rows = rest.partition("+")
+    return int(tokens), int(start), int(rows or 0)
+
+
+def batch(tokens: int, start: int, rows: int) -> B.ForwardBatch:
+    """One sequence's chunk over its first pages (slot 0), `rows` decode rows at the same context after it."""
+    seqs = [(np.arange(start, start + tokens) % 1000, start, np.arange(B.SEQ_PAGES, dtype=np.int32), 0)]
+    seqs += [([7], start, np.arange(i * B.SEQ_PAGES, (i + 1) * B.SEQ_PAGES, dtype=np.int32), i)
+             for i in range(1, rows + 1)]
+    return B.ForwardBatch.build(seqs, B.PAGE)
+
+
+def time_case(fwd, reps: int) -> dict[str, float]:
+    """Median wall, host-enqueue and event-timed GPU ms of `fwd()`."""
+    dev = cp.cuda.Device()
+    for _ in range(2):
+        fwd()
+    dev.synchronize()
+    walls, hosts, gpus = [], [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fwd()
+        dev.synchronize()
+        walls.append((time.perf_counter() - t) * 1e3)
+    for _ in range(reps):
+        dev.synchronize()
+        t = time.perf_counter()
+        fwd()
+        hosts.append((time.perf_counter() - t) * 1e3)
+        dev.synchronize()
+    for _ in range(reps):  # GPU span with the host ahead: enqueue into a stream held by a long sleep kernel
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        cp.cuda.Device().synchronize()
+        _spin(20.0 + 2 * max(walls))
+        a.record()
+        fwd()
+        b.record()
+        b.synchronize()
+        gpus.append(cp.cuda.get_elapsed_time(a, b))
+    return {"wall_ms": statistics.median(walls), "host_ms": statistics.median(hosts),
+            "gpu_ms": statistics.median(gpus), "walls": walls, "hosts": hosts, "gpus": gpus}
+
+
+_SPIN = None
+
+
+def _spin(ms: float) -> None:
+    """Keeps the current stream busy for about `ms` so that the host enqueues what follows ahead of the GPU."""
+    global _SPIN
+    if _SPIN is None:
+        _SPIN = cp.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+            long long t0 = clock64(); while (clock64() - t0 < cycles) { } }''', "spin")
+    rate = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
+    _SPIN((1,), (1,), (np.int64(ms * rate),))
+
+
+def profile_case(fwd, reps: int, top: int) -> str:
+    prof = cProfile.Profile()
+    cp.cuda.Device().synchronize()
+    prof.enable()
+    for _ in range(reps):
+        fwd()
+    prof.disable()
+    cp.cuda.Device().synchronize()
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def main() -> None:
+    variant = (sys.argv[1:] or ["mxfp4"])[0]
+    kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE,
+                                            os.environ.get("HOST_KV", "6/4"))
+    states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
+    B.fill_random(kv, states)
+    model = B.build_model(variant)
+    results = {}
+    for case in CASES:
+        tokens, start, rows = parse(case)
+        fb = batch(tokens, start, rows)
+        fwd = lambda fb=fb: model.forward(fb, kv, states)
+        r = time_case(fwd, REPS)
+        results[case] = r
+        print(f"== {variant} {case}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
+              f"gpu {r['gpu_ms']:.2f} ms ({(tokens + rows) / r['wall_ms'] * 1e3:,.0f} tok/s)", flush=True)
+        for name in ("walls", "hosts", "gpus"):
+            print(f"   {name}: " + " ".join(f"{v:.1f}" for v in r[name]))
+        if TOP:
+            print(profile_case(fwd, REPS, TOP), flush=True)
+    print(f"\n{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")
+    for case, r in results.items():
+        print(f"{case:<18}{r['wall_ms']:>9.2f}{r['host_ms']:>9.2f}{r['gpu_ms']:>9.2f}"
+              f"{r['wall_ms'] / r['gpu_ms']:>9.2f}{r['host_ms'] / r['wall_ms']:>10.2f}")
+    dest = os.environ.get("OUT")
+    if dest:
+        Path(dest, "host_step.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -134,3 +134,12 @@ def test_prefill_attention_builds_pass_on_the_emulator():
     and the wgmma building blocks' probes: cases of their GPU tests, through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"], PREFILL_EMU_CASES)
     assert "23 passed" in out, out[-3000:]
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_launch_caches_pass_on_the_emulator():
+    """What eager launches keep between calls (launch recipes on the weights, TUNE's resolved tunings, kernel
+    handles, the NULL argument) is reused while TUNE stays and rebuilt when it changes, the products right
+    throughout: its GPU test file, through the emulator plugin."""
+    out, _ = run_on_emulator(["tests/gpu/test_launch_cache.py"], "launch or tune or kernel or layout")
+    assert "5 passed" in out, out[-3000:]

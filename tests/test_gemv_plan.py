@@ -5,6 +5,8 @@ permutation, and a numpy model of the kernel's decoders shows that it decodes to
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from decapybara.backend.gemv_plan import (
     GemmPlan,
+    TuneDict,
     band_rows,
     band_tiles,
     band_tiles_ok,
@@ -118,6 +121,40 @@ def test_by_format_tuning_resolves_and_merges():
     assert tune == {"stages": {"*": 2, "mxfp4": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3}, "warps": 8}
     with pytest.raises(KeyError):  # a by-format dict needs a "*" entry for the formats it does not name
         tune_for("nvfp4", {"stages": {"mxfp4": 1}})
+
+
+def test_tune_dict_counts_every_change():
+    """TUNE's TuneDict moves its version on every way of changing it (caches of what is derived from it key on
+    the version), not on reads; copies and pickles keep its contents."""
+    t = TuneDict({"warps": 8, "stages": {"*": 2, "mxfp4": 1}})
+    seen = [t.version]
+
+    def changed() -> None:
+        assert t.version != seen[-1], "a change left the version as it was"
+        seen.append(t.version)
+
+    t["warps"] = 4
+    changed()
+    t.update(acc=2)
+    changed()
+    t |= {"acc": 1}
+    changed()
+    t.setdefault("policy", "auto")
+    changed()
+    assert t.pop("policy") == "auto"
+    changed()
+    del t["acc"]
+    changed()
+    t.popitem()
+    changed()
+    t.clear()
+    changed()
+    t["warps"] = 8
+    changed()
+    _ = t["warps"], t.get("stages"), dict(t), list(t.items()), "warps" in t
+    assert t.version == seen[-1], "a read moved the version"
+    for clone in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        assert type(clone) is TuneDict and clone == t
 
 
 # ---- E2M1 split-field layout (kernels/mx_pairs.cuh) ------------------------------------------------------------

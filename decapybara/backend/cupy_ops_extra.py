@@ -17,7 +17,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Self
+from typing import Any
 
 import cupy as cp
 import numpy as np
@@ -41,6 +41,7 @@ from decapybara.backend.cupy_ops import (
 from decapybara.backend.gemv_plan import (
     CHUNK_CODES,
     GemmPlan,
+    TuneDict,
     band_tiles,
     band_tiles_ok,
     e2m1_split_words,
@@ -298,51 +299,6 @@ def _stream_counters(device: int, stream: int) -> Any:
 # than the plain product's, so other K split points: the same products within float32 rounding.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
-class TuneDict(dict):
-    """TUNE's type: a dict that counts its changes (`version`: item sets and deletes, update, clear, pop...), so
-    that what is derived from it and cached (`tune_for`'s resolved tunings, `_launch_of`'s recipes) sees every
-    change. Its by-format entries are replaced, never edited in place. A plain dict put in TUNE's place (tests'
-    monkeypatch.setattr) works too, uncached."""
-
-    __slots__ = ("version",)
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.version = 0
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.version += 1
-
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        self.version += 1
-
-    def __ior__(self, other: Any) -> Self:
-        self.update(other)
-        return self
-
-    def update(self, *args: Any, **kw: Any) -> None:
-        super().update(*args, **kw)
-        self.version += 1
-
-    def clear(self) -> None:
-        super().clear()
-        self.version += 1
-
-    def pop(self, *args: Any) -> Any:
-        self.version += 1
-        return super().pop(*args)
-
-    def popitem(self) -> Any:
-        self.version += 1
-        return super().popitem()
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        self.version += 1
-        return super().setdefault(key, default)
-
-
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -119,6 +119,47 @@ def stream_segments(block: int, blocks: int, tiles: int, nchunks: int) -> list[t
         out.append((tile, c0, c1, block - first, block_of(tile * nchunks + nchunks - 1) - first + 1))
         u += c1 - c0
     return out
+
+
+class TuneDict(dict):
+    """`cupy_ops_extra.TUNE`'s type: a dict that counts its changes (`version`: item sets and deletes, update,
+    clear, pop, popitem, setdefault, |=), so that what is derived from it and cached (`cupy_ops_extra.tune_for`'s
+    resolved tunings, `_launch_of`'s launch recipes) sees every change. Its by-format entries are replaced, never
+    edited in place. A plain dict put in TUNE's place (tests' monkeypatch.setattr) works too, uncached."""
+
+    version = 0  # the instance's own from its first change (also where copy and pickle rebuild it item by item)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def __ior__(self, other: Any) -> Self:
+        self.update(other)
+        return self
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        super().update(*args, **kw)
+        self.version += 1
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
 
 
 def tune_for(fmt: str, tune: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """gemmEx on host memory (column-major semantics, bf16 / f32 operands) for the fake CuPy."""
-import ctypes
+import ctypes, os
 import numpy as np
+NOOP = os.environ.get("CUDA_EMU_NOOP") == "1"  # as fake_cupy's: record the call, compute nothing
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_POINTER_MODE_HOST, CUBLAS_POINTER_MODE_DEVICE = 0, 1
 CUBLAS_COMPUTE_32F = 68
@@ -21,6 +22,8 @@ def _mat(ptr, dtype, rows, cols, ld):
     return m.astype(np.float64)
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType, algo):
     calls.append((transa, transb, m, n, k))
+    if NOOP:
+        return
     al = ctypes.c_float.from_address(alpha).value; be = ctypes.c_float.from_address(beta).value
     a = _mat(A, Atype, k if transa else m, m if transa else k, lda)
     a = a.T if transa else a

@@ -1,5 +1,5 @@
 """A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
-import contextlib, ctypes, hashlib, itertools, os, re, subprocess, sys, types
+import contextlib, ctypes, hashlib, itertools, json, os, re, subprocess, sys, types
 import numpy as np
 from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
 
@@ -11,6 +11,9 @@ _TYPES = {"ptr": 0, "i32": 1, "i64": 2, "f32": 3, "f64": 4}
 # (for kernels that take row strides, e.g. column views of fused products); else it is refused, so that a
 # wrapper that forgets a copy shows up.
 STRIDED = os.environ.get("CUDA_EMU_STRIDED") == "1"
+# CUDA_EMU_NOOP=1: kernels are not built or run; a launch checks its arguments against the kernel's signature and
+# returns (bench/host_emu.py: the host side of a forward, timed without a GPU).
+NOOP = os.environ.get("CUDA_EMU_NOOP") == "1"
 
 
 def _classify(param: str) -> str:
@@ -42,7 +45,7 @@ def _emu_object() -> str:
 
 class FakeKernel:
     def __init__(self, lib, name, sig):
-        self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value if lib is not None else None
         self.name, self.sig = name, sig
         self.max_dynamic_shared_size_bytes = 48 * 1024
         self.lib = lib
@@ -57,16 +60,21 @@ class FakeKernel:
         if block[0] * block[1] * block[2] > 1024:
             raise RuntimeError(f"{self.name}: block too large {block}")
         keep, vals, types_ = [], [], []
+        noop = self.lib is None  # NOOP: the checks alone
         for i, (a, kind) in enumerate(zip(args, self.sig)):
             if isinstance(a, np.ndarray):
                 if kind != "ptr":
                     raise TypeError(f"{self.name} arg {i}: array for {kind}")
                 if not a.flags.c_contiguous and not STRIDED:
                     raise TypeError(f"{self.name} arg {i}: non-contiguous array")
+                if noop:
+                    continue
                 v = ctypes.c_void_p(a.ctypes.data if a.size else 0)
             elif a is None:
                 if kind != "ptr":
                     raise TypeError(f"{self.name} arg {i}: None for {kind}")
+                if noop:
+                    continue
                 v = ctypes.c_void_p(0)
             elif isinstance(a, (bool, int, float)) and not isinstance(a, np.generic):
                 raise TypeError(f"{self.name} arg {i}: python scalar {a!r} (pass numpy typed scalars)")
@@ -74,10 +82,14 @@ class FakeKernel:
                 want = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}.get(kind)
                 if want is None or type(a) is not want:
                     raise TypeError(f"{self.name} arg {i}: {type(a).__name__} for {kind}")
+                if noop:
+                    continue
                 v = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float, "f64": ctypes.c_double}[kind](a)
             keep.append(v)
             vals.append(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p))
             types_.append(_TYPES[kind])
+        if noop:
+            return
         n = len(args)
         va = (ctypes.c_void_p * max(n, 1))(*[x.value for x in vals])
         ta = (ctypes.c_int * max(n, 1))(*types_)
@@ -102,14 +114,25 @@ class RawModule:
         src = os.path.join(BUILD, f"k_{key}.cu")
         with open(src, "w") as f:
             f.write(code)
-        pre = subprocess.run(["g++", "-std=c++20", "-E", "-x", "c++", "-include", os.path.join(EMU, "emu.h"), *incs, *defs,
-                              src], capture_output=True, text=True)
-        if pre.returncode:
-            raise RuntimeError(pre.stderr)
-        self.sigs = {}
-        for m in re.finditer(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)', pre.stdout):
-            params = [p for p in m.group(2).split(",") if p.strip()]
-            self.sigs[m.group(1)] = [_classify(p) for p in params]
+        sig_file = os.path.join(BUILD, f"k_{key}.sigs.json")  # the kernels' parameter kinds, once per build
+        if os.path.exists(sig_file):
+            with open(sig_file) as f:
+                self.sigs = json.load(f)
+        else:
+            pre = subprocess.run(["g++", "-std=c++20", "-E", "-x", "c++", "-include", os.path.join(EMU, "emu.h"), *incs,
+                                  *defs, src], capture_output=True, text=True)
+            if pre.returncode:
+                raise RuntimeError(pre.stderr)
+            self.sigs = {}
+            for m in re.finditer(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)', pre.stdout):
+                params = [p for p in m.group(2).split(",") if p.strip()]
+                self.sigs[m.group(1)] = [_classify(p) for p in params]
+            with open(sig_file + ".tmp", "w") as f:
+                json.dump(self.sigs, f)
+            os.replace(sig_file + ".tmp", sig_file)
+        if NOOP:
+            self.lib = None
+            return
         if not os.path.exists(so):
             cmd = ["g++", "-O1", "-g", "-std=c++20", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-include",
                    os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", _emu_object(),

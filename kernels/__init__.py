@@ -221,11 +221,11 @@ def get_kernel(name: str, func: str, defines: Defines = ()) -> Any:
     environment again: the compiler in force at its first use on a device (`compiler()`) is the one it keeps."""
     import cupy
 
-    key = (name, func, defines if type(defines) is tuple else tuple(defines), cupy.cuda.runtime.getDevice())
+    d = defines if type(defines) is tuple else tuple(defines)
+    key = (name, func, d, cupy.cuda.runtime.getDevice())
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = _get_kernel(name, func, tuple((str(k), v) for k, v in defines), device_arch(),
-                                             compiler())
+        kernel = _KERNELS[key] = _get_kernel(name, func, tuple((str(k), v) for k, v in d), device_arch(), compiler())
     return kernel
 
 

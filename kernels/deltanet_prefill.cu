@@ -49,14 +49,17 @@ __device__ __forceinline__ float conv_input(const float* __restrict__ x, const f
 // tokens of a run). y = silu(sum_j x_ext(i - KM1 + j) * w_j), accumulated in the reference's order with no
 // fused multiply-add. Reads the conv state only; conv1d_state_update writes it afterwards.
 constexpr int CONV_TOKENS = 16;
-extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const float* __restrict__ w,
-                                            const float* __restrict__ conv_state, const int* __restrict__ runs,
-                                            float* __restrict__ y, int C, i64 ldx) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int* run = runs + 5 * blockIdx.z;
+// NORM (conv1d_silu_gates' blocks of a q or k head: 128 threads, DK = 128 channels): also the head's normalised
+// rows, gdn_qk_norm's bits: nout [T, HK, DK] at head h = (y / sqrt(sum y^2 + 1e-6)) * scale, the sum taken as
+// gdn_qk_norm's lanes and warp_sum take it (scale 1 for k: an exact product, gdn_qk_norm's kr / dk).
+template <bool NORM>
+__device__ __forceinline__ void conv_silu_tokens(const float* __restrict__ x, const float* __restrict__ w,
+                                                 const float* __restrict__ conv_state, const int* __restrict__ run,
+                                                 float* __restrict__ y, int C, i64 ldx, int c, int i0,
+                                                 float* __restrict__ nout = nullptr, int h = 0, int HK = 0,
+                                                 float scale = 1.0f) {
   const int row0 = run[0], len = run[1], slot = run[2];
-  const int i0 = blockIdx.y * CONV_TOKENS;
-  if (c >= C || i0 >= len) return;
+  if (c >= C || i0 >= len) return;  // NORM: the same for the whole block (every channel of a q / k head is < C)
   const float* st = conv_state + ((i64)slot * C + c) * KM1;
   float wc[CONV_K], win[KM1];
 #pragma unroll
@@ -70,11 +73,34 @@ extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const f
 #pragma unroll
     for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(win[j], wc[j]));
     acc = __fadd_rn(acc, __fmul_rn(xi, wc[KM1]));
-    y[(i64)(row0 + i) * C + c] = silu_f(acc);
+    const float yv = silu_f(acc);
+    y[(i64)(row0 + i) * C + c] = yv;
+    if constexpr (NORM) {
+      __shared__ float ys[DK];
+      __shared__ float den;
+      ys[threadIdx.x] = yv;
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        float sq = 0.0f;
+        for (int k = threadIdx.x; k < DK; k += 32) sq += ys[k] * ys[k];
+        sq = warp_sum(sq);
+        if (threadIdx.x == 0) den = sqrtf(sq + 1e-6f);
+      }
+      __syncthreads();
+      nout[((i64)(row0 + i) * HK + h) * DK + threadIdx.x] = (yv / den) * scale;
+      __syncthreads();  // ys and den are the next token's
+    }
 #pragma unroll
     for (int j = 0; j + 1 < KM1; ++j) win[j] = win[j + 1];
     win[KM1 - 1] = xi;
   }
+}
+
+extern "C" __global__ void conv1d_silu_runs(const float* __restrict__ x, const float* __restrict__ w,
+                                            const float* __restrict__ conv_state, const int* __restrict__ runs,
+                                            float* __restrict__ y, int C, i64 ldx) {
+  conv_silu_tokens<false>(x, w, conv_state, runs + 5 * blockIdx.z, y, C, ldx, blockIdx.x * blockDim.x + threadIdx.x,
+                          blockIdx.y * CONV_TOKENS);
 }
 
 // The conv state of channel c after each snapshotted segment of a run (into snap_conv) and after the run (into
@@ -139,11 +165,12 @@ extern "C" __global__ void gdn_qk_norm(const float* __restrict__ y, float* __res
 
 // g = neg_A * softplus(a + dt_bias) (numpy's logaddexp(0, x) in float32), beta = sigmoid(b). a, b: [T, HV]
 // rows `ld` floats apart (views of one fused product may interleave); g, beta: [T, HV]; neg_A, dt_bias: [HV].
-extern "C" __global__ void gdn_gates(const float* __restrict__ a, const float* __restrict__ b,
-                                     const float* __restrict__ neg_A, const float* __restrict__ dt_bias,
-                                     float* __restrict__ g, float* __restrict__ beta, int T, int HV, i64 ld) {
+__device__ __forceinline__ void gates_from(const float* __restrict__ a, const float* __restrict__ b,
+                                           const float* __restrict__ neg_A, const float* __restrict__ dt_bias,
+                                           float* __restrict__ g, float* __restrict__ beta, int T, int HV, i64 ld,
+                                           i64 first, i64 stride) {
   const i64 n = (i64)T * HV;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+  for (i64 i = first; i < n; i += stride) {
     const int h = (int)(i % HV);
     const i64 src = (i / HV) * ld + h;
     const float v = a[src] + dt_bias[h];
@@ -154,6 +181,44 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ a, const float* _
     g[i] = neg_A[h] * sp;
     beta[i] = sigmoid_f(b[src]);
   }
+}
+
+extern "C" __global__ void gdn_gates(const float* __restrict__ a, const float* __restrict__ b,
+                                     const float* __restrict__ neg_A, const float* __restrict__ dt_bias,
+                                     float* __restrict__ g, float* __restrict__ beta, int T, int HV, i64 ld) {
+  gates_from(a, b, neg_A, dt_bias, g, beta, T, HV, ld, (i64)blockIdx.x * blockDim.x + threadIdx.x,
+             (i64)gridDim.x * blockDim.x);
+}
+
+// conv1d_silu_runs and gdn_gates in one launch, and with `norms` gdn_qk_norm too: grid (CB * TILES * R + GB), 128
+// threads, CB = ceil(C / 128). Block b < CB * TILES * R is conv1d_silu_runs' block (b % CB, (b / CB) % TILES,
+// b / (CB * TILES)); with `norms` (DK = 128: a block's channels are one head's) blocks b % CB < HK also write q
+// head b % CB's normalised rows into qn, HK <= b % CB < 2 HK k head b % CB - HK's into kn. The GB blocks after
+// them are gdn_gates' grid-stride loop. The same values as the separate launches.
+extern "C" __global__ void conv1d_silu_gates(const float* __restrict__ x, const float* __restrict__ w,
+                                             const float* __restrict__ conv_state, const int* __restrict__ runs,
+                                             float* __restrict__ y, int C, i64 ldx, int tiles, int R,
+                                             const float* __restrict__ a, const float* __restrict__ b,
+                                             const float* __restrict__ neg_A, const float* __restrict__ dt_bias,
+                                             float* __restrict__ g, float* __restrict__ beta, int T, int HV,
+                                             i64 ld, int norms, float* __restrict__ qn, float* __restrict__ kn,
+                                             int HK, float q_scale) {
+  const int cblocks = (C + blockDim.x - 1) / blockDim.x;
+  const i64 conv_blocks = (i64)cblocks * tiles * R;
+  if ((i64)blockIdx.x >= conv_blocks) {
+    gates_from(a, b, neg_A, dt_bias, g, beta, T, HV, ld, ((i64)blockIdx.x - conv_blocks) * blockDim.x + threadIdx.x,
+               ((i64)gridDim.x - conv_blocks) * blockDim.x);
+    return;
+  }
+  const int cb = (int)(blockIdx.x % cblocks);
+  const i64 rest = blockIdx.x / cblocks;
+  const int tile = (int)(rest % tiles), r = (int)(rest / tiles);
+  const int c = cb * blockDim.x + threadIdx.x;
+  if (DK == 128 && norms && cb < 2 * HK)  // block-uniform
+    conv_silu_tokens<true>(x, w, conv_state, runs + 5 * r, y, C, ldx, c, tile * CONV_TOKENS, cb < HK ? qn : kn,
+                           cb < HK ? cb : cb - HK, HK, cb < HK ? q_scale : 1.0f);
+  else
+    conv_silu_tokens<false>(x, w, conv_state, runs + 5 * r, y, C, ldx, c, tile * CONV_TOKENS);
 }
 
 // ---- the gated delta rule ----------------------------------------------------------------------------------
@@ -560,4 +625,33 @@ extern "C" __global__ void gdn_decode_finish(const float* __restrict__ x, float*
   if (h >= HV) return;  // whole warps leave together
   const i64 row = run[0], o = (row * HV + h) * DV;
   gated_norm_row(core + o, z + row * ldz + (i64)h * DV, norm_w, gated, o, out_bf16, eps, threadIdx.x & 31);
+}
+
+// After the recurrence of other forwards (gdn_recurrent, the chunked kernels), in place of conv1d_state_update
+// and gated_rms_norm_warp: grid (NB + ceil(C / 128) * R), 128 threads. Blocks b < NB = ceil(T * HV / 4) give each
+// warp one (row, value head) item i = 4 b + warp, row i / HV, head i % HV: gated = gated_rms_norm(core, z, norm_w,
+// eps) (gated_norm_row, the bits of gated_rms_norm_warp); blocks b >= NB are conv1d_state_update's, channel block
+// (b - NB) % ceil(C / 128) of run (b - NB) / ceil(C / 128). One launch where there were two. core, gated, z as
+// gdn_decode_finish's (gated in bf16 bits where out_bf16).
+extern "C" __global__ void gdn_finish(const float* __restrict__ x, float* __restrict__ conv_state,
+                                      const int* __restrict__ runs, const int* __restrict__ segs,
+                                      float* __restrict__ snap_conv, int C, i64 ldx, const float* __restrict__ core,
+                                      const float* __restrict__ z, const float* __restrict__ norm_w,
+                                      void* __restrict__ gated, int T, int HV, i64 ldz, float eps, int out_bf16) {
+  const int nwarp = blockDim.x >> 5;
+  const i64 items = (i64)T * HV, norm_blocks = (items + nwarp - 1) / nwarp;
+  if ((i64)blockIdx.x >= norm_blocks) {
+    const int cblocks = (C + blockDim.x - 1) / blockDim.x;
+    const i64 b = (i64)blockIdx.x - norm_blocks;
+    const i64 r = b / cblocks;
+    const int c = (int)(b - r * cblocks) * blockDim.x + threadIdx.x;
+    if (c < C) conv_state_update(x, conv_state, runs + 5 * r, segs, snap_conv, C, ldx, c);
+    return;
+  }
+  const i64 item = (i64)blockIdx.x * nwarp + (threadIdx.x >> 5);
+  if (item >= items) return;  // whole warps leave together
+  const i64 row = item / HV;
+  const int h = (int)(item - row * HV);
+  gated_norm_row(core + item * DV, z + row * ldz + (i64)h * DV, norm_w, gated, item * DV, out_bf16, eps,
+                 threadIdx.x & 31);
 }

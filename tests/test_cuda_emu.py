@@ -105,7 +105,8 @@ def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator():
 
 SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
                   "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
-                  "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits")
+                  "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits "
+                  "or (prefill_fused_launches and dims1)")
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
@@ -114,9 +115,10 @@ def test_deltanet_snapshots_pass_on_the_emulator():
     `cupy_deltanet._to_slab`) against the numpy reference's, and the fused decode's against the unfused kernels'
     byte for byte (one and three runs a CTA); the chunked prefill kernels (tensor-core MMAs on hi/lo fragments,
     cp.async staging) against the reference and gdn_recurrent, and their chunk table: five cases of their GPU
-    tests, through the emulator plugin."""
+    tests; and other forwards' fused conv / gates / q-k norm and conv state / gated norm launches against the
+    separate ones, byte for byte, through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py"], SNAPSHOT_CASES)
-    assert "5 passed" in out, out[-3000:]
+    assert "7 passed" in out, out[-3000:]
 
 
 PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
@@ -139,7 +141,7 @@ def test_prefill_attention_builds_pass_on_the_emulator():
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_launch_caches_pass_on_the_emulator():
     """What eager launches keep between calls (launch recipes on the weights, TUNE's resolved tunings, kernel
-    handles, the NULL argument) is reused while TUNE stays and rebuilt when it changes, the products right
-    throughout: its GPU test file, through the emulator plugin."""
+    handles, the NULL argument) is reused while TUNE stays and rebuilt when it changes, never copied with a
+    weight, the products right throughout: its GPU test file, through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_launch_cache.py"], "launch or tune or kernel or layout")
-    assert "5 passed" in out, out[-3000:]
+    assert "6 passed" in out, out[-3000:]

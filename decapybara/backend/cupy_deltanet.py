@@ -48,6 +48,11 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # docs/perf.md twenty-seventh session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off; DECAPYBARA_DELTANET_CHUNKED_MIN sets "min_len".
+# other forwards (prefill, mixed steps) in fewer launches, the same bits: the conv, the gates and (key head dim
+# 128) the q / k norms in one (`conv1d_silu_gates`), the conv state update and `deltanet_core_gated`'s gated RMS
+# norm in one (`gdn_finish`): three launches fewer a DeltaNet layer of an eager step, whose time is mostly its
+# launches' host time (docs/perf.md, twenty-eighth session).
+FUSED_PREFILL: dict[str, Any] = {"enabled": True}
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0",
                            "min_len": int(os.environ.get("DECAPYBARA_DELTANET_CHUNKED_MIN", "512")),
                            "warps": None, "wq_bufs": 2, "defines": {}}
@@ -182,7 +187,8 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`), or with `gate` = (z, norm_weight,
     eps) its `gated_rms_norm(core, z, norm_weight, eps)` (see `Backend.deltanet_core_gated`), bit for bit: a
     decode forward computes it in gdn_decode_finish (gated_rms_norm_warp's arithmetic), in `out_dtype` (uint16:
-    bf16 bits, rounded to nearest even), anything else runs `cupy_ops.gated_rms_norm` after the core (float32)."""
+    bf16 bits, rounded to nearest even), any other forward in gdn_finish beside its conv state update (float32;
+    with FUSED_PREFILL off, `cupy_ops.gated_rms_norm` after the core)."""
     x, a, b = _rows(f32_any(mixed_qkv)), _rows(f32_any(a)), _rows(f32_any(b))
     if a.strides != b.strides:
         a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
@@ -233,18 +239,26 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
                shared_mem=smem)
     else:
         y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
-        get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
-            (cblocks, -(-plan.max_len // CONV_TOKENS), plan.num_runs), (128,),
-            (x, w, conv_state, plan.runs, y, I32(c), ldx))
-        qn = empty((t, hk, dk), cp.float32)
-        kn = empty((t, hk, dk), cp.float32)
-        get_kernel("deltanet_prefill", "gdn_qk_norm", defines)(
-            (-(-(t * hk * 32) // THREADS),), (THREADS,), (y, qn, kn, I32(t), I32(hk), I32(c), F32(dk ** -0.5)))
         g = empty((t, hv), cp.float32)
         beta = empty((t, hv), cp.float32)
-        get_kernel("deltanet_prefill", "gdn_gates", defines)(
-            (grid_for(t * hv),), (THREADS,),
-            (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4)))
+        qn = empty((t, hk, dk), cp.float32)
+        kn = empty((t, hk, dk), cp.float32)
+        tiles = -(-plan.max_len // CONV_TOKENS)
+        gate_args = (a, b, neg_a, dt_bias, g, beta, I32(t), I32(hv), I64(a.strides[0] // 4))
+        fused = FUSED_PREFILL["enabled"]
+        norms = fused and dk == 128  # the conv launch's blocks are then whole q / k heads
+        if fused:
+            get_kernel("deltanet_prefill", "conv1d_silu_gates", defines)(
+                (cblocks * tiles * plan.num_runs + min(-(-(t * hv) // 128), 4 * cupy_ops.sm_count()),), (128,),
+                (x, w, conv_state, plan.runs, y, I32(c), ldx, I32(tiles), I32(plan.num_runs), *gate_args,
+                 I32(int(norms)), qn, kn, I32(hk), F32(dk ** -0.5)))
+        else:
+            get_kernel("deltanet_prefill", "conv1d_silu_runs", defines)(
+                (cblocks, tiles, plan.num_runs), (128,), (x, w, conv_state, plan.runs, y, I32(c), ldx))
+            get_kernel("deltanet_prefill", "gdn_gates", defines)((grid_for(t * hv),), (THREADS,), gate_args)
+        if not norms:
+            get_kernel("deltanet_prefill", "gdn_qk_norm", defines)(
+                (-(-(t * hk * 32) // THREADS),), (THREADS,), (y, qn, kn, I32(t), I32(hk), I32(c), F32(dk ** -0.5)))
         rec_runs, num_rec = plan.runs, plan.num_runs  # gdn_recurrent's runs
         if (acc == "float" and CHUNKED["enabled"] and chunked_ok(dk, dv) and plan.chunk_src is not None
                 and plan.max_len >= CHUNKED["min_len"]):
@@ -271,6 +285,15 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
                    (-(-hv // 4) + cblocks, plan.num_runs), (128,),
                    (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
                     I32(cupy_ops._bf16_out(out_dtype))))
+    elif gate is not None and FUSED_PREFILL["enabled"]:  # the conv state and the gated norm in one launch
+        z, norm_w, eps = gate
+        z, ldz = _head_rows(f32_any(z), t, hv, dv)
+        cupy_ops.check(norm_w, np.float32, "norm weight", 1)
+        assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
+        gated = empty((t, hv, dv), cp.float32)
+        get_kernel("deltanet_prefill", "gdn_finish", defines)(
+            (-(-(t * hv) // 4) + cblocks * plan.num_runs,), (128,),
+            (*state_args, out, z, norm_w, gated, I32(t), I32(hv), I64(ldz), F32(eps), I32(0)))
     else:
         get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)

@@ -97,8 +97,21 @@ class PackedWeight:
     persistent: bool = False
     e2m1_split: bool = False
     tiled: bool = False
-    # `_launch_of`'s recipes, by rows, tuning and device (not copied by `dataclasses.replace`)
+    # what eager launches derive from this weight (`_cache`: `_launch_of`'s recipes, the layout checks), valid
+    # for the arrays and layout fields it was made for; never copied (`dataclasses.replace`, copy, pickle)
     launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in ("fmt", "shape", "codes", "scales", "tensor_scale", "persistent",
+                                               "e2m1_split", "tiled")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self.launches = {}
+
+    def __copy__(self) -> PackedWeight:
+        return replace(self)
 
     @property
     def K(self) -> int:
@@ -176,14 +189,24 @@ def pack_weight(value: Any, e2m1_split: bool | None = None, tiled: bool | None =
     return PackedWeight("bf16", tuple(a.shape), cp.ascontiguousarray(bits))
 
 
+def _cache(w: PackedWeight) -> dict:
+    """`w.launches`, emptied first where `w`'s arrays or layout fields are not those its entries were made for
+    (the pinned "arrays" entry)."""
+    d = w.launches
+    pin = d.get("arrays")
+    layout = (w.fmt, w.shape, w.tiled, w.e2m1_split, w.tensor_scale)
+    if pin is None or pin[0] is not w.codes or pin[1] is not w.scales or pin[2] != layout:
+        d.clear()
+        d["arrays"] = (w.codes, w.scales, layout)
+    return d
+
+
 def _check_packed(w: PackedWeight) -> None:
-    """Asserts that `w`'s codes and scales are what its format and shape call for (once per pair of arrays: a
-    weight remembers the pair it passed with, in `launches`)."""
-    key = ("checked", id(w.codes), id(w.scales))
-    if key in w.launches:
-        return
-    _check_packed_now(w)
-    w.launches[key] = (w.codes, w.scales)  # held, so that their ids stay theirs
+    """Asserts that `w`'s codes and scales are what its format and shape call for (once while they stay: `_cache`)."""
+    d = _cache(w)
+    if "checked" not in d:
+        _check_packed_now(w)
+        d["checked"] = True
 
 
 def _check_packed_now(w: PackedWeight) -> None:
@@ -204,14 +227,15 @@ def _check_packed_now(w: PackedWeight) -> None:
 
 
 def gemm_ready(w: PackedWeight) -> bool:
-    """Whether the skinny kernels stream `w` (the module docstring's layout rules; remembered per codes array)."""
-    key = ("ready", id(w.codes))
-    got = w.launches.get(key)
-    if got is None:
+    """Whether the skinny kernels stream `w` (the module docstring's layout rules; remembered while its arrays
+    stay: `_cache`)."""
+    d = _cache(w)
+    ready = d.get("ready")
+    if ready is None:
         lane_ok = w.fmt != "mxfp6" or w.Kp % 64 == 0
-        got = w.launches[key] = (w.codes, lane_ok and (w.fmt != "nvfp4" or w.Kp % 32 == 0)
-                                 and (w.fmt != "bf16" or w.K % 8 == 0) and w.kernel_ok())  # codes held: its id
-    return got[1]
+        ready = d["ready"] = (lane_ok and (w.fmt != "nvfp4" or w.Kp % 32 == 0) and (w.fmt != "bf16" or w.K % 8 == 0)
+                              and w.kernel_ok())
+    return ready
 
 
 @functools.cache
@@ -512,7 +536,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
         if xg_args:
             fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
-        assert not fused, f"kernels/{TUNE['source']}.cu fuses no norms"
+        assert not fused, "this kernel file fuses no norms"
     w_args, tail = r.args
     r.launch(r.func, plan.grid, r.block,
              (*w_args, bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
@@ -545,10 +569,10 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     function. Every eager product asks; a weight keeps its recipes (`PackedWeight.launches`) by those and
     `tune_state()` (none while TUNE is not a TuneDict) and the device."""
     state = tune_state()
-    key = (m, x_rows, groups, swiglu, w.persistent, id(w.codes), id(w.scales), w.tensor_scale,
-           cp.cuda.runtime.getDevice(), state)  # the recipe holds the arrays: their ids stay theirs
+    key = (m, x_rows, groups, swiglu, w.persistent, cp.cuda.runtime.getDevice(), state)
+    cache = _cache(w)
     if state is not None:
-        got = w.launches.get(key)
+        got = cache.get(key)
         if got is not None:
             return got
     tune = launch_tune(w, m, dense=groups is None, swiglu=swiglu)
@@ -579,9 +603,10 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
                   fuses=kernel_knows(src, "nsq_tiles"), xg_args=kernel_knows(src, "xg_kind"),
                   block=(32 * warps,), args=args)
     if state is not None:
-        if len(w.launches) > 64:
-            w.launches.clear()
-        w.launches[key] = out
+        if len(cache) > 64:
+            cache.clear()
+            _cache(w)
+        cache[key] = out
     return out
 
 

@@ -27,6 +27,7 @@ reads as contiguous blocks (`band_tiles`, inverse `band_rows`); pure array arith
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -127,15 +128,27 @@ class TuneDict(dict):
     resolved tunings, `_launch_of`'s launch recipes) sees every change. Its by-format entries are replaced, never
     edited in place. A plain dict put in TUNE's place (tests' monkeypatch.setattr) works too, uncached."""
 
-    version = 0  # the instance's own from its first change (also where copy and pickle rebuild it item by item)
+    # Versions come from one counter for all TuneDicts, so that (id, version) never repeats: a new TuneDict at a
+    # freed one's address does not meet the old one's cache entries.
+    version = 0
+
+    def _changed(self) -> None:
+        self.version = next(_TUNE_VERSIONS)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles: a new TuneDict (a version of its own)
+        return (TuneDict, (dict(self),))
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._changed()
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
-        self.version += 1
+        self._changed()
 
     def __delitem__(self, key: str) -> None:
         super().__delitem__(key)
-        self.version += 1
+        self._changed()
 
     def __ior__(self, other: Any) -> Self:
         self.update(other)
@@ -143,23 +156,26 @@ class TuneDict(dict):
 
     def update(self, *args: Any, **kw: Any) -> None:
         super().update(*args, **kw)
-        self.version += 1
+        self._changed()
 
     def clear(self) -> None:
         super().clear()
-        self.version += 1
+        self._changed()
 
     def pop(self, *args: Any) -> Any:
-        self.version += 1
+        self._changed()
         return super().pop(*args)
 
     def popitem(self) -> Any:
-        self.version += 1
+        self._changed()
         return super().popitem()
 
     def setdefault(self, key: str, default: Any = None) -> Any:
-        self.version += 1
+        self._changed()
         return super().setdefault(key, default)
+
+
+_TUNE_VERSIONS = itertools.count(1)
 
 
 def tune_for(fmt: str, tune: dict[str, Any]) -> dict[str, Any]:

@@ -669,6 +669,16 @@ def dn_params(backend, cfg, rng):
     return DeltaNetParams(up(w), -backend.xp.exp(up(a_log)), up(dt))
 
 
+def gated_setup(dims, acc, seed, params_seed):
+    """(rng, config, backend, DeltaNet parameters, gated-norm weight) of a DeltaNet layer of `dims` (Hk, Hv, dk,
+    dv) on the float64 (`acc` double) or bf16 (float) backend."""
+    rng = np.random.default_rng(seed)
+    cfg = dn_config(*dims)
+    cub = CupyBackend("fp32" if acc == "double" else "bf16")
+    params = dn_params(cub, cfg, np.random.default_rng(params_seed))
+    return rng, cfg, cub, params, cp.asarray(rand(rng, cfg.linear_value_head_dim, scale=0.5) + 1.0)
+
+
 @pytest.mark.parametrize("acc", ["double", "float"])
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32)])
 def test_deltanet_core_matches_reference(acc, dims):
@@ -715,6 +725,50 @@ def test_deltanet_core_matches_reference(acc, dims):
         for key in snaps_np:
             assert_close(snaps_cu[key][0][0], snaps_np[key][0][0], 1e-6, f"conv snapshot {key}")
             assert_close(snaps_cu[key][0][1], snaps_np[key][0][1], tol, f"recurrent snapshot {key}")
+
+
+@pytest.mark.parametrize("acc", ["double", "float"])
+@pytest.mark.parametrize("dims", [(2, 6, 64, 32), (2, 4, 128, 32), (16, 48, 128, 128)])
+def test_deltanet_prefill_fused_launches_give_the_same_bits(monkeypatch, acc, dims):
+    """Other forwards' DeltaNet with FUSED_PREFILL (conv, gates and, at key head dim 128, the q / k norms in one
+    launch, `conv1d_silu_gates`; the conv state update and the gated norm in one, `gdn_finish`) gives the bits of
+    the separate launches: gated output, conv and recurrent states, snapshots; runs of 1, 5 and 37 rows (a
+    snapshot inside), a and b interleaved columns of one product as the model passes them."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    rng, cfg, cub, params, norm_w = gated_setup(dims, acc, sum(dims) + 3, 2)
+    c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    segs = [DeltaNetSegment(0, 1, 2, None), DeltaNetSegment(1, 5, 0, None), DeltaNetSegment(6, 20, 3, (2, 20)),
+            DeltaNetSegment(26, 17, 3, None)]
+    x = cp.asarray(rand(rng, 43, c))
+    ab = cp.asarray(rand(rng, 43, 2 * hv))
+    z = cp.asarray(rand(rng, 43, hv, dv))
+    init = [rand(rng, 4, c, 3), rand(rng, 4, hv, dims[2], dv, scale=0.1)]
+    launched = []
+    get_dn = cd.get_kernel
+    monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get_dn(m, f, d))
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setitem(cd.FUSED_PREFILL, "enabled", fused)
+        pool = cub.new_state_pool(cfg, 4)
+        pool.conv[0][...] = cp.asarray(init[0])
+        pool.rec[0][...] = cp.asarray(init[1])
+        launched.clear()
+        snaps = {}
+        out = cub.deltanet_core_gated(pool, 0, x, ab[:, hv:], ab[:, :hv], params, segs, cfg, snaps, z, norm_w, 1e-6)
+        mine = {"conv1d_silu_gates", "gdn_finish"}
+        assert (mine <= set(launched)) if fused else not (mine & set(launched)), launched
+        assert ("gdn_gates" in launched) == (not fused) and ("conv1d_state_update" in launched) == (not fused)
+        assert ("gdn_qk_norm" in launched) == (not fused or dims[2] != 128), launched  # in the conv launch at dk 128
+        got[fused] = (cp.asnumpy(out), cp.asnumpy(pool.conv[0]), cp.asnumpy(pool.rec[0]),
+                      {k: [cp.asnumpy(p) for p in v[0]] for k, v in snaps.items()})
+    assert not np.isnan(got[True][0]).any(), "unwritten gated output"
+    for i, name in enumerate(("gated output", "conv state", "recurrent state")):
+        assert_bytes_equal(got[True][i], got[False][i], f"{name} dims {dims} acc {acc}")
+    assert sorted(got[True][3]) == sorted(got[False][3]) == [(2, 20)]
+    for j in (0, 1):
+        assert_bytes_equal(got[True][3][(2, 20)][j], got[False][3][(2, 20)][j], f"snapshot part {j}")
 
 
 def test_deltanet_chunk_table_splits_segments_from_their_starts():
@@ -958,9 +1012,9 @@ def test_deltanet_decode_overlaps_only_over_model_parameters(monkeypatch):
                                           ((2, 6, 64, 32), (2, 7)), ((2, 4, 16, 8), (1, 4))])
 def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, batches, views):
     """deltanet_core_gated on a decode forward (gdn_decode, then gdn_decode_finish: conv state and gated RMS norm,
-    no gated_rms_norm_warp launch) gives the bits of deltanet_core then gated_rms_norm (gdn_decode,
-    conv1d_state_update, gated_rms_norm_warp): gated output, conv and recurrent states, snapshots. Per batch size:
-    a two-row prefill round (both ways take the two ops), then two decode steps in scattered slots from random
+    no gated_rms_norm_warp launch) and on other forwards (the recurrence, then gdn_finish) gives the bits of
+    deltanet_core then gated_rms_norm (conv1d_state_update, gated_rms_norm_warp): gated output, conv and recurrent
+    states, snapshots. Per batch size: a two-row prefill round, then two decode steps in scattered slots from random
     states; with `views` mixed / a / b / z are column views of fused products as QwenModel passes them (z a
     contiguous array in the last step), else contiguous arrays (what the host emulator can run). Outputs start
     NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128; 4 sequences take two runs a gdn_decode
@@ -969,12 +1023,8 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
     from decapybara.backend.base import DeltaNetSegment
 
     assert ops.POISON, "outputs must start poisoned (tests/conftest.py)"
-    rng = np.random.default_rng(sum(dims) + 11)
-    cfg = dn_config(*dims)
-    cub = CupyBackend("fp32" if acc == "double" else "bf16")
+    rng, cfg, cub, params, norm_w = gated_setup(dims, acc, sum(dims) + 11, 1)
     c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    params = dn_params(cub, cfg, np.random.default_rng(1))
-    norm_w = cp.asarray(rand(rng, dv, scale=0.5) + 1.0)
     launched = []
     get_dn, get_ops = cd.get_kernel, ops.get_kernel
     monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get_dn(m, f, d))
@@ -1007,10 +1057,10 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
                 else:
                     core = cub.deltanet_core(pool, 0, x, a, b, params, segs, cfg, snaps)
                     out = cub.gated_rms_norm(core, z, norm_w, 1e-6)
-                two_step = not fused or rows > 1
-                assert ("gated_rms_norm_warp" in launched) == two_step, launched
-                assert ("conv1d_state_update" in launched) == two_step, launched
-                assert ("gdn_decode_finish" in launched) != two_step, launched
+                finish = "gdn_finish" if rows > 1 else "gdn_decode_finish"  # one launch for both, fused
+                assert ("gated_rms_norm_warp" in launched) == (not fused), launched
+                assert ("conv1d_state_update" in launched) == (not fused), launched
+                assert [f for f in launched if f.endswith("finish")] == ([finish] if fused else []), launched
                 got[fused] = (cp.asnumpy(out), cp.asnumpy(pool.conv[0]), cp.asnumpy(pool.rec[0]), snaps)
             assert not np.isnan(got[True][0]).any(), f"unwritten gated output, batch {n} step {step}"
             for i, name in enumerate(("gated output", "conv state", "recurrent state")):

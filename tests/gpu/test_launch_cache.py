@@ -7,6 +7,8 @@ so that the products computed after a change are those of the new tuning, agains
 
 from __future__ import annotations
 
+import copy
+import pickle
 import zlib
 
 import numpy as np
@@ -101,3 +103,26 @@ def test_layout_checks_follow_the_arrays():
     w.codes = w.codes[:, :-16].copy()
     with pytest.raises(AssertionError, match="codes"):
         ex.mx_linear(x, w)
+
+
+def test_copies_start_without_cached_launches():
+    """copy, deepcopy, pickle and dataclasses.replace of a weight keep its fields and start with no cached launch
+    (the original's recipes hold its own arrays); a new TuneDict never meets another's cache entries."""
+    import dataclasses
+
+    rng = np.random.default_rng(9)
+    wq, w_ref = random_weight(rng, "mxfp4", (64, 512))
+    w = ex.pack_weight(wq)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    _product(w, x, w_ref, "original")
+    assert w.launches
+    for clone in (copy.copy(w), copy.deepcopy(w), pickle.loads(pickle.dumps(w)), dataclasses.replace(w)):
+        assert clone.launches == {} and clone.launches is not w.launches
+        assert (clone.fmt, clone.shape, clone.tiled, clone.e2m1_split, clone.persistent) == \
+            (w.fmt, w.shape, w.tiled, w.e2m1_split, w.persistent)
+        _product(clone, x, w_ref, "copy")
+    versions = {ex.TUNE.version}
+    for _ in range(5):
+        fresh = type(ex.TUNE)(ex.TUNE)
+        assert fresh.version not in versions
+        versions.add(fresh.version)

@@ -49,7 +49,7 @@
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
 //   loaded before the x staging, summed after it): the product of rms_norm(y) = y / denom * (gw_off
 //   + gw), with y (gw_off + gw) rounded to bf16 as any x.
-// Fused SwiGLU (the `mx_gemm_<fmt>_1s` and `_2s` kernels, up to 8 and 16 rows of x; decapybara/backend/
+// Fused SwiGLU (the `mx_gemm_<fmt>_1s`, `_2s`, `_4s`, `_8s` kernels, up to 8, 16, 32, 64 rows of x; decapybara/backend/
 // cupy_ops_extra.py `mx_swiglu`): W is [gate; up] stacked along rows (N rows, N % 16 == 0, no bias, no fused
 // residual) and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T). The kernel's output rows are taken in bands of 16
 // whose rows 0-7 are gate rows 8 b.. and rows 8-15 the up rows N / 2 + 8 b.. of the same columns (each lane's
@@ -950,7 +950,8 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 #define MX_FORMAT(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1, FMT, 1, false, false) MX_KERNEL(mx_gemm_##NAME##_2, FMT, 2, false, false) \
     MX_KERNEL(mx_gemm_##NAME##_4, FMT, 4, false, false) MX_KERNEL(mx_gemm_##NAME##_8, FMT, 8, false, false) \
-    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true, false) MX_KERNEL(mx_gemm_##NAME##_2s, FMT, 2, true, false)
+    MX_KERNEL(mx_gemm_##NAME##_1s, FMT, 1, true, false) MX_KERNEL(mx_gemm_##NAME##_2s, FMT, 2, true, false) \
+    MX_KERNEL(mx_gemm_##NAME##_4s, FMT, 4, true, false) MX_KERNEL(mx_gemm_##NAME##_8s, FMT, 8, true, false)
 // the one-row kernels with block sums (header), MXFP4 and NVFP4
 #define MX_FORMAT_R1(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, true) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, true)

@@ -239,7 +239,7 @@ class CupyBackend(Backend):
         return ops.silu_mul(gate, up)
 
     def swiglu(self, x: Any, gate_up: Any, to_product: Any = None) -> Any:
-        """From TUNE `swiglu_rows` rows (0: never) up to 16 over a [gate; up] matrix the skinny kernels stream: one
+        """From TUNE `swiglu_rows` rows (0: never) up to SWIGLU_ROWS (64) over a [gate; up] matrix the skinny kernels stream: one
         launch (`mx_swiglu`: the product and silu(gate) * up in its epilogue, x NormedRows fused), its rows in the
         dtype `silu_mul_halves` would give them; anything else the two ops."""
         rows = x.shape[0]

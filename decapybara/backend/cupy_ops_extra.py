@@ -300,8 +300,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 3% faster (interleaved captures, docs/perf.md); from one row up since the `_1r` kernels (a one-row block's x
 # staging then takes half the passes): one-stream 27B steps ~1% faster (eight interleaved rounds; before the
 # `_1r` kernels it measured no better).
-# `swiglu_rows` (0: off): MLPs of this many rows up to 16 (SWIGLU_ROWS) run their fused gate|up product and
-# silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` / `_2s`): 27B steps at 1 to 12 streams
+# `swiglu_rows` (0: off): MLPs of this many rows up to 64 (SWIGLU_ROWS) run their fused gate|up product and
+# silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` to `_8s`; past 16 rows since the twenty-
+# eighth session, for eager mixed steps' launch count, not yet timed on the GPU): 27B steps at 1 to 12 streams
 # 1-3% faster (interleaved captures, docs/perf.md).
 # `row1` (0: off): dense one-row MXFP4 / NVFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu,
 # header: partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA
@@ -497,7 +498,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows'
     sums of squares by output tile, float32 [M, tiles];
     `norm` (x = norm.xg) divides each output row by its denominator from norm.sq;
-    `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` / `_2s` kernels, up
+    `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` to `_8s` kernels, up
     to SWIGLU_ROWS rows)."""
     m = x.shape[0] if groups is None else int(max_rows)
     n = w.N
@@ -612,7 +613,7 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM
 FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) may fuse norms (mx_linear_add_norm)
-SWIGLU_ROWS = 16  # and of at most this many (the one- and two-n-tile kernels) the MLP activation (mx_swiglu)
+SWIGLU_ROWS = 64  # and of at most this many (the `_1s` to `_8s` kernels) the MLP activation (mx_swiglu)
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
 # formats whose values bf16 holds exactly but for one float32 factor a matrix: NVFP4's codes times their E4M3
 # block scales have at most 6 significant bits (of bf16's 8); its tensor scale multiplies a product's float32 sums instead
@@ -627,7 +628,7 @@ def fuses_norms(w: PackedWeight, rows: int) -> bool:
 
 def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
     """Whether `mx_swiglu` can take a product of `rows` rows over `w` ([gate; up] stacked): 1 to SWIGLU_ROWS
-    rows, a weight the kernels stream, N a multiple of 16 and a kernel file that has the `_1s` / `_2s` kernels
+    rows, a weight the kernels stream, N a multiple of 16 and a kernel file that has the `_1s` to `_8s` kernels
     (its entry macro). (The backend uses it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
     return (0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
             and kernel_knows(tune_for(w.fmt)["source"], f"NAME##_{n_tiles(rows)}s"))
@@ -635,7 +636,7 @@ def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
-    one launch (kernels/mx_gemv.cu `_1s` / `_2s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes
+    one launch (kernels/mx_gemv.cu `_1s` to `_8s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes
     under tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
     kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or (up to
     FUSED_ROWS rows) `NormedRows`, fused; at most SWIGLU_ROWS rows (the caller checks `fuses_swiglu`)."""

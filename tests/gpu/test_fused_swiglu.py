@@ -7,7 +7,7 @@ splits K alike (tile grids) the bytes are the same; under stream-K a column's K 
 chunks than the plain product's (its tile is another), so there within float32 rounding. Launch variants:
 the plain products' tuning cases and the fused norms' DIRECT ones (whole-tile stores, split tiles reduced by
 their last block, stream-K), x as float32 rows, bf16 bits and NormedRows (a fused norm consumer), output in
-float32 and bf16 bits; one and two n-tiles of rows (`_1s`, `_2s`). Only products of up to SWIGLU_ROWS rows over
+float32 and bf16 bits; one to eight n-tiles of rows (`_1s` to `_8s`). Only products of up to SWIGLU_ROWS rows over
 N % 16 == 0 rows take it. The byte comparisons run the SwiGLU launches in the plain products' blocks
 (`NO_OWN_WIDTH`: TUNE `swiglu_wide_warps` and `swiglu_warps` 0); their own block widths (MXFP4 / NVFP4 two-n-tile
 launches: 24 warps) are compared within float32 rounding (`test_swiglu_blocks_of_their_own_width`).
@@ -71,7 +71,7 @@ def test_swiglu_is_the_product_then_the_activation(fmt, tune, shape, monkeypatch
     if case is None:
         return
     rng, w = case
-    for m in (1, 3, 8, 12, 16):
+    for m in (1, 3, 8, 12, 16, 17, 32, 40, 64):
         x = cp.asarray(rng.standard_normal((m, w.K)).astype(np.float32) * 2)
         for xr in (x, ops.to_bf16_bits(x)):
             plain = ops.silu_mul_halves(ex.mx_linear(xr, w, out_dtype=cp.float32))
@@ -156,7 +156,7 @@ def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
     bf16 = backend.concat_rows([ops.to_bf16_bits(cp.asarray(a)) for a in (gate, up)])[0]
     dense = cp.asarray(np.concatenate([gate, up]))
     for gu in (packed, bf16, dense):
-        for m in (1, 5, 8, 12, 17):
+        for m in (1, 5, 8, 12, 17, 40, 65):
             x = cp.asarray(rng.standard_normal((m, 192)).astype(np.float32))
             calls.clear()
             got = backend.swiglu(x, gu, to_product=down)

@@ -181,7 +181,8 @@ def test_backend_runs_one_launch_up_to_eight_rows(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
 def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     """Decode rows and chunks of 4 (one launch for gate|up and the activation, x NormedRows; TUNE `swiglu_rows`
-    1), of 12 (one launch, the two-n-tile kernel) and of 20 (the two ops) give the logits of `swiglu_rows` 0:
+    1), of 12 (one launch, the two-n-tile kernel) and of 20 (the four-n-tile kernel) give the logits of
+    `swiglu_rows` 0 (the two ops):
     byte for byte where every gate|up product runs a tile grid (policy "balance"), within float32 rounding and
     with the same greedy tokens under the default plans."""
     from test_cupy_model import PROMPT, forward_chunks
@@ -194,7 +195,8 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
     assert model.fused_mlp, "the tiny model's MLPs should be fused gate|up products"
     monkeypatch.setitem(ex.TUNE, "policy", policy)
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **NO_OWN_WIDTH})  # the plain products' tiles (bytes compared)
-    grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values() for m in (1, 4, 12))
+    grids = all(not ex.gemm_plan(cb._streamed(gu), m).stream for gu in model.fused_mlp.values()
+                for m in (1, 4, 12, 20))
     assert grids or policy != "balance"
     calls = []
     monkeypatch.setattr(cb, "mx_swiglu",
@@ -204,7 +206,7 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
         monkeypatch.setitem(ex.TUNE, "swiglu_rows", on)
         got[on] = [forward_chunks(model, PROMPT[:24], chunk) for chunk in (1, 4, 12, 20)]
         if on:
-            assert set(calls) == {1, 4, 12}, set(calls)
+            assert set(calls) == {1, 4, 12, 20}, set(calls)
     for chunk, a, b in zip((1, 4, 12, 20), got[1], got[0], strict=True):
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"{family} {weights} chunks of {chunk}: greedy tokens"
         if grids:

@@ -214,11 +214,14 @@ extern "C" __global__ void conv1d_silu_gates(const float* __restrict__ x, const 
   const i64 rest = blockIdx.x / cblocks;
   const int tile = (int)(rest % tiles), r = (int)(rest / tiles);
   const int c = cb * blockDim.x + threadIdx.x;
-  if (DK == 128 && norms && cb < 2 * HK)  // block-uniform
-    conv_silu_tokens<true>(x, w, conv_state, runs + 5 * r, y, C, ldx, c, tile * CONV_TOKENS, cb < HK ? qn : kn,
-                           cb < HK ? cb : cb - HK, HK, cb < HK ? q_scale : 1.0f);
-  else
-    conv_silu_tokens<false>(x, w, conv_state, runs + 5 * r, y, C, ldx, c, tile * CONV_TOKENS);
+  if constexpr (DK == 128) {
+    if (norms && cb < 2 * HK && blockDim.x == DK) {  // block-uniform
+      conv_silu_tokens<true>(x, w, conv_state, runs + 5 * r, y, C, ldx, c, tile * CONV_TOKENS, cb < HK ? qn : kn,
+                             cb < HK ? cb : cb - HK, HK, cb < HK ? q_scale : 1.0f);
+      return;
+    }
+  }
+  conv_silu_tokens<false>(x, w, conv_state, runs + 5 * r, y, C, ldx, c, tile * CONV_TOKENS);
 }
 
 // ---- the gated delta rule ----------------------------------------------------------------------------------

@@ -733,7 +733,7 @@ def test_deltanet_prefill_fused_launches_give_the_same_bits(monkeypatch, acc, di
     """Other forwards' DeltaNet with FUSED_PREFILL (conv, gates and, at key head dim 128, the q / k norms in one
     launch, `conv1d_silu_gates`; the conv state update and the gated norm in one, `gdn_finish`) gives the bits of
     the separate launches: gated output, conv and recurrent states, snapshots; runs of 1, 5 and 37 rows (a
-    snapshot inside), a and b interleaved columns of one product as the model passes them."""
+    snapshot inside), a and b interleaved columns of one product and z a column view, as the model passes them."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -743,7 +743,7 @@ def test_deltanet_prefill_fused_launches_give_the_same_bits(monkeypatch, acc, di
             DeltaNetSegment(26, 17, 3, None)]
     x = cp.asarray(rand(rng, 43, c))
     ab = cp.asarray(rand(rng, 43, 2 * hv))
-    z = cp.asarray(rand(rng, 43, hv, dv))
+    z = cp.asarray(rand(rng, 43, hv * dv + 5))[:, :hv * dv].reshape(43, hv, dv)  # a column view, as the model's z
     init = [rand(rng, 4, c, 3), rand(rng, 4, hv, dims[2], dv, scale=0.1)]
     launched = []
     get_dn = cd.get_kernel

@@ -39,6 +39,11 @@ FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
 RECURRENT: dict[str, Any] = {"tokens": 16}
+# other forwards (prefill, mixed steps) in fewer launches, the same bits: the conv, the gates and (key head dim
+# 128) the q / k norms in one (`conv1d_silu_gates`), the conv state update and `deltanet_core_gated`'s gated RMS
+# norm in one (`gdn_finish`): three launches fewer a DeltaNet layer of an eager step, whose time is mostly its
+# launches' host time (docs/perf.md, twenty-eighth session).
+FUSED_PREFILL: dict[str, Any] = {"enabled": True}
 # other forwards at float arithmetic (the bf16 backend) whose head dims are multiples of 16 (dk + dv <= 256): the
 # chunked form on tensor cores (kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that
@@ -48,11 +53,6 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # docs/perf.md twenty-seventh session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off; DECAPYBARA_DELTANET_CHUNKED_MIN sets "min_len".
-# other forwards (prefill, mixed steps) in fewer launches, the same bits: the conv, the gates and (key head dim
-# 128) the q / k norms in one (`conv1d_silu_gates`), the conv state update and `deltanet_core_gated`'s gated RMS
-# norm in one (`gdn_finish`): three launches fewer a DeltaNet layer of an eager step, whose time is mostly its
-# launches' host time (docs/perf.md, twenty-eighth session).
-FUSED_PREFILL: dict[str, Any] = {"enabled": True}
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0",
                            "min_len": int(os.environ.get("DECAPYBARA_DELTANET_CHUNKED_MIN", "512")),
                            "warps": None, "wq_bufs": 2, "defines": {}}
@@ -275,25 +275,22 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
                         I32(CHUNK)), shared_mem=smem)
     # the conv state after the run, once every reader above has run (and, fused, the gated norm of `out`)
     state_args = (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx)
-    if decode and gate is not None:
+    if gate is not None and (decode or FUSED_PREFILL["enabled"]):  # the conv state and the gated norm in one launch
         z, norm_w, eps = gate
         z, ldz = _head_rows(f32_any(z), t, hv, dv)
         cupy_ops.check(norm_w, np.float32, "norm weight", 1)
         assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
-        gated = empty((t, hv, dv), out_dtype)
-        pdl.launch(get_kernel(src, "gdn_decode_finish", dn_defines),
-                   (-(-hv // 4) + cblocks, plan.num_runs), (128,),
-                   (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
-                    I32(cupy_ops._bf16_out(out_dtype))))
-    elif gate is not None and FUSED_PREFILL["enabled"]:  # the conv state and the gated norm in one launch
-        z, norm_w, eps = gate
-        z, ldz = _head_rows(f32_any(z), t, hv, dv)
-        cupy_ops.check(norm_w, np.float32, "norm weight", 1)
-        assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
-        gated = empty((t, hv, dv), cp.float32)
-        get_kernel("deltanet_prefill", "gdn_finish", defines)(
-            (-(-(t * hv) // 4) + cblocks * plan.num_runs,), (128,),
-            (*state_args, out, z, norm_w, gated, I32(t), I32(hv), I64(ldz), F32(eps), I32(0)))
+        if decode:
+            gated = empty((t, hv, dv), out_dtype)
+            pdl.launch(get_kernel(src, "gdn_decode_finish", dn_defines),
+                       (-(-hv // 4) + cblocks, plan.num_runs), (128,),
+                       (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
+                        I32(cupy_ops._bf16_out(out_dtype))))
+        else:
+            gated = empty((t, hv, dv), cp.float32)
+            get_kernel("deltanet_prefill", "gdn_finish", defines)(
+                (-(-(t * hv) // 4) + cblocks * plan.num_runs,), (128,),
+                (*state_args, out, z, norm_w, gated, I32(t), I32(hv), I64(ldz), F32(eps), I32(0)))
     else:
         get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)

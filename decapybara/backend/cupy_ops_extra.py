@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import cupy as cp
@@ -102,8 +102,7 @@ class PackedWeight:
     launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in ("fmt", "shape", "codes", "scales", "tensor_scale", "persistent",
-                                               "e2m1_split", "tiled")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
@@ -538,12 +537,11 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
             fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
         assert not fused, "this kernel file fuses no norms"
-    w_args, tail = r.args
     r.launch(r.func, plan.grid, r.block,
-             (*w_args, bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
+             (*r.weight_args, bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
               gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
-              _counters(), I32(x.shape[0]), *tail[0], g_off, g_cnt, *tail[1], I32(x_vec), *tail[2], *fuse_args),
-             shared_mem=r.smem)
+              _counters(), I32(x.shape[0]), *r.shape_args, g_off, g_cnt, *r.tile_args, I32(x_vec), r.stream_arg,
+              *fuse_args), shared_mem=r.smem)
     return sq
 
 
@@ -555,13 +553,16 @@ class _Launch:
     func: Any        # the kernel
     launch: Any      # pdl.launch or pdl.plain
     warps: int       # a block's
-    mtiles: int      # row tiles of 8 * n-tiles rows
     nrb: int         # blocks of 16 * warps output columns (the fused norms' sums of squares a row)
     smem: int        # dynamic shared memory (staging_bytes)
     fuses: bool      # the kernel file takes the fused norms' arguments (nsq_tiles)
     xg_args: bool    # and the xg kind (xg_kind)
     block: tuple[int]
-    args: tuple[Any, ...]  # the launch's arguments that depend on the weight and the plan alone (`_gemm`)
+    # the kernel arguments that depend on the weight and the plan alone, in `_gemm`'s argument order:
+    weight_args: tuple[Any, ...]  # codes, scales, tensor scale
+    shape_args: tuple[Any, ...]   # N, K, Kp, row bytes of codes and scales, expert strides of codes and scales
+    tile_args: tuple[Any, ...]    # row tiles, chunks a split
+    stream_arg: Any               # stream-K or tile grid
 
 
 def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu: bool) -> _Launch:
@@ -594,15 +595,15 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     def stride(a: Any) -> int:
         return a.strides[0] if a.ndim == 3 else 0
 
-    args = ((w.codes, sc if sc is not None else null(), F32(w.tensor_scale)),
-            ((I32(w.N), I32(w.K), I32(w.Kp), I64(w.codes.shape[-1] * w.codes.itemsize),
-              I64(sc.shape[-1] if sc is not None else 0), I64(stride(w.codes)), I64(stride(sc) if sc is not None else 0)),
-             (I32(mtiles), I32(plan.cps)), (I32(int(plan.stream)),)))
     out = _Launch(plan=plan, func=func,
                   launch=pdl.launch if w.persistent and kernel_knows(src, "pdl_wait") else pdl.plain,
-                  warps=warps, mtiles=mtiles, nrb=-(-w.N // (16 * warps)), smem=smem,
-                  fuses=kernel_knows(src, "nsq_tiles"), xg_args=kernel_knows(src, "xg_kind"),
-                  block=(32 * warps,), args=args)
+                  warps=warps, nrb=-(-w.N // (16 * warps)), smem=smem,
+                  fuses=kernel_knows(src, "nsq_tiles"), xg_args=kernel_knows(src, "xg_kind"), block=(32 * warps,),
+                  weight_args=(w.codes, sc if sc is not None else null(), F32(w.tensor_scale)),
+                  shape_args=(I32(w.N), I32(w.K), I32(w.Kp), I64(w.codes.shape[-1] * w.codes.itemsize),
+                              I64(sc.shape[-1] if sc is not None else 0), I64(stride(w.codes)),
+                              I64(stride(sc) if sc is not None else 0)),
+                  tile_args=(I32(mtiles), I32(plan.cps)), stream_arg=I32(int(plan.stream)))
     if state is not None:
         if len(cache) > 64:
             cache.clear()
@@ -679,10 +680,9 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     m = x.shape[0]
-    tune = tune_for(w.fmt)
-    if DENSE_ROWS < m <= tune["split_rows"] and w.N and w.K:  # skinny kernels on slices of rows (TUNE, above)
+    if m > DENSE_ROWS and m <= tune_for(w.fmt)["split_rows"] and w.N and w.K:  # skinny kernels on row slices (TUNE)
         y = empty((m, w.N), out_dtype)
-        piece = max(1, min(int(tune["split_piece"]), DENSE_ROWS))
+        piece = max(1, min(int(tune_for(w.fmt)["split_piece"]), DENSE_ROWS))
         for r0 in range(0, m, piece):
             _gemm(x[r0:r0 + piece], w, y[r0:r0 + piece], bias=bias)
         return y

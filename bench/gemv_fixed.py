@@ -33,6 +33,7 @@ from gemv_sweep import L2_CYCLE, precompile, tuned  # bench/gemv_sweep.py
 from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend import pdl
 from kernels import get_kernel
 
 FAMILIES: dict[str, list[tuple[int, int]]] = {  # [N, K] of each size
@@ -103,7 +104,7 @@ def probe_times(sizes: list[int]) -> list[float]:
 
 def main() -> None:
     fmt = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
-    os.environ.setdefault("DECAPYBARA_PDL", "1")
+    pdl.MODE["pdl"] = os.environ.get("DECAPYBARA_PDL", "1")
     copy_bw = bench_roofline() * 1e9
     variants: list[tuple[str, dict, tuple]] = [(name, t, ()) for name, t in TUNES.items()]
     variants += [(name, {}, tuple(tuple(d) for d in defs)) for name, defs in DEFINES.items()]

@@ -28,6 +28,7 @@ from gemv_fixed import weight_chain  # bench/gemv_fixed.py
 from gemv_sweep import tuned  # bench/gemv_sweep.py
 
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend import pdl
 from decapybara.backend.cuda_graph import capture_graph
 from kernels import load_module
 
@@ -66,7 +67,7 @@ def trace_pair(fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, int]:
 
 def main() -> None:
     fmt = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
-    os.environ.setdefault("DECAPYBARA_PDL", "1")
+    pdl.MODE["pdl"] = os.environ.get("DECAPYBARA_PDL", "1")
     read_bw = ex.bandwidth_probe(1 << 30, repeats=3)["read_GBps"] * 1e9
     res: dict[str, Any] = {"read_GBps": read_bw / 1e9, "defines": EXTRA, "tune": TUNE}
     for name, shape in SHAPES.items():

@@ -32,6 +32,7 @@ from decapybara.backend import cupy_attention as ca
 from decapybara.backend import cupy_backend as cb
 from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend import pdl
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 from decapybara.backend.gemv_plan import merge_tune
 
@@ -64,7 +65,7 @@ def main() -> None:
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
             for r in range(ROUNDS) for name, pdl_env in SETTINGS.items() for tname, tune in TUNES.items()]
     for name, pdl_env, tune in runs:
-        os.environ["DECAPYBARA_PDL"] = pdl_env
+        pdl.MODE["pdl"] = pdl_env
         tune = dict(tune)
         cb.PAIRS.update({**base_pairs, **tune.pop("pairs", {})})
         cd.FUSED_DECODE.update({**base_dn, **tune.pop("deltanet", {})})
@@ -83,7 +84,7 @@ def main() -> None:
         print(name, {k: round(v, 3) for k, v in res[name].items()}, "graph steps:", runner.stats["graph_steps"], "failures:", runner.stats["failures"])
         runner = None
         cp.get_default_memory_pool().free_all_blocks()
-    os.environ.pop("DECAPYBARA_PDL", None)
+    pdl.MODE["pdl"] = os.environ.get("DECAPYBARA_PDL", "1")
     ex.TUNE.clear()
     ex.TUNE.update(base_tune)
     cb.PAIRS.update(base_pairs)

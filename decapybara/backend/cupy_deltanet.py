@@ -43,7 +43,7 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # 128) the q / k norms in one (`conv1d_silu_gates`), the conv state update and `deltanet_core_gated`'s gated RMS
 # norm in one (`gdn_finish`): three launches fewer a DeltaNet layer of an eager step, whose time is mostly its
 # launches' host time (docs/perf.md, twenty-eighth session).
-FUSED_PREFILL: dict[str, Any] = {"enabled": True}
+FUSED_PREFILL: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_FUSED_PREFILL", "1") != "0"}
 # other forwards at float arithmetic (the bf16 backend) whose head dims are multiples of 16 (dk + dv <= 256): the
 # chunked form on tensor cores (kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that

@@ -323,10 +323,6 @@ def _stream_counters(device: int, stream: int) -> Any:
 # than the plain product's, so other K split points: the same products within float32 rounding.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
-# `split_rows` (0: off): products of DENSE_ROWS + 1 up to this many rows run the skinny kernels on slices of
-# `split_piece` rows (the last one the rest) instead of dequantising the whole weight to bf16 for a cuBLAS GEMM
-# (`mx_linear`): the 4-bit codes read once a slice against the bf16 copy written and read back. Off until
-# measured (a prompt's chunk of 65-256 tokens beside decode rows; bench/host_step.py, docs/perf.md).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -336,9 +332,9 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "split_rows": 0, "split_piece": 64,
+    "swiglu_warps": 0,
 })  # the H200 sweeps' best (docs/perf.md)
-TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE", "{}"))))  # e.g. '{"warps": 4}'
+TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
 
 
@@ -660,9 +656,8 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     (default x's; float32 for NormedRows). Weights dequantised in registers; x is rounded to bf16; float32
     accumulation.
     x may be `NormedRows`: a product of at most FUSED_ROWS rows takes them as they are (one launch), others
-    materialise them. Past DENSE_ROWS rows the weight is dequantised to bf16 for a cuBLAS GEMM, or, up to TUNE
-    `split_rows`, the skinny kernels run on slices of `split_piece` rows (each slice's bytes those of its rows'
-    own product)."""
+    materialise them. Past DENSE_ROWS rows the weight is dequantised to bf16 for a cuBLAS GEMM (the skinny
+    kernels on slices of 64 rows took 1.2-3.1x the GPU time at 75-256 rows, docs/perf.md)."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
     norm = None
@@ -680,12 +675,6 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     m = x.shape[0]
-    if m > DENSE_ROWS and m <= tune_for(w.fmt)["split_rows"] and w.N and w.K:  # skinny kernels on row slices (TUNE)
-        y = empty((m, w.N), out_dtype)
-        piece = max(1, min(int(tune_for(w.fmt)["split_piece"]), DENSE_ROWS))
-        for r0 in range(0, m, piece):
-            _gemm(x[r0:r0 + piece], w, y[r0:r0 + piece], bias=bias)
-        return y
     if m > DENSE_ROWS and w.fmt in BF16_EXACT + BF16_EXACT_SCALED and w.N and w.K:
         # prefill-sized: the weights' exact bf16 values once, then a tensor-core cuBLAS GEMM (bf16 operands,
         # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16); NVFP4's tensor

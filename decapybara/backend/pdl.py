@@ -9,8 +9,8 @@ edge, so CUDA-graph decode steps keep it.
 
 `launch(kernel, grid, block, args)` goes through the driver's ``cuLaunchKernelEx`` with the
 programmatic-stream-serialization attribute when `enabled()`: compute capability 9.0 or newer, a driver
-that exports it, and $DECAPYBARA_PDL: ``0`` never, ``1`` (the default) while `capturing()` (the decode graphs,
-`cuda_graph.capture_graph`), ``always`` also for eager launches. Otherwise (and for kernels without a driver
+that exports it, and `MODE["pdl"]` (from $DECAPYBARA_PDL at import): ``0`` never, ``1`` (the default) while
+`capturing()` (the decode graphs, `cuda_graph.capture_graph`), ``always`` also for eager launches. Otherwise (and for kernels without a driver
 handle, e.g. on the host emulator) it is `plain`, the CuPy launch. Either way the kernel computes the same
 values: under a plain launch `pdl_wait()` returns at once. Graphs only, not eager steps: an eager step is
 bound by its Python launches, where the ctypes launch costs more than CuPy's and the overlap gains nothing.
@@ -36,6 +36,8 @@ import numpy as np
 
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 _STATE = threading.local()  # depth: nesting of `capturing()` on this thread
+# the overlap mode (module docstring), read once: an eager step asks at every launch
+MODE: dict[str, str] = {"pdl": os.environ.get("DECAPYBARA_PDL", "1")}
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union (8-aligned)
@@ -106,7 +108,7 @@ def _device_ok(device: int) -> bool:
 
 def enabled() -> bool:
     """Whether `launch` overlaps kernels now (see the module docstring)."""
-    mode = os.environ.get("DECAPYBARA_PDL", "1")
+    mode = MODE["pdl"]
     if mode not in ("1", "always") or (mode == "1" and not getattr(_STATE, "depth", 0)) or getattr(_STATE, "serial", 0):
         return False
     try:

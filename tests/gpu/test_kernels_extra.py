@@ -139,26 +139,6 @@ def test_nvfp4_past_dense_rows_is_a_cublas_product_scaled_by_alpha(monkeypatch):
     assert_close(got, skinny, 1e-5, "nvfp4: cuBLAS against the skinny kernels")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_split_rows_run_the_skinny_kernels_on_slices(fmt, monkeypatch):
-    """Products of DENSE_ROWS + 1 up to TUNE `split_rows` rows run the skinny kernels on slices of `split_piece`
-    rows, not cuBLAS: against numpy, and each slice byte for byte its own rows' product."""
-    rng = np.random.default_rng(zlib.crc32(f"split-rows-{fmt}".encode()))
-    wq, w_ref = random_weight(rng, fmt, (192, 512))
-    w = ex.pack_weight(wq)
-    monkeypatch.setattr(ex, "gemm_bf16", lambda *a, **k: pytest.fail("cuBLAS ran"))
-    monkeypatch.setitem(ex.TUNE, "split_rows", 160)
-    for m, piece in ((65, 64), (75, 64), (130, 48), (160, 32)):
-        monkeypatch.setitem(ex.TUNE, "split_piece", piece)
-        x = rng.standard_normal((m, 512)).astype(np.float32)
-        xd = cp.asarray(x)
-        y = ex.mx_linear(xd, w, out_dtype=cp.float32)
-        assert_close(host(y), bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"{fmt} M{m} in slices of {piece}")
-        for r0 in range(0, m, piece):
-            assert_bytes_equal(y[r0:r0 + piece], ex.mx_linear(xd[r0:r0 + piece], w, out_dtype=cp.float32),
-                               f"{fmt} M{m} rows {r0}..")
-
-
 # launch / kernel knobs of mx_gemm; each case runs with `small_bytes` 0 (the default) unless it sets its own
 TUNE_CASES = [
     ({"acc": 2}, (700, 1536)), ({"acc": 2, "policy": "balance"}, (700, 1536)), ({"ksplit": 3, "acc": 2}, (700, 1536)),

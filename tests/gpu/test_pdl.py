@@ -42,7 +42,7 @@ PAGE, KV_PAGES = 8, 40  # the tiny models' KV cache: keys a page, pages (the las
 def overlapping(monkeypatch):
     """No poisoning fills between kernels; a list that counts the overlapped launches (cuLaunchKernelEx)."""
     monkeypatch.setattr(ops, "POISON", False)
-    monkeypatch.delenv("DECAPYBARA_PDL", raising=False)
+    monkeypatch.setitem(pdl.MODE, "pdl", "1")
     calls, real = [], pdl._launch_ex()
     if real is not None:
         monkeypatch.setattr(pdl, "_launch_ex", lambda: (lambda *a: calls.append(1) or real(*a)))
@@ -125,18 +125,18 @@ def assert_same_bytes(got, ref, name):
 
 
 def test_pdl_modes(monkeypatch):
-    """With DECAPYBARA_PDL=1 (the default) while a graph is captured; with always everywhere; never with 0."""
+    """With MODE "1" (the default, $DECAPYBARA_PDL) while a graph is captured; with always everywhere; never with 0."""
     cc = int(cp.cuda.Device().compute_capability)
     func = kernels.get_kernel("mx_gemv", "mx_gemm_bf16_1", ex.gemm_defines(ex.tune_for("bf16"), "bf16"))
     assert pdl._function_handle(func) is not None, "no CUfunction handle on the CuPy kernel"
     assert not pdl.enabled()  # the default (1), not capturing
-    monkeypatch.setenv("DECAPYBARA_PDL", "1")
+    monkeypatch.setitem(pdl.MODE, "pdl", "1")
     assert not pdl.enabled()  # not capturing
-    monkeypatch.setenv("DECAPYBARA_PDL", "always")
+    monkeypatch.setitem(pdl.MODE, "pdl", "always")
     assert pdl.enabled() == (cc >= 90)
-    monkeypatch.setenv("DECAPYBARA_PDL", "0")
+    monkeypatch.setitem(pdl.MODE, "pdl", "0")
     assert not pdl.enabled()
-    monkeypatch.setenv("DECAPYBARA_PDL", "1")
+    monkeypatch.setitem(pdl.MODE, "pdl", "1")
     seen = []
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
     capture_graph(lambda: seen.append(pdl.enabled()) or cp.zeros(4), stream, pool)
@@ -161,11 +161,11 @@ def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch, overlap
     x = cp.asarray(rng.standard_normal((m, d)).astype(np.float32))  # the graph's static input
 
     def run(overlap):
-        monkeypatch.setenv("DECAPYBARA_PDL", "always" if overlap else "0")
+        monkeypatch.setitem(pdl.MODE, "pdl", "always" if overlap else "0")
         return _chain(x, norm_w, weights, gate_up, down)
 
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    monkeypatch.setenv("DECAPYBARA_PDL", "1")
+    monkeypatch.setitem(pdl.MODE, "pdl", "1")
     graph, out = capture_graph(lambda: _chain(x, norm_w, weights, gate_up, down), stream, pool)
     captured = len(overlapping)
     assert captured >= 2 * len(weights) + 4, f"{captured} overlapped launches in the capture"
@@ -193,7 +193,7 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, m
         for name in ("eager 0", "eager 1", "graph 0", "graph 1"):
             kind, flag = name.split()
             restore()
-            monkeypatch.setenv("DECAPYBARA_PDL", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
+            monkeypatch.setitem(pdl.MODE, "pdl", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
             fwd = model.forward if kind == "eager" else runners[flag].forward
             logits = cp.asnumpy(fwd(batch, kv, states).logits)
             results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)

@@ -140,8 +140,9 @@ def test_prefill_attention_builds_pass_on_the_emulator():
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
 def test_launch_caches_pass_on_the_emulator():
-    """What eager launches keep between calls (launch recipes on the weights, TUNE's resolved tunings, kernel
-    handles, the NULL argument) is reused while TUNE stays and rebuilt when it changes, never copied with a
-    weight, the products right throughout: its GPU test file, through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_launch_cache.py"], "launch or tune or kernel or layout")
-    assert "6 passed" in out, out[-3000:]
+    """What eager launches keep between calls (launch recipes on the weights, the large products' dequantisation,
+    TUNE's resolved tunings, kernel handles, the NULL argument) is reused while TUNE and the weight's arrays stay
+    and rebuilt when they change, never copied with a weight, the products right throughout: its GPU test file,
+    through the emulator plugin."""
+    out, _ = run_on_emulator(["tests/gpu/test_launch_cache.py"], "launch or tune or kernel or layout or dequantisation")
+    assert "8 passed" in out, out[-3000:]

@@ -25,7 +25,7 @@ CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 14, 68, -1
 def check(a: Any, dtype: Any, name: str, ndim: int | None = None) -> None:
     """Assert `a` is a C-contiguous device array of `dtype` (and `ndim`)."""
     assert isinstance(a, cp.ndarray), f"{name}: expected a cupy array, got {type(a).__name__}"
-    assert a.dtype == np.dtype(dtype), f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}"
+    assert a.dtype == dtype, f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}"
     assert a.flags.c_contiguous, f"{name}: not C-contiguous (shape {a.shape}, strides {a.strides})"
     assert ndim is None or a.ndim == ndim, f"{name}: {a.ndim}-D, expected {ndim}-D (shape {a.shape})"
 
@@ -372,8 +372,7 @@ def _product_dims(x: Any, w: Any, dtype: Any) -> tuple[int, int, int]:
 def gemm_bf16(x_bits: Any, w_bits: Any, alpha: float = 1.0) -> Any:
     """alpha * (x [T, K] @ w [N, K]^T) with bf16 operands (uint16 bits), float32 accumulation and output [T, N]
     (alpha scales the float32 sums in cuBLAS's epilogue)."""
-    from cupy_backends.cuda.libs import cublas
-
+    cublas = _cublas()
     t, n, k = _product_dims(x_bits, w_bits, np.uint16)
     y = empty((t, n), cp.float32)
     if t == 0 or n == 0:
@@ -381,7 +380,7 @@ def gemm_bf16(x_bits: Any, w_bits: Any, alpha: float = 1.0) -> Any:
     if k == 0:
         y.fill(0)
         return y
-    one, zero = np.full(1, alpha, np.float32), np.zeros(1, np.float32)
+    one, zero = _host_scalar(float(alpha)), _host_scalar(0.0)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -390,6 +389,19 @@ def gemm_bf16(x_bits: Any, w_bits: Any, alpha: float = 1.0) -> Any:
                   CUDA_R_16BF, k, dev_ptr(x_bits), CUDA_R_16BF, k, zero.ctypes.data, dev_ptr(y), CUDA_R_32F, n,
                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return y
+
+
+@functools.cache
+def _cublas() -> Any:
+    from cupy_backends.cuda.libs import cublas
+
+    return cublas
+
+
+@functools.cache
+def _host_scalar(value: float) -> np.ndarray:
+    """A float32 [1] host array of `value` that stays alive (cuBLAS reads it at the call, host pointer mode)."""
+    return np.full(1, value, np.float32)
 
 
 def gemv_f32(x: Any, w: Any, bias: Any = None) -> Any:

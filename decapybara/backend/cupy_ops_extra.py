@@ -680,8 +680,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16); NVFP4's tensor
         # scale is the GEMM's alpha (on each float32 sum, where the reference rounds each weight times it)
         scaled = w.fmt in BF16_EXACT_SCALED
-        wb = w.codes if w.fmt == "bf16" else mx_dequant(replace(w, tensor_scale=1.0) if scaled else w,
-                                                       out_dtype=cp.uint16)
+        wb = w.codes if w.fmt == "bf16" else mx_dequant(_unscaled(w) if scaled else w, out_dtype=cp.uint16)
         xb = x if x.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(x, dtype=cp.float32))
         y = gemm_bf16(xb, wb, alpha=w.tensor_scale if scaled else 1.0)
         y = y + bias if bias is not None else y
@@ -690,6 +689,16 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     if x.shape[0] and w.N:
         _gemm(x, w, y, bias=bias, norm=norm)
     return y
+
+
+def _unscaled(w: PackedWeight) -> PackedWeight:
+    """`w` with tensor scale 1 (NVFP4's large-M path applies it as the GEMM's alpha), kept in `w`'s cache so that
+    its own cache (the dequantisation's recipe) lives as long."""
+    d = _cache(w)
+    u = d.get("unscaled")
+    if u is None:
+        u = d["unscaled"] = replace(w, tensor_scale=1.0)
+    return u
 
 
 def mx_linear_add_norm(x: Any, w: PackedWeight, bias: Any, residual: Any, norm_weight: Any, eps: float,
@@ -728,6 +737,17 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
     anything else from `mx_dequant_rows`: the same bits either way."""
     _check_packed(w)
     assert len(w.shape) == 2
+    if rows is None and out_dtype is cp.uint16:  # the large-M path of mx_linear, once a product: its recipe
+        d = _cache(w)
+        key = ("dequant_bf16", cp.cuda.runtime.getDevice())
+        launch = d.get(key)
+        if launch is None:
+            launch = d[key] = _dequant_launch(w) if dequant_bf16_ok(w) and w.N * w.K else ()
+        if launch:
+            out = empty((w.N, w.K), np.uint16)
+            func, grid, args = launch
+            func(grid, (DQ_THREADS,), (*args, out))
+            return out
     if rows is not None:
         check(rows, np.int64, "rows", 1)
     r = w.N if rows is None else rows.shape[0]
@@ -757,12 +777,17 @@ def dequant_bf16(w: PackedWeight, out: Any, defines: Any = MX_NO_GEMM, octets: i
     assert dequant_bf16_ok(w), f"{w.fmt} {w.shape}: not for mx_dequant_bf16"
     check(out, np.uint16, "out", 2)
     assert out.shape == (w.N, w.K), f"out {out.shape} for {w.shape}"
+    if w.N * w.K:
+        func, grid, args = _dequant_launch(w, defines, octets)
+        func(grid, (DQ_THREADS,), (*args, out))
+
+
+def _dequant_launch(w: PackedWeight, defines: Any = MX_NO_GEMM, octets: int = DQ_OCTETS) -> tuple[Any, tuple, tuple]:
+    """(kernel, grid, the arguments before `out`) of `mx_dequant_bf16` over all of `w` (`dequant_bf16_ok`)."""
     octs = w.N * (w.K // 8)
-    if octs:
-        get_kernel("mx_gemv", "mx_dequant_bf16", defines)(
-            (-(-octs // (DQ_THREADS * octets)),), (DQ_THREADS,),
+    return (get_kernel("mx_gemv", "mx_dequant_bf16", defines), (-(-octs // (DQ_THREADS * octets)),),
             (w.codes, w.scales, F32(w.tensor_scale), I32(FMT_IDS[w.fmt]), I32(int(w.e2m1_split)),
-             I32(int(w.tiled)), I32(w.N), I32(w.K), I64(w.codes.shape[-1]), I64(w.scales.shape[-1]), out))
+             I32(int(w.tiled)), I32(w.N), I32(w.K), I64(w.codes.shape[-1]), I64(w.scales.shape[-1])))
 
 
 def dequant_rows(w: PackedWeight, rows: Any, out: Any) -> None:

@@ -1,8 +1,9 @@
 """What eager launches keep between calls (GPU only): a product's launch recipe on its weight
-(`cupy_ops_extra._launch_of`, `PackedWeight.launches`), TUNE's resolved tunings (`tune_for`), kernel handles
-(`kernels.get_kernel`) and the NULL argument (`cupy_ops.null`). Each is reused while nothing it derives from
-changed, and rebuilt when TUNE changes by any route (item set, replacement by a plain dict, monkeypatch's undo),
-so that the products computed after a change are those of the new tuning, against numpy.
+(`cupy_ops_extra._launch_of`, `PackedWeight.launches`; past DENSE_ROWS rows its bf16 dequantisation), TUNE's
+resolved tunings (`tune_for`), kernel handles (`kernels.get_kernel`) and the NULL argument (`cupy_ops.null`).
+Each is reused while nothing it derives from changed, and rebuilt when TUNE changes by any route (item set,
+replacement by a plain dict, monkeypatch's undo), so that the products computed after a change are those of the
+new tuning, against numpy.
 """
 
 from __future__ import annotations
@@ -126,3 +127,28 @@ def test_copies_start_without_cached_launches():
         fresh = type(ex.TUNE)(ex.TUNE)
         assert fresh.version not in versions
         versions.add(fresh.version)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_large_products_keep_their_dequantisation(fmt, monkeypatch):
+    """Past DENSE_ROWS rows a product dequantises its weight to bf16 for cuBLAS from a recipe kept on the weight
+    (no kernel lookup after the first; NVFP4 through one tensor-scale-1 twin); new codes rebuild it, and the
+    products match numpy before and after."""
+    rng = np.random.default_rng(zlib.crc32(f"large-{fmt}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (320, 512))
+    w = ex.pack_weight(wq)
+    m = ex.DENSE_ROWS + 36
+    x = rng.standard_normal((m, 512)).astype(np.float32)
+    _product(w, x, w_ref, f"{fmt} first")
+    looked_up = []
+    monkeypatch.setattr(ex, "get_kernel", lambda *a, real=ex.get_kernel: looked_up.append(a[1]) or real(*a))
+    _product(w, x, w_ref, f"{fmt} again")
+    assert "mx_dequant_bf16" not in looked_up, looked_up
+    if fmt == "nvfp4":
+        assert ex._unscaled(w) is ex._unscaled(w) and ex._unscaled(w).tensor_scale == 1.0
+        assert ex._unscaled(w).launches, "the twin keeps no recipe"
+    wq2, w_ref2 = random_weight(rng, fmt, (320, 512))
+    w2 = ex.pack_weight(wq2)
+    w.codes, w.scales, w.tensor_scale = w2.codes, w2.scales, w2.tensor_scale
+    _product(w, x, w_ref2, f"{fmt} new codes")
+    assert "mx_dequant_bf16" in looked_up

@@ -50,11 +50,13 @@ FUSED_PREFILL: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_
 # divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 2: the next
 # chunk's copies in flight from the start of the chunk before, 192 KB at dk 128, 1 where the device's shared
 # memory a block does not hold that (`scan_wq_bufs`); the same bits; 27B layer at 2,048 rows 0.858 -> 0.705 ms,
-# docs/perf.md twenty-seventh session);
+# docs/perf.md twenty-seventh session); "min_len" 256 (was 512): 27B MXFP4 steps of a 256-token chunk 5.3% (at the
+# start) and 8.7% (after 16k beside 11 decode rows) faster on the H200, whose eager steps of 64+ rows are bound by
+# their GPU work, not their launches (docs/perf.md, twenty-ninth session);
 # "defines": extra compile-time defines of both kernels (measurement: CHUNK_DIAG).
 # DECAPYBARA_DELTANET_CHUNKED=0 turns it off; DECAPYBARA_DELTANET_CHUNKED_MIN sets "min_len".
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0",
-                           "min_len": int(os.environ.get("DECAPYBARA_DELTANET_CHUNKED_MIN", "512")),
+                           "min_len": int(os.environ.get("DECAPYBARA_DELTANET_CHUNKED_MIN", "256")),
                            "warps": None, "wq_bufs": 2, "defines": {}}
 
 

@@ -12,7 +12,8 @@ HOST_REPS (9) of each (medians; every sample printed):
 - gpu: CUDA events around the forward, enqueued behind a spin kernel that holds the stream until the host is
   done, so the span is the GPU's work alone (unless the forward synchronizes inside).
 Then, with HOST_PROFILE=N, cProfile of HOST_REPS forwards (no synchronize inside): the top N functions by own
-time and by cumulative time. A table of ratios (wall / gpu-alone, host / wall) ends the output; JSON to
+time and by cumulative time. A table of ratios (wall / gpu-alone, host / wall) ends the output, with the host's
+speed before and after the cases (`host_speed`: a fixed Python loop, to tell a noisy process); JSON to
 $OUT/host_step.json.
 """
 
@@ -98,6 +99,25 @@ def _spin(ms: float) -> None:
     _SPIN((1,), (1,), (np.int64(ms * rate),))
 
 
+def host_speed(reps: int = 7) -> float:
+    """ms of a fixed pure-Python loop (dict lookups, calls, small tuples: what a forward's wrappers do), median of
+    `reps`: how fast this process's host runs now. The device machine is a virtual machine whose host speed moves
+    between processes and within one (docs/perf.md, twenty-ninth session); a slow figure here marks a noisy run."""
+    d = {i: i for i in range(256)}
+
+    def f(a, b):
+        return (a, b)
+
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        acc = 0
+        for i in range(100_000):
+            acc += len(f(d[i & 255], i))
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def profile_case(fwd, reps: int, top: int) -> str:
     prof = cProfile.Profile()
     cp.cuda.Device().synchronize()
@@ -121,6 +141,8 @@ def main() -> None:
     B.fill_random(kv, states)
     model = B.build_model(variant)
     results = {}
+    speed = [host_speed()]
+    print(f"host speed: {speed[0]:.2f} ms a fixed Python loop (lower is faster)", flush=True)
     for case in CASES:
         tokens, start, rows = parse(case)
         fb = batch(tokens, start, rows)
@@ -133,8 +155,12 @@ def main() -> None:
             print(f"   {name}: " + " ".join(f"{v:.1f}" for v in r[name]))
         if TOP:
             print(profile_case(fwd, REPS, TOP), flush=True)
-    print(f"\n{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")
-    for case, r in results.items():
+    speed.append(host_speed())
+    results["host_speed_ms"] = speed
+    print(f"\nhost speed before / after the cases: {speed[0]:.2f} / {speed[1]:.2f} ms a fixed Python loop")
+    print(f"{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")
+    for case in CASES:
+        r = results[case]
         print(f"{case:<18}{r['wall_ms']:>9.2f}{r['host_ms']:>9.2f}{r['gpu_ms']:>9.2f}"
               f"{r['wall_ms'] / r['gpu_ms']:>9.2f}{r['host_ms'] / r['wall_ms']:>10.2f}")
     dest = os.environ.get("OUT")

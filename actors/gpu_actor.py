@@ -32,7 +32,7 @@ class GPUActor:
         if self.cuda:  # packed quantised weights on the mx_gemv kernels; decode steps as CUDA graphs
             from decapybara.backend.cuda_factory import cuda_backend
 
-            backend = cuda_backend("bf16")
+            backend = cuda_backend("bf16", prefill_weights=cfg.prefill_weights)
         else:
             from decapybara.backend.numpy_backend import NumpyBackend
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from decapybara.cli import make_parser
 from decapybara.server.cli_serve import app_args
 from decapybara.server.config import AppConfig
@@ -27,6 +29,16 @@ def test_snapshot_memory_setting():
     assert AppConfig().engine_config(cuda=False).snapshot_budget_bytes is None  # the engine's default
     assert AppConfig(snapshot_memory_gb="0.5").engine_config(cuda=False).snapshot_budget_bytes == 2**29
     assert AppConfig(snapshot_memory_gb="0").engine_config(cuda=False).snapshot_budget(10) == 0
+
+
+def test_prefill_weights_setting():
+    """`--set prefill_weights=bf16` reaches the app config (the GPU actor's CUDA backend keeps bf16 copies of the
+    quantised product weights); anything but packed / bf16 is refused."""
+    args = make_parser().parse_args(["serve", "--set", "prefill_weights=bf16"])
+    assert AppConfig(**app_args(args)).prefill_weights == "bf16"
+    assert AppConfig().prefill_weights == "packed"
+    with pytest.raises(ValueError, match="prefill_weights"):
+        AppConfig(prefill_weights="fp8")
 
 
 def test_bad_serve_flags_exit_with_2_before_starting_anything():

@@ -146,3 +146,13 @@ def test_launch_caches_pass_on_the_emulator():
     through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_launch_cache.py"], "launch or tune or kernel or layout or dequantisation")
     assert "8 passed" in out, out[-3000:]
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_bf16_prefill_weights_pass_on_the_emulator():
+    """Prefill weights in bf16 (`prefill_weights=bf16`): the kept values are the dequantisation's bits, large
+    products read them and give the same bytes, and a hybrid model's logits with them are the packed-only
+    model's, byte for byte: cases of its GPU test file, through the emulator plugin."""
+    out, _ = run_on_emulator(["tests/gpu/test_dense_prefill.py"],
+                             "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked")
+    assert "5 passed" in out, out[-3000:]

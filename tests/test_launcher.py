@@ -139,6 +139,37 @@ def test_cli_plan_named_config(capsys):
            "--kv-mode 16/16 --set num_pages=" in out
 
 
+def test_cli_plan_counts_bf16_prefill_weights(capsys):
+    """--prefill-weights bf16: the quantised product weights' bf16 copies (2 bytes a weight of every 2-D
+    `*_proj.weight` stored in fewer) come out of the KV pool; bf16 weights need none; the serve command asks for
+    them only where the chosen weights are quantised."""
+    cfg = named_config("qwen3.8-27b")
+    from decapybara.model.weights import expected_tensors, is_product_weight
+
+    shapes = dict(expected_tensors(cfg))
+    small, bf16 = C.preset_tensor_bytes(cfg, "small"), C.preset_tensor_bytes(cfg, "bf16")
+    dense = C.dense_prefill_bytes(shapes, small)
+    products = [n for n, sh in shapes.items() if is_product_weight(n) and len(sh) == 2]
+    assert any(".in_proj_qkv." in n for n in products) and not any("embed" in n or "lm_head" in n for n in products)
+    assert dense == sum(2 * math.prod(shapes[n]) for n in products if small[n] < 2 * math.prod(shapes[n]))
+    assert 40e9 < dense < 60e9  # the 27B's products, ~25 billion weights
+    assert C.dense_prefill_bytes(shapes, bf16) == 0
+    args = ["plan", "--config", "qwen3.8-27b", "--vram-gb", "141", "--bandwidth-gbps", "4200", "--slots", "12",
+            "--context", "32768", "--kv-mode", "6/4"]
+    pools = {}
+    for pw in ("packed", "bf16"):
+        assert main([*args, "--weights", "small", "--prefill-weights", pw]) == 0
+        out = capsys.readouterr().out
+        row = next(ln for ln in out.splitlines() if ln.startswith("small"))
+        pools[pw] = int(row.split()[5].replace(",", ""))
+        assert ("--set prefill_weights=bf16" in out) == (pw == "bf16")
+        assert ("prefill weights in bf16: small +" in out) == (pw == "bf16")
+    page_bytes = C.kv_bytes_per_token(cfg, "6/4") * 512
+    assert pools["packed"] - pools["bf16"] == pytest.approx(dense / page_bytes * 512, abs=512)
+    assert main([*args, "--weights", "bf16", "--prefill-weights", "bf16"]) == 0
+    assert "--set prefill_weights" not in capsys.readouterr().out
+
+
 def test_cli_plan_demo_file_with_quality(capsys):
     assert main(["plan", "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "4", "--context", "4096",
                  "--kv-mode", "6/4"]) == 0

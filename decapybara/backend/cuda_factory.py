@@ -14,7 +14,14 @@ class CupyPackedBackend(PackedWeightsMixin, CupyBackend):
     """CupyBackend whose kernel-ready quantised weights stay packed (see PackedWeightsMixin)."""
 
 
-def cuda_backend(dtype: str = "bf16", attention_splits: int | None = None) -> CupyPackedBackend:
+def cuda_backend(dtype: str = "bf16", attention_splits: int | None = None,
+                 prefill_weights: str = "packed") -> CupyPackedBackend:
     """A CupyPackedBackend: `dtype` "bf16" (serving) or "fp32" (the reference function, tests);
-    `attention_splits` forces split-K attention (tests). Raises ImportError without CuPy (at import)."""
-    return CupyPackedBackend(dtype, attention_splits)
+    `attention_splits` forces split-K attention (tests); `prefill_weights` "bf16": the quantised product
+    weights it loads also keep their bf16 values for prompt chunks (`PackedWeightsMixin.dense_prefill`), "packed"
+    not. Raises ImportError without CuPy (at import)."""
+    if prefill_weights not in ("packed", "bf16"):
+        raise ValueError(f"prefill_weights {prefill_weights!r}: packed or bf16")
+    backend = CupyPackedBackend(dtype, attention_splits)
+    backend.dense_prefill = prefill_weights == "bf16"
+    return backend

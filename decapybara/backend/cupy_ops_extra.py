@@ -50,6 +50,7 @@ from decapybara.backend.gemv_plan import (
 )
 from decapybara.backend.gemv_plan import tune_for as _tune_for
 from decapybara.engine.sample_edits import edit_lists, needs_edits
+from decapybara.model.weights import is_product_weight
 from kernels import KERNEL_DIR, get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
@@ -87,6 +88,9 @@ class PackedWeight:
     (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; kernels/mx_gemv.cu reads them
     under MX_TILED = 1), else row-major: needs N % 16 == 0 and whole 256-code chunks (`tile_layout`). Row slices
     of whole bands keep the layout.
+    `dense`: None, or the weight's values as bf16 bits [N, K] (NVFP4: without its tensor scale), the
+    dequantisation that products of more than DENSE_ROWS rows would make, made once at load
+    (`attach_dense`; the server's `prefill_weights=bf16`): such products read it instead.
     """
 
     fmt: str
@@ -97,6 +101,7 @@ class PackedWeight:
     persistent: bool = False
     e2m1_split: bool = False
     tiled: bool = False
+    dense: Any = field(default=None, repr=False, compare=False)
     # what eager launches derive from this weight (`_cache`: `_launch_of`'s recipes, the layout checks), valid
     # for the arrays and layout fields it was made for; never copied (`dataclasses.replace`, copy, pickle)
     launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -680,7 +685,8 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16); NVFP4's tensor
         # scale is the GEMM's alpha (on each float32 sum, where the reference rounds each weight times it)
         scaled = w.fmt in BF16_EXACT_SCALED
-        wb = w.codes if w.fmt == "bf16" else mx_dequant(_unscaled(w) if scaled else w, out_dtype=cp.uint16)
+        wb = (w.codes if w.fmt == "bf16" else w.dense if w.dense is not None
+              else mx_dequant(_unscaled(w) if scaled else w, out_dtype=cp.uint16))
         xb = x if x.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(x, dtype=cp.float32))
         y = gemm_bf16(xb, wb, alpha=w.tensor_scale if scaled else 1.0)
         y = y + bias if bias is not None else y
@@ -689,6 +695,16 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     if x.shape[0] and w.N:
         _gemm(x, w, y, bias=bias, norm=norm)
     return y
+
+
+def attach_dense(w: PackedWeight) -> bool:
+    """Keeps `w`'s bf16 values on it (`PackedWeight.dense`: what the large-M path of `mx_linear` would dequantise
+    at every product, the same bits) where that path dequantises it (a 2-D MX / NVFP4 weight the kernels
+    stream); whether it did. Costs 2 bytes a weight of device memory."""
+    if len(w.shape) != 2 or w.fmt not in BF16_EXACT + BF16_EXACT_SCALED or w.fmt == "bf16" or not gemm_ready(w):
+        return False
+    w.dense = mx_dequant(_unscaled(w) if w.fmt in BF16_EXACT_SCALED else w, out_dtype=cp.uint16)
+    return True
 
 
 def _unscaled(w: PackedWeight) -> PackedWeight:
@@ -829,13 +845,21 @@ class PackedWeightsMixin:
     """Backend mixin: kernel-ready QuantTensors stay packed and `linear` / `embedding` / `moe` send
     PackedWeights to the kernels above; anything else goes to the base backend. `class B(PackedWeightsMixin,
     CupyBackend)`. Activations stay float32 between ops, as CupyBackend keeps them, but for rows that only feed
-    skinny products (bf16 bits: CupyBackend `_reads_bf16`)."""
+    skinny products (bf16 bits: CupyBackend `_reads_bf16`).
+    `dense_prefill` (the server's `prefill_weights=bf16`): the products' quantised weights (`is_product_weight`:
+    not the embedding or the LM head) also keep their bf16 values (`attach_dense`; stacks of them, `concat_rows`,
+    stack those), so that prompt chunks of more than DENSE_ROWS rows skip the dequantisation a product: 2 bytes
+    a weight of device memory for a third of such a step's GPU work (docs/perf.md, twenty-ninth session)."""
+
+    dense_prefill = False
 
     def prepare_weight(self, name: str, value: Any) -> Any:
         if hasattr(value, "to_parts") and value.fmt in FMT_IDS and len(value.shape) >= 2:
             w = pack_weight(value)
             w.persistent = True  # a model weight, uploaded at load
             if gemm_ready(w):
+                if self.dense_prefill and is_product_weight(name):
+                    attach_dense(w)
                 return w
         return super().prepare_weight(name, value)  # type: ignore[misc]
 

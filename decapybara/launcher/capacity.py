@@ -152,6 +152,16 @@ def preset_tensor_bytes(cfg: ModelConfig, preset: str) -> dict[str, int]:
             for name, shape in expected_tensors(cfg).items()}
 
 
+def dense_prefill_bytes(shapes: dict[str, tuple[int, ...]], tensor_bytes: dict[str, int]) -> int:
+    """Device bytes the server's `prefill_weights=bf16` adds: the bf16 values (2 bytes a weight) of every
+    quantised 2-D product weight (`is_product_weight`, stored in fewer than 2 bytes a weight; the CUDA backend's
+    `PackedWeightsMixin.dense_prefill`)."""
+    from decapybara.model.weights import is_product_weight
+
+    return sum(2 * math.prod(shape) for name, shape in shapes.items()
+               if is_product_weight(name) and len(shape) == 2 and tensor_bytes.get(name, 0) < 2 * math.prod(shape))
+
+
 def float32_tensor_bytes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """What the numpy backend holds: every tensor expanded to float32."""
     return {name: 4 * math.prod(shape) for name, shape in shapes.items()}

@@ -24,6 +24,7 @@ from decapybara.launcher.capacity import (
     GIB,
     CapacityPlan,
     decode_roofline,
+    dense_prefill_bytes,
     float32_tensor_bytes,
     plan_capacity,
     preset_tensor_bytes,
@@ -46,6 +47,9 @@ def add_parser(sub: Any) -> None:
                    help=f"RAM tier budget in GiB (default: the server's ram_cache_gb, {RAM_CACHE_GB:g})")
     p.add_argument("--bandwidth-gbps", dest="bandwidth", type=float,
                    help="copy bandwidth in GB/s, read + write (default: measured by the probe)")
+    p.add_argument("--prefill-weights", dest="prefill_weights", choices=("packed", "bf16"), default="packed",
+                   help="bf16: also hold the quantised product weights as bf16 on the GPU (the server's "
+                        "prefill_weights=bf16: prompt chunks of 65+ tokens skip dequantising them), counted here")
     p.set_defaults(func=cmd_plan)
 
 
@@ -54,7 +58,7 @@ class Candidate:
     weights: str  # preset name, or the file's own weights
     stored_bytes: int  # as built (the file's size of weights)
     kv_mode: str
-    plan: CapacityPlan  # its weight_bytes: what the backend holds (float32 on the numpy backend)
+    plan: CapacityPlan  # its weight_bytes: what the backend holds (float32 on the numpy backend; + dense copies)
     tok_s_1: float
     tok_s_n: float
     kl: float | None = None
@@ -63,13 +67,15 @@ class Candidate:
 
 def candidates(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], kv_modes: list[str],
                slots: int, context: int, page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
-               quality: dict[tuple[str, str], tuple[float, float]] | None = None) -> list[Candidate]:
+               quality: dict[tuple[str, str], tuple[float, float]] | None = None,
+               extra: dict[str, int] | None = None) -> list[Candidate]:
     """Every (weights, KV mode) setting planned: `weights` maps a setting to the bytes of each tensor as the
-    backend holds them. Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is
-    0), quality where the table has the pair."""
+    backend holds them, `extra` to further resident bytes that decode does not read (the prefill weights' bf16
+    copies). Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
+    where the table has the pair."""
     out = []
     for name, tensors in weights.items():
-        resident = sum(tensors.values())
+        resident = sum(tensors.values()) + (extra or {}).get(name, 0)
         for mode in kv_modes:
             plan = plan_capacity(cfg, resident, device_bytes, mode, slots, context, page_size, ram_bytes)
             t1 = decode_roofline(cfg, tensors, mode, [context], bandwidth) if bandwidth > 0 else 0.0
@@ -95,11 +101,13 @@ def format_table(rows: list[Candidate], slots: int, context: int) -> list[str]:
             for r in cells]
 
 
-def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None) -> str:
+def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None, prefill_weights: str = "packed") -> str:
     """The `decapybara serve` line for a candidate: its exact pool (num_pages) and page size."""
     parts = ["decapybara serve"] + ([f"--model {model}"] if model else [])
     parts += [f"--slots {c.plan.slots}", f"--kv-mode {c.kv_mode}", f"--set num_pages={c.plan.pages}",
               f"--set page_size={c.plan.page_size}"]
+    if prefill_weights != "packed":
+        parts.append(f"--set prefill_weights={prefill_weights}")
     if ram_gb is not None:
         parts.append(f"--ram-cache-gb {ram_gb:g}")
     return " ".join(parts)
@@ -162,8 +170,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else machine.bandwidth
     page = args.page_size or (512 if on_gpu else 16)
     modes = [args.kv_mode] if args.kv_mode else list(KV_MODES)
+    dense = args.prefill_weights == "bf16" and on_gpu  # the numpy backend keeps no copies
+    extra = {name: dense_prefill_bytes(shapes, t) for name, t in weights.items()} if dense else None
     rows = candidates(cfg, weights, stored, modes, args.slots, args.context, page, device_bytes, ram, bandwidth,
-                      quality)
+                      quality, extra)
     print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
           f"{cfg.max_position_embeddings:,}-token positions")
@@ -172,6 +182,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), copy bandwidth {bw}; "
           f"RAM tier {ram / GIB:.1f} GiB; pages of {page} tokens"
           + ("" if on_gpu else "; weights held as float32 by the numpy backend"))
+    if extra:
+        print("prefill weights in bf16: " + ", ".join(f"{n} +{b / GIB:.1f} GiB" for n, b in extra.items())
+              + " of device memory (prompt chunks of 65+ tokens skip dequantising them)")
     snaps = rows[0].plan.snapshot_bytes
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
           f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; "
@@ -189,11 +202,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         best = max(pick, key=lambda c: (c.stored_bytes, c.plan.kv_token_bytes))
         print(f"most bits that fit (no quality table measured): {best.weights} weights, {best.kv_mode} KV")
-    line = serve_command(None, best, args.ram_gb)
+    pw = "bf16" if extra and extra.get(best.weights) else "packed"  # copies only where weights are quantised
+    line = serve_command(None, best, args.ram_gb, pw)
     if args.config:
         print(f"run: `decapybara build SRC OUT --weights {best.weights}`, then {line.replace('serve', 'serve --model OUT', 1)}")
     elif best.weights == own:
-        print(f"run: {serve_command(args.model, best, args.ram_gb)}")
+        print(f"run: {serve_command(args.model, best, args.ram_gb, pw)}")
     else:
         print(f"run: rebuild with `--weights {best.weights}` (this file is {own}), then serve it with "
               f"{line[len('decapybara serve '):]}")

@@ -97,6 +97,14 @@ def mtp_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     return t
 
 
+def is_product_weight(name: str) -> bool:
+    """Whether tensor `name` is the weight of one of a layer's linear products (q / k / v / o, gate / up / down,
+    the DeltaNet's in_proj_* and out_proj, shared experts' and MTP layers' likewise): `*_proj*.weight`, not the
+    embedding, the LM head, norms, convolutions or routers."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[2] == "weight" and "_proj" in parts[1]
+
+
 def expected_tensors(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, Shape]:
     """Every tensor the model needs, name -> shape, in a stable order (embeddings first, head last)."""
     t: dict[str, Shape] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}

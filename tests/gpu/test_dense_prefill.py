@@ -1,0 +1,107 @@
+"""Prefill weights in bf16 (the server's `prefill_weights=bf16`; GPU only): the quantised product weights keep
+their bf16 values (`cupy_ops_extra.attach_dense`, `PackedWeightsMixin.dense_prefill`), so that products of more
+than DENSE_ROWS rows skip dequantising them. They are the bits the dequantisation makes, so products and a
+model's logits are the same bytes either way; the decode-sized products do not read them.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from test_cupy_model import forward_chunks
+from test_kernels_extra import assert_bytes_equal, assert_close, bf16_round, host, random_weight
+
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.cuda_factory import cuda_backend
+from decapybara.model import quant
+from decapybara.model.qwen import QwenModel
+from decapybara.model.weights import is_product_weight
+from decapybara.testing import tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+def _dequantisations(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Records (format, shape) of every whole-weight bf16 dequantisation (`mx_dequant` of all rows to uint16)."""
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    real = ex.mx_dequant
+
+    def counted(w, rows=None, out_dtype=np.float32):
+        if rows is None and out_dtype is cp.uint16:
+            seen.append((w.fmt, w.shape))
+        return real(w, rows, out_dtype)
+
+    monkeypatch.setattr(ex, "mx_dequant", counted)
+    return seen
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
+def test_dense_values_are_the_dequantisation(fmt, monkeypatch):
+    """`attach_dense` keeps the bits `mx_dequant` makes (NVFP4: without the tensor scale, which the GEMM's alpha
+    applies); a large product then reads them, no dequantisation, the same bytes and numpy's values; a
+    decode-sized product is the skinny kernels' either way."""
+    rng = np.random.default_rng(zlib.crc32(f"dense-{fmt}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (320, 512))
+    plain, w = ex.pack_weight(wq), ex.pack_weight(wq)
+    assert ex.attach_dense(w) and w.dense.dtype == cp.uint16 and w.dense.shape == (320, 512)
+    twin = ex._unscaled(plain) if fmt == "nvfp4" else plain
+    assert_bytes_equal(w.dense, ex.mx_dequant(twin, out_dtype=cp.uint16), f"{fmt} dense values")
+    seen = _dequantisations(monkeypatch)
+    for m in (ex.DENSE_ROWS + 1, 150):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        seen.clear()
+        got = ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32)
+        assert seen == [], f"{fmt} M{m}: dequantised with dense values kept"
+        assert_bytes_equal(got, ex.mx_linear(cp.asarray(x), plain, out_dtype=cp.float32), f"{fmt} M{m}")
+        assert seen == [(fmt, w.shape)]
+        assert_close(host(got), bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"{fmt} M{m} against numpy")
+    x = cp.asarray(rng.standard_normal((12, 512)).astype(np.float32))
+    assert_bytes_equal(ex.mx_linear(x, w), ex.mx_linear(x, plain), f"{fmt} M12")
+    assert not ex.attach_dense(ex.PackedWeight("bf16", (16, 64), cp.zeros((16, 64), cp.uint16)))  # bf16 already
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_bf16_prefill_weights_change_no_logit(family, fmt, monkeypatch):
+    """A model loaded with prefill_weights "bf16": every product weight (the stacked gate|up, qkv|z, b|a, q|k|v
+    too, where the format stacks them) keeps its bf16 values, the embedding none; a prompt in a chunk of 90 tokens and in chunks of 10 gives
+    the logits of the packed-only model byte for byte, the 90-token chunk with no dequantisation but the LM
+    head's (logits of all 90 rows here; a server's prompt chunk asks for its last row's)."""
+    cfg, tensors = tiny_checkpoint(family)
+    tensors = {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+               for k, v in tensors.items()}
+    packed = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+    dense = QwenModel.from_tensors(cfg, cuda_backend("bf16", prefill_weights="bf16"), tensors)
+    stacks = [*dense.fused_mlp.values(), *(w for pair in dense.fused_dn.values() for w in pair),
+              *(w for w, _ in dense.fused_qkv.values())]
+    assert stacks or fmt == "nvfp4"  # NVFP4 parts of other tensor scales stay apart (`concat_rows`)
+    assert all(isinstance(w, ex.PackedWeight) and w.dense is not None for w in stacks)
+    products = {n: w for n, w in dense.w.items() if is_product_weight(n) and isinstance(w, ex.PackedWeight)}
+    assert products and all(w.dense is not None for w in products.values())
+    assert all(w.dense is None for n, w in dense.w.items() if isinstance(w, ex.PackedWeight) and n not in products)
+    assert all(w.dense is None for w in packed.w.values() if isinstance(w, ex.PackedWeight))
+    seen = _dequantisations(monkeypatch)
+    ids = np.random.default_rng(zlib.crc32(f"{family}-{fmt}".encode())).integers(0, 512, 90)
+    for chunk in (90, 10):
+        seen.clear()
+        got = forward_chunks(dense, ids, chunk)
+        head = (fmt, (cfg.vocab_size, cfg.hidden_size))
+        if chunk > ex.DENSE_ROWS:
+            assert set(seen) <= {head}, f"{family} {fmt}: dequantised {seen} with bf16 prefill weights"
+        ref = forward_chunks(packed, ids, chunk)
+        assert chunk <= ex.DENSE_ROWS or len(set(seen) - {head}) > 3, "the packed model did not dequantise"
+        assert_bytes_equal(got, ref, f"{family} {fmt} chunks of {chunk}")
+
+
+def test_prefill_weights_setting_is_checked():
+    with pytest.raises(ValueError, match="packed or bf16"):
+        cuda_backend("bf16", prefill_weights="fp8")

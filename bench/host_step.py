@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/host_step.py [variant]           # default: mxfp4
     HOST_CASES=256@0,16@16384+11 HOST_KV=6/4 HOST_PROFILE=40 python3 bench/host_step.py mxfp4
+    HOST_PREFILL_WEIGHTS=packed,bf16,packed,bf16 HOST_CASES=256@0 python3 bench/host_step.py   # bf16 copies
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device). For each case
 (tokens@start, +N decode rows at that context, as bench/profile_step.py's PROFILE_PREFILL) it times, after two
@@ -35,8 +36,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import cupy_ops as ops
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.model.weights import is_product_weight
+
 CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "9"))
+# the server's prefill_weights settings to run the cases under, in turn, in this one process (e.g.
+# "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`)
+PREFILL_WEIGHTS = [s for s in os.environ.get("HOST_PREFILL_WEIGHTS", "packed").split(",") if s]
 TOP = int(os.environ.get("HOST_PROFILE", "30"))
 
 
@@ -133,6 +141,37 @@ def profile_case(fwd, reps: int, top: int) -> str:
     return out.getvalue()
 
 
+def prefill_weight_sets(model) -> dict[str, dict[int, object]]:
+    """{"packed": no bf16 copies, "bf16": each product weight's bf16 values} as {id(weight): dense} for
+    `use_weights`: the copies the server's `prefill_weights=bf16` keeps (`attach_dense`), the stacks' own and
+    their parts' as row slices of them, as `concat_rows` stacks them."""
+    stacks = [*model.fused_mlp.values(), *(w for pair in model.fused_dn.values() for w in pair),
+              *(w for w, _ in model.fused_qkv.values())]
+    weights = [w for n, w in model.w.items() if is_product_weight(n) and isinstance(w, ex.PackedWeight)]
+    dense: dict[int, object] = {}
+    for w in stacks:
+        if ex.attach_dense(w):
+            dense[id(w)] = w.dense
+    for w in weights:
+        at = ops.dev_ptr(w.codes)
+        host = next((s for s in stacks if id(s) in dense
+                     and ops.dev_ptr(s.codes) <= at < ops.dev_ptr(s.codes) + s.codes.nbytes), None)
+        if host is not None:
+            r = (at - ops.dev_ptr(host.codes)) // host.codes.strides[0]
+            dense[id(w)] = host.dense[r:r + w.N]
+        elif ex.attach_dense(w):
+            dense[id(w)] = w.dense
+    return {"packed": {}, "bf16": dense}
+
+
+def use_weights(model, chosen: dict[int, object]) -> None:
+    """Sets every packed weight's bf16 copy to `chosen`'s (None where it has none)."""
+    for w in [*model.w.values(), *model.fused_mlp.values(), *(w for p in model.fused_dn.values() for w in p),
+              *(w for w, _ in model.fused_qkv.values())]:
+        if isinstance(w, ex.PackedWeight):
+            w.dense = chosen.get(id(w))
+
+
 def main() -> None:
     variant = (sys.argv[1:] or ["mxfp4"])[0]
     kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE,
@@ -143,13 +182,23 @@ def main() -> None:
     results = {}
     speed = [host_speed()]
     print(f"host speed: {speed[0]:.2f} ms a fixed Python loop (lower is faster)", flush=True)
-    for case in CASES:
+    sets = prefill_weight_sets(model) if any(p == "bf16" for p in PREFILL_WEIGHTS) else {"packed": {}}
+    if len(sets) > 1:
+        own = sum(int(d.nbytes) for d in sets["bf16"].values() if d.base is None)  # not the parts' row slices
+        print(f"bf16 prefill weights: {own / 2**30:.1f} GiB", flush=True)
+    runs = []  # (name, case, prefill weights)
+    for i, pw in enumerate(PREFILL_WEIGHTS):
+        tag = "" if len(PREFILL_WEIGHTS) == 1 else f" {pw}" + (
+            f" #{PREFILL_WEIGHTS[:i + 1].count(pw)}" if PREFILL_WEIGHTS.count(pw) > 1 else "")
+        runs += [(case + tag, case, pw) for case in CASES]
+    for name, case, pw in runs:
+        use_weights(model, sets[pw])
         tokens, start, rows = parse(case)
         fb = batch(tokens, start, rows)
         fwd = lambda fb=fb: model.forward(fb, kv, states)
         r = time_case(fwd, REPS)
-        results[case] = r
-        print(f"== {variant} {case}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
+        results[name] = r
+        print(f"== {variant} {name}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
               f"gpu {r['gpu_ms']:.2f} ms ({(tokens + rows) / r['wall_ms'] * 1e3:,.0f} tok/s)", flush=True)
         for name in ("walls", "hosts", "gpus"):
             print(f"   {name}: " + " ".join(f"{v:.1f}" for v in r[name]))
@@ -159,7 +208,7 @@ def main() -> None:
     results["host_speed_ms"] = speed
     print(f"\nhost speed before / after the cases: {speed[0]:.2f} / {speed[1]:.2f} ms a fixed Python loop")
     print(f"{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")
-    for case in CASES:
+    for case in [name for name, _, _ in runs]:
         r = results[case]
         print(f"{case:<18}{r['wall_ms']:>9.2f}{r['host_ms']:>9.2f}{r['gpu_ms']:>9.2f}"
               f"{r['wall_ms'] / r['gpu_ms']:>9.2f}{r['host_ms'] / r['wall_ms']:>10.2f}")

@@ -73,9 +73,10 @@ def test_dense_values_are_the_dequantisation(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_bf16_prefill_weights_change_no_logit(family, fmt, monkeypatch):
     """A model loaded with prefill_weights "bf16": every product weight (the stacked gate|up, qkv|z, b|a, q|k|v
-    too, where the format stacks them) keeps its bf16 values, the embedding none; a prompt in a chunk of 90 tokens and in chunks of 10 gives
-    the logits of the packed-only model byte for byte, the 90-token chunk with no dequantisation but the LM
-    head's (logits of all 90 rows here; a server's prompt chunk asks for its last row's)."""
+    too, where the format stacks them) keeps its bf16 values, the embedding none; a prompt in a chunk of 90
+    tokens and in chunks of 10 gives the logits of the packed-only model byte for byte, the 90-token chunk with
+    no dequantisation but the LM head's (logits of all 90 rows here; a server's prompt chunk asks for its last
+    row's)."""
     cfg, tensors = tiny_checkpoint(family)
     tensors = {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
                for k, v in tensors.items()}

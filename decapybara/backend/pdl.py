@@ -11,8 +11,8 @@ edge, so CUDA-graph decode steps keep it.
 programmatic-stream-serialization attribute when `enabled()`: compute capability 9.0 or newer, a driver
 that exports it, and `MODE["pdl"]` (from $DECAPYBARA_PDL at import): ``0`` never, ``1`` (the default) while
 `capturing()` (the decode graphs, `cuda_graph.capture_graph`), ``always`` also for eager launches. Otherwise
-(and for kernels without a driver handle, e.g. on the host emulator) it is `plain`, the CuPy launch. Either way the kernel computes the same
-values: under a plain launch `pdl_wait()` returns at once. Graphs only, not eager steps: an eager step is
+(and for kernels without a driver handle, e.g. on the host emulator) it is `plain`, the CuPy launch. Either
+way the kernel computes the same values: under a plain launch `pdl_wait()` returns at once. Graphs only, not eager steps: an eager step is
 bound by its Python launches, where the ctypes launch costs more than CuPy's and the overlap gains nothing.
 On by default since the overlap tests (tests/gpu/test_pdl.py, which turn the output poisoning off so that
 kernels really overlap) passed on the GPU (docs/perf.md).

@@ -38,6 +38,10 @@ class GPUActor:
 
             backend = NumpyBackend()
         loaded = load_model(cfg.resolved_model(), backend)
+        if self.cuda:  # what loading freed (stacked weights' parts, their bf16 copies) back to the device for the KV pool
+            import cupy
+
+            cupy.get_default_memory_pool().free_all_blocks()
         mcfg = loaded.config
         engine_cfg = cfg.engine_config(self.cuda)
         if cfg.kv_memory_gb and not cfg.num_pages:

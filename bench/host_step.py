@@ -38,7 +38,7 @@ import gpu as B
 
 from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra as ex
-from decapybara.model.weights import is_product_weight
+from decapybara.model.weights import keeps_prefill_copy
 
 CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "9"))
@@ -147,20 +147,20 @@ def prefill_weight_sets(model) -> dict[str, dict[int, object]]:
     their parts' as row slices of them, as `concat_rows` stacks them."""
     stacks = [*model.fused_mlp.values(), *(w for pair in model.fused_dn.values() for w in pair),
               *(w for w, _ in model.fused_qkv.values())]
-    weights = [w for n, w in model.w.items() if is_product_weight(n) and isinstance(w, ex.PackedWeight)]
+    weights = [w for n, w in model.w.items() if keeps_prefill_copy(n) and isinstance(w, ex.PackedWeight)]
     dense: dict[int, object] = {}
     for w in stacks:
         if ex.attach_dense(w):
-            dense[id(w)] = w.dense
+            dense[id(w)] = ex.dense_of(w)
     for w in weights:
         at = ops.dev_ptr(w.codes)
         host = next((s for s in stacks if id(s) in dense
                      and ops.dev_ptr(s.codes) <= at < ops.dev_ptr(s.codes) + s.codes.nbytes), None)
         if host is not None:
             r = (at - ops.dev_ptr(host.codes)) // host.codes.strides[0]
-            dense[id(w)] = host.dense[r:r + w.N]
+            dense[id(w)] = dense[id(host)][r:r + w.N]
         elif ex.attach_dense(w):
-            dense[id(w)] = w.dense
+            dense[id(w)] = ex.dense_of(w)
     return {"packed": {}, "bf16": dense}
 
 
@@ -169,7 +169,7 @@ def use_weights(model, chosen: dict[int, object]) -> None:
     for w in [*model.w.values(), *model.fused_mlp.values(), *(w for p in model.fused_dn.values() for w in p),
               *(w for w, _ in model.fused_qkv.values())]:
         if isinstance(w, ex.PackedWeight):
-            w.dense = chosen.get(id(w))
+            ex.set_dense(w, chosen.get(id(w)))
 
 
 def main() -> None:
@@ -200,8 +200,8 @@ def main() -> None:
         results[name] = r
         print(f"== {variant} {name}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
               f"gpu {r['gpu_ms']:.2f} ms ({(tokens + rows) / r['wall_ms'] * 1e3:,.0f} tok/s)", flush=True)
-        for name in ("walls", "hosts", "gpus"):
-            print(f"   {name}: " + " ".join(f"{v:.1f}" for v in r[name]))
+        for series in ("walls", "hosts", "gpus"):
+            print(f"   {series}: " + " ".join(f"{v:.1f}" for v in r[series]))
         if TOP:
             print(profile_case(fwd, REPS, TOP), flush=True)
     speed.append(host_speed())

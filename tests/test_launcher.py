@@ -144,13 +144,15 @@ def test_cli_plan_counts_bf16_prefill_weights(capsys):
     `*_proj.weight` stored in fewer) come out of the KV pool; bf16 weights need none; the serve command asks for
     them only where the chosen weights are quantised."""
     cfg = named_config("qwen3.8-27b")
-    from decapybara.model.weights import expected_tensors, is_product_weight
+    from decapybara.model.weights import expected_tensors, is_product_weight, keeps_prefill_copy
 
     shapes = dict(expected_tensors(cfg))
     small, bf16 = C.preset_tensor_bytes(cfg, "small"), C.preset_tensor_bytes(cfg, "bf16")
     dense = C.dense_prefill_bytes(shapes, small)
     products = [n for n, sh in shapes.items() if is_product_weight(n) and len(sh) == 2]
     assert any(".in_proj_qkv." in n for n in products) and not any("embed" in n or "lm_head" in n for n in products)
+    products = [n for n in products if keeps_prefill_copy(n)]
+    assert products and not any(n.startswith("mtp.") for n in products)  # the engine runs no MTP layer
     assert dense == sum(2 * math.prod(shapes[n]) for n in products if small[n] < 2 * math.prod(shapes[n]))
     assert 40e9 < dense < 60e9  # the 27B's products, ~25 billion weights
     assert C.dense_prefill_bytes(shapes, bf16) == 0
@@ -168,6 +170,29 @@ def test_cli_plan_counts_bf16_prefill_weights(capsys):
     assert pools["packed"] - pools["bf16"] == pytest.approx(dense / page_bytes * 512, abs=512)
     assert main([*args, "--weights", "bf16", "--prefill-weights", "bf16"]) == 0
     assert "--set prefill_weights" not in capsys.readouterr().out
+
+
+def test_plan_reads_a_quantised_file_by_tensor_names(tmp_path, capsys):
+    """A quantised .mcapy stores a tensor as parts (name:codes, :scales): the planner sums them under the tensor's
+    name with its values' shape, so that the bf16 prefill weights of a file are counted as of a preset."""
+    from decapybara.builder.build import build
+    from decapybara.model.weights import keeps_prefill_copy
+    from decapybara.testing import make_hf_model, save_hf_checkpoint
+
+    save_hf_checkpoint(make_hf_model("qwen3_5_text", seed=3), tmp_path / "hf")
+    build(str(tmp_path / "hf"), str(tmp_path / "m.mcapy"), weights="small")
+    cfg, weights, shapes, _, own = _file_inputs(str(tmp_path / "m.mcapy"))
+    assert not any(":" in n for n in (*weights[own], *shapes))
+    expected = dict(__import__("decapybara.model.weights", fromlist=["x"]).expected_tensors(cfg))
+    assert {n: shapes[n] for n in expected} == expected  # the values' shapes, not the codes'
+    dense = C.dense_prefill_bytes(shapes, weights[own])
+    quantised = [n for n in shapes if keeps_prefill_copy(n) and len(shapes[n]) == 2
+                 and weights[own][n] < 2 * math.prod(shapes[n])]
+    assert quantised and dense == sum(2 * math.prod(shapes[n]) for n in quantised)
+    assert main(["plan", str(tmp_path / "m.mcapy"), "--vram-gb", "16", "--bandwidth-gbps", "20", "--slots", "2",
+                 "--context", "1024", "--kv-mode", "16/16", "--prefill-weights", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert f"small +{dense / 2**20:.1f} MiB" in out and "--set prefill_weights=bf16" in out
 
 
 def test_cli_plan_demo_file_with_quality(capsys):

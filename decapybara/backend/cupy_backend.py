@@ -33,12 +33,14 @@ from decapybara.backend.cupy_ops_extra import (
     SWIGLU_ROWS,
     NormedRows,
     PackedWeight,
+    dense_of,
     fuses_swiglu,
     gemm_ready,
     mx_linear,
     mx_linear_add_norm,
     mx_swiglu,
     product_rows,
+    set_dense,
 )
 from decapybara.backend.kv_codec import BF16Codec, codec_for
 from decapybara.model.batch import ForwardBatch
@@ -265,19 +267,20 @@ class CupyBackend(Backend):
             codes = cp.concatenate([w.codes for w in weights], axis=0)
             scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
             persistent = all(w.persistent for w in weights)  # stacked at load time from model weights
-            # bf16 values where every part keeps them (PackedWeightsMixin.dense_prefill): stacked likewise
-            dense = cp.concatenate([w.dense for w in weights], axis=0) if all(
-                w.dense is not None for w in weights) else None
             fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale, persistent,
-                                 first.e2m1_split, first.tiled, dense)  # tiled parts are whole bands: so is their stack
+                                 first.e2m1_split, first.tiled)  # tiled parts are whole bands: so is their stack
             if not gemm_ready(fused):
                 return None
+            # bf16 values where every part keeps them (PackedWeightsMixin.dense_prefill): stacked likewise
+            parts = [dense_of(w) for w in weights]
+            dense = cp.concatenate(parts, axis=0) if all(d is not None for d in parts) else None
+            set_dense(fused, dense)
             views, r = [], 0
             for w in weights:
                 n = w.shape[0]
                 views.append(PackedWeight(w.fmt, w.shape, codes[r:r + n], None if scales is None else scales[r:r + n],
-                                          w.tensor_scale, persistent, w.e2m1_split, w.tiled,
-                                          None if dense is None else dense[r:r + n]))
+                                          w.tensor_scale, persistent, w.e2m1_split, w.tiled))
+                set_dense(views[-1], None if dense is None else dense[r:r + n])
                 r += n
             return fused, views
         if not all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in weights):

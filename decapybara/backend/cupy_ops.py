@@ -400,8 +400,11 @@ def _cublas() -> Any:
 
 @functools.cache
 def _host_scalar(value: float) -> np.ndarray:
-    """A float32 [1] host array of `value` that stays alive (cuBLAS reads it at the call, host pointer mode)."""
-    return np.full(1, value, np.float32)
+    """A float32 [1] host array of `value` that stays alive (cuBLAS reads it at the call, host pointer mode),
+    read-only."""
+    a = np.full(1, value, np.float32)
+    a.flags.writeable = False
+    return a
 
 
 def gemv_f32(x: Any, w: Any, bias: Any = None) -> Any:

@@ -50,7 +50,7 @@ from decapybara.backend.gemv_plan import (
 )
 from decapybara.backend.gemv_plan import tune_for as _tune_for
 from decapybara.engine.sample_edits import edit_lists, needs_edits
-from decapybara.model.weights import is_product_weight
+from decapybara.model.weights import keeps_prefill_copy
 from kernels import KERNEL_DIR, get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
@@ -88,9 +88,8 @@ class PackedWeight:
     (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; kernels/mx_gemv.cu reads them
     under MX_TILED = 1), else row-major: needs N % 16 == 0 and whole 256-code chunks (`tile_layout`). Row slices
     of whole bands keep the layout.
-    `dense`: None, or the weight's values as bf16 bits [N, K] (NVFP4: without its tensor scale), the
-    dequantisation that products of more than DENSE_ROWS rows would make, made once at load
-    (`attach_dense`; the server's `prefill_weights=bf16`): such products read it instead.
+    A weight may keep its values as bf16 bits besides (`dense_of`, `attach_dense`; the server's
+    `prefill_weights=bf16`), in its cache, so that they go with the arrays they were made from.
     """
 
     fmt: str
@@ -101,9 +100,9 @@ class PackedWeight:
     persistent: bool = False
     e2m1_split: bool = False
     tiled: bool = False
-    dense: Any = field(default=None, repr=False, compare=False)
-    # what eager launches derive from this weight (`_cache`: `_launch_of`'s recipes, the layout checks), valid
-    # for the arrays and layout fields it was made for; never copied (`dataclasses.replace`, copy, pickle)
+    # what eager launches derive from this weight (`_cache`: `_launch_of`'s recipes, the layout checks, the bf16
+    # values), valid for the arrays and layout fields it was made for; never copied (`dataclasses.replace`, copy,
+    # pickle)
     launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -685,7 +684,8 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16); NVFP4's tensor
         # scale is the GEMM's alpha (on each float32 sum, where the reference rounds each weight times it)
         scaled = w.fmt in BF16_EXACT_SCALED
-        wb = (w.codes if w.fmt == "bf16" else w.dense if w.dense is not None
+        dense = dense_of(w)
+        wb = (w.codes if w.fmt == "bf16" else dense if dense is not None
               else mx_dequant(_unscaled(w) if scaled else w, out_dtype=cp.uint16))
         xb = x if x.dtype == cp.uint16 else to_bf16_bits(cp.ascontiguousarray(x, dtype=cp.float32))
         y = gemm_bf16(xb, wb, alpha=w.tensor_scale if scaled else 1.0)
@@ -697,13 +697,31 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     return y
 
 
+def dense_of(w: PackedWeight) -> Any:
+    """`w`'s kept bf16 values (uint16 [N, K]; NVFP4: without its tensor scale), or None: none kept, or kept for
+    arrays `w` no longer has (`_cache`)."""
+    return _cache(w).get("dense")
+
+
+def set_dense(w: PackedWeight, values: Any) -> None:
+    """Keeps `values` (uint16 [N, K], the bits `mx_dequant` gives `w`, NVFP4 unscaled) as `w`'s bf16 values; None
+    drops them."""
+    d = _cache(w)
+    if values is None:
+        d.pop("dense", None)
+        return
+    check(values, np.uint16, "dense", 2)
+    assert values.shape == (w.N, w.K), f"dense values {values.shape} for {w.shape}"
+    d["dense"] = values
+
+
 def attach_dense(w: PackedWeight) -> bool:
-    """Keeps `w`'s bf16 values on it (`PackedWeight.dense`: what the large-M path of `mx_linear` would dequantise
-    at every product, the same bits) where that path dequantises it (a 2-D MX / NVFP4 weight the kernels
-    stream); whether it did. Costs 2 bytes a weight of device memory."""
+    """Keeps `w`'s bf16 values with it (`dense_of`: what the large-M path of `mx_linear` would dequantise at every
+    product, the same bits) where that path dequantises it (a 2-D MX / NVFP4 weight the kernels stream); whether
+    it did. Costs 2 bytes a weight of device memory."""
     if len(w.shape) != 2 or w.fmt not in BF16_EXACT + BF16_EXACT_SCALED or w.fmt == "bf16" or not gemm_ready(w):
         return False
-    w.dense = mx_dequant(_unscaled(w) if w.fmt in BF16_EXACT_SCALED else w, out_dtype=cp.uint16)
+    set_dense(w, mx_dequant(_unscaled(w) if w.fmt in BF16_EXACT_SCALED else w, out_dtype=cp.uint16))
     return True
 
 
@@ -846,8 +864,8 @@ class PackedWeightsMixin:
     PackedWeights to the kernels above; anything else goes to the base backend. `class B(PackedWeightsMixin,
     CupyBackend)`. Activations stay float32 between ops, as CupyBackend keeps them, but for rows that only feed
     skinny products (bf16 bits: CupyBackend `_reads_bf16`).
-    `dense_prefill` (the server's `prefill_weights=bf16`): the products' quantised weights (`is_product_weight`:
-    not the embedding or the LM head) also keep their bf16 values (`attach_dense`; stacks of them, `concat_rows`,
+    `dense_prefill` (the server's `prefill_weights=bf16`): the products' quantised weights (`keeps_prefill_copy`:
+    not the embedding, the LM head or the MTP layers) also keep their bf16 values (`attach_dense`; stacks of them, `concat_rows`,
     stack those), so that prompt chunks of more than DENSE_ROWS rows skip the dequantisation a product: 2 bytes
     a weight of device memory for a third of such a step's GPU work (docs/perf.md, twenty-ninth session)."""
 
@@ -858,7 +876,7 @@ class PackedWeightsMixin:
             w = pack_weight(value)
             w.persistent = True  # a model weight, uploaded at load
             if gemm_ready(w):
-                if self.dense_prefill and is_product_weight(name):
+                if self.dense_prefill and keeps_prefill_copy(name):
                     attach_dense(w)
                 return w
         return super().prepare_weight(name, value)  # type: ignore[misc]

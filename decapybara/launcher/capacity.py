@@ -154,12 +154,13 @@ def preset_tensor_bytes(cfg: ModelConfig, preset: str) -> dict[str, int]:
 
 def dense_prefill_bytes(shapes: dict[str, tuple[int, ...]], tensor_bytes: dict[str, int]) -> int:
     """Device bytes the server's `prefill_weights=bf16` adds: the bf16 values (2 bytes a weight) of every
-    quantised 2-D product weight (`is_product_weight`, stored in fewer than 2 bytes a weight; the CUDA backend's
-    `PackedWeightsMixin.dense_prefill`)."""
-    from decapybara.model.weights import is_product_weight
+    quantised 2-D product weight (`keeps_prefill_copy`, stored in fewer than 2 bytes a weight; the CUDA
+    backend's `PackedWeightsMixin.dense_prefill`). `shapes` and `tensor_bytes` by the model's tensor names (a
+    file's: `cli_plan.logical_tensors`)."""
+    from decapybara.model.weights import keeps_prefill_copy
 
     return sum(2 * math.prod(shape) for name, shape in shapes.items()
-               if is_product_weight(name) and len(shape) == 2 and tensor_bytes.get(name, 0) < 2 * math.prod(shape))
+               if keeps_prefill_copy(name) and len(shape) == 2 and tensor_bytes.get(name, 0) < 2 * math.prod(shape))
 
 
 def float32_tensor_bytes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:

@@ -113,6 +113,23 @@ def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None, 
     return " ".join(parts)
 
 
+def logical_tensors(entries: dict[str, Any]) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """({tensor: bytes}, {tensor: shape}) of a .mcapy directory by the model's tensor names: a quantised
+    tensor's parts (``name:codes``, ``:scales``, ``:tensor_scale``) summed under ``name``, shaped as its codes'
+    `quant` says (the shape of the values, not of the codes)."""
+    nbytes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, t in entries.items():
+        base, sep, _ = name.rpartition(":")
+        base = base if sep else name
+        nbytes[base] = nbytes.get(base, 0) + int(t.nbytes)
+        if not sep:
+            shapes[base] = tuple(t.shape)
+        elif t.quant and "shape" in t.quant:
+            shapes[base] = tuple(int(v) for v in t.quant["shape"])
+    return nbytes, shapes
+
+
 def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, dict[str, int]], dict[str, tuple[int, ...]],
                                      dict[tuple[str, str], tuple[float, float]], str]:
     """(config, {weights: {tensor: bytes}} for this file and the presets its quality table measured, tensor
@@ -123,8 +140,7 @@ def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, dict[str, int]], dic
 
     with McapyFile.open(path) as f:
         cfg = load_config(f)
-        own_tensors = {name: t.nbytes for name, t in f.tensors.items()}
-        shapes = {name: tuple(t.shape) for name, t in f.tensors.items()}
+        own_tensors, shapes = logical_tensors(f.tensors)
         meta = f.metadata
     fmt = str((meta.get("weights") or {}).get("format", "file"))
     weights = {fmt: own_tensors}
@@ -183,7 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"RAM tier {ram / GIB:.1f} GiB; pages of {page} tokens"
           + ("" if on_gpu else "; weights held as float32 by the numpy backend"))
     if extra:
-        print("prefill weights in bf16: " + ", ".join(f"{n} +{b / GIB:.1f} GiB" for n, b in extra.items())
+        print("prefill weights in bf16: " + ", ".join(f"{n} +{_size(b)}" for n, b in extra.items())
               + " of device memory (prompt chunks of 65+ tokens skip dequantising them)")
     snaps = rows[0].plan.snapshot_bytes
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
@@ -212,6 +228,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"run: rebuild with `--weights {best.weights}` (this file is {own}), then serve it with "
               f"{line[len('decapybara serve '):]}")
     return 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -105,6 +105,13 @@ def is_product_weight(name: str) -> bool:
     return len(parts) == 3 and parts[2] == "weight" and "_proj" in parts[1]
 
 
+def keeps_prefill_copy(name: str) -> bool:
+    """Whether the server's `prefill_weights=bf16` keeps a bf16 copy of tensor `name` (where it is quantised and
+    2-D): the products prompt chunks run (`is_product_weight`), not the MTP layers' (the engine does not run
+    them)."""
+    return is_product_weight(name) and not name.startswith("mtp.")
+
+
 def expected_tensors(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, Shape]:
     """Every tensor the model needs, name -> shape, in a stable order (embeddings first, head last)."""
     t: dict[str, Shape] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}

@@ -24,7 +24,7 @@ from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_factory import cuda_backend
 from decapybara.model import quant
 from decapybara.model.qwen import QwenModel
-from decapybara.model.weights import is_product_weight
+from decapybara.model.weights import keeps_prefill_copy
 from decapybara.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -52,9 +52,9 @@ def test_dense_values_are_the_dequantisation(fmt, monkeypatch):
     rng = np.random.default_rng(zlib.crc32(f"dense-{fmt}".encode()))
     wq, w_ref = random_weight(rng, fmt, (320, 512))
     plain, w = ex.pack_weight(wq), ex.pack_weight(wq)
-    assert ex.attach_dense(w) and w.dense.dtype == cp.uint16 and w.dense.shape == (320, 512)
+    assert ex.attach_dense(w) and ex.dense_of(w).dtype == cp.uint16 and ex.dense_of(w).shape == (320, 512)
     twin = ex._unscaled(plain) if fmt == "nvfp4" else plain
-    assert_bytes_equal(w.dense, ex.mx_dequant(twin, out_dtype=cp.uint16), f"{fmt} dense values")
+    assert_bytes_equal(ex.dense_of(w), ex.mx_dequant(twin, out_dtype=cp.uint16), f"{fmt} dense values")
     seen = _dequantisations(monkeypatch)
     for m in (ex.DENSE_ROWS + 1, 150):
         x = rng.standard_normal((m, 512)).astype(np.float32)
@@ -66,6 +66,14 @@ def test_dense_values_are_the_dequantisation(fmt, monkeypatch):
         assert_close(host(got), bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"{fmt} M{m} against numpy")
     x = cp.asarray(rng.standard_normal((12, 512)).astype(np.float32))
     assert_bytes_equal(ex.mx_linear(x, w), ex.mx_linear(x, plain), f"{fmt} M12")
+    # new codes: the kept values go with the old ones (never read stale), the product is the new weight's
+    wq2, w_ref2 = random_weight(rng, fmt, (320, 512))
+    w2 = ex.pack_weight(wq2)
+    w.codes, w.scales, w.tensor_scale = w2.codes, w2.scales, w2.tensor_scale
+    assert ex.dense_of(w) is None
+    x = rng.standard_normal((100, 512)).astype(np.float32)
+    assert_close(host(ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32)),
+                 bf16_round(x).astype(np.float64) @ w_ref2.T, 1e-4, f"{fmt} new codes")
     assert not ex.attach_dense(ex.PackedWeight("bf16", (16, 64), cp.zeros((16, 64), cp.uint16)))  # bf16 already
 
 
@@ -85,11 +93,12 @@ def test_bf16_prefill_weights_change_no_logit(family, fmt, monkeypatch):
     stacks = [*dense.fused_mlp.values(), *(w for pair in dense.fused_dn.values() for w in pair),
               *(w for w, _ in dense.fused_qkv.values())]
     assert stacks or fmt == "nvfp4"  # NVFP4 parts of other tensor scales stay apart (`concat_rows`)
-    assert all(isinstance(w, ex.PackedWeight) and w.dense is not None for w in stacks)
-    products = {n: w for n, w in dense.w.items() if is_product_weight(n) and isinstance(w, ex.PackedWeight)}
-    assert products and all(w.dense is not None for w in products.values())
-    assert all(w.dense is None for n, w in dense.w.items() if isinstance(w, ex.PackedWeight) and n not in products)
-    assert all(w.dense is None for w in packed.w.values() if isinstance(w, ex.PackedWeight))
+    assert all(isinstance(w, ex.PackedWeight) and ex.dense_of(w) is not None for w in stacks)
+    products = {n: w for n, w in dense.w.items() if keeps_prefill_copy(n) and isinstance(w, ex.PackedWeight)}
+    assert products and all(ex.dense_of(w) is not None for w in products.values())
+    assert all(ex.dense_of(w) is None for n, w in dense.w.items()
+               if isinstance(w, ex.PackedWeight) and n not in products)
+    assert all(ex.dense_of(w) is None for w in packed.w.values() if isinstance(w, ex.PackedWeight))
     seen = _dequantisations(monkeypatch)
     ids = np.random.default_rng(zlib.crc32(f"{family}-{fmt}".encode())).integers(0, 512, 90)
     for chunk in (90, 10):

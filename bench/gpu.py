@@ -52,7 +52,7 @@ from decapybara.model.config import named_config
 from decapybara.model.quant import get_format
 from decapybara.model.quant.presets import tensor_role
 from decapybara.model.qwen import QwenModel
-from decapybara.model.weights import expected_tensors
+from decapybara.model.weights import expected_tensors, keeps_prefill_copy
 
 T0 = time.perf_counter()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "320"))
@@ -138,11 +138,12 @@ def random_packed(fmt: str, shape: tuple[int, ...]) -> ex.PackedWeight:
                            e2m1_split=ex.e2m1_layout(fmt), tiled=ex.tile_layout(fmt, codes.shape))
 
 
-def build_model(variant: str, seed: int = 0) -> QwenModel:
+def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") -> QwenModel:
     """Variant "bf16" (CupyBackend bf16: skinny products on mx_gemv, larger ones on cuBLAS) or a quantised
-    format name (PackedWeightsMixin: packed weights through mx_gemv)."""
+    format name (PackedWeightsMixin: packed weights through mx_gemv; `prefill_weights` "bf16": their bf16 copies
+    too, as the server's setting keeps them)."""
     fmt = None if variant == "bf16" else variant
-    backend = CupyBackend("bf16") if fmt is None else cuda_backend("bf16")  # the server's backend for packed
+    backend = CupyBackend("bf16") if fmt is None else cuda_backend("bf16", prefill_weights=prefill_weights)
     cp.random.seed(seed)
     w: dict[str, Any] = {}
     for name, shape in expected_tensors(CFG, include_mtp=False).items():
@@ -159,6 +160,8 @@ def build_model(variant: str, seed: int = 0) -> QwenModel:
         else:
             w[name] = random_packed("bf16" if role == "bf16" else fmt, shape)
             w[name].persistent = True  # a model weight, as prepare_weight marks those of a loaded checkpoint
+            if backend.dense_prefill and keeps_prefill_copy(name):  # as prepare_weight keeps them
+                ex.attach_dense(w[name])
     return QwenModel(CFG, backend, w)
 
 

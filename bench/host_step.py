@@ -36,9 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
-from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra as ex
-from decapybara.model.weights import keeps_prefill_copy
 
 CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "9"))
@@ -141,35 +139,17 @@ def profile_case(fwd, reps: int, top: int) -> str:
     return out.getvalue()
 
 
-def prefill_weight_sets(model) -> dict[str, dict[int, object]]:
-    """{"packed": no bf16 copies, "bf16": each product weight's bf16 values} as {id(weight): dense} for
-    `use_weights`: the copies the server's `prefill_weights=bf16` keeps (`attach_dense`), the stacks' own and
-    their parts' as row slices of them, as `concat_rows` stacks them."""
+def packed_weights(model) -> list:
+    """Every PackedWeight of `model`: its tensors (the stacked ones' row views among them) and their stacks."""
     stacks = [*model.fused_mlp.values(), *(w for pair in model.fused_dn.values() for w in pair),
               *(w for w, _ in model.fused_qkv.values())]
-    weights = [w for n, w in model.w.items() if keeps_prefill_copy(n) and isinstance(w, ex.PackedWeight)]
-    dense: dict[int, object] = {}
-    for w in stacks:
-        if ex.attach_dense(w):
-            dense[id(w)] = ex.dense_of(w)
-    for w in weights:
-        at = ops.dev_ptr(w.codes)
-        host = next((s for s in stacks if id(s) in dense
-                     and ops.dev_ptr(s.codes) <= at < ops.dev_ptr(s.codes) + s.codes.nbytes), None)
-        if host is not None:
-            r = (at - ops.dev_ptr(host.codes)) // host.codes.strides[0]
-            dense[id(w)] = dense[id(host)][r:r + w.N]
-        elif ex.attach_dense(w):
-            dense[id(w)] = ex.dense_of(w)
-    return {"packed": {}, "bf16": dense}
+    return [w for w in (*model.w.values(), *stacks) if isinstance(w, ex.PackedWeight)]
 
 
 def use_weights(model, chosen: dict[int, object]) -> None:
-    """Sets every packed weight's bf16 copy to `chosen`'s (None where it has none)."""
-    for w in [*model.w.values(), *model.fused_mlp.values(), *(w for p in model.fused_dn.values() for w in p),
-              *(w for w, _ in model.fused_qkv.values())]:
-        if isinstance(w, ex.PackedWeight):
-            ex.set_dense(w, chosen.get(id(w)))
+    """Sets every packed weight's bf16 copy to `chosen`'s ({id(weight): values}; none where it has none)."""
+    for w in packed_weights(model):
+        ex.set_dense(w, chosen.get(id(w)))
 
 
 def main() -> None:
@@ -178,13 +158,16 @@ def main() -> None:
                                             os.environ.get("HOST_KV", "6/4"))
     states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
     B.fill_random(kv, states)
-    model = B.build_model(variant)
+    # with bf16 prefill weights anywhere in the list, one model that keeps them (as the server's setting), and
+    # "packed" runs with its copies set aside
+    model = B.build_model(variant, prefill_weights="bf16" if "bf16" in PREFILL_WEIGHTS else "packed")
+    copies = {id(w): ex.dense_of(w) for w in packed_weights(model) if ex.dense_of(w) is not None}
+    sets = {"packed": {}, "bf16": copies}
     results = {}
     speed = [host_speed()]
     print(f"host speed: {speed[0]:.2f} ms a fixed Python loop (lower is faster)", flush=True)
-    sets = prefill_weight_sets(model) if any(p == "bf16" for p in PREFILL_WEIGHTS) else {"packed": {}}
-    if len(sets) > 1:
-        own = sum(int(d.nbytes) for d in sets["bf16"].values() if d.base is None)  # not the parts' row slices
+    if copies:
+        own = sum(int(d.nbytes) for d in copies.values() if d.base is None)  # not the parts' row slices
         print(f"bf16 prefill weights: {own / 2**30:.1f} GiB", flush=True)
     runs = []  # (name, case, prefill weights)
     for i, pw in enumerate(PREFILL_WEIGHTS):

@@ -572,7 +572,7 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     `tune_state()` (none while TUNE is not a TuneDict) and the device."""
     state = tune_state()
     key = (m, x_rows, groups, swiglu, w.persistent, cp.cuda.runtime.getDevice(), state)
-    cache = _cache(w)
+    cache = _cache(w).setdefault("recipes", {})  # apart from the weight's other entries (its bf16 values)
     if state is not None:
         got = cache.get(key)
         if got is not None:
@@ -607,7 +607,6 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     if state is not None:
         if len(cache) > 64:
             cache.clear()
-            _cache(w)
         cache[key] = out
     return out
 
@@ -865,9 +864,10 @@ class PackedWeightsMixin:
     CupyBackend)`. Activations stay float32 between ops, as CupyBackend keeps them, but for rows that only feed
     skinny products (bf16 bits: CupyBackend `_reads_bf16`).
     `dense_prefill` (the server's `prefill_weights=bf16`): the products' quantised weights (`keeps_prefill_copy`:
-    not the embedding, the LM head or the MTP layers) also keep their bf16 values (`attach_dense`; stacks of them, `concat_rows`,
-    stack those), so that prompt chunks of more than DENSE_ROWS rows skip the dequantisation a product: 2 bytes
-    a weight of device memory for a third of such a step's GPU work (docs/perf.md, twenty-ninth session)."""
+    not the embedding, the LM head or the MTP layers) also keep their bf16 values (`attach_dense`; their stacks,
+    `concat_rows`, stack those), so that prompt chunks of more than DENSE_ROWS rows skip the dequantisation a
+    product: 2 bytes a weight of device memory for a third of such a step's GPU work (docs/perf.md,
+    twenty-ninth session)."""
 
     dense_prefill = False
 

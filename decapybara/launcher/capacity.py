@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from decapybara.backend.kv_codec import kv_bytes_per_token
 from decapybara.model.config import ModelConfig
+from decapybara.model.weights import keeps_prefill_copy
 
 GIB = 1 << 30
 MIN_RESERVE = 2 * GIB  # activations, logits, CUDA-graph pools and allocator slack beside weights and KV
@@ -157,8 +158,6 @@ def dense_prefill_bytes(shapes: dict[str, tuple[int, ...]], tensor_bytes: dict[s
     quantised 2-D product weight (`keeps_prefill_copy`, stored in fewer than 2 bytes a weight; the CUDA
     backend's `PackedWeightsMixin.dense_prefill`). `shapes` and `tensor_bytes` by the model's tensor names (a
     file's: `cli_plan.logical_tensors`)."""
-    from decapybara.model.weights import keeps_prefill_copy
-
     return sum(2 * math.prod(shape) for name, shape in shapes.items()
                if keeps_prefill_copy(name) and len(shape) == 2 and tensor_bytes.get(name, 0) < 2 * math.prod(shape))
 

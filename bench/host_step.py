@@ -3,6 +3,7 @@
     PYTHONUNBUFFERED=1 python3 bench/host_step.py [variant]           # default: mxfp4
     HOST_CASES=256@0,16@16384+11 HOST_KV=6/4 HOST_PROFILE=40 python3 bench/host_step.py mxfp4
     HOST_PREFILL_WEIGHTS=packed,bf16,packed,bf16 HOST_CASES=256@0 python3 bench/host_step.py   # bf16 copies
+    HOST_PREFILL_WEIGHTS=packed,bf16:16,bf16:32 HOST_CASES=32@0+11 python3 bench/host_step.py  # and KEPT_ROWS
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device). For each case
 (tokens@start, +N decode rows at that context, as bench/profile_step.py's PROFILE_PREFILL) it times, after two
@@ -41,7 +42,8 @@ from decapybara.backend import cupy_ops_extra as ex
 CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "9"))
 # the server's prefill_weights settings to run the cases under, in turn, in this one process (e.g.
-# "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`)
+# "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`; "bf16:16": with them, and
+# cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them)
 PREFILL_WEIGHTS = [s for s in os.environ.get("HOST_PREFILL_WEIGHTS", "packed").split(",") if s]
 TOP = int(os.environ.get("HOST_PROFILE", "30"))
 
@@ -160,7 +162,8 @@ def main() -> None:
     B.fill_random(kv, states)
     # with bf16 prefill weights anywhere in the list, one model that keeps them (as the server's setting), and
     # "packed" runs with its copies set aside
-    model = B.build_model(variant, prefill_weights="bf16" if "bf16" in PREFILL_WEIGHTS else "packed")
+    model = B.build_model(variant, prefill_weights="bf16" if any(p != "packed" for p in PREFILL_WEIGHTS)
+                          else "packed")
     copies = {id(w): ex.dense_of(w) for w in packed_weights(model) if ex.dense_of(w) is not None}
     sets = {"packed": {}, "bf16": copies}
     results = {}
@@ -175,7 +178,9 @@ def main() -> None:
             f" #{PREFILL_WEIGHTS[:i + 1].count(pw)}" if PREFILL_WEIGHTS.count(pw) > 1 else "")
         runs += [(case + tag, case, pw) for case in CASES]
     for name, case, pw in runs:
-        use_weights(model, sets[pw])
+        setting, _, kept_rows = pw.partition(":")
+        use_weights(model, sets[setting])
+        ex.KEPT_ROWS = int(kept_rows) if kept_rows else ex.DENSE_ROWS
         tokens, start, rows = parse(case)
         fb = batch(tokens, start, rows)
         fwd = lambda fb=fb: model.forward(fb, kv, states)

@@ -41,6 +41,7 @@ from decapybara.backend.cupy_ops_extra import (
     mx_swiglu,
     product_rows,
     set_dense,
+    skinny_product,
 )
 from decapybara.backend.kv_codec import BF16Codec, codec_for
 from decapybara.model.batch import ForwardBatch
@@ -63,7 +64,8 @@ def _own_kernels(weight: Any, rows: int) -> bool:
     if rows > SKINNY_ROWS:
         return False
     if isinstance(weight, PackedWeight) or weight.dtype == cp.uint16:
-        return _streamed(weight) is not None
+        w = _streamed(weight)
+        return w is not None and skinny_product(w, rows)
     return weight.ndim == 2 and weight.dtype == cp.float32 and weight.flags.c_contiguous
 
 

@@ -612,6 +612,9 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
 
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM
+# products with more rows over a weight that keeps its bf16 values (`attach_dense`, prefill_weights=bf16) run a
+# cuBLAS GEMM on them (docs/perf.md, thirtieth session: bench/dense_rows.py); at most DENSE_ROWS
+KEPT_ROWS = 32
 FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) may fuse norms (mx_linear_add_norm)
 SWIGLU_ROWS = 64  # and of at most this many (the `_1s` to `_8s` kernels) the MLP activation (mx_swiglu)
 BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 holds exactly (not NVFP4)
@@ -620,17 +623,27 @@ BF16_EXACT = ("bf16", "mxfp8", "mxfp6", "mxfp4")  # formats whose values bf16 ho
 BF16_EXACT_SCALED = ("nvfp4",)
 
 
+def skinny_product(w: PackedWeight, rows: int) -> bool:
+    """Whether `mx_linear` runs a product of `rows` rows over `w` on the skinny kernels rather than cuBLAS: at most
+    DENSE_ROWS rows, and at most KEPT_ROWS where `w` keeps its bf16 values (`dense_of`). (Weights in a format
+    bf16 cannot hold, or not 2-D, take the skinny kernels at any row count.)"""
+    if w.fmt not in BF16_EXACT + BF16_EXACT_SCALED or not (w.N and w.K):
+        return True
+    return rows <= (KEPT_ROWS if rows <= DENSE_ROWS and dense_of(w) is not None else DENSE_ROWS)
+
+
 def fuses_norms(w: PackedWeight, rows: int) -> bool:
     """Whether a product of `rows` rows over `w` can take part in fused norms (kernels/mx_gemv.cu, header): a
-    weight the kernels stream, at most FUSED_ROWS rows (the one-n-tile kernels), a kernel file that fuses."""
-    return gemm_ready(w) and rows <= FUSED_ROWS and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")
+    weight the kernels stream, at most FUSED_ROWS rows (the one-n-tile kernels) that `skinny_product` leaves to
+    them, a kernel file that fuses."""
+    return gemm_ready(w) and rows <= FUSED_ROWS and skinny_product(w, rows) and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")
 
 
 def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
     """Whether `mx_swiglu` can take a product of `rows` rows over `w` ([gate; up] stacked): 1 to SWIGLU_ROWS
     rows, a weight the kernels stream, N a multiple of 16 and a kernel file that has the `_1s` to `_8s` kernels
     (its entry macro). (The backend uses it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
-    return (0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
+    return (0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w) and skinny_product(w, rows)
             and kernel_knows(tune_for(w.fmt)["source"], f"NAME##_{n_tiles(rows)}s"))
 
 
@@ -660,7 +673,8 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     accumulation.
     x may be `NormedRows`: a product of at most FUSED_ROWS rows takes them as they are (one launch), others
     materialise them. Past DENSE_ROWS rows the weight is dequantised to bf16 for a cuBLAS GEMM (the skinny
-    kernels on slices of 64 rows took 1.2-3.1x the GPU time at 75-256 rows, docs/perf.md)."""
+    kernels on slices of 64 rows took 1.2-3.1x the GPU time at 75-256 rows, docs/perf.md); past KEPT_ROWS rows
+    a weight that keeps its bf16 values (`attach_dense`) hands those to cuBLAS (`skinny_product`)."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
     _check_packed(w)
     norm = None
@@ -678,7 +692,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     m = x.shape[0]
-    if m > DENSE_ROWS and w.fmt in BF16_EXACT + BF16_EXACT_SCALED and w.N and w.K:
+    if not skinny_product(w, m):
         # prefill-sized: the weights' exact bf16 values once, then a tensor-core cuBLAS GEMM (bf16 operands,
         # float32 accumulation: the numbers of the skinny kernel, which also rounds x to bf16); NVFP4's tensor
         # scale is the GEMM's alpha (on each float32 sum, where the reference rounds each weight times it)
@@ -865,9 +879,9 @@ class PackedWeightsMixin:
     skinny products (bf16 bits: CupyBackend `_reads_bf16`).
     `dense_prefill` (the server's `prefill_weights=bf16`): the products' quantised weights (`keeps_prefill_copy`:
     not the embedding, the LM head or the MTP layers) also keep their bf16 values (`attach_dense`; their stacks,
-    `concat_rows`, stack those), so that prompt chunks of more than DENSE_ROWS rows skip the dequantisation a
-    product: 2 bytes a weight of device memory for a third of such a step's GPU work (docs/perf.md,
-    twenty-ninth session)."""
+    `concat_rows`, stack those), so that products of more than KEPT_ROWS rows run cuBLAS on them (`skinny_product`):
+    2 bytes a weight of device memory for ~38% of a 256-token chunk's GPU work and ~34% of a 43-row mixed step's
+    (docs/perf.md, twenty-ninth and thirtieth sessions)."""
 
     dense_prefill = False
 

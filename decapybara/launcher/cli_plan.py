@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
                    help="copy bandwidth in GB/s, read + write (default: measured by the probe)")
     p.add_argument("--prefill-weights", dest="prefill_weights", choices=("packed", "bf16"), default="packed",
                    help="bf16: also hold the quantised product weights as bf16 on the GPU (the server's "
-                        "prefill_weights=bf16: prompt chunks of 65+ tokens skip dequantising them), counted here")
+                        "prefill_weights=bf16: steps of 33+ rows run cuBLAS on them), counted here")
     p.set_defaults(func=cmd_plan)
 
 
@@ -200,7 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           + ("" if on_gpu else "; weights held as float32 by the numpy backend"))
     if extra:
         print("prefill weights in bf16: " + ", ".join(f"{n} +{_size(b)}" for n, b in extra.items())
-              + " of device memory (prompt chunks of 65+ tokens skip dequantising them)")
+              + " of device memory (steps of 33+ rows run cuBLAS on them, not the 4-bit kernels)")
     snaps = rows[0].plan.snapshot_bytes
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
           f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; "

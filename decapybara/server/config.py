@@ -46,7 +46,7 @@ class AppConfig(BaseModel):
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
-        "weight) so that prompt chunks of 65+ tokens skip dequantising them (CUDA backend only; `decapybara plan "
+        "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
         "--prefill-weights bf16` counts it)")
     blas_threads: int = Field(default=0, ge=0, description="BLAS threads in the GPU actor (0 = cores - 1)")
     seed: int = 0

@@ -112,6 +112,55 @@ def test_bf16_prefill_weights_change_no_logit(family, fmt, monkeypatch):
         assert_bytes_equal(got, ref, f"{family} {fmt} chunks of {chunk}")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_kept_rows_take_cublas_from_fewer_rows(fmt, monkeypatch):
+    """KEPT_ROWS below DENSE_ROWS: products of KEPT_ROWS + 1 to DENSE_ROWS rows over a weight that keeps its bf16
+    values run cuBLAS on them (no dequantisation, the bytes of the dequantise + cuBLAS path), up to KEPT_ROWS
+    the skinny kernels (the bytes of a weight without them); weights without kept values take the skinny
+    kernels to DENSE_ROWS. The SwiGLU and norm fusions and the backend's side-stream pairs (skinny kernels
+    only) follow the same split, and a tiny model's logits in chunks of 40 tokens stay within bf16 rounding of
+    the packed model's."""
+    from decapybara.backend import cupy_backend as cb
+    from decapybara.backend.cupy_ops import gemm_bf16, to_bf16_bits
+
+    monkeypatch.setattr(ex, "KEPT_ROWS", 16)
+    rng = np.random.default_rng(zlib.crc32(f"kept-{fmt}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (320, 512))
+    plain, w = ex.pack_weight(wq), ex.pack_weight(wq)
+    assert ex.attach_dense(w)
+    seen = _dequantisations(monkeypatch)
+    alpha = w.tensor_scale if fmt == "nvfp4" else 1.0
+    deq = ex.mx_dequant(ex._unscaled(plain) if fmt == "nvfp4" else plain, out_dtype=cp.uint16)
+    for m in (1, 16, 17, 40, ex.DENSE_ROWS):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        seen.clear()
+        got = ex.mx_linear(cp.asarray(x), w, out_dtype=cp.float32)
+        assert seen == [], f"{fmt} M{m}: dequantised with dense values kept"
+        assert ex.skinny_product(w, m) == (m <= 16) and ex.skinny_product(plain, m)
+        ref = (ex.mx_linear(cp.asarray(x), plain, out_dtype=cp.float32) if m <= 16
+               else gemm_bf16(to_bf16_bits(cp.asarray(x)), deq, alpha=alpha))
+        assert_bytes_equal(got, ref, f"{fmt} M{m}")
+        assert_close(host(got), bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"{fmt} M{m} against numpy")
+        assert ex.fuses_norms(w, m) == ex.fuses_norms(plain, m) == (m <= ex.FUSED_ROWS)
+        assert cb._own_kernels(w, m) == (m <= 16) and cb._own_kernels(plain, m)
+    gu_q, _ = random_weight(rng, fmt, (256, 512))
+    gate_up = ex.pack_weight(gu_q)
+    assert ex.attach_dense(gate_up)
+    assert ex.fuses_swiglu(gate_up, 16) and not ex.fuses_swiglu(gate_up, 17)
+    assert ex.fuses_swiglu(ex.pack_weight(gu_q), 40)
+    cfg, tensors = tiny_checkpoint("qwen3_5_text")
+    tensors = {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+               for k, v in tensors.items()}
+    packed = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+    dense = QwenModel.from_tensors(cfg, cuda_backend("bf16", prefill_weights="bf16"), tensors)
+    ids = np.random.default_rng(zlib.crc32(f"kept-model-{fmt}".encode())).integers(0, 512, 80)
+    seen.clear()
+    got = forward_chunks(dense, ids, 40)
+    head = (fmt, (cfg.vocab_size, cfg.hidden_size))
+    assert set(seen) <= {head}, f"{fmt}: dequantised {seen} with bf16 prefill weights at 40 rows"
+    assert_close(got, forward_chunks(packed, ids, 40), 2e-2, f"{fmt} logits, chunks of 40")
+
+
 def test_prefill_weights_setting_is_checked():
     with pytest.raises(ValueError, match="packed or bf16"):
         cuda_backend("bf16", prefill_weights="fp8")

@@ -142,7 +142,8 @@ def test_cli_plan_named_config(capsys):
 def test_cli_plan_counts_bf16_prefill_weights(capsys):
     """--prefill-weights bf16: the quantised product weights' bf16 copies (2 bytes a weight of every 2-D
     `*_proj.weight` stored in fewer) come out of the KV pool; bf16 weights need none; the serve command asks for
-    them only where the chosen weights are quantised."""
+    them only where the chosen weights are quantised. Without the flag, the plan says what they would cost the
+    chosen setting (its pool with them) or that it would not fit with them."""
     cfg = named_config("qwen3.8-27b")
     from decapybara.model.weights import expected_tensors, is_product_weight, keeps_prefill_copy
 
@@ -158,7 +159,7 @@ def test_cli_plan_counts_bf16_prefill_weights(capsys):
     assert C.dense_prefill_bytes(shapes, bf16) == 0
     args = ["plan", "--config", "qwen3.8-27b", "--vram-gb", "141", "--bandwidth-gbps", "4200", "--slots", "12",
             "--context", "32768", "--kv-mode", "6/4"]
-    pools = {}
+    pools, hints = {}, {}
     for pw in ("packed", "bf16"):
         assert main([*args, "--weights", "small", "--prefill-weights", pw]) == 0
         out = capsys.readouterr().out
@@ -166,10 +167,21 @@ def test_cli_plan_counts_bf16_prefill_weights(capsys):
         pools[pw] = int(row.split()[5].replace(",", ""))
         assert ("--set prefill_weights=bf16" in out) == (pw == "bf16")
         assert ("prefill weights in bf16: small +" in out) == (pw == "bf16")
+        hint = [ln for ln in out.splitlines() if ln.startswith("bf16 prefill weights (--prefill-weights bf16)")]
+        hints[pw] = hint[0] if hint else None
     page_bytes = C.kv_bytes_per_token(cfg, "6/4") * 512
     assert pools["packed"] - pools["bf16"] == pytest.approx(dense / page_bytes * 512, abs=512)
+    # without the flag the plan says what the copies would cost the chosen setting and that it still fits
+    assert hints["bf16"] is None and f"take {dense / 2**30:.1f} GiB" in hints["packed"]
+    assert f"KV pool {pools['packed']:,} -> {pools['bf16']:,} tokens" in hints["packed"]
     assert main([*args, "--weights", "bf16", "--prefill-weights", "bf16"]) == 0
     assert "--set prefill_weights" not in capsys.readouterr().out
+    assert main([*args, "--weights", "bf16"]) == 0  # nothing quantised: no copies to offer
+    assert "bf16 prefill weights (" not in capsys.readouterr().out
+    small_gpu = [*args[:4], "60", *args[5:]]
+    assert main([*small_gpu, "--weights", "small"]) == 0
+    out = capsys.readouterr().out
+    assert "the plan would not fit with them (" in out and "--set prefill_weights" not in out
 
 
 def test_plan_reads_a_quantised_file_by_tensor_names(tmp_path, capsys):

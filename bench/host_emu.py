@@ -49,6 +49,8 @@ kernels.sm90a_ok = lambda: True
 import gpu as B
 from host_step import batch, parse  # the same cases as on the GPU
 
+from decapybara.backend.piecewise import PiecewiseTails
+
 
 class _Random:
     """CuPy's random functions the benchmark builders call, on numpy (whose signatures differ)."""
@@ -74,6 +76,7 @@ B.cp.random = _Random()
 CASES = [s for s in os.environ.get("HOST_CASES", "16@16384+11,64@16384+11,256@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "15"))
 TOP = int(os.environ.get("HOST_PROFILE", "0"))
+TAILS = os.environ.get("HOST_TAILS") == "1"  # the layers' tails as (emulated) CUDA graphs: decapybara/backend/piecewise.py
 B.CFG = dataclasses.replace(B.CFG, hidden_size=512, intermediate_size=1024, num_attention_heads=6,
                             num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=6, vocab_size=2048)
 
@@ -87,7 +90,7 @@ class Launches:
 
     def __enter__(self) -> Self:
         def counted(kernel, *a, **kw):
-            self.n += 1
+            self.n += fake_cupy.CAPTURE is None and not fake_cupy.REPLAYING  # the host's launches, not a graph's
             return self._call(kernel, *a, **kw)
         fake_cupy.FakeKernel.__call__ = counted
         return self
@@ -101,21 +104,22 @@ def main() -> None:
     kv = B.CupyBackend("bf16").new_kv_cache(B.CFG, B.SLOTS * B.SEQ_PAGES + 1, B.PAGE, os.environ.get("HOST_KV", "6/4"))
     states = B.CupyBackend("bf16").new_state_pool(B.CFG, B.SLOTS + 1)
     model = B.build_model(variant)
+    tails = PiecewiseTails() if TAILS else None
     print(f"{'case':<16}{'ms a forward':>14}{'min':>8}{'launches':>10}{'py calls':>10}")
     for case in CASES:
         fb = batch(*parse(case))
         for _ in range(2):
-            model.forward(fb, kv, states)
+            model.forward(fb, kv, states, tails=tails)
         times = []
         for _ in range(REPS):
             t = time.perf_counter()
-            model.forward(fb, kv, states)
+            model.forward(fb, kv, states, tails=tails)
             times.append((time.perf_counter() - t) * 1e3)
         with Launches() as launches:
-            model.forward(fb, kv, states)
+            model.forward(fb, kv, states, tails=tails)
         prof = cProfile.Profile()
         prof.enable()
-        model.forward(fb, kv, states)
+        model.forward(fb, kv, states, tails=tails)
         prof.disable()
         st = pstats.Stats(prof)
         print(f"{case:<16}{statistics.median(times):>14.2f}{min(times):>8.2f}{launches.n:>10}{st.total_calls:>10}",

@@ -4,6 +4,7 @@
     HOST_CASES=256@0,16@16384+11 HOST_KV=6/4 HOST_PROFILE=40 python3 bench/host_step.py mxfp4
     HOST_PREFILL_WEIGHTS=packed,bf16,packed,bf16 HOST_CASES=256@0 python3 bench/host_step.py   # bf16 copies
     HOST_PREFILL_WEIGHTS=packed,bf16:16,bf16:32 HOST_CASES=32@0+11 python3 bench/host_step.py  # and KEPT_ROWS
+    HOST_PREFILL_WEIGHTS=packed,packed+tails HOST_CASES=32@0+11 python3 bench/host_step.py   # piecewise graphs
 
 Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on the device). For each case
 (tokens@start, +N decode rows at that context, as bench/profile_step.py's PROFILE_PREFILL) it times, after two
@@ -38,12 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.piecewise import PiecewiseTails
 
 CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "9"))
 # the server's prefill_weights settings to run the cases under, in turn, in this one process (e.g.
 # "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`; "bf16:16": with them, and
-# cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them)
+# cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them; a "+tails" suffix: the layers'
+# tails replayed as CUDA graphs, decapybara/backend/piecewise.py, one PiecewiseTails a setting)
 PREFILL_WEIGHTS = [s for s in os.environ.get("HOST_PREFILL_WEIGHTS", "packed").split(",") if s]
 TOP = int(os.environ.get("HOST_PROFILE", "30"))
 
@@ -162,7 +165,7 @@ def main() -> None:
     B.fill_random(kv, states)
     # with bf16 prefill weights anywhere in the list, one model that keeps them (as the server's setting), and
     # "packed" runs with its copies set aside
-    model = B.build_model(variant, prefill_weights="bf16" if any(p != "packed" for p in PREFILL_WEIGHTS)
+    model = B.build_model(variant, prefill_weights="bf16" if any(p.startswith("bf16") for p in PREFILL_WEIGHTS)
                           else "packed")
     copies = {id(w): ex.dense_of(w) for w in packed_weights(model) if ex.dense_of(w) is not None}
     sets = {"packed": {}, "bf16": copies}
@@ -177,13 +180,15 @@ def main() -> None:
         tag = "" if len(PREFILL_WEIGHTS) == 1 else f" {pw}" + (
             f" #{PREFILL_WEIGHTS[:i + 1].count(pw)}" if PREFILL_WEIGHTS.count(pw) > 1 else "")
         runs += [(case + tag, case, pw) for case in CASES]
+    tails = {pw: PiecewiseTails() for pw in PREFILL_WEIGHTS if pw.endswith("+tails")}
     for name, case, pw in runs:
-        setting, _, kept_rows = pw.partition(":")
+        setting, _, kept_rows = pw.removesuffix("+tails").partition(":")
         use_weights(model, sets[setting])
         ex.KEPT_ROWS = int(kept_rows) if kept_rows else ex.DENSE_ROWS
         tokens, start, rows = parse(case)
         fb = batch(tokens, start, rows)
-        fwd = lambda fb=fb: model.forward(fb, kv, states)
+        tail = tails.get(pw)
+        fwd = lambda fb=fb, t=tail: model.forward(fb, kv, states, tails=t)
         r = time_case(fwd, REPS)
         results[name] = r
         print(f"== {variant} {name}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
@@ -194,6 +199,9 @@ def main() -> None:
             print(profile_case(fwd, REPS, TOP), flush=True)
     speed.append(host_speed())
     results["host_speed_ms"] = speed
+    for pw, t in tails.items():
+        results[f"tails {pw}"] = {k: v for k, v in t.stats.items()}
+        print(f"tails {pw}: {t.stats}")
     print(f"\nhost speed before / after the cases: {speed[0]:.2f} / {speed[1]:.2f} ms a fixed Python loop")
     print(f"{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")
     for case in [name for name, _, _ in runs]:

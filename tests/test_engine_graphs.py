@@ -83,7 +83,7 @@ def fake_graphs(monkeypatch):
     """Graphs "on" for the numpy backend; yields the stand-in runners made."""
     made: list[PoisoningGraphRunner] = []
 
-    def make(model, plan):
+    def make(model, plan, piecewise=False):
         made.append(PoisoningGraphRunner(model, plan))
         return made[-1]
 
@@ -116,7 +116,8 @@ def test_numpy_engine_keeps_its_whole_pool():
     assert e.runner.states.num_slots == e.cfg.max_slots
     stats = e.snapshot_stats()
     assert stats["total_pages"] == 256
-    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0}
+    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0,
+                               "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0}
 
 
 def test_block_manager_over_the_plan_never_hands_out_the_pad_page():
@@ -175,7 +176,7 @@ def test_context_check_uses_the_usable_pool(fake_graphs):
 
 
 def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):
-    def broken(model, plan):
+    def broken(model, plan, piecewise=False):
         raise RuntimeError("no stream for you")
 
     monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("numpy",))

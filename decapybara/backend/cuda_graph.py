@@ -128,6 +128,7 @@ class DecodeGraphRunner:
     pad_page: int
     pad_slot: int | None = None
     buckets: tuple[int, ...] = (1, 2, 4, 8, 12)
+    tails: Any = None  # eager steps' layer tails as graphs (decapybara/backend/piecewise.py `PiecewiseTails`)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                                                            "failures": {}})
     _graphs: dict[tuple[int, int], _Static] = field(default_factory=dict)
@@ -157,7 +158,7 @@ class DecodeGraphRunner:
                                       for i, s in enumerate(batch.seqs) for q in s.snapshot_at})
                 return out
         self.stats["eager_steps"] += 1
-        return self.model.forward(batch, kv, states)
+        return self.model.forward(batch, kv, states, tails=self.tails)
 
     def ineligible(self, batch: ForwardBatch) -> str | None:
         """Why `batch` cannot replay a decode graph (None when it can)."""

@@ -82,11 +82,14 @@ def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid:
                      pad_slot=cfg.max_slots if hybrid else None, max_pages=min(pages_for_len, usable))
 
 
-def make_graph_runner(model: QwenModel, plan: GraphPlan) -> Any:
-    """A DecodeGraphRunner over `plan`'s reservation. Imports cupy: call only for an enabled plan."""
+def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False) -> Any:
+    """A DecodeGraphRunner over `plan`'s reservation (`piecewise`: its eager steps replay the layers' tails as
+    graphs, `PiecewiseTails`). Imports cupy: call only for an enabled plan."""
     from decapybara.backend.cuda_graph import DecodeGraphRunner
+    from decapybara.backend.piecewise import PiecewiseTails
 
-    return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot)
+    return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
+                             tails=PiecewiseTails() if piecewise else None)
 
 
 def _graph_key_name(key: Any) -> str:
@@ -116,7 +119,7 @@ class ModelRunner:
         if self.states is not None and self.plan.pad_slot is not None:
             self.states.reset(self.plan.pad_slot)
         try:
-            self.graphs = make_graph_runner(self.model, self.plan)
+            self.graphs = make_graph_runner(self.model, self.plan, self.cfg.piecewise_graphs)
         except Exception as e:  # noqa: BLE001 - no graphs is slower, never wrong
             self.graph_error = f"{type(e).__name__}: {e}"
             log.warning("CUDA graphs disabled: %s", self.graph_error)
@@ -176,9 +179,13 @@ class ModelRunner:
         (`graph_steps`) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
         whose capture failed (`failures`, those run eagerly). All zero without graphs."""
         s = self.graphs.stats if self.graphs is not None else {}
+        tails = getattr(self.graphs, "tails", None)
+        t = tails.stats if tails is not None else {}
         return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
-                "failures": len(s.get("failures", {}))}
+                "failures": len(s.get("failures", {})), "piecewise": tails is not None,
+                "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),
+                "tail_failures": len(t.get("failures", {}))}
 
     def graph_failures(self) -> dict[str, str]:
         """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""
@@ -186,6 +193,9 @@ class ModelRunner:
         if self.graphs is not None:
             for key, why in self.graphs.stats.get("failures", {}).items():
                 out[_graph_key_name(key)] = why
+            tails = getattr(self.graphs, "tails", None)
+            for rows, why in (tails.stats["failures"] if tails is not None else {}).items():
+                out[f"tails rows={rows}"] = why
         return out
 
     def info(self) -> dict[str, Any]:

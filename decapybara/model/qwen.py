@@ -155,7 +155,11 @@ class QwenModel:
         return self.backend.new_state_pool(self.cfg, num_slots)
 
     # ---- forward -----------------------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None,
+                tails: Any = None) -> ForwardOutput:
+        """`tails`: an object whose `start(model, h)` returns None or a run whose `tail(i, out, h)` stands in for
+        `block_tail` and `finish(h)` gives the residual stream at the end (`decoder_layers`; the CUDA backend's
+        `PiecewiseTails` replays each layer's tail as a graph)."""
         cfg, ops = self.cfg, self.backend
         cos, sin = self.rotary.cos_sin(batch.positions)
         cos, sin = ops.from_host(cos), ops.from_host(sin)
@@ -163,7 +167,7 @@ class QwenModel:
         raw_snaps: dict[tuple[int, int], dict[int, tuple[Any, Any]]] = {}
         h = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)  # [T, H]
         h = self.decoder_layers(h, lambda p, i, x: self._attention(p, i, x, batch, kv, cos, sin),
-                                lambda p, i, x: self._deltanet(p, i, x, states, segments, raw_snaps))
+                                lambda p, i, x: self._deltanet(p, i, x, states, segments, raw_snaps), tails)
         rows = batch.logits_rows
         last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
         hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -175,11 +179,26 @@ class QwenModel:
             snapshots[key] = HybridState(arrs[:n], arrs[n:])
         return ForwardOutput(logits, last, snapshots)
 
-    def decoder_layers(self, h: Any, attention: Any, deltanet: Any) -> Any:
+    def decoder_layers(self, h: Any, attention: Any, deltanet: Any, tails: Any = None) -> Any:
         """The decoder stack on the residual stream h [T, H]; `attention(p, i, x)` / `deltanet(p, i, x)` run the
-        token mixer of layer i (prefix p) and return its output or its output `Projection`. Each residual add
-        is fused into the norm that follows it, and a block's output projection into both where the norm's
-        rows go only to products (`Backend.linear_add_rms_norm`; not before a MoE block)."""
+        token mixer of layer i (prefix p) and return its output or its output `Projection`; `block_tail` runs
+        the rest of the layer (or `tails`' run, `forward`)."""
+        cfg, w = self.cfg, self.w
+        x = self.backend.rms_norm(h, w["model.layers.0.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        run = tails.start(self, h) if tails is not None else None
+        tail = run.tail if run is not None else self.block_tail
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            out = attention(p, i, x) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, x)
+            x, h = tail(i, out, h)
+        return run.finish(h) if run is not None else h
+
+    def block_tail(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
+        """Layer i after its token mixer: (x, h) from the mixer's output `out` (an array or a `Projection`) and
+        the residual stream h [T, H]: the residual add, the post-attention norm, the FFN, its residual add and
+        the next layer's input norm (x: its rows; None after the last layer). Each residual add is fused into
+        the norm that follows it, and a block's output projection into both where the norm's rows go only to
+        products (`Backend.linear_add_rms_norm`; not before a MoE block)."""
         cfg, ops, w = self.cfg, self.backend, self.w
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
@@ -188,17 +207,12 @@ class QwenModel:
                 return ops.linear_add_rms_norm(out.x, out.weight, out.bias, h, weight, eps, off)
             return ops.add_rms_norm(Projection.output(out, ops), h, weight, eps, off)
 
-        x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], eps, off)
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
-            out = attention(p, i, x) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, x)
-            x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not cfg.layer_is_moe(i))
-            out = self._ffn(p, i, x)
-            if i + 1 < cfg.num_hidden_layers:
-                x, h = add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
-            else:
-                h = h + Projection.output(out, ops)
-        return h
+        p = f"model.layers.{i}"
+        x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not cfg.layer_is_moe(i))
+        out = self._ffn(p, i, x)
+        if i + 1 < cfg.num_hidden_layers:
+            return add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
+        return None, h + Projection.output(out, ops)
 
     def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
         """Split each sequence's rows at its snapshot points (state must be copied out there)."""

@@ -44,6 +44,8 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")
+    piecewise_graphs: bool = Field(default=False, description="eager steps of 9-64 rows replay each layer's tail "
+                                   "(projections, norms, MLP) as a CUDA graph (CUDA backend, cuda_graphs on)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -92,7 +94,7 @@ class AppConfig(BaseModel):
         return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
                             prefill_policy=self.prefill_policy, kv_mode=kv_mode, max_model_len=self.max_model_len,
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
-                            cuda_graphs=self.cuda_graphs,
+                            cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

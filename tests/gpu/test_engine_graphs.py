@@ -130,3 +130,31 @@ def test_server_backend_with_packed_weights_and_graphs():
     assert_same(out, out_eager, "packed weights, graphs vs eager")
     assert sum(a[:4] == b[:4] for a, b in zip(out, ref)) >= len(ref) - 1, (out, ref)
     assert_graphs_ran(e)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3"])
+def test_piecewise_tails_generate_the_eager_tokens(family):
+    """`piecewise_graphs`: eager steps of 9-32 rows here (prompt chunks beside decode rows) replay their layers'
+    tails as graphs (`PiecewiseTails`); fp32 greedy generation equals the numpy reference's, token for token."""
+    prompts, params, cfg = workload("roomy")
+    ref = Engine(build(family, NumpyBackend()), cfg).generate(prompts, params)
+    e = Engine(build(family, CupyBackend("fp32")), cfg.replace(piecewise_graphs=True))
+    assert_same(e.generate(prompts, params), ref, f"{family} piecewise tails")
+    assert_graphs_ran(e)
+    g = e.runner.graph_stats()
+    assert g["piecewise"] and g["tail_captures"] > 0 and g["tail_replays"] > 0 and g["tail_failures"] == 0, g
+
+
+def test_piecewise_tails_with_packed_weights():
+    """The server's backend (bf16, MXFP4 weights) with piecewise tails: the tokens of the same engine without
+    them (whose steps run their products over the step's rows, not the bucket's: float32 sums in another order,
+    which these greedy tokens do not see)."""
+    _, tensors = tiny_checkpoint("qwen3_5_text")
+    q = {name: (quant.quantize(w, "mxfp4") if w.ndim >= 2 and not name.endswith("conv1d.weight") else w)
+         for name, w in tensors.items()}
+    prompts, params, cfg = workload("roomy")
+    plain = Engine(build("qwen3_5_text", cuda_backend("bf16"), q), cfg)
+    e = Engine(build("qwen3_5_text", cuda_backend("bf16"), q), cfg.replace(piecewise_graphs=True))
+    assert_same(e.generate(prompts, params), plain.generate(prompts, params), "packed weights, piecewise tails")
+    g = e.runner.graph_stats()
+    assert g["tail_replays"] > 0 and g["tail_failures"] == 0, (g, e.runner.graph_failures())

@@ -43,6 +43,36 @@ def _emu_object() -> str:
     return obj
 
 
+# stream capture (`Stream.begin_capture` ... `end_capture`): launches, cuBLAS calls and device-to-device copies are
+# recorded, not run, and a graph's `launch` runs them in order. Numpy work done by fake CuPy arrays during a
+# capture (elementwise ops, copies by assignment) runs at once and is not recorded: a real capture records it, so
+# code under test captures only launches, cuBLAS and `runtime.memcpyAsync`.
+CAPTURE: list | None = None
+REPLAYING = False  # a graph's launch is running its recorded operations
+
+
+def deferred(fn):
+    """Runs fn now, or records it in the capture in progress."""
+    if CAPTURE is not None:
+        CAPTURE.append(fn)
+    else:
+        fn()
+
+
+class FakeGraph:
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        global REPLAYING
+        REPLAYING = True
+        try:
+            for op in self.ops:
+                op()
+        finally:
+            REPLAYING = False
+
+
 class FakeKernel:
     def __init__(self, lib, name, sig):
         self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value if lib is not None else None
@@ -51,6 +81,10 @@ class FakeKernel:
         self.lib = lib
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        if CAPTURE is not None:
+            args = tuple(args)
+            CAPTURE.append(lambda: self(grid, block, args, shared_mem, stream))
+            return
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if len(args) != len(self.sig):
@@ -175,7 +209,7 @@ def install():
     runtime.getDeviceCount = lambda: 1
     runtime.getDevice = lambda: 0
     runtime.memcpyDeviceToHost = 2
-    runtime.memcpyAsync = lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n)
+    runtime.memcpyAsync = lambda dst, src, n, kind, stream: deferred(lambda: ctypes.memmove(dst, src, n))
     runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
     runtime.deviceSynchronize = lambda: None
     cuda.runtime = runtime
@@ -184,6 +218,14 @@ def install():
     class Stream:  # the current stream: one object; `with stream:` changes nothing
         def __init__(self, non_blocking=False, ptr=0): self.ptr = ptr
         def synchronize(self): pass
+        def begin_capture(self):
+            global CAPTURE
+            assert CAPTURE is None, "nested capture"
+            CAPTURE = []
+        def end_capture(self):
+            global CAPTURE
+            ops, CAPTURE = CAPTURE, None
+            return FakeGraph(ops)
         def record(self, event=None): return event or Event()
         def wait_event(self, event): pass
         def __enter__(self): return self
@@ -194,6 +236,7 @@ def install():
     cuda.get_current_stream = lambda: Stream()
     cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()  # numpy allocates
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
+    cuda.MemoryPool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
     memory = types.ModuleType("cupy.cuda.memory")
     class OutOfMemoryError(MemoryError):  # cupy's signature
         def __init__(self, size, total, limit=0):

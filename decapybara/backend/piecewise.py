@@ -1,0 +1,191 @@
+"""Eager steps' layer tails as CUDA graphs ("piecewise" graphs): the Python launch cost of a prompt's short chunk
+(and of a mixed step: a chunk beside other agents' decode rows) is about half in each layer's tail, the part after
+its token mixer. That part's shapes depend on the step's row count alone, unlike the attention and DeltaNet
+cores, whose plans follow the batch's sequences. So each tail (`QwenModel.block_tail`: the output projection,
+the residual add and post-attention norm, the MLP, its residual add and the next layer's input norm) is captured
+once per (layer, row bucket) over static buffers and replayed; the cores stay eager.
+
+Per bucket of B rows (BUCKETS; steps of FUSED_ROWS + 1 to B rows) the static buffers are: two residual streams
+h [B, H] float32 (layer i reads h[i % 2] and writes h[(i + 1) % 2], so a tail never reads what it writes and its
+replay is idempotent), the next layer's input rows x [B, H] per dtype, and a mixer output buffer [B, width] per
+(dtype, width) that the step's core output is copied into (`cudaMemcpyAsync`, device to device). A step of T rows
+uses the first T rows; the others are left from earlier steps (finite values, and every op of a tail works row
+by row, so they never reach a real row). The tail runs over all B rows, so its products' launch plans are the B-row
+ones: within float32 summation order of the eager step's T-row products, not byte-equal to them.
+
+First use of a (layer, bucket, mixer buffer): the tail runs eagerly over the static buffers (the warm-up that
+fills kernel and launch caches; its outputs are the step's), then is captured (`capture_graph`, without a second
+warm-up) into one memory pool shared by all tails: captures are never replayed concurrently, so their
+intermediates may share blocks. A capture that fails (e.g. a library call that cannot be captured) marks that
+bucket eager for the process, with the reason in `stats["failures"]`; the warm-up's outputs stand. The last
+layer (its tail adds into h with no norm after it) and MoE layers always run eagerly.
+
+`PiecewiseTails.start(model, h)` gives a `TailRun` for one forward, or None where the step's rows are not covered
+(`QwenModel.forward(..., tails=...)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import cupy as cp
+
+from decapybara.backend import cupy_ops
+from decapybara.backend.cupy_ops_extra import FUSED_ROWS
+from decapybara.model.qwen import Projection, QwenModel
+
+BUCKETS = (16, 24, 32, 48, 64)  # row counts of the captured tails (steps of FUSED_ROWS + 1 to 64 rows)
+_D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+def _copy(dst: Any, src: Any) -> None:
+    """dst[:] = src (both C-contiguous, same dtype and size) on the current stream, as one memcpy node in a capture."""
+    assert dst.dtype == src.dtype and dst.size == src.size and dst.flags.c_contiguous and src.flags.c_contiguous
+    if dst.nbytes:
+        cp.cuda.runtime.memcpyAsync(cupy_ops.dev_ptr(dst), cupy_ops.dev_ptr(src), dst.nbytes, _D2D,
+                                    cp.cuda.get_current_stream().ptr)
+
+
+@dataclass
+class _Bucket:
+    """Static buffers of one row bucket (see the module docstring)."""
+
+    rows: int
+    h: list[Any]  # two float32 [rows, H]
+    x: dict[Any, Any] = field(default_factory=dict)  # dtype -> [rows, H]
+    core: dict[tuple[Any, int], Any] = field(default_factory=dict)  # (dtype, width) -> [rows, width]
+
+
+@dataclass
+class _Tail:
+    """One captured tail: its graph, the mixer buffer and output projection it was captured with."""
+
+    graph: Any
+    core: Any
+    weight: Any
+    bias: Any
+    x: Any  # the bucket's x buffer it writes
+
+
+@dataclass
+class PiecewiseTails:
+    """Layer tails of eager steps as CUDA graphs, per (layer, row bucket); see the module docstring."""
+
+    buckets: tuple[int, ...] = BUCKETS
+    stats: dict[str, Any] = field(default_factory=lambda: {"tail_replays": 0, "eager_tails": 0, "captures": 0,
+                                                           "failures": {}})
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    _tails: dict[tuple[int, int, Any, int], _Tail] = field(default_factory=dict)
+    _stream: Any = None
+    _pool: Any = None
+
+    def bucket(self, rows: int) -> int | None:
+        """The bucket a step of `rows` rows replays in (None: not covered)."""
+        if rows <= FUSED_ROWS or rows > max(self.buckets):
+            return None
+        return min(b for b in self.buckets if b >= rows)
+
+    def start(self, model: QwenModel, h: Any) -> TailRun | None:
+        """A run over one forward whose residual stream starts as h [T, H] float32, or None (not covered: T
+        outside the buckets, a bucket whose capture failed)."""
+        rows = self.bucket(h.shape[0])
+        if rows is None or rows in self.stats["failures"]:
+            return None
+        b = self._buckets.get(rows)
+        if b is None:
+            b = self._buckets[rows] = _Bucket(rows, [cp.zeros((rows, h.shape[1]), cp.float32) for _ in range(2)])
+        return TailRun(self, model, b, h)
+
+    def _capture(self, fn: Any) -> Any:
+        from decapybara.backend.cuda_graph import capture_graph
+
+        if self._stream is None:
+            self._stream, self._pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+        main = cp.cuda.get_current_stream()
+        self._stream.wait_event(main.record())
+        try:
+            graph, _ = capture_graph(fn, self._stream, self._pool, warmup=0)
+        finally:
+            main.wait_event(self._stream.record())
+        self.stats["captures"] += 1
+        return graph
+
+
+class TailRun:
+    """One forward's tails (`QwenModel.decoder_layers`): `tail(i, out, h)` for `QwenModel.block_tail`."""
+
+    def __init__(self, tails: PiecewiseTails, model: QwenModel, b: _Bucket, h: Any):
+        self.tails, self.model, self.b, self.t = tails, model, b, h.shape[0]
+        self.static_h: Any = None  # the view of a static h this run last returned (what `tail` gets back)
+
+    def tail(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
+        model, cfg, b, t = self.model, self.model.cfg, self.b, self.t
+        tails = self.tails
+        if (i + 1 == cfg.num_hidden_layers or cfg.layer_is_moe(i) or not isinstance(out, Projection)
+                or b.rows in tails.stats["failures"] or not isinstance(out.x, cp.ndarray) or out.x.ndim != 2):
+            tails.stats["eager_tails"] += 1
+            self.static_h = None
+            return model.block_tail(i, out, h)
+        h_in, h_out = b.h[i % 2], b.h[(i + 1) % 2]
+        if h is not self.static_h:  # the embedding's rows, or an eager tail's
+            _copy(h_in[:t], cp.ascontiguousarray(h, dtype=cp.float32))
+        width = out.x.shape[1]
+        core = b.core.get((out.x.dtype, width))
+        if core is None:
+            core = b.core[(out.x.dtype, width)] = cp.zeros((b.rows, width), out.x.dtype)
+        _copy(core[:t], cp.ascontiguousarray(out.x))
+        key = (i, b.rows, out.x.dtype, width)
+        cap = tails._tails.get(key)
+        if cap is not None and (cap.weight is not out.weight or cap.bias is not out.bias):
+            cap = None  # another projection (not expected): run this one eagerly
+            tails.stats["eager_tails"] += 1
+            x, h = model.block_tail(i, out, h)
+            self.static_h = None
+            return x, h
+        if cap is None:
+            try:
+                x_buf = self._warm_up(i, out, core, h_in, h_out)
+            except (TypeError, ValueError) as e:  # a tail these buffers cannot hold (e.g. NormedRows x)
+                tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
+                tails.stats["eager_tails"] += 1
+                self.static_h = None
+                return model.block_tail(i, out, h)
+            proj = Projection(core, out.weight, out.bias)
+
+            def fn() -> None:
+                x, h = model.block_tail(i, proj, h_in)
+                _copy(h_out, cp.ascontiguousarray(h))
+                _copy(x_buf, cp.ascontiguousarray(x))
+
+            try:
+                graph = tails._capture(fn)
+            except Exception as e:  # noqa: BLE001 - an uncapturable tail runs eagerly; the warm-up's outputs stand
+                tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
+            else:
+                tails._tails[key] = _Tail(graph, core, out.weight, out.bias, x_buf)
+        else:
+            cap.graph.launch(cp.cuda.get_current_stream())
+            tails.stats["tail_replays"] += 1
+            x_buf = cap.x
+        self.static_h = h_out[:t]
+        return x_buf[:t], self.static_h
+
+    def _warm_up(self, i: int, out: Projection, core: Any, h_in: Any, h_out: Any) -> Any:
+        """The tail run eagerly over the static buffers (its outputs this step's); the bucket's x buffer of the
+        x dtype it gives."""
+        b = self.b
+        x, h = self.model.block_tail(i, Projection(core, out.weight, out.bias), h_in)
+        if not isinstance(x, cp.ndarray) or x.shape != (b.rows, h_in.shape[1]):
+            raise TypeError(f"layer {i}'s tail gave x of type {type(x).__name__}")  # e.g. NormedRows
+        _copy(h_out, cp.ascontiguousarray(h))
+        x_buf = b.x.get(x.dtype)
+        if x_buf is None:
+            x_buf = b.x[x.dtype] = cp.zeros(x.shape, x.dtype)
+        _copy(x_buf, cp.ascontiguousarray(x))
+        self.tails.stats["eager_tails"] += 1
+        return x_buf
+
+    def finish(self, h: Any) -> Any:
+        """The residual stream after the last layer (a copy where it is a static buffer's rows)."""
+        return h.copy() if h is self.static_h else h

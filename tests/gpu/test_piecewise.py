@@ -1,0 +1,120 @@
+"""Eager steps' layer tails replayed as CUDA graphs (`decapybara/backend/piecewise.py`; GPU only).
+
+A forward with `PiecewiseTails` gives the eager forward's logits within float32 summation order (its tails run
+their products over the bucket's rows) and the same greedy tokens, over steps that capture, steps that replay
+with other inputs, chunks of other lengths in one bucket, mixed steps (a chunk beside decode rows), and steps the
+buckets do not cover; a capture that fails leaves the bucket eager with the right results.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from test_kernels_extra import assert_close
+
+from decapybara.backend import piecewise
+from decapybara.backend.cuda_factory import cuda_backend
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.model import quant
+from decapybara.model.batch import ForwardBatch
+from decapybara.model.qwen import QwenModel
+from decapybara.testing import tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+PAGE, PAGES = 8, 32
+
+
+def model_of(family: str, fmt: str) -> QwenModel:
+    cfg, tensors = tiny_checkpoint(family)
+    if fmt == "bf16":
+        return QwenModel.from_tensors(cfg, CupyBackend("bf16"), tensors)
+    tensors = {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+               for k, v in tensors.items()}
+    return QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+
+
+class Pools:
+    """KV pages and DeltaNet states of two sequences (slots 0 and 1, pages 0-15 and 16-31)."""
+
+    def __init__(self, model: QwenModel):
+        self.kv = model.new_kv_cache(PAGES, PAGE)
+        self.states = model.new_state_pool(3) if model.cfg.linear_layers else None
+        if self.states is not None:
+            self.states.reset(0)
+            self.states.reset(1)
+
+
+def step(model: QwenModel, pools: Pools, entries: list[tuple[np.ndarray, int, int]], tails=None) -> np.ndarray:
+    """One forward of (new tokens, tokens already cached, sequence 0 / 1); logits of every row (host)."""
+    tables = [np.arange(16, dtype=np.int32), np.arange(16, 32, dtype=np.int32)]
+    b = ForwardBatch.build([(ids, start, tables[s], s) for ids, start, s in entries], PAGE, logits="all")
+    return cp.asnumpy(model.forward(b, pools.kv, pools.states, tails=tails).logits)
+
+
+# (sequence 0's new tokens, sequence 1's new tokens) of each step: 20 rows (bucket 24, captured), 22 rows (the
+# same bucket, replayed on new inputs), a mixed step of 30 + 1 rows (bucket 32), a 5-token chunk (eager: below
+# the buckets), 12 + 1 rows (bucket 16), then 18 + 1 (bucket 24, replayed after other buckets ran)
+STEPS = [(20, 0), (0, 22), (30, 1), (5, 0), (12, 1), (18, 1)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_tails_give_the_eager_logits(family, fmt):
+    model = model_of(family, fmt)
+    rng = np.random.default_rng(zlib.crc32(f"piecewise-{family}-{fmt}".encode()))
+    eager, graphs = Pools(model), Pools(model)
+    tails = piecewise.PiecewiseTails()
+    done = [0, 0]
+    for n0, n1 in STEPS:
+        entries = []
+        for s, n in ((0, n0), (1, n1)):
+            if n:
+                entries.append((rng.integers(0, 512, n), done[s], s))
+                done[s] += n
+        ref = step(model, eager, entries)
+        got = step(model, graphs, entries, tails)
+        rows = sum(len(e[0]) for e in entries)
+        assert_close(got, ref, 2e-3, f"{family} {fmt}: {rows} rows")
+        assert (got.argmax(-1) == ref.argmax(-1)).all(), f"{family} {fmt}: greedy tokens at {rows} rows"
+    s = tails.stats
+    tail_layers = model.cfg.num_hidden_layers - 1  # the last layer's tail runs eagerly
+    assert s["failures"] == {}, s["failures"]
+    assert s["captures"] == 3 * tail_layers  # buckets 24, 32, 16 (bf16 x throughout)
+    assert s["tail_replays"] == 2 * tail_layers  # the second and last steps of bucket 24
+    assert s["eager_tails"] == 3 * tail_layers + 5  # the warm-ups, the last layer of the five covered steps
+
+
+def test_rows_outside_the_buckets_run_eagerly():
+    tails = piecewise.PiecewiseTails()
+    assert [tails.bucket(n) for n in (1, 8, 9, 16, 17, 33, 64, 65)] == [None, None, 16, 16, 24, 48, 64, None]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text"])
+def test_a_failed_capture_leaves_the_bucket_eager(family, monkeypatch):
+    model = model_of(family, "mxfp4")
+    tails = piecewise.PiecewiseTails()
+
+    def refuse(fn):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(tails, "_capture", refuse)
+    rng = np.random.default_rng(5)
+    eager, graphs = Pools(model), Pools(model)
+    done = 0
+    for n in (20, 23):
+        ids = rng.integers(0, 512, n)
+        ref = step(model, eager, [(ids, done, 0)])
+        got = step(model, graphs, [(ids, done, 0)], tails)
+        done += n
+        assert_close(got, ref, 2e-3, f"{n} rows after a failed capture")
+    assert list(tails.stats["failures"]) == [24] and "capture refused" in tails.stats["failures"][24]
+    assert tails.stats["captures"] == tails.stats["tail_replays"] == 0

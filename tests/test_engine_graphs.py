@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
 
 import numpy as np
 import pytest
@@ -205,3 +206,25 @@ def test_app_config_passes_the_switch_through():
 
     assert AppConfig().engine_config(cuda=True).cuda_graphs
     assert not AppConfig(cuda_graphs="false").engine_config(cuda=True).cuda_graphs
+    assert not AppConfig().engine_config(cuda=True).piecewise_graphs  # off until its engine tests run on a GPU
+    assert AppConfig(piecewise_graphs="true").engine_config(cuda=True).piecewise_graphs
+
+
+def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):
+    """`piecewise_graphs` reaches make_graph_runner, which gives the DecodeGraphRunner a PiecewiseTails for its
+    eager steps; graph_stats and graph_failures report the tails' numbers (here a stand-in runner's)."""
+    seen = []
+
+    def make(model, plan, piecewise=False):
+        seen.append(piecewise)
+        r = PoisoningGraphRunner(model, plan)
+        r.tails = types.SimpleNamespace(stats={"tail_replays": 3, "captures": 2, "failures": {48: "cuBLAS"}})
+        return r
+
+    monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("cupy", "numpy"))
+    monkeypatch.setattr(runner_mod, "make_graph_runner", make)
+    e = Engine(model("qwen3_5_text"), EngineConfig(**BASE, piecewise_graphs=True))
+    assert seen == [True]
+    g = e.runner.graph_stats()
+    assert g["piecewise"] and (g["tail_replays"], g["tail_captures"], g["tail_failures"]) == (3, 2, 1)
+    assert e.runner.graph_failures() == {"tails rows=48": "cuBLAS"}

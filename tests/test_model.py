@@ -116,3 +116,45 @@ def test_random_weights_are_seeded_and_lazy():
     assert np.array_equal(first[names[1]], again[names[1]])
     other = dict(random_tensors(cfg, seed=4, names=names[1:]))
     assert not np.array_equal(first[names[1]], other[names[1]])
+
+
+def test_forward_tails_hook(pair):
+    """`forward(..., tails=)`: a run from `tails.start(model, h)` stands in for `block_tail` at every layer (in
+    order, with the mixer's output and the residual stream) and `finish` gives the residual stream at the end; a
+    run that delegates to `block_tail` gives the plain forward's logits exactly; `start` returning None leaves
+    the plain path."""
+    model = pair[2].model
+    calls = []
+
+    class Run:
+        def tail(self, i, out, h):
+            calls.append(i)
+            return model.block_tail(i, out, h)
+
+        def finish(self, h):
+            calls.append("finish")
+            return h
+
+    class Tails:
+        def __init__(self, on):
+            self.on = on
+
+        def start(self, m, h):
+            assert m is model and h.shape == (len(PROMPT), m.cfg.hidden_size)
+            return Run() if self.on else None
+
+    ref = model.forward(ForwardBatch.build([(PROMPT, 0, np.arange(16), 0)], 8, logits="all"), *pools(model)).logits
+    for on in (True, False):
+        calls.clear()
+        b = ForwardBatch.build([(PROMPT, 0, np.arange(16), 0)], 8, logits="all")
+        got = model.forward(b, *pools(model), tails=Tails(on)).logits
+        np.testing.assert_array_equal(got, ref)
+        assert calls == ([*range(model.cfg.num_hidden_layers), "finish"] if on else [])
+
+
+def pools(model):
+    kv = model.new_kv_cache(16, 8)
+    states = model.new_state_pool(1) if model.cfg.linear_layers else None
+    if states is not None:
+        states.reset(0)
+    return kv, states

@@ -16,8 +16,9 @@ ones: within float32 summation order of the eager step's T-row products, not byt
 First use of a (layer, bucket, mixer buffer): the tail runs eagerly over the static buffers (the warm-up that
 fills kernel and launch caches; its outputs are the step's), then is captured (`capture_graph`, without a second
 warm-up) into one memory pool shared by all tails: captures are never replayed concurrently, so their
-intermediates may share blocks. A capture that fails (e.g. a library call that cannot be captured) marks that
-bucket eager for the process, with the reason in `stats["failures"]`; the warm-up's outputs stand. The last
+intermediates may share blocks. A capture that fails marks that bucket eager for the process, with the reason in
+`stats["failures"]`; the warm-up's outputs stand. That happens where a tail's products take cuBLAS, which CuPy
+does not let a capture call: over weights that keep bf16 values (`prefill_weights=bf16`), buckets past KEPT_ROWS. The last
 layer (its tail adds into h with no norm after it) and MoE layers always run eagerly.
 
 `PiecewiseTails.start(model, h)` gives a `TailRun` for one forward, or None where the step's rows are not covered
@@ -35,7 +36,9 @@ from decapybara.backend import cupy_ops
 from decapybara.backend.cupy_ops_extra import FUSED_ROWS
 from decapybara.model.qwen import Projection, QwenModel
 
-BUCKETS = (16, 24, 32, 48, 64)  # row counts of the captured tails (steps of FUSED_ROWS + 1 to 64 rows)
+# row counts of the captured tails (steps of FUSED_ROWS + 1 to 64 rows). Not past 64 rows: products there are
+# cuBLAS GEMMs, and CuPy refuses cuBLAS calls during a capture (NotImplementedError, docs/perf.md thirtieth session)
+BUCKETS = (16, 24, 32, 48, 64)
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 

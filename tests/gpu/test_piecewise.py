@@ -30,7 +30,7 @@ from decapybara.model.qwen import QwenModel
 from decapybara.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
-PAGE, PAGES = 8, 32
+PAGE, PAGES = 8, 64
 
 
 def model_of(family: str, fmt: str) -> QwenModel:
@@ -43,7 +43,7 @@ def model_of(family: str, fmt: str) -> QwenModel:
 
 
 class Pools:
-    """KV pages and DeltaNet states of two sequences (slots 0 and 1, pages 0-15 and 16-31)."""
+    """KV pages and DeltaNet states of two sequences (slots 0 and 1, pages 0-31 and 32-63)."""
 
     def __init__(self, model: QwenModel):
         self.kv = model.new_kv_cache(PAGES, PAGE)
@@ -55,15 +55,16 @@ class Pools:
 
 def step(model: QwenModel, pools: Pools, entries: list[tuple[np.ndarray, int, int]], tails=None) -> np.ndarray:
     """One forward of (new tokens, tokens already cached, sequence 0 / 1); logits of every row (host)."""
-    tables = [np.arange(16, dtype=np.int32), np.arange(16, 32, dtype=np.int32)]
+    tables = [np.arange(32, dtype=np.int32), np.arange(32, 64, dtype=np.int32)]
     b = ForwardBatch.build([(ids, start, tables[s], s) for ids, start, s in entries], PAGE, logits="all")
     return cp.asnumpy(model.forward(b, pools.kv, pools.states, tails=tails).logits)
 
 
 # (sequence 0's new tokens, sequence 1's new tokens) of each step: 20 rows (bucket 24, captured), 22 rows (the
 # same bucket, replayed on new inputs), a mixed step of 30 + 1 rows (bucket 32), a 5-token chunk (eager: below
-# the buckets), 12 + 1 rows (bucket 16), then 18 + 1 (bucket 24, replayed after other buckets ran)
-STEPS = [(20, 0), (0, 22), (30, 1), (5, 0), (12, 1), (18, 1)]
+# the buckets), 12 + 1 rows (bucket 16), 18 + 1 (bucket 24, replayed after other buckets ran), then 70 + 1
+# (eager: above the buckets)
+STEPS = [(20, 0), (0, 22), (30, 1), (5, 0), (12, 1), (18, 1), (70, 1)]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3"])
@@ -88,14 +89,39 @@ def test_tails_give_the_eager_logits(family, fmt):
     s = tails.stats
     tail_layers = model.cfg.num_hidden_layers - 1  # the last layer's tail runs eagerly
     assert s["failures"] == {}, s["failures"]
-    assert s["captures"] == 3 * tail_layers  # buckets 24, 32, 16 (bf16 x throughout)
-    assert s["tail_replays"] == 2 * tail_layers  # the second and last steps of bucket 24
+    assert s["captures"] == 3 * tail_layers  # buckets 24, 32, 16
+    assert s["tail_replays"] == 2 * tail_layers  # the second and sixth steps (bucket 24)
     assert s["eager_tails"] == 3 * tail_layers + 5  # the warm-ups, the last layer of the five covered steps
+
+
+def test_tails_over_kept_bf16_weights():
+    """Over weights that keep bf16 values (`prefill_weights=bf16`), a bucket past KEPT_ROWS has its products on
+    cuBLAS: its capture either succeeds or (CuPy refuses cuBLAS calls during a capture) leaves the bucket eager,
+    and the logits are the eager forward's either way; buckets up to KEPT_ROWS capture and replay."""
+    cfg, tensors = tiny_checkpoint("qwen3_5_text")
+    tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+               for k, v in tensors.items()}
+    model = QwenModel.from_tensors(cfg, cuda_backend("bf16", prefill_weights="bf16"), tensors)
+    tails = piecewise.PiecewiseTails()
+    rng = np.random.default_rng(9)
+    eager, graphs = Pools(model), Pools(model)
+    done = 0
+    for n in (40, 20, 44, 22):  # buckets 48 (cuBLAS), 24 (skinny), then each again
+        ids = rng.integers(0, 512, n)
+        ref = step(model, eager, [(ids, done, 0)])
+        got = step(model, graphs, [(ids, done, 0)], tails)
+        done += n
+        assert_close(got, ref, 2e-3, f"{n} rows over kept bf16 weights")
+        assert (got.argmax(-1) == ref.argmax(-1)).all(), f"greedy tokens at {n} rows"
+    failures = tails.stats["failures"]
+    assert 24 not in failures and tails.stats["tail_replays"] >= cfg.num_hidden_layers - 1, tails.stats
+    assert all(rows == 48 and "cuBLAS" in why for rows, why in failures.items()), failures
 
 
 def test_rows_outside_the_buckets_run_eagerly():
     tails = piecewise.PiecewiseTails()
-    assert [tails.bucket(n) for n in (1, 8, 9, 16, 17, 33, 64, 65)] == [None, None, 16, 16, 24, 48, 64, None]
+    assert [tails.bucket(n) for n in (1, 8, 9, 16, 17, 33, 64, 65, 256)] == \
+        [None, None, 16, 16, 24, 48, 64, None, None]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text"])

@@ -15,8 +15,10 @@ ones: within float32 summation order of the eager step's T-row products, not byt
 
 First use of a (layer, bucket, mixer buffer): the tail runs eagerly over the static buffers (the warm-up that
 fills kernel and launch caches; its outputs are the step's), then is captured (`capture_graph`, without a second
-warm-up) into one memory pool shared by all tails: captures are never replayed concurrently, so their
-intermediates may share blocks. A capture that fails marks that bucket eager for the process, with the reason in
+warm-up) with its allocations served by one `_Arena` shared by all tails: graphs run one after another on one
+stream, so their intermediates may share blocks, and the arena never hands a block back to CUDA (a CuPy pool
+frees its free blocks when the device runs out of memory, and those are what earlier graphs still address). The
+capture stream's split-K counters (`cupy_ops_extra._counters`) are made and zeroed before its first capture. A capture that fails marks that bucket eager for the process, with the reason in
 `stats["failures"]`; the warm-up's outputs stand. That happens where a tail's products take cuBLAS, which CuPy
 does not let a capture call: over weights that keep bf16 values (`prefill_weights=bf16`), buckets past KEPT_ROWS. The last
 layer (its tail adds into h with no norm after it) and MoE layers always run eagerly.
@@ -32,7 +34,7 @@ from typing import Any
 
 import cupy as cp
 
-from decapybara.backend import cupy_ops
+from decapybara.backend import cupy_ops, cupy_ops_extra
 from decapybara.backend.cupy_ops_extra import FUSED_ROWS
 from decapybara.model.qwen import Projection, QwenModel
 
@@ -40,6 +42,42 @@ from decapybara.model.qwen import Projection, QwenModel
 # cuBLAS GEMMs, and CuPy refuses cuBLAS calls during a capture (NotImplementedError, docs/perf.md thirtieth session)
 BUCKETS = (16, 24, 32, 48, 64)
 _D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+class _Arena:
+    """Device memory for captured graphs: an allocator (`cupy.cuda.using_allocator`) whose blocks come from the
+    default pool and are never given back; a freed block goes to a free list by size and serves the next request
+    of that size (the tails of one bucket ask for the same sizes in the same order)."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[Any]] = {}
+        self.blocks = 0  # blocks held (taken from the default pool)
+        self.bytes = 0
+
+    def malloc(self, size: int) -> Any:
+        size = -(-max(size, 1) // 512) * 512
+        spare = self.free.setdefault(size, [])
+        if spare:
+            base = spare.pop()
+        else:
+            base = cp.get_default_memory_pool().malloc(size)
+            self.blocks, self.bytes = self.blocks + 1, self.bytes + size
+        # the lease is the memory's owner: when the last array using the memory goes, so does the lease, and
+        # the block is free again
+        mem = cp.cuda.memory.UnownedMemory(base.ptr, size, _Lease(spare, base), base.device_id)
+        return cp.cuda.MemoryPointer(mem, 0)
+
+
+class _Lease:
+    """A block of an `_Arena` in use: back on its free list when this goes."""
+
+    __slots__ = ("base", "spare")
+
+    def __init__(self, spare: list[Any], base: Any) -> None:
+        self.spare, self.base = spare, base
+
+    def __del__(self) -> None:
+        self.spare.append(self.base)
 
 
 def _copy(dst: Any, src: Any) -> None:
@@ -81,7 +119,7 @@ class PiecewiseTails:
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     _tails: dict[tuple[int, int, Any, int], _Tail] = field(default_factory=dict)
     _stream: Any = None
-    _pool: Any = None
+    _arena: Any = None
 
     def bucket(self, rows: int) -> int | None:
         """The bucket a step of `rows` rows replays in (None: not covered)."""
@@ -97,18 +135,27 @@ class PiecewiseTails:
             return None
         b = self._buckets.get(rows)
         if b is None:
-            b = self._buckets[rows] = _Bucket(rows, [cp.zeros((rows, h.shape[1]), cp.float32) for _ in range(2)])
+            try:
+                b = _Bucket(rows, [cp.zeros((rows, h.shape[1]), cp.float32) for _ in range(2)])
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: this bucket runs eagerly
+                self.stats["failures"][rows] = f"buffers: {type(e).__name__}: {e}"
+                return None
+            self._buckets[rows] = b
         return TailRun(self, model, b, h)
 
     def _capture(self, fn: Any) -> Any:
         from decapybara.backend.cuda_graph import capture_graph
 
         if self._stream is None:
-            self._stream, self._pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:  # the capture stream's split-K counters, zeroed now, not by a memset inside one graph
+                cupy_ops_extra._counters()
+            stream.synchronize()
+            self._stream, self._arena = stream, _Arena()
         main = cp.cuda.get_current_stream()
         self._stream.wait_event(main.record())
         try:
-            graph, _ = capture_graph(fn, self._stream, self._pool, warmup=0)
+            graph, _ = capture_graph(fn, self._stream, self._arena, warmup=0)
         finally:
             main.wait_event(self._stream.record())
         self.stats["captures"] += 1
@@ -149,7 +196,8 @@ class TailRun:
         if cap is None:
             try:
                 x_buf = self._warm_up(i, out, core, h_in, h_out)
-            except (TypeError, ValueError) as e:  # a tail these buffers cannot hold (e.g. NormedRows x)
+            except Exception as e:  # noqa: BLE001 - a tail these buffers cannot hold (e.g. NormedRows x), out of
+                # memory: the bucket runs eagerly (the warm-up wrote only static buffers)
                 tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
                 tails.stats["eager_tails"] += 1
                 self.static_h = None

@@ -86,10 +86,14 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
     """A DecodeGraphRunner over `plan`'s reservation (`piecewise`: its eager steps replay the layers' tails as
     graphs, `PiecewiseTails`). Imports cupy: call only for an enabled plan."""
     from decapybara.backend.cuda_graph import DecodeGraphRunner
-    from decapybara.backend.piecewise import PiecewiseTails
 
+    tails = None
+    if piecewise:
+        from decapybara.backend.piecewise import PiecewiseTails
+
+        tails = PiecewiseTails()
     return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
-                             tails=PiecewiseTails() if piecewise else None)
+                             tails=tails)
 
 
 def _graph_key_name(key: Any) -> str:

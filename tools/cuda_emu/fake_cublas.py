@@ -22,11 +22,8 @@ def _mat(ptr, dtype, rows, cols, ld):
     return m.astype(np.float64)
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType, algo):
     import fake_cupy
-    if fake_cupy.CAPTURE is not None:  # recorded for the graph's launch (alpha / beta: host scalars, read then)
-        args = (handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
-                computeType, algo)
-        fake_cupy.CAPTURE.append(lambda: gemmEx(*args))
-        return
+    if fake_cupy.CAPTURE is not None:  # as CuPy's cuBLAS wrapper does during a stream capture
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
     calls.append((transa, transb, m, n, k))
     if NOOP:
         return

@@ -43,8 +43,8 @@ def _emu_object() -> str:
     return obj
 
 
-# stream capture (`Stream.begin_capture` ... `end_capture`): launches, cuBLAS calls and device-to-device copies are
-# recorded, not run, and a graph's `launch` runs them in order. Numpy work done by fake CuPy arrays during a
+# stream capture (`Stream.begin_capture` ... `end_capture`): launches and device-to-device copies are recorded, not
+# run, and a graph's `launch` runs them in order; a cuBLAS call raises, as CuPy's wrapper does during a capture. Numpy work done by fake CuPy arrays during a
 # capture (elementwise ops, copies by assignment) runs at once and is not recorded: a real capture records it, so
 # code under test captures only launches, cuBLAS and `runtime.memcpyAsync`.
 CAPTURE: list | None = None
@@ -235,13 +235,29 @@ def install():
     cuda.Stream = lambda non_blocking=False: Stream(non_blocking, ptr=next(stream_ids))
     cuda.get_current_stream = lambda: Stream()
     cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()  # numpy allocates
-    cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=HostBlock, free_all_blocks=lambda: None)
     cuda.MemoryPool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
+
+    class HostBlock:  # a default-pool allocation (MemoryPointer-like): numpy bytes
+        def __init__(self, size):
+            self.buf = np.empty(max(size, 1), np.uint8)
+            self.ptr, self.device_id, self.size = self.buf.ctypes.data, 0, size
+
+    class UnownedMemory:
+        def __init__(self, ptr, size, owner, device_id=-1):
+            self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr, self.device_id = mem, mem.ptr + offset, mem.device_id
+
+    cuda.MemoryPointer = MemoryPointer
     memory = types.ModuleType("cupy.cuda.memory")
     class OutOfMemoryError(MemoryError):  # cupy's signature
         def __init__(self, size, total, limit=0):
             super().__init__(f"out of memory allocating {size} bytes (allocated so far: {total} bytes)")
     memory.OutOfMemoryError = OutOfMemoryError
+    memory.UnownedMemory = UnownedMemory
     cuda.memory = memory
     device = types.ModuleType("cupy.cuda.device")
     device.get_cublas_handle = lambda: 1

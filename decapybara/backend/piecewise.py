@@ -18,10 +18,14 @@ fills kernel and launch caches; its outputs are the step's), then is captured (`
 warm-up) with its allocations served by one `_Arena` shared by all tails: graphs run one after another on one
 stream, so their intermediates may share blocks, and the arena never hands a block back to CUDA (a CuPy pool
 frees its free blocks when the device runs out of memory, and those are what earlier graphs still address). The
-capture stream's split-K counters (`cupy_ops_extra._counters`) are made and zeroed before its first capture. A capture that fails marks that bucket eager for the process, with the reason in
-`stats["failures"]`; the warm-up's outputs stand. That happens where a tail's products take cuBLAS, which CuPy
-does not let a capture call: over weights that keep bf16 values (`prefill_weights=bf16`), buckets past KEPT_ROWS. The last
-layer (its tail adds into h with no norm after it) and MoE layers always run eagerly.
+capture stream's split-K counters (`cupy_ops_extra._counters`) are made and zeroed before its first capture.
+
+A capture that fails (or a warm-up, or a bucket's buffers) marks that bucket eager for the process, with the
+reason in `stats["failures"]`; the warm-up's outputs stand. That happens where a tail's products take cuBLAS,
+which CuPy does not let a capture call: over weights that keep bf16 values (`prefill_weights=bf16`), buckets
+past KEPT_ROWS. The last layer (its tail adds into h with no norm after it) and MoE layers always run eagerly.
+Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm
+and MLP weights are the model's, fixed for the runner's life.
 
 `PiecewiseTails.start(model, h)` gives a `TailRun` for one forward, or None where the step's rows are not covered
 (`QwenModel.forward(..., tails=...)`).

@@ -44,11 +44,12 @@ from decapybara.backend.piecewise import PiecewiseTails
 CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").split(",") if s]
 REPS = int(os.environ.get("HOST_REPS", "9"))
 # the server's prefill_weights settings to run the cases under, in turn, in this one process (e.g.
-# "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`; "bf16:16": with them, and
-# cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them; a "+tails" suffix: the layers'
+# "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`, under the server's KEPT_ROWS;
+# "bf16:16": with them, and cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them; a "+tails" suffix: the layers'
 # tails replayed as CUDA graphs, decapybara/backend/piecewise.py, one PiecewiseTails a setting)
 PREFILL_WEIGHTS = [s for s in os.environ.get("HOST_PREFILL_WEIGHTS", "packed").split(",") if s]
 TOP = int(os.environ.get("HOST_PROFILE", "30"))
+KEPT_DEFAULT = ex.KEPT_ROWS  # "bf16" without ":N" runs the server's KEPT_ROWS
 
 
 def parse(case: str) -> tuple[int, int, int]:
@@ -184,7 +185,7 @@ def main() -> None:
     for name, case, pw in runs:
         setting, _, kept_rows = pw.removesuffix("+tails").partition(":")
         use_weights(model, sets[setting])
-        ex.KEPT_ROWS = int(kept_rows) if kept_rows else ex.DENSE_ROWS
+        ex.KEPT_ROWS = int(kept_rows) if kept_rows else KEPT_DEFAULT
         tokens, start, rows = parse(case)
         fb = batch(tokens, start, rows)
         tail = tails.get(pw)

@@ -63,13 +63,14 @@ def event_time(fns: list[Any], reps: int = REPS) -> float:
 
 
 def skinny(x: Any, w: ex.PackedWeight) -> Any:
-    """The skinny kernels' product whatever DENSE_ROWS says (M <= 64)."""
-    old = ex.DENSE_ROWS
-    ex.DENSE_ROWS = SKINNY_MAX
+    """The skinny kernels' product whatever DENSE_ROWS and KEPT_ROWS say (M <= 64; the weights here keep bf16
+    values, which past KEPT_ROWS would go to cuBLAS)."""
+    old = ex.DENSE_ROWS, ex.KEPT_ROWS
+    ex.DENSE_ROWS = ex.KEPT_ROWS = SKINNY_MAX
     try:
         return ex.mx_linear(x, w, out_dtype=np.float32)
     finally:
-        ex.DENSE_ROWS = old
+        ex.DENSE_ROWS, ex.KEPT_ROWS = old
 
 
 def deq_gemm(x: Any, w: ex.PackedWeight) -> Any:

@@ -45,8 +45,9 @@ CASES = [s for s in os.environ.get("HOST_CASES", "256@0,16@16384+11,2048@0").spl
 REPS = int(os.environ.get("HOST_REPS", "9"))
 # the server's prefill_weights settings to run the cases under, in turn, in this one process (e.g.
 # "packed,bf16,packed,bf16": bf16 copies of the product weights, `attach_dense`, under the server's KEPT_ROWS;
-# "bf16:16": with them, and cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them; a "+tails" suffix: the layers'
-# tails replayed as CUDA graphs, decapybara/backend/piecewise.py, one PiecewiseTails a setting)
+# "bf16:16": with them, and cupy_ops_extra.KEPT_ROWS 16: products of more than 16 rows run cuBLAS on them; a
+# "+tails" suffix: the layers' tails replayed as CUDA graphs, decapybara/backend/piecewise.py, one PiecewiseTails
+# a setting)
 PREFILL_WEIGHTS = [s for s in os.environ.get("HOST_PREFILL_WEIGHTS", "packed").split(",") if s]
 TOP = int(os.environ.get("HOST_PROFILE", "30"))
 KEPT_DEFAULT = ex.KEPT_ROWS  # "bf16" without ":N" runs the server's KEPT_ROWS
@@ -201,7 +202,7 @@ def main() -> None:
     speed.append(host_speed())
     results["host_speed_ms"] = speed
     for pw, t in tails.items():
-        results[f"tails {pw}"] = {k: v for k, v in t.stats.items()}
+        results[f"tails {pw}"] = dict(t.stats)
         print(f"tails {pw}: {t.stats}")
     print(f"\nhost speed before / after the cases: {speed[0]:.2f} / {speed[1]:.2f} ms a fixed Python loop")
     print(f"{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")

@@ -613,7 +613,7 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
 
 DENSE_ROWS = 64  # products with more rows dequantise the weights to bf16 once and run a cuBLAS GEMM
 # products with more rows over a weight that keeps its bf16 values (`attach_dense`, prefill_weights=bf16) run a
-# cuBLAS GEMM on them (docs/perf.md, thirtieth session: bench/dense_rows.py); at most DENSE_ROWS
+# cuBLAS GEMM on them (docs/perf.md, thirtieth session: bench/dense_rows.py); at most DENSE_ROWS (`skinny_product`)
 KEPT_ROWS = 32
 FUSED_ROWS = 8  # products of at most this many rows (the one-n-tile kernels) may fuse norms (mx_linear_add_norm)
 SWIGLU_ROWS = 64  # and of at most this many (the `_1s` to `_8s` kernels) the MLP activation (mx_swiglu)
@@ -627,9 +627,9 @@ def skinny_product(w: PackedWeight, rows: int) -> bool:
     """Whether `mx_linear` runs a product of `rows` rows over `w` on the skinny kernels rather than cuBLAS: at most
     DENSE_ROWS rows, and at most KEPT_ROWS where `w` keeps its bf16 values (`dense_of`). (Weights in a format
     bf16 cannot hold, or not 2-D, take the skinny kernels at any row count.)"""
-    if w.fmt not in BF16_EXACT + BF16_EXACT_SCALED or not (w.N and w.K):
+    if rows <= KEPT_ROWS or w.fmt not in BF16_EXACT + BF16_EXACT_SCALED or not (w.N and w.K):
         return True
-    return rows <= (KEPT_ROWS if rows <= DENSE_ROWS and dense_of(w) is not None else DENSE_ROWS)
+    return rows <= DENSE_ROWS and dense_of(w) is None
 
 
 def fuses_norms(w: PackedWeight, rows: int) -> bool:

@@ -104,10 +104,9 @@ class _Bucket:
 
 @dataclass
 class _Tail:
-    """One captured tail: its graph, the mixer buffer and output projection it was captured with."""
+    """One captured tail: its graph and the output projection it was captured with."""
 
     graph: Any
-    core: Any
     weight: Any
     bias: Any
     x: Any  # the bucket's x buffer it writes
@@ -178,34 +177,25 @@ class TailRun:
         tails = self.tails
         if (i + 1 == cfg.num_hidden_layers or cfg.layer_is_moe(i) or not isinstance(out, Projection)
                 or b.rows in tails.stats["failures"] or not isinstance(out.x, cp.ndarray) or out.x.ndim != 2):
-            tails.stats["eager_tails"] += 1
-            self.static_h = None
-            return model.block_tail(i, out, h)
+            return self._eager(i, out, h)
+        width = out.x.shape[1]
+        cap = tails._tails.get((i, b.rows, out.x.dtype, width))
+        if cap is not None and (cap.weight is not out.weight or cap.bias is not out.bias):
+            return self._eager(i, out, h)  # another projection than the captured one (not expected)
         h_in, h_out = b.h[i % 2], b.h[(i + 1) % 2]
         if h is not self.static_h:  # the embedding's rows, or an eager tail's
             _copy(h_in[:t], cp.ascontiguousarray(h, dtype=cp.float32))
-        width = out.x.shape[1]
         core = b.core.get((out.x.dtype, width))
         if core is None:
             core = b.core[(out.x.dtype, width)] = cp.zeros((b.rows, width), out.x.dtype)
         _copy(core[:t], cp.ascontiguousarray(out.x))
-        key = (i, b.rows, out.x.dtype, width)
-        cap = tails._tails.get(key)
-        if cap is not None and (cap.weight is not out.weight or cap.bias is not out.bias):
-            cap = None  # another projection (not expected): run this one eagerly
-            tails.stats["eager_tails"] += 1
-            x, h = model.block_tail(i, out, h)
-            self.static_h = None
-            return x, h
         if cap is None:
             try:
                 x_buf = self._warm_up(i, out, core, h_in, h_out)
             except Exception as e:  # noqa: BLE001 - a tail these buffers cannot hold (e.g. NormedRows x), out of
                 # memory: the bucket runs eagerly (the warm-up wrote only static buffers)
                 tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
-                tails.stats["eager_tails"] += 1
-                self.static_h = None
-                return model.block_tail(i, out, h)
+                return self._eager(i, out, h)
             proj = Projection(core, out.weight, out.bias)
 
             def fn() -> None:
@@ -218,13 +208,19 @@ class TailRun:
             except Exception as e:  # noqa: BLE001 - an uncapturable tail runs eagerly; the warm-up's outputs stand
                 tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
             else:
-                tails._tails[key] = _Tail(graph, core, out.weight, out.bias, x_buf)
+                tails._tails[(i, b.rows, out.x.dtype, width)] = _Tail(graph, out.weight, out.bias, x_buf)
         else:
             cap.graph.launch(cp.cuda.get_current_stream())
             tails.stats["tail_replays"] += 1
             x_buf = cap.x
         self.static_h = h_out[:t]
         return x_buf[:t], self.static_h
+
+    def _eager(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
+        """Layer i's tail run plainly (`QwenModel.block_tail`) on the step's own arrays."""
+        self.tails.stats["eager_tails"] += 1
+        self.static_h = None
+        return self.model.block_tail(i, out, h)
 
     def _warm_up(self, i: int, out: Projection, core: Any, h_in: Any, h_out: Any) -> Any:
         """The tail run eagerly over the static buffers (its outputs this step's); the bucket's x buffer of the

@@ -7,7 +7,10 @@ CUBLAS_POINTER_MODE_HOST, CUBLAS_POINTER_MODE_DEVICE = 0, 1
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 calls = []
-def setStream(h, s): pass
+def setStream(h, s):
+    import fake_cupy
+    if fake_cupy.CAPTURE is not None:  # as CuPy's wrapper does (every cuBLAS call sets its stream first)
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
 def setPointerMode(h, m): assert m == CUBLAS_POINTER_MODE_HOST
 def _mat(ptr, dtype, rows, cols, ld):
     # column-major rows x cols with leading dimension ld
@@ -21,9 +24,6 @@ def _mat(ptr, dtype, rows, cols, ld):
         m = (m.astype(np.uint32) << 16).view(np.float32)
     return m.astype(np.float64)
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType, algo):
-    import fake_cupy
-    if fake_cupy.CAPTURE is not None:  # as CuPy's cuBLAS wrapper does during a stream capture
-        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
     calls.append((transa, transb, m, n, k))
     if NOOP:
         return

@@ -41,9 +41,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np
 
 import kernels
-from decapybara.backend import cupy_ops
 
-cupy_ops.dev_ptr = lambda a: a.ctypes.data  # as tools/cuda_emu/emu_plugin.py
+fake_cupy.patch_backend()  # as tools/cuda_emu/emu_plugin.py
 kernels.sm90a_ok = lambda: True
 
 import gpu as B

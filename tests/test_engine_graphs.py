@@ -206,8 +206,8 @@ def test_app_config_passes_the_switch_through():
 
     assert AppConfig().engine_config(cuda=True).cuda_graphs
     assert not AppConfig(cuda_graphs="false").engine_config(cuda=True).cuda_graphs
-    assert not AppConfig().engine_config(cuda=True).piecewise_graphs  # off until its engine tests run on a GPU
-    assert AppConfig(piecewise_graphs="true").engine_config(cuda=True).piecewise_graphs
+    assert AppConfig().engine_config(cuda=True).piecewise_graphs
+    assert not AppConfig(piecewise_graphs="false").engine_config(cuda=True).piecewise_graphs
 
 
 def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):

@@ -206,7 +206,8 @@ class CupyBackend(Backend):
         DeltaNet b|a product, a latency-bound 1 MB) take the SMs the first's (qkv|z) leave as its blocks end,
         instead of running after it. Each product's kernels are the ones `linear` launches on its own stream
         (NormedRows that a product materialises, it materialises itself), so the results are the same bits.
-        Products that would take cuBLAS (one handle and workspace for both streams) run one after the other."""
+        Products that would take cuBLAS (GEMMs that each fill the GPU, nothing to gain side by side) run one after
+        the other."""
         if not (PAIRS["side_stream"] and all(_own_kernels(w, x.shape[0]) for w in (weight_a, weight_b))):
             return super().linear_pair(x, weight_a, weight_b)
         main = cp.cuda.get_current_stream()

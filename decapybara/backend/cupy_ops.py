@@ -1,4 +1,5 @@
-"""Launch wrappers of the per-token kernels (kernels/decode_ops.cu) and the bf16 matrix product (cuBLAS).
+"""Launch wrappers of the per-token kernels (kernels/decode_ops.cu) and the bf16 matrix product (cuBLAS, on
+handles a CUDA graph can capture: `blas`).
 
 Every wrapper checks dtype and contiguity of its device arrays before the launch, passes scalars as typed
 numpy values (a Python int would reach the kernel as int64) and returns fresh float32 outputs unless an
@@ -13,13 +14,14 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from decapybara.backend import pdl
+from decapybara.backend import blas, pdl
 from kernels import get_kernel
 
 I32, I64, F32 = np.int32, np.int64, np.float32
 THREADS = 256
 # cudaDataType / cublasComputeType_t values (cuda_runtime / cublas_api.h).
 CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 14, 68, -1
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 
 
 def check(a: Any, dtype: Any, name: str, ndim: int | None = None) -> None:
@@ -372,7 +374,6 @@ def _product_dims(x: Any, w: Any, dtype: Any) -> tuple[int, int, int]:
 def gemm_bf16(x_bits: Any, w_bits: Any, alpha: float = 1.0) -> Any:
     """alpha * (x [T, K] @ w [N, K]^T) with bf16 operands (uint16 bits), float32 accumulation and output [T, N]
     (alpha scales the float32 sums in cuBLAS's epilogue)."""
-    cublas = _cublas()
     t, n, k = _product_dims(x_bits, w_bits, np.uint16)
     y = empty((t, n), cp.float32)
     if t == 0 or n == 0:
@@ -381,21 +382,11 @@ def gemm_bf16(x_bits: Any, w_bits: Any, alpha: float = 1.0) -> Any:
         y.fill(0)
         return y
     one, zero = _host_scalar(float(alpha)), _host_scalar(0.0)
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     # NOTE: column-major view: Y^T [N, T] = W [N, K] (stored as K x N, transposed) @ X^T (stored as K x T).
-    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, one.ctypes.data, dev_ptr(w_bits),
-                  CUDA_R_16BF, k, dev_ptr(x_bits), CUDA_R_16BF, k, zero.ctypes.data, dev_ptr(y), CUDA_R_32F, n,
-                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    args = (n, t, k, one.ctypes.data, dev_ptr(w_bits), CUDA_R_16BF, k, dev_ptr(x_bits), CUDA_R_16BF, k,
+            zero.ctypes.data, dev_ptr(y), CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    blas.gemm_ex(CUBLAS_OP_T, CUBLAS_OP_N, *args)  # the stream's own handle: capturable
     return y
-
-
-@functools.cache
-def _cublas() -> Any:
-    from cupy_backends.cuda.libs import cublas
-
-    return cublas
 
 
 @functools.cache

@@ -21,9 +21,10 @@ frees its free blocks when the device runs out of memory, and those are what ear
 capture stream's split-K counters (`cupy_ops_extra._counters`) are made and zeroed before its first capture.
 
 A capture that fails (or a warm-up, or a bucket's buffers) marks that bucket eager for the process, with the
-reason in `stats["failures"]`; the warm-up's outputs stand. That happens where a tail's products take cuBLAS,
-which CuPy does not let a capture call: over weights that keep bf16 values (`prefill_weights=bf16`), buckets
-past KEPT_ROWS. The last layer (its tail adds into h with no norm after it) and MoE layers always run eagerly.
+reason in `stats["failures"]`; the warm-up's outputs stand. The tails' cuBLAS GEMMs (products past KEPT_ROWS over
+weights that keep bf16 values, past DENSE_ROWS over others) run on the capture stream's own cuBLAS handle, bound
+before its first capture (`blas`: CuPy's wrappers refuse cuBLAS calls during a capture). The last layer (its tail
+adds into h with no norm after it) and MoE layers (the router is a CuPy product) always run eagerly.
 Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm
 and MLP weights are the model's, fixed for the runner's life.
 
@@ -38,13 +39,13 @@ from typing import Any
 
 import cupy as cp
 
-from decapybara.backend import cupy_ops, cupy_ops_extra
+from decapybara.backend import blas, cupy_ops, cupy_ops_extra
 from decapybara.backend.cupy_ops_extra import FUSED_ROWS
 from decapybara.model.qwen import Projection, QwenModel
 
-# row counts of the captured tails (steps of FUSED_ROWS + 1 to 64 rows). Not past 64 rows: products there are
-# cuBLAS GEMMs, and CuPy refuses cuBLAS calls during a capture (NotImplementedError, docs/perf.md thirtieth session)
-BUCKETS = (16, 24, 32, 48, 64)
+# row counts of the captured tails (steps of FUSED_ROWS + 1 to 256 rows; a step pads its rows to the next bucket,
+# at most half of them more)
+BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 
@@ -151,8 +152,9 @@ class PiecewiseTails:
 
         if self._stream is None:
             stream = cp.cuda.Stream(non_blocking=True)
-            with stream:  # the capture stream's split-K counters, zeroed now, not by a memset inside one graph
+            with stream:  # the capture stream's split-K counters, zeroed now, not by a memset inside one graph,
                 cupy_ops_extra._counters()
+                blas.bind(stream)  # and its cuBLAS handle, bound now (binding allocates)
             stream.synchronize()
             self._stream, self._arena = stream, _Arena()
         main = cp.cuda.get_current_stream()

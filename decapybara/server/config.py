@@ -44,7 +44,7 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")
-    piecewise_graphs: bool = Field(default=False, description="eager steps of 9-64 rows replay each layer's tail "
+    piecewise_graphs: bool = Field(default=True, description="eager steps of 9-256 rows replay each layer's tail "
                                    "(projections, norms, MLP) as a CUDA graph (CUDA backend, cuda_graphs on)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "

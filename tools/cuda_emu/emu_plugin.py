@@ -17,12 +17,11 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import fake_cupy  # noqa: E402
+import fake_cupy
 
 fake_cupy.install()
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-import kernels  # noqa: E402
-from decapybara.backend import cupy_ops  # noqa: E402
+import kernels
 
-cupy_ops.dev_ptr = lambda a: a.ctypes.data
+fake_cupy.patch_backend()
 kernels.sm90a_ok = lambda: True  # the emulator runs wgmma (emu.h `wgmma`), whatever compiler it stands in for

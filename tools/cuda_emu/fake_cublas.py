@@ -1,4 +1,6 @@
-"""gemmEx on host memory (column-major semantics, bf16 / f32 operands) for the fake CuPy."""
+"""gemmEx on host memory (column-major semantics, bf16 / f32 operands) for the fake CuPy: CuPy's wrapper module
+(whose setStream refuses during a capture, as CuPy's does) and `LIBRARY`, libcublas as
+decapybara/backend/blas.py's `Library` calls it (its GEMMs recorded during a capture, as a real capture does)."""
 import ctypes, os
 import numpy as np
 NOOP = os.environ.get("CUDA_EMU_NOOP") == "1"  # as fake_cupy's: record the call, compute nothing
@@ -39,3 +41,23 @@ def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,
     for j in range(n):
         col = c[j * ldc: j * ldc + m]
         col[:] = (res[:, j] + (be * col if be != 0 else 0)).astype(np.float32)
+
+
+class FakeLibrary:
+    """decapybara.backend.blas.Library's methods over `gemmEx`; handles are counted ints bound to stream ids."""
+    def __init__(self):
+        self.handles = {}
+    def create(self):
+        h = len(self.handles) + 1
+        self.handles[h] = None
+        return h
+    def bind(self, handle, stream, workspace, size):
+        import fake_cupy
+        assert fake_cupy.CAPTURE is None, "cuBLAS handle bound during a capture"
+        assert workspace and size > 0
+        self.handles[handle] = stream
+    def gemm_ex(self, handle, *args):
+        import fake_cupy
+        assert self.handles.get(handle, "unbound") != "unbound", "unknown handle"
+        fake_cupy.deferred(lambda: gemmEx(handle, *args))
+LIBRARY = FakeLibrary()

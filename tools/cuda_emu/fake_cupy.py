@@ -44,7 +44,8 @@ def _emu_object() -> str:
 
 
 # stream capture (`Stream.begin_capture` ... `end_capture`): launches and device-to-device copies are recorded, not
-# run, and a graph's `launch` runs them in order; a cuBLAS call raises, as CuPy's wrapper does during a capture. Numpy work done by fake CuPy arrays during a
+# run, and a graph's `launch` runs them in order; a cuBLAS call through CuPy's wrapper raises, as CuPy's does during a
+# capture, and one through decapybara/backend/blas.py's handles (fake_cublas.LIBRARY) is recorded. Numpy work done by fake CuPy arrays during a
 # capture (elementwise ops, copies by assignment) runs at once and is not recorded: a real capture records it, so
 # code under test captures only launches, cuBLAS and `runtime.memcpyAsync`.
 CAPTURE: list | None = None
@@ -212,10 +213,12 @@ def install():
     runtime.memcpyAsync = lambda dst, src, n, kind, stream: deferred(lambda: ctypes.memmove(dst, src, n))
     runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
     runtime.deviceSynchronize = lambda: None
+    runtime.streamIsCapturing = lambda stream: CAPTURE is not None
     cuda.runtime = runtime
     class Event:  # the emulator runs every launch at once: events and streams order nothing
         def synchronize(self): pass
-    class Stream:  # the current stream: one object; `with stream:` changes nothing
+    current = []  # streams entered (`with stream:`), innermost last
+    class Stream:  # streams order nothing (launches run at once); `with stream:` makes it the current one
         def __init__(self, non_blocking=False, ptr=0): self.ptr = ptr
         def synchronize(self): pass
         def begin_capture(self):
@@ -228,12 +231,17 @@ def install():
             return FakeGraph(ops)
         def record(self, event=None): return event or Event()
         def wait_event(self, event): pass
-        def __enter__(self): return self
-        def __exit__(self, *exc): return False
+        def __enter__(self):
+            current.append(self)
+            return self
+        def __exit__(self, *exc):
+            current.pop()
+            return False
     cuda.Event = Event
     stream_ids = itertools.count(1)
     cuda.Stream = lambda non_blocking=False: Stream(non_blocking, ptr=next(stream_ids))
-    cuda.get_current_stream = lambda: Stream()
+    null_stream = Stream()
+    cuda.get_current_stream = lambda: current[-1] if current else null_stream
     cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()  # numpy allocates
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=HostBlock, free_all_blocks=lambda: None)
     cuda.MemoryPool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
@@ -276,3 +284,11 @@ def install():
         sys.modules[name] = mod
     os.environ["DECAPYBARA_KERNEL_COMPILER"] = "nvrtc"
     return cp
+
+
+def patch_backend():
+    """Points decapybara's device-pointer helper and cuBLAS library at the fakes (after `install`)."""
+    import fake_cublas
+    from decapybara.backend import blas, cupy_ops
+    cupy_ops.dev_ptr = lambda a: a.ctypes.data
+    blas.library = lambda: fake_cublas.LIBRARY

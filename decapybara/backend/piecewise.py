@@ -43,9 +43,10 @@ from decapybara.backend import blas, cupy_ops, cupy_ops_extra
 from decapybara.backend.cupy_ops_extra import FUSED_ROWS
 from decapybara.model.qwen import Projection, QwenModel
 
-# row counts of the captured tails (steps of FUSED_ROWS + 1 to 256 rows; a step pads its rows to the next bucket,
-# at most half of them more)
-BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+# row counts of the captured tails (steps of FUSED_ROWS + 1 to 256 rows; a step pads its rows to the next bucket:
+# at most a third more rows, a quarter from 64 on, where the products are cuBLAS GEMMs and the steps mostly bound
+# by their GPU work)
+BUCKETS = (16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 

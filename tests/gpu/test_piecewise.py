@@ -62,9 +62,9 @@ def step(model: QwenModel, pools: Pools, entries: list[tuple[np.ndarray, int, in
 
 # (sequence 0's new tokens, sequence 1's new tokens) of each step: 20 rows (bucket 24, captured), 22 rows (the
 # same bucket, replayed on new inputs), a mixed step of 30 + 1 rows (bucket 32), a 5-token chunk (eager: below
-# the buckets), 12 + 1 rows (bucket 16), 18 + 1 (bucket 24, replayed after other buckets ran), 70 + 1 (bucket 96:
+# the buckets), 12 + 1 rows (bucket 16), 18 + 1 (bucket 24, replayed after other buckets ran), 70 + 1 (bucket 80:
 # cuBLAS products, captured), 13 + 1 (bucket 16) and 30 + 1 (bucket 32): buckets replayed after others were
-# captured, the last-captured one first; 130 + 130 (eager: above the buckets), 60 + 10 (bucket 96 replayed)
+# captured, the last-captured one first; 130 + 130 (eager: above the buckets), 60 + 10 (bucket 80 replayed)
 STEPS = [(20, 0), (0, 22), (30, 1), (5, 0), (12, 1), (18, 1), (70, 1), (13, 1), (30, 1), (130, 130), (60, 10)]
 
 
@@ -90,8 +90,8 @@ def test_tails_give_the_eager_logits(family, fmt):
     s = tails.stats
     tail_layers = model.cfg.num_hidden_layers - 1  # the last layer's tail runs eagerly
     assert s["failures"] == {}, s["failures"]
-    assert s["captures"] == 4 * tail_layers  # buckets 24, 32, 16, 96
-    assert s["tail_replays"] == 5 * tail_layers  # steps 2 and 6 (bucket 24), 8 (16), 9 (32) and 11 (96)
+    assert s["captures"] == 4 * tail_layers  # buckets 24, 32, 16, 80
+    assert s["tail_replays"] == 5 * tail_layers  # steps 2 and 6 (bucket 24), 8 (16), 9 (32) and 11 (80)
     assert s["eager_tails"] == 4 * tail_layers + 9  # the warm-ups, the last layer of the nine covered steps
 
 
@@ -139,7 +139,7 @@ def test_arena_reuses_blocks_and_never_gives_them_back():
 def test_rows_outside_the_buckets_run_eagerly():
     tails = piecewise.PiecewiseTails()
     assert [tails.bucket(n) for n in (1, 8, 9, 16, 17, 33, 64, 65, 129, 256, 257)] == \
-        [None, None, 16, 16, 24, 48, 64, 96, 192, 256, None]
+        [None, None, 16, 16, 24, 48, 64, 80, 160, 256, None]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text"])

@@ -202,8 +202,8 @@ def main() -> None:
     speed.append(host_speed())
     results["host_speed_ms"] = speed
     for pw, t in tails.items():
-        results[f"tails {pw}"] = dict(t.stats)
-        print(f"tails {pw}: {t.stats}")
+        results[f"tails {pw}"] = dict(t.stats, memory_bytes=t.memory_bytes())
+        print(f"tails {pw}: {t.stats}, {t.memory_bytes() / 2**20:.0f} MiB held")
     print(f"\nhost speed before / after the cases: {speed[0]:.2f} / {speed[1]:.2f} ms a fixed Python loop")
     print(f"{'case':<18}{'wall ms':>9}{'host ms':>9}{'gpu ms':>9}{'wall/gpu':>9}{'host/wall':>10}")
     for case in [name for name, _, _ in runs]:

@@ -118,7 +118,8 @@ def test_numpy_engine_keeps_its_whole_pool():
     stats = e.snapshot_stats()
     assert stats["total_pages"] == 256
     assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0,
-                               "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0}
+                               "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0,
+                               "tail_memory_bytes": 0}
 
 
 def test_block_manager_over_the_plan_never_hands_out_the_pad_page():
@@ -218,7 +219,8 @@ def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):
     def make(model, plan, piecewise=False):
         seen.append(piecewise)
         r = PoisoningGraphRunner(model, plan)
-        r.tails = types.SimpleNamespace(stats={"tail_replays": 3, "captures": 2, "failures": {48: "cuBLAS"}})
+        r.tails = types.SimpleNamespace(stats={"tail_replays": 3, "captures": 2, "failures": {48: "cuBLAS"}},
+                                        memory_bytes=lambda: 4096)
         return r
 
     monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("cupy", "numpy"))
@@ -227,4 +229,5 @@ def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):
     assert seen == [True]
     g = e.runner.graph_stats()
     assert g["piecewise"] and (g["tail_replays"], g["tail_captures"], g["tail_failures"]) == (3, 2, 1)
+    assert g["tail_memory_bytes"] == 4096
     assert e.runner.graph_failures() == {"tails rows=48": "cuBLAS"}

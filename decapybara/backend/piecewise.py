@@ -148,6 +148,11 @@ class PiecewiseTails:
             self._buckets[rows] = b
         return TailRun(self, model, b, h)
 
+    def memory_bytes(self) -> int:
+        """Device memory the tails hold: the buckets' static buffers and the captures' arena."""
+        static = sum(a.nbytes for b in self._buckets.values() for a in (*b.h, *b.x.values(), *b.core.values()))
+        return static + (self._arena.bytes if self._arena is not None else 0)
+
     def _capture(self, fn: Any) -> Any:
         from decapybara.backend.cuda_graph import capture_graph
 

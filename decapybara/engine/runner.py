@@ -181,7 +181,8 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, Any]:
         """Numbers of CUDA-graph decode: `enabled` (a graph runner is in use), forwards replayed as graphs
         (`graph_steps`) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
-        whose capture failed (`failures`, those run eagerly). All zero without graphs."""
+        whose capture failed (`failures`, those run eagerly); with piecewise tails, their replays, captures,
+        failed buckets and the device memory they hold (`tail_memory_bytes`). All zero without graphs."""
         s = self.graphs.stats if self.graphs is not None else {}
         tails = getattr(self.graphs, "tails", None)
         t = tails.stats if tails is not None else {}
@@ -189,7 +190,8 @@ class ModelRunner:
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
                 "failures": len(s.get("failures", {})), "piecewise": tails is not None,
                 "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),
-                "tail_failures": len(t.get("failures", {}))}
+                "tail_failures": len(t.get("failures", {})),
+                "tail_memory_bytes": tails.memory_bytes() if tails is not None else 0}
 
     def graph_failures(self) -> dict[str, str]:
         """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""

@@ -93,6 +93,8 @@ def test_tails_give_the_eager_logits(family, fmt):
     assert s["captures"] == 4 * tail_layers  # buckets 24, 32, 16, 80
     assert s["tail_replays"] == 5 * tail_layers  # steps 2 and 6 (bucket 24), 8 (16), 9 (32) and 11 (80)
     assert s["eager_tails"] == 4 * tail_layers + 9  # the warm-ups, the last layer of the nine covered steps
+    static = sum(2 * b * model.cfg.hidden_size * 4 for b in (16, 24, 32, 80))  # each bucket's two residual streams
+    assert tails.memory_bytes() > static + tails._arena.bytes  # and the next layer's rows, the mixers' outputs
 
 
 def test_tails_over_kept_bf16_weights():

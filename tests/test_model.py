@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.builder.build import build
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import named_config, param_count
 from decapybara.model.load import load_model
-from decapybara.model.weights import expected_tensors, random_tensors
-from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.model.qwen import QwenModel
+from decapybara.model.weights import expected_tensors, random_tensors
 from decapybara.testing import FAMILIES, canonical_tensors, make_hf_model, save_hf_checkpoint
 
 PROMPT = np.random.default_rng(1234).integers(0, 512, 40)
@@ -120,7 +120,8 @@ def test_random_weights_are_seeded_and_lazy():
 
 def test_forward_tails_hook(pair):
     """`forward(..., tails=)`: a run from `tails.start(model, h)` stands in for `block_tail` at every layer (in
-    order, with the mixer's output and the residual stream) and `finish` gives the residual stream at the end; a
+    order, with the mixer's output and the residual stream; it gives the next layer's input products, none after
+    the last) and `finish` gives the residual stream at the end; a
     run that delegates to `block_tail` gives the plain forward's logits exactly; `start` returning None leaves
     the plain path."""
     model = pair[2].model
@@ -129,7 +130,12 @@ def test_forward_tails_hook(pair):
     class Run:
         def tail(self, i, out, h):
             calls.append(i)
-            return model.block_tail(i, out, h)
+            inputs, h = model.block_tail(i, out, h)
+            if i + 1 == model.cfg.num_hidden_layers:
+                assert inputs is None
+            else:  # the next layer's input products: 2-D, one row a token
+                assert inputs and all(a.ndim == 2 and a.shape[0] == len(PROMPT) for a in inputs)
+            return inputs, h
 
         def finish(self, h):
             calls.append("finish")

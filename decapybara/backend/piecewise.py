@@ -2,13 +2,15 @@
 (and of a mixed step: a chunk beside other agents' decode rows) is about half in each layer's tail, the part after
 its token mixer. That part's shapes depend on the step's row count alone, unlike the attention and DeltaNet
 cores, whose plans follow the batch's sequences. So each tail (`QwenModel.block_tail`: the output projection,
-the residual add and post-attention norm, the MLP, its residual add and the next layer's input norm) is captured
-once per (layer, row bucket) over static buffers and replayed; the cores stay eager.
+the residual add and post-attention norm, the MLP, its residual add, the next layer's input norm and its input
+products) is captured once per (layer, row bucket) over static buffers and replayed; the cores stay eager.
 
 Per bucket of B rows (BUCKETS; steps of FUSED_ROWS + 1 to B rows) the static buffers are: two residual streams
 h [B, H] float32 (layer i reads h[i % 2] and writes h[(i + 1) % 2], so a tail never reads what it writes and its
-replay is idempotent), the next layer's input rows x [B, H] per dtype, and a mixer output buffer [B, width] per
-(dtype, width) that the step's core output is copied into (`cudaMemcpyAsync`, device to device). A step of T rows
+replay is idempotent), the next layer's input products [B, width] per (position in `layer_inputs`, dtype, width),
+shared by the layers of a kind (a layer's core reads them before the next tail writes them, in stream order), and a
+mixer output buffer [B, width] per (dtype, width) that the step's core output is copied into (`cudaMemcpyAsync`,
+device to device). A step of T rows
 uses the first T rows; the others are left from earlier steps (finite values, and every op of a tail works row
 by row, so they never reach a real row). The tail runs over all B rows, so its products' launch plans are the B-row
 ones: within float32 summation order of the eager step's T-row products, not byte-equal to them.
@@ -25,8 +27,10 @@ reason in `stats["failures"]`; the warm-up's outputs stand. The tails' cuBLAS GE
 weights that keep bf16 values, past DENSE_ROWS over others) run on the capture stream's own cuBLAS handle, bound
 before its first capture (`blas`: CuPy's wrappers refuse cuBLAS calls during a capture). The last layer (its tail
 adds into h with no norm after it) and MoE layers (the router is a CuPy product) always run eagerly.
-Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm
-and MLP weights are the model's, fixed for the runner's life.
+Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm,
+MLP and next-layer input weights are the model's, fixed for the runner's life. A DeltaNet layer's two input
+products fork to the backend's side stream and join inside the graph (`linear_pair`), as in decode graphs; the
+side stream's split-K counters exist by then (the warm-up ran the same products eagerly).
 
 `PiecewiseTails.start(model, h)` gives a `TailRun` for one forward, or None where the step's rows are not covered
 (`QwenModel.forward(..., tails=...)`).
@@ -100,7 +104,7 @@ class _Bucket:
 
     rows: int
     h: list[Any]  # two float32 [rows, H]
-    x: dict[Any, Any] = field(default_factory=dict)  # dtype -> [rows, H]
+    inputs: dict[tuple[int, Any, int], Any] = field(default_factory=dict)  # (position, dtype, width) -> [rows, width]
     core: dict[tuple[Any, int], Any] = field(default_factory=dict)  # (dtype, width) -> [rows, width]
 
 
@@ -111,7 +115,7 @@ class _Tail:
     graph: Any
     weight: Any
     bias: Any
-    x: Any  # the bucket's x buffer it writes
+    inputs: list[Any]  # the bucket's input buffers it writes (the next layer's `layer_inputs`)
 
 
 @dataclass
@@ -150,7 +154,7 @@ class PiecewiseTails:
 
     def memory_bytes(self) -> int:
         """Device memory the tails hold: the buckets' static buffers and the captures' arena."""
-        static = sum(a.nbytes for b in self._buckets.values() for a in (*b.h, *b.x.values(), *b.core.values()))
+        static = sum(a.nbytes for b in self._buckets.values() for a in (*b.h, *b.inputs.values(), *b.core.values()))
         return static + (self._arena.bytes if self._arena is not None else 0)
 
     def _capture(self, fn: Any) -> Any:
@@ -199,30 +203,31 @@ class TailRun:
         _copy(core[:t], cp.ascontiguousarray(out.x))
         if cap is None:
             try:
-                x_buf = self._warm_up(i, out, core, h_in, h_out)
-            except Exception as e:  # noqa: BLE001 - a tail these buffers cannot hold (e.g. NormedRows x), out of
-                # memory: the bucket runs eagerly (the warm-up wrote only static buffers)
+                bufs = self._warm_up(i, out, core, h_in, h_out)
+            except Exception as e:  # noqa: BLE001 - a tail these buffers cannot hold, out of memory: the bucket
+                # runs eagerly (the warm-up wrote only static buffers)
                 tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
                 return self._eager(i, out, h)
             proj = Projection(core, out.weight, out.bias)
 
             def fn() -> None:
-                x, h = model.block_tail(i, proj, h_in)
+                inputs, h = model.block_tail(i, proj, h_in)
                 _copy(h_out, cp.ascontiguousarray(h))
-                _copy(x_buf, cp.ascontiguousarray(x))
+                for buf, a in zip(bufs, inputs, strict=True):
+                    _copy(buf, cp.ascontiguousarray(a))
 
             try:
                 graph = tails._capture(fn)
             except Exception as e:  # noqa: BLE001 - an uncapturable tail runs eagerly; the warm-up's outputs stand
                 tails.stats["failures"][b.rows] = f"layer {i}: {type(e).__name__}: {e}"
             else:
-                tails._tails[(i, b.rows, out.x.dtype, width)] = _Tail(graph, out.weight, out.bias, x_buf)
+                tails._tails[(i, b.rows, out.x.dtype, width)] = _Tail(graph, out.weight, out.bias, bufs)
         else:
             cap.graph.launch(cp.cuda.get_current_stream())
             tails.stats["tail_replays"] += 1
-            x_buf = cap.x
+            bufs = cap.inputs
         self.static_h = h_out[:t]
-        return x_buf[:t], self.static_h
+        return [buf[:t] for buf in bufs], self.static_h
 
     def _eager(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
         """Layer i's tail run plainly (`QwenModel.block_tail`) on the step's own arrays."""
@@ -230,20 +235,24 @@ class TailRun:
         self.static_h = None
         return self.model.block_tail(i, out, h)
 
-    def _warm_up(self, i: int, out: Projection, core: Any, h_in: Any, h_out: Any) -> Any:
-        """The tail run eagerly over the static buffers (its outputs this step's); the bucket's x buffer of the
-        x dtype it gives."""
+    def _warm_up(self, i: int, out: Projection, core: Any, h_in: Any, h_out: Any) -> list[Any]:
+        """The tail run eagerly over the static buffers (its outputs this step's); the bucket's input buffers of
+        the next layer's input products it gives."""
         b = self.b
-        x, h = self.model.block_tail(i, Projection(core, out.weight, out.bias), h_in)
-        if not isinstance(x, cp.ndarray) or x.shape != (b.rows, h_in.shape[1]):
-            raise TypeError(f"layer {i}'s tail gave x of type {type(x).__name__}")  # e.g. NormedRows
+        inputs, h = self.model.block_tail(i, Projection(core, out.weight, out.bias), h_in)
+        if not inputs or not all(isinstance(a, cp.ndarray) and a.ndim == 2 and a.shape[0] == b.rows for a in inputs):
+            raise TypeError(f"layer {i}'s tail gave inputs of types {[type(a).__name__ for a in inputs or ()]}")
         _copy(h_out, cp.ascontiguousarray(h))
-        x_buf = b.x.get(x.dtype)
-        if x_buf is None:
-            x_buf = b.x[x.dtype] = cp.zeros(x.shape, x.dtype)
-        _copy(x_buf, cp.ascontiguousarray(x))
+        bufs = []
+        for j, a in enumerate(inputs):
+            key = (j, a.dtype, a.shape[1])
+            buf = b.inputs.get(key)
+            if buf is None:
+                buf = b.inputs[key] = cp.zeros(a.shape, a.dtype)
+            _copy(buf, cp.ascontiguousarray(a))
+            bufs.append(buf)
         self.tails.stats["eager_tails"] += 1
-        return x_buf
+        return bufs
 
     def finish(self, h: Any) -> Any:
         """The residual stream after the last layer (a copy where it is a static buffer's rows)."""

@@ -159,15 +159,15 @@ class QwenModel:
                 tails: Any = None) -> ForwardOutput:
         """`tails`: an object whose `start(model, h)` returns None or a run whose `tail(i, out, h)` stands in for
         `block_tail` and `finish(h)` gives the residual stream at the end (`decoder_layers`; the CUDA backend's
-        `PiecewiseTails` replays each layer's tail as a graph)."""
+        `PiecewiseTails` replays each layer's tail, with the next layer's input products, as a graph)."""
         cfg, ops = self.cfg, self.backend
         cos, sin = self.rotary.cos_sin(batch.positions)
         cos, sin = ops.from_host(cos), ops.from_host(sin)
         segments = self._segments(batch) if cfg.linear_layers else []
         raw_snaps: dict[tuple[int, int], dict[int, tuple[Any, Any]]] = {}
         h = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)  # [T, H]
-        h = self.decoder_layers(h, lambda p, i, x: self._attention(p, i, x, batch, kv, cos, sin),
-                                lambda p, i, x: self._deltanet(p, i, x, states, segments, raw_snaps), tails)
+        h = self.decoder_layers(h, lambda p, i, inputs: self._attention(p, i, inputs, batch, kv, cos, sin),
+                                lambda p, i, inputs: self._deltanet(p, i, inputs, states, segments, raw_snaps), tails)
         rows = batch.logits_rows
         last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
         hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -180,25 +180,28 @@ class QwenModel:
         return ForwardOutput(logits, last, snapshots)
 
     def decoder_layers(self, h: Any, attention: Any, deltanet: Any, tails: Any = None) -> Any:
-        """The decoder stack on the residual stream h [T, H]; `attention(p, i, x)` / `deltanet(p, i, x)` run the
-        token mixer of layer i (prefix p) and return its output or its output `Projection`; `block_tail` runs
-        the rest of the layer (or `tails`' run, `forward`)."""
+        """The decoder stack on the residual stream h [T, H]; `attention(p, i, inputs)` / `deltanet(p, i, inputs)`
+        run the token mixer of layer i (prefix p) on its input products (`layer_inputs`) and return its output or
+        its output `Projection`; `block_tail` runs the rest of the layer and the next layer's input products (or
+        `tails`' run, `forward`)."""
         cfg, w = self.cfg, self.w
         x = self.backend.rms_norm(h, w["model.layers.0.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        inputs = self.layer_inputs(0, x)
         run = tails.start(self, h) if tails is not None else None
         tail = run.tail if run is not None else self.block_tail
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            out = attention(p, i, x) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, x)
-            x, h = tail(i, out, h)
+            out = attention(p, i, inputs) if cfg.layer_types[i] == FULL_ATTENTION else deltanet(p, i, inputs)
+            inputs, h = tail(i, out, h)
         return run.finish(h) if run is not None else h
 
     def block_tail(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
-        """Layer i after its token mixer: (x, h) from the mixer's output `out` (an array or a `Projection`) and
-        the residual stream h [T, H]: the residual add, the post-attention norm, the FFN, its residual add and
-        the next layer's input norm (x: its rows; None after the last layer). Each residual add is fused into
-        the norm that follows it, and a block's output projection into both where the norm's rows go only to
-        products (`Backend.linear_add_rms_norm`; not before a MoE block)."""
+        """Layer i after its token mixer: (inputs, h) from the mixer's output `out` (an array or a `Projection`)
+        and the residual stream h [T, H]: the residual add, the post-attention norm, the FFN, its residual add,
+        the next layer's input norm and its input products (inputs: `layer_inputs(i + 1, ...)`; None after the
+        last layer). Each residual add is fused into the norm that follows it, and a block's output projection
+        into both where the norm's rows go only to products (`Backend.linear_add_rms_norm`; not before a MoE
+        block)."""
         cfg, ops, w = self.cfg, self.backend, self.w
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
@@ -211,8 +214,26 @@ class QwenModel:
         x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not cfg.layer_is_moe(i))
         out = self._ffn(p, i, x)
         if i + 1 < cfg.num_hidden_layers:
-            return add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
+            x, h = add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
+            return self.layer_inputs(i + 1, x), h
         return None, h + Projection.output(out, ops)
+
+    def layer_inputs(self, i: int, x: Any) -> list[Any]:
+        """Layer i's input products of its normed rows x [T, H] (an array or the backend's normed rows): 2-D
+        arrays [T, *] that depend on x alone, whose columns its token mixer reads. Attention: [q|k|v] (one
+        fused product) or [q, k, v]; DeltaNet: [qkv|z, b|a] (two fused products, `linear_pair`) or
+        [qkv, z, b, a]."""
+        ops, w = self.backend, self.w
+        p = f"model.layers.{i}"
+        if self.cfg.layer_types[i] == FULL_ATTENTION:
+            a = f"{p}.self_attn"
+            if a in self.fused_qkv:
+                return [ops.linear(x, *self.fused_qkv[a])]  # [T, q_out + 2 kv_out]
+            return [ops.linear(x, w[f"{a}.{n}_proj.weight"], w.get(f"{a}.{n}_proj.bias")) for n in "qkv"]
+        la = f"{p}.linear_attn"
+        if la in self.fused_dn:
+            return list(ops.linear_pair(x, *self.fused_dn[la]))  # [T, conv_dim + Hv * dv], [T, 2 Hv]
+        return [ops.linear(x, w[f"{la}.in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")]
 
     def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
         """Split each sequence's rows at its snapshot points (state must be copied out there)."""
@@ -230,20 +251,19 @@ class QwenModel:
                 segs.append(DeltaNetSegment(s.start + cut - s.context, s.total - cut, s.state_slot, None))
         return segs
 
-    def _attention(self, p: str, layer: Any, x: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any) -> Any:
+    def _attention(self, p: str, layer: Any, inputs: list[Any], batch: ForwardBatch, kv: KVCache, cos: Any,
+                   sin: Any) -> Any:
         cfg, ops, w = self.cfg, self.backend, self.w
-        t, d = x.shape[0], cfg.head_dim
+        t, d = inputs[0].shape[0], cfg.head_dim
         nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         a = f"{p}.self_attn"
-        if a in self.fused_qkv:  # column views of one fused product (the backend's kernels take row strides)
-            qkv = ops.linear(x, *self.fused_qkv[a])  # [T, q_out + 2 kv_out]
+        if len(inputs) == 1:  # column views of one fused product (the backend's kernels take row strides)
+            qkv = inputs[0]  # [T, q_out + 2 kv_out]
             kv_out = nkv * d
             q_out = qkv.shape[1] - 2 * kv_out
             q, k, v = qkv[:, :q_out], qkv[:, q_out:q_out + kv_out], qkv[:, q_out + kv_out:]
         else:
-            q = ops.linear(x, w[f"{a}.q_proj.weight"], w.get(f"{a}.q_proj.bias"))
-            k = ops.linear(x, w[f"{a}.k_proj.weight"], w.get(f"{a}.k_proj.bias"))
-            v = ops.linear(x, w[f"{a}.v_proj.weight"], w.get(f"{a}.v_proj.bias"))
+            q, k, v = inputs
         if cfg.attn_output_gate:
             qg = q.reshape(t, nq, 2 * d)  # per head: [query | gate]
             q, gate = qg[..., :d], qg[..., d:]  # column views [T, nq, d]
@@ -257,22 +277,19 @@ class QwenModel:
             o = ops.sigmoid_gate(o, gate, to_product=w[f"{a}.o_proj.weight"])
         return Projection(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
 
-    def _deltanet(self, p: str, layer: int, x: Any, states: StatePool | None, segments: list[DeltaNetSegment],
-                  raw_snaps: dict) -> Any:
+    def _deltanet(self, p: str, layer: int, inputs: list[Any], states: StatePool | None,
+                  segments: list[DeltaNetSegment], raw_snaps: dict) -> Any:
         cfg, ops, w = self.cfg, self.backend, self.w
         if states is None:
             raise ValueError("a hybrid model needs a state pool")
         la = f"{p}.linear_attn"
-        t = x.shape[0]
+        t = inputs[0].shape[0]
         hv, c = cfg.linear_num_value_heads, cfg.linear_conv_dim
-        if la in self.fused_dn:  # column views of two fused products (the backend's kernels take row strides)
-            qkvz, ba = ops.linear_pair(x, *self.fused_dn[la])  # [T, conv_dim + Hv * dv], [T, 2 Hv]
+        if len(inputs) == 2:  # column views of two fused products (the backend's kernels take row strides)
+            qkvz, ba = inputs  # [T, conv_dim + Hv * dv], [T, 2 Hv]
             mixed, z, b, a = qkvz[:, :c], qkvz[:, c:], ba[:, :hv], ba[:, hv:]
         else:
-            mixed = ops.linear(x, w[f"{la}.in_proj_qkv.weight"])  # [T, conv_dim]
-            z = ops.linear(x, w[f"{la}.in_proj_z.weight"])  # [T, Hv * dv]
-            b = ops.linear(x, w[f"{la}.in_proj_b.weight"])  # [T, Hv]
-            a = ops.linear(x, w[f"{la}.in_proj_a.weight"])  # [T, Hv]
+            mixed, z, b, a = inputs  # [T, conv_dim], [T, Hv * dv], [T, Hv], [T, Hv]
         z = z.reshape(t, hv, cfg.linear_value_head_dim)
         core = ops.deltanet_core_gated(states, layer, mixed, a, b, self.dn_params[layer], segments, cfg, raw_snaps,
                                        z, w[f"{la}.norm.weight"], cfg.rms_norm_eps,

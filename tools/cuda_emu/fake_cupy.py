@@ -50,6 +50,10 @@ def _emu_object() -> str:
 # code under test captures only launches, cuBLAS and `runtime.memcpyAsync`.
 CAPTURE: list | None = None
 REPLAYING = False  # a graph's launch is running its recorded operations
+# arrays allocated during the capture in progress (cp.empty, zeros, ...): its graph holds them, as a graph's memory
+# pool holds its blocks, so that recorded operations that address them by pointer (cuBLAS, device copies) never
+# write into memory numpy has handed back
+CAPTURE_KEEP: list = []
 
 
 def deferred(fn):
@@ -61,8 +65,8 @@ def deferred(fn):
 
 
 class FakeGraph:
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self, ops, keep=()):
+        self.ops, self.keep = ops, list(keep)
 
     def launch(self, stream=None):
         global REPLAYING
@@ -190,6 +194,15 @@ def install():
         if not k.startswith("__"):
             setattr(cp, k, getattr(np, k))
     cp.ndarray = np.ndarray
+    def kept(fn):
+        def allocate(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if CAPTURE is not None:
+                CAPTURE_KEEP.append(out)
+            return out
+        return allocate
+    for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like"):
+        setattr(cp, name, kept(getattr(np, name)))
     def asnumpy(a, stream=None, order="C", out=None, blocking=True):
         if out is None:
             return np.array(a, copy=True)
@@ -225,10 +238,13 @@ def install():
             global CAPTURE
             assert CAPTURE is None, "nested capture"
             CAPTURE = []
+            CAPTURE_KEEP.clear()
         def end_capture(self):
             global CAPTURE
             ops, CAPTURE = CAPTURE, None
-            return FakeGraph(ops)
+            graph = FakeGraph(ops, CAPTURE_KEEP)
+            CAPTURE_KEEP.clear()
+            return graph
         def record(self, event=None): return event or Event()
         def wait_event(self, event): pass
         def __enter__(self):

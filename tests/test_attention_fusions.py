@@ -16,14 +16,26 @@ from test_fused_products import logits_of
 
 from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import FULL_ATTENTION
 from decapybara.model.qwen import QwenModel
 from decapybara.model.rope import RotaryTable, default_inv_freq
 from decapybara.testing import tiny_checkpoint
 
 
-def unfused_attention(self: QwenModel, p: str, layer: Any, x: Any, batch: ForwardBatch, kv: Any, cos: Any,
-                      sin: Any) -> Any:
-    """QwenModel._attention as it was before the fusions, op for op."""
+def unfused_inputs(self: QwenModel, i: int, x: Any) -> list[Any]:
+    """`QwenModel.layer_inputs`, but an attention layer's "inputs" are its normed rows (`unfused_attention` runs
+    its products)."""
+    return [x] if self.cfg.layer_types[i] == FULL_ATTENTION else LAYER_INPUTS(self, i, x)
+
+
+LAYER_INPUTS = QwenModel.layer_inputs
+
+
+def unfused_attention(self: QwenModel, p: str, layer: Any, inputs: list[Any], batch: ForwardBatch, kv: Any,
+                      cos: Any, sin: Any) -> Any:
+    """QwenModel._attention (with its input products) as it was before the fusions, op for op; inputs = [x]
+    (`unfused_inputs`)."""
+    (x,) = inputs
     cfg, ops, w = self.cfg, self.backend, self.w
     t, d = x.shape[0], cfg.head_dim
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -72,6 +84,7 @@ def test_model_logits_equal_the_unfused_layer(family, monkeypatch):
     layers = len(cfg.attention_layers) * len(chunks)
     assert backend.calls == {"qk_norm_rope": layers, "sigmoid_gate": layers if cfg.attn_output_gate else 0}
     monkeypatch.setattr(QwenModel, "_attention", unfused_attention)
+    monkeypatch.setattr(QwenModel, "layer_inputs", unfused_inputs)
     for got, ref in zip(fused, logits_of(model, chunks), strict=True):
         np.testing.assert_array_equal(got, ref)
 

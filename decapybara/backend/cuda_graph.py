@@ -327,7 +327,7 @@ class DecodeGraphRunner:
             fac = np.float32(model.rotary.attention_factor)
             cos, sin = cos * fac, sin * fac
         h = embedding_rows(w["model.embed_tokens.weight"], ids)  # [B, H]
-        h = model.decoder_layers(h, lambda p, i, x: model._attention(p, i, x, st.batch, kv, cos, sin),
-                                 lambda p, i, x: model._deltanet(p, i, x, states, st.segments, {}))
+        h = model.decoder_layers(h, lambda p, i, inputs: model._attention(p, i, inputs, st.batch, kv, cos, sin),
+                                 lambda p, i, inputs: model._deltanet(p, i, inputs, states, st.segments, {}))
         hidden = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         return ops.linear(hidden, w["lm_head.weight"]), h

@@ -44,8 +44,8 @@ class EngineConfig:
     # engine hands out num_pages - 1 pages and the state pool has max_slots + 1 slots.
     cuda_graphs: bool = True
     # With cuda_graphs on, eager steps of 9-256 rows (a prompt chunk, alone or beside decode rows) replay each
-    # layer's tail (output projection, norms, MLP) as a CUDA graph per row bucket (decapybara/backend/piecewise.py);
-    # the attention and DeltaNet cores stay eager
+    # layer's tail (output projection, norms, MLP, the next layer's input products) as a CUDA graph per row bucket
+    # (decapybara/backend/piecewise.py); the attention and DeltaNet cores stay eager
     piecewise_graphs: bool = True
 
     def __post_init__(self) -> None:

@@ -2,10 +2,11 @@
 
 CuPy's cuBLAS wrappers set the handle's stream at every call and refuse to while the stream captures
 (NotImplementedError), so no CuPy cuBLAS call can sit in a graph. cuBLAS itself captures fine when no call
-allocates or syncs: this module calls libcublas (the copy CuPy loaded) through ctypes on handles of its own, one a
-(device, stream), each bound to its stream with a fixed workspace (`WORKSPACE` bytes) and host pointer mode once,
-when first asked for outside a capture. A call afterwards sets nothing, so it is legal during a capture; a stream
-first met during a capture has no handle and the call raises `CaptureError` (bind it before: `bind(stream)`).
+allocates or syncs: this module calls libcublas (the copy a by-name load resolves to, as CuPy's) through ctypes on
+handles of its own, one a (device, stream), each bound to its stream with a fixed workspace (`WORKSPACE` bytes)
+and host pointer mode once, when first asked for outside a capture. A call afterwards sets nothing, so it is legal
+during a capture; a stream first met during a capture has no handle and the call raises `CaptureError` (bind it
+before: `bind(stream)`).
 
 Host pointer mode: alpha and beta are read at the call; in a capture, their values at capture time are the
 graph's (`gemm_ex` callers pass constants).
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,33 +72,44 @@ class Library:
         self._check(self._gemm_ex(handle, *args), "cublasGemmEx")
 
 
+_SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
+
+
 @functools.cache
-def library() -> Any:
-    """The libcublas CuPy loaded, through ctypes (after making CuPy's handle, so that it is loaded)."""
-    cp.cuda.device.get_cublas_handle()
+def library() -> Library | None:
+    """libcublas through ctypes: the copy a by-name load resolves to (as CuPy's cuBLAS module's), once CuPy has
+    made its handle; None where none can be opened (then `gemm_ex` takes CuPy's wrapper, which no capture can
+    hold)."""
+    cp.cuda.device.get_cublas_handle()  # CuPy's cuBLAS loaded
+    for name in _SONAMES:  # already loaded: RTLD_NOLOAD opens it without loading another copy
+        try:
+            return Library(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
+        except OSError:
+            continue
     paths = set()
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split()
             if len(fields) >= 6 and "/libcublas.so" in fields[5]:
                 paths.add(fields[5])
-    for path in sorted(paths):
-        return Library(ctypes.CDLL(path))
-    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+    for name in (*sorted(paths), *_SONAMES):
         try:
             return Library(ctypes.CDLL(name))
         except OSError:
             continue
-    raise OSError("libcublas not found among the process's libraries")
+    return None
 
 
 @dataclass(frozen=True)
 class _Bound:
     handle: int
-    workspace: Any  # uint8 [WORKSPACE] device array, held for the handle's life
+    workspace: Any  # uint8 [WORKSPACE] device array from the default pool, held for the handle's life
 
 
+# NOTE: a handle lives as long as the process: one a stream the process ever ran a GEMM on (the engine's: its
+# compute stream and its tails' capture stream; each new engine in one process adds its capture stream's)
 _HANDLES: dict[tuple[int, int], _Bound] = {}
+_LOCK = threading.Lock()
 
 
 def _capturing(stream: int) -> bool:
@@ -103,25 +117,42 @@ def _capturing(stream: int) -> bool:
 
 
 def bind(stream: Any = None) -> int:
-    """The handle bound to `stream` (a cupy Stream, or the current one), made and bound now if it has none;
-    CaptureError where that would happen during a capture."""
+    """The handle bound to `stream` (a cupy Stream of the current device, or the current stream), made and bound
+    now if it has none; CaptureError where that would happen during a capture. Its workspace comes from the
+    default memory pool whatever allocator is in use (a graph's private pool would free it with the graph)."""
     ptr = int((stream if stream is not None else cp.cuda.get_current_stream()).ptr)
     key = (cp.cuda.runtime.getDevice(), ptr)
     bound = _HANDLES.get(key)
-    if bound is None:
-        if _capturing(ptr):
-            raise CaptureError(f"stream {ptr:#x} captures and has no cuBLAS handle: bind it before the capture")
-        from decapybara.backend.cupy_ops import dev_ptr  # (cupy_ops imports this module)
+    if bound is not None:
+        return bound.handle
+    if _capturing(ptr):
+        raise CaptureError(f"stream {ptr:#x} captures and has no cuBLAS handle: bind it before the capture")
+    from decapybara.backend.cupy_ops import dev_ptr  # (cupy_ops imports this module)
 
-        lib = library()
-        workspace = cp.empty(WORKSPACE, cp.uint8)
-        handle = lib.create()
-        lib.bind(handle, ptr, dev_ptr(workspace), WORKSPACE)
-        bound = _HANDLES[key] = _Bound(handle, workspace)
+    lib = library()
+    assert lib is not None, "no libcublas to bind"
+    with _LOCK:
+        bound = _HANDLES.get(key)
+        if bound is None:
+            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+                workspace = cp.empty(WORKSPACE, cp.uint8)
+            handle = lib.create()
+            lib.bind(handle, ptr, dev_ptr(workspace), WORKSPACE)
+            bound = _HANDLES[key] = _Bound(handle, workspace)
     return bound.handle
 
 
 def gemm_ex(*args: int) -> None:
     """cublasGemmEx on the current stream's handle (`bind`); args as `Library.gemm_ex` takes them after the
-    handle."""
-    library().gemm_ex(bind(), *args)
+    handle. Without a library of its own (`library` None), CuPy's handle and wrapper: the same product, but a
+    capture refuses it."""
+    lib = library()
+    if lib is None:
+        from cupy_backends.cuda.libs import cublas
+
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+        cublas.gemmEx(handle, *args)
+        return
+    lib.gemm_ex(bind(), *args)

@@ -8,7 +8,8 @@ products) is captured once per (layer, row bucket) over static buffers and repla
 Per bucket of B rows (BUCKETS; steps of FUSED_ROWS + 1 to B rows) the static buffers are: two residual streams
 h [B, H] float32 (layer i reads h[i % 2] and writes h[(i + 1) % 2], so a tail never reads what it writes and its
 replay is idempotent), the next layer's input products [B, width] per (position in `layer_inputs`, dtype, width),
-shared by the layers of a kind (a layer's core reads them before the next tail writes them, in stream order), and a
+shared by the layers whose products have those (a layer's core reads them before the next tail writes them, in
+stream order), and a
 mixer output buffer [B, width] per (dtype, width) that the step's core output is copied into (`cudaMemcpyAsync`,
 device to device). A step of T rows
 uses the first T rows; the others are left from earlier steps (finite values, and every op of a tail works row
@@ -18,7 +19,8 @@ ones: within float32 summation order of the eager step's T-row products, not byt
 First use of a (layer, bucket, mixer buffer): the tail runs eagerly over the static buffers (the warm-up that
 fills kernel and launch caches; its outputs are the step's), then is captured (`capture_graph`, without a second
 warm-up) with its allocations served by one `_Arena` shared by all tails: graphs run one after another on one
-stream, so their intermediates may share blocks, and the arena never hands a block back to CUDA (a CuPy pool
+stream, so their intermediates may share blocks (within a graph, only blocks of one stream's branch), and the
+arena never hands a block back to CUDA (a CuPy pool
 frees its free blocks when the device runs out of memory, and those are what earlier graphs still address). The
 capture stream's split-K counters (`cupy_ops_extra._counters`) are made and zeroed before its first capture.
 
@@ -56,17 +58,19 @@ _D2D = 3  # cudaMemcpyDeviceToDevice
 
 class _Arena:
     """Device memory for captured graphs: an allocator (`cupy.cuda.using_allocator`) whose blocks come from the
-    default pool and are never given back; a freed block goes to a free list by size and serves the next request
-    of that size (the tails of one bucket ask for the same sizes in the same order)."""
+    default pool and are never given back; a freed block goes to a free list by (stream, size) and serves the
+    next request of that size on that stream (the tails of one bucket ask for the same sizes in the same order).
+    By stream, as CuPy's pool: inside a tail's graph a DeltaNet layer's second input product runs on a side
+    stream beside the first (`linear_pair`), so a block the first frees must not serve the second."""
 
     def __init__(self) -> None:
-        self.free: dict[int, list[Any]] = {}
+        self.free: dict[tuple[int, int], list[Any]] = {}
         self.blocks = 0  # blocks held (taken from the default pool)
         self.bytes = 0
 
     def malloc(self, size: int) -> Any:
         size = -(-max(size, 1) // 512) * 512
-        spare = self.free.setdefault(size, [])
+        spare = self.free.setdefault((int(cp.cuda.get_current_stream().ptr), size), [])
         if spare:
             base = spare.pop()
         else:

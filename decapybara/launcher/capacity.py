@@ -23,7 +23,9 @@ from decapybara.model.config import ModelConfig
 from decapybara.model.weights import keeps_prefill_copy
 
 GIB = 1 << 30
-MIN_RESERVE = 2 * GIB  # activations, logits, CUDA-graph pools and allocator slack beside weights and KV
+# activations, logits, CUDA-graph pools (the piecewise tails' ~1.1 GiB for the 27B over packed weights) and their
+# cuBLAS workspaces (32 MiB a stream), and allocator slack beside weights and KV
+MIN_RESERVE = 2 * GIB
 RESERVE_SHARE = 0.05  # ... or this share of the device, whichever is larger
 
 

@@ -138,6 +138,21 @@ def test_arena_reuses_blocks_and_never_gives_them_back():
     assert sorted(len(v) for v in arena.free.values()) == [1, 2] and arena.blocks == 3
 
 
+def test_arena_keeps_each_streams_blocks_to_that_stream():
+    """A block freed by one stream's work never serves another stream's request (inside a tail's graph, the side
+    stream's product runs beside the main stream's)."""
+    arena = piecewise._Arena()
+    side = cp.cuda.Stream(non_blocking=True)
+    a = arena.malloc(2048)
+    first = a.ptr
+    del a  # freed on the current stream
+    with side:
+        b = arena.malloc(2048)
+    assert b.ptr != first and arena.blocks == 2
+    c = arena.malloc(2048)  # the current stream's own block again
+    assert c.ptr == first and arena.blocks == 2
+
+
 def test_rows_outside_the_buckets_run_eagerly():
     tails = piecewise.PiecewiseTails()
     assert [tails.bucket(n) for n in (1, 8, 9, 16, 17, 33, 64, 65, 129, 256, 257)] == \

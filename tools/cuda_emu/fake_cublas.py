@@ -59,5 +59,9 @@ class FakeLibrary:
     def gemm_ex(self, handle, *args):
         import fake_cupy
         assert self.handles.get(handle, "unbound") != "unbound", "unknown handle"
-        fake_cupy.deferred(lambda: gemmEx(handle, *args))
+        # host pointer mode: alpha and beta read at the call (a capture's replays use the values it saw)
+        scalars = [np.full(1, ctypes.c_float.from_address(args[i]).value, np.float32) for i in (5, 12)]
+        args = list(args)
+        args[5], args[12] = (a.ctypes.data for a in scalars)
+        fake_cupy.deferred(lambda: (scalars, gemmEx(handle, *args)))
 LIBRARY = FakeLibrary()

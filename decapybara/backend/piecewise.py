@@ -28,7 +28,8 @@ A capture that fails (or a warm-up, or a bucket's buffers) marks that bucket eag
 reason in `stats["failures"]`; the warm-up's outputs stand. The tails' cuBLAS GEMMs (products past KEPT_ROWS over
 weights that keep bf16 values, past DENSE_ROWS over others) run on the capture stream's own cuBLAS handle, bound
 before its first capture (`blas`: CuPy's wrappers refuse cuBLAS calls during a capture). The last layer (its tail
-adds into h with no norm after it) and MoE layers (the router is a CuPy product) always run eagerly.
+adds into h with no norm after it) and MoE layers always run eagerly (`CupyBackend.moe` reads the routing on
+the host; the fused backend's sync-free `moe` is not yet tested inside a capture).
 Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm,
 MLP and next-layer input weights are the model's, fixed for the runner's life. A DeltaNet layer's two input
 products fork to the backend's side stream and join inside the graph (`linear_pair`), as in decode graphs; the

@@ -202,6 +202,18 @@ def test_graph_failures_are_reported_per_key(fake_graphs):
     assert stats["graph_failures"] == {"bucket=4 splits=1": "CUDARuntimeError: capture invalidated"}
 
 
+def test_app_config_passes_the_prefill_share_through():
+    from pydantic import ValidationError
+
+    from decapybara.server.config import AppConfig
+
+    assert AppConfig().engine_config(cuda=True).balanced_prefill_share == 0.5
+    assert AppConfig(balanced_prefill_share="0.125").engine_config(cuda=True).balanced_prefill_share == 0.125
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(ValidationError):
+            AppConfig(balanced_prefill_share=bad)
+
+
 def test_app_config_passes_the_switch_through():
     from decapybara.server.config import AppConfig
 

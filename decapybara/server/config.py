@@ -29,6 +29,8 @@ class AppConfig(BaseModel):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
     prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = "balanced"
+    balanced_prefill_share: float = Field(default=0.5, gt=0, le=1, description="balanced: the share of "
+                                          "max_batch_tokens a prompt's chunks may take while others decode")
     loop_guard: Literal["stop", "end_thinking", "escape", "off"] = "stop"
     context_mode: Literal["pool", "fixed"] = Field(default="pool", description="CONTEXT_MODE: shared pool or "
                                                    "a fixed reservation of the whole context per conversation")
@@ -93,7 +95,8 @@ class AppConfig(BaseModel):
         pages = pages or (4096 if not cuda else 512)
         batch = self.max_batch_tokens or (2048 if cuda else 256)
         return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
-                            prefill_policy=self.prefill_policy, kv_mode=kv_mode, max_model_len=self.max_model_len,
+                            prefill_policy=self.prefill_policy, balanced_prefill_share=self.balanced_prefill_share,
+                            kv_mode=kv_mode, max_model_len=self.max_model_len,
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None

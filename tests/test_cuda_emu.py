@@ -156,3 +156,20 @@ def test_bf16_prefill_weights_pass_on_the_emulator():
     out, _ = run_on_emulator(["tests/gpu/test_dense_prefill.py"],
                              "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked")
     assert "5 passed" in out, out[-3000:]
+
+
+PIECEWISE_EMU_CASES = ("(eager_logits and mxfp4) or kept or arena or outside or failed or captured or unbound "
+                       "or handle or piecewise_tails_with_packed")
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_piecewise_graphs_pass_on_the_emulator():
+    """Eager steps' layer tails as CUDA graphs (the emulator records a capture's launches, device copies and
+    `blas` GEMMs and replays them): a forward with tails against the eager one over captures, replays and mixed
+    steps, cuBLAS products inside captured tails (bf16 values kept, buckets past DENSE_ROWS), the arena, a failed
+    capture's eager fallback, cuBLAS handles bound before a capture, and the engine's greedy tokens with tails
+    against the same engine without them (the device sampler included): cases of their GPU tests, through the
+    emulator plugin."""
+    out, _ = run_on_emulator(["tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py",
+                              "tests/gpu/test_engine_graphs.py"], PIECEWISE_EMU_CASES, timeout=1200)
+    assert "12 passed" in out, out[-3000:]

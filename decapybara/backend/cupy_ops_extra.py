@@ -1095,7 +1095,7 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     token, logprob, status, finite, argmin = _result_views(res, b).values()
 
     def results() -> dict[str, np.ndarray]:  # the host's copy, with the rows' finite check
-        host = _result_views(res.get(), b)
+        host = _result_views(cp.asnumpy(res), b)
         if not host["finite"].all():
             raise ValueError("every row of logits needs at least one finite value")
         return host

@@ -96,6 +96,15 @@ template <class T> T __ldg(const T* p) { return *p; }
 inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
 inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }
+template <class T> T atomicMin(T* p, T v) { T o = *p; if (v < o) *p = v; return o; }
+template <class T> T atomicMax(T* p, T v) { T o = *p; if (v > o) *p = v; return o; }
+inline double __longlong_as_double(long long u) { double d; memcpy(&d, &u, 8); return d; }
+inline long long __double_as_longlong(double d) { long long u; memcpy(&u, &d, 8); return u; }
+inline double __dadd_rn(double a, double b) { volatile double r = a + b; return r; }
+inline double __dsub_rn(double a, double b) { volatile double r = a - b; return r; }
+inline double __dmul_rn(double a, double b) { volatile double r = a * b; return r; }
+inline double __ddiv_rn(double a, double b) { volatile double r = a / b; return r; }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline void __threadfence() {}
 inline unsigned __vminu2(unsigned a, unsigned b) {
   unsigned lo = std::min(a & 0xffffu, b & 0xffffu), hi = std::min(a >> 16, b >> 16);

@@ -84,7 +84,7 @@ def library() -> Library | None:
     for name in _SONAMES:  # already loaded: RTLD_NOLOAD opens it without loading another copy
         try:
             return Library(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
-        except OSError:
+        except (OSError, AttributeError):  # not loaded, or without an entry point used
             continue
     paths = set()
     with open("/proc/self/maps") as f:
@@ -95,7 +95,7 @@ def library() -> Library | None:
     for name in (*sorted(paths), *_SONAMES):
         try:
             return Library(ctypes.CDLL(name))
-        except OSError:
+        except (OSError, AttributeError):
             continue
     return None
 

@@ -2,9 +2,9 @@
 
 CuPy's cuBLAS wrappers set the handle's stream at every call and refuse to while the stream captures
 (NotImplementedError), so no CuPy cuBLAS call can sit in a graph. cuBLAS itself captures fine when no call
-allocates or syncs: this module calls libcublas (the copy a by-name load resolves to, as CuPy's) through ctypes on
-handles of its own, one a (device, stream), each bound to its stream with a fixed workspace (`WORKSPACE` bytes)
-and host pointer mode once, when first asked for outside a capture. A call afterwards sets nothing, so it is legal
+allocates or syncs: this module calls libcublas (the copy CuPy loaded) through ctypes on handles of its own, one
+a (device, stream), each bound to its stream with a fixed workspace (`WORKSPACE` bytes) and host pointer mode
+once, when first asked for outside a capture. A call afterwards sets nothing, so it is legal
 during a capture; a stream first met during a capture has no handle and the call raises `CaptureError` (bind it
 before: `bind(stream)`).
 
@@ -77,25 +77,17 @@ _SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so")
 
 @functools.cache
 def library() -> Library | None:
-    """libcublas through ctypes: the copy a by-name load resolves to (as CuPy's cuBLAS module's), once CuPy has
-    made its handle; None where none can be opened (then `gemm_ex` takes CuPy's wrapper, which no capture can
-    hold)."""
+    """libcublas through ctypes: the copy CuPy's cuBLAS module loaded (opened by soname with RTLD_NOLOAD, else by
+    its path in the process's map), once CuPy has made its handle; None where none opens (then `gemm_ex` takes
+    CuPy's wrapper, which no capture can hold)."""
     cp.cuda.device.get_cublas_handle()  # CuPy's cuBLAS loaded
-    for name in _SONAMES:  # already loaded: RTLD_NOLOAD opens it without loading another copy
-        try:
-            return Library(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
-        except (OSError, AttributeError):  # not loaded, or without an entry point used
-            continue
-    paths = set()
     with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and "/libcublas.so" in fields[5]:
-                paths.add(fields[5])
-    for name in (*sorted(paths), *_SONAMES):
+        paths = sorted({fields[5] for fields in map(str.split, f) if len(fields) >= 6 and "/libcublas.so" in fields[5]})
+    flags = os.RTLD_NOLOAD | os.RTLD_LAZY  # never a second copy
+    for name in (*_SONAMES, *paths):
         try:
-            return Library(ctypes.CDLL(name))
-        except (OSError, AttributeError):
+            return Library(ctypes.CDLL(name, mode=flags))
+        except (OSError, AttributeError):  # not loaded, or without an entry point used
             continue
     return None
 

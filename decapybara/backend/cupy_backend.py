@@ -178,8 +178,9 @@ class CupyBackend(Backend):
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Skinny products (at most SKINNY_ROWS rows: decode, speculative verification, small chunks) run on
         the skinny-GEMM kernels (kernels/mx_gemv.cu); larger ones go to cuBLAS (on the stream's own handle,
-        `blas`: capturable too, as the piecewise tails do). x may be `NormedRows` (from `linear_add_rms_norm`): bf16 products
-        of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows; or bf16 bits
+        `blas`: capturable too, as the piecewise tails do). x may be `NormedRows` (from `linear_add_rms_norm`):
+        bf16 products of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows; or
+        bf16 bits
         (uint16, also from `linear_add_rms_norm`), which the skinny kernels read as they are (they round x to
         bf16 anyway) and anything else widens to float32."""
         packed = _bf16_packed(weight) if x.shape[0] <= SKINNY_ROWS else None

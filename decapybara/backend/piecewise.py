@@ -9,10 +9,8 @@ Per bucket of B rows (BUCKETS; steps of FUSED_ROWS + 1 to B rows) the static buf
 h [B, H] float32 (layer i reads h[i % 2] and writes h[(i + 1) % 2], so a tail never reads what it writes and its
 replay is idempotent), the next layer's input products [B, width] per (position in `layer_inputs`, dtype, width),
 shared by the layers whose products have those (a layer's core reads them before the next tail writes them, in
-stream order), and a
-mixer output buffer [B, width] per (dtype, width) that the step's core output is copied into (`cudaMemcpyAsync`,
-device to device). A step of T rows
-uses the first T rows; the others are left from earlier steps (finite values, and every op of a tail works row
+stream order), and a mixer output buffer [B, width] per (dtype, width) that the step's core output is copied into
+(`cudaMemcpyAsync`, device to device). A step of T rows uses the first T rows; the others are left from earlier steps (finite values, and every op of a tail works row
 by row, so they never reach a real row). The tail runs over all B rows, so its products' launch plans are the B-row
 ones: within float32 summation order of the eager step's T-row products, not byte-equal to them.
 
@@ -20,8 +18,8 @@ First use of a (layer, bucket, mixer buffer): the tail runs eagerly over the sta
 fills kernel and launch caches; its outputs are the step's), then is captured (`capture_graph`, without a second
 warm-up) with its allocations served by one `_Arena` shared by all tails: graphs run one after another on one
 stream, so their intermediates may share blocks (within a graph, only blocks of one stream's branch), and the
-arena never hands a block back to CUDA (a CuPy pool
-frees its free blocks when the device runs out of memory, and those are what earlier graphs still address). The
+arena never hands a block back to CUDA (a CuPy pool frees its free blocks when the device runs out of memory, and
+those are what earlier graphs still address). The
 capture stream's split-K counters (`cupy_ops_extra._counters`) are made and zeroed before its first capture.
 
 A capture that fails (or a warm-up, or a bucket's buffers) marks that bucket eager for the process, with the
@@ -29,8 +27,7 @@ reason in `stats["failures"]`; the warm-up's outputs stand. The tails' cuBLAS GE
 weights that keep bf16 values, past DENSE_ROWS over others) run on the capture stream's own cuBLAS handle, bound
 before its first capture (`blas`: CuPy's wrappers refuse cuBLAS calls during a capture). The last layer (its tail
 adds into h with no norm after it) and MoE layers always run eagerly (`CupyBackend.moe` reads the routing on
-the host; the fused backend's sync-free `moe` is not yet tested inside a capture).
-Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm,
+the host; the fused backend's sync-free `moe` is not yet tested inside a capture). Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm,
 MLP and next-layer input weights are the model's, fixed for the runner's life. A DeltaNet layer's two input
 products fork to the backend's side stream and join inside the graph (`linear_pair`), as in decode graphs; the
 side stream's split-K counters exist by then (the warm-up ran the same products eagerly).

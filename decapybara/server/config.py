@@ -47,8 +47,8 @@ class AppConfig(BaseModel):
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")
     piecewise_graphs: bool = Field(default=True, description="eager steps of 9-256 rows replay each layer's tail "
-                                   "(projections, norms, MLP, the next layer's input products) as a CUDA graph (CUDA backend, "
-                                   "cuda_graphs on)")
+                                   "(projections, norms, MLP, the next layer's input products) as a CUDA graph "
+                                   "(CUDA backend, cuda_graphs on)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "

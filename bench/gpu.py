@@ -1,4 +1,5 @@
-"""GPU benchmark of the qwen3.8-27b architecture: our CUDA backend vs HF transformers vs the copy roofline.
+"""GPU benchmark of the qwen3.8-27b architecture (BENCH_MODEL=qwen3.8-35b-a3b: its MoE sibling): our CUDA
+backend vs HF transformers vs the copy roofline.
 
 One device call, about 3-5 minutes (BENCH_BUDGET_S, default 320, skips what would not fit; BENCH_SKIP, a comma
 list of "gemv", "hf" and variant names, e.g. "gemv,hf,nvfp4", leaves sections out). The skinny GEMM's launch
@@ -20,7 +21,12 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    t64 = t4 + (t8 - t4) * 15; the same extrapolation at 1k is printed beside the measured 64 layers. Its 32k
    cache for 12 sequences is the 1-sequence cache repeated along the batch (prefilling 12 x 32k tokens through
    eager attention does not fit the time budget).
-Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth.
+Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth. MoE models
+(BENCH_MODEL=qwen3.8-35b-a3b, 40 layers): a step reads the experts its rows route to, counted as the expected
+number of distinct experts that b sequences' top-k choices hit under uniform routing, E (1 - (1 - k / E)^b) a
+layer (random weights route close to uniformly), with every other matrix; HF's 32k steps extrapolate from 4 and
+8 layers to the model's depth. Variant "bf16host" is the bf16 model with its experts taken through the
+host-routing MoE (`CupyBackend.moe` as for float32 experts: one host synchronisation a layer, no graphs).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy as cp
 
+from decapybara.backend import cupy_backend
 from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_factory import cuda_backend
@@ -56,10 +63,14 @@ from decapybara.model.weights import expected_tensors, keeps_prefill_copy
 
 T0 = time.perf_counter()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "320"))
-CFG = dataclasses.replace(named_config("qwen3.8-27b"), mtp_num_hidden_layers=0)
+MODEL = os.environ.get("BENCH_MODEL", "qwen3.8-27b")
+CFG = dataclasses.replace(named_config(MODEL), mtp_num_hidden_layers=0)
+if os.environ.get("BENCH_LAYERS"):  # fewer layers (a dry run of the script's paths)
+    _n = int(os.environ["BENCH_LAYERS"])
+    CFG = dataclasses.replace(CFG, num_hidden_layers=_n, layer_types=CFG.layer_types[:_n])
 PAGE, SEQ_PAGES, SLOTS = 512, 64, 12  # 64 pages of 512 tokens: 32k context per sequence
 CONTEXTS, BATCHES = (1024, 32768), (1, 12)
-RESULTS: dict[str, Any] = {"config": "qwen3.8-27b (no MTP)", "errors": {}}
+RESULTS: dict[str, Any] = {"config": f"{MODEL} (no MTP)", "errors": {}}
 
 
 def left() -> float:
@@ -142,8 +153,11 @@ def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") ->
     """Variant "bf16" (CupyBackend bf16: skinny products on mx_gemv, larger ones on cuBLAS) or a quantised
     format name (PackedWeightsMixin: packed weights through mx_gemv; `prefill_weights` "bf16": their bf16 copies
     too, as the server's setting keeps them)."""
-    fmt = None if variant == "bf16" else variant
+    fmt = None if variant in ("bf16", "bf16host") else variant
     backend = CupyBackend("bf16") if fmt is None else cuda_backend("bf16", prefill_weights=prefill_weights)
+    if variant == "bf16host":  # experts through the host-routing MoE, as before bf16 stacks took the device one
+        backend.moe_captures = lambda *experts: False
+        backend.moe = lambda *a, b=backend: _host_moe(b, *a)
     cp.random.seed(seed)
     w: dict[str, Any] = {}
     for name, shape in expected_tensors(CFG, include_mtp=False).items():
@@ -165,9 +179,33 @@ def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") ->
     return QwenModel(CFG, backend, w)
 
 
-def weight_bytes(model: QwenModel) -> int:
-    """Bytes a decode step reads: every matrix once, the embedding table excepted."""
-    return sum(v.nbytes for k, v in model.w.items() if k != "model.embed_tokens.weight")
+def _host_moe(backend: Any, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int,
+              normalize: bool) -> Any:
+    """`CupyBackend.moe`'s host-routing path over bf16 stacks (as the fp32 mode takes float32 ones)."""
+    saved = cupy_backend._bf16_stack
+    cupy_backend._bf16_stack = lambda w: None
+    try:
+        return CupyBackend.moe(backend, x, router, gate_w, up_w, down_w, top_k, normalize)
+    finally:
+        cupy_backend._bf16_stack = saved
+
+
+def expected_experts(b: int) -> float:
+    """Expected distinct experts b rows' top-k choices hit in one MoE layer under uniform routing."""
+    e, k = CFG.num_experts, CFG.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** b)
+
+
+def weight_bytes(model: QwenModel, b: int | None = None) -> int:
+    """Bytes a decode step of b rows reads: every matrix once, the embedding table excepted; of MoE expert stacks
+    the experts b rows hit (`expected_experts`; all of them where b is None)."""
+    total = 0.0
+    for k, v in model.w.items():
+        if k == "model.embed_tokens.weight":
+            continue
+        share = expected_experts(b) / CFG.num_experts if ".experts." in k and b is not None else 1.0
+        total += v.nbytes * share
+    return int(total)
 
 
 def fill_random(kv: Any, states: Any) -> None:
@@ -280,7 +318,7 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
     for ctx in CONTEXTS:
         for b in BATCHES:
             batch = decode_batch(b, ctx)
-            moved = weight_bytes(model) + b * ctx * kv_tok + 2 * b * state_bytes
+            moved = weight_bytes(model, b) + b * ctx * kv_tok + 2 * b * state_bytes
             for mode, fwd in (("eager", model.forward), ("graph", runner.forward)):
                 if left() < 20:
                     break
@@ -289,6 +327,7 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
                 res[key] = {"step_ms": t * 1e3, "tok_s": b / t, "pct_roofline": 100 * moved / (copy_bw * 1e9) / t}
         res["graph_stats"] = {"steps": runner.stats["graph_steps"],
                               "failures": {str(k): v for k, v in runner.stats["failures"].items()}}
+    print(label or variant, "decode", json.dumps(res, default=float)[:1500])
     # Sampler (Qwen's recommended T 0.7 / top-p 0.8 / top-k 20): on this model's logits (random weights: a
     # flat distribution, which mostly takes the full-sort path) and on peaked, LLM-like logits (fast path).
     flat = model.forward(decode_batch(12, 1024), kv, states).logits
@@ -313,7 +352,10 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
 
 
 def hf_config(layers: int) -> dict[str, Any]:
-    return {"vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size, "intermediate_size": CFG.intermediate_size,
+    moe = {"num_experts": CFG.num_experts, "num_experts_per_tok": CFG.num_experts_per_tok,
+           "moe_intermediate_size": CFG.moe_intermediate_size,
+           "shared_expert_intermediate_size": CFG.shared_expert_intermediate_size} if CFG.is_moe else {}
+    return moe | {"vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size, "intermediate_size": CFG.intermediate_size,
             "num_hidden_layers": layers, "num_attention_heads": CFG.num_attention_heads,
             "num_key_value_heads": CFG.num_key_value_heads, "head_dim": CFG.head_dim,
             "linear_conv_kernel_dim": CFG.linear_conv_kernel_dim, "linear_key_head_dim": CFG.linear_key_head_dim,
@@ -349,7 +391,7 @@ def bench_hf_layers(layers: int, contexts: tuple[int, ...] = CONTEXTS) -> dict[s
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen3_5_text", **hf_config(layers))
+    cfg = AutoConfig.for_model(CFG.model_type, **hf_config(layers))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager").eval()
     cache_kw = "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
@@ -397,7 +439,8 @@ def bench_hf_layers(layers: int, contexts: tuple[int, ...] = CONTEXTS) -> dict[s
 
 
 def bench_hf() -> None:
-    """HF at 1k context with all 64 layers, measured; at 32k extrapolated from 4- and 8-layer models
+    """HF at 1k context with all the model's layers (64 for the 27B), measured; at 32k extrapolated from 4- and
+    8-layer models
     (prefilling 32k tokens through 64 eager layers does not fit the budget). The same extrapolation is made at
     1k and compared with the measured 64-layer step (`extrapolation_vs_measured_1k`, printed): HF's eager step
     is bound by host-side work, and its run-to-run spread shows there (the ninth session's runs put the
@@ -406,9 +449,12 @@ def bench_hf() -> None:
     t4 = guarded("hf 4 layers", bench_hf_layers, 4, CONTEXTS, need=40) or {}
     t8 = guarded("hf 8 layers", bench_hf_layers, 8, CONTEXTS, need=40) or {}
 
+    blocks = CFG.num_hidden_layers // 4  # groups of 4 layers (3 DeltaNet, 1 attention)
+
     def to64(a4: float, a8: float | None) -> float:
-        """64-layer time from 4- and 8-layer times (the per-4-layer increment x 15); x 16 if not increasing."""
-        return a4 + (a8 - a4) * 15 if a8 is not None and a8 > a4 else a4 * 16
+        """The model's depth from 4- and 8-layer times (64 layers: the per-4-layer increment x 15); 4 layers x
+        depth / 4 where not increasing."""
+        return a4 + (a8 - a4) * (blocks - 1) if a8 is not None and a8 > a4 else a4 * blocks
 
     steps = {k: v for k, v in full.items() if k != "prefill_tok_s"}
     extrapolated = {k: to64(t4[k], t8.get(k)) for k in t4 if k != "prefill_tok_s"}
@@ -417,7 +463,7 @@ def bench_hf() -> None:
     RESULTS["hf"] = {"t64_step_s": steps, "measured_64_layers": full, "extrapolated_64": extrapolated, "t4_s": t4,
                      "t8_s": t8, "extrapolation_vs_measured_1k": check, "prefill_tok_s": full.get("prefill_tok_s"),
                      "note": "1k: all 64 layers measured; 32k: extrapolated from 4 and 8 layers"}
-    print("HF eager, 64 layers (s/step; 32k extrapolated):", {k: round(v, 4) for k, v in steps.items()},
+    print(f"HF eager, {CFG.num_hidden_layers} layers (s/step; 32k extrapolated):", {k: round(v, 4) for k, v in steps.items()},
           "measured / extrapolated at 1k:", {k: round(v, 2) for k, v in check.items()},
           "prefill tok/s", round(full.get("prefill_tok_s", 0), 1))
 
@@ -461,7 +507,9 @@ def main() -> None:
     for kv_mode in os.environ.get("BENCH_KV", "16/16").split(","):
         kv = CupyBackend("bf16").new_kv_cache(CFG, SLOTS * SEQ_PAGES + 1, PAGE, kv_mode)
         guarded("fill kv", fill_random, kv, states, need=30)
-        variants = [v for v in ("mxfp4", "bf16", "hf", "nvfp4", "mxfp6", "mxfp8") if v not in skip]  # most wanted first
+        names = ("mxfp4", "bf16", "bf16host", "hf", "nvfp4", "mxfp6", "mxfp8") if CFG.is_moe else (
+            "mxfp4", "bf16", "hf", "nvfp4", "mxfp6", "mxfp8")
+        variants = [v for v in names if v not in skip]  # most wanted first
         for variant in variants if kv_mode == "16/16" else [v for v in variants if v != "hf"][:1]:
             if variant == "hf" and "hf" in RESULTS:
                 continue

@@ -1,29 +1,39 @@
 // Mixture-of-experts routing, dispatch and combine (the function of NumpyBackend.moe; the expert SwiGLU runs
 // through the grouped mode of mx_gemv.cu between dispatch and combine).
 //
-// moe_route     one warp per token: softmax over E router logits (float32), top-k by probability with ties to
-//               the lower expert id (= numpy's stable argsort of -probs), optional renormalisation of the k
-//               weights. E <= 1024, k <= 32.
-// moe_dispatch  one block: per-expert counts, exclusive offsets, and for every (token, slot) pair its row in
-//               the expert-grouped order: gather[pos] = token, slot_pos[token * k + slot] = pos. The order of
-//               tokens inside one expert's group depends on atomics, never the result: rows are independent
-//               and the combine reads each token's slots in slot order.
+// moe_route     one warp per token: softmax over E router logits (float32, rows ldl apart), top-k by probability
+//               with ties to the lower expert id (= numpy's stable argsort of -probs), optional renormalisation of
+//               the k weights. E <= 1024, k <= 32.
+// moe_dispatch  one block: per-expert counts and exclusive offsets, for every (token, slot) pair its row in the
+//               expert-grouped order: gather[pos] = token, slot_pos[token * k + slot] = pos; and the groups the
+//               products launch over, the experts with rows in ascending id: ids[j], offsets[j], counts[j] for
+//               j < the number hit, counts 0 for the rest of the G slots (G = min(E, P): the launch's groups, whose
+//               blocks past the hit experts exit at once). The order of tokens inside one expert's group depends
+//               on atomics, never the result: rows are independent and the combine reads each token's slots in
+//               slot order.
+// moe_route_dispatch  both in one block of 512 threads (steps of few tokens: one launch fewer): its warps route
+//               the tokens, then the block dispatches them (1024 threads would need routing in 64 registers).
 // moe_silu_mul  h = silu(gate) * up (float32 math), any of f32 / bf16 / f16 in and out.
-// moe_combine   out[t] = sum over slots s (in order) of w[t, s] * y[slot_pos[t, s]], float32 accumulation.
+// moe_combine   out[t] = sum over slots s (in order) of w[t, s] * y[slot_pos[t, s]], float32 accumulation; with a
+//               shared expert (sh != 0): + sigmoid(sg[t]) * sh[t] after the routed sum (the float operations of
+//               sigmoid_f32, a multiply and an add).
 
+#ifndef MOE_JPL
+#define MOE_JPL 32  // router logits a lane holds: E <= 32 MOE_JPL (the wrapper builds ceil(E / 32) rounded up to 8, 16, 32)
+#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 #include "act_kind.cuh"
+#include "silu.cuh"
 
-extern "C" __global__ void moe_route(const float* logits, int T, int E, int k, int normalize, int* topk_ids,
-                                     float* topk_w) {
-    const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (t >= T) return;
-    const float* l = logits + (long long)t * E;
-    float p[32];
+// token t's top-k (one warp; lane = the thread's lane)
+__device__ __forceinline__ void route_token(const float* logits, long long ldl, int t, int E, int k, int normalize,
+                                            int* topk_ids, float* topk_w, int lane) {
+    const float* l = logits + (long long)t * ldl;
+    float p[MOE_JPL];
     float m = -__int_as_float(0x7F800000);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < MOE_JPL; ++j) {
         const int e = j * 32 + lane;
         p[j] = e < E ? l[e] : -__int_as_float(0x7F800000);
         m = fmaxf(m, p[j]);
@@ -31,20 +41,20 @@ extern "C" __global__ void moe_route(const float* logits, int T, int E, int k, i
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     float s = 0.f;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < MOE_JPL; ++j) {
         p[j] = j * 32 + lane < E ? expf(p[j] - m) : -1.f;  // -1: never selected
         s += p[j] > 0.f ? p[j] : 0.f;
     }
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) if (p[j] >= 0.f) p[j] = p[j] / s;
+    for (int j = 0; j < MOE_JPL; ++j) if (p[j] >= 0.f) p[j] = p[j] / s;
     float wsum = 0.f, mine = 0.f;
     int my_id = -1;
     for (int slot = 0; slot < k; ++slot) {
         float best = -2.f;
         int bid = 0x7FFFFFFF;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < MOE_JPL; ++j) {
             const int e = j * 32 + lane;
             if (p[j] > best) { best = p[j]; bid = e; }  // ascending e per lane: ties keep the lower id
         }
@@ -55,7 +65,7 @@ extern "C" __global__ void moe_route(const float* logits, int T, int E, int k, i
         }
         if ((bid & 31) == lane) {
 #pragma unroll
-            for (int j = 0; j < 32; ++j) if (j == (bid >> 5)) p[j] = -2.f;
+            for (int j = 0; j < MOE_JPL; ++j) if (j == (bid >> 5)) p[j] = -2.f;
         }
         wsum += best;
         if (lane == slot) { mine = best; my_id = bid; }
@@ -66,25 +76,84 @@ extern "C" __global__ void moe_route(const float* logits, int T, int E, int k, i
     }
 }
 
-extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int* counts, int* offsets, int* gather,
-                                        int* slot_pos, int k) {
-    extern __shared__ int sh[];  // counts[E], cursor[E]
-    int* cnt = sh;
-    int* cur = sh + E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) { cnt[e] = 0; cur[e] = 0; }
+extern "C" __global__ void moe_route(const float* logits, long long ldl, int T, int E, int k, int normalize,
+                                     int* topk_ids, float* topk_w) {
+    const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (t < T) route_token(logits, ldl, t, E, k, normalize, topk_ids, topk_w, threadIdx.x & 31);
+}
+
+// (exclusive prefix sum of v over the block's threads, the block's total): one chunk of blockDim.x values; ws:
+// 32 ints of shared memory
+__device__ __forceinline__ int2 block_scan(int v, int* ws) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) ws[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < warps ? ws[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xFFFFFFFFu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < warps) ws[lane] = w;  // inclusive totals of warps 0 .. lane
+    }
+    __syncthreads();
+    const int before = warp ? ws[warp - 1] : 0, total = ws[warps - 1];
+    __syncthreads();  // ws free for the next scan
+    return make_int2(before + x - v, total);
+}
+
+// the dispatch of P = T k (token, slot) pairs by one block (see the header); cnt, cur: 2 E ints of shared memory.
+// Offsets and the hit experts' list by block-wide prefix sums over the experts, blockDim.x of them a pass.
+__device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int G, int* counts, int* offsets,
+                                         int* ids, int* gather, int* slot_pos, int k, int* cnt, int* cur) {
+    __shared__ int ws[32];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(cnt + topk_ids[i], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; ++e) { offsets[e] = acc; counts[e] = cnt[e]; cur[e] = acc; acc += cnt[e]; }
+    int rows = 0, hits = 0;  // before this pass: the rows and the experts hit of the experts below it
+    for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+        const int e = e0 + threadIdx.x, c = e < E ? cnt[e] : 0;
+        const int2 r = block_scan(c, ws), h = block_scan(c > 0, ws);
+        if (e < E) cur[e] = rows + r.x;
+        if (c > 0 && hits + h.x < G) {
+            ids[hits + h.x] = e;
+            offsets[hits + h.x] = rows + r.x;
+            counts[hits + h.x] = c;
+        }
+        rows += r.y;
+        hits += h.y;
     }
+    for (int j = hits + threadIdx.x; j < G; j += blockDim.x) { ids[j] = 0; offsets[j] = rows; counts[j] = 0; }
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
         const int pos = atomicAdd(cur + topk_ids[i], 1);
         gather[pos] = i / k;
         slot_pos[i] = pos;
     }
+}
+
+extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int G, int* counts, int* offsets, int* ids,
+                                        int* gather, int* slot_pos, int k) {
+    extern __shared__ int sh[];  // counts[E], cursor[E]
+    dispatch(topk_ids, P, E, G, counts, offsets, ids, gather, slot_pos, k, sh, sh + E);
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float* logits, long long ldl, int T, int E, int k, int normalize,
+                                              int* topk_ids, float* topk_w, int G, int* counts, int* offsets,
+                                              int* ids, int* gather, int* slot_pos) {
+    extern __shared__ int sh[];  // counts[E], cursor[E]
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (int t = threadIdx.x >> 5; t < T; t += warps) route_token(logits, ldl, t, E, k, normalize, topk_ids, topk_w, lane);
+    // the ids reach the dispatch's reads through its first barrier (__syncthreads orders the block's global writes)
+    dispatch(topk_ids, T * k, E, G, counts, offsets, ids, gather, slot_pos, k, sh, sh + E);
 }
 
 extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_in, void* h, int kind_out, long long n) {
@@ -95,12 +164,16 @@ extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_i
 }
 
 extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
-                                       int H, void* out, int kind_out) {
+                                       int H, void* out, int kind_out, const float* sh, const float* sg, long long ldg) {
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= H) return;
     float acc = 0.f;
     for (int s = 0; s < k; ++s)
         acc += topk_w[t * k + s] * load_kind(y, kind_y, (long long)slot_pos[t * k + s] * H + c);
+    if (sh) {
+        const float g = sigmoid_f(sg[(long long)t * ldg]);
+        acc = __fadd_rn(acc, __fmul_rn(g, sh[(long long)t * H + c]));  // a multiply, then an add (no fused FMA)
+    }
     store_kind(out, kind_out, (long long)t * H + c, acc);
 }

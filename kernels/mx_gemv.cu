@@ -30,8 +30,10 @@
 // over blocks (grid.y), combined deterministically by the last block of each tile (counters self-reset), or
 // the launch may be stream-K (A.stream: a wave of blocks sharing the tile-major (tile, chunk) units evenly;
 // decapybara/backend/gemv_plan.py plans both and mirrors the index arithmetic).
-// Grouped mode (MoE): group_counts != 0, grid.z = groups * mtiles; group e reads rows gather[off_e + m] of x,
-// writes rows off_e + m of y, uses weights W + e * w_gstride.
+// Grouped mode (MoE): group_counts != 0, grid.z = groups * mtiles; group j reads rows gather[off_j + m] of x,
+// writes rows off_j + m of y (M: y's rows), uses weights W + e * w_gstride for expert e = g_ids[j] (j where
+// g_ids is null). Its K range may be split as a dense launch's: partial sums by y row, a counter per (group,
+// M tile, output tile).
 // Programmatic dependent launch (pdl.cuh): a dense launch loads its first register stages of weights, then
 // waits for the kernel before it; it lets its own dependents launch once its K loop is done.
 // Fused residual add and RMSNorm across two dense products (decapybara/backend/cupy_ops_extra.py
@@ -530,6 +532,7 @@ struct Args {
     const float* res; float* sq; void* xg; const float* gw; float gw_off;  // fused producer (header), else null
     const float* nsq; int nsq_tiles; float n_eps;                          // fused consumer, else nsq null
     int xg_kind;  // the fused producer's xg: KIND_BF16 or KIND_F32 (header)
+    const int* g_ids;  // grouped mode: the expert of each group (null: group j is expert j)
 };
 
 // Fused producer: sq[m0 + m, tile] = the tile's partial sums of squares of row m, sqp[m * ms + p * ps] for
@@ -563,8 +566,9 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     const int m_valid = min(MT, m_cnt - m0);
     // Row addresses of the bounded loop (!WHOLE) as 32-bit offsets (a matrix of one group is < 4 GB, the
     // wrapper checks) from the block's base pointers; the loop over whole chunks walks RowPtrs from them.
-    const u8* W = A.W + (i64)grp * A.w_gstride;
-    const u8* S = A.S + (i64)grp * A.s_gstride;
+    const i64 expert = A.g_ids ? A.g_ids[grp] : grp;
+    const u8* W = A.W + expert * A.w_gstride;
+    const u8* S = A.S + expert * A.s_gstride;
     const int rows0 = tile * TILE_ROWS + warp * 16;
     const bool ok0 = rows0 + g < A.N, ok8 = rows0 + g + 8 < A.N, warp_on = rows0 < A.N;
     constexpr int NS = Fmt<FMT>::NS, LB = Fmt<FMT>::LB;
@@ -789,7 +793,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                 const int m = nt * 8 + 2 * t + (q & 1), n = rows0 + g + 8 * (q >> 1);
                 if (m >= m_valid || n >= A.N) continue;
                 if (split) {
-                    A.partial[((i64)part * A.M + m0 + m) * A.N + n] = acc[0][nt][q];
+                    A.partial[((i64)part * A.M + y_off + m0 + m) * A.N + n] = acc[0][nt][q];
                 } else {
                     const float a = FUSE && A.nsq ? acc[0][nt][q] / nden[m] : acc[0][nt][q];
                     float v = a * A.post + (A.bias ? A.bias[n] : 0.f);
@@ -823,7 +827,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     // every partial sum of this block before the count: the barrier, then one acq_rel add whose release covers
     // the block's stores (the barrier orders them before it) and whose acquire, in the last block, the others'
     __syncthreads();
-    int* ctr = A.counters + (i64)mt * ntiles + tile;
+    int* ctr = A.counters + ((i64)grp * A.mtiles + mt) * ntiles + tile;
     if (tid == 0) last_flag = atom_add_acq_rel(ctr, 1) == nparts - 1;
     __syncthreads();
     if (!last_flag) return;
@@ -834,7 +838,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             if (m >= m_valid || n >= A.N) continue;
             float su2[2] = {0.f, 0.f};
             constexpr int off2[2] = {0, 8};
-            sum_parts<R1 ? MX_PART_BATCH : 1, 2>(A.partial + (i64)(m0 + m) * A.N + n, (i64)A.M * A.N, nparts, off2, su2);
+            sum_parts<R1 ? MX_PART_BATCH : 1, 2>(A.partial + (i64)(y_off + m0 + m) * A.N + n, (i64)A.M * A.N, nparts, off2, su2);
             float sg = su2[0], su = su2[1];
             if (FUSE && A.nsq) {
                 sg /= nden[m];
@@ -849,12 +853,12 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         const int i = i0 + tid, m = i / TILE_ROWS, n = tile * TILE_ROWS + i % TILE_ROWS;
         float v = 0.f;
         if (m < m_valid && n < A.N) {
-            const i64 o = (i64)(m0 + m) * A.ldy + n;
+            const i64 o = (i64)(y_off + m0 + m) * A.ldy + n;
             // the fused producer's operands first, so that their loads overlap the partial sums'
             const float r = FUSE && A.res ? A.res[o] : 0.f, gn = FUSE && A.res ? __ldg(A.gw + n) : 0.f;
             float s1[1] = {0.f};
             constexpr int off1[1] = {0};
-            sum_parts<R1 ? MX_PART_BATCH : 1, 1>(A.partial + (i64)(m0 + m) * A.N + n, (i64)A.M * A.N, nparts, off1, s1);
+            sum_parts<R1 ? MX_PART_BATCH : 1, 1>(A.partial + (i64)(y_off + m0 + m) * A.N + n, (i64)A.M * A.N, nparts, off1, s1);
             float s = s1[0];
             if (FUSE && A.nsq) s /= nden[m];
             v = s * A.post + (A.bias ? A.bias[n] : 0.f);
@@ -941,10 +945,10 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
         const int* gather, void* y, int y_kind, i64 ldy, float* partial, int* counters, int M, int N, int K,  \
         int Kp, i64 w_row, i64 s_row, i64 w_gstride, i64 s_gstride, const int* g_off, const int* g_cnt,      \
         int mtiles, int cps, int x_vec, int stream, const float* res, float* sq, void* xg, const float* gw,  \
-        float gw_off, const float* nsq, int nsq_tiles, float n_eps, int xg_kind) {                           \
+        float gw_off, const float* nsq, int nsq_tiles, float n_eps, int xg_kind, const int* g_ids) {         \
         Args a{W, S, post, bias, x, x_kind, ldx, gather, y, y_kind, ldy, partial, counters, M, N, K, Kp,    \
                w_row, s_row, w_gstride, s_gstride, g_off, g_cnt, mtiles, cps, x_vec, stream, res, sq, xg,   \
-               gw, gw_off, nsq, nsq_tiles, n_eps, xg_kind};                                                 \
+               gw, gw_off, nsq, nsq_tiles, n_eps, xg_kind, g_ids};                                          \
         mx_gemm_impl<FMT, NT, SWI, R1>(a);                                                                     \
     }
 #define MX_FORMAT(NAME, FMT) \

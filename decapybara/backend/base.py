@@ -255,8 +255,23 @@ class Backend(ABC):
         return self.gated_rms_norm(core, z, norm_weight, eps)
 
     @abstractmethod
-    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
-        """Softmax router over experts, top-k (optionally renormalised), SwiGLU experts, weighted sum. [T, H]."""
+    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
+            shared: Any = None, shared_gate: Any = None) -> Any:
+        """Softmax router over experts, top-k (optionally renormalised), SwiGLU experts, weighted sum. [T, H].
+        With a shared expert (its output `shared` [T, H] and its gate's weight `shared_gate` [1, H]): that sum +
+        sigmoid(x @ shared_gate^T) * shared (`add_shared_expert`)."""
+
+    def add_shared_expert(self, y: Any, x: Any, shared: Any, shared_gate: Any) -> Any:
+        """y + sigmoid(x @ shared_gate^T) * shared (y where `shared` is None): `moe`'s last step, as a model
+        computes it."""
+        if shared is None:
+            return y
+        return y + self.sigmoid(self.linear(x, shared_gate)) * shared
+
+    def moe_captures(self, gate_w: Any, up_w: Any, down_w: Any) -> bool:
+        """Whether `moe` over these expert stacks runs without host synchronisation, so that a CUDA graph may
+        capture it (a device backend's decode graphs and eager steps' layer tails). The default: no."""
+        return False
 
     # ---- sampling ---------------------------------------------------------------------------------------
     def sample(self, logits: Any, rows: Any, eos_token_ids: Any = ()) -> Any:

@@ -22,7 +22,9 @@ static buffers: token ids, positions, slot mapping, block tables [bucket, max_pa
 (start, 1, context), attention work items (key ranges; fixed count per split setting) and DeltaNet runs
 (state slots). `CupyBackend.paged_attention` / `deltanet_core` take their plans from `_attn` / `_runs`
 (keyed by the batch / segment list objects), which `_seed_plans` fills with plans over the static buffers.
-MoE layers of CupyBackend synchronise (hit-expert list) and so stay eager; `cupy_ops_extra.moe` does not.
+MoE layers run `cupy_ops_extra.moe` (packed or bf16 experts: no host synchronisation) and so capture; the fp32
+mode's float32 experts read the hit-expert list on the host, so those models' decode steps fail the capture and
+run eagerly.
 """
 
 from __future__ import annotations

@@ -81,6 +81,16 @@ def _bf16_packed(weight: Any) -> PackedWeight | None:
     return None
 
 
+def _bf16_stack(weight: Any) -> PackedWeight | None:
+    """Stacked bf16 experts [E, N, K] (bf16 bits) as the grouped kernels' PackedWeight (a model weight, as
+    `_bf16_packed`'s), a packed stack as it is; None for anything else (float32 stacks)."""
+    if isinstance(weight, PackedWeight):
+        return weight if len(weight.shape) == 3 else None
+    if weight.ndim == 3 and weight.dtype == cp.uint16:
+        return PackedWeight("bf16", weight.shape, weight, persistent=True)
+    return None
+
+
 def _streamed(weight: Any) -> PackedWeight | None:
     """`weight` as the skinny kernels stream it (packed, or bf16 bits as a PackedWeight); None where they cannot."""
     w = weight if isinstance(weight, PackedWeight) else _bf16_packed(weight)
@@ -361,9 +371,27 @@ class CupyBackend(Backend):
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
         return ops.gated_rms_norm(x, z, weight, eps)
 
-    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
-        """Router softmax and top-k on the device; experts hit by any row run as row-gathered matrix products
-        (one host sync per call for the list of hit experts)."""
+    def moe_captures(self, gate_w: Any, up_w: Any, down_w: Any) -> bool:
+        """Whether `moe` over these experts runs without host synchronisation (so inside a CUDA graph): bf16
+        expert stacks in bf16 mode (the float32 ones of the fp32 mode read their routing on the host)."""
+        return self.bf16 and all(_bf16_stack(w) is not None for w in (gate_w, up_w, down_w))
+
+    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
+            shared: Any = None, shared_gate: Any = None) -> Any:
+        """bf16 mode, bf16 expert stacks: `cupy_ops_extra.moe` (router and top-k, dispatch grouped by expert,
+        grouped skinny products, weighted combine with the shared expert: no host synchronisation, so decode
+        steps and eager steps' tails capture it). Otherwise (the fp32 mode's float32 experts: the reference
+        function) the router softmax and top-k on the device, the experts hit by any row as row-gathered matrix
+        products (one host sync per call for the list of hit experts), then `add_shared_expert`."""
+        stacks = [_bf16_stack(w) for w in (gate_w, up_w, down_w)] if self.bf16 else []
+        if stacks and all(s is not None for s in stacks):
+            return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
+                                      shared, shared_gate)
+        return self.add_shared_expert(self._host_routed_moe(x, router, gate_w, up_w, down_w, top_k, normalize), x,
+                                      shared, shared_gate)
+
+    def _host_routed_moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int,
+                         normalize: bool) -> Any:
         x = ops.f32(x)
         logits = self.linear(x, router)  # [T, E]
         probs = cp.exp(logits - logits.max(axis=-1, keepdims=True))

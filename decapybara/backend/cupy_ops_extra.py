@@ -405,7 +405,8 @@ def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int
     return plan_gemm(tiles=-(-w.N // (16 * warps)), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
                      mtiles=mtiles, groups=1 if dense else groups, slots=per_sm * sm_count(),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N,
-                     tune=tune, dense=dense, max_counters=_counters().size)
+                     tune=tune, dense=dense, max_counters=_counters().size,
+                     grouped_split=kernel_knows(tune["source"], "g_ids"))
 
 
 def product_rows(x: Any) -> Any:
@@ -488,7 +489,9 @@ def staging_bytes(tune: dict, nt: int) -> int:
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,
           max_rows: int | None = None, res: Any = None, norm: NormedRows | None = None, swiglu: bool = False) -> Any:
-    """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped (groups = (offsets, counts)).
+    """Launch mx_gemm: y[rows] = x[rows] @ w^T. Dense (groups None) or grouped: groups = (offsets, counts[, ids])
+    of G groups (`moe_dispatch`'s: group j's rows of y from offsets[j], counts[j] of them, over expert ids[j]; group j
+    over expert j without ids), y's rows every group's.
     A persistent weight's launch may overlap the kernel before it (`pdl.launch`): the kernel loads its first
     weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
     kernel file (`tune["source"]`, no wait in it), launch plainly.
@@ -509,11 +512,14 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
     ngroups = 1 if groups is None else groups[0].shape[0]
-    r = _launch_of(w, m, x.shape[0], None if groups is None else ngroups, swiglu)
+    rows = x.shape[0] if groups is None else y.shape[0]  # the kernel's M: partial sums go by y row
+    r = _launch_of(w, m, rows, None if groups is None else ngroups, swiglu)
     plan, nrb = r.plan, r.nrb
-    partial = empty((plan.partial_rows, x.shape[0], n), cp.float32) if plan.partial_rows > 1 else null()
+    partial = empty((plan.partial_rows, rows, n), cp.float32) if plan.partial_rows > 1 else null()
     x_vec = int(dev_ptr(x) % 16 == 0 and x.shape[1] % 8 == 0)  # 8-element groups of x in 16- / 32-byte loads
-    g_off, g_cnt = groups if groups is not None else (null(), null())
+    g_off, g_cnt = groups[:2] if groups is not None else (null(), null())
+    g_ids = groups[2] if groups is not None and len(groups) > 2 else null()
+    assert r.gids or groups is None or len(groups) == 2, "this kernel file takes no group ids"
     sq = None
     fuse_args: tuple[Any, ...] = ()
     xg_args = r.xg_args
@@ -540,8 +546,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     r.launch(r.func, plan.grid, r.block,
              (*r.weight_args, bias if bias is not None else null(), x, I32(kind(x.dtype)), I64(x.shape[1]),
               gather if gather is not None else null(), y, I32(kind(y.dtype)), I64(y.shape[1]), partial,
-              _counters(), I32(x.shape[0]), *r.shape_args, g_off, g_cnt, *r.tile_args, I32(x_vec), r.stream_arg,
-              *fuse_args), shared_mem=r.smem)
+              _counters(), I32(rows), *r.shape_args, g_off, g_cnt, *r.tile_args, I32(x_vec), r.stream_arg,
+              *fuse_args, *((g_ids,) if r.gids else ())), shared_mem=r.smem)
     return sq
 
 
@@ -557,6 +563,7 @@ class _Launch:
     smem: int        # dynamic shared memory (staging_bytes)
     fuses: bool      # the kernel file takes the fused norms' arguments (nsq_tiles)
     xg_args: bool    # and the xg kind (xg_kind)
+    gids: bool       # and grouped launches' expert ids (g_ids; its split sums by y row)
     block: tuple[int]
     # the kernel arguments that depend on the weight and the plan alone, in `_gemm`'s argument order:
     weight_args: tuple[Any, ...]  # codes, scales, tensor scale
@@ -598,7 +605,8 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     out = _Launch(plan=plan, func=func,
                   launch=pdl.launch if w.persistent and kernel_knows(src, "pdl_wait") else pdl.plain,
                   warps=warps, nrb=-(-w.N // (16 * warps)), smem=smem,
-                  fuses=kernel_knows(src, "nsq_tiles"), xg_args=kernel_knows(src, "xg_kind"), block=(32 * warps,),
+                  fuses=kernel_knows(src, "nsq_tiles"), xg_args=kernel_knows(src, "xg_kind"),
+                  gids=kernel_knows(src, "g_ids"), block=(32 * warps,),
                   weight_args=(w.codes, sc if sc is not None else null(), F32(w.tensor_scale)),
                   shape_args=(I32(w.N), I32(w.K), I32(w.Kp), I64(w.codes.shape[-1] * w.codes.itemsize),
                               I64(sc.shape[-1] if sc is not None else 0), I64(stride(w.codes)),
@@ -906,10 +914,18 @@ class PackedWeightsMixin:
             return mx_dequant(table, idx)
         return super().embedding(table, ids)  # type: ignore[misc]
 
-    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
+    def moe_captures(self, gate_w: Any, up_w: Any, down_w: Any) -> bool:
         if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
-            return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize)
-        return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize)  # type: ignore[misc]
+            return True
+        return super().moe_captures(gate_w, up_w, down_w)  # type: ignore[misc]
+
+    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
+            shared: Any = None, shared_gate: Any = None) -> Any:
+        if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
+            return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
+                       shared, shared_gate)
+        return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
+                           shared, shared_gate)
 
 
 # ---- activation quantiser ----------------------------------------------------------------------------
@@ -928,11 +944,19 @@ def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
 
 
 # ---- mixture of experts --------------------------------------------------------------------------------
-def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool) -> Any:
-    """`Backend.moe` on the device with no host synchronisation: router softmax + top-k (moe_route), dispatch
-    grouped by expert, SwiGLU experts as grouped skinny GEMMs, weighted combine. x [T, H] -> [T, H] (x's
-    dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
-    PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call)."""
+ROUTE_DISPATCH_ROWS = 32  # steps of up to this many rows route and dispatch in one launch (one block's warps)
+
+
+def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
+        shared: Any = None, shared_gate: Any = None) -> Any:
+    """`Backend.moe` on the device with no host synchronisation: router softmax + top-k and dispatch grouped by
+    expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
+    grouped skinny GEMMs over the experts hit (G = min(E, T k) groups, `moe_dispatch`), weighted combine. x [T, H]
+    -> [T, H] (x's dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
+    PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
+    A shared expert: `shared` [T, H] float32 (its output) and `shared_gate` [1, H] (its gate's weight): the result
+    is the routed sum + sigmoid(x @ shared_gate^T) * shared, added in the combine; a bf16 shared gate beside a
+    bf16 router is one product with it (`_router_with_gate`: logits [T, E + 1])."""
     check(x, x.dtype, "x", 2)
     t, h = x.shape
     gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
@@ -942,24 +966,36 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     e, inter = gate_w.shape[0], gate_w.shape[1]
     assert up_w.shape == gate_w.shape == (e, inter, h) and down_w.shape == (e, h, inter)
     assert 0 < top_k <= min(e, 32) and e <= 1024
-    if isinstance(router, PackedWeight) or router.dtype == cp.uint16:
-        logits = mx_linear(x, router if isinstance(router, PackedWeight) else pack_weight(router), out_dtype=cp.float32)
+    assert (shared is None) == (shared_gate is None), "a shared expert needs its output and its gate"
+    stacked = _router_with_gate(router, shared_gate) if shared_gate is not None else None
+    if stacked is not None:
+        logits = mx_linear(x, stacked, out_dtype=cp.float32)  # [T, E + 1]: the router's, then the shared gate's
+        gate_logit = logits[:, e:]
     else:
-        logits = cp.matmul(x if x.dtype == cp.float32 else _to_f32(x), router.T)
-    logits = cp.ascontiguousarray(logits, dtype=cp.float32)
-    assert logits.shape == (t, e)
+        logits = _logits(x, router)
+        gate_logit = _logits(x, shared_gate) if shared_gate is not None else None
+    logits = logits if logits.dtype == cp.float32 and logits.strides[1] == 4 else cp.ascontiguousarray(logits, cp.float32)
+    assert logits.shape[0] == t and logits.shape[1] in (e, e + 1)
     ids, wts = empty((t, top_k), cp.int32), empty((t, top_k), cp.float32)
     out = empty((t, h), x.dtype)
     if t == 0:
         return out
-    k = get_kernel("moe", "moe_route")
-    k((-(-t * 32 // 256),), (256,), (logits, I32(t), I32(e), I32(top_k), I32(int(normalize)), ids, wts))
     p = t * top_k
-    counts, offsets = empty(e, cp.int32), empty(e, cp.int32)
+    ng = min(e, p)  # the launches' groups: at most every expert, at most one a (token, slot)
+    counts, offsets, gids = empty(ng, cp.int32), empty(ng, cp.int32), empty(ng, cp.int32)
     gather, slot_pos = empty(p, cp.int32), empty(p, cp.int32)
-    get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), counts, offsets, gather, slot_pos,
-                                                      I32(top_k)), shared_mem=8 * e)
-    grouped = (offsets, counts)
+    ldl = I64(logits.strides[0] // 4)
+    jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)  # router logits a lane holds
+    if t <= ROUTE_DISPATCH_ROWS:
+        get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (logits, ldl, I32(t), I32(e), I32(top_k),
+                                                               I32(int(normalize)), ids, wts, I32(ng), counts,
+                                                               offsets, gids, gather, slot_pos), shared_mem=8 * e)
+    else:
+        get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), (logits, ldl, I32(t), I32(e), I32(top_k),
+                                                                      I32(int(normalize)), ids, wts))
+        get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids, gather,
+                                                          slot_pos, I32(top_k)), shared_mem=8 * e)
+    grouped = (offsets, counts, gids)
     g, u = empty((p, inter), cp.float32), empty((p, inter), cp.float32)
     _gemm(x, gate_w, g, gather=gather, groups=grouped, max_rows=t)
     _gemm(x, up_w, u, gather=gather, groups=grouped, max_rows=t)
@@ -967,9 +1003,55 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     get_kernel("moe", "moe_silu_mul")((-(-g.size // 256),), (256,), (g, u, I32(0), hid, I32(1), I64(g.size)))
     d = empty((p, h), cp.float32)
     _gemm(hid, down_w, d, groups=grouped, max_rows=t)
+    if shared is not None:
+        check(shared, np.float32, "shared", 2)
+        assert shared.shape == (t, h) and gate_logit.dtype == cp.float32 and gate_logit.shape == (t, 1)
+        sh_args = (shared, gate_logit, I64(gate_logit.strides[0] // 4))
+    else:
+        sh_args = (null(), null(), I64(0))
     get_kernel("moe", "moe_combine")((-(-h // 256), t), (256,),
-                                     (d, I32(0), wts, slot_pos, I32(top_k), I32(h), out, I32(kind(out.dtype))))
+                                     (d, I32(0), wts, slot_pos, I32(top_k), I32(h), out, I32(kind(out.dtype)),
+                                      *sh_args))
     return out
+
+
+def _logits(x: Any, w: Any) -> Any:
+    """x @ w^T as float32: packed or bf16 w through the skinny kernels, float32 w through cuBLAS."""
+    if isinstance(w, PackedWeight) or w.dtype == cp.uint16:
+        return mx_linear(x, w if isinstance(w, PackedWeight) else pack_weight(w), out_dtype=cp.float32)
+    return cp.matmul(x if x.dtype == cp.float32 else _to_f32(x), w.T)
+
+
+_STACKED: dict[tuple[int, int], tuple[Any, Any, PackedWeight]] = {}
+
+
+def _bf16_bits(w: Any) -> Any:
+    """A 2-D weight's bf16 bits (uint16 [N, K]): bf16 bits as they are, a bf16 PackedWeight's codes; else None."""
+    if isinstance(w, PackedWeight):
+        return w.codes if w.fmt == "bf16" and len(w.shape) == 2 else None
+    return w if isinstance(w, cp.ndarray) and w.dtype == cp.uint16 and w.ndim == 2 else None
+
+
+def _router_with_gate(router: Any, gate: Any) -> PackedWeight | None:
+    """bf16 router [E, H] and shared-expert gate [1, H] (bf16 bits or bf16 PackedWeights) stacked as one bf16
+    PackedWeight [E + 1, H], made on first
+    use and kept while both are (by identity), or None where either is not bf16 bits. Persistent (its products may
+    overlap the kernel before them, `pdl`) from its second use on: the first reads it right after the copy that
+    writes it. Their logits are the same sums as each product's alone (each output row's dot product does not
+    depend on the rows beside it) but for the launch plan's K split, which follows N (float32 summation order)."""
+    bits = [_bf16_bits(a) for a in (router, gate)]
+    if any(b is None for b in bits):
+        return None
+    key = (id(router), id(gate))
+    got = _STACKED.get(key)
+    if got is None or got[0] is not router or got[1] is not gate:
+        if len(_STACKED) > 512:
+            _STACKED.clear()
+        w = PackedWeight("bf16", (router.shape[0] + 1, router.shape[1]), cp.concatenate(bits))
+        got = _STACKED[key] = (router, gate, w)
+    else:
+        got[2].persistent = True
+    return got[2]
 
 
 # ---- integrity scan and bandwidth probe -----------------------------------------------------------------

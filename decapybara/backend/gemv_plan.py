@@ -70,19 +70,23 @@ def pick_ksplit(tiles: int, nchunks: int, slots: int, weight_bytes: int, partial
 
 
 def plan_gemm(*, tiles: int, nchunks: int, mtiles: int, groups: int, slots: int, weight_bytes: int,
-              partial_bytes: int, tune: dict, dense: bool = True, max_counters: int = 1 << 16) -> GemmPlan:
+              partial_bytes: int, tune: dict, dense: bool = True, max_counters: int = 1 << 16,
+              grouped_split: bool = False) -> GemmPlan:
     """The launch of one product: `tiles` output tiles of `nchunks` K chunks, `mtiles` M tiles, `groups`
-    expert groups (grouped products never split K), `slots` resident blocks on the device. Cached: eager
-    decode plans every product of every step."""
+    expert groups, `slots` resident blocks on the device. Grouped products split K (tile grids, the "balance"
+    policy over all groups' tiles) where `grouped_split` (a kernel file whose split sums go by y row and whose
+    counters go by group), else never. Cached: eager decode plans every product of every step."""
     return _plan(tiles, nchunks, mtiles, groups, slots, weight_bytes, partial_bytes, tuple(sorted(tune.items())),
-                 dense, max_counters)
+                 dense, max_counters, grouped_split)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tiles: int, nchunks: int, mtiles: int, groups: int, slots: int, weight_bytes: int, partial_bytes: int,
-          tune_items: tuple, dense: bool, max_counters: int) -> GemmPlan:
+          tune_items: tuple, dense: bool, max_counters: int, grouped_split: bool = False) -> GemmPlan:
     tune = dict(tune_items)
     ksplit, stream = 1, 0
+    if not dense and grouped_split and tiles * mtiles * groups <= max_counters:
+        ksplit = pick_ksplit(tiles * mtiles * groups, nchunks, slots, 0, 0, "balance", tune)
     if dense and tiles * mtiles <= max_counters:
         policy = tune["policy"]
         if policy == "auto":

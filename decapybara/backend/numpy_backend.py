@@ -303,7 +303,7 @@ class NumpyBackend(Backend):
         return (x / np.sqrt(var + x.dtype.type(eps))) * weight * _silu(z)
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
-            top_k: int, normalize: bool) -> np.ndarray:
+            top_k: int, normalize: bool, shared: Any = None, shared_gate: Any = None) -> np.ndarray:
         logits = self.linear(x, router)  # [T, E]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -316,4 +316,4 @@ class NumpyBackend(Backend):
             rows, which = np.nonzero(top == e)
             h = self.silu_mul(self.linear(x[rows], gate_w[e]), self.linear(x[rows], up_w[e]))
             out[rows] += self.linear(h, down_w[e]) * weights[rows, which][:, None]
-        return out
+        return self.add_shared_expert(out, x, shared, shared_gate)

@@ -26,8 +26,10 @@ A capture that fails (or a warm-up, or a bucket's buffers) marks that bucket eag
 reason in `stats["failures"]`; the warm-up's outputs stand. The tails' cuBLAS GEMMs (products past KEPT_ROWS over
 weights that keep bf16 values, past DENSE_ROWS over others) run on the capture stream's own cuBLAS handle, bound
 before its first capture (`blas`: CuPy's wrappers refuse cuBLAS calls during a capture). The last layer (its tail
-adds into h with no norm after it) and MoE layers always run eagerly (`CupyBackend.moe` reads the routing on
-the host; the fused backend's sync-free `moe` is not yet tested inside a capture). Each captured tail keeps the output projection it was captured with and runs eagerly for another one; its norm,
+adds into h with no norm after it) runs eagerly, and so does an MoE layer whose experts' `moe` reads its routing
+on the host (`Backend.moe_captures`: the fp32 mode's float32 experts); the device `moe` of packed or bf16 experts
+captures (padding rows route to experts too, row by row, and reach no real row). Each captured tail keeps the
+output projection it was captured with and runs eagerly for another one; its norm,
 MLP and next-layer input weights are the model's, fixed for the runner's life. A DeltaNet layer's two input
 products fork to the backend's side stream and join inside the graph (`linear_pair`), as in decode graphs; the
 side stream's split-K counters exist by then (the warm-up ran the same products eagerly).
@@ -154,6 +156,14 @@ class PiecewiseTails:
             self._buckets[rows] = b
         return TailRun(self, model, b, h)
 
+    def moe_captures(self, model: QwenModel, i: int) -> bool:
+        """Whether layer i's tail may be captured as far as its MLP goes: a dense MLP, or MoE experts whose
+        `moe` the backend runs without host synchronisation (`Backend.moe_captures`)."""
+        if not model.cfg.layer_is_moe(i):
+            return True
+        m = f"model.layers.{i}.mlp.experts"
+        return model.backend.moe_captures(*(model.w[f"{m}.{p}"] for p in ("gate_proj", "up_proj", "down_proj")))
+
     def memory_bytes(self) -> int:
         """Device memory the tails hold: the buckets' static buffers and the captures' arena."""
         static = sum(a.nbytes for b in self._buckets.values() for a in (*b.h, *b.inputs.values(), *b.core.values()))
@@ -189,7 +199,7 @@ class TailRun:
     def tail(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
         model, cfg, b, t = self.model, self.model.cfg, self.b, self.t
         tails = self.tails
-        if (i + 1 == cfg.num_hidden_layers or cfg.layer_is_moe(i) or not isinstance(out, Projection)
+        if (i + 1 == cfg.num_hidden_layers or not tails.moe_captures(model, i) or not isinstance(out, Projection)
                 or b.rows in tails.stats["failures"] or not isinstance(out.x, cp.ndarray) or out.x.ndim != 2):
             return self._eager(i, out, h)
         width = out.x.shape[1]

@@ -127,7 +127,7 @@ class CalibrationBackend(NumpyBackend):
         return super().linear(x, weight, bias)
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
-            top_k: int, normalize: bool) -> np.ndarray:
+            top_k: int, normalize: bool, shared: Any = None, shared_gate: Any = None) -> np.ndarray:
         self._observe(self.names[id(router)], x)
         logits = x @ router.T  # [T, E]: the routing of NumpyBackend.moe, op for op
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
@@ -147,7 +147,7 @@ class CalibrationBackend(NumpyBackend):
             acc["count"][e] += len(rows)
             acc["in"][e] += x64[rows].T @ x64[rows]
             acc["act"][e] += h_all[rows].T @ h_all[rows]
-        return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize)
+        return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate)
 
     def result(self) -> dict[str, np.ndarray]:
         """weight name -> H ([K, K], stacked experts [E, K, K]); shared Hessians are the same array."""

@@ -301,12 +301,12 @@ class QwenModel:
         m = f"{p}.mlp"
         if not cfg.layer_is_moe(layer):
             return self._mlp(m, x)
-        y = ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
-                    w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        if cfg.shared_expert_intermediate_size:
+        shared = shared_gate = None
+        if cfg.shared_expert_intermediate_size:  # the shared expert's output, gated and added by `moe`
             shared = Projection.output(self._mlp(f"{m}.shared_expert", x), ops)
-            y = y + ops.sigmoid(ops.linear(x, w[f"{m}.shared_expert_gate.weight"])) * shared
-        return y
+            shared_gate = w[f"{m}.shared_expert_gate.weight"]
+        return ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
+                       w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, shared_gate)
 
     def _mlp(self, m: str, x: Any) -> Projection:
         ops, w = self.backend, self.w

@@ -175,3 +175,45 @@ def test_decode_attention_splits_on_this_device():
         chunk = ap.cdiv(ap.cdiv(keys, splits), ap.BLOCK_N) * ap.BLOCK_N  # whole 32-key tiles a split
         work = cp.asnumpy(plan.work)
         assert plan.decode == shape and np.bincount(work[:, 0]).tolist() == [ap.cdiv(keys, chunk)] * b, (b, keys)
+
+
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_moe_decode_graphs_capture(experts):
+    """An MoE hybrid's decode steps replay as graphs: bf16 expert stacks (the bf16 backend) and packed MXFP4
+    experts (the packed backend) both take the device `moe` (no host synchronisation); graph logits equal the
+    eager step's within float32 summation order (a bucket's padded rows change the products' launch plans) and
+    give the same greedy tokens."""
+    from decapybara.backend.cuda_factory import cuda_backend
+
+    cfg = ModelConfig.from_hf(TINY_HF_CONFIGS["qwen3_5_moe_text"])
+    tensors = dict(random_tensors(cfg, seed=5, std=0.2))
+    if experts == "mxfp4":
+        tensors = {k: quantize(v, "mxfp4") if ".experts." in k else v for k, v in tensors.items()}
+    backend = CupyBackend("bf16") if experts == "bf16" else cuda_backend("bf16")
+    model = QwenModel.from_tensors(cfg, backend, tensors, include_mtp=False)
+    stacks = [model.w[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_proj", "up_proj", "down_proj")]
+    assert backend.moe_captures(*stacks)
+    page, num_pages = 8, 40
+    kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
+    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
+    seqs = prefilled_sequences(model, kv, states, (5, 11, 20), seed=2)
+    for step, order in enumerate([[0, 1, 2], [0, 1, 2], [2, 0], [1]]):
+        active = [seqs[i] for i in order]
+        batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in active], page, logits="last")
+        before = snapshot(kv, states, [s[1] for s in seqs])
+        eager = cp.asnumpy(model.forward(batch, kv, states).logits)
+        restore(kv, states, before)
+        graph = cp.asnumpy(runner.forward(batch, kv, states).logits)
+        assert runner.stats["graph_steps"] == step + 1, f"step {step} ran eagerly: {runner.stats}"
+        assert rel_err(graph, eager) <= 2e-3, f"{experts} step {step}: rel err {rel_err(graph, eager):.2e}"
+        assert (graph.argmax(-1) == eager.argmax(-1)).all(), f"{experts} step {step}: greedy tokens"
+        for j, s in enumerate(active):
+            s[0].append(int(np.argmax(eager[j])))
+
+
+def test_fp32_moe_does_not_capture():
+    """The fp32 mode's float32 experts read their routing on the host: `moe_captures` says so."""
+    cfg = ModelConfig.from_hf(TINY_HF_CONFIGS["qwen3_5_moe_text"])
+    model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=5, std=0.2), include_mtp=False)
+    stacks = [model.w[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_proj", "up_proj", "down_proj")]
+    assert not model.backend.moe_captures(*stacks)

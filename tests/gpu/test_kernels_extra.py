@@ -577,8 +577,9 @@ def test_act_quant_bytes_equal_reference(k, dtype):
 @pytest.mark.parametrize("t", [1, 3, 12, 37])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4", "mxfp4-plain"])  # MXFP4 codes split (default) or plain
-# 256 / 512: whole chunks (grouped scale loads); 256 / 200: gate / up over whole chunks with rows past N
-@pytest.mark.parametrize("h,inter", [(128, 192), (256, 512), (256, 200)])
+# 256 / 512: whole chunks (grouped scale loads); 256 / 200: gate / up over whole chunks with rows past N; 1024 /
+# 256: gate / up of 4 chunks, split over K where few groups leave the device's blocks idle
+@pytest.mark.parametrize("h,inter", [(128, 192), (256, 512), (256, 200), (1024, 256)])
 def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
     rng = np.random.default_rng(t * 10 + normalize + h)
     e, k = 16, 4
@@ -598,6 +599,30 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
     ref = NumpyBackend().moe(x, router, *refs, k, normalize)
     got = ex.moe(cp.asarray(x), cp.asarray(router), *weights, k, normalize)
     assert_close(got, ref, 2e-2, f"moe t={t} normalize={normalize} experts={experts}")
+
+
+@pytest.mark.parametrize("t", [1, 12, 37])  # route and dispatch in one launch (up to 32 rows), in two past that
+@pytest.mark.parametrize("gates", ["f32", "bf16"])  # bf16: router and shared gate as one stacked product
+def test_moe_with_shared_expert_matches_numpy_backend(t, gates):
+    """The shared expert's gated output added in the combine (`moe(..., shared, shared_gate)`) against the
+    reference's sum + sigmoid(x @ gate^T) * shared; with bf16 gates also the plain routed result (the stacked
+    router's logits route as the router's alone)."""
+    rng = np.random.default_rng(100 + t)
+    e, k, h, inter = 16, 4, 256, 512
+    x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
+    router = bf16_round(rng.standard_normal((e, h)) * 0.3).astype(np.float32)
+    sgate = bf16_round(rng.standard_normal((1, h)) * 0.3).astype(np.float32)
+    shared = rng.standard_normal((t, h)).astype(np.float32)
+    qs = [quant.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, "mxfp4")
+          for s in ((e, inter, h), (e, inter, h), (e, h, inter))]
+    weights, refs = [ex.pack_weight(q) for q in qs], [q.dequantize() for q in qs]
+    dev = [cp.asarray(bf16_encode(a) if gates == "bf16" else a) for a in (router, sgate)]
+    for normalize in (True, False):
+        ref = NumpyBackend().moe(x, router, *refs, k, normalize, shared, sgate)
+        got = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize, cp.asarray(shared), dev[1])
+        assert_close(got, ref, 2e-2, f"moe + shared t={t} gates={gates} normalize={normalize}")
+        plain = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize)
+        assert_close(plain, NumpyBackend().moe(x, router, *refs, k, normalize), 2e-2, f"moe t={t} gates={gates}")
 
 
 # ---- sampler -------------------------------------------------------------------------------------------------

@@ -34,10 +34,12 @@ PAGE, PAGES = 8, 128
 
 
 def model_of(family: str, fmt: str) -> QwenModel:
+    """bf16 weights (MoE experts: bf16 stacks) on the bf16 backend, or every matrix and expert stack in `fmt` on
+    the packed backend."""
     cfg, tensors = tiny_checkpoint(family)
     if fmt == "bf16":
         return QwenModel.from_tensors(cfg, CupyBackend("bf16"), tensors)
-    tensors = {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+    tensors = {k: quant.quantize(v, fmt) if v.ndim in (2, 3) and not k.endswith("conv1d.weight") else v
                for k, v in tensors.items()}
     return QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
 
@@ -68,9 +70,10 @@ def step(model: QwenModel, pools: Pools, entries: list[tuple[np.ndarray, int, in
 STEPS = [(20, 0), (0, 22), (30, 1), (5, 0), (12, 1), (18, 1), (70, 1), (13, 1), (30, 1), (130, 130), (60, 10)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 def test_tails_give_the_eager_logits(family, fmt):
+    """MoE layers' tails capture too (the device `moe` over packed or bf16 expert stacks)."""
     model = model_of(family, fmt)
     rng = np.random.default_rng(zlib.crc32(f"piecewise-{family}-{fmt}".encode()))
     eager, graphs = Pools(model), Pools(model)

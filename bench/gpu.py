@@ -180,12 +180,13 @@ def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") ->
 
 
 def _host_moe(backend: Any, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int,
-              normalize: bool) -> Any:
+              normalize: bool, shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
     """`CupyBackend.moe`'s host-routing path over bf16 stacks (as the fp32 mode takes float32 ones)."""
     saved = cupy_backend._bf16_stack
     cupy_backend._bf16_stack = lambda w: None
     try:
-        return CupyBackend.moe(backend, x, router, gate_w, up_w, down_w, top_k, normalize)
+        return CupyBackend.moe(backend, x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate,
+                               router_gate)
     finally:
         cupy_backend._bf16_stack = saved
 

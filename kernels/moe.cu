@@ -3,7 +3,8 @@
 //
 // moe_route     one warp per token: softmax over E router logits (float32, rows ldl apart), top-k by probability
 //               with ties to the lower expert id (= numpy's stable argsort of -probs), optional renormalisation of
-//               the k weights. E <= 1024, k <= 32.
+//               the k weights. E <= 1024, k <= 32. A NaN logit counts as -inf and infinite ones stay finite in
+//               the softmax (the maxima weigh 1), so the k ids are always distinct experts below E.
 // moe_dispatch  one block: per-expert counts and exclusive offsets, for every (token, slot) pair its row in the
 //               expert-grouped order: gather[pos] = token, slot_pos[token * k + slot] = pos; and the groups the
 //               products launch over, the experts with rows in ascending id: ids[j], offsets[j], counts[j] for
@@ -35,14 +36,17 @@ __device__ __forceinline__ void route_token(const float* logits, long long ldl, 
 #pragma unroll
     for (int j = 0; j < MOE_JPL; ++j) {
         const int e = j * 32 + lane;
-        p[j] = e < E ? l[e] : -__int_as_float(0x7F800000);
+        const float v = e < E ? l[e] : -__int_as_float(0x7F800000);
+        p[j] = v == v ? v : -__int_as_float(0x7F800000);  // a NaN logit counts as -inf
         m = fmaxf(m, p[j]);
     }
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < MOE_JPL; ++j) {
-        p[j] = j * 32 + lane < E ? expf(p[j] - m) : -1.f;  // -1: never selected
+        // the maxima weigh 1 (also where m is +-inf: no inf - inf); padding lanes -3, below every candidate and
+        // below the -2 that marks a taken one, so the k picks are always real experts (k <= E)
+        p[j] = j * 32 + lane < E ? (p[j] == m ? 1.f : expf(p[j] - m)) : -3.f;
         s += p[j] > 0.f ? p[j] : 0.f;
     }
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
@@ -109,6 +113,9 @@ __device__ __forceinline__ int2 block_scan(int v, int* ws) {
     return make_int2(before + x - v, total);
 }
 
+// an expert id clamped into [0, E): ids from outside the router never index past the counters
+__device__ __forceinline__ int expert_of(int id, int E) { return min(max(id, 0), E - 1); }
+
 // the dispatch of P = T k (token, slot) pairs by one block (see the header); cnt, cur: 2 E ints of shared memory.
 // Offsets and the hit experts' list by block-wide prefix sums over the experts, blockDim.x of them a pass.
 __device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int G, int* counts, int* offsets,
@@ -116,7 +123,7 @@ __device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int 
     __shared__ int ws[32];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(cnt + topk_ids[i], 1);
+    for (int i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(cnt + expert_of(topk_ids[i], E), 1);
     __syncthreads();
     int rows = 0, hits = 0;  // before this pass: the rows and the experts hit of the experts below it
     for (int e0 = 0; e0 < E; e0 += blockDim.x) {
@@ -134,7 +141,7 @@ __device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int 
     for (int j = hits + threadIdx.x; j < G; j += blockDim.x) { ids[j] = 0; offsets[j] = rows; counts[j] = 0; }
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
-        const int pos = atomicAdd(cur + topk_ids[i], 1);
+        const int pos = atomicAdd(cur + expert_of(topk_ids[i], E), 1);
         gather[pos] = i / k;
         slot_pos[i] = pos;
     }

@@ -256,10 +256,12 @@ class Backend(ABC):
 
     @abstractmethod
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None) -> Any:
+            shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
         """Softmax router over experts, top-k (optionally renormalised), SwiGLU experts, weighted sum. [T, H].
         With a shared expert (its output `shared` [T, H] and its gate's weight `shared_gate` [1, H]): that sum +
-        sigmoid(x @ shared_gate^T) * shared (`add_shared_expert`)."""
+        sigmoid(x @ shared_gate^T) * shared (`add_shared_expert`). `router_gate`, where the model stacked the two
+        (`concat_rows`: [E + 1, H], `router` and `shared_gate` its row views): the same function, which a backend
+        may compute as one product."""
 
     def add_shared_expert(self, y: Any, x: Any, shared: Any, shared_gate: Any) -> Any:
         """y + sigmoid(x @ shared_gate^T) * shared (y where `shared` is None): `moe`'s last step, as a model

@@ -30,6 +30,8 @@ from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool, host_copies
 from decapybara.backend.cupy_ops_extra import (
     DENSE_ROWS,
     FUSED_ROWS,
+    MOE_EXPERTS,
+    MOE_TOP_K,
     SWIGLU_ROWS,
     NormedRows,
     PackedWeight,
@@ -89,6 +91,15 @@ def _bf16_stack(weight: Any) -> PackedWeight | None:
     if weight.ndim == 3 and weight.dtype == cp.uint16:
         return PackedWeight("bf16", weight.shape, weight, persistent=True)
     return None
+
+
+def _device_stacks(*experts: Any) -> list[PackedWeight] | None:
+    """The expert stacks as `cupy_ops_extra.moe` takes them (`_bf16_stack`), or None where it cannot: not bf16 or
+    packed, rows the skinny kernels do not stream (`gemm_ready`), more than MOE_EXPERTS experts."""
+    stacks = [_bf16_stack(w) for w in experts]
+    if any(s is None or not gemm_ready(s) or s.shape[0] > MOE_EXPERTS for s in stacks):
+        return None
+    return stacks  # type: ignore[return-value]
 
 
 def _streamed(weight: Any) -> PackedWeight | None:
@@ -374,19 +385,19 @@ class CupyBackend(Backend):
     def moe_captures(self, gate_w: Any, up_w: Any, down_w: Any) -> bool:
         """Whether `moe` over these experts runs without host synchronisation (so inside a CUDA graph): bf16
         expert stacks in bf16 mode (the float32 ones of the fp32 mode read their routing on the host)."""
-        return self.bf16 and all(_bf16_stack(w) is not None for w in (gate_w, up_w, down_w))
+        return self.bf16 and _device_stacks(gate_w, up_w, down_w) is not None
 
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None) -> Any:
+            shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
         """bf16 mode, bf16 expert stacks: `cupy_ops_extra.moe` (router and top-k, dispatch grouped by expert,
         grouped skinny products, weighted combine with the shared expert: no host synchronisation, so decode
         steps and eager steps' tails capture it). Otherwise (the fp32 mode's float32 experts: the reference
         function) the router softmax and top-k on the device, the experts hit by any row as row-gathered matrix
         products (one host sync per call for the list of hit experts), then `add_shared_expert`."""
-        stacks = [_bf16_stack(w) for w in (gate_w, up_w, down_w)] if self.bf16 else []
-        if stacks and all(s is not None for s in stacks):
+        stacks = _device_stacks(gate_w, up_w, down_w) if self.bf16 and top_k <= MOE_TOP_K else None
+        if stacks is not None:
             return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
-                                      shared, shared_gate)
+                                      shared, shared_gate, router_gate)
         return self.add_shared_expert(self._host_routed_moe(x, router, gate_w, up_w, down_w, top_k, normalize), x,
                                       shared, shared_gate)
 

@@ -588,7 +588,7 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     nt = n_tiles(m)
     warps = block_warps(tune, nt)
     # the kernel addresses one group's rows by 32-bit byte offsets
-    if w.codes.nbytes // (groups or 1) >= 1 << 32:
+    if w.codes.nbytes // (w.shape[0] if groups is not None else 1) >= 1 << 32:  # one expert's matrix
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     src = tune["source"]
     assert not w.tiled or kernel_knows(src, "MX_TILED"), f"kernels/{src}.cu reads no band tiles"
@@ -920,12 +920,12 @@ class PackedWeightsMixin:
         return super().moe_captures(gate_w, up_w, down_w)  # type: ignore[misc]
 
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None) -> Any:
+            shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
         if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
             return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
-                       shared, shared_gate)
+                       shared, shared_gate, router_gate)
         return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
-                           shared, shared_gate)
+                           shared, shared_gate, router_gate)
 
 
 # ---- activation quantiser ----------------------------------------------------------------------------
@@ -945,18 +945,22 @@ def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
 
 # ---- mixture of experts --------------------------------------------------------------------------------
 ROUTE_DISPATCH_ROWS = 32  # steps of up to this many rows route and dispatch in one launch (one block's warps)
+MOE_EXPERTS, MOE_TOP_K = 1024, 32  # the routing kernels' limits (kernels/moe.cu): a lane's logits, a warp's picks
 
 
 def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-        shared: Any = None, shared_gate: Any = None) -> Any:
+        shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
     """`Backend.moe` on the device with no host synchronisation: router softmax + top-k and dispatch grouped by
     expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
     grouped skinny GEMMs over the experts hit (G = min(E, T k) groups, `moe_dispatch`), weighted combine. x [T, H]
     -> [T, H] (x's dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
     PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
     A shared expert: `shared` [T, H] float32 (its output) and `shared_gate` [1, H] (its gate's weight): the result
-    is the routed sum + sigmoid(x @ shared_gate^T) * shared, added in the combine; a bf16 shared gate beside a
-    bf16 router is one product with it (`_router_with_gate`: logits [T, E + 1])."""
+    is the routed sum + sigmoid(x @ shared_gate^T) * shared, added in the combine. `router_gate`: the two stacked
+    by the model ([E + 1, H], `concat_rows`; bf16 bits or a PackedWeight): one product (logits [T, E + 1]) for
+    both, the same sums as each product's alone (an output row's dot product does not depend on the rows beside
+    it) but for the launch plan's K split, which follows N (float32 summation order); a float32 stack is not
+    used (the router's exact cuBLAS float32 logits)."""
     check(x, x.dtype, "x", 2)
     t, h = x.shape
     gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
@@ -965,10 +969,11 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
         assert gemm_ready(w) and len(w.shape) == 3, f"experts {w.fmt} {w.shape}: need a kernel-ready [E, N, K]"
     e, inter = gate_w.shape[0], gate_w.shape[1]
     assert up_w.shape == gate_w.shape == (e, inter, h) and down_w.shape == (e, h, inter)
-    assert 0 < top_k <= min(e, 32) and e <= 1024
+    assert 0 < top_k <= min(e, MOE_TOP_K) and e <= MOE_EXPERTS
     assert (shared is None) == (shared_gate is None), "a shared expert needs its output and its gate"
-    stacked = _router_with_gate(router, shared_gate) if shared_gate is not None else None
+    stacked = _streamed_stack(router_gate) if shared_gate is not None else None
     if stacked is not None:
+        assert stacked.shape == (e + 1, h), f"router|gate {stacked.shape}: need [{e + 1}, {h}]"
         logits = mx_linear(x, stacked, out_dtype=cp.float32)  # [T, E + 1]: the router's, then the shared gate's
         gate_logit = logits[:, e:]
     else:
@@ -1022,36 +1027,13 @@ def _logits(x: Any, w: Any) -> Any:
     return cp.matmul(x if x.dtype == cp.float32 else _to_f32(x), w.T)
 
 
-_STACKED: dict[tuple[int, int], tuple[Any, Any, PackedWeight]] = {}
-
-
-def _bf16_bits(w: Any) -> Any:
-    """A 2-D weight's bf16 bits (uint16 [N, K]): bf16 bits as they are, a bf16 PackedWeight's codes; else None."""
+def _streamed_stack(w: Any) -> PackedWeight | None:
+    """A stacked router|gate as the skinny kernels' PackedWeight (bf16 bits wrapped: a model weight), else None."""
     if isinstance(w, PackedWeight):
-        return w.codes if w.fmt == "bf16" and len(w.shape) == 2 else None
-    return w if isinstance(w, cp.ndarray) and w.dtype == cp.uint16 and w.ndim == 2 else None
-
-
-def _router_with_gate(router: Any, gate: Any) -> PackedWeight | None:
-    """bf16 router [E, H] and shared-expert gate [1, H] (bf16 bits or bf16 PackedWeights) stacked as one bf16
-    PackedWeight [E + 1, H], made on first
-    use and kept while both are (by identity), or None where either is not bf16 bits. Persistent (its products may
-    overlap the kernel before them, `pdl`) from its second use on: the first reads it right after the copy that
-    writes it. Their logits are the same sums as each product's alone (each output row's dot product does not
-    depend on the rows beside it) but for the launch plan's K split, which follows N (float32 summation order)."""
-    bits = [_bf16_bits(a) for a in (router, gate)]
-    if any(b is None for b in bits):
-        return None
-    key = (id(router), id(gate))
-    got = _STACKED.get(key)
-    if got is None or got[0] is not router or got[1] is not gate:
-        if len(_STACKED) > 512:
-            _STACKED.clear()
-        w = PackedWeight("bf16", (router.shape[0] + 1, router.shape[1]), cp.concatenate(bits))
-        got = _STACKED[key] = (router, gate, w)
-    else:
-        got[2].persistent = True
-    return got[2]
+        return w
+    if isinstance(w, cp.ndarray) and w.dtype == cp.uint16 and w.ndim == 2:
+        return PackedWeight("bf16", w.shape, w, persistent=True)
+    return None
 
 
 # ---- integrity scan and bandwidth probe -----------------------------------------------------------------

@@ -127,7 +127,8 @@ class CalibrationBackend(NumpyBackend):
         return super().linear(x, weight, bias)
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
-            top_k: int, normalize: bool, shared: Any = None, shared_gate: Any = None) -> np.ndarray:
+            top_k: int, normalize: bool, shared: Any = None, shared_gate: Any = None,
+            router_gate: Any = None) -> np.ndarray:
         self._observe(self.names[id(router)], x)
         logits = x @ router.T  # [T, E]: the routing of NumpyBackend.moe, op for op
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))

@@ -63,6 +63,7 @@ class QwenModel:
         self.fused_mlp: dict[str, Any] = self._fuse_mlps()
         self.fused_dn: dict[str, tuple[Any, Any]] = self._fuse_deltanet_inputs()
         self.fused_qkv: dict[str, tuple[Any, Any]] = self._fuse_attention_inputs()
+        self.fused_router: dict[str, Any] = self._fuse_routers()
 
     def _fuse_attention_inputs(self) -> dict[str, tuple[Any, Any]]:
         """Attention prefix -> (q|k|v stacked [q_out + 2 kv_out, H], their biases stacked or None): one input
@@ -122,6 +123,22 @@ class QwenModel:
             got = self.backend.concat_rows([self.w[name], self.w[up]])
             if got is not None:
                 fused[m], (self.w[name], self.w[up]) = got[0], got[1]
+        return fused
+
+    def _fuse_routers(self) -> dict[str, Any]:
+        """MoE prefix (`*.mlp`) -> its router and shared-expert gate stacked ([E + 1, H]: one product for both
+        in a backend's `moe`), where the backend fuses."""
+        fused = {}
+        for name in list(self.w):
+            if not name.endswith(".shared_expert_gate.weight"):
+                continue
+            m = name[: -len(".shared_expert_gate.weight")]
+            router = f"{m}.gate.weight"
+            if router not in self.w:
+                continue
+            got = self.backend.concat_rows([self.w[router], self.w[name]])
+            if got is not None:
+                fused[m], (self.w[router], self.w[name]) = got[0], got[1]
         return fused
 
     @classmethod
@@ -306,7 +323,8 @@ class QwenModel:
             shared = Projection.output(self._mlp(f"{m}.shared_expert", x), ops)
             shared_gate = w[f"{m}.shared_expert_gate.weight"]
         return ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
-                       w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, shared_gate)
+                       w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, shared_gate,
+                       self.fused_router.get(m))
 
     def _mlp(self, m: str, x: Any) -> Projection:
         ops, w = self.backend, self.w

@@ -193,6 +193,8 @@ def test_moe_decode_graphs_capture(experts):
     model = QwenModel.from_tensors(cfg, backend, tensors, include_mtp=False)
     stacks = [model.w[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_proj", "up_proj", "down_proj")]
     assert backend.moe_captures(*stacks)
+    assert sorted(model.fused_router) == [f"model.layers.{i}.mlp" for i in range(cfg.num_hidden_layers)
+                                          if cfg.layer_is_moe(i)]  # router|shared gate: one product a layer
     page, num_pages = 8, 40
     kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
     runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)

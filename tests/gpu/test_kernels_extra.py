@@ -602,7 +602,8 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
 
 
 @pytest.mark.parametrize("t", [1, 12, 37])  # route and dispatch in one launch (up to 32 rows), in two past that
-@pytest.mark.parametrize("gates", ["f32", "bf16"])  # bf16: router and shared gate as one stacked product
+@pytest.mark.parametrize("gates", ["f32", "bf16"])  # bf16: router and shared gate as one stacked product, as
+# QwenModel stacks them (`router_gate`; `router` and `shared_gate` its row views)
 def test_moe_with_shared_expert_matches_numpy_backend(t, gates):
     """The shared expert's gated output added in the combine (`moe(..., shared, shared_gate)`) against the
     reference's sum + sigmoid(x @ gate^T) * shared; with bf16 gates also the plain routed result (the stacked
@@ -616,13 +617,66 @@ def test_moe_with_shared_expert_matches_numpy_backend(t, gates):
     qs = [quant.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, "mxfp4")
           for s in ((e, inter, h), (e, inter, h), (e, h, inter))]
     weights, refs = [ex.pack_weight(q) for q in qs], [q.dequantize() for q in qs]
-    dev = [cp.asarray(bf16_encode(a) if gates == "bf16" else a) for a in (router, sgate)]
+    if gates == "bf16":
+        stack = cp.asarray(bf16_encode(np.concatenate([router, sgate])))
+        dev = [stack[:e], stack[e:]]
+    else:
+        stack, dev = None, [cp.asarray(a) for a in (router, sgate)]
     for normalize in (True, False):
         ref = NumpyBackend().moe(x, router, *refs, k, normalize, shared, sgate)
-        got = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize, cp.asarray(shared), dev[1])
+        got = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize, cp.asarray(shared), dev[1], stack)
         assert_close(got, ref, 2e-2, f"moe + shared t={t} gates={gates} normalize={normalize}")
         plain = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize)
         assert_close(plain, NumpyBackend().moe(x, router, *refs, k, normalize), 2e-2, f"moe t={t} gates={gates}")
+
+
+@pytest.mark.parametrize("t", [5, 40])  # routing and dispatch in one launch, in two
+@pytest.mark.parametrize("e", [16, 300])
+def test_moe_routing_of_nan_and_infinite_logits(t, e):
+    """Router logits with NaNs, infinities and rows of nothing else: every (token, slot) still gets a distinct
+    expert below E with a finite weight, finite rows route as the numpy reference does, and the dispatch's
+    counts cover every pair (the grouped products never index past the experts)."""
+    rng = np.random.default_rng(e + t)
+    k = 4
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[0] = np.nan
+    logits[1] = -np.inf
+    logits[2, :] = rng.standard_normal(e)
+    logits[2, 3] = np.inf
+    logits[2, 7] = np.inf
+    logits[3, : e // 2] = np.nan
+    logits[4, ::3] = -np.inf
+    logits[4, 1::3] = np.nan
+    p = t * k
+    ng = min(e, p)
+    ids, wts = cp.empty((t, k), cp.int32), cp.empty((t, k), cp.float32)
+    counts, offsets, gids = (cp.empty(ng, cp.int32) for _ in range(3))
+    gather, slot_pos = cp.empty(p, cp.int32), cp.empty(p, cp.int32)
+    dev = cp.asarray(logits)
+    jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)
+    I32, I64 = np.int32, np.int64
+    if t <= ex.ROUTE_DISPATCH_ROWS:
+        kernels.get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (dev, I64(e), I32(t), I32(e), I32(k), I32(1), ids,
+                                                                     wts, I32(ng), counts, offsets, gids, gather,
+                                                                     slot_pos), shared_mem=8 * e)
+    else:
+        kernels.get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), (dev, I64(e), I32(t), I32(e), I32(k),
+                                                                                  I32(1), ids, wts))
+        kernels.get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids, gather,
+                                                          slot_pos, I32(k)), shared_mem=8 * e)
+    ids_h, w_h = cp.asnumpy(ids), cp.asnumpy(wts)
+    assert ((ids_h >= 0) & (ids_h < e)).all(), ids_h[:5]
+    assert all(len(set(r)) == k for r in ids_h.tolist()), ids_h[:5]
+    assert np.isfinite(w_h).all() and np.allclose(w_h.sum(1), 1.0, atol=1e-5)
+    assert ids_h[0].tolist() == list(range(k)) and ids_h[1].tolist() == list(range(k))  # nothing to rank: ties
+    assert ids_h[2, :2].tolist() == [3, 7] and np.allclose(w_h[2, :2], 0.5)  # the infinite logits share it all
+    finite = np.isfinite(logits).all(1)
+    with np.errstate(invalid="ignore"):
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+    top = np.argsort(-(probs / probs.sum(1, keepdims=True)), axis=1, kind="stable")[:, :k]
+    assert (ids_h[finite] == top[finite]).all()
+    c = cp.asnumpy(counts)
+    assert c.sum() == p and sorted(cp.asnumpy(gather).tolist()) == sorted(np.repeat(np.arange(t), k).tolist())
 
 
 # ---- sampler -------------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ number of distinct experts that b sequences' top-k choices hit under uniform rou
 layer (random weights route close to uniformly), with every other matrix; HF's 32k steps extrapolate from 4 and
 8 layers to the model's depth. Variant "bf16host" is the bf16 model with its experts taken through the
 host-routing MoE (`CupyBackend.moe` as for float32 experts: one host synchronisation a layer, no graphs).
+BENCH_UNFUSED_MOE=1 runs the MoE layers over the views of their load-time stacks (`QwenModel.fused_moe` cleared):
+the router and shared gate as two products, the experts' gate and up as two grouped products and an activation,
+the shared expert in launches of its own.
 """
 
 from __future__ import annotations
@@ -176,17 +179,20 @@ def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") ->
             w[name].persistent = True  # a model weight, as prepare_weight marks those of a loaded checkpoint
             if backend.dense_prefill and keeps_prefill_copy(name):  # as prepare_weight keeps them
                 ex.attach_dense(w[name])
-    return QwenModel(CFG, backend, w)
+    model = QwenModel(CFG, backend, w)
+    if os.environ.get("BENCH_UNFUSED_MOE"):  # MoE layers over the stacks' views: no stacked launches
+        model.fused_moe.clear()
+    return model
 
 
 def _host_moe(backend: Any, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int,
-              normalize: bool, shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
+              normalize: bool, shared: Any = None, shared_gate: Any = None, fused: Any = None) -> Any:
     """`CupyBackend.moe`'s host-routing path over bf16 stacks (as the fp32 mode takes float32 ones)."""
     saved = cupy_backend._bf16_stack
     cupy_backend._bf16_stack = lambda w: None
     try:
         return CupyBackend.moe(backend, x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate,
-                               router_gate)
+                               fused)
     finally:
         cupy_backend._bf16_stack = saved
 

@@ -149,7 +149,8 @@ def profile_case(fwd, reps: int, top: int) -> str:
 def packed_weights(model) -> list:
     """Every PackedWeight of `model`: its tensors (the stacked ones' row views among them) and their stacks."""
     stacks = [*model.fused_mlp.values(), *(w for pair in model.fused_dn.values() for w in pair),
-              *(w for w, _ in model.fused_qkv.values())]
+              *(w for w, _ in model.fused_qkv.values()),
+              *(w for f in model.fused_moe.values() for w in (f.router_gate, f.gate_up, f.down) if w is not None)]
     return [w for w in (*model.w.values(), *stacks) if isinstance(w, ex.PackedWeight)]
 
 

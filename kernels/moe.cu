@@ -4,7 +4,10 @@
 // moe_route     one warp per token: softmax over E router logits (float32, rows ldl apart), top-k by probability
 //               with ties to the lower expert id (= numpy's stable argsort of -probs), optional renormalisation of
 //               the k weights. E <= 1024, k <= 32. A NaN logit counts as -inf and infinite ones stay finite in
-//               the softmax (the maxima weigh 1), so the k ids are always distinct experts below E.
+//               the softmax (the maxima weigh 1), so the k ids are always distinct experts below E. With `shared`
+//               (k <= 31): a slot k more, expert E (a shared expert stacked after the routed ones), weighing
+//               sigmoid of the logit after the router's (column E: the shared gate's, stacked with the router);
+//               the dispatch and combine then see E + 1 experts and k + 1 slots.
 // moe_dispatch  one block: per-expert counts and exclusive offsets, for every (token, slot) pair its row in the
 //               expert-grouped order: gather[pos] = token, slot_pos[token * k + slot] = pos; and the groups the
 //               products launch over, the experts with rows in ascending id: ids[j], offsets[j], counts[j] for
@@ -17,7 +20,8 @@
 // moe_silu_mul  h = silu(gate) * up (float32 math), any of f32 / bf16 / f16 in and out.
 // moe_combine   out[t] = sum over slots s (in order) of w[t, s] * y[slot_pos[t, s]], float32 accumulation; with a
 //               shared expert (sh != 0): + sigmoid(sg[t]) * sh[t] after the routed sum (the float operations of
-//               sigmoid_f32, a multiply and an add).
+//               sigmoid_f32, a multiply and an add); or, where the routing gave it a slot (`shared_slot`: the
+//               last of the k), that slot's weight times its row, with the same two operations.
 
 #ifndef MOE_JPL
 #define MOE_JPL 32  // router logits a lane holds: E <= 32 MOE_JPL (the wrapper builds ceil(E / 32) rounded up to 8, 16, 32)
@@ -27,9 +31,11 @@ typedef unsigned short u16;
 #include "act_kind.cuh"
 #include "silu.cuh"
 
-// token t's top-k (one warp; lane = the thread's lane)
+// token t's top-k (one warp; lane = the thread's lane), then, where `shared`, slot k: expert E (the shared expert
+// stacked after the routed ones) weighing sigmoid(logit E) (the shared gate's logit beside the router's); a token's
+// slots k + shared apart
 __device__ __forceinline__ void route_token(const float* logits, long long ldl, int t, int E, int k, int normalize,
-                                            int* topk_ids, float* topk_w, int lane) {
+                                            int shared, int* topk_ids, float* topk_w, int lane) {
     const float* l = logits + (long long)t * ldl;
     float p[MOE_JPL];
     float m = -__int_as_float(0x7F800000);
@@ -74,16 +80,20 @@ __device__ __forceinline__ void route_token(const float* logits, long long ldl, 
         wsum += best;
         if (lane == slot) { mine = best; my_id = bid; }
     }
+    const int kk = k + shared;
     if (lane < k) {
-        topk_ids[t * k + lane] = my_id;
-        topk_w[t * k + lane] = normalize ? mine / wsum : mine;
+        topk_ids[t * kk + lane] = my_id;
+        topk_w[t * kk + lane] = normalize ? mine / wsum : mine;
+    } else if (shared && lane == k) {
+        topk_ids[t * kk + k] = E;
+        topk_w[t * kk + k] = sigmoid_f(l[E]);
     }
 }
 
 extern "C" __global__ void moe_route(const float* logits, long long ldl, int T, int E, int k, int normalize,
-                                     int* topk_ids, float* topk_w) {
+                                     int shared, int* topk_ids, float* topk_w) {
     const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (t < T) route_token(logits, ldl, t, E, k, normalize, topk_ids, topk_w, threadIdx.x & 31);
+    if (t < T) route_token(logits, ldl, t, E, k, normalize, shared, topk_ids, topk_w, threadIdx.x & 31);
 }
 
 // (exclusive prefix sum of v over the block's threads, the block's total): one chunk of blockDim.x values; ws:
@@ -154,13 +164,14 @@ extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int G
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float* logits, long long ldl, int T, int E, int k, int normalize,
-                                              int* topk_ids, float* topk_w, int G, int* counts, int* offsets,
+                                              int shared, int* topk_ids, float* topk_w, int G, int* counts, int* offsets,
                                               int* ids, int* gather, int* slot_pos) {
-    extern __shared__ int sh[];  // counts[E], cursor[E]
-    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (int t = threadIdx.x >> 5; t < T; t += warps) route_token(logits, ldl, t, E, k, normalize, topk_ids, topk_w, lane);
+    extern __shared__ int sh[];  // counts[E + shared], cursor[E + shared]
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ne = E + shared, kk = k + shared;
+    for (int t = threadIdx.x >> 5; t < T; t += warps)
+        route_token(logits, ldl, t, E, k, normalize, shared, topk_ids, topk_w, lane);
     // the ids reach the dispatch's reads through its first barrier (__syncthreads orders the block's global writes)
-    dispatch(topk_ids, T * k, E, G, counts, offsets, ids, gather, slot_pos, k, sh, sh + E);
+    dispatch(topk_ids, T * kk, ne, G, counts, offsets, ids, gather, slot_pos, kk, sh, sh + ne);
 }
 
 extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_in, void* h, int kind_out, long long n) {
@@ -171,14 +182,19 @@ extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_i
 }
 
 extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
-                                       int H, void* out, int kind_out, const float* sh, const float* sg, long long ldg) {
+                                       int H, void* out, int kind_out, const float* sh, const float* sg, long long ldg,
+                                       int shared_slot) {
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= H) return;
     float acc = 0.f;
-    for (int s = 0; s < k; ++s)
+    const int routed = k - shared_slot;
+    for (int s = 0; s < routed; ++s)
         acc += topk_w[t * k + s] * load_kind(y, kind_y, (long long)slot_pos[t * k + s] * H + c);
-    if (sh) {
+    if (shared_slot) {  // the shared expert's slot, as `sh` below
+        const float v = load_kind(y, kind_y, (long long)slot_pos[t * k + routed] * H + c);
+        acc = __fadd_rn(acc, __fmul_rn(topk_w[t * k + routed], v));
+    } else if (sh) {
         const float g = sigmoid_f(sg[(long long)t * ldg]);
         acc = __fadd_rn(acc, __fmul_rn(g, sh[(long long)t * H + c]));  // a multiply, then an add (no fused FMA)
     }

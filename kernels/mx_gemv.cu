@@ -60,7 +60,8 @@
 // epilogue's float operations, then decode_ops' silu_mul_halves': the bits of those two launches wherever each
 // column's K range is split at the same chunks (tile grids split every tile alike; under stream-K a column's
 // tile, so its split points, may differ, and its sums then by float32 rounding). The `_1s` kernels may also be
-// fused norm consumers (x = NormedRows' xg).
+// fused norm consumers (x = NormedRows' xg). Grouped launches (MoE, no fused norms) too: W an expert stack
+// [E, N, K] of each expert's [gate; up] (cupy_ops_extra.py `moe`'s gate_up), y [y rows, N / 2].
 // Only the one-n-tile kernels (M <= 8: decode of up to 8 sequences) fuse; the others ignore these arguments
 // (their code cost the twelve-row products ~5% of speed; the wrapper gives them no fused work).
 // One row of x, MXFP4 / NVFP4 (the `mx_gemm_<fmt>_1r` / `_1rs` kernels; cupy_ops_extra.py `one_row`): with one

@@ -180,8 +180,10 @@ def test_piecewise_graphs_pass_on_the_emulator():
 def test_moe_kernels_pass_on_the_emulator():
     """The device MoE against the numpy reference: routing and dispatch in one launch with the hit experts'
     group list, grouped products split over K, the shared expert added in the combine (a bf16 router and gate
-    stacked), routing of NaN and infinite logits, through the emulator plugin."""
+    stacked), the experts' gate and up in one grouped SwiGLU launch and the shared expert as one expert more of
+    the stacks, routing of NaN and infinite logits, through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_kernels_extra.py"],
-                             "(shared_expert and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
-                             " or (nan_and_infinite and 16-5)")
-    assert "3 passed" in out, out[-3000:]
+                             "(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
+                             " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
+                             " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)")
+    assert "5 passed" in out, out[-3000:]

@@ -189,7 +189,8 @@ class Backend(ABC):
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """One matrix holding `weights` ([N_i, K] each, same K and storage) stacked along rows, plus a row-range
         view of it for each input (so the inputs' memory can go), or None where this backend does not fuse
-        products. Fusing lets a skinny product read several matrices in one launch.
+        products. Fusing lets a skinny product read several matrices in one launch. A backend may also stack
+        expert stacks [E, N_i, K] (of one E) along N, each expert's parts' rows one after another.
 
         A backend that fuses must accept column-range views of its `linear` outputs (rows not contiguous: row
         stride = the fused width) as `deltanet_core`'s mixed_qkv / a / b, `gated_rms_norm`'s z, `qk_norm_rope`'s
@@ -256,18 +257,28 @@ class Backend(ABC):
 
     @abstractmethod
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
+            shared: Any = None, shared_gate: Any = None, fused: Any = None) -> Any:
         """Softmax router over experts, top-k (optionally renormalised), SwiGLU experts, weighted sum. [T, H].
-        With a shared expert (its output `shared` [T, H] and its gate's weight `shared_gate` [1, H]): that sum +
-        sigmoid(x @ shared_gate^T) * shared (`add_shared_expert`). `router_gate`, where the model stacked the two
-        (`concat_rows`: [E + 1, H], `router` and `shared_gate` its row views): the same function, which a backend
-        may compute as one product."""
+        With a shared expert (its output `shared` [T, H], or a function of no arguments that computes it, and
+        its gate's weight `shared_gate` [1, H]): that sum + sigmoid(x @ shared_gate^T) * shared
+        (`add_shared_expert`). `fused`: what this backend's `fuse_moe` made of the layer's weights at load (the
+        arguments are then its views): the same function, which the backend may compute from those stacks (and
+        then need not call `shared`)."""
+
+    def fuse_moe(self, weights: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        """At load: one MoE layer's weights by role ("router", "gate", "up", "down"; with a shared expert
+        "shared_gate", its MLP's "shared_gate_proj", "shared_up_proj", "shared_down_proj" and, where
+        `concat_rows` stacked those two, "shared_gate_up") -> (this backend's stacked form of them, which
+        `moe` gets as `fused`; views that replace the given weights, by role, so that their memory can go), or
+        None where this backend stacks nothing."""
+        return None
 
     def add_shared_expert(self, y: Any, x: Any, shared: Any, shared_gate: Any) -> Any:
-        """y + sigmoid(x @ shared_gate^T) * shared (y where `shared` is None): `moe`'s last step, as a model
-        computes it."""
+        """y + sigmoid(x @ shared_gate^T) * shared (y where `shared` is None; `shared` called where it is a
+        function): `moe`'s last step, as a model computes it."""
         if shared is None:
             return y
+        shared = shared() if callable(shared) else shared
         return y + self.sigmoid(self.linear(x, shared_gate)) * shared
 
     def moe_captures(self, gate_w: Any, up_w: Any, down_w: Any) -> bool:

@@ -33,6 +33,7 @@ from decapybara.backend.cupy_ops_extra import (
     MOE_EXPERTS,
     MOE_TOP_K,
     SWIGLU_ROWS,
+    FusedMoE,
     NormedRows,
     PackedWeight,
     dense_of,
@@ -91,6 +92,43 @@ def _bf16_stack(weight: Any) -> PackedWeight | None:
     if weight.ndim == 3 and weight.dtype == cp.uint16:
         return PackedWeight("bf16", weight.shape, weight, persistent=True)
     return None
+
+
+def _append_expert(stack: Any, extra: Any) -> Any:
+    """Expert stack [E, N, K] with one matrix [N, K] of the same storage appended as expert E ([E + 1, N, K], a
+    new array), or None where their storage differs (bf16 bits; PackedWeights of one format and layout)."""
+    if isinstance(stack, PackedWeight) != isinstance(extra, PackedWeight) or tuple(extra.shape) != tuple(stack.shape[1:]):
+        return None
+    if not isinstance(stack, PackedWeight):
+        return cp.concatenate([stack, extra[None]]) if stack.dtype == extra.dtype == cp.uint16 else None
+    if (extra.fmt, extra.tensor_scale, extra.e2m1_split, extra.tiled, extra.scales is None) != (
+            stack.fmt, stack.tensor_scale, stack.e2m1_split, stack.tiled, stack.scales is None):
+        return None
+    codes = cp.concatenate([stack.codes, extra.codes[None]])
+    scales = None if stack.scales is None else cp.concatenate([stack.scales, extra.scales[None]])
+    return PackedWeight(stack.fmt, (stack.shape[0] + 1, *stack.shape[1:]), codes, scales, stack.tensor_scale,
+                        stack.persistent and extra.persistent, stack.e2m1_split, stack.tiled)
+
+
+def _expert_rows(stack: Any, experts: Any, rows: tuple[int, int] | None, dense: Any = None) -> Any:
+    """A view of stack [E, N, K]: experts `experts` (an index: a matrix; a slice: a stack), rows (start, count)
+    of each (None: all), as bf16 bits or a PackedWeight like the stack (with `dense`, its kept bf16 values, cut
+    to those rows)."""
+    sel = (experts,) if rows is None else (experts, slice(rows[0], rows[0] + rows[1]))
+    if not isinstance(stack, PackedWeight):
+        return stack[sel]
+    codes = stack.codes[sel]
+    scales = None if stack.scales is None else stack.scales[sel]
+    view = PackedWeight(stack.fmt, (*codes.shape[:-1], stack.K), codes, scales, stack.tensor_scale, stack.persistent,
+                        stack.e2m1_split, stack.tiled)
+    if dense is not None:
+        set_dense(view, dense)
+    return view
+
+
+def _dense_of_packed(w: Any) -> Any:
+    """A PackedWeight's kept bf16 values (`dense_of`), None for anything else."""
+    return dense_of(w) if isinstance(w, PackedWeight) else None
 
 
 def _device_stacks(*experts: Any) -> list[PackedWeight] | None:
@@ -282,39 +320,52 @@ class CupyBackend(Backend):
 
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """Stacks device matrices of one storage (float32, bf16 bits, or PackedWeights of one format, tensor
-        scale and E2M1 code layouts); None for anything else (e.g. NVFP4 tensors of different tensor scales)."""
+        scale and E2M1 code layouts) along their rows; also expert stacks [E, N_i, K] of one E (along N: each
+        expert's rows of the parts one after another; the views are strided row ranges, which the kernels
+        address as they are, `PackedWeight.kernel_ok`). None for anything else (e.g. NVFP4 tensors of different
+        tensor scales)."""
+        ndim = len(weights[0].shape)
+        if ndim not in (2, 3) or any(len(w.shape) != ndim or w.shape[:-2] != weights[0].shape[:-2] for w in weights):
+            return None
+        ax = ndim - 2  # the rows' axis
+
+        def rows(a: Any, r: int, n: int) -> Any:
+            return a[r:r + n] if ax == 0 else a[:, r:r + n]
+
         if all(isinstance(w, PackedWeight) for w in weights):
             first = weights[0]
-            if any(w.fmt != first.fmt or len(w.shape) != 2 or w.K != first.K or w.tensor_scale != first.tensor_scale
+            if any(w.fmt != first.fmt or w.K != first.K or w.tensor_scale != first.tensor_scale
                    or (w.scales is None) != (first.scales is None) or w.e2m1_split != first.e2m1_split
                    or w.tiled != first.tiled for w in weights):
                 return None
-            codes = cp.concatenate([w.codes for w in weights], axis=0)
-            scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
+            codes = cp.concatenate([w.codes for w in weights], axis=ax)
+            scales = cp.concatenate([w.scales for w in weights], axis=ax) if first.scales is not None else None
             persistent = all(w.persistent for w in weights)  # stacked at load time from model weights
-            fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale, persistent,
-                                 first.e2m1_split, first.tiled)  # tiled parts are whole bands: so is their stack
+            fused = PackedWeight(first.fmt, (*first.shape[:-2], codes.shape[ax], first.K), codes, scales,
+                                 first.tensor_scale, persistent, first.e2m1_split,
+                                 first.tiled)  # tiled parts are whole bands: so is their stack
             if not gemm_ready(fused):
                 return None
             # bf16 values where every part keeps them (PackedWeightsMixin.dense_prefill): stacked likewise
             parts = [dense_of(w) for w in weights]
-            dense = cp.concatenate(parts, axis=0) if all(d is not None for d in parts) else None
+            dense = cp.concatenate(parts, axis=ax) if all(d is not None for d in parts) else None
             set_dense(fused, dense)
             views, r = [], 0
             for w in weights:
-                n = w.shape[0]
-                views.append(PackedWeight(w.fmt, w.shape, codes[r:r + n], None if scales is None else scales[r:r + n],
+                n = w.shape[-2]
+                views.append(PackedWeight(w.fmt, w.shape, rows(codes, r, n),
+                                          None if scales is None else rows(scales, r, n),
                                           w.tensor_scale, persistent, w.e2m1_split, w.tiled))
-                set_dense(views[-1], None if dense is None else dense[r:r + n])
+                set_dense(views[-1], None if dense is None else rows(dense, r, n))
                 r += n
             return fused, views
-        if not all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in weights):
+        if not all(isinstance(w, cp.ndarray) for w in weights):
             return None
-        if any(w.dtype != weights[0].dtype or w.shape[1] != weights[0].shape[1] for w in weights):
+        if any(w.dtype != weights[0].dtype or w.shape[-1] != weights[0].shape[-1] for w in weights):
             return None
-        fused = cp.concatenate(weights, axis=0)
-        bounds = np.cumsum([0] + [w.shape[0] for w in weights])
-        return fused, [fused[a:b] for a, b in itertools.pairwise(bounds)]
+        fused = cp.concatenate(weights, axis=ax)
+        bounds = np.cumsum([0] + [w.shape[-2] for w in weights])
+        return fused, [rows(fused, a, b - a) for a, b in itertools.pairwise(bounds)]
 
     def sigmoid(self, x: Any) -> Any:
         return ops.sigmoid(x)
@@ -388,18 +439,54 @@ class CupyBackend(Backend):
         return self.bf16 and _device_stacks(gate_w, up_w, down_w) is not None
 
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
+            shared: Any = None, shared_gate: Any = None, fused: Any = None) -> Any:
         """bf16 mode, bf16 expert stacks: `cupy_ops_extra.moe` (router and top-k, dispatch grouped by expert,
         grouped skinny products, weighted combine with the shared expert: no host synchronisation, so decode
-        steps and eager steps' tails capture it). Otherwise (the fp32 mode's float32 experts: the reference
-        function) the router softmax and top-k on the device, the experts hit by any row as row-gathered matrix
-        products (one host sync per call for the list of hit experts), then `add_shared_expert`."""
+        steps and eager steps' tails capture it; `fused`: `fuse_moe`'s stacks). Otherwise (the fp32 mode's
+        float32 experts: the reference function) the router softmax and top-k on the device, the experts hit by
+        any row as row-gathered matrix products (one host sync per call for the list of hit experts), then
+        `add_shared_expert`."""
         stacks = _device_stacks(gate_w, up_w, down_w) if self.bf16 and top_k <= MOE_TOP_K else None
         if stacks is not None:
             return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
-                                      shared, shared_gate, router_gate)
+                                      shared, shared_gate, fused)
         return self.add_shared_expert(self._host_routed_moe(x, router, gate_w, up_w, down_w, top_k, normalize), x,
                                       shared, shared_gate)
+
+    def fuse_moe(self, weights: dict[str, Any]) -> tuple[FusedMoE, dict[str, Any]] | None:
+        """The layer's router and shared gate stacked (`concat_rows`), its experts' gate and up stacks stacked
+        ([E, 2 I, H]) and, where the shared expert's MLP has the routed experts' width and storage, that MLP
+        appended to the stacks as expert E (gate|up [E + 1, 2 I, H], down [E + 1, H, I]; `FusedMoE.shared_slot`):
+        what `cupy_ops_extra.moe` runs in fewer launches. For bf16 stacks in bf16 mode and packed ones (the
+        fp32 mode's float32 experts take the host-routed path, which reads none of them)."""
+        if not (self.bf16 or isinstance(weights["gate"], PackedWeight)):
+            return None
+        views: dict[str, Any] = {}
+        fused = FusedMoE()
+        if "shared_gate" in weights:
+            got = self.concat_rows([weights["router"], weights["shared_gate"]])
+            if got is not None:
+                fused.router_gate, (views["router"], views["shared_gate"]) = got
+        got = self.concat_rows([weights["gate"], weights["up"]])
+        if got is None:
+            return (fused, views) if views else None
+        gate_up, (views["gate"], views["up"]) = got
+        down = weights["down"]
+        e, inter = gate_up.shape[0], weights["gate"].shape[1]
+        sgu, sdown = weights.get("shared_gate_up"), weights.get("shared_down_proj")
+        if fused.router_gate is not None and sgu is not None and sdown is not None:
+            gu_all, down_all = _append_expert(gate_up, sgu), _append_expert(down, sdown)
+            if gu_all is not None and down_all is not None:
+                fused.shared_slot = True
+                gate_up, down = gu_all, down_all
+                views["gate"], views["up"] = (_expert_rows(gu_all, slice(0, e), r) for r in ((0, inter), (inter, inter)))
+                views["down"] = _expert_rows(down_all, slice(0, e), None)
+                views["shared_gate_up"] = _expert_rows(gu_all, e, None, _dense_of_packed(sgu))
+                for role, r in (("shared_gate_proj", (0, inter)), ("shared_up_proj", (inter, inter))):
+                    views[role] = _expert_rows(gu_all, e, r, _dense_of_packed(weights.get(role)))
+                views["shared_down_proj"] = _expert_rows(down_all, e, None, _dense_of_packed(sdown))
+        fused.gate_up, fused.down = _bf16_stack(gate_up), _bf16_stack(down) if fused.shared_slot else None
+        return fused, views
 
     def _host_routed_moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int,
                          normalize: bool) -> Any:

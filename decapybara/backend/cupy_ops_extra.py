@@ -134,9 +134,20 @@ class PackedWeight:
         return int(self.codes.nbytes + (self.scales.nbytes if self.scales is not None else 0))
 
     def kernel_ok(self) -> bool:
-        """Whether the rows meet the kernel's 16-byte alignment (see the module docstring)."""
+        """Whether the rows meet the kernel's 16-byte alignment (see the module docstring) and the arrays the
+        layout it addresses: rows contiguous and one after another; stacked experts [E, N, ...] any 16-byte
+        multiple apart (so that a row range of a stack, `concat_rows`' views, is a kernel operand too)."""
         row = self.codes.shape[-1] * self.codes.itemsize
-        return row % 16 == 0 and dev_ptr(self.codes) % 16 == 0 and self.codes.flags.c_contiguous
+        return (row % 16 == 0 and dev_ptr(self.codes) % 16 == 0 and _rows_packed(self.codes)
+                and (self.scales is None or _rows_packed(self.scales)))
+
+
+def _rows_packed(a: Any) -> bool:
+    """Whether array a [..., N, B] has contiguous rows one after another, and (3-D) its matrices 16-byte multiples
+    apart: what the kernels address from its row bytes and its first stride."""
+    if a.ndim < 2 or a.strides[-1] != a.itemsize or a.strides[-2] != a.shape[-1] * a.itemsize:
+        return a.flags.c_contiguous
+    return a.ndim == 2 or (a.ndim == 3 and a.strides[0] % 16 == 0 and a.strides[0] >= a.shape[1] * a.strides[1])
 
 
 def e2m1_layout(fmt: str, split: bool | None = None) -> bool:
@@ -212,6 +223,14 @@ def _check_packed(w: PackedWeight) -> None:
         d["checked"] = True
 
 
+def _check_rows(a: Any, dtype: Any, name: str) -> None:
+    """Asserts that `a` is a device array of `dtype` laid out as the kernels address it (`_rows_packed`: C-
+    contiguous but for a stack's strided row range)."""
+    assert isinstance(a, cp.ndarray), f"{name}: expected a cupy array, got {type(a).__name__}"
+    assert a.dtype == dtype, f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}"
+    assert _rows_packed(a), f"{name}: rows not contiguous (shape {a.shape}, strides {a.strides})"
+
+
 def _check_packed_now(w: PackedWeight) -> None:
     assert w.fmt in FMT_IDS, f"unknown format {w.fmt!r}"
     assert not w.e2m1_split or w.fmt in E2M1_FMTS, f"{w.fmt} has no E2M1 codes to split"
@@ -220,11 +239,11 @@ def _check_packed_now(w: PackedWeight) -> None:
         f"{w.fmt} codes {w.codes.shape} / scales {w.scales.shape} cannot be band tiles"
     lead = w.shape[:-1]
     if w.fmt == "bf16":
-        check(w.codes, np.uint16, "codes")
+        _check_rows(w.codes, np.uint16, "codes")
         assert w.codes.shape == w.shape, f"bf16 codes {w.codes.shape} for shape {w.shape}"
         return
-    check(w.codes, np.uint8, "codes")
-    check(w.scales, np.uint8, "scales")
+    _check_rows(w.codes, np.uint8, "codes")
+    _check_rows(w.scales, np.uint8, "scales")
     assert w.codes.shape == (*lead, w.Kp * BITS[w.fmt] // 8), f"{w.fmt} codes {w.codes.shape} for {w.shape}"
     assert w.scales.shape == (*lead, w.Kp // BLOCK[w.fmt]), f"{w.fmt} scales {w.scales.shape} for {w.shape}"
 
@@ -501,13 +520,16 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     sums of squares by output tile, float32 [M, tiles];
     `norm` (x = norm.xg) divides each output row by its denominator from norm.sq;
     `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` to `_8s` kernels, up
-    to SWIGLU_ROWS rows)."""
+    to SWIGLU_ROWS rows); grouped too (w [E, N, K]: each expert's [gate; up], y [y rows, N / 2])."""
     m = x.shape[0] if groups is None else int(max_rows)
     n = w.N
     fused = res is not None or norm is not None or swiglu
     most = FUSED_ROWS if res is not None or norm is not None else SWIGLU_ROWS
-    assert not fused or (groups is None and gather is None and m <= most), f"fused norms / swiglu: dense, M <= {most}"
-    assert not swiglu or (n % 16 == 0 and bias is None and res is None and y.shape == (m, n // 2)), \
+    dense = groups is None and gather is None
+    assert not fused or ((dense or (swiglu and norm is None)) and m <= most), \
+        f"fused norms: dense, M <= {most}; swiglu: dense or grouped without norms, M <= {most}"
+    assert not swiglu or (n % 16 == 0 and bias is None and res is None
+                          and y.shape == ((m if groups is None else y.shape[0]), n // 2)), \
         f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
     if not (m and n):  # nothing to compute (and the kernel's loop over whole chunks reads row N - 1: needs N >= 1)
         return empty((m, 0), cp.float32) if res is not None else None
@@ -653,6 +675,15 @@ def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
     (its entry macro). (The backend uses it from TUNE `swiglu_rows` rows up: `CupyBackend.swiglu`.)"""
     return (0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w) and skinny_product(w, rows)
             and kernel_knows(tune_for(w.fmt)["source"], f"NAME##_{n_tiles(rows)}s"))
+
+
+def fuses_grouped_swiglu(w: PackedWeight, rows: int) -> bool:
+    """Whether `moe` runs its experts' gate and up products and activation as one grouped SwiGLU launch over `w`
+    (the [E, 2 I, H] stack of both, groups of up to `rows` rows): up to SWIGLU_ROWS rows, N a multiple of 16, a
+    weight the kernels stream, a kernel file with the SwiGLU kernels and group ids."""
+    src = tune_for(w.fmt)["source"]
+    return (len(w.shape) == 3 and 0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
+            and kernel_knows(src, f"NAME##_{n_tiles(rows)}s") and kernel_knows(src, "g_ids"))
 
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
@@ -920,12 +951,12 @@ class PackedWeightsMixin:
         return super().moe_captures(gate_w, up_w, down_w)  # type: ignore[misc]
 
     def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
+            shared: Any = None, shared_gate: Any = None, fused: Any = None) -> Any:
         if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
             return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
-                       shared, shared_gate, router_gate)
+                       shared, shared_gate, fused)
         return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
-                           shared, shared_gate, router_gate)
+                           shared, shared_gate, fused)
 
 
 # ---- activation quantiser ----------------------------------------------------------------------------
@@ -948,19 +979,40 @@ ROUTE_DISPATCH_ROWS = 32  # steps of up to this many rows route and dispatch in 
 MOE_EXPERTS, MOE_TOP_K = 1024, 32  # the routing kernels' limits (kernels/moe.cu): a lane's logits, a warp's picks
 
 
+@dataclass(slots=True)
+class FusedMoE:
+    """One MoE layer's weights stacked for `moe` at load (`CupyBackend.fuse_moe`): `router_gate` the router and the
+    shared expert's gate [E + 1, H] (bf16 bits or a PackedWeight; None without a shared expert or where they do not
+    stack); `gate_up` the experts' gate and up stacks [E', 2 I, H] (each expert's gate rows, then its up rows) and
+    `down` their down stack [E', H, I] (PackedWeights; None where not stacked), with E' = E + 1 where the shared
+    expert is their expert E (`shared_slot`: its MLP of the routed experts' width and format), else E."""
+
+    router_gate: Any = None
+    gate_up: PackedWeight | None = None
+    down: PackedWeight | None = None
+    shared_slot: bool = False
+
+
 def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-        shared: Any = None, shared_gate: Any = None, router_gate: Any = None) -> Any:
+        shared: Any = None, shared_gate: Any = None, fused: FusedMoE | None = None) -> Any:
     """`Backend.moe` on the device with no host synchronisation: router softmax + top-k and dispatch grouped by
     expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
     grouped skinny GEMMs over the experts hit (G = min(E, T k) groups, `moe_dispatch`), weighted combine. x [T, H]
     -> [T, H] (x's dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
     PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
-    A shared expert: `shared` [T, H] float32 (its output) and `shared_gate` [1, H] (its gate's weight): the result
-    is the routed sum + sigmoid(x @ shared_gate^T) * shared, added in the combine. `router_gate`: the two stacked
-    by the model ([E + 1, H], `concat_rows`; bf16 bits or a PackedWeight): one product (logits [T, E + 1]) for
-    both, the same sums as each product's alone (an output row's dot product does not depend on the rows beside
-    it) but for the launch plan's K split, which follows N (float32 summation order); a float32 stack is not
-    used (the router's exact cuBLAS float32 logits)."""
+    A shared expert: `shared` (its output [T, H] float32, or a function of no arguments that computes it) and
+    `shared_gate` [1, H] (its gate's weight): the result is the routed sum + sigmoid(x @ shared_gate^T) * shared,
+    added in the combine.
+    `fused` (`FusedMoE`, stacked by the model at load; gate_w, up_w, down_w are row ranges of its stacks):
+    - `router_gate`: one product (logits [T, E + 1]) for the router and the shared gate, the same sums as each
+      product's alone (an output row's dot product does not depend on the rows beside it) but for the launch
+      plan's K split, which follows N (float32 summation order); a float32 stack is not used (the router's exact
+      cuBLAS float32 logits);
+    - `gate_up`: up to SWIGLU_ROWS rows, one grouped launch of the SwiGLU kernels computes both products and
+      silu(gate) * up (`fuses_grouped_swiglu`);
+    - `shared_slot` (with router_gate and gate_up, up to SWIGLU_ROWS rows): the shared expert runs as the
+      stacks' expert E, a slot k + 1 of every token weighing sigmoid(its gate's logit), in the grouped launches
+      (no launches of its own; `shared` is not called)."""
     check(x, x.dtype, "x", 2)
     t, h = x.shape
     gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
@@ -971,7 +1023,13 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     assert up_w.shape == gate_w.shape == (e, inter, h) and down_w.shape == (e, h, inter)
     assert 0 < top_k <= min(e, MOE_TOP_K) and e <= MOE_EXPERTS
     assert (shared is None) == (shared_gate is None), "a shared expert needs its output and its gate"
-    stacked = _streamed_stack(router_gate) if shared_gate is not None else None
+    fused = fused if fused is not None else FusedMoE()
+    stacked = _streamed_stack(fused.router_gate) if shared_gate is not None else None
+    gate_up = fused.gate_up if fused.gate_up is not None and fuses_grouped_swiglu(fused.gate_up, t) else None
+    # the shared expert in the stacks: one slot more (the routing kernels' warp picks MOE_TOP_K slots at most)
+    slot = (fused.shared_slot and stacked is not None and gate_up is not None and fused.down is not None
+            and top_k < MOE_TOP_K and e < MOE_EXPERTS and gemm_ready(fused.down))
+    ne, kk = e + slot, top_k + slot  # experts and slots a token of the launches below
     if stacked is not None:
         assert stacked.shape == (e + 1, h), f"router|gate {stacked.shape}: need [{e + 1}, {h}]"
         logits = mx_linear(x, stacked, out_dtype=cp.float32)  # [T, E + 1]: the router's, then the shared gate's
@@ -981,42 +1039,49 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
         gate_logit = _logits(x, shared_gate) if shared_gate is not None else None
     logits = logits if logits.dtype == cp.float32 and logits.strides[1] == 4 else cp.ascontiguousarray(logits, cp.float32)
     assert logits.shape[0] == t and logits.shape[1] in (e, e + 1)
-    ids, wts = empty((t, top_k), cp.int32), empty((t, top_k), cp.float32)
+    ids, wts = empty((t, kk), cp.int32), empty((t, kk), cp.float32)
     out = empty((t, h), x.dtype)
     if t == 0:
         return out
-    p = t * top_k
-    ng = min(e, p)  # the launches' groups: at most every expert, at most one a (token, slot)
+    p = t * kk
+    ng = min(ne, p)  # the launches' groups: at most every expert, at most one a (token, slot)
     counts, offsets, gids = empty(ng, cp.int32), empty(ng, cp.int32), empty(ng, cp.int32)
     gather, slot_pos = empty(p, cp.int32), empty(p, cp.int32)
     ldl = I64(logits.strides[0] // 4)
     jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)  # router logits a lane holds
+    route = (logits, ldl, I32(t), I32(e), I32(top_k), I32(int(normalize)), I32(int(slot)), ids, wts)
     if t <= ROUTE_DISPATCH_ROWS:
-        get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (logits, ldl, I32(t), I32(e), I32(top_k),
-                                                               I32(int(normalize)), ids, wts, I32(ng), counts,
-                                                               offsets, gids, gather, slot_pos), shared_mem=8 * e)
+        get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (*route, I32(ng), counts, offsets, gids, gather,
+                                                                     slot_pos), shared_mem=8 * ne)
     else:
-        get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), (logits, ldl, I32(t), I32(e), I32(top_k),
-                                                                      I32(int(normalize)), ids, wts))
-        get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids, gather,
-                                                          slot_pos, I32(top_k)), shared_mem=8 * e)
+        get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), route)
+        get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(ne), I32(ng), counts, offsets, gids, gather,
+                                                          slot_pos, I32(kk)), shared_mem=8 * ne)
     grouped = (offsets, counts, gids)
-    g, u = empty((p, inter), cp.float32), empty((p, inter), cp.float32)
-    _gemm(x, gate_w, g, gather=gather, groups=grouped, max_rows=t)
-    _gemm(x, up_w, u, gather=gather, groups=grouped, max_rows=t)
     hid = empty((p, inter), cp.uint16)
-    get_kernel("moe", "moe_silu_mul")((-(-g.size // 256),), (256,), (g, u, I32(0), hid, I32(1), I64(g.size)))
+    if gate_up is not None:
+        assert gate_up.shape[1:] == (2 * inter, h) and gate_up.shape[0] >= ne, \
+            f"gate|up {gate_up.shape}: need [{ne}, {2 * inter}, {h}]"
+        _gemm(x, gate_up, hid, gather=gather, groups=grouped, max_rows=t, swiglu=True)
+    else:
+        g, u = empty((p, inter), cp.float32), empty((p, inter), cp.float32)
+        _gemm(x, gate_w, g, gather=gather, groups=grouped, max_rows=t)
+        _gemm(x, up_w, u, gather=gather, groups=grouped, max_rows=t)
+        get_kernel("moe", "moe_silu_mul")((-(-g.size // 256),), (256,), (g, u, I32(0), hid, I32(1), I64(g.size)))
     d = empty((p, h), cp.float32)
-    _gemm(hid, down_w, d, groups=grouped, max_rows=t)
-    if shared is not None:
+    if slot:
+        assert fused.down.shape == (ne, h, inter), f"down {fused.down.shape}: need [{ne}, {h}, {inter}]"
+    _gemm(hid, fused.down if slot else down_w, d, groups=grouped, max_rows=t)
+    if shared is not None and not slot:
+        shared = shared() if callable(shared) else shared
         check(shared, np.float32, "shared", 2)
         assert shared.shape == (t, h) and gate_logit.dtype == cp.float32 and gate_logit.shape == (t, 1)
         sh_args = (shared, gate_logit, I64(gate_logit.strides[0] // 4))
     else:
         sh_args = (null(), null(), I64(0))
     get_kernel("moe", "moe_combine")((-(-h // 256), t), (256,),
-                                     (d, I32(0), wts, slot_pos, I32(top_k), I32(h), out, I32(kind(out.dtype)),
-                                      *sh_args))
+                                     (d, I32(0), wts, slot_pos, I32(kk), I32(h), out, I32(kind(out.dtype)),
+                                      *sh_args, I32(int(slot))))
     return out
 
 

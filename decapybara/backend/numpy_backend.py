@@ -304,7 +304,7 @@ class NumpyBackend(Backend):
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
             top_k: int, normalize: bool, shared: Any = None, shared_gate: Any = None,
-            router_gate: Any = None) -> np.ndarray:
+            fused: Any = None) -> np.ndarray:
         logits = self.linear(x, router)  # [T, E]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)

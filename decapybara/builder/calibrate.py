@@ -128,7 +128,7 @@ class CalibrationBackend(NumpyBackend):
 
     def moe(self, x: np.ndarray, router: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray,
             top_k: int, normalize: bool, shared: Any = None, shared_gate: Any = None,
-            router_gate: Any = None) -> np.ndarray:
+            fused: Any = None) -> np.ndarray:
         self._observe(self.names[id(router)], x)
         logits = x @ router.T  # [T, E]: the routing of NumpyBackend.moe, op for op
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))

@@ -63,7 +63,7 @@ class QwenModel:
         self.fused_mlp: dict[str, Any] = self._fuse_mlps()
         self.fused_dn: dict[str, tuple[Any, Any]] = self._fuse_deltanet_inputs()
         self.fused_qkv: dict[str, tuple[Any, Any]] = self._fuse_attention_inputs()
-        self.fused_router: dict[str, Any] = self._fuse_routers()
+        self.fused_moe: dict[str, Any] = self._fuse_moe()
 
     def _fuse_attention_inputs(self) -> dict[str, tuple[Any, Any]]:
         """Attention prefix -> (q|k|v stacked [q_out + 2 kv_out, H], their biases stacked or None): one input
@@ -125,20 +125,33 @@ class QwenModel:
                 fused[m], (self.w[name], self.w[up]) = got[0], got[1]
         return fused
 
-    def _fuse_routers(self) -> dict[str, Any]:
-        """MoE prefix (`*.mlp`) -> its router and shared-expert gate stacked ([E + 1, H]: one product for both
-        in a backend's `moe`), where the backend fuses."""
+    def _fuse_moe(self) -> dict[str, Any]:
+        """MoE prefix (`*.mlp`) -> the backend's stacked form of its weights (`Backend.fuse_moe`: e.g. the router
+        with the shared gate, the experts' gate with their up stacks, the shared expert as one expert more), the
+        weight dict's entries (and the shared expert's stacked gate|up in `fused_mlp`) replaced by its views."""
         fused = {}
         for name in list(self.w):
-            if not name.endswith(".shared_expert_gate.weight"):
+            if not name.endswith(".experts.gate_proj"):
                 continue
-            m = name[: -len(".shared_expert_gate.weight")]
-            router = f"{m}.gate.weight"
-            if router not in self.w:
+            m = name[: -len(".experts.gate_proj")]
+            s = f"{m}.shared_expert"
+            names = {"router": f"{m}.gate.weight", "gate": name, "up": f"{m}.experts.up_proj",
+                     "down": f"{m}.experts.down_proj", "shared_gate": f"{m}.shared_expert_gate.weight",
+                     "shared_gate_proj": f"{s}.gate_proj.weight", "shared_up_proj": f"{s}.up_proj.weight",
+                     "shared_down_proj": f"{s}.down_proj.weight"}
+            names = {role: n for role, n in names.items() if n in self.w}
+            parts = {role: self.w[n] for role, n in names.items()}
+            if s in self.fused_mlp:
+                parts["shared_gate_up"] = self.fused_mlp[s]
+            got = self.backend.fuse_moe(parts) if {"router", "gate", "up", "down"} <= parts.keys() else None
+            if got is None:
                 continue
-            got = self.backend.concat_rows([self.w[router], self.w[name]])
-            if got is not None:
-                fused[m], (self.w[router], self.w[name]) = got[0], got[1]
+            fused[m], views = got
+            for role, view in views.items():
+                if role == "shared_gate_up":
+                    self.fused_mlp[s] = view
+                else:
+                    self.w[names[role]] = view
         return fused
 
     @classmethod
@@ -320,11 +333,13 @@ class QwenModel:
             return self._mlp(m, x)
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:  # the shared expert's output, gated and added by `moe`
-            shared = Projection.output(self._mlp(f"{m}.shared_expert", x), ops)
+            def shared() -> Any:  # where `moe` does not run it in its own launches
+                return Projection.output(self._mlp(f"{m}.shared_expert", x), ops)
+
             shared_gate = w[f"{m}.shared_expert_gate.weight"]
         return ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
                        w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, shared_gate,
-                       self.fused_router.get(m))
+                       self.fused_moe.get(m))
 
     def _mlp(self, m: str, x: Any) -> Projection:
         ops, w = self.backend, self.w

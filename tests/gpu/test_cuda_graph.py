@@ -193,8 +193,12 @@ def test_moe_decode_graphs_capture(experts):
     model = QwenModel.from_tensors(cfg, backend, tensors, include_mtp=False)
     stacks = [model.w[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_proj", "up_proj", "down_proj")]
     assert backend.moe_captures(*stacks)
-    assert sorted(model.fused_router) == [f"model.layers.{i}.mlp" for i in range(cfg.num_hidden_layers)
-                                          if cfg.layer_is_moe(i)]  # router|shared gate: one product a layer
+    fused = model.fused_moe
+    assert sorted(fused) == [f"model.layers.{i}.mlp" for i in range(cfg.num_hidden_layers) if cfg.layer_is_moe(i)]
+    # router|shared gate and the experts' gate|up stacked; the shared expert (bf16 as the bf16 experts; not as
+    # the MXFP4 ones) as their expert E
+    assert all(f.router_gate is not None and f.gate_up is not None for f in fused.values())
+    assert all(f.shared_slot == (experts == "bf16") for f in fused.values())
     page, num_pages = 8, 40
     kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
     runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)

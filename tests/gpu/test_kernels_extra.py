@@ -601,13 +601,101 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
     assert_close(got, ref, 2e-2, f"moe t={t} normalize={normalize} experts={experts}")
 
 
+@pytest.mark.parametrize("t", [1, 12, 37, 70])  # 70: past SWIGLU_ROWS, two grouped products over the views
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])  # mxfp4: band tiles, split codes
+@pytest.mark.parametrize("h,inter", [(256, 512), (1024, 256)])  # 1024 / 256: split over K
+def test_moe_gate_up_in_one_launch_matches_numpy_backend(t, experts, h, inter):
+    """The experts' gate and up stacks stacked as the model stacks them (`CupyBackend.concat_rows` of expert
+    stacks: [E, 2 I, H], the parts' strided row views): one grouped SwiGLU launch (`gate_up`) against the numpy
+    reference, and against the same `moe` over the views (two grouped products and the activation: the views
+    are kernel operands as they are)."""
+    rng = np.random.default_rng(7 * t + h)
+    e, k = 16, 4
+    x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
+    router = rng.standard_normal((e, h)).astype(np.float32) * 0.3
+    refs, dev = [], []
+    for shape in ((e, inter, h), (e, inter, h), (e, h, inter)):
+        if experts == "bf16":
+            wv = bf16_round(rng.standard_normal(shape) * 0.05).astype(np.float32)
+            refs.append(wv)
+            dev.append(ex.PackedWeight("bf16", shape, cp.asarray(bf16_encode(wv)), persistent=True))
+        else:
+            q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
+            refs.append(q.dequantize())
+            dev.append(ex.pack_weight(q))
+    got = CupyBackend("bf16").concat_rows(dev[:2])
+    assert got is not None
+    gate_up, (gate_v, up_v) = got
+    assert gate_up.shape == (e, 2 * inter, h) and gate_up.tiled == dev[0].tiled
+    assert not gate_v.codes.flags.c_contiguous and ex.gemm_ready(gate_v) and ex.gemm_ready(up_v)
+    assert ex.fuses_grouped_swiglu(gate_up, t) == (t <= ex.SWIGLU_ROWS)
+    ref = NumpyBackend().moe(x, router, *refs, k, True)
+    fused = ex.moe(cp.asarray(x), cp.asarray(router), gate_v, up_v, dev[2], k, True, fused=ex.FusedMoE(gate_up=gate_up))
+    assert_close(fused, ref, 2e-2, f"moe gate|up t={t} {experts} {h}x{inter}")
+    views = ex.moe(cp.asarray(x), cp.asarray(router), gate_v, up_v, dev[2], k, True)
+    assert_close(views, ref, 2e-2, f"moe over views t={t} {experts} {h}x{inter}")
+    assert_close(fused, cp.asnumpy(views), 5e-3, f"one launch vs two t={t} {experts} {h}x{inter}")
+
+
+@pytest.mark.parametrize("t", [1, 12, 37, 70])  # 70: past SWIGLU_ROWS, the shared expert in launches of its own
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_moe_shared_expert_as_one_expert_more_matches_numpy_backend(t, experts):
+    """`CupyBackend.fuse_moe` as the model calls it at load: the router and shared gate stacked, the experts' gate
+    and up stacked, and the shared expert's MLP (the routed experts' width and storage) appended to the stacks
+    as expert E, a slot more of every token (`FusedMoE.shared_slot`); against the numpy reference over the
+    original weights, and (views) the same MoE with the shared expert computed apart."""
+    rng = np.random.default_rng(300 + t)
+    e, k, h, inter = 16, 4, 256, 512
+    x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
+    f32 = {"router": bf16_round(rng.standard_normal((e, h)) * 0.3), "shared_gate": bf16_round(rng.standard_normal((1, h)) * 0.3)}
+    shapes = {"gate": (e, inter, h), "up": (e, inter, h), "down": (e, h, inter), "shared_gate_proj": (inter, h),
+              "shared_up_proj": (inter, h), "shared_down_proj": (h, inter)}
+    from decapybara.backend.cuda_factory import cuda_backend
+
+    backend = cuda_backend("bf16")  # packed weights' products (PackedWeightsMixin) and bf16 ones
+    parts, refs = {n: cp.asarray(bf16_encode(v.astype(np.float32))) for n, v in f32.items()}, dict(f32)
+    for role, shape in shapes.items():
+        if experts == "bf16":
+            refs[role] = bf16_round(rng.standard_normal(shape) * 0.05).astype(np.float32)
+            parts[role] = cp.asarray(bf16_encode(refs[role]))
+        else:
+            q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
+            refs[role], parts[role] = q.dequantize(), ex.pack_weight(q)
+    parts["shared_gate_up"], (parts["shared_gate_proj"], parts["shared_up_proj"]) = backend.concat_rows(
+        [parts["shared_gate_proj"], parts["shared_up_proj"]])
+    fused, views = backend.fuse_moe(parts)
+    assert fused.shared_slot and fused.gate_up.shape == (e + 1, 2 * inter, h) and fused.down.shape == (e + 1, h, inter)
+    assert set(views) == set(parts)
+    np_ops = NumpyBackend()
+
+    def shared_of(ops, w):
+        g = ops.linear(x, w["shared_gate_proj"])
+        return ops.linear(ops.silu_mul(g, ops.linear(x, w["shared_up_proj"])), w["shared_down_proj"])
+
+    ref = np_ops.moe(x, refs["router"], refs["gate"], refs["up"], refs["down"], k, True, shared_of(np_ops, refs),
+                     refs["shared_gate"])
+
+    def shared_dev():  # the shared expert over its views (the model's MLP, apart)
+        return backend.linear(backend.silu_mul_halves(backend.linear(cp.asarray(x), views["shared_gate_up"])),
+                              views["shared_down_proj"])
+
+    calls = []
+    got = backend.moe(cp.asarray(x), views["router"], views["gate"], views["up"], views["down"], k, True,
+                      lambda: calls.append(1) or shared_dev(), views["shared_gate"], fused)
+    assert_close(got, ref, 2e-2, f"moe, shared expert in the stacks, t={t} {experts}")
+    assert len(calls) == (t > ex.SWIGLU_ROWS), "the shared expert's own launches: past SWIGLU_ROWS rows only"
+    apart = backend.moe(cp.asarray(x), views["router"], views["gate"], views["up"], views["down"], k, True,
+                        shared_dev, views["shared_gate"])
+    assert_close(got, cp.asnumpy(apart), 1e-2, f"stacked vs apart t={t} {experts}")
+
+
 @pytest.mark.parametrize("t", [1, 12, 37])  # route and dispatch in one launch (up to 32 rows), in two past that
 @pytest.mark.parametrize("gates", ["f32", "bf16"])  # bf16: router and shared gate as one stacked product, as
 # QwenModel stacks them (`router_gate`; `router` and `shared_gate` its row views)
 def test_moe_with_shared_expert_matches_numpy_backend(t, gates):
     """The shared expert's gated output added in the combine (`moe(..., shared, shared_gate)`) against the
-    reference's sum + sigmoid(x @ gate^T) * shared; with bf16 gates also the plain routed result (the stacked
-    router's logits route as the router's alone)."""
+    reference's sum + sigmoid(x @ gate^T) * shared (given as an array, and as a function that computes it);
+    with bf16 gates also the plain routed result (the stacked router's logits route as the router's alone)."""
     rng = np.random.default_rng(100 + t)
     e, k, h, inter = 16, 4, 256, 512
     x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
@@ -624,8 +712,12 @@ def test_moe_with_shared_expert_matches_numpy_backend(t, gates):
         stack, dev = None, [cp.asarray(a) for a in (router, sgate)]
     for normalize in (True, False):
         ref = NumpyBackend().moe(x, router, *refs, k, normalize, shared, sgate)
-        got = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize, cp.asarray(shared), dev[1], stack)
+        got = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize, cp.asarray(shared), dev[1],
+                     ex.FusedMoE(router_gate=stack))
         assert_close(got, ref, 2e-2, f"moe + shared t={t} gates={gates} normalize={normalize}")
+        late = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize, lambda: cp.asarray(shared), dev[1],
+                      ex.FusedMoE(router_gate=stack))
+        assert_close(late, cp.asnumpy(got), 0.0, f"moe + shared computed on demand t={t} gates={gates}")
         plain = ex.moe(cp.asarray(x), dev[0], *weights, k, normalize)
         assert_close(plain, NumpyBackend().moe(x, router, *refs, k, normalize), 2e-2, f"moe t={t} gates={gates}")
 
@@ -655,15 +747,14 @@ def test_moe_routing_of_nan_and_infinite_logits(t, e):
     dev = cp.asarray(logits)
     jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)
     I32, I64 = np.int32, np.int64
+    route = (dev, I64(e), I32(t), I32(e), I32(k), I32(1), I32(0), ids, wts)  # normalised, no shared slot
     if t <= ex.ROUTE_DISPATCH_ROWS:
-        kernels.get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (dev, I64(e), I32(t), I32(e), I32(k), I32(1), ids,
-                                                                     wts, I32(ng), counts, offsets, gids, gather,
-                                                                     slot_pos), shared_mem=8 * e)
+        kernels.get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (*route, I32(ng), counts, offsets, gids,
+                                                                             gather, slot_pos), shared_mem=8 * e)
     else:
-        kernels.get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), (dev, I64(e), I32(t), I32(e), I32(k),
-                                                                                  I32(1), ids, wts))
-        kernels.get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids, gather,
-                                                          slot_pos, I32(k)), shared_mem=8 * e)
+        kernels.get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), route)
+        kernels.get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids,
+                                                                  gather, slot_pos, I32(k)), shared_mem=8 * e)
     ids_h, w_h = cp.asnumpy(ids), cp.asnumpy(wts)
     assert ((ids_h >= 0) & (ids_h < e)).all(), ids_h[:5]
     assert all(len(set(r)) == k for r in ids_h.tolist()), ids_h[:5]

@@ -189,8 +189,7 @@ class Backend(ABC):
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """One matrix holding `weights` ([N_i, K] each, same K and storage) stacked along rows, plus a row-range
         view of it for each input (so the inputs' memory can go), or None where this backend does not fuse
-        products. Fusing lets a skinny product read several matrices in one launch. A backend may also stack
-        expert stacks [E, N_i, K] (of one E) along N, each expert's parts' rows one after another.
+        products. Fusing lets a skinny product read several matrices in one launch.
 
         A backend that fuses must accept column-range views of its `linear` outputs (rows not contiguous: row
         stride = the fused width) as `deltanet_core`'s mixed_qkv / a / b, `gated_rms_norm`'s z, `qk_norm_rope`'s

@@ -94,20 +94,51 @@ def _bf16_stack(weight: Any) -> PackedWeight | None:
     return None
 
 
-def _append_expert(stack: Any, extra: Any) -> Any:
-    """Expert stack [E, N, K] with one matrix [N, K] of the same storage appended as expert E ([E + 1, N, K], a
-    new array), or None where their storage differs (bf16 bits; PackedWeights of one format and layout)."""
-    if isinstance(stack, PackedWeight) != isinstance(extra, PackedWeight) or tuple(extra.shape) != tuple(stack.shape[1:]):
+def _same_storage(parts: list[Any]) -> bool:
+    """Whether weights are all bf16 bits or all PackedWeights of one format, tensor scale and code layout, over the
+    same K."""
+    if all(isinstance(w, cp.ndarray) for w in parts):
+        return all(w.dtype == cp.uint16 and w.shape[-1] == parts[0].shape[-1] for w in parts)
+    if not all(isinstance(w, PackedWeight) for w in parts):
+        return False
+    key = [(w.fmt, w.K, w.tensor_scale, w.e2m1_split, w.tiled, w.scales is None) for w in parts]
+    return all(k == key[0] for k in key)
+
+
+def _stack_experts(blocks: list[list[Any]]) -> Any:
+    """One expert stack [E', N, K] from `blocks`: expert stacks [E, N_i, K] or matrices [N_i, K] (one expert),
+    grouped by expert ranges: each inner list's parts side by side along the rows (each expert's rows of its
+    parts one after another), the lists one after another along the experts. Made in one allocation (no
+    intermediate stack: the load's peak is the parts and the result). None where the parts' storage or shapes
+    do not match (`_same_storage`)."""
+    parts = [w for blk in blocks for w in blk]
+    if not _same_storage(parts):
         return None
-    if not isinstance(stack, PackedWeight):
-        return cp.concatenate([stack, extra[None]]) if stack.dtype == extra.dtype == cp.uint16 else None
-    if (extra.fmt, extra.tensor_scale, extra.e2m1_split, extra.tiled, extra.scales is None) != (
-            stack.fmt, stack.tensor_scale, stack.e2m1_split, stack.tiled, stack.scales is None):
+    lead = [w.shape[0] if len(w.shape) == 3 else 1 for w in (blk[0] for blk in blocks)]
+    rows = [sum(w.shape[-2] for w in blk) for blk in blocks]
+    if len(set(rows)) != 1 or any((w.shape[0] if len(w.shape) == 3 else 1) != n
+                                  for blk, n in zip(blocks, lead, strict=True) for w in blk):
         return None
-    codes = cp.concatenate([stack.codes, extra.codes[None]])
-    scales = None if stack.scales is None else cp.concatenate([stack.scales, extra.scales[None]])
-    return PackedWeight(stack.fmt, (stack.shape[0] + 1, *stack.shape[1:]), codes, scales, stack.tensor_scale,
-                        stack.persistent and extra.persistent, stack.e2m1_split, stack.tiled)
+    packed = isinstance(parts[0], PackedWeight)
+    fields = (("codes", "scales") if parts[0].scales is not None else ("codes",)) if packed else (None,)
+    out = {}
+    for name in fields:  # a PackedWeight's arrays (bf16 bits: the array itself)
+        src = [[getattr(w, name) if name else w for w in blk] for blk in blocks]
+        first = src[0][0]
+        dst = cp.empty((sum(lead), rows[0], first.shape[-1]), first.dtype)
+        e0 = 0
+        for blk, n in zip(src, lead, strict=True):
+            r = 0
+            for a in blk:
+                dst[e0:e0 + n, r:r + a.shape[-2]] = a.reshape(n, a.shape[-2], a.shape[-1])
+                r += a.shape[-2]
+            e0 += n
+        out[name] = dst
+    if not packed:
+        return out[None]
+    first = parts[0]
+    return PackedWeight(first.fmt, (sum(lead), rows[0], first.K), out["codes"], out.get("scales"), first.tensor_scale,
+                        all(w.persistent for w in parts), first.e2m1_split, first.tiled)
 
 
 def _expert_rows(stack: Any, experts: Any, rows: tuple[int, int] | None, dense: Any = None) -> Any:
@@ -320,52 +351,39 @@ class CupyBackend(Backend):
 
     def concat_rows(self, weights: list[Any]) -> tuple[Any, list[Any]] | None:
         """Stacks device matrices of one storage (float32, bf16 bits, or PackedWeights of one format, tensor
-        scale and E2M1 code layouts) along their rows; also expert stacks [E, N_i, K] of one E (along N: each
-        expert's rows of the parts one after another; the views are strided row ranges, which the kernels
-        address as they are, `PackedWeight.kernel_ok`). None for anything else (e.g. NVFP4 tensors of different
-        tensor scales)."""
-        ndim = len(weights[0].shape)
-        if ndim not in (2, 3) or any(len(w.shape) != ndim or w.shape[:-2] != weights[0].shape[:-2] for w in weights):
-            return None
-        ax = ndim - 2  # the rows' axis
-
-        def rows(a: Any, r: int, n: int) -> Any:
-            return a[r:r + n] if ax == 0 else a[:, r:r + n]
-
+        scale and E2M1 code layouts); None for anything else (e.g. NVFP4 tensors of different tensor scales)."""
         if all(isinstance(w, PackedWeight) for w in weights):
             first = weights[0]
-            if any(w.fmt != first.fmt or w.K != first.K or w.tensor_scale != first.tensor_scale
+            if any(w.fmt != first.fmt or len(w.shape) != 2 or w.K != first.K or w.tensor_scale != first.tensor_scale
                    or (w.scales is None) != (first.scales is None) or w.e2m1_split != first.e2m1_split
                    or w.tiled != first.tiled for w in weights):
                 return None
-            codes = cp.concatenate([w.codes for w in weights], axis=ax)
-            scales = cp.concatenate([w.scales for w in weights], axis=ax) if first.scales is not None else None
+            codes = cp.concatenate([w.codes for w in weights], axis=0)
+            scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
             persistent = all(w.persistent for w in weights)  # stacked at load time from model weights
-            fused = PackedWeight(first.fmt, (*first.shape[:-2], codes.shape[ax], first.K), codes, scales,
-                                 first.tensor_scale, persistent, first.e2m1_split,
-                                 first.tiled)  # tiled parts are whole bands: so is their stack
+            fused = PackedWeight(first.fmt, (codes.shape[0], first.K), codes, scales, first.tensor_scale, persistent,
+                                 first.e2m1_split, first.tiled)  # tiled parts are whole bands: so is their stack
             if not gemm_ready(fused):
                 return None
             # bf16 values where every part keeps them (PackedWeightsMixin.dense_prefill): stacked likewise
             parts = [dense_of(w) for w in weights]
-            dense = cp.concatenate(parts, axis=ax) if all(d is not None for d in parts) else None
+            dense = cp.concatenate(parts, axis=0) if all(d is not None for d in parts) else None
             set_dense(fused, dense)
             views, r = [], 0
             for w in weights:
-                n = w.shape[-2]
-                views.append(PackedWeight(w.fmt, w.shape, rows(codes, r, n),
-                                          None if scales is None else rows(scales, r, n),
+                n = w.shape[0]
+                views.append(PackedWeight(w.fmt, w.shape, codes[r:r + n], None if scales is None else scales[r:r + n],
                                           w.tensor_scale, persistent, w.e2m1_split, w.tiled))
-                set_dense(views[-1], None if dense is None else rows(dense, r, n))
+                set_dense(views[-1], None if dense is None else dense[r:r + n])
                 r += n
             return fused, views
-        if not all(isinstance(w, cp.ndarray) for w in weights):
+        if not all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in weights):
             return None
-        if any(w.dtype != weights[0].dtype or w.shape[-1] != weights[0].shape[-1] for w in weights):
+        if any(w.dtype != weights[0].dtype or w.shape[1] != weights[0].shape[1] for w in weights):
             return None
-        fused = cp.concatenate(weights, axis=ax)
-        bounds = np.cumsum([0] + [w.shape[-2] for w in weights])
-        return fused, [rows(fused, a, b - a) for a, b in itertools.pairwise(bounds)]
+        fused = cp.concatenate(weights, axis=0)
+        bounds = np.cumsum([0] + [w.shape[0] for w in weights])
+        return fused, [fused[a:b] for a, b in itertools.pairwise(bounds)]
 
     def sigmoid(self, x: Any) -> Any:
         return ops.sigmoid(x)
@@ -454,12 +472,14 @@ class CupyBackend(Backend):
                                       shared, shared_gate)
 
     def fuse_moe(self, weights: dict[str, Any]) -> tuple[FusedMoE, dict[str, Any]] | None:
-        """The layer's router and shared gate stacked (`concat_rows`), its experts' gate and up stacks stacked
-        ([E, 2 I, H]) and, where the shared expert's MLP has the routed experts' width and storage, that MLP
-        appended to the stacks as expert E (gate|up [E + 1, 2 I, H], down [E + 1, H, I]; `FusedMoE.shared_slot`):
-        what `cupy_ops_extra.moe` runs in fewer launches. For bf16 stacks in bf16 mode and packed ones (the
-        fp32 mode's float32 experts take the host-routed path, which reads none of them)."""
-        if not (self.bf16 or isinstance(weights["gate"], PackedWeight)):
+        """The layer's router and shared gate stacked (`concat_rows`; where bf16 or packed), its experts' gate
+        and up stacks stacked ([E, 2 I, H]: each expert's gate rows, then its up rows) and, where the shared
+        expert's MLP has the routed experts' width and storage, that MLP appended to the stacks as expert E
+        (gate|up [E + 1, 2 I, H], down [E + 1, H, I]; `FusedMoE.shared_slot`): what `cupy_ops_extra.moe` runs in
+        fewer launches. For bf16 stacks in bf16 mode and packed ones (the fp32 mode's float32 experts take the
+        host-routed path, which reads none of them)."""
+        gate, up, down = weights["gate"], weights["up"], weights["down"]
+        if not (self.bf16 or isinstance(gate, PackedWeight)):
             return None
         views: dict[str, Any] = {}
         fused = FusedMoE()
@@ -467,25 +487,27 @@ class CupyBackend(Backend):
             got = self.concat_rows([weights["router"], weights["shared_gate"]])
             if got is not None:
                 fused.router_gate, (views["router"], views["shared_gate"]) = got
-        got = self.concat_rows([weights["gate"], weights["up"]])
-        if got is None:
-            return (fused, views) if views else None
-        gate_up, (views["gate"], views["up"]) = got
-        down = weights["down"]
-        e, inter = gate_up.shape[0], weights["gate"].shape[1]
+        e, inter = gate.shape[0], gate.shape[1]
         sgu, sdown = weights.get("shared_gate_up"), weights.get("shared_down_proj")
-        if fused.router_gate is not None and sgu is not None and sdown is not None:
-            gu_all, down_all = _append_expert(gate_up, sgu), _append_expert(down, sdown)
-            if gu_all is not None and down_all is not None:
-                fused.shared_slot = True
-                gate_up, down = gu_all, down_all
-                views["gate"], views["up"] = (_expert_rows(gu_all, slice(0, e), r) for r in ((0, inter), (inter, inter)))
-                views["down"] = _expert_rows(down_all, slice(0, e), None)
-                views["shared_gate_up"] = _expert_rows(gu_all, e, None, _dense_of_packed(sgu))
-                for role, r in (("shared_gate_proj", (0, inter)), ("shared_up_proj", (inter, inter))):
-                    views[role] = _expert_rows(gu_all, e, r, _dense_of_packed(weights.get(role)))
-                views["shared_down_proj"] = _expert_rows(down_all, e, None, _dense_of_packed(sdown))
-        fused.gate_up, fused.down = _bf16_stack(gate_up), _bf16_stack(down) if fused.shared_slot else None
+        streamed = fused.router_gate is not None and (isinstance(fused.router_gate, PackedWeight)
+                                                      or fused.router_gate.dtype == cp.uint16)
+        gate_up = down_all = None
+        if streamed and sgu is not None and sdown is not None:  # the shared expert as expert E
+            gate_up = _stack_experts([[gate, up], [sgu]])
+            down_all = _stack_experts([[down], [sdown]]) if gate_up is not None else None
+        if down_all is None:
+            gate_up = _stack_experts([[gate, up]])
+        if gate_up is None or not gemm_ready(_bf16_stack(gate_up)):
+            return (fused, views) if views else None
+        views["gate"], views["up"] = (_expert_rows(gate_up, slice(0, e), r) for r in ((0, inter), (inter, inter)))
+        if down_all is not None:
+            fused.shared_slot = True
+            views["down"] = _expert_rows(down_all, slice(0, e), None)
+            views["shared_gate_up"] = _expert_rows(gate_up, e, None, _dense_of_packed(sgu))
+            for role, r in (("shared_gate_proj", (0, inter)), ("shared_up_proj", (inter, inter))):
+                views[role] = _expert_rows(gate_up, e, r, _dense_of_packed(weights.get(role)))
+            views["shared_down_proj"] = _expert_rows(down_all, e, None, _dense_of_packed(sdown))
+        fused.gate_up, fused.down = _bf16_stack(gate_up), _bf16_stack(down_all) if down_all is not None else None
         return fused, views
 
     def _host_routed_moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int,

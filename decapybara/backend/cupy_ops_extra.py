@@ -136,7 +136,7 @@ class PackedWeight:
     def kernel_ok(self) -> bool:
         """Whether the rows meet the kernel's 16-byte alignment (see the module docstring) and the arrays the
         layout it addresses: rows contiguous and one after another; stacked experts [E, N, ...] any 16-byte
-        multiple apart (so that a row range of a stack, `concat_rows`' views, is a kernel operand too)."""
+        multiple apart (so that a row range of a stack, `CupyBackend.fuse_moe`'s views, is a kernel operand too)."""
         row = self.codes.shape[-1] * self.codes.itemsize
         return (row % 16 == 0 and dev_ptr(self.codes) % 16 == 0 and _rows_packed(self.codes)
                 and (self.scales is None or _rows_packed(self.scales)))
@@ -679,10 +679,12 @@ def fuses_swiglu(w: PackedWeight, rows: int) -> bool:
 
 def fuses_grouped_swiglu(w: PackedWeight, rows: int) -> bool:
     """Whether `moe` runs its experts' gate and up products and activation as one grouped SwiGLU launch over `w`
-    (the [E, 2 I, H] stack of both, groups of up to `rows` rows): up to SWIGLU_ROWS rows, N a multiple of 16, a
-    weight the kernels stream, a kernel file with the SwiGLU kernels and group ids."""
-    src = tune_for(w.fmt)["source"]
-    return (len(w.shape) == 3 and 0 < rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
+    (the [E, 2 I, H] stack of both, groups of up to `rows` rows): from TUNE `swiglu_rows` rows (0: never, as for
+    dense MLPs) up to SWIGLU_ROWS, N a multiple of 16, a weight the kernels stream, a kernel file with the SwiGLU
+    kernels and group ids."""
+    tune = tune_for(w.fmt)
+    src = tune["source"]
+    return (len(w.shape) == 3 and 0 < tune["swiglu_rows"] <= rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
             and kernel_knows(src, f"NAME##_{n_tiles(rows)}s") and kernel_knows(src, "g_ids"))
 
 
@@ -997,7 +999,8 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
         shared: Any = None, shared_gate: Any = None, fused: FusedMoE | None = None) -> Any:
     """`Backend.moe` on the device with no host synchronisation: router softmax + top-k and dispatch grouped by
     expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
-    grouped skinny GEMMs over the experts hit (G = min(E, T k) groups, `moe_dispatch`), weighted combine. x [T, H]
+    grouped skinny GEMMs over the experts hit (G = min(E', T k') groups, `moe_dispatch`; E' = E + 1 and k' = k + 1
+    with the shared expert in the stacks, below), weighted combine. x [T, H]
     -> [T, H] (x's dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
     PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
     A shared expert: `shared` (its output [T, H] float32, or a function of no arguments that computes it) and

@@ -185,7 +185,8 @@ def test_moe_decode_graphs_capture(experts):
     give the same greedy tokens."""
     from decapybara.backend.cuda_factory import cuda_backend
 
-    cfg = ModelConfig.from_hf(TINY_HF_CONFIGS["qwen3_5_moe_text"])
+    hf = TINY_HF_CONFIGS["qwen3_5_moe_text"]
+    cfg = ModelConfig.from_hf({**hf, "shared_expert_intermediate_size": hf["moe_intermediate_size"]})  # as the 35B's
     tensors = dict(random_tensors(cfg, seed=5, std=0.2))
     if experts == "mxfp4":
         tensors = {k: quantize(v, "mxfp4") if ".experts." in k else v for k, v in tensors.items()}

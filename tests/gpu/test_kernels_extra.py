@@ -605,8 +605,8 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4"])  # mxfp4: band tiles, split codes
 @pytest.mark.parametrize("h,inter", [(256, 512), (1024, 256)])  # 1024 / 256: split over K
 def test_moe_gate_up_in_one_launch_matches_numpy_backend(t, experts, h, inter):
-    """The experts' gate and up stacks stacked as the model stacks them (`CupyBackend.concat_rows` of expert
-    stacks: [E, 2 I, H], the parts' strided row views): one grouped SwiGLU launch (`gate_up`) against the numpy
+    """The experts' gate and up stacks stacked as the model stacks them (`CupyBackend.fuse_moe`: [E, 2 I, H], the
+    parts' strided row views): one grouped SwiGLU launch (`FusedMoE.gate_up`) against the numpy
     reference, and against the same `moe` over the views (two grouped products and the activation: the views
     are kernel operands as they are)."""
     rng = np.random.default_rng(7 * t + h)
@@ -623,9 +623,9 @@ def test_moe_gate_up_in_one_launch_matches_numpy_backend(t, experts, h, inter):
             q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
             refs.append(q.dequantize())
             dev.append(ex.pack_weight(q))
-    got = CupyBackend("bf16").concat_rows(dev[:2])
-    assert got is not None
-    gate_up, (gate_v, up_v) = got
+    got = CupyBackend("bf16").fuse_moe({"router": cp.asarray(router), "gate": dev[0], "up": dev[1], "down": dev[2]})
+    assert got is not None and not got[0].shared_slot and got[0].down is None and set(got[1]) == {"gate", "up"}
+    gate_up, gate_v, up_v = got[0].gate_up, got[1]["gate"], got[1]["up"]
     assert gate_up.shape == (e, 2 * inter, h) and gate_up.tiled == dev[0].tiled
     assert not gate_v.codes.flags.c_contiguous and ex.gemm_ready(gate_v) and ex.gemm_ready(up_v)
     assert ex.fuses_grouped_swiglu(gate_up, t) == (t <= ex.SWIGLU_ROWS)

@@ -8,6 +8,7 @@ buckets do not cover; a capture that fails leaves the bucket eager with the righ
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -35,13 +36,29 @@ PAGE, PAGES = 8, 128
 
 def model_of(family: str, fmt: str) -> QwenModel:
     """bf16 weights (MoE experts: bf16 stacks) on the bf16 backend, or every matrix and expert stack in `fmt` on
-    the packed backend."""
+    the packed backend. "qwen3_5_moe_text/slot": that model with its shared expert cut to the routed experts'
+    width, so that its MoE layers run it as one expert more of their stacks (`FusedMoE.shared_slot`)."""
+    family, _, variant = family.partition("/")
     cfg, tensors = tiny_checkpoint(family)
+    if variant == "slot":
+        inter = cfg.moe_intermediate_size
+        cfg = dataclasses.replace(cfg, shared_expert_intermediate_size=inter)
+        tensors = {k: (v[:inter] if k.endswith(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"))
+                       else v[:, :inter] if k.endswith("shared_expert.down_proj.weight") else v)
+                   for k, v in tensors.items()}
     if fmt == "bf16":
         return QwenModel.from_tensors(cfg, CupyBackend("bf16"), tensors)
     tensors = {k: quant.quantize(v, fmt) if v.ndim in (2, 3) and not k.endswith("conv1d.weight") else v
                for k, v in tensors.items()}
     return QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+
+
+def test_slot_variant_runs_the_shared_expert_in_the_stacks():
+    """The "/slot" model's MoE layers stack the shared expert with the routed ones; the plain tiny model's (a
+    shared expert wider than the routed ones) cannot."""
+    for fmt in ("bf16", "mxfp4"):
+        assert all(f.shared_slot for f in model_of("qwen3_5_moe_text/slot", fmt).fused_moe.values()), fmt
+        assert not any(f.shared_slot for f in model_of("qwen3_5_moe_text", fmt).fused_moe.values()), fmt
 
 
 class Pools:
@@ -70,10 +87,11 @@ def step(model: QwenModel, pools: Pools, entries: list[tuple[np.ndarray, int, in
 STEPS = [(20, 0), (0, 22), (30, 1), (5, 0), (12, 1), (18, 1), (70, 1), (13, 1), (30, 1), (130, 130), (60, 10)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3", "qwen3_5_moe_text", "qwen3_5_moe_text/slot"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 def test_tails_give_the_eager_logits(family, fmt):
-    """MoE layers' tails capture too (the device `moe` over packed or bf16 expert stacks)."""
+    """MoE layers' tails capture too (the device `moe` over packed or bf16 expert stacks; /slot: the shared expert
+    as one expert more of them)."""
     model = model_of(family, fmt)
     rng = np.random.default_rng(zlib.crc32(f"piecewise-{family}-{fmt}".encode()))
     eager, graphs = Pools(model), Pools(model)

@@ -29,7 +29,8 @@ layer (random weights route close to uniformly), with every other matrix; HF's 3
 host-routing MoE (`CupyBackend.moe` as for float32 experts: one host synchronisation a layer, no graphs).
 BENCH_UNFUSED_MOE=1 runs the MoE layers over the views of their load-time stacks (`QwenModel.fused_moe` cleared):
 the router and shared gate as two products, the experts' gate and up as two grouped products and an activation,
-the shared expert in launches of its own.
+the shared expert in launches of its own, the combine apart from the next norm (the thirty-second session's
+launches).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import cupy as cp
 from decapybara.backend import cupy_backend
 from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.base import Backend
 from decapybara.backend.cuda_factory import cuda_backend
 from decapybara.backend.cuda_graph import DecodeGraphRunner
 from decapybara.backend.cupy_backend import CupyBackend
@@ -182,6 +184,7 @@ def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") ->
     model = QwenModel(CFG, backend, w)
     if os.environ.get("BENCH_UNFUSED_MOE"):  # MoE layers over the stacks' views: no stacked launches
         model.fused_moe.clear()
+        backend.moe_add_rms_norm = lambda *a, b=backend: Backend.moe_add_rms_norm(b, *a)  # the combine, then the norm
     return model
 
 

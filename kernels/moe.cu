@@ -22,14 +22,15 @@
 //               shared expert (sh != 0): + sigmoid(sg[t]) * sh[t] after the routed sum (the float operations of
 //               sigmoid_f32, a multiply and an add); or, where the routing gave it a slot (`shared_slot`: the
 //               last of the k), that slot's weight times its row, with the same two operations.
+// moe_combine_norm  the combine, then the residual add and RMSNorm of the next layer's input (decode_ops.cu's
+//               rms_norm_block's operations), a block a token: one launch where the two ran apart.
 
 #ifndef MOE_JPL
 #define MOE_JPL 32  // router logits a lane holds: E <= 32 MOE_JPL (the wrapper builds ceil(E / 32) rounded up to 8, 16, 32)
 #endif
-typedef unsigned int u32;
-typedef unsigned short u16;
+// block_sum and store_out as decode_ops.cu's norms use them
+#include "common.cuh"
 #include "act_kind.cuh"
-#include "silu.cuh"
 
 // token t's top-k (one warp; lane = the thread's lane), then, where `shared`, slot k: expert E (the shared expert
 // stacked after the routed ones) weighing sigmoid(logit E) (the shared gate's logit beside the router's); a token's
@@ -181,12 +182,10 @@ extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_i
     store_kind(h, kind_out, i, a / (1.f + expf(-a)) * b);
 }
 
-extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
-                                       int H, void* out, int kind_out, const float* sh, const float* sg, long long ldg,
-                                       int shared_slot) {
-    const int t = blockIdx.y;
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= H) return;
+// token t's combined column c (moe_combine's function, header)
+__device__ __forceinline__ float combine_at(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
+                                           int H, const float* sh, const float* sg, long long ldg, int shared_slot,
+                                           int t, int c) {
     float acc = 0.f;
     const int routed = k - shared_slot;
     for (int s = 0; s < routed; ++s)
@@ -198,5 +197,56 @@ extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* t
         const float g = sigmoid_f(sg[(long long)t * ldg]);
         acc = __fadd_rn(acc, __fmul_rn(g, sh[(long long)t * H + c]));  // a multiply, then an add (no fused FMA)
     }
-    store_kind(out, kind_out, (long long)t * H + c, acc);
+    return acc;
+}
+
+extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
+                                       int H, void* out, int kind_out, const float* sh, const float* sg, long long ldg,
+                                       int shared_slot) {
+    const int t = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= H) return;
+    store_kind(out, kind_out, (long long)t * H + c, combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, c));
+}
+
+// moe_combine's rows, then the residual add and RMSNorm after them (the operations of decode_ops.cu's
+// rms_norm_block, whose cached elements and summation order it keeps: h = combined + res, res_out = h, out =
+// h / sqrt(mean(h^2) + eps) * (offset + w), float32 or bf16 bits): one block of blockDim.x threads a token.
+#define MC_CACHE 16
+extern "C" __global__ void moe_combine_norm(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
+                                            int H, const float* sh, const float* sg, long long ldg, int shared_slot,
+                                            const float* __restrict__ res, const float* __restrict__ w, float eps,
+                                            float offset, void* out, int out_bf16, float* __restrict__ res_out) {
+    __shared__ float scratch[33];
+    const int t = blockIdx.x, step = blockDim.x, tail = threadIdx.x + MC_CACHE * step;
+    const i64 base = (i64)t * H;
+    float hv[MC_CACHE], wv[MC_CACHE];
+#pragma unroll
+    for (int j = 0; j < MC_CACHE; ++j) {
+        const int i = threadIdx.x + j * step;
+        hv[j] = i < H ? __fadd_rn(combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, i), res[base + i])
+                      : 0.0f;
+        wv[j] = i < H ? w[i] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MC_CACHE; ++j) ss += hv[j] * hv[j];  // the order of the plain strided loop
+    for (int i = tail; i < H; i += step) {
+        const float h = __fadd_rn(combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, i), res[base + i]);
+        ss += h * h;
+    }
+    const float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);
+#pragma unroll
+    for (int j = 0; j < MC_CACHE; ++j) {
+        const int i = threadIdx.x + j * step;
+        if (i < H) {
+            res_out[base + i] = hv[j];
+            store_out(out, out_bf16, base + i, (hv[j] / denom) * (offset + wv[j]));
+        }
+    }
+    for (int i = tail; i < H; i += step) {  // rows longer than MC_CACHE * blockDim.x: combined again
+        const float h = __fadd_rn(combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, i), res[base + i]);
+        res_out[base + i] = h;
+        store_out(out, out_bf16, base + i, (h / denom) * (offset + w[i]));
+    }
 }

@@ -166,14 +166,14 @@ PIECEWISE_EMU_CASES = ("(eager_logits and mxfp4) or kept or arena or outside or 
 def test_piecewise_graphs_pass_on_the_emulator():
     """Eager steps' layer tails as CUDA graphs (the emulator records a capture's launches, device copies and
     `blas` GEMMs and replays them): a forward with tails against the eager one over captures, replays and mixed
-    steps (an MoE model's layers too), cuBLAS products inside captured tails (bf16 values kept, buckets past
+    steps (MoE models' layers too, the shared expert apart and in the stacks), cuBLAS products inside captured tails (bf16 values kept, buckets past
     DENSE_ROWS), the arena, a failed
     capture's eager fallback, cuBLAS handles bound before a capture, and the engine's greedy tokens with tails
     against the same engine without them (the device sampler included): cases of their GPU tests, through the
     emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py",
                               "tests/gpu/test_engine_graphs.py"], PIECEWISE_EMU_CASES, timeout=1200)
-    assert "13 passed" in out, out[-3000:]
+    assert "14 passed" in out, out[-3000:]
 
 
 @pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")

@@ -264,6 +264,12 @@ class Backend(ABC):
         arguments are then its views): the same function, which the backend may compute from those stacks (and
         then need not call `shared`)."""
 
+    def moe_add_rms_norm(self, moe_args: tuple, residual: Any, weight: Any, eps: float,
+                         offset: float) -> tuple[Any, Any]:
+        """`add_rms_norm(moe(*moe_args), residual, weight, eps, offset)`: an MoE block's output, the residual add
+        and the next layer's input norm, which a backend may fuse into the MoE's last launch."""
+        return self.add_rms_norm(self.moe(*moe_args), residual, weight, eps, offset)
+
     def fuse_moe(self, weights: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
         """At load: one MoE layer's weights by role ("router", "gate", "up", "down"; with a shared expert
         "shared_gate", its MLP's "shared_gate_proj", "shared_up_proj", "shared_down_proj" and, where

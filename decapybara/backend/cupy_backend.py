@@ -464,12 +464,29 @@ class CupyBackend(Backend):
         float32 experts: the reference function) the router softmax and top-k on the device, the experts hit by
         any row as row-gathered matrix products (one host sync per call for the list of hit experts), then
         `add_shared_expert`."""
-        stacks = _device_stacks(gate_w, up_w, down_w) if self.bf16 and top_k <= MOE_TOP_K else None
-        if stacks is not None:
-            return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
-                                      shared, shared_gate, fused)
+        got = self._device_moe((x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate, fused))
+        if got is not None:
+            return got
         return self.add_shared_expert(self._host_routed_moe(x, router, gate_w, up_w, down_w, top_k, normalize), x,
                                       shared, shared_gate)
+
+    def moe_add_rms_norm(self, moe_args: tuple, residual: Any, weight: Any, eps: float,
+                         offset: float) -> tuple[Any, Any]:
+        """The device `moe`'s combine with the residual add and norm in one launch (`moe_combine_norm`); the two
+        ops elsewhere."""
+        got = self._device_moe(moe_args, (ops.f32(residual), weight, eps, offset))
+        return got if got is not None else super().moe_add_rms_norm(moe_args, residual, weight, eps, offset)
+
+    def _device_moe(self, moe_args: tuple, norm: Any = None) -> Any:
+        """`cupy_ops_extra.moe` over `moe_args` (`moe`'s arguments) where bf16 mode's stacks take it (packed ones:
+        `PackedWeightsMixin`), else None."""
+        x, router, gate_w, up_w, down_w, top_k, normalize, *rest = moe_args
+        stacks = _device_stacks(gate_w, up_w, down_w) if self.bf16 and top_k <= MOE_TOP_K else None
+        if stacks is None:
+            return None
+        shared, shared_gate, fused = (*rest, None, None, None)[:3]
+        return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
+                                  shared, shared_gate, fused, norm)
 
     def fuse_moe(self, weights: dict[str, Any]) -> tuple[FusedMoE, dict[str, Any]] | None:
         """The layer's router and shared gate stacked (`concat_rows`; where bf16 or packed), its experts' gate

@@ -960,6 +960,15 @@ class PackedWeightsMixin:
         return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
                            shared, shared_gate, fused)
 
+    def moe_add_rms_norm(self, moe_args: tuple, residual: Any, weight: Any, eps: float,
+                         offset: float) -> tuple[Any, Any]:
+        x, router, gate_w, up_w, down_w, top_k, normalize, *rest = moe_args
+        if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
+            shared, shared_gate, fused = (*rest, None, None, None)[:3]
+            return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
+                       shared, shared_gate, fused, (cp.ascontiguousarray(residual, dtype=cp.float32), weight, eps, offset))
+        return super().moe_add_rms_norm(moe_args, residual, weight, eps, offset)  # type: ignore[misc]
+
 
 # ---- activation quantiser ----------------------------------------------------------------------------
 def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
@@ -996,7 +1005,8 @@ class FusedMoE:
 
 
 def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-        shared: Any = None, shared_gate: Any = None, fused: FusedMoE | None = None) -> Any:
+        shared: Any = None, shared_gate: Any = None, fused: FusedMoE | None = None,
+        norm: tuple[Any, Any, float, float] | None = None) -> Any:
     """`Backend.moe` on the device with no host synchronisation: router softmax + top-k and dispatch grouped by
     expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
     grouped skinny GEMMs over the experts hit (G = min(E', T k') groups, `moe_dispatch`; E' = E + 1 and k' = k + 1
@@ -1015,7 +1025,10 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
       silu(gate) * up (`fuses_grouped_swiglu`);
     - `shared_slot` (with router_gate and gate_up, up to SWIGLU_ROWS rows): the shared expert runs as the
       stacks' expert E, a slot k + 1 of every token weighing sigmoid(its gate's logit), in the grouped launches
-      (no launches of its own; `shared` is not called)."""
+      (no launches of its own; `shared` is not called).
+    `norm` = (residual [T, H] float32, weight [H] float32, eps, offset): the result's residual add and RMSNorm
+    (`Backend.add_rms_norm`'s) in the combine's launch (`moe_combine_norm`); returns (normed rows, residual +
+    result), float32."""
     check(x, x.dtype, "x", 2)
     t, h = x.shape
     gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
@@ -1043,9 +1056,15 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     logits = logits if logits.dtype == cp.float32 and logits.strides[1] == 4 else cp.ascontiguousarray(logits, cp.float32)
     assert logits.shape[0] == t and logits.shape[1] in (e, e + 1)
     ids, wts = empty((t, kk), cp.int32), empty((t, kk), cp.float32)
-    out = empty((t, h), x.dtype)
+    out = empty((t, h), x.dtype if norm is None else cp.float32)
+    if norm is not None:
+        residual, norm_w, eps, offset = norm
+        check(residual, np.float32, "residual", 2)
+        check(norm_w, np.float32, "norm weight", 1)
+        assert residual.shape == (t, h) and norm_w.shape == (h,), f"residual {residual.shape}, weight {norm_w.shape}"
+        res_out = empty((t, h), cp.float32)
     if t == 0:
-        return out
+        return out if norm is None else (out, res_out)
     p = t * kk
     ng = min(ne, p)  # the launches' groups: at most every expert, at most one a (token, slot)
     counts, offsets, gids = empty(ng, cp.int32), empty(ng, cp.int32), empty(ng, cp.int32)
@@ -1082,6 +1101,11 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
         sh_args = (shared, gate_logit, I64(gate_logit.strides[0] // 4))
     else:
         sh_args = (null(), null(), I64(0))
+    if norm is not None:
+        get_kernel("moe", "moe_combine_norm")((t,), (512,), (d, I32(0), wts, slot_pos, I32(kk), I32(h), *sh_args,
+                                                              I32(int(slot)), residual, norm_w, F32(eps), F32(offset),
+                                                              out, I32(0), res_out))
+        return out, res_out
     get_kernel("moe", "moe_combine")((-(-h // 256), t), (256,),
                                      (d, I32(0), wts, slot_pos, I32(kk), I32(h), out, I32(kind(out.dtype)),
                                       *sh_args, I32(int(slot))))

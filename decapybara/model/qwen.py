@@ -241,7 +241,12 @@ class QwenModel:
             return ops.add_rms_norm(Projection.output(out, ops), h, weight, eps, off)
 
         p = f"model.layers.{i}"
-        x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not cfg.layer_is_moe(i))
+        moe = cfg.layer_is_moe(i)
+        x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not moe)
+        if moe and i + 1 < cfg.num_hidden_layers:  # the MoE's output, its residual add and the next norm
+            x, h = ops.moe_add_rms_norm(self._moe_args(f"{p}.mlp", x), h,
+                                        w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, off)
+            return self.layer_inputs(i + 1, x), h
         out = self._ffn(p, i, x)
         if i + 1 < cfg.num_hidden_layers:
             x, h = add_norm(out, h, w[f"model.layers.{i + 1}.input_layernorm.weight"], True)
@@ -327,19 +332,23 @@ class QwenModel:
         return Projection(core.reshape(t, cfg.linear_value_dim), w[f"{la}.out_proj.weight"])
 
     def _ffn(self, p: str, layer: int, x: Any) -> Any:
-        cfg, ops, w = self.cfg, self.backend, self.w
         m = f"{p}.mlp"
-        if not cfg.layer_is_moe(layer):
+        if not self.cfg.layer_is_moe(layer):
             return self._mlp(m, x)
+        return self.backend.moe(*self._moe_args(m, x))
+
+    def _moe_args(self, m: str, x: Any) -> tuple:
+        """`Backend.moe`'s arguments for MoE block `m` (`*.mlp`) over its normed rows x."""
+        cfg, ops, w = self.cfg, self.backend, self.w
         shared = shared_gate = None
         if cfg.shared_expert_intermediate_size:  # the shared expert's output, gated and added by `moe`
             def shared() -> Any:  # where `moe` does not run it in its own launches
                 return Projection.output(self._mlp(f"{m}.shared_expert", x), ops)
 
             shared_gate = w[f"{m}.shared_expert_gate.weight"]
-        return ops.moe(x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
-                       w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, shared_gate,
-                       self.fused_moe.get(m))
+        return (x, w[f"{m}.gate.weight"], w[f"{m}.experts.gate_proj"], w[f"{m}.experts.up_proj"],
+                w[f"{m}.experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, shared_gate,
+                self.fused_moe.get(m))
 
     def _mlp(self, m: str, x: Any) -> Projection:
         ops, w = self.backend, self.w

@@ -689,6 +689,52 @@ def test_moe_shared_expert_as_one_expert_more_matches_numpy_backend(t, experts):
     assert_close(got, cp.asnumpy(apart), 1e-2, f"stacked vs apart t={t} {experts}")
 
 
+@pytest.mark.parametrize("t", [1, 12, 70])
+@pytest.mark.parametrize("h", [256, 2048, 9000])  # 9000: past the kernel's cached elements (16 a thread of 512)
+@pytest.mark.parametrize("shared", ["apart", "slot"])  # the shared expert's output added, or a routed slot
+def test_moe_combine_with_residual_add_and_norm(t, h, shared):
+    """`moe(..., norm=...)` (`moe_combine_norm`: the combine, the residual add and RMSNorm in one launch) against
+    the same `moe` followed by `cupy_ops.rms_norm` with the residual (the two launches it replaces) and the numpy
+    reference's `moe` then `add_rms_norm`."""
+    from decapybara.backend import cupy_ops
+
+    rng = np.random.default_rng(500 + t + h)
+    e, k, inter = 8, 2, 64
+    x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
+    residual = rng.standard_normal((t, h)).astype(np.float32)
+    norm_w = (rng.standard_normal(h) * 0.1).astype(np.float32)
+    router = bf16_round(rng.standard_normal((e, h)) * 0.1).astype(np.float32)
+    sgate = bf16_round(rng.standard_normal((1, h)) * 0.1).astype(np.float32)
+    ws = [bf16_round(rng.standard_normal(s) * 0.05).astype(np.float32)
+          for s in ((e + 1, inter, h), (e + 1, inter, h), (e + 1, h, inter))]  # expert e: the shared one
+    refs = [w[:e] for w in ws]
+    sh_ref = NumpyBackend().linear(NumpyBackend().silu_mul(x @ ws[0][e].T, x @ ws[1][e].T), ws[2][e])
+    y_ref = NumpyBackend().moe(x, router, *refs, k, True, sh_ref, sgate)
+    want = NumpyBackend().add_rms_norm(y_ref, residual, norm_w, 1e-6, 1.0)
+
+    def bits(a):
+        return cp.asarray(bf16_encode(a))
+
+    stack = bits(np.concatenate([router, sgate]))
+    if shared == "slot":
+        gu = ex.PackedWeight("bf16", (e + 1, 2 * inter, h), bits(np.concatenate([ws[0], ws[1]], axis=1)), persistent=True)
+        down = ex.PackedWeight("bf16", (e + 1, h, inter), bits(ws[2]), persistent=True)
+        fused = ex.FusedMoE(stack, gu, down, True)
+        experts = [ex.PackedWeight("bf16", (e, inter, h), gu.codes[:e, :inter], persistent=True),
+                   ex.PackedWeight("bf16", (e, inter, h), gu.codes[:e, inter:], persistent=True),
+                   ex.PackedWeight("bf16", (e, h, inter), down.codes[:e], persistent=True)]
+    else:
+        fused = ex.FusedMoE(router_gate=stack)
+        experts = [ex.PackedWeight("bf16", w.shape, bits(w), persistent=True) for w in refs]
+    args = (cp.asarray(x), stack[:e], *experts, k, True, cp.asarray(sh_ref), stack[e:], fused)
+    got_x, got_h = ex.moe(*args, norm=(cp.asarray(residual), cp.asarray(norm_w), 1e-6, 1.0))
+    two_x, two_h = cupy_ops.rms_norm(ex.moe(*args), cp.asarray(norm_w), 1e-6, 1.0, residual=cp.asarray(residual))
+    assert_close(got_h, cp.asnumpy(two_h), 0.0, f"residual stream t={t} h={h} {shared}")  # the same float operations
+    assert_close(got_x, cp.asnumpy(two_x), 1e-5, f"normed rows t={t} h={h} {shared}")  # sums of squares reordered
+    assert_close(got_h, want[1], 2e-2, f"residual stream vs numpy t={t} h={h} {shared}")
+    assert_close(got_x, want[0], 2e-2, f"normed rows vs numpy t={t} h={h} {shared}")
+
+
 @pytest.mark.parametrize("t", [1, 12, 37])  # route and dispatch in one launch (up to 32 rows), in two past that
 @pytest.mark.parametrize("gates", ["f32", "bf16"])  # bf16: router and shared gate as one stacked product, as
 # QwenModel stacks them (`router_gate`; `router` and `shared_gate` its row views)

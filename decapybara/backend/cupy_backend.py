@@ -94,15 +94,16 @@ def _bf16_stack(weight: Any) -> PackedWeight | None:
     return None
 
 
+def _layout(w: PackedWeight) -> tuple:
+    """What PackedWeights must share to be stacked into one: format, K, tensor scale, code layouts, scales or none."""
+    return w.fmt, w.K, w.tensor_scale, w.e2m1_split, w.tiled, w.scales is None
+
+
 def _same_storage(parts: list[Any]) -> bool:
-    """Whether weights are all bf16 bits or all PackedWeights of one format, tensor scale and code layout, over the
-    same K."""
+    """Whether weights are all bf16 bits or all PackedWeights of one `_layout`, over the same K."""
     if all(isinstance(w, cp.ndarray) for w in parts):
         return all(w.dtype == cp.uint16 and w.shape[-1] == parts[0].shape[-1] for w in parts)
-    if not all(isinstance(w, PackedWeight) for w in parts):
-        return False
-    key = [(w.fmt, w.K, w.tensor_scale, w.e2m1_split, w.tiled, w.scales is None) for w in parts]
-    return all(k == key[0] for k in key)
+    return all(isinstance(w, PackedWeight) for w in parts) and len({_layout(w) for w in parts}) == 1
 
 
 def _stack_experts(blocks: list[list[Any]]) -> Any:
@@ -141,10 +142,10 @@ def _stack_experts(blocks: list[list[Any]]) -> Any:
                         all(w.persistent for w in parts), first.e2m1_split, first.tiled)
 
 
-def _expert_rows(stack: Any, experts: Any, rows: tuple[int, int] | None, dense: Any = None) -> Any:
+def _expert_rows(stack: Any, experts: Any, rows: tuple[int, int] | None, like: Any = None) -> Any:
     """A view of stack [E, N, K]: experts `experts` (an index: a matrix; a slice: a stack), rows (start, count)
-    of each (None: all), as bf16 bits or a PackedWeight like the stack (with `dense`, its kept bf16 values, cut
-    to those rows)."""
+    of each (None: all), as bf16 bits or a PackedWeight like the stack; with the kept bf16 values (`dense_of`) of
+    `like`, the weight the view stands for, where it has them."""
     sel = (experts,) if rows is None else (experts, slice(rows[0], rows[0] + rows[1]))
     if not isinstance(stack, PackedWeight):
         return stack[sel]
@@ -152,14 +153,9 @@ def _expert_rows(stack: Any, experts: Any, rows: tuple[int, int] | None, dense: 
     scales = None if stack.scales is None else stack.scales[sel]
     view = PackedWeight(stack.fmt, (*codes.shape[:-1], stack.K), codes, scales, stack.tensor_scale, stack.persistent,
                         stack.e2m1_split, stack.tiled)
-    if dense is not None:
-        set_dense(view, dense)
+    if isinstance(like, PackedWeight):
+        set_dense(view, dense_of(like))
     return view
-
-
-def _dense_of_packed(w: Any) -> Any:
-    """A PackedWeight's kept bf16 values (`dense_of`), None for anything else."""
-    return dense_of(w) if isinstance(w, PackedWeight) else None
 
 
 def _device_stacks(*experts: Any) -> list[PackedWeight] | None:
@@ -354,9 +350,7 @@ class CupyBackend(Backend):
         scale and E2M1 code layouts); None for anything else (e.g. NVFP4 tensors of different tensor scales)."""
         if all(isinstance(w, PackedWeight) for w in weights):
             first = weights[0]
-            if any(w.fmt != first.fmt or len(w.shape) != 2 or w.K != first.K or w.tensor_scale != first.tensor_scale
-                   or (w.scales is None) != (first.scales is None) or w.e2m1_split != first.e2m1_split
-                   or w.tiled != first.tiled for w in weights):
+            if any(len(w.shape) != 2 for w in weights) or not _same_storage(weights):
                 return None
             codes = cp.concatenate([w.codes for w in weights], axis=0)
             scales = cp.concatenate([w.scales for w in weights], axis=0) if first.scales is not None else None
@@ -464,7 +458,7 @@ class CupyBackend(Backend):
         float32 experts: the reference function) the router softmax and top-k on the device, the experts hit by
         any row as row-gathered matrix products (one host sync per call for the list of hit experts), then
         `add_shared_expert`."""
-        got = self._device_moe((x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate, fused))
+        got = self._device_moe(x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate, fused)
         if got is not None:
             return got
         return self.add_shared_expert(self._host_routed_moe(x, router, gate_w, up_w, down_w, top_k, normalize), x,
@@ -474,17 +468,16 @@ class CupyBackend(Backend):
                          offset: float) -> tuple[Any, Any]:
         """The device `moe`'s combine with the residual add and norm in one launch (`moe_combine_norm`); the two
         ops elsewhere."""
-        got = self._device_moe(moe_args, (ops.f32(residual), weight, eps, offset))
+        got = self._device_moe(*moe_args, norm=(ops.f32(residual), weight, eps, offset))
         return got if got is not None else super().moe_add_rms_norm(moe_args, residual, weight, eps, offset)
 
-    def _device_moe(self, moe_args: tuple, norm: Any = None) -> Any:
-        """`cupy_ops_extra.moe` over `moe_args` (`moe`'s arguments) where bf16 mode's stacks take it (packed ones:
-        `PackedWeightsMixin`), else None."""
-        x, router, gate_w, up_w, down_w, top_k, normalize, *rest = moe_args
+    def _device_moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
+                    shared: Any = None, shared_gate: Any = None, fused: Any = None, *, norm: Any = None) -> Any:
+        """`cupy_ops_extra.moe` (with `norm`, its combine and the next norm in one launch) where this backend's
+        stacks take it: bf16 mode's bf16 stacks (packed ones: `PackedWeightsMixin`); else None."""
         stacks = _device_stacks(gate_w, up_w, down_w) if self.bf16 and top_k <= MOE_TOP_K else None
         if stacks is None:
             return None
-        shared, shared_gate, fused = (*rest, None, None, None)[:3]
         return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
                                   shared, shared_gate, fused, norm)
 
@@ -506,8 +499,7 @@ class CupyBackend(Backend):
                 fused.router_gate, (views["router"], views["shared_gate"]) = got
         e, inter = gate.shape[0], gate.shape[1]
         sgu, sdown = weights.get("shared_gate_up"), weights.get("shared_down_proj")
-        streamed = fused.router_gate is not None and (isinstance(fused.router_gate, PackedWeight)
-                                                      or fused.router_gate.dtype == cp.uint16)
+        streamed = fused.router_gate is not None and _streamed(fused.router_gate) is not None
         gate_up = down_all = None
         if streamed and sgu is not None and sdown is not None:  # the shared expert as expert E
             gate_up = _stack_experts([[gate, up], [sgu]])
@@ -520,10 +512,10 @@ class CupyBackend(Backend):
         if down_all is not None:
             fused.shared_slot = True
             views["down"] = _expert_rows(down_all, slice(0, e), None)
-            views["shared_gate_up"] = _expert_rows(gate_up, e, None, _dense_of_packed(sgu))
+            views["shared_gate_up"] = _expert_rows(gate_up, e, None, sgu)
             for role, r in (("shared_gate_proj", (0, inter)), ("shared_up_proj", (inter, inter))):
-                views[role] = _expert_rows(gate_up, e, r, _dense_of_packed(weights.get(role)))
-            views["shared_down_proj"] = _expert_rows(down_all, e, None, _dense_of_packed(sdown))
+                views[role] = _expert_rows(gate_up, e, r, weights.get(role))
+            views["shared_down_proj"] = _expert_rows(down_all, e, None, sdown)
         fused.gate_up, fused.down = _bf16_stack(gate_up), _bf16_stack(down_all) if down_all is not None else None
         return fused, views
 

@@ -952,22 +952,14 @@ class PackedWeightsMixin:
             return True
         return super().moe_captures(gate_w, up_w, down_w)  # type: ignore[misc]
 
-    def moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
-            shared: Any = None, shared_gate: Any = None, fused: Any = None) -> Any:
+    def _device_moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
+                    shared: Any = None, shared_gate: Any = None, fused: Any = None, *, norm: Any = None) -> Any:
+        """Packed expert stacks: the device `moe` (`CupyBackend.moe` / `moe_add_rms_norm` call this)."""
         if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
             return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
-                       shared, shared_gate, fused)
-        return super().moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
-                           shared, shared_gate, fused)
-
-    def moe_add_rms_norm(self, moe_args: tuple, residual: Any, weight: Any, eps: float,
-                         offset: float) -> tuple[Any, Any]:
-        x, router, gate_w, up_w, down_w, top_k, normalize, *rest = moe_args
-        if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
-            shared, shared_gate, fused = (*rest, None, None, None)[:3]
-            return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
-                       shared, shared_gate, fused, (cp.ascontiguousarray(residual, dtype=cp.float32), weight, eps, offset))
-        return super().moe_add_rms_norm(moe_args, residual, weight, eps, offset)  # type: ignore[misc]
+                       shared, shared_gate, fused, norm)
+        return super()._device_moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
+                                   shared, shared_gate, fused, norm=norm)
 
 
 # ---- activation quantiser ----------------------------------------------------------------------------

@@ -24,6 +24,8 @@
 //               last of the k), that slot's weight times its row, with the same two operations.
 // moe_combine_norm  the combine, then the residual add and RMSNorm of the next layer's input (decode_ops.cu's
 //               rms_norm_block's operations), a block a token: one launch where the two ran apart.
+// Every kernel here starts with pdl_begin (pdl.cuh): launched overlapped (decapybara/backend/pdl.py), it lets the
+// next kernel launch, then waits for the one before; it reads and writes nothing before.
 
 #ifndef MOE_JPL
 #define MOE_JPL 32  // router logits a lane holds: E <= 32 MOE_JPL (the wrapper builds ceil(E / 32) rounded up to 8, 16, 32)
@@ -31,6 +33,7 @@
 // block_sum and store_out as decode_ops.cu's norms use them
 #include "common.cuh"
 #include "act_kind.cuh"
+#include "pdl.cuh"
 
 // token t's top-k (one warp; lane = the thread's lane), then, where `shared`, slot k: expert E (the shared expert
 // stacked after the routed ones) weighing sigmoid(logit E) (the shared gate's logit beside the router's); a token's
@@ -93,6 +96,7 @@ __device__ __forceinline__ void route_token(const float* logits, long long ldl, 
 
 extern "C" __global__ void moe_route(const float* logits, long long ldl, int T, int E, int k, int normalize,
                                      int shared, int* topk_ids, float* topk_w) {
+    pdl_begin();  // overlapped launch (pdl.cuh)
     const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (t < T) route_token(logits, ldl, t, E, k, normalize, shared, topk_ids, topk_w, threadIdx.x & 31);
 }
@@ -160,6 +164,7 @@ __device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int 
 
 extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int G, int* counts, int* offsets, int* ids,
                                         int* gather, int* slot_pos, int k) {
+    pdl_begin();  // overlapped launch (pdl.cuh)
     extern __shared__ int sh[];  // counts[E], cursor[E]
     dispatch(topk_ids, P, E, G, counts, offsets, ids, gather, slot_pos, k, sh, sh + E);
 }
@@ -167,6 +172,7 @@ extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int G
 extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float* logits, long long ldl, int T, int E, int k, int normalize,
                                               int shared, int* topk_ids, float* topk_w, int G, int* counts, int* offsets,
                                               int* ids, int* gather, int* slot_pos) {
+    pdl_begin();  // overlapped launch (pdl.cuh)
     extern __shared__ int sh[];  // counts[E + shared], cursor[E + shared]
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ne = E + shared, kk = k + shared;
     for (int t = threadIdx.x >> 5; t < T; t += warps)
@@ -176,6 +182,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float
 }
 
 extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_in, void* h, int kind_out, long long n) {
+    pdl_begin();  // overlapped launch (pdl.cuh)
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float a = load_kind(g, kind_in, i), b = load_kind(u, kind_in, i);
@@ -188,6 +195,7 @@ __device__ __forceinline__ float combine_at(const void* y, int kind_y, const flo
                                            int t, int c) {
     float acc = 0.f;
     const int routed = k - shared_slot;
+#pragma unroll 4
     for (int s = 0; s < routed; ++s)
         acc += topk_w[t * k + s] * load_kind(y, kind_y, (long long)slot_pos[t * k + s] * H + c);
     if (shared_slot) {  // the shared expert's slot, as `sh` below
@@ -203,6 +211,7 @@ __device__ __forceinline__ float combine_at(const void* y, int kind_y, const flo
 extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
                                        int H, void* out, int kind_out, const float* sh, const float* sg, long long ldg,
                                        int shared_slot) {
+    pdl_begin();  // overlapped launch (pdl.cuh)
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= H) return;
@@ -212,39 +221,95 @@ extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* t
 // moe_combine's rows, then the residual add and RMSNorm after them (the operations of decode_ops.cu's
 // rms_norm_block, whose cached elements and summation order it keeps: h = combined + res, res_out = h, out =
 // h / sqrt(mean(h^2) + eps) * (offset + w), float32 or bf16 bits): one block of blockDim.x threads a token.
-#define MC_CACHE 16
-extern "C" __global__ void moe_combine_norm(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
+// A thread's MC_J columns (i = thread + j blockDim.x) are summed slot by slot in slot order, as combine_at sums
+// one column, but the loads of MC_GROUP slots' rows are issued before their adds: a step of one or a few tokens
+// runs one or a few blocks, whose time is the round trips of their loads, not their bytes. The slots' weights and
+// row offsets are read once into shared memory. Columns past MC_J blockDim.x (rows longer than the build's
+// cache) are combined by combine_at, twice (for the sum of squares and for the output).
+#ifndef MC_J
+#define MC_J 16  // columns a thread caches: the wrapper builds ceil(H / blockDim.x) rounded up to 1, 2, 4, 8 or 16
+#endif
+#define MC_GROUP (MC_J >= 16 ? 2 : MC_J >= 8 ? 4 : 8)  // slots whose row loads are in flight together
+#define MC_SLOTS 33  // a token's slots at most: MOE_TOP_K routed and a shared one
+extern "C" __global__ void __launch_bounds__(512) moe_combine_norm(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
                                             int H, const float* sh, const float* sg, long long ldg, int shared_slot,
                                             const float* __restrict__ res, const float* __restrict__ w, float eps,
                                             float offset, void* out, int out_bf16, float* __restrict__ res_out) {
+    pdl_begin();  // overlapped launch (pdl.cuh)
     __shared__ float scratch[33];
-    const int t = blockIdx.x, step = blockDim.x, tail = threadIdx.x + MC_CACHE * step;
+    __shared__ float s_w[MC_SLOTS];
+    __shared__ i64 s_off[MC_SLOTS];
+    const int t = blockIdx.x, step = blockDim.x, tail = threadIdx.x + MC_J * step;
     const i64 base = (i64)t * H;
-    float hv[MC_CACHE], wv[MC_CACHE];
+    if (threadIdx.x < k) {
+        s_w[threadIdx.x] = topk_w[t * k + threadIdx.x];
+        s_off[threadIdx.x] = (i64)slot_pos[t * k + threadIdx.x] * H;
+    }
+    float acc[MC_J], rv[MC_J], wv[MC_J];
 #pragma unroll
-    for (int j = 0; j < MC_CACHE; ++j) {
+    for (int j = 0; j < MC_J; ++j) {  // the loads that need no slot first
         const int i = threadIdx.x + j * step;
-        hv[j] = i < H ? __fadd_rn(combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, i), res[base + i])
-                      : 0.0f;
+        rv[j] = i < H ? res[base + i] : 0.0f;
         wv[j] = i < H ? w[i] : 0.0f;
+        acc[j] = 0.0f;
+    }
+    __syncthreads();
+    const int routed = k - shared_slot;
+    int s = 0;
+    for (; s + MC_GROUP <= routed; s += MC_GROUP) {
+        float v[MC_GROUP][MC_J];
+#pragma unroll
+        for (int u = 0; u < MC_GROUP; ++u)
+#pragma unroll
+            for (int j = 0; j < MC_J; ++j) {
+                const int i = threadIdx.x + j * step;
+                v[u][j] = i < H ? load_kind(y, kind_y, s_off[s + u] + i) : 0.0f;
+            }
+#pragma unroll
+        for (int u = 0; u < MC_GROUP; ++u)
+#pragma unroll
+            for (int j = 0; j < MC_J; ++j) acc[j] += s_w[s + u] * v[u][j];  // combine_at's operation, slot order
+    }
+    for (; s < routed; ++s) {
+        float v[MC_J];
+#pragma unroll
+        for (int j = 0; j < MC_J; ++j) {
+            const int i = threadIdx.x + j * step;
+            v[j] = i < H ? load_kind(y, kind_y, s_off[s] + i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < MC_J; ++j) acc[j] += s_w[s] * v[j];
+    }
+    const float g = !shared_slot && sh ? sigmoid_f(sg[(long long)t * ldg]) : 0.0f;
+    float hv[MC_J];
+#pragma unroll
+    for (int j = 0; j < MC_J; ++j) {
+        const int i = threadIdx.x + j * step;
+        float a = acc[j];
+        if (i < H && shared_slot) {  // the shared expert's slot, as combine_at adds it
+            a = __fadd_rn(a, __fmul_rn(s_w[routed], load_kind(y, kind_y, s_off[routed] + i)));
+        } else if (i < H && sh) {
+            a = __fadd_rn(a, __fmul_rn(g, sh[base + i]));
+        }
+        hv[j] = i < H ? __fadd_rn(a, rv[j]) : 0.0f;
     }
     float ss = 0.0f;
 #pragma unroll
-    for (int j = 0; j < MC_CACHE; ++j) ss += hv[j] * hv[j];  // the order of the plain strided loop
+    for (int j = 0; j < MC_J; ++j) ss += hv[j] * hv[j];  // the order of the plain strided loop
     for (int i = tail; i < H; i += step) {
         const float h = __fadd_rn(combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, i), res[base + i]);
         ss += h * h;
     }
     const float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);
 #pragma unroll
-    for (int j = 0; j < MC_CACHE; ++j) {
+    for (int j = 0; j < MC_J; ++j) {
         const int i = threadIdx.x + j * step;
         if (i < H) {
             res_out[base + i] = hv[j];
             store_out(out, out_bf16, base + i, (hv[j] / denom) * (offset + wv[j]));
         }
     }
-    for (int i = tail; i < H; i += step) {  // rows longer than MC_CACHE * blockDim.x: combined again
+    for (int i = tail; i < H; i += step) {  // rows longer than MC_J * blockDim.x: combined again
         const float h = __fadd_rn(combine_at(y, kind_y, topk_w, slot_pos, k, H, sh, sg, ldg, shared_slot, t, i), res[base + i]);
         res_out[base + i] = h;
         store_out(out, out_bf16, base + i, (h / denom) * (offset + w[i]));

@@ -181,9 +181,11 @@ def test_moe_kernels_pass_on_the_emulator():
     """The device MoE against the numpy reference: routing and dispatch in one launch with the hit experts'
     group list, grouped products split over K, the shared expert added in the combine (a bf16 router and gate
     stacked), the experts' gate and up in one grouped SwiGLU launch and the shared expert as one expert more of
-    the stacks, routing of NaN and infinite logits, through the emulator plugin."""
+    the stacks, routing of NaN and infinite logits, the combine with the residual add and the next norm (a row
+    past the kernel's cached columns, and twelve rows), through the emulator plugin."""
     out, _ = run_on_emulator(["tests/gpu/test_kernels_extra.py"],
                              "(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
                              " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
-                             " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)")
-    assert "5 passed" in out, out[-3000:]
+                             " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
+                             " or (combine_with_residual and ((slot-9000-1 and not 12) or apart-2048-12))")
+    assert "7 passed" in out, out[-3000:]

@@ -1065,12 +1065,12 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)  # router logits a lane holds
     route = (logits, ldl, I32(t), I32(e), I32(top_k), I32(int(normalize)), I32(int(slot)), ids, wts)
     if t <= ROUTE_DISPATCH_ROWS:
-        get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (*route, I32(ng), counts, offsets, gids, gather,
-                                                                     slot_pos), shared_mem=8 * ne)
+        pdl.launch(get_kernel("moe", "moe_route_dispatch", jpl), (1,), (512,),
+                   (*route, I32(ng), counts, offsets, gids, gather, slot_pos), shared_mem=8 * ne)
     else:
-        get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), route)
-        get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(ne), I32(ng), counts, offsets, gids, gather,
-                                                          slot_pos, I32(kk)), shared_mem=8 * ne)
+        pdl.launch(get_kernel("moe", "moe_route", jpl), (-(-t * 32 // 256),), (256,), route)
+        pdl.launch(get_kernel("moe", "moe_dispatch"), (1,), (1024,),
+                   (ids, I32(p), I32(ne), I32(ng), counts, offsets, gids, gather, slot_pos, I32(kk)), shared_mem=8 * ne)
     grouped = (offsets, counts, gids)
     hid = empty((p, inter), cp.uint16)
     if gate_up is not None:
@@ -1081,7 +1081,8 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
         g, u = empty((p, inter), cp.float32), empty((p, inter), cp.float32)
         _gemm(x, gate_w, g, gather=gather, groups=grouped, max_rows=t)
         _gemm(x, up_w, u, gather=gather, groups=grouped, max_rows=t)
-        get_kernel("moe", "moe_silu_mul")((-(-g.size // 256),), (256,), (g, u, I32(0), hid, I32(1), I64(g.size)))
+        pdl.launch(get_kernel("moe", "moe_silu_mul"), (-(-g.size // 256),), (256,),
+                   (g, u, I32(0), hid, I32(1), I64(g.size)))
     d = empty((p, h), cp.float32)
     if slot:
         assert fused.down.shape == (ne, h, inter), f"down {fused.down.shape}: need [{ne}, {h}, {inter}]"
@@ -1094,13 +1095,13 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     else:
         sh_args = (null(), null(), I64(0))
     if norm is not None:
-        get_kernel("moe", "moe_combine_norm")((t,), (512,), (d, I32(0), wts, slot_pos, I32(kk), I32(h), *sh_args,
-                                                              I32(int(slot)), residual, norm_w, F32(eps), F32(offset),
-                                                              out, I32(0), res_out))
+        cols = (("MC_J", next(j for j in (1, 2, 4, 8, 16) if 512 * j >= h or j == 16)),)  # a thread's columns
+        pdl.launch(get_kernel("moe", "moe_combine_norm", cols), (t,), (512,),
+                   (d, I32(0), wts, slot_pos, I32(kk), I32(h), *sh_args, I32(int(slot)), residual, norm_w, F32(eps),
+                    F32(offset), out, I32(0), res_out))
         return out, res_out
-    get_kernel("moe", "moe_combine")((-(-h // 256), t), (256,),
-                                     (d, I32(0), wts, slot_pos, I32(kk), I32(h), out, I32(kind(out.dtype)),
-                                      *sh_args, I32(int(slot))))
+    pdl.launch(get_kernel("moe", "moe_combine"), (-(-h // 256), t), (256,),
+               (d, I32(0), wts, slot_pos, I32(kk), I32(h), out, I32(kind(out.dtype)), *sh_args, I32(int(slot))))
     return out
 
 

@@ -344,6 +344,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # stages x for twice the rows of weights, and 27B steps ~1.2% faster (interleaved: MXFP4 at 10 and 12 streams,
 # NVFP4 at 12, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
+# `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on kernels/gemv_small.cu
+# (`small_product`: no tiles, no K splits; a warp's weight rows whole, x staged once a block). Not yet timed.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
 TUNE: dict[str, Any] = TuneDict({
@@ -355,7 +357,7 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0,
+    "swiglu_warps": 0, "small_n": 0,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -746,9 +748,39 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     y = empty((x.shape[0], w.N), out_dtype)
-    if x.shape[0] and w.N:
+    if norm is None and bias is None and small_product(w, m):
+        _small(x, w, y)
+    elif x.shape[0] and w.N:
         _gemm(x, w, y, bias=bias, norm=norm)
     return y
+
+
+SMALL_ROWS, SMALL_SMEM = 16, 160 * 1024  # kernels/gemv_small.cu: rows of x at most (SG_M), its staged x's bytes
+SMALL_WARPS, SMALL_R = 4, 2  # its blocks' warps (SG_WARPS) and weight rows a warp (SG_R)
+
+
+def small_product(w: PackedWeight, m: int) -> bool:
+    """Whether a product of `m` rows over `w` runs on kernels/gemv_small.cu (`_small`) instead of the skinny
+    GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_ROWS rows of x, x's staged rows within
+    SMALL_SMEM, rows of 16-byte aligned codes. For products whose tiles and K splits cost more than their
+    bytes: an MoE router (stacked with its shared expert's gate, 257 rows), the DeltaNet b|a."""
+    n_max = tune_for(w.fmt).get("small_n", 0)
+    return (w.fmt == "bf16" and 0 < w.N <= n_max and 0 < m <= SMALL_ROWS and w.K % 8 == 0
+            and m * w.K * 4 <= SMALL_SMEM and w.codes.ndim == 2 and w.codes.strides[1] == 2
+            and w.codes.strides[0] % 16 == 0 and dev_ptr(w.codes) % 16 == 0)
+
+
+def _small(x: Any, w: PackedWeight, y: Any) -> None:
+    """y = x @ w^T on kernels/gemv_small.cu (`small_product`'s products): overlapped (`pdl.launch`) over a
+    load-time weight, whose first codes it loads before waiting for x."""
+    m, k = x.shape
+    fn = get_kernel("gemv_small", "gemv_bf16_small")
+    smem = m * k * 4
+    allow_dynamic_smem(fn, SMALL_SMEM)  # one limit for every size (a limit set per size would drop for smaller ones)
+    args = (w.codes, I64(w.codes.strides[0] // 2), x, I32(kind(x.dtype)), I64(x.strides[0] // x.itemsize), I32(m),
+            I32(w.N), I32(k), y, I32(kind(y.dtype)), I64(y.strides[0] // y.itemsize))
+    grid = (-(-w.N // (SMALL_WARPS * SMALL_R)),)
+    (pdl.launch if w.persistent else pdl.plain)(fn, grid, (32 * SMALL_WARPS,), args, shared_mem=smem)
 
 
 def dense_of(w: PackedWeight) -> Any:

@@ -60,20 +60,24 @@ extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small(
 #pragma unroll
         for (int m = 0; m < SG_M; ++m) acc[r][m] = 0.0f;
     for (int i0 = 0; i0 * 32 < groups; i0 += SG_PRE) {
+        if (i0) {  // rows longer than SG_PRE groups a lane: the pass's codes, all loads in flight at once
+#pragma unroll
+            for (int r = 0; r < SG_R; ++r) {
+                const int row = min(r0 + r, N - 1);
+#pragma unroll
+                for (int i = 0; i < SG_PRE; ++i) {
+                    const int g = (i0 + i) * 32 + lane;
+                    if (g < groups) pre[r][i] = __ldg((const uint4*)(W + (long long)row * ldw) + g);
+                }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < SG_PRE; ++i) {
             const int g = (i0 + i) * 32 + lane;
             if (g >= groups) break;
             uint4 wv[SG_R];
 #pragma unroll
-            for (int r = 0; r < SG_R; ++r) {
-                if (i0 == 0) {
-                    wv[r] = pre[r][i];
-                } else {
-                    const int row = min(r0 + r, N - 1);
-                    wv[r] = __ldg((const uint4*)(W + (long long)row * ldw) + g);
-                }
-            }
+            for (int r = 0; r < SG_R; ++r) wv[r] = pre[r][i];
 #pragma unroll
             for (int m = 0; m < SG_M; ++m) {
                 if (m >= M) break;

@@ -24,6 +24,7 @@ typedef unsigned short u16;
 #ifndef SG_WARPS
 #define SG_WARPS 4
 #endif
+#define SG_XB 16  // groups of 4 elements of x a thread loads at once while staging
 #define SG_PRE 8  // 8-code groups of each row a lane loads before the wait (K = 2,048: all of them)
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
@@ -49,9 +50,27 @@ extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small(
         }
     }
     pdl_begin();  // x comes from the kernel before
-    for (int i = threadIdx.x; i < M * K; i += blockDim.x) {
-        const int m = i / K, k = i - m * K;
-        xs[i] = __uint_as_float((u32)f2bf(load_kind(x, x_kind, (long long)m * ldx + k)) << 16);
+    // x by groups of 4 elements, SG_XB groups a thread in flight at once (a block's staging is a few round trips)
+    const int nq = (M * K) >> 2;
+    for (int q0 = threadIdx.x; q0 < nq; q0 += SG_XB * blockDim.x) {
+        float v[SG_XB][4];
+#pragma unroll
+        for (int b = 0; b < SG_XB; ++b) {
+            const int q = q0 + b * blockDim.x;
+            if (q < nq) {
+                const int m = (4 * q) / K, k = 4 * q - m * K;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[b][e] = load_kind(x, x_kind, (long long)m * ldx + k + e);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < SG_XB; ++b) {
+            const int q = q0 + b * blockDim.x;
+            if (q < nq) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) xs[4 * q + e] = __uint_as_float((u32)f2bf(v[b][e]) << 16);
+            }
+        }
     }
     __syncthreads();
     float acc[SG_R][SG_M];

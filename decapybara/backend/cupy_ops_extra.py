@@ -345,7 +345,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # NVFP4 at 12, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
 # `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on kernels/gemv_small.cu
-# (`small_product`: no tiles, no K splits; a warp's weight rows whole, x staged once a block). Not yet timed.
+# (`small_product`: no tiles, no K splits; a warp's weight rows whole, x staged once a block). Off: its first x
+# staging (one element a thread an iteration) made the 35B-A3B's steps slower (12 x 1k 2,559 -> 1,498 tok/s); the
+# batched staging it has now is not yet timed (docs/perf.md, thirty-fourth session).
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
 TUNE: dict[str, Any] = TuneDict({

@@ -189,3 +189,12 @@ def test_moe_kernels_pass_on_the_emulator():
                              " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
                              " or (combine_with_residual and ((slot-9000-1 and not 12) or apart-2048-12))")
     assert "7 passed" in out, out[-3000:]
+
+
+@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+def test_small_products_pass_on_the_emulator():
+    """kernels/gemv_small.cu (bf16 products of few weight rows: x staged in batches in dynamic shared memory,
+    weights loaded before the overlapped launch's wait, a butterfly over the lanes) against numpy and the skinny
+    GEMM, its limits: the whole GPU test file through the emulator plugin."""
+    out, _ = run_on_emulator(["tests/gpu/test_gemv_small.py"], "small")
+    assert "43 passed" in out, out[-3000:]

@@ -35,6 +35,7 @@ from decapybara.backend.cupy_ops import (
     gemm_bf16,
     null,
     sm_count,
+    smem_per_block,
     smem_per_sm,
     to_bf16_bits,
 )
@@ -758,6 +759,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
 
 
 SMALL_ROWS, SMALL_SMEM = 16, 160 * 1024  # kernels/gemv_small.cu: rows of x at most (SG_M), its staged x's bytes
+# at most (less where a block of the device may have less: `small_smem`)
 SMALL_WARPS, SMALL_R = 4, 2  # its blocks' warps (SG_WARPS) and weight rows a warp (SG_R)
 
 
@@ -768,8 +770,14 @@ def small_product(w: PackedWeight, m: int) -> bool:
     bytes: an MoE router (stacked with its shared expert's gate, 257 rows), the DeltaNet b|a."""
     n_max = tune_for(w.fmt).get("small_n", 0)
     return (w.fmt == "bf16" and 0 < w.N <= n_max and 0 < m <= SMALL_ROWS and w.K % 8 == 0
-            and m * w.K * 4 <= SMALL_SMEM and w.codes.ndim == 2 and w.codes.strides[1] == 2
+            and m * w.K * 4 <= small_smem() and w.codes.ndim == 2 and w.codes.strides[1] == 2
             and w.codes.strides[0] % 16 == 0 and dev_ptr(w.codes) % 16 == 0)
+
+
+def small_smem() -> int:
+    """The staged x's bytes a `gemv_small` launch may have on the current device: SMALL_SMEM, or what a block of
+    the device may have (besides the kernel's static shared memory: none) where that is less."""
+    return min(SMALL_SMEM, smem_per_block())
 
 
 def _small(x: Any, w: PackedWeight, y: Any) -> None:
@@ -778,7 +786,7 @@ def _small(x: Any, w: PackedWeight, y: Any) -> None:
     m, k = x.shape
     fn = get_kernel("gemv_small", "gemv_bf16_small")
     smem = m * k * 4
-    allow_dynamic_smem(fn, SMALL_SMEM)  # one limit for every size (a limit set per size would drop for smaller ones)
+    allow_dynamic_smem(fn, small_smem())  # one limit for every size (a limit set per size would drop for smaller ones)
     args = (w.codes, I64(w.codes.strides[0] // 2), x, I32(kind(x.dtype)), I64(x.strides[0] // x.itemsize), I32(m),
             I32(w.N), I32(k), y, I32(kind(y.dtype)), I64(y.strides[0] // y.itemsize))
     grid = (-(-w.N // (SMALL_WARPS * SMALL_R)),)
@@ -1129,6 +1137,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     else:
         sh_args = (null(), null(), I64(0))
     if norm is not None:
+        assert kk <= 33, f"{kk} slots: moe_combine_norm holds 33 (MC_SLOTS)"
         cols = (("MC_J", next(j for j in (1, 2, 4, 8, 16) if 512 * j >= h or j == 16)),)  # a thread's columns
         pdl.launch(get_kernel("moe", "moe_combine_norm", cols), (t,), (512,),
                    (d, I32(0), wts, slot_pos, I32(kk), I32(h), *sh_args, I32(int(slot)), residual, norm_w, F32(eps),

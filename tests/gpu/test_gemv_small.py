@@ -35,7 +35,7 @@ def small_on(monkeypatch):
 
 @pytest.mark.parametrize("m", [1, 5, 12, 16])
 @pytest.mark.parametrize("n,k", [(1, 8), (7, 264), (64, 2048), (257, 2048), (1000, 4104)])
-@pytest.mark.parametrize("x_dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("x_dtype", ["f32", "bf16", "f16"])
 def test_small_product_matches_numpy(small_on, m, n, k, x_dtype):
     """x @ w^T with x rounded to bf16, float32 sums: every output row and column, including a last warp's rows
     past N and K past the codes loaded before the wait (4,104 = 513 groups of 8)."""
@@ -43,8 +43,10 @@ def test_small_product_matches_numpy(small_on, m, n, k, x_dtype):
     w = bf16_round(rng.standard_normal((n, k)) * 0.1)
     x = rng.standard_normal((m, k)).astype(np.float32)
     pw = ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)), persistent=True)
-    assert ex.small_product(pw, m) == (m * k * 4 <= ex.SMALL_SMEM)
-    xd = cp.asarray(x) if x_dtype == "f32" else cp.asarray(bf16_encode(x))
+    assert ex.small_product(pw, m) == (m * k * 4 <= ex.small_smem())
+    xd = {"f32": lambda: cp.asarray(x), "bf16": lambda: cp.asarray(bf16_encode(x)),
+          "f16": lambda: cp.asarray(x.astype(np.float16))}[x_dtype]()
+    x = x.astype(np.float16).astype(np.float32) if x_dtype == "f16" else x
     got = ex.mx_linear(xd, pw, out_dtype=cp.float32)
     ref = bf16_round(x).astype(np.float64) @ w.astype(np.float64).T
     assert rel_err(got, ref) < 1e-5, f"m={m} n={n} k={k} {x_dtype}"
@@ -74,6 +76,7 @@ def test_small_product_of_a_stack_row_range_in_bf16(small_on, m):
 def test_small_product_limits(small_on, monkeypatch):
     """Other formats, more rows of x than SMALL_ROWS, wider matrices than TUNE small_n and x past SMALL_SMEM stay
     on the skinny GEMM; small_n 0 turns the kernel off."""
+    assert ex.small_smem() <= ex.SMALL_SMEM
     bf = ex.PackedWeight("bf16", (64, 2048), cp.zeros((64, 2048), cp.uint16), persistent=True)
     assert ex.small_product(bf, 16) and not ex.small_product(bf, 17)
     assert not ex.small_product(ex.PackedWeight("bf16", (64, 16384), cp.zeros((64, 16384), cp.uint16)), 12)

@@ -689,17 +689,19 @@ def test_moe_shared_expert_as_one_expert_more_matches_numpy_backend(t, experts):
     assert_close(got, cp.asnumpy(apart), 1e-2, f"stacked vs apart t={t} {experts}")
 
 
+@pytest.mark.parametrize("k", [2, 9])  # 9 (+ a shared slot): a group of 8 slots' loads and the slots after it
 @pytest.mark.parametrize("t", [1, 12, 70])
-@pytest.mark.parametrize("h", [256, 2048, 9000])  # 9000: past the kernel's cached elements (16 a thread of 512)
+# the kernel's builds by width (MC_J columns a thread of 512: 1, 2, 4, 8, 16); 9000: past its cached columns
+@pytest.mark.parametrize("h", [256, 1024, 2048, 4096, 9000])
 @pytest.mark.parametrize("shared", ["apart", "slot"])  # the shared expert's output added, or a routed slot
-def test_moe_combine_with_residual_add_and_norm(t, h, shared):
+def test_moe_combine_with_residual_add_and_norm(t, h, shared, k):
     """`moe(..., norm=...)` (`moe_combine_norm`: the combine, the residual add and RMSNorm in one launch) against
     the same `moe` followed by `cupy_ops.rms_norm` with the residual (the two launches it replaces) and the numpy
     reference's `moe` then `add_rms_norm`."""
     from decapybara.backend import cupy_ops
 
-    rng = np.random.default_rng(500 + t + h)
-    e, k, inter = 8, 2, 64
+    rng = np.random.default_rng(500 + t + h + k)
+    e, inter = 16, 64
     x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
     residual = rng.standard_normal((t, h)).astype(np.float32)
     norm_w = (rng.standard_normal(h) * 0.1).astype(np.float32)

@@ -60,12 +60,15 @@ def packed(rng, fmt, n, k, scale=0.05):
     return p
 
 
-def hybrid_model(head_dim, kv_mode, seed, lengths, prefill_seed):
-    """(model, kv, states, seqs): a tiny hybrid model (8 query heads over 2 KV heads of `head_dim`) over bf16
-    weights, KV_PAGES pages of PAGE keys in `kv_mode`, 5 state slots, and sequences of `lengths` prompt tokens
-    prefilled ([tokens, slot, pages] each)."""
-    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "num_attention_heads": 8,
-                               "num_key_value_heads": 2, "head_dim": head_dim})
+def hybrid_model(head_dim, kv_mode, seed, lengths, prefill_seed, family="qwen3_5_text"):
+    """(model, kv, states, seqs): a tiny hybrid model of `family` (8 query heads over 2 KV heads of `head_dim`;
+    the MoE family with a shared expert of the routed experts' width, as the 35B-A3B's, so that it runs in the
+    stacks) over bf16 weights, KV_PAGES pages of PAGE keys in `kv_mode`, 5 state slots, and sequences of `lengths`
+    prompt tokens prefilled ([tokens, slot, pages] each)."""
+    hf = TINY_HF_CONFIGS[family]
+    if "moe_intermediate_size" in hf:
+        hf = {**hf, "shared_expert_intermediate_size": hf["moe_intermediate_size"]}
+    cfg = ModelConfig.from_hf({**hf, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": head_dim})
     model = QwenModel.from_tensors(cfg, CupyBackend("bf16"), random_tensors(cfg, seed=seed, std=0.2),
                                    include_mtp=False)
     kv, states = model.new_kv_cache(KV_PAGES, PAGE, kv_mode), model.new_state_pool(5)
@@ -180,9 +183,11 @@ def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch, overlap
     assert len(overlapping) > captured, "the eager runs made no overlapped launch"
 
 
-@pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])
-def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, monkeypatch, overlapping):
-    model, kv, states, seqs = hybrid_model(head_dim, kv_mode, 5, (6, 13, 21), 2)
+@pytest.mark.parametrize("kv_mode,head_dim,family", [("16/16", 64, "qwen3_5_text"), ("6/4", 128, "qwen3_5_text"),
+                                                     ("16/16", 64, "qwen3_5_moe_text")])
+def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, family, monkeypatch, overlapping):
+    model, kv, states, seqs = hybrid_model(head_dim, kv_mode, 5, (6, 13, 21), 2, family)
+    assert family != "qwen3_5_moe_text" or model.fused_moe, "the MoE layers should run from their stacks"
     runners = {flag: graph_runner(model) for flag in ("0", "1")}  # graphs captured with and without overlap
     slots = [s[1] for s in seqs]
 

@@ -231,6 +231,24 @@ extern "C" __global__ void moe_combine(const void* y, int kind_y, const float* t
 #endif
 #define MC_GROUP (MC_J >= 16 ? 2 : MC_J >= 8 ? 4 : 8)  // slots whose row loads are in flight together
 #define MC_SLOTS 33  // a token's slots at most: MOE_TOP_K routed and a shared one
+// acc[j] += w[u] * (row u's column thread + j step) for slots u < G in order (combine_at's operation), the G rows'
+// loads issued before the adds
+template <int G>
+__device__ __forceinline__ void add_slots(float (&acc)[MC_J], const void* y, int kind_y, const float* w,
+                                          const i64* off, int H, int step) {
+    float v[G][MC_J];
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+#pragma unroll
+        for (int j = 0; j < MC_J; ++j) {
+            const int i = threadIdx.x + j * step;
+            v[u][j] = i < H ? load_kind(y, kind_y, off[u] + i) : 0.0f;
+        }
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+#pragma unroll
+        for (int j = 0; j < MC_J; ++j) acc[j] += w[u] * v[u][j];
+}
 extern "C" __global__ void __launch_bounds__(512) moe_combine_norm(const void* y, int kind_y, const float* topk_w, const int* slot_pos, int k,
                                             int H, const float* sh, const float* sg, long long ldg, int shared_slot,
                                             const float* __restrict__ res, const float* __restrict__ w, float eps,
@@ -256,30 +274,8 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_norm(const void* y
     __syncthreads();
     const int routed = k - shared_slot;
     int s = 0;
-    for (; s + MC_GROUP <= routed; s += MC_GROUP) {
-        float v[MC_GROUP][MC_J];
-#pragma unroll
-        for (int u = 0; u < MC_GROUP; ++u)
-#pragma unroll
-            for (int j = 0; j < MC_J; ++j) {
-                const int i = threadIdx.x + j * step;
-                v[u][j] = i < H ? load_kind(y, kind_y, s_off[s + u] + i) : 0.0f;
-            }
-#pragma unroll
-        for (int u = 0; u < MC_GROUP; ++u)
-#pragma unroll
-            for (int j = 0; j < MC_J; ++j) acc[j] += s_w[s + u] * v[u][j];  // combine_at's operation, slot order
-    }
-    for (; s < routed; ++s) {
-        float v[MC_J];
-#pragma unroll
-        for (int j = 0; j < MC_J; ++j) {
-            const int i = threadIdx.x + j * step;
-            v[j] = i < H ? load_kind(y, kind_y, s_off[s] + i) : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < MC_J; ++j) acc[j] += s_w[s] * v[j];
-    }
+    for (; s + MC_GROUP <= routed; s += MC_GROUP) add_slots<MC_GROUP>(acc, y, kind_y, s_w + s, s_off + s, H, step);
+    for (; s < routed; ++s) add_slots<1>(acc, y, kind_y, s_w + s, s_off + s, H, step);
     const float g = !shared_slot && sh ? sigmoid_f(sg[(long long)t * ldg]) : 0.0f;
     float hv[MC_J];
 #pragma unroll

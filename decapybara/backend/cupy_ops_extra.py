@@ -766,12 +766,11 @@ SMALL_WARPS, SMALL_R = 4, 2  # its blocks' warps (SG_WARPS) and weight rows a wa
 def small_product(w: PackedWeight, m: int) -> bool:
     """Whether a product of `m` rows over `w` runs on kernels/gemv_small.cu (`_small`) instead of the skinny
     GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_ROWS rows of x, x's staged rows within
-    SMALL_SMEM, rows of 16-byte aligned codes. For products whose tiles and K splits cost more than their
+    `small_smem`, rows the skinny kernels stream (`gemm_ready`: 16-byte aligned, K % 8 == 0). For products whose tiles and K splits cost more than their
     bytes: an MoE router (stacked with its shared expert's gate, 257 rows), the DeltaNet b|a."""
-    n_max = tune_for(w.fmt).get("small_n", 0)
-    return (w.fmt == "bf16" and 0 < w.N <= n_max and 0 < m <= SMALL_ROWS and w.K % 8 == 0
-            and m * w.K * 4 <= small_smem() and w.codes.ndim == 2 and w.codes.strides[1] == 2
-            and w.codes.strides[0] % 16 == 0 and dev_ptr(w.codes) % 16 == 0)
+    if w.fmt != "bf16" or len(w.shape) != 2 or not 0 < m <= SMALL_ROWS:
+        return False
+    return 0 < w.N <= tune_for(w.fmt).get("small_n", 0) and m * w.K * 4 <= small_smem() and gemm_ready(w)
 
 
 def small_smem() -> int:

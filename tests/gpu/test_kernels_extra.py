@@ -574,6 +574,24 @@ def test_act_quant_bytes_equal_reference(k, dtype):
 
 
 # ---- MoE -----------------------------------------------------------------------------------------------------
+def random_experts(rng, e, h, inter, experts, packed=False):
+    """(device stacks, reference float32 stacks) of e experts' gate, up [e, inter, h] and down [e, h, inter]
+    (std 0.05): bf16 values (device: float32 arrays, or bf16 PackedWeights where `packed`), or MXFP4 ("mxfp4": the
+    codes in split fields, "mxfp4-plain": plain nibbles)."""
+    weights, refs = [], []
+    for shape in ((e, inter, h), (e, inter, h), (e, h, inter)):
+        if experts == "bf16":
+            wv = bf16_round(rng.standard_normal(shape) * 0.05).astype(np.float32)
+            weights.append(ex.PackedWeight("bf16", shape, cp.asarray(bf16_encode(wv)), persistent=True) if packed
+                           else cp.asarray(wv))
+            refs.append(wv)
+        else:
+            q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
+            weights.append(ex.pack_weight(q, e2m1_split=experts == "mxfp4"))
+            refs.append(q.dequantize())
+    return weights, refs
+
+
 @pytest.mark.parametrize("t", [1, 3, 12, 37])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4", "mxfp4-plain"])  # MXFP4 codes split (default) or plain
@@ -585,17 +603,9 @@ def test_moe_matches_numpy_backend(t, normalize, experts, h, inter):
     e, k = 16, 4
     x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
     router = rng.standard_normal((e, h)).astype(np.float32) * 0.3
-    weights, refs = [], []
-    for shape in ((e, inter, h), (e, inter, h), (e, h, inter)):
-        if experts == "bf16":
-            wv = bf16_round(rng.standard_normal(shape) * 0.05).astype(np.float32)
-            weights.append(cp.asarray(wv))
-            refs.append(wv)
-        else:
-            q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
-            weights.append(ex.pack_weight(q, e2m1_split=experts == "mxfp4"))
-            assert weights[-1].tiled == (shape[1] % 16 == 0 and shape[2] % 256 == 0)  # experts in band tiles
-            refs.append(q.dequantize())
+    weights, refs = random_experts(rng, e, h, inter, experts)
+    for w in weights if experts != "bf16" else ():  # experts in band tiles
+        assert w.tiled == (w.shape[1] % 16 == 0 and w.shape[2] % 256 == 0)
     ref = NumpyBackend().moe(x, router, *refs, k, normalize)
     got = ex.moe(cp.asarray(x), cp.asarray(router), *weights, k, normalize)
     assert_close(got, ref, 2e-2, f"moe t={t} normalize={normalize} experts={experts}")
@@ -613,16 +623,7 @@ def test_moe_gate_up_in_one_launch_matches_numpy_backend(t, experts, h, inter):
     e, k = 16, 4
     x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
     router = rng.standard_normal((e, h)).astype(np.float32) * 0.3
-    refs, dev = [], []
-    for shape in ((e, inter, h), (e, inter, h), (e, h, inter)):
-        if experts == "bf16":
-            wv = bf16_round(rng.standard_normal(shape) * 0.05).astype(np.float32)
-            refs.append(wv)
-            dev.append(ex.PackedWeight("bf16", shape, cp.asarray(bf16_encode(wv)), persistent=True))
-        else:
-            q = quant.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, "mxfp4")
-            refs.append(q.dequantize())
-            dev.append(ex.pack_weight(q))
+    dev, refs = random_experts(rng, e, h, inter, experts, packed=True)
     got = CupyBackend("bf16").fuse_moe({"router": cp.asarray(router), "gate": dev[0], "up": dev[1], "down": dev[2]})
     assert got is not None and not got[0].shared_slot and got[0].down is None and set(got[1]) == {"gate", "up"}
     gate_up, gate_v, up_v = got[0].gate_up, got[1]["gate"], got[1]["up"]

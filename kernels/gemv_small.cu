@@ -1,131 +1,157 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for bf16 weights of few rows (N) and few rows of x (M <= SG_M): products too
-// small for mx_gemv.cu's tiles, whose K splits then cost more than the bytes (an MoE router stacked with its
-// shared expert's gate: 257 rows of 2,048; decapybara/backend/cupy_ops_extra.py `small_product`).
+// y[M, N] = x[M, K] @ W[N, K]^T for bf16 weights of few rows (N) and few rows of x (M <= 16): products too
+// small for mx_gemv.cu's tiles, whose K splits across blocks then cost more than the bytes (an MoE router
+// stacked with its shared expert's gate: 257 rows of 2,048; the DeltaNet b|a: 2 Hv rows;
+// decapybara/backend/cupy_ops_extra.py `small_product`).
 //
-// W: bf16 bits [N, K], rows ldw codes apart (K % 8 == 0, rows 16-byte aligned); x: float32 / bf16 / f16 rows ldx
-// apart (act_kind.cuh), rounded to bf16 as the skinny kernels round x; y: float32 / bf16 / f16 rows ldy apart.
-// Float32 products and sums: lane l of a warp sums its codes k = 8 (32 i + l) .. + 8 for i = 0, 1, .. in order,
-// then the 32 lanes' sums by a butterfly (a fixed order for a given K).
-// A block of SG_WARPS warps stages x (M rows, rounded to bf16, as float32) in dynamic shared memory; each warp
-// computes SG_R weight rows. An overlapped launch (pdl.cuh): the warp's first SG_PRE groups of weight codes load
-// before the wait (load-time weights only: the wrapper launches it overlapped for those alone).
+// W: bf16 bits [N, K], rows ldw codes apart (K % 8 == 0, rows and ldw 16-byte aligned); x: float32 / bf16 / f16
+// rows ldx apart (act_kind.cuh), rounded to bf16 (nearest even) as the skinny kernels round bf16 weights' x;
+// y: float32 / bf16 / f16 rows ldy apart. `vec` (the wrapper's): x's rows start 16-byte aligned, so its 8-code
+// groups load as 16 bytes; else element by element.
+//
+// One block a tile of 16 weight rows (grid ceil(N / 16)), its SG_WARPS warps splitting K in whole 32-code steps
+// (warp w: steps w S / W .. (w + 1) S / W - 1 of S = ceil(K / 32)). Tensor cores: mma.sync m16n8k16 bf16 ->
+// float32, A = the tile's rows, B = x^T (n-tile nt: rows 8 nt .. 8 nt + 7 of x). Lane (g = lane / 4, t = lane
+// % 4) of a step loads the 8 contiguous codes k = 32 s + 8 t .. + 7 of rows g and g + 8 (16 bytes each) and
+// the same 8 elements of x row 8 nt + g, and feeds them as two MMAs' k-slots (codes 0-3 to the first, 4-7 to
+// the second; the reduction order inside an MMA is free, so no permutation is staged): no shared-memory
+// staging, no barrier before the MMAs. The warp's first SG_PRE steps of codes load before the wait (pdl.cuh;
+// load-time weights only: the wrapper launches overlapped for those alone); x after it, a batch of steps at
+// once. The warps' float32 sums meet in shared memory and one thread a (row, x row) adds them in warp order:
+// a fixed order for a given K and SG_WARPS.
 #include "act_kind.cuh"
 #include "pdl.cuh"
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#ifndef SG_M
-#define SG_M 16  // rows of x at most
-#endif
-#ifndef SG_R
-#define SG_R 2  // weight rows a warp
-#endif
 #ifndef SG_WARPS
-#define SG_WARPS 4
+#define SG_WARPS 8  // warps a block (the K split of its 16-row tile)
 #endif
-#define SG_XB 16  // groups of 4 elements of x a thread loads at once while staging
-#define SG_PRE 8  // 8-code groups of each row a lane loads before the wait (K = 2,048: all of them)
+#ifndef SG_PRE
+#define SG_PRE 8  // 32-code steps of a warp's codes in registers at once (the first batch before the wait)
+#endif
 
-__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+__device__ __forceinline__ u32 bf16x2_of(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
-extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small(
-    const u16* __restrict__ W, long long ldw, const void* x, int x_kind, long long ldx, int M, int N, int K,
-    void* y, int y_kind, long long ldy) {
-    extern __shared__ float xs[];  // [M][K]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r0 = (blockIdx.x * SG_WARPS + warp) * SG_R;
-    const int groups = K >> 3;  // 8-code groups a row
-    uint4 pre[SG_R][SG_PRE];
+// The 8 elements x[m, k .. k + 7] as bf16x2 words (element k in the low half of word 0); zeros where !ok.
+__device__ __forceinline__ uint4 x_group(const void* x, int kind, int vec, long long i, bool ok) {
+    uint4 r = {0u, 0u, 0u, 0u};
+    if (!ok) return r;
+    if (vec && kind == KIND_BF16) return *(const uint4*)((const u16*)x + i);
+    float f[8];
+    if (vec && kind == KIND_F32) {
+        const float4 a = *(const float4*)((const float*)x + i), b = *(const float4*)((const float*)x + i + 4);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else if (vec) {  // f16
+        const uint4 h = *(const uint4*)((const u16*)x + i);
+        const u32 hw[4] = {h.x, h.y, h.z, h.w};
 #pragma unroll
-    for (int r = 0; r < SG_R; ++r) {
-        const int row = min(r0 + r, N - 1);  // rows past N load row N - 1 (never stored)
+        for (int e = 0; e < 4; ++e) {
+            f[2 * e] = h2f((u16)(hw[e] & 0xFFFFu));
+            f[2 * e + 1] = h2f((u16)(hw[e] >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = load_kind(x, kind, i + e);
+    }
+    r.x = bf16x2_of(f[0], f[1]);
+    r.y = bf16x2_of(f[2], f[3]);
+    r.z = bf16x2_of(f[4], f[5]);
+    r.w = bf16x2_of(f[6], f[7]);
+    return r;
+}
+
+template <int NT>  // n-tiles: rows of x up to 8 NT
+__device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long ldw, const void* x, int x_kind,
+                                           long long ldx, int vec, int M, int N, int K, void* y, int y_kind,
+                                           long long ldy) {
+    __shared__ float red[SG_WARPS][16][8 * NT + 1];  // each warp's sums: [weight row of the tile][x row]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * 16;
+    const int steps = (K + 31) >> 5, s0 = warp * steps / SG_WARPS, s1 = (warp + 1) * steps / SG_WARPS;
+    // rows past N read row N - 1 (their sums are never stored)
+    const u16* wa = W + (long long)min(r0 + g, N - 1) * ldw + 8 * t;
+    const u16* wb = W + (long long)min(r0 + g + 8, N - 1) * ldw + 8 * t;
+    uint4 wr[SG_PRE][2];
+    auto load_w = [&](int sb) {
 #pragma unroll
         for (int i = 0; i < SG_PRE; ++i) {
-            const int g = i * 32 + lane;
-            uint4 v = {0u, 0u, 0u, 0u};
-            if (g < groups) v = __ldg((const uint4*)(W + (long long)row * ldw) + g);
-            pre[r][i] = v;
+            const int s = sb + i;
+            const bool ok = s < s1 && 32 * s + 8 * t < K;
+            const uint4 z = {0u, 0u, 0u, 0u};
+            wr[i][0] = ok ? __ldg((const uint4*)(wa + 32 * s)) : z;
+            wr[i][1] = ok ? __ldg((const uint4*)(wb + 32 * s)) : z;
+        }
+    };
+    load_w(s0);
+    pdl_begin();  // x comes from the kernel before
+    float acc[2][NT][4];  // [MMA chain: codes 0-3 / 4-7 of a lane's group][n-tile][fragment]
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[c][nt][0] = acc[c][nt][1] = acc[c][nt][2] = acc[c][nt][3] = 0.0f;
+    for (int sb = s0; sb < s1; sb += SG_PRE) {
+        if (sb != s0) load_w(sb);
+        uint4 xv[SG_PRE][NT];
+#pragma unroll
+        for (int i = 0; i < SG_PRE; ++i) {
+            const int s = sb + i, k = 32 * s + 8 * t;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int m = 8 * nt + g;
+                xv[i][nt] = x_group(x, x_kind, vec, (long long)m * ldx + k, s < s1 && k < K && m < M);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < SG_PRE; ++i) {
+            const uint4 a = wr[i][0], b = wr[i][1];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_bf16(acc[0][nt], a.x, b.x, a.y, b.y, xv[i][nt].x, xv[i][nt].y);
+                mma_bf16(acc[1][nt], a.z, b.z, a.w, b.w, xv[i][nt].z, xv[i][nt].w);
+            }
         }
     }
-    pdl_begin();  // x comes from the kernel before
-    // x by groups of 4 elements, SG_XB groups a thread in flight at once (a block's staging is a few round trips)
-    const int nq = (M * K) >> 2;
-    for (int q0 = threadIdx.x; q0 < nq; q0 += SG_XB * blockDim.x) {
-        float v[SG_XB][4];
+    // fragment: d0 (row g, x row 2t), d1 (g, 2t + 1), d2 (g + 8, 2t), d3 (g + 8, 2t + 1) of each n-tile
 #pragma unroll
-        for (int b = 0; b < SG_XB; ++b) {
-            const int q = q0 + b * blockDim.x;
-            if (q < nq) {
-                const int m = (4 * q) / K, k = 4 * q - m * K;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) v[b][e] = load_kind(x, x_kind, (long long)m * ldx + k + e);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < SG_XB; ++b) {
-            const int q = q0 + b * blockDim.x;
-            if (q < nq) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) xs[4 * q + e] = __uint_as_float((u32)f2bf(v[b][e]) << 16);
-            }
-        }
+    for (int nt = 0; nt < NT; ++nt) {
+        const int c = 8 * nt + 2 * t;
+        red[warp][g][c] = acc[0][nt][0] + acc[1][nt][0];
+        red[warp][g][c + 1] = acc[0][nt][1] + acc[1][nt][1];
+        red[warp][g + 8][c] = acc[0][nt][2] + acc[1][nt][2];
+        red[warp][g + 8][c + 1] = acc[0][nt][3] + acc[1][nt][3];
     }
     __syncthreads();
-    float acc[SG_R][SG_M];
+    for (int o = threadIdx.x; o < 16 * 8 * NT; o += 32 * SG_WARPS) {
+        const int r = o & 15, m = o >> 4;  // consecutive threads: consecutive columns of y
+        if (m < M && r0 + r < N) {
+            float s = red[0][r][m];
 #pragma unroll
-    for (int r = 0; r < SG_R; ++r)
-#pragma unroll
-        for (int m = 0; m < SG_M; ++m) acc[r][m] = 0.0f;
-    for (int i0 = 0; i0 * 32 < groups; i0 += SG_PRE) {
-        if (i0) {  // rows longer than SG_PRE groups a lane: the pass's codes, all loads in flight at once
-#pragma unroll
-            for (int r = 0; r < SG_R; ++r) {
-                const int row = min(r0 + r, N - 1);
-#pragma unroll
-                for (int i = 0; i < SG_PRE; ++i) {
-                    const int g = (i0 + i) * 32 + lane;
-                    if (g < groups) pre[r][i] = __ldg((const uint4*)(W + (long long)row * ldw) + g);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < SG_PRE; ++i) {
-            const int g = (i0 + i) * 32 + lane;
-            if (g >= groups) break;
-            uint4 wv[SG_R];
-#pragma unroll
-            for (int r = 0; r < SG_R; ++r) wv[r] = pre[r][i];
-#pragma unroll
-            for (int m = 0; m < SG_M; ++m) {
-                if (m >= M) break;
-                const float4 a = *(const float4*)(xs + m * K + 8 * g);
-                const float4 b = *(const float4*)(xs + m * K + 8 * g + 4);
-#pragma unroll
-                for (int r = 0; r < SG_R; ++r) {
-                    float s = acc[r][m];
-                    s = fmaf(a.x, bf16_lo(wv[r].x), s);
-                    s = fmaf(a.y, bf16_hi(wv[r].x), s);
-                    s = fmaf(a.z, bf16_lo(wv[r].y), s);
-                    s = fmaf(a.w, bf16_hi(wv[r].y), s);
-                    s = fmaf(b.x, bf16_lo(wv[r].z), s);
-                    s = fmaf(b.y, bf16_hi(wv[r].z), s);
-                    s = fmaf(b.z, bf16_lo(wv[r].w), s);
-                    s = fmaf(b.w, bf16_hi(wv[r].w), s);
-                    acc[r][m] = s;
-                }
-            }
+            for (int w = 1; w < SG_WARPS; ++w) s += red[w][r][m];
+            store_kind(y, y_kind, (long long)m * ldy + r0 + r, s);
         }
     }
-#pragma unroll
-    for (int r = 0; r < SG_R; ++r)
-#pragma unroll
-        for (int m = 0; m < SG_M; ++m) {
-            if (m >= M) break;
-            float s = acc[r][m];
-#pragma unroll
-            for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
-            if (lane == m && r0 + r < N) store_kind(y, y_kind, (long long)m * ldy + r0 + r, s);
-        }
+}
+
+// up to 8 rows of x
+extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small_1(
+    const u16* __restrict__ W, long long ldw, const void* x, int x_kind, long long ldx, int vec, int M, int N, int K,
+    void* y, int y_kind, long long ldy) {
+    small_tile<1>(W, ldw, x, x_kind, ldx, vec, M, N, K, y, y_kind, ldy);
+}
+// 9 to 16 rows of x
+extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small_2(
+    const u16* __restrict__ W, long long ldw, const void* x, int x_kind, long long ldx, int vec, int M, int N, int K,
+    void* y, int y_kind, long long ldy) {
+    small_tile<2>(W, ldw, x, x_kind, ldx, vec, M, N, K, y, y_kind, ldy);
 }

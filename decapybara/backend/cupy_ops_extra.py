@@ -35,7 +35,6 @@ from decapybara.backend.cupy_ops import (
     gemm_bf16,
     null,
     sm_count,
-    smem_per_block,
     smem_per_sm,
     to_bf16_bits,
 )
@@ -346,9 +345,10 @@ def _stream_counters(device: int, stream: int) -> Any:
 # NVFP4 at 12, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
 # `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on kernels/gemv_small.cu
-# (`small_product`: no tiles, no K splits; a warp's weight rows whole, x staged once a block). Off: its first x
-# staging (one element a thread an iteration) made the 35B-A3B's steps slower (12 x 1k 2,559 -> 1,498 tok/s); the
-# batched staging it has now is not yet timed (docs/perf.md, thirty-fourth session).
+# (`small_product`: a block a 16-row tile, its warps splitting K, tensor-core sums met in shared memory; no K
+# splits across blocks, no x staging). Off until timed (the thirty-fourth session's version, scalar sums over x
+# staged in shared memory, made the 35B-A3B's steps slower: docs/perf.md). `small_warps` / `small_pre` (0:
+# SMALL_WARPS / SMALL_PRE): its blocks' warps and the 32-code steps of codes a warp holds at once.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
 TUNE: dict[str, Any] = TuneDict({
@@ -360,7 +360,7 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "small_n": 0,
+    "swiglu_warps": 0, "small_n": 0, "small_warps": 0, "small_pre": 0,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -758,38 +758,36 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     return y
 
 
-SMALL_ROWS, SMALL_SMEM = 16, 160 * 1024  # kernels/gemv_small.cu: rows of x at most (SG_M), its staged x's bytes
-# at most (less where a block of the device may have less: `small_smem`)
-SMALL_WARPS, SMALL_R = 4, 2  # its blocks' warps (SG_WARPS) and weight rows a warp (SG_R)
+SMALL_ROWS = 16  # kernels/gemv_small.cu: rows of x at most (two n-tiles)
+# its blocks' warps (SG_WARPS: the K split of a 16-row tile) and 32-code steps of codes a warp holds at once
+# (SG_PRE: the first before the wait); TUNE `small_warps` / `small_pre` (0: these)
+SMALL_WARPS, SMALL_PRE = 8, 8
 
 
 def small_product(w: PackedWeight, m: int) -> bool:
     """Whether a product of `m` rows over `w` runs on kernels/gemv_small.cu (`_small`) instead of the skinny
-    GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_ROWS rows of x, x's staged rows within
-    `small_smem`, rows the skinny kernels stream (`gemm_ready`: 16-byte aligned, K % 8 == 0). For products whose tiles and K splits cost more than their
+    GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_ROWS rows of x, rows the skinny kernels
+    stream (`gemm_ready`: 16-byte aligned, K % 8 == 0). For products whose tiles and K splits cost more than their
     bytes: an MoE router (stacked with its shared expert's gate, 257 rows), the DeltaNet b|a."""
     if w.fmt != "bf16" or len(w.shape) != 2 or not 0 < m <= SMALL_ROWS:
         return False
-    return 0 < w.N <= tune_for(w.fmt).get("small_n", 0) and m * w.K * 4 <= small_smem() and gemm_ready(w)
-
-
-def small_smem() -> int:
-    """The staged x's bytes a `gemv_small` launch may have on the current device: SMALL_SMEM, or what a block of
-    the device may have (besides the kernel's static shared memory: none) where that is less."""
-    return min(SMALL_SMEM, smem_per_block())
+    return 0 < w.N <= tune_for(w.fmt).get("small_n", 0) and gemm_ready(w)
 
 
 def _small(x: Any, w: PackedWeight, y: Any) -> None:
-    """y = x @ w^T on kernels/gemv_small.cu (`small_product`'s products): overlapped (`pdl.launch`) over a
-    load-time weight, whose first codes it loads before waiting for x."""
+    """y = x @ w^T on kernels/gemv_small.cu (`small_product`'s products): one block a 16-row tile, overlapped
+    (`pdl.launch`) over a load-time weight, whose first codes it loads before waiting for x. x's 8-element groups
+    load 16 bytes at a time where its rows start 16-byte aligned."""
     m, k = x.shape
-    fn = get_kernel("gemv_small", "gemv_bf16_small")
-    smem = m * k * 4
-    allow_dynamic_smem(fn, small_smem())  # one limit for every size (a limit set per size would drop for smaller ones)
-    args = (w.codes, I64(w.codes.strides[0] // 2), x, I32(kind(x.dtype)), I64(x.strides[0] // x.itemsize), I32(m),
-            I32(w.N), I32(k), y, I32(kind(y.dtype)), I64(y.strides[0] // y.itemsize))
-    grid = (-(-w.N // (SMALL_WARPS * SMALL_R)),)
-    (pdl.launch if w.persistent else pdl.plain)(fn, grid, (32 * SMALL_WARPS,), args, shared_mem=smem)
+    t = tune_for("bf16")
+    warps, pre = t.get("small_warps") or SMALL_WARPS, t.get("small_pre") or SMALL_PRE
+    defines = () if (warps, pre) == (SMALL_WARPS, SMALL_PRE) else (("SG_WARPS", warps), ("SG_PRE", pre))
+    fn = get_kernel("gemv_small", "gemv_bf16_small_1" if m <= 8 else "gemv_bf16_small_2", defines)
+    step = x.strides[0] if m > 1 else 0
+    vec = int(dev_ptr(x) % 16 == 0 and step % 16 == 0)
+    args = (w.codes, I64(w.codes.strides[0] // 2), x, I32(kind(x.dtype)), I64(x.strides[0] // x.itemsize), I32(vec),
+            I32(m), I32(w.N), I32(k), y, I32(kind(y.dtype)), I64(y.strides[0] // y.itemsize))
+    (pdl.launch if w.persistent else pdl.plain)(fn, (-(-w.N // 16),), (32 * warps,), args)
 
 
 def dense_of(w: PackedWeight) -> Any:

@@ -43,13 +43,37 @@ def test_small_product_matches_numpy(small_on, m, n, k, x_dtype):
     w = bf16_round(rng.standard_normal((n, k)) * 0.1)
     x = rng.standard_normal((m, k)).astype(np.float32)
     pw = ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)), persistent=True)
-    assert ex.small_product(pw, m) == (m * k * 4 <= ex.small_smem())
+    assert ex.small_product(pw, m)
     xd = {"f32": lambda: cp.asarray(x), "bf16": lambda: cp.asarray(bf16_encode(x)),
           "f16": lambda: cp.asarray(x.astype(np.float16))}[x_dtype]()
     x = x.astype(np.float16).astype(np.float32) if x_dtype == "f16" else x
     got = ex.mx_linear(xd, pw, out_dtype=cp.float32)
     ref = bf16_round(x).astype(np.float64) @ w.astype(np.float64).T
     assert rel_err(got, ref) < 1e-5, f"m={m} n={n} k={k} {x_dtype}"
+
+
+@pytest.mark.parametrize("warps,pre", [(8, 8), (16, 4), (4, 2)])
+@pytest.mark.parametrize("m", [8, 9])
+@pytest.mark.parametrize("x_dtype", ["f32", "bf16"])
+def test_small_product_unaligned_x_and_builds(small_on, monkeypatch, warps, pre, m, x_dtype):
+    """x that does not start 16-byte aligned (a contiguous array one element into its buffer: loaded element by
+    element), the last row count of one n-tile and the first of two, and other block widths / register batches
+    (TUNE small_warps, small_pre): K of 5,128 = 160.25 steps over the warps, 40 rows (a partial third tile)."""
+    monkeypatch.setitem(ex.TUNE, "small_warps", warps)
+    monkeypatch.setitem(ex.TUNE, "small_pre", pre)
+    rng = np.random.default_rng(m * 10 + warps + pre)
+    n, k = 40, 5128
+    w = bf16_round(rng.standard_normal((n, k)) * 0.1)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    pw = ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)), persistent=True)
+    flat = x.reshape(-1) if x_dtype == "f32" else bf16_encode(x).reshape(-1)
+    buf = cp.zeros(flat.size + 1, flat.dtype)
+    buf[1:] = cp.asarray(flat)
+    xd = buf[1:].reshape(m, k)
+    assert ex.dev_ptr(xd) % 16 != 0
+    got = ex.mx_linear(xd, pw, out_dtype=cp.float32)
+    ref = bf16_round(x).astype(np.float64) @ w.astype(np.float64).T
+    assert rel_err(got, ref) < 1e-5, f"m={m} warps={warps} pre={pre} {x_dtype}"
 
 
 @pytest.mark.parametrize("m", [1, 12])
@@ -74,12 +98,12 @@ def test_small_product_of_a_stack_row_range_in_bf16(small_on, m):
 
 
 def test_small_product_limits(small_on, monkeypatch):
-    """Other formats, more rows of x than SMALL_ROWS, wider matrices than TUNE small_n and x past SMALL_SMEM stay
-    on the skinny GEMM; small_n 0 turns the kernel off."""
-    assert ex.small_smem() <= ex.SMALL_SMEM
+    """Other formats, more rows of x than SMALL_ROWS and wider matrices than TUNE small_n stay on the skinny GEMM;
+    small_n 0 turns the kernel off."""
     bf = ex.PackedWeight("bf16", (64, 2048), cp.zeros((64, 2048), cp.uint16), persistent=True)
     assert ex.small_product(bf, 16) and not ex.small_product(bf, 17)
-    assert not ex.small_product(ex.PackedWeight("bf16", (64, 16384), cp.zeros((64, 16384), cp.uint16)), 12)
+    assert ex.small_product(ex.PackedWeight("bf16", (64, 16384), cp.zeros((64, 16384), cp.uint16)), 12)
+    assert not ex.small_product(ex.PackedWeight("bf16", (8192, 64), cp.zeros((8192, 64), cp.uint16)), 12)
     monkeypatch.setitem(ex.TUNE, "small_n", 63)
     assert not ex.small_product(bf, 1)
     monkeypatch.setitem(ex.TUNE, "small_n", 0)

@@ -5,6 +5,9 @@ from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
 
 EMU = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(EMU, "build")
+# a kernel module's build; -fno-gnu-unique: a template's static locals (the __shared__ arrays of a templated device
+# function) stay each module's own, as on a GPU, not one copy for every loaded build of the same source
+CXXFLAGS = ("-O1", "-g", "-std=c++20", "-shared", "-fPIC", "-fno-gnu-unique", "-Wno-unknown-pragmas")
 os.makedirs(BUILD, exist_ok=True)
 _TYPES = {"ptr": 0, "i32": 1, "i64": 2, "f32": 3, "f64": 4}
 # CUDA_EMU_STRIDED=1: a non-contiguous array argument passes its first element's address, as CuPy passes a view
@@ -148,7 +151,7 @@ class RawModule:
         for f in ("emu.h", "emu.cpp", "ptx_lower.py"):
             with open(os.path.join(EMU, f)) as fh:
                 emu_src += fh.read()
-        key = hashlib.sha256((code + "|".join(options) + emu_src).encode()).hexdigest()[:16]
+        key = hashlib.sha256((code + "|".join(options) + emu_src + " ".join(CXXFLAGS)).encode()).hexdigest()[:16]
         so = os.path.join(BUILD, f"k_{key}.so")
         src = os.path.join(BUILD, f"k_{key}.cu")
         with open(src, "w") as f:
@@ -173,7 +176,7 @@ class RawModule:
             self.lib = None
             return
         if not os.path.exists(so):
-            cmd = ["g++", "-O1", "-g", "-std=c++20", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-include",
+            cmd = ["g++", *CXXFLAGS, "-include",
                    os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", _emu_object(),
                    "-lffi", "-o", so]
             r = subprocess.run(cmd, capture_output=True, text=True)

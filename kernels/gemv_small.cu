@@ -25,10 +25,10 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 #ifndef SG_WARPS
-#define SG_WARPS 8  // warps a block (the K split of its 16-row tile)
+#define SG_WARPS 16  // warps a block (the K split of its 16-row tile)
 #endif
 #ifndef SG_PRE
-#define SG_PRE 8  // 32-code steps of a warp's codes in registers at once (the first batch before the wait)
+#define SG_PRE 4  // 32-code steps of a warp's codes in registers at once (the first batch before the wait)
 #endif
 
 __device__ __forceinline__ u32 bf16x2_of(float lo, float hi) {

@@ -346,9 +346,12 @@ def _stream_counters(device: int, stream: int) -> Any:
 # than the plain product's, so other K split points: the same products within float32 rounding.
 # `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on kernels/gemv_small.cu
 # (`small_product`: a block a 16-row tile, its warps splitting K, tensor-core sums met in shared memory; no K
-# splits across blocks, no x staging). Off until timed (the thirty-fourth session's version, scalar sums over x
-# staged in shared memory, made the 35B-A3B's steps slower: docs/perf.md). `small_warps` / `small_pre` (0:
-# SMALL_WARPS / SMALL_PRE): its blocks' warps and the 32-code steps of codes a warp holds at once.
+# splits across blocks, no x staging). 1024: the 35B-A3B's router|gate (257 x 2,048) and b|a (64 x 2,048) after
+# their norm 2.4x the skinny GEMM's speed at one row, 3.4x at twelve, the 27B's b|a (96 x 5,120) 1.1x / 2.3x
+# (bench/small_product.py); 35B-A3B steps 1.08x at one sequence, 1.04x at twelve; the 27B's, whose b|a runs on a
+# side stream, within their spread (docs/perf.md, thirty-fifth session). `small_warps` / `small_pre` (0:
+# SMALL_WARPS / SMALL_PRE): its blocks' warps and the 32-code steps of codes a warp holds at once; 16 / 4 the
+# fastest of 8 / 8, 16 / 4, 4 / 8, 8 / 4 on every shape.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
 TUNE: dict[str, Any] = TuneDict({
@@ -360,7 +363,7 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "small_n": 0, "small_warps": 0, "small_pre": 0,
+    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -761,7 +764,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
 SMALL_ROWS = 16  # kernels/gemv_small.cu: rows of x at most (two n-tiles)
 # its blocks' warps (SG_WARPS: the K split of a 16-row tile) and 32-code steps of codes a warp holds at once
 # (SG_PRE: the first before the wait); TUNE `small_warps` / `small_pre` (0: these)
-SMALL_WARPS, SMALL_PRE = 8, 8
+SMALL_WARPS, SMALL_PRE = 16, 4
 
 
 def small_product(w: PackedWeight, m: int) -> bool:

@@ -16,7 +16,8 @@
 //               on atomics, never the result: rows are independent and the combine reads each token's slots in
 //               slot order.
 // moe_route_dispatch  both in one block of 512 threads (steps of few tokens: one launch fewer): its warps route
-//               the tokens, then the block dispatches them (1024 threads would need routing in 64 registers).
+//               the tokens, then the block dispatches them from the ids kept in shared memory (dynamic: 2 (E +
+//               shared) + T (k + shared) ints); 1024 threads would need routing in 64 registers.
 // moe_silu_mul  h = silu(gate) * up (float32 math), any of f32 / bf16 / f16 in and out.
 // moe_combine   out[t] = sum over slots s (in order) of w[t, s] * y[slot_pos[t, s]], float32 accumulation; with a
 //               shared expert (sh != 0): + sigmoid(sg[t]) * sh[t] after the routed sum (the float operations of
@@ -38,8 +39,11 @@
 // token t's top-k (one warp; lane = the thread's lane), then, where `shared`, slot k: expert E (the shared expert
 // stacked after the routed ones) weighing sigmoid(logit E) (the shared gate's logit beside the router's); a token's
 // slots k + shared apart
+// (the selection: probabilities p >= 0 as keys float bits + 1, monotonic in p; taken experts and padding lanes key 0,
+// never picked: each slot takes the largest key of the warp, then the lowest expert id holding it, two warp
+// reductions)
 __device__ __forceinline__ void route_token(const float* logits, long long ldl, int t, int E, int k, int normalize,
-                                            int shared, int* topk_ids, float* topk_w, int lane) {
+                                            int shared, int* topk_ids, float* topk_w, int lane, int* s_ids = nullptr) {
     const float* l = logits + (long long)t * ldl;
     float p[MOE_JPL];
     float m = -__int_as_float(0x7F800000);
@@ -54,43 +58,41 @@ __device__ __forceinline__ void route_token(const float* logits, long long ldl, 
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < MOE_JPL; ++j) {
-        // the maxima weigh 1 (also where m is +-inf: no inf - inf); padding lanes -3, below every candidate and
-        // below the -2 that marks a taken one, so the k picks are always real experts (k <= E)
-        p[j] = j * 32 + lane < E ? (p[j] == m ? 1.f : expf(p[j] - m)) : -3.f;
+        // the maxima weigh 1 (also where m is +-inf: no inf - inf); padding lanes -1, below every candidate
+        p[j] = j * 32 + lane < E ? (p[j] == m ? 1.f : expf(p[j] - m)) : -1.f;
         s += p[j] > 0.f ? p[j] : 0.f;
     }
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    unsigned key[MOE_JPL];  // p / s >= 0 (at most 1): its bits + 1; padding 0
 #pragma unroll
-    for (int j = 0; j < MOE_JPL; ++j) if (p[j] >= 0.f) p[j] = p[j] / s;
+    for (int j = 0; j < MOE_JPL; ++j) key[j] = p[j] >= 0.f ? __float_as_uint(p[j] / s) + 1u : 0u;
     float wsum = 0.f, mine = 0.f;
     int my_id = -1;
     for (int slot = 0; slot < k; ++slot) {
-        float best = -2.f;
+        unsigned best = 0u;
         int bid = 0x7FFFFFFF;
 #pragma unroll
-        for (int j = 0; j < MOE_JPL; ++j) {
-            const int e = j * 32 + lane;
-            if (p[j] > best) { best = p[j]; bid = e; }  // ascending e per lane: ties keep the lower id
-        }
-        for (int o = 16; o; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-            const int oi = __shfl_xor_sync(0xFFFFFFFFu, bid, o);
-            if (ob > best || (ob == best && oi < bid)) { best = ob; bid = oi; }
-        }
+        for (int j = 0; j < MOE_JPL; ++j)
+            if (key[j] > best) { best = key[j]; bid = j * 32 + lane; }  // ascending e per lane: ties keep the lower id
+        const unsigned top = __reduce_max_sync(0xFFFFFFFFu, best);
+        bid = (int)__reduce_min_sync(0xFFFFFFFFu, best == top ? (unsigned)bid : 0x7FFFFFFFu);
         if ((bid & 31) == lane) {
 #pragma unroll
-            for (int j = 0; j < MOE_JPL; ++j) if (j == (bid >> 5)) p[j] = -2.f;
+            for (int j = 0; j < MOE_JPL; ++j) if (j == (bid >> 5)) key[j] = 0u;
         }
-        wsum += best;
-        if (lane == slot) { mine = best; my_id = bid; }
+        const float w = __uint_as_float(top - 1u);
+        wsum += w;
+        if (lane == slot) { mine = w; my_id = bid; }
     }
     const int kk = k + shared;
     if (lane < k) {
         topk_ids[t * kk + lane] = my_id;
         topk_w[t * kk + lane] = normalize ? mine / wsum : mine;
+        if (s_ids) s_ids[t * kk + lane] = my_id;
     } else if (shared && lane == k) {
         topk_ids[t * kk + k] = E;
         topk_w[t * kk + k] = sigmoid_f(l[E]);
+        if (s_ids) s_ids[t * kk + k] = E;
     }
 }
 
@@ -173,12 +175,13 @@ extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float
                                               int shared, int* topk_ids, float* topk_w, int G, int* counts, int* offsets,
                                               int* ids, int* gather, int* slot_pos) {
     pdl_begin();  // overlapped launch (pdl.cuh)
-    extern __shared__ int sh[];  // counts[E + shared], cursor[E + shared]
+    extern __shared__ int sh[];  // counts[E + shared], cursor[E + shared], then the ids of T (k + shared) slots
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ne = E + shared, kk = k + shared;
+    int* s_ids = sh + 2 * ne;
     for (int t = threadIdx.x >> 5; t < T; t += warps)
-        route_token(logits, ldl, t, E, k, normalize, shared, topk_ids, topk_w, lane);
-    // the ids reach the dispatch's reads through its first barrier (__syncthreads orders the block's global writes)
-    dispatch(topk_ids, T * kk, ne, G, counts, offsets, ids, gather, slot_pos, kk, sh, sh + ne);
+        route_token(logits, ldl, t, E, k, normalize, shared, topk_ids, topk_w, lane, s_ids);
+    // the ids reach the dispatch's reads through its first barrier, from shared memory (no round trip to L2)
+    dispatch(s_ids, T * kk, ne, G, counts, offsets, ids, gather, slot_pos, kk, sh, sh + ne);
 }
 
 extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_in, void* h, int kind_out, long long n) {

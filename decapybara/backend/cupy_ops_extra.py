@@ -1108,7 +1108,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     route = (logits, ldl, I32(t), I32(e), I32(top_k), I32(int(normalize)), I32(int(slot)), ids, wts)
     if t <= ROUTE_DISPATCH_ROWS:
         pdl.launch(get_kernel("moe", "moe_route_dispatch", jpl), (1,), (512,),
-                   (*route, I32(ng), counts, offsets, gids, gather, slot_pos), shared_mem=8 * ne)
+                   (*route, I32(ng), counts, offsets, gids, gather, slot_pos), shared_mem=8 * ne + 4 * p)
     else:
         pdl.launch(get_kernel("moe", "moe_route", jpl), (-(-t * 32 // 256),), (256,), route)
         pdl.launch(get_kernel("moe", "moe_dispatch"), (1,), (1024,),

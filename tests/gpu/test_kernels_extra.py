@@ -799,7 +799,8 @@ def test_moe_routing_of_nan_and_infinite_logits(t, e):
     route = (dev, I64(e), I32(t), I32(e), I32(k), I32(1), I32(0), ids, wts)  # normalised, no shared slot
     if t <= ex.ROUTE_DISPATCH_ROWS:
         kernels.get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (*route, I32(ng), counts, offsets, gids,
-                                                                             gather, slot_pos), shared_mem=8 * e)
+                                                                             gather, slot_pos),
+                                                       shared_mem=8 * e + 4 * p)  # counters, cursors, the ids
     else:
         kernels.get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), route)
         kernels.get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids,

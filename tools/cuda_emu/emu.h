@@ -85,6 +85,15 @@ inline int __all_sync(unsigned, int p) { return !__any_sync(0xffffffffu, !p); }
 inline unsigned __ballot_sync(unsigned, int p) {
   unsigned long long* buf = emu::warp_buf(); int l = emu::lane(); buf[l] = p ? 1 : 0; emu::sync_warp();
   unsigned r = 0; for (int i = 0; i < 32; i++) if (emu::lane_alive(i) && buf[i]) r |= 1u << i; emu::sync_warp(); return r; }
+// redux.sync: the warp's maximum / minimum of an unsigned value (every lane gets it)
+inline unsigned emu_redux(unsigned v, bool max) {
+  unsigned long long* buf = emu::warp_buf(); int l = emu::lane(); buf[l] = v; emu::sync_warp();
+  unsigned r = max ? 0u : 0xFFFFFFFFu;
+  for (int i = 0; i < 32; i++)
+    if (emu::lane_alive(i)) r = max ? (r > (unsigned)buf[i] ? r : (unsigned)buf[i]) : (r < (unsigned)buf[i] ? r : (unsigned)buf[i]);
+  emu::sync_warp(); return r; }
+inline unsigned __reduce_max_sync(unsigned, unsigned v) { return emu_redux(v, true); }
+inline unsigned __reduce_min_sync(unsigned, unsigned v) { return emu_redux(v, false); }
 // __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8-byte value y:x (no sign mode)
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   unsigned long long v = ((unsigned long long)y << 32) | x;

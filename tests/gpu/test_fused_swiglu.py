@@ -40,6 +40,13 @@ from decapybara.testing import tiny_checkpoint
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def skinny_small_products(monkeypatch):
+    """Small bf16 products on the skinny GEMM (TUNE small_n 0), not gemv_small: the fused launches are compared
+    bit for bit with the skinny kernels' own unfused products."""
+    monkeypatch.setitem(ex.TUNE, "small_n", 0)
+
+
 NO_OWN_WIDTH = {"swiglu_wide_warps": 0, "swiglu_warps": 0}  # SwiGLU launches in the plain products' blocks
 
 

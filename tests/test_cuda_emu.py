@@ -202,6 +202,7 @@ def test_moe_kernels_pass_on_the_emulator():
 def test_small_products_pass_on_the_emulator():
     """kernels/gemv_small.cu (bf16 products of few weight rows: 16-row tiles on tensor cores, K split over a
     block's warps, weights loaded before the overlapped launch's wait, x unaligned or not) against numpy and the
-    skinny GEMM, its limits: the whole GPU test file through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_gemv_small.py"], "small")
-    assert passed(out) == 75, out[-3000:]
+    skinny GEMM, its limits: the GPU test file through the emulator plugin, its other block builds left to the GPU
+    run (each build is a module the emulator compiles)."""
+    out, _ = run_on_emulator(["tests/gpu/test_gemv_small.py"], "small and not (unaligned and (8-8 or 4-2))")
+    assert passed(out) == 67, out[-3000:]

@@ -19,10 +19,8 @@
 // once. The warps' float32 sums meet in shared memory and one thread a (row, x row) adds them in warp order:
 // a fixed order for a given K and SG_WARPS.
 #include "act_kind.cuh"
+#include "mma.cuh"
 #include "pdl.cuh"
-
-typedef unsigned int u32;
-typedef unsigned short u16;
 
 #ifndef SG_WARPS
 #define SG_WARPS 16  // warps a block (the K split of its 16-row tile)
@@ -30,18 +28,6 @@ typedef unsigned short u16;
 #ifndef SG_PRE
 #define SG_PRE 4  // 32-code steps of a warp's codes in registers at once (the first batch before the wait)
 #endif
-
-__device__ __forceinline__ u32 bf16x2_of(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // The 8 elements x[m, k .. k + 7] as bf16x2 words (element k in the low half of word 0); zeros where !ok.
 __device__ __forceinline__ uint4 x_group(const void* x, int kind, int vec, long long i, bool ok) {
@@ -64,10 +50,10 @@ __device__ __forceinline__ uint4 x_group(const void* x, int kind, int vec, long 
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = load_kind(x, kind, i + e);
     }
-    r.x = bf16x2_of(f[0], f[1]);
-    r.y = bf16x2_of(f[2], f[3]);
-    r.z = bf16x2_of(f[4], f[5]);
-    r.w = bf16x2_of(f[6], f[7]);
+    r.x = bf16x2_rne(f[0], f[1]);
+    r.y = bf16x2_rne(f[2], f[3]);
+    r.z = bf16x2_rne(f[4], f[5]);
+    r.w = bf16x2_rne(f[6], f[7]);
     return r;
 }
 
@@ -117,8 +103,8 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
             const uint4 a = wr[i][0], b = wr[i][1];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                mma_bf16(acc[0][nt], a.x, b.x, a.y, b.y, xv[i][nt].x, xv[i][nt].y);
-                mma_bf16(acc[1][nt], a.z, b.z, a.w, b.w, xv[i][nt].z, xv[i][nt].w);
+                mma(acc[0][nt], a.x, b.x, a.y, b.y, xv[i][nt].x, xv[i][nt].y);
+                mma(acc[1][nt], a.z, b.z, a.w, b.w, xv[i][nt].z, xv[i][nt].w);
             }
         }
     }

@@ -8,6 +8,8 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -73,15 +75,87 @@ def _emulator_toolchain() -> bool:
     return probe.returncode == 0
 
 
-def run_on_emulator(files: list[str], cases: str, strided: bool = True, timeout: int = 600) -> tuple[str, str]:
-    """(stdout, stderr) of `pytest -m gpu files -k cases` through the emulator plugin in a separate process;
-    asserts that it exited 0."""
-    env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", **({"CUDA_EMU_STRIDED": "1"} if strided else {})}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider", "-m",
-                          "gpu", *files, "-k", cases], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout, check=False)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    return res.stdout, res.stderr
+@dataclass(frozen=True)
+class EmuRun:
+    """One `pytest -m gpu files -k cases` through the emulator plugin, in a process of its own."""
+
+    files: tuple[str, ...]
+    cases: str
+    strided: bool = True  # CUDA_EMU_STRIDED: blocks' threads stepped in strides (the faster schedule)
+    timeout: int = 1200
+
+    def run(self) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1",
+               **({"CUDA_EMU_STRIDED": "1"} if self.strided else {})}
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider",
+                               "-m", "gpu", *self.files, "-k", self.cases], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=self.timeout, check=False)
+
+
+PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
+                     "4/4-heads6-tile0-1-8-3-0 or 4/4-heads6-tile0-1-8-3-1 or 16/16-heads2-tile0-1-8-3-1)) "
+                     "or (prefill_attention_dequant_pages and 4/4) or (mixed_step_decode_rows and 16/16) "
+                     "or shared_operands or register_a_transposed_b")
+SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
+                  "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
+                  "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits "
+                  "or (prefill_fused_launches and dims1)")
+MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
+                 " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
+                 " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
+                 " or (combine_with_residual and (slot-9000-1-9 or apart-2048-12-9))")
+PIECEWISE = ("tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py")
+
+# Every emulator run, longest first (a fresh clone's minutes on the 2-core CI machine, kernel builds included), so
+# that the runs, started side by side as soon as the first of these tests asks, finish together.
+RUNS: dict[str, EmuRun] = {
+    "piecewise_engine": EmuRun(("tests/gpu/test_engine_graphs.py",), "piecewise_tails_with_packed"),
+    "piecewise_dense": EmuRun(PIECEWISE, "(eager_logits and mxfp4 and (qwen3_5_text or qwen3])) or kept or arena "
+                                         "or outside or failed or captured or unbound or handle"),
+    "prefill": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"), PREFILL_EMU_CASES),
+    "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
+    "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
+    "moe": EmuRun(("tests/gpu/test_kernels_extra.py",), MOE_EMU_CASES),
+    "small": EmuRun(("tests/gpu/test_gemv_small.py",), "small and not (unaligned and (8-8 or 4-2))"),
+    "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
+                           "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked"),
+    "skinny": EmuRun(("tests/gpu/test_kernels_extra.py",), "mx_linear_k_tail or bf16_x_staging_edges", strided=False),
+    "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
+    "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
+    "decode_attention": EmuRun(("tests/gpu/test_kernels_core.py",),
+                               "test_decode_attention_microscaled_pages and 6/6-heads1-shape1"),
+}
+
+
+def uses_runs(*names: str):
+    """Marks a test as reading these RUNS (the `emulator` fixture starts the selected tests' runs only)."""
+    def mark(fn):
+        fn.emu_runs = names
+        return fn
+    return mark
+
+
+def emulator_jobs() -> int:
+    """Emulator processes side by side: one a CPU this process may use (the runs are single-threaded), at most 4."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+@pytest.fixture(scope="module")
+def emulator(request):
+    """name -> that run's stdout, asserting it exited 0. The runs of every selected test of this module start at
+    once, `emulator_jobs()` at a time in RUNS' order; a test waits for its own."""
+    wanted = {n for item in request.session.items if item.module is request.module
+              for n in getattr(item.function, "emu_runs", ())}
+    pool = ThreadPoolExecutor(max_workers=emulator_jobs())
+    futures = {n: pool.submit(run.run) for n, run in RUNS.items() if n in wanted}
+
+    def result(name: str) -> str:
+        res = futures[name].result()
+        assert res.returncode == 0, f"{name}: " + res.stdout[-3000:] + res.stderr[-2000:]
+        return res.stdout
+
+    yield result
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def passed(out: str) -> int:
@@ -90,119 +164,108 @@ def passed(out: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_skinny_gemm_gpu_tests_pass_on_the_emulator():
+needs_toolchain = pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
+
+
+@needs_toolchain
+@uses_runs("skinny")
+def test_skinny_gemm_gpu_tests_pass_on_the_emulator(emulator):
     """The mx_gemv kernels (tensor-core MMAs, bf16x2 decode, split-K reduction, x fragments by shared-window
     addresses of static and dynamic shared memory) against the numpy reference: the K-tail GPU tests of every
     weight format, and the bf16 x staging (byte permutes, bf16x2 FMAs by 2^64) against float32 x of the same
     values, zeros, subnormals and overflow included, through the emulator plugin in a separate process."""
-    out, _ = run_on_emulator(["tests/gpu/test_kernels_extra.py"], "mx_linear_k_tail or bf16_x_staging_edges",
-                             strided=False, timeout=900)
-    assert "10 passed" in out, out[-3000:]
+    out = emulator("skinny")
+    assert passed(out) == 10, out[-3000:]
 
 
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator():
+@needs_toolchain
+@uses_runs("decode_attention")
+def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator(emulator):
     """The tensor-core decode attention over 6/6-bit pages (codes unpacked with funnel shifts, MMAs, the split-K
     reduce) against numpy: one case of its GPU test, through the emulator plugin in a separate process."""
-    out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py"],
-                             "test_decode_attention_microscaled_pages and 6/6-heads1-shape1")
-    assert "1 passed" in out, out[-3000:]
+    out = emulator("decode_attention")
+    assert passed(out) == 1, out[-3000:]
 
 
-SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
-                  "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
-                  "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits "
-                  "or (prefill_fused_launches and dims1)")
-
-
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_deltanet_snapshots_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("snapshots")
+def test_deltanet_snapshots_pass_on_the_emulator(emulator):
     """The DeltaNet core's state snapshots (copied layer by layer into pinned host slabs by asynchronous copies,
     `cupy_deltanet._to_slab`) against the numpy reference's, and the fused decode's against the unfused kernels'
     byte for byte (one and three runs a CTA); the chunked prefill kernels (tensor-core MMAs on hi/lo fragments,
     cp.async staging) against the reference and gdn_recurrent, and their chunk table: five cases of their GPU
     tests; and other forwards' fused conv / gates / q-k norm and conv state / gated norm launches against the
     separate ones, byte for byte, through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py"], SNAPSHOT_CASES)
-    assert "7 passed" in out, out[-3000:]
+    out = emulator("snapshots")
+    assert passed(out) == 7, out[-3000:]
 
 
-PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
-                     "4/4-heads6-tile0-1-8-3-0 or 4/4-heads6-tile0-1-8-3-1 or 16/16-heads2-tile0-1-8-3-1)) "
-                     "or (prefill_attention_dequant_pages and 4/4) or (mixed_step_decode_rows and 16/16) "
-                     "or shared_operands or register_a_transposed_b")
-
-
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_prefill_attention_builds_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("prefill")
+def test_prefill_attention_builds_pass_on_the_emulator(emulator):
     """The tensor-core prefill attention with 8-warp CTAs against numpy: its warpgroup-MMA build (two
     warpgroups, swizzled tiles; emu.h runs wgmma from the descriptors) with rings of two and three (K, V) pairs
     and the overlapped loop, its mma.sync build with a ring of two, over 4/4-bit and bf16 pages; 4/4-bit pages
     decoded into bf16 scratch pages first; a mixed step's decode rows through the decode kernel beside the chunks;
     and the wgmma building blocks' probes: cases of their GPU tests, through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"], PREFILL_EMU_CASES)
-    assert "23 passed" in out, out[-3000:]
+    out = emulator("prefill")
+    assert passed(out) == 23, out[-3000:]
 
 
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_launch_caches_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("launch_caches")
+def test_launch_caches_pass_on_the_emulator(emulator):
     """What eager launches keep between calls (launch recipes on the weights, the large products' dequantisation,
     TUNE's resolved tunings, kernel handles, the NULL argument) is reused while TUNE and the weight's arrays stay
     and rebuilt when they change, never copied with a weight, the products right throughout: its GPU test file,
     through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_launch_cache.py"], "launch or tune or kernel or layout or dequantisation")
-    assert "8 passed" in out, out[-3000:]
+    out = emulator("launch_caches")
+    assert passed(out) == 8, out[-3000:]
 
 
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_bf16_prefill_weights_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("bf16_prefill")
+def test_bf16_prefill_weights_pass_on_the_emulator(emulator):
     """Prefill weights in bf16 (`prefill_weights=bf16`): the kept values are the dequantisation's bits, large
     products read them and give the same bytes, and a hybrid model's logits with them are the packed-only
     model's, byte for byte: cases of its GPU test file, through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_dense_prefill.py"],
-                             "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked")
-    assert "5 passed" in out, out[-3000:]
+    out = emulator("bf16_prefill")
+    assert passed(out) == 5, out[-3000:]
 
 
-PIECEWISE_EMU_CASES = ("(eager_logits and mxfp4) or kept or arena or outside or failed or captured or unbound "
-                       "or handle or piecewise_tails_with_packed")
-
-
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_piecewise_graphs_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("piecewise_dense", "piecewise_moe", "piecewise_moe_slot", "piecewise_engine")
+def test_piecewise_graphs_pass_on_the_emulator(emulator):
     """Eager steps' layer tails as CUDA graphs (the emulator records a capture's launches, device copies and
     `blas` GEMMs and replays them): a forward with tails against the eager one over captures, replays and mixed
-    steps (MoE models' layers too, the shared expert apart and in the stacks), cuBLAS products inside captured tails (bf16 values kept, buckets past
-    DENSE_ROWS), the arena, a failed
-    capture's eager fallback, cuBLAS handles bound before a capture, and the engine's greedy tokens with tails
-    against the same engine without them (the device sampler included): cases of their GPU tests, through the
-    emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py",
-                              "tests/gpu/test_engine_graphs.py"], PIECEWISE_EMU_CASES, timeout=1200)
-    assert "14 passed" in out, out[-3000:]
+    steps (MoE models' layers too, the shared expert apart and in the stacks), cuBLAS products inside captured
+    tails (bf16 values kept, buckets past DENSE_ROWS), the arena, a failed capture's eager fallback, cuBLAS handles
+    bound before a capture, and the engine's greedy tokens with tails against the same engine without them (the
+    device sampler included): cases of their GPU tests, through the emulator plugin, in four processes."""
+    counts = {name: passed(emulator(name)) for name in
+              ("piecewise_dense", "piecewise_moe", "piecewise_moe_slot", "piecewise_engine")}
+    assert counts == {"piecewise_dense": 11, "piecewise_moe": 1, "piecewise_moe_slot": 1, "piecewise_engine": 1}, \
+        counts
 
 
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_moe_kernels_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("moe")
+def test_moe_kernels_pass_on_the_emulator(emulator):
     """The device MoE against the numpy reference: routing and dispatch in one launch with the hit experts'
     group list, grouped products split over K, the shared expert added in the combine (a bf16 router and gate
     stacked), the experts' gate and up in one grouped SwiGLU launch and the shared expert as one expert more of
     the stacks, routing of NaN and infinite logits, the combine with the residual add and the next norm (a row
     past the kernel's cached columns, and twelve rows), through the emulator plugin."""
-    out, _ = run_on_emulator(["tests/gpu/test_kernels_extra.py"],
-                             "(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
-                             " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
-                             " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
-                             " or (combine_with_residual and (slot-9000-1-9 or apart-2048-12-9))")
+    out = emulator("moe")
     assert passed(out) == 7, out[-3000:]
 
 
-@pytest.mark.skipif(not _emulator_toolchain(), reason="the emulator needs g++ and libffi headers")
-def test_small_products_pass_on_the_emulator():
+@needs_toolchain
+@uses_runs("small")
+def test_small_products_pass_on_the_emulator(emulator):
     """kernels/gemv_small.cu (bf16 products of few weight rows: 16-row tiles on tensor cores, K split over a
     block's warps, weights loaded before the overlapped launch's wait, x unaligned or not) against numpy and the
     skinny GEMM, its limits: the GPU test file through the emulator plugin, its other block builds left to the GPU
     run (each build is a module the emulator compiles)."""
-    out, _ = run_on_emulator(["tests/gpu/test_gemv_small.py"], "small and not (unaligned and (8-8 or 4-2))")
+    out = emulator("small")
     assert passed(out) == 67, out[-3000:]

@@ -41,8 +41,9 @@ def _emu_object() -> str:
     obj = os.path.join(BUILD, "emu.o")
     srcs = [os.path.join(EMU, f) for f in ("emu.cpp", "emu.h")]
     if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, srcs)):
-        subprocess.run(["g++", "-O1", "-g", "-std=c++20", "-fPIC", "-c", srcs[0], "-o", obj + ".tmp"], check=True)
-        os.replace(obj + ".tmp", obj)
+        tmp = f"{obj}.{os.getpid()}.tmp"  # emulator processes may run side by side: each its own file, then a rename
+        subprocess.run(["g++", "-O1", "-g", "-std=c++20", "-fPIC", "-c", srcs[0], "-o", tmp], check=True)
+        os.replace(tmp, obj)
     return obj
 
 
@@ -154,8 +155,10 @@ class RawModule:
         key = hashlib.sha256((code + "|".join(options) + emu_src + " ".join(CXXFLAGS)).encode()).hexdigest()[:16]
         so = os.path.join(BUILD, f"k_{key}.so")
         src = os.path.join(BUILD, f"k_{key}.cu")
-        with open(src, "w") as f:
-            f.write(code)
+        if not os.path.exists(src):  # written whole by one process, read by any (side by side runs: a rename)
+            with open(f"{src}.{os.getpid()}.tmp", "w") as f:
+                f.write(code)
+            os.replace(f"{src}.{os.getpid()}.tmp", src)
         sig_file = os.path.join(BUILD, f"k_{key}.sigs.json")  # the kernels' parameter kinds, once per build
         if os.path.exists(sig_file):
             with open(sig_file) as f:
@@ -169,19 +172,20 @@ class RawModule:
             for m in re.finditer(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)', pre.stdout):
                 params = [p for p in m.group(2).split(",") if p.strip()]
                 self.sigs[m.group(1)] = [_classify(p) for p in params]
-            with open(sig_file + ".tmp", "w") as f:
+            with open(f"{sig_file}.{os.getpid()}.tmp", "w") as f:
                 json.dump(self.sigs, f)
-            os.replace(sig_file + ".tmp", sig_file)
+            os.replace(f"{sig_file}.{os.getpid()}.tmp", sig_file)
         if NOOP:
             self.lib = None
             return
         if not os.path.exists(so):
             cmd = ["g++", *CXXFLAGS, "-include",
                    os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", _emu_object(),
-                   "-lffi", "-o", so]
+                   "-lffi", "-o", f"{so}.{os.getpid()}.tmp"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(r.stderr[-5000:])
+            os.replace(f"{so}.{os.getpid()}.tmp", so)
         self.lib = ctypes.CDLL(so)
         self.lib.emu_launch.restype = ctypes.c_int
 

@@ -91,19 +91,24 @@ def patch(ops: Any, drop: tuple[str, ...], buf: Buffers) -> None:
             to_product=None: ops.deltanet_core(states, layer, mixed, a, b, params, segments, cfg, raw)
         cd.get_kernel = lambda src, name, defines=(): ((lambda *a, **k: None) if name == "conv1d_state_update"
                                                        else _GET_KERNEL(src, name, defines))
-    if "gate" in drop:
+    if "gate" in drop:  # the attention without its output gate (the decode kernels' gated stores, or its launch)
+        ops.paged_attention_gated = lambda kv, layer, q, k, v, batch, scale, gate, to_product=None: \
+            ops.paged_attention(kv, layer, q, k, v, batch, scale)
         ops.sigmoid_gate = lambda o, gate, to_product=None: o
     if "kvwrite" in drop:
         ck.CupyKVCache.write = lambda self, layer, slots, k, v: None
     if "attention" in drop:
         ops.qk_norm_rope = lambda q, k, *a: (q, k)
         ops.paged_attention = lambda kv, layer, q, k, v, batch, scale: buf.get(*q.shape)
+        ops.paged_attention_gated = lambda kv, layer, q, k, v, batch, scale, gate, to_product=None: \
+            buf.get(*q.shape)
         ops.sigmoid_gate = lambda o, gate, to_product=None: o
 
 
 def unpatch(ops: Any) -> None:
     for name in ("add_rms_norm", "rms_norm", "linear_add_rms_norm", "silu_mul_halves", "swiglu", "linear",
-                 "deltanet_core_gated", "qk_norm_rope", "paged_attention", "sigmoid_gate"):
+                 "deltanet_core_gated", "qk_norm_rope", "paged_attention", "paged_attention_gated",
+                 "sigmoid_gate"):
         ops.__dict__.pop(name, None)
     cd.get_kernel = _GET_KERNEL
     ck.CupyKVCache.write = _KV_WRITE

@@ -163,7 +163,7 @@ __device__ __forceinline__ void tile_ring(const WarpTiles& wt, Load load, Tile t
 // merge the warps' parts and write the final output (part < 0) or the split's partial, scaled by vmul.
 __device__ __forceinline__ void merge_store(const float* mo, const float* mml, const int g, const int part,
                                             const int start, const int nq, const int nkv, const int kvh,
-                                            float* __restrict__ out, float* __restrict__ part_o,
+                                            void* __restrict__ out, const OutGate og, float* __restrict__ part_o,
                                             float* __restrict__ part_ml, const float vmul) {
   for (int idx = threadIdx.x; idx < g * D; idx += NW * 32) {
     const int h = idx / D, d = idx - h * D;
@@ -179,7 +179,7 @@ __device__ __forceinline__ void merge_store(const float* mo, const float* mml, c
       sum += mml[2 * (ww * 8 + h) + 1] * wgt;
     }
     if (part < 0) {
-      out[((i64)start * nq + kvh * g + h) * D + d] = o * vmul / sum;
+      og.store(out, start, kvh * g + h, nq, D, d, o * vmul / sum);
     } else {
       const i64 pr = ((i64)part * nkv + kvh) * BLOCK_M + h;
       part_o[pr * D + d] = o * vmul;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void merge_store(const float* mo, const float* mml, c
 __device__ __forceinline__ void finish(unsigned char* smem, const float (&acc)[KS][4], const float m, float l,
                                        const int d0, const int di, const int d8, const int g, const int part,
                                        const int start, const int nq, const int nkv, const int kvh,
-                                       float* __restrict__ out, float* __restrict__ part_o,
+                                       void* __restrict__ out, const OutGate og, float* __restrict__ part_o,
                                        float* __restrict__ part_ml, const float vmul) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gr = lane >> 2, t = lane & 3;
   l += __shfl_xor_sync(FULL_MASK, l, 1);  // the head's sum over the four lanes of its row
@@ -217,21 +217,23 @@ __device__ __forceinline__ void finish(unsigned char* smem, const float (&acc)[K
     mml[2 * (warp * 8 + gr) + 1] = l;
   }
   __syncthreads();
-  merge_store(mo, mml, g, part, start, nq, nkv, kvh, out, part_o, part_ml, vmul);
+  merge_store(mo, mml, g, part, start, nq, nkv, kvh, out, og, part_o, part_ml, vmul);
 }
 
 #if !(defined(KBITS) && defined(VBITS))  // bf16 pages
 constexpr int CH = D / 8;               // 16-byte chunks per key row
 constexpr int KPI = 32 / CH;            // key rows one warp-wide copy instruction covers
 // q: [T, nq, D] float32 (row `start` of each sequence); k/v codes: bf16 bits [pages, page_size, nkv, D];
-// out / part_o / part_ml as paged_attention_fwd (rows = heads of the KV head, row0 = 0). Grid (nwork, nkv),
+// out / part_o / part_ml as paged_attention_fwd (rows = heads of the KV head, row0 = 0); the final items' rows
+// through the output gate (gate, g_st, g_sh, out_bf16: common.cuh OutGate; gate null: float32 out). Grid (nwork, nkv),
 // NW * 32 threads, dynamic shared memory NW * NSTAGE * TILE_B bytes.
 extern "C" __global__ void __launch_bounds__(NW * 32, 1)
     paged_decode_attention(const float* __restrict__ q, const u16* __restrict__ k_codes,
                            const u16* __restrict__ v_codes, const int* __restrict__ block_tables,
-                           const int* __restrict__ seq_info, const int* __restrict__ work, float* __restrict__ out,
+                           const int* __restrict__ seq_info, const int* __restrict__ work, void* __restrict__ out,
                            float* __restrict__ part_o, float* __restrict__ part_ml, int nq, int nkv, int max_pages,
-                           int page_size, float scale) {
+                           int page_size, float scale, const float* __restrict__ gate, i64 g_st, i64 g_sh,
+                           int out_bf16) {
   DYN_SMEM_DECL(smem);
   pdl_begin();  // overlapped launch (pdl.cuh)
   const WarpTiles wt(work, seq_info, block_tables, max_pages, page_size);
@@ -300,7 +302,8 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1)
       mma(acc[i], a0, a1, a2, a3, pl0, pl1);
     }
   });
-  finish(smem, acc, m, l, gr, 16, 8, g, wt.part, start, nq, nkv, kvh, out, part_o, part_ml, 1.0f);
+  finish(smem, acc, m, l, gr, 16, 8, g, wt.part, start, nq, nkv, kvh, out, OutGate{gate, g_st, g_sh, out_bf16},
+         part_o, part_ml, 1.0f);
 }
 #endif
 
@@ -407,8 +410,9 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1)
                               const u8* __restrict__ k_scales, const u8* __restrict__ v_codes,
                               const u8* __restrict__ v_scales, const int* __restrict__ block_tables,
                               const int* __restrict__ seq_info, const int* __restrict__ work,
-                              float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-                              int nq, int nkv, int max_pages, int page_size, float scale) {
+                              void* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+                              int nq, int nkv, int max_pages, int page_size, float scale,
+                              const float* __restrict__ gate, i64 g_st, i64 g_sh, int out_bf16) {
   using namespace mxd;
   DYN_SMEM_DECL(smem);
   pdl_begin();  // overlapped launch (pdl.cuh)
@@ -520,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1)
       }
     }
   });
-  finish(smem, acc, m, l, gr * (D / 8), 2, 1, g, wt.part, start, nq, nkv, kvh, out, part_o, part_ml, 0x1p64f);
+  finish(smem, acc, m, l, gr * (D / 8), 2, 1, g, wt.part, start, nq, nkv, kvh, out,
+         OutGate{gate, g_st, g_sh, out_bf16}, part_o, part_ml, 0x1p64f);
 }
 #endif

@@ -233,10 +233,14 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float* x) {
 
 // Merge split-K parts: items [nitems, 4] int32 = seq, row0, first part, number of parts. Grid (nitems, nkv,
 // BLOCK_M): one CTA per query row, threads over head dims (the parts' loads are independent: they overlap).
+// out: [T, nq, D] float32, or with a gate (common.cuh OutGate: qwen3_5's output gate, gate null where none) the
+// gated rows in float32 or bf16 bits.
 extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                             const int* __restrict__ items, const int* __restrict__ seq_info,
-                                            float* __restrict__ out, int nq, int nkv) {
+                                            void* __restrict__ out, int nq, int nkv, const float* __restrict__ gate,
+                                            i64 g_st, i64 g_sh, int out_bf16) {
   pdl_begin();  // overlapped launch (pdl.cuh)
+  const OutGate og{gate, g_st, g_sh, out_bf16};
   const int* it = items + 4 * (i64)blockIdx.x;
   const int seq = it[0], row0 = it[1], p0 = it[2], np = it[3];
   const int kvh = blockIdx.y, g = nq / nkv, r = blockIdx.z, rho = row0 + r;
@@ -256,7 +260,7 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
       sum += part_ml[2 * pr + 1] * wgt;
       o += part_o[pr * D + d] * wgt;
     }
-    out[((i64)(start + t) * nq + qh) * D + d] = o / sum;
+    og.store(out, start + t, qh, nq, D, d, o / sum);
   }
 }
 

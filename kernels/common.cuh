@@ -44,6 +44,24 @@ __device__ __forceinline__ void store_out(void* out, int out_bf16, i64 i, float 
     ((float*)out)[i] = v;
 }
 
+// qwen3_5's attention output gate in the kernel that finishes an attention output (the decode kernels' final
+// items, attention_reduce): element (t, h, d) of out [T, H, D] is o itself where gate is null (float32), else
+// o * sigmoid(gate[t * st + h * sh + d]) as decode_ops' sigmoid_mul_rows computes it after a float32 output,
+// stored as float32 or bf16 bits (bf16: out_bf16, for a product that stages bf16 x). The same bits as the two
+// launches.
+struct OutGate {
+  const float* gate;
+  i64 st, sh;
+  int bf16;
+  __device__ __forceinline__ void store(void* out, i64 t, int h, int H, int D, int d, float o) const {
+    const i64 i = (t * H + h) * (i64)D + d;
+    if (gate == nullptr)
+      ((float*)out)[i] = o;
+    else
+      store_out(out, bf16, i, mul_as_cupy(o, sigmoid_f(gate[t * st + h * sh + d])));
+  }
+};
+
 __device__ __forceinline__ bool is_nonfinite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
 }

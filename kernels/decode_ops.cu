@@ -302,19 +302,6 @@ extern "C" __global__ void sigmoid_mul(const float* __restrict__ x, const float*
     out[i] = x[i] * sigmoid_f(gate[i]);
 }
 
-// a * b as CuPy's float32 multiply computes it: CuPy builds its elementwise kernels with -ftz=true (subnormal
-// inputs and results flush to signed zero), these kernels keep subnormals when nvcc builds them. The host
-// emulator (no __CUDA_ARCH__; its CuPy is numpy) multiplies plainly.
-__device__ __forceinline__ float mul_as_cupy(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a * b;
-#endif
-}
-
 // out = x * sigmoid(gate) with strided gate rows, bit for bit sigmoid_f32 followed by a CuPy multiply (the same
 // sigmoid_f, then mul_as_cupy; sigmoid_mul's plain multiply keeps subnormals). x, out: C-contiguous [T, H, D];
 // gate element (t, h, j) at gate + t * g_st + h * g_sh + j (the gate half of a fused [query | gate] product).

@@ -229,6 +229,13 @@ class Backend(ABC):
         of a fused q|k|v product), then causal attention of q [T, heads, d] over each sequence's cached + new
         tokens. Returns [T, heads, d]."""
 
+    def paged_attention_gated(self, kv: KVCache, layer: int, q: Any, k: Any, v: Any, batch: ForwardBatch,
+                              scale: float, gate: Any, to_product: Any = None) -> Any:
+        """`sigmoid_gate(paged_attention(...), gate, to_product)`: qwen3_5's gated attention output (gate [T,
+        heads, d], a strided view of the [query | gate] product's columns). Backends may apply the gate in the
+        kernels that finish the attention's output (one launch fewer); the result must equal the two ops'."""
+        return self.sigmoid_gate(self.paged_attention(kv, layer, q, k, v, batch, scale), gate, to_product)
+
     @abstractmethod
     def deltanet_core(self, states: StatePool, layer: int, mixed_qkv: Any, a: Any, b: Any, params: DeltaNetParams,
                       segments: list[DeltaNetSegment], cfg: ModelConfig,

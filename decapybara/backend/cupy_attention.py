@@ -46,11 +46,14 @@ from decapybara.backend.attn_plan import (
 from decapybara.backend.cupy_ops import (
     F32,
     I32,
+    I64,
     allow_dynamic_smem,
     check,
     empty,
     empty_like,
     f32,
+    heads,
+    null,
     sm_count,
     smem_per_block_of,
     smem_per_sm,
@@ -267,9 +270,18 @@ def scratch_windows(dq: DequantPages, items: np.ndarray, batch: ForwardBatch, ma
         dq.windows.append(ScratchWindow(cp.asarray(src), cp.asarray(tables), int(begin), int(end)))
 
 
+def gate_fuses(plan: AttentionPlan) -> bool:
+    """Whether `attention` takes an output gate for this plan: a pure decode plan, whose every output row is
+    written by the decode kernel's final items or by attention_reduce (both apply it), with DECODE "gate" on."""
+    return plan.decode is not None and bool(DECODE["gate"])
+
+
 def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
-              nkv: int, page_size: int, scale: float) -> Any:
-    """Causal attention of q [T, nq, D] over the paged keys / values (codes, scales, bits) -> [T, nq, D]."""
+              nkv: int, page_size: int, scale: float, gate: Any = None, out_dtype: Any = cp.float32) -> Any:
+    """Causal attention of q [T, nq, D] over the paged keys / values (codes, scales, bits) -> [T, nq, D] float32.
+    With `gate` [T, nq, D] (rows of D contiguous are read in place, `heads`; `gate_fuses(plan)` must hold): the
+    output times sigmoid(gate) in the kernels that finish it, float32 or (out_dtype uint16) bf16 bits, the bits
+    of `cupy_ops.sigmoid_gate` over the float32 output."""
     q = f32(q)
     t, nq, d = q.shape
     assert d % 4 == 0 and d <= 256, f"head_dim {d}: the kernel needs a multiple of 4, at most 256"
@@ -277,18 +289,27 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
     for name, a in (("k codes", k_parts[0]), ("v codes", v_parts[0]), ("k scales", k_parts[1]),
                     ("v scales", v_parts[1])):
         check(a, a.dtype, name)  # device array, C-contiguous
-    out = empty_like(q)
+    if gate is None:
+        out, og = empty_like(q), (null(), I64(0), I64(0), I32(0))
+    else:
+        assert gate_fuses(plan), "an output gate needs a pure decode plan"
+        g, g_st, g_sh = heads(gate)
+        assert g.shape == q.shape, f"gate {g.shape} vs q {q.shape}"
+        assert np.dtype(out_dtype) in (np.float32, np.uint16), out_dtype
+        out = empty(q.shape, out_dtype)
+        og = (g, I64(g_st), I64(g_sh), I32(np.dtype(out_dtype) == np.uint16))
     if t == 0:
         return out
     for p in (plan, plan.rows):  # disjoint rows of `out`: the chunks', then the decode rows'
         if p is not None and p.num_work:
-            _attend(q, k_parts, v_parts, p, out, nkv, page_size, scale)
+            _attend(q, k_parts, v_parts, p, out, og, nkv, page_size, scale)
     return out
 
 
 def _attend(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan, out: Any,
-            nkv: int, page_size: int, scale: float) -> None:
-    """The launches of one plan's work items (not empty) and their split-K reduce, into its rows of `out`."""
+            og: tuple, nkv: int, page_size: int, scale: float) -> None:
+    """The launches of one plan's work items (not empty) and their split-K reduce, into its rows of `out`; `og`:
+    the output gate's kernel arguments (gate, token stride, head stride, bf16 out; a NULL gate: none)."""
     nq, d = q.shape[1], q.shape[2]
     (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
     bm = plan.block_m
@@ -309,7 +330,7 @@ def _attend(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int]
         pages = (kc, ks, vc, vs) if mx else (kc, vc)
         pdl.launch(fwd, (plan.num_work, nkv), (32 * warps,),
                    (q, *pages, plan.block_tables, plan.seq_info, plan.work, out, part_o, part_ml, I32(nq),
-                    I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale)), shared_mem=smem)
+                    I32(nkv), I32(plan.max_pages), I32(page_size), F32(scale), *og), shared_mem=smem)
     elif plan.prefill is not None:
         args = (plan, q, out, part_o, part_ml, nkv, page_size, scale)
         dq, at = plan.dequant, 0
@@ -332,7 +353,7 @@ def _attend(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int]
     if plan.num_reduce:
         red = get_kernel("attn_prefill", "attention_reduce", defines)
         pdl.launch(red, (plan.num_reduce, nkv, bm), (NTHREADS,),
-                   (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv)))
+                   (part_o, part_ml, plan.reduce, plan.seq_info, out, I32(nq), I32(nkv), *og))
 
 
 def _prefill_tc(pl: PrefillLaunch, pages: tuple[Any, Any, Any, Any], kv_bits: tuple[int, int], tables: Any,

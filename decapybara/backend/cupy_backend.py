@@ -24,7 +24,7 @@ import numpy as np
 from decapybara.backend import cupy_ops as ops
 from decapybara.backend import cupy_ops_extra, pdl
 from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment
-from decapybara.backend.cupy_attention import AttentionPlan, attention, plan_attention
+from decapybara.backend.cupy_attention import AttentionPlan, attention, gate_fuses, plan_attention
 from decapybara.backend.cupy_deltanet import RunPlan, deltanet_core, plan_runs
 from decapybara.backend.cupy_kv import CupyKVCache, CupyStatePool, host_copies
 from decapybara.backend.cupy_ops_extra import (
@@ -411,6 +411,19 @@ class CupyBackend(Backend):
         plan = self._attention_plan(batch, nq, kv.kv_heads, d, (kv.key_bits, kv.value_bits))
         kv.write(layer, plan.slots, k, v)
         return attention(q, kv.parts(layer, "k"), kv.parts(layer, "v"), plan, kv.kv_heads, kv.page_size, scale)
+
+    def paged_attention_gated(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
+                              scale: float, gate: Any, to_product: Any = None) -> Any:
+        """A pure decode step's gate in the decode kernel's final items and attention_reduce (no
+        sigmoid_mul_rows launch: the same bits, float32 or bf16 as `sigmoid_gate`'s); other steps run the two
+        ops."""
+        nq, d = q.shape[1], q.shape[2]
+        plan = self._attention_plan(batch, nq, kv.kv_heads, d, (kv.key_bits, kv.value_bits))
+        if not gate_fuses(plan):
+            return super().paged_attention_gated(kv, layer, q, k, v, batch, scale, gate, to_product)
+        kv.write(layer, plan.slots, k, v)
+        return attention(q, kv.parts(layer, "k"), kv.parts(layer, "v"), plan, kv.kv_heads, kv.page_size, scale,
+                         gate, self._product_x_dtype(to_product, q.shape[0]))
 
     def _attention_plan(self, batch: ForwardBatch, nq: int, nkv: int, d: int,
                         kv_bits: tuple[int, int]) -> AttentionPlan:

@@ -307,9 +307,10 @@ class QwenModel:
         k, v = k.reshape(t, nkv, d), v.reshape(t, nkv, d)
         q, k = ops.qk_norm_rope(q, k, w[f"{a}.q_norm.weight"], w[f"{a}.k_norm.weight"], cfg.rms_norm_eps,
                                 cfg.norm_offset, cos, sin, cfg.rotary_dim)
-        o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
-        if gate is not None:
-            o = ops.sigmoid_gate(o, gate, to_product=w[f"{a}.o_proj.weight"])
+        if gate is not None:  # [T, nq, d] times sigmoid(gate)
+            o = ops.paged_attention_gated(kv, layer, q, k, v, batch, self.scale, gate, w[f"{a}.o_proj.weight"])
+        else:
+            o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
         return Projection(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
 
     def _deltanet(self, p: str, layer: int, inputs: list[Any], states: StatePool | None,

@@ -1,5 +1,6 @@
 """The attention layer's fused kernels (GPU only): `qk_norm_rope` (per-head RMSNorm then RoPE of q and k, one
-launch) and `sigmoid_mul_rows` (the output gate o * sigmoid(gate), one launch).
+launch), `sigmoid_mul_rows` (the output gate o * sigmoid(gate), one launch) and the same gate in the decode
+attention's kernels (`paged_attention_gated` of a pure decode step: no launch of its own).
 
 Each must give the unfused CUDA ops' bytes (rms_norm_warp then rope_table; sigmoid_f32 then a CuPy multiply)
 and the numpy reference within float32 rounding. q and the gate are read as the column views QwenModel passes
@@ -19,12 +20,15 @@ import kernels
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from test_kernels_core import attn_config
 from test_kernels_extra import assert_bytes_equal, assert_close, host
 
 from decapybara.backend import cupy_ops as ops
 from decapybara.backend.base import Backend
+from decapybara.backend.cupy_attention import DECODE, attention, gate_fuses
 from decapybara.backend.cupy_backend import CupyBackend
 from decapybara.backend.numpy_backend import NumpyBackend
+from decapybara.model.batch import ForwardBatch
 from decapybara.model.rope import RotaryTable, default_inv_freq
 
 pytestmark = pytest.mark.gpu
@@ -99,3 +103,84 @@ def test_sigmoid_gate_matches_the_unfused_ops(t, nq, d, gated):
     bits = ops.sigmoid_gate(cp.asarray(o), gate_d, out_dtype=cp.uint16)  # rows that only feed a skinny product
     assert bits.dtype == cp.uint16 and bits.shape == got.shape
     assert_bytes_equal(bits, ops.to_bf16_bits(got), f"in bf16 bits, {name}")
+
+
+def decode_batch(rng, cub, cfg, kv_mode, contexts, page_size):
+    """Two KV caches holding the same random keys / values for sequences of `contexts` cached tokens, and the
+    batch of one new token each (ForwardBatch, its tables over shuffled pages)."""
+    nkv, d = cfg.num_key_value_heads, cfg.head_dim
+    need = [-(-(c + 16) // page_size) for c in contexts]  # room for 16 new tokens
+    pages = rng.permutation(sum(need) + 3).astype(np.int32)
+    tables = np.split(pages[:sum(need)], np.cumsum(need)[:-1])
+    caches = [cub.new_kv_cache(cfg, len(pages), page_size, kv_mode) for _ in range(2)]
+    fill = ForwardBatch.build([(np.zeros(c, np.int64), 0, tb, None) for c, tb in zip(contexts, tables) if c],
+                              page_size, logits="none")
+    k, v = cp.asarray(rand(rng, fill.num_tokens, nkv, d)), cp.asarray(rand(rng, fill.num_tokens, nkv, d, scale=2.0))
+    for kv in caches:
+        kv.write(0, cp.asarray(fill.slot_mapping), k, v)
+    step = ForwardBatch.build([(np.zeros(1, np.int64), c, tb, None) for c, tb in zip(contexts, tables)], page_size,
+                              logits="none")
+    return caches, step
+
+
+# (contexts, q heads, kv heads, head_dim, page size): one sequence and twelve at the 27B's heads, GQA 4 at d 128
+GATED_CASES = [((700,), 24, 4, 256, 64), ((1, 40, 300, 5, 77, 1000, 2, 64, 65, 128, 9, 333), 24, 4, 256, 16),
+               ((17, 250, 3), 8, 2, 128, 16)]
+
+
+@pytest.mark.parametrize("contexts,nq,nkv,d,page_size", GATED_CASES)
+@pytest.mark.parametrize("kv_mode", ["16/16", "6/4"])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+def test_gated_decode_attention_gives_attention_then_gate(contexts, nq, nkv, d, page_size, kv_mode, splits,
+                                                          out_dtype):
+    """The output gate in the decode kernel's final items (splits 1) and attention_reduce (split keys): the
+    bytes of the attention's float32 output then sigmoid_mul_rows, float32 or bf16 bits, the gate read in place
+    as the gate half of a [query | gate] product (left untouched)."""
+    rng = np.random.default_rng(len(contexts) * 1000 + d + (splits or 0) + (out_dtype == np.uint16))
+    cfg = attn_config(nq, nkv, d)
+    cub = CupyBackend("fp32", attention_splits=splits)
+    (kv, kv_ref), step = decode_batch(rng, cub, cfg, kv_mode, contexts, page_size)
+    t = step.num_tokens
+    prod = rand(rng, t, 2 * nq * d, scale=4.0)
+    prod[0, d:d + 3] = [88.0, -88.0, -20.0]  # sigmoid 1, subnormal, small
+    prod_d = cp.asarray(prod)
+    q, gate = heads(prod_d, nq, d, True)
+    k, v = cp.asarray(rand(rng, t, nkv, d)), cp.asarray(rand(rng, t, nkv, d))
+    plan = cub._attention_plan(step, nq, nkv, d, (kv.key_bits, kv.value_bits))
+    assert gate_fuses(plan)
+    assert splits is None or (plan.num_reduce == 0) == (splits == 1), (splits, plan.num_reduce)  # the paths
+    for c in (kv, kv_ref):
+        c.write(0, plan.slots, k, v)
+    args = (kv.kv_heads, page_size, d ** -0.5)
+    got = attention(q, kv.parts(0, "k"), kv.parts(0, "v"), plan, *args, gate, out_dtype)
+    plain = attention(q, kv_ref.parts(0, "k"), kv_ref.parts(0, "v"), plan, *args)
+    name = f"{len(contexts)} sequences, {kv_mode}, splits {splits}, {np.dtype(out_dtype).name}"
+    assert got.dtype == out_dtype and got.shape == (t, nq, d)
+    assert_bytes_equal(got, ops.sigmoid_gate(plain, gate, out_dtype=out_dtype), name)
+    assert_bytes_equal(prod_d, prod, f"gate product untouched, {name}")
+
+
+@pytest.mark.parametrize("mixed,fuse", [(False, 1), (True, 1), (False, 0)])
+def test_backend_gates_decode_steps_in_the_attention_and_others_apart(mixed, fuse, monkeypatch):
+    """CupyBackend.paged_attention_gated: a pure decode step runs no sigmoid_gate (the attention kernels apply
+    it), a step with a prompt's chunk, or any with DECODE "gate" 0, runs the two ops; all equal the two ops'
+    bytes."""
+    monkeypatch.setitem(DECODE, "gate", fuse)
+    rng = np.random.default_rng(5 + mixed)
+    cfg = attn_config(8, 2, 128)
+    cub = CupyBackend("fp32")
+    (kv, kv_ref), step = decode_batch(rng, cub, cfg, "16/16", (30, 200), 16)
+    if mixed:  # the second sequence's next 9 tokens beside the first's one
+            step = ForwardBatch.build([(np.zeros(n, np.int64), s.context, s.block_table, None)
+                                   for s, n in zip(step.seqs, (1, 9))], 16, logits="none")
+    t = step.num_tokens
+    prod_d = cp.asarray(rand(rng, t, 2 * 8 * 128))
+    q, gate = heads(prod_d, 8, 128, True)
+    k, v = cp.asarray(rand(rng, t, 2, 128)), cp.asarray(rand(rng, t, 2, 128))
+    ref = cub.sigmoid_gate(cub.paged_attention(kv_ref, 0, q, k, v, step, 0.1), gate)
+    calls = []
+    monkeypatch.setattr(cub, "sigmoid_gate", lambda *a: calls.append(1) or CupyBackend.sigmoid_gate(cub, *a))
+    got = cub.paged_attention_gated(kv, 0, q, k, v, step, 0.1, gate)
+    assert len(calls) == int(mixed or not fuse)
+    assert_bytes_equal(got, ref, f"mixed={mixed} gate={fuse}")

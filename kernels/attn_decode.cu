@@ -167,6 +167,7 @@ __device__ __forceinline__ void merge_store(const float* mo, const float* mml, c
                                             float* __restrict__ part_ml, const float vmul) {
   for (int idx = threadIdx.x; idx < g * D; idx += NW * 32) {
     const int h = idx / D, d = idx - h * D;
+    const float gv = part < 0 ? og.value(start, kvh * g + h, d) : 0.0f;  // in flight beside the merge
     float mx = NEG_INF;
 #pragma unroll
     for (int ww = 0; ww < NW; ++ww) mx = fmaxf(mx, mml[2 * (ww * 8 + h)]);
@@ -179,7 +180,7 @@ __device__ __forceinline__ void merge_store(const float* mo, const float* mml, c
       sum += mml[2 * (ww * 8 + h) + 1] * wgt;
     }
     if (part < 0) {
-      og.store(out, start, kvh * g + h, nq, D, d, o * vmul / sum);
+      og.store(out, start, kvh * g + h, nq, D, d, o * vmul / sum, gv);
     } else {
       const i64 pr = ((i64)part * nkv + kvh) * BLOCK_M + h;
       part_o[pr * D + d] = o * vmul;

@@ -251,6 +251,7 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
   for (int p = p0; p < p0 + np; ++p) mx = fmaxf(mx, part_ml[2 * (((i64)p * nkv + kvh) * BLOCK_M + r)]);
   const int t = rho / g, qh = kvh * g + (rho - t * g);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    const float gv = og.value(start + t, qh, d);  // in flight beside the parts' loads
     float sum = 0.0f, o = 0.0f;
 #pragma unroll 8
     for (int p = p0; p < p0 + np; ++p) {
@@ -260,7 +261,7 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_o, co
       sum += part_ml[2 * pr + 1] * wgt;
       o += part_o[pr * D + d] * wgt;
     }
-    og.store(out, start + t, qh, nq, D, d, o / sum);
+    og.store(out, start + t, qh, nq, D, d, o / sum, gv);
   }
 }
 

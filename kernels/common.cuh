@@ -48,17 +48,21 @@ __device__ __forceinline__ void store_out(void* out, int out_bf16, i64 i, float 
 // items, attention_reduce): element (t, h, d) of out [T, H, D] is o itself where gate is null (float32), else
 // o * sigmoid(gate[t * st + h * sh + d]) as decode_ops' sigmoid_mul_rows computes it after a float32 output,
 // stored as float32 or bf16 bits (bf16: out_bf16, for a product that stages bf16 x). The same bits as the two
-// launches.
+// launches. `value` loads the gate element (0 without a gate) so that a kernel can ask for it before the work
+// that produces o, `store` takes it.
 struct OutGate {
   const float* gate;
   i64 st, sh;
   int bf16;
-  __device__ __forceinline__ void store(void* out, i64 t, int h, int H, int D, int d, float o) const {
+  __device__ __forceinline__ float value(i64 t, int h, int d) const {
+    return gate == nullptr ? 0.0f : gate[t * st + h * sh + d];
+  }
+  __device__ __forceinline__ void store(void* out, i64 t, int h, int H, int D, int d, float o, float gv) const {
     const i64 i = (t * H + h) * (i64)D + d;
     if (gate == nullptr)
       ((float*)out)[i] = o;
     else
-      store_out(out, bf16, i, mul_as_cupy(o, sigmoid_f(gate[t * st + h * sh + d])));
+      store_out(out, bf16, i, mul_as_cupy(o, sigmoid_f(gv)));
   }
 };
 

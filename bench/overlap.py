@@ -18,10 +18,12 @@ overrides timed under each setting (graphs captured afresh for each), OVERLAP_RO
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import cupy as cp
 
@@ -49,10 +51,23 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # cupy_attention.DECODE (e.g. {"fill_ctas": 0, "short_ctas": 0}: decode_splits' rule before its fill and short
 # parts; {"graph_cap": 32}: decode graphs' split cap before the fifteenth session),
 # "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
-# ["sigmoid_gate", "deltanet_core_gated"]; the MLP activation is "silu_mul_halves" and, from TUNE `swiglu_rows`
-# rows up, "swiglu"
+# ["paged_attention_gated", "deltanet_core_gated"] (a decode step's attention output gate is applied by
+# "paged_attention_gated", other steps' by "sigmoid_gate"); the MLP activation is "silu_mul_halves" and, from TUNE
+# `swiglu_rows` rows up, "swiglu"
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
+
+
+def without_hint(fn: Any) -> Any:
+    """The CupyBackend method `fn` called without its `to_product` hint, passed by keyword or by position (its
+    rows then stay float32)."""
+    sig = inspect.signature(fn)
+
+    def call(self: Any, *a: Any, **kw: Any) -> Any:
+        bound = sig.bind(self, *a, **kw)
+        bound.arguments.pop("to_product", None)
+        return fn(*bound.args, **bound.kwargs)
+    return call
 
 
 def main() -> None:
@@ -73,7 +88,7 @@ def main() -> None:
         for meth, fn in base_methods.items():
             setattr(cb.CupyBackend, meth, fn)
         for meth in tune.pop("x_f32", []):
-            setattr(cb.CupyBackend, meth, lambda self, *a, _m=base_methods[meth], to_product=None, **kw: _m(self, *a, **kw))
+            setattr(cb.CupyBackend, meth, without_hint(base_methods[meth]))
         ex.TUNE.clear()
         ex.TUNE.update(merge_tune(base_tune, tune))
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)

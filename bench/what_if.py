@@ -13,7 +13,8 @@ decode graphs and times graph steps (median of 10) at WHATIF_SHAPES (default 1x1
   which then runs as the plain product);
 - small: products over weights under 4 MB (the DeltaNet a|b products, 48);
 - deltanet: the DeltaNet decode (conv1d state, recurrence, gated norm; 48 layers);
-- gate: the attention output gate alone (`sigmoid_gate`, 16);
+- gate: the attention output gate alone (16: in a decode step the attention kernels' gated stores,
+  `paged_attention_gated`, whose attention then runs ungated; else `sigmoid_gate`);
 - kvwrite: the attention layers' KV page writes alone (two launches a layer, 32);
 - finish: the DeltaNet decode's second launch alone (gdn_decode_finish: the conv state update and the gated
   norm; the output projection then reads the core's float32 rows);

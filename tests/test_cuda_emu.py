@@ -84,12 +84,23 @@ class EmuRun:
     strided: bool = True  # CUDA_EMU_STRIDED: blocks' threads stepped in strides (the faster schedule)
     timeout: int = 1200
 
-    def run(self) -> subprocess.CompletedProcess:
+    def run(self, live: set) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr); the process is in `live` while it runs (so that it can be killed)."""
         env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1",
                **({"CUDA_EMU_STRIDED": "1"} if self.strided else {})}
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider",
-                               "-m", "gpu", *self.files, "-k", self.cases], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=self.timeout, check=False)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider",
+                                 "-m", "gpu", *self.files, "-k", self.cases], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        live.add(proc)
+        try:
+            out, err = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += f"\ntimed out after {self.timeout} s"
+        finally:
+            live.discard(proc)
+        return proc.returncode, out, err
 
 
 PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-2-0 or 4/4-heads6-tile0-0-8-2-0 or "
@@ -144,19 +155,24 @@ def emulator_jobs() -> int:
 @pytest.fixture(scope="module")
 def emulator(request):
     """name -> that run's stdout, asserting it exited 0. The runs of every selected test of this module start at
-    once, `emulator_jobs()` at a time in RUNS' order; a test waits for its own."""
-    wanted = {n for item in request.session.items if item.module is request.module
-              for n in getattr(item.function, "emu_runs", ())}
-    pool = ThreadPoolExecutor(max_workers=emulator_jobs())
-    futures = {n: pool.submit(run.run) for n, run in RUNS.items() if n in wanted}
+    once, `emulator_jobs()` at a time in RUNS' order; a test waits for its own. At the module's end (or an
+    interrupted session's) runs not started are dropped and running ones killed. (Under pytest-xdist each worker
+    given one of these tests would start every selected run: run this file in one process.)"""
+    wanted = {n for item in request.session.items if getattr(item, "module", None) is request.module
+              for n in getattr(getattr(item, "function", None), "emu_runs", ())}
+    pool, live = ThreadPoolExecutor(max_workers=emulator_jobs()), set()
+    futures = {n: pool.submit(run.run, live) for n, run in RUNS.items() if n in wanted}
 
     def result(name: str) -> str:
-        res = futures[name].result()
-        assert res.returncode == 0, f"{name}: " + res.stdout[-3000:] + res.stderr[-2000:]
-        return res.stdout
+        code, out, err = futures[name].result()
+        assert code == 0, f"{name}: " + out[-3000:] + err[-2000:]
+        return out
 
     yield result
-    pool.shutdown(wait=True, cancel_futures=True)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list(live):
+        proc.kill()
+    pool.shutdown(wait=True)
 
 
 def passed(out: str) -> int:

@@ -155,10 +155,9 @@ class RawModule:
         key = hashlib.sha256((code + "|".join(options) + emu_src + " ".join(CXXFLAGS)).encode()).hexdigest()[:16]
         so = os.path.join(BUILD, f"k_{key}.so")
         src = os.path.join(BUILD, f"k_{key}.cu")
-        if not os.path.exists(src):  # written whole by one process, read by any (side by side runs: a rename)
-            with open(f"{src}.{os.getpid()}.tmp", "w") as f:
-                f.write(code)
-            os.replace(f"{src}.{os.getpid()}.tmp", src)
+        with open(f"{src}.{os.getpid()}.tmp", "w") as f:  # written whole, then renamed: side by side runs read
+            f.write(code)                                     # one process's file or another's, never a part
+        os.replace(f"{src}.{os.getpid()}.tmp", src)
         sig_file = os.path.join(BUILD, f"k_{key}.sigs.json")  # the kernels' parameter kinds, once per build
         if os.path.exists(sig_file):
             with open(sig_file) as f:

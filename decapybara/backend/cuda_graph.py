@@ -20,7 +20,7 @@ no host synchronisation or host -> device copy in the decode forward (no `from_h
 of a device value); launch grids that depend only on the static shapes; every per-step value read from the
 static buffers: token ids, positions, slot mapping, block tables [bucket, max_pages], per-sequence
 (start, 1, context), attention work items (key ranges; fixed count per split setting) and DeltaNet runs
-(state slots). `CupyBackend.paged_attention` / `deltanet_core` take their plans from `_attn` / `_runs`
+(state slots). `CupyBackend.paged_attention` (and `paged_attention_gated`) / `deltanet_core` take their plans from `_attn` / `_runs`
 (keyed by the batch / segment list objects), which `_seed_plans` fills with plans over the static buffers.
 MoE layers run `cupy_ops_extra.moe` (packed or bf16 experts: no host synchronisation) and so capture; the fp32
 mode's float32 experts read the hit-expert list on the host, so those models' decode steps fail the capture and

@@ -295,9 +295,10 @@ def attention(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, in
         assert gate_fuses(plan), "an output gate needs a pure decode plan"
         g, g_st, g_sh = heads(gate)
         assert g.shape == q.shape, f"gate {g.shape} vs q {q.shape}"
-        assert np.dtype(out_dtype) in (np.float32, np.uint16), out_dtype
+        bf16 = np.dtype(out_dtype) == np.uint16
+        assert bf16 or np.dtype(out_dtype) == np.float32, out_dtype
         out = empty(q.shape, out_dtype)
-        og = (g, I64(g_st), I64(g_sh), I32(np.dtype(out_dtype) == np.uint16))
+        og = (g, I64(g_st), I64(g_sh), I32(bf16))
     if t == 0:
         return out
     for p in (plan, plan.rows):  # disjoint rows of `out`: the chunks', then the decode rows'

@@ -407,23 +407,28 @@ class CupyBackend(Backend):
 
     def paged_attention(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
                         scale: float) -> Any:
-        nq, d = q.shape[1], q.shape[2]
-        plan = self._attention_plan(batch, nq, kv.kv_heads, d, (kv.key_bits, kv.value_bits))
-        kv.write(layer, plan.slots, k, v)
-        return attention(q, kv.parts(layer, "k"), kv.parts(layer, "v"), plan, kv.kv_heads, kv.page_size, scale)
+        return self._attend(kv, layer, q, k, v, self._kv_plan(kv, q, batch), scale)
 
     def paged_attention_gated(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, batch: ForwardBatch,
                               scale: float, gate: Any, to_product: Any = None) -> Any:
         """A pure decode step's gate in the decode kernel's final items and attention_reduce (no
         sigmoid_mul_rows launch: the same bits, float32 or bf16 as `sigmoid_gate`'s); other steps run the two
         ops."""
-        nq, d = q.shape[1], q.shape[2]
-        plan = self._attention_plan(batch, nq, kv.kv_heads, d, (kv.key_bits, kv.value_bits))
+        plan = self._kv_plan(kv, q, batch)
         if not gate_fuses(plan):
             return super().paged_attention_gated(kv, layer, q, k, v, batch, scale, gate, to_product)
+        return self._attend(kv, layer, q, k, v, plan, scale, gate, self._product_x_dtype(to_product, q.shape[0]))
+
+    def _kv_plan(self, kv: CupyKVCache, q: Any, batch: ForwardBatch) -> AttentionPlan:
+        """The forward's attention plan for q [T, nq, d] over the pages of `kv`."""
+        return self._attention_plan(batch, q.shape[1], kv.kv_heads, q.shape[2], (kv.key_bits, kv.value_bits))
+
+    def _attend(self, kv: CupyKVCache, layer: Any, q: Any, k: Any, v: Any, plan: AttentionPlan, scale: float,
+                gate: Any = None, out_dtype: Any = cp.float32) -> Any:
+        """k, v written into the layer's pages, then `cupy_attention.attention` (with its output gate, if any)."""
         kv.write(layer, plan.slots, k, v)
         return attention(q, kv.parts(layer, "k"), kv.parts(layer, "v"), plan, kv.kv_heads, kv.page_size, scale,
-                         gate, self._product_x_dtype(to_product, q.shape[0]))
+                         gate, out_dtype)
 
     def _attention_plan(self, batch: ForwardBatch, nq: int, nkv: int, d: int,
                         kv_bits: tuple[int, int]) -> AttentionPlan:

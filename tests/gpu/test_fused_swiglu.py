@@ -26,7 +26,7 @@ import kernels
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from test_fused_norm import CASES, DIRECT, tile_sums
+from test_fused_norm import CASES, DIRECT, skinny_small_products, tile_sums  # noqa: F401 (an autouse fixture)
 from test_kernels_extra import FORMATS, assert_bytes_equal, assert_close, host, random_weight
 
 from decapybara.backend import cupy_backend as cb
@@ -38,13 +38,6 @@ from decapybara.model.qwen import QwenModel
 from decapybara.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def skinny_small_products(monkeypatch):
-    """Small bf16 products on the skinny GEMM (TUNE small_n 0), not gemv_small: the fused launches are compared
-    bit for bit with the skinny kernels' own unfused products."""
-    monkeypatch.setitem(ex.TUNE, "small_n", 0)
 
 
 NO_OWN_WIDTH = {"swiglu_wide_warps": 0, "swiglu_warps": 0}  # SwiGLU launches in the plain products' blocks

@@ -36,14 +36,19 @@ def _classify(param: str) -> str:
     raise ValueError(f"unknown param type {p!r}")
 
 
+def _tmp(path: str) -> str:
+    """This process's temporary name for `path`: emulator processes may build side by side, so each writes a file
+    of its own and renames it into place (a reader sees one process's whole file, never a part)."""
+    return f"{path}.{os.getpid()}.tmp"
+
+
 def _emu_object() -> str:
     """emu.cpp compiled once into build/emu.o (rebuilt when emu.cpp / emu.h change)."""
     obj = os.path.join(BUILD, "emu.o")
     srcs = [os.path.join(EMU, f) for f in ("emu.cpp", "emu.h")]
     if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, srcs)):
-        tmp = f"{obj}.{os.getpid()}.tmp"  # emulator processes may run side by side: each its own file, then a rename
-        subprocess.run(["g++", "-O1", "-g", "-std=c++20", "-fPIC", "-c", srcs[0], "-o", tmp], check=True)
-        os.replace(tmp, obj)
+        subprocess.run(["g++", "-O1", "-g", "-std=c++20", "-fPIC", "-c", srcs[0], "-o", _tmp(obj)], check=True)
+        os.replace(_tmp(obj), obj)
     return obj
 
 
@@ -155,9 +160,9 @@ class RawModule:
         key = hashlib.sha256((code + "|".join(options) + emu_src + " ".join(CXXFLAGS)).encode()).hexdigest()[:16]
         so = os.path.join(BUILD, f"k_{key}.so")
         src = os.path.join(BUILD, f"k_{key}.cu")
-        with open(f"{src}.{os.getpid()}.tmp", "w") as f:  # written whole, then renamed: side by side runs read
-            f.write(code)                                     # one process's file or another's, never a part
-        os.replace(f"{src}.{os.getpid()}.tmp", src)
+        with open(_tmp(src), "w") as f:
+            f.write(code)
+        os.replace(_tmp(src), src)
         sig_file = os.path.join(BUILD, f"k_{key}.sigs.json")  # the kernels' parameter kinds, once per build
         if os.path.exists(sig_file):
             with open(sig_file) as f:
@@ -171,20 +176,20 @@ class RawModule:
             for m in re.finditer(r'extern\s+"C"\s+void\s+(\w+)\s*\(([^)]*)\)', pre.stdout):
                 params = [p for p in m.group(2).split(",") if p.strip()]
                 self.sigs[m.group(1)] = [_classify(p) for p in params]
-            with open(f"{sig_file}.{os.getpid()}.tmp", "w") as f:
+            with open(_tmp(sig_file), "w") as f:
                 json.dump(self.sigs, f)
-            os.replace(f"{sig_file}.{os.getpid()}.tmp", sig_file)
+            os.replace(_tmp(sig_file), sig_file)
         if NOOP:
             self.lib = None
             return
         if not os.path.exists(so):
             cmd = ["g++", *CXXFLAGS, "-include",
                    os.path.join(EMU, "emu.h"), *incs, *defs, "-x", "c++", src, "-x", "none", _emu_object(),
-                   "-lffi", "-o", f"{so}.{os.getpid()}.tmp"]
+                   "-lffi", "-o", _tmp(so)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(r.stderr[-5000:])
-            os.replace(f"{so}.{os.getpid()}.tmp", so)
+            os.replace(_tmp(so), so)
         self.lib = ctypes.CDLL(so)
         self.lib.emu_launch.restype = ctypes.c_int
 

@@ -53,7 +53,8 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # "x_f32" names CupyBackend methods whose `to_product` hint is dropped (their rows stay float32), e.g.
 # ["paged_attention_gated", "deltanet_core_gated"] (a decode step's attention output gate is applied by
 # "paged_attention_gated", other steps' by "sigmoid_gate"); the MLP activation is "silu_mul_halves" and, from TUNE
-# `swiglu_rows` rows up, "swiglu"
+# `swiglu_rows` rows up, "swiglu"; "moe_norm" false: MoE blocks take their input norm's rows from the norm kernel
+# (CupyBackend.moe_takes_product_rows off), not fused into the output projection before them (BENCH_MODEL's MoE)
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
@@ -75,6 +76,7 @@ def main() -> None:
     kv, states, model = B.decode_setup(variant, os.environ.get("OVERLAP_KV", "16/16"))
     res: dict[str, dict[str, float]] = {}
     base_tune, base_pairs, base_dn, base_attn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE), dict(ca.DECODE)
+    base_moe_norm = cb.CupyBackend.moe_takes_product_rows
     base_methods = {name: getattr(cb.CupyBackend, name) for name in ("sigmoid_gate", "deltanet_core_gated",
                                                                       "silu_mul_halves", "swiglu")}
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
@@ -89,6 +91,7 @@ def main() -> None:
             setattr(cb.CupyBackend, meth, fn)
         for meth in tune.pop("x_f32", []):
             setattr(cb.CupyBackend, meth, without_hint(base_methods[meth]))
+        cb.CupyBackend.moe_takes_product_rows = bool(tune.pop("moe_norm", base_moe_norm))
         ex.TUNE.clear()
         ex.TUNE.update(merge_tune(base_tune, tune))
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
@@ -107,6 +110,7 @@ def main() -> None:
     ca.DECODE.update(base_attn)
     for meth, fn in base_methods.items():
         setattr(cb.CupyBackend, meth, fn)
+    cb.CupyBackend.moe_takes_product_rows = base_moe_norm
     first = next(iter(res))
     print(f"\n{variant}, graph decode steps (ms; tok/s; x vs {first})")
     def cell(row: dict[str, float], b: int, c: int) -> str:

@@ -18,6 +18,10 @@
 // load-time weights only: the wrapper launches overlapped for those alone); x after it, a batch of steps at
 // once. The warps' float32 sums meet in shared memory and one thread a (row, x row) adds them in warp order:
 // a fixed order for a given K and SG_WARPS.
+// Fused norm consumer (nsq != 0; decapybara/backend/cupy_ops_extra.py `NormedRows`): x is the producer's xg =
+// h * (offset + weight) and each output of x row m is divided by its denominator sqrt(sum / K + n_eps), the sum
+// of the producer's nsq_tiles sums of squares nsq[m, :] in mx_gemv.cu's order (lane-strided, then a butterfly;
+// the same bits as its consumers' denominators). The sums load after the wait and are added after the K loop.
 #include "act_kind.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
@@ -60,8 +64,9 @@ __device__ __forceinline__ uint4 x_group(const void* x, int kind, int vec, long 
 template <int NT>  // n-tiles: rows of x up to 8 NT
 __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long ldw, const void* x, int x_kind,
                                            long long ldx, int vec, int M, int N, int K, void* y, int y_kind,
-                                           long long ldy) {
+                                           long long ldy, const float* nsq, int nsq_tiles, float n_eps) {
     __shared__ float red[SG_WARPS][16][8 * NT + 1];  // each warp's sums: [weight row of the tile][x row]
+    __shared__ float den[8 * NT];                    // fused consumer: each x row's denominator
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.x * 16;
     const int steps = (K + 31) >> 5, s0 = warp * steps / SG_WARPS, s1 = (warp + 1) * steps / SG_WARPS;
@@ -81,6 +86,16 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
     };
     load_w(s0);
     pdl_begin();  // x comes from the kernel before
+    // fused consumer: rows m = warp + r SG_WARPS of x, their first two sums a lane (the rest after the K loop)
+    constexpr int NR = (8 * NT + SG_WARPS - 1) / SG_WARPS;
+    float nq0[NR], nq1[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int m = warp + r * SG_WARPS;
+        const bool on = nsq && m < M;
+        nq0[r] = on && lane < nsq_tiles ? nsq[(long long)m * nsq_tiles + lane] : 0.0f;
+        nq1[r] = on && lane + 32 < nsq_tiles ? nsq[(long long)m * nsq_tiles + lane + 32] : 0.0f;
+    }
     float acc[2][NT][4];  // [MMA chain: codes 0-3 / 4-7 of a lane's group][n-tile][fragment]
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -117,6 +132,18 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
         red[warp][g + 8][c] = acc[0][nt][2] + acc[1][nt][2];
         red[warp][g + 8][c + 1] = acc[0][nt][3] + acc[1][nt][3];
     }
+    if (nsq) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const int m = warp + r * SG_WARPS;
+            if (m >= M) break;  // uniform per warp
+            float sum = nq0[r] + nq1[r];
+            for (int i = lane + 64; i < nsq_tiles; i += 32) sum += nsq[(long long)m * nsq_tiles + i];
+#pragma unroll
+            for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) den[m] = sqrtf(sum / (float)K + n_eps);
+        }
+    }
     __syncthreads();
     for (int o = threadIdx.x; o < 16 * 8 * NT; o += 32 * SG_WARPS) {
         const int r = o & 15, m = o >> 4;  // consecutive threads: consecutive columns of y
@@ -124,6 +151,7 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
             float s = red[0][r][m];
 #pragma unroll
             for (int w = 1; w < SG_WARPS; ++w) s += red[w][r][m];
+            if (nsq) s /= den[m];
             store_kind(y, y_kind, (long long)m * ldy + r0 + r, s);
         }
     }
@@ -132,12 +160,12 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
 // up to 8 rows of x
 extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small_1(
     const u16* __restrict__ W, long long ldw, const void* x, int x_kind, long long ldx, int vec, int M, int N, int K,
-    void* y, int y_kind, long long ldy) {
-    small_tile<1>(W, ldw, x, x_kind, ldx, vec, M, N, K, y, y_kind, ldy);
+    void* y, int y_kind, long long ldy, const float* nsq, int nsq_tiles, float n_eps) {
+    small_tile<1>(W, ldw, x, x_kind, ldx, vec, M, N, K, y, y_kind, ldy, nsq, nsq_tiles, n_eps);
 }
 // 9 to 16 rows of x
 extern "C" __global__ void __launch_bounds__(SG_WARPS * 32) gemv_bf16_small_2(
     const u16* __restrict__ W, long long ldw, const void* x, int x_kind, long long ldx, int vec, int M, int N, int K,
-    void* y, int y_kind, long long ldy) {
-    small_tile<2>(W, ldw, x, x_kind, ldx, vec, M, N, K, y, y_kind, ldy);
+    void* y, int y_kind, long long ldy, const float* nsq, int nsq_tiles, float n_eps) {
+    small_tile<2>(W, ldw, x, x_kind, ldx, vec, M, N, K, y, y_kind, ldy, nsq, nsq_tiles, n_eps);
 }

@@ -17,7 +17,10 @@
 //               slot order.
 // moe_route_dispatch  both in one block of 512 threads (steps of few tokens: one launch fewer): its warps route
 //               the tokens, then the block dispatches them from the ids kept in shared memory (dynamic: 2 (E +
-//               shared) + T (k + shared) ints); 1024 threads would need routing in 64 registers.
+//               shared) + T (k + shared) ints); 1024 threads would need routing in 64 registers. Where the rows
+//               are a fused norm's (nsq != 0: the logits' product divided them, decapybara/backend/cupy_ops_extra.py
+//               `NormedRows`), it also copies each gathered row's nsq_tiles sums of squares to g_nsq by y row
+//               (pos), for the experts' grouped products to divide theirs (mx_gemv.cu's grouped consumer).
 // moe_silu_mul  h = silu(gate) * up (float32 math), any of f32 / bf16 / f16 in and out.
 // moe_combine   out[t] = sum over slots s (in order) of w[t, s] * y[slot_pos[t, s]], float32 accumulation; with a
 //               shared expert (sh != 0): + sigmoid(sg[t]) * sh[t] after the routed sum (the float operations of
@@ -136,7 +139,8 @@ __device__ __forceinline__ int expert_of(int id, int E) { return min(max(id, 0),
 // the dispatch of P = T k (token, slot) pairs by one block (see the header); cnt, cur: 2 E ints of shared memory.
 // Offsets and the hit experts' list by block-wide prefix sums over the experts, blockDim.x of them a pass.
 __device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int G, int* counts, int* offsets,
-                                         int* ids, int* gather, int* slot_pos, int k, int* cnt, int* cur) {
+                                         int* ids, int* gather, int* slot_pos, int k, int* cnt, int* cur,
+                                         const float* nsq = nullptr, int nsq_tiles = 0, float* g_nsq = nullptr) {
     __shared__ int ws[32];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -161,6 +165,8 @@ __device__ __forceinline__ void dispatch(const int* topk_ids, int P, int E, int 
         const int pos = atomicAdd(cur + expert_of(topk_ids[i], E), 1);
         gather[pos] = i / k;
         slot_pos[i] = pos;
+        if (g_nsq)  // the gathered row's sums of squares, by y row (the experts' fused norm consumer)
+            for (int j = 0; j < nsq_tiles; ++j) g_nsq[(long long)pos * nsq_tiles + j] = nsq[(long long)(i / k) * nsq_tiles + j];
     }
 }
 
@@ -173,7 +179,8 @@ extern "C" __global__ void moe_dispatch(const int* topk_ids, int P, int E, int G
 
 extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float* logits, long long ldl, int T, int E, int k, int normalize,
                                               int shared, int* topk_ids, float* topk_w, int G, int* counts, int* offsets,
-                                              int* ids, int* gather, int* slot_pos) {
+                                              int* ids, int* gather, int* slot_pos, const float* nsq, int nsq_tiles,
+                                              float* g_nsq) {
     pdl_begin();  // overlapped launch (pdl.cuh)
     extern __shared__ int sh[];  // counts[E + shared], cursor[E + shared], then the ids of T (k + shared) slots
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ne = E + shared, kk = k + shared;
@@ -181,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_route_dispatch(const float
     for (int t = threadIdx.x >> 5; t < T; t += warps)
         route_token(logits, ldl, t, E, k, normalize, shared, topk_ids, topk_w, lane, s_ids);
     // the ids reach the dispatch's reads through its first barrier, from shared memory (no round trip to L2)
-    dispatch(s_ids, T * kk, ne, G, counts, offsets, ids, gather, slot_pos, kk, sh, sh + ne);
+    dispatch(s_ids, T * kk, ne, G, counts, offsets, ids, gather, slot_pos, kk, sh, sh + ne, nsq, nsq_tiles, g_nsq);
 }
 
 extern "C" __global__ void moe_silu_mul(const void* g, const void* u, int kind_in, void* h, int kind_out, long long n) {

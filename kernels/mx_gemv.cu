@@ -50,7 +50,8 @@
 // - the consumer (nsq != 0) takes x = such an xg and divides each output by its row's denom = sqrt(sum / K +
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
 //   loaded before the x staging, summed after it): the product of rms_norm(y) = y / denom * (gw_off
-//   + gw), with y (gw_off + gw) rounded to bf16 as any x.
+//   + gw), with y (gw_off + gw) rounded to bf16 as any x. A grouped consumer (an MoE block's experts over
+//   gathered rows) reads the sums by y row: moe.cu's moe_route_dispatch copies each gathered row's there.
 // Fused SwiGLU (the `mx_gemm_<fmt>_1s`, `_2s`, `_4s`, `_8s` kernels, up to 8, 16, 32, 64 rows of x; decapybara/backend/
 // cupy_ops_extra.py `mx_swiglu`): W is [gate; up] stacked along rows (N rows, N % 16 == 0, no bias, no fused
 // residual) and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T). The kernel's output rows are taken in bands of 16
@@ -635,7 +636,9 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     constexpr int NR = FUSE ? (MT + WARPS - 1) / WARPS : 1;  // rows a warp takes: m = warp + r WARPS
     float nq0[NR], nq1[NR];
     const bool norm_rows = FUSE && A.nsq && first;
-    const auto nsq_row = [&](int m) { return A.nsq + (i64)(m0 + m) * A.nsq_tiles; };
+    // the sums of y row y_off + m0 + m's x row (grouped: the dispatch's copy by y row of the gathered rows' sums;
+    // y_off is 0 in dense launches, and written out so, ptxas left the one-row kernels fewer spills)
+    const auto nsq_row = [&](int m) { return A.nsq + (i64)((A.g_cnt ? y_off : 0) + m0 + m) * A.nsq_tiles; };
     if (norm_rows) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) {

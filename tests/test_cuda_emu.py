@@ -114,7 +114,9 @@ SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
 MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
                  " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
                  " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
-                 " or (combine_with_residual and (slot-9000-1-9 or apart-2048-12-9))")
+                 " or (combine_with_residual and (slot-9000-1-9 or apart-2048-12-9))"
+                 " or (normed_rows and (True-mxfp4-slot-3 or False-bf16-apart-8 or True-bf16-apart-9))"
+                 " or (moe_blocks and mxfp4)")
 PIECEWISE = ("tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py")
 
 # Every emulator run, longest first (a fresh clone's minutes on the 2-core CI machine, kernel builds included), so
@@ -126,8 +128,9 @@ RUNS: dict[str, EmuRun] = {
     "prefill": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"), PREFILL_EMU_CASES),
     "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
     "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
-    "moe": EmuRun(("tests/gpu/test_kernels_extra.py",), MOE_EMU_CASES),
-    "small": EmuRun(("tests/gpu/test_gemv_small.py",), "small and not (unaligned and (8-8 or 4-2))"),
+    "moe": EmuRun(("tests/gpu/test_kernels_extra.py", "tests/gpu/test_fused_norm.py"), MOE_EMU_CASES),
+    "small": EmuRun(("tests/gpu/test_gemv_small.py",), "small and not (unaligned and (8-8 or 4-2)) "
+                                                       "and not (normed and 4-2- and not 40-5128)"),
     "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
                            "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked"),
     "skinny": EmuRun(("tests/gpu/test_kernels_extra.py",), "mx_linear_k_tail or bf16_x_staging_edges", strided=False),
@@ -274,9 +277,11 @@ def test_moe_kernels_pass_on_the_emulator(emulator):
     group list, grouped products split over K, the shared expert added in the combine (a bf16 router and gate
     stacked), the experts' gate and up in one grouped SwiGLU launch and the shared expert as one expert more of
     the stacks, routing of NaN and infinite logits, the combine with the residual add and the next norm (a row
-    past the kernel's cached columns, and twelve rows), through the emulator plugin."""
+    past the kernel's cached columns, and twelve rows), the block over a fused norm's rows (the routing kernel's
+    copy of their sums of squares, the grouped SwiGLU launch's division, MXFP4 models' decode against the numpy
+    emulation of that rounding), through the emulator plugin."""
     out = emulator("moe")
-    assert passed(out) == 7, out[-3000:]
+    assert passed(out) == 13, out[-3000:]
 
 
 @needs_toolchain
@@ -284,7 +289,8 @@ def test_moe_kernels_pass_on_the_emulator(emulator):
 def test_small_products_pass_on_the_emulator(emulator):
     """kernels/gemv_small.cu (bf16 products of few weight rows: 16-row tiles on tensor cores, K split over a
     block's warps, weights loaded before the overlapped launch's wait, x unaligned or not) against numpy and the
-    skinny GEMM, its limits: the GPU test file through the emulator plugin, its other block builds left to the GPU
-    run (each build is a module the emulator compiles)."""
+    skinny GEMM, its limits, a fused norm's rows (the denominators in the skinny kernels' order): the GPU test
+    file through the emulator plugin, most of its other block builds left to the GPU run (each build is a module
+    the emulator compiles)."""
     out = emulator("small")
-    assert passed(out) == 67, out[-3000:]
+    assert passed(out) == 79, out[-3000:]

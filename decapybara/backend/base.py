@@ -165,9 +165,13 @@ class Backend(ABC):
         """`add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps, offset)`: a block's output
         projection, the residual add and the next norm. A backend may fuse them and return the normed rows in a
         deferred form, or in the precision its products read them in: the caller passes them only to this
-        backend's `linear` (as x) and reads only their `shape`. The new residual must equal the plain float32
-        `linear(...) + residual`."""
+        backend's `linear` (as x), or where `moe_takes_product_rows` to its `moe` / `moe_add_rms_norm` (as x),
+        and reads only their `shape`. The new residual must equal the plain float32 `linear(...) + residual`."""
         return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps, offset)
+
+    # whether `moe` and `moe_add_rms_norm` take as x the rows `linear_add_rms_norm` gives (so that a model fuses
+    # an MoE block's input norm into the output projection before it as it does a dense MLP's)
+    moe_takes_product_rows = False
 
     @abstractmethod
     def silu_mul(self, gate: Any, up: Any) -> Any: ...

@@ -173,6 +173,14 @@ def _streamed(weight: Any) -> PackedWeight | None:
     return w if w is not None and gemm_ready(w) else None
 
 
+def _plain_rows(x: Any) -> Any:
+    """Rows from `linear_add_rms_norm` as the plain ops take them: `NormedRows` materialised (the norm kernel's
+    bits), bf16 bits widened to float32 (exactly), anything else as it is."""
+    if isinstance(x, NormedRows):
+        return x.materialize()
+    return ops.bf16_bits_to_f32(x) if x.dtype == cp.uint16 else x
+
+
 def _reads_bf16(weight: Any, rows: int) -> bool:
     """Whether a product of `rows` rows over `weight` (or over the model's other weights, stored alike: the
     bf16 backend's matrices are all bf16 or packed) rounds x to bf16 anyway, so that its x may come in bf16 bits:
@@ -192,6 +200,7 @@ def _reads_bf16(weight: Any, rows: int) -> bool:
 class CupyBackend(Backend):
     name = "cupy"
     xp = cp
+    moe_takes_product_rows = True  # NormedRows (fused into the MoE launches or materialised) and bf16 bits
 
     def __init__(self, dtype: str = "bf16", attention_splits: int | None = None):
         """`dtype` "fp32" (the reference function) or "bf16"; `attention_splits` forces split-K (tests)."""
@@ -479,6 +488,7 @@ class CupyBackend(Backend):
         got = self._device_moe(x, router, gate_w, up_w, down_w, top_k, normalize, shared, shared_gate, fused)
         if got is not None:
             return got
+        x = _plain_rows(x)
         return self.add_shared_expert(self._host_routed_moe(x, router, gate_w, up_w, down_w, top_k, normalize), x,
                                       shared, shared_gate)
 
@@ -487,7 +497,9 @@ class CupyBackend(Backend):
         """The device `moe`'s combine with the residual add and norm in one launch (`moe_combine_norm`); the two
         ops elsewhere."""
         got = self._device_moe(*moe_args, norm=(ops.f32(residual), weight, eps, offset))
-        return got if got is not None else super().moe_add_rms_norm(moe_args, residual, weight, eps, offset)
+        if got is not None:
+            return got
+        return super().moe_add_rms_norm((_plain_rows(moe_args[0]), *moe_args[1:]), residual, weight, eps, offset)
 
     def _device_moe(self, x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, normalize: bool,
                     shared: Any = None, shared_gate: Any = None, fused: Any = None, *, norm: Any = None) -> Any:
@@ -496,8 +508,8 @@ class CupyBackend(Backend):
         stacks = _device_stacks(gate_w, up_w, down_w) if self.bf16 and top_k <= MOE_TOP_K else None
         if stacks is None:
             return None
-        return cupy_ops_extra.moe(cp.ascontiguousarray(x, dtype=cp.float32), router, *stacks, top_k, normalize,
-                                  shared, shared_gate, fused, norm)
+        return cupy_ops_extra.moe(x if isinstance(x, NormedRows) else product_rows(x), router, *stacks, top_k,
+                                  normalize, shared, shared_gate, fused, norm)
 
     def fuse_moe(self, weights: dict[str, Any]) -> tuple[FusedMoE, dict[str, Any]] | None:
         """The layer's router and shared gate stacked (`concat_rows`; where bf16 or packed), its experts' gate

@@ -526,7 +526,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     `res` = (residual, xg, gw, offset) (residual float32, xg bf16 bits or float32, y's shape; y float32
     contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows'
     sums of squares by output tile, float32 [M, tiles];
-    `norm` (x = norm.xg) divides each output row by its denominator from norm.sq;
+    `norm` (x = norm.xg) divides each output row by its denominator from norm.sq (by x row; in a grouped
+    SwiGLU launch over gathered rows, by y row: `moe_route_dispatch`'s copy of the gathered rows' sums);
     `swiglu`: w is [gate; up] stacked, y [M, N / 2] = silu(x @ gate^T) * (x @ up^T) (the `_1s` to `_8s` kernels, up
     to SWIGLU_ROWS rows); grouped too (w [E, N, K]: each expert's [gate; up], y [y rows, N / 2])."""
     m = x.shape[0] if groups is None else int(max_rows)
@@ -534,8 +535,9 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     fused = res is not None or norm is not None or swiglu
     most = FUSED_ROWS if res is not None or norm is not None else SWIGLU_ROWS
     dense = groups is None and gather is None
-    assert not fused or ((dense or (swiglu and norm is None)) and m <= most), \
-        f"fused norms: dense, M <= {most}; swiglu: dense or grouped without norms, M <= {most}"
+    grouped_norm = norm is not None and swiglu and groups is not None and gather is not None
+    assert not fused or ((dense or (swiglu and (norm is None or grouped_norm))) and m <= most), \
+        f"fused norms: dense or a gathered SwiGLU, M <= {most}; swiglu: dense or grouped, M <= {most}"
     assert not swiglu or (n % 16 == 0 and bias is None and res is None
                           and y.shape == ((m if groups is None else y.shape[0]), n // 2)), \
         f"swiglu: N {n} (a multiple of 16), no bias or residual, y {y.shape}"
@@ -565,7 +567,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
             sq = empty((m, nrb), cp.float32)
         if norm is not None:
             check(norm.sq, np.float32, "norm.sq", 2)
-            assert x is norm.xg and norm.sq.shape[0] == m
+            assert x is norm.xg and norm.sq.shape[0] == (y.shape[0] if grouped_norm else m)
         fuse_args = (residual, sq if sq is not None else null(), xg, gw, F32(gw_off),
                      norm.sq if norm is not None else null(), I32(norm.sq.shape[1] if norm is not None else 0),
                      F32(norm.eps if norm is not None else 0.0))
@@ -754,8 +756,8 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
         y = y + bias if bias is not None else y
         return y if out_dtype == np.float32 else _from_f32(y, out_dtype)
     y = empty((x.shape[0], w.N), out_dtype)
-    if norm is None and bias is None and small_product(w, m):
-        _small(x, w, y)
+    if bias is None and small_product(w, m):
+        _small(x, w, y, norm)
     elif x.shape[0] and w.N:
         _gemm(x, w, y, bias=bias, norm=norm)
     return y
@@ -777,10 +779,11 @@ def small_product(w: PackedWeight, m: int) -> bool:
     return 0 < w.N <= tune_for(w.fmt).get("small_n", 0) and gemm_ready(w)
 
 
-def _small(x: Any, w: PackedWeight, y: Any) -> None:
+def _small(x: Any, w: PackedWeight, y: Any, norm: NormedRows | None = None) -> None:
     """y = x @ w^T on kernels/gemv_small.cu (`small_product`'s products): one block a 16-row tile, overlapped
     (`pdl.launch`) over a load-time weight, whose first codes it loads before waiting for x. x's 8-element groups
-    load 16 bytes at a time where its rows start 16-byte aligned."""
+    load 16 bytes at a time where its rows start 16-byte aligned. `norm` (x = norm.xg): each output row divided
+    by its denominator from norm.sq, as the skinny kernels' fused consumer divides it (the same bits of it)."""
     m, k = x.shape
     t = tune_for("bf16")
     warps, pre = t.get("small_warps") or SMALL_WARPS, t.get("small_pre") or SMALL_PRE
@@ -790,6 +793,12 @@ def _small(x: Any, w: PackedWeight, y: Any) -> None:
     vec = int(dev_ptr(x) % 16 == 0 and step % 16 == 0)
     args = (w.codes, I64(w.codes.strides[0] // 2), x, I32(kind(x.dtype)), I64(x.strides[0] // x.itemsize), I32(vec),
             I32(m), I32(w.N), I32(k), y, I32(kind(y.dtype)), I64(y.strides[0] // y.itemsize))
+    if norm is not None:
+        check(norm.sq, np.float32, "norm.sq", 2)
+        assert x is norm.xg and norm.sq.shape[0] == m
+        args += (norm.sq, I32(norm.sq.shape[1]), F32(norm.eps))
+    else:
+        args += (null(), I32(0), F32(0.0))
     (pdl.launch if w.persistent else pdl.plain)(fn, (-(-w.N // 16),), (32 * warps,), args)
 
 
@@ -998,8 +1007,8 @@ class PackedWeightsMixin:
                     shared: Any = None, shared_gate: Any = None, fused: Any = None, *, norm: Any = None) -> Any:
         """Packed expert stacks: the device `moe` (`CupyBackend.moe` / `moe_add_rms_norm` call this)."""
         if any(isinstance(w, PackedWeight) for w in (gate_w, up_w, down_w)):
-            return moe(cp.ascontiguousarray(x, dtype=cp.float32), router, gate_w, up_w, down_w, top_k, normalize,
-                       shared, shared_gate, fused, norm)
+            return moe(x if isinstance(x, NormedRows) else product_rows(x), router, gate_w, up_w, down_w, top_k,
+                       normalize, shared, shared_gate, fused, norm)
         return super()._device_moe(x, router, gate_w, up_w, down_w, top_k, normalize,  # type: ignore[misc]
                                    shared, shared_gate, fused, norm=norm)
 
@@ -1062,8 +1071,16 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
       (no launches of its own; `shared` is not called).
     `norm` = (residual [T, H] float32, weight [H] float32, eps, offset): the result's residual add and RMSNorm
     (`Backend.add_rms_norm`'s) in the combine's launch (`moe_combine_norm`); returns (normed rows, residual +
-    result), float32."""
-    check(x, x.dtype, "x", 2)
+    result), float32.
+    x may be bf16 bits (the bf16 backend's rows, whose products round x to bf16 anyway; the result is then
+    float32) or `NormedRows` (the
+    output projection before the block left its norm to the products, `mx_linear_add_norm`): up to FUSED_ROWS
+    rows with `router_gate` and `gate_up` the router's product and the experts' grouped SwiGLU launch divide by
+    the rows' denominators (the routing kernel copies each gathered row's sums of squares by y row), so no norm
+    kernel runs before the block; otherwise x is materialised first."""
+    normed = x if isinstance(x, NormedRows) else None
+    xc = normed.xg if normed is not None else x
+    check(xc, xc.dtype, "x", 2)
     t, h = x.shape
     gate_w, up_w, down_w = (w if isinstance(w, PackedWeight) else pack_weight(w) for w in (gate_w, up_w, down_w))
     for w in (gate_w, up_w, down_w):
@@ -1080,6 +1097,11 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     slot = (fused.shared_slot and stacked is not None and gate_up is not None and fused.down is not None
             and top_k < MOE_TOP_K and e < MOE_EXPERTS and gemm_ready(fused.down))
     ne, kk = e + slot, top_k + slot  # experts and slots a token of the launches below
+    # the router's product: the stack with the shared gate, or the router alone where no shared gate needs one
+    router_product = stacked if stacked is not None else _streamed_stack(router) if shared_gate is None else None
+    if normed is not None and not moe_fuses_norm(t, router_product, gate_up):
+        x, normed = normed.materialize(), None
+    xa = normed.xg if normed is not None else x  # what the products stage
     if stacked is not None:
         assert stacked.shape == (e + 1, h), f"router|gate {stacked.shape}: need [{e + 1}, {h}]"
         logits = mx_linear(x, stacked, out_dtype=cp.float32)  # [T, E + 1]: the router's, then the shared gate's
@@ -1090,7 +1112,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     logits = logits if logits.dtype == cp.float32 and logits.strides[1] == 4 else cp.ascontiguousarray(logits, cp.float32)
     assert logits.shape[0] == t and logits.shape[1] in (e, e + 1)
     ids, wts = empty((t, kk), cp.int32), empty((t, kk), cp.float32)
-    out = empty((t, h), x.dtype if norm is None else cp.float32)
+    out = empty((t, h), x.dtype if norm is None and xa.dtype != cp.uint16 else cp.float32)
     if norm is not None:
         residual, norm_w, eps, offset = norm
         check(residual, np.float32, "residual", 2)
@@ -1106,10 +1128,17 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     ldl = I64(logits.strides[0] // 4)
     jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)  # router logits a lane holds
     route = (logits, ldl, I32(t), I32(e), I32(top_k), I32(int(normalize)), I32(int(slot)), ids, wts)
+    g_norm = None  # NormedRows of the gathered rows: their sums of squares by y row
+    if normed is not None:
+        g_norm = NormedRows(normed.h, normed.xg, empty((p, normed.sq.shape[1]), cp.float32), normed.weight,
+                            normed.eps, normed.offset)
     if t <= ROUTE_DISPATCH_ROWS:
+        nsq_args = ((normed.sq, I32(normed.sq.shape[1]), g_norm.sq) if g_norm is not None
+                    else (null(), I32(0), null()))
         pdl.launch(get_kernel("moe", "moe_route_dispatch", jpl), (1,), (512,),
-                   (*route, I32(ng), counts, offsets, gids, gather, slot_pos), shared_mem=8 * ne + 4 * p)
+                   (*route, I32(ng), counts, offsets, gids, gather, slot_pos, *nsq_args), shared_mem=8 * ne + 4 * p)
     else:
+        assert g_norm is None, "fused norms: at most ROUTE_DISPATCH_ROWS rows"
         pdl.launch(get_kernel("moe", "moe_route", jpl), (-(-t * 32 // 256),), (256,), route)
         pdl.launch(get_kernel("moe", "moe_dispatch"), (1,), (1024,),
                    (ids, I32(p), I32(ne), I32(ng), counts, offsets, gids, gather, slot_pos, I32(kk)), shared_mem=8 * ne)
@@ -1118,7 +1147,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     if gate_up is not None:
         assert gate_up.shape[1:] == (2 * inter, h) and gate_up.shape[0] >= ne, \
             f"gate|up {gate_up.shape}: need [{ne}, {2 * inter}, {h}]"
-        _gemm(x, gate_up, hid, gather=gather, groups=grouped, max_rows=t, swiglu=True)
+        _gemm(xa, gate_up, hid, gather=gather, groups=grouped, max_rows=t, swiglu=True, norm=g_norm)
     else:
         g, u = empty((p, inter), cp.float32), empty((p, inter), cp.float32)
         _gemm(x, gate_w, g, gather=gather, groups=grouped, max_rows=t)
@@ -1146,6 +1175,17 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     pdl.launch(get_kernel("moe", "moe_combine"), (-(-h // 256), t), (256,),
                (d, I32(0), wts, slot_pos, I32(kk), I32(h), out, I32(kind(out.dtype)), *sh_args, I32(int(slot))))
     return out
+
+
+def moe_fuses_norm(rows: int, router: PackedWeight | None, gate_up: PackedWeight | None) -> bool:
+    """Whether `moe` takes `NormedRows` of `rows` rows as they are: at most FUSED_ROWS rows, a router product
+    (its stack with the shared gate, or the router alone) that fuses norms or runs on gemv_small, and the
+    experts' gate and up in one grouped SwiGLU launch (`fuses_grouped_swiglu`) of a kernel file with the fused
+    norms."""
+    if router is None or gate_up is None or not 0 < rows <= min(FUSED_ROWS, ROUTE_DISPATCH_ROWS):
+        return False
+    return ((fuses_norms(router, rows) or small_product(router, rows))
+            and kernel_knows(tune_for(gate_up.fmt)["source"], "nsq_tiles"))
 
 
 def _logits(x: Any, w: Any) -> Any:

@@ -230,8 +230,8 @@ class QwenModel:
         and the residual stream h [T, H]: the residual add, the post-attention norm, the FFN, its residual add,
         the next layer's input norm and its input products (inputs: `layer_inputs(i + 1, ...)`; None after the
         last layer). Each residual add is fused into the norm that follows it, and a block's output projection
-        into both where the norm's rows go only to products (`Backend.linear_add_rms_norm`; not before a MoE
-        block)."""
+        into both where the norm's rows go only to products (`Backend.linear_add_rms_norm`; before a MoE block
+        where the backend's `moe` takes such rows: `Backend.moe_takes_product_rows`)."""
         cfg, ops, w = self.cfg, self.backend, self.w
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
@@ -242,7 +242,7 @@ class QwenModel:
 
         p = f"model.layers.{i}"
         moe = cfg.layer_is_moe(i)
-        x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not moe)
+        x, h = add_norm(out, h, w[f"{p}.post_attention_layernorm.weight"], not moe or ops.moe_takes_product_rows)
         if moe and i + 1 < cfg.num_hidden_layers:  # the MoE's output, its residual add and the next norm
             x, h = ops.moe_add_rms_norm(self._moe_args(f"{p}.mlp", x), h,
                                         w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, off)

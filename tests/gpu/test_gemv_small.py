@@ -108,3 +108,31 @@ def test_small_product_limits(small_on, monkeypatch):
     assert not ex.small_product(bf, 1)
     monkeypatch.setitem(ex.TUNE, "small_n", 0)
     assert not ex.small_product(bf, 1)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("n,k,tile", [(257, 2048, 128), (40, 5128, 64), (64, 2104, 32)])  # 16, 81 and 66 tile sums
+@pytest.mark.parametrize("warps,pre", [(16, 4), (4, 2)])  # 4 warps: two rows of x a warp's denominators
+def test_small_product_of_normed_rows(small_on, monkeypatch, m, n, k, tile, warps, pre):
+    """`NormedRows` (a fused norm's rows, `mx_linear_add_norm`): the product over xg (bf16 bits, the producer's
+    h (1 + w)) with each row divided by sqrt(its tile sums / K + eps), the denominators in the skinny kernels'
+    order: within 1e-5 of the skinny GEMM's fused consumer, within 1e-4 of float64."""
+    monkeypatch.setitem(ex.TUNE, "small_warps", warps)
+    monkeypatch.setitem(ex.TUNE, "small_pre", pre)
+    rng = np.random.default_rng(m * 100 + n + tile + warps)
+    w = bf16_round(rng.standard_normal((n, k)) * 0.1)
+    pw = ex.PackedWeight("bf16", (n, k), cp.asarray(bf16_encode(w)), persistent=True)
+    h = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    nw = (rng.standard_normal(k) * 0.2).astype(np.float32)
+    xg = bf16_round(h * (np.float32(1.0) + nw)).astype(np.float32)
+    tiles = -(-k // tile)
+    sq = np.zeros((m, tiles), np.float32)
+    for j in range(tiles):
+        sq[:, j] = (h[:, tile * j:tile * (j + 1)].astype(np.float64) ** 2).sum(1)
+    normed = ex.NormedRows(cp.asarray(h), cp.asarray(bf16_encode(xg)), cp.asarray(sq), cp.asarray(nw), 1e-6, 1.0)
+    assert ex.small_product(pw, m) and ex.fuses_norms(pw, m)
+    got = ex.mx_linear(normed, pw)
+    denom = np.sqrt(sq.astype(np.float64).sum(1, keepdims=True) / k + 1e-6)
+    assert rel_err(got, xg.astype(np.float64) @ w.astype(np.float64).T / denom) < 1e-4
+    monkeypatch.setitem(ex.TUNE, "small_n", 0)
+    assert rel_err(got, cp.asnumpy(ex.mx_linear(normed, pw))) < 1e-5

@@ -738,6 +738,72 @@ def test_moe_combine_with_residual_add_and_norm(t, h, shared, k):
     assert_close(got_x, want[0], 2e-2, f"normed rows vs numpy t={t} h={h} {shared}")
 
 
+@pytest.mark.parametrize("t", [1, 3, 8, 9])  # 9: past FUSED_ROWS (the rows materialised first)
+@pytest.mark.parametrize("shared", ["apart", "slot"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])  # of the experts' gate|up stack
+@pytest.mark.parametrize("norm", [False, True])  # `moe`, or `moe_add_rms_norm`'s form (the combine's norm)
+def test_moe_over_normed_rows(t, shared, fmt, norm, monkeypatch):
+    """An MoE block over `NormedRows` (the output projection before it fused the residual add and left its norm
+    to the products): the router|gate product (gemv_small or the skinny kernels) and the experts' grouped SwiGLU
+    launch divide each row's sums by its denominator, the routing kernel copying each gathered row's sums of
+    squares by y row; no norm kernel runs. Against the numpy reference over the rows those products see,
+    bf16(h (1 + w)) / denom; past FUSED_ROWS the rows are materialised and the result is the plain block's."""
+    rng = np.random.default_rng(zlib.crc32(f"normed-moe-{t}-{shared}-{fmt}-{norm}".encode()))
+    e, k, hd, inter, eps = 16, 4, 512, 64, 1e-6
+    monkeypatch.setitem(ex.TUNE, "small_n", 1024 if t % 2 else 0)  # the router on gemv_small, or not
+    hres = (rng.standard_normal((t, hd)) * 3).astype(np.float32)
+    nw = (rng.standard_normal(hd) * 0.2).astype(np.float32)
+    xg = bf16_round(hres * (np.float32(1.0) + nw)).astype(np.float32)
+    sq = np.zeros((t, hd // 128), np.float32)
+    for j in range(hd // 128):  # the producer's sums of squares by 128-column tile
+        sq[:, j] = (hres[:, 128 * j:128 * (j + 1)].astype(np.float64) ** 2).sum(1)
+    denom = np.sqrt(sq.astype(np.float64).sum(1, keepdims=True) / hd + eps)
+    x_eff = (xg / denom).astype(np.float32)  # what the fused products compute over, up to float32 rounding
+    router = bf16_round(rng.standard_normal((e, hd)) * 0.3).astype(np.float32)
+    sgate = bf16_round(rng.standard_normal((1, hd)) * 0.3).astype(np.float32)
+    gu_all = rng.standard_normal((e + 1, 2 * inter, hd)).astype(np.float32) * 0.05  # expert e: the shared one
+    down_all = bf16_round(rng.standard_normal((e + 1, hd, inter)) * 0.05).astype(np.float32)
+    if fmt == "mxfp4":
+        q = quant.quantize(gu_all, "mxfp4")
+        gu, gu_ref = ex.pack_weight(q), q.dequantize()
+    else:
+        gu_ref = bf16_round(gu_all).astype(np.float32)
+        gu = ex.PackedWeight("bf16", gu_ref.shape, cp.asarray(bf16_encode(gu_ref)), persistent=True)
+    down = ex.PackedWeight("bf16", down_all.shape, cp.asarray(bf16_encode(down_all)), persistent=True)
+    refs = [gu_ref[:e, :inter], gu_ref[:e, inter:], down_all[:e]]
+    experts = [ex.PackedWeight("bf16", w.shape, cp.asarray(bf16_encode(w)), persistent=True) for w in refs]
+    stack = cp.asarray(bf16_encode(np.concatenate([router, sgate])))
+    npb = NumpyBackend()
+
+    def shared_of(x):
+        return npb.linear(npb.silu_mul(x @ gu_ref[e, :inter].T, x @ gu_ref[e, inter:].T), down_all[e])
+
+    normed = ex.NormedRows(cp.asarray(hres), cp.asarray(bf16_encode(xg)), cp.asarray(sq), cp.asarray(nw), eps, 1.0)
+    if shared == "slot":
+        fused, sh = ex.FusedMoE(stack, gu, down, True), lambda: pytest.fail("the stacks' shared expert ran apart")
+    else:
+        fused, sh = ex.FusedMoE(router_gate=stack, gate_up=gu), cp.asarray(shared_of(x_eff))
+    residual = rng.standard_normal((t, hd)).astype(np.float32)
+    kw = {"norm": (cp.asarray(residual), cp.asarray(nw), eps, 1.0)} if norm else {}
+    args = (stack[:e], *experts, k, True, sh, stack[e:], fused)
+    if t <= ex.FUSED_ROWS:  # the fused path: nothing materialises the rows
+        monkeypatch.setattr(ex.NormedRows, "materialize", lambda self: pytest.fail("materialised"))
+        got = ex.moe(normed, *args, **kw)
+        y_ref = npb.moe(x_eff, router, *refs, k, True, shared_of(x_eff), sgate)
+        if norm:
+            want_x, want_h = npb.add_rms_norm(y_ref, residual, nw, eps, 1.0)
+            assert_close(got[1], want_h, 2e-2, f"residual stream t={t} {shared} {fmt}")
+            assert_close(got[0], want_x, 2e-2, f"normed rows t={t} {shared} {fmt}")
+        else:
+            assert got.dtype == cp.float32
+            assert_close(got, y_ref, 2e-2, f"moe t={t} {shared} {fmt}")
+    else:
+        plain = ex.moe(normed.materialize(), *args, **kw)
+        got = ex.moe(normed, *args, **kw)
+        for g, p in zip(got if norm else (got,), plain if norm else (plain,), strict=True):
+            assert_bytes_equal(g, p, f"t={t} {shared} {fmt}: the materialised rows' block")
+
+
 @pytest.mark.parametrize("t", [1, 12, 37])  # route and dispatch in one launch (up to 32 rows), in two past that
 @pytest.mark.parametrize("gates", ["f32", "bf16"])  # bf16: router and shared gate as one stacked product, as
 # QwenModel stacks them (`router_gate`; `router` and `shared_gate` its row views)
@@ -797,10 +863,14 @@ def test_moe_routing_of_nan_and_infinite_logits(t, e):
     jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)
     I32, I64 = np.int32, np.int64
     route = (dev, I64(e), I32(t), I32(e), I32(k), I32(1), I32(0), ids, wts)  # normalised, no shared slot
+    # a fused norm's sums of squares of the rows (5 tiles), which the one launch copies to each y row
+    nsq = cp.asarray(rng.standard_normal((t, 5)).astype(np.float32))
+    g_nsq = cp.full((p, 5), np.nan, cp.float32)
     if t <= ex.ROUTE_DISPATCH_ROWS:
         kernels.get_kernel("moe", "moe_route_dispatch", jpl)((1,), (512,), (*route, I32(ng), counts, offsets, gids,
-                                                                             gather, slot_pos),
+                                                                             gather, slot_pos, nsq, I32(5), g_nsq),
                                                        shared_mem=8 * e + 4 * p)  # counters, cursors, the ids
+        assert_bytes_equal(g_nsq, nsq[gather], "sums of squares by y row")
     else:
         kernels.get_kernel("moe", "moe_route", jpl)((-(-t * 32 // 256),), (256,), route)
         kernels.get_kernel("moe", "moe_dispatch")((1,), (1024,), (ids, I32(p), I32(e), I32(ng), counts, offsets, gids,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,10 +35,9 @@ pytestmark = pytest.mark.gpu
 PAGE, PAGES = 8, 128
 
 
-def model_of(family: str, fmt: str) -> QwenModel:
-    """bf16 weights (MoE experts: bf16 stacks) on the bf16 backend, or every matrix and expert stack in `fmt` on
-    the packed backend. "qwen3_5_moe_text/slot": that model with its shared expert cut to the routed experts'
-    width, so that its MoE layers run it as one expert more of their stacks (`FusedMoE.shared_slot`)."""
+def checkpoint_of(family: str, fmt: str) -> tuple[Any, dict[str, Any]]:
+    """(config, tensors) of `model_of`'s model: the tiny checkpoint, every matrix and expert stack quantised to
+    `fmt` unless bf16."""
     family, _, variant = family.partition("/")
     cfg, tensors = tiny_checkpoint(family)
     if variant == "slot":
@@ -46,11 +46,18 @@ def model_of(family: str, fmt: str) -> QwenModel:
         tensors = {k: (v[:inter] if k.endswith(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"))
                        else v[:, :inter] if k.endswith("shared_expert.down_proj.weight") else v)
                    for k, v in tensors.items()}
-    if fmt == "bf16":
-        return QwenModel.from_tensors(cfg, CupyBackend("bf16"), tensors)
-    tensors = {k: quant.quantize(v, fmt) if v.ndim in (2, 3) and not k.endswith("conv1d.weight") else v
-               for k, v in tensors.items()}
-    return QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+    if fmt != "bf16":
+        tensors = {k: quant.quantize(v, fmt) if v.ndim in (2, 3) and not k.endswith("conv1d.weight") else v
+                   for k, v in tensors.items()}
+    return cfg, tensors
+
+
+def model_of(family: str, fmt: str) -> QwenModel:
+    """bf16 weights (MoE experts: bf16 stacks) on the bf16 backend, or every matrix and expert stack in `fmt` on
+    the packed backend. "qwen3_5_moe_text/slot": that model with its shared expert cut to the routed experts'
+    width, so that its MoE layers run it as one expert more of their stacks (`FusedMoE.shared_slot`)."""
+    cfg, tensors = checkpoint_of(family, fmt)
+    return QwenModel.from_tensors(cfg, CupyBackend("bf16") if fmt == "bf16" else cuda_backend("bf16"), tensors)
 
 
 def test_slot_variant_runs_the_shared_expert_in_the_stacks():

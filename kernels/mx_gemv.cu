@@ -51,7 +51,8 @@
 //   n_eps), the sum of the producer's nsq_tiles partial sums (a fixed order: lane-strided, then a butterfly;
 //   loaded before the x staging, summed after it): the product of rms_norm(y) = y / denom * (gw_off
 //   + gw), with y (gw_off + gw) rounded to bf16 as any x. A grouped consumer (an MoE block's experts over
-//   gathered rows) reads the sums by y row: moe.cu's moe_route_dispatch copies each gathered row's there.
+//   gathered rows) reads the sums by y row: moe.cu's moe_route_dispatch copies each gathered row's there
+//   (MX_GROUPED_NORM below: the wrapper's test that this file reads them so).
 // Fused SwiGLU (the `mx_gemm_<fmt>_1s`, `_2s`, `_4s`, `_8s` kernels, up to 8, 16, 32, 64 rows of x; decapybara/backend/
 // cupy_ops_extra.py `mx_swiglu`): W is [gate; up] stacked along rows (N rows, N % 16 == 0, no bias, no fused
 // residual) and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T). The kernel's output rows are taken in bands of 16
@@ -118,6 +119,7 @@ template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per
 #define MX_ACC 1  // independent accumulator chains of a one-n-tile (M <= 8) block: the two MMAs of a slice pair
 #endif                // do not wait on each other (wider tiles already have one chain per n-tile)
 template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
+#define MX_GROUPED_NORM 1  // grouped fused norm consumers read the sums of squares by y row (header)
 #ifndef MX_MINB
 #define MX_MINB 2  // resident 8-warp blocks per SM the one-n-tile kernels are built for (registers: 65536 / (256
                    // MINB)); blocks of W warps: MX_BLOCKS(MINB, W) of them

@@ -475,7 +475,8 @@ class NormedRows:
     producer writes it so) or float32, sq float32 [T, tiles] the sums of squares of h's rows by tile of the
     product's columns, the norm's weight float32 [H], eps and offset.
     `mx_linear` takes the product over xg and divides each row's outputs by its denom = sqrt(sum(sq) / H +
-    eps) (one launch, no norm kernel); anything else takes `materialize()`."""
+    eps) (one launch, no norm kernel; on the skinny kernels or gemv_small), and so does `moe` (its router product
+    and its experts' grouped SwiGLU launch, `moe_fuses_norm`); anything else takes `materialize()`."""
 
     h: Any
     xg: Any
@@ -1054,7 +1055,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
     grouped skinny GEMMs over the experts hit (G = min(E', T k') groups, `moe_dispatch`; E' = E + 1 and k' = k + 1
     with the shared expert in the stacks, below), weighted combine. x [T, H]
-    -> [T, H] (x's dtype). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
+    -> [T, H] (x's dtype; float32 for bf16 bits and NormedRows). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
     PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
     A shared expert: `shared` (its output [T, H] float32, or a function of no arguments that computes it) and
     `shared_gate` [1, H] (its gate's weight): the result is the routed sum + sigmoid(x @ shared_gate^T) * shared,
@@ -1112,7 +1113,7 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     logits = logits if logits.dtype == cp.float32 and logits.strides[1] == 4 else cp.ascontiguousarray(logits, cp.float32)
     assert logits.shape[0] == t and logits.shape[1] in (e, e + 1)
     ids, wts = empty((t, kk), cp.int32), empty((t, kk), cp.float32)
-    out = empty((t, h), x.dtype if norm is None and xa.dtype != cp.uint16 else cp.float32)
+    out = empty((t, h), x.dtype if norm is None and normed is None and xa.dtype != cp.uint16 else cp.float32)
     if norm is not None:
         residual, norm_w, eps, offset = norm
         check(residual, np.float32, "residual", 2)
@@ -1179,13 +1180,13 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
 
 def moe_fuses_norm(rows: int, router: PackedWeight | None, gate_up: PackedWeight | None) -> bool:
     """Whether `moe` takes `NormedRows` of `rows` rows as they are: at most FUSED_ROWS rows, a router product
-    (its stack with the shared gate, or the router alone) that fuses norms or runs on gemv_small, and the
-    experts' gate and up in one grouped SwiGLU launch (`fuses_grouped_swiglu`) of a kernel file with the fused
-    norms."""
+    (its stack with the shared gate, or the router alone) that fuses norms (`mx_linear` then runs it on the skinny
+    kernels or gemv_small), and the experts' gate and up in one grouped SwiGLU launch (`fuses_grouped_swiglu`) of
+    a kernel file whose grouped consumers read the sums by y row (MX_GROUPED_NORM; an older file's read them by
+    the launch's row)."""
     if router is None or gate_up is None or not 0 < rows <= min(FUSED_ROWS, ROUTE_DISPATCH_ROWS):
         return False
-    return ((fuses_norms(router, rows) or small_product(router, rows))
-            and kernel_knows(tune_for(gate_up.fmt)["source"], "nsq_tiles"))
+    return fuses_norms(router, rows) and kernel_knows(tune_for(gate_up.fmt)["source"], "MX_GROUPED_NORM")
 
 
 def _logits(x: Any, w: Any) -> Any:

@@ -237,24 +237,29 @@ def test_fused_norm_decode_matches_the_bf16_emulation(family, weights):
 def test_moe_blocks_take_the_fused_norm(family, weights, monkeypatch):
     """Decode steps (one row) of MoE models (bf16 or MXFP4 matrices and experts; /slot: the shared expert in the
     stacks): the output projection before each MoE block fuses the residual add and hands `NormedRows` to the
-    block (`Backend.moe_takes_product_rows`), whose router and expert products divide by the rows'
-    denominators. Against the numpy bf16 emulation with that rounding (router, experts and shared expert over
-    bf16(h (offset + w)) / denom): every row within 1e-3 (2.4e-5 at most on the host emulator; not against the
-    model with the norm kernel between, whose other rounding flips qwen3_moe's MXFP4 router at a 9e-4 margin of
-    its logits, which these tiny random models amplify to 0.1 of a row). The MoE got NormedRows."""
+    block (`Backend.moe_takes_product_rows`), whose router (gemv_small or, MXFP4, the skinny kernels) and expert
+    products divide by the rows' denominators, none materialised. Against the numpy bf16 emulation with that
+    rounding (router, experts and shared expert over bf16(h (offset + w)) / denom): every row within 1e-2, the
+    dense decode's bound above (the host emulator: 2.4e-5 at most with every router on the skinny kernels, 2.3e-3
+    with the bf16 ones on gemv_small, whose sums go in another order than numpy's). Not against the model with
+    the norm kernel between, whose other rounding flips qwen3_moe's MXFP4 router at a 9e-4 margin of its logits,
+    which these tiny random models amplify to 0.1 of a row. The MoE got NormedRows."""
     from test_cupy_model import PROMPT, forward_chunks
     from test_piecewise import checkpoint_of, model_of
 
+    monkeypatch.setitem(ex.TUNE, "small_n", 1024)  # the bf16 routers on gemv_small, as by default
     seen = []
     real = ex.moe
     monkeypatch.setattr(ex, "moe", lambda x, *a, **kw: seen.append(type(x).__name__) or real(x, *a, **kw))
-    got = forward_chunks(model_of(family, weights), PROMPT[:16], 1)
+    with monkeypatch.context() as m:  # every block over NormedRows fuses them: nothing materialises
+        m.setattr(ex.NormedRows, "materialize", lambda self: pytest.fail("materialised"))
+        got = forward_chunks(model_of(family, weights), PROMPT[:16], 1)
     assert "NormedRows" in seen
     cfg, tensors = checkpoint_of(family, weights)
     emul = forward_chunks(QwenModel.from_tensors(cfg, numpy_bf16_fused(), tensors), PROMPT[:16], 1)
     rows = np.abs(got - emul).max(-1) / np.abs(emul).max()
     print(f"{family} {weights}: worst rows {np.sort(rows)[-3:]} of the emulation")
-    assert rows.max() <= 1e-3
+    assert rows.max() <= 1e-2
 
 
 def test_fused_producer_output_is_a_normed_rows_object():
@@ -327,12 +332,13 @@ def test_mlp_activation_goes_to_the_down_product_in_bf16_bits():
 
 
 @pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_bf16_rows_change_no_logit(family, weights, monkeypatch):
     """Rows handed to the products in bf16 bits (TUNE `bf16_rows`, here from one row up: the fused norms' xg,
     the norms after output projections past 8 rows, the MLP activation, the attention output gate, and on
-    decode rows of the hybrid family the DeltaNet gated norm) give every logit byte for byte as float32 rows
-    do, over decode rows (fused norms) and chunks of 12 rows (the wide kernels)."""
+    decode rows of the hybrid family the DeltaNet gated norm; the MoE family's blocks over them, fused or in
+    bf16 bits) give every logit byte for byte as float32 rows do, over decode rows (fused norms) and chunks of
+    12 rows (the wide kernels)."""
     from test_cupy_model import PROMPT, forward_chunks
 
     cfg, tensors = tiny_checkpoint(family)
@@ -340,7 +346,7 @@ def test_bf16_rows_change_no_logit(family, weights, monkeypatch):
         tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
                    for k, v in tensors.items()}
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
-    down = model.w["model.layers.0.mlp.down_proj.weight"]
+    down = model.w["model.layers.0.mlp." + ("shared_expert." if "moe" in family else "") + "down_proj.weight"]
     assert _reads_bf16(down, 12), "the tiny model's products are not on the skinny kernels"
     got = {}
     for on in (1, 0):

@@ -116,7 +116,7 @@ MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches 
                  " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
                  " or (combine_with_residual and (slot-9000-1-9 or apart-2048-12-9))"
                  " or (normed_rows and (True-mxfp4-slot-3 or False-bf16-apart-8 or True-bf16-apart-9))"
-                 " or (moe_blocks and mxfp4)")
+                 " or (moe_blocks and mxfp4) or (kernels_of_few_rows and mxfp4-12)")
 PIECEWISE = ("tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py")
 
 # Every emulator run, longest first (a fresh clone's minutes on the 2-core CI machine, kernel builds included), so
@@ -279,9 +279,10 @@ def test_moe_kernels_pass_on_the_emulator(emulator):
     the stacks, routing of NaN and infinite logits, the combine with the residual add and the next norm (a row
     past the kernel's cached columns, and twelve rows), the block over a fused norm's rows (the routing kernel's
     copy of their sums of squares, the grouped SwiGLU launch's division, MXFP4 models' decode against the numpy
-    emulation of that rounding), through the emulator plugin."""
+    emulation of that rounding), grouped launches on the one-n-tile kernels at twelve rows, through the emulator
+    plugin."""
     out = emulator("moe")
-    assert passed(out) == 13, out[-3000:]
+    assert passed(out) == 14, out[-3000:]
 
 
 @needs_toolchain

@@ -354,6 +354,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # fastest of 8 / 8, 16 / 4, 4 / 8, 8 / 4 on every shape.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
+# `group_rows` (0: off): grouped launches (an MoE block's experts) take the kernels of at most this many rows
+# (`tile_rows`), a group's further rows in more M tiles, whatever the step's rows. 8: the one-n-tile kernels, where
+# a twelve-row step's ~90 expert groups mostly hold one or two rows (the shared expert's twelve take two M tiles,
+# its weights read twice): 35B-A3B steps at 10 and 12 rows 1.03-1.04x (two interleaved rounds, docs/perf.md,
+# thirty-seventh session).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -363,7 +368,7 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0,
+    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 8,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -414,14 +419,23 @@ def n_tiles(rows: int) -> int:
     return 1 if rows <= 8 else 2 if rows <= 16 else 4 if rows <= 32 else 8
 
 
+def tile_rows(w: PackedWeight, rows: int, groups: int | None) -> int:
+    """The rows whose n-tiles (`n_tiles`) a launch of `rows` rows over `w` takes: `rows`; a grouped launch's
+    (`groups` not None: an MoE block's experts, whose groups hold a few of the step's rows each) at most TUNE
+    `group_rows` (0: no limit), its groups' rows past that in more M tiles of the narrower kernel."""
+    most = tune_for(w.fmt).get("group_rows", 0) if groups is not None else 0
+    return min(rows, most) if most > 0 else rows
+
+
 def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int | None = None,
               tune: dict | None = None, swiglu: bool = False) -> GemmPlan:
     """The launch plan (gemv_plan.plan_gemm) of a product of `rows` rows over `w`: dense (`groups` None) or
     over `groups` expert groups; `x_rows` rows of x (the partial sums' size; default `rows`); `tune` resolved
-    (default `launch_tune`'s, of a SwiGLU launch where `swiglu`)."""
+    (default `launch_tune`'s of its `tile_rows`, of a SwiGLU launch where `swiglu`)."""
     dense = groups is None
-    tune = launch_tune(w, rows, dense=dense, swiglu=swiglu) if tune is None else tune
-    nt = n_tiles(rows)
+    trows = tile_rows(w, rows, groups)
+    tune = launch_tune(w, trows, dense=dense, swiglu=swiglu) if tune is None else tune
+    nt = n_tiles(trows)
     warps = block_warps(tune, nt)
     per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
               else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * 8 // warps or 1  # blocks of 8 warps' slots
@@ -617,8 +631,9 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
         got = cache.get(key)
         if got is not None:
             return got
-    tune = launch_tune(w, m, dense=groups is None, swiglu=swiglu)
-    nt = n_tiles(m)
+    trows = tile_rows(w, m, groups)
+    tune = launch_tune(w, trows, dense=groups is None, swiglu=swiglu)
+    nt = n_tiles(trows)
     warps = block_warps(tune, nt)
     # the kernel addresses one group's rows by 32-bit byte offsets
     if w.codes.nbytes // (w.shape[0] if groups is not None else 1) >= 1 << 32:  # one expert's matrix
@@ -696,7 +711,7 @@ def fuses_grouped_swiglu(w: PackedWeight, rows: int) -> bool:
     tune = tune_for(w.fmt)
     src = tune["source"]
     return (len(w.shape) == 3 and 0 < tune["swiglu_rows"] <= rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
-            and kernel_knows(src, f"NAME##_{n_tiles(rows)}s") and kernel_knows(src, "g_ids"))
+            and kernel_knows(src, f"NAME##_{n_tiles(tile_rows(w, rows, 1))}s") and kernel_knows(src, "g_ids"))
 
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:

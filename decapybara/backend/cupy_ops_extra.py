@@ -354,11 +354,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # fastest of 8 / 8, 16 / 4, 4 / 8, 8 / 4 on every shape.
 # `swiglu_warps` (0: `warps`): the same for one-n-tile SwiGLU launches of 2-8 rows (one row keeps the plain
 # width, `_1rs` / `_1s`): off; 16 and 24 warps measured within the spread at 8x1k and slower at 4x1k (docs/perf.md).
-# `group_rows` (0: off): grouped launches (an MoE block's experts) take the kernels of at most this many rows
-# (`tile_rows`), a group's further rows in more M tiles, whatever the step's rows. 8: the one-n-tile kernels, where
-# a twelve-row step's ~90 expert groups mostly hold one or two rows (the shared expert's twelve take two M tiles,
-# its weights read twice): 35B-A3B steps at 10 and 12 rows 1.03-1.04x (two interleaved rounds, docs/perf.md,
-# thirty-seventh session).
+# `group_rows` (0: off): grouped launches (an MoE block's experts) of at most this many rows take the one-n-tile
+# kernels (`tile_rows`), a group's rows past 8 in more M tiles, each reading the expert's weights again. 16: a
+# twelve-row step's ~90 expert groups mostly hold one or two rows (the shared expert's twelve take two M tiles, its
+# weights read twice): 35B-A3B steps at 10 and 12 rows 1.03-1.04x (two interleaved rounds, docs/perf.md,
+# thirty-seventh session); past 16 rows (prefill) a group's many rows would read its weights once per 8.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -368,7 +368,7 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 8,
+    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -421,10 +421,11 @@ def n_tiles(rows: int) -> int:
 
 def tile_rows(w: PackedWeight, rows: int, groups: int | None) -> int:
     """The rows whose n-tiles (`n_tiles`) a launch of `rows` rows over `w` takes: `rows`; a grouped launch's
-    (`groups` not None: an MoE block's experts, whose groups hold a few of the step's rows each) at most TUNE
-    `group_rows` (0: no limit), its groups' rows past that in more M tiles of the narrower kernel."""
+    (`groups` not None: an MoE block's experts, whose groups of a decode step hold a few of its rows each) of at
+    most TUNE `group_rows` rows (0: none) 8, the one-n-tile kernels, its groups' rows past 8 in more M tiles,
+    each streaming the expert's weights again (so not for prefill-sized steps, whose groups hold many rows)."""
     most = tune_for(w.fmt).get("group_rows", 0) if groups is not None else 0
-    return min(rows, most) if most > 0 else rows
+    return min(rows, 8) if rows <= most else rows
 
 
 def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int | None = None,

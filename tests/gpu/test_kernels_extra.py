@@ -638,29 +638,30 @@ def test_moe_gate_up_in_one_launch_matches_numpy_backend(t, experts, h, inter):
     assert_close(fused, cp.asnumpy(views), 5e-3, f"one launch vs two t={t} {experts} {h}x{inter}")
 
 
-@pytest.mark.parametrize("t", [5, 12, 40])  # 12: groups of 1-12 rows; 40: one a token and slot (top-16 of 16)
+@pytest.mark.parametrize("t", [5, 12, 16])  # 12: groups of 1-12 rows; 16: top-16 of 16, every group 16 rows
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
 def test_grouped_launches_take_the_kernels_of_few_rows(t, experts, monkeypatch):
-    """TUNE `group_rows` 8: an MoE block's grouped launches take the one-n-tile kernels whatever the step's rows,
-    a group's rows past 8 in more M tiles (at 40 rows and top-16 of 16 experts every group holds all 40: five M
-    tiles). Against the launches of the step's own row count (`group_rows` 0) within float32 rounding (another
-    tile, so other K split points), and against numpy."""
+    """TUNE `group_rows` 16: an MoE block's grouped launches of up to 16 rows take the one-n-tile kernels, a
+    group's rows past 8 in more M tiles (at 16 rows and top-16 of 16 experts every group holds all 16: two M
+    tiles); prefill-sized ones keep their own. Against the launches of the step's own row count (`group_rows` 0)
+    within float32 rounding (another tile, so other K split points), and against numpy."""
     rng = np.random.default_rng(3 * t)
     e, h, inter = 16, 256, 512
-    k = 16 if t == 40 else 4
+    k = 16 if t == 16 else 4
     x = bf16_round(rng.standard_normal((t, h))).astype(np.float32)
     router = rng.standard_normal((e, h)).astype(np.float32) * 0.3
     dev, refs = random_experts(rng, e, h, inter, experts, packed=True)
     got = CupyBackend("bf16").fuse_moe({"router": cp.asarray(router), "gate": dev[0], "up": dev[1], "down": dev[2]})
     fused, views = got[0], got[1]
     out = {}
-    for rows in (8, 0):
+    for rows in (16, 0):
         monkeypatch.setitem(ex.TUNE, "group_rows", rows)
         assert ex.n_tiles(ex.tile_rows(fused.gate_up, t, e)) == (1 if rows else ex.n_tiles(t))
+        assert ex.tile_rows(fused.gate_up, 17, e) == 17 and ex.tile_rows(fused.gate_up, t, None) == t
         out[rows] = ex.moe(cp.asarray(x), cp.asarray(router), views["gate"], views["up"], dev[2], k, True,
                            fused=fused)
-    assert_close(out[8], cp.asnumpy(out[0]), 1e-3, f"t={t} {experts}: one-n-tile groups vs the step's")
-    assert_close(out[8], NumpyBackend().moe(x, router, *refs, k, True), 2e-2, f"t={t} {experts} vs numpy")
+    assert_close(out[16], cp.asnumpy(out[0]), 1e-3, f"t={t} {experts}: one-n-tile groups vs the step's")
+    assert_close(out[16], NumpyBackend().moe(x, router, *refs, k, True), 2e-2, f"t={t} {experts} vs numpy")
 
 
 @pytest.mark.parametrize("t", [1, 12, 37, 70])  # 70: past SWIGLU_ROWS, the shared expert in launches of its own

@@ -20,10 +20,11 @@
 // a fixed order for a given K and SG_WARPS.
 // Fused norm consumer (nsq != 0; decapybara/backend/cupy_ops_extra.py `NormedRows`): x is the producer's xg =
 // h * (offset + weight) and each output of x row m is divided by its denominator sqrt(sum / K + n_eps), the sum
-// of the producer's nsq_tiles sums of squares nsq[m, :] in mx_gemv.cu's order (lane-strided, then a butterfly;
-// the same bits as its consumers' denominators). The sums load after the wait and are added after the K loop.
+// of the producer's nsq_tiles sums of squares nsq[m, :] (norm_sums.cuh: mx_gemv.cu's consumers' arithmetic, so the
+// same bits). The sums load after the wait and are added after the K loop.
 #include "act_kind.cuh"
 #include "mma.cuh"
+#include "norm_sums.cuh"
 #include "pdl.cuh"
 
 #ifndef SG_WARPS
@@ -88,13 +89,11 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
     pdl_begin();  // x comes from the kernel before
     // fused consumer: rows m = warp + r SG_WARPS of x, their first two sums a lane (the rest after the K loop)
     constexpr int NR = (8 * NT + SG_WARPS - 1) / SG_WARPS;
-    float nq0[NR], nq1[NR];
+    NormSums nq[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const int m = warp + r * SG_WARPS;
-        const bool on = nsq && m < M;
-        nq0[r] = on && lane < nsq_tiles ? nsq[(long long)m * nsq_tiles + lane] : 0.0f;
-        nq1[r] = on && lane + 32 < nsq_tiles ? nsq[(long long)m * nsq_tiles + lane + 32] : 0.0f;
+        nq[r] = norm_sums_first(nsq + (long long)m * nsq_tiles, nsq_tiles, lane, nsq && m < M);
     }
     float acc[2][NT][4];  // [MMA chain: codes 0-3 / 4-7 of a lane's group][n-tile][fragment]
 #pragma unroll
@@ -137,11 +136,8 @@ __device__ __forceinline__ void small_tile(const u16* __restrict__ W, long long 
         for (int r = 0; r < NR; ++r) {
             const int m = warp + r * SG_WARPS;
             if (m >= M) break;  // uniform per warp
-            float sum = nq0[r] + nq1[r];
-            for (int i = lane + 64; i < nsq_tiles; i += 32) sum += nsq[(long long)m * nsq_tiles + i];
-#pragma unroll
-            for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (lane == 0) den[m] = sqrtf(sum / (float)K + n_eps);
+            const float d = norm_denominator(nq[r], nsq + (long long)m * nsq_tiles, nsq_tiles, K, n_eps, lane);
+            if (lane == 0) den[m] = d;
         }
     }
     __syncthreads();

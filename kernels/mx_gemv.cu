@@ -88,6 +88,7 @@ typedef long long i64;
 #define FMT_NVFP4 4
 #include "act_kind.cuh"
 #include "mx_pairs.cuh"
+#include "norm_sums.cuh"
 #include "pdl.cuh"
 #include "smem.cuh"
 #ifndef MX_WARPS
@@ -636,7 +637,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     // segment of the block has the same rows of x. The first two sums of each row are loaded here and added
     // after the first x staging, so that their round trip overlaps the staging's.
     constexpr int NR = FUSE ? (MT + WARPS - 1) / WARPS : 1;  // rows a warp takes: m = warp + r WARPS
-    float nq0[NR], nq1[NR];
+    NormSums nq[NR];
     const bool norm_rows = FUSE && A.nsq && first;
     // the sums of y row y_off + m0 + m's x row (grouped: the dispatch's copy by y row of the gathered rows' sums;
     // y_off is 0 in dense launches, and written out so, ptxas left the one-row kernels fewer spills)
@@ -645,9 +646,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             const int m = warp + r * WARPS;
-            const float* q = nsq_row(m);
-            nq0[r] = m < m_valid && lane < A.nsq_tiles ? q[lane] : 0.f;
-            nq1[r] = m < m_valid && lane + 32 < A.nsq_tiles ? q[lane + 32] : 0.f;
+            nq[r] = norm_sums_first(nsq_row(m), A.nsq_tiles, lane, m < m_valid);
         }
     }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
@@ -723,12 +722,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
             for (int r = 0; r < NR; ++r) {
                 const int m = warp + r * WARPS;
                 if (m >= m_valid) break;  // uniform per warp
-                const float* q = nsq_row(m);
-                float s = nq0[r] + nq1[r];
-                for (int i = lane + 64; i < A.nsq_tiles; i += 32) s += q[i];
-#pragma unroll
-                for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (lane == 0) nden[m] = sqrtf(s / (float)A.K + A.n_eps);
+                const float d = norm_denominator(nq[r], nsq_row(m), A.nsq_tiles, A.K, A.n_eps, lane);
+                if (lane == 0) nden[m] = d;
             }
         }
         for (int cb = sb; cb < se; cb += ST) {

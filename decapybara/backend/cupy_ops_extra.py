@@ -420,10 +420,10 @@ def n_tiles(rows: int) -> int:
 
 
 def tile_rows(w: PackedWeight, rows: int, groups: int | None) -> int:
-    """The rows whose n-tiles (`n_tiles`) a launch of `rows` rows over `w` takes: `rows`; a grouped launch's
-    (`groups` not None: an MoE block's experts, whose groups of a decode step hold a few of its rows each) of at
-    most TUNE `group_rows` rows (0: none) 8, the one-n-tile kernels, its groups' rows past 8 in more M tiles,
-    each streaming the expert's weights again (so not for prefill-sized steps, whose groups hold many rows)."""
+    """The rows whose n-tiles (`n_tiles`) a launch of `rows` rows over `w` takes: `rows`, but 8 (the one-n-tile
+    kernels) for a grouped launch (`groups` not None: an MoE block's experts, whose groups of a decode step hold
+    a few of its rows each) of at most TUNE `group_rows` rows (0: none); its groups' rows past 8 go in more M
+    tiles, each streaming the expert's weights again (so not for prefill-sized steps, whose groups hold many)."""
     most = tune_for(w.fmt).get("group_rows", 0) if groups is not None else 0
     return min(rows, 8) if rows <= most else rows
 
@@ -581,12 +581,8 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
             check(gw, np.float32, "gw", 1)
             assert y.dtype == np.float32 and y.flags.c_contiguous and gw.shape[0] == n
             sq = empty((m, nrb), cp.float32)
-        if norm is not None:
-            check(norm.sq, np.float32, "norm.sq", 2)
-            assert x is norm.xg and norm.sq.shape[0] == (y.shape[0] if grouped_norm else m)
         fuse_args = (residual, sq if sq is not None else null(), xg, gw, F32(gw_off),
-                     norm.sq if norm is not None else null(), I32(norm.sq.shape[1] if norm is not None else 0),
-                     F32(norm.eps if norm is not None else 0.0))
+                     *_consumer_args(norm, x, y.shape[0] if grouped_norm else m))
         if xg_args:
             fuse_args += (I32(kind(xg.dtype) if res is not None else 0),)
     else:
@@ -712,7 +708,7 @@ def fuses_grouped_swiglu(w: PackedWeight, rows: int) -> bool:
     tune = tune_for(w.fmt)
     src = tune["source"]
     return (len(w.shape) == 3 and 0 < tune["swiglu_rows"] <= rows <= SWIGLU_ROWS and w.N % 16 == 0 and gemm_ready(w)
-            and kernel_knows(src, f"NAME##_{n_tiles(tile_rows(w, rows, 1))}s") and kernel_knows(src, "g_ids"))
+            and kernel_knows(src, f"NAME##_{n_tiles(tile_rows(w, rows, w.shape[0]))}s") and kernel_knows(src, "g_ids"))
 
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
@@ -796,6 +792,16 @@ def small_product(w: PackedWeight, m: int) -> bool:
     return 0 < w.N <= tune_for(w.fmt).get("small_n", 0) and gemm_ready(w)
 
 
+def _consumer_args(norm: NormedRows | None, x: Any, rows: int) -> tuple[Any, Any, Any]:
+    """A fused norm consumer's kernel arguments (nsq, nsq_tiles, n_eps: mx_gemv.cu's and gemv_small.cu's) for a
+    launch over x = norm.xg whose sums of squares have `rows` rows; null ones where `norm` is None."""
+    if norm is None:
+        return null(), I32(0), F32(0.0)
+    check(norm.sq, np.float32, "norm.sq", 2)
+    assert x is norm.xg and norm.sq.shape[0] == rows, f"norm.sq {norm.sq.shape} for {rows} rows"
+    return norm.sq, I32(norm.sq.shape[1]), F32(norm.eps)
+
+
 def _small(x: Any, w: PackedWeight, y: Any, norm: NormedRows | None = None) -> None:
     """y = x @ w^T on kernels/gemv_small.cu (`small_product`'s products): one block a 16-row tile, overlapped
     (`pdl.launch`) over a load-time weight, whose first codes it loads before waiting for x. x's 8-element groups
@@ -810,12 +816,7 @@ def _small(x: Any, w: PackedWeight, y: Any, norm: NormedRows | None = None) -> N
     vec = int(dev_ptr(x) % 16 == 0 and step % 16 == 0)
     args = (w.codes, I64(w.codes.strides[0] // 2), x, I32(kind(x.dtype)), I64(x.strides[0] // x.itemsize), I32(vec),
             I32(m), I32(w.N), I32(k), y, I32(kind(y.dtype)), I64(y.strides[0] // y.itemsize))
-    if norm is not None:
-        check(norm.sq, np.float32, "norm.sq", 2)
-        assert x is norm.xg and norm.sq.shape[0] == m
-        args += (norm.sq, I32(norm.sq.shape[1]), F32(norm.eps))
-    else:
-        args += (null(), I32(0), F32(0.0))
+    args += _consumer_args(norm, x, m)
     (pdl.launch if w.persistent else pdl.plain)(fn, (-(-w.N // 16),), (32 * warps,), args)
 
 
@@ -1070,9 +1071,9 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     """`Backend.moe` on the device with no host synchronisation: router softmax + top-k and dispatch grouped by
     expert (one launch up to ROUTE_DISPATCH_ROWS rows, `moe_route_dispatch`; two past that), SwiGLU experts as
     grouped skinny GEMMs over the experts hit (G = min(E', T k') groups, `moe_dispatch`; E' = E + 1 and k' = k + 1
-    with the shared expert in the stacks, below), weighted combine. x [T, H]
-    -> [T, H] (x's dtype; float32 for bf16 bits and NormedRows). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight; experts
-    PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
+    with the shared expert in the stacks, below), weighted combine. x [T, H] -> [T, H] (x's dtype; float32 for
+    bf16 bits and NormedRows). The router may be float32 (exact cuBLAS float32 logits) or bf16 / PackedWeight;
+    experts PackedWeights [E, I, H] / [E, H, I] or float32 / bf16 arrays (packed to bf16 on each call).
     A shared expert: `shared` (its output [T, H] float32, or a function of no arguments that computes it) and
     `shared_gate` [1, H] (its gate's weight): the result is the routed sum + sigmoid(x @ shared_gate^T) * shared,
     added in the combine.
@@ -1089,12 +1090,11 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     `norm` = (residual [T, H] float32, weight [H] float32, eps, offset): the result's residual add and RMSNorm
     (`Backend.add_rms_norm`'s) in the combine's launch (`moe_combine_norm`); returns (normed rows, residual +
     result), float32.
-    x may be bf16 bits (the bf16 backend's rows, whose products round x to bf16 anyway; the result is then
-    float32) or `NormedRows` (the
-    output projection before the block left its norm to the products, `mx_linear_add_norm`): up to FUSED_ROWS
-    rows with `router_gate` and `gate_up` the router's product and the experts' grouped SwiGLU launch divide by
-    the rows' denominators (the routing kernel copies each gathered row's sums of squares by y row), so no norm
-    kernel runs before the block; otherwise x is materialised first."""
+    x may be bf16 bits (the bf16 backend's rows, whose products round x to bf16 anyway) or `NormedRows` (the
+    output projection before the block left its norm to the products, `mx_linear_add_norm`): where
+    `moe_fuses_norm`, the router's product and the experts' grouped SwiGLU launch divide by the rows'
+    denominators (the routing kernel copies each gathered row's sums of squares by y row), so no norm kernel runs
+    before the block; otherwise x is materialised first."""
     normed = x if isinstance(x, NormedRows) else None
     xc = normed.xg if normed is not None else x
     check(xc, xc.dtype, "x", 2)
@@ -1145,10 +1145,8 @@ def moe(x: Any, router: Any, gate_w: Any, up_w: Any, down_w: Any, top_k: int, no
     ldl = I64(logits.strides[0] // 4)
     jpl = (("MOE_JPL", next(j for j in (8, 16, 32) if 32 * j >= e)),)  # router logits a lane holds
     route = (logits, ldl, I32(t), I32(e), I32(top_k), I32(int(normalize)), I32(int(slot)), ids, wts)
-    g_norm = None  # NormedRows of the gathered rows: their sums of squares by y row
-    if normed is not None:
-        g_norm = NormedRows(normed.h, normed.xg, empty((p, normed.sq.shape[1]), cp.float32), normed.weight,
-                            normed.eps, normed.offset)
+    # NormedRows of the gathered rows: their sums of squares by y row
+    g_norm = replace(normed, sq=empty((p, normed.sq.shape[1]), cp.float32)) if normed is not None else None
     if t <= ROUTE_DISPATCH_ROWS:
         nsq_args = ((normed.sq, I32(normed.sq.shape[1]), g_norm.sq) if g_norm is not None
                     else (null(), I32(0), null()))

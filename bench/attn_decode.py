@@ -1,5 +1,5 @@
-"""Decode attention of the `qwen3.8-27b` shapes: the tensor-core kernel (kernels/attn_decode.cu) in several
-launch shapes against the general kernel (kernels/attn_prefill.cu) and torch's SDPA, all in one run.
+"""Decode attention of the `qwen3.8-27b` shapes: the tensor-core kernel (decapybara/kernels/attn_decode.cu) in several
+launch shapes against the general kernel (decapybara/kernels/attn_prefill.cu) and torch's SDPA, all in one run.
 
     PYTHONUNBUFFERED=1 python3 bench/attn_decode.py   # ATTN_KV=16/16,6/4 (page modes), ATTN_SHAPES /
                                                       # ATTN_MX_SHAPES=warps x stages,... to sweep,

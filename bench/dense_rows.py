@@ -8,7 +8,7 @@ For each row count M (DENSE_M) and each distinct product of a qwen3.8-27b forwar
 lm_head left out: a prompt chunk runs it on its last row only) it times, with CUDA events after warm-up (the
 GPU's work alone: enqueued behind a spin kernel), the median of DENSE_REPS (5) spans of back-to-back calls that
 cycle through enough weight copies that the next one is not in the 50 MB L2:
-- skinny: `mx_linear` on the packed weight (the kernels of kernels/mx_gemv.cu; M <= 64 only, their bound);
+- skinny: `mx_linear` on the packed weight (the kernels of decapybara/kernels/mx_gemv.cu; M <= 64 only, their bound);
 - deq+gemm: the weight dequantised to bf16, then cuBLAS (what `mx_linear` does past DENSE_ROWS rows);
 - kept: cuBLAS on the weight's kept bf16 values (`attach_dense`: what it does past DENSE_ROWS rows with them).
 Every path's product is checked against the skinny one's (or, past 64 rows, deq+gemm's). The table gives the

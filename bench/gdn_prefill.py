@@ -1,5 +1,5 @@
 """One DeltaNet layer's prefill at the 27B shape (Hk 16, Hv 48, dk = dv = 128), bf16 backend (float arithmetic):
-the chunked form on tensor cores (kernels/deltanet_chunk.cu) against gdn_recurrent and HF transformers' torch
+the chunked form on tensor cores (decapybara/kernels/deltanet_chunk.cu) against gdn_recurrent and HF transformers' torch
 chunked rule on the same shapes.
 
     python3 bench/gdn_prefill.py          # table: runs, ms a layer (recurrent, chunked, HF), ratios, max error

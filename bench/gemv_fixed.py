@@ -10,7 +10,7 @@ weights: overlapped, `pdl.launch`), and times its replays. A least-squares line 
     time per product = fixed + bytes / rate,
 
 splits each variant's cost into a fixed part per launch (ramp-up, tail, reductions, the launch itself) and a
-streaming rate. Reference: `probe_read` (kernels/probe.cu, a grid-stride read) over the same bytes.
+streaming rate. Reference: `probe_read` (decapybara/kernels/probe.cu, a grid-stride read) over the same bytes.
 FIXED_TUNES names `cupy_ops_extra.TUNE` overrides to compare (default: the default alone);
 FIXED_M sets the rows of x (default 1); FIXED_DEFINES names kernel define sets built over the default tuning; FIXED_DIAG=1 adds the default's build without the code decoding (MX_DIAG: wrong results, timing only).
 Prints, per family and variant, us per product at each size, fixed us, rate TB/s and % of the copy bandwidth.
@@ -34,7 +34,7 @@ from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend import pdl
-from kernels import get_kernel
+from decapybara.kernels import get_kernel
 
 FAMILIES: dict[str, list[tuple[int, int]]] = {  # [N, K] of each size
     "gate|up (K 5120)": [(n, 5120) for n in (4352, 8704, 17408, 34816, 69632)],

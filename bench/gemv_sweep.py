@@ -36,7 +36,7 @@ from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.gemv_plan import band_rows, band_tiles, e2m1_plain_words, e2m1_split_words
-from kernels import get_kernel
+from decapybara.kernels import get_kernel
 
 # [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused as
 # QwenModel fuses them: gate|up, qkv|z, q|k|v; the sweeps in docs/perf.md up to the seventh session's had
@@ -99,9 +99,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide segk 2688", {"wide_segk": 2688}, ()),
     ("part batch 1", {"part_batch": 1}, ()),              # a split tile's partial sums loaded one at a time (before)
 ]
-# An older kernels/mx_gemv.cu saved as kernels/mx_gemv_prev.cu (e.g. `git show REV:kernels/mx_gemv.cu`) is
+# An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show REV:decapybara/kernels/mx_gemv.cu`) is
 # measured in the same run, against the same reference products.
-if (Path(__file__).resolve().parents[1] / "kernels" / "mx_gemv_prev.cu").exists():
+if (Path(__file__).resolve().parents[1] / "decapybara" / "kernels" / "mx_gemv_prev.cu").exists():
     VARIANTS.insert(0, ("previous kernel", {"source": "mx_gemv_prev"}, ()))
 if os.environ.get("SWEEP_VARIANTS"):  # e.g. "default,3/SM s1"
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["SWEEP_VARIANTS"].split(",")]

@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/gemv_trace.py [fmt]        # default mxfp4; JSON to $OUT/gemv_trace.json
 
-Builds the products with MX_TRACE (kernels/mx_gemv.cu: thread 0 of each block stamps the globaltimer at its
+Builds the products with MX_TRACE (decapybara/kernels/mx_gemv.cu: thread 0 of each block stamps the globaltimer at its
 entry, after its wait for the kernel before, after its first x staging, at the end of its last K loop and at
 its exit), captures a CUDA graph of one-row products over distinct weight copies (more bytes than the L2
 holds) launched as a decode graph launches them (`pdl.launch`), replays it, and reads the stamps of the last
@@ -30,7 +30,7 @@ from gemv_sweep import tuned  # bench/gemv_sweep.py
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend import pdl
 from decapybara.backend.cuda_graph import capture_graph
-from kernels import load_module
+from decapybara.kernels import load_module
 
 SHAPES = {"gate|up": (34816, 5120), "down": (5120, 17408), "qkv|z": (16384, 5120), "out": (5120, 6144)}
 STAMPS = ("entry", "waited", "staged", "loop end", "exit")

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np
 
-import kernels
+from decapybara import kernels
 
 fake_cupy.patch_backend()  # as tools/cuda_emu/emu_plugin.py
 kernels.sm90a_ok = lambda: True

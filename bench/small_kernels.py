@@ -10,7 +10,7 @@ same way and subtracted. Rows: the hidden-size RMSNorm with its fused residual a
 gated norm and the MLP's silu(gate) * up, for 1 and 12 rows. Prints microseconds per call.
 
 Then the prefill path's whole-matrix dequantisation to bf16 (`dequant`, no flush: each call moves more bytes
-than L2 holds): kernels/mx_gemv.cu `mx_dequant_rows` (one thread an element) against `mx_dequant_bf16` (whole
+than L2 holds): decapybara/kernels/mx_gemv.cu `mx_dequant_rows` (one thread an element) against `mx_dequant_bf16` (whole
 octets, 16-byte stores; MX_DQ_OCTETS 4, the launch's, and 2 / 8) on 27B-like MXFP4 matrices (split-field codes,
 band tiles: the MLP's 17408 x 5120 and 5120 x 17408), median ms per call, GB/s of bytes read (codes, scales)
 and written (bf16), and the ratio to the old kernel; the new outputs are checked bit for bit against the old.

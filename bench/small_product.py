@@ -1,5 +1,5 @@
 """Small bf16 products (an MoE router stacked with its shared expert's gate, the DeltaNet b|a) on
-kernels/gemv_small.cu against the skinny GEMM, as a decode graph sees them.
+decapybara/kernels/gemv_small.cu against the skinny GEMM, as a decode graph sees them.
 
     PYTHONUNBUFFERED=1 python3 bench/small_product.py
 

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +63,8 @@ def test_headers_inlined_once_without_pragma(tmp_path):
 
 
 def test_every_kernel_file_lowers_to_known_handlers_or_named_aborts():
-    for cu in sorted((ROOT / "kernels").glob("*.cu")):
-        out = lower_asm(inline_includes(cu.read_text(), [str(ROOT / "kernels")]))
+    for cu in sorted((ROOT / "decapybara" / "kernels").glob("*.cu")):
+        out = lower_asm(inline_includes(cu.read_text(), [str(ROOT / "decapybara" / "kernels")]))
         assert "asm(" not in out.replace(" ", "") and "asmvolatile(" not in out.replace(" ", ""), cu.name
 
 
@@ -88,6 +89,7 @@ class EmuRun:
         """(exit status, stdout, stderr); the process is in `live` while it runs (so that it can be killed)."""
         env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1",
                **({"CUDA_EMU_STRIDED": "1"} if self.strided else {})}
+        t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider",
                                  "-m", "gpu", *self.files, "-k", self.cases], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -100,6 +102,7 @@ class EmuRun:
             err += f"\ntimed out after {self.timeout} s"
         finally:
             live.discard(proc)
+        print(f"emulator run {self.files} -k {self.cases[:60]!r}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
         return proc.returncode, out, err
 
 
@@ -288,7 +291,7 @@ def test_moe_kernels_pass_on_the_emulator(emulator):
 @needs_toolchain
 @uses_runs("small")
 def test_small_products_pass_on_the_emulator(emulator):
-    """kernels/gemv_small.cu (bf16 products of few weight rows: 16-row tiles on tensor cores, K split over a
+    """decapybara/kernels/gemv_small.cu (bf16 products of few weight rows: 16-row tiles on tensor cores, K split over a
     block's warps, weights loaded before the overlapped launch's wait, x unaligned or not) against numpy and the
     skinny GEMM, its limits, a fused norm's rows (the denominators in the skinny kernels' order): the GPU test
     file through the emulator plugin, most of its other block builds left to the GPU run (each build is a module

@@ -157,7 +157,7 @@ def test_tune_dict_counts_every_change():
         assert type(clone) is TuneDict and clone == t
 
 
-# ---- E2M1 split-field layout (kernels/mx_pairs.cuh) ------------------------------------------------------------
+# ---- E2M1 split-field layout (decapybara/kernels/mx_pairs.cuh) ------------------------------------------------------------
 U = np.uint32
 M, S = U(0x01C001C0), U(0x80008000)
 
@@ -236,7 +236,7 @@ def test_e2m1_split_decoder_gives_the_plain_decoders_bits():
 
 
 def test_e2m1_code_of_a_split_row_as_mx_dequant_rows_reads_it():
-    """kernels/mx_gemv.cu `e2m1_code` on a split row, line for line: code k from 16-bit half k / 4 (bytes
+    """decapybara/kernels/mx_gemv.cu `e2m1_code` on a split row, line for line: code k from 16-bit half k / 4 (bytes
     2 (k / 4), 2 (k / 4) + 1), magnitude at bits 3r..3r+2 and sign at bit 12 + (r ^ 1), r = k % 4."""
     raw = np.random.default_rng(5).integers(0, 256, 64, dtype=np.uint8)
     row = e2m1_split_words(raw).astype(np.uint32)

@@ -1,4 +1,4 @@
-"""kernels/__init__.py's nvcc cache: processes that need the same cubin at once compile it once.
+"""decapybara/kernels/__init__.py's nvcc cache: processes that need the same cubin at once compile it once.
 
 A fake `nvcc` (a shell script under a temporary CUDA_PATH) counts its compiles and takes a moment over each,
 so that the builders overlap; no CUDA toolkit or device is needed.
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def kernels_nvcc() -> str | None:
     """The CUDA toolkit's nvcc as the kernel loader finds it, or None."""
     sys.path.insert(0, str(ROOT))
-    import kernels
-
+    from decapybara import kernels
     return kernels._find_nvcc()
 
 FAKE_NVCC = textwrap.dedent("""\
@@ -40,7 +39,7 @@ FAKE_NVCC = textwrap.dedent("""\
 
 BUILD = textwrap.dedent("""\
     import sys
-    import kernels
+    from decapybara import kernels
     print(kernels._build_cubin("probe", ("--std=c++17", "-arch=sm_90", "-DVARIANT=" + sys.argv[1])))
     """)
 
@@ -76,8 +75,7 @@ def test_concurrent_builders_compile_a_cubin_once(tmp_path):
 def test_line_info_is_its_own_build(tmp_path, monkeypatch):
     """$DECAPYBARA_KERNEL_LINEINFO adds -lineinfo to the nvcc options (nothing else changes), and a cubin built
     with it is cached apart from the one without."""
-    import kernels
-
+    from decapybara import kernels
     env = _env(tmp_path)
     for key in ("CUDA_PATH", "DECAPYBARA_KERNEL_CACHE", "FAKE_NVCC_LOG"):
         monkeypatch.setenv(key, env[key])
@@ -95,8 +93,7 @@ def test_line_info_is_its_own_build(tmp_path, monkeypatch):
 
 def test_sm90a_builds_target_sm90a_only_on_hopper():
     """A build whose defines set SM90A targets sm_90a on Hopper; others, and other devices, their plain arch."""
-    import kernels
-
+    from decapybara import kernels
     assert "-arch=sm_90a" in kernels.nvcc_options("90", (("SM90A", 1),))
     assert "-arch=sm_90" in kernels.nvcc_options("90", (("SM90A", 0),))
     assert "-arch=sm_100" in kernels.nvcc_options("100", (("SM90A", 1),))
@@ -115,13 +112,12 @@ PREFILL_WG_BUILDS = [  # the wgmma prefill attention's builds: 27B (head_dim 256
 def test_wgmma_prefill_builds_need_no_compiler_fences(shape, tmp_path):
     """ptxas inserts warpgroup fences or waits itself (C7519, C7517) or serialises wgmmas (C7520, C7514, C7515)
     where registers that a wgmma reads or accumulates are touched in its way; the prefill attention's wgmma builds
-    (kernels/wgmma.cuh's register rules), the overlapped loop among them, must need none of it."""
-    import kernels
-
+    (decapybara/kernels/wgmma.cuh's register rules), the overlapped loop among them, must need none of it."""
+    from decapybara import kernels
     defines = (*shape, ("ROWS_PER_WARP", 16), ("PREFILL_TC", 1), ("TC_SPLIT", 1), ("PREFILL_WG", 1), ("SM90A", 1),
                ("TC_WARPS", 8))
     cmd = [kernels_nvcc(), *kernels.nvcc_options("90", defines), "-Xptxas", "-v", "-cubin",
-           "-o", str(tmp_path / "a.cubin"), str(ROOT / "kernels" / "attn_prefill.cu")]
+           "-o", str(tmp_path / "a.cubin"), str(ROOT / "decapybara" / "kernels" / "attn_prefill.cu")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     assert not any(f"C75{n}" in res.stderr for n in (14, 15, 17, 19, 20)), res.stderr[-2000:]
@@ -132,13 +128,12 @@ def test_wgmma_prefill_builds_need_no_compiler_fences(shape, tmp_path):
 @pytest.mark.skipif(kernels_nvcc() is None, reason="needs the CUDA toolkit's nvcc")
 @pytest.mark.parametrize("head_dim,kv_bits", [(20, 16), (36, 4), (256, 6)])
 def test_attention_file_builds_for_every_head_dim_it_promises(head_dim, kv_bits, tmp_path):
-    """kernels/attn_prefill.cu's general kernel and reduce take head_dim any multiple of 4 (KV pages of any
+    """decapybara/kernels/attn_prefill.cu's general kernel and reduce take head_dim any multiple of 4 (KV pages of any
     format): the file builds there too, the tensor-core prefill's scratch decoder (head_dim a multiple of 8)
     left out where it does not apply."""
-    import kernels
-
+    from decapybara import kernels
     defines = (("HEAD_DIM", head_dim), ("KBITS", kv_bits), ("VBITS", kv_bits), ("ROWS_PER_WARP", 4))
     cmd = [kernels_nvcc(), *kernels.nvcc_options("90", defines), "-cubin", "-o", str(tmp_path / "a.cubin"),
-           str(ROOT / "kernels" / "attn_prefill.cu")]
+           str(ROOT / "decapybara" / "kernels" / "attn_prefill.cu")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]

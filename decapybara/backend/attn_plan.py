@@ -1,4 +1,4 @@
-"""Work planning of paged attention (kernels/attn_prefill.cu, kernels/attn_decode.cu): pure arithmetic, so the
+"""Work planning of paged attention (decapybara/kernels/attn_prefill.cu, decapybara/kernels/attn_decode.cu): pure arithmetic, so the
 split rules are tested on any machine (tests/test_attn_plan.py); decapybara/backend/cupy_attention.py turns the
 plans into device metadata and launches, decapybara/backend/cuda_graph.py sizes its decode graphs by them.
 

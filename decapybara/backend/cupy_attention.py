@@ -1,4 +1,4 @@
-"""Paged causal attention on the device (kernels/attn_prefill.cu): device metadata and launches.
+"""Paged causal attention on the device (decapybara/kernels/attn_prefill.cu): device metadata and launches.
 
 `plan_attention(batch, ...)` turns a `ForwardBatch` into device metadata once per forward: per-sequence
 (start, length, context), padded block tables, and work items (decapybara/backend/attn_plan.py: a tile of
@@ -12,7 +12,7 @@ FlashAttention-2 style, CTAs of 64 or 128 query rows, on Hopper with warpgroup M
 holds its switch, env DECAPYBARA_PREFILL_ATTN=0, and build); float32 pages keep the general float32 kernel, as
 do pure decode forwards the decode kernel does not take (eager and graph plans alike).
 
-A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs kernels/attn_decode.cu
+A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs decapybara/kernels/attn_decode.cu
 instead, and so do the decode rows of a mixed step (planned apart, as a pure decode batch of them: `rows`;
 DECODE "mixed"), when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and
 values (head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import cupy as cp
 import numpy as np
 
-import kernels
+from decapybara import kernels
 from decapybara.backend import pdl
 from decapybara.backend.attn_plan import (
     BLOCK_N,
@@ -58,8 +58,8 @@ from decapybara.backend.cupy_ops import (
     smem_per_block_of,
     smem_per_sm,
 )
+from decapybara.kernels import get_kernel
 from decapybara.model.batch import ForwardBatch
-from kernels import get_kernel
 
 NTHREADS = 128
 DECODE_HEAD_DIMS = (64, 128, 256)  # bf16 pages
@@ -69,7 +69,7 @@ DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel's 8-column til
 
 
 class PrefillLaunch(NamedTuple):
-    """The tensor-core prefill kernel's build and launch (kernels/attn_prefill.cu PREFILL_TC)."""
+    """The tensor-core prefill kernel's build and launch (decapybara/kernels/attn_prefill.cu PREFILL_TC)."""
 
     block_n: int  # keys a tile (TC_BLOCK_N)
     split: int  # 1: q and P as hi + lo bf16 terms (TC_SPLIT)
@@ -391,7 +391,7 @@ def scratch_kv(dq: DequantPages, nkv: int, page_size: int, head_dim: int) -> tup
 def dequant_kv(win: ScratchWindow, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], nkv: int,
                page_size: int, head_dim: int, out: tuple[Any, Any]) -> None:
     """The pages `win` names decoded into its scratch pages of `out` (keys, values: `scratch_kv`), each element
-    as the prefill kernel decodes it on load (kernels/attn_prefill.cu kv_pages_bf16)."""
+    as the prefill kernel decodes it on load (decapybara/kernels/attn_prefill.cu kv_pages_bf16)."""
     (kc, ks, kb), (vc, vs, vb) = k_parts, v_parts
     n = win.npages * page_size * nkv * head_dim
     fn = get_kernel("attn_prefill", "kv_pages_bf16", (("HEAD_DIM", head_dim), ("KBITS", kb), ("VBITS", vb)))
@@ -463,7 +463,7 @@ def decode_shape(head_dim: int, key_bits: int = 16, value_bits: int = 16) -> tup
     (head_dim 128 / 256), or not even two stages of one warp fit the shared memory (the merge area, 32 * warps
     * (head_dim + 2) bytes, lives in the stage memory: microscaled shapes keep room for it).
 
-    Range of the microscaled kernel: its bf16 block factors (kernels/mx_pairs.cuh) hold E8M0 scale codes up
+    Range of the microscaled kernel: its bf16 block factors (decapybara/kernels/mx_pairs.cuh) hold E8M0 scale codes up
     to 198 (8-bit) / 192 (6 / 4-bit), i.e. blocks with |x| < 2^79 / 2^67; beyond that a block's products are
     inf / NaN where the general kernel stays finite (no real key or value comes near), and products below
     ~2^-62 lose bits to bf16 subnormals (absolute errors of that size)."""
@@ -514,7 +514,7 @@ def _smem_optin_of(device: int) -> int:
 def _attention_fwd(q: Any, k_parts: tuple[Any, Any, int], v_parts: tuple[Any, Any, int], plan: AttentionPlan,
                    defines: tuple, out: Any, part_o: Any, part_ml: Any, nkv: int, page_size: int,
                    scale: float) -> None:
-    """kernels/attn_prefill.cu's paged_attention_fwd: any rows, any KV format."""
+    """decapybara/kernels/attn_prefill.cu's paged_attention_fwd: any rows, any KV format."""
     (kc, ks, _), (vc, vs, _) = k_parts, v_parts
     nq, d = q.shape[1], q.shape[2]
     bm = plan.block_m

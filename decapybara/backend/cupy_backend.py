@@ -1,4 +1,4 @@
-"""The CUDA backend: CuPy arrays, cuBLAS matrix products and the kernels of kernels/*.cu.
+"""The CUDA backend: CuPy arrays, cuBLAS matrix products and the kernels of decapybara/kernels/*.cu.
 
 `CupyBackend("fp32")` computes the reference function in float32 (float32 weights and KV pages by default,
 the DeltaNet recurrence in float64 like the numpy reference) and must match it to float rounding.
@@ -62,7 +62,7 @@ def _side_stream(device: int) -> Any:
 
 
 def _own_kernels(weight: Any, rows: int) -> bool:
-    """Whether `linear` runs a product of `rows` rows over `weight` on kernels/ alone (no cuBLAS): the skinny
+    """Whether `linear` runs a product of `rows` rows over `weight` on decapybara/kernels/ alone (no cuBLAS): the skinny
     kernels over packed or bf16 weights they stream, gemv_f32 over contiguous float32 matrices."""
     if rows > SKINNY_ROWS:
         return False
@@ -249,7 +249,7 @@ class CupyBackend(Backend):
         cp.cuda.get_current_stream().synchronize()
 
     def sample(self, logits: Any, rows: Any, eos_token_ids: Any = ()) -> Any:
-        """The device sampler (kernels/sample.cu, `cupy_ops_extra.cuda_sample`): the reference's tokens from
+        """The device sampler (decapybara/kernels/sample.cu, `cupy_ops_extra.cuda_sample`): the reference's tokens from
         the same seeds, but where a draw lands within rounding distance of a CDF step; greedy rows exactly.
         Vocabularies past its limit take the host reference."""
         if logits.shape[-1] > cupy_ops_extra.SAMPLE_MAX_VOCAB:
@@ -272,7 +272,7 @@ class CupyBackend(Backend):
 
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """Skinny products (at most SKINNY_ROWS rows: decode, speculative verification, small chunks) run on
-        the skinny-GEMM kernels (kernels/mx_gemv.cu); larger ones go to cuBLAS (on the stream's own handle,
+        the skinny-GEMM kernels (decapybara/kernels/mx_gemv.cu); larger ones go to cuBLAS (on the stream's own handle,
         `blas`: capturable too, as the piecewise tails do). x may be `NormedRows` (from `linear_add_rms_norm`):
         bf16 products of up to 8 rows take them as they are (`mx_linear`), the rest take the materialised rows; or
         bf16 bits
@@ -396,7 +396,7 @@ class CupyBackend(Backend):
 
     def qk_norm_rope(self, q: Any, k: Any, q_weight: Any, k_weight: Any, eps: float, offset: float, cos: Any,
                      sin: Any, rotary_dim: int) -> tuple[Any, Any]:
-        """Both norms and rotations in one launch (kernels/decode_ops.cu `qk_norm_rope`, q and k read in place as
+        """Both norms and rotations in one launch (decapybara/kernels/decode_ops.cu `qk_norm_rope`, q and k read in place as
         the columns of a fused [query | gate] or q|k|v product); heads longer than the warp norm's rows take the
         four ops."""
         if q.shape[-1] > ops.WARP_ROW_MAX:

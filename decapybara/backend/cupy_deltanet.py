@@ -1,4 +1,4 @@
-"""Gated DeltaNet core on the device (kernels/deltanet_prefill.cu): run planning and launches.
+"""Gated DeltaNet core on the device (decapybara/kernels/deltanet_prefill.cu): run planning and launches.
 
 `plan_runs(segments)` groups consecutive `DeltaNetSegment`s of one sequence (same slot, contiguous rows) into
 runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
@@ -26,10 +26,10 @@ from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_kv import CupyStatePool
 from decapybara.backend.cupy_ops import F32, I32, I64, THREADS, empty, f32, f32_any, grid_for
 from decapybara.backend.deltanet_plan import CHUNK, RunGroups, chunk_table, group_runs, split_runs
+from decapybara.kernels import get_kernel
 from decapybara.model.config import ModelConfig
-from kernels import get_kernel
 
-CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (kernels/deltanet_prefill.cu)
+CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/deltanet_prefill.cu)
 # decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces;
 # "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
 # value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
@@ -45,7 +45,7 @@ RECURRENT: dict[str, Any] = {"tokens": 16}
 # launches' host time (docs/perf.md, twenty-eighth session).
 FUSED_PREFILL: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_FUSED_PREFILL", "1") != "0"}
 # other forwards at float arithmetic (the bf16 backend) whose head dims are multiples of 16 (dk + dv <= 256): the
-# chunked form on tensor cores (kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
+# chunked form on tensor cores (decapybara/kernels/deltanet_chunk.cu) when the longest run has at least "min_len" rows,
 # gdn_recurrent otherwise; "warps": value-column warps a gdn_chunk_scan CTA (None: the most of 4, 2, 1 that
 # divides dv / 16); "wq_bufs": chunks of W | q fragments a scan CTA stages at once (SCAN_WQ_BUFS; 2: the next
 # chunk's copies in flight from the start of the chunk before, 192 KB at dk 128, 1 where the device's shared
@@ -78,7 +78,7 @@ def recurrent_smem_bytes(dk: int, vcols: int, tokens: int) -> int:
 
 
 def chunk_prep_smem_bytes(dk: int, dv: int) -> int:
-    """Dynamic shared memory of a gdn_chunk_prep CTA (kernels/deltanet_chunk.cu: REGION0, A, P, the scalars): q^T
+    """Dynamic shared memory of a gdn_chunk_prep CTA (decapybara/kernels/deltanet_chunk.cu: REGION0, A, P, the scalars): q^T
     and k^T (dk rows of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4), whichever
     is larger; A and P (CHUNK rows of CHUNK + 4); four per-token scalars."""
     region0 = max(2 * dk * (CHUNK + 4), CHUNK * (dv + dk + 8))
@@ -86,7 +86,7 @@ def chunk_prep_smem_bytes(dk: int, dv: int) -> int:
 
 
 def chunk_scan_smem_bytes(dk: int, warps: int, wq_bufs: int) -> int:
-    """Dynamic shared memory of a gdn_chunk_scan CTA (kernels/deltanet_chunk.cu SCAN_ITEMS, 16-byte items):
+    """Dynamic shared memory of a gdn_chunk_scan CTA (decapybara/kernels/deltanet_chunk.cu SCAN_ITEMS, 16-byte items):
     `wq_bufs` chunks of W and q fragments (2 x CHUNK / 8 n-tiles x dk / 16 k-steps x 32 lanes), k (dk / 8 x
     CHUNK / 16 x 32), P (CHUNK / 8 x CHUNK / 16 x 32), U of each warp's 16 columns (CHUNK / 8 x 32)."""
     n8, k16 = CHUNK // 8, CHUNK // 16
@@ -211,7 +211,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     snap_rec = empty((max(nsnap, 1), hv, dk, dv), cp.float32)
 
     cblocks = -(-c // 128)
-    vcols = min(32, dv)  # value columns per CTA, 4 threads each (kernels/deltanet_prefill.cu VCOLS, KSPLIT)
+    vcols = min(32, dv)  # value columns per CTA, 4 threads each (decapybara/kernels/deltanet_prefill.cu VCOLS, KSPLIT)
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     ldx = I64(x.strides[0] // 4)
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
@@ -304,7 +304,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
 
 def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPlan, work: ChunkWork, out: Any,
              snap_rec: Any, hk: int, hv: int, dk: int, dv: int, c: int) -> None:
-    """The gated delta rule of `work`'s long runs by chunks (kernels/deltanet_chunk.cu): gdn_chunk_prep over every
+    """The gated delta rule of `work`'s long runs by chunks (decapybara/kernels/deltanet_chunk.cu): gdn_chunk_prep over every
     (chunk, value head) at once, then gdn_chunk_scan along each run's chunks. Updates `rec`, writes `out` and
     `snap_rec` as gdn_recurrent does, for those runs only."""
     nch = int(work.chunks.shape[0])

@@ -18,8 +18,8 @@ from decapybara.backend import pdl
 from decapybara.backend.base import HybridState, KVCache, KVPageData, StatePool
 from decapybara.backend.cupy_ops import I32, I64, THREADS, check, grid_for, heads
 from decapybara.backend.kv_codec import BF16Codec, F32Codec, KVCodec, MicroscaledCodec
+from decapybara.kernels import get_kernel
 from decapybara.model.config import ModelConfig
-from kernels import get_kernel
 
 
 def codec_bits(codec: KVCodec) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Launch wrappers of the per-token kernels (kernels/decode_ops.cu) and the bf16 matrix product (cuBLAS, on
+"""Launch wrappers of the per-token kernels (decapybara/kernels/decode_ops.cu) and the bf16 matrix product (cuBLAS, on
 handles a CUDA graph can capture: `blas`).
 
 Every wrapper checks dtype and contiguity of its device arrays before the launch, passes scalars as typed
@@ -15,7 +15,7 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import blas, pdl
-from kernels import get_kernel
+from decapybara.kernels import get_kernel
 
 I32, I64, F32 = np.int32, np.int64, np.float32
 THREADS = 256
@@ -399,7 +399,7 @@ def _host_scalar(value: float) -> np.ndarray:
 
 
 def gemv_f32(x: Any, w: Any, bias: Any = None) -> Any:
-    """x [M, K] @ w [N, K]^T (+ bias [N]) in float32 by kernels/mx_gemv.cu `gemv_f32` (no cuBLAS: decode
+    """x [M, K] @ w [N, K]^T (+ bias [N]) in float32 by decapybara/kernels/mx_gemv.cu `gemv_f32` (no cuBLAS: decode
     graphs capture it). For skinny x (decode, small chunks); one pass over w per 8 rows of x."""
     x = f32(x)
     m, n, k = _product_dims(x, w, np.float32)

@@ -1,4 +1,4 @@
-"""Launch wrappers of kernels/{mx_gemv, act_quant, moe, sample, checksum, probe}.cu.
+"""Launch wrappers of decapybara/kernels/{mx_gemv, act_quant, moe, sample, checksum, probe}.cu.
 
 Conventions (as `cupy_ops`): device arrays are checked for dtype and contiguity before a launch, scalars go as
 typed numpy values, fresh outputs come from `cupy_ops.empty` (NaN-poisoned under `cupy_ops.POISON`). bf16
@@ -8,7 +8,7 @@ Weights for `mx_linear` are `PackedWeight`s: the bytes of a `QuantTensor` (docs/
 (MXFP4 / NVFP4 codes repacked into the split-field layout, `gemv_plan.e2m1_split_words`, see `pack_weight`),
 or bf16 bits. Kernel layout requirements (else `mx_linear` dequantises and multiplies densely): every row
 16-byte aligned, i.e. bf16 K % 8 == 0, MXFP6 Kp % 64 == 0, NVFP4 Kp % 32 == 0 (MXFP8 / MXFP4 always).
-The sampler is `cuda_sample` (same tokens as `decapybara.engine.sampling.sample`, see kernels/sample.cu).
+The sampler is `cuda_sample` (same tokens as `decapybara.engine.sampling.sample`, see decapybara/kernels/sample.cu).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from decapybara.backend.gemv_plan import (
 )
 from decapybara.backend.gemv_plan import tune_for as _tune_for
 from decapybara.engine.sample_edits import edit_lists, needs_edits
+from decapybara.kernels import KERNEL_DIR, get_kernel
 from decapybara.model.weights import keeps_prefill_copy
-from kernels import KERNEL_DIR, get_kernel
 
 FMT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp6": 2, "mxfp4": 3, "nvfp4": 4}
 BITS = {"bf16": 16, "mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
@@ -83,9 +83,9 @@ class PackedWeight:
     `persistent`: a model weight, written before any forward that reads it (load time): only then may a product
     launched overlapped (`pdl.launch`) load it before waiting for the kernel before it.
     `e2m1_split`: MXFP4 / NVFP4 codes in the split-field layout (`gemv_plan.e2m1_split_words` of the
-    QuantTensor's codes; kernels/mx_gemv.cu decodes it under MX_E2M1 = 1), else plain nibbles; False otherwise.
+    QuantTensor's codes; decapybara/kernels/mx_gemv.cu decodes it under MX_E2M1 = 1), else plain nibbles; False otherwise.
     `tiled`: MXFP4 / NVFP4 codes (either field layout) and scales in 16-row bands of chunk tiles
-    (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; kernels/mx_gemv.cu reads them
+    (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; decapybara/kernels/mx_gemv.cu reads them
     under MX_TILED = 1), else row-major: needs N % 16 == 0 and whole 256-code chunks (`tile_layout`). Row slices
     of whole bands keep the layout.
     A weight may keep its values as bf16 bits besides (`dense_of`, `attach_dense`; the server's
@@ -318,25 +318,25 @@ def _stream_counters(device: int, stream: int) -> Any:
 # which round it to bf16 anyway (the same results, but for x below 2^-126: the float32 staging scales before
 # it rounds): the fused norms' xg (`mx_linear_add_norm`), where those do not apply the norm after an output
 # projection, and the MLP activation (CupyBackend, bf16 backend): half the bytes staged, and the kernels'
-# staging then takes two groups of x per L2 round trip (kernels/mx_gemv.cu). 8 and 12-stream 27B steps 4% and
+# staging then takes two groups of x per L2 round trip (decapybara/kernels/mx_gemv.cu). 8 and 12-stream 27B steps 4% and
 # 3% faster (interleaved captures, docs/perf.md); from one row up since the `_1r` kernels (a one-row block's x
 # staging then takes half the passes): one-stream 27B steps ~1% faster (eight interleaved rounds; before the
 # `_1r` kernels it measured no better).
 # `swiglu_rows` (0: off): MLPs of this many rows up to 64 (SWIGLU_ROWS) run their fused gate|up product and
-# silu(gate) * up as one launch (`mx_swiglu`, kernels/mx_gemv.cu `_1s` to `_8s`; past 16 rows since the twenty-
+# silu(gate) * up as one launch (`mx_swiglu`, decapybara/kernels/mx_gemv.cu `_1s` to `_8s`; past 16 rows since the twenty-
 # eighth session, for eager mixed steps' launch count, not yet timed on the GPU): 27B steps at 1 to 12 streams
 # 1-3% faster (interleaved captures, docs/perf.md).
-# `row1` (0: off): dense one-row MXFP4 / NVFP4 products run the `_1r` / `_1rs` kernels (kernels/mx_gemv.cu,
+# `row1` (0: off): dense one-row MXFP4 / NVFP4 products run the `_1r` / `_1rs` kernels (decapybara/kernels/mx_gemv.cu,
 # header: partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA
 # per code pair; the same products within float32 rounding, for MXFP4 block scales from 2^-61 up, more exact
-# below). `wide_segk`: codes a row of the two-n-tile kernels' x staging buffer holds (kernels/mx_gemv.cu
+# below). `wide_segk`: codes a row of the two-n-tile kernels' x staging buffer holds (decapybara/kernels/mx_gemv.cu
 # MX_SEGK2; past 1440 the buffer is dynamic shared memory, `staging_bytes`): at 2688 (87 KB a block, two blocks
 # an SM as before) twelve rows take 14 chunks a staging segment rather than 5, so a block stages x (and waits at
 # its barriers) once or twice rather than three or four times: MXFP4 twelve-row products 3% faster (`gemv_sweep`), 27B
 # steps at 10 and 12 streams 2% (MXFP4) and 3% (NVFP4, 12x1k) faster (interleaved, docs/perf.md); the same
 # bytes (a segment's length does not change the summation order). The other formats keep 1024 (not measured).
 # `part_batch`: split-K partial sums a thread of a one-row (`_1r` / `_1rs`) tile's last block loads at once
-# before adding them in order (kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time, as
+# before adding them in order (decapybara/kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time, as
 # the other kernels do): the same bytes; one-row products 1.7% faster (`gemv_sweep`), one-stream steps within
 # their spread (docs/perf.md).
 # `swiglu_wide_warps` (0: `wide_warps`): warps of a two-n-tile (9-16 rows) SwiGLU launch's blocks (`_2s`; its
@@ -344,7 +344,7 @@ def _stream_counters(device: int, stream: int) -> Any:
 # stages x for twice the rows of weights, and 27B steps ~1.2% faster (interleaved: MXFP4 at 10 and 12 streams,
 # NVFP4 at 12, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
-# `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on kernels/gemv_small.cu
+# `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on decapybara/kernels/gemv_small.cu
 # (`small_product`: a block a 16-row tile, its warps splitting K, tensor-core sums met in shared memory; no K
 # splits across blocks, no x staging). 1024: the 35B-A3B's router|gate (257 x 2,048) and b|a (64 x 2,048) after
 # their norm 2.4x the skinny GEMM's speed at one row, 3.4x at twelve, the 27B's b|a (96 x 5,120) 1.1x / 2.3x
@@ -409,7 +409,7 @@ def small_tune(tune: dict) -> dict:
 
 def block_warps(tune: dict, nt: int) -> int:
     """Warps of a block of the `nt`-n-tile kernels under a resolved tuning: `wide_warps` for two n-tiles, else
-    `warps` (kernels/mx_gemv.cu MX_WARPS2 / MX_WARPS; 16 output rows each; a kernel file older than MX_WARPS2
+    `warps` (decapybara/kernels/mx_gemv.cu MX_WARPS2 / MX_WARPS; 16 output rows each; a kernel file older than MX_WARPS2
     builds every kernel with `warps`)."""
     return tune["wide_warps"] if nt == 2 and kernel_knows(tune["source"], "MX_WARPS2") else tune["warps"]
 
@@ -512,7 +512,7 @@ class NormedRows:
 
 
 def one_row(w: PackedWeight, rows: int, tune: dict, groups: Any = None) -> bool:
-    """Whether a product launches the one-row block-sum kernels (`_1r` / `_1rs`, kernels/mx_gemv.cu header):
+    """Whether a product launches the one-row block-sum kernels (`_1r` / `_1rs`, decapybara/kernels/mx_gemv.cu header):
     dense, one row, MXFP4 or NVFP4 (NVFP4 where the kernel file has its `R1Cols`), TUNE `row1` (resolved
     `tune`) and a kernel file that has them."""
     src = tune["source"]
@@ -525,7 +525,7 @@ STATIC_SEGK = 1440  # the longest x staging row of the two-n-tile kernels in sta
 
 def staging_bytes(tune: dict, nt: int) -> int:
     """Dynamic shared memory of an `nt`-n-tile product's launch: the two-n-tile kernels' x staging buffer where
-    its rows (`wide_segk` codes) are longer than static shared memory holds (kernels/mx_gemv.cu XBuf), else 0."""
+    its rows (`wide_segk` codes) are longer than static shared memory holds (decapybara/kernels/mx_gemv.cu XBuf), else 0."""
     segk = tune.get("wide_segk", 1024)
     return 16 * (segk + 32) * 2 if nt == 2 and segk > STATIC_SEGK and kernel_knows(tune["source"], "MX_SEGK2") else 0
 
@@ -538,7 +538,7 @@ def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = No
     A persistent weight's launch may overlap the kernel before it (`pdl.launch`): the kernel loads its first
     weights, then waits for that kernel before reading x; other weights (packed during a step), or an older
     kernel file (`tune["source"]`, no wait in it), launch plainly.
-    Dense launches may fuse the residual add and RMSNorm across two products (kernels/mx_gemv.cu, header):
+    Dense launches may fuse the residual add and RMSNorm across two products (decapybara/kernels/mx_gemv.cu, header):
     `res` = (residual, xg, gw, offset) (residual float32, xg bf16 bits or float32, y's shape; y float32
     contiguous; gw [N] float32) makes y = x @ w^T + residual, xg = y * (offset + gw) and returns y's rows'
     sums of squares by output tile, float32 [M, tiles];
@@ -636,7 +636,7 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
     if w.codes.nbytes // (w.shape[0] if groups is not None else 1) >= 1 << 32:  # one expert's matrix
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     src = tune["source"]
-    assert not w.tiled or kernel_knows(src, "MX_TILED"), f"kernels/{src}.cu reads no band tiles"
+    assert not w.tiled or kernel_knows(src, "MX_TILED"), f"decapybara/kernels/{src}.cu reads no band tiles"
     func = get_kernel(src, f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else nt}"
                       f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
     smem = staging_bytes(tune, nt)
@@ -686,7 +686,7 @@ def skinny_product(w: PackedWeight, rows: int) -> bool:
 
 
 def fuses_norms(w: PackedWeight, rows: int) -> bool:
-    """Whether a product of `rows` rows over `w` can take part in fused norms (kernels/mx_gemv.cu, header): a
+    """Whether a product of `rows` rows over `w` can take part in fused norms (decapybara/kernels/mx_gemv.cu, header): a
     weight the kernels stream, at most FUSED_ROWS rows (the one-n-tile kernels) that `skinny_product` leaves to
     them, a kernel file that fuses."""
     return gemm_ready(w) and rows <= FUSED_ROWS and skinny_product(w, rows) and kernel_knows(tune_for(w.fmt)["source"], "nsq_tiles")
@@ -713,7 +713,7 @@ def fuses_grouped_swiglu(w: PackedWeight, rows: int) -> bool:
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
-    one launch (kernels/mx_gemv.cu `_1s` to `_8s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes
+    one launch (decapybara/kernels/mx_gemv.cu `_1s` to `_8s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes
     under tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
     kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or (up to
     FUSED_ROWS rows) `NormedRows`, fused; at most SWIGLU_ROWS rows (the caller checks `fuses_swiglu`)."""
@@ -776,14 +776,14 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
     return y
 
 
-SMALL_ROWS = 16  # kernels/gemv_small.cu: rows of x at most (two n-tiles)
+SMALL_ROWS = 16  # decapybara/kernels/gemv_small.cu: rows of x at most (two n-tiles)
 # its blocks' warps (SG_WARPS: the K split of a 16-row tile) and 32-code steps of codes a warp holds at once
 # (SG_PRE: the first before the wait); TUNE `small_warps` / `small_pre` (0: these)
 SMALL_WARPS, SMALL_PRE = 16, 4
 
 
 def small_product(w: PackedWeight, m: int) -> bool:
-    """Whether a product of `m` rows over `w` runs on kernels/gemv_small.cu (`_small`) instead of the skinny
+    """Whether a product of `m` rows over `w` runs on decapybara/kernels/gemv_small.cu (`_small`) instead of the skinny
     GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_ROWS rows of x, rows the skinny kernels
     stream (`gemm_ready`: 16-byte aligned, K % 8 == 0). For products whose tiles and K splits cost more than their
     bytes: an MoE router (stacked with its shared expert's gate, 257 rows), the DeltaNet b|a."""
@@ -803,7 +803,7 @@ def _consumer_args(norm: NormedRows | None, x: Any, rows: int) -> tuple[Any, Any
 
 
 def _small(x: Any, w: PackedWeight, y: Any, norm: NormedRows | None = None) -> None:
-    """y = x @ w^T on kernels/gemv_small.cu (`small_product`'s products): one block a 16-row tile, overlapped
+    """y = x @ w^T on decapybara/kernels/gemv_small.cu (`small_product`'s products): one block a 16-row tile, overlapped
     (`pdl.launch`) over a load-time weight, whose first codes it loads before waiting for x. x's 8-element groups
     load 16 bytes at a time where its rows start 16-byte aligned. `norm` (x = norm.xg): each output row divided
     by its denominator from norm.sq, as the skinny kernels' fused consumer divides it (the same bits of it)."""
@@ -890,7 +890,7 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
     """Rows `rows` (int64 device array, default all) of a 2-D PackedWeight as a dense [R, K] array of
     `out_dtype` (float32, bf16 bits as uint16 or float16): docs/quant.md's float32 values (NVFP4:
     fl32(fl32(elem * block scale) * tensor scale)) rounded to out_dtype, nearest even. All rows as bf16 bits
-    where `dequant_bf16_ok` (the large-M path of `mx_linear`) come from kernels/mx_gemv.cu `mx_dequant_bf16`,
+    where `dequant_bf16_ok` (the large-M path of `mx_linear`) come from decapybara/kernels/mx_gemv.cu `mx_dequant_bf16`,
     anything else from `mx_dequant_rows`: the same bits either way."""
     _check_packed(w)
     assert len(w.shape) == 2
@@ -917,7 +917,7 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
     return out
 
 
-DQ_THREADS, DQ_OCTETS = 256, 4  # kernels/mx_gemv.cu DQ_THREADS, MX_DQ_OCTETS: 8-element octets a block, a thread
+DQ_THREADS, DQ_OCTETS = 256, 4  # decapybara/kernels/mx_gemv.cu DQ_THREADS, MX_DQ_OCTETS: 8-element octets a block, a thread
 
 
 def dequant_bf16_ok(w: PackedWeight) -> bool:
@@ -929,7 +929,7 @@ def dequant_bf16_ok(w: PackedWeight) -> bool:
 
 
 def dequant_bf16(w: PackedWeight, out: Any, defines: Any = MX_NO_GEMM, octets: int = DQ_OCTETS) -> None:
-    """out uint16 [N, K] = all rows of `w` (`dequant_bf16_ok`) as bf16 bits by kernels/mx_gemv.cu
+    """out uint16 [N, K] = all rows of `w` (`dequant_bf16_ok`) as bf16 bits by decapybara/kernels/mx_gemv.cu
     `mx_dequant_bf16`. `defines` / `octets`: another build of it (bench/small_kernels.py: MX_DQ_OCTETS)."""
     assert dequant_bf16_ok(w), f"{w.fmt} {w.shape}: not for mx_dequant_bf16"
     check(out, np.uint16, "out", 2)
@@ -949,7 +949,7 @@ def _dequant_launch(w: PackedWeight, defines: Any = MX_NO_GEMM, octets: int = DQ
 
 def dequant_rows(w: PackedWeight, rows: Any, out: Any) -> None:
     """out [R, K] (float32 / bf16 bits / float16) = rows `rows` (int64 device, None: all) of `w` by
-    kernels/mx_gemv.cu `mx_dequant_rows`, one thread an element."""
+    decapybara/kernels/mx_gemv.cu `mx_dequant_rows`, one thread an element."""
     r = w.N if rows is None else rows.shape[0]
     check(out, out.dtype, "out", 2)
     assert out.shape == (r, w.K), f"out {out.shape} for {r} rows of {w.shape}"
@@ -1048,7 +1048,7 @@ def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
 
 # ---- mixture of experts --------------------------------------------------------------------------------
 ROUTE_DISPATCH_ROWS = 32  # steps of up to this many rows route and dispatch in one launch (one block's warps)
-MOE_EXPERTS, MOE_TOP_K = 1024, 32  # the routing kernels' limits (kernels/moe.cu): a lane's logits, a warp's picks
+MOE_EXPERTS, MOE_TOP_K = 1024, 32  # the routing kernels' limits (decapybara/kernels/moe.cu): a lane's logits, a warp's picks
 
 
 @dataclass(slots=True)
@@ -1314,7 +1314,7 @@ def _result_views(buf: Any, b: int) -> dict[str, Any]:
 
 def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     """`decapybara.engine.sampling.sample` on the device: logits [B, V] (device float32 / bf16 bits /
-    float16, or host) -> SampleOutput with the same tokens for the same seeds (kernels/sample.cu has the
+    float16, or host) -> SampleOutput with the same tokens for the same seeds (decapybara/kernels/sample.cu has the
     rounding caveat). The rows' parameters go over in one copy and the results come back in one (a second
     only for rows whose draw lies past the certified prefix, which take a full stable sort, and for logprob
     alternatives). A batch of greedy rows with no edits and no logprobs stops at the row maxima."""

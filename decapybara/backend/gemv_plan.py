@@ -1,4 +1,4 @@
-"""Launch plan of the skinny GEMM (kernels/mx_gemv.cu `mx_gemm_*`): grid shape, K split and partial-sum rows.
+"""Launch plan of the skinny GEMM (decapybara/kernels/mx_gemv.cu `mx_gemm_*`): grid shape, K split and partial-sum rows.
 
 Pure arithmetic (no CuPy), so the split logic is tested on any machine. The kernel's two modes:
 
@@ -196,7 +196,7 @@ def merge_tune(tune: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     return out
 
 
-# ---- E2M1 split-field code layout (kernels/mx_pairs.cuh `e2m1_pairs_split`) -----------------------------------
+# ---- E2M1 split-field code layout (decapybara/kernels/mx_pairs.cuh `e2m1_pairs_split`) -----------------------------------
 E2M1_SIGN_BIT = (13, 12, 15, 14)  # bit of code r's sign within its 16-bit half (its magnitude: bits 3r..3r+2)
 
 
@@ -252,7 +252,7 @@ def band_tiles(rows: Any, piece: int = PIECE) -> Any:
 
     The rows of each band of 16 are stored chunk by chunk: byte j of row r goes to flat offset (within its
     matrix) (r // 16) * 16 B + (j // piece) * 16 piece + (r % 16) * piece + j % piece. One warp of
-    kernels/mx_gemv.cu streams one band, so each of its chunks is one contiguous block (MX_TILED): 2 KB of
+    decapybara/kernels/mx_gemv.cu streams one band, so each of its chunks is one contiguous block (MX_TILED): 2 KB of
     codes, 128 / 256 bytes of scales."""
     assert band_tiles_ok(rows.shape, piece), f"band tiles need [..., N % 16, B % {piece}], got {rows.shape}"
     *lead, n, b = rows.shape

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (Hopper and newer): a kernel launched through `launch` may begin while the
 kernel before it in the stream is still running, once every block of that one has executed `pdl_trigger()`
-(kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before it reads anything written since the last
+(decapybara/kernels/pdl.cuh). The launched kernel must call `pdl_wait()` before it reads anything written since the last
 kernel that completes only after waiting itself (in practice: anything a kernel of this step writes) and
 before it writes anything; what it does before (the skinny GEMM: its first loads of a persistent weight;
 gdn_decode: its first run's recurrent state and conv state, the conv weights, A and dt) overlaps

@@ -3,7 +3,7 @@
 Philox4x32-R is the Random123 generator (Salmon et al., SC'11): a pure function of a 128-bit counter and a
 64-bit key, so any draw can be computed independently, in any order, on the host or on the device.
 
-The uniform draw contract (the CUDA sampler ``kernels/sample.cu`` must reproduce it bit for bit):
+The uniform draw contract (the CUDA sampler ``decapybara/kernels/sample.cu`` must reproduce it bit for bit):
 
 - key     = (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF), the seed taken modulo 2**64
   (a negative Python seed wraps as two's complement);

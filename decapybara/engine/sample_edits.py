@@ -1,4 +1,4 @@
-"""The device sampler's edit lists (kernels/sample.cu `sample_edits`): sampling steps 1-3 of
+"""The device sampler's edit lists (decapybara/kernels/sample.cu `sample_edits`): sampling steps 1-3 of
 `decapybara.engine.sampling` (logit bias, repetition / presence / frequency penalties, masks) as sparse
 per-(row, token) edits, merged per token so that the kernel applies each token's edits once, in the reference's
 order. Pure numpy (the host half of `cupy_ops_extra.cuda_sample`).

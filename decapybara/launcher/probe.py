@@ -1,6 +1,6 @@
 """What the planner measures on this machine: device memory and copy bandwidth.
 
-On CUDA the bandwidth is kernels/probe.cu's streaming copy (`cupy_ops_extra.bandwidth_probe`, read + write
+On CUDA the bandwidth is decapybara/kernels/probe.cu's streaming copy (`cupy_ops_extra.bandwidth_probe`, read + write
 bytes per second) and the memory is the device's; without CUDA the numpy backend serves from host RAM, so
 both are the host's (a numpy copy of a buffer well past the caches).
 """

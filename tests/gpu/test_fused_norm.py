@@ -1,4 +1,4 @@
-"""The residual add and RMSNorm fused across two skinny products (kernels/mx_gemv.cu, header; GPU only).
+"""The residual add and RMSNorm fused across two skinny products (decapybara/kernels/mx_gemv.cu, header; GPU only).
 
 The producer (`mx_linear_add_norm`) must store exactly the unfused h = `mx_linear(x, w, bias) + residual`, h
 times the norm's (offset + weight) rounded to bf16 bits, and the sums of squares of h's rows by column tile; the consumer
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-import kernels
+from decapybara import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)

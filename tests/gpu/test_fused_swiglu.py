@@ -1,4 +1,4 @@
-"""The MLP's gate|up product and silu(gate) * up in one launch (kernels/mx_gemv.cu `_1s` kernels, `mx_swiglu`;
+"""The MLP's gate|up product and silu(gate) * up in one launch (decapybara/kernels/mx_gemv.cu `_1s` kernels, `mx_swiglu`;
 GPU only).
 
 `mx_swiglu(x, [gate; up])` must be `silu_mul_halves(mx_linear(x, [gate; up]))`: the kernel reads each band's
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-import kernels
+from decapybara import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""kernels/gemv_small.cu (`cupy_ops_extra.small_product`: bf16 products of few weight rows and few rows of x)
+"""decapybara/kernels/gemv_small.cu (`cupy_ops_extra.small_product`: bf16 products of few weight rows and few rows of x)
 against the numpy reference and against the skinny GEMM it replaces (GPU only; outputs NaN-poisoned)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-import kernels
+from decapybara import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-import kernels
+from decapybara import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -315,7 +315,7 @@ def run_decode_kernel(monkeypatch, kv_mode, heads, shape, mx):
 @pytest.mark.parametrize("shape", [(4, 3), (2, 4), (8, 2), (1, 2)])
 @pytest.mark.parametrize("heads", [(24, 4, 256, 64), (8, 1, 128, 16), (4, 4, 64, 5), (16, 2, 256, 7)])
 def test_decode_attention_tensor_cores(monkeypatch, shape, heads):
-    """kernels/attn_decode.cu (bf16 pages, one new token per sequence, g <= 8) against numpy at float32
+    """decapybara/kernels/attn_decode.cu (bf16 pages, one new token per sequence, g <= 8) against numpy at float32
     tolerance: contexts of one key, partial last tiles, pages of 5 or 7 keys splitting tiles, forced and
     planned splits, every launch shape (warps x stages), one or two accumulator chains for the scores."""
     from decapybara.backend import cupy_attention as ca
@@ -334,7 +334,7 @@ MX_DECODE_CASES = [("8/8", (24, 4, 256, 64), (8, 3)), ("6/6", (8, 1, 128, 16), (
 
 @pytest.mark.parametrize("kv_mode,heads,shape", MX_DECODE_CASES)
 def test_decode_attention_microscaled_pages(monkeypatch, kv_mode, heads, shape):
-    """kernels/attn_decode.cu's paged_decode_attention_mx: every key and value format (8 / 6 / 4 bits), head_dim
+    """decapybara/kernels/attn_decode.cu's paged_decode_attention_mx: every key and value format (8 / 6 / 4 bits), head_dim
     128 and 256, g 1-8, pages of 5, 7, 16, 64 and 512 keys, forced and planned splits, several launch shapes
     and one or two score chains, against numpy over the same quantised pages at float32 tolerance (the
     dequantised codes are exact in bf16)."""
@@ -388,14 +388,14 @@ PREFILL_TC_CASES = [("16/16", (24, 4, 256, 64)), ("16/16", (8, 2, 128, 16)), ("1
 @pytest.mark.parametrize("tile", [(64, 1), (32, 1), (64, 0)])
 @pytest.mark.parametrize("kv_mode,heads", PREFILL_TC_CASES)
 def test_prefill_attention_tensor_cores(monkeypatch, kv_mode, heads, tile, wg, warps, stages, overlap):
-    """kernels/attn_prefill.cu's paged_prefill_attention_tc (bf16 and microscaled pages): prefill chunks over
+    """decapybara/kernels/attn_prefill.cu's paged_prefill_attention_tc (bf16 and microscaled pages): prefill chunks over
     earlier chunks' keys, partial key tiles, pages of 5 / 7 keys splitting tiles, mixed steps of chunks and
     decode rows, forced and planned splits, 32- and 64-key tiles, against numpy; its warpgroup-MMA build (wg,
     on Hopper for head_dim 64 / 128 / 256, swizzled tiles) and its mma.sync build, CTAs of 4 and 8 warps, one
     (K, V) pair or a ring of two or three (fewer where they do not fit), the wgmma build's overlapped loop. q and P as two bf16 terms (split) keep
     float32 tolerance; one term each is within bf16 tolerance. (Pure decode steps take the decode kernel or
     the general one: tested above.)"""
-    import kernels
+    from decapybara import kernels
     from decapybara.backend import cupy_attention as ca
     nq, nkv, d, page_size = heads
     monkeypatch.setitem(ca.PREFILL, "block_n", tile[0])

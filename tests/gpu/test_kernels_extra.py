@@ -4,7 +4,7 @@ Fresh random inputs at several sizes; outputs NaN-poisoned (`cupy_ops.POISON`) s
 Precision classes: dequantisation, activation quantisation, Philox and checksums bit-exact; skinny GEMMs
 (bf16 x, exact weights, fp32 accumulation) within 1e-4 of max |ref| for float32 outputs and 1e-2 for bf16
 outputs; sampled tokens identical to `sampling.sample` (a mismatch only passes when u * Z lies within
-rounding distance of a CDF step, see kernels/sample.cu).
+rounding distance of a CDF step, see decapybara/kernels/sample.cu).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-import kernels
+from decapybara import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -202,7 +202,7 @@ def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])
 def test_split_sums_in_batches_keep_the_bytes(fmt, monkeypatch):
-    """A split tile's last block loads its partial sums in batches (TUNE `part_batch`, kernels/mx_gemv.cu
+    """A split tile's last block loads its partial sums in batches (TUNE `part_batch`, decapybara/kernels/mx_gemv.cu
     `sum_parts`: the one-row kernels) and adds them in the same order: the same bytes as one at a time, with
     batches that do not divide the parts (11 K splits, batches of 3 and 8; stream-K), plain and SwiGLU
     epilogues (SwiGLU's two sums share a batch: 3 gives one part at a time there), tile grid and stream-K; the
@@ -360,7 +360,7 @@ def test_e2m1_code_layouts_compute_the_same_products(fmt, split, tiled):
                          ids=["grid", "stream", "ksplit", "tail", "small", "segments"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_one_row_block_sums(fmt, shape, tune, split, tiled, monkeypatch):
-    """One-row MXFP4 / NVFP4 products on the `_1r` kernels (kernels/mx_gemv.cu: codes unscaled into the MMA,
+    """One-row MXFP4 / NVFP4 products on the `_1r` kernels (decapybara/kernels/mx_gemv.cu: codes unscaled into the MMA,
     one column per block, block scales on float32 sums; the launch checked by kernel name). Every output
     against the reference within 1e-5 of its row's sum of |terms|: rows whose blocks all take one scale from
     the whole range (MXFP4: the E8M0 codes the kernels take, 0 to 192, row values from ~2^-127 to 2^65; NVFP4:

@@ -1,4 +1,4 @@
-"""kernels/wgmma.cuh's warpgroup MMAs and descriptors against numpy (GPU only, Hopper: sm_90a builds).
+"""decapybara/kernels/wgmma.cuh's warpgroup MMAs and descriptors against numpy (GPU only, Hopper: sm_90a builds).
 
 One warpgroup computes D = A B^T with both operands in shared tiles (m64n32k16 / m64n64k16) and D = A V with A
 in registers and V read MN-major (m64n256k16), over bf16 inputs with float32 accumulation, for chunk-major and
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-import kernels
+from decapybara import kernels
 
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)

@@ -21,7 +21,6 @@ import fake_cupy
 
 fake_cupy.install()
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-import kernels
-
+from decapybara import kernels
 fake_cupy.patch_backend()
 kernels.sm90a_ok = lambda: True  # the emulator runs wgmma (emu.h `wgmma`), whatever compiler it stands in for

@@ -45,7 +45,7 @@ HANDLERS = {
     "wgmma.commit_group.sync.aligned": "nop",
     "wgmma.wait_group.sync.aligned": "nop",
     "fence.proxy.async.shared::cta": "nop",
-    "": "nop",  # an empty asm: a compiler barrier on its operands (kernels/wgmma.cuh `wg_pin`)
+    "": "nop",  # an empty asm: a compiler barrier on its operands (decapybara/kernels/wgmma.cuh `wg_pin`)
 }
 WGMMA = "wgmma.mma_async"  # a template holding it (after its predicate set-up) lowers to emu_ptx::wgmma
 TEMPLATE_FIRST = {"cp_async"}  # handlers that also take the instruction text (its size operand is a literal)

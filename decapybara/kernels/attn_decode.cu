@@ -1,6 +1,6 @@
 // Decode attention on tensor cores over bf16 or microscaled KV pages: one new token per sequence, the
 // g <= BLOCK_M <= 8 query heads of one KV head per CTA, keys [key_begin, key_end) of one work item
-// (kernels/attn_prefill.cu's work and split-K partial layout, so its attention_reduce merges the parts;
+// (decapybara/kernels/attn_prefill.cu's work and split-K partial layout, so its attention_reduce merges the parts;
 // decapybara/backend/cupy_attention.py plans).
 //
 // Compile-time: HEAD_DIM (D: 64, 128 or 256), BLOCK_M (rows of a work tile: 4 or 8, the partial buffers'
@@ -23,7 +23,7 @@
 //
 // Microscaled pages (KBITS / VBITS 8, 6 or 4 defined: paged_decode_attention_mx, head_dim 128 or 256): the
 // ring holds the tile's codes and E8M0 scale bytes as stored; each lane turns the codes it needs into bf16x2
-// operand registers itself (kernels/mx_pairs.cuh: bit placement and one bf16x2 FMA by the block factor, exact),
+// operand registers itself (decapybara/kernels/mx_pairs.cuh: bit placement and one bf16x2 FMA by the block factor, exact),
 // so no dequantised tile is written anywhere. The reduction order of an MMA is free, so
 //   scores: lane (gr, t) takes keys gr and gr + 8, dims [t D/4, (t+1) D/4), 8 codes (two k-steps) at a time in
 //           the pair order of the decoder; q is loaded in the same permutation (once, in registers);

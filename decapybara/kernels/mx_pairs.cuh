@@ -1,5 +1,5 @@
-// Microscaled codes -> bf16x2 pairs in registers, the operands of bf16 tensor-core MMAs (kernels/mx_gemv.cu's
-// weights, kernels/attn_decode.cu's quantised KV pages).
+// Microscaled codes -> bf16x2 pairs in registers, the operands of bf16 tensor-core MMAs (decapybara/kernels/mx_gemv.cu's
+// weights, decapybara/kernels/attn_decode.cu's quantised KV pages).
 //
 // A code becomes a bf16 by moving its bits into place: the magnitude of an E2M1 / E2M3 code lands on the low
 // bits of the bf16 exponent and the high bits of its mantissa (value * 2^-126), an E4M3 magnitude likewise

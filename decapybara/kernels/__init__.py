@@ -1,6 +1,6 @@
-"""CUDA kernels (``kernels/*.cu``) and their cached loader.
+"""CUDA kernels (``decapybara/kernels/*.cu``) and their cached loader.
 
-`load_module(name, defines)` compiles ``kernels/<name>.cu`` once per (name, defines, device arch) and returns
+`load_module(name, defines)` compiles ``decapybara/kernels/<name>.cu`` once per (name, defines, device arch) and returns
 a ``cupy.RawModule``; `get_kernel(name, func, defines)` returns one ``extern "C"`` entry point of it.
 
 Compile options live here and nowhere else: ``--std=c++17 -O3``, the include path of this folder, the
@@ -15,7 +15,7 @@ reference: IEEE division, sqrt, exp). Two compilers:
 
 $DECAPYBARA_KERNEL_COMPILER = ``nvcc`` | ``nvrtc`` forces one. $DECAPYBARA_KERNEL_LINEINFO (set, not empty) adds
 ``-lineinfo``: the same code, with the source line of each instruction for profilers (Nsight Compute's source
-page; bench/ncu_source.py). `cupy` is imported lazily: ``import kernels`` works on machines without CuPy.
+page; bench/ncu_source.py). `cupy` is imported lazily: ``import decapybara.kernels`` works on machines without CuPy.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _arch_of(device: int) -> str:
 
 def arch_flag(arch: str, defines: Defines = ()) -> str:
     """``-arch=sm_90`` on Hopper, else the device's own ``sm_XX``; ``sm_90a`` (Hopper's arch-specific features:
-    wgmma, kernels/wgmma.cuh) for a build whose defines set SM90A."""
+    wgmma, decapybara/kernels/wgmma.cuh) for a build whose defines set SM90A."""
     accel = arch == "90" and needs_sm90a(defines)
     return f"-arch=sm_{arch}{'a' if accel else ''}"
 
@@ -208,7 +208,7 @@ def _load(name: str, defines: Defines, arch: str, which: str) -> Any:
 
 
 def load_module(name: str, defines: Defines = ()) -> Any:
-    """The compiled ``kernels/<name>.cu`` (a ``cupy.RawModule``), cached per (name, defines, arch)."""
+    """The compiled ``decapybara/kernels/<name>.cu`` (a ``cupy.RawModule``), cached per (name, defines, arch)."""
     return _load(name, tuple((str(k), v) for k, v in defines), device_arch(), compiler())
 
 
@@ -216,7 +216,7 @@ _KERNELS: dict[tuple[Any, ...], Any] = {}  # (name, func, defines as given, devi
 
 
 def get_kernel(name: str, func: str, defines: Defines = ()) -> Any:
-    """One ``extern "C"`` kernel of ``kernels/<name>.cu`` (a ``cupy.RawKernel``), cached like its module. Every
+    """One ``extern "C"`` kernel of ``decapybara/kernels/<name>.cu`` (a ``cupy.RawKernel``), cached like its module. Every
     eager launch asks, so a kernel seen before on this device comes from one dict lookup, without reading the
     environment again: the compiler in force at its first use on a device (`compiler()`) is the one it keeps."""
     import cupy

@@ -1,4 +1,4 @@
-// The wgmma building blocks of kernels/wgmma.cuh on their own (tests/gpu/test_wgmma.py against numpy): one
+// The wgmma building blocks of decapybara/kernels/wgmma.cuh on their own (tests/gpu/test_wgmma.py against numpy): one
 // warpgroup, operands staged by ordinary stores into chunk-major tiles (layout 0) or 128-byte swizzled ones
 // (layout 2) with the header's descriptors, or with their leading and stride byte offsets exchanged (layouts 1
 // and 3: a probe of the descriptor's fields). Dynamic shared memory 1 KB more than the tiles (aligned start).

@@ -125,22 +125,23 @@ PIECEWISE = ("tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py")
 # Every emulator run, longest first (a fresh clone's minutes on the 2-core CI machine, kernel builds included), so
 # that the runs, started side by side as soon as the first of these tests asks, finish together.
 RUNS: dict[str, EmuRun] = {
+    "prefill": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"), PREFILL_EMU_CASES),
     "piecewise_engine": EmuRun(("tests/gpu/test_engine_graphs.py",), "piecewise_tails_with_packed"),
     "piecewise_dense": EmuRun(PIECEWISE, "(eager_logits and mxfp4 and (qwen3_5_text or qwen3])) or kept or arena "
                                          "or outside or failed or captured or unbound or handle"),
-    "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
-    "prefill": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"), PREFILL_EMU_CASES),
     "moe": EmuRun(("tests/gpu/test_kernels_extra.py", "tests/gpu/test_fused_norm.py"), MOE_EMU_CASES),
-    "small": EmuRun(("tests/gpu/test_gemv_small.py",), "small and not (unaligned and (8-8 or 4-2)) "
-                                                       "and not (normed and 4-2- and not 40-5128)"),
+    "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
+    "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
+    "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
+                           "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked"),
     "decode_attention": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_attention_fusions.py"),
                                "(test_decode_attention_microscaled_pages and 6/6-heads1-shape1) "
                                "or (gated_decode and contexts2) or backend_gates"),
-    "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
-                           "dense_values_are or (change_no_logit and mxfp4-qwen3_5) or setting_is_checked"),
+    "small": EmuRun(("tests/gpu/test_gemv_small.py",), "small and not (unaligned and (8-8 or 4-2)) "
+                                                       "and not (normed and 4-2- and not 40-5128)"),
     "skinny": EmuRun(("tests/gpu/test_kernels_extra.py",), "mx_linear_k_tail or bf16_x_staging_edges", strided=False),
-    "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
     "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
+    "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
 }
 
 
@@ -258,17 +259,18 @@ def test_bf16_prefill_weights_pass_on_the_emulator(emulator):
 
 
 @needs_toolchain
-@uses_runs("piecewise_dense", "piecewise_moe_slot", "piecewise_engine")
+@uses_runs("piecewise_dense", "piecewise_moe", "piecewise_moe_slot", "piecewise_engine")
 def test_piecewise_graphs_pass_on_the_emulator(emulator):
     """Eager steps' layer tails as CUDA graphs (the emulator records a capture's launches, device copies and
     `blas` GEMMs and replays them): a forward with tails against the eager one over captures, replays and mixed
-    steps (an MoE model's layers too, its shared expert in the stacks; the shared expert apart is the GPU run's,
-    its combine the "moe" run's here), cuBLAS products inside captured tails (bf16 values kept, buckets past
-    DENSE_ROWS), the arena, a failed capture's eager fallback, cuBLAS handles bound before a capture, and the
-    engine's greedy tokens with tails against the same engine without them (the device sampler included): cases of
-    their GPU tests, through the emulator plugin, in three processes."""
-    counts = {name: passed(emulator(name)) for name in ("piecewise_dense", "piecewise_moe_slot", "piecewise_engine")}
-    assert counts == {"piecewise_dense": 11, "piecewise_moe_slot": 1, "piecewise_engine": 1}, counts
+    steps (MoE models' layers too, the shared expert apart and in the stacks), cuBLAS products inside captured
+    tails (bf16 values kept, buckets past DENSE_ROWS), the arena, a failed capture's eager fallback, cuBLAS handles
+    bound before a capture, and the engine's greedy tokens with tails against the same engine without them (the
+    device sampler included): cases of their GPU tests, through the emulator plugin, in four processes."""
+    names = ("piecewise_dense", "piecewise_moe", "piecewise_moe_slot", "piecewise_engine")
+    counts = {name: passed(emulator(name)) for name in names}
+    assert counts == {"piecewise_dense": 11, "piecewise_moe": 1, "piecewise_moe_slot": 1, "piecewise_engine": 1}, \
+        counts
 
 
 @needs_toolchain

@@ -1,5 +1,5 @@
-"""Prefill attention of the `qwen3.8-27b` shapes: the tensor-core kernel's builds (decapybara/kernels/attn_prefill.cu) against
-the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all in one run.
+"""Prefill attention of the `qwen3.8-27b` shapes: the tensor-core kernel's builds (decapybara/kernels/attn_prefill.cu)
+against the general float32 kernel and torch's SDPA, one chunk over a cached prefix, all in one run.
 
     PYTHONUNBUFFERED=1 python3 bench/attn_prefill.py     # ATTN_PREFILL=2048@0,2048@16384+11 (tokens@prefix,
                                                          # +N: N decode rows at that context beside the chunk),

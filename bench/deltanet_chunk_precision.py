@@ -2,8 +2,8 @@
 
     python3 bench/deltanet_chunk_precision.py            # H=4 heads x T=1,024 tokens, dk = dv = 128
 
-The GPU's prefill runs the gated delta rule token by token (decapybara/kernels/deltanet_prefill.cu `gdn_recurrent`, float
-arithmetic). The chunked form (the numpy reference `gated_delta_chunk`: the UT transform per 64-token chunk)
+The GPU's prefill runs the gated delta rule token by token (decapybara/kernels/deltanet_prefill.cu `gdn_recurrent`,
+float arithmetic). The chunked form (the numpy reference `gated_delta_chunk`: the UT transform per 64-token chunk)
 turns it into matrix products that tensor cores could run, but MMAs take bf16 operands. This models each
 product's operand rounding (bf16 round to nearest even, float32 sums) and prints the output's and the final
 state's largest error against the float64-within-chunk reference, relative to their largest magnitude, for:

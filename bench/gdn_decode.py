@@ -9,9 +9,9 @@ GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "v32": {"
 {"GDN_MINB": 4}}, "prev": {"source": "deltanet_prefill_prev", "vcols": 32, "runs": 1}}', the last an older kernel file
 (one run a CTA: kernels before the twentieth session take no more; they had their own CTAs an SM, 3 at 27B,
 which the launch's GDN_MINB now overrides unless a variant sets it):
-`git show <commit>:decapybara/kernels/deltanet_prefill.cu > decapybara/kernels/deltanet_prefill_prev.cu`, ignored by git; its CTAs
-have 32 value columns), each captured afresh and timed in turn, GDN_ROUNDS times over (interleaved: the spread
-between rounds beside the effect); the table's last column is the ratio to the first.
+`git show <commit>:decapybara/kernels/deltanet_prefill.cu > decapybara/kernels/deltanet_prefill_prev.cu`, ignored by
+git; its CTAs have 32 value columns), each captured afresh and timed in turn, GDN_ROUNDS times over (interleaved: the
+spread between rounds beside the effect); the table's last column is the ratio to the first.
 
 A CUDA graph of GDN_LAYERS layers (default 16: at 12 sequences 16 x 37.7 MB of state, past the L2; launched
 overlapped as in a decode graph) is timed with CUDA events, median of GDN_ITERS replays, per layer. A layer reads and writes 3.1 MB of float32 state per

@@ -99,8 +99,8 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide segk 2688", {"wide_segk": 2688}, ()),
     ("part batch 1", {"part_batch": 1}, ()),              # a split tile's partial sums loaded one at a time (before)
 ]
-# An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show REV:decapybara/kernels/mx_gemv.cu`) is
-# measured in the same run, against the same reference products.
+# An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show
+# REV:decapybara/kernels/mx_gemv.cu`) is measured in the same run, against the same reference products.
 if (Path(__file__).resolve().parents[1] / "decapybara" / "kernels" / "mx_gemv_prev.cu").exists():
     VARIANTS.insert(0, ("previous kernel", {"source": "mx_gemv_prev"}, ()))
 if os.environ.get("SWEEP_VARIANTS"):  # e.g. "default,3/SM s1"

@@ -157,7 +157,7 @@ def test_tune_dict_counts_every_change():
         assert type(clone) is TuneDict and clone == t
 
 
-# ---- E2M1 split-field layout (decapybara/kernels/mx_pairs.cuh) ------------------------------------------------------------
+# ---- E2M1 split-field layout (decapybara/kernels/mx_pairs.cuh) -------------------------------------------------------
 U = np.uint32
 M, S = U(0x01C001C0), U(0x80008000)
 

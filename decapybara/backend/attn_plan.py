@@ -1,6 +1,7 @@
-"""Work planning of paged attention (decapybara/kernels/attn_prefill.cu, decapybara/kernels/attn_decode.cu): pure arithmetic, so the
-split rules are tested on any machine (tests/test_attn_plan.py); decapybara/backend/cupy_attention.py turns the
-plans into device metadata and launches, decapybara/backend/cuda_graph.py sizes its decode graphs by them.
+"""Work planning of paged attention (decapybara/kernels/attn_prefill.cu, decapybara/kernels/attn_decode.cu): pure
+arithmetic, so the split rules are tested on any machine (tests/test_attn_plan.py);
+decapybara/backend/cupy_attention.py turns the plans into device metadata and launches,
+decapybara/backend/cuda_graph.py sizes its decode graphs by them.
 
 A work item is a tile of `block_m` query rows (row = token * g + head in group, g = nq / nkv) of one sequence
 over a key range [begin, end); long ranges are split (split-K, "flash decoding") so that 1..12 decoding

@@ -12,10 +12,10 @@ FlashAttention-2 style, CTAs of 64 or 128 query rows, on Hopper with warpgroup M
 holds its switch, env DECAPYBARA_PREFILL_ATTN=0, and build); float32 pages keep the general float32 kernel, as
 do pure decode forwards the decode kernel does not take (eager and graph plans alike).
 
-A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs decapybara/kernels/attn_decode.cu
-instead, and so do the decode rows of a mixed step (planned apart, as a pure decode batch of them: `rows`;
-DECODE "mixed"), when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit keys and
-values (head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and
+A pure decode forward (one new token per sequence, g <= 8 query heads per KV head) runs
+decapybara/kernels/attn_decode.cu instead, and so do the decode rows of a mixed step (planned apart, as a pure decode
+batch of them: `rows`; DECODE "mixed"), when the pages are bf16 (head_dim 64 / 128 / 256) or microscaled 8 / 6 / 4-bit
+keys and values (head_dim 128 / 256): tensor cores, a cp.async ring of 16-key tiles per warp, the same work items and
 partial layout (so the same reduce). `DECODE` holds its switch and launch shapes (env DECAPYBARA_DECODE_ATTN=0
 turns it off; bench/attn_decode.py times both).
 """

@@ -396,9 +396,9 @@ class CupyBackend(Backend):
 
     def qk_norm_rope(self, q: Any, k: Any, q_weight: Any, k_weight: Any, eps: float, offset: float, cos: Any,
                      sin: Any, rotary_dim: int) -> tuple[Any, Any]:
-        """Both norms and rotations in one launch (decapybara/kernels/decode_ops.cu `qk_norm_rope`, q and k read in place as
-        the columns of a fused [query | gate] or q|k|v product); heads longer than the warp norm's rows take the
-        four ops."""
+        """Both norms and rotations in one launch (decapybara/kernels/decode_ops.cu `qk_norm_rope`, q and k read in
+        place as the columns of a fused [query | gate] or q|k|v product); heads longer than the warp norm's rows take
+        the four ops."""
         if q.shape[-1] > ops.WARP_ROW_MAX:
             return super().qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, rotary_dim)
         return ops.qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, rotary_dim)

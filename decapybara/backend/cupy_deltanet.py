@@ -78,9 +78,9 @@ def recurrent_smem_bytes(dk: int, vcols: int, tokens: int) -> int:
 
 
 def chunk_prep_smem_bytes(dk: int, dv: int) -> int:
-    """Dynamic shared memory of a gdn_chunk_prep CTA (decapybara/kernels/deltanet_chunk.cu: REGION0, A, P, the scalars): q^T
-    and k^T (dk rows of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4), whichever
-    is larger; A and P (CHUNK rows of CHUNK + 4); four per-token scalars."""
+    """Dynamic shared memory of a gdn_chunk_prep CTA (decapybara/kernels/deltanet_chunk.cu: REGION0, A, P, the
+    scalars): q^T and k^T (dk rows of CHUNK + 4 floats), later the U and W staging (CHUNK rows of dv + 4 and dk + 4),
+    whichever is larger; A and P (CHUNK rows of CHUNK + 4); four per-token scalars."""
     region0 = max(2 * dk * (CHUNK + 4), CHUNK * (dv + dk + 8))
     return 4 * (region0 + 2 * CHUNK * (CHUNK + 4) + 4 * CHUNK)
 
@@ -304,8 +304,8 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
 
 def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPlan, work: ChunkWork, out: Any,
              snap_rec: Any, hk: int, hv: int, dk: int, dv: int, c: int) -> None:
-    """The gated delta rule of `work`'s long runs by chunks (decapybara/kernels/deltanet_chunk.cu): gdn_chunk_prep over every
-    (chunk, value head) at once, then gdn_chunk_scan along each run's chunks. Updates `rec`, writes `out` and
+    """The gated delta rule of `work`'s long runs by chunks (decapybara/kernels/deltanet_chunk.cu): gdn_chunk_prep over
+    every (chunk, value head) at once, then gdn_chunk_scan along each run's chunks. Updates `rec`, writes `out` and
     `snap_rec` as gdn_recurrent does, for those runs only."""
     nch = int(work.chunks.shape[0])
     defines = (("DK", dk), ("DV", dv), *CHUNKED["defines"].items())

@@ -83,10 +83,10 @@ class PackedWeight:
     `persistent`: a model weight, written before any forward that reads it (load time): only then may a product
     launched overlapped (`pdl.launch`) load it before waiting for the kernel before it.
     `e2m1_split`: MXFP4 / NVFP4 codes in the split-field layout (`gemv_plan.e2m1_split_words` of the
-    QuantTensor's codes; decapybara/kernels/mx_gemv.cu decodes it under MX_E2M1 = 1), else plain nibbles; False otherwise.
-    `tiled`: MXFP4 / NVFP4 codes (either field layout) and scales in 16-row bands of chunk tiles
-    (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; decapybara/kernels/mx_gemv.cu reads them
-    under MX_TILED = 1), else row-major: needs N % 16 == 0 and whole 256-code chunks (`tile_layout`). Row slices
+    QuantTensor's codes; decapybara/kernels/mx_gemv.cu decodes it under MX_E2M1 = 1), else plain nibbles; False
+    otherwise. `tiled`: MXFP4 / NVFP4 codes (either field layout) and scales in 16-row bands of chunk tiles
+    (`gemv_plan.band_tiles`, pieces of 128 code bytes and 256 / block scale bytes; decapybara/kernels/mx_gemv.cu reads
+    them under MX_TILED = 1), else row-major: needs N % 16 == 0 and whole 256-code chunks (`tile_layout`). Row slices
     of whole bands keep the layout.
     A weight may keep its values as bf16 bits besides (`dense_of`, `attach_dense`; the server's
     `prefill_weights=bf16`), in its cache, so that they go with the arrays they were made from.
@@ -323,8 +323,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # staging then takes half the passes): one-stream 27B steps ~1% faster (eight interleaved rounds; before the
 # `_1r` kernels it measured no better).
 # `swiglu_rows` (0: off): MLPs of this many rows up to 64 (SWIGLU_ROWS) run their fused gate|up product and
-# silu(gate) * up as one launch (`mx_swiglu`, decapybara/kernels/mx_gemv.cu `_1s` to `_8s`; past 16 rows since the twenty-
-# eighth session, for eager mixed steps' launch count, not yet timed on the GPU): 27B steps at 1 to 12 streams
+# silu(gate) * up as one launch (`mx_swiglu`, decapybara/kernels/mx_gemv.cu `_1s` to `_8s`; past 16 rows since the
+# twenty-eighth session, for eager mixed steps' launch count, not yet timed on the GPU): 27B steps at 1 to 12 streams
 # 1-3% faster (interleaved captures, docs/perf.md).
 # `row1` (0: off): dense one-row MXFP4 / NVFP4 products run the `_1r` / `_1rs` kernels (decapybara/kernels/mx_gemv.cu,
 # header: partial sums by block, the block scales applied to float32 sums once a block instead of a bf16x2 FMA
@@ -336,19 +336,19 @@ def _stream_counters(device: int, stream: int) -> Any:
 # steps at 10 and 12 streams 2% (MXFP4) and 3% (NVFP4, 12x1k) faster (interleaved, docs/perf.md); the same
 # bytes (a segment's length does not change the summation order). The other formats keep 1024 (not measured).
 # `part_batch`: split-K partial sums a thread of a one-row (`_1r` / `_1rs`) tile's last block loads at once
-# before adding them in order (decapybara/kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time, as
-# the other kernels do): the same bytes; one-row products 1.7% faster (`gemv_sweep`), one-stream steps within
+# before adding them in order (decapybara/kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time,
+# as the other kernels do): the same bytes; one-row products 1.7% faster (`gemv_sweep`), one-stream steps within
 # their spread (docs/perf.md).
 # `swiglu_wide_warps` (0: `wide_warps`): warps of a two-n-tile (9-16 rows) SwiGLU launch's blocks (`_2s`; its
 # own build of MX_WARPS2). MXFP4 / NVFP4 24 (one block an SM, 384-row tiles): the twelve-row gate|up product
 # stages x for twice the rows of weights, and 27B steps ~1.2% faster (interleaved: MXFP4 at 10 and 12 streams,
 # NVFP4 at 12, docs/perf.md); the plain two-n-tile products stay at 12 (24 made them slower). Other tiles
 # than the plain product's, so other K split points: the same products within float32 rounding.
-# `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on decapybara/kernels/gemv_small.cu
-# (`small_product`: a block a 16-row tile, its warps splitting K, tensor-core sums met in shared memory; no K
-# splits across blocks, no x staging). 1024: the 35B-A3B's router|gate (257 x 2,048) and b|a (64 x 2,048) after
-# their norm 2.4x the skinny GEMM's speed at one row, 3.4x at twelve, the 27B's b|a (96 x 5,120) 1.1x / 2.3x
-# (bench/small_product.py); 35B-A3B steps 1.08x at one sequence, 1.04x at twelve; the 27B's, whose b|a runs on a
+# `small_n` (0: off): bf16 products of at most this many weight rows and 1-16 rows of x run on
+# decapybara/kernels/gemv_small.cu (`small_product`: a block a 16-row tile, its warps splitting K, tensor-core sums met
+# in shared memory; no K splits across blocks, no x staging). 1024: the 35B-A3B's router|gate (257 x 2,048) and b|a (64
+# x 2,048) after their norm 2.4x the skinny GEMM's speed at one row, 3.4x at twelve, the 27B's b|a (96 x 5,120) 1.1x /
+# 2.3x (bench/small_product.py); 35B-A3B steps 1.08x at one sequence, 1.04x at twelve; the 27B's, whose b|a runs on a
 # side stream, within their spread (docs/perf.md, thirty-fifth session). `small_warps` / `small_pre` (0:
 # SMALL_WARPS / SMALL_PRE): its blocks' warps and the 32-code steps of codes a warp holds at once; 16 / 4 the
 # fastest of 8 / 8, 16 / 4, 4 / 8, 8 / 4 on every shape.
@@ -525,7 +525,8 @@ STATIC_SEGK = 1440  # the longest x staging row of the two-n-tile kernels in sta
 
 def staging_bytes(tune: dict, nt: int) -> int:
     """Dynamic shared memory of an `nt`-n-tile product's launch: the two-n-tile kernels' x staging buffer where
-    its rows (`wide_segk` codes) are longer than static shared memory holds (decapybara/kernels/mx_gemv.cu XBuf), else 0."""
+    its rows (`wide_segk` codes) are longer than static shared memory holds (decapybara/kernels/mx_gemv.cu XBuf),
+    else 0."""
     segk = tune.get("wide_segk", 1024)
     return 16 * (segk + 32) * 2 if nt == 2 and segk > STATIC_SEGK and kernel_knows(tune["source"], "MX_SEGK2") else 0
 
@@ -713,8 +714,8 @@ def fuses_grouped_swiglu(w: PackedWeight, rows: int) -> bool:
 
 def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     """silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up] stacked along rows (N rows, N % 16 == 0), in
-    one launch (decapybara/kernels/mx_gemv.cu `_1s` to `_8s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its bytes
-    under tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
+    one launch (decapybara/kernels/mx_gemv.cu `_1s` to `_8s` kernels, header): `silu_mul_halves(mx_linear(x, w))`, its
+    bytes under tile-grid plans (within float32 rounding of the sums under stream-K, whose split points follow the
     kernel's own row order), float32 or (out_dtype uint16) in bf16 bits. x float32 / bf16 bits, or (up to
     FUSED_ROWS rows) `NormedRows`, fused; at most SWIGLU_ROWS rows (the caller checks `fuses_swiglu`)."""
     assert isinstance(w, PackedWeight) and len(w.shape) == 2, f"expected a 2-D PackedWeight, got {w!r:.80}"
@@ -917,7 +918,8 @@ def mx_dequant(w: PackedWeight, rows: Any = None, out_dtype: Any = np.float32) -
     return out
 
 
-DQ_THREADS, DQ_OCTETS = 256, 4  # decapybara/kernels/mx_gemv.cu DQ_THREADS, MX_DQ_OCTETS: 8-element octets a block, a thread
+DQ_THREADS, DQ_OCTETS = 256, 4  # decapybara/kernels/mx_gemv.cu DQ_THREADS, MX_DQ_OCTETS: 8-element octets
+                                # a block, a thread
 
 
 def dequant_bf16_ok(w: PackedWeight) -> bool:
@@ -1048,7 +1050,8 @@ def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
 
 # ---- mixture of experts --------------------------------------------------------------------------------
 ROUTE_DISPATCH_ROWS = 32  # steps of up to this many rows route and dispatch in one launch (one block's warps)
-MOE_EXPERTS, MOE_TOP_K = 1024, 32  # the routing kernels' limits (decapybara/kernels/moe.cu): a lane's logits, a warp's picks
+MOE_EXPERTS, MOE_TOP_K = 1024, 32  # the routing kernels' limits (decapybara/kernels/moe.cu): a lane's logits,
+                                   # a warp's picks
 
 
 @dataclass(slots=True)

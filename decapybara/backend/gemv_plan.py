@@ -196,7 +196,7 @@ def merge_tune(tune: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     return out
 
 
-# ---- E2M1 split-field code layout (decapybara/kernels/mx_pairs.cuh `e2m1_pairs_split`) -----------------------------------
+# ---- E2M1 split-field code layout (decapybara/kernels/mx_pairs.cuh `e2m1_pairs_split`) -------------------------------
 E2M1_SIGN_BIT = (13, 12, 15, 14)  # bit of code r's sign within its 16-bit half (its magnitude: bits 3r..3r+2)
 
 

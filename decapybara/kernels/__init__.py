@@ -216,7 +216,7 @@ _KERNELS: dict[tuple[Any, ...], Any] = {}  # (name, func, defines as given, devi
 
 
 def get_kernel(name: str, func: str, defines: Defines = ()) -> Any:
-    """One ``extern "C"`` kernel of ``decapybara/kernels/<name>.cu`` (a ``cupy.RawKernel``), cached like its module. Every
+    """One ``extern "C"`` kernel of ``<name>.cu`` (a ``cupy.RawKernel``), cached like its module. Every
     eager launch asks, so a kernel seen before on this device comes from one dict lookup, without reading the
     environment again: the compiler in force at its first use on a device (`compiler()`) is the one it keeps."""
     import cupy

@@ -23,7 +23,7 @@
 //
 // Microscaled pages (KBITS / VBITS 8, 6 or 4 defined: paged_decode_attention_mx, head_dim 128 or 256): the
 // ring holds the tile's codes and E8M0 scale bytes as stored; each lane turns the codes it needs into bf16x2
-// operand registers itself (decapybara/kernels/mx_pairs.cuh: bit placement and one bf16x2 FMA by the block factor, exact),
+// operand registers itself (mx_pairs.cuh: bit placement and one bf16x2 FMA by the block factor, exact),
 // so no dequantised tile is written anywhere. The reduction order of an MMA is free, so
 //   scores: lane (gr, t) takes keys gr and gr + 8, dims [t D/4, (t+1) D/4), 8 codes (two k-steps) at a time in
 //           the pair order of the decoder; q is loaded in the same permutation (once, in registers);

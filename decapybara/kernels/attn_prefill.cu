@@ -309,7 +309,7 @@ kv_pages_bf16(const void* __restrict__ k_codes, const u8* __restrict__ k_scales,
 // before S(t), K(t + 1) once every warp has read K(t); with a ring of TC_STAGES = 2 or 3 (K, V) pairs, tile
 // t + TC_STAGES is requested once every warp is done with tile t.
 // PREFILL_WG 1 (Hopper, built for sm_90a: define SM90A; head_dim 64 / 128 / 256) runs the same tiles, loads,
-// barriers and softmax with warpgroup MMAs (decapybara/kernels/wgmma.cuh): each 4 warps are one warpgroup of 64 rows, S and
+// barriers and softmax with warpgroup MMAs (wgmma.cuh): each 4 warps are one warpgroup of 64 rows, S and
 // P @ V are wgmma m64 products (S from Q and K in shared memory, P @ V from P's fragments in registers and V read
 // transposed), so no operand passes through ldmatrix; each product's group is waited for at once. Its Q, K and V
 // sit in unpadded 128-byte swizzled tiles (wgmma.cuh), which 8 consecutive threads fill with a key's (or a query

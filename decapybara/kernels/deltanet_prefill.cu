@@ -574,7 +574,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
 }
 
 // ---- a decode forward's last launch: conv state and the gated RMS norm ---------------------------------------
-// gated_rms_norm_warp's row (decapybara/kernels/decode_ops.cu) for n = DV, by one warp: out = x / sqrt(mean(x^2) + eps) *
+// gated_rms_norm_warp's row (decode_ops.cu) for n = DV, by one warp: out = x / sqrt(mean(x^2) + eps) *
 // w * silu(z) with the same float operations in the same order, so the same bits: each lane sums x[i]^2 (fma)
 // over its elements i = lane + 32 j in j order, then warp_sum's butterfly; the same output expression.
 // (gated_rms_norm_warp's + 0 * 0 terms for j past the row are exact; its tail loop past 8 elements per lane

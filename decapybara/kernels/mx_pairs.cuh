@@ -1,4 +1,4 @@
-// Microscaled codes -> bf16x2 pairs in registers, the operands of bf16 tensor-core MMAs (decapybara/kernels/mx_gemv.cu's
+// Microscaled codes -> bf16x2 pairs in registers, the operands of bf16 tensor-core MMAs (mx_gemv.cu's
 // weights, decapybara/kernels/attn_decode.cu's quantised KV pages).
 //
 // A code becomes a bf16 by moving its bits into place: the magnitude of an E2M1 / E2M3 code lands on the low

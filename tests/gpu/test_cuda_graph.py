@@ -89,8 +89,8 @@ def compare_state(kv, states, ref, name):
 @pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16"), ((8, 2, 128), "6/4")])
 def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
     """Graph replays equal eager steps; with bf16 pages (head_dim 64) or 6/4-bit pages (head_dim 128) both run
-    the tensor-core decode attention (decapybara/kernels/attn_decode.cu), whose graph work items include empty key ranges
-    (splits > keys)."""
+    the tensor-core decode attention (decapybara/kernels/attn_decode.cu), whose graph work items include empty key
+    ranges (splits > keys)."""
     from decapybara.backend import cupy_attention as ca
     launched = []
     get = ca.get_kernel

@@ -1,5 +1,5 @@
-"""The MLP's gate|up product and silu(gate) * up in one launch (decapybara/kernels/mx_gemv.cu `_1s` kernels, `mx_swiglu`;
-GPU only).
+"""The MLP's gate|up product and silu(gate) * up in one launch (decapybara/kernels/mx_gemv.cu `_1s` kernels,
+`mx_swiglu`; GPU only).
 
 `mx_swiglu(x, [gate; up])` must be `silu_mul_halves(mx_linear(x, [gate; up]))`: the kernel reads each band's
 gate and up rows in one lane and finishes them with the same float operations, so that where every output tile

@@ -334,8 +334,8 @@ MX_DECODE_CASES = [("8/8", (24, 4, 256, 64), (8, 3)), ("6/6", (8, 1, 128, 16), (
 
 @pytest.mark.parametrize("kv_mode,heads,shape", MX_DECODE_CASES)
 def test_decode_attention_microscaled_pages(monkeypatch, kv_mode, heads, shape):
-    """decapybara/kernels/attn_decode.cu's paged_decode_attention_mx: every key and value format (8 / 6 / 4 bits), head_dim
-    128 and 256, g 1-8, pages of 5, 7, 16, 64 and 512 keys, forced and planned splits, several launch shapes
+    """decapybara/kernels/attn_decode.cu's paged_decode_attention_mx: every key and value format (8 / 6 / 4 bits),
+    head_dim 128 and 256, g 1-8, pages of 5, 7, 16, 64 and 512 keys, forced and planned splits, several launch shapes
     and one or two score chains, against numpy over the same quantised pages at float32 tolerance (the
     dequantised codes are exact in bf16)."""
     from decapybara.backend import cupy_attention as ca

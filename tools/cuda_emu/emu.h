@@ -236,8 +236,8 @@ inline void ldmatrix_x4_impl(u32& r0, u32& r1, u32& r2, u32& r3, u32 a, bool tra
 }
 inline void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) { ldmatrix_x4_impl(r0, r1, r2, r3, a, false); }
 inline void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 a) { ldmatrix_x4_impl(r0, r1, r2, r3, a, true); }
-// wgmma.mma_async m64nNk16 bf16 -> f32 (decapybara/kernels/wgmma.cuh), run at issue: the kernels leave its operands alone
-// until wgmma.wait_group, so the asynchronous read gives the same values. `tmpl` is the asm text (N, and A from
+// wgmma.mma_async m64nNk16 bf16 -> f32 (decapybara/kernels/wgmma.cuh), run at issue: the kernels leave its operands
+// alone until wgmma.wait_group, so the asynchronous read gives the same values. `tmpl` is the asm text (N, and A from
 // registers or a descriptor); `d` the thread's N / 2 accumulators; `in` the inputs: A's descriptor or its 4
 // registers (mma.sync m16n8k16 A fragments), B's descriptor, scale-d (0: D = A B), in that order. A descriptor:
 // start address >> 4 (bits 0-13), leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45), swizzle

@@ -37,6 +37,7 @@ from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.gemv_plan import band_rows, band_tiles, e2m1_plain_words, e2m1_split_words
 from decapybara.kernels import get_kernel
+from decapybara.model.quant.elements import bf16_decode
 
 # [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused as
 # QwenModel fuses them: gate|up, qkv|z, q|k|v; the sweeps in docs/perf.md up to the seventh session's had
@@ -167,9 +168,7 @@ def values(y: Any) -> np.ndarray:
     """A product's output on the host as float64 values: y comes in x's type, so in bf16 bits under SWEEP_X=bf16
     (compared as integers, a rounding that flips a near-zero output's sign reads as a relative error of ~1)."""
     y = cp.asnumpy(y)
-    if y.dtype == np.uint16:
-        y = (y.astype(np.uint32) << 16).view(np.float32)
-    return y.astype(np.float64)
+    return (bf16_decode(y) if y.dtype == np.uint16 else y).astype(np.float64)
 
 
 def run_variant(weights: dict, xs: dict, copy_bw: float, ref: dict | None) -> dict[str, Any]:

@@ -359,6 +359,16 @@ def _stream_counters(device: int, stream: int) -> Any:
 # twelve-row step's ~90 expert groups mostly hold one or two rows (the shared expert's twelve take two M tiles, its
 # weights read twice): 35B-A3B steps at 10 and 12 rows 1.03-1.04x (two interleaved rounds, docs/perf.md,
 # thirty-seventh session); past 16 rows (prefill) a group's many rows would read its weights once per 8.
+# `early` (0: off; kernel define MX_EARLY, bits by kernel: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile
+# ones (2-8 rows), 4 those of two n-tiles and more): the loop over whole chunks issues each register stage's
+# next chunk inside the current chunk's MMAs, each 16-byte piece of codes once its words are decoded and the
+# scales once read (mx_gemv.cu `Refill`), rather than after them, so that a warp's next loads are in flight while
+# it computes; the same loads and sums, so the same bytes (BF16, MXFP8 and the E2M1 formats; MXFP6's wider
+# lane-rows keep the plain loop). 4 (forty-first session, docs/perf.md): step-weighted twelve-row products
+# (`gemv_sweep`) MXFP4 7.60 -> 7.25 ms, NVFP4 8.80 -> 8.61, MXFP8 10.21 -> 9.95, bf16 unchanged; 27B MXFP4 steps
+# at 12x1k 1.047x and 12x32k 1.024x (four interleaved rounds); bits 1 and 2 measured no faster (ptxas puts the
+# one-row kernels' loads late in the chunk and spills 8-16 bytes at 80 registers; NVFP4's one-row products 3.6%
+# slower, bf16's 1.5%).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -368,7 +378,7 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
+    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16, "early": 4,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -480,7 +490,9 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             ("MX_ACC", tune["acc"]), ("MX_MINB", tune["blocks_per_sm"]), ("MX_MINB2", tune["wide_blocks_per_sm"]),
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
             *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()),
-            *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()), *TUNE_DEFINES)
+            *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()),
+            *((("MX_EARLY", tune["early"]),) if tune.get("early", 0) and kernel_knows(tune["source"], "MX_EARLY")
+              else ()), *TUNE_DEFINES)
 
 
 @dataclass

@@ -34,6 +34,10 @@
 // writes rows off_j + m of y (M: y's rows), uses weights W + e * w_gstride for expert e = g_ids[j] (j where
 // g_ids is null). Its K range may be split as a dense launch's: partial sums by y row, a counter per (group,
 // M tile, output tile).
+// Early refill (MX_EARLY, by kernel kind): in the loop over whole chunks, a register stage's next chunk is loaded
+// while the stage's own chunk is computed, each 16-byte piece of a lane-row as soon as its words are decoded and
+// the scales once read (`Refill`), instead of after the chunk's MMAs, so that a warp has loads in flight while it
+// computes; the same loads, pointer walk and sums, so the same bytes.
 // Programmatic dependent launch (pdl.cuh): a dense launch loads its first register stages of weights, then
 // waits for the kernel before it; it lets its own dependents launch once its K loop is done.
 // Fused residual add and RMSNorm across two dense products (decapybara/backend/cupy_ops_extra.py
@@ -143,6 +147,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #ifndef MX_R1_CHAINS
 #define MX_R1_CHAINS 1  // MMA chains of each of the NVFP4 `_1r` kernels' two sets of block sums (R1Cols)
 #endif
+#ifndef MX_EARLY
+#define MX_EARLY 0  // kernels whose loop over whole chunks loads each ring slot's next chunk inside its MMAs
+#endif              // (Refill), by bits: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile ones, 4 the wider ones
 #ifndef MX_PART_BATCH
 #define MX_PART_BATCH 8  // split-K partial sums a thread of a one-row (`_1r`) tile's last block loads at once (sum_parts)
 #endif
@@ -397,12 +404,53 @@ __device__ __forceinline__ void load_chunk(LaneRow<FMT>& a, LaneRow<FMT>& b, Row
     }
 }
 
+// The next chunk's loads into a ring slot while the slot's own chunk is computed (MX_EARLY, the loop over whole
+// chunks): piece q (16 bytes a row: words 4q..4q+3) of rows g and g + 8 as soon as the chunk's MMAs have read that
+// piece's words, the scales once read; the same loads and pointer walk as load_next, in that order. `on` false
+// (no chunk ST ahead): nothing loaded. A piece's registers are dead once read, so the copy in flight needs none.
+template <int FMT> struct Refill {
+    LaneRow<FMT>& a;
+    LaneRow<FMT>& b;
+    RowPtr& p0;
+    RowPtr& p8;
+    bool on;
+    __device__ __forceinline__ void codes(int q) {
+        constexpr int NLD = Fmt<FMT>::LB / 16;
+        if (on) {
+            const uint4 u = ld_stream(p0.w + q * 16), v = ld_stream(p8.w + q * 16);
+            a.w[4 * q] = u.x; a.w[4 * q + 1] = u.y; a.w[4 * q + 2] = u.z; a.w[4 * q + 3] = u.w;
+            b.w[4 * q] = v.x; b.w[4 * q + 1] = v.y; b.w[4 * q + 2] = v.z; b.w[4 * q + 3] = v.w;
+            if (q == NLD - 1) {
+                p0.w += CHUNK_STEP(Fmt<FMT>::LB);
+                p8.w += CHUNK_STEP(Fmt<FMT>::LB);
+            }
+        }
+    }
+    __device__ __forceinline__ void scales() {
+        constexpr int NS = Fmt<FMT>::NS;
+        if (NS && on) {
+            a.s = ld_scales<NS>(p0.s);
+            b.s = ld_scales<NS>(p8.s);
+            p0.s += CHUNK_STEP(NS);
+            p8.s += CHUNK_STEP(NS);
+        }
+    }
+};
+struct NoRefill {  // the plain loop: the slot refilled after its chunk (load_chunk)
+    __device__ __forceinline__ void codes(int) {}
+    __device__ __forceinline__ void scales() {}
+};
+// formats whose dequant reads a lane-row's words in order, a 16-byte piece every S2 / NLD slices (not MXFP6's)
+template <int FMT> __host__ __device__ constexpr bool early_ok() { return MX_EARLY && Fmt<FMT>::LB == 32; }
+
 // One chunk's MMAs: xa[nt] is the shared-window byte address of n-tile nt's staged x for this lane and chunk
 // (its row, the chunk's codes, lane t's 8-code slot).
-template <int FMT, int NT>
+// rf: the slot's refill (Refill, MX_EARLY) or none (NoRefill): the scales once their factors are taken, each
+// piece of codes after its last slice.
+template <int FMT, int NT, class RF>
 __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const LaneRow<FMT>& r0,
-                                          const LaneRow<FMT>& r1, const u32 (&xa)[NT]) {
-    constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS;
+                                          const LaneRow<FMT>& r1, const u32 (&xa)[NT], RF&& rf) {
+    constexpr int S2 = Fmt<FMT>::LANE_K / 8, NS = Fmt<FMT>::NS, PS = S2 / (Fmt<FMT>::LB / 16);  // slices a piece
     u32 f0[4] = {0, 0, 0, 0}, f1[4] = {0, 0, 0, 0};
     if (FMT == FMT_MXFP4 || FMT == FMT_MXFP6) {
         scale_pair(r0.s, f0);
@@ -414,11 +462,13 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[Acc<NT>::N][NT][4], const
             f1[i] = scale_factor<FMT>((r1.s >> (8 * i)) & 0xFFu);
         }
     }
+    rf.scales();
 #pragma unroll
     for (int jj = 0; jj < S2; ++jj) {
         u32 a0[4], a1[4];
         dequant<FMT>(r0.w, f0, jj, a0);
         dequant<FMT>(r1.w, f1, jj, a1);
+        if (PS > 0 && (jj + 1) % PS == 0) rf.codes((jj + 1) / PS - 1);
 #pragma unroll
         for (int nt = 0; nt < ((MX_DIAG & 2) ? 1 : NT); ++nt) {
             const uint4 b = ld_shared_v4(xa[nt] + 64 * jj);  // codes 32 jj.. of the lane's slot
@@ -464,9 +514,9 @@ __device__ __forceinline__ void e2m1_raw(const u32 w, u32 (&a)[4]) {
         e2m1_pairs_raw(w, a);
     }
 }
-template <int FMT>
+template <int FMT, class RF>
 __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
-                                             const u32 xa, const u32 xb) {
+                                             const u32 xa, const u32 xb, RF&& rf) {
     constexpr int SETS = R1Cols<FMT>::SETS, CH = R1Cols<FMT>::CHAINS;
     float d[SETS][CH][4];  // [set][MMA chain: slices 2jj, 2jj + 1 where two][fragment]
 #pragma unroll
@@ -478,6 +528,7 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
         u32 a0[4], a1[4];
         e2m1_raw(r0.w[jj], a0);
         e2m1_raw(r1.w[jj], a1);
+        if (jj % 4 == 3) rf.codes(jj / 4);  // words 4q..4q+3: piece q
         const int set = SETS == 1 ? 0 : jj >> 2;
         const uint4 b = ld_shared_v4((R1Cols<FMT>::second(jj) ? xb : xa) + 64 * jj);
         mma16816(d[set][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
@@ -494,6 +545,7 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>
             f1[i] = e4m3_f32((r1.s >> (8 * i)) & 0xFFu) * 0x1p62f;
         }
     }
+    rf.scales();
 #pragma unroll
     for (int i = 0; i < SETS; ++i) {
         float v[4];
@@ -732,20 +784,30 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                 const int c = cb + s;
                 if (c >= se) break;  // uniform per block
                 const u32 co = (u32)(c - sb) * (2 * CK);  // the chunk's bytes into the staged rows
-                if constexpr (R1) {
-                    const u32 xc = xrow[0] + co;  // x row 0 (R1: m_valid == 1)
-                    if (warp_on)
+                // refill this stage with the chunk ST ahead: inside the chunk's MMAs, piece by piece (MX_EARLY,
+                // whole chunks), or after them
+                const bool more = c + ST < c1;
+                constexpr bool EARLY = WHOLE && early_ok<FMT>() && (MX_EARLY & (R1 ? 1 : NT == 1 ? 2 : 4));
+                const auto compute = [&](auto&& rf) {
+                    if constexpr (R1) {
+                        const u32 xc = xrow[0] + co;  // x row 0 (R1: m_valid == 1)
                         mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zxa,
-                                          g == 2 * t + 1 ? xc : zxa - 2 * R1Cols<FMT>::XB);
-                } else if (warp_on) {
-                    u32 xa[NT];
+                                          g == 2 * t + 1 ? xc : zxa - 2 * R1Cols<FMT>::XB, rf);
+                    } else {
+                        u32 xa[NT];
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) xa[nt] = xrow[nt] + co;
-                    mma_chunk<FMT, NT>(acc, r0[s], r1[s], xa);
+                        for (int nt = 0; nt < NT; ++nt) xa[nt] = xrow[nt] + co;
+                        mma_chunk<FMT, NT>(acc, r0[s], r1[s], xa, rf);
+                    }
+                };
+                if (EARLY && warp_on) {
+                    compute(Refill<FMT>{r0[s], r1[s], p0, p8, more});
+                } else {
+                    if (warp_on) compute(NoRefill{});
+                    if (more)
+                        load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8,
+                                               (c + ST) * 4 + t, A.Kp);
                 }
-                if (c + ST < c1)  // refill this stage with the chunk ST ahead
-                    load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8,
-                                           (c + ST) * 4 + t, A.Kp);
             }
         }
     }

@@ -181,6 +181,46 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
         assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} {tune} M{m}")
 
 
+def check_early_refill(fmt, cases, rows, monkeypatch):
+    """mx_linear (and mx_swiglu where N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count
+    of `rows`: the same bytes with TUNE `early` 0 and 7."""
+    rng = np.random.default_rng(zlib.crc32(f"early-{fmt}-{cases}".encode()))
+    for shape, tune in cases:
+        wq, _ = random_weight(rng, fmt, shape)
+        w = ex.pack_weight(wq)
+        for m in rows:
+            x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
+            got, swi = [], []
+            for early in (0, 7):
+                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, "small_n": 0, **tune, "early": early})
+                got.append(host(ex.mx_linear(x, w)).view(np.uint32))
+                if shape[0] % 16 == 0:
+                    swi.append(host(ex.mx_swiglu(x, w)).view(np.uint32))
+            assert np.array_equal(got[0], got[1]), f"{fmt} {shape} {tune} M{m}: early refill changed the product"
+            assert not swi or np.array_equal(swi[0], swi[1]), f"{fmt} {shape} {tune} M{m}: SwiGLU bytes changed"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_early_refill_keeps_the_bytes(fmt, monkeypatch):
+    """Each register stage's next chunk loaded inside the current chunk's MMAs (TUNE `early`, MX_EARLY) changes
+    when the loads go out, not what is loaded or summed: the bytes of every kernel kind that takes it (one row,
+    the one-n-tile kernels at 4 rows, the two-n-tile ones at 12 and 16, the wider ones at 40; plain and SwiGLU
+    launches), as the plain loop gives them: tile grids, stream-K, several staging segments a block (K 17408
+    unsplit), band tiles and row-major codes (N % 16 != 0), a stage count of two, K splits."""
+    check_early_refill(fmt, (((4096, 5120), {}), ((4096, 5120), {"policy": "stream", "min_chunks": 1}),
+                             ((192, 17408), {"ksplit": 1}), ((700, 1536), {"stages": 2, "wide_stages": 2}),
+                             ((4096, 5120), {"ksplit": 3})), (1, 4, 12, 16, 40), monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_early_refill_keeps_the_bytes_small(fmt, monkeypatch):
+    """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): one, four and twelve rows, a tile
+    grid of band tiles with each block's whole K range (refills past the first stages) and stream-K blocks of at
+    least four chunks."""
+    check_early_refill(fmt, (((256, 2048), {"ksplit": 1}), ((256, 2048), {"policy": "stream", "min_chunks": 4})),
+                       (1, 4, 12), monkeypatch)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
     """The two-n-tile kernels' x staging row length (`wide_segk`, MX_SEGK2; in static shared memory or past it

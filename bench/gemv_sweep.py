@@ -100,7 +100,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide segk 2688", {"wide_segk": 2688}, ()),
     ("part batch 1", {"part_batch": 1}, ()),              # a split tile's partial sums loaded one at a time (before)
     # each register stage's next chunk loaded inside the current chunk's MMAs (TUNE `early`: bits 1 one-row, 2 the
-    # other one-n-tile kernels, 4 wider; MX_EARLY)
+    # other one-n-tile kernels, 4 two n-tiles, 8 four and eight; MX_EARLY)
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
 ]
 # An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show

@@ -360,7 +360,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # weights read twice): 35B-A3B steps at 10 and 12 rows 1.03-1.04x (two interleaved rounds, docs/perf.md,
 # thirty-seventh session); past 16 rows (prefill) a group's many rows would read its weights once per 8.
 # `early` (0: off; kernel define MX_EARLY, bits by kernel: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile
-# ones (2-8 rows), 4 those of two n-tiles and more): the loop over whole chunks issues each register stage's
+# ones (2-8 rows), 4 the two-n-tile ones (9-16 rows), 8 those of 4 and 8 n-tiles (17-64 rows, not timed, so off)):
+# the loop over whole chunks issues each register stage's
 # next chunk inside the current chunk's MMAs, each 16-byte piece of codes once its words are decoded and the
 # scales once read (mx_gemv.cu `Refill`), rather than after them, so that a warp's next loads are in flight while
 # it computes; the same loads and sums, so the same bytes (BF16, MXFP8 and the E2M1 formats; MXFP6's wider

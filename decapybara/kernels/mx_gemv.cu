@@ -149,7 +149,8 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #endif
 #ifndef MX_EARLY
 #define MX_EARLY 0  // kernels whose loop over whole chunks loads each ring slot's next chunk inside its MMAs
-#endif              // (Refill), by bits: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile ones, 4 the wider ones
+#endif              // (Refill), by bits: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile ones, 4 the two-n-tile
+                    // ones, 8 those of 4 and 8 n-tiles
 #ifndef MX_PART_BATCH
 #define MX_PART_BATCH 8  // split-K partial sums a thread of a one-row (`_1r`) tile's last block loads at once (sum_parts)
 #endif
@@ -787,7 +788,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                 // refill this stage with the chunk ST ahead: inside the chunk's MMAs, piece by piece (MX_EARLY,
                 // whole chunks), or after them
                 const bool more = c + ST < c1;
-                constexpr bool EARLY = WHOLE && early_ok<FMT>() && (MX_EARLY & (R1 ? 1 : NT == 1 ? 2 : 4));
+                constexpr bool EARLY = WHOLE && early_ok<FMT>() && (MX_EARLY & (R1 ? 1 : NT == 1 ? 2 : NT == 2 ? 4 : 8));
                 const auto compute = [&](auto&& rf) {
                     if constexpr (R1) {
                         const u32 xc = xrow[0] + co;  // x row 0 (R1: m_valid == 1)

@@ -183,7 +183,7 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
 
 def check_early_refill(fmt, cases, rows, monkeypatch):
     """mx_linear (and mx_swiglu where N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count
-    of `rows`: the same bytes with TUNE `early` 0 and 7."""
+    of `rows`: the same bytes with TUNE `early` 0 and 15 (every kernel kind)."""
     rng = np.random.default_rng(zlib.crc32(f"early-{fmt}-{cases}".encode()))
     for shape, tune in cases:
         wq, _ = random_weight(rng, fmt, shape)
@@ -191,7 +191,7 @@ def check_early_refill(fmt, cases, rows, monkeypatch):
         for m in rows:
             x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
             got, swi = [], []
-            for early in (0, 7):
+            for early in (0, 15):
                 monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, "small_n": 0, **tune, "early": early})
                 got.append(host(ex.mx_linear(x, w)).view(np.uint32))
                 if shape[0] % 16 == 0:

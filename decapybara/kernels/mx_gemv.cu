@@ -407,8 +407,9 @@ __device__ __forceinline__ void load_chunk(LaneRow<FMT>& a, LaneRow<FMT>& b, Row
 
 // The next chunk's loads into a ring slot while the slot's own chunk is computed (MX_EARLY, the loop over whole
 // chunks): piece q (16 bytes a row: words 4q..4q+3) of rows g and g + 8 as soon as the chunk's MMAs have read that
-// piece's words, the scales once read; the same loads and pointer walk as load_next, in that order. `on` false
-// (no chunk ST ahead): nothing loaded. A piece's registers are dead once read, so the copy in flight needs none.
+// piece's words, the scales once read; load_next's loads and pointer walk, each part when the chunk frees its
+// registers. `on` false (no chunk ST ahead): nothing loaded. A piece's registers are dead once read, so the copy
+// in flight needs none.
 template <int FMT> struct Refill {
     LaneRow<FMT>& a;
     LaneRow<FMT>& b;
@@ -788,7 +789,8 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                 // refill this stage with the chunk ST ahead: inside the chunk's MMAs, piece by piece (MX_EARLY,
                 // whole chunks), or after them
                 const bool more = c + ST < c1;
-                constexpr bool EARLY = WHOLE && early_ok<FMT>() && (MX_EARLY & (R1 ? 1 : NT == 1 ? 2 : NT == 2 ? 4 : 8));
+                constexpr int KIND = R1 ? 1 : NT == 1 ? 2 : NT == 2 ? 4 : 8;  // this kernel's MX_EARLY bit
+                constexpr bool EARLY = WHOLE && early_ok<FMT>() && (MX_EARLY & KIND);
                 const auto compute = [&](auto&& rf) {
                     if constexpr (R1) {
                         const u32 xc = xrow[0] + co;  // x row 0 (R1: m_valid == 1)

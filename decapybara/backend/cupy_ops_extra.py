@@ -361,11 +361,10 @@ def _stream_counters(device: int, stream: int) -> Any:
 # thirty-seventh session); past 16 rows (prefill) a group's many rows would read its weights once per 8.
 # `early` (0: off; kernel define MX_EARLY, bits by kernel: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile
 # ones (2-8 rows), 4 the two-n-tile ones (9-16 rows), 8 those of 4 and 8 n-tiles (17-64 rows, not timed, so off)):
-# the loop over whole chunks issues each register stage's
-# next chunk inside the current chunk's MMAs, each 16-byte piece of codes once its words are decoded and the
-# scales once read (mx_gemv.cu `Refill`), rather than after them, so that a warp's next loads are in flight while
-# it computes; the same loads and sums, so the same bytes (BF16, MXFP8 and the E2M1 formats; MXFP6's wider
-# lane-rows keep the plain loop). 4 (forty-first session, docs/perf.md): step-weighted twelve-row products
+# the loop over whole chunks issues each register stage's next chunk inside the current chunk's MMAs, each 16-byte
+# piece of codes once its words are decoded and the scales once read (mx_gemv.cu `Refill`), rather than after
+# them, so that a warp's next loads are in flight while it computes; the same loads and sums, so the same bytes
+# (BF16, MXFP8 and the E2M1 formats; MXFP6's wider lane-rows keep the plain loop). 4 (forty-first session, docs/perf.md): step-weighted twelve-row products
 # (`gemv_sweep`) MXFP4 7.60 -> 7.25 ms, NVFP4 8.80 -> 8.61, MXFP8 10.21 -> 9.95, bf16 unchanged; 27B MXFP4 steps
 # at 12x1k 1.047x and 12x32k 1.024x (four interleaved rounds); bits 1 and 2 measured no faster (ptxas puts the
 # one-row kernels' loads late in the chunk and spills 8-16 bytes at 80 registers; NVFP4's one-row products 3.6%

@@ -378,13 +378,15 @@ struct RowPtr {
     const u8* w;
     const u8* s;
 };
+// piece q (16 bytes: words 4q..4q+3) of the lane-row at p
+template <int FMT> __device__ __forceinline__ void load_piece(LaneRow<FMT>& r, const RowPtr& p, int q) {
+    const uint4 v = ld_stream(p.w + q * 16);
+    r.w[4 * q] = v.x; r.w[4 * q + 1] = v.y; r.w[4 * q + 2] = v.z; r.w[4 * q + 3] = v.w;
+}
 template <int FMT> __device__ __forceinline__ void load_next(LaneRow<FMT>& r, RowPtr& p) {
     constexpr int LB = Fmt<FMT>::LB, NLD = LB / 16, NS = Fmt<FMT>::NS;
 #pragma unroll
-    for (int q = 0; q < NLD; ++q) {
-        const uint4 v = ld_stream(p.w + q * 16);
-        r.w[4 * q] = v.x; r.w[4 * q + 1] = v.y; r.w[4 * q + 2] = v.z; r.w[4 * q + 3] = v.w;
-    }
+    for (int q = 0; q < NLD; ++q) load_piece<FMT>(r, p, q);
     r.s = NS ? ld_scales<NS>(p.s) : 0u;
     p.w += CHUNK_STEP(LB);
     p.s += CHUNK_STEP(NS);
@@ -419,9 +421,8 @@ template <int FMT> struct Refill {
     __device__ __forceinline__ void codes(int q) {
         constexpr int NLD = Fmt<FMT>::LB / 16;
         if (on) {
-            const uint4 u = ld_stream(p0.w + q * 16), v = ld_stream(p8.w + q * 16);
-            a.w[4 * q] = u.x; a.w[4 * q + 1] = u.y; a.w[4 * q + 2] = u.z; a.w[4 * q + 3] = u.w;
-            b.w[4 * q] = v.x; b.w[4 * q + 1] = v.y; b.w[4 * q + 2] = v.z; b.w[4 * q + 3] = v.w;
+            load_piece<FMT>(a, p0, q);
+            load_piece<FMT>(b, p8, q);
             if (q == NLD - 1) {
                 p0.w += CHUNK_STEP(Fmt<FMT>::LB);
                 p8.w += CHUNK_STEP(Fmt<FMT>::LB);

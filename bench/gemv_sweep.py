@@ -45,8 +45,10 @@ from decapybara.model.quant.elements import bf16_decode
 STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
         "out": ((5120, 6144), 64), "q|k|v": ((14336, 5120), 16), "lm_head": ((248320, 5120), 1)}
 # products also timed at M = 12 ("M12 ms": their step-weighted sum); SWEEP_M12 names others, e.g. "gate|up,down,
-# qkv|z,out,q|k|v" (the column is then not comparable with docs/perf.md's earlier tables)
+# qkv|z,out,q|k|v" (the column is then not comparable with docs/perf.md's earlier tables). SWEEP_MW times them at
+# another row count (e.g. 4: the one-n-tile kernels; 32: four n-tiles), its column then "M4 ms", "M32 ms"
 M12 = tuple(os.environ.get("SWEEP_M12", "gate|up,down,qkv|z").split(","))
+MW = int(os.environ.get("SWEEP_MW", "12"))
 X_BF16 = os.environ.get("SWEEP_X", "f32") == "bf16"  # x rows in bf16 bits (the steps' products) or float32
 L2_CYCLE = 160e6  # bytes of distinct weights a graph cycles through per product
 
@@ -102,6 +104,7 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     # each register stage's next chunk loaded inside the current chunk's MMAs (TUNE `early`: bits 1 one-row, 2 the
     # other one-n-tile kernels, 4 two n-tiles, 8 four and eight; MX_EARLY)
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
+    ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),  # 2-8 rows / 17-64 rows beside the default
 ]
 # An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show
 # REV:decapybara/kernels/mx_gemv.cu`) is measured in the same run, against the same reference products.
@@ -180,7 +183,7 @@ def run_variant(weights: dict, xs: dict, copy_bw: float, ref: dict | None) -> di
     step_us, m12_us = 0.0, 0.0
     for name, ((n, k), count) in STEP.items():
         ws = weights[name]
-        for m in (1, 12) if name in M12 else (1,):
+        for m in (1, MW) if name in M12 else (1,):
             x = xs[m, k]
             state = {"i": 0}
 
@@ -201,7 +204,8 @@ def run_variant(weights: dict, xs: dict, copy_bw: float, ref: dict | None) -> di
             if err > out.get("max_rel_err_vs_base", 0.0):
                 out["max_rel_err_vs_base"], out["worst_product"] = err, name
     out["step_us_M1"] = step_us
-    out["step_us_M12_main"] = m12_us  # the M12-timed products (M12: gate|up, down, qkv|z), weighted by their count
+    out["step_us_M12_main"] = m12_us  # the M12-named products at MW rows (default 12), weighted by their count
+    out["rows_wide"] = MW
     return out
 
 
@@ -219,15 +223,15 @@ def main() -> None:
         for name, ((n, k), _) in STEP.items():
             one = random_packed(fmt, (n, k))
             weights[name] = [one] + [random_packed(fmt, (n, k)) for _ in range(int(L2_CYCLE // one.nbytes))]
-        xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, 12) for k in (5120, 6144, 17408)}
+        xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, MW) for k in (5120, 6144, 17408)}
         if X_BF16:  # x in bf16 bits (rounded toward zero), as the decode step's products take it (TUNE bf16_rows)
             xs = {key: (v.view(cp.uint32) >> 16).astype(cp.uint16) for key, v in xs.items()}
         if os.environ.get("SWEEP_X_ZERO"):  # measurement: x all zeros (does the products' speed depend on values?)
             xs = {key: cp.zeros_like(v) for key, v in xs.items()}
         ref = {name: values(ex.mx_linear(xs[1, k], weights[name][0])) for name, ((n, k), _) in STEP.items()}
         print(f"\n{fmt}: % of copy bandwidth per product (M1 unless marked), step-weighted M1 total")
-        cols = [f"{n} M{m}" for n in STEP for m in ((1, 12) if n in M12 else (1,))]
-        print(f"{'variant':<24}{'step ms':>8}{'M12 ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
+        cols = [f"{n} M{m}" for n in STEP for m in ((1, MW) if n in M12 else (1,))]
+        print(f"{'variant':<24}{'step ms':>8}{f'M{MW} ms':>8} " + " ".join(f"{c[:11]:>11}" for c in cols))
         # the first variant once untimed first: on a freshly started machine the first timed variant ran a few
         # % slow (ninth session: gate|up M1 57.9% where the same kernels gave 65.6% later in the run)
         for vname, tune, defines in [(None, *VARIANTS[0][1:]), *VARIANTS]:

@@ -360,15 +360,19 @@ def _stream_counters(device: int, stream: int) -> Any:
 # weights read twice): 35B-A3B steps at 10 and 12 rows 1.03-1.04x (two interleaved rounds, docs/perf.md,
 # thirty-seventh session); past 16 rows (prefill) a group's many rows would read its weights once per 8.
 # `early` (0: off; kernel define MX_EARLY, bits by kernel: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile
-# ones (2-8 rows), 4 the two-n-tile ones (9-16 rows), 8 those of 4 and 8 n-tiles (17-64 rows, not timed, so off)):
+# ones (2-8 rows; bf16's and MXFP8's one-row products too), 4 the two-n-tile ones (9-16 rows), 8 those of 4 and 8
+# n-tiles (17-64 rows)):
 # the loop over whole chunks issues each register stage's next chunk inside the current chunk's MMAs, each 16-byte
 # piece of codes once its words are decoded and the scales once read (mx_gemv.cu `Refill`), rather than after
 # them, so that a warp's next loads are in flight while it computes; the same loads and sums, so the same bytes
 # (BF16, MXFP8 and the E2M1 formats; MXFP6's wider lane-rows keep the plain loop). 4 (forty-first session, docs/perf.md): step-weighted twelve-row products
 # (`gemv_sweep`) MXFP4 7.60 -> 7.25 ms, NVFP4 8.80 -> 8.61, MXFP8 10.21 -> 9.95, bf16 unchanged; 27B MXFP4 steps
-# at 12x1k 1.047x and 12x32k 1.024x (four interleaved rounds); bits 1 and 2 measured no faster (ptxas puts the
-# one-row kernels' loads late in the chunk and spills 8-16 bytes at 80 registers; NVFP4's one-row products 3.6%
-# slower, bf16's 1.5%).
+# at 12x1k 1.047x and 12x32k 1.024x (four interleaved rounds); bit 1 measured no faster (ptxas puts the one-row
+# kernels' loads late in the chunk and spills 8-16 bytes at 80 registers; NVFP4's one-row products 3.6% slower).
+# Bit 8 (forty-second session, `SWEEP_MW`): step-weighted products at 24 / 48 rows MXFP4 -0.5% / -2.7%, NVFP4
+# -2.6% / -1.4%, MXFP8 -3.7% / -5.3%, bf16 +0.2% / -10%. Bit 2 by format: MXFP8 at 4 / 8 rows -0.8% / -2.7% (its
+# one-row products, on `_1`, -0.7 to -1.6%), MXFP4 -0.7% / -0.6%; NVFP4 +1.7% / +1.0% and bf16 +2.1% / +2.0% (one
+# row +1.4%), so off for those two.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -378,7 +382,8 @@ TUNE: dict[str, Any] = TuneDict({
     "warps": 8, "acc": 2, "fill_chunks": 2, "ksplit": 0, "auto_fill": 0.7, "source": "mx_gemv", "fuse_norms": 1,
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
-    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16, "early": 4,
+    "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
+    "early": {"*": 12, "mxfp4": 14, "mxfp8": 14},
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)

@@ -105,9 +105,6 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     # other one-n-tile kernels, 4 two n-tiles, 8 four and eight; MX_EARLY)
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),  # 2-8 rows / 17-64 rows beside the default
-    # band tiles read piece by piece (MX_PIECES: a warp's load instruction 512 contiguous bytes rather than 16-byte
-    # pieces 32 bytes apart) over the default's band tiles: the same bytes a chunk in another order (timing only)
-    ("pieces", {}, (("MX_PIECES", 1),)),
 ]
 # An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show
 # REV:decapybara/kernels/mx_gemv.cu`) is measured in the same run, against the same reference products.

@@ -141,9 +141,6 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #ifndef MX_TILED
 #define MX_TILED 0  // code layout: 0 row-major, 1 in 16-row bands of 2 KB chunk tiles (header; E2M1 formats)
 #endif
-#ifndef MX_PIECES
-#define MX_PIECES 0  // band tiles (MX_TILED): 1, each half tile (rows 0-7 / 8-15) stored piece by piece, the 32 lanes'
-#endif               // 16-byte pieces q side by side, so that one load instruction of a warp reads 512 bytes whole
 #ifndef MX_TRACE
 #define MX_TRACE 0  // measurement only (bench/gemv_trace.py): per-block timestamps of up to two launches
 #endif
@@ -336,18 +333,13 @@ template <int FMT> struct LaneRow {  // one lane's codes and scales of one row f
 // 4 + t) within one matrix: row_off(r) + lane_off(lr). Row-major: r * row_bytes + lr * LB. Tiled (MX_TILED):
 // the rows of band r / 16 chunk by chunk, each chunk 16 rows x 4 lane-rows (2 KB of E2M1 codes, 128 / 256
 // bytes of MXFP4 / NVFP4 scales), so that a warp's chunk is one contiguous block.
-// Piece by piece (MX_PIECES, codes: LB >= 16): in each half tile of 8 rows x 4 lane-rows, piece q of (row g, lane
-// t) at q * 512 + (4 g + t) * 16, rather than inside its lane-row's LB bytes at (4 g + t) * LB + 16 q.
-template <int LB> __host__ __device__ constexpr bool pieces() { return MX_TILED && MX_PIECES && LB >= 16; }
 template <int LB> __device__ __forceinline__ u32 row_off(u32 r, u32 row_bytes) {
-    if (pieces<LB>()) return (r & ~15u) * row_bytes + (r & 8u) * (4 * LB) + (r & 7u) * 64;
     return MX_TILED ? (r & ~15u) * row_bytes + (r & 15u) * (4 * LB) : r * row_bytes;
 }
 template <int LB> __device__ __forceinline__ u32 lane_off(u32 lr) {
-    return MX_TILED ? (lr >> 2) * (64 * LB) + (lr & 3u) * (pieces<LB>() ? 16 : LB) : lr * LB;
+    return MX_TILED ? (lr >> 2) * (64 * LB) + (lr & 3u) * LB : lr * LB;
 }
 #define CHUNK_STEP(LB) ((MX_TILED ? 64 : 4) * (LB))  // bytes from a lane-row to the next chunk's
-#define PIECE_STEP(LB) (pieces<LB>() ? 512 : 16)    // bytes from a lane-row's 16-byte piece to its next
 
 template <int NS> __device__ __forceinline__ u32 ld_scales(const u8* p) {  // NS-byte aligned, NS in {1, 2, 4}
     if (NS == 1) return __ldg(p);
@@ -368,7 +360,7 @@ __device__ __forceinline__ void load_row(LaneRow<FMT>& r, const u8* W, u32 wo, c
 #pragma unroll
     for (int p = 0; p < NLD; ++p) {
         bool ok = row_ok && (FMT == FMT_MXFP6 ? k0 < Kp : k0 + p * (LK / NLD) < Kp);
-        uint4 v = ok ? ld_stream(wp + p * PIECE_STEP(LB)) : u4(0, 0, 0, 0);
+        uint4 v = ok ? ld_stream(wp + p * 16) : u4(0, 0, 0, 0);
         r.w[4 * p] = v.x; r.w[4 * p + 1] = v.y; r.w[4 * p + 2] = v.z; r.w[4 * p + 3] = v.w;
     }
     r.s = 0;
@@ -388,7 +380,7 @@ struct RowPtr {
 };
 // piece q (16 bytes: words 4q..4q+3) of the lane-row at p
 template <int FMT> __device__ __forceinline__ void load_piece(LaneRow<FMT>& r, const RowPtr& p, int q) {
-    const uint4 v = ld_stream(p.w + q * PIECE_STEP(Fmt<FMT>::LB));
+    const uint4 v = ld_stream(p.w + q * 16);
     r.w[4 * q] = v.x; r.w[4 * q + 1] = v.y; r.w[4 * q + 2] = v.z; r.w[4 * q + 3] = v.w;
 }
 template <int FMT> __device__ __forceinline__ void load_next(LaneRow<FMT>& r, RowPtr& p) {

@@ -444,7 +444,7 @@ struct NoRefill {  // the plain loop: the slot refilled after its chunk (load_ch
     __device__ __forceinline__ void scales() {}
 };
 // formats whose dequant reads a lane-row's words in order, a 16-byte piece every S2 / NLD slices (not MXFP6's)
-template <int FMT> __host__ __device__ constexpr bool early_ok() { return MX_EARLY && Fmt<FMT>::LB == 32; }
+template <int FMT> __host__ __device__ constexpr bool early_ok() { return Fmt<FMT>::LB == 32; }
 
 // One chunk's MMAs: xa[nt] is the shared-window byte address of n-tile nt's staged x for this lane and chunk
 // (its row, the chunk's codes, lane t's 8-code slot).

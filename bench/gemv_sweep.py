@@ -106,6 +106,19 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
     # bits 2 and 8 each beside bit 4 (the forty-second session's comparisons with the then default, 4)
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),
+    # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): `many_warps` a block, `many_segk` x staging codes a
+    # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)
+    ("many 12", {"many_warps": 12}, ()), ("many 16", {"many_warps": 16}, ()),
+    ("many segk 1024", {"many_segk": 1024}, ()), ("many segk 1024 s4", {"many_segk": 1024, "many_stages": 4}, ()),
+    ("many 12 segk 1024", {"many_warps": 12, "many_segk": 1024}, ()),
+    ("many 12 segk 2048", {"many_warps": 12, "many_segk": 2048}, ()),
+    ("many 16 segk 1024", {"many_warps": 16, "many_segk": 1024}, ()),
+    ("many 12 segk 1024 s4", {"many_warps": 12, "many_segk": 1024, "many_stages": 4}, ()),
+    ("many 8 nominal", {"many_warps": 8, "many_segk": 0}, ()),  # the kernels as before the forty-third session
+    ("many 16 segk 1024 s1", {"many_warps": 16, "many_segk": 1024, "many_stages": 1}, ()),
+    ("many 16 segk 1536", {"many_warps": 16, "many_segk": 1536}, ()),
+    ("many 12 segk 1536", {"many_warps": 12, "many_segk": 1536}, ()),
+    ("many 24 segk 1024", {"many_warps": 24, "many_segk": 1024}, ()),
 ]
 # An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show
 # REV:decapybara/kernels/mx_gemv.cu`) is measured in the same run, against the same reference products.

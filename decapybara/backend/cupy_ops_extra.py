@@ -373,6 +373,15 @@ def _stream_counters(device: int, stream: int) -> Any:
 # -2.6% / -1.4%, MXFP8 -3.7% / -5.3%, bf16 +0.2% / -10%. Bit 2 by format: MXFP8 at 4 / 8 rows -0.8% / -2.7% (its
 # one-row products, on `_1`, -0.7 to -1.6%), MXFP4 -0.7% / -0.6%; NVFP4 +1.7% / +1.0% and bf16 +2.1% / +2.0% (one
 # row +1.4%), so off for those two.
+# The kernels of 4 and 8 n-tiles (17-64 rows: a prompt's short chunk beside decoding agents) have their own block
+# width `many_warps` (0: `warps`; MX_WARPS4), x staging row `many_segk` (0: the nominal 2048 / n-tiles codes, in
+# static shared memory: one chunk a segment at 8 n-tiles, so a staging pass and its barriers every chunk; longer
+# in dynamic shared memory, `many_segk` below; MX_SEGK4) and register stages `many_stages` (0: 2; MX_STAGES4).
+# 16 warps (one block an SM), 1024 codes, one stage (forty-third session, `SWEEP_MW`, step-weighted products
+# against 8 warps, nominal rows, two stages): at 24 rows MXFP4 12.45 -> 10.96 ms, NVFP4 13.67 -> 12.14, MXFP8
+# 14.09 -> 12.59, bf16 17.84 -> 17.07; at 48 rows 26.17 -> 19.08, 28.44 -> 20.06, 27.87 -> 19.93, 30.93 -> 22.16
+# (1.37-1.42x). The same bytes at any staging row and stage count; at any width where a block sums a tile's whole
+# K range (`test_many_row_kernels_keep_the_bytes`).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -383,7 +392,7 @@ TUNE: dict[str, Any] = TuneDict({
     "bf16_rows": 1, "swiglu_rows": 1, "row1": 1, "wide_segk": {"*": 1024, "mxfp4": 2688, "nvfp4": 2688},
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
-    "early": {"*": 12, "mxfp4": 14, "mxfp8": 14},
+    "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -424,9 +433,13 @@ def small_tune(tune: dict) -> dict:
 
 def block_warps(tune: dict, nt: int) -> int:
     """Warps of a block of the `nt`-n-tile kernels under a resolved tuning: `wide_warps` for two n-tiles, else
-    `warps` (decapybara/kernels/mx_gemv.cu MX_WARPS2 / MX_WARPS; 16 output rows each; a kernel file older than MX_WARPS2
-    builds every kernel with `warps`)."""
-    return tune["wide_warps"] if nt == 2 and kernel_knows(tune["source"], "MX_WARPS2") else tune["warps"]
+    `many_warps` (where set) for four and eight, else `warps` (decapybara/kernels/mx_gemv.cu MX_WARPS2 / MX_WARPS4 /
+    MX_WARPS; 16 output rows each; a kernel file older than a define builds those kernels with `warps`)."""
+    if nt == 2 and kernel_knows(tune["source"], "MX_WARPS2"):
+        return tune["wide_warps"]
+    if nt >= 4 and tune.get("many_warps") and kernel_knows(tune["source"], "MX_WARPS4"):
+        return tune["many_warps"]
+    return tune["warps"]
 
 
 def n_tiles(rows: int) -> int:
@@ -485,6 +498,11 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 
+SEGK4_SMEM = 200 * 1024  # mx_gemv.cu MX_SEGK4_SMEM: the most dynamic shared memory a 4- / 8-n-tile x staging takes
+# TUNE keys of the kernels of 4 and 8 n-tiles (17-64 rows) and the kernel defines they set where not 0
+MANY_DEFINES = (("many_warps", "MX_WARPS4"), ("many_segk", "MX_SEGK4"), ("many_stages", "MX_STAGES4"))
+
+
 def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = False) -> tuple[tuple[str, int], ...]:
     """The kernel defines of mx_gemv.cu that a resolved TUNE setting (`tune_for(fmt)`) builds in for weights of
     format `fmt` (MX_ONLY: a module holds that format's kernels alone) whose E2M1 codes are split
@@ -496,6 +514,9 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
             *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()),
             *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()),
+            *((d, tune[k]) for k, d in MANY_DEFINES if tune.get(k) and kernel_knows(tune["source"], d)),
+            *((("MX_SEGK4_SMEM", SEGK4_SMEM),) if tune.get("many_segk") and kernel_knows(tune["source"], "MX_SEGK4")
+              else ()),
             *((("MX_EARLY", tune["early"]),) if tune.get("early", 0) and kernel_knows(tune["source"], "MX_EARLY")
               else ()), *TUNE_DEFINES)
 
@@ -541,11 +562,22 @@ STATIC_SEGK = 1440  # the longest x staging row of the two-n-tile kernels in sta
 
 
 def staging_bytes(tune: dict, nt: int) -> int:
-    """Dynamic shared memory of an `nt`-n-tile product's launch: the two-n-tile kernels' x staging buffer where
-    its rows (`wide_segk` codes) are longer than static shared memory holds (decapybara/kernels/mx_gemv.cu XBuf),
-    else 0."""
-    segk = tune.get("wide_segk", 1024)
-    return 16 * (segk + 32) * 2 if nt == 2 and segk > STATIC_SEGK and kernel_knows(tune["source"], "MX_SEGK2") else 0
+    """Dynamic shared memory of an `nt`-n-tile product's launch (decapybara/kernels/mx_gemv.cu XBuf): the two-n-tile
+    kernels' x staging buffer where its rows (`wide_segk` codes) are longer than static shared memory holds, the
+    4- and 8-n-tile kernels' where their rows (`many_segk`) are longer than the nominal 2048 / nt; else 0."""
+    if nt == 2:
+        segk = tune.get("wide_segk", 1024)
+        return 16 * (segk + 32) * 2 if segk > STATIC_SEGK and kernel_knows(tune["source"], "MX_SEGK2") else 0
+    segk = many_segk(tune, nt)
+    return 16 * nt * (segk + 32) if nt >= 4 and segk > 2048 // nt and kernel_knows(tune["source"], "MX_SEGK4") else 0
+
+
+def many_segk(tune: dict, nt: int) -> int:
+    """Codes a row of an `nt`-n-tile kernel's (nt >= 4) x staging buffer holds as the kernel builds TUNE
+    `many_segk` (mx_gemv.cu `segk4`): at most the multiple of 256 whose buffer (16 nt (segk + 32) bytes) stays
+    within SEGK4_SMEM (at 8 n-tiles 1536 codes); 0 where unset (the nominal 2048 / nt)."""
+    most = (SEGK4_SMEM // (16 * nt) - 32) // 256 * 256
+    return min(tune.get("many_segk", 0), most)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

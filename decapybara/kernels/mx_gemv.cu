@@ -101,18 +101,36 @@ typedef long long i64;
 #ifndef MX_WARPS2
 #define MX_WARPS2 MX_WARPS  // warps per block of the two-n-tile kernels (9 <= M <= 16)
 #endif
+#ifndef MX_WARPS4
+#define MX_WARPS4 MX_WARPS  // warps per block of the kernels of 4 and 8 n-tiles (17 <= M <= 64)
+#endif
 // Warps of an NT-n-tile kernel's block and the output rows of its tile (TILE_ROWS in the functions below).
-template <int NT> struct Wp { static constexpr int W = NT == 2 ? MX_WARPS2 : MX_WARPS, ROWS = 16 * W; };
+template <int NT> struct Wp {
+    static constexpr int W = NT == 2 ? MX_WARPS2 : NT >= 4 ? MX_WARPS4 : MX_WARPS, ROWS = 16 * W;
+};
 
 #ifndef MX_SEGK2
 #define MX_SEGK2 1024  // codes a row of the two-n-tile kernels' x staging buffer holds: up to 1440 in static shared
 #endif                 // memory, past that in dynamic shared memory of 32 (MX_SEGK2 + 32) bytes (the launch's:
                        // decapybara/backend/cupy_ops_extra.py `staging_bytes`)
-// x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding); the ring's depth follows NSEGK, the
-// codes of the buffer of 2048 / NT a row that every build had before MX_SEGK2 (see ST in mx_segment)
+#ifndef MX_SEGK4
+#define MX_SEGK4 0  // codes a row of the 4- and 8-n-tile kernels' x staging buffer holds: 0 the nominal 2048 / NT
+#endif              // (static shared memory), more in dynamic shared memory of 16 NT (SEGK + 32) bytes, SEGK at most
+                    // the multiple of 256 that keeps it within MX_SEGK4_SMEM bytes (cupy_ops_extra.py `many_segk`)
+#ifndef MX_SEGK4_SMEM
+#define MX_SEGK4_SMEM (200 * 1024)  // the wrapper names its own SEGK4_SMEM with MX_SEGK4
+#endif
+template <int NT> constexpr int segk4() {
+    constexpr int most = (MX_SEGK4_SMEM / (16 * NT) - 32) / 256 * 256;
+    return MX_SEGK4 < most ? MX_SEGK4 : most;
+}
+// x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding); the two-n-tile kernels' ring depth
+// follows NSEGK, the codes of the buffer of 2048 / NT a row that every build had before MX_SEGK2, the wider
+// kernels' their SEGK (see ST in mx_segment)
 template <int NT> struct XBuf {
-    static constexpr int NSEGK = 2048 / NT, SEGK = NT == 2 ? MX_SEGK2 : NSEGK, RS = SEGK + 32;
-    static constexpr bool DYN = NT == 2 && SEGK > 1440;  // in dynamic shared memory
+    static constexpr int NSEGK = 2048 / NT;
+    static constexpr int SEGK = NT == 2 ? MX_SEGK2 : NT >= 4 && segk4<NT>() > NSEGK ? segk4<NT>() : NSEGK, RS = SEGK + 32;
+    static constexpr bool DYN = NT == 2 ? SEGK > 1440 : SEGK > NSEGK;  // in dynamic shared memory
     static_assert(SEGK >= NSEGK, "a staging row of at least the nominal segment");
 };
 template <int FMT> struct Fmt;  // LANE_K codes per lane per chunk, LB bytes per lane-row, NS scale bytes
@@ -134,6 +152,9 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #endif
 #ifndef MX_STAGES2
 #define MX_STAGES2 0  // register stages of the two-n-tile kernels; 0: max(2, the format's STAGES)
+#endif
+#ifndef MX_STAGES4
+#define MX_STAGES4 2  // register stages of the kernels of 4 and 8 n-tiles (at most the staging segment's chunks)
 #endif
 #ifndef MX_E2M1
 #define MX_E2M1 0  // layout of MXFP4 / NVFP4 codes: 0 plain nibbles, 1 split fields (header); mx_dequant_rows reads both
@@ -654,13 +675,14 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
     // small (one copy of the chunk's MMAs per stage). Tiles of <= 2 n-tiles stage only the m_valid real rows,
     // so a segment is as long as the buffer allows (M = 1: 64 chunks of 256 codes, 8x the 8-row segment);
     // wider tiles stage all MT rows, zero-filled (no per-row predicate: their registers are spoken for).
-    // ST divides CPSEG (the nominal segment's chunks: segc is at least as long) and segc, so every segment starts
-    // at ring slot 0.
-    // wide M tiles: registers for acc; two-n-tile tiles keep >= 2 stages unless MX_STAGES2 says otherwise
-    constexpr int CPSEG = XBuf<NT>::NSEGK / CK, ST0 = NT >= 4                            ? 2
-                                       : NT == 2 && MX_STAGES2 > 0        ? MX_STAGES2
-                                       : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2
-                                                                          : Fmt<FMT>::STAGES;
+    // ST divides CPSEG (the nominal segment's chunks, or the 4- and 8-n-tile kernels' whole buffer's: segc is at
+    // least as long) and segc, so every segment starts at ring slot 0.
+    // wide M tiles: MX_STAGES4 (registers for acc); two-n-tile tiles keep >= 2 stages unless MX_STAGES2 says otherwise
+    constexpr int CPSEG = (NT >= 4 ? XBuf<NT>::SEGK : XBuf<NT>::NSEGK) / CK;
+    constexpr int ST0 = NT >= 4                            ? MX_STAGES4
+                        : NT == 2 && MX_STAGES2 > 0        ? MX_STAGES2
+                        : NT == 2 && Fmt<FMT>::STAGES < 2 ? 2
+                                                           : Fmt<FMT>::STAGES;
     constexpr int ST = CPSEG % ST0 == 0 ? ST0 : (CPSEG % 2 == 0 && ST0 >= 2 ? 2 : 1);
     const int mrows = NT > 2 ? MT : m_valid;
     // R1: the buffer's last ZX codes stay zero (the B columns of other blocks, mma_chunk_r1); x row 0 before them

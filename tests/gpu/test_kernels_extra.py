@@ -162,7 +162,12 @@ TUNE_CASES = [
     ({"wide_warps": 16, "wide_blocks_per_sm": 2}, (700, 1536)), ({"wide_warps": 4, "ksplit": 3}, (704, 1536)),
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes and the longest static row, 1408
     ({"wide_segk": 1024}, (4096, 5120)), ({"wide_segk": 1408, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
-    ({"wide_segk": 1408, "ksplit": 3}, (700, 17408))]
+    ({"wide_segk": 1408, "ksplit": 3}, (700, 17408)),
+    # the kernels of 4 and 8 n-tiles (40 rows here): blocks of other widths (`many_warps`), longer x staging rows
+    # in dynamic shared memory (`many_segk`), other register stage counts (`many_stages`)
+    ({"many_warps": 12, "many_segk": 1024}, (4096, 5120)), ({"many_warps": 16, "many_stages": 1}, (700, 17408)),
+    ({"many_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
+    ({"many_segk": 2048, "many_stages": 4, "ksplit": 3}, (704, 1536))]
 
 
 @pytest.mark.parametrize("tune,shape", [({"small_bytes": 0, **t}, s) for t, s in TUNE_CASES])
@@ -181,23 +186,32 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
         assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} {tune} M{m}")
 
 
-def check_early_refill(fmt, cases, rows, monkeypatch):
-    """mx_linear (and mx_swiglu where N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count
-    of `rows`: the same bytes with TUNE `early` 0 and 15 (every kernel kind)."""
-    rng = np.random.default_rng(zlib.crc32(f"early-{fmt}-{cases}".encode()))
+def check_same_bytes(tag, fmt, cases, rows, variants, monkeypatch, base=None):
+    """mx_linear (and mx_swiglu where N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count of
+    `rows`: the same bytes under each TUNE override set of `variants` (over `base`, then the case's) as under the
+    first; inputs seeded by `tag`."""
+    rng = np.random.default_rng(zlib.crc32(f"{tag}-{fmt}-{cases}".encode()))
     for shape, tune in cases:
         wq, _ = random_weight(rng, fmt, shape)
         w = ex.pack_weight(wq)
         for m in rows:
             x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
             got, swi = [], []
-            for early in (0, 15):
-                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, "small_n": 0, **tune, "early": early})
+            for v in variants:
+                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **(base or {}), **tune, **v})
                 got.append(host(ex.mx_linear(x, w)).view(np.uint32))
                 if shape[0] % 16 == 0:
                     swi.append(host(ex.mx_swiglu(x, w)).view(np.uint32))
-            assert np.array_equal(got[0], got[1]), f"{fmt} {shape} {tune} M{m}: early refill changed the product"
-            assert not swi or np.array_equal(swi[0], swi[1]), f"{fmt} {shape} {tune} M{m}: SwiGLU bytes changed"
+            for v, g in zip(variants[1:], got[1:]):
+                assert np.array_equal(g, got[0]), f"{fmt} {shape} {tune} M{m}: {v} changed the product"
+            for v, g in zip(variants[1:], swi[1:]):
+                assert np.array_equal(g, swi[0]), f"{fmt} {shape} {tune} M{m}: {v} changed the SwiGLU bytes"
+
+
+def check_early_refill(fmt, cases, rows, monkeypatch):
+    """`check_same_bytes` with TUNE `early` 0 and 15 (every kernel kind), the small products off."""
+    check_same_bytes("early", fmt, cases, rows, ({"early": 0}, {"early": 15}), monkeypatch,
+                     base={"small_bytes": 0, "small_n": 0})
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -238,6 +252,35 @@ def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
                 monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune, "wide_segk": segk})
                 got.append(host(ex.mx_linear(x, w)).view(np.uint32))
             assert all(np.array_equal(g, got[0]) for g in got[1:]), f"{fmt} {tune} M{m}: wide_segk changed the bytes"
+
+
+MANY_SAME_PLAN = ({"many_segk": 0, "many_stages": 0}, {"many_segk": 1024}, {"many_segk": 1024, "many_stages": 1},
+                  {"many_segk": 1024, "many_stages": 4})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_row_kernels_keep_the_bytes(fmt, monkeypatch):
+    """The kernels of 4 and 8 n-tiles (17-64 rows): their x staging row length (`many_segk`, MX_SEGK4; past the
+    nominal 2048 / n-tiles in dynamic shared memory) and register stages (`many_stages`, MX_STAGES4) change how
+    often a block stages x and when its loads go out, not what it sums: the same bytes at 17, 24, 32, 40 and 64
+    rows, plain and SwiGLU launches, tile grids (several staging segments a block: K 17408 unsplit), stream-K
+    and row-major codes (N % 16 != 0). Where every block sums a tile's whole K range (no split), their block
+    width (`many_warps`) and rows past 1024 a segment (2048, one block an SM at 4 n-tiles) neither."""
+    rows = (17, 24, 32, 40, 64)
+    check_same_bytes("many", fmt, (((4096, 5120), {"policy": "stream", "min_chunks": 1}), ((704, 1536), {"ksplit": 3})),
+                    rows, MANY_SAME_PLAN, monkeypatch)
+    check_same_bytes("many", fmt, (((192, 17408), {"ksplit": 1}), ((700, 2048), {"ksplit": 1})), rows,
+                    MANY_SAME_PLAN + ({"many_warps": 12, "many_segk": 2048}, {"many_warps": 16, "many_segk": 1024},
+                                      {"many_warps": 4}), monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_many_row_kernels_keep_the_bytes_small(fmt, monkeypatch):
+    """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): 24 and 40 rows, a tile grid of
+    band tiles with each block's whole K range in several staging segments of the nominal rows."""
+    check_same_bytes("many", fmt, (((256, 2048), {"ksplit": 1}),), (24, 40),
+                    ({"many_segk": 0}, {"many_segk": 1024, "many_stages": 4}, {"many_warps": 12, "many_segk": 512}),
+                    monkeypatch)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])

@@ -574,10 +574,10 @@ def staging_bytes(tune: dict, nt: int) -> int:
 
 def many_segk(tune: dict, nt: int) -> int:
     """Codes a row of an `nt`-n-tile kernel's (nt >= 4) x staging buffer holds as the kernel builds TUNE
-    `many_segk` (mx_gemv.cu `segk4`): at most the multiple of 256 whose buffer (16 nt (segk + 32) bytes) stays
-    within SEGK4_SMEM (at 8 n-tiles 1536 codes); 0 where unset (the nominal 2048 / nt)."""
+    `many_segk` (mx_gemv.cu `segk4`): rounded down to a multiple of 256, at most the one whose buffer (16 nt (segk
+    + 32) bytes) stays within SEGK4_SMEM (at 8 n-tiles 1536 codes); 0 where unset (the nominal 2048 / nt)."""
     most = (SEGK4_SMEM // (16 * nt) - 32) // 256 * 256
-    return min(tune.get("many_segk", 0), most)
+    return min(tune.get("many_segk", 0) // 256 * 256, most)
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

@@ -115,14 +115,14 @@ template <int NT> struct Wp {
                        // decapybara/backend/cupy_ops_extra.py `staging_bytes`)
 #ifndef MX_SEGK4
 #define MX_SEGK4 0  // codes a row of the 4- and 8-n-tile kernels' x staging buffer holds: 0 the nominal 2048 / NT
-#endif              // (static shared memory), more in dynamic shared memory of 16 NT (SEGK + 32) bytes, SEGK at most
-                    // the multiple of 256 that keeps it within MX_SEGK4_SMEM bytes (cupy_ops_extra.py `many_segk`)
+#endif              // (static shared memory), more in dynamic shared memory of 16 NT (SEGK + 32) bytes, SEGK rounded
+                    // down to a multiple of 256, at most the one within MX_SEGK4_SMEM bytes (cupy_ops_extra.py `many_segk`)
 #ifndef MX_SEGK4_SMEM
 #define MX_SEGK4_SMEM (200 * 1024)  // the wrapper names its own SEGK4_SMEM with MX_SEGK4
 #endif
 template <int NT> constexpr int segk4() {
     constexpr int most = (MX_SEGK4_SMEM / (16 * NT) - 32) / 256 * 256;
-    return MX_SEGK4 < most ? MX_SEGK4 : most;
+    return MX_SEGK4 / 256 * 256 < most ? MX_SEGK4 / 256 * 256 : most;
 }
 // x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding); the two-n-tile kernels' ring depth
 // follows NSEGK, the codes of the buffer of 2048 / NT a row that every build had before MX_SEGK2, the wider

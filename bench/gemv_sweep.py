@@ -80,7 +80,8 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("diag row1 off", {"row1": 0}, (("MX_DIAG", 1),)),
     ("plain E2M1", {"e2m1_split": 0}, ()),                # MXFP4 / NVFP4 codes as plain nibbles (before MX_E2M1)
     ("row-major", {"tiled": 0}, ()),                      # MXFP4 / NVFP4 codes row by row (before MX_TILED)
-    # `warps`: the one-n-tile kernels' blocks (and those past 16 rows); `wide_warps`: the two-n-tile ones'.
+    # `warps`: the one-n-tile kernels' blocks (and those past 16 rows where `many_warps` is 0); `wide_warps`: the
+    # two-n-tile ones'.
     # Blocks an SM: blocks_per_sm x 8 / warps (at least 1), e.g. MXFP4's 3 at 10 warps: 2
     ("4 warps", {"warps": 4}, ()),                        # 64-row tiles: twice the tiles of a one-row product
     ("12 warps", {"warps": 12}, ()),                      # 192-row tiles: x staged once for more rows
@@ -106,19 +107,16 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
     # bits 2 and 8 each beside bit 4 (the forty-second session's comparisons with the then default, 4)
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),
-    # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): `many_warps` a block, `many_segk` x staging codes a
-    # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)
-    ("many 12", {"many_warps": 12}, ()), ("many 16", {"many_warps": 16}, ()),
-    ("many segk 1024", {"many_segk": 1024}, ()), ("many segk 1024 s4", {"many_segk": 1024, "many_stages": 4}, ()),
-    ("many 12 segk 1024", {"many_warps": 12, "many_segk": 1024}, ()),
-    ("many 12 segk 2048", {"many_warps": 12, "many_segk": 2048}, ()),
-    ("many 16 segk 1024", {"many_warps": 16, "many_segk": 1024}, ()),
-    ("many 12 segk 1024 s4", {"many_warps": 12, "many_segk": 1024, "many_stages": 4}, ()),
-    ("many 8 nominal", {"many_warps": 8, "many_segk": 0}, ()),  # the kernels as before the forty-third session
-    ("many 16 segk 1024 s1", {"many_warps": 16, "many_segk": 1024, "many_stages": 1}, ()),
-    ("many 16 segk 1536", {"many_warps": 16, "many_segk": 1536}, ()),
-    ("many 12 segk 1536", {"many_warps": 12, "many_segk": 1536}, ()),
-    ("many 24 segk 1024", {"many_warps": 24, "many_segk": 1024}, ()),
+    # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
+    # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
+    # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)
+    *((name, {"many_warps": w, "many_segk": k, "many_stages": st}, ()) for name, w, k, st in (
+        ("many 8 nominal", 8, 0, 0),  # the kernels as before the forty-third session
+        ("many 12", 12, 0, 0), ("many 16", 16, 0, 0), ("many segk 1024", 8, 1024, 0),
+        ("many segk 1024 s4", 8, 1024, 4), ("many 12 segk 1024", 12, 1024, 0), ("many 12 segk 2048", 12, 2048, 0),
+        ("many 16 segk 1024", 16, 1024, 0), ("many 12 segk 1024 s4", 12, 1024, 4),
+        ("many 16 segk 1024 s1", 16, 1024, 1), ("many 16 segk 1536", 16, 1536, 0),
+        ("many 12 segk 1536", 12, 1536, 0), ("many 24 segk 1024", 24, 1024, 0))),
 ]
 # An older decapybara/kernels/mx_gemv.cu saved as decapybara/kernels/mx_gemv_prev.cu (e.g. `git show
 # REV:decapybara/kernels/mx_gemv.cu`) is measured in the same run, against the same reference products.

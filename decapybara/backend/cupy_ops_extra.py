@@ -35,6 +35,7 @@ from decapybara.backend.cupy_ops import (
     gemm_bf16,
     null,
     sm_count,
+    smem_per_block,
     smem_per_sm,
     to_bf16_bits,
 )
@@ -487,10 +488,13 @@ def product_rows(x: Any) -> Any:
 
 def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = False) -> dict:
     """The resolved tuning a product of `rows` rows over `w` launches with: TUNE for its format, or its small
-    build where a dense one-n-tile product has fewer than `small_bytes` of codes; a SwiGLU launch (`swiglu`)
+    build where a dense one-n-tile product has fewer than `small_bytes` of codes (and, at 4 and 8 n-tiles, its
+    `many_segk` rows fitted to the device, `fit_many_segk`); a SwiGLU launch (`swiglu`)
     takes blocks of `swiglu_wide_warps` at 9-16 rows and of `swiglu_warps` at 2-8 rows where set (not the small
     build then)."""
     tune = tune_for(w.fmt)
+    if n_tiles(rows) >= 4 and tune.get("many_segk"):
+        tune = fit_many_segk(tune, n_tiles(rows))
     if swiglu and 1 < rows and n_tiles(rows) <= 2:
         key = "wide_warps" if n_tiles(rows) == 2 else "warps"
         if tune.get(f"swiglu_{key}"):
@@ -573,11 +577,24 @@ def staging_bytes(tune: dict, nt: int) -> int:
 
 
 def many_segk(tune: dict, nt: int) -> int:
-    """Codes a row of an `nt`-n-tile kernel's (nt >= 4) x staging buffer holds as the kernel builds TUNE
-    `many_segk` (mx_gemv.cu `segk4`): rounded down to a multiple of 256, at most the one whose buffer (16 nt (segk
-    + 32) bytes) stays within SEGK4_SMEM (at 8 n-tiles 1536 codes); 0 where unset (the nominal 2048 / nt)."""
+    """TUNE `many_segk` as an `nt`-n-tile kernel (nt >= 4) builds it (mx_gemv.cu `segk4`): rounded down to a
+    multiple of 256, at most the one whose buffer (16 nt (segk + 32) bytes) stays within SEGK4_SMEM (at 8 n-tiles
+    1536 codes). Where that is not past the nominal 2048 / nt (0 where unset), the kernel keeps its nominal row in
+    static shared memory."""
     most = (SEGK4_SMEM // (16 * nt) - 32) // 256 * 256
     return min(tune.get("many_segk", 0) // 256 * 256, most)
+
+
+def fit_many_segk(tune: dict, nt: int) -> dict:
+    """`tune` with `many_segk` lowered in steps of 256 codes (to 0, the nominal row in static shared memory, where
+    no longer row fits) until an `nt`-n-tile block's x staging buffer and 4 KB of the kernel's other shared memory
+    fit the current device's opt-in shared memory a block (about 99 KB on GPUs below the data-centre parts: 1024
+    codes at 8 n-tiles take 132 KB); `tune` itself where its rows fit."""
+    limit, segk = smem_per_block() - 4096, many_segk(tune, nt)
+    fit = segk
+    while fit > 2048 // nt and 16 * nt * (fit + 32) > limit:
+        fit -= 256
+    return tune if fit == segk else {**tune, "many_segk": fit if fit > 2048 // nt else 0}
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

@@ -267,8 +267,9 @@ def test_many_row_kernels_keep_the_bytes(fmt, monkeypatch):
     and row-major codes (N % 16 != 0). Where every block sums a tile's whole K range (no split), their block
     width (`many_warps`) and rows past 1024 a segment (2048, one block an SM at 4 n-tiles) neither."""
     rows = (17, 24, 32, 40, 64)
-    check_same_bytes("many", fmt, (((4096, 5120), {"policy": "stream", "min_chunks": 1}), ((704, 1536), {"ksplit": 3})),
-                    rows, MANY_SAME_PLAN, monkeypatch)
+    # stream-K plans by the blocks an SM, which the staging rows would change at 4 warps (shared memory): 16 warps
+    check_same_bytes("many", fmt, (((4096, 5120), {"policy": "stream", "min_chunks": 1, "many_warps": 16}),
+                                   ((704, 1536), {"ksplit": 3})), rows, MANY_SAME_PLAN, monkeypatch)
     check_same_bytes("many", fmt, (((192, 17408), {"ksplit": 1}), ((700, 2048), {"ksplit": 1})), rows,
                     MANY_SAME_PLAN + ({"many_warps": 12, "many_segk": 2048}, {"many_warps": 16, "many_segk": 1024},
                                       {"many_warps": 4}), monkeypatch)
@@ -281,6 +282,26 @@ def test_many_row_kernels_keep_the_bytes_small(fmt, monkeypatch):
     check_same_bytes("many", fmt, (((256, 2048), {"ksplit": 1}),), (24, 40),
                     ({"many_segk": 0}, {"many_segk": 1024, "many_stages": 4}, {"many_warps": 12, "many_segk": 512}),
                     monkeypatch)
+
+
+@pytest.mark.parametrize("limit_kb", [99, 48])
+def test_many_row_staging_rows_fit_smaller_gpus(limit_kb, monkeypatch):
+    """On a GPU of less shared memory a block (99 KB: below the data-centre parts; 48 KB: none opted in) the 4- and
+    8-n-tile kernels' staging rows are fitted to it (`fit_many_segk`): shorter rows, or the nominal ones in static
+    shared memory, whose launches fit, and the same bytes as the default's rows (MXFP4, 24 and 40 rows)."""
+    rng = np.random.default_rng(limit_kb)
+    wq, _ = random_weight(rng, "mxfp4", (4096, 5120))
+    w = ex.pack_weight(wq)
+    xs = {m: cp.asarray(rng.standard_normal((m, 5120)).astype(np.float32)) for m in (24, 40)}
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "ksplit": 1, "many_segk": 1024})
+    want = {m: host(ex.mx_linear(x, w)).view(np.uint32) for m, x in xs.items()}
+    monkeypatch.setattr(ex, "smem_per_block", lambda: limit_kb * 1024)
+    for m, x in xs.items():
+        nt = ex.n_tiles(m)
+        tune = ex.launch_tune(w, m)
+        assert ex.staging_bytes(tune, nt) + 4096 <= limit_kb * 1024, (limit_kb, m, tune["many_segk"])
+        assert tune["many_segk"] == {(99, 4): 1024, (99, 8): 512, (48, 4): 0, (48, 8): 0}[limit_kb, nt]
+        assert np.array_equal(host(ex.mx_linear(x, w)).view(np.uint32), want[m]), (limit_kb, m)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])

@@ -88,6 +88,8 @@ __device__ void read_units(const u8* src, int bands, int chunks, int parts, int 
     read_units<S, FLAT>(src, bands, chunks, parts, order, work, sink); }
 K(1, 0) K(2, 0) K(4, 0) K(1, 1) K(2, 1) K(4, 1)
 
+// decapybara/kernels/probe.cu's grid-stride read with the loads above (the products' own), so that the reference and
+// the band reads differ in their order of addresses alone
 extern "C" __global__ void probe_read(const uint4* src, u64 n16, u32* sink) {
     u32 acc = 0;
     const u64 stride = (u64)gridDim.x * blockDim.x;

@@ -502,7 +502,6 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 
-SEGK4_SMEM = 200 * 1024  # mx_gemv.cu MX_SEGK4_SMEM: the most dynamic shared memory a 4- / 8-n-tile x staging takes
 # TUNE keys of the kernels of 4 and 8 n-tiles (17-64 rows) and the kernel defines they set where not 0
 MANY_DEFINES = (("many_warps", "MX_WARPS4"), ("many_segk", "MX_SEGK4"), ("many_stages", "MX_STAGES4"))
 
@@ -519,8 +518,6 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()),
             *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()),
             *((d, tune[k]) for k, d in MANY_DEFINES if tune.get(k) and kernel_knows(tune["source"], d)),
-            *((("MX_SEGK4_SMEM", SEGK4_SMEM),) if tune.get("many_segk") and kernel_knows(tune["source"], "MX_SEGK4")
-              else ()),
             *((("MX_EARLY", tune["early"]),) if tune.get("early", 0) and kernel_knows(tune["source"], "MX_EARLY")
               else ()), *TUNE_DEFINES)
 
@@ -572,29 +569,26 @@ def staging_bytes(tune: dict, nt: int) -> int:
     if nt == 2:
         segk = tune.get("wide_segk", 1024)
         return 16 * (segk + 32) * 2 if segk > STATIC_SEGK and kernel_knows(tune["source"], "MX_SEGK2") else 0
-    segk = many_segk(tune, nt)
+    segk = many_segk(tune)
     return 16 * nt * (segk + 32) if nt >= 4 and segk > 2048 // nt and kernel_knows(tune["source"], "MX_SEGK4") else 0
 
 
-def many_segk(tune: dict, nt: int) -> int:
-    """TUNE `many_segk` as an `nt`-n-tile kernel (nt >= 4) builds it (mx_gemv.cu `segk4`): rounded down to a
-    multiple of 256, at most the one whose buffer (16 nt (segk + 32) bytes) stays within SEGK4_SMEM (at 8 n-tiles
-    1536 codes). Where that is not past the nominal 2048 / nt (0 where unset), the kernel keeps its nominal row in
-    static shared memory."""
-    most = (SEGK4_SMEM // (16 * nt) - 32) // 256 * 256
-    return min(tune.get("many_segk", 0) // 256 * 256, most)
+def many_segk(tune: dict) -> int:
+    """TUNE `many_segk` as the 4- and 8-n-tile kernels build it (mx_gemv.cu XBuf): rounded down to a multiple of
+    256. Up to their nominal 2048 / n-tiles codes (0 where unset) they keep the nominal row in static shared memory."""
+    return tune.get("many_segk", 0) // 256 * 256
 
 
 def fit_many_segk(tune: dict, nt: int) -> dict:
     """`tune` with `many_segk` lowered in steps of 256 codes (to 0, the nominal row in static shared memory, where
-    no longer row fits) until an `nt`-n-tile block's x staging buffer and 4 KB of the kernel's other shared memory
-    fit the current device's opt-in shared memory a block (about 99 KB on GPUs below the data-centre parts: 1024
-    codes at 8 n-tiles take 132 KB); `tune` itself where its rows fit."""
-    limit, segk = smem_per_block() - 4096, many_segk(tune, nt)
-    fit = segk
-    while fit > 2048 // nt and 16 * nt * (fit + 32) > limit:
+    no longer row fits) until an `nt`-n-tile block's x staging buffer (`staging_bytes`) and 4 KB of the kernel's
+    other shared memory fit the current device's opt-in shared memory a block (H200: 1536 codes at most at 8
+    n-tiles; about 99 KB a block on GPUs below the data-centre parts, where 1024 codes at 8 n-tiles take 132 KB);
+    `tune` itself where its rows fit as given."""
+    limit, fit = smem_per_block() - 4096, many_segk(tune)
+    while staging_bytes({**tune, "many_segk": fit}, nt) > limit:
         fit -= 256
-    return tune if fit == segk else {**tune, "many_segk": fit if fit > 2048 // nt else 0}
+    return tune if fit == tune["many_segk"] else {**tune, "many_segk": fit if fit > 2048 // nt else 0}
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

@@ -114,22 +114,16 @@ template <int NT> struct Wp {
 #endif                 // memory, past that in dynamic shared memory of 32 (MX_SEGK2 + 32) bytes (the launch's:
                        // decapybara/backend/cupy_ops_extra.py `staging_bytes`)
 #ifndef MX_SEGK4
-#define MX_SEGK4 0  // codes a row of the 4- and 8-n-tile kernels' x staging buffer holds: 0 the nominal 2048 / NT
-#endif              // (static shared memory), more in dynamic shared memory of 16 NT (SEGK + 32) bytes, SEGK rounded
-                    // down to a multiple of 256, at most the one within MX_SEGK4_SMEM bytes (cupy_ops_extra.py `many_segk`)
-#ifndef MX_SEGK4_SMEM
-#define MX_SEGK4_SMEM (200 * 1024)  // the wrapper names its own SEGK4_SMEM with MX_SEGK4
-#endif
-template <int NT> constexpr int segk4() {
-    constexpr int most = (MX_SEGK4_SMEM / (16 * NT) - 32) / 256 * 256;
-    return MX_SEGK4 / 256 * 256 < most ? MX_SEGK4 / 256 * 256 : most;
-}
+#define MX_SEGK4 0  // codes a row of the 4- and 8-n-tile kernels' x staging buffer holds, rounded down to a multiple
+#endif              // of 256: up to the nominal 2048 / NT in static shared memory, past it in dynamic shared memory
+                    // of 16 NT (SEGK + 32) bytes (the launch's, fitted to the device: cupy_ops_extra.py `fit_many_segk`)
 // x staging buffer: MT rows of RS bf16 (SEGK codes + 32 of bank padding); the two-n-tile kernels' ring depth
 // follows NSEGK, the codes of the buffer of 2048 / NT a row that every build had before MX_SEGK2, the wider
 // kernels' their SEGK (see ST in mx_segment)
 template <int NT> struct XBuf {
     static constexpr int NSEGK = 2048 / NT;
-    static constexpr int SEGK = NT == 2 ? MX_SEGK2 : NT >= 4 && segk4<NT>() > NSEGK ? segk4<NT>() : NSEGK, RS = SEGK + 32;
+    static constexpr int SEGK4 = MX_SEGK4 / 256 * 256;
+    static constexpr int SEGK = NT == 2 ? MX_SEGK2 : NT >= 4 && SEGK4 > NSEGK ? SEGK4 : NSEGK, RS = SEGK + 32;
     static constexpr bool DYN = NT == 2 ? SEGK > 1440 : SEGK > NSEGK;  // in dynamic shared memory
     static_assert(SEGK >= NSEGK, "a staging row of at least the nominal segment");
 };

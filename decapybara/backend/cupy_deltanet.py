@@ -33,8 +33,9 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/de
 # decode forwards (every run one row) take gdn_decode: the same arithmetic as the four kernels it replaces;
 # "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
 # value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
-# bench/overlap.py); "runs" the runs a CTA takes one after another (None: `decode_runs_per_cta`)
-FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": 64,
+# bench/overlap.py; None: `decode_vcols`); "runs" the runs a CTA takes one after another (None:
+# `decode_runs_per_cta`)
+FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": None,
                                 "runs": None}
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
@@ -104,15 +105,31 @@ def decode_smem_bytes(dk: int, vcols: int) -> int:
     return 4 * (dk * vcols + 4 * 8)
 
 
+DECODE_NARROW_RUNS = 12  # `decode_vcols`: CTAs of 32 value columns up to this many runs, 64 past it
+
+
+def decode_vcols(runs: int, dv: int) -> int:
+    """Value columns a gdn_decode CTA (DEC_VCOLS) where FUSED_DECODE names none: 32 for decode forwards of up to
+    DECODE_NARROW_RUNS runs (twice the CTAs of half the state each, 4 an SM at dk 128), 64 past that; at most dv.
+    Measured (H200, 27B shape, us a layer, each with `decode_runs_per_cta`'s runs, docs/perf.md forty-fourth
+    session): 32 columns 1-8% faster from 1 to 10 sequences (one: 5.1-5.2 against 5.5-5.6), level at 12 (27.6
+    against 27.4), 2-5% slower at 16-32."""
+    return min(32 if runs <= DECODE_NARROW_RUNS else 64, dv)
+
+
 def decode_runs_per_cta(runs: int, heads: int, col_blocks: int, slots: int) -> int:
-    """Runs per gdn_decode CTA, which takes them one after another (the next run's loads in flight during the
-    current one's work): 2 where one run a CTA (runs x heads x col_blocks CTAs) is over one wave of `slots`
-    resident CTAs and two a CTA fit one wave (its second wave would run partly filled), else 1. Measured (27B, 2
-    CTAs an SM, state loaded to registers, us a layer): 3 and 4 sequences 9.8 / 11.1 two a CTA against 10.7 /
-    12.0-12.1 one; 5 sequences 15.4 three a CTA (one wave) against 14.0 one (1.8 waves); 8 and 12 sequences in one
-    wave of longer CTAs 21.7 / 31.5 against 21.0 / 30.1 one a CTA."""
-    per_group = max(1, heads * col_blocks)  # CTAs of one run's grid
-    return 2 if slots < runs * per_group and -(-runs // 2) * per_group <= slots else 1
+    """Runs per gdn_decode CTA, which takes them one after another (the next run's state copies, conv state and
+    inputs in flight during the current one's work). `heads` x `col_blocks` CTAs take each group of runs, and
+    `slots` CTAs are resident at once: the fewest runs a CTA that put every CTA in one wave where that is at most
+    3, else 2 (at most the runs). Measured (H200, 27B shape, us a layer, docs/perf.md forty-fourth session), 64 columns
+    (96 CTAs a group, 264 slots): 6 sequences 14.5 three a CTA against 16.5 one; 12: 27.4 two a CTA (2.2 waves) and
+    27.3 six (one wave) against 29.1 one; 16-32 two a CTA 5-9% faster than one, longer runs a CTA slower or no
+    faster. 32 columns (192 a group, 528 slots): 3 sequences 8.9 two a CTA against 10.2, 5 and 6 three a CTA 12.9
+    / 14.2 against 13.9 / 16.4, 8 and 10 two a CTA 18.9 / 22.3 against 20.2 / 24.6."""
+    groups = slots // max(1, heads * col_blocks)  # run groups one wave of resident CTAs holds
+    if groups >= 1 and -(-runs // groups) <= 3:
+        return max(1, -(-runs // groups))
+    return max(1, min(runs, 2))
 
 
 @dataclass(slots=True)
@@ -215,12 +232,13 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     ldx = I64(x.strides[0] // 4)
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
-    src, dn_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
+    src, fin_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
     if decode:  # conv, norms, gates and the step in one launch
-        dvcols = min(FUSED_DECODE["vcols"], dv)  # the kernel's DVC
+        vc = FUSED_DECODE["vcols"] or decode_vcols(plan.num_runs, dv)
+        dvcols = min(vc, dv)  # the kernel's DVC
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
-        dn_defines += (("DEC_VCOLS", FUSED_DECODE["vcols"]), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
+        dn_defines = fin_defines + (("DEC_VCOLS", vc), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
         if "GDN_MINB" not in FUSED_DECODE["defines"]:
             dn_defines += (("GDN_MINB", decode_ctas_per_sm(dk, dvcols, acc)),)
         minb = dict(dn_defines)["GDN_MINB"]
@@ -284,7 +302,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         assert norm_w.shape == (dv,), f"norm weight {norm_w.shape} for value heads of {dv}"
         if decode:
             gated = empty((t, hv, dv), out_dtype)
-            pdl.launch(get_kernel(src, "gdn_decode_finish", dn_defines),
+            pdl.launch(get_kernel(src, "gdn_decode_finish", fin_defines),
                        (-(-hv // 4) + cblocks, plan.num_runs), (128,),
                        (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
                         I32(cupy_ops._bf16_out(out_dtype))))

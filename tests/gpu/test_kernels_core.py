@@ -950,21 +950,26 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
                 assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
 
 
-def test_deltanet_decode_runs_per_cta_fold_a_partial_second_wave():
-    """decode_runs_per_cta: two runs a CTA exactly where one run a CTA is over one wave of resident CTAs and two
-    a CTA fit one; the 27B shape (48 heads, 2 column blocks, 2 CTAs on each of 132 SMs): two at 3 and 4
-    sequences. decode_ctas_per_sm: 2 CTAs an SM at 27B, 1 in float64."""
+def test_deltanet_decode_plan_fills_one_wave_or_takes_two_runs_a_cta():
+    """decode_runs_per_cta: the fewest runs a CTA (at most 3) that put all CTAs in one wave of resident CTAs,
+    else 2; one run, 1. The 27B shape (48 heads; 2 column blocks of 64 on 2 CTAs an SM, or 4 of 32 on 4, of 132
+    SMs: two run groups a wave either way). decode_vcols: CTAs of 32 value columns up to 12 runs, 64 past that.
+    decode_ctas_per_sm: 2 CTAs an SM at 27B (64 columns), 4 at 32 columns, 1 in float64."""
     from decapybara.backend import cupy_deltanet as cd
 
-    assert [cd.decode_runs_per_cta(r, 48, 2, 264) for r in range(1, 13)] == [1, 1, 2, 2] + [1] * 8
-    assert [cd.decode_runs_per_cta(r, 48, 2, 396) for r in range(1, 13)] == [1] * 4 + [2] * 4 + [1] * 4
+    want = [1, 1, 2, 2, 3, 3] + [2] * 6
+    assert [cd.decode_runs_per_cta(r, 48, 2, 264) for r in range(1, 13)] == want
+    assert [cd.decode_runs_per_cta(r, 48, 4, 528) for r in range(1, 13)] == want
+    assert [cd.decode_vcols(r, 128) for r in (1, 5, 12, 13, 64)] == [32, 32, 32, 64, 64]
+    assert cd.decode_vcols(1, 16) == 16 and cd.decode_vcols(40, 48) == 48
     assert cd.decode_ctas_per_sm(128, 64, "float") == 2 and cd.decode_ctas_per_sm(128, 64, "double") == 1
-    for heads, blocks, slots in ((48, 2, 264), (48, 2, 396), (4, 1, 264), (300, 1, 264), (8, 4, 32), (7, 1, 10)):
+    assert cd.decode_ctas_per_sm(128, 32, "float") == 4
+    for heads, blocks, slots in ((48, 2, 264), (48, 4, 528), (4, 1, 264), (300, 1, 264), (8, 4, 32), (7, 1, 10)):
         for runs in range(1, 200):
             per = cd.decode_runs_per_cta(runs, heads, blocks, slots)
-            fold = runs * heads * blocks > slots and -(-runs // 2) * heads * blocks <= slots
-            assert per == (2 if fold else 1), (runs, heads, blocks, slots, per)
-            assert per <= cd.DECODE_MAX_RUNS
+            assert 1 <= per <= min(runs, 3, cd.DECODE_MAX_RUNS), (runs, heads, blocks, slots, per)
+            fits = [p for p in range(1, 4) if p <= runs and -(-runs // p) * heads * blocks <= slots]
+            assert per == (fits[0] if fits else min(runs, 2)), (runs, heads, blocks, slots, per)
 
 
 def test_deltanet_decode_overlaps_only_over_model_parameters(monkeypatch):
@@ -1017,8 +1022,8 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
     states, snapshots. Per batch size: a two-row prefill round, then two decode steps in scattered slots from random
     states; with `views` mixed / a / b / z are column views of fused products as QwenModel passes them (z a
     contiguous array in the last step), else contiguous arrays (what the host emulator can run). Outputs start
-    NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128; 4 sequences take two runs a gdn_decode
-    CTA in float32 on 132 SMs, `decode_runs_per_cta`), 6 (a partial norm block), dv = 8."""
+    NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128; 4 and 5 sequences take two and three
+    runs a gdn_decode CTA in float32 on 132 SMs, `decode_runs_per_cta`), 6 (a partial norm block), dv = 8."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 

@@ -66,15 +66,21 @@ def copy_bandwidth() -> float:
     return 2 * a.nbytes / float(np.median(times[1:]))
 
 
+def layer_params(cfg: ModelConfig, rng: np.random.Generator) -> tuple[DeltaNetParams, cp.ndarray]:
+    """Random DeltaNet parameters of `cfg`'s layers (conv weight, A, dt bias) and a gated norm weight of ones."""
+    c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    params = DeltaNetParams(cp.asarray(rng.standard_normal((c, 4)).astype(np.float32) * 0.5),
+                            -cp.exp(cp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32))),
+                            cp.asarray(rng.standard_normal(hv).astype(np.float32) * 0.5 + 1))
+    return params, cp.ones(dv, cp.float32)
+
+
 def main() -> None:
     cfg = config()
     be = CupyBackend("bf16")
     rng = np.random.default_rng(0)
     c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    params = DeltaNetParams(cp.asarray(rng.standard_normal((c, 4)).astype(np.float32) * 0.5),
-                            -cp.exp(cp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32))),
-                            cp.asarray(rng.standard_normal(hv).astype(np.float32) * 0.5 + 1))
-    norm_w = cp.ones(dv, cp.float32)
+    params, norm_w = layer_params(cfg, rng)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {LAYERS} layers of state cycled; ACC float (bf16 backend)")
     print(f"{'batch':>5} {'variant':>12} {'us/layer':>9} {'state MB':>9} {'GB/s':>7} {'% copy':>7} {'ratio':>6}")

@@ -9,6 +9,9 @@ is 0.87 ms of a 48-layer step at copy bandwidth, while the twelve-row products u
 (GDN_LAYERS, default 16, as bench/gdn_decode.py; state and weights cycled past the L2):
 
 - `decode`: the DeltaNet decode alone (gdn_decode + gdn_decode_finish, as bench/gdn_decode.py);
+- `decode+decode`: two decodes of the layer, the second reading the state the first just wrote (as much of it as
+  the L2 kept): how fast the decode is with its state in the L2;
+- `prefetch`: the prefetch kernel alone;
 - `product`: the qkv|z product alone, at the batch's rows;
 - `product+decode`: the product, then the decode (what a step does);
 - `product|prefetch`: the product with a kernel on a side stream, forked before it, that issues
@@ -51,18 +54,19 @@ ITERS = int(os.environ.get("STATE_ITERS", "10"))
 ROUNDS = int(os.environ.get("STATE_ROUNDS", "2"))
 PIECE = int(os.environ.get("STATE_PIECE", str(32 << 10)))
 BLOCKS = int(os.environ.get("STATE_PREFETCH_BLOCKS", "8"))  # blocks of 128 threads the prefetch kernel takes
-VARIANTS = os.environ.get("STATE_VARIANTS", "decode,product,product+decode,product|prefetch,"
-                          "product|prefetch+decode,product|prefetch(last)+decode,prefetch+decode").split(",")
+VARIANTS = os.environ.get("STATE_VARIANTS", "decode,decode+decode,prefetch,prefetch+decode,product,product+decode,"
+                          "product|prefetch,product|prefetch+decode,product|prefetch(last)+decode").split(",")
 QKVZ = (16384, 5120)
 
 SRC = r"""
-// Bulk L2 prefetch of [base, base + bytes): thread i asks for pieces i, i + threads, ... of `piece` bytes (16-byte
-// multiples; base 16-byte aligned). last != 0: under an L2 evict_last policy.
+// Bulk L2 prefetch of [base, base + bytes): thread t of block b asks for pieces t * blocks + b, then that plus
+// threads, ... of `piece` bytes (16-byte multiples; base 16-byte aligned): consecutive pieces on different blocks,
+// so that a small range still spreads over the blocks' SMs. last != 0: under an L2 evict_last policy.
 extern "C" __global__ void prefetch_l2(const char* base, unsigned long long bytes, unsigned int piece, int last) {
   unsigned long long pol = 0;
   if (last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
   const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x * piece;
-  for (unsigned long long off = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) * piece; off < bytes;
+  for (unsigned long long off = ((unsigned long long)threadIdx.x * gridDim.x + blockIdx.x) * piece; off < bytes;
        off += step) {
     const unsigned int n = (unsigned int)(bytes - off < piece ? bytes - off : piece);
     if (last)
@@ -93,18 +97,29 @@ def layer_fn(variant: str, kernel: Any, side: Any, n: int, layer: int, pool: Any
     if variant == "decode":
         decode()
         return
+    if variant == "decode+decode":  # the second reads the state the first just wrote (the L2's, where it stayed)
+        decode()
+        decode()
+        return
+    if variant == "prefetch":
+        prefetch(kernel, state, False)
+        return
     if variant == "prefetch+decode":
         prefetch(kernel, state, False)
         decode()
         return
     main = cp.cuda.get_current_stream()
-    if "|prefetch" in variant:
+    forked = "|prefetch" in variant
+    if forked:
         side.wait_event(main.record())
-        with side:
-            prefetch(kernel, state, "(last)" in variant)
-    ex.mx_linear(xp, w[layer])
-    if "|prefetch" in variant:
-        main.wait_event(side.record())  # joined: a capture must not end forked
+    try:
+        if forked:
+            with side:
+                prefetch(kernel, state, "(last)" in variant)
+        ex.mx_linear(xp, w[layer])
+    finally:
+        if forked:
+            main.wait_event(side.record())  # joined even when a launch fails: a capture must not end forked
     if variant.endswith("+decode"):
         decode()
 

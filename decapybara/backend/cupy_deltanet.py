@@ -110,22 +110,24 @@ DECODE_NARROW_RUNS = 12  # `decode_vcols`: CTAs of 32 value columns up to this m
 
 def decode_vcols(runs: int, dv: int) -> int:
     """Value columns a gdn_decode CTA (DEC_VCOLS) where FUSED_DECODE names none: 32 for decode forwards of up to
-    DECODE_NARROW_RUNS runs (twice the CTAs of half the state each, 4 an SM at dk 128), 64 past that; at most dv.
-    Measured (H200, 27B shape, us a layer, each with `decode_runs_per_cta`'s runs, docs/perf.md forty-fourth
-    session): 32 columns 1-8% faster from 1 to 10 sequences (one: 5.1-5.2 against 5.5-5.6), level at 12 (27.6
-    against 27.4), 2-5% slower at 16-32."""
-    return min(32 if runs <= DECODE_NARROW_RUNS else 64, dv)
+    DECODE_NARROW_RUNS runs (twice the CTAs of half the state each, 4 an SM at dk 128), 64 past that where dv is a
+    multiple of 64; at most dv.
+    Measured (H200, 27B shape, us a layer, each width at its best runs a CTA; docs/perf.md, forty-fourth session,
+    call 2): 32 columns 1-8% faster from 1 to 10 sequences (one: 5.1-5.2 against 5.5; five: 12.9 against 14.0), level
+    at 2 and 12 (12: 27.6 against 27.3-27.4), 2-5% slower at 16-32 (32: 68.9 against 65.4)."""
+    return 64 if runs > DECODE_NARROW_RUNS and dv % 64 == 0 else min(32, dv)
 
 
 def decode_runs_per_cta(runs: int, heads: int, col_blocks: int, slots: int) -> int:
     """Runs per gdn_decode CTA, which takes them one after another (the next run's state copies, conv state and
     inputs in flight during the current one's work). `heads` x `col_blocks` CTAs take each group of runs, and
     `slots` CTAs are resident at once: the fewest runs a CTA that put every CTA in one wave where that is at most
-    3, else 2 (at most the runs). Measured (H200, 27B shape, us a layer, docs/perf.md forty-fourth session), 64 columns
-    (96 CTAs a group, 264 slots): 6 sequences 14.5 three a CTA against 16.5 one; 12: 27.4 two a CTA (2.2 waves) and
-    27.3 six (one wave) against 29.1 one; 16-32 two a CTA 5-9% faster than one, longer runs a CTA slower or no
-    faster. 32 columns (192 a group, 528 slots): 3 sequences 8.9 two a CTA against 10.2, 5 and 6 three a CTA 12.9
-    / 14.2 against 13.9 / 16.4, 8 and 10 two a CTA 18.9 / 22.3 against 20.2 / 24.6."""
+    3, else 2 (at most the runs). Measured (H200, 27B shape, us a layer; docs/perf.md, forty-fourth session,
+    call 2), 64 columns (96 CTAs a group, 264 slots): 6 sequences 14.5 three a CTA against 16.5-16.6 one; 12: 27.4-27.6
+    two a CTA (2.2 waves) and 27.3-27.4 six (one wave) against 29.1-29.3 one; 16-32 two a CTA 9-10% faster than one,
+    longer runs a CTA slower or at most 1% faster. 32 columns (192 a group, 528 slots): 3 sequences 8.9 two a CTA
+    against 10.2 one, 5 and 6 three a CTA 12.9 / 14.2 against 13.9 / 16.4, 8 and 10 two a CTA 18.9-19.0 / 22.3-22.4
+    against 20.2-20.3 / 24.6-24.7."""
     groups = slots // max(1, heads * col_blocks)  # run groups one wave of resident CTAs holds
     if groups >= 1 and -(-runs // groups) <= 3:
         return max(1, -(-runs // groups))
@@ -238,7 +240,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         dvcols = min(vc, dv)  # the kernel's DVC
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
-        dn_defines = fin_defines + (("DEC_VCOLS", vc), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
+        dn_defines = fin_defines + (("DEC_VCOLS", dvcols), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
         if "GDN_MINB" not in FUSED_DECODE["defines"]:
             dn_defines += (("GDN_MINB", decode_ctas_per_sm(dk, dvcols, acc)),)
         minb = dict(dn_defines)["GDN_MINB"]

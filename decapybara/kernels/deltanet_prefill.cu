@@ -390,7 +390,7 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 // round, through shared memory in 16-byte pieces, 5-8% slower than each thread's own: docs/perf.md.)
 // x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); R: runs; the rest as gdn_recurrent.
 #ifndef DEC_VCOLS
-#define DEC_VCOLS 64  // cupy_deltanet.FUSED_DECODE["vcols"] (always passed)
+#define DEC_VCOLS 64  // the gdn_decode launch passes its columns (cupy_deltanet.decode_vcols or FUSED_DECODE["vcols"])
 #endif
 #ifndef DEC_MAXRUNS
 #define DEC_MAXRUNS 32  // cupy_deltanet.DECODE_MAX_RUNS: runs a CTA takes at most

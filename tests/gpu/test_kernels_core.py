@@ -906,8 +906,9 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
     """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
-    of 8 make one warp a CTA (it computes both norms); `vcols` value columns a CTA: 64 (the default: eight warps
-    where dv allows), 32 (four) and 16 (two); for dv <= 32 some of them build the same kernel. `runs` a CTA takes
+    of 8 make one warp a CTA (it computes both norms); `vcols` value columns a CTA: 64 (eight warps where dv
+    allows; the plan's from 13 runs up), 32 (four; the plan's up to 12 runs) and 16 (two); for dv <= 32 some of them
+    build the same kernel. `runs` a CTA takes
     one after another: as planned (one at these sizes), 2 (CTAs of 2, 2 and 1: the snapshots at second runs), 3
     (3 and 2: a snapshot at a CTA's middle run and at its first) and all five in one CTA."""
     from decapybara.backend import cupy_deltanet as cd
@@ -961,7 +962,7 @@ def test_deltanet_decode_plan_fills_one_wave_or_takes_two_runs_a_cta():
     assert [cd.decode_runs_per_cta(r, 48, 2, 264) for r in range(1, 13)] == want
     assert [cd.decode_runs_per_cta(r, 48, 4, 528) for r in range(1, 13)] == want
     assert [cd.decode_vcols(r, 128) for r in (1, 5, 12, 13, 64)] == [32, 32, 32, 64, 64]
-    assert cd.decode_vcols(1, 16) == 16 and cd.decode_vcols(40, 48) == 48
+    assert cd.decode_vcols(1, 16) == 16 and cd.decode_vcols(40, 16) == 16 and cd.decode_vcols(40, 96) == 32
     assert cd.decode_ctas_per_sm(128, 64, "float") == 2 and cd.decode_ctas_per_sm(128, 64, "double") == 1
     assert cd.decode_ctas_per_sm(128, 32, "float") == 4
     for heads, blocks, slots in ((48, 2, 264), (48, 4, 528), (4, 1, 264), (300, 1, 264), (8, 4, 32), (7, 1, 10)):

@@ -113,7 +113,7 @@ PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-
 SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
                   "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
                   "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits "
-                  "or (prefill_fused_launches and dims1)")
+                  "or (prefill_fused_launches and dims1) or decode_plan_fills_one_wave")
 MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
                  " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
                  " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
@@ -224,9 +224,10 @@ def test_deltanet_snapshots_pass_on_the_emulator(emulator):
     byte for byte (one and three runs a CTA); the chunked prefill kernels (tensor-core MMAs on hi/lo fragments,
     cp.async staging) against the reference and gdn_recurrent, and their chunk table: five cases of their GPU
     tests; and other forwards' fused conv / gates / q-k norm and conv state / gated norm launches against the
-    separate ones, byte for byte, through the emulator plugin."""
+    separate ones, byte for byte, through the emulator plugin; and the fused decode's launch plan (columns and runs
+    a CTA by batch size, `decode_vcols` / `decode_runs_per_cta`)."""
     out = emulator("snapshots")
-    assert passed(out) == 7, out[-3000:]
+    assert passed(out) == 8, out[-3000:]
 
 
 @needs_toolchain

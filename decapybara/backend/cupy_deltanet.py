@@ -236,8 +236,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
     src, fin_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
     if decode:  # conv, norms, gates and the step in one launch
-        vc = FUSED_DECODE["vcols"] or decode_vcols(plan.num_runs, dv)
-        dvcols = min(vc, dv)  # the kernel's DVC
+        dvcols = min(FUSED_DECODE["vcols"] or decode_vcols(plan.num_runs, dv), dv)  # the kernel's DVC
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
         dn_defines = fin_defines + (("DEC_VCOLS", dvcols), ("DEC_MAXRUNS", DECODE_MAX_RUNS))

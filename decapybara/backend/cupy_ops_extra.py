@@ -585,10 +585,19 @@ def fit_many_segk(tune: dict, nt: int) -> dict:
     other shared memory fit the current device's opt-in shared memory a block (H200: 1536 codes at most at 8
     n-tiles; about 99 KB a block on GPUs below the data-centre parts, where 1024 codes at 8 n-tiles take 132 KB);
     `tune` itself where its rows fit as given."""
-    limit, fit = smem_per_block() - 4096, many_segk(tune)
-    while staging_bytes({**tune, "many_segk": fit}, nt) > limit:
+    fit = _fitted_segk(smem_per_block() - 4096, tune["source"], tune["many_segk"], nt)
+    return tune if fit == tune["many_segk"] else {**tune, "many_segk": fit}
+
+
+@functools.cache
+def _fitted_segk(limit: int, source: str, segk: int, nt: int) -> int:
+    """`fit_many_segk`'s `many_segk` for a shared-memory `limit` a block (past the kernel's other 4 KB): `segk`
+    where its rows fit, else the longest that does (0 below the nominal row); once per device limit, kernel file,
+    rows and n-tiles, so that a launch's tuning costs a lookup (eager steps resolve it at every product)."""
+    fit = many_segk({"many_segk": segk})
+    while staging_bytes({"source": source, "many_segk": fit}, nt) > limit:
         fit -= 256
-    return tune if fit == tune["many_segk"] else {**tune, "many_segk": fit if fit > 2048 // nt else 0}
+    return segk if fit == segk else fit if fit > 2048 // nt else 0
 
 
 def _gemm(x: Any, w: PackedWeight, y: Any, *, bias: Any = None, gather: Any = None, groups: Any = None,

@@ -13,7 +13,6 @@ float32 state at its store points), "float" is the fast variant.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +38,6 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/de
 FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": None,
                                 "runs": None}
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
-# a decode forward's z given as a function (`deltanet_core`'s deferred gate): its product runs on a side stream
-# beside gdn_decode, forked after the launches before (the layer's qkv product) and joined before
-# gdn_decode_finish, the one launch that reads z. "order": "decode" launches gdn_decode first, "z" the product first
-# (timing variants: bench/z_beside.py).
-SIDE_Z: dict[str, Any] = {"order": "decode"}
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
 RECURRENT: dict[str, Any] = {"tokens": 16}
 # other forwards (prefill, mixed steps) in fewer launches, the same bits: the conv, the gates and (key head dim
@@ -197,11 +191,6 @@ def _rows(a: Any) -> Any:
     return cp.ascontiguousarray(a)
 
 
-def _heads(z: Any, cfg: ModelConfig) -> Any:
-    """z [T, Hv * dv] (a deferred z's product) as [T, Hv, dv]; [T, Hv, dv] as it is."""
-    return z.reshape(z.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim) if z.ndim == 2 else z
-
-
 def _head_rows(z: Any, t: int, hv: int, dv: int) -> tuple[Any, int]:
     """(z, ldz) for z [T, Hv, dv] whose heads are contiguous rows of dv floats, token t's at t * ldz (a column view
     of a fused product as is; any other layout copied)."""
@@ -220,11 +209,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     eps) its `gated_rms_norm(core, z, norm_weight, eps)` (see `Backend.deltanet_core_gated`), bit for bit: a
     decode forward computes it in gdn_decode_finish (gated_rms_norm_warp's arithmetic), in `out_dtype` (uint16:
     bf16 bits, rounded to nearest even), any other forward in gdn_finish beside its conv state update (float32;
-    with FUSED_PREFILL off, `cupy_ops.gated_rms_norm` after the core). z may be a function of no arguments that
-    returns it ([T, Hv * dv] or [T, Hv, dv], launched on the current stream): a decode forward calls it on a side
-    stream beside gdn_decode (`SIDE_Z`), any other forward first."""
-    if gate is not None and callable(gate[0]) and not (plan.max_len == 1 and FUSED_DECODE["enabled"]):
-        gate = (_heads(gate[0](), cfg), *gate[1:])
+    with FUSED_PREFILL off, `cupy_ops.gated_rms_norm` after the core)."""
     x, a, b = _rows(f32_any(mixed_qkv)), _rows(f32_any(a)), _rows(f32_any(b))
     if a.strides != b.strides:
         a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
@@ -269,17 +254,10 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
         kernel, smem = get_kernel(src, "gdn_decode", dn_defines), decode_smem_bytes(dk, dvcols)
         cupy_ops.allow_dynamic_smem(kernel, smem)
-
-        def core() -> None:
-            launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols), (4 * dvcols,),
-                   (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk),
-                    I32(hv), I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5), I32(plan.num_runs), I32(per)),
-                   shared_mem=smem)
-
-        if gate is not None and callable(gate[0]):
-            gate = (_heads(_beside(core, gate[0]), cfg), *gate[1:])
-        else:
-            core()
+        launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols), (4 * dvcols,),
+               (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),
+                I32(c), ldx, I64(a.strides[0] // 4), F32(dk ** -0.5), I32(plan.num_runs), I32(per)),
+               shared_mem=smem)
     else:
         y = empty((t, c), cp.float32)  # silu(conv(x)), [T, q | k | v]
         g = empty((t, hv), cp.float32)
@@ -341,31 +319,6 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         snap = snapshots.setdefault(key, {})
         snap[layer] = _to_slab(snap, cfg, layer, snap_conv[i], snap_rec[i])
     return out if gated is None else gated
-
-
-@functools.cache
-def _side_stream(device: int) -> Any:
-    return cp.cuda.Stream(non_blocking=True)
-
-
-def _beside(core: Any, z_fn: Any) -> Any:
-    """Runs `core()` (gdn_decode's launch) on the current stream and `z_fn()` on a side stream that forks from it
-    after the launches before (both start once those end) and joins it after z_fn's launches; the side's launches
-    are plain (`pdl.serial`: no overlapped start against an unrelated kernel). Returns z_fn's result."""
-    main = cp.cuda.get_current_stream()
-    side = _side_stream(cp.cuda.Device().id)
-    side.wait_event(main.record())
-    z = None
-    try:
-        if SIDE_Z["order"] == "decode":
-            core()
-        with side, pdl.serial():
-            z = z_fn()
-        if SIDE_Z["order"] != "decode":
-            core()
-    finally:
-        main.wait_event(side.record())  # joined even when a launch fails (a capture must not end forked)
-    return z
 
 
 def _chunked(qn: Any, kn: Any, y: Any, g: Any, beta: Any, rec: Any, plan: RunPlan, work: ChunkWork, out: Any,

@@ -1022,10 +1022,8 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
     deltanet_core then gated_rms_norm (conv1d_state_update, gated_rms_norm_warp): gated output, conv and recurrent
     states, snapshots. Per batch size: a two-row prefill round, then two decode steps in scattered slots from random
     states; with `views` mixed / a / b / z are column views of fused products as QwenModel passes them (z a
-    contiguous array in the last step), else contiguous arrays (what the host emulator can run). In the first two
-    steps the fused path takes z deferred, a function that computes it on the current stream (the decode step then
-    runs it on a side stream beside gdn_decode, launched after it for odd batch sizes and before it for even ones:
-    `cupy_deltanet.SIDE_Z`). Outputs start NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128; 4 and 5 sequences take two and three
+    contiguous array in the last step), else contiguous arrays (what the host emulator can run). Outputs start
+    NaN-poisoned. Value heads of 8 and 48 (27B: Hk 16, Hv 48, dk = dv = 128; 4 and 5 sequences take two and three
     runs a gdn_decode CTA in float32 on 132 SMs, `decode_runs_per_cta`), 6 (a partial norm block), dv = 8."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
@@ -1045,7 +1043,6 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
             pool.conv[0][...] = cp.asarray(init[0])
             pool.rec[0][...] = cp.asarray(init[1])
         slots = [int(s) for s in rng.permutation(nslots)[:n]]
-        monkeypatch.setitem(cd.SIDE_Z, "order", "decode" if n % 2 else "z")
         for step in range(3):
             rows = 2 if step == 0 else 1  # step 0: a prefill forward (runs of two rows)
             segs = [DeltaNetSegment(i * rows, rows, slot, (i, step) if i % 2 else None) for i, slot in enumerate(slots)]
@@ -1062,8 +1059,7 @@ def test_deltanet_decode_gated_norm_is_bit_identical(monkeypatch, acc, dims, bat
                 launched.clear()
                 snaps = {}
                 if fused:
-                    z_arg = z if step == 2 else (lambda z=z: cp.ascontiguousarray(z).reshape(len(z), -1) * 1.0)
-                    out = cub.deltanet_core_gated(pool, 0, x, a, b, params, segs, cfg, snaps, z_arg, norm_w, 1e-6)
+                    out = cub.deltanet_core_gated(pool, 0, x, a, b, params, segs, cfg, snaps, z, norm_w, 1e-6)
                 else:
                     core = cub.deltanet_core(pool, 0, x, a, b, params, segs, cfg, snaps)
                     out = cub.gated_rms_norm(core, z, norm_w, 1e-6)

@@ -99,10 +99,10 @@ def chunked_ok(dk: int, dv: int) -> bool:
     return dk % 16 == 0 and dv % 16 == 0 and (dk <= 64 or dk % 64 == 0) and dk + dv <= 256
 
 
-def decode_smem_bytes(dk: int, vcols: int, slices: int = 1) -> int:
-    """Dynamic shared memory of a gdn_decode CTA: `slices` state slices (2 where the kernel's DEC_SMEM_S double-
-    buffers them), each dk rows of vcols floats with 8 floats after each of the 4 parts' rows (the kernel's SPART)."""
-    return 4 * slices * (dk * vcols + 4 * 8)
+def decode_smem_bytes(dk: int, vcols: int) -> int:
+    """Dynamic shared memory of a gdn_decode CTA: its state slice, dk rows of vcols floats with 8 floats after
+    each of the 4 parts' rows (the kernel's SPART)."""
+    return 4 * (dk * vcols + 4 * 8)
 
 
 DECODE_NARROW_RUNS = 12  # `decode_vcols`: CTAs of 32 value columns up to this many runs, 64 past it
@@ -252,8 +252,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         if per is None:
             per = decode_runs_per_cta(plan.num_runs, hv, dv // dvcols, minb * cupy_ops.sm_count())
         assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
-        kernel = get_kernel(src, "gdn_decode", dn_defines)
-        smem = decode_smem_bytes(dk, dvcols, 2 if dict(dn_defines).get("DEC_SMEM_S") else 1)
+        kernel, smem = get_kernel(src, "gdn_decode", dn_defines), decode_smem_bytes(dk, dvcols)
         cupy_ops.allow_dynamic_smem(kernel, smem)
         launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols), (4 * dvcols,),
                (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),

@@ -898,12 +898,11 @@ def test_deltanet_recurrent_blocks_give_the_same_bits(monkeypatch, dims):
             assert_bytes_equal(snaps[key], results[0][2][key], f"snapshot {key}, blocks of {tokens}")
 
 
-@pytest.mark.parametrize("smem_state", [False, True])
 @pytest.mark.parametrize("runs", [None, 2, 3, 5])
 @pytest.mark.parametrize("vcols", [64, 32, 16])
 @pytest.mark.parametrize("acc", ["double", "float"])
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
-def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, runs, smem_state):
+def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, runs):
     """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
@@ -931,8 +930,6 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
     monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
     monkeypatch.setitem(cd.FUSED_DECODE, "vcols", vcols)
     monkeypatch.setitem(cd.FUSED_DECODE, "runs", runs)
-    if smem_state:
-        monkeypatch.setitem(cd.FUSED_DECODE, "defines", {"DEC_SMEM_S": 1, "GDN_MINB": 1 if acc == "double" else 6})
     for step in range(3):
         segs = [DeltaNetSegment(i, 1, slot, (i, step) if i in (1, 3) else None) for i, slot in enumerate(slots)]
         x = cp.asarray(rand(rng, len(slots), c))

@@ -4,6 +4,9 @@
     GDN_BATCHES=12 GDN_ITERS=1 ncu --clock-control none -k regex:gdn_decode$ --launch-skip 20 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         python3 bench/gdn_decode.py                # one launch for Nsight Compute
+    DECAPYBARA_KERNEL_LINEINFO=1 ... ncu ... --set full --import-source yes -o rep python3 bench/gdn_decode.py
+    ncu --import rep.ncu-rep --page source --csv --print-source cuda,sass > rep_lines.csv
+    python3 bench/ncu_source.py rep_lines.csv      # its stall samples and instructions by source line
 
 GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "v32": {"vcols": 32}, "minb4": {"defines":
 {"GDN_MINB": 4}}, "prev": {"source": "deltanet_prefill_prev", "vcols": 32, "runs": 1}}', the last an older kernel file

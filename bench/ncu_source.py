@@ -6,7 +6,9 @@
     python3 bench/ncu_source.py rep_sass.csv [--weights 178257920]   # per 256 weights: the gate|up's N x K
 
 (DECAPYBARA_KERNEL_LINEINFO=1 builds the kernels with -lineinfo, so that Nsight Compute can also show CUDA source
-lines beside the SASS.) Prints, per file: the instructions executed (warp level) and, with --weights, per 256
+lines beside the SASS.) An export with the source lines (`--print-source cuda,sass`, a report taken with
+`--import-source yes`) gives instead each line's share of the instructions executed and of the stall samples, the
+lines with the most of either first (`read_lines`, `summarize_lines`). Prints, per file: the instructions executed (warp level) and, with --weights, per 256
 weights (one warp-word of an m16n8k16 A fragment: 8 codes a lane); the opcode mix by execution and by stall
 samples; the stall reasons; the instructions grouped by execution count (a loop's body executes as often as
 the loop turns: its group's size is the body's length, its share the loop's) with each group's opcodes; and the
@@ -59,6 +61,46 @@ def read(path: str) -> list[Instr]:
     return out
 
 
+@dataclass
+class Line:
+    path: str  # the source file's name
+    line: int
+    text: str
+    executed: float
+    samples: float
+
+
+def read_lines(path: str) -> list[Line]:
+    """The CUDA source lines of an `ncu --page source --csv --print-source cuda,sass` export: per file a "File
+    Path" row, then under a "Line No" header each line's row (its instructions' totals) followed by those
+    instructions' rows (no line number), which are skipped here."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    out, file, cols = [], "", None
+    for r in rows:
+        if r and r[0] == "File Path":
+            file = r[1].replace("\\", "/").split("/")[-1]
+        elif r and r[0] == "Line No":
+            cols = {name: i for i, name in enumerate(r) if name not in ("Source", "Line No")}
+        elif cols and len(r) > max(cols.values()) and r[0].strip():
+            out.append(Line(file, int(r[0]), r[1].strip(), _number(r[cols["Instructions Executed"]]),
+                            _number(r[cols["Warp Stall Sampling (All Samples)"]])))
+    return out
+
+
+def summarize_lines(lines: list[Line], top: int = 16) -> str:
+    """Totals, then the `top` lines by stall samples and by instructions executed, each with both shares."""
+    executed = sum(x.executed for x in lines) or 1.0
+    samples = sum(x.samples for x in lines) or 1.0
+    out = [f"instructions executed {executed:,.0f}; stall samples {samples:,.0f}; {len(lines)} source lines"]
+    for title, key in (("most stall samples", lambda x: -x.samples), ("most instructions", lambda x: -x.executed)):
+        out.append(f"{title} (% of samples / % executed):")
+        for x in sorted(lines, key=key)[:top]:
+            out.append(f"  {x.samples / samples * 100:5.1f} / {x.executed / executed * 100:5.1f}  "
+                       f"{x.path}:{x.line}  {x.text[:80]}")
+    return "\n".join(out)
+
+
 def summarize(instrs: list[Instr], weights: int | None, groups: int = 8, top: int = 12) -> str:
     total = sum(i.executed for i in instrs) or 1.0
     samples = sum(i.samples for i in instrs) or 1.0
@@ -96,12 +138,14 @@ def summarize(instrs: list[Instr], weights: int | None, groups: int = 8, top: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("csv", nargs="+", help="ncu --page source --csv --print-source sass exports")
+    ap.add_argument("csv", nargs="+", help="ncu --page source --csv --print-source sass (or cuda,sass) exports")
     ap.add_argument("--weights", type=int, help="weights the profiled product streams (N x K)")
     args = ap.parse_args()
     for path in args.csv:
         print(f"== {path}")
-        print(summarize(read(path), args.weights))
+        with open(path, newline="") as f:
+            by_line = any(r and r[0] == "Line No" for r in csv.reader(f))
+        print(summarize_lines(read_lines(path)) if by_line else summarize(read(path), args.weights))
 
 
 if __name__ == "__main__":

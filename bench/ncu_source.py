@@ -8,11 +8,11 @@
 (DECAPYBARA_KERNEL_LINEINFO=1 builds the kernels with -lineinfo, so that Nsight Compute can also show CUDA source
 lines beside the SASS.) An export with the source lines (`--print-source cuda,sass`, a report taken with
 `--import-source yes`) gives instead each line's share of the instructions executed and of the stall samples, the
-lines with the most of either first (`read_lines`, `summarize_lines`). Prints, per file: the instructions executed (warp level) and, with --weights, per 256
-weights (one warp-word of an m16n8k16 A fragment: 8 codes a lane); the opcode mix by execution and by stall
-samples; the stall reasons; the instructions grouped by execution count (a loop's body executes as often as
-the loop turns: its group's size is the body's length, its share the loop's) with each group's opcodes; and the
-instructions with the most stall samples.
+lines with the most of either first (`read_lines`, `summarize_lines`). A SASS export prints, per file: the
+instructions executed (warp level) and, with --weights, per 256 weights (one warp-word of an m16n8k16 A fragment:
+8 codes a lane); the opcode mix by execution and by stall samples; the stall reasons; the instructions grouped by
+execution count (a loop's body executes as often as the loop turns: its group's size is the body's length, its
+share the loop's) with each group's opcodes; and the instructions with the most stall samples.
 """
 
 from __future__ import annotations

@@ -143,9 +143,8 @@ def main() -> None:
     args = ap.parse_args()
     for path in args.csv:
         print(f"== {path}")
-        with open(path, newline="") as f:
-            by_line = any(r and r[0] == "Line No" for r in csv.reader(f))
-        print(summarize_lines(read_lines(path)) if by_line else summarize(read(path), args.weights))
+        lines = read_lines(path)  # none in a SASS export
+        print(summarize_lines(lines) if lines else summarize(read(path), args.weights))
 
 
 if __name__ == "__main__":

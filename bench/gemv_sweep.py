@@ -107,8 +107,6 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
     # bits 2 and 8 each beside bit 4 (the forty-second session's comparisons with the then default, 4)
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),
-    # items of bf16 x (SWEEP_X=bf16) a thread of the kernels of 2+ n-tiles loads before it stores any (TUNE `x_batch`)
-    ("x_batch 2", {"x_batch": 2}, ()), ("x_batch 3", {"x_batch": 3}, ()), ("x_batch 4", {"x_batch": 4}, ()),
     # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
     # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
     # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)

@@ -383,10 +383,6 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 14.09 -> 12.59, bf16 17.84 -> 17.07; at 48 rows 26.17 -> 19.08, 28.44 -> 20.06, 27.87 -> 19.93, 30.93 -> 22.16
 # (1.37-1.42x). The same bytes at any staging row and stage count; at any width where a block sums a tile's whole
 # K range (`test_many_row_kernels_keep_the_bytes`).
-# `x_batch` (1: off; MX_XBATCH): items of bf16 x (16 codes, two 16-byte loads) a thread of the kernels of two
-# n-tiles and more loads before it converts and stores any, so that its share of a staging segment takes fewer
-# round trips to L2 in a row (Nsight Compute, forty-sixth session: the staging's loads and the barrier after them
-# 24% of a twelve-row down product's stall samples); the same loads, conversions and stores, so the same bytes.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -398,7 +394,6 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "x_batch": 1,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -522,7 +517,6 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
             *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()),
             *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()),
-            *((("MX_XBATCH", tune["x_batch"]),) if tune.get("x_batch", 1) != 1 else ()),
             *((d, tune[k]) for k, d in MANY_DEFINES if tune.get(k) and kernel_knows(tune["source"], d)),
             *((("MX_EARLY", tune["early"]),) if tune.get("early", 0) and kernel_knows(tune["source"], "MX_EARLY")
               else ()), *TUNE_DEFINES)

@@ -166,9 +166,6 @@ template <int NT> struct Acc { static constexpr int N = NT == 1 ? MX_ACC : 1; };
 #define MX_EARLY 0  // kernels whose loop over whole chunks loads each ring slot's next chunk inside its MMAs
 #endif              // (Refill), by bits: 1 the one-row `_1r` / `_1rs`, 2 the other one-n-tile ones, 4 the two-n-tile
                     // ones, 8 those of 4 and 8 n-tiles
-#ifndef MX_XBATCH
-#define MX_XBATCH 1  // x staging items (16 bf16 codes) a thread of the kernels of 2+ n-tiles loads before storing any
-#endif
 #ifndef MX_PART_BATCH
 #define MX_PART_BATCH 8  // split-K partial sums a thread of a one-row (`_1r`) tile's last block loads at once (sum_parts)
 #endif
@@ -735,19 +732,49 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         // segment takes half the round trips to L2 in a row; G % 8 == 0, so seg8 is even)
         const int pairs = A.x_kind == KIND_BF16 && A.x_vec, segi = seg8 >> pairs;
         int m = tid / segi, i = tid - m * segi;
-        // item (m, i): its group d8 * 8 codes into the staged row, its first code k0 of x, whether it is in x
-        const auto item = [&](u32& d8, i64& k0, bool& live, i64& base) {
+        while (!(MX_DIAG & 4) && m < mrows) {
             // group d: chunk d / G, lane t = d % 4, its 8-code slot jj = (d % G) / 4 (G = CK / 8 groups a chunk)
             constexpr u32 G = CK / 8;
             static_assert((G & (G - 1)) == 0 && G % 8 == 0, "groups of a chunk: a power of two, 4 lanes x 2");
-            const u32 iu = (u32)i, du = pairs ? ((iu >> 2) << 3) | (iu & 3u) : iu;
-            d8 = du * 8u;
-            k0 = kseg + (i64)((du / G) * CK + (du & 3u) * LK + ((du & (G - 1)) >> 2) * 8u);
-            live = m < m_valid && k0 < A.K;
+            const u32 iu = (u32)i, du = pairs ? ((iu >> 2) << 3) | (iu & 3u) : iu, d8 = du * 8u;
+            const i64 k0 = kseg + (i64)((du / G) * CK + (du & 3u) * LK + ((du & (G - 1)) >> 2) * 8u);
+            const bool live = m < m_valid && k0 < A.K;
             const int row = !live ? 0 : A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
-            base = (i64)row * A.ldx + k0;
-        };
-        const auto step = [&]() {  // the thread's next item
+            const i64 base = (i64)row * A.ldx + k0;
+            if (pairs) {  // k0 + 8 <= K where k0 < K (x_vec: K % 8 == 0)
+                const uint4* p = (const uint4*)((const u16*)A.x + base);
+                const uint4 q0 = live ? p[0] : u4(0, 0, 0, 0), q1 = live && k0 + 8 < A.K ? p[1] : u4(0, 0, 0, 0);
+                *(uint4*)(xs + m * rs + d8) = stage_bf16<FMT>(q0);
+                *(uint4*)(xs + m * rs + d8 + 32) = stage_bf16<FMT>(q1);
+            } else {
+                float v[8];
+                if (live && A.x_vec && k0 + 8 <= A.K) {  // a whole group: 16- / 32-byte loads
+                    if (A.x_kind == KIND_F32) {  // the model's activations
+                        const float4* p = (const float4*)((const float*)A.x + base);
+                        const float4 a = p[0], b = p[1];
+                        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                    } else {
+                        const uint4 q = *(const uint4*)((const u16*)A.x + base);
+                        const u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            const u32 h = (e & 1) ? qq[e >> 1] >> 16 : qq[e >> 1] & 0xFFFFu;
+                            v[e] = A.x_kind == KIND_BF16 ? __uint_as_float(h << 16) : h2f((u16)h);
+                        }
+                    }
+                } else if (live) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+                }
+                u32 o[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
+                *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
+            }
             i += blockDim.x;
             if (i >= segi) {  // the next row; a division only where segments are shorter than half a block
                 i -= segi;
@@ -758,66 +785,6 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
                     i -= q * segi;
                 }
             }
-        };
-        // bf16 rows in 16-byte loads: XB items' loads in flight before any is converted and stored, so that a
-        // thread's items take ceil(items / XB) round trips to L2 in a row rather than one each (kernels of two
-        // n-tiles and more: the one-n-tile kernels' fewer rows give a thread few items, and their registers
-        // are spoken for)
-        constexpr int XB = NT >= 2 ? MX_XBATCH : 1;
-        while (!(MX_DIAG & 4) && pairs && m < mrows) {
-            uint4 q[XB][2];
-            int dst[XB];
-#pragma unroll
-            for (int b = 0; b < XB; ++b) {
-                dst[b] = -1;
-                if (b == 0 || m < mrows) {  // k0 + 8 <= K where k0 < K (x_vec: K % 8 == 0)
-                    u32 d8; i64 k0, base; bool live;
-                    item(d8, k0, live, base);
-                    const uint4* p = (const uint4*)((const u16*)A.x + base);
-                    q[b][0] = live ? p[0] : u4(0, 0, 0, 0);
-                    q[b][1] = live && k0 + 8 < A.K ? p[1] : u4(0, 0, 0, 0);
-                    dst[b] = m * rs + (int)d8;
-                    step();
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < XB; ++b) {
-                if (dst[b] < 0) break;
-                *(uint4*)(xs + dst[b]) = stage_bf16<FMT>(q[b][0]);
-                *(uint4*)(xs + dst[b] + 32) = stage_bf16<FMT>(q[b][1]);
-            }
-        }
-        while (!(MX_DIAG & 4) && !pairs && m < mrows) {
-            u32 d8; i64 k0, base; bool live;
-            item(d8, k0, live, base);
-            float v[8];
-            if (live && A.x_vec && k0 + 8 <= A.K) {  // a whole group: 16- / 32-byte loads
-                if (A.x_kind == KIND_F32) {  // the model's activations
-                    const float4* p = (const float4*)((const float*)A.x + base);
-                    const float4 a = p[0], b = p[1];
-                    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-                } else {
-                    const uint4 q = *(const uint4*)((const u16*)A.x + base);
-                    const u32 qq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const u32 h = (e & 1) ? qq[e >> 1] >> 16 : qq[e >> 1] & 0xFFFFu;
-                        v[e] = A.x_kind == KIND_BF16 ? __uint_as_float(h << 16) : h2f((u16)h);
-                    }
-                }
-            } else if (live) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = k0 + e < A.K ? load_kind(A.x, A.x_kind, base + e) : 0.f;
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = 0.f;
-            }
-            u32 o[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                o[e] = bf16x2_rn(v[perm8(FMT, 2 * e)] * xmul, v[perm8(FMT, 2 * e + 1)] * xmul);
-            *(uint4*)(xs + m * rs + d8) = u4(o[0], o[1], o[2], o[3]);
-            step();
         }
         __syncthreads();
         if (first && sb == c0) TRACE(A.W, 2);

@@ -327,47 +327,6 @@ def test_split_sums_in_batches_keep_the_bytes(fmt, monkeypatch):
                     assert np.array_equal(a, b), f"{name} {fmt} {shape} {tune} M{m}: part_batch changed the bytes"
 
 
-def check_x_batches(fmt, cases, rows, monkeypatch):
-    """bf16 x staged several items a thread at once (TUNE `x_batch` 2-4, MX_XBATCH: the kernels of two n-tiles and
-    more) against one item at a time, mx_linear and mx_swiglu over each (shape, TUNE overrides) of `cases` at each
-    row count of `rows`: the same bytes; and those of the product over float32 x of the same values (the other
-    staging path)."""
-    rng = np.random.default_rng(zlib.crc32(f"x-batch-{fmt}-{cases}".encode()))
-    for shape, tune in cases:
-        wq, _ = random_weight(rng, fmt, shape)
-        w = ex.pack_weight(wq)
-        for m in rows:
-            xf = bf16_round(rng.standard_normal((m, shape[1]))).astype(np.float32)
-            x = cp.asarray(bf16_encode(xf))
-            monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, **tune})
-            want = host(ex.mx_linear(cp.asarray(xf), w, out_dtype=cp.float32)).view(np.uint32)
-            got = []
-            for batch in (1, 2, 3, 4):
-                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "x_batch": batch})
-                got.append((host(ex.mx_linear(x, w, out_dtype=cp.float32)).view(np.uint32),
-                            host(ex.mx_swiglu(x, w)).view(np.uint32)))
-            label = f"{fmt} {shape} {tune} M{m}"
-            assert np.array_equal(got[0][0], want), f"{label}: bf16 x staged other bytes than float32 x"
-            for batch, g in zip((2, 3, 4), got[1:], strict=True):
-                assert np.array_equal(g[0], got[0][0]), f"{label}: x_batch {batch} changed the product"
-                assert np.array_equal(g[1], got[0][1]), f"{label}: x_batch {batch} changed the SwiGLU bytes"
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_x_staging_batches_keep_the_bytes(fmt, monkeypatch):
-    """`check_x_batches` at 9, 12, 16, 24 and 40 rows: stream-K, a tile grid whose blocks stage several segments
-    (K 17408 unsplit), and K % 16 == 8 (the last item's second group past K: zeros)."""
-    check_x_batches(fmt, (((4096, 5120), {"policy": "stream", "min_chunks": 1}), ((192, 17408), {"ksplit": 1}),
-                          ((304, 264), {})), (9, 12, 16, 24, 40), monkeypatch)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_x_staging_batches_keep_the_bytes_small(fmt, monkeypatch):
-    """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): 12 and 24 rows, K % 16 == 8, and a
-    tile grid of band tiles with each block's whole K range."""
-    check_x_batches(fmt, (((304, 264), {}), ((256, 2048), {"ksplit": 1})), (12, 24), monkeypatch)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_x_staging_edges(fmt):
     """bf16 x staged two groups a pass (d, d + 4) where K % 16 == 8 (the second group of the last pair lies

@@ -6,9 +6,11 @@
 
 Warp-state and scheduler statistics say whether the kernel waits on memory, on dependent instructions or on
 issue slots, which timing alone cannot separate; the per-instruction source page (`--section SourceCounters`,
-exported as CSV) says which instructions those are: bench/ncu_source.py summarises it. NCU_X=bf16 passes x in
-bf16 bits (as the decode step's products take it; default float32); NCU_OP=swiglu launches the fused SwiGLU product (`mx_swiglu`: the step's gate|up) in
-place of the plain one.
+exported as CSV) says which instructions those are: bench/ncu_source.py summarises it (with
+DECAPYBARA_KERNEL_LINEINFO=1 and `--set full --import-source yes`, by CUDA source line too; docs/perf.md, the
+forty-sixth session's table of the one- and twelve-row products). NCU_X=bf16 passes x in bf16 bits (as the decode
+step's products take it; default float32); NCU_OP=swiglu launches the fused SwiGLU product (`mx_swiglu`: the step's
+gate|up) in place of the plain one.
 """
 
 from __future__ import annotations

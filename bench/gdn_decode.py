@@ -47,10 +47,11 @@ TUNES: dict[str, dict] = json.loads(os.environ.get("GDN_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("GDN_ROUNDS", "1"))
 
 
-def config() -> ModelConfig:
-    return ModelConfig(model_type="qwen3_5_text", vocab_size=16, hidden_size=16, num_hidden_layers=LAYERS,
+def config(layers: int = LAYERS) -> ModelConfig:
+    """A model of `layers` DeltaNet layers at the 27B's DeltaNet shape (the rest tiny)."""
+    return ModelConfig(model_type="qwen3_5_text", vocab_size=16, hidden_size=16, num_hidden_layers=layers,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                       layer_types=("linear_attention",) * LAYERS, linear_num_key_heads=16,
+                       layer_types=("linear_attention",) * layers, linear_num_key_heads=16,
                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
                        linear_conv_kernel_dim=4)
 
@@ -78,20 +79,32 @@ def layer_params(cfg: ModelConfig, rng: np.random.Generator) -> tuple[DeltaNetPa
     return params, cp.ones(dv, cp.float32)
 
 
+def decode_setup(rng: np.random.Generator, layers: int = LAYERS) -> tuple[ModelConfig, DeltaNetParams, cp.ndarray]:
+    """(config, random layer parameters, gated norm weight) of `layers` 27B DeltaNet layers (`config`,
+    `layer_params`)."""
+    cfg = config(layers)
+    return (cfg, *layer_params(cfg, rng))
+
+
+def random_pool(be: CupyBackend, cfg: ModelConfig, n: int, rng: np.random.Generator) -> object:
+    """A state pool of `n` slots whose every layer's recurrent state is random (0.05 standard deviation)."""
+    pool = be.new_state_pool(cfg, n)
+    for layer in range(cfg.num_hidden_layers):
+        pool.rec[layer][...] = cp.asarray(rng.standard_normal(pool.rec[layer].shape).astype(np.float32) * 0.05)
+    return pool
+
+
 def main() -> None:
-    cfg = config()
     be = CupyBackend("bf16")
     rng = np.random.default_rng(0)
+    cfg, params, norm_w = decode_setup(rng)
     c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    params, norm_w = layer_params(cfg, rng)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {LAYERS} layers of state cycled; ACC float (bf16 backend)")
     print(f"{'batch':>5} {'variant':>12} {'us/layer':>9} {'state MB':>9} {'GB/s':>7} {'% copy':>7} {'ratio':>6}")
     base_dn = dict(cd.FUSED_DECODE)
     for n in BATCHES:
-        pool = be.new_state_pool(cfg, n)
-        for layer in range(LAYERS):
-            pool.rec[layer][...] = cp.asarray(rng.standard_normal(pool.rec[layer].shape).astype(np.float32) * 0.05)
+        pool = random_pool(be, cfg, n, rng)
         segs = [DeltaNetSegment(i, 1, i, None) for i in range(n)]
         plan = cd.plan_runs(segs)
         qkvz = cp.asarray(rng.standard_normal((n, c + hv * dv)).astype(np.float32))

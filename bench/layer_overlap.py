@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
-from gdn_decode import config, layer_params  # bench/gdn_decode.py
+from gdn_decode import decode_setup, random_pool  # bench/gdn_decode.py
 from gpu import random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_deltanet as cd
@@ -121,19 +121,16 @@ def time_variant(variant: str, **kw: Any) -> float:
 
 
 def main() -> None:
-    cfg = config()
     be = cuda_backend("bf16")
     rng = np.random.default_rng(0)
+    cfg, params, norm_w = decode_setup(rng, LAYERS)
     c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    params, norm_w = layer_params(cfg, rng)
     w = {"qkvz": [random_packed("mxfp4", (c + hv * dv, HIDDEN)) for _ in range(LAYERS)],
          "out": [random_packed("mxfp4", (HIDDEN, hv * dv)) for _ in range(LAYERS)]}
     print(f"{LAYERS} layers; qkv|z ({c + hv * dv}, {HIDDEN}) and out ({HIDDEN}, {hv * dv}) MXFP4, bf16 x")
     print(f"{'batch':>5} {'variant':>14} {'us/layer':>9} {'ratio':>6}")
     for n in BATCHES:
-        pool = be.new_state_pool(cfg, n)
-        for layer in range(LAYERS):
-            pool.rec[layer][...] = cp.asarray(rng.standard_normal(pool.rec[layer].shape).astype(np.float32) * 0.05)
+        pool = random_pool(be, cfg, n, rng)
         plan = cd.plan_runs([DeltaNetSegment(i, 1, i, None) for i in range(n)])
         xp = cp.asarray(rng.standard_normal((n, HIDDEN)).astype(np.float32))
         xp = (xp.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16 bits, as the step's products take x

@@ -112,6 +112,7 @@ PREFILL_EMU_CASES = ("(prefill_attention_tensor_cores and (4/4-heads6-tile0-1-8-
                      "or shared_operands or register_a_transposed_b")
 SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
                   "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
+                  "or (fused_is_bit_identical and dims0-float-32-2-True) "
                   "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits "
                   "or (prefill_fused_launches and dims1) or decode_plan_fills_one_wave")
 MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
@@ -221,13 +222,14 @@ def test_microscaled_decode_attention_gpu_test_passes_on_the_emulator(emulator):
 def test_deltanet_snapshots_pass_on_the_emulator(emulator):
     """The DeltaNet core's state snapshots (copied layer by layer into pinned host slabs by asynchronous copies,
     `cupy_deltanet._to_slab`) against the numpy reference's, and the fused decode's against the unfused kernels'
-    byte for byte (one and three runs a CTA); the chunked prefill kernels (tensor-core MMAs on hi/lo fragments,
-    cp.async staging) against the reference and gdn_recurrent, and their chunk table: five cases of their GPU
-    tests; and other forwards' fused conv / gates / q-k norm and conv state / gated norm launches against the
-    separate ones, byte for byte, through the emulator plugin; and the fused decode's launch plan (columns and runs
-    a CTA by batch size, `decode_vcols` / `decode_runs_per_cta`)."""
+    byte for byte (one and three runs a CTA; the delta step on the state in registers and in shared memory); the
+    chunked prefill kernels (tensor-core MMAs on hi/lo fragments, cp.async staging) against the reference and
+    gdn_recurrent, and their chunk table: five cases of their GPU tests; and other forwards' fused conv / gates /
+    q-k norm and conv state / gated norm launches against the separate ones, byte for byte, through the emulator
+    plugin; and the fused decode's launch plan (columns and runs a CTA by batch size, `decode_vcols` /
+    `decode_runs_per_cta`, `decode_smem_state`)."""
     out = emulator("snapshots")
-    assert passed(out) == 8, out[-3000:]
+    assert passed(out) == 11, out[-3000:]
 
 
 @needs_toolchain

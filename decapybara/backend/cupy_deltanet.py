@@ -34,9 +34,10 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/de
 # "source" / "defines": the kernel file and extra compile-time defines of the decode's two launches, "vcols" the
 # value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
 # bench/overlap.py; None: `decode_vcols`); "runs" the runs a CTA takes one after another (None:
-# `decode_runs_per_cta`)
+# `decode_runs_per_cta`); "smem_runs" the runs from which the delta step reads its state from shared memory
+# (`decode_smem_state`; 0: never)
 FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": None,
-                                "runs": None}
+                                "runs": None, "smem_runs": 11}
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
 RECURRENT: dict[str, Any] = {"tokens": 16}
@@ -99,13 +100,26 @@ def chunked_ok(dk: int, dv: int) -> bool:
     return dk % 16 == 0 and dv % 16 == 0 and (dk <= 64 or dk % 64 == 0) and dk + dv <= 256
 
 
-def decode_smem_bytes(dk: int, vcols: int) -> int:
-    """Dynamic shared memory of a gdn_decode CTA: its state slice, dk rows of vcols floats with 8 floats after
-    each of the 4 parts' rows (the kernel's SPART)."""
-    return 4 * (dk * vcols + 4 * 8)
+def decode_smem_bytes(dk: int, vcols: int, slices: int = 1) -> int:
+    """Dynamic shared memory of a gdn_decode CTA: `slices` state slices (2 where the kernel's DEC_SMEM_S double-
+    buffers them), each dk rows of vcols floats with 8 floats after each of the 4 parts' rows (the kernel's SPART)."""
+    return 4 * slices * (dk * vcols + 4 * 8)
 
 
 DECODE_NARROW_RUNS = 12  # `decode_vcols`: CTAs of 32 value columns up to this many runs, 64 past it
+DECODE_SMEM_CTAS = 5  # gdn_decode CTAs an SM of its DEC_SMEM_S build (`decode_smem_state`): 96 registers at dk 128
+
+
+def decode_smem_state(runs: int, vcols: int, acc: str) -> bool:
+    """Whether a decode forward of `runs` runs takes gdn_decode's DEC_SMEM_S build (its delta step reads the state
+    slice from shared memory, two slices double-buffered, so no state stays in registers: DECODE_SMEM_CTAS CTAs an
+    SM): from FUSED_DECODE["smem_runs"] runs up (0: never), for CTAs of at most 32 value columns (two slices of 64
+    would not leave room for 5 CTAs an SM) at float arithmetic. The same bits as the register build (delta_core's
+    arithmetic is spelled out, no contraction left to the compiler). 11: measured (H200, 27B shape, us a layer,
+    docs/perf.md, forty-sixth session) 12 sequences 26.2 against 27.4, 11: 25.1 against 25.9, level at 8 and 10,
+    11% slower at 4 and 4% at 1."""
+    n = FUSED_DECODE["smem_runs"]
+    return bool(n) and runs >= n and vcols <= 32 and acc != "double"
 
 
 def decode_vcols(runs: int, dv: int) -> int:
@@ -240,8 +254,11 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
         dn_defines = fin_defines + (("DEC_VCOLS", dvcols), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
+        smem_state = "DEC_SMEM_S" not in FUSED_DECODE["defines"] and decode_smem_state(plan.num_runs, dvcols, acc)
+        if smem_state:
+            dn_defines += (("DEC_SMEM_S", 1),)
         if "GDN_MINB" not in FUSED_DECODE["defines"]:
-            dn_defines += (("GDN_MINB", decode_ctas_per_sm(dk, dvcols, acc)),)
+            dn_defines += (("GDN_MINB", DECODE_SMEM_CTAS if smem_state else decode_ctas_per_sm(dk, dvcols, acc)),)
         minb = dict(dn_defines)["GDN_MINB"]
         # gdn_decode reads the conv weight, A and dt before its wait (overlapped launch): only where they are the
         # model's own float32 arrays, not copies this step makes
@@ -252,7 +269,8 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         if per is None:
             per = decode_runs_per_cta(plan.num_runs, hv, dv // dvcols, minb * cupy_ops.sm_count())
         assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
-        kernel, smem = get_kernel(src, "gdn_decode", dn_defines), decode_smem_bytes(dk, dvcols)
+        kernel = get_kernel(src, "gdn_decode", dn_defines)
+        smem = decode_smem_bytes(dk, dvcols, 2 if dict(dn_defines).get("DEC_SMEM_S") else 1)
         cupy_ops.allow_dynamic_smem(kernel, smem)
         launch(kernel, (-(-plan.num_runs // per), hv, dv // dvcols), (4 * dvcols,),
                (x, w, conv_state, a, b, neg_a, dt_bias, rec, plan.runs, plan.segs, out, snap_rec, I32(hk), I32(hv),

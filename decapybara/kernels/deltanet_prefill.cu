@@ -242,29 +242,53 @@ __device__ __forceinline__ ACC group_sum(ACC v) {  // over the KSPLIT = 4 adjace
   return v;
 }
 
-// One token of the gated delta rule on this thread's rows of a state column (S, updated in place): q_, k_ are
-// the token's normed q / k at those rows (shared memory); returns the column's output S^T q after the update,
-// summed over the KSPLIT lanes of the column.
-__device__ __forceinline__ ACC delta_step(ACC (&S)[ROWS], const float* q_, const float* k_, const ACC decay,
-                                         const ACC bt, const ACC vt) {
+// A product no compiler may fuse into a neighbouring add (the delta rule's arithmetic is spelled out: below).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// One token of the gated delta rule on this thread's rows of a state column: get(j) reads row j's state,
+// put(j, v) takes its updated value; q_, k_ are the token's normed q / k at those rows (shared memory); returns
+// the column's output S^T q after the update, summed over the KSPLIT lanes of the column. Every product and sum
+// is an explicit fma or an unfusable product, so the compiler has no contraction to choose: the state in
+// registers (delta_step) and in shared memory (delta_step_shared) give the same bits.
+template <class Get, class Put>
+__device__ __forceinline__ ACC delta_core(Get get, Put put, const float* q_, const float* k_, const ACC decay,
+                                          const ACC bt, const ACC vt) {
   ACC ka = 0, kb = 0;  // S^T k, two chains
 #pragma unroll
   for (int j = 0; j < ROWS; j += 2) {
-    ka += S[j] * (ACC)k_[j];
-    if (j + 1 < ROWS) kb += S[j + 1] * (ACC)k_[j + 1];
+    ka = fma(get(j), (ACC)k_[j], ka);
+    if (j + 1 < ROWS) kb = fma(get(j + 1), (ACC)k_[j + 1], kb);
   }
-  const ACC delta = (vt - decay * group_sum(ka + kb)) * bt;
+  const ACC delta = mul_rn(fma(-decay, group_sum(ka + kb), vt), bt);
   ACC oa = 0, ob = 0;  // S^T q after the update
 #pragma unroll
   for (int j = 0; j < ROWS; j += 2) {
-    S[j] = S[j] * decay + (ACC)k_[j] * delta;
-    oa += S[j] * (ACC)q_[j];
+    const ACC s0 = fma((ACC)k_[j], delta, mul_rn(get(j), decay));
+    oa = fma(s0, (ACC)q_[j], oa);
+    put(j, s0);
     if (j + 1 < ROWS) {
-      S[j + 1] = S[j + 1] * decay + (ACC)k_[j + 1] * delta;
-      ob += S[j + 1] * (ACC)q_[j + 1];
+      const ACC s1 = fma((ACC)k_[j + 1], delta, mul_rn(get(j + 1), decay));
+      ob = fma(s1, (ACC)q_[j + 1], ob);
+      put(j + 1, s1);
     }
   }
   return group_sum(oa + ob);
+}
+
+// delta_core on the state in registers, updated in place.
+__device__ __forceinline__ ACC delta_step(ACC (&S)[ROWS], const float* q_, const float* k_, const ACC decay,
+                                         const ACC bt, const ACC vt) {
+  return delta_core([&](int j) { return S[j]; }, [&](int j, ACC v) { S[j] = v; }, q_, k_, decay, bt, vt);
+}
+
+// delta_core on a state column slice in shared memory (sp[j * stride], ROWS rows) instead of registers: the
+// updated values are not written back there but handed to put(j, value) (the decode stores them), so nothing of
+// the state is held in registers across the step.
+template <class Put>
+__device__ __forceinline__ ACC delta_step_shared(const float* sp, int stride, const float* q_, const float* k_,
+                                                 const ACC decay, const ACC bt, const ACC vt, Put put) {
+  return delta_core([&](int j) { return (ACC)sp[j * stride]; }, put, q_, k_, decay, bt, vt);
 }
 
 // Inputs arrive in blocks of GDN_TOKENS tokens (q / k slices, v of this CTA's columns, g, beta) by cp.async
@@ -400,7 +424,11 @@ constexpr int DEC_NT = DVC * KSPLIT;
 static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multiple of DEC_VCOLS (or below it)");
 #ifndef GDN_MINB
 #define GDN_MINB 1  // resident CTAs per SM the decode kernel is built for (__launch_bounds__): the launch passes
-#endif              // cupy_deltanet.decode_ctas_per_sm (27B, float32 state: 2)
+#endif              // cupy_deltanet.decode_ctas_per_sm (27B, float32 state, 32 columns: 4), or DECODE_SMEM_CTAS (5)
+#ifndef DEC_SMEM_S
+#define DEC_SMEM_S 0  // 1: the delta step reads the state slice from shared memory (delta_step_shared), two slices
+#endif                // double-buffered (the next run's copies go out at the start of the current run's work),
+                      // so no state is held in registers: 96 at 5 CTAs an SM (cupy_deltanet.decode_smem_state)
 constexpr int QK_J = (DK + 31) / 32;  // q (or k) channels per lane of the norm warps
 constexpr int CH = (2 * DK + DEC_NT - 1) / DEC_NT;  // q then k channels i = tid + DEC_NT j of key head hk
 
@@ -468,10 +496,11 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   };
   auto fetch_state = [&](int i) {  // run i's slice into sst (every thread done reading the slice before)
     const float* src = state + ((i64)meta[i][1] * HV + h) * DK * DV + blockIdx.z * DVC;
+    float* dst = sst + (DEC_SMEM_S ? (i & 1) * KSPLIT * SPART : 0);  // DEC_SMEM_S: run i's buffer
     constexpr int Q = DVC / 4;  // 16-byte pieces of a row's DVC columns
     for (int q = tid; q < DK * Q; q += DEC_NT) {
       const int r = q / Q, c4 = q % Q;
-      cp_async16(smem_u32(sst + (r / ROWS) * SPART + (r % ROWS) * DVC + 4 * c4), src + (i64)r * DV + 4 * c4, 16);
+      cp_async16(smem_u32(dst + (r / ROWS) * SPART + (r % ROWS) * DVC + 4 * c4), src + (i64)r * DV + 4 * c4, 16);
     }
     cp_commit();
   };
@@ -496,11 +525,18 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   for (int i = 0; i < nr; ++i) {
     const int row = meta[i][0], slot = meta[i][1], snap = meta[i][2];
     const float xv = cx.xv, av = cx.av, bv = cx.bv;
+#if DEC_SMEM_S
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // run i's state slice; every thread done with run i - 1's (buffer (i + 1) & 1)
+    if (i + 1 < nr) fetch_state(i + 1);
+    const float* sp = sst + (i & 1) * KSPLIT * SPART + part * SPART + tid / KSPLIT;
+#else
     ACC S[ROWS];
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();  // run i's state slice
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) S[j] = (ACC)sst[part * SPART + j * DVC + tid / KSPLIT];
+#endif
     DecodeRunIn next;  // the next run's loads, in flight during this run's work
     DecodeRunX nx;
     if (i + 1 < nr) {
@@ -533,7 +569,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
       }
     }
     __syncthreads();  // raw; every thread has read this run's slice (sst) and the previous run's qs / ks
-    if (i + 1 < nr) fetch_state(i + 1);
+    if (!DEC_SMEM_S && i + 1 < nr) fetch_state(i + 1);
     // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
 #pragma unroll
     for (int qk = 0; qk < 2; ++qk) {
@@ -557,15 +593,24 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     __syncthreads();  // qs / ks; and the norm warps read raw before this
     // gdn_recurrent, one token
     const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)vt_f;
+    float* st = state + (i64)slot * HV * DK * DV + st_col;  // the run's one segment ends here: float32 state
+#if DEC_SMEM_S
+    float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
+    const ACC o = delta_step_shared(sp, DVC, qs + part * KPAD, ks + part * KPAD, decay, bt, vt, [&](int j, ACC v) {
+      st[(i64)j * DV] = (float)v;
+      if (snap >= 0) sr[(i64)j * DV] = (float)v;
+    });
+    if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
+#else
     const ACC o = delta_step(S, qs + part * KPAD, ks + part * KPAD, decay, bt, vt);
     if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
-    float* st = state + (i64)slot * HV * DK * DV + st_col;  // the run's one segment ends here: float32 state
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
       const float v = (float)S[j];
       st[(i64)j * DV] = v;
       if (snap >= 0) snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
     }
+#endif
     if (i + 1 < nr) {
       cur = next;
       cx = nx;

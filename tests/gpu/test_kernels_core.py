@@ -898,11 +898,12 @@ def test_deltanet_recurrent_blocks_give_the_same_bits(monkeypatch, dims):
             assert_bytes_equal(snaps[key], results[0][2][key], f"snapshot {key}, blocks of {tokens}")
 
 
+@pytest.mark.parametrize("smem_state", [False, True])
 @pytest.mark.parametrize("runs", [None, 2, 3, 5])
 @pytest.mark.parametrize("vcols", [64, 32, 16])
 @pytest.mark.parametrize("acc", ["double", "float"])
 @pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
-def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, runs):
+def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, runs, smem_state):
     """gdn_decode (one launch for a decode forward's conv, q / k norms, gates and recurrent step) gives the bits
     of the four kernels it replaces: outputs, conv and recurrent states and snapshots, over three steps of five
     sequences in scattered slots from random states, with a and b as column views of one product; value heads
@@ -910,7 +911,9 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
     allows; the plan's from 13 runs up), 32 (four; the plan's up to 12 runs) and 16 (two); for dv <= 32 some of them
     build the same kernel. `runs` a CTA takes
     one after another: as planned (one at these sizes), 2 (CTAs of 2, 2 and 1: the snapshots at second runs), 3
-    (3 and 2: a snapshot at a CTA's middle run and at its first) and all five in one CTA."""
+    (3 and 2: a snapshot at a CTA's middle run and at its first) and all five in one CTA. `smem_state`: the delta
+    step on the state slice in shared memory (DEC_SMEM_S), by the plan's rule at float arithmetic (FUSED_DECODE
+    "smem_runs" 1: CTAs of up to 32 columns at 5 an SM), by its define in float64 (one CTA an SM)."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -927,9 +930,14 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
     slots = [4, 0, 5, 2, 1]
     launched = []
     get = cd.get_kernel
-    monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append((f, dict(d))) or get(m, f, d))
     monkeypatch.setitem(cd.FUSED_DECODE, "vcols", vcols)
     monkeypatch.setitem(cd.FUSED_DECODE, "runs", runs)
+    if smem_state and acc == "double":
+        monkeypatch.setitem(cd.FUSED_DECODE, "defines", {"DEC_SMEM_S": 1, "GDN_MINB": 1})
+    elif smem_state:
+        monkeypatch.setitem(cd.FUSED_DECODE, "smem_runs", 1)
+    smem_build = smem_state and (acc == "double" or min(vcols, dims[3]) <= 32)
     for step in range(3):
         segs = [DeltaNetSegment(i, 1, slot, (i, step) if i in (1, 3) else None) for i, slot in enumerate(slots)]
         x = cp.asarray(rand(rng, len(slots), c))
@@ -941,7 +949,12 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
             launched.clear()
             snaps = {}
             out = cub.deltanet_core(pool, 0, x, a, b, params, segs, cfg, snaps)
-            assert ("gdn_decode" in launched) == fused, launched
+            decode = [d for f, d in launched if f == "gdn_decode"]
+            assert bool(decode) == fused, launched
+            if fused:
+                assert bool(decode[0].get("DEC_SMEM_S")) == smem_build, decode
+                if smem_build and acc == "float":
+                    assert decode[0]["GDN_MINB"] == cd.DECODE_SMEM_CTAS, decode
             got[fused] = (cp.asnumpy(out), cp.asnumpy(pool.conv[0]), cp.asnumpy(pool.rec[0]), snaps)
         for i, name in enumerate(("output", "conv state", "recurrent state")):
             assert_bytes_equal(got[True][i], got[False][i], f"{name} step {step} dims {dims} acc {acc}")
@@ -951,12 +964,19 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
                 assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
 
 
-def test_deltanet_decode_plan_fills_one_wave_or_takes_two_runs_a_cta():
+def test_deltanet_decode_plan_fills_one_wave_or_takes_two_runs_a_cta(monkeypatch):
     """decode_runs_per_cta: the fewest runs a CTA (at most 3) that put all CTAs in one wave of resident CTAs,
     else 2; one run, 1. The 27B shape (48 heads; 2 column blocks of 64 on 2 CTAs an SM, or 4 of 32 on 4, of 132
     SMs: two run groups a wave either way). decode_vcols: CTAs of 32 value columns up to 12 runs, 64 past that.
-    decode_ctas_per_sm: 2 CTAs an SM at 27B (64 columns), 4 at 32 columns, 1 in float64."""
+    decode_ctas_per_sm: 2 CTAs an SM at 27B (64 columns), 4 at 32 columns, 1 in float64. decode_smem_state: from
+    FUSED_DECODE's "smem_runs" runs up (0: never), CTAs of at most 32 columns, float arithmetic."""
     from decapybara.backend import cupy_deltanet as cd
+
+    for n in (0, 1, 10):
+        monkeypatch.setitem(cd.FUSED_DECODE, "smem_runs", n)
+        assert [cd.decode_smem_state(r, 32, "float") for r in (1, 9, 10, 12)] == [n == 1, n == 1, n > 0, n > 0]
+        assert not any(cd.decode_smem_state(r, v, a) for r in (10, 12) for v, a in ((64, "float"), (32, "double")))
+        assert cd.decode_smem_state(12, 16, "float") == (n > 0)
 
     want = [1, 1, 2, 2, 3, 3] + [2] * 6
     assert [cd.decode_runs_per_cta(r, 48, 2, 264) for r in range(1, 13)] == want

@@ -14,7 +14,8 @@ GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "v32": {"
 which the launch's GDN_MINB now overrides unless a variant sets it):
 `git show <commit>:decapybara/kernels/deltanet_prefill.cu > decapybara/kernels/deltanet_prefill_prev.cu`, ignored by
 git; its CTAs have 32 value columns), each captured afresh and timed in turn, GDN_ROUNDS times over (interleaved: the
-spread between rounds beside the effect); the table's last column is the ratio to the first.
+spread between rounds beside the effect); the table's last column is the ratio to the first. GDN_VHEADS sets the
+value heads (32: the 35B-A3B's DeltaNet layers).
 
 A CUDA graph of GDN_LAYERS layers (default 16: at 12 sequences 16 x 37.7 MB of state, past the L2; launched
 overlapped as in a decode graph) is timed with CUDA events, median of GDN_ITERS replays, per layer. A layer reads and writes 3.1 MB of float32 state per
@@ -45,14 +46,15 @@ LAYERS = int(os.environ.get("GDN_LAYERS", "16"))
 ITERS = int(os.environ.get("GDN_ITERS", "20"))
 TUNES: dict[str, dict] = json.loads(os.environ.get("GDN_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("GDN_ROUNDS", "1"))
+VHEADS = int(os.environ.get("GDN_VHEADS", "48"))  # value heads: 48 the 27B's, 32 the 35B-A3B's
 
 
 def config(layers: int = LAYERS) -> ModelConfig:
-    """A model of `layers` DeltaNet layers at the 27B's DeltaNet shape (the rest tiny)."""
+    """A model of `layers` DeltaNet layers at the 27B's DeltaNet shape (GDN_VHEADS value heads; the rest tiny)."""
     return ModelConfig(model_type="qwen3_5_text", vocab_size=16, hidden_size=16, num_hidden_layers=layers,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                        layer_types=("linear_attention",) * layers, linear_num_key_heads=16,
-                       linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_value_heads=VHEADS, linear_key_head_dim=128, linear_value_head_dim=128,
                        linear_conv_kernel_dim=4)
 
 

@@ -35,9 +35,9 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/de
 # value columns of a gdn_decode CTA (its DEC_VCOLS; benchmarks compare variants: bench/gdn_decode.py,
 # bench/overlap.py; None: `decode_vcols`); "runs" the runs a CTA takes one after another (None:
 # `decode_runs_per_cta`); "smem_runs" the runs from which the delta step reads its state from shared memory
-# (`decode_smem_state`; 0: never)
+# (`decode_smem_state`; 0: never, the default)
 FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": None,
-                                "runs": None, "smem_runs": 11}
+                                "runs": None, "smem_runs": 0}
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
 RECURRENT: dict[str, Any] = {"tokens": 16}
@@ -115,9 +115,10 @@ def decode_smem_state(runs: int, vcols: int, acc: str) -> bool:
     slice from shared memory, two slices double-buffered, so no state stays in registers: DECODE_SMEM_CTAS CTAs an
     SM): from FUSED_DECODE["smem_runs"] runs up (0: never), for CTAs of at most 32 value columns (two slices of 64
     would not leave room for 5 CTAs an SM) at float arithmetic. The same bits as the register build (delta_core's
-    arithmetic is spelled out, no contraction left to the compiler). 11: measured (H200, 27B shape, us a layer,
-    docs/perf.md, forty-sixth session) 12 sequences 26.2 against 27.4, 11: 25.1 against 25.9, level at 8 and 10,
-    11% slower at 4 and 4% at 1."""
+    arithmetic is spelled out, no contraction left to the compiler). Off by default: measured (H200, us a layer,
+    docs/perf.md, forty-sixth session) at the 27B shape 12 sequences 26.2 against 27.4 and 11: 25.1 against 25.9,
+    level at 8 and 10, 11% slower at 4; but 27B graph steps from 11 runs up only within their spread (-0.3 to
+    -0.7%), and at the 35B-A3B's 32 value heads level at 11-12 and its steps 2-5% slower."""
     n = FUSED_DECODE["smem_runs"]
     return bool(n) and runs >= n and vcols <= 32 and acc != "double"
 

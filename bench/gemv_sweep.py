@@ -107,6 +107,8 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
     # bits 2 and 8 each beside bit 4 (the forty-second session's comparisons with the then default, 4)
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),
+    # one-row blocks of 10 warps, two an SM at 96 registers: two register stages, or one refilled inside its MMAs
+    ("r1 10w s2", {"warps": 10, "stages": 2}, ()), ("r1 10w early 15", {"warps": 10, "early": 15}, ()),
     # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
     # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
     # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)

@@ -383,6 +383,12 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 14.09 -> 12.59, bf16 17.84 -> 17.07; at 48 rows 26.17 -> 19.08, 28.44 -> 20.06, 27.87 -> 19.93, 30.93 -> 22.16
 # (1.37-1.42x). The same bytes at any staging row and stage count; at any width where a block sums a tile's whole
 # K range (`test_many_row_kernels_keep_the_bytes`).
+# `row1_warps` (0: `warps`): warps of a dense one-row `_1r` / `_1rs` launch's blocks, in a build of its own with the
+# early refill (`early` bit 1). MXFP4 10: two blocks an SM at 96 registers, where the refill builds without spills
+# (at 8 warps, three an SM, ptxas spills and puts the loads after the 12th of 16 MMAs; without it, after all 16).
+# Forty-sixth session (docs/perf.md): one-row gate|up +5% and down +3% of copy bandwidth, qkv|z and q|k|v 10-16%
+# slower; 27B 1x1k steps 0.8-2.8% faster (three interleaved rounds), 4x1k and the 35B-A3B's 1x1k level. The 2-8-row
+# kernels keep `warps`; NVFP4 (whose one-row products the early refill made 3.6% slower at 8 warps) stays at 0.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -394,6 +400,7 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
+    "row1_warps": {"*": 0, "mxfp4": 10},
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -491,7 +498,8 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     build where a dense one-n-tile product has fewer than `small_bytes` of codes (and, at 4 and 8 n-tiles, its
     `many_segk` rows fitted to the device, `fit_many_segk`); a SwiGLU launch (`swiglu`)
     takes blocks of `swiglu_wide_warps` at 9-16 rows and of `swiglu_warps` at 2-8 rows where set (not the small
-    build then)."""
+    build then); a dense one-row product on the `_1r` / `_1rs` kernels (`one_row`) blocks of `row1_warps` where
+    set, with the early refill (TUNE `early` bit 1): a build of its own."""
     tune = tune_for(w.fmt)
     if n_tiles(rows) >= 4 and tune.get("many_segk"):
         tune = fit_many_segk(tune, n_tiles(rows))
@@ -499,6 +507,8 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
         key = "wide_warps" if n_tiles(rows) == 2 else "warps"
         if tune.get(f"swiglu_{key}"):
             return {**tune, key: tune[f"swiglu_{key}"]}
+    if dense and tune.get("row1_warps") and one_row(w, rows, tune):
+        return {**tune, "warps": tune["row1_warps"], "early": tune["early"] | 1}
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 

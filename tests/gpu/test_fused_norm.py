@@ -73,8 +73,8 @@ def test_producer_adds_the_residual_and_sums_each_tile(fmt, tune, shape, monkeyp
     wq, _ = random_weight(rng, fmt, shape)
     w = ex.pack_weight(wq)
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
-    tile = 16 * ex.tune_for(fmt)["warps"]
     for m, with_bias in ((1, False), (5, True), (8, False), (9, False)):
+        tile = 16 * ex.block_warps(ex.launch_tune(w, m), 1)  # the launch's blocks (one row: `row1_warps`)
         x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
         res = cp.asarray(rng.standard_normal((m, shape[0])).astype(np.float32))
         bias = cp.asarray(rng.standard_normal(shape[0]).astype(np.float32)) if with_bias else None

@@ -107,7 +107,8 @@ def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
     """`swiglu_wide_warps` / `swiglu_warps`: two-n-tile SwiGLU launches (9-16 rows) / one-n-tile ones of 2-8
     rows take blocks of that many warps whatever the plain products take (`wide_warps` / `warps`; the kernels
     each launch builds are recorded): other tiles, so other K split points, so the plain product then the
-    activation within float32 rounding; one row keeps its blocks."""
+    activation within float32 rounding; one row keeps its blocks (the plain one-row product's: `row1_warps` on the
+    `_1r` / `_1rs` kernels)."""
     case = stacked_case("swiglu-width", fmt, tune, shape, monkeypatch)
     if case is None:
         return
@@ -116,7 +117,8 @@ def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
     assert ex.launch_tune(w, 12, swiglu=True)["wide_warps"] == (tune.get("swiglu_wide_warps") or own["wide_warps"])
     assert ex.launch_tune(w, 12)["wide_warps"] == own["wide_warps"]
     assert ex.launch_tune(w, 5, swiglu=True)["warps"] == (tune.get("swiglu_warps") or own["warps"])
-    assert ex.launch_tune(w, 1, swiglu=True)["warps"] == own["warps"]  # one row: the `_1rs` kernels' blocks
+    row1 = (own.get("row1_warps") or own["warps"]) if ex.one_row(w, 1, own) else own["warps"]
+    assert ex.launch_tune(w, 1, swiglu=True)["warps"] == row1  # one row: the `_1rs` kernels' blocks (`row1_warps`)
     built = []  # (kernel name, its warps define) of every launch
     monkeypatch.setattr(ex, "get_kernel", lambda src, name, defines, real=ex.get_kernel: built.append(
         (name, dict(defines)["MX_WARPS2" if name.endswith(("_2s", "_2")) else "MX_WARPS"]))
@@ -132,7 +134,7 @@ def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
             (_, plain_w), (name, swi_w) = built
             knob = tune.get("swiglu_wide_warps" if m > 8 else "swiglu_warps") if m > 1 else None
             assert name.endswith("s") and swi_w == (knob or plain_w), (m, built)
-            assert plain_w == own["wide_warps" if m > 8 else "warps"], (m, built)
+            assert plain_w == (own["wide_warps"] if m > 8 else row1 if m == 1 else own["warps"]), (m, built)
 
 
 @pytest.mark.parametrize("tune,shape", CASES[1::4] + DIRECT)

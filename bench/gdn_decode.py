@@ -82,8 +82,8 @@ def layer_params(cfg: ModelConfig, rng: np.random.Generator) -> tuple[DeltaNetPa
 
 
 def decode_setup(rng: np.random.Generator, layers: int = LAYERS) -> tuple[ModelConfig, DeltaNetParams, cp.ndarray]:
-    """(config, random layer parameters, gated norm weight) of `layers` 27B DeltaNet layers (`config`,
-    `layer_params`)."""
+    """(config, random layer parameters, gated norm weight) of `layers` DeltaNet layers of the 27B's head dims and
+    GDN_VHEADS value heads (`config`, `layer_params`)."""
     cfg = config(layers)
     return (cfg, *layer_params(cfg, rng))
 

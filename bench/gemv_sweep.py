@@ -103,12 +103,15 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("wide segk 2688", {"wide_segk": 2688}, ()),
     ("part batch 1", {"part_batch": 1}, ()),              # a split tile's partial sums loaded one at a time (before)
     # each register stage's next chunk loaded inside the current chunk's MMAs (TUNE `early`: bits 1 one-row, 2 the
-    # other one-n-tile kernels, 4 two n-tiles, 8 four and eight; MX_EARLY)
+    # other one-n-tile kernels, 4 two n-tiles, 8 four and eight; MX_EARLY; one-row MXFP4 products under `row1_warps`
+    # take bit 1 whatever these say)
     ("early 0", {"early": 0}, ()), ("early 5", {"early": 5}, ()), ("early 7", {"early": 7}, ()),
     # bits 2 and 8 each beside bit 4 (the forty-second session's comparisons with the then default, 4)
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),
-    # one-row blocks of 10 warps, two an SM at 96 registers: two register stages, or one refilled inside its MMAs
-    ("r1 10w s2", {"warps": 10, "stages": 2}, ()), ("r1 10w early 15", {"warps": 10, "early": 15}, ()),
+    # the one-row products' own build (`row1_warps`; MXFP4: 10 warps, two an SM at 96 registers, the early refill):
+    # off (the blocks of `warps`, 8, three an SM, one stage, no refill at one row), or 10 warps with two register
+    # stages and no refill
+    ("r1 off", {"row1_warps": 0}, ()), ("r1 10w s2", {"row1_warps": 0, "warps": 10, "stages": 2}, ()),
     # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
     # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
     # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)
@@ -163,6 +166,7 @@ def precompile(variants: list, fmts: list[str]) -> None:
         for f in fmts:
             full = ex.tune_for(f, {**ex.TUNE, **tune})
             builds = [(1, full), (2, full)] + ([(1, ex.small_tune(full))] if full["small_bytes"] else [])
+            builds += [(1, ex.row1_tune(full))] if full.get("row1_warps") else []
             for nt, t in builds:
                 jobs.add((full["source"], f"mx_gemm_{f}_{nt}", (*ex.gemm_defines(t, f, *reads_layout(tune, f, (16, 128))),
                                                                 *defines)))

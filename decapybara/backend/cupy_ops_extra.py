@@ -308,7 +308,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # DECAPYBARA_MX_TUNE is merged into the default's. `small_bytes` (0: off): dense one-n-tile products of fewer
 # code bytes run the `small_stages` / `small_blocks_per_sm` build instead (a few chunks per warp: more of them
 # in flight): at 24 MB it gave the 27B "out" product (16 MB) 28 -> 34% of copy bandwidth, a one-stream step ~2%
-# (ninth session); since the `_1r` kernels it is off: 27B steps at 1 to 8 streams 1.2-2.2% faster without it.
+# (ninth session); since the `_1r` kernels it is off: 27B steps at 1 to 8 streams 1.2-2.2% faster without it
+# (one-row products where `row1_warps` is set take that build instead).
 # `auto_fill` 0.7 (was 0.85): tile grids down to 70% of a wave rather than stream-K; the 27B q|k|v (one and
 # twelve rows) and twelve-row "out" products take a tile grid then (twelve-row "out" 17 -> 22% of copy
 # bandwidth), twelve-stream steps ~3% faster (three interleaved captures each, docs/perf.md). `fuse_norms` (0:
@@ -435,8 +436,14 @@ def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
 
 def small_tune(tune: dict) -> dict:
     """A resolved tuning with its `small_stages` / `small_blocks_per_sm` build in place of the default's (what
-    dense one-row products under `small_bytes` of codes run)."""
+    dense one-n-tile products under `small_bytes` of codes run, but for one-row products in `row1_tune`'s build)."""
     return {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
+
+
+def row1_tune(tune: dict) -> dict:
+    """A resolved tuning with the one-row build in place of the default's (what dense one-row products on the `_1r` /
+    `_1rs` kernels run where `row1_warps` is set): blocks of `row1_warps` warps and the early refill (`early` bit 1)."""
+    return {**tune, "warps": tune["row1_warps"], "early": tune["early"] | 1}
 
 
 def block_warps(tune: dict, nt: int) -> int:
@@ -508,7 +515,7 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
         if tune.get(f"swiglu_{key}"):
             return {**tune, key: tune[f"swiglu_{key}"]}
     if dense and tune.get("row1_warps") and one_row(w, rows, tune):
-        return {**tune, "warps": tune["row1_warps"], "early": tune["early"] | 1}
+        return row1_tune(tune)
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 

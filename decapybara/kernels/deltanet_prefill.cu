@@ -409,7 +409,7 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 // state slice arrives by 16-byte cp.async copies (whole 128-byte lines a warp, no registers held while in
 // flight) into dynamic shared memory, each thread then reading its ROWS values of a column from there (the
 // parts KSPLIT apart in distinct banks); the next run's copies go out once every thread has read the current
-// one's (after the first barrier of its work). (Each thread loading its own values, 4-byte loads DV apart that
+// one's (after the first barrier of its work; with DEC_SMEM_S, into the other of two slices at its start). (Each thread loading its own values, 4-byte loads DV apart that
 // touch KSPLIT lines a warp, was 1-7% slower from 4 sequences up at the 27B shape; the stores the other way
 // round, through shared memory in 16-byte pieces, 5-8% slower than each thread's own: docs/perf.md.)
 // x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); R: runs; the rest as gdn_recurrent.
@@ -456,7 +456,8 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   __shared__ int meta[DEC_MAXRUNS][3];  // row, state slot, snapshot index of each of this CTA's runs
   extern __shared__ __align__(16) float sst[];  // KSPLIT * SPART floats (dynamic: cupy_deltanet.decode_smem_bytes):
                                                 // a run's state slice, row part * ROWS + j, column c at
-                                                // part * SPART + j * DVC + c
+                                                // part * SPART + j * DVC + c; DEC_SMEM_S: two such slices,
+                                                // run i's at (i & 1) * KSPLIT * SPART
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
   const int col = blockIdx.z * DVC + tid / KSPLIT;
   const int hk = h / (HV / HK);
@@ -529,7 +530,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();  // run i's state slice; every thread done with run i - 1's (buffer (i + 1) & 1)
     if (i + 1 < nr) fetch_state(i + 1);
-    const float* sp = sst + (i & 1) * KSPLIT * SPART + part * SPART + tid / KSPLIT;
+    const float* slice = sst + (i & 1) * KSPLIT * SPART + part * SPART + tid / KSPLIT;
 #else
     ACC S[ROWS];
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -568,7 +569,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
         raw[c] = silu_f(__fadd_rn(acc, __fmul_rn(cx.xq[jj], wq[jj][KM1])));
       }
     }
-    __syncthreads();  // raw; every thread has read this run's slice (sst) and the previous run's qs / ks
+    __syncthreads();  // raw; every thread has read the previous run's qs / ks, and (not DEC_SMEM_S) this run's slice
     if (!DEC_SMEM_S && i + 1 < nr) fetch_state(i + 1);
     // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
 #pragma unroll
@@ -596,7 +597,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     float* st = state + (i64)slot * HV * DK * DV + st_col;  // the run's one segment ends here: float32 state
 #if DEC_SMEM_S
     float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
-    const ACC o = delta_step_shared(sp, DVC, qs + part * KPAD, ks + part * KPAD, decay, bt, vt, [&](int j, ACC v) {
+    const ACC o = delta_step_shared(slice, DVC, qs + part * KPAD, ks + part * KPAD, decay, bt, vt, [&](int j, ACC v) {
       st[(i64)j * DV] = (float)v;
       if (snap >= 0) sr[(i64)j * DV] = (float)v;
     });

@@ -149,12 +149,14 @@ TUNE_CASES = [
     ({"policy": "stream", "acc": 2, "warps": 4}, (4100, 5120)), ({"policy": "stream", "min_chunks": 7}, (300, 5120)),
     ({"blocks_per_sm": 3, "stages": 1}, (4100, 5120)), ({"blocks_per_sm": 2, "stages": 2}, (4100, 5120)),
     ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4100, 5120)),
-    ({"small_bytes": 1 << 40}, (700, 1536)), ({"small_bytes": 1 << 40, "small_stages": 3}, (4100, 5120)),
+    ({"small_bytes": 1 << 40, "row1_warps": 0}, (700, 1536)),
+    ({"small_bytes": 1 << 40, "small_stages": 3, "row1_warps": 0}, (4100, 5120)),
     # whole bands of whole chunks: MXFP4 / NVFP4 codes in band tiles (MX_TILED)
     ({"policy": "stream", "min_chunks": 1}, (4096, 5120)), ({"policy": "stream", "acc": 2, "warps": 4}, (4096, 5120)),
-    ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40}, (704, 1536)),
+    ({"ksplit": 3, "acc": 2}, (704, 1536)), ({"small_bytes": 1 << 40, "row1_warps": 0}, (704, 1536)),
     ({"wide_blocks_per_sm": 3, "wide_stages": 1}, (4096, 5120)), ({"blocks_per_sm": 3, "stages": 1}, (704, 1536)),
-    ({"small_bytes": 24_000_000}, (704, 1536)),  # the small build under 24 MB (the default until the `_1r` kernels)
+    # the small build under 24 MB (the default until the `_1r` kernels)
+    ({"small_bytes": 24_000_000, "row1_warps": 0}, (704, 1536)),
     # two-n-tile blocks of other widths than the one-n-tile ones (`wide_warps`): 8, 10 (MXFP4's and NVFP4's
     # default), 12 (MXFP8's), 16 and 4
     ({"wide_warps": 8}, (4096, 5120)), ({"wide_warps": 12, "policy": "stream", "min_chunks": 1}, (4100, 5120)),
@@ -209,9 +211,10 @@ def check_same_bytes(tag, fmt, cases, rows, variants, monkeypatch, base=None):
 
 
 def check_early_refill(fmt, cases, rows, monkeypatch):
-    """`check_same_bytes` with TUNE `early` 0 and 15 (every kernel kind), the small products off."""
+    """`check_same_bytes` with TUNE `early` 0 and 15 (every kernel kind), the small products and the one-row
+    products' own build (`row1_warps`, which takes bit 1 whatever `early` says) off."""
     check_same_bytes("early", fmt, cases, rows, ({"early": 0}, {"early": 15}), monkeypatch,
-                     base={"small_bytes": 0, "small_n": 0})
+                     base={"small_bytes": 0, "small_n": 0, "row1_warps": 0})
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -233,6 +236,31 @@ def test_early_refill_keeps_the_bytes_small(fmt, monkeypatch):
     least four chunks."""
     check_early_refill(fmt, (((256, 2048), {"ksplit": 1}), ((256, 2048), {"policy": "stream", "min_chunks": 4})),
                        (1, 4, 12), monkeypatch)
+
+
+ROW1_WIDTHS = ({"row1_warps": 0}, {"row1_warps": 10}, {"row1_warps": 12})
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_one_row_blocks_of_their_own_width_keep_the_bytes(fmt, monkeypatch):
+    """The one-row products' own build (TUNE `row1_warps`: blocks of that many warps with the early refill, in
+    place of `warps`' 8 without it) where every block sums a tile's whole K range (no split): the same bytes, plain
+    and SwiGLU launches (`_1r` / `_1rs`), band tiles and row-major codes (N % 16 != 0), several staging segments a
+    block (K 17408); a one-row launch takes that build, a two-row one does not."""
+    w = ex.pack_weight(random_weight(np.random.default_rng(3), fmt, (704, 1536))[0])
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10})
+    assert ex.launch_tune(w, 1)["warps"] == 10 and ex.launch_tune(w, 1)["early"] & 1
+    assert ex.launch_tune(w, 2)["warps"] == ex.tune_for(fmt)["warps"]
+    check_same_bytes("row1", fmt, (((4096, 5120), {"ksplit": 1}), ((700, 2048), {"ksplit": 1}),
+                                   ((192, 17408), {"ksplit": 1})), (1,), ROW1_WIDTHS, monkeypatch,
+                     base={"small_bytes": 0})
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4"])
+def test_one_row_blocks_of_their_own_width_keep_the_bytes_small(fmt, monkeypatch):
+    """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): band tiles, one block a tile's K."""
+    check_same_bytes("row1", fmt, (((256, 2048), {"ksplit": 1}),), (1,), ROW1_WIDTHS[:2], monkeypatch,
+                     base={"small_bytes": 0})
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -125,22 +125,27 @@ def main() -> None:
     cd.FUSED_DECODE.update(base_dn)
 
 
-def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
-    """Seconds a layer: a fresh graph of LAYERS decode forwards, median of ITERS replays (after 3)."""
-    hv = cfg.linear_num_value_heads
-    stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()  # the graph's buffers live in mem
-    graph, _ = capture_graph(lambda: [
-        cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
-                         gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], stream, mem)
+def graph_seconds(fn, layers: int, replays: int, skip: int) -> float:
+    """Seconds a layer of a fresh CUDA graph of `fn()` (which enqueues `layers` layers; its buffers from a memory
+    pool of its own), timed with CUDA events: the median of `replays` replays but the first `skip`."""
+    stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    graph, _ = capture_graph(fn, stream, mem)
     times = []
-    for _ in range(ITERS):
+    for _ in range(replays):
         start = stream.record()
         graph.launch(stream)
         end = stream.record()
         end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / LAYERS)
-    return float(np.median(times[min(3, len(times) - 1):]))
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / layers)
+    return float(np.median(times[skip:]))
 
+
+def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
+    """Seconds a layer: a fresh graph of LAYERS decode forwards, median of ITERS replays (after 3)."""
+    hv = cfg.linear_num_value_heads
+    return graph_seconds(lambda: [
+        cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
+                         gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], LAYERS, ITERS, min(3, ITERS - 1))
 
 if __name__ == "__main__":
     main()

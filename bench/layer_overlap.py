@@ -33,14 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
-from gdn_decode import decode_setup, random_pool  # bench/gdn_decode.py
+from gdn_decode import decode_setup, graph_seconds, random_pool  # bench/gdn_decode.py
 from gpu import random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import pdl
 from decapybara.backend.base import DeltaNetSegment
 from decapybara.backend.cuda_factory import cuda_backend
-from decapybara.backend.cuda_graph import capture_graph
 
 BATCHES = [int(b) for b in os.environ.get("LO_BATCHES", "1,12").split(",")]
 ITERS = int(os.environ.get("LO_ITERS", "10"))
@@ -108,16 +107,7 @@ def layer_fn(variant: str, layer: int, be: Any, pool: Any, plan: Any, xp: Any, w
 
 def time_variant(variant: str, **kw: Any) -> float:
     """Seconds a layer: a fresh graph of LAYERS layers of `variant`, median of ITERS replays (after 3)."""
-    stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    graph, _ = capture_graph(lambda: [layer_fn(variant, i, **kw) for i in range(LAYERS)], stream, mem)
-    times = []
-    for _ in range(ITERS + 3):
-        start = stream.record()
-        graph.launch(stream)
-        end = stream.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / LAYERS)
-    return float(np.median(times[3:]))
+    return graph_seconds(lambda: [layer_fn(variant, i, **kw) for i in range(LAYERS)], LAYERS, ITERS + 3, 3)
 
 
 def main() -> None:

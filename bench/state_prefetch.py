@@ -40,13 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
-from gdn_decode import config, copy_bandwidth, layer_params  # bench/gdn_decode.py
+from gdn_decode import copy_bandwidth, decode_setup, graph_seconds, random_pool  # bench/gdn_decode.py
 from gpu import random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.base import DeltaNetSegment
-from decapybara.backend.cuda_graph import capture_graph
 from decapybara.backend.cupy_backend import CupyBackend
 
 BATCHES = [int(b) for b in os.environ.get("STATE_BATCHES", "1,12").split(",")]
@@ -126,25 +125,16 @@ def layer_fn(variant: str, kernel: Any, side: Any, n: int, layer: int, pool: Any
 
 def time_variant(variant: str, layers: int, **kw: Any) -> float:
     """Seconds a layer: a fresh graph of `layers` layers of `variant`, median of ITERS replays (after 3)."""
-    stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    graph, _ = capture_graph(lambda: [layer_fn(variant, layer=layer, **kw) for layer in range(layers)], stream, mem)
-    times = []
-    for _ in range(ITERS + 3):
-        start = stream.record()
-        graph.launch(stream)
-        end = stream.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / layers)
-    return float(np.median(times[3:]))
+    return graph_seconds(lambda: [layer_fn(variant, layer=layer, **kw) for layer in range(layers)], layers,
+                         ITERS + 3, 3)
 
 
 def main() -> None:
-    cfg = config()
-    layers = cfg.num_hidden_layers
     be = CupyBackend("bf16")
     rng = np.random.default_rng(0)
+    cfg, params, norm_w = decode_setup(rng)
+    layers = cfg.num_hidden_layers
     c, hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    params, norm_w = layer_params(cfg, rng)
     kernel = cp.RawModule(code=SRC, options=("-std=c++17",)).get_function("prefetch_l2")
     side = cp.cuda.Stream(non_blocking=True)
     w = [random_packed("mxfp4", QKVZ) for _ in range(layers)]
@@ -153,9 +143,7 @@ def main() -> None:
           f"prefetch pieces {PIECE} B")
     print(f"{'batch':>5} {'variant':>34} {'us/layer':>9} {'ratio':>6}")
     for n in BATCHES:
-        pool = be.new_state_pool(cfg, n)
-        for layer in range(layers):
-            pool.rec[layer][...] = cp.asarray(rng.standard_normal(pool.rec[layer].shape).astype(np.float32) * 0.05)
+        pool = random_pool(be, cfg, n, rng)
         plan = cd.plan_runs([DeltaNetSegment(i, 1, i, None) for i in range(n)])
         qkvz = cp.asarray(rng.standard_normal((n, c + hv * dv)).astype(np.float32))
         ab = cp.asarray(rng.standard_normal((n, 2 * hv)).astype(np.float32))

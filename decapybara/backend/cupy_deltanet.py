@@ -113,12 +113,13 @@ DECODE_SMEM_CTAS = 5  # gdn_decode CTAs an SM of its DEC_SMEM_S build (`decode_s
 def decode_smem_state(runs: int, vcols: int, acc: str, dk: int = 128) -> bool:
     """Whether a decode forward of `runs` runs takes gdn_decode's DEC_SMEM_S build (its delta step reads the state
     slice from shared memory, two slices double-buffered, so no state stays in registers: DECODE_SMEM_CTAS CTAs an
-    SM): from FUSED_DECODE["smem_runs"] runs up (0: never), for slices of at most 128 x 32 floats (dk x value columns:
-    two larger slices would not leave room for 5 CTAs an SM) at float arithmetic. The same bits as the register build (delta_core's
-    arithmetic is spelled out, no contraction left to the compiler). Off by default: measured (H200, us a layer,
-    docs/perf.md, forty-sixth session) at the 27B shape 12 sequences 26.2 against 27.4 and 11: 25.1 against 25.9,
-    level at 8 and 10, 11% slower at 4; but 27B graph steps from 11 runs up only within their spread (-0.3 to
-    -0.7%), and at the 35B-A3B's 32 value heads level at 11-12 and its steps 2-5% slower."""
+    SM): from FUSED_DECODE["smem_runs"] runs up (0: never), for CTAs of at most 32 value columns whose slices hold at
+    most 128 x 32 floats (two larger slices would not leave room for 5 CTAs an SM), at float arithmetic. The same bits
+    as the register build (delta_core's arithmetic is spelled out, no contraction left to the compiler). Off by
+    default: measured (H200, us a layer, docs/perf.md, forty-sixth session) at the 27B shape 12 sequences 26.2
+    against 27.4 and 11: 25.1 against 25.9, level at 8 and 10, 11% slower at 4; but 27B graph steps from 11 runs
+    up only within their spread (-0.3 to -0.7%), and at the 35B-A3B's 32 value heads level at 11-12 and its steps
+    2-5% slower."""
     n = FUSED_DECODE["smem_runs"]
     return bool(n) and runs >= n and vcols <= 32 and dk * vcols <= 128 * 32 and acc != "double"
 

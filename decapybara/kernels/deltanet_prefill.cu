@@ -409,9 +409,10 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 // state slice arrives by 16-byte cp.async copies (whole 128-byte lines a warp, no registers held while in
 // flight) into dynamic shared memory, each thread then reading its ROWS values of a column from there (the
 // parts KSPLIT apart in distinct banks); the next run's copies go out once every thread has read the current
-// one's (after the first barrier of its work; with DEC_SMEM_S, into the other of two slices at its start). (Each thread loading its own values, 4-byte loads DV apart that
-// touch KSPLIT lines a warp, was 1-7% slower from 4 sequences up at the 27B shape; the stores the other way
-// round, through shared memory in 16-byte pieces, 5-8% slower than each thread's own: docs/perf.md.)
+// one's (after the first barrier of its work; with DEC_SMEM_S, into the other of two slices at its start).
+// (Each thread loading its own values, 4-byte loads DV apart that touch KSPLIT lines a warp, was 1-7% slower from
+// 4 sequences up at the 27B shape; the stores the other way round, through shared memory in 16-byte pieces, 5-8%
+// slower than each thread's own: docs/perf.md.)
 // x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); R: runs; the rest as gdn_recurrent.
 #ifndef DEC_VCOLS
 #define DEC_VCOLS 64  // the gdn_decode launch passes its columns (cupy_deltanet.decode_vcols or FUSED_DECODE["vcols"])

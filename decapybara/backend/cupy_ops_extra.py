@@ -390,6 +390,14 @@ def _stream_counters(device: int, stream: int) -> Any:
 # Forty-sixth session (docs/perf.md): one-row gate|up +5% and down +3% of copy bandwidth, qkv|z and q|k|v 10-16%
 # slower; 27B 1x1k steps 0.8-2.8% faster (three interleaved rounds), 4x1k and the 35B-A3B's 1x1k level. The 2-8-row
 # kernels keep `warps`; NVFP4 (whose one-row products the early refill made 3.6% slower at 8 warps) stays at 0.
+# `row1_fill` (0: always): the one-row build only where its plan is a tile grid of at least this fraction of the
+# resident blocks (`row1_fills`), else the plain build. Its 2 blocks an SM of 160 columns fit some products worse
+# than 3 of 128: the 27B's qkv|z took 206 of 264 slots (0.78; 384 of 396 plain) and its q|k|v stream-K, the two
+# that lost; gate|up (0.83), down and out (0.97) gained. At 0.8 (forty-seventh session, docs/perf.md) the 27B's
+# step-weighted one-row products 5.26 -> 5.10 ms (each product at its better build's speed), its 1x1k steps 0.8%
+# faster (eight interleaved rounds); the 35B-A3B's stream-K products (attention out, shared expert, lm_head) keep
+# the plain build, its 1x1k steps within their ~2% spread (three rounds, medians 1.3% slower than with every
+# one-row product on the build: not measured by product). A cut between 0.78 and 0.83 chosen from five products.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -401,7 +409,7 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "row1_warps": {"*": 0, "mxfp4": 10},
+    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -481,17 +489,36 @@ def gemm_plan(w: PackedWeight, rows: int, x_rows: int | None = None, groups: int
     tune = launch_tune(w, trows, dense=dense, swiglu=swiglu) if tune is None else tune
     nt = n_tiles(trows)
     warps = block_warps(tune, nt)
-    per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
-              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * 8 // warps or 1  # blocks of 8 warps' slots
-    smem, per_sm_smem = staging_bytes(tune, nt), smem_per_sm()
-    if smem and per_sm_smem:  # a dynamic x staging buffer: no more blocks than the SM's shared memory holds
-        per_sm = max(1, min(per_sm, per_sm_smem // (smem + 2048)))
     mtiles = -(-rows // (8 * nt))
     return plan_gemm(tiles=-(-w.N // (16 * warps)), nchunks=-(-w.Kp // (4 * LANE_K[w.fmt])),
-                     mtiles=mtiles, groups=1 if dense else groups, slots=per_sm * sm_count(),
+                     mtiles=mtiles, groups=1 if dense else groups, slots=plan_slots(tune, nt),
                      weight_bytes=mtiles * w.codes.nbytes, partial_bytes=8 * (rows if x_rows is None else x_rows) * w.N,
                      tune=tune, dense=dense, max_counters=_counters().size,
                      grouped_split=kernel_knows(tune["source"], "g_ids"))
+
+
+def plan_slots(tune: dict, nt: int) -> int:
+    """Blocks of the `nt`-n-tile kernels resident on the device at once under a resolved tuning (a launch
+    plan's `slots`): their build's blocks an SM in slots of 8 warps (`blocks_per_sm`, `wide_blocks_per_sm`; at
+    most 2 at four n-tiles, 1 at eight), no more than the SM's shared memory holds with a dynamic x staging
+    buffer, times the SMs."""
+    per_sm = (tune["blocks_per_sm"] if nt == 1 else tune["wide_blocks_per_sm"] if nt == 2
+              else min(2, tune["blocks_per_sm"]) if nt <= 4 else 1) * 8 // block_warps(tune, nt) or 1
+    smem, per_sm_smem = staging_bytes(tune, nt), smem_per_sm()
+    if smem and per_sm_smem:  # a dynamic x staging buffer: no more blocks than the SM's shared memory holds
+        per_sm = max(1, min(per_sm, per_sm_smem // (smem + 2048)))
+    return per_sm * sm_count()
+
+
+def row1_fills(w: PackedWeight, tune: dict) -> bool:
+    """Whether a dense one-row product over `w` takes the one-row build `tune` (`row1_tune`'s) under TUNE
+    `row1_fill` (0: always): where its plan is a tile grid whose blocks fill at least that fraction of the
+    resident blocks, not stream-K nor a grid that leaves more of the SMs' slots empty."""
+    fill = tune.get("row1_fill", 0)
+    if not fill:
+        return True
+    plan = gemm_plan(w, 1, tune=tune)
+    return not plan.stream and plan.grid[0] * plan.grid[1] >= fill * plan_slots(tune, 1)
 
 
 def product_rows(x: Any) -> Any:
@@ -506,7 +533,8 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     `many_segk` rows fitted to the device, `fit_many_segk`); a SwiGLU launch (`swiglu`)
     takes blocks of `swiglu_wide_warps` at 9-16 rows and of `swiglu_warps` at 2-8 rows where set (not the small
     build then); a dense one-row product on the `_1r` / `_1rs` kernels (`one_row`) blocks of `row1_warps` where
-    set, with the early refill (TUNE `early` bit 1): a build of its own."""
+    set, with the early refill (TUNE `early` bit 1): a build of its own, where its plan fills the device
+    (`row1_fills`)."""
     tune = tune_for(w.fmt)
     if n_tiles(rows) >= 4 and tune.get("many_segk"):
         tune = fit_many_segk(tune, n_tiles(rows))
@@ -515,7 +543,9 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
         if tune.get(f"swiglu_{key}"):
             return {**tune, key: tune[f"swiglu_{key}"]}
     if dense and tune.get("row1_warps") and one_row(w, rows, tune):
-        return row1_tune(tune)
+        row1 = row1_tune(tune)
+        if row1_fills(w, row1):
+            return row1
     return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
 
 

@@ -117,8 +117,8 @@ def test_swiglu_blocks_of_their_own_width(fmt, tune, shape, monkeypatch):
     assert ex.launch_tune(w, 12, swiglu=True)["wide_warps"] == (tune.get("swiglu_wide_warps") or own["wide_warps"])
     assert ex.launch_tune(w, 12)["wide_warps"] == own["wide_warps"]
     assert ex.launch_tune(w, 5, swiglu=True)["warps"] == (tune.get("swiglu_warps") or own["warps"])
-    row1 = (own.get("row1_warps") or own["warps"]) if ex.one_row(w, 1, own) else own["warps"]
-    assert ex.launch_tune(w, 1, swiglu=True)["warps"] == row1  # one row: the `_1rs` kernels' blocks (`row1_warps`)
+    row1 = ex.launch_tune(w, 1)["warps"]  # one row: the plain one-row product's blocks (`row1_warps` where it fills)
+    assert ex.launch_tune(w, 1, swiglu=True)["warps"] == row1
     built = []  # (kernel name, its warps define) of every launch
     monkeypatch.setattr(ex, "get_kernel", lambda src, name, defines, real=ex.get_kernel: built.append(
         (name, dict(defines)["MX_WARPS2" if name.endswith(("_2s", "_2")) else "MX_WARPS"]))

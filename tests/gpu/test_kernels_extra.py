@@ -246,14 +246,37 @@ def test_one_row_blocks_of_their_own_width_keep_the_bytes(fmt, monkeypatch):
     """The one-row products' own build (TUNE `row1_warps`: blocks of that many warps with the early refill, in
     place of `warps`' 8 without it) where every block sums a tile's whole K range (no split): the same bytes, plain
     and SwiGLU launches (`_1r` / `_1rs`), band tiles and row-major codes (N % 16 != 0), several staging segments a
-    block (K 17408); a one-row launch takes that build, a two-row one does not."""
+    block (K 17408); a one-row launch takes that build, a two-row one does not (`row1_fill` 0: whatever its plan)."""
     w = ex.pack_weight(random_weight(np.random.default_rng(3), fmt, (704, 1536))[0])
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10})
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10, "row1_fill": 0})
     assert ex.launch_tune(w, 1)["warps"] == 10 and ex.launch_tune(w, 1)["early"] & 1
     assert ex.launch_tune(w, 2)["warps"] == ex.tune_for(fmt)["warps"]
     check_same_bytes("row1", fmt, (((4096, 5120), {"ksplit": 1}), ((700, 2048), {"ksplit": 1}),
                                    ((192, 17408), {"ksplit": 1})), (1,), ROW1_WIDTHS, monkeypatch,
-                     base={"small_bytes": 0})
+                     base={"small_bytes": 0, "row1_fill": 0})
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4"])
+def test_one_row_build_only_where_its_plan_fills_the_device(fmt, monkeypatch):
+    """TUNE `row1_fill`: a one-row product takes its own build (`row1_warps`) where that build's plan is a tile
+    grid of at least that fraction of the resident blocks, else the plain one; at 0 always. On a device of 2 SMs
+    (two 10-warp blocks each: 4 slots), 640 rows (4 tiles of 160 columns, one K split: 4 of 4 slots) take it, 480
+    (3 of 4: 0.75) and a stream-K plan do not; two rows never do."""
+    monkeypatch.setattr(ex, "sm_count", lambda: 2)
+    rng = np.random.default_rng(11)
+    ws = {n: ex.pack_weight(random_weight(rng, fmt, (n, 1024))[0]) for n in (640, 480)}
+    for n, fill, policy, own in ((640, 0.8, "auto", True), (480, 0.8, "auto", False), (480, 0.7, "auto", True),
+                                 (640, 0.8, "stream", False), (640, 0, "stream", True), (480, 0, "auto", True)):
+        monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10, "row1_fill": fill, "policy": policy,
+                                         "min_chunks": 1, "small_bytes": 0, "early": 14})
+        w, plain = ws[n], ex.tune_for(fmt)
+        assert ex.plan_slots(ex.row1_tune(plain), 1) == 4 and ex.plan_slots(plain, 1) == 6
+        tune = ex.launch_tune(w, 1)
+        assert (tune["warps"], tune["early"]) == ((10, 15) if own else (8, 14)), (n, fill, policy)
+        assert ex.launch_tune(w, 2)["warps"] == 8
+        plan = ex.gemm_plan(w, 1)
+        if own:  # the build's own plan: stream-K, or one K split and a block a tile of 160 columns
+            assert plan.stream == (policy == "stream") and (plan.stream or plan.grid[:2] == (n // 160, 1)), plan
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4"])

@@ -733,6 +733,17 @@ class _Launch:
     stream_arg: Any               # stream-K or tile grid
 
 
+def launch_kernel(w: PackedWeight, m: int, groups: int | None = None, swiglu: bool = False,
+                  tune: dict | None = None) -> tuple[str, str, tuple[tuple[str, int], ...]]:
+    """(kernel file, function, defines): the `get_kernel` arguments of the skinny kernel a product of `m` rows
+    over `w` launches (`groups` and `swiglu` as `_launch_of` takes them; `tune` resolved, default its
+    `launch_tune`), so that a caller can build kernels ahead of their launches (tests, side by side)."""
+    trows = tile_rows(w, m, groups)
+    tune = launch_tune(w, trows, dense=groups is None, swiglu=swiglu) if tune is None else tune
+    name = f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else n_tiles(trows)}{'s' if swiglu else ''}"
+    return tune["source"], name, gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled)
+
+
 def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu: bool) -> _Launch:
     """The launch recipe of a product of `m` rows (`x_rows` rows of x; `groups` expert groups, None dense, of a
     SwiGLU launch where `swiglu`) over `w`: its tuning (`launch_tune`), plan (`gemm_plan`), kernel and launch
@@ -754,8 +765,7 @@ def _launch_of(w: PackedWeight, m: int, x_rows: int, groups: int | None, swiglu:
         raise ValueError(f"{w.shape}: over 4 GB of codes per matrix")
     src = tune["source"]
     assert not w.tiled or kernel_knows(src, "MX_TILED"), f"decapybara/kernels/{src}.cu reads no band tiles"
-    func = get_kernel(src, f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else nt}"
-                      f"{'s' if swiglu else ''}", gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled))
+    func = get_kernel(*launch_kernel(w, m, groups, swiglu, tune))
     smem = staging_bytes(tune, nt)
     allow_dynamic_smem(func, smem)
     plan, mtiles = gemm_plan(w, m, x_rows, groups, tune), -(-m // (8 * nt))

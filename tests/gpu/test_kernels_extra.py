@@ -10,6 +10,7 @@ rounding distance of a CDF step, see decapybara/kernels/sample.cu).
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -188,19 +189,36 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
         assert_close(got, bf16_round(x).astype(np.float64) @ w_ref.T, 1e-4, f"mx_linear {fmt} {tune} M{m}")
 
 
+def build_ahead(w, rows, tunes, swiglu):
+    """Builds the skinny kernels that products of each of `rows` rows over `w` launch under each TUNE of `tunes`
+    (and their SwiGLU launches where `swiglu`), side by side: the byte tests' variants are mostly kernel builds,
+    one nvcc process each, which one at a time took minutes of a GPU call. TUNE is restored after."""
+    jobs, saved = set(), ex.TUNE
+    try:
+        for tune in tunes:
+            ex.TUNE = tune
+            jobs |= {ex.launch_kernel(w, m, swiglu=s) for m in rows for s in (False, True)[:1 + swiglu]}
+    finally:
+        ex.TUNE = saved
+    with ThreadPoolExecutor(max_workers=min(8, len(jobs) or 1)) as pool:
+        list(pool.map(lambda job: kernels.get_kernel(*job), sorted(jobs)))
+
+
 def check_same_bytes(tag, fmt, cases, rows, variants, monkeypatch, base=None):
     """mx_linear (and mx_swiglu where N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count of
     `rows`: the same bytes under each TUNE override set of `variants` (over `base`, then the case's) as under the
     first; inputs seeded by `tag`."""
-    rng = np.random.default_rng(zlib.crc32(f"{tag}-{fmt}-{cases}".encode()))
+    rng, tune0 = np.random.default_rng(zlib.crc32(f"{tag}-{fmt}-{cases}".encode())), ex.TUNE
     for shape, tune in cases:
         wq, _ = random_weight(rng, fmt, shape)
         w = ex.pack_weight(wq)
+        tunes = [{**tune0, **(base or {}), **tune, **v} for v in variants]  # each variant over the same base
+        build_ahead(w, rows, tunes, shape[0] % 16 == 0)
         for m in rows:
             x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
             got, swi = [], []
-            for v in variants:
-                monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **(base or {}), **tune, **v})
+            for v in tunes:
+                monkeypatch.setattr(ex, "TUNE", v)
                 got.append(host(ex.mx_linear(x, w)).view(np.uint32))
                 if shape[0] % 16 == 0:
                     swi.append(host(ex.mx_swiglu(x, w)).view(np.uint32))

@@ -1,5 +1,5 @@
 """A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
-import contextlib, ctypes, hashlib, itertools, json, os, re, subprocess, sys, types
+import contextlib, ctypes, hashlib, itertools, json, os, re, subprocess, sys, threading, types
 import numpy as np
 from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
 
@@ -37,9 +37,9 @@ def _classify(param: str) -> str:
 
 
 def _tmp(path: str) -> str:
-    """This process's temporary name for `path`: emulator processes may build side by side, so each writes a file
-    of its own and renames it into place (a reader sees one process's whole file, never a part)."""
-    return f"{path}.{os.getpid()}.tmp"
+    """This thread's temporary name for `path`: emulator processes, and threads of one, may build side by side, so
+    each writes a file of its own and renames it into place (a reader sees one writer's whole file, never a part)."""
+    return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
 
 
 def _emu_object() -> str:

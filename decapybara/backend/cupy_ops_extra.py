@@ -444,7 +444,8 @@ def tune_for(fmt: str, tune: dict | None = None) -> dict[str, Any]:
 
 def small_tune(tune: dict) -> dict:
     """A resolved tuning with its `small_stages` / `small_blocks_per_sm` build in place of the default's (what
-    dense one-n-tile products under `small_bytes` of codes run, but for one-row products in `row1_tune`'s build)."""
+    dense one-n-tile products under `small_bytes` of codes run, but for one-row products in `row1_tune`'s build
+    where `row1_fills`)."""
     return {**tune, "stages": tune["small_stages"], "blocks_per_sm": tune["small_blocks_per_sm"]}
 
 

@@ -192,28 +192,42 @@ def test_mx_linear_tuning_variants_compute_the_same_product(fmt, tune, shape, mo
 def build_ahead(w, rows, tunes, swiglu):
     """Builds the skinny kernels that products of each of `rows` rows over `w` launch under each TUNE of `tunes`
     (and their SwiGLU launches where `swiglu`), side by side: the byte tests' variants are mostly kernel builds,
-    one nvcc process each, which one at a time took minutes of a GPU call. TUNE is restored after."""
-    jobs, saved = set(), ex.TUNE
+    one nvcc process each, which one at a time took minutes of a GPU call. TUNE is restored after. Returns each
+    tune's set of kernels."""
+    each, saved = [], ex.TUNE
     try:
         for tune in tunes:
             ex.TUNE = tune
-            jobs |= {ex.launch_kernel(w, m, swiglu=s) for m in rows for s in (False, True)[:1 + swiglu]}
+            each.append(frozenset(ex.launch_kernel(w, m, swiglu=s) for m in rows for s in (False, True)[:1 + swiglu]))
     finally:
         ex.TUNE = saved
-    with ThreadPoolExecutor(max_workers=min(8, len(jobs) or 1)) as pool:
-        list(pool.map(lambda job: kernels.get_kernel(*job), sorted(jobs)))
+    jobs = set().union(*each)
+    modules = {(src, defines): (src, name, defines) for src, name, defines in sorted(jobs)}  # a build each
+    device = cp.cuda.runtime.getDevice()
+
+    def build(job):
+        with cp.cuda.Device(device):  # a thread starts on device 0
+            kernels.get_kernel(*job)
+
+    with ThreadPoolExecutor(max_workers=min(8, len(modules) or 1)) as pool:
+        list(pool.map(build, modules.values()))
+    for job in sorted(jobs):  # the other functions of those modules, from their builds
+        kernels.get_kernel(*job)
+    return each
 
 
 def check_same_bytes(tag, fmt, cases, rows, variants, monkeypatch, base=None):
     """mx_linear (and mx_swiglu where N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count of
     `rows`: the same bytes under each TUNE override set of `variants` (over `base`, then the case's) as under the
-    first; inputs seeded by `tag`."""
+    first, where the variants launch other kernels (else the comparison would hold whatever the kernels did);
+    inputs seeded by `tag`."""
     rng, tune0 = np.random.default_rng(zlib.crc32(f"{tag}-{fmt}-{cases}".encode())), ex.TUNE
     for shape, tune in cases:
         wq, _ = random_weight(rng, fmt, shape)
         w = ex.pack_weight(wq)
         tunes = [{**tune0, **(base or {}), **tune, **v} for v in variants]  # each variant over the same base
-        build_ahead(w, rows, tunes, shape[0] % 16 == 0)
+        built = build_ahead(w, rows, tunes, shape[0] % 16 == 0)
+        assert len(set(built)) > 1, f"{fmt} {shape} {tune}: every variant launches the same kernels"
         for m in rows:
             x = cp.asarray(rng.standard_normal((m, shape[1])).astype(np.float32))
             got, swi = [], []
@@ -286,7 +300,7 @@ def test_one_row_build_only_where_its_plan_fills_the_device(fmt, monkeypatch):
     for n, fill, policy, own in ((640, 0.8, "auto", True), (480, 0.8, "auto", False), (480, 0.7, "auto", True),
                                  (640, 0.8, "stream", False), (640, 0, "stream", True), (480, 0, "auto", True)):
         monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10, "row1_fill": fill, "policy": policy,
-                                         "min_chunks": 1, "small_bytes": 0, "early": 14})
+                                         "min_chunks": 1, "small_bytes": 0, "early": 14, "auto_fill": 0.7})
         w, plain = ws[n], ex.tune_for(fmt)
         assert ex.plan_slots(ex.row1_tune(plain), 1) == 4 and ex.plan_slots(plain, 1) == 6
         tune = ex.launch_tune(w, 1)
@@ -301,7 +315,7 @@ def test_one_row_build_only_where_its_plan_fills_the_device(fmt, monkeypatch):
 def test_one_row_blocks_of_their_own_width_keep_the_bytes_small(fmt, monkeypatch):
     """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): band tiles, one block a tile's K."""
     check_same_bytes("row1", fmt, (((256, 2048), {"ksplit": 1}),), (1,), ROW1_WIDTHS[:2], monkeypatch,
-                     base={"small_bytes": 0})
+                     base={"small_bytes": 0, "row1_fill": 0})
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -229,6 +229,9 @@ def install():
         attributes = {"MaxSharedMemoryPerBlockOptin": 232448, "MaxSharedMemoryPerMultiprocessor": 233472,
                       "MultiProcessorCount": 132}  # an H200's
         def synchronize(self): pass
+        def use(self): pass  # one device
+        def __enter__(self): return self
+        def __exit__(self, *exc): return False
     cuda.Device = Device
     runtime = types.ModuleType("cupy.cuda.runtime")
     runtime.getDeviceCount = lambda: 1

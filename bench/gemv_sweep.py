@@ -1,10 +1,11 @@
-"""Sweep of mx_gemm's launch and kernel knobs on the products of one 27B decode step, in one device call.
+"""Sweep of mx_gemm's launch and kernel knobs on the products of one decode step, in one device call.
 
     PYTHONUNBUFFERED=1 python3 bench/gemv_sweep.py [fmt ...]     # default: mxfp4; JSON to $OUT/gemv_sweep.json
+    SWEEP_MODEL=qwen3.8-35b-a3b SWEEP_M12=qkv|z,out,q|k|v ...     # another named model's products (default the 27B)
 
 For each variant (a set of `cupy_ops_extra.TUNE` overrides and kernel defines) it times every distinct
-product of a qwen3.8-27b decode step (fused gate|up, down, qkv|z, out (o_proj too), q, k, lm_head) at M = 1 and the
-large ones at M = 12, as CUDA-graph replays timed with CUDA events. Each product cycles through enough
+dense product of a decode step (qwen3.8-27b: fused gate|up, down, qkv|z, out (o_proj too), q|k|v, lm_head;
+bench/step_products.py) at M = 1 and the large ones at M = 12, as CUDA-graph replays timed with CUDA events. Each product cycles through enough
 copies of its weights that they do not stay in the 50 MB L2 between calls (as in a real step, where the
 next product's weights are not cached). Prints per-shape % of the copy bandwidth and the step-weighted total
 (products x their count per step): the time the step spends in these products. `diag` variants skip the
@@ -33,17 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp
 import numpy as np
 from gpu import bench_roofline, graph_time, random_packed  # bench/gpu.py
+from step_products import step_products
 
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.gemv_plan import band_rows, band_tiles, e2m1_plain_words, e2m1_split_words
 from decapybara.kernels import get_kernel
+from decapybara.model.config import named_config
 from decapybara.model.quant.elements import bf16_decode
 
-# [N, K] and how many times one decode step runs it (48 DeltaNet + 16 attention layers, products fused as
-# QwenModel fuses them: gate|up, qkv|z, q|k|v; the sweeps in docs/perf.md up to the seventh session's had
-# "q" [12288, 5120] x 16 and "k" [1024, 5120] x 32 (k and v) where q|k|v is now)
-STEP = {"gate|up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv|z": ((16384, 5120), 48),
-        "out": ((5120, 6144), 64), "q|k|v": ((14336, 5120), 16), "lm_head": ((248320, 5120), 1)}
+# [N, K] and how many times one decode step runs it, products fused as QwenModel fuses them (bench/step_products.py):
+# SWEEP_MODEL's (default the 27B: gate|up, down, qkv|z, out, q|k|v, lm_head; 48 DeltaNet + 16 attention layers; the
+# sweeps in docs/perf.md up to the seventh session's had "q" [12288, 5120] x 16 and "k" [1024, 5120] x 32 (k and
+# v) where q|k|v is now; the 35B-A3B's: qkv|z, out, q|k|v, lm_head, its experts grouped launches, not timed here)
+STEP = step_products(named_config(os.environ.get("SWEEP_MODEL", "qwen3.8-27b")))
 # products also timed at M = 12 ("M12 ms": their step-weighted sum); SWEEP_M12 names others, e.g. "gate|up,down,
 # qkv|z,out,q|k|v" (the column is then not comparable with docs/perf.md's earlier tables). SWEEP_MW times them at
 # another row count (e.g. 4: the one-n-tile kernels; 32: four n-tiles), its column then "M4 ms", "M32 ms"
@@ -242,7 +245,8 @@ def main() -> None:
         for name, ((n, k), _) in STEP.items():
             one = random_packed(fmt, (n, k))
             weights[name] = [one] + [random_packed(fmt, (n, k)) for _ in range(int(L2_CYCLE // one.nbytes))]
-        xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, MW) for k in (5120, 6144, 17408)}
+        xs = {(m, k): cp.random.standard_normal((m, k), cp.float32) for m in (1, MW)
+              for k in sorted({k for (_, k), _ in STEP.values()})}
         if X_BF16:  # x in bf16 bits (rounded toward zero), as the decode step's products take it (TUNE bf16_rows)
             xs = {key: (v.view(cp.uint32) >> 16).astype(cp.uint16) for key, v in xs.items()}
         if os.environ.get("SWEEP_X_ZERO"):  # measurement: x all zeros (does the products' speed depend on values?)

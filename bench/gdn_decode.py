@@ -31,13 +31,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
+from gpu import graph_seconds  # bench/gpu.py
 
 from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
-from decapybara.backend.cuda_graph import capture_graph
 from decapybara.backend.cupy_backend import CupyBackend
 from decapybara.model.config import ModelConfig
 
@@ -125,27 +126,13 @@ def main() -> None:
     cd.FUSED_DECODE.update(base_dn)
 
 
-def graph_seconds(fn, layers: int, replays: int, skip: int) -> float:
-    """Seconds a layer of a fresh CUDA graph of `fn()` (which enqueues `layers` layers; its buffers from a memory
-    pool of its own), timed with CUDA events: the median of `replays` replays but the first `skip`."""
-    stream, mem = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    graph, _ = capture_graph(fn, stream, mem)
-    times = []
-    for _ in range(replays):
-        start = stream.record()
-        graph.launch(stream)
-        end = stream.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / layers)
-    return float(np.median(times[skip:]))
-
-
 def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
     """Seconds a layer: a fresh graph of LAYERS decode forwards, median of ITERS replays (after 3)."""
     hv = cfg.linear_num_value_heads
     return graph_seconds(lambda: [
         cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
                          gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], LAYERS, ITERS, min(3, ITERS - 1))
+
 
 if __name__ == "__main__":
     main()

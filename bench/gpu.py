@@ -252,22 +252,28 @@ def bench_roofline() -> float:
     return max(res["copy_GBps"], res["cupy_copy_GBps"])
 
 
-def graph_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
-    """Median device seconds of one fn() call: `calls` calls captured in one CUDA graph, replays timed with
-    events (no host launch cost or sync in the figure: what a decode graph pays)."""
+def graph_seconds(fn: Any, per: int, replays: int, skip: int) -> float:
+    """Device seconds of 1 / `per` of what `fn()` enqueues (e.g. one of its `per` layers): `fn` captured once in a
+    fresh CUDA graph (its buffers from a memory pool of its own), its replays timed with CUDA events, the median
+    of `replays` replays but the first `skip` (no host launch cost or sync in the figure: what a decode graph pays)."""
     from decapybara.backend.cuda_graph import capture_graph
 
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    graph, _ = capture_graph(lambda: [fn() for _ in range(calls)], stream, pool)
+    graph, _ = capture_graph(fn, stream, pool)
     ts = []
-    for _ in range(reps + 1):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
+    for _ in range(replays):
+        a = stream.record()
         graph.launch(stream)
-        b.record(stream)
+        b = stream.record()
         b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3 / calls)
-    return float(np.median(ts[1:]))
+        ts.append(cp.cuda.get_elapsed_time(a, b) / 1e3 / per)
+    return float(np.median(ts[skip:]))
+
+
+def graph_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
+    """Median device seconds of one fn() call: `calls` calls captured in one CUDA graph (`graph_seconds`), `reps`
+    replays timed after one untimed."""
+    return graph_seconds(lambda: [fn() for _ in range(calls)], calls, reps + 1, 1)
 
 
 def torch_time(fn: Any, calls: int = 20, reps: int = 5) -> float:

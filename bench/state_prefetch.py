@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp
 import numpy as np
-from gdn_decode import copy_bandwidth, decode_setup, graph_seconds, random_pool  # bench/gdn_decode.py
-from gpu import random_packed  # bench/gpu.py
+from gdn_decode import copy_bandwidth, decode_setup, random_pool  # bench/gdn_decode.py
+from gpu import graph_seconds, random_packed  # bench/gpu.py
 
 from decapybara.backend import cupy_deltanet as cd
 from decapybara.backend import cupy_ops_extra as ex

@@ -201,18 +201,15 @@ def build_ahead(w, rows, tunes, swiglu):
             each.append(frozenset(ex.launch_kernel(w, m, swiglu=s) for m in rows for s in (False, True)[:1 + swiglu]))
     finally:
         ex.TUNE = saved
-    jobs = set().union(*each)
-    modules = {(src, defines): (src, name, defines) for src, name, defines in sorted(jobs)}  # a build each
+    modules = {(src, defines): (src, name, defines) for src, name, defines in sorted(set().union(*each))}
     device = cp.cuda.runtime.getDevice()
 
     def build(job):
         with cp.cuda.Device(device):  # a thread starts on device 0
             kernels.get_kernel(*job)
 
-    with ThreadPoolExecutor(max_workers=min(8, len(modules) or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(8, len(modules) or 1)) as pool:  # the launches get the rest from these
         list(pool.map(build, modules.values()))
-    for job in sorted(jobs):  # the other functions of those modules, from their builds
-        kernels.get_kernel(*job)
     return each
 
 

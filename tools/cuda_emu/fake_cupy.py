@@ -229,7 +229,6 @@ def install():
         attributes = {"MaxSharedMemoryPerBlockOptin": 232448, "MaxSharedMemoryPerMultiprocessor": 233472,
                       "MultiProcessorCount": 132}  # an H200's
         def synchronize(self): pass
-        def use(self): pass  # one device
         def __enter__(self): return self
         def __exit__(self, *exc): return False
     cuda.Device = Device

@@ -113,9 +113,10 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("early 6", {"early": 6}, ()), ("early 12", {"early": 12}, ()),
     # the one-row products' own build (`row1_warps`; MXFP4: 10 warps, two an SM at 96 registers, the early refill):
     # off (the blocks of `warps`, 8, three an SM, one stage, no refill at one row), or 10 warps with two register
-    # stages and no refill; on for every one-row product whatever its plan fills (`row1_fill` 0)
+    # stages and no refill; on for every one-row product whatever its plan fills (`row1_fill` 0), or wherever it
+    # fills `row1_fill` whatever the plain build's plan fills (`row1_vs_plain` 0: the forty-seventh session's rule)
     ("r1 off", {"row1_warps": 0}, ()), ("r1 10w s2", {"row1_warps": 0, "warps": 10, "stages": 2}, ()),
-    ("r1 all", {"row1_fill": 0}, ()),
+    ("r1 all", {"row1_fill": 0}, ()), ("r1 fill only", {"row1_vs_plain": 0}, ()),
     # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
     # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
     # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)

@@ -33,7 +33,9 @@ FAKE_NVCC = textwrap.dedent("""\
       shift
     done
     echo compile >> "$FAKE_NVCC_LOG"
+    echo + >> "$FAKE_NVCC_LOG.running"
     sleep 0.5
+    echo - >> "$FAKE_NVCC_LOG.running"
     printf 'cubin' > "$out"
     """)
 
@@ -70,6 +72,26 @@ def test_concurrent_builders_compile_a_cubin_once(tmp_path):
     # a later builder finds the cubin; another variant is its own build
     assert _builders(env, ["1", "2"])[0] == paths[0]
     assert (tmp_path / "compiles.log").read_text().count("compile") == 2
+
+
+def most_at_once(log: Path) -> int:
+    """The most fake nvcc processes that ran at once, from their start (+) and end (-) lines in order."""
+    running = most = 0
+    for line in log.read_text().split():
+        running += 1 if line == "+" else -1
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_nvcc_processes_at_once_are_bounded(jobs, tmp_path):
+    """DECAPYBARA_NVCC_JOBS bounds the nvcc processes of all the builders sharing a cache: six builders of six
+    variants compile six cubins, at most `jobs` at a time (and that many do overlap)."""
+    env = {**_env(tmp_path), "DECAPYBARA_NVCC_JOBS": str(jobs)}
+    paths = _builders(env, [str(v) for v in range(6)])
+    assert len(set(paths)) == 6
+    assert (tmp_path / "compiles.log").read_text().count("compile") == 6
+    assert most_at_once(tmp_path / "compiles.log.running") == jobs
 
 
 def test_line_info_is_its_own_build(tmp_path, monkeypatch):

@@ -398,6 +398,11 @@ def _stream_counters(device: int, stream: int) -> Any:
 # faster (eight interleaved rounds); the 35B-A3B's stream-K products (attention out, shared expert, lm_head) keep
 # the plain build, its 1x1k steps within their ~2% spread (three rounds, medians 1.3% slower than with every
 # one-row product on the build: not measured by product). A cut between 0.78 and 0.83 chosen from five products.
+# `row1_vs_plain` (0: off): past `row1_fill`, only where the plain build's plan is stream-K or fills no more of its
+# own slots. The 35B-A3B's qkv|z [12288 x 2048] fills 0.875 of the one-row build's slots, 0.97 of the plain one's,
+# and ran 34.1% of copy bandwidth on the plain build against 30.7% on its own (forty-eighth session, `gemv_sweep`:
+# its step-weighted one-row products 0.75 -> 0.72 ms; 1x1k steps, eight interleaved rounds, medians 2.29 against
+# 2.30 ms, within their spread). The 27B's products each take the build they took before.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -409,7 +414,7 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8,
+    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -511,15 +516,29 @@ def plan_slots(tune: dict, nt: int) -> int:
     return per_sm * sm_count()
 
 
-def row1_fills(w: PackedWeight, tune: dict) -> bool:
+def plan_fill(w: PackedWeight, tune: dict) -> float | None:
+    """The fraction of the resident blocks a dense one-row product over `w` fills under the resolved tuning `tune`:
+    its tile grid's blocks over `plan_slots`, or None where its plan is stream-K (a wave of its own)."""
+    plan = gemm_plan(w, 1, tune=tune)
+    return None if plan.stream else plan.grid[0] * plan.grid[1] / plan_slots(tune, 1)
+
+
+def row1_fills(w: PackedWeight, tune: dict, plain: dict | None = None) -> bool:
     """Whether a dense one-row product over `w` takes the one-row build `tune` (`row1_tune`'s) under TUNE
     `row1_fill` (0: always): where its plan is a tile grid whose blocks fill at least that fraction of the
-    resident blocks, not stream-K nor a grid that leaves more of the SMs' slots empty."""
+    resident blocks, not stream-K nor a grid that leaves more of the SMs' slots empty; and, under TUNE
+    `row1_vs_plain` with the `plain` build given (the resolved tuning the product takes otherwise), where that
+    build's plan is stream-K or fills no more of its own slots."""
     fill = tune.get("row1_fill", 0)
     if not fill:
         return True
-    plan = gemm_plan(w, 1, tune=tune)
-    return not plan.stream and plan.grid[0] * plan.grid[1] >= fill * plan_slots(tune, 1)
+    own = plan_fill(w, tune)
+    if own is None or own < fill:
+        return False
+    if plain is None or not tune.get("row1_vs_plain", 0):
+        return True
+    other = plan_fill(w, plain)
+    return other is None or other <= own
 
 
 def product_rows(x: Any) -> Any:
@@ -534,8 +553,8 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
     `many_segk` rows fitted to the device, `fit_many_segk`); a SwiGLU launch (`swiglu`)
     takes blocks of `swiglu_wide_warps` at 9-16 rows and of `swiglu_warps` at 2-8 rows where set (not the small
     build then); a dense one-row product on the `_1r` / `_1rs` kernels (`one_row`) blocks of `row1_warps` where
-    set, with the early refill (TUNE `early` bit 1): a build of its own, where its plan fills the device
-    (`row1_fills`)."""
+    set, with the early refill (TUNE `early` bit 1): a build of its own, where its plan fills the device and,
+    under `row1_vs_plain`, no less of it than the plain build's plan fills (`row1_fills`)."""
     tune = tune_for(w.fmt)
     if n_tiles(rows) >= 4 and tune.get("many_segk"):
         tune = fit_many_segk(tune, n_tiles(rows))
@@ -543,11 +562,12 @@ def launch_tune(w: PackedWeight, rows: int, dense: bool = True, swiglu: bool = F
         key = "wide_warps" if n_tiles(rows) == 2 else "warps"
         if tune.get(f"swiglu_{key}"):
             return {**tune, key: tune[f"swiglu_{key}"]}
+    plain = small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
     if dense and tune.get("row1_warps") and one_row(w, rows, tune):
         row1 = row1_tune(tune)
-        if row1_fills(w, row1):
+        if row1_fills(w, row1, plain):
             return row1
-    return small_tune(tune) if dense and n_tiles(rows) == 1 and w.codes.nbytes < tune["small_bytes"] else tune
+    return plain
 
 
 # TUNE keys of the kernels of 4 and 8 n-tiles (17-64 rows) and the kernel defines they set where not 0

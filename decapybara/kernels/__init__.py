@@ -10,6 +10,8 @@ reference: IEEE division, sqrt, exp). Two compilers:
 - ``nvcc`` (when found on PATH or under $CUDA_PATH): builds a cubin with exactly these options (subnormals
   kept), cached on disk under $DECAPYBARA_KERNEL_CACHE (default ``~/.cache/decapybara/kernels``) by a hash
   of the sources, defines, options and the nvcc version. A failed nvcc build falls back to NVRTC (warning).
+  At most $DECAPYBARA_NVCC_JOBS (default: the CPU count) nvcc processes run at once among the processes that
+  share the cache folder (pytest-xdist workers each building several variants side by side).
 - NVRTC through ``cupy.RawModule(code=...)``: CuPy appends the architecture itself and forces ``-ftz=true``,
   so float32 subnormals flush to zero (only results below ~1e-38 can differ from the reference).
 
@@ -20,6 +22,7 @@ page; bench/ncu_source.py). `cupy` is imported lazily: ``import decapybara.kerne
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -27,7 +30,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +140,33 @@ def _cache_dir() -> Path:
     raise RuntimeError("no writable folder for compiled kernels; set DECAPYBARA_KERNEL_CACHE")
 
 
+def nvcc_jobs() -> int:
+    """How many nvcc processes may run at once among the processes sharing the kernel cache:
+    $DECAPYBARA_NVCC_JOBS, else the CPU count."""
+    return max(1, int(os.environ.get("DECAPYBARA_NVCC_JOBS") or os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def _nvcc_slot(cache: Path) -> Iterator[None]:
+    """Holds one of `nvcc_jobs()` slots, each an exclusive lock on a file of the cache folder, for the duration
+    of one nvcc process; waits while all are held (a lock is released when its holder exits, however it ends)."""
+    n, start = nvcc_jobs(), os.getpid()
+    while True:
+        for i in range(n):
+            fh = open(cache / f"nvcc-slot-{(start + i) % n}.lock", "w")  # noqa: SIM115 (held past the loop)
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.close()
+                continue
+            try:
+                yield
+            finally:
+                fh.close()
+            return
+        time.sleep(0.05)
+
+
 def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
     nvcc = _find_nvcc()
     if nvcc is None:
@@ -155,7 +187,8 @@ def _build_cubin(name: str, options: tuple[str, ...]) -> Path:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             tmp_out = Path(tmp) / out.name
             cmd = [nvcc, "-cubin", *options, "-o", str(tmp_out), str(KERNEL_DIR / f"{name}.cu")]
-            res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            with _nvcc_slot(cache):
+                res = subprocess.run(cmd, check=False, capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"nvcc failed for {name}.cu ({' '.join(cmd)}):\n{res.stderr}")
             os.replace(tmp_out, out)  # atomic: a reader without the lock sees no file or the whole one

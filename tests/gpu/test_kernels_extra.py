@@ -309,6 +309,29 @@ def test_one_row_build_only_where_its_plan_fills_the_device(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4"])
+def test_one_row_build_only_where_it_fills_no_less_than_the_plain_one(fmt, monkeypatch):
+    """TUNE `row1_vs_plain`: past `row1_fill`, a one-row product takes its own build only where the plain build's
+    plan is stream-K or fills no more of its own slots. On a device of 5 SMs (10 slots of 10-warp blocks, 15 of
+    8-warp ones), K 2048: 640 rows fill 8 of 10 (0.8) against the plain build's 15 of 15, so the plain one; 320
+    rows 0.8 against 0.8 and 800 rows 1.0 against 0.93, their own; K 1024, 1280 rows 0.8 against stream-K, their
+    own. With `row1_vs_plain` 0, each of the four its own."""
+    monkeypatch.setattr(ex, "sm_count", lambda: 5)
+    rng = np.random.default_rng(12)
+    for (n, k), fills, own in (((640, 2048), (1.0, 0.8), False), ((320, 2048), (0.8, 0.8), True),
+                               ((800, 2048), (14 / 15, 1.0), True), ((1280, 1024), (None, 0.8), True)):
+        w = ex.pack_weight(random_weight(rng, fmt, (n, k))[0])
+        for vs_plain in (1, 0):
+            monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10, "row1_fill": 0.8, "row1_vs_plain": vs_plain,
+                                             "policy": "auto", "min_chunks": 1, "small_bytes": 0, "early": 14,
+                                             "auto_fill": 0.7, "fill_chunks": 2, "ksplit": 0})
+            plain = ex.tune_for(fmt)
+            got = (ex.plan_fill(w, plain), ex.plan_fill(w, ex.row1_tune(plain)))
+            assert got == pytest.approx(fills) if fills[0] else (got[0] is None and got[1] == fills[1]), (n, got)
+            expect = own or not vs_plain
+            assert ex.launch_tune(w, 1)["warps"] == (10 if expect else 8), (n, k, vs_plain)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4"])
 def test_one_row_blocks_of_their_own_width_keep_the_bytes_small(fmt, monkeypatch):
     """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): band tiles, one block a tile's K."""
     check_same_bytes("row1", fmt, (((256, 2048), {"ksplit": 1}),), (1,), ROW1_WIDTHS[:2], monkeypatch,

@@ -32,8 +32,9 @@ def _cuda_available() -> bool:
 
 
 # GPU tests whose time is mostly nvcc builds of kernel variants (the H200 suite's `--durations`, forty-eighth
-# session: 40-100 s a case for the first group, 25-60 s for the second), run first where CUDA is present so that
-# `-n 16 --dist load` does not end on a few workers still compiling while the others idle.
+# session: 38-98 s a case for the first group, up to 61 s for the second's slowest), run first where CUDA is present
+# so that `-n 16 --dist load` does not end on a few workers still compiling while the others idle (one test at a
+# time to each worker: `pytest_configure`).
 BUILD_HEAVY = (
     ("test_many_row_kernels_keep_the_bytes", "test_split_sums_in_batches_keep_the_bytes",
      "test_early_refill_keeps_the_bytes", "test_one_row_blocks_of_their_own_width_keep_the_bytes"),
@@ -51,9 +52,30 @@ def build_rank(item) -> int:
     return next((i for i, group in enumerate(BUILD_HEAVY) if name in group), len(BUILD_HEAVY))
 
 
+def heavy_first(items: list) -> list:
+    """`items` with the BUILD_HEAVY groups first, the first group's tests each followed by one of the second's (so
+    that the two tests xdist first hands each worker hold one of the heaviest), each group in collection order."""
+    groups: list[list] = [[] for _ in range(len(BUILD_HEAVY) + 1)]
+    for item in items:
+        groups[build_rank(item)].append(item)
+    first, second, rest = groups
+    paired = [t for pair in zip(first, second, strict=False) for t in pair]
+    n = min(len(first), len(second))
+    return paired + first[n:] + second[n:] + rest
+
+
+def pytest_configure(config):
+    """Where CUDA is present, pytest-xdist's `load` scheduling (3.2 and later) hands tests to its workers one at a
+    time (`--maxschedchunk 1`, unless given): by default it hands each worker a run of consecutive tests, up to a
+    quarter of its share at first, which would put the BUILD_HEAVY tests sorted first all on the first worker."""
+    if getattr(config.option, "maxschedchunk", 0) is None and not hasattr(config, "workerinput") \
+            and _cuda_available():
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
-        items.sort(key=build_rank)  # stable: collection order within a group
+        items[:] = heavy_first(items)
         return
     skip = pytest.mark.skip(reason="needs CUDA and CuPy")
     for item in items:

@@ -34,7 +34,7 @@ FAKE_NVCC = textwrap.dedent("""\
     done
     echo compile >> "$FAKE_NVCC_LOG"
     echo + >> "$FAKE_NVCC_LOG.running"
-    sleep 0.5
+    sleep "${FAKE_NVCC_SECONDS:-0.5}"
     echo - >> "$FAKE_NVCC_LOG.running"
     printf 'cubin' > "$out"
     """)
@@ -86,8 +86,9 @@ def most_at_once(log: Path) -> int:
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_nvcc_processes_at_once_are_bounded(jobs, tmp_path):
     """DECAPYBARA_NVCC_JOBS bounds the nvcc processes of all the builders sharing a cache: six builders of six
-    variants compile six cubins, at most `jobs` at a time (and that many do overlap)."""
-    env = {**_env(tmp_path), "DECAPYBARA_NVCC_JOBS": str(jobs)}
+    variants compile six cubins, at most `jobs` at a time (and that many do overlap: each compile takes 1.5 s, so
+    that builders starting up to that far apart meet)."""
+    env = {**_env(tmp_path), "DECAPYBARA_NVCC_JOBS": str(jobs), "FAKE_NVCC_SECONDS": "1.5"}
     paths = _builders(env, [str(v) for v in range(6)])
     assert len(set(paths)) == 6
     assert (tmp_path / "compiles.log").read_text().count("compile") == 6

@@ -518,9 +518,13 @@ def plan_slots(tune: dict, nt: int) -> int:
 
 def plan_fill(w: PackedWeight, tune: dict) -> float | None:
     """The fraction of the resident blocks a dense one-row product over `w` fills under the resolved tuning `tune`:
-    its tile grid's blocks over `plan_slots`, or None where its plan is stream-K (a wave of its own)."""
+    its tile grid's blocks over the slots of the waves they take (`plan_slots` each; one wave under the "auto"
+    policy), or None where its plan is stream-K (a wave of its own)."""
     plan = gemm_plan(w, 1, tune=tune)
-    return None if plan.stream else plan.grid[0] * plan.grid[1] / plan_slots(tune, 1)
+    if plan.stream:
+        return None
+    blocks, slots = plan.grid[0] * plan.grid[1], plan_slots(tune, 1)
+    return blocks / (-(-blocks // slots) * slots)
 
 
 def row1_fills(w: PackedWeight, tune: dict, plain: dict | None = None) -> bool:

@@ -10,8 +10,8 @@ reference: IEEE division, sqrt, exp). Two compilers:
 - ``nvcc`` (when found on PATH or under $CUDA_PATH): builds a cubin with exactly these options (subnormals
   kept), cached on disk under $DECAPYBARA_KERNEL_CACHE (default ``~/.cache/decapybara/kernels``) by a hash
   of the sources, defines, options and the nvcc version. A failed nvcc build falls back to NVRTC (warning).
-  At most $DECAPYBARA_NVCC_JOBS (default: the CPU count) nvcc processes run at once among the processes that
-  share the cache folder (pytest-xdist workers each building several variants side by side).
+  At most $DECAPYBARA_NVCC_JOBS (default: the CPUs the process may use) nvcc processes run at once among the
+  processes that share the cache folder (pytest-xdist workers each building several variants side by side).
 - NVRTC through ``cupy.RawModule(code=...)``: CuPy appends the architecture itself and forces ``-ftz=true``,
   so float32 subnormals flush to zero (only results below ~1e-38 can differ from the reference).
 
@@ -142,8 +142,13 @@ def _cache_dir() -> Path:
 
 def nvcc_jobs() -> int:
     """How many nvcc processes may run at once among the processes sharing the kernel cache:
-    $DECAPYBARA_NVCC_JOBS, else the CPU count."""
-    return max(1, int(os.environ.get("DECAPYBARA_NVCC_JOBS") or os.cpu_count() or 1))
+    $DECAPYBARA_NVCC_JOBS (at least 1), else the CPUs this process may run on. Processes that share a cache
+    should agree on it (each counts the slots it was given)."""
+    env = os.environ.get("DECAPYBARA_NVCC_JOBS")
+    if env:
+        return max(1, int(env))
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return max(1, len(cpus))
 
 
 @contextlib.contextmanager
@@ -159,6 +164,9 @@ def _nvcc_slot(cache: Path) -> Iterator[None]:
             except BlockingIOError:
                 fh.close()
                 continue
+            except BaseException:
+                fh.close()
+                raise
             try:
                 yield
             finally:

@@ -311,24 +311,33 @@ def test_one_row_build_only_where_its_plan_fills_the_device(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["mxfp4"])
 def test_one_row_build_only_where_it_fills_no_less_than_the_plain_one(fmt, monkeypatch):
     """TUNE `row1_vs_plain`: past `row1_fill`, a one-row product takes its own build only where the plain build's
-    plan is stream-K or fills no more of its own slots. On a device of 5 SMs (10 slots of 10-warp blocks, 15 of
-    8-warp ones), K 2048: 640 rows fill 8 of 10 (0.8) against the plain build's 15 of 15, so the plain one; 320
-    rows 0.8 against 0.8 and 800 rows 1.0 against 0.93, their own; K 1024, 1280 rows 0.8 against stream-K, their
-    own. With `row1_vs_plain` 0, each of the four its own."""
+    plan (the build it takes otherwise: the small build under `small_bytes`) is stream-K or fills no more of its
+    own slots. On a device of 5 SMs (10 slots of 10-warp blocks, 15 of 8-warp ones), K 2048: 640 rows fill 8 of 10
+    (0.8) against the plain build's 15 of 15, so the plain one; 320 rows 0.8 against 0.8 and 800 rows 1.0 against
+    0.93, their own; K 1024, 1280 rows 0.8 against stream-K, their own; 320 rows under the small build (two 8-warp
+    blocks an SM: 10 slots) 0.8 against its 0.9, the small one. With `row1_vs_plain` 0, each its own."""
     monkeypatch.setattr(ex, "sm_count", lambda: 5)
     rng = np.random.default_rng(12)
-    for (n, k), fills, own in (((640, 2048), (1.0, 0.8), False), ((320, 2048), (0.8, 0.8), True),
-                               ((800, 2048), (14 / 15, 1.0), True), ((1280, 1024), (None, 0.8), True)):
-        w = ex.pack_weight(random_weight(rng, fmt, (n, k))[0])
+    ws = {shape: ex.pack_weight(random_weight(rng, fmt, shape)[0])
+          for shape in ((640, 2048), (320, 2048), (800, 2048), (1280, 1024))}
+    for shape, small, fills, own in (((640, 2048), 0, (1.0, 0.8), False), ((320, 2048), 0, (0.8, 0.8), True),
+                                     ((800, 2048), 0, (14 / 15, 1.0), True), ((1280, 1024), 0, (None, 0.8), True),
+                                     ((320, 2048), 10**6, (0.9, 0.8), False)):
+        w = ws[shape]
         for vs_plain in (1, 0):
             monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "row1_warps": 10, "row1_fill": 0.8, "row1_vs_plain": vs_plain,
-                                             "policy": "auto", "min_chunks": 1, "small_bytes": 0, "early": 14,
-                                             "auto_fill": 0.7, "fill_chunks": 2, "ksplit": 0})
-            plain = ex.tune_for(fmt)
-            got = (ex.plan_fill(w, plain), ex.plan_fill(w, ex.row1_tune(plain)))
-            assert got == pytest.approx(fills) if fills[0] else (got[0] is None and got[1] == fills[1]), (n, got)
-            expect = own or not vs_plain
-            assert ex.launch_tune(w, 1)["warps"] == (10 if expect else 8), (n, k, vs_plain)
+                                             "policy": "auto", "min_chunks": 1, "small_bytes": small, "early": 14,
+                                             "auto_fill": 0.7, "fill_chunks": 2, "ksplit": 0, "small_stages": 2,
+                                             "small_blocks_per_sm": 2})
+            tune = ex.tune_for(fmt)
+            plain = ex.small_tune(tune) if small else tune
+            got = (ex.plan_fill(w, plain), ex.plan_fill(w, ex.row1_tune(tune)))
+            assert got == pytest.approx(fills) if fills[0] else (got[0] is None and got[1] == fills[1]), (shape, got)
+            launched = ex.launch_tune(w, 1)
+            if own or not vs_plain:
+                assert (launched["warps"], launched["early"]) == (10, 15), (shape, small, vs_plain)
+            else:
+                assert (launched["warps"], launched["blocks_per_sm"]) == (8, 2 if small else 3), (shape, small)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4"])

@@ -5,6 +5,7 @@ GPU tests (marked `gpu`) skip where CUDA/CuPy is absent; everything else runs on
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -22,6 +23,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@functools.cache
 def _cuda_available() -> bool:
     try:
         import cupy

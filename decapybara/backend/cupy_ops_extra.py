@@ -527,21 +527,19 @@ def plan_fill(w: PackedWeight, tune: dict) -> float | None:
     return blocks / (-(-blocks // slots) * slots)
 
 
-def row1_fills(w: PackedWeight, tune: dict, plain: dict | None = None) -> bool:
-    """Whether a dense one-row product over `w` takes the one-row build `tune` (`row1_tune`'s) under TUNE
-    `row1_fill` (0: always): where its plan is a tile grid whose blocks fill at least that fraction of the
-    resident blocks, not stream-K nor a grid that leaves more of the SMs' slots empty; and, under TUNE
-    `row1_vs_plain` with the `plain` build given (the resolved tuning the product takes otherwise), where that
-    build's plan is stream-K or fills no more of its own slots."""
+def row1_fills(w: PackedWeight, tune: dict, plain: dict) -> bool:
+    """Whether a dense one-row product over `w` takes the one-row build `tune` (`row1_tune`'s) rather than `plain`
+    (the resolved tuning it takes otherwise) under TUNE `row1_fill` (0: always): where its plan is a tile grid
+    whose blocks fill at least that fraction of the resident blocks, not stream-K nor a grid that leaves more of
+    the SMs' slots empty; and, under TUNE `row1_vs_plain`, where the plain build's plan is stream-K or fills no
+    more of its own slots."""
     fill = tune.get("row1_fill", 0)
     if not fill:
         return True
     own = plan_fill(w, tune)
     if own is None or own < fill:
         return False
-    if plain is None or not tune.get("row1_vs_plain", 0):
-        return True
-    other = plan_fill(w, plain)
+    other = plan_fill(w, plain) if tune.get("row1_vs_plain", 0) else None
     return other is None or other <= own
 
 

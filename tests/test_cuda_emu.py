@@ -138,8 +138,9 @@ RUNS: dict[str, EmuRun] = {
     "decode_attention": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_attention_fusions.py"),
                                "(test_decode_attention_microscaled_pages and 6/6-heads1-shape1) "
                                "or (gated_decode and contexts2) or backend_gates"),
-    "small": EmuRun(("tests/gpu/test_gemv_small.py",), "small and not (unaligned and (8-8 or 4-2)) "
-                                                       "and not (normed and 4-2- and not 40-5128)"),
+    "small": EmuRun(("tests/gpu/test_gemv_small.py", "tests/gpu/test_chain_reads.py"),
+                    "(small and not (unaligned and (8-8 or 4-2)) and not (normed and 4-2- and not 40-5128)) "
+                    "or chain_reads"),
     "skinny": EmuRun(("tests/gpu/test_kernels_extra.py",),
                      "mx_linear_k_tail or bf16_x_staging_edges or early_refill_keeps_the_bytes_small "
                      "or one_row_blocks_of_their_own_width_keep_the_bytes_small or one_row_build_only "
@@ -305,6 +306,7 @@ def test_small_products_pass_on_the_emulator(emulator):
     block's warps, weights loaded before the overlapped launch's wait, x unaligned or not) against numpy and the
     skinny GEMM, its limits, a fused norm's rows (the denominators in the skinny kernels' order): the GPU test
     file through the emulator plugin, most of its other block builds left to the GPU run (each build is a module
-    the emulator compiles)."""
+    the emulator compiles); and bench/chain_bound.cu's reads (every row of every product once, each launch kind
+    and layout but the persistent waits, which need blocks side by side)."""
     out = emulator("small")
-    assert passed(out) == 79, out[-3000:]
+    assert passed(out) == 90, out[-3000:]

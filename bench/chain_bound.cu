@@ -15,14 +15,16 @@
 //     counters[p] == B (every block done with p: the data dependence of a step's products). `wait` 0 leaves the
 //     waits out (the chain's bytes at the read rate; also the host emulator, which runs one block at a time).
 //     The last block to finish zeroes the counters for the next launch. A wait that exceeds TIMEOUT cycles
-//     (blocks not all resident) sets *err, and every wait after it returns at once.
+//     (blocks not all resident) sets *err, and every wait after it returns at once. `seen` (null: not kept) gets,
+//     for each product p >= 1, the fewest blocks done with p - 1 that a block saw where it went on to p's reads
+//     (its wait's last count; without waits, one read of the counter): the waits hold iff every one is B.
 #include "pdl.cuh"
 #include "smem.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define THREADS 256
+#define THREADS 256  // a block; chain_launch takes at most 32 registers a thread (8 blocks an SM), chain_persistent 40 (6)
 #define TIMEOUT (1ll << 32)  // cycles, ~2 s
 
 struct Share {
@@ -80,8 +82,8 @@ __device__ __forceinline__ void add_sum(u32 acc, u32* sum) {
     if ((threadIdx.x & 31) == 0) atomicXor(sum, acc);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) chain_launch(const uint4* src, long long rows, int ahead,
-                                                                  int layout, int work, u32* sum) {
+extern "C" __global__ void __launch_bounds__(THREADS, 8)
+    chain_launch(const uint4* src, long long rows, int ahead, int layout, int work, u32* sum) {
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* stage = (uint4*)smem;
     const Share s = share_of((u64)rows, blockIdx.x, gridDim.x, layout);
@@ -93,11 +95,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) chain_launch(const uint4* 
     add_sum(acc, sum);
 }
 
-__device__ __forceinline__ void wait_for(const u32* counter, u32 target, u32* err) {
+// Thread 0 spins until *counter >= target (or a timeout, or *err already set) and returns the count it saw last;
+// the block goes on after it.
+__device__ __forceinline__ u32 wait_for(const u32* counter, u32 target, u32* err) {
+    u32 got = 0;
     if (threadIdx.x == 0) {
-        const long long t0 = clock64();
-        while (*(const volatile u32*)counter < target && !*(const volatile u32*)err) {
-            if (clock64() - t0 > TIMEOUT) {
+        long long t0 = -1;  // the clock from the first count short of the target
+        while ((got = *(const volatile u32*)counter) < target && !*(const volatile u32*)err) {
+            const long long t = clock64();
+            if (t0 < 0) {
+                t0 = t;
+            } else if (t - t0 > TIMEOUT) {
                 atomicExch(err, 1u);
                 break;
             }
@@ -105,11 +113,12 @@ __device__ __forceinline__ void wait_for(const u32* counter, u32 target, u32* er
         __threadfence();
     }
     __syncthreads();
+    return got;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) chain_persistent(const u64* ptrs, const u64* rows, int products,
-                                                                      int ahead, int layout, int work, int wait,
-                                                                      u32* counters, u32* sums, u32* err) {
+extern "C" __global__ void __launch_bounds__(THREADS, 6)
+    chain_persistent(const u64* ptrs, const u64* rows, int products, int ahead, int layout, int work, int wait,
+                     u32* counters, u32* sums, u32* err, u32* seen) {
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* stage = (uint4*)smem;
     const u32 blocks = gridDim.x;
@@ -118,7 +127,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) chain_persistent(const u64
         const Share s = share_of(rows[p], blockIdx.x, blocks, layout);
         const u64 a = s.count < (u64)ahead ? s.count : (u64)ahead;
         issue_ahead(src, s, a, stage);  // each thread's stage words are its own: no barrier before reuse
-        if (wait && p > 0) wait_for(counters + p - 1, blocks, err);
+        if (p > 0 && (wait || seen)) {
+            const u32 got = wait ? wait_for(counters + p - 1, blocks, err)
+                                 : threadIdx.x == 0 ? *(const volatile u32*)(counters + p - 1) : 0u;
+            if (seen && threadIdx.x == 0) atomicMin(seen + p, got);
+        }
         const u32 acc = read_share(src, s, a, stage, work);
         add_sum(acc, sums + p);
         __syncthreads();  // every thread's reads of p done

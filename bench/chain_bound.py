@@ -11,7 +11,10 @@ in the step's order (`step_chain`: per layer its input product, out, gate|up, do
 
 - `launch`: one launch a product, all in one CUDA graph and overlapped (PDL) as a decode graph launches the
   products: a block copies its share's first `ahead` rows to shared memory, waits for the kernel before, reads
-  the rest, then lets the next kernel launch;
+  the rest, then lets the next kernel launch. Its `bps` blocks take an SM's shared memory between them, so that, as
+  with the products, whose registers fill their SMs, a next kernel's block starts on an SM only as one leaves;
+- `spare`: the same launches with only the shared memory of their rows ahead, so that the next kernel's blocks
+  start beside them (what products of a smaller footprint would have);
 - `persist`: one launch of `bps` blocks an SM, all resident, walking the chain; a product's reads past a block's
   first `ahead` rows wait until every block is done with the product before (counters in global memory);
 - `read`: the persistent launch without the waits: the chain's bytes at the read rate, the bound of both.
@@ -49,14 +52,15 @@ from decapybara.model.config import LINEAR_ATTENTION, ModelConfig, named_config
 THREADS = 256
 ROW_BYTES = THREADS * 16  # a row of bench/chain_bound.cu: one 16-byte word a thread
 KERNEL = ROOT / "bench" / "chain_bound.cu"
-DEFAULT_VARIANTS = ("launch:i:8:0,launch:c:2:0,launch:c:2:8,launch:c:3:4,persist:c:2:0,persist:c:2:8,"
-                    "persist:c:2:24,persist:c:3:12,persist:i:2:8,persist:i:4:4,read:c:2:0,read:i:8:0,"
-                    "launch:c:2:8:32,persist:c:2:24:32,read:c:2:0:32")
+KINDS = ("launch", "spare", "persist", "read")
+DEFAULT_VARIANTS = ("launch:i:8:0,launch:c:2:0,launch:c:2:8,launch:c:2:24,launch:c:3:4,spare:c:2:0,spare:c:2:8,"
+                    "persist:c:2:0,persist:c:2:8,persist:c:2:24,persist:c:3:12,persist:i:2:8,persist:i:4:4,"
+                    "read:c:2:0,read:i:6:0,launch:c:2:8:32,persist:c:2:24:32,read:c:2:0:32")
 
 
 @dataclass(frozen=True)
 class Variant:
-    kind: str    # launch | persist | read
+    kind: str    # launch | spare | persist | read
     layout: int  # 0 contiguous shares, 1 interleaved rows
     bps: int     # blocks an SM
     ahead: int   # rows a block copies to shared memory before its wait
@@ -68,9 +72,9 @@ class Variant:
         parts = spec.strip().split(":")
         if len(parts) == 4:
             parts.append("0")
-        if len(parts) != 5 or parts[0] not in ("launch", "persist", "read") or parts[1] not in ("c", "i") \
+        if len(parts) != 5 or parts[0] not in KINDS or parts[1] not in ("c", "i") \
                 or not all(p.isdigit() for p in parts[2:]) or int(parts[2]) < 1:
-            raise ValueError(f"a variant is launch|persist|read:c|i:<blocks an SM>:<rows ahead>[:<FMAs>], got {spec!r}")
+            raise ValueError(f"a variant is {'|'.join(KINDS)}:c|i:<blocks an SM>:<rows ahead>[:<FMAs>], got {spec!r}")
         return cls(parts[0], "ci".index(parts[1]), *map(int, parts[2:]))
 
     @property
@@ -78,8 +82,9 @@ class Variant:
         return f"{self.kind}:{'ci'[self.layout]}:{self.bps}:{self.ahead}" + (f":{self.work}" if self.work else "")
 
     @property
-    def smem(self) -> int:
-        return self.ahead * ROW_BYTES
+    def launched(self) -> bool:
+        """One launch a product (else one launch for the chain)."""
+        return self.kind in ("launch", "spare")
 
 
 def mxfp4_bytes(n: int, k: int) -> int:
@@ -143,52 +148,65 @@ class Chain:
         self.counters = cp.zeros(len(self.keys) + 1, cp.uint32)
         self.sums = cp.zeros(len(self.keys), cp.uint32)
         self.err = cp.zeros(1, cp.uint32)
+        self.seen = cp.zeros(len(self.keys), cp.uint32)  # check(): the fewest blocks done a block saw (.cu)
 
-    def prepare(self, v: Variant) -> None:
-        """Let the variant's kernel take its shared memory (past the 48 KB a launch gets unasked)."""
-        kernel = self.launch_k if v.kind == "launch" else self.persist_k
-        if v.smem > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = v.smem
+    def smem(self, v: Variant) -> int:
+        """Dynamic shared memory of a block of the variant: its rows ahead; a `launch` block at least its share of
+        an SM's (less the 1 KB the device keeps a block), so that `bps` of them fill the SM."""
+        ahead = v.ahead * ROW_BYTES
+        if v.kind != "launch":
+            return ahead
+        attrs = self.cp.cuda.Device().attributes
+        share = (attrs["MaxSharedMemoryPerMultiprocessor"] // v.bps - 1024) // 128 * 128
+        return max(ahead, min(share, attrs["MaxSharedMemoryPerBlockOptin"]))
+
+    def kernel(self, v: Variant) -> Any:
+        """The variant's kernel, allowed its shared memory (past the 48 KB a launch gets unasked)."""
+        kernel = self.launch_k if v.launched else self.persist_k
+        if self.smem(v) > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = self.smem(v)
+        return kernel
 
     def resident(self, v: Variant) -> int:
-        """Blocks an SM the device keeps resident of the persistent kernel at the variant's shared memory (0 where
-        not known)."""
+        """Blocks of the variant's kernel an SM keeps resident at its shared memory (0 where not known)."""
         from decapybara.backend import pdl  # the driver library, and a kernel's CUfunction as pdl launches it
 
-        self.prepare(v)
-        handle, lib = pdl._function_handle(self.persist_k), pdl._driver()
+        handle, lib = pdl._function_handle(self.kernel(v)), pdl._driver()
         if handle is None or lib is None:
             return 0
         blocks = ctypes.c_int(0)
         err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), ctypes.c_void_p(handle),
-                                                               ctypes.c_int(THREADS), ctypes.c_size_t(v.smem))
+                                                               ctypes.c_int(THREADS), ctypes.c_size_t(self.smem(v)))
         return blocks.value if err == 0 else 0
 
-    def run(self, v: Variant, launch: Any = None) -> None:
+    def run(self, v: Variant, launch: Any = None, record: bool = False) -> None:
         """Enqueue the variant's reads of the whole chain (`launch`: how a launch-a-product kernel is launched, e.g.
-        decapybara.backend.pdl.launch; default the CuPy call)."""
-        grid = self.sms * v.bps
-        self.prepare(v)
-        if v.kind == "launch":
+        decapybara.backend.pdl.launch; default the CuPy call). `record`: the persistent launch keeps, in `seen`, how
+        many blocks were done with each product's predecessor when a block went on to it."""
+        grid, kernel, smem = self.sms * v.bps, self.kernel(v), self.smem(v)
+        if v.launched:
             for p, key in enumerate(self.keys):
                 args = (self.bufs[key], np.int64(self.rows[p]), np.int32(v.ahead), np.int32(v.layout),
                         np.int32(v.work), self.sums[p:p + 1])
                 if launch is None:
-                    self.launch_k((grid,), (THREADS,), args, shared_mem=v.smem)
+                    kernel((grid,), (THREADS,), args, shared_mem=smem)
                 else:
-                    launch(self.launch_k, (grid,), (THREADS,), args, v.smem)
+                    launch(kernel, (grid,), (THREADS,), args, smem)
             return
-        self.persist_k((grid,), (THREADS,), (self.ptrs, self.rows_dev, np.int32(len(self.keys)), np.int32(v.ahead),
-                                             np.int32(v.layout), np.int32(v.work), np.int32(v.kind == "persist"),
-                                             self.counters, self.sums, self.err), shared_mem=v.smem)
+        kernel((grid,), (THREADS,), (self.ptrs, self.rows_dev, np.int32(len(self.keys)), np.int32(v.ahead),
+                                     np.int32(v.layout), np.int32(v.work), np.int32(v.kind == "persist"),
+                                     self.counters, self.sums, self.err, self.seen if record else None),
+               shared_mem=smem)
 
     def check(self, v: Variant, launch: Any = None) -> list[str]:
         """Run the variant once and return what is wrong: products whose xor of the words read differs from
-        their buffer's (a row read twice or never), a timed-out wait, counters not zeroed."""
+        their buffer's (a row read twice or never), a timed-out wait, counters not zeroed, and (`persist`) a
+        product a block went on to before every block was done with the one before."""
         cp = self.cp
         self.sums[...] = 0
         self.err[...] = 0
-        self.run(v, launch)
+        self.seen[...] = np.uint32(0xFFFFFFFF)
+        self.run(v, launch, record=True)
         sums = cp.asnumpy(self.sums)
         bad = [f"product {p} ({k}): xor {int(sums[p]):#x}, its buffer's {self.xor[k]:#x}"
                for p, k in enumerate(self.keys) if int(sums[p]) != self.xor[k]]
@@ -196,6 +214,10 @@ class Chain:
             bad.append("a wait timed out (blocks not all resident)")
         if cp.asnumpy(self.counters).any():
             bad.append(f"counters left {cp.asnumpy(self.counters).tolist()}")
+        if v.kind == "persist":
+            blocks, seen = self.sms * v.bps, cp.asnumpy(self.seen)
+            bad += [f"product {p}: a block went on with {int(seen[p])} of {blocks} blocks done with product {p - 1}"
+                    for p in range(1, len(self.keys)) if int(seen[p]) != blocks]
         return bad
 
 
@@ -211,11 +233,13 @@ def measure(c: Chain, variants: list[Variant], rounds: int) -> tuple[dict[str, l
     graphs, wrong = {}, {}
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
     for v in variants:
-        if v.kind == "persist":  # its waits need every block resident
-            have = c.resident(v)
-            if have and have < v.bps:
-                wrong[v.name] = [f"skipped: {have} blocks an SM resident at {v.smem} B of shared memory"]
-                continue
+        have = c.resident(v)
+        if v.kind == "persist" and have and have < v.bps:  # its waits need every block resident
+            wrong[v.name] = [f"skipped: {have} blocks an SM resident at {c.smem(v)} B of shared memory"]
+            continue
+        if v.kind == "launch" and have and have != v.bps:  # the blocks would not fill their SMs as meant
+            wrong[v.name] = [f"skipped: {have} blocks an SM resident, not {v.bps}, at {c.smem(v)} B"]
+            continue
         bad = c.check(v, pdl.launch)
         if bad:
             wrong[v.name] = bad[:8]

@@ -46,7 +46,8 @@ def test_moe_chain_leaves_the_experts_out():
 
 def test_variants_parse_and_refuse_bad_specs():
     v = chain_bound.Variant.parse("persist:c:2:24")
-    assert (v.kind, v.layout, v.bps, v.ahead, v.smem, v.name) == ("persist", 0, 2, 24, 24 * 4096, "persist:c:2:24")
+    assert (v.kind, v.layout, v.bps, v.ahead, v.name, v.launched) == ("persist", 0, 2, 24, "persist:c:2:24", False)
+    assert chain_bound.Variant.parse("spare:c:2:3").launched and chain_bound.Variant.parse("launch:c:2:3").launched
     assert chain_bound.Variant.parse(" launch:i:8:0").layout == 1
     w = chain_bound.Variant.parse("launch:c:2:0:64")
     assert (w.work, w.name, v.work) == (64, "launch:c:2:0:64", 0)

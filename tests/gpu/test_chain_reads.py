@@ -1,14 +1,13 @@
 """bench/chain_bound.cu (the reads bench/chain_bound.py times): every launch kind and layout reads each row of each
 product once (the xor of what its blocks read against the buffers'), shared memory rows ahead and tails of fewer
 than four rows included; the persistent launch's waits hold every block until all are done with the product before,
-and its counters are zeroed after it. On the host emulator, whose blocks run one at a time, the persistent kind
-runs without its waits (`read`) only."""
+and its counters are zeroed after it. On the host emulator the persistent launches run with all their blocks
+resident (`fake_cupy.RESIDENT`), as the bench runs them on the GPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,17 +36,41 @@ def chain():
     return chain_bound.Chain(cp, SIZES, sms=2)
 
 
-@pytest.mark.parametrize("spec", ["launch:c:1:0", "launch:c:2:3", "launch:i:3:2:8", "launch:i:1:20", "read:c:3:1",
-                                  "read:i:1:5:3", "persist:c:1:0", "persist:c:2:3:5", "persist:i:4:2",
-                                  "persist:c:3:16"])
-def test_every_row_read_once(chain, spec):
+@pytest.fixture
+def resident(monkeypatch):
+    """On the host emulator: `blocks` blocks of a launch run side by side (a GPU keeps a persistent grid resident)."""
+    def set_to(blocks: int) -> None:
+        if EMULATED:
+            monkeypatch.setattr(sys.modules["fake_cupy"], "RESIDENT", blocks)
+    return set_to
+
+
+@pytest.mark.parametrize("spec", ["launch:c:1:0", "launch:c:2:3", "launch:i:3:2:8", "launch:i:1:20", "spare:c:2:3",
+                                  "spare:i:3:0", "read:c:3:1", "read:i:1:5:3", "persist:c:1:0", "persist:c:2:3:5",
+                                  "persist:i:4:2", "persist:c:3:16"])
+def test_every_row_read_once(chain, resident, spec):
     """Grids of 2-8 blocks over products of 1-13 rows: blocks with no rows, shares shorter than `ahead`, the
-    four-row loop's tail, the stand-in arithmetic (`work`)."""
+    four-row loop's tail, the stand-in arithmetic (`work`); the persistent launch's waits held (`check`)."""
     v = chain_bound.Variant.parse(spec)
-    if EMULATED and v.kind == "persist":
-        v = replace(v, kind="read")
+    if not v.launched:
+        resident(2 * v.bps)
     assert chain.check(v) == []
     assert chain.check(v) == []  # again: the counters were zeroed for the next launch
+
+
+@pytest.mark.parametrize("bps", [1, 2, 3, 8])
+def test_launch_blocks_fill_their_sms(chain, bps):
+    """A `launch` variant's blocks take an SM's shared memory between them (at least their rows ahead), so that no
+    block of the next kernel fits beside them; a `spare` one's, their rows ahead alone."""
+    attrs = cp.cuda.Device().attributes
+    per_sm, reserved = attrs["MaxSharedMemoryPerMultiprocessor"], 1024
+    smem = chain.smem(chain_bound.Variant.parse(f"launch:c:{bps}:1"))
+    assert smem % 128 == 0 and bps * (smem + reserved) <= per_sm < (bps + 1) * (smem + reserved)
+    assert smem <= attrs["MaxSharedMemoryPerBlockOptin"]
+    assert chain.smem(chain_bound.Variant.parse(f"spare:c:{bps}:5")) == 5 * 4096
+    assert chain.smem(chain_bound.Variant.parse(f"launch:c:{bps}:50")) == max(50 * 4096, smem)
+    if not EMULATED:
+        assert chain.resident(chain_bound.Variant.parse(f"launch:c:{bps}:1")) == bps
 
 
 def test_a_changed_buffer_is_reported(chain):
@@ -63,7 +86,20 @@ def test_a_changed_buffer_is_reported(chain):
     assert chain.check(chain_bound.Variant.parse("read:c:2:1")) == []
 
 
-@pytest.mark.skipif(EMULATED, reason="the emulator runs one block at a time: a cross-block wait cannot return")
+def test_a_block_going_on_early_is_reported(chain, resident):
+    """The waits' check can fail: without them (`read`), a block goes on to a product while others still read the
+    one before, and the counts it saw say so (on the emulator always: its first block runs ahead of the second)."""
+    resident(4)
+    seen = []
+    for kind in ("read", "persist"):
+        chain.check(chain_bound.Variant.parse(f"{kind}:c:2:1"))
+        seen.append(cp.asnumpy(chain.seen)[1:].tolist())
+    assert seen[1] == [4] * (len(SIZES) - 1)
+    if EMULATED:
+        assert min(seen[0]) < 4
+
+
+@pytest.mark.skipif(EMULATED, reason="a wait's timeout is ~2^32 clock64 calls on the emulator")
 def test_persistent_waits_need_every_block():
     """A wait holds a block until every block of the grid is done with the product before: with more blocks than
     the device keeps resident (40 an SM), blocks of the first wave wait for blocks that cannot start, the wait
@@ -82,7 +118,7 @@ def test_measure_times_each_checked_variant(chain):
     graph), one that cannot keep its blocks resident reported and left out."""
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     c = chain_bound.Chain(cp, SIZES, sms=sms)
-    specs = ["launch:c:2:3", "persist:c:2:3:8", "read:i:8:0", "persist:c:9:0"]
+    specs = ["launch:i:8:0", "spare:c:2:3", "persist:c:2:3:8", "read:i:8:0", "persist:c:9:0"]
     times, wrong = chain_bound.measure(c, [chain_bound.Variant.parse(s) for s in specs], rounds=3)
-    assert list(times) == specs[:3] and all(len(ts) == 3 and min(ts) > 0 for ts in times.values())
-    assert list(wrong) == ["persist:c:9:0"] and wrong["persist:c:9:0"][0].startswith("skipped: ")  # 2,048 threads an SM
+    assert list(times) == specs[:4] and all(len(ts) == 3 and min(ts) > 0 for ts in times.values())
+    assert list(wrong) == ["persist:c:9:0"] and wrong["persist:c:9:0"][0].startswith("skipped: ")  # > 2,048 threads

@@ -41,8 +41,9 @@ emu_switch:
 #define EMU_FAST_SWITCH 0
 #endif
 namespace emu {
-struct Fiber { ucontext_t ctx; void* sp; Dim3 t; int lane, warp, state, kind; };  // state 0 run 1 wait 2 done; kind 0
-                                                                                  // block 1 warp 2 warpgroup (wgmma)
+struct Fiber { ucontext_t ctx; void* sp; Dim3 t; int lane, warp, state, kind, slot; };  // state 0 run 1 wait 2 done;
+                                                                                        // kind 0 block 1 warp 2
+                                                                                        // warpgroup (wgmma)
 Fiber* cur = nullptr;
 Dim3 g_block_idx, g_block_dim, g_grid_dim;
 unsigned char* dyn_smem = nullptr;
@@ -54,6 +55,11 @@ static std::vector<char> stacks;
 static std::vector<unsigned long long> wbuf, wgbuf;
 static const size_t STACK = 256 * 1024;
 static ffi_cif* g_cif; static void* g_fn; static void** g_vals;
+// Resident blocks: slot k runs block slot_block[k] (its fibers [k * g_pad, k * g_pad + g_n)) on its own dynamic
+// shared memory; one slot unless the launch asks for more (emu_launch's `resident`).
+static int g_n = 0, g_pad = 0, cur_slot = -1;
+static std::vector<Dim3> slot_block;
+static std::vector<unsigned char*> slot_smem;
 const Dim3& tid() { return cur->t; }
 int lane() { return cur->lane; }
 unsigned long long* warp_buf() { return &wbuf[cur->warp * 32]; }
@@ -67,6 +73,7 @@ static void to_scheduler() {
 #endif
 }
 static void wait(int kind) { cur->state = 1; cur->kind = kind; to_scheduler(); }
+void yield() { to_scheduler(); }  // stays runnable: the scheduler resumes it after the others have run
 void sync_block() { wait(0); }
 void sync_warp() { wait(1); }
 void sync_warpgroup() { wait(2); }
@@ -94,6 +101,7 @@ static void start_fiber(Fiber& f, char* stack) {
 #endif
 }
 static void resume(Fiber& f) {
+  if (f.slot != cur_slot) { cur_slot = f.slot; g_block_idx = slot_block[f.slot]; dyn_smem = slot_smem[f.slot]; }
   cur = &f;
 #if EMU_FAST_SWITCH
   emu_switch(&sched_sp, f.sp);
@@ -101,42 +109,87 @@ static void resume(Fiber& f) {
   swapcontext(&sched_ctx, &f.ctx);
 #endif
 }
-static void run_block(int n) {
-  for (int i = 0; i < n; i++) start_fiber(fibers[i], &stacks[i * STACK]);
+// The threads of slot k's block go on while any can: each runnable one runs until it waits, yields or ends; then
+// the warps (kind 1) and warpgroups (kind 2) whose live threads all wait at a collective go on, else the block's
+// barrier (kind 0) once no thread runs and every waiting one waits there. Returns 1 if any thread of the block was
+// made runnable, 0 if none could be, 2 if the block has ended.
+static int release(int k) {
+  const int b = k * g_pad, e = b + g_n;
+  bool all_done = true, running = false;
+  for (int i = b; i < e; i++) { all_done &= fibers[i].state == 2; running |= fibers[i].state == 0; }
+  if (all_done) return 2;
+  if (running) return 1;
+  bool released = false;
+  for (int w = b; w < e; w += 32) {
+    bool any = false, all = true;
+    for (int i = w; i < std::min(e, w + 32); i++) {
+      if (fibers[i].state == 2) continue;
+      any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 1)) all = false;
+    }
+    if (any && all) { released = true; for (int i = w; i < std::min(e, w + 32); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
+  }
+  for (int w = b; w < e; w += 128) {  // warpgroups: every live thread of the 4 warps at the collective
+    bool any = false, all = true;
+    for (int i = w; i < std::min(e, w + 128); i++) {
+      if (fibers[i].state == 2) continue;
+      any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 2)) all = false;
+    }
+    if (any && all) { released = true; for (int i = w; i < std::min(e, w + 128); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
+  }
+  if (released) return 1;
+  bool all_block = true;
+  for (int i = b; i < e; i++) if (fibers[i].state == 1 && fibers[i].kind != 0) all_block = false;
+  if (all_block) { for (int i = b; i < e; i++) if (fibers[i].state == 1) fibers[i].state = 0; return 1; }
+  return 0;
+}
+static void deadlock(int k) {
+  const Dim3 bi = slot_block[k];
+  fprintf(stderr, "EMU DEADLOCK in block (%u,%u,%u): divergent barrier/shuffle\n", bi.x, bi.y, bi.z);
+  for (int i = k * g_pad; i < k * g_pad + g_n; i++) fprintf(stderr, " t%d s%d k%d", i - k * g_pad, fibers[i].state, fibers[i].kind);
+  fprintf(stderr, "\n"); abort();
+}
+// Slot k's block starts: its threads' fibers from their entries.
+static void start_block(int k, Dim3 bi) {
+  slot_block[k] = bi;
+  if (cur_slot == k) g_block_idx = bi;
+  for (int j = 0; j < g_n; j++) {
+    Fiber& f = fibers[k * g_pad + j];
+    f.t.x = j % g_block_dim.x; f.t.y = (j / g_block_dim.x) % g_block_dim.y; f.t.z = j / (g_block_dim.x * g_block_dim.y);
+    f.lane = j % 32; f.warp = (k * g_pad + j) / 32; f.slot = k;
+    start_fiber(f, &stacks[(size_t)(k * g_pad + j) * STACK]);
+  }
+}
+// Every block of the grid, `slots` at a time side by side (the next block of the grid, x fastest, taking a slot
+// as its block ends): with one slot, one block at a time as before.
+static void run_grid(int slots) {
+  const unsigned total = g_grid_dim.x * g_grid_dim.y * g_grid_dim.z;
+  auto block_of = [](unsigned i) { Dim3 d; d.x = i % g_grid_dim.x; d.y = (i / g_grid_dim.x) % g_grid_dim.y; d.z = i / (g_grid_dim.x * g_grid_dim.y); return d; };
+  unsigned next = 0;
+  std::vector<int> live(slots, 0);
+  for (int k = 0; k < slots && next < total; k++) { start_block(k, block_of(next++)); live[k] = 1; }
   for (;;) {
-    for (int i = 0; i < n; i++) if (fibers[i].state == 0) resume(fibers[i]);
-    bool all_done = true; for (int i = 0; i < n; i++) if (fibers[i].state != 2) all_done = false;
-    if (all_done) return;
-    bool released = false;
-    int nw = (n + 31) / 32;
-    for (int w = 0; w < nw; w++) {
-      bool any = false, all = true;
-      for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) {
-        if (fibers[i].state == 2) continue;
-        any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 1)) all = false;
+    for (int k = 0; k < slots; k++)
+      if (live[k]) for (int i = k * g_pad; i < k * g_pad + g_n; i++) if (fibers[i].state == 0) resume(fibers[i]);
+    bool any_live = false, progress = false;
+    for (int k = 0; k < slots; k++) {
+      if (!live[k]) continue;
+      int r = release(k);
+      if (r == 2) {
+        live[k] = 0;
+        if (next < total) { start_block(k, block_of(next++)); live[k] = 1; r = 1; }
       }
-      if (any && all) { released = true; for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
+      any_live |= live[k] != 0;
+      progress |= r == 1;
     }
-    for (int w = 0; w < (n + 127) / 128; w++) {  // warpgroups: every live thread of the 4 warps at the collective
-      bool any = false, all = true;
-      for (int i = w * 128; i < std::min(n, w * 128 + 128); i++) {
-        if (fibers[i].state == 2) continue;
-        any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 2)) all = false;
-      }
-      if (any && all) { released = true; for (int i = w * 128; i < std::min(n, w * 128 + 128); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
-    }
-    if (released) continue;
-    bool all_block = true;
-    for (int i = 0; i < n; i++) if (fibers[i].state == 1 && fibers[i].kind != 0) all_block = false;
-    if (all_block) { for (int i = 0; i < n; i++) if (fibers[i].state == 1) fibers[i].state = 0; continue; }
-    fprintf(stderr, "EMU DEADLOCK in block (%u,%u,%u): divergent barrier/shuffle\n", g_block_idx.x, g_block_idx.y, g_block_idx.z);
-    for (int i = 0; i < n; i++) fprintf(stderr, " t%d s%d k%d", i, fibers[i].state, fibers[i].kind);
-    fprintf(stderr, "\n"); abort();
+    if (!any_live) return;
+    if (!progress) for (int k = 0; k < slots; k++) if (live[k]) deadlock(k);
   }
 }
 }  // namespace emu
+// `resident`: blocks run side by side (1: one at a time), so that blocks that wait on one another (a persistent
+// kernel's counters, spun on with a yield: clock64) can; each slot has dynamic shared memory of its own.
 extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, unsigned gx, unsigned gy, unsigned gz,
-                          unsigned bx, unsigned by, unsigned bz, long smem) {
+                          unsigned bx, unsigned by, unsigned bz, long smem, int resident) {
   using namespace emu;
   std::vector<ffi_type*> at(nargs);
   for (int i = 0; i < nargs; i++) at[i] = types[i] == 0 ? &ffi_type_pointer : types[i] == 1 ? &ffi_type_sint32 :
@@ -144,25 +197,27 @@ extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, un
   ffi_cif cif;
   if (ffi_prep_cif(&cif, FFI_DEFAULT_ABI, nargs, &ffi_type_void, at.data()) != FFI_OK) return -1;
   g_cif = &cif; g_fn = fn; g_vals = vals;
-  int n = bx * by * bz;
-  fibers.assign(n, Fiber());
-  if (stacks.size() < (size_t)n * STACK) stacks.resize((size_t)n * STACK);
-  wbuf.assign(((n + 31) / 32) * 32, 0);
-  wgbuf.assign(((n + 127) / 128) * 256, 0);
-  std::vector<unsigned char> smem_buf(smem > 0 ? smem + 64 : 64);
-  unsigned char* aligned = (unsigned char*)(((uintptr_t)smem_buf.data() + 15) & ~(uintptr_t)15);
+  const unsigned total = gx * gy * gz;
+  const int slots = (int)std::max(1u, std::min((unsigned)std::max(resident, 1), total));
+  g_n = bx * by * bz;
+  g_pad = slots == 1 ? g_n : (g_n + 127) / 128 * 128;  // each slot's warps and warpgroups whole
+  const int nf = slots * g_pad;
+  fibers.assign(nf, Fiber());
+  for (Fiber& f : fibers) f.state = 2;  // a slot's padding: threads that have ended
+  if (stacks.size() < (size_t)nf * STACK) stacks.resize((size_t)nf * STACK);
+  wbuf.assign(((nf + 31) / 32) * 32, 0);
+  wgbuf.assign(((nf + 127) / 128) * 256, 0);
+  const size_t per = (size_t)(smem > 0 ? smem + 64 : 64);
+  std::vector<unsigned char> smem_buf(per * slots);
   // poison dynamic shared memory
   memset(smem_buf.data(), 0xFF, smem_buf.size());
-  dyn_smem = aligned;
+  slot_block.assign(slots, Dim3());
+  slot_smem.assign(slots, nullptr);
+  for (int k = 0; k < slots; k++) slot_smem[k] = (unsigned char*)(((uintptr_t)(smem_buf.data() + k * per) + 15) & ~(uintptr_t)15);
+  dyn_smem = slot_smem[0];
   dyn_smem_bytes = smem > 0 ? smem : 0;
+  cur_slot = -1;
   g_grid_dim.x = gx; g_grid_dim.y = gy; g_grid_dim.z = gz; g_block_dim.x = bx; g_block_dim.y = by; g_block_dim.z = bz;
-  for (unsigned z = 0; z < gz; z++) for (unsigned y = 0; y < gy; y++) for (unsigned x = 0; x < gx; x++) {
-    g_block_idx.x = x; g_block_idx.y = y; g_block_idx.z = z;
-    for (int i = 0; i < n; i++) {
-      Fiber& f = fibers[i];
-      f.t.x = i % bx; f.t.y = (i / bx) % by; f.t.z = i / (bx * by); f.lane = i % 32; f.warp = i / 32;
-    }
-    run_block(n);
-  }
+  run_grid(slots);
   return 0;
 }

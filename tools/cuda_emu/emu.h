@@ -34,6 +34,7 @@ unsigned long long* warp_buf();
 void sync_warpgroup();
 unsigned long long* warpgroup_buf();  // 256 words: 2 a thread of the warpgroup
 bool lane_alive(int l);
+void yield();  // let the other threads (of every resident block) run before this one goes on
 }
 #define threadIdx (emu::tid())
 #define blockIdx (emu::g_block_idx)
@@ -119,7 +120,10 @@ inline double __dmul_rn(double a, double b) { volatile double r = a * b; return 
 inline double __ddiv_rn(double a, double b) { volatile double r = a / b; return r; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline void __threadfence() {}
-inline long long clock64() { static long long t = 0; return ++t; }  // a count, not time: only differences mean anything
+// A count of calls, not time (only differences mean anything); each call yields, so that a loop that spins on
+// another block's progress with a clock64 timeout lets that block run (emu_launch's `resident` blocks).
+inline long long clock64() { static long long t = 0; emu::yield(); return ++t; }
+inline void __nanosleep(unsigned) { emu::yield(); }
 inline unsigned __vminu2(unsigned a, unsigned b) {
   unsigned lo = std::min(a & 0xffffu, b & 0xffffu), hi = std::min(a >> 16, b >> 16);
   return lo | (hi << 16);

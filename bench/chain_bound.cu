@@ -13,11 +13,12 @@
 //   chain_persistent: the whole chain in one launch whose blocks are all resident (the caller's grid); a block
 //     done with product p adds one to counters[p]; product p + 1's reads past its `ahead` rows wait until
 //     counters[p] == B (every block done with p: the data dependence of a step's products). `wait` 0 leaves the
-//     waits out (the chain's bytes at the read rate; also the host emulator, which runs one block at a time).
+//     waits out (the chain's bytes at the read rate).
 //     The last block to finish zeroes the counters for the next launch. A wait that exceeds TIMEOUT cycles
 //     (blocks not all resident) sets *err, and every wait after it returns at once. `seen` (null: not kept) gets,
 //     for each product p >= 1, the fewest blocks done with p - 1 that a block saw where it went on to p's reads
 //     (its wait's last count; without waits, one read of the counter): the waits hold iff every one is B.
+#include "count_wait.cuh"
 #include "pdl.cuh"
 #include "smem.cuh"
 
@@ -39,9 +40,9 @@ __device__ __forceinline__ Share share_of(u64 rows, u64 b, u64 blocks, int layou
     return {b, b < rows ? (rows - b + blocks - 1) / blocks : 0, blocks};
 }
 
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {  // volatile: kept after the waits, as written
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
@@ -95,27 +96,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 8)
     add_sum(acc, sum);
 }
 
-// Thread 0 spins until *counter >= target (or a timeout, or *err already set) and returns the count it saw last;
-// the block goes on after it.
-__device__ __forceinline__ u32 wait_for(const u32* counter, u32 target, u32* err) {
-    u32 got = 0;
-    if (threadIdx.x == 0) {
-        long long t0 = -1;  // the clock from the first count short of the target
-        while ((got = *(const volatile u32*)counter) < target && !*(const volatile u32*)err) {
-            const long long t = clock64();
-            if (t0 < 0) {
-                t0 = t;
-            } else if (t - t0 > TIMEOUT) {
-                atomicExch(err, 1u);
-                break;
-            }
-        }
-        __threadfence();
-    }
-    __syncthreads();
-    return got;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 6)
     chain_persistent(const u64* ptrs, const u64* rows, int products, int ahead, int layout, int work, int wait,
                      u32* counters, u32* sums, u32* err, u32* seen) {
@@ -128,17 +108,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 6)
         const u64 a = s.count < (u64)ahead ? s.count : (u64)ahead;
         issue_ahead(src, s, a, stage);  // each thread's stage words are its own: no barrier before reuse
         if (p > 0 && (wait || seen)) {
-            const u32 got = wait ? wait_for(counters + p - 1, blocks, err)
-                                 : threadIdx.x == 0 ? *(const volatile u32*)(counters + p - 1) : 0u;
+            const u32 got = wait ? block_wait_count(counters + p - 1, blocks, err, TIMEOUT)
+                                 : threadIdx.x == 0 ? ld_acquire_u32(counters + p - 1) : 0u;
             if (seen && threadIdx.x == 0) atomicMin(seen + p, got);
         }
         const u32 acc = read_share(src, s, a, stage, work);
         add_sum(acc, sums + p);
-        __syncthreads();  // every thread's reads of p done
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(counters + p, 1u);
-        }
+        block_count_done(counters + p);  // every thread's reads of p done
     }
     if (threadIdx.x == 0) {  // counters[products] counts finished blocks; the last zeroes them all
         __threadfence();

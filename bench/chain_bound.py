@@ -149,6 +149,7 @@ class Chain:
         self.sums = cp.zeros(len(self.keys), cp.uint32)
         self.err = cp.zeros(1, cp.uint32)
         self.seen = cp.zeros(len(self.keys), cp.uint32)  # check(): the fewest blocks done a block saw (.cu)
+        self.allowed: dict[int, int] = {}  # dynamic shared memory allowed each kernel (`kernel`)
 
     def smem(self, v: Variant) -> int:
         """Dynamic shared memory of a block of the variant: its rows ahead; a `launch` block at least its share of
@@ -161,10 +162,11 @@ class Chain:
         return max(ahead, min(share, attrs["MaxSharedMemoryPerBlockOptin"]))
 
     def kernel(self, v: Variant) -> Any:
-        """The variant's kernel, allowed its shared memory (past the 48 KB a launch gets unasked)."""
+        """The variant's kernel, allowed its shared memory (past the 48 KB a launch gets unasked). The allowance
+        only grows, so that graphs captured for other variants before stay valid."""
         kernel = self.launch_k if v.launched else self.persist_k
-        if self.smem(v) > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = self.smem(v)
+        if self.smem(v) > self.allowed.get(id(kernel), 48 * 1024):
+            kernel.max_dynamic_shared_size_bytes = self.allowed[id(kernel)] = self.smem(v)
         return kernel
 
     def resident(self, v: Variant) -> int:
@@ -202,19 +204,30 @@ class Chain:
         """Run the variant once and return what is wrong: products whose xor of the words read differs from
         their buffer's (a row read twice or never), a timed-out wait, counters not zeroed, and (`persist`) a
         product a block went on to before every block was done with the one before."""
-        cp = self.cp
+        self.reset()
+        self.run(v, launch, record=True)
+        return self.problems(v, record=True)
+
+    def reset(self) -> None:
+        """The read sums, the timeout flag and the counts seen, as a checked run starts from (then a device sync)."""
         self.sums[...] = 0
         self.err[...] = 0
         self.seen[...] = np.uint32(0xFFFFFFFF)
-        self.run(v, launch, record=True)
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    def problems(self, v: Variant, record: bool) -> list[str]:
+        """What is wrong with the run since `reset` (see `check`; the counts seen where it `record`ed them). A
+        timed-out wait is reported alone: the counts after it say nothing more."""
+        cp = self.cp
         sums = cp.asnumpy(self.sums)
         bad = [f"product {p} ({k}): xor {int(sums[p]):#x}, its buffer's {self.xor[k]:#x}"
                for p, k in enumerate(self.keys) if int(sums[p]) != self.xor[k]]
-        if int(cp.asnumpy(self.err)[0]):
+        timed_out = bool(int(cp.asnumpy(self.err)[0]))
+        if timed_out:
             bad.append("a wait timed out (blocks not all resident)")
         if cp.asnumpy(self.counters).any():
             bad.append(f"counters left {cp.asnumpy(self.counters).tolist()}")
-        if v.kind == "persist":
+        if v.kind == "persist" and record and not timed_out:
             blocks, seen = self.sms * v.bps, cp.asnumpy(self.seen)
             bad += [f"product {p}: a block went on with {int(seen[p])} of {blocks} blocks done with product {p - 1}"
                     for p in range(1, len(self.keys)) if int(seen[p]) != blocks]
@@ -224,8 +237,11 @@ class Chain:
 def measure(c: Chain, variants: list[Variant], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
     """(seconds of each checked variant's graph replays, `rounds` of them interleaved with the other variants' after
     one untimed; what is wrong with the others, or why they were skipped). Each variant's launches are checked once,
-    then captured in a CUDA graph of its own (launch-a-product kernels overlapped, as a decode graph's)."""
+    then captured in a CUDA graph of its own (launch-a-product kernels overlapped, as a decode graph's); after the
+    timing each graph is replayed once more and checked the same way (all but the counts seen, which its
+    launches do not keep), and a variant whose graph reads wrong, or whose wait timed out, is dropped."""
     import cupy as cp
+    from gpu import interleaved_times  # bench/gpu.py
 
     from decapybara.backend import pdl
     from decapybara.backend.cuda_graph import capture_graph
@@ -245,15 +261,16 @@ def measure(c: Chain, variants: list[Variant], rounds: int) -> tuple[dict[str, l
             wrong[v.name] = bad[:8]
             continue
         graphs[v.name] = capture_graph(lambda v=v: c.run(v, pdl.launch), stream, pool)[0]
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    for _ in range(rounds + 1):
-        for name, graph in graphs.items():
-            a = stream.record()
-            graph.launch(stream)
-            b = stream.record()
-            b.synchronize()
-            times[name].append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
-    return {n: ts[1:] for n, ts in times.items()}, wrong
+    times = interleaved_times(graphs, stream, rounds)
+    for name, graph in graphs.items():
+        c.reset()
+        graph.launch(stream)
+        stream.synchronize()
+        bad = c.problems(Variant.parse(name), record=False)
+        if bad:
+            wrong[name] = ["its graph: " + b for b in bad[:8]]
+            del times[name]
+    return times, wrong
 
 
 def main() -> int:

@@ -276,6 +276,20 @@ def graph_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
     return graph_seconds(lambda: [fn() for _ in range(calls)], calls, reps + 1, 1)
 
 
+def interleaved_times(graphs: dict[str, Any], stream: Any, rounds: int, per: int = 1) -> dict[str, list[float]]:
+    """Device seconds of 1 / `per` of each graph's replay on `stream`, over `rounds` rounds in which every graph
+    replays once in turn (after one untimed round), so that a slow spell of the device falls on every variant."""
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(rounds + 1):
+        for name, graph in graphs.items():
+            a = stream.record()
+            graph.launch(stream)
+            b = stream.record()
+            b.synchronize()
+            times[name].append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / per)
+    return {n: ts[1:] for n, ts in times.items()}
+
+
 def torch_time(fn: Any, calls: int = 20, reps: int = 5) -> float:
     """Median device seconds of one fn() call over `calls` back-to-back launches timed with CUDA events."""
     import torch

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tools" / "cuda_emu"
 sys.path.insert(0, str(EMU))
-from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
+from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared, register_static_shared
 
 
 def test_lowering_keeps_operand_order_outputs_first():
@@ -52,6 +52,26 @@ def test_dynamic_shared_memory_becomes_the_launch_buffer():
     out = lower_dynamic_shared("    extern __shared__ int sh[];  // counts\n    extern __shared__ __align__(16) unsigned char buf[];")
     assert "int* sh = (int*)emu::dyn_smem;" in out
     assert "unsigned char* buf = (unsigned char*)emu::dyn_smem;" in out
+
+
+def test_static_shared_declarations_register_each_name():
+    """Function-scope `__shared__` declarations get one emu::reg_shared a name (so that resident blocks each have
+    their bytes); file-scope ones, comments, strings and `extern` (dynamic) ones are left alone."""
+    src = ('__shared__ int filescope[4];\n'
+           'template <int N> __device__ void f() {\n'
+           '    __shared__ __align__(16) u16 xs[A ? 8 : B * C];\n'
+           '    __shared__ float nden[NF], sqp[W * NF];  // { brace\n'
+           '    // __shared__ int commented;\n'
+           '    const char* s = "{ __shared__ int q; ";\n'
+           '    extern __shared__ __align__(16) u16 dyn[];\n'
+           '    __shared__ int last_flag;\n'
+           '}\n')
+    out = register_static_shared(src)
+    assert out.count("emu::reg_shared") == 4
+    for name in ("xs", "nden", "sqp", "last_flag"):
+        assert f"emu::reg_shared(&{name}, sizeof({name}));" in out
+    assert out.startswith("__shared__ int filescope[4];\ntemplate")
+    assert "// __shared__ int commented;\n" in out and 'int q; ";\n' in out
 
 
 def test_headers_inlined_once_without_pragma(tmp_path):
@@ -147,6 +167,7 @@ RUNS: dict[str, EmuRun] = {
                      "or (many_row_kernels_keep_the_bytes_small and mxfp4)", strided=False),
     "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
     "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
+    "product_chain": EmuRun(("tests/gpu/test_product_chain.py",), "chain"),
 }
 
 
@@ -208,6 +229,17 @@ def test_skinny_gemm_gpu_tests_pass_on_the_emulator(emulator):
     emulator plugin in a separate process."""
     out = emulator("skinny")
     assert passed(out) == 16, out[-3000:]
+
+
+@needs_toolchain
+@uses_runs("product_chain")
+def test_product_chain_gpu_tests_pass_on_the_emulator(emulator):
+    """A decode layer's run of one-row products (out and down with the residual and next norm fused, gate|up with
+    SwiGLU, the next input product), recorded and run as one persistent launch (mx_gemv.cu MX_CHAIN) on blocks side
+    by side, writes what the launches write byte for byte, twice (its counters zeroed): MXFP4 and NVFP4 on the
+    one-row kernels, MXFP4 and bf16 on the plain ones; through the emulator plugin in a separate process."""
+    out = emulator("product_chain")
+    assert passed(out) == 4, out[-3000:]
 
 
 @needs_toolchain

@@ -19,6 +19,9 @@ kernels really overlap) passed on the GPU (docs/perf.md).
 
 Arguments are those of a CuPy `RawKernel` call as the wrappers pass them: device arrays, None (a null
 pointer) and typed numpy scalars (int32 / int64 / uint32 / uint64 / float32 / float64).
+
+`recording()` keeps this thread's `launch` / `plain` launches instead of making them (a persistent product
+chain's items: decapybara/backend/product_chain.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import cupy as cp
@@ -134,9 +138,44 @@ def _arg(a: Any) -> Any:
     raise TypeError(f"kernel argument of type {type(a).__name__} (expected a device array or a numpy scalar)")
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A launch `recording()` kept instead of making it."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    args: tuple[Any, ...]
+    shared_mem: int
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Inside, this thread's `launch` and `plain` launch nothing: each appends its `Launch` to the list yielded
+    (decapybara/backend/product_chain.py runs recorded products as one persistent launch). Kernels launched any
+    other way run as usual."""
+    before = getattr(_STATE, "recorder", None)
+    _STATE.recorder = out = []
+    try:
+        yield out
+    finally:
+        _STATE.recorder = before
+
+
+def _recorded(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+              shared_mem: int) -> bool:
+    rec = getattr(_STATE, "recorder", None)
+    if rec is None:
+        return False
+    rec.append(Launch(kernel, tuple(grid), tuple(block), tuple(args), shared_mem))
+    return True
+
+
 def plain(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
           shared_mem: int = 0) -> None:
     """The CuPy launch (the kernel starts after the one before it has finished)."""
+    if _recorded(kernel, grid, block, args, shared_mem):
+        return
     kernel(grid, block, args, shared_mem=shared_mem)
 
 
@@ -144,9 +183,11 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
            shared_mem: int = 0) -> None:
     """Launch `kernel` on the current stream, allowed to overlap the previous kernel (when `enabled()`). Only
     for kernels that call pdl_wait() as the module docstring says."""
+    if _recorded(kernel, grid, block, args, shared_mem):
+        return
     handle = _function_handle(kernel) if enabled() else None
     if handle is None:
-        plain(kernel, grid, block, args, shared_mem)
+        kernel(grid, block, args, shared_mem=shared_mem)
         return
     g = (*grid, 1, 1, 1)[:3]
     b = (*block, 1, 1, 1)[:3]

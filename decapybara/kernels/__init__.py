@@ -270,6 +270,14 @@ def get_kernel(name: str, func: str, defines: Defines = ()) -> Any:
     return kernel
 
 
+def kernel_origin(kernel: Any) -> tuple[str, str, Defines] | None:
+    """(kernel file, function, defines) that `get_kernel` gave `kernel` for, or None for one it did not give."""
+    for (name, func, defines, _device), k in _KERNELS.items():
+        if k is kernel:
+            return name, func, defines
+    return None
+
+
 @functools.cache
 def _get_kernel(name: str, func: str, defines: Defines, arch: str, which: str) -> Any:
     return _load(name, defines, arch, which).get_function(func)

@@ -626,9 +626,9 @@ __device__ __forceinline__ void store_tile_sums(const Args& A, const float* sqp,
 // fixed order, so the result does not depend on timing).
 // WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
 // and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
-template <int FMT, int NT, bool WHOLE, bool SWI, bool R1>
-__device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, float* sqp, bool first, int& last_flag,
-                                           const int grp, const int mt, const int tile, const int c0,
+template <int FMT, int NT, bool WHOLE, bool SWI, bool R1, class SYNC>
+__device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, float* nden, float* sqp, bool first,
+                                           int& last_flag, const int grp, const int mt, const int tile, const int c0,
                                            const int c1, const int part, const int nparts) {
     constexpr int LK = Fmt<FMT>::LANE_K, CK = 4 * LK, MT = 8 * NT, RS = XBuf<NT>::RS;
     constexpr bool FUSE = NT == 1;  // fused norms (header): one-n-tile kernels only, the wider ones keep their code
@@ -701,7 +701,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         if (c0 + s < c1)
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
     if (FUSE && A.res && lane == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
-    pdl_wait();  // x, partials and counters belong to the kernels before this one
+    sync.wait();  // x, partials and counters belong to the kernels before this one
     if (first) TRACE(A.W, 1);
     // Fused consumer: each real row's denominator, read by the epilogues (after a barrier that follows the K
     // loop); a warp a row: lane-strided tile sums, then a butterfly. Once a block (its first segment): every
@@ -841,7 +841,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
         acc[0][0][0] = fin[0];
         acc[0][0][2] = fin[1];
     }
-    pdl_trigger();  // the next product may start loading its weights (pdl.cuh)
+    sync.trigger();  // the next product may start loading its weights (pdl.cuh)
     TRACE(A.W, 3);
     if (FUSE && A.nsq) __syncthreads();  // the row denominators of the first segment, for every warp's epilogue
     // Epilogue. acc[0][nt] = {(row g, m 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} with m += 8 nt.
@@ -968,56 +968,87 @@ __device__ __forceinline__ void mx_segment(const Args& A, u16* xs, float* nden, 
 // Block b of a stream-K launch (A.stream, dense only) takes units [b U / B, (b + 1) U / B) of the U = tiles x
 // chunks units, tile-major: long contiguous K ranges, every block the same work (+-1 chunk), whatever the
 // shape. A tile's contributors are the blocks whose ranges meet its units: block_of(u) = ((u + 1) B - 1) / U.
-// Unit u of block blockIdx.x (up to u_end) -> its tile, chunk range [c0, c1) and contributor index, in
+// Unit u of block bx (up to u_end) -> its tile, chunk range [c0, c1) and contributor index, in
 // unsigned 32-bit arithmetic (the plan keeps U B < 2^32).
-__device__ __forceinline__ void stream_unit(u32 u, u32 u_end, u32 U, u32 B, int nchunks, int& tile, int& c0, int& c1,
-                                            int& part, int& nparts) {
+__device__ __forceinline__ void stream_unit(u32 u, u32 u_end, u32 U, u32 B, u32 bx, int nchunks, int& tile, int& c0,
+                                            int& c1, int& part, int& nparts) {
     tile = (int)(u / (u32)nchunks);
     c0 = (int)(u - (u32)tile * (u32)nchunks);
     c1 = (int)min((u32)nchunks, (u32)c0 + (u_end - u));
     const u32 f = (u32)tile * (u32)nchunks;  // the tile's first unit
     const int first = (int)(((f + 1) * B - 1) / U), last = (int)(((f + (u32)nchunks) * B - 1) / U);
-    part = (int)blockIdx.x - first;
+    part = (int)bx - first;
     nparts = last - first + 1;
 }
 
-template <int FMT, int NT, bool SWI, bool R1>
-__device__ __forceinline__ void mx_gemm_impl(const Args& A) {
-    constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, RS = XBuf<NT>::RS;
-    constexpr int NF = NT == 1 ? MT : 1;  // fused norms: one-n-tile kernels only (mx_segment's FUSE)
-    constexpr int WARPS = Wp<NT>::W, TILE_ROWS = Wp<NT>::ROWS;
-    constexpr bool XDYN = XBuf<NT>::DYN;
-    static_assert((XDYN ? 16 : MT * RS * 2) + 4 * (NF + WARPS * NF) + 4 <= 48 * 1024,
-                  "shared memory over the static limit");
-    __shared__ __align__(16) u16 xs_static[XDYN ? 8 : MT * RS];
-    extern __shared__ __align__(16) u16 xs_dynamic[];  // XDYN: MT * RS codes
-    u16* const xs = XDYN ? xs_dynamic : xs_static;
-    __shared__ float nden[NF], sqp[WARPS * NF];  // fused consumer's row denominators, producer's row sums
-    __shared__ int last_flag;
+// A block's place in its grid: the launch's own (blockIdx, gridDim: `launch_blk`), or a virtual block of a
+// product that a persistent chain's block runs (MX_CHAIN below).
+struct Blk {
+    u32 x, y, z, gx, gy;
+};
+__device__ __forceinline__ Blk launch_blk() { return {blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y}; }
+// The wait for the kernel before and the trigger of the next one, of a launched product: pdl.cuh's.
+struct PdlSync {
+    __device__ __forceinline__ void wait() { pdl_wait(); }
+    __device__ __forceinline__ void trigger() { pdl_trigger(); }
+};
+
+// Block `b` of a product: its segments (a tile grid's one, or its stream-K units'), over the block's shared
+// memory xs (the x staging buffer), nden, sqp and last_flag (mx_gemm_impl's, or a chain's), waiting for and
+// triggering other kernels through `sync`.
+template <int FMT, int NT, bool SWI, bool R1, class SYNC>
+__device__ __forceinline__ void mx_gemm_block(const Args& A, const Blk& b, SYNC& sync, u16* xs, float* nden,
+                                              float* sqp, int& last_flag) {
+    constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, TILE_ROWS = Wp<NT>::ROWS;
     TRACE(A.W, 0);
-    if (A.g_cnt) pdl_wait();  // group counts come from the router's kernels
-    const int grp = blockIdx.z / A.mtiles, mt = blockIdx.z % A.mtiles;
+    if (A.g_cnt) sync.wait();  // group counts come from the router's kernels
+    const int grp = b.z / A.mtiles, mt = b.z % A.mtiles;
     const int m_cnt = A.g_cnt ? A.g_cnt[grp] : A.M;
     if (mt * MT >= m_cnt) return;  // uniform per block
     const int nchunks = (A.Kp + CK - 1) / CK;
     constexpr int NS = Fmt<FMT>::NS;
     const bool whole = A.Kp % CK == 0 && (NS == 0 || ((A.s_row | A.s_gstride | (i64)A.S) % NS == 0));
-    // tile grid (!A.stream): one segment, blockIdx.x = output tile, blockIdx.y = K split of A.cps chunks.
+    // tile grid (!A.stream): one segment, b.x = output tile, b.y = K split of A.cps chunks.
     // The unit arithmetic is unsigned 32-bit (the plan keeps U B < 2^32): a 64-bit division is a long software
     // routine on the way to a block's first weight loads.
-    const u32 B = gridDim.x, U = (u32)((A.N + TILE_ROWS - 1) / TILE_ROWS) * (u32)nchunks;
-    const u32 u0 = !A.stream ? 0u : blockIdx.x * U / B, u_end = !A.stream ? 1u : (blockIdx.x + 1) * U / B;
+    const u32 B = b.gx, U = (u32)((A.N + TILE_ROWS - 1) / TILE_ROWS) * (u32)nchunks;
+    const u32 u0 = !A.stream ? 0u : b.x * U / B, u_end = !A.stream ? 1u : (b.x + 1) * U / B;
     for (u32 u = u0; u < u_end;) {
-        int tile = blockIdx.x, c0 = blockIdx.y * A.cps, c1 = min(nchunks, c0 + A.cps);
-        int part = blockIdx.y, nparts = gridDim.y;
-        if (A.stream) stream_unit(u, u_end, U, B, nchunks, tile, c0, c1, part, nparts);
+        int tile = b.x, c0 = b.y * A.cps, c1 = min(nchunks, c0 + A.cps);
+        int part = b.y, nparts = b.gy;
+        if (A.stream) stream_unit(u, u_end, U, B, b.x, nchunks, tile, c0, c1, part, nparts);
         if (whole)
-            mx_segment<FMT, NT, true, SWI, R1>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, true, SWI, R1>(A, sync, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part,
+                                               nparts);
         else
-            mx_segment<FMT, NT, false, SWI, R1>(A, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part, nparts);
+            mx_segment<FMT, NT, false, SWI, R1>(A, sync, xs, nden, sqp, u == u0, last_flag, grp, mt, tile, c0, c1, part,
+                                                nparts);
         u += A.stream ? (u32)(c1 - c0) : 1u;
     }
     TRACE(A.W, 4);
+}
+
+// The block's shared memory of an NT-n-tile product: the x staging buffer (static, or XDYN: the launch's dynamic
+// shared memory), the fused norms' row denominators and sums, the split reduction's last-block flag.
+template <int NT> struct MxShared {
+    static constexpr int MT = 8 * NT, RS = XBuf<NT>::RS, NF = NT == 1 ? MT : 1;  // fused norms: one n-tile only
+    static constexpr int WARPS = Wp<NT>::W;
+    static constexpr bool XDYN = XBuf<NT>::DYN;
+    static constexpr int BYTES = (XDYN ? 16 : MT * RS * 2) + 4 * (NF + WARPS * NF) + 4;
+};
+
+// A launched product's block.
+template <int FMT, int NT, bool SWI, bool R1>
+__device__ __forceinline__ void mx_gemm_impl(const Args& A) {
+    using SM = MxShared<NT>;
+    static_assert(SM::BYTES <= 48 * 1024, "shared memory over the static limit");
+    __shared__ __align__(16) u16 xs_static[SM::XDYN ? 8 : SM::MT * SM::RS];
+    extern __shared__ __align__(16) u16 xs_dynamic[];  // XDYN: MT * RS codes
+    u16* const xs = SM::XDYN ? xs_dynamic : xs_static;
+    __shared__ float nden[SM::NF], sqp[SM::WARPS * SM::NF];  // fused consumer's row denominators, producer's row sums
+    __shared__ int last_flag;
+    PdlSync sync;
+    mx_gemm_block<FMT, NT, SWI, R1>(A, launch_blk(), sync, xs, nden, sqp, last_flag);
 }
 
 // resident blocks of W warps for B of 8 warps (at least 1)
@@ -1042,6 +1073,91 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 // the one-row kernels with block sums (header), MXFP4 and NVFP4
 #define MX_FORMAT_R1(NAME, FMT) \
     MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, true) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, true)
+// Persistent chains of one-n-tile products (MX_CHAIN builds: `mx_chain_<fmt>`, MX_CHAIN a mask of the kernel kinds
+// it runs, bit k for kind k below, the others left out of its code; decapybara/backend/product_chain.py).
+// A decode step runs runs of products back to back, each one's x the output of the one before (out, gate|up, down,
+// the next layer's input product). Launched one a product, each pays its blocks' start, its wait for the kernel
+// before and its blocks' spread at the end. Here one launch of resident blocks (the caller's grid: all of them at
+// once) takes the products in turn: item i's virtual blocks (its own launch's grid, so its own plan, sums and
+// bytes) are dealt round-robin to the chain's blocks; a block's segments load their first weights, then wait
+// until every block is done with item i - 1 (done[i - 1] == gridDim.x: a counter a block adds to after its last
+// virtual block of an item, its stores and its split reductions, counter resets included, before it), and go on
+// as a launched block would after its pdl_wait. So a block done with one product streams the next one's first
+// weights while the others finish. The first item's x comes from the kernels before the chain (stream order: a
+// plain launch). The last block to finish zeroes done[] (n + 1 counters, the last counting finished blocks) for
+// the next launch. A wait past MX_CHAIN_TIMEOUT clock cycles (blocks not all resident) sets *err and returns,
+// and every later wait returns at once (wrong results, reported, rather than a hung device).
+#ifdef MX_CHAIN
+#include "count_wait.cuh"
+#ifndef MX_CHAIN_TIMEOUT
+#define MX_CHAIN_TIMEOUT (1ll << 32)
+#endif
+struct ChainItem {  // one product: its launch's arguments, kernel kind and grid
+    Args a;
+    int kind;  // bit 0: SwiGLU (`_1s`), bit 1: one-row block sums (`_1r`)
+    u32 gx, gy, gz;
+};
+struct ChainSync {  // a chain block's wait for the item before (once an item: `waited`), no trigger
+    const u32* ctr;  // null: the first item (stream order)
+    u32 target;
+    u32* err;
+    bool waited;
+    __device__ __forceinline__ void wait() {
+        if (waited || !ctr) return;  // uniform across the block
+        waited = true;
+        block_wait_count(ctr, target, err, MX_CHAIN_TIMEOUT);
+    }
+    __device__ __forceinline__ void trigger() {}
+};
+template <int FMT>
+__device__ __forceinline__ void mx_chain_impl(const ChainItem* items, int n, u32* done, u32* err) {
+    using SM = MxShared<1>;
+    static_assert(!SM::XDYN, "the chain stages x in static shared memory");
+    __shared__ __align__(16) u16 xs[SM::MT * SM::RS];
+    __shared__ float nden[SM::NF], sqp[SM::WARPS * SM::NF];
+    __shared__ int last_flag;
+    __shared__ __align__(16) ChainItem it;
+    static_assert(sizeof(ChainItem) % 4 == 0, "items copied by words");
+    for (int i = 0; i < n; ++i) {
+        __syncthreads();  // every thread done with the item before's fields
+        for (int w = threadIdx.x; w < (int)(sizeof(ChainItem) / 4); w += blockDim.x)
+            ((u32*)&it)[w] = ((const u32*)(items + i))[w];
+        __syncthreads();
+        ChainSync sync{i > 0 ? done + i - 1 : nullptr, gridDim.x, err, false};
+        const u32 total = it.gx * it.gy * it.gz;
+        for (u32 v = blockIdx.x; v < total; v += gridDim.x) {
+            const Blk b{v % it.gx, (v / it.gx) % it.gy, v / (it.gx * it.gy), it.gx, it.gy};
+            if ((MX_CHAIN & 1) && it.kind == 0)
+                mx_gemm_block<FMT, 1, false, false>(it.a, b, sync, xs, nden, sqp, last_flag);
+            if ((MX_CHAIN & 2) && it.kind == 1)
+                mx_gemm_block<FMT, 1, true, false>(it.a, b, sync, xs, nden, sqp, last_flag);
+            if constexpr (FMT == FMT_MXFP4 || FMT == FMT_NVFP4) {  // the one-row kernels' formats
+                if ((MX_CHAIN & 4) && it.kind == 2)
+                    mx_gemm_block<FMT, 1, false, true>(it.a, b, sync, xs, nden, sqp, last_flag);
+                if ((MX_CHAIN & 8) && it.kind == 3)
+                    mx_gemm_block<FMT, 1, true, true>(it.a, b, sync, xs, nden, sqp, last_flag);
+            }
+            __syncthreads();  // the next virtual block reuses the block's shared memory
+        }
+        block_count_done(done + i);  // every thread's stores of the item's virtual blocks before the count
+    }
+    if (threadIdx.x == 0) {  // done[n] counts finished blocks; the last zeroes them all
+        __threadfence();
+        if (atomicAdd(done + n, 1u) == gridDim.x - 1) {
+            for (int i = 0; i <= n; ++i) done[i] = 0;
+            __threadfence();
+        }
+    }
+}
+#define MX_CHAIN_KERNEL(NAME, FMT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * Wp<1>::W, MX_BLOCKS(MX_MINB, Wp<1>::W))                 \
+        mx_chain_##NAME(const ChainItem* items, int n, u32* done, u32* err) {                                 \
+        mx_chain_impl<FMT>(items, n, done, err);                                                              \
+    }
+#else
+#define MX_CHAIN_KERNEL(NAME, FMT)
+#endif
+
 // MX_ONLY = a format id builds only that format's kernels (six; MXFP4 and NVFP4 eight: each format has its own
 // tuning defines, so a module per format; a fifth of the compile), -1 none of them (mx_dequant_rows, gemv_f32);
 // unset, all five.
@@ -1052,20 +1168,25 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 #endif
 #if MX_ONLY_IS(FMT_BF16)
 MX_FORMAT(bf16, FMT_BF16)
+MX_CHAIN_KERNEL(bf16, FMT_BF16)
 #endif
 #if MX_ONLY_IS(FMT_MXFP8)
 MX_FORMAT(mxfp8, FMT_MXFP8)
+MX_CHAIN_KERNEL(mxfp8, FMT_MXFP8)
 #endif
 #if MX_ONLY_IS(FMT_MXFP6)
 MX_FORMAT(mxfp6, FMT_MXFP6)
+MX_CHAIN_KERNEL(mxfp6, FMT_MXFP6)
 #endif
 #if MX_ONLY_IS(FMT_MXFP4)
 MX_FORMAT(mxfp4, FMT_MXFP4)
 MX_FORMAT_R1(mxfp4, FMT_MXFP4)
+MX_CHAIN_KERNEL(mxfp4, FMT_MXFP4)
 #endif
 #if MX_ONLY_IS(FMT_NVFP4)
 MX_FORMAT(nvfp4, FMT_NVFP4)
 MX_FORMAT_R1(nvfp4, FMT_NVFP4)
+MX_CHAIN_KERNEL(nvfp4, FMT_NVFP4)
 #endif
 
 // Dequantise rows: out[r, k] = W[rows ? rows[r] : r, k] for k < K (fp32 / bf16 / f16 by out_kind). Used for

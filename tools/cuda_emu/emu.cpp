@@ -1,4 +1,5 @@
 #include "emu.h"
+#include <sys/mman.h>
 #include <ucontext.h>
 #include <vector>
 #include <ffi.h>
@@ -51,15 +52,29 @@ long dyn_smem_bytes = 0;
 static ucontext_t sched_ctx;
 static void* sched_sp = nullptr;
 static std::vector<Fiber> fibers;
-static std::vector<char> stacks;
+// The fibers' stacks, STACK bytes each: anonymous memory mapped as needed, so pages no fiber touches cost nothing
+// (a launch of many resident blocks maps hundreds of MB of stack)
+static char* stacks = nullptr;
+static size_t stacks_bytes = 0;
 static std::vector<unsigned long long> wbuf, wgbuf;
 static const size_t STACK = 256 * 1024;
 static ffi_cif* g_cif; static void* g_fn; static void** g_vals;
 // Resident blocks: slot k runs block slot_block[k] (its fibers [k * g_pad, k * g_pad + g_n)) on its own dynamic
-// shared memory; one slot unless the launch asks for more (emu_launch's `resident`).
+// and static shared memory; one slot unless the launch asks for more (emu_launch's `resident`).
 static int g_n = 0, g_pad = 0, cur_slot = -1;
 static std::vector<Dim3> slot_block;
 static std::vector<unsigned char*> slot_smem;
+// The module's static __shared__ variables, as their declarations register them (reg_shared): with more than one
+// slot, slot_static[k][i] keeps slot k's bytes of variable i while another slot's threads run, swapped in as its
+// threads resume; a variable registered mid-launch starts every slot from the bytes it has then.
+struct Region { unsigned char* p; size_t n; };
+static std::vector<Region> regions;
+static std::vector<std::vector<std::vector<unsigned char>>> slot_static;
+void reg_shared(void* p, size_t bytes) {
+  for (const Region& r : regions) if (r.p == p) return;
+  regions.push_back({(unsigned char*)p, bytes});
+  for (auto& copies : slot_static) copies.emplace_back((unsigned char*)p, (unsigned char*)p + bytes);
+}
 const Dim3& tid() { return cur->t; }
 int lane() { return cur->lane; }
 unsigned long long* warp_buf() { return &wbuf[cur->warp * 32]; }
@@ -101,7 +116,14 @@ static void start_fiber(Fiber& f, char* stack) {
 #endif
 }
 static void resume(Fiber& f) {
-  if (f.slot != cur_slot) { cur_slot = f.slot; g_block_idx = slot_block[f.slot]; dyn_smem = slot_smem[f.slot]; }
+  if (f.slot != cur_slot) {
+    if (!slot_static.empty())
+      for (size_t i = 0; i < regions.size(); i++) {
+        if (cur_slot >= 0) memcpy(slot_static[cur_slot][i].data(), regions[i].p, regions[i].n);
+        memcpy(regions[i].p, slot_static[f.slot][i].data(), regions[i].n);
+      }
+    cur_slot = f.slot; g_block_idx = slot_block[f.slot]; dyn_smem = slot_smem[f.slot];
+  }
   cur = &f;
 #if EMU_FAST_SWITCH
   emu_switch(&sched_sp, f.sp);
@@ -110,7 +132,7 @@ static void resume(Fiber& f) {
 #endif
 }
 // The threads of slot k's block go on while any can: each runnable one runs until it waits, yields or ends; then
-// the warps (kind 1) and warpgroups (kind 2) whose live threads all wait at a collective go on, else the block's
+// the warps (kind 1) and warpgroups (kind 2) whose live threads all wait at a collective go on, and the block's
 // barrier (kind 0) once no thread runs and every waiting one waits there. Returns 1 if any thread of the block was
 // made runnable, 0 if none could be, 2 if the block has ended.
 static int release(int k) {
@@ -118,8 +140,8 @@ static int release(int k) {
   bool all_done = true, running = false;
   for (int i = b; i < e; i++) { all_done &= fibers[i].state == 2; running |= fibers[i].state == 0; }
   if (all_done) return 2;
-  if (running) return 1;
-  bool released = false;
+  bool released = false;  // warps and warpgroups whose live threads all wait at a collective go on, runnable
+                          // threads elsewhere in the block or not
   for (int w = b; w < e; w += 32) {
     bool any = false, all = true;
     for (int i = w; i < std::min(e, w + 32); i++) {
@@ -136,7 +158,7 @@ static int release(int k) {
     }
     if (any && all) { released = true; for (int i = w; i < std::min(e, w + 128); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
   }
-  if (released) return 1;
+  if (released || running) return 1;
   bool all_block = true;
   for (int i = b; i < e; i++) if (fibers[i].state == 1 && fibers[i].kind != 0) all_block = false;
   if (all_block) { for (int i = b; i < e; i++) if (fibers[i].state == 1) fibers[i].state = 0; return 1; }
@@ -204,7 +226,13 @@ extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, un
   const int nf = slots * g_pad;
   fibers.assign(nf, Fiber());
   for (Fiber& f : fibers) f.state = 2;  // a slot's padding: threads that have ended
-  if (stacks.size() < (size_t)nf * STACK) stacks.resize((size_t)nf * STACK);
+  if (stacks_bytes < (size_t)nf * STACK) {  // no fiber of an earlier launch is alive: its stack may go
+    if (stacks) munmap(stacks, stacks_bytes);
+    stacks_bytes = (size_t)nf * STACK;
+    void* m = mmap(nullptr, stacks_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) { fprintf(stderr, "EMU: cannot map %zu bytes of fiber stacks\n", stacks_bytes); abort(); }
+    stacks = (char*)m;
+  }
   wbuf.assign(((nf + 31) / 32) * 32, 0);
   wgbuf.assign(((nf + 127) / 128) * 256, 0);
   const size_t per = (size_t)(smem > 0 ? smem + 64 : 64);
@@ -217,6 +245,12 @@ extern "C" int emu_launch(void* fn, int nargs, const int* types, void** vals, un
   dyn_smem = slot_smem[0];
   dyn_smem_bytes = smem > 0 ? smem : 0;
   cur_slot = -1;
+  slot_static.clear();
+  if (slots > 1) {  // each slot starts from the bytes the variables have now
+    slot_static.resize(slots);
+    for (auto& copies : slot_static)
+      for (const Region& r : regions) copies.emplace_back(r.p, r.p + r.n);
+  }
   g_grid_dim.x = gx; g_grid_dim.y = gy; g_grid_dim.z = gz; g_block_dim.x = bx; g_block_dim.y = by; g_block_dim.z = bz;
   run_grid(slots);
   return 0;

@@ -35,6 +35,7 @@ void sync_warpgroup();
 unsigned long long* warpgroup_buf();  // 256 words: 2 a thread of the warpgroup
 bool lane_alive(int l);
 void yield();  // let the other threads (of every resident block) run before this one goes on
+void reg_shared(void* p, size_t bytes);  // a static __shared__ variable (once is enough; again is a no-op)
 }
 #define threadIdx (emu::tid())
 #define blockIdx (emu::g_block_idx)
@@ -45,6 +46,8 @@ void yield();  // let the other threads (of every resident block) run before thi
 #define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
+// static __shared__ arrays: static variables, each registered as its declaration is passed (ptx_lower.py
+// `register_static_shared`), so that emu.cpp can swap their bytes between resident blocks (each its own)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
@@ -150,6 +153,8 @@ inline void ld_v4(u32& x, u32& y, u32& z, u32& w, const void* p) {
 inline void st_v4(void* p, u32 x, u32 y, u32 z, u32 w) { u32* q = (u32*)p; q[0] = x; q[1] = y; q[2] = z; q[3] = w; }
 inline void ld_f32(float& v, const float* p) { v = *(const volatile float*)p; }
 inline void atom_add_s32(int& r, int* p, int v) { r = atomicAdd(p, v); }  // blocks run one at a time
+inline void ld_u32(unsigned& v, const unsigned* p) { v = *(const volatile unsigned*)p; }
+inline void red_add_u32(unsigned* p, unsigned v) { *p += v; }  // threads run one at a time: no other writer meanwhile
 inline void cvt_f32_f16(float& f, u16 h) { _Float16 x; memcpy(&x, &h, 2); f = (float)x; }
 inline void cvt_rn_f16_f32(u16& h, float f) { _Float16 x = (_Float16)f; memcpy(&h, &x, 2); }
 inline void cvt_rn_bf16_f32(u16& h, float f) { h = f32_to_bf16(f); }

@@ -1,7 +1,7 @@
 """A numpy-backed stand-in for CuPy whose RawModule kernels run in the host CUDA emulator (emu.cpp)."""
 import contextlib, ctypes, hashlib, itertools, json, os, re, subprocess, sys, threading, types
 import numpy as np
-from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared
+from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared, register_static_shared
 
 EMU = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(EMU, "build")
@@ -17,7 +17,7 @@ STRIDED = os.environ.get("CUDA_EMU_STRIDED") == "1"
 # CUDA_EMU_RESIDENT=N (or fake_cupy.RESIDENT): a launch runs up to N blocks side by side, as a GPU keeps blocks
 # resident, so that blocks that wait on one another (a persistent kernel's counters, spun on with clock64 or
 # __nanosleep, which yield) can; 1 (the default): one block at a time. Each block then has dynamic shared memory of
-# its own; a kernel with static __shared__ arrays (one copy for all blocks here) is refused past 1.
+# its own, dynamic and static.
 RESIDENT = int(os.environ.get("CUDA_EMU_RESIDENT", "1"))
 # CUDA_EMU_NOOP=1: kernels are not built or run; a launch checks its arguments against the kernel's signature and
 # returns (bench/host_emu.py: the host side of a forward, timed without a GPU).
@@ -93,9 +93,9 @@ class FakeGraph:
 
 
 class FakeKernel:
-    def __init__(self, lib, name, sig, static_shared=False):
+    def __init__(self, lib, name, sig):
         self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value if lib is not None else None
-        self.name, self.sig, self.static_shared = name, sig, static_shared
+        self.name, self.sig = name, sig
         self.max_dynamic_shared_size_bytes = 48 * 1024
         self.lib = lib
 
@@ -146,8 +146,6 @@ class FakeKernel:
         n = len(args)
         va = (ctypes.c_void_p * max(n, 1))(*[x.value for x in vals])
         ta = (ctypes.c_int * max(n, 1))(*types_)
-        if RESIDENT > 1 and self.static_shared:
-            raise NotImplementedError(f"{self.name}: static __shared__ arrays with {RESIDENT} resident blocks")
         r = self.lib.emu_launch(ctypes.c_void_p(self.fn), n, ta, va, *[ctypes.c_uint(g) for g in grid],
                                 *[ctypes.c_uint(b) for b in block], ctypes.c_long(shared_mem), ctypes.c_int(RESIDENT))
         assert r == 0
@@ -159,9 +157,7 @@ class RawModule:
         incs = [o for o in options if o.startswith("-I")]
         defs = [o for o in options if o.startswith("-D")]
         # local headers inlined and inline PTX lowered to emulator calls (ptx_lower.py)
-        code = lower_dynamic_shared(lower_asm(inline_includes(code, [i[2:] for i in incs])))
-        # static __shared__ arrays (the dynamic ones are lowered above), comments aside
-        self.static_shared = "__shared__" in re.sub(r"//[^\n]*|/\*.*?\*/", "", code, flags=re.S)
+        code = register_static_shared(lower_dynamic_shared(lower_asm(inline_includes(code, [i[2:] for i in incs]))))
         emu_src = ""  # the emulator's own sources and the lowering: every kernel .so links emu.o
         for f in ("emu.h", "emu.cpp", "ptx_lower.py"):
             with open(os.path.join(EMU, f)) as fh:
@@ -205,7 +201,7 @@ class RawModule:
     def get_function(self, name):
         if name not in self.sigs:
             raise AttributeError(f"no kernel {name}")
-        return FakeKernel(self.lib, name, self.sigs[name], self.static_shared)
+        return FakeKernel(self.lib, name, self.sigs[name])
 
 
 def install():

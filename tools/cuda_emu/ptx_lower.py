@@ -21,6 +21,8 @@ HANDLERS = {
     "st.global.cs.v4.u32": "st_v4",
     "ld.global.cg.f32": "ld_f32",
     "atom.acq_rel.gpu.global.add.s32": "atom_add_s32",
+    "ld.acquire.gpu.global.u32": "ld_u32",
+    "red.release.gpu.global.add.u32": "red_add_u32",
     "cvt.f32.f16": "cvt_f32_f16",
     "cvt.rn.f16.f32": "cvt_rn_f16_f32",
     "cvt.rn.bf16.f32": "cvt_rn_bf16_f32",
@@ -124,6 +126,51 @@ _DYN_SMEM = re.compile(r"\bextern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+
 def lower_dynamic_shared(code: str) -> str:
     """`extern __shared__ T name[];` -> a pointer to the launch's dynamic shared memory (emu::dyn_smem)."""
     return _DYN_SMEM.sub(lambda m: f"{m.group(1)}* {m.group(2)} = ({m.group(1)}*)emu::dyn_smem;", code)
+
+
+_STATIC_SMEM = re.compile(r"(?<![\w])(?<!extern )__shared__\b([^;{}]*);")
+
+
+def _brace_depths(code: str) -> list[int]:
+    """The brace depth before each character of `code`, -1 inside comments and string literals (whose braces do
+    not count)."""
+    depths, depth, i, n = [0] * (len(code) + 1), 0, 0, len(code)
+    while i < n:
+        two = code[i:i + 2]
+        end = code.find("\n", i) if two == "//" else code.find("*/", i) + 1 if two == "/*" else \
+            code.find('"', i + 1) if code[i] == '"' else -2
+        if end != -2:
+            end = n - 1 if end < 0 else end
+            depths[i:end + 1] = [-1] * (end + 1 - i)
+            i = end + 1
+            continue
+        depths[i] = depth
+        depth += (code[i] == "{") - (code[i] == "}")
+        i += 1
+    depths[n] = depth
+    return depths
+
+
+def register_static_shared(code: str) -> str:
+    """Each function-scope `__shared__ T a[..], b;` followed by emu::reg_shared(&a, sizeof(a)) for each name, so
+    that the emulator knows the static variables it stands for and can give each resident block its own bytes
+    (emu.cpp: with more than one slot). Declarations at file scope (one copy for all) and in comments are left as
+    they are."""
+    depths = _brace_depths(code)
+    out, pos = [], 0
+    for m in _STATIC_SMEM.finditer(code):
+        if depths[m.start()] <= 0:  # file scope, a comment or a string
+            continue
+        names = []
+        for decl in _split(re.sub(r"\[[^\]]*\]", "", m.group(1)).split("=")[0], ","):
+            ids = re.findall(r"[A-Za-z_]\w*", re.sub(r"\([^)]*\)", "", decl))
+            if ids:
+                names.append(ids[-1])
+        out.append(code[pos:m.end()])
+        out.append("".join(f" emu::reg_shared(&{n}, sizeof({n}));" for n in names))
+        pos = m.end()
+    out.append(code[pos:])
+    return "".join(out)
 
 
 def lower_asm(code: str) -> str:

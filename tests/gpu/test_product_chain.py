@@ -1,0 +1,128 @@
+"""decapybara/backend/product_chain.py and mx_gemv.cu's MX_CHAIN kernels: a decode layer's run of one-row products
+(out with the residual and the next norm fused, gate|up with SwiGLU over it, down likewise, the next layer's input
+product over its norm), recorded (`pdl.recording()`) and run as one persistent launch, writes every output the
+launches write, byte for byte (outputs poisoned after recording, so an unwritten element fails); again, and in a
+CUDA graph, since the chain zeroes its counters; a grid larger than the device keeps resident times out and says
+so. On the host emulator the chain's blocks run side by side (`fake_cupy.RESIDENT`)."""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+from decapybara import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from test_kernels_extra import assert_bytes_equal, random_weight
+
+from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend import pdl
+from decapybara.backend.cuda_graph import capture_graph
+from decapybara.backend.product_chain import ProductChain
+
+pytestmark = pytest.mark.gpu
+EMULATED = "fake_cupy" in sys.modules
+H, I, K_IN, Q = 512, 512, 256, 320  # hidden, MLP width, the out product's K, the next input product's N
+# TUNE per case: the one-row kernels in their own build for every product (`_1r` / `_1rs`), or the plain ones
+ONE_ROW = {"row1_fill": 0, "small_bytes": 0, "small_n": 0}
+PLAIN = {"row1": 0, "small_bytes": 0, "small_n": 0}
+CASES = [("mxfp4", ONE_ROW), ("nvfp4", ONE_ROW), ("mxfp4", PLAIN), ("bf16", PLAIN)]
+
+
+def weights(fmt: str) -> dict:
+    rng = np.random.default_rng(zlib.crc32(f"chain-{fmt}".encode()))
+    shapes = {"out": (H, K_IN), "gate_up": (2 * I, H), "down": (H, I), "qkv": (Q, H)}
+    return {k: ex.pack_weight(random_weight(rng, fmt, s)[0]) for k, s in shapes.items()}
+
+
+def layer(ws: dict, x, res, g1, g2) -> list:
+    """The run of products between two token mixers, as a decode step launches them: its outputs."""
+    normed, h = ex.mx_linear_add_norm(x, ws["out"], None, res, g1, 1e-6, 1.0)
+    a = ex.mx_swiglu(normed, ws["gate_up"], out_dtype=np.uint16)
+    normed2, h2 = ex.mx_linear_add_norm(a, ws["down"], None, h, g2, 1e-6, 1.0)
+    q = ex.mx_linear(normed2, ws["qkv"])
+    return [h, normed.xg, normed.sq, a, h2, normed2.xg, normed2.sq, q]
+
+
+def inputs(seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    x = cp.asarray(rng.standard_normal((1, K_IN)).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
+    g1, g2 = (cp.asarray(rng.standard_normal(H).astype(np.float32) * 0.1) for _ in range(2))
+    return x, res, g1, g2
+
+
+def poison(outs: list) -> None:
+    for o in outs:
+        o[...] = np.array(0x7FC0DEAD if o.dtype == np.float32 else 0xFFFF, np.uint32).astype(
+            np.uint32 if o.dtype == np.float32 else np.uint16).view(o.dtype)
+
+
+@pytest.fixture
+def resident(monkeypatch):
+    """The chain's grid: 3 blocks, side by side on the emulator."""
+    if EMULATED:
+        monkeypatch.setattr(sys.modules["fake_cupy"], "RESIDENT", 3)
+    return 3
+
+
+@pytest.mark.parametrize("fmt,tune", CASES, ids=[f"{f}-{'row1' if t is ONE_ROW else 'plain'}" for f, t in CASES])
+def test_chain_writes_what_the_launches_write(fmt, tune, resident, monkeypatch):
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    ws = weights(fmt)
+    args = inputs(1)
+    ref = [cp.asnumpy(o) for o in layer(ws, *args)]
+    with pdl.recording() as launches:
+        outs = layer(ws, *args)
+    assert len(launches) == 4
+    suffixes = {kernels.kernel_origin(launch.kernel)[1].rpartition("_")[2] for launch in launches}
+    assert suffixes == ({"1r", "1rs"} if tune is ONE_ROW else {"1", "1s"})
+    chain = ProductChain(launches, blocks=resident)
+    for _ in range(2):  # the second run: the counters the first one zeroed
+        poison(outs)
+        chain()
+        for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+            assert_bytes_equal(o, r, f"{fmt} output {i}")
+    assert not chain.timed_out()
+
+
+@pytest.mark.skipif(EMULATED, reason="graphs and the device's own residency: the GPU's")
+def test_chain_in_a_graph_and_on_every_resident_block(monkeypatch):
+    """On the device's whole resident grid (the default), captured in a CUDA graph, replayed twice."""
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **ONE_ROW})
+    ws = weights("mxfp4")
+    args = inputs(2)
+    ref = [cp.asnumpy(o) for o in layer(ws, *args)]
+    with pdl.recording() as launches:
+        outs = layer(ws, *args)
+    chain = ProductChain(launches)
+    assert chain.blocks == chain.resident() * ex.sm_count() and chain.resident() >= 1
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    graph, _ = capture_graph(chain, stream, pool)
+    for _ in range(2):
+        poison(outs)
+        cp.cuda.runtime.deviceSynchronize()  # the poison (current stream) before the replay (a stream of its own)
+        graph.launch(stream)
+        stream.synchronize()
+        for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+            assert_bytes_equal(o, r, f"graph output {i}")
+    assert not chain.timed_out()
+
+
+@pytest.mark.skipif(EMULATED, reason="a wait's timeout is ~2^32 clock64 calls on the emulator")
+def test_a_grid_past_the_resident_blocks_times_out(monkeypatch):
+    """Blocks of the first wave wait for blocks that cannot start: the wait gives up and says so, and the launch
+    ends (every later wait returns at once)."""
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **ONE_ROW})
+    ws = weights("mxfp4")
+    with pdl.recording() as launches:
+        layer(ws, *inputs(3))
+    chain = ProductChain(launches, blocks=4 * ProductChain(launches).blocks)
+    chain()
+    assert chain.timed_out()

@@ -13,8 +13,14 @@ Each item is a recorded launch as its own wrapper made it: its arguments, its pl
 the chain's blocks as virtual blocks), so its sums come out as the launch's would, byte for byte. The launches must
 all be one-n-tile kernels (`_1`, `_1s`, `_1r`, `_1rs`: up to FUSED_ROWS rows, dense) of one kernel module (one
 file and defines) and one block width, with no dynamic shared memory. The chain keeps the recorded arguments, so
-the buffers they name live as long as it does; it runs on the current stream after the kernels before it (a plain
-launch), and a CUDA graph may capture it like any launch.
+the buffers they name live as long as it does, but not their split-K tile counters (the recording stream's): it
+has its own. It runs on the current stream, overlapped with the kernel before it as the products are
+(`pdl.launch`), and a CUDA graph may capture it like any launch.
+
+Every block of the chain's grid must be resident at once (its blocks wait on one another): by default the grid is
+what the device keeps resident of it when nothing else runs. Kernels that run beside it (other streams, graph
+branches, other processes) could take SMs it counts on; its waits then time out after ~2 s, the launch ends
+with wrong outputs, and `timed_out()` says so.
 """
 
 from __future__ import annotations
@@ -96,13 +102,19 @@ class ProductChain:
             mask |= 1 << item.kind
         self.kernel = kernels.get_kernel(name, f"mx_chain_{fmt}", (*defines, ("MX_CHAIN", mask)))
         self.n = len(items)
+        # split-K tile counters of its own (zero at rest; each tile's last block resets its own), not the recording
+        # stream's, which products launched there meanwhile use
+        self.counters = cp.zeros(1 << 16, cp.int32)
+        for item, *_ in items:
+            item.a.counters = cupy_ops.dev_ptr(self.counters)
         arr = (ItemC * self.n)(*(item for item, *_ in items))
         self.items = cp.asarray(np.frombuffer(bytes(arr), np.uint8))
         self.launches = tuple(launches)  # their arrays stay alive while the chain may run
         self.done = cp.zeros(self.n + 1, cp.uint32)
-        self.err = cp.zeros(1, cp.uint32)
+        self.err = cp.zeros(2, cp.uint32)  # [0]: a wait of some launch timed out (kept); [1]: of this launch
         self.blocks = blocks or self.resident() * cupy_ops.sm_count()
         assert self.blocks > 0, "no block of the chain kernel fits an SM"
+        cp.cuda.runtime.deviceSynchronize()  # the items and zeros in place before a launch on any stream
 
     def resident(self) -> int:
         """Blocks of the chain kernel an SM keeps resident (the driver's occupancy; 1 where it cannot tell)."""
@@ -116,8 +128,13 @@ class ProductChain:
         return got.value if err == 0 else 1
 
     def __call__(self) -> None:
-        self.kernel((self.blocks,), self.block, (self.items, np.int32(self.n), self.done, self.err))
+        pdl.launch(self.kernel, (self.blocks,), self.block, (self.items, np.int32(self.n), self.done, self.err))
 
     def timed_out(self) -> bool:
-        """Whether a block's wait gave up since the chain was made (blocks not all resident: wrong outputs)."""
+        """Whether a block's wait gave up in a launch since the chain was made or `clear()`ed (blocks not all
+        resident: that launch's outputs are wrong). A host sync."""
         return bool(int(cp.asnumpy(self.err)[0]))
+
+    def clear(self) -> None:
+        """Forget earlier timeouts (`timed_out`)."""
+        self.err[0] = 0

@@ -1083,10 +1083,12 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 // until every block is done with item i - 1 (done[i - 1] == gridDim.x: a counter a block adds to after its last
 // virtual block of an item, its stores and its split reductions, counter resets included, before it), and go on
 // as a launched block would after its pdl_wait. So a block done with one product streams the next one's first
-// weights while the others finish. The first item's x comes from the kernels before the chain (stream order: a
-// plain launch). The last block to finish zeroes done[] (n + 1 counters, the last counting finished blocks) for
-// the next launch. A wait past MX_CHAIN_TIMEOUT clock cycles (blocks not all resident) sets *err and returns,
-// and every later wait returns at once (wrong results, reported, rather than a hung device).
+// weights while the others finish. The first item's x comes from the kernels before the chain: its blocks wait
+// for them as a launched product's do (pdl_wait: at once under a plain launch, stream order). The last block to
+// finish zeroes done[] (n + 1 counters, the last counting finished blocks) for the next launch. A wait past
+// MX_CHAIN_TIMEOUT clock cycles (blocks not all resident) sets err[1] and returns, and every later wait of that
+// launch returns at once (wrong results, reported, rather than a hung device); the last block moves err[1] into
+// err[0], which stays set (the caller's to clear), and clears err[1] for the next launch.
 #ifdef MX_CHAIN
 #include "count_wait.cuh"
 #ifndef MX_CHAIN_TIMEOUT
@@ -1098,14 +1100,17 @@ struct ChainItem {  // one product: its launch's arguments, kernel kind and grid
     u32 gx, gy, gz;
 };
 struct ChainSync {  // a chain block's wait for the item before (once an item: `waited`), no trigger
-    const u32* ctr;  // null: the first item (stream order)
+    const u32* ctr;  // null: the first item, which waits for the kernel before (pdl.cuh)
     u32 target;
-    u32* err;
+    u32* stop;  // err + 1: set by a wait that timed out, read by every wait after it
     bool waited;
     __device__ __forceinline__ void wait() {
-        if (waited || !ctr) return;  // uniform across the block
+        if (waited) return;  // uniform across the block
         waited = true;
-        block_wait_count(ctr, target, err, MX_CHAIN_TIMEOUT);
+        if (ctr)
+            block_wait_count(ctr, target, stop, MX_CHAIN_TIMEOUT);
+        else
+            pdl_wait();
     }
     __device__ __forceinline__ void trigger() {}
 };
@@ -1123,7 +1128,7 @@ __device__ __forceinline__ void mx_chain_impl(const ChainItem* items, int n, u32
         for (int w = threadIdx.x; w < (int)(sizeof(ChainItem) / 4); w += blockDim.x)
             ((u32*)&it)[w] = ((const u32*)(items + i))[w];
         __syncthreads();
-        ChainSync sync{i > 0 ? done + i - 1 : nullptr, gridDim.x, err, false};
+        ChainSync sync{i > 0 ? done + i - 1 : nullptr, gridDim.x, err + 1, false};
         const u32 total = it.gx * it.gy * it.gz;
         for (u32 v = blockIdx.x; v < total; v += gridDim.x) {
             const Blk b{v % it.gx, (v / it.gx) % it.gy, v / (it.gx * it.gy), it.gx, it.gy};
@@ -1139,12 +1144,17 @@ __device__ __forceinline__ void mx_chain_impl(const ChainItem* items, int n, u32
             }
             __syncthreads();  // the next virtual block reuses the block's shared memory
         }
+        if (i == 0) sync.wait();  // a block without virtual blocks of item 0 too: the kernel before has completed
+                                  // (a PDL launch), so its reads of done[] below see this launch's zeros
         block_count_done(done + i);  // every thread's stores of the item's virtual blocks before the count
     }
     if (threadIdx.x == 0) {  // done[n] counts finished blocks; the last zeroes them all
         __threadfence();
         if (atomicAdd(done + n, 1u) == gridDim.x - 1) {
+            __threadfence();  // the zeros after every block's counts
             for (int i = 0; i <= n; ++i) done[i] = 0;
+            if (err[1]) err[0] = 1;
+            err[1] = 0;
             __threadfence();
         }
     }

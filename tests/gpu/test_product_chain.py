@@ -1,8 +1,9 @@
 """decapybara/backend/product_chain.py and mx_gemv.cu's MX_CHAIN kernels: a decode layer's run of one-row products
 (out with the residual and the next norm fused, gate|up with SwiGLU over it, down likewise, the next layer's input
 product over its norm), recorded (`pdl.recording()`) and run as one persistent launch, writes every output the
-launches write, byte for byte (outputs poisoned after recording, so an unwritten element fails); again, and in a
-CUDA graph, since the chain zeroes its counters; a grid larger than the device keeps resident times out and says
+launches write, byte for byte (outputs poisoned after recording, so an unwritten element fails), at one row on the
+one-row kernels and at 2-5 rows on the plain ones, stream-K and K-split tile grids; again, and in a CUDA graph,
+since the chain zeroes its counters; a grid larger than the device keeps resident times out and says
 so. On the host emulator the chain's blocks run side by side (`fake_cupy.RESIDENT`)."""
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ H, I, K_IN, Q = 512, 512, 256, 320  # hidden, MLP width, the out product's K, th
 # TUNE per case: the one-row kernels in their own build for every product (`_1r` / `_1rs`), or the plain ones
 ONE_ROW = {"row1_fill": 0, "small_bytes": 0, "small_n": 0}
 PLAIN = {"row1": 0, "small_bytes": 0, "small_n": 0}
-CASES = [("mxfp4", ONE_ROW), ("nvfp4", ONE_ROW), ("mxfp4", PLAIN), ("bf16", PLAIN)]
+SPLIT = {**PLAIN, "ksplit": 2}  # tile grids split over K (virtual blocks along y), not stream-K
+# (format, TUNE, rows of x): one row on the one-row kernels, 2-5 rows (one n-tile) on the plain ones
+CASES = [("mxfp4", ONE_ROW, 1), ("nvfp4", ONE_ROW, 1), ("mxfp4", PLAIN, 5), ("bf16", PLAIN, 3), ("mxfp4", SPLIT, 2)]
+IDS = [f"{f}-{'row1' if t is ONE_ROW else 'split' if t is SPLIT else 'plain'}-{m}" for f, t, m in CASES]
 
 
 def weights(fmt: str) -> dict:
@@ -50,10 +54,10 @@ def layer(ws: dict, x, res, g1, g2) -> list:
     return [h, normed.xg, normed.sq, a, h2, normed2.xg, normed2.sq, q]
 
 
-def inputs(seed: int) -> tuple:
+def inputs(seed: int, m: int = 1) -> tuple:
     rng = np.random.default_rng(seed)
-    x = cp.asarray(rng.standard_normal((1, K_IN)).astype(np.float32))
-    res = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((m, K_IN)).astype(np.float32))
+    res = cp.asarray(rng.standard_normal((m, H)).astype(np.float32))
     g1, g2 = (cp.asarray(rng.standard_normal(H).astype(np.float32) * 0.1) for _ in range(2))
     return x, res, g1, g2
 
@@ -72,17 +76,18 @@ def resident(monkeypatch):
     return 3
 
 
-@pytest.mark.parametrize("fmt,tune", CASES, ids=[f"{f}-{'row1' if t is ONE_ROW else 'plain'}" for f, t in CASES])
-def test_chain_writes_what_the_launches_write(fmt, tune, resident, monkeypatch):
+@pytest.mark.parametrize("fmt,tune,m", CASES, ids=IDS)
+def test_chain_writes_what_the_launches_write(fmt, tune, m, resident, monkeypatch):
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
     ws = weights(fmt)
-    args = inputs(1)
+    args = inputs(1, m)
     ref = [cp.asnumpy(o) for o in layer(ws, *args)]
     with pdl.recording() as launches:
         outs = layer(ws, *args)
     assert len(launches) == 4
     suffixes = {kernels.kernel_origin(launch.kernel)[1].rpartition("_")[2] for launch in launches}
     assert suffixes == ({"1r", "1rs"} if tune is ONE_ROW else {"1", "1s"})
+    assert any(launch.grid[1] > 1 for launch in launches) == (tune is SPLIT)  # K split over a tile grid's y
     chain = ProductChain(launches, blocks=resident)
     for _ in range(2):  # the second run: the counters the first one zeroed
         poison(outs)
@@ -102,7 +107,8 @@ def test_chain_in_a_graph_and_on_every_resident_block(monkeypatch):
     with pdl.recording() as launches:
         outs = layer(ws, *args)
     chain = ProductChain(launches)
-    assert chain.blocks == chain.resident() * ex.sm_count() and chain.resident() >= 1
+    # the one-row build's launch bounds promise two blocks an SM, and the driver's occupancy says so
+    assert chain.resident() >= 2 and chain.blocks == chain.resident() * ex.sm_count()
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
     graph, _ = capture_graph(chain, stream, pool)
     for _ in range(2):
@@ -126,3 +132,6 @@ def test_a_grid_past_the_resident_blocks_times_out(monkeypatch):
     chain = ProductChain(launches, blocks=4 * ProductChain(launches).blocks)
     chain()
     assert chain.timed_out()
+    assert not cp.asnumpy(chain.done).any() and int(cp.asnumpy(chain.err)[1]) == 0  # ready for the next launch
+    chain.clear()
+    assert not chain.timed_out()

@@ -10,7 +10,8 @@ take turns over CHAIN_RUNS runs (default 16) a CUDA graph (CHAIN_SHAPES: other s
 CHAIN_ROUNDS rounds (default 7):
 - `launched`: the products as a decode graph launches them (PDL), under the shipped tuning (each product's build);
 - `launched, one build`: the same, every product on the one-row build (TUNE `row1_fill` 0), as the chain runs them;
-- `chain`: each run one persistent launch (`ProductChain`) of those products, on every resident block.
+- `chain PF n`: each run one persistent launch (`ProductChain`) of those products, on every resident block, its
+  blocks asking the L2 for n chunks of the next product's weights before each wait (CHAIN_PF, default "0,4,8").
 The chain's outputs are checked against the launches' (one build) byte for byte, eager before the timing and from its
 graph after it. Prints us a run, the ratio
 to `launched`, and the share of the copy bandwidth that the run's bytes at that time are.
@@ -72,11 +73,14 @@ def main() -> int:
 
     with tuned(ONE_BUILD, ex.TUNE_DEFINES):  # the chain's products, recorded; one run checked against launches
         ref = [cp.asnumpy(o) for o in layer(sets[0], *args)]
-        chains, outs = [], []
+        recorded, outs = [], []
         for r in range(runs):
             with pdl.recording() as launches:
                 outs.append(layer(sets[r % 4], *args))
-            chains.append(ProductChain(launches))
+            recorded.append(launches)
+    pfs = [int(v) for v in os.environ.get("CHAIN_PF", "0,4,8").split(",")]
+    chain_sets = {pf: [ProductChain(launches, prefetch=pf) for launches in recorded] for pf in pfs}
+    chains = chain_sets[pfs[0]]
     chains[0]()
     bad = [i for i, (o, r) in enumerate(zip(outs[0], ref, strict=True))
            if not np.array_equal(cp.asnumpy(o).view(np.uint8), r.view(np.uint8))]
@@ -89,21 +93,24 @@ def main() -> int:
     with tuned(ONE_BUILD, ex.TUNE_DEFINES):
         graphs["launched, one build"] = capture_graph(lambda: [layer(sets[r % 4], *args) for r in range(runs)],
                                                       stream, pool)[0]
-    graphs["chain"] = capture_graph(lambda: [c() for c in chains], stream, pool)[0]
+    for pf, cs in chain_sets.items():
+        graphs[f"chain PF {pf}"] = capture_graph(lambda cs=cs: [c() for c in cs], stream, pool)[0]
     times = interleaved_times(graphs, stream, rounds, per=runs)
     med = {n: float(np.median(ts)) for n, ts in times.items()}
-    for o in outs[0]:  # the chain graph's outputs, checked like the eager chain's
-        o[...] = 0
-    cp.cuda.runtime.deviceSynchronize()  # the zeros (current stream) before the replay (a stream of its own)
-    graphs["chain"].launch(stream)
-    stream.synchronize()
-    bad_graph = [i for i, (o, r) in enumerate(zip(outs[0], ref, strict=True))
-                 if not np.array_equal(cp.asnumpy(o).view(np.uint8), r.view(np.uint8))]
+    bad_graph = []
+    for pf in pfs:  # each chain graph's outputs, checked like the eager chain's
+        for o in outs[0]:
+            o[...] = 0
+        cp.cuda.runtime.deviceSynchronize()  # the zeros (current stream) before the replay (a stream of its own)
+        graphs[f"chain PF {pf}"].launch(stream)
+        stream.synchronize()
+        bad_graph += [(pf, i) for i, (o, r) in enumerate(zip(outs[0], ref, strict=True))
+                      if not np.array_equal(cp.asnumpy(o).view(np.uint8), r.view(np.uint8))]
     print(f"\n{'variant':<22}{'us a run':>10}{'x launched':>12}{'% copy':>8}  (medians of {rounds}, {runs} runs a graph)")
     for name, t in med.items():
         print(f"{name:<22}{t * 1e6:10.2f}{t / med['launched']:12.3f}{100 * run_bytes / copy_bw / t:8.1f}")
     print(f"chain graph outputs {'equal to the launches' if not bad_graph else f'DIFFERENT at {bad_graph}'}; "
-          f"timed out: {any(c.timed_out() for c in chains)}")
+          f"timed out: {any(c.timed_out() for cs in chain_sets.values() for c in cs)}")
     res_json = {"fmt": fmt, "run_bytes": run_bytes, "copy_Bps": copy_bw, "blocks": chains[0].blocks,
                 "equal": not bad and not bad_graph, "s_per_run": med, "rounds_s": times}
     Path(os.environ.get("OUT", ".")).joinpath("chain_products.json").write_text(json.dumps(res_json, indent=1))

@@ -86,9 +86,11 @@ class ProductChain:
     """Recorded skinny products (`pdl.recording()`) as one persistent launch; see the module docstring.
 
     `blocks`: the chain's grid (default: as many blocks as the device keeps resident, which every block's waits
-    need). `__call__` enqueues it on the current stream; `timed_out()` (a host sync) says whether a wait gave up."""
+    need). `prefetch`: chunks of weights past its register stages a block asks of the L2 before it waits for the
+    item before (MX_CHAIN_PF; default the kernel's). `__call__` enqueues it on the current stream; `timed_out()`
+    (a host sync) says whether a wait gave up."""
 
-    def __init__(self, launches: Sequence[pdl.Launch], blocks: int | None = None):
+    def __init__(self, launches: Sequence[pdl.Launch], blocks: int | None = None, prefetch: int | None = None):
         assert launches, "an empty chain"
         items = [item_of(launch) for launch in launches]
         files = {(name, fmt, defines) for _, name, fmt, defines in items}
@@ -100,7 +102,8 @@ class ProductChain:
         mask = 0
         for item, *_ in items:
             mask |= 1 << item.kind
-        self.kernel = kernels.get_kernel(name, f"mx_chain_{fmt}", (*defines, ("MX_CHAIN", mask)))
+        chain_defines = (("MX_CHAIN", mask), *((("MX_CHAIN_PF", prefetch),) if prefetch is not None else ()))
+        self.kernel = kernels.get_kernel(name, f"mx_chain_{fmt}", (*defines, *chain_defines))
         self.n = len(items)
         # split-K tile counters of its own (zero at rest; each tile's last block resets its own), not the recording
         # stream's, which products launched there meanwhile use

@@ -701,6 +701,14 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
         if (c0 + s < c1)
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
     if (FUSE && A.res && lane == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
+    if (WHOLE && sync.will_wait() && t == 0 && warp_on) {  // a chain's block about to wait for the item before: the
+        const int pe = min(c1, c0 + ST + sync.prefetch_chunks());  // L2 fetches the band's next chunks meanwhile,
+        const u32 wr0 = row_off<LB>(rg0, A.w_row), wr8 = row_off<LB>(rg8, A.w_row);  // a line a (row, chunk)
+        for (int c = c0 + ST; c < pe; ++c) {
+            prefetch_l2(W + (wr0 + lane_off<LB>((u32)(c * 4))));
+            prefetch_l2(W + (wr8 + lane_off<LB>((u32)(c * 4))));
+        }
+    }
     sync.wait();  // x, partials and counters belong to the kernels before this one
     if (first) TRACE(A.W, 1);
     // Fused consumer: each real row's denominator, read by the epilogues (after a barrier that follows the K
@@ -991,6 +999,8 @@ __device__ __forceinline__ Blk launch_blk() { return {blockIdx.x, blockIdx.y, bl
 struct PdlSync {
     __device__ __forceinline__ void wait() { pdl_wait(); }
     __device__ __forceinline__ void trigger() { pdl_trigger(); }
+    __device__ static constexpr bool will_wait() { return false; }  // (a chain's block about to wait on other blocks)
+    __device__ static constexpr int prefetch_chunks() { return 0; }
 };
 
 // Block `b` of a product: its segments (a tile grid's one, or its stream-K units'), over the block's shared
@@ -1094,6 +1104,9 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
 #ifndef MX_CHAIN_TIMEOUT
 #define MX_CHAIN_TIMEOUT (1ll << 32)
 #endif
+#ifndef MX_CHAIN_PF
+#define MX_CHAIN_PF 4  // chunks of weights past its register stages a block asks of the L2 before a wait (0: none)
+#endif
 struct ChainItem {  // one product: its launch's arguments, kernel kind and grid
     Args a;
     int kind;  // bit 0: SwiGLU (`_1s`), bit 1: one-row block sums (`_1r`)
@@ -1113,6 +1126,10 @@ struct ChainSync {  // a chain block's wait for the item before (once an item: `
             pdl_wait();
     }
     __device__ __forceinline__ void trigger() {}
+    // about to wait on other blocks (not on the kernel before): the segment has the L2 fetch its next
+    // prefetch_chunks() chunks of weights meanwhile (MX_CHAIN_PF)
+    __device__ __forceinline__ bool will_wait() const { return MX_CHAIN_PF > 0 && !waited && ctr; }
+    __device__ static constexpr int prefetch_chunks() { return MX_CHAIN_PF; }
 };
 template <int FMT>
 __device__ __forceinline__ void mx_chain_impl(const ChainItem* items, int n, u32* done, u32* err) {

@@ -76,14 +76,25 @@ def resident(monkeypatch):
     return 3
 
 
-@pytest.mark.parametrize("fmt,tune,m", CASES, ids=IDS)
-def test_chain_writes_what_the_launches_write(fmt, tune, m, resident, monkeypatch):
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+def recorded_layer(fmt: str, seed: int, m: int = 1) -> tuple[list, list, list]:
+    """(the layer's outputs as launched, on the host; the outputs of its recorded launches; those launches)."""
     ws = weights(fmt)
-    args = inputs(1, m)
+    args = inputs(seed, m)
     ref = [cp.asnumpy(o) for o in layer(ws, *args)]
     with pdl.recording() as launches:
         outs = layer(ws, *args)
+    return ref, outs, launches
+
+
+def assert_outputs(outs: list, ref: list, name: str) -> None:
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert_bytes_equal(o, r, f"{name} output {i}")
+
+
+@pytest.mark.parametrize("fmt,tune,m", CASES, ids=IDS)
+def test_chain_writes_what_the_launches_write(fmt, tune, m, resident, monkeypatch):
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **tune})
+    ref, outs, launches = recorded_layer(fmt, 1, m)
     assert len(launches) == 4
     suffixes = {kernels.kernel_origin(launch.kernel)[1].rpartition("_")[2] for launch in launches}
     assert suffixes == ({"1r", "1rs"} if tune is ONE_ROW else {"1", "1s"})
@@ -92,20 +103,27 @@ def test_chain_writes_what_the_launches_write(fmt, tune, m, resident, monkeypatc
     for _ in range(2):  # the second run: the counters the first one zeroed
         poison(outs)
         chain()
-        for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
-            assert_bytes_equal(o, r, f"{fmt} output {i}")
+        assert_outputs(outs, ref, fmt)
     assert not chain.timed_out()
+
+
+@pytest.mark.parametrize("prefetch", [0, 16])
+def test_chain_prefetch_leaves_the_bytes(prefetch, resident, monkeypatch):
+    """Blocks asking the L2 for none or 16 chunks of the next product's weights before each wait (MX_CHAIN_PF)
+    write the same bytes (a prefetch reads nothing into the block)."""
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **ONE_ROW})
+    ref, outs, launches = recorded_layer("mxfp4", 4)
+    chain = ProductChain(launches, blocks=resident, prefetch=prefetch)
+    poison(outs)
+    chain()
+    assert_outputs(outs, ref, f"prefetch {prefetch}")
 
 
 @pytest.mark.skipif(EMULATED, reason="graphs and the device's own residency: the GPU's")
 def test_chain_in_a_graph_and_on_every_resident_block(monkeypatch):
     """On the device's whole resident grid (the default), captured in a CUDA graph, replayed twice."""
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **ONE_ROW})
-    ws = weights("mxfp4")
-    args = inputs(2)
-    ref = [cp.asnumpy(o) for o in layer(ws, *args)]
-    with pdl.recording() as launches:
-        outs = layer(ws, *args)
+    ref, outs, launches = recorded_layer("mxfp4", 2)
     chain = ProductChain(launches)
     # the one-row build's launch bounds promise two blocks an SM, and the driver's occupancy says so
     assert chain.resident() >= 2 and chain.blocks == chain.resident() * ex.sm_count()
@@ -116,8 +134,7 @@ def test_chain_in_a_graph_and_on_every_resident_block(monkeypatch):
         cp.cuda.runtime.deviceSynchronize()  # the poison (current stream) before the replay (a stream of its own)
         graph.launch(stream)
         stream.synchronize()
-        for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
-            assert_bytes_equal(o, r, f"graph output {i}")
+        assert_outputs(outs, ref, "graph")
     assert not chain.timed_out()
 
 
@@ -126,9 +143,7 @@ def test_a_grid_past_the_resident_blocks_times_out(monkeypatch):
     """Blocks of the first wave wait for blocks that cannot start: the wait gives up and says so, and the launch
     ends (every later wait returns at once)."""
     monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **ONE_ROW})
-    ws = weights("mxfp4")
-    with pdl.recording() as launches:
-        layer(ws, *inputs(3))
+    _, _, launches = recorded_layer("mxfp4", 3)
     chain = ProductChain(launches, blocks=4 * ProductChain(launches).blocks)
     chain()
     assert chain.timed_out()

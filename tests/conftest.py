@@ -36,7 +36,8 @@ def _cuda_available() -> bool:
 # GPU tests whose time is mostly nvcc builds of kernel variants (the H200 suite's `--durations`, forty-eighth
 # session: 38-98 s a case for the first group, up to 61 s for the second's slowest), run first where CUDA is present
 # so that `-n 16 --dist load` does not end on a few workers still compiling while the others idle (one test at a
-# time to each worker: `pytest_configure`).
+# time to each worker: `pytest_configure`). The product chain's tests (forty-ninth session: builds of their own,
+# MX_CHAIN, not yet timed) are in the second group by their build count alone.
 BUILD_HEAVY = (
     ("test_many_row_kernels_keep_the_bytes", "test_split_sums_in_batches_keep_the_bytes",
      "test_early_refill_keeps_the_bytes", "test_one_row_blocks_of_their_own_width_keep_the_bytes"),
@@ -44,7 +45,8 @@ BUILD_HEAVY = (
      "test_swiglu_consumes_normed_rows", "test_producer_adds_the_residual_and_sums_each_tile",
      "test_prefill_attention_long_prefix_and_off_switch", "test_moe_blocks_take_the_fused_norm",
      "test_consumer_stages_the_normalised_rows", "test_fp32_fused_qkv_is_bit_identical",
-     "test_dense_values_are_the_dequantisation"),
+     "test_dense_values_are_the_dequantisation", "test_chain_writes_what_the_launches_write",
+     "test_chain_prefetch_leaves_the_bytes"),
 )
 
 

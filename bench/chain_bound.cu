@@ -116,11 +116,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 6)
         add_sum(acc, sums + p);
         block_count_done(counters + p);  // every thread's reads of p done
     }
-    if (threadIdx.x == 0) {  // counters[products] counts finished blocks; the last zeroes them all
+    if (threadIdx.x == 0 && last_block_done(counters + products, blocks)) {  // the last block zeroes the counts
+        for (int p = 0; p <= products; ++p) counters[p] = 0;
         __threadfence();
-        if (atomicAdd(counters + products, 1u) == blocks - 1) {
-            for (int p = 0; p <= products; ++p) counters[p] = 0;
-            __threadfence();
-        }
     }
 }

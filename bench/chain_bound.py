@@ -31,7 +31,6 @@ ms a step, TB/s, the copy bandwidth's share, the ratio to the fastest `read`, an
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
@@ -171,15 +170,9 @@ class Chain:
 
     def resident(self, v: Variant) -> int:
         """Blocks of the variant's kernel an SM keeps resident at its shared memory (0 where not known)."""
-        from decapybara.backend import pdl  # the driver library, and a kernel's CUfunction as pdl launches it
+        from decapybara.backend import pdl
 
-        handle, lib = pdl._function_handle(self.kernel(v)), pdl._driver()
-        if handle is None or lib is None:
-            return 0
-        blocks = ctypes.c_int(0)
-        err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), ctypes.c_void_p(handle),
-                                                               ctypes.c_int(THREADS), ctypes.c_size_t(self.smem(v)))
-        return blocks.value if err == 0 else 0
+        return pdl.resident_blocks(self.kernel(v), THREADS, self.smem(v)) or 0
 
     def run(self, v: Variant, launch: Any = None, record: bool = False) -> None:
         """Enqueue the variant's reads of the whole chain (`launch`: how a launch-a-product kernel is launched, e.g.

@@ -128,6 +128,19 @@ def _function_handle(kernel: Any) -> int | None:
     return int(ptr) if ptr else None
 
 
+def resident_blocks(kernel: Any, threads: int, shared_mem: int = 0) -> int | None:
+    """Blocks of `kernel` (a CuPy RawKernel) of `threads` threads and `shared_mem` bytes of dynamic shared memory an
+    SM keeps resident at once (the driver's occupancy), or None where the driver cannot say (e.g. the host
+    emulator's kernels)."""
+    handle, lib = _function_handle(kernel), _driver()
+    if handle is None or lib is None:
+        return None
+    got = ctypes.c_int(0)
+    err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(got), ctypes.c_void_p(handle),
+                                                           ctypes.c_int(threads), ctypes.c_size_t(shared_mem))
+    return got.value if err == 0 else None
+
+
 def _arg(a: Any) -> Any:
     if a is None:
         return ctypes.c_void_p(0)

@@ -99,9 +99,7 @@ class ProductChain:
         assert len(widths) == 1, f"products of more than one block width: {widths}"
         self.block = (*next(iter(widths)), 1, 1)[:3]
         name, fmt, defines = next(iter(files))
-        mask = 0
-        for item, *_ in items:
-            mask |= 1 << item.kind
+        mask = sum(1 << kind for kind in {item.kind for item, *_ in items})
         chain_defines = (("MX_CHAIN", mask), *((("MX_CHAIN_PF", prefetch),) if prefetch is not None else ()))
         self.kernel = kernels.get_kernel(name, f"mx_chain_{fmt}", (*defines, *chain_defines))
         self.n = len(items)
@@ -121,14 +119,7 @@ class ProductChain:
 
     def resident(self) -> int:
         """Blocks of the chain kernel an SM keeps resident (the driver's occupancy; 1 where it cannot tell)."""
-        handle, lib = pdl._function_handle(self.kernel), pdl._driver()
-        if handle is None or lib is None:
-            return 1
-        got = ctypes.c_int(0)
-        err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(got), ctypes.c_void_p(handle),
-                                                               ctypes.c_int(int(np.prod(self.block))),
-                                                               ctypes.c_size_t(0))
-        return got.value if err == 0 else 1
+        return pdl.resident_blocks(self.kernel, int(np.prod(self.block))) or 1
 
     def __call__(self) -> None:
         pdl.launch(self.kernel, (self.blocks,), self.block, (self.items, np.int32(self.n), self.done, self.err))

@@ -34,6 +34,15 @@ __device__ __forceinline__ unsigned int block_wait_count(const unsigned int* cou
   return got;
 }
 
+// Thread 0 (the caller's only): its block counts itself finished in *counter; true for the last of `blocks`, after
+// a fence, so that what it then writes (e.g. the counts zeroed for the next launch) follows every block's counts.
+__device__ __forceinline__ bool last_block_done(unsigned int* counter, unsigned int blocks) {
+  __threadfence();
+  const bool last = atomicAdd(counter, 1u) == blocks - 1;
+  if (last) __threadfence();
+  return last;
+}
+
 // The block's barrier, then *counter += 1 by thread 0 as a release.
 __device__ __forceinline__ void block_count_done(unsigned int* counter) {
   __syncthreads();

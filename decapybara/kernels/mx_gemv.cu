@@ -1165,15 +1165,11 @@ __device__ __forceinline__ void mx_chain_impl(const ChainItem* items, int n, u32
                                   // (a PDL launch), so its reads of done[] below see this launch's zeros
         block_count_done(done + i);  // every thread's stores of the item's virtual blocks before the count
     }
-    if (threadIdx.x == 0) {  // done[n] counts finished blocks; the last zeroes them all
+    if (threadIdx.x == 0 && last_block_done(done + n, gridDim.x)) {  // done[n] counts finished blocks; the last
+        for (int i = 0; i <= n; ++i) done[i] = 0;                          // zeroes them all
+        if (err[1]) err[0] = 1;
+        err[1] = 0;
         __threadfence();
-        if (atomicAdd(done + n, 1u) == gridDim.x - 1) {
-            __threadfence();  // the zeros after every block's counts
-            for (int i = 0; i <= n; ++i) done[i] = 0;
-            if (err[1]) err[0] = 1;
-            err[1] = 0;
-            __threadfence();
-        }
     }
 }
 #define MX_CHAIN_KERNEL(NAME, FMT)                                                                             \

@@ -131,6 +131,20 @@ static void resume(Fiber& f) {
   swapcontext(&sched_ctx, &f.ctx);
 #endif
 }
+// Fibers [b, e) in groups of `size` (from b): a group whose live threads all wait at a collective of `kind` is
+// made runnable. Whether any was.
+static bool release_groups(int b, int e, int size, int kind) {
+  bool released = false;
+  for (int w = b; w < e; w += size) {
+    bool any = false, all = true;
+    for (int i = w; i < std::min(e, w + size); i++) {
+      if (fibers[i].state == 2) continue;
+      any = true; if (!(fibers[i].state == 1 && fibers[i].kind == kind)) all = false;
+    }
+    if (any && all) { released = true; for (int i = w; i < std::min(e, w + size); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
+  }
+  return released;
+}
 // The threads of slot k's block go on while any can: each runnable one runs until it waits, yields or ends; then
 // the warps (kind 1) and warpgroups (kind 2) whose live threads all wait at a collective go on, and the block's
 // barrier (kind 0) once no thread runs and every waiting one waits there. Returns 1 if any thread of the block was
@@ -140,24 +154,9 @@ static int release(int k) {
   bool all_done = true, running = false;
   for (int i = b; i < e; i++) { all_done &= fibers[i].state == 2; running |= fibers[i].state == 0; }
   if (all_done) return 2;
-  bool released = false;  // warps and warpgroups whose live threads all wait at a collective go on, runnable
-                          // threads elsewhere in the block or not
-  for (int w = b; w < e; w += 32) {
-    bool any = false, all = true;
-    for (int i = w; i < std::min(e, w + 32); i++) {
-      if (fibers[i].state == 2) continue;
-      any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 1)) all = false;
-    }
-    if (any && all) { released = true; for (int i = w; i < std::min(e, w + 32); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
-  }
-  for (int w = b; w < e; w += 128) {  // warpgroups: every live thread of the 4 warps at the collective
-    bool any = false, all = true;
-    for (int i = w; i < std::min(e, w + 128); i++) {
-      if (fibers[i].state == 2) continue;
-      any = true; if (!(fibers[i].state == 1 && fibers[i].kind == 2)) all = false;
-    }
-    if (any && all) { released = true; for (int i = w; i < std::min(e, w + 128); i++) if (fibers[i].state == 1) fibers[i].state = 0; }
-  }
+  // warps and warpgroups (every live thread of the 4 warps) all of whose live threads wait at their collective go
+  // on, runnable threads elsewhere in the block or not
+  const bool released = release_groups(b, e, 32, 1) | release_groups(b, e, 128, 2);
   if (released || running) return 1;
   bool all_block = true;
   for (int i = b; i < e; i++) if (fibers[i].state == 1 && fibers[i].kind != 0) all_block = false;

@@ -30,7 +30,8 @@ host-routing MoE (`CupyBackend.moe` as for float32 experts: one host synchronisa
 BENCH_UNFUSED_MOE=1 runs the MoE layers over the views of their load-time stacks (`QwenModel.fused_moe` cleared):
 the router and shared gate as two products, the experts' gate and up as two grouped products and an activation,
 the shared expert in launches of its own, the combine apart from the next norm (the thirty-second session's
-launches).
+launches). BENCH_CHAINS=1 runs the decode graphs' layer tails as persistent product chains
+(decapybara/backend/chain_tails.py; bench/overlap.py times both side by side).
 """
 
 from __future__ import annotations
@@ -344,7 +345,8 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
     res: dict[str, Any] = {"weights_GB": weight_bytes(model) / 1e9, "build_s": time.perf_counter() - t_build}
     state_bytes = CFG.state_bytes_per_sequence()
     kv_tok = kv.bytes_per_page / PAGE
-    runner = DecodeGraphRunner(model, max_pages=SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=SLOTS)
+    runner = DecodeGraphRunner(model, max_pages=SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=SLOTS,
+                               chains=os.environ.get("BENCH_CHAINS") == "1")  # product chains (chain_tails.py)
     for ctx in CONTEXTS:
         for b in BATCHES:
             batch = decode_batch(b, ctx)

@@ -30,6 +30,7 @@ import cupy as cp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import chain_tails as ct
 from decapybara.backend import cupy_attention as ca
 from decapybara.backend import cupy_backend as cb
 from decapybara.backend import cupy_deltanet as cd
@@ -54,7 +55,10 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # ["paged_attention_gated", "deltanet_core_gated"] (a decode step's attention output gate is applied by
 # "paged_attention_gated", other steps' by "sigmoid_gate"); the MLP activation is "silu_mul_halves" and, from TUNE
 # `swiglu_rows` rows up, "swiglu"; "moe_norm" false: MoE blocks take their input norm's rows from the norm kernel
-# (CupyBackend.moe_takes_product_rows off), not fused into the output projection before them (BENCH_MODEL's MoE)
+# (CupyBackend.moe_takes_product_rows off), not fused into the output projection before them (BENCH_MODEL's MoE);
+# "chains" true: the graphs' layer tails as persistent product chains (DecodeGraphRunner(chains=True),
+# decapybara/backend/chain_tails.py), "chain" updates chain_tails.CHAIN (e.g. {"prefetch": 8, "min_items": 3}), e.g.
+# '{"": {}, "chains": {"chains": true}, "chains 1 build": {"chains": true, "row1_fill": 0}}'
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
 
@@ -77,6 +81,7 @@ def main() -> None:
     res: dict[str, dict[str, float]] = {}
     base_tune, base_pairs, base_dn, base_attn = dict(ex.TUNE), dict(cb.PAIRS), dict(cd.FUSED_DECODE), dict(ca.DECODE)
     base_moe_norm = cb.CupyBackend.moe_takes_product_rows
+    base_chain = dict(ct.CHAIN)
     base_methods = {name: getattr(cb.CupyBackend, name) for name in ("sigmoid_gate", "deltanet_core_gated",
                                                                       "silu_mul_halves", "swiglu")}
     runs = [(f"{name} {tname}".strip() + (f" #{r + 1}" if ROUNDS > 1 else ""), pdl_env, tune)
@@ -92,14 +97,21 @@ def main() -> None:
         for meth in tune.pop("x_f32", []):
             setattr(cb.CupyBackend, meth, without_hint(base_methods[meth]))
         cb.CupyBackend.moe_takes_product_rows = bool(tune.pop("moe_norm", base_moe_norm))
+        chains = bool(tune.pop("chains", False))
+        ct.CHAIN.update({**base_chain, **tune.pop("chain", {})})
         ex.TUNE.clear()
         ex.TUNE.update(merge_tune(base_tune, tune))
-        runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
+        runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS,
+                                   chains=chains)
         for b, ctx in SHAPES:
             batch = B.decode_batch(b, ctx)
             t = B.median_time(lambda batch=batch, r=runner: r.forward(batch, kv, states), 10, warmup=3)
             res.setdefault(name, {})[f"{b}x{ctx}"] = t * 1e3
-        print(name, {k: round(v, 3) for k, v in res[name].items()}, "graph steps:", runner.stats["graph_steps"], "failures:", runner.stats["failures"])
+        print(name, {k: round(v, 3) for k, v in res[name].items()}, "graph steps:", runner.stats["graph_steps"],
+              "failures:", runner.stats["failures"], *(("chains:", runner.chain_stats(),
+                                                        "timed out:", any(st.chains.timed_out() for st in
+                                                                          runner._graphs.values() if st.chains))
+                                                       if chains else ()))
         runner = None
         cp.get_default_memory_pool().free_all_blocks()
     pdl.MODE["pdl"] = os.environ.get("DECAPYBARA_PDL", "1")
@@ -111,6 +123,7 @@ def main() -> None:
     for meth, fn in base_methods.items():
         setattr(cb.CupyBackend, meth, fn)
     cb.CupyBackend.moe_takes_product_rows = base_moe_norm
+    ct.CHAIN.update(base_chain)
     first = next(iter(res))
     print(f"\n{variant}, graph decode steps (ms; tok/s; x vs {first})")
     def cell(row: dict[str, float], b: int, c: int) -> str:

@@ -47,6 +47,10 @@ class EngineConfig:
     # layer's tail (output projection, norms, MLP, the next layer's input products) as a CUDA graph per row bucket
     # (decapybara/backend/piecewise.py); the attention and DeltaNet cores stay eager
     piecewise_graphs: bool = True
+    # With cuda_graphs on, decode graphs run each layer's tail (its one-n-tile products, up to 8 rows) as
+    # persistent product chains, one launch a run of products (decapybara/backend/chain_tails.py); off until
+    # timed on the GPU against the launched products
+    product_chains: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:

@@ -46,7 +46,7 @@ BUILD_HEAVY = (
      "test_prefill_attention_long_prefix_and_off_switch", "test_moe_blocks_take_the_fused_norm",
      "test_consumer_stages_the_normalised_rows", "test_fp32_fused_qkv_is_bit_identical",
      "test_dense_values_are_the_dequantisation", "test_chain_writes_what_the_launches_write",
-     "test_chain_prefetch_leaves_the_bytes"),
+     "test_chain_prefetch_leaves_the_bytes", "test_chained_decode_graphs_write_the_launched_graphs_bytes"),
 )
 
 

@@ -167,7 +167,7 @@ RUNS: dict[str, EmuRun] = {
                      "or (many_row_kernels_keep_the_bytes_small and mxfp4)", strided=False),
     "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
     "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
-    "product_chain": EmuRun(("tests/gpu/test_product_chain.py",), "chain"),
+    "product_chain": EmuRun(("tests/gpu/test_product_chain.py", "tests/gpu/test_chain_tails.py"), "chain"),
 }
 
 
@@ -238,9 +238,12 @@ def test_product_chain_gpu_tests_pass_on_the_emulator(emulator):
     SwiGLU, the next input product), recorded and run as one persistent launch (mx_gemv.cu MX_CHAIN) on blocks side
     by side, writes what the launches write byte for byte, twice (its counters zeroed): MXFP4 and NVFP4 on the
     one-row kernels, MXFP4 and bf16 at 2-5 rows on the plain ones, stream-K and K-split tile grids, with and
-    without the L2 prefetch before its waits; through the emulator plugin in a separate process."""
+    without the L2 prefetch before its waits; and decode graphs of a tiny hybrid model over MXFP4 weights whose
+    layer tails run as chains (decapybara/backend/chain_tails.py, one and three rows) write the launched graphs'
+    logits, KV pages and states byte for byte, a tail with an op the recording does not keep staying launched:
+    through the emulator plugin in a separate process."""
     out = emulator("product_chain")
-    assert passed(out) == 7, out[-3000:]
+    assert passed(out) == 10, out[-3000:]
 
 
 @needs_toolchain

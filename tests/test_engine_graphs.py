@@ -84,7 +84,7 @@ def fake_graphs(monkeypatch):
     """Graphs "on" for the numpy backend; yields the stand-in runners made."""
     made: list[PoisoningGraphRunner] = []
 
-    def make(model, plan, piecewise=False):
+    def make(model, plan, piecewise=False, chains=False):
         made.append(PoisoningGraphRunner(model, plan))
         return made[-1]
 
@@ -119,7 +119,8 @@ def test_numpy_engine_keeps_its_whole_pool():
     assert stats["total_pages"] == 256
     assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0,
                                "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0,
-                               "tail_memory_bytes": 0}
+                               "tail_memory_bytes": 0, "product_chains": False, "chains": 0,
+                               "chained_products": 0, "launched_tails": 0}
 
 
 def test_block_manager_over_the_plan_never_hands_out_the_pad_page():
@@ -178,7 +179,7 @@ def test_context_check_uses_the_usable_pool(fake_graphs):
 
 
 def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):
-    def broken(model, plan, piecewise=False):
+    def broken(model, plan, piecewise=False, chains=False):
         raise RuntimeError("no stream for you")
 
     monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("numpy",))
@@ -221,25 +222,31 @@ def test_app_config_passes_the_switch_through():
     assert not AppConfig(cuda_graphs="false").engine_config(cuda=True).cuda_graphs
     assert AppConfig().engine_config(cuda=True).piecewise_graphs
     assert not AppConfig(piecewise_graphs="false").engine_config(cuda=True).piecewise_graphs
+    assert not AppConfig().engine_config(cuda=True).product_chains
+    assert AppConfig(product_chains="true").engine_config(cuda=True).product_chains
 
 
 def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):
     """`piecewise_graphs` reaches make_graph_runner, which gives the DecodeGraphRunner a PiecewiseTails for its
-    eager steps; graph_stats and graph_failures report the tails' numbers (here a stand-in runner's)."""
+    eager steps, and `product_chains` its `chains`; graph_stats and graph_failures report the tails' and the
+    chains' numbers (here a stand-in runner's)."""
     seen = []
 
-    def make(model, plan, piecewise=False):
-        seen.append(piecewise)
+    def make(model, plan, piecewise=False, chains=False):
+        seen.append((piecewise, chains))
         r = PoisoningGraphRunner(model, plan)
         r.tails = types.SimpleNamespace(stats={"tail_replays": 3, "captures": 2, "failures": {48: "cuBLAS"}},
                                         memory_bytes=lambda: 4096)
+        r.chains = chains
+        r.chain_stats = lambda: {"chains": 6, "chained_products": 17, "launched_tails": 1, "recut_tails": 0}
         return r
 
     monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("cupy", "numpy"))
     monkeypatch.setattr(runner_mod, "make_graph_runner", make)
-    e = Engine(model("qwen3_5_text"), EngineConfig(**BASE, piecewise_graphs=True))
-    assert seen == [True]
+    e = Engine(model("qwen3_5_text"), EngineConfig(**BASE, piecewise_graphs=True, product_chains=True))
+    assert seen == [(True, True)]
     g = e.runner.graph_stats()
     assert g["piecewise"] and (g["tail_replays"], g["tail_captures"], g["tail_failures"]) == (3, 2, 1)
     assert g["tail_memory_bytes"] == 4096
+    assert g["product_chains"] and (g["chains"], g["chained_products"], g["launched_tails"]) == (6, 17, 1)
     assert e.runner.graph_failures() == {"tails rows=48": "cuBLAS"}

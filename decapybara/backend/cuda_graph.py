@@ -111,6 +111,7 @@ class _Static:
     pool: Any = None
     outputs: Any = None
     done: Any = None  # event after the last replay: staging is reusable once it completed
+    chains: Any = None  # its layer tails' product chains (decapybara/backend/chain_tails.py `ChainTails`)
 
     def d32(self, name: str) -> Any:
         off, shape = self.views[name]
@@ -131,6 +132,7 @@ class DecodeGraphRunner:
     pad_slot: int | None = None
     buckets: tuple[int, ...] = (1, 2, 4, 8, 12)
     tails: Any = None  # eager steps' layer tails as graphs (decapybara/backend/piecewise.py `PiecewiseTails`)
+    chains: bool = False  # graphs' layer tails as persistent product chains (decapybara/backend/chain_tails.py)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                                                            "failures": {}})
     _graphs: dict[tuple[int, int], _Static] = field(default_factory=dict)
@@ -161,6 +163,15 @@ class DecodeGraphRunner:
                 return out
         self.stats["eager_steps"] += 1
         return self.model.forward(batch, kv, states, tails=self.tails)
+
+    def chain_stats(self) -> dict[str, Any]:
+        """The graphs' product chains (`chains`): chains and the products they run, layers whose tails stayed
+        launched (their check failed) or were launched in a capture (cut otherwise than in its warm-up)."""
+        sts = [st.chains for st in self._graphs.values() if st.chains is not None]
+        return {"chains": sum(c.stats["chains"] for c in sts),
+                "chained_products": sum(c.stats["chained_products"] for c in sts),
+                "launched_tails": sum(len(c.stats["launched"]) for c in sts),
+                "recut_tails": sum(len(c.stats["recut"]) for c in sts)}
 
     def ineligible(self, batch: ForwardBatch) -> str | None:
         """Why `batch` cannot replay a decode graph (None when it can)."""
@@ -217,8 +228,14 @@ class DecodeGraphRunner:
         if st.graph is None:  # warm up on padding rows only, then capture (capturing executes nothing)
             self._upload(st, None)
             st.pool = cp.cuda.MemoryPool()
+            if self.chains:
+                from decapybara.backend.chain_tails import ChainTails
+
+                st.chains = ChainTails()
             st.graph, st.outputs = capture_graph(lambda: self._step(st, kv, states), self._stream, st.pool,
                                                  warmup=1)
+            if st.chains is not None:
+                st.chains.commit()  # its chains' items to the capture's arrays, before the first replay
             self.stats["captures"] += 1
         self._upload(st, batch)
         st.graph.launch(self._stream)
@@ -330,6 +347,7 @@ class DecodeGraphRunner:
             cos, sin = cos * fac, sin * fac
         h = embedding_rows(w["model.embed_tokens.weight"], ids)  # [B, H]
         h = model.decoder_layers(h, lambda p, i, inputs: model._attention(p, i, inputs, st.batch, kv, cos, sin),
-                                 lambda p, i, inputs: model._deltanet(p, i, inputs, states, st.segments, {}))
+                                 lambda p, i, inputs: model._deltanet(p, i, inputs, states, st.segments, {}),
+                                 st.chains)
         hidden = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         return ops.linear(hidden, w["lm_head.weight"]), h

@@ -100,6 +100,12 @@ def capturing() -> contextlib.AbstractContextManager[None]:
     return _nested("depth")
 
 
+def in_capture() -> bool:
+    """Whether this thread is inside `capturing()` (a graph capture in progress: launches are recorded, nothing
+    runs, and nothing may wait on the device)."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
 def serial() -> contextlib.AbstractContextManager[None]:
     """This thread's launches inside are plain ones, even while `capturing()`."""
     return _nested("serial")
@@ -153,13 +159,18 @@ def _arg(a: Any) -> Any:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch `recording()` kept instead of making it."""
+    """A launch `recording()` kept instead of making it (`overlap`: made by `launch`, else by `plain`); `make()`
+    makes it as it would have been made."""
 
     kernel: Any
     grid: tuple[int, ...]
     block: tuple[int, ...]
     args: tuple[Any, ...]
     shared_mem: int
+    overlap: bool = True
+
+    def make(self) -> None:
+        (launch if self.overlap else plain)(self.kernel, self.grid, self.block, self.args, self.shared_mem)
 
 
 @contextlib.contextmanager
@@ -176,18 +187,18 @@ def recording() -> Iterator[list[Launch]]:
 
 
 def _recorded(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
-              shared_mem: int) -> bool:
+              shared_mem: int, overlap: bool) -> bool:
     rec = getattr(_STATE, "recorder", None)
     if rec is None:
         return False
-    rec.append(Launch(kernel, tuple(grid), tuple(block), tuple(args), shared_mem))
+    rec.append(Launch(kernel, tuple(grid), tuple(block), tuple(args), shared_mem, overlap))
     return True
 
 
 def plain(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
           shared_mem: int = 0) -> None:
     """The CuPy launch (the kernel starts after the one before it has finished)."""
-    if _recorded(kernel, grid, block, args, shared_mem):
+    if _recorded(kernel, grid, block, args, shared_mem, False):
         return
     kernel(grid, block, args, shared_mem=shared_mem)
 
@@ -196,7 +207,7 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
            shared_mem: int = 0) -> None:
     """Launch `kernel` on the current stream, allowed to overlap the previous kernel (when `enabled()`). Only
     for kernels that call pdl_wait() as the module docstring says."""
-    if _recorded(kernel, grid, block, args, shared_mem):
+    if _recorded(kernel, grid, block, args, shared_mem, True):
         return
     handle = _function_handle(kernel) if enabled() else None
     if handle is None:

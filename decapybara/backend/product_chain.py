@@ -14,8 +14,10 @@ the chain's blocks as virtual blocks), so its sums come out as the launch's woul
 all be one-n-tile kernels (`_1`, `_1s`, `_1r`, `_1rs`: up to FUSED_ROWS rows, dense) of one kernel module (one
 file and defines) and one block width, with no dynamic shared memory. The chain keeps the recorded arguments, so
 the buffers they name live as long as it does, but not their split-K tile counters (the recording stream's): it
-has its own. It runs on the current stream, overlapped with the kernel before it as the products are
-(`pdl.launch`), and a CUDA graph may capture it like any launch.
+has its own, or ones it shares with chains that never run beside it. It runs on the current stream, overlapped with
+the kernel before it as the products are (`pdl.launch`), and a CUDA graph may capture it like any launch.
+`retarget(launches)` points it at the same products recorded over other arrays (decapybara/backend/chain_tails.py
+builds a decode graph's chains in the capture's warm-up and retargets them at the capture's arrays).
 
 Every block of the chain's grid must be resident at once (its blocks wait on one another): by default the grid is
 what the device keeps resident of it when nothing else runs. Kernels that run beside it (other streams, graph
@@ -68,18 +70,30 @@ def _value(arg: Any, kind: str) -> Any:
     return arg.item()
 
 
-def item_of(launch: pdl.Launch) -> tuple[ItemC, str, str, tuple]:
-    """(the chain item, kernel file, format, defines) of one recorded skinny-product launch."""
+def chain_key(launch: pdl.Launch) -> tuple | None:
+    """(kernel file, format, defines, block) of a recorded launch that a chain can run: a one-n-tile skinny
+    product (`_1`, `_1s`, `_1r`, `_1rs`) without dynamic shared memory; None for any other launch. Launches of one
+    key may share a chain."""
     origin = kernels.kernel_origin(launch.kernel)
-    assert origin is not None, "a recorded kernel that get_kernel did not give"
+    if origin is None:
+        return None
     name, func, defines = origin
     head, _, suffix = func.rpartition("_")
-    assert head.startswith("mx_gemm_") and suffix in KINDS, f"{func}: not a one-n-tile skinny product"
-    assert launch.shared_mem == 0, f"{func}: dynamic shared memory ({launch.shared_mem} B)"
-    assert len(launch.args) == len(ARGS), f"{func}: {len(launch.args)} arguments, Args has {len(ARGS)}"
+    if not head.startswith("mx_gemm_") or suffix not in KINDS or launch.shared_mem or len(launch.args) != len(ARGS):
+        return None
+    return name, head[len("mx_gemm_"):], tuple(defines), (*launch.block, 1, 1)[:3]
+
+
+def item_of(launch: pdl.Launch) -> tuple[ItemC, tuple]:
+    """(the chain item, `chain_key`) of one recorded skinny-product launch."""
+    key = chain_key(launch)
+    origin = kernels.kernel_origin(launch.kernel)
+    assert key is not None, f"{origin[1] if origin else launch.kernel}: not a one-n-tile skinny product without " \
+                            f"dynamic shared memory"
     grid = (*launch.grid, 1, 1)[:3]
-    item = ItemC(ArgsC(*(_value(a, t) for a, (_, t) in zip(launch.args, ARGS, strict=True))), KINDS[suffix], *grid)
-    return item, name, head[len("mx_gemm_"):], tuple(defines)
+    kind = KINDS[origin[1].rpartition("_")[2]]
+    item = ItemC(ArgsC(*(_value(a, t) for a, (_, t) in zip(launch.args, ARGS, strict=True))), kind, *grid)
+    return item, key
 
 
 class ProductChain:
@@ -87,35 +101,59 @@ class ProductChain:
 
     `blocks`: the chain's grid (default: as many blocks as the device keeps resident, which every block's waits
     need). `prefetch`: chunks of weights past its register stages a block asks of the L2 before it waits for the
-    item before (MX_CHAIN_PF; default the kernel's). `__call__` enqueues it on the current stream; `timed_out()`
-    (a host sync) says whether a wait gave up."""
+    item before (MX_CHAIN_PF; default the kernel's). `counters`: int32 split-K tile counters (zeros, at least
+    1 << 16) that it may share with chains that never run at once with it (default its own). `__call__` enqueues it
+    on the current stream; `retarget` points it at the same products over other arrays; `timed_out()` (a host
+    sync) says whether a wait gave up."""
 
-    def __init__(self, launches: Sequence[pdl.Launch], blocks: int | None = None, prefetch: int | None = None):
+    def __init__(self, launches: Sequence[pdl.Launch], blocks: int | None = None, prefetch: int | None = None,
+                 counters: Any = None):
         assert launches, "an empty chain"
-        items = [item_of(launch) for launch in launches]
-        files = {(name, fmt, defines) for _, name, fmt, defines in items}
-        assert len(files) == 1, f"products of more than one kernel module: {sorted(map(str, files))}"
-        widths = {launch.block for launch in launches}
-        assert len(widths) == 1, f"products of more than one block width: {widths}"
-        self.block = (*next(iter(widths)), 1, 1)[:3]
-        name, fmt, defines = next(iter(files))
-        mask = sum(1 << kind for kind in {item.kind for item, *_ in items})
-        chain_defines = (("MX_CHAIN", mask), *((("MX_CHAIN_PF", prefetch),) if prefetch is not None else ()))
-        self.kernel = kernels.get_kernel(name, f"mx_chain_{fmt}", (*defines, *chain_defines))
-        self.n = len(items)
+        self.counters = cp.zeros(1 << 16, cp.int32) if counters is None else counters
         # split-K tile counters of its own (zero at rest; each tile's last block resets its own), not the recording
         # stream's, which products launched there meanwhile use
-        self.counters = cp.zeros(1 << 16, cp.int32)
-        for item, *_ in items:
-            item.a.counters = cupy_ops.dev_ptr(self.counters)
-        arr = (ItemC * self.n)(*(item for item, *_ in items))
-        self.items = cp.asarray(np.frombuffer(bytes(arr), np.uint8))
+        assert self.counters.dtype == cp.int32 and self.counters.size >= 1 << 16, "counters: int32, 1 << 16 of them"
+        host, self.key, self.shape = self._items(launches)
+        name, fmt, defines, self.block = self.key
+        mask = sum(1 << kind for kind in {kind for kind, _ in self.shape})
+        chain_defines = (("MX_CHAIN", mask), *((("MX_CHAIN_PF", prefetch),) if prefetch is not None else ()))
+        self.kernel = kernels.get_kernel(name, f"mx_chain_{fmt}", (*defines, *chain_defines))
+        self.n = len(launches)
+        self.items = cp.asarray(host)
         self.launches = tuple(launches)  # their arrays stay alive while the chain may run
         self.done = cp.zeros(self.n + 1, cp.uint32)
         self.err = cp.zeros(2, cp.uint32)  # [0]: a wait of some launch timed out (kept); [1]: of this launch
         self.blocks = blocks or self.resident() * cupy_ops.sm_count()
         assert self.blocks > 0, "no block of the chain kernel fits an SM"
         cp.cuda.runtime.deviceSynchronize()  # the items and zeros in place before a launch on any stream
+
+    def _items(self, launches: Sequence[pdl.Launch]) -> tuple[np.ndarray, tuple, tuple]:
+        """(the items' bytes, with this chain's counters; their common `chain_key`; each item's (kind, grid))."""
+        items = [item_of(launch) for launch in launches]
+        keys = {key for _, key in items}
+        assert len(keys) == 1, f"products of more than one kernel module or block width: {sorted(map(str, keys))}"
+        for item, _ in items:
+            item.a.counters = cupy_ops.dev_ptr(self.counters)
+        arr = (ItemC * len(items))(*(item for item, _ in items))
+        shape = tuple((item.kind, (item.gx, item.gy, item.gz)) for item, _ in items)
+        return np.frombuffer(bytes(arr), np.uint8).copy(), keys.pop(), shape
+
+    def matches(self, launches: Sequence[pdl.Launch]) -> bool:
+        """Whether `launches` are this chain's products (kernels, kinds, grids, block), over any arrays."""
+        if len(launches) != self.n or any(chain_key(launch) != self.key for launch in launches):
+            return False
+        return self._items(launches)[2] == self.shape
+
+    def retarget(self, launches: Sequence[pdl.Launch]) -> None:
+        """Run `launches` from now on: the same products (kernels, kinds, grids, block) as the chain's, recorded
+        over other arrays (e.g. a graph's capture, where the chain was built from its warm-up's launches). Writes
+        the device items and waits for the device: never during a capture, nor while the chain runs."""
+        host, key, shape = self._items(launches)
+        assert (key, shape) == (self.key, self.shape), "retargeted to other products"
+        cp.cuda.runtime.deviceSynchronize()  # no launch of the chain still reads the items
+        self.items[...] = cp.asarray(host)
+        self.launches = tuple(launches)
+        cp.cuda.runtime.deviceSynchronize()
 
     def resident(self) -> int:
         """Blocks of the chain kernel an SM keeps resident (the driver's occupancy; 1 where it cannot tell)."""

@@ -82,9 +82,10 @@ def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid:
                      pad_slot=cfg.max_slots if hybrid else None, max_pages=min(pages_for_len, usable))
 
 
-def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False) -> Any:
+def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False, chains: bool = False) -> Any:
     """A DecodeGraphRunner over `plan`'s reservation (`piecewise`: its eager steps replay the layers' tails as
-    graphs, `PiecewiseTails`). Imports cupy: call only for an enabled plan."""
+    graphs, `PiecewiseTails`; `chains`: its graphs run the layers' tails as product chains, `ChainTails`). Imports
+    cupy: call only for an enabled plan."""
     from decapybara.backend.cuda_graph import DecodeGraphRunner
 
     tails = None
@@ -93,7 +94,7 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
         tails = PiecewiseTails()
     return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
-                             tails=tails)
+                             tails=tails, chains=chains)
 
 
 def _graph_key_name(key: Any) -> str:
@@ -123,7 +124,7 @@ class ModelRunner:
         if self.states is not None and self.plan.pad_slot is not None:
             self.states.reset(self.plan.pad_slot)
         try:
-            self.graphs = make_graph_runner(self.model, self.plan, self.cfg.piecewise_graphs)
+            self.graphs = make_graph_runner(self.model, self.plan, self.cfg.piecewise_graphs, self.cfg.product_chains)
         except Exception as e:  # noqa: BLE001 - no graphs is slower, never wrong
             self.graph_error = f"{type(e).__name__}: {e}"
             log.warning("CUDA graphs disabled: %s", self.graph_error)
@@ -182,16 +183,21 @@ class ModelRunner:
         """Numbers of CUDA-graph decode: `enabled` (a graph runner is in use), forwards replayed as graphs
         (`graph_steps`) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
         whose capture failed (`failures`, those run eagerly); with piecewise tails, their replays, captures,
-        failed buckets and the device memory they hold (`tail_memory_bytes`). All zero without graphs."""
+        failed buckets and the device memory they hold (`tail_memory_bytes`); with product chains, the chains and
+        the products they run (`DecodeGraphRunner.chain_stats`). All zero without graphs."""
         s = self.graphs.stats if self.graphs is not None else {}
         tails = getattr(self.graphs, "tails", None)
         t = tails.stats if tails is not None else {}
+        chained = bool(getattr(self.graphs, "chains", False))
+        c = self.graphs.chain_stats() if chained else {}
         return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
                 "failures": len(s.get("failures", {})), "piecewise": tails is not None,
                 "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),
                 "tail_failures": len(t.get("failures", {})),
-                "tail_memory_bytes": tails.memory_bytes() if tails is not None else 0}
+                "tail_memory_bytes": tails.memory_bytes() if tails is not None else 0,
+                "product_chains": chained, "chains": c.get("chains", 0),
+                "chained_products": c.get("chained_products", 0), "launched_tails": c.get("launched_tails", 0)}
 
     def graph_failures(self) -> dict[str, str]:
         """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""

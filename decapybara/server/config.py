@@ -49,6 +49,8 @@ class AppConfig(BaseModel):
     piecewise_graphs: bool = Field(default=True, description="eager steps of 9-256 rows replay each layer's tail "
                                    "(projections, norms, MLP, the next layer's input products) as a CUDA graph "
                                    "(CUDA backend, cuda_graphs on)")
+    product_chains: bool = Field(default=False, description="decode graphs run each layer's run of skinny products"
+                                 " (up to 8 rows) as one persistent launch (CUDA backend, cuda_graphs on)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -99,6 +101,7 @@ class AppConfig(BaseModel):
                             kv_mode=kv_mode, max_model_len=self.max_model_len,
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
+                            product_chains=self.product_chains,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

@@ -1,0 +1,187 @@
+"""Decode graphs' layer tails as persistent product chains (decapybara/backend/product_chain.py): the option
+`chains` of `DecodeGraphRunner` (the engine's `product_chains`, off by default).
+
+A decode step's layer tail (`QwenModel.block_tail`: the output projection with the residual add and the next
+norm, the MLP's gate|up product and activation, down with its residual add and norm, the next layer's input
+products) is, up to FUSED_ROWS rows over packed or bf16 weights, a run of one-n-tile skinny products, each reading
+the one before's output. Launched, each pays its blocks' start, its wait for the product before and its blocks'
+spread at the end. `ChainTails` records each tail's launches (`pdl.recording()`), cuts them into runs of
+consecutive launches of one kernel module and block width (`product_chain.chain_key`) and runs each run of
+CHAIN["min_items"] or more products as one `ProductChain` launch, every other launch as recorded
+(`pdl.Launch.make`). A DeltaNet layer's b|a product, which `linear_pair` runs on a side stream beside qkv|z,
+becomes the item after qkv|z.
+
+Within a graph capture (`capture_graph`: a warm-up call, then the captured one), layer by layer:
+- warm-up: the tail runs as launched (the reference), then is recorded over the same inputs, its chains built
+  and run; the two outputs are compared byte for byte. Equal: the layer's tail is chained in the capture. Not
+  equal (e.g. an op that `recording()` does not keep ran out of order between the products): the layer stays
+  launched and `stats["launched"]` names it.
+- capture: the tail is recorded again (over the capture's arrays, not the warm-up's); where its cuts are the
+  warm-up's, its chains are launched (graph nodes) and their items, which still name the warm-up's arrays,
+  are rewritten by `commit()` once the capture has ended (`ProductChain.retarget`); where they are not
+  (`stats["recut"]`), its launches are made as recorded.
+The last layer's tail (its residual add has no norm after it: an elementwise op) runs as launched.
+
+One ChainTails a graph: its chains run one after another inside it, so they share one set of split-K counters.
+Every chain's grid must be resident at once (product_chain.py): kernels that run beside a graph with chains
+(other streams, other processes) can make its waits time out (`timed_out()`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from decapybara.backend import pdl
+from decapybara.backend.product_chain import ProductChain, chain_key
+
+# blocks: a chain's grid (None: what the device keeps resident); prefetch: MX_CHAIN_PF (None: the kernel's);
+# min_items: the fewest consecutive products of one kernel module that run as a chain
+CHAIN: dict[str, Any] = {"blocks": None, "prefetch": None, "min_items": 2}
+
+
+def cuts(launches: list[pdl.Launch]) -> list[list[pdl.Launch]]:
+    """`launches` in order, cut into runs of consecutive launches of one `chain_key` (launches no chain runs
+    alone)."""
+    out: list[list[pdl.Launch]] = []
+    last = None
+    for launch in launches:
+        key = chain_key(launch)
+        if out and key is not None and key == last:
+            out[-1].append(launch)
+        else:
+            out.append([launch])
+        last = key
+    return out
+
+
+@dataclass
+class _Cut:
+    """A run of a tail's launches: a chain, or launches made as recorded (`chain` None)."""
+
+    count: int
+    chain: ProductChain | None
+
+
+def _outputs_equal(a: Any, b: Any) -> bool:
+    """Whether two tails' outputs ((inputs, h)) hold the same bytes (a host sync)."""
+    xs, ys = [*(a[0] or []), a[1]], [*(b[0] or []), b[1]]
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys, strict=True):
+        hx, hy = (np.ascontiguousarray(cp.asnumpy(v)) for v in (x, y))
+        if hx.shape != hy.shape or hx.dtype != hy.dtype or not np.array_equal(hx.view(np.uint8), hy.view(np.uint8)):
+            return False
+    return True
+
+
+class ChainTails:
+    """A decode graph's layer tails as product chains (module docstring): `QwenModel.forward`'s `tails`
+    protocol (`start(model, h)` -> a run whose `tail(i, out, h)` stands in for `block_tail`), and `commit()`
+    after the capture."""
+
+    def __init__(self) -> None:
+        self.sites: dict[int, list[_Cut] | None] = {}  # layer -> its cuts (None: its tail stays launched)
+        self.pending: list[tuple[ProductChain, list[pdl.Launch]]] = []  # chains to retarget after the capture
+        self.counters: Any = None  # split-K tile counters of this graph's chains
+        self.stats: dict[str, Any] = {"chains": 0, "chained_products": 0, "launched": [], "recut": [],
+                                      "retargeted": 0}
+
+    def start(self, model: Any, h: Any) -> _ChainRun:
+        return _ChainRun(self, model)
+
+    def chains(self) -> list[ProductChain]:
+        return [c.chain for site in self.sites.values() if site for c in site if c.chain is not None]
+
+    def commit(self) -> None:
+        """Point the chains launched in the capture that just ended at that capture's arrays (a host sync; call
+        after `end_capture`, before the graph's first replay)."""
+        for chain, launches in self.pending:
+            chain.retarget(launches)
+            self.stats["retargeted"] += 1
+        self.pending.clear()
+
+    def timed_out(self) -> bool:
+        """Whether a wait of any of the chains gave up (their outputs then wrong); a host sync."""
+        return any(chain.timed_out() for chain in self.chains())
+
+    def build(self, launches: list[pdl.Launch]) -> list[_Cut]:
+        """The cuts of a tail's recorded launches, chains made for runs of CHAIN["min_items"]+ products."""
+        if self.counters is None:
+            self.counters = cp.zeros(1 << 16, cp.int32)
+        site = []
+        for part in cuts(launches):
+            chain = None
+            if len(part) >= CHAIN["min_items"] and chain_key(part[0]) is not None:
+                chain = ProductChain(part, blocks=CHAIN["blocks"], prefetch=CHAIN["prefetch"], counters=self.counters)
+            site.append(_Cut(len(part), chain))
+        return site
+
+
+class _ChainRun:
+    """One forward's tails (`ChainTails.start`)."""
+
+    def __init__(self, tails: ChainTails, model: Any) -> None:
+        self.tails, self.model = tails, model
+
+    def finish(self, h: Any) -> Any:
+        return h
+
+    def tail(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
+        if i + 1 >= self.model.cfg.num_hidden_layers:
+            return self.model.block_tail(i, out, h)
+        return self._captured(i, out, h) if pdl.in_capture() else self._warm(i, out, h)
+
+    def _warm(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
+        """Outside a capture: the tail launched, then recorded and chained over the same inputs; the layer is
+        chained in captures if both give the same bytes."""
+        tails, model = self.tails, self.model
+        ref = model.block_tail(i, out, h)
+        with pdl.recording() as launches:
+            got = model.block_tail(i, out, h)
+        site = tails.build(launches)
+        at = 0
+        for cut in site:
+            if cut.chain is not None:
+                cut.chain()
+            else:
+                for launch in launches[at:at + cut.count]:
+                    launch.make()
+            at += cut.count
+        if not _outputs_equal(ref, got):
+            tails.sites[i] = None
+            tails.stats["launched"].append(i)
+            return ref
+        if i not in tails.sites:
+            chained = [c for c in site if c.chain is not None]
+            tails.stats["chains"] += len(chained)
+            tails.stats["chained_products"] += sum(c.count for c in chained)
+        tails.sites[i] = site
+        return got
+
+    def _captured(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
+        """In a capture: the warm-up's chains over this call's launches (retargeted by `commit`)."""
+        tails, model = self.tails, self.model
+        site = tails.sites.get(i)
+        if not site:
+            return model.block_tail(i, out, h)
+        with pdl.recording() as launches:
+            got = model.block_tail(i, out, h)
+        parts = cuts(launches)
+        if [len(p) for p in parts] != [c.count for c in site] or not all(
+                c.chain is None or c.chain.matches(p) for p, c in zip(parts, site, strict=True)):
+            tails.stats["recut"].append(i)
+            for launch in launches:
+                launch.make()
+            return got
+        for part, cut in zip(parts, site, strict=True):
+            if cut.chain is None:
+                for launch in part:
+                    launch.make()
+            else:
+                cut.chain()
+                tails.pending.append((cut.chain, part))
+        return got

@@ -151,6 +151,9 @@ RUNS: dict[str, EmuRun] = {
     "piecewise_dense": EmuRun(PIECEWISE, "(eager_logits and mxfp4 and (qwen3_5_text or qwen3])) or kept or arena "
                                          "or outside or failed or captured or unbound or handle"),
     "moe": EmuRun(("tests/gpu/test_kernels_extra.py", "tests/gpu/test_fused_norm.py"), MOE_EMU_CASES),
+    "decode_graphs": EmuRun(("tests/gpu/test_cuda_graph.py", "tests/gpu/test_engine_graphs.py"),
+                            "decode_graph_equals_eager or runs_prefill_eagerly or attention_splits "
+                            "or moe_decode_graphs or fp32_moe or server_backend_with_packed"),
     "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
     "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
     "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
@@ -239,11 +242,24 @@ def test_product_chain_gpu_tests_pass_on_the_emulator(emulator):
     by side, writes what the launches write byte for byte, twice (its counters zeroed): MXFP4 and NVFP4 on the
     one-row kernels, MXFP4 and bf16 at 2-5 rows on the plain ones, stream-K and K-split tile grids, with and
     without the L2 prefetch before its waits; and decode graphs of a tiny hybrid model over MXFP4 weights whose
-    layer tails run as chains (decapybara/backend/chain_tails.py, one and three rows) write the launched graphs'
-    logits, KV pages and states byte for byte, a tail with an op the recording does not keep staying launched:
-    through the emulator plugin in a separate process."""
+    layer tails run as chains (decapybara/backend/chain_tails.py, one and three rows): the chained tails of a graph
+    write the eager tails' bytes, and chained decode graphs the launched graphs' logits, KV pages and states, a tail
+    with an op the recording does not keep staying launched: through the emulator plugin in a separate process."""
     out = emulator("product_chain")
-    assert passed(out) == 10, out[-3000:]
+    assert passed(out) == 12, out[-3000:]
+
+
+@needs_toolchain
+@uses_runs("decode_graphs")
+def test_decode_graphs_pass_on_the_emulator(emulator):
+    """Decode steps as CUDA graphs (the emulator's captures record launches and the numpy work on device arrays,
+    fake_cupy `DevArray`, and replay both): replays equal eager steps in logits, KV pages and DeltaNet states over
+    float32, bf16 and 6/4-bit pages (the tensor-core decode attention with empty key splits), prefill steps run
+    eagerly, the attention's split counts, MoE models' graphs (bf16 and MXFP4 experts) capture and the fp32 mode's
+    do not, and the server's backend with MXFP4 weights generates the eager tokens through graphs: cases of their
+    GPU tests, through the emulator plugin in a separate process."""
+    out = emulator("decode_graphs")
+    assert passed(out) == 9, out[-3000:]
 
 
 @needs_toolchain

@@ -153,7 +153,8 @@ class _ChainRun:
             at += cut.count
         if not _outputs_equal(ref, got):
             tails.sites[i] = None
-            tails.stats["launched"].append(i)
+            if i not in tails.stats["launched"]:
+                tails.stats["launched"].append(i)
             return ref
         if i not in tails.sites:
             chained = [c for c in site if c.chain is not None]
@@ -166,7 +167,7 @@ class _ChainRun:
         """In a capture: the warm-up's chains over this call's launches (retargeted by `commit`)."""
         tails, model = self.tails, self.model
         site = tails.sites.get(i)
-        if not site:
+        if not site or all(c.chain is None for c in site):  # launched as without chains (b|a on its side stream)
             return model.block_tail(i, out, h)
         with pdl.recording() as launches:
             got = model.block_tail(i, out, h)

@@ -59,9 +59,11 @@ def _emu_object() -> str:
 
 # stream capture (`Stream.begin_capture` ... `end_capture`): launches and device-to-device copies are recorded, not
 # run, and a graph's `launch` runs them in order; a cuBLAS call through CuPy's wrapper raises, as CuPy's does during a
-# capture, and one through decapybara/backend/blas.py's handles (fake_cublas.LIBRARY) is recorded. Numpy work done by fake CuPy arrays during a
-# capture (elementwise ops, copies by assignment) runs at once and is not recorded: a real capture records it, so
-# code under test captures only launches, cuBLAS and `runtime.memcpyAsync`.
+# capture, and one through decapybara/backend/blas.py's handles (fake_cublas.LIBRARY) is recorded. Numpy work on
+# device arrays (`DevArray`, what the fake CuPy's constructors return) runs at once and, during a capture, is also
+# recorded: elementwise ops and reductions, numpy functions, `astype` / `copy` / gathers by index arrays (each
+# recomputed into the array it made), assignments into arrays, `fill`, `set`; as a real capture records CuPy's
+# elementwise kernels, so a replay recomputes them over the arrays' values then.
 CAPTURE: list | None = None
 REPLAYING = False  # a graph's launch is running its recorded operations
 # arrays allocated during the capture in progress (cp.empty, zeros, ...): its graph holds them, as a graph's memory
@@ -76,6 +78,112 @@ def deferred(fn):
         CAPTURE.append(fn)
     else:
         fn()
+
+
+def _recording() -> bool:
+    return CAPTURE is not None
+
+
+def _remake(result, make):
+    """Records, in the capture in progress, `make()` recomputed into `result` (an array it returned)."""
+    CAPTURE_KEEP.append(result)
+    CAPTURE.append(lambda: np.copyto(result, make(), casting="unsafe"))
+
+
+class DevArray(np.ndarray):
+    """A fake device array: a numpy array whose numpy work during a capture is recorded for the graph's replays
+    (module comment above); outside captures a plain numpy array in all but its type."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        args = tuple(a.view(np.ndarray) if isinstance(a, DevArray) else a for a in inputs)
+        outs = kwargs.get("out")
+        if outs is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, DevArray) else o for o in outs)
+        result = getattr(ufunc, method)(*args, **kwargs)
+        if outs is not None:
+            got = outs if len(outs) > 1 else outs[0]
+        elif isinstance(result, tuple):
+            got = tuple(r.view(DevArray) if isinstance(r, np.ndarray) else r for r in result)
+        elif isinstance(result, np.ndarray):
+            got = result.view(DevArray)
+        elif _recording() and method == "reduce":  # a scalar reduction: a 0-d device array, as CuPy's
+            got = np.asarray(result).view(DevArray)
+        else:
+            got = result
+        if _recording() and method in ("__call__", "reduce", "accumulate", "outer"):
+            targets = kwargs["out"] if outs is not None else tuple(
+                g.view(np.ndarray) for g in (got if isinstance(got, tuple) else (got,)))
+            if all(isinstance(t, np.ndarray) for t in targets):
+                CAPTURE_KEEP.extend(targets)
+                again = {**kwargs, "out": targets if len(targets) > 1 else targets[0]}
+                if method != "__call__":
+                    again["out"] = targets[0]
+                CAPTURE.append(lambda: getattr(ufunc, method)(*args, **again))
+        return got
+
+    def __array_function__(self, func, types_, args, kwargs):
+        result = super().__array_function__(func, types_, args, kwargs)
+        if _recording():
+            if isinstance(result, np.ndarray) and not any(
+                    isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in args):
+                _remake(result.view(np.ndarray), lambda: func(*args, **kwargs))
+            elif result is None:  # in place (np.copyto, np.put, ...)
+                CAPTURE.append(lambda: func(*args, **kwargs))
+        return result
+
+    def astype(self, *a, **kw):
+        result = super().astype(*a, **kw)
+        if _recording() and result is not self:
+            _remake(result.view(np.ndarray), lambda: self.view(np.ndarray).astype(*a, **kw))
+        return result
+
+    def copy(self, *a, **kw):
+        result = super().copy(*a, **kw)
+        if _recording():
+            _remake(result.view(np.ndarray), lambda: self.view(np.ndarray).copy(*a, **kw))
+        return result
+
+    def __getitem__(self, key):
+        result = super().__getitem__(key)
+        if _recording() and isinstance(result, np.ndarray) and not np.may_share_memory(result, self):
+            _remake(result.view(np.ndarray), lambda: self.view(np.ndarray)[key])  # a gather by index arrays
+        return result
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if _recording():
+            CAPTURE.append(lambda: self.view(np.ndarray).__setitem__(key, value))
+
+    def fill(self, value):
+        super().fill(value)
+        if _recording():
+            CAPTURE.append(lambda: self.view(np.ndarray).fill(value))
+
+    def set(self, arr, stream=None):
+        """CuPy's host -> device copy into this array."""
+        self[...] = arr
+
+    def get(self, stream=None, order="C", out=None):
+        return asnumpy(self, out=out)
+
+
+def on_device(fn):
+    """`fn`, its array results as device arrays (`DevArray`) and, made during a capture, kept with its graph."""
+    def make(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if isinstance(out, np.ndarray):
+            out = out.view(DevArray)
+            if CAPTURE is not None:
+                CAPTURE_KEEP.append(out)
+        return out
+    return make
+
+
+def asnumpy(a, stream=None, order="C", out=None, blocking=True):
+    if out is None:
+        return np.array(a, copy=True, subok=False)
+    out[...] = a
+    return out
 
 
 class FakeGraph:
@@ -210,20 +318,9 @@ def install():
         if not k.startswith("__"):
             setattr(cp, k, getattr(np, k))
     cp.ndarray = np.ndarray
-    def kept(fn):
-        def allocate(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            if CAPTURE is not None:
-                CAPTURE_KEEP.append(out)
-            return out
-        return allocate
-    for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like"):
-        setattr(cp, name, kept(getattr(np, name)))
-    def asnumpy(a, stream=None, order="C", out=None, blocking=True):
-        if out is None:
-            return np.array(a, copy=True)
-        out[...] = a
-        return out
+    for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like", "arange",
+                 "asarray", "array", "ascontiguousarray", "linspace", "frombuffer", "concatenate", "stack"):
+        setattr(cp, name, on_device(getattr(np, name)))
     cp.asnumpy = asnumpy
     cp.RawModule = RawModule
     cp.__version__ = "fake"

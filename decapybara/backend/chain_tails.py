@@ -12,14 +12,15 @@ CHAIN["min_items"] or more products as one `ProductChain` launch, every other la
 becomes the item after qkv|z.
 
 Within a graph capture (`capture_graph`: a warm-up call, then the captured one), layer by layer:
-- warm-up: the tail runs as launched (the reference), then is recorded over the same inputs, its chains built
-  and run; the two outputs are compared byte for byte. Equal: the layer's tail is chained in the capture. Not
-  equal (e.g. an op that `recording()` does not keep ran out of order between the products): the layer stays
-  launched and `stats["launched"]` names it.
+- warm-up: the tail runs as launched (the reference), then is recorded over the same inputs (the arrays it
+  allocates meanwhile poisoned), its chains built and run; the two outputs are compared byte for byte. Equal: the
+  layer's tail is chained in the capture. Not equal (e.g. an op that `recording()` does not keep ran out of order
+  between the products, over poison), or its chains could not be built (`stats["errors"]`): the layer stays
+  launched for good and `stats["launched"]` names it.
 - capture: the tail is recorded again (over the capture's arrays, not the warm-up's); where its cuts are the
   warm-up's, its chains are launched (graph nodes) and their items, which still name the warm-up's arrays,
   are rewritten by `commit()` once the capture has ended (`ProductChain.retarget`); where they are not
-  (`stats["recut"]`), its launches are made as recorded.
+  (`stats["recut"]`), the recording is dropped and the tail launched as without chains.
 The last layer's tail (its residual add has no norm after it: an elementwise op) runs as launched.
 
 One ChainTails a graph: its chains run one after another inside it, so they share one set of split-K counters.
@@ -29,6 +30,8 @@ Every chain's grid must be resident at once (product_chain.py): kernels that run
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +69,24 @@ class _Cut:
     chain: ProductChain | None
 
 
+@contextlib.contextmanager
+def _poisoned_allocations() -> Iterator[None]:
+    """Device memory allocated inside (through the current CuPy allocator) is first filled with 0xFF bytes (NaN in
+    float32 and bf16) on the current stream. The recorded run of a tail allocates its arrays here: an op that the
+    recording does not keep then reads poison, not bytes that the launched run left in memory the allocator hands
+    out again."""
+    base = cp.cuda.get_allocator()
+
+    def malloc(size: int) -> Any:
+        mem = base(size)
+        if size:
+            mem.memset_async(0xFF, size)
+        return mem
+
+    with cp.cuda.using_allocator(malloc):
+        yield
+
+
 def _outputs_equal(a: Any, b: Any) -> bool:
     """Whether two tails' outputs ((inputs, h)) hold the same bytes (a host sync)."""
     xs, ys = [*(a[0] or []), a[1]], [*(b[0] or []), b[1]]
@@ -88,7 +109,7 @@ class ChainTails:
         self.pending: list[tuple[ProductChain, list[pdl.Launch]]] = []  # chains to retarget after the capture
         self.counters: Any = None  # split-K tile counters of this graph's chains
         self.stats: dict[str, Any] = {"chains": 0, "chained_products": 0, "launched": [], "recut": [],
-                                      "retargeted": 0}
+                                      "retargeted": 0, "errors": {}}
 
     def start(self, model: Any, h: Any) -> _ChainRun:
         return _ChainRun(self, model)
@@ -136,22 +157,28 @@ class _ChainRun:
         return self._captured(i, out, h) if pdl.in_capture() else self._warm(i, out, h)
 
     def _warm(self, i: int, out: Any, h: Any) -> tuple[Any, Any]:
-        """Outside a capture: the tail launched, then recorded and chained over the same inputs; the layer is
-        chained in captures if both give the same bytes."""
+        """Outside a capture: the tail launched, then recorded (every array it allocates meanwhile poisoned first)
+        and chained over the same inputs; the layer is chained in captures if both give the same bytes."""
         tails, model = self.tails, self.model
         ref = model.block_tail(i, out, h)
-        with pdl.recording() as launches:
+        if i in tails.sites and tails.sites[i] is None:  # failed its check before: launched for good
+            return ref
+        with _poisoned_allocations(), pdl.recording() as launches:
             got = model.block_tail(i, out, h)
-        site = tails.build(launches)
+        try:
+            site = tails.build(launches)
+        except Exception as e:  # noqa: BLE001 - e.g. the chain kernel's build: the layer stays launched
+            site = None
+            tails.stats["errors"][i] = f"{type(e).__name__}: {e}"
         at = 0
-        for cut in site:
+        for cut in site or [_Cut(len(launches), None)]:
             if cut.chain is not None:
                 cut.chain()
             else:
                 for launch in launches[at:at + cut.count]:
                     launch.make()
             at += cut.count
-        if not _outputs_equal(ref, got):
+        if site is None or not _outputs_equal(ref, got):
             tails.sites[i] = None
             if i not in tails.stats["launched"]:
                 tails.stats["launched"].append(i)
@@ -174,10 +201,8 @@ class _ChainRun:
         parts = cuts(launches)
         if [len(p) for p in parts] != [c.count for c in site] or not all(
                 c.chain is None or c.chain.matches(p) for p, c in zip(parts, site, strict=True)):
-            tails.stats["recut"].append(i)
-            for launch in launches:
-                launch.make()
-            return got
+            tails.stats["recut"].append(i)  # the recording dropped: the tail launched as without chains
+            return model.block_tail(i, out, h)
         for part, cut in zip(parts, site, strict=True):
             if cut.chain is None:
                 for launch in part:

@@ -159,8 +159,8 @@ def _arg(a: Any) -> Any:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch `recording()` kept instead of making it (`overlap`: made by `launch`, else by `plain`); `make()`
-    makes it as it would have been made."""
+    """A launch `recording()` kept instead of making it (`overlap`: made by `launch` outside `serial()`, else
+    plain); `make()` makes it as it would have been made."""
 
     kernel: Any
     grid: tuple[int, ...]
@@ -207,7 +207,7 @@ def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
            shared_mem: int = 0) -> None:
     """Launch `kernel` on the current stream, allowed to overlap the previous kernel (when `enabled()`). Only
     for kernels that call pdl_wait() as the module docstring says."""
-    if _recorded(kernel, grid, block, args, shared_mem, True):
+    if _recorded(kernel, grid, block, args, shared_mem, not getattr(_STATE, "serial", 0)):
         return
     handle = _function_handle(kernel) if enabled() else None
     if handle is None:

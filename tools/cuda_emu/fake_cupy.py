@@ -60,10 +60,11 @@ def _emu_object() -> str:
 # stream capture (`Stream.begin_capture` ... `end_capture`): launches and device-to-device copies are recorded, not
 # run, and a graph's `launch` runs them in order; a cuBLAS call through CuPy's wrapper raises, as CuPy's does during a
 # capture, and one through decapybara/backend/blas.py's handles (fake_cublas.LIBRARY) is recorded. Numpy work on
-# device arrays (`DevArray`, what the fake CuPy's constructors return) runs at once and, during a capture, is also
-# recorded: elementwise ops and reductions, numpy functions, `astype` / `copy` / gathers by index arrays (each
-# recomputed into the array it made), assignments into arrays, `fill`, `set`; as a real capture records CuPy's
-# elementwise kernels, so a replay recomputes them over the arrays' values then.
+# device arrays (`DevArray`, what the fake CuPy's constructors return) during a capture is recorded too, as a real
+# capture records CuPy's elementwise kernels: new arrays (elementwise ops and reductions, numpy functions, `astype` /
+# `copy` / gathers by index arrays, copies by `asarray`) are computed at once and recomputed into themselves at each
+# replay; work into existing arrays (`out=`, assignments, `fill`, `set`) is recorded and not done; host reads and
+# boolean-mask gathers raise (`DevArray`).
 CAPTURE: list | None = None
 REPLAYING = False  # a graph's launch is running its recorded operations
 # arrays allocated during the capture in progress (cp.empty, zeros, ...): its graph holds them, as a graph's memory
@@ -90,74 +91,146 @@ def _remake(result, make):
     CAPTURE.append(lambda: np.copyto(result, make(), casting="unsafe"))
 
 
+def _base(a):
+    return a.view(np.ndarray) if isinstance(a, DevArray) else a
+
+
+def _dev(result):
+    """A result as device arrays: arrays viewed as `DevArray`; during a capture a scalar as a 0-d one (CuPy's
+    results stay on the device)."""
+    if isinstance(result, tuple):
+        return tuple(_dev(r) for r in result)
+    if isinstance(result, np.ndarray):
+        return result if isinstance(result, DevArray) else result.view(DevArray)
+    if _recording() and isinstance(result, np.generic):
+        return np.asarray(result).view(DevArray)
+    return result
+
+
+def _host_sync(what):
+    if _recording():
+        raise RuntimeError(f"{what} of a device array during a stream capture (a host synchronisation: the capture "
+                           f"would fail on a GPU)")
+
+
+_METADATA = {np.may_share_memory, np.shares_memory, np.shape, np.ndim, np.size, np.result_type, np.can_cast,
+             np.iscomplexobj, np.isrealobj}
+
+
 class DevArray(np.ndarray):
     """A fake device array: a numpy array whose numpy work during a capture is recorded for the graph's replays
-    (module comment above); outside captures a plain numpy array in all but its type."""
+    (module comment above). During a capture, work into existing arrays (`out=`, assignments, `fill`) is recorded
+    and not done, as a real capture does nothing until its graph runs; new arrays are computed at once (their shapes)
+    and recomputed at each replay; reading values on the host (`int()`, `float()`, `bool()`, `item()`, `asnumpy`)
+    or a gather by a boolean mask (CuPy's syncs for its count) raises. Outside captures a plain numpy array in all
+    but its type."""
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        args = tuple(a.view(np.ndarray) if isinstance(a, DevArray) else a for a in inputs)
+        args = tuple(_base(a) for a in inputs)
         outs = kwargs.get("out")
         if outs is not None:
-            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, DevArray) else o for o in outs)
-        result = getattr(ufunc, method)(*args, **kwargs)
-        if outs is not None:
-            got = outs if len(outs) > 1 else outs[0]
-        elif isinstance(result, tuple):
-            got = tuple(r.view(DevArray) if isinstance(r, np.ndarray) else r for r in result)
-        elif isinstance(result, np.ndarray):
-            got = result.view(DevArray)
-        elif _recording() and method == "reduce":  # a scalar reduction: a 0-d device array, as CuPy's
-            got = np.asarray(result).view(DevArray)
-        else:
-            got = result
-        if _recording() and method in ("__call__", "reduce", "accumulate", "outer"):
-            targets = kwargs["out"] if outs is not None else tuple(
-                g.view(np.ndarray) for g in (got if isinstance(got, tuple) else (got,)))
-            if all(isinstance(t, np.ndarray) for t in targets):
-                CAPTURE_KEEP.extend(targets)
-                again = {**kwargs, "out": targets if len(targets) > 1 else targets[0]}
-                if method != "__call__":
-                    again["out"] = targets[0]
-                CAPTURE.append(lambda: getattr(ufunc, method)(*args, **again))
+            kwargs["out"] = tuple(_base(o) for o in outs)
+        run = getattr(ufunc, method)
+        if not _recording():
+            result = run(*args, **kwargs)
+            return (outs if len(outs) > 1 else outs[0]) if outs is not None else _dev(result)
+        if method not in ("__call__", "reduce", "accumulate", "outer"):
+            raise RuntimeError(f"{ufunc.__name__}.{method} on device arrays during a capture: not emulated")
+        if outs is not None:  # into existing arrays: recorded, not done now
+            again = dict(kwargs)
+            if method != "__call__" or len(outs) == 1:
+                again["out"] = kwargs["out"][0]
+            CAPTURE.append(lambda: run(*args, **again))
+            return outs if len(outs) > 1 else outs[0]
+        got = _dev(run(*args, **kwargs))
+        targets = tuple(g.view(np.ndarray) for g in (got if isinstance(got, tuple) else (got,)))
+        CAPTURE_KEEP.extend(targets)
+        again = {**kwargs, "out": targets if len(targets) > 1 else targets[0]}
+        CAPTURE.append(lambda: run(*args, **again))
         return got
 
     def __array_function__(self, func, types_, args, kwargs):
+        if func in _METADATA:  # shapes and addresses: host facts, no device work
+            return func(*(_base(a) for a in args), **kwargs)
         result = super().__array_function__(func, types_, args, kwargs)
         if _recording():
-            if isinstance(result, np.ndarray) and not any(
-                    isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in args):
-                _remake(result.view(np.ndarray), lambda: func(*args, **kwargs))
-            elif result is None:  # in place (np.copyto, np.put, ...)
+            if result is None:  # in place (np.copyto, np.put, ...): it ran now; again at each replay
                 CAPTURE.append(lambda: func(*args, **kwargs))
-        return result
+            elif isinstance(result, np.generic):  # a scalar: a 0-d device array, as CuPy's
+                result = np.asarray(result)
+                _remake(result, lambda: func(*args, **kwargs))
+            elif not isinstance(result, np.ndarray):
+                raise RuntimeError(f"numpy.{func.__name__} of device arrays during a capture: not emulated")
+            elif not any(isinstance(a, np.ndarray) and np.may_share_memory(_base(result), _base(a))
+                         for a in (*args, *kwargs.values())):
+                _remake(result.view(np.ndarray), lambda: func(*args, **kwargs))
+        return _dev(result)
+
+    def _new(self, name, *a, **kw):
+        """A method that computes an array from this one (or a view of it)."""
+        result = getattr(np.ndarray, name)(self, *a, **kw)
+        if _recording():
+            if isinstance(result, np.ndarray) and not np.may_share_memory(_base(result), _base(self)):
+                _remake(result.view(np.ndarray), lambda: getattr(np.ndarray, name)(self.view(np.ndarray), *a, **kw))
+            elif not isinstance(result, np.ndarray):
+                result = np.asarray(result)
+                _remake(result, lambda: getattr(np.ndarray, name)(self.view(np.ndarray), *a, **kw))
+        return _dev(result)
 
     def astype(self, *a, **kw):
-        result = super().astype(*a, **kw)
-        if _recording() and result is not self:
-            _remake(result.view(np.ndarray), lambda: self.view(np.ndarray).astype(*a, **kw))
-        return result
+        return self._new("astype", *a, **kw)
 
     def copy(self, *a, **kw):
-        result = super().copy(*a, **kw)
-        if _recording():
-            _remake(result.view(np.ndarray), lambda: self.view(np.ndarray).copy(*a, **kw))
-        return result
+        return self._new("copy", *a, **kw)
 
     def __getitem__(self, key):
-        result = super().__getitem__(key)
-        if _recording() and isinstance(result, np.ndarray) and not np.may_share_memory(result, self):
-            _remake(result.view(np.ndarray), lambda: self.view(np.ndarray)[key])  # a gather by index arrays
-        return result
+        if _recording():
+            keys = key if isinstance(key, tuple) else (key,)
+            if any(isinstance(k, np.ndarray) and k.dtype == np.bool_ for k in keys):
+                raise RuntimeError("a gather by a boolean mask during a capture (CuPy syncs for its count)")
+        return self._new("__getitem__", key)
 
     def __setitem__(self, key, value):
-        super().__setitem__(key, value)
         if _recording():
             CAPTURE.append(lambda: self.view(np.ndarray).__setitem__(key, value))
+        else:
+            super().__setitem__(key, value)
 
     def fill(self, value):
-        super().fill(value)
         if _recording():
             CAPTURE.append(lambda: self.view(np.ndarray).fill(value))
+        else:
+            super().fill(value)
+
+    def sort(self, *a, **kw):
+        if _recording():
+            CAPTURE.append(lambda: self.view(np.ndarray).sort(*a, **kw))
+        else:
+            super().sort(*a, **kw)
+
+    def __float__(self):
+        _host_sync("float()")
+        return super().__float__()
+
+    def __int__(self):
+        _host_sync("int()")
+        return super().__int__()
+
+    def __index__(self):
+        _host_sync("an index")
+        return super().__index__()
+
+    def __bool__(self):
+        _host_sync("bool()")
+        return super().__bool__()
+
+    def item(self, *a):
+        _host_sync("item()")
+        return super().item(*a)
+
+    def tolist(self):
+        _host_sync("tolist()")
+        return super().tolist()
 
     def set(self, arr, stream=None):
         """CuPy's host -> device copy into this array."""
@@ -167,19 +240,47 @@ class DevArray(np.ndarray):
         return asnumpy(self, out=out)
 
 
-def on_device(fn):
-    """`fn`, its array results as device arrays (`DevArray`) and, made during a capture, kept with its graph."""
+for _name in ("flatten", "ravel", "reshape", "take", "repeat", "argmax", "argmin", "cumsum", "cumprod", "round", "clip",
+              "dot", "squeeze", "transpose", "swapaxes", "diagonal", "nonzero", "argsort", "any", "all"):
+    setattr(DevArray, _name, lambda self, *a, _n=_name, **kw: self._new(_n, *a, **kw))
+
+
+_ALLOCATOR = threading.local()  # `cuda.using_allocator`'s allocator on this thread
+
+
+class _Held:
+    """An allocator's memory (anything with a host address `ptr`: `HostBlock`, `MemoryPointer`) as numpy bytes;
+    an array made of it keeps it (and its owner) alive."""
+
+    def __init__(self, mem, nbytes):
+        self.mem = mem
+        self.__array_interface__ = {"data": (mem.ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+def on_device(fn, allocates=False):
+    """`fn`, its array results as device arrays (`DevArray`) and, made during a capture, kept with its graph (a
+    copy of an array argument recomputed at each replay). `allocates` (`empty`, `empty_like`): the memory comes from
+    the current allocator where one is set (`cuda.using_allocator`: `HostBlock`s, or `MemoryPointer`s over them as
+    decapybara/backend/piecewise.py's arena hands out), else from numpy."""
     def make(*args, **kwargs):
         out = fn(*args, **kwargs)
+        alloc = getattr(_ALLOCATOR, "fn", None)
+        if allocates and alloc is not None and out.nbytes:  # the allocator's memory, held while the array lives
+            out = np.asarray(_Held(alloc(out.nbytes), out.nbytes)).view(out.dtype).reshape(out.shape)
         if isinstance(out, np.ndarray):
-            out = out.view(DevArray)
             if CAPTURE is not None:
+                src = args[0] if args and isinstance(args[0], np.ndarray) else None
+                if src is not None and not allocates and not np.may_share_memory(_base(out), _base(src)):
+                    _remake(out.view(np.ndarray), lambda: fn(*args, **kwargs))  # a copy: made again at each replay
                 CAPTURE_KEEP.append(out)
+            out = out.view(DevArray)
         return out
     return make
 
 
 def asnumpy(a, stream=None, order="C", out=None, blocking=True):
+    if isinstance(a, DevArray):
+        _host_sync("asnumpy")
     if out is None:
         return np.array(a, copy=True, subok=False)
     out[...] = a
@@ -320,7 +421,7 @@ def install():
     cp.ndarray = np.ndarray
     for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like", "arange",
                  "asarray", "array", "ascontiguousarray", "linspace", "frombuffer", "concatenate", "stack"):
-        setattr(cp, name, on_device(getattr(np, name)))
+        setattr(cp, name, on_device(getattr(np, name), allocates=name in ("empty", "empty_like")))
     cp.asnumpy = asnumpy
     cp.RawModule = RawModule
     cp.__version__ = "fake"
@@ -373,7 +474,16 @@ def install():
     cuda.Stream = lambda non_blocking=False: Stream(non_blocking, ptr=next(stream_ids))
     null_stream = Stream()
     cuda.get_current_stream = lambda: current[-1] if current else null_stream
-    cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()  # numpy allocates
+    @contextlib.contextmanager
+    def using_allocator(allocator=None):  # `empty` / `empty_like` take host blocks from it (`on_device`)
+        before = getattr(_ALLOCATOR, "fn", None)
+        _ALLOCATOR.fn = allocator
+        try:
+            yield
+        finally:
+            _ALLOCATOR.fn = before
+    cuda.using_allocator = using_allocator
+    cuda.get_allocator = lambda: getattr(_ALLOCATOR, "fn", None) or HostBlock
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=HostBlock, free_all_blocks=lambda: None)
     cuda.MemoryPool = lambda: types.SimpleNamespace(malloc=None, free_all_blocks=lambda: None)
 
@@ -381,6 +491,8 @@ def install():
         def __init__(self, size):
             self.buf = np.empty(max(size, 1), np.uint8)
             self.ptr, self.device_id, self.size = self.buf.ctypes.data, 0, size
+        def memset_async(self, value, size, stream=None):
+            deferred(lambda: self.buf[:size].fill(value))
 
     class UnownedMemory:
         def __init__(self, ptr, size, owner, device_id=-1):

@@ -190,47 +190,17 @@ class DevArray(np.ndarray):
                 raise RuntimeError("a gather by a boolean mask during a capture (CuPy syncs for its count)")
         return self._new("__getitem__", key)
 
-    def __setitem__(self, key, value):
+    def _in_place(self, name, *a, **kw):
+        """A method that writes into this array: recorded and not done during a capture, else done."""
         if _recording():
-            CAPTURE.append(lambda: self.view(np.ndarray).__setitem__(key, value))
+            CAPTURE.append(lambda: getattr(np.ndarray, name)(self.view(np.ndarray), *a, **kw))
         else:
-            super().__setitem__(key, value)
+            getattr(np.ndarray, name)(self, *a, **kw)
 
-    def fill(self, value):
-        if _recording():
-            CAPTURE.append(lambda: self.view(np.ndarray).fill(value))
-        else:
-            super().fill(value)
-
-    def sort(self, *a, **kw):
-        if _recording():
-            CAPTURE.append(lambda: self.view(np.ndarray).sort(*a, **kw))
-        else:
-            super().sort(*a, **kw)
-
-    def __float__(self):
-        _host_sync("float()")
-        return super().__float__()
-
-    def __int__(self):
-        _host_sync("int()")
-        return super().__int__()
-
-    def __index__(self):
-        _host_sync("an index")
-        return super().__index__()
-
-    def __bool__(self):
-        _host_sync("bool()")
-        return super().__bool__()
-
-    def item(self, *a):
-        _host_sync("item()")
-        return super().item(*a)
-
-    def tolist(self):
-        _host_sync("tolist()")
-        return super().tolist()
+    def _host_read(self, name, what, *a):
+        """A method that reads values on the host: refused during a capture."""
+        _host_sync(what)
+        return getattr(np.ndarray, name)(self, *a)
 
     def set(self, arr, stream=None):
         """CuPy's host -> device copy into this array."""
@@ -240,8 +210,13 @@ class DevArray(np.ndarray):
         return asnumpy(self, out=out)
 
 
+for _name in ("__setitem__", "fill", "sort"):
+    setattr(DevArray, _name, lambda self, *a, _n=_name, **kw: self._in_place(_n, *a, **kw))
+for _name, _what in (("__float__", "float()"), ("__int__", "int()"), ("__index__", "an index"), ("__bool__", "bool()"),
+                     ("item", "item()"), ("tolist", "tolist()"), ("nonzero", "nonzero() (its count)")):
+    setattr(DevArray, _name, lambda self, *a, _n=_name, _w=_what: self._host_read(_n, _w, *a))
 for _name in ("flatten", "ravel", "reshape", "take", "repeat", "argmax", "argmin", "cumsum", "cumprod", "round", "clip",
-              "dot", "squeeze", "transpose", "swapaxes", "diagonal", "nonzero", "argsort", "any", "all"):
+              "dot", "squeeze", "transpose", "swapaxes", "diagonal", "argsort", "any", "all"):
     setattr(DevArray, _name, lambda self, *a, _n=_name, **kw: self._new(_n, *a, **kw))
 
 

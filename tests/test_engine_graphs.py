@@ -120,7 +120,8 @@ def test_numpy_engine_keeps_its_whole_pool():
     assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0,
                                "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0,
                                "tail_memory_bytes": 0, "product_chains": False, "chains": 0,
-                               "chained_products": 0, "launched_tails": 0, "recut_tails": 0}
+                               "chained_products": 0, "launched_tails": 0, "recut_tails": 0,
+                               "chain_timeouts": 0}
 
 
 def test_block_manager_over_the_plan_never_hands_out_the_pad_page():

@@ -23,9 +23,10 @@ Within a graph capture (`capture_graph`: a warm-up call, then the captured one),
   (`stats["recut"]`), the recording is dropped and the tail launched as without chains.
 The last layer's tail (its residual add has no norm after it: an elementwise op) runs as launched.
 
-One ChainTails a graph: its chains run one after another inside it, so they share one set of split-K counters.
-Every chain's grid must be resident at once (product_chain.py): kernels that run beside a graph with chains
-(other streams, other processes) can make its waits time out (`timed_out()`).
+One ChainTails a graph: its chains run one after another inside it, so they share one set of split-K counters and
+one pair of timeout flags (`err`). Every chain's grid must be resident at once (product_chain.py): kernels that run
+beside a graph with chains (other streams, other processes) can make its waits time out (`timed_out()`); the decode
+graph copies the flag to the host at its end, and `DecodeGraphRunner` turns chains off when it finds it set.
 """
 
 from __future__ import annotations
@@ -108,14 +109,12 @@ class ChainTails:
         self.sites: dict[int, list[_Cut] | None] = {}  # layer -> its cuts (None: its tail stays launched)
         self.pending: list[tuple[ProductChain, list[pdl.Launch]]] = []  # chains to retarget after the capture
         self.counters: Any = None  # split-K tile counters of this graph's chains
+        self.err: Any = None  # their timeout flags (ProductChain `err`): [0] set once any of their waits gave up
         self.stats: dict[str, Any] = {"chains": 0, "chained_products": 0, "launched": [], "recut": [],
                                       "retargeted": 0, "errors": {}}
 
     def start(self, model: Any, h: Any) -> _ChainRun:
         return _ChainRun(self, model)
-
-    def chains(self) -> list[ProductChain]:
-        return [c.chain for site in self.sites.values() if site for c in site if c.chain is not None]
 
     def commit(self) -> None:
         """Point the chains launched in the capture that just ended at that capture's arrays (a host sync; call
@@ -127,17 +126,18 @@ class ChainTails:
 
     def timed_out(self) -> bool:
         """Whether a wait of any of the chains gave up (their outputs then wrong); a host sync."""
-        return any(chain.timed_out() for chain in self.chains())
+        return self.err is not None and bool(int(cp.asnumpy(self.err)[0]))
 
     def build(self, launches: list[pdl.Launch]) -> list[_Cut]:
         """The cuts of a tail's recorded launches, chains made for runs of CHAIN["min_items"]+ products."""
         if self.counters is None:
-            self.counters = cp.zeros(1 << 16, cp.int32)
+            self.counters, self.err = cp.zeros(1 << 16, cp.int32), cp.zeros(2, cp.uint32)
         site = []
         for part in cuts(launches):
             chain = None
             if len(part) >= CHAIN["min_items"] and chain_key(part[0]) is not None:
-                chain = ProductChain(part, blocks=CHAIN["blocks"], prefetch=CHAIN["prefetch"], counters=self.counters)
+                chain = ProductChain(part, blocks=CHAIN["blocks"], prefetch=CHAIN["prefetch"], counters=self.counters,
+                                     err=self.err)
             site.append(_Cut(len(part), chain))
         return site
 

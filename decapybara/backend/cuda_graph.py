@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ import cupy as cp
 import cupyx
 import numpy as np
 
-from decapybara.backend import pdl
+from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.attn_plan import (
     BLOCK_N,
     MIN_KEYS_PER_SPLIT,
@@ -52,6 +53,9 @@ from decapybara.backend.cupy_ops import sm_count
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
 from decapybara.model.qwen import ForwardOutput, QwenModel
+
+log = logging.getLogger(__name__)
+_D2H = 2  # cudaMemcpyDeviceToHost
 
 
 class GraphUnsupported(RuntimeError):
@@ -112,6 +116,7 @@ class _Static:
     outputs: Any = None
     done: Any = None  # event after the last replay: staging is reusable once it completed
     chains: Any = None  # its layer tails' product chains (decapybara/backend/chain_tails.py `ChainTails`)
+    flag: Any = None  # pinned uint32 [1]: the chains' timeout flag, copied there at the end of each replay
 
     def d32(self, name: str) -> Any:
         off, shape = self.views[name]
@@ -134,7 +139,7 @@ class DecodeGraphRunner:
     tails: Any = None  # eager steps' layer tails as graphs (decapybara/backend/piecewise.py `PiecewiseTails`)
     chains: bool = False  # graphs' layer tails as persistent product chains (decapybara/backend/chain_tails.py)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
-                                                           "failures": {}})
+                                                           "failures": {}, "chain_timeouts": 0})
     _graphs: dict[tuple[int, int], _Static] = field(default_factory=dict)
     _stream: Any = None
     _inv_freq: Any = None
@@ -148,6 +153,8 @@ class DecodeGraphRunner:
 
     # ---- public ---------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None) -> ForwardOutput:
+        if self.chains and self._chains_timed_out():
+            self._drop_chains()
         reason = self.ineligible(batch)
         key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv))
         if key is not None and key not in self.stats["failures"]:
@@ -163,6 +170,25 @@ class DecodeGraphRunner:
                 return out
         self.stats["eager_steps"] += 1
         return self.model.forward(batch, kv, states, tails=self.tails)
+
+    def _chains_timed_out(self) -> bool:
+        """Whether a replay of a graph with chains found a chain's wait timed out (its flag, copied to the host at
+        the replay's end; waits for replays still running)."""
+        for st in self._graphs.values():
+            if st.flag is not None and st.done is not None:
+                st.done.synchronize()
+                if st.flag[0]:
+                    return True
+        return False
+
+    def _drop_chains(self) -> None:
+        """A chain timed out (its blocks were not all resident: other work on the GPU): that step's outputs were
+        wrong. Chains off from now on; the graphs with chains go, to be captured again without them."""
+        self.stats["chain_timeouts"] += 1
+        log.error("a product chain's wait timed out (blocks not all resident): its step's outputs were wrong; "
+                  "product chains are off from now on")
+        self.chains = False
+        self._graphs = {k: st for k, st in self._graphs.items() if st.chains is None}
 
     def chain_stats(self) -> dict[str, Any]:
         """The graphs' product chains (`chains`): chains and the products they run, layers whose tails stayed
@@ -350,4 +376,11 @@ class DecodeGraphRunner:
                                  lambda p, i, inputs: model._deltanet(p, i, inputs, states, st.segments, {}),
                                  st.chains)
         hidden = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-        return ops.linear(hidden, w["lm_head.weight"]), h
+        logits = ops.linear(hidden, w["lm_head.weight"])
+        if st.chains is not None and st.chains.err is not None:  # the chains' timeout flag to the host, last
+            if st.flag is None:
+                st.flag = cupyx.empty_pinned(1, np.uint32)
+                st.flag[0] = 0
+            cp.cuda.runtime.memcpyAsync(st.flag.ctypes.data, cupy_ops.dev_ptr(st.chains.err), 4, _D2H,
+                                        cp.cuda.get_current_stream().ptr)
+        return logits, h

@@ -102,12 +102,13 @@ class ProductChain:
     `blocks`: the chain's grid (default: as many blocks as the device keeps resident, which every block's waits
     need). `prefetch`: chunks of weights past its register stages a block asks of the L2 before it waits for the
     item before (MX_CHAIN_PF; default the kernel's). `counters`: int32 split-K tile counters (zeros, at least
-    1 << 16) that it may share with chains that never run at once with it (default its own). `__call__` enqueues it
+    1 << 16) that it may share with chains that never run at once with it (default its own); `err`: likewise its
+    uint32 [2] timeout flags (zeros). `__call__` enqueues it
     on the current stream; `retarget` points it at the same products over other arrays; `timed_out()` (a host
     sync) says whether a wait gave up."""
 
     def __init__(self, launches: Sequence[pdl.Launch], blocks: int | None = None, prefetch: int | None = None,
-                 counters: Any = None):
+                 counters: Any = None, err: Any = None):
         assert launches, "an empty chain"
         self.counters = cp.zeros(1 << 16, cp.int32) if counters is None else counters
         # split-K tile counters of its own (zero at rest; each tile's last block resets its own), not the recording
@@ -122,7 +123,9 @@ class ProductChain:
         self.items = cp.asarray(host)
         self.launches = tuple(launches)  # their arrays stay alive while the chain may run
         self.done = cp.zeros(self.n + 1, cp.uint32)
-        self.err = cp.zeros(2, cp.uint32)  # [0]: a wait of some launch timed out (kept); [1]: of this launch
+        # [0]: a wait of some launch timed out (kept); [1]: of this launch
+        self.err = cp.zeros(2, cp.uint32) if err is None else err
+        assert self.err.dtype == cp.uint32 and self.err.size == 2, "err: uint32, 2 of them"
         self.blocks = blocks or self.resident() * cupy_ops.sm_count()
         assert self.blocks > 0, "no block of the chain kernel fits an SM"
         cp.cuda.runtime.deviceSynchronize()  # the items and zeros in place before a launch on any stream

@@ -198,7 +198,7 @@ class ModelRunner:
                 "tail_memory_bytes": tails.memory_bytes() if tails is not None else 0,
                 "product_chains": chained, "chains": c.get("chains", 0),
                 "chained_products": c.get("chained_products", 0), "launched_tails": c.get("launched_tails", 0),
-                "recut_tails": c.get("recut_tails", 0)}
+                "recut_tails": c.get("recut_tails", 0), "chain_timeouts": s.get("chain_timeouts", 0)}
 
     def graph_failures(self) -> dict[str, str]:
         """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""

@@ -6,6 +6,8 @@ server's bf16 backend, at one row (the one-row kernels) and three (the plain one
   leave the graph's outputs stale;
 - decode graphs with chains (`DecodeGraphRunner(chains=True)`) write the launched graphs' logits, KV pages and
   DeltaNet states byte for byte, step after step, at buckets 1 and 4;
+- a chain's timeout flag, copied to the host at the end of a replay, turns chains off: the graphs with chains
+  are captured again without them;
 - a tail with an op that `pdl.recording()` does not keep (here a device copy between the products) fails the
   warm-up's byte check and stays launched.
 On the host emulator the chains' blocks run side by side (`fake_cupy.RESIDENT`)."""
@@ -106,9 +108,9 @@ def test_chained_tails_in_a_graph_write_the_eager_tails_bytes(resident, rows):
     assert not tails.timed_out()
 
 
-def run_both(model: QwenModel, rows: int, steps: int = 3) -> dict[bool, DecodeGraphRunner]:
+def run_both(model: QwenModel, rows: int, steps: int = 3, after_step=None) -> dict[bool, DecodeGraphRunner]:
     """Decode steps of `rows` sequences through a launched and a chained graph runner from the same state: equal
-    logits, KV pages and states, byte for byte, every step."""
+    logits, KV pages and states, byte for byte, every step (`after_step(step, runners)` after each)."""
     kv, states = model.new_kv_cache(PAGES, PAGE), model.new_state_pool(SLOTS)
     runners = {c: DecodeGraphRunner(model, max_pages=8, pad_page=PAGES - 1, pad_slot=SLOTS - 1, chains=c)
                for c in (False, True)}
@@ -130,6 +132,8 @@ def run_both(model: QwenModel, rows: int, steps: int = 3) -> dict[bool, DecodeGr
         assert all(np.array_equal(a, b) for a, b in zip(sa, sb, strict=True)), f"step {step}: DeltaNet states"
         for j, s in enumerate(seqs):  # the chained step's pages and states stand: the next token
             s[0].append(int(np.argmax(lb[j])))
+        if after_step is not None:
+            after_step(step, runners)
     return runners
 
 
@@ -147,6 +151,25 @@ def test_chained_decode_graphs_write_the_launched_graphs_bytes(resident, rows):
         [c.stats for c in sts]
     assert not any(c.timed_out() for c in sts)
     assert runners[False].chain_stats()["chains"] == 0
+
+
+def test_a_timed_out_chain_turns_chains_off(resident):
+    """A chain's timeout flag set (as a wait that gave up sets it) reaches the host at the end of the next replay;
+    the step after finds it, drops the graphs with chains and captures them again without chains, whose bytes are
+    still the launched graphs'."""
+    model = packed_model()
+
+    def time_out(step, runners):
+        if step == 0:
+            (st,) = runners[True]._graphs.values()
+            st.chains.err[0] = 1
+            cp.cuda.runtime.deviceSynchronize()
+
+    runners = run_both(model, 1, steps=4, after_step=time_out)
+    chained = runners[True]
+    assert chained.stats["chain_timeouts"] == 1 and not chained.chains, chained.stats
+    assert chained.chain_stats()["chains"] == 0 and chained.stats["captures"] == 2, chained.stats
+    assert all(st.chains is None for st in chained._graphs.values())
 
 
 def test_a_tail_with_an_unrecorded_op_stays_launched(resident, monkeypatch):

@@ -6,6 +6,7 @@ server's bf16 backend, at one row (the one-row kernels) and three (the plain one
   leave the graph's outputs stale;
 - decode graphs with chains (`DecodeGraphRunner(chains=True)`) write the launched graphs' logits, KV pages and
   DeltaNet states byte for byte, step after step, at buckets 1 and 4;
+- a tail whose products take two builds runs a chain for each run of one build;
 - a chain's timeout flag, copied to the host at the end of a replay, turns chains off: the graphs with chains
   are captured again without them;
 - a tail with an op that `pdl.recording()` does not keep (here a device copy between the products) fails the
@@ -28,6 +29,7 @@ if not kernels.has_cuda():
 from test_cuda_graph import restore, snapshot
 
 from decapybara.backend import chain_tails
+from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_factory import cuda_backend
 from decapybara.backend.cuda_graph import DecodeGraphRunner, capture_graph
 from decapybara.model import quant
@@ -151,6 +153,18 @@ def test_chained_decode_graphs_write_the_launched_graphs_bytes(resident, rows):
         [c.stats for c in sts]
     assert not any(c.timed_out() for c in sts)
     assert runners[False].chain_stats()["chains"] == 0
+
+
+def test_tails_of_two_builds_run_a_chain_for_each_run(resident, monkeypatch):
+    """Where a tail's one-row products take two builds (as under the 27B's shipped tuning, `row1_fills`), each run
+    of one build is a chain of its own: here gate|up and down (N 256, K 128) on the one-row build, out, qkv|z, b|a
+    and the attention's q|k|v on the plain one, so a DeltaNet layer's tail cuts into out | gate|up, down |
+    qkv|z, b|a and the tail before the attention layer into out | gate|up, down | q|k|v: five chains of two
+    products; the graphs still write the launched graphs' bytes."""
+    monkeypatch.setattr(ex, "row1_fills", lambda w, row1, plain: w.N == 256 or w.K == 128)
+    runners = run_both(packed_model(), 1, steps=2)
+    stats = runners[True].chain_stats()
+    assert stats == {"chains": 5, "chained_products": 10, "launched_tails": 0, "recut_tails": 0}, stats
 
 
 def test_a_timed_out_chain_turns_chains_off(resident):

@@ -130,12 +130,12 @@ class ChainTails:
 
     def build(self, launches: list[pdl.Launch]) -> list[_Cut]:
         """The cuts of a tail's recorded launches, chains made for runs of CHAIN["min_items"]+ products."""
-        if self.counters is None:
-            self.counters, self.err = cp.zeros(1 << 16, cp.int32), cp.zeros(2, cp.uint32)
         site = []
         for part in cuts(launches):
             chain = None
             if len(part) >= CHAIN["min_items"] and chain_key(part[0]) is not None:
+                if self.counters is None:  # a graph's first chain (one without chains has no flags to copy)
+                    self.counters, self.err = cp.zeros(1 << 16, cp.int32), cp.zeros(2, cp.uint32)
                 chain = ProductChain(part, blocks=CHAIN["blocks"], prefetch=CHAIN["prefetch"], counters=self.counters,
                                      err=self.err)
             site.append(_Cut(len(part), chain))

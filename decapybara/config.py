@@ -48,8 +48,8 @@ class EngineConfig:
     # (decapybara/backend/piecewise.py); the attention and DeltaNet cores stay eager
     piecewise_graphs: bool = True
     # With cuda_graphs on, decode graphs run each layer's tail (its one-n-tile products, up to 8 rows) as
-    # persistent product chains, one launch a run of products (decapybara/backend/chain_tails.py); off until
-    # timed on the GPU against the launched products
+    # persistent product chains, one launch a run of products (decapybara/backend/chain_tails.py); off: on an
+    # H200 a chain ran a layer's products 1.2x slower than their launches (docs/perf.md, fiftieth session)
     product_chains: bool = False
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
 """Decode graphs' layer tails as persistent product chains (decapybara/backend/product_chain.py): the option
-`chains` of `DecodeGraphRunner` (the engine's `product_chains`, off by default).
+`chains` of `DecodeGraphRunner` (the engine's `product_chains`, off by default: on an H200 a chain ran a layer's
+products 1.2x slower than their launches, docs/perf.md's fiftieth session).
 
 A decode step's layer tail (`QwenModel.block_tail`: the output projection with the residual add and the next
 norm, the MLP's gate|up product and activation, down with its residual add and norm, the next layer's input

@@ -41,7 +41,7 @@ import cupy as cp
 import numpy as np
 
 from decapybara.backend import pdl
-from decapybara.backend.product_chain import ProductChain, chain_key
+from decapybara.backend.product_chain import ProductChain, chain_key, timed_out
 
 # blocks: a chain's grid (None: what the device keeps resident); prefetch: MX_CHAIN_PF (None: the kernel's);
 # min_items: the fewest consecutive products of one kernel module that run as a chain
@@ -127,7 +127,7 @@ class ChainTails:
 
     def timed_out(self) -> bool:
         """Whether a wait of any of the chains gave up (their outputs then wrong); a host sync."""
-        return self.err is not None and bool(int(cp.asnumpy(self.err)[0]))
+        return self.err is not None and timed_out(self.err)
 
     def build(self, launches: list[pdl.Launch]) -> list[_Cut]:
         """The cuts of a tail's recorded launches, chains made for runs of CHAIN["min_items"]+ products."""
@@ -141,6 +141,19 @@ class ChainTails:
                                      err=self.err)
             site.append(_Cut(len(part), chain))
         return site
+
+
+def _make(site: list[_Cut], parts: list[list[pdl.Launch]], pending: list | None = None) -> None:
+    """A tail's cut launches (`parts`, as `cuts` gives them) made by its `site`: each chain launched (with the
+    launches it stands for appended to `pending`, to be retargeted at them), the other launches as recorded."""
+    for part, cut in zip(parts, site, strict=True):
+        if cut.chain is None:
+            for launch in part:
+                launch.make()
+        else:
+            cut.chain()
+            if pending is not None:
+                pending.append((cut.chain, part))
 
 
 class _ChainRun:
@@ -171,14 +184,11 @@ class _ChainRun:
         except Exception as e:  # noqa: BLE001 - e.g. the chain kernel's build: the layer stays launched
             site = None
             tails.stats["errors"][i] = f"{type(e).__name__}: {e}"
-        at = 0
-        for cut in site or [_Cut(len(launches), None)]:
-            if cut.chain is not None:
-                cut.chain()
-            else:
-                for launch in launches[at:at + cut.count]:
-                    launch.make()
-            at += cut.count
+        if site is None:
+            for launch in launches:
+                launch.make()
+        else:
+            _make(site, cuts(launches))
         if site is None or not _outputs_equal(ref, got):
             tails.sites[i] = None
             if i not in tails.stats["launched"]:
@@ -204,11 +214,5 @@ class _ChainRun:
                 c.chain is None or c.chain.matches(p) for p, c in zip(parts, site, strict=True)):
             tails.stats["recut"].append(i)  # the recording dropped: the tail launched as without chains
             return model.block_tail(i, out, h)
-        for part, cut in zip(parts, site, strict=True):
-            if cut.chain is None:
-                for launch in part:
-                    launch.make()
-            else:
-                cut.chain()
-                tails.pending.append((cut.chain, part))
+        _make(site, parts, tails.pending)
         return got

@@ -96,6 +96,11 @@ def item_of(launch: pdl.Launch) -> tuple[ItemC, tuple]:
     return item, key
 
 
+def timed_out(err: Any) -> bool:
+    """Whether chains' timeout flags (`ProductChain.err`) say a wait gave up since they were cleared (a host sync)."""
+    return bool(int(cp.asnumpy(err)[0]))
+
+
 class ProductChain:
     """Recorded skinny products (`pdl.recording()`) as one persistent launch; see the module docstring.
 
@@ -168,7 +173,7 @@ class ProductChain:
     def timed_out(self) -> bool:
         """Whether a block's wait gave up in a launch since the chain was made or `clear()`ed (blocks not all
         resident: that launch's outputs are wrong). A host sync."""
-        return bool(int(cp.asnumpy(self.err)[0]))
+        return timed_out(self.err)
 
     def clear(self) -> None:
         """Forget earlier timeouts (`timed_out`)."""

@@ -117,6 +117,12 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     # fills `row1_fill` whatever the plain build's plan fills (`row1_vs_plain` 0: the forty-seventh session's rule)
     ("r1 off", {"row1_warps": 0}, ()), ("r1 10w s2", {"row1_warps": 0, "warps": 10, "stages": 2}, ()),
     ("r1 all", {"row1_fill": 0}, ()), ("r1 fill only", {"row1_vs_plain": 0}, ()),
+    # more warps an SM for the one-row products at fewer registers (`blocks_per_sm` sets the one-n-tile builds'
+    # launch bounds, so the plain one-n-tile build too): 3 blocks of 10 warps or 4 of 8 at 64 registers (ptxas,
+    # MXFP4 `_1r`: 80-88 bytes spilled), 5 of 8 at 48 (348)
+    ("r1 3x10 64r", {"blocks_per_sm": 4}, ()), ("r1 4x8 64r", {"row1_warps": 8, "blocks_per_sm": 4}, ()),
+    ("r1 5x8 48r", {"row1_warps": 8, "blocks_per_sm": 5}, ()),
+    ("r1 4x8 64r all", {"row1_warps": 8, "blocks_per_sm": 4, "row1_fill": 0}, ()),
     # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
     # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
     # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)

@@ -143,11 +143,13 @@ def test_a_grid_past_the_resident_blocks_times_out(monkeypatch):
     """A block waits only where it has work in a product after the first. With half as many blocks again as the
     device keeps resident, and a second product with at least that many virtual blocks, every resident block
     waits for blocks that cannot start: the wait gives up and says so, and the launch ends (every later wait
-    returns at once). (With small products most blocks have no work in them, run through and leave room.)"""
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **PLAIN})
+    returns at once). (With small products most blocks have no work in them, run through and leave room; and the
+    planner fits a product's blocks to one wave of the resident ones, so the second is a tile grid split four ways
+    over K: 192 tiles x 4 on the H200, past its 1.5 x 396.)"""
+    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, **PLAIN, "ksplit": 4})
     rng = np.random.default_rng(9)
     w1 = ex.pack_weight(random_weight(rng, "mxfp4", (4096, 256))[0])
-    w2 = ex.pack_weight(random_weight(rng, "mxfp4", (24576, 4096))[0])  # N 8192 gave 384 virtual blocks
+    w2 = ex.pack_weight(random_weight(rng, "mxfp4", (24576, 4096))[0])
     x = cp.asarray(rng.standard_normal((1, 256)).astype(np.float32))
     with pdl.recording() as launches:
         ex.mx_linear(ex.mx_linear(x, w1), w2)

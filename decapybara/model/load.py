@@ -8,7 +8,7 @@ the block format and logical shape; they load as `QuantTensor`s, which each back
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from decapybara.builder.load import load_config
 from decapybara.dtypes import to_float32
 from decapybara.errors import WeightError
 from decapybara.mcapy import McapyFile
-from decapybara.model.config import ModelConfig
+from decapybara.model.config import ModelConfig, with_yarn
 from decapybara.model.qwen import QwenModel
 
 
@@ -59,13 +59,18 @@ def iter_weights(f: McapyFile, verify: bool = True) -> Iterator[tuple[str, Any]]
 
 
 def load_model(path: str, backend: Backend | None = None, include_mtp: bool = True,
-               verify: bool = True) -> LoadedModel:
-    """Open `path` (local path or fsspec URL), build the model on `backend` (numpy by default)."""
+               verify: bool = True, context: Callable[[ModelConfig], int | None] | int | None = None) -> LoadedModel:
+    """Open `path` (local path or fsspec URL), build the model on `backend` (numpy by default). `context`, a
+    token count or a function of the file's config giving one (None: none), extends the model's trained context
+    to it with YaRN (`with_yarn`: no change where it already fits)."""
     from decapybara.backend.numpy_backend import NumpyBackend
     from decapybara.tokenizer import Tokenizer
 
     f = McapyFile.open(path)
     cfg = load_config(f)
+    target = context(cfg) if callable(context) else context
+    if target:
+        cfg = with_yarn(cfg, target)
     backend = backend or NumpyBackend()
     model = QwenModel.from_tensors(cfg, backend, iter_weights(f, verify), include_mtp=include_mtp)
     meta = f.metadata

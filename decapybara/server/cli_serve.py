@@ -11,7 +11,8 @@ from decapybara.errors import ConfigError
 FLAGS = {  # flag -> AppConfig field
     "model": "model", "preset": "preset", "slots": "slots", "kv_mode": "kv_mode", "api_key": "api_key",
     "prefill_policy": "prefill_policy", "loop_guard": "loop_guard", "context_mode": "context_mode",
-    "ram_cache_gb": "ram_cache_gb", "disk_cache": "disk_cache", "device": "device",
+    "ram_cache_gb": "ram_cache_gb", "disk_cache": "disk_cache", "device": "device", "rope_scaling": "rope_scaling",
+    "max_model_len": "max_model_len",
 }
 
 
@@ -28,6 +29,10 @@ def add_parser(sub: Any) -> None:
                    choices=["balanced", "decode-priority", "prefill-priority"])
     s.add_argument("--loop-guard", dest="loop_guard", choices=["stop", "end_thinking", "escape", "off"])
     s.add_argument("--context-mode", dest="context_mode", choices=["pool", "fixed"])
+    s.add_argument("--rope-scaling", dest="rope_scaling", choices=["auto", "off", "1m"],
+                   help="YaRN context extension: auto (to --max-model-len or the preset's context where longer than "
+                   "the model's), 1m (1,048,576 tokens), off")
+    s.add_argument("--max-model-len", dest="max_model_len", type=int, help="the longest context a conversation has")
     s.add_argument("--ram-cache-gb", dest="ram_cache_gb", type=float)
     s.add_argument("--disk-cache", dest="disk_cache", help="fsspec URL of the disk KV tier")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])

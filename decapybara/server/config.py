@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from decapybara.config import DEMO_MODEL, KV_MODES, PRESETS, RAM_CACHE_GB, EngineConfig
+from decapybara.errors import ConfigError
 
-__all__ = ["DEMO_MODEL", "AppConfig"]
+__all__ = ["DEMO_MODEL", "AppConfig", "ContextPlan"]
+
+ONE_MILLION = 1_048_576  # rope_scaling=1m: YaRN up to this many tokens
+
+
+class ContextPlan(NamedTuple):
+    """`AppConfig.context_plan`: `yarn_to` the context YaRN extends the model to (None: its trained rope),
+    `max_model_len` the engine's (None: the model config's)."""
+
+    yarn_to: int | None
+    max_model_len: int | None
 
 
 class AppConfig(BaseModel):
@@ -28,6 +39,10 @@ class AppConfig(BaseModel):
     kv_memory_gb: float | None = Field(default=None, gt=0, description="KV pool size (instead of num_pages)")
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
+    rope_scaling: Literal["auto", "off", "1m"] = Field(
+        default="auto", description="ROPE_SCALING: auto extends the model's trained context with YaRN where "
+        "max_model_len (or the preset's context) asks for more; 1m extends it to 1,048,576 tokens; off keeps the "
+        "trained context (a longer max_model_len is then refused)")
     prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = "balanced"
     balanced_prefill_share: float = Field(default=0.5, gt=0, le=1, description="balanced: the share of "
                                           "max_batch_tokens a prompt's chunks may take while others decode")
@@ -85,8 +100,34 @@ class AppConfig(BaseModel):
             raise ValueError("device=cuda but no CUDA device / CuPy is available")
         return has
 
-    def engine_config(self, cuda: bool, kv_bytes_per_page: int | None = None) -> EngineConfig:
-        """The engine's knobs: preset values first, explicit settings over them, device-aware defaults."""
+    def context_plan(self, trained: int) -> ContextPlan:
+        """How long a context the model serves, for a file whose config serves `trained` tokens (its
+        `max_position_embeddings`; `with_yarn` takes the factor from the rope's original context where the file
+        already extends it): the YaRN extension (`with_yarn`'s target, None for none) and the engine's
+        `max_model_len` (None: the model's own context). The context asked for is the explicit `max_model_len`,
+        else the preset's: `auto` extends to it where it is longer than `trained`; `1m` extends to 1,048,576
+        tokens whatever the preset says; `off` extends nothing and caps the preset's context at `trained`.
+        ConfigError where an explicit `max_model_len` is longer than `off` or `1m` allow."""
+        preset = PRESETS.get(self.preset) if self.preset else None
+        want = self.max_model_len or (preset.context if preset else None)
+        if self.rope_scaling == "1m":
+            ctx = max(ONE_MILLION, trained)
+            if self.max_model_len and self.max_model_len > ctx:
+                raise ConfigError(f"max_model_len {self.max_model_len} exceeds the {ctx} tokens of rope_scaling=1m")
+            return ContextPlan(ctx, self.max_model_len or ctx)
+        if self.rope_scaling == "off":
+            if self.max_model_len and self.max_model_len > trained:
+                raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's trained context of "
+                                  f"{trained} tokens with rope_scaling=off (auto or 1m extend it with YaRN)")
+            return ContextPlan(None, min(want, trained) if want else None)
+        if want and want > trained:
+            return ContextPlan(want, want)
+        return ContextPlan(None, want)
+
+    def engine_config(self, cuda: bool, kv_bytes_per_page: int | None = None,
+                      max_model_len: int | None = None) -> EngineConfig:
+        """The engine's knobs: preset values first, explicit settings over them, device-aware defaults;
+        `max_model_len` (`context_plan`'s) over the setting's."""
         preset = PRESETS.get(self.preset) if self.preset else None
         slots = self.slots if "slots" in self.model_fields_set or preset is None else preset.conversations
         kv_mode = self.kv_mode or (preset.kv_mode if preset else ("16/16" if cuda else None))
@@ -98,7 +139,7 @@ class AppConfig(BaseModel):
         batch = self.max_batch_tokens or (2048 if cuda else 256)
         return EngineConfig(max_slots=slots, page_size=page, num_pages=pages, max_batch_tokens=max(batch, slots),
                             prefill_policy=self.prefill_policy, balanced_prefill_share=self.balanced_prefill_share,
-                            kv_mode=kv_mode, max_model_len=self.max_model_len,
+                            kv_mode=kv_mode, max_model_len=max_model_len or self.max_model_len,
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             product_chains=self.product_chains,

@@ -65,6 +65,11 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("small build", {"small_bytes": 24_000_000}, ()),
     ("small s4", {"small_bytes": 24_000_000, "small_stages": 4}, ()),  # the small build with 4 register stages
     ("small s3", {"small_bytes": 24_000_000, "small_stages": 3}, ()),
+    # the same with the one-row build nowhere (`row1_fill` past 1: no plan fills more than the device), so that
+    # one-row products under 24 MB ("out") take the small build rather than `row1_warps`'
+    ("small only", {"small_bytes": 24_000_000, "row1_fill": 1.01}, ()),
+    ("small s3 only", {"small_bytes": 24_000_000, "small_stages": 3, "row1_fill": 1.01}, ()),
+    ("small s4 only", {"small_bytes": 24_000_000, "small_stages": 4, "row1_fill": 1.01}, ()),
     ("auto_fill 0.85", {"auto_fill": 0.85}, ()),             # stream-K below 85% of a wave (before the ninth session)
     ("stream-K", {"policy": "stream"}, ()),                   # every product stream-K
     ("min_chunks 4", {"min_chunks": 4}, ()),                  # stream-K blocks of at least 4 chunks (one-row "out")

@@ -24,6 +24,7 @@ from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
 from decapybara.model import quant
 from decapybara.model.batch import ForwardBatch
+from decapybara.model.config import with_yarn
 from decapybara.model.qwen import QwenModel
 from decapybara.testing import FAMILIES, tiny_checkpoint
 
@@ -114,6 +115,25 @@ def test_fp32_greedy_generation_identical_through_engine(family):
         assert len(b) == 64, f"reference produced {len(b)} tokens"
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert a == b, f"{family} prompt {i}: first difference at token {first}: {a[first:first + 4]} vs {b[first:first + 4]}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_fp32_yarn_logits_and_greedy_graphs_match_numpy(family):
+    """A model served past its trained context (`with_yarn`, x4): the host's rotary tables feed every backend,
+    so the CUDA model's logits and its greedy tokens through the engine's decode graphs are the numpy
+    reference's, as without YaRN."""
+    cfg, tensors = tiny_checkpoint(family)
+    ext = with_yarn(cfg, 4 * cfg.max_position_embeddings)
+    assert ext.rope.kind == "yarn"
+    ref = forward_chunks(QwenModel.from_tensors(ext, NumpyBackend(), tensors), PROMPT, 7)
+    got = forward_chunks(QwenModel.from_tensors(ext, CupyBackend("fp32"), tensors), PROMPT, 7)
+    assert rel_err(got, ref, f"{family} yarn") <= 3e-4
+    prompts = [np.random.default_rng(11).integers(0, 512, n).tolist() for n in (9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ecfg = EngineConfig(page_size=8, num_pages=96, max_batch_tokens=32, max_slots=4, loop_guard="off")
+    want = Engine(QwenModel.from_tensors(ext, NumpyBackend(), tensors), ecfg).generate(prompts, params)
+    engine = Engine(QwenModel.from_tensors(ext, CupyBackend("fp32"), tensors), ecfg)
+    assert engine.generate(prompts, params) == want and engine.max_model_len == 4 * cfg.max_position_embeddings
 
 
 @pytest.mark.parametrize("family", FAMILIES)

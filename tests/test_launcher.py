@@ -13,7 +13,7 @@ from decapybara.builder.quant_formats import weights_bytes
 from decapybara.cli import main
 from decapybara.config import DEMO_MODEL, KV_MODES
 from decapybara.launcher import capacity as C
-from decapybara.launcher.cli_plan import _file_inputs
+from decapybara.launcher.cli_plan import _file_inputs, quality_at
 from decapybara.launcher.probe import host_bandwidth, host_memory, this_machine
 from decapybara.model.config import ModelConfig, named_config
 from decapybara.testing import TINY_HF_CONFIGS
@@ -124,8 +124,15 @@ def test_file_inputs_read_the_quality_table():
     assert {"tiny", "small", "medium", "large", "xxl"} <= set(weights)
     assert set(weights["tiny"]) == set(weights["bf16"]) == set(shapes)  # the same tensors, other formats
     assert sum(weights["tiny"].values()) < sum(weights["bf16"].values())
-    assert quality[("bf16", "16/16")] == (0.0, 100.0)  # the reference row
-    assert all(0 <= kl and 0 <= top1 <= 100 for kl, top1 in quality.values())
+    trained = cfg.max_position_embeddings
+    assert min(quality) == trained and quality[trained][("bf16", "16/16")] == (0.0, 100.0)  # the reference row
+    assert sorted(quality) == [trained, 262_144, 1_048_576]  # the YaRN rows of the presets' contexts
+    assert all(0 <= kl and 0 <= top1 <= 100 for q in quality.values() for kl, top1 in q.values())
+    # the rows that speak for a context: the trained ones within it, past it the shortest YaRN context covering it
+    assert quality_at(quality, 4096) == (trained, quality[trained]) == quality_at(quality, trained)
+    assert quality_at(quality, trained + 1) == (262_144, quality[262_144]) == quality_at(quality, 262_144)
+    assert quality_at(quality, 300_000)[0] == 1_048_576 and quality_at(quality, 2_000_000) == (None, {})
+    assert quality_at({}, 4096) == (None, {})
 
 
 def test_cli_plan_named_config(capsys):
@@ -214,6 +221,30 @@ def test_cli_plan_demo_file_with_quality(capsys):
     assert "0.0316" in out and "90.84%" in out  # tiny weights, 6/4 KV, from the file's quality table
     assert "best quality that fits (top-1 against bf16): bf16 weights, 6/4 KV" in out
     assert "run: decapybara serve --slots 4 --kv-mode 6/4 --set num_pages=" in out
+
+
+def test_cli_plan_past_the_trained_context_plans_yarn(capsys):
+    """A context past the model's trained one is planned as the server serves it (YaRN, rope_scaling auto): the
+    capacity at that context, KL / top-1 of the quality table's YaRN rows that cover it, and the serve command's
+    --max-model-len; past every measured context, no quality and the most bits."""
+    trained = _file_inputs(str(DEMO_MODEL))[0].max_position_embeddings
+    assert main(["plan", "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "2", "--context", "1048576",
+                 "--kv-mode", "4/4"]) == 0
+    out = capsys.readouterr().out
+    assert f"context: 1,048,576 tokens is past the model's {trained:,}: served with YaRN x{1048576 / trained:.4g}" in out
+    assert "kl / top1 measured with YaRN at 1,048,576 tokens" in out
+    tiny = next(ln for ln in out.splitlines() if ln.startswith("tiny")).split()
+    assert tiny[7] == "yes" and tiny[-2:] == ["0.1616", "80.62%"]  # the file's tiny 4/4 row at 1,048,576 tokens
+    assert "--max-model-len 1048576" in out and "nothing fits" not in out
+    assert main(["plan", "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "1", "--context", "2000000",
+                 "--kv-mode", "16/16"]) == 0
+    out = capsys.readouterr().out
+    assert "not measured with YaRN at this context" in out and "most bits that fit (not measured at this context)" in out
+    assert "--max-model-len 2000000" in out
+    assert main(["plan", "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "2", "--context", str(trained),
+                 "--kv-mode", "6/4"]) == 0
+    out = capsys.readouterr().out
+    assert "YaRN" not in out and "--max-model-len" not in out and "0.0316" in out
 
 
 def test_cli_plan_on_the_host_counts_float32_weights(capsys, monkeypatch):

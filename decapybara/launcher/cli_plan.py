@@ -29,7 +29,7 @@ from decapybara.launcher.capacity import (
     plan_capacity,
     preset_tensor_bytes,
 )
-from decapybara.model.config import ModelConfig
+from decapybara.model.config import ModelConfig, with_yarn
 
 
 def add_parser(sub: Any) -> None:
@@ -101,11 +101,15 @@ def format_table(rows: list[Candidate], slots: int, context: int) -> list[str]:
             for r in cells]
 
 
-def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None, prefill_weights: str = "packed") -> str:
-    """The `decapybara serve` line for a candidate: its exact pool (num_pages) and page size."""
+def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None, prefill_weights: str = "packed",
+                  max_model_len: int | None = None) -> str:
+    """The `decapybara serve` line for a candidate: its exact pool (num_pages) and page size; `max_model_len`
+    where the plan serves a context past the model's trained one (YaRN, the server's rope_scaling auto)."""
     parts = ["decapybara serve"] + ([f"--model {model}"] if model else [])
     parts += [f"--slots {c.plan.slots}", f"--kv-mode {c.kv_mode}", f"--set num_pages={c.plan.pages}",
               f"--set page_size={c.plan.page_size}"]
+    if max_model_len:
+        parts.append(f"--max-model-len {max_model_len}")
     if prefill_weights != "packed":
         parts.append(f"--set prefill_weights={prefill_weights}")
     if ram_gb is not None:
@@ -130,10 +134,28 @@ def logical_tensors(entries: dict[str, Any]) -> tuple[dict[str, int], dict[str, 
     return nbytes, shapes
 
 
+Quality = dict[tuple[str, str], tuple[float, float]]  # (weights, kv mode) -> (KL, top-1 %)
+
+
+def quality_at(by_context: dict[int, Quality], context: int) -> tuple[int | None, Quality]:
+    """The quality table's rows that speak for conversations of `context` tokens: (the context they were
+    measured at, their (weights, kv) -> (KL, top-1)). The table's shortest context is the trained one (its YaRN
+    rows measure longer ones, decapybara/builder/quality.py): rows there for a context within it; past it, the
+    shortest measured context that covers it (YaRN's factor, and the loss, grow with it), else (None, {})."""
+    if not by_context:
+        return None, {}
+    trained = min(by_context)
+    if context <= trained:
+        return trained, by_context[trained]
+    covering = [c for c in by_context if c >= context]
+    return (min(covering), by_context[min(covering)]) if covering else (None, {})
+
+
 def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, dict[str, int]], dict[str, tuple[int, ...]],
-                                     dict[tuple[str, str], tuple[float, float]], str]:
+                                     dict[int, Quality], str]:
     """(config, {weights: {tensor: bytes}} for this file and the presets its quality table measured, tensor
-    shapes, quality by (weights, kv) at the trained context, this file's weights name)."""
+    shapes, quality by context (the trained one and the YaRN rows') and (weights, kv), this file's weights
+    name)."""
     from decapybara.builder import load_config
     from decapybara.builder.quant_formats import WEIGHT_PRESETS
     from decapybara.mcapy import McapyFile
@@ -144,17 +166,17 @@ def _file_inputs(path: str) -> tuple[ModelConfig, dict[str, dict[str, int]], dic
         meta = f.metadata
     fmt = str((meta.get("weights") or {}).get("format", "file"))
     weights = {fmt: own_tensors}
-    quality: dict[tuple[str, str], tuple[float, float]] = {}
+    quality: dict[int, Quality] = {}
     table = (meta.get("sections") or {}).get("quality")
     rows = table.get("rows") if isinstance(table, dict) else None
     if isinstance(rows, list) and rows:
-        ctx = min(int(r["context"]) for r in rows)  # the trained context: YaRN rows come on top of it
         for r in rows:
             name = str(r["weights"])
-            if int(r["context"]) == ctx and (name == fmt or name in WEIGHT_PRESETS):
+            if name == fmt or name in WEIGHT_PRESETS:
                 if name not in weights:
                     weights[name] = preset_tensor_bytes(cfg, name)
-                quality[(name, str(r["kv_mode"]))] = (float(r["kl"]), float(r["top1"]))
+                quality.setdefault(int(r["context"]), {})[(name, str(r["kv_mode"]))] = (float(r["kl"]),
+                                                                                       float(r["top1"]))
     return cfg, weights, shapes, quality, fmt
 
 
@@ -163,14 +185,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     _check_args(args)
     own = None
+    by_context: dict[int, Quality] = {}
     if args.config:
         cfg, weights, shapes = _config_inputs(args.config, args.weights)
-        quality, model = None, None
+        model = None
     else:
         model = args.model or str(DEMO_MODEL)
         if args.weights:
             raise ConfigError("--weights picks presets of --config; a file has its own weights")
-        cfg, weights, shapes, quality, own = _file_inputs(model)
+        cfg, weights, shapes, by_context, own = _file_inputs(model)
+    trained = cfg.max_position_embeddings
+    extend = args.context if args.context > trained else None  # served with YaRN (the server's rope_scaling auto)
+    if extend:
+        cfg = with_yarn(cfg, extend)
+    measured_at, quality = quality_at(by_context, args.context)
     machine = this_machine(measure=args.bandwidth is None)
     on_gpu = machine.device.startswith("cuda") or args.vram_gb is not None
     ram = int((args.ram_gb if args.ram_gb is not None else RAM_CACHE_GB) * GIB)
@@ -192,7 +220,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       quality, extra)
     print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
-          f"{cfg.max_position_embeddings:,}-token positions")
+          f"{trained:,}-token positions")
+    if extend:
+        print(f"context: {extend:,} tokens is past the model's {trained:,}: served with YaRN x{cfg.rope.factor:.4g} "
+              f"(the server's rope_scaling auto, --max-model-len {extend}); "
+              + (f"kl / top1 measured with YaRN at {measured_at:,} tokens" if measured_at else
+                 "kl / top1 not measured with YaRN at this context (the file's quality table: decapybara info)"))
     bw = (f"{bandwidth / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'})" if bandwidth > 0
           else "not measured")
     print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), copy bandwidth {bw}; "
@@ -217,18 +250,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"best quality that fits (top-1 against bf16): {best.weights} weights, {best.kv_mode} KV")
     else:
         best = max(pick, key=lambda c: (c.stored_bytes, c.plan.kv_token_bytes))
-        print(f"most bits that fit (no quality table measured): {best.weights} weights, {best.kv_mode} KV")
+        why = "not measured at this context" if by_context else "no quality table measured"
+        print(f"most bits that fit ({why}): {best.weights} weights, {best.kv_mode} KV")
     pw = "bf16" if extra and extra.get(best.weights) else "packed"  # copies only where weights are quantised
     if on_gpu and not dense:
         hint = prefill_weights_hint(cfg, weights, stored, best, args.slots, args.context, page, device_bytes, ram,
                                     shapes)
         if hint:
             print(hint)
-    line = serve_command(None, best, args.ram_gb, pw)
+    line = serve_command(None, best, args.ram_gb, pw, extend)
     if args.config:
         print(f"run: `decapybara build SRC OUT --weights {best.weights}`, then {line.replace('serve', 'serve --model OUT', 1)}")
     elif best.weights == own:
-        print(f"run: {serve_command(args.model, best, args.ram_gb, pw)}")
+        print(f"run: {serve_command(args.model, best, args.ram_gb, pw, extend)}")
     else:
         print(f"run: rebuild with `--weights {best.weights}` (this file is {own}), then serve it with "
               f"{line[len('decapybara serve '):]}")

@@ -128,6 +128,9 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     ("r1 3x10 64r", {"blocks_per_sm": 4}, ()), ("r1 4x8 64r", {"row1_warps": 8, "blocks_per_sm": 4}, ()),
     ("r1 5x8 48r", {"row1_warps": 8, "blocks_per_sm": 5}, ()),
     ("r1 4x8 64r all", {"row1_warps": 8, "blocks_per_sm": 4, "row1_fill": 0}, ()),
+    # two register stages with the early refill (twice the bytes a warp has in flight): 2 blocks of 10 warps at 96
+    # registers (ptxas, MXFP4 `_1r`: 40 bytes spilled), 2 of 8 at 128 (28)
+    ("r1 2x10 s2", {"stages": 2}, ()), ("r1 2x8 s2", {"row1_warps": 8, "blocks_per_sm": 2, "stages": 2}, ()),
     # the kernels of 4 and 8 n-tiles (17-64 rows; SWEEP_MW): (`many_warps` a block, `many_segk` x staging codes a
     # row (0: the nominal 2048 / n-tiles; longer in dynamic shared memory), `many_stages` register stages (0: 2)),
     # each named in full so that a variant means the same under any default (the default: 16, 1024, 1)

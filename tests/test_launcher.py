@@ -245,6 +245,11 @@ def test_cli_plan_past_the_trained_context_plans_yarn(capsys):
                  "--kv-mode", "6/4"]) == 0
     out = capsys.readouterr().out
     assert "YaRN" not in out and "--max-model-len" not in out and "0.0316" in out
+    assert main(["plan", "--config", "qwen3.8-27b", "--vram-gb", "141", "--bandwidth-gbps", "4200", "--slots", "1",
+                 "--context", "1048576", "--kv-mode", "4/4", "--weights", "tiny"]) == 0
+    out = capsys.readouterr().out  # a named config: no quality table to speak of
+    assert "served with YaRN x4 (the server's rope_scaling auto, --max-model-len 1048576)\n" in out
+    assert "--max-model-len 1048576" in out.splitlines()[-1]
 
 
 def test_cli_plan_on_the_host_counts_float32_weights(capsys, monkeypatch):

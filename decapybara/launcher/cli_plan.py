@@ -222,10 +222,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
           f"{trained:,}-token positions")
     if extend:
+        measured = (f"; kl / top1 measured with YaRN at {measured_at:,} tokens" if measured_at else
+                    "; kl / top1 not measured with YaRN at this context (the file's quality table: decapybara info)"
+                    if by_context else "")
         print(f"context: {extend:,} tokens is past the model's {trained:,}: served with YaRN x{cfg.rope.factor:.4g} "
-              f"(the server's rope_scaling auto, --max-model-len {extend}); "
-              + (f"kl / top1 measured with YaRN at {measured_at:,} tokens" if measured_at else
-                 "kl / top1 not measured with YaRN at this context (the file's quality table: decapybara info)"))
+              f"(the server's rope_scaling auto, --max-model-len {extend}){measured}")
     bw = (f"{bandwidth / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'})" if bandwidth > 0
           else "not measured")
     print(f"machine: {machine.device}, {device_bytes / GIB:.1f} GiB ({source}), copy bandwidth {bw}; "

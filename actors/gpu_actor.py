@@ -37,11 +37,12 @@ class GPUActor:
             from decapybara.backend.numpy_backend import NumpyBackend
 
             backend = NumpyBackend()
-        plans = []  # the served context: YaRN past the trained one where asked (AppConfig.context_plan)
+        plan = None  # the served context: YaRN past the trained one where asked (AppConfig.context_plan)
 
         def context(mcfg: Any) -> int | None:
-            plans.append(cfg.context_plan(mcfg.max_position_embeddings))
-            return plans[0].yarn_to
+            nonlocal plan
+            plan = cfg.context_plan(mcfg.max_position_embeddings)
+            return plan.yarn_to
 
         loaded = load_model(cfg.resolved_model(), backend, context=context)
         if self.cuda:  # what loading freed (stacked weights' parts, their bf16 copies) back to the device for the KV pool
@@ -49,7 +50,7 @@ class GPUActor:
 
             cupy.get_default_memory_pool().free_all_blocks()
         mcfg = loaded.config
-        engine_cfg = cfg.engine_config(self.cuda, max_model_len=plans[0].max_model_len)
+        engine_cfg = cfg.engine_config(self.cuda, max_model_len=plan.max_model_len)
         if cfg.kv_memory_gb and not cfg.num_pages:
             bytes_per_page = kv_bytes_per_token(mcfg, engine_cfg.kv_mode) * engine_cfg.page_size or 1
             engine_cfg = engine_cfg.replace(num_pages=max(2, int(cfg.kv_memory_gb * 2**30 // bytes_per_page)))

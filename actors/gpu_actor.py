@@ -1,9 +1,10 @@
 """GPUActor: the data plane. Owns the weights, the KV pool and hybrid states, and the engine's step loop.
 
-A thin Ray shell around `decapybara.engine.driver.EngineDriver`: `control()` queues the scheduler's messages,
-`run()` is a streaming generator yielding one `StepReport` per engine step (every slot's tokens together).
-On a CUDA machine it takes one GPU and the cupy backend (packed quantised weights, decode steps as CUDA
-graphs unless `cuda_graphs` is off); elsewhere the numpy backend and no GPU.
+A thin Ray shell: `decapybara.server.engine_setup.build_engine` makes the engine (the model on the cupy backend
+with one GPU: packed quantised weights, decode steps as CUDA graphs unless `cuda_graphs` is off, the KV pool fitted
+to the free device memory unless given; elsewhere the numpy backend and no GPU), and
+`decapybara.engine.driver.EngineDriver` runs it: `control()` queues the scheduler's messages, `run()` is a
+streaming generator yielding one `StepReport` per engine step (every slot's tokens together).
 """
 
 from __future__ import annotations
@@ -17,44 +18,16 @@ from typing import Any
 import ray
 
 from decapybara.engine.driver import Control, EngineDriver
-from decapybara.launcher.capacity import kv_bytes_per_token
 
 
 class GPUActor:
     def __init__(self, app_config: dict[str, Any], tier_handles: dict[str, Any] | None = None):
-        from decapybara.engine.engine import Engine
-        from decapybara.model.load import load_model
         from decapybara.server.config import AppConfig
+        from decapybara.server.engine_setup import build_engine
 
-        t0 = time.perf_counter()
         cfg = AppConfig(**app_config)
-        self.cuda = cfg.use_cuda()
-        if self.cuda:  # packed quantised weights on the mx_gemv kernels; decode steps as CUDA graphs
-            from decapybara.backend.cuda_factory import cuda_backend
-
-            backend = cuda_backend("bf16", prefill_weights=cfg.prefill_weights)
-        else:
-            from decapybara.backend.numpy_backend import NumpyBackend
-
-            backend = NumpyBackend()
-        plan = None  # the served context: YaRN past the trained one where asked (AppConfig.context_plan)
-
-        def context(mcfg: Any) -> int | None:
-            nonlocal plan
-            plan = cfg.context_plan(mcfg.max_position_embeddings)
-            return plan.yarn_to
-
-        loaded = load_model(cfg.resolved_model(), backend, context=context)
-        if self.cuda:  # what loading freed (stacked weights' parts, their bf16 copies) back to the device for the KV pool
-            import cupy
-
-            cupy.get_default_memory_pool().free_all_blocks()
-        mcfg = loaded.config
-        engine_cfg = cfg.engine_config(self.cuda, max_model_len=plan.max_model_len)
-        if cfg.kv_memory_gb and not cfg.num_pages:
-            bytes_per_page = kv_bytes_per_token(mcfg, engine_cfg.kv_mode) * engine_cfg.page_size or 1
-            engine_cfg = engine_cfg.replace(num_pages=max(2, int(cfg.kv_memory_gb * 2**30 // bytes_per_page)))
-        self.engine = Engine(loaded.model, engine_cfg, tokenizer=loaded.tokenizer)
+        served = build_engine(cfg)
+        self.cuda, self.engine, self.pool = served.cuda, served.engine, served.pool
         self.driver = EngineDriver(self.engine, remote_policy=True)
         self.tier_handles = tier_handles or {}
         if self.tier_handles:  # paused conversations and evicted prefix pages go to RAM, then disk
@@ -64,7 +37,7 @@ class GPUActor:
             self.engine.bundle_store = stores
             self.engine.set_page_store(stores)
         self.model_name = cfg.served_model_name
-        self.load_seconds = time.perf_counter() - t0
+        self.load_seconds = served.load_seconds
         self._lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
@@ -73,7 +46,7 @@ class GPUActor:
             "backend": self.engine.model.backend.name, "cuda": self.cuda, "load_seconds": self.load_seconds,
             "model_type": e.model.cfg.model_type, "max_model_len": e.max_model_len,
             "vocab_size": e.model.cfg.vocab_size, "engine": dataclasses.asdict(e.cfg), "pid": os.getpid(),
-            "runner": e.runner.info(),
+            "runner": e.runner.info(), "kv_pool": None if self.pool is None else dataclasses.asdict(self.pool),
         }
 
     def take_staged(self, key: str):

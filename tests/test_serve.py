@@ -203,6 +203,9 @@ def test_model_info_exposes_the_measured_quality_table(served):
     assert ref and ref[0]["kl"] == 0 and ref[0]["top1"] == 100
     tiny = [r for r in rows if r["weights"] == "tiny" and r["kv_mode"] == "16/16" and r["context"] == 32768][0]
     assert tiny["kl"] > 0 and tiny["bytes"] < ref[0]["bytes"]
+    serving = info["serving"]  # the served fixture's own settings, given: no pool fitted to a device
+    assert serving["num_pages"] == 48 and serving["page_size"] == 16 and serving["kv_pool"] is None
+    assert serving["backend"] == "numpy" and serving["max_model_len"] == 768 and serving["max_slots"] == 12
 
 
 def test_metrics_are_prometheus_text(served):

@@ -94,23 +94,76 @@ class CapacityPlan:
         return self.ram_bytes // each if each else 0
 
 
+def default_reserve(device_bytes: int) -> int:
+    """The server's working reserve on a device of `device_bytes`: max(2 GiB, 5% of it)."""
+    return max(MIN_RESERVE, int(RESERVE_SHARE * device_bytes))
+
+
 def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mode: str, slots: int,
                   context: int, page_size: int = 512, ram_bytes: int = 0,
-                  reserve_bytes: int | None = None) -> CapacityPlan:
+                  reserve_bytes: int | None = None, keep_free_bytes: int = 0) -> CapacityPlan:
     """The KV pool that fits on a device of `device_bytes` beside `weight_bytes` of weights, the state pool
-    of `slots` conversations and a reserve (default max(2 GiB, 5% of the device)). Raises ValueError on
-    impossible settings (no slots, non-positive sizes)."""
+    of `slots` conversations, a reserve (default `default_reserve`) and `keep_free_bytes` left to other programs
+    (the server's keep_free_gb). Raises ValueError on impossible settings (no slots, non-positive sizes)."""
     if slots < 1 or page_size < 1 or context < 1:
         raise ValueError(f"slots, page_size and context must be >= 1 (got {slots}, {page_size}, {context})")
-    if device_bytes <= 0 or weight_bytes < 0 or ram_bytes < 0:
-        raise ValueError("device memory must be positive, weight and RAM bytes non-negative")
-    reserve = max(MIN_RESERVE, int(RESERVE_SHARE * device_bytes)) if reserve_bytes is None else reserve_bytes
+    if device_bytes <= 0 or weight_bytes < 0 or ram_bytes < 0 or keep_free_bytes < 0:
+        raise ValueError("device memory must be positive, weight, RAM and kept-free bytes non-negative")
+    reserve = default_reserve(device_bytes) if reserve_bytes is None else reserve_bytes
     token = kv_bytes_per_token(cfg, kv_mode)
     states = cfg.state_bytes_per_sequence() * (slots + 1)
-    free = device_bytes - weight_bytes - states - reserve
+    free = device_bytes - weight_bytes - states - reserve - keep_free_bytes
     pages = max(0, free // (token * page_size)) if token else 0
     return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),
                         ram_bytes, context, cfg.max_position_embeddings)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFit:
+    """`fit_pool`'s choice of a server's KV pool on a device whose memory it measured after loading the weights."""
+
+    pages: int  # the pool: min(by_memory, cap); < 2 where nothing fits
+    by_memory: int  # pages the free memory holds beside the states, the reserve and keep_free
+    cap: int  # pages worth holding: every slot's whole context twice over, the graphs' padding page included
+    page_bytes: int
+    free_bytes: int  # device memory free when measured
+    state_bytes: int
+    reserve_bytes: int
+    keep_free_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.pages >= 2
+
+    def why_not(self) -> str:
+        """What a pool of fewer than two pages is short of (for the server's refusal)."""
+        need = self.state_bytes + self.reserve_bytes + self.keep_free_bytes + 2 * self.page_bytes
+        return (f"{self.free_bytes / GIB:.2f} GiB of device memory is free after the weights; the DeltaNet states "
+                f"({self.state_bytes / GIB:.2f} GiB), the working reserve ({self.reserve_bytes / GIB:.2f} GiB), "
+                f"keep_free ({self.keep_free_bytes / GIB:.2f} GiB) and two KV pages ({2 * self.page_bytes / GIB:.2f}"
+                f" GiB) need {need / GIB:.2f} GiB")
+
+
+def fit_pool(cfg: ModelConfig, free_bytes: int, device_bytes: int, kv_mode: str | None, slots: int, page_size: int,
+             max_model_len: int, keep_free_bytes: int = 0, reserve_bytes: int | None = None) -> PoolFit:
+    """The KV pool a server takes when none is asked for: with `free_bytes` of the device's `device_bytes` free
+    after the weights loaded, the pages left once the state pool of `slots` conversations (+1: the graphs'
+    padding slot), the working reserve (`default_reserve`: activations, graph pools, workspaces, allocator slack)
+    and `keep_free_bytes` (left to other programs) are set aside; at most `cap` pages, which hold every slot's
+    whole `max_model_len` twice over (the prefix cache's room), so that a small model does not take the device.
+    The arithmetic of `plan_capacity` on measured rather than planned free memory."""
+    if slots < 1 or page_size < 1 or max_model_len < 1:
+        raise ValueError(f"slots, page_size and max_model_len must be >= 1 (got {slots}, {page_size}, "
+                         f"{max_model_len})")
+    if free_bytes < 0 or device_bytes <= 0 or keep_free_bytes < 0:
+        raise ValueError("device memory must be positive, free and kept-free bytes non-negative")
+    reserve = default_reserve(device_bytes) if reserve_bytes is None else reserve_bytes
+    page = kv_bytes_per_token(cfg, kv_mode) * page_size
+    states = cfg.state_bytes_per_sequence() * (slots + 1)
+    room = free_bytes - states - reserve - keep_free_bytes
+    by_memory = max(0, room // page) if page else 0
+    cap = 2 * slots * -(-max_model_len // page_size) + 1
+    return PoolFit(int(min(by_memory, cap)), int(by_memory), cap, page, free_bytes, states, reserve, keep_free_bytes)
 
 
 def routed_share(cfg: ModelConfig, sequences: int) -> float:

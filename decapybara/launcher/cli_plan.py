@@ -50,6 +50,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prefill-weights", dest="prefill_weights", choices=("packed", "bf16"), default="packed",
                    help="bf16: also hold the quantised product weights as bf16 on the GPU (the server's "
                         "prefill_weights=bf16: steps of 33+ rows run cuBLAS on them), counted here")
+    p.add_argument("--keep-free-gb", dest="keep_free_gb", type=float, default=0.0,
+                   help="device memory in GiB left to other programs (the server's keep_free_gb), planned out "
+                        "of the KV pool")
     p.set_defaults(func=cmd_plan)
 
 
@@ -68,16 +71,17 @@ class Candidate:
 def candidates(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], kv_modes: list[str],
                slots: int, context: int, page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
                quality: dict[tuple[str, str], tuple[float, float]] | None = None,
-               extra: dict[str, int] | None = None) -> list[Candidate]:
+               extra: dict[str, int] | None = None, keep_free: int = 0) -> list[Candidate]:
     """Every (weights, KV mode) setting planned: `weights` maps a setting to the bytes of each tensor as the
     backend holds them, `extra` to further resident bytes that decode does not read (the prefill weights' bf16
-    copies). Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
+    copies), `keep_free` device bytes left to other programs. Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
     where the table has the pair."""
     out = []
     for name, tensors in weights.items():
         resident = sum(tensors.values()) + (extra or {}).get(name, 0)
         for mode in kv_modes:
-            plan = plan_capacity(cfg, resident, device_bytes, mode, slots, context, page_size, ram_bytes)
+            plan = plan_capacity(cfg, resident, device_bytes, mode, slots, context, page_size, ram_bytes,
+                                 keep_free_bytes=keep_free)
             t1 = decode_roofline(cfg, tensors, mode, [context], bandwidth) if bandwidth > 0 else 0.0
             tn = decode_roofline(cfg, tensors, mode, [context] * slots, bandwidth) if bandwidth > 0 else 0.0
             q = (quality or {}).get((name, mode))
@@ -216,8 +220,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     modes = [args.kv_mode] if args.kv_mode else list(KV_MODES)
     dense = args.prefill_weights == "bf16" and on_gpu  # the numpy backend keeps no copies
     extra = {name: dense_prefill_bytes(shapes, t) for name, t in weights.items()} if dense else None
+    keep_free = int(args.keep_free_gb * GIB)
     rows = candidates(cfg, weights, stored, modes, args.slots, args.context, page, device_bytes, ram, bandwidth,
-                      quality, extra)
+                      quality, extra, keep_free)
     print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
           f"{trained:,}-token positions")
@@ -238,6 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     snaps = rows[0].plan.snapshot_bytes
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
           f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; "
+          + (f"{keep_free / GIB:.1f} GiB kept free for other programs; " if keep_free else "")
           + (f"{snaps / GIB:.1f} GiB of host memory for prefix-cache state snapshots; " if snaps else "")
           + "roofline = bytes a decode step moves / bandwidth (an upper bound; docs/perf.md has measured fractions)")
     for line in format_table(rows, args.slots, args.context):
@@ -256,7 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pw = "bf16" if extra and extra.get(best.weights) else "packed"  # copies only where weights are quantised
     if on_gpu and not dense:
         hint = prefill_weights_hint(cfg, weights, stored, best, args.slots, args.context, page, device_bytes, ram,
-                                    shapes)
+                                    shapes, keep_free)
         if hint:
             print(hint)
     line = serve_command(None, best, args.ram_gb, pw, extend)
@@ -272,14 +278,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def prefill_weights_hint(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], best: Candidate,
                          slots: int, context: int, page: int, device_bytes: int, ram: int,
-                         shapes: dict[str, tuple[int, ...]]) -> str | None:
+                         shapes: dict[str, tuple[int, ...]], keep_free: int = 0) -> str | None:
     """What `prefill_weights=bf16` would cost the chosen setting (the bf16 copies of its quantised product weights)
     and whether the plan still fits with them; None where its weights are not quantised (no copies to keep)."""
     extra = dense_prefill_bytes(shapes, weights[best.weights])
     if not extra:
         return None
     with_copies = candidates(cfg, {best.weights: weights[best.weights]}, stored, [best.kv_mode], slots, context, page,
-                             device_bytes, ram, 0.0, None, {best.weights: extra})[0].plan
+                             device_bytes, ram, 0.0, None, {best.weights: extra}, keep_free)[0].plan
     cost = f"bf16 prefill weights (--prefill-weights bf16) would take {_size(extra)} of device memory"
     if not with_copies.fits:
         return f"{cost}: the plan would not fit with them ({with_copies.why_not})"
@@ -304,7 +310,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.page_size is not None and (args.page_size < 1 or args.page_size & (args.page_size - 1)):
         raise ConfigError("--page-size must be a power of two")
     for name, flag, low in (("vram_gb", "--vram-gb", False), ("ram_gb", "--ram-gb", True),
-                            ("bandwidth", "--bandwidth-gbps", False)):
+                            ("bandwidth", "--bandwidth-gbps", False), ("keep_free_gb", "--keep-free-gb", True)):
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and (v >= 0 if low else v > 0)):
             raise ConfigError(f"{flag} must be a finite number {'>= 0' if low else '> 0'}")

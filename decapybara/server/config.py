@@ -35,8 +35,11 @@ class AppConfig(BaseModel):
     slots: int = Field(default=12, ge=1, le=12, description="conversations decoding together (CONVERSATIONS)")
     kv_mode: str | None = Field(default=None, description="KV bits K/V: 16/16, 8/8, 6/6, 6/4, 4/4")
     page_size: int | None = Field(default=None, description="tokens per KV page (default 512 on GPU, 16 on CPU)")
-    num_pages: int | None = Field(default=None, ge=2)
+    num_pages: int | None = Field(default=None, ge=2, description="KV pool pages (default: on CUDA what the free "
+                                  "device memory holds beside keep_free_gb; 4096 on the CPU)")
     kv_memory_gb: float | None = Field(default=None, gt=0, description="KV pool size (instead of num_pages)")
+    keep_free_gb: float = Field(default=0.0, ge=0, description="KEEP_FREE: device memory (GiB) the server leaves "
+                                "to other programs when it sizes the KV pool from the free memory (CUDA)")
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
     rope_scaling: Literal["auto", "off", "1m"] = Field(

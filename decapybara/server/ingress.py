@@ -59,8 +59,13 @@ class Ingress:
         info = await self.scheduler.ready.remote()
         with McapyFile.open(self.cfg.resolved_model()) as f:  # metadata only: weights stay in the GPU actor
             meta = f.metadata
+        engine = info.get("engine") or {}
         self.model_info = {"model_config": meta.get("model_config"), "weights": meta.get("weights"),
-                           "quality": (meta.get("sections") or {}).get("quality")}
+                           "quality": (meta.get("sections") or {}).get("quality"),
+                           "serving": {"max_model_len": info.get("max_model_len"), "backend": info.get("backend"),
+                                       **{k: engine.get(k) for k in ("max_slots", "kv_mode", "page_size",
+                                                                      "num_pages")},
+                                       "kv_pool": info.get("kv_pool")}}
         tokenizer = Tokenizer.from_json(meta["tokenizer"], chat_template=meta.get("chat_template"))
         self.client = RayEngineClient(self.scheduler, tokenizer, info, self.cfg.served_model_name)
 
@@ -73,7 +78,9 @@ class Ingress:
 
         @app.get("/v1/model_info")
         async def model_info() -> JSONResponse:
-            """The served file's architecture, weight format and measured quality table (for the launcher)."""
+            """The served file's architecture, weight format and measured quality table (for the launcher), and what
+            this server serves it with (context, slots, KV mode and pool; `kv_pool`: the pool fitted to the device's
+            free memory, null where given)."""
             return JSONResponse(self.model_info)
 
         return app

@@ -1,0 +1,83 @@
+"""The served engine built from the app's settings, without Ray: the model loaded on this machine's backend under
+its context plan (YaRN where asked), the KV pool sized, the Engine made. `actors/gpu_actor.py`'s GPUActor is a thin
+Ray shell around `build_engine`; tests/gpu build the same engine on a GPU machine that has no Ray.
+
+The KV pool, in order: `num_pages` where given; else `kv_memory_gb` of pages; else, on CUDA, the pages that the
+device's free memory holds once the weights are loaded (`launcher.capacity.fit_pool`: less the DeltaNet state
+pool, the working reserve and `keep_free_gb`, at most every slot's whole context twice over); else (the CPU)
+`EngineConfig`'s default pages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from decapybara.backend.kv_codec import kv_bytes_per_token
+from decapybara.errors import ConfigError
+from decapybara.launcher.capacity import GIB, PoolFit, fit_pool
+from decapybara.server.config import AppConfig
+
+
+@dataclass(slots=True)
+class ServedEngine:
+    engine: Any  # decapybara.engine.engine.Engine
+    cuda: bool
+    load_seconds: float
+    pool: PoolFit | None  # the fitted pool (CUDA, neither num_pages nor kv_memory_gb given), else None
+
+
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes of the current CUDA device, with CuPy's cached free blocks handed back first (what
+    loading freed: stacked weights' parts, their bf16 copies)."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(free), int(total)
+
+
+def build_engine(cfg: AppConfig) -> ServedEngine:
+    """Load `cfg`'s model on CUDA (the cupy backend: packed quantised weights, decode steps as CUDA graphs unless
+    `cuda_graphs` is off) or the CPU (numpy), size the KV pool and build the Engine. ConfigError where the
+    settings cannot be served (a context the rope scaling refuses, no room for a KV pool)."""
+    from decapybara.engine.engine import Engine
+    from decapybara.model.load import load_model
+
+    t0 = time.perf_counter()
+    cuda = cfg.use_cuda()
+    if cuda:
+        from decapybara.backend.cuda_factory import cuda_backend
+
+        backend = cuda_backend("bf16", prefill_weights=cfg.prefill_weights)
+    else:
+        from decapybara.backend.numpy_backend import NumpyBackend
+
+        backend = NumpyBackend()
+    plan = None  # the served context: YaRN past the trained one where asked (AppConfig.context_plan)
+
+    def context(mcfg: Any) -> int | None:
+        nonlocal plan
+        plan = cfg.context_plan(mcfg.max_position_embeddings)
+        return plan.yarn_to
+
+    loaded = load_model(cfg.resolved_model(), backend, context=context)
+    mcfg = loaded.config
+    engine_cfg = cfg.engine_config(cuda, max_model_len=plan.max_model_len)
+    pool = None
+    if not cfg.num_pages:
+        page_bytes = kv_bytes_per_token(mcfg, engine_cfg.kv_mode) * engine_cfg.page_size
+        if cfg.kv_memory_gb:
+            engine_cfg = engine_cfg.replace(num_pages=max(2, int(cfg.kv_memory_gb * GIB // (page_bytes or 1))))
+        elif cuda:
+            free, total = device_memory()
+            pool = fit_pool(mcfg, free, total, engine_cfg.kv_mode, engine_cfg.max_slots, engine_cfg.page_size,
+                            engine_cfg.max_model_len or mcfg.max_position_embeddings,
+                            keep_free_bytes=int(cfg.keep_free_gb * GIB))
+            if not pool.fits:
+                raise ConfigError(f"no room for a KV pool: {pool.why_not()}; lower keep_free_gb, slots or the "
+                                  "weights' size, or set num_pages / kv_memory_gb")
+            engine_cfg = engine_cfg.replace(num_pages=pool.pages)
+    engine = Engine(loaded.model, engine_cfg, tokenizer=loaded.tokenizer)
+    return ServedEngine(engine, cuda, time.perf_counter() - t0, pool)

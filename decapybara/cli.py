@@ -1,5 +1,6 @@
-"""The `decapybara` command: `build SRC OUT` converts a HF folder to .mcapy, `info FILE` describes one, `serve`
-runs the server, `plan` says what fits on this machine and what each setting costs.
+"""The `decapybara` command: `build SRC OUT` converts a HF folder to .mcapy, `info FILE` describes one, `models`
+lists the ones in the model folders, `serve` runs the server, `plan` says what fits on this machine and what each
+setting costs.
 
 Errors a user can cause (bad checkpoint, corrupt file) print one line and exit with status 2.
 """
@@ -108,6 +109,29 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from decapybara.builder.progress import human_bytes
+    from decapybara.launcher.discover import discover, search_dirs
+
+    dirs = search_dirs()
+    print("model folders (in search order; $DECAPYBARA_MODELS adds more): " + ", ".join(dirs))
+    rows = []
+    for m in discover(dirs):
+        if m.error:
+            rows.append({"name": m.name, "error": m.error, "path": m.path})
+            continue
+        rows.append({"name": m.name, "size": human_bytes(m.size_bytes), "type": m.model_type, "layers": m.layers,
+                     "params": f"{m.params / 1e6:.1f}M" if m.params < 1e9 else f"{m.params / 1e9:.2f}B",
+                     "weights": m.weights, "context": f"{m.context:,}", "mtp": m.mtp_layers,
+                     "top1": "-" if m.top1 is None else f"{m.top1:.2f}%",
+                     "kl": "-" if m.kl is None else f"{m.kl:.4g}", "path": m.path})
+    for line in format_table(rows):
+        print(line)
+    print("top1 / kl: the file's quality table, its own weights against bf16 with bf16 KV. "
+          "Serve one by name: decapybara serve --model NAME; plan it: decapybara plan NAME")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     from decapybara.builder.quant_formats import WEIGHT_PRESETS
 
@@ -140,6 +164,8 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--verify", action="store_true", help="check every checksum first")
     i.set_defaults(func=_cmd_info)
+    m = sub.add_parser("models", help="list the .mcapy models in the model folders (names for --model / plan)")
+    m.set_defaults(func=_cmd_models)
     from decapybara.launcher import cli_plan
     from decapybara.server import cli_serve
 

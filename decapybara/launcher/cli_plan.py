@@ -34,7 +34,8 @@ from decapybara.model.config import ModelConfig, with_yarn
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="what fits on this machine, what each setting costs, the serve command")
-    p.add_argument("model", nargs="?", help=".mcapy path or fsspec URL (default: the embedded demo model)")
+    p.add_argument("model", nargs="?", help=".mcapy path, fsspec URL or the name of a model in the model folders "
+                   "(`decapybara models`; default: the embedded demo model)")
     p.add_argument("--config", help="a named model shape instead of a file (qwen3.8-27b, qwen3.8-35b-a3b)")
     p.add_argument("--weights", help="weight preset(s) of --config, comma-separated (default: all)")
     p.add_argument("--kv-mode", dest="kv_mode", help=f"one KV mode ({', '.join(KV_MODES)}; default: all)")
@@ -194,7 +195,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg, weights, shapes = _config_inputs(args.config, args.weights)
         model = None
     else:
-        model = args.model or str(DEMO_MODEL)
+        from decapybara.launcher.discover import resolve
+
+        model = resolve(args.model) if args.model else str(DEMO_MODEL)
         if args.weights:
             raise ConfigError("--weights picks presets of --config; a file has its own weights")
         cfg, weights, shapes, by_context, own = _file_inputs(model)

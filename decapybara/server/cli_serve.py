@@ -20,7 +20,8 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the OpenAI + Anthropic server on this machine")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", help=".mcapy path or fsspec URL (default: the embedded demo model)")
+    s.add_argument("--model", help=".mcapy path, fsspec URL or the name of one in the model folders (`decapybara "
+                   "models`; default: the embedded demo model)")
     s.add_argument("--preset", choices=["max_efficiency", "medium", "max_quality"])
     s.add_argument("--slots", type=int, help="conversations decoding together (1-12)")
     s.add_argument("--kv-mode", dest="kv_mode", help="KV key/value bits: 16/16, 8/8, 6/6, 6/4, 4/4")
@@ -56,7 +57,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         out[key.strip()] = value
     try:
-        AppConfig(**out)
+        AppConfig(**out).resolved_model()  # a model named, not found: said here, before Ray starts
     except ValidationError as e:
         raise ConfigError(f"bad server settings: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
     return out

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -29,7 +28,9 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(default=str(DEMO_MODEL), description="path or fsspec URL of a .mcapy file")
+    model: str = Field(default=str(DEMO_MODEL), description="path or fsspec URL of a .mcapy file, or the name of one "
+                       "in the model folders ($DECAPYBARA_MODELS, ~/.cache/decapybara/models, the current folder; "
+                       "`decapybara models` lists them)")
     served_model_name: str = "decapybara"
     preset: Literal["max_efficiency", "medium", "max_quality"] | None = None
     slots: int = Field(default=12, ge=1, le=12, description="conversations decoding together (CONVERSATIONS)")
@@ -150,4 +151,7 @@ class AppConfig(BaseModel):
                             else int(self.snapshot_memory_gb * 2**30))
 
     def resolved_model(self) -> str:
-        return os.path.expanduser(self.model) if "://" not in self.model else self.model
+        """The model's path or URL: a bare name is looked up in the model folders (launcher/discover.py)."""
+        from decapybara.launcher.discover import resolve
+
+        return resolve(self.model)

@@ -125,8 +125,11 @@ class Ingress:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
-    """The Serve application for `serve run serve_app:build_app key=value ...` (validated by AppConfig)."""
+    """The Serve application for `serve run serve_app:build_app key=value ...` (validated by AppConfig). A model
+    given by name is looked up here, in this process's model folders, so that the actors get its path."""
     cfg = AppConfig(**(args or {}))
+    if "model" in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"model": cfg.resolved_model()})
     deployment = serve.deployment(
         Ingress, name="DecapybaraIngress", num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options={"num_cpus": 0},

@@ -269,8 +269,8 @@ class DecodeGraphRunner:
         cp.cuda.get_current_stream().wait_event(st.done)
         self.stats["graph_steps"] += 1
         n = len(batch.seqs)
-        logits, hidden = st.outputs
-        return ForwardOutput(logits[:n], hidden[:n], {})
+        logits, hidden = st.outputs  # hidden: every row's final-normed state (a decode row is its logits row)
+        return ForwardOutput(logits[:n], hidden[:n], {}, hidden[:n] if batch.normed_rows else None)
 
     def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
         if st.done is not None:

@@ -48,6 +48,7 @@ class ForwardBatch:
     logits_rows: np.ndarray  # [R] int64, rows whose logits are returned (R may be 0)
     page_size: int
     slot_mapping: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [T] flat KV slot per row
+    normed_rows: bool = False  # also return every row's final-normed hidden state (ForwardOutput.normed: MTP)
 
     @property
     def num_tokens(self) -> int:

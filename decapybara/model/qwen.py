@@ -37,11 +37,14 @@ class Projection:
 @dataclass(slots=True)
 class ForwardOutput:
     """Logits [R, vocab] for the requested rows, the residual stream of those rows before the final norm,
-    and hybrid-state snapshots keyed by (sequence index in the batch, absolute token count)."""
+    hybrid-state snapshots keyed by (sequence index in the batch, absolute token count), and, where the batch
+    asked for it (`ForwardBatch.normed_rows`), every row's final-normed hidden state [T, H] (what the MTP head
+    reads: `QwenModel.mtp_forward`), else None."""
 
     logits: Any
     hidden: Any
     snapshots: dict[tuple[int, int], HybridState] = field(default_factory=dict)
+    normed: Any = None
 
 
 class QwenModel:
@@ -200,14 +203,56 @@ class QwenModel:
                                 lambda p, i, inputs: self._deltanet(p, i, inputs, states, segments, raw_snaps), tails)
         rows = batch.logits_rows
         last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
-        hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        normed = None
+        if batch.normed_rows:  # every row's, the logits rows' taken from them (the same norm, row by row)
+            normed = ops.rms_norm(h, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            hidden = normed[ops.from_host(rows)] if len(rows) != h.shape[0] else normed
+        else:
+            hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         logits = ops.linear(hidden, self.w["lm_head.weight"]) if len(rows) else hidden[:0, :0]
         snapshots, n = {}, len(cfg.linear_layers)
         for key, layers in raw_snaps.items():  # the backend's arrays (device copies on a GPU): one move each
             arrs = ops.to_host_many([layers[i][0] for i in cfg.linear_layers] +
                                     [layers[i][1] for i in cfg.linear_layers])
             snapshots[key] = HybridState(arrs[:n], arrs[n:])
-        return ForwardOutput(logits, last, snapshots)
+        return ForwardOutput(logits, last, snapshots, normed)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model holds a multi-token-prediction head (`mtp_forward`)."""
+        return self.cfg.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in self.w
+
+    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> Any:
+        """The MTP head's logits [R, vocab] for `batch.logits_rows`, over `batch`'s rows as the head was trained
+        (decapybara/builder/train_demo.py `MTPHead`): the row at position p of a sequence pairs the main model's
+        final-normed hidden state at p (`normed` [T, H], `ForwardOutput.normed`'s rows) with the token at p + 1
+        (`batch.token_ids`), and predicts the token at p + 2:
+            fc([norm_e(embed(token p + 1)); norm_h(hidden p)]) -> the head's decoder layer(s) -> norm -> lm_head.
+        The head's attention layers keep their keys and values in the cache's ("mtp", j) layers, at the
+        sequences' own page slots of position p, causal over positions [0, p]."""
+        if not self.has_mtp:
+            raise ValueError("the model has no MTP head")
+        cfg, ops, w = self.cfg, self.backend, self.w
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = ops.from_host(cos), ops.from_host(sin)
+        e = ops.rms_norm(ops.embedding(w["model.embed_tokens.weight"], batch.token_ids),
+                         w["mtp.pre_fc_norm_embedding.weight"], eps, off)
+        hn = ops.rms_norm(normed, w["mtp.pre_fc_norm_hidden.weight"], eps, off)
+        h = ops.linear(ops.xp.concatenate([e, hn], axis=1), w["mtp.fc.weight"])  # [T, H]
+        for j in range(cfg.mtp_num_hidden_layers):
+            p = f"mtp.layers.{j}"
+            x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], eps, off)
+            a = f"{p}.self_attn"
+            inputs = [ops.linear(x, *self.fused_qkv[a])] if a in self.fused_qkv else \
+                [ops.linear(x, w[f"{a}.{n}_proj.weight"], w.get(f"{a}.{n}_proj.bias")) for n in "qkv"]
+            out = self._attention(p, ("mtp", j), inputs, batch, kv, cos, sin)
+            x, h = ops.add_rms_norm(Projection.output(out, ops), h, w[f"{p}.post_attention_layernorm.weight"], eps,
+                                    off)
+            h = h + Projection.output(self._ffn(p, j, x), ops)
+        rows = batch.logits_rows
+        last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
+        return ops.linear(ops.rms_norm(last, w["mtp.norm.weight"], eps, off), w["lm_head.weight"])
 
     def decoder_layers(self, h: Any, attention: Any, deltanet: Any, tails: Any = None) -> Any:
         """The decoder stack on the residual stream h [T, H]; `attention(p, i, inputs)` / `deltanet(p, i, inputs)`

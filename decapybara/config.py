@@ -51,6 +51,11 @@ class EngineConfig:
     # persistent product chains, one launch a run of products (decapybara/backend/chain_tails.py); off: on an
     # H200 a chain ran a layer's products 1.2x slower than their launches (docs/perf.md, fiftieth session)
     product_chains: bool = False
+    # Speculative decoding: "mtp" drafts each decoding sequence's next token with the model's MTP head and verifies
+    # it as a second row of the sequence's decode (a token gained where it matches what is sampled; outputs as
+    # without speculation); "off". Models without an MTP head ignore it. Steps with a draft run eagerly (CUDA
+    # graphs replay only one-token decodes).
+    speculator: str = "off"
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:
@@ -71,6 +76,8 @@ class EngineConfig:
             raise ConfigError("snapshot_interval must be >= 1")
         if self.context_mode not in ("pool", "fixed"):
             raise ConfigError(f"context_mode must be pool or fixed, got {self.context_mode!r}")
+        if self.speculator not in ("mtp", "off"):
+            raise ConfigError(f"speculator must be mtp or off, got {self.speculator!r}")
         if self.loop_guard not in ("stop", "end_thinking", "escape", "off"):
             raise ConfigError(f"loop_guard must be stop, end_thinking, escape or off, got {self.loop_guard!r}")
 

@@ -49,6 +49,8 @@ class EngineStats:
     restored_pages: int = 0  # ... brought back on a later hit instead of being recomputed
     lost_pages: int = 0  # ... found missing or damaged (recomputed instead)
     lost_bundles: int = 0  # paused conversations whose bundle was lost (recomputed from their tokens)
+    drafted_tokens: int = 0  # speculation: MTP drafts verified as a second row of a decode
+    accepted_tokens: int = 0  # ... that the sampled token matched (a token gained without a step of its own)
 
 
 class Engine(MemoryMixin):
@@ -93,6 +95,8 @@ class Engine(MemoryMixin):
         special = getattr(tokenizer, "special_ids", None)
         self._think = (getattr(special, "think", None), getattr(special, "end_think", None))
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
+        # speculation: the MTP head drafts each decoding sequence's next token, verified as a second row
+        self.speculate = cfg.speculator == "mtp" and model.has_mtp
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -151,7 +155,7 @@ class Engine(MemoryMixin):
         plan = self._plan_with_pages()
         if not plan.chunks:
             return []
-        out = self.runner.run(plan)
+        out = self.runner.run(plan, normed=self.speculate)
         events = self._postprocess(plan, out)
         self.stats.steps += 1
         self.stats.forward_tokens += plan.num_tokens
@@ -184,35 +188,104 @@ class Engine(MemoryMixin):
                 return StepPlan([])
 
     def _postprocess(self, plan: StepPlan, out: Any) -> list[TokenEvent]:
+        """Sample, account and emit. A chunk with a draft samples its real token's row as any decode does; the
+        draft is accepted where that token is the draft, and then its own row samples the next token (after the
+        first is appended, so the penalties and the LoopGuard see it as they would a step later): the tokens and
+        draws of decoding without speculation. A rejected draft's row is rolled back (its KV slot is rewritten
+        later; a hybrid model's state is set back to the snapshot after the real token). With speculation the
+        MTP head then runs over the step's new (hidden, next token) pairs and drafts each decoding sequence's
+        next token (`_draft`)."""
         now = self.clock()
         sampling = [c for c in plan.chunks if c.sample]
-        rows = [self._sampler_row(c.seq) for c in sampling]
-        sampled = None
-        if rows and self.logits_processor is not None:  # a host hook: the logits come to the host
-            host = self.model.backend.to_host(out.logits).astype(np.float32, copy=False)
-            logits = np.stack([self.logits_processor(c.seq, host[j]) for j, c in enumerate(sampling)])
-            sampled = sample(logits, rows, eos_token_ids=self.eos_token_ids)
-        elif rows:  # where the logits are: on a GPU only tokens and logprobs cross to the host
-            sampled = self.model.backend.sample(out.logits, rows, self.eos_token_ids)
-        for ci, c in enumerate(plan.chunks):
+        first, r = [], 0  # each sampling chunk's first logits row (a chunk with a draft has two)
+        for c in sampling:
+            first.append(r)
+            r += 2 if c.draft is not None else 1
+        sampled = self._sample(out.logits, first, [c.seq for c in sampling],
+                               [self._sampler_row(c.seq) for c in sampling]) if sampling else None
+        accepted = {id(c): int(sampled.token_ids[j]) == c.draft for j, c in enumerate(sampling) if c.draft is not None}
+        before = []
+        for c in plan.chunks:
             s = c.seq
+            before.append(s.num_computed)
+            n = c.num_tokens if c.draft is None else 1 + accepted[id(c)]
             if s.num_computed < s.num_prompt:
-                done = min(c.num_tokens, s.num_prompt - s.num_computed)
+                done = min(n, s.num_prompt - s.num_computed)
                 s.num_computed_prompt += done
                 self.stats.computed_prompt_tokens += done
-            s.num_computed += c.num_tokens
+            s.num_computed += n
             s.last_active = now
-            self._register_pages(s, ci, out.snapshots)
-        events: list[TokenEvent] = []
+            if c.draft is not None:
+                s.num_drafted += 1
+                s.num_accepted += accepted[id(c)]
+                self.stats.drafted_tokens += 1
+                self.stats.accepted_tokens += accepted[id(c)]
         for j, c in enumerate(sampling):
+            self._append_output(c.seq, int(sampled.token_ids[j]), float(sampled.logprobs[j]),
+                                sampled.top_logprobs[j], now)
+        for ci, c in enumerate(plan.chunks):  # the pages that became full: the tokens they hold are all appended
             s = c.seq
-            tok = int(sampled.token_ids[j])
-            lp = float(sampled.logprobs[j])
-            self._append_output(s, tok, lp, sampled.top_logprobs[j], now)
-            ev = self._event_if_due(s)
+            if c.draft is not None and not accepted[id(c)] and self.hybrid:
+                self.runner.reset_state(s.state_slot, out.snapshots[(ci, before[ci] + 1)])
+            self._register_pages(s, ci, out.snapshots)
+        # an accepted draft's own row samples the token after it, unless the first ended the sequence or the
+        # LoopGuard forced tokens after it (num_uncomputed 0: the draft is the last token and computed)
+        bonus = [j for j, c in enumerate(sampling) if c.draft is not None and accepted[id(c)]
+                 and c.seq.finish_reason is None and c.seq.num_uncomputed == 0]
+        if bonus:  # the accepted drafts' own rows: the token after them
+            extra = self._sample(out.logits, [first[j] + 1 for j in bonus], [sampling[j].seq for j in bonus],
+                                 [self._sampler_row(sampling[j].seq) for j in bonus])
+            for k, j in enumerate(bonus):
+                self._append_output(sampling[j].seq, int(extra.token_ids[k]), float(extra.logprobs[k]),
+                                    extra.top_logprobs[k], now)
+        if self.speculate:
+            self._draft(plan, out, before)
+        events: list[TokenEvent] = []
+        for c in sampling:
+            ev = self._event_if_due(c.seq)
             if ev is not None:
                 events.append(ev)
         return events
+
+    def _sample(self, logits: Any, idx: list[int], seqs: list[Sequence], rows: list[SamplerRow]) -> Any:
+        """Sample the step's logits rows `idx` for `seqs` by their sampler rows (through the host hook
+        `logits_processor` when set; else where the logits are: on a GPU only tokens and logprobs cross)."""
+        if self.logits_processor is not None:
+            host = self.model.backend.to_host(logits).astype(np.float32, copy=False)
+            lg = np.stack([self.logits_processor(s, host[i]) for i, s in zip(idx, seqs)])
+            return sample(lg, rows, eos_token_ids=self.eos_token_ids)
+        if idx != list(range(int(logits.shape[0]))):
+            logits = logits[self.model.backend.from_host(np.asarray(idx, np.int64))]
+        return self.model.backend.sample(logits, rows, self.eos_token_ids)
+
+    def _draft(self, plan: StepPlan, out: Any, before: list[int]) -> None:
+        """The MTP head over each running sequence's positions computed this step, paired with the tokens after
+        them (so its KV follows the main model's), and, for a sequence whose next step decodes one token, the
+        head's greedy guess of the token after that one: its next draft. Drafts never change what is sampled;
+        they only let a step verify a second token."""
+        entries, rows, draft_rows, wants = [], [], [], []
+        n = 0
+        for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
+            s = c.seq
+            s.draft = None
+            if s.finish_reason is not None or s.num_computed <= p0:
+                continue
+            k = s.num_computed - p0
+            entries.append((s.tokens[p0 + 1:s.num_computed + 1], p0, s.pages))
+            rows.extend(range(b.start, b.start + k))
+            n += k
+            # a draft only where the next step decodes one token and a second could still be taken
+            if c.sample and s.num_uncomputed == 1 and s.num_output + 1 < s.params.max_tokens \
+                    and s.num_tokens + 1 < self.max_model_len:
+                draft_rows.append(n - 1)
+                wants.append(s)
+        if not entries:
+            return
+        logits = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
+        if wants:
+            guesses = np.argmax(self.model.backend.to_host(logits), axis=-1)
+            for s, g in zip(wants, guesses):
+                s.draft = int(g)
 
     @staticmethod
     def _sampler_row(s: Sequence) -> SamplerRow:

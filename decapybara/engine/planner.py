@@ -11,7 +11,9 @@ For hybrid models with the prefix cache on, a chunk that crosses a snapshot boun
 snapshot there, so the prefix cache can reuse the state at that point: every `cfg.snapshot_interval` tokens
 (a multiple of the page size), and the last page boundary of the prompt (where a repeated or shared prompt
 is reusable up to). A sequence samples only when its chunk reaches its
-last token.
+last token. With speculation, a decoding sequence that holds a draft (the MTP head's guess of the token after its
+last) computes it as a second row of its chunk, where the budget leaves room (`ScheduledChunk.draft`), with a
+state snapshot after its real token for hybrid models (a rejected draft's row is rolled back to it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ScheduledChunk:
     num_tokens: int  # tokens computed this step, starting at seq.num_computed
     sample: bool  # the chunk ends at the sequence's last token: sample the next one
     snapshot_at: tuple[int, ...] = ()  # absolute token counts after which to snapshot hybrid state
+    draft: int | None = None  # speculation: the MTP's draft of the token after the last, computed as a 2nd row
 
 
 @dataclass(slots=True)
@@ -40,7 +43,7 @@ class StepPlan:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.sample)
+        return sum(1 for c in self.chunks if c.sample and (c.num_tokens == 1 or c.draft is not None))
 
 
 def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> StepPlan:
@@ -64,14 +67,28 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> St
             used += n
         return used
 
+    def add_decodes(limit: int) -> int:
+        """Decodes in order, one token each, and a sequence's draft as a second row while the budget keeps one
+        token for every decode after it."""
+        used = 0
+        for k, s in enumerate(decodes):
+            if used >= limit:
+                break
+            if s.draft is not None and used + 2 + (len(decodes) - k - 1) <= limit:
+                # the state after the real token: where a rejected draft's row is rolled back to
+                points = tuple(sorted({*_boundaries(s, 1, every, ps), s.num_computed + 1}))
+                chunks.append(ScheduledChunk(s, 2, True, points, s.draft))
+                used += 2
+            else:
+                chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
+                used += 1
+        return used
+
     if cfg.prefill_policy == "prefill-priority":
         used = add_prefills(budget)
-        for s in decodes[: max(0, budget - used)]:
-            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
+        add_decodes(max(0, budget - used))
     else:
-        for s in decodes[:budget]:
-            chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
-        rest = budget - len(chunks)
+        rest = budget - add_decodes(budget)
         if cfg.prefill_policy == "balanced" and decodes:
             rest = min(rest, max(1, int(budget * cfg.balanced_prefill_share)))
         add_prefills(rest)

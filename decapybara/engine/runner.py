@@ -33,9 +33,12 @@ GRAPH_BACKENDS = ("cupy",)  # backend names whose decode steps can run as CUDA g
 
 @dataclass(slots=True)
 class StepOutput:
-    logits: Any  # [num_sampling_chunks, vocab], the backend's array (on the device for a device backend), in plan
-    # order of chunks with sample=True: `backend.sample` draws from it where it is
+    logits: Any  # [num_sampling_rows, vocab], the backend's array (on the device for a device backend), in plan
+    # order of chunks with sample=True, two rows for a chunk with a draft (its real token's, its draft's):
+    # `backend.sample` draws from it where it is
     snapshots: dict[tuple[int, int], HybridState] = field(default_factory=dict)  # (chunk index, token count)
+    normed: Any = None  # [T, H] every row's final-normed hidden state, where the plan speculates (the MTP's input)
+    batch: Any = None  # the ForwardBatch run (its rows' places, for the MTP pass)
 
 
 @dataclass(slots=True)
@@ -136,18 +139,40 @@ class ModelRunner:
             return self.graphs.forward(batch, self.kv, self.states)
         return self.model.forward(batch, self.kv, self.states)
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, normed: bool = False) -> StepOutput:
+        """One forward over `plan`'s chunks: logits of each sampling chunk's last row (both rows of a chunk with
+        a draft); `normed`: every row's final-normed hidden state too (speculation's MTP pass)."""
         chunks = plan.chunks
         entries = []
         for c in chunks:
             s = c.seq
-            new = s.tokens[s.num_computed:s.num_computed + c.num_tokens]
+            if c.draft is not None:  # the last real token, then the draft
+                new = [*s.tokens[s.num_computed:s.num_computed + 1], c.draft]
+            else:
+                new = s.tokens[s.num_computed:s.num_computed + c.num_tokens]
             entries.append((new, s.num_computed, np.asarray(s.pages, np.int32), s.state_slot))
         batch = ForwardBatch.build(entries, self.cfg.page_size, logits="none",
                                    snapshot_at=[c.snapshot_at for c in chunks])
-        batch.logits_rows = np.asarray([b.end - 1 for b, c in zip(batch.seqs, chunks) if c.sample], np.int64)
+        rows = []
+        for b, c in zip(batch.seqs, chunks):
+            if c.sample:
+                rows += [b.start, b.start + 1] if c.draft is not None else [b.end - 1]
+        batch.logits_rows = np.asarray(rows, np.int64)
+        batch.normed_rows = normed
         out = self.forward(batch)
-        return StepOutput(out.logits, out.snapshots)
+        return StepOutput(out.logits, out.snapshots, out.normed, batch)
+
+    def mtp(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, draft_rows: list[int],
+            normed: Any) -> Any:
+        """The MTP head over (hidden, next token) pairs: per sequence (next tokens of positions [p0, p0 + n), p0,
+        its pages); `normed_rows` [sum n]: their rows of the step's `normed`; logits [len(draft_rows), V] of the
+        rows listed (flat pair indices)."""
+        ops = self.model.backend
+        batch = ForwardBatch.build([(t, p0, np.asarray(pages, np.int32), None) for t, p0, pages in entries],
+                                   self.cfg.page_size, logits="none")
+        batch.logits_rows = np.asarray(draft_rows, np.int64)
+        hidden = normed[ops.from_host(np.asarray(normed_rows, np.int64))]
+        return self.model.mtp_forward(batch, hidden, self.kv)
 
     # ---- pause / resume --------------------------------------------------------------------------------
     def reset_state(self, slot: int, snapshot: HybridState | None = None) -> None:

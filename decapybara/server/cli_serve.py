@@ -12,7 +12,7 @@ FLAGS = {  # flag -> AppConfig field
     "model": "model", "preset": "preset", "slots": "slots", "kv_mode": "kv_mode", "api_key": "api_key",
     "prefill_policy": "prefill_policy", "loop_guard": "loop_guard", "context_mode": "context_mode",
     "ram_cache_gb": "ram_cache_gb", "disk_cache": "disk_cache", "device": "device", "rope_scaling": "rope_scaling",
-    "max_model_len": "max_model_len", "keep_free_gb": "keep_free_gb",
+    "max_model_len": "max_model_len", "keep_free_gb": "keep_free_gb", "speculator": "speculator",
 }
 
 
@@ -37,6 +37,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--ram-cache-gb", dest="ram_cache_gb", type=float)
     s.add_argument("--disk-cache", dest="disk_cache", help="fsspec URL of the disk KV tier")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--speculator", choices=["mtp", "off"],
+                   help="mtp: draft each agent's next token with the model's MTP head, verified in its decode")
     s.add_argument("--keep-free-gb", dest="keep_free_gb", type=float,
                    help="device memory (GiB) left to other programs; the KV pool takes the rest (CUDA)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other AppConfig field")

@@ -70,6 +70,9 @@ class AppConfig(BaseModel):
                                    "(CUDA backend, cuda_graphs on)")
     product_chains: bool = Field(default=False, description="decode graphs run each layer's run of skinny products"
                                  " (up to 8 rows) as one persistent launch (CUDA backend, cuda_graphs on)")
+    speculator: Literal["mtp", "off"] = Field(
+        default="off", description="SPECULATOR: mtp drafts each agent's next token with the model's MTP head and "
+        "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft); off")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -146,7 +149,7 @@ class AppConfig(BaseModel):
                             kv_mode=kv_mode, max_model_len=max_model_len or self.max_model_len,
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
-                            product_chains=self.product_chains,
+                            product_chains=self.product_chains, speculator=self.speculator,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

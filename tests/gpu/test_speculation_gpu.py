@@ -1,0 +1,54 @@
+"""Speculative decoding with the MTP head on the cupy backend (GPU only): the demo model's greedy and seeded
+outputs with `speculator="mtp"` are those without it and those of the numpy reference, with decode graphs on
+(one-token decodes replay graphs that hand back their rows' normed hidden states to the MTP pass; a step with a
+draft runs eagerly) and off, drafts accepted and rejected."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+cp = pytest.importorskip("cupy")
+from decapybara import kernels
+
+if not kernels.has_cuda():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from decapybara.backend.cupy_backend import CupyBackend
+from decapybara.backend.numpy_backend import NumpyBackend
+from decapybara.config import DEMO_MODEL, EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.sampling import SamplingParams
+from decapybara.model.load import load_model
+
+pytestmark = pytest.mark.gpu
+
+TEXTS = ["def main():\n    print(", "import os\nimport sys\n\n\ndef ", "class Stack:\n    def __init__(self):\n",
+         "    for i in range(10):\n        if i % 2"]
+
+
+@functools.cache
+def loaded(backend: str):
+    return load_model(str(DEMO_MODEL), CupyBackend("fp32") if backend == "cupy" else NumpyBackend())
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs):
+    ref_model = loaded("numpy")
+    prompts = [ref_model.tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 56, 33)]
+    params[1] = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", cuda_graphs=graphs)
+    ref = Engine(ref_model.model, cfg, tokenizer=ref_model.tokenizer).generate(prompts, params)
+    gpu = loaded("cupy")
+    plain = Engine(gpu.model, cfg, tokenizer=gpu.tokenizer).generate(prompts, params)
+    spec_engine = Engine(gpu.model, cfg.replace(speculator="mtp"), tokenizer=gpu.tokenizer)
+    spec = spec_engine.generate(prompts, params)
+    s = spec_engine.snapshot_stats()
+    print(f"graphs {graphs}: drafted {s['drafted_tokens']} accepted {s['accepted_tokens']} steps {s['steps']} "
+          f"graph steps {s['graphs']['graph_steps']}")
+    assert spec == plain == ref
+    assert 0 < s["accepted_tokens"] < s["drafted_tokens"]
+    if graphs:
+        assert s["graphs"]["graph_steps"] > 0 and not s["graph_failures"]

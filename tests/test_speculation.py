@@ -1,0 +1,152 @@
+"""Speculative decoding with the MTP head (EngineConfig.speculator="mtp"): each decoding sequence verifies the
+head's draft as a second row of its decode. Its outputs are the outputs without speculation, token for token and
+draw for draw: greedy and seeded sampling, penalties and logprobs, batching, pauses and resumes in a tight pool,
+prefix reuse, the LoopGuard, max_tokens and stop strings; drafts are accepted (the demo model's trained head) and
+rejected (its misses, and tiny models' random heads: a hybrid model's state rolled back, a MoE model's too)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from decapybara.backend.numpy_backend import NumpyBackend
+from decapybara.config import DEMO_MODEL, EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.sampling import SamplingParams
+from decapybara.model.load import load_model
+
+
+@functools.cache
+def demo():
+    return load_model(str(DEMO_MODEL), NumpyBackend())
+
+
+def prompts_of(texts: list[str]) -> list[list[int]]:
+    tok = demo().tokenizer
+    return [tok.encode(t) for t in texts]
+
+
+CODE = ["def main():\n    print(", "import os\nimport sys\n\n\ndef ", "class Stack:\n    def __init__(self):\n",
+        "    for i in range(10):\n        if i % 2", "# Return the JSON document at path\ndef read_json(path):\n"]
+
+
+def run(speculator: str, prompts, params, **cfg) -> tuple[list[list[int]], Engine]:
+    loaded = demo()
+    settings = {"page_size": 16, "num_pages": 256, "max_batch_tokens": 256, "loop_guard": "off", **cfg}
+    e = Engine(loaded.model, EngineConfig(speculator=speculator, **settings), tokenizer=loaded.tokenizer)
+    return e.generate(prompts, params), e
+
+
+def same_with_and_without(prompts, params, **cfg) -> Engine:
+    ref, plain = run("off", prompts, params, **cfg)
+    got, spec = run("mtp", prompts, params, **cfg)
+    assert plain.stats.drafted_tokens == 0
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i}: first difference at {first}"
+    return spec
+
+
+def test_greedy_tokens_are_the_same_and_drafts_are_accepted():
+    prompts = prompts_of(CODE)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 48, 21, 64)]
+    e = same_with_and_without(prompts, params)
+    s = e.stats
+    print(f"drafted {s.drafted_tokens}, accepted {s.accepted_tokens}, steps {s.steps}")
+    assert 0 < s.accepted_tokens < s.drafted_tokens  # both sides of the verification ran
+    assert s.accepted_tokens / s.drafted_tokens > 0.3  # the trained head guesses well
+    _, plain = run("off", prompts, params)
+    assert s.steps < plain.stats.steps  # accepted drafts are tokens without steps of their own
+
+
+def test_seeded_sampling_penalties_and_logprobs_are_the_same():
+    prompts = prompts_of(CODE[:4])
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=11, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=36, presence_penalty=0.5, frequency_penalty=0.3,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.6, min_p=0.05, seed=3, max_tokens=30, ignore_eos=True, logprobs=3)]
+    e = same_with_and_without(prompts, params)
+    assert e.stats.accepted_tokens > 0
+
+    def logprobs(speculator: str) -> list:
+        loaded = demo()
+        eng = Engine(loaded.model, EngineConfig(speculator=speculator, page_size=16, num_pages=64, loop_guard="off"),
+                     tokenizer=loaded.tokenizer)
+        from decapybara.engine.sequence import Request
+
+        eng.add_request(Request(tuple(prompts[3]), params[3], request_id="r"))
+        got = []
+        while eng.has_work():
+            for ev in eng.step():
+                got += list(zip(ev.token_ids, ev.logprobs, ev.top_logprobs))
+        return got
+
+    a, b = logprobs("mtp"), logprobs("off")
+    assert [t for t, _, _ in a] == [t for t, _, _ in b]
+    assert np.allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-5)
+    assert [[i for i, _ in top] for _, _, top in a] == [[i for i, _ in top] for _, _, top in b]
+
+
+def test_pauses_resumes_and_prefix_reuse_keep_the_tokens():
+    shared = prompts_of(["# utilities shared by the tools below\nimport re\nimport json\n\n"])[0]
+    prompts = [shared + p for p in prompts_of(CODE)] + [shared + prompts_of(["def parse(text):\n"])[0]]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    # 14 pages of 8 tokens for six sequences of ~70 tokens each: pauses and resumes throughout
+    e = same_with_and_without(prompts, params, page_size=8, num_pages=40, max_batch_tokens=64, max_slots=6)
+    assert e.stats.pauses > 0 and e.stats.resumes > 0 and e.stats.accepted_tokens > 0
+    assert e.stats.reused_prompt_tokens > 0 or e.stats.pauses > 0
+
+
+def test_the_loop_guard_stops_and_max_tokens_and_stop_strings_hold():
+    # the demo model loops under greedy decoding: the LoopGuard's verdicts are the same with drafts
+    prompts = prompts_of(["def show_compilers():\n    ", "x = 1\nx = 1\nx = 1\n"])
+    params = [SamplingParams(temperature=0, max_tokens=300), SamplingParams(temperature=0, max_tokens=200)]
+    for mode in ("stop", "end_thinking", "escape"):
+        same_with_and_without(prompts, params, loop_guard=mode)
+    for m in (1, 2, 3, 17):  # a draft never takes a sequence past max_tokens
+        out, _ = run("mtp", prompts_of(CODE[:2]), SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        assert [len(o) for o in out] == [m, m]
+    params = [SamplingParams(temperature=0, max_tokens=60, stop=["\n"]), SamplingParams(temperature=0, max_tokens=60,
+                                                                                        stop=["("])]
+    same_with_and_without(prompts_of(CODE[:2]), params)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_rejected_drafts_of_a_random_head_roll_back(family):
+    """A random head's drafts are nearly all rejected: every rejection sets the hybrid state back."""
+    from tests.test_mtp import with_mtp_head
+
+    model, _, _ = with_mtp_head(family)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 23, 41, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 28, 20)]
+    cfg = EngineConfig(page_size=8, num_pages=64, max_batch_tokens=32, max_slots=4, loop_guard="off")
+    ref = Engine(model, cfg).generate(prompts, params)
+    spec = Engine(model, cfg.replace(speculator="mtp"))
+    assert spec.speculate
+    assert spec.generate(prompts, params) == ref
+    assert spec.stats.drafted_tokens > 50
+
+
+def test_speculator_setting():
+    with pytest.raises(Exception, match="speculator"):
+        EngineConfig(speculator="eagle")
+    from decapybara.testing import tiny_qwen
+
+    plain, _ = tiny_qwen("qwen3")
+    assert not Engine(plain, EngineConfig(speculator="mtp")).speculate  # no head: nothing to draft with
+    import argparse
+
+    from decapybara.server.cli_serve import add_parser, app_args
+    from decapybara.server.config import AppConfig
+    from decapybara.server.engine_setup import build_engine
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert app_args(parser.parse_args(["serve", "--speculator", "mtp"])) == {"speculator": "mtp"}
+    assert AppConfig().engine_config(cuda=False).speculator == "off"
+    served = build_engine(AppConfig(device="cpu", speculator="mtp", slots=1, kv_memory_gb=0.001))
+    assert served.engine.speculate  # the demo model has a head

@@ -268,3 +268,47 @@ def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, 
         "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert after.status_code == 503 and after.json()["error"]
     serve.delete("default")  # its scheduler actor, owned by the ingress replica, goes with it
+
+
+def test_serve_run_with_mtp_speculation_answers_as_without(served, ray_cluster, tmp_path, local, oai):
+    """`serve run serve_app:build_app speculator=mtp` beside the test app: the openai SDK's greedy answers, plain
+    and streamed, and a seeded sampled one are the in-process engine's without speculation; /stats counts the
+    drafts its decodes verified."""
+    import os
+    from pathlib import Path
+
+    from decapybara.config import EngineConfig
+    from decapybara.engine.engine import Engine
+    from decapybara.engine.sampling import SamplingParams
+
+    log = tmp_path / "spec.log"
+    cmd = [str(Path(sys.executable).parent / "serve"), "run", "--address", ray_cluster, "--non-blocking",
+           "--name", "spec", "--route-prefix", "/spec", "serve_app:build_app", "speculator=mtp", "name=spec",
+           "max_model_len=1024", "ram_cache_gb=0.1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with log.open("w") as fh:
+        assert subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=300).returncode == 0
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/spec/v1", api_key="none", max_retries=0, timeout=120)
+        prompt = local.tokenizer.encode("import os\n\ndef list_python_files(root):\n")
+        engine = Engine(local.model, EngineConfig(loop_guard="off"), tokenizer=local.tokenizer)
+        greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        hot = SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True)
+        want, want_hot = engine.generate([prompt, prompt], [greedy, hot])
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == local.tokenizer.decode(want) and r.usage.completion_tokens == 40
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="m", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+        assert text == local.tokenizer.decode(want)
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0.8, seed=9,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == local.tokenizer.decode(want_hot)
+        s = httpx.get(f"{served.url}/spec/stats", timeout=30).json()
+        assert s["accepted_tokens"] > 0 and s["drafted_tokens"] >= s["accepted_tokens"], s
+        assert "drafted_tokens" not in stats(served) or stats(served)["drafted_tokens"] == 0  # the test app: off
+    finally:
+        from ray import serve
+
+        serve.delete("spec")

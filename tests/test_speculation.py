@@ -114,6 +114,19 @@ def test_the_loop_guard_stops_and_max_tokens_and_stop_strings_hold():
     same_with_and_without(prompts_of(CODE[:2]), params)
 
 
+def test_confidence_scheduling_drafts_what_the_head_is_sure_of():
+    prompts = prompts_of(CODE)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=48, ignore_eos=True) for i in range(len(CODE))]
+    every = same_with_and_without(prompts, params).stats
+    sure = same_with_and_without(prompts, params, spec_min_confidence=0.6).stats
+    print(f"every guess: {every.accepted_tokens}/{every.drafted_tokens}; p >= 0.6: {sure.accepted_tokens}/"
+          f"{sure.drafted_tokens}")
+    assert 0 < sure.drafted_tokens < every.drafted_tokens
+    assert sure.accepted_tokens / sure.drafted_tokens > every.accepted_tokens / every.drafted_tokens
+    with pytest.raises(Exception, match="spec_min_confidence"):
+        EngineConfig(spec_min_confidence=1.5)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_rejected_drafts_of_a_random_head_roll_back(family):
     """A random head's drafts are nearly all rejected: every rejection sets the hybrid state back."""
@@ -148,5 +161,6 @@ def test_speculator_setting():
     add_parser(parser.add_subparsers())
     assert app_args(parser.parse_args(["serve", "--speculator", "mtp"])) == {"speculator": "mtp"}
     assert AppConfig().engine_config(cuda=False).speculator == "off"
+    assert AppConfig(spec_min_confidence="0.4").engine_config(cuda=False).spec_min_confidence == 0.4
     served = build_engine(AppConfig(device="cpu", speculator="mtp", slots=1, kv_memory_gb=0.001))
     assert served.engine.speculate  # the demo model has a head

@@ -261,8 +261,9 @@ class Engine(MemoryMixin):
     def _draft(self, plan: StepPlan, out: Any, before: list[int]) -> None:
         """The MTP head over each running sequence's positions computed this step, paired with the tokens after
         them (so its KV follows the main model's), and, for a sequence whose next step decodes one token, the
-        head's greedy guess of the token after that one: its next draft. Drafts never change what is sampled;
-        they only let a step verify a second token."""
+        head's greedy guess of the token after that one: its next draft, where the head gives it at least
+        `spec_min_confidence` (confidence scheduling: a guess it doubts is seldom accepted, and its row costs as
+        much as any). Drafts never change what is sampled; they only let a step verify a second token."""
         entries, rows, draft_rows, wants = [], [], [], []
         n = 0
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
@@ -282,10 +283,13 @@ class Engine(MemoryMixin):
         if not entries:
             return
         logits = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
-        if wants:
-            guesses = np.argmax(self.model.backend.to_host(logits), axis=-1)
-            for s, g in zip(wants, guesses):
-                s.draft = int(g)
+        if wants:  # the head's greedy guess, where its probability reaches spec_min_confidence
+            host = self.model.backend.to_host(logits).astype(np.float64)
+            guesses = np.argmax(host, axis=-1)
+            top = host[np.arange(len(wants)), guesses]
+            confidence = 1.0 / np.exp(host - top[:, None]).sum(axis=-1)  # softmax at the guess
+            for s, g, p in zip(wants, guesses, confidence):
+                s.draft = int(g) if p >= self.cfg.spec_min_confidence else None
 
     @staticmethod
     def _sampler_row(s: Sequence) -> SamplerRow:

@@ -73,6 +73,9 @@ class AppConfig(BaseModel):
     speculator: Literal["mtp", "off"] = Field(
         default="off", description="SPECULATOR: mtp drafts each agent's next token with the model's MTP head and "
         "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft); off")
+    spec_min_confidence: float = Field(
+        default=0.0, ge=0, le=1, description="speculator=mtp: draft only where the MTP head gives its guess at least "
+        "this probability (confidence scheduling; a doubted guess is seldom accepted and its row costs as any)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -150,6 +153,7 @@ class AppConfig(BaseModel):
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             product_chains=self.product_chains, speculator=self.speculator,
+                            spec_min_confidence=self.spec_min_confidence,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

@@ -1,8 +1,9 @@
 """Speculative decoding with the MTP head against decoding without it, through `Engine.generate` on this
 machine's backend (numpy on the CPU; `SPEC_BACKEND=cupy` the cupy backend in float32, with decode graphs unless
 `SPEC_GRAPHS=0`): the demo model, 1 / 5 / 12 agents of code prompts, greedy and at temperature 0.7, each setting
-run `SPEC_ROUNDS` times interleaved (off, mtp, off, mtp, ...). Prints tok/s, steps, drafts and accepted drafts,
-and the ratio of the medians; checks that both give the same tokens.
+run `SPEC_ROUNDS` times interleaved (off, mtp, off, mtp, ...), drafts of the head's guesses of probability
+`SPEC_CONFIDENCE` and up (default: EngineConfig's `spec_min_confidence`). Prints tok/s, steps, drafts and accepted
+drafts, and the ratio of the medians; checks that both give the same tokens.
 
     python3 bench/speculation.py
 """
@@ -35,8 +36,9 @@ def main() -> None:
     loaded = load_model(str(DEMO_MODEL), backend)
     rounds = int(os.environ.get("SPEC_ROUNDS", "2"))
     tokens = int(os.environ.get("SPEC_TOKENS", "128"))
+    confidence = float(os.environ.get("SPEC_CONFIDENCE", EngineConfig().spec_min_confidence))
     print(f"demo model on {backend.name}{' with decode graphs' if graphs else ''}, {tokens} tokens an agent, "
-          f"{rounds} rounds")
+          f"{rounds} rounds, drafts of p >= {confidence:g}")
     print("agents  temp  off tok/s (steps)  mtp tok/s (steps)  drafts  accepted  mtp / off")
     for agents, temp in ((1, 0.0), (1, 0.7), (5, 0.0), (12, 0.0), (12, 0.7)):
         prompts = [loaded.tokenizer.encode(t) for t in TEXTS[:agents]]
@@ -46,7 +48,7 @@ def main() -> None:
         for _ in range(rounds):
             for spec in ("off", "mtp"):
                 cfg = EngineConfig(page_size=16, num_pages=512, max_batch_tokens=256, loop_guard="off",
-                                   cuda_graphs=graphs, speculator=spec)
+                                   cuda_graphs=graphs, speculator=spec, spec_min_confidence=confidence)
                 e = Engine(loaded.model, cfg, tokenizer=loaded.tokenizer)
                 t0 = time.perf_counter()
                 out = e.generate(prompts, params)

@@ -117,7 +117,7 @@ def test_the_loop_guard_stops_and_max_tokens_and_stop_strings_hold():
 def test_confidence_scheduling_drafts_what_the_head_is_sure_of():
     prompts = prompts_of(CODE)
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=48, ignore_eos=True) for i in range(len(CODE))]
-    every = same_with_and_without(prompts, params).stats
+    every = same_with_and_without(prompts, params, spec_min_confidence=0.0).stats
     sure = same_with_and_without(prompts, params, spec_min_confidence=0.6).stats
     print(f"every guess: {every.accepted_tokens}/{every.drafted_tokens}; p >= 0.6: {sure.accepted_tokens}/"
           f"{sure.drafted_tokens}")
@@ -138,7 +138,7 @@ def test_rejected_drafts_of_a_random_head_roll_back(family):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 28, 20)]
     cfg = EngineConfig(page_size=8, num_pages=64, max_batch_tokens=32, max_slots=4, loop_guard="off")
     ref = Engine(model, cfg).generate(prompts, params)
-    spec = Engine(model, cfg.replace(speculator="mtp"))
+    spec = Engine(model, cfg.replace(speculator="mtp", spec_min_confidence=0.0))  # every guess, however doubted
     assert spec.speculate
     assert spec.generate(prompts, params) == ref
     assert spec.stats.drafted_tokens > 50
@@ -161,6 +161,7 @@ def test_speculator_setting():
     add_parser(parser.add_subparsers())
     assert app_args(parser.parse_args(["serve", "--speculator", "mtp"])) == {"speculator": "mtp"}
     assert AppConfig().engine_config(cuda=False).speculator == "off"
+    assert AppConfig().engine_config(cuda=False).spec_min_confidence == EngineConfig().spec_min_confidence == 0.3
     assert AppConfig(spec_min_confidence="0.4").engine_config(cuda=False).spec_min_confidence == 0.4
     served = build_engine(AppConfig(device="cpu", speculator="mtp", slots=1, kv_memory_gb=0.001))
     assert served.engine.speculate  # the demo model has a head

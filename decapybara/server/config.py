@@ -74,7 +74,7 @@ class AppConfig(BaseModel):
         default="off", description="SPECULATOR: mtp drafts each agent's next token with the model's MTP head and "
         "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft); off")
     spec_min_confidence: float = Field(
-        default=0.0, ge=0, le=1, description="speculator=mtp: draft only where the MTP head gives its guess at least "
+        default=0.3, ge=0, le=1, description="speculator=mtp: draft only where the MTP head gives its guess at least "
         "this probability (confidence scheduling; a doubted guess is seldom accepted and its row costs as any)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "

@@ -308,6 +308,11 @@ def test_serve_run_with_mtp_speculation_answers_as_without(served, ray_cluster, 
         s = httpx.get(f"{served.url}/spec/stats", timeout=30).json()
         assert s["accepted_tokens"] > 0 and s["drafted_tokens"] >= s["accepted_tokens"], s
         assert "drafted_tokens" not in stats(served) or stats(served)["drafted_tokens"] == 0  # the test app: off
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{served.url}/spec/metrics", timeout=30).text
+        accepted = {m.name: m.value for f in text_string_to_metric_families(text) for m in f.samples}
+        assert accepted["decapybara_accepted_tokens_total"] == s["accepted_tokens"] > 0
     finally:
         from ray import serve
 

@@ -23,6 +23,8 @@ COUNTERS = {
     "reused_prompt_tokens": "Prompt tokens taken from the prefix cache.",
     "generated_tokens": "Tokens generated.",
     "forward_tokens": "Token rows run through the model (prefill and decode).",
+    "drafted_tokens": "Speculation: MTP drafts verified as a second row of a decode.",
+    "accepted_tokens": "Speculation: drafts the sampled token matched.",
     "pauses": "Conversations paused (KV and state moved out of the pool).",
     "resumes": "Conversations resumed.",
     "finished": "Requests finished (any reason).",

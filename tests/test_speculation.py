@@ -165,3 +165,79 @@ def test_speculator_setting():
     assert AppConfig(spec_min_confidence="0.4").engine_config(cuda=False).spec_min_confidence == 0.4
     served = build_engine(AppConfig(device="cpu", speculator="mtp", slots=1, kv_memory_gb=0.001))
     assert served.engine.speculate  # the demo model has a head
+
+
+def _demo_engine(**cfg) -> Engine:
+    loaded = demo()
+    settings = {"page_size": 8, "num_pages": 64, "max_batch_tokens": 64, "loop_guard": "off", "speculator": "mtp",
+                "spec_min_confidence": 0.0, **cfg}
+    return Engine(loaded.model, EngineConfig(**settings), tokenizer=loaded.tokenizer)
+
+
+def test_accepted_drafts_keep_the_prefix_caches_snapshots():
+    """A draft's chunk asks for the snapshot points of both its rows, so that an accepted draft ending a page leaves
+    its state for the prefix cache as a decode would; a rollback point off those stays out of the cache."""
+    prompt = prompts_of(["# The helpers below\nimport os\n\n\ndef walk(root):\n"])[0]
+    counts = {}
+    for spec in ("off", "mtp"):
+        e = _demo_engine(speculator=spec, snapshot_interval=8)
+        out = e.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+        # the next turn: the whole conversation again, but its last few tokens
+        follow = prompt + out[:-3]
+        e.generate([follow], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        counts[spec] = (e.stats.reused_prompt_tokens, len(e.blocks.snapshots))
+        if spec == "mtp":
+            assert e.stats.accepted_tokens > 10
+    assert counts["mtp"] == counts["off"], counts
+
+
+def test_a_draft_without_a_page_is_dropped_not_paid_for_with_a_pause():
+    e = _demo_engine(page_size=8, num_pages=40)
+    e.add_request(__import__("decapybara.engine.sequence", fromlist=["Request"]).Request(
+        tuple(prompts_of(["def main():\n    print("])[0]), SamplingParams(temperature=0, max_tokens=200,
+                                                                       ignore_eos=True)))
+    s = None
+    for _ in range(100):  # decode until the draft's row would open a new page
+        e.step()
+        s = e.running[0]
+        if s.draft is not None and s.num_computed % 8 == 7 and len(s.pages) * 8 == s.num_computed + 1:
+            break
+    else:
+        pytest.fail("no step left a draft at a page's end")
+    taken = []
+    while (page := e.blocks.append()) is not None:  # other conversations hold every free page
+        taken.append(page)
+    plan = e._plan_with_pages()
+    assert [(c.num_tokens, c.draft) for c in plan.chunks] == [(1, None)]  # the draft went, nobody was paused
+    assert e.stats.pauses == 0 and s.status.value == "running"
+
+
+def test_drafts_leave_the_balanced_prefill_share():
+    """Ten agents decode with drafts when a long prompt arrives: its chunk gets the tokens it would get if no agent
+    held a draft (the balanced share), and the drafts take only what is left."""
+    from decapybara.engine.planner import plan_step
+    from decapybara.engine.sequence import Request
+
+    e = _demo_engine(max_batch_tokens=32, balanced_prefill_share=0.5, max_slots=12, num_pages=256)
+    short = prompts_of(CODE) * 2
+    for p in short:
+        e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    while any(s.in_prefill or s.draft is None for s in e.running) or len(e.running) < 10:
+        e.step()
+    long = prompts_of(["# notes\n" * 40])[0]
+    e.add_request(Request(tuple(long), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    e.admission(e)
+    assert any(s.in_prefill for s in e.running)
+    plan = plan_step(e.running, e.cfg, snapshots=False)
+    drafts = {s: s.draft for s in e.running}
+    for s in e.running:
+        s.draft = None
+    bare = plan_step(e.running, e.cfg, snapshots=False)
+    for s, d in drafts.items():
+        s.draft = d
+
+    def prefill(p) -> int:
+        return sum(c.num_tokens for c in p.chunks if c.seq.in_prefill)
+
+    assert any(c.draft is not None for c in plan.chunks) and plan.num_tokens <= 32
+    assert prefill(plan) == prefill(bare) == 16

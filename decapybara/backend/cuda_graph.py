@@ -269,8 +269,8 @@ class DecodeGraphRunner:
         cp.cuda.get_current_stream().wait_event(st.done)
         self.stats["graph_steps"] += 1
         n = len(batch.seqs)
-        logits, hidden = st.outputs  # hidden: every row's final-normed state (a decode row is its logits row)
-        return ForwardOutput(logits[:n], hidden[:n], {}, hidden[:n] if batch.normed_rows else None)
+        logits, h, normed = st.outputs  # h: the residual stream before the final norm; normed: after it
+        return ForwardOutput(logits[:n], h[:n], {}, normed[:n] if batch.normed_rows else None)
 
     def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
         if st.done is not None:
@@ -383,4 +383,4 @@ class DecodeGraphRunner:
                 st.flag[0] = 0
             cp.cuda.runtime.memcpyAsync(st.flag.ctypes.data, cupy_ops.dev_ptr(st.chains.err), 4, _D2H,
                                         cp.cuda.get_current_stream().ptr)
-        return logits, h
+        return logits, h, hidden

@@ -162,8 +162,8 @@ class CupyStatePool(StatePool):
 
     def set(self, slot: int, state: HybridState) -> None:
         for j, i in enumerate(self.layers):
-            self.conv[i][slot] = cp.asarray(np.asarray(state.conv[j], np.float32))
-            self.rec[i][slot] = cp.asarray(np.asarray(state.recurrent[j], np.float32))
+            self.conv[i][slot] = cp.asarray(state.conv[j], dtype=cp.float32)  # host or device arrays
+            self.rec[i][slot] = cp.asarray(state.recurrent[j], dtype=cp.float32)
 
     def copy(self, src: int, dst: int) -> None:
         for i in self.layers:

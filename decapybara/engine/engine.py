@@ -167,6 +167,7 @@ class Engine(MemoryMixin):
         while True:
             plan = plan_step(self.running, self.cfg, self.snapshots)
             short = None
+            dropped = False
             for c in plan.chunks:
                 s = c.seq
                 need = self.blocks.pages_for(s.num_computed + c.num_tokens) - len(s.pages)
@@ -177,8 +178,14 @@ class Engine(MemoryMixin):
                         break
                     s.pages.append(page)
                     need -= 1
+                if short is not None and c.draft is not None \
+                        and self.blocks.pages_for(s.num_computed + 1) <= len(s.pages):
+                    s.draft, short, dropped = None, None, True  # only the draft lacks a page: no pause for it
+                    break
                 if short is not None:
                     break
+            if dropped:
+                continue
             if short is None:
                 return plan
             choose = self.choose_victim or getattr(self.admission, "choose_victim", youngest_victim)
@@ -225,8 +232,11 @@ class Engine(MemoryMixin):
                                 sampled.top_logprobs[j], now)
         for ci, c in enumerate(plan.chunks):  # the pages that became full: the tokens they hold are all appended
             s = c.seq
-            if c.draft is not None and not accepted[id(c)] and self.hybrid:
-                self.runner.reset_state(s.state_slot, out.snapshots[(ci, before[ci] + 1)])
+            if c.draft is not None and self.hybrid:
+                key = (ci, c.rollback_at)  # a device-kept rollback state is never a prefix-cache snapshot
+                back = out.snapshots.pop(key) if c.rollback_on_device else out.snapshots[key]
+                if not accepted[id(c)]:
+                    self.runner.reset_state(s.state_slot, back)
             self._register_pages(s, ci, out.snapshots)
         # an accepted draft's own row samples the token after it, unless the first ended the sequence or the
         # LoopGuard forced tokens after it (num_uncomputed 0: the draft is the last token and computed)

@@ -31,6 +31,8 @@ class ScheduledChunk:
     sample: bool  # the chunk ends at the sequence's last token: sample the next one
     snapshot_at: tuple[int, ...] = ()  # absolute token counts after which to snapshot hybrid state
     draft: int | None = None  # speculation: the MTP's draft of the token after the last, computed as a 2nd row
+    rollback_at: int | None = None  # ... and the token count whose state a rejected draft goes back to
+    rollback_on_device: bool = False  # ... kept as the backend's arrays (not also a prefix-cache snapshot point)
 
 
 @dataclass(slots=True)
@@ -67,17 +69,24 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> St
             used += n
         return used
 
+    # drafts take only what the balanced policy's prefill share leaves (prefill still gets its share)
+    pending = sum(s.num_uncomputed for s in prefills)
+    share = min(pending, max(1, int(budget * cfg.balanced_prefill_share))) if cfg.prefill_policy == "balanced" else 0
+
     def add_decodes(limit: int) -> int:
         """Decodes in order, one token each, and a sequence's draft as a second row while the budget keeps one
-        token for every decode after it."""
+        token for every decode after it (and the balanced policy's prefill share)."""
         used = 0
         for k, s in enumerate(decodes):
             if used >= limit:
                 break
-            if s.draft is not None and used + 2 + (len(decodes) - k - 1) <= limit:
-                # the state after the real token: where a rejected draft's row is rolled back to
-                points = tuple(sorted({*_boundaries(s, 1, every, ps), s.num_computed + 1}))
-                chunks.append(ScheduledChunk(s, 2, True, points, s.draft))
+            if s.draft is not None and used + 2 + (len(decodes) - k - 1) <= limit - share:
+                # snapshot points over both rows (the second's count only if the draft is kept), and the state
+                # after the real token: where a rejected draft's row is rolled back to
+                bounds = _boundaries(s, 2, every, ps)
+                back = s.num_computed + 1
+                chunks.append(ScheduledChunk(s, 2, True, tuple(sorted({*bounds, back})), s.draft, back,
+                                             back not in bounds))
                 used += 2
             else:
                 chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))

@@ -159,6 +159,9 @@ class ModelRunner:
                 rows += [b.start, b.start + 1] if c.draft is not None else [b.end - 1]
         batch.logits_rows = np.asarray(rows, np.int64)
         batch.normed_rows = normed
+        # a draft's rollback state stays on the device (a device copy, not a host round trip)
+        batch.device_snapshots = frozenset((i, c.rollback_at) for i, c in enumerate(chunks)
+                                           if c.rollback_at is not None and c.rollback_on_device)
         out = self.forward(batch)
         return StepOutput(out.logits, out.snapshots, out.normed, batch)
 

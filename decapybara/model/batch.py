@@ -49,6 +49,9 @@ class ForwardBatch:
     page_size: int
     slot_mapping: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [T] flat KV slot per row
     normed_rows: bool = False  # also return every row's final-normed hidden state (ForwardOutput.normed: MTP)
+    # snapshot keys (sequence index, token count) handed back as the backend's arrays, not host copies (a
+    # speculative draft's rollback point: read back into the state pool within the step, or dropped)
+    device_snapshots: frozenset = frozenset()
 
     @property
     def num_tokens(self) -> int:

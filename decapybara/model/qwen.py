@@ -212,6 +212,10 @@ class QwenModel:
         logits = ops.linear(hidden, self.w["lm_head.weight"]) if len(rows) else hidden[:0, :0]
         snapshots, n = {}, len(cfg.linear_layers)
         for key, layers in raw_snaps.items():  # the backend's arrays (device copies on a GPU): one move each
+            if key in batch.device_snapshots:  # kept where they are (a rollback point)
+                snapshots[key] = HybridState([layers[i][0] for i in cfg.linear_layers],
+                                             [layers[i][1] for i in cfg.linear_layers])
+                continue
             arrs = ops.to_host_many([layers[i][0] for i in cfg.linear_layers] +
                                     [layers[i][1] for i in cfg.linear_layers])
             snapshots[key] = HybridState(arrs[:n], arrs[n:])

@@ -111,8 +111,10 @@ def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
     for step, order in enumerate(plan):
         active = [seqs[i] for i in order]
         batch = ForwardBatch.build([([s[0][-1]], len(s[0]) - 1, s[2], s[1]) for s in active], page, logits="last")
+        batch.normed_rows = step % 2 == 0  # every row's final-normed state too (speculation's MTP input)
         before = snapshot(kv, states, [s[1] for s in seqs])
-        eager = cp.asnumpy(model.forward(batch, kv, states).logits)
+        eager_out = model.forward(batch, kv, states)
+        eager = cp.asnumpy(eager_out.logits)
         after = snapshot(kv, states, [s[1] for s in seqs])
         restore(kv, states, before)
         out = runner.forward(batch, kv, states)
@@ -120,6 +122,11 @@ def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
         assert runner.stats["graph_steps"] == step + 1, f"step {step} ran eagerly: {runner.stats}"
         err = rel_err(graph, eager)
         assert err <= 1e-4, f"step {step} (order {order}): logits rel err {err:.2e}"
+        if batch.normed_rows:
+            err = rel_err(cp.asnumpy(out.normed), cp.asnumpy(eager_out.normed))
+            assert err <= 1e-4, f"step {step}: normed rows rel err {err:.2e}"
+        else:
+            assert out.normed is None and eager_out.normed is None
         compare_state(kv, states, after, f"step {step}")
         for j, s in enumerate(active):
             s[0].append(int(np.argmax(eager[j])))

@@ -167,7 +167,6 @@ class Engine(MemoryMixin):
         while True:
             plan = plan_step(self.running, self.cfg, self.snapshots)
             short = None
-            dropped = False
             for c in plan.chunks:
                 s = c.seq
                 need = self.blocks.pages_for(s.num_computed + c.num_tokens) - len(s.pages)
@@ -178,13 +177,11 @@ class Engine(MemoryMixin):
                         break
                     s.pages.append(page)
                     need -= 1
-                if short is not None and c.draft is not None \
-                        and self.blocks.pages_for(s.num_computed + 1) <= len(s.pages):
-                    s.draft, short, dropped = None, None, True  # only the draft lacks a page: no pause for it
-                    break
                 if short is not None:
                     break
-            if dropped:
+            if short is not None and short.draft is not None \
+                    and self.blocks.pages_for(short.num_computed + 1) <= len(short.pages):
+                short.draft = None  # only its draft lacks a page: plan again without it, no pause for it
                 continue
             if short is None:
                 return plan
@@ -223,8 +220,6 @@ class Engine(MemoryMixin):
             s.num_computed += n
             s.last_active = now
             if c.draft is not None:
-                s.num_drafted += 1
-                s.num_accepted += accepted[id(c)]
                 self.stats.drafted_tokens += 1
                 self.stats.accepted_tokens += accepted[id(c)]
         for j, c in enumerate(sampling):
@@ -233,7 +228,7 @@ class Engine(MemoryMixin):
         for ci, c in enumerate(plan.chunks):  # the pages that became full: the tokens they hold are all appended
             s = c.seq
             if c.draft is not None and self.hybrid:
-                key = (ci, c.rollback_at)  # a device-kept rollback state is never a prefix-cache snapshot
+                key = (ci, before[ci] + 1)  # a device-kept rollback state is never a prefix-cache snapshot
                 back = out.snapshots.pop(key) if c.rollback_on_device else out.snapshots[key]
                 if not accepted[id(c)]:
                     self.runner.reset_state(s.state_slot, back)

@@ -31,8 +31,9 @@ class ScheduledChunk:
     sample: bool  # the chunk ends at the sequence's last token: sample the next one
     snapshot_at: tuple[int, ...] = ()  # absolute token counts after which to snapshot hybrid state
     draft: int | None = None  # speculation: the MTP's draft of the token after the last, computed as a 2nd row
-    rollback_at: int | None = None  # ... and the token count whose state a rejected draft goes back to
-    rollback_on_device: bool = False  # ... kept as the backend's arrays (not also a prefix-cache snapshot point)
+    # ... whose rejection goes back to the state after the real token (seq.num_computed + 1, a snapshot point),
+    # kept as the backend's arrays where that is not also a prefix-cache snapshot point
+    rollback_on_device: bool = False
 
 
 @dataclass(slots=True)
@@ -45,7 +46,7 @@ class StepPlan:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if c.sample and (c.num_tokens == 1 or c.draft is not None))
+        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.sample)
 
 
 def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> StepPlan:
@@ -85,8 +86,7 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> St
                 # after the real token: where a rejected draft's row is rolled back to
                 bounds = _boundaries(s, 2, every, ps)
                 back = s.num_computed + 1
-                chunks.append(ScheduledChunk(s, 2, True, tuple(sorted({*bounds, back})), s.draft, back,
-                                             back not in bounds))
+                chunks.append(ScheduledChunk(s, 2, True, tuple(sorted({*bounds, back})), s.draft, back not in bounds))
                 used += 2
             else:
                 chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))

@@ -160,8 +160,8 @@ class ModelRunner:
         batch.logits_rows = np.asarray(rows, np.int64)
         batch.normed_rows = normed
         # a draft's rollback state stays on the device (a device copy, not a host round trip)
-        batch.device_snapshots = frozenset((i, c.rollback_at) for i, c in enumerate(chunks)
-                                           if c.rollback_at is not None and c.rollback_on_device)
+        batch.device_snapshots = frozenset((i, c.seq.num_computed + 1) for i, c in enumerate(chunks)
+                                           if c.draft is not None and c.rollback_on_device)
         out = self.forward(batch)
         return StepOutput(out.logits, out.snapshots, out.normed, batch)
 

@@ -93,8 +93,6 @@ class Sequence:
     pending_note: str | None = None
     in_thinking: bool = False
     draft: int | None = None  # speculation: the MTP head's guess of the token after the last one (engine._draft)
-    num_drafted: int = 0  # drafts computed for verification
-    num_accepted: int = 0  # ... of which the sampled token was the draft
     paused_bundle: Any = None
     num_pauses: int = 0
     num_resumes: int = 0

@@ -202,11 +202,11 @@ class QwenModel:
         h = self.decoder_layers(h, lambda p, i, inputs: self._attention(p, i, inputs, batch, kv, cos, sin),
                                 lambda p, i, inputs: self._deltanet(p, i, inputs, states, segments, raw_snaps), tails)
         rows = batch.logits_rows
-        last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
+        last = self._rows(h, rows)
         normed = None
         if batch.normed_rows:  # every row's, the logits rows' taken from them (the same norm, row by row)
             normed = ops.rms_norm(h, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-            hidden = normed[ops.from_host(rows)] if len(rows) != h.shape[0] else normed
+            hidden = self._rows(normed, rows)
         else:
             hidden = ops.rms_norm(last, self.w["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         logits = ops.linear(hidden, self.w["lm_head.weight"]) if len(rows) else hidden[:0, :0]
@@ -247,16 +247,16 @@ class QwenModel:
         for j in range(cfg.mtp_num_hidden_layers):
             p = f"mtp.layers.{j}"
             x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], eps, off)
-            a = f"{p}.self_attn"
-            inputs = [ops.linear(x, *self.fused_qkv[a])] if a in self.fused_qkv else \
-                [ops.linear(x, w[f"{a}.{n}_proj.weight"], w.get(f"{a}.{n}_proj.bias")) for n in "qkv"]
-            out = self._attention(p, ("mtp", j), inputs, batch, kv, cos, sin)
+            out = self._attention(p, ("mtp", j), self._attention_inputs(p, x), batch, kv, cos, sin)
             x, h = ops.add_rms_norm(Projection.output(out, ops), h, w[f"{p}.post_attention_layernorm.weight"], eps,
                                     off)
             h = h + Projection.output(self._ffn(p, j, x), ops)
-        rows = batch.logits_rows
-        last = h[ops.from_host(rows)] if len(rows) != h.shape[0] else h
+        last = self._rows(h, batch.logits_rows)
         return ops.linear(ops.rms_norm(last, w["mtp.norm.weight"], eps, off), w["lm_head.weight"])
+
+    def _rows(self, a: Any, rows: Any) -> Any:
+        """Rows `rows` (host indices) of a backend array a [T, ...]; a itself where they are all of its rows."""
+        return a[self.backend.from_host(rows)] if len(rows) != a.shape[0] else a
 
     def decoder_layers(self, h: Any, attention: Any, deltanet: Any, tails: Any = None) -> Any:
         """The decoder stack on the residual stream h [T, H]; `attention(p, i, inputs)` / `deltanet(p, i, inputs)`
@@ -310,14 +310,19 @@ class QwenModel:
         ops, w = self.backend, self.w
         p = f"model.layers.{i}"
         if self.cfg.layer_types[i] == FULL_ATTENTION:
-            a = f"{p}.self_attn"
-            if a in self.fused_qkv:
-                return [ops.linear(x, *self.fused_qkv[a])]  # [T, q_out + 2 kv_out]
-            return [ops.linear(x, w[f"{a}.{n}_proj.weight"], w.get(f"{a}.{n}_proj.bias")) for n in "qkv"]
+            return self._attention_inputs(p, x)
         la = f"{p}.linear_attn"
         if la in self.fused_dn:
             return list(ops.linear_pair(x, *self.fused_dn[la]))  # [T, conv_dim + Hv * dv], [T, 2 Hv]
         return [ops.linear(x, w[f"{la}.in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")]
+
+    def _attention_inputs(self, p: str, x: Any) -> list[Any]:
+        """The input products of the attention layer at prefix p (a decoder layer's or an MTP layer's) over its
+        normed rows x: [q|k|v] (one fused product, [T, q_out + 2 kv_out]) or [q, k, v]."""
+        ops, w, a = self.backend, self.w, f"{p}.self_attn"
+        if a in self.fused_qkv:
+            return [ops.linear(x, *self.fused_qkv[a])]
+        return [ops.linear(x, w[f"{a}.{n}_proj.weight"], w.get(f"{a}.{n}_proj.bias")) for n in "qkv"]
 
     def _segments(self, batch: ForwardBatch) -> list[DeltaNetSegment]:
         """Split each sequence's rows at its snapshot points (state must be copied out there)."""

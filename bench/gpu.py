@@ -14,7 +14,8 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    variant (bf16 / MXFP8 / MXFP6 / MXFP4 / NVFP4 weights, through mx_gemv at decode; norms, conv1d and the
    small gates as the presets keep them); KV pages (bf16; BENCH_KV="16/16,6/4" adds a pass over 6/4-bit pages
    with the first variant, MXFP4 unless skipped) and DeltaNet states filled with random data; decode
-   steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs; prefill tokens/s (one
+   steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs, and the step of a speculative
+   verification graph (a draft a sequence: two rows each) against the decode graph's; prefill tokens/s (one
    2048-token chunk at the start of a prompt and after 16k cached tokens); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
    4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
@@ -245,6 +246,16 @@ def decode_batch(b: int, ctx: int) -> ForwardBatch:
                                for i in range(b)], PAGE, logits="last")
 
 
+def verify_batch(b: int, ctx: int) -> ForwardBatch:
+    """A speculative verification step of `b` sequences ending at `ctx` tokens: each its last real token and a
+    draft, logits of both rows, the rollback point after the real token kept on the device (as the engine asks)."""
+    batch = ForwardBatch.build([([7 + i, 11 + i], ctx - 2, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES,
+                                                                     dtype=np.int32), i) for i in range(b)],
+                               PAGE, logits="all", snapshot_at=[(ctx - 1,)] * b)
+    batch.device_snapshots = frozenset((i, ctx - 1) for i in range(b))
+    return batch
+
+
 # ---- sections -----------------------------------------------------------------------------------------------
 def bench_roofline() -> float:
     res = ex.bandwidth_probe(1 << 31, repeats=5)
@@ -351,13 +362,14 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
         for b in BATCHES:
             batch = decode_batch(b, ctx)
             moved = weight_bytes(model, b) + b * ctx * kv_tok + 2 * b * state_bytes
-            for mode, fwd in (("eager", model.forward), ("graph", runner.forward)):
+            for mode, fwd in (("eager", model.forward), ("graph", runner.forward), ("verify", runner.forward)):
                 if left() < 20:
                     break
-                t = median_time(lambda fwd=fwd, batch=batch: fwd(batch, kv, states), 6)
+                step = verify_batch(b, ctx) if mode == "verify" else batch  # verify: a draft a sequence, graphs
+                t = median_time(lambda fwd=fwd, step=step: fwd(step, kv, states), 6)
                 key = f"{mode}_b{b}_ctx{ctx}"
                 res[key] = {"step_ms": t * 1e3, "tok_s": b / t, "pct_roofline": 100 * moved / (copy_bw * 1e9) / t}
-        res["graph_stats"] = {"steps": runner.stats["graph_steps"],
+        res["graph_stats"] = {"steps": runner.stats["graph_steps"], "verify_steps": runner.stats["verify_steps"],
                               "failures": {str(k): v for k, v in runner.stats["failures"].items()}}
     print(label or variant, "decode", json.dumps(res, default=float)[:1500])
     # Sampler (Qwen's recommended T 0.7 / top-p 0.8 / top-k 20): on this model's logits (random weights: a
@@ -517,6 +529,12 @@ def table() -> None:
                     vs = f"{r['tok_s'] / (b / h):.1f}x" if h else "n/a"
                     print(f"{variant:<18}{mode:<6}{ctx:>6}{b:>5}{r['tok_s']:>9.1f}{r['pct_roofline']:>7.1f}{scale:>6}"
                           f"{vs:>8}")
+        for ctx in CONTEXTS:  # a verification step (two rows a sequence) against the decode step
+            for b in BATCHES:
+                v, g = res.get(f"verify_b{b}_ctx{ctx}"), res.get(f"graph_b{b}_ctx{ctx}")
+                if v and g:
+                    print(f"{variant:<18}verify{ctx:>6}{b:>5}  step {v['step_ms']:.2f} ms = {v['step_ms'] / g['step_ms']:.3f}"
+                          f"x the decode step: pays from {v['step_ms'] / g['step_ms'] - 1:.1%} of drafts accepted")
         pre = res.get("prefill_tok_s")
         hp = RESULTS.get("hf", {}).get("prefill_tok_s")
         print(f"{variant:<18}prefill {pre or 0:>10.0f} tok/s"

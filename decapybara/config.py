@@ -53,12 +53,16 @@ class EngineConfig:
     product_chains: bool = False
     # Speculative decoding: "mtp" drafts each decoding sequence's next token with the model's MTP head and verifies
     # it as a second row of the sequence's decode (a token gained where it matches what is sampled; outputs as
-    # without speculation); "off". Models without an MTP head ignore it. Steps with a draft run eagerly (CUDA
-    # graphs replay only one-token decodes).
+    # without speculation); "off". Models without an MTP head ignore it. On CUDA graphs, a step with drafts
+    # replays a verification graph (two rows a sequence).
     speculator: str = "off"
     # ... a draft only where the MTP head's probability of its guess is at least this (on the demo model, guesses
     # under 0.3 were accepted 21-25% of the time, over 0.5 67-100%; docs/perf.md)
     spec_min_confidence: float = 0.3
+    # ... in a decode step that verifies some draft through a verification graph, the other sequences' guesses
+    # under spec_min_confidence are verified too: their second rows are computed anyway (a throwaway row
+    # otherwise), so a guess costs at most its rollback
+    spec_fill: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:

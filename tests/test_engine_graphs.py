@@ -117,7 +117,8 @@ def test_numpy_engine_keeps_its_whole_pool():
     assert e.runner.states.num_slots == e.cfg.max_slots
     stats = e.snapshot_stats()
     assert stats["total_pages"] == 256
-    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "eager_steps": 0, "captures": 0, "failures": 0,
+    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "verify_steps": 0, "checkpoint_bytes": 0,
+                               "eager_steps": 0, "captures": 0, "failures": 0,
                                "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0,
                                "tail_memory_bytes": 0, "product_chains": False, "chains": 0,
                                "chained_products": 0, "launched_tails": 0, "recut_tails": 0,
@@ -198,10 +199,12 @@ def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):
 
 def test_graph_failures_are_reported_per_key(fake_graphs):
     e = Engine(model("qwen3"), EngineConfig(**BASE))
-    e.runner.graphs.stats["failures"][(4, 1)] = "CUDARuntimeError: capture invalidated"
+    e.runner.graphs.stats["failures"][(4, 1, 1)] = "CUDARuntimeError: capture invalidated"
+    e.runner.graphs.stats["failures"][(2, 8, 2)] = "CUDARuntimeError: out of memory"
     stats = json.loads(json.dumps(e.snapshot_stats()))
-    assert stats["graphs"]["failures"] == 1
-    assert stats["graph_failures"] == {"bucket=4 splits=1": "CUDARuntimeError: capture invalidated"}
+    assert stats["graphs"]["failures"] == 2
+    assert stats["graph_failures"] == {"bucket=4 splits=1": "CUDARuntimeError: capture invalidated",
+                                       "bucket=2 splits=8 verify": "CUDARuntimeError: out of memory"}
 
 
 def test_app_config_passes_the_prefill_share_through():

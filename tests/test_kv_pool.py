@@ -4,6 +4,8 @@ reach them. The fitted pool on a real device: tests/gpu/test_kv_pool.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from decapybara.backend.kv_codec import kv_bytes_per_token
@@ -36,6 +38,27 @@ def test_fit_pool_takes_the_free_memory_less_states_reserve_and_keep_free():
     weights = 15 * GIB
     plan = C.plan_capacity(cfg, weights, total, "6/4", 12, 32768, reserve_bytes=reserve, keep_free_bytes=10 * GIB)
     assert plan.pages == C.fit_pool(cfg, total - weights, total, "6/4", 12, 512, 1_048_576, 10 * GIB, reserve).pages
+
+
+def test_fit_pool_sets_the_verification_checkpoints_aside():
+    """With the MTP speculator, CUDA graphs and a hybrid model, the verification graphs' rollback states (one a
+    row of the largest bucket) come out of the pool beside the state pool; otherwise nothing does."""
+    from decapybara.config import EngineConfig
+    from decapybara.engine.runner import GRAPH_BUCKETS
+    from decapybara.server.engine_setup import verify_checkpoints
+
+    cfg = named_config("qwen3.8-27b")
+    one = cfg.state_bytes_per_sequence()
+    base = C.fit_pool(cfg, 120 * GIB, 141 * GIB, "6/4", 12, 512, 1_048_576)
+    spec = C.fit_pool(cfg, 120 * GIB, 141 * GIB, "6/4", 12, 512, 1_048_576, checkpoints=12)
+    assert spec.state_bytes == base.state_bytes + 12 * one and 12 * one > GIB  # 27B: ~1.8 GB
+    assert spec.by_memory == (120 * GIB - spec.state_bytes - spec.reserve_bytes) // spec.page_bytes < base.by_memory
+    mtp = EngineConfig(speculator="mtp")
+    assert verify_checkpoints(mtp, cfg) == max(GRAPH_BUCKETS) == 12
+    assert verify_checkpoints(mtp.replace(cuda_graphs=False), cfg) == 0
+    assert verify_checkpoints(EngineConfig(), cfg) == 0
+    dense = dataclasses.replace(cfg, layer_types=("full_attention",) * cfg.num_hidden_layers)
+    assert not dense.linear_layers and verify_checkpoints(mtp, dense) == 0
 
 
 def test_fit_pool_caps_a_small_model_at_every_slots_context_twice():

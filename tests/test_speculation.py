@@ -163,6 +163,8 @@ def test_speculator_setting():
     assert AppConfig().engine_config(cuda=False).speculator == "off"
     assert AppConfig().engine_config(cuda=False).spec_min_confidence == EngineConfig().spec_min_confidence == 0.3
     assert AppConfig(spec_min_confidence="0.4").engine_config(cuda=False).spec_min_confidence == 0.4
+    assert AppConfig().engine_config(cuda=True).spec_fill and EngineConfig().spec_fill
+    assert not AppConfig(spec_fill="false").engine_config(cuda=True).spec_fill
     served = build_engine(AppConfig(device="cpu", speculator="mtp", slots=1, kv_memory_gb=0.001))
     assert served.engine.speculate  # the demo model has a head
 
@@ -241,3 +243,50 @@ def test_drafts_leave_the_balanced_prefill_share():
 
     assert any(c.draft is not None for c in plan.chunks) and plan.num_tokens <= 32
     assert prefill(plan) == prefill(bare) == 16
+
+
+def test_verification_steps_fill_their_spare_rows_with_guesses():
+    """With verification graphs (`Engine.fill_rows`), a decode step that verifies some draft also verifies the
+    other decodes' doubtful guesses (their second rows are computed anyway): the plan gives them their guesses
+    only then (not in a step with a prompt chunk, nor beyond the largest graph, nor with no sure draft), and the
+    outputs stay those of decoding without speculation while more drafts are verified."""
+    from decapybara.engine.planner import plan_step
+    from decapybara.engine.sequence import Request
+
+    prompts = prompts_of(CODE)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=40, ignore_eos=True) for i in range(len(CODE))]
+    ref, _ = run("off", prompts, params)
+    stats = {}
+    for rows in (0, 12):
+        loaded = demo()
+        e = Engine(loaded.model, EngineConfig(speculator="mtp", spec_min_confidence=0.9, page_size=16,
+                                              num_pages=256, max_batch_tokens=256, loop_guard="off"),
+                   tokenizer=loaded.tokenizer)
+        assert e.fill_rows == 0  # no graphs on numpy
+        e.fill_rows = rows
+        assert e.generate(prompts, params) == ref
+        stats[rows] = (e.stats.drafted_tokens, e.stats.accepted_tokens)
+    print("drafted, accepted without / with the spare rows filled:", stats)
+    assert stats[12][0] > stats[0][0] > 0 and stats[12][1] >= stats[0][1]
+    # the plan's rule
+    e = _demo_engine(max_batch_tokens=64, max_slots=12, num_pages=256)
+    for p in prompts:
+        e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    while any(s.in_prefill for s in e.running) or len(e.running) < len(prompts):
+        e.step()
+    for k, s in enumerate(e.running):
+        s.draft, s.guess = (100 + k, None) if k == 0 else (None, 200 + k)
+    drafts = [c.draft for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks]
+    assert drafts == [100 + k for k in range(1)] + [200 + k for k in range(1, len(prompts))]
+    assert [c.draft for c in plan_step(e.running, e.cfg, False).chunks] == [100] + [None] * (len(prompts) - 1)
+    assert [c.draft for c in plan_step(e.running, e.cfg, False, fill_rows=len(prompts) - 1).chunks][1:] == \
+        [None] * (len(prompts) - 1)
+    e.running[0].draft = None  # no sure draft: no verification step to fill
+    assert all(c.draft is None for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks)
+    e.running[0].draft = 100
+    long = prompts_of(["# notes\n" * 40])[0]
+    e.add_request(Request(tuple(long), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    e.admission(e)
+    assert any(s.in_prefill for s in e.running)
+    plan = plan_step(e.running, e.cfg, False, fill_rows=12)
+    assert [c.draft for c in plan.chunks if not c.seq.in_prefill][1:] == [None] * (len(prompts) - 1)

@@ -15,6 +15,17 @@ staging -> two static device buffers, then `graph.launch`. A row that asks for a
 decode row can only ask at its token's end) gets its slot's state copied out after the replay. Anything else
 runs eagerly.
 
+Speculative verification steps (some sequence adds two tokens: its last real token and the MTP head's draft)
+replay graphs of their own, keyed by two rows a sequence: sequence i holds rows 2i and 2i + 1 whatever its
+length in the batch. A sequence of one token gets a throwaway second row, whose KV goes to the pad page,
+whose DeltaNet step runs on the pad slot and whose outputs nobody reads; attention takes every sequence as two
+tokens (the throwaway row attends over the sequence's own keys and one stale key, never read back). The
+attention is the tensor-core prefill kernel's (the general kernel's over float32 pages), the DeltaNet the
+recurrent kernel's over runs of one or two rows. A draft's rollback point (the state after the real token, asked
+for as `snapshot_at` total - 1) is written by the DeltaNet kernels into checkpoint buffers of the runner's
+(`_checkpoints`: one state a bucket row, allocated at the first verification graph) and handed back as device
+views (`ForwardBatch.device_snapshots`, valid until the next verification replay) or host copies.
+
 What the backend must guarantee for capture (CupyBackend does, through the plan caches seeded below):
 no host synchronisation or host -> device copy in the decode forward (no `from_host`, `cupy.asnumpy`, `int()`
 of a device value); launch grids that depend only on the static shapes; every per-step value read from the
@@ -43,12 +54,16 @@ from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.attn_plan import (
     BLOCK_N,
     MIN_KEYS_PER_SPLIT,
+    PREFILL_ROWS_PER_WARP,
+    cdiv,
     decode_splits,
     graph_split_cap,
+    pow2_floor,
     rows_per_warp,
 )
-from decapybara.backend.base import DeltaNetSegment, KVCache, StatePool
-from decapybara.backend.cupy_attention import decode_launch, decode_per_sm
+from decapybara.backend.base import DeltaNetSegment, HybridState, KVCache, StatePool
+from decapybara.backend.cupy_attention import PrefillLaunch, decode_launch, decode_per_sm, prefill_launch
+from decapybara.backend.cupy_kv import host_copies
 from decapybara.backend.cupy_ops import sm_count
 from decapybara.backend.cupy_ops_extra import embedding_rows
 from decapybara.model.batch import ForwardBatch, SeqChunk
@@ -99,9 +114,10 @@ class _Static:
 
     bucket: int
     splits: int
+    rows: int  # rows a sequence: 1 (decode) or 2 (verification: the real token and the draft)
     tiles: int  # attention tiles per sequence
     block_m: int  # query rows per tile
-    host64: np.ndarray  # pinned int64 [3, bucket]: ids, positions, slots
+    host64: np.ndarray  # pinned int64 [3, bucket * rows]: ids, positions, slots
     host32: np.ndarray  # pinned int32 [n32]
     dev64: Any
     dev32: Any
@@ -139,10 +155,12 @@ class DecodeGraphRunner:
     tails: Any = None  # eager steps' layer tails as graphs (decapybara/backend/piecewise.py `PiecewiseTails`)
     chains: bool = False  # graphs' layer tails as persistent product chains (decapybara/backend/chain_tails.py)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
-                                                           "failures": {}, "chain_timeouts": 0})
-    _graphs: dict[tuple[int, int], _Static] = field(default_factory=dict)
+                                                           "failures": {}, "chain_timeouts": 0,
+                                                           "verify_steps": 0})
+    _graphs: dict[tuple[int, int, int], _Static] = field(default_factory=dict)
     _stream: Any = None
     _inv_freq: Any = None
+    _ckpt: dict[int, tuple[Any, Any]] | None = None  # verification checkpoints: layer -> (conv, rec) [max bucket, ...]
 
     def __post_init__(self) -> None:
         cfg = self.model.cfg
@@ -156,7 +174,7 @@ class DecodeGraphRunner:
         if self.chains and self._chains_timed_out():
             self._drop_chains()
         reason = self.ineligible(batch)
-        key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv))
+        key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv), self._rows(batch))
         if key is not None and key not in self.stats["failures"]:
             try:
                 out = self._replay(key, batch, kv, states)
@@ -164,9 +182,7 @@ class DecodeGraphRunner:
                 self.stats["failures"][key] = f"{type(e).__name__}: {e}"
                 self._graphs.pop(key, None)
             else:  # outside the try: once the graph ran, a failure here must not run the step a second time
-                # a decode row's snapshot point is its one token's end: the state its slot holds after this step
-                out.snapshots.update({(i, q): states.get(s.state_slot)
-                                      for i, s in enumerate(batch.seqs) for q in s.snapshot_at})
+                self._snapshots(out, batch, states)
                 return out
         self.stats["eager_steps"] += 1
         return self.model.forward(batch, kv, states, tails=self.tails)
@@ -199,16 +215,37 @@ class DecodeGraphRunner:
                 "launched_tails": sum(len(c.stats["launched"]) for c in sts),
                 "recut_tails": sum(len(c.stats["recut"]) for c in sts)}
 
+    def _snapshots(self, out: ForwardOutput, batch: ForwardBatch, states: StatePool | None) -> None:
+        """A replay's hybrid-state snapshots into `out`: a point at a sequence's end is the state its slot holds
+        after the step (a host copy); a verification row's point after its real token is its checkpoint, as
+        device views where `batch.device_snapshots` names it (valid until the next verification replay), else a
+        host copy."""
+        lin = list(self.model.cfg.linear_layers)
+        for i, s in enumerate(batch.seqs):
+            for q in s.snapshot_at:
+                if q == s.total:
+                    out.snapshots[(i, q)] = states.get(s.state_slot)
+                    continue
+                conv = [self._ckpt[j][0][i] for j in lin]
+                rec = [self._ckpt[j][1][i] for j in lin]
+                if (i, q) not in batch.device_snapshots:
+                    arrs = host_copies(conv + rec)
+                    conv, rec = arrs[:len(lin)], arrs[len(lin):]
+                out.snapshots[(i, q)] = HybridState(conv, rec)
+
     def ineligible(self, batch: ForwardBatch) -> str | None:
-        """Why `batch` cannot replay a decode graph (None when it can)."""
+        """Why `batch` cannot replay a decode or verification graph (None when it can)."""
         seqs = batch.seqs
         if not seqs or len(seqs) > max(self.buckets):
             return f"{len(seqs)} sequences (buckets {self.buckets})"
-        if any(s.length != 1 or any(q != s.total for q in s.snapshot_at) for s in seqs):
-            return "not a pure decode batch (prefill chunk)"
-        if not np.array_equal(batch.logits_rows, np.arange(len(seqs))):
+        if any(s.length not in (1, 2) or any(q != s.total and (s.length == 1 or q != s.total - 1)
+                                             for q in s.snapshot_at) for s in seqs):
+            return "not a decode or verification batch (prefill chunk)"
+        if not np.array_equal(batch.logits_rows, np.arange(batch.num_tokens)):
             return "logits not requested for exactly every row"
-        if any(len(s.block_table) > self.max_pages
+        # a verification graph's rows take two keys of every sequence's block table
+        keys = 1 if self._rows(batch) == 1 else 2
+        if any(len(s.block_table) > self.max_pages or -(-(s.context + keys) // batch.page_size) > self.max_pages
                or self.pad_page in s.block_table[:-(-s.total // batch.page_size)] for s in seqs):
             return "block table longer than max_pages or using the pad page"
         if self.model.cfg.linear_layers and any(s.state_slot in (None, self.pad_slot) for s in seqs):
@@ -219,26 +256,46 @@ class DecodeGraphRunner:
     def _bucket(self, n: int) -> int:
         return min(b for b in self.buckets if b >= n)
 
+    @staticmethod
+    def _rows(batch: ForwardBatch) -> int:
+        """Rows a sequence of the batch's graph: 2 where some sequence verifies a draft, else 1."""
+        return 2 if any(s.length == 2 for s in batch.seqs) else 1
+
     def _splits(self, batch: ForwardBatch, kv: KVCache) -> int:
         """Key splits per tile (a graph per value): the tensor-core decode kernel's by attn_plan.decode_splits
         for the bucket's launch (a power of two up to attn_plan.graph_split_cap), the general kernel's enough
-        for short contexts too (64+ keys)."""
-        longest = max(s.total for s in batch.seqs)
-        shape = self._decode_launch(kv)
+        for short contexts too (64+ keys); a verification graph's prefill kernel about two CTAs an SM, no split
+        under MIN_KEYS_PER_SPLIT keys, at most 32 (a power of two)."""
+        rows = self._rows(batch)
+        longest = max(s.context for s in batch.seqs) + rows
+        shape = self._decode_launch(kv) if rows == 1 else None
+        cfg = self.model.cfg
+        per_split = self._bucket(len(batch.seqs)) * self._row_tiles(kv, rows)[1] * cfg.num_key_value_heads  # CTAs
         if shape is not None:
-            cfg = self.model.cfg
-            per_split = self._bucket(len(batch.seqs)) * self._row_tiles()[1] * cfg.num_key_value_heads  # CTAs
             sms, per_sm = sm_count(), decode_per_sm(cfg.head_dim, _kv_bits(kv), shape)
             return decode_splits(per_split, longest, sms, pow2=True, cap=graph_split_cap(per_split, sms, per_sm),
                                  per_sm=per_sm)
+        if rows == 2 and self._verify_launch(kv) is not None:
+            return min(32, pow2_floor(min(cdiv(2 * sm_count(), per_split), longest // MIN_KEYS_PER_SPLIT)))
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
-    def _row_tiles(self) -> tuple[int, int]:
-        """(rows per warp, row tiles a sequence) of a decode step's attention: its g query heads per KV head."""
+    def _row_tiles(self, kv: KVCache | None = None, rows: int = 1) -> tuple[int, int, int]:
+        """(rows per warp, row tiles a sequence, query rows a tile) of a step's attention over `rows` tokens a
+        sequence (row = token * g + head in group): the decode kernel's or general kernel's tiles of 4 warps,
+        a verification graph's prefill-kernel CTAs (`_verify_launch`)."""
         cfg = self.model.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
-        rpw = rows_per_warp(cfg.head_dim, g)
-        return rpw, -(-g // (4 * rpw))
+        launch = self._verify_launch(kv) if rows == 2 else None
+        if launch is not None:
+            block_m = PREFILL_ROWS_PER_WARP * launch.warps
+            return PREFILL_ROWS_PER_WARP, cdiv(rows * g, block_m), block_m
+        rpw = rows_per_warp(cfg.head_dim, rows * g)
+        return rpw, cdiv(rows * g, 4 * rpw), 4 * rpw
+
+    def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
+        """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
+        kernel), without scratch pages (two new tokens a sequence)."""
+        return prefill_launch(self.model.cfg.head_dim, _kv_bits(kv))
 
     def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:
         """The tensor-core decode kernel's launch shape on `kv` (cupy_attention.decode_launch); None: the
@@ -246,7 +303,8 @@ class DecodeGraphRunner:
         cfg = self.model.cfg
         return decode_launch(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, _kv_bits(kv))
 
-    def _replay(self, key: tuple[int, int], batch: ForwardBatch, kv: KVCache, states: StatePool | None) -> Any:
+    def _replay(self, key: tuple[int, int, int], batch: ForwardBatch, kv: KVCache,
+                states: StatePool | None) -> Any:
         st = self._graphs.get(key)
         if st is None:
             st = self._graphs[key] = self._build(*key, page_size=batch.page_size, kv=kv)
@@ -254,7 +312,7 @@ class DecodeGraphRunner:
         if st.graph is None:  # warm up on padding rows only, then capture (capturing executes nothing)
             self._upload(st, None)
             st.pool = cp.cuda.MemoryPool()
-            if self.chains:
+            if self.chains and st.rows == 1:
                 from decapybara.backend.chain_tails import ChainTails
 
                 st.chains = ChainTails()
@@ -268,9 +326,14 @@ class DecodeGraphRunner:
         st.done = self._stream.record()
         cp.cuda.get_current_stream().wait_event(st.done)
         self.stats["graph_steps"] += 1
-        n = len(batch.seqs)
         logits, h, normed = st.outputs  # h: the residual stream before the final norm; normed: after it
-        return ForwardOutput(logits[:n], h[:n], {}, normed[:n] if batch.normed_rows else None)
+        if st.rows == 1:
+            n = len(batch.seqs)
+            return ForwardOutput(logits[:n], h[:n], {}, normed[:n] if batch.normed_rows else None)
+        self.stats["verify_steps"] += 1
+        # the batch's rows, in its order, from sequence i's rows 2i, 2i + 1
+        idx = cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(batch.seqs)]))
+        return ForwardOutput(logits[idx], h[idx], {}, normed[idx] if batch.normed_rows else None)
 
     def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
         if st.done is not None:
@@ -280,56 +343,93 @@ class DecodeGraphRunner:
         st.dev32.set(st.host32, stream=self._stream)
         st.done = self._stream.record()
 
-    def _build(self, bucket: int, splits: int, page_size: int, kv: KVCache) -> _Static:
+    def _build(self, bucket: int, splits: int, rows: int, page_size: int, kv: KVCache) -> _Static:
         from decapybara.backend.cupy_attention import AttentionPlan
         from decapybara.backend.cupy_deltanet import RunPlan
 
-        rpw, tiles = self._row_tiles()
-        nwork = bucket * tiles * splits
+        rpw, tiles, block_m = self._row_tiles(kv, rows)
+        nwork, nrows = bucket * tiles * splits, bucket * rows
+        # runs: a sequence's, then (verification) its throwaway row's; segments: two a sequence, one a throwaway
+        nsegs = bucket if rows == 1 else 3 * bucket
         shapes = {"seq_info": (bucket, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
-                  "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (bucket, 5), "segs": (bucket, 2)}
+                  "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (nrows, 5), "segs": (nsegs, 2)}
         views, off = {}, 0
         for name, shape in shapes.items():
             views[name] = (off, shape)
             off += int(np.prod(shape))
-        host64, host32 = cupyx.empty_pinned((3, bucket), np.int64), cupyx.empty_pinned(off, np.int32)
-        dev64, dev32 = cp.zeros((3, bucket), cp.int64), cp.zeros(off, cp.int32)
-        chunks = [SeqChunk(i, 1, 0, np.zeros(0, np.int32), i) for i in range(bucket)]
-        placeholder = ForwardBatch(np.zeros(bucket, np.int64), np.zeros(bucket, np.int64), chunks,
-                                   np.arange(bucket), page_size)
-        segments = [DeltaNetSegment(i, 1, i) for i in range(bucket)]
-        st = _Static(bucket, splits, tiles, 4 * rpw, host64, host32, dev64, dev32, views, placeholder, segments)
-        # decode batches: the decode kernel or the general one
+        host64, host32 = cupyx.empty_pinned((3, nrows), np.int64), cupyx.empty_pinned(off, np.int32)
+        dev64, dev32 = cp.zeros((3, nrows), cp.int64), cp.zeros(off, cp.int32)
+        chunks = [SeqChunk(rows * i, rows, 0, np.zeros(0, np.int32), i) for i in range(bucket)]
+        placeholder = ForwardBatch(np.zeros(nrows, np.int64), np.zeros(nrows, np.int64), chunks,
+                                   np.arange(nrows), page_size)
+        segments = [DeltaNetSegment(rows * i, rows, i) for i in range(bucket)]
+        st = _Static(bucket, splits, rows, tiles, block_m, host64, host32, dev64, dev32, views, placeholder,
+                     segments)
+        # decode batches: the decode kernel or the general one; verification: the prefill kernel or the general
         st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
                              max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
                              num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
-                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv),
-                             prefill=None, dequant=None, rows=None)
+                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv) if rows == 1 else None,
+                             prefill=self._verify_launch(kv) if rows == 2 else None, dequant=None, rows=None)
         st.kv_bits = _kv_bits(kv)
-        st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=bucket, max_len=1,
-                            snapshot_keys=[], chunk_src=None, chunk_work=None)  # decode: no chunked work
+        ckpt = None
+        if rows == 2 and self.model.cfg.linear_layers:
+            ckpt = {j: (c[:bucket], r[:bucket]) for j, (c, r) in self._checkpoints().items()}
+        st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=nrows, max_len=rows,
+                            snapshot_keys=[], chunk_src=None, chunk_work=None,  # no chunked work
+                            snap_bufs=ckpt)
         return st
+
+    def _checkpoints(self) -> dict[int, tuple[Any, Any]]:
+        """The verification graphs' checkpoint buffers, allocated once (outside every graph's pool): per linear
+        layer (conv [max bucket, conv_dim, k - 1], recurrent [max bucket, Hv, dk, dv]) float32; a verifying
+        sequence's state after its real token goes to its row of the bucket."""
+        if self._ckpt is None:
+            cfg, n = self.model.cfg, max(self.buckets)
+            shape_c = (n, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
+            shape_r = (n, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+            self._ckpt = {j: (cp.zeros(shape_c, cp.float32), cp.zeros(shape_r, cp.float32))
+                          for j in cfg.linear_layers}
+        return self._ckpt
+
+    def checkpoint_bytes(self) -> int:
+        """Device bytes of the verification checkpoints (0 until the first verification graph)."""
+        return sum(c.nbytes + r.nbytes for c, r in (self._ckpt or {}).values())
 
     def _fill(self, st: _Static, batch: ForwardBatch | None) -> None:
         """This step's metadata into the pinned staging buffers (padding rows after the real ones; every row
         is padding when `batch` is None: the capture's warm-up touches only the pad page and slot)."""
         seqs = batch.seqs if batch is not None else []
-        n, b, ps = len(seqs), st.bucket, st.batch.page_size
+        n, b, ps, rows = len(seqs), st.bucket, st.batch.page_size, st.rows
         pad_slot_kv = self.pad_page * ps
         ids, pos, slots = st.host64
-        ids[:], pos[:], slots[:] = 0, 0, pad_slot_kv
+        ids[:], slots[:] = 0, pad_slot_kv
+        pos[:] = np.tile(np.arange(rows), b)  # padding sequences: tokens 0 (and 1) of the pad page
+        if rows == 2:
+            slots[:] += pos % ps
         ctx = np.zeros(b, np.int64)
         if batch is not None:
-            ids[:n], pos[:n], slots[:n] = batch.token_ids, batch.positions, batch.slot_mapping
             ctx[:n] = [s.context for s in seqs]
+            if rows == 1:
+                ids[:n], pos[:n], slots[:n] = batch.token_ids, batch.positions, batch.slot_mapping
+            else:  # sequence i's rows at 2i (+ 1); a throwaway row: the next position, its KV to the pad page
+                for i, s in enumerate(seqs):
+                    r = rows * i
+                    ids[r:r + s.length] = batch.token_ids[s.start:s.end]
+                    pos[r:r + s.length] = batch.positions[s.start:s.end]
+                    slots[r:r + s.length] = batch.slot_mapping[s.start:s.end]
+                    if s.length == 1:
+                        ids[r + 1], pos[r + 1], slots[r + 1] = 0, s.total, pad_slot_kv
         info = st.h32("seq_info")
-        info[:, 0], info[:, 1], info[:, 2] = np.arange(b), 1, ctx
+        info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * rows, rows, ctx
         tables = st.h32("tables")
         tables[:] = self.pad_page
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         tiles, block_m, sp = st.tiles, st.block_m, st.splits
-        kend = np.repeat(ctx + 1, tiles * sp)  # [b * tiles * sp]
+        g = self.model.cfg.num_attention_heads // self.model.cfg.num_key_value_heads
+        last = (np.minimum(rows * g, (np.arange(tiles) + 1) * block_m) - 1) // g  # a tile's last token
+        kend = np.repeat((ctx[:, None] + last[None, :] + 1).reshape(-1), sp)  # [b * tiles * sp]
         per_split = -(-kend // sp)
         chunk = -(-per_split // BLOCK_N) * BLOCK_N
         part = np.tile(np.arange(sp), b * tiles)
@@ -345,13 +445,41 @@ class DecodeGraphRunner:
             red[:, 1] = np.tile(np.arange(tiles) * block_m, b)
             red[:, 2] = np.arange(b * tiles) * sp
             red[:, 3] = sp
-        runs = st.h32("runs")
-        runs[:, 0], runs[:, 1], runs[:, 3], runs[:, 4] = np.arange(b), 1, np.arange(b), 1
-        runs[:, 2] = self.pad_slot if self.pad_slot is not None else 0
-        if self.model.cfg.linear_layers and n:
-            runs[:n, 2] = [s.state_slot for s in seqs]
-        segs = st.h32("segs")
-        segs[:, 0], segs[:, 1] = 1, -1
+        if rows == 1:
+            runs = st.h32("runs")
+            runs[:, 0], runs[:, 1], runs[:, 3], runs[:, 4] = np.arange(b), 1, np.arange(b), 1
+            runs[:, 2] = self.pad_slot if self.pad_slot is not None else 0
+            if self.model.cfg.linear_layers and n:
+                runs[:n, 2] = [s.state_slot for s in seqs]
+            segs = st.h32("segs")
+            segs[:, 0], segs[:, 1] = 1, -1
+        else:
+            self._fill_verify_runs(st, seqs)
+
+    def _fill_verify_runs(self, st: _Static, seqs: list[SeqChunk]) -> None:
+        """A verification graph's DeltaNet runs: runs [0, b) sequence i's rows from 2i (a padding sequence's two
+        on the pad slot), its segments 2i, 2i + 1 (cut after the real token where its snapshot is asked for:
+        checkpoint i); runs [b, 2b) the throwaway rows, each on the pad slot: row 2i + 1 where sequence i has one
+        token, else none (no rows, one segment ending at 0: the kernels leave the state as it is), segment
+        2b + i."""
+        b = st.bucket
+        pad = self.pad_slot if self.pad_slot is not None else 0
+        runs, segs = st.h32("runs"), st.h32("segs")
+        runs[:b, 0], runs[:b, 1], runs[:b, 2], runs[:b, 3], runs[:b, 4] = np.arange(b) * 2, 2, pad, np.arange(b) * 2, 1
+        runs[b:, 0], runs[b:, 1], runs[b:, 2], runs[b:, 3], runs[b:, 4] = np.arange(b) * 2 + 1, 0, pad, \
+            2 * b + np.arange(b), 1
+        segs[:2 * b] = (2, -1)
+        segs[2 * b:] = (0, -1)
+        for i, s in enumerate(seqs):
+            runs[i, 1] = s.length
+            if self.model.cfg.linear_layers:
+                runs[i, 2] = s.state_slot
+            if s.length == 2 and s.total - 1 in s.snapshot_at:
+                segs[2 * i], segs[2 * i + 1], runs[i, 4] = (1, i), (2, -1), 2
+            else:
+                segs[2 * i] = (s.length, -1)
+            if s.length == 1:
+                runs[b + i, 1], segs[2 * b + i] = 1, (1, -1)
 
     def _seed_plans(self, st: _Static) -> None:
         backend, cfg = self.model.backend, self.model.cfg

@@ -163,6 +163,9 @@ class RunPlan:
     # the chunked kernels' work on first use (cached in chunk_work); else None
     chunk_src: tuple[list[DeltaNetSegment], RunGroups] | None = None
     chunk_work: ChunkWork | None = None
+    # where given (verification graphs): per layer, the (conv, recurrent) device arrays that snapshot index i
+    # writes (row i of each) in place of per-layer copies to the host; snapshot_keys is then empty
+    snap_bufs: dict[int, tuple[Any, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -241,9 +244,12 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     if t == 0 or plan.num_runs == 0:
         return out if gate is None else cupy_ops.gated_rms_norm(out, *gate)
     defines = (("DK", dk), ("DV", dv), ("CONV_K", ksz), ("ACC", acc))
-    nsnap = len(plan.snapshot_keys)
-    snap_conv = empty((max(nsnap, 1), c, ksz - 1), cp.float32)
-    snap_rec = empty((max(nsnap, 1), hv, dk, dv), cp.float32)
+    if plan.snap_bufs is not None:  # the caller's buffers (checkpoints), written in place
+        snap_conv, snap_rec = plan.snap_bufs[layer]
+    else:
+        nsnap = len(plan.snapshot_keys)
+        snap_conv = empty((max(nsnap, 1), c, ksz - 1), cp.float32)
+        snap_rec = empty((max(nsnap, 1), hv, dk, dv), cp.float32)
 
     cblocks = -(-c // 128)
     vcols = min(32, dv)  # value columns per CTA, 4 threads each (decapybara/kernels/deltanet_prefill.cu VCOLS, KSPLIT)

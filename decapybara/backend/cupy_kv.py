@@ -14,7 +14,7 @@ import cupy as cp
 import cupyx
 import numpy as np
 
-from decapybara.backend import pdl
+from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.base import HybridState, KVCache, KVPageData, StatePool
 from decapybara.backend.cupy_ops import I32, I64, THREADS, check, grid_for, heads
 from decapybara.backend.kv_codec import BF16Codec, F32Codec, KVCodec, MicroscaledCodec
@@ -132,6 +132,26 @@ def host_copies(arrays: list[Any]) -> list[np.ndarray]:
     return out
 
 
+def on_device(a: Any) -> bool:
+    """Whether `a` is a device array (not a host numpy array, pinned or not)."""
+    return isinstance(a, cp.ndarray) and type(a) is not np.ndarray
+
+
+def copy_many(pairs: list[tuple[Any, Any]]) -> None:
+    """dst[...] = src for every (src, dst) pair of C-contiguous float32 device arrays of equal shapes, in one
+    launch (decapybara/kernels/copy_segments.cu) on the current stream."""
+    if not pairs:
+        return
+    for src, dst in pairs:
+        assert src.shape == dst.shape and src.dtype == dst.dtype == cp.float32, (src.shape, dst.shape)
+        assert src.flags.c_contiguous and dst.flags.c_contiguous, "contiguous arrays only"
+    table = cp.asarray(np.asarray([(cupy_ops.dev_ptr(s), cupy_ops.dev_ptr(d), s.nbytes) for s, d in pairs],
+                                  np.int64))
+    words = max(s.nbytes for s, _ in pairs) // 16
+    get_kernel("copy_segments", "copy_segments")((max(1, min(64, -(-words // 256))), len(pairs)), (256,),
+                                                 (table,))
+
+
 class CupyStatePool(StatePool):
     """Per-slot DeltaNet state in device memory: conv [slots, C, K - 1] and recurrent [slots, Hv, dk, dv]."""
 
@@ -161,11 +181,17 @@ class CupyStatePool(StatePool):
         del blocks  # back to the pool, which hands a freed block of the same size out again
 
     def set(self, slot: int, state: HybridState) -> None:
+        """The slot's state from host arrays, or from float32 device arrays (a verification graph's rollback
+        point) in one launch."""
+        if all(on_device(a) and a.dtype == cp.float32 and a.flags.c_contiguous
+               for a in (*state.conv, *state.recurrent)):
+            copy_many([(state.conv[j], self.conv[i][slot]) for j, i in enumerate(self.layers)]
+                      + [(state.recurrent[j], self.rec[i][slot]) for j, i in enumerate(self.layers)])
+            return
         for j, i in enumerate(self.layers):
             self.conv[i][slot] = cp.asarray(state.conv[j], dtype=cp.float32)  # host or device arrays
             self.rec[i][slot] = cp.asarray(state.recurrent[j], dtype=cp.float32)
 
     def copy(self, src: int, dst: int) -> None:
-        for i in self.layers:
-            self.conv[i][dst] = self.conv[i][src]
-            self.rec[i][dst] = self.rec[i][src]
+        copy_many([(self.conv[i][src], self.conv[i][dst]) for i in self.layers]
+                  + [(self.rec[i][src], self.rec[i][dst]) for i in self.layers])

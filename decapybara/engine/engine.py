@@ -97,6 +97,9 @@ class Engine(MemoryMixin):
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
         # speculation: the MTP head drafts each decoding sequence's next token, verified as a second row
         self.speculate = cfg.speculator == "mtp" and model.has_mtp
+        # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
+        graphs = self.runner.graphs
+        self.fill_rows = max(graphs.buckets) if self.speculate and cfg.spec_fill and graphs is not None else 0
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -165,23 +168,23 @@ class Engine(MemoryMixin):
     def _plan_with_pages(self) -> StepPlan:
         """Plan, then give every chunk the pages it writes; while short, pause a victim (`choose_victim`)."""
         while True:
-            plan = plan_step(self.running, self.cfg, self.snapshots)
-            short = None
+            plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows)
+            short, chunk = None, None
             for c in plan.chunks:
                 s = c.seq
                 need = self.blocks.pages_for(s.num_computed + c.num_tokens) - len(s.pages)
                 while need > 0:
                     page = self.blocks.append()
                     if page is None:
-                        short = s
+                        short, chunk = s, c
                         break
                     s.pages.append(page)
                     need -= 1
                 if short is not None:
                     break
-            if short is not None and short.draft is not None \
+            if short is not None and chunk.draft is not None \
                     and self.blocks.pages_for(short.num_computed + 1) <= len(short.pages):
-                short.draft = None  # only its draft lacks a page: plan again without it, no pause for it
+                short.draft = short.guess = None  # only its draft lacks a page: plan again without it, no pause
                 continue
             if short is None:
                 return plan
@@ -273,7 +276,7 @@ class Engine(MemoryMixin):
         n = 0
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
             s = c.seq
-            s.draft = None
+            s.draft = s.guess = None
             if s.finish_reason is not None or s.num_computed <= p0:
                 continue
             k = s.num_computed - p0
@@ -288,13 +291,16 @@ class Engine(MemoryMixin):
         if not entries:
             return
         logits = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
-        if wants:  # the head's greedy guess, where its probability reaches spec_min_confidence
+        if wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             host = self.model.backend.to_host(logits).astype(np.float64)
             guesses = np.argmax(host, axis=-1)
             top = host[np.arange(len(wants)), guesses]
             confidence = 1.0 / np.exp(host - top[:, None]).sum(axis=-1)  # softmax at the guess
             for s, g, p in zip(wants, guesses, confidence):
-                s.draft = int(g) if p >= self.cfg.spec_min_confidence else None
+                if p >= self.cfg.spec_min_confidence:
+                    s.draft = int(g)
+                else:
+                    s.guess = int(g)
 
     @staticmethod
     def _sampler_row(s: Sequence) -> SamplerRow:

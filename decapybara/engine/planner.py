@@ -49,9 +49,11 @@ class StepPlan:
         return sum(1 for c in self.chunks if c.num_tokens == 1 and c.sample)
 
 
-def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> StepPlan:
+def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_rows: int = 0) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first); `snapshots`: a hybrid model whose
-    state snapshots the prefix cache keeps. Pure: reads, never mutates."""
+    state snapshots the prefix cache keeps; `fill_rows` > 0: a step of at most that many decodes, no prompt,
+    and some draft replays a verification graph whose every sequence has a second row, so the decodes' doubtful
+    guesses (`Sequence.guess`) are drafted too. Pure: reads, never mutates."""
     every = cfg.snapshot_every if (snapshots and cfg.enable_prefix_cache) else 0
     ps = cfg.page_size
     budget = cfg.max_batch_tokens
@@ -74,6 +76,8 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> St
     pending = sum(s.num_uncomputed for s in prefills)
     share = min(pending, max(1, int(budget * cfg.balanced_prefill_share))) if cfg.prefill_policy == "balanced" else 0
 
+    fill = 0 < len(decodes) <= fill_rows and not prefills and any(s.draft is not None for s in decodes)
+
     def add_decodes(limit: int) -> int:
         """Decodes in order, one token each, and a sequence's draft as a second row while the budget keeps one
         token for every decode after it (and the balanced policy's prefill share)."""
@@ -81,12 +85,13 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool) -> St
         for k, s in enumerate(decodes):
             if used >= limit:
                 break
-            if s.draft is not None and used + 2 + (len(decodes) - k - 1) <= limit - share:
+            draft = s.draft if s.draft is not None else s.guess if fill else None
+            if draft is not None and used + 2 + (len(decodes) - k - 1) <= limit - share:
                 # snapshot points over both rows (the second's count only if the draft is kept), and the state
                 # after the real token: where a rejected draft's row is rolled back to
                 bounds = _boundaries(s, 2, every, ps)
                 back = s.num_computed + 1
-                chunks.append(ScheduledChunk(s, 2, True, tuple(sorted({*bounds, back})), s.draft, back not in bounds))
+                chunks.append(ScheduledChunk(s, 2, True, tuple(sorted({*bounds, back})), draft, back not in bounds))
                 used += 2
             else:
                 chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))

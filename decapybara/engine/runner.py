@@ -29,6 +29,7 @@ from decapybara.model.qwen import ForwardOutput, QwenModel
 log = logging.getLogger(__name__)
 
 GRAPH_BACKENDS = ("cupy",)  # backend names whose decode steps can run as CUDA graphs
+GRAPH_BUCKETS = (1, 2, 4, 8, 12)  # sequences a decode graph holds (a batch pads to the next)
 
 
 @dataclass(slots=True)
@@ -97,13 +98,13 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
         tails = PiecewiseTails()
     return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
-                             tails=tails, chains=chains)
+                             buckets=GRAPH_BUCKETS, tails=tails, chains=chains)
 
 
 def _graph_key_name(key: Any) -> str:
-    """A DecodeGraphRunner graph key (bucket, attention splits) as a JSON key."""
-    if isinstance(key, tuple) and len(key) == 2:
-        return f"bucket={key[0]} splits={key[1]}"
+    """A DecodeGraphRunner graph key (bucket, attention splits, rows a sequence) as a JSON key."""
+    if isinstance(key, tuple) and len(key) == 3:
+        return f"bucket={key[0]} splits={key[1]}" + (" verify" if key[2] == 2 else "")
     return str(key)
 
 
@@ -209,7 +210,8 @@ class ModelRunner:
 
     def graph_stats(self) -> dict[str, Any]:
         """Numbers of CUDA-graph decode: `enabled` (a graph runner is in use), forwards replayed as graphs
-        (`graph_steps`) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
+        (`graph_steps`, of which `verify_steps` verified drafts, with `checkpoint_bytes` of device memory for
+        their rollback points) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
         whose capture failed (`failures`, those run eagerly); with piecewise tails, their replays, captures,
         failed buckets and the device memory they hold (`tail_memory_bytes`); with product chains, the chains and
         the products they run (`DecodeGraphRunner.chain_stats`). All zero without graphs."""
@@ -218,7 +220,9 @@ class ModelRunner:
         t = tails.stats if tails is not None else {}
         chained = bool(getattr(self.graphs, "chains", False))
         c = self.graphs.chain_stats() if chained else {}
+        ckpt = getattr(self.graphs, "checkpoint_bytes", None)
         return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
+                "verify_steps": s.get("verify_steps", 0), "checkpoint_bytes": ckpt() if ckpt is not None else 0,
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
                 "failures": len(s.get("failures", {})), "piecewise": tails is not None,
                 "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),

@@ -93,6 +93,7 @@ class Sequence:
     pending_note: str | None = None
     in_thinking: bool = False
     draft: int | None = None  # speculation: the MTP head's guess of the token after the last one (engine._draft)
+    guess: int | None = None  # ... its guess where too doubtful to draft alone (a verification graph's spare row)
     paused_bundle: Any = None
     num_pauses: int = 0
     num_resumes: int = 0

@@ -145,10 +145,12 @@ class PoolFit:
 
 
 def fit_pool(cfg: ModelConfig, free_bytes: int, device_bytes: int, kv_mode: str | None, slots: int, page_size: int,
-             max_model_len: int, keep_free_bytes: int = 0, reserve_bytes: int | None = None) -> PoolFit:
+             max_model_len: int, keep_free_bytes: int = 0, reserve_bytes: int | None = None,
+             checkpoints: int = 0) -> PoolFit:
     """The KV pool a server takes when none is asked for: with `free_bytes` of the device's `device_bytes` free
     after the weights loaded, the pages left once the state pool of `slots` conversations (+1: the graphs'
-    padding slot), the working reserve (`default_reserve`: activations, graph pools, workspaces, allocator slack)
+    padding slot; + `checkpoints`: the states speculative verification graphs keep as rollback points), the
+    working reserve (`default_reserve`: activations, graph pools, workspaces, allocator slack)
     and `keep_free_bytes` (left to other programs) are set aside; at most `cap` pages, which hold every slot's
     whole `max_model_len` twice over (the prefix cache's room), so that a small model does not take the device.
     The arithmetic of `plan_capacity` on measured rather than planned free memory."""
@@ -159,7 +161,7 @@ def fit_pool(cfg: ModelConfig, free_bytes: int, device_bytes: int, kv_mode: str 
         raise ValueError("device memory must be positive, free and kept-free bytes non-negative")
     reserve = default_reserve(device_bytes) if reserve_bytes is None else reserve_bytes
     page = kv_bytes_per_token(cfg, kv_mode) * page_size
-    states = cfg.state_bytes_per_sequence() * (slots + 1)
+    states = cfg.state_bytes_per_sequence() * (slots + 1 + max(0, checkpoints))
     room = free_bytes - states - reserve - keep_free_bytes
     by_memory = max(0, room // page) if page else 0
     cap = 2 * slots * -(-max_model_len // page_size) + 1

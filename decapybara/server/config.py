@@ -76,6 +76,9 @@ class AppConfig(BaseModel):
     spec_min_confidence: float = Field(
         default=0.3, ge=0, le=1, description="speculator=mtp: draft only where the MTP head gives its guess at least "
         "this probability (confidence scheduling; a doubted guess is seldom accepted and its row costs as any)")
+    spec_fill: bool = Field(
+        default=True, description="speculator=mtp on CUDA graphs: a decode step that verifies a draft through a "
+        "verification graph verifies the other agents' doubtful guesses too (their second rows are computed anyway)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -153,7 +156,7 @@ class AppConfig(BaseModel):
                             seed=self.seed, loop_guard=self.loop_guard, context_mode=self.context_mode,
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             product_chains=self.product_chains, speculator=self.speculator,
-                            spec_min_confidence=self.spec_min_confidence,
+                            spec_min_confidence=self.spec_min_confidence, spec_fill=self.spec_fill,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

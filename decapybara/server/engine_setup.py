@@ -4,7 +4,8 @@ Ray shell around `build_engine`; tests/gpu build the same engine on a GPU machin
 
 The KV pool, in order: `num_pages` where given; else `kv_memory_gb` of pages; else, on CUDA, the pages that the
 device's free memory holds once the weights are loaded (`launcher.capacity.fit_pool`: less the DeltaNet state
-pool, the working reserve and `keep_free_gb`, at most every slot's whole context twice over); else (the CPU)
+pool (and the verification graphs' rollback states, `verify_checkpoints`), the working reserve and
+`keep_free_gb`, at most every slot's whole context twice over); else (the CPU)
 `EngineConfig`'s default pages.
 """
 
@@ -26,6 +27,15 @@ class ServedEngine:
     cuda: bool
     load_seconds: float
     pool: PoolFit | None  # the fitted pool (CUDA, neither num_pages nor kv_memory_gb given), else None
+
+
+def verify_checkpoints(engine_cfg: Any, mcfg: Any) -> int:
+    """DeltaNet states that speculative verification graphs keep as rollback points (one a row of the largest
+    decode bucket): with the MTP speculator, CUDA graphs and a hybrid model; else 0."""
+    from decapybara.engine.runner import GRAPH_BUCKETS
+
+    on = engine_cfg.speculator == "mtp" and engine_cfg.cuda_graphs and bool(mcfg.linear_layers)
+    return max(GRAPH_BUCKETS) if on else 0
 
 
 def device_memory() -> tuple[int, int]:
@@ -74,7 +84,7 @@ def build_engine(cfg: AppConfig) -> ServedEngine:
             free, total = device_memory()
             pool = fit_pool(mcfg, free, total, engine_cfg.kv_mode, engine_cfg.max_slots, engine_cfg.page_size,
                             engine_cfg.max_model_len or mcfg.max_position_embeddings,
-                            keep_free_bytes=int(cfg.keep_free_gb * GIB))
+                            keep_free_bytes=int(cfg.keep_free_gb * GIB), checkpoints=verify_checkpoints(engine_cfg, mcfg))
             if not pool.fits:
                 raise ConfigError(f"no room for a KV pool: {pool.why_not()}; lower keep_free_gb, slots or the "
                                   "weights' size, or set num_pages / kv_memory_gb")

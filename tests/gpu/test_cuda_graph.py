@@ -21,6 +21,7 @@ if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.base import HybridState
 from decapybara.backend.cuda_graph import DecodeGraphRunner, capture_graph
 from decapybara.backend.cupy_backend import CupyBackend
 from decapybara.model.batch import ForwardBatch
@@ -136,6 +137,87 @@ def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
     assert kernel is not None or not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
 
 
+def compare_snapshot(got, ref, name):
+    for j, (c, r) in enumerate(zip(got.conv, ref.conv)):
+        assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: conv layer {j}"
+    for j, (c, r) in enumerate(zip(got.recurrent, ref.recurrent)):
+        assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: rec layer {j}"
+
+
+@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
+def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
+    """Verification steps (some sequences add a draft as a second row, others one token) replay graphs of two
+    rows a sequence whose logits and normed rows (in the batch's order), KV pages, DeltaNet states and
+    snapshots (a draft's rollback point after its real token, as device views or host copies; a sequence's end)
+    equal the eager forward's from the same state; the throwaway rows of one-token sequences touch only the pad
+    page and slot. bf16 pages run the tensor-core prefill kernel in the graphs, float32 pages the general one."""
+    from decapybara.backend import cupy_attention as ca
+    launched = []
+    get = ca.get_kernel
+    monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    model = tiny_model(**over)
+    page, num_pages = 8, 40
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
+    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
+    seqs = prefilled_sequences(model, kv, states, (5, 11, 22), seed=6)
+    rng = np.random.default_rng(9)
+    # (order, which draft, snapshot kinds): "dev" the rollback point as device views, "host" as a host copy, "end"
+    # a snapshot at the sequence's end too
+    plan = [([0, 1, 2], {0: "dev", 2: "host"}), ([2, 0, 1], {2: "dev+end", 1: "dev"}), ([1, 2], {}),
+            ([1], {1: "host+end"}), ([0, 1, 2], {0: "dev", 1: "dev", 2: "dev"}), ([2, 0], {0: ""})]
+    verify = 0
+    for step, (order, drafts) in enumerate(plan):
+        active = [seqs[i] for i in order]
+        entries, snaps, device = [], [], set()
+        for j, i in enumerate(order):
+            s = seqs[i]
+            new = [s[0][-1]] + ([int(rng.integers(0, 512))] if i in drafts else [])
+            entries.append((new, len(s[0]) - 1, s[2], s[1]))
+            total = len(s[0]) - 1 + len(new)
+            kind = drafts.get(i, "")
+            points = ({total - 1} if kind else set()) | ({total} if "end" in kind else set())
+            snaps.append(tuple(sorted(points)))
+            if "dev" in kind:
+                device.add((j, total - 1))
+        batch = ForwardBatch.build(entries, page, logits="all", snapshot_at=snaps)
+        batch.device_snapshots = frozenset(device)
+        batch.normed_rows = step % 2 == 0
+        before = snapshot(kv, states, [s[1] for s in seqs])
+        eager_out = model.forward(batch, kv, states)
+        eager = cp.asnumpy(eager_out.logits)
+        cp.cuda.get_current_stream().synchronize()  # device-kept snapshots: pinned copies still in flight
+        eager_snaps = dict(eager_out.snapshots)
+        after = snapshot(kv, states, [s[1] for s in seqs])
+        restore(kv, states, before)
+        out = runner.forward(batch, kv, states)
+        assert runner.stats["graph_steps"] == step + 1, f"step {step} ran eagerly: {runner.stats}"
+        verify += bool(drafts)
+        assert runner.stats["verify_steps"] == verify
+        err = rel_err(cp.asnumpy(out.logits), eager)
+        assert err <= 1e-4, f"step {step} (order {order}): logits rel err {err:.2e}"
+        if batch.normed_rows:
+            err = rel_err(cp.asnumpy(out.normed), cp.asnumpy(eager_out.normed))
+            assert err <= 1e-4, f"step {step}: normed rows rel err {err:.2e}"
+        compare_state(kv, states, after, f"step {step}")
+        assert sorted(out.snapshots) == sorted(eager_snaps), f"step {step}"
+        for key, ref in eager_snaps.items():
+            got = out.snapshots[key]
+            on_device = type(got.recurrent[0]) is not np.ndarray  # (the emulator's device arrays subclass it)
+            assert on_device == (key in device), f"step {step} {key}"
+            compare_snapshot(got, HybridState([np.asarray(c) for c in ref.conv],
+                                              [np.asarray(r) for r in ref.recurrent]), f"step {step} {key}")
+        r = 0
+        for s, b in zip(active, batch.seqs):  # the real token's greedy successor (drafts are thrown away)
+            s[0].append(int(np.argmax(eager[r])))
+            r += b.length
+    keys = set(runner._graphs)
+    assert {k[2] for k in keys} == {1, 2} and runner.stats["captures"] == len(keys), (keys, runner.stats)
+    assert runner.checkpoint_bytes() > 0
+    want = "paged_prefill_attention_tc" if kv_mode == "16/16" else "paged_attention_fwd"
+    assert want in launched, sorted(set(launched))
+
+
 def test_decode_graph_runs_prefill_eagerly():
     model = tiny_model(seed=4)
     kv, states = model.new_kv_cache(16, 8), model.new_state_pool(3)
@@ -161,6 +243,9 @@ def test_decode_attention_splits_on_this_device():
     from decapybara.backend import attn_plan as ap
     from decapybara.backend import cupy_attention as ca
 
+    def decode_seq(total):  # a decode row ending at `total` keys
+        return SimpleNamespace(total=total, context=total - 1, length=1)
+
     model = tiny_model(num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     kv = model.new_kv_cache(8, 16, "16/16")
     runner = DecodeGraphRunner(model, max_pages=4, pad_page=7, pad_slot=3)
@@ -170,11 +255,11 @@ def test_decode_attention_splits_on_this_device():
         assert ca.decode_per_sm(256, (16, 16), (4, 3)) == 1 and ca.decode_per_sm(256, (6, 4), (4, 3)) == 3
         # over 6/4-bit pages one sequence's graphs take 64 splits at 32k (graph_split_cap), two sequences 32
         kv64 = model.new_kv_cache(8, 16, "6/4")
-        assert [runner._splits(SimpleNamespace(seqs=[SimpleNamespace(total=32769)] * b), kv64)
+        assert [runner._splits(SimpleNamespace(seqs=[decode_seq(32769)] * b), kv64)
                 for b in (1, 2)] == [64, 32]
     sms, per_sm = ca.sm_count(), ca.decode_per_sm(256, (16, 16), shape)
     for b, keys in ((1, 1025), (3, 1025), (12, 32769), (5, 20000)):
-        batch = SimpleNamespace(seqs=[SimpleNamespace(total=keys)] * b)
+        batch = SimpleNamespace(seqs=[decode_seq(keys)] * b)
         per_split = 4 * runner._bucket(b)
         assert runner._splits(batch, kv) == ap.decode_splits(per_split, keys, sms, pow2=True,
                                                              cap=ap.graph_split_cap(per_split, sms, per_sm),

@@ -16,6 +16,7 @@ from decapybara import kernels
 if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from decapybara.backend.base import HybridState
 from decapybara.backend.cupy_backend import CupyBackend
 from decapybara.backend.kv_codec import f32_to_bf16_bits
 from decapybara.backend.numpy_backend import NumpyBackend
@@ -227,3 +228,39 @@ def test_pause_resume_moves_pages_and_state_exactly(family):
     a = model.forward(ForwardBatch.build([(PROMPT[30:34], 30, table, 0)], 8, logits="all"), kv, states).logits
     b = model.forward(ForwardBatch.build([(PROMPT[30:34], 30, moved, 2)], 8, logits="all"), kv, states).logits
     assert rel_err(cp.asnumpy(b), cp.asnumpy(a).astype(np.float64), f"{family} resumed") <= 1e-6
+
+
+def test_state_pool_copies_slots_and_device_states_in_one_launch(monkeypatch):
+    """`copy` and `set` from device arrays (a verification graph's rollback point) run copy_segments once: every
+    layer's conv and recurrent state lands in the slot exactly, the other slots untouched; odd-sized arrays
+    (4-byte words) and 16-byte ones alike."""
+    from decapybara.backend import cupy_kv
+
+    calls = []
+    get = cupy_kv.get_kernel
+    monkeypatch.setattr(cupy_kv, "get_kernel", lambda m, f, d=(): calls.append(f) or get(m, f, d))
+    model = build("qwen3_5_text", CupyBackend("fp32"))
+    states = model.new_state_pool(4)
+    rng = np.random.default_rng(11)
+    for d in (states.conv, states.rec):
+        for a in d.values():
+            a[...] = cp.asarray(rng.standard_normal(a.shape).astype(np.float32))
+    before = {s: states.get(s) for s in range(4)}
+    states.copy(1, 3)
+    assert calls == ["copy_segments"]
+    src = HybridState([cp.asarray(rng.standard_normal(c.shape).astype(np.float32)) for c in before[0].conv],
+                      [cp.asarray(rng.standard_normal(r.shape).astype(np.float32)) for r in before[0].recurrent])
+    states.set(0, src)
+    assert calls == ["copy_segments"] * 2
+    after = {s: states.get(s) for s in range(4)}
+    for j in range(len(states.layers)):
+        assert np.array_equal(after[3].conv[j], before[1].conv[j]) and np.array_equal(after[3].recurrent[j],
+                                                                                      before[1].recurrent[j])
+        assert np.array_equal(after[0].conv[j], cp.asnumpy(src.conv[j]))
+        assert np.array_equal(after[0].recurrent[j], cp.asnumpy(src.recurrent[j]))
+        for s in (1, 2):
+            assert np.array_equal(after[s].recurrent[j], before[s].recurrent[j])
+    odd = [cp.asarray(rng.standard_normal(n).astype(np.float32)) for n in (1, 5, 4099)]
+    dst = [cp.zeros_like(a) for a in odd]
+    cupy_kv.copy_many(list(zip(odd, dst)))
+    assert all(np.array_equal(cp.asnumpy(a), cp.asnumpy(b)) for a, b in zip(odd, dst))

@@ -1,7 +1,8 @@
 """Speculative decoding with the MTP head on the cupy backend (GPU only): the demo model's greedy and seeded
 outputs with `speculator="mtp"` are those without it and those of the numpy reference, with decode graphs on
-(one-token decodes replay graphs that hand back their rows' normed hidden states to the MTP pass; a step with a
-draft runs eagerly) and off, drafts accepted and rejected."""
+(one-token decodes replay decode graphs, steps with drafts verification graphs; both hand back their rows'
+normed hidden states to the MTP pass, verification graphs their drafts' rollback states) and off, drafts
+accepted and rejected."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def loaded(backend: str):
 @pytest.mark.parametrize("graphs,confidence", [(True, 0.9), (False, 0.0)])
 def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs, confidence):
     """With graphs, only the head's surest guesses are drafted (`spec_min_confidence` 0.9), so that many decodes
-    have no draft and replay graphs, whose normed rows then feed the MTP pass."""
+    have no draft and replay decode graphs, others verification graphs (sequences with and without drafts
+    side by side), whose normed rows then feed the MTP pass."""
     ref_model = loaded("numpy")
     prompts = [ref_model.tokenizer.encode(t) for t in TEXTS]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 56, 33)]
@@ -50,8 +52,9 @@ def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs, confide
     spec = spec_engine.generate(prompts, params)
     s = spec_engine.snapshot_stats()
     print(f"graphs {graphs}: drafted {s['drafted_tokens']} accepted {s['accepted_tokens']} steps {s['steps']} "
-          f"graph steps {s['graphs']['graph_steps']}")
+          f"graph steps {s['graphs']['graph_steps']} (verify {s['graphs']['verify_steps']})")
     assert spec == plain == ref
     assert 0 < s["accepted_tokens"] <= s["drafted_tokens"]
     if graphs:
-        assert s["graphs"]["graph_steps"] > 0 and not s["graph_failures"]
+        g = s["graphs"]
+        assert g["graph_steps"] > g["verify_steps"] > 0 and not s["graph_failures"], g

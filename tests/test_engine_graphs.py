@@ -45,8 +45,9 @@ class PoisoningGraphRunner:
     model: object
     plan: GraphPlan
     stats: dict = dataclasses.field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
-                                                             "failures": {}})
+                                                             "failures": {}, "verify_steps": 0, "mtp_steps": 0})
     batches: int = 0
+    buckets: tuple = (1, 2, 4, 8, 12)
 
     def forward(self, batch, kv, states=None):
         pad_page, pad_slot = self.plan.pad_page, self.plan.pad_slot
@@ -57,10 +58,22 @@ class PoisoningGraphRunner:
                 assert s.state_slot is not None and s.state_slot != pad_slot, f"a sequence holds slot {pad_slot}"
                 assert 0 <= s.state_slot < states.num_slots - 1
         decode = all(s.length == 1 and not s.snapshot_at for s in batch.seqs)
-        self.stats["graph_steps" if decode else "eager_steps"] += 1
+        verify = all(s.length <= 2 for s in batch.seqs) and not decode
+        self.stats["graph_steps" if decode or verify else "eager_steps"] += 1
+        self.stats["verify_steps"] += verify
         self.batches += 1
         out = self.model.forward(batch, kv, states)
         self._poison(kv, states)
+        return out
+
+    def mtp(self, batch, normed, kv):
+        """The MTP pass's contract: the head's KV for every pair, its guess and probability at each sequence's
+        last pair; then the pad page poisoned."""
+        assert all(s.state_slot is None for s in batch.seqs)
+        last = dataclasses.replace(batch, logits_rows=np.asarray([s.end - 1 for s in batch.seqs], np.int64))
+        out = self.model.mtp_guesses(self.model.mtp_forward(last, normed, kv))
+        self.stats["mtp_steps"] += 1
+        self._poison(kv, None)
         return out
 
     def _poison(self, kv, states) -> None:
@@ -117,7 +130,8 @@ def test_numpy_engine_keeps_its_whole_pool():
     assert e.runner.states.num_slots == e.cfg.max_slots
     stats = e.snapshot_stats()
     assert stats["total_pages"] == 256
-    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "verify_steps": 0, "checkpoint_bytes": 0,
+    assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "verify_steps": 0, "mtp_steps": 0,
+                               "mtp_eager": 0, "checkpoint_bytes": 0,
                                "eager_steps": 0, "captures": 0, "failures": 0,
                                "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0,
                                "tail_memory_bytes": 0, "product_chains": False, "chains": 0,
@@ -254,3 +268,26 @@ def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):
     assert g["tail_memory_bytes"] == 4096
     assert g["product_chains"] and (g["chains"], g["chained_products"], g["launched_tails"]) == (6, 17, 1)
     assert e.runner.graph_failures() == {"tails rows=48": "cuBLAS"}
+
+
+def test_speculation_through_graphs_keeps_the_tokens(fake_graphs):
+    """With graphs, a speculating engine fills its verification steps' spare rows with the head's doubtful
+    guesses (`fill_rows`) and hands the head's pass to the graph runner (`mtp`): the tokens stay those without
+    speculation, while the pad page and slot are poisoned after every forward and pass."""
+    from decapybara.backend.numpy_backend import NumpyBackend
+    from decapybara.config import DEMO_MODEL
+    from decapybara.model.load import load_model
+
+    loaded = load_model(str(DEMO_MODEL), NumpyBackend())
+    tok = loaded.tokenizer
+    ps = [tok.encode(t) for t in ("def main():\n    print(", "import os\nimport sys\n\n\ndef ",
+                                  "class Stack:\n    def __init__(self):\n")]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 48)]
+    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=128, loop_guard="off", spec_min_confidence=0.9)
+    ref = Engine(loaded.model, cfg.replace(cuda_graphs=False), tokenizer=tok).generate(ps, params)
+    e = Engine(loaded.model, cfg.replace(speculator="mtp"), tokenizer=tok)
+    assert e.runner.graphs is fake_graphs[0] and e.fill_rows == 12
+    assert e.generate(ps, params) == ref
+    g = e.snapshot_stats()["graphs"]
+    assert g["verify_steps"] > 0 and g["mtp_steps"] > 0, g
+    assert 0 < e.stats.accepted_tokens < e.stats.drafted_tokens

@@ -132,6 +132,8 @@ class _Static:
     outputs: Any = None
     done: Any = None  # event after the last replay: staging is reusable once it completed
     chains: Any = None  # its layer tails' product chains (decapybara/backend/chain_tails.py `ChainTails`)
+    mtp: bool = False  # the MTP head's pass (`DecodeGraphRunner.mtp`), not a forward
+    hidden: Any = None  # an MTP graph's input rows [bucket * 2, H] float32 (the main model's normed states)
     flag: Any = None  # pinned uint32 [1]: the chains' timeout flag, copied there at the end of each replay
 
     def d32(self, name: str) -> Any:
@@ -156,8 +158,8 @@ class DecodeGraphRunner:
     chains: bool = False  # graphs' layer tails as persistent product chains (decapybara/backend/chain_tails.py)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                                                            "failures": {}, "chain_timeouts": 0,
-                                                           "verify_steps": 0})
-    _graphs: dict[tuple[int, int, int], _Static] = field(default_factory=dict)
+                                                           "verify_steps": 0, "mtp_steps": 0, "mtp_eager": 0})
+    _graphs: dict[tuple, _Static] = field(default_factory=dict)  # (bucket, splits, rows); ("mtp", bucket, splits)
     _stream: Any = None
     _inv_freq: Any = None
     _ckpt: dict[int, tuple[Any, Any]] | None = None  # verification checkpoints: layer -> (conv, rec) [max bucket, ...]
@@ -261,12 +263,13 @@ class DecodeGraphRunner:
         """Rows a sequence of the batch's graph: 2 where some sequence verifies a draft, else 1."""
         return 2 if any(s.length == 2 for s in batch.seqs) else 1
 
-    def _splits(self, batch: ForwardBatch, kv: KVCache) -> int:
+    def _splits(self, batch: ForwardBatch, kv: KVCache, rows: int | None = None) -> int:
         """Key splits per tile (a graph per value): the tensor-core decode kernel's by attn_plan.decode_splits
         for the bucket's launch (a power of two up to attn_plan.graph_split_cap), the general kernel's enough
         for short contexts too (64+ keys); a verification graph's prefill kernel about two CTAs an SM, no split
-        under MIN_KEYS_PER_SPLIT keys, at most 32 (a power of two)."""
-        rows = self._rows(batch)
+        under MIN_KEYS_PER_SPLIT keys, at most 32 (a power of two). `rows`: a sequence's in the graph (default:
+        the batch's, `_rows`)."""
+        rows = rows or self._rows(batch)
         longest = max(s.context for s in batch.seqs) + rows
         shape = self._decode_launch(kv) if rows == 1 else None
         cfg = self.model.cfg
@@ -294,8 +297,8 @@ class DecodeGraphRunner:
 
     def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
         """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
-        kernel), without scratch pages (two new tokens a sequence)."""
-        return prefill_launch(self.model.cfg.head_dim, _kv_bits(kv))
+        kernel): CTAs of 4 warps (64 query rows, of which a sequence's two tokens take 2g), no scratch pages."""
+        return prefill_launch(self.model.cfg.head_dim, _kv_bits(kv), warps=4)
 
     def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:
         """The tensor-core decode kernel's launch shape on `kv` (cupy_attention.decode_launch); None: the
@@ -308,23 +311,7 @@ class DecodeGraphRunner:
         st = self._graphs.get(key)
         if st is None:
             st = self._graphs[key] = self._build(*key, page_size=batch.page_size, kv=kv)
-        self._stream.wait_event(cp.cuda.get_current_stream().record())  # KV / state writes of earlier steps
-        if st.graph is None:  # warm up on padding rows only, then capture (capturing executes nothing)
-            self._upload(st, None)
-            st.pool = cp.cuda.MemoryPool()
-            if self.chains and st.rows == 1:
-                from decapybara.backend.chain_tails import ChainTails
-
-                st.chains = ChainTails()
-            st.graph, st.outputs = capture_graph(lambda: self._step(st, kv, states), self._stream, st.pool,
-                                                 warmup=1)
-            if st.chains is not None:
-                st.chains.commit()  # its chains' items to the capture's arrays, before the first replay
-            self.stats["captures"] += 1
-        self._upload(st, batch)
-        st.graph.launch(self._stream)
-        st.done = self._stream.record()
-        cp.cuda.get_current_stream().wait_event(st.done)
+        self._launch(st, batch, lambda: self._step(st, kv, states))
         self.stats["graph_steps"] += 1
         logits, h, normed = st.outputs  # h: the residual stream before the final norm; normed: after it
         if st.rows == 1:
@@ -335,6 +322,83 @@ class DecodeGraphRunner:
         idx = cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(batch.seqs)]))
         return ForwardOutput(logits[idx], h[idx], {}, normed[idx] if batch.normed_rows else None)
 
+    def _launch(self, st: _Static, batch: ForwardBatch, step: Any) -> None:
+        """Capture `st`'s graph of `step()` on first use, then replay it over `batch`'s metadata; the current
+        stream waits for the replay."""
+        self._stream.wait_event(cp.cuda.get_current_stream().record())  # KV / state writes of earlier steps
+        if st.graph is None:  # warm up on padding rows only, then capture (capturing executes nothing)
+            self._upload(st, None)
+            st.pool = cp.cuda.MemoryPool()
+            if self.chains and st.rows == 1:
+                from decapybara.backend.chain_tails import ChainTails
+
+                st.chains = ChainTails()
+            st.graph, st.outputs = capture_graph(step, self._stream, st.pool, warmup=1)
+            if st.chains is not None:
+                st.chains.commit()  # its chains' items to the capture's arrays, before the first replay
+            self.stats["captures"] += 1
+        self._upload(st, batch)
+        st.graph.launch(self._stream)
+        st.done = self._stream.record()
+        cp.cuda.get_current_stream().wait_event(st.done)
+
+    # ---- the MTP head's pass ------------------------------------------------------------------------------
+    def mtp(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> tuple[Any, Any] | None:
+        """The MTP head's greedy guess and its probability at each sequence's last pair ([len(batch.seqs)] device
+        arrays, int64 and float32), the head's KV written for every pair, through a graph of two pair rows a
+        sequence (`QwenModel.mtp_forward`'s batch: a sequence's rows pair the tokens at p + 1 with `normed`
+        [T, H], the main model's normed states at p; a one-pair sequence's second row thrown away as a
+        verification graph's); None where the batch cannot replay one (the caller runs the head eagerly):
+        a sequence of more than two pairs, more sequences than the largest bucket, pages past max_pages, or a
+        capture that failed before."""
+        seqs = batch.seqs
+        if not seqs or len(seqs) > max(self.buckets) or any(s.length > 2 for s in seqs) or any(
+                len(s.block_table) > self.max_pages or cdiv(s.context + 2, batch.page_size) > self.max_pages
+                or self.pad_page in s.block_table[:cdiv(s.total, batch.page_size)] for s in seqs):
+            self.stats["mtp_eager"] += 1
+            return None
+        key = ("mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=2))
+        if key in self.stats["failures"]:
+            self.stats["mtp_eager"] += 1
+            return None
+        try:
+            st = self._graphs.get(key)
+            if st is None:
+                st = self._graphs[key] = self._build(key[1], key[2], 2, page_size=batch.page_size, kv=kv, mtp=True)
+            # the pairs' hidden rows into the graph's input (the current stream: after the last replay read it)
+            if st.done is not None:
+                cp.cuda.get_current_stream().wait_event(st.done)
+            st.hidden[cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(seqs)]))] = normed
+            self._launch(st, batch, lambda: self._mtp_step(st, kv))
+        except Exception as e:  # noqa: BLE001 - a failed capture: this key runs eagerly from now on
+            self.stats["failures"][key] = f"{type(e).__name__}: {e}"
+            self._graphs.pop(key, None)
+            self.stats["mtp_eager"] += 1
+            return None
+        self.stats["mtp_steps"] += 1
+        guess, prob = st.outputs
+        return guess[:len(seqs)], prob[:len(seqs)]
+
+    def _mtp_step(self, st: _Static, kv: KVCache) -> tuple[Any, Any]:
+        """The MTP head over the static buffers: its layers on every pair row, its logits at each sequence's last
+        pair (`last`), their greedy guesses and probabilities."""
+        model = self.model
+        self._seed_plans(st)
+        ids, positions = st.dev64[0], st.dev64[1]
+        cos, sin = self._cos_sin(positions)
+        h = model.mtp_layers(embedding_rows(model.w["model.embed_tokens.weight"], ids), st.hidden, st.batch, kv,
+                             cos, sin)
+        return model.mtp_guesses(model.mtp_logits(h[st.d32("last")]))
+
+    def _cos_sin(self, positions: Any) -> tuple[Any, Any]:
+        """RoPE's cos and sin [R, rot / 2] at device positions [R] (QwenModel.rotary's, scaled alike)."""
+        freqs = positions.astype(cp.float32)[:, None] * self._inv_freq[None, :]  # [R, rot/2]
+        cos, sin = cp.cos(freqs), cp.sin(freqs)
+        if self.model.rotary.attention_factor != 1.0:
+            fac = np.float32(self.model.rotary.attention_factor)
+            cos, sin = cos * fac, sin * fac
+        return cos, sin
+
     def _upload(self, st: _Static, batch: ForwardBatch | None) -> None:
         if st.done is not None:
             st.done.synchronize()  # the previous replay's copies have read the staging buffers
@@ -343,7 +407,7 @@ class DecodeGraphRunner:
         st.dev32.set(st.host32, stream=self._stream)
         st.done = self._stream.record()
 
-    def _build(self, bucket: int, splits: int, rows: int, page_size: int, kv: KVCache) -> _Static:
+    def _build(self, bucket: int, splits: int, rows: int, page_size: int, kv: KVCache, mtp: bool = False) -> _Static:
         from decapybara.backend.cupy_attention import AttentionPlan
         from decapybara.backend.cupy_deltanet import RunPlan
 
@@ -352,7 +416,8 @@ class DecodeGraphRunner:
         # runs: a sequence's, then (verification) its throwaway row's; segments: two a sequence, one a throwaway
         nsegs = bucket if rows == 1 else 3 * bucket
         shapes = {"seq_info": (bucket, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
-                  "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (nrows, 5), "segs": (nsegs, 2)}
+                  "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (nrows, 5), "segs": (nsegs, 2),
+                  "last": (bucket if mtp else 0,)}  # an MTP graph: each sequence's last pair row
         views, off = {}, 0
         for name, shape in shapes.items():
             views[name] = (off, shape)
@@ -372,6 +437,9 @@ class DecodeGraphRunner:
                              rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv) if rows == 1 else None,
                              prefill=self._verify_launch(kv) if rows == 2 else None, dequant=None, rows=None)
         st.kv_bits = _kv_bits(kv)
+        if mtp:
+            st.mtp, st.hidden = True, cp.zeros((nrows, self.model.cfg.hidden_size), cp.float32)
+            return st
         ckpt = None
         if rows == 2 and self.model.cfg.linear_layers:
             ckpt = {j: (c[:bucket], r[:bucket]) for j, (c, r) in self._checkpoints().items()}
@@ -445,7 +513,12 @@ class DecodeGraphRunner:
             red[:, 1] = np.tile(np.arange(tiles) * block_m, b)
             red[:, 2] = np.arange(b * tiles) * sp
             red[:, 3] = sp
-        if rows == 1:
+        if st.mtp:
+            last = st.h32("last")
+            last[:] = np.arange(b) * 2
+            for i, s in enumerate(seqs):
+                last[i] += s.length - 1
+        elif rows == 1:
             runs = st.h32("runs")
             runs[:, 0], runs[:, 1], runs[:, 3], runs[:, 4] = np.arange(b), 1, np.arange(b), 1
             runs[:, 2] = self.pad_slot if self.pad_slot is not None else 0
@@ -494,11 +567,7 @@ class DecodeGraphRunner:
         model, cfg, ops, w = self.model, self.model.cfg, self.model.backend, self.model.w
         self._seed_plans(st)
         ids, positions = st.dev64[0], st.dev64[1]
-        freqs = positions.astype(cp.float32)[:, None] * self._inv_freq[None, :]  # [B, rot/2]
-        cos, sin = cp.cos(freqs), cp.sin(freqs)
-        if model.rotary.attention_factor != 1.0:
-            fac = np.float32(model.rotary.attention_factor)
-            cos, sin = cos * fac, sin * fac
+        cos, sin = self._cos_sin(positions)
         h = embedding_rows(w["model.embed_tokens.weight"], ids)  # [B, H]
         h = model.decoder_layers(h, lambda p, i, inputs: model._attention(p, i, inputs, st.batch, kv, cos, sin),
                                  lambda p, i, inputs: model._deltanet(p, i, inputs, states, st.segments, {}),

@@ -407,21 +407,22 @@ def decode_launch(g: int, head_dim: int, kv_bits: tuple[int, int] | None) -> tup
     return decode_shape(head_dim, *kv_bits)
 
 
-def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None) -> PrefillLaunch | None:
+def prefill_launch(head_dim: int, kv_bits: tuple[int, int] | None, warps: int | None = None) -> PrefillLaunch | None:
     """The tensor-core prefill kernel's launch for pages of `kv_bits` (key, value; None: unknown) on this
     device; None where the general kernel runs: off, float32 or unknown pages, head_dim not a multiple of 16 or
     over 256, a device before sm_80, or its shared memory too small. wg 1: the warpgroup-MMA build
     (`prefill_wg`); warps and stages (microscaled pages: "mx_stages") as PREFILL says where they fit the shared
-    memory, else fewer stages, then 4 warps."""
+    memory, else fewer stages, then 4 warps; `warps` 4 or 8 asks for that many (a verification step's dozen rows
+    a sequence fill a fraction of one 64-row CTA: 8 warps would double its idle tensor-core work)."""
     if not PREFILL["enabled"] or kv_bits is None or head_dim % 16 or head_dim > 256:
         return None
     if any(b not in (16, *DECODE_MX_BITS) for b in kv_bits):
         return None
     block_n, split = int(PREFILL["block_n" if head_dim <= 128 else "block_n_wide"]), int(PREFILL["split"])
     wg = int(prefill_wg(head_dim))
-    for warps in dict.fromkeys((int(PREFILL["warps"]), 4)):
+    for w in dict.fromkeys((warps or int(PREFILL["warps"]), 4)):
         for stages in range(int(PREFILL["stages" if kv_bits == (16, 16) else "mx_stages"]), 0, -1):
-            launch = PrefillLaunch(block_n, split, wg, warps, stages)
+            launch = PrefillLaunch(block_n, split, wg, w, stages)
             if prefill_smem(head_dim, *launch) <= _smem_optin():
                 return launch
     return None

@@ -290,12 +290,8 @@ class Engine(MemoryMixin):
                 wants.append(s)
         if not entries:
             return
-        logits = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
+        guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
         if wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
-            host = self.model.backend.to_host(logits).astype(np.float64)
-            guesses = np.argmax(host, axis=-1)
-            top = host[np.arange(len(wants)), guesses]
-            confidence = 1.0 / np.exp(host - top[:, None]).sum(axis=-1)  # softmax at the guess
             for s, g, p in zip(wants, guesses, confidence):
                 if p >= self.cfg.spec_min_confidence:
                     s.draft = int(g)

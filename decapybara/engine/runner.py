@@ -102,7 +102,10 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
 
 def _graph_key_name(key: Any) -> str:
-    """A DecodeGraphRunner graph key (bucket, attention splits, rows a sequence) as a JSON key."""
+    """A DecodeGraphRunner graph key (bucket, attention splits, rows a sequence; or "mtp", bucket, splits) as a
+    JSON key."""
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "mtp":
+        return f"mtp bucket={key[1]} splits={key[2]}"
     if isinstance(key, tuple) and len(key) == 3:
         return f"bucket={key[0]} splits={key[1]}" + (" verify" if key[2] == 2 else "")
     return str(key)
@@ -167,16 +170,23 @@ class ModelRunner:
         return StepOutput(out.logits, out.snapshots, out.normed, batch)
 
     def mtp(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, draft_rows: list[int],
-            normed: Any) -> Any:
+            normed: Any) -> tuple[np.ndarray, np.ndarray]:
         """The MTP head over (hidden, next token) pairs: per sequence (next tokens of positions [p0, p0 + n), p0,
-        its pages); `normed_rows` [sum n]: their rows of the step's `normed`; logits [len(draft_rows), V] of the
-        rows listed (flat pair indices)."""
+        its pages); `normed_rows` [sum n]: their rows of the step's `normed`; the head's greedy guess and its
+        probability (host arrays [len(draft_rows)]) at the rows listed (flat pair indices, each a sequence's last
+        pair). Through the graph runner's MTP graphs where they take the pairs, else eagerly."""
         ops = self.model.backend
         batch = ForwardBatch.build([(t, p0, np.asarray(pages, np.int32), None) for t, p0, pages in entries],
                                    self.cfg.page_size, logits="none")
         batch.logits_rows = np.asarray(draft_rows, np.int64)
         hidden = normed[ops.from_host(np.asarray(normed_rows, np.int64))]
-        return self.model.mtp_forward(batch, hidden, self.kv)
+        got = self.graphs.mtp(batch, hidden, self.kv) if self.graphs is not None else None
+        if got is not None:  # every sequence's last pair: those of the rows listed
+            which = np.searchsorted([s.end - 1 for s in batch.seqs], batch.logits_rows)
+            guess, prob = (ops.to_host(a) for a in got)
+            return guess[which], prob[which]
+        guess, prob = self.model.mtp_guesses(self.model.mtp_forward(batch, hidden, self.kv))
+        return ops.to_host(guess), ops.to_host(prob)
 
     # ---- pause / resume --------------------------------------------------------------------------------
     def reset_state(self, slot: int, snapshot: HybridState | None = None) -> None:
@@ -211,7 +221,7 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, Any]:
         """Numbers of CUDA-graph decode: `enabled` (a graph runner is in use), forwards replayed as graphs
         (`graph_steps`, of which `verify_steps` verified drafts, with `checkpoint_bytes` of device memory for
-        their rollback points) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
+        their rollback points; the MTP head's passes replayed, `mtp_steps`, or run eagerly, `mtp_eager`) or run eagerly by the graph runner (`eager_steps`), graphs captured, and graph keys
         whose capture failed (`failures`, those run eagerly); with piecewise tails, their replays, captures,
         failed buckets and the device memory they hold (`tail_memory_bytes`); with product chains, the chains and
         the products they run (`DecodeGraphRunner.chain_stats`). All zero without graphs."""
@@ -222,7 +232,8 @@ class ModelRunner:
         c = self.graphs.chain_stats() if chained else {}
         ckpt = getattr(self.graphs, "checkpoint_bytes", None)
         return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
-                "verify_steps": s.get("verify_steps", 0), "checkpoint_bytes": ckpt() if ckpt is not None else 0,
+                "verify_steps": s.get("verify_steps", 0), "mtp_steps": s.get("mtp_steps", 0),
+                "mtp_eager": s.get("mtp_eager", 0), "checkpoint_bytes": ckpt() if ckpt is not None else 0,
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
                 "failures": len(s.get("failures", {})), "piecewise": tails is not None,
                 "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),

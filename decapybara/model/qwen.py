@@ -236,12 +236,34 @@ class QwenModel:
         sequences' own page slots of position p, causal over positions [0, p]."""
         if not self.has_mtp:
             raise ValueError("the model has no MTP head")
-        cfg, ops, w = self.cfg, self.backend, self.w
-        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        ops, w = self.backend, self.w
         cos, sin = self.rotary.cos_sin(batch.positions)
         cos, sin = ops.from_host(cos), ops.from_host(sin)
-        e = ops.rms_norm(ops.embedding(w["model.embed_tokens.weight"], batch.token_ids),
-                         w["mtp.pre_fc_norm_embedding.weight"], eps, off)
+        h = self.mtp_layers(ops.embedding(w["model.embed_tokens.weight"], batch.token_ids), normed, batch, kv, cos,
+                            sin)
+        return self.mtp_logits(self._rows(h, batch.logits_rows))
+
+    def mtp_guesses(self, logits: Any) -> tuple[Any, Any]:
+        """(greedy guess [R] int64, its softmax probability [R] float32) of logits [R, vocab], where they are
+        (two numbers a row to read back, not a vocabulary's logits)."""
+        xp = self.backend.xp
+        guess = xp.argmax(logits, axis=-1)
+        top = xp.take_along_axis(logits, guess[:, None], axis=-1)
+        return guess, (1.0 / xp.exp(logits - top).sum(axis=-1)).astype(xp.float32)
+
+    def mtp_logits(self, h: Any) -> Any:
+        """The MTP head's logits [R, vocab] of its residual rows h [R, H] (its final norm, then lm_head)."""
+        w = self.w
+        return self.backend.linear(self.backend.rms_norm(h, w["mtp.norm.weight"], self.cfg.rms_norm_eps,
+                                                         self.cfg.norm_offset), w["lm_head.weight"])
+
+    def mtp_layers(self, emb: Any, normed: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any) -> Any:
+        """The MTP head's residual stream [T, H] after its decoder layer(s), from the embeddings of the tokens at
+        p + 1 (`emb` [T, H]) and the normed hidden states at p (`normed` [T, H]), with RoPE at the rows'
+        positions (`cos`, `sin`); shared by `mtp_forward` and the CUDA graphs' MTP pass."""
+        cfg, ops, w = self.cfg, self.backend, self.w
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        e = ops.rms_norm(emb, w["mtp.pre_fc_norm_embedding.weight"], eps, off)
         hn = ops.rms_norm(normed, w["mtp.pre_fc_norm_hidden.weight"], eps, off)
         h = ops.linear(ops.xp.concatenate([e, hn], axis=1), w["mtp.fc.weight"])  # [T, H]
         for j in range(cfg.mtp_num_hidden_layers):
@@ -251,8 +273,7 @@ class QwenModel:
             x, h = ops.add_rms_norm(Projection.output(out, ops), h, w[f"{p}.post_attention_layernorm.weight"], eps,
                                     off)
             h = h + Projection.output(self._ffn(p, j, x), ops)
-        last = self._rows(h, batch.logits_rows)
-        return ops.linear(ops.rms_norm(last, w["mtp.norm.weight"], eps, off), w["lm_head.weight"])
+        return h
 
     def _rows(self, a: Any, rows: Any) -> Any:
         """Rows `rows` (host indices) of a backend array a [T, ...]; a itself where they are all of its rows."""

@@ -216,6 +216,44 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
     assert runner.checkpoint_bytes() > 0
     want = "paged_prefill_attention_tc" if kv_mode == "16/16" else "paged_attention_fwd"
     assert want in launched, sorted(set(launched))
+    if kv_mode == "16/16":  # CTAs of 4 warps: 64 query rows, of which a sequence's two tokens take 2g
+        assert {st.block_m for st in runner._graphs.values() if st.rows == 2} == {64}
+
+
+def test_mtp_graph_equals_eager():
+    """The MTP head's pass replays graphs of two pair rows a sequence (one or two pairs each: a decode's, or an
+    accepted draft's two): its guesses and probabilities at each sequence's last pair and the head's KV pages
+    equal the eager `mtp_forward`'s; a sequence of more pairs (after a prompt chunk) runs eagerly."""
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1})
+    model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=8, std=0.2))
+    page, num_pages = 8, 40
+    kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
+    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
+    seqs = prefilled_sequences(model, kv, states, (5, 11, 22), seed=3)
+    rng = np.random.default_rng(4)
+    steps = [([0, 1, 2], (1, 2, 1)), ([2, 0], (2, 2)), ([1], (1,)), ([0, 1, 2], (2, 1, 2))]
+    for step, (order, pairs) in enumerate(steps):
+        entries = []
+        for i, k in zip(order, pairs):
+            s = seqs[i]
+            p0 = len(s[0]) - 1
+            entries.append((list(rng.integers(0, 512, k)), p0, s[2], None))
+            s[0].extend(int(t) for t in rng.integers(0, 512, k))
+        batch = ForwardBatch.build(entries, page, logits="none")
+        batch.logits_rows = np.asarray([b.end - 1 for b in batch.seqs], np.int64)
+        hidden = cp.asarray(rng.standard_normal((batch.num_tokens, cfg.hidden_size)).astype(np.float32))
+        before = snapshot(kv, states, [])
+        ref_guess, ref_prob = (cp.asnumpy(a) for a in model.mtp_guesses(model.mtp_forward(batch, hidden, kv)))
+        after = snapshot(kv, states, [])
+        restore(kv, states, before)
+        guess, prob = (cp.asnumpy(a) for a in runner.mtp(batch, hidden, kv))
+        assert runner.stats["mtp_steps"] == step + 1, runner.stats
+        assert np.array_equal(guess, ref_guess), f"step {step}: guesses {guess} vs {ref_guess}"
+        assert rel_err(prob, ref_prob) <= 1e-4, f"step {step}: probabilities"
+        compare_state(kv, states, after, f"step {step}")
+    long = ForwardBatch.build([(list(range(3)), len(seqs[0][0]) - 1, seqs[0][2], None)], page, logits="none")
+    assert runner.mtp(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv) is None
+    assert runner.stats["mtp_eager"] == 1 and not runner.stats["failures"]
 
 
 def test_decode_graph_runs_prefill_eagerly():

@@ -1,8 +1,8 @@
 """Speculative decoding with the MTP head on the cupy backend (GPU only): the demo model's greedy and seeded
 outputs with `speculator="mtp"` are those without it and those of the numpy reference, with decode graphs on
 (one-token decodes replay decode graphs, steps with drafts verification graphs; both hand back their rows'
-normed hidden states to the MTP pass, verification graphs their drafts' rollback states) and off, drafts
-accepted and rejected."""
+normed hidden states to the MTP pass, verification graphs their drafts' rollback states; the MTP pass replays
+graphs of its own) and off, drafts accepted and rejected."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs, confide
     spec = spec_engine.generate(prompts, params)
     s = spec_engine.snapshot_stats()
     print(f"graphs {graphs}: drafted {s['drafted_tokens']} accepted {s['accepted_tokens']} steps {s['steps']} "
-          f"graph steps {s['graphs']['graph_steps']} (verify {s['graphs']['verify_steps']})")
+          f"graph steps {s['graphs']['graph_steps']} (verify {s['graphs']['verify_steps']}), MTP passes "
+          f"{s['graphs']['mtp_steps']} replayed, {s['graphs']['mtp_eager']} eager")
     assert spec == plain == ref
     assert 0 < s["accepted_tokens"] <= s["drafted_tokens"]
     if graphs:
         g = s["graphs"]
-        assert g["graph_steps"] > g["verify_steps"] > 0 and not s["graph_failures"], g
+        assert g["graph_steps"] > g["verify_steps"] > 0 and g["mtp_steps"] > 0 and not s["graph_failures"], g

@@ -111,7 +111,9 @@ def test_plan_reserves_last_page_and_an_extra_slot_on_graph_backends():
     cfg = EngineConfig(num_pages=100, page_size=16, max_slots=6)
     p = graph_plan(cfg, "cupy", max_model_len=4096, hybrid=True)
     assert p == GraphPlan(True, kv_pages=100, usable_pages=99, state_slots=7, pad_page=99, pad_slot=6,
-                          max_pages=99)  # 4096 tokens = 256 pages, bounded by the pool
+                          max_pages=99, buckets=(1, 2, 4, 8))  # 4096 tokens = 256 pages, bounded by the pool
+    assert graph_plan(cfg.replace(max_slots=12), "cupy", 4096, True).buckets == (1, 2, 4, 8, 12)
+    assert graph_plan(cfg.replace(max_slots=1), "cupy", 4096, True).buckets == (1,)
     p = graph_plan(cfg, "cupy", max_model_len=200, hybrid=False)
     assert (p.usable_pages, p.pad_page, p.pad_slot, p.state_slots, p.max_pages) == (99, 99, None, 6, 13)
     assert graph_plan(cfg.replace(num_pages=2), "cupy", 10**6, True).usable_pages == 1

@@ -54,7 +54,10 @@ def test_fit_pool_sets_the_verification_checkpoints_aside():
     assert spec.state_bytes == base.state_bytes + 12 * one and 12 * one > GIB  # 27B: ~1.8 GB
     assert spec.by_memory == (120 * GIB - spec.state_bytes - spec.reserve_bytes) // spec.page_bytes < base.by_memory
     mtp = EngineConfig(speculator="mtp")
+    assert cfg.mtp_num_hidden_layers > 0
     assert verify_checkpoints(mtp, cfg) == max(GRAPH_BUCKETS) == 12
+    assert verify_checkpoints(mtp.replace(max_slots=3, max_batch_tokens=64), cfg) == 4  # buckets 1, 2, 4
+    assert verify_checkpoints(mtp, dataclasses.replace(cfg, mtp_num_hidden_layers=0)) == 0  # no head to draft
     assert verify_checkpoints(mtp.replace(cuda_graphs=False), cfg) == 0
     assert verify_checkpoints(EngineConfig(), cfg) == 0
     dense = dataclasses.replace(cfg, layer_types=("full_attention",) * cfg.num_hidden_layers)

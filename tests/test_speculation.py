@@ -290,3 +290,26 @@ def test_verification_steps_fill_their_spare_rows_with_guesses():
     assert any(s.in_prefill for s in e.running)
     plan = plan_step(e.running, e.cfg, False, fill_rows=12)
     assert [c.draft for c in plan.chunks if not c.seq.in_prefill][1:] == [None] * (len(prompts) - 1)
+
+
+def test_a_draft_never_takes_the_page_of_another_sequences_token():
+    """Pages go to every chunk's real token first, then to the drafts' rows: with one free page, a draft whose row
+    opens a page and another sequence whose real token does, the token gets it and the draft goes; nobody is
+    paused (before, the draft's row took the page and the other sequence was paused)."""
+    from decapybara.engine.sequence import Request
+
+    e = _demo_engine(page_size=8, num_pages=40, max_batch_tokens=64)
+    rng = np.random.default_rng(2)
+    for n in (15, 16):  # after the prompt: A holds 15 tokens in 2 pages, B 16 in 2 (full)
+        e.add_request(Request(tuple(int(t) for t in rng.integers(3, 500, n)),
+                              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+    e.step()
+    a, b = e.running
+    assert (a.num_computed, len(a.pages), b.num_computed, len(b.pages)) == (15, 2, 16, 2)
+    a.draft, a.guess, b.draft, b.guess = 7, None, None, None  # A's draft row (token 16) would open a page
+    taken = []
+    while len(e.blocks.free) > 1:
+        taken.append(e.blocks.append())
+    plan = e._plan_with_pages()
+    assert [(c.seq, c.num_tokens, c.draft) for c in plan.chunks] == [(a, 1, None), (b, 1, None)]
+    assert e.stats.pauses == 0 and len(b.pages) == 3 and len(a.pages) == 2

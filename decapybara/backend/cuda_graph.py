@@ -179,11 +179,12 @@ class DecodeGraphRunner:
         key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv), self._rows(batch))
         if key is not None and key not in self.stats["failures"]:
             try:
-                out = self._replay(key, batch, kv, states)
+                st = self._replay(key, batch, kv, states)
             except Exception as e:  # noqa: BLE001 - any capture failure means: this key runs eagerly
                 self.stats["failures"][key] = f"{type(e).__name__}: {e}"
                 self._graphs.pop(key, None)
             else:  # outside the try: once the graph ran, a failure here must not run the step a second time
+                out = self._outputs(st, batch)
                 self._snapshots(out, batch, states)
                 return out
         self.stats["eager_steps"] += 1
@@ -307,18 +308,23 @@ class DecodeGraphRunner:
         return decode_launch(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, _kv_bits(kv))
 
     def _replay(self, key: tuple[int, int, int], batch: ForwardBatch, kv: KVCache,
-                states: StatePool | None) -> Any:
+                states: StatePool | None) -> _Static:
+        """The graph of `key` (built and captured on first use) replayed over `batch`; returns it."""
         st = self._graphs.get(key)
         if st is None:
             st = self._graphs[key] = self._build(*key, page_size=batch.page_size, kv=kv)
         self._launch(st, batch, lambda: self._step(st, kv, states))
         self.stats["graph_steps"] += 1
+        self.stats["verify_steps"] += st.rows == 2
+        return st
+
+    def _outputs(self, st: _Static, batch: ForwardBatch) -> ForwardOutput:
+        """A replay's outputs for `batch`'s rows in its order (a verification graph's gathered from sequence i's
+        rows 2i, 2i + 1; a decode graph's are views of the graph's own arrays, valid until its next replay)."""
         logits, h, normed = st.outputs  # h: the residual stream before the final norm; normed: after it
         if st.rows == 1:
             n = len(batch.seqs)
             return ForwardOutput(logits[:n], h[:n], {}, normed[:n] if batch.normed_rows else None)
-        self.stats["verify_steps"] += 1
-        # the batch's rows, in its order, from sequence i's rows 2i, 2i + 1
         idx = cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(batch.seqs)]))
         return ForwardOutput(logits[idx], h[idx], {}, normed[idx] if batch.normed_rows else None)
 
@@ -497,7 +503,12 @@ class DecodeGraphRunner:
         tiles, block_m, sp = st.tiles, st.block_m, st.splits
         g = self.model.cfg.num_attention_heads // self.model.cfg.num_key_value_heads
         last = (np.minimum(rows * g, (np.arange(tiles) + 1) * block_m) - 1) // g  # a tile's last token
-        kend = np.repeat((ctx[:, None] + last[None, :] + 1).reshape(-1), sp)  # [b * tiles * sp]
+        # keys up to each tile's last real token: a throwaway row's own key (on the pad page where the sequence's
+        # pages end at its last token) stays out of every tile, so a real row never multiplies pad values by its
+        # zero weight (0 x NaN); the throwaway row sees the sequence's keys only
+        length = np.full(b, rows)
+        length[:n] = [s.length for s in seqs]
+        kend = np.repeat((ctx[:, None] + np.minimum(last[None, :] + 1, length[:, None])).reshape(-1), sp)
         per_split = -(-kend // sp)
         chunk = -(-per_split // BLOCK_N) * BLOCK_N
         part = np.tile(np.arange(sp), b * tiles)

@@ -165,29 +165,32 @@ class Engine(MemoryMixin):
         self.stats.step_seconds += time.perf_counter() - t0
         return events
 
+    def _give_pages(self, s: Sequence, tokens: int) -> bool:
+        """Pages for `s`'s first `tokens` tokens (those it lacks, from the pool); False where the pool ran dry."""
+        for _ in range(self.blocks.pages_for(tokens) - len(s.pages)):
+            page = self.blocks.append()
+            if page is None:
+                return False
+            s.pages.append(page)
+        return True
+
     def _plan_with_pages(self) -> StepPlan:
-        """Plan, then give every chunk the pages it writes; while short, pause a victim (`choose_victim`)."""
+        """Plan, then give every chunk the pages it writes: first the real tokens' of every chunk, then the drafts'
+        rows (a draft, or a doubtful guess, never takes a page a real token needs); a draft whose page is lacking
+        is dropped and the step planned again; while a real token's page is lacking, pause a victim
+        (`choose_victim`)."""
         while True:
             plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows)
-            short, chunk = None, None
-            for c in plan.chunks:
-                s = c.seq
-                need = self.blocks.pages_for(s.num_computed + c.num_tokens) - len(s.pages)
-                while need > 0:
-                    page = self.blocks.append()
-                    if page is None:
-                        short, chunk = s, c
-                        break
-                    s.pages.append(page)
-                    need -= 1
-                if short is not None:
-                    break
-            if short is not None and chunk.draft is not None \
-                    and self.blocks.pages_for(short.num_computed + 1) <= len(short.pages):
-                short.draft = short.guess = None  # only its draft lacks a page: plan again without it, no pause
-                continue
+            short = next((c.seq for c in plan.chunks
+                          if not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens - (c.draft is not None))),
+                         None)
             if short is None:
-                return plan
+                lacking = next((c.seq for c in plan.chunks if c.draft is not None
+                                and not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens)), None)
+                if lacking is None:
+                    return plan
+                lacking.draft = lacking.guess = None  # plan again without it: no pause for a draft
+                continue
             choose = self.choose_victim or getattr(self.admission, "choose_victim", youngest_victim)
             victim = choose(self, short)
             self.pause(victim)

@@ -32,6 +32,13 @@ GRAPH_BACKENDS = ("cupy",)  # backend names whose decode steps can run as CUDA g
 GRAPH_BUCKETS = (1, 2, 4, 8, 12)  # sequences a decode graph holds (a batch pads to the next)
 
 
+def graph_buckets(max_slots: int) -> tuple[int, ...]:
+    """The buckets an engine of `max_slots` sequences uses: GRAPH_BUCKETS up to the first that holds them all (its
+    largest sizes the verification graphs' rollback checkpoints: one state a row)."""
+    top = min((b for b in GRAPH_BUCKETS if b >= max_slots), default=max(GRAPH_BUCKETS))
+    return tuple(b for b in GRAPH_BUCKETS if b <= top)
+
+
 @dataclass(slots=True)
 class StepOutput:
     logits: Any  # [num_sampling_rows, vocab], the backend's array (on the device for a device backend), in plan
@@ -72,6 +79,7 @@ class GraphPlan:
     pad_page: int | None = None  # == usable_pages when enabled
     pad_slot: int | None = None  # == cfg.max_slots when enabled for a hybrid model, else None
     max_pages: int = 0  # block-table width of the graphs: pages of max_model_len, at most usable_pages
+    buckets: tuple[int, ...] = GRAPH_BUCKETS  # `graph_buckets(cfg.max_slots)` when enabled
 
 
 def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid: bool) -> GraphPlan:
@@ -83,7 +91,8 @@ def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid:
     usable = cfg.num_pages - 1  # EngineConfig guarantees num_pages >= 2
     pages_for_len = -(-max(1, max_model_len) // cfg.page_size)
     return GraphPlan(True, cfg.num_pages, usable, cfg.max_slots + (1 if hybrid else 0), pad_page=usable,
-                     pad_slot=cfg.max_slots if hybrid else None, max_pages=min(pages_for_len, usable))
+                     pad_slot=cfg.max_slots if hybrid else None, max_pages=min(pages_for_len, usable),
+                     buckets=graph_buckets(cfg.max_slots))
 
 
 def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False, chains: bool = False) -> Any:
@@ -98,7 +107,7 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
         tails = PiecewiseTails()
     return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
-                             buckets=GRAPH_BUCKETS, tails=tails, chains=chains)
+                             buckets=plan.buckets, tails=tails, chains=chains)
 
 
 def _graph_key_name(key: Any) -> str:

@@ -31,11 +31,13 @@ class ServedEngine:
 
 def verify_checkpoints(engine_cfg: Any, mcfg: Any) -> int:
     """DeltaNet states that speculative verification graphs keep as rollback points (one a row of the largest
-    decode bucket): with the MTP speculator, CUDA graphs and a hybrid model; else 0."""
-    from decapybara.engine.runner import GRAPH_BUCKETS
+    bucket the engine's slots use, `graph_buckets`): with the MTP speculator, CUDA graphs and a hybrid model that
+    has an MTP head; else 0."""
+    from decapybara.engine.runner import graph_buckets
 
-    on = engine_cfg.speculator == "mtp" and engine_cfg.cuda_graphs and bool(mcfg.linear_layers)
-    return max(GRAPH_BUCKETS) if on else 0
+    on = (engine_cfg.speculator == "mtp" and engine_cfg.cuda_graphs and bool(mcfg.linear_layers)
+          and mcfg.mtp_num_hidden_layers > 0)
+    return max(graph_buckets(engine_cfg.max_slots)) if on else 0
 
 
 def device_memory() -> tuple[int, int]:

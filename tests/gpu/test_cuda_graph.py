@@ -137,6 +137,21 @@ def test_decode_graph_equals_eager(monkeypatch, heads, kv_mode):
     assert kernel is not None or not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
 
 
+def poison_pad(kv, states, pad_page, pad_slot):
+    """NaN into the pad page (bf16 pages: NaN bits) and the pad slot: what padding and throwaway rows leave there
+    may be anything, and no real row may read it."""
+    page = np.asarray([pad_page], np.int64)
+    data = kv.export_pages(page)
+    for a in data.arrays.values():
+        a[...] = np.nan if np.issubdtype(a.dtype, np.floating) else (0x7FC0 if a.dtype == np.uint16 else 0xFF)
+    kv.import_pages(page, data)
+    if states is not None:
+        st = states.get(pad_slot)
+        for a in (*st.conv, *st.recurrent):
+            a[...] = np.nan
+        states.set(pad_slot, st)
+
+
 def compare_snapshot(got, ref, name):
     for j, (c, r) in enumerate(zip(got.conv, ref.conv)):
         assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: conv layer {j}"
@@ -150,17 +165,20 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
     rows a sequence whose logits and normed rows (in the batch's order), KV pages, DeltaNet states and
     snapshots (a draft's rollback point after its real token, as device views or host copies; a sequence's end)
     equal the eager forward's from the same state; the throwaway rows of one-token sequences touch only the pad
-    page and slot. bf16 pages run the tensor-core prefill kernel in the graphs, float32 pages the general one."""
+    page and slot, which hold NaN before every replay, and no real row reads them: block tables end at each
+    sequence's last token, so a one-token sequence at a page's end (step 0: 32 tokens, pages of 16) has its
+    throwaway row's key on the pad page. Contexts up to ~150 keys: split keys. bf16 pages run the tensor-core
+    prefill kernel in the graphs, float32 pages the general one."""
     from decapybara.backend import cupy_attention as ca
     launched = []
     get = ca.get_kernel
     monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
     model = tiny_model(**over)
-    page, num_pages = 8, 40
+    page, num_pages = 16, 40
     kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
-    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
-    seqs = prefilled_sequences(model, kv, states, (5, 11, 22), seed=6)
+    runner = DecodeGraphRunner(model, max_pages=12, pad_page=num_pages - 1, pad_slot=5)
+    seqs = prefilled_sequences(model, kv, states, (5, 31, 140), seed=6, pages_each=12)
     rng = np.random.default_rng(9)
     # (order, which draft, snapshot kinds): "dev" the rollback point as device views, "host" as a host copy, "end"
     # a snapshot at the sequence's end too
@@ -173,8 +191,10 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
         for j, i in enumerate(order):
             s = seqs[i]
             new = [s[0][-1]] + ([int(rng.integers(0, 512))] if i in drafts else [])
-            entries.append((new, len(s[0]) - 1, s[2], s[1]))
             total = len(s[0]) - 1 + len(new)
+            entries.append((new, len(s[0]) - 1, s[2][:-(-total // page)], s[1]))  # pages up to its last token
+            if step == 0 and i == 1:
+                assert len(new) == 1 and total % page == 0  # its throwaway row's key: on the pad page
             kind = drafts.get(i, "")
             points = ({total - 1} if kind else set()) | ({total} if "end" in kind else set())
             snaps.append(tuple(sorted(points)))
@@ -190,6 +210,7 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
         eager_snaps = dict(eager_out.snapshots)
         after = snapshot(kv, states, [s[1] for s in seqs])
         restore(kv, states, before)
+        poison_pad(kv, states, num_pages - 1, 5)
         out = runner.forward(batch, kv, states)
         assert runner.stats["graph_steps"] == step + 1, f"step {step} ran eagerly: {runner.stats}"
         verify += bool(drafts)
@@ -218,18 +239,23 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
     assert want in launched, sorted(set(launched))
     if kv_mode == "16/16":  # CTAs of 4 warps: 64 query rows, of which a sequence's two tokens take 2g
         assert {st.block_m for st in runner._graphs.values() if st.rows == 2} == {64}
+    assert max(k[1] for k in keys if k[2] == 2) > 1, keys  # split keys
 
 
-def test_mtp_graph_equals_eager():
+@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
+def test_mtp_graph_equals_eager(heads, kv_mode):
     """The MTP head's pass replays graphs of two pair rows a sequence (one or two pairs each: a decode's, or an
     accepted draft's two): its guesses and probabilities at each sequence's last pair and the head's KV pages
-    equal the eager `mtp_forward`'s; a sequence of more pairs (after a prompt chunk) runs eagerly."""
-    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1})
+    equal the eager `mtp_forward`'s, with NaN in the pad page before every replay and block tables ending at the
+    last pair (a one-pair sequence at a page's end: its throwaway row's key on the pad page); a sequence of more
+    pairs (after a prompt chunk) runs eagerly."""
+    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1, **over})
     model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=8, std=0.2))
     page, num_pages = 8, 40
-    kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
     runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
-    seqs = prefilled_sequences(model, kv, states, (5, 11, 22), seed=3)
+    seqs = prefilled_sequences(model, kv, states, (7, 14, 22), seed=3)  # step 0: sequence 0's one pair ends a page
     rng = np.random.default_rng(4)
     steps = [([0, 1, 2], (1, 2, 1)), ([2, 0], (2, 2)), ([1], (1,)), ([0, 1, 2], (2, 1, 2))]
     for step, (order, pairs) in enumerate(steps):
@@ -237,7 +263,9 @@ def test_mtp_graph_equals_eager():
         for i, k in zip(order, pairs):
             s = seqs[i]
             p0 = len(s[0]) - 1
-            entries.append((list(rng.integers(0, 512, k)), p0, s[2], None))
+            entries.append((list(rng.integers(0, 512, k)), p0, s[2][:-(-(p0 + k) // page)], None))
+            if step == 0 and i == 0:
+                assert k == 1 and (p0 + k) % page == 0
             s[0].extend(int(t) for t in rng.integers(0, 512, k))
         batch = ForwardBatch.build(entries, page, logits="none")
         batch.logits_rows = np.asarray([b.end - 1 for b in batch.seqs], np.int64)
@@ -246,6 +274,7 @@ def test_mtp_graph_equals_eager():
         ref_guess, ref_prob = (cp.asnumpy(a) for a in model.mtp_guesses(model.mtp_forward(batch, hidden, kv)))
         after = snapshot(kv, states, [])
         restore(kv, states, before)
+        poison_pad(kv, None, num_pages - 1, None)
         guess, prob = (cp.asnumpy(a) for a in runner.mtp(batch, hidden, kv))
         assert runner.stats["mtp_steps"] == step + 1, runner.stats
         assert np.array_equal(guess, ref_guess), f"step {step}: guesses {guess} vs {ref_guess}"

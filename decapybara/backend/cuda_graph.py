@@ -267,12 +267,12 @@ class DecodeGraphRunner:
     def _splits(self, batch: ForwardBatch, kv: KVCache, rows: int | None = None) -> int:
         """Key splits per tile (a graph per value): the tensor-core decode kernel's by attn_plan.decode_splits
         for the bucket's launch (a power of two up to attn_plan.graph_split_cap), the general kernel's enough
-        for short contexts too (64+ keys); a verification graph's prefill kernel about two CTAs an SM, no split
-        under MIN_KEYS_PER_SPLIT keys, at most 32 (a power of two). `rows`: a sequence's in the graph (default:
-        the batch's, `_rows`)."""
+        for short contexts too (64+ keys); a verification graph's decode passes as a decode graph's, its prefill
+        kernel about two CTAs an SM, no split under MIN_KEYS_PER_SPLIT keys, at most 32 (a power of two).
+        `rows`: a sequence's in the graph (default: the batch's, `_rows`)."""
         rows = rows or self._rows(batch)
         longest = max(s.context for s in batch.seqs) + rows
-        shape = self._decode_launch(kv) if rows == 1 else None
+        shape = self._decode_launch(kv)
         cfg = self.model.cfg
         per_split = self._bucket(len(batch.seqs)) * self._row_tiles(kv, rows)[1] * cfg.num_key_value_heads  # CTAs
         if shape is not None:
@@ -285,16 +285,27 @@ class DecodeGraphRunner:
 
     def _row_tiles(self, kv: KVCache | None = None, rows: int = 1) -> tuple[int, int, int]:
         """(rows per warp, row tiles a sequence, query rows a tile) of a step's attention over `rows` tokens a
-        sequence (row = token * g + head in group): the decode kernel's or general kernel's tiles of 4 warps,
-        a verification graph's prefill-kernel CTAs (`_verify_launch`)."""
+        sequence (row = token * g + head in group): the decode kernel's or general kernel's tiles of 4 warps
+        (a verification graph's two decode-kernel passes: a token's g rows each), a verification graph's
+        prefill-kernel CTAs (`_verify_launch`)."""
         cfg = self.model.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
+        if rows == 2 and self._two_pass(kv):
+            rows = 1
         launch = self._verify_launch(kv) if rows == 2 else None
         if launch is not None:
             block_m = PREFILL_ROWS_PER_WARP * launch.warps
             return PREFILL_ROWS_PER_WARP, cdiv(rows * g, block_m), block_m
         rpw = rows_per_warp(cfg.head_dim, rows * g)
         return rpw, cdiv(rows * g, 4 * rpw), 4 * rpw
+
+    def _two_pass(self, kv: KVCache | None) -> bool:
+        """Whether a verification graph's attention runs the decode kernel twice, a pass a token (row 2i over
+        keys to its own, row 2i + 1 over keys to the draft's): where the decode kernel takes the model's decode
+        steps. Each pass reads the sequence's keys again; the prefill kernel would read them once, but in CTAs
+        of 64 rows for a sequence's 2g, and it spent 0.18-0.21 ms a 27B layer on 16 new tokens after 16k keys
+        where a decode pass takes ~0.03 (docs/perf.md)."""
+        return kv is not None and self._decode_launch(kv) is not None
 
     def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
         """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
@@ -419,11 +430,15 @@ class DecodeGraphRunner:
 
         rpw, tiles, block_m = self._row_tiles(kv, rows)
         nwork, nrows = bucket * tiles * splits, bucket * rows
+        two = rows == 2 and self._two_pass(kv)  # a second decode pass: the draft rows' metadata ("_b")
         # runs: a sequence's, then (verification) its throwaway row's; segments: two a sequence, one a throwaway
         nsegs = bucket if rows == 1 else 3 * bucket
+        nred = bucket * tiles if splits > 1 else 0
         shapes = {"seq_info": (bucket, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
-                  "reduce": (bucket * tiles if splits > 1 else 0, 4), "runs": (nrows, 5), "segs": (nsegs, 2),
-                  "last": (bucket if mtp else 0,)}  # an MTP graph: each sequence's last pair row
+                  "reduce": (nred, 4), "runs": (nrows, 5), "segs": (nsegs, 2),
+                  "last": (bucket if mtp else 0,),  # an MTP graph: each sequence's last pair row
+                  "seq_info_b": (bucket if two else 0, 3), "work_b": (nwork if two else 0, 5),
+                  "reduce_b": (nred if two else 0, 4)}
         views, off = {}, 0
         for name, shape in shapes.items():
             views[name] = (off, shape)
@@ -436,12 +451,19 @@ class DecodeGraphRunner:
         segments = [DeltaNetSegment(rows * i, rows, i) for i in range(bucket)]
         st = _Static(bucket, splits, rows, tiles, block_m, host64, host32, dev64, dev32, views, placeholder,
                      segments)
-        # decode batches: the decode kernel or the general one; verification: the prefill kernel or the general
-        st.attn_plan = _plan(AttentionPlan, seq_info=st.d32("seq_info"), block_tables=st.d32("tables"),
-                             max_pages=self.max_pages, work=st.d32("work"), reduce=st.d32("reduce"),
-                             num_work=nwork, num_reduce=shapes["reduce"][0], num_parts=nwork if splits > 1 else 0,
-                             rows_per_warp=rpw, slots=dev64[2], decode=self._decode_launch(kv) if rows == 1 else None,
-                             prefill=self._verify_launch(kv) if rows == 2 else None, dequant=None, rows=None)
+        # decode batches: the decode kernel or the general one; verification: the decode kernel twice (its draft
+        # rows' pass the plan's `rows`, which `cupy_attention.attention` runs after it), else the prefill kernel
+        # or the general one
+        dec = self._decode_launch(kv) if rows == 1 or two else None
+
+        def attn(suffix: str, sub: Any) -> Any:
+            return _plan(AttentionPlan, seq_info=st.d32("seq_info" + suffix), block_tables=st.d32("tables"),
+                         max_pages=self.max_pages, work=st.d32("work" + suffix), reduce=st.d32("reduce" + suffix),
+                         num_work=nwork, num_reduce=nred, num_parts=nwork if splits > 1 else 0, rows_per_warp=rpw,
+                         slots=dev64[2], decode=dec, prefill=self._verify_launch(kv) if rows == 2 and not two
+                         else None, dequant=None, rows=sub)
+
+        st.attn_plan = attn("", attn("_b", None) if two else None)
         st.kv_bits = _kv_bits(kv)
         if mtp:
             st.mtp, st.hidden = True, cp.zeros((nrows, self.model.cfg.hidden_size), cp.float32)
@@ -494,36 +516,27 @@ class DecodeGraphRunner:
                     slots[r:r + s.length] = batch.slot_mapping[s.start:s.end]
                     if s.length == 1:
                         ids[r + 1], pos[r + 1], slots[r + 1] = 0, s.total, pad_slot_kv
-        info = st.h32("seq_info")
-        info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * rows, rows, ctx
         tables = st.h32("tables")
         tables[:] = self.pad_page
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        tiles, block_m, sp = st.tiles, st.block_m, st.splits
-        g = self.model.cfg.num_attention_heads // self.model.cfg.num_key_value_heads
-        last = (np.minimum(rows * g, (np.arange(tiles) + 1) * block_m) - 1) // g  # a tile's last token
         # keys up to each tile's last real token: a throwaway row's own key (on the pad page where the sequence's
         # pages end at its last token) stays out of every tile, so a real row never multiplies pad values by its
         # zero weight (0 x NaN); the throwaway row sees the sequence's keys only
         length = np.full(b, rows)
         length[:n] = [s.length for s in seqs]
-        kend = np.repeat((ctx[:, None] + np.minimum(last[None, :] + 1, length[:, None])).reshape(-1), sp)
-        per_split = -(-kend // sp)
-        chunk = -(-per_split // BLOCK_N) * BLOCK_N
-        part = np.tile(np.arange(sp), b * tiles)
-        work = st.h32("work")
-        work[:, 0] = np.repeat(np.arange(b), tiles * sp)
-        work[:, 1] = np.tile(np.repeat(np.arange(tiles) * block_m, sp), b)
-        work[:, 2] = np.minimum(part * chunk, kend)
-        work[:, 3] = np.minimum((part + 1) * chunk, kend)
-        work[:, 4] = np.arange(b * tiles * sp) if sp > 1 else -1
-        if sp > 1:
-            red = st.h32("reduce")
-            red[:, 0] = np.repeat(np.arange(b), tiles)
-            red[:, 1] = np.tile(np.arange(tiles) * block_m, b)
-            red[:, 2] = np.arange(b * tiles) * sp
-            red[:, 3] = sp
+        info = st.h32("seq_info")
+        if st.attn_plan.rows is not None:  # two decode passes: the real tokens' rows, then the drafts'
+            info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * 2, 1, ctx
+            info_b = st.h32("seq_info_b")
+            info_b[:, 0], info_b[:, 1], info_b[:, 2] = np.arange(b) * 2 + 1, 1, ctx + 1
+            self._fill_work(st, np.repeat(ctx + 1, st.tiles).reshape(b, -1), "")
+            self._fill_work(st, np.repeat(ctx + np.minimum(length, 2), st.tiles).reshape(b, -1), "_b")
+        else:
+            info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * rows, rows, ctx
+            g = self.model.cfg.num_attention_heads // self.model.cfg.num_key_value_heads
+            last = (np.minimum(rows * g, (np.arange(st.tiles) + 1) * st.block_m) - 1) // g  # a tile's last token
+            self._fill_work(st, ctx[:, None] + np.minimum(last[None, :] + 1, length[:, None]), "")
         if st.mtp:
             last = st.h32("last")
             last[:] = np.arange(b) * 2
@@ -539,6 +552,28 @@ class DecodeGraphRunner:
             segs[:, 0], segs[:, 1] = 1, -1
         else:
             self._fill_verify_runs(st, seqs)
+
+    @staticmethod
+    def _fill_work(st: _Static, kend: np.ndarray, suffix: str) -> None:
+        """Attention work items (and split-K reduce items) of every sequence's tiles over keys [0, kend[seq,
+        tile]) into views "work" / "reduce" + `suffix`: `splits` ranges a tile, of whole BLOCK_N-key tiles."""
+        b, tiles, block_m, sp = st.bucket, st.tiles, st.block_m, st.splits
+        kend = np.repeat(kend.reshape(-1), sp)  # [b * tiles * sp]
+        per_split = -(-kend // sp)
+        chunk = -(-per_split // BLOCK_N) * BLOCK_N
+        part = np.tile(np.arange(sp), b * tiles)
+        work = st.h32("work" + suffix)
+        work[:, 0] = np.repeat(np.arange(b), tiles * sp)
+        work[:, 1] = np.tile(np.repeat(np.arange(tiles) * block_m, sp), b)
+        work[:, 2] = np.minimum(part * chunk, kend)
+        work[:, 3] = np.minimum((part + 1) * chunk, kend)
+        work[:, 4] = np.arange(b * tiles * sp) if sp > 1 else -1
+        if sp > 1:
+            red = st.h32("reduce" + suffix)
+            red[:, 0] = np.repeat(np.arange(b), tiles)
+            red[:, 1] = np.tile(np.arange(tiles) * block_m, b)
+            red[:, 2] = np.arange(b * tiles) * sp
+            red[:, 3] = sp
 
     def _fill_verify_runs(self, st: _Static, seqs: list[SeqChunk]) -> None:
         """A verification graph's DeltaNet runs: runs [0, b) sequence i's rows from 2i (a padding sequence's two

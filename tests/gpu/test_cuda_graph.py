@@ -159,21 +159,26 @@ def compare_snapshot(got, ref, name):
         assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: rec layer {j}"
 
 
-@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
-def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
+@pytest.mark.parametrize("heads,kv_mode,kernel", [
+    (None, None, "paged_attention_fwd"), ((8, 2, 64), "16/16", "paged_decode_attention"),
+    ((8, 2, 128), "6/4", "paged_decode_attention_mx"), ((18, 2, 64), "16/16", "paged_prefill_attention_tc")])
+def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel):
     """Verification steps (some sequences add a draft as a second row, others one token) replay graphs of two
     rows a sequence whose logits and normed rows (in the batch's order), KV pages, DeltaNet states and
     snapshots (a draft's rollback point after its real token, as device views or host copies; a sequence's end)
     equal the eager forward's from the same state; the throwaway rows of one-token sequences touch only the pad
     page and slot, which hold NaN before every replay, and no real row reads them: block tables end at each
     sequence's last token, so a one-token sequence at a page's end (step 0: 32 tokens, pages of 16) has its
-    throwaway row's key on the pad page. Contexts up to ~150 keys: split keys. bf16 pages run the tensor-core
-    prefill kernel in the graphs, float32 pages the general one."""
+    throwaway row's key on the pad page. Contexts up to ~150 keys: split keys. bf16 and 6/4-bit pages run the
+    decode kernel twice in the graphs (a pass a token), or, past 8 query heads a KV head, the tensor-core
+    prefill kernel; float32 pages the general one."""
     from decapybara.backend import cupy_attention as ca
     launched = []
     get = ca.get_kernel
     monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    if kernel.startswith("paged_decode"):  # its rule splits no range this short: 4 splits (some of them empty)
+        monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv, rows=None: 4)
     model = tiny_model(**over)
     page, num_pages = 16, 40
     kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
@@ -235,10 +240,12 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode):
     keys = set(runner._graphs)
     assert {k[2] for k in keys} == {1, 2} and runner.stats["captures"] == len(keys), (keys, runner.stats)
     assert runner.checkpoint_bytes() > 0
-    want = "paged_prefill_attention_tc" if kv_mode == "16/16" else "paged_attention_fwd"
-    assert want in launched, sorted(set(launched))
-    if kv_mode == "16/16":  # CTAs of 4 warps: 64 query rows, of which a sequence's two tokens take 2g
-        assert {st.block_m for st in runner._graphs.values() if st.rows == 2} == {64}
+    assert kernel in launched, sorted(set(launched))
+    verifying = [st for st in runner._graphs.values() if st.rows == 2]
+    if kernel == "paged_prefill_attention_tc":  # CTAs of 4 warps: 64 query rows, of which a sequence's two tokens 2g
+        assert {st.block_m for st in verifying} == {64}
+        assert not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
+    assert all((st.attn_plan.rows is not None) == kernel.startswith("paged_decode") for st in verifying)
     assert max(k[1] for k in keys if k[2] == 2) > 1, keys  # split keys
 
 

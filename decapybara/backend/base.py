@@ -41,6 +41,7 @@ class DeltaNetSegment:
     length: int
     slot: int
     snapshot_key: tuple[int, int] | None = None  # (sequence index in batch, absolute token count)
+    keep_on_device: bool = False  # its snapshot stays the backend's arrays (ForwardBatch.device_snapshots)
 
 
 @dataclass(slots=True)

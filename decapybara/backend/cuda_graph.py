@@ -473,7 +473,7 @@ class DecodeGraphRunner:
             ckpt = {j: (c[:bucket], r[:bucket]) for j, (c, r) in self._checkpoints().items()}
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=nrows, max_len=rows,
                             snapshot_keys=[], chunk_src=None, chunk_work=None,  # no chunked work
-                            snap_bufs=ckpt)
+                            snap_bufs=ckpt, device_keys=frozenset())
         return st
 
     def _checkpoints(self) -> dict[int, tuple[Any, Any]]:

@@ -166,6 +166,7 @@ class RunPlan:
     # where given (verification graphs): per layer, the (conv, recurrent) device arrays that snapshot index i
     # writes (row i of each) in place of per-layer copies to the host; snapshot_keys is then empty
     snap_bufs: dict[int, tuple[Any, Any]] | None = None
+    device_keys: frozenset = frozenset()  # snapshot keys kept as device copies (DeltaNetSegment.keep_on_device)
 
 
 @dataclass(slots=True)
@@ -200,7 +201,8 @@ def plan_runs(segments: list[DeltaNetSegment]) -> RunPlan:
     groups = group_runs(segments)
     return RunPlan(cp.asarray(np.asarray(groups.runs, np.int32).reshape(-1, 5)),
                    cp.asarray(np.asarray(groups.segs, np.int32).reshape(-1, 2)), len(groups.runs), groups.max_len,
-                   groups.snapshot_keys, (list(segments), groups) if groups.max_len > 1 else None)
+                   groups.snapshot_keys, (list(segments), groups) if groups.max_len > 1 else None,
+                   device_keys=frozenset(s.snapshot_key for s in segments if s.keep_on_device))
 
 
 def _rows(a: Any) -> Any:
@@ -344,7 +346,10 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)
     for i, key in enumerate(plan.snapshot_keys):
         snap = snapshots.setdefault(key, {})
-        snap[layer] = _to_slab(snap, cfg, layer, snap_conv[i], snap_rec[i])
+        if key in plan.device_keys:  # a rollback point: a device copy (3 MB a 27B layer), not a host round trip
+            snap[layer] = (snap_conv[i].copy(), snap_rec[i].copy())
+        else:
+            snap[layer] = _to_slab(snap, cfg, layer, snap_conv[i], snap_rec[i])
     return out if gated is None else gated
 
 

@@ -355,7 +355,8 @@ class QwenModel:
             for p in sorted(set(s.snapshot_at)):
                 if not s.context < p <= s.total:
                     raise ValueError(f"snapshot point {p} outside ({s.context}, {s.total}]")
-                segs.append(DeltaNetSegment(s.start + cut - s.context, p - cut, s.state_slot, (si, p)))
+                segs.append(DeltaNetSegment(s.start + cut - s.context, p - cut, s.state_slot, (si, p),
+                                            (si, p) in batch.device_snapshots))
                 cut = p
             if cut < s.total:
                 segs.append(DeltaNetSegment(s.start + cut - s.context, s.total - cut, s.state_slot, None))

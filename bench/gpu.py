@@ -15,8 +15,9 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    small gates as the presets keep them); KV pages (bf16; BENCH_KV="16/16,6/4" adds a pass over 6/4-bit pages
    with the first variant, MXFP4 unless skipped) and DeltaNet states filled with random data; decode
    steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs, and the step of a speculative
-   verification graph (a draft a sequence: two rows each) against the decode graph's; prefill tokens/s (one
-   2048-token chunk at the start of a prompt and after 16k cached tokens); device sampler time for 12 rows of 248,320 logits. MTP weights are left out.
+   verification graph (a draft a sequence: two rows each) against the decode graph's (BENCH_MTP=1: the preset's MTP
+   head too, random, and its pass's graph); prefill tokens/s (one
+   2048-token chunk at the start of a prompt and after 16k cached tokens); device sampler time for 12 rows of 248,320 logits. MTP weights are left out unless BENCH_MTP=1.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
    4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
    t64 = t4 + (t8 - t4) * 15; the same extrapolation at 1k is printed beside the measured 64 layers. Its 32k
@@ -71,7 +72,9 @@ from decapybara.model.weights import expected_tensors, keeps_prefill_copy
 T0 = time.perf_counter()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "320"))
 MODEL = os.environ.get("BENCH_MODEL", "qwen3.8-27b")
-CFG = dataclasses.replace(named_config(MODEL), mtp_num_hidden_layers=0)
+# BENCH_MTP=1 keeps the preset's MTP head (random weights: its drafts are rejected) and times its pass
+CFG = named_config(MODEL) if os.environ.get("BENCH_MTP") == "1" else dataclasses.replace(named_config(MODEL),
+                                                                                         mtp_num_hidden_layers=0)
 if os.environ.get("BENCH_LAYERS"):  # fewer layers (a dry run of the script's paths)
     _n = int(os.environ["BENCH_LAYERS"])
     CFG = dataclasses.replace(CFG, num_hidden_layers=_n, layer_types=CFG.layer_types[:_n])
@@ -167,7 +170,7 @@ def build_model(variant: str, seed: int = 0, prefill_weights: str = "packed") ->
         backend.moe = lambda *a, b=backend: _host_moe(b, *a)
     cp.random.seed(seed)
     w: dict[str, Any] = {}
-    for name, shape in expected_tensors(CFG, include_mtp=False).items():
+    for name, shape in expected_tensors(CFG, include_mtp=CFG.mtp_num_hidden_layers > 0).items():
         role = tensor_role(name, shape, CFG.tie_word_embeddings)
         if role == "f32":
             if name.endswith("A_log"):
@@ -213,7 +216,7 @@ def weight_bytes(model: QwenModel, b: int | None = None) -> int:
     the experts b rows hit (`expected_experts`; all of them where b is None)."""
     total = 0.0
     for k, v in model.w.items():
-        if k == "model.embed_tokens.weight":
+        if k == "model.embed_tokens.weight" or k.startswith("mtp."):
             continue
         share = expected_experts(b) / CFG.num_experts if ".experts." in k and b is not None else 1.0
         total += v.nbytes * share
@@ -369,7 +372,18 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
                 t = median_time(lambda fwd=fwd, step=step: fwd(step, kv, states), 6)
                 key = f"{mode}_b{b}_ctx{ctx}"
                 res[key] = {"step_ms": t * 1e3, "tok_s": b / t, "pct_roofline": 100 * moved / (copy_bw * 1e9) / t}
+        if CFG.mtp_num_hidden_layers:  # the MTP head's pass after a decode: one (hidden, token) pair a sequence
+            for b in BATCHES:
+                if left() < 20:
+                    break
+                pairs = ForwardBatch.build([([9 + i], ctx - 1, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES,
+                                                                         dtype=np.int32), None) for i in range(b)],
+                                           PAGE, logits="none")
+                hidden = cp.random.standard_normal((b, CFG.hidden_size), cp.float32)
+                t = median_time(lambda pairs=pairs, hidden=hidden: runner.mtp(pairs, hidden, kv), 6)
+                res[f"mtp_b{b}_ctx{ctx}"] = {"step_ms": t * 1e3}
         res["graph_stats"] = {"steps": runner.stats["graph_steps"], "verify_steps": runner.stats["verify_steps"],
+                              "mtp_steps": runner.stats["mtp_steps"],
                               "failures": {str(k): v for k, v in runner.stats["failures"].items()}}
     print(label or variant, "decode", json.dumps(res, default=float)[:1500])
     # Sampler (Qwen's recommended T 0.7 / top-p 0.8 / top-k 20): on this model's logits (random weights: a
@@ -535,6 +549,11 @@ def table() -> None:
                 if v and g:
                     print(f"{variant:<18}verify{ctx:>6}{b:>5}  step {v['step_ms']:.2f} ms = {v['step_ms'] / g['step_ms']:.3f}"
                           f"x the decode step: pays from {v['step_ms'] / g['step_ms'] - 1:.1%} of drafts accepted")
+                m = res.get(f"mtp_b{b}_ctx{ctx}")
+                if m and v and g:
+                    whole = (v["step_ms"] + m["step_ms"]) / g["step_ms"]
+                    print(f"{variant:<18}mtp   {ctx:>6}{b:>5}  pass {m['step_ms']:.2f} ms; verify + pass = {whole:.3f}x "
+                          f"the decode step: pays from {whole - 1:.1%} of drafts accepted")
         pre = res.get("prefill_tok_s")
         hp = RESULTS.get("hf", {}).get("prefill_tok_s")
         print(f"{variant:<18}prefill {pre or 0:>10.0f} tok/s"

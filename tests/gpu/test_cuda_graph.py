@@ -389,6 +389,53 @@ def test_moe_decode_graphs_capture(experts):
             s[0].append(int(np.argmax(eager[j])))
 
 
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_moe_verification_graphs_capture(experts):
+    """An MoE hybrid's verification steps (drafts as second rows beside one-token decodes) replay graphs too:
+    bf16 and packed MXFP4 experts over twice the bucket's rows; logits equal the eager step's within float32
+    summation order, the same greedy tokens, the rollback points within the same tolerance."""
+    from decapybara.backend.cuda_factory import cuda_backend
+
+    hf = TINY_HF_CONFIGS["qwen3_5_moe_text"]
+    cfg = ModelConfig.from_hf({**hf, "shared_expert_intermediate_size": hf["moe_intermediate_size"]})
+    tensors = dict(random_tensors(cfg, seed=5, std=0.2))
+    if experts == "mxfp4":
+        tensors = {k: quantize(v, "mxfp4") if ".experts." in k else v for k, v in tensors.items()}
+    backend = CupyBackend("bf16") if experts == "bf16" else cuda_backend("bf16")
+    model = QwenModel.from_tensors(cfg, backend, tensors, include_mtp=False)
+    page, num_pages = 8, 40
+    kv, states = model.new_kv_cache(num_pages, page), model.new_state_pool(6)
+    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
+    seqs = prefilled_sequences(model, kv, states, (5, 11, 20), seed=2)
+    rng = np.random.default_rng(3)
+    for step, (order, drafts) in enumerate([([0, 1, 2], {0, 2}), ([2, 0], {2}), ([1], {1})]):
+        entries, snaps = [], []
+        for i in order:
+            s = seqs[i]
+            new = [s[0][-1]] + ([int(rng.integers(0, 512))] if i in drafts else [])
+            entries.append((new, len(s[0]) - 1, s[2], s[1]))
+            snaps.append((len(s[0]),) if i in drafts else ())  # the rollback point after the real token
+        batch = ForwardBatch.build(entries, page, logits="all", snapshot_at=snaps)
+        batch.device_snapshots = frozenset((j, p[0]) for j, p in enumerate(snaps) if p)
+        before = snapshot(kv, states, [s[1] for s in seqs])
+        eager_out = model.forward(batch, kv, states)
+        eager = cp.asnumpy(eager_out.logits)
+        restore(kv, states, before)
+        out = runner.forward(batch, kv, states)
+        graph = cp.asnumpy(out.logits)
+        assert runner.stats["verify_steps"] == step + 1, f"step {step} ran eagerly: {runner.stats}"
+        assert rel_err(graph, eager) <= 2e-3, f"{experts} step {step}: rel err {rel_err(graph, eager):.2e}"
+        assert (graph.argmax(-1) == eager.argmax(-1)).all(), f"{experts} step {step}: greedy tokens"
+        for key, ref in eager_out.snapshots.items():
+            got = out.snapshots[key]
+            assert rel_err(cp.asnumpy(got.recurrent[-1]), cp.asnumpy(ref.recurrent[-1])) <= 2e-3, (step, key)
+        r = 0
+        for i, b in zip(order, batch.seqs):
+            seqs[i][0].append(int(np.argmax(eager[r])))
+            r += b.length
+    assert not runner.stats["failures"], runner.stats["failures"]
+
+
 def test_fp32_moe_does_not_capture():
     """The fp32 mode's float32 experts read their routing on the host: `moe_captures` says so."""
     cfg = ModelConfig.from_hf(TINY_HF_CONFIGS["qwen3_5_moe_text"])

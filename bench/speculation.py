@@ -3,7 +3,8 @@ machine's backend (numpy on the CPU; `SPEC_BACKEND=cupy` the cupy backend in flo
 `SPEC_GRAPHS=0`): the demo model, 1 / 5 / 12 agents of code prompts, greedy and at temperature 0.7, each setting
 run `SPEC_ROUNDS` times interleaved (off, mtp, off, mtp, ...), drafts of the head's guesses of probability
 `SPEC_CONFIDENCE` and up (default: EngineConfig's `spec_min_confidence`). Prints tok/s, steps, drafts and accepted
-drafts, and the ratio of the medians; checks that both give the same tokens. `SPEC_FILL=1` fills the spare rows of
+drafts, and the ratio of the medians; checks that both give the same tokens. `SPEC_SPECULATOR=ngram` drafts by
+prompt lookup instead of the MTP head (the "mtp" columns are then its). `SPEC_FILL=1` fills the spare rows of
 a step that verifies a draft with the other agents' doubtful guesses as verification graphs do (`Engine.fill_rows`;
 on by itself with graphs): on numpy, where those rows are not free, its steps and acceptance are what counts.
 
@@ -39,9 +40,10 @@ def main() -> None:
     rounds = int(os.environ.get("SPEC_ROUNDS", "2"))
     tokens = int(os.environ.get("SPEC_TOKENS", "128"))
     confidence = float(os.environ.get("SPEC_CONFIDENCE", EngineConfig().spec_min_confidence))
+    drafter = os.environ.get("SPEC_SPECULATOR", "mtp")
     print(f"demo model on {backend.name}{' with decode graphs' if graphs else ''}, {tokens} tokens an agent, "
           f"{rounds} rounds, drafts of p >= {confidence:g}"
-          f"{', spare rows filled' if os.environ.get('SPEC_FILL') == '1' else ''}")
+          f"{', spare rows filled' if os.environ.get('SPEC_FILL') == '1' else ''}, drafter {drafter}")
     print("agents  temp  off tok/s (steps)  mtp tok/s (steps)  drafts  accepted  mtp / off")
     for agents, temp in ((1, 0.0), (1, 0.7), (5, 0.0), (12, 0.0), (12, 0.7)):
         prompts = [loaded.tokenizer.encode(t) for t in TEXTS[:agents]]
@@ -51,7 +53,8 @@ def main() -> None:
         for _ in range(rounds):
             for spec in ("off", "mtp"):
                 cfg = EngineConfig(page_size=16, num_pages=512, max_batch_tokens=256, loop_guard="off",
-                                   cuda_graphs=graphs, speculator=spec, spec_min_confidence=confidence)
+                                   cuda_graphs=graphs, speculator=drafter if spec == "mtp" else spec,
+                                   spec_min_confidence=confidence)
                 e = Engine(loaded.model, cfg, tokenizer=loaded.tokenizer)
                 if spec == "mtp" and os.environ.get("SPEC_FILL") == "1":
                     e.fill_rows = 12

@@ -54,7 +54,9 @@ class EngineConfig:
     # Speculative decoding: "mtp" drafts each decoding sequence's next token with the model's MTP head and verifies
     # it as a second row of the sequence's decode (a token gained where it matches what is sampled; outputs as
     # without speculation); "off". Models without an MTP head ignore it. On CUDA graphs, a step with drafts
-    # replays a verification graph (two rows a sequence).
+    # replays a verification graph (two rows a sequence). "ngram": prompt lookup (engine/ngram.py), the token that
+    # followed the latest earlier occurrence of the last three tokens, any model (a two-token match: a guess for the
+    # spare rows of spec_fill).
     speculator: str = "off"
     # ... a draft only where the MTP head's probability of its guess is at least this (on the demo model, guesses
     # under 0.3 were accepted 21-25% of the time, over 0.5 67-100%; docs/perf.md)
@@ -85,8 +87,8 @@ class EngineConfig:
             raise ConfigError(f"context_mode must be pool or fixed, got {self.context_mode!r}")
         if not 0.0 <= self.spec_min_confidence <= 1.0:
             raise ConfigError("spec_min_confidence must be in [0, 1]")
-        if self.speculator not in ("mtp", "off"):
-            raise ConfigError(f"speculator must be mtp or off, got {self.speculator!r}")
+        if self.speculator not in ("mtp", "ngram", "off"):
+            raise ConfigError(f"speculator must be mtp, ngram or off, got {self.speculator!r}")
         if self.loop_guard not in ("stop", "end_thinking", "escape", "off"):
             raise ConfigError(f"loop_guard must be stop, end_thinking, escape or off, got {self.loop_guard!r}")
 

@@ -22,6 +22,7 @@ from decapybara.config import EngineConfig
 from decapybara.engine.block_manager import BlockManager, page_hash, root_hash
 from decapybara.engine.loopguard import ActionKind, LoopGuard, LoopGuardConfig
 from decapybara.engine.memory import MemoryMixin
+from decapybara.engine.ngram import NgramIndex
 from decapybara.engine.planner import StepPlan, plan_step
 from decapybara.engine.runner import ModelRunner
 from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
@@ -96,7 +97,8 @@ class Engine(MemoryMixin):
         self._think = (getattr(special, "think", None), getattr(special, "end_think", None))
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
         # speculation: the MTP head drafts each decoding sequence's next token, verified as a second row
-        self.speculate = cfg.speculator == "mtp" and model.has_mtp
+        self.speculate = (cfg.speculator == "mtp" and model.has_mtp) or cfg.speculator == "ngram"
+        self.mtp = self.speculate and cfg.speculator == "mtp"  # drafts from the MTP head (else prompt lookup)
         # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         graphs = self.runner.graphs
         self.fill_rows = max(graphs.buckets) if self.speculate and cfg.spec_fill and graphs is not None else 0
@@ -158,7 +160,7 @@ class Engine(MemoryMixin):
         plan = self._plan_with_pages()
         if not plan.chunks:
             return []
-        out = self.runner.run(plan, normed=self.speculate)
+        out = self.runner.run(plan, normed=self.mtp)
         events = self._postprocess(plan, out)
         self.stats.steps += 1
         self.stats.forward_tokens += plan.num_tokens
@@ -249,8 +251,10 @@ class Engine(MemoryMixin):
             for k, j in enumerate(bonus):
                 self._append_output(sampling[j].seq, int(extra.token_ids[k]), float(extra.logprobs[k]),
                                     extra.top_logprobs[k], now)
-        if self.speculate:
+        if self.mtp:
             self._draft(plan, out, before)
+        elif self.speculate:
+            self._draft_ngram(plan)
         events: list[TokenEvent] = []
         for c in sampling:
             ev = self._event_if_due(c.seq)
@@ -269,6 +273,31 @@ class Engine(MemoryMixin):
             logits = logits[self.model.backend.from_host(np.asarray(idx, np.int64))]
         return self.model.backend.sample(logits, rows, self.eos_token_ids)
 
+    def _wants_draft(self, c: Any) -> bool:
+        """Whether chunk `c`'s sequence may draft: its next step decodes one token and a second could still be
+        taken (max_tokens, the context)."""
+        s = c.seq
+        return (c.sample and s.finish_reason is None and s.num_uncomputed == 1
+                and s.num_output + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len)
+
+    def _draft_ngram(self, plan: StepPlan) -> None:
+        """Prompt-lookup drafts (SPECULATOR ngram, engine/ngram.py): the token that followed the latest earlier
+        occurrence of a sequence's last three tokens is its draft; of its last two only, a guess (verified in a
+        verification graph's spare row, `spec_fill`)."""
+        for c in plan.chunks:
+            s = c.seq
+            s.draft = s.guess = None
+            if not self._wants_draft(c):
+                continue
+            if s.ngram is None:
+                s.ngram = NgramIndex()
+            token, n = s.ngram.propose(s.tokens)
+            if token is not None:
+                if n >= s.ngram.max_n:
+                    s.draft = token
+                else:
+                    s.guess = token
+
     def _draft(self, plan: StepPlan, out: Any, before: list[int]) -> None:
         """The MTP head over each running sequence's positions computed this step, paired with the tokens after
         them (so its KV follows the main model's), and, for a sequence whose next step decodes one token, the
@@ -286,9 +315,7 @@ class Engine(MemoryMixin):
             entries.append((s.tokens[p0 + 1:s.num_computed + 1], p0, s.pages))
             rows.extend(range(b.start, b.start + k))
             n += k
-            # a draft only where the next step decodes one token and a second could still be taken
-            if c.sample and s.num_uncomputed == 1 and s.num_output + 1 < s.params.max_tokens \
-                    and s.num_tokens + 1 < self.max_model_len:
+            if self._wants_draft(c):
                 draft_rows.append(n - 1)
                 wants.append(s)
         if not entries:

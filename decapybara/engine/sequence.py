@@ -94,6 +94,7 @@ class Sequence:
     in_thinking: bool = False
     draft: int | None = None  # speculation: the MTP head's guess of the token after the last one (engine._draft)
     guess: int | None = None  # ... its guess where too doubtful to draft alone (a verification graph's spare row)
+    ngram: Any = None  # SPECULATOR ngram: its tokens' n-gram index (engine/ngram.py NgramIndex), built at first use
     paused_bundle: Any = None
     num_pauses: int = 0
     num_resumes: int = 0

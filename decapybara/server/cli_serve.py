@@ -37,8 +37,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--ram-cache-gb", dest="ram_cache_gb", type=float)
     s.add_argument("--disk-cache", dest="disk_cache", help="fsspec URL of the disk KV tier")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    s.add_argument("--speculator", choices=["mtp", "off"],
-                   help="mtp: draft each agent's next token with the model's MTP head, verified in its decode")
+    s.add_argument("--speculator", choices=["mtp", "ngram", "off"],
+                   help="mtp: draft each agent's next token with the model's MTP head, verified in its decode; "
+                   "ngram: draft what followed the last three tokens earlier in the conversation (any model)")
     s.add_argument("--keep-free-gb", dest="keep_free_gb", type=float,
                    help="device memory (GiB) left to other programs; the KV pool takes the rest (CUDA)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other AppConfig field")

@@ -70,14 +70,16 @@ class AppConfig(BaseModel):
                                    "(CUDA backend, cuda_graphs on)")
     product_chains: bool = Field(default=False, description="decode graphs run each layer's run of skinny products"
                                  " (up to 8 rows) as one persistent launch (CUDA backend, cuda_graphs on)")
-    speculator: Literal["mtp", "off"] = Field(
+    speculator: Literal["mtp", "ngram", "off"] = Field(
         default="off", description="SPECULATOR: mtp drafts each agent's next token with the model's MTP head and "
-        "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft); off")
+        "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft); ngram: the "
+        "draft is the token that followed the latest earlier occurrence of the agent's last three tokens (prompt "
+        "lookup, any model); off")
     spec_min_confidence: float = Field(
         default=0.3, ge=0, le=1, description="speculator=mtp: draft only where the MTP head gives its guess at least "
         "this probability (confidence scheduling; a doubted guess is seldom accepted and its row costs as any)")
     spec_fill: bool = Field(
-        default=True, description="speculator=mtp on CUDA graphs: a decode step that verifies a draft through a "
+        default=True, description="speculator=mtp or ngram on CUDA graphs: a decode step that verifies a draft through a "
         "verification graph verifies the other agents' doubtful guesses too (their second rows are computed anyway)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "

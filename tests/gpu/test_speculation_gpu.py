@@ -59,3 +59,20 @@ def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs, confide
     if graphs:
         g = s["graphs"]
         assert g["graph_steps"] > g["verify_steps"] > 0 and g["mtp_steps"] > 0 and not s["graph_failures"], g
+
+
+def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
+    """SPECULATOR ngram with decode graphs: repeated text drafts what followed it; the steps with drafts replay
+    verification graphs (no MTP pass) and the tokens are those without speculation."""
+    gpu = loaded("cupy")
+    text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+    prompts = [gpu.tokenizer.encode(text), gpu.tokenizer.encode("import os\nimport sys\nimport os\nimport sys\n")]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 2
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off")
+    plain = Engine(gpu.model, cfg, tokenizer=gpu.tokenizer).generate(prompts, params)
+    e = Engine(gpu.model, cfg.replace(speculator="ngram"), tokenizer=gpu.tokenizer)
+    assert e.generate(prompts, params) == plain
+    g = e.snapshot_stats()["graphs"]
+    print(f"ngram: drafted {e.stats.drafted_tokens} accepted {e.stats.accepted_tokens} steps {e.stats.steps} "
+          f"graph steps {g['graph_steps']} (verify {g['verify_steps']})")
+    assert 0 < e.stats.accepted_tokens and g["verify_steps"] > 0 and g["mtp_steps"] == 0 and not g["failures"], g

@@ -1,0 +1,44 @@
+"""Prompt-lookup drafts (SPECULATOR ngram): the token that followed the latest earlier occurrence of a sequence's
+last few tokens. Coding agents re-emit what their context holds (a file they read, the call they just wrote),
+so the continuation of a repeated n-gram is often the next token; any model can verify it as a second row, with
+no head or draft model.
+
+`NgramIndex` keeps, per sequence, the latest ending position of every n-gram (n in [min_n, max_n]) whose next
+token is known, extended as tokens are appended: O(1) dictionary work a token (built over a prompt once, at its
+first proposal), so a step's drafts cost no scan of a long context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """The latest earlier position of a token list's n-grams (see the module docstring). `propose` takes the list
+    as it grows: only appended tokens are indexed again."""
+
+    min_n: int = 2
+    max_n: int = 3
+    upto: int = 0  # ending positions [0, upto) are indexed
+    last: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest ending position indexed
+
+    def propose(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """(the token after the latest earlier occurrence of the longest n-gram that ends `tokens`, n), longest
+        first from max_n down to min_n; (None, 0) where none recurs. Positions whose next token is known are
+        indexed (every one but the last), so a match is always strictly earlier than the end."""
+        end = len(tokens) - 1  # the suffix's own end: not indexed (it has no next token yet)
+        for e in range(self.upto, end):
+            for n in range(self.min_n, self.max_n + 1):
+                if e - n + 1 < 0:
+                    break
+                self.last[tuple(tokens[e - n + 1:e + 1])] = e
+        self.upto = max(self.upto, end)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if n > len(tokens):
+                continue
+            e = self.last.get(tuple(tokens[len(tokens) - n:]))
+            if e is not None:
+                return int(tokens[e + 1]), n
+        return None, 0

@@ -57,7 +57,9 @@ def test_fit_pool_sets_the_verification_checkpoints_aside():
     assert cfg.mtp_num_hidden_layers > 0
     assert verify_checkpoints(mtp, cfg) == max(GRAPH_BUCKETS) == 12
     assert verify_checkpoints(mtp.replace(max_slots=3, max_batch_tokens=64), cfg) == 4  # buckets 1, 2, 4
-    assert verify_checkpoints(mtp, dataclasses.replace(cfg, mtp_num_hidden_layers=0)) == 0  # no head to draft
+    headless = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    assert verify_checkpoints(mtp, headless) == 0  # no head to draft
+    assert verify_checkpoints(mtp.replace(speculator="ngram"), headless) == 12  # prompt lookup drafts for any
     assert verify_checkpoints(mtp.replace(cuda_graphs=False), cfg) == 0
     assert verify_checkpoints(EngineConfig(), cfg) == 0
     dense = dataclasses.replace(cfg, layer_types=("full_attention",) * cfg.num_hidden_layers)
@@ -127,3 +129,28 @@ def test_plan_leaves_keep_free_out_of_the_pool(capsys):
     per_page = kv_bytes_per_token(named_config("qwen3.8-27b"), "6/4") * 512
     assert full - kept in (4 * GIB // per_page * 512, (4 * GIB // per_page + 1) * 512)
     assert main(base + ["--keep-free-gb", "-1"]) == 2
+
+
+def test_plan_sets_the_verification_checkpoints_aside(capsys):
+    """`decapybara plan --speculator mtp|ngram` on a device: the rollback states of the slots' largest bucket (2
+    slots: bucket 2) come out of the KV pool, as the server sets them aside; off, nothing does."""
+    base = ["plan", "--config", "qwen3.8-27b", "--weights", "small", "--kv-mode", "6/4", "--vram-gb", "32",
+            "--bandwidth-gbps", "1000", "--slots", "2", "--context", "8192"]
+
+    def pool_tokens(argv: list[str]) -> tuple[int, str]:
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("small "))
+        return int(row.split()[5].replace(",", "")), out
+
+    cfg = named_config("qwen3.8-27b")
+    off, out = pool_tokens(base)
+    assert "rollback states" not in out
+    for spec in ("mtp", "ngram"):
+        spec_pool, out = pool_tokens(base + ["--speculator", spec])
+        states = 2 * cfg.state_bytes_per_sequence()
+        assert f"2 rollback states for speculative verification ({states / GIB:.1f} GiB)" in out
+        per_page = kv_bytes_per_token(cfg, "6/4") * 512
+        assert off - spec_pool in (states // per_page * 512, (states // per_page + 1) * 512), (off, spec_pool)
+    with pytest.raises(SystemExit):
+        main(base + ["--speculator", "eagle"])

@@ -101,9 +101,9 @@ def default_reserve(device_bytes: int) -> int:
 
 def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mode: str, slots: int,
                   context: int, page_size: int = 512, ram_bytes: int = 0,
-                  reserve_bytes: int | None = None, keep_free_bytes: int = 0) -> CapacityPlan:
+                  reserve_bytes: int | None = None, keep_free_bytes: int = 0, checkpoints: int = 0) -> CapacityPlan:
     """The KV pool that fits on a device of `device_bytes` beside `weight_bytes` of weights, the state pool
-    of `slots` conversations, a reserve (default `default_reserve`) and `keep_free_bytes` left to other programs
+    of `slots` conversations (+ `checkpoints`: speculative verification's rollback states), a reserve (default `default_reserve`) and `keep_free_bytes` left to other programs
     (the server's keep_free_gb). Raises ValueError on impossible settings (no slots, non-positive sizes)."""
     if slots < 1 or page_size < 1 or context < 1:
         raise ValueError(f"slots, page_size and context must be >= 1 (got {slots}, {page_size}, {context})")
@@ -111,7 +111,7 @@ def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mod
         raise ValueError("device memory must be positive, weight, RAM and kept-free bytes non-negative")
     reserve = default_reserve(device_bytes) if reserve_bytes is None else reserve_bytes
     token = kv_bytes_per_token(cfg, kv_mode)
-    states = cfg.state_bytes_per_sequence() * (slots + 1)
+    states = cfg.state_bytes_per_sequence() * (slots + 1 + max(0, checkpoints))
     free = device_bytes - weight_bytes - states - reserve - keep_free_bytes
     pages = max(0, free // (token * page_size)) if token else 0
     return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),

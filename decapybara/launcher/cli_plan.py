@@ -54,6 +54,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--keep-free-gb", dest="keep_free_gb", type=float, default=0.0,
                    help="device memory in GiB left to other programs (the server's keep_free_gb), planned out "
                         "of the KV pool")
+    p.add_argument("--speculator", choices=("off", "mtp", "ngram"), default="off",
+                   help="the server's speculator: on CUDA a hybrid model's verification graphs keep a rollback "
+                        "state a conversation of their largest bucket, planned out of the KV pool")
     p.set_defaults(func=cmd_plan)
 
 
@@ -72,17 +75,17 @@ class Candidate:
 def candidates(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], kv_modes: list[str],
                slots: int, context: int, page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
                quality: dict[tuple[str, str], tuple[float, float]] | None = None,
-               extra: dict[str, int] | None = None, keep_free: int = 0) -> list[Candidate]:
+               extra: dict[str, int] | None = None, keep_free: int = 0, checkpoints: int = 0) -> list[Candidate]:
     """Every (weights, KV mode) setting planned: `weights` maps a setting to the bytes of each tensor as the
     backend holds them, `extra` to further resident bytes that decode does not read (the prefill weights' bf16
-    copies), `keep_free` device bytes left to other programs. Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
+    copies), `keep_free` device bytes left to other programs, `checkpoints` verification rollback states. Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
     where the table has the pair."""
     out = []
     for name, tensors in weights.items():
         resident = sum(tensors.values()) + (extra or {}).get(name, 0)
         for mode in kv_modes:
             plan = plan_capacity(cfg, resident, device_bytes, mode, slots, context, page_size, ram_bytes,
-                                 keep_free_bytes=keep_free)
+                                 keep_free_bytes=keep_free, checkpoints=checkpoints)
             t1 = decode_roofline(cfg, tensors, mode, [context], bandwidth) if bandwidth > 0 else 0.0
             tn = decode_roofline(cfg, tensors, mode, [context] * slots, bandwidth) if bandwidth > 0 else 0.0
             q = (quality or {}).get((name, mode))
@@ -224,8 +227,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dense = args.prefill_weights == "bf16" and on_gpu  # the numpy backend keeps no copies
     extra = {name: dense_prefill_bytes(shapes, t) for name, t in weights.items()} if dense else None
     keep_free = int(args.keep_free_gb * GIB)
+    checkpoints = 0
+    if on_gpu:  # as the server sets them aside (server/engine_setup.verify_checkpoints)
+        from decapybara.config import EngineConfig
+        from decapybara.server.engine_setup import verify_checkpoints
+
+        checkpoints = verify_checkpoints(EngineConfig(max_slots=args.slots, max_batch_tokens=max(512, args.slots),
+                                                      speculator=args.speculator), cfg)
     rows = candidates(cfg, weights, stored, modes, args.slots, args.context, page, device_bytes, ram, bandwidth,
-                      quality, extra, keep_free)
+                      quality, extra, keep_free, checkpoints)
     print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
           f"{trained:,}-token positions")
@@ -247,6 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"plan: {args.slots} conversations of {args.context:,} tokens; reserve "
           f"{rows[0].plan.reserve_bytes / GIB:.1f} GiB for activations; "
           + (f"{keep_free / GIB:.1f} GiB kept free for other programs; " if keep_free else "")
+          + (f"{checkpoints} rollback states for speculative verification "
+             f"({checkpoints * cfg.state_bytes_per_sequence() / GIB:.1f} GiB) in the state pool; " if checkpoints else "")
           + (f"{snaps / GIB:.1f} GiB of host memory for prefix-cache state snapshots; " if snaps else "")
           + "roofline = bytes a decode step moves / bandwidth (an upper bound; docs/perf.md has measured fractions)")
     for line in format_table(rows, args.slots, args.context):

@@ -31,12 +31,12 @@ class ServedEngine:
 
 def verify_checkpoints(engine_cfg: Any, mcfg: Any) -> int:
     """DeltaNet states that speculative verification graphs keep as rollback points (one a row of the largest
-    bucket the engine's slots use, `graph_buckets`): with the MTP speculator, CUDA graphs and a hybrid model that
-    has an MTP head; else 0."""
+    bucket the engine's slots use, `graph_buckets`): with CUDA graphs, a hybrid model and a speculator that drafts
+    for it (prompt lookup for any model, the MTP head where the model has one); else 0."""
     from decapybara.engine.runner import graph_buckets
 
-    on = (engine_cfg.speculator == "mtp" and engine_cfg.cuda_graphs and bool(mcfg.linear_layers)
-          and mcfg.mtp_num_hidden_layers > 0)
+    drafts = engine_cfg.speculator == "ngram" or (engine_cfg.speculator == "mtp" and mcfg.mtp_num_hidden_layers > 0)
+    on = drafts and engine_cfg.cuda_graphs and bool(mcfg.linear_layers)
     return max(graph_buckets(engine_cfg.max_slots)) if on else 0
 
 

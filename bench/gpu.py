@@ -80,7 +80,8 @@ if os.environ.get("BENCH_LAYERS"):  # fewer layers (a dry run of the script's pa
     CFG = dataclasses.replace(CFG, num_hidden_layers=_n, layer_types=CFG.layer_types[:_n])
 PAGE, SEQ_PAGES, SLOTS = 512, 64, 12  # 64 pages of 512 tokens: 32k context per sequence
 CONTEXTS, BATCHES = (1024, 32768), (1, 12)
-RESULTS: dict[str, Any] = {"config": f"{MODEL} (no MTP)", "errors": {}}
+RESULTS: dict[str, Any] = {"config": f"{MODEL} ({'random MTP head' if CFG.mtp_num_hidden_layers else 'no MTP'})",
+                           "errors": {}}
 
 
 def left() -> float:
@@ -376,14 +377,16 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
             for b in BATCHES:
                 if left() < 20:
                     break
-                pairs = ForwardBatch.build([([9 + i], ctx - 1, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES,
+                # (at ctx - 2: an MTP graph's throwaway row takes a key past the pair, within SEQ_PAGES)
+                pairs = ForwardBatch.build([([9 + i], ctx - 2, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES,
                                                                          dtype=np.int32), None) for i in range(b)],
                                            PAGE, logits="none")
                 hidden = cp.random.standard_normal((b, CFG.hidden_size), cp.float32)
+                assert runner.mtp(pairs, hidden, kv) is not None, "the MTP pass did not replay a graph"
                 t = median_time(lambda pairs=pairs, hidden=hidden: runner.mtp(pairs, hidden, kv), 6)
                 res[f"mtp_b{b}_ctx{ctx}"] = {"step_ms": t * 1e3}
         res["graph_stats"] = {"steps": runner.stats["graph_steps"], "verify_steps": runner.stats["verify_steps"],
-                              "mtp_steps": runner.stats["mtp_steps"],
+                              "mtp_steps": runner.stats["mtp_steps"], "mtp_eager": runner.stats["mtp_eager"],
                               "failures": {str(k): v for k, v in runner.stats["failures"].items()}}
     print(label or variant, "decode", json.dumps(res, default=float)[:1500])
     # Sampler (Qwen's recommended T 0.7 / top-p 0.8 / top-k 20): on this model's logits (random weights: a

@@ -35,6 +35,11 @@ def test_the_index_grows_with_the_tokens_as_one_built_afresh():
     for n in range(0, 400, 7):
         assert grown.propose(tokens[:n]) == NgramIndex().propose(tokens[:n]), n
     assert grown.upto == 398
+    chunked = NgramIndex()  # a prompt indexed chunk by chunk as it is computed, then proposals
+    for upto in (0, 50, 51, 200, 399, 1000):
+        chunked.extend(tokens, upto)
+    assert chunked.upto == 399 and chunked.propose(tokens) == NgramIndex().propose(tokens)
+    assert NgramIndex().last == {}  # fresh instances share no state
 
 
 @functools.cache
@@ -68,6 +73,8 @@ def test_prompt_lookup_keeps_the_tokens_and_its_drafts_are_accepted(temperature)
     assert 0 < s.accepted_tokens <= s.drafted_tokens
     if temperature == 0:
         assert s.accepted_tokens / s.drafted_tokens > 0.3 and s.steps < 48
+    else:  # sampled: some drafts rejected, so rollbacks ran
+        assert s.accepted_tokens < s.drafted_tokens
 
 
 def test_prompt_lookup_on_a_model_without_an_mtp_head():

@@ -224,6 +224,8 @@ class DecodeGraphRunner:
         device views where `batch.device_snapshots` names it (valid until the next verification replay), else a
         host copy."""
         lin = list(self.model.cfg.linear_layers)
+        if not lin:  # no hybrid state: nothing to snapshot
+            return
         for i, s in enumerate(batch.seqs):
             for q in s.snapshot_at:
                 if q == s.total:

@@ -287,10 +287,13 @@ class Engine(MemoryMixin):
         for c in plan.chunks:
             s = c.seq
             s.draft = s.guess = None
-            if not self._wants_draft(c):
+            if s.finish_reason is not None:
                 continue
             if s.ngram is None:
                 s.ngram = NgramIndex()
+            if not self._wants_draft(c):  # a prompt's chunk: its positions indexed as they are computed
+                s.ngram.extend(s.tokens, s.num_computed)
+                continue
             token, n = s.ngram.propose(s.tokens)
             if token is not None:
                 if n >= s.ngram.max_n:

@@ -24,17 +24,22 @@ class NgramIndex:
     upto: int = 0  # ending positions [0, upto) are indexed
     last: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest ending position indexed
 
-    def propose(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """(the token after the latest earlier occurrence of the longest n-gram that ends `tokens`, n), longest
-        first from max_n down to min_n; (None, 0) where none recurs. Positions whose next token is known are
-        indexed (every one but the last), so a match is always strictly earlier than the end."""
-        end = len(tokens) - 1  # the suffix's own end: not indexed (it has no next token yet)
-        for e in range(self.upto, end):
+    def extend(self, tokens: Sequence[int], upto: int) -> None:
+        """Index the ending positions [self.upto, upto) of `tokens` (each with a next token: upto < len(tokens)):
+        a prompt indexed chunk by chunk as it is computed, so that its first proposal does not build the index
+        of a long prompt in one step (~0.1 s at 100k tokens)."""
+        for e in range(self.upto, min(upto, len(tokens) - 1)):
             for n in range(self.min_n, self.max_n + 1):
                 if e - n + 1 < 0:
                     break
                 self.last[tuple(tokens[e - n + 1:e + 1])] = e
-        self.upto = max(self.upto, end)
+        self.upto = max(self.upto, min(upto, len(tokens) - 1))
+
+    def propose(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """(the token after the latest earlier occurrence of the longest n-gram that ends `tokens`, n), longest
+        first from max_n down to min_n; (None, 0) where none recurs. Positions whose next token is known are
+        indexed (every one but the last), so a match is always strictly earlier than the end."""
+        self.extend(tokens, len(tokens) - 1)  # the suffix's own end: not indexed (it has no next token yet)
         for n in range(self.max_n, self.min_n - 1, -1):
             if n > len(tokens):
                 continue

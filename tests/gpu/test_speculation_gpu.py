@@ -63,11 +63,14 @@ def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs, confide
 
 def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
     """SPECULATOR ngram with decode graphs: repeated text drafts what followed it; the steps with drafts replay
-    verification graphs (no MTP pass) and the tokens are those without speculation."""
+    verification graphs (no MTP pass) and the tokens are those without speculation, greedy and seeded (whose
+    rejected drafts roll back through the graphs' device views)."""
     gpu = loaded("cupy")
     text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
-    prompts = [gpu.tokenizer.encode(text), gpu.tokenizer.encode("import os\nimport sys\nimport os\nimport sys\n")]
-    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 2
+    prompts = [gpu.tokenizer.encode(text), gpu.tokenizer.encode("import os\nimport sys\nimport os\nimport sys\n"),
+               gpu.tokenizer.encode(text)]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.9, seed=3, max_tokens=32, ignore_eos=True)]
     cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off")
     plain = Engine(gpu.model, cfg, tokenizer=gpu.tokenizer).generate(prompts, params)
     e = Engine(gpu.model, cfg.replace(speculator="ngram"), tokenizer=gpu.tokenizer)
@@ -75,4 +78,5 @@ def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
     g = e.snapshot_stats()["graphs"]
     print(f"ngram: drafted {e.stats.drafted_tokens} accepted {e.stats.accepted_tokens} steps {e.stats.steps} "
           f"graph steps {g['graph_steps']} (verify {g['verify_steps']})")
-    assert 0 < e.stats.accepted_tokens and g["verify_steps"] > 0 and g["mtp_steps"] == 0 and not g["failures"], g
+    assert 0 < e.stats.accepted_tokens < e.stats.drafted_tokens, "both sides of the verification"
+    assert g["verify_steps"] > 0 and g["mtp_steps"] == 0 and not g["failures"], g

@@ -248,14 +248,18 @@ class DecodeGraphRunner:
             return "not a decode or verification batch (prefill chunk)"
         if not np.array_equal(batch.logits_rows, np.arange(batch.num_tokens)):
             return "logits not requested for exactly every row"
-        # a verification graph's rows take two keys of every sequence's block table
-        keys = 1 if self._rows(batch) == 1 else 2
-        if any(len(s.block_table) > self.max_pages or -(-(s.context + keys) // batch.page_size) > self.max_pages
-               or self.pad_page in s.block_table[:-(-s.total // batch.page_size)] for s in seqs):
+        if not self._tables_fit(batch, self._rows(batch)):
             return "block table longer than max_pages or using the pad page"
         if self.model.cfg.linear_layers and any(s.state_slot in (None, self.pad_slot) for s in seqs):
             return "state slot missing or equal to pad_slot"
         return None
+
+    def _tables_fit(self, batch: ForwardBatch, rows: int) -> bool:
+        """Whether every sequence's block table fits a graph of `rows` rows a sequence: at most max_pages pages,
+        the keys its rows take (a two-row graph's: context + 2) within them, the pad page not among its own."""
+        ps = batch.page_size
+        return not any(len(s.block_table) > self.max_pages or cdiv(s.context + rows, ps) > self.max_pages
+                       or self.pad_page in s.block_table[:cdiv(s.total, ps)] for s in batch.seqs)
 
     # ---- graphs -----------------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -371,9 +375,8 @@ class DecodeGraphRunner:
         a sequence of more than two pairs, more sequences than the largest bucket, pages past max_pages, or a
         capture that failed before."""
         seqs = batch.seqs
-        if not seqs or len(seqs) > max(self.buckets) or any(s.length > 2 for s in seqs) or any(
-                len(s.block_table) > self.max_pages or cdiv(s.context + 2, batch.page_size) > self.max_pages
-                or self.pad_page in s.block_table[:cdiv(s.total, batch.page_size)] for s in seqs):
+        if not seqs or len(seqs) > max(self.buckets) or any(s.length > 2 for s in seqs) \
+                or not self._tables_fit(batch, 2):
             self.stats["mtp_eager"] += 1
             return None
         key = ("mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=2))

@@ -2,6 +2,8 @@
 
     PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
     PROFILE_SHAPES=1x1024,12x1024 PROFILE_MODES=graph python3 bench/profile_step.py mxfp4
+    PROFILE_MODES=graph,verify ...      # verify: speculative verification steps (a draft a sequence, graphs)
+    BENCH_MTP=1 PROFILE_MODES=mtp ...   # the MTP head's pass (graphs), a (hidden, token) pair a sequence
     PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
     PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached);
                                              # tokens@start+N: and N decode rows at that context (a mixed step)
@@ -121,12 +123,20 @@ def main() -> None:
         model = B.build_model(variant)
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
         for b, ctx in SHAPES:
-            batch = B.decode_batch(b, ctx)
-            for mode, fwd in (("eager", model.forward), ("graph", runner.forward)):
+            for mode, fwd in (("eager", model.forward), ("graph", runner.forward), ("verify", runner.forward)):
                 if mode not in MODES:
                     continue
+                # verify: each sequence's real token and a draft through the verification graphs
+                batch = B.verify_batch(b, ctx) if mode == "verify" else B.decode_batch(b, ctx)
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
+            if "mtp" in MODES and B.CFG.mtp_num_hidden_layers:  # BENCH_MTP=1: the MTP head's pass, a pair a sequence
+                pairs = B.ForwardBatch.build([([9 + i], ctx - 2, np.arange(i * B.SEQ_PAGES, (i + 1) * B.SEQ_PAGES,
+                                                                           dtype=np.int32), None) for i in range(b)],
+                                             B.PAGE, logits="none")
+                hidden = cp.random.standard_normal((b, B.CFG.hidden_size), cp.float32)
+                wall, table = kernel_table(lambda pairs=pairs, hidden=hidden, r=runner: r.mtp(pairs, hidden, kv))
+                out[f"{variant} mtp b{b} ctx{ctx}"] = show(f"{variant} mtp pass b={b} ctx={ctx}", wall, table)
         defaults, rec_defaults, mixed = dict(PREFILL_SETTINGS), dict(RECURRENT), DECODE_SETTINGS["mixed"]
         chunked_defaults = dict(CHUNKED)
         for tokens, start, rows in PREFILL:  # one sequence's chunk over its first pages (slot 0), decode rows after

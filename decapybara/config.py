@@ -65,6 +65,10 @@ class EngineConfig:
     # under spec_min_confidence are verified too: their second rows are computed anyway (a throwaway row
     # otherwise), so a guess costs at most its rollback
     spec_fill: bool = True
+    # ... drafts verified only at the step widths (numbers of decoding sequences) where the steps that verify them
+    # are measured to emit more tokens a second than those that do not (engine/spec_governor.py): a verification
+    # row costs as any row, and on a GPU twelve agents' verification step can cost twice their decode step
+    spec_adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:

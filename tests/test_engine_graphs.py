@@ -287,7 +287,7 @@ def test_speculation_through_graphs_keeps_the_tokens(fake_graphs):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 48)]
     cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=128, loop_guard="off", spec_min_confidence=0.9)
     ref = Engine(loaded.model, cfg.replace(cuda_graphs=False), tokenizer=tok).generate(ps, params)
-    e = Engine(loaded.model, cfg.replace(speculator="mtp"), tokenizer=tok)
+    e = Engine(loaded.model, cfg.replace(speculator="mtp", spec_adaptive=False), tokenizer=tok)
     assert e.runner.graphs is fake_graphs[0] and e.fill_rows == 12
     assert e.generate(ps, params) == ref
     g = e.snapshot_stats()["graphs"]

@@ -53,7 +53,8 @@ REPEAT = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + 
 
 
 def run(model, tokenizer, speculator, prompts, params, **cfg):
-    settings = {"page_size": 16, "num_pages": 256, "max_batch_tokens": 256, "loop_guard": "off", **cfg}
+    settings = {"page_size": 16, "num_pages": 256, "max_batch_tokens": 256, "loop_guard": "off",
+                "spec_adaptive": False, **cfg}
     e = Engine(model, EngineConfig(speculator=speculator, **settings), tokenizer=tokenizer)
     return e.generate(prompts, params), e
 

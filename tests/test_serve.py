@@ -283,7 +283,7 @@ def test_serve_run_with_mtp_speculation_answers_as_without(served, ray_cluster, 
 
     log = tmp_path / "spec.log"
     cmd = [str(Path(sys.executable).parent / "serve"), "run", "--address", ray_cluster, "--non-blocking",
-           "--name", "spec", "--route-prefix", "/spec", "serve_app:build_app", "speculator=mtp", "name=spec",
+           "--name", "spec", "--route-prefix", "/spec", "serve_app:build_app", "speculator=mtp", "spec_adaptive=false", "name=spec",
            "max_model_len=1024", "ram_cache_gb=0.1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with log.open("w") as fh:

@@ -34,7 +34,8 @@ CODE = ["def main():\n    print(", "import os\nimport sys\n\n\ndef ", "class Sta
 
 def run(speculator: str, prompts, params, **cfg) -> tuple[list[list[int]], Engine]:
     loaded = demo()
-    settings = {"page_size": 16, "num_pages": 256, "max_batch_tokens": 256, "loop_guard": "off", **cfg}
+    settings = {"page_size": 16, "num_pages": 256, "max_batch_tokens": 256, "loop_guard": "off",
+                "spec_adaptive": False, **cfg}  # every draft verified (the governor: test_spec_governor.py)
     e = Engine(loaded.model, EngineConfig(speculator=speculator, **settings), tokenizer=loaded.tokenizer)
     return e.generate(prompts, params), e
 
@@ -138,7 +139,8 @@ def test_rejected_drafts_of_a_random_head_roll_back(family):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 28, 20)]
     cfg = EngineConfig(page_size=8, num_pages=64, max_batch_tokens=32, max_slots=4, loop_guard="off")
     ref = Engine(model, cfg).generate(prompts, params)
-    spec = Engine(model, cfg.replace(speculator="mtp", spec_min_confidence=0.0))  # every guess, however doubted
+    spec = Engine(model, cfg.replace(speculator="mtp", spec_min_confidence=0.0,  # every guess, however doubted
+                                     spec_adaptive=False))
     assert spec.speculate
     assert spec.generate(prompts, params) == ref
     assert spec.stats.drafted_tokens > 50
@@ -172,7 +174,7 @@ def test_speculator_setting():
 def _demo_engine(**cfg) -> Engine:
     loaded = demo()
     settings = {"page_size": 8, "num_pages": 64, "max_batch_tokens": 64, "loop_guard": "off", "speculator": "mtp",
-                "spec_min_confidence": 0.0, **cfg}
+                "spec_min_confidence": 0.0, "spec_adaptive": False, **cfg}
     return Engine(loaded.model, EngineConfig(**settings), tokenizer=loaded.tokenizer)
 
 
@@ -260,7 +262,8 @@ def test_verification_steps_fill_their_spare_rows_with_guesses():
     for rows in (0, 12):
         loaded = demo()
         e = Engine(loaded.model, EngineConfig(speculator="mtp", spec_min_confidence=0.9, page_size=16,
-                                              num_pages=256, max_batch_tokens=256, loop_guard="off"),
+                                              num_pages=256, max_batch_tokens=256, loop_guard="off",
+                                              spec_adaptive=False),
                    tokenizer=loaded.tokenizer)
         assert e.fill_rows == 0  # no graphs on numpy
         e.fill_rows = rows

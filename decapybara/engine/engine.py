@@ -27,6 +27,7 @@ from decapybara.engine.planner import StepPlan, plan_step
 from decapybara.engine.runner import ModelRunner
 from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
 from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
+from decapybara.engine.spec_governor import SpecGovernor
 from decapybara.errors import ContextOverflowError, InvalidRequestError
 from decapybara.kv.stores import HostBundleStore
 from decapybara.model.qwen import QwenModel
@@ -52,6 +53,7 @@ class EngineStats:
     lost_bundles: int = 0  # paused conversations whose bundle was lost (recomputed from their tokens)
     drafted_tokens: int = 0  # speculation: MTP drafts verified as a second row of a decode
     accepted_tokens: int = 0  # ... that the sampled token matched (a token gained without a step of its own)
+    withheld_steps: int = 0  # ... steps whose drafts spec_adaptive withheld (verifying measured slower there)
 
 
 class Engine(MemoryMixin):
@@ -102,6 +104,10 @@ class Engine(MemoryMixin):
         # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         graphs = self.runner.graphs
         self.fill_rows = max(graphs.buckets) if self.speculate and cfg.spec_fill and graphs is not None else 0
+        # ... verified only at the step widths where that is measured faster (engine/spec_governor.py)
+        self.governor = SpecGovernor() if self.speculate and cfg.spec_adaptive else None
+        self.timer: Callable[[], float] = time.perf_counter  # a step's wall time (the governor's measure)
+        self._next_verify: bool | None = None  # the governor's choice for the next step, made as the head drafts
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -155,8 +161,10 @@ class Engine(MemoryMixin):
 
     def step(self) -> list[TokenEvent]:
         """Admit, plan, run one forward, sample and post-process. Returns this step's token events."""
-        t0 = time.perf_counter()
+        t0 = self.timer()
         self.admission(self)
+        width, allowed = self._govern()
+        captures, emitted = self.runner.captures(), self.stats.generated_tokens
         plan = self._plan_with_pages()
         if not plan.chunks:
             return []
@@ -164,8 +172,28 @@ class Engine(MemoryMixin):
         events = self._postprocess(plan, out)
         self.stats.steps += 1
         self.stats.forward_tokens += plan.num_tokens
-        self.stats.step_seconds += time.perf_counter() - t0
+        seconds = self.timer() - t0
+        self.stats.step_seconds += seconds
+        if (width and len(plan.chunks) == width and self.runner.captures() == captures
+                and all(c.sample and c.num_tokens - (c.draft is not None) == 1 for c in plan.chunks)):
+            self.governor.record(width, allowed, self.stats.generated_tokens - emitted, seconds)
         return events
+
+    def _govern(self) -> tuple[int, bool]:
+        """Before planning: (the step's width where the governor may record it, else 0; whether drafts are
+        verified). Without spec_adaptive, (0, True). The width is the number of running sequences where every
+        one decodes a token (a pure decode step); drafts withheld are dropped from the sequences (the next step's
+        are made afresh)."""
+        if self.governor is None:
+            return 0, True
+        decoding = sum(s.num_uncomputed == 1 for s in self.running)
+        allowed = self.governor.allow(decoding) if self._next_verify is None else self._next_verify
+        self._next_verify = None
+        if not allowed:
+            self.stats.withheld_steps += 1
+            for s in self.running:
+                s.draft = s.guess = None
+        return (decoding if decoding == len(self.running) else 0), allowed
 
     def _give_pages(self, s: Sequence, tokens: int) -> bool:
         """Pages for `s`'s first `tokens` tokens (those it lacks, from the pool); False where the pool ran dry."""
@@ -306,7 +334,9 @@ class Engine(MemoryMixin):
         them (so its KV follows the main model's), and, for a sequence whose next step decodes one token, the
         head's greedy guess of the token after that one: its next draft, where the head gives it at least
         `spec_min_confidence` (confidence scheduling: a guess it doubts is seldom accepted, and its row costs as
-        much as any). Drafts never change what is sampled; they only let a step verify a second token."""
+        much as any). Drafts never change what is sampled; they only let a step verify a second token. Where the
+        governor (`spec_adaptive`) will withhold the next step's drafts, the head only writes its keys and values
+        (`ModelRunner.mtp_kv`): its attention, MLP and logits are what a draft costs beyond them."""
         entries, rows, draft_rows, wants = [], [], [], []
         n = 0
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
@@ -323,6 +353,11 @@ class Engine(MemoryMixin):
                 wants.append(s)
         if not entries:
             return
+        if self.governor is not None:  # no draft verified next step: the head's keys and values only
+            self._next_verify = self.governor.allow(sum(s.num_uncomputed == 1 for s in self.running))
+            if not self._next_verify:
+                self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
+                return
         guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
         if wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             for s, g, p in zip(wants, guesses, confidence):
@@ -484,6 +519,7 @@ class Engine(MemoryMixin):
             **dataclasses.asdict(self.stats),
             "graphs": self.runner.graph_stats(), "graph_failures": self.runner.graph_failures(),
             **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
+            **({"speculation": self.governor.summary()} if self.governor is not None else {}),
         }
 
 

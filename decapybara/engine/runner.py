@@ -185,10 +185,8 @@ class ModelRunner:
         probability (host arrays [len(draft_rows)]) at the rows listed (flat pair indices, each a sequence's last
         pair). Through the graph runner's MTP graphs where they take the pairs, else eagerly."""
         ops = self.model.backend
-        batch = ForwardBatch.build([(t, p0, np.asarray(pages, np.int32), None) for t, p0, pages in entries],
-                                   self.cfg.page_size, logits="none")
+        batch, hidden = self._pairs(entries, normed_rows, normed)
         batch.logits_rows = np.asarray(draft_rows, np.int64)
-        hidden = normed[ops.from_host(np.asarray(normed_rows, np.int64))]
         got = self.graphs.mtp(batch, hidden, self.kv) if self.graphs is not None else None
         if got is not None:  # every sequence's last pair: those of the rows listed
             which = np.searchsorted([s.end - 1 for s in batch.seqs], batch.logits_rows)
@@ -196,6 +194,19 @@ class ModelRunner:
             return guess[which], prob[which]
         guess, prob = self.model.mtp_guesses(self.model.mtp_forward(batch, hidden, self.kv))
         return ops.to_host(guess), ops.to_host(prob)
+
+    def mtp_kv(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, normed: Any) -> None:
+        """The MTP head's keys and values over the pairs of `mtp`'s arguments, without its guesses
+        (`QwenModel.mtp_kv`, eagerly): a step after which no draft is verified keeps the head's cache whole."""
+        batch, hidden = self._pairs(entries, normed_rows, normed)
+        self.model.mtp_kv(batch, hidden, self.kv)
+
+    def _pairs(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray,
+               normed: Any) -> tuple[ForwardBatch, Any]:
+        """The MTP head's batch of (hidden, next token) pairs and their hidden rows of `normed`."""
+        batch = ForwardBatch.build([(t, p0, np.asarray(pages, np.int32), None) for t, p0, pages in entries],
+                                   self.cfg.page_size, logits="none")
+        return batch, normed[self.model.backend.from_host(np.asarray(normed_rows, np.int64))]
 
     # ---- pause / resume --------------------------------------------------------------------------------
     def reset_state(self, slot: int, snapshot: HybridState | None = None) -> None:
@@ -251,6 +262,14 @@ class ModelRunner:
                 "product_chains": chained, "chains": c.get("chains", 0),
                 "chained_products": c.get("chained_products", 0), "launched_tails": c.get("launched_tails", 0),
                 "recut_tails": c.get("recut_tails", 0), "chain_timeouts": s.get("chain_timeouts", 0)}
+
+    def captures(self) -> int:
+        """Graphs captured so far (decode, verification, MTP and piecewise tails); 0 without graphs. A step that
+        captured one took many steps' time once."""
+        if self.graphs is None:
+            return 0
+        tails = getattr(self.graphs, "tails", None)
+        return self.graphs.stats.get("captures", 0) + (tails.stats.get("captures", 0) if tails is not None else 0)
 
     def graph_failures(self) -> dict[str, str]:
         """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""

@@ -243,6 +243,24 @@ class QwenModel:
                             sin)
         return self.mtp_logits(self._rows(h, batch.logits_rows))
 
+    def mtp_kv(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> None:
+        """The MTP head's keys and values at `batch`'s rows (pairs as `mtp_forward`'s), the same values it writes,
+        without what only its guesses need: its last layer's attention, MLP, final norm and lm_head (of a
+        one-layer head, all but the fc and one input product). Keeps the head's cache whole over steps that
+        draft nothing, so that its later guesses attend to every position."""
+        if not self.has_mtp:
+            raise ValueError("the model has no MTP head")
+        cfg, ops, w = self.cfg, self.backend, self.w
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = ops.from_host(cos), ops.from_host(sin)
+        last = cfg.mtp_num_hidden_layers - 1
+        h = self.mtp_layers(ops.embedding(w["model.embed_tokens.weight"], batch.token_ids), normed, batch, kv, cos,
+                            sin, layers=last)
+        p = f"mtp.layers.{last}"
+        x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        _q, k, v, _gate = self._qkv(p, self._attention_inputs(p, x), cos, sin)
+        kv.write(("mtp", last), ops.from_host(batch.slot_mapping), k, v)
+
     def mtp_guesses(self, logits: Any) -> tuple[Any, Any]:
         """(greedy guess [R] int64, its softmax probability [R] float32) of logits [R, vocab], where they are
         (two numbers a row to read back, not a vocabulary's logits)."""
@@ -257,16 +275,18 @@ class QwenModel:
         return self.backend.linear(self.backend.rms_norm(h, w["mtp.norm.weight"], self.cfg.rms_norm_eps,
                                                          self.cfg.norm_offset), w["lm_head.weight"])
 
-    def mtp_layers(self, emb: Any, normed: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any) -> Any:
-        """The MTP head's residual stream [T, H] after its decoder layer(s), from the embeddings of the tokens at
-        p + 1 (`emb` [T, H]) and the normed hidden states at p (`normed` [T, H]), with RoPE at the rows'
-        positions (`cos`, `sin`); shared by `mtp_forward` and the CUDA graphs' MTP pass."""
+    def mtp_layers(self, emb: Any, normed: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any,
+                   layers: int | None = None) -> Any:
+        """The MTP head's residual stream [T, H] after its decoder layer(s) (the first `layers` of them; default
+        all), from the embeddings of the tokens at p + 1 (`emb` [T, H]) and the normed hidden states at p
+        (`normed` [T, H]), with RoPE at the rows' positions (`cos`, `sin`); shared by `mtp_forward`, `mtp_kv`
+        and the CUDA graphs' MTP pass."""
         cfg, ops, w = self.cfg, self.backend, self.w
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         e = ops.rms_norm(emb, w["mtp.pre_fc_norm_embedding.weight"], eps, off)
         hn = ops.rms_norm(normed, w["mtp.pre_fc_norm_hidden.weight"], eps, off)
         h = ops.linear(ops.xp.concatenate([e, hn], axis=1), w["mtp.fc.weight"])  # [T, H]
-        for j in range(cfg.mtp_num_hidden_layers):
+        for j in range(cfg.mtp_num_hidden_layers if layers is None else layers):
             p = f"mtp.layers.{j}"
             x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], eps, off)
             out = self._attention(p, ("mtp", j), self._attention_inputs(p, x), batch, kv, cos, sin)
@@ -364,6 +384,18 @@ class QwenModel:
 
     def _attention(self, p: str, layer: Any, inputs: list[Any], batch: ForwardBatch, kv: KVCache, cos: Any,
                    sin: Any) -> Any:
+        ops, w, a = self.backend, self.w, f"{p}.self_attn"
+        t, nq, d = inputs[0].shape[0], self.cfg.num_attention_heads, self.cfg.head_dim
+        q, k, v, gate = self._qkv(p, inputs, cos, sin)
+        if gate is not None:  # [T, nq, d] times sigmoid(gate)
+            o = ops.paged_attention_gated(kv, layer, q, k, v, batch, self.scale, gate, w[f"{a}.o_proj.weight"])
+        else:
+            o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
+        return Projection(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
+
+    def _qkv(self, p: str, inputs: list[Any], cos: Any, sin: Any) -> tuple[Any, Any, Any, Any]:
+        """An attention layer's (q [T, nq, d], k [T, nkv, d] after their norms and RoPE, v [T, nkv, d], the output
+        gate [T, nq, d] or None) from its input products."""
         cfg, ops, w = self.cfg, self.backend, self.w
         t, d = inputs[0].shape[0], cfg.head_dim
         nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -383,11 +415,7 @@ class QwenModel:
         k, v = k.reshape(t, nkv, d), v.reshape(t, nkv, d)
         q, k = ops.qk_norm_rope(q, k, w[f"{a}.q_norm.weight"], w[f"{a}.k_norm.weight"], cfg.rms_norm_eps,
                                 cfg.norm_offset, cos, sin, cfg.rotary_dim)
-        if gate is not None:  # [T, nq, d] times sigmoid(gate)
-            o = ops.paged_attention_gated(kv, layer, q, k, v, batch, self.scale, gate, w[f"{a}.o_proj.weight"])
-        else:
-            o = ops.paged_attention(kv, layer, q, k, v, batch, self.scale)  # [T, nq, d]
-        return Projection(o.reshape(t, nq * d), w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))
+        return q, k, v, gate
 
     def _deltanet(self, p: str, layer: int, inputs: list[Any], states: StatePool | None,
                   segments: list[DeltaNetSegment], raw_snaps: dict) -> Any:

@@ -81,6 +81,10 @@ class AppConfig(BaseModel):
     spec_fill: bool = Field(
         default=True, description="speculator=mtp or ngram on CUDA graphs: a decode step that verifies a draft through a "
         "verification graph verifies the other agents' doubtful guesses too (their second rows are computed anyway)")
+    spec_adaptive: bool = Field(
+        default=True, description="speculator=mtp or ngram: verify drafts only at the numbers of decoding agents where "
+        "steps that verify them are measured to emit more tokens a second than steps that do not (each choice tried "
+        "again now and then)")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -159,6 +163,7 @@ class AppConfig(BaseModel):
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             product_chains=self.product_chains, speculator=self.speculator,
                             spec_min_confidence=self.spec_min_confidence, spec_fill=self.spec_fill,
+                            spec_adaptive=self.spec_adaptive,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

@@ -250,13 +250,13 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel):
     assert max(k[1] for k in keys if k[2] == 2) > 1, keys  # split keys
 
 
-@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
+@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16"), ((8, 2, 128), "6/4")])
 def test_mtp_graph_equals_eager(heads, kv_mode):
     """The MTP head's pass replays graphs of two pair rows a sequence (one or two pairs each: a decode's, or an
     accepted draft's two): its guesses and probabilities at each sequence's last pair and the head's KV pages
     equal the eager `mtp_forward`'s, with NaN in the pad page before every replay and block tables ending at the
     last pair (a one-pair sequence at a page's end: its throwaway row's key on the pad page); a sequence of more
-    pairs (after a prompt chunk) runs eagerly."""
+    pairs (after a prompt chunk) runs eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages."""
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1, **over})
     model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=8, std=0.2))
@@ -281,6 +281,9 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
         before = snapshot(kv, states, [])
         ref_guess, ref_prob = (cp.asnumpy(a) for a in model.mtp_guesses(model.mtp_forward(batch, hidden, kv)))
         after = snapshot(kv, states, [])
+        restore(kv, states, before)
+        model.mtp_kv(batch, hidden, kv)  # the KV-only pass (a step whose next drafts are withheld): the same KV
+        compare_state(kv, states, after, f"step {step}, the head's KV-only pass")
         restore(kv, states, before)
         poison_pad(kv, None, num_pages - 1, None)
         guess, prob = (cp.asnumpy(a) for a in runner.mtp(batch, hidden, kv))

@@ -43,7 +43,8 @@ def test_gpu_speculation_gives_the_tokens_of_decoding_without_it(graphs, confide
     prompts = [ref_model.tokenizer.encode(t) for t in TEXTS]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 40, 56, 33)]
     params[1] = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
-    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", cuda_graphs=graphs)
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", cuda_graphs=graphs,
+                       spec_adaptive=False)
     ref = Engine(ref_model.model, cfg, tokenizer=ref_model.tokenizer).generate(prompts, params)
     gpu = loaded("cupy")
     plain = Engine(gpu.model, cfg, tokenizer=gpu.tokenizer).generate(prompts, params)
@@ -71,7 +72,7 @@ def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
                gpu.tokenizer.encode(text)]
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 2 + [
         SamplingParams(temperature=0.9, seed=3, max_tokens=32, ignore_eos=True)]
-    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off")
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", spec_adaptive=False)
     plain = Engine(gpu.model, cfg, tokenizer=gpu.tokenizer).generate(prompts, params)
     e = Engine(gpu.model, cfg.replace(speculator="ngram"), tokenizer=gpu.tokenizer)
     assert e.generate(prompts, params) == plain

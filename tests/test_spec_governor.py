@@ -211,3 +211,45 @@ def test_guesses_after_withheld_steps_are_those_of_a_head_that_never_stopped():
     later = [p for p in withheld if p > max(withheld) - 30]
     assert later and all(withheld[p] == whole[p] for p in later), [(p, withheld[p], whole.get(p)) for p in later]
     assert len(withheld) < len(whole)  # no guesses made on the withheld stretch
+
+
+def test_each_head_pass_is_charged_to_the_step_it_drafts_for_and_a_resume_to_none():
+    """The head's pass at the end of a step drafts for the next one (or, withheld, only keeps its cache), so its
+    time goes to the next step's measure: with a fake timer (a forward 10 ms, a verified draft +5 ms, the head's
+    whole pass 6 ms, its KV-only pass 0.2 ms) the measured rates are the true ones, withholding (faster) is
+    chosen, and each exploring step is one step of the slower arm. Admission (a resume's page imports) is not
+    timed."""
+    loaded = demo()
+    e = timed_engine(0.005, spec_min_confidence=0.0)
+    clock = e.timer.__closure__[0].cell_contents  # the fake timer's list
+    mtp, mtp_kv = e.runner.mtp, e.runner.mtp_kv
+
+    def whole(*a):
+        clock[0] += 0.006
+        return mtp(*a)
+
+    def kv_only(*a):
+        clock[0] += 0.0002
+        return mtp_kv(*a)
+
+    e.runner.mtp, e.runner.mtp_kv = whole, kv_only
+    arms = []
+    record = e.governor.record
+    e.governor.record = lambda w, allowed, t, s: (arms.append(allowed), record(w, allowed, t, s))
+    admission = e.admission
+
+    def slow_admission(engine):
+        clock[0] += 0.3  # as a resume's page imports would
+        admission(engine)
+
+    e.admission = slow_admission
+    e.generate([loaded.tokenizer.encode(CODE[0])], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    w = e.governor.summary()["1"]
+    acc = e.stats.accepted_tokens / e.stats.drafted_tokens
+    assert acc > 0.9
+    assert abs(w["on_tok_s"] - (1 + acc) / 0.021) < 0.02 * w["on_tok_s"], w  # forward + draft row + whole head
+    assert abs(w["off_tok_s"] - 1 / 0.0102) < 0.01 * w["off_tok_s"], w  # forward + KV-only head
+    assert w["verify"] == 0.0
+    runs = [(a, len(list(g))) for a, g in __import__("itertools").groupby(arms)]
+    assert runs[0] == (True, 3) and all(n == 1 for a, n in runs[2:] if a), runs  # warm-up, then single explorations
+    assert sum(a for a in arms[3:]) <= len(arms) // e.governor.explore_every + 1, runs

@@ -107,7 +107,11 @@ class Engine(MemoryMixin):
         # ... verified only at the step widths where that is measured faster (engine/spec_governor.py)
         self.governor = SpecGovernor() if self.speculate and cfg.spec_adaptive else None
         self.timer: Callable[[], float] = time.perf_counter  # a step's wall time (the governor's measure)
-        self._next_verify: bool | None = None  # the governor's choice for the next step, made as the head drafts
+        # the governor's choice for the next step (its width, verify), made as the head drafts; this step's
+        # measure until the governor has it; the head pass's seconds that go to the next step's measure
+        self._next_verify: tuple[int, bool] | None = None
+        self._pending: tuple | None = None
+        self._head_seconds = 0.0
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -163,37 +167,56 @@ class Engine(MemoryMixin):
         """Admit, plan, run one forward, sample and post-process. Returns this step's token events."""
         t0 = self.timer()
         self.admission(self)
-        width, allowed = self._govern()
+        start = self.timer()  # the governor's clock: a resume's page imports are not the step's decode
+        allowed = self._govern()
         captures, emitted = self.runner.captures(), self.stats.generated_tokens
         plan = self._plan_with_pages()
         if not plan.chunks:
             return []
+        if self.governor is not None:
+            if not allowed and any(c.sample and c.num_tokens == 1 for c in plan.chunks):
+                self.stats.withheld_steps += 1
+            self._pending = (plan, allowed, captures, emitted, start)
         out = self.runner.run(plan, normed=self.mtp)
         events = self._postprocess(plan, out)
+        self._measure()  # where the head's pass did not already (`_draft`)
         self.stats.steps += 1
         self.stats.forward_tokens += plan.num_tokens
-        seconds = self.timer() - t0
-        self.stats.step_seconds += seconds
-        if (width and len(plan.chunks) == width and self.runner.captures() == captures
-                and all(c.sample and c.num_tokens - (c.draft is not None) == 1 for c in plan.chunks)):
-            self.governor.record(width, allowed, self.stats.generated_tokens - emitted, seconds)
+        self.stats.step_seconds += self.timer() - t0
         return events
 
-    def _govern(self) -> tuple[int, bool]:
-        """Before planning: (the step's width where the governor may record it, else 0; whether drafts are
-        verified). Without spec_adaptive, (0, True). The width is the number of running sequences where every
-        one decodes a token (a pure decode step); drafts withheld are dropped from the sequences (the next step's
-        are made afresh)."""
+    def _govern(self) -> bool:
+        """Before planning: whether this step's drafts are verified (always, without spec_adaptive). The choice
+        `_draft` made for this step where it stands (the same number of decoding sequences; a withheld choice
+        stands whatever: the head then drafted nothing), else the governor's now. Drafts withheld are dropped
+        from the sequences (the next step's are made afresh)."""
         if self.governor is None:
-            return 0, True
+            return True
         decoding = sum(s.num_uncomputed == 1 for s in self.running)
-        allowed = self.governor.allow(decoding) if self._next_verify is None else self._next_verify
-        self._next_verify = None
+        made, self._next_verify = self._next_verify, None
+        if made is not None and (made[0] == decoding or not made[1]):
+            allowed = made[1]
+        else:
+            allowed = self.governor.allow(decoding)
         if not allowed:
-            self.stats.withheld_steps += 1
             for s in self.running:
                 s.draft = s.guess = None
-        return (decoding if decoding == len(self.running) else 0), allowed
+        return allowed
+
+    def _measure(self) -> None:
+        """Hand the governor this step's measure, once (`_pending`, set by `step`): a pure decode step (every
+        sequence running decodes one token, plus a draft where one is verified) that captured no graph, its
+        tokens emitted and its wall time from after admission to now, plus the head's pass of the step before
+        (`_head_seconds`: the pass that drafted for this one, or kept the head's cache for it)."""
+        if self._pending is None:
+            return
+        plan, allowed, captures, emitted, start = self._pending
+        self._pending = None
+        seconds, self._head_seconds = self.timer() - start + self._head_seconds, 0.0
+        width = len(plan.chunks)
+        if (width == len(self.running) and self.runner.captures() == captures
+                and all(c.sample and c.num_tokens - (c.draft is not None) == 1 for c in plan.chunks)):
+            self.governor.record(width, allowed, self.stats.generated_tokens - emitted, seconds)
 
     def _give_pages(self, s: Sequence, tokens: int) -> bool:
         """Pages for `s`'s first `tokens` tokens (those it lacks, from the pool); False where the pool ran dry."""
@@ -353,12 +376,20 @@ class Engine(MemoryMixin):
                 wants.append(s)
         if not entries:
             return
-        if self.governor is not None:  # no draft verified next step: the head's keys and values only
-            self._next_verify = self.governor.allow(sum(s.num_uncomputed == 1 for s in self.running))
-            if not self._next_verify:
+        if self.governor is not None:  # this step measured first, then the next step's choice
+            self._measure()
+            width = sum(s.finish_reason is None and s.num_uncomputed == 1 for s in self.running)
+            verify = self.governor.allow(width)
+            self._next_verify = (width, verify)
+            t = self.timer()
+            if not verify:  # no draft verified next step: the head's keys and values only
                 self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
+                self._head_seconds = self.timer() - t
                 return
+        else:
+            t = self.timer()
         guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
+        self._head_seconds = self.timer() - t
         if wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             for s, g, p in zip(wants, guesses, confidence):
                 if p >= self.cfg.spec_min_confidence:

@@ -264,12 +264,15 @@ class ModelRunner:
                 "recut_tails": c.get("recut_tails", 0), "chain_timeouts": s.get("chain_timeouts", 0)}
 
     def captures(self) -> int:
-        """Graphs captured so far (decode, verification, MTP and piecewise tails); 0 without graphs. A step that
-        captured one took many steps' time once."""
+        """Graphs captured, or whose capture failed, so far (decode, verification, MTP and piecewise tails); 0
+        without graphs. A step that captured one, or tried to, took many steps' time once."""
         if self.graphs is None:
             return 0
+        n = self.graphs.stats.get("captures", 0) + len(self.graphs.stats.get("failures", {}))
         tails = getattr(self.graphs, "tails", None)
-        return self.graphs.stats.get("captures", 0) + (tails.stats.get("captures", 0) if tails is not None else 0)
+        if tails is not None:
+            n += tails.stats.get("captures", 0) + len(tails.stats.get("failures", {}))
+        return n
 
     def graph_failures(self) -> dict[str, str]:
         """Why graphs failed: per graph key ("bucket=B splits=S") and "setup" (JSON-able)."""

@@ -13,8 +13,11 @@ then the faster arm is taken, and the slower one tried again once every `explore
 change in which arm wins is found. Exploring costs at most one slower step in `explore_every`.
 
 What the engine records: pure decode steps only (every chunk one real token, plus a draft where one is verified),
-and none that captured a CUDA graph (a capture takes many steps' time once). Tokens are those the step emitted,
-accepted drafts' included. Drafts never change what is sampled, so the governor changes speed only, never tokens.
+and none that captured a CUDA graph or tried to (a capture takes many steps' time once). Tokens are those the step
+emitted, accepted drafts' included; seconds run from after admission (a resume's page imports are not a decode's)
+to the step's end, plus the MTP head's pass of the step before, which drafted for this one (or, withheld, only kept
+the head's cache): each arm pays for its own head pass. The engine records a step before it asks for the next
+step's choice. Drafts never change what is sampled, so the governor changes speed only, never tokens.
 Pure arithmetic: no clock of its own (the engine hands it each step's seconds).
 """
 

@@ -184,7 +184,7 @@ class RayMetrics:
 
     COUNTERS = ("generated_tokens", "computed_prompt_tokens", "reused_prompt_tokens", "steps", "pauses",
                 "resumes", "finished", "aborted", "restored_pages", "offloaded_pages", "lost_bundles",
-                "drafted_tokens", "accepted_tokens")
+                "drafted_tokens", "accepted_tokens", "withheld_steps")
     GAUGES = ("running", "waiting", "paused", "free_pages", "used_pages", "cached_pages")
 
     def __init__(self, app: str):

@@ -253,3 +253,22 @@ def test_each_head_pass_is_charged_to_the_step_it_drafts_for_and_a_resume_to_non
     runs = [(a, len(list(g))) for a, g in __import__("itertools").groupby(arms)]
     assert runs[0] == (True, 3) and all(n == 1 for a, n in runs[2:] if a), runs  # warm-up, then single explorations
     assert sum(a for a in arms[3:]) <= len(arms) // e.governor.explore_every + 1, runs
+
+
+def test_the_governors_rates_are_prometheus_gauges():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from decapybara.api.metrics import prometheus_text
+
+    g = SpecGovernor()
+    drive(g, 12, 60, lambda on, i: (19.2, 0.01876) if on else (12, 0.00969))
+    drive(g, 1, 60, lambda on, i: (1.8, 0.00714) if on else (1, 0.0058))
+    text = prometheus_text({"speculation": g.summary(), "withheld_steps": 7, "steps": 120})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    rates = {(s.labels["width"], s.labels["arm"]): s.value for s in families["decapybara_spec_tokens_per_second"].samples}
+    assert rates[("12", "withhold")] == pytest.approx(12 / 0.00969, rel=1e-3)
+    assert rates[("1", "verify")] == pytest.approx(1.8 / 0.00714, rel=1e-3)
+    verify = {s.labels["width"]: s.value for s in families["decapybara_spec_verify"].samples}
+    assert verify == {"1": 1.0, "12": 0.0}
+    assert families["decapybara_withheld_steps"].type == "counter"
+    assert families["decapybara_withheld_steps"].samples[0].value == 7

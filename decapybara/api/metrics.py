@@ -25,6 +25,7 @@ COUNTERS = {
     "forward_tokens": "Token rows run through the model (prefill and decode).",
     "drafted_tokens": "Speculation: MTP drafts verified as a second row of a decode.",
     "accepted_tokens": "Speculation: drafts the sampled token matched.",
+    "withheld_steps": "Speculation: steps whose drafts spec_adaptive withheld (verifying measured slower there).",
     "pauses": "Conversations paused (KV and state moved out of the pool).",
     "resumes": "Conversations resumed.",
     "finished": "Requests finished (any reason).",
@@ -95,8 +96,18 @@ def prometheus_text(stats: Mapping[str, Any], http_requests: Mapping[tuple[str, 
         samples = [(f'{{action="{_label(k)}"}}', v) for k, raw in sorted(loopguard.items())
                    if (v := _num(raw)) is not None]
         family(f"{PREFIX}loopguard_events_total", "counter", "LoopGuard interventions by action.", samples)
+    spec = stats.get("speculation")  # the governor's rates: width -> {on_tok_s, off_tok_s, ..., verify}
+    if isinstance(spec, Mapping):
+        rows = [(w, r) for w, r in sorted(spec.items(), key=lambda kv: int(kv[0])) if isinstance(r, Mapping)]
+        family(f"{PREFIX}spec_tokens_per_second", "gauge",
+               "Speculation governor: measured tokens/s of decode steps by width (decoding agents) and arm.",
+               [(f'{{width="{_label(w)}",arm="{arm}"}}', v) for w, r in rows for arm, k in
+                (("verify", "on_tok_s"), ("withhold", "off_tok_s")) if (v := _num(r.get(k))) is not None])
+        family(f"{PREFIX}spec_verify", "gauge",
+               "Speculation governor: 1 where drafts are verified at this width, 0 where withheld.",
+               [(f'{{width="{_label(w)}"}}', v) for w, r in rows if (v := _num(r.get("verify"))) is not None])
     for key, raw in sorted(stats.items()):
-        if key in COUNTERS or key in GAUGES or key == "loopguard":
+        if key in COUNTERS or key in GAUGES or key in ("loopguard", "speculation"):
             continue
         if isinstance(raw, Mapping):
             samples = [(f'{{key="{_label(k)}"}}', v) for k, r in sorted(raw.items(), key=lambda kv: str(kv[0]))

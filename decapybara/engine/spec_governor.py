@@ -8,7 +8,10 @@ weights, the number of agents and how predictable their text is, so the engine m
 `SpecGovernor` keeps two arms per width (the number of sequences a pure decode step decodes): drafts verified
 ("on") and drafts withheld ("off"). Each arm's rate is the tokens its steps emitted over their wall time, both
 summed with exponential decay (`decay` a step of that arm), so a change in the agents' text or in the context length
-shows within tens of steps. Each arm is tried `warmup` times first ("on" first: speculation is what was asked for),
+shows within tens of steps. An arm's first step at a width is not counted (it pays one-time costs: first calls,
+allocations), and a step's seconds count at most `clip` times the median of the arm's last five (a host hiccup
+moves the rate by one step's worth, a lasting change passes within three steps). Each arm is tried `warmup`
+times first ("on" first: speculation is what was asked for),
 then the faster arm is taken, and the slower one tried again once every `explore_every` steps of that width, so a
 change in which arm wins is found. Exploring costs at most one slower step in `explore_every`.
 
@@ -23,6 +26,8 @@ Pure arithmetic: no clock of its own (the engine hands it each step's seconds).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -32,6 +37,8 @@ class _Arm:
     seconds: float = 0.0  # ... and of their wall time
     steps: int = 0  # steps recorded (not decayed)
     last: int = -1  # the width's step count when this arm last ran
+    seen: int = 0  # steps handed in, the first (not recorded) included
+    recent: deque = field(default_factory=lambda: deque(maxlen=5))  # the last steps' seconds, unclipped
 
     @property
     def rate(self) -> float:
@@ -51,12 +58,13 @@ class SpecGovernor:
     seconds)` after a pure decode step that ran as `allow` said."""
     decay: float = 0.9
     warmup: int = 3
+    clip: float = 3.0  # a step's seconds count at most this times the median of the arm's last five
     explore_every: int = 48
     widths: dict[int, _Width] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0 < self.decay < 1 or self.warmup < 1 or self.explore_every < 2:
-            raise ValueError(f"decay in (0, 1), warmup >= 1, explore_every >= 2; got {self}")
+        if not 0 < self.decay < 1 or self.warmup < 1 or self.explore_every < 2 or self.clip < 1:
+            raise ValueError(f"decay in (0, 1), warmup >= 1, explore_every >= 2, clip >= 1; got {self}")
 
     def allow(self, width: int) -> bool:
         """Whether a step decoding `width` sequences should verify their drafts."""
@@ -83,8 +91,15 @@ class SpecGovernor:
             return
         w = self.widths.setdefault(width, _Width())
         arm = w.on if allowed else w.off
+        arm.seen += 1
+        if arm.seen == 1:  # an arm's first step at a width pays one-time costs (first calls, allocations)
+            arm.last = w.steps
+            w.steps += 1
+            return
+        clipped = min(seconds, self.clip * statistics.median(arm.recent)) if len(arm.recent) >= 3 else seconds
+        arm.recent.append(seconds)
         arm.tokens = self.decay * arm.tokens + tokens
-        arm.seconds = self.decay * arm.seconds + seconds
+        arm.seconds = self.decay * arm.seconds + clipped
         arm.steps += 1
         arm.last = w.steps
         w.steps += 1

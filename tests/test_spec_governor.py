@@ -77,6 +77,12 @@ def test_widths_are_chosen_apart_and_bad_steps_are_ignored():
         g.record(3, True, 3, seconds)
     assert g.summary()["3"]["on_tok_s"] == pytest.approx(300, rel=0.35), g.summary()
     assert g.allow(7)  # an unmeasured width drafts (speculation is what was asked for)
+    g = SpecGovernor(explore_every=10)  # an exploration is handed out once, recorded or not (a mixed step)
+    drive(g, 2, 30, lambda on, i: (2, 0.01) if on else (2, 0.02))
+    for _ in range(12):  # verifying steps recorded without asking: an exploration is due
+        g.record(2, True, 2, 0.01)
+    asked = [g.allow(2) for _ in range(30)]
+    assert asked.count(False) <= 1, asked
     for bad in ({"decay": 1.0}, {"warmup": 0}, {"explore_every": 1}, {"clip": 0.5}):
         with pytest.raises(ValueError):
             SpecGovernor(**bad)
@@ -277,3 +283,34 @@ def test_the_governors_rates_are_prometheus_gauges():
     assert verify == {"1": 1.0, "12": 0.0}
     assert families["decapybara_withheld_steps"].type == "counter"
     assert families["decapybara_withheld_steps"].samples[0].value == 7
+
+
+def test_a_head_pass_counts_only_for_the_sequences_it_drafted_for():
+    """The head's pass at a step's end goes to the next step's measure only where that step decodes the same
+    sequences and the pass was a decode's (not a prompt's, not an aborted agent's), and captured no graph."""
+    from decapybara.engine.sequence import Request
+
+    loaded = demo()
+    e = timed_engine(0.0)
+    clock = e.timer.__closure__[0].cell_contents
+    mtp = e.runner.mtp
+    e.runner.mtp = lambda *a: (clock.__setitem__(0, clock[0] + 0.2), mtp(*a))[1]  # a slow head: 0.2 s a pass
+    seen = []
+    record = e.governor.record
+    e.governor.record = lambda w, allowed, t, s: (seen.append((allowed, s)), record(w, allowed, t, s))
+    prompt = loaded.tokenizer.encode(CODE[0] * 8)[:33]  # two full pages and a token
+    e.add_request(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                          request_id="a"))
+    for _ in range(20):
+        e.step()
+    # 10 ms a forward, plus the 0.2 s whole pass that drafted for a verifying step (a KV-only pass: nothing)
+    assert seen and all(abs(s - (0.21 if on else 0.01)) < 1e-9 for on, s in seen), seen
+    assert {on for on, _ in seen} == {True, False}
+    n = len(seen)
+    e.abort("a")
+    reused = e.stats.reused_prompt_tokens
+    e.add_request(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                          request_id="b"))  # two pages cached: its first step is a one-token decode
+    e.step()
+    assert e.stats.reused_prompt_tokens - reused == 32
+    assert len(seen) == n, seen[n:]  # "a"'s last pass is not "b"'s

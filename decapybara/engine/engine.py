@@ -56,6 +56,15 @@ class EngineStats:
     withheld_steps: int = 0  # ... steps whose drafts spec_adaptive withheld (verifying measured slower there)
 
 
+@dataclass(frozen=True, slots=True)
+class _HeadPass:
+    """The MTP head's pass at the end of a step, as the next step's measure takes it: its seconds, the sequences
+    it drafted for (id of each), the graphs captured (or tried) before it."""
+    seconds: float
+    ids: frozenset[int]
+    captures: int
+
+
 class Engine(MemoryMixin):
     def __init__(self, model: QwenModel, cfg: EngineConfig | None = None, tokenizer: Any = None,
                  clock: Callable[[], float] = time.monotonic, eos_token_ids: Iterable[int] | None = None,
@@ -111,7 +120,7 @@ class Engine(MemoryMixin):
         # measure until the governor has it; the head pass's seconds that go to the next step's measure
         self._next_verify: tuple[int, bool] | None = None
         self._pending: tuple | None = None
-        self._head_seconds = 0.0
+        self._head: _HeadPass | None = None
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -167,16 +176,16 @@ class Engine(MemoryMixin):
         """Admit, plan, run one forward, sample and post-process. Returns this step's token events."""
         t0 = self.timer()
         self.admission(self)
-        start = self.timer()  # the governor's clock: a resume's page imports are not the step's decode
         allowed = self._govern()
-        captures, emitted = self.runner.captures(), self.stats.generated_tokens
         plan = self._plan_with_pages()
+        head, self._head = self._head, None
         if not plan.chunks:
             return []
         if self.governor is not None:
             if not allowed and any(c.sample and c.num_tokens == 1 for c in plan.chunks):
                 self.stats.withheld_steps += 1
-            self._pending = (plan, allowed, captures, emitted, start)
+            # the governor's clock from here: a resume's imports and a pause's exports are not the step's decode
+            self._pending = (plan, allowed, self.runner.captures(), self.stats.generated_tokens, self.timer(), head)
         out = self.runner.run(plan, normed=self.mtp)
         events = self._postprocess(plan, out)
         self._measure()  # where the head's pass did not already (`_draft`)
@@ -206,13 +215,19 @@ class Engine(MemoryMixin):
     def _measure(self) -> None:
         """Hand the governor this step's measure, once (`_pending`, set by `step`): a pure decode step (every
         sequence running decodes one token, plus a draft where one is verified) that captured no graph, its
-        tokens emitted and its wall time from after admission to now, plus the head's pass of the step before
-        (`_head_seconds`: the pass that drafted for this one, or kept the head's cache for it)."""
+        tokens emitted and its wall time from after planning to now. With the MTP head, also the head's pass of
+        the step before (`_head`: the pass that drafted for this one, or kept the head's cache for it), and only
+        where that pass was over a decode's pairs (one or two a sequence) of the same sequences and captured no
+        graph either (after a prompt's chunk its pass covers the prompt: that step is not measured)."""
         if self._pending is None:
             return
-        plan, allowed, captures, emitted, start = self._pending
+        plan, allowed, captures, emitted, start, head = self._pending
         self._pending = None
-        seconds, self._head_seconds = self.timer() - start + self._head_seconds, 0.0
+        seconds = self.timer() - start
+        if self.mtp:
+            if head is None or head.ids != frozenset(id(c.seq) for c in plan.chunks):
+                return
+            seconds, captures = seconds + head.seconds, min(captures, head.captures)
         width = len(plan.chunks)
         if (width == len(self.running) and self.runner.captures() == captures
                 and all(c.sample and c.num_tokens - (c.draft is not None) == 1 for c in plan.chunks)):
@@ -360,7 +375,7 @@ class Engine(MemoryMixin):
         much as any). Drafts never change what is sampled; they only let a step verify a second token. Where the
         governor (`spec_adaptive`) will withhold the next step's drafts, the head only writes its keys and values
         (`ModelRunner.mtp_kv`): its attention, MLP and logits are what a draft costs beyond them."""
-        entries, rows, draft_rows, wants = [], [], [], []
+        entries, rows, draft_rows, wants, served = [], [], [], [], []
         n = 0
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
             s = c.seq
@@ -369,6 +384,7 @@ class Engine(MemoryMixin):
                 continue
             k = s.num_computed - p0
             entries.append((s.tokens[p0 + 1:s.num_computed + 1], p0, s.pages))
+            served.append(id(s))
             rows.extend(range(b.start, b.start + k))
             n += k
             if self._wants_draft(c):
@@ -381,15 +397,16 @@ class Engine(MemoryMixin):
             width = sum(s.finish_reason is None and s.num_uncomputed == 1 for s in self.running)
             verify = self.governor.allow(width)
             self._next_verify = (width, verify)
-            t = self.timer()
+            captures, t = self.runner.captures(), self.timer()
+            # the next step's share of the measure: only a decode's pass (one or two pairs a sequence)
+            ids = frozenset(served) if len(rows) <= 2 * len(entries) else None
             if not verify:  # no draft verified next step: the head's keys and values only
                 self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
-                self._head_seconds = self.timer() - t
+                self._head = _HeadPass(self.timer() - t, ids, captures) if ids is not None else None
                 return
-        else:
-            t = self.timer()
         guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
-        self._head_seconds = self.timer() - t
+        if self.governor is not None:
+            self._head = _HeadPass(self.timer() - t, ids, captures) if ids is not None else None
         if wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             for s, g, p in zip(wants, guesses, confidence):
                 if p >= self.cfg.spec_min_confidence:

@@ -81,3 +81,40 @@ def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
           f"graph steps {g['graph_steps']} (verify {g['verify_steps']})")
     assert 0 < e.stats.accepted_tokens < e.stats.drafted_tokens, "both sides of the verification"
     assert g["verify_steps"] > 0 and g["mtp_steps"] == 0 and not g["failures"], g
+
+
+def test_gpu_governor_withholds_through_graphs_and_keeps_the_tokens():
+    """`spec_adaptive` on the cupy backend with graphs: steps whose drafts are withheld replay decode graphs and run
+    the head's KV-only pass (eagerly), the others verification graphs and the head's graph; a step that captured a
+    graph (or followed a head pass that did) is never measured; verified rows made to cost five steps by a fake
+    timer are withheld; the tokens are those without speculation."""
+    gpu = loaded("cupy")
+    prompts = [gpu.tokenizer.encode(t) for t in TEXTS[:2]]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)]
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off")
+    plain = Engine(gpu.model, cfg, tokenizer=gpu.tokenizer).generate(prompts, params)
+    e = Engine(gpu.model, cfg.replace(speculator="mtp", spec_min_confidence=0.0), tokenizer=gpu.tokenizer)
+    now = [0.0]
+    e.timer = lambda: now[0]
+    run, captured = e.runner.run, []
+
+    def costed(plan, normed=False):
+        now[0] += 0.010 + 0.050 * sum(c.draft is not None for c in plan.chunks)
+        return run(plan, normed=normed)
+
+    e.runner.run = costed
+    record = e.governor.record
+
+    def checked(width, allowed, tokens, seconds):
+        captured.append(e.runner.captures())
+        record(width, allowed, tokens, seconds)
+
+    e.governor.record = checked
+    assert e.generate(prompts, params) == plain
+    g = e.snapshot_stats()["graphs"]
+    s = e.governor.summary()
+    print("governor:", s, "withheld", e.stats.withheld_steps, "graphs", g)
+    assert g["verify_steps"] > 0 and g["graph_steps"] > g["verify_steps"] and g["mtp_steps"] > 0, g
+    assert s["2"]["verify"] == 0.0 and e.stats.withheld_steps > 20, s
+    assert captured and g["captures"] >= 3  # decode, verification and MTP graphs captured, none in a measure

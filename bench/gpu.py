@@ -260,6 +260,14 @@ def verify_batch(b: int, ctx: int) -> ForwardBatch:
     return batch
 
 
+def mtp_pairs(b: int, ctx: int) -> tuple[ForwardBatch, Any]:
+    """The MTP head's pass after a decode of `b` sequences at `ctx`: one (hidden, token) pair a sequence (at
+    ctx - 2: an MTP graph's throwaway row takes a key past the pair, within SEQ_PAGES) and random hidden rows."""
+    pairs = ForwardBatch.build([([9 + i], ctx - 2, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES, dtype=np.int32),
+                                 None) for i in range(b)], PAGE, logits="none")
+    return pairs, cp.random.standard_normal((b, CFG.hidden_size), cp.float32)
+
+
 # ---- sections -----------------------------------------------------------------------------------------------
 def bench_roofline() -> float:
     res = ex.bandwidth_probe(1 << 31, repeats=5)
@@ -377,11 +385,7 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
             for b in BATCHES:
                 if left() < 20:
                     break
-                # (at ctx - 2: an MTP graph's throwaway row takes a key past the pair, within SEQ_PAGES)
-                pairs = ForwardBatch.build([([9 + i], ctx - 2, np.arange(i * SEQ_PAGES, (i + 1) * SEQ_PAGES,
-                                                                         dtype=np.int32), None) for i in range(b)],
-                                           PAGE, logits="none")
-                hidden = cp.random.standard_normal((b, CFG.hidden_size), cp.float32)
+                pairs, hidden = mtp_pairs(b, ctx)
                 assert runner.mtp(pairs, hidden, kv) is not None, "the MTP pass did not replay a graph"
                 t = median_time(lambda pairs=pairs, hidden=hidden: runner.mtp(pairs, hidden, kv), 6)
                 res[f"mtp_b{b}_ctx{ctx}"] = {"step_ms": t * 1e3}

@@ -131,10 +131,7 @@ def main() -> None:
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
             if "mtp" in MODES and B.CFG.mtp_num_hidden_layers:  # BENCH_MTP=1: the MTP head's pass, a pair a sequence
-                pairs = B.ForwardBatch.build([([9 + i], ctx - 2, np.arange(i * B.SEQ_PAGES, (i + 1) * B.SEQ_PAGES,
-                                                                           dtype=np.int32), None) for i in range(b)],
-                                             B.PAGE, logits="none")
-                hidden = cp.random.standard_normal((b, B.CFG.hidden_size), cp.float32)
+                pairs, hidden = B.mtp_pairs(b, ctx)
                 wall, table = kernel_table(lambda pairs=pairs, hidden=hidden, r=runner: r.mtp(pairs, hidden, kv))
                 out[f"{variant} mtp b{b} ctx{ctx}"] = show(f"{variant} mtp pass b={b} ctx={ctx}", wall, table)
         defaults, rec_defaults, mixed = dict(PREFILL_SETTINGS), dict(RECURRENT), DECODE_SETTINGS["mixed"]

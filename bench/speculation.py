@@ -2,13 +2,14 @@
 machine's backend (numpy on the CPU; `SPEC_BACKEND=cupy` the cupy backend in float32, with decode graphs unless
 `SPEC_GRAPHS=0`): the demo model, 1 / 5 / 12 agents of code prompts, greedy and at temperature 0.7, each setting
 run `SPEC_ROUNDS` times interleaved (off, mtp, off, mtp, ...) by one engine a mode after an untimed round (which
-captures the graphs and caches the prompts' prefixes), steps, drafts and steps whose drafts were withheld of the last round, drafts of the head's guesses of probability
-`SPEC_CONFIDENCE` and up (default: EngineConfig's `spec_min_confidence`). Prints tok/s, steps, drafts and accepted
-drafts, and the ratio of the medians; checks that both give the same tokens. `SPEC_ADAPTIVE=0` verifies every
-draft (EngineConfig.spec_adaptive off; by default the governor withholds them where verifying is measured slower). `SPEC_SPECULATOR=ngram` drafts by
-prompt lookup instead of the MTP head (the "mtp" columns are then its). `SPEC_FILL=1` fills the spare rows of
-a step that verifies a draft with the other agents' doubtful guesses as verification graphs do (`Engine.fill_rows`;
-on by itself with graphs): on numpy, where those rows are not free, its steps and acceptance are what counts.
+captures the graphs and caches the prompts' prefixes), drafts of the head's guesses of probability
+`SPEC_CONFIDENCE` and up (default: EngineConfig's `spec_min_confidence`). Prints tok/s (the medians' ratio) and,
+of the last round, steps, drafts, accepted drafts and steps whose drafts were withheld; checks that both give the
+same tokens. `SPEC_ADAPTIVE=0` verifies every draft (EngineConfig.spec_adaptive off; by default the governor
+withholds them where verifying is measured slower). `SPEC_SPECULATOR=ngram` drafts by prompt lookup instead of
+the MTP head (the "mtp" columns are then its). `SPEC_FILL=1` fills the spare rows of a step that verifies a draft
+with the other agents' doubtful guesses as verification graphs do (`Engine.fill_rows`; on by itself with graphs):
+on numpy, where those rows are not free, its steps and acceptance are what counts.
 
     python3 bench/speculation.py
 """

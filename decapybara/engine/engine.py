@@ -392,22 +392,21 @@ class Engine(MemoryMixin):
                 wants.append(s)
         if not entries:
             return
+        verify = True
         if self.governor is not None:  # this step measured first, then the next step's choice
             self._measure()
             width = sum(s.finish_reason is None and s.num_uncomputed == 1 for s in self.running)
             verify = self.governor.allow(width)
             self._next_verify = (width, verify)
             captures, t = self.runner.captures(), self.timer()
-            # the next step's share of the measure: only a decode's pass (one or two pairs a sequence)
-            ids = frozenset(served) if len(rows) <= 2 * len(entries) else None
-            if not verify:  # no draft verified next step: the head's keys and values only
-                self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
-                self._head = _HeadPass(self.timer() - t, ids, captures) if ids is not None else None
-                return
-        guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
-        if self.governor is not None:
-            self._head = _HeadPass(self.timer() - t, ids, captures) if ids is not None else None
-        if wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
+        if verify:
+            guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
+        else:  # no draft verified next step: the head's keys and values only
+            self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
+        if self.governor is not None:  # the next step's share of its measure: only a decode's pass (1-2 pairs each)
+            decode = len(rows) <= 2 * len(entries)
+            self._head = _HeadPass(self.timer() - t, frozenset(served), captures) if decode else None
+        if verify and wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             for s, g, p in zip(wants, guesses, confidence):
                 if p >= self.cfg.spec_min_confidence:
                     s.draft = int(g)

@@ -11,10 +11,10 @@ summed with exponential decay (`decay` a step of that arm), so a change in the a
 shows within tens of steps. An arm's first step at a width is not counted (it pays one-time costs: first calls,
 allocations), and a step's seconds count at most `clip` times the median of the arm's last five (a host hiccup
 moves the rate by one step's worth, a lasting change passes within three steps; in an arm's first counted steps,
-the median of both arms' recent steps). Each arm is tried `warmup`
-times first ("on" first: speculation is what was asked for),
-then the faster arm is taken, and the slower one tried again once every `explore_every` steps of that width, so a
-change in which arm wins is found. Exploring costs at most one slower step in `explore_every`.
+the median of both arms' recent steps). Each arm is tried `warmup` times first ("on" first: speculation is what
+was asked for), then the faster arm is taken, and the slower one tried again once every `explore_every` steps of
+that width, so a change in which arm wins is found. Exploring costs at most one slower step in `explore_every`; an
+exploration is handed out once (a step not then recorded spends it too).
 
 What the engine records: pure decode steps only (every chunk one real token, plus a draft where one is verified),
 and none that captured a CUDA graph or tried to (a capture takes many steps' time once). Tokens are those the step
@@ -22,8 +22,8 @@ emitted, accepted drafts' included; seconds run from after planning (a resume's 
 are not a decode's) to the step's end, plus the MTP head's pass of the step before, which drafted for this one (or,
 withheld, only kept the head's cache): each arm pays for its own head pass. A step whose head pass was a prompt's,
 another sequence's or captured a graph is not recorded. The engine records a step before it asks for the next
-step's choice, and an exploration is handed out once (a step not then recorded spends it too). Drafts never change what is sampled, so the governor changes speed only, never tokens.
-Pure arithmetic: no clock of its own (the engine hands it each step's seconds).
+step's choice. Drafts never change what is sampled, so the governor changes speed only, never tokens. Pure
+arithmetic: no clock of its own (the engine hands it each step's seconds).
 """
 
 from __future__ import annotations

@@ -234,28 +234,28 @@ class QwenModel:
             fc([norm_e(embed(token p + 1)); norm_h(hidden p)]) -> the head's decoder layer(s) -> norm -> lm_head.
         The head's attention layers keep their keys and values in the cache's ("mtp", j) layers, at the
         sequences' own page slots of position p, causal over positions [0, p]."""
+        h, _, _ = self._mtp_trunk(batch, normed, kv)
+        return self.mtp_logits(self._rows(h, batch.logits_rows))
+
+    def _mtp_trunk(self, batch: ForwardBatch, normed: Any, kv: KVCache,
+                   layers: int | None = None) -> tuple[Any, Any, Any]:
+        """(the head's residual stream after its first `layers` layers (default all), cos, sin) of `batch`'s pairs:
+        what `mtp_forward` and `mtp_kv` share."""
         if not self.has_mtp:
             raise ValueError("the model has no MTP head")
-        ops, w = self.backend, self.w
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        cos, sin = ops.from_host(cos), ops.from_host(sin)
-        h = self.mtp_layers(ops.embedding(w["model.embed_tokens.weight"], batch.token_ids), normed, batch, kv, cos,
-                            sin)
-        return self.mtp_logits(self._rows(h, batch.logits_rows))
+        ops = self.backend
+        cos, sin = (ops.from_host(a) for a in self.rotary.cos_sin(batch.positions))
+        emb = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)
+        return self.mtp_layers(emb, normed, batch, kv, cos, sin, layers=layers), cos, sin
 
     def mtp_kv(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> None:
         """The MTP head's keys and values at `batch`'s rows (pairs as `mtp_forward`'s), the same values it writes,
         without what only its guesses need: its last layer's attention, MLP, final norm and lm_head (of a
         one-layer head, all but the fc and one input product). Keeps the head's cache whole over steps that
         draft nothing, so that its later guesses attend to every position."""
-        if not self.has_mtp:
-            raise ValueError("the model has no MTP head")
         cfg, ops, w = self.cfg, self.backend, self.w
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        cos, sin = ops.from_host(cos), ops.from_host(sin)
         last = cfg.mtp_num_hidden_layers - 1
-        h = self.mtp_layers(ops.embedding(w["model.embed_tokens.weight"], batch.token_ids), normed, batch, kv, cos,
-                            sin, layers=last)
+        h, cos, sin = self._mtp_trunk(batch, normed, kv, layers=last)
         p = f"mtp.layers.{last}"
         x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         _q, k, v, _gate = self._qkv(p, self._attention_inputs(p, x), cos, sin)

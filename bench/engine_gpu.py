@@ -12,9 +12,10 @@ and its device work), the sampler (`Backend.sample`) and the rest (the engine's 
 eager forward) are among them, as in a real run.
 
 First, the device sampler alone (host and device microseconds a call, 1 and 12 rows of 248,320 logits). Cases
-(ENGINE_CASES picks some, comma list): sampler "device" (the backend's, the default) or "host" (the numpy
-reference after copying the logits), sampling "greedy" or "t07" (temperature 0.7, top-p 0.8, top-k 20), the
-prefix cache on or "nocache", at 1 and 12 sequences.
+(ENGINE_CASES picks some, comma list): sampler "device" (the backend's, the default), "host" (the numpy
+reference after copying the logits) or "prev" (bench/sampler.py's SAMPLER_PREV file: an earlier form of the device
+sampler), sampling "greedy", "t07" (temperature 0.7, top-p 0.8, top-k 20) or "t10" (temperature 1, no filters:
+an API client's defaults), the prefix cache on or "nocache", at 1 and 12 sequences.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ CASES = {  # name -> (sequences, sampler, sampling, prefix cache)
     "1 host greedy": (1, "host", "greedy", True),
     "12 host greedy": (12, "host", "greedy", True),
     "12 host t07": (12, "host", "t07", True),
+    "1 device t07": (1, "device", "t07", True),
+    "1 device t10": (1, "device", "t10", True),
+    "12 device t10": (12, "device", "t10", True),
+    "1 prev t07": (1, "prev", "t07", True),
+    "12 prev t07": (12, "prev", "t07", True),
+    "1 prev t10": (1, "prev", "t10", True),
+    "12 prev t10": (12, "prev", "t10", True),
 }
 PICK = [c.strip() for c in os.environ.get("ENGINE_CASES", "").split(",") if c.strip()] or list(CASES)
 
@@ -56,6 +64,8 @@ PICK = [c.strip() for c in os.environ.get("ENGINE_CASES", "").split(",") if c.st
 def params(kind: str) -> SamplingParams:
     if kind == "greedy":
         return SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    if kind == "t10":  # an API client's defaults: temperature 1, no filters
+        return SamplingParams(temperature=1.0, max_tokens=4096, ignore_eos=True)
     return SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=4096, ignore_eos=True)
 
 
@@ -65,6 +75,11 @@ def make_engine(model: Any, b: int, sampler: str, cache: bool) -> Engine:
     e = Engine(model, cfg)
     if sampler == "host":  # the numpy reference on a host copy of the logits (Backend's default)
         e.model.backend.sample = lambda logits, rows, eos=(): Backend.sample(e.model.backend, logits, rows, eos)
+    elif sampler == "prev":  # an earlier form of the device sampler: bench/sampler.py's SAMPLER_PREV file
+        from sampler import previous  # bench/sampler.py
+
+        prev = previous()
+        e.model.backend.sample = lambda logits, rows, eos=(): prev(logits, rows, eos_token_ids=eos)
     return e
 
 

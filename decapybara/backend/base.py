@@ -313,5 +313,14 @@ class Backend(ABC):
 
         return sample(self.to_host(logits).astype(np.float32, copy=False), rows, eos_token_ids=eos_token_ids)
 
+    def argmax_prob(self, logits: Any) -> tuple[Any, Any]:
+        """(the lowest id of each row's maximum [R] int64, its softmax probability [R] float32) of float32 logits
+        [R, V], where they are (two numbers a row to read back, not a vocabulary's logits): the MTP head's
+        greedy guesses and their confidence."""
+        xp = self.xp
+        guess = xp.argmax(logits, axis=-1)
+        top = xp.take_along_axis(logits, guess[:, None], axis=-1)
+        return guess, (1.0 / xp.exp(logits - top).sum(axis=-1)).astype(xp.float32)
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on the CPU)."""

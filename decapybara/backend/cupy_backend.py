@@ -248,6 +248,13 @@ class CupyBackend(Backend):
     def synchronize(self) -> None:
         cp.cuda.get_current_stream().synchronize()
 
+    def argmax_prob(self, logits: Any) -> tuple[Any, Any]:
+        """Two launches (decapybara/kernels/sample.cu `guess_partial` / `guess_finish`, `cupy_ops_extra.guesses`)
+        where CuPy's argmax, the gather, the exponentials and their sum took several and a slow reduction."""
+        if logits.dtype != cp.float32 or logits.ndim != 2 or logits.strides[1] != 4:
+            return super().argmax_prob(logits)
+        return cupy_ops_extra.guesses(logits)
+
     def sample(self, logits: Any, rows: Any, eos_token_ids: Any = ()) -> Any:
         """The device sampler (decapybara/kernels/sample.cu, `cupy_ops_extra.cuda_sample`): the reference's tokens from
         the same seeds, but where a draw lands within rounding distance of a CDF step; greedy rows exactly.

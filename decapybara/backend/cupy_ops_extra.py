@@ -22,7 +22,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from decapybara.backend import pdl
+from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.cupy_ops import (
     F32,
     I32,
@@ -1437,6 +1437,24 @@ def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
     return cp.asnumpy(out).reshape(s.shape)
 
 
+def guesses(logits: Any) -> tuple[Any, Any]:
+    """(the lowest id of each row's maximum [R] int64, its softmax probability [R] float32) of float32 logits
+    [R, V] (rows of unit stride), in two launches: a block per (row, SAMPLE_TILE tokens), then a warp per row.
+    The probability is 1 / sum(exp(x - max)) in float32, summed by chunks; NaN logits read as -inf."""
+    if logits.dtype != cp.float32 or logits.ndim != 2 or logits.strides[1] != 4:
+        raise ValueError(f"logits must be float32 [R, V] rows of unit stride, got {logits.dtype} {logits.shape}")
+    r, v = logits.shape
+    nchunk = max(1, -(-v // SAMPLE_TILE))
+    pmax, pidx, psum = empty((r, nchunk), cp.float32), empty((r, nchunk), cp.int32), empty((r, nchunk), cp.float32)
+    guess, prob = empty(r, cp.int64), empty(r, cp.float32)
+    if r:
+        k = functools.partial(get_kernel, "sample")
+        k("guess_partial")((nchunk, r), (256,), (logits, I64(logits.strides[0] // 4), I32(v), I32(SAMPLE_TILE), pmax,
+                                                pidx, psum))
+        k("guess_finish")((-(-r // 8),), (256,), (pmax, pidx, psum, I32(nchunk), I32(r), guess, prob))
+    return guess, prob
+
+
 def _views(buf: Any, layout: Any) -> dict[str, Any]:
     """Named views of a uint8 buffer (device or host) holding arrays back to back: `layout` lists (name, dtype,
     shape) in buffer order (8-byte types first keeps every view aligned)."""
@@ -1448,20 +1466,77 @@ def _views(buf: Any, layout: Any) -> dict[str, Any]:
     return out
 
 
-def _one_copy(parts: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Host arrays (8-byte types first) -> device views of one buffer: one host-to-device copy."""
-    host = np.concatenate([np.ascontiguousarray(a).view(np.uint8).ravel() for a in parts.values()])
-    return _views(cp.asarray(host), [(name, a.dtype, a.shape) for name, a in parts.items()])
+# cuda_sample's per-call inputs and results, one buffer so that they go over in one copy and come back in one:
+# (name, dtype), 8-byte types first. rowmax goes over as 0 (sample_prep's atomicMax), the results as 0 (`finite`).
+SAMPLE_IO = (("temp", np.float64), ("top_p", np.float64), ("min_p", np.float64), ("rep", np.float64),
+             ("pres", np.float64), ("freq", np.float64), ("seed", np.uint64), ("pos", np.uint64),
+             ("rowmax", np.uint64), ("token", np.int64), ("logprob", np.float32), ("status", np.int32),
+             ("finite", np.int32), ("argmin", np.int32), ("greedy", np.int32), ("want", np.int32),
+             ("top_k", np.int32), ("keep", np.int32))
+SAMPLE_RESULTS = ("token", "logprob", "status", "finite", "argmin")  # a contiguous run of SAMPLE_IO
 
 
-# cuda_sample's results, one buffer so that they come back in one copy: (name, dtype), 8-byte types first
-SAMPLE_RESULTS = (("token", np.int64), ("logprob", np.float32), ("status", np.int32), ("finite", np.int32),
-                  ("argmin", np.int32))
+class _SampleWork:
+    """One (thread, device, rows, vocabulary)'s sampler buffers, kept between calls: the device scratch (y and
+    the tiles' partial results) and the per-call inputs / results as one host array and its device twin, with
+    their views made once. A call returns only after its results are on the host, so its scratch is free again
+    by then; a thread's calls never overlap."""
+
+    def __init__(self, b: int, v: int):
+        nblk = -(-v // SAMPLE_TILE)
+        lc = SAMPLE_TILE // nblk
+        scratch = [("y", np.float64, (b, v)), ("bz", np.float64, (b, nblk)), ("bzm", np.float64, (b, nblk)),
+                   ("cz", np.float64, (b, nblk, lc)), ("tz", np.float64, (b, nblk)), ("info", np.float64, (b, 4)),
+                   ("bnm", np.int32, (b, nblk)), ("cid", np.int32, (b, nblk, lc)), ("tzid", np.int32, (b, nblk)),
+                   ("skipped", np.int32, (b, nblk)), ("nm", np.int32, (b,)), ("top_id", np.int32, (b, NTOP)),
+                   ("top_lp", np.float32, (b, NTOP))]
+        size = sum(int(np.prod(sh)) * np.dtype(dt).itemsize for _, dt, sh in scratch)
+        self.dev = _views(cp.empty(size, cp.uint8), scratch)
+        io = [(name, dt, (b,)) for name, dt in SAMPLE_IO]
+        nbytes = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO)
+        import cupyx
+
+        self.host_buf = cupyx.empty_pinned(nbytes, np.uint8)  # pinned: the copy over is asynchronous
+        self.host_buf[:] = 0
+        self.dev_buf = cp.zeros(nbytes, cp.uint8)
+        self.host, self.io = _views(self.host_buf, io), _views(self.dev_buf, io)
+        names = [name for name, _ in SAMPLE_IO]
+        first, last = names.index(SAMPLE_RESULTS[0]), names.index(SAMPLE_RESULTS[-1])
+        lo = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO[:first])
+        hi = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO[:last + 1])
+        self.results_dev, self.results_layout = self.dev_buf[lo:hi], [(n, dt, (b,)) for n, dt in SAMPLE_IO[first:last + 1]]
+        self.nblk, self.lc = nblk, lc
+
+    def send(self) -> None:
+        """The host inputs over to the device, one copy on the current stream, with rowmax and the results as 0
+        (never written on the host); the host array is written again only by the next call, after this one's
+        results came back."""
+        self.dev_buf.set(self.host_buf, stream=cp.cuda.get_current_stream())
+        if cupy_ops.POISON:  # tests: what a kernel fails to write shows up, not what the call before wrote
+            for a in self.dev.values():
+                a.fill(np.nan if a.dtype.kind == "f" else np.iinfo(a.dtype).max)
+
+    def results(self) -> dict[str, np.ndarray]:
+        """The results back on the host (one copy; waits for the call's kernels), with the rows' finite check."""
+        host = _views(cp.asnumpy(self.results_dev), self.results_layout)
+        if not host["finite"].all():
+            raise ValueError("every row of logits needs at least one finite value")
+        return host
 
 
-def _result_views(buf: Any, b: int) -> dict[str, Any]:
-    """SAMPLE_RESULTS' arrays of `b` rows as views of a uint8 buffer (on the device or its host copy)."""
-    return _views(buf, [(name, dtype, (b,)) for name, dtype in SAMPLE_RESULTS])
+_SAMPLE_WORK: dict[tuple[int, int, int, int], _SampleWork] = {}
+
+
+def _sample_work(b: int, v: int) -> _SampleWork:
+    """The calling thread's buffers for b rows of v logits on the current device (at most 8 shapes kept)."""
+    import threading
+
+    key = (threading.get_ident(), cp.cuda.runtime.getDevice(), b, v)
+    work = _SAMPLE_WORK.pop(key, None) or _SampleWork(b, v)
+    _SAMPLE_WORK[key] = work  # most recent last
+    while len(_SAMPLE_WORK) > 8:
+        del _SAMPLE_WORK[next(iter(_SAMPLE_WORK))]
+    return work
 
 
 def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
@@ -1478,89 +1553,85 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
     b, v = logits.shape
     if b != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
-    nblk = -(-v // SAMPLE_TILE)
     if v > SAMPLE_MAX_VOCAB:
         raise ValueError(f"vocabulary {v} above the sampler's {SAMPLE_MAX_VOCAB}")
     if b == 0:
         return SampleOutput(np.zeros(0, np.int64), np.zeros(0, np.float32), [])
     ps = [r.params for r in rows]
-    temp = np.array([p.temperature for p in ps], np.float64)
-    want = np.array([p.logprobs or 0 for p in ps], np.int32)
-    greedy = (temp < GREEDY_TEMPERATURE).astype(np.int32)
+    work = _sample_work(b, v)
+    h, io, d = work.host, work.io, work.dev
+    temp = h["temp"]
+    temp[:] = [p.temperature for p in ps]
+    want = h["want"]
+    want[:] = [p.logprobs or 0 for p in ps]
+    greedy = h["greedy"]
+    greedy[:] = temp < GREEDY_TEMPERATURE
     edits = any(needs_edits(r) for r in rows)
     short = bool(greedy.all()) and not edits and not any(p.logprobs is not None for p in ps)
     k = functools.partial(get_kernel, "sample")
-    res = cp.zeros(b * sum(np.dtype(d).itemsize for _, d in SAMPLE_RESULTS), cp.uint8)  # `finite` starts at 0
-    token, logprob, status, finite, argmin = _result_views(res, b).values()
-
-    def results() -> dict[str, np.ndarray]:  # the host's copy, with the rows' finite check
-        host = _result_views(cp.asnumpy(res), b)
-        if not host["finite"].all():
-            raise ValueError("every row of logits needs at least one finite value")
-        return host
-
-    y, rowmax = empty((b, v), cp.float64), empty(b, cp.uint64)
-    k("sample_prep")((-(-v // 256), b), (256,), (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y,
-                                                rowmax, argmin, finite))
+    y, rowmax, argmin, finite = d["y"], io["rowmax"], io["argmin"], io["finite"]
+    grid = ((-(-v // 256), b), (256,))
     if short:
-        k("sample_rowmax")((-(-v // 256), b), (256,), (y, I32(v), rowmax))
-        k("sample_greedy_pick")((-(-v // 256), b), (256,), (y, I32(v), rowmax, argmin))
-        return SampleOutput(results()["argmin"].astype(np.int64), np.full(b, np.nan, np.float32),
+        work.send()
+        k("sample_prep")(*grid, (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y, rowmax, argmin,
+                                 finite, I32(1)))
+        k("sample_greedy_pick")(*grid, (y, I32(v), rowmax, argmin))
+        return SampleOutput(work.results()["argmin"].astype(np.int64), np.full(b, np.nan, np.float32),
                             [[] for _ in rows])
-    top_k = np.array([p.top_k for p in ps], np.int32)
+    top_k = h["top_k"]
+    top_k[:] = [p.top_k for p in ps]
     # tokens a row keeps at most (top-k, its logprob alternatives; 0: all of them): tiles that cannot hold any
     # of them skip their sort (sample_stats)
-    keep = np.where(greedy > 0, want, np.where(top_k > 0, np.maximum(top_k, want), 0)).astype(np.int32)
-    dev = _one_copy({
-        "temp": temp, "top_p": np.array([p.top_p for p in ps], np.float64),
-        "min_p": np.array([p.min_p for p in ps], np.float64),
-        "rep": np.array([max(p.repetition_penalty, r.extra_repetition_penalty) for p, r in zip(ps, rows)],
-                        np.float64),
-        "pres": np.array([p.presence_penalty for p in ps], np.float64),
-        "freq": np.array([p.frequency_penalty for p in ps], np.float64),
-        "seed": np.array([r.seed & MASK64 for r in rows], np.uint64),
-        "pos": np.array([r.position for r in rows], np.uint64), "greedy": greedy, "want": want, "top_k": top_k,
-        "keep": keep})
+    h["keep"][:] = np.where(greedy > 0, want, np.where(top_k > 0, np.maximum(top_k, want), 0))
+    h["top_p"][:] = [p.top_p for p in ps]
+    h["min_p"][:] = [p.min_p for p in ps]
+    h["rep"][:] = [max(p.repetition_penalty, r.extra_repetition_penalty) for p, r in zip(ps, rows)]
+    h["pres"][:] = [p.presence_penalty for p in ps]
+    h["freq"][:] = [p.frequency_penalty for p in ps]
+    h["seed"][:] = [r.seed & MASK64 for r in rows]
+    h["pos"][:] = [r.position for r in rows]
     n_e = 0
     if edits:
-        e_ptr, e_row, e_tok, e_bias, e_flags, e_count = (cp.asarray(a) for a in edit_lists(
-            rows, np.asarray(eos_token_ids, np.int64)))
-        n_e = int(e_row.shape[0])
-        if n_e and int(e_tok.max()) >= v:
+        lists = edit_lists(rows, np.asarray(eos_token_ids, np.int64))
+        n_e = int(lists[1].shape[0])
+        if n_e and int(lists[2].max()) >= v:  # checked on the host, before anything is launched
             raise ValueError("a token id of logit_bias / penalties / masks is outside the vocabulary")
+    work.send()
+    k("sample_prep")(*grid, (logits, I32(kind(logits.dtype)), I64(logits.shape[1]), I32(v), y, rowmax, argmin,
+                             finite, I32(0 if n_e else 1)))
     if n_e:
+        e_ptr, e_row, e_tok, e_bias, e_flags, e_count = _one_copy_list(lists)
         scratch = empty(n_e, cp.float64)
-        k("sample_edits")((-(-n_e // 256),), (256,), (e_row, e_tok, e_bias, e_flags, e_count, I32(n_e), dev["rep"],
-                                                     dev["pres"], dev["freq"], y, I32(v), scratch))
-    k("sample_rowmax")((-(-v // 256), b), (256,), (y, I32(v), rowmax))
-    if n_e:
+        k("sample_edits")((-(-n_e // 256),), (256,), (e_row, e_tok, e_bias, e_flags, e_count, I32(n_e), io["rep"],
+                                                     io["pres"], io["freq"], y, I32(v), scratch))
+        k("sample_rowmax")(*grid, (y, I32(v), rowmax))
         k("sample_restore")((-(-b // 32),), (32,), (e_ptr, e_tok, e_flags, scratch, y, I32(v), rowmax, I32(b)))
-    lc = SAMPLE_TILE // nblk
-    bz, bzm, bnm = empty((b, nblk), cp.float64), empty((b, nblk), cp.float64), empty((b, nblk), cp.int32)
-    cz, cid = empty((b, nblk, lc), cp.float64), empty((b, nblk, lc), cp.int32)
-    tz, tzid, skipped = empty((b, nblk), cp.float64), empty((b, nblk), cp.int32), empty((b, nblk), cp.int32)
-    if keep.any():
-        k("sample_tilemax")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), dev["temp"], dev["greedy"], tz, tzid))
-    k("sample_stats")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), dev["temp"], dev["greedy"], dev["want"],
-                                                     dev["min_p"], rowmax, I32(lc), dev["keep"], tz, tzid, bz, bzm,
+    nblk, lc = work.nblk, work.lc
+    bz, bzm, bnm, cz, cid = d["bz"], d["bzm"], d["bnm"], d["cz"], d["cid"]
+    tz, tzid, skipped = d["tz"], d["tzid"], d["skipped"]
+    if h["keep"].any():
+        k("sample_tilemax")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), io["temp"], io["greedy"], tz, tzid))
+    k("sample_stats")((nblk, b), (SAMPLE_TILE // 2,), (y, I32(v), io["temp"], io["greedy"], io["want"],
+                                                     io["min_p"], rowmax, I32(lc), io["keep"], tz, tzid, bz, bzm,
                                                      bnm, argmin, cz, cid, skipped))
-    info, nm = empty((b, 4), cp.float64), empty(b, cp.int32)
-    top_id, top_lp = empty((b, NTOP), cp.int32), empty((b, NTOP), cp.float32)
+    info, nm, top_id, top_lp = d["info"], d["nm"], d["top_id"], d["top_lp"]
+    token, logprob, status = io["token"], io["logprob"], io["status"]
     k("sample_final")((b,), (SAMPLE_TILE // 2,),
-                      (I32(v), I32(nblk), I32(lc), dev["temp"], dev["greedy"], dev["want"], dev["top_k"],
-                       dev["top_p"], dev["min_p"], dev["seed"], dev["pos"], rowmax, bz, bzm, bnm, argmin, cz, cid,
-                       dev["keep"], skipped, token, logprob, status, info, nm, top_id, top_lp))
-    host = results()
+                      (I32(v), I32(nblk), I32(lc), io["temp"], io["greedy"], io["want"], io["top_k"],
+                       io["top_p"], io["min_p"], io["seed"], io["pos"], rowmax, bz, bzm, bnm, argmin, cz, cid,
+                       io["keep"], skipped, token, logprob, status, info, nm, top_id, top_lp))
+    host = work.results()
     redo = np.flatnonzero(host["status"])
     if redo.size:  # the decision lies past the certified prefix: a full canonical order per such row
         t_eff = cp.asarray(np.where(greedy[redo] > 0, 1.0, temp[redo]))[:, None]
         z = y[cp.asarray(redo)] / t_eff + 0.0
         order = cp.ascontiguousarray(cp.argsort(-z, axis=-1).astype(cp.int32))  # stable: ties by ascending id
-        k("sample_scan")((redo.size,), (32,),
-                         (cp.asarray(redo.astype(np.int32)), order, I32(v), y, dev["temp"], dev["greedy"],
-                          dev["top_k"], dev["top_p"], dev["min_p"], info, nm, token, logprob, status, top_id,
-                          top_lp))
-        host = results()
+        wbuf, pbuf = empty((redo.size, v), cp.float64), empty((redo.size, v), cp.float64)
+        k("sample_scan")((redo.size,), (SAMPLE_TILE // 2,),
+                         (cp.asarray(redo.astype(np.int32)), order, I32(v), y, io["temp"], io["greedy"],
+                          io["top_k"], io["top_p"], io["min_p"], info, nm, token, logprob, status, top_id,
+                          top_lp, wbuf, pbuf))
+        host = work.results()
     tokens, lps = host["token"], host["logprob"]
     out_lp = np.where([p.logprobs is not None for p in ps], lps, np.nan).astype(np.float32)
     top: list[list[tuple[int, float]]] = [[] for _ in rows]
@@ -1569,3 +1640,12 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
         top = [[(int(tids[i, j]), float(tlps[i, j])) for j in range(min(p.logprobs or 0, v))
                 if tids[i, j] >= 0 and np.isfinite(tlps[i, j])] for i, p in enumerate(ps)]
     return SampleOutput(tokens.astype(np.int64), out_lp, top)
+
+
+def _one_copy_list(arrays: Any) -> list[Any]:
+    """Host arrays -> device arrays of the same dtypes and shapes, from one buffer: one host-to-device copy."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    order = sorted(range(len(arrays)), key=lambda i: -arrays[i].dtype.itemsize)  # 8-byte types first: aligned
+    host = np.concatenate([arrays[i].view(np.uint8).ravel() for i in order])
+    views = _views(cp.asarray(host), [(i, arrays[i].dtype, arrays[i].shape) for i in order])
+    return [views[i] for i in range(len(arrays))]

@@ -1,10 +1,11 @@
 // Device sampler: the contract of decapybara/engine/sampling.py (read its module docstring first), in float64.
 //
 // Pipeline per call (rows = sequences, V = vocabulary):
-//   sample_prep     y = float64(logits) with NaN -> -inf, +inf -> float32 max; resets per-row accumulators
+//   sample_prep     y = float64(logits) with NaN -> -inf, +inf -> float32 max; resets argmin; without edits also
+//                   the row max (rowmax zeroed by the caller), which sample_rowmax otherwise computes after them
 //   sample_edits    sparse per-(row, token) edits: logit_bias, repetition / presence / frequency penalties,
 //                   masks (-inf, the pre-mask value kept in `scratch`)
-//   sample_rowmax   row max of y (ordered-bits atomicMax: order independent, so deterministic)
+//   sample_rowmax   row max of y after edits (ordered-bits atomicMax: order independent, so deterministic)
 //   sample_restore  a row left without a finite value by its masks gets its masked tokens back
 //   (sample_greedy_pick: a batch of greedy rows with no edits and no logprobs stops here, the argmax found)
 //   sample_tilemax  (rows that keep at most K tokens: top-k, logprob alternatives) each tile's first token in
@@ -71,25 +72,43 @@ extern "C" __global__ void philox_uniforms(const u64* seeds, const u64* pos, u32
     if (i < n) out[i] = ((double)(philox_x0(seeds[i], pos[i], stream) >> 8) + 0.5) * 0x1p-24;
 }
 
+// The block's largest ordered key (one a thread), added to *dst by atomicMax (order independent: deterministic).
+__device__ void block_max_to(u64 m, u64* dst) {
+    __shared__ u64 red[32];
+    for (int o = 16; o; o >>= 1) { u64 q = __shfl_xor_sync(0xFFFFFFFFu, m, o); m = q > m ? q : m; }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = red[w] > m ? red[w] : m;
+        atomicMax(dst, m);
+    }
+}
+
+// rowmax must be 0 before the launch where do_max is set (each block adds its maximum by atomicMax); without it
+// sample_rowmax computes it after the edits. argmin is reset here (read by later launches only).
 extern "C" __global__ void sample_prep(const void* logits, int kind, long long ld, int V, double* y, u64* rowmax,
-                                       int* argmin, int* has_finite) {
+                                       int* argmin, int* has_finite, int do_max) {
     const int row = blockIdx.y;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i == 0) { rowmax[row] = 0; argmin[row] = 0x7FFFFFFF; }
-    if (i >= V) return;
-    double x;
-    if (kind == 0) x = ((const float*)logits)[row * ld + i];
-    else {
-        u16 h = ((const u16*)logits)[row * ld + i];
-        float f;
-        if (kind == 1) f = __uint_as_float((u32)h << 16);
-        else asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-        x = f;
+    if (i == 0) argmin[row] = 0x7FFFFFFF;
+    u64 m = 0;
+    if (i < V) {
+        double x;
+        if (kind == 0) x = ((const float*)logits)[row * ld + i];
+        else {
+            u16 h = ((const u16*)logits)[row * ld + i];
+            float f;
+            if (kind == 1) f = __uint_as_float((u32)h << 16);
+            else asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+            x = f;
+        }
+        if (x != x) x = -INF_D;
+        else if (x == INF_D) x = F32_MAX;
+        if (x != -INF_D) has_finite[row] = 1;
+        y[(long long)row * V + i] = x;
+        m = ord64(x);
     }
-    if (x != x) x = -INF_D;
-    else if (x == INF_D) x = F32_MAX;
-    if (x != -INF_D) has_finite[row] = 1;
-    y[(long long)row * V + i] = x;
+    if (do_max) block_max_to(m, rowmax + row);  // uniform per launch
 }
 
 // flags: 1 = seen (repetition penalty), 2 = masked, 4 = has bias
@@ -110,21 +129,13 @@ extern "C" __global__ void sample_edits(const int* e_row, const int* e_tok, cons
 }
 
 extern "C" __global__ void sample_rowmax(const double* y, int V, u64* rowmax) {
-    __shared__ u64 red[32];
     const int row = blockIdx.y;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 m = i < V ? ord64(y[(long long)row * V + i]) : 0;
-    for (int o = 16; o; o >>= 1) { u64 q = __shfl_xor_sync(0xFFFFFFFFu, m, o); m = q > m ? q : m; }
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = red[w] > m ? red[w] : m;
-        atomicMax(rowmax + row, m);
-    }
+    block_max_to(i < V ? ord64(y[(long long)row * V + i]) : 0, rowmax + row);
 }
 
 // Greedy rows without edits or logprobs (decapybara/backend/cupy_ops_extra.py `cuda_sample`'s short path, after
-// sample_prep and sample_rowmax): argmin[row] = the lowest id whose value is the row's maximum.
+// sample_prep with its row max): argmin[row] = the lowest id whose value is the row's maximum.
 extern "C" __global__ void sample_greedy_pick(const double* y, int V, const u64* rowmax, int* argmin) {
     const int row = blockIdx.y;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -145,11 +156,12 @@ extern "C" __global__ void sample_restore(const int* e_ptr, const int* e_tok, co
     rowmax[row] = m;
 }
 
-// Bitonic sort of n = TILE (z, id) pairs in shared memory into canonical order; blockDim.x == TILE / 2.
-__device__ void bitonic(double* z, int* id) {
-    for (int k = 2; k <= TILE; k <<= 1)
+// Bitonic sort of n (a power of two, at most TILE; default TILE) (z, id) pairs in shared memory into canonical
+// order; blockDim.x == TILE / 2.
+__device__ void bitonic(double* z, int* id, int n = TILE) {
+    for (int k = 2; k <= n; k <<= 1)
         for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < TILE; i += blockDim.x) {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
                 const int l = i ^ j;
                 if (l > i) {
                     const bool asc = (i & k) == 0;
@@ -357,32 +369,87 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
     int* top_id, float* top_lp) {
     __shared__ double sz[TILE], sw[TILE];
     __shared__ int sid[TILE];
-    const int row = blockIdx.x, tid = threadIdx.x, kt = keep[row];
+    __shared__ double red[32];
+    __shared__ int ired[33];
+    __shared__ double tz_w[32];
+    __shared__ int ti_w[32];
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, kt = keep[row];
     const bool gr = greedy[row] != 0;
     const double T = gr ? 1.0 : temp[row], zmax = __ddiv_rn(unord64(rowmax[row]), T);
+    // The tiles' candidates gathered side by side (nblk <= TILE tiles; thread t takes tiles t and t + blockDim.x):
+    // each thread's count of reported tokens, a block-wide exclusive scan for its offset in (sz, sid), and the
+    // bound tau: the canonically first of the keys that everything a tile did not report is at or after (a full
+    // tile's L-th key, a skipped tile's first token). Keys are unique (ids are), so any reduction order gives the
+    // same tau; the candidates' order does not matter (they are sorted below).
+    int cnt_t = 0;
     double tau_z = INF_D;
-    int tau_id = -1, n_c = 0;
-    for (int b = 0; b < nblk; ++b) {  // every thread walks the (small) block list: same n_c, tau everywhere
+    int tau_id = -1;
+    for (int b = tid; b < nblk; b += blockDim.x) {
         const bool skip = kt > 0 && skipped[(long long)row * nblk + b];  // its first token alone, not reported
-        const int cnt = (V - b + nblk - 1) / nblk, lb = skip ? 0 : min(L, cnt);  // tile b's ids: b, b + nblk, ..
-        for (int j = tid; j < lb; j += blockDim.x) {
-            sz[n_c + j] = cz[((long long)row * nblk + b) * L + j];
-            sid[n_c + j] = cid[((long long)row * nblk + b) * L + j];
-        }
-        if (skip || cnt > L) {  // everything the tile did not report is at or after this key
-            const double kz = cz[((long long)row * nblk + b) * L + (skip ? 0 : L - 1)];
-            const int ki = cid[((long long)row * nblk + b) * L + (skip ? 0 : L - 1)];
+        const int cnt = (V - b + nblk - 1) / nblk;  // tile b's ids: b, b + nblk, ..
+        cnt_t += skip ? 0 : min(L, cnt);
+        if (skip || cnt > L) {
+            const long long k = ((long long)row * nblk + b) * L + (skip ? 0 : L - 1);
+            const double kz = cz[k];
+            const int ki = cid[k];
             if (tau_id < 0 || before(kz, ki, tau_z, tau_id)) { tau_z = kz; tau_id = ki; }
         }
-        n_c += lb;
+    }
+    int incl = cnt_t;  // warp inclusive scan
+    for (int o = 1; o < 32; o <<= 1) {
+        const int q = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += q;
+    }
+    for (int o = 16; o; o >>= 1) {  // tau: canonical minimum (tau_id < 0: none)
+        const double qz = __shfl_xor_sync(0xFFFFFFFFu, tau_z, o);
+        const int qi = __shfl_xor_sync(0xFFFFFFFFu, tau_id, o);
+        if (qi >= 0 && (tau_id < 0 || before(qz, qi, tau_z, tau_id))) { tau_z = qz; tau_id = qi; }
+    }
+    if (lane == 31) ired[warp] = incl;
+    if (lane == 0) { tz_w[warp] = tau_z; ti_w[warp] = tau_id; }
+    __syncthreads();
+    const int nwarps = (int)(blockDim.x >> 5);
+    if (tid == 0) {
+        int run = 0;
+        for (int w = 0; w < nwarps; ++w) { const int c = ired[w]; ired[w] = run; run += c; }
+        ired[32] = run;
+        for (int w = 1; w < nwarps; ++w)
+            if (ti_w[w] >= 0 && (ti_w[0] < 0 || before(tz_w[w], ti_w[w], tz_w[0], ti_w[0]))) {
+                tz_w[0] = tz_w[w];
+                ti_w[0] = ti_w[w];
+            }
+    }
+    __syncthreads();
+    const int n_c = ired[32];
+    tau_z = tz_w[0];
+    tau_id = ti_w[0];
+    int off = ired[warp] + incl - cnt_t;
+    for (int b = tid; b < nblk; b += blockDim.x) {
+        const bool skip = kt > 0 && skipped[(long long)row * nblk + b];
+        const int lb = skip ? 0 : min(L, (V - b + nblk - 1) / nblk);
+        const long long base = ((long long)row * nblk + b) * L;
+        for (int j = 0; j < lb; ++j) {
+            sz[off + j] = cz[base + j];
+            sid[off + j] = cid[base + j];
+        }
+        off += lb;
     }
     const bool need_sort = !gr || want_top[row] > 0;
-    if (need_sort) {
-        for (int j = n_c + tid; j < TILE; j += blockDim.x) { sz[j] = -INF_D; sid[j] = 0x7FFFFFFF; }
+    if (need_sort) {  // the candidates padded to a power of two (at least NTOP: write_top's reads)
+        int n = 32;
+        while (n < n_c) n <<= 1;
+        for (int j = n_c + tid; j < n; j += blockDim.x) { sz[j] = -INF_D; sid[j] = 0x7FFFFFFF; }
         __syncthreads();
-        bitonic(sz, sid);
-        for (int j = tid; j < TILE; j += blockDim.x) sw[j] = exp(sz[j] - zmax);  // the same bits as in stats
+        bitonic(sz, sid, n);
+        for (int j = tid; j < n; j += blockDim.x) sw[j] = exp(sz[j] - zmax);  // the same bits as in stats
         __syncthreads();
+    }
+    // the certified prefix: the sorted candidates at or before tau (a prefix of them, so a count)
+    int n_cert = n_c;
+    if (tau_id >= 0 && need_sort) {
+        double c = 0.0;
+        for (int j = tid; j < n_c; j += blockDim.x) c += before(tau_z, tau_id, sz[j], sid[j]) ? 0.0 : 1.0;
+        n_cert = (int)block_sum(c, red);
     }
     if (tid != 0) return;
     double z_all = 0.0, z_mp = 0.0;
@@ -391,11 +458,6 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
         z_all += bz[row * nblk + b];
         z_mp += bzm[row * nblk + b];
         n_mp += bnm[row * nblk + b];
-    }
-    int n_cert = n_c;
-    if (tau_id >= 0 && need_sort) {
-        n_cert = 0;
-        while (n_cert < n_c && !before(tau_z, tau_id, sz[n_cert], sid[n_cert])) ++n_cert;
     }
     const double u = philox_uniform(seeds[row], pos[row]), lse = log(z_all);
     rowinfo[row * 4 + 0] = zmax;
@@ -420,23 +482,111 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
     }
 }
 
-// Fallback for one row per block: `order` is the row's full canonical order (a stable argsort of -z).
-extern "C" __global__ void sample_scan(const int* rows, const int* order, int V, const double* y, const double* temp,
-                                       const int* greedy, const int* top_k, const double* top_p,
-                                       const double* min_p, const double* rowinfo, const int* rownm,
-                                       long long* token, float* logprob, int* status, int* top_id, float* top_lp) {
-    if (threadIdx.x != 0) return;
-    const int row = rows[blockIdx.x];
-    const int* ord = order + (long long)blockIdx.x * V;
+#define SCAN_ITEMS 8  // sample_scan: consecutive tokens a thread per span
+
+// Blockwise reductions of one int per thread (every thread gets the result; `ired` holds 32 ints).
+__device__ int block_min_int(int v, int* ired) {
+    for (int o = 16; o; o >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) ired[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = ired[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = min(v, ired[w]);
+    return v;
+}
+__device__ int block_max_int(int v, int* ired) { return -block_min_int(-v, ired); }
+
+// Fallback, a block of TILE / 2 threads per row whose decision lies past the certified prefix: `order` is the
+// row's full canonical order (a stable argsort of -z). The reference's sequential running sums become one
+// prefix scan in canonical order (P[i] = w(0) + ... + w(i), SCAN_ITEMS x 1,024 tokens at a time, kept in pbuf beside the
+// weights in wbuf, [rows, V] each), and each of its loops' "first index where" a parallel minimum over that
+// scan: the same decision as `decide` over the whole row, but where u * Z (or the top-p threshold) lies within a
+// few ulps of a running sum, whose bits the scan's order can change.
+extern "C" __global__ void __launch_bounds__(TILE / 2) sample_scan(
+    const int* rows, const int* order, int V, const double* y, const double* temp, const int* greedy,
+    const int* top_k, const double* top_p, const double* min_p, const double* rowinfo, const int* rownm,
+    long long* token, float* logprob, int* status, int* top_id, float* top_lp, double* wbuf, double* pbuf) {
+    __shared__ double red[32];
+    __shared__ int ired[32];
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)(blockDim.x >> 5);
+    const int row = rows[r];
+    const int* ord = order + (long long)r * V;
     const double* yr = y + (long long)row * V;
+    double* W = wbuf + (long long)r * V;
+    double* P = pbuf + (long long)r * V;
     const bool gr = greedy[row] != 0;
     const double T = gr ? 1.0 : temp[row];
     const double zmax = rowinfo[row * 4], z_all = rowinfo[row * 4 + 1], lse = log(z_all);
     ScanZ g{yr, ord, T, zmax};
     int idx = 0;
     if (!gr) {
-        decide(g, V, V, z_all, rowinfo[row * 4 + 2], rownm[row], top_k[row], top_p[row], min_p[row],
-               rowinfo[row * 4 + 3], &idx);
+        double carry = 0.0;
+        const int span = SCAN_ITEMS * blockDim.x;
+        for (int c = 0; c < V; c += span) {  // P: inclusive prefix sums of w in canonical order, a span at a time
+            const int i0 = c + tid * SCAN_ITEMS;  // a thread's SCAN_ITEMS consecutive tokens: their gathers in flight
+            double w[SCAN_ITEMS];
+#pragma unroll
+            for (int k = 0; k < SCAN_ITEMS; ++k) w[k] = i0 + k < V ? g(i0 + k) : 0.0;
+            double own = 0.0;
+#pragma unroll
+            for (int k = 0; k < SCAN_ITEMS; ++k) own += w[k];
+            double s = own;  // the threads' totals, scanned: warp, then the warps' totals
+            for (int o = 1; o < 32; o <<= 1) {
+                const double q = __shfl_up_sync(0xFFFFFFFFu, s, o);
+                if (lane >= o) s += q;
+            }
+            double excl = __shfl_up_sync(0xFFFFFFFFu, s, 1);  // the warp's sum before this thread
+            if (lane == 0) excl = 0.0;
+            if (lane == 31) red[warp] = s;
+            __syncthreads();
+            if (warp == 0) {
+                double t = lane < nw ? red[lane] : 0.0;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const double q = __shfl_up_sync(0xFFFFFFFFu, t, o);
+                    if (lane >= o) t += q;
+                }
+                if (lane < nw) red[lane] = t;
+            }
+            __syncthreads();
+            double run = carry + ((warp ? red[warp - 1] : 0.0) + excl);
+#pragma unroll
+            for (int k = 0; k < SCAN_ITEMS; ++k)
+                if (i0 + k < V) {
+                    run += w[k];
+                    W[i0 + k] = w[k];
+                    P[i0 + k] = run;
+                }
+            carry += red[nw - 1];
+            __syncthreads();  // red is written again by the next span; P and W are visible to the block after it
+        }
+        const int nk = (top_k[row] > 0 && top_k[row] < V) ? top_k[row] : V;
+        const double zk = nk < V ? P[nk - 1] : z_all;
+        int np = V;
+        if (top_p[row] < 1.0) {  // the first i < nk whose running sum before it reaches the threshold, else nk
+            const double thr = top_p[row] * zk;
+            int first = 0x7FFFFFFF;
+            for (int i = tid; i < nk; i += blockDim.x)
+                if ((i ? P[i - 1] : 0.0) >= thr) { first = i; break; }
+            first = block_min_int(first, ired);
+            np = first < nk ? first : nk;
+        }
+        const int nm = min_p[row] > 0.0 ? rownm[row] : V;
+        const int nkeep = min(nk, min(np, nm));
+        const double target = rowinfo[row * 4 + 3] * (nkeep > 0 ? P[nkeep - 1] : 0.0);
+        int first = 0x7FFFFFFF;  // the first i < nkeep whose running sum passes u * Z
+        for (int i = tid; i < nkeep; i += blockDim.x)
+            if (P[i] > target) { first = i; break; }
+        first = block_min_int(first, ired);
+        if (first == 0x7FFFFFFF) {  // none: the last token of positive weight
+            int last = -1;
+            for (int i = tid; i < nkeep; i += blockDim.x)
+                if (W[i] > 0.0) last = i;
+            first = block_max_int(last, ired);
+        }
+        idx = first;
+    }
+    if (tid != 0) return;
+    if (!gr) {
         token[row] = ord[idx];
         logprob[row] = (float)((g.z(idx) - zmax) - lse);
     } else {
@@ -447,4 +597,78 @@ extern "C" __global__ void sample_scan(const int* rows, const int* order, int V,
         top_lp[row * NTOP + j] = j < V ? (float)((g.z(j) - zmax) - lse) : 0.f;
     }
     status[row] = 0;
+}
+
+// The greedy guess and its softmax probability of float32 logits rows [R, V] (row stride ld) in two launches
+// (the MTP head's drafts, `QwenModel.mtp_guesses`): guess_partial over chunks of `chunk` tokens, a block each
+// (chunk, row): the chunk's maximum, its lowest id holding it and sum(exp(x - max)); guess_finish, a warp a row:
+// the row's maximum, the lowest id holding it, and 1 / sum over chunks of s_c exp(m_c - max). NaN reads as -inf
+// (a row of only NaN and -inf: id 0, probability NaN).
+extern "C" __global__ void guess_partial(const float* logits, long long ld, int V, int chunk, float* pmax, int* pidx,
+                                         float* psum) {
+    __shared__ float rm[32], rs[32];
+    __shared__ int ri[32];
+    const int row = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int lo = c * chunk, hi = min(V, lo + chunk);
+    const float* x = logits + row * ld;
+    float m = -INFINITY;
+    int mi = 0x7FFFFFFF;
+    for (int i = lo + tid; i < hi; i += blockDim.x) {
+        const float v = x[i];
+        if (v > m) { m = v; mi = i; }  // strided: a thread's first maximum is its lowest id
+    }
+    for (int o = 16; o; o >>= 1) {
+        const float q = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+        const int qi = __shfl_xor_sync(0xFFFFFFFFu, mi, o);
+        if (q > m || (q == m && qi < mi)) { m = q; mi = qi; }
+    }
+    if (lane == 0) { rm[warp] = m; ri[warp] = mi; }
+    __syncthreads();
+    m = rm[0];
+    mi = ri[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+        if (rm[w] > m || (rm[w] == m && ri[w] < mi)) { m = rm[w]; mi = ri[w]; }
+    float s = 0.f;
+    if (m != -INFINITY)
+        for (int i = lo + tid; i < hi; i += blockDim.x) {
+            const float v = x[i];
+            if (v == v) s += expf(v - m);
+        }
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    if (lane == 0) rs[warp] = s;
+    __syncthreads();
+    if (tid == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) s += rs[w];
+        const long long k = (long long)row * gridDim.x + c;
+        pmax[k] = m;
+        pidx[k] = mi;
+        psum[k] = s;
+    }
+}
+
+extern "C" __global__ void guess_finish(const float* pmax, const int* pidx, const float* psum, int nchunk, int R,
+                                        long long* guess, float* prob) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= R) return;  // uniform per warp
+    const long long base = (long long)row * nchunk;
+    float m = -INFINITY;
+    int mi = 0x7FFFFFFF;
+    for (int c = lane; c < nchunk; c += 32) {
+        const float q = pmax[base + c];
+        const int qi = pidx[base + c];
+        if (q > m || (q == m && qi < mi)) { m = q; mi = qi; }
+    }
+    for (int o = 16; o; o >>= 1) {
+        const float q = __shfl_xor_sync(0xFFFFFFFFu, m, o);
+        const int qi = __shfl_xor_sync(0xFFFFFFFFu, mi, o);
+        if (q > m || (q == m && qi < mi)) { m = q; mi = qi; }
+    }
+    float s = 0.f;
+    if (m != -INFINITY)
+        for (int c = lane; c < nchunk; c += 32) s += psum[base + c] * expf(pmax[base + c] - m);
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    if (lane == 0) {
+        guess[row] = m == -INFINITY ? 0 : mi;
+        prob[row] = m == -INFINITY ? __int_as_float(0x7FC00000) : 1.f / s;
+    }
 }

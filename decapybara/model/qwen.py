@@ -263,11 +263,8 @@ class QwenModel:
 
     def mtp_guesses(self, logits: Any) -> tuple[Any, Any]:
         """(greedy guess [R] int64, its softmax probability [R] float32) of logits [R, vocab], where they are
-        (two numbers a row to read back, not a vocabulary's logits)."""
-        xp = self.backend.xp
-        guess = xp.argmax(logits, axis=-1)
-        top = xp.take_along_axis(logits, guess[:, None], axis=-1)
-        return guess, (1.0 / xp.exp(logits - top).sum(axis=-1)).astype(xp.float32)
+        (two numbers a row to read back, not a vocabulary's logits): `Backend.argmax_prob`."""
+        return self.backend.argmax_prob(logits)
 
     def mtp_logits(self, h: Any) -> Any:
         """The MTP head's logits [R, vocab] of its residual rows h [R, H] (its final norm, then lm_head)."""

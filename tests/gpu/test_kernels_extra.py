@@ -1273,6 +1273,66 @@ def test_cuda_sample_greedy_short_path(v, b):
         ex.cuda_sample(cp.asarray(dead), rows)
 
 
+@pytest.mark.parametrize("r,v", [(1, 7), (3, 2048), (12, 248_320), (5, 10_001)])
+def test_guesses_are_numpy_argmax_and_softmax_max(r, v):
+    """`cupy_ops_extra.guesses` (the MTP head's drafts: sample.cu `guess_partial` / `guess_finish`): the lowest id
+    of each row's maximum as numpy's argmax, ties planted across chunks, a -inf run, a row of one token's mass,
+    and a row view of unit stride in a wider array; the probability within float32 rounding of numpy's."""
+    from decapybara.backend.numpy_backend import NumpyBackend
+
+    rng = np.random.default_rng(r * 1000 + v)
+    x = (rng.standard_normal((r, v)) * 3).astype(np.float32)
+    if v > 4:
+        x[0, [v - 1, v // 2, 1]] = x[0].max() + 2.0  # a three-way tie: the lowest id, 1
+        x[-1, : v // 3] = -np.inf
+    if r > 1:
+        x[1] = -30.0
+        x[1, v - 2] = 40.0  # one token holds the mass
+    guess, prob = ex.guesses(cp.asarray(x))
+    ref_g, ref_p = NumpyBackend().argmax_prob(x)
+    assert np.array_equal(cp.asnumpy(guess), ref_g) and cp.asnumpy(guess).dtype == np.int64
+    np.testing.assert_allclose(cp.asnumpy(prob), ref_p, rtol=2e-6)
+    wide = cp.asarray(np.concatenate([x, x[:, :5]], axis=1))[:, :v]  # rows of stride v + 5
+    g2, p2 = ex.guesses(wide)
+    assert np.array_equal(cp.asnumpy(g2), ref_g) and np.array_equal(cp.asnumpy(p2), cp.asnumpy(prob))
+
+
+def test_cuda_sample_kept_buffers_carry_nothing_between_calls():
+    """The sampler keeps its buffers per (thread, device, rows, vocabulary) (`_SampleWork`): a call after others
+    of other shapes and settings (greedy, edits, alternatives) gives what the first call gave, bit for bit, and
+    the same as a call from another thread (its own buffers); the reference's tokens throughout."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    v = 5000
+    logits = (rng.standard_normal((4, v)) * 2).astype(np.float32)
+    rows = [sampling.SamplerRow(sampling.SamplingParams(temperature=0.8, top_k=40, top_p=0.9, logprobs=3), [], [],
+                                position=i, seed=77 + i) for i in range(4)]
+    first = ex.cuda_sample(cp.asarray(logits), rows)
+    assert np.array_equal(first.token_ids, sampling.sample(logits, rows).token_ids)
+    other = (rng.standard_normal((6, v)) * 3).astype(np.float32)
+    other[1, 7] = np.inf
+    greedy = [sampling.SamplerRow(sampling.SamplingParams(temperature=0.0), [], [], position=0, seed=0)] * 6
+    edits = [sampling.SamplerRow(sampling.SamplingParams(temperature=0.5, repetition_penalty=1.3), [1, 2, 3], [4],
+                                 position=i, seed=i, banned_token_ids=[int(np.argmax(other[i]))]) for i in range(6)]
+    for rs in (greedy, edits):
+        assert np.array_equal(ex.cuda_sample(cp.asarray(other), rs).token_ids, sampling.sample(other, rs).token_ids)
+    louder = logits[::-1] * 3 + 5  # the same shape (the same buffers), larger maxima
+    for rs in (rows, greedy[:4]):
+        assert np.array_equal(ex.cuda_sample(cp.asarray(louder), rs).token_ids, sampling.sample(louder, rs).token_ids)
+    thin = np.ascontiguousarray(logits[:, :700])
+    narrow = ex.cuda_sample(cp.asarray(thin), rows)  # another vocabulary, the same rows
+    assert np.array_equal(narrow.token_ids, sampling.sample(thin, rows).token_ids)
+    again = ex.cuda_sample(cp.asarray(logits), rows)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=ex.cuda_sample(cp.asarray(logits), rows)))
+    t.start()
+    t.join()
+    for out in (again, box["out"]):
+        assert np.array_equal(out.token_ids, first.token_ids)
+        assert np.array_equal(out.logprobs, first.logprobs) and out.top_logprobs == first.top_logprobs
+
+
 @pytest.mark.parametrize("where", ["low ids", "spread", "ties"])
 def test_cuda_sample_top_k_rows_sort_few_tiles(where):
     """Rows that keep at most K tokens (top-k, logprob alternatives) sort only the tiles whose first token is

@@ -216,8 +216,9 @@ for _name, _what in (("__float__", "float()"), ("__int__", "int()"), ("__index__
                      ("item", "item()"), ("tolist", "tolist()"), ("nonzero", "nonzero() (its count)")):
     setattr(DevArray, _name, lambda self, *a, _n=_name, _w=_what: self._host_read(_n, _w, *a))
 for _name in ("flatten", "ravel", "reshape", "take", "repeat", "argmax", "argmin", "cumsum", "cumprod", "round", "clip",
-              "dot", "squeeze", "transpose", "swapaxes", "diagonal", "argsort", "any", "all"):
+              "dot", "squeeze", "transpose", "swapaxes", "diagonal", "any", "all"):
     setattr(DevArray, _name, lambda self, *a, _n=_name, **kw: self._new(_n, *a, **kw))
+DevArray.argsort = lambda self, axis=-1, kind=None, order=None: self._new("argsort", axis, kind="stable")  # as CuPy's
 
 
 _ALLOCATOR = threading.local()  # `cuda.using_allocator`'s allocator on this thread
@@ -317,10 +318,13 @@ class FakeKernel:
                 raise TypeError(f"{self.name} arg {i}: python scalar {a!r} (pass numpy typed scalars)")
             else:
                 want = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}.get(kind)
-                if want is None or type(a) is not want:
+                unsigned = {"i32": np.uint32, "i64": np.uint64}.get(kind)  # the same bits (u32 / u64 parameters)
+                if want is None or (type(a) is not want and type(a) is not unsigned):
                     raise TypeError(f"{self.name} arg {i}: {type(a).__name__} for {kind}")
                 if noop:
                     continue
+                if type(a) is unsigned:
+                    a = a.view(want)
                 v = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float, "f64": ctypes.c_double}[kind](a)
             keep.append(v)
             vals.append(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p))
@@ -397,6 +401,8 @@ def install():
     for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like", "arange",
                  "asarray", "array", "ascontiguousarray", "linspace", "frombuffer", "concatenate", "stack"):
         setattr(cp, name, on_device(getattr(np, name), allocates=name in ("empty", "empty_like")))
+    # CuPy's argsort is stable (a radix sort): ties keep ascending indices, which the sampler's full sort relies on
+    cp.argsort = on_device(lambda a, axis=-1, kind=None, order=None: np.argsort(a, axis=axis, kind="stable"))
     cp.asnumpy = asnumpy
     cp.RawModule = RawModule
     cp.__version__ = "fake"

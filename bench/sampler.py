@@ -25,6 +25,7 @@ prints the ratio.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import statistics
@@ -193,11 +194,22 @@ def main() -> None:
         print(f"| {r['rows']} | {r['logits']} | {r['setting']} | {r['host_us']:.0f} | {r['gpu_us']:.0f} | "
               f"{ksum:.0f} | {r['prev_host_us']:.0f} | {r['host_us'] / r['prev_host_us']:.2f} | {r['torch_host_us']:.0f} | "
               f"{r['host_us'] / r['torch_host_us']:.2f} |")
+    guesses = []
+    for b in (1, 12):  # the MTP head's drafts: the two-launch guesses against CuPy's argmax, gather, exp and sum
+        from decapybara.backend.base import Backend
+        from decapybara.backend.cupy_backend import CupyBackend
+
+        logits, be = logits_of("peaked", b), CupyBackend("fp32")
+        new = timed(functools.partial(ex.guesses, logits))
+        old = timed(functools.partial(Backend.argmax_prob, be, logits))
+        same = bool((ex.guesses(logits)[0] == Backend.argmax_prob(be, logits)[0]).all())
+        guesses.append({"rows": b, "gpu_us": new[1], "cupy_gpu_us": old[1], "same_ids": same})
+        print(f"guesses, {b} rows: GPU {new[1]:.0f} us against CuPy's ops {old[1]:.0f} us (same ids: {same})")
     med = statistics.median(r["host_us"] / r["torch_host_us"] for r in out) if out else float("nan")
     print(f"median call / torch's: {med:.2f}")
     dest = os.environ.get("OUT")
     if dest:
-        Path(dest, "sampler.json").write_text(json.dumps({"when": time.time(), "cases": out}, indent=1))
+        Path(dest, "sampler.json").write_text(json.dumps({"when": time.time(), "cases": out, "guesses": guesses}, indent=1))
 
 
 if __name__ == "__main__":

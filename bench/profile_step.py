@@ -3,6 +3,8 @@
     PYTHONUNBUFFERED=1 python3 bench/profile_step.py [variant ...]      # default: mxfp4 bf16
     PROFILE_SHAPES=1x1024,12x1024 PROFILE_MODES=graph python3 bench/profile_step.py mxfp4
     PROFILE_MODES=graph,verify ...      # verify: speculative verification steps (a draft a sequence, graphs)
+    PROFILE_MODES=verify,verify16 ...   # verify16: the same with bf16 small products past 16 rows of x on the
+                                        # skinny GEMM (SMALL_SPLIT_ROWS 16), as before they split into launches
     BENCH_MTP=1 PROFILE_MODES=mtp ...   # the MTP head's pass (graphs), a (hidden, token) pair a sequence
     PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
     PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached);
@@ -43,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as B
 
+from decapybara.backend import cupy_ops_extra as EX
 from decapybara.backend.attn_plan import DECODE as DECODE_SETTINGS
 from decapybara.backend.attn_plan import PREFILL as PREFILL_SETTINGS
 from decapybara.backend.cuda_graph import DecodeGraphRunner
@@ -130,6 +133,15 @@ def main() -> None:
                 batch = B.verify_batch(b, ctx) if mode == "verify" else B.decode_batch(b, ctx)
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
+            if "verify16" in MODES:  # the verification step with small products past 16 rows on the skinny GEMM
+                split, EX.SMALL_SPLIT_ROWS = EX.SMALL_SPLIT_ROWS, EX.SMALL_ROWS
+                try:
+                    r16 = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
+                    batch = B.verify_batch(b, ctx)
+                    wall, table = kernel_table(lambda r16=r16, batch=batch: r16.forward(batch, kv, states))
+                    out[f"{variant} verify16 b{b} ctx{ctx}"] = show(f"{variant} verify16 b={b} ctx={ctx}", wall, table)
+                finally:
+                    EX.SMALL_SPLIT_ROWS, r16 = split, None
             if "mtp" in MODES and B.CFG.mtp_num_hidden_layers:  # BENCH_MTP=1: the MTP head's pass, a pair a sequence
                 pairs, hidden = B.mtp_pairs(b, ctx)
                 wall, table = kernel_table(lambda pairs=pairs, hidden=hidden, r=runner: r.mtp(pairs, hidden, kv))

@@ -927,6 +927,7 @@ def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) 
 
 
 SMALL_ROWS = 16  # decapybara/kernels/gemv_small.cu: rows of x at most (two n-tiles)
+SMALL_SPLIT_ROWS = 2 * SMALL_ROWS  # `small_product`'s rows at most: past SMALL_ROWS, a launch a SMALL_ROWS rows
 # its blocks' warps (SG_WARPS: the K split of a 16-row tile) and 32-code steps of codes a warp holds at once
 # (SG_PRE: the first before the wait); TUNE `small_warps` / `small_pre` (0: these)
 SMALL_WARPS, SMALL_PRE = 16, 4
@@ -934,10 +935,12 @@ SMALL_WARPS, SMALL_PRE = 16, 4
 
 def small_product(w: PackedWeight, m: int) -> bool:
     """Whether a product of `m` rows over `w` runs on decapybara/kernels/gemv_small.cu (`_small`) instead of the skinny
-    GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_ROWS rows of x, rows the skinny kernels
-    stream (`gemm_ready`: 16-byte aligned, K % 8 == 0). For products whose tiles and K splits cost more than their
-    bytes: an MoE router (stacked with its shared expert's gate, 257 rows), the DeltaNet b|a."""
-    if w.fmt != "bf16" or len(w.shape) != 2 or not 0 < m <= SMALL_ROWS:
+    GEMM: bf16 weights of at most TUNE `small_n` rows (0: never), 1-SMALL_SPLIT_ROWS rows of x (past SMALL_ROWS
+    in launches of SMALL_ROWS rows), rows the skinny kernels stream (`gemm_ready`: 16-byte aligned, K % 8 == 0).
+    For products whose tiles and K splits cost more than their bytes: an MoE router (stacked with its shared
+    expert's gate, 257 rows), the DeltaNet b|a (96 rows: at 24 rows, twelve agents' verification steps, the
+    skinny GEMM's 4-n-tile kernel took ~7x the 12-row launch of gemv_small, docs/perf.md)."""
+    if w.fmt != "bf16" or len(w.shape) != 2 or not 0 < m <= SMALL_SPLIT_ROWS:
         return False
     return 0 < w.N <= tune_for(w.fmt).get("small_n", 0) and gemm_ready(w)
 
@@ -953,11 +956,17 @@ def _consumer_args(norm: NormedRows | None, x: Any, rows: int) -> tuple[Any, Any
 
 
 def _small(x: Any, w: PackedWeight, y: Any, norm: NormedRows | None = None) -> None:
-    """y = x @ w^T on decapybara/kernels/gemv_small.cu (`small_product`'s products): one block a 16-row tile, overlapped
+    """y = x @ w^T on decapybara/kernels/gemv_small.cu (`small_product`'s products; rows past SMALL_ROWS in launches
+    of SMALL_ROWS rows each): one block a 16-row tile, overlapped
     (`pdl.launch`) over a load-time weight, whose first codes it loads before waiting for x. x's 8-element groups
     load 16 bytes at a time where its rows start 16-byte aligned. `norm` (x = norm.xg): each output row divided
     by its denominator from norm.sq, as the skinny kernels' fused consumer divides it (the same bits of it)."""
     m, k = x.shape
+    if m > SMALL_ROWS:  # a launch a SMALL_ROWS rows (no fused norm past FUSED_ROWS rows)
+        assert norm is None, "a fused norm's rows take one launch"
+        for r0 in range(0, m, SMALL_ROWS):
+            _small(x[r0:r0 + SMALL_ROWS], w, y[r0:r0 + SMALL_ROWS])
+        return
     t = tune_for("bf16")
     warps, pre = t.get("small_warps") or SMALL_WARPS, t.get("small_pre") or SMALL_PRE
     defines = () if (warps, pre) == (SMALL_WARPS, SMALL_PRE) else (("SG_WARPS", warps), ("SG_PRE", pre))

@@ -33,7 +33,7 @@ def small_on(monkeypatch):
     monkeypatch.setitem(ex.TUNE, "small_n", 4096)
 
 
-@pytest.mark.parametrize("m", [1, 5, 12, 16])
+@pytest.mark.parametrize("m", [1, 5, 12, 16, 17, 24, 32])  # past 16: a launch a 16 rows
 @pytest.mark.parametrize("n,k", [(1, 8), (7, 264), (64, 2048), (257, 2048), (1000, 4104)])
 @pytest.mark.parametrize("x_dtype", ["f32", "bf16", "f16"])
 def test_small_product_matches_numpy(small_on, m, n, k, x_dtype):
@@ -98,10 +98,11 @@ def test_small_product_of_a_stack_row_range_in_bf16(small_on, m):
 
 
 def test_small_product_limits(small_on, monkeypatch):
-    """Other formats, more rows of x than SMALL_ROWS and wider matrices than TUNE small_n stay on the skinny GEMM;
-    small_n 0 turns the kernel off."""
+    """Other formats, more rows of x than SMALL_SPLIT_ROWS (two launches of SMALL_ROWS) and wider matrices than TUNE
+    small_n stay on the skinny GEMM; small_n 0 turns the kernel off."""
     bf = ex.PackedWeight("bf16", (64, 2048), cp.zeros((64, 2048), cp.uint16), persistent=True)
-    assert ex.small_product(bf, 16) and not ex.small_product(bf, 17)
+    assert ex.small_product(bf, 16) and ex.small_product(bf, 17) and ex.small_product(bf, 32)
+    assert not ex.small_product(bf, 33)
     assert ex.small_product(ex.PackedWeight("bf16", (64, 16384), cp.zeros((64, 16384), cp.uint16)), 12)
     assert not ex.small_product(ex.PackedWeight("bf16", (8192, 64), cp.zeros((8192, 64), cp.uint16)), 12)
     monkeypatch.setitem(ex.TUNE, "small_n", 63)

@@ -168,6 +168,7 @@ RUNS: dict[str, EmuRun] = {
                      "mx_linear_k_tail or bf16_x_staging_edges or early_refill_keeps_the_bytes_small "
                      "or one_row_blocks_of_their_own_width_keep_the_bytes_small or one_row_build_only "
                      "or (many_row_kernels_keep_the_bytes_small and mxfp4)", strided=False),
+    "sampler": EmuRun(("tests/gpu/test_kernels_extra.py",), "cuda_sample or philox or guesses"),
     "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
     "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
     "product_chain": EmuRun(("tests/gpu/test_product_chain.py", "tests/gpu/test_chain_tails.py"), "chain"),
@@ -338,6 +339,17 @@ def test_piecewise_graphs_pass_on_the_emulator(emulator):
 
 
 @needs_toolchain
+@uses_runs("sampler")
+def test_device_sampler_passes_on_the_emulator(emulator):
+    """decapybara/kernels/sample.cu against the numpy reference: random rows and logits at vocabularies of 7 to
+    248,320 (the fallback's block-wide scan where a draw lies past the certified prefix), ties, masks, bf16 logits,
+    the greedy short path, top-k rows that sort few tiles, buffers kept between calls of other shapes and threads,
+    Philox draws bit for bit, and the MTP head's guesses against numpy's argmax and softmax maximum."""
+    out = emulator("sampler")
+    assert passed(out) == 17, out[-3000:]
+
+
+@needs_toolchain
 @uses_runs("moe")
 def test_moe_kernels_pass_on_the_emulator(emulator):
     """The device MoE against the numpy reference: routing and dispatch in one launch with the hit experts'
@@ -356,10 +368,11 @@ def test_moe_kernels_pass_on_the_emulator(emulator):
 @uses_runs("small")
 def test_small_products_pass_on_the_emulator(emulator):
     """decapybara/kernels/gemv_small.cu (bf16 products of few weight rows: 16-row tiles on tensor cores, K split over a
-    block's warps, weights loaded before the overlapped launch's wait, x unaligned or not) against numpy and the
-    skinny GEMM, its limits, a fused norm's rows (the denominators in the skinny kernels' order): the GPU test
+    block's warps, weights loaded before the overlapped launch's wait, x unaligned or not, 17-32 rows of x in
+    launches of 16) against numpy and the skinny GEMM, its limits, a fused norm's rows (the denominators in the
+    skinny kernels' order): the GPU test
     file through the emulator plugin, most of its other block builds left to the GPU run (each build is a module
     the emulator compiles); and bench/chain_bound.cu's reads (every row of every product once, each launch kind
     and layout) and the persistent launch's waits (its blocks side by side: `fake_cupy.RESIDENT`)."""
     out = emulator("small")
-    assert passed(out) == 97, out[-3000:]
+    assert passed(out) == 142, out[-3000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -1489,7 +1490,8 @@ class _SampleWork:
     """One (thread, device, rows, vocabulary)'s sampler buffers, kept between calls: the device scratch (y and
     the tiles' partial results) and the per-call inputs / results as one host array and its device twin, with
     their views made once. A call returns only after its results are on the host, so its scratch is free again
-    by then; a thread's calls never overlap."""
+    by then; a thread's calls never overlap. (A call that fails between its copy over and its results may leave
+    that copy queued: the next call of the thread, on the same stream, copies the whole buffer again after it.)"""
 
     def __init__(self, b: int, v: int):
         nblk = -(-v // SAMPLE_TILE)
@@ -1501,6 +1503,7 @@ class _SampleWork:
                    ("top_lp", np.float32, (b, NTOP))]
         size = sum(int(np.prod(sh)) * np.dtype(dt).itemsize for _, dt, sh in scratch)
         self.dev = _views(cp.empty(size, cp.uint8), scratch)
+        self.nbytes = size
         io = [(name, dt, (b,)) for name, dt in SAMPLE_IO]
         nbytes = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO)
         import cupyx
@@ -1518,8 +1521,8 @@ class _SampleWork:
 
     def send(self) -> None:
         """The host inputs over to the device, one copy on the current stream, with rowmax and the results as 0
-        (never written on the host); the host array is written again only by the next call, after this one's
-        results came back."""
+        (never written on the host); the host array is written again by the thread's next call, after this
+        one's results came back (or, where this one failed, ahead of its copy on the same stream)."""
         self.dev_buf.set(self.host_buf, stream=cp.cuda.get_current_stream())
         if cupy_ops.POISON:  # tests: what a kernel fails to write shows up, not what the call before wrote
             for a in self.dev.values():
@@ -1534,17 +1537,21 @@ class _SampleWork:
 
 
 _SAMPLE_WORK: dict[tuple[int, int, int, int], _SampleWork] = {}
+_SAMPLE_WORK_LOCK = threading.Lock()
+SAMPLE_WORK_BYTES = 256 << 20  # device bytes the kept buffers may hold together (the most recent shape always kept)
 
 
 def _sample_work(b: int, v: int) -> _SampleWork:
-    """The calling thread's buffers for b rows of v logits on the current device (at most 8 shapes kept)."""
-    import threading
-
+    """The calling thread's buffers for b rows of v logits on the current device: kept for the shapes asked most
+    recently, at most SAMPLE_WORK_BYTES of device memory among them (an engine's rows vary from step to step)."""
     key = (threading.get_ident(), cp.cuda.runtime.getDevice(), b, v)
-    work = _SAMPLE_WORK.pop(key, None) or _SampleWork(b, v)
-    _SAMPLE_WORK[key] = work  # most recent last
-    while len(_SAMPLE_WORK) > 8:
-        del _SAMPLE_WORK[next(iter(_SAMPLE_WORK))]
+    with _SAMPLE_WORK_LOCK:
+        work = _SAMPLE_WORK.pop(key, None)
+    work = work or _SampleWork(b, v)
+    with _SAMPLE_WORK_LOCK:
+        _SAMPLE_WORK[key] = work  # most recent last
+        while len(_SAMPLE_WORK) > 1 and sum(w.nbytes for w in _SAMPLE_WORK.values()) > SAMPLE_WORK_BYTES:
+            del _SAMPLE_WORK[next(iter(_SAMPLE_WORK))]
     return work
 
 

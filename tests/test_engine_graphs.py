@@ -71,7 +71,7 @@ class PoisoningGraphRunner:
         last pair; then the pad page poisoned."""
         assert all(s.state_slot is None for s in batch.seqs)
         last = dataclasses.replace(batch, logits_rows=np.asarray([s.end - 1 for s in batch.seqs], np.int64))
-        out = self.model.mtp_guesses(self.model.mtp_forward(last, normed, kv))
+        out = self.model.backend.argmax_prob(self.model.mtp_forward(last, normed, kv))
         self.stats["mtp_steps"] += 1
         self._poison(kv, None)
         return out

@@ -410,7 +410,7 @@ class DecodeGraphRunner:
         cos, sin = self._cos_sin(positions)
         h = model.mtp_layers(embedding_rows(model.w["model.embed_tokens.weight"], ids), st.hidden, st.batch, kv,
                              cos, sin)
-        return model.mtp_guesses(model.mtp_logits(h[st.d32("last")]))
+        return model.backend.argmax_prob(model.mtp_logits(h[st.d32("last")]))
 
     def _cos_sin(self, positions: Any) -> tuple[Any, Any]:
         """RoPE's cos and sin [R, rot / 2] at device positions [R] (QwenModel.rotary's, scaled alike)."""

@@ -1505,18 +1505,18 @@ class _SampleWork:
         self.dev = _views(cp.empty(size, cp.uint8), scratch)
         self.nbytes = size
         io = [(name, dt, (b,)) for name, dt in SAMPLE_IO]
-        nbytes = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO)
+        sizes = np.array([b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO])
+        ends = np.cumsum(sizes)  # each array's end in the buffer
         import cupyx
 
-        self.host_buf = cupyx.empty_pinned(nbytes, np.uint8)  # pinned: the copy over is asynchronous
+        self.host_buf = cupyx.empty_pinned(int(ends[-1]), np.uint8)  # pinned: the copy over is asynchronous
         self.host_buf[:] = 0
-        self.dev_buf = cp.zeros(nbytes, cp.uint8)
+        self.dev_buf = cp.zeros(int(ends[-1]), cp.uint8)
         self.host, self.io = _views(self.host_buf, io), _views(self.dev_buf, io)
         names = [name for name, _ in SAMPLE_IO]
         first, last = names.index(SAMPLE_RESULTS[0]), names.index(SAMPLE_RESULTS[-1])
-        lo = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO[:first])
-        hi = sum(b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO[:last + 1])
-        self.results_dev, self.results_layout = self.dev_buf[lo:hi], [(n, dt, (b,)) for n, dt in SAMPLE_IO[first:last + 1]]
+        self.results_dev = self.dev_buf[int(ends[first] - sizes[first]):int(ends[last])]
+        self.results_layout = io[first:last + 1]
         self.nblk, self.lc = nblk, lc
 
     def send(self) -> None:

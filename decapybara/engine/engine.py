@@ -59,13 +59,16 @@ class EngineStats:
 @dataclass(frozen=True, slots=True)
 class _HeadPass:
     """The MTP head's pass at the end of a step, as the next step's measure takes it: its seconds, the sequences
-    it drafted for (id of each), the graphs captured (or tried) before it. It holds the sequences themselves too,
-    so that while it lives no other sequence can take the id of one of them (an aborted agent's, freed, and a new
-    agent's at its address: the new agent's first step then took the old one's pass)."""
+    it drafted for, the graphs captured (or tried) before it. It holds the sequences themselves, so that while it
+    lives no other sequence can take the id of one of them (an aborted agent's, freed, and a new agent's at its
+    address: the new agent's first step then took the old one's pass)."""
     seconds: float
-    ids: frozenset[int]
-    captures: int
     seqs: tuple[Sequence, ...]
+    captures: int
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return frozenset(map(id, self.seqs))
 
 
 class Engine(MemoryMixin):
@@ -408,8 +411,7 @@ class Engine(MemoryMixin):
             self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
         if self.governor is not None:  # the next step's share of its measure: only a decode's pass (1-2 pairs each)
             decode = len(rows) <= 2 * len(entries)
-            self._head = (_HeadPass(self.timer() - t, frozenset(map(id, served)), captures, tuple(served)) if decode
-                          else None)
+            self._head = _HeadPass(self.timer() - t, tuple(served), captures) if decode else None
         if verify and wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             for s, g, p in zip(wants, guesses, confidence):
                 if p >= self.cfg.spec_min_confidence:

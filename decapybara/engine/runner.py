@@ -192,7 +192,7 @@ class ModelRunner:
             which = np.searchsorted([s.end - 1 for s in batch.seqs], batch.logits_rows)
             guess, prob = (ops.to_host(a) for a in got)
             return guess[which], prob[which]
-        guess, prob = self.model.mtp_guesses(self.model.mtp_forward(batch, hidden, self.kv))
+        guess, prob = self.model.backend.argmax_prob(self.model.mtp_forward(batch, hidden, self.kv))
         return ops.to_host(guess), ops.to_host(prob)
 
     def mtp_kv(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, normed: Any) -> None:

@@ -600,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_scan(
 }
 
 // The greedy guess and its softmax probability of float32 logits rows [R, V] (row stride ld) in two launches
-// (the MTP head's drafts, `QwenModel.mtp_guesses`): guess_partial over chunks of `chunk` tokens, a block each
+// (the MTP head's drafts, `Backend.argmax_prob`): guess_partial over chunks of `chunk` tokens, a block each
 // (chunk, row): the chunk's maximum, its lowest id holding it and sum(exp(x - max)); guess_finish, a warp a row:
 // the row's maximum, the lowest id holding it, and 1 / sum over chunks of s_c exp(m_c - max). NaN reads as -inf
 // (a row of only NaN and -inf: id 0, probability NaN).

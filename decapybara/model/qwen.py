@@ -261,11 +261,6 @@ class QwenModel:
         _q, k, v, _gate = self._qkv(p, self._attention_inputs(p, x), cos, sin)
         kv.write(("mtp", last), ops.from_host(batch.slot_mapping), k, v)
 
-    def mtp_guesses(self, logits: Any) -> tuple[Any, Any]:
-        """(greedy guess [R] int64, its softmax probability [R] float32) of logits [R, vocab], where they are
-        (two numbers a row to read back, not a vocabulary's logits): `Backend.argmax_prob`."""
-        return self.backend.argmax_prob(logits)
-
     def mtp_logits(self, h: Any) -> Any:
         """The MTP head's logits [R, vocab] of its residual rows h [R, H] (its final norm, then lm_head)."""
         w = self.w

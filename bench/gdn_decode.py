@@ -8,6 +8,12 @@
     ncu --import rep.ncu-rep --page source --csv --print-source cuda,sass > rep_lines.csv
     python3 bench/ncu_source.py rep_lines.csv      # its stall samples and instructions by source line
 
+GDN_ROWS=2 times a verification step's layer instead: each sequence a token and its draft, cut after the token with
+its state's snapshot into checkpoint buffers (as a verification graph's plan, with its empty throwaway runs); the
+state traffic is then a read and two writes. A variant's "multi" key names `cupy_deltanet.MULTI_DECODE` overrides
+(e.g. '{"general": {"multi": {"max_rows": 0}}, "multi": {}, "m32": {"multi": {"vcols": 32}}}': the general path's
+three launches against gdn_decode's multi-row build).
+
 GDN_TUNES names `cupy_deltanet.FUSED_DECODE` overrides (e.g. '{"": {}, "v32": {"vcols": 32}, "minb4": {"defines":
 {"GDN_MINB": 4}}, "prev": {"source": "deltanet_prefill_prev", "vcols": 32, "runs": 1}}', the last an older kernel file
 (one run a CTA: kernels before the twentieth session take no more; they had their own CTAs an SM, 3 at 27B,
@@ -48,6 +54,7 @@ ITERS = int(os.environ.get("GDN_ITERS", "20"))
 TUNES: dict[str, dict] = json.loads(os.environ.get("GDN_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("GDN_ROUNDS", "1"))
 VHEADS = int(os.environ.get("GDN_VHEADS", "48"))  # value heads: 48 the 27B's, 32 the 35B-A3B's
+ROWS = int(os.environ.get("GDN_ROWS", "1"))  # rows a sequence: 1 decode, 2 verification (a token and its draft)
 
 
 def config(layers: int = LAYERS) -> ModelConfig:
@@ -105,25 +112,47 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {LAYERS} layers of state cycled; ACC float (bf16 backend)")
     print(f"{'batch':>5} {'variant':>12} {'us/layer':>9} {'state MB':>9} {'GB/s':>7} {'% copy':>7} {'ratio':>6}")
-    base_dn = dict(cd.FUSED_DECODE)
+    base_dn, base_multi = dict(cd.FUSED_DECODE), dict(cd.MULTI_DECODE)
+    passes = 2 if ROWS == 1 else 3  # the state read, written and (verification) written to its checkpoint
     for n in BATCHES:
         pool = random_pool(be, cfg, n, rng)
-        segs = [DeltaNetSegment(i, 1, i, None) for i in range(n)]
-        plan = cd.plan_runs(segs)
-        qkvz = cp.asarray(rng.standard_normal((n, c + hv * dv)).astype(np.float32))
-        ab = cp.asarray(rng.standard_normal((n, 2 * hv)).astype(np.float32))
-        x, z = qkvz[:, :c], qkvz[:, c:].reshape(n, hv, dv)
+        plan = cd.plan_runs([DeltaNetSegment(i, 1, i, None) for i in range(n)]) if ROWS == 1 else verify_plan(cfg, n)
+        t_rows = n * ROWS
+        qkvz = cp.asarray(rng.standard_normal((t_rows, c + hv * dv)).astype(np.float32))
+        ab = cp.asarray(rng.standard_normal((t_rows, 2 * hv)).astype(np.float32))
+        x, z = qkvz[:, :c], qkvz[:, c:].reshape(t_rows, hv, dv)
         first = None
         for r in range(ROUNDS):
             for tname, tune in TUNES.items():
+                tune = dict(tune)
+                cd.MULTI_DECODE.update({**base_multi, **tune.pop("multi", {})})
                 cd.FUSED_DECODE.update({**base_dn, **tune})
                 t = time_layers(pool, plan, x, z, ab, params, norm_w, cfg)
                 first = first or t
                 state = pool.rec[0].nbytes * n / pool.rec[0].shape[0]  # this batch's slots
                 name = (tname or "default") + (f" #{r + 1}" if ROUNDS > 1 else "")
-                print(f"{n:5d} {name:>12} {t * 1e6:9.1f} {state / 1e6:9.1f} {2 * state / t / 1e9:7.0f} "
-                      f"{2 * state / t / bw * 100:6.1f}% {t / first:6.3f}")
+                print(f"{n:5d} {name:>12} {t * 1e6:9.1f} {state / 1e6:9.1f} {passes * state / t / 1e9:7.0f} "
+                      f"{passes * state / t / bw * 100:6.1f}% {t / first:6.3f}")
     cd.FUSED_DECODE.update(base_dn)
+    cd.MULTI_DECODE.update(base_multi)
+
+
+def verify_plan(cfg: ModelConfig, n: int) -> cd.RunPlan:
+    """A verification graph's DeltaNet plan for `n` sequences in slots 0..n-1 (cuda_graph `_fill_verify_runs`): run
+    i rows 2i, 2i + 1, cut after the first with its snapshot into checkpoint i of every layer's buffers; runs n..2n-1
+    the throwaway rows, none here (every sequence has its draft)."""
+    runs = np.zeros((2 * n, 5), np.int32)
+    runs[:n] = np.stack([np.arange(n) * 2, np.full(n, 2), np.arange(n), np.arange(n) * 2, np.full(n, 2)], 1)
+    runs[n:] = np.stack([np.arange(n) * 2 + 1, np.zeros(n), np.zeros(n), 2 * n + np.arange(n), np.ones(n)], 1)
+    segs = np.zeros((3 * n, 2), np.int32)
+    segs[0:2 * n:2] = np.stack([np.ones(n), np.arange(n)], 1)
+    segs[1:2 * n:2] = (2, -1)
+    segs[2 * n:] = (0, -1)
+    c, hv = cfg.linear_conv_dim, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    ckpt = {layer: (cp.zeros((n, c, 3), cp.float32), cp.zeros((n, hv, dk, dv), cp.float32))
+            for layer in range(cfg.num_hidden_layers)}
+    return cd.RunPlan(cp.asarray(runs), cp.asarray(segs), 2 * n, 2, [], snap_bufs=ckpt)
 
 
 def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
@@ -131,7 +160,8 @@ def time_layers(pool, plan, x, z, ab, params, norm_w, cfg) -> float:
     hv = cfg.linear_num_value_heads
     return graph_seconds(lambda: [
         cd.deltanet_core(pool, layer, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
-                         gate=(z, norm_w, 1e-6)) for layer in range(LAYERS)], LAYERS, ITERS, min(3, ITERS - 1))
+                         gate=(z, norm_w, 1e-6), out_dtype=cp.uint16) for layer in range(LAYERS)],
+        LAYERS, ITERS, min(3, ITERS - 1))
 
 
 if __name__ == "__main__":

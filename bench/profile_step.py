@@ -5,6 +5,8 @@
     PROFILE_MODES=graph,verify ...      # verify: speculative verification steps (a draft a sequence, graphs)
     PROFILE_MODES=verify,verify16 ...   # verify16: the same with bf16 small products past 16 rows of x on the
                                         # skinny GEMM (SMALL_SPLIT_ROWS 16), as before they split into launches
+    PROFILE_MODES=verify,verifygen ...  # verifygen: the DeltaNet layers on the general path's three launches
+                                        # (MULTI_DECODE off), as before gdn_decode took runs of two rows
     BENCH_MTP=1 PROFILE_MODES=mtp ...   # the MTP head's pass (graphs), a (hidden, token) pair a sequence
     PROFILE_KV=6/4 ...                                                   # KV pages (default bf16, 16/16)
     PROFILE_PREFILL=2048@0,2048@16384 ...    # also prefill chunks: tokens@start (the prefix before it cached);
@@ -31,6 +33,7 @@ time shows how much of a step is launch gaps; the top rows show which kernels to
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -50,7 +53,7 @@ from decapybara.backend import cupy_ops_extra as EX
 from decapybara.backend.attn_plan import DECODE as DECODE_SETTINGS
 from decapybara.backend.attn_plan import PREFILL as PREFILL_SETTINGS
 from decapybara.backend.cuda_graph import DecodeGraphRunner
-from decapybara.backend.cupy_deltanet import CHUNKED, RECURRENT
+from decapybara.backend.cupy_deltanet import CHUNKED, MULTI_DECODE, RECURRENT
 
 STEPS = 5
 SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("PROFILE_SHAPES", "1x1024,12x32768").split(",")]
@@ -116,17 +119,37 @@ def show(title: str, wall: float, table: dict[str, tuple[float, float]], top: in
             "top": sorted(((k, v[0], v[1]) for k, v in table.items()), key=lambda r: -r[1])[:top]}
 
 
-def verify16(model: Any, kv: Any, states: Any, b: int, ctx: int, variant: str, out: dict) -> None:
-    """The verification step with small products past 16 rows on the skinny GEMM (SMALL_SPLIT_ROWS 16), through
-    graphs of a runner of its own (captured with that setting)."""
+@contextlib.contextmanager
+def _split16() -> Any:
     split, EX.SMALL_SPLIT_ROWS = EX.SMALL_SPLIT_ROWS, EX.SMALL_ROWS
     try:
-        r16 = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
-        batch = B.verify_batch(b, ctx)
-        wall, table = kernel_table(lambda: r16.forward(batch, kv, states))
-        out[f"{variant} verify16 b{b} ctx{ctx}"] = show(f"{variant} verify16 b={b} ctx={ctx}", wall, table)
+        yield
     finally:
         EX.SMALL_SPLIT_ROWS = split
+
+
+@contextlib.contextmanager
+def _general_deltanet() -> Any:
+    rows, MULTI_DECODE["max_rows"] = MULTI_DECODE["max_rows"], 0
+    try:
+        yield
+    finally:
+        MULTI_DECODE["max_rows"] = rows
+
+
+# verification steps under another setting, each through graphs of a runner of its own (captured with it):
+# verify16, small products past 16 rows on the skinny GEMM (SMALL_SPLIT_ROWS 16); verifygen, the DeltaNet layers'
+# runs of two rows on the general path's three launches (MULTI_DECODE "max_rows" 0), not gdn_decode's multi-row build
+VERIFY_SETTINGS = {"verify16": _split16, "verifygen": _general_deltanet}
+
+
+def verify_with(mode: str, model: Any, kv: Any, states: Any, b: int, ctx: int, variant: str, out: dict) -> None:
+    """The verification step under VERIFY_SETTINGS[mode]."""
+    with VERIFY_SETTINGS[mode]():
+        r = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
+        batch = B.verify_batch(b, ctx)
+        wall, table = kernel_table(lambda: r.forward(batch, kv, states))
+        out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
 
 
 def main() -> None:
@@ -140,18 +163,17 @@ def main() -> None:
         model = B.build_model(variant)
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS)
         for b, ctx in SHAPES:
-            first16 = "verify16" in MODES and ("verify" not in MODES or MODES.index("verify16") < MODES.index("verify"))
-            if first16:  # in MODES' order, so that either may run first
-                verify16(model, kv, states, b, ctx, variant, out)
-            for mode, fwd in (("eager", model.forward), ("graph", runner.forward), ("verify", runner.forward)):
-                if mode not in MODES:
+            for mode in MODES:  # in MODES' order, so that any may run first
+                if mode in VERIFY_SETTINGS:
+                    verify_with(mode, model, kv, states, b, ctx, variant, out)
+                    continue
+                fwd = {"eager": model.forward, "graph": runner.forward, "verify": runner.forward}.get(mode)
+                if fwd is None:
                     continue
                 # verify: each sequence's real token and a draft through the verification graphs
                 batch = B.verify_batch(b, ctx) if mode == "verify" else B.decode_batch(b, ctx)
                 wall, table = kernel_table(lambda fwd=fwd, batch=batch: fwd(batch, kv, states))
                 out[f"{variant} {mode} b{b} ctx{ctx}"] = show(f"{variant} {mode} b={b} ctx={ctx}", wall, table)
-            if "verify16" in MODES and not first16:
-                verify16(model, kv, states, b, ctx, variant, out)
             if "mtp" in MODES and B.CFG.mtp_num_hidden_layers:  # BENCH_MTP=1: the MTP head's pass, a pair a sequence
                 pairs, hidden = B.mtp_pairs(b, ctx)
                 wall, table = kernel_table(lambda pairs=pairs, hidden=hidden, r=runner: r.mtp(pairs, hidden, kv))

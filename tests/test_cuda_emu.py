@@ -134,7 +134,8 @@ SNAPSHOT_CASES = ("(deltanet_core_matches_reference and dims0 and double) or "
                   "(fused_is_bit_identical and dims0-double-64-None) or (fused_is_bit_identical and dims0-double-64-3) "
                   "or (fused_is_bit_identical and dims0-float-32-2-True) "
                   "or (deltanet_chunked_matches_reference and dims0) or chunk_table_splits "
-                  "or (prefill_fused_launches and dims1) or decode_plan_fills_one_wave")
+                  "or (prefill_fused_launches and dims1) or decode_plan_fills_one_wave "
+                  "or (multi_row_runs and (dims0-float-None-None or dims0-double-16-3))")
 MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches and 1024-256-mxfp4-True-1 and not 12)"
                  " or (nan_and_infinite and 16-5) or (one_expert_more and mxfp4-12)"
                  " or (gate_up_in_one_launch and 1024-256-bf16-1 and not 12)"
@@ -284,10 +285,11 @@ def test_deltanet_snapshots_pass_on_the_emulator(emulator):
     chunked prefill kernels (tensor-core MMAs on hi/lo fragments, cp.async staging) against the reference and
     gdn_recurrent, and their chunk table: five cases of their GPU tests; and other forwards' fused conv / gates /
     q-k norm and conv state / gated norm launches against the separate ones, byte for byte, through the emulator
-    plugin; and the fused decode's launch plan (columns and runs a CTA by batch size, `decode_vcols` /
-    `decode_runs_per_cta`, `decode_smem_state`)."""
+    plugin; the fused decode's launch plan (columns and runs a CTA by batch size, `decode_vcols` /
+    `decode_runs_per_cta`, `decode_smem_state`); and its multi-row build (runs of up to four rows, a verification
+    graph's plan) against the general path's launches, byte for byte."""
     out = emulator("snapshots")
-    assert passed(out) == 11, out[-3000:]
+    assert passed(out) == 15, out[-3000:]
 
 
 @needs_toolchain

@@ -4,7 +4,8 @@
 runs, once per forward; `deltanet_core(...)` runs conv1d + SiLU, q / k normalisation and gates, and the gated
 delta rule for every run in parallel (one fused launch when every run is one decode row), updating the state
 pool in place and copying snapshots to pinned host memory asynchronously, layer by layer (`QwenModel.forward`
-synchronises once at its end).
+synchronises once at its end). Runs of a few rows (a verification step's token and draft) take the decode
+launch's multi-row build (MULTI_DECODE).
 With `gate` it returns the gated RMS norm of the core output (on the decode path from the launch that also
 updates the conv state: `gdn_decode_finish`, no norm launch).
 `acc` is the recurrence's arithmetic: "double" reproduces the numpy reference (float64 inside chunks,
@@ -39,6 +40,14 @@ CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/de
 FUSED_DECODE: dict[str, Any] = {"enabled": True, "source": "deltanet_prefill", "defines": {}, "vcols": None,
                                 "runs": None, "smem_runs": 0}
 DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
+# forwards whose runs have at most "max_rows" rows (speculative verification: a token and its draft), no more
+# than `DECODE_MAX_RUNS` runs a CTA, take gdn_decode's DEC_MULTI build too: each run's rows one after another on
+# the state held in registers, one read and one write of it a run (a snapshot's on top), and the same bits as the
+# general path's three launches (conv1d_silu_gates, gdn_recurrent, gdn_finish), whose gdn_recurrent reads and
+# writes the state in registers too but stages its inputs through two more launches; "vcols" / "runs" as
+# FUSED_DECODE's (None: `decode_vcols` / `decode_runs_per_cta` over the plan's rows). 0 "max_rows": off.
+MULTI_DECODE: dict[str, Any] = {"max_rows": int(os.environ.get("DECAPYBARA_DELTANET_MULTI_ROWS", "8")),
+                                "vcols": None, "runs": None}
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)
 RECURRENT: dict[str, Any] = {"tokens": 16}
 # other forwards (prefill, mixed steps) in fewer launches, the same bits: the conv, the gates and (key head dim
@@ -229,8 +238,9 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     """Returns the core output [T, Hv, dv] float32 (see `Backend.deltanet_core`), or with `gate` = (z, norm_weight,
     eps) its `gated_rms_norm(core, z, norm_weight, eps)` (see `Backend.deltanet_core_gated`), bit for bit: a
     decode forward computes it in gdn_decode_finish (gated_rms_norm_warp's arithmetic), in `out_dtype` (uint16:
-    bf16 bits, rounded to nearest even), any other forward in gdn_finish beside its conv state update (float32;
-    with FUSED_PREFILL off, `cupy_ops.gated_rms_norm` after the core)."""
+    bf16 bits, rounded to nearest even), any other forward in gdn_finish beside its conv state update (float32, but
+    `out_dtype` where MULTI_DECODE takes the runs; with FUSED_PREFILL off, `cupy_ops.gated_rms_norm` after the
+    core)."""
     x, a, b = _rows(f32_any(mixed_qkv)), _rows(f32_any(a)), _rows(f32_any(b))
     if a.strides != b.strides:
         a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
@@ -258,13 +268,19 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     ldx = I64(x.strides[0] // 4)
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
+    # (runs shorter than CHUNK: the reference's chunk store points never fall inside one)
+    multi = FUSED_DECODE["enabled"] and 1 < plan.max_len <= min(MULTI_DECODE["max_rows"], CHUNK - 1)
     src, fin_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
-    if decode:  # conv, norms, gates and the step in one launch
-        dvcols = min(FUSED_DECODE["vcols"] or decode_vcols(plan.num_runs, dv), dv)  # the kernel's DVC
+    if decode or multi:  # conv, norms, gates and the steps in one launch
+        knobs = MULTI_DECODE if multi else FUSED_DECODE
+        work = t if multi else plan.num_runs  # rows, each a step of the recurrence
+        dvcols = min(knobs["vcols"] or decode_vcols(work, dv), dv)  # the kernel's DVC
         assert dv % dvcols == 0, f"value head dim {dv} for {dvcols} columns a CTA"
         assert "DEC_VCOLS" not in FUSED_DECODE["defines"], "set FUSED_DECODE['vcols'] instead"
         dn_defines = fin_defines + (("DEC_VCOLS", dvcols), ("DEC_MAXRUNS", DECODE_MAX_RUNS))
-        smem_state = ("DEC_SMEM_S" not in FUSED_DECODE["defines"]
+        if multi:
+            dn_defines += (("DEC_MULTI", 1),)
+        smem_state = (not multi and "DEC_SMEM_S" not in FUSED_DECODE["defines"]
                       and decode_smem_state(plan.num_runs, dvcols, acc, dk))
         if smem_state:
             dn_defines += (("DEC_SMEM_S", 1),)
@@ -276,7 +292,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
         persistent = all(isinstance(p, cp.ndarray) and p.dtype == cp.float32 and p.flags.c_contiguous
                          for p in (params.conv_weight, params.neg_A, params.dt_bias))
         launch = pdl.launch if persistent else pdl.plain
-        per = FUSED_DECODE["runs"]
+        per = knobs["runs"]
         if per is None:
             per = decode_runs_per_cta(plan.num_runs, hv, dv // dvcols, minb * cupy_ops.sm_count())
         assert 1 <= per <= DECODE_MAX_RUNS, f"{per} runs a gdn_decode CTA"
@@ -325,7 +341,7 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
                         I32(CHUNK)), shared_mem=smem)
     # the conv state after the run, once every reader above has run (and, fused, the gated norm of `out`)
     state_args = (x, conv_state, plan.runs, plan.segs, snap_conv, I32(c), ldx)
-    if gate is not None and (decode or FUSED_PREFILL["enabled"]):  # the conv state and the gated norm in one launch
+    if gate is not None and (decode or multi or FUSED_PREFILL["enabled"]):  # conv state and gated norm, one launch
         z, norm_w, eps = gate
         z, ldz = _head_rows(f32_any(z), t, hv, dv)
         cupy_ops.check(norm_w, np.float32, "norm weight", 1)
@@ -336,11 +352,12 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
                        (-(-hv // 4) + cblocks, plan.num_runs), (128,),
                        (*state_args, out, z, norm_w, gated, I32(hv), I64(ldz), F32(eps),
                         I32(cupy_ops._bf16_out(out_dtype))))
-        else:
-            gated = empty((t, hv, dv), cp.float32)
+        else:  # multi: in `out_dtype`, as the decode's
+            gated = empty((t, hv, dv), out_dtype if multi else cp.float32)
             get_kernel("deltanet_prefill", "gdn_finish", defines)(
                 (-(-(t * hv) // 4) + cblocks * plan.num_runs,), (128,),
-                (*state_args, out, z, norm_w, gated, I32(t), I32(hv), I64(ldz), F32(eps), I32(0)))
+                (*state_args, out, z, norm_w, gated, I32(t), I32(hv), I64(ldz), F32(eps),
+                 I32(cupy_ops._bf16_out(out_dtype) if multi else 0)))
     else:
         get_kernel("deltanet_prefill", "conv1d_state_update", defines)((cblocks, plan.num_runs), (128,), state_args)
         gated = None if gate is None else cupy_ops.gated_rms_norm(out, *gate)

@@ -413,6 +413,14 @@ gdn_recurrent(const float* __restrict__ qn, const float* __restrict__ kn, const 
 // (Each thread loading its own values, 4-byte loads DV apart that touch KSPLIT lines a warp, was 1-7% slower from
 // 4 sequences up at the 27B shape; the stores the other way round, through shared memory in 16-byte pieces, 5-8%
 // slower than each thread's own: docs/perf.md.)
+// DEC_MULTI builds take runs of any few rows (speculative verification: a token and its drafts; runs shorter than
+// the reference's chunk, so no chunk store point falls inside one) in place of the three launches of other
+// forwards (conv1d_silu_gates, gdn_recurrent, then gdn_finish or conv1d_state_update, which also runs after this
+// build): a run's rows one after another on its state in registers, each row's conv windows the previous row's
+// shifted by its inputs (conv1d_silu_runs' order), the next row's inputs in flight during a row's work; at each
+// segment end the state is rounded to float32 (gdn_recurrent's store point) and copied to the segment's snapshot,
+// at the run's end to the pool. One warp lists a CTA's runs of at least one row (a verification graph's throwaway
+// runs of none are left out). The same bits as those launches (their conv, norms, gates and delta_step).
 // x: mixed rows [T, C] (stride ldx); a, b: [T, HV] (stride ld_ab); R: runs; the rest as gdn_recurrent.
 #ifndef DEC_VCOLS
 #define DEC_VCOLS 64  // the gdn_decode launch passes its columns (cupy_deltanet.decode_vcols or FUSED_DECODE["vcols"])
@@ -426,6 +434,9 @@ static_assert(DV % DVC == 0 && DEC_NT % 32 == 0, "value head dim must be a multi
 #ifndef GDN_MINB
 #define GDN_MINB 1  // resident CTAs per SM the decode kernel is built for (__launch_bounds__): the launch passes
 #endif              // cupy_deltanet.decode_ctas_per_sm (27B, float32 state, 32 columns: 4), or DECODE_SMEM_CTAS (5)
+#ifndef DEC_MULTI
+#define DEC_MULTI 0  // 1: runs of 0 to a few rows (speculative verification: a token and its drafts), each run's
+#endif               // tokens one after another on the state held in registers (below)
 #ifndef DEC_SMEM_S
 #define DEC_SMEM_S 0  // 1: the delta step reads the state slice from shared memory (delta_step_shared), two slices
 #endif                // double-buffered (the next run's copies go out at the start of the current run's work),
@@ -452,9 +463,14 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
            const float* __restrict__ dt_bias, float* __restrict__ state, const int* __restrict__ runs,
            const int* __restrict__ segs, float* __restrict__ out, float* __restrict__ snap_rec, int HK, int HV,
            int C, i64 ldx, i64 ld_ab, float q_scale, int R, int per_cta) {
+  static_assert(!(DEC_MULTI && DEC_SMEM_S), "runs of several rows keep their state in registers");
+  static_assert(!DEC_MULTI || DEC_MAXRUNS <= 32, "one warp lists a CTA's runs");
   __shared__ float qs[KSPLIT * KPAD], ks[KSPLIT * KPAD];
   __shared__ float raw[2 * DK];
-  __shared__ int meta[DEC_MAXRUNS][3];  // row, state slot, snapshot index of each of this CTA's runs
+  // each of this CTA's runs: first row, state slot, snapshot index (its one segment's); DEC_MULTI: first row, state
+  // slot, rows, first segment, segments, the runs of no rows left out
+  __shared__ int meta[DEC_MAXRUNS][DEC_MULTI ? 5 : 3];
+  __shared__ int live_runs;
   extern __shared__ __align__(16) float sst[];  // KSPLIT * SPART floats (dynamic: cupy_deltanet.decode_smem_bytes):
                                                 // a run's state slice, row part * ROWS + j, column c at
                                                 // part * SPART + j * DVC + c; DEC_SMEM_S: two such slices,
@@ -462,13 +478,31 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   const int h = blockIdx.y, tid = threadIdx.x, part = tid % KSPLIT, lane = tid & 31, warp = tid >> 5;
   const int col = blockIdx.z * DVC + tid / KSPLIT;
   const int hk = h / (HV / HK);
-  const int r0 = blockIdx.x * per_cta, nr = min(per_cta, R - r0);
+  const int r0 = blockIdx.x * per_cta;
+  int nr = min(per_cta, R - r0);
   constexpr int NWARP = DEC_NT / 32;
-  for (int i = tid; i < nr; i += DEC_NT) {
-    const int* run = runs + 5 * (r0 + i);
-    meta[i][0] = run[0];
-    meta[i][1] = run[2];
-    meta[i][2] = segs[2 * run[3] + 1];  // the run's one segment ends at its row: snapshot or -1
+  if (DEC_MULTI) {
+    if (warp == 0) {
+      const int* run = runs + 5 * (r0 + lane);
+      const bool live = lane < nr && run[1] > 0;
+      const unsigned m = __ballot_sync(FULL_MASK, live);
+      if (live) {
+        int* mt = meta[__popc(m & ((1u << lane) - 1u))];
+        mt[0] = run[0];
+        mt[1] = run[2];
+        mt[DEC_MULTI ? 2 : 0] = run[1];
+        mt[DEC_MULTI ? 3 : 0] = run[3];
+        mt[DEC_MULTI ? 4 : 0] = run[4];
+      }
+      if (lane == 0) live_runs = __popc(m);
+    }
+  } else {
+    for (int i = tid; i < nr; i += DEC_NT) {
+      const int* run = runs + 5 * (r0 + i);
+      meta[i][0] = run[0];
+      meta[i][1] = run[2];
+      meta[i][2] = segs[2 * run[3] + 1];  // the run's one segment ends at its row: snapshot or -1
+    }
   }
   // per CTA: the conv weights of its channels, A and dt of its head
   const int vc = 2 * HK * DK + h * DV + col;
@@ -506,8 +540,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     }
     cp_commit();
   };
-  auto fetch_x = [&](int i, DecodeRunX& in) {  // the products' outputs: after the wait only
-    const int row = meta[i][0];
+  auto fetch_x = [&](int row, DecodeRunX& in) {  // the products' outputs at `row`: after the wait only
     const float* xr = x + (i64)row * ldx;
     in.xv = xr[vc];
     in.av = a[(i64)row * ld_ab + h];
@@ -516,6 +549,7 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     for (int jj = 0; jj < CH; ++jj) in.xq[jj] = tid + DEC_NT * jj < 2 * DK ? xr[cq_c[jj]] : 0.0f;
   };
   __syncthreads();  // meta
+  if (DEC_MULTI) nr = live_runs;
   DecodeRunIn cur;
   DecodeRunX cx;
   if (nr > 0) {
@@ -523,10 +557,13 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     fetch_state(0);
   }
   pdl_begin();  // overlapped launch (pdl.cuh)
-  if (nr > 0) fetch_x(0, cx);
+  if (nr > 0) fetch_x(meta[0][0], cx);
   for (int i = 0; i < nr; ++i) {
-    const int row = meta[i][0], slot = meta[i][1], snap = meta[i][2];
-    const float xv = cx.xv, av = cx.av, bv = cx.bv;
+    const int row0 = meta[i][0], slot = meta[i][1];
+    const int len = DEC_MULTI ? meta[i][DEC_MULTI ? 2 : 0] : 1;
+    // the segment the run's token t is in: its end (rows from the run start) and snapshot index
+    int seg = DEC_MULTI ? meta[i][DEC_MULTI ? 3 : 0] : 0;
+    int seg_end = DEC_MULTI ? segs[2 * seg] : 1, snap = DEC_MULTI ? segs[2 * seg + 1] : meta[i][2];
 #if DEC_SMEM_S
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();  // run i's state slice; every thread done with run i - 1's (buffer (i + 1) & 1)
@@ -540,83 +577,109 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
     for (int j = 0; j < ROWS; ++j) S[j] = (ACC)sst[part * SPART + j * DVC + tid / KSPLIT];
 #endif
     DecodeRunIn next;  // the next run's loads, in flight during this run's work
-    DecodeRunX nx;
-    if (i + 1 < nr) {
-      fetch(i + 1, next);
-      fetch_x(i + 1, nx);
-    }
-    // conv1d_silu_runs for a run of one row: acc = sum_j state_j * w_j over the conv state, then + x * w_last
-    float v_head = 0.0f;
+    if (i + 1 < nr) fetch(i + 1, next);
+    float* st = state + (i64)slot * HV * DK * DV + st_col;
+    for (int t = 0; t < len; ++t) {
+      const int row = row0 + t;
+      const float xv = cx.xv, av = cx.av, bv = cx.bv;
+      DecodeRunX nx;  // the next token's inputs (this run's, else the next run's first), in flight meanwhile
+      const bool more = t + 1 < len || i + 1 < nr;
+      if (more) fetch_x(t + 1 < len ? row + 1 : meta[i + 1][0], nx);
+      // conv1d_silu_runs at this row: acc = sum_j window_j * w_j over the KM1 inputs before it, then + x * w_last
+      float v_head = 0.0f;
 #pragma unroll
-    for (int j = 0; j < KM1; ++j) v_head = __fadd_rn(v_head, __fmul_rn(cur.cv[j], wv[j]));
-    const float vt_f = silu_f(__fadd_rn(v_head, __fmul_rn(xv, wv[KM1])));
-    float ng, nb;  // gdn_gates
-    {
-      const float v = av + dtb;
-      float sp;
-      if (v == 0.0f) sp = 0.693147180559945309f;
-      else if (v > 0.0f) sp = v + log1pf(expf(-v));
-      else sp = log1pf(expf(v));
-      ng = nA * sp;
-      nb = sigmoid_f(bv);
-    }
-#pragma unroll
-    for (int jj = 0; jj < CH; ++jj) {
-      const int c = tid + DEC_NT * jj;
-      if (c < 2 * DK) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(cur.cq[jj][j], wq[jj][j]));
-        raw[c] = silu_f(__fadd_rn(acc, __fmul_rn(cx.xq[jj], wq[jj][KM1])));
+      for (int j = 0; j < KM1; ++j) v_head = __fadd_rn(v_head, __fmul_rn(cur.cv[j], wv[j]));
+      const float vt_f = silu_f(__fadd_rn(v_head, __fmul_rn(xv, wv[KM1])));
+      float ng, nb;  // gdn_gates
+      {
+        const float v = av + dtb;
+        float sp;
+        if (v == 0.0f) sp = 0.693147180559945309f;
+        else if (v > 0.0f) sp = v + log1pf(expf(-v));
+        else sp = log1pf(expf(v));
+        ng = nA * sp;
+        nb = sigmoid_f(bv);
       }
-    }
-    __syncthreads();  // raw; every thread has read the previous run's qs / ks, and (not DEC_SMEM_S) this run's slice
-    if (!DEC_SMEM_S && i + 1 < nr) fetch_state(i + 1);
-    // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
 #pragma unroll
-    for (int qk = 0; qk < 2; ++qk) {
-      if (warp == (NWARP > 1 ? qk : 0)) {
-        float r[QK_J], s = 0.0f;
+      for (int jj = 0; jj < CH; ++jj) {
+        const int c = tid + DEC_NT * jj;
+        if (c < 2 * DK) {
+          float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < QK_J; ++j) {
-          const int k = lane + 32 * j;
-          r[j] = k < DK ? raw[qk * DK + k] : 0.0f;
-          if (k < DK) s += r[j] * r[j];
-        }
-        const float norm = sqrtf(warp_sum(s) + 1e-6f);
-        float* dst = qk == 0 ? qs : ks;
-#pragma unroll
-        for (int j = 0; j < QK_J; ++j) {
-          const int k = lane + 32 * j;
-          if (k < DK) dst[(k / ROWS) * KPAD + k % ROWS] = qk == 0 ? (r[j] / norm) * q_scale : r[j] / norm;
+          for (int j = 0; j < KM1; ++j) acc = __fadd_rn(acc, __fmul_rn(cur.cq[jj][j], wq[jj][j]));
+          raw[c] = silu_f(__fadd_rn(acc, __fmul_rn(cx.xq[jj], wq[jj][KM1])));
         }
       }
-    }
-    __syncthreads();  // qs / ks; and the norm warps read raw before this
-    // gdn_recurrent, one token
-    const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)vt_f;
-    float* st = state + (i64)slot * HV * DK * DV + st_col;  // the run's one segment ends here: float32 state
+      if (DEC_MULTI && t + 1 < len) {  // the windows at the next row: this row's inputs shifted in
+#pragma unroll
+        for (int j = 0; j + 1 < KM1; ++j) {
+          cur.cv[j] = cur.cv[j + 1];
+#pragma unroll
+          for (int jj = 0; jj < CH; ++jj) cur.cq[jj][j] = cur.cq[jj][j + 1];
+        }
+        cur.cv[KM1 - 1] = xv;
+#pragma unroll
+        for (int jj = 0; jj < CH; ++jj) cur.cq[jj][KM1 - 1] = cx.xq[jj];
+      }
+      __syncthreads();  // raw; every thread has read the previous token's qs / ks, and (not DEC_SMEM_S) this run's
+                        // slice
+      if (!DEC_SMEM_S && t == 0 && i + 1 < nr) fetch_state(i + 1);
+      // gdn_qk_norm: lane-strided sums of squares, one warp each for q and k (the same warp if DEC_NT == 32)
+#pragma unroll
+      for (int qk = 0; qk < 2; ++qk) {
+        if (warp == (NWARP > 1 ? qk : 0)) {
+          float r[QK_J], s = 0.0f;
+#pragma unroll
+          for (int j = 0; j < QK_J; ++j) {
+            const int k = lane + 32 * j;
+            r[j] = k < DK ? raw[qk * DK + k] : 0.0f;
+            if (k < DK) s += r[j] * r[j];
+          }
+          const float norm = sqrtf(warp_sum(s) + 1e-6f);
+          float* dst = qk == 0 ? qs : ks;
+#pragma unroll
+          for (int j = 0; j < QK_J; ++j) {
+            const int k = lane + 32 * j;
+            if (k < DK) dst[(k / ROWS) * KPAD + k % ROWS] = qk == 0 ? (r[j] / norm) * q_scale : r[j] / norm;
+          }
+        }
+      }
+      __syncthreads();  // qs / ks; and the norm warps read raw before this
+      // gdn_recurrent, one token
+      const ACC decay = exp((ACC)ng), bt = (ACC)nb, vt = (ACC)vt_f;
+      // a segment ends at the run's row: the state as float32 (the reference's store point) to its snapshot and,
+      // at the run's end, to the pool
+      const bool last = t + 1 == len, at_end = !DEC_MULTI || t + 1 == seg_end;
 #if DEC_SMEM_S
-    float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
-    const ACC o = delta_step_shared(slice, DVC, qs + part * KPAD, ks + part * KPAD, decay, bt, vt, [&](int j, ACC v) {
-      st[(i64)j * DV] = (float)v;
-      if (snap >= 0) sr[(i64)j * DV] = (float)v;
-    });
-    if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
+      float* sr = snap_rec + ((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col;
+      const ACC o = delta_step_shared(slice, DVC, qs + part * KPAD, ks + part * KPAD, decay, bt, vt,
+                                      [&](int j, ACC v) {
+        st[(i64)j * DV] = (float)v;
+        if (snap >= 0) sr[(i64)j * DV] = (float)v;
+      });
+      if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
 #else
-    const ACC o = delta_step(S, qs + part * KPAD, ks + part * KPAD, decay, bt, vt);
-    if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
+      const ACC o = delta_step(S, qs + part * KPAD, ks + part * KPAD, decay, bt, vt);
+      if (part == 0) out[((i64)row * HV + h) * DV + col] = (float)o;
+      if (at_end || last) {
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      const float v = (float)S[j];
-      st[(i64)j * DV] = v;
-      if (snap >= 0) snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
-    }
+        for (int j = 0; j < ROWS; ++j) {
+          const float v = (float)S[j];
+          if (last) st[(i64)j * DV] = v;
+          if (at_end && snap >= 0)
+            snap_rec[((i64)snap * HV + h) * DK * DV + (i64)part * ROWS * DV + col + (i64)j * DV] = v;
+          if (DEC_MULTI) S[j] = (ACC)v;
+        }
+      }
+      if (DEC_MULTI && at_end && !last) {
+        ++seg;
+        seg_end = segs[2 * seg];
+        snap = segs[2 * seg + 1];
+      }
 #endif
-    if (i + 1 < nr) {
-      cur = next;
-      cx = nx;
+      if (more) cx = nx;
     }
+    if (i + 1 < nr) cur = next;
   }
 }
 

@@ -964,6 +964,108 @@ def test_deltanet_decode_fused_is_bit_identical(monkeypatch, acc, dims, vcols, r
                 assert_bytes_equal(layers[0][j], got[False][3][key][0][j], f"snapshot {key} part {j}")
 
 
+def _verify_like_plan(cd, lens, cuts, slots, pad_slot, ckpt):
+    """A RunPlan as a verification graph builds it (cuda_graph `_fill_verify_runs`): runs [0, b) sequence i's
+    `lens[i]` rows from row 2i (a cut after row cuts[i] with its snapshot into checkpoint i where cuts[i]), runs
+    [b, 2b) a throwaway row on the pad slot where sequence i has one row, else none."""
+    b = len(lens)
+    runs = np.zeros((2 * b, 5), np.int32)
+    segs = np.zeros((3 * b, 2), np.int32)
+    runs[:b, 0], runs[:b, 2], runs[:b, 3], runs[:b, 4] = np.arange(b) * 2, slots, np.arange(b) * 2, 1
+    runs[:b, 1] = lens
+    runs[b:, 0], runs[b:, 2], runs[b:, 3], runs[b:, 4] = np.arange(b) * 2 + 1, pad_slot, 2 * b + np.arange(b), 1
+    segs[:2 * b], segs[2 * b:] = (2, -1), (0, -1)
+    for i, (n, cut) in enumerate(zip(lens, cuts)):
+        if cut:
+            segs[2 * i], segs[2 * i + 1], runs[i, 4] = (cut, i), (n, -1), 2
+        else:
+            segs[2 * i] = (n, -1)
+        if n == 1:
+            runs[b + i, 1], segs[2 * b + i] = 1, (1, -1)
+    return cd.RunPlan(cp.asarray(runs), cp.asarray(segs), 2 * b, max(lens), [], snap_bufs=ckpt)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("runs", [None, 2, 3])
+@pytest.mark.parametrize("vcols", [None, 64, 16])
+@pytest.mark.parametrize("acc", ["double", "float"])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 128, 128), (2, 6, 64, 32), (2, 4, 16, 8)])
+def test_deltanet_multi_row_runs_give_the_general_paths_bits(monkeypatch, acc, dims, vcols, runs, gated):
+    """Forwards whose runs have a few rows (speculative verification) take gdn_decode's DEC_MULTI build
+    (MULTI_DECODE): its outputs, conv and recurrent states and snapshots are the bytes of the general path's
+    launches (conv1d_silu_gates, gdn_recurrent, gdn_finish / conv1d_state_update; MULTI_DECODE "max_rows" 0).
+    Two forwards: runs of 2, 1, 3, 2 and 4 rows in scattered slots with snapshots after a run's first row, at its
+    end and inside a run of 4 (segments as the model cuts them); then a verification graph's plan (runs of 2 and 1
+    rows with snapshots into checkpoint buffers, throwaway runs of one row or none on a pad slot, which are not
+    compared: two of them race on that slot in either path, as in the graphs). `vcols` value
+    columns and `runs` runs a CTA as MULTI_DECODE's (None: the plan's); with `gated` the gated norm after it, in bf16
+    bits (the multi path's `out_dtype`) against the general path's float32 rounded. Outputs start NaN-poisoned."""
+    from decapybara.backend import cupy_deltanet as cd
+    from decapybara.backend.base import DeltaNetSegment
+
+    assert ops.POISON, "outputs must start poisoned (tests/conftest.py)"
+    rng, cfg, cub, params, norm_w = gated_setup(dims, acc, sum(dims) + 21, 3)
+    c, hv, dk, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    monkeypatch.setitem(cd.MULTI_DECODE, "vcols", vcols)
+    monkeypatch.setitem(cd.MULTI_DECODE, "runs", runs)
+    launched = []
+    get_dn = cd.get_kernel
+    monkeypatch.setattr(cd, "get_kernel", lambda m, f, d=(): launched.append((f, dict(d))) or get_dn(m, f, d))
+    pools = {multi: cub.new_state_pool(cfg, 8) for multi in (True, False)}
+    init = [rand(rng, *pools[True].conv[0].shape), rand(rng, *pools[True].rec[0].shape, scale=0.1)]
+    for pool in pools.values():
+        pool.conv[0][...] = cp.asarray(init[0])
+        pool.rec[0][...] = cp.asarray(init[1])
+    model_segs = [DeltaNetSegment(0, 1, 5, (0, 1)), DeltaNetSegment(1, 1, 5, None), DeltaNetSegment(2, 1, 0, (1, 1)),
+                  DeltaNetSegment(3, 3, 2, (2, 3)), DeltaNetSegment(6, 1, 7, (3, 1)), DeltaNetSegment(7, 1, 7, (3, 2)),
+                  DeltaNetSegment(8, 2, 1, (4, 2)), DeltaNetSegment(10, 2, 1, None)]
+    ckpts = {multi: {0: (cp.full((4, c, 3), np.nan, cp.float32), cp.full((4, hv, dk, dv), np.nan, cp.float32))}
+             for multi in (True, False)}
+    forwards = [(12, lambda multi: cd.plan_runs(model_segs)),
+                (8, lambda multi: _verify_like_plan(cd, [2, 1, 2, 1], [1, 0, 1, 0], [3, 6, 0, 4], 7, ckpts[multi]))]
+    for fi, (rows, make_plan) in enumerate(forwards):
+        x = cp.asarray(rand(rng, rows, c))
+        ab = cp.asarray(rand(rng, rows, 2 * hv + 3))
+        a, b = ab[:, :hv], ab[:, hv + 3:]
+        z = cp.asarray(rand(rng, rows, hv, dv))
+        got = {}
+        for multi, pool in pools.items():
+            monkeypatch.setitem(cd.MULTI_DECODE, "max_rows", 8 if multi else 0)
+            launched.clear()
+            snaps, plan = {}, make_plan(multi)
+            gate = (z, norm_w, 1e-6) if gated else None
+            out = cd.deltanet_core(pool, 0, x, a, b, params, plan, cfg, snaps, acc=acc, gate=gate,
+                                   out_dtype=np.uint16 if gated else np.float32)
+            names = [f for f, _ in launched]
+            assert ("gdn_decode" in names) == multi and ("gdn_recurrent" in names) != multi, names
+            if multi:
+                d = next(d for f, d in launched if f == "gdn_decode")
+                assert d.get("DEC_MULTI") == 1 and not d.get("DEC_SMEM_S"), d
+                if vcols:
+                    assert d["DEC_VCOLS"] == min(vcols, dv), d
+            snap_host = {k: [cp.asnumpy(p) for p in v[0]] for k, v in snaps.items()}
+            if plan.snap_bufs is not None:
+                snap_host = {("ckpt", i): [cp.asnumpy(ckpts[multi][0][0][i]), cp.asnumpy(ckpts[multi][0][1][i])]
+                             for i in (0, 2)}
+            out = cp.asnumpy(out)
+            if gated and not multi:  # the general path's float32, rounded as the bf16 output rounds
+                out = cp.asnumpy(ops.to_bf16_bits(cp.asarray(out)))
+            kept = list(range(8)) if fi == 0 else list(range(7))  # the pad slot's two throwaway runs race
+            got[multi] = (out, cp.asnumpy(pool.conv[0][kept]), cp.asnumpy(pool.rec[0][kept]), snap_host)
+        real = [r for r in range(rows) if fi == 0 or r % 2 == 0 or r in (1, 5)]  # the sequences' rows
+        assert not np.isnan(got[True][0][real].astype(np.float32)).any(), f"unwritten output, forward {fi}"
+        for i, name in enumerate(("output", "conv state", "recurrent state")):
+            g, w = got[True][i], got[False][i]
+            if i == 0:
+                g, w = g[real], w[real]
+            assert_bytes_equal(g, w, f"{name} forward {fi} dims {dims} acc {acc}")
+        assert sorted(got[True][3]) == sorted(got[False][3]) and got[True][3], (sorted(got[True][3]), fi)
+        for key, parts in got[True][3].items():
+            for j in (0, 1):
+                assert not np.isnan(parts[j]).any(), f"unwritten snapshot {key}"
+                assert_bytes_equal(parts[j], got[False][3][key][j], f"snapshot {key} part {j}, forward {fi}")
+
+
 def test_deltanet_decode_plan_fills_one_wave_or_takes_two_runs_a_cta(monkeypatch):
     """decode_runs_per_cta: the fewest runs a CTA (at most 3) that put all CTAs in one wave of resident CTAs,
     else 2; one run, 1. The 27B shape (48 heads; 2 column blocks of 64 on 2 CTAs an SM, or 4 of 32 on 4, of 132
@@ -1125,7 +1227,8 @@ def test_moe_matches_reference(dtype):
 @pytest.mark.parametrize("batch", [1, 5])
 def test_deltanet_decode_gated_norm_in_bf16_bits(batch):
     """gdn_decode_finish with a bf16-bits output (rows that only feed the out product): the float32 output's
-    values rounded to nearest even, the states alike; a two-row forward (the two-op path) stays float32."""
+    values rounded to nearest even, the states alike; a two-row forward (gdn_decode's multi-row build, then
+    gdn_finish) likewise, and with MULTI_DECODE off (the general path) stays float32."""
     from decapybara.backend import cupy_deltanet as cd
     from decapybara.backend.base import DeltaNetSegment
 
@@ -1140,14 +1243,18 @@ def test_deltanet_decode_gated_norm_in_bf16_bits(batch):
     for pool in pools.values():
         pool.conv[0][...] = cp.asarray(init[0])
         pool.rec[0][...] = cp.asarray(init[1])
-    for rows in (1, 2):
+    for rows, multi in ((1, 8), (2, 8), (2, 0)):
+        cd.MULTI_DECODE["max_rows"], keep = multi, cd.MULTI_DECODE["max_rows"]
         segs = [DeltaNetSegment(i * rows, rows, i, None) for i in range(batch)]
         plan = cd.plan_runs(segs)
         x, z = cp.asarray(rand(rng, batch * rows, c)), cp.asarray(rand(rng, batch * rows, hv, dv))
         ab = cp.asarray(rand(rng, batch * rows, 2 * hv))
-        got = {dt: cd.deltanet_core(pool, 0, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
-                                    gate=(z, norm_w, 1e-6), out_dtype=dt) for dt, pool in pools.items()}
-        want = ops.to_bf16_bits(got[np.float32]) if rows == 1 else got[np.float32]
+        try:
+            got = {dt: cd.deltanet_core(pool, 0, x, ab[:, hv:], ab[:, :hv], params, plan, cfg, {}, acc="float",
+                                        gate=(z, norm_w, 1e-6), out_dtype=dt) for dt, pool in pools.items()}
+        finally:
+            cd.MULTI_DECODE["max_rows"] = keep
+        want = ops.to_bf16_bits(got[np.float32]) if multi else got[np.float32]
         assert got[np.uint16].dtype == want.dtype and not np.isnan(cp.asnumpy(got[np.float32])).any()
         assert_bytes_equal(cp.asnumpy(got[np.uint16]), cp.asnumpy(want), f"gated output, batch {batch}, rows {rows}")
         for name in ("conv", "rec"):

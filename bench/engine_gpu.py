@@ -73,6 +73,7 @@ def make_engine(model: Any, b: int, sampler: str, cache: bool) -> Engine:
     cfg = EngineConfig(max_slots=12, page_size=512, num_pages=12 * 3 + 2, max_batch_tokens=2048, kv_mode="16/16",
                        loop_guard="off", enable_prefix_cache=cache, max_model_len=4096)
     e = Engine(model, cfg)
+    vars(e.model.backend).pop("sample", None)  # an earlier case's sampler (below) off the shared backend
     if sampler == "host":  # the numpy reference on a host copy of the logits (Backend's default)
         e.model.backend.sample = lambda logits, rows, eos=(): Backend.sample(e.model.backend, logits, rows, eos)
     elif sampler == "prev":  # an earlier form of the device sampler: bench/sampler.py's SAMPLER_PREV file

@@ -169,7 +169,7 @@ RUNS: dict[str, EmuRun] = {
                      "mx_linear_k_tail or bf16_x_staging_edges or early_refill_keeps_the_bytes_small "
                      "or one_row_blocks_of_their_own_width_keep_the_bytes_small or one_row_build_only "
                      "or (many_row_kernels_keep_the_bytes_small and mxfp4)", strided=False),
-    "sampler": EmuRun(("tests/gpu/test_kernels_extra.py",), "cuda_sample or philox or guesses"),
+    "sampler": EmuRun(("tests/gpu/test_kernels_extra.py",), "cuda_sample or philox or guesses or canonical_orders"),
     "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
     "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
     "product_chain": EmuRun(("tests/gpu/test_product_chain.py", "tests/gpu/test_chain_tails.py"), "chain"),
@@ -346,9 +346,10 @@ def test_device_sampler_passes_on_the_emulator(emulator):
     """decapybara/kernels/sample.cu against the numpy reference: random rows and logits at vocabularies of 7 to
     248,320 (the fallback's block-wide scan where a draw lies past the certified prefix), ties, masks, bf16 logits,
     the greedy short path, top-k rows that sort few tiles, buffers kept between calls of other shapes and threads,
+    the fallback's canonical orders of several rows by two 1-D sorts,
     Philox draws bit for bit, and the MTP head's guesses against numpy's argmax and softmax maximum."""
     out = emulator("sampler")
-    assert passed(out) == 17, out[-3000:]
+    assert passed(out) == 21, out[-3000:]
 
 
 @needs_toolchain

@@ -13,7 +13,9 @@
 //                   before their own (the others report that token alone, as a bound)
 //   sample_stats    per tile of up to 2048 tokens: z = y / T (greedy: T = 1), w = exp(z - zmax), tile sums of w
 //                   and of w >= min_p (and their count), greedy argmax (lowest id), and the tile's best L tokens
-//                   in canonical order (z descending, ties by ascending id) by a bitonic sort in shared memory.
+//                   in canonical order (z descending, ties by ascending id): for L <= 32 (vocabularies of 64+
+//                   tiles) each warp's 64 sorted in registers and the warps' first 32 merged pairwise
+//                   (`block_first`), else a bitonic sort of the tile in shared memory.
 //                   Tile b of nblk holds the ids b, b + nblk, b + 2 nblk, ...: a vocabulary's likely tokens often
 //                   sit in one id range (the frequent ones first), and contiguous tiles then put more than L of
 //                   a row's best tokens in one tile, which cuts the certified prefix short (a full sort follows)
@@ -175,6 +177,60 @@ __device__ void bitonic(double* z, int* id, int n = TILE) {
         }
 }
 
+// A bitonic network over 64 (z, id) pairs of one warp, pair e = lane + 32 h in (z[h], id[h]): the stages of k from
+// k0 (2: a full sort; 64: the merge of a bitonic sequence) to 64, each pair of a compare-exchange keeping the one
+// first in canonical order where its place in the network asks for it. Sorted into canonical order: pair e is the
+// e-th of the 64.
+__device__ __forceinline__ void warp_bitonic64(double (&z)[2], int (&id)[2], int k0) {
+    const int lane = threadIdx.x & 31;
+    for (int k = k0; k <= 64; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            if (j == 32) {  // (only k = 64) the lane's two pairs: pair lane keeps the first
+                if (before(z[1], id[1], z[0], id[0])) {
+                    const double tz = z[0]; z[0] = z[1]; z[1] = tz;
+                    const int ti = id[0]; id[0] = id[1]; id[1] = ti;
+                }
+                continue;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const double pz = __shfl_xor_sync(0xFFFFFFFFu, z[h], j);
+                const int pid = __shfl_xor_sync(0xFFFFFFFFu, id[h], j);
+                const int e = lane + 32 * h;
+                const bool take_first = ((e & j) == 0) == ((e & k) == 0);  // the lower place of an ascending run
+                if (before(pz, pid, z[h], id[h]) == take_first) { z[h] = pz; id[h] = pid; }
+            }
+        }
+}
+
+// The first L <= 32 of a block's 2048 (z, id) pairs in canonical order (thread t holds pairs t and t + 1024 in
+// z[0..1], id[0..1]) into out_z / out_id, without sorting them all: each warp sorts its 64 pairs in registers and
+// keeps its first 32; warps then merge their lists pairwise in five rounds through shared memory (buf_z / buf_id,
+// 32 x 32 pairs), each merge a bitonic merge of one list and the other reversed, its first 32 kept. The first L
+// of the 2048 are among the first 32 of any group that holds them, so these are the full sort's first L (ids are
+// unique: no ties). blockDim.x == TILE / 2.
+__device__ void block_first(double (&z)[2], int (&id)[2], int L, double* buf_z, int* buf_id, double* out_z,
+                            int* out_id) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    warp_bitonic64(z, id, 2);
+    for (int s = 1; s < 32; s <<= 1) {
+        if (warp % (2 * s) == s) {
+            buf_z[warp * 32 + lane] = z[0];
+            buf_id[warp * 32 + lane] = id[0];
+        }
+        __syncthreads();
+        if (warp % (2 * s) == 0) {
+            z[1] = buf_z[(warp + s) * 32 + 31 - lane];  // the partner's list reversed: a bitonic sequence of 64
+            id[1] = buf_id[(warp + s) * 32 + 31 - lane];
+            warp_bitonic64(z, id, 64);
+        }
+    }
+    if (warp == 0 && lane < L) {
+        out_z[lane] = z[0];
+        out_id[lane] = id[0];
+    }
+}
+
 // Deterministic block sum (fixed tree) of one double per thread; result valid in thread 0.
 __device__ double block_sum(double v, double* red) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
@@ -235,6 +291,8 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_stats(
     const double T = greedy[row] ? 1.0 : temp[row], zmax = __ddiv_rn(ymax, T), mp = min_p[row];
     double s = 0.0, sm = 0.0;
     int nm = 0, amin = 0x7FFFFFFF;
+    double hz[2];  // this thread's pairs, tokens b + nblk j for j = tid, tid + TILE / 2
+    int hid[2];
     for (int h = 0; h < 2; ++h) {
         const int j = tid + h * (TILE / 2), i = b + nblk * j;  // strided: tile b holds the ids = b (mod nblk)
         double z = -INF_D;
@@ -248,8 +306,12 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_stats(
             if (mp > 0.0 && w >= mp) { sm += w; ++nm; }
             if (yi == ymax && i < amin) amin = i;
         }
-        sz[j] = z;
-        sid[j] = id;
+        hz[h] = z;
+        hid[h] = id;
+        if (L > 32) {
+            sz[j] = z;
+            sid[j] = id;
+        }
     }
     s = block_sum(s, red);
     sm = block_sum(sm, red);
@@ -282,10 +344,16 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_stats(
         if (skip_tile) return;  // uniform per block
     }
     __syncthreads();
+    double* out_z = cz + ((long long)row * nblk + b) * L;
+    int* out_id = cid + ((long long)row * nblk + b) * L;
+    if (L <= 32) {  // (uniform) the first L without a full sort; sz / sid serve as the merges' lists
+        block_first(hz, hid, L, sz, sid, out_z, out_id);
+        return;
+    }
     bitonic(sz, sid);
     for (int j = tid; j < L; j += blockDim.x) {
-        cz[((long long)row * nblk + b) * L + j] = sz[j];
-        cid[((long long)row * nblk + b) * L + j] = sid[j];
+        out_z[j] = sz[j];
+        out_id[j] = sid[j];
     }
 }
 

@@ -1350,6 +1350,36 @@ def test_cuda_sample_kept_buffers_carry_nothing_between_calls():
         assert np.array_equal(out.logprobs, first.logprobs) and out.top_logprobs == first.top_logprobs
 
 
+@pytest.mark.parametrize("v", [248_320, 140_000])
+def test_cuda_sample_tiles_report_their_first_tokens_in_canonical_order(v):
+    """sample_stats' candidates of rows with no top-k (every tile reports its first L tokens; vocabularies of 64+
+    tiles take `block_first`, no full sort): each tile's (z, id) list is the first L of its tokens (ids b + nblk j)
+    by z = y / T descending, ties by ascending id (numpy's stable argsort), read from the call's kept buffers.
+    Ties within and across a tile's warps, -0.0 and +0.0 logits, a row of equal logits, T 0.7 and T 1."""
+    b = 4
+    rng = np.random.default_rng(v)
+    logits = rng.integers(-6, 6, (b, v)).astype(np.float32) / 4  # many exact ties
+    logits[1] = rng.standard_normal(v).astype(np.float32) * 2
+    logits[1, :5000:3] = -0.0
+    logits[1, 1:5000:3] = 0.0
+    logits[2] = 1.5
+    temps = [0.7, 1.0, 1.0, 0.7]
+    rows = [sampling.SamplerRow(sampling.SamplingParams(temperature=temps[i], top_p=0.9), [], [], position=i,
+                                seed=50 + i) for i in range(b)]
+    ex.cuda_sample(cp.asarray(logits), rows)
+    work = ex._sample_work(b, v)
+    nblk, lc = work.nblk, work.lc
+    assert lc <= 32, "these vocabularies take the warps' merges"
+    cz, cid = cp.asnumpy(work.dev["cz"]), cp.asnumpy(work.dev["cid"])
+    for r in range(b):
+        z = logits[r].astype(np.float64) / temps[r] + 0.0
+        for t in range(nblk):
+            ids = np.arange(t, v, nblk)
+            first = ids[np.argsort(-z[ids], kind="stable")[:lc]]
+            assert np.array_equal(cid[r, t], first), f"row {r} tile {t}: ids {cid[r, t]} against {first}"
+            assert np.array_equal(cz[r, t], z[first]), f"row {r} tile {t}: z"
+
+
 @pytest.mark.parametrize("where", ["low ids", "spread", "ties"])
 def test_cuda_sample_top_k_rows_sort_few_tiles(where):
     """Rows that keep at most K tokens (top-k, logprob alternatives) sort only the tiles whose first token is

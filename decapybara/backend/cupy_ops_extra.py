@@ -1432,6 +1432,7 @@ def bandwidth_probe(nbytes: int = 1 << 31, repeats: int = 10) -> dict[str, float
 # ---- sampler ------------------------------------------------------------------------------------------
 SAMPLE_TILE, NTOP = 2048, 20
 SAMPLE_MAX_VOCAB = 128 * SAMPLE_TILE  # the widest row `cuda_sample` takes (a block's tiles of one row)
+SAMPLE_SCAN_SPAN = 8 * SAMPLE_TILE // 2  # tokens a sample_scan_parts block (sample.cu SCAN_SPAN)
 
 
 def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
@@ -1642,10 +1643,13 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
         t_eff = cp.asarray(np.where(greedy[redo] > 0, 1.0, temp[redo]))[:, None]
         order = canonical_orders(y[cp.asarray(redo)] / t_eff + 0.0)
         wbuf, pbuf = empty((redo.size, v), cp.float64), empty((redo.size, v), cp.float64)
-        k("sample_scan")((redo.size,), (SAMPLE_TILE // 2,),
-                         (cp.asarray(redo.astype(np.int32)), order, I32(v), y, io["temp"], io["greedy"],
-                          io["top_k"], io["top_p"], io["min_p"], info, nm, token, logprob, status, top_id,
-                          top_lp, wbuf, pbuf))
+        spans = -(-v // SAMPLE_SCAN_SPAN)
+        ptot, redo_d = empty((redo.size, spans), cp.float64), cp.asarray(redo.astype(np.int32))
+        k("sample_scan_parts")((spans, redo.size), (SAMPLE_TILE // 2,),
+                               (redo_d, order, I32(v), y, io["temp"], io["greedy"], info, wbuf, pbuf, ptot))
+        k("sample_scan_pick")((redo.size,), (32,),
+                              (redo_d, order, I32(v), y, io["temp"], io["greedy"], io["top_k"], io["top_p"],
+                               io["min_p"], info, nm, wbuf, pbuf, ptot, token, logprob, status, top_id, top_lp))
         host = work.results()
     tokens, lps = host["token"], host["logprob"]
     out_lp = np.where([p.logprobs is not None for p in ps], lps, np.nan).astype(np.float32)

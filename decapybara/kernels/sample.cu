@@ -25,7 +25,8 @@
 //                   prefix;
 //                   thread 0 then runs top-k, top-p, min-p and the inverse-CDF draw with sequential float64
 //                   running sums exactly as the numpy reference; rows whose decision lies past the certified
-//                   prefix are flagged (status 1) and redone by sample_scan over a full stable sort.
+//                   prefix are flagged (status 1) and redone by sample_scan_parts + sample_scan_pick over a
+//                   full stable sort.
 // Philox4x32-10 and u = ((x0 >> 8) + 0.5) * 2^-24 are bit-identical to decapybara.engine.philox.
 // Caveat: row sums (Z) are computed in another order than numpy's pairwise np.sum, and exp() may differ in the
 // last bit; a token can therefore differ only where u * Z lies within a few ulps of a CDF step (or w_i of
@@ -428,7 +429,7 @@ __device__ void write_top(int row, double zmax, double lse, int n, const double*
     }
 }
 
-// rowinfo[row] = {zmax, z_all, z_mp, u}; status: 0 decided, 1 needs sample_scan.
+// rowinfo[row] = {zmax, z_all, z_mp, u}; status: 0 decided, 1 needs the fallback scan.
 extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
     int V, int nblk, int L, const double* temp, const int* greedy, const int* want_top, const int* top_k,
     const double* top_p, const double* min_p, const u64* seeds, const u64* pos, const u64* rowmax,
@@ -550,110 +551,126 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
     }
 }
 
-#define SCAN_ITEMS 8  // sample_scan: consecutive tokens a thread per span
+#define SCAN_ITEMS 8  // sample_scan_parts: consecutive tokens a thread
+#define SCAN_SPAN (SCAN_ITEMS * TILE / 2)  // tokens a sample_scan_parts block: 8,192
 
-// Blockwise reductions of one int per thread (every thread gets the result; `ired` holds 32 ints).
-__device__ int block_min_int(int v, int* ired) {
-    for (int o = 16; o; o >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) ired[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = ired[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = min(v, ired[w]);
-    return v;
-}
-__device__ int block_max_int(int v, int* ired) { return -block_min_int(-v, ired); }
-
-// Fallback, a block of TILE / 2 threads per row whose decision lies past the certified prefix: `order` is the
-// row's full canonical order (a stable argsort of -z). The reference's sequential running sums become one
-// prefix scan in canonical order (P[i] = w(0) + ... + w(i), SCAN_ITEMS x 1,024 tokens at a time, kept in pbuf beside the
-// weights in wbuf, [rows, V] each), and each of its loops' "first index where" a parallel minimum over that
-// scan: the same decision as `decide` over the whole row, but where u * Z (or the top-p threshold) lies within a
-// few ulps of a running sum, whose bits the scan's order can change.
-extern "C" __global__ void __launch_bounds__(TILE / 2) sample_scan(
+// Fallback for rows whose decision lies past the certified prefix, `order` being each such row's full canonical
+// order (a stable argsort of -z): the reference's sequential running sums become a prefix scan in canonical order,
+// P[i] = w(0) + ... + w(i), in two launches. sample_scan_parts, a block a (span of SCAN_SPAN tokens, row): the
+// span's weights (wbuf) and inclusive prefix sums from the span's start (pbuf), and its total (ptot[r, span]).
+// sample_scan_pick, a warp a row: the spans' offsets (their totals summed in span order), then P[i] = offset of
+// i's span + pbuf[i], which never decreases along the order (weights are non-negative; the offset of span s + 1 is
+// the last P of span s), as the weights never increase (z descending). So each of the reference's "first index
+// where" loops (the top-p cut, the draw's CDF step, the last token of positive weight) is a search over a monotone
+// predicate, 32 probes a round (`warp_first`). The same decision as `decide` over the whole row, but where u * Z
+// (or the top-p threshold) lies within a few ulps of a running sum, whose bits the scan's order can change.
+extern "C" __global__ void __launch_bounds__(TILE / 2) sample_scan_parts(
     const int* rows, const int* order, int V, const double* y, const double* temp, const int* greedy,
-    const int* top_k, const double* top_p, const double* min_p, const double* rowinfo, const int* rownm,
-    long long* token, float* logprob, int* status, int* top_id, float* top_lp, double* wbuf, double* pbuf) {
+    const double* rowinfo, double* wbuf, double* pbuf, double* ptot) {
     __shared__ double red[32];
-    __shared__ int ired[32];
-    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)(blockDim.x >> 5);
-    const int row = rows[r];
-    const int* ord = order + (long long)r * V;
-    const double* yr = y + (long long)row * V;
+    const int r = blockIdx.y, span = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nw = (int)(blockDim.x >> 5), row = rows[r];
+    if (greedy[row]) return;  // (uniform) a greedy row's token is its argmax: no scan
+    const double T = temp[row];
+    const ScanZ g{y + (long long)row * V, order + (long long)r * V, T, rowinfo[row * 4]};
+    const int i0 = span * SCAN_SPAN + tid * SCAN_ITEMS;  // a thread's SCAN_ITEMS consecutive tokens: gathers in flight
+    double w[SCAN_ITEMS];
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; ++k) w[k] = i0 + k < V ? g(i0 + k) : 0.0;
+    double own = 0.0;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; ++k) own += w[k];
+    double s = own;  // the threads' totals, scanned: warp, then the warps' totals
+    for (int o = 1; o < 32; o <<= 1) {
+        const double q = __shfl_up_sync(0xFFFFFFFFu, s, o);
+        if (lane >= o) s += q;
+    }
+    double excl = __shfl_up_sync(0xFFFFFFFFu, s, 1);  // the warp's sum before this thread
+    if (lane == 0) excl = 0.0;
+    if (lane == 31) red[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        double t = lane < nw ? red[lane] : 0.0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const double q = __shfl_up_sync(0xFFFFFFFFu, t, o);
+            if (lane >= o) t += q;
+        }
+        if (lane < nw) red[lane] = t;
+    }
+    __syncthreads();
+    double run = (warp ? red[warp - 1] : 0.0) + excl;
     double* W = wbuf + (long long)r * V;
     double* P = pbuf + (long long)r * V;
+#pragma unroll
+    for (int k = 0; k < SCAN_ITEMS; ++k)
+        if (i0 + k < V) {
+            run += w[k];
+            W[i0 + k] = w[k];
+            P[i0 + k] = run;
+        }
+    if (tid == 0) ptot[(long long)r * gridDim.x + span] = red[nw - 1];
+}
+
+// The first i in [lo, hi) where pred(i) holds, pred being false then true along [lo, hi); hi where it never holds.
+// A whole warp: 32 probes a round narrow the range 32-fold.
+template <class Pred>
+__device__ int warp_first(int lo, int hi, Pred pred) {
+    const int lane = threadIdx.x & 31;
+    while (hi - lo > 32) {
+        const int step = (hi - lo + 31) / 32;
+        const int p = min(lo + (lane + 1) * step - 1, hi - 1);  // the last place of lane's step
+        const unsigned t = __ballot_sync(0xFFFFFFFFu, pred(p));
+        if (t == 0) return hi;
+        const int j = __ffs(t) - 1;
+        const int pj = min(lo + (j + 1) * step - 1, hi - 1);
+        lo = j ? lo + j * step : lo;  // after the last probe that did not hold
+        hi = pj + 1;                   // pred(pj) holds: the answer is at most pj
+    }
+    const unsigned t = __ballot_sync(0xFFFFFFFFu, lo + lane < hi && pred(lo + lane));
+    return t ? lo + __ffs(t) - 1 : hi;
+}
+
+extern "C" __global__ void sample_scan_pick(
+    const int* rows, const int* order, int V, const double* y, const double* temp, const int* greedy,
+    const int* top_k, const double* top_p, const double* min_p, const double* rowinfo, const int* rownm,
+    const double* wbuf, const double* pbuf, const double* ptot, long long* token, float* logprob, int* status,
+    int* top_id, float* top_lp) {
+    __shared__ double off[TILE * 128 / SCAN_SPAN + 1];  // the spans' offsets (SAMPLE_MAX_VOCAB / SCAN_SPAN spans)
+    const int r = blockIdx.x, lane = threadIdx.x & 31, row = rows[r];
+    const int* ord = order + (long long)r * V;
     const bool gr = greedy[row] != 0;
     const double T = gr ? 1.0 : temp[row];
     const double zmax = rowinfo[row * 4], z_all = rowinfo[row * 4 + 1], lse = log(z_all);
-    ScanZ g{yr, ord, T, zmax};
+    const ScanZ g{y + (long long)row * V, ord, T, zmax};
     int idx = 0;
     if (!gr) {
-        double carry = 0.0;
-        const int span = SCAN_ITEMS * blockDim.x;
-        for (int c = 0; c < V; c += span) {  // P: inclusive prefix sums of w in canonical order, a span at a time
-            const int i0 = c + tid * SCAN_ITEMS;  // a thread's SCAN_ITEMS consecutive tokens: their gathers in flight
-            double w[SCAN_ITEMS];
-#pragma unroll
-            for (int k = 0; k < SCAN_ITEMS; ++k) w[k] = i0 + k < V ? g(i0 + k) : 0.0;
-            double own = 0.0;
-#pragma unroll
-            for (int k = 0; k < SCAN_ITEMS; ++k) own += w[k];
-            double s = own;  // the threads' totals, scanned: warp, then the warps' totals
-            for (int o = 1; o < 32; o <<= 1) {
-                const double q = __shfl_up_sync(0xFFFFFFFFu, s, o);
-                if (lane >= o) s += q;
+        const int nspan = (V + SCAN_SPAN - 1) / SCAN_SPAN;
+        if (lane == 0) {
+            double o = 0.0;
+            for (int c = 0; c < nspan; ++c) {
+                off[c] = o;
+                o += ptot[(long long)r * nspan + c];
             }
-            double excl = __shfl_up_sync(0xFFFFFFFFu, s, 1);  // the warp's sum before this thread
-            if (lane == 0) excl = 0.0;
-            if (lane == 31) red[warp] = s;
-            __syncthreads();
-            if (warp == 0) {
-                double t = lane < nw ? red[lane] : 0.0;
-                for (int o = 1; o < 32; o <<= 1) {
-                    const double q = __shfl_up_sync(0xFFFFFFFFu, t, o);
-                    if (lane >= o) t += q;
-                }
-                if (lane < nw) red[lane] = t;
-            }
-            __syncthreads();
-            double run = carry + ((warp ? red[warp - 1] : 0.0) + excl);
-#pragma unroll
-            for (int k = 0; k < SCAN_ITEMS; ++k)
-                if (i0 + k < V) {
-                    run += w[k];
-                    W[i0 + k] = w[k];
-                    P[i0 + k] = run;
-                }
-            carry += red[nw - 1];
-            __syncthreads();  // red is written again by the next span; P and W are visible to the block after it
         }
+        __syncwarp();
+        const double* W = wbuf + (long long)r * V;
+        const double* Pl = pbuf + (long long)r * V;
+        auto P = [&](int i) { return off[i / SCAN_SPAN] + Pl[i]; };
         const int nk = (top_k[row] > 0 && top_k[row] < V) ? top_k[row] : V;
-        const double zk = nk < V ? P[nk - 1] : z_all;
+        const double zk = nk < V ? P(nk - 1) : z_all;
         int np = V;
         if (top_p[row] < 1.0) {  // the first i < nk whose running sum before it reaches the threshold, else nk
             const double thr = top_p[row] * zk;
-            int first = 0x7FFFFFFF;
-            for (int i = tid; i < nk; i += blockDim.x)
-                if ((i ? P[i - 1] : 0.0) >= thr) { first = i; break; }
-            first = block_min_int(first, ired);
-            np = first < nk ? first : nk;
+            np = warp_first(0, nk, [&](int i) { return (i ? P(i - 1) : 0.0) >= thr; });
         }
         const int nm = min_p[row] > 0.0 ? rownm[row] : V;
         const int nkeep = min(nk, min(np, nm));
-        const double target = rowinfo[row * 4 + 3] * (nkeep > 0 ? P[nkeep - 1] : 0.0);
-        int first = 0x7FFFFFFF;  // the first i < nkeep whose running sum passes u * Z
-        for (int i = tid; i < nkeep; i += blockDim.x)
-            if (P[i] > target) { first = i; break; }
-        first = block_min_int(first, ired);
-        if (first == 0x7FFFFFFF) {  // none: the last token of positive weight
-            int last = -1;
-            for (int i = tid; i < nkeep; i += blockDim.x)
-                if (W[i] > 0.0) last = i;
-            first = block_max_int(last, ired);
-        }
-        idx = first;
+        const double target = rowinfo[row * 4 + 3] * (nkeep > 0 ? P(nkeep - 1) : 0.0);
+        idx = warp_first(0, nkeep, [&](int i) { return P(i) > target; });  // the draw's CDF step
+        if (idx == nkeep)  // none: the last token of positive weight
+            idx = warp_first(0, nkeep, [&](int i) { return !(W[i] > 0.0); }) - 1;
     }
-    if (tid != 0) return;
+    if (lane != 0) return;
     if (!gr) {
         token[row] = ord[idx];
         logprob[row] = (float)((g.z(idx) - zmax) - lse);

@@ -1350,6 +1350,35 @@ def test_cuda_sample_kept_buffers_carry_nothing_between_calls():
         assert np.array_equal(out.logprobs, first.logprobs) and out.top_logprobs == first.top_logprobs
 
 
+@pytest.mark.parametrize("v", [248_320, 20_000])
+def test_cuda_sample_fallback_scans_over_spans(v, monkeypatch):
+    """Rows whose draw lies past the certified prefix (flat logits, no top-k or one past the prefix) take the
+    fallback: their canonical orders, `sample_scan_parts` over spans of 8,192 tokens (31 and 3 here) and
+    `sample_scan_pick`'s searches. The reference's tokens, logprobs and alternatives for T 1 without filters, top-p
+    0.9, min-p with T 1.5, a top-k of 5,000, top-p with a top-k of 3,000 and a greedy row with alternatives, over
+    several draws; the fallback was taken."""
+    b = 6
+    rng = np.random.default_rng(v + 1)
+    params = [sampling.SamplingParams(temperature=1.0), sampling.SamplingParams(temperature=0.9, top_p=0.9),
+              sampling.SamplingParams(temperature=1.5, min_p=0.02), sampling.SamplingParams(top_k=5000),
+              sampling.SamplingParams(temperature=0.8, top_p=0.7, top_k=3000, logprobs=3),
+              sampling.SamplingParams(temperature=0.0, logprobs=5)]
+    orders = []
+    real = ex.canonical_orders
+    monkeypatch.setattr(ex, "canonical_orders", lambda z: orders.append(z.shape[0]) or real(z))
+    for trial in range(3):
+        logits = rng.standard_normal((b, v)).astype(np.float32)
+        rows = [sampling.SamplerRow(params[i], [], [], position=trial * b + i, seed=77 + i) for i in range(b)]
+        ref = sampling.sample(logits, rows)
+        got = ex.cuda_sample(cp.asarray(logits), rows)
+        assert np.array_equal(got.token_ids, ref.token_ids), (trial, got.token_ids, ref.token_ids)
+        for i, r in enumerate(rows):
+            if r.params.logprobs is not None:
+                assert abs(float(got.logprobs[i]) - float(ref.logprobs[i])) <= 1e-4 * max(1.0, abs(float(ref.logprobs[i])))
+                assert [t for t, _ in got.top_logprobs[i]] == [t for t, _ in ref.top_logprobs[i]], (trial, i)
+    assert orders and max(orders) >= 3, f"rows through the fallback: {orders}"
+
+
 @pytest.mark.parametrize("v", [248_320, 140_000])
 def test_cuda_sample_tiles_report_their_first_tokens_in_canonical_order(v):
     """sample_stats' candidates of rows with no top-k (every tile reports its first L tokens; vocabularies of 64+

@@ -90,6 +90,7 @@ inline unsigned __ballot_sync(unsigned, int p) {
   unsigned long long* buf = emu::warp_buf(); int l = emu::lane(); buf[l] = p ? 1 : 0; emu::sync_warp();
   unsigned r = 0; for (int i = 0; i < 32; i++) if (emu::lane_alive(i) && buf[i]) r |= 1u << i; emu::sync_warp(); return r; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 // redux.sync: the warp's maximum / minimum of an unsigned value (every lane gets it)
 inline unsigned emu_redux(unsigned v, bool max) {
   unsigned long long* buf = emu::warp_buf(); int l = emu::lane(); buf[l] = v; emu::sync_warp();

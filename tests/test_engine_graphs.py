@@ -45,7 +45,8 @@ class PoisoningGraphRunner:
     model: object
     plan: GraphPlan
     stats: dict = dataclasses.field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
-                                                             "failures": {}, "verify_steps": 0, "mtp_steps": 0})
+                                                             "failures": {}, "verify_steps": 0, "mtp_steps": 0,
+                                                             "mtp_kv_steps": 0})
     batches: int = 0
     buckets: tuple = (1, 2, 4, 8, 12)
 
@@ -75,6 +76,14 @@ class PoisoningGraphRunner:
         self.stats["mtp_steps"] += 1
         self._poison(kv, None)
         return out
+
+    def mtp_kv(self, batch, normed, kv):
+        """The KV-only pass's contract: the head's KV for every pair; then the pad page poisoned."""
+        assert all(s.state_slot is None for s in batch.seqs)
+        self.model.mtp_kv(batch, normed, kv)
+        self.stats["mtp_kv_steps"] += 1
+        self._poison(kv, None)
+        return True
 
     def _poison(self, kv, states) -> None:
         page = np.asarray([self.plan.pad_page], np.int64)
@@ -133,7 +142,7 @@ def test_numpy_engine_keeps_its_whole_pool():
     stats = e.snapshot_stats()
     assert stats["total_pages"] == 256
     assert stats["graphs"] == {"enabled": False, "graph_steps": 0, "verify_steps": 0, "mtp_steps": 0,
-                               "mtp_eager": 0, "checkpoint_bytes": 0,
+                               "mtp_kv_steps": 0, "mtp_eager": 0, "checkpoint_bytes": 0,
                                "eager_steps": 0, "captures": 0, "failures": 0,
                                "piecewise": False, "tail_replays": 0, "tail_captures": 0, "tail_failures": 0,
                                "tail_memory_bytes": 0, "product_chains": False, "chains": 0,
@@ -293,3 +302,35 @@ def test_speculation_through_graphs_keeps_the_tokens(fake_graphs):
     g = e.snapshot_stats()["graphs"]
     assert g["verify_steps"] > 0 and g["mtp_steps"] > 0, g
     assert 0 < e.stats.accepted_tokens < e.stats.drafted_tokens
+
+
+def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
+    """With the governor on and verified rows made to cost five steps by a fake timer, most steps withhold their
+    drafts; their MTP head's KV-only pass goes to the graph runner (`mtp_kv`), which poisons the pad page after
+    it; the tokens stay those without speculation."""
+    from decapybara.backend.numpy_backend import NumpyBackend
+    from decapybara.config import DEMO_MODEL
+    from decapybara.model.load import load_model
+
+    loaded = load_model(str(DEMO_MODEL), NumpyBackend())
+    tok = loaded.tokenizer
+    ps = [tok.encode(t) for t in ("def main():\n    print(", "import os\nimport sys\n\n\ndef ")]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)]
+    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=128, loop_guard="off")
+    ref = Engine(loaded.model, cfg.replace(cuda_graphs=False), tokenizer=tok).generate(ps, params)
+    e = Engine(loaded.model, cfg.replace(speculator="mtp", spec_min_confidence=0.0), tokenizer=tok)
+    assert e.runner.graphs is fake_graphs[-1]
+    now = [0.0]
+    e.timer = lambda: now[0]
+    run = e.runner.run
+
+    def costed(plan, normed=False):
+        now[0] += 0.010 + 0.050 * sum(c.draft is not None for c in plan.chunks)
+        return run(plan, normed=normed)
+
+    e.runner.run = costed
+    assert e.generate(ps, params) == ref
+    g = e.snapshot_stats()["graphs"]
+    assert e.stats.withheld_steps > 10 and g["mtp_kv_steps"] >= e.stats.withheld_steps - 2, (e.stats.withheld_steps, g)
+    assert g["mtp_steps"] > 0, g

@@ -158,7 +158,8 @@ class DecodeGraphRunner:
     chains: bool = False  # graphs' layer tails as persistent product chains (decapybara/backend/chain_tails.py)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                                                            "failures": {}, "chain_timeouts": 0,
-                                                           "verify_steps": 0, "mtp_steps": 0, "mtp_eager": 0})
+                                                           "verify_steps": 0, "mtp_steps": 0, "mtp_kv_steps": 0,
+                                                           "mtp_eager": 0})
     _graphs: dict[tuple, _Static] = field(default_factory=dict)  # (bucket, splits, rows); ("mtp", bucket, splits)
     _stream: Any = None
     _inv_freq: Any = None
@@ -374,12 +375,26 @@ class DecodeGraphRunner:
         verification graph's); None where the batch cannot replay one (the caller runs the head eagerly):
         a sequence of more than two pairs, more sequences than the largest bucket, pages past max_pages, or a
         capture that failed before."""
+        st = self._mtp_replay(batch, normed, kv, kv_only=False)
+        if st is None:
+            return None
+        guess, prob = st.outputs
+        return guess[:len(batch.seqs)], prob[:len(batch.seqs)]
+
+    def mtp_kv(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> bool:
+        """The head's KV-only pass (`QwenModel.mtp_kv`: a step whose drafts are withheld keeps the head's cache
+        whole) over `mtp`'s pairs through a graph of its own, the same KV pages written; False where the batch
+        cannot replay one (as `mtp`'s None: the caller runs it eagerly)."""
+        return self._mtp_replay(batch, normed, kv, kv_only=True) is not None
+
+    def _mtp_replay(self, batch: ForwardBatch, normed: Any, kv: KVCache, kv_only: bool) -> _Static | None:
+        """`mtp` / `mtp_kv`'s graph replayed over `batch`'s pairs (built and captured on first use), or None."""
         seqs = batch.seqs
         if not seqs or len(seqs) > max(self.buckets) or any(s.length > 2 for s in seqs) \
                 or not self._tables_fit(batch, 2):
             self.stats["mtp_eager"] += 1
             return None
-        key = ("mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=2))
+        key = ("mtpkv" if kv_only else "mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=2))
         if key in self.stats["failures"]:
             self.stats["mtp_eager"] += 1
             return None
@@ -391,15 +406,27 @@ class DecodeGraphRunner:
             if st.done is not None:
                 cp.cuda.get_current_stream().wait_event(st.done)
             st.hidden[cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(seqs)]))] = normed
-            self._launch(st, batch, lambda: self._mtp_step(st, kv))
+            self._launch(st, batch, lambda: self._mtp_kv_step(st, kv) if kv_only else self._mtp_step(st, kv))
         except Exception as e:  # noqa: BLE001 - a failed capture: this key runs eagerly from now on
             self.stats["failures"][key] = f"{type(e).__name__}: {e}"
             self._graphs.pop(key, None)
             self.stats["mtp_eager"] += 1
             return None
-        self.stats["mtp_steps"] += 1
-        guess, prob = st.outputs
-        return guess[:len(seqs)], prob[:len(seqs)]
+        self.stats["mtp_kv_steps" if kv_only else "mtp_steps"] += 1
+        return st
+
+    def _mtp_kv_step(self, st: _Static, kv: KVCache) -> tuple:
+        """The head's KV-only pass over the static buffers: its layers before the last on every pair row, then the
+        last layer's keys and values at the rows' page slots (a throwaway row's on the pad page)."""
+        model = self.model
+        self._seed_plans(st)
+        ids, positions = st.dev64[0], st.dev64[1]
+        cos, sin = self._cos_sin(positions)
+        last = model.cfg.mtp_num_hidden_layers - 1
+        h = model.mtp_layers(embedding_rows(model.w["model.embed_tokens.weight"], ids), st.hidden, st.batch, kv,
+                             cos, sin, layers=last)
+        model.mtp_kv_tail(h, st.batch, kv, cos, sin, st.dev64[2])
+        return ()
 
     def _mtp_step(self, st: _Static, kv: KVCache) -> tuple[Any, Any]:
         """The MTP head over the static buffers: its layers on every pair row, its logits at each sequence's last

@@ -14,6 +14,7 @@ float32 state at its store points), "float" is the fast variant.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from decapybara.backend.base import DeltaNetParams, DeltaNetSegment
 from decapybara.backend.cupy_kv import CupyStatePool
 from decapybara.backend.cupy_ops import F32, I32, I64, THREADS, empty, f32, f32_any, grid_for
 from decapybara.backend.deltanet_plan import CHUNK, RunGroups, chunk_table, group_runs, split_runs
-from decapybara.kernels import get_kernel
+from decapybara.kernels import KERNEL_DIR, get_kernel
 from decapybara.model.config import ModelConfig
 
 CONV_TOKENS = 16  # tokens per thread of conv1d_silu_runs (decapybara/kernels/deltanet_prefill.cu)
@@ -69,6 +70,12 @@ FUSED_PREFILL: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_
 CHUNKED: dict[str, Any] = {"enabled": os.environ.get("DECAPYBARA_DELTANET_CHUNKED", "1") != "0",
                            "min_len": int(os.environ.get("DECAPYBARA_DELTANET_CHUNKED_MIN", "256")),
                            "warps": None, "wq_bufs": 2, "defines": {}}
+
+
+@functools.cache
+def _has_multi(source: str) -> bool:
+    """Whether kernel file `source` (decapybara/kernels/<source>.cu) has gdn_decode's multi-row build."""
+    return "DEC_MULTI" in (KERNEL_DIR / f"{source}.cu").read_text()
 
 
 def decode_ctas_per_sm(dk: int, vcols: int, acc: str) -> int:
@@ -268,9 +275,14 @@ def deltanet_core(states: CupyStatePool, layer: int, mixed_qkv: Any, a: Any, b: 
     assert dv % vcols == 0 and dv >= 8 and dk % 4 == 0, f"DeltaNet head dims dk={dk}, dv={dv}"
     ldx = I64(x.strides[0] // 4)
     decode = plan.max_len == 1 and FUSED_DECODE["enabled"]
-    # (runs shorter than CHUNK: the reference's chunk store points never fall inside one)
-    multi = FUSED_DECODE["enabled"] and 1 < plan.max_len <= min(MULTI_DECODE["max_rows"], CHUNK - 1)
-    src, fin_defines = FUSED_DECODE["source"], defines + tuple(FUSED_DECODE["defines"].items())
+    # (runs shorter than CHUNK: the reference's chunk store points never fall inside one; a kernel file that has
+    # the build: a benchmark's older file may not)
+    src = FUSED_DECODE["source"]
+    multi = (FUSED_DECODE["enabled"] and 1 < plan.max_len <= min(MULTI_DECODE["max_rows"], CHUNK - 1)
+             and _has_multi(src))
+    # (the multi-row build keeps its state in registers: no DEC_SMEM_S, whatever FUSED_DECODE's defines say)
+    fin_defines = defines + tuple((k, v) for k, v in FUSED_DECODE["defines"].items()
+                                  if not (multi and k == "DEC_SMEM_S"))
     if decode or multi:  # conv, norms, gates and the steps in one launch
         knobs = MULTI_DECODE if multi else FUSED_DECODE
         work = t if multi else plan.num_runs  # rows, each a step of the recurrence

@@ -1643,13 +1643,12 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
         t_eff = cp.asarray(np.where(greedy[redo] > 0, 1.0, temp[redo]))[:, None]
         order = canonical_orders(y[cp.asarray(redo)] / t_eff + 0.0)
         wbuf, pbuf = empty((redo.size, v), cp.float64), empty((redo.size, v), cp.float64)
-        spans = -(-v // SAMPLE_SCAN_SPAN)
-        ptot, redo_d = empty((redo.size, spans), cp.float64), cp.asarray(redo.astype(np.int32))
-        k("sample_scan_parts")((spans, redo.size), (SAMPLE_TILE // 2,),
-                               (redo_d, order, I32(v), y, io["temp"], io["greedy"], info, wbuf, pbuf, ptot))
+        redo_d = cp.asarray(redo.astype(np.int32))
+        k("sample_scan_parts")((-(-v // SAMPLE_SCAN_SPAN), redo.size), (SAMPLE_TILE // 2,),
+                               (redo_d, order, I32(v), y, io["temp"], io["greedy"], info, wbuf, pbuf))
         k("sample_scan_pick")((redo.size,), (32,),
                               (redo_d, order, I32(v), y, io["temp"], io["greedy"], io["top_k"], io["top_p"],
-                               io["min_p"], info, nm, wbuf, pbuf, ptot, token, logprob, status, top_id, top_lp))
+                               io["min_p"], info, nm, wbuf, pbuf, token, logprob, status, top_id, top_lp))
         host = work.results()
     tokens, lps = host["token"], host["logprob"]
     out_lp = np.where([p.logprobs is not None for p in ps], lps, np.nan).astype(np.float32)
@@ -1662,7 +1661,8 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
 
 
 def canonical_orders(z: Any) -> Any:
-    """Each row's canonical order of z [R, V] float64 (no -0.0): token ids by z descending, ties by ascending id,
+    """Each row's canonical order of z [R, V] float64: token ids by z descending, ties (zeros of either sign too) by
+    ascending id,
     int32 [R, V] (`sampling.canonical_order`'s, as a stable argsort of -z along the rows). Several rows take two
     1-D stable sorts, every row's values at once and then the rows by row index (each row's tokens keep their
     order), where an argsort along the rows sorts (row, value) pairs by comparison: 12 rows of 248,320 in 0.76 ms

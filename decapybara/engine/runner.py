@@ -197,8 +197,11 @@ class ModelRunner:
 
     def mtp_kv(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, normed: Any) -> None:
         """The MTP head's keys and values over the pairs of `mtp`'s arguments, without its guesses
-        (`QwenModel.mtp_kv`, eagerly): a step after which no draft is verified keeps the head's cache whole."""
+        (`QwenModel.mtp_kv`; through the graph runner's KV-only graphs where they take the pairs, else eagerly): a
+        step after which no draft is verified keeps the head's cache whole."""
         batch, hidden = self._pairs(entries, normed_rows, normed)
+        if self.graphs is not None and self.graphs.mtp_kv(batch, hidden, self.kv):
+            return
         self.model.mtp_kv(batch, hidden, self.kv)
 
     def _pairs(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray,
@@ -253,7 +256,7 @@ class ModelRunner:
         ckpt = getattr(self.graphs, "checkpoint_bytes", None)
         return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
                 "verify_steps": s.get("verify_steps", 0), "mtp_steps": s.get("mtp_steps", 0),
-                "mtp_eager": s.get("mtp_eager", 0), "checkpoint_bytes": ckpt() if ckpt is not None else 0,
+                "mtp_kv_steps": s.get("mtp_kv_steps", 0), "mtp_eager": s.get("mtp_eager", 0), "checkpoint_bytes": ckpt() if ckpt is not None else 0,
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
                 "failures": len(s.get("failures", {})), "piecewise": tails is not None,
                 "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),

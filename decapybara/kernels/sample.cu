@@ -557,16 +557,19 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_final(
 // Fallback for rows whose decision lies past the certified prefix, `order` being each such row's full canonical
 // order (a stable argsort of -z): the reference's sequential running sums become a prefix scan in canonical order,
 // P[i] = w(0) + ... + w(i), in two launches. sample_scan_parts, a block a (span of SCAN_SPAN tokens, row): the
-// span's weights (wbuf) and inclusive prefix sums from the span's start (pbuf), and its total (ptot[r, span]).
-// sample_scan_pick, a warp a row: the spans' offsets (their totals summed in span order), then P[i] = offset of
-// i's span + pbuf[i], which never decreases along the order (weights are non-negative; the offset of span s + 1 is
-// the last P of span s), as the weights never increase (z descending). So each of the reference's "first index
-// where" loops (the top-p cut, the draw's CDF step, the last token of positive weight) is a search over a monotone
-// predicate, 32 probes a round (`warp_first`). The same decision as `decide` over the whole row, but where u * Z
-// (or the top-p threshold) lies within a few ulps of a running sum, whose bits the scan's order can change.
+// span's weights (wbuf) and inclusive prefix sums from the span's start (pbuf). sample_scan_pick, a warp a row:
+// the spans' offsets (off[s + 1] = off[s] + the last of span s's sums, so that the first P of a span is the last P
+// of the span before plus its weight), then P[i] = offset of i's span + pbuf[i]. P does not decrease along the
+// order (weights are non-negative), but by rounding where a thread's sums start from the block's tree of totals
+// rather than from the sum before it: a dip of an ulp where a weight is below an ulp of its running sum, that is
+// in the row's far tail, where no draw lands (u < 1); and the weights never increase (z descending). So each of
+// the reference's "first index where" loops (the top-p cut, the draw's CDF step, the last token of positive
+// weight) is a search over a monotone predicate, 32 probes a round (`warp_first`). The same decision as `decide`
+// over the whole row, but where u * Z (or the top-p threshold) lies within a few ulps of a running sum, whose bits
+// the scan's order can change.
 extern "C" __global__ void __launch_bounds__(TILE / 2) sample_scan_parts(
     const int* rows, const int* order, int V, const double* y, const double* temp, const int* greedy,
-    const double* rowinfo, double* wbuf, double* pbuf, double* ptot) {
+    const double* rowinfo, double* wbuf, double* pbuf) {
     __shared__ double red[32];
     const int r = blockIdx.y, span = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = (int)(blockDim.x >> 5), row = rows[r];
@@ -608,7 +611,6 @@ extern "C" __global__ void __launch_bounds__(TILE / 2) sample_scan_parts(
             W[i0 + k] = w[k];
             P[i0 + k] = run;
         }
-    if (tid == 0) ptot[(long long)r * gridDim.x + span] = red[nw - 1];
 }
 
 // The first i in [lo, hi) where pred(i) holds, pred being false then true along [lo, hi); hi where it never holds.
@@ -633,8 +635,8 @@ __device__ int warp_first(int lo, int hi, Pred pred) {
 extern "C" __global__ void sample_scan_pick(
     const int* rows, const int* order, int V, const double* y, const double* temp, const int* greedy,
     const int* top_k, const double* top_p, const double* min_p, const double* rowinfo, const int* rownm,
-    const double* wbuf, const double* pbuf, const double* ptot, long long* token, float* logprob, int* status,
-    int* top_id, float* top_lp) {
+    const double* wbuf, const double* pbuf, long long* token, float* logprob, int* status, int* top_id,
+    float* top_lp) {
     __shared__ double off[TILE * 128 / SCAN_SPAN + 1];  // the spans' offsets (SAMPLE_MAX_VOCAB / SCAN_SPAN spans)
     const int r = blockIdx.x, lane = threadIdx.x & 31, row = rows[r];
     const int* ord = order + (long long)r * V;
@@ -649,7 +651,7 @@ extern "C" __global__ void sample_scan_pick(
             double o = 0.0;
             for (int c = 0; c < nspan; ++c) {
                 off[c] = o;
-                o += ptot[(long long)r * nspan + c];
+                o += pbuf[(long long)r * V + min((c + 1) * SCAN_SPAN, V) - 1];  // the span's last sum
             }
         }
         __syncwarp();

@@ -253,13 +253,20 @@ class QwenModel:
         without what only its guesses need: its last layer's attention, MLP, final norm and lm_head (of a
         one-layer head, all but the fc and one input product). Keeps the head's cache whole over steps that
         draft nothing, so that its later guesses attend to every position."""
+        ops = self.backend
+        last = self.cfg.mtp_num_hidden_layers - 1
+        h, cos, sin = self._mtp_trunk(batch, normed, kv, layers=last)
+        self.mtp_kv_tail(h, batch, kv, cos, sin, ops.from_host(batch.slot_mapping))
+
+    def mtp_kv_tail(self, h: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any, slots: Any) -> None:
+        """`mtp_kv` after the head's layers before its last (their residual stream h [T, H]): the last layer's keys
+        and values written at page slots `slots` (device [T]); shared with the CUDA graphs' KV-only pass."""
         cfg, ops, w = self.cfg, self.backend, self.w
         last = cfg.mtp_num_hidden_layers - 1
-        h, cos, sin = self._mtp_trunk(batch, normed, kv, layers=last)
         p = f"mtp.layers.{last}"
         x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         _q, k, v, _gate = self._qkv(p, self._attention_inputs(p, x), cos, sin)
-        kv.write(("mtp", last), ops.from_host(batch.slot_mapping), k, v)
+        kv.write(("mtp", last), slots, k, v)
 
     def mtp_logits(self, h: Any) -> Any:
         """The MTP head's logits [R, vocab] of its residual rows h [R, H] (its final norm, then lm_head)."""

@@ -256,7 +256,8 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
     accepted draft's two): its guesses and probabilities at each sequence's last pair and the head's KV pages
     equal the eager `mtp_forward`'s, with NaN in the pad page before every replay and block tables ending at the
     last pair (a one-pair sequence at a page's end: its throwaway row's key on the pad page); a sequence of more
-    pairs (after a prompt chunk) runs eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages."""
+    pairs (after a prompt chunk) runs eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages, eagerly
+    and through its own graphs (`DecodeGraphRunner.mtp_kv`)."""
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1, **over})
     model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=8, std=0.2))
@@ -291,9 +292,15 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
         assert np.array_equal(guess, ref_guess), f"step {step}: guesses {guess} vs {ref_guess}"
         assert rel_err(prob, ref_prob) <= 1e-4, f"step {step}: probabilities"
         compare_state(kv, states, after, f"step {step}")
+        restore(kv, states, before)
+        poison_pad(kv, None, num_pages - 1, None)
+        assert runner.mtp_kv(batch, hidden, kv)  # the KV-only pass through its own graph
+        assert runner.stats["mtp_kv_steps"] == step + 1, runner.stats
+        compare_state(kv, states, after, f"step {step}, the KV-only graph")
     long = ForwardBatch.build([(list(range(3)), len(seqs[0][0]) - 1, seqs[0][2], None)], page, logits="none")
     assert runner.mtp(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv) is None
-    assert runner.stats["mtp_eager"] == 1 and not runner.stats["failures"]
+    assert not runner.mtp_kv(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv)
+    assert runner.stats["mtp_eager"] == 2 and not runner.stats["failures"]
 
 
 def test_decode_graph_runs_prefill_eagerly():

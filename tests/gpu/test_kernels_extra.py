@@ -1220,13 +1220,13 @@ def test_cuda_sample_same_tokens_as_numpy(v, b, trials):
 def test_canonical_orders_are_the_stable_argsort_of_each_row(r, v):
     """The fallback's canonical orders (`canonical_orders`: two 1-D stable sorts where there are several rows) are
     np.argsort(-z, kind="stable") of each row: many exact ties (within a row and across rows), zeros of both signs
-    made +0.0 as the sampler makes them, -inf (masked tokens), rows of equal values."""
+    (which tie, as they compare), -inf (masked tokens), rows of equal values."""
     rng = np.random.default_rng(r * v)
     z = rng.integers(-4, 4, (r, v)).astype(np.float64) / 3.0
     z[:, rng.integers(0, v, max(1, v // 7))] = -np.inf
     z[0, :3] = -0.0
+    z[0, 3:6] = 0.0
     z[-1] = 0.5
-    z += 0.0
     got = cp.asnumpy(ex.canonical_orders(cp.asarray(z)))
     assert got.dtype == np.int32 and got.shape == (r, v)
     for i in range(r):

@@ -84,8 +84,8 @@ def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
 
 
 def test_gpu_governor_withholds_through_graphs_and_keeps_the_tokens():
-    """`spec_adaptive` on the cupy backend with graphs: steps whose drafts are withheld replay decode graphs and run
-    the head's KV-only pass (eagerly), the others verification graphs and the head's graph; a step that captured a
+    """`spec_adaptive` on the cupy backend with graphs: steps whose drafts are withheld replay decode graphs and the
+    head's KV-only graphs, the others verification graphs and the head's graph; a step that captured a
     graph (or followed a head pass that did) is never measured; verified rows made to cost five steps by a fake
     timer are withheld; the tokens are those without speculation."""
     gpu = loaded("cupy")
@@ -116,5 +116,6 @@ def test_gpu_governor_withholds_through_graphs_and_keeps_the_tokens():
     s = e.governor.summary()
     print("governor:", s, "withheld", e.stats.withheld_steps, "graphs", g)
     assert g["verify_steps"] > 0 and g["graph_steps"] > g["verify_steps"] and g["mtp_steps"] > 0, g
+    assert g["mtp_kv_steps"] > 0 and not g["failures"], g
     assert s["2"]["verify"] == 0.0 and e.stats.withheld_steps > 20, s
     assert captured and g["captures"] >= 3  # decode, verification and MTP graphs captured, none in a measure

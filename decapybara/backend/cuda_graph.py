@@ -20,8 +20,9 @@ replay graphs of their own, keyed by two rows a sequence: sequence i holds rows 
 length in the batch. A sequence of one token gets a throwaway second row, whose KV goes to the pad page,
 whose DeltaNet step runs on the pad slot and whose outputs nobody reads; attention takes every sequence as two
 tokens (the throwaway row attends over the sequence's own keys and one stale key, never read back). The
-attention is the tensor-core prefill kernel's (the general kernel's over float32 pages), the DeltaNet the
-recurrent kernel's over runs of one or two rows. A draft's rollback point (the state after the real token, asked
+attention is two passes of the decode kernel where it takes the pages, else the tensor-core prefill kernel's (the
+general kernel's over float32 pages); the DeltaNet is the decode kernel's multi-row build over runs of none to two
+rows (cupy_deltanet MULTI_DECODE). A draft's rollback point (the state after the real token, asked
 for as `snapshot_at` total - 1) is written by the DeltaNet kernels into checkpoint buffers of the runner's
 (`_checkpoints`: one state a bucket row, allocated at the first verification graph) and handed back as device
 views (`ForwardBatch.device_snapshots`, valid until the next verification replay) or host copies.

@@ -46,7 +46,9 @@ DECODE_MAX_RUNS = 32  # gdn_decode's DEC_MAXRUNS: runs a CTA takes at most
 # the state held in registers, one read and one write of it a run (a snapshot's on top), and the same bits as the
 # general path's three launches (conv1d_silu_gates, gdn_recurrent, gdn_finish), whose gdn_recurrent reads and
 # writes the state in registers too but stages its inputs through two more launches; "vcols" / "runs" as
-# FUSED_DECODE's (None: `decode_vcols` / `decode_runs_per_cta` over the plan's rows). 0 "max_rows": off.
+# FUSED_DECODE's (None: `decode_vcols` over the forward's rows, `decode_runs_per_cta` over its runs). 0 "max_rows":
+# off. Measured (H100, 27B shape, us a layer; docs/perf.md, fifty-sixth session): 2 rows a run, 1 / 4 / 12 runs
+# 11.9 / 24.7 / 63.0 against the three launches' 14.2 / 33.0 / 106.5.
 MULTI_DECODE: dict[str, Any] = {"max_rows": int(os.environ.get("DECAPYBARA_DELTANET_MULTI_ROWS", "8")),
                                 "vcols": None, "runs": None}
 # other forwards' gdn_recurrent: "tokens" a block of inputs staged in shared memory at once (GDN_TOKENS)

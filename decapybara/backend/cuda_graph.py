@@ -416,29 +416,28 @@ class DecodeGraphRunner:
         self.stats["mtp_kv_steps" if kv_only else "mtp_steps"] += 1
         return st
 
-    def _mtp_kv_step(self, st: _Static, kv: KVCache) -> tuple:
-        """The head's KV-only pass over the static buffers: its layers before the last on every pair row, then the
-        last layer's keys and values at the rows' page slots (a throwaway row's on the pad page)."""
+    def _mtp_head(self, st: _Static, kv: KVCache, layers: int | None = None) -> tuple[Any, Any, Any]:
+        """(the head's residual stream after its first `layers` layers (default all) on every pair row, cos, sin)
+        over the static buffers."""
         model = self.model
         self._seed_plans(st)
-        ids, positions = st.dev64[0], st.dev64[1]
-        cos, sin = self._cos_sin(positions)
-        last = model.cfg.mtp_num_hidden_layers - 1
-        h = model.mtp_layers(embedding_rows(model.w["model.embed_tokens.weight"], ids), st.hidden, st.batch, kv,
-                             cos, sin, layers=last)
-        model.mtp_kv_tail(h, st.batch, kv, cos, sin, st.dev64[2])
+        cos, sin = self._cos_sin(st.dev64[1])
+        h = model.mtp_layers(embedding_rows(model.w["model.embed_tokens.weight"], st.dev64[0]), st.hidden, st.batch,
+                             kv, cos, sin, layers=layers)
+        return h, cos, sin
+
+    def _mtp_kv_step(self, st: _Static, kv: KVCache) -> tuple:
+        """The head's KV-only pass over the static buffers: its layers before the last, then the last layer's keys
+        and values at the rows' page slots (a throwaway row's on the pad page)."""
+        h, cos, sin = self._mtp_head(st, kv, layers=self.model.cfg.mtp_num_hidden_layers - 1)
+        self.model.mtp_kv_tail(h, st.batch, kv, cos, sin, st.dev64[2])
         return ()
 
     def _mtp_step(self, st: _Static, kv: KVCache) -> tuple[Any, Any]:
         """The MTP head over the static buffers: its layers on every pair row, its logits at each sequence's last
         pair (`last`), their greedy guesses and probabilities."""
-        model = self.model
-        self._seed_plans(st)
-        ids, positions = st.dev64[0], st.dev64[1]
-        cos, sin = self._cos_sin(positions)
-        h = model.mtp_layers(embedding_rows(model.w["model.embed_tokens.weight"], ids), st.hidden, st.batch, kv,
-                             cos, sin)
-        return model.backend.argmax_prob(model.mtp_logits(h[st.d32("last")]))
+        h, _, _ = self._mtp_head(st, kv)
+        return self.model.backend.argmax_prob(self.model.mtp_logits(h[st.d32("last")]))
 
     def _cos_sin(self, positions: Any) -> tuple[Any, Any]:
         """RoPE's cos and sin [R, rot / 2] at device positions [R] (QwenModel.rotary's, scaled alike)."""

@@ -251,7 +251,7 @@ class CupyBackend(Backend):
     def argmax_prob(self, logits: Any) -> tuple[Any, Any]:
         """Two launches (decapybara/kernels/sample.cu `guess_partial` / `guess_finish`, `cupy_ops_extra.guesses`)
         where CuPy's argmax, the gather, the exponentials and their sum took several and a slow reduction."""
-        if logits.dtype != cp.float32 or logits.ndim != 2 or logits.strides[1] != 4:
+        if not cupy_ops_extra.guesses_take(logits):
             return super().argmax_prob(logits)
         return cupy_ops_extra.guesses(logits)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import cupy as cp
+import cupyx
 import numpy as np
 
 from decapybara.backend import cupy_ops, pdl
@@ -1448,11 +1449,16 @@ def philox_uniforms(seeds: Any, positions: Any, stream: int = 0) -> np.ndarray:
     return cp.asnumpy(out).reshape(s.shape)
 
 
+def guesses_take(logits: Any) -> bool:
+    """Whether `guesses` takes these logits: float32 [R, V], rows of unit stride."""
+    return logits.dtype == cp.float32 and logits.ndim == 2 and logits.strides[1] == 4
+
+
 def guesses(logits: Any) -> tuple[Any, Any]:
     """(the lowest id of each row's maximum [R] int64, its softmax probability [R] float32) of float32 logits
     [R, V] (rows of unit stride), in two launches: a block per (row, SAMPLE_TILE tokens), then a warp per row.
     The probability is 1 / sum(exp(x - max)) in float32, summed by chunks; NaN logits read as -inf."""
-    if logits.dtype != cp.float32 or logits.ndim != 2 or logits.strides[1] != 4:
+    if not guesses_take(logits):
         raise ValueError(f"logits must be float32 [R, V] rows of unit stride, got {logits.dtype} {logits.shape}")
     r, v = logits.shape
     nchunk = max(1, -(-v // SAMPLE_TILE))
@@ -1508,8 +1514,6 @@ class _SampleWork:
         io = [(name, dt, (b,)) for name, dt in SAMPLE_IO]
         sizes = np.array([b * np.dtype(dt).itemsize for _, dt in SAMPLE_IO])
         ends = np.cumsum(sizes)  # each array's end in the buffer
-        import cupyx
-
         self.host_buf = cupyx.empty_pinned(int(ends[-1]), np.uint8)  # pinned: the copy over is asynchronous
         self.host_buf[:] = 0
         self.dev_buf = cp.zeros(int(ends[-1]), cp.uint8)
@@ -1661,12 +1665,11 @@ def cuda_sample(logits: Any, rows: Any, *, eos_token_ids: Any = ()) -> Any:
 
 
 def canonical_orders(z: Any) -> Any:
-    """Each row's canonical order of z [R, V] float64: token ids by z descending, ties (zeros of either sign too) by
-    ascending id,
-    int32 [R, V] (`sampling.canonical_order`'s, as a stable argsort of -z along the rows). Several rows take two
-    1-D stable sorts, every row's values at once and then the rows by row index (each row's tokens keep their
-    order), where an argsort along the rows sorts (row, value) pairs by comparison: 12 rows of 248,320 in 0.76 ms
-    against 1.15 on an H100, level at 1 and 4 rows (docs/perf.md, fifty-sixth session)."""
+    """Each row's canonical order of z [R, V] float64, int32 [R, V]: token ids by z descending, ties (zeros of
+    either sign too) by ascending id (`sampling.canonical_order`'s, as a stable argsort of -z along the rows).
+    Several rows take two 1-D stable sorts, every row's values at once and then the rows by row index (each row's
+    tokens keep their order), where an argsort along the rows sorts (row, value) pairs by comparison: 12 rows of
+    248,320 in 0.76 ms against 1.15 on an H100, level at 1 and 4 rows (docs/perf.md, fifty-sixth session)."""
     r, v = z.shape
     neg = -z + 0.0  # -0.0 -> +0.0: zeros tie, as they compare
     if r == 1:

@@ -256,7 +256,8 @@ class ModelRunner:
         ckpt = getattr(self.graphs, "checkpoint_bytes", None)
         return {"enabled": self.graphs is not None, "graph_steps": s.get("graph_steps", 0),
                 "verify_steps": s.get("verify_steps", 0), "mtp_steps": s.get("mtp_steps", 0),
-                "mtp_kv_steps": s.get("mtp_kv_steps", 0), "mtp_eager": s.get("mtp_eager", 0), "checkpoint_bytes": ckpt() if ckpt is not None else 0,
+                "mtp_kv_steps": s.get("mtp_kv_steps", 0), "mtp_eager": s.get("mtp_eager", 0),
+                "checkpoint_bytes": ckpt() if ckpt is not None else 0,
                 "eager_steps": s.get("eager_steps", 0), "captures": s.get("captures", 0),
                 "failures": len(s.get("failures", {})), "piecewise": tails is not None,
                 "tail_replays": t.get("tail_replays", 0), "tail_captures": t.get("captures", 0),

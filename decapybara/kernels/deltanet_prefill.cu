@@ -467,9 +467,9 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   static_assert(!DEC_MULTI || DEC_MAXRUNS <= 32, "one warp lists a CTA's runs");
   __shared__ float qs[KSPLIT * KPAD], ks[KSPLIT * KPAD];
   __shared__ float raw[2 * DK];
-  // each of this CTA's runs: first row, state slot, snapshot index (its one segment's); DEC_MULTI: first row, state
-  // slot, rows, first segment, segments, the runs of no rows left out
-  __shared__ int meta[DEC_MAXRUNS][DEC_MULTI ? 5 : 3];
+  // each of this CTA's runs: first row, state slot, rows, then its one segment's snapshot index (one-row build) or
+  // its first segment (DEC_MULTI, whose runs of no rows are left out)
+  __shared__ int meta[DEC_MAXRUNS][4];
   __shared__ int live_runs;
   extern __shared__ __align__(16) float sst[];  // KSPLIT * SPART floats (dynamic: cupy_deltanet.decode_smem_bytes):
                                                 // a run's state slice, row part * ROWS + j, column c at
@@ -490,9 +490,8 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
         int* mt = meta[__popc(m & ((1u << lane) - 1u))];
         mt[0] = run[0];
         mt[1] = run[2];
-        mt[DEC_MULTI ? 2 : 0] = run[1];
-        mt[DEC_MULTI ? 3 : 0] = run[3];
-        mt[DEC_MULTI ? 4 : 0] = run[4];
+        mt[2] = run[1];
+        mt[3] = run[3];
       }
       if (lane == 0) live_runs = __popc(m);
     }
@@ -501,7 +500,8 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
       const int* run = runs + 5 * (r0 + i);
       meta[i][0] = run[0];
       meta[i][1] = run[2];
-      meta[i][2] = segs[2 * run[3] + 1];  // the run's one segment ends at its row: snapshot or -1
+      meta[i][2] = 1;
+      meta[i][3] = segs[2 * run[3] + 1];  // the run's one segment ends at its row: snapshot or -1
     }
   }
   // per CTA: the conv weights of its channels, A and dt of its head
@@ -559,11 +559,10 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
   pdl_begin();  // overlapped launch (pdl.cuh)
   if (nr > 0) fetch_x(meta[0][0], cx);
   for (int i = 0; i < nr; ++i) {
-    const int row0 = meta[i][0], slot = meta[i][1];
-    const int len = DEC_MULTI ? meta[i][DEC_MULTI ? 2 : 0] : 1;
+    const int row0 = meta[i][0], slot = meta[i][1], len = DEC_MULTI ? meta[i][2] : 1;
     // the segment the run's token t is in: its end (rows from the run start) and snapshot index
-    int seg = DEC_MULTI ? meta[i][DEC_MULTI ? 3 : 0] : 0;
-    int seg_end = DEC_MULTI ? segs[2 * seg] : 1, snap = DEC_MULTI ? segs[2 * seg + 1] : meta[i][2];
+    int seg = DEC_MULTI ? meta[i][3] : 0;
+    int seg_end = DEC_MULTI ? segs[2 * seg] : 1, snap = DEC_MULTI ? segs[2 * seg + 1] : meta[i][3];
 #if DEC_SMEM_S
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();  // run i's state slice; every thread done with run i - 1's (buffer (i + 1) & 1)

@@ -14,6 +14,9 @@ OVERLAP_KV's mode, e.g. "6/4"), then for each setting captures fresh decode grap
 
 Prints step ms, tok/s and the ratio to the first setting per shape. OVERLAP_TUNES names `cupy_ops_extra.TUNE`
 overrides timed under each setting (graphs captured afresh for each), OVERLAP_ROUNDS repeats the sequence.
+OVERLAP_STEP times another graph step in place of the decode step: "verify" (a speculative verification step,
+each sequence's token and a draft: `gpu.verify_batch`), "mtp" (the MTP head's pass, a pair a sequence; needs
+BENCH_MTP=1), e.g. with '{"one": {}, "two": {"attention": {"verify_one_pass": 0}}}'.
 """
 
 from __future__ import annotations
@@ -61,6 +64,17 @@ if os.environ.get("OVERLAP_SETTINGS"):  # e.g. "before,pdl"
 # '{"": {}, "chains": {"chains": true}, "chains 1 build": {"chains": true, "row1_fill": 0}}'
 TUNES: dict[str, dict] = json.loads(os.environ.get("OVERLAP_TUNES", '{"": {}}'))
 ROUNDS = int(os.environ.get("OVERLAP_ROUNDS", "1"))
+STEP = os.environ.get("OVERLAP_STEP", "decode")
+assert STEP in ("decode", "verify", "mtp"), f"OVERLAP_STEP {STEP}: decode, verify or mtp"
+
+
+def timed_step(runner: Any, kv: Any, states: Any, b: int, ctx: int) -> float:
+    """Median seconds of OVERLAP_STEP's graph step at b sequences x ctx keys (synchronised as an engine step)."""
+    if STEP == "mtp":
+        pairs, hidden = B.mtp_pairs(b, ctx)
+        return B.median_time(lambda: runner.mtp(pairs, hidden, kv), 10, warmup=3)
+    batch = B.verify_batch(b, ctx) if STEP == "verify" else B.decode_batch(b, ctx)
+    return B.median_time(lambda: runner.forward(batch, kv, states), 10, warmup=3)
 
 
 def without_hint(fn: Any) -> Any:
@@ -104,10 +118,9 @@ def main() -> None:
         runner = DecodeGraphRunner(model, max_pages=B.SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=B.SLOTS,
                                    chains=chains)
         for b, ctx in SHAPES:
-            batch = B.decode_batch(b, ctx)
-            t = B.median_time(lambda batch=batch, r=runner: r.forward(batch, kv, states), 10, warmup=3)
-            res.setdefault(name, {})[f"{b}x{ctx}"] = t * 1e3
+            res.setdefault(name, {})[f"{b}x{ctx}"] = timed_step(runner, kv, states, b, ctx) * 1e3
         print(name, {k: round(v, 3) for k, v in res[name].items()}, "graph steps:", runner.stats["graph_steps"],
+              "verify steps:", runner.stats["verify_steps"], "mtp steps:", runner.stats["mtp_steps"],
               "failures:", runner.stats["failures"], *(("chains:", runner.chain_stats(),
                                                         "timed out:", any(st.chains.timed_out() for st in
                                                                           runner._graphs.values() if st.chains))
@@ -125,7 +138,7 @@ def main() -> None:
     cb.CupyBackend.moe_takes_product_rows = base_moe_norm
     ct.CHAIN.update(base_chain)
     first = next(iter(res))
-    print(f"\n{variant}, graph decode steps (ms; tok/s; x vs {first})")
+    print(f"\n{variant}, graph {STEP} steps (ms; tok/s; x vs {first})")
     def cell(row: dict[str, float], b: int, c: int) -> str:
         ms = row[f"{b}x{c}"]
         return f"{ms:7.2f} {b / ms * 1e3:7.1f} {res[first][f'{b}x{c}'] / ms:6.3f}x"

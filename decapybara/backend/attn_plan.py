@@ -25,11 +25,15 @@ MIN_KEYS_PER_SPLIT = 64  # general kernel: short decode contexts still spread ov
 # decode rows of a mixed step (sequences of one new token beside chunks) run the decode kernel too, planned as a
 # pure decode batch of them, rather than 128-row CTAs of the prefill kernel (env DECAPYBARA_DECODE_MIXED=0: off);
 # "gate" 1: a pure decode plan's qwen3_5 output gate in the decode kernel's final items and attention_reduce
-# (cupy_attention `gate_fuses`), 0: in a launch of its own after them
+# (cupy_attention `gate_fuses`), 0: in a launch of its own after them; "verify_one_pass" 1: a verification
+# graph's two tokens a sequence attend in one decode-kernel launch (and one reduce), each (sequence, token) a
+# one-token sequence of the plan, where 0 runs a launch (and a reduce) a token (env
+# DECAPYBARA_VERIFY_ONE_PASS=0; decapybara/backend/cuda_graph.py `_one_pass`)
 DECODE = {"enabled": os.environ.get("DECAPYBARA_DECODE_ATTN", "1") != "0", "warps": 4, "stages": 3,
           "mx_warps": 4, "mx_stages": 3, "chains": 2, "min_keys": 512, "fill_ctas": 128, "fill_eff": 0.8,
           "short_keys": 128, "short_ctas": 32, "graph_cap": 0,
-          "mixed": int(os.environ.get("DECAPYBARA_DECODE_MIXED", "1") != "0"), "gate": 1}
+          "mixed": int(os.environ.get("DECAPYBARA_DECODE_MIXED", "1") != "0"), "gate": 1,
+          "verify_one_pass": int(os.environ.get("DECAPYBARA_VERIFY_ONE_PASS", "1") != "0")}
 # tensor-core prefill kernel (attn_prefill.cu PREFILL_TC) for every other batch over bf16 or microscaled pages:
 # on / off (env DECAPYBARA_PREFILL_ATTN=0); keys a tile for head_dim <= 128 and for larger; "split" 1 carries
 # q and P as two bf16 terms each (~16 bits, as the decode kernel), 0 as one (env DECAPYBARA_PREFILL_SPLIT=0:

@@ -19,13 +19,15 @@ Speculative verification steps (some sequence adds two tokens: its last real tok
 replay graphs of their own, keyed by two rows a sequence: sequence i holds rows 2i and 2i + 1 whatever its
 length in the batch. A sequence of one token gets a throwaway second row, whose KV goes to the pad page,
 whose DeltaNet step runs on the pad slot and whose outputs nobody reads; attention takes every sequence as two
-tokens (the throwaway row attends over the sequence's own keys and one stale key, never read back). The
-attention is two passes of the decode kernel where it takes the pages, else the tensor-core prefill kernel's (the
-general kernel's over float32 pages); the DeltaNet is the decode kernel's multi-row build over runs of none to two
-rows (cupy_deltanet MULTI_DECODE). A draft's rollback point (the state after the real token, asked
-for as `snapshot_at` total - 1) is written by the DeltaNet kernels into checkpoint buffers of the runner's
-(`_checkpoints`: one state a bucket row, allocated at the first verification graph) and handed back as device
-views (`ForwardBatch.device_snapshots`, valid until the next verification replay) or host copies.
+tokens (the throwaway row attends over the sequence's own keys and one stale key, never read back). Where the
+decode kernel takes the pages the attention is one launch of it (and one reduce) over 2 x bucket one-token
+sequences, (sequence i, token j) at plan index j x bucket + i over keys to its own (DECODE "verify_one_pass"; 0:
+two launches, a token each), else the tensor-core prefill kernel's (the general kernel's over float32 pages);
+the DeltaNet is the decode kernel's multi-row build over runs of none to two rows (cupy_deltanet MULTI_DECODE).
+A draft's rollback point (the state after the real token, asked for as `snapshot_at` total - 1) is written by
+the DeltaNet kernels into checkpoint buffers of the runner's (`_checkpoints`: one state a bucket row, allocated
+at the first verification graph) and handed back as device views (`ForwardBatch.device_snapshots`, valid until
+the next verification replay) or host copies.
 
 What the backend must guarantee for capture (CupyBackend does, through the plan caches seeded below):
 no host synchronisation or host -> device copy in the decode forward (no `from_host`, `cupy.asnumpy`, `int()`
@@ -54,6 +56,7 @@ import numpy as np
 from decapybara.backend import cupy_ops, pdl
 from decapybara.backend.attn_plan import (
     BLOCK_N,
+    DECODE,
     MIN_KEYS_PER_SPLIT,
     PREFILL_ROWS_PER_WARP,
     cdiv,
@@ -136,6 +139,8 @@ class _Static:
     mtp: bool = False  # the MTP head's pass (`DecodeGraphRunner.mtp`), not a forward
     hidden: Any = None  # an MTP graph's input rows [bucket * 2, H] float32 (the main model's normed states)
     flag: Any = None  # pinned uint32 [1]: the chains' timeout flag, copied there at the end of each replay
+    tables2: Any = None  # a one-pass verification graph's block tables twice, [2 * bucket, max_pages] int32 (its
+                         # plan's one-token sequences j x bucket + i read row i), copied from "tables" in the graph
 
     def d32(self, name: str) -> Any:
         off, shape = self.views[name]
@@ -283,6 +288,8 @@ class DecodeGraphRunner:
         shape = self._decode_launch(kv)
         cfg = self.model.cfg
         per_split = self._bucket(len(batch.seqs)) * self._row_tiles(kv, rows)[1] * cfg.num_key_value_heads  # CTAs
+        if rows == 2 and self._one_pass(kv):  # both tokens' CTAs in the one launch
+            per_split *= 2
         if shape is not None:
             sms, per_sm = sm_count(), decode_per_sm(cfg.head_dim, _kv_bits(kv), shape)
             return decode_splits(per_split, longest, sms, pow2=True, cap=graph_split_cap(per_split, sms, per_sm),
@@ -314,6 +321,12 @@ class DecodeGraphRunner:
         of 64 rows for a sequence's 2g, and it spent 0.18-0.21 ms a 27B layer on 16 new tokens after 16k keys
         where a decode pass takes ~0.03 (docs/perf.md)."""
         return kv is not None and self._decode_launch(kv) is not None
+
+    def _one_pass(self, kv: KVCache | None) -> bool:
+        """Whether a verification graph's two decode-kernel passes are one launch (and one reduce): each
+        (sequence, token) a one-token sequence of the plan (DECODE "verify_one_pass"), its CTAs beside the other
+        token's, so that the second read of a sequence's keys can come from the L2."""
+        return self._two_pass(kv) and bool(DECODE["verify_one_pass"])
 
     def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
         """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
@@ -461,12 +474,15 @@ class DecodeGraphRunner:
         from decapybara.backend.cupy_deltanet import RunPlan
 
         rpw, tiles, block_m = self._row_tiles(kv, rows)
-        nwork, nrows = bucket * tiles * splits, bucket * rows
-        two = rows == 2 and self._two_pass(kv)  # a second decode pass: the draft rows' metadata ("_b")
+        nrows = bucket * rows
+        one = rows == 2 and self._one_pass(kv)  # both tokens' decode passes in one launch: 2 x bucket sequences
+        two = rows == 2 and self._two_pass(kv) and not one  # a second decode pass: the draft rows' metadata ("_b")
+        nseq = 2 * bucket if one else bucket  # the attention plan's (one-token) sequences
         # runs: a sequence's, then (verification) its throwaway row's; segments: two a sequence, one a throwaway
         nsegs = bucket if rows == 1 else 3 * bucket
-        nred = bucket * tiles if splits > 1 else 0
-        shapes = {"seq_info": (bucket, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
+        nwork = nseq * tiles * splits
+        nred = nseq * tiles if splits > 1 else 0
+        shapes = {"seq_info": (nseq, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
                   "reduce": (nred, 4), "runs": (nrows, 5), "segs": (nsegs, 2),
                   "last": (bucket if mtp else 0,),  # an MTP graph: each sequence's last pair row
                   "seq_info_b": (bucket if two else 0, 3), "work_b": (nwork if two else 0, 5),
@@ -483,16 +499,19 @@ class DecodeGraphRunner:
         segments = [DeltaNetSegment(rows * i, rows, i) for i in range(bucket)]
         st = _Static(bucket, splits, rows, tiles, block_m, host64, host32, dev64, dev32, views, placeholder,
                      segments)
-        # decode batches: the decode kernel or the general one; verification: the decode kernel twice (its draft
-        # rows' pass the plan's `rows`, which `cupy_attention.attention` runs after it), else the prefill kernel
-        # or the general one
-        dec = self._decode_launch(kv) if rows == 1 or two else None
+        # decode batches: the decode kernel or the general one; verification: the decode kernel once over both
+        # tokens (`one`) or twice (its draft rows' pass the plan's `rows`, which `cupy_attention.attention` runs
+        # after it), else the prefill kernel or the general one
+        dec = self._decode_launch(kv) if rows == 1 or one or two else None
+        if one:
+            st.tables2 = cp.zeros((nseq, self.max_pages), cp.int32)
 
         def attn(suffix: str, sub: Any) -> Any:
-            return _plan(AttentionPlan, seq_info=st.d32("seq_info" + suffix), block_tables=st.d32("tables"),
+            tables = st.tables2 if one else st.d32("tables")
+            return _plan(AttentionPlan, seq_info=st.d32("seq_info" + suffix), block_tables=tables,
                          max_pages=self.max_pages, work=st.d32("work" + suffix), reduce=st.d32("reduce" + suffix),
                          num_work=nwork, num_reduce=nred, num_parts=nwork if splits > 1 else 0, rows_per_warp=rpw,
-                         slots=dev64[2], decode=dec, prefill=self._verify_launch(kv) if rows == 2 and not two
+                         slots=dev64[2], decode=dec, prefill=self._verify_launch(kv) if rows == 2 and dec is None
                          else None, dequant=None, rows=sub)
 
         st.attn_plan = attn("", attn("_b", None) if two else None)
@@ -558,7 +577,14 @@ class DecodeGraphRunner:
         length = np.full(b, rows)
         length[:n] = [s.length for s in seqs]
         info = st.h32("seq_info")
-        if st.attn_plan.rows is not None:  # two decode passes: the real tokens' rows, then the drafts'
+        if st.tables2 is not None:  # one decode pass: (sequence i, token j) is the plan's sequence j x b + i
+            info = info.reshape(2, b, 3)
+            for j in range(2):
+                info[j, :, 0], info[j, :, 1], info[j, :, 2] = np.arange(b) * 2 + j, 1, ctx + j
+            kend = np.stack([np.repeat(ctx + 1, st.tiles).reshape(b, -1),
+                             np.repeat(ctx + np.minimum(length, 2), st.tiles).reshape(b, -1)])
+            self._fill_work(st, kend.reshape(2 * b, -1), "")
+        elif st.attn_plan.rows is not None:  # two decode passes: the real tokens' rows, then the drafts'
             info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * 2, 1, ctx
             info_b = st.h32("seq_info_b")
             info_b[:, 0], info_b[:, 1], info_b[:, 2] = np.arange(b) * 2 + 1, 1, ctx + 1
@@ -587,9 +613,10 @@ class DecodeGraphRunner:
 
     @staticmethod
     def _fill_work(st: _Static, kend: np.ndarray, suffix: str) -> None:
-        """Attention work items (and split-K reduce items) of every sequence's tiles over keys [0, kend[seq,
-        tile]) into views "work" / "reduce" + `suffix`: `splits` ranges a tile, of whole BLOCK_N-key tiles."""
-        b, tiles, block_m, sp = st.bucket, st.tiles, st.block_m, st.splits
+        """Attention work items (and split-K reduce items) of every plan sequence's tiles over keys [0, kend[seq,
+        tile]) into views "work" / "reduce" + `suffix`: `splits` ranges a tile, of whole BLOCK_N-key tiles.
+        kend: [plan sequences (the bucket's, or twice that: `_one_pass`), tiles]."""
+        b, tiles, block_m, sp = kend.shape[0], st.tiles, st.block_m, st.splits
         kend = np.repeat(kend.reshape(-1), sp)  # [b * tiles * sp]
         per_split = -(-kend // sp)
         chunk = -(-per_split // BLOCK_N) * BLOCK_N
@@ -639,6 +666,8 @@ class DecodeGraphRunner:
         backend._attn = (st.batch, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, *st.kv_bits),
                          st.attn_plan)
         backend._runs = (st.segments, st.run_plan)
+        if st.tables2 is not None:  # (inside the captured step: each replay copies this step's tables)
+            st.tables2.reshape(2, st.bucket, -1)[...] = st.d32("tables")[None]
 
     def _step(self, st: _Static, kv: KVCache, states: StatePool | None) -> tuple[Any, Any]:
         """The decode forward over the static buffers (QwenModel.forward's loop, graph-safe inputs)."""

@@ -21,6 +21,7 @@ if not kernels.has_cuda():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from decapybara.backend import cupy_ops_extra as ex
+from decapybara.backend.attn_plan import DECODE
 from decapybara.backend.base import HybridState
 from decapybara.backend.cuda_graph import DecodeGraphRunner, capture_graph
 from decapybara.backend.cupy_backend import CupyBackend
@@ -159,10 +160,11 @@ def compare_snapshot(got, ref, name):
         assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: rec layer {j}"
 
 
-@pytest.mark.parametrize("heads,kv_mode,kernel", [
-    (None, None, "paged_attention_fwd"), ((8, 2, 64), "16/16", "paged_decode_attention"),
-    ((8, 2, 128), "6/4", "paged_decode_attention_mx"), ((18, 2, 64), "16/16", "paged_prefill_attention_tc")])
-def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel):
+@pytest.mark.parametrize("heads,kv_mode,kernel,one_pass", [
+    (None, None, "paged_attention_fwd", 1), ((8, 2, 64), "16/16", "paged_decode_attention", 1),
+    ((8, 2, 64), "16/16", "paged_decode_attention", 0), ((8, 2, 128), "6/4", "paged_decode_attention_mx", 1),
+    ((18, 2, 64), "16/16", "paged_prefill_attention_tc", 1)])
+def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel, one_pass):
     """Verification steps (some sequences add a draft as a second row, others one token) replay graphs of two
     rows a sequence whose logits and normed rows (in the batch's order), KV pages, DeltaNet states and
     snapshots (a draft's rollback point after its real token, as device views or host copies; a sequence's end)
@@ -170,9 +172,10 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel):
     page and slot, which hold NaN before every replay, and no real row reads them: block tables end at each
     sequence's last token, so a one-token sequence at a page's end (step 0: 32 tokens, pages of 16) has its
     throwaway row's key on the pad page. Contexts up to ~150 keys: split keys. bf16 and 6/4-bit pages run the
-    decode kernel twice in the graphs (a pass a token), or, past 8 query heads a KV head, the tensor-core
-    prefill kernel; float32 pages the general one."""
+    decode kernel in the graphs, once over both tokens a sequence (`one_pass`) or twice (a pass a token), or,
+    past 8 query heads a KV head, the tensor-core prefill kernel; float32 pages the general one."""
     from decapybara.backend import cupy_attention as ca
+    monkeypatch.setitem(DECODE, "verify_one_pass", one_pass)
     launched = []
     get = ca.get_kernel
     monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
@@ -246,8 +249,56 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel):
     if kernel == "paged_prefill_attention_tc":  # CTAs of 4 warps: 64 query rows, of which a sequence's two tokens 2g
         assert {st.block_m for st in verifying} == {64}
         assert not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
-    assert all((st.attn_plan.rows is not None) == kernel.startswith("paged_decode") for st in verifying)
+    decode = kernel.startswith("paged_decode")
+    assert all((st.attn_plan.rows is not None) == (decode and not one_pass) for st in verifying)
+    assert all((st.tables2 is not None) == (decode and bool(one_pass)) for st in verifying)
     assert max(k[1] for k in keys if k[2] == 2) > 1, keys  # split keys
+
+
+@pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])
+def test_verify_one_pass_gives_the_two_passes_bits(monkeypatch, kv_mode, head_dim):
+    """A verification graph's attention in one decode-kernel launch over (sequence, token) one-token sequences
+    computes what its two launches, a token each, compute: the same work items a token (keys to its own; the
+    split count forced equal), the same partials and reduce, so the logits, the KV pages and the DeltaNet states
+    come out byte for byte; over three steps of changing order and drafts, one-token sequences' throwaway rows
+    included (NaN on the pad page and slot before every replay)."""
+    monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv, rows=None: 4)
+    model = tiny_model(num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim)
+    page, num_pages = 16, 40
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
+    seqs = prefilled_sequences(model, kv, states, (9, 47, 120), seed=2, pages_each=12)
+    runners = {}
+    for one in (1, 0):
+        monkeypatch.setitem(DECODE, "verify_one_pass", one)
+        runners[one] = DecodeGraphRunner(model, max_pages=12, pad_page=num_pages - 1, pad_slot=5)
+    rng = np.random.default_rng(5)
+    for step, (order, drafted) in enumerate([([0, 1, 2], {0, 2}), ([2, 1], {1}), ([1, 0, 2], {0, 1, 2})]):
+        entries = []
+        for i in order:
+            s = seqs[i]
+            new = [s[0][-1]] + ([int(rng.integers(0, 512))] if i in drafted else [])
+            entries.append((new, len(s[0]) - 1, s[2][:-(-(len(s[0]) - 1 + len(new)) // page)], s[1]))
+        batch = ForwardBatch.build(entries, page, logits="all")
+        before = snapshot(kv, states, [s[1] for s in seqs])
+        outs = {}
+        for one in (1, 0):
+            monkeypatch.setitem(DECODE, "verify_one_pass", one)
+            restore(kv, states, before)
+            poison_pad(kv, states, num_pages - 1, 5)
+            outs[one] = (cp.asnumpy(runners[one].forward(batch, kv, states).logits),
+                         snapshot(kv, states, [s[1] for s in seqs]))
+            assert runners[one].stats["verify_steps"] == step + 1, runners[one].stats
+        assert np.array_equal(outs[1][0], outs[0][0]), f"step {step}: logits differ"
+        (pages1, st1), (pages0, st0) = outs[1][1], outs[0][1]
+        for key, a in pages0.arrays.items():
+            assert np.array_equal(pages1.arrays[key], a, equal_nan=True), f"step {step}: KV {key}"
+        for slot, hs in st0.items():
+            for a, b in zip((*st1[slot].conv, *st1[slot].recurrent), (*hs.conv, *hs.recurrent)):
+                assert np.array_equal(a, b), f"step {step}: state slot {slot}"
+        for s, b in zip([seqs[i] for i in order], batch.seqs):
+            s[0].append(int(np.argmax(outs[1][0][b.start])))
+    assert all(st.tables2 is not None for st in runners[1]._graphs.values())
+    assert all(st.tables2 is None and st.attn_plan.rows is not None for st in runners[0]._graphs.values())
 
 
 @pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16"), ((8, 2, 128), "6/4")])

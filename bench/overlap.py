@@ -71,7 +71,9 @@ assert STEP in ("decode", "verify", "mtp"), f"OVERLAP_STEP {STEP}: decode, verif
 def timed_step(runner: Any, kv: Any, states: Any, b: int, ctx: int) -> float:
     """Median seconds of OVERLAP_STEP's graph step at b sequences x ctx keys (synchronised as an engine step)."""
     if STEP == "mtp":
+        assert B.CFG.mtp_num_hidden_layers, "OVERLAP_STEP=mtp needs BENCH_MTP=1 (a model with an MTP head)"
         pairs, hidden = B.mtp_pairs(b, ctx)
+        assert runner.mtp(pairs, hidden, kv) is not None, f"the MTP pass did not replay a graph: {runner.stats}"
         return B.median_time(lambda: runner.mtp(pairs, hidden, kv), 10, warmup=3)
     batch = B.verify_batch(b, ctx) if STEP == "verify" else B.decode_batch(b, ctx)
     return B.median_time(lambda: runner.forward(batch, kv, states), 10, warmup=3)

@@ -301,11 +301,11 @@ class DecodeGraphRunner:
     def _row_tiles(self, kv: KVCache | None = None, rows: int = 1) -> tuple[int, int, int]:
         """(rows per warp, row tiles a sequence, query rows a tile) of a step's attention over `rows` tokens a
         sequence (row = token * g + head in group): the decode kernel's or general kernel's tiles of 4 warps
-        (a verification graph's two decode-kernel passes: a token's g rows each), a verification graph's
-        prefill-kernel CTAs (`_verify_launch`)."""
+        (a verification graph's decode-kernel passes: a token's g rows each, in one launch or two), a verification
+        graph's prefill-kernel CTAs (`_verify_launch`)."""
         cfg = self.model.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
-        if rows == 2 and self._two_pass(kv):
+        if rows == 2 and self._token_passes(kv):
             rows = 1
         launch = self._verify_launch(kv) if rows == 2 else None
         if launch is not None:
@@ -314,10 +314,10 @@ class DecodeGraphRunner:
         rpw = rows_per_warp(cfg.head_dim, rows * g)
         return rpw, cdiv(rows * g, 4 * rpw), 4 * rpw
 
-    def _two_pass(self, kv: KVCache | None) -> bool:
-        """Whether a verification graph's attention runs the decode kernel twice, a pass a token (row 2i over
-        keys to its own, row 2i + 1 over keys to the draft's): where the decode kernel takes the model's decode
-        steps. Each pass reads the sequence's keys again; the prefill kernel would read them once, but in CTAs
+    def _token_passes(self, kv: KVCache | None) -> bool:
+        """Whether a verification graph's attention runs on the decode kernel, a pass a token (row 2i over keys
+        to its own, row 2i + 1 over keys to the draft's; both in one launch where `_one_pass`): where the decode
+        kernel takes the model's decode steps. The prefill kernel would take both tokens in one CTA, but in CTAs
         of 64 rows for a sequence's 2g, and it spent 0.18-0.21 ms a 27B layer on 16 new tokens after 16k keys
         where a decode pass takes ~0.03 (docs/perf.md)."""
         return kv is not None and self._decode_launch(kv) is not None
@@ -325,8 +325,9 @@ class DecodeGraphRunner:
     def _one_pass(self, kv: KVCache | None) -> bool:
         """Whether a verification graph's two decode-kernel passes are one launch (and one reduce): each
         (sequence, token) a one-token sequence of the plan (DECODE "verify_one_pass"), its CTAs beside the other
-        token's, so that the second read of a sequence's keys can come from the L2."""
-        return self._two_pass(kv) and bool(DECODE["verify_one_pass"])
+        token's, so that the second read of a sequence's keys can come from the L2. Read when a graph is built:
+        a runner's graphs keep the form they were captured in."""
+        return self._token_passes(kv) and bool(DECODE["verify_one_pass"])
 
     def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
         """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
@@ -476,7 +477,7 @@ class DecodeGraphRunner:
         rpw, tiles, block_m = self._row_tiles(kv, rows)
         nrows = bucket * rows
         one = rows == 2 and self._one_pass(kv)  # both tokens' decode passes in one launch: 2 x bucket sequences
-        two = rows == 2 and self._two_pass(kv) and not one  # a second decode pass: the draft rows' metadata ("_b")
+        two = rows == 2 and self._token_passes(kv) and not one  # a second decode pass: the draft rows' metadata ("_b")
         nseq = 2 * bucket if one else bucket  # the attention plan's (one-token) sequences
         # runs: a sequence's, then (verification) its throwaway row's; segments: two a sequence, one a throwaway
         nsegs = bucket if rows == 1 else 3 * bucket

@@ -348,6 +348,8 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
         assert runner.mtp_kv(batch, hidden, kv)  # the KV-only pass through its own graph
         assert runner.stats["mtp_kv_steps"] == step + 1, runner.stats
         compare_state(kv, states, after, f"step {step}, the KV-only graph")
+    # on the decode kernel's pages both tokens' attention is one launch (DECODE "verify_one_pass")
+    assert all((st.tables2 is not None) == (heads is not None) for st in runner._graphs.values())
     long = ForwardBatch.build([(list(range(3)), len(seqs[0][0]) - 1, seqs[0][2], None)], page, logits="none")
     assert runner.mtp(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv) is None
     assert not runner.mtp_kv(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv)
@@ -400,6 +402,11 @@ def test_decode_attention_splits_on_this_device():
         assert runner._splits(batch, kv) == ap.decode_splits(per_split, keys, sms, pow2=True,
                                                              cap=ap.graph_split_cap(per_split, sms, per_sm),
                                                              per_sm=per_sm), (b, keys)
+        # a verification graph's one launch holds both tokens' CTAs: twice a split's
+        verify = SimpleNamespace(seqs=[SimpleNamespace(total=keys, context=keys - 2, length=2)] * b)
+        assert runner._splits(verify, kv) == ap.decode_splits(2 * per_split, keys, sms, pow2=True,
+                                                              cap=ap.graph_split_cap(2 * per_split, sms, per_sm),
+                                                              per_sm=per_sm), (b, keys)
         table = np.zeros(ap.cdiv(keys, 16), np.int32)  # pages of 16 keys
         plan = ca.plan_attention(ForwardBatch.build([([0], keys - 1, table, None)] * b, 16), 24, 4, 256,
                                  kv_bits=(16, 16))

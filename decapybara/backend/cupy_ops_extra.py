@@ -409,6 +409,8 @@ def _stream_counters(device: int, stream: int) -> Any:
 # block-sum kernels too (`_1r2` / `_1r2s`: each word's codes decoded once, two MMAs an x row, no bf16x2 scale
 # products), under the one-row rules above (`row1_warps`, `row1_fill`). Built and checked against the plain kernels
 # (fifty-seventh session; ptxas: MXFP4 8 / 4 bytes of spill at 96 registers, NVFP4 84 / 232 at 80); not yet timed.
+# The kernels store rows 0 and 1 from one lane's slots: only dense launches of exactly two rows take them (`one_row`).
+# Product chains take no `_1r2` launch: with `row2` and chains on, a two-row tail's products run launched.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},

@@ -1,8 +1,9 @@
 """Where an engine step's host time goes with speculation on and off: the demo model through `Engine.generate`
-on this machine's backend (`SPEC_BACKEND=cupy`: the cupy backend in float32 with decode graphs), one round untimed
-(graph captures, prompt prefixes cached), then one round under cProfile for each mode, `PROFILE_AGENTS` agents
-(default 1) greedy. Prints wall ms a step, steps, withheld steps, and cProfile's top `PROFILE_TOP` (25) functions
-by cumulative and by own time, so that what a withheld step costs beyond a plain one can be read off.
+on this machine's backend (`SPEC_BACKEND=cupy`: the cupy backend in float32 with decode graphs, as
+`bench/speculation.py` chooses), one round untimed (graph captures, prompt prefixes cached), then one round under
+cProfile for each mode, `PROFILE_AGENTS` agents (default 1, at most speculation.py's 12 prompts) greedy. Prints
+wall ms a step, steps, withheld steps, and cProfile's top `PROFILE_TOP` (25) functions by cumulative and by own
+time, so that what a withheld step costs beyond a plain one can be read off.
 
     SPEC_BACKEND=cupy python3 bench/spec_profile.py
 """
@@ -15,24 +16,16 @@ import os
 import pstats
 import time
 
+from speculation import TEXTS, env_backend
+
 from decapybara.config import DEMO_MODEL, EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
 from decapybara.model.load import load_model
 
-TEXTS = ["def main():\n    print(", "import os\nimport sys\n\n\ndef ", "class Stack:\n    def __init__(self):\n",
-         "    for i in range(10):\n        if i % 2", "# Return the JSON document at path\ndef read_json(path):\n"] * 3
-
 
 def main() -> None:
-    if os.environ.get("SPEC_BACKEND", "numpy") == "cupy":
-        from decapybara.backend.cupy_backend import CupyBackend
-
-        backend, graphs = CupyBackend("fp32"), True
-    else:
-        from decapybara.backend.numpy_backend import NumpyBackend
-
-        backend, graphs = NumpyBackend(), False
+    backend, graphs = env_backend()
     loaded = load_model(str(DEMO_MODEL), backend)
     agents, top = int(os.environ.get("PROFILE_AGENTS", "1")), int(os.environ.get("PROFILE_TOP", "25"))
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS[:agents]]

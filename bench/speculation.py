@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import Any
 
 from decapybara.config import DEMO_MODEL, EngineConfig
 from decapybara.engine.engine import Engine
@@ -30,15 +31,19 @@ CODE = ["def main():\n    print(", "import os\nimport sys\n\n\ndef ", "class Sta
 TEXTS = CODE + [c.replace("def", "async def") for c in CODE] + CODE[:2]
 
 
-def main() -> None:
+def env_backend() -> tuple[Any, bool]:
+    """(backend, decode graphs) as SPEC_BACKEND / SPEC_GRAPHS ask: numpy, or cupy in float32 with graphs."""
     if os.environ.get("SPEC_BACKEND", "numpy") == "cupy":
         from decapybara.backend.cupy_backend import CupyBackend
 
-        backend, graphs = CupyBackend("fp32"), os.environ.get("SPEC_GRAPHS", "1") != "0"
-    else:
-        from decapybara.backend.numpy_backend import NumpyBackend
+        return CupyBackend("fp32"), os.environ.get("SPEC_GRAPHS", "1") != "0"
+    from decapybara.backend.numpy_backend import NumpyBackend
 
-        backend, graphs = NumpyBackend(), False
+    return NumpyBackend(), False
+
+
+def main() -> None:
+    backend, graphs = env_backend()
     loaded = load_model(str(DEMO_MODEL), backend)
     rounds = int(os.environ.get("SPEC_ROUNDS", "2"))
     tokens = int(os.environ.get("SPEC_TOKENS", "128"))

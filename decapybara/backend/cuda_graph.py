@@ -578,19 +578,16 @@ class DecodeGraphRunner:
         length = np.full(b, rows)
         length[:n] = [s.length for s in seqs]
         info = st.h32("seq_info")
-        if st.tables2 is not None:  # one decode pass: (sequence i, token j) is the plan's sequence j x b + i
-            info = info.reshape(2, b, 3)
-            for j in range(2):
-                info[j, :, 0], info[j, :, 1], info[j, :, 2] = np.arange(b) * 2 + j, 1, ctx + j
-            kend = np.stack([np.repeat(ctx + 1, st.tiles).reshape(b, -1),
-                             np.repeat(ctx + np.minimum(length, 2), st.tiles).reshape(b, -1)])
-            self._fill_work(st, kend.reshape(2 * b, -1), "")
-        elif st.attn_plan.rows is not None:  # two decode passes: the real tokens' rows, then the drafts'
-            info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * 2, 1, ctx
-            info_b = st.h32("seq_info_b")
-            info_b[:, 0], info_b[:, 1], info_b[:, 2] = np.arange(b) * 2 + 1, 1, ctx + 1
-            self._fill_work(st, np.repeat(ctx + 1, st.tiles).reshape(b, -1), "")
-            self._fill_work(st, np.repeat(ctx + np.minimum(length, 2), st.tiles).reshape(b, -1), "_b")
+        if st.tables2 is not None or st.attn_plan.rows is not None:  # a decode pass a token
+            # token j of sequence i: one token at row 2i + j after ctx + j keys, over keys to its own (a throwaway
+            # row's to the sequence's last); the plan's sequence j x b + i in one pass, else pass j's ("", "_b")
+            start = np.arange(b) * 2 + np.arange(2)[:, None]  # [2, b]
+            kend = np.stack([ctx + 1, ctx + np.minimum(length, 2)])  # [2, b]
+            passes = [("", slice(None))] if st.tables2 is not None else [("", 0), ("_b", 1)]
+            for suffix, j in passes:
+                rows_info = st.h32("seq_info" + suffix).reshape(-1, b, 3)
+                rows_info[..., 0], rows_info[..., 1], rows_info[..., 2] = start[j], 1, (ctx + np.arange(2)[:, None])[j]
+                self._fill_work(st, np.repeat(kend[j].reshape(-1), st.tiles).reshape(-1, st.tiles), suffix)
         else:
             info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * rows, rows, ctx
             g = self.model.cfg.num_attention_heads // self.model.cfg.num_key_value_heads

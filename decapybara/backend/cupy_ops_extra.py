@@ -405,12 +405,6 @@ def _stream_counters(device: int, stream: int) -> Any:
 # and ran 34.1% of copy bandwidth on the plain build against 30.7% on its own (forty-eighth session, `gemv_sweep`:
 # its step-weighted one-row products 0.75 -> 0.72 ms; 1x1k steps, eight interleaved rounds, medians 2.29 against
 # 2.30 ms, within their spread). The 27B's products each take the build they took before.
-# `row2` (0: off): dense two-row MXFP4 / NVFP4 products (a verification step's token and draft at one agent) on the
-# block-sum kernels too (`_1r2` / `_1r2s`: each word's codes decoded once, two MMAs an x row, no bf16x2 scale
-# products), under the one-row rules above (`row1_warps`, `row1_fill`). Built and checked against the plain kernels
-# (fifty-seventh session; ptxas: MXFP4 8 / 4 bytes of spill at 96 registers, NVFP4 84 / 232 at 80); not yet timed.
-# The kernels store rows 0 and 1 from one lane's slots: only dense launches of exactly two rows take them (`one_row`).
-# Product chains take no `_1r2` launch: with `row2` and chains on, a two-row tail's products run launched.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -422,7 +416,7 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1, "row2": 0,
+    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -629,13 +623,11 @@ class NormedRows:
 
 
 def one_row(w: PackedWeight, rows: int, tune: dict, groups: Any = None) -> bool:
-    """Whether a product launches the block-sum kernels (`_1r` / `_1rs`, decapybara/kernels/mx_gemv.cu header):
+    """Whether a product launches the one-row block-sum kernels (`_1r` / `_1rs`, decapybara/kernels/mx_gemv.cu header):
     dense, one row, MXFP4 or NVFP4 (NVFP4 where the kernel file has its `R1Cols`), TUNE `row1` (resolved
-    `tune`) and a kernel file that has them; or two rows under TUNE `row2` (`_1r2` / `_1r2s`, where the file has
-    them)."""
+    `tune`) and a kernel file that has them."""
     src = tune["source"]
-    rows_ok = rows == 1 or (rows == 2 and bool(tune.get("row2", 0)) and kernel_knows(src, "NAME##_1r2"))
-    return (groups is None and rows_ok and bool(tune.get("row1", 0)) and kernel_knows(src, "NAME##_1r")
+    return (groups is None and rows == 1 and bool(tune.get("row1", 0)) and kernel_knows(src, "NAME##_1r")
             and (w.fmt == "mxfp4" or (w.fmt == "nvfp4" and kernel_knows(src, "R1Cols"))))
 
 
@@ -773,8 +765,7 @@ def launch_kernel(w: PackedWeight, m: int, groups: int | None = None, swiglu: bo
     `launch_tune`), so that a caller can build kernels ahead of their launches (tests, side by side)."""
     trows = tile_rows(w, m, groups)
     tune = launch_tune(w, trows, dense=groups is None, swiglu=swiglu) if tune is None else tune
-    kind = ("1r" if m == 1 else "1r2") if one_row(w, m, tune, groups) else n_tiles(trows)
-    name = f"mx_gemm_{w.fmt}_{kind}{'s' if swiglu else ''}"
+    name = f"mx_gemm_{w.fmt}_{'1r' if one_row(w, m, tune, groups) else n_tiles(trows)}{'s' if swiglu else ''}"
     return tune["source"], name, gemm_defines(tune, w.fmt, w.e2m1_split, w.tiled)
 
 

@@ -532,17 +532,15 @@ __device__ __forceinline__ void e2m1_raw(const u32 w, u32 (&a)[4]) {
         e2m1_pairs_raw(w, a);
     }
 }
-template <int FMT, int R, class RF>
-__device__ __forceinline__ void mma_chunk_r1(float (&fin)[R][2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
-                                             const u32 (&xa)[R], const u32 (&xb)[R], RF&& rf) {
+template <int FMT, class RF>
+__device__ __forceinline__ void mma_chunk_r1(float (&fin)[2], const LaneRow<FMT>& r0, const LaneRow<FMT>& r1,
+                                             const u32 xa, const u32 xb, RF&& rf) {
     constexpr int SETS = R1Cols<FMT>::SETS, CH = R1Cols<FMT>::CHAINS;
-    float d[R][SETS][CH][4];  // [x row][set][MMA chain: slices 2jj, 2jj + 1 where two][fragment]
+    float d[SETS][CH][4];  // [set][MMA chain: slices 2jj, 2jj + 1 where two][fragment]
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int i = 0; i < SETS; ++i)
 #pragma unroll
-        for (int i = 0; i < SETS; ++i)
-#pragma unroll
-            for (int c = 0; c < CH; ++c) d[r][i][c][0] = d[r][i][c][1] = d[r][i][c][2] = d[r][i][c][3] = 0.f;
+        for (int c = 0; c < CH; ++c) d[i][c][0] = d[i][c][1] = d[i][c][2] = d[i][c][3] = 0.f;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
         u32 a0[4], a1[4];
@@ -550,12 +548,9 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[R][2], const LaneRow<F
         e2m1_raw(r1.w[jj], a1);
         if (jj % 4 == 3) rf.codes(jj / 4);  // words 4q..4q+3: piece q
         const int set = SETS == 1 ? 0 : jj >> 2;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {  // the word's codes, decoded once, against each x row
-            const uint4 b = ld_shared_v4((R1Cols<FMT>::second(jj) ? xb[r] : xa[r]) + 64 * jj);
-            mma16816(d[r][set][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
-            mma16816(d[r][set][CH - 1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
-        }
+        const uint4 b = ld_shared_v4((R1Cols<FMT>::second(jj) ? xb : xa) + 64 * jj);
+        mma16816(d[set][0], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+        mma16816(d[set][CH - 1], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
     }
     float f0[2 * SETS], f1[2 * SETS];  // the scales of rows g / g + 8 by block: column 2t, 2t + 1 of each set
     if constexpr (FMT == FMT_MXFP4) {
@@ -570,17 +565,15 @@ __device__ __forceinline__ void mma_chunk_r1(float (&fin)[R][2], const LaneRow<F
     }
     rf.scales();
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int i = 0; i < SETS; ++i) {
+        float v[4];
 #pragma unroll
-        for (int i = 0; i < SETS; ++i) {
-            float v[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) v[q] = CH == 2 ? d[r][i][0][q] + d[r][i][CH - 1][q] : d[r][i][0][q];
-            fin[r][0] = fmaf(v[0], f0[2 * i], fin[r][0]);
-            fin[r][0] = fmaf(v[1], f0[2 * i + 1], fin[r][0]);
-            fin[r][1] = fmaf(v[2], f1[2 * i], fin[r][1]);
-            fin[r][1] = fmaf(v[3], f1[2 * i + 1], fin[r][1]);
-        }
+        for (int q = 0; q < 4; ++q) v[q] = CH == 2 ? d[i][0][q] + d[i][CH - 1][q] : d[i][0][q];
+        fin[0] = fmaf(v[0], f0[2 * i], fin[0]);
+        fin[0] = fmaf(v[1], f0[2 * i + 1], fin[0]);
+        fin[1] = fmaf(v[2], f1[2 * i], fin[1]);
+        fin[1] = fmaf(v[3], f1[2 * i + 1], fin[1]);
+    }
 }
 
 // One group of 8 bf16 codes of x (16 bytes, k order) staged: scaled by 2^XSHIFT, in the k-slot permutation, as
@@ -633,7 +626,7 @@ __device__ __forceinline__ void store_tile_sums(const Args& A, const float* sqp,
 // fixed order, so the result does not depend on timing).
 // WHOLE (uniform, a template parameter so that the loop carries no bounds code): every chunk lies inside Kp
 // and the scale rows are NS-byte aligned; loads then walk two RowPtrs. Otherwise load_row bounds each load.
-template <int FMT, int NT, bool WHOLE, bool SWI, int R1, class SYNC>
+template <int FMT, int NT, bool WHOLE, bool SWI, bool R1, class SYNC>
 __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, float* nden, float* sqp, bool first,
                                            int& last_flag, const int grp, const int mt, const int tile, const int c0,
                                            const int c1, const int part, const int nparts) {
@@ -692,10 +685,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
     u16* const zx = xs + (MT * RS - ZX);
     if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
     const u32 zxa = R1 ? smem_u32(zx) : 0u;  // its shared-window address
-    constexpr int RX = R1 > 1 ? R1 : 1;  // R1: x rows of the block sums
-    float fin[RX][2];  // R1: x row r's sums of rows g and g + 8 (the lane's own blocks of each chunk)
-#pragma unroll
-    for (int r = 0; r < RX; ++r) fin[r][0] = fin[r][1] = 0.f;
+    float fin[2] = {0.f, 0.f};  // R1: this lane's sums of rows g and g + 8 (its own blocks of each chunk)
     // Staged row of x that feeds MMA column g of n-tile nt. Rows past m_valid are not staged (<= 2 n-tiles):
     // their columns read the last real row instead, and those output columns are never stored.
     // Its shared-window byte address at the segment's first chunk, lane t's slot; a chunk's is one add from it.
@@ -827,16 +817,10 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
                 constexpr int KIND = R1 ? 1 : NT == 1 ? 2 : NT == 2 ? 4 : 8;  // this kernel's MX_EARLY bit
                 constexpr bool EARLY = WHOLE && early_ok<FMT>() && (MX_EARLY & KIND);
                 const auto compute = [&](auto&& rf) {
-                    if constexpr (R1) {  // x rows r < R1 (m_valid == R1), row r at r rs codes (xrow[0] is
-                                         // row min(g, m_valid - 1): row 0 at one row)
-                        const u32 x0 = (R1 == 1 ? xrow[0] : smem_u32(xs + 8 * t)) + co, zb = zxa - 2 * R1Cols<FMT>::XB;
-                        u32 xa[RX], xb[RX];
-#pragma unroll
-                        for (int r = 0; r < RX; ++r) {
-                            xa[r] = g == 2 * t ? x0 + 2u * (u32)(r * rs) : zxa;
-                            xb[r] = g == 2 * t + 1 ? x0 + 2u * (u32)(r * rs) : zb;
-                        }
-                        mma_chunk_r1<FMT, RX>(fin, r0[s], r1[s], xa, xb, rf);
+                    if constexpr (R1) {
+                        const u32 xc = xrow[0] + co;  // x row 0 (R1: m_valid == 1)
+                        mma_chunk_r1<FMT>(fin, r0[s], r1[s], g == 2 * t ? xc : zxa,
+                                          g == 2 * t + 1 ? xc : zxa - 2 * R1Cols<FMT>::XB, rf);
                     } else {
                         u32 xa[NT];
 #pragma unroll
@@ -856,21 +840,14 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
         }
     }
 
-    if (R1) {  // the four lanes t of rows g, g + 8 hold disjoint blocks: their sum, into the (row g / g + 8, m r)
-               // slots of lane t = 0 (x rows r < R1)
+    if (R1) {  // the four lanes t of rows g, g + 8 hold disjoint blocks: their sum, into the (row g / g + 8, m 0) slots
 #pragma unroll
-        for (int r = 0; r < RX; ++r)
-#pragma unroll
-            for (int o = 1; o < 4; o <<= 1) {
-                fin[r][0] += __shfl_xor_sync(0xffffffffu, fin[r][0], o);
-                fin[r][1] += __shfl_xor_sync(0xffffffffu, fin[r][1], o);
-            }
-        acc[0][0][0] = fin[0][0];
-        acc[0][0][2] = fin[0][1];
-        if constexpr (RX == 2) {
-            acc[0][0][1] = fin[1][0];
-            acc[0][0][3] = fin[1][1];
+        for (int o = 1; o < 4; o <<= 1) {
+            fin[0] += __shfl_xor_sync(0xffffffffu, fin[0], o);
+            fin[1] += __shfl_xor_sync(0xffffffffu, fin[1], o);
         }
+        acc[0][0][0] = fin[0];
+        acc[0][0][2] = fin[1];
     }
     sync.trigger();  // the next product may start loading its weights (pdl.cuh)
     TRACE(A.W, 3);
@@ -1029,7 +1006,7 @@ struct PdlSync {
 // Block `b` of a product: its segments (a tile grid's one, or its stream-K units'), over the block's shared
 // memory xs (the x staging buffer), nden, sqp and last_flag (mx_gemm_impl's, or a chain's), waiting for and
 // triggering other kernels through `sync`.
-template <int FMT, int NT, bool SWI, int R1, class SYNC>
+template <int FMT, int NT, bool SWI, bool R1, class SYNC>
 __device__ __forceinline__ void mx_gemm_block(const Args& A, const Blk& b, SYNC& sync, u16* xs, float* nden,
                                               float* sqp, int& last_flag) {
     constexpr int CK = 4 * Fmt<FMT>::LANE_K, MT = 8 * NT, TILE_ROWS = Wp<NT>::ROWS;
@@ -1071,7 +1048,7 @@ template <int NT> struct MxShared {
 };
 
 // A launched product's block.
-template <int FMT, int NT, bool SWI, int R1>
+template <int FMT, int NT, bool SWI, bool R1>
 __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     using SM = MxShared<NT>;
     static_assert(SM::BYTES <= 48 * 1024, "shared memory over the static limit");
@@ -1105,8 +1082,7 @@ __device__ __forceinline__ void mx_gemm_impl(const Args& A) {
     MX_KERNEL(mx_gemm_##NAME##_4s, FMT, 4, true, false) MX_KERNEL(mx_gemm_##NAME##_8s, FMT, 8, true, false)
 // the one-row kernels with block sums (header), MXFP4 and NVFP4
 #define MX_FORMAT_R1(NAME, FMT) \
-    MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, 1) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, 1) \
-    MX_KERNEL(mx_gemm_##NAME##_1r2, FMT, 1, false, 2) MX_KERNEL(mx_gemm_##NAME##_1r2s, FMT, 1, true, 2)
+    MX_KERNEL(mx_gemm_##NAME##_1r, FMT, 1, false, true) MX_KERNEL(mx_gemm_##NAME##_1rs, FMT, 1, true, true)
 // Persistent chains of one-n-tile products (MX_CHAIN builds: `mx_chain_<fmt>`, MX_CHAIN a mask of the kernel kinds
 // it runs, bit k for kind k below, the others left out of its code; decapybara/backend/product_chain.py).
 // A decode step runs runs of products back to back, each one's x the output of the one before (out, gate|up, down,

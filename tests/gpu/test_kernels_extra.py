@@ -636,67 +636,6 @@ def test_one_row_block_sums(fmt, shape, tune, split, tiled, monkeypatch):
     assert (err <= 2e-5 * bound[exact]).all(), f"row1 against the _1 kernels {fmt} {shape} {tune}"
 
 
-@pytest.mark.parametrize("shape,tune", [((704, 1536), {}), ((4096, 5120), {"policy": "stream", "min_chunks": 1}),
-                                        ((704, 1536), {"ksplit": 3}), ((300, 352), {}), ((64, 17408), {"ksplit": 1}),
-                                        ((704, 1536), {"row1_warps": 10}), ((1024, 1024), {"ksplit": 2})],
-                         ids=["grid", "stream", "ksplit", "tail", "segments", "own-width", "square"])
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_two_row_block_sums_are_the_one_row_kernels_row_by_row(fmt, shape, tune, monkeypatch):
-    """Two-row MXFP4 / NVFP4 products on the `_1r2` kernels (TUNE `row2`: each word's codes decoded once, two MMAs an
-    x row) compute each row as the one-row `_1r` kernels compute it alone, byte for byte (the same chunk order and
-    block sums; x staged in segments half as long), plain and SwiGLU (`_1r2s` against `_1rs`), and within 1e-5 of
-    each row's sum of |terms| of the reference; both rows of x differ. Tile grids, K splits, stream-K, a K tail,
-    a block's K range over several x staging segments (K = 17408), the one-row blocks' own width; both launches
-    checked by kernel name. Row 1 of x all zero once: its outputs zero, row 0's unchanged. The fused norms too: the
-    producer's h, h (1 + w) and tile sums (`mx_linear_add_norm`), and (square weights) a product over its
-    NormedRows, against each row's one-row launches."""
-    n, k = shape
-    rng = np.random.default_rng(zlib.crc32(f"row2-{fmt}-{shape}-{sorted(tune.items())}".encode()))
-    q, w_ref = random_weight(rng, fmt, shape)
-    w = ex.pack_weight(q)
-    monkeypatch.setattr(ex, "TUNE", {**ex.TUNE, "small_bytes": 0, "row1_fill": 0, "row2": 1, **tune})
-    launched = []
-    real = ex.get_kernel
-    monkeypatch.setattr(ex, "get_kernel", lambda src, name, *a: launched.append(name) or real(src, name, *a))
-    x = bf16_round(rng.standard_normal((2, k)) * 0.5).astype(np.float32)
-    xd = x.astype(np.float64)
-    ref, bound = xd @ w_ref.T, np.abs(xd) @ np.abs(w_ref).T
-    def row_by_row(product, xs, suffix=""):  # both rows in one launch, each against its one-row launch
-        got = host(product(cp.asarray(xs), w))
-        assert launched[-1] == f"mx_gemm_{fmt}_1r2{suffix}", launched
-        for r in range(2):
-            one = host(product(cp.asarray(xs[r:r + 1]), w))
-            assert launched[-1] == f"mx_gemm_{fmt}_1r{suffix}", launched
-            assert_bytes_equal(got[r], one[0], f"{fmt} {shape} {tune} row {r} against _1r{suffix}")
-        return got
-
-    got = row_by_row(ex.mx_linear, x)
-    err = np.abs(got.astype(np.float64) - ref)
-    assert (err <= 1e-5 * bound + 1e-30).all(), f"{fmt} {shape} {tune}: {int((err > 1e-5 * bound).sum())} off"
-    assert not row_by_row(ex.mx_linear, np.stack([x[0], np.zeros(k, np.float32)]))[1].any()
-    if n % 16 == 0:  # SwiGLU: [gate; up] stacked along rows
-        row_by_row(ex.mx_swiglu, x, "s")
-    # the fused norms: the producer's h, h (1 + w) and tile sums, and a consumer of NormedRows, row by row
-    res = rng.standard_normal((2, n)).astype(np.float32)
-    nw = rng.standard_normal(n).astype(np.float32)
-    both = ex.mx_linear_add_norm(cp.asarray(x), w, None, cp.asarray(res), cp.asarray(nw), 1e-6, 1.0)
-    if both is None:  # a weight the kernels cannot stream: nothing fuses
-        return
-    assert launched[-1] == f"mx_gemm_{fmt}_1r2", launched
-    ones = [ex.mx_linear_add_norm(cp.asarray(x[r:r + 1]), w, None, cp.asarray(res[r:r + 1]), cp.asarray(nw), 1e-6,
-                                  1.0)[0] for r in range(2)]
-    for r, one in enumerate(ones):
-        for name in ("h", "sq"):
-            assert_bytes_equal(getattr(both[0], name)[r], getattr(one, name)[0], f"{fmt} {shape} {tune} {name} {r}")
-        assert_bytes_equal(host(both[0].xg)[r].view(np.uint8), host(one.xg)[0].view(np.uint8),
-                           f"{fmt} {shape} {tune} xg {r}")
-    if w.N == w.K:  # a consumer of the rows it normed: [N, N]
-        got = host(ex.mx_linear(both[0], w))
-        assert launched[-1] == f"mx_gemm_{fmt}_1r2", launched
-        for r, one in enumerate(ones):
-            assert_bytes_equal(got[r], host(ex.mx_linear(one, w))[0], f"{fmt} {shape} {tune} consumer row {r}")
-
-
 @pytest.mark.parametrize("split", [False, True])
 def test_repack_codes_in_slices_keeps_every_experts_bands(split, monkeypatch):
     """pack_weight's repack of a stacked [E, N, K] tensor in slices of a few bands (SPLIT_SLICE shrunk so that

@@ -109,11 +109,6 @@ VARIANTS: list[tuple[str, dict[str, Any], tuple[tuple[str, int], ...]]] = [
     # the two-n-tile kernels' x staging rows (`wide_segk`): the nominal 1024 codes, and 2688 in dynamic shared memory
     ("wide segk 1024", {"wide_segk": 1024}, ()),
     ("wide segk 2688", {"wide_segk": 2688}, ()),
-    # the two-n-tile kernels' bf16 x double-buffered (`wide_xdb`: the next segment's rows by cp.async during a
-    # segment, segments half as long; 1: a segment's copies at its start, 2: one item a chunk), at the default
-    # staging rows and at 1408 (static shared memory, 3 chunks a half)
-    ("wide xdb", {"wide_xdb": 1}, ()), ("wide xdb segk 1408", {"wide_xdb": 1, "wide_segk": 1408}, ()),
-    ("wide xdb spread", {"wide_xdb": 2}, ()), ("wide xdb spread segk 1408", {"wide_xdb": 2, "wide_segk": 1408}, ()),
     ("part batch 1", {"part_batch": 1}, ()),              # a split tile's partial sums loaded one at a time (before)
     # each register stage's next chunk loaded inside the current chunk's MMAs (TUNE `early`: bits 1 one-row, 2 the
     # other one-n-tile kernels, 4 two n-tiles, 8 four and eight; MX_EARLY; one-row MXFP4 products under `row1_warps`

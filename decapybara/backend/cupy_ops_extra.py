@@ -343,10 +343,6 @@ def _stream_counters(device: int, stream: int) -> Any:
 # before adding them in order (decapybara/kernels/mx_gemv.cu `sum_parts`, MX_PART_BATCH; 1: one load and add at a time,
 # as the other kernels do): the same bytes; one-row products 1.7% faster (`gemv_sweep`), one-stream steps within
 # their spread (docs/perf.md).
-# `wide_xdb` (0: off): the two-n-tile kernels (9-16 rows) stage bf16 x in two halves of their buffer, the next
-# segment's rows copied by cp.async while a segment is computed (decapybara/kernels/mx_gemv.cu MX_XDB; 1: all of a
-# segment's copies at its start, 2: one item a chunk): segments half as long, but only the first segment's staging
-# waits on the L2. The same bytes (a segment's length and the staging's path do not change the sums).
 # `swiglu_wide_warps` (0: `wide_warps`): warps of a two-n-tile (9-16 rows) SwiGLU launch's blocks (`_2s`; its
 # own build of MX_WARPS2). MXFP4 / NVFP4 24 (one block an SM, 384-row tiles): the twelve-row gate|up product
 # stages x for twice the rows of weights, and 27B steps ~1.2% faster (interleaved: MXFP4 at 10 and 12 streams,
@@ -420,7 +416,7 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1, "wide_xdb": 0,
+    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1,
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -593,8 +589,6 @@ def gemm_defines(tune: dict, fmt: str, e2m1_split: bool = False, tiled: bool = F
             ("MX_STAGES2", tune["wide_stages"]), ("MX_E2M1", int(e2m1_split)), *((("MX_TILED", 1),) if tiled else ()),
             *((("MX_SEGK2", tune["wide_segk"]),) if tune.get("wide_segk", 1024) != 1024 else ()),
             *((("MX_PART_BATCH", tune["part_batch"]),) if tune.get("part_batch", 8) != 8 else ()),
-            *((("MX_XDB", int(tune["wide_xdb"])),) if tune.get("wide_xdb") and kernel_knows(tune["source"], "MX_XDB")
-              else ()),
             *((d, tune[k]) for k, d in MANY_DEFINES if tune.get(k) and kernel_knows(tune["source"], d)),
             *((("MX_EARLY", tune["early"]),) if tune.get("early", 0) and kernel_knows(tune["source"], "MX_EARLY")
               else ()), *TUNE_DEFINES)

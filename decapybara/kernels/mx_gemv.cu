@@ -113,9 +113,6 @@ template <int NT> struct Wp {
 #define MX_SEGK2 1024  // codes a row of the two-n-tile kernels' x staging buffer holds: up to 1440 in static shared
 #endif                 // memory, past that in dynamic shared memory of 32 (MX_SEGK2 + 32) bytes (the launch's:
                        // decapybara/backend/cupy_ops_extra.py `staging_bytes`)
-#ifndef MX_XDB
-#define MX_XDB 0  // 1: the two-n-tile kernels stage bf16 x rows (16-byte pairs) into two halves of their buffer, the next
-#endif            // segment's raw rows by cp.async while a segment is computed (mx_segment, `xdb`)
 #ifndef MX_SEGK4
 #define MX_SEGK4 0  // codes a row of the 4- and 8-n-tile kernels' x staging buffer holds, rounded down to a multiple
 #endif              // of 256: up to the nominal 2048 / NT in static shared memory, past it in dynamic shared memory
@@ -684,16 +681,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
     const int mrows = NT > 2 ? MT : m_valid;
     // R1: the buffer's last ZX codes stay zero (the B columns of other blocks, mma_chunk_r1); x row 0 before them
     constexpr int ZX = R1 ? r1_zero_codes(FMT) : 0;
-    // MX_XDB (two n-tiles, bf16 x rows read in 16-byte pairs): x staged in two halves of the buffer (HALF codes
-    // each), a segment in one while the next segment's rows are copied raw into the other by cp.async (no
-    // registers held) during the segment's chunks; each thread then permutes and scales its own copied groups in
-    // place (stage_bf16, the bits of the plain staging) at the next segment's start, before the one barrier that
-    // publishes them. The plain staging's two barriers and its wait for the rows' L2 round trip leave the
-    // segment boundaries but the first.
-    constexpr int HALF = (MT * RS / 2) / 8 * 8;
-    const int segh = (((HALF - ZX) / mrows - 32) / CK) / ST * ST;
-    const bool xdb = NT == 2 && MX_XDB && !(MX_DIAG & 4) && A.x_kind == KIND_BF16 && A.x_vec && segh >= 2;
-    const int segc = xdb ? segh : (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
+    const int segc = (((MT * RS - ZX) / mrows - 32) / CK) / ST * ST, rs = segc * CK + 32;
     u16* const zx = xs + (MT * RS - ZX);
     if (R1 && first && tid < ZX / 8) *(uint4*)(zx + 8 * tid) = u4(0, 0, 0, 0);  // published by the staging's barrier
     const u32 zxa = R1 ? smem_u32(zx) : 0u;  // its shared-window address
@@ -741,78 +729,9 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
         }
     }
     const float xmul = Fmt<FMT>::XSHIFT ? 0x1p64f : 1.f;
-    // xdb: the pair items (m, i) of this thread in the staging of the segment at chunk sb into buf: each item's
-    // two groups copied raw (copy) or, once landed, permuted and scaled in place (!copy); the plain staging's
-    // items, addresses and zero fill
-    // (MX_XDB 2: a thread's copies spread over the segment's chunks, one item a chunk from a cursor (xm, xi) into the
-    // next segment's items, the rest at the boundary; 1: all of them at the segment's start)
-    const auto xdb_step = [&](int& m, int& i, const int segi) {
-        i += blockDim.x;
-        if (i >= segi) {
-            i -= segi;
-            ++m;
-            if (i >= segi) {
-                const int q = i / segi;
-                m += q;
-                i -= q * segi;
-            }
-        }
-    };
-    const auto xdb_segi = [&](const int sb) { return (min(c1, sb + segc) - sb) * (CK / 16); };
-    const auto xdb_copy = [&](const int m, const int i, const int sb, u16* const buf) {
-        constexpr u32 G = CK / 8;
-        const u32 iu = (u32)i, du = ((iu >> 2) << 3) | (iu & 3u);
-        u16* const d = buf + m * rs + du * 8u;
-        const i64 k0 = (i64)sb * CK + (i64)((du / G) * CK + (du & 3u) * LK + ((du & (G - 1)) >> 2) * 8u);
-        const int row = A.gather ? A.gather[y_off + m0 + m] : y_off + m0 + m;
-        const u16* src = (const u16*)A.x + ((i64)row * A.ldx + k0);
-        cp_async16(smem_u32(d), k0 < A.K ? src : (const u16*)A.x, k0 < A.K ? 16u : 0u);
-        cp_async16(smem_u32(d + 32), k0 + 8 < A.K ? src + 8 : (const u16*)A.x, k0 + 8 < A.K ? 16u : 0u);
-    };
-    const auto xdb_items = [&](const int sb, u16* const buf, const bool copy) {
-        constexpr u32 G = CK / 8;
-        const int segi = xdb_segi(sb);
-        int m = tid / segi, i = tid - m * segi;
-        for (; m < mrows; xdb_step(m, i, segi)) {
-            if (copy) {
-                xdb_copy(m, i, sb, buf);
-            } else {
-                const u32 iu = (u32)i, du = ((iu >> 2) << 3) | (iu & 3u);
-                u16* const d = buf + m * rs + du * 8u;
-                *(uint4*)d = stage_bf16<FMT>(*(const uint4*)d);
-                *(uint4*)(d + 32) = stage_bf16<FMT>(*(const uint4*)(d + 32));
-            }
-            (void)G;
-        }
-        if (copy) cp_commit();
-    };
-    int xm = mrows, xi = 0, xsegi = 1;  // MX_XDB 2: the cursor into the next segment's items (xm == mrows: none)
-    for (int sb = c0, seg = 0; sb < c1; sb += segc, ++seg) {
-        u16* const xbuf = xdb ? xs + (seg & 1) * HALF : xs;
-        const u32 xoff = (u32)(xbuf - xs) * 2u;  // the segment's half: bytes past the staged rows' addresses
-        if (xdb) {
-            if (sb == c0) {  // the first segment's rows: copied now, once every warp is done with the buffer
-                __syncthreads();
-                xdb_items(sb, xbuf, true);
-            } else if (MX_XDB == 2) {  // the items the chunks before left
-                for (; xm < mrows; xdb_step(xm, xi, xsegi)) xdb_copy(xm, xi, sb, xbuf);
-                cp_commit();
-            }
-            cp_wait_groups<0>();
-            xdb_items(sb, xbuf, false);
-            __syncthreads();  // the segment's rows staged; every warp done with the other half's segment
-            if (sb + segc < c1) {
-                if (MX_XDB == 2) {
-                    xsegi = xdb_segi(sb + segc);
-                    xm = tid / xsegi;
-                    xi = tid - xm * xsegi;
-                } else {
-                    xdb_items(sb + segc, xs + ((seg + 1) & 1) * HALF, true);
-                }
-            }
-        }
+    for (int sb = c0; sb < c1; sb += segc) {
         // stage x[m0:m0+m_valid, chunks sb..sb+segc) in the k-slot permutation
-        if (!xdb) __syncthreads();
+        __syncthreads();
         const i64 kseg = (i64)sb * CK;
         const int se = min(c1, sb + segc), seg8 = (se - sb) * (CK / 8);
         // groups of 8 codes: thread tid takes items tid, tid + blockDim.x, ... of the mrows x segi grid, its
@@ -821,7 +740,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
         // segment takes half the round trips to L2 in a row; G % 8 == 0, so seg8 is even)
         const int pairs = A.x_kind == KIND_BF16 && A.x_vec, segi = seg8 >> pairs;
         int m = tid / segi, i = tid - m * segi;
-        while (!(MX_DIAG & 4) && !xdb && m < mrows) {
+        while (!(MX_DIAG & 4) && m < mrows) {
             // group d: chunk d / G, lane t = d % 4, its 8-code slot jj = (d % G) / 4 (G = CK / 8 groups a chunk)
             constexpr u32 G = CK / 8;
             static_assert((G & (G - 1)) == 0 && G % 8 == 0, "groups of a chunk: a power of two, 4 lanes x 2");
@@ -875,7 +794,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
                 }
             }
         }
-        if (!xdb) __syncthreads();
+        __syncthreads();
         if (first && sb == c0) TRACE(A.W, 2);
         if (norm_rows && sb == c0) {
 #pragma unroll
@@ -891,12 +810,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
             for (int s = 0; s < ST; ++s) {
                 const int c = cb + s;
                 if (c >= se) break;  // uniform per block
-                const u32 co = xoff + (u32)(c - sb) * (2 * CK);  // the chunk's bytes into the staged rows
-                if (MX_XDB == 2 && xdb && xm < mrows) {  // one item of the next segment's rows a chunk
-                    xdb_copy(xm, xi, sb + segc, xs + ((seg + 1) & 1) * HALF);
-                    cp_commit();
-                    xdb_step(xm, xi, xsegi);
-                }
+                const u32 co = (u32)(c - sb) * (2 * CK);  // the chunk's bytes into the staged rows
                 // refill this stage with the chunk ST ahead: inside the chunk's MMAs, piece by piece (MX_EARLY,
                 // whole chunks), or after them
                 const bool more = c + ST < c1;

@@ -366,65 +366,6 @@ def test_wide_staging_rows_keep_the_bytes(fmt, monkeypatch):
             assert all(np.array_equal(g, got[0]) for g in got[1:]), f"{fmt} {tune} M{m}: wide_segk changed the bytes"
 
 
-def edge_bf16_rows(rng, m, k):
-    """m rows of bf16 bits of K values (device): normal values, zeros of both signs, bf16 subnormals (nvcc builds:
-    an NVRTC build's -ftz flushes them in the float32 staging) and, in the last row, a value whose 2^64 multiple is
-    past the range (infinity)."""
-    x = bf16_round(rng.standard_normal((m, k))).astype(np.float32)
-    x[:, :2] = [0.0, -0.0]
-    if kernels.compiler() == "nvcc":
-        x[:, 2:6] = [2.0**-130, -(2.0**-133), 2.0**-126, 2.0**-128 + 2.0**-131]
-    x[-1, 7] = 2.0**70
-    return cp.asarray(bf16_encode(x))
-
-
-def check_xdb(fmt, cases, rows, monkeypatch):
-    """mx_linear and mx_swiglu (N % 16 == 0) over each (shape, TUNE overrides) of `cases` at each row count of `rows`
-    (two n-tiles), x as bf16 edge rows and as float32: the same bytes with TUNE `wide_xdb` 1 and 2 as with 0."""
-    rng, tune0 = np.random.default_rng(zlib.crc32(f"xdb-{fmt}-{cases}".encode())), ex.TUNE
-    base = {"small_bytes": 0, "small_n": 0}
-    for shape, tune in cases:
-        w = ex.pack_weight(random_weight(rng, fmt, shape)[0])
-        tunes = [{**tune0, **base, **tune, "wide_xdb": v} for v in (0, 1, 2)]
-        swiglu = ex.fuses_swiglu(w, 12)
-        assert len(set(build_ahead(w, (12,), tunes, swiglu))) == 3, f"{fmt} {shape}: MX_XDB built nothing else"
-        for m in rows:
-            for x in (edge_bf16_rows(rng, m, shape[1]), cp.asarray(rng.standard_normal((m, shape[1]), np.float32))):
-                got, swi = [], []
-                for v in tunes:
-                    monkeypatch.setattr(ex, "TUNE", v)
-                    got.append(host(ex.mx_linear(x, w)).view(np.uint32))
-                    if swiglu:
-                        swi.append(host(ex.mx_swiglu(x, w)).view(np.uint32))
-                for v in (1, 2):
-                    name = f"{fmt} {shape} {tune} M{m} x {x.dtype} wide_xdb {v}"
-                    assert_bytes_equal(got[v], got[0], name)
-                    if swiglu:
-                        assert_bytes_equal(swi[v], swi[0], name + " SwiGLU")
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_double_buffered_x_staging_keeps_the_bytes(fmt, monkeypatch):
-    """The two-n-tile kernels' bf16 x staged in two halves of their buffer (TUNE `wide_xdb`, MX_XDB: the next
-    segment's raw rows by cp.async during a segment, each thread's groups permuted and scaled in place at the
-    boundary; all of a segment's copies at its start, or one item a chunk) changes when x is staged, not what is summed: the bytes of the plain staging at 9, 12 and 16 rows,
-    plain and SwiGLU launches (the SwiGLU blocks' own width, 24 warps, in dynamic shared memory), over edge values
-    (zeros, subnormals, a 2^64 overflow); tile grids, stream-K, K splits, blocks whose K range takes many segments
-    (K 17408 unsplit), a K whose last pair's second group lies past it (K % 16 == 8, codes row-major: K is not whole
-    chunks); float32 x, which takes the plain staging under either setting, too."""
-    check_xdb(fmt, (((4096, 5120), {}), ((4096, 5120), {"policy": "stream", "min_chunks": 1}),
-                    ((192, 17408), {"ksplit": 1}), ((704, 1592), {"ksplit": 1}), ((4096, 5120), {"ksplit": 3})),
-              (9, 12, 16), monkeypatch)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_double_buffered_x_staging_keeps_the_bytes_small(fmt, monkeypatch):
-    """The same at sizes the host emulator runs in CI (tests/test_cuda_emu.py): twelve rows, blocks of several
-    segments (a tile grid's whole K range) and stream-K blocks over a K with K % 16 == 8."""
-    check_xdb(fmt, (((256, 2048), {"ksplit": 1}), ((256, 2072), {"policy": "stream", "min_chunks": 2})), (12,),
-              monkeypatch)
-
-
 MANY_SAME_PLAN = ({"many_segk": 0, "many_stages": 0}, {"many_segk": 1024}, {"many_segk": 1024, "many_stages": 1},
                   {"many_segk": 1024, "many_stages": 4})
 

@@ -316,3 +316,33 @@ def test_a_draft_never_takes_the_page_of_another_sequences_token():
     plan = e._plan_with_pages()
     assert [(c.seq, c.num_tokens, c.draft) for c in plan.chunks] == [(a, 1, None), (b, 1, None)]
     assert e.stats.pauses == 0 and len(b.pages) == 3 and len(a.pages) == 2
+
+
+def test_the_token_after_an_accepted_draft_is_sampled_in_the_same_call(monkeypatch):
+    """The draft's own row (the token after it, kept only where the draft is accepted) is sampled in the same
+    sampler call as the real token's where its sampler row is known before the real token is appended (no
+    penalty that reads token ids, no host hook): one call a step, the same tokens and draws. Where it is not (a
+    presence penalty), the second call after the first token, as before; tokens the same either way."""
+    calls = []
+    sample = Engine._sample
+
+    def counted(self, logits, idx, seqs, rows):
+        calls.append(len(idx))
+        return sample(self, logits, idx, seqs, rows)
+
+    monkeypatch.setattr(Engine, "_sample", counted)
+    prompts = prompts_of(CODE[:3])
+    for params, one_call in ((SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), True),
+                             (SamplingParams(temperature=0.7, seed=4, max_tokens=40, ignore_eos=True), True),
+                             (SamplingParams(temperature=0, presence_penalty=0.4, max_tokens=40, ignore_eos=True),
+                              False)):
+        calls.clear()
+        ref, _ = run("off", prompts, params)
+        calls.clear()
+        got, e = run("mtp", prompts, params)
+        assert got == ref and e.stats.accepted_tokens > 0
+        # every step samples (the prompts fit the first step): one call a step, or more where drafts were accepted
+        if one_call:
+            assert len(calls) == e.stats.steps, (params, len(calls), e.stats.steps)
+        else:
+            assert len(calls) > e.stats.steps, (params, len(calls), e.stats.steps)

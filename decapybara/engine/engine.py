@@ -25,7 +25,7 @@ from decapybara.engine.memory import MemoryMixin
 from decapybara.engine.ngram import NgramIndex
 from decapybara.engine.planner import StepPlan, plan_step
 from decapybara.engine.runner import ModelRunner
-from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
+from decapybara.engine.sampling import SampleOutput, SamplerRow, SamplingParams, sample
 from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
 from decapybara.engine.spec_governor import SpecGovernor
 from decapybara.errors import ContextOverflowError, InvalidRequestError
@@ -285,8 +285,15 @@ class Engine(MemoryMixin):
         for c in sampling:
             first.append(r)
             r += 2 if c.draft is not None else 1
-        sampled = self._sample(out.logits, first, [c.seq for c in sampling],
-                               [self._sampler_row(c.seq) for c in sampling]) if sampling else None
+        rows = [self._sampler_row(c.seq) for c in sampling]
+        # a draft's own row sampled in the same call where its sampler row is known before the first token is
+        # appended (`_ahead`): kept below only if the sequence's row after that token is the one predicted
+        ahead = {j: dataclasses.replace(rows[j], position=rows[j].position + 1)
+                 for j, c in enumerate(sampling) if c.draft is not None and self._ahead(c.seq)}
+        both = self._sample(out.logits, first + [first[j] + 1 for j in ahead],
+                            [c.seq for c in sampling] + [sampling[j].seq for j in ahead],
+                            rows + list(ahead.values())) if sampling else None
+        sampled = _take(both, range(len(sampling))) if ahead else both
         accepted = {id(c): int(sampled.token_ids[j]) == c.draft for j, c in enumerate(sampling) if c.draft is not None}
         before = []
         for c in plan.chunks:
@@ -317,12 +324,17 @@ class Engine(MemoryMixin):
         # LoopGuard forced tokens after it (num_uncomputed 0: the draft is the last token and computed)
         bonus = [j for j, c in enumerate(sampling) if c.draft is not None and accepted[id(c)]
                  and c.seq.finish_reason is None and c.seq.num_uncomputed == 0]
-        if bonus:  # the accepted drafts' own rows: the token after them
-            extra = self._sample(out.logits, [first[j] + 1 for j in bonus], [sampling[j].seq for j in bonus],
-                                 [self._sampler_row(sampling[j].seq) for j in bonus])
-            for k, j in enumerate(bonus):
-                self._append_output(sampling[j].seq, int(extra.token_ids[k]), float(extra.logprobs[k]),
-                                    extra.top_logprobs[k], now)
+        if bonus:  # the accepted drafts' own rows: the token after them, sampled ahead or now
+            after = {j: self._sampler_row(sampling[j].seq) for j in bonus}
+            slot = {j: len(sampling) + k for k, j in enumerate(ahead)}
+            late = [j for j in bonus if j not in ahead or not _same_row(after[j], ahead[j])]
+            extra = self._sample(out.logits, [first[j] + 1 for j in late], [sampling[j].seq for j in late],
+                                 [after[j] for j in late]) if late else None
+            got = {j: (extra, k) for k, j in enumerate(late)}
+            for j in bonus:
+                res, k = got.get(j) or (both, slot[j])
+                self._append_output(sampling[j].seq, int(res.token_ids[k]), float(res.logprobs[k]),
+                                    res.top_logprobs[k], now)
         if self.mtp:
             self._draft(plan, out, before)
         elif self.speculate:
@@ -333,6 +345,14 @@ class Engine(MemoryMixin):
             if ev is not None:
                 events.append(ev)
         return events
+
+    def _ahead(self, s: Sequence) -> bool:
+        """Whether `s`'s draft row may be sampled beside its real token's row: its sampler row after the real token
+        is appended is then known (the next position, no penalty that reads token ids, the LoopGuard's penalty and
+        bans as they are; `_postprocess` checks that they stayed so), and no host hook sees the sequence."""
+        p = s.params
+        return (self.logits_processor is None and max(p.repetition_penalty, s.extra_penalty) == 1.0
+                and not p.presence_penalty and not p.frequency_penalty)
 
     def _sample(self, logits: Any, idx: list[int], seqs: list[Sequence], rows: list[SamplerRow]) -> Any:
         """Sample the step's logits rows `idx` for `seqs` by their sampler rows (through the host hook
@@ -574,6 +594,20 @@ class Engine(MemoryMixin):
             **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
             **({"speculation": self.governor.summary()} if self.governor is not None else {}),
         }
+
+
+def _take(out: SampleOutput, ks: Iterable[int]) -> SampleOutput:
+    """Rows `ks` of a sampler call's output."""
+    ks = list(ks)
+    return SampleOutput(np.asarray(out.token_ids)[ks], np.asarray(out.logprobs)[ks], [out.top_logprobs[k] for k in ks])
+
+
+def _same_row(a: SamplerRow, b: SamplerRow) -> bool:
+    """Whether two sampler rows of one sequence draw alike: the same position and LoopGuard penalty and bans, and
+    no token ids read by a penalty (what `Engine._ahead` predicts)."""
+    return (a.position == b.position and a.extra_repetition_penalty == b.extra_repetition_penalty
+            and tuple(a.banned_token_ids) == tuple(b.banned_token_ids) and len(a.prompt_token_ids) == 0
+            and len(a.output_token_ids) == 0 and a.params is b.params and a.seed == b.seed)
 
 
 def youngest_victim(engine: Engine, needing: Sequence) -> Sequence:

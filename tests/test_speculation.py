@@ -318,11 +318,28 @@ def test_a_draft_never_takes_the_page_of_another_sequences_token():
     assert e.stats.pauses == 0 and len(b.pages) == 3 and len(a.pages) == 2
 
 
+def events_of(speculator: str, prompts, params) -> list:
+    """(token, logprob, top logprobs) of each request's events, one request at a time."""
+    loaded, got = demo(), []
+    from decapybara.engine.sequence import Request
+
+    for i, p in enumerate(prompts):
+        eng = Engine(loaded.model, EngineConfig(speculator=speculator, page_size=16, num_pages=64, loop_guard="off",
+                                                spec_adaptive=False), tokenizer=loaded.tokenizer)
+        eng.add_request(Request(tuple(p), params, request_id=f"r{i}"))
+        while eng.has_work():
+            for ev in eng.step():
+                got += list(zip(ev.token_ids, ev.logprobs, ev.top_logprobs))
+    return got
+
+
 def test_the_token_after_an_accepted_draft_is_sampled_in_the_same_call(monkeypatch):
     """The draft's own row (the token after it, kept only where the draft is accepted) is sampled in the same
     sampler call as the real token's where its sampler row is known before the real token is appended (no
-    penalty that reads token ids, no host hook): one call a step, the same tokens and draws. Where it is not (a
-    presence penalty), the second call after the first token, as before; tokens the same either way."""
+    penalty that reads token ids, no host hook): one call a step, the same tokens, draws and logprobs, min_tokens'
+    masks at the rows' own positions. Where it is not (a presence penalty), the second call after the first token,
+    as before; and where the first call fails (the sampler refusing a row), the real tokens' rows alone: tokens the
+    same either way."""
     calls = []
     sample = Engine._sample
 
@@ -334,6 +351,7 @@ def test_the_token_after_an_accepted_draft_is_sampled_in_the_same_call(monkeypat
     prompts = prompts_of(CODE[:3])
     for params, one_call in ((SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), True),
                              (SamplingParams(temperature=0.7, seed=4, max_tokens=40, ignore_eos=True), True),
+                             (SamplingParams(temperature=0.9, seed=2, max_tokens=40, min_tokens=24), True),
                              (SamplingParams(temperature=0, presence_penalty=0.4, max_tokens=40, ignore_eos=True),
                               False)):
         calls.clear()
@@ -346,3 +364,20 @@ def test_the_token_after_an_accepted_draft_is_sampled_in_the_same_call(monkeypat
             assert len(calls) == e.stats.steps, (params, len(calls), e.stats.steps)
         else:
             assert len(calls) > e.stats.steps, (params, len(calls), e.stats.steps)
+    lp = SamplingParams(temperature=0.6, min_p=0.05, seed=3, max_tokens=30, ignore_eos=True, logprobs=3)
+    a, b = events_of("mtp", prompts[:2], lp), events_of("off", prompts[:2], lp)
+    assert [t for t, _, _ in a] == [t for t, _, _ in b]
+    assert np.allclose([x for _, x, _ in a], [x for _, x, _ in b], atol=1e-5)
+    assert [[i for i, _ in top] for _, _, top in a] == [[i for i, _ in top] for _, _, top in b]
+
+    def refusing(self, logits, idx, seqs, rows):  # a call holding a draft's row ahead fails, as for NaN logits
+        calls.append(len(idx))
+        if len({id(q) for q in seqs}) < len(seqs):
+            raise ValueError("every row of logits needs at least one finite value")
+        return sample(self, logits, idx, seqs, rows)
+
+    monkeypatch.setattr(Engine, "_sample", refusing)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, _ = run("off", prompts, greedy)
+    got, e = run("mtp", prompts, greedy)
+    assert got == ref and e.stats.accepted_tokens > 0

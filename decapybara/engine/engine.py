@@ -25,7 +25,7 @@ from decapybara.engine.memory import MemoryMixin
 from decapybara.engine.ngram import NgramIndex
 from decapybara.engine.planner import StepPlan, plan_step
 from decapybara.engine.runner import ModelRunner
-from decapybara.engine.sampling import SampleOutput, SamplerRow, SamplingParams, sample
+from decapybara.engine.sampling import SamplerRow, SamplingParams, sample
 from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
 from decapybara.engine.spec_governor import SpecGovernor
 from decapybara.errors import ContextOverflowError, InvalidRequestError
@@ -274,11 +274,12 @@ class Engine(MemoryMixin):
     def _postprocess(self, plan: StepPlan, out: Any) -> list[TokenEvent]:
         """Sample, account and emit. A chunk with a draft samples its real token's row as any decode does; the
         draft is accepted where that token is the draft, and then its own row samples the next token (after the
-        first is appended, so the penalties and the LoopGuard see it as they would a step later): the tokens and
-        draws of decoding without speculation. A rejected draft's row is rolled back (its KV slot is rewritten
-        later; a hybrid model's state is set back to the snapshot after the real token). With speculation the
-        MTP head then runs over the step's new (hidden, next token) pairs and drafts each decoding sequence's
-        next token (`_draft`)."""
+        first is appended, so the penalties and the LoopGuard see it as they would a step later; where that row
+        cannot depend on the first token (`_ahead`), it is sampled in the first call and kept only if the row
+        after the first token is the predicted one, `_same_row`): the tokens and draws of decoding without
+        speculation. A rejected draft's row is rolled back (its KV slot is rewritten later; a hybrid model's state
+        is set back to the snapshot after the real token). With speculation the MTP head then runs over the
+        step's new (hidden, next token) pairs and drafts each decoding sequence's next token (`_draft`)."""
         now = self.clock()
         sampling = [c for c in plan.chunks if c.sample]
         first, r = [], 0  # each sampling chunk's first logits row (a chunk with a draft has two)
@@ -290,10 +291,16 @@ class Engine(MemoryMixin):
         # appended (`_ahead`): kept below only if the sequence's row after that token is the one predicted
         ahead = {j: dataclasses.replace(rows[j], position=rows[j].position + 1)
                  for j, c in enumerate(sampling) if c.draft is not None and self._ahead(c.seq)}
-        both = self._sample(out.logits, first + [first[j] + 1 for j in ahead],
-                            [c.seq for c in sampling] + [sampling[j].seq for j in ahead],
-                            rows + list(ahead.values())) if sampling else None
-        sampled = _take(both, range(len(sampling))) if ahead else both
+        seqs = [c.seq for c in sampling]
+        try:
+            both = self._sample(out.logits, first + [first[j] + 1 for j in ahead], seqs + [seqs[j] for j in ahead],
+                                rows + list(ahead.values())) if sampling else None
+        except ValueError:  # a draft's row the sampler refuses (no finite logit): the real tokens' rows alone, as
+            if not ahead:   # before, so that a draft never sampled after a rejection cannot fail the step
+                raise
+            ahead = {}
+            both = self._sample(out.logits, first, seqs, rows)
+        sampled = both  # rows j < len(sampling): the real tokens'; then the ahead rows in `ahead`'s order
         accepted = {id(c): int(sampled.token_ids[j]) == c.draft for j, c in enumerate(sampling) if c.draft is not None}
         before = []
         for c in plan.chunks:
@@ -596,18 +603,12 @@ class Engine(MemoryMixin):
         }
 
 
-def _take(out: SampleOutput, ks: Iterable[int]) -> SampleOutput:
-    """Rows `ks` of a sampler call's output."""
-    ks = list(ks)
-    return SampleOutput(np.asarray(out.token_ids)[ks], np.asarray(out.logprobs)[ks], [out.top_logprobs[k] for k in ks])
-
-
 def _same_row(a: SamplerRow, b: SamplerRow) -> bool:
-    """Whether two sampler rows of one sequence draw alike: the same position and LoopGuard penalty and bans, and
-    no token ids read by a penalty (what `Engine._ahead` predicts)."""
+    """Whether two sampler rows of one sequence (its params and seed), neither reading token ids for a penalty
+    (`Engine._ahead`; a LoopGuard penalty that changed makes them differ here), draw alike: the same position,
+    LoopGuard penalty and bans."""
     return (a.position == b.position and a.extra_repetition_penalty == b.extra_repetition_penalty
-            and tuple(a.banned_token_ids) == tuple(b.banned_token_ids) and len(a.prompt_token_ids) == 0
-            and len(a.output_token_ids) == 0 and a.params is b.params and a.seed == b.seed)
+            and tuple(a.banned_token_ids) == tuple(b.banned_token_ids))
 
 
 def youngest_victim(engine: Engine, needing: Sequence) -> Sequence:

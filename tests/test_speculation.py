@@ -15,6 +15,7 @@ from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.config import DEMO_MODEL, EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
 from decapybara.model.load import load_model
 
 
@@ -72,20 +73,7 @@ def test_seeded_sampling_penalties_and_logprobs_are_the_same():
     e = same_with_and_without(prompts, params)
     assert e.stats.accepted_tokens > 0
 
-    def logprobs(speculator: str) -> list:
-        loaded = demo()
-        eng = Engine(loaded.model, EngineConfig(speculator=speculator, page_size=16, num_pages=64, loop_guard="off"),
-                     tokenizer=loaded.tokenizer)
-        from decapybara.engine.sequence import Request
-
-        eng.add_request(Request(tuple(prompts[3]), params[3], request_id="r"))
-        got = []
-        while eng.has_work():
-            for ev in eng.step():
-                got += list(zip(ev.token_ids, ev.logprobs, ev.top_logprobs))
-        return got
-
-    a, b = logprobs("mtp"), logprobs("off")
+    a, b = (events_of(spec, [prompts[3]], params[3], spec_adaptive=True) for spec in ("mtp", "off"))
     assert [t for t, _, _ in a] == [t for t, _, _ in b]
     assert np.allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-5)
     assert [[i for i, _ in top] for _, _, top in a] == [[i for i, _ in top] for _, _, top in b]
@@ -318,14 +306,12 @@ def test_a_draft_never_takes_the_page_of_another_sequences_token():
     assert e.stats.pauses == 0 and len(b.pages) == 3 and len(a.pages) == 2
 
 
-def events_of(speculator: str, prompts, params) -> list:
+def events_of(speculator: str, prompts, params, spec_adaptive: bool = False) -> list:
     """(token, logprob, top logprobs) of each request's events, one request at a time."""
     loaded, got = demo(), []
-    from decapybara.engine.sequence import Request
-
     for i, p in enumerate(prompts):
         eng = Engine(loaded.model, EngineConfig(speculator=speculator, page_size=16, num_pages=64, loop_guard="off",
-                                                spec_adaptive=False), tokenizer=loaded.tokenizer)
+                                                spec_adaptive=spec_adaptive), tokenizer=loaded.tokenizer)
         eng.add_request(Request(tuple(p), params, request_id=f"r{i}"))
         while eng.has_work():
             for ev in eng.step():

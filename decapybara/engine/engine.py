@@ -292,15 +292,14 @@ class Engine(MemoryMixin):
         ahead = {j: dataclasses.replace(rows[j], position=rows[j].position + 1)
                  for j, c in enumerate(sampling) if c.draft is not None and self._ahead(c.seq)}
         seqs = [c.seq for c in sampling]
-        try:
-            both = self._sample(out.logits, first + [first[j] + 1 for j in ahead], seqs + [seqs[j] for j in ahead],
-                                rows + list(ahead.values())) if sampling else None
+        try:  # rows j < len(sampling): the real tokens'; then the ahead rows in `ahead`'s order
+            sampled = self._sample(out.logits, first + [first[j] + 1 for j in ahead], seqs + [seqs[j] for j in ahead],
+                                   rows + list(ahead.values())) if sampling else None
         except ValueError:  # a draft's row the sampler refuses (no finite logit): the real tokens' rows alone, as
             if not ahead:   # before, so that a draft never sampled after a rejection cannot fail the step
                 raise
             ahead = {}
-            both = self._sample(out.logits, first, seqs, rows)
-        sampled = both  # rows j < len(sampling): the real tokens'; then the ahead rows in `ahead`'s order
+            sampled = self._sample(out.logits, first, seqs, rows)
         accepted = {id(c): int(sampled.token_ids[j]) == c.draft for j, c in enumerate(sampling) if c.draft is not None}
         before = []
         for c in plan.chunks:
@@ -332,16 +331,16 @@ class Engine(MemoryMixin):
         bonus = [j for j, c in enumerate(sampling) if c.draft is not None and accepted[id(c)]
                  and c.seq.finish_reason is None and c.seq.num_uncomputed == 0]
         if bonus:  # the accepted drafts' own rows: the token after them, sampled ahead or now
-            after = {j: self._sampler_row(sampling[j].seq) for j in bonus}
-            slot = {j: len(sampling) + k for k, j in enumerate(ahead)}
+            after = {j: self._sampler_row(seqs[j]) for j in bonus}
+            pick = {j: (sampled, len(sampling) + k) for k, j in enumerate(ahead)}  # (a call's output, its row)
             late = [j for j in bonus if j not in ahead or not _same_row(after[j], ahead[j])]
-            extra = self._sample(out.logits, [first[j] + 1 for j in late], [sampling[j].seq for j in late],
-                                 [after[j] for j in late]) if late else None
-            got = {j: (extra, k) for k, j in enumerate(late)}
+            if late:
+                extra = self._sample(out.logits, [first[j] + 1 for j in late], [seqs[j] for j in late],
+                                     [after[j] for j in late])
+                pick.update({j: (extra, k) for k, j in enumerate(late)})
             for j in bonus:
-                res, k = got.get(j) or (both, slot[j])
-                self._append_output(sampling[j].seq, int(res.token_ids[k]), float(res.logprobs[k]),
-                                    res.top_logprobs[k], now)
+                res, k = pick[j]
+                self._append_output(seqs[j], int(res.token_ids[k]), float(res.logprobs[k]), res.top_logprobs[k], now)
         if self.mtp:
             self._draft(plan, out, before)
         elif self.speculate:
@@ -357,9 +356,7 @@ class Engine(MemoryMixin):
         """Whether `s`'s draft row may be sampled beside its real token's row: its sampler row after the real token
         is appended is then known (the next position, no penalty that reads token ids, the LoopGuard's penalty and
         bans as they are; `_postprocess` checks that they stayed so), and no host hook sees the sequence."""
-        p = s.params
-        return (self.logits_processor is None and max(p.repetition_penalty, s.extra_penalty) == 1.0
-                and not p.presence_penalty and not p.frequency_penalty)
+        return self.logits_processor is None and not any(_penalties_read_ids(s))
 
     def _sample(self, logits: Any, idx: list[int], seqs: list[Sequence], rows: list[SamplerRow]) -> Any:
         """Sample the step's logits rows `idx` for `seqs` by their sampler rows (through the host hook
@@ -452,10 +449,9 @@ class Engine(MemoryMixin):
         the prompt's and the output's ids together: `seen_ids` (kept incrementally) stands for the prompt ids,
         the same union. Presence and frequency read the output. Copying a long context's token list every step
         cost ~0.8 ms a sequence at 131k tokens, and taking its unique ids ~60 ms."""
-        p = s.params
-        rep = max(p.repetition_penalty, s.extra_penalty) != 1.0
-        out = s.output_ids() if rep or p.presence_penalty or p.frequency_penalty else ()
-        return SamplerRow(p, s.seen_ids() if rep else (), out, s.num_output, s.seed, s.extra_penalty, s.banned)
+        rep, counts = _penalties_read_ids(s)
+        out = s.output_ids() if rep or counts else ()
+        return SamplerRow(s.params, s.seen_ids() if rep else (), out, s.num_output, s.seed, s.extra_penalty, s.banned)
 
     def _register_pages(self, s: Sequence, chunk_index: int, snapshots: dict) -> None:
         """Hash and register pages that became full; store hybrid snapshots taken at their ends."""
@@ -601,6 +597,13 @@ class Engine(MemoryMixin):
             **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
             **({"speculation": self.governor.summary()} if self.governor is not None else {}),
         }
+
+
+def _penalties_read_ids(s: Sequence) -> tuple[bool, bool]:
+    """(the repetition penalty is on (the request's or the LoopGuard's): it reads the seen ids and the output,
+    presence or frequency is on: they read the output's counts)."""
+    p = s.params
+    return max(p.repetition_penalty, s.extra_penalty) != 1.0, bool(p.presence_penalty or p.frequency_penalty)
 
 
 def _same_row(a: SamplerRow, b: SamplerRow) -> bool:

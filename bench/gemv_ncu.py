@@ -10,11 +10,14 @@ exported as CSV) says which instructions those are: bench/ncu_source.py summaris
 DECAPYBARA_KERNEL_LINEINFO=1 and `--set full --import-source yes`, by CUDA source line too; docs/perf.md, the
 forty-sixth session's table of the one- and twelve-row products). NCU_X=bf16 passes x in bf16 bits (as the decode
 step's products take it; default float32); NCU_OP=swiglu launches the fused SwiGLU product (`mx_swiglu`: the step's
-gate|up) in place of the plain one.
+gate|up) in place of the plain one. NCU_TUNE (JSON) updates the kernels' TUNE and NCU_DEFINES ("MX_DIAG=4,...")
+adds kernel defines, as bench/gemv_sweep.py's variants do (e.g. NCU_TUNE='{"source": "mx_gemv_prev"}' profiles an
+older kernel file saved beside the current one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +34,9 @@ from decapybara.backend import cupy_ops_extra as ex
 def main() -> None:
     fmt = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
     n, k, m = (int(a) for a in (sys.argv[2:5] if len(sys.argv) > 4 else (34816, 5120, 1)))
+    ex.TUNE.update(json.loads(os.environ.get("NCU_TUNE", "{}")))
+    ex.TUNE_DEFINES = tuple((d.split("=")[0], int(d.split("=")[1]))
+                            for d in os.environ.get("NCU_DEFINES", "").split(",") if d)
     cp.random.seed(0)
     w = random_packed(fmt, (n, k))
     x = cp.random.standard_normal((m, k), cp.float32)
@@ -40,7 +46,8 @@ def main() -> None:
     for _ in range(4):  # three warm-up launches (compile, caches), then the profiled one
         op(x, w)
     cp.cuda.Device().synchronize()
-    print(f"{fmt} [{n}, {k}] M {m} x {x.dtype} {op.__name__}: tuning {ex.launch_tune(w, m, swiglu=op is ex.mx_swiglu)}")
+    print(f"{fmt} [{n}, {k}] M {m} x {x.dtype} {op.__name__}: tuning {ex.launch_tune(w, m, swiglu=op is ex.mx_swiglu)}"
+          f"{', defines ' + str(ex.TUNE_DEFINES) if ex.TUNE_DEFINES else ''}")
 
 
 if __name__ == "__main__":

@@ -93,11 +93,18 @@ def test_chained_tails_in_a_graph_write_the_eager_tails_bytes(resident, rows):
 
     fill()
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    graph, outs = capture_graph(chained, stream, pool)
-    tails.commit()
+    # A chain's waits give up where another process's kernels hold the GPU meanwhile (the suite's test processes
+    # share it), and its tail then stays launched, as designed: such an attempt, and only such, is tried again.
+    for attempt in range(3):
+        graph, outs = capture_graph(chained, stream, pool)
+        tails.commit()
+        if not (tails.stats["launched"] and tails.timed_out()) or attempt == 2:
+            break
+        tails = chain_tails.ChainTails()
     # (the message names why a tail stayed launched: its build's error, a chain's timeout, else the warm-up's bytes)
-    why = {k: tails.stats[k] for k in ("chains", "launched", "recut", "errors")} | {"timed out": tails.timed_out()}
-    assert tails.stats["chains"] >= len(layers) and not tails.stats["launched"] and not tails.stats["recut"], why
+    why = {k: tails.stats[k] for k in ("chains", "launched", "recut", "errors")} | {"timed out": tails.timed_out(),
+                                                                                  "attempts": attempt + 1}
+    assert tails.stats["chains"] >= len(layers) and not tails.stats["launched"] and not tails.stats["recut"], str(why)
     assert tails.stats["retargeted"] == tails.stats["chains"] and not tails.pending, tails.stats
     for replay in range(2):
         fill()

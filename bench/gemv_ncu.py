@@ -10,14 +10,13 @@ exported as CSV) says which instructions those are: bench/ncu_source.py summaris
 DECAPYBARA_KERNEL_LINEINFO=1 and `--set full --import-source yes`, by CUDA source line too; docs/perf.md, the
 forty-sixth session's table of the one- and twelve-row products). NCU_X=bf16 passes x in bf16 bits (as the decode
 step's products take it; default float32); NCU_OP=swiglu launches the fused SwiGLU product (`mx_swiglu`: the step's
-gate|up) in place of the plain one. NCU_TUNE (JSON) updates the kernels' TUNE and NCU_DEFINES ("MX_DIAG=4,...")
-adds kernel defines, as bench/gemv_sweep.py's variants do (e.g. NCU_TUNE='{"source": "mx_gemv_prev"}' profiles an
-older kernel file saved beside the current one).
+gate|up) in place of the plain one. A variant of bench/gemv_sweep.py: its TUNE through DECAPYBARA_MX_TUNE (e.g.
+'{"source": "mx_gemv_prev"}' profiles an older kernel file saved beside the current one), its kernel defines
+through NCU_DEFINES ("MX_DIAG=4,...").
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -34,7 +33,6 @@ from decapybara.backend import cupy_ops_extra as ex
 def main() -> None:
     fmt = sys.argv[1] if len(sys.argv) > 1 else "mxfp4"
     n, k, m = (int(a) for a in (sys.argv[2:5] if len(sys.argv) > 4 else (34816, 5120, 1)))
-    ex.TUNE.update(json.loads(os.environ.get("NCU_TUNE", "{}")))
     ex.TUNE_DEFINES = tuple((d.split("=")[0], int(d.split("=")[1]))
                             for d in os.environ.get("NCU_DEFINES", "").split(",") if d)
     cp.random.seed(0)

@@ -577,18 +577,19 @@ class DecodeGraphRunner:
         # zero weight (0 x NaN); the throwaway row sees the sequence's keys only
         length = np.full(b, rows)
         length[:n] = [s.length for s in seqs]
-        info = st.h32("seq_info")
         if st.tables2 is not None or st.attn_plan.rows is not None:  # a decode pass a token
             # token j of sequence i: one token at row 2i + j after ctx + j keys, over keys to its own (a throwaway
             # row's to the sequence's last); the plan's sequence j x b + i in one pass, else pass j's ("", "_b")
             start = np.arange(b) * 2 + np.arange(2)[:, None]  # [2, b]
+            before = ctx + np.arange(2)[:, None]  # [2, b]
             kend = np.stack([ctx + 1, ctx + np.minimum(length, 2)])  # [2, b]
             passes = [("", slice(None))] if st.tables2 is not None else [("", 0), ("_b", 1)]
             for suffix, j in passes:
-                rows_info = st.h32("seq_info" + suffix).reshape(-1, b, 3)
-                rows_info[..., 0], rows_info[..., 1], rows_info[..., 2] = start[j], 1, (ctx + np.arange(2)[:, None])[j]
+                info = st.h32("seq_info" + suffix).reshape(-1, b, 3)
+                info[..., 0], info[..., 1], info[..., 2] = start[j], 1, before[j]
                 self._fill_work(st, np.repeat(kend[j].reshape(-1), st.tiles).reshape(-1, st.tiles), suffix)
         else:
+            info = st.h32("seq_info")
             info[:, 0], info[:, 1], info[:, 2] = np.arange(b) * rows, rows, ctx
             g = self.model.cfg.num_attention_heads // self.model.cfg.num_key_value_heads
             last = (np.minimum(rows * g, (np.arange(st.tiles) + 1) * st.block_m) - 1) // g  # a tile's last token

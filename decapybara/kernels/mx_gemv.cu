@@ -995,12 +995,22 @@ struct Blk {
     u32 x, y, z, gx, gy;
 };
 __device__ __forceinline__ Blk launch_blk() { return {blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y}; }
-// The wait for the kernel before and the trigger of the next one, of a launched product: pdl.cuh's.
+// The wait for the kernel before and the trigger of the next one, of a launched product: pdl.cuh's. With
+// MX_PDL_PF > 0 a block's first segment has the L2 fetch its next MX_PDL_PF chunks of weights (past its register
+// stages) before that wait, as a chain's block does before its own (MX_CHAIN_PF): under an overlapped launch the
+// wait may be long (the kernel before is latency-bound); under a plain one it returns at once. A cache hint only.
+#ifndef MX_PDL_PF
+#define MX_PDL_PF 0
+#endif
 struct PdlSync {
-    __device__ __forceinline__ void wait() { pdl_wait(); }
+    bool waited = false;
+    __device__ __forceinline__ void wait() {
+        waited = true;
+        pdl_wait();
+    }
     __device__ __forceinline__ void trigger() { pdl_trigger(); }
-    __device__ static constexpr bool will_wait() { return false; }  // (a chain's block about to wait on other blocks)
-    __device__ static constexpr int prefetch_chunks() { return 0; }
+    __device__ __forceinline__ bool will_wait() const { return MX_PDL_PF > 0 && !waited; }
+    __device__ static constexpr int prefetch_chunks() { return MX_PDL_PF; }
 };
 
 // Block `b` of a product: its segments (a tile grid's one, or its stream-K units'), over the block's shared

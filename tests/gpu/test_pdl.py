@@ -183,6 +183,78 @@ def test_overlapped_launches_compute_the_same_chain(fmt, m, monkeypatch, overlap
     assert len(overlapping) > captured, "the eager runs made no overlapped launch"
 
 
+@pytest.mark.parametrize("fmt,m", [("mxfp4", 1), ("mxfp4", 12)])
+def test_products_asking_the_l2_before_their_wait_compute_the_same_chain(fmt, m, monkeypatch, overlapping):
+    """TUNE `pdl_prefetch` (MX_PDL_PF): an overlapped product's blocks ask the L2 for their next chunks before they
+    wait for the kernel before. A cache hint: the chain of norms and products replayed as a graph gives the bytes
+    of the plain launches without it, on fresh inputs."""
+    rng = np.random.default_rng(11)
+    d, inter = 2048, 3072
+    weights = [packed(rng, fmt, d, d, 0.03) for _ in range(3)]
+    gate_up, down = packed(rng, fmt, 2 * inter, d, 0.03), packed(rng, fmt, d, inter, 0.03)
+    norm_w = cp.asarray(rng.uniform(-0.2, 0.2, d).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((m, d)).astype(np.float32))
+    assert ("MX_PDL_PF", 4) not in ex.gemm_defines(ex.tune_for(fmt), fmt)
+    monkeypatch.setitem(ex.TUNE, "pdl_prefetch", 4)
+    assert ("MX_PDL_PF", 4) in ex.gemm_defines(ex.tune_for(fmt), fmt)
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    graph, out = capture_graph(lambda: _chain(x, norm_w, weights, gate_up, down), stream, pool)
+    assert len(overlapping) >= len(weights) + 3, f"{len(overlapping)} overlapped launches in the capture"
+    for i in range(3):
+        x[...] = cp.asarray(rng.standard_normal((m, d)).astype(np.float32) * (1 + i))
+        cp.cuda.get_current_stream().synchronize()
+        monkeypatch.setitem(ex.TUNE, "pdl_prefetch", 0)
+        monkeypatch.setitem(pdl.MODE, "pdl", "0")
+        plain = _chain(x, norm_w, weights, gate_up, down)
+        monkeypatch.setitem(pdl.MODE, "pdl", "1")
+        monkeypatch.setitem(ex.TUNE, "pdl_prefetch", 4)
+        cp.cuda.get_current_stream().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        assert_same_bytes(out, plain, f"graph replay, input {i}")
+
+
+def test_weights_asked_of_the_l2_ahead_keep_model_steps(monkeypatch, overlapping):
+    """TUNE `l2_ahead` (cupy_ops_extra.l2_ahead: the output products' weights asked of the L2 in one overlapped
+    launch before a decode step's DeltaNet recurrence and attention) and `pdl_prefetch` together change no byte:
+    decode steps of the tiny qwen3_5 checkpoint with MXFP4 matrices on the server's backend, as graphs captured
+    with overlapped launches, hints on against off (logits, KV pages and states); the hint launches counted."""
+    from decapybara.backend.cuda_factory import cuda_backend
+    from decapybara.model import quant
+    from decapybara.testing import tiny_checkpoint
+
+    cfg, tensors = tiny_checkpoint("qwen3_5_text")
+    tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+               for k, v in tensors.items()}
+    model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
+    kv, states = model.new_kv_cache(KV_PAGES, PAGE, "16/16"), model.new_state_pool(5)
+    seqs = prefilled_sequences(model, kv, states, (6, 13, 21), seed=2)
+    launched, real = [], ex.l2_ahead
+    monkeypatch.setattr(ex, "l2_ahead", lambda *a: launched.append(real(*a)) or launched[-1])
+    hints = {"off": {"l2_ahead": 0, "pdl_prefetch": 0}, "on": {"l2_ahead": 3, "pdl_prefetch": 4}}
+    runners = {name: graph_runner(model) for name in hints}
+    slots = [s[1] for s in seqs]
+    for step in range(3):
+        batch = decode_batch(seqs)
+        restore = cache_restorer(kv, states, slots)
+        results = {}
+        for name, tune in hints.items():
+            restore()
+            for key, value in tune.items():
+                monkeypatch.setitem(ex.TUNE, key, value)
+            n = sum(launched)
+            logits = cp.asnumpy(runners[name].forward(batch, kv, states).logits)
+            if step == 0:  # captured: a hint before each of the layers' mixers (and in the warm-up before)
+                got = sum(launched) - n
+                assert got >= cfg.num_hidden_layers if name == "on" else got == 0, (name, got)
+            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
+        assert_same_results(results, (("off", "on"),), step)
+        for s, row in zip(seqs, results["off"][2]):
+            s[0].append(int(np.argmax(row)))
+    assert all(r.stats["graph_steps"] == 3 and not r.stats["failures"] for r in runners.values()), \
+        [r.stats for r in runners.values()]
+
+
 @pytest.mark.parametrize("kv_mode,head_dim,family", [("16/16", 64, "qwen3_5_text"), ("6/4", 128, "qwen3_5_text"),
                                                      ("16/16", 64, "qwen3_5_moe_text")])
 def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, family, monkeypatch, overlapping):

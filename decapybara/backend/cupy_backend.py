@@ -429,8 +429,7 @@ class CupyBackend(Backend):
                               scale: float, gate: Any, to_product: Any = None) -> Any:
         """A pure decode step's gate in the decode kernel's final items and attention_reduce (no
         sigmoid_mul_rows launch: the same bits, float32 or bf16 as `sigmoid_gate`'s); other steps run the two
-        ops. `to_product`'s weight may be asked of the L2 first (`cupy_ops_extra.l2_ahead`, TUNE `l2_ahead` bit 1)."""
-        cupy_ops_extra.l2_ahead(to_product, q.shape[0], 2)
+        ops."""
         plan = self._kv_plan(kv, q, batch)
         if not gate_fuses(plan):
             return super().paged_attention_gated(kv, layer, q, k, v, batch, scale, gate, to_product)
@@ -473,9 +472,7 @@ class CupyBackend(Backend):
                             norm_weight: Any, eps: float, to_product: Any = None) -> Any:
         """A decode forward's gated norm comes from the launch after gdn_decode, which also updates the conv
         state (`gdn_decode_finish`: no gated_rms_norm_warp launch, the same bits; in bf16 bits as
-        `sigmoid_gate`'s); other forwards run the two ops (float32). Either way `to_product`'s weight may be
-        asked of the L2 first (`cupy_ops_extra.l2_ahead`, TUNE `l2_ahead` bit 0)."""
-        cupy_ops_extra.l2_ahead(to_product, mixed_qkv.shape[0], 1)
+        `sigmoid_gate`'s); other forwards run the two ops (float32)."""
         return self.deltanet_core(states, layer, mixed_qkv, a, b, params, segments, cfg, snapshots,
                                   (z, norm_weight, eps), self._product_x_dtype(to_product, mixed_qkv.shape[0]))
 

@@ -407,10 +407,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 2.30 ms, within their spread). The 27B's products each take the build they took before.
 # `pdl_prefetch` (0: none; MX_PDL_PF): chunks of weights past its register stages that an overlapped product's
 # block asks of the L2 (a line a row and chunk) before it waits for the kernel before it, as a chain's block does
-# (MX_CHAIN_PF). `l2_ahead` (0: none): the one product that reads a latency-bound kernel's result has its whole
-# weight asked of the L2 (`l2_ahead`, decapybara/kernels/l2_ahead.cu) in one launch before that kernel: bit 0 a decode
-# step's DeltaNet recurrence (its output product), bit 1 its attention (the o product); up to `l2_ahead_rows` rows.
-# Both are cache hints: the same bytes. Off until timed (docs/perf.md, sixtieth session).
+# (MX_CHAIN_PF); a cache hint, the same bytes. MXFP4 4 (sixtieth session, docs/perf.md: 27B 1x1k graph steps
+# 1.011-1.013x in three interleaved rounds on an H100, 12x1k level; the one-row products' blocks are resident
+# early behind the latency-bound kernels before them). Other formats not timed: 0.
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -422,8 +421,7 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1, "pdl_prefetch": 0, "l2_ahead": 0,
-    "l2_ahead_rows": 64,
+    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1, "pdl_prefetch": {"*": 0, "mxfp4": 4},
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)
@@ -890,30 +888,6 @@ def mx_swiglu(x: Any, w: PackedWeight, out_dtype: Any = np.float32) -> Any:
     y = empty((x.shape[0], w.N // 2), np.dtype(out_dtype))
     _gemm(x, w, y, norm=norm, swiglu=True)
     return y
-
-
-L2_AHEAD_PIECE = 32768  # bytes a bulk prefetch of `l2_ahead` asks for
-L2_AHEAD_THREADS = 128
-
-
-def l2_ahead(w: Any, rows: int, bit: int) -> bool:
-    """Ask the L2 for weight `w`'s codes and scales ahead of its product of `rows` rows (one overlapped launch of
-    decapybara/kernels/l2_ahead.cu, `pdl.launch`), where TUNE `l2_ahead` has `bit` set, `w` is a persistent
-    PackedWeight and the product has at most TUNE `l2_ahead_rows` rows (64: every product of the skinny kernels).
-    A cache hint: nothing is read or written. Returns whether it launched."""
-    if (not (TUNE.get("l2_ahead", 0) & bit) or not isinstance(w, PackedWeight) or not w.persistent
-            or rows > min(64, TUNE.get("l2_ahead_rows", 64))):
-        return False
-    parts = [a for a in (w.codes, w.scales) if a is not None]
-    if any(not a.flags.c_contiguous or dev_ptr(a) % 16 for a in parts):
-        return False
-    pieces = sum(-(-a.nbytes // L2_AHEAD_PIECE) for a in parts)
-    blocks = max(1, min(8, -(-pieces // L2_AHEAD_THREADS)))
-    a = parts[0]
-    b = parts[1] if len(parts) > 1 else None
-    pdl.launch(get_kernel("l2_ahead", "l2_ahead"), (blocks,), (L2_AHEAD_THREADS,),
-               (a, np.int64(a.nbytes), b, np.int64(b.nbytes if b is not None else 0), np.int32(L2_AHEAD_PIECE)))
-    return True
 
 
 def mx_linear(x: Any, w: PackedWeight, bias: Any = None, out_dtype: Any = None) -> Any:

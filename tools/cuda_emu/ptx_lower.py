@@ -32,7 +32,6 @@ HANDLERS = {
     "griddepcontrol.wait": "nop",
     "griddepcontrol.launch_dependents": "nop",
     "prefetch.global.L2": "nop",  # a cache hint: no effect on results
-    "cp.async.bulk.prefetch.L2.global": "nop",  # likewise
     "ld.shared.v4.u32": "ld_shared_v4",
     "ld.shared.v2.u32": "ld_shared_v2",
     "ld.shared.u32": "ld_shared_u32",

@@ -195,3 +195,12 @@ def tiny_checkpoint(family: str, seed: int = 7) -> tuple[Any, dict[str, Any]]:
 
     hf = make_hf_model(family, seed=seed)
     return ModelConfig.from_hf(hf.config.to_dict()), canonical_tensors(hf)
+
+
+def quantized_matrices(tensors: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """`tensors` with every matrix but the conv1d weights quantised to `fmt` (QuantTensors, which a packed-weight
+    backend keeps packed), the other tensors as they are."""
+    from decapybara.model import quant
+
+    return {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
+            for k, v in tensors.items()}

@@ -701,7 +701,7 @@ __device__ __forceinline__ void mx_segment(const Args& A, SYNC& sync, u16* xs, f
         if (c0 + s < c1)
             load_chunk<FMT, WHOLE>(r0[s], r1[s], p0, p8, W, S, wo0, wo8, so0, so8, ok0, ok8, (c0 + s) * 4 + t, A.Kp);
     if (FUSE && A.res && lane == 0 && rows0 < A.N) prefetch_l2(A.gw + rows0);  // fused producer: a persistent weight
-    if (WHOLE && sync.will_wait() && t == 0 && warp_on) {  // a chain's block about to wait for the item before: the
+    if (WHOLE && sync.will_wait() && t == 0 && warp_on) {  // a block about to wait (a chain's item, MX_PDL_PF): the
         const int pe = min(c1, c0 + ST + sync.prefetch_chunks());  // L2 fetches the band's next chunks meanwhile,
         const u32 wr0 = row_off<LB>(rg0, A.w_row), wr8 = row_off<LB>(rg8, A.w_row);  // a line a (row, chunk)
         for (int c = c0 + ST; c < pe; ++c) {

@@ -32,11 +32,10 @@ from decapybara.backend import chain_tails
 from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_factory import cuda_backend
 from decapybara.backend.cuda_graph import DecodeGraphRunner, capture_graph
-from decapybara.model import quant
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import FULL_ATTENTION
 from decapybara.model.qwen import Projection, QwenModel
-from decapybara.testing import prefilled_sequences, tiny_checkpoint
+from decapybara.testing import prefilled_sequences, quantized_matrices, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 EMULATED = "fake_cupy" in sys.modules
@@ -54,8 +53,7 @@ def resident(monkeypatch):
 def packed_model() -> QwenModel:
     """The tiny qwen3_5 checkpoint with every matrix in MXFP4, on the server's backend (bf16, packed weights)."""
     cfg, tensors = tiny_checkpoint("qwen3_5_text")
-    tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
-               for k, v in tensors.items()}
+    tensors = quantized_matrices(tensors, "mxfp4")
     return QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
 
 

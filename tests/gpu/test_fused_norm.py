@@ -39,7 +39,7 @@ from decapybara.backend.cupy_backend import CupyBackend, _reads_bf16
 from decapybara.model import quant
 from decapybara.model.quant.elements import bf16_encode
 from decapybara.model.qwen import QwenModel
-from decapybara.testing import tiny_checkpoint
+from decapybara.testing import quantized_matrices, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -218,8 +218,7 @@ def test_fused_norm_decode_matches_the_bf16_emulation(family, weights):
 
     cfg, tensors = tiny_checkpoint(family)
     if weights == "mxfp4":
-        tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
-                   for k, v in tensors.items()}
+        tensors = quantized_matrices(tensors, "mxfp4")
     backend = CupyBackend("bf16") if weights == "bf16" else cuda_backend("bf16")
     calls = []
     real = backend.linear_add_rms_norm
@@ -343,8 +342,7 @@ def test_bf16_rows_change_no_logit(family, weights, monkeypatch):
 
     cfg, tensors = tiny_checkpoint(family)
     if weights == "mxfp4":
-        tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
-                   for k, v in tensors.items()}
+        tensors = quantized_matrices(tensors, "mxfp4")
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
     down = model.w["model.layers.0.mlp." + ("shared_expert." if "moe" in family else "") + "down_proj.weight"]
     assert _reads_bf16(down, 12), "the tiny model's products are not on the skinny kernels"

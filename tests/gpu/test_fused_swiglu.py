@@ -35,7 +35,7 @@ from decapybara.backend import cupy_ops_extra as ex
 from decapybara.backend.cuda_factory import cuda_backend
 from decapybara.model import quant
 from decapybara.model.qwen import QwenModel
-from decapybara.testing import tiny_checkpoint
+from decapybara.testing import quantized_matrices, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -206,8 +206,7 @@ def test_fused_swiglu_changes_no_logit(family, weights, policy, monkeypatch):
 
     cfg, tensors = tiny_checkpoint(family)
     if weights == "mxfp4":
-        tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
-                   for k, v in tensors.items()}
+        tensors = quantized_matrices(tensors, "mxfp4")
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
     assert model.fused_mlp, "the tiny model's MLPs should be fused gate|up products"
     monkeypatch.setitem(ex.TUNE, "policy", policy)

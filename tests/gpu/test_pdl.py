@@ -91,6 +91,24 @@ def assert_same_results(results, pairs, step):
         assert results[a][1] == results[b][1], f"step {step}: {a} and {b} KV pages / states differ"
 
 
+def compare_steps(seqs, kv, states, names, run, pairs, steps):
+    """`steps` decode steps of `seqs`, each run once per name from the same KV pages and states (`run(name, step,
+    batch)` -> logits on the device); each of `pairs` gives the same logits, pages and states byte for byte
+    (`assert_same_results`), and every sequence takes the first name's greedy token."""
+    slots = [s[1] for s in seqs]
+    for step in range(steps):
+        batch = decode_batch(seqs)
+        restore = cache_restorer(kv, states, slots)
+        results = {}
+        for name in names:
+            restore()
+            logits = cp.asnumpy(run(name, step, batch))
+            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
+        assert_same_results(results, pairs, step)
+        for s, row in zip(seqs, results[names[0]][2]):
+            s[0].append(int(np.argmax(row)))
+
+
 def cache_restorer(kv, states, slots):
     """A function that puts every KV page but the padding one (the last), and the slots' states, back as they
     are now."""
@@ -220,30 +238,21 @@ def test_products_asking_the_l2_before_their_wait_keep_model_steps(monkeypatch, 
     server's backend, as graphs captured with overlapped launches: 8 chunks against none (logits, KV pages and
     states)."""
     from decapybara.backend.cuda_factory import cuda_backend
-    from decapybara.model import quant
-    from decapybara.testing import tiny_checkpoint
+    from decapybara.testing import quantized_matrices, tiny_checkpoint
 
     cfg, tensors = tiny_checkpoint("qwen3_5_text")
-    tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
-               for k, v in tensors.items()}
+    tensors = quantized_matrices(tensors, "mxfp4")
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16"), tensors)
     kv, states = model.new_kv_cache(KV_PAGES, PAGE, "16/16"), model.new_state_pool(5)
     seqs = prefilled_sequences(model, kv, states, (6, 13, 21), seed=2)
     chunks = {"off": 0, "on": 8}
     runners = {name: graph_runner(model) for name in chunks}
-    slots = [s[1] for s in seqs]
-    for step in range(3):
-        batch = decode_batch(seqs)
-        restore = cache_restorer(kv, states, slots)
-        results = {}
-        for name, pf in chunks.items():
-            restore()
-            monkeypatch.setitem(ex.TUNE, "pdl_prefetch", pf)
-            logits = cp.asnumpy(runners[name].forward(batch, kv, states).logits)
-            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
-        assert_same_results(results, (("off", "on"),), step)
-        for s, row in zip(seqs, results["off"][2]):
-            s[0].append(int(np.argmax(row)))
+
+    def run(name, step, batch):
+        monkeypatch.setitem(ex.TUNE, "pdl_prefetch", chunks[name])
+        return runners[name].forward(batch, kv, states).logits
+
+    compare_steps(seqs, kv, states, list(chunks), run, (("off", "on"),), 3)
     assert all(r.stats["graph_steps"] == 3 and not r.stats["failures"] for r in runners.values()), \
         [r.stats for r in runners.values()]
     assert len(overlapping) > 20, f"{len(overlapping)} overlapped launches"
@@ -255,22 +264,15 @@ def test_model_steps_are_identical_with_and_without_overlap(kv_mode, head_dim, f
     model, kv, states, seqs = hybrid_model(head_dim, kv_mode, 5, (6, 13, 21), 2, family)
     assert family != "qwen3_5_moe_text" or model.fused_moe, "the MoE layers should run from their stacks"
     runners = {flag: graph_runner(model) for flag in ("0", "1")}  # graphs captured with and without overlap
-    slots = [s[1] for s in seqs]
 
-    for step in range(4):
-        batch = decode_batch(seqs)
-        restore = cache_restorer(kv, states, slots)
-        results = {}
-        for name in ("eager 0", "eager 1", "graph 0", "graph 1"):
-            kind, flag = name.split()
-            restore()
-            monkeypatch.setitem(pdl.MODE, "pdl", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
-            fwd = model.forward if kind == "eager" else runners[flag].forward
-            logits = cp.asnumpy(fwd(batch, kv, states).logits)
-            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
-        assert_same_results(results, (("eager 0", "eager 1"), ("graph 0", "graph 1")), step)
-        for s, row in zip(seqs, results["eager 0"][2]):
-            s[0].append(int(np.argmax(row)))
+    def run(name, step, batch):
+        kind, flag = name.split()
+        monkeypatch.setitem(pdl.MODE, "pdl", {"1": "always"}.get(flag, flag) if kind == "eager" else flag)
+        fwd = model.forward if kind == "eager" else runners[flag].forward
+        return fwd(batch, kv, states).logits
+
+    compare_steps(seqs, kv, states, ["eager 0", "eager 1", "graph 0", "graph 1"], run,
+                  (("eager 0", "eager 1"), ("graph 0", "graph 1")), 4)
     assert all(r.stats["graph_steps"] == 4 for r in runners.values()), [r.stats for r in runners.values()]
     assert len(overlapping) > 80, f"{len(overlapping)} overlapped launches"
 
@@ -288,26 +290,20 @@ def test_model_steps_are_identical_with_side_stream_pairs(monkeypatch, overlappi
                 "graph serial": {"side_stream": False}, "graph side": {"side_stream": True, "side_pdl": True},
                 "graph side plain": {"side_stream": True, "side_pdl": False}}
     runners = {name: graph_runner(model) for name in variants if name.startswith("graph")}
-    slots = [s[1] for s in seqs]
 
-    for step in range(3):
-        batch = decode_batch(seqs)
-        restore = cache_restorer(kv, states, slots)
-        results = {}
-        for name, setting in variants.items():
-            restore()
-            monkeypatch.setitem(cb.PAIRS, "side_stream", setting["side_stream"])
-            monkeypatch.setitem(cb.PAIRS, "side_pdl", setting.get("side_pdl", True))
-            n = len(forks)
-            fwd = model.forward if name.startswith("eager") else runners[name].forward
-            logits = cp.asnumpy(fwd(batch, kv, states).logits)
-            if name.startswith("eager") or step == 0:  # a graph forks while it is captured (step 0)
-                assert (len(forks) > n) == setting["side_stream"], (name, step, len(forks) - n)
-            results[name] = (logits.tobytes(), cache_bytes(kv, states, slots), logits)
-        assert_same_results(results, (("eager serial", "eager side"), ("graph serial", "graph side"),
-                                      ("graph serial", "graph side plain")), step)
-        for s, row in zip(seqs, results["eager serial"][2]):
-            s[0].append(int(np.argmax(row)))
+    def run(name, step, batch):
+        setting = variants[name]
+        monkeypatch.setitem(cb.PAIRS, "side_stream", setting["side_stream"])
+        monkeypatch.setitem(cb.PAIRS, "side_pdl", setting.get("side_pdl", True))
+        n = len(forks)
+        fwd = model.forward if name.startswith("eager") else runners[name].forward
+        logits = fwd(batch, kv, states).logits
+        if name.startswith("eager") or step == 0:  # a graph forks while it is captured (step 0)
+            assert (len(forks) > n) == setting["side_stream"], (name, step, len(forks) - n)
+        return logits
+
+    compare_steps(seqs, kv, states, list(variants), run, (("eager serial", "eager side"), ("graph serial", "graph side"),
+                                                          ("graph serial", "graph side plain")), 3)
     assert all(r.stats["graph_steps"] == 3 and not r.stats["failures"] for r in runners.values()), \
         [r.stats for r in runners.values()]
     assert len(overlapping) > 80, f"{len(overlapping)} overlapped launches"

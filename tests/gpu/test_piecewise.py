@@ -29,7 +29,7 @@ from decapybara.backend.cupy_backend import CupyBackend
 from decapybara.model import quant
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.qwen import QwenModel
-from decapybara.testing import tiny_checkpoint
+from decapybara.testing import quantized_matrices, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 PAGE, PAGES = 8, 128
@@ -130,8 +130,7 @@ def test_tails_over_kept_bf16_weights():
     cuBLAS over those values: captured on the capture stream's own handle (`blas`) and replayed like the skinny
     kernels' buckets, with the eager forward's logits."""
     cfg, tensors = tiny_checkpoint("qwen3_5_text")
-    tensors = {k: quant.quantize(v, "mxfp4") if v.ndim == 2 and not k.endswith("conv1d.weight") else v
-               for k, v in tensors.items()}
+    tensors = quantized_matrices(tensors, "mxfp4")
     model = QwenModel.from_tensors(cfg, cuda_backend("bf16", prefill_weights="bf16"), tensors)
     tails = piecewise.PiecewiseTails()
     rng = np.random.default_rng(9)

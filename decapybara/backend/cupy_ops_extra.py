@@ -409,7 +409,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # block asks of the L2 (a line a row and chunk) before it waits for the kernel before it, as a chain's block does
 # (MX_CHAIN_PF); a cache hint, the same bytes. MXFP4 4 (sixtieth session, docs/perf.md: 27B 1x1k graph steps
 # 1.011-1.013x in three interleaved rounds on an H100, 12x1k level; the one-row products' blocks are resident
-# early behind the latency-bound kernels before them). Other formats not timed: 0.
+# early behind the latency-bound kernels before them; sixty-first session: 8 and 16 0.95-1.00x / 0.96-0.97x of 4).
+# MXFP8 4 (sixty-first session, three interleaved rounds on an H100: 1x1k 1.009-1.015x, 12x1k 1.041-1.045x; 8
+# within 1% of 4). NVFP4 0: 4 and 2 made its steps 2-7% slower (the same registers and spills in its builds).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -421,7 +423,8 @@ TUNE: dict[str, Any] = TuneDict({
     "part_batch": 8, "swiglu_wide_warps": {"*": 0, "mxfp4": 24, "nvfp4": 24},
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
-    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1, "pdl_prefetch": {"*": 0, "mxfp4": 4},
+    "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1,
+    "pdl_prefetch": {"*": 0, "mxfp4": 4, "mxfp8": 4},
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)

@@ -411,7 +411,7 @@ def _stream_counters(device: int, stream: int) -> Any:
 # 1.011-1.013x in three interleaved rounds on an H100, 12x1k level; the one-row products' blocks are resident
 # early behind the latency-bound kernels before them; sixty-first session: 8 and 16 0.95-1.00x / 0.96-0.97x of 4).
 # MXFP8 4 (sixty-first session, three interleaved rounds on an H100: 1x1k 1.009-1.015x, 12x1k 1.041-1.045x; 8
-# within 1% of 4). NVFP4 0: 4 and 2 made its steps 2-7% slower (the same registers and spills in its builds).
+# within 1% of 4). NVFP4 0: 4 and 2 made its steps 2-8% slower (the same registers and spills in its builds).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},

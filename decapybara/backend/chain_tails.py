@@ -16,8 +16,8 @@ Within a graph capture (`capture_graph`: a warm-up call, then the captured one),
 - warm-up: the tail runs as launched (the reference), then is recorded over the same inputs (the arrays it
   allocates meanwhile poisoned), its chains built and run; the two outputs are compared byte for byte. Equal: the
   layer's tail is chained in the capture. Not equal (e.g. an op that `recording()` does not keep ran out of order
-  between the products, over poison), or its chains could not be built (`stats["errors"]`): the layer stays
-  launched for good and `stats["launched"]` names it.
+  between the products, over poison; `stats["differs"]` says where), or its chains could not be built
+  (`stats["errors"]`): the layer stays launched for good and `stats["launched"]` names it.
 - capture: the tail is recorded again (over the capture's arrays, not the warm-up's); where its cuts are the
   warm-up's, its chains are launched (graph nodes) and their items, which still name the warm-up's arrays,
   are rewritten by `commit()` once the capture has ended (`ProductChain.retarget`); where they are not
@@ -89,16 +89,24 @@ def _poisoned_allocations() -> Iterator[None]:
         yield
 
 
-def _outputs_equal(a: Any, b: Any) -> bool:
-    """Whether two tails' outputs ((inputs, h)) hold the same bytes (a host sync)."""
+def _first_difference(a: Any, b: Any) -> str | None:
+    """None where two tails' outputs ((inputs, h)) hold the same bytes, else where they first differ: the output's
+    index, its shape, how many of its elements differ and the first one's flat index and values (a host sync)."""
     xs, ys = [*(a[0] or []), a[1]], [*(b[0] or []), b[1]]
     if len(xs) != len(ys):
-        return False
-    for x, y in zip(xs, ys, strict=True):
+        return f"{len(xs)} outputs against {len(ys)}"
+    for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
         hx, hy = (np.ascontiguousarray(cp.asnumpy(v)) for v in (x, y))
-        if hx.shape != hy.shape or hx.dtype != hy.dtype or not np.array_equal(hx.view(np.uint8), hy.view(np.uint8)):
-            return False
-    return True
+        if hx.shape != hy.shape or hx.dtype != hy.dtype:
+            return f"output {k}: {hx.dtype}{hx.shape} against {hy.dtype}{hy.shape}"
+        bx, by = hx.reshape(-1).view(np.uint8), hy.reshape(-1).view(np.uint8)
+        if not np.array_equal(bx, by):
+            per = max(hx.dtype.itemsize, 1)
+            diff = np.flatnonzero((bx != by).reshape(-1, per).any(axis=1))
+            j = int(diff[0])
+            return (f"output {k} {hx.dtype}{hx.shape}: {diff.size} elements differ, the first at {j}: "
+                    f"{hx.reshape(-1)[j]!r} launched, {hy.reshape(-1)[j]!r} chained")
+    return None
 
 
 class ChainTails:
@@ -112,7 +120,7 @@ class ChainTails:
         self.counters: Any = None  # split-K tile counters of this graph's chains
         self.err: Any = None  # their timeout flags (ProductChain `err`): [0] set once any of their waits gave up
         self.stats: dict[str, Any] = {"chains": 0, "chained_products": 0, "launched": [], "recut": [],
-                                      "retargeted": 0, "errors": {}}
+                                      "retargeted": 0, "errors": {}, "differs": {}}
 
     def start(self, model: Any, h: Any) -> _ChainRun:
         return _ChainRun(self, model)
@@ -189,7 +197,10 @@ class _ChainRun:
                 launch.make()
         else:
             _make(site, cuts(launches))
-        if site is None or not _outputs_equal(ref, got):
+        differs = None if site is None else _first_difference(ref, got)
+        if site is None or differs is not None:
+            if differs is not None:
+                tails.stats["differs"][i] = differs
             tails.sites[i] = None
             if i not in tails.stats["launched"]:
                 tails.stats["launched"].append(i)

@@ -99,9 +99,10 @@ def test_chained_tails_in_a_graph_write_the_eager_tails_bytes(resident, rows):
         if not (tails.stats["launched"] and tails.timed_out()) or attempt == 2:
             break
         tails = chain_tails.ChainTails()
-    # (the message names why a tail stayed launched: its build's error, a chain's timeout, else the warm-up's bytes)
-    why = {k: tails.stats[k] for k in ("chains", "launched", "recut", "errors")} | {"timed out": tails.timed_out(),
-                                                                                  "attempts": attempt + 1}
+    # (the message names why a tail stayed launched: its build's error, a chain's timeout, else where the warm-up's
+    # bytes differed)
+    why = {k: tails.stats[k] for k in ("chains", "launched", "recut", "errors", "differs")}
+    why |= {"timed out": tails.timed_out(), "attempts": attempt + 1}
     assert tails.stats["chains"] >= len(layers) and not tails.stats["launched"] and not tails.stats["recut"], str(why)
     assert tails.stats["retargeted"] == tails.stats["chains"] and not tails.pending, tails.stats
     for replay in range(2):
@@ -208,3 +209,6 @@ def test_a_tail_with_an_unrecorded_op_stays_launched(resident, monkeypatch):
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), f"layer {i}"
         assert tails.sites[i] is None, f"layer {i}: chained"
     assert tails.stats["launched"] == list(range(model.cfg.num_hidden_layers - 1)) and tails.stats["chains"] == 0
+    # each says where its chained run's bytes differed: the activation's copy read the poison (NaN)
+    assert sorted(tails.stats["differs"]) == tails.stats["launched"], tails.stats["differs"]
+    assert all("elements differ" in why for why in tails.stats["differs"].values()), tails.stats["differs"]

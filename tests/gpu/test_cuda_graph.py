@@ -65,6 +65,32 @@ def test_capture_graph_replays_new_inputs_without_allocating():
         assert np.array_equal(cp.asnumpy(out), ref), f"replay {i}: max diff {np.abs(cp.asnumpy(out) - ref).max()}"
 
 
+SPIN_WRITE = r"""
+extern "C" __global__ void spin_write(float* x, int n, float v, long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = v;
+}
+"""
+
+
+@pytest.mark.skipif("fake_cupy" in sys.modules, reason="the emulator's streams order nothing")
+def test_capture_graph_warms_up_after_the_callers_stream():
+    """The warm-up reads what the caller's stream wrote before the capture, though the capture's stream is a
+    non-blocking one (which the legacy default stream does not order): here a write queued behind tens of ms of
+    spinning."""
+    spin_write = cp.RawKernel(SPIN_WRITE, "spin_write")
+    x = cp.zeros(256, cp.float32)
+    cp.cuda.runtime.deviceSynchronize()
+    # 2^26 cycles (~35-60 ms at the SM's clock) on the caller's stream, then the write
+    spin_write((1,), (128,), (x, np.int32(x.size), np.float32(3.0), np.int64(1 << 26)))
+    seen = []
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    capture_graph(lambda: seen.append(x.copy()) or seen[-1], stream, pool)
+    stream.synchronize()
+    assert np.all(cp.asnumpy(seen[0]) == 3.0), "the warm-up ran before the caller's write"
+
+
 def tiny_model(seed=3, **overrides):
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], **overrides})
     backend = CupyBackend("fp32")

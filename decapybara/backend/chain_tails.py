@@ -101,8 +101,7 @@ def _first_difference(a: Any, b: Any) -> str | None:
             return f"output {k}: {hx.dtype}{hx.shape} against {hy.dtype}{hy.shape}"
         bx, by = hx.reshape(-1).view(np.uint8), hy.reshape(-1).view(np.uint8)
         if not np.array_equal(bx, by):
-            per = max(hx.dtype.itemsize, 1)
-            diff = np.flatnonzero((bx != by).reshape(-1, per).any(axis=1))
+            diff = np.flatnonzero((bx != by).reshape(-1, hx.dtype.itemsize).any(axis=1))
             j = int(diff[0])
             return (f"output {k} {hx.dtype}{hx.shape}: {diff.size} elements differ, the first at {j}: "
                     f"{hx.reshape(-1)[j]!r} launched, {hy.reshape(-1)[j]!r} chained")
@@ -198,9 +197,9 @@ class _ChainRun:
         else:
             _make(site, cuts(launches))
         differs = None if site is None else _first_difference(ref, got)
+        if differs is not None:
+            tails.stats["differs"][i] = differs
         if site is None or differs is not None:
-            if differs is not None:
-                tails.stats["differs"][i] = differs
             tails.sites[i] = None
             if i not in tails.stats["launched"]:
                 tails.stats["launched"].append(i)

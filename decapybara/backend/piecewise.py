@@ -179,8 +179,7 @@ class PiecewiseTails:
                 blas.bind(stream)  # and its cuBLAS handle, bound now (binding allocates)
             stream.synchronize()
             self._stream, self._arena = stream, _Arena()
-        main = cp.cuda.get_current_stream()
-        self._stream.wait_event(main.record())
+        main = cp.cuda.get_current_stream()  # capture_graph orders the capture stream after it; joined back here
         try:
             graph, _ = capture_graph(fn, self._stream, self._arena, warmup=0)
         finally:

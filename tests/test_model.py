@@ -164,3 +164,34 @@ def pools(model):
     if states is not None:
         states.reset(0)
     return kv, states
+
+
+def test_a_failed_forward_waits_for_its_snapshot_copies(pair, monkeypatch):
+    """A forward that raises after a DeltaNet layer took a snapshot synchronises its backend before the error leaves
+    it: on a GPU the snapshots' device-to-host copies are in flight into pinned buffers that go back to the pool
+    with the failed forward (the next user of such a buffer would see the late copy land in it)."""
+    model = pair[2].model
+    if not model.cfg.linear_layers:
+        pytest.skip("no DeltaNet layers: no snapshots")
+    syncs = []
+    monkeypatch.setattr(model.backend, "synchronize", lambda: syncs.append("sync"), raising=False)
+
+    class Run:
+        def tail(self, i, out, h):
+            if i + 1 == model.cfg.num_hidden_layers:
+                raise RuntimeError("a layer failed")
+            return model.block_tail(i, out, h)
+
+        def finish(self, h):
+            return h
+
+    class Tails:
+        def start(self, m, h):
+            return Run()
+
+    for snaps, want in (([(20,)], ["sync"]), (None, [])):
+        syncs.clear()
+        b = ForwardBatch.build([(PROMPT, 0, np.arange(16), 0)], 8, logits="all", snapshot_at=snaps)
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            model.forward(b, *pools(model), tails=Tails())
+        assert syncs == want

@@ -96,12 +96,17 @@ def _kv_bits(kv: KVCache) -> tuple[int, int]:
 def capture_graph(fn: Any, stream: Any, pool: Any, warmup: int = 1) -> tuple[Any, Any]:
     """(graph, outputs of the captured call) for `fn()`; allocations of warm-up and capture come from `pool`.
     The warm-up calls execute (mind side effects) on `stream`, after the work already queued on the caller's
-    current stream (its inputs' writes: a non-blocking `stream` would not wait for the legacy default stream);
-    the captured call does not execute until `graph.launch`."""
+    current stream (its inputs' writes: a non-blocking `stream` would not wait for the legacy default stream),
+    and have finished when this returns or raises; the captured call does not execute until `graph.launch`."""
     stream.wait_event(cp.cuda.get_current_stream().record())
     with stream, cp.cuda.using_allocator(pool.malloc):
-        for _ in range(warmup):
-            fn()
+        try:
+            for _ in range(warmup):
+                fn()
+        except BaseException:  # its queued kernels may still read buffers the caller frees and reuses on its
+            with contextlib.suppress(Exception):  # own stream (not ordered after this one): let them finish
+                stream.synchronize()
+            raise
         stream.synchronize()
         stream.begin_capture()
         try:

@@ -7,6 +7,8 @@ The math follows the HF reference (modeling_qwen3*.py) so that fp32 logits agree
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,8 +201,15 @@ class QwenModel:
         segments = self._segments(batch) if cfg.linear_layers else []
         raw_snaps: dict[tuple[int, int], dict[int, tuple[Any, Any]]] = {}
         h = ops.embedding(self.w["model.embed_tokens.weight"], batch.token_ids)  # [T, H]
-        h = self.decoder_layers(h, lambda p, i, inputs: self._attention(p, i, inputs, batch, kv, cos, sin),
-                                lambda p, i, inputs: self._deltanet(p, i, inputs, states, segments, raw_snaps), tails)
+        try:
+            h = self.decoder_layers(h, lambda p, i, inputs: self._attention(p, i, inputs, batch, kv, cos, sin),
+                                    lambda p, i, inputs: self._deltanet(p, i, inputs, states, segments, raw_snaps),
+                                    tails)
+        except BaseException:
+            if raw_snaps:  # snapshots' device-to-host copies in flight into host buffers dropped with them
+                with contextlib.suppress(Exception):
+                    ops.synchronize()
+            raise
         rows = batch.logits_rows
         last = self._rows(h, rows)
         normed = None

@@ -91,6 +91,25 @@ def test_capture_graph_warms_up_after_the_callers_stream():
     assert np.all(cp.asnumpy(seen[0]) == 3.0), "the warm-up ran before the caller's write"
 
 
+@pytest.mark.skipif("fake_cupy" in sys.modules, reason="the emulator's streams order nothing")
+def test_a_warm_up_that_raises_leaves_nothing_running():
+    """A warm-up that fails after queuing work has that work finished when `capture_graph` raises: the caller then
+    frees and reuses its buffers on its own stream, which is not ordered after the capture's."""
+    spin_write = cp.RawKernel(SPIN_WRITE, "spin_write")
+    x = cp.zeros(256, cp.float32)
+    cp.cuda.runtime.deviceSynchronize()
+
+    def fails():
+        spin_write((1,), (128,), (x, np.int32(x.size), np.float32(5.0), np.int64(1 << 26)))
+        raise MemoryError("a warm-up's allocation failed")
+
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with pytest.raises(MemoryError):
+        capture_graph(fails, stream, pool)
+    assert stream.done, "the failed warm-up's kernel was still running"
+    assert np.all(cp.asnumpy(x) == 5.0)
+
+
 def tiny_model(seed=3, **overrides):
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], **overrides})
     backend = CupyBackend("fp32")

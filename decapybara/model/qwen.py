@@ -8,7 +8,6 @@ The math follows the HF reference (modeling_qwen3*.py) so that fp32 logits agree
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any

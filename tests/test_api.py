@@ -460,7 +460,12 @@ def _wait_idle(stack, aborted_before: int) -> dict:
         time.sleep(0.02)
 
 
-def test_client_disconnect_frees_the_slot(stack):
+def test_client_disconnect_frees_the_slot(stack, caplog):
+    """A client that leaves a stream, or a plain request before its answer, has its request aborted at once, and
+    its leaving is no server error (nothing logged at ERROR)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="decapybara")
     before = stack.stats()
     body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 900, "stream": True}
     with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body) as r:
@@ -475,6 +480,9 @@ def test_client_disconnect_frees_the_slot(stack):
         httpx.post(stack.url + "/v1/messages", json=body, timeout=0.3)
     stats = _wait_idle(stack, before["aborted"])
     assert stats["generated_tokens"] - before["generated_tokens"] < 900
+    time.sleep(0.2)  # the handler's answer to nobody comes after the abort
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
 
 
 OA_BAD = [
@@ -555,22 +563,37 @@ def test_bad_input_gets_4xx_in_each_apis_shape_and_the_server_keeps_serving(stac
     assert stack.stats()["running"] == 0
 
 
-def test_engine_refusal_of_a_stream_is_a_4xx_not_a_broken_stream(stack):
-    """The small pool (64 tokens) cannot hold prompt + max_tokens: the engine refuses at add time."""
-    for path, body in [("/v1/chat/completions", {"messages": user("x"), "max_tokens": 200, "stream": True}),
-                       ("/v1/messages", {"model": "m", "messages": user("x"), "max_tokens": 200, "stream": True})]:
+def test_a_prompt_past_the_pool_is_a_4xx_not_a_broken_stream(stack):
+    """The small server's pool holds 64 tokens, its served context: a longer prompt is refused before any event,
+    in each API's shape."""
+    for path, body in [("/v1/chat/completions", {"messages": user("x " * 80), "max_tokens": 4, "stream": True}),
+                       ("/v1/messages", {"model": "m", "messages": user("x " * 80), "max_tokens": 4, "stream": True})]:
         r = _post(stack.small_url + path, body)
         assert r.status_code == 400 and not r.headers["content-type"].startswith("text/event-stream"), r.text
         err = r.json()["error"]
         assert err.get("code") == "context_length_exceeded" or err["type"] == "invalid_request_error"
-        assert "pool" in err["message"]
+        assert "context of 64" in err["message"]
+
+
+def test_max_tokens_past_a_small_pool_is_clamped_to_it(stack):
+    """A pool smaller than the model's context is the served context: /v1/models says so, and a request that
+    leaves max_tokens to its default, or asks for more than fits, runs to the pool's end ("length"), not refused."""
+    assert httpx.get(stack.small_url + "/v1/models").json()["data"][0]["max_model_len"] == 64
+    oa = stack.oa(stack.small_url)
+    r = oa.chat.completions.create(model="m", messages=user("x"), temperature=0)  # no max_tokens
+    assert r.usage.total_tokens <= 64 and (r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 64)
+    chunks = list(oa.chat.completions.create(model="m", messages=user("x"), max_tokens=32000, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [r.choices[0].finish_reason]
 
 
 def test_local_client_raises_engine_refusals_before_any_event(stack):
     import asyncio
 
     async def first(client):
-        return await client.generate(Request(tuple(range(40)), SamplingParams(max_tokens=500))).__anext__()
+        return await client.generate(Request(tuple(range(64)), SamplingParams(max_tokens=4))).__anext__()
 
     small = LocalEngineClient(Engine(stack.model, CFG.replace(num_pages=4), tokenizer=stack.tok))
     try:
@@ -590,3 +613,40 @@ def test_metrics_are_prometheus_text(stack):
     assert families["decapybara_kv_pool_usage_ratio"].samples[0].value >= 0
     codes = {(s.labels["route"], s.labels["code"]) for s in families["decapybara_http_requests"].samples}
     assert ("/v1/chat/completions", "200") in codes
+
+
+class ClientLeft(Exception):
+    """Stands for the transport's error in a request whose client left (Ray Serve's TaskCancelledError)."""
+
+
+class LeavingClient:
+    """The stack's engine client, but a request's events end in `ClientLeft` (as a cancelled Serve task's do)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate(self, request):
+        raise ClientLeft("cancelled")
+        yield  # an async generator
+
+
+def test_a_client_that_left_is_not_a_server_error(stack, caplog):
+    """The transport's disconnect errors (create_app's `disconnects`) are not logged as unexpected server errors;
+    any other error still is, as a 500 in the API's shape."""
+    import logging
+
+    body = {"model": "m", "messages": user("hi"), "max_tokens": 2}
+    for disconnects, status in (((ClientLeft,), 499), ((), 500)):
+        server = LiveServer(create_app(LeavingClient(stack.client), disconnects=disconnects))
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="decapybara.api"):
+                r = _post(server.url + "/v1/chat/completions", body)
+            assert r.status_code == status, r.text
+            errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+            assert bool(errors) == (status == 500), [rec.getMessage() for rec in errors]
+        finally:
+            server.stop()

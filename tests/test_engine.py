@@ -228,11 +228,11 @@ def test_seeded_sampling_independent_of_batch():
 
 
 def test_bad_input_is_refused_before_any_work():
-    e = engine("qwen3", num_pages=8)  # 64 tokens of KV
+    e = engine("qwen3", num_pages=8)  # 64 tokens of KV: the served context
     with pytest.raises(ContextOverflowError):
         e.add_request(Request((7,) * 1024, GREEDY))  # longer than the model's context
-    with pytest.raises(ContextOverflowError):
-        e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=100)))  # can never fit the pool
+    with pytest.raises(ContextOverflowError, match="context of 64"):
+        e.add_request(Request((7,) * 64, GREEDY))  # leaves no room in the pool
     with pytest.raises(InvalidRequestError):
         e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=0)))
     with pytest.raises(InvalidRequestError):
@@ -262,3 +262,18 @@ def test_repeated_prompt_reuses_up_to_its_last_page_boundary_on_hybrid_models():
     first, _ = run(e, Request(tuple(p), GREEDY))
     again, last = run(e, Request(tuple(p), GREEDY))
     assert last.num_cached_tokens == 24 and again == first  # 3 full pages of 8 reused, output unchanged
+
+
+def test_a_pool_smaller_than_the_context_shortens_it():
+    """A KV pool that cannot hold the model's context serves a context of the pool's tokens: a request whose
+    max_tokens runs past it is taken (not refused) and ends with "length" where one sequence fills the pool,
+    as a request past the model's own context would."""
+    e = engine("qwen3", num_pages=8)
+    assert e.max_model_len == 64 < e.model.cfg.max_position_embeddings
+    e.eos_token_ids = ()
+    seq = e.add_request(Request((1, 2, 3), SamplingParams(temperature=0, max_tokens=1000)))
+    while e.has_work():
+        e.step()
+    assert seq.finish_reason == FinishReason.LENGTH and seq.num_tokens == 64
+    assert engine("qwen3", num_pages=9).max_model_len == 72
+    assert engine("qwen3").max_model_len == e.model.cfg.max_position_embeddings  # a pool past the context

@@ -200,9 +200,10 @@ def test_context_check_uses_the_usable_pool(fake_graphs):
     from decapybara.errors import ContextOverflowError
 
     e = Engine(model("qwen3"), EngineConfig(**{**BASE, "num_pages": 9}))  # 8 usable pages: 64 tokens
-    e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=61)))
-    with pytest.raises(ContextOverflowError, match="pool has 8"):
-        e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=62)))
+    assert e.max_model_len == 64  # the graphs' padding page is not the context's
+    e.add_request(Request((1,) * 63, SamplingParams(max_tokens=1000)))
+    with pytest.raises(ContextOverflowError, match="context of 64"):
+        e.add_request(Request((1,) * 64, SamplingParams(max_tokens=1)))
 
 
 def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):

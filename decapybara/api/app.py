@@ -47,14 +47,16 @@ KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI streams' idle line
 
 def create_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ping_interval_s: float = 10.0,
-               first_event_wait_s: float = 1.0) -> FastAPI:
+               first_event_wait_s: float = 1.0, disconnects: tuple[type[BaseException], ...] = ()) -> FastAPI:
     """The HTTP app over `client`.
 
     api_key: when set, every route but /health needs it (401 in each API's shape otherwise).
     served_model_name: the name /v1/models lists and responses carry (default: client.model_name); requests
     may name any model. max_body_bytes: larger bodies get 413. ping_interval_s: idle time after which a stream
     gets an Anthropic `ping` / an OpenAI keep-alive comment. first_event_wait_s: how long a streaming request
-    waits for its first event before sending headers (a refusal within it is a proper 4xx).
+    waits for its first event before sending headers (a refusal within it is a proper 4xx). disconnects: the
+    exception types the transport raises into a request whose client left (Ray Serve cancels its task): noted in
+    the debug log, not reported as server errors.
     """
     served = served_model_name or client.model_name
     created = int(time.time())
@@ -75,7 +77,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
 
     @app.exception_handler(Exception)
     async def _server_error(request: HttpRequest, exc: Exception) -> Response:
-        return error_response(to_api_error(exc), api_of(request.url.path))
+        return error_response(to_api_error(exc, disconnects), api_of(request.url.path))
 
     async def parse(request: HttpRequest, model: type[Any]) -> Any:
         return model.model_validate_json(await read_body(request, max_body_bytes))
@@ -85,7 +87,8 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         """Serve a planned request: an event stream, or the collected response."""
         if stream:
             beat, first = await start_stream(events, first_event_wait_s)
-            return EventStreamResponse(drive_stream(streamer(), beat, first, api, ping_interval_s, idle_line))
+            return EventStreamResponse(drive_stream(streamer(), beat, first, api, ping_interval_s, idle_line,
+                                                    disconnects), disconnects)
         done = await collect(events, request)
         if done is None:  # the client left; nobody reads this
             return Response(status_code=499)
@@ -100,13 +103,13 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def stats() -> Response:
         async def body() -> Response:
             return JSONResponse(await client.stats())
-        return await guarded(OPENAI, body)
+        return await guarded(OPENAI, body, disconnects)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         async def body() -> Response:
             return PlainTextResponse(prometheus_text(await client.stats(), dict(counts)), media_type=CONTENT_TYPE)
-        return await guarded(OPENAI, body)
+        return await guarded(OPENAI, body, disconnects)
 
     # ---- OpenAI --------------------------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -129,7 +132,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_api.ChatStream(plan, client.tokenizer),
                              lambda done: openai_api.chat_completion(plan, done, client.tokenizer), KEEP_ALIVE)
-        return await guarded(OPENAI, handle)
+        return await guarded(OPENAI, handle, disconnects)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
@@ -140,7 +143,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_completions.CompletionStream(plan, client.tokenizer),
                              lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)
-        return await guarded(OPENAI, handle)
+        return await guarded(OPENAI, handle, disconnects)
 
     # ---- Anthropic -----------------------------------------------------------------------------------------
     @app.post("/v1/messages")
@@ -156,7 +159,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return await run(request, ANTHROPIC, events, bool(body.stream),
                              lambda: anthropic_api.MessageStream(plan),
                              lambda done: anthropic_api.message(plan, done), anthropic_api.PING)
-        return await guarded(ANTHROPIC, handle)
+        return await guarded(ANTHROPIC, handle, disconnects)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: HttpRequest) -> Response:
@@ -164,6 +167,6 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             body = await parse(request, an.CountTokensRequest)
             result = await run_in_threadpool(anthropic_api.count_tokens, body, client.tokenizer)
             return JSONResponse(result.dump())
-        return await guarded(ANTHROPIC, handle)
+        return await guarded(ANTHROPIC, handle, disconnects)
 
     return app

@@ -137,7 +137,7 @@ def check_prompt(ids: tuple[int, ...], max_model_len: int, vocab_size: int) -> N
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise ContextOverflowError(f"the prompt has {len(ids)} tokens, which does not leave room for output in "
-                                   f"this model's context of {max_model_len} tokens")
+                                   f"the served context of {max_model_len} tokens")
 
 
 def output_budget(requested: int | None, num_prompt: int, max_model_len: int, param: str) -> int:

@@ -73,8 +73,13 @@ def validation_error(exc: ValidationError) -> ApiError:
     return bad_request(message, param)
 
 
-def to_api_error(exc: BaseException) -> ApiError:
-    """Map any exception to the ApiError the client sees; unexpected ones are logged and become 500s."""
+def to_api_error(exc: BaseException, disconnects: tuple[type[BaseException], ...] = ()) -> ApiError:
+    """Map any exception to the ApiError the client sees; unexpected ones are logged and become 500s.
+    `disconnects`: what the transport raises into a request whose client left (nobody reads the answer, a 499;
+    noted in the debug log only)."""
+    if isinstance(exc, disconnects):
+        log.debug("the client left: %s", type(exc).__name__)
+        return ApiError(499, "the client closed the request")
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValidationError):

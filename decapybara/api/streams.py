@@ -74,10 +74,17 @@ class Heartbeat:
         if self._closed:
             return
         self._closed = True
+        if self._pending is not None:  # nobody reads its outcome now: an error of it (the client's cleanup after
+            self._pending.add_done_callback(_retrieve)  # a cancelled transport) is not left unretrieved
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()  # the read in flight gets CancelledError: the client's cleanup aborts
         elif hasattr(self._events, "aclose"):
             await self._events.aclose()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def budgeted_thinking(client: Any, request: Request, budget: int, opens_reasoning: bool

@@ -109,12 +109,17 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], disconnects: tuple[type[BaseException], ...] = ()) -> None:
+        """`disconnects`: what the transport raises into a response whose client left (`create_app`'s): the
+        response then ends quietly, as a plain disconnect does."""
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.disconnects = disconnects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except self.disconnects:
+            pass
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
@@ -130,9 +135,11 @@ class Streamer(Protocol):
 
 
 async def drive_stream(streamer: Streamer, beat: Heartbeat, first: TokenEvent | None, api: str,
-                       interval: float, idle_line: str) -> AsyncIterator[str]:
+                       interval: float, idle_line: str,
+                       disconnects: tuple[type[BaseException], ...] = ()) -> AsyncIterator[str]:
     """The SSE body: the streamer's lines for every event, `idle_line` after every `interval` seconds without
-    one, and an error event (in the API's shape) if the stream fails after the headers went out."""
+    one, and an error event (in the API's shape) if the stream fails after the headers went out
+    (`to_api_error`'s, with `disconnects`)."""
     try:
         for line in streamer.start(first):
             yield line
@@ -151,7 +158,7 @@ async def drive_stream(streamer: Streamer, beat: Heartbeat, first: TokenEvent | 
     except StopAsyncIteration:
         yield error_line(ApiError(500, "the engine stream ended without a finish reason"), api)
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
-        yield error_line(to_api_error(exc), api)
+        yield error_line(to_api_error(exc, disconnects), api)
     finally:
         await beat.close()
 
@@ -190,18 +197,21 @@ async def collect(events: AsyncIterator[TokenEvent], request: HttpRequest) -> Co
     try:
         await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watching.cancel()
-        if not reading.done():
-            reading.cancel()
-    if reading.cancelled():
+        left = not reading.done()  # the client went (or its transport failed) before the stream ended
+        for task in (watching, reading):
+            task.cancel()  # a no-op on a finished task
+        # both settled: the read's cleanup has aborted the request, and neither leaves an unretrieved error
+        await asyncio.gather(watching, reading, return_exceptions=True)
+    if left:
         return None
-    reading.result()
+    reading.result()  # the stream's own error (an engine refusal), if it failed
     return done
 
 
-async def guarded(api: str, handler: Callable[[], Any]) -> Any:
-    """Run a route body; any exception becomes an error response in the API's shape."""
+async def guarded(api: str, handler: Callable[[], Any], disconnects: tuple[type[BaseException], ...] = ()) -> Any:
+    """Run a route body; any exception becomes an error response in the API's shape (`to_api_error`'s, with
+    `disconnects`)."""
     try:
         return await handler()
     except Exception as exc:  # noqa: BLE001 - answered in the API's error shape
-        return error_response(to_api_error(exc), api)
+        return error_response(to_api_error(exc, disconnects), api)

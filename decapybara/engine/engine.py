@@ -10,6 +10,7 @@ and later resumed with no re-prefill. No Ray here: plain objects, a clock that t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,8 @@ from decapybara.engine.spec_governor import SpecGovernor
 from decapybara.errors import ContextOverflowError, InvalidRequestError
 from decapybara.kv.stores import HostBundleStore
 from decapybara.model.qwen import QwenModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -92,6 +95,15 @@ class Engine(MemoryMixin):
         # the block manager owns the usable pages only (with CUDA graphs the pool's last page is padding's)
         self.blocks = BlockManager(self.runner.plan.usable_pages, cfg.page_size, cfg.enable_prefix_cache,
                                    self.hybrid, budget, salt)
+        # the served context: no longer than one sequence holding the whole pool (the API clamps max_tokens to it,
+        # and /v1/models reports it), so a pool smaller than the model's context shortens conversations instead of
+        # refusing every request that leaves max_tokens to its default
+        pool_tokens = self.blocks.num_pages * cfg.page_size
+        if pool_tokens < self.max_model_len:
+            log.warning("the KV pool holds %d tokens (%d pages of %d), fewer than the context of %d: serving a "
+                        "context of %d", pool_tokens, self.blocks.num_pages, cfg.page_size, self.max_model_len,
+                        pool_tokens)
+            self.max_model_len = pool_tokens
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -142,13 +154,7 @@ class Engine(MemoryMixin):
         if ids.min() < 0 or ids.max() >= self.model.cfg.vocab_size:
             raise InvalidRequestError("prompt token ids must lie in [0, vocab_size)")
         if n >= self.max_model_len:
-            raise ContextOverflowError(f"prompt of {n} tokens does not fit the context of {self.max_model_len}")
-        need = self.blocks.pages_for(min(n + params.max_tokens, self.max_model_len))
-        pool = self.blocks.num_pages
-        if need > pool:
-            raise ContextOverflowError(
-                f"prompt + max_tokens needs {need} KV pages but the pool has {pool}; "
-                f"lower max_tokens to at most {pool * self.cfg.page_size - n}")
+            raise ContextOverflowError(f"prompt of {n} tokens does not fit the served context of {self.max_model_len}")
         now = self.clock()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request, seed, request.arrival if request.arrival is not None else now,

@@ -71,10 +71,13 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         from fastapi.responses import JSONResponse
+        from ray.exceptions import TaskCancelledError
 
         from decapybara.api.app import create_app
 
-        app = create_app(self.client, api_key=self.cfg.api_key, served_model_name=self.cfg.served_model_name)
+        # a client that leaves mid-request has Serve cancel the request's task: its ASGI receive raises this
+        app = create_app(self.client, api_key=self.cfg.api_key, served_model_name=self.cfg.served_model_name,
+                         disconnects=(TaskCancelledError,))
 
         @app.get("/v1/model_info")
         async def model_info() -> JSONResponse:

@@ -107,11 +107,12 @@ def test_load_model_extends_the_files_context():
 def test_gpu_actor_serves_the_presets_context():
     """The GPU actor (in-process, CPU backend) under preset max_efficiency serves 1,048,576 tokens: the demo
     model (trained on 32,768) with YaRN x32 and an engine that admits such a context; rope_scaling=off keeps the
-    trained context, and a longer explicit max_model_len with it is refused before the weights load."""
+    trained context, and a longer explicit max_model_len with it is refused before the weights load. (The pool,
+    0.5 GB, holds the whole context: a smaller one would shorten the served context to its own tokens.)"""
     pytest.importorskip("ray")
     from actors.gpu_actor import GPUActor
 
-    actor = GPUActor({"device": "cpu", "preset": "max_efficiency", "kv_memory_gb": 0.01, "slots": 2})
+    actor = GPUActor({"device": "cpu", "preset": "max_efficiency", "kv_memory_gb": 0.5, "slots": 2})
     try:
         model, engine = actor.engine.model, actor.engine
         assert (model.cfg.rope.kind, model.cfg.rope.factor) == ("yarn", 32.0)
@@ -121,7 +122,7 @@ def test_gpu_actor_serves_the_presets_context():
         assert rel_err(prefill_logits(model, ids), want) == 0.0
     finally:
         actor.stop()
-    actor = GPUActor({"device": "cpu", "preset": "max_efficiency", "rope_scaling": "off", "kv_memory_gb": 0.01,
+    actor = GPUActor({"device": "cpu", "preset": "max_efficiency", "rope_scaling": "off", "kv_memory_gb": 0.5,
                       "slots": 2})
     try:
         assert actor.engine.model.cfg.rope.kind == "default" and actor.engine.max_model_len == 32768

@@ -131,7 +131,8 @@ def test_fp32_yarn_logits_and_greedy_graphs_match_numpy(family):
     assert rel_err(got, ref, f"{family} yarn") <= 3e-4
     prompts = [np.random.default_rng(11).integers(0, 512, n).tolist() for n in (9, 30)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    ecfg = EngineConfig(page_size=8, num_pages=96, max_batch_tokens=32, max_slots=4, loop_guard="off")
+    ecfg = EngineConfig(page_size=8, num_pages=4 * cfg.max_position_embeddings // 8 + 2, max_batch_tokens=32,
+                        max_slots=4, loop_guard="off")  # a pool that holds the whole extended context
     want = Engine(QwenModel.from_tensors(ext, NumpyBackend(), tensors), ecfg).generate(prompts, params)
     engine = Engine(QwenModel.from_tensors(ext, CupyBackend("fp32"), tensors), ecfg)
     assert engine.generate(prompts, params) == want and engine.max_model_len == 4 * cfg.max_position_embeddings

@@ -563,6 +563,20 @@ def test_bad_input_gets_4xx_in_each_apis_shape_and_the_server_keeps_serving(stac
     assert stack.stats()["running"] == 0
 
 
+def test_a_bad_field_is_named_where_it_went_wrong(stack):
+    """A validation error names the field the value failed at: of a union's branches (a string, or a list of
+    blocks) the one that got furthest, without pydantic's branch labels in the path."""
+    video = [{"role": "user", "content": [{"type": "video"}]}]
+    r = _post(stack.url + "/v1/messages", {"model": "m", "max_tokens": 5, "messages": video})
+    message = r.json()["error"]["message"]
+    assert message.startswith("messages.0.content.0: ") and "'video'" in message, message
+    r = _post(stack.url + "/v1/chat/completions", {"messages": video})
+    err = r.json()["error"]
+    assert err["param"] == "messages.0.content.0" and "'video'" in err["message"], err
+    r = _post(stack.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]})
+    assert r.json()["error"]["param"] == "messages.0.content", r.text
+
+
 def test_a_prompt_past_the_pool_is_a_4xx_not_a_broken_stream(stack):
     """The small server's pool holds 64 tokens, its served context: a longer prompt is refused before any event,
     in each API's shape."""

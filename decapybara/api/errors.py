@@ -58,15 +58,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param, code)
 
 
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"})
+
+
+def _union_label(part: object) -> bool:
+    """A path element pydantic adds for a union's branch (its type's name), not a field or an index."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_LABELS)
+
+
 def validation_error(exc: ValidationError) -> ApiError:
-    """A pydantic error as a 400 naming the first offending field (``messages.0.role``)."""
+    """A pydantic error as a 400 naming the offending field (``messages.0.role``): of a union's failed branches
+    the one that got furthest into the value (a list of content blocks with an unknown block's type, rather than
+    "not a string"), the branches' own labels (``str``, ``list[...]``) left out of the field's path."""
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
+    first = max(errors, key=lambda e: len(e["loc"]))  # the first of the deepest
     if first["type"] == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
-    param = ".".join(str(p) for p in first["loc"]) or None
+    param = ".".join(str(p) for p in first["loc"] if not _union_label(p)) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"

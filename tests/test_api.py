@@ -41,6 +41,7 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "SAY-STOP": "Alpha Beta STOP Gamma",
     "THINK-LONG": "<think>\nI think" + " and think" * 60,
     "SLOW-DOWN": "slow answer",
+    "THINK-NOTHING": "<think>\n\n</think>\n\nJust this.",
 }
 TOOLS_OA = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -561,6 +562,26 @@ def test_bad_input_gets_4xx_in_each_apis_shape_and_the_server_keeps_serving(stac
         stack.oa().chat.completions.create(model="m", messages=user("x"), n=2)
     assert stack.oa().chat.completions.create(model="m", messages=user("still alive?"), max_tokens=2).choices
     assert stack.stats()["running"] == 0
+
+
+def test_an_empty_reasoning_is_no_block_streamed_or_not(stack):
+    """A reply whose reasoning is empty has no thinking block (Anthropic) and no reasoning_content (OpenAI),
+    whether streamed or not: the stream opens a block at its first reasoning text, so neither form shows one."""
+    msgs = user("THINK-NOTHING")
+    r = stack.oa().chat.completions.create(model="m", messages=msgs, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == "Just this." and "reasoning_content" not in (r.choices[0].message.model_extra
+                                                                                        or {})
+    chunks = list(stack.oa().chat.completions.create(model="m", messages=msgs, max_tokens=24, temperature=0,
+                                                     stream=True))
+    assert not any((c.choices[0].delta.model_extra or {}).get("reasoning_content") is not None
+                   for c in chunks if c.choices)
+    m = stack.an().messages.create(model="m", max_tokens=24, messages=msgs,
+                                   thinking={"type": "enabled", "budget_tokens": 16})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "Just this."
+    with stack.an().messages.stream(model="m", max_tokens=24, messages=msgs,
+                                    thinking={"type": "enabled", "budget_tokens": 16}) as st:
+        final = st.get_final_message()
+    assert [b.type for b in final.content] == ["text"]
 
 
 def test_a_bad_field_is_named_where_it_went_wrong(stack):

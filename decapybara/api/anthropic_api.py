@@ -230,7 +230,7 @@ def _guard(reason: FinishReason | None, note: str | None) -> LoopGuardInfo | Non
 def message(plan: MessagePlan, done: Collected) -> an.Message:
     parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning)
     blocks: list[an.ContentOut] = []
-    if parsed.reasoning is not None:
+    if parsed.reasoning:  # an empty reasoning has no block, as in the stream (which opens one at its first text)
         shown = parsed.reasoning if plan.show_thinking else ""
         blocks.append(an.ThinkingOut(thinking=shown, signature=signature(parsed.reasoning)))
     if parsed.content:

@@ -219,7 +219,8 @@ def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatC
     calls = [oa.ToolCallOut(id=new_id("call_"), function=oa.FunctionCallOut(name=c.name, arguments=c.arguments_json()))
              for c in parsed.tool_calls]
     message = oa.AssistantMessage(content=parsed.content if parsed.content or not calls else None,
-                                  reasoning_content=parsed.reasoning, tool_calls=calls or None)
+                                  reasoning_content=parsed.reasoning or None,  # as streamed: none when empty
+                                  tool_calls=calls or None)
     logprobs = None
     if plan.logprobs:
         logprobs = oa.ChoiceLogprobs(content=token_logprobs(tokenizer, done.logprob_token_ids, done.logprobs,

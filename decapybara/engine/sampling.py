@@ -333,14 +333,16 @@ def _full_row(x: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -
 
 
 def top_n(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The n best finite (token_id, logprob) of one row, descending, ties by ascending id."""
+    """The n best finite (token_id, logprob) of one row, descending, ties by ascending id; each logprob at the
+    float32 precision of the sampled token's (`SampleOutput.logprobs`), so that a token's own logprob and its
+    entry among the best are the same number."""
     if n <= 0:
         return []
     n = min(n, logprobs.shape[-1])
     cand = np.argpartition(-logprobs, n - 1)[:n]
     cand = np.flatnonzero(logprobs >= logprobs[cand].min())  # every tie of the n-th value
     cand = cand[np.lexsort((cand, -logprobs[cand]))][:n]
-    return [(int(t), float(logprobs[t])) for t in cand if np.isfinite(logprobs[t])]
+    return [(int(t), float(np.float32(logprobs[t]))) for t in cand if np.isfinite(logprobs[t])]
 
 
 # ---------------------------------------------------------------------------------------------- the batch

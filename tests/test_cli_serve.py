@@ -42,7 +42,28 @@ def test_prefill_weights_setting():
 
 
 def test_bad_serve_flags_exit_with_2_before_starting_anything():
-    for bad in (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"]):
+    for bad in (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"],
+                ["--rope-scaling", "off", "--max-model-len", "100000"],  # the GPU actor's own checks, made first
+                ["--rope-scaling", "1m", "--max-model-len", "2000000"]):
         r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", *bad], capture_output=True, text=True,
                            check=False, timeout=60)
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, (bad, r.stderr)
+
+
+def _cuda_devices() -> int:
+    try:
+        from cupy.cuda import runtime
+
+        return runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy or no driver
+        return 0
+
+
+def test_serve_on_cuda_without_a_device_is_one_line():
+    """`--device cuda` where CuPy finds no device is refused before Ray starts (not a failed deployment)."""
+    if _cuda_devices():
+        pytest.skip("this machine has a CUDA device")
+    r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", "--device", "cuda"], capture_output=True,
+                       text=True, check=False, timeout=60)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -70,6 +70,11 @@ def test_plan_capacity_arithmetic():
     assert not past.fits and "position limit" in past.why_not
     small = C.plan_capacity(cfg, wb, 16 * C.GIB, "16/16", 12, 1024)
     assert small.pages == 0 and not small.fits and "no room for KV" in small.why_not
+    # memory kept free for other programs is part of what is short
+    kept = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", 12, 1024, keep_free_bytes=1000 * C.GIB)
+    short = wb + kept.state_bytes + kept.reserve_bytes + 1000 * C.GIB + 2 * kept.kv_page_bytes - 141 * C.GIB
+    assert kept.pages == 0 and f"({short / C.GIB:.1f} GiB short)" in kept.why_not and "kept free" in kept.why_not
+    assert short > 800 * C.GIB
     with pytest.raises(ValueError):
         C.plan_capacity(cfg, wb, 16 * C.GIB, "16/16", 0, 1024)
     with pytest.raises(ValueError):

@@ -232,6 +232,44 @@ def test_escape_mode_stops_after_the_configured_number_of_failed_bans() -> None:
     assert actions[-1].kind is ActionKind.STOP and "2 token bans" in actions[-1].note
 
 
+def test_escape_mode_stops_a_loop_that_comes_back_after_each_ban() -> None:
+    """A model that takes another token while the loop's is banned, then loops again: each ban breaks the period,
+    so the loop is seen again only ~min_covered_chars later, when the penalty has relaxed; those bans still
+    failed, and the guard stops after escape_attempts of them."""
+    cfg = LoopGuardConfig(mode="escape")
+    guard, vocab = LoopGuard(cfg), Vocab()
+
+    def model(last: LoopAction) -> str:
+        return " bar" if vocab(" foo") in last.banned_token_ids else " foo"
+
+    actions = run(guard, model, vocab, 3000)
+    assert actions[-1].kind is ActionKind.STOP and f"{cfg.escape_attempts} token bans" in actions[-1].note
+    assert guard.interventions["ban"] == cfg.escape_attempts and guard.interventions["stop"] == 1
+    notes = [a.note for a in actions if a.kind is ActionKind.BAN]
+    assert [n.rsplit("(", 1)[1] for n in notes] == [f"escape {i} of {cfg.escape_attempts})"
+                                                    for i in range(1, cfg.escape_attempts + 1)]
+
+
+def test_escape_bans_are_forgiven_after_a_window_without_the_loop() -> None:
+    """A ban that worked (the output moved on for a whole window) does not count against a later, new loop."""
+    cfg = LoopGuardConfig(mode="escape", escape_attempts=1)
+    guard, vocab = LoopGuard(cfg), Vocab()
+    fresh = fresh_text()
+    phase = {"n": 0}
+
+    def model(last: LoopAction) -> str:  # a loop, escaped for good once banned; a second loop much later
+        phase["n"] += 1
+        if last.banned_token_ids:
+            phase["escaped"] = phase["n"]
+        if "escaped" in phase and phase["n"] < phase["escaped"] + 1200:
+            return next(fresh)
+        return " foo"
+
+    actions = run(guard, model, vocab, 2200)
+    kinds = [a.kind for a in actions if a.kind in (ActionKind.BAN, ActionKind.STOP)]
+    assert kinds[:2] == [ActionKind.BAN, ActionKind.BAN], kinds  # the second loop gets its own ban, not a STOP
+
+
 def test_off_mode_never_intervenes() -> None:
     guard, vocab = LoopGuard(LoopGuardConfig(mode="off")), Vocab()
     stream = looping(CODE_UNIT)

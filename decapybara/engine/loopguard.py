@@ -17,7 +17,8 @@ Stage 2, intervention. While a loop persists the repetition penalty ramps (`star
 steps back down, one step per `tokens_per_step` tokens, to 1.0. When the penalty sits at the cap and the loop
 goes on for `cap_tokens` more tokens, the mode decides: ``stop`` stops; ``end_thinking`` forces the end of the
 thinking block (and stops outside one); ``escape`` bans the tokens that continued the loop before, for a few
-tokens, and stops after `escape_attempts` such bans failed; ``off`` never intervenes.
+tokens, and stops after `escape_attempts` such bans failed (a ban failed where the loop is seen again before a
+whole window of output, `window_chars`, went by without it); ``off`` never intervenes.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class LoopGuardState:
     level: int = 0  # ramp level; penalty = config.penalty_at(level)
     tokens_since_step: int = 0
     quiet_tokens: int = 0  # tokens since the loop was last seen
+    quiet_chars: int = 0  # normalised characters since then (escape mode: a whole window of them forgives the bans)
     loop_tokens_at_cap: int = 0
     banned: list[int] = field(default_factory=list)
     ban_tokens_left: int = 0
@@ -249,7 +251,8 @@ class LoopGuard:
             return LoopAction()
         if s.stop_note:  # terminal until reset(): the engine should already have finished the sequence
             return LoopAction(ActionKind.STOP, self.repetition_penalty, note=s.stop_note)
-        loop = self._detect(self._push(token_id, text_delta))
+        num_chars = self._push(token_id, text_delta)
+        loop = self._detect(num_chars)
         if s.ban_tokens_left:
             s.ban_tokens_left -= 1
             if loop is not None and s.ban_tokens_left:
@@ -257,14 +260,14 @@ class LoopGuard:
             if not s.ban_tokens_left:
                 s.banned = []
         if loop is None:
-            return self._on_quiet()
+            return self._on_quiet(num_chars)
         return self._on_loop(loop, in_thinking)
 
     # -- stage 2: the state machine ---------------------------------------------------------------------------
 
     def _on_loop(self, loop: _Loop, in_thinking: bool) -> LoopAction:
         cfg, s = self.config, self._s
-        s.quiet_tokens = 0
+        s.quiet_tokens = s.quiet_chars = 0
         if s.level < cfg.max_level:
             if s.level > 0:
                 s.tokens_since_step += 1
@@ -294,8 +297,16 @@ class LoopGuard:
         s.stop_note = f"{failed}; generation stopped so the client can recover"
         return self._action(ActionKind.STOP, s.stop_note)
 
-    def _on_quiet(self) -> LoopAction:
+    def _on_quiet(self, num_chars: int) -> LoopAction:
+        """A token with no loop at the end of the output. The penalty relaxes; the escape mode's count of bans
+        is forgiven only once a whole window of output (`window_chars`) has gone by without the loop: a ban
+        breaks the loop's period, and the detector needs `min_covered_chars` of it again to see a loop that
+        came back, by which time the penalty may well have relaxed to nothing."""
         cfg, s = self.config, self._s
+        if s.escapes:
+            s.quiet_chars += num_chars
+            if s.quiet_chars >= cfg.window_chars:
+                s.escapes = 0
         if s.level == 0:
             return self._action(ActionKind.NONE)
         s.quiet_tokens += 1
@@ -305,7 +316,7 @@ class LoopGuard:
         s.level -= 1
         s.loop_tokens_at_cap = 0
         if s.level == 0:
-            s.tokens_since_step = s.escapes = 0
+            s.tokens_since_step = 0
         return self._action(ActionKind.RELAX, f"LoopGuard: no repetition for {s.quiet_tokens} tokens; "
                                               f"repetition penalty relaxed to {self.repetition_penalty:g}")
 

@@ -45,6 +45,7 @@ class CapacityPlan:
     ram_bytes: int
     context: int  # the context each conversation is planned for
     max_context: int  # the model's position limit
+    keep_free_bytes: int = 0  # device memory left to other programs (the server's keep_free_gb)
 
     @property
     def kv_page_bytes(self) -> int:
@@ -68,9 +69,10 @@ class CapacityPlan:
     @property
     def why_not(self) -> str | None:
         if self.pages < 2:
-            short = (self.weight_bytes + self.state_bytes + self.reserve_bytes + 2 * self.kv_page_bytes
-                     - self.device_bytes)
-            return f"weights, states and reserve leave no room for KV ({short / GIB:.1f} GiB short)"
+            short = (self.weight_bytes + self.state_bytes + self.reserve_bytes + self.keep_free_bytes
+                     + 2 * self.kv_page_bytes - self.device_bytes)
+            kept = ", reserve and the memory kept free" if self.keep_free_bytes else " and reserve"
+            return f"weights, states{kept} leave no room for KV ({short / GIB:.1f} GiB short)"
         if self.context > self.max_context:
             return f"{self.context:,} tokens is past the model's {self.max_context:,}-token position limit"
         if self.context_per_slot < self.context:
@@ -115,7 +117,7 @@ def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mod
     free = device_bytes - weight_bytes - states - reserve - keep_free_bytes
     pages = max(0, free // (token * page_size)) if token else 0
     return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),
-                        ram_bytes, context, cfg.max_position_embeddings)
+                        ram_bytes, context, cfg.max_position_embeddings, keep_free_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,10 +60,32 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         out[key.strip()] = value
     try:
-        AppConfig(**out).resolved_model()  # a model named, not found: said here, before Ray starts
+        cfg = AppConfig(**out)
     except ValidationError as e:
         raise ConfigError(f"bad server settings: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    preflight(cfg)
     return out
+
+
+def preflight(cfg: Any) -> None:
+    """The checks the GPU actor makes as it starts, made here, before Ray starts, so that a bad setting is one
+    line and not a failed deployment: the model found (a name in the model folders, a path, a URL), its context
+    plan (`context_plan`: e.g. a max_model_len past the trained context with rope_scaling off) and, where
+    device=cuda, a CUDA device (this command serves on this machine)."""
+    from decapybara.builder.load import load_config
+    from decapybara.mcapy import McapyFile
+
+    path = cfg.resolved_model()
+    try:
+        with McapyFile.open(path) as f:
+            trained = load_config(f).max_position_embeddings
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read the model {path!r}: {e}") from None
+    cfg.context_plan(trained)
+    try:
+        cfg.use_cuda()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

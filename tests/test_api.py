@@ -599,24 +599,24 @@ def test_a_bad_field_is_named_where_it_went_wrong(stack):
 
 
 def test_a_prompt_past_the_pool_is_a_4xx_not_a_broken_stream(stack):
-    """The small server's pool holds 64 tokens, its served context: a longer prompt is refused before any event,
-    in each API's shape."""
+    """The small server's pool holds 64 tokens, 48 of them for one conversation (its served context): a longer
+    prompt is refused before any event, in each API's shape."""
     for path, body in [("/v1/chat/completions", {"messages": user("x " * 80), "max_tokens": 4, "stream": True}),
                        ("/v1/messages", {"model": "m", "messages": user("x " * 80), "max_tokens": 4, "stream": True})]:
         r = _post(stack.small_url + path, body)
         assert r.status_code == 400 and not r.headers["content-type"].startswith("text/event-stream"), r.text
         err = r.json()["error"]
         assert err.get("code") == "context_length_exceeded" or err["type"] == "invalid_request_error"
-        assert "context of 64" in err["message"]
+        assert "context of 48" in err["message"]
 
 
 def test_max_tokens_past_a_small_pool_is_clamped_to_it(stack):
     """A pool smaller than the model's context is the served context: /v1/models says so, and a request that
     leaves max_tokens to its default, or asks for more than fits, runs to the pool's end ("length"), not refused."""
-    assert httpx.get(stack.small_url + "/v1/models").json()["data"][0]["max_model_len"] == 64
+    assert httpx.get(stack.small_url + "/v1/models").json()["data"][0]["max_model_len"] == 48
     oa = stack.oa(stack.small_url)
     r = oa.chat.completions.create(model="m", messages=user("x"), temperature=0)  # no max_tokens
-    assert r.usage.total_tokens <= 64 and (r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 64)
+    assert r.usage.total_tokens <= 48 and (r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 48)
     chunks = list(oa.chat.completions.create(model="m", messages=user("x"), max_tokens=32000, temperature=0,
                                              stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.total_tokens == r.usage.total_tokens
@@ -655,17 +655,21 @@ class ClientLeft(Exception):
 
 
 class LeavingClient:
-    """The stack's engine client, but a request's events end in `ClientLeft` (as a cancelled Serve task's do)."""
+    """The stack's engine client, but a request's events end in `ClientLeft` (as a cancelled Serve task's do):
+    at once, or after its first event (a stream already under way)."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
+    def __init__(self, inner, after_first: bool = False) -> None:
+        self.inner, self.after_first = inner, after_first
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     async def generate(self, request):
+        if self.after_first:
+            async for ev in self.inner.generate(request):
+                yield ev
+                break
         raise ClientLeft("cancelled")
-        yield  # an async generator
 
 
 def test_a_client_that_left_is_not_a_server_error(stack, caplog):
@@ -673,15 +677,20 @@ def test_a_client_that_left_is_not_a_server_error(stack, caplog):
     any other error still is, as a 500 in the API's shape."""
     import logging
 
-    body = {"model": "m", "messages": user("hi"), "max_tokens": 2}
+    body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 8}
     for disconnects, status in (((ClientLeft,), 499), ((), 500)):
-        server = LiveServer(create_app(LeavingClient(stack.client), disconnects=disconnects))
-        try:
-            caplog.clear()
-            with caplog.at_level(logging.DEBUG, logger="decapybara.api"):
-                r = _post(server.url + "/v1/chat/completions", body)
-            assert r.status_code == status, r.text
-            errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
-            assert bool(errors) == (status == 500), [rec.getMessage() for rec in errors]
-        finally:
-            server.stop()
+        for stream in (False, True):
+            server = LiveServer(create_app(LeavingClient(stack.client, after_first=stream), disconnects=disconnects))
+            try:
+                caplog.clear()
+                with caplog.at_level(logging.DEBUG, logger="decapybara.api"):
+                    r = _post(server.url + "/v1/chat/completions", {**body, "stream": stream})
+                    time.sleep(0.1)
+                if stream:  # the headers went out with the first event; the error is the stream's last line
+                    assert r.status_code == 200 and '"message":"' in r.text.replace(" ", ""), r.text
+                else:
+                    assert r.status_code == status, r.text
+                errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+                assert bool(errors) == (status == 500), (stream, [rec.getMessage() for rec in errors])
+            finally:
+                server.stop()

@@ -228,11 +228,11 @@ def test_seeded_sampling_independent_of_batch():
 
 
 def test_bad_input_is_refused_before_any_work():
-    e = engine("qwen3", num_pages=8)  # 64 tokens of KV: the served context
+    e = engine("qwen3", num_pages=8)  # 64 tokens of KV, less a page for the prefix cache: a context of 56
     with pytest.raises(ContextOverflowError):
         e.add_request(Request((7,) * 1024, GREEDY))  # longer than the model's context
-    with pytest.raises(ContextOverflowError, match="context of 64"):
-        e.add_request(Request((7,) * 64, GREEDY))  # leaves no room in the pool
+    with pytest.raises(ContextOverflowError, match="context of 56"):
+        e.add_request(Request((7,) * 56, GREEDY))  # leaves no room in the pool
     with pytest.raises(InvalidRequestError):
         e.add_request(Request((1, 2, 3), SamplingParams(max_tokens=0)))
     with pytest.raises(InvalidRequestError):
@@ -265,15 +265,40 @@ def test_repeated_prompt_reuses_up_to_its_last_page_boundary_on_hybrid_models():
 
 
 def test_a_pool_smaller_than_the_context_shortens_it():
-    """A KV pool that cannot hold the model's context serves a context of the pool's tokens: a request whose
-    max_tokens runs past it is taken (not refused) and ends with "length" where one sequence fills the pool,
-    as a request past the model's own context would."""
+    """A KV pool that cannot hold the model's context serves a context of the pool's tokens (less one page with
+    the prefix cache: an admission holds a cached partial page while it copies it): a request whose max_tokens
+    runs past it is taken (not refused) and ends with "length" where one sequence fills it, as a request past the
+    model's own context would."""
     e = engine("qwen3", num_pages=8)
-    assert e.max_model_len == 64 < e.model.cfg.max_position_embeddings
+    assert e.max_model_len == 56 < e.model.cfg.max_position_embeddings
     e.eos_token_ids = ()
     seq = e.add_request(Request((1, 2, 3), SamplingParams(temperature=0, max_tokens=1000)))
     while e.has_work():
         e.step()
-    assert seq.finish_reason == FinishReason.LENGTH and seq.num_tokens == 64
-    assert engine("qwen3", num_pages=9).max_model_len == 72
+    assert seq.finish_reason == FinishReason.LENGTH and seq.num_tokens == 56
+    assert engine("qwen3", num_pages=9).max_model_len == 64
+    assert engine("qwen3", num_pages=8, enable_prefix_cache=False).max_model_len == 64
     assert engine("qwen3").max_model_len == e.model.cfg.max_position_embeddings  # a pool past the context
+
+
+@pytest.mark.parametrize("mode", ["pool", "fixed"])
+def test_a_follow_up_turn_at_the_end_of_a_pool_sized_context_is_admitted(mode):
+    """A conversation's next turn that matches the cached partial last page of its previous one, with the rest
+    of the served context as its max_tokens (the API's default), is admitted and runs, though the pool is the
+    context's size: the admission's copy of that page has its page."""
+    e = engine("qwen3", num_pages=8, context_mode=mode)
+    e.eos_token_ids = ()
+    rng = np.random.default_rng(5)
+    first = e.add_request(Request(tuple(rng.integers(0, 512, 13).tolist()),
+                                  SamplingParams(temperature=0, max_tokens=e.max_model_len - 5 - 13)))
+    while e.has_work():
+        e.step()
+    # its tokens end inside a page (a cached partial tail); the next prompt ends 2 tokens short of the context
+    prompt = tuple(first.tokens) + tuple(rng.integers(0, 512, 3).tolist())
+    second = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=e.max_model_len - len(prompt))))
+    for _ in range(200):
+        if not e.has_work():
+            break
+        e.step()
+    assert second.finish_reason == FinishReason.LENGTH and second.num_tokens == e.max_model_len, second.status
+    assert second.num_cached_prompt > 0  # the previous turn's pages were reused

@@ -199,11 +199,11 @@ def test_context_check_uses_the_usable_pool(fake_graphs):
     from decapybara.engine.sequence import Request
     from decapybara.errors import ContextOverflowError
 
-    e = Engine(model("qwen3"), EngineConfig(**{**BASE, "num_pages": 9}))  # 8 usable pages: 64 tokens
-    assert e.max_model_len == 64  # the graphs' padding page is not the context's
-    e.add_request(Request((1,) * 63, SamplingParams(max_tokens=1000)))
-    with pytest.raises(ContextOverflowError, match="context of 64"):
-        e.add_request(Request((1,) * 64, SamplingParams(max_tokens=1)))
+    e = Engine(model("qwen3"), EngineConfig(**{**BASE, "num_pages": 9}))  # 8 usable pages, 7 for one sequence
+    assert e.max_model_len == 56  # the graphs' padding page is not the context's (nor the prefix cache's spare)
+    e.add_request(Request((1,) * 55, SamplingParams(max_tokens=1000)))
+    with pytest.raises(ContextOverflowError, match="context of 56"):
+        e.add_request(Request((1,) * 56, SamplingParams(max_tokens=1)))
 
 
 def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):

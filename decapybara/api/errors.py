@@ -62,8 +62,10 @@ _TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none",
 
 
 def _union_label(part: object) -> bool:
-    """A path element pydantic adds for a union's branch (its type's name), not a field or an index."""
-    return isinstance(part, str) and ("[" in part or part in _TYPE_LABELS)
+    """A path element pydantic adds for a union's branch (its type's name: a builtin's, a generic's, or a model
+    class's CamelCase one), not a field (snake_case) or an index."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_LABELS or (part[:1].isupper() and
+                                                                               part.isidentifier()))
 
 
 def validation_error(exc: ValidationError) -> ApiError:

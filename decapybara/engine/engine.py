@@ -97,12 +97,15 @@ class Engine(MemoryMixin):
                                    self.hybrid, budget, salt)
         # the served context: no longer than one sequence holding the whole pool (the API clamps max_tokens to it,
         # and /v1/models reports it), so a pool smaller than the model's context shortens conversations instead of
-        # refusing every request that leaves max_tokens to its default
-        pool_tokens = self.blocks.num_pages * cfg.page_size
+        # refusing every request that leaves max_tokens to its default. With the prefix cache, one page less: an
+        # admission holds a cached partial last page (`match.tail_page`) beside the pages it takes while it copies
+        # it, so a sequence of every page would never be admitted.
+        spare = 1 if cfg.enable_prefix_cache else 0
+        pool_tokens = max(1, self.blocks.num_pages - spare) * cfg.page_size
         if pool_tokens < self.max_model_len:
-            log.warning("the KV pool holds %d tokens (%d pages of %d), fewer than the context of %d: serving a "
-                        "context of %d", pool_tokens, self.blocks.num_pages, cfg.page_size, self.max_model_len,
-                        pool_tokens)
+            log.warning("the KV pool holds %d tokens for one conversation (%d pages of %d), fewer than the context "
+                        "of %d: serving a context of %d", pool_tokens, self.blocks.num_pages, cfg.page_size,
+                        self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id

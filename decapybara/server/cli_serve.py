@@ -79,7 +79,7 @@ def preflight(cfg: Any) -> None:
     try:
         with McapyFile.open(path) as f:
             trained = load_config(f).max_position_embeddings
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, ImportError) as e:  # ImportError: an fsspec protocol's package missing
         raise ConfigError(f"cannot read the model {path!r}: {e}") from None
     cfg.context_plan(trained)
     try:

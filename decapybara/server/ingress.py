@@ -75,7 +75,8 @@ class Ingress:
 
         from decapybara.api.app import create_app
 
-        # a client that leaves mid-request has Serve cancel the request's task: its ASGI receive raises this
+        # a client that leaves mid-request has Serve cancel the request's task: its ASGI receive raises this (the
+        # only other cancellation on this path is RayEngineClient's own, of a stream it abandons as it ends)
         app = create_app(self.client, api_key=self.cfg.api_key, served_model_name=self.cfg.served_model_name,
                          disconnects=(TaskCancelledError,))
 

@@ -79,6 +79,9 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def _server_error(request: HttpRequest, exc: Exception) -> Response:
         return error_response(to_api_error(exc, disconnects), api_of(request.url.path))
 
+    async def guard(api: str, handler: Callable[[], Any]) -> Any:
+        return await guarded(api, handler, disconnects)
+
     async def parse(request: HttpRequest, model: type[Any]) -> Any:
         return model.model_validate_json(await read_body(request, max_body_bytes))
 
@@ -103,13 +106,13 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def stats() -> Response:
         async def body() -> Response:
             return JSONResponse(await client.stats())
-        return await guarded(OPENAI, body, disconnects)
+        return await guard(OPENAI, body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         async def body() -> Response:
             return PlainTextResponse(prometheus_text(await client.stats(), dict(counts)), media_type=CONTENT_TYPE)
-        return await guarded(OPENAI, body, disconnects)
+        return await guard(OPENAI, body)
 
     # ---- OpenAI --------------------------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -132,7 +135,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_api.ChatStream(plan, client.tokenizer),
                              lambda done: openai_api.chat_completion(plan, done, client.tokenizer), KEEP_ALIVE)
-        return await guarded(OPENAI, handle, disconnects)
+        return await guard(OPENAI, handle)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
@@ -143,7 +146,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_completions.CompletionStream(plan, client.tokenizer),
                              lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)
-        return await guarded(OPENAI, handle, disconnects)
+        return await guard(OPENAI, handle)
 
     # ---- Anthropic -----------------------------------------------------------------------------------------
     @app.post("/v1/messages")
@@ -159,7 +162,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return await run(request, ANTHROPIC, events, bool(body.stream),
                              lambda: anthropic_api.MessageStream(plan),
                              lambda done: anthropic_api.message(plan, done), anthropic_api.PING)
-        return await guarded(ANTHROPIC, handle, disconnects)
+        return await guard(ANTHROPIC, handle)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: HttpRequest) -> Response:
@@ -167,6 +170,6 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             body = await parse(request, an.CountTokensRequest)
             result = await run_in_threadpool(anthropic_api.count_tokens, body, client.tokenizer)
             return JSONResponse(result.dump())
-        return await guarded(ANTHROPIC, handle, disconnects)
+        return await guard(ANTHROPIC, handle)
 
     return app

@@ -74,11 +74,15 @@ class Heartbeat:
         if self._closed:
             return
         self._closed = True
-        if self._pending is not None:  # nobody reads its outcome now: an error of it (the client's cleanup after
-            self._pending.add_done_callback(_retrieve)  # a cancelled transport) is not left unretrieved
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()  # the read in flight gets CancelledError: the client's cleanup aborts
-        elif hasattr(self._events, "aclose"):
+        pending = self._pending
+        if pending is not None:
+            # nobody reads its outcome now: an error of it (the client's cleanup after a cancelled transport) is
+            # not left unretrieved
+            pending.add_done_callback(_retrieve)
+            if not pending.done():
+                pending.cancel()  # the read in flight gets CancelledError: the client's cleanup aborts
+                return
+        if hasattr(self._events, "aclose"):
             await self._events.aclose()
 
 

@@ -99,8 +99,8 @@ def describe(path: str, name: str | None = None) -> FoundModel:
         with McapyFile.open(path) as f:
             cfg = load_config(f)
             meta, size = f.metadata, f.header.file_size
-    except (DecapybaraError, OSError, ValueError, KeyError) as e:
-        return FoundModel(name, path, error=f"{type(e).__name__}: {e}")
+    except (DecapybaraError, OSError, ValueError, KeyError, ImportError) as e:  # ImportError: an fsspec protocol's
+        return FoundModel(name, path, error=f"{type(e).__name__}: {e}")          # package is not installed
     weights = str((meta.get("weights") or {}).get("format", ""))
     top1 = kl = None
     quality = (meta.get("sections") or {}).get("quality")

@@ -72,16 +72,13 @@ def preflight(cfg: Any) -> None:
     line and not a failed deployment: the model found (a name in the model folders, a path, a URL), its context
     plan (`context_plan`: e.g. a max_model_len past the trained context with rope_scaling off) and, where
     device=cuda, a CUDA device (this command serves on this machine)."""
-    from decapybara.builder.load import load_config
-    from decapybara.mcapy import McapyFile
+    from decapybara.launcher.discover import describe
 
     path = cfg.resolved_model()
-    try:
-        with McapyFile.open(path) as f:
-            trained = load_config(f).max_position_embeddings
-    except (OSError, ValueError, KeyError, ImportError) as e:  # ImportError: an fsspec protocol's package missing
-        raise ConfigError(f"cannot read the model {path!r}: {e}") from None
-    cfg.context_plan(trained)
+    found = describe(path)
+    if found.error:
+        raise ConfigError(f"cannot read the model {path!r}: {found.error}")
+    cfg.context_plan(found.context)
     try:
         cfg.use_cuda()
     except ValueError as e:

@@ -13,21 +13,27 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from decapybara.errors import DecapybaraError
+from decapybara.errors import ConfigError, DecapybaraError
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from decapybara.builder.preset_build import PresetBuildOptions, build_presets, preset_outputs
     from decapybara.builder.progress import human_bytes
 
+    if args.weights and args.dtype and args.weights != args.dtype:
+        raise ConfigError(f"--dtype {args.dtype} and --weights {args.weights} disagree (--dtype is --weights bf16|fp32)")
     weights = args.weights or args.dtype or "bf16"
     outs = preset_outputs(args.out, weights)
     existing = [str(p) for p in outs.values() if p.exists()]
     if existing and not args.force:
         print(f"decapybara: error: {', '.join(existing)} exists (pass --force to replace it)", file=sys.stderr)
         return 2
-    contexts = tuple(int(c) for c in args.quality_contexts.split(",") if c) \
-        if args.quality_contexts is not None else None
+    try:
+        contexts = tuple(int(c) for c in args.quality_contexts.split(",") if c.strip()) \
+            if args.quality_contexts is not None else None
+    except ValueError:
+        raise ConfigError(f"--quality-contexts expects token counts like 262144,1048576, got "
+                          f"{args.quality_contexts!r}") from None
     opts = PresetBuildOptions(calib=args.calib, calib_tokens=args.calib_tokens, gptq=args.gptq,
                               quality=args.quality, quality_tokens=args.quality_tokens, window=args.window,
                               seed=args.seed, contexts=contexts)
@@ -182,8 +188,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"decapybara: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"decapybara: error: {e}", file=sys.stderr)
+        print(f"decapybara: error: {_os_error_text(e)}", file=sys.stderr)
         return 1
+
+
+def _os_error_text(e: OSError) -> str:
+    """An OSError as one line that says what went wrong: fsspec's file systems raise FileNotFoundError(path), whose
+    text is the bare path."""
+    if e.strerror is None and isinstance(e, FileNotFoundError):
+        return f"no such file: {e}"
+    return str(e) or type(e).__name__
 
 
 if __name__ == "__main__":

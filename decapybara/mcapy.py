@@ -201,7 +201,10 @@ class _FsspecSource:
     def __init__(self, url: str) -> None:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(url)
+        try:
+            fs, path = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
+            raise OSError(f"cannot open {url}: {e}") from None
         self.size = int(fs.size(path))
         self._file = fs.open(path, "rb")
         self._lock = threading.Lock()

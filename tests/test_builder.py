@@ -335,3 +335,16 @@ def test_cli_errors_are_one_line_with_exit_code_2(ckpts: dict, tmp_path: Path) -
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "tokenizer.json" in r.stderr
     assert not (tmp_path / "m.mcapy").exists()
     assert issubclass(ConfigError, DecapybaraError)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--quality-contexts", "abc"], "--quality-contexts expects token counts"),
+    (["--dtype", "fp32", "--weights", "tiny"], "--dtype fp32 and --weights tiny disagree"),
+])
+def test_cli_build_refuses_bad_flags_in_one_line(ckpts: dict, tmp_path: Path, capsys, flags, says) -> None:
+    from decapybara.cli import main
+
+    assert main(["build", str(ckpts["qwen3"]), str(tmp_path / "m.mcapy"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "m.mcapy").exists()

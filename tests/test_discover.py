@@ -125,3 +125,20 @@ def test_plan_and_serve_take_a_name(folders, capsys):
     assert app._bound_deployment.init_args[0]["model"] == str(a / "coder.mcapy")
     served = build_engine(AppConfig(device="cpu", model="tiny", slots=1, kv_memory_gb=0.001))
     assert served.engine.model.cfg.model_type == "qwen3_5_text"
+
+
+def test_unknown_protocols_are_one_line(monkeypatch, capsys):
+    """A model folder or file on an fsspec protocol that is unknown (or whose package is missing) is one error line,
+    not a traceback: `models` and `plan NAME` through the folder, `info` and `plan` through the file."""
+    monkeypatch.setenv(D.MODELS_ENV, "bogus://models")
+    assert main(["models"]) == 2
+    assert "model folder bogus://models ($DECAPYBARA_MODELS): Protocol not known: bogus" in capsys.readouterr().err
+    assert main(["plan", "coder", "--vram-gb", "8", "--bandwidth-gbps", "20"]) == 2
+    assert "Protocol not known" in capsys.readouterr().err
+    monkeypatch.delenv(D.MODELS_ENV)
+    for argv in (["info", "bogus://x.mcapy"], ["plan", "bogus://x.mcapy", "--vram-gb", "8", "--bandwidth-gbps", "20"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err == "decapybara: error: cannot open bogus://x.mcapy: Protocol not known: bogus\n", err
+    assert main(["info", "memory:///no-such-model.mcapy"]) == 1
+    assert capsys.readouterr().err == "decapybara: error: no such file: /no-such-model.mcapy\n"

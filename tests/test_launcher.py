@@ -75,6 +75,11 @@ def test_plan_capacity_arithmetic():
     short = wb + kept.state_bytes + kept.reserve_bytes + 1000 * C.GIB + 2 * kept.kv_page_bytes - 141 * C.GIB
     assert kept.pages == 0 and f"({short / C.GIB:.1f} GiB short)" in kept.why_not and "kept free" in kept.why_not
     assert short > 800 * C.GIB
+    # speculation's rollback states take device memory, not a conversation's snapshots or its paused RAM
+    spec = C.plan_capacity(cfg, wb, 141 * C.GIB, "16/16", slots=12, context=32768, page_size=512,
+                           ram_bytes=64 * C.GIB, checkpoints=12)
+    assert spec.state_bytes == cfg.state_bytes_per_sequence() * 25 and spec.pages < p.pages
+    assert (spec.snapshot_bytes, spec.paused_in_ram) == (p.snapshot_bytes, p.paused_in_ram)
     with pytest.raises(ValueError):
         C.plan_capacity(cfg, wb, 16 * C.GIB, "16/16", 0, 1024)
     with pytest.raises(ValueError):
@@ -226,6 +231,19 @@ def test_cli_plan_demo_file_with_quality(capsys):
     assert "0.0316" in out and "90.84%" in out  # tiny weights, 6/4 KV, from the file's quality table
     assert "best quality that fits (top-1 against bf16): bf16 weights, 6/4 KV" in out
     assert "run: decapybara serve --slots 4 --kv-mode 6/4 --set num_pages=" in out
+
+
+def test_cli_plan_context_defaults_to_the_trained_one(capsys, tmp_path):
+    """Without --context a model is planned at its trained context (at most 32k), as the server serves it by default:
+    no YaRN and no --max-model-len in the serve line."""
+    from decapybara.builder.build import build
+    from decapybara.testing import make_hf_model, save_hf_checkpoint
+
+    save_hf_checkpoint(make_hf_model("qwen3", overrides={"max_position_embeddings": 1024}), tmp_path / "hf")
+    build(str(tmp_path / "hf"), str(tmp_path / "m.mcapy"))
+    assert main(["plan", str(tmp_path / "m.mcapy"), "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: 2 conversations of 1,024 tokens" in out and "--max-model-len" not in out, out
 
 
 def test_cli_plan_past_the_trained_context_plans_yarn(capsys):

@@ -46,6 +46,7 @@ class CapacityPlan:
     context: int  # the context each conversation is planned for
     max_context: int  # the model's position limit
     keep_free_bytes: int = 0  # device memory left to other programs (the server's keep_free_gb)
+    checkpoints: int = 0  # speculative verification's rollback states, counted in state_bytes
 
     @property
     def kv_page_bytes(self) -> int:
@@ -86,13 +87,13 @@ class CapacityPlan:
         cache: two states a conversation, at least 64 MiB (`EngineConfig.snapshot_budget`); 0 without DeltaNet."""
         from decapybara.config import EngineConfig
 
-        each = self.state_bytes // (self.slots + 1)
+        each = self.state_bytes // (self.slots + 1 + self.checkpoints)
         return EngineConfig(max_slots=self.slots).snapshot_budget(each) if each else 0
 
     @property
     def paused_in_ram(self) -> int:
         """Paused conversations of `context` tokens (KV + state) the RAM tier holds."""
-        each = self.context * self.kv_token_bytes + self.state_bytes // (self.slots + 1)
+        each = self.context * self.kv_token_bytes + self.state_bytes // (self.slots + 1 + self.checkpoints)
         return self.ram_bytes // each if each else 0
 
 
@@ -117,7 +118,8 @@ def plan_capacity(cfg: ModelConfig, weight_bytes: int, device_bytes: int, kv_mod
     free = device_bytes - weight_bytes - states - reserve - keep_free_bytes
     pages = max(0, free // (token * page_size)) if token else 0
     return CapacityPlan(kv_mode, slots, page_size, device_bytes, weight_bytes, reserve, states, token, int(pages),
-                        ram_bytes, context, cfg.max_position_embeddings, keep_free_bytes)
+                        ram_bytes, context, cfg.max_position_embeddings, keep_free_bytes,
+                        max(0, checkpoints))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--weights", help="weight preset(s) of --config, comma-separated (default: all)")
     p.add_argument("--kv-mode", dest="kv_mode", help=f"one KV mode ({', '.join(KV_MODES)}; default: all)")
     p.add_argument("--slots", type=int, default=12, help="conversations decoding together (1-12)")
-    p.add_argument("--context", type=int, default=32768, help="tokens each conversation should hold")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens each conversation should hold (default: the model's trained context, at most 32768)")
     p.add_argument("--page-size", dest="page_size", type=int, default=None,
                    help="tokens per KV page (default: 512 on CUDA, 16 on the CPU, as the server)")
     p.add_argument("--vram-gb", dest="vram_gb", type=float, help="device memory in GiB (default: measured)")
@@ -205,6 +206,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError("--weights picks presets of --config; a file has its own weights")
         cfg, weights, shapes, by_context, own = _file_inputs(model)
     trained = cfg.max_position_embeddings
+    if args.context is None:  # the server's default: the trained context (here at most 32k, a planning size)
+        args.context = min(32768, trained)
     extend = args.context if args.context > trained else None  # served with YaRN (the server's rope_scaling auto)
     if extend:
         cfg = with_yarn(cfg, extend)
@@ -320,7 +323,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}")
     if not 1 <= args.slots <= 12:
         raise ConfigError("--slots must be between 1 and 12")
-    if args.context < 1:
+    if args.context is not None and args.context < 1:
         raise ConfigError("--context must be >= 1")
     if args.page_size is not None and (args.page_size < 1 or args.page_size & (args.page_size - 1)):
         raise ConfigError("--page-size must be a power of two")

@@ -75,7 +75,10 @@ def _listing(folder: str) -> list[str]:
     if "://" in folder:
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(folder)
+        try:
+            fs, root = fsspec.core.url_to_fs(folder)
+        except (ImportError, ValueError) as e:  # an unknown protocol, or its package not installed
+            raise ConfigError(f"model folder {folder} (${MODELS_ENV}): {e}") from None
         if not fs.isdir(root):
             return []
         return sorted(fs.unstrip_protocol(p) for p in fs.ls(root, detail=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,11 +38,19 @@ def _cmd_build(args: argparse.Namespace) -> int:
     opts = PresetBuildOptions(calib=args.calib, calib_tokens=args.calib_tokens, gptq=args.gptq,
                               quality=args.quality, quality_tokens=args.quality_tokens, window=args.window,
                               seed=args.seed, contexts=contexts)
+    folders = {p.parent for p in outs.values()}
+    missing = sorted(str(f) for f in folders if not f.is_dir())
+    if missing:
+        raise ConfigError(f"output folder {', '.join(missing)} does not exist")
+    t0 = time.monotonic()
     results = build_presets(args.src, outs, opts, progress=args.progress, verbose=True)
     for note in results[0].notes:
         print(f"note: {note}", file=sys.stderr)
     for preset, r in zip(outs, results, strict=True):
         print(f"wrote {r.path}: {r.num_tensors} tensors, {human_bytes(r.nbytes)} ({preset}) in {r.seconds:.1f}s")
+    total = time.monotonic() - t0
+    if total > sum(r.seconds for r in results) + 0.5:  # calibration / quality measurement before the writes
+        print(f"done in {total:.1f}s (calibration and quality measurement included)")
     return 0
 
 
@@ -131,7 +140,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
                      "weights": m.weights, "context": f"{m.context:,}", "mtp": m.mtp_layers,
                      "top1": "-" if m.top1 is None else f"{m.top1:.2f}%",
                      "kl": "-" if m.kl is None else f"{m.kl:.4g}", "path": m.path})
-    for line in format_table(rows):
+    cols = ["name", "size", "type", "layers", "params", "weights", "context", "mtp", "top1", "kl"]
+    cols += ["error"] * any("error" in r for r in rows) + ["path"]  # whichever row comes first
+    for line in format_table([{c: r.get(c) for c in cols} for r in rows]):
         print(line)
     print("top1 / kl: the file's quality table, its own weights against bf16 with bf16 KV. "
           "Serve one by name: decapybara serve --model NAME; plan it: decapybara plan NAME")

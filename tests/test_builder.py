@@ -348,3 +348,13 @@ def test_cli_build_refuses_bad_flags_in_one_line(ckpts: dict, tmp_path: Path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
     assert not (tmp_path / "m.mcapy").exists()
+
+
+def test_cli_build_names_a_missing_output_folder_and_a_file_given_as_source(ckpts: dict, tmp_path: Path,
+                                                                            capsys) -> None:
+    from decapybara.cli import main
+
+    assert main(["build", str(ckpts["qwen3"]), str(tmp_path / "nodir" / "m.mcapy")]) == 2
+    assert capsys.readouterr().err == f"decapybara: error: output folder {tmp_path / 'nodir'} does not exist\n"
+    assert main(["build", str(ckpts["qwen3"] / "config.json"), str(tmp_path / "m.mcapy")]) == 2
+    assert "is a file: give the folder that holds config.json" in capsys.readouterr().err

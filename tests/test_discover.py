@@ -97,6 +97,9 @@ def test_models_command_lists_them(folders, capsys):
     rows = {line.split()[0]: line for line in out.splitlines()[2:] if line and not line.startswith("top1")}
     assert set(rows) == {"broken", "coder", "tiny", "demo"}
     assert "McapyError" in rows["broken"]
+    # the damaged file comes first, and the columns keep their order
+    assert out.splitlines()[1].split() == ["name", "size", "type", "layers", "params", "weights", "context", "mtp",
+                                           "top1", "kl", "error", "path"]
     assert "qwen3_5_text" in rows["tiny"] and "100.00%" in rows["tiny"] and "32,768" in rows["tiny"]
 
 

@@ -244,6 +244,11 @@ def test_cli_plan_context_defaults_to_the_trained_one(capsys, tmp_path):
     assert main(["plan", str(tmp_path / "m.mcapy"), "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "2"]) == 0
     out = capsys.readouterr().out
     assert "plan: 2 conversations of 1,024 tokens" in out and "--max-model-len" not in out, out
+    # with no quality table, the most bits that fit: 16/16 KV, though at head_dim 16 a token of 8/8 (with its
+    # microscaling factors) takes more bytes
+    cfg = _file_inputs(str(tmp_path / "m.mcapy"))[0]
+    assert C.kv_bytes_per_token(cfg, "8/8") > C.kv_bytes_per_token(cfg, "16/16")
+    assert "most bits that fit (no quality table measured): bf16 weights, 16/16 KV" in out
 
 
 def test_cli_plan_past_the_trained_context_plans_yarn(capsys):

@@ -124,7 +124,8 @@ def read_checkpoint(src: str | Path) -> HFCheckpoint:
     """Read config, tokenizer, chat template and special tokens, and open the safetensors shards."""
     folder = Path(src)
     if not folder.is_dir():
-        raise ConfigError(f"checkpoint folder {folder} does not exist")
+        raise ConfigError(f"checkpoint folder {folder} "
+                          + ("is a file: give the folder that holds config.json" if folder.exists() else "does not exist"))
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} has no config.json")
     hf = _read_json(folder / "config.json", "config.json")

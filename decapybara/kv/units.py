@@ -88,7 +88,7 @@ def conv_key(conversation: str, pause_counter: int) -> str:
 
 
 def page_key(salt: bytes, page_hash: bytes) -> str:
-    """Key of a prefix page: "page/<salt hash>/<page hash hex>" (the salt names model, KV mode, page size)."""
+    """Key of a prefix page: "page/<salt hash>/<page hash hex>" (the engine's salt: its model's config, KV mode, page size)."""
     return f"page/{hashlib.blake2b(salt, digest_size=8).hexdigest()}/{page_hash.hex()}"
 
 

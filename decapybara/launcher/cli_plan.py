@@ -274,7 +274,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         best = max(pick, key=lambda c: (c.top1 if c.top1 is not None else -1.0, c.stored_bytes))
         print(f"best quality that fits (top-1 against bf16): {best.weights} weights, {best.kv_mode} KV")
     else:
-        best = max(pick, key=lambda c: (c.stored_bytes, c.plan.kv_token_bytes))
+        # KV_MODES runs from the most bits to the fewest (bytes a token can rank 8/8 above 16/16 at small heads,
+        # whose microscaling factors weigh more)
+        best = max(pick, key=lambda c: (c.stored_bytes, -KV_MODES.index(c.kv_mode) if c.kv_mode in KV_MODES else 1))
         why = "not measured at this context" if by_context else "no quality table measured"
         print(f"most bits that fit ({why}): {best.weights} weights, {best.kv_mode} KV")
     pw = "bf16" if extra and extra.get(best.weights) else "packed"  # copies only where weights are quantised

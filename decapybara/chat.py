@@ -253,7 +253,7 @@ def parse_tool_call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
 
-def parse_assistant_output(text: str, in_reasoning: bool = False) -> ParsedOutput:
+def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = True) -> ParsedOutput:
     """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
 
     `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
@@ -273,7 +273,8 @@ def parse_assistant_output(text: str, in_reasoning: bool = False) -> ParsedOutpu
                 break
             pos, thinking = end + len(END_THINK), False
             continue
-        hits = [(i, tag) for tag in (THINK, END_THINK, TOOL_CALL) if (i := text.find(tag, pos)) >= 0]
+        tags = (THINK, END_THINK, TOOL_CALL) if tools else (THINK, END_THINK)
+        hits = [(i, tag) for tag in tags if (i := text.find(tag, pos)) >= 0]
         if not hits:
             content.append(text[pos:])
             break
@@ -357,7 +358,8 @@ class StreamingOutputParser:
 
     _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
 
-    def __init__(self, in_reasoning: bool = False) -> None:
+    def __init__(self, in_reasoning: bool = False, tools: bool = True) -> None:
+        self._content_tags = self._CONTENT_TAGS if tools else (THINK, END_THINK)
         self._thinking = in_reasoning
         self._has_reasoning = in_reasoning
         self._in_tool: list[str] | None = None  # body of an open <tool_call>
@@ -408,7 +410,7 @@ class StreamingOutputParser:
                 self._calls.append(call)
                 self._events.append(ToolCallEvent(len(self._calls) - 1, call))
             return True
-        tags = (END_THINK,) if self._thinking else self._CONTENT_TAGS
+        tags = (END_THINK,) if self._thinking else self._content_tags
         kind = ReasoningDelta if self._thinking else ContentDelta
         hits = [(i, tag) for tag in tags if (i := buf.find(tag)) >= 0]
         if not hits:

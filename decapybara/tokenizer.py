@@ -210,14 +210,19 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self.num_tokens = 0
 
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" once stopped)."""
+    def push(self, token_id: int, match: bool = True) -> str:
+        """Add one token; return the text it completes ("" once stopped). `match=False`: its text (and what was
+        held back before it) is released without looking for stop strings in it (reasoning, markup)."""
         if self.stopped:
             return ""
         self.num_tokens += 1
         if token_id in self._skip or not 0 <= token_id < len(self._table):
             return ""
-        return self._release(self._utf8.decode(self._table[token_id]))
+        new = self._utf8.decode(self._table[token_id])
+        if not match:
+            out, self._held = self._held + new, ""
+            return out
+        return self._release(new)
 
     def push_many(self, token_ids: list[int]) -> str:
         return "".join(self.push(t) for t in token_ids)

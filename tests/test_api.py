@@ -8,6 +8,7 @@ The same processor records every prompt that reached the engine, so tests can ch
 
 from __future__ import annotations
 
+import codecs
 import json
 import socket
 import threading
@@ -42,6 +43,8 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "THINK-LONG": "<think>\nI think" + " and think" * 60,
     "SLOW-DOWN": "slow answer",
     "THINK-NOTHING": "<think>\n\n</think>\n\nJust this.",
+    "THINK-STOP": "<think>\nA > B, think.\n</think>\n\nAnswer > here.",
+    "TEXT-TOOL-TEXT": 'Before.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nAfter.',
 }
 TOOLS_OA = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -260,6 +263,63 @@ def test_tool_choice_none_drops_tools_and_required_adds_instruction(stack):
     r = stack.oa().chat.completions.create(model="m", messages=user("hi"), tools=TOOLS_OA, max_tokens=1,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert "<tools>" in stack.prompt(r.id) and "you must call the tool `get_weather`" in stack.prompt(r.id)
+
+
+def test_tool_choice_instruction_comes_after_the_conversation(stack):
+    """A required / named tool choice's instruction is a turn after the conversation, so the prompt's prefix is
+    the one an auto choice renders (the prefix cache reuses an agent's earlier turns)."""
+    messages = [{"role": "system", "content": "You are an agent."}, *user("hi")]
+    auto = stack.oa().chat.completions.create(model="m", messages=messages, tools=TOOLS_OA, max_tokens=1)
+    named = stack.oa().chat.completions.create(model="m", messages=messages, tools=TOOLS_OA, max_tokens=1,
+                                               tool_choice="required")
+    auto_p, named_p = stack.prompt(auto.id), stack.prompt(named.id)
+    head = auto_p[:auto_p.rindex("<|im_start|>assistant")]
+    assert named_p.startswith(head) and "listed in <tools></tools>" in named_p[len(head):]
+    m = stack.an().messages.create(model="m", max_tokens=1, system="You are an agent.", messages=user("hi"),
+                                   tools=TOOLS_AN, tool_choice={"type": "tool", "name": "get_weather"})
+    assert stack.prompt(m.id).startswith(head)
+
+
+def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
+    """Without tools, or with tool_choice none, a <tool_call> the model writes is text, not a call."""
+    kw = {"model": "m", "messages": user("CALL-THE-TOOL"), "max_tokens": 80}
+    for extra in ({}, {"tools": TOOLS_OA, "tool_choice": "none"}):
+        r = stack.oa().chat.completions.create(**kw, **extra)
+        assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+        assert '<tool_call>\n{"name": "get_weather"' in r.choices[0].message.content
+        chunks = list(stack.oa().chat.completions.create(**kw, **extra, stream=True))
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    for extra in ({}, {"tools": TOOLS_AN, "tool_choice": {"type": "none"}}):
+        m = stack.an().messages.create(**kw, **extra)
+        assert m.stop_reason == "end_turn" and [b.type for b in m.content] == ["thinking", "text"]
+        assert "<tool_call>" in m.content[1].text
+
+
+def test_stop_strings_are_looked_for_in_the_answer_only(stack):
+    """Neither the reasoning nor its markup ends a reply at a stop string: the answer does."""
+    for stop, content in ((">", "Answer"), ("think", "Answer > here."), ("\n\n", "Answer > here.")):
+        r = stack.oa().chat.completions.create(model="m", messages=user("THINK-STOP"), stop=[stop], max_tokens=40)
+        assert r.choices[0].message.content == content, stop
+        assert r.choices[0].message.model_extra["reasoning_content"] == "A > B, think."
+    m = stack.an().messages.create(model="m", max_tokens=40, messages=user("THINK-STOP"), stop_sequences=[">"])
+    assert m.stop_reason == "stop_sequence" and [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == "A > B, think." and m.content[1].text.strip() == "Answer"
+
+
+def test_messages_blocks_are_the_streams_in_its_order(stack):
+    """A whole Anthropic message has the blocks its stream sends, in the order the model wrote them."""
+    kw = {"model": "m", "max_tokens": 80, "tools": TOOLS_AN, "messages": user("TEXT-TOOL-TEXT"),
+          "thinking": {"type": "disabled"}}
+    m = stack.an().messages.create(**kw)
+    with stack.an().messages.stream(**kw) as s:
+        final = s.get_final_message()
+    def shape(blocks):
+        return [(b.type, getattr(b, "text", None) or getattr(b, "input", None)) for b in blocks]
+    assert shape(m.content) == shape(final.content)
+    assert [(kind, v.strip() if kind == "text" else v) for kind, v in shape(m.content)] == [
+        ("text", "Before."), ("tool_use", {"city": "Rome"}), ("text", "After.")]
+    assert m.stop_reason == final.stop_reason == "tool_use"
 
 
 @pytest.mark.parametrize(("extra", "thinking"), [
@@ -694,3 +754,20 @@ def test_a_client_that_left_is_not_a_server_error(stack, caplog):
                 assert bool(errors) == (status == 500), (stream, [rec.getMessage() for rec in errors])
             finally:
                 server.stop()
+
+
+def test_completion_text_offsets_count_characters_across_split_tokens(stack):
+    """A character whose bytes span tokens counts once, at the token that completes it, and a stream's chunks give
+    the offsets a whole reply gives."""
+    from decapybara.api.openai_completions import legacy_logprobs
+
+    text = "aé b😀c"
+    ids = stack.tok.encode(text)
+    assert [stack.tok.token_bytes(i) for i in ids][3:6] == [b"\xf0\x9f", b"\x98", b"\x80"]  # the emoji in three
+    whole, end = legacy_logprobs(stack.tok, ids, [0.0] * len(ids), [[] for _ in ids], 0)
+    assert whole.text_offset == [0, 1, 2, 4, 4, 4, 5] and end == len(text)
+    decoder, offset, parts = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0, []
+    for lo, hi in ((0, 4), (4, 5), (5, 7)):  # chunks that cut the emoji
+        part, offset = legacy_logprobs(stack.tok, ids[lo:hi], [0.0] * (hi - lo), [[]] * (hi - lo), offset, decoder)
+        parts += part.text_offset
+    assert parts == whole.text_offset and offset == end

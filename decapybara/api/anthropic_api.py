@@ -46,7 +46,6 @@ from decapybara.chat import (
     ReasoningDelta,
     StreamingOutputParser,
     ToolCallEvent,
-    parse_assistant_output,
 )
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
@@ -228,15 +227,24 @@ def _guard(reason: FinishReason | None, note: str | None) -> LoopGuardInfo | Non
 
 
 def message(plan: MessagePlan, done: Collected) -> an.Message:
-    parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning)
+    # the blocks in the order the stream sends them (MessageStream): runs of one kind, tool calls as they come
+    parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools)
+    runs: list[list] = []
+    for out in [*parser.feed(done.text), *parser.finish()]:
+        if not isinstance(out, ToolCallEvent) and runs and runs[-1][0] is type(out):
+            runs[-1][1] += out.text
+        else:
+            runs.append([type(out), out.tool_call if isinstance(out, ToolCallEvent) else out.text])
     blocks: list[an.ContentOut] = []
-    if parsed.reasoning:  # an empty reasoning has no block, as in the stream (which opens one at its first text)
-        shown = parsed.reasoning if plan.show_thinking else ""
-        blocks.append(an.ThinkingOut(thinking=shown, signature=signature(parsed.reasoning)))
-    if parsed.content:
-        blocks.append(an.TextOut(text=parsed.content))
-    blocks += [an.ToolUseOut(id=new_id("toolu_"), name=c.name, input=c.arguments) for c in parsed.tool_calls]
-    reason, sequence = stop_reason(done.finish_reason, done.stop_string, bool(parsed.tool_calls))
+    for kind, value in runs:
+        if kind is ReasoningDelta:
+            blocks.append(an.ThinkingOut(thinking=value if plan.show_thinking else "", signature=signature(value)))
+        elif kind is ContentDelta:
+            blocks.append(an.TextOut(text=value))
+        else:
+            blocks.append(an.ToolUseOut(id=new_id("toolu_"), name=value.name, input=value.arguments))
+    has_calls = any(kind is ToolCallEvent for kind, _ in runs)
+    reason, sequence = stop_reason(done.finish_reason, done.stop_string, has_calls)
     return an.Message(id=plan.request.request_id, model=plan.model, content=blocks, stop_reason=reason,
                       stop_sequence=sequence, loop_guard=_guard(done.finish_reason, done.note),
                       usage=_usage(done.num_prompt_tokens or len(plan.prompt.ids), done.num_cached_tokens,
@@ -257,7 +265,7 @@ class MessageStream:
 
     def __init__(self, plan: MessagePlan) -> None:
         self.plan = plan
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning)
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools)
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | None
         self.thinking = ""

@@ -57,28 +57,17 @@ class Prompt:
     ids: tuple[int, ...]
     text: str
     opens_reasoning: bool  # the model's output starts inside <think> (parse with in_reasoning=True)
+    tools: bool = False  # the request offers tools (and tool_choice is not "none"): parse <tool_call> blocks
 
 
 def tool_instruction(choice: ToolChoice) -> str | None:
     """The system-prompt sentence that stands in for constrained decoding under tool_choice required/named."""
     if choice.mode == "required":
-        return ("In this reply you must call at least one of the tools listed above, "
+        return ("In this reply you must call at least one of the tools listed in <tools></tools>, "
                 "inside <tool_call></tool_call> tags.")
     if choice.mode == "named":
         return f"In this reply you must call the tool `{choice.name}`, inside <tool_call></tool_call> tags."
     return None
-
-
-def _with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0])
-        content = first.get("content")
-        if isinstance(content, list):
-            first["content"] = [*content, {"type": "text", "text": "\n\n" + note}]
-        else:
-            first["content"] = (content + "\n\n" + note) if content else note
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": note}, *messages]
 
 
 def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
@@ -103,12 +92,12 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     if chat.tool_choice.mode == "none":
         tools = None
     note = tool_instruction(chat.tool_choice)
-    if note is not None:
-        messages = _with_system_note(messages, note)
+    if note is not None:  # a turn of its own after the conversation: the prompt's prefix stays the same
+        messages = [*messages, {"role": "system", "content": note}]
     text = tokenizer.render_chat(messages, tools, add_generation_prompt=True,
                                  enable_thinking=chat.enable_thinking, **chat.template_vars)
     text += chat.prefill
-    return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text))
+    return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text), bool(tools))
 
 
 def conversation_key(header: str | None, user: str | None, messages: list[dict[str, Any]] | None,

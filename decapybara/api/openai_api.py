@@ -215,7 +215,7 @@ def _chat_usage(plan: ChatPlan, tokenizer: Any, last: TokenEvent | Collected, ou
 
 
 def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatCompletion:
-    parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning)
+    parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning, plan.prompt.tools)
     calls = [oa.ToolCallOut(id=new_id("call_"), function=oa.FunctionCallOut(name=c.name, arguments=c.arguments_json()))
              for c in parsed.tool_calls]
     message = oa.AssistantMessage(content=parsed.content if parsed.content or not calls else None,
@@ -237,7 +237,7 @@ class ChatStream:
 
     def __init__(self, plan: ChatPlan, tokenizer: Any) -> None:
         self.plan, self.tokenizer = plan, tokenizer
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning)
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools)
         self.num_calls = 0
         self.output_ids: list[int] = []
 

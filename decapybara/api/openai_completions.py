@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,21 +57,28 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
 
 
 def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
-                    top: list[list[tuple[int, float]]], offset: int) -> oa.LegacyLogprobs:
-    """The legacy format: token strings, their logprobs, {token: logprob} alternatives and text offsets."""
-    tokens = [tokenizer.decode([t]) for t in token_ids[:len(logprobs)]]  # forced tokens have no logprobs
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+                    top: list[list[tuple[int, float]]], offset: int, decoder: Any = None
+                    ) -> tuple[oa.LegacyLogprobs, int]:
+    """The legacy format: token strings, their logprobs, {token: logprob} alternatives and text offsets; and the
+    offset after these tokens. Offsets count the characters of the decoded text (a character cut across tokens
+    counts at the token that completes it): `decoder`, a stream's UTF-8 decoder, carries a cut one over."""
+    decoder = decoder or codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tokens, offsets = [], []
+    for i, t in enumerate(token_ids):
+        if i < len(logprobs):  # forced tokens have no logprobs (but their text moves the offset)
+            tokens.append(tokenizer.decode([t]))
+            offsets.append(offset)
+        if t not in tokenizer.skip_ids:
+            offset += len(decoder.decode(tokenizer.token_bytes(t)))
     tops = [{tokenizer.decode([a]): lp for a, lp in alts} for alts in top]
-    return oa.LegacyLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=tops, text_offset=offsets)
+    return oa.LegacyLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=tops,
+                             text_offset=offsets), offset
 
 
 def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Completion:
     logprobs = None
     if plan.logprobs:
-        logprobs = legacy_logprobs(tokenizer, done.logprob_token_ids, done.logprobs, done.top_logprobs, 0)
+        logprobs, _ = legacy_logprobs(tokenizer, done.logprob_token_ids, done.logprobs, done.top_logprobs, 0)
     choice = oa.CompletionChoice(text=done.text, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, False),
                                  loop_guard=loop_guard(done.finish_reason, done.note))
     u = usage(done.num_prompt_tokens or len(plan.request.prompt_ids), done.num_cached_tokens, done.num_output_tokens)
@@ -83,6 +91,7 @@ class CompletionStream:
     def __init__(self, plan: CompletionPlan, tokenizer: Any) -> None:
         self.plan, self.tokenizer = plan, tokenizer
         self.offset = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def _chunk(self, choices: list[oa.CompletionChoice], u: oa.Usage | None = None) -> str:
         p = self.plan
@@ -97,8 +106,8 @@ class CompletionStream:
             return []
         logprobs = None
         if self.plan.logprobs:
-            logprobs = legacy_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs, self.offset)
-        self.offset += len(ev.text)
+            logprobs, self.offset = legacy_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
+                                                    self.offset, self.decoder)
         return [self._chunk([oa.CompletionChoice(text=ev.text, logprobs=logprobs)])]
 
     def end(self, last: TokenEvent) -> list[str]:

@@ -489,11 +489,18 @@ class Engine(MemoryMixin):
         if p.logprobs is not None:
             s.pending_logprobs.append(lp)
             s.pending_top.append(top)
-        text = s.detok.push(tok) if s.detok is not None else ""
-        s.pending_text += text
         if tok == self._think[0]:
             s.in_thinking = True
-        elif tok == self._think[1]:
+        # stop strings are looked for in the answer only: not in the reasoning, its <think> markup, nor the
+        # whitespace that separates it from the answer
+        if tok == self._think[1]:
+            s.after_think = True
+        elif s.after_think and self.tokenizer.token_bytes(tok).strip():
+            s.after_think = False
+        match = not s.in_thinking and not s.after_think
+        text = s.detok.push(tok, match) if s.detok is not None else ""
+        s.pending_text += text
+        if tok == self._think[1]:
             s.in_thinking = False
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
         if (is_eos or tok in p.stop_token_ids) and s.num_output > p.min_tokens - 1:
@@ -529,7 +536,7 @@ class Engine(MemoryMixin):
                 s.tokens.append(t)
                 s.num_output += 1
                 s.pending_tokens.append(t)
-                s.pending_text += s.detok.push(t) if s.detok is not None else ""
+                s.pending_text += s.detok.push(t, False) if s.detok is not None else ""
             s.in_thinking = False
 
     def _mark_finished(self, s: Sequence, reason: FinishReason) -> None:

@@ -40,6 +40,7 @@ def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]
         "output_counts": [[int(k), int(v)] for k, v in seq.output_counts.items()],
         "loopguard": seq.loopguard.state.to_dict() if seq.loopguard is not None else None,
         "extra_penalty": seq.extra_penalty, "banned": list(seq.banned), "in_thinking": seq.in_thinking,
+        "after_think": seq.after_think,
         "num_pauses": seq.num_pauses, "num_resumes": seq.num_resumes,
     }
     extras = {"tokens": np.asarray(seq.tokens, np.int64),
@@ -73,6 +74,7 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     seq.extra_penalty = float(meta["extra_penalty"])
     seq.banned = tuple(int(t) for t in meta["banned"])
     seq.in_thinking = bool(meta["in_thinking"])
+    seq.after_think = bool(meta.get("after_think", False))
     seq.num_pauses, seq.num_resumes = int(meta["num_pauses"]), int(meta["num_resumes"])
     if detok_factory is not None:
         seq.detok = detok_factory(params)

@@ -92,6 +92,7 @@ class Sequence:
     pending_top: list[list[tuple[int, float]]] = field(default_factory=list)
     pending_note: str | None = None
     in_thinking: bool = False
+    after_think: bool = False  # the reasoning just closed: the answer's leading whitespace is the template's
     draft: int | None = None  # speculation: the MTP head's guess of the token after the last one (engine._draft)
     guess: int | None = None  # ... its guess where too doubtful to draft alone (a verification graph's spare row)
     ngram: Any = None  # SPECULATOR ngram: its tokens' n-gram index (engine/ngram.py NgramIndex), built at first use

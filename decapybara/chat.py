@@ -253,13 +253,24 @@ def parse_tool_call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
 
+def _cut_short(body: str) -> bool:
+    """Whether a `<tool_call>` body that is no call could be a JSON text cut short: a string left open (its text
+    held a `</tool_call>`, as a call writing a file about tool calls does) or a value the text ended inside."""
+    try:
+        json.loads(body)
+    except ValueError as e:
+        return e.msg.startswith("Unterminated string") or e.pos >= len(body.rstrip())
+    return False
+
+
 def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = True) -> ParsedOutput:
     """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
 
     `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
     inside reasoning. Reasoning is every `<think>` section, content the text outside them and outside valid
-    tool calls, each stripped of surrounding whitespace. A `<tool_call>` block whose body is not a valid call, or
-    one never closed, stays in the content verbatim. A stray `</think>` in content is dropped.
+    tool calls, each stripped of surrounding whitespace. A `</tool_call>` inside the call's JSON (a body cut short
+    there) does not close it. A `<tool_call>` block whose body is not a valid call, or one never closed, stays in
+    the content verbatim. A stray `</think>` in content is dropped.
     """
     reasoning: list[str] = []
     content: list[str] = []
@@ -285,6 +296,8 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
             has_reasoning = thinking = True
         elif tag == TOOL_CALL:
             end = text.find(END_TOOL_CALL, pos)
+            while end >= 0 and parse_tool_call(text[pos:end]) is None and _cut_short(text[pos:end]):
+                end = text.find(END_TOOL_CALL, end + len(END_TOOL_CALL))  # the tag was inside its JSON
             if end < 0:
                 content.append(text[start:])
                 break
@@ -404,6 +417,9 @@ class StreamingOutputParser:
             body = "".join(self._in_tool) + buf[:end]
             self._in_tool, self._buf = None, buf[end + len(END_TOOL_CALL):]
             call = parse_tool_call(body)
+            if call is None and _cut_short(body):  # the tag was inside its JSON: read on to the next one
+                self._in_tool = [body + END_TOOL_CALL]
+                return True
             if call is None:
                 self._emit(ContentDelta, TOOL_CALL + body + END_TOOL_CALL)
             else:

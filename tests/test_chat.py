@@ -234,6 +234,29 @@ def test_invalid_tool_call_stays_content(body):
     assert out.tool_calls == [] and out.content == text
 
 
+def test_a_closing_tag_inside_the_calls_json_does_not_close_it():
+    """A call writing text about tool calls holds `</tool_call>` inside a JSON string: the call runs to the tag
+    that closes it, in the batch parser and in a stream cut anywhere."""
+    call = '<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>'
+    text = f"Saving.\n{call}\nDone, then <tool_call>{{bad}}</tool_call>."
+    out = parse_assistant_output(text)
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("write", {"text": "a </tool_call> b"})]
+    assert out.content == "Saving.\n\nDone, then <tool_call>{bad}</tool_call>."
+    for cut in range(1, len(text)):
+        _check_stream_equals_batch(text, [cut], in_reasoning=False)
+    never = parse_assistant_output('<tool_call>{"name": "w", "arguments": {"t": "x </tool_call> y')
+    assert never.tool_calls == [] and never.content.startswith("<tool_call>")
+
+
+def test_without_tools_a_tool_call_is_text():
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    out = parse_assistant_output(text, tools=False)
+    assert out.tool_calls == [] and out.content == text
+    parser = StreamingOutputParser(tools=False)
+    events = parser.feed(text) + parser.finish()
+    assert events == [ContentDelta(text)] and parser.result() == out
+
+
 def test_unterminated_tool_call_and_stray_end_think():
     out = parse_assistant_output('ok </think>then <tool_call>{"name": "f", "arguments": {}}')
     assert out.content == 'ok then <tool_call>{"name": "f", "arguments": {}}' and out.tool_calls == []
@@ -270,7 +293,7 @@ def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool) -
 
 FRAGMENTS = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": [1, "<"]}}',
              '\n{"name": "g", "arguments": {}}\n', '{"name": ', "<", "</", "<thi", "</thin", "<tool_", "</tool_c",
-             "think>", "hello", " world", "\n", "\n\n", "  ", "x<y", "日本語", "🦫", "a</b>", "<tool_response>", "é"]
+             "think>", '{"name": "w", "arguments": {"t": "', "hello", " world", "\n", "\n\n", "  ", "x<y", "日本語", "🦫", "a</b>", "<tool_response>", "é"]
 
 
 def test_streaming_parser_one_char_at_a_time_equals_batch():

@@ -263,14 +263,15 @@ def _cut_short(body: str) -> bool:
     return False
 
 
-def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = True) -> ParsedOutput:
+def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = True,
+                           max_calls: int | None = None) -> ParsedOutput:
     """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
 
     `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
     inside reasoning. Reasoning is every `<think>` section, content the text outside them and outside valid
     tool calls, each stripped of surrounding whitespace. A `</tool_call>` inside the call's JSON (a body cut short
     there) does not close it. A `<tool_call>` block whose body is not a valid call, or one never closed, stays in
-    the content verbatim. A stray `</think>` in content is dropped.
+    the content verbatim. `tools` False: `<tool_call>` is text. `max_calls`: valid calls past it are dropped. A stray `</think>` in content is dropped.
     """
     reasoning: list[str] = []
     content: list[str] = []
@@ -305,7 +306,7 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
             pos = end + len(END_TOOL_CALL)
             if call is None:
                 content.append(text[start:pos])
-            else:
+            elif max_calls is None or len(calls) < max_calls:
                 calls.append(call)
     return ParsedOutput("".join(reasoning).strip() if has_reasoning else None, "".join(content).strip(), calls)
 
@@ -371,8 +372,9 @@ class StreamingOutputParser:
 
     _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
 
-    def __init__(self, in_reasoning: bool = False, tools: bool = True) -> None:
+    def __init__(self, in_reasoning: bool = False, tools: bool = True, max_calls: int | None = None) -> None:
         self._content_tags = self._CONTENT_TAGS if tools else (THINK, END_THINK)
+        self._max_calls = max_calls
         self._thinking = in_reasoning
         self._has_reasoning = in_reasoning
         self._in_tool: list[str] | None = None  # body of an open <tool_call>
@@ -422,7 +424,7 @@ class StreamingOutputParser:
                 return True
             if call is None:
                 self._emit(ContentDelta, TOOL_CALL + body + END_TOOL_CALL)
-            else:
+            elif self._max_calls is None or len(self._calls) < self._max_calls:
                 self._calls.append(call)
                 self._events.append(ToolCallEvent(len(self._calls) - 1, call))
             return True

@@ -44,6 +44,8 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "SLOW-DOWN": "slow answer",
     "THINK-NOTHING": "<think>\n\n</think>\n\nJust this.",
     "THINK-STOP": "<think>\nA > B, think.\n</think>\n\nAnswer > here.",
+    "TWO-CALLS": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+                  '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
     "TEXT-TOOL-TEXT": 'Before.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nAfter.',
 }
 TOOLS_OA = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -278,6 +280,30 @@ def test_tool_choice_instruction_comes_after_the_conversation(stack):
     m = stack.an().messages.create(model="m", max_tokens=1, system="You are an agent.", messages=user("hi"),
                                    tools=TOOLS_AN, tool_choice={"type": "tool", "name": "get_weather"})
     assert stack.prompt(m.id).startswith(head)
+
+
+def test_parallel_calls_off_gives_one_call(stack):
+    """parallel_tool_calls false (Anthropic: disable_parallel_tool_use) asks for one call and returns one, streamed
+    or not; by default both calls come back."""
+    kw = {"model": "m", "messages": user("TWO-CALLS"), "max_tokens": 80, "tools": TOOLS_OA}
+    both = stack.oa().chat.completions.create(**kw)
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Rome", "Oslo"]
+    one = stack.oa().chat.completions.create(**kw, parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Rome"]
+    assert one.choices[0].finish_reason == "tool_calls" and not one.choices[0].message.content
+    assert stack.prompt(one.id).endswith("In this reply call at most one tool.<|im_end|>\n<|im_start|>assistant\n")
+    chunks = list(stack.oa().chat.completions.create(**kw, parallel_tool_calls=False, stream=True))
+    assert {tc.index for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []} == {0}
+    akw = {"model": "m", "messages": user("TWO-CALLS"), "max_tokens": 80, "tools": TOOLS_AN}
+    assert [b.input["city"] for b in stack.an().messages.create(**akw).content if b.type == "tool_use"] == [
+        "Rome", "Oslo"]
+    for choice in ({"type": "auto", "disable_parallel_tool_use": True},
+                   {"type": "any", "disable_parallel_tool_use": True}):
+        m = stack.an().messages.create(**akw, tool_choice=choice)
+        assert [b.input["city"] for b in m.content if b.type == "tool_use"] == ["Rome"] and m.stop_reason == "tool_use"
+        with stack.an().messages.stream(**akw, tool_choice=choice) as s:
+            assert [b.type for b in s.get_final_message().content] == [b.type for b in m.content]
+    assert "must call exactly one of the tools" in stack.prompt(m.id)
 
 
 def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):

@@ -316,6 +316,19 @@ def test_streaming_parser_random_chunks_equals_batch():
         _check_stream_equals_batch(text, cuts, in_reasoning=rng.random() < 0.3)
 
 
+def test_at_most_max_calls_streamed_or_not():
+    rng = random.Random(2)
+    for _ in range(200):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40)))
+        batch = parse_assistant_output(text, max_calls=1)
+        assert batch.tool_calls == parse_assistant_output(text).tool_calls[:1]
+        parser = StreamingOutputParser(max_calls=1)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if text else []
+        events = [e for a, b in zip([0, *cuts], [*cuts, len(text)]) for e in parser.feed(text[a:b])] + parser.finish()
+        assert parser.result() == batch
+        assert [e.tool_call for e in events if isinstance(e, ToolCallEvent)] == batch.tool_calls
+
+
 def test_streaming_parser_never_emits_partial_tags():
     parser = StreamingOutputParser()
     assert parser.feed("Hello <thi") == [ContentDelta("Hello")]

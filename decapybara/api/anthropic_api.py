@@ -162,7 +162,8 @@ def chat_input(body: an.CountTokensRequest) -> ChatInput:
     messages, prefill = chat_messages(body)
     choice = body.tool_choice
     mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[choice.type] if choice else "auto"
-    tool_choice = ToolChoice(mode, choice.name if isinstance(choice, an.ToolChoiceTool) else None)
+    tool_choice = ToolChoice(mode, choice.name if isinstance(choice, an.ToolChoiceTool) else None,
+                             not getattr(choice, "disable_parallel_tool_use", None))
     thinking = body.thinking is not None and not isinstance(body.thinking, an.ThinkingDisabled)
     return ChatInput(messages, _tools(body.tools), tool_choice, thinking, prefill=prefill)
 
@@ -228,7 +229,7 @@ def _guard(reason: FinishReason | None, note: str | None) -> LoopGuardInfo | Non
 
 def message(plan: MessagePlan, done: Collected) -> an.Message:
     # the blocks in the order the stream sends them (MessageStream): runs of one kind, tool calls as they come
-    parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools)
+    parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls)
     runs: list[list] = []
     for out in [*parser.feed(done.text), *parser.finish()]:
         if not isinstance(out, ToolCallEvent) and runs and runs[-1][0] is type(out):
@@ -265,7 +266,7 @@ class MessageStream:
 
     def __init__(self, plan: MessagePlan) -> None:
         self.plan = plan
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools)
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls)
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | None
         self.thinking = ""

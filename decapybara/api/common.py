@@ -29,10 +29,12 @@ def new_id(prefix: str, length: int = 24) -> str:
 
 @dataclass(slots=True, frozen=True)
 class ToolChoice:
-    """How the request wants tools used: auto | none | required | named (then `name`)."""
+    """How the request wants tools used: auto | none | required | named (then `name`); `parallel` False: at most
+    one call in the reply (OpenAI's parallel_tool_calls, Anthropic's disable_parallel_tool_use)."""
 
     mode: str = "auto"
     name: str | None = None
+    parallel: bool = True
 
 
 @dataclass(slots=True)
@@ -58,24 +60,29 @@ class Prompt:
     text: str
     opens_reasoning: bool  # the model's output starts inside <think> (parse with in_reasoning=True)
     tools: bool = False  # the request offers tools (and tool_choice is not "none"): parse <tool_call> blocks
+    max_calls: int | None = None  # 1 where parallel calls are off: the reply's later calls are dropped
 
 
 def tool_instruction(choice: ToolChoice) -> str | None:
-    """The system-prompt sentence that stands in for constrained decoding under tool_choice required/named."""
+    """The system-prompt sentence that stands in for constrained decoding under tool_choice required / named, or
+    parallel calls off."""
     if choice.mode == "required":
-        return ("In this reply you must call at least one of the tools listed in <tools></tools>, "
-                "inside <tool_call></tool_call> tags.")
+        return (f"In this reply you must call {'at least' if choice.parallel else 'exactly'} one of the tools listed "
+                "in <tools></tools>, inside <tool_call></tool_call> tags.")
     if choice.mode == "named":
-        return f"In this reply you must call the tool `{choice.name}`, inside <tool_call></tool_call> tags."
+        return (f"In this reply you must call the tool `{choice.name}`{'' if choice.parallel else ' once'}, inside "
+                "<tool_call></tool_call> tags.")
+    if choice.mode == "auto" and not choice.parallel:
+        return "In this reply call at most one tool."
     return None
 
 
 def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     """Render and tokenise a chat with the generation prompt.
 
-    tool_choice "none" leaves the tools out of the prompt; "required" and named choices add an instruction to
-    the system prompt (`tool_instruction`): the model has no constrained decoding, so a call is asked for, not
-    guaranteed. Raises ApiError / InvalidRequestError on bad input.
+    tool_choice "none" leaves the tools out of the prompt; "required" and named choices, and parallel calls off,
+    add an instruction after the conversation (`tool_instruction`): the model has no constrained decoding, so a
+    call is asked for, not guaranteed (a reply's calls past `Prompt.max_calls` are dropped). Raises ApiError / InvalidRequestError on bad input.
     """
     reserved = _RESERVED_TEMPLATE_VARS.intersection(chat.template_vars)
     if reserved:
@@ -91,13 +98,14 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
                               "tool_choice")
     if chat.tool_choice.mode == "none":
         tools = None
-    note = tool_instruction(chat.tool_choice)
+    note = tool_instruction(chat.tool_choice) if tools else None
     if note is not None:  # a turn of its own after the conversation: the prompt's prefix stays the same
         messages = [*messages, {"role": "system", "content": note}]
     text = tokenizer.render_chat(messages, tools, add_generation_prompt=True,
                                  enable_thinking=chat.enable_thinking, **chat.template_vars)
     text += chat.prefill
-    return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text), bool(tools))
+    return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text), bool(tools),
+                  None if chat.tool_choice.parallel else 1)
 
 
 def conversation_key(header: str | None, user: str | None, messages: list[dict[str, Any]] | None,

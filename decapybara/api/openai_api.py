@@ -112,10 +112,11 @@ def thinking_enabled(body: oa.ChatCompletionRequest) -> bool:
 
 def chat_input(body: oa.ChatCompletionRequest) -> ChatInput:
     choice = body.tool_choice
+    parallel = body.parallel_tool_calls is not False
     if isinstance(choice, oa.NamedToolChoice):
-        tool_choice = ToolChoice("named", choice.function.name)
+        tool_choice = ToolChoice("named", choice.function.name, parallel)
     else:
-        tool_choice = ToolChoice(choice or "auto")
+        tool_choice = ToolChoice(choice or "auto", parallel=parallel)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k != "enable_thinking"}
     return ChatInput(chat_messages(body.messages), tools, tool_choice, thinking_enabled(body), extra)
@@ -215,7 +216,8 @@ def _chat_usage(plan: ChatPlan, tokenizer: Any, last: TokenEvent | Collected, ou
 
 
 def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatCompletion:
-    parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning, plan.prompt.tools)
+    parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning, plan.prompt.tools,
+                                    plan.prompt.max_calls)
     calls = [oa.ToolCallOut(id=new_id("call_"), function=oa.FunctionCallOut(name=c.name, arguments=c.arguments_json()))
              for c in parsed.tool_calls]
     message = oa.AssistantMessage(content=parsed.content if parsed.content or not calls else None,
@@ -237,7 +239,7 @@ class ChatStream:
 
     def __init__(self, plan: ChatPlan, tokenizer: Any) -> None:
         self.plan, self.tokenizer = plan, tokenizer
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools)
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls)
         self.num_calls = 0
         self.output_ids: list[int] = []
 

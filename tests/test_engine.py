@@ -302,3 +302,54 @@ def test_a_follow_up_turn_at_the_end_of_a_pool_sized_context_is_admitted(mode):
         e.step()
     assert second.finish_reason == FinishReason.LENGTH and second.num_tokens == e.max_model_len, second.status
     assert second.num_cached_prompt > 0  # the previous turn's pages were reused
+
+
+def test_a_failed_step_leaves_no_tail_in_the_prefix_cache():
+    """A step whose sampling fails (a NaN row) after its forward advanced a prompt chunk's DeltaNet state: the
+    driver aborts every request, and the aborted prompt's partial page must not be cached with that state, which
+    is ahead of the page's tokens (the retry's greedy tokens would differ)."""
+    model = tiny_qwen("qwen3_5_text")[0]
+    cfg = EngineConfig(page_size=8, num_pages=256, max_batch_tokens=13, loop_guard="off", snapshot_interval=8)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 512, 45).tolist(), rng.integers(0, 512, 5).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    ref = Engine(model, cfg.replace(enable_prefix_cache=False)).generate([a], greedy)[0]
+    fail = {"on": False}
+
+    def nan_row(seq, logits):
+        return np.full_like(logits, np.nan) if fail["on"] and seq.request_id == "b" else logits
+
+    e = Engine(model, cfg, logits_processor=nan_row)
+    e.add_request(Request(tuple(b), SamplingParams(temperature=0, max_tokens=100), "b"))
+    e.step()
+    e.step()  # b decodes from here on
+    e.add_request(Request(tuple(a), greedy, "a"))
+    sa = e.seqs["a"]
+    while sa.num_computed < 9 or sa.num_computed % 8 == 0:
+        e.step()
+    fail["on"] = True
+    with pytest.raises(ValueError):
+        e.step()  # a's chunk ran (its state advanced), then b's row failed the sampler
+    fail["on"] = False
+    for rid in list(e.seqs):  # what the driver does after a failed step
+        e.abort(rid)
+    assert e.generate([a], greedy)[0] == ref
+
+
+def test_a_shared_openings_snapshot_is_kept_by_its_use():
+    """Hybrid-state snapshots are evicted least recently used: an opening every request reuses keeps its
+    snapshot however many newer ones arrive."""
+    model = tiny_qwen("qwen3_5_text")[0]
+    e = Engine(model, EngineConfig(page_size=8, num_pages=256, max_batch_tokens=64, loop_guard="off",
+                                   snapshot_interval=256,
+                                   snapshot_budget_bytes=10 * model.cfg.state_bytes_per_sequence()))
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 512, 16).tolist()  # two pages
+    cached = []
+    for i in range(12):
+        seq = e.add_request(Request(tuple(system + rng.integers(0, 512, 5).tolist()),
+                                    SamplingParams(temperature=0, max_tokens=3), f"r{i}"))
+        while e.has_work():
+            e.step()
+        cached.append(seq.num_cached_prompt)
+    assert cached[1:] == [16] * 11, cached

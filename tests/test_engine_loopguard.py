@@ -77,3 +77,44 @@ def test_a_loop_that_cannot_escape_is_stopped_with_a_note():
 def test_loop_guard_off_lets_the_loop_run():
     engine, events, _ = run(60.0, 4.8, mode="off")
     assert events[-1].finish_reason == FinishReason.LENGTH and not engine.stats.loopguard
+
+
+def _end_thinking_engine(**kw):
+    """An engine whose model loops inside its reasoning until end_thinking closes it: the guard fires when the
+    sequence holds 241 tokens and forces the close (3 tokens)."""
+    model, tok = parts()
+    proc, _ = loop_processor(tok, 60.0, 4.8)
+    e = Engine(model, EngineConfig(loop_guard="end_thinking", **kw), tokenizer=tok, logits_processor=proc)
+    return e, tuple(tok.encode("# helper\n")) + (tok.special_ids.think,)
+
+
+def _run(e: Engine, steps: int = 3000) -> None:
+    for _ in range(steps):
+        if not e.has_work():
+            return
+        e.step()
+
+
+def test_forced_close_stays_inside_the_served_context_and_max_tokens():
+    """Where the forced close and one answer token no longer fit the served context or max_tokens, the reply
+    ends with the loop reason instead of running past them."""
+    e, prompt = _end_thinking_engine(page_size=8, num_pages=128, max_model_len=242)
+    s = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=1000), "ctx"))
+    _run(e)
+    assert e.stats.loopguard.get("end_thinking") == 1
+    assert s.num_tokens <= e.max_model_len and s.finish_reason == FinishReason.LOOP
+    e, prompt = _end_thinking_engine(page_size=8, num_pages=128)
+    s = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=241 - len(prompt) + 1), "max"))
+    _run(e)
+    assert e.stats.loopguard.get("end_thinking") == 1
+    assert s.num_output <= s.params.max_tokens and s.finish_reason == FinishReason.LOOP
+
+
+def test_forced_close_at_the_end_of_a_pool_sized_context_finishes():
+    """Without the prefix cache the served context is the whole pool: a close forced past it would need a page
+    more than there is, and the sequence would pause and resume itself for ever."""
+    e, prompt = _end_thinking_engine(page_size=2, num_pages=121, enable_prefix_cache=False, max_batch_tokens=64)
+    assert e.max_model_len == 242
+    s = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=1000), "pool"))
+    _run(e)
+    assert not e.has_work() and s.finish_reason == FinishReason.LOOP and e.stats.pauses == 0

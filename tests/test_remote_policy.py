@@ -83,3 +83,49 @@ def test_view_policy_serves_short_jobs_first_and_still_finishes_the_long_one():
     outs, order = drive(engine, policy, [long, *shorts], clock)
     assert order[-1] == "long" and len(outs["long"]) == 120
     assert all(len(outs[f"s{i}"]) == 8 for i in range(5))
+
+
+def test_the_drivers_estimate_is_not_counted_as_a_prefix_query():
+    """The driver estimates each request's cached tokens for the policy; only the admission's own match counts in
+    the prefix statistics, so a request counts its prompt once."""
+    rng = np.random.default_rng(5)
+    opening = rng.integers(0, 512, 24).tolist()
+    prompts = [opening + rng.integers(0, 512, 6).tolist() for _ in range(3)]
+    engine = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off"), clock=FakeClock())
+    reqs = [Request(tuple(p), SamplingParams(temperature=0, max_tokens=4), f"r{i}") for i, p in enumerate(prompts)]
+    drive(engine, AgeViewPolicy(PolicyConfig()), reqs[:1], FakeClock())
+    drive(engine, AgeViewPolicy(PolicyConfig()), reqs[1:], FakeClock())
+    stats = engine.blocks.stats
+    assert stats.prefix_queries_tokens == sum(map(len, prompts))
+    assert stats.prefix_hits_tokens == 2 * 24
+
+
+def test_an_aborted_request_is_no_turn_of_its_conversation():
+    """A request that ends by abort (its client left) neither counts as a turn nor feeds the conversation's
+    expected output length; the one that finishes does."""
+    from decapybara.engine.sequence import FinishReason
+
+    clock = FakeClock()
+    engine = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off"), clock=clock)
+    policy = AgeViewPolicy(PolicyConfig())
+    driver = EngineDriver(engine, remote_policy=True, idle_wait_s=0.001)
+    rng = np.random.default_rng(6)
+    driver.submit(Control(add=[Request(tuple(rng.integers(0, 512, 12).tolist()),
+                                       SamplingParams(temperature=0, max_tokens=200), "left", conversation="A")]))
+    reasons = {}
+    for reports, report in enumerate(driver.reports(), 1):
+        clock.t += 0.05
+        reasons.update({ev.request_id: ev.finish_reason for ev in report.events if ev.finish_reason is not None})
+        decision = policy.decide(report.view)
+        if decision is not None:
+            driver.submit(decision)
+        if reports == 6:
+            driver.submit(Control(abort=["left"], add=[Request(tuple(rng.integers(0, 512, 12).tolist()),
+                                                               SamplingParams(temperature=0, max_tokens=5), "done",
+                                                               conversation="A")]))
+        if "done" in reasons:
+            policy.decide(report.view)
+            driver.stop()
+    assert reasons == {"left": FinishReason.ABORT, "done": FinishReason.LENGTH}
+    conv = policy.convs["A"]
+    assert conv.turns == 1 and conv.expected_output == 5

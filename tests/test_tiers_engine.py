@@ -141,3 +141,22 @@ def test_fixed_context_mode_reserves_the_whole_context_and_never_pauses():
     assert e.stats.pauses == 0  # admission waited for room instead
     pooled = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=28, enable_prefix_cache=False))
     assert pooled.generate(ps, params) == ref and pooled.stats.pauses > 0
+
+
+def test_fixed_context_mode_reserves_the_whole_context_again_on_resume():
+    """A conversation the policy pauses in fixed mode comes back with its whole context reserved, as at its
+    admission, and its greedy tokens are the uninterrupted run's."""
+    p, params = prompt(21, 20), SamplingParams(temperature=0, max_tokens=30)
+    ref = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64)).generate([p], params)[0]
+    e = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=28, context_mode="fixed", loop_guard="off"))
+    seq = e.add_request(Request(tuple(p), params, "a"))
+    out = []
+    for _ in range(5):
+        out += [t for ev in e.step() for t in ev.token_ids]
+    whole = e.blocks.pages_for(20 + 30)
+    assert len(seq.pages) == whole
+    e.pause(seq)
+    assert e.resume(seq) and len(seq.pages) == whole
+    while e.has_work():
+        out += [t for ev in e.step() for t in ev.token_ids]
+    assert out == ref

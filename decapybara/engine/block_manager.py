@@ -111,14 +111,15 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     # ---- prefix cache -------------------------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int] | np.ndarray) -> PrefixMatch:
+    def match_prefix(self, tokens: list[int] | np.ndarray, count: bool = True) -> PrefixMatch:
         """Longest cached prefix of `tokens` usable without recomputation; at least one token is always left
-        to compute (its logits are needed). Does not take references (see `allocate`)."""
+        to compute (its logits are needed). Does not take references (see `allocate`). `count` False: an
+        estimate, left out of the hit statistics."""
         if not self.enable_prefix_cache:
             return PrefixMatch([], 0, None)
         ps = self.page_size
         limit = (len(tokens) - 1) // ps
-        snap, best = None, 0
+        snap, best, used = None, 0, None  # used: the key of the snapshot `snap` (refreshed in the LRU)
         matched: list[int] = []
         hashes = hash_chain(tokens, ps, self.salt, limit)
         for i, h in enumerate(hashes):
@@ -131,13 +132,13 @@ class BlockManager:
                 if not self.needs_snapshots:
                     best = i + 1
                 elif ext == 2:
-                    best, snap = i + 1, None  # the snapshot comes back with the page
+                    best, snap, used = i + 1, None, None  # the snapshot comes back with the page
                 continue
             matched.append(page)
             if not self.needs_snapshots:
                 best = i + 1
             elif h in self.snapshots:
-                best, snap = i + 1, self.snapshots[h][0]
+                best, snap, used = i + 1, self.snapshots[h][0], h
         # A cached partial tail continues the deepest matched full page; it carries its own state snapshot,
         # so for hybrid models it also extends reuse past full pages that have none.
         tail_page, tail_len, depth = None, 0, len(matched)
@@ -150,13 +151,16 @@ class BlockManager:
                     continue
                 tail_page, tail_len = page, n
                 if tail_snap is not None:
-                    snap = tail_snap[0]
+                    snap, used = tail_snap[0], page_hash(parent, tail)
         if tail_page is not None:
             best = depth
+        if used is not None:  # a hit keeps its snapshot (LRU, not first-in first-out)
+            self.snapshots.move_to_end(used)
         start = best * ps
         num = start + tail_len
-        self.stats.prefix_queries_tokens += len(tokens)
-        self.stats.prefix_hits_tokens += num
+        if count:
+            self.stats.prefix_queries_tokens += len(tokens)
+            self.stats.prefix_hits_tokens += num
         return PrefixMatch(matched[:best], num, snap, tail_page, tail_len, hashes[:best])
 
     def register_tail(self, parent: bytes, tail: tuple[int, ...], page: int, snapshot: Any = None,

@@ -70,6 +70,8 @@ class EngineView:
     free_pages: int
     total_pages: int
     page_size: int
+    # the requests the report's events ended: (request id, output tokens, ended by abort: not a finished turn)
+    ended: tuple[tuple[str, int, bool], ...] = ()
 
 
 @dataclass(slots=True)
@@ -81,7 +83,8 @@ class StepReport:
     stats: dict[str, Any]
 
 
-def engine_view(engine: Engine) -> EngineView:
+def engine_view(engine: Engine, events: list[TokenEvent] = ()) -> EngineView:
+    """What the policy sees after a step; `events`, the step's, name the requests it ended."""
     seqs = []
     ps = engine.cfg.page_size
     for status, group in (("waiting", engine.waiting), ("running", engine.running), ("paused", engine.paused)):
@@ -90,8 +93,10 @@ def engine_view(engine: Engine) -> EngineView:
             seqs.append(SeqView(s.request_id, s.request.conversation, status, s.arrival, s.num_prompt,
                                 s.num_computed, s.num_output, s.params.max_tokens, pages,
                                 getattr(s, "cached_estimate", 0), s.last_active))
+    ended = tuple((ev.request_id, ev.num_output_tokens, ev.finish_reason == FinishReason.ABORT)
+                  for ev in events if ev.finish_reason is not None)
     return EngineView(engine.clock(), seqs, len(engine.free_slots), engine.cfg.max_slots, engine.blocks.num_free,
-                      engine.blocks.num_pages, ps)
+                      engine.blocks.num_pages, ps, ended)
 
 
 def apply_decisions(engine: Engine, control: Control) -> None:
@@ -169,7 +174,7 @@ class EngineDriver:
             ran = engine.stats.steps != steps_before
             if events or ran or heartbeat or not control.empty():
                 self.last_stats = engine.snapshot_stats()
-                yield StepReport(engine.stats.steps, events, engine_view(engine), dt, self.last_stats)
+                yield StepReport(engine.stats.steps, events, engine_view(engine, events), dt, self.last_stats)
             if not ran and not events:
                 with self._cond:  # nothing runnable yet: wait for the control plane instead of spinning
                     if self._pending.empty() and not self._stopped:
@@ -186,7 +191,7 @@ class EngineDriver:
         for req in control.add:
             try:
                 seq = engine.add_request(req)
-                seq.cached_estimate = engine.blocks.match_prefix(req.prompt_ids).num_tokens  # type: ignore[attr-defined]
+                seq.cached_estimate = engine.blocks.match_prefix(req.prompt_ids, count=False).num_tokens  # type: ignore[attr-defined]
             except DecapybaraError as exc:
                 events.append(TokenEvent(req.request_id, [], finish_reason=FinishReason.ABORT,
                                          error=str(exc), error_type=type(exc).__name__))

@@ -202,8 +202,13 @@ class Engine(MemoryMixin):
                 self.stats.withheld_steps += 1
             # the governor's clock from here: a resume's imports and a pause's exports are not the step's decode
             self._pending = (plan, allowed, self.runner.captures(), self.stats.generated_tokens, self.timer(), head)
-        out = self.runner.run(plan, normed=self.mtp)
-        events = self._postprocess(plan, out)
+        try:
+            out = self.runner.run(plan, normed=self.mtp)
+            events = self._postprocess(plan, out)
+        except Exception:
+            for c in plan.chunks:  # their KV / hybrid state may have run past num_computed: no tail offered
+                c.seq.state_ahead = True
+            raise
         self._measure()  # where the head's pass did not already (`_draft`)
         self.stats.steps += 1
         self.stats.forward_tokens += plan.num_tokens
@@ -527,7 +532,9 @@ class Engine(MemoryMixin):
             self._mark_finished(s, FinishReason.LOOP)
         elif action.kind == ActionKind.END_THINKING:
             forced = self._think_close or []
-            if not forced:
+            # the forced tokens and one answer token after them must fit the served context and max_tokens
+            room = min(self.max_model_len - s.num_tokens, s.params.max_tokens - s.num_output) - 1
+            if not forced or len(forced) > room:
                 s.pending_note = action.note
                 self._mark_finished(s, FinishReason.LOOP)
                 return

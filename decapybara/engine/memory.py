@@ -129,11 +129,15 @@ class MemoryMixin:
             if page is None:
                 break
             reuse.append(page)
-        pages = self.blocks.allocate(n_pages - len(reuse), reuse)
+        total = n_pages
+        if self.cfg.context_mode == "fixed":  # the whole context again, as at admission: never paused for memory
+            total = max(n_pages, self.blocks.pages_for(min(seq.num_prompt + seq.params.max_tokens,
+                                                            self.max_model_len)))
+        pages = self.blocks.allocate(total - len(reuse), reuse)
         if pages is None:
             seq.paused_bundle = self.bundle_store.put(seq, bundle)  # back where it was
             return False
-        self.runner.import_pages(pages[len(reuse):], bundle, list(range(len(reuse), n_pages)))
+        self.runner.import_pages(pages[len(reuse):n_pages], bundle, list(range(len(reuse), n_pages)))
         for i in range(len(reuse), len(seq.page_hashes)):
             self.blocks.register(pages[i], seq.page_hashes[i])
         seq.pages, seq.num_computed = pages, bundle.num_tokens
@@ -194,7 +198,7 @@ class MemoryMixin:
         """Keep the partial last page of a finishing sequence for its conversation's next turn."""
         ps = self.cfg.page_size
         full, rem = divmod(s.num_computed, ps)
-        if not rem or not self.cfg.enable_prefix_cache or len(s.page_hashes) < full:
+        if s.state_ahead or not rem or not self.cfg.enable_prefix_cache or len(s.page_hashes) < full:
             return
         parent = s.page_hashes[full - 1] if full else root_hash(self.blocks.salt)
         snap = self.runner.states.get(s.state_slot) if self.snapshots else None

@@ -97,6 +97,7 @@ class Sequence:
     guess: int | None = None  # ... its guess where too doubtful to draft alone (a verification graph's spare row)
     ngram: Any = None  # SPECULATOR ngram: its tokens' n-gram index (engine/ngram.py NgramIndex), built at first use
     paused_bundle: Any = None
+    state_ahead: bool = False  # a failed step ran its forward past num_computed (its tail is not cached)
     num_pauses: int = 0
     num_resumes: int = 0
     num_admissions: int = 0  # > 1 only when a lost bundle forced a recompute

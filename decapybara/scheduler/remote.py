@@ -63,13 +63,17 @@ class AgeViewPolicy:
     # ---- bookkeeping --------------------------------------------------------------------------------
     def _sync(self, view: EngineView) -> None:
         now, present = view.now, {s.request_id for s in view.seqs}
+        ended = {rid: (n, aborted) for rid, n, aborted in view.ended}
         for rid in [r for r in self.seen if r not in present]:  # finished or aborted
             gone = self.seen.pop(rid)
             conv = self.convs.get(gone.conversation) if gone.conversation else None
             if conv is not None:
-                conv.turns += 1
                 conv.last_active = now
-                a, n = self.cfg.output_ema, float(gone.num_output)
+                n, aborted = ended.get(rid, (gone.num_output, False))  # its last step's tokens counted
+                if aborted:  # a client gone or a refusal: no turn, and no measure of its output
+                    continue
+                conv.turns += 1
+                a, n = self.cfg.output_ema, float(n)
                 conv.expected_output = n if conv.expected_output is None else (1 - a) * conv.expected_output + a * n
         for s in view.seqs:
             st = self.seen.get(s.request_id)

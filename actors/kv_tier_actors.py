@@ -45,7 +45,10 @@ class RamTierActor:
             if self.disk is None:
                 self.stats_["lost"] += 1
                 continue
-            await self.disk.put_ref.remote(s.key, [s.handle], s.next_use)  # the disk copy is written before
+            try:
+                await self.disk.put_ref.remote(s.key, [s.handle], s.next_use)  # the disk copy is written before
+            except Exception:  # noqa: BLE001 - a dead or failing disk tier: the unit is lost, not the RAM tier's put
+                self.stats_["lost"] += 1
         return len(spilled)  # ... the last reference to the object is dropped here
 
     def get(self, key: str) -> list | None:
@@ -159,13 +162,20 @@ class RayTiers:
         ram = self.handles["ram"]
         if self.actor is not None:  # the RAM tier fetches it: one write into the object store, owned by the tier
             self.staged[unit.key] = buf
-            ram.put_from.remote(unit.key, self.actor, len(buf), next_use)
+            done = ram.put_from.remote(unit.key, self.actor, len(buf), next_use)
+            # the tier takes it (take_staged) once put_from has run; where that call fails (the tier is gone), nobody
+            # will: drop it here, else it stays for ever
+            done.future().add_done_callback(lambda f, k=unit.key, b=buf: f.exception() and self._unstage(k, b))
         else:
             ram.put_bytes.remote(unit.key, buf, len(buf), next_use)
         return unit.key
 
     def take_staged(self, key: str) -> Any:
         return self.staged.pop(key)
+
+    def _unstage(self, key: str, buf: Any) -> None:
+        if self.staged.get(key) is buf:  # not a later put of the same key
+            self.staged.pop(key, None)
 
     def get(self, key: str) -> Any:
         try:

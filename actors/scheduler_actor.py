@@ -5,12 +5,15 @@ The actor forwards new requests and aborts to the GPU actor, consumes the GPU ac
 (one Ray message per engine step, all slots together), routes each event to its request's stream, and runs
 the policy (`decapybara.scheduler`) on every report's `EngineView`; its admit / pause / resume decisions go
 back as one `Control` message, applied by the GPU actor from its next step on. Decoding never waits for
-this actor: the control overhead per step is measured and shown in `stats()`.
+this actor: the control overhead per step is measured and shown in `stats()`. A GPU actor lost (dead, or
+silent past the watchdog) fails the open streams and is replaced by a new one over the same tiers (`_recover`,
+retried with backoff); `health()` says whether the engine is up, for `/health` and the ingress's health check.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from typing import Any
@@ -19,12 +22,11 @@ import ray
 
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
+from decapybara.scheduler.remote import make_policy
 
 
 class SchedulerActor:
     def __init__(self, app_config: dict[str, Any]):
-        from actors.gpu_actor import gpu_actor_class
-        from decapybara.scheduler.remote import make_policy
         from decapybara.server.config import AppConfig
 
         self.cfg = AppConfig(**app_config)
@@ -35,7 +37,8 @@ class SchedulerActor:
 
             tiers = start_tiers(self.cfg)
         self.tiers = tiers
-        self.gpu = gpu_actor_class(cuda, self.cfg.blas_threads, f"{self.cfg.name}-gpu").remote(app_config, tiers)
+        self.app_config, self.cuda = app_config, cuda
+        self.gpu = self._new_gpu()
         self.policy = make_policy(self.cfg)
         self.queues: dict[str, asyncio.Queue] = {}
         self.pending = Control()
@@ -49,6 +52,22 @@ class SchedulerActor:
         self.metrics = RayMetrics(self.cfg.name)
         self.dead: str | None = None  # why the GPU actor is unreachable, once it is
         self.last_report_at = time.time()
+        self.restarts = 0
+        self._recovering: asyncio.Task | None = None
+
+    def _new_gpu(self) -> Any:
+        from actors.gpu_actor import gpu_actor_class
+
+        return gpu_actor_class(self.cuda, self.cfg.blas_threads, f"{self.cfg.name}-gpu").remote(
+            self.app_config, self.tiers)
+
+    async def settings(self) -> dict[str, Any]:
+        return self.app_config
+
+    async def health(self) -> dict[str, Any]:
+        """ok, or why the engine is unavailable (for /health and Serve's replica health check)."""
+        return {"status": "ok" if self.dead is None else "unavailable", "reason": self.dead,
+                "engine_restarts": self.restarts}
 
     async def ready(self) -> dict[str, Any]:
         """Wait until the model is loaded; return the GPU actor's facts."""
@@ -57,7 +76,7 @@ class SchedulerActor:
         return info
 
     def _start(self) -> None:
-        if not self._tasks:
+        if not self._tasks and self.dead is None:
             self._wake = asyncio.Event()
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._pump()), loop.create_task(self._send_loop()),
@@ -121,8 +140,34 @@ class SchedulerActor:
                 self._engine_lost(exc)
 
     def _engine_lost(self, exc: BaseException) -> None:
-        self.dead = f"the engine stopped: {type(exc).__name__}: {exc}"[:500]
+        if self.dead is None:
+            self.dead = f"the engine stopped: {type(exc).__name__}"
         self._fail_all(self.dead)
+        if self._recovering is None or self._recovering.done():
+            self._recovering = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self, wait_s: float = 1.0) -> None:
+        """A new GPU actor in place of the lost one (its tiers kept); streams resume being served once it loads."""
+        current = asyncio.current_task()
+        for t in self._tasks:
+            if t is not current:
+                t.cancel()
+        self._tasks = []
+        while True:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(self.gpu, no_restart=True)
+            await asyncio.sleep(wait_s)
+            try:
+                self.gpu = self._new_gpu()
+                await self.gpu.info.remote()
+                break
+            except Exception:  # noqa: BLE001 - try again
+                wait_s = min(30.0, wait_s * 2)
+        self.policy = make_policy(self.cfg)
+        self.pending, self.last_report, self.dead = Control(), None, None
+        self.last_report_at = time.time()
+        self.restarts += 1
+        self._start()
 
     async def _pump(self) -> None:
         try:
@@ -217,7 +262,10 @@ def _p50(xs: deque[float]) -> float | None:
 async def _tier_stats(tiers: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, handle in tiers.items():
-        out[name] = await handle.stats.remote()
+        try:
+            out[name] = await handle.stats.remote()
+        except Exception as exc:  # noqa: BLE001 - a dead tier actor must not take /stats down with it
+            out[name] = {"error": f"{type(exc).__name__}"}
     return out
 
 

@@ -72,20 +72,26 @@ class Agent(HttpUser):
         fire(request_type="agent", name="tokens", response_time=(time.perf_counter() - started) * 1000,
              response_length=tokens, exception=exc, context={})
 
-    def _stream(self, path: str, body: dict, name: str) -> tuple[str, list[dict], int]:
-        """POST a streaming request; returns (text, tool calls, output tokens) and records the timings."""
+    def _stream(self, path: str, body: dict, name: str) -> tuple[str, list[dict], int] | None:
+        """POST a streaming request; returns (text, tool calls, output tokens) and records the timings; None
+        when it failed (a status other than 200, or an error event in the stream: a failure in locust's
+        table)."""
         started, first, times, text, calls, tokens = time.perf_counter(), None, [], "", [], 0
         with self.client.post(path, data=json.dumps(body), headers=self.headers, stream=True, name=name,
                               catch_response=True) as resp:
             if resp.status_code != 200:
                 resp.failure(f"{resp.status_code}: {resp.text[:200]}")
                 self._record(name, started, None, [], 0, RuntimeError(str(resp.status_code)))
-                return "", [], 0
+                return None
             for raw in resp.iter_lines():
                 line = raw.decode() if isinstance(raw, bytes) else raw
                 if not line.startswith("data: ") or line[6:] == "[DONE]":
                     continue
                 data = json.loads(line[6:])
+                if "error" in data:  # OpenAI's error chunk, Anthropic's error event: the turn failed mid-stream
+                    resp.failure(f"stream error: {json.dumps(data['error'])[:200]}")
+                    self._record(name, started, first, times, tokens, RuntimeError("stream error"))
+                    return None
                 piece = self._piece(data, calls)
                 if data.get("usage") and self.api == "openai":
                     tokens = data["usage"].get("completion_tokens", tokens)
@@ -129,7 +135,11 @@ class OpenAIAgent(Agent):
         self.messages.append({"role": "user", "content": ask})
         body = {"model": "decapybara", "messages": self.messages, "tools": TOOLS_OPENAI, "stream": True,
                 "max_tokens": MAX_TOKENS, "temperature": 0.7, "stream_options": {"include_usage": True}}
-        text, calls, _ = self._stream("/v1/chat/completions", body, "openai chat")
+        got = self._stream("/v1/chat/completions", body, "openai chat")
+        if got is None:  # the turn failed: the agent asks again next time, its history unchanged
+            self.messages.pop()
+            return
+        text = got[0]
         if self.turn % 3 == 0:  # a tool round trip every third turn
             call_id = f"call_{self.turn}"
             self.messages.append({"role": "assistant", "content": text, "tool_calls": [
@@ -160,7 +170,11 @@ class AnthropicAgent(Agent):
         self.messages.append({"role": "user", "content": ask})
         body = {"model": "decapybara", "system": SYSTEM, "messages": self.messages, "tools": TOOLS_ANTHROPIC,
                 "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0.7}
-        text, _, _ = self._stream("/v1/messages", body, "anthropic messages")
+        got = self._stream("/v1/messages", body, "anthropic messages")
+        if got is None:  # the turn failed: the agent asks again next time, its history unchanged
+            self.messages.pop()
+            return
+        text = got[0]
         if self.turn % 3 == 0:
             tool_id = f"toolu_{self.turn}"
             self.messages.append({"role": "assistant", "content": [

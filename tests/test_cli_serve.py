@@ -44,7 +44,9 @@ def test_prefill_weights_setting():
 def test_bad_serve_flags_exit_with_2_before_starting_anything():
     for bad in (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"],
                 ["--rope-scaling", "off", "--max-model-len", "100000"],  # the GPU actor's own checks, made first
-                ["--rope-scaling", "1m", "--max-model-len", "2000000"]):
+                ["--rope-scaling", "1m", "--max-model-len", "2000000"],
+                ["--set", "page_size=3"], ["--set", "page_size=0"], ["--api-key", ""],
+                ["--disk-cache", "file:///proc/decapybara-kv"]):  # a folder that cannot be made
         r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", *bad], capture_output=True, text=True,
                            check=False, timeout=60)
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
@@ -67,3 +69,21 @@ def test_serve_on_cuda_without_a_device_is_one_line():
     r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", "--device", "cuda"], capture_output=True,
                        text=True, check=False, timeout=60)
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_build_app_refuses_what_the_gpu_actor_would_before_deploying(tmp_path):
+    """`serve run serve_app:build_app ...` makes the same checks as `decapybara serve` (but the device's, which
+    are the GPU actor's machine's): a bad setting is an error before any actor starts."""
+    from pydantic import ValidationError
+
+    from decapybara.errors import ConfigError
+    from decapybara.server.ingress import build_app
+
+    with pytest.raises(ValidationError, match="page_size must be a power of two"):
+        build_app({"page_size": "3"})
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        build_app({"rope_scaling": "off", "max_model_len": "100000"})
+    with pytest.raises(ConfigError, match="disk_cache 'file:///proc/decapybara-kv' is not usable"):
+        build_app({"disk_cache": "file:///proc/decapybara-kv"})
+    assert build_app({"disk_cache": f"file://{tmp_path}/kv"}) is not None and (tmp_path / "kv").is_dir()
+    assert build_app({"disk_cache": "file:///proc/decapybara-kv", "disk_cache_gb": "0"}) is not None  # no disk tier

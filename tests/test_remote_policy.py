@@ -66,7 +66,9 @@ def test_view_policy_is_exact_under_pressure_and_never_prefills_twice():
     assert engine.stats.pauses > 0 and engine.stats.resumes == engine.stats.pauses
     assert engine.stats.computed_prompt_tokens == sum(map(len, prompts))
     snap = policy.snapshot()
-    assert snap["admitted"] == len(prompts) and snap["resumed"] >= 1
+    # counted as they happen, not as decided (a decision the pool could not carry out is sent again)
+    assert snap["admitted"] == len(prompts) and snap["resumed"] == engine.stats.resumes >= 1
+    assert all(c["resumes"] <= c["pauses"] for c in snap["conversations"].values())
 
 
 def test_view_policy_serves_short_jobs_first_and_still_finishes_the_long_one():
@@ -129,3 +131,23 @@ def test_an_aborted_request_is_no_turn_of_its_conversation():
     assert reasons == {"left": FinishReason.ABORT, "done": FinishReason.LENGTH}
     conv = policy.convs["A"]
     assert conv.turns == 1 and conv.expected_output == 5
+
+
+def test_admissions_are_counted_when_they_happen_not_when_decided():
+    """An admission the engine cannot carry out is decided again after the decision's time to live; the policy's
+    counts (and /stats) show admissions made, not decisions sent."""
+    from decapybara.engine.driver import EngineView, SeqView
+
+    policy = AgeViewPolicy(PolicyConfig(), decision_ttl_reports=2)
+
+    def view(t: float, status: str) -> EngineView:
+        seq = SeqView("a", "conv", status, 0.0, 20, 0 if status == "waiting" else 20, 0, 8, 3)
+        return EngineView(t, [seq], 1 if status == "waiting" else 0, 1, 10, 10, 8)
+
+    sent = 0
+    for i in range(7):  # the engine keeps refusing: the admission is asked for again and again
+        decision = policy.decide(view(0.1 * i, "waiting"))
+        sent += bool(decision and "a" in decision.admit)
+    assert sent >= 3 and policy.snapshot()["admitted"] == 0
+    policy.decide(view(0.8, "running"))
+    assert policy.snapshot()["admitted"] == 1

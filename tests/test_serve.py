@@ -236,7 +236,8 @@ def test_locust_thirty_agents_headless(served, tmp_path):
 
 def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, tmp_path):
     """`serve run serve_app:app` (all defaults: the embedded demo model, no network), deployed beside the test
-    app under its own route prefix on the session's Ray, answers a chat request."""
+    app under its own route prefix on the session's Ray, answers a chat request, and answers it again the same
+    after its GPU actor and then its scheduler actor are killed."""
     import os
     from pathlib import Path
 
@@ -252,10 +253,14 @@ def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, 
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].strip()
 
-    # The engine dies mid-stream: the stream ends with an error and later requests get 503, nothing hangs.
+    # The engine dies mid-stream: the stream ends with an error, nothing hangs, and a new GPU actor takes its place:
+    # /health says so meanwhile, and then the same greedy request gets the same answer.
     import ray
     from ray import serve
 
+    greedy = {"model": "decapybara", "max_tokens": 24, "temperature": 0,
+              "messages": [{"role": "user", "content": "Write a Python function `is_even(n)`"}]}
+    answer = r.json()["choices"][0]["message"]["content"]
     body = {"model": "m", "max_tokens": 600, "stream": True, "temperature": 0.9,
             "messages": [{"role": "user", "content": "Write a long Python module."}]}
     t0 = time.time()
@@ -265,10 +270,32 @@ def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, 
         ray.kill(ray.get_actor("decapybara-gpu"))
         rest = "\n".join(lines)
     assert '"error"' in rest and time.time() - t0 < 90
-    after = httpx.post(f"{served.url}/demo/v1/chat/completions", timeout=60, json={
-        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-    assert after.status_code == 503 and after.json()["error"]
+    _served_again(f"{served.url}/demo", greedy, answer, restarts=1)
+
+    # The scheduler actor dies (and the GPU and tier actors it owns with it): Serve's health check replaces the
+    # ingress replica, whose start makes new actors.
+    ray.kill(ray.get_actor("decapybara-scheduler"))
+    _served_again(f"{served.url}/demo", greedy, answer, restarts=0)
     serve.delete("default")  # its scheduler actor, owned by the ingress replica, goes with it
+
+
+def _served_again(url: str, greedy: dict, answer: str, restarts: int, within_s: float = 120.0) -> None:
+    """Wait for `url`'s /health to say ok (its engine restarted `restarts` times), then the greedy request must
+    get `answer`."""
+    deadline = time.time() + within_s
+    while True:
+        try:
+            h = httpx.get(f"{url}/health", timeout=10)
+            if h.status_code == 200:
+                break
+            assert h.status_code == 503 and h.json()["status"] == "unavailable" and h.json()["reason"]
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "not served again"
+        time.sleep(0.5)
+    assert h.json() == {"status": "ok", "reason": None, "engine_restarts": restarts}
+    again = httpx.post(f"{url}/v1/chat/completions", timeout=120, json=greedy)
+    assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == answer
 
 
 def test_serve_run_with_mtp_speculation_answers_as_without(served, ray_cluster, tmp_path, local, oai):

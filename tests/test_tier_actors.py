@@ -86,3 +86,78 @@ def test_killed_ram_tier_means_lost_units_and_recompute(ray_cluster, tmp_path):
     assert engine.stats.lost_bundles == 1
     assert outs["agent"] == ref  # recomputed from its tokens
     ray.kill(tiers["disk"])
+
+
+def _unit(key: str, seed: int = 0):
+    from decapybara.kv.units import HybridState, KVPageData, Unit
+
+    rng = np.random.default_rng(seed)
+    kv = {"3|k": rng.standard_normal((2, 8, 2, 32)).astype(np.float32)}
+    state = HybridState([rng.standard_normal((24, 3)).astype(np.float32)],
+                        [rng.standard_normal((4, 16, 16)).astype(np.float32)])
+    return Unit.conversation(key, KVPageData(kv), state, 13)
+
+
+def test_a_dead_disk_tier_loses_spills_and_leaves_the_ram_tier_and_stats_up(ray_cluster, tmp_path):
+    """A RAM tier whose spills cannot reach a dead disk tier counts them lost and goes on taking units; the
+    scheduler's tier statistics report the dead tier instead of failing."""
+    import asyncio
+
+    from actors.kv_tier_actors import RayTiers
+    from actors.scheduler_actor import _tier_stats
+
+    cfg = SimpleNamespace(name="deaddisk", disk_cache=f"file://{tmp_path}/kv", disk_cache_gb=0.1,
+                          ram_cache_gb=12_000 / 2**30)  # room for about one unit
+    tiers = start_tiers(cfg)
+    ray.get(tiers["disk"].stats.remote())
+    ray.kill(tiers["disk"])
+    ram = RayTiers(tiers)
+    for i in range(4):
+        ram.put(_unit(f"conv/a/{i}", i))
+    deadline = time.time() + 30
+    while ray.get(tiers["ram"].stats.remote())["puts"] < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    stats = ray.get(tiers["ram"].stats.remote())
+    held = [i for i in range(4) if ray.get(tiers["ram"].contains.remote(f"conv/a/{i}"))]
+    assert stats["puts"] == 4 and stats["lost"] == stats["spills"] == 4 - len(held) >= 2, (stats, held)
+    out = asyncio.run(_tier_stats(tiers))
+    assert out["ram"]["puts"] == 4 and set(out["disk"]) == {"error"}
+    ray.kill(tiers["ram"])
+
+
+@ray.remote
+class _Stager:
+    """An actor putting units through `RayTiers`, as the GPU actor does: staged for the RAM tier to take."""
+
+    def __init__(self, tiers):
+        from actors.kv_tier_actors import RayTiers
+
+        self.tiers = RayTiers(tiers)
+
+    def put(self, unit) -> str:
+        return self.tiers.put(unit)
+
+    def take_staged(self, key: str):
+        return self.tiers.take_staged(key)
+
+    def staged(self) -> int:
+        return len(self.tiers.staged)
+
+
+def test_a_staged_unit_is_dropped_when_the_ram_tier_cannot_take_it(ray_cluster, tmp_path):
+    cfg = SimpleNamespace(name="stager", disk_cache=f"file://{tmp_path}/kv", disk_cache_gb=0.0, ram_cache_gb=0.01)
+    tiers = start_tiers(cfg)
+    stager = _Stager.remote(tiers)
+    ray.get(stager.put.remote(_unit("conv/s/0")))
+    deadline = time.time() + 30
+    while ray.get(stager.staged.remote()) and time.time() < deadline:  # taken by the tier
+        time.sleep(0.05)
+    assert ray.get(tiers["ram"].contains.remote("conv/s/0")) and ray.get(stager.staged.remote()) == 0
+    ray.kill(tiers["ram"])
+    time.sleep(0.5)
+    ray.get(stager.put.remote(_unit("conv/s/1", 1)))
+    deadline = time.time() + 30
+    while ray.get(stager.staged.remote()) and time.time() < deadline:  # the failed call lets it go
+        time.sleep(0.05)
+    assert ray.get(stager.staged.remote()) == 0
+    ray.kill(stager)

@@ -160,3 +160,28 @@ def test_fixed_context_mode_reserves_the_whole_context_again_on_resume():
     while e.has_work():
         out += [t for ev in e.step() for t in ev.token_ids]
     assert out == ref
+
+
+def test_an_admission_short_of_pages_reads_no_tier_pages(tmp_path):
+    """Where the pool cannot take a request, its admission refuses before fetching the tier-held pages of its
+    prefix (disk reads on the engine's thread, for nothing, at every retry); with room it fetches and restores."""
+    engine, stores = make_engine("qwen3", f"file://{tmp_path}/kv", ram_bytes=1 << 20, num_pages=12, loop_guard="off")
+    system = prompt(3, 40)  # five pages
+    outs: dict[str, list[int]] = {}
+    engine.add_request(Request(tuple(system + prompt(4, 3)), SamplingParams(temperature=0, max_tokens=4), "a"))
+    run_until_done(engine, outs)
+    for i in range(3):  # other traffic pushes the system prompt's pages out of the pool into the tiers
+        engine.add_request(Request(tuple(prompt(10 + i, 60)), SamplingParams(temperature=0, max_tokens=4), f"x{i}"))
+        run_until_done(engine, outs)
+    assert engine.stats.offloaded_pages >= 5
+    fetches = []
+    fetch = stores.fetch
+    stores.fetch = lambda h: fetches.append(h) or fetch(h)
+    hog = engine.add_request(Request(tuple(prompt(20, 70)), SamplingParams(temperature=0, max_tokens=4), "hog"))
+    engine.admit(hog)  # nine of the eleven usable pages
+    seq = engine.add_request(Request(tuple(system + prompt(5, 9)), GREEDY, "b"))
+    for _ in range(3):
+        assert not engine.admit(seq)
+    assert fetches == []
+    engine.abort("hog")
+    assert engine.admit(seq) and len(fetches) >= 5 and engine.stats.restored_pages >= 5

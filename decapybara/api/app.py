@@ -99,8 +99,10 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
 
     # ---- service routes ------------------------------------------------------------------------------------
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        check = getattr(client, "health", None)
+        state = await check() if check is not None else {"status": "ok"}
+        return JSONResponse(state, status_code=200 if state.get("status") == "ok" else 503)
 
     @app.get("/stats")
     async def stats() -> Response:

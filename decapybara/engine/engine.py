@@ -544,7 +544,7 @@ class Engine(MemoryMixin):
                 s.num_output += 1
                 s.pending_tokens.append(t)
                 s.pending_text += s.detok.push(t, False) if s.detok is not None else ""
-            s.in_thinking = False
+            s.in_thinking, s.after_think = False, True  # as where the model closes its reasoning itself
 
     def _mark_finished(self, s: Sequence, reason: FinishReason) -> None:
         s.finish_reason = reason

@@ -32,6 +32,13 @@ class MemoryMixin:
         holds, which are restored). False when pages are short. A sequence that lost its paused bundle comes
         back through here and recomputes what the cache cannot give it."""
         assert seq.status == SeqStatus.WAITING and self.can_admit()
+        if self.cfg.context_mode != "fixed":  # pages short: refuse before fetching tier pages (disk reads) for nothing
+            pre = self.blocks.match_prefix(seq.tokens, count=False)
+            in_pool = [p for p in pre.pages if p is not None]
+            chunk = min(seq.num_tokens - pre.num_tokens, self.cfg.max_batch_tokens)
+            if not self.blocks.can_allocate(self.blocks.pages_for(pre.num_tokens + chunk) - len(in_pool),
+                                            in_pool + ([pre.tail_page] if pre.tail_page is not None else [])):
+                return False
         match, restored = self._match_and_fetch(seq.tokens)
         first_chunk = min(seq.num_tokens - match.num_tokens, self.cfg.max_batch_tokens)
         if self.cfg.context_mode == "fixed":  # the whole context is reserved up front: never paused for memory

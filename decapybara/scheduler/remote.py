@@ -85,6 +85,12 @@ class AgeViewPolicy:
                 st.decided_at = -1  # the decision landed (or something else moved it)
                 if s.status == "running":
                     st.run_since = now
+                    # counted as they happen (a decision the engine could not carry out is sent again)
+                    if st.status in ("waiting", "paused"):
+                        self.counts["admitted" if st.status == "waiting" else "resumed"] += 1
+                    conv = self.convs.get(s.conversation) if s.conversation else None
+                    if conv is not None and st.status == "paused":
+                        conv.resumes += 1
                 elif s.status == "paused":
                     st.entered, st.run_since = now, None
                     conv = self.convs.get(s.conversation) if s.conversation else None
@@ -171,9 +177,6 @@ class AgeViewPolicy:
         (control.resume if s.status == "paused" else control.admit).append(s.request_id)
         self.seen[s.request_id].decided_at = self.reports
         kind = "resume" if s.status == "paused" else "admit"
-        self.counts["resumed" if kind == "resume" else "admitted"] += 1
-        if kind == "resume" and s.conversation in self.convs:
-            self.convs[s.conversation].resumes += 1
         self.recent.append({"time": now, "kind": kind, "request_id": s.request_id, "score": score})
 
     def snapshot(self) -> dict[str, Any]:

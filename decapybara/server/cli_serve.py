@@ -4,6 +4,7 @@ flags (`--host 127.0.0.1 --port 8080 --kv-mode 6/6 ...`); any other AppConfig fi
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from decapybara.errors import ConfigError
@@ -67,11 +68,12 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def preflight(cfg: Any) -> None:
+def preflight(cfg: Any, device: bool = True) -> None:
     """The checks the GPU actor makes as it starts, made here, before Ray starts, so that a bad setting is one
     line and not a failed deployment: the model found (a name in the model folders, a path, a URL), its context
-    plan (`context_plan`: e.g. a max_model_len past the trained context with rope_scaling off) and, where
-    device=cuda, a CUDA device (this command serves on this machine)."""
+    plan (`context_plan`: e.g. a max_model_len past the trained context with rope_scaling off), the disk tier's
+    folder (`check_disk_cache`) and, with `device` (this process serves on this machine, as `decapybara serve`
+    does; not `build_app`, whose actors may run elsewhere), where device=cuda, a CUDA device."""
     from decapybara.launcher.discover import describe
 
     path = cfg.resolved_model()
@@ -79,10 +81,29 @@ def preflight(cfg: Any) -> None:
     if found.error:
         raise ConfigError(f"cannot read the model {path!r}: {found.error}")
     cfg.context_plan(found.context)
+    check_disk_cache(cfg)
+    if not device:
+        return
     try:
         cfg.use_cuda()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_disk_cache(cfg: Any) -> None:
+    """The disk tier's folder made (as DiskTierStore does) and written to, so an unusable one is refused here."""
+    if cfg.disk_cache_gb <= 0:  # no disk tier (`start_tiers`)
+        return
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(cfg.disk_cache)
+        fs.makedirs(root, exist_ok=True)
+        probe = f"{root.rstrip('/')}/.decapybara-write-test"
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as e:  # noqa: BLE001 - any failure means the tier cannot work
+        raise ConfigError(f"disk_cache {cfg.disk_cache!r} is not usable: {type(e).__name__}: {e}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -94,5 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = app_args(args)
     ray.init()
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(settings), name="decapybara", route_prefix="/", blocking=True)
+    try:
+        serve.run(build_app(settings), name="decapybara", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:  # Ctrl-C: the usual way to stop it, not an error (Ray stops at exit)
+        print("decapybara: stopped", file=sys.stderr)
     return 0

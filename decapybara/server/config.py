@@ -100,10 +100,19 @@ class AppConfig(BaseModel):
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}")
         return v
 
+    @field_validator("page_size")
+    @classmethod
+    def _page_size(cls, v: int | None) -> int | None:
+        if v is not None and (v < 1 or v & (v - 1)):
+            raise ValueError(f"page_size must be a power of two, got {v}")
+        return v
+
     @field_validator("api_key")
     @classmethod
     def _api_key(cls, v: str | None) -> str | None:
-        return v or None
+        if v is not None and not v.strip():  # e.g. --api-key "$KEY" with KEY unset: never silently open
+            raise ValueError("api_key is empty: leave it out to serve without a key")
+        return v
 
     def use_cuda(self) -> bool:
         if self.device == "cpu":

@@ -46,16 +46,43 @@ async def _stream_dicts(streamer: Any, events: AsyncIterator[Any]) -> AsyncItera
             yield payload
 
 
+async def _own_scheduler(app_config: dict[str, Any], wait_s: float = 45.0) -> Any:
+    """The app's scheduler actor with these settings. `scheduler_handle` gets an existing one by name: during a
+    redeploy that is the previous version's, which dies with its replica (its owner) moments later, so this waits
+    for it to go; one that stays is another app's under the same `name`."""
+    import asyncio
+    import time
+
+    from actors.scheduler_actor import scheduler_handle
+    from decapybara.errors import ConfigError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        handle = scheduler_handle(app_config)
+        try:
+            if await handle.settings.remote() == app_config:
+                return handle
+        except Exception:  # the previous one died as we asked it: get or make it again
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if time.monotonic() <= deadline:
+                await asyncio.sleep(1.0)
+                continue
+            raise ConfigError(f"the actors named {app_config.get('name', 'decapybara')}-* serve other settings "
+                              "(another app on this Ray cluster?): give this app its own name=...")
+        await asyncio.sleep(1.0)
+
+
 @serve.ingress()
 class Ingress:
     async def __init__(self, app_config: dict[str, Any]):
-        from actors.scheduler_actor import scheduler_handle
         from decapybara.mcapy import McapyFile
         from decapybara.server.ray_client import RayEngineClient
         from decapybara.tokenizer import Tokenizer
 
         self.cfg = AppConfig(**app_config)
-        self.scheduler = scheduler_handle(app_config)
+        self.scheduler = await _own_scheduler(app_config)
         info = await self.scheduler.ready.remote()
         with McapyFile.open(self.cfg.resolved_model()) as f:  # metadata only: weights stay in the GPU actor
             meta = f.metadata
@@ -88,6 +115,11 @@ class Ingress:
             return JSONResponse(self.model_info)
 
         return app
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: a dead scheduler actor (and with it the GPU and tier actors it owns)
+        has Serve replace this replica, whose start makes new ones."""
+        await self.scheduler.health.remote()
 
     # ---- Python (DeploymentHandle) API ---------------------------------------------------------------
     async def chat(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -131,11 +163,15 @@ class Ingress:
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The Serve application for `serve run serve_app:build_app key=value ...` (validated by AppConfig). A model
     given by name is looked up here, in this process's model folders, so that the actors get its path."""
+    from decapybara.server.cli_serve import preflight
+
     cfg = AppConfig(**(args or {}))
     if "model" in cfg.model_fields_set:
         cfg = cfg.model_copy(update={"model": cfg.resolved_model()})
+    preflight(cfg, device=False)  # what the GPU actor would refuse (context plan, disk tier), refused here, once
     deployment = serve.deployment(
         Ingress, name="DecapybaraIngress", num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options={"num_cpus": 0},
+        health_check_period_s=2.0,  # `check_health`: a lost scheduler actor replaced within seconds
     )
     return deployment.bind(cfg.model_dump(exclude_defaults=True))

@@ -51,5 +51,11 @@ class RayEngineClient:
     async def abort(self, request_id: str) -> None:
         await self.scheduler.abort.remote(request_id)
 
+    async def health(self) -> dict[str, Any]:
+        try:
+            return await self.scheduler.health.remote()
+        except Exception as exc:  # noqa: BLE001 - the scheduler actor is gone
+            return {"status": "unavailable", "reason": f"the scheduler stopped: {type(exc).__name__}"}
+
     async def stats(self) -> dict[str, Any]:
         return await self.scheduler.stats.remote()

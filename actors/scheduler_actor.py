@@ -167,6 +167,7 @@ class SchedulerActor:
         self.pending, self.last_report, self.dead = Control(), None, None
         self.last_report_at = time.time()
         self.restarts += 1
+        self.metrics.last = {}  # the new engine counts from zero: its first report's counts are all new
         self._start()
 
     async def _pump(self) -> None:

@@ -259,7 +259,7 @@ def _cut_short(body: str) -> bool:
     try:
         json.loads(body)
     except ValueError as e:
-        return e.msg.startswith("Unterminated string") or e.pos >= len(body.rstrip())
+        return e.msg.startswith("Unterminated string")
     return False
 
 

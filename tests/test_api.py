@@ -797,3 +797,45 @@ def test_completion_text_offsets_count_characters_across_split_tokens(stack):
         part, offset = legacy_logprobs(stack.tok, ids[lo:hi], [0.0] * (hi - lo), [[]] * (hi - lo), offset, decoder)
         parts += part.text_offset
     assert parts == whole.text_offset and offset == end
+
+
+def test_completion_text_offsets_count_forced_tokens_streamed_or_not(stack):
+    """Tokens the LoopGuard forced (an end of thinking: no logprobs) are no logprob entries, but their text moves
+    the offsets of the tokens after them, in a whole reply as in a stream."""
+    from decapybara.api.common import Collected
+    from decapybara.api.openai_completions import legacy_logprobs
+    from decapybara.engine.sequence import FinishReason, TokenEvent
+
+    tok = stack.tok
+    a, forced, b = tok.encode("ab"), tok.encode("</think>\n\n"), tok.encode("cd")
+    events = [TokenEvent("r", a + forced, tok.decode(a + forced), [0.0] * len(a), [[] for _ in a]),
+              TokenEvent("r", b, "cd", [0.0] * len(b), [[] for _ in b], FinishReason.STOP)]
+    done = Collected()
+    for ev in events:
+        done.add(ev)
+    whole, _ = legacy_logprobs(tok, done.token_ids, done.logprobs, done.top_logprobs, 0, sampled=done.sampled)
+    decoder, offset, streamed = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0, []
+    for ev in events:
+        part, offset = legacy_logprobs(tok, ev.token_ids, ev.logprobs, ev.top_logprobs, offset, decoder)
+        streamed += part.text_offset
+    assert whole.text_offset == streamed and len(streamed) == len(a) + len(b)
+    assert done.text[streamed[len(a)]:].startswith("cd")
+
+
+def test_a_template_that_takes_system_messages_only_first_gets_the_instruction_there():
+    """Some chat templates refuse a system message after the first: the tool-choice instruction then joins the
+    first system message (the prefix changes, the request still works)."""
+    from decapybara.api.common import ChatInput, ToolChoice, render_prompt
+    from decapybara.chat import default_chat_template
+
+    strict = ("{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+              "{{ raise_exception('System message must be at the beginning.') }}{%- endif %}{%- endfor %}"
+              + default_chat_template())
+    tok = Tokenizer.from_json(make_tokenizer_json(), chat_template=strict)
+    messages = [{"role": "system", "content": "You are an agent."}, *user("hi")]
+    prompt = render_prompt(tok, ChatInput(messages, [TOOLS_OA[0]], ToolChoice("required")))
+    head = prompt.text[:prompt.text.index("<|im_start|>user")]
+    assert head.count("<|im_start|>system") == 1 and "You are an agent.\n\nIn this reply you must call" in head
+    plain = render_prompt(Tokenizer.from_json(make_tokenizer_json()), ChatInput(messages, [TOOLS_OA[0]],
+                                                                              ToolChoice("required")))
+    assert plain.text.rindex("In this reply you must call") > plain.text.index("<|im_start|>user")

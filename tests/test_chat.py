@@ -341,3 +341,14 @@ def test_streaming_parser_never_emits_partial_tags():
     assert parser.finish() == [ContentDelta(" <")]
     assert parser.result() == parse_assistant_output(
         'Hello <think>deep thought</think>\n\nok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> tail <')
+
+
+@pytest.mark.parametrize("first", ['<tool_call>\n{"name": "a", "arguments": {"x": 1}\n</tool_call>',
+                                   "<tool_call>\n</tool_call>"])
+def test_a_malformed_call_does_not_swallow_the_next(first):
+    """Only a JSON string left open can hold a `</tool_call>`: a body missing a brace, or empty, ends at its tag
+    and the valid call after it is still a call."""
+    text = first + '\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    assert [c.name for c in parse_assistant_output(text).tool_calls] == ["b"]
+    for cut in range(1, len(text)):
+        _check_stream_equals_batch(text, [cut], in_reasoning=False)

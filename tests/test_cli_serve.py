@@ -86,4 +86,5 @@ def test_build_app_refuses_what_the_gpu_actor_would_before_deploying(tmp_path):
     with pytest.raises(ConfigError, match="disk_cache 'file:///proc/decapybara-kv' is not usable"):
         build_app({"disk_cache": "file:///proc/decapybara-kv"})
     assert build_app({"disk_cache": f"file://{tmp_path}/kv"}) is not None and (tmp_path / "kv").is_dir()
-    assert build_app({"disk_cache": "file:///proc/decapybara-kv", "disk_cache_gb": "0"}) is not None  # no disk tier
+    for off in ({"disk_cache_gb": "0"}, {"ram_cache_gb": "0"}):  # no disk tier: its folder is not used
+        assert build_app({"disk_cache": "file:///proc/decapybara-kv", **off}) is not None

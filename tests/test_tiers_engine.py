@@ -162,10 +162,12 @@ def test_fixed_context_mode_reserves_the_whole_context_again_on_resume():
     assert out == ref
 
 
-def test_an_admission_short_of_pages_reads_no_tier_pages(tmp_path):
+@pytest.mark.parametrize("mode", ["pool", "fixed"])
+def test_an_admission_short_of_pages_reads_no_tier_pages(tmp_path, mode):
     """Where the pool cannot take a request, its admission refuses before fetching the tier-held pages of its
     prefix (disk reads on the engine's thread, for nothing, at every retry); with room it fetches and restores."""
-    engine, stores = make_engine("qwen3", f"file://{tmp_path}/kv", ram_bytes=1 << 20, num_pages=12, loop_guard="off")
+    engine, stores = make_engine("qwen3", f"file://{tmp_path}/kv", ram_bytes=1 << 20, num_pages=12, loop_guard="off",
+                                 context_mode=mode)
     system = prompt(3, 40)  # five pages
     outs: dict[str, list[int]] = {}
     engine.add_request(Request(tuple(system + prompt(4, 3)), SamplingParams(temperature=0, max_tokens=4), "a"))
@@ -185,3 +187,49 @@ def test_an_admission_short_of_pages_reads_no_tier_pages(tmp_path):
     assert fetches == []
     engine.abort("hog")
     assert engine.admit(seq) and len(fetches) >= 5 and engine.stats.restored_pages >= 5
+
+
+def test_an_adopted_conversation_keeps_stop_strings_out_of_its_reasoning(tmp_path):
+    """A paused conversation adopted from the disk tier by a new engine (a restart) rebuilds its detokeniser as
+    the live run fed it: a stop string in the reasoning does not end the answer after it."""
+    from decapybara.testing import make_tokenizer_json
+    from decapybara.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_json(make_tokenizer_json())
+    sp = tok.special_ids
+    script = [sp.think, *tok.encode("\nA > B, think.\n"), sp.end_think, *tok.encode("\n\nAnswer here > there.")]
+
+    def scripted(seq, logits):
+        out = np.full_like(logits, -30.0)
+        i = seq.num_tokens - seq.num_prompt
+        out[script[i] if i < len(script) else tok.eos_token_ids[0]] = 30.0
+        return out
+
+    def engine(url: str) -> tuple[Engine, TierStores]:
+        e = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off"), tokenizer=tok,
+                   logits_processor=scripted)
+        stores = TierStores(KVTiers(RamTierStore(0), DiskTierStore(url, 64 << 20)), e.blocks.salt)
+        e.bundle_store = stores
+        e.set_page_store(stores)
+        return e, stores
+
+    params, p = SamplingParams(temperature=0, max_tokens=60, stop=(">",)), tuple(tok.encode("hello there"))
+    ref = engine(f"file://{tmp_path}/ref")[0]
+    ref.add_request(Request(p, params, "r"))
+    ref_text = ""
+    while ref.has_work():
+        ref_text += "".join(ev.text for ev in ref.step())
+    assert ref_text.endswith("Answer here ")
+    e, stores = engine(f"file://{tmp_path}/kv")
+    seq = e.add_request(Request(p, params, "r"))
+    text = ""
+    while seq.num_output < script.index(sp.end_think) + 2:  # just after the reasoning closed
+        text += "".join(ev.text for ev in e.step())
+    e.pause(seq)
+    key = seq.paused_bundle
+    e, stores = engine(f"file://{tmp_path}/kv")  # a restart: the unit is adopted from the disk tier
+    seq = e.import_paused(stores.take_unit(key))
+    assert e.resume(seq)
+    while e.has_work():
+        text += "".join(ev.text for ev in e.step())
+    assert text == ref_text

@@ -77,12 +77,26 @@ def tool_instruction(choice: ToolChoice) -> str | None:
     return None
 
 
+def _with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """`note` appended to the first system message (one made where there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0])
+        content = first.get("content")
+        if isinstance(content, list):
+            first["content"] = [*content, {"type": "text", "text": "\n\n" + note}]
+        else:
+            first["content"] = (content + "\n\n" + note) if content else note
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
 def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     """Render and tokenise a chat with the generation prompt.
 
     tool_choice "none" leaves the tools out of the prompt; "required" and named choices, and parallel calls off,
-    add an instruction after the conversation (`tool_instruction`): the model has no constrained decoding, so a
-    call is asked for, not guaranteed (a reply's calls past `Prompt.max_calls` are dropped). Raises ApiError / InvalidRequestError on bad input.
+    add an instruction after the conversation (`tool_instruction`; in the first system message where the chat
+    template takes system messages only first): the model has no constrained decoding, so a call is asked for,
+    not guaranteed (a reply's calls past `Prompt.max_calls` are dropped). Raises ApiError / InvalidRequestError on bad input.
     """
     reserved = _RESERVED_TEMPLATE_VARS.intersection(chat.template_vars)
     if reserved:
@@ -99,10 +113,18 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     if chat.tool_choice.mode == "none":
         tools = None
     note = tool_instruction(chat.tool_choice) if tools else None
-    if note is not None:  # a turn of its own after the conversation: the prompt's prefix stays the same
-        messages = [*messages, {"role": "system", "content": note}]
-    text = tokenizer.render_chat(messages, tools, add_generation_prompt=True,
-                                 enable_thinking=chat.enable_thinking, **chat.template_vars)
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return tokenizer.render_chat(messages, tools, add_generation_prompt=True,
+                                     enable_thinking=chat.enable_thinking, **chat.template_vars)
+
+    if note is None:
+        text = render(messages)
+    else:
+        try:  # a turn of its own after the conversation: the prompt's prefix stays the same
+            text = render([*messages, {"role": "system", "content": note}])
+        except InvalidRequestError:  # a template that takes a system message only first
+            text = render(_with_system_note(messages, note))
     text += chat.prefill
     return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text), bool(tools),
                   None if chat.tool_choice.parallel else 1)
@@ -171,6 +193,7 @@ class Collected:
     text: str = ""
     logprob_token_ids: list[int] = field(default_factory=list)  # the sampled tokens that `logprobs` describe
     logprobs: list[float] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)  # per token of `token_ids`: it has a logprob (not forced)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     note: str | None = None
@@ -185,6 +208,7 @@ class Collected:
         # NOTE: tokens forced by the LoopGuard have no logprobs; they follow the sampled token of their event.
         self.logprob_token_ids += ev.token_ids[:len(ev.logprobs)]
         self.logprobs += ev.logprobs
+        self.sampled += [i < len(ev.logprobs) for i in range(len(ev.token_ids))]
         self.top_logprobs += ev.top_logprobs
         self.note = ev.note or self.note
         if ev.finish_reason is not None:

@@ -57,15 +57,16 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
 
 
 def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
-                    top: list[list[tuple[int, float]]], offset: int, decoder: Any = None
-                    ) -> tuple[oa.LegacyLogprobs, int]:
+                    top: list[list[tuple[int, float]]], offset: int, decoder: Any = None,
+                    sampled: list[bool] | None = None) -> tuple[oa.LegacyLogprobs, int]:
     """The legacy format: token strings, their logprobs, {token: logprob} alternatives and text offsets; and the
     offset after these tokens. Offsets count the characters of the decoded text (a character cut across tokens
     counts at the token that completes it): `decoder`, a stream's UTF-8 decoder, carries a cut one over."""
     decoder = decoder or codecs.getincrementaldecoder("utf-8")(errors="replace")
     tokens, offsets = [], []
     for i, t in enumerate(token_ids):
-        if i < len(logprobs):  # forced tokens have no logprobs (but their text moves the offset)
+        # forced tokens have no logprobs (but their text moves the offset)
+        if sampled[i] if sampled is not None else i < len(logprobs):
             tokens.append(tokenizer.decode([t]))
             offsets.append(offset)
         if t not in tokenizer.skip_ids:
@@ -78,7 +79,8 @@ def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
 def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Completion:
     logprobs = None
     if plan.logprobs:
-        logprobs, _ = legacy_logprobs(tokenizer, done.logprob_token_ids, done.logprobs, done.top_logprobs, 0)
+        logprobs, _ = legacy_logprobs(tokenizer, done.token_ids, done.logprobs, done.top_logprobs, 0,
+                                      sampled=done.sampled)
     choice = oa.CompletionChoice(text=done.text, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, False),
                                  loop_guard=loop_guard(done.finish_reason, done.note))
     u = usage(done.num_prompt_tokens or len(plan.request.prompt_ids), done.num_cached_tokens, done.num_output_tokens)

@@ -494,19 +494,8 @@ class Engine(MemoryMixin):
         if p.logprobs is not None:
             s.pending_logprobs.append(lp)
             s.pending_top.append(top)
-        if tok == self._think[0]:
-            s.in_thinking = True
-        # stop strings are looked for in the answer only: not in the reasoning, its <think> markup, nor the
-        # whitespace that separates it from the answer
-        if tok == self._think[1]:
-            s.after_think = True
-        elif s.after_think and self.tokenizer.token_bytes(tok).strip():
-            s.after_think = False
-        match = not s.in_thinking and not s.after_think
-        text = s.detok.push(tok, match) if s.detok is not None else ""
+        text = self._detok_push(s, tok)
         s.pending_text += text
-        if tok == self._think[1]:
-            s.in_thinking = False
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
         if (is_eos or tok in p.stop_token_ids) and s.num_output > p.min_tokens - 1:
             self._mark_finished(s, FinishReason.STOP)
@@ -520,6 +509,20 @@ class Engine(MemoryMixin):
             return
         if s.loopguard is not None:
             self._loop_guard(s, tok, text)
+
+    def _detok_push(self, s: Sequence, tok: int) -> str:
+        """Track <think> / </think> and push `tok` to the detokeniser: stop strings are looked for in the answer
+        only, not in the reasoning, its markup, nor the whitespace that separates it from the answer."""
+        if tok == self._think[0]:
+            s.in_thinking = True
+        if tok == self._think[1]:
+            s.after_think = True
+        elif s.after_think and self.tokenizer.token_bytes(tok).strip():
+            s.after_think = False
+        text = s.detok.push(tok, not s.in_thinking and not s.after_think) if s.detok is not None else ""
+        if tok == self._think[1]:
+            s.in_thinking = False
+        return text
 
     def _loop_guard(self, s: Sequence, tok: int, text: str) -> None:
         action = s.loopguard.observe(tok, text, s.in_thinking)

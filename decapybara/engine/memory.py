@@ -32,21 +32,15 @@ class MemoryMixin:
         holds, which are restored). False when pages are short. A sequence that lost its paused bundle comes
         back through here and recomputes what the cache cannot give it."""
         assert seq.status == SeqStatus.WAITING and self.can_admit()
-        if self.cfg.context_mode != "fixed":  # pages short: refuse before fetching tier pages (disk reads) for nothing
-            pre = self.blocks.match_prefix(seq.tokens, count=False)
-            in_pool = [p for p in pre.pages if p is not None]
-            chunk = min(seq.num_tokens - pre.num_tokens, self.cfg.max_batch_tokens)
-            if not self.blocks.can_allocate(self.blocks.pages_for(pre.num_tokens + chunk) - len(in_pool),
-                                            in_pool + ([pre.tail_page] if pre.tail_page is not None else [])):
-                return False
+        # pages short: refused before the tier-held pages of the match are fetched (disk reads) for nothing
+        if not self.blocks.can_allocate(*self._admission_pages(seq, self.blocks.match_prefix(seq.tokens,
+                                                                                           count=False))):
+            return False
         match, restored = self._match_and_fetch(seq.tokens)
-        first_chunk = min(seq.num_tokens - match.num_tokens, self.cfg.max_batch_tokens)
-        if self.cfg.context_mode == "fixed":  # the whole context is reserved up front: never paused for memory
-            first_chunk = min(seq.num_prompt + seq.params.max_tokens, self.max_model_len) - match.num_tokens
+        need, held = self._admission_pages(seq, match)
         in_pool = [p for p in match.pages if p is not None]
-        need = self.blocks.pages_for(match.num_tokens + first_chunk) - len(in_pool)
         tail = [match.tail_page] if match.tail_page is not None else []
-        pages = self.blocks.allocate(need, in_pool + tail)  # the tail is held until copied
+        pages = self.blocks.allocate(need, held)  # the tail is held until copied
         if pages is None:
             return False
         fresh = pages[len(in_pool) + len(tail):]
@@ -85,6 +79,17 @@ class MemoryMixin:
             self.stats.reused_prompt_tokens += seq.num_cached_prompt
         seq.num_admissions += 1
         return True
+
+    def _admission_pages(self, seq: Sequence, match: Any) -> tuple[int, list[int]]:
+        """The fresh pages an admission over `match` takes (its first chunk's; in fixed context mode the whole
+        context's, reserved up front: never paused for memory) and the pool pages it holds (the match's, and a
+        cached partial tail while it is copied)."""
+        first_chunk = min(seq.num_tokens - match.num_tokens, self.cfg.max_batch_tokens)
+        if self.cfg.context_mode == "fixed":
+            first_chunk = min(seq.num_prompt + seq.params.max_tokens, self.max_model_len) - match.num_tokens
+        in_pool = [p for p in match.pages if p is not None]
+        tail = [match.tail_page] if match.tail_page is not None else []
+        return self.blocks.pages_for(match.num_tokens + first_chunk) - len(in_pool), in_pool + tail
 
     def _match_and_fetch(self, tokens: list[int]) -> tuple[Any, dict[int, tuple[Any, Any]]]:
         """match_prefix, with the tier-held pages of the match fetched into host memory. A page that cannot
@@ -175,7 +180,12 @@ class MemoryMixin:
 
             def detok(params: SamplingParams) -> Any:
                 return IncrementalDetokenizer(self.tokenizer, stop=params.stop)
-        seq = restore_sequence(unit.meta, unit.extras, self._loop_cfg, detok)
+        seq = restore_sequence(unit.meta, unit.extras, self._loop_cfg)
+        if detok is not None:  # replayed as `_append_output` pushed it: no stop strings in the reasoning
+            seq.detok = detok(seq.params)
+            seq.in_thinking, seq.after_think = self._prompt_opens_thinking(seq.request.prompt_ids), False
+            for t in seq.tokens[seq.num_prompt:]:
+                self._detok_push(seq, t)
         if seq.request_id in self.seqs:
             raise InvalidRequestError(f"duplicate request id {seq.request_id!r}")
         seq.status, seq.paused_bundle = SeqStatus.PAUSED, self.bundle_store.put(seq, unit.to_bundle())

@@ -92,7 +92,7 @@ def preflight(cfg: Any, device: bool = True) -> None:
 
 def check_disk_cache(cfg: Any) -> None:
     """The disk tier's folder made (as DiskTierStore does) and written to, so an unusable one is refused here."""
-    if cfg.disk_cache_gb <= 0:  # no disk tier (`start_tiers`)
+    if cfg.ram_cache_gb <= 0 or cfg.disk_cache_gb <= 0:  # no tiers (the scheduler starts them over a RAM tier)
         return
     import fsspec
 

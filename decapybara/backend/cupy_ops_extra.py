@@ -412,6 +412,9 @@ def _stream_counters(device: int, stream: int) -> Any:
 # early behind the latency-bound kernels before them; sixty-first session: 8 and 16 0.95-1.00x / 0.96-0.97x of 4).
 # MXFP8 4 (sixty-first session, three interleaved rounds on an H100: 1x1k 1.009-1.015x, 12x1k 1.041-1.045x; 8
 # within 1% of 4). NVFP4 0: 4 and 2 made its steps 2-8% slower (the same registers and spills in its builds).
+# MXFP4 0 since the sixty-fourth session: on the H200 (the seed's device) 0 beat 4 in every interleaved round, 1x1k
+# 1.015-1.022x (five rounds but one outlier) and 12x1k 1.018-1.027x (three rounds); the H100's ~1% the other way
+# is smaller. MXFP8 keeps 4 (H200 level within 1%, its H100 twelve-stream 4%).
 TUNE: dict[str, Any] = TuneDict({
     "stages": {"*": 2, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1}, "blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3},
     "wide_blocks_per_sm": {"*": 2, "mxfp4": 3, "nvfp4": 3, "mxfp8": 3}, "wide_stages": {"*": 0, "mxfp4": 1, "nvfp4": 1, "mxfp8": 1},
@@ -424,7 +427,7 @@ TUNE: dict[str, Any] = TuneDict({
     "swiglu_warps": 0, "small_n": 1024, "small_warps": 0, "small_pre": 0, "group_rows": 16,
     "early": {"*": 12, "mxfp4": 14, "mxfp8": 14}, "many_warps": 16, "many_segk": 1024, "many_stages": 1,
     "row1_warps": {"*": 0, "mxfp4": 10}, "row1_fill": 0.8, "row1_vs_plain": 1,
-    "pdl_prefetch": {"*": 0, "mxfp4": 4, "mxfp8": 4},
+    "pdl_prefetch": {"*": 0, "mxfp8": 4},
 })  # the H200 sweeps' best (docs/perf.md)
 TUNE.update(merge_tune(TUNE, json.loads(os.environ.get("DECAPYBARA_MX_TUNE") or "{}")))  # e.g. '{"warps": 4}'
 TUNE_DEFINES: tuple[tuple[str, int], ...] = ()  # extra kernel defines (bench/gemv_sweep.py: MX_DIAG)

@@ -186,9 +186,15 @@ def test_python_serve_handle_streams(served):
     chunks = list(handle.options(stream=True).chat.remote({"messages": USER, "max_tokens": 6, "stream": True}))
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
-    events = [e["type"] for e in handle.options(stream=True).messages.remote(
-        {"messages": USER, "max_tokens": 6, "stream": True})]
-    assert events[0] == "message_start" and events[-1] == "message_stop"
+    body = {"messages": USER, "max_tokens": 6, "stream": True, "temperature": 0}
+    list(handle.options(stream=True).messages.remote(body))  # its prompt is cached now
+    events = list(handle.options(stream=True).messages.remote(body))
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    # message_start carries the prompt's cached / computed split, as over HTTP (the first event read before it)
+    start, delta = events[0]["message"]["usage"], next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert start["cache_read_input_tokens"] > 0
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (delta["input_tokens"],
+                                                                         delta["cache_read_input_tokens"])
     whole = list(handle.options(stream=True).chat.remote({"messages": USER, "max_tokens": 6}))
     assert len(whole) == 1 and whole[0]["object"] == "chat.completion" and whole[0]["usage"]["completion_tokens"] >= 1
     message = list(handle.options(stream=True).messages.remote({"messages": USER, "max_tokens": 6}))

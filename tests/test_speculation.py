@@ -134,13 +134,15 @@ def test_rejected_drafts_of_a_random_head_roll_back(family):
     assert spec.stats.drafted_tokens > 50
 
 
-def test_speculator_setting():
+def test_speculator_setting(caplog):
     with pytest.raises(Exception, match="speculator"):
         EngineConfig(speculator="eagle")
     from decapybara.testing import tiny_qwen
 
     plain, _ = tiny_qwen("qwen3")
-    assert not Engine(plain, EngineConfig(speculator="mtp")).speculate  # no head: nothing to draft with
+    with caplog.at_level("WARNING", logger="decapybara.engine.engine"):
+        assert not Engine(plain, EngineConfig(speculator="mtp")).speculate  # no head: nothing to draft with
+    assert "the model has no MTP layers" in caplog.text  # said, not silently ignored
     import argparse
 
     from decapybara.server.cli_serve import add_parser, app_args

@@ -47,6 +47,7 @@ GAUGES = {
     "open_requests": "Requests the HTTP layer is waiting on.",
     "uptime_seconds": "Seconds since the engine client started.",
 }
+ALIASES = {"uptime_s": "uptime_seconds"}  # the Ray scheduler's name for the same gauge
 
 
 def _name(key: str) -> str:
@@ -71,6 +72,7 @@ def _num(value: Any) -> str | None:
 def prometheus_text(stats: Mapping[str, Any], http_requests: Mapping[tuple[str, int], int] | None = None) -> str:
     """The exposition text of `stats` (an EngineClient.stats() dict) and HTTP request counts by (route, code)."""
     lines: list[str] = []
+    stats = {ALIASES.get(k, k): v for k, v in stats.items()}
 
     def family(name: str, kind: str, help_text: str, samples: list[tuple[str, str]]) -> None:
         if not samples:
@@ -112,6 +114,9 @@ def prometheus_text(stats: Mapping[str, Any], http_requests: Mapping[tuple[str, 
         if isinstance(raw, Mapping):
             samples = [(f'{{key="{_label(k)}"}}', v) for k, r in sorted(raw.items(), key=lambda kv: str(kv[0]))
                        if (v := _num(r)) is not None]
+            samples += [(f'{{key="{_label(k)}",field="{_label(f)}"}}', v)  # one level deeper: e.g. tiers.ram.hits
+                        for k, r in sorted(raw.items(), key=lambda kv: str(kv[0])) if isinstance(r, Mapping)
+                        for f, x in sorted(r.items(), key=lambda kv: str(kv[0])) if (v := _num(x)) is not None]
             family(f"{PREFIX}{_name(key)}", "gauge", f"Engine stat {key}.", samples)
         elif (value := _num(raw)) is not None:
             family(f"{PREFIX}{_name(key)}", "gauge", f"Engine stat {key}.", [("", value)])

@@ -131,6 +131,9 @@ class Engine(MemoryMixin):
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
         # speculation: the MTP head drafts each decoding sequence's next token, verified as a second row
         self.speculate = (cfg.speculator == "mtp" and model.has_mtp) or cfg.speculator == "ngram"
+        if cfg.speculator == "mtp" and not model.has_mtp:
+            log.warning("speculator=mtp: the model has no MTP layers, so nothing is drafted "
+                        "(speculator=ngram drafts by prompt lookup for any model)")
         self.mtp = self.speculate and cfg.speculator == "mtp"  # drafts from the MTP head (else prompt lookup)
         # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         graphs = self.runner.graphs

@@ -38,9 +38,17 @@ async def _collect(events: AsyncIterator[Any]) -> Any:
 
 async def _stream_dicts(streamer: Any, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
     """An API streamer's SSE output as the JSON objects it carries, event by event."""
-    for payload in _sse_payloads(streamer.start(None)):
+    first = await anext(events, None)  # as the HTTP path: message_start's usage then has the cached-token split
+    for payload in _sse_payloads(streamer.start(first)):
         yield payload
-    async for ev in events:
+
+    async def all_events() -> AsyncIterator[Any]:
+        if first is not None:
+            yield first
+        async for more in events:
+            yield more
+
+    async for ev in all_events():
         lines = streamer.event(ev) + (streamer.end(ev) if ev.finish_reason is not None else [])
         for payload in _sse_payloads(lines):
             yield payload

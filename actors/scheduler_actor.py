@@ -218,7 +218,7 @@ class SchedulerActor:
             "control": {"reports": self.reports, "overhead_us_p50": _p50(self.overheads_us),
                         "delivery_us_p50": _p50(self.latencies_us),
                         "step_compute_ms_last": None if r is None else r.compute_s * 1e3},
-            "uptime_s": time.time() - self.started,
+            "uptime_seconds": time.time() - self.started,  # the in-process client's name
         }
         if self.tiers is not None:
             out["tiers"] = await _tier_stats(self.tiers)

@@ -254,8 +254,9 @@ def parse_tool_call(body: str) -> ToolCall | None:
 
 
 def _cut_short(body: str) -> bool:
-    """Whether a `<tool_call>` body that is no call could be a JSON text cut short: a string left open (its text
-    held a `</tool_call>`, as a call writing a file about tool calls does) or a value the text ended inside."""
+    """Whether a `<tool_call>` body that is no call ends inside a JSON string left open: its text held a
+    `</tool_call>` (as a call writing a file about tool calls does), which then closed nothing. Only a string can
+    hold the tag, so any other error ends the call at its tag."""
     try:
         json.loads(body)
     except ValueError as e:
@@ -271,7 +272,8 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
     inside reasoning. Reasoning is every `<think>` section, content the text outside them and outside valid
     tool calls, each stripped of surrounding whitespace. A `</tool_call>` inside the call's JSON (a body cut short
     there) does not close it. A `<tool_call>` block whose body is not a valid call, or one never closed, stays in
-    the content verbatim. `tools` False: `<tool_call>` is text. `max_calls`: valid calls past it are dropped. A stray `</think>` in content is dropped.
+    the content verbatim. `tools` False: `<tool_call>` is text. `max_calls`: valid calls past it are dropped.
+    A stray `</think>` in content is dropped.
     """
     reasoning: list[str] = []
     content: list[str] = []
@@ -297,12 +299,13 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
             has_reasoning = thinking = True
         elif tag == TOOL_CALL:
             end = text.find(END_TOOL_CALL, pos)
-            while end >= 0 and parse_tool_call(text[pos:end]) is None and _cut_short(text[pos:end]):
-                end = text.find(END_TOOL_CALL, end + len(END_TOOL_CALL))  # the tag was inside its JSON
+            call = parse_tool_call(text[pos:end]) if end >= 0 else None
+            while end >= 0 and call is None and _cut_short(text[pos:end]):  # the tag was inside its JSON
+                end = text.find(END_TOOL_CALL, end + len(END_TOOL_CALL))
+                call = parse_tool_call(text[pos:end]) if end >= 0 else None
             if end < 0:
                 content.append(text[start:])
                 break
-            call = parse_tool_call(text[pos:end])
             pos = end + len(END_TOOL_CALL)
             if call is None:
                 content.append(text[start:pos])

@@ -841,13 +841,13 @@ def test_a_template_that_takes_system_messages_only_first_gets_the_instruction_t
     assert plain.text.rindex("In this reply you must call") > plain.text.index("<|im_start|>user")
 
 
-def test_metrics_export_nested_stats_and_one_uptime_name():
-    """Two-level stats (the tiers' by tier and field) become labelled gauges, and the Ray scheduler's `uptime_s` is
-    the in-process client's `uptime_seconds`."""
+def test_metrics_export_nested_stats():
+    """Two-level stats (the tiers' by tier and field) become labelled gauges."""
     from decapybara.api.metrics import prometheus_text
 
-    text = prometheus_text({"uptime_s": 12.5, "tiers": {"ram": {"hits": 3, "used_bytes": 1024}, "disk": {"error": "x"}}})
+    text = prometheus_text({"uptime_seconds": 12.5,
+                            "tiers": {"ram": {"hits": 3, "used_bytes": 1024}, "disk": {"error": "x"}}})
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    assert families["decapybara_uptime_seconds"].samples[0].value == 12.5 and "decapybara_uptime_s" not in families
+    assert families["decapybara_uptime_seconds"].samples[0].value == 12.5
     tiers = {(s.labels["key"], s.labels["field"]): s.value for s in families["decapybara_tiers"].samples}
     assert tiers == {("ram", "hits"): 3, ("ram", "used_bytes"): 1024}

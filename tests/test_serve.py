@@ -221,6 +221,8 @@ def test_metrics_are_prometheus_text(served):
     text = httpx.get(f"{served.url}/metrics", headers={"x-api-key": API_KEY}, timeout=30).text
     names = {f.name for f in text_string_to_metric_families(text)}
     assert any("generated_tokens" in n for n in names)
+    # the in-process client's uptime name under Ray too, and the tiers' stats by tier and field
+    assert "decapybara_uptime_seconds" in names and "decapybara_uptime_s" not in names and "decapybara_tiers" in names
 
 
 def test_locust_thirty_agents_headless(served, tmp_path):

@@ -47,7 +47,6 @@ GAUGES = {
     "open_requests": "Requests the HTTP layer is waiting on.",
     "uptime_seconds": "Seconds since the engine client started.",
 }
-ALIASES = {"uptime_s": "uptime_seconds"}  # the Ray scheduler's name for the same gauge
 
 
 def _name(key: str) -> str:
@@ -72,7 +71,6 @@ def _num(value: Any) -> str | None:
 def prometheus_text(stats: Mapping[str, Any], http_requests: Mapping[tuple[str, int], int] | None = None) -> str:
     """The exposition text of `stats` (an EngineClient.stats() dict) and HTTP request counts by (route, code)."""
     lines: list[str] = []
-    stats = {ALIASES.get(k, k): v for k, v in stats.items()}
 
     def family(name: str, kind: str, help_text: str, samples: list[tuple[str, str]]) -> None:
         if not samples:

@@ -38,13 +38,11 @@ class MemoryMixin:
             return False
         match, restored = self._match_and_fetch(seq.tokens)
         need, held = self._admission_pages(seq, match)
-        in_pool = [p for p in match.pages if p is not None]
-        tail = [match.tail_page] if match.tail_page is not None else []
         pages = self.blocks.allocate(need, held)  # the tail is held until copied
         if pages is None:
             return False
-        fresh = pages[len(in_pool) + len(tail):]
-        table, it_pool, it_fresh = [], iter(in_pool), iter(fresh)
+        tail = [match.tail_page] if match.tail_page is not None else []
+        table, it_pool, it_fresh = [], iter(held[:len(held) - len(tail)]), iter(pages[len(held):])
         for i, p in enumerate(match.pages):  # restored pages take fresh pages in place
             if p is None:
                 page = next(it_fresh)

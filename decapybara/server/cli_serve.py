@@ -110,13 +110,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from decapybara.server.ingress import build_app
+    from decapybara.server.ingress import application
 
     settings = app_args(args)
     ray.init()
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
-        serve.run(build_app(settings), name="decapybara", route_prefix="/", blocking=True)
+        serve.run(application(settings, checked=True), name="decapybara", route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C: the usual way to stop it, not an error (Ray stops at exit)
         print("decapybara: stopped", file=sys.stderr)
     return 0

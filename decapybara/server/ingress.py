@@ -169,14 +169,22 @@ class Ingress:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
-    """The Serve application for `serve run serve_app:build_app key=value ...` (validated by AppConfig). A model
-    given by name is looked up here, in this process's model folders, so that the actors get its path."""
+    """The Serve application for `serve run serve_app:build_app key=value ...` (validated by AppConfig; Serve's
+    builders take the one argument). A model given by name is looked up here, in this process's model folders, so
+    that the actors get its path."""
+    return application(args)
+
+
+def application(args: dict[str, Any] | None = None, checked: bool = False) -> Any:
+    """`build_app`'s application; `checked`: the caller already made `preflight`'s checks (`decapybara serve`,
+    before Ray starts)."""
     from decapybara.server.cli_serve import preflight
 
     cfg = AppConfig(**(args or {}))
     if "model" in cfg.model_fields_set:
         cfg = cfg.model_copy(update={"model": cfg.resolved_model()})
-    preflight(cfg, device=False)  # what the GPU actor would refuse (context plan, disk tier), refused here, once
+    if not checked:  # what the GPU actor would refuse (context plan, disk tier), refused here, once
+        preflight(cfg, device=False)
     deployment = serve.deployment(
         Ingress, name="DecapybaraIngress", num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options={"num_cpus": 0},

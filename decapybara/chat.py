@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any, ClassVar
 
 import jinja2
+import jinja2.defaults
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -96,6 +97,12 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+# Names every template sees from its environment (jinja2's defaults and the helpers below); a template variable
+# may not shadow them.
+TEMPLATE_GLOBALS = frozenset(jinja2.defaults.DEFAULT_NAMESPACE) | {"raise_exception", "strftime_now", "dict",
+                                                                    "namespace"}
 
 
 @lru_cache(maxsize=16)
@@ -191,6 +198,9 @@ def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     enable_thinking=..., **template_vars)` of transformers for the same template (the default one when None).
     """
     validate_messages(messages, tools)
+    shadowing = TEMPLATE_GLOBALS.intersection(template_vars)
+    if shadowing:
+        raise InvalidRequestError(f"template variables may not replace the template's {sorted(shadowing)}")
     chat = []
     for msg in _plain(messages):
         msg = {k: v for k, v in msg.items() if v is not None}  # as transformers: None means absent
@@ -205,6 +215,8 @@ def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
                                **_plain(template_vars))
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"chat template rejected the conversation: {exc}") from exc
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:  # a value of the wrong kind
+        raise InvalidRequestError(f"chat template cannot render the conversation: {exc}") from exc
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -236,10 +248,28 @@ class ParsedOutput:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number out of range: {text}")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str) -> Any:
+    """`json.loads` of RFC 8259 JSON only: NaN, Infinity and numbers past the float range raise ValueError, so
+    what is parsed can be written back as JSON that any client parses."""
+    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+
+
 def parse_tool_call(body: str) -> ToolCall | None:
-    """The call in a `<tool_call>` body, or None unless it is a JSON object with a name and object arguments."""
+    """The call in a `<tool_call>` body, or None unless it is a JSON object (strict JSON, `strict_json`) with a
+    name and object arguments."""
     try:
-        obj = json.loads(body)
+        obj = strict_json(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -247,7 +277,7 @@ def parse_tool_call(body: str) -> ToolCall | None:
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models double-encode the arguments
         try:
-            args = json.loads(args)
+            args = strict_json(args)
         except ValueError:
             return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None

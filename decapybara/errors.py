@@ -20,7 +20,15 @@ class WeightError(DecapybaraError):
 
 
 class InvalidRequestError(DecapybaraError):
-    """A request is malformed: bad sampling values, empty prompt, max_tokens <= 0, ..."""
+    """A request is malformed: bad sampling values, empty prompt, max_tokens <= 0, ...; `param`, where known,
+    names the request field at fault (the API's error body carries it)."""
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickled (Ray) with its field
+        return type(self), (str(self), self.param)
 
 
 class ContextOverflowError(InvalidRequestError):

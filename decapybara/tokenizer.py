@@ -185,6 +185,9 @@ def _token_content(value: Any) -> str:
     return value["content"] if isinstance(value, dict) else str(value)
 
 
+_ASCII_SPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() strips
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas, with stop strings.
 
@@ -210,18 +213,21 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self.num_tokens = 0
 
-    def push(self, token_id: int, match: bool = True) -> str:
+    def push(self, token_id: int, match: bool = True, lstrip: bool = False) -> str:
         """Add one token; return the text it completes ("" once stopped). `match=False`: its text (and what was
-        held back before it) is released without looking for stop strings in it (reasoning, markup)."""
+        held back before it) is released without looking for stop strings in it (reasoning, markup).
+        `lstrip=True`: only the text after its leading ASCII whitespace is looked at (the answer's first token,
+        whose leading whitespace belongs to the markup before it)."""
         if self.stopped:
             return ""
         self.num_tokens += 1
         if token_id in self._skip or not 0 <= token_id < len(self._table):
             return ""
         new = self._utf8.decode(self._table[token_id])
-        if not match:
-            out, self._held = self._held + new, ""
-            return out
+        if not match or lstrip:
+            body = new.lstrip(_ASCII_SPACE) if match else ""
+            out, self._held = self._held + new[:len(new) - len(body)], ""
+            return out + self._release(body) if body else out
         return self._release(new)
 
     def push_many(self, token_ids: list[int]) -> str:

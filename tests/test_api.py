@@ -44,6 +44,9 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "SLOW-DOWN": "slow answer",
     "THINK-NOTHING": "<think>\n\n</think>\n\nJust this.",
     "THINK-STOP": "<think>\nA > B, think.\n</think>\n\nAnswer > here.",
+    "THINK-SPACE": "<think>\nA.\n</think> def x",  # the answer's first token carries the markup's space
+    "NAN-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>',
+    "HUGE-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": 1e999}}\n</tool_call>',
     "TWO-CALLS": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
     "TEXT-TOOL-TEXT": 'Before.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nAfter.',
@@ -322,6 +325,22 @@ def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
         assert "<tool_call>" in m.content[1].text
 
 
+@pytest.mark.parametrize("script", ["NAN-CALL", "HUGE-CALL"])
+def test_a_call_whose_arguments_are_not_json_stays_text(stack, script):
+    """NaN, Infinity and numbers past the float range are not JSON: such a call is no call, streamed or not, so
+    no client receives arguments it cannot parse."""
+    r = stack.oa().chat.completions.create(model="m", messages=user(script), tools=TOOLS_OA, max_tokens=60)
+    assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
+    chunks = list(stack.oa().chat.completions.create(model="m", messages=user(script), tools=TOOLS_OA,
+                                                     max_tokens=60, stream=True))
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    kw = {"model": "m", "max_tokens": 60, "messages": user(script), "tools": TOOLS_AN}
+    m = stack.an().messages.create(**kw)
+    assert m.stop_reason == "end_turn" and "tool_use" not in [b.type for b in m.content]
+    with stack.an().messages.stream(**kw) as st:
+        assert "tool_use" not in [b.type for b in st.get_final_message().content]
+
+
 def test_stop_strings_are_looked_for_in_the_answer_only(stack):
     """Neither the reasoning nor its markup ends a reply at a stop string: the answer does."""
     for stop, content in ((">", "Answer"), ("think", "Answer > here."), ("\n\n", "Answer > here.")):
@@ -331,6 +350,11 @@ def test_stop_strings_are_looked_for_in_the_answer_only(stack):
     m = stack.an().messages.create(model="m", max_tokens=40, messages=user("THINK-STOP"), stop_sequences=[">"])
     assert m.stop_reason == "stop_sequence" and [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == "A > B, think." and m.content[1].text.strip() == "Answer"
+    # " def" is one token: its leading space is the markup's, so a stop " " ends the answer after "def"
+    r = stack.oa().chat.completions.create(model="m", messages=user("THINK-SPACE"), stop=[" "], max_tokens=40)
+    assert r.choices[0].message.content == "def" and r.choices[0].finish_reason == "stop"
+    m = stack.an().messages.create(model="m", max_tokens=40, messages=user("THINK-SPACE"), stop_sequences=[" "])
+    assert m.stop_reason == "stop_sequence" and m.content[1].text.strip() == "def"
 
 
 def test_messages_blocks_are_the_streams_in_its_order(stack):
@@ -480,6 +504,17 @@ def test_thinking_budget_ends_the_reasoning(stack):
     assert events[-2]["usage"]["output_tokens"] == m.usage.output_tokens
 
 
+def test_a_thinking_budget_without_room_to_close_keeps_to_max_tokens(stack):
+    """Where max_tokens leaves no room for the forced close of the reasoning, the reply ends at max_tokens."""
+    for max_tokens, budget in ((8, 5), (6, 4), (9, 8)):
+        kw = {"model": "m", "max_tokens": max_tokens, "messages": user("THINK-LONG"),
+              "thinking": {"type": "enabled", "budget_tokens": budget}}
+        m = stack.an().messages.create(**kw)
+        assert m.usage.output_tokens <= max_tokens and m.stop_reason == "max_tokens", (max_tokens, budget)
+        events = raw_events(stack.url, kw)
+        assert events[-2]["usage"]["output_tokens"] == m.usage.output_tokens
+
+
 # ---------------------------------------------------------------------------------------------- the edge
 
 
@@ -582,6 +617,12 @@ OA_BAD = [
     ("/v1/chat/completions", {"messages": user("x"), "temperature": "hot"}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "temperature": -1}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "top_k": 2**70}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "top_k": 2**31}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "chat_template_kwargs": {"namespace": 1}}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "chat_template_kwargs": {"range": {"a": 1}}}, 400),
+    ("/v1/chat/completions", {"messages": [*user("x"), {"role": "tool", "content": "42"}]}, 400),
+    ("/v1/chat/completions/", {"messages": user("x")}, 404),
     ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "max_tokens": "5"}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "n": 2}, 400),
@@ -618,6 +659,7 @@ AN_BAD = [
     ({"model": "m", "max_tokens": 5, "messages": user("x"), "tools": [{"type": "web_search_20250305", "name": "w"}]},
      400, "invalid_request_error"),
     ({"model": "m", "max_tokens": 5, "messages": user("x"), "temperature": "x"}, 400, "invalid_request_error"),
+    ({"model": "m", "max_tokens": 5, "messages": user("x"), "top_k": 2**70}, 400, "invalid_request_error"),
     ({"model": "m", "max_tokens": 5, "messages": user("word " * 1500)}, 400, "invalid_request_error"),
     ({"model": "m", "max_tokens": 5, "messages": user("word " * 1500), "stream": True}, 400, "invalid_request_error"),
     ({"model": "m", "max_tokens": 5, "messages": user("x" * (9 << 20))}, 413, "request_too_large"),
@@ -646,6 +688,13 @@ def test_bad_input_gets_4xx_in_each_apis_shape_and_the_server_keeps_serving(stac
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         stack.oa().chat.completions.create(model="m", messages=user("x"), n=2)
+    for path, body, param in (("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, "top_p"),
+                              ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"99999": 1}},
+                               "logit_bias"),
+                              ("/v1/chat/completions", {"messages": user("x"), "stop": ["s"] * 20}, "stop"),
+                              ("/v1/chat/completions", {"messages": user("word " * 1500)}, "messages"),
+                              ("/v1/completions", {"prompt": "word " * 1500}, "prompt")):
+        assert _post(stack.url + path, body).json()["error"]["param"] == param, (path, body)
     assert stack.oa().chat.completions.create(model="m", messages=user("still alive?"), max_tokens=2).choices
     assert stack.stats()["running"] == 0
 

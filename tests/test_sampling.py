@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -405,14 +406,19 @@ def test_logprobs_are_processed_before_truncation_and_sorted_with_ties_by_id():
     ({"logprobs": -1}, "logprobs"), ({"logit_bias": {100: 1.0}}, "logit_bias"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {3: 100.5}}, "logit_bias"),
     ({"stop": tuple(f"s{i}" for i in range(17))}, "stop"), ({"stop": ("",)}, "stop"),
-    ({"stop_token_ids": (100,)}, "stop_token_ids"), ({"seed": 2**64}, "seed"),
+    ({"stop_token_ids": (100,)}, "stop_token_ids"), ({"seed": 2**64}, "seed"), ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 2**70}, "top_k"),
 ])
 def test_validate_rejects_bad_params_naming_the_field(kwargs, field):
-    with pytest.raises(InvalidRequestError, match=field):
+    with pytest.raises(InvalidRequestError, match=field) as err:
         SamplingParams(**kwargs).validate(vocab_size=100)
+    assert err.value.param == field  # the API's error body names it
+    again = pickle.loads(pickle.dumps(err.value))  # as it crosses Ray
+    assert (type(again), str(again), again.param) == (type(err.value), str(err.value), field)
 
 
 def test_validate_accepts_the_edges():
+    SamplingParams(top_k=2**31 - 1).validate(vocab_size=100)  # any k past the vocabulary keeps every token
     SamplingParams(temperature=0, top_p=1.0, min_p=1.0, presence_penalty=-2, frequency_penalty=2,
                    logprobs=20, logit_bias={0: -100, 99: 100.0}, seed=-1, stop=("a",) * 16,
                    max_tokens=1, min_tokens=1).validate(vocab_size=100)

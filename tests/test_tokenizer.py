@@ -218,6 +218,19 @@ def test_stop_string_hold_back_and_flush(tok):
         IncrementalDetokenizer(tok, stop=[""])
 
 
+def test_an_answers_first_token_is_matched_after_its_leading_whitespace(tok):
+    (i,) = tok.encode(" def")
+    det = IncrementalDetokenizer(tok, stop=[" "])
+    assert det.push(i, lstrip=True) == " def" and not det.stopped  # the space is the markup's
+    assert det.push_many(tok.encode(" x")) == "" and det.stop_string == " "  # later spaces are the answer's
+    det = IncrementalDetokenizer(tok, stop=["ef"])
+    assert det.push(i, lstrip=True) == " d" and det.stop_string == "ef"  # the rest of the token is matched
+    det = IncrementalDetokenizer(tok, stop=[" "])
+    assert det.push(i) == "" and det.stopped  # without lstrip the whole token is matched
+    det = IncrementalDetokenizer(tok, stop=["d"])
+    assert det.push(i, match=False, lstrip=True) == " def" and not det.stopped  # match=False wins
+
+
 def test_held_back_text_stays_bounded(tok):
     det = IncrementalDetokenizer(tok, stop=["abcdefgh"])
     ids = tok.encode("abcdefg " * 2000)

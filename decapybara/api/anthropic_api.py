@@ -4,7 +4,8 @@ Choices made where the API leaves room:
 - thinking: off unless ``thinking`` is "enabled", "adaptive" or "between_tools" (off is the API's default). With
   "enabled", the reasoning is capped at about ``budget_tokens``: the engine has no per-request hook for it, so
   `budgeted_thinking` ends the reasoning itself (abort, then continue from a prompt ending in ``</think>``; see
-  streams.py). Anthropic's minimum budget (1,024) is not enforced.
+  streams.py). Anthropic's minimum budget (1,024) is not enforced, nor a budget below ``max_tokens``: ``max_tokens``
+  caps the whole output, reasoning and the forced ``</think>`` included.
 - thinking blocks carry a ``signature`` (a hash of the thinking text); signatures sent back are not checked.
   ``display: "omitted"`` returns thinking blocks with empty text and the signature.
 - tool_choice "none" leaves the tools out of the prompt; "any" and "tool" add an instruction to the system prompt

@@ -61,7 +61,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     served = served_model_name or client.model_name
     created = int(time.time())
     counts: Counter[tuple[str, int]] = Counter()
-    app = FastAPI(title="Decapybara", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Decapybara", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(EdgeMiddleware, api_key=api_key, counts=counts)
     app.state.client = client
 

@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decapybara.api.errors import ApiError, bad_request
-from decapybara.chat import prompt_opens_reasoning
+from decapybara.chat import TEMPLATE_GLOBALS, prompt_opens_reasoning
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 from decapybara.errors import ContextOverflowError, InvalidRequestError
 
 _ALNUM = string.ascii_letters + string.digits
 # Template variables a request may not set through chat_template_kwargs (render_chat's own arguments).
-_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "documents", "template"})
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "documents", "template"}
+                                    ) | TEMPLATE_GLOBALS
 
 
 def new_id(prefix: str, length: int = 24) -> str:
@@ -148,15 +149,16 @@ def conversation_key(header: str | None, user: str | None, messages: list[dict[s
     return "h:" + hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def check_prompt(ids: tuple[int, ...], max_model_len: int, vocab_size: int) -> None:
-    """The engine's own prompt checks, done early so they fail before any streaming starts."""
+def check_prompt(ids: tuple[int, ...], max_model_len: int, vocab_size: int, param: str = "messages") -> None:
+    """The engine's own prompt checks, done early so they fail before any streaming starts; `param` names the
+    request's prompt field in the errors."""
     if not ids:
-        raise InvalidRequestError("the prompt is empty")
+        raise InvalidRequestError("the prompt is empty", param)
     if min(ids) < 0 or max(ids) >= vocab_size:
-        raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
+        raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})", param)
     if len(ids) >= max_model_len:
         raise ContextOverflowError(f"the prompt has {len(ids)} tokens, which does not leave room for output in "
-                                   f"the served context of {max_model_len} tokens")
+                                   f"the served context of {max_model_len} tokens", param)
 
 
 def output_budget(requested: int | None, num_prompt: int, max_model_len: int, param: str) -> int:
@@ -172,10 +174,10 @@ def output_budget(requested: int | None, num_prompt: int, max_model_len: int, pa
 
 
 def make_request(request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, conversation: str,
-                 max_model_len: int, vocab_size: int) -> Request:
+                 max_model_len: int, vocab_size: int, prompt_param: str = "messages") -> Request:
     """Validate everything the engine would (sampling values, prompt) and build the engine request."""
     params.validate(vocab_size)
-    check_prompt(prompt_ids, max_model_len, vocab_size)
+    check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param)
     return Request(prompt_ids, params, request_id=request_id, conversation=conversation)
 
 

@@ -97,9 +97,9 @@ def to_api_error(exc: BaseException, disconnects: tuple[type[BaseException], ...
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     if isinstance(exc, ContextOverflowError):
-        return bad_request(str(exc), "messages", "context_length_exceeded")
+        return bad_request(str(exc), exc.param or "messages", "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, CapacityError):
         return ApiError(503, f"the server is overloaded: {exc}")
     if isinstance(exc, DecapybaraError):

@@ -93,7 +93,10 @@ def chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
                     for tc in m.tool_calls]
         elif m.tool_calls:
             raise bad_request(f"{where}: only assistant messages may carry tool_calls", f"{where}.tool_calls")
-        if m.role == "tool" and m.tool_call_id is not None:
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"{where}: a tool message needs the tool_call_id of the call it answers",
+                                  f"{where}.tool_call_id")
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out

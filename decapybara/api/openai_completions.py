@@ -51,7 +51,7 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
     params = sampling_params(body, max(max_tokens, 1), body.logprobs)
     text = body.prompt if isinstance(body.prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)
-    request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size)
+    request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()))
 

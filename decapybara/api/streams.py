@@ -134,8 +134,12 @@ async def budgeted_thinking(client: Any, request: Request, budget: int, opens_re
     held = full[len(text):] if full.startswith(text) else ""  # text the detokeniser still held back
     close_text = ("" if (text + held).endswith("\n") else "\n") + "</think>\n\n"
     forced = tok.encode(close_text)
-    num_output = len(out_ids) + len(forced)
     base = {"num_prompt_tokens": first.num_prompt_tokens, "num_cached_tokens": first.num_cached_tokens}
+    if len(out_ids) + len(forced) > request.params.max_tokens:  # no room to close it: max_tokens ends the reply
+        yield TokenEvent(request.request_id, ev.token_ids, ev.text + held, ev.logprobs, ev.top_logprobs,
+                         FinishReason.LENGTH, ev.note, num_output_tokens=len(out_ids), **base)
+        return
+    num_output = len(out_ids) + len(forced)
     remaining = request.params.max_tokens - num_output
     yield TokenEvent(request.request_id, ev.token_ids + forced, ev.text + held + close_text, ev.logprobs,
                      ev.top_logprobs, FinishReason.LENGTH if remaining <= 0 else None, ev.note,

@@ -518,11 +518,13 @@ class Engine(MemoryMixin):
         only, not in the reasoning, its markup, nor the whitespace that separates it from the answer."""
         if tok == self._think[0]:
             s.in_thinking = True
+        first = False  # the answer's first visible token: its leading whitespace is still the markup's
         if tok == self._think[1]:
             s.after_think = True
         elif s.after_think and self.tokenizer.token_bytes(tok).strip():
-            s.after_think = False
-        text = s.detok.push(tok, not s.in_thinking and not s.after_think) if s.detok is not None else ""
+            s.after_think, first = False, True
+        text = (s.detok.push(tok, not s.in_thinking and not s.after_think, lstrip=first)
+                if s.detok is not None else "")
         if tok == self._think[1]:
             s.in_thinking = False
         return text

@@ -48,12 +48,11 @@ def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]
     return meta, extras
 
 
-def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopguard_cfg: Any,
-                     detok_factory: Any = None) -> Sequence:
+def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopguard_cfg: Any) -> Sequence:
     """A paused `Sequence` rebuilt from `sequence_state` output (its bundle is attached by the caller).
 
-    The detokeniser has no serialised state: it is rebuilt by replaying the output tokens, which yields the
-    same held-back text and stop-string state."""
+    The detokeniser has no serialised state: the caller rebuilds it by replaying the output tokens as the live
+    run pushed them (`Engine.import_paused`), which yields the same held-back text and stop-string state."""
     from decapybara.engine.loopguard import LoopGuard, LoopGuardState
 
     if meta.get("format") != FORMAT:
@@ -76,8 +75,4 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     seq.in_thinking = bool(meta["in_thinking"])
     seq.after_think = bool(meta.get("after_think", False))
     seq.num_pauses, seq.num_resumes = int(meta["num_pauses"]), int(meta["num_resumes"])
-    if detok_factory is not None:
-        seq.detok = detok_factory(params)
-        for t in tokens[n_prompt:]:
-            seq.detok.push(t)
     return seq

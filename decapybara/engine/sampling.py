@@ -44,6 +44,7 @@ from decapybara.engine.philox import MASK64, uniforms
 from decapybara.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # the device sampler keeps top_k in int32; any k >= the vocabulary keeps every token
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_OPENAI_PENALTY = 2.0
@@ -81,7 +82,7 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first bad field; return None when the params are usable."""
         _check_real("temperature", self.temperature, lo=0.0)
-        _check_int("top_k", self.top_k, lo=0)
+        _check_int("top_k", self.top_k, lo=0, hi=MAX_TOP_K)
         _check_real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_real("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_real("presence_penalty", self.presence_penalty, lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
@@ -94,36 +95,40 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
         if not isinstance(self.logit_bias, Mapping):
-            raise InvalidRequestError("logit_bias must map token ids to numbers")
+            raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
         for tok, bias in self.logit_bias.items():
-            _check_int("logit_bias token id", tok, lo=0, hi=vocab_size - 1)
-            _check_real(f"logit_bias[{tok}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+            _check_int("logit_bias token id", tok, lo=0, hi=vocab_size - 1, param="logit_bias")
+            _check_real(f"logit_bias[{tok}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, param="logit_bias")
         for tok in self.stop_token_ids:
-            _check_int("stop_token_ids entry", tok, lo=0, hi=vocab_size - 1)
+            _check_int("stop_token_ids entry", tok, lo=0, hi=vocab_size - 1, param="stop_token_ids")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                                      "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
 
 
 def _check_real(name: str, value: object, *, lo: float | None = None, hi: float | None = None,
-                lo_open: bool = False) -> None:
+                lo_open: bool = False, param: str | None = None) -> None:
+    """`param`: the request field the error names (default `name`)."""
+    param = param or name
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param)
     if lo is not None and (value <= lo if lo_open else value < lo):
-        raise InvalidRequestError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}", param)
     if hi is not None and value > hi:
-        raise InvalidRequestError(f"{name} must be <= {hi}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {value!r}", param)
 
 
-def _check_int(name: str, value: object, *, lo: int, hi: int | None = None) -> None:
+def _check_int(name: str, value: object, *, lo: int, hi: int | None = None, param: str | None = None) -> None:
+    param = param or name
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param)
     if value < lo or (hi is not None and value > hi):
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise InvalidRequestError(f"{name} must be {bound}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be {bound}, got {value!r}", param)
 
 
 @dataclass(slots=True)

@@ -151,3 +151,57 @@ def test_admissions_are_counted_when_they_happen_not_when_decided():
     assert sent >= 3 and policy.snapshot()["admitted"] == 0
     policy.decide(view(0.8, "running"))
     assert policy.snapshot()["admitted"] == 1
+
+
+def test_an_expired_conversation_has_its_cached_pages_demoted():
+    """Under the scheduler actor's policy, as in process: a conversation idle past `idle_timeout_s` has the pages
+    its last request left made the next evicted (before older orphans), except a page another conversation
+    still uses."""
+    clock = FakeClock()
+    engine = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off"), clock=clock)
+    policy = AgeViewPolicy(PolicyConfig(idle_timeout_s=100.0))
+    driver = EngineDriver(engine, remote_policy=True, idle_wait_s=0.001)
+    reports = driver.reports()
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 512, 8).tolist()  # one page both conversations share
+
+    def step(control: Control | None = None) -> Control | None:
+        driver.submit(control or Control(victims=[]))
+        decision = policy.decide(next(reports).view)
+        if decision is not None:
+            driver.submit(decision)
+        return decision
+
+    def turn(rid: str, conv: str, n: int, at: float) -> None:
+        clock.t = at
+        req = Request(tuple(system + rng.integers(0, 512, n).tolist()), SamplingParams(temperature=0, max_tokens=6),
+                      rid, conversation=conv)
+        driver.submit(Control(add=[req]))
+        for report in reports:
+            clock.t += 0.01
+            decision = policy.decide(report.view)
+            if decision is not None:
+                driver.submit(decision)
+            if any(ev.request_id == rid and ev.finish_reason is not None for ev in report.events):
+                return
+
+    turn("y1", "Y", 12, 0.0)
+    turn("x1", "X", 13, 60.0)
+    turn("y2", "Y", 20, 90.0)  # Y moves on: its first turn's pages are orphans, older than X's
+    x_trail = driver._trails["X"]
+    x_pages = [engine.blocks.page_of_hash[h] for h in x_trail.page_hashes[1:]]
+    shared = engine.blocks.page_of_hash[x_trail.page_hashes[0]]
+    clock.t = 60.0 + 99.0
+    assert step() is None and policy.counts["expired_conversations"] == 0
+    lru = list(engine.blocks.lru)
+    assert not set(lru[:len(x_pages) + 1]) & set(x_pages)  # Y's orphans are evicted before X's pages
+    clock.t = 60.0 + 102.0
+    assert step().expire == ["X"]
+    step()  # the control that names X is applied at the next step boundary
+    lru = list(engine.blocks.lru)
+    n = len(x_pages) + 1  # its full pages after the shared one, and its partial tail
+    assert engine.stats.demoted_pages == n and set(x_pages) < set(lru[:n])
+    assert lru.index(x_pages[-1]) == 1 and lru.index(x_pages[0]) == n - 1  # tail first, opening last
+    assert shared not in lru[:n]  # Y's last turn still uses the shared system page
+    assert "X" not in driver._trails and "Y" in driver._trails
+    driver.stop()

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from decapybara.engine.block_manager import hash_chain
 from decapybara.engine.engine import Engine
-from decapybara.engine.sequence import FinishReason, Request, SeqStatus, TokenEvent
+from decapybara.engine.memory import CachedTrail
+from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
 from decapybara.errors import DecapybaraError
 
 
@@ -30,9 +33,11 @@ class Control:
     pause: list[str] = field(default_factory=list)  # running -> paused (KV + state leave the pool)
     resume: list[str] = field(default_factory=list)  # paused -> running, in this order, while room remains
     victims: list[str] | None = None  # preferred pause order when the pool runs dry (first = first paused)
+    expire: list[str] = field(default_factory=list)  # conversations idle past the timeout: demote their pages
 
     def empty(self) -> bool:
-        return not (self.add or self.abort or self.admit or self.pause or self.resume or self.victims is not None)
+        return not (self.add or self.abort or self.admit or self.pause or self.resume or self.expire
+                    or self.victims is not None)
 
     def merge(self, other: Control) -> None:
         self.add += other.add
@@ -40,6 +45,7 @@ class Control:
         self.admit += other.admit
         self.pause += other.pause
         self.resume += other.resume
+        self.expire += other.expire
         if other.victims is not None:
             self.victims = other.victims
 
@@ -120,8 +126,13 @@ class EngineDriver:
     """Runs an engine on one thread: `submit` from any thread, iterate `reports()` on the engine's thread.
 
     With `remote_policy=True` the engine admits/pauses/resumes only what `Control` messages say (the
-    scheduler actor's policy decides); otherwise the engine's own admission hook runs in-process.
+    scheduler actor's policy decides); otherwise the engine's own admission hook runs in-process. It keeps what
+    each conversation's last finished request left in the prefix cache (`CachedTrail`, at most `MAX_TRAILS`
+    conversations, the least recently finished dropped first), so that a conversation the policy expires has
+    its cached pages made the next evicted, as the in-process policy does.
     """
+
+    MAX_TRAILS = 4096
 
     def __init__(self, engine: Engine, remote_policy: bool = True, idle_wait_s: float = 0.5):
         self.engine = engine
@@ -132,6 +143,8 @@ class EngineDriver:
         self._stopped = False
         self._decisions = Control()
         self._victims: list[str] | None = None
+        self._live: dict[str, Sequence] = {}  # requests of a conversation, until they end
+        self._trails: OrderedDict[str, CachedTrail] = OrderedDict()  # conversation -> its last request's trail
         self.last_stats: dict[str, Any] = {}
         if remote_policy:
             engine.admission = self._admit_from_decisions
@@ -171,6 +184,7 @@ class EngineDriver:
                 except Exception as exc:  # noqa: BLE001 - a broken step must not kill the service silently
                     events += self._fail_all(f"engine step failed: {exc!r}")
             dt = time.perf_counter() - t0
+            self._note_ended(events)
             ran = engine.stats.steps != steps_before
             if events or ran or heartbeat or not control.empty():
                 self.last_stats = engine.snapshot_stats()
@@ -195,6 +209,9 @@ class EngineDriver:
             except DecapybaraError as exc:
                 events.append(TokenEvent(req.request_id, [], finish_reason=FinishReason.ABORT,
                                          error=str(exc), error_type=type(exc).__name__))
+            else:
+                if req.conversation is not None:
+                    self._live[req.request_id] = seq
         for rid in control.abort:
             ev = engine.abort(rid)
             if ev is not None:
@@ -203,7 +220,40 @@ class EngineDriver:
             self._victims = control.victims
         if self.remote_policy:
             self._decisions.merge(Control(admit=control.admit, pause=control.pause, resume=control.resume))
+        if control.expire:
+            self._expire(control.expire)
         return events
+
+    def _note_ended(self, events: list[TokenEvent]) -> None:
+        """Keep the trail of each conversation's request that `events` ended (finished or aborted)."""
+        for ev in events:
+            seq = self._live.pop(ev.request_id, None) if ev.finish_reason is not None else None
+            if seq is None:
+                continue
+            key = seq.request.conversation
+            self._trails.pop(key, None)
+            self._trails[key] = CachedTrail.of(seq, self.engine.cfg.page_size)
+            while len(self._trails) > self.MAX_TRAILS:
+                self._trails.popitem(last=False)
+
+    def _expire(self, keys: list[str]) -> int:
+        """Demote the cached pages that expired conversations' last requests left, except pages a live
+        request or another conversation's last request uses (or a waiting prompt would reuse). Returns the pages
+        moved."""
+        engine = self.engine
+        live = {s.request.conversation for s in engine.seqs.values()}
+        dead = [self._trails.pop(k) for k in keys if k in self._trails and k not in live]
+        if not dead:
+            return 0
+        keep: set[bytes] = set()
+        for trail in self._trails.values():
+            keep.update(trail.page_hashes)
+        blocks = engine.blocks
+        for s in engine.seqs.values():
+            keep.update(s.page_hashes)
+            if s.status is SeqStatus.WAITING:
+                keep.update(hash_chain(s.tokens[:s.num_prompt], blocks.page_size, blocks.salt))
+        return sum(engine.demote_cached(trail, keep) for trail in dead)
 
     def _admit_from_decisions(self, engine: Engine) -> None:
         decisions, self._decisions = self._decisions, Control()

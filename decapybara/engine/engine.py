@@ -57,6 +57,7 @@ class EngineStats:
     drafted_tokens: int = 0  # speculation: MTP drafts verified as a second row of a decode
     accepted_tokens: int = 0  # ... that the sampled token matched (a token gained without a step of its own)
     withheld_steps: int = 0  # ... steps whose drafts spec_adaptive withheld (verifying measured slower there)
+    demoted_pages: int = 0  # cached pages of expired conversations made the next evicted (`demote_cached`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ runner, queues, slots and stats)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,21 @@ from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import SeqStatus, Sequence
 from decapybara.errors import InvalidRequestError
 
+
+@dataclass(frozen=True, slots=True)
+class CachedTrail:
+    """What a finished sequence left in the prefix cache, without its tokens: its full pages' hashes, how many
+    tokens it computed and the tokens of its partial last page (`demote_cached`'s input, small enough to keep for
+    every conversation)."""
+
+    page_hashes: tuple[bytes, ...]
+    num_computed: int
+    tail: tuple[int, ...]
+
+    @classmethod
+    def of(cls, seq: Sequence, page_size: int) -> CachedTrail:
+        full = seq.num_computed // page_size
+        return cls(tuple(seq.page_hashes), seq.num_computed, tuple(seq.tokens[full * page_size:seq.num_computed]))
 
 class _Bundle:
     """Adapter: a single page's KV as the `import_pages` bundle argument."""
@@ -220,19 +236,21 @@ class MemoryMixin:
         self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
                                   snap.nbytes if snap is not None else 0)
 
-    def demote_cached(self, seq: Sequence, keep: set[bytes] | frozenset[bytes] = frozenset()) -> int:
-        """Make the unreferenced cached pages of a finished `seq` (its full pages, then the partial tail it
-        offered) the next to be evicted, deepest first, except full pages whose hash is in `keep`.
+    def demote_cached(self, seq: Sequence | CachedTrail, keep: set[bytes] | frozenset[bytes] = frozenset()) -> int:
+        """Make the unreferenced cached pages of a finished `seq` (or its `CachedTrail`: its full pages, then the
+        partial tail it offered) the next to be evicted, deepest first, except full pages whose hash is in `keep`.
         Returns how many pages moved. Referenced pages are untouched."""
         b, ps = self.blocks, self.cfg.page_size
-        pages = [b.page_of_hash.get(h) for h in seq.page_hashes if h not in keep]
-        full, rem = divmod(seq.num_computed, ps)
-        if rem and len(seq.page_hashes) >= full:
-            parent = seq.page_hashes[full - 1] if full else root_hash(b.salt)
-            pages.append(b.tails.get(parent, {}).get(tuple(seq.tokens[full * ps:seq.num_computed])))
+        trail = seq if isinstance(seq, CachedTrail) else CachedTrail.of(seq, ps)
+        pages = [b.page_of_hash.get(h) for h in trail.page_hashes if h not in keep]
+        full = trail.num_computed // ps
+        if trail.tail and len(trail.page_hashes) >= full:
+            parent = trail.page_hashes[full - 1] if full else root_hash(b.salt)
+            pages.append(b.tails.get(parent, {}).get(trail.tail))
         moved = 0
         for p in pages:  # each goes to the front, so the tail ends up evicted first and the opening last
             if p is not None and p in b.lru:
                 b.lru.move_to_end(p, last=False)
                 moved += 1
+        self.stats.demoted_pages += moved
         return moved

@@ -5,7 +5,9 @@ S, V, margin, quantum and wait bound as the in-process `AgePolicy`) to a step re
 slots with the best-scored candidates that fit the pool, preempts the lowest-V running job past its quantum
 when a candidate beats it by the margin, and sends the running jobs' pause order for memory pressure. It keeps
 no engine object, so it runs in the SchedulerActor (control plane) while the GPU actor steps (data plane);
-its decisions apply from the next step on, and a decision is not repeated while it is in flight.
+its decisions apply from the next step on, and a decision is not repeated while it is in flight. A conversation
+idle past `idle_timeout_s` is forgotten and named in the control's `expire`, so that the engine makes its cached
+pages the next evicted (`EngineDriver`), as the in-process policy asks of the engine.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class AgeViewPolicy:
         self.recent: deque[dict[str, Any]] = deque(maxlen=64)
         self.last_ranking: list[dict[str, Any]] = []
         self._last_victims: list[str] = []
+        self._expired: list[str] = []  # conversations expired since the last control: the engine demotes their pages
 
     # ---- bookkeeping --------------------------------------------------------------------------------
     def _sync(self, view: EngineView) -> None:
@@ -105,6 +108,7 @@ class AgeViewPolicy:
         live = {s.conversation for s in view.seqs if s.conversation is not None}
         for key in [k for k, c in self.convs.items() if k not in live and now - c.last_active >= self.cfg.idle_timeout_s]:
             del self.convs[key]  # idle past the timeout: the conversation counts as finished
+            self._expired.append(key)
             self.counts["expired_conversations"] += 1
             self.recent.append({"time": now, "kind": "expire", "conversation": key})
 
@@ -137,7 +141,8 @@ class AgeViewPolicy:
                         key=lambda e: (-e[0], self.seen[e[1].request_id].entered, self.seen[e[1].request_id].order))
         self.last_ranking = [{"request_id": s.request_id, "conversation": s.conversation, "state": s.status,
                               "score": sc, "wait_s": now - self.seen[s.request_id].entered} for sc, s in ranked]
-        control = Control()
+        control = Control(expire=self._expired)
+        self._expired = []
         slots, free = view.free_slots, view.free_pages
         n_running = len(running)
         victims = sorted(running, key=lambda r: (self._victim(r, now), -r.arrival))

@@ -132,6 +132,27 @@ def test_gpu_actor_serves_the_presets_context():
         GPUActor({"device": "cpu", "rope_scaling": "off", "max_model_len": 65536})
 
 
+def test_yarn_extends_only_as_far_as_the_pool_holds():
+    """Preset max_efficiency asks for 1,048,576 tokens, but a pool of 65,536 tokens serves no longer a
+    conversation: YaRN's factor is fitted to the pool (x2 over the demo's 32,768, the same logits as a model loaded
+    for that context), and a pool within the trained context keeps the trained rope."""
+    from decapybara.server.config import AppConfig
+    from decapybara.server.engine_setup import build_engine
+
+    ids = load_model(str(DEMO)).tokenizer.encode("import os\n")
+    for pages, factor in ((4096, 2.0), (1024, None)):  # pages of 16 tokens
+        served = build_engine(AppConfig(device="cpu", preset="max_efficiency", num_pages=pages, slots=2))
+        model, engine = served.engine.model, served.engine
+        if factor is None:
+            assert model.cfg.rope.kind == "default" and model.cfg.max_position_embeddings == 32768
+            want = load_model(str(DEMO)).model
+        else:
+            assert (model.cfg.rope.kind, model.cfg.rope.factor) == ("yarn", factor)
+            want = load_model(str(DEMO), context=pages * 16).model
+        assert engine.max_model_len <= pages * 16
+        assert rel_err(prefill_logits(model, ids), prefill_logits(want, ids)) == 0.0
+
+
 def test_serve_flags_reach_the_context_plan():
     from decapybara.cli import make_parser
     from decapybara.server.cli_serve import app_args

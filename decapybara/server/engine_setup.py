@@ -11,6 +11,7 @@ pool (and the verification graphs' rollback states, `verify_checkpoints`), the w
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from decapybara.backend.kv_codec import kv_bytes_per_token
 from decapybara.errors import ConfigError
 from decapybara.launcher.capacity import GIB, PoolFit, fit_pool
 from decapybara.server.config import AppConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -68,10 +71,11 @@ def build_engine(cfg: AppConfig) -> ServedEngine:
 
         backend = NumpyBackend()
     plan = None  # the served context: YaRN past the trained one where asked (AppConfig.context_plan)
+    file_cfg = None  # the file's own model config (its rope before any extension)
 
     def context(mcfg: Any) -> int | None:
-        nonlocal plan
-        plan = cfg.context_plan(mcfg.max_position_embeddings)
+        nonlocal plan, file_cfg
+        plan, file_cfg = cfg.context_plan(mcfg.max_position_embeddings), mcfg
         return plan.yarn_to
 
     loaded = load_model(cfg.resolved_model(), backend, context=context)
@@ -91,5 +95,28 @@ def build_engine(cfg: AppConfig) -> ServedEngine:
                 raise ConfigError(f"no room for a KV pool: {pool.why_not()}; lower keep_free_gb, slots or the "
                                   "weights' size, or set num_pages / kv_memory_gb")
             engine_cfg = engine_cfg.replace(num_pages=pool.pages)
+    if plan.yarn_to and fit_yarn(loaded.model, file_cfg, engine_cfg.num_pages * engine_cfg.page_size):
+        served = loaded.model.cfg.max_position_embeddings
+        log.info("the KV pool holds %d tokens: YaRN extends the trained %d only to %d (factor %.4g), not to the %d "
+                 "asked", engine_cfg.num_pages * engine_cfg.page_size, file_cfg.max_position_embeddings, served,
+                 loaded.model.cfg.rope.factor if loaded.model.cfg.rope.kind == "yarn" else 1.0, plan.yarn_to)
+        engine_cfg = engine_cfg.replace(max_model_len=min(engine_cfg.max_model_len or served, served))
     engine = Engine(loaded.model, engine_cfg, tokenizer=loaded.tokenizer)
     return ServedEngine(engine, cuda, time.perf_counter() - t0, pool)
+
+
+def fit_yarn(model: Any, file_cfg: Any, pool_tokens: int) -> bool:
+    """Where the KV pool holds fewer tokens than the YaRN extension `model` was loaded with, extend the file's
+    trained context only to what the pool holds (or not at all where the trained context covers it): YaRN's
+    factor, and what it costs in quality, grow with the context, and no conversation can be longer than the pool.
+    The model's rope is rebuilt in place (before an engine captures it). Returns whether it changed."""
+    from decapybara.model.config import with_yarn
+    from decapybara.model.rope import RotaryTable
+
+    if pool_tokens >= model.cfg.max_position_embeddings:
+        return False
+    fitted = with_yarn(file_cfg, pool_tokens)
+    if fitted == model.cfg:
+        return False
+    model.cfg, model.rotary = fitted, RotaryTable.for_config(fitted)
+    return True

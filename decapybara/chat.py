@@ -270,7 +270,7 @@ def parse_tool_call(body: str) -> ToolCall | None:
     name and object arguments."""
     try:
         obj = strict_json(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -278,7 +278,7 @@ def parse_tool_call(body: str) -> ToolCall | None:
     if isinstance(args, str):  # some models double-encode the arguments
         try:
             args = strict_json(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
@@ -291,6 +291,8 @@ def _cut_short(body: str) -> bool:
         json.loads(body)
     except ValueError as e:
         return e.msg.startswith("Unterminated string")
+    except RecursionError:  # nested past the parser's depth: no string left open is known
+        return False
     return False
 
 

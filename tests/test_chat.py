@@ -227,7 +227,10 @@ def test_parse_output_that_starts_inside_reasoning():
 
 
 @pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"a": 1}', "not json", '["f"]', '{"arguments": {}}',
-                                  '{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": "{bad"}'])
+                                  '{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": "{bad"}',
+                                  '{"name": "f", "arguments": {"a": NaN}}', '{"name": "f", "arguments": {"a": 1e999}}',
+                                  '{"name": "f", "arguments": "{\\"a\\": -Infinity}"}',
+                                  '{"name": "f", "arguments": {"a": ' + "[" * 100_000 + "}}"])
 def test_invalid_tool_call_stays_content(body):
     text = f"Before <tool_call>{body}</tool_call> after"
     out = parse_assistant_output(text)

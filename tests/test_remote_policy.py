@@ -4,6 +4,7 @@ exactness and throughput-first behaviour as in-process, with decisions applied o
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import numpy as np
 
@@ -187,8 +188,11 @@ def test_an_expired_conversation_has_its_cached_pages_demoted():
 
     turn("y1", "Y", 12, 0.0)
     turn("x1", "X", 13, 60.0)
-    turn("y2", "Y", 20, 90.0)  # Y moves on: its first turn's pages are orphans, older than X's
     x_trail = driver._trails["X"]
+    gone = Request(tuple(system + [1, 2, 3]), SamplingParams(temperature=0, max_tokens=6), "x-gone", conversation="X")
+    step(Control(add=[gone], abort=["x-gone"]))  # aborted before any of it ran: X's trail stays x1's
+    assert driver._trails["X"] is x_trail
+    turn("y2", "Y", 20, 90.0)  # Y moves on: its first turn's pages are orphans, older than X's
     x_pages = [engine.blocks.page_of_hash[h] for h in x_trail.page_hashes[1:]]
     shared = engine.blocks.page_of_hash[x_trail.page_hashes[0]]
     clock.t = 60.0 + 99.0
@@ -204,4 +208,6 @@ def test_an_expired_conversation_has_its_cached_pages_demoted():
     assert lru.index(x_pages[-1]) == 1 and lru.index(x_pages[0]) == n - 1  # tail first, opening last
     assert shared not in lru[:n]  # Y's last turn still uses the shared system page
     assert "X" not in driver._trails and "Y" in driver._trails
+    held = [h for t in driver._trails.values() for h in t.page_hashes]
+    assert driver._trail_pages == Counter(held)  # the trails' pages, counted as trails come and go
     driver.stop()

@@ -153,6 +153,33 @@ def test_yarn_extends_only_as_far_as_the_pool_holds():
         assert rel_err(prefill_logits(model, ids), prefill_logits(want, ids)) == 0.0
 
 
+def test_fit_yarn_keeps_a_files_own_rope_and_rounds_to_powers_of_two():
+    """A file that ships YaRN (x4 over 32,768: 131,072 tokens) keeps its own rope where the pool fits it; past it
+    the fit extends to the file's context times a power of two (so a few pages more or less of free memory do not
+    change the rope, nor the prefix cache's salt), never past what was asked."""
+    from types import SimpleNamespace
+
+    from decapybara.model.rope import RotaryTable
+    from decapybara.server.engine_setup import fit_yarn
+
+    demo = load_model(str(DEMO)).config
+    file_cfg = with_yarn(demo, 4 * 32768)
+
+    def fitted(pool: int, asked: int = 1_048_576):
+        model = SimpleNamespace(cfg=with_yarn(file_cfg, asked), rotary=None)
+        changed = fit_yarn(model, file_cfg, pool, asked)
+        assert changed == (model.rotary is not None)
+        if changed:
+            assert model.rotary.inv_freq.tolist() == RotaryTable.for_config(model.cfg).inv_freq.tolist()
+        return model.cfg
+
+    assert fitted(100_000) == file_cfg and fitted(131_072) == file_cfg  # the file's own x4
+    assert (fitted(150_000).rope.factor, fitted(150_000).max_position_embeddings) == (8.0, 262_144)
+    assert fitted(140_000) == fitted(262_000)  # one power of two
+    assert fitted(2_000_000) == with_yarn(file_cfg, 1_048_576)  # never past what was asked
+    assert fitted(600_000, asked=700_000).max_position_embeddings == 700_000
+
+
 def test_serve_flags_reach_the_context_plan():
     from decapybara.cli import make_parser
     from decapybara.server.cli_serve import app_args

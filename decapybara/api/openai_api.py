@@ -44,7 +44,7 @@ from decapybara.chat import (
     ToolCallEvent,
     parse_assistant_output,
 )
-from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sampling import MAX_LOGPROBS, SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 
 # ---------------------------------------------------------------------------------------------- request
@@ -168,6 +168,8 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(requested, len(prompt.ids), client.max_model_len, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size)

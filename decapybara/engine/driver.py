@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +145,8 @@ class EngineDriver:
         self._victims: list[str] | None = None
         self._live: dict[str, Sequence] = {}  # requests of a conversation, until they end
         self._trails: OrderedDict[str, CachedTrail] = OrderedDict()  # conversation -> its last request's trail
+        self._trail_pages: Counter[bytes] = Counter()  # the trails' page hashes, each with how many trails hold it
+        self._chains: dict[str, list[bytes]] = {}  # waiting requests' prompt page hashes, computed at an expire
         self.last_stats: dict[str, Any] = {}
         if remote_policy:
             engine.admission = self._admit_from_decisions
@@ -225,34 +227,54 @@ class EngineDriver:
         return events
 
     def _note_ended(self, events: list[TokenEvent]) -> None:
-        """Keep the trail of each conversation's request that `events` ended (finished or aborted)."""
+        """Keep the trail of each conversation's request that `events` ended (finished, or aborted after some of
+        it was computed: one aborted while it waited leaves the conversation's trail as it was)."""
         for ev in events:
-            seq = self._live.pop(ev.request_id, None) if ev.finish_reason is not None else None
-            if seq is None:
+            if ev.finish_reason is None:
                 continue
-            key = seq.request.conversation
-            self._trails.pop(key, None)
-            self._trails[key] = CachedTrail.of(seq, self.engine.cfg.page_size)
+            seq = self._live.pop(ev.request_id, None)
+            self._chains.pop(ev.request_id, None)
+            if seq is None or seq.num_computed == 0:
+                continue
+            self._set_trail(seq.request.conversation, CachedTrail.of(seq, self.engine.cfg.page_size))
             while len(self._trails) > self.MAX_TRAILS:
-                self._trails.popitem(last=False)
+                self._set_trail(next(iter(self._trails)), None)
+
+    def _set_trail(self, key: str, trail: CachedTrail | None) -> CachedTrail | None:
+        """Replace (None: drop) conversation `key`'s trail, keeping `_trail_pages` the count of the trails' pages;
+        returns the trail it held."""
+        old = self._trails.pop(key, None)
+        if old is not None:
+            self._trail_pages.subtract(old.page_hashes)
+            for h in old.page_hashes:
+                if self._trail_pages[h] <= 0:
+                    del self._trail_pages[h]
+        if trail is not None:
+            self._trails[key] = trail
+            self._trail_pages.update(trail.page_hashes)
+        return old
 
     def _expire(self, keys: list[str]) -> int:
         """Demote the cached pages that expired conversations' last requests left, except pages a live
         request or another conversation's last request uses (or a waiting prompt would reuse). Returns the pages
-        moved."""
+        moved. Its work is the expired trails' pages and the live requests' (a waiting prompt's hashed once)."""
         engine = self.engine
         live = {s.request.conversation for s in engine.seqs.values()}
-        dead = [self._trails.pop(k) for k in keys if k in self._trails and k not in live]
+        dead = [self._set_trail(k, None) for k in keys if k in self._trails and k not in live]
         if not dead:
             return 0
-        keep: set[bytes] = set()
-        for trail in self._trails.values():
-            keep.update(trail.page_hashes)
+        in_use: set[bytes] = set()
         blocks = engine.blocks
         for s in engine.seqs.values():
-            keep.update(s.page_hashes)
+            in_use.update(s.page_hashes)
             if s.status is SeqStatus.WAITING:
-                keep.update(hash_chain(s.tokens[:s.num_prompt], blocks.page_size, blocks.salt))
+                chain = self._chains.get(s.request_id)
+                if chain is None:
+                    chain = hash_chain(s.tokens[:s.num_prompt], blocks.page_size, blocks.salt)
+                    if s.request_id in self._live:  # dropped as it ends
+                        self._chains[s.request_id] = chain
+                in_use.update(chain)
+        keep = _Keep(self._trail_pages, in_use)
         return sum(engine.demote_cached(trail, keep) for trail in dead)
 
     def _admit_from_decisions(self, engine: Engine) -> None:
@@ -272,3 +294,15 @@ class EngineDriver:
                 ev.note = message
                 events.append(ev)
         return events
+
+
+class _Keep:
+    """Pages an expire leaves where they are: those other trails hold, and those live requests use."""
+
+    __slots__ = ("in_use", "trails")
+
+    def __init__(self, trails: Counter[bytes], in_use: set[bytes]) -> None:
+        self.trails, self.in_use = trails, in_use
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.trails or h in self.in_use

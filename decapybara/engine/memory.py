@@ -5,6 +5,7 @@ runner, queues, slots and stats)."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,7 +237,7 @@ class MemoryMixin:
         self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
                                   snap.nbytes if snap is not None else 0)
 
-    def demote_cached(self, seq: Sequence | CachedTrail, keep: set[bytes] | frozenset[bytes] = frozenset()) -> int:
+    def demote_cached(self, seq: Sequence | CachedTrail, keep: Container[bytes] = frozenset()) -> int:
         """Make the unreferenced cached pages of a finished `seq` (or its `CachedTrail`: its full pages, then the
         partial tail it offered) the next to be evicted, deepest first, except full pages whose hash is in `keep`.
         Returns how many pages moved. Referenced pages are untouched."""

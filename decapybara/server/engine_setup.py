@@ -95,27 +95,39 @@ def build_engine(cfg: AppConfig) -> ServedEngine:
                 raise ConfigError(f"no room for a KV pool: {pool.why_not()}; lower keep_free_gb, slots or the "
                                   "weights' size, or set num_pages / kv_memory_gb")
             engine_cfg = engine_cfg.replace(num_pages=pool.pages)
-    if plan.yarn_to and fit_yarn(loaded.model, file_cfg, engine_cfg.num_pages * engine_cfg.page_size):
+    # the tokens one conversation can hold: the pool less the graphs' pad page and the prefix cache's spare page
+    # (as Engine counts them)
+    spare = int(cuda and engine_cfg.cuda_graphs) + int(engine_cfg.enable_prefix_cache)
+    pool_tokens = max(1, engine_cfg.num_pages - spare) * engine_cfg.page_size
+    if plan.yarn_to and fit_yarn(loaded.model, file_cfg, pool_tokens, plan.yarn_to):
         served = loaded.model.cfg.max_position_embeddings
-        log.info("the KV pool holds %d tokens: YaRN extends the trained %d only to %d (factor %.4g), not to the %d "
-                 "asked", engine_cfg.num_pages * engine_cfg.page_size, file_cfg.max_position_embeddings, served,
-                 loaded.model.cfg.rope.factor if loaded.model.cfg.rope.kind == "yarn" else 1.0, plan.yarn_to)
+        log.info("the KV pool holds %d tokens: the model's rope serves %d (YaRN factor %.4g), not the %d asked",
+                 pool_tokens, served, loaded.model.cfg.rope.factor if loaded.model.cfg.rope.kind == "yarn" else 1.0,
+                 plan.yarn_to)
         engine_cfg = engine_cfg.replace(max_model_len=min(engine_cfg.max_model_len or served, served))
     engine = Engine(loaded.model, engine_cfg, tokenizer=loaded.tokenizer)
     return ServedEngine(engine, cuda, time.perf_counter() - t0, pool)
 
 
-def fit_yarn(model: Any, file_cfg: Any, pool_tokens: int) -> bool:
-    """Where the KV pool holds fewer tokens than the YaRN extension `model` was loaded with, extend the file's
-    trained context only to what the pool holds (or not at all where the trained context covers it): YaRN's
-    factor, and what it costs in quality, grow with the context, and no conversation can be longer than the pool.
-    The model's rope is rebuilt in place (before an engine captures it). Returns whether it changed."""
+def fit_yarn(model: Any, file_cfg: Any, pool_tokens: int, yarn_to: int) -> bool:
+    """Where the KV pool holds fewer tokens than the YaRN extension (to `yarn_to`) that `model` was loaded with,
+    extend the file's context no further than the pool needs: not at all where the file's own context (its rope as
+    the file has it, YaRN included) covers the pool, else to the file's context times the power of two that covers
+    it (at most `yarn_to`). YaRN's factor, and what it costs in quality, grow with the context, and no conversation
+    is longer than the pool. Powers of two keep the rope, and with it the prefix cache's salt, the same across
+    restarts whose free memory differs by a few pages. The model's rope is rebuilt in place (before an engine
+    captures it). Returns whether it changed."""
     from decapybara.model.config import with_yarn
     from decapybara.model.rope import RotaryTable
 
-    if pool_tokens >= model.cfg.max_position_embeddings:
-        return False
-    fitted = with_yarn(file_cfg, pool_tokens)
+    own = file_cfg.max_position_embeddings
+    if pool_tokens <= own:
+        fitted = file_cfg
+    else:
+        target = own
+        while target < pool_tokens:
+            target *= 2
+        fitted = with_yarn(file_cfg, min(target, yarn_to))
     if fitted == model.cfg:
         return False
     model.cfg, model.rotary = fitted, RotaryTable.for_config(fitted)

@@ -233,3 +233,39 @@ def test_an_adopted_conversation_keeps_stop_strings_out_of_its_reasoning(tmp_pat
     while e.has_work():
         text += "".join(ev.text for ev in e.step())
     assert text == ref_text
+
+
+@pytest.mark.parametrize("where", ["ram", "disk", "lost"])
+def test_a_resumed_conversations_next_turn_reuses_its_prompt(where, tmp_path):
+    """A conversation paused while the pool gave its cached prompt pages to the tiers (their state snapshots with
+    them) comes back from its bundle, which puts those pages in the pool again without their snapshots. The next
+    turn still reuses the prompt: the snapshot comes back from the tier copy, and the turn's tokens are those of
+    a run that never paused. A tier copy lost meanwhile is forgotten, and the turn computes what it must."""
+    p1 = prompt(1, 100)
+    p2 = p1 + prompt(2, 40)
+    cfg = {"page_size": 8, "num_pages": 64, "loop_guard": "stop"}
+    ref = Engine(model("qwen3_5_text"), EngineConfig(**cfg)).generate([p1, p2], GREEDY)
+    engine, _ = make_engine("qwen3_5_text", f"file://{tmp_path}/kv", (64 << 20) if where == "ram" else 0,
+                            snapshot_interval=256)
+    engine.add_request(Request(tuple(p1), GREEDY, "t1", conversation="A"))
+    outs: dict[str, list[int]] = {}
+    for _ in range(5):  # the prompt computed, a few tokens decoded
+        for ev in engine.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+    seq, policy = engine.seqs["t1"], engine.admission
+    engine.admission = lambda e: None
+    engine.pause(seq)
+    engine.blocks.evict_all_cached()  # the pool needed the pages meanwhile: they go to the tiers
+    assert engine.resume(seq)
+    engine.admission = policy
+    run_until_done(engine, outs)
+    before = engine.stats.reused_prompt_tokens
+    if where == "lost":  # every tier copy gone: no snapshot comes back
+        engine.page_store.fetch = lambda h: None
+    engine.add_request(Request(tuple(p2), GREEDY, "t2", conversation="A"))
+    run_until_done(engine, outs)
+    if where == "lost":
+        assert engine.stats.reused_prompt_tokens - before < 96 and engine.stats.lost_pages >= 1
+    else:  # the prompt's last page boundary before token 100
+        assert engine.stats.reused_prompt_tokens - before == 96
+    assert [outs["t1"], outs["t2"]] == ref

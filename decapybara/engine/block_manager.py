@@ -57,6 +57,9 @@ class PrefixMatch(NamedTuple):
     tail_page: int | None = None
     tail_len: int = 0
     hashes: list[bytes] | tuple = ()  # hashes of `pages`
+    # hybrid: the last page is in the pool but its snapshot only in a tier (a page a resume put back from its
+    # bundle after the tier took it with its snapshot): fetch the snapshot of this hash from the tier
+    snapshot_from: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -120,6 +123,7 @@ class BlockManager:
         ps = self.page_size
         limit = (len(tokens) - 1) // ps
         snap, best, used = None, 0, None  # used: the key of the snapshot `snap` (refreshed in the LRU)
+        from_tier = None  # the hash whose tier copy holds the snapshot at `best` (an in-pool page's)
         matched: list[int] = []
         hashes = hash_chain(tokens, ps, self.salt, limit)
         for i, h in enumerate(hashes):
@@ -132,13 +136,15 @@ class BlockManager:
                 if not self.needs_snapshots:
                     best = i + 1
                 elif ext == 2:
-                    best, snap, used = i + 1, None, None  # the snapshot comes back with the page
+                    best, snap, used, from_tier = i + 1, None, None, None  # the snapshot comes back with the page
                 continue
             matched.append(page)
             if not self.needs_snapshots:
                 best = i + 1
             elif h in self.snapshots:
-                best, snap, used = i + 1, self.snapshots[h][0], h
+                best, snap, used, from_tier = i + 1, self.snapshots[h][0], h, None
+            elif self.external is not None and self.external(h) == 2:
+                best, snap, used, from_tier = i + 1, None, None, h  # only the snapshot comes back, from the tier
         # A cached partial tail continues the deepest matched full page; it carries its own state snapshot,
         # so for hybrid models it also extends reuse past full pages that have none.
         tail_page, tail_len, depth = None, 0, len(matched)
@@ -151,7 +157,7 @@ class BlockManager:
                     continue
                 tail_page, tail_len = page, n
                 if tail_snap is not None:
-                    snap, used = tail_snap[0], page_hash(parent, tail)
+                    snap, used, from_tier = tail_snap[0], page_hash(parent, tail), None
         if tail_page is not None:
             best = depth
         if used is not None:  # a hit keeps its snapshot (LRU, not first-in first-out)
@@ -161,7 +167,7 @@ class BlockManager:
         if count:
             self.stats.prefix_queries_tokens += len(tokens)
             self.stats.prefix_hits_tokens += num
-        return PrefixMatch(matched[:best], num, snap, tail_page, tail_len, hashes[:best])
+        return PrefixMatch(matched[:best], num, snap, tail_page, tail_len, hashes[:best], from_tier)
 
     def register_tail(self, parent: bytes, tail: tuple[int, ...], page: int, snapshot: Any = None,
                       nbytes: int = 0) -> None:

@@ -85,6 +85,9 @@ class MemoryMixin:
         snapshot = match.snapshot
         if self.hybrid and match.pages and match.pages[-1] is None and not match.tail_len:
             snapshot = restored[len(match.pages) - 1][1]
+        elif match.snapshot_from is not None:  # an in-pool page whose snapshot the tier kept
+            snapshot = restored[-1][1]
+            self.blocks.put_snapshot(match.snapshot_from, snapshot, snapshot.nbytes)
         self.runner.reset_state(seq.state_slot, snapshot)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -107,19 +110,23 @@ class MemoryMixin:
         return self.blocks.pages_for(match.num_tokens + first_chunk) - len(in_pool), in_pool + tail
 
     def _match_and_fetch(self, tokens: list[int]) -> tuple[Any, dict[int, tuple[Any, Any]]]:
-        """match_prefix, with the tier-held pages of the match fetched into host memory. A page that cannot
-        be fetched (lost, corrupt) is forgotten and the match retried, so the result is always usable."""
+        """match_prefix, with the tier-held pages of the match fetched into host memory (by their index in the
+        match; -1: the tier copy of `match.snapshot_from`, for its snapshot). A page that cannot be fetched (lost,
+        corrupt, or without the snapshot it was offloaded with) is forgotten and the match retried, so the result
+        is always usable."""
         while True:
             match = self.blocks.match_prefix(tokens)
             restored: dict[int, tuple[Any, Any]] = {}
-            for i, p in enumerate(match.pages):
-                if p is None:
-                    got = self.page_store.fetch(match.hashes[i])
-                    if got is None:
-                        self.page_store.forget(match.hashes[i])
-                        self.stats.lost_pages += 1
-                        break
-                    restored[i] = got
+            wanted = [(i, h) for i, (p, h) in enumerate(zip(match.pages, match.hashes, strict=True)) if p is None]
+            if match.snapshot_from is not None:
+                wanted.append((-1, match.snapshot_from))
+            for i, h in wanted:
+                got = self.page_store.fetch(h)
+                if got is None or (i == -1 and got[1] is None):
+                    self.page_store.forget(h)
+                    self.stats.lost_pages += 1
+                    break
+                restored[i] = got
             else:
                 return match, restored
 

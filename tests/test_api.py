@@ -900,3 +900,27 @@ def test_metrics_export_nested_stats():
     assert families["decapybara_uptime_seconds"].samples[0].value == 12.5
     tiers = {(s.labels["key"], s.labels["field"]): s.value for s in families["decapybara_tiers"].samples}
     assert tiers == {("ram", "hits"): 3, ("ram", "used_bytes"): 1024}
+
+
+def test_the_next_turn_reuses_the_history_with_thinking_off(stack):
+    """With thinking off the generation prompt holds an empty think block that the next turn's history does not
+    repeat. Where the prompt's last page boundary falls inside it, the hybrid model's state is still snapshotted
+    at the history's last page boundary, so the agent's next turn reuses its whole history (page 16)."""
+    ps, starts = CFG.page_size, stack.tok.special_ids.im_start
+    for n in range(20, 120):  # an opening whose prompt ends 1-3 tokens past a page boundary
+        text = "opening " + "word " * n
+        ids = stack.tok.apply_chat(user(text), enable_thinking=False)
+        if 1 <= len(ids) % ps <= 3:
+            break
+    history = max(i for i, t in enumerate(ids) if t == starts)
+    assert history // ps < len(ids) // ps  # the prompt's own edge lies past the history's
+    first = stack.an().messages.create(model="m", max_tokens=6, messages=user(text))
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == len(ids)
+    reply = "".join(b.text for b in first.content if b.type == "text") or "ok"
+    turn2 = [*user(text), {"role": "assistant", "content": reply}, *user("and then?")]
+    again = stack.an().messages.create(model="m", max_tokens=2, messages=turn2)
+    assert again.usage.cache_read_input_tokens >= history // ps * ps
+    oa = stack.oa().chat.completions.create(model="m", messages=[*turn2, {"role": "assistant", "content": "x"},
+                                                                 *user("more")], max_tokens=2,
+                                            reasoning_effort="none")
+    assert oa.usage.prompt_tokens_details.cached_tokens >= history // ps * ps

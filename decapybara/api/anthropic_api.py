@@ -193,7 +193,8 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
         stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1))
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)
-    request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size)
+    request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
+                           history_end=prompt.history_end)
     budget = body.thinking.budget_tokens if isinstance(body.thinking, an.ThinkingEnabled) else None
     show = getattr(body.thinking, "display", None) != "omitted"
     return MessagePlan(request, prompt, model, budget, show)

@@ -62,6 +62,7 @@ class Prompt:
     opens_reasoning: bool  # the model's output starts inside <think> (parse with in_reasoning=True)
     tools: bool = False  # the request offers tools (and tool_choice is not "none"): parse <tool_call> blocks
     max_calls: int | None = None  # 1 where parallel calls are off: the reply's later calls are dropped
+    history_end: int | None = None  # `Request.history_end`: where the generation prompt (and any note) starts
 
 
 def tool_instruction(choice: ToolChoice) -> str | None:
@@ -119,16 +120,28 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
         return tokenizer.render_chat(messages, tools, add_generation_prompt=True,
                                      enable_thinking=chat.enable_thinking, **chat.template_vars)
 
+    turns_after = 1  # turns the prompt adds after the history: the generation prompt, and a note's own turn
     if note is None:
         text = render(messages)
     else:
         try:  # a turn of its own after the conversation: the prompt's prefix stays the same
             text = render([*messages, {"role": "system", "content": note}])
+            turns_after = 2
         except InvalidRequestError:  # a template that takes a system message only first
             text = render(_with_system_note(messages, note))
     text += chat.prefill
-    return Prompt(tuple(tokenizer.encode(text)), text, prompt_opens_reasoning(text), bool(tools),
-                  None if chat.tool_choice.parallel else 1)
+    ids = tuple(tokenizer.encode(text))
+    return Prompt(ids, text, prompt_opens_reasoning(text), bool(tools), None if chat.tool_choice.parallel else 1,
+                  _history_end(ids, tokenizer.special_ids.im_start, turns_after))
+
+
+def _history_end(ids: tuple[int, ...], im_start: int | None, turns_after: int) -> int | None:
+    """The position of the `turns_after`-th last turn start (`<|im_start|>`) in a ChatML prompt: where the
+    history ends (None without such turns)."""
+    if im_start is None:
+        return None
+    starts = [i for i in range(len(ids) - 1, -1, -1) if ids[i] == im_start][:turns_after]
+    return starts[-1] if len(starts) == turns_after else None
 
 
 def conversation_key(header: str | None, user: str | None, messages: list[dict[str, Any]] | None,
@@ -174,11 +187,12 @@ def output_budget(requested: int | None, num_prompt: int, max_model_len: int, pa
 
 
 def make_request(request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, conversation: str,
-                 max_model_len: int, vocab_size: int, prompt_param: str = "messages") -> Request:
+                 max_model_len: int, vocab_size: int, prompt_param: str = "messages",
+                 history_end: int | None = None) -> Request:
     """Validate everything the engine would (sampling values, prompt) and build the engine request."""
     params.validate(vocab_size)
     check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param)
-    return Request(prompt_ids, params, request_id=request_id, conversation=conversation)
+    return Request(prompt_ids, params, request_id=request_id, conversation=conversation, history_end=history_end)
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -172,7 +172,8 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
     key = conversation_key(conversation, body.user, chat.messages)
-    request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size)
+    request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
+                           history_end=prompt.history_end)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ChatPlan(request, prompt, model, bool(body.logprobs), include_usage, int(time.time()))
 

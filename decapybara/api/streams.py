@@ -148,7 +148,8 @@ async def budgeted_thinking(client: Any, request: Request, budget: int, opens_re
         return
     cont = Request(request.prompt_ids + tuple(out_ids) + tuple(forced),
                    dataclasses.replace(request.params, max_tokens=remaining),
-                   request_id=request.request_id + "+answer", conversation=request.conversation)
+                   request_id=request.request_id + "+answer", conversation=request.conversation,
+                   history_end=request.history_end)
     answer = engine_events(client, cont)
     try:
         async for ev in answer:

@@ -34,6 +34,7 @@ def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]
     req = seq.request
     meta = {
         "format": FORMAT, "request_id": req.request_id, "conversation": req.conversation,
+        "history_end": req.history_end,
         "params": params_to_dict(req.params), "seed": seq.seed, "arrival": seq.arrival,
         "num_prompt": seq.num_prompt, "num_computed": seq.num_computed, "num_output": seq.num_output,
         "num_cached_prompt": seq.num_cached_prompt, "num_computed_prompt": seq.num_computed_prompt,
@@ -60,7 +61,8 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     tokens = [int(t) for t in extras["tokens"]]
     n_prompt = int(meta["num_prompt"])
     params = params_from_dict(meta["params"])
-    req = Request(tuple(tokens[:n_prompt]), params, meta["request_id"], meta["conversation"], meta["arrival"])
+    req = Request(tuple(tokens[:n_prompt]), params, meta["request_id"], meta["conversation"], meta["arrival"],
+                  meta.get("history_end"))
     seq = Sequence(req, int(meta["seed"]), float(meta["arrival"]), tokens=tokens, num_prompt=n_prompt,
                    num_computed=int(meta["num_computed"]))
     seq.num_output = int(meta["num_output"])

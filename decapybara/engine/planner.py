@@ -110,15 +110,18 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
 
 
 def _boundaries(s: Sequence, n: int, every: int, page_size: int) -> tuple[int, ...]:
-    """Snapshot points in (num_computed, num_computed + n]: multiples of `every`, and the prompt's last page
-    boundary; none when `every` is 0."""
+    """Snapshot points in (num_computed, num_computed + n]: multiples of `every`, the prompt's last page
+    boundary, and the last page boundary of a chat prompt's history (`Request.history_end`: what the next turn
+    repeats); none when `every` is 0."""
     if not every:
         return ()
     lo, hi = s.num_computed, s.num_computed + n
     points = {p * every for p in range(lo // every + 1, hi // every + 1)}
-    prompt_edge = (s.num_prompt // page_size) * page_size
-    if lo < prompt_edge <= hi:
-        points.add(prompt_edge)
+    history = s.request.history_end
+    for end in (s.num_prompt, s.num_prompt if history is None else min(history, s.num_prompt)):
+        edge = (end // page_size) * page_size
+        if lo < edge <= hi:
+            points.add(edge)
     return tuple(sorted(points))
 
 

@@ -35,13 +35,18 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class Request:
-    """A generation request. `conversation` groups an agent's turns (affinity, age, pause decisions)."""
+    """A generation request. `conversation` groups an agent's turns (affinity, age, pause decisions).
+    `history_end`: where a chat prompt's history ends and its generation prompt starts (None: not a chat, or not
+    known). The agent's next turn repeats the history but not always the generation prompt (with thinking off it
+    holds an empty think block the history does not), so a hybrid model's state is also snapshotted at the last
+    page boundary of the history."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     conversation: str | None = None
     arrival: float | None = None  # clock time; the engine fills it when None
+    history_end: int | None = None
 
 
 @dataclass(slots=True)

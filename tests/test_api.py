@@ -618,6 +618,7 @@ OA_BAD = [
     ("/v1/chat/completions", {"messages": user("x"), "temperature": -1}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_k": 2**70}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 3}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_k": 2**31}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "chat_template_kwargs": {"namespace": 1}}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "chat_template_kwargs": {"range": {"a": 1}}}, 400),
@@ -781,6 +782,8 @@ def test_metrics_are_prometheus_text(stack):
     assert families["decapybara_steps"].type == "counter" and families["decapybara_steps"].samples[0].value > 0
     assert families["decapybara_running"].type == "gauge"
     assert families["decapybara_kv_pool_usage_ratio"].samples[0].value >= 0
+    for name in ("offloaded_pages", "restored_pages", "lost_pages", "lost_bundles", "demoted_pages"):
+        assert families[f"decapybara_{name}"].type == "counter", name  # they only ever grow
     codes = {(s.labels["route"], s.labels["code"]) for s in families["decapybara_http_requests"].samples}
     assert ("/v1/chat/completions", "200") in codes
 

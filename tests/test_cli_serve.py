@@ -88,3 +88,21 @@ def test_build_app_refuses_what_the_gpu_actor_would_before_deploying(tmp_path):
     assert build_app({"disk_cache": f"file://{tmp_path}/kv"}) is not None and (tmp_path / "kv").is_dir()
     for off in ({"disk_cache_gb": "0"}, {"ram_cache_gb": "0"}):  # no disk tier: its folder is not used
         assert build_app({"disk_cache": "file:///proc/decapybara-kv", **off}) is not None
+
+
+def test_sigterm_stops_the_server_as_ctrl_c_does():
+    """`decapybara serve` turns SIGTERM into the KeyboardInterrupt that ends its blocking run quietly."""
+    import os
+    import signal
+
+    from decapybara.server.cli_serve import stop_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs between bytecodes
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -269,6 +269,8 @@ def test_cli_plan_past_the_trained_context_plans_yarn(capsys):
     out = capsys.readouterr().out
     assert "not measured with YaRN at this context" in out and "most bits that fit (not measured at this context)" in out
     assert "--max-model-len 2000000" in out
+    # weights past bf16 gain nothing measurable: the file's own bf16 weights, not a rebuild as fp32
+    assert "most bits that fit (not measured at this context): bf16 weights" in out and "rebuild" not in out
     assert main(["plan", "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "2", "--context", str(trained),
                  "--kv-mode", "6/4"]) == 0
     out = capsys.readouterr().out

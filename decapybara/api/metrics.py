@@ -32,6 +32,11 @@ COUNTERS = {
     "aborted": "Requests aborted (client gone or cancelled).",
     "step_seconds": "Seconds spent in engine steps.",
     "engine_errors": "Engine steps that raised.",
+    "offloaded_pages": "Prefix pages evicted from the pool into the KV tiers.",
+    "restored_pages": "Prefix pages brought back from the KV tiers instead of being recomputed.",
+    "lost_pages": "Prefix pages a tier no longer had, or had damaged (recomputed instead).",
+    "lost_bundles": "Paused conversations whose bundle was lost (recomputed from their tokens).",
+    "demoted_pages": "Cached pages of expired conversations made the next evicted.",
 }
 # stats key -> help text; exposed as gauges named PREFIX + key
 GAUGES = {

@@ -167,6 +167,8 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = output_budget(requested, len(prompt.ids), client.max_model_len, param)
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")

@@ -275,8 +275,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"best quality that fits (top-1 against bf16): {best.weights} weights, {best.kv_mode} KV")
     else:
         # KV_MODES runs from the most bits to the fewest (bytes a token can rank 8/8 above 16/16 at small heads,
-        # whose microscaling factors weigh more)
-        best = max(pick, key=lambda c: (c.stored_bytes, -KV_MODES.index(c.kv_mode) if c.kv_mode in KV_MODES else 1))
+        # whose microscaling factors weigh more). Weights past bf16 gain nothing measurable: among those, and on
+        # ties, the file's own weights (no rebuild)
+        bf16 = next((c.stored_bytes for c in rows if c.weights == "bf16"), None)
+        best = max(pick, key=lambda c: (c.stored_bytes if bf16 is None else min(c.stored_bytes, bf16),
+                                        -KV_MODES.index(c.kv_mode) if c.kv_mode in KV_MODES else 1,
+                                        c.weights == own))
         why = "not measured at this context" if by_context else "no quality table measured"
         print(f"most bits that fit ({why}): {best.weights} weights, {best.kv_mode} KV")
     pw = "bf16" if extra and extra.get(best.weights) else "packed"  # copies only where weights are quantised

@@ -114,9 +114,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = app_args(args)
     ray.init()
+    stop_on_sigterm()  # after ray.init, whose own handler dumps a stack trace
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(application(settings, checked=True), name="decapybara", route_prefix="/", blocking=True)
-    except KeyboardInterrupt:  # Ctrl-C: the usual way to stop it, not an error (Ray stops at exit)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the usual ways to stop it, not errors (Ray stops at exit)
         print("decapybara: stopped", file=sys.stderr)
     return 0
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (kill, systemd, docker stop) stops the server as Ctrl-C does: as a KeyboardInterrupt in the main
+    thread."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)

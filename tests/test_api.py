@@ -927,3 +927,24 @@ def test_the_next_turn_reuses_the_history_with_thinking_off(stack):
                                                                  *user("more")], max_tokens=2,
                                             reasoning_effort="none")
     assert oa.usage.prompt_tokens_details.cached_tokens >= history // ps * ps
+
+
+def test_a_chat_prompts_history_ends_where_its_generation_prompt_starts(stack):
+    """`Request.history_end` is the generation prompt's `<|im_start|>`, or the tool-choice note's where the note is
+    a turn of its own after the history."""
+    from decapybara.api import openai_api
+    from decapybara.api import openai_schemas as oa
+
+    def history_end(**body):
+        plan = openai_api.plan_chat(oa.ChatCompletionRequest.model_validate({"model": "m", **body}), stack.client,
+                                    "m", None)
+        return plan.request.prompt_ids, plan.request.history_end
+
+    im_start = stack.tok.special_ids.im_start
+    ids, end = history_end(messages=user("hello"))
+    assert ids[end] == im_start and stack.tok.decode(list(ids[end:]), skip_special_tokens=False).startswith(
+        "<|im_start|>assistant")
+    ids, end = history_end(messages=user("hello"), tools=TOOLS_OA, tool_choice="required")
+    assert stack.tok.decode(list(ids[end:]), skip_special_tokens=False).startswith("<|im_start|>system\nIn this reply")
+    plain = stack.tok.apply_chat(user("hello"), TOOLS_OA)
+    assert ids[:end] == tuple(plain[:end])  # the history as a plain turn renders it

@@ -140,8 +140,13 @@ def _history_end(ids: tuple[int, ...], im_start: int | None, turns_after: int) -
     history ends (None without such turns)."""
     if im_start is None:
         return None
-    starts = [i for i in range(len(ids) - 1, -1, -1) if ids[i] == im_start][:turns_after]
-    return starts[-1] if len(starts) == turns_after else None
+    seen = 0
+    for i in range(len(ids) - 1, -1, -1):  # from the end: a long history is not scanned
+        if ids[i] == im_start:
+            seen += 1
+            if seen == turns_after:
+                return i
+    return None
 
 
 def conversation_key(header: str | None, user: str | None, messages: list[dict[str, Any]] | None,

@@ -235,12 +235,14 @@ def test_an_adopted_conversation_keeps_stop_strings_out_of_its_reasoning(tmp_pat
     assert text == ref_text
 
 
-@pytest.mark.parametrize("where", ["ram", "disk", "lost"])
+@pytest.mark.parametrize("where", ["ram", "disk", "lost", "evicted again"])
 def test_a_resumed_conversations_next_turn_reuses_its_prompt(where, tmp_path):
     """A conversation paused while the pool gave its cached prompt pages to the tiers (their state snapshots with
     them) comes back from its bundle, which puts those pages in the pool again without their snapshots. The next
     turn still reuses the prompt: the snapshot comes back from the tier copy, and the turn's tokens are those of
-    a run that never paused. A tier copy lost meanwhile is forgotten, and the turn computes what it must."""
+    a run that never paused; also where the pool evicts those pages once more before it (a copy without the
+    snapshot does not replace the tier's). A tier copy lost meanwhile is forgotten, and the turn computes what it
+    must."""
     p1 = prompt(1, 100)
     p2 = p1 + prompt(2, 40)
     cfg = {"page_size": 8, "num_pages": 64, "loop_guard": "stop"}
@@ -256,10 +258,16 @@ def test_a_resumed_conversations_next_turn_reuses_its_prompt(where, tmp_path):
     engine.admission = lambda e: None
     engine.pause(seq)
     engine.blocks.evict_all_cached()  # the pool needed the pages meanwhile: they go to the tiers
+    first = engine.stats.offloaded_pages  # the full pages computed before the pause
     assert engine.resume(seq)
     engine.admission = policy
     run_until_done(engine, outs)
-    before = engine.stats.reused_prompt_tokens
+    if where == "evicted again":
+        offloaded = engine.stats.offloaded_pages
+        engine.blocks.evict_all_cached()
+        # only the full pages computed after the pause were not in a tier yet (139 tokens computed: 17 pages)
+        assert engine.stats.offloaded_pages - offloaded == 139 // 8 - first
+    before, snapshots = engine.stats.reused_prompt_tokens, engine.stats.restored_snapshots
     if where == "lost":  # every tier copy gone: no snapshot comes back
         engine.page_store.fetch = lambda h: None
     engine.add_request(Request(tuple(p2), GREEDY, "t2", conversation="A"))
@@ -268,4 +276,5 @@ def test_a_resumed_conversations_next_turn_reuses_its_prompt(where, tmp_path):
         assert engine.stats.reused_prompt_tokens - before < 96 and engine.stats.lost_pages >= 1
     else:  # the prompt's last page boundary before token 100
         assert engine.stats.reused_prompt_tokens - before == 96
+        assert engine.stats.restored_snapshots - snapshots == (where != "evicted again")  # else with its page
     assert [outs["t1"], outs["t2"]] == ref

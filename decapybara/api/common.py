@@ -131,6 +131,8 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
             text = render(_with_system_note(messages, note))
     text += chat.prefill
     ids = tuple(tokenizer.encode(text))
+    if chat.prefill and tokenizer.special_ids.im_start is not None:  # turn starts written in the prefill's text
+        turns_after += tokenizer.encode(chat.prefill).count(tokenizer.special_ids.im_start)
     return Prompt(ids, text, prompt_opens_reasoning(text), bool(tools), None if chat.tool_choice.parallel else 1,
                   _history_end(ids, tokenizer.special_ids.im_start, turns_after))
 

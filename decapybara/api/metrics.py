@@ -34,7 +34,8 @@ COUNTERS = {
     "engine_errors": "Engine steps that raised.",
     "offloaded_pages": "Prefix pages evicted from the pool into the KV tiers.",
     "restored_pages": "Prefix pages brought back from the KV tiers instead of being recomputed.",
-    "lost_pages": "Prefix pages a tier no longer had, or had damaged (recomputed instead).",
+    "lost_pages": "Prefix pages a tier no longer had, had damaged, or had without their state snapshot.",
+    "restored_snapshots": "State snapshots of in-pool prefix pages brought back from a tier's copy of the page.",
     "lost_bundles": "Paused conversations whose bundle was lost (recomputed from their tokens).",
     "demoted_pages": "Cached pages of expired conversations made the next evicted.",
 }

@@ -52,7 +52,8 @@ class EngineStats:
     step_seconds: float = 0.0
     offloaded_pages: int = 0  # prefix pages evicted from the pool into the page store
     restored_pages: int = 0  # ... brought back on a later hit instead of being recomputed
-    lost_pages: int = 0  # ... found missing or damaged (recomputed instead)
+    lost_pages: int = 0  # ... found missing or damaged, or without the snapshot they left with (recomputed instead)
+    restored_snapshots: int = 0  # state snapshots of in-pool pages brought back from a tier's copy of the page
     lost_bundles: int = 0  # paused conversations whose bundle was lost (recomputed from their tokens)
     drafted_tokens: int = 0  # speculation: MTP drafts verified as a second row of a decode
     accepted_tokens: int = 0  # ... that the sampled token matched (a token gained without a step of its own)

@@ -16,6 +16,7 @@ from decapybara.engine.runner import SequenceBundle
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import SeqStatus, Sequence
 from decapybara.errors import InvalidRequestError
+from decapybara.kv.stores import ABSENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ class MemoryMixin:
         elif match.snapshot_from is not None:  # an in-pool page whose snapshot the tier kept
             snapshot = restored[-1][1]
             self.blocks.put_snapshot(match.snapshot_from, snapshot, snapshot.nbytes)
+            self.stats.restored_snapshots += 1
         self.runner.reset_state(seq.state_slot, snapshot)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -223,6 +225,11 @@ class MemoryMixin:
         self.blocks.on_evict = self._offload_page if store is not None else None
 
     def _offload_page(self, page: int, page_hash: bytes, snapshot: Any) -> None:
+        """An evicted page to the tiers, unless it brings nothing a tier's copy lacks: pages are content-addressed,
+        so a copy already there holds the same KV, and perhaps the state snapshot this page no longer has in the
+        pool (a page a resume put back from its bundle), which a copy without it must not replace."""
+        if snapshot is None and self.page_store.lookup(page_hash) != ABSENT:
+            return
         kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
         self.page_store.offload(page_hash, kv, snapshot)
         self.stats.offloaded_pages += 1

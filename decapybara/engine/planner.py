@@ -9,8 +9,9 @@ token each; prefill chunks take what the policy leaves them:
   sequence decodes (the whole remaining budget when none does), bounding inter-token latency.
 For hybrid models with the prefix cache on, a chunk that crosses a snapshot boundary asks for a state
 snapshot there, so the prefix cache can reuse the state at that point: every `cfg.snapshot_interval` tokens
-(a multiple of the page size), and the last page boundary of the prompt (where a repeated or shared prompt
-is reusable up to). A sequence samples only when its chunk reaches its
+(a multiple of the page size), the last page boundary of the prompt (where a repeated or shared prompt
+is reusable up to), and that of a chat prompt's history (`Request.history_end`: the agent's next turn repeats the
+history, not always the generation prompt). A sequence samples only when its chunk reaches its
 last token. With speculation, a decoding sequence that holds a draft (the MTP head's guess of the token after its
 last) computes it as a second row of its chunk, where the budget leaves room (`ScheduledChunk.draft`), with a
 state snapshot after its real token for hybrid models (a rejected draft's row is rolled back to it).

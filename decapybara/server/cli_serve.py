@@ -107,6 +107,8 @@ def check_disk_cache(cfg: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
     import ray
     from ray import serve
 
@@ -115,10 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = app_args(args)
     ray.init()
     stop_on_sigterm()  # after ray.init, whose own handler dumps a stack trace
-    serve.start(http_options={"host": args.host, "port": args.port})
     try:
+        serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(application(settings, checked=True), name="decapybara", route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the usual ways to stop it, not errors (Ray stops at exit)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one while Ray shuts down ends the process
         print("decapybara: stopped", file=sys.stderr)
     return 0
 

@@ -16,7 +16,7 @@ from decapybara.engine.runner import SequenceBundle
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import SeqStatus, Sequence
 from decapybara.errors import InvalidRequestError
-from decapybara.kv.stores import ABSENT
+from decapybara.kv.stores import PRESENT_WITH_SNAPSHOT
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +225,10 @@ class MemoryMixin:
         self.blocks.on_evict = self._offload_page if store is not None else None
 
     def _offload_page(self, page: int, page_hash: bytes, snapshot: Any) -> None:
-        """An evicted page to the tiers, unless it brings nothing a tier's copy lacks: pages are content-addressed,
-        so a copy already there holds the same KV, and perhaps the state snapshot this page no longer has in the
-        pool (a page a resume put back from its bundle), which a copy without it must not replace."""
-        if snapshot is None and self.page_store.lookup(page_hash) != ABSENT:
+        """An evicted page to the tiers, except where a tier's copy has the state snapshot this page no longer has
+        in the pool (a page a resume put back from its bundle): pages are content-addressed, so that copy holds the
+        same KV, and one without the snapshot must not replace it."""
+        if snapshot is None and self.page_store.lookup(page_hash) == PRESENT_WITH_SNAPSHOT:
             return
         kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
         self.page_store.offload(page_hash, kv, snapshot)

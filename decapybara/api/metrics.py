@@ -29,7 +29,8 @@ COUNTERS = {
     "pauses": "Conversations paused (KV and state moved out of the pool).",
     "resumes": "Conversations resumed.",
     "finished": "Requests finished (any reason).",
-    "aborted": "Requests aborted (client gone or cancelled).",
+    "aborted": "Requests aborted (client gone or cancelled; also a reasoning cut at its thinking budget, whose "
+               "answer continues as a new request).",
     "step_seconds": "Seconds spent in engine steps.",
     "engine_errors": "Engine steps that raised.",
     "offloaded_pages": "Prefix pages evicted from the pool into the KV tiers.",

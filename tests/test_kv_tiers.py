@@ -336,6 +336,17 @@ class ReferenceRam:
             self.items[key][2] = self._tick()
 
 
+def test_a_refused_ram_put_leaves_the_store_as_it_was():
+    ram = RamTierStore(100)
+    ram.put("a", "A", 30, 5)
+    for key in ("a", "new"):
+        with pytest.raises(ValueError):
+            ram.put(key, "X", 10, float("nan"))
+        with pytest.raises(ValueError):
+            ram.put(key, "X", -1, 1.0)
+    assert ram.keys() == ["a"] and ram.get("a") == "A" and ram.get("new") is None and ram.used_bytes == 30
+
+
 def test_ram_budget_holds_and_matches_the_reference_rule_on_random_sequences():
     rng = np.random.default_rng(6)
     for budget in (0, 50, 200):
@@ -430,13 +441,15 @@ def test_a_crash_before_the_commit_leaves_no_visible_unit(disk, monkeypatch):
     assert not any(n.startswith((".", "conv+b")) for n in names)  # leftovers deleted
 
 
-def test_a_failed_write_is_a_refusal_not_an_error(disk, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), NotImplementedError("read-only backend"),
+                                   RuntimeError("an SDK's own error")])
+def test_a_failed_write_is_a_refusal_not_an_error(disk, monkeypatch, error):
     store = disk()
     old = small_unit("conv/a/0", seed=1)
     store.put(old.key, encode_unit(old))
 
     def full(*a, **k):
-        raise OSError(28, "No space left on device")
+        raise error
 
     monkeypatch.setattr(store.fs, "pipe_file", full)
     dropped = store.put(old.key, encode_unit(small_unit("conv/a/0", seed=2)))

@@ -107,8 +107,12 @@ def test_damaged_disk_unit_falls_back_to_recompute(damage, tmp_path):
     assert outs["agent"] == ref  # recomputed from its tokens: the output is still exact
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text", "qwen3_5_text without snapshots"])
 def test_evicted_prefix_pages_are_restored_not_recomputed(family, tmp_path):
+    """... and a tier copy that comes back without the state snapshot it was recorded with (a store shared with
+    another writer, say) is taken as lost, never resumed from a zeroed state."""
+    bare = family.endswith("without snapshots")
+    family = family.split()[0]
     engine, stores = make_engine(family, f"file://{tmp_path}/kv", ram_bytes=1 << 20, num_pages=12,
                                  loop_guard="off")
     system = prompt(3, 40)  # five pages
@@ -122,10 +126,16 @@ def test_evicted_prefix_pages_are_restored_not_recomputed(family, tmp_path):
     assert engine.stats.offloaded_pages >= 5
     second = system + prompt(5, 9)
     before = engine.stats.computed_prompt_tokens
+    if bare:
+        fetch = stores.fetch
+        stores.fetch = lambda h: None if (got := fetch(h)) is None else (got[0], None)
     engine.add_request(Request(tuple(second), GREEDY, "b"))
     run_until_done(engine, outs)
-    assert engine.stats.restored_pages >= 5
-    assert engine.stats.computed_prompt_tokens - before == len(second) - 40  # the system prompt came back
+    if bare:
+        assert engine.stats.lost_pages >= 1 and engine.stats.computed_prompt_tokens - before == len(second)
+    else:
+        assert engine.stats.restored_pages >= 5
+        assert engine.stats.computed_prompt_tokens - before == len(second) - 40  # the system prompt came back
     ref = Engine(model(family), EngineConfig(page_size=8, num_pages=64, enable_prefix_cache=False, loop_guard="off",
                                              max_model_len=engine.max_model_len)).generate([second], GREEDY)[0]
     assert outs["b"] == ref  # to the same served context (the 12-page pool's: 11 pages for one conversation)
@@ -278,3 +288,63 @@ def test_a_resumed_conversations_next_turn_reuses_its_prompt(where, tmp_path):
         assert engine.stats.reused_prompt_tokens - before == 96
         assert engine.stats.restored_snapshots - snapshots == (where != "evicted again")  # else with its page
     assert [outs["t1"], outs["t2"]] == ref
+
+
+@pytest.mark.parametrize("other", ["kv_mode", "weights", "page_size"])
+def test_a_paused_conversation_is_adopted_only_by_an_engine_on_its_model(other, tmp_path):
+    """A conversation unit carries its engine's mark (model config, weights, KV mode, page size): an engine that
+    differs in any refuses to adopt it before taking pool pages, instead of failing inside its resume (another KV
+    mode's arrays) or resuming it over KV another set of weights computed (wrong output)."""
+    import copy
+
+    from decapybara.errors import ConfigError
+
+    url = f"file://{tmp_path}/kv"
+    engine, stores = make_engine("qwen3_5_text", url, 0)  # no RAM tier: the unit goes to disk, as for a restart
+    engine.add_request(Request(tuple(prompt(1, 29)), GREEDY, "agent"))
+    for _ in range(4):
+        engine.step()
+    seq = engine.seqs["agent"]
+    engine.admission = lambda e: None
+    engine.pause(seq)
+    key = seq.paused_bundle
+    del engine, stores
+    same, _ = make_engine("qwen3_5_text", url, 0)  # (its re-put of the adopted unit goes to disk again)
+    assert same.import_paused(same.bundle_store.tiers.get(key, promote=False)).request_id == "agent"  # its own
+    if other == "weights":  # the same architecture, other weights (another preset of one model, say)
+        m = copy.copy(model("qwen3_5_text"))
+        m.weights_id = "another file"
+        engine = Engine(m, EngineConfig(page_size=8, num_pages=64, loop_guard="stop", snapshot_interval=8))
+        stores = TierStores(KVTiers(RamTierStore(64 << 20), DiskTierStore(url, 64 << 20)), engine.blocks.salt)
+        engine.bundle_store = stores
+        engine.set_page_store(stores)
+    else:
+        engine, stores = make_engine("qwen3_5_text", url, 64 << 20,
+                                     **({"kv_mode": "8/8"} if other == "kv_mode" else {"page_size": 16}))
+    free = engine.blocks.num_free
+    with pytest.raises(ConfigError, match="another model"):
+        engine.import_paused(stores.take_unit(key))
+    assert engine.blocks.num_free == free and not engine.seqs  # nothing taken
+
+
+def test_a_store_that_fails_to_keep_an_evicted_page_loses_only_its_copy(tmp_path):
+    """A tier store that raises on an evicted page (a backend's own error, not an OSError) costs that page's copy:
+    the pool keeps the page, the step goes on, and the outputs are exact."""
+    engine, stores = make_engine("qwen3_5_text", f"file://{tmp_path}/kv", ram_bytes=1 << 20, num_pages=12,
+                                 loop_guard="off")
+
+    def broken(*args):
+        raise NotImplementedError("this backend cannot write")
+
+    stores.offload = broken
+    outs: dict[str, list[int]] = {}
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ps = [prompt(30 + i, 60) for i in range(4)]
+    for i, p in enumerate(ps):  # each pushes the one before out of the 12-page pool
+        engine.add_request(Request(tuple(p), params, f"x{i}"))
+        run_until_done(engine, outs)
+    assert engine.stats.lost_pages > 0 and engine.stats.offloaded_pages == 0
+    assert engine.blocks.num_free == engine.blocks.num_pages  # every page obtainable again
+    ref = Engine(model("qwen3_5_text"), EngineConfig(page_size=8, num_pages=64, loop_guard="off",
+                                                      max_model_len=engine.max_model_len)).generate(ps, params)
+    assert [outs[f"x{i}"] for i in range(4)] == ref

@@ -86,8 +86,9 @@ class Engine(MemoryMixin):
         self.max_model_len = cfg.max_model_len or model.cfg.max_position_embeddings
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.hybrid = self.runner.hybrid
-        # the prefix hashes' namespace: the model's whole config (architecture, YaRN), the KV mode, the page size
-        salt = f"{model.cfg!r}|{cfg.kv_mode}|{cfg.page_size}".encode()
+        # the prefix hashes' namespace: the model's whole config (architecture, YaRN), its weights (a file's
+        # checksums: two weight presets of one architecture compute different KV), the KV mode, the page size
+        salt = f"{model.cfg!r}|{getattr(model, 'weights_id', '')}|{cfg.kv_mode}|{cfg.page_size}".encode()
         state_bytes = model.cfg.state_bytes_per_sequence() if self.hybrid else 0
         budget = cfg.snapshot_budget(state_bytes)
         # hybrid-state snapshots are taken only where the budget can keep one (a copy it would drop at once

@@ -5,6 +5,7 @@ runner, queues, slots and stats)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,10 @@ from decapybara.engine.block_manager import hash_chain, root_hash
 from decapybara.engine.runner import SequenceBundle
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import SeqStatus, Sequence
-from decapybara.errors import InvalidRequestError
+from decapybara.errors import ConfigError, InvalidRequestError
 from decapybara.kv.stores import PRESENT_WITH_SNAPSHOT
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +125,10 @@ class MemoryMixin:
             wanted = [(i, h) for i, (p, h) in enumerate(zip(match.pages, match.hashes, strict=True)) if p is None]
             if match.snapshot_from is not None:
                 wanted.append((-1, match.snapshot_from))
+            last = len(match.pages) - 1 if self.hybrid and not match.tail_len else None  # its state resumes there
             for i, h in wanted:
                 got = self.page_store.fetch(h)
-                if got is None or (i == -1 and got[1] is None):
+                if got is None or (i in (-1, last) and got[1] is None):  # no snapshot where one was recorded
                     self.page_store.forget(h)
                     self.stats.lost_pages += 1
                     break
@@ -197,7 +201,12 @@ class MemoryMixin:
         """Adopt a paused conversation from a tier unit written by any engine on this model (e.g. before a
         restart): it joins the paused set and resumes exactly where it stopped."""
         from decapybara.engine.persist import restore_sequence
+        from decapybara.kv.stores import model_fingerprint
 
+        mark = unit.meta.get("model")  # units written before the mark was kept carry none
+        if mark is not None and mark != model_fingerprint(self.blocks.salt):
+            raise ConfigError(f"conversation {unit.meta.get('request_id')!r} was paused by an engine on another "
+                              "model, weights, KV mode or page size: its KV cannot be adopted here")
         detok = None
         if self.tokenizer is not None:
             from decapybara.tokenizer import IncrementalDetokenizer
@@ -231,7 +240,12 @@ class MemoryMixin:
         if snapshot is None and self.page_store.lookup(page_hash) == PRESENT_WITH_SNAPSHOT:
             return
         kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
-        self.page_store.offload(page_hash, kv, snapshot)
+        try:
+            self.page_store.offload(page_hash, kv, snapshot)
+        except Exception as e:  # noqa: BLE001 - a store that fails loses the page's copy, not the pool page or the step
+            log.warning("KV tiers: evicted page not kept: %s: %s", type(e).__name__, e)
+            self.stats.lost_pages += 1
+            return
         self.stats.offloaded_pages += 1
 
     def _free_slot(self, seq: Sequence) -> None:

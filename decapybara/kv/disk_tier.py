@@ -89,8 +89,8 @@ class DiskTierStore:
             self.fs.rm_file(path)
         except FileNotFoundError:
             pass
-        except OSError as e:  # NOTE: a file we cannot delete is found again (and retried) on the next start
-            log.warning("KV disk tier: cannot delete %s: %s", path, e)
+        except Exception as e:  # noqa: BLE001 - fsspec backends raise their own errors; a file we cannot delete
+            log.warning("KV disk tier: cannot delete %s: %s", path, e)  # is found again (and retried) at next start
 
     def _delete_files(self, key: str) -> None:
         if self.commit == "marker":
@@ -193,7 +193,7 @@ class DiskTierStore:
             self._evict(dropped)
             try:
                 self._write(key, mv)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - OSError, or a backend's own (HTTP, SDK, NotImplementedError)
                 log.warning("KV disk tier: cannot write %s: %s", key, e)
                 self._index.remove(key)
                 self._gen.pop(key, None)

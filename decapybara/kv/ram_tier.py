@@ -54,9 +54,18 @@ class RamTierStore:
         order. The new unit itself is the only one spilled when it exceeds the budget or is needed last."""
         if handle is None:
             raise ValueError("a RAM tier handle must not be None")
+        old = self._handles.get(key)
         self._handles[key] = handle
+        try:
+            dropped = self._index.admit(key, nbytes, next_use)
+        except BaseException:  # refused (a bad size or next use): the store is as it was
+            if old is None:
+                self._handles.pop(key, None)
+            else:
+                self._handles[key] = old
+            raise
         self.stats["puts"] += 1
-        return self._spill(self._index.admit(key, nbytes, next_use))
+        return self._spill(dropped)
 
     def _spill(self, dropped: list[Dropped]) -> list[Spilled]:
         out = [Spilled(d.key, self._handles.pop(d.key), d.nbytes, d.next_use) for d in dropped]

@@ -58,6 +58,14 @@ class HostBundleStore:
         return None
 
 
+
+def model_fingerprint(salt: bytes) -> str:
+    """A conversation unit's mark of the engine that wrote it: its prefix salt (model config, weights, KV mode,
+    page size) hashed."""
+    import hashlib
+
+    return hashlib.blake2b(salt, digest_size=16).hexdigest()
+
 class TierStores:
     """Both stores over in-process `KVTiers` (RAM budget, disk under an fsspec URL)."""
 
@@ -70,6 +78,7 @@ class TierStores:
         from decapybara.engine.persist import sequence_state
 
         meta, extras = sequence_state(seq)
+        meta["model"] = model_fingerprint(self.salt)  # which engines may adopt it (`Engine.import_paused`)
         unit = Unit.from_bundle(conv_key(seq.request_id, seq.num_pauses), bundle, meta, extras)
         return self.tiers.put(unit, next_use=float(seq.arrival))
 

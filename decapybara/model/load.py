@@ -73,6 +73,8 @@ def load_model(path: str, backend: Backend | None = None, include_mtp: bool = Tr
         cfg = with_yarn(cfg, target)
     backend = backend or NumpyBackend()
     model = QwenModel.from_tensors(cfg, backend, iter_weights(f, verify), include_mtp=include_mtp)
+    h = f.header  # the file's metadata, directory (every tensor's crc32) and data checksums
+    model.weights_id = f"{h.metadata_crc32:08x}{h.directory_crc32:08x}{h.data_crc32:08x}"
     meta = f.metadata
     tok_json = meta.get("tokenizer")
     tokenizer = None

@@ -53,6 +53,7 @@ class QwenModel:
 
     def __init__(self, cfg: ModelConfig, backend: Backend, weights: dict[str, Any]):
         self.cfg, self.backend, self.w = cfg, backend, weights
+        self.weights_id = ""  # what identifies the weights' values (a loaded file's checksums; "" unknown)
         self.rotary = RotaryTable.for_config(cfg)
         self.scale = cfg.head_dim ** -0.5
         self.linear_index = {layer: j for j, layer in enumerate(cfg.linear_layers)}

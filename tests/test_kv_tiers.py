@@ -661,3 +661,22 @@ def test_measure_throughput_of_a_64mb_unit(tmp_path):
         store.delete(unit.key)
     print("\n" + "\n".join(lines))
     assert read_header(buf).total_size == len(buf)
+
+
+def test_the_page_records_stay_bounded():
+    """TierStores keeps a record of each offloaded page (whether it went with a snapshot); where the tiers do not
+    say when a unit leaves (under Ray), the records are bounded, the least recently used dropped first."""
+    from decapybara.kv.stores import ABSENT, PRESENT, PRESENT_WITH_SNAPSHOT, TierStores
+
+    stores = TierStores(KVTiers(RamTierStore(1 << 30), None), b"salt")
+    stores.MAX_PAGES = 4
+    rng = np.random.default_rng(0)
+    kv = KVPageData(kv_arrays(rng, 1, "6/4"))
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    for i, h in enumerate(hashes[:4]):
+        stores.offload(h, kv, hybrid_state(rng) if i == 0 else None)
+    assert stores.lookup(hashes[0]) == PRESENT_WITH_SNAPSHOT  # a lookup is a use
+    for h in hashes[4:]:
+        stores.offload(h, kv, None)
+    assert len(stores._pages) == 4
+    assert [stores.lookup(h) for h in hashes] == [PRESENT_WITH_SNAPSHOT, ABSENT, ABSENT, PRESENT, PRESENT, PRESENT]

@@ -13,6 +13,7 @@ older conversations first, so the youngest is needed last and spills first); pre
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Protocol
 
 from decapybara.backend.base import HybridState, KVPageData
@@ -69,9 +70,13 @@ def model_fingerprint(salt: bytes) -> str:
 class TierStores:
     """Both stores over in-process `KVTiers` (RAM budget, disk under an fsspec URL)."""
 
+    MAX_PAGES = 1 << 20  # page records kept (~100 MB), the least recently offloaded or looked up dropped first
+
     def __init__(self, tiers: KVTiers, salt: bytes):
         self.tiers, self.salt = tiers, salt
-        self._pages: dict[bytes, bool] = {}  # page hash -> offloaded with a hybrid snapshot
+        # page hash -> offloaded with a hybrid snapshot. A record outlives its unit where the tiers do not say
+        # (under Ray, presence is not asked remotely): bounded, so that it cannot grow for ever
+        self._pages: OrderedDict[bytes, bool] = OrderedDict()
 
     # ---- bundles -------------------------------------------------------------------------------------
     def put(self, seq: Any, bundle: Any) -> str:
@@ -97,6 +102,9 @@ class TierStores:
     def offload(self, page_hash: bytes, kv: KVPageData, snapshot: HybridState | None) -> None:
         self.tiers.put(Unit.page(self.salt, page_hash, kv, snapshot), next_use=None)
         self._pages[page_hash] = snapshot is not None
+        self._pages.move_to_end(page_hash)
+        while len(self._pages) > self.MAX_PAGES:
+            self._pages.popitem(last=False)
 
     def lookup(self, page_hash: bytes) -> int:
         has_snap = self._pages.get(page_hash)
@@ -105,6 +113,7 @@ class TierStores:
         if self.tiers.where(page_key(self.salt, page_hash)) is None:  # evicted from every tier meanwhile
             del self._pages[page_hash]
             return ABSENT
+        self._pages.move_to_end(page_hash)
         return PRESENT_WITH_SNAPSHOT if has_snap else PRESENT
 
     def fetch(self, page_hash: bytes) -> tuple[KVPageData, HybridState | None] | None:

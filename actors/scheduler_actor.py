@@ -229,8 +229,8 @@ class RayMetrics:
     """The engine's counters and gauges exported through `ray.util.metrics` (Ray dashboard / Prometheus)."""
 
     COUNTERS = ("generated_tokens", "computed_prompt_tokens", "reused_prompt_tokens", "steps", "pauses",
-                "resumes", "finished", "aborted", "restored_pages", "offloaded_pages", "lost_bundles",
-                "drafted_tokens", "accepted_tokens", "withheld_steps")
+                "resumes", "finished", "aborted", "restored_pages", "offloaded_pages", "lost_pages", "lost_bundles",
+                "restored_snapshots", "demoted_pages", "drafted_tokens", "accepted_tokens", "withheld_steps")
     GAUGES = ("running", "waiting", "paused", "free_pages", "used_pages", "cached_pages")
 
     def __init__(self, app: str):

@@ -115,9 +115,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from decapybara.server.ingress import application
 
     settings = app_args(args)
-    ray.init()
-    stop_on_sigterm()  # after ray.init, whose own handler dumps a stack trace
+    # NOTE: ray.init installs Ray's own SIGTERM handler (a stack dump), so ours goes in again after it; a SIGTERM
+    # while Ray starts still meets Ray's. (Blocking the signal meanwhile would leave it blocked in the processes
+    # Ray starts, which inherit the mask.)
     try:
+        stop_on_sigterm()
+        ray.init()
+        stop_on_sigterm()
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(application(settings, checked=True), name="decapybara", route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the usual ways to stop it, not errors (Ray stops at exit)

@@ -10,6 +10,7 @@ one however the text is cut into deltas.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache, lru_cache
@@ -250,7 +251,7 @@ class ParsedOutput:
 
 def _finite(text: str) -> float:
     value = float(text)
-    if value in (float("inf"), float("-inf")):
+    if math.isinf(value):
         raise ValueError(f"number out of range: {text}")
     return value
 
@@ -292,7 +293,7 @@ def _cut_short(body: str) -> bool:
     except ValueError as e:
         return e.msg.startswith("Unterminated string")
     except RecursionError:  # nested past the parser's depth: no string left open is known
-        return False
+        pass
     return False
 
 

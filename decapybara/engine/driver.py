@@ -146,7 +146,6 @@ class EngineDriver:
         self._live: dict[str, Sequence] = {}  # requests of a conversation, until they end
         self._trails: OrderedDict[str, CachedTrail] = OrderedDict()  # conversation -> its last request's trail
         self._trail_pages: Counter[bytes] = Counter()  # the trails' page hashes, each with how many trails hold it
-        self._chains: dict[str, list[bytes]] = {}  # waiting requests' prompt page hashes, computed at an expire
         self.last_stats: dict[str, Any] = {}
         if remote_policy:
             engine.admission = self._admit_from_decisions
@@ -233,7 +232,6 @@ class EngineDriver:
             if ev.finish_reason is None:
                 continue
             seq = self._live.pop(ev.request_id, None)
-            self._chains.pop(ev.request_id, None)
             if seq is None or seq.num_computed == 0:
                 continue
             self._set_trail(seq.request.conversation, CachedTrail.of(seq, self.engine.cfg.page_size))
@@ -244,11 +242,11 @@ class EngineDriver:
         """Replace (None: drop) conversation `key`'s trail, keeping `_trail_pages` the count of the trails' pages;
         returns the trail it held."""
         old = self._trails.pop(key, None)
-        if old is not None:
-            self._trail_pages.subtract(old.page_hashes)
-            for h in old.page_hashes:
-                if self._trail_pages[h] <= 0:
-                    del self._trail_pages[h]
+        for h in old.page_hashes if old is not None else ():
+            if self._trail_pages[h] == 1:
+                del self._trail_pages[h]
+            else:
+                self._trail_pages[h] -= 1
         if trail is not None:
             self._trails[key] = trail
             self._trail_pages.update(trail.page_hashes)
@@ -257,7 +255,8 @@ class EngineDriver:
     def _expire(self, keys: list[str]) -> int:
         """Demote the cached pages that expired conversations' last requests left, except pages a live
         request or another conversation's last request uses (or a waiting prompt would reuse). Returns the pages
-        moved. Its work is the expired trails' pages and the live requests' (a waiting prompt's hashed once)."""
+        moved. Its work is the expired trails' pages and the live requests' (rare: once a conversation an idle
+        timeout)."""
         engine = self.engine
         live = {s.request.conversation for s in engine.seqs.values()}
         dead = [self._set_trail(k, None) for k in keys if k in self._trails and k not in live]
@@ -268,12 +267,7 @@ class EngineDriver:
         for s in engine.seqs.values():
             in_use.update(s.page_hashes)
             if s.status is SeqStatus.WAITING:
-                chain = self._chains.get(s.request_id)
-                if chain is None:
-                    chain = hash_chain(s.tokens[:s.num_prompt], blocks.page_size, blocks.salt)
-                    if s.request_id in self._live:  # dropped as it ends
-                        self._chains[s.request_id] = chain
-                in_use.update(chain)
+                in_use.update(hash_chain(s.tokens[:s.num_prompt], blocks.page_size, blocks.salt))
         keep = _Keep(self._trail_pages, in_use)
         return sum(engine.demote_cached(trail, keep) for trail in dead)
 

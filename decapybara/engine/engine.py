@@ -104,8 +104,7 @@ class Engine(MemoryMixin):
         # refusing every request that leaves max_tokens to its default. With the prefix cache, one page less: an
         # admission holds a cached partial last page (`match.tail_page`) beside the pages it takes while it copies
         # it, so a sequence of every page would never be admitted.
-        spare = 1 if cfg.enable_prefix_cache else 0
-        pool_tokens = max(1, self.blocks.num_pages - spare) * cfg.page_size
+        pool_tokens = pool_context(self.blocks.num_pages, cfg)
         if pool_tokens < self.max_model_len:
             log.warning("the KV pool holds %d tokens for one conversation (%d pages of %d), fewer than the context "
                         "of %d: serving a context of %d", pool_tokens, self.blocks.num_pages, cfg.page_size,
@@ -632,6 +631,13 @@ class Engine(MemoryMixin):
             **({"policy": self.admission.snapshot()} if hasattr(self.admission, "snapshot") else {}),
             **({"speculation": self.governor.summary()} if self.governor is not None else {}),
         }
+
+
+def pool_context(usable_pages: int, cfg: EngineConfig) -> int:
+    """The tokens one conversation can hold in a pool of `usable_pages` (the block manager's: without the CUDA
+    graphs' pad page): with the prefix cache, one page less, which an admission holds for a cached partial tail
+    while it copies it."""
+    return max(1, usable_pages - (1 if cfg.enable_prefix_cache else 0)) * cfg.page_size
 
 
 def _penalties_read_ids(s: Sequence) -> tuple[bool, bool]:

@@ -37,6 +37,7 @@ class CachedTrail:
         full = seq.num_computed // page_size
         return cls(tuple(seq.page_hashes), seq.num_computed, tuple(seq.tokens[full * page_size:seq.num_computed]))
 
+
 class _Bundle:
     """Adapter: a single page's KV as the `import_pages` bundle argument."""
 
@@ -265,12 +266,11 @@ class MemoryMixin:
         self.blocks.register_tail(parent, tuple(s.tokens[full * ps:s.num_computed]), s.pages[full], snap,
                                   snap.nbytes if snap is not None else 0)
 
-    def demote_cached(self, seq: Sequence | CachedTrail, keep: Container[bytes] = frozenset()) -> int:
-        """Make the unreferenced cached pages of a finished `seq` (or its `CachedTrail`: its full pages, then the
+    def demote_cached(self, trail: CachedTrail, keep: Container[bytes] = frozenset()) -> int:
+        """Make the unreferenced cached pages a finished sequence left (its `CachedTrail`: its full pages, then the
         partial tail it offered) the next to be evicted, deepest first, except full pages whose hash is in `keep`.
         Returns how many pages moved. Referenced pages are untouched."""
         b, ps = self.blocks, self.cfg.page_size
-        trail = seq if isinstance(seq, CachedTrail) else CachedTrail.of(seq, ps)
         pages = [b.page_of_hash.get(h) for h in trail.page_hashes if h not in keep]
         full = trail.num_computed // ps
         if trail.tail and len(trail.page_hashes) >= full:

@@ -118,11 +118,9 @@ def _boundaries(s: Sequence, n: int, every: int, page_size: int) -> tuple[int, .
         return ()
     lo, hi = s.num_computed, s.num_computed + n
     points = {p * every for p in range(lo // every + 1, hi // every + 1)}
-    history = s.request.history_end
-    for end in (s.num_prompt, s.num_prompt if history is None else min(history, s.num_prompt)):
-        edge = (end // page_size) * page_size
-        if lo < edge <= hi:
-            points.add(edge)
+    ends = {s.num_prompt} if s.request.history_end is None else {s.num_prompt, min(s.request.history_end,
+                                                                                          s.num_prompt)}
+    points.update(edge for end in ends if lo < (edge := end // page_size * page_size) <= hi)
     return tuple(sorted(points))
 
 

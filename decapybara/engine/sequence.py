@@ -36,10 +36,10 @@ class FinishReason(str, enum.Enum):
 @dataclass(slots=True, frozen=True)
 class Request:
     """A generation request. `conversation` groups an agent's turns (affinity, age, pause decisions).
-    `history_end`: where a chat prompt's history ends: the start of its generation prompt, or of a tool-choice note
-    the API put in a turn of its own before it (None: not a chat, or not known). The agent's next turn repeats the history but not always the generation prompt (with thinking off it
-    holds an empty think block the history does not), so a hybrid model's state is also snapshotted at the last
-    page boundary of the history."""
+    `history_end`: where a chat prompt's history ends: the start of its generation prompt, or of a tool-choice
+    note the API put in a turn of its own before it (None: not a chat, or not known). The agent's next turn
+    repeats the history but not always the generation prompt (with thinking off it holds an empty think block the
+    history does not), so a hybrid model's state is also snapshotted at the last page boundary of the history."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)

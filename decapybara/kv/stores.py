@@ -13,6 +13,7 @@ older conversations first, so the youngest is needed last and spills first); pre
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -58,14 +59,11 @@ class HostBundleStore:
     def discard(self, seq: Any, handle: Any) -> None:
         return None
 
-
-
 def model_fingerprint(salt: bytes) -> str:
     """A conversation unit's mark of the engine that wrote it: its prefix salt (model config, weights, KV mode,
     page size) hashed."""
-    import hashlib
-
     return hashlib.blake2b(salt, digest_size=16).hexdigest()
+
 
 class TierStores:
     """Both stores over in-process `KVTiers` (RAM budget, disk under an fsspec URL)."""

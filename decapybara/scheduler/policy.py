@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from decapybara.engine.block_manager import hash_chain
+from decapybara.engine.memory import CachedTrail
 from decapybara.engine.sequence import FinishReason, SeqStatus, Sequence
 from decapybara.scheduler.scoring import PolicyConfig, candidate_score, victim_score, work_estimate
 
@@ -183,7 +184,8 @@ class AgePolicy:
             keep.update(tr.chain or ())
         for key, conv in zip(expired, dead, strict=True):
             if conv.last_seq is not None:
-                self.stats.demoted_pages += engine.demote_cached(conv.last_seq, keep)
+                trail = CachedTrail.of(conv.last_seq, engine.cfg.page_size)
+                self.stats.demoted_pages += engine.demote_cached(trail, keep)
             self.stats.expired_conversations += 1
             self.recent.append(Decision(now, "expire", None, key, 0.0))
 

@@ -57,7 +57,8 @@ def build_engine(cfg: AppConfig) -> ServedEngine:
     """Load `cfg`'s model on CUDA (the cupy backend: packed quantised weights, decode steps as CUDA graphs unless
     `cuda_graphs` is off) or the CPU (numpy), size the KV pool and build the Engine. ConfigError where the
     settings cannot be served (a context the rope scaling refuses, no room for a KV pool)."""
-    from decapybara.engine.engine import Engine
+    from decapybara.engine.engine import Engine, pool_context
+    from decapybara.engine.runner import graph_plan
     from decapybara.model.load import load_model
 
     t0 = time.perf_counter()
@@ -95,10 +96,9 @@ def build_engine(cfg: AppConfig) -> ServedEngine:
                 raise ConfigError(f"no room for a KV pool: {pool.why_not()}; lower keep_free_gb, slots or the "
                                   "weights' size, or set num_pages / kv_memory_gb")
             engine_cfg = engine_cfg.replace(num_pages=pool.pages)
-    # the tokens one conversation can hold: the pool less the graphs' pad page and the prefix cache's spare page
-    # (as Engine counts them)
-    spare = int(cuda and engine_cfg.cuda_graphs) + int(engine_cfg.enable_prefix_cache)
-    pool_tokens = max(1, engine_cfg.num_pages - spare) * engine_cfg.page_size
+    usable = graph_plan(engine_cfg, loaded.model.backend.name, engine_cfg.max_model_len or mcfg.max_position_embeddings,
+                        bool(mcfg.linear_layers)).usable_pages
+    pool_tokens = pool_context(usable, engine_cfg)  # as the engine will count it
     if plan.yarn_to and fit_yarn(loaded.model, file_cfg, pool_tokens, plan.yarn_to):
         served = loaded.model.cfg.max_position_embeddings
         log.info("the KV pool holds %d tokens: the model's rope serves %d (YaRN factor %.4g), not the %d asked",

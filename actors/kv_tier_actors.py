@@ -10,6 +10,8 @@ and writes it under an fsspec URL (DISK_CACHE). Every unit is checksummed and ve
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import ray
@@ -23,23 +25,29 @@ class RamTierActor:
     def __init__(self, budget_bytes: int, disk: Any = None):
         self.store = RamTierStore(budget_bytes)
         self.disk = disk
+        self.snapshots: dict[str, bool | None] = {}  # key -> holds a hybrid state, as its writer said
         self.stats_ = {"puts": 0, "put_bytes": 0, "hits": 0, "misses": 0, "spills": 0, "spilled_bytes": 0,
                        "lost": 0}
 
-    async def put_from(self, key: str, source: Any, nbytes: int, next_use: float | None = None) -> int:
-        """Adopt a unit staged by `source` (an actor with `take_staged(key)`): its result ref is ours."""
-        return await self._keep(key, source.take_staged.remote(key), nbytes, next_use)
+    async def put_from(self, key: str, source: Any, nbytes: int, next_use: float | None = None,
+                       snapshot: bool | None = None) -> int:
+        """Adopt a unit staged by `source` (an actor with `take_staged(key)`): its result ref is ours. `snapshot`:
+        whether it holds a hybrid state (told by the writer, for `snapshot_flags`)."""
+        return await self._keep(key, source.take_staged.remote(key), nbytes, next_use, snapshot)
 
-    async def put_bytes(self, key: str, data: Any, nbytes: int, next_use: float | None = None) -> int:
+    async def put_bytes(self, key: str, data: Any, nbytes: int, next_use: float | None = None,
+                        snapshot: bool | None = None) -> int:
         """Adopt a unit passed by value (callers that are not actors): one copy into an object we own."""
-        return await self._keep(key, ray.put(data), nbytes, next_use)
+        return await self._keep(key, ray.put(data), nbytes, next_use, snapshot)
 
-    async def _keep(self, key: str, ref: Any, nbytes: int, next_use: float | None) -> int:
+    async def _keep(self, key: str, ref: Any, nbytes: int, next_use: float | None, snapshot: bool | None) -> int:
         """Keep `ref` (owned by this actor). Returns how many units spilled to disk."""
         self.stats_["puts"] += 1
         self.stats_["put_bytes"] += nbytes
         spilled = self.store.put(key, ref, nbytes, next_use)
+        self.snapshots[key] = snapshot
         for s in spilled:
+            self.snapshots.pop(s.key, None)
             self.stats_["spills"] += 1
             self.stats_["spilled_bytes"] += s.nbytes
             if self.disk is None:
@@ -51,6 +59,25 @@ class RamTierActor:
                 self.stats_["lost"] += 1
         return len(spilled)  # ... the last reference to the object is dropped here
 
+    async def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> int:
+        """Copy the units under `prefix` that the disk tier lacks to it (this tier keeps them), the most recently
+        used first, ranked from `first_rank` on (`KVTiers.persist`). Returns the units copied."""
+        if self.disk is None:
+            return 0
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        on_disk = set(await self.disk.keys.remote())
+        n = 0
+        for key in reversed(self.store.eviction_order()):
+            if not key.startswith(prefix) or key in on_disk:
+                continue
+            ref = self.store.peek(key)
+            if ref is None or (deadline is not None and time.monotonic() > deadline):
+                break
+            if not await self.disk.save_ref.remote(key, [ref], float(first_rank + n)):
+                break
+            n += 1
+        return n
+
     def get(self, key: str) -> list | None:
         ref = self.store.get(key)
         self.stats_["hits" if ref is not None else "misses"] += 1
@@ -58,7 +85,13 @@ class RamTierActor:
 
     def pop(self, key: str) -> list | None:
         ref = self.store.pop(key)
+        self.snapshots.pop(key, None)
         return None if ref is None else [ref]
+
+    def snapshot_flags(self, prefix: str) -> dict[str, bool | None]:
+        """The units under `prefix`, with whether each holds a hybrid state (None: its writer did not say)."""
+        held = self.store.keys()
+        return {k: self.snapshots.get(k) for k in held if k.startswith(prefix)}
 
     def contains(self, key: str) -> bool:
         return key in self.store
@@ -80,13 +113,28 @@ class DiskTierActor:
         data = ray.get(boxed_ref[0])  # zero-copy view of the object store buffer
         return self.put(key, data, next_use)
 
+    def save_ref(self, key: str, boxed_ref: list, next_use: float | None = None) -> bool:
+        """`save` of a unit in the object store."""
+        return self.save(key, ray.get(boxed_ref[0]), next_use)
+
     def put(self, key: str, data: Any, next_use: float | None = None) -> int:
+        """Store a unit; returns how many units were dropped (others evicted, or this one)."""
+        return len(self._put(key, data, next_use))
+
+    def save(self, key: str, data: Any, next_use: float | None = None) -> bool:
+        """Store a unit; False where it was not kept (no room for it, or a failed write)."""
+        return all(d.key != key for d in self._put(key, data, next_use))
+
+    def _put(self, key: str, data: Any, next_use: float | None) -> list[Any]:
         mv = byte_view(data)
         dropped = self.store.put(key, mv, next_use)
         self.stats_["puts"] += 1
         self.stats_["put_bytes"] += len(mv)
         self.stats_["dropped"] += len(dropped)
-        return len(dropped)
+        return dropped
+
+    def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
+        return self.store.snapshot_flags(prefix, budget_s)
 
     def get(self, key: str) -> bytes | None:
         """The unit's verified bytes, or None (absent, or corrupt: then it is deleted and counted)."""
@@ -148,6 +196,8 @@ class RayTiers:
         self.handles, self.timeout_s = tiers, timeout_s
         self.errors = 0
         self.staged: dict[str, Any] = {}  # encoded units waiting for the RAM tier to take them
+        self.pending: set[Any] = set()  # futures of puts the RAM tier has not finished (under `_lock`)
+        self._lock = threading.Lock()
         try:
             self.actor = ray.get_runtime_context().current_actor  # inside the GPU actor
         except RuntimeError:
@@ -160,18 +210,78 @@ class RayTiers:
 
         buf = np.frombuffer(encode_unit(unit), np.uint8)  # numpy: zero-copy reads from the object store
         ram = self.handles["ram"]
+        snapshot = unit.state is not None
         if self.actor is not None:  # the RAM tier fetches it: one write into the object store, owned by the tier
             self.staged[unit.key] = buf
-            done = ram.put_from.remote(unit.key, self.actor, len(buf), next_use)
+            done = ram.put_from.remote(unit.key, self.actor, len(buf), next_use, snapshot)
             # the tier takes it (take_staged) once put_from has run; where that call fails (the tier is gone), nobody
             # will: drop it here, else it stays for ever
-            done.future().add_done_callback(lambda f, k=unit.key, b=buf: f.exception() and self._unstage(k, b))
+            fut = done.future()
+            with self._lock:
+                self.pending.add(fut)
+            fut.add_done_callback(lambda f, k=unit.key, b=buf: self._landed(f, k, b))
         else:
-            ram.put_bytes.remote(unit.key, buf, len(buf), next_use)
+            ram.put_bytes.remote(unit.key, buf, len(buf), next_use, snapshot)
         return unit.key
+
+    def put_durable(self, unit: Any, next_use: float | None = None) -> bool:
+        """The unit to the disk tier only, waited for (`KVTiers.put_durable`); False where there is none, it keeps
+        no room for the unit, or cannot be reached."""
+        import numpy as np
+
+        from decapybara.kv.units import encode_unit
+
+        if "disk" not in self.handles:
+            return False
+        try:
+            self.handles["ram"].pop.remote(unit.key)  # a RAM copy with less (no snapshot) must not be read first
+            return bool(ray.get(self.handles["disk"].save.remote(unit.key, np.frombuffer(encode_unit(unit), np.uint8),
+                                                                 next_use), timeout=self.timeout_s))
+        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout: not kept
+            self.errors += 1
+            return False
+
+    def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> int:
+        """`KVTiers.persist` by the RAM tier actor, once the puts sent before have landed; 0 where a tier cannot be
+        reached."""
+        import concurrent.futures
+
+        if "disk" not in self.handles:
+            return 0
+        with self._lock:
+            pending = list(self.pending)
+        concurrent.futures.wait(pending, timeout=self.timeout_s)
+        try:
+            return int(ray.get(self.handles["ram"].persist.remote(prefix, first_rank, budget_s),
+                               timeout=self.timeout_s + (budget_s or 0.0)))
+        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
+            self.errors += 1
+            return 0
+
+    def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
+        """The units under `prefix` in either tier actor (`KVTiers.snapshot_flags`); those of a tier that cannot be
+        reached are left out."""
+        out: dict[str, bool | None] = {}
+        calls = [("disk", (prefix, budget_s)), ("ram", (prefix,))]
+        for name, args in calls:
+            if name not in self.handles:
+                continue
+            try:
+                for k, flag in ray.get(self.handles[name].snapshot_flags.remote(*args),
+                                       timeout=self.timeout_s + budget_s).items():
+                    out[k] = flag if out.get(k) is None else out[k] or bool(flag)
+            except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
+                self.errors += 1
+        return out
 
     def take_staged(self, key: str) -> Any:
         return self.staged.pop(key)
+
+    def _landed(self, fut: Any, key: str, buf: Any) -> None:
+        with self._lock:
+            self.pending.discard(fut)
+        if fut.exception() is not None:
+            self._unstage(key, buf)
 
     def _unstage(self, key: str, buf: Any) -> None:
         if self.staged.get(key) is buf:  # not a later put of the same key

@@ -105,6 +105,13 @@ class SchedulerActor:
             if not finished:
                 self._send(Control(abort=[rid]))
 
+    async def save_cache(self, budget_s: float) -> int:
+        """At a graceful stop: the engine's prefix cache to the disk tier (`GPUActor.save_cache`) for the next server
+        on it. Returns the pages saved; 0 where the engine is down."""
+        if self.dead is not None:
+            return 0
+        return await self.gpu.save_cache.remote(budget_s)
+
     async def abort(self, request_id: str) -> None:
         self._send(Control(abort=[request_id]))
 
@@ -230,7 +237,7 @@ class RayMetrics:
 
     COUNTERS = ("generated_tokens", "computed_prompt_tokens", "reused_prompt_tokens", "steps", "pauses",
                 "resumes", "finished", "aborted", "restored_pages", "offloaded_pages", "lost_pages", "lost_bundles",
-                "restored_snapshots", "demoted_pages", "drafted_tokens", "accepted_tokens", "withheld_steps")
+                "restored_snapshots", "demoted_pages", "saved_pages", "drafted_tokens", "accepted_tokens", "withheld_steps")
     GAUGES = ("running", "waiting", "paused", "free_pages", "used_pages", "cached_pages")
 
     def __init__(self, app: str):

@@ -680,3 +680,54 @@ def test_the_page_records_stay_bounded():
         stores.offload(h, kv, None)
     assert len(stores._pages) == 4
     assert [stores.lookup(h) for h in hashes] == [PRESENT_WITH_SNAPSHOT, ABSENT, ABSENT, PRESENT, PRESENT, PRESENT]
+
+
+def test_a_restart_finds_which_pages_hold_a_state_snapshot(disk):
+    """`snapshot_flags`: every unit under a prefix with whether it holds a hybrid state, known from its put and,
+    after a restart, from its file's header alone; a header that cannot be read is not known (None), and a budget of
+    no time reads none."""
+    from decapybara.kv.units import header_length, page_prefix
+
+    store = disk()
+    rng = np.random.default_rng(5)
+    kv = KVPageData(kv_arrays(rng, 1, "8/8"))
+    salt, other = b"salt-a", b"salt-b"
+    units = [Unit.page(salt, bytes([i]) * 16, kv, hybrid_state(rng) if i % 2 else None) for i in range(4)]
+    units.append(Unit.page(other, b"\x09" * 16, kv, hybrid_state(rng)))
+    for u in units:
+        assert store.put(u.key, encode_unit(u)) == []
+    want = {u.key: u.state is not None for u in units[:4]}
+    assert store.snapshot_flags(page_prefix(salt)) == want
+    again = disk()  # a restart: nothing known until the headers are read
+    assert again.snapshot_flags(page_prefix(salt), budget_s=0) == dict.fromkeys(want)
+    assert again.snapshot_flags(page_prefix(salt)) == want
+    assert disk().snapshot_flags(page_prefix(other)) == {units[4].key: True}
+    buf = bytes(encode_unit(units[1]))
+    assert header_length(buf[:FIXED_SIZE]) < len(buf)
+    assert read_header(buf[:header_length(buf)], len(buf)).state_layers == 3
+    with pytest.raises(UnitCorrupt):  # the header's own bytes are checked
+        read_header(buf[:header_length(buf) - 1], len(buf))
+    damaged = bytearray(buf)
+    damaged[FIXED_SIZE + 5] ^= 1
+    store.fs.pipe_file(store.path_of(units[1].key), bytes(damaged))
+    assert disk().snapshot_flags(page_prefix(salt))[units[1].key] is None
+
+
+def test_durable_puts_go_to_disk_ranked_and_give_way_in_rank_order(tmp_path):
+    """`KVTiers.put_durable` (a graceful stop's saved pages): to the disk only, dropping a RAM copy (which might lack
+    the state the saved one has); where room runs out, units without a rank go first, then the highest ranks, and
+    a unit ranked after everything kept is refused (False)."""
+    rng = np.random.default_rng(6)
+    kv = KVPageData(kv_arrays(rng, 1, "8/8"))
+    units = [Unit.page(b"s", bytes([i]) * 16, kv) for i in range(5)]
+    size = len(encode_unit(units[0]))
+    tiers = KVTiers(RamTierStore(1 << 20), DiskTierStore(f"file://{tmp_path}/kv", 3 * size))
+    tiers.put(units[0])  # an ordinary put: RAM
+    assert tiers.where(units[0].key) == "ram"
+    assert tiers.put_durable(units[0], next_use=0.0) and tiers.where(units[0].key) == "disk"
+    tiers.disk.put(units[4].key, encode_unit(units[4]))  # no rank: needed last
+    assert tiers.put_durable(units[1], next_use=1.0) and tiers.put_durable(units[2], next_use=2.0)
+    assert units[4].key not in tiers.disk  # gave way first
+    assert not tiers.put_durable(units[3], next_use=3.0)  # ranked after all three kept: refused
+    assert sorted(tiers.disk.keys()) == sorted(u.key for u in units[:3])
+    assert not KVTiers(RamTierStore(1 << 20), None).put_durable(units[0])  # no disk: nothing outlives the process

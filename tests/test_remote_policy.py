@@ -211,3 +211,47 @@ def test_an_expired_conversation_has_its_cached_pages_demoted():
     held = [h for t in driver._trails.values() for h in t.page_hashes]
     assert driver._trail_pages == Counter(held)  # the trails' pages, counted as trails come and go
     driver.stop()
+
+
+def test_a_call_runs_on_the_engines_thread_between_steps():
+    """`EngineDriver.call`: a function of the engine run by the thread that steps it, between two steps, while
+    requests decode (a graceful stop's `save_cached_pages`); its exception comes back to the caller, and a stopped
+    loop refuses calls."""
+    import threading
+    import time
+
+    import pytest
+
+    engine = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off"))
+    driver = EngineDriver(engine, remote_policy=False, idle_wait_s=0.001)
+    prompt = np.random.default_rng(8).integers(0, 512, 20).tolist()
+    want = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off")).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30))[0]
+    driver.submit(Control(add=[Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=30), "r")]))
+    outs: list[int] = []
+    seen: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def loop():
+        for report in driver.reports():
+            for ev in report.events:
+                outs.extend(ev.token_ids)
+                if ev.finish_reason is not None:
+                    done.set()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    deadline = time.time() + 60
+    while not outs and time.time() < deadline:
+        time.sleep(0.001)
+    steps = driver.call(lambda e: (seen.append((e.stats.steps, threading.current_thread().name)), e.stats.steps)[1],
+                        timeout_s=30)
+    assert seen == [(steps, t.name)]
+    with pytest.raises(ZeroDivisionError):
+        driver.call(lambda e: 1 / 0, timeout_s=30)
+    assert done.wait(60) and outs == want  # the calls between its steps changed nothing
+    assert driver.call(lambda e: len(e.running), timeout_s=30) == 0  # an idle loop takes calls too
+    driver.stop()
+    t.join(10)
+    with pytest.raises(RuntimeError):
+        driver.call(lambda e: None, timeout_s=1)

@@ -353,3 +353,42 @@ def test_serve_run_with_mtp_speculation_answers_as_without(served, ray_cluster, 
         from ray import serve
 
         serve.delete("spec")
+
+
+def test_a_restarted_server_restores_the_prefix_cache_its_predecessor_saved(served, ray_cluster, tmp_path):
+    """A graceful stop (`serve.delete`, as Ctrl-C of `serve run` does) saves the engine's prefix cache to the disk
+    tier; a server started on the same `disk_cache` reads a repeated conversation's prompt from it (the openai SDK's
+    cached tokens) and answers it as the first server did."""
+    import os
+    from pathlib import Path
+
+    from ray import serve
+
+    def start(name: str) -> None:
+        cmd = [str(Path(sys.executable).parent / "serve"), "run", "--address", ray_cluster, "--non-blocking",
+               "--name", "warm", "--route-prefix", "/warm", "serve_app:build_app", f"name={name}",
+               f"disk_cache={tmp_path / 'kv'}", "ram_cache_gb=0.1", "disk_cache_gb=0.5", "page_size=16",
+               "max_model_len=1024", "save_cache_s=20"]
+        with (tmp_path / f"{name}.log").open("w") as fh:
+            assert subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=fh,
+                                  stderr=subprocess.STDOUT, timeout=300).returncode == 0
+
+    client = openai.OpenAI(base_url=f"{served.url}/warm/v1", api_key="none", max_retries=0, timeout=120)
+    system = "You review Python code for a team of agents. " * 12
+    messages = [{"role": "system", "content": system}, *USER]
+    start("warm1")
+    try:
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+        assert first.usage.prompt_tokens > 160 and first.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        serve.delete("warm")  # graceful: the ingress saves the prefix cache before its actors go
+    start("warm2")
+    try:
+        again = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert cached >= (first.usage.prompt_tokens // 16 - 1) * 16, (cached, first.usage.prompt_tokens)
+        s = httpx.get(f"{served.url}/warm/stats", timeout=30).json()
+        assert s["restored_pages"] >= cached // 16 and s["computed_prompt_tokens"] == again.usage.prompt_tokens - cached
+    finally:
+        serve.delete("warm")

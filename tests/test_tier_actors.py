@@ -16,6 +16,7 @@ from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
+from decapybara.kv.units import page_key
 from decapybara.testing import tiny_qwen
 
 pytestmark = pytest.mark.timeout(300)
@@ -161,3 +162,60 @@ def test_a_staged_unit_is_dropped_when_the_ram_tier_cannot_take_it(ray_cluster, 
         time.sleep(0.05)
     assert ray.get(stager.staged.remote()) == 0
     ray.kill(stager)
+
+
+def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path):
+    """A GPU actor's successor over the same tier actors adopts the prefix pages its predecessor evicted into them,
+    and after a graceful stop's save (`save_cached_pages`: to the disk tier actor) an engine over new tier actors on
+    the same disk adopts those: both restore the pages instead of prefilling them, with the uncached greedy tokens."""
+    from decapybara.engine.block_manager import hash_chain
+
+    cfg = SimpleNamespace(name="adopt", disk_cache=f"file://{tmp_path}/kv", disk_cache_gb=0.1, ram_cache_gb=0.25)
+    tiers = start_tiers(cfg)
+
+    def engine_over(tiers, num_pages=64):
+        engine = Engine(model(), EngineConfig(page_size=8, num_pages=num_pages, loop_guard="off"))
+        stores = ray_tier_stores(tiers, engine.blocks.salt, timeout_s=20)
+        engine.bundle_store = stores
+        engine.set_page_store(stores)
+        return engine, stores
+
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 512, 40).tolist()  # five pages
+    first, _ = engine_over(tiers, num_pages=12)
+    first.add_request(Request(tuple(system + [1, 2, 3]), SamplingParams(temperature=0, max_tokens=4), "a"))
+    finish(first, {})
+    for i in range(3):  # other traffic pushes the system prompt's pages out of the 12-page pool
+        first.add_request(Request(tuple(rng.integers(0, 512, 60).tolist()), SamplingParams(temperature=0, max_tokens=4),
+                                  f"x{i}"))
+        finish(first, {})
+    keys = {page_key(first.blocks.salt, h) for h in hash_chain(system, 8, first.blocks.salt)}
+    deadline = time.time() + 30  # the puts are asynchronous
+    while not all(ray.get(tiers["ram"].contains.remote(k)) for k in keys) and time.time() < deadline:
+        time.sleep(0.05)
+    second = system + rng.integers(0, 512, 9).tolist()
+    ref = Engine(model(), EngineConfig(page_size=8, num_pages=64, enable_prefix_cache=False, loop_guard="off",
+                                       max_model_len=first.max_model_len)).generate([second], GREEDY)[0]
+
+    engine, stores = engine_over(tiers, num_pages=12)  # the replaced GPU actor's engine
+    assert stores.adopt_pages() >= 5
+    outs: dict[str, list[int]] = {}
+    engine.add_request(Request(tuple(second), GREEDY, "b"))
+    finish(engine, outs)
+    assert engine.stats.restored_pages == 5 and engine.stats.computed_prompt_tokens == len(second) - 40
+    assert outs["b"] == ref
+    assert engine.save_cached_pages() >= 5  # a graceful stop: the pool's pages to the disk tier actor
+
+    for h in tiers.values():  # the whole server stops; a new one starts on the same disk
+        ray.kill(h)
+    cfg.name = "adopt2"
+    tiers = start_tiers(cfg)
+    engine, stores = engine_over(tiers, num_pages=12)
+    assert stores.adopt_pages() >= 5
+    outs = {}
+    engine.add_request(Request(tuple(second), GREEDY, "c"))
+    finish(engine, outs)
+    assert engine.stats.restored_pages >= 5 and engine.stats.computed_prompt_tokens < len(second) - 40 + 8
+    assert outs["c"] == ref
+    for h in tiers.values():
+        ray.kill(h)

@@ -348,3 +348,55 @@ def test_a_store_that_fails_to_keep_an_evicted_page_loses_only_its_copy(tmp_path
     ref = Engine(model("qwen3_5_text"), EngineConfig(page_size=8, num_pages=64, loop_guard="off",
                                                       max_model_len=engine.max_model_len)).generate(ps, params)
     assert [outs[f"x{i}"] for i in range(4)] == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_a_restarted_engine_restores_the_prefix_cache_it_saved(family, tmp_path):
+    """A graceful stop saves the pool's pages to the disk tier (`save_cached_pages`); an engine started over the same
+    disk adopts them (`adopt_pages`), and a prompt that starts the same way prefills only its new tokens, with the
+    greedy tokens of an engine without any cache. An engine on another KV mode adopts none of them."""
+    url = f"file://{tmp_path}/kv"
+    engine, stores = make_engine(family, url, ram_bytes=64 << 20, loop_guard="off")
+    system = prompt(3, 40)  # five pages
+    engine.add_request(Request(tuple(system + prompt(4, 3)), SamplingParams(temperature=0, max_tokens=4), "a"))
+    run_until_done(engine, {})
+    assert engine.stats.offloaded_pages == 0  # nothing was evicted: the pages are only in the pool
+    saved = engine.save_cached_pages()
+    assert saved == 5 and engine.stats.saved_pages == 5 and engine.stats.offloaded_pages == 0
+    assert engine.save_cached_pages() == 0  # held already
+    assert engine.save_cached_pages(budget_s=0) == 0
+    del engine, stores
+
+    engine, stores = make_engine(family, url, ram_bytes=64 << 20, loop_guard="off")  # fresh RAM, the same disk
+    assert make_engine(family, url, ram_bytes=0, kv_mode="8/8")[1].adopt_pages() == 0  # another salt
+    assert stores.adopt_pages() == saved and stores.adopt_pages() == 0
+    second = system + prompt(5, 9)
+    outs: dict[str, list[int]] = {}
+    engine.add_request(Request(tuple(second), GREEDY, "b"))
+    run_until_done(engine, outs)
+    assert engine.stats.restored_pages == 5 and engine.stats.lost_pages == 0
+    assert engine.stats.computed_prompt_tokens == len(second) - 40
+    ref = Engine(model(family), EngineConfig(page_size=8, num_pages=64, enable_prefix_cache=False, loop_guard="off",
+                                             max_model_len=engine.max_model_len)).generate([second], GREEDY)[0]
+    assert outs["b"] == ref
+
+
+def test_a_save_stops_where_the_disk_keeps_no_room(tmp_path):
+    """The pages a save ranks first are the ones kept: live requests' pages, then the most recently used."""
+    engine, stores = make_engine("qwen3", f"file://{tmp_path}/kv", ram_bytes=64 << 20, loop_guard="off")
+    for i in range(3):
+        engine.add_request(Request(tuple(prompt(30 + i, 17)), SamplingParams(temperature=0, max_tokens=2), f"r{i}"))
+        run_until_done(engine, {})
+    newest = engine.blocks.hash_of_page[next(reversed(engine.blocks.lru))]
+    unit_bytes = stores.tiers.disk.used_bytes
+    assert unit_bytes == 0
+    probe = engine.save_cached_pages()
+    assert probe == 6
+    size = stores.tiers.disk.used_bytes // probe
+    engine, stores = make_engine("qwen3", f"file://{tmp_path}/small", ram_bytes=64 << 20, loop_guard="off")
+    stores.tiers.disk.set_budget(4 * size)
+    for i in range(3):
+        engine.add_request(Request(tuple(prompt(30 + i, 17)), SamplingParams(temperature=0, max_tokens=2), f"r{i}"))
+        run_until_done(engine, {})
+    assert engine.save_cached_pages() == 4
+    assert stores.lookup(newest) and len(stores.tiers.disk) == 4

@@ -39,6 +39,7 @@ COUNTERS = {
     "restored_snapshots": "State snapshots of in-pool prefix pages brought back from a tier's copy of the page.",
     "lost_bundles": "Paused conversations whose bundle was lost (recomputed from their tokens).",
     "demoted_pages": "Cached pages of expired conversations made the next evicted.",
+    "saved_pages": "Prefix pages copied to the KV tiers at a graceful stop, for the next server.",
 }
 # stats key -> help text; exposed as gauges named PREFIX + key
 GAUGES = {

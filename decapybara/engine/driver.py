@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +148,7 @@ class EngineDriver:
         self._trails: OrderedDict[str, CachedTrail] = OrderedDict()  # conversation -> its last request's trail
         self._trail_pages: Counter[bytes] = Counter()  # the trails' page hashes, each with how many trails hold it
         self.last_stats: dict[str, Any] = {}
+        self._calls: list[tuple[Callable[[Engine], Any], Future]] = []  # `call`s for the engine's thread
         if remote_policy:
             engine.admission = self._admit_from_decisions
             engine.choose_victim = self._choose_victim  # type: ignore[attr-defined]
@@ -160,7 +162,22 @@ class EngineDriver:
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
+            calls, self._calls = self._calls, []
             self._cond.notify()
+        for _, fut in calls:
+            fut.set_exception(RuntimeError("the engine's loop stopped"))
+
+    def call(self, fn: Callable[[Engine], Any], timeout_s: float | None = None) -> Any:
+        """`fn(engine)` run on the engine's thread between two steps (`reports` must be running); its result, or
+        its exception. Raises TimeoutError after `timeout_s` (`fn` may still run later) and RuntimeError once the
+        loop has stopped."""
+        fut: Future = Future()
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine's loop stopped")
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut.result(timeout_s)
 
     # ---- the engine's thread ---------------------------------------------------------------------------
     def reports(self) -> Iterator[StepReport]:
@@ -169,13 +186,20 @@ class EngineDriver:
         while True:
             heartbeat = False
             with self._cond:
-                while not self._stopped and self._pending.empty() and not self._runnable():
+                while not self._stopped and self._pending.empty() and not self._calls and not self._runnable():
                     if not self._cond.wait(self.idle_wait_s) and (engine.waiting or engine.paused):
                         heartbeat = True  # queued work the policy has not admitted yet: show it the view again
                         break
                 if self._stopped:
                     return
                 control, self._pending = self._pending, Control()
+                calls, self._calls = self._calls, []
+            for fn, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(engine))
+                    except Exception as exc:  # noqa: BLE001 - the caller's to see
+                        fut.set_exception(exc)
             events = self._apply(control)
             steps_before = engine.stats.steps
             t0 = time.perf_counter()

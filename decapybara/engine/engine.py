@@ -59,6 +59,7 @@ class EngineStats:
     accepted_tokens: int = 0  # ... that the sampled token matched (a token gained without a step of its own)
     withheld_steps: int = 0  # ... steps whose drafts spec_adaptive withheld (verifying measured slower there)
     demoted_pages: int = 0  # cached pages of expired conversations made the next evicted (`demote_cached`)
+    saved_pages: int = 0  # pool pages copied to the page store for the next engine (`save_cached_pages`)
 
 
 @dataclass(frozen=True, slots=True)

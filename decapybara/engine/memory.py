@@ -6,6 +6,7 @@ runner, queues, slots and stats)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from decapybara.engine.runner import SequenceBundle
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import SeqStatus, Sequence
 from decapybara.errors import ConfigError, InvalidRequestError
-from decapybara.kv.stores import PRESENT_WITH_SNAPSHOT
+from decapybara.kv.stores import ABSENT, PRESENT_WITH_SNAPSHOT
 
 log = logging.getLogger(__name__)
 
@@ -240,14 +241,60 @@ class MemoryMixin:
         same KV, and one without the snapshot must not replace it."""
         if snapshot is None and self.page_store.lookup(page_hash) == PRESENT_WITH_SNAPSHOT:
             return
+        if self._copy_page(page, page_hash, snapshot):
+            self.stats.offloaded_pages += 1
+
+    def _copy_page(self, page: int, page_hash: bytes, snapshot: Any, rank: int | None = None) -> bool:
+        """A pool page's KV (and snapshot) to the page store: `offload`, or with a `rank`, `save`. False where the
+        store fails (that loses the copy, not the pool page or the step) or, saving, keeps no room for it."""
         kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
         try:
-            self.page_store.offload(page_hash, kv, snapshot)
-        except Exception as e:  # noqa: BLE001 - a store that fails loses the page's copy, not the pool page or the step
-            log.warning("KV tiers: evicted page not kept: %s: %s", type(e).__name__, e)
+            if rank is None:
+                self.page_store.offload(page_hash, kv, snapshot)
+                return True
+            return bool(self.page_store.save(page_hash, kv, snapshot, rank))
+        except Exception as e:  # noqa: BLE001 - any store error
+            log.warning("KV tiers: page not kept: %s: %s", type(e).__name__, e)
             self.stats.lost_pages += 1
-            return
-        self.stats.offloaded_pages += 1
+            return False
+
+    def save_cached_pages(self, budget_s: float | None = None) -> int:
+        """Copy the prefix cache's full pages to where the page store keeps them across a restart (`save`: the disk
+        tier), so that the next engine over it (`TierStores.adopt_pages`) restores them instead of prefilling them
+        again. Pages live requests use come first, then the cached ones, the most recently used first, each with
+        its hybrid state snapshot where the pool keeps one; the store ranks them in that order, so that where room
+        runs out the later ones give way. A page the store holds already, with a snapshot or without one where the
+        pool has none, is skipped here; then the pages the store holds only in memory follow (`persist_pages`).
+        Stops once `budget_s` seconds have passed, or at the first page the store keeps no room for. The pool is
+        left as it was. Returns the pages copied (also counted in `stats.saved_pages`)."""
+        if self.page_store is None or not hasattr(self.page_store, "save") or not self.cfg.enable_prefix_cache:
+            return 0
+        b = self.blocks
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        live = [p for p in b.hash_of_page if p not in b.lru]
+        cached = [p for p in reversed(b.lru) if p in b.hash_of_page]  # not a partial tail: no page unit
+        saved = 0
+        for page in live + cached:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            h = b.hash_of_page[page]
+            kept = b.snapshots.get(h)
+            snapshot = kept[0] if kept is not None else None
+            held = self.page_store.lookup(h)
+            if held == PRESENT_WITH_SNAPSHOT or (held != ABSENT and snapshot is None):
+                continue
+            if not self._copy_page(page, h, snapshot, rank=saved):
+                break
+            saved += 1
+        else:  # then the pages a tier holds only in memory (evicted earlier, or skipped above as held)
+            if hasattr(self.page_store, "persist_pages"):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    saved += self.page_store.persist_pages(saved, left)
+                except Exception as e:  # noqa: BLE001 - any store error: what was saved stays saved
+                    log.warning("KV tiers: pages in memory not saved: %s: %s", type(e).__name__, e)
+        self.stats.saved_pages += saved
+        return saved
 
     def _free_slot(self, seq: Sequence) -> None:
         if seq.state_slot is not None:

@@ -20,13 +20,23 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections import Counter
 from typing import Any
 
 import fsspec
 
 from decapybara.kv.policy import BudgetedIndex, Dropped
-from decapybara.kv.units import Unit, UnitCorrupt, byte_view, decode_unit, is_valid_key, read_header
+from decapybara.kv.units import (
+    FIXED_SIZE,
+    Unit,
+    UnitCorrupt,
+    byte_view,
+    decode_unit,
+    header_length,
+    is_valid_key,
+    read_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +77,7 @@ class DiskTierStore:
         self._index = BudgetedIndex(budget_bytes)
         self._gen: dict[str, int] = {}  # key -> write generation (a corrupt read deletes only what it read)
         self._counter = itertools.count(1)
+        self._snapshots: dict[str, bool] = {}  # key -> the unit holds a hybrid state (`snapshot_flags`)
         self._lock = threading.RLock()
         self._scan()
 
@@ -166,6 +177,7 @@ class DiskTierStore:
         for d in dropped:
             self._delete_files(d.key)
             self._gen.pop(d.key, None)
+            self._snapshots.pop(d.key, None)
             self.stats["evicted"] += 1
             self.stats["evicted_bytes"] += d.nbytes
 
@@ -205,6 +217,7 @@ class DiskTierStore:
                 self._gen.pop(key, None)
                 raise
             self._gen[key] = next(self._counter)
+            self._snapshots[key] = header.state_layers is not None
             self.stats["puts"] += 1
             self.stats["bytes_written"] += nbytes
             return dropped
@@ -234,6 +247,7 @@ class DiskTierStore:
             if not self._index.remove(key):
                 return False
             self._gen.pop(key, None)
+            self._snapshots.pop(key, None)
             self._delete_files(key)
             self.stats["deleted"] += 1
             return True
@@ -248,6 +262,43 @@ class DiskTierStore:
             dropped = self._index.set_budget(budget_bytes)
             self._evict(dropped)
             return dropped
+
+    def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
+        """Every unit whose key starts with `prefix`, with whether it holds a hybrid state snapshot: known from its
+        put, else read from the file's header (units found at start). None where the header could not be read
+        within `budget_s` in all, or at all; the unit itself is checked whole when it is read (`get`)."""
+        with self._lock:
+            held = self._index.keys()
+        keys = [k for k in held if k.startswith(prefix)]
+        deadline = time.monotonic() + budget_s
+        out: dict[str, bool | None] = {}
+        for k in keys:
+            flag = self._snapshots.get(k)
+            if flag is None and time.monotonic() < deadline:
+                flag = self._peek_snapshot(k)
+            out[k] = flag
+        return out
+
+    def _peek_snapshot(self, key: str) -> bool | None:
+        """Whether `key`'s file holds a hybrid state, from its header alone; None when unreadable or corrupt."""
+        try:
+            size = self._index.nbytes(key)
+            with self.fs.open(self._path(key), "rb") as f:
+                head = f.read(FIXED_SIZE)
+                head += f.read(header_length(head) - FIXED_SIZE)
+            h = read_header(head, size)
+        except (KeyError, UnitCorrupt):
+            return None
+        except Exception as e:  # noqa: BLE001 - fsspec backends raise their own errors: an unknown flag, not a failure
+            log.debug("KV disk tier: cannot read the header of %s: %s", key, e)
+            return None
+        if h.key != key:
+            return None
+        flag = h.state_layers is not None
+        with self._lock:
+            if key in self._index:
+                self._snapshots[key] = flag
+        return flag
 
     # ---- reads -----------------------------------------------------------------------------------------------
     def get(self, key: str) -> Unit | None:

@@ -83,6 +83,10 @@ class RamTierStore:
         self._index.touch(key)
         return handle
 
+    def peek(self, key: str) -> Any:
+        """The handle without counting a use (None when absent)."""
+        return self._handles.get(key)
+
     def pop(self, key: str) -> Any:
         """Remove and return the handle (the unit resumed or is no longer wanted), or None."""
         self._index.remove(key)

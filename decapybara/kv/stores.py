@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from decapybara.backend.base import HybridState, KVPageData
 from decapybara.kv.tiers import KVTiers
-from decapybara.kv.units import Unit, conv_key, page_key
+from decapybara.kv.units import Unit, conv_key, page_key, page_prefix
 
 ABSENT, PRESENT, PRESENT_WITH_SNAPSHOT = 0, 1, 2
 
@@ -45,6 +45,9 @@ class PageStore(Protocol):
     def fetch(self, page_hash: bytes) -> tuple[KVPageData, HybridState | None] | None: ...
 
     def forget(self, page_hash: bytes) -> None: ...
+
+    # optional, for `save_cached_pages`: `save(page_hash, kv, snapshot, rank) -> bool`, a copy kept across a restart,
+    # and `persist_pages(first_rank, budget_s) -> int`, the pages a tier holds only in memory kept so too
 
 
 class HostBundleStore:
@@ -104,6 +107,21 @@ class TierStores:
         while len(self._pages) > self.MAX_PAGES:
             self._pages.popitem(last=False)
 
+    def save(self, page_hash: bytes, kv: KVPageData, snapshot: HybridState | None, rank: int) -> bool:
+        """A pool page kept where it outlives this engine (the disk tier), ranked among the pages saved with it
+        (0 first: where room runs out, higher ranks give way, and units without a rank before them). False where
+        the tier keeps no room for it or there is no disk tier."""
+        if not self.tiers.put_durable(Unit.page(self.salt, page_hash, kv, snapshot), next_use=float(rank)):
+            return False
+        self._pages[page_hash] = snapshot is not None or bool(self._pages.get(page_hash))
+        self._pages.move_to_end(page_hash)
+        return True
+
+    def persist_pages(self, first_rank: int = 0, budget_s: float | None = None) -> int:
+        """The pages the RAM tier holds, copied to the disk tier (`KVTiers.persist`), ranked after the `first_rank`
+        pages saved before them. Returns how many."""
+        return self.tiers.persist(page_prefix(self.salt), first_rank, budget_s)
+
     def lookup(self, page_hash: bytes) -> int:
         has_snap = self._pages.get(page_hash)
         if has_snap is None:
@@ -123,3 +141,22 @@ class TierStores:
 
     def forget(self, page_hash: bytes) -> None:
         self._pages.pop(page_hash, None)
+
+    def adopt_pages(self, budget_s: float = 10.0) -> int:
+        """Record the prefix pages the tiers already hold for this salt (an earlier engine's: before a restart, or
+        before its GPU actor was replaced), so that prompts starting with them restore them. A page whose header
+        is not read within `budget_s` counts as one without a state snapshot (usable inside a match, not at its
+        end); every page is checked whole when fetched. Returns how many were recorded."""
+        prefix, n = page_prefix(self.salt), 0
+        for key, snapshot in self.tiers.snapshot_flags(prefix, budget_s).items():
+            try:
+                h = bytes.fromhex(key[len(prefix):])
+            except ValueError:
+                continue
+            if h not in self._pages:
+                self._pages[h] = bool(snapshot)
+                self._pages.move_to_end(h, last=False)  # older than what this engine offloads itself
+                n += 1
+        while len(self._pages) > self.MAX_PAGES:
+            self._pages.popitem(last=False)
+        return n

@@ -8,6 +8,7 @@ so the disk may keep a copy of a unit promoted back to RAM, and spilling it agai
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,38 @@ class KVTiers:
         self.stats.put_bytes += len(buf)
         self._spill(self.ram.put(key, buf, len(buf), next_use))
         return key
+
+    def put_durable(self, unit: Unit | Any, next_use: float | None = None) -> bool:
+        """Store a unit on the disk tier only (the copy that outlives this process); False where
+        there is no disk tier or it keeps no room for the unit (see `BudgetedIndex.admit`)."""
+        if self.disk is None:
+            return False
+        buf = encode_unit(unit) if isinstance(unit, Unit) else byte_view(unit)
+        key = read_header(buf).key
+        self.ram.pop(key)  # content-addressed, but a copy with less (no state snapshot) must not be read first
+        dropped = self.disk.put(key, buf, next_use)
+        self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
+        return all(d.key != key for d in dropped)
+
+    def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> int:
+        """Copy the RAM units under `prefix` that the disk lacks to the disk (RAM keeps them), the most recently used
+        first, ranked from `first_rank` on (`put_durable`). Stops at the first unit the disk keeps no room for, or
+        once `budget_s` has passed. Returns the units copied."""
+        if self.disk is None:
+            return 0
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        n = 0
+        for key in reversed(self.ram.eviction_order()):
+            if not key.startswith(prefix) or key in self.disk:
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            dropped = self.disk.put(key, self.ram.peek(key), float(first_rank + n))
+            self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
+            if any(d.key == key for d in dropped):
+                break
+            n += 1
+        return n
 
     def _spill(self, spilled: list[Spilled]) -> None:
         for s in spilled:
@@ -114,6 +147,19 @@ class KVTiers:
         self.ram.pop(key)
         if self.disk is not None:
             self.disk.delete(key)
+
+    def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
+        """Every unit under `prefix` in either tier, with whether it holds a hybrid state snapshot (None: not known;
+        see `DiskTierStore.snapshot_flags`)."""
+        out = self.disk.snapshot_flags(prefix, budget_s) if self.disk is not None else {}
+        held = self.ram.keys()
+        for key in held:
+            if key.startswith(prefix):
+                try:
+                    out[key] = read_header(self.ram.peek(key)).state_layers is not None
+                except UnitCorrupt:
+                    out.setdefault(key, None)
+        return out
 
     def update_next_use(self, key: str, next_use: float | None) -> None:
         self.ram.update_next_use(key, next_use)

@@ -92,6 +92,11 @@ def page_key(salt: bytes, page_hash: bytes) -> str:
     return f"page/{hashlib.blake2b(salt, digest_size=8).hexdigest()}/{page_hash.hex()}"
 
 
+def page_prefix(salt: bytes) -> str:
+    """The start of every page key of engines with this salt ("page/<salt hash>/")."""
+    return page_key(salt, b"")
+
+
 def is_valid_key(key: str) -> bool:
     """Keys are '/'-joined safe components (see `key_component`), at most `MAX_KEY` characters."""
     return (isinstance(key, str) and 0 < len(key) <= MAX_KEY
@@ -295,9 +300,8 @@ def _entry(e: Any, index: int) -> ArrayEntry:
     return ArrayEntry(group, name, dt, tuple(shape), e["offset"], e["nbytes"], e["crc32"])
 
 
-def read_header(buf: Any) -> UnitHeader:
-    """Check the fixed header, the sizes, the header checksum and the JSON/layout (not the array bytes)."""
-    mv = byte_view(buf)
+def _fixed(mv: memoryview) -> tuple[int, int, int, int, int]:
+    """The fixed header's (kind, num_arrays, json_len, total_size, header_crc32), magic and version checked."""
     if len(mv) < FIXED_SIZE:
         raise UnitCorrupt("truncated", f"{len(mv)} bytes, shorter than the {FIXED_SIZE}-byte header")
     magic, version, kind, num_arrays, json_len, total, crc = struct.unpack_from(FIXED_FORMAT, mv)
@@ -305,13 +309,34 @@ def read_header(buf: Any) -> UnitHeader:
         raise UnitCorrupt("bad_magic", f"magic {magic!r} is not {MAGIC!r}: not a KV unit")
     if version != VERSION:
         raise UnitCorrupt("unknown_version", f"format version {version} (this reader knows {VERSION})")
-    if len(mv) < total:
-        raise UnitCorrupt("truncated", f"{len(mv)} bytes, header says {total}")
-    if len(mv) > total:
-        raise UnitCorrupt("bad_size", f"{len(mv)} bytes, header says {total}")
+    return kind, num_arrays, json_len, total, crc
+
+
+def header_length(start: Any) -> int:
+    """Bytes from a unit's start through its header JSON, from its first `FIXED_SIZE` bytes: what `read_header`
+    needs of a unit read only in part (raises UnitCorrupt)."""
+    json_len = _fixed(byte_view(start))[2]
+    if json_len > MAX_JSON:
+        raise UnitCorrupt("bad_layout", f"header JSON of {json_len} bytes")
+    return FIXED_SIZE + json_len
+
+
+def read_header(buf: Any, size: int | None = None) -> UnitHeader:
+    """Check the fixed header, the sizes, the header checksum and the JSON/layout (not the array bytes).
+    `size`: the whole unit's length where `buf` is only its first `header_length` bytes or more (a file's start,
+    read without its arrays)."""
+    mv = byte_view(buf)
+    kind, num_arrays, json_len, total, crc = _fixed(mv)
+    size = len(mv) if size is None else size
+    if size < total:
+        raise UnitCorrupt("truncated", f"{size} bytes, header says {total}")
+    if size > total:
+        raise UnitCorrupt("bad_size", f"{size} bytes, header says {total}")
     json_end = FIXED_SIZE + json_len
     if json_len > MAX_JSON or json_end > total:
         raise UnitCorrupt("bad_layout", f"header JSON of {json_len} bytes does not fit a {total}-byte unit")
+    if json_end > len(mv):
+        raise UnitCorrupt("truncated", f"{len(mv)} bytes read, the header ends at {json_end}")
     got = zlib.crc32(mv[FIXED_SIZE:json_end], zlib.crc32(mv[:FIXED_SIZE - 4]))
     if got != crc:
         raise UnitCorrupt("bad_checksum", f"header crc32 is {crc:#010x}, computed {got:#010x}")

@@ -118,14 +118,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # NOTE: ray.init installs Ray's own SIGTERM handler (a stack dump), so ours goes in again after it; a SIGTERM
     # while Ray starts still meets Ray's. (Blocking the signal meanwhile would leave it blocked in the processes
     # Ray starts, which inherit the mask.)
+    serve_started = False
     try:
         stop_on_sigterm()
         ray.init()
         stop_on_sigterm()
         serve.start(http_options={"host": args.host, "port": args.port})
+        serve_started = True
         serve.run(application(settings, checked=True), name="decapybara", route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the usual ways to stop it, not errors (Ray stops at exit)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one while Ray shuts down ends the process
+        if serve_started:  # a graceful stop: the ingress saves the prefix cache to the disk tier first
+            print("decapybara: stopping (the prefix cache goes to the disk tier)", file=sys.stderr)
+            serve.shutdown()
         print("decapybara: stopped", file=sys.stderr)
     return 0
 

@@ -124,6 +124,24 @@ class Ingress:
 
         return app
 
+    async def __del__(self) -> None:
+        """Serve's graceful stop of this replica (`serve shutdown`, Ctrl-C of `serve run` or `decapybara serve`, a
+        redeploy): the engine's prefix cache is saved to the disk tier first, for `save_cache_s` at most, so that the
+        next server on the same `disk_cache` restores it instead of prefilling it again."""
+        import asyncio
+        import logging
+
+        cfg, scheduler = getattr(self, "cfg", None), getattr(self, "scheduler", None)
+        if cfg is None or scheduler is None or cfg.save_cache_s <= 0 or not cfg.ram_cache_gb or not cfg.disk_cache_gb:
+            return
+        log = logging.getLogger(__name__)
+        try:
+            saved = await asyncio.wait_for(scheduler.save_cache.remote(cfg.save_cache_s), cfg.save_cache_s + 10)
+        except Exception as e:  # noqa: BLE001 - a stop goes on without the save
+            log.warning("prefix cache not saved: %s: %s", type(e).__name__, e)
+        else:
+            log.info("prefix cache: %d pages saved to %s", saved, cfg.disk_cache)
+
     async def check_health(self) -> None:
         """Serve's replica health check: a dead scheduler actor (and with it the GPU and tier actors it owns)
         has Serve replace this replica, whose start makes new ones."""
@@ -189,5 +207,6 @@ def application(args: dict[str, Any] | None = None, checked: bool = False) -> An
         Ingress, name="DecapybaraIngress", num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options={"num_cpus": 0},
         health_check_period_s=2.0,  # `check_health`: a lost scheduler actor replaced within seconds
+        graceful_shutdown_timeout_s=cfg.save_cache_s + 20,  # `__del__`'s save, after the requests in flight
     )
     return deployment.bind(cfg.model_dump(exclude_defaults=True))

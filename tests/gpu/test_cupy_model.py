@@ -265,3 +265,57 @@ def test_state_pool_copies_slots_and_device_states_in_one_launch(monkeypatch):
     dst = [cp.zeros_like(a) for a in odd]
     cupy_kv.copy_many(list(zip(odd, dst)))
     assert all(np.array_equal(cp.asnumpy(a), cp.asnumpy(b)) for a, b in zip(odd, dst))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("kv_mode", [None, "6/4"])
+def test_prefix_pages_through_the_tiers_and_a_restart_keep_greedy_tokens(family, kv_mode, tmp_path):
+    """On the CUDA backend (decode graphs on): a system prompt's pages evicted from a small pool to the RAM / disk
+    tiers come back on its next use, and after a graceful stop's save (`save_cached_pages`) an engine over the
+    same disk adopts and restores them; both give the greedy tokens of a CUDA engine without any prefix cache."""
+    from decapybara.engine.sequence import Request
+    from decapybara.kv.disk_tier import DiskTierStore
+    from decapybara.kv.ram_tier import RamTierStore
+    from decapybara.kv.stores import TierStores
+    from decapybara.kv.tiers import KVTiers
+
+    url = f"file://{tmp_path}/kv"
+    model = build(family, CupyBackend("fp32"))
+
+    def engine_over(num_pages: int, ram_bytes: int) -> tuple[Engine, TierStores]:
+        engine = Engine(model, EngineConfig(page_size=8, num_pages=num_pages, kv_mode=kv_mode, loop_guard="off",
+                                            snapshot_interval=8, max_slots=4))
+        stores = TierStores(KVTiers(RamTierStore(ram_bytes), DiskTierStore(url, 64 << 20)), engine.blocks.salt)
+        engine.bundle_store = stores
+        engine.set_page_store(stores)
+        return engine, stores
+
+    def run(engine: Engine, rid: str, tokens: list[int], params: SamplingParams) -> list[int]:
+        engine.add_request(Request(tuple(tokens), params, rid))
+        out: list[int] = []
+        while engine.has_work():
+            for ev in engine.step():
+                out += ev.token_ids
+        return out
+
+    rng = np.random.default_rng(21)
+    system = rng.integers(0, 512, 40).tolist()  # five pages
+    second = system + rng.integers(0, 512, 9).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine, stores = engine_over(num_pages=14, ram_bytes=1 << 20)
+    want = Engine(model, EngineConfig(page_size=8, num_pages=64, kv_mode=kv_mode, loop_guard="off",
+                                      enable_prefix_cache=False, max_model_len=engine.max_model_len)).generate(
+        [second], greedy)[0]
+    run(engine, "a", system + [1, 2, 3], short)
+    for i in range(3):  # other traffic pushes the system prompt's pages out of the pool
+        run(engine, f"x{i}", rng.integers(0, 512, 60).tolist(), short)
+    assert engine.stats.offloaded_pages >= 5
+    before = engine.stats.computed_prompt_tokens
+    assert run(engine, "b", second, greedy) == want
+    assert engine.stats.restored_pages >= 5 and engine.stats.computed_prompt_tokens - before == len(second) - 40
+    assert engine.save_cached_pages() >= 5
+    engine, stores = engine_over(num_pages=14, ram_bytes=1 << 20)  # a restart: fresh RAM, the same disk
+    assert stores.adopt_pages() >= 5
+    assert run(engine, "c", second, greedy) == want
+    assert engine.stats.restored_pages >= 5 and engine.stats.computed_prompt_tokens == len(second) - 40

@@ -261,9 +261,16 @@ def _no_constant(name: str) -> float:
 
 
 def strict_json(text: str) -> Any:
-    """`json.loads` of RFC 8259 JSON only: NaN, Infinity and numbers past the float range raise ValueError, so
-    what is parsed can be written back as JSON that any client parses."""
-    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    """`json.loads` of RFC 8259 JSON only: NaN, Infinity, numbers past the float range and strings holding a lone
+    surrogate (``"\\ud800"``: no Unicode text, so no UTF-8 response can carry it) raise ValueError, so what is
+    parsed can be written back as JSON that any client parses."""
+    value = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    if "\\u" in text:  # only an escape can make a surrogate here (the text itself is decoded UTF-8)
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone surrogate") from None
+    return value
 
 
 def parse_tool_call(body: str) -> ToolCall | None:

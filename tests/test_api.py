@@ -47,6 +47,7 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "THINK-SPACE": "<think>\nA.\n</think> def x",  # the answer's first token carries the markup's space
     "NAN-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>',
     "HUGE-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": 1e999}}\n</tool_call>',
+    "SURROGATE-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud800is"}}\n</tool_call>',
     "TWO-CALLS": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
     "TEXT-TOOL-TEXT": 'Before.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nAfter.',
@@ -325,10 +326,11 @@ def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
         assert "<tool_call>" in m.content[1].text
 
 
-@pytest.mark.parametrize("script", ["NAN-CALL", "HUGE-CALL"])
+@pytest.mark.parametrize("script", ["NAN-CALL", "HUGE-CALL", "SURROGATE-CALL"])
 def test_a_call_whose_arguments_are_not_json_stays_text(stack, script):
-    """NaN, Infinity and numbers past the float range are not JSON: such a call is no call, streamed or not, so
-    no client receives arguments it cannot parse."""
+    """NaN, Infinity, numbers past the float range and lone surrogates (``\\ud800``, which no UTF-8 response can
+    carry: they were a 500) are not JSON: such a call is no call, streamed or not, so no client receives arguments
+    it cannot parse."""
     r = stack.oa().chat.completions.create(model="m", messages=user(script), tools=TOOLS_OA, max_tokens=60)
     assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
     chunks = list(stack.oa().chat.completions.create(model="m", messages=user(script), tools=TOOLS_OA,
@@ -732,6 +734,32 @@ def test_a_bad_field_is_named_where_it_went_wrong(stack):
     assert err["param"] == "messages.0.content.0" and "'video'" in err["message"], err
     r = _post(stack.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]})
     assert r.json()["error"]["param"] == "messages.0.content", r.text
+
+
+def test_logit_bias_keys_are_decimal_token_ids(stack):
+    """Keys are token ids written in decimal digits: what Python's int() also reads ("1_0", " 5", a non-ASCII
+    digit) is a 400, not a bias on some other token."""
+    for key in ("1_0", " 5", "5 ", "\u0665", "+5", "0x5", "5.0"):
+        r = _post(stack.url + "/v1/chat/completions", {"messages": user("x"), "max_tokens": 2,
+                                                       "logit_bias": {key: 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (key, r.text)
+    r = _post(stack.url + "/v1/chat/completions", {"messages": user("x"), "max_tokens": 2, "logit_bias": {"10": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_a_lone_surrogate_in_the_input_is_read_as_a_replacement_character(stack):
+    """A JavaScript client that cuts a string inside a surrogate pair sends the half it kept as a JSON escape
+    ("\\ud83d"): it reads as U+FFFD (it was a 400 "not valid JSON", on every later turn of that conversation),
+    while a whole pair and an escaped backslash before "ud800" keep their meaning."""
+    raw = (b'{"max_tokens": 2, "messages": [{"role": "user", "content": '
+           b'"cut \\ud83d| pair \\ud83d\\ude00| low \\ude00| text \\\\ud800"}]}')
+    r = _post(stack.url + "/v1/chat/completions", raw)
+    assert r.status_code == 200, r.text
+    assert "cut \ufffd| pair \U0001f600| low \ufffd| text \\ud800<|im_end|>" in stack.prompt(r.json()["id"])
+    r = _post(stack.url + "/v1/messages", b'{"model": "m", ' + raw[1:])
+    assert r.status_code == 200 and "cut \ufffd| pair" in stack.prompt(r.json()["id"]), r.text
+    r = _post(stack.url + "/v1/messages/count_tokens", b'{"model": "m", ' + raw[1:])
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
 
 
 def test_a_prompt_past_the_pool_is_a_4xx_not_a_broken_stream(stack):

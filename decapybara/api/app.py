@@ -37,6 +37,7 @@ from decapybara.api.transport import (
     guarded,
     read_body,
     start_stream,
+    well_formed_json,
 )
 from decapybara.engine.sequence import TokenEvent
 
@@ -83,7 +84,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return await guarded(api, handler, disconnects)
 
     async def parse(request: HttpRequest, model: type[Any]) -> Any:
-        return model.model_validate_json(await read_body(request, max_body_bytes))
+        return model.model_validate_json(well_formed_json(await read_body(request, max_body_bytes)))
 
     async def run(request: HttpRequest, api: str, events: AsyncIterator[TokenEvent], stream: bool,
                   streamer: Callable[[], Any], respond: Callable[[Any], Any], idle_line: str) -> Response:

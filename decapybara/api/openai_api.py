@@ -132,7 +132,9 @@ def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_t
         raise bad_request("only n=1 is supported", "n")
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
-        try:
+        try:  # decimal digits only: int() would also take "1_0", " 5 " and non-ASCII digits
+            if not (key.isascii() and key.lstrip("-").isdigit()):
+                raise ValueError(key)
             bias[int(key)] = value
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -64,6 +65,25 @@ async def read_body(request: HttpRequest, limit: int) -> bytes:
     if size > limit:
         raise too_large
     return b"".join(chunks)
+
+
+# A JSON \\u escape of a surrogate (a pair or a lone one) where its backslash is no escaped backslash's second.
+_SURROGATE_ESCAPE = re.compile(
+    rb"(?<!\\)((?:\\\\)*)(\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F][0-9a-fA-F]{2})")
+
+
+def _lone_to_replacement(m: re.Match[bytes]) -> bytes:
+    return m.group(0) if len(m.group(2)) == 12 else m.group(1) + rb"\ufffd"
+
+
+def well_formed_json(body: bytes) -> bytes:
+    """`body` with every lone surrogate escape (``"\\ud83d"`` not followed by its low half, or a stray low half)
+    written as U+FFFD's, as decoding invalid UTF-8 does. JavaScript clients send them where they cut a string
+    inside a surrogate pair (JSON.stringify escapes the half it keeps); the JSON parser refuses them as invalid
+    JSON, and a conversation that once held one would be refused on every later turn."""
+    if b"\\u" not in body:
+        return body
+    return _SURROGATE_ESCAPE.sub(_lone_to_replacement, body)
 
 
 class EdgeMiddleware:

@@ -10,6 +10,7 @@ and writes it under an fsspec URL (DISK_CACHE). Every unit is checksummed and ve
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from typing import Any
@@ -59,24 +60,26 @@ class RamTierActor:
                 self.stats_["lost"] += 1
         return len(spilled)  # ... the last reference to the object is dropped here
 
-    async def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> int:
+    async def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> list[str]:
         """Copy the units under `prefix` that the disk tier lacks to it (this tier keeps them), the most recently
-        used first, ranked from `first_rank` on (`KVTiers.persist`). Returns the units copied."""
+        used first, ranked from `first_rank` on (`KVTiers.persist`). Returns the keys copied, in rank order."""
         if self.disk is None:
-            return 0
+            return []
         deadline = None if budget_s is None else time.monotonic() + budget_s
         on_disk = set(await self.disk.keys.remote())
-        n = 0
+        out: list[str] = []
         for key in reversed(self.store.eviction_order()):
             if not key.startswith(prefix) or key in on_disk:
                 continue
+            if deadline is not None and time.monotonic() > deadline:
+                break
             ref = self.store.peek(key)
-            if ref is None or (deadline is not None and time.monotonic() > deadline):
+            if ref is None:  # taken while an earlier copy was awaited
+                continue
+            if not await self.disk.save_ref.remote(key, [ref], float(first_rank + len(out))):
                 break
-            if not await self.disk.save_ref.remote(key, [ref], float(first_rank + n)):
-                break
-            n += 1
-        return n
+            out.append(key)
+        return out
 
     def get(self, key: str) -> list | None:
         ref = self.store.get(key)
@@ -135,6 +138,9 @@ class DiskTierActor:
 
     def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
         return self.store.snapshot_flags(prefix, budget_s)
+
+    def refresh(self, keys: list[str]) -> None:
+        self.store.refresh(keys)
 
     def get(self, key: str) -> bytes | None:
         """The unit's verified bytes, or None (absent, or corrupt: then it is deleted and counted)."""
@@ -234,44 +240,62 @@ class RayTiers:
         if "disk" not in self.handles:
             return False
         try:
-            self.handles["ram"].pop.remote(unit.key)  # a RAM copy with less (no snapshot) must not be read first
-            return bool(ray.get(self.handles["disk"].save.remote(unit.key, np.frombuffer(encode_unit(unit), np.uint8),
+            kept = bool(ray.get(self.handles["disk"].save.remote(unit.key, np.frombuffer(encode_unit(unit), np.uint8),
                                                                  next_use), timeout=self.timeout_s))
+            if kept:  # a RAM copy with less (no snapshot) must not be read first
+                self.handles["ram"].pop.remote(unit.key)
+            return kept
         except Exception:  # noqa: BLE001 - a dead tier actor or a timeout: not kept
             self.errors += 1
             return False
 
-    def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> int:
-        """`KVTiers.persist` by the RAM tier actor, once the puts sent before have landed; 0 where a tier cannot be
-        reached."""
-        import concurrent.futures
-
-        if "disk" not in self.handles:
-            return 0
+    def wait_puts(self, timeout_s: float | None = None) -> None:
+        """Until the puts sent to the RAM tier so far have landed (and any spill they made reached the disk tier),
+        or `timeout_s`."""
         with self._lock:
             pending = list(self.pending)
-        concurrent.futures.wait(pending, timeout=self.timeout_s)
+        concurrent.futures.wait(pending, timeout=self.timeout_s if timeout_s is None else timeout_s)
+
+    def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> list[str]:
+        """`KVTiers.persist` by the RAM tier actor; none where a tier cannot be reached."""
+        if "disk" not in self.handles:
+            return []
         try:
-            return int(ray.get(self.handles["ram"].persist.remote(prefix, first_rank, budget_s),
-                               timeout=self.timeout_s + (budget_s or 0.0)))
+            return list(ray.get(self.handles["ram"].persist.remote(prefix, first_rank, budget_s),
+                                timeout=self.timeout_s + (budget_s or 0.0)))
         except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
             self.errors += 1
-            return 0
+            return []
+
+    def disk_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
+        """`KVTiers.disk_flags` of the disk tier actor (none where it cannot be reached)."""
+        if "disk" not in self.handles:
+            return {}
+        try:
+            return dict(ray.get(self.handles["disk"].snapshot_flags.remote(prefix, budget_s),
+                                timeout=self.timeout_s + budget_s))
+        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
+            self.errors += 1
+            return {}
+
+    def settle(self, keys: list[str]) -> None:
+        """`KVTiers.settle` on the disk tier actor."""
+        if "disk" in self.handles and keys:
+            try:
+                ray.get(self.handles["disk"].refresh.remote(list(reversed(keys))), timeout=self.timeout_s)
+            except Exception:  # noqa: BLE001 - a dead tier actor or a timeout: the ranks stay
+                self.errors += 1
 
     def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
-        """The units under `prefix` in either tier actor (`KVTiers.snapshot_flags`); those of a tier that cannot be
-        reached are left out."""
-        out: dict[str, bool | None] = {}
-        calls = [("disk", (prefix, budget_s)), ("ram", (prefix,))]
-        for name, args in calls:
-            if name not in self.handles:
-                continue
-            try:
-                for k, flag in ray.get(self.handles[name].snapshot_flags.remote(*args),
-                                       timeout=self.timeout_s + budget_s).items():
-                    out[k] = flag if out.get(k) is None else out[k] or bool(flag)
-            except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
-                self.errors += 1
+        """The units under `prefix` in either tier actor (`KVTiers.snapshot_flags`; the RAM tier's flag where it has
+        the unit); those of a tier that cannot be reached are left out."""
+        out = self.disk_flags(prefix, budget_s)
+        try:  # the RAM tier's copy is the one read first (`fetch_unit`): its flag wins where it is known
+            for k, flag in ray.get(self.handles["ram"].snapshot_flags.remote(prefix), timeout=self.timeout_s).items():
+                if flag is not None or k not in out:
+                    out[k] = flag
+        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
+            self.errors += 1
         return out
 
     def take_staged(self, key: str) -> Any:

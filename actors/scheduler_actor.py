@@ -54,6 +54,7 @@ class SchedulerActor:
         self.last_report_at = time.time()
         self.restarts = 0
         self._recovering: asyncio.Task | None = None
+        self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
 
     def _new_gpu(self) -> Any:
         from actors.gpu_actor import gpu_actor_class
@@ -110,7 +111,9 @@ class SchedulerActor:
         on it. Returns the pages saved; 0 where the engine is down."""
         if self.dead is not None:
             return 0
-        return await self.gpu.save_cache.remote(budget_s)
+        if self._saving is None:  # one save, however many ingress replicas stop
+            self._saving = asyncio.ensure_future(self.gpu.save_cache.remote(budget_s))
+        return await asyncio.shield(self._saving)
 
     async def abort(self, request_id: str) -> None:
         self._send(Control(abort=[request_id]))

@@ -215,8 +215,8 @@ def test_an_expired_conversation_has_its_cached_pages_demoted():
 
 def test_a_call_runs_on_the_engines_thread_between_steps():
     """`EngineDriver.call`: a function of the engine run by the thread that steps it, between two steps, while
-    requests decode (a graceful stop's `save_cached_pages`); its exception comes back to the caller, and a stopped
-    loop refuses calls."""
+    requests decode (a graceful stop's `save_cached_pages`); its exception comes back to the caller; a loop that
+    stopped, or ended, refuses calls, and one not yet run when its caller gives up never runs."""
     import threading
     import time
 
@@ -225,11 +225,12 @@ def test_a_call_runs_on_the_engines_thread_between_steps():
     engine = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off"))
     driver = EngineDriver(engine, remote_policy=False, idle_wait_s=0.001)
     prompt = np.random.default_rng(8).integers(0, 512, 20).tolist()
-    want = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off")).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=30))[0]
-    driver.submit(Control(add=[Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=30), "r")]))
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    want = Engine(model("qwen3"), EngineConfig(page_size=8, num_pages=64, loop_guard="off")).generate([prompt],
+                                                                                                      params)[0]
+    driver.submit(Control(add=[Request(tuple(prompt), params, "r")]))
     outs: list[int] = []
-    seen: list[tuple[int, str]] = []
+    seen: list[tuple[int, int, str]] = []
     done = threading.Event()
 
     def loop():
@@ -244,13 +245,19 @@ def test_a_call_runs_on_the_engines_thread_between_steps():
     deadline = time.time() + 60
     while not outs and time.time() < deadline:
         time.sleep(0.001)
-    steps = driver.call(lambda e: (seen.append((e.stats.steps, threading.current_thread().name)), e.stats.steps)[1],
-                        timeout_s=30)
-    assert seen == [(steps, t.name)]
+    steps = driver.call(lambda e: (seen.append((len(e.running), e.stats.steps, threading.current_thread().name)),
+                                   e.stats.steps)[1], timeout_s=30)
+    assert seen == [(1, steps, t.name)] and 0 < steps < 300  # mid-request, on the loop's thread
     with pytest.raises(ZeroDivisionError):
         driver.call(lambda e: 1 / 0, timeout_s=30)
     assert done.wait(60) and outs == want  # the calls between its steps changed nothing
     assert driver.call(lambda e: len(e.running), timeout_s=30) == 0  # an idle loop takes calls too
+    ran = []
+    with driver._cond:  # the loop cannot take the call before the caller gives up
+        with pytest.raises(TimeoutError):
+            driver.call(lambda e: ran.append(1), timeout_s=0.01)
+    time.sleep(0.05)
+    assert ran == []
     driver.stop()
     t.join(10)
     with pytest.raises(RuntimeError):

@@ -400,3 +400,35 @@ def test_a_save_stops_where_the_disk_keeps_no_room(tmp_path):
         run_until_done(engine, {})
     assert engine.save_cached_pages() == 4
     assert stores.lookup(newest) and len(stores.tiers.disk) == 4
+
+
+def test_a_save_takes_the_ram_tiers_pages_too_and_a_restart_keeps_its_ranks(tmp_path):
+    """Pages evicted to the RAM tier (which does not outlive the process) are saved after the pool's; the saved
+    pages lose their ranks when the save ends, and the disk's recency follows them, across a restart too: the
+    pool's most recently used page is evicted last, the RAM tier's least recent first."""
+    url = f"file://{tmp_path}/kv"
+    engine, stores = make_engine("qwen3", url, ram_bytes=64 << 20, num_pages=12, loop_guard="off")
+    system = prompt(3, 40)  # five pages
+    engine.add_request(Request(tuple(system + [1, 2, 3]), SamplingParams(temperature=0, max_tokens=4), "a"))
+    run_until_done(engine, {})
+    for i in range(3):  # its pages go to the RAM tier
+        engine.add_request(Request(tuple(prompt(10 + i, 60)), SamplingParams(temperature=0, max_tokens=4), f"x{i}"))
+        run_until_done(engine, {})
+    in_ram = [k for k in stores.tiers.ram.keys() if k.startswith("page/")]
+    assert len(in_ram) >= 5 and len(stores.tiers.disk) == 0
+    pool = [engine.blocks.hash_of_page[p] for p in reversed(engine.blocks.lru) if p in engine.blocks.hash_of_page]
+    saved = engine.save_cached_pages()
+    assert saved == len(pool) + len(in_ram) and len(stores.tiers.disk) == saved
+    disk = stores.tiers.disk
+    assert all(disk.next_use(k) is None for k in disk.keys())  # the ranks are gone with the save
+    from decapybara.kv.units import page_key
+    newest = page_key(engine.blocks.salt, pool[0])
+    for order in (disk.eviction_order(), DiskTierStore(url, 64 << 20).eviction_order()):  # and after a restart
+        assert order[-1] == newest and order[0] in in_ram
+    engine, stores = make_engine("qwen3", url, ram_bytes=0, loop_guard="off")
+    assert stores.adopt_pages() == saved
+    second = system + prompt(5, 9)
+    before = engine.stats.computed_prompt_tokens
+    engine.add_request(Request(tuple(second), GREEDY, "b"))
+    run_until_done(engine, {})
+    assert engine.stats.computed_prompt_tokens - before == len(second) - 40  # the RAM tier's pages came back

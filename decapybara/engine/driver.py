@@ -169,19 +169,33 @@ class EngineDriver:
 
     def call(self, fn: Callable[[Engine], Any], timeout_s: float | None = None) -> Any:
         """`fn(engine)` run on the engine's thread between two steps (`reports` must be running); its result, or
-        its exception. Raises TimeoutError after `timeout_s` (`fn` may still run later) and RuntimeError once the
-        loop has stopped."""
+        its exception. Raises TimeoutError after `timeout_s` (a call not started by then never runs) and
+        RuntimeError once the loop has stopped or ended."""
         fut: Future = Future()
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the engine's loop stopped")
             self._calls.append((fn, fut))
             self._cond.notify()
-        return fut.result(timeout_s)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()  # not run later, where it has not started
+            raise
 
     # ---- the engine's thread ---------------------------------------------------------------------------
     def reports(self) -> Iterator[StepReport]:
         """Yield one report per engine step (or per control batch that produced events) until `stop()`."""
+        try:
+            yield from self._reports()
+        finally:  # ended (stopped, closed, or raised): no call waits on it
+            with self._cond:
+                self._stopped = True
+                calls, self._calls = self._calls, []
+            for _, fut in calls:
+                fut.set_exception(RuntimeError("the engine's loop ended"))
+
+    def _reports(self) -> Iterator[StepReport]:
         engine = self.engine
         while True:
             heartbeat = False

@@ -88,8 +88,12 @@ class Engine(MemoryMixin):
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.hybrid = self.runner.hybrid
         # the prefix hashes' namespace: the model's whole config (architecture, YaRN), its weights (a file's
-        # checksums: two weight presets of one architecture compute different KV), the KV mode, the page size
-        salt = f"{model.cfg!r}|{getattr(model, 'weights_id', '')}|{cfg.kv_mode}|{cfg.page_size}".encode()
+        # checksums: two weight presets of one architecture compute different KV), the KV mode, the page size, the
+        # backend and its precision (another rounding of the same KV: a restart on another device must not restore
+        # it), and whether the MTP head's KV is written (its pages otherwise hold none)
+        backend = model.backend
+        salt = (f"{model.cfg!r}|{getattr(model, 'weights_id', '')}|{cfg.kv_mode}|{cfg.page_size}|{backend.name}:"
+                f"{getattr(backend, 'dtype', '')}|mtp={cfg.speculator == 'mtp'}").encode()
         state_bytes = model.cfg.state_bytes_per_sequence() if self.hybrid else 0
         budget = cfg.snapshot_budget(state_bytes)
         # hybrid-state snapshots are taken only where the budget can keep one (a copy it would drop at once

@@ -244,55 +244,63 @@ class MemoryMixin:
         if self._copy_page(page, page_hash, snapshot):
             self.stats.offloaded_pages += 1
 
-    def _copy_page(self, page: int, page_hash: bytes, snapshot: Any, rank: int | None = None) -> bool:
-        """A pool page's KV (and snapshot) to the page store: `offload`, or with a `rank`, `save`. False where the
-        store fails (that loses the copy, not the pool page or the step) or, saving, keeps no room for it."""
+    def _copy_page(self, page: int, page_hash: bytes, snapshot: Any) -> bool:
+        """A pool page's KV (and snapshot) to the page store. False where the store fails: that loses the copy, not
+        the pool page or the step."""
         kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
         try:
-            if rank is None:
-                self.page_store.offload(page_hash, kv, snapshot)
-                return True
-            return bool(self.page_store.save(page_hash, kv, snapshot, rank))
+            self.page_store.offload(page_hash, kv, snapshot)
         except Exception as e:  # noqa: BLE001 - any store error
-            log.warning("KV tiers: page not kept: %s: %s", type(e).__name__, e)
+            log.warning("KV tiers: evicted page not kept: %s: %s", type(e).__name__, e)
             self.stats.lost_pages += 1
             return False
+        return True
 
     def save_cached_pages(self, budget_s: float | None = None) -> int:
-        """Copy the prefix cache's full pages to where the page store keeps them across a restart (`save`: the disk
-        tier), so that the next engine over it (`TierStores.adopt_pages`) restores them instead of prefilling them
-        again. Pages live requests use come first, then the cached ones, the most recently used first, each with
-        its hybrid state snapshot where the pool keeps one; the store ranks them in that order, so that where room
-        runs out the later ones give way. A page the store holds already, with a snapshot or without one where the
-        pool has none, is skipped here; then the pages the store holds only in memory follow (`persist_pages`).
-        Stops once `budget_s` seconds have passed, or at the first page the store keeps no room for. The pool is
-        left as it was. Returns the pages copied (also counted in `stats.saved_pages`)."""
-        if self.page_store is None or not hasattr(self.page_store, "save") or not self.cfg.enable_prefix_cache:
+        """Copy the prefix cache's full pages to where the page store keeps them across a restart (the disk tier), so
+        that the next engine over it (`TierStores.adopt_pages`) restores them instead of prefilling them again.
+        Pages live requests use come first, then the cached ones, the most recently used first, each with its
+        hybrid state snapshot where the pool keeps one; the store ranks them in that order, so that where room runs
+        out the later ones give way. A page the disk holds already, with a snapshot or without one where the pool
+        has none, is skipped. Then the pages the store holds only in memory follow (`persist_pages`). Stops once
+        `budget_s` seconds have passed, at the first page the store keeps no room for, or at a store error. The
+        pool is left as it was. Returns the pages copied (also counted in `stats.saved_pages`)."""
+        store = self.page_store
+        if store is None or not hasattr(store, "begin_save") or not self.cfg.enable_prefix_cache:
             return 0
-        b = self.blocks
         deadline = None if budget_s is None else time.monotonic() + budget_s
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        b = self.blocks
         live = [p for p in b.hash_of_page if p not in b.lru]
         cached = [p for p in reversed(b.lru) if p in b.hash_of_page]  # not a partial tail: no page unit
         saved = 0
-        for page in live + cached:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            h = b.hash_of_page[page]
-            kept = b.snapshots.get(h)
-            snapshot = kept[0] if kept is not None else None
-            held = self.page_store.lookup(h)
-            if held == PRESENT_WITH_SNAPSHOT or (held != ABSENT and snapshot is None):
-                continue
-            if not self._copy_page(page, h, snapshot, rank=saved):
-                break
-            saved += 1
-        else:  # then the pages a tier holds only in memory (evicted earlier, or skipped above as held)
-            if hasattr(self.page_store, "persist_pages"):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    saved += self.page_store.persist_pages(saved, left)
-                except Exception as e:  # noqa: BLE001 - any store error: what was saved stays saved
-                    log.warning("KV tiers: pages in memory not saved: %s: %s", type(e).__name__, e)
+        try:
+            store.begin_save(min(10.0, left() or 10.0))
+            for page in live + cached:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                h = b.hash_of_page[page]
+                kept = b.snapshots.get(h)
+                snapshot = kept[0] if kept is not None else None
+                held = store.durable(h)
+                if held == PRESENT_WITH_SNAPSHOT or (held != ABSENT and snapshot is None):
+                    continue
+                kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
+                if not store.save(h, kv, snapshot, saved):
+                    break
+                saved += 1
+            else:  # then the pages a tier holds only in memory (evicted earlier)
+                saved += store.persist_pages(saved, left())
+        except Exception as e:  # noqa: BLE001 - any store error: what was saved stays saved
+            log.warning("KV tiers: the save stopped after %d pages: %s: %s", saved, type(e).__name__, e)
+        finally:
+            try:
+                store.end_save()
+            except Exception as e:  # noqa: BLE001
+                log.warning("KV tiers: the saved pages' ranks stay: %s: %s", type(e).__name__, e)
         self.stats.saved_pages += saved
         return saved
 

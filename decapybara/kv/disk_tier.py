@@ -256,6 +256,24 @@ class DiskTierStore:
         with self._lock:
             return self._index.update_next_use(key, next_use)
 
+    def refresh(self, keys: list[str]) -> None:
+        """Mark `keys` used in this order (the last the most recent) and drop their next-use estimates; on a local
+        disk their files' modification times follow, so that a restart's scan ranks them the same (a save's
+        pages, ranked while it ran)."""
+        now = time.time()
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._index:
+                    continue
+                self._index.update_next_use(key, None)
+                self._index.touch(key)
+                if self.commit == "rename":
+                    stamp = now + i * 1e-6
+                    try:
+                        os.utime(self._path(key), (stamp, stamp))
+                    except OSError:
+                        pass  # the scan then ranks it by its write
+
     def set_budget(self, budget_bytes: int) -> list[Dropped]:
         """Resize; units beyond the new budget are deleted (returned)."""
         with self._lock:

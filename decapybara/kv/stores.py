@@ -13,6 +13,7 @@ older conversations first, so the youngest is needed last and spills first); pre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -46,8 +47,9 @@ class PageStore(Protocol):
 
     def forget(self, page_hash: bytes) -> None: ...
 
-    # optional, for `save_cached_pages`: `save(page_hash, kv, snapshot, rank) -> bool`, a copy kept across a restart,
-    # and `persist_pages(first_rank, budget_s) -> int`, the pages a tier holds only in memory kept so too
+    # optional, for `save_cached_pages` (a copy kept across a restart): `begin_save(budget_s)`, `durable(page_hash)`,
+    # `save(page_hash, kv, snapshot, rank) -> bool`, `persist_pages(first_rank, budget_s) -> int` (the pages a tier
+    # holds only in memory) and `end_save()`; see `TierStores`
 
 
 class HostBundleStore:
@@ -78,6 +80,8 @@ class TierStores:
         # page hash -> offloaded with a hybrid snapshot. A record outlives its unit where the tiers do not say
         # (under Ray, presence is not asked remotely): bounded, so that it cannot grow for ever
         self._pages: OrderedDict[bytes, bool] = OrderedDict()
+        self._durable: dict[bytes, bool] = {}  # during a save: the disk tier's pages (`begin_save`)
+        self._saved: list[str] = []  # ... the keys it saved, in rank order
 
     # ---- bundles -------------------------------------------------------------------------------------
     def put(self, seq: Any, bundle: Any) -> str:
@@ -107,20 +111,47 @@ class TierStores:
         while len(self._pages) > self.MAX_PAGES:
             self._pages.popitem(last=False)
 
+    # ---- a save (`Engine.save_cached_pages`) -------------------------------------------------------------
+    def begin_save(self, budget_s: float = 10.0) -> None:
+        """Before a save: the puts in flight land, and the page units the disk tier holds are read (`durable`),
+        each with its snapshot flag (the RAM tier does not outlive the process, so its pages are saved too)."""
+        self.tiers.wait_puts(budget_s)
+        prefix = page_prefix(self.salt)
+        self._durable = {}
+        for key, flag in self.tiers.disk_flags(prefix, budget_s).items():
+            with contextlib.suppress(ValueError):
+                self._durable[bytes.fromhex(key[len(prefix):])] = bool(flag)
+        self._saved = []
+
+    def durable(self, page_hash: bytes) -> int:
+        """ABSENT, PRESENT or PRESENT_WITH_SNAPSHOT on the disk tier, as `begin_save` found it and the save went."""
+        flag = self._durable.get(page_hash)
+        return ABSENT if flag is None else PRESENT_WITH_SNAPSHOT if flag else PRESENT
+
     def save(self, page_hash: bytes, kv: KVPageData, snapshot: HybridState | None, rank: int) -> bool:
-        """A pool page kept where it outlives this engine (the disk tier), ranked among the pages saved with it
-        (0 first: where room runs out, higher ranks give way, and units without a rank before them). False where
-        the tier keeps no room for it or there is no disk tier."""
-        if not self.tiers.put_durable(Unit.page(self.salt, page_hash, kv, snapshot), next_use=float(rank)):
+        """A pool page kept on the disk tier (it outlives this engine), ranked among the pages saved with it (0
+        first: where room runs out, higher ranks give way, and units without a rank before them). False where the
+        tier keeps no room for it or there is no disk tier."""
+        unit = Unit.page(self.salt, page_hash, kv, snapshot)
+        if not self.tiers.put_durable(unit, next_use=float(rank)):
             return False
-        self._pages[page_hash] = snapshot is not None or bool(self._pages.get(page_hash))
+        self._durable[page_hash] = snapshot is not None
+        self._saved.append(unit.key)
+        self._pages[page_hash] = snapshot is not None
         self._pages.move_to_end(page_hash)
         return True
 
     def persist_pages(self, first_rank: int = 0, budget_s: float | None = None) -> int:
-        """The pages the RAM tier holds, copied to the disk tier (`KVTiers.persist`), ranked after the `first_rank`
-        pages saved before them. Returns how many."""
-        return self.tiers.persist(page_prefix(self.salt), first_rank, budget_s)
+        """The pages the RAM tier holds that the disk lacks, copied to it (`KVTiers.persist`), ranked after the
+        `first_rank` pages saved before them. Returns how many."""
+        keys = self.tiers.persist(page_prefix(self.salt), first_rank, budget_s)
+        self._saved += keys
+        return len(keys)
+
+    def end_save(self) -> None:
+        """After a save: its pages lose their ranks, and the disk's recency follows them (`KVTiers.settle`)."""
+        self.tiers.settle(self._saved)
+        self._saved = []
 
     def lookup(self, page_hash: bytes) -> int:
         has_snap = self._pages.get(page_hash)

@@ -65,30 +65,45 @@ class KVTiers:
             return False
         buf = encode_unit(unit) if isinstance(unit, Unit) else byte_view(unit)
         key = read_header(buf).key
-        self.ram.pop(key)  # content-addressed, but a copy with less (no state snapshot) must not be read first
         dropped = self.disk.put(key, buf, next_use)
         self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
-        return all(d.key != key for d in dropped)
+        kept = all(d.key != key for d in dropped)
+        if kept:  # content-addressed, but a RAM copy with less (no state snapshot) must not be read first
+            self.ram.pop(key)
+        return kept
 
-    def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> int:
+    def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> list[str]:
         """Copy the RAM units under `prefix` that the disk lacks to the disk (RAM keeps them), the most recently used
-        first, ranked from `first_rank` on (`put_durable`). Stops at the first unit the disk keeps no room for, or
-        once `budget_s` has passed. Returns the units copied."""
+        first, each with the next rank from `first_rank` on as its next use (see `put_durable`). Stops at the first
+        unit the disk keeps no room for, or once `budget_s` has passed. Returns the keys copied, in rank order."""
         if self.disk is None:
-            return 0
+            return []
         deadline = None if budget_s is None else time.monotonic() + budget_s
-        n = 0
+        out: list[str] = []
         for key in reversed(self.ram.eviction_order()):
             if not key.startswith(prefix) or key in self.disk:
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 break
-            dropped = self.disk.put(key, self.ram.peek(key), float(first_rank + n))
+            dropped = self.disk.put(key, self.ram.peek(key), float(first_rank + len(out)))
             self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
             if any(d.key == key for d in dropped):
                 break
-            n += 1
-        return n
+            out.append(key)
+        return out
+
+    def disk_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
+        """The disk tier's units under `prefix` (`DiskTierStore.snapshot_flags`); none without a disk tier."""
+        return {} if self.disk is None else self.disk.snapshot_flags(prefix, budget_s)
+
+    def settle(self, keys: list[str]) -> None:
+        """After a save: its units (`keys`, in rank order) lose their ranks, and the disk's recency follows the ranks
+        (rank 0 the most recent), in its index and across a restart (`DiskTierStore.refresh`)."""
+        if self.disk is not None:
+            self.disk.refresh(list(reversed(keys)))
+
+    def wait_puts(self, timeout_s: float | None = None) -> None:
+        """Puts here are synchronous: nothing to wait for (`RayTiers.wait_puts` waits for its RAM tier)."""
 
     def _spill(self, spilled: list[Spilled]) -> None:
         for s in spilled:

@@ -129,8 +129,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the usual ways to stop it, not errors (Ray stops at exit)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one while Ray shuts down ends the process
         if serve_started:  # a graceful stop: the ingress saves the prefix cache to the disk tier first
-            print("decapybara: stopping (the prefix cache goes to the disk tier)", file=sys.stderr)
-            serve.shutdown()
+            print("decapybara: stopping (the prefix cache goes to the disk tier; Ctrl-C again skips it)",
+                  file=sys.stderr)
+            try:
+                serve.delete("decapybara")  # waits out the replica's whole stop (serve.shutdown's own wait is 30 s)
+            except KeyboardInterrupt:
+                print("decapybara: the save was skipped", file=sys.stderr)
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                print(f"decapybara: {type(e).__name__}: {e}", file=sys.stderr)
         print("decapybara: stopped", file=sys.stderr)
     return 0
 

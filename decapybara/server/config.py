@@ -62,7 +62,7 @@ class AppConfig(BaseModel):
                                              "hybrid-state snapshots (default: two states a slot, at least 64 MiB;"
                                              " 0: none taken)")
     idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")
-    save_cache_s: float = Field(default=30.0, ge=0, description="seconds a graceful stop may spend saving the "
+    save_cache_s: float = Field(default=20.0, ge=0, description="seconds a graceful stop may spend saving the "
                                 "prefix cache to the disk tier, which the next server on it restores (0: none)")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)

@@ -82,6 +82,14 @@ async def _own_scheduler(app_config: dict[str, Any], wait_s: float = 45.0) -> An
         await asyncio.sleep(1.0)
 
 
+DRAIN_S = 60.0  # what a graceful stop leaves the requests in flight before the prefix cache's save
+
+
+def shutdown_s(cfg: AppConfig) -> float:
+    """The longest a replica's graceful stop takes (Serve's `graceful_shutdown_timeout_s`): drain, then save."""
+    return DRAIN_S + cfg.save_cache_s + 10
+
+
 @serve.ingress()
 class Ingress:
     async def __init__(self, app_config: dict[str, Any]):
@@ -90,7 +98,8 @@ class Ingress:
         from decapybara.tokenizer import Tokenizer
 
         self.cfg = AppConfig(**app_config)
-        self.scheduler = await _own_scheduler(app_config)
+        # a redeploy's previous scheduler goes once its replica's graceful stop (drain, save) ends
+        self.scheduler = await _own_scheduler(app_config, wait_s=max(45.0, shutdown_s(self.cfg) + 15))
         info = await self.scheduler.ready.remote()
         with McapyFile.open(self.cfg.resolved_model()) as f:  # metadata only: weights stay in the GPU actor
             meta = f.metadata
@@ -136,7 +145,7 @@ class Ingress:
             return
         log = logging.getLogger(__name__)
         try:
-            saved = await asyncio.wait_for(scheduler.save_cache.remote(cfg.save_cache_s), cfg.save_cache_s + 10)
+            saved = await asyncio.wait_for(scheduler.save_cache.remote(cfg.save_cache_s), cfg.save_cache_s + 8)
         except Exception as e:  # noqa: BLE001 - a stop goes on without the save
             log.warning("prefix cache not saved: %s: %s", type(e).__name__, e)
         else:
@@ -207,6 +216,7 @@ def application(args: dict[str, Any] | None = None, checked: bool = False) -> An
         Ingress, name="DecapybaraIngress", num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests, ray_actor_options={"num_cpus": 0},
         health_check_period_s=2.0,  # `check_health`: a lost scheduler actor replaced within seconds
-        graceful_shutdown_timeout_s=cfg.save_cache_s + 20,  # `__del__`'s save, after the requests in flight
+        # the whole stop: requests in flight drain first (up to DRAIN_S is left for them), then `__del__`'s save
+        graceful_shutdown_timeout_s=shutdown_s(cfg),
     )
     return deployment.bind(cfg.model_dump(exclude_defaults=True))

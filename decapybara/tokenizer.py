@@ -85,6 +85,7 @@ class Tokenizer:
             "<|endoftext|>", "<|im_start|>", "<|im_end|>", *MARKUP_TOKENS)))
         # Ids dropped by decode(skip_special_tokens=True): special added tokens other than the markup.
         self.skip_ids = frozenset(i for i, t in added.items() if t.special and t.content not in MARKUP_TOKENS)
+        self.added_ids = frozenset(added)  # every added token (control and markup tokens): no text of the model's
         names = eos_tokens if eos_tokens is not None else DEFAULT_EOS_TOKENS
         missing = [t for t in names if t not in vocab]
         if eos_tokens is not None and missing:

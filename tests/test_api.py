@@ -48,6 +48,8 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "NAN-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>',
     "HUGE-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": 1e999}}\n</tool_call>',
     "SURROGATE-CALL": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud800is"}}\n</tool_call>',
+    "JSON-REPLY": '{"city": "Rome", "days": [1, 2.5, true]}',
+    "NOT-JSON": 'Sure! Here it is: {"a": 1}',
     "TWO-CALLS": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
     "TEXT-TOOL-TEXT": 'Before.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nAfter.',
@@ -985,3 +987,45 @@ def test_a_chat_prompts_history_ends_where_its_generation_prompt_starts(stack):
         req = anthropic_api.plan_message(body, stack.client, "m", None).request
         assert stack.tok.decode(list(req.prompt_ids[req.history_end:]), skip_special_tokens=False).startswith(
             "<|im_start|>assistant\n")
+
+
+def test_json_mode_constrains_the_reply_to_a_json_object(stack):
+    """response_format json_object (JSON mode): a reply the model writes as a JSON object comes through as it is,
+    streamed or not; one it would open with prose is held to a JSON object's bytes from its first token (here the
+    scripted model's forced tokens are refused, so it is a valid prefix cut by max_tokens); json_schema, which
+    nothing here enforces, and unknown types are a 400 naming the field."""
+    import pydantic
+
+    from decapybara.engine.json_mode import DEAD, _States, _step
+
+    def prefix_ok(text: str) -> bool:
+        s = _States.start()
+        for b in text.encode():
+            s = _step(s, np.array([b], np.uint8))
+        return s.mode[0] != DEAD
+
+    fmt = {"type": "json_object"}
+    r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format=fmt,
+                                          max_tokens=60)
+    assert r.choices[0].message.content == SCRIPTS["JSON-REPLY"] and r.choices[0].finish_reason == "stop"
+    assert json.loads(r.choices[0].message.content) == {"city": "Rome", "days": [1, 2.5, True]}
+    text = "".join(c.choices[0].delta.content or "" for c in stack.oa().chat.completions.create(
+        model="m", messages=user("JSON-REPLY"), response_format=fmt, max_tokens=60, stream=True) if c.choices)
+    assert text == SCRIPTS["JSON-REPLY"]
+    plain = stack.oa().chat.completions.create(model="m", messages=user("NOT-JSON"), max_tokens=20)
+    assert plain.choices[0].message.content == SCRIPTS["NOT-JSON"]
+    r = stack.oa().chat.completions.create(model="m", messages=user("NOT-JSON"), response_format=fmt, max_tokens=20)
+    content = r.choices[0].message.content
+    assert content.startswith("{") and "Sure" not in content and prefix_ok(content), content
+
+    class Answer(pydantic.BaseModel):
+        value: int
+
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.oa().chat.completions.parse(model="m", messages=user("x"), response_format=Answer, max_tokens=4)
+    assert err.value.body["param"] == "response_format.type" and "json_schema" in err.value.body["message"]
+    r = _post(stack.url + "/v1/chat/completions", {"messages": user("x"), "response_format": {"type": "yaml"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type", r.text
+    r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format={"type": "text"},
+                                          max_tokens=60)
+    assert r.choices[0].message.content == SCRIPTS["JSON-REPLY"]

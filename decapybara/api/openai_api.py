@@ -10,10 +10,14 @@ Choices made where the API leaves room:
   ``loop_guard: {"stopped": true, "note": ...}`` (also on the final stream chunk), so agents can tell a loop
   from a normal end.
 - max_tokens / max_completion_tokens default to the rest of the context and are clamped to it.
+- response_format "json_object" is JSON mode (`decapybara.engine.json_mode`: the answer, after any reasoning, is
+  constrained token by token to a JSON object, and ends when it closes); "json_schema" is refused (400), since no
+  schema is enforced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -174,7 +178,13 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
-    params = sampling_params(body, max(max_tokens, 1), logprobs)
+    fmt = body.response_format.type if body.response_format is not None else "text"
+    if fmt == "json_schema":
+        raise bad_request("response_format json_schema is not supported: no schema is enforced here; "
+                          '{"type": "json_object"} (JSON mode) constrains the reply to a JSON object',
+                          "response_format.type", "unsupported_response_format")
+    params = dataclasses.replace(sampling_params(body, max(max_tokens, 1), logprobs),
+                                 json_object=fmt == "json_object")
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)

@@ -85,6 +85,14 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
+class ResponseFormat(RequestModel):
+    """`text`, or `json_object` (JSON mode: the reply is constrained to a JSON object); `json_schema` is parsed
+    to be refused by name (no schema is enforced)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class StreamOptions(RequestModel):
     include_usage: bool | None = None
 
@@ -123,6 +131,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):

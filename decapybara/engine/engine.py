@@ -153,6 +153,7 @@ class Engine(MemoryMixin):
         self._next_verify: tuple[int, bool] | None = None
         self._pending: tuple | None = None
         self._head: _HeadPass | None = None
+        self._json_vocab: Any = None  # JSON mode's vocabulary tables (`_json_state`)
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -178,10 +179,26 @@ class Engine(MemoryMixin):
 
             seq.detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
             seq.in_thinking = self._prompt_opens_thinking(request.prompt_ids)
+        seq.json = self._json_state(params)
         seq.loopguard = LoopGuard(self._loop_cfg) if self.cfg.loop_guard != "off" else None
         self.seqs[request.request_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def _json_state(self, params: SamplingParams) -> Any:
+        """JSON mode's automaton for a request that asks for it (None otherwise); the vocabulary's tables are
+        built at the first such request and shared."""
+        if not params.json_object:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError("JSON mode needs the engine's tokenizer", "json_object")
+        if self._json_vocab is None:
+            from decapybara.engine.json_mode import JsonVocab
+
+            self._json_vocab = JsonVocab(self.tokenizer, self.model.cfg.vocab_size)
+        from decapybara.engine.json_mode import JsonState
+
+        return JsonState(self._json_vocab)
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request wherever it is; its pages and slot are freed at once."""
@@ -398,7 +415,7 @@ class Engine(MemoryMixin):
         """Whether chunk `c`'s sequence may draft: its next step decodes one token and a second could still be
         taken (max_tokens, the context)."""
         s = c.seq
-        return (c.sample and s.finish_reason is None and s.num_uncomputed == 1
+        return (c.sample and s.finish_reason is None and s.num_uncomputed == 1 and s.json is None  # JSON: no drafts
                 and s.num_output + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len)
 
     def _draft_ngram(self, plan: StepPlan) -> None:
@@ -468,15 +485,20 @@ class Engine(MemoryMixin):
                 else:
                     s.guess = int(g)
 
-    @staticmethod
-    def _sampler_row(s: Sequence) -> SamplerRow:
+    def _sampler_row(self, s: Sequence) -> SamplerRow:
         """The sampler's view of `s`: token ids only where a penalty reads them. The repetition penalty's set is
         the prompt's and the output's ids together: `seen_ids` (kept incrementally) stands for the prompt ids,
         the same union. Presence and frequency read the output. Copying a long context's token list every step
         cost ~0.8 ms a sequence at 131k tokens, and taking its unique ids ~60 ms."""
         rep, counts = _penalties_read_ids(s)
         out = s.output_ids() if rep or counts else ()
-        return SamplerRow(s.params, s.seen_ids() if rep else (), out, s.num_output, s.seed, s.extra_penalty, s.banned)
+        banned: Any = s.banned
+        if s.json is not None and not s.in_thinking and not s.json.dead:  # JSON mode: the answer's tokens
+            banned = s.json.banned()
+            if len(s.banned):  # the LoopGuard's bans too, unless they leave nothing JSON allows
+                both = np.union1d(banned, np.asarray(s.banned, np.int64))
+                banned = both if len(both) < self.model.cfg.vocab_size else banned
+        return SamplerRow(s.params, s.seen_ids() if rep else (), out, s.num_output, s.seed, s.extra_penalty, banned)
 
     def _register_pages(self, s: Sequence, chunk_index: int, snapshots: dict) -> None:
         """Hash and register pages that became full; store hybrid snapshots taken at their ends."""
@@ -523,6 +545,8 @@ class Engine(MemoryMixin):
     def _detok_push(self, s: Sequence, tok: int) -> str:
         """Track <think> / </think> and push `tok` to the detokeniser: stop strings are looked for in the answer
         only, not in the reasoning, its markup, nor the whitespace that separates it from the answer."""
+        if s.json is not None and not s.in_thinking and tok not in self._think:  # an answer token: JSON mode reads it
+            s.json.advance(self.tokenizer.token_bytes(tok) if tok not in self.eos_token_ids else b"")
         if tok == self._think[0]:
             s.in_thinking = True
         first = False  # the answer's first visible token: its leading whitespace is still the markup's

@@ -74,6 +74,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     ignore_eos: bool = False
+    json_object: bool = False  # JSON mode: the answer is constrained to a JSON object (`engine.json_mode`)
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +97,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError(f"json_object must be a boolean, got {self.json_object!r}", "json_object")
         if not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
         for tok, bias in self.logit_bias.items():

@@ -97,6 +97,7 @@ class Sequence:
     pending_top: list[list[tuple[int, float]]] = field(default_factory=list)
     pending_note: str | None = None
     in_thinking: bool = False
+    json: Any = None  # JSON mode's automaton (`json_mode.JsonState`), where the request asks for it
     after_think: bool = False  # the reasoning just closed: the answer's leading whitespace is the template's
     draft: int | None = None  # speculation: the MTP head's guess of the token after the last one (engine._draft)
     guess: int | None = None  # ... its guess where too doubtful to draft alone (a verification graph's spare row)

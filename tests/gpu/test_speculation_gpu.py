@@ -119,3 +119,34 @@ def test_gpu_governor_withholds_through_graphs_and_keeps_the_tokens():
     assert g["mtp_kv_steps"] > 0 and not g["failures"], g
     assert s["2"]["verify"] == 0.0 and e.stats.withheld_steps > 20, s
     assert captured and g["captures"] >= 3  # decode, verification and MTP graphs captured, none in a measure
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_json_mode_gives_the_reference_tokens(graphs):
+    """JSON mode on the cupy backend (its masks reach the device sampler as edit lists of most of the vocabulary),
+    greedy and seeded, beside a plain request and with speculation asked for (JSON rows draft nothing): the numpy
+    reference's tokens, and answers that are JSON objects, or prefixes of one where max_tokens cut them."""
+    import json
+
+    from decapybara.engine.json_mode import JsonState, JsonVocab
+
+    ref_model = loaded("numpy")
+    tok = ref_model.tokenizer
+    prompt = tok.apply_chat([{"role": "user", "content": "Describe is_even(n) as a JSON object."}],
+                            enable_thinking=False)
+    params = [SamplingParams(temperature=0, max_tokens=96, json_object=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=96, json_object=True),
+              SamplingParams(temperature=0, max_tokens=32)]
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", cuda_graphs=graphs,
+                       spec_adaptive=False)
+    ref = Engine(ref_model.model, cfg, tokenizer=tok).generate([prompt] * 3, params)
+    gpu = loaded("cupy")
+    got = Engine(gpu.model, cfg.replace(speculator="mtp"), tokenizer=gpu.tokenizer).generate([prompt] * 3, params)
+    assert got == ref
+    for ids in ref[:2]:  # an answer that ends is a JSON object; one cut by max_tokens a prefix of one
+        if ids[-1] in tok.eos_token_ids:
+            assert isinstance(json.loads(tok.decode(ids[:-1])), dict)
+        else:
+            st = JsonState(JsonVocab(tok, tok.vocab_size))
+            st.advance(b"".join(tok.token_bytes(t) for t in ids))
+            assert not st.dead and not st.done

@@ -77,6 +77,14 @@ class _States:
         return (int(self.mode[i]), int(self.depth[i]), int(self.stack[i]), bool(self.key[i]), int(self.lit[i]),
                 int(self.pos[i]), int(self.ws[i]))
 
+    @classmethod
+    def of_key(cls, key: tuple[int, ...]) -> _States:
+        """The one state `key_of` gave."""
+        mode, depth, stack, is_key, lit, pos, ws = key
+        return cls(np.array([mode], np.int16), np.array([depth], np.int64), np.array([stack], np.int64),
+                   np.array([is_key], bool), np.array([lit], np.int16), np.array([pos], np.int16),
+                   np.array([ws], np.int16))
+
 
 def _step(s: _States, b: np.ndarray) -> _States:
     """Every state of `s` after reading its byte of `b` (uint8, same length); DEAD where the byte cannot follow."""
@@ -232,6 +240,10 @@ class JsonVocab:
         return got
 
 
+_NEXT: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # (state, byte) -> the state after it
+_NEXT_MAX = 1 << 16
+
+
 class JsonState:
     """One answer's automaton: `advance` with each token it takes, `banned` for the next sampling step."""
 
@@ -239,9 +251,18 @@ class JsonState:
         self.vocab, self.state = vocab, _States.start()
 
     def advance(self, token_bytes: bytes) -> None:
-        """Read a sampled token's bytes (an end-of-sequence token is not read)."""
+        """Read a sampled token's bytes (an end-of-sequence token is not read): each byte's step from a state seen
+        before is looked up (`_NEXT`), not stepped again."""
+        key = self.state.key_of()
         for b in token_bytes:
-            self.state = _step(self.state, np.array([b], np.uint8))
+            nxt = _NEXT.get((key, b))
+            if nxt is None:
+                nxt = _step(_States.of_key(key), np.array([b], np.uint8)).key_of()
+                if len(_NEXT) >= _NEXT_MAX:
+                    _NEXT.clear()
+                _NEXT[(key, b)] = nxt
+            key = nxt
+        self.state = _States.of_key(key)
 
     @property
     def done(self) -> bool:

@@ -992,8 +992,9 @@ def test_a_chat_prompts_history_ends_where_its_generation_prompt_starts(stack):
 def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     """response_format json_object (JSON mode): a reply the model writes as a JSON object comes through as it is,
     streamed or not; one it would open with prose is held to a JSON object's bytes from its first token (here the
-    scripted model's forced tokens are refused, so it is a valid prefix cut by max_tokens); json_schema, which
-    nothing here enforces, and unknown types are a 400 naming the field."""
+    scripted model's forced tokens are refused, so it is a valid prefix cut by max_tokens), in legacy completions
+    too; json_schema, which nothing here enforces, unknown types, and a tool call required beside JSON mode are a
+    400 naming the field."""
     import pydantic
 
     from decapybara.engine.json_mode import DEAD, _States, _step
@@ -1014,7 +1015,8 @@ def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     assert text == SCRIPTS["JSON-REPLY"]
     plain = stack.oa().chat.completions.create(model="m", messages=user("NOT-JSON"), max_tokens=20)
     assert plain.choices[0].message.content == SCRIPTS["NOT-JSON"]
-    r = stack.oa().chat.completions.create(model="m", messages=user("NOT-JSON"), response_format=fmt, max_tokens=20)
+    r = stack.oa().chat.completions.create(model="m", messages=user("NOT-JSON"), response_format=fmt, max_tokens=20,
+                                          reasoning_effort="none")  # else the forced ties could open reasoning
     content = r.choices[0].message.content
     assert content.startswith("{") and "Sure" not in content and prefix_ok(content), content
 
@@ -1029,3 +1031,9 @@ def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format={"type": "text"},
                                           max_tokens=60)
     assert r.choices[0].message.content == SCRIPTS["JSON-REPLY"]
+    with pytest.raises(openai.BadRequestError) as err:  # a tool call it must make could never be a JSON object
+        stack.oa().chat.completions.create(model="m", messages=user("x"), response_format=fmt, tools=TOOLS_OA,
+                                           tool_choice="required", max_tokens=4)
+    assert err.value.body["param"] == "response_format.type"
+    r = stack.oa().completions.create(model="m", prompt="NOT-JSON", max_tokens=12, extra_body={"response_format": fmt})
+    assert r.choices[0].text.lstrip().startswith("{") and prefix_ok(r.choices[0].text), r.choices[0].text

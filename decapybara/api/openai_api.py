@@ -11,13 +11,12 @@ Choices made where the API leaves room:
   from a normal end.
 - max_tokens / max_completion_tokens default to the rest of the context and are clamped to it.
 - response_format "json_object" is JSON mode (`decapybara.engine.json_mode`: the answer, after any reasoning, is
-  constrained token by token to a JSON object, and ends when it closes); "json_schema" is refused (400), since no
-  schema is enforced.
+  constrained token by token to a JSON object, and ends when it closes), in legacy completions too; "json_schema"
+  is refused (400), since no schema is enforced, and so is JSON mode beside a required or named tool call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -143,6 +142,11 @@ def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_t
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     top_k = body.top_k if body.top_k not in (None, -1) else 0
+    fmt = body.response_format.type if body.response_format is not None else "text"
+    if fmt == "json_schema":
+        raise bad_request("response_format json_schema is not supported: no schema is enforced here; "
+                          '{"type": "json_object"} (JSON mode) constrains the reply to a JSON object',
+                          "response_format.type", "unsupported_response_format")
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
@@ -151,7 +155,8 @@ def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_t
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=bias, seed=body.seed, logprobs=logprobs,
         stop_token_ids=tuple(body.stop_token_ids or ()), stop=stop_strings(body.stop),
-        max_tokens=max_tokens, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos))
+        max_tokens=max_tokens, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),
+        json_object=fmt == "json_object")
 
 
 @dataclass(slots=True)
@@ -178,13 +183,10 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
-    fmt = body.response_format.type if body.response_format is not None else "text"
-    if fmt == "json_schema":
-        raise bad_request("response_format json_schema is not supported: no schema is enforced here; "
-                          '{"type": "json_object"} (JSON mode) constrains the reply to a JSON object',
-                          "response_format.type", "unsupported_response_format")
-    params = dataclasses.replace(sampling_params(body, max(max_tokens, 1), logprobs),
-                                 json_object=fmt == "json_object")
+    params = sampling_params(body, max(max_tokens, 1), logprobs)
+    if params.json_object and chat.tool_choice.mode in ("required", "named"):
+        raise bad_request("response_format json_object leaves no room for the tool call tool_choice asks for: "
+                          "a JSON-mode reply is a JSON object", "response_format.type")
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)

@@ -118,6 +118,7 @@ class _SamplingFields(RequestModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None  # json_object: JSON mode (legacy completions: an extension)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -131,7 +132,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -179,26 +179,37 @@ class Engine(MemoryMixin):
 
             seq.detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
             seq.in_thinking = self._prompt_opens_thinking(request.prompt_ids)
-        seq.json = self._json_state(params)
+        seq.json = self._json_state(params, request.prompt_ids)
         seq.loopguard = LoopGuard(self._loop_cfg) if self.cfg.loop_guard != "off" else None
         self.seqs[request.request_id] = seq
         self.waiting.append(seq)
         return seq
 
-    def _json_state(self, params: SamplingParams) -> Any:
+    def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
         """JSON mode's automaton for a request that asks for it (None otherwise); the vocabulary's tables are
-        built at the first such request and shared."""
+        built at the first such request and shared. Where the prompt's last turn holds no reasoning markup (a model
+        that may open its reasoning itself), `<think>` is allowed as the answer's first token."""
         if not params.json_object:
             return None
         if self.tokenizer is None:
             raise InvalidRequestError("JSON mode needs the engine's tokenizer", "json_object")
+        from decapybara.engine.json_mode import JsonState, JsonVocab
+
         if self._json_vocab is None:
-            from decapybara.engine.json_mode import JsonVocab
-
             self._json_vocab = JsonVocab(self.tokenizer, self.model.cfg.vocab_size)
-        from decapybara.engine.json_mode import JsonState
+        think = self._think[0]
+        start = getattr(self.tokenizer.special_ids, "im_start", None)
+        for t in reversed(prompt):  # the last turn: a think block there (opened, or an empty one) settles it
+            if t in self._think:
+                think = None
+            if t == start or think is None:
+                break
+        return JsonState(self._json_vocab, think)
 
-        return JsonState(self._json_vocab)
+    def _json_active(self, s: Sequence) -> bool:
+        """Whether JSON mode constrains `s`'s next token (its answer; not its reasoning, nor a reply that left the
+        automaton through a token the engine forced)."""
+        return s.json is not None and not s.in_thinking and not s.json.dead
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request wherever it is; its pages and slot are freed at once."""
@@ -406,10 +417,28 @@ class Engine(MemoryMixin):
         if self.logits_processor is not None:
             host = self.model.backend.to_host(logits).astype(np.float32, copy=False)
             lg = np.stack([self.logits_processor(s, host[i]) for i, s in zip(idx, seqs)])
-            return sample(lg, rows, eos_token_ids=self.eos_token_ids)
+            return sample(self._json_masked(lg, seqs, np), rows, eos_token_ids=self.eos_token_ids)
         if idx != list(range(int(logits.shape[0]))):
             logits = logits[self.model.backend.from_host(np.asarray(idx, np.int64))]
-        return self.model.backend.sample(logits, rows, self.eos_token_ids)
+        return self.model.backend.sample(self._json_masked(logits, seqs), rows, self.eos_token_ids)
+
+    def _json_masked(self, logits: Any, seqs: list[Sequence], xp: Any = None) -> Any:
+        """`logits` [len(seqs), V] with JSON mode's banned tokens at -inf in its rows (where the logits are: the
+        allowed masks cross as bool rows). Before the sampler's own edits, so its bias, penalties and the
+        LoopGuard's bans (which keep the row's logits where they would leave nothing) work within JSON's tokens."""
+        rows = [i for i, s in enumerate(seqs) if self._json_active(s)]
+        if not rows:
+            return logits
+        xp = xp or self.model.backend.xp
+        mask = np.zeros(logits.shape, bool)
+        v = min(logits.shape[1], self.model.cfg.vocab_size)
+        for i in rows:
+            mask[i, :v] = seqs[i].json.allowed()[:v]
+        keep = np.ones(len(seqs), bool)
+        keep[rows] = False
+        mask[keep] = True
+        dev = mask if xp is np else self.model.backend.from_host(mask)
+        return xp.where(dev, logits, xp.asarray(-np.inf, dtype=logits.dtype))
 
     def _wants_draft(self, c: Any) -> bool:
         """Whether chunk `c`'s sequence may draft: its next step decodes one token and a second could still be
@@ -492,13 +521,7 @@ class Engine(MemoryMixin):
         cost ~0.8 ms a sequence at 131k tokens, and taking its unique ids ~60 ms."""
         rep, counts = _penalties_read_ids(s)
         out = s.output_ids() if rep or counts else ()
-        banned: Any = s.banned
-        if s.json is not None and not s.in_thinking and not s.json.dead:  # JSON mode: the answer's tokens
-            banned = s.json.banned()
-            if len(s.banned):  # the LoopGuard's bans too, unless they leave nothing JSON allows
-                both = np.union1d(banned, np.asarray(s.banned, np.int64))
-                banned = both if len(both) < self.model.cfg.vocab_size else banned
-        return SamplerRow(s.params, s.seen_ids() if rep else (), out, s.num_output, s.seed, s.extra_penalty, banned)
+        return SamplerRow(s.params, s.seen_ids() if rep else (), out, s.num_output, s.seed, s.extra_penalty, s.banned)
 
     def _register_pages(self, s: Sequence, chunk_index: int, snapshots: dict) -> None:
         """Hash and register pages that became full; store hybrid snapshots taken at their ends."""
@@ -528,6 +551,9 @@ class Engine(MemoryMixin):
             s.pending_top.append(top)
         text = self._detok_push(s, tok)
         s.pending_text += text
+        if s.json is not None and s.json.done:  # JSON mode: the object closed, the answer is whole
+            self._mark_finished(s, FinishReason.STOP)
+            return
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
         if (is_eos or tok in p.stop_token_ids) and s.num_output > p.min_tokens - 1:
             self._mark_finished(s, FinishReason.STOP)
@@ -578,11 +604,15 @@ class Engine(MemoryMixin):
                 self._mark_finished(s, FinishReason.LOOP)
                 return
             s.pending_note = action.note
+            closed = False
             for t in forced:  # forced tokens join the output; the next step computes them as a chunk
                 s.tokens.append(t)
                 s.num_output += 1
                 s.pending_tokens.append(t)
                 s.pending_text += s.detok.push(t, False) if s.detok is not None else ""
+                if closed and s.json is not None:  # the answer's first bytes, as an adoption's replay reads them
+                    s.json.advance(self.tokenizer.token_bytes(t))
+                closed |= t == self._think[1]
             s.in_thinking, s.after_think = False, True  # as where the model closes its reasoning itself
 
     def _mark_finished(self, s: Sequence, reason: FinishReason) -> None:

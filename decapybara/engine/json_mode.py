@@ -1,19 +1,22 @@
 """JSON mode (OpenAI `response_format: {"type": "json_object"}`): each answer token is sampled only among the
 tokens that keep the answer a prefix of a JSON object, so a reply that ends by itself parses.
 
-A byte-level automaton reads RFC 8259 JSON whose top-level value is an object, opened at once (no whitespace
-before it): strings (escapes, `\\u` and four hex digits; control bytes refused; other bytes, UTF-8 included,
+A byte-level automaton reads RFC 8259 JSON whose top-level value is an object: strings (escapes, `\\u` and four hex digits; control bytes refused; other bytes, UTF-8 included,
 taken as they come), numbers, `true` / `false` / `null`, objects and arrays nested up to `MAX_DEPTH`, and
-whitespace between tokens, at most `MAX_WS` bytes in a run (so a model cannot pad for ever). Once the object
-closes, the only token allowed is an end-of-sequence one; before that, none is. Added tokens (the chat markup,
+whitespace between tokens, at most `MAX_WS` bytes in a run (so a model cannot pad for ever), `TOP_WS` before the
+object. Once the object
+closes, the answer ends (the engine finishes it; an end-of-sequence token is the only one allowed there);
+before that, none is. Added tokens (the chat markup,
 `<think>`, `<tool_call>`, ...) are never allowed inside the answer. A reply cut by `max_tokens` or a stop string
 is a prefix, as with OpenAI. The LoopGuard's bans apply where they leave a token the automaton allows.
 
 One step function (`_step`) moves the automaton over one byte for an array of states at once: `JsonVocab` runs
-it over every token of the vocabulary together from one state, to find the tokens allowed there (the banned
-ones, cached by state), and `JsonState` over each sampled token's bytes.
+it over every token of the vocabulary together from one state, to find the tokens allowed there (a bitmap,
+cached by state), and `JsonState` over each sampled token's bytes. The engine sets the banned tokens' logits to
+-inf before sampling, on the device where the logits are.
 
-Where the prompt opens the model's reasoning, the constraint starts with the answer, after `</think>`.
+Reasoning goes unconstrained: where the prompt opens it, the constraint starts after `</think>`; where it does not
+(a model that may open it itself), `<think>` is allowed as the answer's first token (`JsonState.think`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 DEAD = -1
 MAX_DEPTH = 62  # nesting held in one int64 of bits (1: an object, 0: an array)
 MAX_WS = 32  # whitespace bytes in a run (a newline and indentation; a model cannot pad for ever)
+TOP_WS = 2  # ... before the object (the "\n\n" after a model's reasoning)
 LITERALS = (b"true", b"false", b"null")
 _LIT_TABLE = np.zeros((3, 6), np.int16)  # literal, position -> the byte expected there (0 past its end)
 for _i, _lit in enumerate(LITERALS):
@@ -104,8 +108,8 @@ def _step(s: _States, b: np.ndarray) -> _States:
     def put(sel: np.ndarray, mode: int | np.ndarray) -> None:
         nm[sel] = mode if np.isscalar(mode) else mode[sel]
 
-    structural = np.isin(m, (VALUE, OBJ_FIRST, OBJ_KEY, COLON, AFTER, ARR_FIRST))  # the answer opens with "{"
-    sel = structural & WS[b] & (s.ws < MAX_WS)
+    structural = np.isin(m, (TOP, VALUE, OBJ_FIRST, OBJ_KEY, COLON, AFTER, ARR_FIRST))
+    sel = structural & WS[b] & (s.ws < np.where(m == TOP, TOP_WS, MAX_WS))
     put(sel, m)
     nws[sel] = s.ws[sel] + 1
     value = (m == VALUE) | (m == ARR_FIRST)
@@ -160,13 +164,18 @@ def _step(s: _States, b: np.ndarray) -> _States:
         sel = lit & (b == want)
         npos[sel] = s.pos[sel] + 1
         put(sel, np.where(npos >= _LIT_LEN[s.lit], AFTER, LIT).astype(np.int16))
+    # fields the new mode does not read are cleared, so that states alike in everything that matters are equal
+    nstk &= np.left_shift(np.int64(1), np.minimum(nd, MAX_DEPTH)) - 1  # closed levels' bits
+    nkey &= np.isin(nm, (STR, ESC, U1, U2, U3, U4))
+    outside = nm != LIT
+    nlit[outside], npos[outside] = 0, 0
     return _States(nm, nd, nstk, nkey, nlit, npos, nws)
 
 
 class JsonVocab:
-    """A tokenizer's vocabulary as the automaton reads it: each token's bytes, and the tokens banned in a state
-    (sorted int64 ids: every token the state cannot read whole, and the end-of-sequence ids until the object
-    closes; after it, every other token), cached for the `CACHE` states last asked.
+    """A tokenizer's vocabulary as the automaton reads it: each token's bytes, and the tokens allowed in a state
+    (`allowed`: a bool [vocab_size] mask of every token the state can read whole, the end-of-sequence ids only
+    once the object is closed), kept as bitmaps for the `CACHE` states last asked.
 
     States that no token can tell apart share a cache entry (`_canonical`): nesting deeper than any token can
     close counts as that depth, and a run of whitespace too short for any token to overrun `MAX_WS` as none."""
@@ -187,7 +196,7 @@ class JsonVocab:
         self.closes = 1 + max((t.count(b"}") + t.count(b"]") for t in toks), default=0)  # levels a token may close
         self.opens = max((t.count(b"{") + t.count(b"[") for t in toks), default=0)
         self.ws_run = min(MAX_WS, max((len(t) - len(t.lstrip(b" \t\n\r")) for t in toks), default=0))  # leading runs
-        self._banned: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
+        self._bits: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()  # canonical state -> packed mask
         self.misses = 0
 
     def _canonical(self, state: _States) -> _States:
@@ -195,7 +204,7 @@ class JsonVocab:
         token could open past `MAX_DEPTH`), and a whitespace run no token can overrun."""
         depth, ws = int(state.depth[0]), int(state.ws[0])
         deep = depth > self.closes and depth + self.opens < MAX_DEPTH
-        short = ws + self.ws_run <= MAX_WS
+        short = int(state.mode[0]) != TOP and ws + self.ws_run <= MAX_WS
         if not deep and not (short and ws):
             return state
         s = state.take(np.zeros(1, np.int64))
@@ -205,14 +214,14 @@ class JsonVocab:
             s.ws = np.zeros(1, np.int16)
         return s
 
-    def banned(self, state: _States) -> np.ndarray:
-        """The token ids not allowed after `state` (one state), sorted."""
+    def allowed(self, state: _States) -> np.ndarray:
+        """The tokens allowed after `state` (one state): bool [vocab_size]."""
         state = self._canonical(state)
         key = state.key_of()
-        got = self._banned.get(key)
-        if got is not None:
-            self._banned.move_to_end(key)
-            return got
+        bits = self._bits.get(key)
+        if bits is not None:
+            self._bits.move_to_end(key)
+            return np.unpackbits(bits, count=self.vocab_size).view(bool)
         self.misses += 1
         allowed = np.zeros(self.vocab_size, bool)
         if int(state.mode[0]) == DONE:
@@ -233,11 +242,14 @@ class JsonVocab:
                 ok = states.mode != DEAD
                 alive, states = alive[ok], states.take(np.flatnonzero(ok))
                 j += 1
-        got = np.flatnonzero(~allowed).astype(np.int64)
-        self._banned[key] = got
-        if len(self._banned) > self.CACHE:
-            self._banned.popitem(last=False)
-        return got
+        self._bits[key] = np.packbits(allowed)
+        if len(self._bits) > self.CACHE:
+            self._bits.popitem(last=False)
+        return allowed
+
+    def banned(self, state: _States) -> np.ndarray:
+        """The token ids not allowed after `state`, sorted int64."""
+        return np.flatnonzero(~self.allowed(state)).astype(np.int64)
 
 
 _NEXT: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # (state, byte) -> the state after it
@@ -245,15 +257,18 @@ _NEXT_MAX = 1 << 16
 
 
 class JsonState:
-    """One answer's automaton: `advance` with each token it takes, `banned` for the next sampling step."""
+    """One answer's automaton: `advance` with each token it takes, `allowed` for the next sampling step. `think`:
+    a token id (the model's `<think>`) also allowed while nothing of the answer has been read."""
 
-    def __init__(self, vocab: JsonVocab) -> None:
-        self.vocab, self.state = vocab, _States.start()
+    def __init__(self, vocab: JsonVocab, think: int | None = None) -> None:
+        self.vocab, self.state, self.think = vocab, _States.start(), think
+        self.started = False  # a byte of the answer read
 
     def advance(self, token_bytes: bytes) -> None:
         """Read a sampled token's bytes (an end-of-sequence token is not read): each byte's step from a state seen
         before is looked up (`_NEXT`), not stepped again."""
         key = self.state.key_of()
+        self.started |= bool(token_bytes)
         for b in token_bytes:
             nxt = _NEXT.get((key, b))
             if nxt is None:
@@ -273,5 +288,12 @@ class JsonState:
         """The answer is no JSON prefix (a token the constraint did not choose, e.g. the LoopGuard's)."""
         return int(self.state.mode[0]) == DEAD
 
+    def allowed(self) -> np.ndarray:
+        """bool [vocab_size]: the tokens the next sampling step may take."""
+        mask = self.vocab.allowed(self.state)
+        if self.think is not None and not self.started and self.think < len(mask):
+            mask[self.think] = True
+        return mask
+
     def banned(self) -> np.ndarray:
-        return self.vocab.banned(self.state)
+        return np.flatnonzero(~self.allowed()).astype(np.int64)

@@ -1,0 +1,131 @@
+"""What JSON mode costs: the demo model's engine steps with every agent in JSON mode against the same agents without
+it (ms a step), and at a Qwen-sized vocabulary (151,644 synthetic byte-level tokens) a state's mask computed afresh,
+found again, a token's advance, and a step's masks set on the logits.
+
+    python3 bench/json_mode.py            # CPU (numpy backend)
+    BENCH_DEVICE=cuda python3 bench/json_mode.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from decapybara.config import DEMO_MODEL, EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.json_mode import JsonState, JsonVocab
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
+from decapybara.model.load import load_model
+
+PROMPTS = ["Describe is_even(n) as a JSON object.", "Give the fields of a User record as JSON.",
+           "List three HTTP methods in a JSON object.", "A JSON object with a name and an age, please."]
+
+
+def engine_steps(model, tok, agents: int, json_object: bool, tokens: int = 48) -> tuple[float, int]:
+    """(ms a step, steps) of `agents` requests decoding (prefill off the clock); JSON answers end where their object
+    closes, so the steps hold fewer agents towards the end: a rough measure, not a like-for-like one."""
+    engine = Engine(model, EngineConfig(loop_guard="off", max_slots=max(agents, 1)), tokenizer=tok)
+    for i in range(agents):
+        prompt = tok.apply_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], enable_thinking=False)
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=tokens, json_object=json_object,
+                                ignore_eos=not json_object)
+        engine.add_request(Request(tuple(prompt), params, f"a{i}"))
+    while any(s.num_computed < s.num_prompt for s in engine.seqs.values()):  # prefill off the clock
+        engine.step()
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - t0) * 1e3 / max(steps, 1), steps
+
+
+def masking_ms(vocab: JsonVocab, rows: int, repeats: int = 20) -> float:
+    """ms of `Engine._json_masked` for `rows` JSON rows whose states' masks are cached (host logits)."""
+    states = []
+    for i in range(rows):
+        st = JsonState(vocab)
+        st.advance([b'{"k": "ab', b'{"k": [1, ', b'{"k": '][i % 3])
+        st.allowed()
+        states.append(SimpleNamespace(json=st, in_thinking=False))
+    this = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=vocab.vocab_size),
+                                                 backend=SimpleNamespace(xp=np)))
+    this._json_active = lambda s: Engine._json_active(this, s)
+    logits = np.random.default_rng(0).standard_normal((rows, vocab.vocab_size)).astype(np.float32)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        Engine._json_masked(this, logits, states, np)
+    return (time.perf_counter() - t0) * 1e3 / repeats
+
+
+def synthetic_vocab(n: int = 151_643) -> JsonVocab:
+    rng = np.random.default_rng(0)
+    alpha = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", np.uint8)
+    punct = np.frombuffer(b'{}[]":,.-_()/\\=+*#<>;!?\'` \n', np.uint8)
+    digits = np.frombuffer(b"0123456789", np.uint8)
+    toks = [bytes([b]) for b in range(256)]
+    while len(toks) < n:
+        r, k = rng.random(), int(rng.integers(2, 12))
+        if r < 0.6:
+            toks.append((b" " if rng.random() < 0.5 else b"") + rng.choice(alpha, k).tobytes())
+        elif r < 0.7:
+            toks.append(rng.choice(digits, k).tobytes())
+        elif r < 0.85:
+            toks.append(rng.choice(punct, k).tobytes())
+        else:
+            toks.append(rng.integers(0x80, 0x100, k).astype(np.uint8).tobytes())
+
+    class Tok:
+        eos_token_ids = (n,)
+        added_ids = frozenset([n])
+
+        @staticmethod
+        def _byte_table():
+            return toks + [b"<|im_end|>"]
+
+    return JsonVocab(Tok(), n + 1)
+
+
+def main() -> None:
+    device = os.environ.get("BENCH_DEVICE", "cpu")
+    backend = None
+    if device == "cuda":
+        from decapybara.backend.cupy_backend import CupyBackend
+
+        backend = CupyBackend("bf16")
+    loaded = load_model(str(DEMO_MODEL), backend) if backend is not None else load_model(str(DEMO_MODEL))
+    print(f"== demo model engine steps ({device}) ==")
+    print("agents  plain ms/step  json ms/step  ratio   json steps")
+    for agents in (1, 4, 12):
+        plain, _ = engine_steps(loaded.model, loaded.tokenizer, agents, False)
+        js, steps = engine_steps(loaded.model, loaded.tokenizer, agents, True)
+        print(f"{agents:6d}  {plain:13.2f}  {js:12.2f}  {js / plain:5.2f}x  {steps:10d}")
+    t0 = time.perf_counter()
+    vocab = synthetic_vocab()
+    print(f"\n== 151,644-token vocabulary (tables {time.perf_counter() - t0:.2f} s) ==")
+    print("state                          allowed   afresh ms   found again us")
+    for text in (b"", b"{", b'{"', b'{"key":', b'{"key": 12', b'{"key": [', b'{"key": "abc'):
+        st = JsonState(vocab)
+        st.advance(text)
+        t0 = time.perf_counter()
+        n = int(st.allowed().sum())
+        t1 = time.perf_counter()
+        st.allowed()
+        t2 = time.perf_counter()
+        print(f"{text!r:30} {n:8d}   {1e3 * (t1 - t0):9.1f}   {1e6 * (t2 - t1):14.1f}")
+    st = JsonState(vocab)
+    st.advance(b'{"k": [')
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        st.advance(b" 12,")
+    print(f"a 4-byte token's advance (steps seen before): {1e6 * (time.perf_counter() - t0) / 2000:.1f} us")
+    print("JSON rows  masks set on host logits, ms a step")
+    for rows in (1, 12):
+        print(f"{rows:9d}  {masking_ms(vocab, rows):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -196,6 +196,16 @@ class JsonVocab:
         self.closes = 1 + max((t.count(b"}") + t.count(b"]") for t in toks), default=0)  # levels a token may close
         self.opens = max((t.count(b"{") + t.count(b"[") for t in toks), default=0)
         self.ws_run = min(MAX_WS, max((len(t) - len(t.lstrip(b" \t\n\r")) for t in toks), default=0))  # leading runs
+        n = int(np.count_nonzero(self.lens))
+        self.first = self.flat[self.offsets[:n]]  # each token's first byte, in `order`
+        # tokens that are string content through and through (no quote, backslash or control byte): inside a string
+        # they are allowed from any state, with no step to take
+        plain_byte = np.ones(256, bool)
+        plain_byte[:0x20] = False
+        plain_byte[[ord('"'), ord("\\")]] = False
+        bad = np.zeros(len(self.flat) + 1, np.int64)
+        bad[1:] = np.cumsum(~plain_byte[self.flat])
+        self.plain = (bad[self.offsets[:n] + self.lens[:n]] - bad[self.offsets[:n]]) == 0
         self._bits: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()  # canonical state -> packed mask
         self.misses = 0
 
@@ -227,9 +237,14 @@ class JsonVocab:
         if int(state.mode[0]) == DONE:
             allowed[self.eos] = True
         else:
-            n = int(np.count_nonzero(self.lens))
-            alive = np.arange(n)  # positions in `order` of the tokens still read whole so far
-            states = state.repeat(n)
+            # only tokens whose first byte the state takes are read on (the state's step over all 256 bytes once)
+            takes = _step(state.repeat(256), np.arange(256, dtype=np.uint8)).mode != DEAD
+            alive = np.flatnonzero(takes[self.first])  # positions in `order` of the tokens still read whole so far
+            if int(state.mode[0]) == STR:  # string content through and through: allowed, nothing to read
+                plain = self.plain[alive]
+                allowed[self.order[alive[plain]]] = True
+                alive = alive[~plain]
+            states = state.repeat(len(alive))
             j = 0
             while alive.size:
                 ended = self.lens[alive] == j

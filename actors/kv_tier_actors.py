@@ -239,15 +239,11 @@ class RayTiers:
 
         if "disk" not in self.handles:
             return False
-        try:
-            kept = bool(ray.get(self.handles["disk"].save.remote(unit.key, np.frombuffer(encode_unit(unit), np.uint8),
-                                                                 next_use), timeout=self.timeout_s))
-            if kept:  # a RAM copy with less (no snapshot) must not be read first
-                self.handles["ram"].pop.remote(unit.key)
-            return kept
-        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout: not kept
-            self.errors += 1
-            return False
+        kept = bool(self._ask("disk", "save", unit.key, np.frombuffer(encode_unit(unit), np.uint8), next_use,
+                              default=False))
+        if kept:  # a RAM copy with less (no snapshot) must not be read first
+            self.handles["ram"].pop.remote(unit.key)
+        return kept
 
     def wait_puts(self, timeout_s: float | None = None) -> None:
         """Until the puts sent to the RAM tier so far have landed (and any spill they made reached the disk tier),
@@ -256,46 +252,40 @@ class RayTiers:
             pending = list(self.pending)
         concurrent.futures.wait(pending, timeout=self.timeout_s if timeout_s is None else timeout_s)
 
+    def _ask(self, tier: str, method: str, *args: Any, default: Any, extra_s: float = 0.0) -> Any:
+        """`tier`'s `method(*args)`, waited for; `default` where there is no such tier or it cannot be reached (dead,
+        or past `timeout_s` + `extra_s`)."""
+        if tier not in self.handles:
+            return default
+        try:
+            return ray.get(getattr(self.handles[tier], method).remote(*args), timeout=self.timeout_s + extra_s)
+        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
+            self.errors += 1
+            return default
+
     def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> list[str]:
         """`KVTiers.persist` by the RAM tier actor; none where a tier cannot be reached."""
         if "disk" not in self.handles:
             return []
-        try:
-            return list(ray.get(self.handles["ram"].persist.remote(prefix, first_rank, budget_s),
-                                timeout=self.timeout_s + (budget_s or 0.0)))
-        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
-            self.errors += 1
-            return []
+        return list(self._ask("ram", "persist", prefix, first_rank, budget_s, default=[], extra_s=budget_s or 0.0))
 
     def disk_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
         """`KVTiers.disk_flags` of the disk tier actor (none where it cannot be reached)."""
-        if "disk" not in self.handles:
-            return {}
-        try:
-            return dict(ray.get(self.handles["disk"].snapshot_flags.remote(prefix, budget_s),
-                                timeout=self.timeout_s + budget_s))
-        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
-            self.errors += 1
-            return {}
+        return dict(self._ask("disk", "snapshot_flags", prefix, budget_s, default={}, extra_s=budget_s))
 
     def settle(self, keys: list[str]) -> None:
-        """`KVTiers.settle` on the disk tier actor."""
-        if "disk" in self.handles and keys:
-            try:
-                ray.get(self.handles["disk"].refresh.remote(list(reversed(keys))), timeout=self.timeout_s)
-            except Exception:  # noqa: BLE001 - a dead tier actor or a timeout: the ranks stay
-                self.errors += 1
+        """`KVTiers.settle` on the disk tier actor (where it cannot be reached, the ranks stay)."""
+        if keys:
+            self._ask("disk", "refresh", list(reversed(keys)), default=None)
 
     def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
         """The units under `prefix` in either tier actor (`KVTiers.snapshot_flags`; the RAM tier's flag where it has
         the unit); those of a tier that cannot be reached are left out."""
         out = self.disk_flags(prefix, budget_s)
-        try:  # the RAM tier's copy is the one read first (`fetch_unit`): its flag wins where it is known
-            for k, flag in ray.get(self.handles["ram"].snapshot_flags.remote(prefix), timeout=self.timeout_s).items():
-                if flag is not None or k not in out:
-                    out[k] = flag
-        except Exception:  # noqa: BLE001 - a dead tier actor or a timeout
-            self.errors += 1
+        # the RAM tier's copy is the one read first (`fetch_unit`): its flag wins where it is known
+        for k, flag in self._ask("ram", "snapshot_flags", prefix, default={}).items():
+            if flag is not None or k not in out:
+                out[k] = flag
         return out
 
     def take_staged(self, key: str) -> Any:

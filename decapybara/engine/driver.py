@@ -160,12 +160,16 @@ class EngineDriver:
             self._cond.notify()
 
     def stop(self) -> None:
+        self._end_calls("the engine's loop stopped")
+
+    def _end_calls(self, why: str) -> None:
+        """The loop is over: no call may wait on it (those queued get RuntimeError(`why`))."""
         with self._cond:
             self._stopped = True
             calls, self._calls = self._calls, []
             self._cond.notify()
         for _, fut in calls:
-            fut.set_exception(RuntimeError("the engine's loop stopped"))
+            fut.set_exception(RuntimeError(why))
 
     def call(self, fn: Callable[[Engine], Any], timeout_s: float | None = None) -> Any:
         """`fn(engine)` run on the engine's thread between two steps (`reports` must be running); its result, or
@@ -188,12 +192,8 @@ class EngineDriver:
         """Yield one report per engine step (or per control batch that produced events) until `stop()`."""
         try:
             yield from self._reports()
-        finally:  # ended (stopped, closed, or raised): no call waits on it
-            with self._cond:
-                self._stopped = True
-                calls, self._calls = self._calls, []
-            for _, fut in calls:
-                fut.set_exception(RuntimeError("the engine's loop ended"))
+        finally:  # ended (stopped, closed, or raised)
+            self._end_calls("the engine's loop ended")
 
     def _reports(self) -> Iterator[StepReport]:
         engine = self.engine

@@ -262,10 +262,6 @@ class JsonVocab:
             self._bits.popitem(last=False)
         return allowed
 
-    def banned(self, state: _States) -> np.ndarray:
-        """The token ids not allowed after `state`, sorted int64."""
-        return np.flatnonzero(~self.allowed(state)).astype(np.int64)
-
 
 _NEXT: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # (state, byte) -> the state after it
 _NEXT_MAX = 1 << 16

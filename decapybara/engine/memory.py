@@ -242,20 +242,14 @@ class MemoryMixin:
         same KV, and one without the snapshot must not replace it."""
         if snapshot is None and self.page_store.lookup(page_hash) == PRESENT_WITH_SNAPSHOT:
             return
-        if self._copy_page(page, page_hash, snapshot):
-            self.stats.offloaded_pages += 1
-
-    def _copy_page(self, page: int, page_hash: bytes, snapshot: Any) -> bool:
-        """A pool page's KV (and snapshot) to the page store. False where the store fails: that loses the copy, not
-        the pool page or the step."""
         kv = self.runner.kv.export_pages(np.asarray([page], np.int64))
         try:
             self.page_store.offload(page_hash, kv, snapshot)
-        except Exception as e:  # noqa: BLE001 - any store error
+        except Exception as e:  # noqa: BLE001 - a store that fails loses the page's copy, not the pool page or the step
             log.warning("KV tiers: evicted page not kept: %s: %s", type(e).__name__, e)
             self.stats.lost_pages += 1
-            return False
-        return True
+            return
+        self.stats.offloaded_pages += 1
 
     def save_cached_pages(self, budget_s: float | None = None) -> int:
         """Copy the prefix cache's full pages to where the page store keeps them across a restart (the disk tier), so

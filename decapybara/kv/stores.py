@@ -116,11 +116,7 @@ class TierStores:
         """Before a save: the puts in flight land, and the page units the disk tier holds are read (`durable`),
         each with its snapshot flag (the RAM tier does not outlive the process, so its pages are saved too)."""
         self.tiers.wait_puts(budget_s)
-        prefix = page_prefix(self.salt)
-        self._durable = {}
-        for key, flag in self.tiers.disk_flags(prefix, budget_s).items():
-            with contextlib.suppress(ValueError):
-                self._durable[bytes.fromhex(key[len(prefix):])] = bool(flag)
+        self._durable = self._page_flags(self.tiers.disk_flags(page_prefix(self.salt), budget_s))
         self._saved = []
 
     def durable(self, page_hash: bytes) -> int:
@@ -173,19 +169,23 @@ class TierStores:
     def forget(self, page_hash: bytes) -> None:
         self._pages.pop(page_hash, None)
 
+    def _page_flags(self, flags: dict[str, bool | None]) -> dict[bytes, bool]:
+        """Page hash -> holds a snapshot (not known: False), from the tiers' flags of this salt's page keys."""
+        prefix, out = page_prefix(self.salt), {}
+        for key, flag in flags.items():
+            with contextlib.suppress(ValueError):
+                out[bytes.fromhex(key[len(prefix):])] = bool(flag)
+        return out
+
     def adopt_pages(self, budget_s: float = 10.0) -> int:
         """Record the prefix pages the tiers already hold for this salt (an earlier engine's: before a restart, or
         before its GPU actor was replaced), so that prompts starting with them restore them. A page whose header
         is not read within `budget_s` counts as one without a state snapshot (usable inside a match, not at its
         end); every page is checked whole when fetched. Returns how many were recorded."""
-        prefix, n = page_prefix(self.salt), 0
-        for key, snapshot in self.tiers.snapshot_flags(prefix, budget_s).items():
-            try:
-                h = bytes.fromhex(key[len(prefix):])
-            except ValueError:
-                continue
+        n = 0
+        for h, snapshot in self._page_flags(self.tiers.snapshot_flags(page_prefix(self.salt), budget_s)).items():
             if h not in self._pages:
-                self._pages[h] = bool(snapshot)
+                self._pages[h] = snapshot
                 self._pages.move_to_end(h, last=False)  # older than what this engine offloads itself
                 n += 1
         while len(self._pages) > self.MAX_PAGES:

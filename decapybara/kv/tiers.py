@@ -65,12 +65,16 @@ class KVTiers:
             return False
         buf = encode_unit(unit) if isinstance(unit, Unit) else byte_view(unit)
         key = read_header(buf).key
-        dropped = self.disk.put(key, buf, next_use)
-        self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
-        kept = all(d.key != key for d in dropped)
+        kept = self._to_disk(key, buf, next_use)
         if kept:  # content-addressed, but a RAM copy with less (no state snapshot) must not be read first
             self.ram.pop(key)
         return kept
+
+    def _to_disk(self, key: str, buf: Any, next_use: float | None) -> bool:
+        """`buf` put on the disk under `key`; whether it was kept (others it displaced and RAM lacks are lost)."""
+        dropped = self.disk.put(key, buf, next_use)
+        self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
+        return all(d.key != key for d in dropped)
 
     def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> list[str]:
         """Copy the RAM units under `prefix` that the disk lacks to the disk (RAM keeps them), the most recently used
@@ -85,9 +89,7 @@ class KVTiers:
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 break
-            dropped = self.disk.put(key, self.ram.peek(key), float(first_rank + len(out)))
-            self.stats.lost += sum(1 for d in dropped if d.key != key and d.key not in self.ram)
-            if any(d.key == key for d in dropped):
+            if not self._to_disk(key, self.ram.peek(key), float(first_rank + len(out))):
                 break
             out.append(key)
         return out
@@ -166,7 +168,7 @@ class KVTiers:
     def snapshot_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
         """Every unit under `prefix` in either tier, with whether it holds a hybrid state snapshot (None: not known;
         see `DiskTierStore.snapshot_flags`)."""
-        out = self.disk.snapshot_flags(prefix, budget_s) if self.disk is not None else {}
+        out = self.disk_flags(prefix, budget_s)
         held = self.ram.keys()
         for key in held:
             if key.startswith(prefix):

@@ -989,14 +989,70 @@ def test_a_chat_prompts_history_ends_where_its_generation_prompt_starts(stack):
             "<|im_start|>assistant\n")
 
 
+def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
+    """response_format json_schema: the openai SDK's `parse` with a pydantic model (its strict schema) gets the
+    scripted reply that the schema accepts, parsed, streamed or not; where the script breaks the schema (a float
+    where integers are asked) its tokens are refused from there and the reply stays a prefix the schema's
+    automaton reads (valid where it ends by itself); legacy completions too; a schema with a keyword not
+    enforced here, or none at all, and a required tool call beside one are a 400 naming the field."""
+    import jsonschema
+    import pydantic
+
+    from decapybara.engine.json_schema import compile_schema
+
+    class Trip(pydantic.BaseModel):
+        city: str
+        days: list[float | bool]
+
+    r = stack.oa().chat.completions.parse(model="m", messages=user("JSON-REPLY"), response_format=Trip,
+                                          max_tokens=60)
+    assert r.choices[0].message.parsed == Trip(city="Rome", days=[1, 2.5, True])
+    assert r.choices[0].message.content == SCRIPTS["JSON-REPLY"] and r.choices[0].finish_reason == "stop"
+    ints = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
+        "type": "array", "items": {"type": "integer"}}}, "required": ["city", "days"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": ints, "strict": True}}
+    dfa = compile_schema(ints)
+
+    def readable(text: str) -> bool:
+        s, w = dfa.start, 0
+        for b in text.encode():
+            s, w = dfa.step(s, w, b)
+        return s >= 0
+
+    r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format=fmt,
+                                          max_tokens=40, temperature=0)
+    content = r.choices[0].message.content
+    assert content.startswith('{"city": "Rome", "days": [1, 2') and "2.5" not in content and readable(content)
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(content), ints)
+    text = "".join(c.choices[0].delta.content or "" for c in stack.oa().chat.completions.create(
+        model="m", messages=user("JSON-REPLY"), response_format=fmt, max_tokens=40, temperature=0, stream=True)
+        if c.choices)
+    assert text == content
+    r = stack.oa().completions.create(model="m", prompt="NOT-JSON", max_tokens=12, temperature=0,
+                                      extra_body={"response_format": fmt})
+    assert r.choices[0].text.lstrip().startswith("{") and readable(r.choices[0].text.lstrip()), r.choices[0].text
+    for bad, param, says in [
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}},
+             "response_format.json_schema.schema", "pattern"),
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3,
+                                                                             "maximum": 1}}},
+             "response_format.json_schema.schema", "admits no value"),
+            ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema", "schema"),
+            ({"type": "json_schema"}, "response_format.json_schema", "schema")]:
+        r = _post(stack.url + "/v1/chat/completions", {"messages": user("x"), "response_format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.oa().chat.completions.create(model="m", messages=user("x"), response_format=fmt, tools=TOOLS_OA,
+                                           tool_choice="required", max_tokens=4)
+    assert err.value.body["param"] == "response_format.type"
+
+
 def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     """response_format json_object (JSON mode): a reply the model writes as a JSON object comes through as it is,
     streamed or not; one it would open with prose is held to a JSON object's bytes from its first token (here the
     scripted model's forced tokens are refused, so it is a valid prefix cut by max_tokens), in legacy completions
-    too; json_schema, which nothing here enforces, unknown types, and a tool call required beside JSON mode are a
-    400 naming the field."""
-    import pydantic
-
+    too; unknown types and a tool call required beside JSON mode are a 400 naming the field."""
     from decapybara.engine.json_mode import DEAD, _States, _step
 
     def prefix_ok(text: str) -> bool:
@@ -1020,12 +1076,6 @@ def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     content = r.choices[0].message.content
     assert content.startswith("{") and "Sure" not in content and prefix_ok(content), content
 
-    class Answer(pydantic.BaseModel):
-        value: int
-
-    with pytest.raises(openai.BadRequestError) as err:
-        stack.oa().chat.completions.parse(model="m", messages=user("x"), response_format=Answer, max_tokens=4)
-    assert err.value.body["param"] == "response_format.type" and "json_schema" in err.value.body["message"]
     r = _post(stack.url + "/v1/chat/completions", {"messages": user("x"), "response_format": {"type": "yaml"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type", r.text
     r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format={"type": "text"},

@@ -218,9 +218,9 @@ def test_a_json_answer_ends_where_its_object_closes(extra):
     assert got == want  # eos and the stop ids were never JSON's to take: masking them changes nothing
 
 
-def test_a_json_answer_paused_to_the_tiers_and_adopted_goes_on_as_it_would_have(tmp_path):
-    """A JSON-mode conversation paused midway to the disk tier and adopted by a new engine (a restart) replays its
-    automaton from its tokens: the same tokens as an uninterrupted run."""
+def adopt_midway(prompt: tuple, params: SamplingParams, tmp_path, check) -> None:
+    """Run `params` uninterrupted, then again paused after 8 tokens to the disk tier and adopted by a new engine
+    (a restart): `check(seq)` on the adopted sequence, and the same tokens as the uninterrupted run."""
     from decapybara.kv.disk_tier import DiskTierStore
     from decapybara.kv.ram_tier import RamTierStore
     from decapybara.kv.stores import TierStores
@@ -228,9 +228,6 @@ def test_a_json_answer_paused_to_the_tiers_and_adopted_goes_on_as_it_would_have(
 
     m = demo()
     tok = m.tokenizer
-    prompt = tuple(tok.apply_chat([{"role": "user", "content": "A JSON object for is_even(n), please."}],
-                                  enable_thinking=False))
-    params = SamplingParams(temperature=0.8, seed=12, max_tokens=120, json_object=True)
     cfg = EngineConfig(loop_guard="off")
     want, _ = run(Engine(m.model, cfg, tokenizer=tok), [Request(prompt, params, "j")])
 
@@ -255,12 +252,25 @@ def test_a_json_answer_paused_to_the_tiers_and_adopted_goes_on_as_it_would_have(
     key = seq.paused_bundle
     engine, stores = engine_over()
     seq = engine.import_paused(stores.take_unit(key))
-    assert seq.json is not None and seq.json.state.key_of() == _replayed(tok, seq).key_of()
+    check(seq)
     assert engine.resume(seq)
     while engine.has_work():
         for ev in engine.step():
             got += ev.token_ids
     assert got == want["j"]
+
+
+def test_a_json_answer_paused_to_the_tiers_and_adopted_goes_on_as_it_would_have(tmp_path):
+    """A JSON-mode conversation paused midway to the disk tier and adopted by a new engine (a restart) replays its
+    automaton from its tokens: the same tokens as an uninterrupted run."""
+    tok = demo().tokenizer
+    prompt = tuple(tok.apply_chat([{"role": "user", "content": "A JSON object for is_even(n), please."}],
+                                  enable_thinking=False))
+
+    def check(seq):
+        assert seq.json is not None and seq.json.state.key_of() == _replayed(tok, seq).key_of()
+
+    adopt_midway(prompt, SamplingParams(temperature=0.8, seed=12, max_tokens=120, json_object=True), tmp_path, check)
 
 
 def _replayed(tok, seq):

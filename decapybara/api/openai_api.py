@@ -11,8 +11,10 @@ Choices made where the API leaves room:
   from a normal end.
 - max_tokens / max_completion_tokens default to the rest of the context and are clamped to it.
 - response_format "json_object" is JSON mode (`decapybara.engine.json_mode`: the answer, after any reasoning, is
-  constrained token by token to a JSON object, and ends when it closes), in legacy completions too; "json_schema"
-  is refused (400), since no schema is enforced, and so is JSON mode beside a required or named tool call.
+  constrained token by token to a JSON object, and ends when it closes); "json_schema" constrains it to what
+  `json_schema.schema` accepts (`decapybara.engine.json_schema`; a schema whose assertions are not enforced
+  here is refused with a 400 naming the keyword); both in legacy completions too, neither beside a required or
+  named tool call.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from decapybara.chat import (
     ToolCallEvent,
     parse_assistant_output,
 )
+from decapybara.engine.json_schema import SchemaError, compile_schema, schema_text
 from decapybara.engine.sampling import MAX_LOGPROBS, SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 
@@ -143,10 +146,7 @@ def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_t
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     top_k = body.top_k if body.top_k not in (None, -1) else 0
     fmt = body.response_format.type if body.response_format is not None else "text"
-    if fmt == "json_schema":
-        raise bad_request("response_format json_schema is not supported: no schema is enforced here; "
-                          '{"type": "json_object"} (JSON mode) constrains the reply to a JSON object',
-                          "response_format.type", "unsupported_response_format")
+    schema = response_schema(body.response_format) if fmt == "json_schema" else None
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
@@ -156,7 +156,25 @@ def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_t
         logit_bias=bias, seed=body.seed, logprobs=logprobs,
         stop_token_ids=tuple(body.stop_token_ids or ()), stop=stop_strings(body.stop),
         max_tokens=max_tokens, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),
-        json_object=fmt == "json_object")
+        json_object=fmt == "json_object", json_schema=schema)
+
+
+def response_schema(fmt: oa.ResponseFormat) -> str:
+    """The text of a `json_schema` response format's schema, compiled here first so that one the server cannot
+    enforce is a 400 before the request is queued (the engine finds the compiled automaton cached by text where
+    it runs in this process)."""
+    spec = fmt.json_schema
+    if spec is None or "schema" not in spec:
+        raise bad_request('response_format json_schema needs json_schema.schema (a JSON Schema), e.g. '
+                          '{"type": "json_schema", "json_schema": {"name": "reply", "schema": {"type": "object"}}}',
+                          "response_format.json_schema")
+    try:
+        text = schema_text(spec["schema"])
+        compile_schema(text)
+    except SchemaError as e:
+        raise bad_request(f"response_format json_schema: {e}", "response_format.json_schema.schema",
+                          "unsupported_schema") from None
+    return text
 
 
 @dataclass(slots=True)
@@ -184,9 +202,9 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
-    if params.json_object and chat.tool_choice.mode in ("required", "named"):
-        raise bad_request("response_format json_object leaves no room for the tool call tool_choice asks for: "
-                          "a JSON-mode reply is a JSON object", "response_format.type")
+    if (params.json_object or params.json_schema is not None) and chat.tool_choice.mode in ("required", "named"):
+        raise bad_request(f"response_format {body.response_format.type} leaves no room for the tool call "
+                          "tool_choice asks for: the reply is a JSON value", "response_format.type")
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)

@@ -86,8 +86,9 @@ class NamedToolChoice(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """`text`, or `json_object` (JSON mode: the reply is constrained to a JSON object); `json_schema` is parsed
-    to be refused by name (no schema is enforced)."""
+    """`text`; `json_object` (JSON mode: the reply is constrained to a JSON object); `json_schema` (the reply is
+    constrained to `json_schema.schema`; `name`, `description` and `strict` are read as OpenAI defines them and
+    change nothing: every schema taken is enforced)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None

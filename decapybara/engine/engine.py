@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from decapybara.kv.stores import HostBundleStore
 from decapybara.model.qwen import QwenModel
 
 log = logging.getLogger(__name__)
+SCHEMAS_KEPT = 16  # JSON Schemas whose token masks an engine keeps (`Engine._json_state`)
 
 
 @dataclass(slots=True)
@@ -154,6 +156,7 @@ class Engine(MemoryMixin):
         self._pending: tuple | None = None
         self._head: _HeadPass | None = None
         self._json_vocab: Any = None  # JSON mode's vocabulary tables (`_json_state`)
+        self._schema_masks: OrderedDict[str, Any] = OrderedDict()  # a schema's text -> its token masks
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
@@ -186,17 +189,32 @@ class Engine(MemoryMixin):
         return seq
 
     def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
-        """JSON mode's automaton for a request that asks for it (None otherwise); the vocabulary's tables are
-        built at the first such request and shared. Where the prompt's last turn holds no reasoning markup (a model
+        """The automaton of JSON mode or of a JSON Schema for a request that asks for one (None otherwise); the
+        vocabulary's tables are built at the first such request and shared, a schema's masks kept for the
+        `SCHEMAS_KEPT` schemas last asked. Where the prompt's last turn holds no reasoning markup (a model
         that may open its reasoning itself), `<think>` is allowed as the answer's first token."""
-        if not params.json_object:
+        if not params.json_object and params.json_schema is None:
             return None
+        param = "json_object" if params.json_object else "json_schema"
         if self.tokenizer is None:
-            raise InvalidRequestError("JSON mode needs the engine's tokenizer", "json_object")
+            raise InvalidRequestError("JSON mode and JSON schemas need the engine's tokenizer", param)
         from decapybara.engine.json_mode import JsonState, JsonVocab
+        from decapybara.engine.json_schema import SchemaError, SchemaState, SchemaVocab, compile_schema
 
         if self._json_vocab is None:
             self._json_vocab = JsonVocab(self.tokenizer, self.model.cfg.vocab_size)
+        masks = None
+        if params.json_schema is not None:
+            masks = self._schema_masks.get(params.json_schema)
+            if masks is None:
+                try:
+                    masks = SchemaVocab(self._json_vocab, compile_schema(params.json_schema))
+                except (SchemaError, ValueError) as e:
+                    raise InvalidRequestError(f"response_format json_schema: {e}", param) from None
+                self._schema_masks[params.json_schema] = masks
+                if len(self._schema_masks) > SCHEMAS_KEPT:
+                    self._schema_masks.popitem(last=False)
+            self._schema_masks.move_to_end(params.json_schema)
         think = self._think[0]
         start = getattr(self.tokenizer.special_ids, "im_start", None)
         for t in reversed(prompt):  # the last turn: a think block there (opened, or an empty one) settles it
@@ -204,7 +222,7 @@ class Engine(MemoryMixin):
                 think = None
             if t == start or think is None:
                 break
-        return JsonState(self._json_vocab, think)
+        return JsonState(self._json_vocab, think) if masks is None else SchemaState(masks, think)
 
     def _json_active(self, s: Sequence) -> bool:
         """Whether JSON mode constrains `s`'s next token (its answer; not its reasoning, nor a reply that left the

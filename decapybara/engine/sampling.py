@@ -75,6 +75,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     json_object: bool = False  # JSON mode: the answer is constrained to a JSON object (`engine.json_mode`)
+    json_schema: str | None = None  # structured outputs: the answer is constrained to this JSON Schema's text
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +100,9 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"json_object must be a boolean, got {self.json_object!r}", "json_object")
+        if self.json_schema is not None and (not isinstance(self.json_schema, str) or self.json_object):
+            raise InvalidRequestError("json_schema must be a schema's JSON text, and not beside json_object",
+                                      "json_schema")
         if not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
         for tok, bias in self.logit_bias.items():

@@ -1,0 +1,958 @@
+"""Structured outputs (OpenAI `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}`): the
+answer is constrained token by token to JSON that the schema accepts.
+
+The schema is compiled into a deterministic automaton over bytes (`compile_schema`, cached by the schema's text):
+schema nodes become fragments of a byte NFA, which the subset construction makes a DFA over byte classes, trimmed
+to the states from which the value can still be finished, so that a constrained answer never walks into a dead
+end. The mask of a state is found as JSON mode finds its own (`json_mode.JsonVocab`'s token tables): every token
+of the vocabulary read at once from the state, kept as a bitmap by state.
+
+What an answer can be is a subset of what the schema accepts, always valid against it (but for overlapping
+`oneOf` branches, whose exclusivity is not checked):
+- objects write their declared properties in the schema's order, each required one present; extra keys only in
+  objects that declare no properties (a map: `additionalProperties` a schema, true or absent);
+- `enum` / `const` values are written as `json.dumps` writes them (UTF-8, members in their order);
+- numbers: at most `INT_DIGITS` digits before the point, `FRAC_DIGITS` after, `EXP_DIGITS` of exponent; bounded
+  numbers (`minimum`, `maximum`, `exclusive*`) without an exponent, compared as decimals with the bounds'
+  shortest decimal forms (a value past a double's precision may parse onto an open bound);
+- values the schema leaves free (`{}`, `true`, an object or array without a schema for its members) nest at most
+  `FREE_DEPTH` levels; a recursive `$ref` is expanded `REF_DEPTH` times, past which its branch is not taken;
+- whitespace between tokens as JSON mode allows it (runs of at most `MAX_WS` bytes, `TOP_WS` before the value).
+Keywords that assert what the automaton does not enforce (`pattern`, `multipleOf`, `uniqueItems`, `not`,
+`if`, `minProperties`, ...) are refused (`SchemaError`, a 400 at the API), as is a schema whose automaton would
+pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `description`, `format`, `default`,
+...) and unknown keywords are ignored, as JSON Schema says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+
+from decapybara.engine.json_mode import MAX_WS, TOP_WS, JsonVocab
+
+FREE_DEPTH = 4  # levels of nesting inside a value the schema leaves free
+REF_DEPTH = 4  # expansions of one recursive $ref along a path
+INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 3
+MAX_NFA = 400_000
+MAX_DFA = 60_000
+MAX_CACHED = 64  # compiled schemas kept (`compile_schema`)
+
+UNSUPPORTED = ("pattern", "patternProperties", "propertyNames", "minProperties", "maxProperties",
+               "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else", "contains",
+               "minContains", "maxContains", "multipleOf", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
+TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+class SchemaError(ValueError):
+    """A schema the server cannot enforce or that is not a JSON Schema; the message names where."""
+
+
+def _bits(chars: bytes | range) -> int:
+    m = 0
+    for c in chars:
+        m |= 1 << c
+    return m
+
+
+def _span(lo: int, hi: int) -> int:
+    return _bits(range(lo, hi + 1))
+
+
+WS = _bits(b" \t\n\r")
+DIGIT, DIGIT19 = _span(0x30, 0x39), _span(0x31, 0x39)
+HEX = DIGIT | _span(0x41, 0x46) | _span(0x61, 0x66)
+ESCAPED = _bits(b'"\\/bfnrt')
+PLAIN = _span(0x20, 0xFF) & ~_bits(b'"\\')  # string content bytes that stand for themselves
+ASCII_PLAIN = PLAIN & _span(0x20, 0x7F)
+CONT = _span(0x80, 0xBF)
+UTF8 = ((_span(0xC2, 0xDF), CONT), (1 << 0xE0, _span(0xA0, 0xBF), CONT), (_span(0xE1, 0xEC), CONT, CONT),
+        (1 << 0xED, _span(0x80, 0x9F), CONT), (_span(0xEE, 0xEF), CONT, CONT), (1 << 0xF0, _span(0x90, 0xBF), CONT, CONT),
+        (_span(0xF1, 0xF3), CONT, CONT, CONT), (1 << 0xF4, _span(0x80, 0x8F), CONT, CONT))  # RFC 3629's sequences
+_WS_TABLE = np.zeros(256, bool)
+_WS_TABLE[list(b" \t\n\r")] = True
+
+
+class _Nfa:
+    """A byte NFA built fragment by fragment: a fragment is (entry state, exit state). Edges carry byte sets as
+    256-bit ints; `ws` states loop on whitespace that counts toward a run (`MAX_WS`)."""
+
+    def __init__(self) -> None:
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[int, int]]] = []
+        self.ws_states: set[int] = set()
+
+    def state(self) -> int:
+        if len(self.eps) >= MAX_NFA:
+            raise SchemaError(f"the schema is too large to enforce (over {MAX_NFA} automaton states)")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def link(self, a: int, b: int) -> None:
+        self.eps[a].append(b)
+
+    def cls(self, mask: int) -> tuple[int, int]:
+        a, b = self.state(), self.state()
+        self.edges[a].append((mask, b))
+        return a, b
+
+    def lit(self, data: bytes) -> tuple[int, int]:
+        a = cur = self.state()
+        for c in data:
+            nxt = self.state()
+            self.edges[cur].append((1 << c, nxt))
+            cur = nxt
+        return a, cur
+
+    def seq(self, *frags: tuple[int, int]) -> tuple[int, int]:
+        if not frags:
+            s = self.state()
+            return s, s
+        for (_, e), (s, _) in itertools.pairwise(frags):
+            self.link(e, s)
+        return frags[0][0], frags[-1][1]
+
+    def alt(self, *frags: tuple[int, int]) -> tuple[int, int]:
+        a, b = self.state(), self.state()
+        for s, e in frags:
+            self.link(a, s)
+            self.link(e, b)
+        return a, b
+
+    def opt(self, frag: tuple[int, int]) -> tuple[int, int]:
+        a, b = self.alt(frag)
+        self.link(a, b)
+        return a, b
+
+    def star(self, frag: tuple[int, int]) -> tuple[int, int]:
+        a, b = self.state(), self.state()
+        self.link(a, frag[0])
+        self.link(frag[1], a)
+        self.link(a, b)
+        return a, b
+
+    def repeat(self, make, lo: int, hi: int | None) -> tuple[int, int]:
+        """`make()` (a fresh fragment) lo to hi times (hi None: unbounded)."""
+        parts = [make() for _ in range(lo)]
+        if hi is None:
+            parts.append(self.star(make()))
+        else:
+            tail = None
+            for _ in range(hi - lo):
+                f = make()
+                tail = self.opt(f if tail is None else self.seq(f, tail))
+            if tail is not None:
+                parts.append(tail)
+        return self.seq(*parts)
+
+    def ws(self) -> tuple[int, int]:
+        s = self.state()
+        self.edges[s].append((WS, s))
+        self.ws_states.add(s)
+        return s, s
+
+    def empty(self) -> tuple[int, int]:
+        """No value at all (a branch the schema closes)."""
+        return self.state(), self.state()
+
+
+@dataclass(slots=True)
+class SchemaDfa:
+    """The compiled automaton: `table[state, byte class]` (-1: no way on), `byte_class[256]`, `accept` (the value
+    may end here), `terminal` (it must: nothing can follow), `counted` (a whitespace byte into this state extends a
+    run), `self_plain` (every plain string byte stays here and counts nothing: inside a free string)."""
+
+    table: np.ndarray  # int32 [D, C]
+    byte_class: np.ndarray  # int64 [256]
+    accept: np.ndarray  # bool [D]
+    terminal: np.ndarray  # bool [D]
+    counted: np.ndarray  # bool [D]
+    self_plain: np.ndarray  # bool [D]
+    start: int = 0
+
+    @property
+    def num_states(self) -> int:
+        return int(self.table.shape[0])
+
+    def step(self, state: int, ws: int, b: int) -> tuple[int, int]:
+        """(state, whitespace run) after byte `b`; state -1 where it cannot follow."""
+        if state < 0:
+            return -1, 0
+        nxt = int(self.table[state, self.byte_class[b]])
+        if nxt < 0:
+            return -1, 0
+        ws = ws + 1 if _WS_TABLE[b] and self.counted[nxt] else 0
+        return (nxt, ws) if ws <= MAX_WS else (-1, 0)
+
+    def matches(self, data: bytes) -> bool:
+        """Whether `data` is a whole answer (an accepting state after its last byte)."""
+        s, w = self.start, 0
+        for b in data:
+            s, w = self.step(s, w, b)
+        return s >= 0 and bool(self.accept[s])
+
+
+class _Compiler:
+    """Schema nodes -> NFA fragments (`value`)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.nfa = _Nfa()
+        self.refs: dict[str, int] = defaultdict(int)  # $ref -> expansions on the current path
+
+    # ---- pieces
+    def string_char(self) -> tuple[int, int]:
+        """One character of a string: a code point in well-formed UTF-8 (so that a length counts what a client
+        decodes), or one escape."""
+        n = self.nfa
+        esc = n.seq(n.lit(b"\\"), n.alt(n.cls(ESCAPED), n.seq(n.lit(b"u"), *[n.cls(HEX) for _ in range(4)])))
+        utf8 = [n.seq(n.cls(lead), *[n.cls(c) for c in rest]) for lead, *rest in UTF8]
+        return n.alt(n.cls(ASCII_PLAIN), *utf8, esc)
+
+    def free_string(self) -> tuple[int, int]:
+        """Any string: plain bytes loop on one state (so a mask there needs no steps for plain tokens)."""
+        n = self.nfa
+        loop = n.state()
+        n.edges[loop].append((PLAIN, loop))
+        esc_end = n.state()
+        bs = n.state()
+        n.edges[loop].append((1 << ord("\\"), bs))
+        n.edges[bs].append((ESCAPED, esc_end))
+        u = n.lit(b"u")
+        n.link(bs, u[0])
+        hexes = n.seq(u, *[n.cls(HEX) for _ in range(4)])
+        n.link(hexes[1], esc_end)
+        n.link(esc_end, loop)
+        q0, q1 = n.lit(b'"'), n.lit(b'"')
+        n.link(q0[1], loop)
+        n.link(loop, q1[0])
+        return q0[0], q1[1]
+
+    def string(self, node: dict) -> tuple[int, int]:
+        lo = _count(node, "minLength", 0)
+        hi = _count(node, "maxLength", None)
+        if hi is not None and hi < lo:
+            return self.nfa.empty()
+        if lo == 0 and hi is None:
+            return self.free_string()
+        n = self.nfa
+        return n.seq(n.lit(b'"'), n.repeat(self.string_char, lo, hi), n.lit(b'"'))
+
+    def digits(self, lo: int, hi: int) -> tuple[int, int]:
+        return self.nfa.repeat(lambda: self.nfa.cls(DIGIT), lo, hi)
+
+    def natural(self) -> tuple[int, int]:
+        """0, or digits without a leading zero."""
+        n = self.nfa
+        return n.alt(n.lit(b"0"), n.seq(n.cls(DIGIT19), self.digits(0, INT_DIGITS - 1)))
+
+    def number(self, integer: bool) -> tuple[int, int]:
+        n = self.nfa
+        parts = [n.opt(n.lit(b"-")), self.natural()]
+        if not integer:
+            parts.append(n.opt(n.seq(n.lit(b"."), self.digits(1, FRAC_DIGITS))))
+            parts.append(n.opt(n.seq(n.cls(_bits(b"eE")), n.opt(n.cls(_bits(b"+-"))), self.digits(1, EXP_DIGITS))))
+        return n.seq(*parts)
+
+    def fixed_range(self, lo: str, hi: str) -> tuple[int, int]:
+        """Digit strings of len(lo) == len(hi) digits (leading zeros allowed) from lo to hi."""
+        n = self.nfa
+        if lo == "0" * len(lo) and hi == "9" * len(hi):  # every string of the width (and the empty one)
+            return self.digits(len(lo), len(lo))
+        a, b = int(lo[0]), int(hi[0])
+        if a == b:
+            return n.seq(n.lit(lo[:1].encode()), self.fixed_range(lo[1:], hi[1:]))
+        k = len(lo) - 1
+        parts = [n.seq(n.lit(lo[:1].encode()), self.fixed_range(lo[1:], "9" * k)),
+                 n.seq(n.lit(hi[:1].encode()), self.fixed_range("0" * k, hi[1:]))]
+        if b - a > 1:
+            parts.append(n.seq(n.cls(_span(0x30 + a + 1, 0x30 + b - 1)), self.digits(k, k)))
+        return n.alt(*parts)
+
+    def natural_range(self, lo: int, hi: int | None) -> tuple[int, int]:
+        """Naturals (no leading zeros) from lo to hi (None: no bound, within INT_DIGITS digits)."""
+        n = self.nfa
+        parts = []
+        top = len(str(lo)) if hi is None else len(str(hi))
+        for width in range(len(str(lo)), top + 1):
+            a = max(lo, 10 ** (width - 1) if width > 1 else 0)
+            b = 10 ** width - 1 if hi is None else min(hi, 10 ** width - 1)
+            if a <= b:
+                parts.append(self.fixed_range(str(a), str(b)))
+        if hi is None and len(str(lo)) < INT_DIGITS:  # every wider natural
+            parts.append(n.seq(n.cls(DIGIT19), self.digits(len(str(lo)), INT_DIGITS - 1)))
+        return n.alt(*parts) if parts else n.empty()
+
+    def bounded(self, node: dict, integer: bool) -> tuple[int, int]:
+        """A number within the node's bounds: integers as whole numbers, other numbers as a whole part and a
+        fraction (no exponent), compared as decimals with the bounds' shortest decimal forms."""
+        lo, lo_open = _bound(node, "minimum", "exclusiveMinimum", low=True)
+        hi, hi_open = _bound(node, "maximum", "exclusiveMaximum", low=False)
+        if integer:  # whole numbers: open ends move by one
+            ilo = None if lo is None else (math.floor(lo) + 1 if lo_open and lo == math.floor(lo) else math.ceil(lo))
+            ihi = None if hi is None else (math.ceil(hi) - 1 if hi_open and hi == math.ceil(hi) else math.floor(hi))
+            return self.int_range(ilo, ihi)
+        n = self.nfa
+        dlo = None if lo is None else Decimal(repr(lo))
+        dhi = None if hi is None else Decimal(repr(hi))
+        parts = []
+        if dlo is None or dlo < 0:  # the negative side: "-" then a magnitude in [max(0, -hi), -lo]
+            if dhi is not None and dhi <= 0:
+                m_lo, m_lo_open = -dhi, hi_open  # "-0" is 0: below an open bound at 0 only when it is not
+            else:
+                m_lo, m_lo_open = Decimal(0), False
+            parts.append(n.seq(n.lit(b"-"), self.magnitude(m_lo, m_lo_open, None if dlo is None else -dlo, lo_open)))
+        if dhi is None or dhi >= 0:
+            p_lo, p_lo_open = (Decimal(0), False) if dlo is None or dlo < 0 else (dlo, lo_open)
+            parts.append(self.magnitude(p_lo, p_lo_open, dhi, hi_open))
+        return n.alt(*parts)
+
+    def magnitude(self, lo: Decimal, lo_open: bool, hi: Decimal | None, hi_open: bool) -> tuple[int, int]:
+        """Non-negative decimals (a whole part, an optional fraction) from lo to hi (None: no bound)."""
+        n = self.nfa
+        li, lf = _split(lo)
+        if hi is not None:
+            hi_i, hf = _split(hi)
+            if li > hi_i:
+                return n.empty()
+            if li == hi_i:
+                return n.seq(self.natural_range(li, li), self.fraction(lf, lo_open, hf, hi_open))
+        parts = [n.seq(self.natural_range(li, li), self.fraction(lf, lo_open, None, False))]
+        if hi is None or hi_i - li >= 2:  # whole parts strictly inside: any fraction
+            parts.append(n.seq(self.natural_range(li + 1, None if hi is None else hi_i - 1),
+                               self.fraction("", False, None, False)))
+        if hi is not None:
+            parts.append(n.seq(self.natural_range(hi_i, hi_i), self.fraction("", False, hf, hi_open)))
+        return n.alt(*parts)
+
+    def fraction(self, lo: str, lo_open: bool, hi: str | None, hi_open: bool) -> tuple[int, int]:
+        """An optional fraction (a point, 1..FRAC_DIGITS digits) whose value 0.F lies between 0.lo and 0.hi
+        (digit strings; hi None: below 1), built deterministically: a state for each (digits read, still equal
+        to lo's digits, still equal to hi's digits)."""
+        n = self.nfa
+
+        def digit(bound: str | None, i: int) -> int:
+            return int(bound[i]) if bound is not None and i < len(bound) else 0
+
+        def ok(i: int, lo_eq: bool, hi_eq: bool) -> bool:  # may the fraction end here (i digits read)?
+            lo_zero = not lo[i:].strip("0")  # lo's digits left are zeros: equal to it
+            hi_zero = hi is None or not hi[i:].strip("0")
+            if lo_eq and (not lo_zero or lo_open):
+                return False
+            return not (hi is not None and hi_eq and hi_zero and hi_open)
+
+        entry, end = n.state(), n.state()
+        dot = n.state()
+        n.edges[entry].append((1 << ord("."), dot))
+        if ok(0, True, hi is not None):
+            n.link(entry, end)  # no fraction
+        states = {(True, hi is not None): dot}
+        for i in range(FRAC_DIGITS):
+            nxt: dict[tuple[bool, bool], int] = {}
+            for (lo_eq, hi_eq), s in states.items():
+                for d in range(10):
+                    if lo_eq and d < digit(lo, i) or hi_eq and d > digit(hi, i):
+                        continue
+                    key = (lo_eq and d == digit(lo, i), hi_eq and d == digit(hi, i))
+                    t = nxt.get(key)
+                    if t is None:
+                        t = nxt[key] = n.state()
+                        if ok(i + 1, *key):
+                            n.link(t, end)
+                    n.edges[s].append((1 << (0x30 + d), t))
+            states = nxt
+        return entry, end
+
+    def int_range(self, lo: int | None, hi: int | None) -> tuple[int, int]:
+        n = self.nfa
+        if lo is not None and hi is not None and lo > hi:
+            return n.empty()
+        parts = []
+        if lo is None or lo < 0:  # "-" then a magnitude in [max(1, -hi), -lo]
+            parts.append(n.seq(n.lit(b"-"), self.natural_range(1 if hi is None or hi >= 0 else -hi,
+                                                               None if lo is None else -lo)))
+        if hi is None or hi >= 0:
+            parts.append(self.natural_range(max(lo or 0, 0), hi))
+        return n.alt(*parts)
+
+    def literal(self, value: Any) -> tuple[int, int]:
+        """One value as `json.dumps` writes its scalars, objects and arrays in its order with whitespace
+        between tokens allowed."""
+        n = self.nfa
+        if isinstance(value, dict | list):
+            items = list(value.items()) if isinstance(value, dict) else list(value)
+            close = b"}" if isinstance(value, dict) else b"]"
+            parts = [n.lit(b"{" if isinstance(value, dict) else b"[")]
+            for k, item in enumerate(items):
+                parts += [n.ws()] if k == 0 else [n.ws(), n.lit(b","), n.ws()]
+                if isinstance(value, dict):
+                    parts += [self.literal(item[0]), n.ws(), n.lit(b":"), n.ws()]
+                    item = item[1]
+                parts.append(self.literal(item))
+            return n.seq(*parts, n.ws(), n.lit(close))
+        return n.lit(json.dumps(value, ensure_ascii=False).encode())
+
+    def free(self, depth: int) -> tuple[int, int]:
+        """Any JSON value, nesting at most `depth` more levels."""
+        n = self.nfa
+        parts = [self.free_string(), self.number(False), n.lit(b"true"), n.lit(b"false"), n.lit(b"null")]
+        if depth > 0:
+            parts.append(self.map(lambda: self.free(depth - 1)))
+            parts.append(self.array([], lambda: self.free(depth - 1), 0, None))
+        return n.alt(*parts)
+
+    # ---- containers
+    def map(self, value) -> tuple[int, int]:
+        """An object of any keys, each value `value()` (one fragment, looped)."""
+        n = self.nfa
+        pair = n.seq(self.free_string(), n.ws(), n.lit(b":"), n.ws(), value())  # one value fragment, looped
+        sep = n.seq(n.ws(), n.lit(b","), n.ws())
+        open_, close = n.seq(n.lit(b"{"), n.ws()), n.seq(n.ws(), n.lit(b"}"))
+        n.link(open_[1], pair[0])
+        n.link(open_[1], close[0])
+        n.link(pair[1], sep[0])
+        n.link(sep[1], pair[0])
+        n.link(pair[1], close[0])
+        return open_[0], close[1]
+
+    def array(self, prefix: list, item, lo: int, hi: int | None) -> tuple[int, int]:
+        """`[` items `]`: the `prefix` makers first, then `item()` (None: no more), lo..hi items in all."""
+        n = self.nfa
+        limit = len(prefix) if item is None else hi
+        if limit is not None and hi is not None:
+            limit = min(limit, hi)
+        if limit is not None and limit < lo:
+            return n.empty()
+        open_, close = n.seq(n.lit(b"["), n.ws()), n.seq(n.ws(), n.lit(b"]"))
+
+        def maker(k: int):  # the k-th item (0-based)
+            return prefix[k] if k < len(prefix) else item
+
+        def sep():
+            return n.seq(n.ws(), n.lit(b","), n.ws())
+
+        # items 0..fixed-1 one by one (each its own fragment), then the repeated item looped where unbounded
+        fixed = max(lo, len(prefix)) if limit is None else limit
+        end = n.state()  # after the last item written: the close
+        n.link(end, close[0])
+        cur = open_[1]
+        for k in range(fixed):
+            f = maker(k)()
+            if k == 0:
+                n.link(cur, f[0])
+            else:
+                s = sep()
+                n.link(cur, s[0])
+                n.link(s[1], f[0])
+            if k + 1 >= lo:
+                n.link(f[1], end)
+            cur = f[1]
+        if lo == 0:
+            n.link(open_[1], end)
+        if limit is None:  # unbounded: more of `item` after the fixed ones
+            f = item()
+            s = sep()
+            if fixed == 0:
+                n.link(open_[1], f[0])
+            else:
+                n.link(cur, s[0])
+            n.link(s[1], f[0])
+            n.link(f[1], end)
+            n.link(f[1], s[0])
+        return open_[0], close[1]
+
+    def obj(self, node: dict) -> tuple[int, int]:
+        n = self.nfa
+        props = node.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError("properties must be an object")
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError("required must be a list of property names")
+        extra = node.get("additionalProperties", True)
+        names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
+        if not names:  # a map
+            if extra is False:
+                return n.lit(b"{}")
+            if extra is True or extra == {}:
+                return self.map(lambda: self.free(FREE_DEPTH - 1))
+            return self.map(lambda: self.value(extra))
+        req = [name in required for name in names]
+        # E_j: key j, colon, value j; S0 after "{"; A_j after E_j; C_j after A_j's comma
+        open_ = n.seq(n.lit(b"{"), n.ws())
+        close = n.seq(n.ws(), n.lit(b"}"))
+        entries = []
+        for name in names:
+            schema = props.get(name, True)
+            entries.append(n.seq(n.lit(json.dumps(name, ensure_ascii=False).encode()), n.ws(), n.lit(b":"), n.ws(),
+                                 self.value(schema)))
+        count = len(names)
+        # from S0 (before any) to entry j: no required entry before j
+        for j in range(count):
+            n.link(open_[1], entries[j][0])
+            if req[j]:
+                break
+        if not any(req):
+            n.link(open_[1], close[0])
+        for i in range(count):
+            after = entries[i][1]
+            later = range(i + 1, count)
+            if later:
+                s = n.seq(n.ws(), n.lit(b","), n.ws())
+                n.link(after, s[0])
+                for j in later:
+                    n.link(s[1], entries[j][0])
+                    if req[j]:
+                        break
+            if not any(req[i + 1:]):
+                n.link(after, close[0])
+        return open_[0], close[1]
+
+    # ---- a schema node
+    def value(self, node: Any) -> tuple[int, int]:
+        n = self.nfa
+        if node is True:
+            return self.free(FREE_DEPTH)
+        if node is False:
+            return n.empty()
+        if not isinstance(node, dict):
+            raise SchemaError(f"a schema must be an object or a boolean, got {json.dumps(node)[:80]}")
+        for key in UNSUPPORTED:
+            if key in node:
+                raise SchemaError(f"the keyword {key!r} is not enforced here")
+        if node.get("uniqueItems") is True:
+            raise SchemaError("the keyword 'uniqueItems' is not enforced here")
+        if "$ref" in node or "allOf" in node:
+            return self.merged([node])
+        for key in ("anyOf", "oneOf"):
+            if key in node:
+                subs = node[key]
+                if not isinstance(subs, list) or not subs:
+                    raise SchemaError(f"{key} must be a non-empty list")
+                rest = {k: v for k, v in node.items() if k != key}
+                if not _asserts(rest):
+                    return n.alt(*[self.value(sub) for sub in subs])
+                return n.alt(*[self.merged([rest, sub]) for sub in subs])
+        if "const" in node or "enum" in node:
+            values = [node["const"]] if "const" in node else node["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError("enum must be a non-empty list")
+            kinds = _types(node)
+            values = [v for v in values if kinds is None or _type_of(v) in kinds
+                      or (_type_of(v) == "integer" and "number" in kinds)]
+            if "enum" in node and "const" in node:
+                values = [v for v in values if v in node["enum"]]
+            return n.alt(*[self.literal(v) for v in values]) if values else n.empty()
+        kinds = _types(node)
+        if kinds is None:
+            if "properties" in node or "required" in node or "additionalProperties" in node:
+                kinds = ["object"]
+            elif "items" in node or "prefixItems" in node:
+                kinds = ["array"]
+            elif any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+                kinds = ["number"]
+            elif "minLength" in node or "maxLength" in node:
+                kinds = ["string"]
+            else:
+                return self.free(FREE_DEPTH)
+        parts = []
+        for kind in kinds:
+            if kind == "object":
+                parts.append(self.obj(node))
+            elif kind == "array":
+                parts.append(self.arr(node))
+            elif kind == "string":
+                parts.append(self.string(node))
+            elif kind in ("integer", "number"):
+                if "number" in kinds and kind == "integer":
+                    continue  # integers are numbers
+                if any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+                    parts.append(self.bounded(node, kind == "integer"))
+                else:
+                    parts.append(self.number(kind == "integer"))
+            elif kind == "boolean":
+                parts.append(n.alt(n.lit(b"true"), n.lit(b"false")))
+            elif kind == "null":
+                parts.append(n.lit(b"null"))
+        return parts[0] if len(parts) == 1 else n.alt(*parts)
+
+    def arr(self, node: dict) -> tuple[int, int]:
+        lo = _count(node, "minItems", 0)
+        hi = _count(node, "maxItems", None)
+        items = node.get("items", True)
+        prefix = node.get("prefixItems", [])
+        if isinstance(items, list):  # the older tuple form
+            prefix, items = items, node.get("additionalItems", True)
+        if not isinstance(prefix, list):
+            raise SchemaError("prefixItems must be a list of schemas")
+        makers = [(lambda s=s: self.value(s)) for s in prefix]
+        if items is False:
+            item = None
+        elif items is True or items == {}:
+            item = lambda: self.free(FREE_DEPTH - 1)
+        else:
+            item = lambda: self.value(items)
+        return self.array(makers, item, lo, hi)
+
+    def resolve(self, ref: Any) -> Any:
+        """The schema a local `$ref` points at."""
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise SchemaError(f"only local $ref ('#/...') are resolved, got {ref!r}")
+        target: Any = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise SchemaError(f"$ref {ref!r} does not resolve")
+        return target
+
+    def merged(self, nodes: list) -> tuple[int, int]:
+        """The value all of `nodes` describe (`_merge`); the `$ref`s resolved on the way count as expansions
+        while the merged node compiles, so that a recursive one stops at `REF_DEPTH`."""
+        used: list[str] = []
+        node = _merge(nodes, self, used)
+        if node is False or any(self.refs[r] >= REF_DEPTH for r in used):
+            return self.nfa.empty()  # admits nothing, or past the expansion limit: this branch is not taken
+        for r in used:
+            self.refs[r] += 1
+        try:
+            return self.value(node)
+        finally:
+            for r in used:
+                self.refs[r] -= 1
+
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions",
+               "format", "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "$anchor",
+               "discriminator", "nullable", "strict", "additionalItems", "unevaluatedProperties"}
+
+
+def _asserts(node: dict) -> bool:
+    return any(k not in ANNOTATIONS for k in node)
+
+
+def _merge(nodes: list, comp: _Compiler, used: list[str], budget: int = 16) -> Any:
+    """The schema all of `nodes` describe, where they can be merged key by key (a node's own `$ref` and `allOf`
+    resolved first, at most `budget` deep, each `$ref` resolved added to `used`): types intersected, properties
+    merged, required joined, bounds tightened; other keys must agree. False where they admit nothing."""
+    if budget <= 0:
+        return False
+    out: dict = {}
+    for node in nodes:
+        if node is True:
+            continue
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            raise SchemaError("a schema must be an object or a boolean")
+        if "$ref" in node:
+            used.append(node["$ref"])
+            node = _merge([comp.resolve(node["$ref"]), {k: v for k, v in node.items() if k != "$ref"}], comp,
+                          used, budget - 1)
+        elif "allOf" in node:
+            subs = node["allOf"]
+            if not isinstance(subs, list) or not subs:
+                raise SchemaError("allOf must be a non-empty list")
+            node = _merge([{k: v for k, v in node.items() if k != "allOf"}, *subs], comp, used, budget - 1)
+        if node is False:
+            return False
+        if node is True:
+            continue
+        for key, value in node.items():
+            if key not in out:
+                out[key] = value
+            elif key == "type":
+                a = set(out[key] if isinstance(out[key], list) else [out[key]])
+                b = set(value if isinstance(value, list) else [value])
+                both = (a & b) | ({"integer"} if ("number" in a and "integer" in b)
+                                  or ("integer" in a and "number" in b) else set())
+                if not both:
+                    return False
+                out[key] = [t for t in TYPES if t in both]
+            elif key == "properties":
+                props = dict(out[key])
+                for name, sub in value.items():
+                    props[name] = {"allOf": [props[name], sub]} if name in props else sub
+                out[key] = props
+            elif key == "required":
+                out[key] = list(dict.fromkeys([*out[key], *value]))
+            elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems"):
+                out[key] = max(out[key], value)
+            elif key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems"):
+                out[key] = min(out[key], value)
+            elif key in ANNOTATIONS:
+                continue
+            elif key in ("anyOf", "oneOf") and out[key] != value:
+                raise SchemaError(f"two {key} lists in one schema (through allOf or $ref) are not merged here")
+            elif out[key] != value:
+                raise SchemaError(f"schemas that differ in {key!r} are not merged here (allOf, or $ref beside "
+                                  "other keywords)")
+    return out
+
+
+
+
+def _types(node: dict) -> list[str] | None:
+    kind = node.get("type")
+    if kind is None:
+        return None
+    kinds = kind if isinstance(kind, list) else [kind]
+    for k in kinds:
+        if k not in TYPES:
+            raise SchemaError(f"unknown type {k!r}")
+    return kinds
+
+
+def _type_of(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "integer" if v == int(v) else "number"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def _split(d: Decimal) -> tuple[int, str]:
+    """A non-negative decimal's whole part and its fraction's digits (no trailing zeros)."""
+    whole = int(d)
+    frac = format(d - whole, "f")
+    return whole, frac.split(".")[1].rstrip("0") if "." in frac else ""
+
+
+def _count(node: dict, key: str, default: int | None) -> int | None:
+    v = node.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or v != int(v):
+        raise SchemaError(f"{key} must be a non-negative integer")
+    return int(v)
+
+
+def _bound(node: dict, key: str, excl: str, *, low: bool) -> tuple[float | None, bool]:
+    """The bound (value, open) of one side, from `minimum` / `exclusiveMinimum` (a number, or draft 4's flag)."""
+    val, is_open = node.get(key), False
+    ex = node.get(excl)
+    if isinstance(ex, bool):
+        is_open = ex and val is not None
+    elif ex is not None:
+        if not isinstance(ex, int | float):
+            raise SchemaError(f"{excl} must be a number")
+        if val is None or (ex >= val if low else ex <= val):
+            val, is_open = ex, True
+    if val is not None and (isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val)):
+        raise SchemaError(f"{key} must be a finite number")
+    return val, is_open
+
+
+# ---------------------------------------------------------------------------------------------- the DFA
+
+
+def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
+    """Subset construction over byte classes (bytes no edge tells apart), then the trim: transitions into states
+    from which no accepting state is reached are removed."""
+    masks = sorted({m for out in nfa.edges for m, _ in out})
+    sig: dict[tuple[bool, ...], int] = {}
+    byte_class = np.zeros(256, np.int64)
+    for b in range(256):
+        key = tuple(bool(m >> b & 1) for m in masks)
+        byte_class[b] = sig.setdefault(key, len(sig))
+    n_classes = len(sig)
+    classes_of = {m: sorted({int(byte_class[b]) for b in range(256) if m >> b & 1}) for m in masks}
+    closures: dict[frozenset[int], frozenset[int]] = {}
+
+    def closure(states: frozenset[int]) -> frozenset[int]:
+        got = closures.get(states)
+        if got is None:
+            seen, todo = set(states), list(states)
+            while todo:
+                for t in nfa.eps[todo.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append(t)
+            got = closures[states] = frozenset(seen)
+        return got
+
+    first = closure(frozenset([start]))
+    ids: dict[frozenset[int], int] = {first: 0}
+    order = [first]
+    rows: list[list[int]] = []
+    for cur in order:  # grows as states are found
+        moves: dict[int, set[int]] = defaultdict(set)
+        for s in cur:
+            for m, t in nfa.edges[s]:
+                for c in classes_of[m]:
+                    moves[c].add(t)
+        row = [-1] * n_classes
+        for c, targets in moves.items():
+            nxt = closure(frozenset(targets))
+            i = ids.get(nxt)
+            if i is None:
+                if len(order) >= MAX_DFA:
+                    raise SchemaError(f"the schema is too large to enforce (over {MAX_DFA} automaton states)")
+                i = ids[nxt] = len(order)
+                order.append(nxt)
+            row[c] = i
+        rows.append(row)
+    table = np.array(rows, np.int32).reshape(len(order), n_classes)
+    accept = np.array([final in s for s in order], bool)
+    counted = np.array([bool(s & nfa.ws_states) for s in order], bool)
+    # the trim: live states reach an accepting one
+    live = accept.copy()
+    while True:
+        nxt = live | (live[np.maximum(table, 0)] & (table >= 0)).any(axis=1)
+        if (nxt == live).all():
+            break
+        live = nxt
+    if not live[0]:
+        raise SchemaError("the schema admits no value the server can write")
+    table = np.where((table >= 0) & live[np.maximum(table, 0)], table, -1).astype(np.int32)
+    terminal = accept & (table < 0).all(axis=1)
+    plain = sorted({int(byte_class[b]) for b in range(256) if PLAIN >> b & 1})
+    d = np.arange(table.shape[0])
+    self_plain = (table[:, plain] == d[:, None]).all(axis=1) & ~counted
+    return SchemaDfa(table, byte_class, accept, terminal, counted, self_plain)
+
+
+_COMPILED: OrderedDict[str, SchemaDfa] = OrderedDict()
+
+
+def schema_text(schema: Any) -> str:
+    """The schema's text as the cache and the engine key it: `json.dumps`, key order kept (it is the order
+    properties are written in)."""
+    try:
+        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise SchemaError(f"the schema is not JSON: {e}") from None
+
+
+def compile_schema(schema: Any) -> SchemaDfa:
+    """The byte automaton of the answers `schema` (a parsed JSON Schema, or its `schema_text`) admits; cached.
+    Raises SchemaError where it cannot be enforced."""
+    text = schema if isinstance(schema, str) else schema_text(schema)
+    dfa = _COMPILED.get(text)
+    if dfa is not None:
+        _COMPILED.move_to_end(text)
+        return dfa
+    root = json.loads(text)
+    comp = _Compiler(root)
+    n = comp.nfa
+    try:
+        body = comp.value(root)
+    except RecursionError:
+        raise SchemaError("the schema nests too deeply to enforce") from None
+    lead = n.repeat(lambda: n.cls(WS), 0, TOP_WS)
+    whole = n.seq(lead, body)
+    dfa = _build(n, whole[0], whole[1])
+    _COMPILED[text] = dfa
+    if len(_COMPILED) > MAX_CACHED:
+        _COMPILED.popitem(last=False)
+    return dfa
+
+
+# ---------------------------------------------------------------------------------------------- token masks
+
+
+class SchemaVocab:
+    """A schema's automaton read over a tokenizer's vocabulary (`JsonVocab`'s token tables): `allowed(state,
+    ws)`, a bool [vocab_size] mask of every token read whole from the state (end-of-sequence ids where the value
+    may end), kept as bitmaps for the `CACHE` states last asked."""
+
+    CACHE = 1024
+
+    def __init__(self, vocab: JsonVocab, dfa: SchemaDfa) -> None:
+        self.vocab, self.dfa = vocab, dfa
+        self._bits: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.misses = 0
+
+    def allowed(self, state: int, ws: int) -> np.ndarray:
+        v, dfa = self.vocab, self.dfa
+        if not dfa.counted[state] or ws + v.ws_run <= MAX_WS:  # a run no token can overrun: as none
+            ws = 0
+        key = (state, ws)
+        bits = self._bits.get(key)
+        if bits is not None:
+            self._bits.move_to_end(key)
+            return np.unpackbits(bits, count=v.vocab_size).view(bool)
+        self.misses += 1
+        allowed = np.zeros(v.vocab_size, bool)
+        if dfa.accept[state]:
+            allowed[v.eos] = True
+        table, cls = dfa.table, dfa.byte_class
+        alive = np.flatnonzero(table[state, cls[v.first]] >= 0)  # positions in `order`: first byte taken
+        if dfa.self_plain[state]:  # string content through and through: allowed, nothing to read
+            plain = v.plain[alive]
+            allowed[v.order[alive[plain]]] = True
+            alive = alive[~plain]
+        states = np.full(alive.size, state, np.int64)
+        runs = np.full(alive.size, ws, np.int64)
+        j = 0
+        while alive.size:
+            ended = v.lens[alive] == j
+            if ended.any():
+                allowed[v.order[alive[ended]]] = True
+                keep = ~ended
+                alive, states, runs = alive[keep], states[keep], runs[keep]
+                if not alive.size:
+                    break
+            b = v.flat[v.offsets[alive] + j]
+            states = table[states, cls[b]].astype(np.int64)
+            ok = states >= 0
+            runs = np.where(_WS_TABLE[b] & dfa.counted[np.maximum(states, 0)], runs + 1, 0)
+            ok &= runs <= MAX_WS
+            alive, states, runs = alive[ok], states[ok], runs[ok]
+            j += 1
+        self._bits[key] = np.packbits(allowed)
+        if len(self._bits) > self.CACHE:
+            self._bits.popitem(last=False)
+        return allowed
+
+
+class SchemaState:
+    """One answer's automaton under a schema (the interface of `json_mode.JsonState`): `advance` with each token
+    it takes, `allowed` for the next sampling step; `think` a token id also allowed before the answer's first
+    byte."""
+
+    def __init__(self, masks: SchemaVocab, think: int | None = None) -> None:
+        self.masks, self.think = masks, think
+        self.state, self.ws = masks.dfa.start, 0
+        self.started = False
+
+    def advance(self, token_bytes: bytes) -> None:
+        dfa = self.masks.dfa
+        self.started |= bool(token_bytes)
+        for b in token_bytes:
+            self.state, self.ws = dfa.step(self.state, self.ws, b)
+            if self.state < 0:
+                break
+
+    @property
+    def done(self) -> bool:
+        """The value is whole and nothing can follow it."""
+        return self.state >= 0 and bool(self.masks.dfa.terminal[self.state])
+
+    @property
+    def dead(self) -> bool:
+        """The answer left the schema (a token the constraint did not choose, e.g. the LoopGuard's)."""
+        return self.state < 0
+
+    def allowed(self) -> np.ndarray:
+        mask = self.masks.allowed(self.state, self.ws)
+        if self.think is not None and not self.started and self.think < len(mask):
+            mask[self.think] = True
+        return mask

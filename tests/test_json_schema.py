@@ -1,0 +1,360 @@
+"""Structured outputs (`response_format: {"type": "json_schema"}`): the compiled automaton against `jsonschema`'s
+validator on random answers it writes (every one valid), on documents written by hand (valid ones in the schema's
+order read, others refused), the schemas it refuses, the tokens it allows against a token-by-token reading of the
+demo vocabulary, and the engine's constrained answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from enum import Enum
+from typing import Literal
+
+import jsonschema
+import numpy as np
+import pytest
+from pydantic import BaseModel, Field
+from test_json_mode import adopt_midway, answer_text, demo, run
+
+from decapybara.config import EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.json_mode import MAX_WS, JsonVocab
+from decapybara.engine.json_schema import (
+    SchemaError,
+    SchemaState,
+    SchemaVocab,
+    compile_schema,
+    schema_text,
+)
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+
+
+class Item(BaseModel):
+    name: str = Field(min_length=1, max_length=12)
+    qty: int = Field(ge=1, le=99)
+    price: float = Field(gt=0)
+
+
+class Order(BaseModel):
+    id: int
+    items: list[Item] = Field(max_length=3)
+    color: Color
+    note: str | None = None
+    kind: Literal["a", "b"]
+    pair: tuple[int, str]
+    extra: dict[str, int]
+    ratio: float = Field(ge=0, le=1)
+    u: int | str
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "v": {"type": "integer", "minimum": -5, "maximum": 1234},
+    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v"]}},
+    "$ref": "#/$defs/node"}
+
+SCHEMAS = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1, "maxItems": 3},
+        "email": {"type": "string", "format": "email"}}, "required": ["name", "age"]},
+    "order": Order.model_json_schema(),
+    "tree": TREE,
+    "any_object": {"type": "object"},
+    "anything": {},
+    "map": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "boolean"}}},
+    "numbers": {"type": "object", "properties": {
+        "a": {"type": "number", "minimum": -2.5, "exclusiveMaximum": 7},
+        "b": {"type": "integer", "exclusiveMinimum": -3, "maximum": -1},
+        "c": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+        "d": {"type": ["number", "null"]}, "e": {"type": "integer", "minimum": 999990}},
+        "required": ["a", "b", "c", "d", "e"], "additionalProperties": False},
+    "strings": {"type": "object", "properties": {
+        "exact": {"type": "string", "minLength": 2, "maxLength": 2},
+        "const": {"const": "h\u00e9llo \"q\""}, "enum": {"enum": [1, "x", None, [1, 2], {"k": True}]},
+        "long": {"type": "string", "minLength": 3}}, "required": ["exact", "const", "enum", "long"]},
+    "arrays": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}],
+               "items": {"type": "null"}, "minItems": 1, "maxItems": 4},
+    "all_of": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                         {"properties": {"y": {"type": "string"}}, "required": ["y"]}]},
+    "one_of": {"type": "object", "properties": {"shape": {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+         "required": ["kind", "r"], "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"const": "square"}, "side": {"type": "integer"}},
+         "required": ["kind", "side"], "additionalProperties": False}]}}, "required": ["shape"]},
+    "top_string": {"type": "string", "maxLength": 5},
+    "bounds": {"type": "array", "prefixItems": [
+        {"type": "number", "minimum": 0.1, "maximum": 0.9},
+        {"type": "number", "exclusiveMinimum": -0.25, "exclusiveMaximum": -0.125},
+        {"type": "number", "minimum": -3, "exclusiveMaximum": 0},
+        {"type": "number", "exclusiveMinimum": 0.5, "maximum": 2.75},
+        {"type": "integer", "exclusiveMinimum": 2.5, "exclusiveMaximum": 9},
+        {"type": "number", "minimum": 12.5}, {"type": "number", "maximum": -12.5}], "items": False, "minItems": 7},
+}
+
+
+def distance_to_accept(dfa) -> np.ndarray:
+    d = np.where(dfa.accept, 0, 1 << 30)
+    while True:
+        nxt = np.where(dfa.table >= 0, d[np.maximum(dfa.table, 0)] + 1, 1 << 30).min(axis=1)
+        nd = np.minimum(d, nxt)
+        if (nd == d).all():
+            return d
+        d = nd
+
+
+def walk(dfa, rng: np.random.Generator, dist: np.ndarray, budget: int = 300) -> bytes:
+    """A random answer the automaton writes: random bytes it allows, heading for an end past `budget` bytes."""
+    members = [np.flatnonzero(dfa.byte_class == c) for c in range(dfa.table.shape[1])]
+    ascii_ = [m[m < 0x80] for m in members]
+    s, w, out = dfa.start, 0, bytearray()
+    while True:
+        if dfa.accept[s] and (dfa.terminal[s] or rng.random() < 0.05):
+            return bytes(out)
+        options = []
+        for c in np.flatnonzero(dfa.table[s] >= 0):
+            pool = ascii_[c] if ascii_[c].size and rng.random() < 0.9 else members[c]
+            b = int(pool[rng.integers(0, pool.size)])
+            ns, nw = dfa.step(s, w, b)
+            if ns >= 0:
+                options.append((b, ns, nw))
+        assert options, "a live state with no way on"
+        if len(out) > budget:
+            b, s, w = min(options, key=lambda o: dist[o[1]])
+        else:
+            b, s, w = options[rng.integers(0, len(options))]
+        out.append(b)
+
+
+def parse(text: bytes):
+    return json.loads(text.decode("utf-8", "replace"))  # as a client reads the reply
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_answer_the_automaton_writes_is_valid(name):
+    schema = SCHEMAS[name]
+    dfa = compile_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    rng = np.random.default_rng(abs(hash(name)) % 1000)
+    dist = distance_to_accept(dfa)
+    kinds = set()
+    for _ in range(120):
+        text = walk(dfa, rng, dist)
+        validator.validate(parse(text))
+        assert dfa.matches(text)
+        kinds.add(text[:1])
+    assert len(kinds) >= 1
+
+
+def dumps(value, indent=None) -> bytes:
+    return json.dumps(value, indent=indent, ensure_ascii=False).encode()
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_documents_in_the_schemas_order_are_read_and_invalid_ones_refused(indent):
+    person = compile_schema(SCHEMAS["person"])
+    ok = [{"name": "Ada", "age": 36}, {"name": "\u6f22\"\\", "age": 0, "tags": ["a", "bcd"], "email": "a@b"},
+          {"name": "", "age": 150, "email": ""}]
+    bad = [{"age": 36, "name": "Ada"}, {"name": "Ada"}, {"name": "Ada", "age": 151}, {"name": "Ada", "age": -1},
+           {"name": "Ada", "age": 1.5}, {"name": "Ada", "age": 3, "tags": []}, {"name": "A", "age": 3, "x": 1},
+           {"name": "Ada", "age": 3, "tags": ["abcd"]}, {"name": "Ada", "age": 3, "tags": ["a"] * 4}, [], "Ada"]
+    for doc in ok:
+        assert person.matches(dumps(doc, indent)), doc
+    for doc in bad:
+        assert not person.matches(dumps(doc, indent)), doc
+    numbers = compile_schema(SCHEMAS["numbers"])
+    good = [(-2.5, -2, 0.5, None, 999990), (6.999, -1, 0.001, -1e-3, 10**15), (0, -2, 0.999, 12.5e3, 999999)]
+    wrong = [(-2.6, -2, 0.5, 1, 999990), (7, -2, 0.5, 1, 999990), (0, -3, 0.5, 1, 999990), (0, 0, 0.5, 1, 999990),
+             (0, -2, 0, 1, 999990), (0, -2, 1, 1, 999990), (0, -2, 0.5, "1", 999990), (0, -2, 0.5, 1, 999989)]
+    for a, b, c, d, e in good:
+        assert numbers.matches(dumps({"a": a, "b": b, "c": c, "d": d, "e": e}, indent)), (a, b, c, d, e)
+    for a, b, c, d, e in wrong:
+        assert not numbers.matches(dumps({"a": a, "b": b, "c": c, "d": d, "e": e}, indent)), (a, b, c, d, e)
+    strings = compile_schema(SCHEMAS["strings"])
+    base = {"exact": "\U0001f600\u00e9", "const": "h\u00e9llo \"q\"", "enum": [1, 2], "long": "abc"}
+    assert strings.matches(dumps(base, indent))
+    for key, value in [("exact", "abc"), ("exact", "a"), ("const", "hello"), ("enum", 2), ("long", "ab")]:
+        assert not strings.matches(dumps({**base, key: value}, indent)), (key, value)
+    tree = compile_schema(TREE)
+    assert tree.matches(dumps({"v": 1, "kids": [{"v": -5, "kids": []}, {"v": 1234, "kids": [{"v": 0}]}]}, indent))
+    assert not tree.matches(dumps({"v": 1, "kids": [{"v": 1}, {"v": 2}, {"v": 3}]}, indent))
+    assert not tree.matches(dumps({"kids": []}, indent))
+    anything = compile_schema({})
+    for doc in [1, -0.5e-7, "s", None, [], {"a": [1, {"b": [None, True]}]}]:
+        assert anything.matches(dumps(doc, indent)), doc
+
+
+def test_whitespace_runs_and_the_lead_are_bounded():
+    dfa = compile_schema(SCHEMAS["person"])
+    assert dfa.matches(b'  {"name":"a","age":1}')
+    assert not dfa.matches(b'   {"name":"a","age":1}')
+    assert dfa.matches(b'{"name":' + b" " * MAX_WS + b'"a","age":1}')
+    assert not dfa.matches(b'{"name":' + b" " * (MAX_WS + 1) + b'"a","age":1}')
+    assert dfa.matches(b'{"name":"' + b" " * 100 + b'","age":1}')  # inside a string, spaces are content
+    assert not dfa.matches(b'{"name":"a","age":1} ')  # nothing after the value
+    s, w = dfa.start, 0
+    for b in b'{"name":"a","age":1}':
+        assert not dfa.terminal[s]
+        s, w = dfa.step(s, w, b)
+    assert dfa.terminal[s]  # the object closed: the answer ends
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "string", "pattern": "^a+$"}, "pattern"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"not": {"type": "null"}}, "not"),
+    ({"type": "object", "minProperties": 1}, "minProperties"),
+    ({"$ref": "https://example.com/s.json"}, "local"),
+    ({"$ref": "#/$defs/missing"}, "resolve"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "admits no value"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "admits no value"),
+    ({"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}},
+      "$ref": "#/$defs/n"}, "admits no value"),
+    ({"type": "wat"}, "unknown type"),
+    ({"type": "string", "maxLength": -1}, "maxLength"),
+    ({"type": "array", "items": {"type": "string", "maxLength": 200}, "maxItems": 1000}, "too large"),
+])
+def test_schemas_the_server_cannot_enforce_are_refused_by_name(schema, says):
+    with pytest.raises(SchemaError, match=says):
+        compile_schema(schema)
+
+
+def test_schema_text_keeps_the_property_order_and_the_cache_returns_the_same_automaton():
+    a = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["z", "a"]}
+    assert schema_text(a).index('"z"') < schema_text(a).index('"a"')
+    assert compile_schema(a) is compile_schema(schema_text(a))
+    assert compile_schema(a).matches(b'{"z":1,"a":2}') and not compile_schema(a).matches(b'{"a":2,"z":1}')
+    with pytest.raises(SchemaError):
+        schema_text({"x": float("nan")})
+
+
+@functools.cache
+def demo_vocab():
+    tok = demo().tokenizer
+    return JsonVocab(tok, tok.vocab_size)
+
+
+def brute_allowed(tok, dfa, state: int, ws: int) -> np.ndarray:
+    allowed = np.zeros(tok.vocab_size, bool)
+    for i in range(tok.vocab_size):
+        data = tok.token_bytes(i)
+        if i in tok.added_ids or not data:
+            continue
+        s, w = state, ws
+        for b in data:
+            s, w = dfa.step(s, w, b)
+            if s < 0:
+                break
+        allowed[i] = s >= 0
+    if dfa.accept[state]:
+        allowed[list(tok.eos_token_ids)] = True
+    return allowed
+
+
+@pytest.mark.parametrize("name, doc", [
+    ("person", b'{"name": "x\\"\\u00e9  \\n", "age": 42,\n  "tags": ["ab", "c"],  "email": "e"}'),
+    ("numbers", b'{"a": -2.25, "b": -2, "c": 0.5, "d": 1.5e-3, "e": 1000000}'),
+    ("tree", b'{"v": 7, "kids": [{"v": -1, "kids": []}]}'),
+])
+def test_the_tokens_allowed_are_those_read_whole_one_by_one(name, doc):
+    tok = demo().tokenizer
+    dfa = compile_schema(SCHEMAS[name])
+    masks = SchemaVocab(demo_vocab(), dfa)
+    st = SchemaState(masks)
+    assert dfa.matches(doc)
+    rng = np.random.default_rng(len(doc))
+    checks = sorted(set(rng.integers(0, len(doc) + 1, 5).tolist()) | {0, 1, len(doc)})
+    for k in range(len(doc) + 1):
+        if k in checks:
+            assert np.array_equal(st.allowed(), brute_allowed(tok, dfa, st.state, st.ws)), doc[:k]
+        if k < len(doc):
+            st.advance(doc[k:k + 1])
+    assert st.done and not st.dead
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_the_engines_answers_follow_the_schema_alone_or_batched(thinking):
+    """Greedy and sampled requests of the demo model under three schemas beside a JSON-mode and a plain one: each
+    answer that ends by itself validates, one cut by max_tokens is a prefix the automaton reads; the tokens are
+    the same alone and batched."""
+    m = demo()
+    tok = m.tokenizer
+    prompt = tuple(tok.apply_chat([{"role": "user", "content": "Describe is_even(n) as a JSON object."}],
+                                  enable_thinking=thinking))
+    schemas = [SCHEMAS["person"], SCHEMAS["numbers"], SCHEMAS["order"]]
+    params = [SamplingParams(temperature=0, max_tokens=300, json_schema=schema_text(schemas[0])),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=300, json_schema=schema_text(schemas[1])),
+              SamplingParams(temperature=0.8, seed=5, top_p=0.95, max_tokens=120, json_schema=schema_text(schemas[2])),
+              SamplingParams(temperature=0, max_tokens=60, json_object=True), SamplingParams(temperature=0, max_tokens=30)]
+    cfg = EngineConfig(loop_guard="off", max_slots=6)
+    alone = {}
+    for i, p in enumerate(params):
+        out, _ = run(Engine(m.model, cfg, tokenizer=tok), [Request(prompt, p, f"s{i}")])
+        alone[f"s{i}"] = out[f"s{i}"]
+    outs, ends = run(Engine(m.model, cfg, tokenizer=tok), [Request(prompt, p, f"s{i}") for i, p in enumerate(params)])
+    assert outs == alone
+    stopped = 0
+    for i, schema in enumerate(schemas):
+        text = answer_text(tok, outs[f"s{i}"])
+        dfa = compile_schema(schema)
+        if ends[f"s{i}"] == "stop":
+            jsonschema.validate(parse(text), schema)
+            stopped += 1
+        else:
+            s, w = dfa.start, 0
+            for b in text:
+                s, w = dfa.step(s, w, b)
+            assert s >= 0, text
+    assert stopped >= 2
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 60}, {"ignore_eos": True}])
+def test_an_answer_ends_where_its_schemas_value_closes(extra):
+    """The answer ends (stop) with the token that closes the schema's object, whatever min_tokens or ignore_eos
+    ask: the same tokens as without them."""
+    m = demo()
+    tok = m.tokenizer
+    prompt = tuple(tok.apply_chat([{"role": "user", "content": "A person as JSON."}], enable_thinking=False))
+    base = SamplingParams(temperature=0, max_tokens=300, json_schema=schema_text(SCHEMAS["person"]))
+    want, ends = run(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok), [Request(prompt, base, "j")])
+    assert ends["j"] == "stop"
+    jsonschema.validate(parse(answer_text(tok, want["j"])), SCHEMAS["person"])
+    params = dataclasses.replace(base, **extra)
+    got, ends = run(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok), [Request(prompt, params, "j")])
+    assert ends["j"] == "stop" and got == want
+
+
+def test_an_answer_paused_to_the_tiers_and_adopted_goes_on_under_its_schema(tmp_path):
+    """A conversation under a schema paused midway to the disk tier and adopted by a new engine replays its
+    automaton from its tokens: the same tokens as an uninterrupted run."""
+    tok = demo().tokenizer
+    prompt = tuple(tok.apply_chat([{"role": "user", "content": "An order as JSON, please."}], enable_thinking=False))
+    dfa = compile_schema(SCHEMAS["order"])
+
+    def check(seq):
+        replay = SchemaState(SchemaVocab(demo_vocab(), dfa))
+        replay.advance(answer_text(tok, seq.tokens[seq.num_prompt:]))
+        assert isinstance(seq.json, SchemaState) and (seq.json.state, seq.json.ws) == (replay.state, replay.ws)
+        assert seq.json.state != dfa.start
+
+    params = SamplingParams(temperature=0.8, seed=12, max_tokens=120, json_schema=schema_text(SCHEMAS["order"]))
+    adopt_midway(prompt, params, tmp_path, check)
+
+
+def test_a_schema_the_engine_cannot_enforce_is_an_invalid_request():
+    from decapybara.errors import InvalidRequestError
+
+    m = demo()
+    engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=m.tokenizer)
+    bad = SamplingParams(max_tokens=4, json_schema=schema_text({"type": "string", "pattern": "x"}))
+    with pytest.raises(InvalidRequestError, match="pattern"):
+        engine.add_request(Request((1, 2, 3), bad, "bad"))
+    with pytest.raises(InvalidRequestError, match="json_object"):
+        SamplingParams(max_tokens=4, json_object=True, json_schema="{}").validate(100)

@@ -1,6 +1,7 @@
-"""What JSON mode costs: the demo model's engine steps with every agent in JSON mode against the same agents without
-it (ms a step), and at a Qwen-sized vocabulary (151,644 synthetic byte-level tokens) a state's mask computed afresh,
-found again, a token's advance, and a step's masks set on the logits.
+"""What JSON mode and JSON schemas cost: the demo model's engine steps with every agent in JSON mode against the
+same agents without it (ms a step), and at a Qwen-sized vocabulary (151,644 synthetic byte-level tokens) a state's
+mask computed afresh, found again, a token's advance, and a step's masks set on the logits; for schemas, their
+compile time and automaton size, their masks afresh along an answer (a first request's cost) and found again.
 
     python3 bench/json_mode.py            # CPU (numpy backend)
     BENCH_DEVICE=cuda python3 bench/json_mode.py
@@ -17,6 +18,7 @@ import numpy as np
 from decapybara.config import DEMO_MODEL, EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.json_mode import JsonState, JsonVocab
+from decapybara.engine.json_schema import SchemaState, SchemaVocab, compile_schema, schema_text
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
 from decapybara.model.load import load_model
@@ -125,6 +127,73 @@ def main() -> None:
     print("JSON rows  masks set on host logits, ms a step")
     for rows in (1, 12):
         print(f"{rows:9d}  {masking_ms(vocab, rows):.2f}")
+    schema_costs(vocab)
+
+
+SCHEMAS = {
+    "tool args (3 fields)": ({"type": "object", "properties": {"path": {"type": "string"}, "line": {
+        "type": "integer", "minimum": 1}, "mode": {"enum": ["read", "write"]}}, "required": ["path", "line", "mode"],
+        "additionalProperties": False}, {"path": "src/main.py", "line": 42, "mode": "read"}),
+    "order (pydantic, $defs)": (None, None),
+    "object, members free": ({"type": "object"}, {"a": [1, {"b": "x"}], "c": None}),
+    "any value": ({}, {"a": [1, 2.5, "s"]}),
+}
+
+
+def order_schema():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        name: str = Field(min_length=1, max_length=12)
+        qty: int = Field(ge=1, le=99)
+        price: float = Field(gt=0)
+
+    class Order(BaseModel):
+        id: int
+        items: list[Item] = Field(max_length=3)
+        note: str | None = None
+        kind: Literal["a", "b"]
+        ratio: float = Field(ge=0, le=1)
+
+    doc = {"id": 7, "items": [{"name": "nut", "qty": 3, "price": 0.25}], "note": None, "kind": "a", "ratio": 0.5}
+    return Order.model_json_schema(), doc
+
+
+def schema_costs(vocab: JsonVocab) -> None:
+    import json
+
+    print("\n== JSON schemas at the 151,644-token vocabulary ==")
+    print("schema                     states  compile ms  answer bytes  masks afresh ms (max)  found again ms")
+    for name, (schema, doc) in SCHEMAS.items():
+        if schema is None:
+            schema, doc = order_schema()
+        text = schema_text(schema)
+        t0 = time.perf_counter()
+        dfa = compile_schema(text)
+        compile_ms = (time.perf_counter() - t0) * 1e3
+        data = json.dumps(doc).encode()
+        masks = SchemaVocab(vocab, dfa)
+        costs = []
+        for rounds in range(2):  # afresh, then found again
+            st = SchemaState(masks)
+            t_all = 0.0
+            for b in data:
+                t0 = time.perf_counter()
+                st.allowed()
+                dt = time.perf_counter() - t0
+                t_all += dt
+                if rounds == 0:
+                    costs.append(dt)
+                st.advance(bytes([b]))
+            assert st.done
+            if rounds == 0:
+                fresh = t_all
+            else:
+                again = t_all
+        print(f"{name:26} {dfa.num_states:6d}  {compile_ms:10.1f}  {len(data):12d}  {fresh * 1e3:10.1f} "
+              f"({max(costs) * 1e3:5.1f})  {again * 1e3:14.2f}")
 
 
 if __name__ == "__main__":

@@ -312,6 +312,54 @@ def test_parallel_calls_off_gives_one_call(stack):
     assert "must call exactly one of the tools" in stack.prompt(m.id)
 
 
+TOOLS_STRICT = [
+    {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+        "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["unit", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_required_and_named_tool_choices_get_calls_that_follow_the_schemas(stack):
+    """tool_choice required / named (Anthropic any / tool) constrains the reply to tool calls: the tiny model's
+    random weights, unscripted, give calls of the tools allowed whose arguments validate against their schemas,
+    streamed or not, one where parallel calls are off; a scripted call the schema refuses is refused; auto leaves
+    the same prompt's reply free."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS_STRICT}
+    kw = {"model": "m", "messages": user("What is the weather like?"), "max_tokens": 200, "tools": TOOLS_STRICT,
+          "temperature": 0.9, "reasoning_effort": "none"}
+    names = set()
+    for seed in range(4):
+        r = stack.oa().chat.completions.create(**kw, tool_choice="required", seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls and not r.choices[0].message.content, r
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+            names.add(c.function.name)
+        chunks = list(stack.oa().chat.completions.create(**kw, tool_choice="required", seed=seed, stream=True))
+        streamed = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        assert [tc.function.name for tc in streamed if tc.function.name] == [c.function.name for c in calls]
+    assert names <= set(schemas)
+    r = stack.oa().chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "forecast"}},
+                                          parallel_tool_calls=False, seed=1)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "forecast" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["forecast"])
+    free = stack.oa().chat.completions.create(**{**kw, "max_tokens": 12}, seed=1)
+    assert not free.choices[0].message.tool_calls  # auto: the random model writes text
+    m = stack.an().messages.create(model="m", max_tokens=200, messages=user("Weather?"),
+                                   tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                          for t in TOOLS_STRICT], tool_choice={"type": "tool", "name": "forecast"})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and {b.name for b in uses} == {"forecast"}
+    for b in uses:
+        jsonschema.validate(b.input, schemas["forecast"])
+    r = stack.oa().chat.completions.create(model="m", messages=user("CALL-THE-TOOL"), max_tokens=80, tools=TOOLS_OA,
+                                          tool_choice="required", reasoning_effort="none")
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+
+
 def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
     """Without tools, or with tool_choice none, a <tool_call> the model writes is text, not a call."""
     kw = {"model": "m", "messages": user("CALL-THE-TOOL"), "max_tokens": 80}

@@ -358,3 +358,70 @@ def test_a_schema_the_engine_cannot_enforce_is_an_invalid_request():
         engine.add_request(Request((1, 2, 3), bad, "bad"))
     with pytest.raises(InvalidRequestError, match="json_object"):
         SamplingParams(max_tokens=4, json_object=True, json_schema="{}").validate(100)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "minLength": 1}, "line": {"type": "integer", "minimum": 1}},
+        "required": ["path"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "list_dir"}},  # no parameters: no arguments
+    {"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {
+        "pattern": {"type": "string", "pattern": "^[a-z]+$"}}}}},  # not enforced here: any JSON object
+]
+
+
+@pytest.mark.parametrize("name, parallel", [(None, True), (None, False), ("read_file", True)])
+def test_tool_call_replies_the_automaton_writes_parse_as_calls_that_follow_the_schemas(name, parallel):
+    """A reply under tool_choice required / named: only calls, as the reply parser reads them, of the tools
+    allowed, their arguments valid (a tool whose schema is not enforced here: an object), one where parallel
+    calls are off."""
+    from decapybara.chat import parse_assistant_output
+    from decapybara.engine.json_schema import compile_tool_calls, tool_call_spec
+
+    dfa = compile_tool_calls(tool_call_spec(TOOLS, name, parallel))
+    schemas = {"read_file": TOOLS[0]["function"]["parameters"], "list_dir": {"type": "object", "maxProperties": 0},
+               "grep": {"type": "object"}}
+    rng = np.random.default_rng(len(str(name)) + parallel)
+    dist = distance_to_accept(dfa)
+    counts, names = set(), set()
+    for _ in range(80):
+        out = parse_assistant_output(walk(dfa, rng, dist, budget=200).decode("utf-8", "replace"))
+        assert out.content == "" and out.tool_calls
+        for call in out.tool_calls:
+            jsonschema.validate(call.arguments, schemas[call.name])
+            names.add(call.name)
+        counts.add(len(out.tool_calls))
+    assert names == ({name} if name else set(schemas))
+    assert counts == {1} if not parallel else max(counts) > 1
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_the_engines_tool_call_replies_parse_as_calls(thinking):
+    """The demo model under tool_choice required (its prompt's tools, the instruction note aside): a reply that
+    ends by itself is one call, valid against its schema; with reasoning, after it (reasoning opens once: the
+    constraint allows `<think>` only before it)."""
+    from decapybara.chat import parse_assistant_output
+    from decapybara.engine.json_schema import tool_call_spec
+
+    m = demo()
+    tok = m.tokenizer
+    prompt = tuple(tok.apply_chat([{"role": "user", "content": "Read the file main.py."}], TOOLS[:2],
+                                  enable_thinking=thinking))
+    spec = tool_call_spec(TOOLS[:2], None, False)  # one call: the demo model, left to it, calls again and again
+    outs, ends = run(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok),
+                     [Request(prompt, SamplingParams(temperature=t, seed=5, max_tokens=300, tool_calls=spec), f"t{t}")
+                      for t in (0, 1.0)])
+    stopped = 0
+    for rid, ids in outs.items():
+        assert ids.count(tok.special_ids.think) <= 1
+        if ends[rid] != "stop":
+            continue
+        stopped += 1
+        text = tok.decode(ids, skip_special_tokens=False).replace("<|im_end|>", "")
+        out = parse_assistant_output(text)
+        assert out.content == "" and len(out.tool_calls) == 1 and text.count("<think>") <= 1, text
+        for call in out.tool_calls:
+            assert call.name in ("read_file", "list_dir")
+            if call.name == "read_file":
+                jsonschema.validate(call.arguments, TOOLS[0]["function"]["parameters"])
+    assert stopped >= 1

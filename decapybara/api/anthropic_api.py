@@ -8,8 +8,10 @@ Choices made where the API leaves room:
   caps the whole output, reasoning and the forced ``</think>`` included.
 - thinking blocks carry a ``signature`` (a hash of the thinking text); signatures sent back are not checked.
   ``display: "omitted"`` returns thinking blocks with empty text and the signature.
-- tool_choice "none" leaves the tools out of the prompt; "any" and "tool" add an instruction to the system prompt
-  (no constrained decoding). Server tools (a ``type`` other than "custom") are refused.
+- tool_choice "none" leaves the tools out of the prompt; "any" and "tool" add an instruction to the prompt and
+  constrain the reply (after any reasoning) to tool calls of the tools allowed, their inputs to each tool's
+  input_schema (not after a prefill, which has begun the reply). Server tools (a ``type`` other than "custom")
+  are refused.
 - a tool_result with ``is_error`` is rendered as "Error: " + its content.
 - a trailing assistant message is a prefill: the reply continues it and the response holds only the new text.
 - a generation the LoopGuard stopped ends with stop_reason "end_turn" and an extra top-level field
@@ -190,7 +192,7 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1))
+        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), tool_calls=prompt.tool_calls)
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)
     request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,

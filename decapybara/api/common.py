@@ -13,6 +13,7 @@ from typing import Any
 
 from decapybara.api.errors import ApiError, bad_request
 from decapybara.chat import TEMPLATE_GLOBALS, prompt_opens_reasoning
+from decapybara.engine.json_schema import SchemaError, compile_tool_calls, tool_call_spec
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 from decapybara.errors import ContextOverflowError, InvalidRequestError
@@ -63,11 +64,12 @@ class Prompt:
     tools: bool = False  # the request offers tools (and tool_choice is not "none"): parse <tool_call> blocks
     max_calls: int | None = None  # 1 where parallel calls are off: the reply's later calls are dropped
     history_end: int | None = None  # `Request.history_end`: where the generation prompt (and any note) starts
+    tool_calls: str | None = None  # the reply must be tool calls: `SamplingParams.tool_calls`' spec
 
 
 def tool_instruction(choice: ToolChoice) -> str | None:
-    """The system-prompt sentence that stands in for constrained decoding under tool_choice required / named, or
-    parallel calls off."""
+    """The sentence that asks for the calls tool_choice required / named constrains the reply to (so that the
+    model writes them by choice, not only where the constraint leaves nothing else), or for parallel calls off."""
     if choice.mode == "required":
         return (f"In this reply you must call {'at least' if choice.parallel else 'exactly'} one of the tools listed "
                 "in <tools></tools>, inside <tool_call></tool_call> tags.")
@@ -97,8 +99,9 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
 
     tool_choice "none" leaves the tools out of the prompt; "required" and named choices, and parallel calls off,
     add an instruction after the conversation (`tool_instruction`; in the first system message where the chat
-    template takes system messages only first): the model has no constrained decoding, so a call is asked for,
-    not guaranteed (a reply's calls past `Prompt.max_calls` are dropped). Raises ApiError / InvalidRequestError on bad input.
+    template takes system messages only first). Under "required" and named choices the reply is also constrained
+    to tool calls (`Prompt.tool_calls`), but after a prefill, which has begun it; a reply's calls past
+    `Prompt.max_calls` are dropped. Raises ApiError / InvalidRequestError on bad input.
     """
     reserved = _RESERVED_TEMPLATE_VARS.intersection(chat.template_vars)
     if reserved:
@@ -134,7 +137,21 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     if chat.prefill and tokenizer.special_ids.im_start is not None:  # turn starts written in the prefill's text
         turns_after += tokenizer.encode(chat.prefill).count(tokenizer.special_ids.im_start)
     return Prompt(ids, text, prompt_opens_reasoning(text), bool(tools), None if chat.tool_choice.parallel else 1,
-                  _history_end(ids, tokenizer.special_ids.im_start, turns_after))
+                  _history_end(ids, tokenizer.special_ids.im_start, turns_after), _forced_calls(tools, chat))
+
+
+def _forced_calls(tools: list[dict[str, Any]] | None, chat: ChatInput) -> str | None:
+    """The tool-call constraint's spec for tool_choice required / named (None otherwise, after a prefill, or where
+    no call could be written under the tools' schemas: then the call is only asked for)."""
+    if not tools or chat.tool_choice.mode not in ("required", "named") or chat.prefill:
+        return None
+    spec = tool_call_spec(tools, chat.tool_choice.name if chat.tool_choice.mode == "named" else None,
+                          chat.tool_choice.parallel)
+    try:
+        compile_tool_calls(spec)  # cached: the engine finds it where it runs in this process
+    except SchemaError:
+        return None
+    return spec
 
 
 def _history_end(ids: tuple[int, ...], im_start: int | None, turns_after: int) -> int | None:

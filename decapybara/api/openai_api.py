@@ -5,7 +5,8 @@ Choices made where the API leaves room:
   "low".."xhigh" on; ``chat_template_kwargs.enable_thinking`` overrides both. Reasoning is returned in
   ``reasoning_content``, separate from ``content``.
 - tool_choice "none" leaves the tools out of the prompt; "required" and a named function add an instruction
-  to the system prompt (no constrained decoding: a call is asked for, not guaranteed).
+  to the prompt and constrain the reply (after any reasoning) to tool calls of the tools allowed, their
+  arguments to each tool's parameters schema (`decapybara.engine.json_schema.compile_tool_calls`).
 - a generation the LoopGuard stopped finishes with "stop" and carries an extra choice field
   ``loop_guard: {"stopped": true, "note": ...}`` (also on the final stream chunk), so agents can tell a loop
   from a normal end.
@@ -19,6 +20,7 @@ Choices made where the API leaves room:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -202,6 +204,8 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
+    if prompt.tool_calls is not None and not (params.json_object or params.json_schema is not None):
+        params = dataclasses.replace(params, tool_calls=prompt.tool_calls)
     if (params.json_object or params.json_schema is not None) and chat.tool_choice.mode in ("required", "named"):
         raise bad_request(f"response_format {body.response_format.type} leaves no room for the tool call "
                           "tool_choice asks for: the reply is a JSON value", "response_format.type")

@@ -155,7 +155,7 @@ class Engine(MemoryMixin):
         self._next_verify: tuple[int, bool] | None = None
         self._pending: tuple | None = None
         self._head: _HeadPass | None = None
-        self._json_vocab: Any = None  # JSON mode's vocabulary tables (`_json_state`)
+        self._json_vocabs: list[Any] = [None, None]  # the automata's vocabulary tables (`_json_vocabulary`)
         self._schema_masks: OrderedDict[str, Any] = OrderedDict()  # a schema's text -> its token masks
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -189,32 +189,20 @@ class Engine(MemoryMixin):
         return seq
 
     def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
-        """The automaton of JSON mode or of a JSON Schema for a request that asks for one (None otherwise); the
-        vocabulary's tables are built at the first such request and shared, a schema's masks kept for the
-        `SCHEMAS_KEPT` schemas last asked. Where the prompt's last turn holds no reasoning markup (a model
-        that may open its reasoning itself), `<think>` is allowed as the answer's first token."""
-        if not params.json_object and params.json_schema is None:
+        """The automaton of JSON mode, of a JSON Schema, or of a reply of tool calls only, for a request that asks
+        for one (None otherwise); the vocabulary's tables are built at the first such request and shared, the
+        masks of a schema (or tool set) kept for the `SCHEMAS_KEPT` last asked. Where the prompt's last turn holds
+        no reasoning markup (a model that may open its reasoning itself), `<think>` is allowed as the answer's
+        first token."""
+        if not params.json_object and params.json_schema is None and params.tool_calls is None:
             return None
-        param = "json_object" if params.json_object else "json_schema"
+        param = "json_object" if params.json_object else "json_schema" if params.tool_calls is None else "tool_calls"
         if self.tokenizer is None:
-            raise InvalidRequestError("JSON mode and JSON schemas need the engine's tokenizer", param)
-        from decapybara.engine.json_mode import JsonState, JsonVocab
-        from decapybara.engine.json_schema import SchemaError, SchemaState, SchemaVocab, compile_schema
+            raise InvalidRequestError("constrained replies (JSON, schemas, tool calls) need the engine's tokenizer",
+                                      param)
+        from decapybara.engine.json_mode import JsonState
 
-        if self._json_vocab is None:
-            self._json_vocab = JsonVocab(self.tokenizer, self.model.cfg.vocab_size)
-        masks = None
-        if params.json_schema is not None:
-            masks = self._schema_masks.get(params.json_schema)
-            if masks is None:
-                try:
-                    masks = SchemaVocab(self._json_vocab, compile_schema(params.json_schema))
-                except (SchemaError, ValueError) as e:
-                    raise InvalidRequestError(f"response_format json_schema: {e}", param) from None
-                self._schema_masks[params.json_schema] = masks
-                if len(self._schema_masks) > SCHEMAS_KEPT:
-                    self._schema_masks.popitem(last=False)
-            self._schema_masks.move_to_end(params.json_schema)
+        masks = None if params.json_object else self._constraint_masks(params, param)
         think = self._think[0]
         start = getattr(self.tokenizer.special_ids, "im_start", None)
         for t in reversed(prompt):  # the last turn: a think block there (opened, or an empty one) settles it
@@ -222,7 +210,41 @@ class Engine(MemoryMixin):
                 think = None
             if t == start or think is None:
                 break
-        return JsonState(self._json_vocab, think) if masks is None else SchemaState(masks, think)
+        if masks is None:
+            return JsonState(self._json_vocabulary(False), think)
+        from decapybara.engine.json_schema import SchemaState
+
+        return SchemaState(masks, think)
+
+    def _json_vocabulary(self, markup: bool) -> Any:
+        """The vocabulary's tables for the automata (`markup`: the tool-call tags read as their text), built once."""
+        from decapybara.engine.json_mode import JsonVocab
+
+        if self._json_vocabs[markup] is None:
+            ids = self.tokenizer.special_ids
+            tags = tuple(t for t in (ids.tool_call, ids.end_tool_call) if t is not None) if markup else ()
+            self._json_vocabs[markup] = JsonVocab(self.tokenizer, self.model.cfg.vocab_size, markup=tags)
+        return self._json_vocabs[markup]
+
+    def _constraint_masks(self, params: SamplingParams, param: str) -> Any:
+        """The token masks of a request's schema or tool set (`json_schema.SchemaVocab`), kept by its text."""
+        from decapybara.engine.json_schema import SchemaError, SchemaVocab, compile_schema, compile_tool_calls
+
+        key = params.json_schema if params.tool_calls is None else "tools:" + params.tool_calls
+        masks = self._schema_masks.get(key)
+        if masks is None:
+            try:
+                if params.tool_calls is None:
+                    masks = SchemaVocab(self._json_vocabulary(False), compile_schema(params.json_schema))
+                else:
+                    masks = SchemaVocab(self._json_vocabulary(True), compile_tool_calls(params.tool_calls))
+            except (SchemaError, ValueError, KeyError, TypeError) as e:
+                raise InvalidRequestError(f"{param}: {e}", param) from None
+            self._schema_masks[key] = masks
+            if len(self._schema_masks) > SCHEMAS_KEPT:
+                self._schema_masks.popitem(last=False)
+        self._schema_masks.move_to_end(key)
+        return masks
 
     def _json_active(self, s: Sequence) -> bool:
         """Whether JSON mode constrains `s`'s next token (its answer; not its reasoning, nor a reply that left the
@@ -593,6 +615,8 @@ class Engine(MemoryMixin):
             s.json.advance(self.tokenizer.token_bytes(tok) if tok not in self.eos_token_ids else b"")
         if tok == self._think[0]:
             s.in_thinking = True
+            if s.json is not None:  # reasoning opens once: the answer's constraint no longer allows `<think>`
+                s.json.think = None
         first = False  # the answer's first visible token: its leading whitespace is still the markup's
         if tok == self._think[1]:
             s.after_think = True

@@ -173,18 +173,20 @@ def _step(s: _States, b: np.ndarray) -> _States:
 
 
 class JsonVocab:
-    """A tokenizer's vocabulary as the automaton reads it: each token's bytes, and the tokens allowed in a state
-    (`allowed`: a bool [vocab_size] mask of every token the state can read whole, the end-of-sequence ids only
-    once the object is closed), kept as bitmaps for the `CACHE` states last asked.
+    """A tokenizer's vocabulary as the automaton reads it: each token's bytes (added tokens none, so never allowed,
+    but the `markup` ids, read as their text), and the tokens allowed in a state (`allowed`: a bool [vocab_size]
+    mask of every token the state can read whole, the end-of-sequence ids only once the object is closed), kept
+    as bitmaps for the `CACHE` states last asked.
 
     States that no token can tell apart share a cache entry (`_canonical`): nesting deeper than any token can
     close counts as that depth, and a run of whitespace too short for any token to overrun `MAX_WS` as none."""
 
     CACHE = 1024
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, markup: tuple[int, ...] = ()) -> None:
         table = tokenizer._byte_table()
         added = set(tokenizer.added_ids) if hasattr(tokenizer, "added_ids") else set()
+        added -= set(markup)  # markup tokens read as their text (a tool-call reply's `<tool_call>`)
         self.vocab_size = vocab_size
         self.eos = np.array(sorted(i for i in tokenizer.eos_token_ids if i < vocab_size), np.int64)
         toks = [b"" if (i >= len(table) or i in added) else table[i] for i in range(vocab_size)]

@@ -40,7 +40,7 @@ from decapybara.engine.json_mode import MAX_WS, TOP_WS, JsonVocab
 
 FREE_DEPTH = 4  # levels of nesting inside a value the schema leaves free
 REF_DEPTH = 4  # expansions of one recursive $ref along a path
-INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 3
+INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 2  # exponents of two digits: no number past a double's range
 MAX_NFA = 400_000
 MAX_DFA = 60_000
 MAX_CACHED = 64  # compiled schemas kept (`compile_schema`)
@@ -203,34 +203,39 @@ class SchemaDfa:
 class _Compiler:
     """Schema nodes -> NFA fragments (`value`)."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, nfa: _Nfa | None = None) -> None:
         self.root = root
-        self.nfa = _Nfa()
+        self.nfa = nfa or _Nfa()
         self.refs: dict[str, int] = defaultdict(int)  # $ref -> expansions on the current path
 
     # ---- pieces
+    def escape(self) -> tuple[int, int]:
+        """A backslash escape: a short one, or `\\u` and four hex digits of a code point that is no surrogate, or
+        of a high surrogate followed by its low one (a lone surrogate is no Unicode text: neither the server's
+        tool-call parser nor UTF-8 replies can carry it)."""
+        n = self.nfa
+        hex_ = lambda: n.cls(HEX)
+        plain = n.alt(n.seq(n.cls(HEX & ~_bits(b"dD")), hex_(), hex_(), hex_()),
+                      n.seq(n.cls(_bits(b"dD")), n.cls(_span(0x30, 0x37)), hex_(), hex_()))
+        pair = n.seq(n.cls(_bits(b"dD")), n.cls(_bits(b"89abAB")), hex_(), hex_(), n.lit(b"\\u"), n.cls(_bits(b"dD")),
+                     n.cls(_bits(b"cdefCDEF")), hex_(), hex_())
+        return n.seq(n.lit(b"\\"), n.alt(n.cls(ESCAPED), n.seq(n.lit(b"u"), n.alt(plain, pair))))
+
     def string_char(self) -> tuple[int, int]:
         """One character of a string: a code point in well-formed UTF-8 (so that a length counts what a client
         decodes), or one escape."""
         n = self.nfa
-        esc = n.seq(n.lit(b"\\"), n.alt(n.cls(ESCAPED), n.seq(n.lit(b"u"), *[n.cls(HEX) for _ in range(4)])))
         utf8 = [n.seq(n.cls(lead), *[n.cls(c) for c in rest]) for lead, *rest in UTF8]
-        return n.alt(n.cls(ASCII_PLAIN), *utf8, esc)
+        return n.alt(n.cls(ASCII_PLAIN), *utf8, self.escape())
 
     def free_string(self) -> tuple[int, int]:
         """Any string: plain bytes loop on one state (so a mask there needs no steps for plain tokens)."""
         n = self.nfa
         loop = n.state()
         n.edges[loop].append((PLAIN, loop))
-        esc_end = n.state()
-        bs = n.state()
-        n.edges[loop].append((1 << ord("\\"), bs))
-        n.edges[bs].append((ESCAPED, esc_end))
-        u = n.lit(b"u")
-        n.link(bs, u[0])
-        hexes = n.seq(u, *[n.cls(HEX) for _ in range(4)])
-        n.link(hexes[1], esc_end)
-        n.link(esc_end, loop)
+        esc = self.escape()
+        n.link(loop, esc[0])
+        n.link(esc[1], loop)
         q0, q1 = n.lit(b'"'), n.lit(b'"')
         n.link(q0[1], loop)
         n.link(loop, q1[0])
@@ -863,6 +868,53 @@ def compile_schema(schema: Any) -> SchemaDfa:
     if len(_COMPILED) > MAX_CACHED:
         _COMPILED.popitem(last=False)
     return dfa
+
+
+def compile_tool_calls(spec: str) -> SchemaDfa:
+    """The automaton of a reply made of tool calls only, as the chat template writes them: ``<tool_call>\\n{"name":
+    "NAME", "arguments": ARGS}\\n</tool_call>``, NAME one of `spec`'s tools (`tool_call_spec`) and ARGS what its
+    parameters' schema accepts (any JSON object where that schema cannot be enforced here); with `parallel`, more
+    calls after a newline each. Cached as `compile_schema`'s automata; raises SchemaError where no call can be
+    written."""
+    key = "tools:" + spec
+    dfa = _COMPILED.get(key)
+    if dfa is not None:
+        _COMPILED.move_to_end(key)
+        return dfa
+    obj = json.loads(spec)
+    n = _Nfa()
+    calls = []
+    for tool in obj["tools"]:
+        params = tool.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
+        mark = len(n.eps)
+        try:
+            args = _Compiler(params, n).value(params)
+        except (SchemaError, RecursionError):
+            del n.eps[mark:], n.edges[mark:]  # the states of the schema's fragments, never linked
+            n.ws_states = {s for s in n.ws_states if s < mark}
+            args = _Compiler(True, n).value({"type": "object"})
+        head = f'<tool_call>\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
+        calls.append(n.seq(n.lit(head.encode()), args, n.lit(b"}\n</tool_call>")))
+    call = n.alt(*calls)
+    if obj.get("parallel", True):
+        sep = n.lit(b"\n")
+        n.link(call[1], sep[0])
+        n.link(sep[1], call[0])
+    dfa = _build(n, call[0], call[1])
+    _COMPILED[key] = dfa
+    if len(_COMPILED) > MAX_CACHED:
+        _COMPILED.popitem(last=False)
+    return dfa
+
+
+def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+    """The text `compile_tool_calls` reads for OpenAI function tools (`[{"type": "function", "function": {"name",
+    "parameters"}}]`): every tool, or only `name`'s."""
+    picked = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+              for t in tools if name is None or t["function"]["name"] == name]
+    return json.dumps({"tools": picked, "parallel": parallel}, ensure_ascii=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------- token masks

@@ -76,6 +76,7 @@ class SamplingParams:
     ignore_eos: bool = False
     json_object: bool = False  # JSON mode: the answer is constrained to a JSON object (`engine.json_mode`)
     json_schema: str | None = None  # structured outputs: the answer is constrained to this JSON Schema's text
+    tool_calls: str | None = None  # the answer is tool calls only (`engine.json_schema.compile_tool_calls`' spec)
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +104,10 @@ class SamplingParams:
         if self.json_schema is not None and (not isinstance(self.json_schema, str) or self.json_object):
             raise InvalidRequestError("json_schema must be a schema's JSON text, and not beside json_object",
                                       "json_schema")
+        if self.tool_calls is not None and (not isinstance(self.tool_calls, str) or self.json_object
+                                            or self.json_schema is not None):
+            raise InvalidRequestError("tool_calls must be a tool set's JSON text, and not beside json_object or "
+                                      "json_schema", "tool_calls")
         if not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
         for tok, bias in self.logit_bias.items():

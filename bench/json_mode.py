@@ -145,19 +145,19 @@ def order_schema():
 
     from pydantic import BaseModel, Field
 
-    class Item(BaseModel):
-        name: str = Field(min_length=1, max_length=12)
-        qty: int = Field(ge=1, le=99)
-        price: float = Field(gt=0)
+    class Line(BaseModel):
+        sku: str = Field(min_length=3, max_length=16)
+        count: int = Field(ge=0, le=1000)
+        cost: float = Field(ge=0)
 
     class Order(BaseModel):
         id: int
-        items: list[Item] = Field(max_length=3)
+        lines: list[Line] = Field(max_length=8)
         note: str | None = None
         kind: Literal["a", "b"]
         ratio: float = Field(ge=0, le=1)
 
-    doc = {"id": 7, "items": [{"name": "nut", "qty": 3, "price": 0.25}], "note": None, "kind": "a", "ratio": 0.5}
+    doc = {"id": 7, "lines": [{"sku": "nut-3", "count": 3, "cost": 0.25}], "note": None, "kind": "a", "ratio": 0.5}
     return Order.model_json_schema(), doc
 
 

@@ -1042,7 +1042,9 @@ def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
     scripted reply that the schema accepts, parsed, streamed or not; where the script breaks the schema (a float
     where integers are asked) its tokens are refused from there and the reply stays a prefix the schema's
     automaton reads (valid where it ends by itself); legacy completions too; a schema with a keyword not
-    enforced here, or none at all, and a required tool call beside one are a 400 naming the field."""
+    enforced here, or none at all, and a required tool call beside one are a 400 naming the field. The same
+    through Anthropic's output_config.format (the anthropic SDK's `messages.parse`), which a prefill or a
+    required tool call beside it also makes a 400."""
     import jsonschema
     import pydantic
 
@@ -1094,6 +1096,22 @@ def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
         stack.oa().chat.completions.create(model="m", messages=user("x"), response_format=fmt, tools=TOOLS_OA,
                                            tool_choice="required", max_tokens=4)
     assert err.value.body["param"] == "response_format.type"
+    # Anthropic: output_config.format (the SDK's messages.parse with a pydantic model)
+    m = stack.an().messages.parse(model="m", max_tokens=60, messages=user("JSON-REPLY"), output_format=Trip)
+    assert m.parsed_output == Trip(city="Rome", days=[1, 2.5, True]) and m.stop_reason == "end_turn"
+    m = stack.an().messages.create(model="m", max_tokens=40, messages=user("JSON-REPLY"),
+                                   output_config={"format": {"type": "json_schema", "schema": ints}})
+    text = "".join(b.text for b in m.content if b.type == "text")
+    assert text.startswith('{"city": "Rome", "days": [1, 2') and "2.5" not in text and readable(text), text
+    for extra, param in [({"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}},
+                          "output_config.format.schema:"),
+                         ({"output_config": {"format": {"type": "json_schema", "schema": {}}},
+                           "tools": TOOLS_AN, "tool_choice": {"type": "any"}}, "output_config.format"),
+                         ({"output_config": {"format": {"type": "json_schema", "schema": {}}},
+                           "messages": [*user("x"), {"role": "assistant", "content": "{"}]}, "output_config.format")]:
+        with pytest.raises(anthropic.BadRequestError) as err:
+            stack.an().messages.create(**{"model": "m", "max_tokens": 4, "messages": user("x"), **extra})
+        assert err.value.body["error"]["message"].startswith(param), err.value.body  # the field named first
 
 
 def test_json_mode_constrains_the_reply_to_a_json_object(stack):

@@ -12,6 +12,9 @@ Choices made where the API leaves room:
   constrain the reply (after any reasoning) to tool calls of the tools allowed, their inputs to each tool's
   input_schema (not after a prefill, which has begun the reply). Server tools (a ``type`` other than "custom")
   are refused.
+- ``output_config.format`` (structured outputs, ``{"type": "json_schema", "schema": ...}``) constrains the reply's
+  text, after any thinking, to what the schema accepts (`decapybara.engine.json_schema`); ``effort`` is read and
+  not acted on.
 - a tool_result with ``is_error`` is rendered as "Error: " + its content.
 - a trailing assistant message is a prefill: the reply continues it and the response holds only the new text.
 - a generation the LoopGuard stopped ends with stop_reason "end_turn" and an extra top-level field
@@ -35,6 +38,7 @@ from decapybara.api.common import (
     Prompt,
     ToolChoice,
     aborted_error,
+    checked_schema,
     conversation_key,
     make_request,
     new_id,
@@ -175,6 +179,21 @@ def count_tokens(body: an.CountTokensRequest, tokenizer: Any) -> an.CountTokensR
     return an.CountTokensResponse(input_tokens=len(render_prompt(tokenizer, chat_input(body)).ids))
 
 
+def output_schema(body: an.MessagesRequest, chat: ChatInput) -> str | None:
+    """`output_config.format`'s schema as `SamplingParams.json_schema` text (None without one); a 400 beside a
+    tool call tool_choice requires, or after a prefill (the constraint would start inside the reply)."""
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is None:
+        return None
+    if chat.tool_choice.mode in ("required", "named"):
+        raise bad_request("output_config.format leaves no room for the tool call tool_choice asks for: the reply is "
+                          "a JSON value", "output_config.format")
+    if chat.prefill:
+        raise bad_request("output_config.format cannot follow a prefilled assistant turn: the reply would begin "
+                          "outside the schema", "output_config.format")
+    return checked_schema(fmt.schema_, "output_config.format.schema")
+
+
 @dataclass(slots=True)
 class MessagePlan:
     request: Request
@@ -189,10 +208,12 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
     chat = chat_input(body)
     prompt = render_prompt(client.tokenizer, chat)
     max_tokens = output_budget(body.max_tokens, len(prompt.ids), client.max_model_len, "max_tokens")
+    schema = output_schema(body, chat)
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), tool_calls=prompt.tool_calls)
+        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema,
+        tool_calls=prompt.tool_calls if schema is None else None)
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)
     request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,

@@ -132,8 +132,21 @@ class CountTokensRequest(RequestModel):
     thinking: ThinkingConfig | None = None
 
 
+class OutputFormat(RequestModel):
+    """Structured outputs: the text of the reply is constrained to what `schema` accepts."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    format: OutputFormat | None = None
+    effort: str | None = None  # read, not acted on: the reasoning's length is the model's own
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
+    output_config: OutputConfig | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = None

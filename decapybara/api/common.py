@@ -13,7 +13,13 @@ from typing import Any
 
 from decapybara.api.errors import ApiError, bad_request
 from decapybara.chat import TEMPLATE_GLOBALS, prompt_opens_reasoning
-from decapybara.engine.json_schema import SchemaError, compile_tool_calls, tool_call_spec
+from decapybara.engine.json_schema import (
+    SchemaError,
+    compile_schema,
+    compile_tool_calls,
+    schema_text,
+    tool_call_spec,
+)
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 from decapybara.errors import ContextOverflowError, InvalidRequestError
@@ -138,6 +144,18 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
         turns_after += tokenizer.encode(chat.prefill).count(tokenizer.special_ids.im_start)
     return Prompt(ids, text, prompt_opens_reasoning(text), bool(tools), None if chat.tool_choice.parallel else 1,
                   _history_end(ids, tokenizer.special_ids.im_start, turns_after), _forced_calls(tools, chat))
+
+
+def checked_schema(schema: Any, param: str) -> str:
+    """A request's JSON Schema as `SamplingParams.json_schema` text, compiled here first so that one the server
+    cannot enforce is a 400 naming `param` before the request is queued (the engine finds the automaton cached
+    by its text where it runs in this process)."""
+    try:
+        text = schema_text(schema)
+        compile_schema(text)
+    except SchemaError as e:
+        raise bad_request(f"{param}: {e}", param, "unsupported_schema") from None
+    return text
 
 
 def _forced_calls(tools: list[dict[str, Any]] | None, chat: ChatInput) -> str | None:

@@ -33,6 +33,7 @@ from decapybara.api.common import (
     Prompt,
     ToolChoice,
     aborted_error,
+    checked_schema,
     conversation_key,
     make_request,
     new_id,
@@ -51,7 +52,6 @@ from decapybara.chat import (
     ToolCallEvent,
     parse_assistant_output,
 )
-from decapybara.engine.json_schema import SchemaError, compile_schema, schema_text
 from decapybara.engine.sampling import MAX_LOGPROBS, SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 
@@ -170,13 +170,7 @@ def response_schema(fmt: oa.ResponseFormat) -> str:
         raise bad_request('response_format json_schema needs json_schema.schema (a JSON Schema), e.g. '
                           '{"type": "json_schema", "json_schema": {"name": "reply", "schema": {"type": "object"}}}',
                           "response_format.json_schema")
-    try:
-        text = schema_text(spec["schema"])
-        compile_schema(text)
-    except SchemaError as e:
-        raise bad_request(f"response_format json_schema: {e}", "response_format.json_schema.schema",
-                          "unsupported_schema") from None
-    return text
+    return checked_schema(spec["schema"], "response_format.json_schema.schema")
 
 
 @dataclass(slots=True)

@@ -149,3 +149,45 @@ def test_gpu_json_mode_gives_the_reference_tokens(graphs):
         assert not st.dead and st.done == (len(ids) < 96)
         if st.done:
             assert isinstance(json.loads(tok.decode(ids)), dict)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_schemas_and_forced_tool_calls_give_the_reference_tokens(graphs):
+    """A JSON Schema's answer and a reply forced to tool calls on the cupy backend (their masks set where the
+    logits are), greedy and seeded, beside a plain request and with speculation asked for: the numpy reference's
+    tokens, and answers the schema's automaton reads (valid where they ended by themselves)."""
+    import json
+
+    import jsonschema
+
+    from decapybara.engine.json_schema import compile_schema, schema_text, tool_call_spec
+
+    ref_model = loaded("numpy")
+    tok = ref_model.tokenizer
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {
+        "type": "integer", "minimum": 0, "maximum": 150}}, "required": ["name", "age"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}}, "required": ["path"]}}}]
+    prompt = tok.apply_chat([{"role": "user", "content": "A person as JSON."}], enable_thinking=False)
+    tool_prompt = tok.apply_chat([{"role": "user", "content": "Read main.py."}], tools, enable_thinking=False)
+    params = [SamplingParams(temperature=0, max_tokens=96, json_schema=schema_text(schema)),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=96, json_schema=schema_text(schema)),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=96, tool_calls=tool_call_spec(tools, None, False)),
+              SamplingParams(temperature=0, max_tokens=32)]
+    prompts = [prompt, prompt, tool_prompt, prompt]
+    cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", cuda_graphs=graphs,
+                       spec_adaptive=False)
+    ref = Engine(ref_model.model, cfg, tokenizer=tok).generate(prompts, params)
+    gpu = loaded("cupy")
+    got = Engine(gpu.model, cfg.replace(speculator="mtp"), tokenizer=gpu.tokenizer).generate(prompts, params)
+    assert got == ref
+    dfa = compile_schema(schema)
+    for ids in ref[:2]:
+        data = b"".join(tok.token_bytes(t) for t in ids if t not in tok.eos_token_ids)
+        s, w = dfa.start, 0
+        for b in data:
+            s, w = dfa.step(s, w, b)
+        assert s >= 0
+        if len(ids) < 96:
+            jsonschema.validate(json.loads(data), schema)
+    assert tok.decode(ref[2], skip_special_tokens=False).startswith('<tool_call>\n{"name": "read_file"')

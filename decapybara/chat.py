@@ -305,7 +305,7 @@ def _cut_short(body: str) -> bool:
 
 
 def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = True,
-                           max_calls: int | None = None) -> ParsedOutput:
+                           max_calls: int | None = None, reasoning_once: bool = False) -> ParsedOutput:
     """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
 
     `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
@@ -313,19 +313,22 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
     tool calls, each stripped of surrounding whitespace. A `</tool_call>` inside the call's JSON (a body cut short
     there) does not close it. A `<tool_call>` block whose body is not a valid call, or one never closed, stays in
     the content verbatim. `tools` False: `<tool_call>` is text. `max_calls`: valid calls past it are dropped.
-    A stray `</think>` in content is dropped.
+    A stray `</think>` in content is dropped. `reasoning_once` (a constrained reply, whose answer may hold the
+    tags' text inside its JSON strings): reasoning opens only before any content, and once it closes, or content
+    has begun, `<think>` and `</think>` are text.
     """
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[ToolCall] = []
     has_reasoning, pos, thinking = in_reasoning, 0, in_reasoning
+    settled = False  # reasoning_once: the tags are text from here on
     while pos < len(text):
         if thinking:
             end = text.find(END_THINK, pos)
             reasoning.append(text[pos:] if end < 0 else text[pos:end])
             if end < 0:
                 break
-            pos, thinking = end + len(END_THINK), False
+            pos, thinking, settled = end + len(END_THINK), False, reasoning_once
             continue
         tags = (THINK, END_THINK, TOOL_CALL) if tools else (THINK, END_THINK)
         hits = [(i, tag) for tag in tags if (i := text.find(tag, pos)) >= 0]
@@ -333,10 +336,17 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
             content.append(text[pos:])
             break
         start, tag = min(hits)
+        settled |= reasoning_once and bool(text[pos:start].strip())
+        if settled and tag in (THINK, END_THINK):
+            content.append(text[pos:start + len(tag)])
+            pos = start + len(tag)
+            continue
         content.append(text[pos:start])
         pos = start + len(tag)
         if tag == THINK:
             has_reasoning = thinking = True
+        elif tag == END_THINK:  # stray: dropped
+            settled |= reasoning_once
         elif tag == TOOL_CALL:
             end = text.find(END_TOOL_CALL, pos)
             call = parse_tool_call(text[pos:end]) if end >= 0 else None
@@ -349,6 +359,7 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
             pos = end + len(END_TOOL_CALL)
             if call is None:
                 content.append(text[start:pos])
+                settled |= reasoning_once
             elif max_calls is None or len(calls) < max_calls:
                 calls.append(call)
     return ParsedOutput("".join(reasoning).strip() if has_reasoning else None, "".join(content).strip(), calls)
@@ -415,8 +426,11 @@ class StreamingOutputParser:
 
     _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
 
-    def __init__(self, in_reasoning: bool = False, tools: bool = True, max_calls: int | None = None) -> None:
+    def __init__(self, in_reasoning: bool = False, tools: bool = True, max_calls: int | None = None,
+                 reasoning_once: bool = False) -> None:
         self._content_tags = self._CONTENT_TAGS if tools else (THINK, END_THINK)
+        self._once = reasoning_once
+        self._settled = False  # reasoning_once: the think tags are text from here on
         self._max_calls = max_calls
         self._thinking = in_reasoning
         self._has_reasoning = in_reasoning
@@ -480,17 +494,24 @@ class StreamingOutputParser:
             self._buf = buf[len(buf) - keep:]
             return False
         start, tag = min(hits)
+        self._settled |= self._once and not self._thinking and bool(buf[:start].strip())
+        if self._settled and tag in (THINK, END_THINK) and not self._thinking:
+            self._emit(kind, buf[:start + len(tag)])
+            self._buf = buf[start + len(tag):]
+            return True
         self._emit(kind, buf[:start])
         self._buf = buf[start + len(tag):]
         if tag == THINK:
             self._thinking = self._has_reasoning = True
         elif tag == END_THINK:
             self._thinking = False
+            self._settled |= self._once
         else:
             self._in_tool = []
         return True
 
     def _emit(self, kind: type, text: str) -> None:
+        self._settled |= self._once and kind is ContentDelta and bool(text.strip())
         text = (self._reasoning if kind is ReasoningDelta else self._content).push(text)
         if not text:
             return

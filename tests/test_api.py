@@ -1096,6 +1096,16 @@ def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
         stack.oa().chat.completions.create(model="m", messages=user("x"), response_format=fmt, tools=TOOLS_OA,
                                            tool_choice="required", max_tokens=4)
     assert err.value.body["param"] == "response_format.type"
+    # beside tools under tool_choice auto the reply is the schema's answer or tool calls
+    r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format=fmt,
+                                          tools=TOOLS_OA, max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == content and not r.choices[0].message.tool_calls
+    r = stack.oa().chat.completions.create(model="m", messages=user("TWO-CALLS"), response_format=fmt,
+                                          tools=TOOLS_OA, max_tokens=80, temperature=0)
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == ["Rome", "Oslo"]
+    r = stack.oa().chat.completions.create(model="m", messages=user("TWO-CALLS"), response_format=fmt,
+                                          max_tokens=80, temperature=0, reasoning_effort="none")
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content.startswith("{")  # no tools: JSON
     # Anthropic: output_config.format (the SDK's messages.parse with a pydantic model)
     m = stack.an().messages.parse(model="m", max_tokens=60, messages=user("JSON-REPLY"), output_format=Trip)
     assert m.parsed_output == Trip(city="Rome", days=[1, 2.5, True]) and m.stop_reason == "end_turn"

@@ -273,8 +273,8 @@ def test_prompt_opens_reasoning():
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\nx</think>\n")
 
 
-def _stream(text: str, cuts: list[int], in_reasoning: bool):
-    parser = StreamingOutputParser(in_reasoning=in_reasoning)
+def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False):
+    parser = StreamingOutputParser(in_reasoning=in_reasoning, reasoning_once=once)
     events = []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         events += parser.feed(text[a:b])
@@ -282,9 +282,9 @@ def _stream(text: str, cuts: list[int], in_reasoning: bool):
     return parser, events
 
 
-def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool) -> None:
-    parser, events = _stream(text, cuts, in_reasoning)
-    batch = parse_assistant_output(text, in_reasoning=in_reasoning)
+def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool, once: bool = False) -> None:
+    parser, events = _stream(text, cuts, in_reasoning, once)
+    batch = parse_assistant_output(text, in_reasoning=in_reasoning, reasoning_once=once)
     assert parser.result() == batch, (text, cuts)
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == batch.content
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
@@ -317,6 +317,29 @@ def test_streaming_parser_random_chunks_equals_batch():
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40)))
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if text else []
         _check_stream_equals_batch(text, cuts, in_reasoning=rng.random() < 0.3)
+
+
+def test_a_constrained_replys_parser_reads_reasoning_only_at_its_start():
+    """reasoning_once (JSON mode, schemas, forced tool calls): `<think>` opens reasoning only before any content, and
+    once reasoning closes or content begins the tags are text (a JSON string may hold them); streamed or not, for
+    any cut of the text."""
+    cases = {
+        '<think>\nr\n</think>\n\n{"a": "<think> x </think>"}': ("r", '{"a": "<think> x </think>"}', []),
+        '{"a": "<think>", "b": "</think>"}': (None, '{"a": "<think>", "b": "</think>"}', []),
+        '\n<tool_call>\n{"name": "f", "arguments": {"s": "</think><think>"}}\n</tool_call>':
+            (None, "", [ToolCall("f", {"s": "</think><think>"})]),
+        "<think>a</think><think>b</think>{}": ("a", "<think>b</think>{}", []),
+    }
+    for text, (reasoning, content, calls) in cases.items():
+        got = parse_assistant_output(text, reasoning_once=True)
+        assert (got.reasoning, got.content, got.tool_calls) == (reasoning, content, calls), text
+        _check_stream_equals_batch(text, list(range(1, len(text))), in_reasoning=False, once=True)
+    assert parse_assistant_output('{"a": "<think>"}').content == '{"a": "'  # without it: split there
+    rng = random.Random(3)
+    for _ in range(400):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if text else []
+        _check_stream_equals_batch(text, cuts, in_reasoning=rng.random() < 0.3, once=True)
 
 
 def test_at_most_max_calls_streamed_or_not():

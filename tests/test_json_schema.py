@@ -96,6 +96,16 @@ SCHEMAS = {
         {"type": "number", "exclusiveMinimum": 0.5, "maximum": 2.75},
         {"type": "integer", "exclusiveMinimum": 2.5, "exclusiveMaximum": 9},
         {"type": "number", "minimum": 12.5}, {"type": "number", "maximum": -12.5}], "items": False, "minItems": 7},
+    "doubles": {"type": "array", "prefixItems": [  # fractions within a double's digits: no parse onto a bound
+        {"type": "number", "maximum": 9223372036854775807}, {"type": "number", "exclusiveMaximum": 1},
+        {"type": "number", "exclusiveMinimum": 0.99999999999999, "maximum": 2}], "items": False, "minItems": 3},
+    "enum_siblings": {"enum": ["a", "abcdef", 3, "xyz"], "maxLength": 3},
+    "undeclared_required": {"type": "object", "required": ["a"], "additionalProperties": {"type": "integer"}},
+    "unevaluated": {"type": "object", "unevaluatedProperties": False},
+    "one_of_required": {"type": "object", "properties": {"url": {"type": "string"}, "path": {"type": "string"}},
+                        "oneOf": [{"required": ["url"]}, {"required": ["path"]}]},
+    "all_of_closed": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}},
+                                 "additionalProperties": False}, {"properties": {"y": {"type": "string"}}}]},
 }
 
 
@@ -220,6 +230,13 @@ def test_whitespace_runs_and_the_lead_are_bounded():
     ({"type": "wat"}, "unknown type"),
     ({"type": "string", "maxLength": -1}, "maxLength"),
     ({"type": "array", "items": {"type": "string", "maxLength": 200}, "maxItems": 1000}, "too large"),
+    ({"allOf": [{"type": "array", "items": False}, {"prefixItems": [{"type": "integer"}]}]}, "prefixItems"),
+    ({"const": 1, "enum": [True]}, "admits no value"),
+    ({"const": 5, "minimum": 10}, "admits no value"),
+    ({"type": "number", "minimum": "5", "exclusiveMinimum": 3}, "number"),
+    ({"allOf": [{"minimum": 1}, {"minimum": None}]}, "number"),
+    ({"allOf": [{"type": {"a": 1}}, {"type": "string"}]}, "unknown type"),
+    ({"allOf": [{"properties": {"a": {}}}, {"properties": [1]}]}, "properties"),
 ])
 def test_schemas_the_server_cannot_enforce_are_refused_by_name(schema, says):
     with pytest.raises(SchemaError, match=says):
@@ -425,3 +442,14 @@ def test_the_engines_tool_call_replies_parse_as_calls(thinking):
             if call.name == "read_file":
                 jsonschema.validate(call.arguments, TOOLS[0]["function"]["parameters"])
     assert stopped >= 1
+
+
+def test_think_is_allowed_first_only_after_a_chat_turn_that_leaves_reasoning_to_the_model():
+    m = demo()
+    tok = m.tokenizer
+    engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok)
+    params = SamplingParams(max_tokens=4, json_schema=schema_text({"type": "object"}))
+    turn = [{"role": "user", "content": "hi"}]
+    assert engine._json_state(params, tok.apply_chat(turn, enable_thinking=True)).think == tok.special_ids.think
+    assert engine._json_state(params, tok.apply_chat(turn, enable_thinking=False)).think is None  # closed in it
+    assert engine._json_state(params, tok.encode("def f(x):")).think is None  # a raw completion prompt

@@ -100,6 +100,32 @@ def test_tool_call_round_trip_both_apis(oai, ant):
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.input_tokens > 0
 
 
+def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):
+    """The SDKs' own structured-output calls (openai `chat.completions.parse`, anthropic `messages.parse`, each
+    with a pydantic model) get replies that parse into the model, and a required tool call is a call whose
+    arguments follow its schema, from the demo model through the whole server."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=150)
+
+    msgs = [{"role": "user", "content": "A person as JSON."}]
+    r = oai.chat.completions.parse(model="m", messages=msgs, response_format=Person, max_tokens=400, temperature=0,
+                                   reasoning_effort="none")
+    assert isinstance(r.choices[0].message.parsed, Person) and r.choices[0].finish_reason == "stop"
+    m = ant.messages.parse(model="m", max_tokens=400, messages=msgs, output_format=Person)
+    assert isinstance(m.parsed_output, Person) and m.stop_reason == "end_turn"
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "maxLength": 40}}, "required": ["path"], "additionalProperties": False}}}]
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Read setup.py."}], tools=tools,
+                                    tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                                    temperature=0, reasoning_effort="none")
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "read_file"
+    assert set(json.loads(call.function.arguments)) == {"path"}
+
+
 def test_anthropic_messages_stream_events_and_count_tokens(ant, local):
     with ant.messages.stream(model="m", max_tokens=12, messages=USER) as stream:
         kinds = [ev.type for ev in stream]

@@ -13,8 +13,8 @@ Choices made where the API leaves room:
   input_schema (not after a prefill, which has begun the reply). Server tools (a ``type`` other than "custom")
   are refused.
 - ``output_config.format`` (structured outputs, ``{"type": "json_schema", "schema": ...}``) constrains the reply's
-  text, after any thinking, to what the schema accepts (`decapybara.engine.json_schema`); ``effort`` is read and
-  not acted on.
+  text, after any thinking, to what the schema accepts (`decapybara.engine.json_schema`), or, beside tools under
+  tool_choice auto, to tool calls; ``effort`` is read and not acted on.
 - a tool_result with ``is_error`` is rendered as "Error: " + its content.
 - a trailing assistant message is a prefill: the reply continues it and the response holds only the new text.
 - a generation the LoopGuard stopped ends with stop_reason "end_turn" and an extra top-level field
@@ -39,11 +39,13 @@ from decapybara.api.common import (
     ToolChoice,
     aborted_error,
     checked_schema,
+    constrained,
     conversation_key,
     make_request,
     new_id,
     output_budget,
     render_prompt,
+    settle_constraint,
 )
 from decapybara.api.errors import bad_request
 from decapybara.api.schemas_base import LoopGuardInfo
@@ -212,8 +214,8 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema,
-        tool_calls=prompt.tool_calls if schema is None else None)
+        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema)
+    params = settle_constraint(params, chat, prompt)
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)
     request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
@@ -254,7 +256,8 @@ def _guard(reason: FinishReason | None, note: str | None) -> LoopGuardInfo | Non
 
 def message(plan: MessagePlan, done: Collected) -> an.Message:
     # the blocks in the order the stream sends them (MessageStream): runs of one kind, tool calls as they come
-    parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls)
+    parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
+                                       constrained(plan.request.params))
     runs: list[list] = []
     for out in [*parser.feed(done.text), *parser.finish()]:
         if not isinstance(out, ToolCallEvent) and runs and runs[-1][0] is type(out):
@@ -291,7 +294,8 @@ class MessageStream:
 
     def __init__(self, plan: MessagePlan) -> None:
         self.plan = plan
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls)
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
+                                       constrained(plan.request.params))
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | None
         self.thinking = ""

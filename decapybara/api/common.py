@@ -5,7 +5,9 @@ Pure functions and dataclasses; no FastAPI here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -156,6 +158,31 @@ def checked_schema(schema: Any, param: str) -> str:
     except SchemaError as e:
         raise bad_request(f"{param}: {e}", param, "unsupported_schema") from None
     return text
+
+
+def constrained(params: SamplingParams) -> bool:
+    """Whether the reply is constrained (JSON mode, a schema, tool calls): its parser then reads reasoning only
+    at its start (`parse_assistant_output`'s `reasoning_once`), since the answer's strings may hold the tags."""
+    return params.json_object or params.json_schema is not None or params.tool_calls is not None
+
+
+def settle_constraint(params: SamplingParams, chat: ChatInput, prompt: Prompt) -> SamplingParams:
+    """`params` with the reply's constraint settled: tool calls where tool_choice requires them
+    (`Prompt.tool_calls`); a JSON answer (JSON mode, a schema) that may instead be tool calls where tools are
+    offered under tool_choice auto (JSON mode's object then read as a schema's free object, nesting at most
+    `json_schema.FREE_DEPTH` levels); else as asked."""
+    asks_json = params.json_object or params.json_schema is not None
+    if not asks_json:
+        return params if prompt.tool_calls is None else dataclasses.replace(params, tool_calls=prompt.tool_calls)
+    if not chat.tools or chat.tool_choice.mode != "auto" or chat.prefill:
+        return params
+    answer = json.loads(params.json_schema) if params.json_schema is not None else {"type": "object"}
+    spec = tool_call_spec(chat.tools, None, chat.tool_choice.parallel, answer=answer)
+    try:
+        compile_tool_calls(spec)
+    except SchemaError:
+        return params  # the answer alone is constrained; calls are then not possible
+    return dataclasses.replace(params, json_object=False, json_schema=None, tool_calls=spec)
 
 
 def _forced_calls(tools: list[dict[str, Any]] | None, chat: ChatInput) -> str | None:

@@ -15,12 +15,11 @@ Choices made where the API leaves room:
   constrained token by token to a JSON object, and ends when it closes); "json_schema" constrains it to what
   `json_schema.schema` accepts (`decapybara.engine.json_schema`; a schema whose assertions are not enforced
   here is refused with a 400 naming the keyword); both in legacy completions too, neither beside a required or
-  named tool call.
+  named tool call; beside tools under tool_choice auto, the reply is either such an answer or tool calls.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -34,12 +33,14 @@ from decapybara.api.common import (
     ToolChoice,
     aborted_error,
     checked_schema,
+    constrained,
     conversation_key,
     make_request,
     new_id,
     output_budget,
     reasoning_tokens,
     render_prompt,
+    settle_constraint,
     stop_strings,
 )
 from decapybara.api.errors import bad_request
@@ -198,11 +199,10 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
-    if prompt.tool_calls is not None and not (params.json_object or params.json_schema is not None):
-        params = dataclasses.replace(params, tool_calls=prompt.tool_calls)
     if (params.json_object or params.json_schema is not None) and chat.tool_choice.mode in ("required", "named"):
         raise bad_request(f"response_format {body.response_format.type} leaves no room for the tool call "
                           "tool_choice asks for: the reply is a JSON value", "response_format.type")
+    params = settle_constraint(params, chat, prompt)
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)
@@ -255,7 +255,7 @@ def _chat_usage(plan: ChatPlan, tokenizer: Any, last: TokenEvent | Collected, ou
 
 def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatCompletion:
     parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning, plan.prompt.tools,
-                                    plan.prompt.max_calls)
+                                    plan.prompt.max_calls, constrained(plan.request.params))
     calls = [oa.ToolCallOut(id=new_id("call_"), function=oa.FunctionCallOut(name=c.name, arguments=c.arguments_json()))
              for c in parsed.tool_calls]
     message = oa.AssistantMessage(content=parsed.content if parsed.content or not calls else None,
@@ -277,7 +277,8 @@ class ChatStream:
 
     def __init__(self, plan: ChatPlan, tokenizer: Any) -> None:
         self.plan, self.tokenizer = plan, tokenizer
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls)
+        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
+                                       constrained(plan.request.params))
         self.num_calls = 0
         self.output_ids: list[int] = []
 

@@ -191,9 +191,9 @@ class Engine(MemoryMixin):
     def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
         """The automaton of JSON mode, of a JSON Schema, or of a reply of tool calls only, for a request that asks
         for one (None otherwise); the vocabulary's tables are built at the first such request and shared, the
-        masks of a schema (or tool set) kept for the `SCHEMAS_KEPT` last asked. Where the prompt's last turn holds
-        no reasoning markup (a model that may open its reasoning itself), `<think>` is allowed as the answer's
-        first token."""
+        masks of a schema (or tool set) kept for the `SCHEMAS_KEPT` last asked. Where the prompt's last chat turn
+        holds no reasoning markup (a model that may open its reasoning itself), `<think>` is allowed as the answer's
+        first token (not after a raw completion prompt, whose text is the answer)."""
         if not params.json_object and params.json_schema is None and params.tool_calls is None:
             return None
         param = "json_object" if params.json_object else "json_schema" if params.tool_calls is None else "tool_calls"
@@ -203,12 +203,13 @@ class Engine(MemoryMixin):
         from decapybara.engine.json_mode import JsonState
 
         masks = None if params.json_object else self._constraint_masks(params, param)
-        think = self._think[0]
+        think = None
         start = getattr(self.tokenizer.special_ids, "im_start", None)
         for t in reversed(prompt):  # the last turn: a think block there (opened, or an empty one) settles it
             if t in self._think:
-                think = None
-            if t == start or think is None:
+                break
+            if t == start:  # a chat turn without one (a raw completion prompt has no turn: no reasoning)
+                think = self._think[0]
                 break
         if masks is None:
             return JsonState(self._json_vocabulary(False), think)

@@ -41,6 +41,8 @@ from decapybara.engine.json_mode import MAX_WS, TOP_WS, JsonVocab
 FREE_DEPTH = 4  # levels of nesting inside a value the schema leaves free
 REF_DEPTH = 4  # expansions of one recursive $ref along a path
 INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 2  # exponents of two digits: no number past a double's range
+FLOAT_DIGITS = 15  # digits in all of a bounded number with a fraction
+MAX_WORK = 200_000  # schema nodes compiled and merged (`_Compiler.tick`): past it a schema is refused
 MAX_NFA = 400_000
 MAX_DFA = 60_000
 MAX_CACHED = 64  # compiled schemas kept (`compile_schema`)
@@ -206,14 +208,17 @@ class _Compiler:
     def __init__(self, root: Any, nfa: _Nfa | None = None) -> None:
         self.root = root
         self.nfa = nfa or _Nfa()
+        self.work = 0  # nodes compiled and merged (`tick`)
         self.refs: dict[str, int] = defaultdict(int)  # $ref -> expansions on the current path
 
     # ---- pieces
-    def escape(self) -> tuple[int, int]:
-        """A backslash escape: a short one, or `\\u` and four hex digits of a code point that is no surrogate, or
-        of a high surrogate followed by its low one (a lone surrogate is no Unicode text: neither the server's
-        tool-call parser nor UTF-8 replies can carry it)."""
+    def escape(self, unicode: bool = True) -> tuple[int, int]:
+        """A backslash escape: a short one, or (`unicode`) `\\u` and four hex digits of a code point that is no
+        surrogate, or of a high surrogate followed by its low one (a lone surrogate is no Unicode text: neither the
+        server's tool-call parser nor UTF-8 replies can carry it)."""
         n = self.nfa
+        if not unicode:
+            return n.seq(n.lit(b"\\"), n.cls(ESCAPED))
         hex_ = lambda: n.cls(HEX)
         plain = n.alt(n.seq(n.cls(HEX & ~_bits(b"dD")), hex_(), hex_(), hex_()),
                       n.seq(n.cls(_bits(b"dD")), n.cls(_span(0x30, 0x37)), hex_(), hex_()))
@@ -222,11 +227,12 @@ class _Compiler:
         return n.seq(n.lit(b"\\"), n.alt(n.cls(ESCAPED), n.seq(n.lit(b"u"), n.alt(plain, pair))))
 
     def string_char(self) -> tuple[int, int]:
-        """One character of a string: a code point in well-formed UTF-8 (so that a length counts what a client
-        decodes), or one escape."""
+        """One character of a string whose length is bounded: a code point in well-formed UTF-8 (so that a length
+        counts what a client decodes), or a short escape (no `\\u`: its states, at each position of the string,
+        would triple the automaton; a character it stands for is written as itself)."""
         n = self.nfa
         utf8 = [n.seq(n.cls(lead), *[n.cls(c) for c in rest]) for lead, *rest in UTF8]
-        return n.alt(n.cls(ASCII_PLAIN), *utf8, self.escape())
+        return n.alt(n.cls(ASCII_PLAIN), *utf8, self.escape(unicode=False))
 
     def free_string(self) -> tuple[int, int]:
         """Any string: plain bytes loop on one state (so a mask there needs no steps for plain tokens)."""
@@ -321,25 +327,37 @@ class _Compiler:
         return n.alt(*parts)
 
     def magnitude(self, lo: Decimal, lo_open: bool, hi: Decimal | None, hi_open: bool) -> tuple[int, int]:
-        """Non-negative decimals (a whole part, an optional fraction) from lo to hi (None: no bound)."""
+        """Non-negative decimals (a whole part, an optional fraction) from lo to hi (None: no bound). A number
+        with a fraction has at most `FLOAT_DIGITS` digits in all, so that the double a client parses it into keeps
+        its order against the bound (two decimals of at most 15 significant digits are two doubles)."""
         n = self.nfa
         li, lf = _split(lo)
+        parts: list[tuple[int, int]] = []
+
+        def whole(a: int, b: int | None, f_lo: str, f_lo_open: bool, f_hi: str | None, f_hi_open: bool) -> None:
+            for width in range(len(str(a)), (INT_DIGITS if b is None else len(str(b))) + 1):
+                wa = max(a, 10 ** (width - 1) if width > 1 else 0)
+                wb = 10 ** width - 1 if b is None else min(b, 10 ** width - 1)
+                if wa <= wb:
+                    parts.append(n.seq(self.fixed_range(str(wa), str(wb)),
+                                       self.fraction(f_lo, f_lo_open, f_hi, f_hi_open, FLOAT_DIGITS - width)))
+
         if hi is not None:
             hi_i, hf = _split(hi)
             if li > hi_i:
                 return n.empty()
             if li == hi_i:
-                return n.seq(self.natural_range(li, li), self.fraction(lf, lo_open, hf, hi_open))
-        parts = [n.seq(self.natural_range(li, li), self.fraction(lf, lo_open, None, False))]
+                whole(li, li, lf, lo_open, hf, hi_open)
+                return n.alt(*parts) if parts else n.empty()
+        whole(li, li, lf, lo_open, None, False)
         if hi is None or hi_i - li >= 2:  # whole parts strictly inside: any fraction
-            parts.append(n.seq(self.natural_range(li + 1, None if hi is None else hi_i - 1),
-                               self.fraction("", False, None, False)))
+            whole(li + 1, None if hi is None else hi_i - 1, "", False, None, False)
         if hi is not None:
-            parts.append(n.seq(self.natural_range(hi_i, hi_i), self.fraction("", False, hf, hi_open)))
-        return n.alt(*parts)
+            whole(hi_i, hi_i, "", False, hf, hi_open)
+        return n.alt(*parts) if parts else n.empty()
 
-    def fraction(self, lo: str, lo_open: bool, hi: str | None, hi_open: bool) -> tuple[int, int]:
-        """An optional fraction (a point, 1..FRAC_DIGITS digits) whose value 0.F lies between 0.lo and 0.hi
+    def fraction(self, lo: str, lo_open: bool, hi: str | None, hi_open: bool, most: int) -> tuple[int, int]:
+        """An optional fraction (a point, 1..`most` digits) whose value 0.F lies between 0.lo and 0.hi
         (digit strings; hi None: below 1), built deterministically: a state for each (digits read, still equal
         to lo's digits, still equal to hi's digits)."""
         n = self.nfa
@@ -360,7 +378,7 @@ class _Compiler:
         if ok(0, True, hi is not None):
             n.link(entry, end)  # no fraction
         states = {(True, hi is not None): dot}
-        for i in range(FRAC_DIGITS):
+        for i in range(min(most, FRAC_DIGITS)):
             nxt: dict[tuple[bool, bool], int] = {}
             for (lo_eq, hi_eq), s in states.items():
                 for d in range(10):
@@ -482,7 +500,7 @@ class _Compiler:
         required = node.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError("required must be a list of property names")
-        extra = node.get("additionalProperties", True)
+        extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
         names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
         if not names:  # a map
             if extra is False:
@@ -496,7 +514,7 @@ class _Compiler:
         close = n.seq(n.ws(), n.lit(b"}"))
         entries = []
         for name in names:
-            schema = props.get(name, True)
+            schema = props.get(name, extra)  # a required key not declared: what extra keys take
             entries.append(n.seq(n.lit(json.dumps(name, ensure_ascii=False).encode()), n.ws(), n.lit(b":"), n.ws(),
                                  self.value(schema)))
         count = len(names)
@@ -521,8 +539,14 @@ class _Compiler:
                 n.link(after, close[0])
         return open_[0], close[1]
 
+    def tick(self) -> None:
+        self.work += 1
+        if self.work > MAX_WORK:
+            raise SchemaError(f"the schema is too large to enforce (over {MAX_WORK} nodes compiled)")
+
     # ---- a schema node
     def value(self, node: Any) -> tuple[int, int]:
+        self.tick()
         n = self.nfa
         if node is True:
             return self.free(FREE_DEPTH)
@@ -543,6 +567,8 @@ class _Compiler:
                 if not isinstance(subs, list) or not subs:
                     raise SchemaError(f"{key} must be a non-empty list")
                 rest = {k: v for k, v in node.items() if k != key}
+                if key == "oneOf" and len(subs) > 1:
+                    return self.one_of([{"allOf": [rest, sub]} if _asserts(rest) else sub for sub in subs])
                 if not _asserts(rest):
                     return n.alt(*[self.value(sub) for sub in subs])
                 return n.alt(*[self.merged([rest, sub]) for sub in subs])
@@ -550,11 +576,21 @@ class _Compiler:
             values = [node["const"]] if "const" in node else node["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaError("enum must be a non-empty list")
-            kinds = _types(node)
-            values = [v for v in values if kinds is None or _type_of(v) in kinds
-                      or (_type_of(v) == "integer" and "number" in kinds)]
             if "enum" in node and "const" in node:
-                values = [v for v in values if v in node["enum"]]
+                if not isinstance(node["enum"], list):
+                    raise SchemaError("enum must be a non-empty list")
+                values = [v for v in values if any(_json_equal(v, e) for e in node["enum"])]
+            rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
+            if _asserts(rest):  # the values the other keywords also accept, read by their own automaton
+                try:
+                    comp = _Compiler(self.root)
+                    comp.refs = self.refs
+                    check = _build(comp.nfa, *comp.value(rest))
+                except SchemaError as e:
+                    if "admits no value" not in str(e):
+                        raise
+                    return n.empty()
+                values = [v for v in values if check.matches(json.dumps(v, ensure_ascii=False).encode())]
             return n.alt(*[self.literal(v) for v in values]) if values else n.empty()
         kinds = _types(node)
         if kinds is None:
@@ -588,6 +624,23 @@ class _Compiler:
             elif kind == "null":
                 parts.append(n.lit(b"null"))
         return parts[0] if len(parts) == 1 else n.alt(*parts)
+
+    def one_of(self, subs: list) -> tuple[int, int]:
+        """What exactly one of `subs` accepts: each branch's automaton built alone, then their product, whose
+        states accept where one branch alone does (so overlapping branches are exclusive, as oneOf says)."""
+        dfas = []
+        for sub in subs:
+            comp = _Compiler(self.root)
+            comp.refs, comp.work = self.refs, self.work
+            try:
+                dfas.append(_build(comp.nfa, *comp.value(sub)))
+            except SchemaError as e:
+                if "admits no value" not in str(e):
+                    raise
+            self.work = comp.work
+        if not dfas:
+            return self.nfa.empty()
+        return _embed(self.nfa, _exactly_one(dfas))
 
     def arr(self, node: dict) -> tuple[int, int]:
         lo = _count(node, "minItems", 0)
@@ -640,7 +693,7 @@ class _Compiler:
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions",
                "format", "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "$anchor",
-               "discriminator", "nullable", "strict", "additionalItems", "unevaluatedProperties"}
+               "discriminator", "nullable", "strict", "additionalItems"}
 
 
 def _asserts(node: dict) -> bool:
@@ -650,11 +703,15 @@ def _asserts(node: dict) -> bool:
 def _merge(nodes: list, comp: _Compiler, used: list[str], budget: int = 16) -> Any:
     """The schema all of `nodes` describe, where they can be merged key by key (a node's own `$ref` and `allOf`
     resolved first, at most `budget` deep, each `$ref` resolved added to `used`): types intersected, properties
-    merged, required joined, bounds tightened; other keys must agree. False where they admit nothing."""
+    merged (a member's `additionalProperties` applied to the others' properties it does not declare), required
+    joined, bounds tightened; other keys must agree. False where they admit nothing."""
     if budget <= 0:
         return False
     out: dict = {}
+    closed: list[tuple[set, Any]] = []  # (declared properties, what other keys take) of members that restrict keys
+    items_all = prefixed = False  # a member's `items` over every position; a member's prefixItems
     for node in nodes:
+        comp.tick()
         if node is True:
             continue
         if node is False:
@@ -674,6 +731,12 @@ def _merge(nodes: list, comp: _Compiler, used: list[str], budget: int = 16) -> A
             return False
         if node is True:
             continue
+        _check_keywords(node)
+        extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
+        if extra is not True and extra != {}:
+            closed.append((set(node.get("properties", {})), extra))
+        prefixed |= "prefixItems" in node or isinstance(node.get("items"), list)
+        items_all |= "items" in node and not isinstance(node["items"], list) and "prefixItems" not in node
         for key, value in node.items():
             if key not in out:
                 out[key] = value
@@ -692,10 +755,17 @@ def _merge(nodes: list, comp: _Compiler, used: list[str], budget: int = 16) -> A
                 out[key] = props
             elif key == "required":
                 out[key] = list(dict.fromkeys([*out[key], *value]))
-            elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems"):
-                out[key] = max(out[key], value)
-            elif key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems"):
-                out[key] = min(out[key], value)
+            elif key in ("additionalProperties", "unevaluatedProperties"):
+                a, b = out[key], value
+                out[key] = False if a is False or b is False else b if a is True else a if b is True else {
+                    "allOf": [a, b]}
+            elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems", "maximum", "exclusiveMaximum",
+                         "maxLength", "maxItems"):
+                if isinstance(out[key], bool) != isinstance(value, bool):
+                    raise SchemaError(f"{key} as a number and as draft 4's flag are not merged here")
+                low = key.startswith(("min", "exclusiveMin"))
+                out[key] = (max if low else min)(out[key], value) if not isinstance(value, bool) else (
+                    out[key] or value)
             elif key in ANNOTATIONS:
                 continue
             elif key in ("anyOf", "oneOf") and out[key] != value:
@@ -703,9 +773,56 @@ def _merge(nodes: list, comp: _Compiler, used: list[str], budget: int = 16) -> A
             elif out[key] != value:
                 raise SchemaError(f"schemas that differ in {key!r} are not merged here (allOf, or $ref beside "
                                   "other keywords)")
+    if prefixed and items_all:
+        raise SchemaError("one member's items and another's prefixItems are not merged here (allOf, or $ref beside "
+                          "other keywords)")
+    props = dict(out.get("properties", {}))
+    required = out.get("required", [])
+    for declared, extra in closed:  # keys a member does not declare take what its other keys take
+        for name in [*props, *required]:
+            if name in declared:
+                continue
+            if extra is False:
+                if name in required:
+                    return False
+                props.pop(name, None)
+            else:
+                props[name] = {"allOf": [props.get(name, True), extra]}
+    if "properties" in out or props:
+        out["properties"] = props
     return out
 
 
+def _check_keywords(node: dict) -> None:
+    """The types of the keywords `_merge` combines (others are checked where they compile)."""
+    for key in ("minimum", "maximum"):
+        if key in node and (isinstance(node[key], bool) or not isinstance(node[key], int | float)):
+            raise SchemaError(f"{key} must be a number")
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        if key in node and not isinstance(node[key], int | float):
+            raise SchemaError(f"{key} must be a number")
+    for key in ("minLength", "maxLength", "minItems", "maxItems"):
+        _count(node, key, 0)
+    if "properties" in node and not isinstance(node["properties"], dict):
+        raise SchemaError("properties must be an object")
+    if "required" in node and (not isinstance(node["required"], list)
+                               or not all(isinstance(r, str) for r in node["required"])):
+        raise SchemaError("required must be a list of property names")
+    if "type" in node:
+        _types(node)
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON Schema compares instances: 1 == 1.0, but true is no number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _types(node: dict) -> list[str] | None:
@@ -714,7 +831,7 @@ def _types(node: dict) -> list[str] | None:
         return None
     kinds = kind if isinstance(kind, list) else [kind]
     for k in kinds:
-        if k not in TYPES:
+        if not isinstance(k, str) or k not in TYPES:
             raise SchemaError(f"unknown type {k!r}")
     return kinds
 
@@ -750,18 +867,21 @@ def _count(node: dict, key: str, default: int | None) -> int | None:
 
 
 def _bound(node: dict, key: str, excl: str, *, low: bool) -> tuple[float | None, bool]:
-    """The bound (value, open) of one side, from `minimum` / `exclusiveMinimum` (a number, or draft 4's flag)."""
+    """The bound (value, open) of one side, from `minimum` / `exclusiveMinimum` (a number, or draft 4's flag).
+    A bound past what a number written here can reach (10^INT_DIGITS) bounds nothing."""
     val, is_open = node.get(key), False
     ex = node.get(excl)
+    for name, v in ((key, val), (excl, ex)):
+        if v is not None and not (isinstance(v, int | float) and (isinstance(v, int) or math.isfinite(v))):
+            raise SchemaError(f"{name} must be a finite number")  # draft 4's flags (bool) pass, as ints
+    if isinstance(val, bool):
+        raise SchemaError(f"{key} must be a finite number")
     if isinstance(ex, bool):
         is_open = ex and val is not None
-    elif ex is not None:
-        if not isinstance(ex, int | float):
-            raise SchemaError(f"{excl} must be a number")
-        if val is None or (ex >= val if low else ex <= val):
-            val, is_open = ex, True
-    if val is not None and (isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val)):
-        raise SchemaError(f"{key} must be a finite number")
+    elif ex is not None and (val is None or (ex >= val if low else ex <= val)):
+        val, is_open = ex, True
+    if val is not None and abs(val) >= 10 ** INT_DIGITS and (val < 0) == low:
+        return None, False  # below (above) every number the automaton writes
     return val, is_open
 
 
@@ -846,75 +966,143 @@ def schema_text(schema: Any) -> str:
         raise SchemaError(f"the schema is not JSON: {e}") from None
 
 
-def compile_schema(schema: Any) -> SchemaDfa:
-    """The byte automaton of the answers `schema` (a parsed JSON Schema, or its `schema_text`) admits; cached.
-    Raises SchemaError where it cannot be enforced."""
-    text = schema if isinstance(schema, str) else schema_text(schema)
-    dfa = _COMPILED.get(text)
-    if dfa is not None:
-        _COMPILED.move_to_end(text)
-        return dfa
-    root = json.loads(text)
-    comp = _Compiler(root)
-    n = comp.nfa
-    try:
-        body = comp.value(root)
-    except RecursionError:
-        raise SchemaError("the schema nests too deeply to enforce") from None
-    lead = n.repeat(lambda: n.cls(WS), 0, TOP_WS)
-    whole = n.seq(lead, body)
-    dfa = _build(n, whole[0], whole[1])
-    _COMPILED[text] = dfa
-    if len(_COMPILED) > MAX_CACHED:
-        _COMPILED.popitem(last=False)
-    return dfa
-
-
-def compile_tool_calls(spec: str) -> SchemaDfa:
-    """The automaton of a reply made of tool calls only, as the chat template writes them: ``<tool_call>\\n{"name":
-    "NAME", "arguments": ARGS}\\n</tool_call>``, NAME one of `spec`'s tools (`tool_call_spec`) and ARGS what its
-    parameters' schema accepts (any JSON object where that schema cannot be enforced here); with `parallel`, more
-    calls after a newline each. Cached as `compile_schema`'s automata; raises SchemaError where no call can be
-    written."""
-    key = "tools:" + spec
+def _cached(key: str, build: Any) -> SchemaDfa:
+    """The automaton cached under `key`, or `build()`'s, kept; any error in reading the schema that is not a
+    SchemaError (a keyword of a type nothing here checked, a schema nested past the interpreter's depth) becomes
+    one, so that the API answers it as the client's error."""
     dfa = _COMPILED.get(key)
     if dfa is not None:
         _COMPILED.move_to_end(key)
         return dfa
-    obj = json.loads(spec)
-    n = _Nfa()
-    calls = []
-    for tool in obj["tools"]:
-        params = tool.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}, "additionalProperties": False}
-        mark = len(n.eps)
-        try:
-            args = _Compiler(params, n).value(params)
-        except (SchemaError, RecursionError):
-            del n.eps[mark:], n.edges[mark:]  # the states of the schema's fragments, never linked
-            n.ws_states = {s for s in n.ws_states if s < mark}
-            args = _Compiler(True, n).value({"type": "object"})
-        head = f'<tool_call>\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
-        calls.append(n.seq(n.lit(head.encode()), args, n.lit(b"}\n</tool_call>")))
-    call = n.alt(*calls)
-    if obj.get("parallel", True):
-        sep = n.lit(b"\n")
-        n.link(call[1], sep[0])
-        n.link(sep[1], call[0])
-    dfa = _build(n, call[0], call[1])
+    try:
+        dfa = build()
+    except SchemaError:
+        raise
+    except RecursionError:
+        raise SchemaError("the schema nests too deeply to enforce") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
+        raise SchemaError(f"the schema could not be read ({type(e).__name__}: {e})") from None
     _COMPILED[key] = dfa
     if len(_COMPILED) > MAX_CACHED:
         _COMPILED.popitem(last=False)
     return dfa
 
 
-def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+def _with_lead(n: _Nfa, body: tuple[int, int]) -> tuple[int, int]:
+    """`body` after at most TOP_WS whitespace bytes (the "\\n\\n" after a model's reasoning)."""
+    return n.seq(n.repeat(lambda: n.cls(WS), 0, TOP_WS), body)
+
+
+def compile_schema(schema: Any) -> SchemaDfa:
+    """The byte automaton of the answers `schema` (a parsed JSON Schema, or its `schema_text`) admits; cached.
+    Raises SchemaError where it cannot be enforced."""
+    text = schema if isinstance(schema, str) else schema_text(schema)
+
+    def build() -> SchemaDfa:
+        comp = _Compiler(json.loads(text))
+        return _build(comp.nfa, *_with_lead(comp.nfa, comp.value(comp.root)))
+
+    return _cached(text, build)
+
+
+def compile_tool_calls(spec: str) -> SchemaDfa:
+    """The automaton of a reply made of tool calls only, as the chat template writes them: ``<tool_call>\\n{"name":
+    "NAME", "arguments": ARGS}\\n</tool_call>``, NAME one of `spec`'s tools (`tool_call_spec`) and ARGS a JSON
+    object its parameters' schema accepts (any JSON object where that schema cannot be enforced here); with
+    `parallel`, more calls after a newline each; where the spec holds an `answer` schema, a reply may instead be
+    such an answer (a JSON Schema's, or any JSON object for JSON mode). Cached as `compile_schema`'s automata;
+    raises SchemaError where no call can be written."""
+
+    def build() -> SchemaDfa:
+        obj = json.loads(spec)
+        n = _Nfa()
+        calls = []
+        for tool in obj["tools"]:
+            params = tool.get("parameters")
+            if params is None:
+                params = {"type": "object", "properties": {}, "additionalProperties": False}
+            try:  # each tool's arguments alone first: one that cannot be enforced takes any object
+                comp = _Compiler(params)
+                args = _build(comp.nfa, *comp.merged([params, {"type": "object"}]))
+            except (SchemaError, RecursionError, TypeError, ValueError, AttributeError, KeyError):
+                args = compile_schema({"type": "object"})
+            head = f'<tool_call>\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
+            calls.append(n.seq(n.lit(head.encode()), _embed(n, args), n.lit(b"}\n</tool_call>")))
+        call = n.alt(*calls)
+        if obj.get("parallel", True):
+            sep = n.lit(b"\n")
+            n.link(call[1], sep[0])
+            n.link(sep[1], call[0])
+        if obj.get("answer") is not None:
+            answer = compile_schema(obj["answer"])  # with its own lead
+            reply = n.alt(_with_lead(n, call), _embed(n, answer))
+        else:
+            reply = _with_lead(n, call)
+        return _build(n, *reply)
+
+    return _cached("tools:" + spec, build)
+
+
+def _exactly_one(dfas: list[SchemaDfa]) -> SchemaDfa:
+    """The product of `dfas`, accepting where exactly one of them accepts (untrimmed: the outer build trims)."""
+    keys = np.stack([d.byte_class for d in dfas], axis=1)  # [256, k]
+    _, rep_bytes, byte_class = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    start = tuple(d.start for d in dfas)
+    ids, order, rows = {start: 0}, [start], []
+    for cur in order:  # grows as states are found
+        row = []
+        for b in rep_bytes.tolist():
+            nxt = tuple(int(d.table[s, d.byte_class[b]]) if s >= 0 else -1 for d, s in zip(dfas, cur))
+            if max(nxt) < 0:
+                row.append(-1)
+                continue
+            i = ids.get(nxt)
+            if i is None:
+                if len(order) >= MAX_DFA:
+                    raise SchemaError(f"the schema's oneOf is too large to enforce (over {MAX_DFA} states)")
+                i = ids[nxt] = len(order)
+                order.append(nxt)
+            row.append(i)
+        rows.append(row)
+    accept = np.array([sum(s >= 0 and bool(d.accept[s]) for d, s in zip(dfas, st)) == 1 for st in order], bool)
+    counted = np.array([any(s >= 0 and bool(d.counted[s]) for d, s in zip(dfas, st)) for st in order], bool)
+    table = np.array(rows, np.int32).reshape(len(order), len(rep_bytes))
+    none = np.zeros(len(order), bool)
+    return SchemaDfa(table, byte_class.reshape(256).astype(np.int64), accept, none, counted, none)
+
+
+def _embed(n: _Nfa, dfa: SchemaDfa) -> tuple[int, int]:
+    """A fragment of `n` that reads what `dfa` accepts (its states and counted whitespace kept)."""
+    base = len(n.eps)
+    for _ in range(dfa.num_states):
+        n.state()
+    end = n.state()
+    class_bits = [0] * dfa.table.shape[1]
+    for b in range(256):
+        class_bits[int(dfa.byte_class[b])] |= 1 << b
+    for d, row in enumerate(dfa.table.tolist()):
+        targets: dict[int, int] = defaultdict(int)
+        for c, t in enumerate(row):
+            if t >= 0:
+                targets[t] |= class_bits[c]
+        n.edges[base + d] = [(m, base + t) for t, m in targets.items()]
+        if dfa.accept[d]:
+            n.link(base + d, end)
+        if dfa.counted[d]:
+            n.ws_states.add(base + d)
+    return base + dfa.start, end
+
+
+def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool, answer: Any = None) -> str:
     """The text `compile_tool_calls` reads for OpenAI function tools (`[{"type": "function", "function": {"name",
-    "parameters"}}]`): every tool, or only `name`'s."""
+    "parameters"}}]`): every tool, or only `name`'s; `answer`, a JSON Schema the reply may follow instead of
+    calling tools."""
     picked = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
               for t in tools if name is None or t["function"]["name"] == name]
-    return json.dumps({"tools": picked, "parallel": parallel}, ensure_ascii=False, separators=(",", ":"))
+    spec = {"tools": picked, "parallel": parallel}
+    if answer is not None:
+        spec["answer"] = answer
+    return json.dumps(spec, ensure_ascii=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------- token masks

@@ -7,14 +7,20 @@ to the states from which the value can still be finished, so that a constrained 
 end. The mask of a state is found as JSON mode finds its own (`json_mode.JsonVocab`'s token tables): every token
 of the vocabulary read at once from the state, kept as a bitmap by state.
 
-What an answer can be is a subset of what the schema accepts, always valid against it (but for overlapping
-`oneOf` branches, whose exclusivity is not checked):
+What an answer can be is a subset of what the schema accepts, valid against it (`oneOf` is made exclusive by
+the product of its branches' automata, so a branch that would accept another's answer in a form its own automaton
+does not write, such as `1.0` as an integer or properties in another order, is not excluded):
 - objects write their declared properties in the schema's order, each required one present; extra keys only in
-  objects that declare no properties (a map: `additionalProperties` a schema, true or absent);
+  objects that declare no properties (a map: `additionalProperties` a schema, true or absent); `allOf` and
+  `$ref` beside other keywords are merged key by key (refused where a member's `items` meets another's
+  `prefixItems`, or two members differ in a keyword that does not merge);
 - `enum` / `const` values are written as `json.dumps` writes them (UTF-8, members in their order);
-- numbers: at most `INT_DIGITS` digits before the point, `FRAC_DIGITS` after, `EXP_DIGITS` of exponent; bounded
-  numbers (`minimum`, `maximum`, `exclusive*`) without an exponent, compared as decimals with the bounds'
-  shortest decimal forms (a value past a double's precision may parse onto an open bound);
+- numbers: at most `INT_DIGITS` digits before the point, `FRAC_DIGITS` after, `EXP_DIGITS` of exponent (no
+  number past a double's range); bounded numbers (`minimum`, `maximum`, `exclusive*`) without an exponent,
+  compared as decimals with the bounds' shortest decimal forms, and with a fraction at most `FLOAT_DIGITS`
+  digits in all (so the double a client parses keeps its order against the bound);
+- strings: escapes `\\u` only where the length is not bounded (a character is then written as itself), and
+  no lone surrogate;
 - values the schema leaves free (`{}`, `true`, an object or array without a schema for its members) nest at most
   `FREE_DEPTH` levels; a recursive `$ref` is expanded `REF_DEPTH` times, past which its branch is not taken;
 - whitespace between tokens as JSON mode allows it (runs of at most `MAX_WS` bytes, `TOP_WS` before the value).
@@ -22,6 +28,10 @@ Keywords that assert what the automaton does not enforce (`pattern`, `multipleOf
 `if`, `minProperties`, ...) are refused (`SchemaError`, a 400 at the API), as is a schema whose automaton would
 pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `description`, `format`, `default`,
 ...) and unknown keywords are ignored, as JSON Schema says.
+
+`compile_tool_calls` builds the automaton of a reply made of tool calls only (tool_choice required or named),
+each call's arguments an object its tool's parameters accept, or, with an answer schema, of a reply that is
+either such calls or that answer (a JSON answer asked for beside tools under tool_choice auto).
 """
 
 from __future__ import annotations
@@ -888,6 +898,17 @@ def _bound(node: dict, key: str, excl: str, *, low: bool) -> tuple[float | None,
 # ---------------------------------------------------------------------------------------------- the DFA
 
 
+def _state_id(ids: dict, order: list, key: Any) -> int:
+    """The DFA state of `key` (a set of NFA states, a tuple of branch states), numbered when first found."""
+    i = ids.get(key)
+    if i is None:
+        if len(order) >= MAX_DFA:
+            raise SchemaError(f"the schema is too large to enforce (over {MAX_DFA} automaton states)")
+        i = ids[key] = len(order)
+        order.append(key)
+    return i
+
+
 def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
     """Subset construction over byte classes (bytes no edge tells apart), then the trim: transitions into states
     from which no accepting state is reached are removed."""
@@ -925,14 +946,7 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
                     moves[c].add(t)
         row = [-1] * n_classes
         for c, targets in moves.items():
-            nxt = closure(frozenset(targets))
-            i = ids.get(nxt)
-            if i is None:
-                if len(order) >= MAX_DFA:
-                    raise SchemaError(f"the schema is too large to enforce (over {MAX_DFA} automaton states)")
-                i = ids[nxt] = len(order)
-                order.append(nxt)
-            row[c] = i
+            row[c] = _state_id(ids, order, closure(frozenset(targets)))
         rows.append(row)
     table = np.array(rows, np.int32).reshape(len(order), n_classes)
     accept = np.array([final in s for s in order], bool)
@@ -1056,13 +1070,7 @@ def _exactly_one(dfas: list[SchemaDfa]) -> SchemaDfa:
             if max(nxt) < 0:
                 row.append(-1)
                 continue
-            i = ids.get(nxt)
-            if i is None:
-                if len(order) >= MAX_DFA:
-                    raise SchemaError(f"the schema's oneOf is too large to enforce (over {MAX_DFA} states)")
-                i = ids[nxt] = len(order)
-                order.append(nxt)
-            row.append(i)
+            row.append(_state_id(ids, order, nxt))
         rows.append(row)
     accept = np.array([sum(s >= 0 and bool(d.accept[s]) for d, s in zip(dfas, st)) == 1 for st in order], bool)
     counted = np.array([any(s >= 0 and bool(d.counted[s]) for d, s in zip(dfas, st)) for st in order], bool)

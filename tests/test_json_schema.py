@@ -453,3 +453,24 @@ def test_think_is_allowed_first_only_after_a_chat_turn_that_leaves_reasoning_to_
     assert engine._json_state(params, tok.apply_chat(turn, enable_thinking=True)).think == tok.special_ids.think
     assert engine._json_state(params, tok.apply_chat(turn, enable_thinking=False)).think is None  # closed in it
     assert engine._json_state(params, tok.encode("def f(x):")).think is None  # a raw completion prompt
+
+
+def test_the_driver_builds_a_new_schemas_automaton_on_the_submitting_thread():
+    """A request's schema (or forced tool calls) is compiled where it is submitted, not between two of the engine's
+    steps; one that cannot be enforced is left for the engine to refuse."""
+    from decapybara.engine import json_schema
+    from decapybara.engine.driver import Control, EngineDriver
+    from decapybara.engine.json_schema import tool_call_spec
+
+    m = demo()
+    driver = EngineDriver(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=m.tokenizer))
+    schema = schema_text({"type": "object", "properties": {"n": {"type": "integer", "minimum": 7}}, "required": ["n"]})
+    spec = tool_call_spec(TOOLS[:1], None, False)
+    json_schema._COMPILED.pop(schema, None)
+    json_schema._COMPILED.pop("tools:" + spec, None)
+    bad = schema_text({"type": "string", "pattern": "x"})
+    driver.submit(Control(add=[Request((1, 2), SamplingParams(max_tokens=2, json_schema=schema), "a"),
+                               Request((1, 2), SamplingParams(max_tokens=2, tool_calls=spec), "b"),
+                               Request((1, 2), SamplingParams(max_tokens=2, json_schema=bad), "c")]))
+    assert schema in json_schema._COMPILED and "tools:" + spec in json_schema._COMPILED
+    driver.stop()

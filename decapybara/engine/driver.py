@@ -19,6 +19,7 @@ from typing import Any
 
 from decapybara.engine.block_manager import hash_chain
 from decapybara.engine.engine import Engine
+from decapybara.engine.json_schema import precompile
 from decapybara.engine.memory import CachedTrail
 from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequence, TokenEvent
 from decapybara.errors import DecapybaraError
@@ -155,6 +156,8 @@ class EngineDriver:
 
     # ---- any thread ------------------------------------------------------------------------------------
     def submit(self, control: Control) -> None:
+        for req in control.add:  # a new JSON schema's automaton built here, not on the engine's thread
+            precompile(req.params)
         with self._cond:
             self._pending.merge(control)
             self._cond.notify()

@@ -1101,6 +1101,19 @@ def _embed(n: _Nfa, dfa: SchemaDfa) -> tuple[int, int]:
     return base + dfa.start, end
 
 
+def precompile(params: Any) -> None:
+    """Build (and cache) the automaton a request's sampling params name, if any: called on a thread that is not
+    the engine's, so that a new schema's compile does not hold a step; a schema that cannot be enforced is left
+    for the engine to refuse."""
+    try:
+        if getattr(params, "json_schema", None) is not None:
+            compile_schema(params.json_schema)
+        elif getattr(params, "tool_calls", None) is not None:
+            compile_tool_calls(params.tool_calls)
+    except (SchemaError, ValueError):
+        pass
+
+
 def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool, answer: Any = None) -> str:
     """The text `compile_tool_calls` reads for OpenAI function tools (`[{"type": "function", "function": {"name",
     "parameters"}}]`): every tool, or only `name`'s; `answer`, a JSON Schema the reply may follow instead of

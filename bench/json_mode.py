@@ -27,14 +27,20 @@ PROMPTS = ["Describe is_even(n) as a JSON object.", "Give the fields of a User r
            "List three HTTP methods in a JSON object.", "A JSON object with a name and an age, please."]
 
 
-def engine_steps(model, tok, agents: int, json_object: bool, tokens: int = 48) -> tuple[float, int]:
-    """(ms a step, steps) of `agents` requests decoding (prefill off the clock); JSON answers end where their object
-    closes, so the steps hold fewer agents towards the end: a rough measure, not a like-for-like one."""
+STEP_SCHEMA = schema_text({"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {
+    "type": "integer", "minimum": 0, "maximum": 150}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age"], "additionalProperties": False})
+
+
+def engine_steps(model, tok, agents: int, mode: str, tokens: int = 48) -> tuple[float, int]:
+    """(ms a step, steps) of `agents` requests decoding (prefill off the clock) in `mode`: plain, json (JSON mode)
+    or schema (`STEP_SCHEMA`); constrained answers end where their value closes, so the steps hold fewer agents
+    towards the end: a rough measure, not a like-for-like one."""
     engine = Engine(model, EngineConfig(loop_guard="off", max_slots=max(agents, 1)), tokenizer=tok)
     for i in range(agents):
         prompt = tok.apply_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], enable_thinking=False)
-        params = SamplingParams(temperature=0.8, seed=i, max_tokens=tokens, json_object=json_object,
-                                ignore_eos=not json_object)
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=tokens, json_object=mode == "json",
+                                json_schema=STEP_SCHEMA if mode == "schema" else None, ignore_eos=mode == "plain")
         engine.add_request(Request(tuple(prompt), params, f"a{i}"))
     while any(s.num_computed < s.num_prompt for s in engine.seqs.values()):  # prefill off the clock
         engine.step()
@@ -100,11 +106,13 @@ def main() -> None:
         backend = CupyBackend("bf16")
     loaded = load_model(str(DEMO_MODEL), backend) if backend is not None else load_model(str(DEMO_MODEL))
     print(f"== demo model engine steps ({device}) ==")
-    print("agents  plain ms/step  json ms/step  ratio   json steps")
+    print("agents  plain ms/step  json ms/step  ratio   json steps  schema ms/step  ratio   schema steps")
     for agents in (1, 4, 12):
-        plain, _ = engine_steps(loaded.model, loaded.tokenizer, agents, False)
-        js, steps = engine_steps(loaded.model, loaded.tokenizer, agents, True)
-        print(f"{agents:6d}  {plain:13.2f}  {js:12.2f}  {js / plain:5.2f}x  {steps:10d}")
+        plain, _ = engine_steps(loaded.model, loaded.tokenizer, agents, "plain")
+        js, steps = engine_steps(loaded.model, loaded.tokenizer, agents, "json")
+        sc, sc_steps = engine_steps(loaded.model, loaded.tokenizer, agents, "schema")
+        print(f"{agents:6d}  {plain:13.2f}  {js:12.2f}  {js / plain:5.2f}x  {steps:10d}  {sc:14.2f}  "
+              f"{sc / plain:5.2f}x  {sc_steps:12d}")
     t0 = time.perf_counter()
     vocab = synthetic_vocab()
     print(f"\n== 151,644-token vocabulary (tables {time.perf_counter() - t0:.2f} s) ==")

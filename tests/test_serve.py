@@ -104,6 +104,8 @@ def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):
     """The SDKs' own structured-output calls (openai `chat.completions.parse`, anthropic `messages.parse`, each
     with a pydantic model) get replies that parse into the model, and a required tool call is a call whose
     arguments follow its schema, from the demo model through the whole server."""
+    from typing import Literal
+
     import pydantic
 
     class Person(pydantic.BaseModel):
@@ -114,8 +116,13 @@ def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):
     r = oai.chat.completions.parse(model="m", messages=msgs, response_format=Person, max_tokens=400, temperature=0,
                                    reasoning_effort="none")
     assert isinstance(r.choices[0].message.parsed, Person) and r.choices[0].finish_reason == "stop"
-    m = ant.messages.parse(model="m", max_tokens=400, messages=msgs, output_format=Person)
-    assert isinstance(m.parsed_output, Person) and m.stop_reason == "end_turn"
+    class Pet(pydantic.BaseModel):  # the anthropic SDK sends no length or bounds (it checks them itself)
+        name: str
+        kind: Literal["cat", "dog"]
+
+    m = ant.messages.parse(model="m", max_tokens=400, messages=[{"role": "user", "content": "A pet as JSON."}],
+                           output_format=Pet)
+    assert isinstance(m.parsed_output, Pet) and m.stop_reason == "end_turn"
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
         "path": {"type": "string", "maxLength": 40}}, "required": ["path"], "additionalProperties": False}}}]
     r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Read setup.py."}], tools=tools,

@@ -52,6 +52,7 @@ SCRIPTS = {  # marker in the last user turn -> forced output
     "NOT-JSON": 'Sure! Here it is: {"a": 1}',
     "TWO-CALLS": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+    "THINK-THEN-END": "<think>\nI will call the tool",
     "TEXT-TOOL-TEXT": 'Before.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nAfter.',
 }
 TOOLS_OA = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -358,6 +359,12 @@ def test_required_and_named_tool_choices_get_calls_that_follow_the_schemas(stack
     r = stack.oa().chat.completions.create(model="m", messages=user("CALL-THE-TOOL"), max_tokens=80, tools=TOOLS_OA,
                                           tool_choice="required", reasoning_effort="none")
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    # the script ends its turn inside its reasoning: the end is refused there (the call is still to come)
+    r = stack.oa().chat.completions.create(model="m", messages=user("THINK-THEN-END"), max_tokens=24, tools=TOOLS_OA,
+                                          tool_choice="required")
+    assert r.choices[0].finish_reason in ("length", "tool_calls"), r.choices[0]
+    r = stack.oa().chat.completions.create(model="m", messages=user("THINK-THEN-END"), max_tokens=24, tools=TOOLS_OA)
+    assert r.choices[0].finish_reason == "stop"  # unconstrained, it ends there
 
 
 def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
@@ -1113,6 +1120,10 @@ def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
                                    output_config={"format": {"type": "json_schema", "schema": ints}})
     text = "".join(b.text for b in m.content if b.type == "text")
     assert text.startswith('{"city": "Rome", "days": [1, 2') and "2.5" not in text and readable(text), text
+    beta = stack.an().messages.create(model="m", max_tokens=40, messages=user("JSON-REPLY"), extra_body={
+        "output_format": {"type": "json_schema", "schema": ints}})  # the structured-outputs beta's form
+    beta_text = "".join(b.text for b in beta.content if b.type == "text")
+    assert beta_text.startswith('{"city": "Rome", "days": [1, 2') and readable(beta_text), beta_text
     for extra, param in [({"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}},
                           "output_config.format.schema:"),
                          ({"output_config": {"format": {"type": "json_schema", "schema": {}}},

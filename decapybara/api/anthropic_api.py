@@ -185,6 +185,7 @@ def output_schema(body: an.MessagesRequest, chat: ChatInput) -> str | None:
     """`output_config.format`'s schema as `SamplingParams.json_schema` text (None without one); a 400 beside a
     tool call tool_choice requires, or after a prefill (the constraint would start inside the reply)."""
     fmt = body.output_config.format if body.output_config is not None else None
+    fmt = fmt or body.output_format
     if fmt is None:
         return None
     if chat.tool_choice.mode in ("required", "named"):
@@ -215,7 +216,7 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema)
-    params = settle_constraint(params, chat, prompt)
+    params = settle_constraint(params, chat)
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)
     request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,

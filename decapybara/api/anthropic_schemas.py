@@ -147,6 +147,7 @@ class OutputConfig(RequestModel):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's form of output_config.format
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = None

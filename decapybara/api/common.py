@@ -72,7 +72,6 @@ class Prompt:
     tools: bool = False  # the request offers tools (and tool_choice is not "none"): parse <tool_call> blocks
     max_calls: int | None = None  # 1 where parallel calls are off: the reply's later calls are dropped
     history_end: int | None = None  # `Request.history_end`: where the generation prompt (and any note) starts
-    tool_calls: str | None = None  # the reply must be tool calls: `SamplingParams.tool_calls`' spec
 
 
 def tool_instruction(choice: ToolChoice) -> str | None:
@@ -108,8 +107,8 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     tool_choice "none" leaves the tools out of the prompt; "required" and named choices, and parallel calls off,
     add an instruction after the conversation (`tool_instruction`; in the first system message where the chat
     template takes system messages only first). Under "required" and named choices the reply is also constrained
-    to tool calls (`Prompt.tool_calls`), but after a prefill, which has begun it; a reply's calls past
-    `Prompt.max_calls` are dropped. Raises ApiError / InvalidRequestError on bad input.
+    to tool calls (`settle_constraint`); a reply's calls past `Prompt.max_calls` are dropped. Raises ApiError /
+    InvalidRequestError on bad input.
     """
     reserved = _RESERVED_TEMPLATE_VARS.intersection(chat.template_vars)
     if reserved:
@@ -145,7 +144,7 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     if chat.prefill and tokenizer.special_ids.im_start is not None:  # turn starts written in the prefill's text
         turns_after += tokenizer.encode(chat.prefill).count(tokenizer.special_ids.im_start)
     return Prompt(ids, text, prompt_opens_reasoning(text), bool(tools), None if chat.tool_choice.parallel else 1,
-                  _history_end(ids, tokenizer.special_ids.im_start, turns_after), _forced_calls(tools, chat))
+                  _history_end(ids, tokenizer.special_ids.im_start, turns_after))
 
 
 def checked_schema(schema: Any, param: str) -> str:
@@ -166,37 +165,27 @@ def constrained(params: SamplingParams) -> bool:
     return params.json_object or params.json_schema is not None or params.tool_calls is not None
 
 
-def settle_constraint(params: SamplingParams, chat: ChatInput, prompt: Prompt) -> SamplingParams:
-    """`params` with the reply's constraint settled: tool calls where tool_choice requires them
-    (`Prompt.tool_calls`); a JSON answer (JSON mode, a schema) that may instead be tool calls where tools are
-    offered under tool_choice auto (JSON mode's object then read as a schema's free object, nesting at most
-    `json_schema.FREE_DEPTH` levels); else as asked."""
-    asks_json = params.json_object or params.json_schema is not None
-    if not asks_json:
-        return params if prompt.tool_calls is None else dataclasses.replace(params, tool_calls=prompt.tool_calls)
-    if not chat.tools or chat.tool_choice.mode != "auto" or chat.prefill:
+def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams:
+    """`params` with the reply's constraint settled (after the request's other checks, so that a request refused
+    anyway compiles nothing): tool calls where tool_choice requires them (not after a prefill, which has begun the
+    reply); a schema's answer that may instead be tool calls where tools are offered under tool_choice auto; else
+    as asked (JSON mode stays JSON mode beside tools: its objects nest deeper than a schema's free values). Where
+    the tools' automaton cannot be built (too large), the calls are asked for, not forced."""
+    tools = chat.tools if chat.tool_choice.mode != "none" and not chat.prefill else None
+    if not tools:
         return params
-    answer = json.loads(params.json_schema) if params.json_schema is not None else {"type": "object"}
-    spec = tool_call_spec(chat.tools, None, chat.tool_choice.parallel, answer=answer)
+    mode = chat.tool_choice.mode
+    if params.json_schema is None and not params.json_object and mode in ("required", "named"):
+        spec = tool_call_spec(tools, chat.tool_choice.name if mode == "named" else None, chat.tool_choice.parallel)
+    elif params.json_schema is not None and mode == "auto":
+        spec = tool_call_spec(tools, None, chat.tool_choice.parallel, answer=json.loads(params.json_schema))
+    else:
+        return params
     try:
-        compile_tool_calls(spec)
+        compile_tool_calls(spec)  # cached (failures too): the engine finds it where it runs in this process
     except SchemaError:
-        return params  # the answer alone is constrained; calls are then not possible
-    return dataclasses.replace(params, json_object=False, json_schema=None, tool_calls=spec)
-
-
-def _forced_calls(tools: list[dict[str, Any]] | None, chat: ChatInput) -> str | None:
-    """The tool-call constraint's spec for tool_choice required / named (None otherwise, after a prefill, or where
-    no call could be written under the tools' schemas: then the call is only asked for)."""
-    if not tools or chat.tool_choice.mode not in ("required", "named") or chat.prefill:
-        return None
-    spec = tool_call_spec(tools, chat.tool_choice.name if chat.tool_choice.mode == "named" else None,
-                          chat.tool_choice.parallel)
-    try:
-        compile_tool_calls(spec)  # cached: the engine finds it where it runs in this process
-    except SchemaError:
-        return None
-    return spec
+        return params
+    return dataclasses.replace(params, json_schema=None, tool_calls=spec)
 
 
 def _history_end(ids: tuple[int, ...], im_start: int | None, turns_after: int) -> int | None:

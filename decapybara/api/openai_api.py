@@ -15,7 +15,8 @@ Choices made where the API leaves room:
   constrained token by token to a JSON object, and ends when it closes); "json_schema" constrains it to what
   `json_schema.schema` accepts (`decapybara.engine.json_schema`; a schema whose assertions are not enforced
   here is refused with a 400 naming the keyword); both in legacy completions too, neither beside a required or
-  named tool call; beside tools under tool_choice auto, the reply is either such an answer or tool calls.
+  named tool call; beside tools under tool_choice auto, a schema's answer may instead be tool calls (JSON mode's
+  may not). A constrained reply does not end while it reasons.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     if (params.json_object or params.json_schema is not None) and chat.tool_choice.mode in ("required", "named"):
         raise bad_request(f"response_format {body.response_format.type} leaves no room for the tool call "
                           "tool_choice asks for: the reply is a JSON value", "response_format.type")
-    params = settle_constraint(params, chat, prompt)
+    params = settle_constraint(params, chat)
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)

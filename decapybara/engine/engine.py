@@ -464,11 +464,15 @@ class Engine(MemoryMixin):
         return self.model.backend.sample(self._json_masked(logits, seqs), rows, self.eos_token_ids)
 
     def _json_masked(self, logits: Any, seqs: list[Sequence], xp: Any = None) -> Any:
-        """`logits` [len(seqs), V] with JSON mode's banned tokens at -inf in its rows (where the logits are: the
-        allowed masks cross as bool rows). Before the sampler's own edits, so its bias, penalties and the
-        LoopGuard's bans (which keep the row's logits where they would leave nothing) work within JSON's tokens."""
+        """`logits` [len(seqs), V] with the banned tokens of constrained rows at -inf (where the logits are: the
+        allowed masks cross as bool rows): an answer's tokens its automaton does not allow, and the end of sequence
+        while a constrained reply is still reasoning. Before the sampler's own edits, so its bias, penalties and the
+        LoopGuard's bans (which keep the row's logits where they would leave nothing) work within those tokens."""
         rows = [i for i, s in enumerate(seqs) if self._json_active(s)]
-        if not rows:
+        # a constrained reply's reasoning may not end the reply: its answer is still to come
+        reasoning = [i for i, s in enumerate(seqs) if s.json is not None and s.in_thinking and not s.json.dead
+                     and not s.params.ignore_eos]
+        if not rows and not reasoning:
             return logits
         xp = xp or self.model.backend.xp
         mask = np.zeros(logits.shape, bool)
@@ -478,6 +482,9 @@ class Engine(MemoryMixin):
         keep = np.ones(len(seqs), bool)
         keep[rows] = False
         mask[keep] = True
+        eos = [t for t in self.eos_token_ids if t < logits.shape[1]]
+        for i in reasoning:
+            mask[i, eos] = False
         dev = mask if xp is np else self.model.backend.from_host(mask)
         return xp.where(dev, logits, xp.asarray(-np.inf, dtype=logits.dtype))
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal
@@ -968,7 +969,8 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
     return SchemaDfa(table, byte_class, accept, terminal, counted, self_plain)
 
 
-_COMPILED: OrderedDict[str, SchemaDfa] = OrderedDict()
+_COMPILED: OrderedDict[str, SchemaDfa | SchemaError] = OrderedDict()  # by text: an automaton, or the refusal
+_LOCK = threading.Lock()
 
 
 def schema_text(schema: Any) -> str:
@@ -981,25 +983,33 @@ def schema_text(schema: Any) -> str:
 
 
 def _cached(key: str, build: Any) -> SchemaDfa:
-    """The automaton cached under `key`, or `build()`'s, kept; any error in reading the schema that is not a
-    SchemaError (a keyword of a type nothing here checked, a schema nested past the interpreter's depth) becomes
-    one, so that the API answers it as the client's error."""
-    dfa = _COMPILED.get(key)
-    if dfa is not None:
-        _COMPILED.move_to_end(key)
-        return dfa
+    """The automaton cached under `key`, or `build()`'s, kept (a refusal too, so that a schema refused once costs
+    no second build); any error in reading the schema that is not a SchemaError (a keyword of a type nothing here
+    checked, a schema nested past the interpreter's depth) becomes one, so that the API answers it as the client's
+    error. Safe across threads (the build itself runs outside the lock)."""
+    with _LOCK:
+        got = _COMPILED.get(key)
+        if got is not None:
+            _COMPILED.move_to_end(key)
+    if isinstance(got, SchemaError):
+        raise SchemaError(str(got))
+    if got is not None:
+        return got
     try:
-        dfa = build()
-    except SchemaError:
-        raise
+        got = build()
+    except SchemaError as e:
+        got = e
     except RecursionError:
-        raise SchemaError("the schema nests too deeply to enforce") from None
+        got = SchemaError("the schema nests too deeply to enforce")
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
-        raise SchemaError(f"the schema could not be read ({type(e).__name__}: {e})") from None
-    _COMPILED[key] = dfa
-    if len(_COMPILED) > MAX_CACHED:
-        _COMPILED.popitem(last=False)
-    return dfa
+        got = SchemaError(f"the schema could not be read ({type(e).__name__}: {e})")
+    with _LOCK:
+        _COMPILED[key] = got
+        if len(_COMPILED) > MAX_CACHED:
+            _COMPILED.popitem(last=False)
+    if isinstance(got, SchemaError):
+        raise SchemaError(str(got))
+    return got
 
 
 def _with_lead(n: _Nfa, body: tuple[int, int]) -> tuple[int, int]:
@@ -1035,10 +1045,9 @@ def compile_tool_calls(spec: str) -> SchemaDfa:
             params = tool.get("parameters")
             if params is None:
                 params = {"type": "object", "properties": {}, "additionalProperties": False}
-            try:  # each tool's arguments alone first: one that cannot be enforced takes any object
-                comp = _Compiler(params)
-                args = _build(comp.nfa, *comp.merged([params, {"type": "object"}]))
-            except (SchemaError, RecursionError, TypeError, ValueError, AttributeError, KeyError):
+            try:  # each tool's arguments alone first (cached): one that cannot be enforced takes any object
+                args = _tool_arguments(params)
+            except SchemaError:
                 args = compile_schema({"type": "object"})
             head = f'<tool_call>\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
             calls.append(n.seq(n.lit(head.encode()), _embed(n, args), n.lit(b"}\n</tool_call>")))
@@ -1055,6 +1064,16 @@ def compile_tool_calls(spec: str) -> SchemaDfa:
         return _build(n, *reply)
 
     return _cached("tools:" + spec, build)
+
+
+def _tool_arguments(params: Any) -> SchemaDfa:
+    """The automaton of a tool's arguments: a JSON object its parameters' schema accepts (cached by its text)."""
+
+    def build() -> SchemaDfa:
+        comp = _Compiler(params)
+        return _build(comp.nfa, *comp.merged([params, {"type": "object"}]))
+
+    return _cached("args:" + schema_text(params), build)
 
 
 def _exactly_one(dfas: list[SchemaDfa]) -> SchemaDfa:

@@ -20,7 +20,8 @@ does not write, such as `1.0` as an integer or properties in another order, is n
   compared as decimals with the bounds' shortest decimal forms, and with a fraction at most `FLOAT_DIGITS`
   digits in all (so the double a client parses keeps its order against the bound);
 - strings: escapes `\\u` only where the length is not bounded (a character is then written as itself), and
-  no lone surrogate;
+  no lone surrogate; the formats `date`, `time`, `date-time` and `uuid` written as they are (pydantic's date,
+  time, datetime and UUID fields parse them), any other `format` an annotation;
 - values the schema leaves free (`{}`, `true`, an object or array without a schema for its members) nest at most
   `FREE_DEPTH` levels; a recursive `$ref` is expanded `REF_DEPTH` times, past which its branch is not taken;
 - whitespace between tokens as JSON mode allows it (runs of at most `MAX_WS` bytes, `TOP_WS` before the value).
@@ -62,6 +63,7 @@ UNSUPPORTED = ("pattern", "patternProperties", "propertyNames", "minProperties",
                "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else", "contains",
                "minContains", "maxContains", "multipleOf", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+FORMATS = ("date", "time", "date-time", "uuid")  # string formats written as they are; others are annotations
 
 
 class SchemaError(ValueError):
@@ -261,12 +263,39 @@ class _Compiler:
     def string(self, node: dict) -> tuple[int, int]:
         lo = _count(node, "minLength", 0)
         hi = _count(node, "maxLength", None)
+        if node.get("format") in FORMATS:
+            if "minLength" in node or "maxLength" in node:
+                raise SchemaError(f"format {node['format']!r} beside minLength / maxLength is not enforced here")
+            n = self.nfa
+            return n.seq(n.lit(b'"'), self.formatted(node["format"]), n.lit(b'"'))
         if hi is not None and hi < lo:
             return self.nfa.empty()
         if lo == 0 and hi is None:
             return self.free_string()
         n = self.nfa
         return n.seq(n.lit(b'"'), n.repeat(self.string_char, lo, hi), n.lit(b'"'))
+
+    def formatted(self, fmt: str) -> tuple[int, int]:
+        """A string's content in one of `FORMATS`, as RFC 3339 and RFC 4122 write them (dates of real days: the
+        29th of February is not written; times with their offset)."""
+        n, two = self.nfa, lambda a, b: self.fixed_range(f"{a:02d}", f"{b:02d}")
+        if fmt == "uuid":
+            parts = []
+            for k, width in enumerate((8, 4, 4, 4, 12)):
+                parts += ([n.lit(b"-")] if k else []) + [n.cls(HEX) for _ in range(width)]
+            return n.seq(*parts)
+
+        def date() -> tuple[int, int]:
+            months = [(b"01 03 05 07 08 10 12", 31), (b"04 06 09 11", 30), (b"02", 28)]
+            return n.seq(self.fixed_range("0001", "9999"), n.lit(b"-"), n.alt(*[
+                n.seq(n.alt(*[n.lit(m) for m in ms.split()]), n.lit(b"-"), two(1, last)) for ms, last in months]))
+
+        def time() -> tuple[int, int]:
+            offset = n.alt(n.lit(b"Z"), n.seq(n.cls(_bits(b"+-")), two(0, 23), n.lit(b":"), two(0, 59)))
+            return n.seq(two(0, 23), n.lit(b":"), two(0, 59), n.lit(b":"), two(0, 59),
+                         n.opt(n.seq(n.lit(b"."), self.digits(1, 6))), offset)
+
+        return date() if fmt == "date" else time() if fmt == "time" else n.seq(date(), n.lit(b"T"), time())
 
     def digits(self, lo: int, hi: int) -> tuple[int, int]:
         return self.nfa.repeat(lambda: self.nfa.cls(DIGIT), lo, hi)

@@ -503,3 +503,22 @@ def test_formatted_strings_parse_as_pydantic_reads_them():
                            b'"id": "123e4567-e89b-12d3-a456-426614174000", "link": ""}')
     with pytest.raises(SchemaError, match="format"):
         compile_schema({"type": "string", "format": "date", "maxLength": 10})
+
+
+def test_one_vocabulary_serves_every_automaton_the_markup_only_to_tool_calls():
+    """The engine's one vocabulary table reads the tool-call tags as their text: a tool-call reply's masks allow
+    them where the reply's automaton reads the tags, JSON mode's and a schema's never (not even inside a string)."""
+    from decapybara.engine.json_mode import JsonState
+    from decapybara.engine.json_schema import compile_tool_calls, tool_call_spec
+
+    tok = demo().tokenizer
+    tags = (tok.special_ids.tool_call, tok.special_ids.end_tool_call)
+    vocab = JsonVocab(tok, tok.vocab_size, markup=tags)
+    json_mode = JsonState(vocab)
+    json_mode.advance(b'{"a": "')
+    schema = SchemaState(SchemaVocab(vocab, compile_schema({"type": "string"})))
+    schema.advance(b'"')
+    calls = SchemaState(SchemaVocab(vocab, compile_tool_calls(tool_call_spec(TOOLS[:1], None, False)), markup=True))
+    assert not json_mode.allowed()[list(tags)].any() and not schema.allowed()[list(tags)].any()
+    assert calls.allowed()[tags[0]] and not calls.allowed()[tags[1]]
+    assert json_mode.allowed()[tok.encode("<")[0]]  # the same bytes as text stay string content

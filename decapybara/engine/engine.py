@@ -155,7 +155,7 @@ class Engine(MemoryMixin):
         self._next_verify: tuple[int, bool] | None = None
         self._pending: tuple | None = None
         self._head: _HeadPass | None = None
-        self._json_vocabs: list[Any] = [None, None]  # the automata's vocabulary tables (`_json_vocabulary`)
+        self._json_vocab: Any = None  # the automata's vocabulary tables (`_json_vocabulary`)
         self._schema_masks: OrderedDict[str, Any] = OrderedDict()  # a schema's text -> its token masks
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -212,20 +212,21 @@ class Engine(MemoryMixin):
                 think = self._think[0]
                 break
         if masks is None:
-            return JsonState(self._json_vocabulary(False), think)
+            return JsonState(self._json_vocabulary(), think)
         from decapybara.engine.json_schema import SchemaState
 
         return SchemaState(masks, think)
 
-    def _json_vocabulary(self, markup: bool) -> Any:
-        """The vocabulary's tables for the automata (`markup`: the tool-call tags read as their text), built once."""
+    def _json_vocabulary(self) -> Any:
+        """The vocabulary's tables for the automata (the tool-call tags read as their text, allowed only in a
+        tool-call reply's masks), built once."""
         from decapybara.engine.json_mode import JsonVocab
 
-        if self._json_vocabs[markup] is None:
+        if self._json_vocab is None:
             ids = self.tokenizer.special_ids
-            tags = tuple(t for t in (ids.tool_call, ids.end_tool_call) if t is not None) if markup else ()
-            self._json_vocabs[markup] = JsonVocab(self.tokenizer, self.model.cfg.vocab_size, markup=tags)
-        return self._json_vocabs[markup]
+            tags = tuple(t for t in (ids.tool_call, ids.end_tool_call) if t is not None)
+            self._json_vocab = JsonVocab(self.tokenizer, self.model.cfg.vocab_size, markup=tags)
+        return self._json_vocab
 
     def _constraint_masks(self, params: SamplingParams, param: str) -> Any:
         """The token masks of a request's schema or tool set (`json_schema.SchemaVocab`), kept by its text."""
@@ -236,9 +237,9 @@ class Engine(MemoryMixin):
         if masks is None:
             try:
                 if params.tool_calls is None:
-                    masks = SchemaVocab(self._json_vocabulary(False), compile_schema(params.json_schema))
+                    masks = SchemaVocab(self._json_vocabulary(), compile_schema(params.json_schema))
                 else:
-                    masks = SchemaVocab(self._json_vocabulary(True), compile_tool_calls(params.tool_calls))
+                    masks = SchemaVocab(self._json_vocabulary(), compile_tool_calls(params.tool_calls), markup=True)
             except (SchemaError, ValueError, KeyError, TypeError) as e:
                 raise InvalidRequestError(f"{param}: {e}", param) from None
             self._schema_masks[key] = masks

@@ -172,9 +172,33 @@ def _step(s: _States, b: np.ndarray) -> _States:
     return _States(nm, nd, nstk, nkey, nlit, npos, nws)
 
 
+class MaskCache:
+    """Token masks (bool [vocab_size]) kept as bitmaps for the `size` keys last asked; `misses` counts the masks
+    not found."""
+
+    def __init__(self, vocab_size: int, size: int) -> None:
+        self.vocab_size, self.size = vocab_size, size
+        self._bits: OrderedDict[Any, np.ndarray] = OrderedDict()
+        self.misses = 0
+
+    def get(self, key: Any) -> np.ndarray | None:
+        bits = self._bits.get(key)
+        if bits is None:
+            self.misses += 1
+            return None
+        self._bits.move_to_end(key)
+        return np.unpackbits(bits, count=self.vocab_size).view(bool)
+
+    def put(self, key: Any, allowed: np.ndarray) -> None:
+        self._bits[key] = np.packbits(allowed)
+        if len(self._bits) > self.size:
+            self._bits.popitem(last=False)
+
+
 class JsonVocab:
     """A tokenizer's vocabulary as the automaton reads it: each token's bytes (added tokens none, so never allowed,
-    but the `markup` ids, read as their text), and the tokens allowed in a state (`allowed`: a bool [vocab_size]
+    but the `markup` ids, read as their text for a tool-call reply's automaton and banned from any other's
+    masks), and the tokens allowed in a state (`allowed`: a bool [vocab_size]
     mask of every token the state can read whole, the end-of-sequence ids only once the object is closed), kept
     as bitmaps for the `CACHE` states last asked.
 
@@ -188,6 +212,7 @@ class JsonVocab:
         added = set(tokenizer.added_ids) if hasattr(tokenizer, "added_ids") else set()
         added -= set(markup)  # markup tokens read as their text (a tool-call reply's `<tool_call>`)
         self.vocab_size = vocab_size
+        self.markup = np.array(sorted(m for m in markup if m < vocab_size), np.int64)
         self.eos = np.array(sorted(i for i in tokenizer.eos_token_ids if i < vocab_size), np.int64)
         toks = [b"" if (i >= len(table) or i in added) else table[i] for i in range(vocab_size)]
         lens = np.array([len(t) for t in toks], np.int64)
@@ -208,8 +233,7 @@ class JsonVocab:
         bad = np.zeros(len(self.flat) + 1, np.int64)
         bad[1:] = np.cumsum(~plain_byte[self.flat])
         self.plain = (bad[self.offsets[:n] + self.lens[:n]] - bad[self.offsets[:n]]) == 0
-        self._bits: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()  # canonical state -> packed mask
-        self.misses = 0
+        self.masks = MaskCache(vocab_size, self.CACHE)  # canonical state -> its mask
 
     def _canonical(self, state: _States) -> _States:
         """`state` with what no single token can see made plain: the levels below the last `closes` (while no
@@ -230,11 +254,9 @@ class JsonVocab:
         """The tokens allowed after `state` (one state): bool [vocab_size]."""
         state = self._canonical(state)
         key = state.key_of()
-        bits = self._bits.get(key)
-        if bits is not None:
-            self._bits.move_to_end(key)
-            return np.unpackbits(bits, count=self.vocab_size).view(bool)
-        self.misses += 1
+        got = self.masks.get(key)
+        if got is not None:
+            return got
         allowed = np.zeros(self.vocab_size, bool)
         if int(state.mode[0]) == DONE:
             allowed[self.eos] = True
@@ -259,9 +281,8 @@ class JsonVocab:
                 ok = states.mode != DEAD
                 alive, states = alive[ok], states.take(np.flatnonzero(ok))
                 j += 1
-        self._bits[key] = np.packbits(allowed)
-        if len(self._bits) > self.CACHE:
-            self._bits.popitem(last=False)
+        allowed[self.markup] = False  # JSON mode's answer holds no tool-call markup
+        self.masks.put(key, allowed)
         return allowed
 
 

@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from decapybara.engine.json_mode import MAX_WS, TOP_WS, JsonVocab
+from decapybara.engine.json_mode import MAX_WS, TOP_WS, JsonVocab, MaskCache
+from decapybara.engine.json_mode import WS as _WS_TABLE  # bool [256]: the whitespace bytes
 
 FREE_DEPTH = 4  # levels of nesting inside a value the schema leaves free
 REF_DEPTH = 4  # expansions of one recursive $ref along a path
@@ -63,11 +64,16 @@ UNSUPPORTED = ("pattern", "patternProperties", "propertyNames", "minProperties",
                "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else", "contains",
                "minContains", "maxContains", "multipleOf", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 FORMATS = ("date", "time", "date-time", "uuid")  # string formats written as they are; others are annotations
 
 
 class SchemaError(ValueError):
     """A schema the server cannot enforce or that is not a JSON Schema; the message names where."""
+
+
+class EmptySchema(SchemaError):
+    """A schema (or a part of one) that admits no value the automaton can write."""
 
 
 def _bits(chars: bytes | range) -> int:
@@ -91,8 +97,6 @@ CONT = _span(0x80, 0xBF)
 UTF8 = ((_span(0xC2, 0xDF), CONT), (1 << 0xE0, _span(0xA0, 0xBF), CONT), (_span(0xE1, 0xEC), CONT, CONT),
         (1 << 0xED, _span(0x80, 0x9F), CONT), (_span(0xEE, 0xEF), CONT, CONT), (1 << 0xF0, _span(0x90, 0xBF), CONT, CONT),
         (_span(0xF1, 0xF3), CONT, CONT, CONT), (1 << 0xF4, _span(0x80, 0x8F), CONT, CONT))  # RFC 3629's sequences
-_WS_TABLE = np.zeros(256, bool)
-_WS_TABLE[list(b" \t\n\r")] = True
 
 
 class _Nfa:
@@ -173,6 +177,10 @@ class _Nfa:
         self.edges[s].append((WS, s))
         self.ws_states.add(s)
         return s, s
+
+    def comma(self) -> tuple[int, int]:
+        """A separator between members or items: a comma, whitespace either side."""
+        return self.seq(self.ws(), self.lit(b","), self.ws())
 
     def empty(self) -> tuple[int, int]:
         """No value at all (a branch the schema closes)."""
@@ -331,13 +339,7 @@ class _Compiler:
     def natural_range(self, lo: int, hi: int | None) -> tuple[int, int]:
         """Naturals (no leading zeros) from lo to hi (None: no bound, within INT_DIGITS digits)."""
         n = self.nfa
-        parts = []
-        top = len(str(lo)) if hi is None else len(str(hi))
-        for width in range(len(str(lo)), top + 1):
-            a = max(lo, 10 ** (width - 1) if width > 1 else 0)
-            b = 10 ** width - 1 if hi is None else min(hi, 10 ** width - 1)
-            if a <= b:
-                parts.append(self.fixed_range(str(a), str(b)))
+        parts = [self.fixed_range(a, b) for a, b in _by_width(lo, hi, len(str(lo)))]
         if hi is None and len(str(lo)) < INT_DIGITS:  # every wider natural
             parts.append(n.seq(n.cls(DIGIT19), self.digits(len(str(lo)), INT_DIGITS - 1)))
         return n.alt(*parts) if parts else n.empty()
@@ -375,12 +377,9 @@ class _Compiler:
         parts: list[tuple[int, int]] = []
 
         def whole(a: int, b: int | None, f_lo: str, f_lo_open: bool, f_hi: str | None, f_hi_open: bool) -> None:
-            for width in range(len(str(a)), (INT_DIGITS if b is None else len(str(b))) + 1):
-                wa = max(a, 10 ** (width - 1) if width > 1 else 0)
-                wb = 10 ** width - 1 if b is None else min(b, 10 ** width - 1)
-                if wa <= wb:
-                    parts.append(n.seq(self.fixed_range(str(wa), str(wb)),
-                                       self.fraction(f_lo, f_lo_open, f_hi, f_hi_open, FLOAT_DIGITS - width)))
+            for wa, wb in _by_width(a, b, INT_DIGITS):
+                parts.append(n.seq(self.fixed_range(wa, wb),
+                                   self.fraction(f_lo, f_lo_open, f_hi, f_hi_open, FLOAT_DIGITS - len(wa))))
 
         if hi is not None:
             hi_i, hf = _split(hi)
@@ -455,7 +454,7 @@ class _Compiler:
             close = b"}" if isinstance(value, dict) else b"]"
             parts = [n.lit(b"{" if isinstance(value, dict) else b"[")]
             for k, item in enumerate(items):
-                parts += [n.ws()] if k == 0 else [n.ws(), n.lit(b","), n.ws()]
+                parts.append(n.ws() if k == 0 else n.comma())
                 if isinstance(value, dict):
                     parts += [self.literal(item[0]), n.ws(), n.lit(b":"), n.ws()]
                     item = item[1]
@@ -477,7 +476,7 @@ class _Compiler:
         """An object of any keys, each value `value()` (one fragment, looped)."""
         n = self.nfa
         pair = n.seq(self.free_string(), n.ws(), n.lit(b":"), n.ws(), value())  # one value fragment, looped
-        sep = n.seq(n.ws(), n.lit(b","), n.ws())
+        sep = n.comma()
         open_, close = n.seq(n.lit(b"{"), n.ws()), n.seq(n.ws(), n.lit(b"}"))
         n.link(open_[1], pair[0])
         n.link(open_[1], close[0])
@@ -499,9 +498,6 @@ class _Compiler:
         def maker(k: int):  # the k-th item (0-based)
             return prefix[k] if k < len(prefix) else item
 
-        def sep():
-            return n.seq(n.ws(), n.lit(b","), n.ws())
-
         # items 0..fixed-1 one by one (each its own fragment), then the repeated item looped where unbounded
         fixed = max(lo, len(prefix)) if limit is None else limit
         end = n.state()  # after the last item written: the close
@@ -512,7 +508,7 @@ class _Compiler:
             if k == 0:
                 n.link(cur, f[0])
             else:
-                s = sep()
+                s = n.comma()
                 n.link(cur, s[0])
                 n.link(s[1], f[0])
             if k + 1 >= lo:
@@ -522,7 +518,7 @@ class _Compiler:
             n.link(open_[1], end)
         if limit is None:  # unbounded: more of `item` after the fixed ones
             f = item()
-            s = sep()
+            s = n.comma()
             if fixed == 0:
                 n.link(open_[1], f[0])
             else:
@@ -534,12 +530,8 @@ class _Compiler:
 
     def obj(self, node: dict) -> tuple[int, int]:
         n = self.nfa
-        props = node.get("properties", {})
-        if not isinstance(props, dict):
-            raise SchemaError("properties must be an object")
-        required = node.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise SchemaError("required must be a list of property names")
+        _check_keywords(node)
+        props, required = node.get("properties", {}), node.get("required", [])
         extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
         names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
         if not names:  # a map
@@ -569,7 +561,7 @@ class _Compiler:
             after = entries[i][1]
             later = range(i + 1, count)
             if later:
-                s = n.seq(n.ws(), n.lit(b","), n.ws())
+                s = n.comma()
                 n.link(after, s[0])
                 for j in later:
                     n.link(s[1], entries[j][0])
@@ -622,15 +614,9 @@ class _Compiler:
                 values = [v for v in values if any(_json_equal(v, e) for e in node["enum"])]
             rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
             if _asserts(rest):  # the values the other keywords also accept, read by their own automaton
-                try:
-                    comp = _Compiler(self.root)
-                    comp.refs = self.refs
-                    check = _build(comp.nfa, *comp.value(rest))
-                except SchemaError as e:
-                    if "admits no value" not in str(e):
-                        raise
-                    return n.empty()
-                values = [v for v in values if check.matches(json.dumps(v, ensure_ascii=False).encode())]
+                check = self.alone(rest)
+                values = [v for v in values if check is not None
+                          and check.matches(json.dumps(v, ensure_ascii=False).encode())]
             return n.alt(*[self.literal(v) for v in values]) if values else n.empty()
         kinds = _types(node)
         if kinds is None:
@@ -638,7 +624,7 @@ class _Compiler:
                 kinds = ["object"]
             elif "items" in node or "prefixItems" in node:
                 kinds = ["array"]
-            elif any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            elif any(k in node for k in BOUNDS):
                 kinds = ["number"]
             elif "minLength" in node or "maxLength" in node:
                 kinds = ["string"]
@@ -655,7 +641,7 @@ class _Compiler:
             elif kind in ("integer", "number"):
                 if "number" in kinds and kind == "integer":
                     continue  # integers are numbers
-                if any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+                if any(k in node for k in BOUNDS):
                     parts.append(self.bounded(node, kind == "integer"))
                 else:
                     parts.append(self.number(kind == "integer"))
@@ -668,19 +654,20 @@ class _Compiler:
     def one_of(self, subs: list) -> tuple[int, int]:
         """What exactly one of `subs` accepts: each branch's automaton built alone, then their product, whose
         states accept where one branch alone does (so overlapping branches are exclusive, as oneOf says)."""
-        dfas = []
-        for sub in subs:
-            comp = _Compiler(self.root)
-            comp.refs, comp.work = self.refs, self.work
-            try:
-                dfas.append(_build(comp.nfa, *comp.value(sub)))
-            except SchemaError as e:
-                if "admits no value" not in str(e):
-                    raise
+        dfas = [d for d in map(self.alone, subs) if d is not None]
+        return _embed(self.nfa, _exactly_one(dfas)) if dfas else self.nfa.empty()
+
+    def alone(self, node: Any) -> SchemaDfa | None:
+        """`node`'s own automaton (None where it admits nothing), built beside this one's: the same root, `$ref`
+        expansions and work budget."""
+        comp = _Compiler(self.root)
+        comp.refs, comp.work = self.refs, self.work
+        try:
+            return _build(comp.nfa, *comp.value(node))
+        except EmptySchema:
+            return None
+        finally:
             self.work = comp.work
-        if not dfas:
-            return self.nfa.empty()
-        return _embed(self.nfa, _exactly_one(dfas))
 
     def arr(self, node: dict) -> tuple[int, int]:
         lo = _count(node, "minItems", 0)
@@ -890,6 +877,17 @@ def _type_of(v: Any) -> str:
     return "array" if isinstance(v, list) else "object"
 
 
+def _by_width(a: int, b: int | None, widest: int) -> list[tuple[str, str]]:
+    """The naturals a..b (b None: to `widest` digits) as runs of one width each: (first, last) digit strings."""
+    runs = []
+    for width in range(len(str(a)), (widest if b is None else len(str(b))) + 1):
+        lo = max(a, 10 ** (width - 1) if width > 1 else 0)
+        hi = 10 ** width - 1 if b is None else min(b, 10 ** width - 1)
+        if lo <= hi:
+            runs.append((str(lo), str(hi)))
+    return runs
+
+
 def _split(d: Decimal) -> tuple[int, str]:
     """A non-negative decimal's whole part and its fraction's digits (no trailing zeros)."""
     whole = int(d)
@@ -989,7 +987,7 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
             break
         live = nxt
     if not live[0]:
-        raise SchemaError("the schema admits no value the server can write")
+        raise EmptySchema("the schema admits no value the server can write")
     table = np.where((table >= 0) & live[np.maximum(table, 0)], table, -1).astype(np.int32)
     terminal = accept & (table < 0).all(axis=1)
     plain = sorted({int(byte_class[b]) for b in range(256) if PLAIN >> b & 1})
@@ -1180,25 +1178,22 @@ def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool
 class SchemaVocab:
     """A schema's automaton read over a tokenizer's vocabulary (`JsonVocab`'s token tables): `allowed(state,
     ws)`, a bool [vocab_size] mask of every token read whole from the state (end-of-sequence ids where the value
-    may end), kept as bitmaps for the `CACHE` states last asked."""
+    may end), kept as bitmaps for the `CACHE` states last asked; the vocabulary's markup tokens only where
+    `markup` (a tool-call reply's automaton, which reads the tags)."""
 
     CACHE = 1024
 
-    def __init__(self, vocab: JsonVocab, dfa: SchemaDfa) -> None:
-        self.vocab, self.dfa = vocab, dfa
-        self._bits: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self.misses = 0
+    def __init__(self, vocab: JsonVocab, dfa: SchemaDfa, markup: bool = False) -> None:
+        self.vocab, self.dfa, self.markup = vocab, dfa, markup
+        self.masks = MaskCache(vocab.vocab_size, self.CACHE)  # (state, whitespace run) -> its mask
 
     def allowed(self, state: int, ws: int) -> np.ndarray:
         v, dfa = self.vocab, self.dfa
         if not dfa.counted[state] or ws + v.ws_run <= MAX_WS:  # a run no token can overrun: as none
             ws = 0
-        key = (state, ws)
-        bits = self._bits.get(key)
-        if bits is not None:
-            self._bits.move_to_end(key)
-            return np.unpackbits(bits, count=v.vocab_size).view(bool)
-        self.misses += 1
+        got = self.masks.get((state, ws))
+        if got is not None:
+            return got
         allowed = np.zeros(v.vocab_size, bool)
         if dfa.accept[state]:
             allowed[v.eos] = True
@@ -1226,9 +1221,9 @@ class SchemaVocab:
             ok &= runs <= MAX_WS
             alive, states, runs = alive[ok], states[ok], runs[ok]
             j += 1
-        self._bits[key] = np.packbits(allowed)
-        if len(self._bits) > self.CACHE:
-            self._bits.popitem(last=False)
+        if not self.markup:
+            allowed[v.markup] = False
+        self.masks.put((state, ws), allowed)
         return allowed
 
 

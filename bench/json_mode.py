@@ -1,7 +1,9 @@
-"""What JSON mode and JSON schemas cost: the demo model's engine steps with every agent in JSON mode against the
-same agents without it (ms a step), and at a Qwen-sized vocabulary (151,644 synthetic byte-level tokens) a state's
-mask computed afresh, found again, a token's advance, and a step's masks set on the logits; for schemas, their
-compile time and automaton size, their masks afresh along an answer (a first request's cost) and found again.
+"""What JSON mode, JSON schemas and tool calls cost: the demo model's engine steps with every agent in JSON mode,
+under a schema, or offered tools under tool_choice auto (writing free text; or opening calls, which a bias on
+`<tool_call>` makes it do at once and after each close) against the same agents without any (ms a step), and at a
+Qwen-sized vocabulary (151,644 synthetic byte-level tokens) a state's mask computed afresh, found again, a token's
+advance, and a step's masks set on the logits; for schemas and a coding agent's tool set, their compile time and
+automaton size, their masks afresh along an answer (a first request's cost) and found again.
 
     python3 bench/json_mode.py            # CPU (numpy backend)
     BENCH_DEVICE=cuda python3 bench/json_mode.py
@@ -18,7 +20,17 @@ import numpy as np
 from decapybara.config import DEMO_MODEL, EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.json_mode import JsonState, JsonVocab
-from decapybara.engine.json_schema import SchemaState, SchemaVocab, compile_schema, schema_text
+from decapybara.engine.json_schema import (
+    CLOSE_TAG,
+    OPEN_TAG,
+    SchemaState,
+    SchemaVocab,
+    compile_schema,
+    compile_tool_calls,
+    schema_text,
+    tags_as_bytes,
+    tool_call_spec,
+)
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
 from decapybara.model.load import load_model
@@ -32,15 +44,54 @@ STEP_SCHEMA = schema_text({"type": "object", "properties": {"name": {"type": "st
     "required": ["name", "age"], "additionalProperties": False})
 
 
+def _fn(name: str, props: dict, required: list) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props,
+                                                                         "required": required}}}
+
+
+_S, _I, _B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+CODING_TOOLS = [  # a coding agent's twelve tools
+    _fn("read_file", {"path": _S, "offset": _I, "limit": _I}, ["path"]),
+    _fn("write_file", {"path": _S, "content": _S}, ["path", "content"]),
+    _fn("edit_file", {"path": _S, "old_string": _S, "new_string": _S, "replace_all": _B},
+        ["path", "old_string", "new_string"]),
+    _fn("bash", {"command": _S, "timeout": {"type": "integer", "minimum": 1, "maximum": 600000}, "description": _S,
+                 "run_in_background": _B}, ["command"]),
+    _fn("grep", {"pattern": _S, "path": _S, "glob": _S, "output_mode": {"enum": ["content", "files_with_matches",
+                                                                                 "count"]},
+                 "-i": _B, "-n": _B, "head_limit": _I, "multiline": _B}, ["pattern"]),
+    _fn("glob", {"pattern": _S, "path": _S}, ["pattern"]),
+    _fn("list_dir", {"path": _S, "ignore": {"type": "array", "items": _S}}, ["path"]),
+    _fn("web_fetch", {"url": {"type": "string", "format": "uri"}, "prompt": _S}, ["url", "prompt"]),
+    _fn("todo_write", {"todos": {"type": "array", "items": {"type": "object", "properties": {
+        "content": _S, "status": {"enum": ["pending", "in_progress", "completed"]}, "id": _S},
+        "required": ["content", "status", "id"]}}}, ["todos"]),
+    _fn("multi_edit", {"path": _S, "edits": {"type": "array", "items": {"type": "object", "properties": {
+        "old_string": _S, "new_string": _S, "replace_all": _B}, "required": ["old_string", "new_string"]},
+        "minItems": 1}}, ["path", "edits"]),
+    _fn("task", {"description": _S, "prompt": _S, "subagent_type": _S}, ["description", "prompt", "subagent_type"]),
+    _fn("notebook_edit", {"notebook_path": _S, "cell_id": _S, "new_source": _S, "cell_type": {"enum": [
+        "code", "markdown"]}, "edit_mode": {"enum": ["replace", "insert", "delete"]}}, ["notebook_path", "new_source"]),
+]
+CALL_TEXT = ('<tool_call>\n{"name": "edit_file", "arguments": {"path": "src/app.py", "old_string": "return x", '
+             '"new_string": "return x + 1"}}\n</tool_call>')
+
+
 def engine_steps(model, tok, agents: int, mode: str, tokens: int = 48) -> tuple[float, int]:
-    """(ms a step, steps) of `agents` requests decoding (prefill off the clock) in `mode`: plain, json (JSON mode)
-    or schema (`STEP_SCHEMA`); constrained answers end where their value closes, so the steps hold fewer agents
-    towards the end: a rough measure, not a like-for-like one."""
+    """(ms a step, steps) of `agents` requests decoding (prefill off the clock) in `mode`: plain, json (JSON mode),
+    schema (`STEP_SCHEMA`), tools (`CODING_TOOLS` offered under tool_choice auto: the demo model writes text, free)
+    or calls (the same, a bias on `<tool_call>` opening a call at once and after each close); constrained answers
+    end where their value closes, so the steps hold fewer agents towards the end: a rough measure, not a
+    like-for-like one."""
     engine = Engine(model, EngineConfig(loop_guard="off", max_slots=max(agents, 1)), tokenizer=tok)
+    lazy = mode in ("tools", "calls")
+    spec = tool_call_spec(CODING_TOOLS, None, True) if lazy else None
     for i in range(agents):
         prompt = tok.apply_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], enable_thinking=False)
         params = SamplingParams(temperature=0.8, seed=i, max_tokens=tokens, json_object=mode == "json",
-                                json_schema=STEP_SCHEMA if mode == "schema" else None, ignore_eos=mode == "plain")
+                                json_schema=STEP_SCHEMA if mode == "schema" else None,
+                                ignore_eos=mode in ("plain", "tools", "calls"), tool_calls=spec, lazy_tool_calls=lazy,
+                                logit_bias={tok.special_ids.tool_call: 30.0} if mode == "calls" else {})
         engine.add_request(Request(tuple(prompt), params, f"a{i}"))
     while any(s.num_computed < s.num_prompt for s in engine.seqs.values()):  # prefill off the clock
         engine.step()
@@ -69,7 +120,7 @@ def masking_ms(vocab: JsonVocab, rows: int, repeats: int = 20) -> float:
     return (time.perf_counter() - t0) * 1e3 / repeats
 
 
-def synthetic_vocab(n: int = 151_643) -> JsonVocab:
+def synthetic_vocab(n: int = 151_641) -> JsonVocab:
     rng = np.random.default_rng(0)
     alpha = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", np.uint8)
     punct = np.frombuffer(b'{}[]":,.-_()/\\=+*#<>;!?\'` \n', np.uint8)
@@ -88,13 +139,13 @@ def synthetic_vocab(n: int = 151_643) -> JsonVocab:
 
     class Tok:
         eos_token_ids = (n,)
-        added_ids = frozenset([n])
+        added_ids = frozenset([n, n + 1, n + 2])
 
         @staticmethod
         def _byte_table():
-            return toks + [b"<|im_end|>"]
+            return toks + [b"<|im_end|>", b"<tool_call>", b"</tool_call>"]
 
-    return JsonVocab(Tok(), n + 1)
+    return JsonVocab(Tok(), n + 3, markup={n + 1: OPEN_TAG, n + 2: CLOSE_TAG})
 
 
 def main() -> None:
@@ -106,13 +157,16 @@ def main() -> None:
         backend = CupyBackend("bf16")
     loaded = load_model(str(DEMO_MODEL), backend) if backend is not None else load_model(str(DEMO_MODEL))
     print(f"== demo model engine steps ({device}) ==")
-    print("agents  plain ms/step  json ms/step  ratio   json steps  schema ms/step  ratio   schema steps")
+    print("agents  plain ms/step  json ms/step  ratio   json steps  schema ms/step  ratio   schema steps  "
+          "tools ms/step  ratio  calls ms/step  ratio")
     for agents in (1, 4, 12):
         plain, _ = engine_steps(loaded.model, loaded.tokenizer, agents, "plain")
         js, steps = engine_steps(loaded.model, loaded.tokenizer, agents, "json")
         sc, sc_steps = engine_steps(loaded.model, loaded.tokenizer, agents, "schema")
+        tl, _ = engine_steps(loaded.model, loaded.tokenizer, agents, "tools")
+        ca, _ = engine_steps(loaded.model, loaded.tokenizer, agents, "calls")
         print(f"{agents:6d}  {plain:13.2f}  {js:12.2f}  {js / plain:5.2f}x  {steps:10d}  {sc:14.2f}  "
-              f"{sc / plain:5.2f}x  {sc_steps:12d}")
+              f"{sc / plain:5.2f}x  {sc_steps:12d}  {tl:13.2f}  {tl / plain:4.2f}x  {ca:13.2f}  {ca / plain:4.2f}x")
     t0 = time.perf_counter()
     vocab = synthetic_vocab()
     print(f"\n== 151,644-token vocabulary (tables {time.perf_counter() - t0:.2f} s) ==")
@@ -174,15 +228,18 @@ def schema_costs(vocab: JsonVocab) -> None:
 
     print("\n== JSON schemas at the 151,644-token vocabulary ==")
     print("schema                     states  compile ms  answer bytes  masks afresh ms (max)  found again ms")
-    for name, (schema, doc) in SCHEMAS.items():
-        if schema is None:
-            schema, doc = order_schema()
-        text = schema_text(schema)
+    for name, (schema, doc) in [*SCHEMAS.items(), ("a call of 12 coding tools", (CODING_TOOLS, CALL_TEXT))]:
         t0 = time.perf_counter()
-        dfa = compile_schema(text)
+        if schema is CODING_TOOLS:  # a call the model opened under tool_choice auto (one call's automaton)
+            dfa = compile_tool_calls(tool_call_spec(CODING_TOOLS, None, True), single=True)
+            data = tags_as_bytes(doc.encode())
+        else:
+            if schema is None:
+                schema, doc = order_schema()
+            dfa = compile_schema(schema_text(schema))
+            data = json.dumps(doc).encode()
         compile_ms = (time.perf_counter() - t0) * 1e3
-        data = json.dumps(doc).encode()
-        masks = SchemaVocab(vocab, dfa)
+        masks = SchemaVocab(vocab, dfa, markup=schema is CODING_TOOLS)
         costs = []
         for rounds in range(2):  # afresh, then found again
             st = SchemaState(masks)

@@ -384,20 +384,56 @@ def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
 
 
 @pytest.mark.parametrize("script", ["NAN-CALL", "HUGE-CALL", "SURROGATE-CALL"])
-def test_a_call_whose_arguments_are_not_json_stays_text(stack, script):
+def test_a_call_whose_arguments_are_not_json_stays_text(stack, script, monkeypatch):
     """NaN, Infinity, numbers past the float range and lone surrogates (``\\ud800``, which no UTF-8 response can
-    carry: they were a 500) are not JSON: such a call is no call, streamed or not, so no client receives arguments
-    it cannot parse."""
-    r = stack.oa().chat.completions.create(model="m", messages=user(script), tools=TOOLS_OA, max_tokens=60)
+    carry: they were a 500) are not JSON: where the call is not held to its schema (here a tool set whose
+    automaton is refused as too large: its calls are asked for, not constrained), such a call is no call, streamed
+    or not, so no client receives arguments it cannot parse."""
+    from decapybara.engine import json_schema
+
+    monkeypatch.setattr(json_schema, "MAX_DFA", 8)  # every tool set past it: refused (this set's refusal cached)
+    params = {**TOOLS_OA[0]["function"]["parameters"], "title": "refused as too large"}
+    tools_oa = [{"type": "function", "function": {**TOOLS_OA[0]["function"], "parameters": params}}]
+    tools_an = [{**TOOLS_AN[0], "input_schema": params}]
+    r = stack.oa().chat.completions.create(model="m", messages=user(script), tools=tools_oa, max_tokens=60)
     assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
-    chunks = list(stack.oa().chat.completions.create(model="m", messages=user(script), tools=TOOLS_OA,
+    chunks = list(stack.oa().chat.completions.create(model="m", messages=user(script), tools=tools_oa,
                                                      max_tokens=60, stream=True))
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
-    kw = {"model": "m", "max_tokens": 60, "messages": user(script), "tools": TOOLS_AN}
+    kw = {"model": "m", "max_tokens": 60, "messages": user(script), "tools": tools_an}
     m = stack.an().messages.create(**kw)
     assert m.stop_reason == "end_turn" and "tool_use" not in [b.type for b in m.content]
     with stack.an().messages.stream(**kw) as st:
         assert "tool_use" not in [b.type for b in st.get_final_message().content]
+
+
+@pytest.mark.parametrize("script", ["NAN-CALL", "HUGE-CALL", "SURROGATE-CALL"])
+def test_a_call_the_model_opens_under_auto_is_held_to_its_schema(stack, script):
+    """Under tool_choice auto a call the model opens is constrained from its `<tool_call>` to its close: the
+    script's NaN, 1e999 or lone surrogate is refused as it is written, so whatever the reply's calls are, their
+    arguments parse and follow the tool's schema, through both APIs, streamed or not."""
+    import jsonschema
+
+    schema = TOOLS_OA[0]["function"]["parameters"]
+    for stream in (False, True):
+        kw = {"model": "m", "messages": user(script), "tools": TOOLS_OA, "max_tokens": 60, "temperature": 0}
+        if stream:
+            chunks = list(stack.oa().chat.completions.create(**kw, stream=True))
+            args = "".join(tc.function.arguments or "" for c in chunks if c.choices
+                           for tc in c.choices[0].delta.tool_calls or [])
+            calls = [args] if args else []
+        else:
+            r = stack.oa().chat.completions.create(**kw)
+            calls = [c.function.arguments for c in r.choices[0].message.tool_calls or []]
+            assert "NaN" not in (r.choices[0].message.content or "") and "1e999" not in (r.choices[0].message.content
+                                                                                          or "")
+        for a in calls:
+            jsonschema.validate(json.loads(a), schema)
+    m = stack.an().messages.create(model="m", max_tokens=60, messages=user(script), tools=TOOLS_AN)
+    for b in m.content:
+        assert b.type != "text" or ("NaN" not in b.text and "1e999" not in b.text)
+        if b.type == "tool_use":
+            jsonschema.validate(b.input, schema)
 
 
 def test_stop_strings_are_looked_for_in_the_answer_only(stack):
@@ -1099,10 +1135,11 @@ def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
             ({"type": "json_schema"}, "response_format.json_schema", "schema")]:
         r = _post(stack.url + "/v1/chat/completions", {"messages": user("x"), "response_format": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError) as err:
-        stack.oa().chat.completions.create(model="m", messages=user("x"), response_format=fmt, tools=TOOLS_OA,
-                                           tool_choice="required", max_tokens=4)
-    assert err.value.body["param"] == "response_format.type"
+    # beside a tool call tool_choice requires, the answer's format is moot: the reply is the call
+    r = stack.oa().chat.completions.create(model="m", messages=user("CALL-THE-TOOL"), response_format=fmt,
+                                          tools=TOOLS_OA, tool_choice="required", max_tokens=80,
+                                          reasoning_effort="none")
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
     # beside tools under tool_choice auto the reply is the schema's answer or tool calls
     r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format=fmt,
                                           tools=TOOLS_OA, max_tokens=40, temperature=0)
@@ -1124,10 +1161,13 @@ def test_a_json_schema_constrains_the_reply_to_what_it_accepts(stack):
         "output_format": {"type": "json_schema", "schema": ints}})  # the structured-outputs beta's form
     beta_text = "".join(b.text for b in beta.content if b.type == "text")
     assert beta_text.startswith('{"city": "Rome", "days": [1, 2') and readable(beta_text), beta_text
+    m = stack.an().messages.create(model="m", max_tokens=80, messages=user("TWO-CALLS"), tools=TOOLS_AN,
+                                   tool_choice={"type": "any"}, output_config={"format": {"type": "json_schema",
+                                                                                         "schema": ints}})
+    assert m.stop_reason == "tool_use" and [b.input["city"] for b in m.content if b.type == "tool_use"] == [
+        "Rome", "Oslo"]
     for extra, param in [({"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}},
                           "output_config.format.schema:"),
-                         ({"output_config": {"format": {"type": "json_schema", "schema": {}}},
-                           "tools": TOOLS_AN, "tool_choice": {"type": "any"}}, "output_config.format"),
                          ({"output_config": {"format": {"type": "json_schema", "schema": {}}},
                            "messages": [*user("x"), {"role": "assistant", "content": "{"}]}, "output_config.format")]:
         with pytest.raises(anthropic.BadRequestError) as err:
@@ -1139,7 +1179,7 @@ def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     """response_format json_object (JSON mode): a reply the model writes as a JSON object comes through as it is,
     streamed or not; one it would open with prose is held to a JSON object's bytes from its first token (here the
     scripted model's forced tokens are refused, so it is a valid prefix cut by max_tokens), in legacy completions
-    too; unknown types and a tool call required beside JSON mode are a 400 naming the field."""
+    too; unknown types are a 400 naming the field; beside a tool call tool_choice requires, the reply is the call."""
     from decapybara.engine.json_mode import DEAD, _States, _step
 
     def prefix_ok(text: str) -> bool:
@@ -1168,9 +1208,9 @@ def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     r = stack.oa().chat.completions.create(model="m", messages=user("JSON-REPLY"), response_format={"type": "text"},
                                           max_tokens=60)
     assert r.choices[0].message.content == SCRIPTS["JSON-REPLY"]
-    with pytest.raises(openai.BadRequestError) as err:  # a tool call it must make could never be a JSON object
-        stack.oa().chat.completions.create(model="m", messages=user("x"), response_format=fmt, tools=TOOLS_OA,
-                                           tool_choice="required", max_tokens=4)
-    assert err.value.body["param"] == "response_format.type"
+    r = stack.oa().chat.completions.create(model="m", messages=user("CALL-THE-TOOL"), response_format=fmt,
+                                          tools=TOOLS_OA, tool_choice="required", max_tokens=80,
+                                          reasoning_effort="none")  # the call it must make: JSON mode is moot
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
     r = stack.oa().completions.create(model="m", prompt="NOT-JSON", max_tokens=12, extra_body={"response_format": fmt})
     assert r.choices[0].text.lstrip().startswith("{") and prefix_ok(r.choices[0].text), r.choices[0].text

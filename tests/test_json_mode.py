@@ -218,9 +218,10 @@ def test_a_json_answer_ends_where_its_object_closes(extra):
     assert got == want  # eos and the stop ids were never JSON's to take: masking them changes nothing
 
 
-def adopt_midway(prompt: tuple, params: SamplingParams, tmp_path, check) -> None:
+def adopt_midway(prompt: tuple, params: SamplingParams, tmp_path, check, processor=None) -> None:
     """Run `params` uninterrupted, then again paused after 8 tokens to the disk tier and adopted by a new engine
-    (a restart): `check(seq)` on the adopted sequence, and the same tokens as the uninterrupted run."""
+    (a restart): `check(seq)` on the adopted sequence, and the same tokens as the uninterrupted run (every engine
+    with the logits `processor`, if any)."""
     from decapybara.kv.disk_tier import DiskTierStore
     from decapybara.kv.ram_tier import RamTierStore
     from decapybara.kv.stores import TierStores
@@ -229,10 +230,10 @@ def adopt_midway(prompt: tuple, params: SamplingParams, tmp_path, check) -> None
     m = demo()
     tok = m.tokenizer
     cfg = EngineConfig(loop_guard="off")
-    want, _ = run(Engine(m.model, cfg, tokenizer=tok), [Request(prompt, params, "j")])
+    want, _ = run(Engine(m.model, cfg, tokenizer=tok, logits_processor=processor), [Request(prompt, params, "j")])
 
     def engine_over() -> tuple[Engine, TierStores]:
-        engine = Engine(m.model, cfg, tokenizer=tok)
+        engine = Engine(m.model, cfg, tokenizer=tok, logits_processor=processor)
         stores = TierStores(KVTiers(RamTierStore(0), DiskTierStore(f"file://{tmp_path}/kv", 1 << 30)),
                             engine.blocks.salt)
         engine.bundle_store = stores

@@ -393,7 +393,7 @@ def test_tool_call_replies_the_automaton_writes_parse_as_calls_that_follow_the_s
     allowed, their arguments valid (a tool whose schema is not enforced here: an object), one where parallel
     calls are off."""
     from decapybara.chat import parse_assistant_output
-    from decapybara.engine.json_schema import compile_tool_calls, tool_call_spec
+    from decapybara.engine.json_schema import compile_tool_calls, tags_as_text, tool_call_spec
 
     dfa = compile_tool_calls(tool_call_spec(TOOLS, name, parallel))
     schemas = {"read_file": TOOLS[0]["function"]["parameters"], "list_dir": {"type": "object", "maxProperties": 0},
@@ -402,7 +402,7 @@ def test_tool_call_replies_the_automaton_writes_parse_as_calls_that_follow_the_s
     dist = distance_to_accept(dfa)
     counts, names = set(), set()
     for _ in range(80):
-        out = parse_assistant_output(walk(dfa, rng, dist, budget=200).decode("utf-8", "replace"))
+        out = parse_assistant_output(tags_as_text(walk(dfa, rng, dist, budget=200)).decode("utf-8", "replace"))
         assert out.content == "" and out.tool_calls
         for call in out.tool_calls:
             jsonschema.validate(call.arguments, schemas[call.name])
@@ -506,19 +506,34 @@ def test_formatted_strings_parse_as_pydantic_reads_them():
 
 
 def test_one_vocabulary_serves_every_automaton_the_markup_only_to_tool_calls():
-    """The engine's one vocabulary table reads the tool-call tags as their text: a tool-call reply's masks allow
-    them where the reply's automaton reads the tags, JSON mode's and a schema's never (not even inside a string)."""
+    """The engine's one vocabulary table reads the tool-call tags as reserved bytes (no UTF-8 text's): a tool-call
+    reply's masks allow them where the reply's automaton reads a tag, and nowhere else, not inside an argument's
+    string; JSON mode's and a schema's masks never; a token that holds a reserved byte outside a tag never either."""
     from decapybara.engine.json_mode import JsonState
-    from decapybara.engine.json_schema import compile_tool_calls, tool_call_spec
+    from decapybara.engine.json_schema import CLOSE_TAG, OPEN_TAG, compile_tool_calls, tool_call_spec
 
     tok = demo().tokenizer
     tags = (tok.special_ids.tool_call, tok.special_ids.end_tool_call)
-    vocab = JsonVocab(tok, tok.vocab_size, markup=tags)
+    vocab = JsonVocab(tok, tok.vocab_size, markup=dict(zip(tags, (OPEN_TAG, CLOSE_TAG))))
+    assert vocab.clash.size and not np.isin(vocab.clash, tags).any()
     json_mode = JsonState(vocab)
     json_mode.advance(b'{"a": "')
     schema = SchemaState(SchemaVocab(vocab, compile_schema({"type": "string"})))
     schema.advance(b'"')
-    calls = SchemaState(SchemaVocab(vocab, compile_tool_calls(tool_call_spec(TOOLS[:1], None, False)), markup=True))
+    calls = SchemaState(SchemaVocab(vocab, compile_tool_calls(tool_call_spec(TOOLS[:1], None, True)), markup=True))
     assert not json_mode.allowed()[list(tags)].any() and not schema.allowed()[list(tags)].any()
-    assert calls.allowed()[tags[0]] and not calls.allowed()[tags[1]]
+    assert not schema.allowed()[vocab.clash].any()
+    assert calls.allowed()[tags[0]] and not calls.allowed()[tags[1]] and not calls.allowed()[vocab.clash].any()
     assert json_mode.allowed()[tok.encode("<")[0]]  # the same bytes as text stay string content
+    calls.advance(b"<tool_call>", tags[0])  # the tag token: read as its reserved byte
+    for t in tok.encode('\n{"name": "read_file", "arguments": {"path": "a'):
+        calls.advance(tok.token_bytes(t), t)
+    inside = calls.allowed()
+    assert not inside[list(tags)].any() and inside[tok.encode("<")[0]]  # in a string: text, never a tag
+    for t in tok.encode('"}}\n'):
+        calls.advance(tok.token_bytes(t), t)
+    assert calls.allowed()[tags[1]] and not calls.allowed()[tags[0]]
+    calls.advance(b"</tool_call>", tags[1])
+    assert calls.state >= 0 and not calls.allowed()[list(tags)].any()
+    calls.advance(b"\n", tok.encode("\n")[0])
+    assert calls.allowed()[tags[0]] and not calls.allowed()[tags[1]]  # parallel: another call after a newline

@@ -10,11 +10,13 @@ Choices made where the API leaves room:
   ``display: "omitted"`` returns thinking blocks with empty text and the signature.
 - tool_choice "none" leaves the tools out of the prompt; "any" and "tool" add an instruction to the prompt and
   constrain the reply (after any reasoning) to tool calls of the tools allowed, their inputs to each tool's
-  input_schema (not after a prefill, which has begun the reply). Server tools (a ``type`` other than "custom")
-  are refused.
+  input_schema (not after a prefill, which has begun the reply). Under "auto" the reply is free until the model
+  opens a call (its ``<tool_call>`` token); the calls are then held to the tools' names and input_schemas. Server
+  tools (a ``type`` other than "custom") are refused.
 - ``output_config.format`` (structured outputs, ``{"type": "json_schema", "schema": ...}``) constrains the reply's
   text, after any thinking, to what the schema accepts (`decapybara.engine.json_schema`), or, beside tools under
-  tool_choice auto, to tool calls; ``effort`` is read and not acted on.
+  tool_choice auto, to tool calls; beside "any" / "tool" the reply is the call; ``effort`` is read and not acted
+  on.
 - a tool_result with ``is_error`` is rendered as "Error: " + its content.
 - a trailing assistant message is a prefill: the reply continues it and the response holds only the new text.
 - a generation the LoopGuard stopped ends with stop_reason "end_turn" and an extra top-level field
@@ -182,15 +184,13 @@ def count_tokens(body: an.CountTokensRequest, tokenizer: Any) -> an.CountTokensR
 
 
 def output_schema(body: an.MessagesRequest, chat: ChatInput) -> str | None:
-    """`output_config.format`'s schema as `SamplingParams.json_schema` text (None without one); a 400 beside a
-    tool call tool_choice requires, or after a prefill (the constraint would start inside the reply)."""
+    """`output_config.format`'s schema as `SamplingParams.json_schema` text (None without one); a 400 after a
+    prefill (the constraint would start inside the reply). Beside a tool call tool_choice requires it is moot:
+    the reply is that call (`settle_constraint`)."""
     fmt = body.output_config.format if body.output_config is not None else None
     fmt = fmt or body.output_format
     if fmt is None:
         return None
-    if chat.tool_choice.mode in ("required", "named"):
-        raise bad_request("output_config.format leaves no room for the tool call tool_choice asks for: the reply is "
-                          "a JSON value", "output_config.format")
     if chat.prefill:
         raise bad_request("output_config.format cannot follow a prefilled assistant turn: the reply would begin "
                           "outside the schema", "output_config.format")

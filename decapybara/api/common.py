@@ -160,32 +160,40 @@ def checked_schema(schema: Any, param: str) -> str:
 
 
 def constrained(params: SamplingParams) -> bool:
-    """Whether the reply is constrained (JSON mode, a schema, tool calls): its parser then reads reasoning only
-    at its start (`parse_assistant_output`'s `reasoning_once`), since the answer's strings may hold the tags."""
-    return params.json_object or params.json_schema is not None or params.tool_calls is not None
+    """Whether the reply is constrained from its start (JSON mode, a schema, tool calls): its parser then reads
+    reasoning only at its start (`parse_assistant_output`'s `reasoning_once`), since the answer's strings may hold
+    the tags. A reply whose calls are constrained only once it opens one (`lazy_tool_calls`) is read as a free one."""
+    return (params.json_object or params.json_schema is not None
+            or (params.tool_calls is not None and not params.lazy_tool_calls))
 
 
 def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams:
     """`params` with the reply's constraint settled (after the request's other checks, so that a request refused
-    anyway compiles nothing): tool calls where tool_choice requires them (not after a prefill, which has begun the
-    reply); a schema's answer that may instead be tool calls where tools are offered under tool_choice auto; else
-    as asked (JSON mode stays JSON mode beside tools: its objects nest deeper than a schema's free values). Where
-    the tools' automaton cannot be built (too large), the calls are asked for, not forced."""
+    anyway compiles nothing), where tools are offered (not after a prefill, which has begun the reply):
+    - tool_choice required or named: the reply is tool calls (a JSON answer asked for beside them is moot: the
+      reply calls a tool);
+    - auto with a schema's answer: that answer, or tool calls instead;
+    - auto otherwise: free text, and once the model opens a call (`<tool_call>`), calls of the offered tools with
+      arguments their parameters accept (`lazy_tool_calls`); JSON mode stays JSON mode (its objects nest deeper
+      than a schema's free values).
+    Where the tools' automaton cannot be built (too large), the calls are asked for, not forced."""
     tools = chat.tools if chat.tool_choice.mode != "none" and not chat.prefill else None
     if not tools:
         return params
-    mode = chat.tool_choice.mode
-    if params.json_schema is None and not params.json_object and mode in ("required", "named"):
+    mode, lazy = chat.tool_choice.mode, False
+    if mode in ("required", "named"):
         spec = tool_call_spec(tools, chat.tool_choice.name if mode == "named" else None, chat.tool_choice.parallel)
-    elif params.json_schema is not None and mode == "auto":
+    elif params.json_schema is not None:
         spec = tool_call_spec(tools, None, chat.tool_choice.parallel, answer=json.loads(params.json_schema))
+    elif not params.json_object:
+        spec, lazy = tool_call_spec(tools, None, chat.tool_choice.parallel), True
     else:
         return params
     try:
-        compile_tool_calls(spec)  # cached (failures too): the engine finds it where it runs in this process
+        compile_tool_calls(spec, lazy)  # cached (failures too): the engine finds it where it runs in this process
     except SchemaError:
-        return params
-    return dataclasses.replace(params, json_schema=None, tool_calls=spec)
+        return params if mode == "auto" else dataclasses.replace(params, json_schema=None, json_object=False)
+    return dataclasses.replace(params, json_schema=None, json_object=False, tool_calls=spec, lazy_tool_calls=lazy)
 
 
 def _history_end(ids: tuple[int, ...], im_start: int | None, turns_after: int) -> int | None:

@@ -6,7 +6,10 @@ Choices made where the API leaves room:
   ``reasoning_content``, separate from ``content``.
 - tool_choice "none" leaves the tools out of the prompt; "required" and a named function add an instruction
   to the prompt and constrain the reply (after any reasoning) to tool calls of the tools allowed, their
-  arguments to each tool's parameters schema (`decapybara.engine.json_schema.compile_tool_calls`).
+  arguments to each tool's parameters schema (`decapybara.engine.json_schema.compile_tool_calls`); a
+  response_format beside them is moot (the reply is the calls). Under "auto" the reply is free until the model
+  opens a call (its ``<tool_call>`` token); the calls are then held to the tools' names and parameters, as
+  ``strict`` asks, for every tool.
 - a generation the LoopGuard stopped finishes with "stop" and carries an extra choice field
   ``loop_guard: {"stopped": true, "note": ...}`` (also on the final stream chunk), so agents can tell a loop
   from a normal end.
@@ -14,8 +17,7 @@ Choices made where the API leaves room:
 - response_format "json_object" is JSON mode (`decapybara.engine.json_mode`: the answer, after any reasoning, is
   constrained token by token to a JSON object, and ends when it closes); "json_schema" constrains it to what
   `json_schema.schema` accepts (`decapybara.engine.json_schema`; a schema whose assertions are not enforced
-  here is refused with a 400 naming the keyword); both in legacy completions too, neither beside a required or
-  named tool call; beside tools under tool_choice auto, a schema's answer may instead be tool calls (JSON mode's
+  here is refused with a 400 naming the keyword); both in legacy completions too; beside tools under tool_choice auto, a schema's answer may instead be tool calls (JSON mode's
   may not). A constrained reply does not end while it reasons.
 """
 
@@ -200,9 +202,6 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
-    if (params.json_object or params.json_schema is not None) and chat.tool_choice.mode in ("required", "named"):
-        raise bad_request(f"response_format {body.response_format.type} leaves no room for the tool call "
-                          "tool_choice asks for: the reply is a JSON value", "response_format.type")
     params = settle_constraint(params, chat)
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,

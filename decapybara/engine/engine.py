@@ -10,6 +10,7 @@ and later resumed with no re-prefill. No Ray here: plain objects, a clock that t
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -189,8 +190,9 @@ class Engine(MemoryMixin):
         return seq
 
     def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
-        """The automaton of JSON mode, of a JSON Schema, or of a reply of tool calls only, for a request that asks
-        for one (None otherwise); the vocabulary's tables are built at the first such request and shared, the
+        """The automaton of JSON mode, of a JSON Schema, of a reply of tool calls only, or of the calls a reply
+        under tool_choice auto opens (`lazy_tool_calls`), for a request that asks for one (None otherwise, and for
+        the last where the tokenizer has no `<tool_call>` token); the vocabulary's tables are built at the first such request and shared, the
         masks of a schema (or tool set) kept for the `SCHEMAS_KEPT` last asked. Where the prompt's last chat turn
         holds no reasoning markup (a model that may open its reasoning itself), `<think>` is allowed as the answer's
         first token (not after a raw completion prompt, whose text is the answer)."""
@@ -202,6 +204,14 @@ class Engine(MemoryMixin):
                                       param)
         from decapybara.engine.json_mode import JsonState
 
+        if params.lazy_tool_calls:  # the calls the model opens itself: none to constrain without the tag token
+            trigger = self.tokenizer.special_ids.tool_call
+            if trigger is None:
+                return None
+            from decapybara.engine.json_schema import ToolCallsOnce
+
+            return ToolCallsOnce(self._constraint_masks(params, param), trigger,
+                                 bool(json.loads(params.tool_calls).get("parallel", True)))
         masks = None if params.json_object else self._constraint_masks(params, param)
         think = None
         start = getattr(self.tokenizer.special_ids, "im_start", None)
@@ -218,13 +228,14 @@ class Engine(MemoryMixin):
         return SchemaState(masks, think)
 
     def _json_vocabulary(self) -> Any:
-        """The vocabulary's tables for the automata (the tool-call tags read as their text, allowed only in a
-        tool-call reply's masks), built once."""
+        """The vocabulary's tables for the automata (the tool-call tags read as the bytes the tool-call automata
+        read for them, allowed only in a tool-call reply's masks), built once."""
         from decapybara.engine.json_mode import JsonVocab
+        from decapybara.engine.json_schema import CLOSE_TAG, OPEN_TAG
 
         if self._json_vocab is None:
             ids = self.tokenizer.special_ids
-            tags = tuple(t for t in (ids.tool_call, ids.end_tool_call) if t is not None)
+            tags = {t: b for t, b in ((ids.tool_call, OPEN_TAG), (ids.end_tool_call, CLOSE_TAG)) if t is not None}
             self._json_vocab = JsonVocab(self.tokenizer, self.model.cfg.vocab_size, markup=tags)
         return self._json_vocab
 
@@ -232,14 +243,16 @@ class Engine(MemoryMixin):
         """The token masks of a request's schema or tool set (`json_schema.SchemaVocab`), kept by its text."""
         from decapybara.engine.json_schema import SchemaError, SchemaVocab, compile_schema, compile_tool_calls
 
-        key = params.json_schema if params.tool_calls is None else "tools:" + params.tool_calls
+        single = params.lazy_tool_calls  # one call at a time (`ToolCallsOnce`)
+        key = params.json_schema if params.tool_calls is None else ("call:" if single else "tools:") + params.tool_calls
         masks = self._schema_masks.get(key)
         if masks is None:
             try:
                 if params.tool_calls is None:
                     masks = SchemaVocab(self._json_vocabulary(), compile_schema(params.json_schema))
                 else:
-                    masks = SchemaVocab(self._json_vocabulary(), compile_tool_calls(params.tool_calls), markup=True)
+                    masks = SchemaVocab(self._json_vocabulary(), compile_tool_calls(params.tool_calls, single),
+                                        markup=True)
             except (SchemaError, ValueError, KeyError, TypeError) as e:
                 raise InvalidRequestError(f"{param}: {e}", param) from None
             self._schema_masks[key] = masks
@@ -250,8 +263,8 @@ class Engine(MemoryMixin):
 
     def _json_active(self, s: Sequence) -> bool:
         """Whether JSON mode constrains `s`'s next token (its answer; not its reasoning, nor a reply that left the
-        automaton through a token the engine forced)."""
-        return s.json is not None and not s.in_thinking and not s.json.dead
+        automaton through a token the engine forced, nor the free text of a reply that has opened no tool call)."""
+        return s.json is not None and not s.in_thinking and not s.json.dead and not s.json.free
 
     def abort(self, request_id: str) -> TokenEvent | None:
         """Cancel a request wherever it is; its pages and slot are freed at once."""
@@ -472,7 +485,7 @@ class Engine(MemoryMixin):
         rows = [i for i, s in enumerate(seqs) if self._json_active(s)]
         # a constrained reply's reasoning may not end the reply: its answer is still to come
         reasoning = [i for i, s in enumerate(seqs) if s.json is not None and s.in_thinking and not s.json.dead
-                     and not s.params.ignore_eos]
+                     and not s.json.free and not s.params.ignore_eos]
         if not rows and not reasoning:
             return logits
         xp = xp or self.model.backend.xp
@@ -493,8 +506,15 @@ class Engine(MemoryMixin):
         """Whether chunk `c`'s sequence may draft: its next step decodes one token and a second could still be
         taken (max_tokens, the context)."""
         s = c.seq
-        return (c.sample and s.finish_reason is None and s.num_uncomputed == 1 and s.json is None  # JSON: no drafts
+        return (c.sample and s.finish_reason is None and s.num_uncomputed == 1
+                and (s.json is None or s.json.free)  # JSON: no drafts; a reply's free text before its tool calls may
                 and s.num_output + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len)
+
+    @staticmethod
+    def _opens_constraint(s: Sequence, token: int) -> bool:
+        """Whether `token` would switch `s`'s constraint on (a free reply's `<tool_call>`): no draft may be it,
+        since the token after an accepted draft is sampled without the masks it turns on."""
+        return s.json is not None and s.json.free and token == s.json.trigger
 
     def _draft_ngram(self, plan: StepPlan) -> None:
         """Prompt-lookup drafts (SPECULATOR ngram, engine/ngram.py): the token that followed the latest earlier
@@ -511,7 +531,7 @@ class Engine(MemoryMixin):
                 s.ngram.extend(s.tokens, s.num_computed)
                 continue
             token, n = s.ngram.propose(s.tokens)
-            if token is not None:
+            if token is not None and not self._opens_constraint(s, token):
                 if n >= s.ngram.max_n:
                     s.draft = token
                 else:
@@ -558,6 +578,8 @@ class Engine(MemoryMixin):
             self._head = _HeadPass(self.timer() - t, tuple(served), captures) if decode else None
         if verify and wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
             for s, g, p in zip(wants, guesses, confidence):
+                if self._opens_constraint(s, int(g)):
+                    continue
                 if p >= self.cfg.spec_min_confidence:
                     s.draft = int(g)
                 else:
@@ -621,7 +643,7 @@ class Engine(MemoryMixin):
         """Track <think> / </think> and push `tok` to the detokeniser: stop strings are looked for in the answer
         only, not in the reasoning, its markup, nor the whitespace that separates it from the answer."""
         if s.json is not None and not s.in_thinking and tok not in self._think:  # an answer token: JSON mode reads it
-            s.json.advance(self.tokenizer.token_bytes(tok) if tok not in self.eos_token_ids else b"")
+            s.json.advance(self.tokenizer.token_bytes(tok) if tok not in self.eos_token_ids else b"", tok)
         if tok == self._think[0]:
             s.in_thinking = True
             if s.json is not None:  # reasoning opens once: the answer's constraint no longer allows `<think>`
@@ -662,7 +684,7 @@ class Engine(MemoryMixin):
                 s.pending_tokens.append(t)
                 s.pending_text += s.detok.push(t, False) if s.detok is not None else ""
                 if closed and s.json is not None:  # the answer's first bytes, as an adoption's replay reads them
-                    s.json.advance(self.tokenizer.token_bytes(t))
+                    s.json.advance(self.tokenizer.token_bytes(t), t)
                 closed |= t == self._think[1]
             s.in_thinking, s.after_think = False, True  # as where the model closes its reasoning itself
 

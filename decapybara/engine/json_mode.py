@@ -195,10 +195,12 @@ class MaskCache:
             self._bits.popitem(last=False)
 
 
+RESERVED = 0xF8  # bytes from here up are in no UTF-8 text: the automata read markup tokens as them
+
 class JsonVocab:
     """A tokenizer's vocabulary as the automaton reads it: each token's bytes (added tokens none, so never allowed,
-    but the `markup` ids, read as their text for a tool-call reply's automaton and banned from any other's
-    masks), and the tokens allowed in a state (`allowed`: a bool [vocab_size]
+    but the `markup` ids, read as the reserved bytes given for them (`RESERVED` and up, which no UTF-8 text holds,
+    so that no string can hold a tag) for a tool-call reply's automaton, and banned from any other's masks), and the tokens allowed in a state (`allowed`: a bool [vocab_size]
     mask of every token the state can read whole, the end-of-sequence ids only once the object is closed), kept
     as bitmaps for the `CACHE` states last asked.
 
@@ -207,19 +209,27 @@ class JsonVocab:
 
     CACHE = 1024
 
-    def __init__(self, tokenizer: Any, vocab_size: int, markup: tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, markup: dict[int, bytes] | None = None) -> None:
         table = tokenizer._byte_table()
+        markup = {m: b for m, b in (markup or {}).items() if m < vocab_size}
         added = set(tokenizer.added_ids) if hasattr(tokenizer, "added_ids") else set()
-        added -= set(markup)  # markup tokens read as their text (a tool-call reply's `<tool_call>`)
+        added -= set(markup)  # markup tokens read as their reserved bytes (a tool-call reply's `<tool_call>`)
         self.vocab_size = vocab_size
-        self.markup = np.array(sorted(m for m in markup if m < vocab_size), np.int64)
+        self.markup = np.array(sorted(markup), np.int64)
+        self.markup_bytes = markup  # token id -> the bytes the automata read for it
         self.eos = np.array(sorted(i for i in tokenizer.eos_token_ids if i < vocab_size), np.int64)
-        toks = [b"" if (i >= len(table) or i in added) else table[i] for i in range(vocab_size)]
+        toks = [markup[i] if i in markup else b"" if (i >= len(table) or i in added) else table[i]
+                for i in range(vocab_size)]
         lens = np.array([len(t) for t in toks], np.int64)
         self.order = np.argsort(-lens, kind="stable")  # longest first: the tokens with a j-th byte lead
         self.lens = lens[self.order]
         self.flat = np.frombuffer(b"".join(toks[i] for i in self.order), np.uint8)
         self.offsets = np.concatenate([[0], np.cumsum(self.lens)[:-1]]).astype(np.int64)
+        # other tokens that hold a reserved byte (no UTF-8 text's): a schema's automaton reads none of them
+        high = np.zeros(len(self.flat) + 1, np.int64)
+        high[1:] = np.cumsum(self.flat >= RESERVED)
+        clash = self.order[high[self.offsets + self.lens] > high[self.offsets]]
+        self.clash = np.setdiff1d(clash, self.markup).astype(np.int64)
         self.closes = 1 + max((t.count(b"}") + t.count(b"]") for t in toks), default=0)  # levels a token may close
         self.opens = max((t.count(b"{") + t.count(b"[") for t in toks), default=0)
         self.ws_run = min(MAX_WS, max((len(t) - len(t.lstrip(b" \t\n\r")) for t in toks), default=0))  # leading runs
@@ -229,6 +239,7 @@ class JsonVocab:
         # they are allowed from any state, with no step to take
         plain_byte = np.ones(256, bool)
         plain_byte[:0x20] = False
+        plain_byte[RESERVED:] = False
         plain_byte[[ord('"'), ord("\\")]] = False
         bad = np.zeros(len(self.flat) + 1, np.int64)
         bad[1:] = np.cumsum(~plain_byte[self.flat])
@@ -294,13 +305,15 @@ class JsonState:
     """One answer's automaton: `advance` with each token it takes, `allowed` for the next sampling step. `think`:
     a token id (the model's `<think>`) also allowed while nothing of the answer has been read."""
 
+    free = False  # never: every token of the answer is constrained
+
     def __init__(self, vocab: JsonVocab, think: int | None = None) -> None:
         self.vocab, self.state, self.think = vocab, _States.start(), think
         self.started = False  # a byte of the answer read
 
-    def advance(self, token_bytes: bytes) -> None:
-        """Read a sampled token's bytes (an end-of-sequence token is not read): each byte's step from a state seen
-        before is looked up (`_NEXT`), not stepped again."""
+    def advance(self, token_bytes: bytes, token: int = -1) -> None:
+        """Read a sampled token's bytes (an end-of-sequence token is not read; `token`, its id, unread here):
+        each byte's step from a state seen before is looked up (`_NEXT`), not stepped again."""
         key = self.state.key_of()
         self.started |= bool(token_bytes)
         for b in token_bytes:

@@ -32,7 +32,10 @@ pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `des
 
 `compile_tool_calls` builds the automaton of a reply made of tool calls only (tool_choice required or named),
 each call's arguments an object its tool's parameters accept, or, with an answer schema, of a reply that is
-either such calls or that answer (a JSON answer asked for beside tools under tool_choice auto).
+either such calls or that answer (a JSON answer asked for beside tools under tool_choice auto). The tags are read
+as bytes no UTF-8 text holds (`OPEN_TAG`, `CLOSE_TAG`: the vocabulary reads the tag tokens as them), so only the tag
+tokens write a tag, and never inside a string. Under tool_choice auto without such an answer, one call's automaton
+takes over where the model opens a call itself (`ToolCallsOnce`): the text before and after its calls is free.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from decapybara.engine.json_mode import MAX_WS, TOP_WS, JsonVocab, MaskCache
+from decapybara.engine.json_mode import MAX_WS, RESERVED, TOP_WS, JsonVocab, MaskCache
 from decapybara.engine.json_mode import WS as _WS_TABLE  # bool [256]: the whitespace bytes
 
 FREE_DEPTH = 4  # levels of nesting inside a value the schema leaves free
@@ -91,7 +94,9 @@ WS = _bits(b" \t\n\r")
 DIGIT, DIGIT19 = _span(0x30, 0x39), _span(0x31, 0x39)
 HEX = DIGIT | _span(0x41, 0x46) | _span(0x61, 0x66)
 ESCAPED = _bits(b'"\\/bfnrt')
-PLAIN = _span(0x20, 0xFF) & ~_bits(b'"\\')  # string content bytes that stand for themselves
+PLAIN = _span(0x20, RESERVED - 1) & ~_bits(b'"\\')  # string content bytes that stand for themselves
+OPEN_TAG, CLOSE_TAG = bytes([RESERVED]), bytes([RESERVED + 1])  # `<tool_call>`, `</tool_call>` as the automata read
+TAGS = ((b"<tool_call>", OPEN_TAG), (b"</tool_call>", CLOSE_TAG))
 ASCII_PLAIN = PLAIN & _span(0x20, 0x7F)
 CONT = _span(0x80, 0xBF)
 UTF8 = ((_span(0xC2, 0xDF), CONT), (1 << 0xE0, _span(0xA0, 0xBF), CONT), (_span(0xE1, 0xEC), CONT, CONT),
@@ -1056,16 +1061,20 @@ def compile_schema(schema: Any) -> SchemaDfa:
     return _cached(text, build)
 
 
-def compile_tool_calls(spec: str) -> SchemaDfa:
+def compile_tool_calls(spec: str, single: bool = False) -> SchemaDfa:
     """The automaton of a reply made of tool calls only, as the chat template writes them: ``<tool_call>\\n{"name":
-    "NAME", "arguments": ARGS}\\n</tool_call>``, NAME one of `spec`'s tools (`tool_call_spec`) and ARGS a JSON
+    "NAME", "arguments": ARGS}\\n</tool_call>`` (the tags read as `OPEN_TAG` and `CLOSE_TAG`: only their tokens
+    write them, never inside a string), NAME one of `spec`'s tools (`tool_call_spec`) and ARGS a JSON
     object its parameters' schema accepts (any JSON object where that schema cannot be enforced here); with
     `parallel`, more calls after a newline each; where the spec holds an `answer` schema, a reply may instead be
-    such an answer (a JSON Schema's, or any JSON object for JSON mode). Cached as `compile_schema`'s automata;
-    raises SchemaError where no call can be written."""
+    such an answer (a JSON Schema's, or any JSON object for JSON mode). `single`: one call, whatever `parallel`
+    says, and no answer (`ToolCallsOnce`'s automaton, which ends where the call closes). Cached as
+    `compile_schema`'s automata; raises SchemaError where no call can be written."""
 
     def build() -> SchemaDfa:
         obj = json.loads(spec)
+        if single:
+            obj = {**obj, "parallel": False, "answer": None}
         n = _Nfa()
         calls = []
         for tool in obj["tools"]:
@@ -1076,8 +1085,8 @@ def compile_tool_calls(spec: str) -> SchemaDfa:
                 args = _tool_arguments(params)
             except SchemaError:
                 args = compile_schema({"type": "object"})
-            head = f'<tool_call>\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
-            calls.append(n.seq(n.lit(head.encode()), _embed(n, args), n.lit(b"}\n</tool_call>")))
+            head = f'\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
+            calls.append(n.seq(n.lit(OPEN_TAG + head.encode()), _embed(n, args), n.lit(b"}\n" + CLOSE_TAG)))
         call = n.alt(*calls)
         if obj.get("parallel", True):
             sep = n.lit(b"\n")
@@ -1090,7 +1099,21 @@ def compile_tool_calls(spec: str) -> SchemaDfa:
             reply = _with_lead(n, call)
         return _build(n, *reply)
 
-    return _cached("tools:" + spec, build)
+    return _cached(("call:" if single else "tools:") + spec, build)
+
+
+def tags_as_bytes(text: bytes) -> bytes:
+    """`text` with the tool-call tags as a tool-call automaton reads them (`OPEN_TAG`, `CLOSE_TAG`)."""
+    for tag, b in TAGS:
+        text = text.replace(tag, b)
+    return text
+
+
+def tags_as_text(data: bytes) -> bytes:
+    """A tool-call automaton's bytes with the tags written as their text (what the reply's parser reads)."""
+    for tag, b in TAGS:
+        data = data.replace(b, tag)
+    return data
 
 
 def _tool_arguments(params: Any) -> SchemaDfa:
@@ -1155,7 +1178,7 @@ def precompile(params: Any) -> None:
         if getattr(params, "json_schema", None) is not None:
             compile_schema(params.json_schema)
         elif getattr(params, "tool_calls", None) is not None:
-            compile_tool_calls(params.tool_calls)
+            compile_tool_calls(params.tool_calls, single=bool(getattr(params, "lazy_tool_calls", False)))
     except (SchemaError, ValueError):
         pass
 
@@ -1223,6 +1246,7 @@ class SchemaVocab:
             j += 1
         if not self.markup:
             allowed[v.markup] = False
+        allowed[v.clash] = False  # a reserved byte outside a tag: no text's
         self.masks.put((state, ws), allowed)
         return allowed
 
@@ -1232,12 +1256,17 @@ class SchemaState:
     it takes, `allowed` for the next sampling step; `think` a token id also allowed before the answer's first
     byte."""
 
+    free = False  # never: every token of the answer is constrained
+
     def __init__(self, masks: SchemaVocab, think: int | None = None) -> None:
         self.masks, self.think = masks, think
         self.state, self.ws = masks.dfa.start, 0
         self.started = False
 
-    def advance(self, token_bytes: bytes) -> None:
+    def advance(self, token_bytes: bytes, token: int = -1) -> None:
+        """Read the answer's next token: its bytes, or for a markup token (`token`, its id) the bytes the automaton
+        reads for it."""
+        token_bytes = self.masks.vocab.markup_bytes.get(token, token_bytes)
         dfa = self.masks.dfa
         self.started |= bool(token_bytes)
         for b in token_bytes:
@@ -1260,3 +1289,48 @@ class SchemaState:
         if self.think is not None and not self.started and self.think < len(mask):
             mask[self.think] = True
         return mask
+
+
+class ToolCallsOnce:
+    """A reply under tool_choice auto whose calls are constrained where the model opens one (the interface of
+    `SchemaState`): `free` while the model writes its own text (its tokens read nothing: the engine neither masks
+    nor waits on it); from the `trigger` token (the tokenizer's `<tool_call>`, which the automaton reads as
+    `OPEN_TAG`) to the call's close, what `masks`' one-call automaton (`compile_tool_calls(spec, single=True)`)
+    accepts after that tag: the name one of the tools', the arguments an object the tool's parameters accept,
+    then ``</tool_call>``. After the call the reply is free again where `parallel`, else whole (`done`). A call
+    the model spells in plain tokens rather than the tag token is not seen (nor constrained)."""
+
+    def __init__(self, masks: SchemaVocab, trigger: int, parallel: bool) -> None:
+        self.masks, self.trigger, self.parallel = masks, trigger, parallel
+        self.think: int | None = None  # nothing of the automaton's to allow before the answer (engine's field)
+        self.call: SchemaState | None = None  # the open call's automaton
+        self.closed = False  # a call closed where parallel calls are off: the reply is whole
+
+    @property
+    def free(self) -> bool:
+        """No call open: nothing constrains the next token."""
+        return self.call is None
+
+    def advance(self, token_bytes: bytes, token: int = -1) -> None:
+        if self.call is None:
+            if token != self.trigger or self.done:
+                return
+            self.call = SchemaState(self.masks)
+        self.call.advance(token_bytes, token)
+        if self.call.done:
+            self.call, self.closed = None, True
+
+    @property
+    def done(self) -> bool:
+        """A call closed and no other may follow."""
+        return self.closed and not self.parallel
+
+    @property
+    def dead(self) -> bool:
+        return self.call is not None and self.call.dead
+
+    def allowed(self) -> np.ndarray:
+        """The mask of the open call's next token (a `free` reply's are not asked)."""
+        if self.call is None:
+            raise RuntimeError("no call is open: the reply is free")
+        return self.call.allowed()

@@ -77,6 +77,7 @@ class SamplingParams:
     json_object: bool = False  # JSON mode: the answer is constrained to a JSON object (`engine.json_mode`)
     json_schema: str | None = None  # structured outputs: the answer is constrained to this JSON Schema's text
     tool_calls: str | None = None  # the answer is tool calls only (`engine.json_schema.compile_tool_calls`' spec)
+    lazy_tool_calls: bool = False  # with tool_calls: free text until the model opens a call (`ToolCallsOnce`)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +109,9 @@ class SamplingParams:
                                             or self.json_schema is not None):
             raise InvalidRequestError("tool_calls must be a tool set's JSON text, and not beside json_object or "
                                       "json_schema", "tool_calls")
+        if not isinstance(self.lazy_tool_calls, bool) or (self.lazy_tool_calls and self.tool_calls is None):
+            raise InvalidRequestError("lazy_tool_calls must be a boolean, true only beside tool_calls",
+                                      "lazy_tool_calls")
         if not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
         for tok, bias in self.logit_bias.items():

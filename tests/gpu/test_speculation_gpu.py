@@ -153,9 +153,10 @@ def test_gpu_json_mode_gives_the_reference_tokens(graphs):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_gpu_schemas_and_forced_tool_calls_give_the_reference_tokens(graphs):
-    """A JSON Schema's answer and a reply forced to tool calls on the cupy backend (their masks set where the
-    logits are), greedy and seeded, beside a plain request and with speculation asked for: the numpy reference's
-    tokens, and answers the schema's automaton reads (valid where they ended by themselves)."""
+    """A JSON Schema's answer, a reply forced to tool calls and replies whose calls are constrained once they open
+    one (tool_choice auto) on the cupy backend (their masks set where the logits are), greedy and seeded, beside a
+    plain request and with speculation asked for: the numpy reference's tokens, and answers the schema's automaton
+    reads (valid where they ended by themselves)."""
     import json
 
     import jsonschema
@@ -173,8 +174,13 @@ def test_gpu_schemas_and_forced_tool_calls_give_the_reference_tokens(graphs):
     params = [SamplingParams(temperature=0, max_tokens=96, json_schema=schema_text(schema)),
               SamplingParams(temperature=0.9, seed=4, max_tokens=96, json_schema=schema_text(schema)),
               SamplingParams(temperature=0.9, seed=2, max_tokens=96, tool_calls=tool_call_spec(tools, None, False)),
-              SamplingParams(temperature=0, max_tokens=32)]
-    prompts = [prompt, prompt, tool_prompt, prompt]
+              SamplingParams(temperature=0, max_tokens=32),
+              # tool_choice auto: free until the call opens (the bias on `<tool_call>` opens it at once, and again
+              # after each close where parallel), the calls constrained, drafts while free
+              *(SamplingParams(temperature=0.9, seed=5 + par, max_tokens=96, lazy_tool_calls=True,
+                               tool_calls=tool_call_spec(tools, None, par),
+                               logit_bias={tok.special_ids.tool_call: 30.0}) for par in (False, True))]
+    prompts = [prompt, prompt, tool_prompt, prompt, tool_prompt, tool_prompt]
     cfg = EngineConfig(page_size=16, num_pages=128, max_batch_tokens=128, loop_guard="off", cuda_graphs=graphs,
                        spec_adaptive=False)
     ref = Engine(ref_model.model, cfg, tokenizer=tok).generate(prompts, params)
@@ -191,3 +197,6 @@ def test_gpu_schemas_and_forced_tool_calls_give_the_reference_tokens(graphs):
         if len(ids) < 96:
             jsonschema.validate(json.loads(data), schema)
     assert tok.decode(ref[2], skip_special_tokens=False).lstrip().startswith('<tool_call>\n{"name": "read_file"')
+    one, many = (tok.decode(ids, skip_special_tokens=False) for ids in ref[4:6])
+    assert one.startswith('<tool_call>\n{"name": "read_file", "arguments": {') and one.count("<tool_call>") == 1
+    assert many.count('<tool_call>\n{"name": "read_file"') >= 2, many

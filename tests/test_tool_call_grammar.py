@@ -1,4 +1,4 @@
-"""Tool calls under tool_choice auto (`lazy_tool_calls`, `json_schema.ToolCallsOnce`): the reply is free text
+"""Tool calls under tool_choice auto (`lazy_tool_calls`, `tool_calls.ToolCallReply`): the reply is free text
 until the model opens a call with its `<tool_call>` token; from there to the call's close its tokens are held to
 the tools' names and parameters; after it the reply is free again (parallel calls) or whole (one call). Scripted
 replies on the demo model (a script's token the automaton refuses leaves the model's own choice under the
@@ -17,9 +17,10 @@ from test_json_mode import adopt_midway, demo, run
 from decapybara.chat import parse_assistant_output
 from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
-from decapybara.engine.json_schema import ToolCallsOnce, compile_tool_calls, tags_as_bytes, tool_call_spec
+from decapybara.engine.json_schema import compile_call, tags_as_bytes, tool_call_spec
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
+from decapybara.engine.tool_calls import CallState, ToolCallReply, ToolSetVocab
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
@@ -84,14 +85,17 @@ def _valid_calls(text: str) -> list:
 
 def _call_prefix_ok(text: str) -> bool:
     """Every call the text opens reads as a prefix of the one-call automaton's language."""
-    dfa = compile_tool_calls(tool_call_spec(TOOLS, None, True), single=True)
+    dfas = [compile_call({"name": t["function"]["name"], "parameters": t["function"]["parameters"]}) for t in TOOLS]
     for piece in text.split("<tool_call>")[1:]:
-        s, w = dfa.start, 0
         call = "<tool_call>" + piece.split("</tool_call>")[0] + ("</tool_call>" if "</tool_call>" in piece else "")
-        for b in tags_as_bytes(call.encode()):
-            s, w = dfa.step(s, w, b)
-            if s < 0:
-                return False
+        alive = 0
+        for dfa in dfas:
+            s, w = dfa.start, 0
+            for b in tags_as_bytes(call.encode()):
+                s, w = dfa.step(s, w, b)
+            alive += s >= 0
+        if not alive:
+            return False
     return True
 
 
@@ -139,6 +143,31 @@ def test_one_call_where_parallel_calls_are_off():
     assert [c.name for c in _valid_calls(text)] == ["read_file"]
 
 
+@pytest.mark.parametrize("speculator", ["ngram", "mtp"])
+def test_constrained_replies_draft_and_keep_their_tokens(speculator):
+    """Drafts (prompt lookup, the MTP head) verified in JSON mode, under a schema, in forced calls and in the
+    calls a free reply opens (the bias on `<tool_call>` opening them): the same tokens as without drafts, greedy
+    and sampled, with drafts accepted; the token after an accepted draft is sampled under the masks of the state
+    after it."""
+    from decapybara.engine.json_schema import schema_text
+
+    m = demo()
+    tok = m.tokenizer
+    prompt = _prompt(tok)
+    spec = tool_call_spec(TOOLS, None, True)
+    person = schema_text({"type": "object", "properties": {"name": {"type": "string"}, "tags": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["name", "tags"]})
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=64, **kw) for t in (0, 0.8) for kw in (
+        {"json_object": True}, {"json_schema": person}, {"tool_calls": spec},
+        {"tool_calls": spec, "lazy_tool_calls": True, "logit_bias": {tok.special_ids.tool_call: 30.0}})]
+    want = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok).generate([prompt] * len(params), params)
+    engine = Engine(m.model, EngineConfig(loop_guard="off", speculator=speculator, spec_adaptive=False,
+                                          spec_min_confidence=0.0), tokenizer=tok)
+    got = engine.generate([prompt] * len(params), params)
+    assert got == want
+    assert engine.stats.accepted_tokens > 0
+
+
 def test_drafts_never_open_a_call_and_leave_the_tokens_as_they_are():
     """Prompt-lookup drafts beside a free reply: never the `<tool_call>` token (the token after an accepted draft
     is sampled without the masks it would turn on); the reply the same token for token as without drafts."""
@@ -150,7 +179,7 @@ def test_drafts_never_open_a_call_and_leave_the_tokens_as_they_are():
     engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok)
     params = SamplingParams(max_tokens=8, tool_calls=tool_call_spec(TOOLS, None, True), lazy_tool_calls=True)
     seq = engine.add_request(Request(_prompt(tok), params, "d"))
-    assert isinstance(seq.json, ToolCallsOnce) and seq.json.free
+    assert isinstance(seq.json, ToolCallReply) and seq.json.free
     trigger = tok.special_ids.tool_call
     assert engine._opens_constraint(seq, trigger) and not engine._opens_constraint(seq, trigger + 1)
     seq.json.advance(tok.token_bytes(trigger), trigger)
@@ -180,15 +209,23 @@ def test_the_free_reply_costs_no_masks_and_the_open_call_its_own():
     assert trigger not in allowed and tok.eos_token_ids[0] not in allowed
 
 
-def test_without_the_tag_token_nothing_is_constrained():
-    """A tokenizer without a `<tool_call>` token: the reply is left free (no automaton at all)."""
+@pytest.mark.parametrize("missing", ["tool_call", "end_tool_call"])
+def test_without_the_tag_tokens_calls_are_asked_for_not_constrained(missing):
+    """A tokenizer without one of the tag tokens: no call could be written under the automata (the tags are read
+    as their tokens' reserved bytes), so forced and lazy replies are left unconstrained (asked for in the prompt),
+    and the engine runs them beside a plain request."""
     m = demo()
     tok = m.tokenizer
     engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok)
-    engine.tokenizer = type("NoTag", (), {"special_ids": dataclasses.replace(tok.special_ids, tool_call=None),
-                                           "__getattr__": lambda self, k: getattr(tok, k)})()
-    params = SamplingParams(max_tokens=8, tool_calls=tool_call_spec(TOOLS, None, True), lazy_tool_calls=True)
-    assert engine._json_state(params, _prompt(tok)) is None
+    no_tag = dataclasses.replace(tok.special_ids, **{missing: None})
+    engine.tokenizer = type("NoTag", (), {"special_ids": no_tag, "__getattr__": lambda self, k: getattr(tok, k)})()
+    spec = tool_call_spec(TOOLS, None, True)
+    params = [SamplingParams(temperature=0, max_tokens=8, tool_calls=spec, lazy_tool_calls=lazy)
+              for lazy in (False, True)]
+    for p in params:
+        assert engine._json_state(p, _prompt(tok)) is None
+    outs = engine.generate([_prompt(tok)] * 3, [*params, SamplingParams(temperature=0, max_tokens=8)])
+    assert outs[0] == outs[1] == outs[2] and outs[0]  # none constrained: the plain reply, thrice
 
 
 def test_a_reply_paused_inside_its_call_and_adopted_goes_on_as_it_would_have(tmp_path):
@@ -202,14 +239,12 @@ def test_a_reply_paused_inside_its_call_and_adopted_goes_on_as_it_would_have(tmp
     assert tok.special_ids.tool_call in script.ids[:6]
 
     def check(seq) -> None:
-        assert isinstance(seq.json, ToolCallsOnce) and not seq.json.free
+        assert isinstance(seq.json, ToolCallReply) and not seq.json.free
         out = seq.tokens[seq.num_prompt:]
         text = tok.decode(out[out.index(tok.special_ids.tool_call):], skip_special_tokens=False)
-        replay = compile_tool_calls(params.tool_calls, single=True)
-        s, w = replay.start, 0
-        for b in tags_as_bytes(text.encode()):
-            s, w = replay.step(s, w, b)
-        assert (seq.json.call.state, seq.json.call.ws) == (s, w)
+        replay = CallState(seq.json.tools)
+        replay.advance(tags_as_bytes(text.encode()))
+        assert seq.json.call.alive == replay.alive and replay.alive
 
     adopt_midway(_prompt(tok), params, tmp_path, check, processor=script)
 
@@ -222,3 +257,138 @@ def test_sampling_params_check_the_flag():
     with pytest.raises(InvalidRequestError):
         SamplingParams(tool_calls=json.dumps({"tools": []}), lazy_tool_calls=1).validate(100)
     SamplingParams(tool_calls=json.dumps({"tools": []}), lazy_tool_calls=True).validate(100)
+
+
+def _vocab(tok):
+    from decapybara.engine.json_mode import JsonVocab
+    from decapybara.engine.json_schema import CLOSE_TAG, OPEN_TAG
+
+    ids = tok.special_ids
+    return JsonVocab(tok, tok.vocab_size, markup={ids.tool_call: OPEN_TAG, ids.end_tool_call: CLOSE_TAG})
+
+
+def _step_token(rng, tok, allowed: np.ndarray) -> int:
+    """A random allowed token, half the time one that closes something where there is one (so that strings
+    close and calls end), a quarter of the time among the shortest."""
+    choices = np.flatnonzero(allowed)
+    r = rng.random()
+    if r < 0.5:
+        closing = [t for t in choices.tolist() if t == tok.special_ids.end_tool_call
+                   or (tok.token_bytes(t)[:1] in (b'"', b"}", b"]") and len(tok.token_bytes(t)) <= 2)]
+        if closing:
+            return int(rng.choice(closing))
+    if r < 0.75:
+        lens = np.array([len(tok.token_bytes(int(t))) for t in choices])
+        choices = choices[lens == lens.min()]
+    return int(rng.choice(choices))
+
+
+@pytest.mark.parametrize("name, parallel", [(None, True), (None, False), ("run", True)])
+def test_the_forced_reply_tool_by_tool_allows_what_the_sets_one_automaton_allows(name, parallel):
+    """Forced calls (tool_choice required / named) run tool by tool (`ToolCallReply` over `ToolSetVocab`): along
+    random walks, the same tokens allowed at every step as the whole set's one automaton (`compile_tool_calls`)
+    allows, the same end; the calls written parse and follow their schemas."""
+    from decapybara.engine.json_schema import SchemaState, SchemaVocab, compile_tool_calls
+
+    tok = demo().tokenizer
+    vocab = _vocab(tok)
+    spec = tool_call_spec(TOOLS, name, parallel)
+    tools = ToolSetVocab(vocab, spec)
+    rng = np.random.default_rng(len(str(name)) + parallel)
+    calls = 0
+    for _ in range(3):
+        one = SchemaState(SchemaVocab(vocab, compile_tool_calls(spec), markup=True))
+        reply = ToolCallReply(tools, tok.special_ids.tool_call, lazy=False)
+        out = []
+        for _ in range(120):
+            if reply.done:
+                assert one.done
+                break
+            a = reply.allowed()
+            assert np.array_equal(a, one.allowed())
+            t = _step_token(rng, tok, a)
+            if t in tok.eos_token_ids:
+                assert reply.calls >= 1
+                break
+            out.append(t)
+            for st in (one, reply):
+                st.advance(tok.token_bytes(t), t)
+            assert not reply.dead and not one.dead
+        text = tok.decode(out, skip_special_tokens=False)
+        got = _valid_calls(text[:text.rfind("</tool_call>") + len("</tool_call>")])  # the calls closed
+        assert len(got) == reply.calls and {c.name for c in got} <= ({name} if name else set(SCHEMAS))
+        calls += len(got)
+    assert calls >= 2
+
+
+def test_a_tool_set_past_one_automatons_size_is_enforced_tool_by_tool():
+    """32 tools whose set is past `MAX_DFA` states as one automaton (refused: before, its calls were only asked
+    for): forced and lazy replies run them tool by tool, the masks while the name is read the union of the tools
+    still alive, and the calls written parse, valid against their tools' schemas."""
+    import jsonschema
+
+    from decapybara.engine.json_schema import SchemaError, compile_tool_calls
+
+    def tool(i: int) -> dict:
+        return {"type": "function", "function": {"name": f"tool_{i}", "parameters": {
+            "type": "object", "properties": {"mode": {"enum": ["alpha", "beta"]}, "count": {
+                "type": "integer", "minimum": 1, "maximum": 1000}, "name": {"type": "string", "maxLength": 64}},
+            "required": ["mode", "count"], "additionalProperties": False}}}
+
+    many = [tool(i) for i in range(32)]
+    spec = tool_call_spec(many, None, True)
+    with pytest.raises(SchemaError):
+        compile_tool_calls(spec)
+    tok = demo().tokenizer
+    tools = ToolSetVocab(_vocab(tok), spec)
+    rng = np.random.default_rng(3)
+    for lazy in (False, True):
+        reply = ToolCallReply(tools, tok.special_ids.tool_call, lazy=lazy)
+        out = tok.encode("Let me see.") if lazy else []
+        for t in out:
+            reply.advance(tok.token_bytes(t), t)
+        assert reply.free == lazy
+        assert reply.allowed()[tok.special_ids.tool_call] if not lazy else True
+        out.append(tok.special_ids.tool_call)
+        reply.advance(b"<tool_call>", tok.special_ids.tool_call)
+        for t in tok.encode('\n{"name": "tool_'):  # every tool alive: the union of their masks
+            assert reply.allowed()[t]
+            reply.advance(tok.token_bytes(t), t)
+            out.append(t)
+        assert len(reply.call.alive) == 32 and reply.call.tool is None
+        for t in tok.encode("17"):
+            reply.advance(tok.token_bytes(t), t)
+            out.append(t)
+        assert reply.call.tool == 17
+        while reply.call is not None and len(out) < 400:
+            t = _step_token(rng, tok, reply.allowed())
+            assert t not in tok.eos_token_ids
+            out.append(t)
+            reply.advance(tok.token_bytes(t), t)
+            assert not reply.dead
+        (call,) = parse_assistant_output(tok.decode(out, skip_special_tokens=False)).tool_calls
+        assert call.name == "tool_17"
+        jsonschema.validate(call.arguments, many[17]["function"]["parameters"])
+        assert reply.free == lazy and not reply.done  # parallel: free again, or (forced) another call or the end
+
+
+def test_a_tools_masks_are_found_again_in_any_set_that_offers_it():
+    """An engine keeps every tool set's call masks in one cache, by the tool: a call of `run` in a second set (the
+    tools in another order, one more) finds the masks the first set's call computed."""
+    m = demo()
+    tok = m.tokenizer
+    engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok)
+    extra = {"type": "function", "function": {"name": "stat", "parameters": {"type": "object"}}}
+    replies = [engine._json_state(SamplingParams(max_tokens=8, tool_calls=tool_call_spec(tools, None, True),
+                                                 lazy_tool_calls=True), _prompt(tok))
+               for tools in (TOOLS, [extra, TOOLS[1], TOOLS[0]])]
+    assert replies[0].tools is not replies[1].tools
+    masks = []
+    for reply in replies:
+        for t in [tok.special_ids.tool_call, *tok.encode('\n{"name": "run", "arguments": {"command": "ls')]:
+            reply.advance(tok.token_bytes(t), t)
+        assert reply.call.tool is not None
+        before = engine._call_masks.misses
+        masks.append(reply.allowed())
+    assert engine._call_masks.misses == before  # the second set's: found again
+    assert np.array_equal(*masks)

@@ -18,7 +18,7 @@ from decapybara.chat import TEMPLATE_GLOBALS, prompt_opens_reasoning
 from decapybara.engine.json_schema import (
     SchemaError,
     compile_schema,
-    compile_tool_calls,
+    compile_spec,
     schema_text,
     tool_call_spec,
 )
@@ -176,7 +176,8 @@ def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams
     - auto otherwise: free text, and once the model opens a call (`<tool_call>`), calls of the offered tools with
       arguments their parameters accept (`lazy_tool_calls`); JSON mode stays JSON mode (its objects nest deeper
       than a schema's free values).
-    Where the tools' automaton cannot be built (too large), the calls are asked for, not forced."""
+    Each tool's call has an automaton of its own, so any tool set is enforced; where a schema's answer and the
+    tools' calls together cannot be built (too large), the calls are asked for, not forced."""
     tools = chat.tools if chat.tool_choice.mode != "none" and not chat.prefill else None
     if not tools:
         return params
@@ -190,7 +191,7 @@ def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams
     else:
         return params
     try:
-        compile_tool_calls(spec, lazy)  # cached (failures too): the engine finds it where it runs in this process
+        compile_spec(spec)  # cached (failures too): the engine finds it where it runs in this process
     except SchemaError:
         return params if mode == "auto" else dataclasses.replace(params, json_schema=None, json_object=False)
     return dataclasses.replace(params, json_schema=None, json_object=False, tool_calls=spec, lazy_tool_calls=lazy)

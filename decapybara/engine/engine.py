@@ -36,7 +36,8 @@ from decapybara.kv.stores import HostBundleStore
 from decapybara.model.qwen import QwenModel
 
 log = logging.getLogger(__name__)
-SCHEMAS_KEPT = 16  # JSON Schemas whose token masks an engine keeps (`Engine._json_state`)
+SCHEMAS_KEPT = 16  # JSON Schemas (and tool sets) whose token masks an engine keeps (`Engine._json_state`)
+CALL_MASKS_KEPT = 4096  # tool calls' masks an engine keeps, every tool set's together (`tool_calls.ToolSetVocab`)
 
 
 @dataclass(slots=True)
@@ -157,6 +158,7 @@ class Engine(MemoryMixin):
         self._pending: tuple | None = None
         self._head: _HeadPass | None = None
         self._json_vocab: Any = None  # the automata's vocabulary tables (`_json_vocabulary`)
+        self._call_masks: Any = None  # every tool set's call masks (`_constraint_masks`)
         self._schema_masks: OrderedDict[str, Any] = OrderedDict()  # a schema's text -> its token masks
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -190,31 +192,28 @@ class Engine(MemoryMixin):
         return seq
 
     def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
-        """The automaton of JSON mode, of a JSON Schema, of a reply of tool calls only, or of the calls a reply
-        under tool_choice auto opens (`lazy_tool_calls`), for a request that asks for one (None otherwise, and for
-        the last where the tokenizer has no `<tool_call>` token); the vocabulary's tables are built at the first such request and shared, the
-        masks of a schema (or tool set) kept for the `SCHEMAS_KEPT` last asked. Where the prompt's last chat turn
-        holds no reasoning markup (a model that may open its reasoning itself), `<think>` is allowed as the answer's
-        first token (not after a raw completion prompt, whose text is the answer)."""
+        """The automaton of JSON mode, of a JSON Schema, or of a reply's tool calls (forced, or those a reply under
+        tool_choice auto opens: `lazy_tool_calls`; `tool_calls.ToolCallReply`) for a request that asks for one
+        (None otherwise, and for tool calls where the tokenizer has no tool-call tag tokens: they are then only
+        asked for); the vocabulary's tables are built at the first such request and shared, the masks of a schema
+        (or tool set) kept for the `SCHEMAS_KEPT` last asked. Where the prompt's last chat turn holds no reasoning
+        markup (a model that may open its reasoning itself), `<think>` is allowed as the answer's first token (not
+        after a raw completion prompt, whose text is the answer)."""
         if not params.json_object and params.json_schema is None and params.tool_calls is None:
             return None
         param = "json_object" if params.json_object else "json_schema" if params.tool_calls is None else "tool_calls"
         if self.tokenizer is None:
             raise InvalidRequestError("constrained replies (JSON, schemas, tool calls) need the engine's tokenizer",
                                       param)
+        ids = self.tokenizer.special_ids
+        tags = (ids.tool_call, ids.end_tool_call)
+        if params.tool_calls is not None and any(t is None or t >= self.model.cfg.vocab_size for t in tags):
+            return None  # no tag token to write a call with: the calls are asked for, not constrained
         from decapybara.engine.json_mode import JsonState
 
-        if params.lazy_tool_calls:  # the calls the model opens itself: none to constrain without the tag token
-            trigger = self.tokenizer.special_ids.tool_call
-            if trigger is None:
-                return None
-            from decapybara.engine.json_schema import ToolCallsOnce
-
-            return ToolCallsOnce(self._constraint_masks(params, param), trigger,
-                                 bool(json.loads(params.tool_calls).get("parallel", True)))
         masks = None if params.json_object else self._constraint_masks(params, param)
         think = None
-        start = getattr(self.tokenizer.special_ids, "im_start", None)
+        start = getattr(ids, "im_start", None)
         for t in reversed(prompt):  # the last turn: a think block there (opened, or an empty one) settles it
             if t in self._think:
                 break
@@ -224,7 +223,10 @@ class Engine(MemoryMixin):
         if masks is None:
             return JsonState(self._json_vocabulary(), think)
         from decapybara.engine.json_schema import SchemaState
+        from decapybara.engine.tool_calls import ToolCallReply, ToolSetVocab
 
+        if isinstance(masks, ToolSetVocab):
+            return ToolCallReply(masks, ids.tool_call, params.lazy_tool_calls, think)
         return SchemaState(masks, think)
 
     def _json_vocabulary(self) -> Any:
@@ -240,20 +242,25 @@ class Engine(MemoryMixin):
         return self._json_vocab
 
     def _constraint_masks(self, params: SamplingParams, param: str) -> Any:
-        """The token masks of a request's schema or tool set (`json_schema.SchemaVocab`), kept by its text."""
+        """The token masks of a request's schema (`json_schema.SchemaVocab`) or tool set (`tool_calls.ToolSetVocab`;
+        with an answer schema, the set's one automaton's `SchemaVocab`), kept by its text."""
+        from decapybara.engine.json_mode import MaskCache
         from decapybara.engine.json_schema import SchemaError, SchemaVocab, compile_schema, compile_tool_calls
+        from decapybara.engine.tool_calls import ToolSetVocab
 
-        single = params.lazy_tool_calls  # one call at a time (`ToolCallsOnce`)
-        key = params.json_schema if params.tool_calls is None else ("call:" if single else "tools:") + params.tool_calls
+        key = params.json_schema if params.tool_calls is None else "tools:" + params.tool_calls
         masks = self._schema_masks.get(key)
         if masks is None:
             try:
                 if params.tool_calls is None:
                     masks = SchemaVocab(self._json_vocabulary(), compile_schema(params.json_schema))
-                else:
-                    masks = SchemaVocab(self._json_vocabulary(), compile_tool_calls(params.tool_calls, single),
-                                        markup=True)
-            except (SchemaError, ValueError, KeyError, TypeError) as e:
+                elif json.loads(params.tool_calls).get("answer") is not None:
+                    masks = SchemaVocab(self._json_vocabulary(), compile_tool_calls(params.tool_calls), markup=True)
+                else:  # each tool's masks in one cache of the engine's, whatever set offers the tool
+                    if self._call_masks is None:
+                        self._call_masks = MaskCache(self.model.cfg.vocab_size, CALL_MASKS_KEPT)
+                    masks = ToolSetVocab(self._json_vocabulary(), params.tool_calls, self._call_masks)
+            except (SchemaError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise InvalidRequestError(f"{param}: {e}", param) from None
             self._schema_masks[key] = masks
             if len(self._schema_masks) > SCHEMAS_KEPT:
@@ -463,8 +470,11 @@ class Engine(MemoryMixin):
     def _ahead(self, s: Sequence) -> bool:
         """Whether `s`'s draft row may be sampled beside its real token's row: its sampler row after the real token
         is appended is then known (the next position, no penalty that reads token ids, the LoopGuard's penalty and
-        bans as they are; `_postprocess` checks that they stayed so), and no host hook sees the sequence."""
-        return self.logits_processor is None and not any(_penalties_read_ids(s))
+        bans as they are; `_postprocess` checks that they stayed so), no host hook sees the sequence, and no
+        constraint masks it (a JSON answer's, a schema's, an open tool call's masks after the draft are its state's
+        after it: sampled once the draft is read)."""
+        return (self.logits_processor is None and not any(_penalties_read_ids(s))
+                and (s.json is None or s.json.free))
 
     def _sample(self, logits: Any, idx: list[int], seqs: list[Sequence], rows: list[SamplerRow]) -> Any:
         """Sample the step's logits rows `idx` for `seqs` by their sampler rows (through the host hook
@@ -507,13 +517,12 @@ class Engine(MemoryMixin):
         taken (max_tokens, the context)."""
         s = c.seq
         return (c.sample and s.finish_reason is None and s.num_uncomputed == 1
-                and (s.json is None or s.json.free)  # JSON: no drafts; a reply's free text before its tool calls may
                 and s.num_output + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len)
 
     @staticmethod
     def _opens_constraint(s: Sequence, token: int) -> bool:
-        """Whether `token` would switch `s`'s constraint on (a free reply's `<tool_call>`): no draft may be it,
-        since the token after an accepted draft is sampled without the masks it turns on."""
+        """Whether `token` would switch `s`'s constraint on (a free reply's `<tool_call>`): no draft is it, so that
+        a free reply's draft leaves it free and its next token may be sampled ahead (`_ahead`)."""
         return s.json is not None and s.json.free and token == s.json.trigger
 
     def _draft_ngram(self, plan: StepPlan) -> None:

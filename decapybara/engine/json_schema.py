@@ -30,12 +30,11 @@ Keywords that assert what the automaton does not enforce (`pattern`, `multipleOf
 pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `description`, `format`, `default`,
 ...) and unknown keywords are ignored, as JSON Schema says.
 
-`compile_tool_calls` builds the automaton of a reply made of tool calls only (tool_choice required or named),
-each call's arguments an object its tool's parameters accept, or, with an answer schema, of a reply that is
-either such calls or that answer (a JSON answer asked for beside tools under tool_choice auto). The tags are read
-as bytes no UTF-8 text holds (`OPEN_TAG`, `CLOSE_TAG`: the vocabulary reads the tag tokens as them), so only the tag
-tokens write a tag, and never inside a string. Under tool_choice auto without such an answer, one call's automaton
-takes over where the model opens a call itself (`ToolCallsOnce`): the text before and after its calls is free.
+`compile_call` builds the automaton of one tool call, its arguments an object its tool's parameters accept
+(`tool_calls.ToolCallReply` runs a reply's calls on them, tool by tool); `compile_tool_calls`, of a reply that is
+either such calls or an answer schema's (a JSON answer asked for beside tools under tool_choice auto). The tags are
+read as bytes no UTF-8 text holds (`OPEN_TAG`, `CLOSE_TAG`: the vocabulary reads the tag tokens as them), so only
+the tag tokens write a tag, and never inside a string.
 """
 
 from __future__ import annotations
@@ -61,7 +60,8 @@ FLOAT_DIGITS = 15  # digits in all of a bounded number with a fraction
 MAX_WORK = 200_000  # schema nodes compiled and merged (`_Compiler.tick`): past it a schema is refused
 MAX_NFA = 400_000
 MAX_DFA = 60_000
-MAX_CACHED = 64  # compiled schemas kept (`compile_schema`)
+MAX_CACHED = 4096  # compiled automata kept (`_cached`: schemas, tool calls, each tool's arguments and call) ...
+MAX_CACHED_BYTES = 256 << 20  # ... and their tables' bytes at most
 
 UNSUPPORTED = ("pattern", "patternProperties", "propertyNames", "minProperties", "maxProperties",
                "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else", "contains",
@@ -1002,6 +1002,12 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
 
 
 _COMPILED: OrderedDict[str, SchemaDfa | SchemaError] = OrderedDict()  # by text: an automaton, or the refusal
+_CACHED_BYTES = 0  # the kept automata's bytes (`_nbytes`)
+
+
+def _nbytes(got: SchemaDfa | SchemaError) -> int:
+    return 0 if isinstance(got, SchemaError) else sum(a.nbytes for a in (got.table, got.byte_class, got.accept,
+                                                                          got.terminal, got.counted, got.self_plain))
 _LOCK = threading.Lock()
 
 
@@ -1018,7 +1024,9 @@ def _cached(key: str, build: Any) -> SchemaDfa:
     """The automaton cached under `key`, or `build()`'s, kept (a refusal too, so that a schema refused once costs
     no second build); any error in reading the schema that is not a SchemaError (a keyword of a type nothing here
     checked, a schema nested past the interpreter's depth) becomes one, so that the API answers it as the client's
-    error. Safe across threads (the build itself runs outside the lock)."""
+    error. Safe across threads (the build itself runs outside the lock). Kept: the `MAX_CACHED` automata last
+    asked, within `MAX_CACHED_BYTES`."""
+    global _CACHED_BYTES
     with _LOCK:
         got = _COMPILED.get(key)
         if got is not None:
@@ -1036,9 +1044,11 @@ def _cached(key: str, build: Any) -> SchemaDfa:
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
         got = SchemaError(f"the schema could not be read ({type(e).__name__}: {e})")
     with _LOCK:
-        _COMPILED[key] = got
-        if len(_COMPILED) > MAX_CACHED:
-            _COMPILED.popitem(last=False)
+        if key not in _COMPILED:
+            _COMPILED[key] = got
+            _CACHED_BYTES += _nbytes(got)
+        while len(_COMPILED) > 1 and (len(_COMPILED) > MAX_CACHED or _CACHED_BYTES > MAX_CACHED_BYTES):
+            _CACHED_BYTES -= _nbytes(_COMPILED.popitem(last=False)[1])
     if isinstance(got, SchemaError):
         raise SchemaError(str(got))
     return got
@@ -1061,33 +1071,45 @@ def compile_schema(schema: Any) -> SchemaDfa:
     return _cached(text, build)
 
 
-def compile_tool_calls(spec: str, single: bool = False) -> SchemaDfa:
-    """The automaton of a reply made of tool calls only, as the chat template writes them: ``<tool_call>\\n{"name":
-    "NAME", "arguments": ARGS}\\n</tool_call>`` (the tags read as `OPEN_TAG` and `CLOSE_TAG`: only their tokens
-    write them, never inside a string), NAME one of `spec`'s tools (`tool_call_spec`) and ARGS a JSON
-    object its parameters' schema accepts (any JSON object where that schema cannot be enforced here); with
-    `parallel`, more calls after a newline each; where the spec holds an `answer` schema, a reply may instead be
-    such an answer (a JSON Schema's, or any JSON object for JSON mode). `single`: one call, whatever `parallel`
-    says, and no answer (`ToolCallsOnce`'s automaton, which ends where the call closes). Cached as
-    `compile_schema`'s automata; raises SchemaError where no call can be written."""
+def compile_call(tool: dict[str, Any]) -> SchemaDfa:
+    """The automaton of one call of `tool` (``{"name", "parameters"}``, a `tool_call_spec` entry) as the chat
+    template writes it: ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``, the tags read as
+    `OPEN_TAG` and `CLOSE_TAG` (only their tokens write them, never inside a string), ARGS a JSON object the tool's
+    parameters accept (any JSON object where they cannot be enforced here; none but ``{}`` without parameters).
+    Terminal where the call closes. Cached by the tool's text, as `compile_schema`'s automata."""
+
+    def build() -> SchemaDfa:
+        n = _Nfa()
+        return _build(n, *_call(n, tool))
+
+    return _cached("call:" + schema_text(tool), build)
+
+
+def _call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
+    """`compile_call`'s automaton as a fragment of `n`."""
+    params = tool.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}, "additionalProperties": False}
+    try:  # the tool's arguments alone first (cached): where they cannot be enforced, any object
+        args = _tool_arguments(params)
+    except SchemaError:
+        args = compile_schema({"type": "object"})
+    head = f'\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
+    return n.seq(n.lit(OPEN_TAG + head.encode()), _embed(n, args), n.lit(b"}\n" + CLOSE_TAG))
+
+
+def compile_tool_calls(spec: str) -> SchemaDfa:
+    """The automaton of a reply made of tool calls only, `compile_call`'s of `spec`'s tools (`tool_call_spec`),
+    after at most `TOP_WS` whitespace bytes; with `parallel`, more calls after a newline each; where the spec holds
+    an `answer` schema, a reply may instead be such an answer (a JSON Schema's: a JSON answer asked for beside tools
+    under tool_choice auto). One automaton for the whole set: `tool_calls.ToolCallReply` runs a set without an
+    answer as its tools' own automata instead, whatever its size. Cached as `compile_schema`'s automata; raises
+    SchemaError where no call can be written or the set's automaton grows past `MAX_DFA` states."""
 
     def build() -> SchemaDfa:
         obj = json.loads(spec)
-        if single:
-            obj = {**obj, "parallel": False, "answer": None}
         n = _Nfa()
-        calls = []
-        for tool in obj["tools"]:
-            params = tool.get("parameters")
-            if params is None:
-                params = {"type": "object", "properties": {}, "additionalProperties": False}
-            try:  # each tool's arguments alone first (cached): one that cannot be enforced takes any object
-                args = _tool_arguments(params)
-            except SchemaError:
-                args = compile_schema({"type": "object"})
-            head = f'\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
-            calls.append(n.seq(n.lit(OPEN_TAG + head.encode()), _embed(n, args), n.lit(b"}\n" + CLOSE_TAG)))
-        call = n.alt(*calls)
+        call = n.alt(*[_call(n, tool) for tool in obj["tools"]])
         if obj.get("parallel", True):
             sep = n.lit(b"\n")
             n.link(call[1], sep[0])
@@ -1099,7 +1121,7 @@ def compile_tool_calls(spec: str, single: bool = False) -> SchemaDfa:
             reply = _with_lead(n, call)
         return _build(n, *reply)
 
-    return _cached(("call:" if single else "tools:") + spec, build)
+    return _cached("tools:" + spec, build)
 
 
 def tags_as_bytes(text: bytes) -> bytes:
@@ -1170,6 +1192,18 @@ def _embed(n: _Nfa, dfa: SchemaDfa) -> tuple[int, int]:
     return base + dfa.start, end
 
 
+def compile_spec(spec: str) -> SchemaDfa | list[SchemaDfa]:
+    """Build (and cache) what a `tool_call_spec` text's reply runs on: with an answer schema, the set's one
+    automaton (`compile_tool_calls`); else each tool's call automaton (`compile_call`, which `tool_calls.ToolCallReply`
+    runs tool by tool, so no set is too large). Raises SchemaError where that cannot be built."""
+    obj = json.loads(spec)
+    if obj.get("answer") is not None:
+        return compile_tool_calls(spec)
+    if not obj["tools"]:
+        raise SchemaError("no tool to call")
+    return [compile_call(t) for t in obj["tools"]]
+
+
 def precompile(params: Any) -> None:
     """Build (and cache) the automaton a request's sampling params name, if any: called on a thread that is not
     the engine's, so that a new schema's compile does not hold a step; a schema that cannot be enforced is left
@@ -1178,13 +1212,13 @@ def precompile(params: Any) -> None:
         if getattr(params, "json_schema", None) is not None:
             compile_schema(params.json_schema)
         elif getattr(params, "tool_calls", None) is not None:
-            compile_tool_calls(params.tool_calls, single=bool(getattr(params, "lazy_tool_calls", False)))
-    except (SchemaError, ValueError):
+            compile_spec(params.tool_calls)
+    except (SchemaError, ValueError, KeyError, TypeError):
         pass
 
 
 def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool, answer: Any = None) -> str:
-    """The text `compile_tool_calls` reads for OpenAI function tools (`[{"type": "function", "function": {"name",
+    """The text `compile_tool_calls` and `tool_calls.ToolCallReply` read for OpenAI function tools (`[{"type": "function", "function": {"name",
     "parameters"}}]`): every tool, or only `name`'s; `answer`, a JSON Schema the reply may follow instead of
     calling tools."""
     picked = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
@@ -1201,20 +1235,22 @@ def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool
 class SchemaVocab:
     """A schema's automaton read over a tokenizer's vocabulary (`JsonVocab`'s token tables): `allowed(state,
     ws)`, a bool [vocab_size] mask of every token read whole from the state (end-of-sequence ids where the value
-    may end), kept as bitmaps for the `CACHE` states last asked; the vocabulary's markup tokens only where
-    `markup` (a tool-call reply's automaton, which reads the tags)."""
+    may end), kept as bitmaps for the `CACHE` states last asked (in `cache`, under `tag`, where several automata
+    share one); the vocabulary's markup tokens only where `markup` (a tool-call reply's automaton, which reads the
+    tags)."""
 
     CACHE = 1024
 
-    def __init__(self, vocab: JsonVocab, dfa: SchemaDfa, markup: bool = False) -> None:
-        self.vocab, self.dfa, self.markup = vocab, dfa, markup
-        self.masks = MaskCache(vocab.vocab_size, self.CACHE)  # (state, whitespace run) -> its mask
+    def __init__(self, vocab: JsonVocab, dfa: SchemaDfa, markup: bool = False, cache: MaskCache | None = None,
+                 tag: Any = None) -> None:
+        self.vocab, self.dfa, self.markup, self.tag = vocab, dfa, markup, tag
+        self.masks = cache if cache is not None else MaskCache(vocab.vocab_size, self.CACHE)  # (tag, state, ws)
 
     def allowed(self, state: int, ws: int) -> np.ndarray:
         v, dfa = self.vocab, self.dfa
         if not dfa.counted[state] or ws + v.ws_run <= MAX_WS:  # a run no token can overrun: as none
             ws = 0
-        got = self.masks.get((state, ws))
+        got = self.masks.get((self.tag, state, ws))
         if got is not None:
             return got
         allowed = np.zeros(v.vocab_size, bool)
@@ -1247,7 +1283,7 @@ class SchemaVocab:
         if not self.markup:
             allowed[v.markup] = False
         allowed[v.clash] = False  # a reserved byte outside a tag: no text's
-        self.masks.put((state, ws), allowed)
+        self.masks.put((self.tag, state, ws), allowed)
         return allowed
 
 
@@ -1290,47 +1326,3 @@ class SchemaState:
             mask[self.think] = True
         return mask
 
-
-class ToolCallsOnce:
-    """A reply under tool_choice auto whose calls are constrained where the model opens one (the interface of
-    `SchemaState`): `free` while the model writes its own text (its tokens read nothing: the engine neither masks
-    nor waits on it); from the `trigger` token (the tokenizer's `<tool_call>`, which the automaton reads as
-    `OPEN_TAG`) to the call's close, what `masks`' one-call automaton (`compile_tool_calls(spec, single=True)`)
-    accepts after that tag: the name one of the tools', the arguments an object the tool's parameters accept,
-    then ``</tool_call>``. After the call the reply is free again where `parallel`, else whole (`done`). A call
-    the model spells in plain tokens rather than the tag token is not seen (nor constrained)."""
-
-    def __init__(self, masks: SchemaVocab, trigger: int, parallel: bool) -> None:
-        self.masks, self.trigger, self.parallel = masks, trigger, parallel
-        self.think: int | None = None  # nothing of the automaton's to allow before the answer (engine's field)
-        self.call: SchemaState | None = None  # the open call's automaton
-        self.closed = False  # a call closed where parallel calls are off: the reply is whole
-
-    @property
-    def free(self) -> bool:
-        """No call open: nothing constrains the next token."""
-        return self.call is None
-
-    def advance(self, token_bytes: bytes, token: int = -1) -> None:
-        if self.call is None:
-            if token != self.trigger or self.done:
-                return
-            self.call = SchemaState(self.masks)
-        self.call.advance(token_bytes, token)
-        if self.call.done:
-            self.call, self.closed = None, True
-
-    @property
-    def done(self) -> bool:
-        """A call closed and no other may follow."""
-        return self.closed and not self.parallel
-
-    @property
-    def dead(self) -> bool:
-        return self.call is not None and self.call.dead
-
-    def allowed(self) -> np.ndarray:
-        """The mask of the open call's next token (a `free` reply's are not asked)."""
-        if self.call is None:
-            raise RuntimeError("no call is open: the reply is free")
-        return self.call.allowed()

@@ -76,8 +76,8 @@ class SamplingParams:
     ignore_eos: bool = False
     json_object: bool = False  # JSON mode: the answer is constrained to a JSON object (`engine.json_mode`)
     json_schema: str | None = None  # structured outputs: the answer is constrained to this JSON Schema's text
-    tool_calls: str | None = None  # the answer is tool calls only (`engine.json_schema.compile_tool_calls`' spec)
-    lazy_tool_calls: bool = False  # with tool_calls: free text until the model opens a call (`ToolCallsOnce`)
+    tool_calls: str | None = None  # the answer is tool calls only (`engine.json_schema.tool_call_spec`'s text)
+    lazy_tool_calls: bool = False  # with tool_calls: free text until the model opens a call (`ToolCallReply`)
 
     @property
     def greedy(self) -> bool:

@@ -21,12 +21,12 @@ from decapybara.config import DEMO_MODEL, EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.json_mode import JsonState, JsonVocab
 from decapybara.engine.json_schema import (
-    _COMPILED,
     CLOSE_TAG,
     OPEN_TAG,
     SchemaState,
     SchemaVocab,
     compile_schema,
+    forget,
     schema_text,
     tags_as_bytes,
     tool_call_spec,
@@ -226,19 +226,19 @@ def order_schema():
 
 def schema_costs(vocab: JsonVocab) -> None:
     """Each schema's automaton size and compile time, and its masks along an answer afresh and found again; the
-    last row a call of `CODING_TOOLS` opened under tool_choice auto (`ToolCallReply`, lazy: the twelve tools' call
-    automata compiled one by one, the masks while the name is read the union of the tools still alive)."""
+    last row a call of `CODING_TOOLS` opened under tool_choice auto (`ToolCallReply`, lazy: the twelve tools' one
+    call automaton)."""
     import json
 
     print("\n== JSON schemas at the 151,644-token vocabulary ==")
     print("schema                     states  compile ms  answer bytes  masks afresh ms (max)  found again ms")
     for name, (schema, doc) in [*SCHEMAS.items(), ("a call of 12 coding tools", (CODING_TOOLS, CALL_TEXT))]:
-        for key in [k for k in _COMPILED if k.startswith(("call:", "args:"))]:  # the tools compiled afresh
-            _COMPILED.pop(key)
+        for prefix in ("calls:", "args:"):  # the tools compiled afresh
+            forget(prefix)
         t0 = time.perf_counter()
         if schema is CODING_TOOLS:
             tools = ToolSetVocab(vocab, tool_call_spec(CODING_TOOLS, None, True))
-            states = sum(t.dfa.num_states for t in tools.tools)
+            states = sum(g.dfa.num_states for g in tools.groups)
             data = tags_as_bytes(doc.encode())
             tag = int(vocab.markup[0])  # the synthetic vocabulary's `<tool_call>`
 

@@ -386,15 +386,17 @@ def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
 @pytest.mark.parametrize("script", ["NAN-CALL", "HUGE-CALL", "SURROGATE-CALL"])
 def test_a_call_whose_arguments_are_not_json_stays_text(stack, script, monkeypatch):
     """NaN, Infinity, numbers past the float range and lone surrogates (``\\ud800``, which no UTF-8 response can
-    carry: they were a 500) are not JSON: where the call is not held to its schema (here a tool set whose
-    automaton is refused as too large: its calls are asked for, not constrained), such a call is no call, streamed
-    or not, so no client receives arguments it cannot parse."""
-    from decapybara.engine import json_schema
+    carry: they were a 500) are not JSON: where the call is not held to its schema (here the tools' automata are
+    refused, as a tool too large to enforce is: its calls are asked for, not constrained), such a call is no call,
+    streamed or not, so no client receives arguments it cannot parse."""
+    from decapybara.api import common
+    from decapybara.engine.json_schema import SchemaError
 
-    monkeypatch.setattr(json_schema, "MAX_DFA", 8)  # every tool set past it: refused (this set's refusal cached)
-    params = {**TOOLS_OA[0]["function"]["parameters"], "title": "refused as too large"}
-    tools_oa = [{"type": "function", "function": {**TOOLS_OA[0]["function"], "parameters": params}}]
-    tools_an = [{**TOOLS_AN[0], "input_schema": params}]
+    def refused(spec: str):
+        raise SchemaError("the schema is too large to enforce")
+
+    monkeypatch.setattr(common, "compile_spec", refused)
+    tools_oa, tools_an = TOOLS_OA, TOOLS_AN
     r = stack.oa().chat.completions.create(model="m", messages=user(script), tools=tools_oa, max_tokens=60)
     assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
     chunks = list(stack.oa().chat.completions.create(model="m", messages=user(script), tools=tools_oa,

@@ -466,9 +466,9 @@ def test_the_driver_builds_a_new_schemas_automaton_on_the_submitting_thread():
     driver = EngineDriver(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=m.tokenizer))
     schema = schema_text({"type": "object", "properties": {"n": {"type": "integer", "minimum": 7}}, "required": ["n"]})
     spec = tool_call_spec(TOOLS[:1], None, False)
-    call = "call:" + schema_text(json.loads(spec)["tools"][0])  # a forced reply runs on its tools' own automata
-    json_schema._COMPILED.pop(schema, None)
-    json_schema._COMPILED.pop(call, None)
+    call = "calls:" + schema_text(json.loads(spec)["tools"])  # a forced reply runs on its tools' groups' automata
+    json_schema.forget(schema)
+    json_schema.forget(call)
     bad = schema_text({"type": "string", "pattern": "x"})
     driver.submit(Control(add=[Request((1, 2), SamplingParams(max_tokens=2, json_schema=schema), "a"),
                                Request((1, 2), SamplingParams(max_tokens=2, tool_calls=spec), "b"),

@@ -17,7 +17,7 @@ from test_json_mode import adopt_midway, demo, run
 from decapybara.chat import parse_assistant_output
 from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
-from decapybara.engine.json_schema import compile_call, tags_as_bytes, tool_call_spec
+from decapybara.engine.json_schema import compile_calls, tags_as_bytes, tool_call_spec
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
 from decapybara.engine.tool_calls import CallState, ToolCallReply, ToolSetVocab
@@ -85,7 +85,7 @@ def _valid_calls(text: str) -> list:
 
 def _call_prefix_ok(text: str) -> bool:
     """Every call the text opens reads as a prefix of the one-call automaton's language."""
-    dfas = [compile_call({"name": t["function"]["name"], "parameters": t["function"]["parameters"]}) for t in TOOLS]
+    dfas = [compile_calls([{"name": t["function"]["name"], "parameters": t["function"]["parameters"]}]) for t in TOOLS]
     for piece in text.split("<tool_call>")[1:]:
         call = "<tool_call>" + piece.split("</tool_call>")[0] + ("</tool_call>" if "</tool_call>" in piece else "")
         alive = 0
@@ -283,20 +283,32 @@ def _step_token(rng, tok, allowed: np.ndarray) -> int:
     return int(rng.choice(choices))
 
 
-@pytest.mark.parametrize("name, parallel", [(None, True), (None, False), ("run", True)])
-def test_the_forced_reply_tool_by_tool_allows_what_the_sets_one_automaton_allows(name, parallel):
-    """Forced calls (tool_choice required / named) run tool by tool (`ToolCallReply` over `ToolSetVocab`): along
-    random walks, the same tokens allowed at every step as the whole set's one automaton (`compile_tool_calls`)
-    allows, the same end; the calls written parse and follow their schemas."""
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "why": {"type": "string"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize("name, parallel, answer", [(None, True, None), (None, False, None), ("run", True, None),
+                                                    (None, True, ANSWER), (None, False, ANSWER)])
+@pytest.mark.parametrize("split", [False, True])
+def test_the_forced_reply_by_groups_allows_what_the_sets_one_automaton_allows(name, parallel, answer, split,
+                                                                              monkeypatch):
+    """Forced calls (tool_choice required / named), and calls or a JSON answer (a schema beside tools under auto),
+    run as `ToolCallReply` over `ToolSetVocab` (the calls by groups of tools: the whole set, or `split` one
+    tool a group, the answer and the glue automata of their own): along random walks, the same tokens allowed at
+    every step as the whole reply's one automaton (`compile_tool_calls`) allows, the same end; the calls written
+    parse and follow their schemas."""
+    from decapybara.engine import tool_calls
     from decapybara.engine.json_schema import SchemaState, SchemaVocab, compile_tool_calls
 
+    if split:  # every group one tool, as a set past MAX_DFA would split at the end
+        monkeypatch.setattr(tool_calls, "call_groups", lambda tools: [([t], compile_calls([t])) for t in tools])
     tok = demo().tokenizer
     vocab = _vocab(tok)
-    spec = tool_call_spec(TOOLS, name, parallel)
+    spec = tool_call_spec(TOOLS, name, parallel, answer)
     tools = ToolSetVocab(vocab, spec)
+    assert len(tools.groups) == (len(TOOLS) if split and name is None else 1)
     rng = np.random.default_rng(len(str(name)) + parallel)
-    calls = 0
-    for _ in range(3):
+    calls, answers = 0, 0
+    for walk in range(4 if answer else 3):
         one = SchemaState(SchemaVocab(vocab, compile_tool_calls(spec), markup=True))
         reply = ToolCallReply(tools, tok.special_ids.tool_call, lazy=False)
         out = []
@@ -307,24 +319,32 @@ def test_the_forced_reply_tool_by_tool_allows_what_the_sets_one_automaton_allows
             a = reply.allowed()
             assert np.array_equal(a, one.allowed())
             t = _step_token(rng, tok, a)
+            if answer and not out:  # the calls' way and the answer's in turn
+                t = tok.special_ids.tool_call if walk % 2 else tok.encode("{")[0]
+                assert a[t]
             if t in tok.eos_token_ids:
-                assert reply.calls >= 1
+                assert reply.calls >= 1 or reply.answer is not None
                 break
             out.append(t)
             for st in (one, reply):
                 st.advance(tok.token_bytes(t), t)
             assert not reply.dead and not one.dead
         text = tok.decode(out, skip_special_tokens=False)
+        if reply.answer is not None and reply.glue is None:  # the answer's way: a JSON object, whole where done
+            if reply.done:
+                jsonschema.validate(json.loads(text), answer)
+            answers += 1
+            continue
         got = _valid_calls(text[:text.rfind("</tool_call>") + len("</tool_call>")])  # the calls closed
         assert len(got) == reply.calls and {c.name for c in got} <= ({name} if name else set(SCHEMAS))
         calls += len(got)
-    assert calls >= 2
+    assert calls >= 2 if not answer else (calls >= 1 and answers >= 1)  # the answer's way and the calls' taken
 
 
 def test_a_tool_set_past_one_automatons_size_is_enforced_tool_by_tool():
     """32 tools whose set is past `MAX_DFA` states as one automaton (refused: before, its calls were only asked
-    for): forced and lazy replies run them tool by tool, the masks while the name is read the union of the tools
-    still alive, and the calls written parse, valid against their tools' schemas."""
+    for): forced and lazy replies run them in two groups of 16, the masks while the name is read the union of the
+    groups still reading it, and the calls written parse, valid against their tools' schemas."""
     import jsonschema
 
     from decapybara.engine.json_schema import SchemaError, compile_tool_calls
@@ -341,6 +361,7 @@ def test_a_tool_set_past_one_automatons_size_is_enforced_tool_by_tool():
         compile_tool_calls(spec)
     tok = demo().tokenizer
     tools = ToolSetVocab(_vocab(tok), spec)
+    assert len(tools.groups) == 2 and sum(g.dfa.num_states for g in tools.groups) > 60_000
     rng = np.random.default_rng(3)
     for lazy in (False, True):
         reply = ToolCallReply(tools, tok.special_ids.tool_call, lazy=lazy)
@@ -355,11 +376,11 @@ def test_a_tool_set_past_one_automatons_size_is_enforced_tool_by_tool():
             assert reply.allowed()[t]
             reply.advance(tok.token_bytes(t), t)
             out.append(t)
-        assert len(reply.call.alive) == 32 and reply.call.tool is None
+        assert len(reply.call.alive) == 2  # both halves' automata read the name so far
         for t in tok.encode("17"):
             reply.advance(tok.token_bytes(t), t)
             out.append(t)
-        assert reply.call.tool == 17
+        assert [g for g, _, _ in reply.call.alive] == [1]  # tool_17's half
         while reply.call is not None and len(out) < 400:
             t = _step_token(rng, tok, reply.allowed())
             assert t not in tok.eos_token_ids
@@ -372,22 +393,21 @@ def test_a_tool_set_past_one_automatons_size_is_enforced_tool_by_tool():
         assert reply.free == lazy and not reply.done  # parallel: free again, or (forced) another call or the end
 
 
-def test_a_tools_masks_are_found_again_in_any_set_that_offers_it():
-    """An engine keeps every tool set's call masks in one cache, by the tool: a call of `run` in a second set (the
-    tools in another order, one more) finds the masks the first set's call computed."""
+def test_a_groups_masks_are_found_again_in_any_set_made_of_it():
+    """An engine keeps every tool set's call masks in one cache, by the group of tools: a forced reply over the
+    tools finds the masks a reply under tool_choice auto over the same tools computed (another spec: parallel
+    calls off)."""
     m = demo()
     tok = m.tokenizer
     engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok)
-    extra = {"type": "function", "function": {"name": "stat", "parameters": {"type": "object"}}}
-    replies = [engine._json_state(SamplingParams(max_tokens=8, tool_calls=tool_call_spec(tools, None, True),
-                                                 lazy_tool_calls=True), _prompt(tok))
-               for tools in (TOOLS, [extra, TOOLS[1], TOOLS[0]])]
-    assert replies[0].tools is not replies[1].tools
+    replies = [engine._json_state(SamplingParams(max_tokens=8, tool_calls=tool_call_spec(TOOLS, None, parallel),
+                                                 lazy_tool_calls=parallel), _prompt(tok))
+               for parallel in (True, False)]
+    assert replies[0].tools is not replies[1].tools and replies[0].lazy and not replies[1].lazy
     masks = []
     for reply in replies:
         for t in [tok.special_ids.tool_call, *tok.encode('\n{"name": "run", "arguments": {"command": "ls')]:
             reply.advance(tok.token_bytes(t), t)
-        assert reply.call.tool is not None
         before = engine._call_masks.misses
         masks.append(reply.allowed())
     assert engine._call_masks.misses == before  # the second set's: found again

@@ -176,8 +176,8 @@ def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams
     - auto otherwise: free text, and once the model opens a call (`<tool_call>`), calls of the offered tools with
       arguments their parameters accept (`lazy_tool_calls`); JSON mode stays JSON mode (its objects nest deeper
       than a schema's free values).
-    Each tool's call has an automaton of its own, so any tool set is enforced; where a schema's answer and the
-    tools' calls together cannot be built (too large), the calls are asked for, not forced."""
+    The calls run on automata of groups of tools (`tool_calls.call_groups`), so any tool set is enforced; where
+    one tool's call alone cannot be built (too large), the calls are asked for, not forced."""
     tools = chat.tools if chat.tool_choice.mode != "none" and not chat.prefill else None
     if not tools:
         return params

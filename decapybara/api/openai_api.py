@@ -9,8 +9,9 @@ Choices made where the API leaves room:
   arguments to each tool's parameters schema (`decapybara.engine.json_schema.compile_tool_calls`); a
   response_format beside them is moot (the reply is the calls). Under "auto" the reply is free until the model
   opens a call (its ``<tool_call>`` token); the calls are then held to the tools' names and parameters, as
-  ``strict`` asks, for every tool (one whose schema uses a keyword not enforced here gets any JSON object); each
-  tool's call is an automaton of its own (`decapybara.engine.tool_calls`), so any number of tools is enforced.
+  ``strict`` asks, for every tool (one whose schema uses a keyword not enforced here gets any JSON object); a set
+  too large for one automaton runs on automata of groups of its tools (`decapybara.engine.tool_calls`), so any
+  number of tools is enforced.
 - a generation the LoopGuard stopped finishes with "stop" and carries an extra choice field
   ``loop_guard: {"stopped": true, "note": ...}`` (also on the final stream chunk), so agents can tell a loop
   from a normal end.

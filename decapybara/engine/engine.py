@@ -208,7 +208,14 @@ class Engine(MemoryMixin):
         ids = self.tokenizer.special_ids
         tags = (ids.tool_call, ids.end_tool_call)
         if params.tool_calls is not None and any(t is None or t >= self.model.cfg.vocab_size for t in tags):
-            return None  # no tag token to write a call with: the calls are asked for, not constrained
+            # no tag token to write a call with: the calls are asked for, not constrained (an answer schema still is)
+            answer = json.loads(params.tool_calls).get("answer")
+            if answer is None:
+                return None
+            from decapybara.engine.json_schema import schema_text
+
+            params = dataclasses.replace(params, tool_calls=None, lazy_tool_calls=False, json_schema=schema_text(answer))
+            param = "json_schema"
         from decapybara.engine.json_mode import JsonState
 
         masks = None if params.json_object else self._constraint_masks(params, param)
@@ -242,10 +249,10 @@ class Engine(MemoryMixin):
         return self._json_vocab
 
     def _constraint_masks(self, params: SamplingParams, param: str) -> Any:
-        """The token masks of a request's schema (`json_schema.SchemaVocab`) or tool set (`tool_calls.ToolSetVocab`;
-        with an answer schema, the set's one automaton's `SchemaVocab`), kept by its text."""
+        """The token masks of a request's schema (`json_schema.SchemaVocab`) or tool set (`tool_calls.ToolSetVocab`,
+        with any answer schema), kept by its text."""
         from decapybara.engine.json_mode import MaskCache
-        from decapybara.engine.json_schema import SchemaError, SchemaVocab, compile_schema, compile_tool_calls
+        from decapybara.engine.json_schema import SchemaError, SchemaVocab, compile_schema
         from decapybara.engine.tool_calls import ToolSetVocab
 
         key = params.json_schema if params.tool_calls is None else "tools:" + params.tool_calls
@@ -254,9 +261,7 @@ class Engine(MemoryMixin):
             try:
                 if params.tool_calls is None:
                     masks = SchemaVocab(self._json_vocabulary(), compile_schema(params.json_schema))
-                elif json.loads(params.tool_calls).get("answer") is not None:
-                    masks = SchemaVocab(self._json_vocabulary(), compile_tool_calls(params.tool_calls), markup=True)
-                else:  # each tool's masks in one cache of the engine's, whatever set offers the tool
+                else:  # a group of tools' masks in one cache of the engine's, whatever set offers the group
                     if self._call_masks is None:
                         self._call_masks = MaskCache(self.model.cfg.vocab_size, CALL_MASKS_KEPT)
                     masks = ToolSetVocab(self._json_vocabulary(), params.tool_calls, self._call_masks)

@@ -30,9 +30,9 @@ Keywords that assert what the automaton does not enforce (`pattern`, `multipleOf
 pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `description`, `format`, `default`,
 ...) and unknown keywords are ignored, as JSON Schema says.
 
-`compile_call` builds the automaton of one tool call, its arguments an object its tool's parameters accept
-(`tool_calls.ToolCallReply` runs a reply's calls on them, tool by tool); `compile_tool_calls`, of a reply that is
-either such calls or an answer schema's (a JSON answer asked for beside tools under tool_choice auto). The tags are
+`compile_calls` builds the automaton of one tool call of a group of tools, its arguments an object its tool's
+parameters accept (`tool_calls.ToolCallReply` runs a reply's calls on them, group by group); `compile_tool_calls`,
+the whole reply's as one automaton (what the tests hold the replies to). The tags are
 read as bytes no UTF-8 text holds (`OPEN_TAG`, `CLOSE_TAG`: the vocabulary reads the tag tokens as them), so only
 the tag tokens write a tag, and never inside a string.
 """
@@ -1071,22 +1071,23 @@ def compile_schema(schema: Any) -> SchemaDfa:
     return _cached(text, build)
 
 
-def compile_call(tool: dict[str, Any]) -> SchemaDfa:
-    """The automaton of one call of `tool` (``{"name", "parameters"}``, a `tool_call_spec` entry) as the chat
-    template writes it: ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``, the tags read as
-    `OPEN_TAG` and `CLOSE_TAG` (only their tokens write them, never inside a string), ARGS a JSON object the tool's
-    parameters accept (any JSON object where they cannot be enforced here; none but ``{}`` without parameters).
-    Terminal where the call closes. Cached by the tool's text, as `compile_schema`'s automata."""
+def compile_calls(tools: list[dict[str, Any]]) -> SchemaDfa:
+    """The automaton of one call of any of `tools` (``{"name", "parameters"}``, `tool_call_spec`'s entries) as the
+    chat template writes it: ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``, the tags read as
+    `OPEN_TAG` and `CLOSE_TAG` (only their tokens write them, never inside a string), ARGS a JSON object the
+    tool's parameters accept (any JSON object where they cannot be enforced here; none but ``{}`` without
+    parameters). Terminal where the call closes. Cached by the tools' text, as `compile_schema`'s automata; raises
+    SchemaError past `MAX_DFA` states (`tool_calls.call_groups` then splits the tools)."""
 
     def build() -> SchemaDfa:
         n = _Nfa()
-        return _build(n, *_call(n, tool))
+        return _build(n, *n.alt(*[_call(n, tool) for tool in tools]))
 
-    return _cached("call:" + schema_text(tool), build)
+    return _cached("calls:" + schema_text(tools), build)
 
 
 def _call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
-    """`compile_call`'s automaton as a fragment of `n`."""
+    """A call of `tool` as a fragment of `n` (`compile_calls`)."""
     params = tool.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -1099,17 +1100,17 @@ def _call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
 
 
 def compile_tool_calls(spec: str) -> SchemaDfa:
-    """The automaton of a reply made of tool calls only, `compile_call`'s of `spec`'s tools (`tool_call_spec`),
-    after at most `TOP_WS` whitespace bytes; with `parallel`, more calls after a newline each; where the spec holds
-    an `answer` schema, a reply may instead be such an answer (a JSON Schema's: a JSON answer asked for beside tools
-    under tool_choice auto). One automaton for the whole set: `tool_calls.ToolCallReply` runs a set without an
-    answer as its tools' own automata instead, whatever its size. Cached as `compile_schema`'s automata; raises
-    SchemaError where no call can be written or the set's automaton grows past `MAX_DFA` states."""
+    """The automaton of a whole reply made of tool calls only, of `spec`'s tools (`tool_call_spec`), after at most
+    `TOP_WS` whitespace bytes; with `parallel`, more calls after a newline each; where the spec holds an `answer`
+    schema, a reply may instead be such an answer. One automaton for the reply, bounded by `MAX_DFA`: the engine
+    runs replies as `tool_calls.ToolCallReply` (calls by `compile_calls`' groups, the glue between them and an
+    answer as automata side by side, so no set is too large); this is the language it is held to (its tests).
+    Cached as `compile_schema`'s automata; raises SchemaError where no call can be written or it is too large."""
 
     def build() -> SchemaDfa:
         obj = json.loads(spec)
         n = _Nfa()
-        call = n.alt(*[_call(n, tool) for tool in obj["tools"]])
+        call = n.alt(*[_call(n, tool) for tool in obj["tools"]])  # `compile_calls`' fragments
         if obj.get("parallel", True):
             sep = n.lit(b"\n")
             n.link(call[1], sep[0])
@@ -1192,16 +1193,27 @@ def _embed(n: _Nfa, dfa: SchemaDfa) -> tuple[int, int]:
     return base + dfa.start, end
 
 
-def compile_spec(spec: str) -> SchemaDfa | list[SchemaDfa]:
-    """Build (and cache) what a `tool_call_spec` text's reply runs on: with an answer schema, the set's one
-    automaton (`compile_tool_calls`); else each tool's call automaton (`compile_call`, which `tool_calls.ToolCallReply`
-    runs tool by tool, so no set is too large). Raises SchemaError where that cannot be built."""
+def compile_spec(spec: str) -> list[SchemaDfa]:
+    """Build (and cache) what a `tool_call_spec` text's reply runs on (`tool_calls.ToolCallReply`): its tools'
+    calls by groups (`tool_calls.call_groups`) and any answer schema's automaton. Raises SchemaError where that
+    cannot be built (a tool whose call alone is past `MAX_DFA`, an answer schema that cannot be enforced)."""
+    from decapybara.engine.tool_calls import call_groups
+
     obj = json.loads(spec)
-    if obj.get("answer") is not None:
-        return compile_tool_calls(spec)
-    if not obj["tools"]:
+    if not isinstance(obj, dict) or not isinstance(obj.get("tools"), list) or not obj["tools"]:
         raise SchemaError("no tool to call")
-    return [compile_call(t) for t in obj["tools"]]
+    dfas = [dfa for _, dfa in call_groups(obj["tools"])]
+    if obj.get("answer") is not None:
+        dfas.append(compile_schema(obj["answer"]))
+    return dfas
+
+
+def forget(prefix: str) -> None:
+    """Drop the kept automata whose keys start with `prefix` (benchmarks and tests that time or watch a build)."""
+    global _CACHED_BYTES
+    with _LOCK:
+        for key in [k for k in _COMPILED if k.startswith(prefix)]:
+            _CACHED_BYTES -= _nbytes(_COMPILED.pop(key))
 
 
 def precompile(params: Any) -> None:
@@ -1213,7 +1225,7 @@ def precompile(params: Any) -> None:
             compile_schema(params.json_schema)
         elif getattr(params, "tool_calls", None) is not None:
             compile_spec(params.tool_calls)
-    except (SchemaError, ValueError, KeyError, TypeError):
+    except (SchemaError, ValueError, KeyError, TypeError, AttributeError):
         pass
 
 

@@ -98,6 +98,19 @@ def test_tool_call_round_trip_both_apis(oai, ant):
                                             "input": {"path": "setup.py"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "setup()"}]}])
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.input_tokens > 0
+    # the same round trip through the Responses API: the openai SDK's items, the whole reply and its stream
+    items = [{"role": "user", "content": "Read setup.py and summarise it."},
+             {"type": "function_call", "call_id": "call_1", "name": "read_file",
+              "arguments": json.dumps({"path": "setup.py"})},
+             {"type": "function_call_output", "call_id": "call_1", "output": "from setuptools import setup\nsetup()\n"}]
+    rtools = [{"type": "function", **tools[0]["function"]}]
+    r = oai.responses.create(model="m", input=items, tools=rtools, max_output_tokens=24, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output and r.usage.input_tokens > 0
+    with oai.responses.stream(model="m", input=items, tools=rtools, max_output_tokens=24, temperature=0) as s:
+        last = list(s)[-1]  # response.completed, or response.incomplete where max_output_tokens cut it
+    assert last.type == f"response.{r.status}"
+    assert [i.type for i in last.response.output] == [i.type for i in r.output]
+    assert last.response.output_text == r.output_text
 
 
 def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):

@@ -18,9 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from decapybara.api import anthropic_api, openai_api, openai_completions
+from decapybara.api import anthropic_api, openai_api, openai_completions, openai_responses
 from decapybara.api import anthropic_schemas as an
 from decapybara.api import openai_schemas as oa
+from decapybara.api import responses_schemas as rs
 from decapybara.api.client import EngineClient
 from decapybara.api.errors import ApiError, to_api_error
 from decapybara.api.metrics import CONTENT_TYPE, prometheus_text
@@ -28,6 +29,7 @@ from decapybara.api.streams import budgeted_thinking, engine_events
 from decapybara.api.transport import (
     ANTHROPIC,
     OPENAI,
+    RESPONSES,
     EdgeMiddleware,
     EventStreamResponse,
     api_of,
@@ -150,6 +152,17 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                              lambda: openai_completions.CompletionStream(plan, client.tokenizer),
                              lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)
         return await guard(OPENAI, handle)
+
+    @app.post("/v1/responses")
+    async def responses(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, rs.ResponsesRequest)
+            plan = await run_in_threadpool(openai_responses.plan_response, body, client, served,
+                                           request.headers.get(CONVERSATION_HEADER))
+            return await run(request, RESPONSES, engine_events(client, plan.request), bool(body.stream),
+                             lambda: openai_responses.ResponseStream(plan, client.tokenizer),
+                             lambda done: openai_responses.response(plan, done, client.tokenizer), KEEP_ALIVE)
+        return await guard(RESPONSES, handle)
 
     # ---- Anthropic -----------------------------------------------------------------------------------------
     @app.post("/v1/messages")

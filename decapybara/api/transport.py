@@ -21,14 +21,17 @@ from decapybara.api.errors import ApiError, to_api_error
 from decapybara.api.streams import Heartbeat, sse_data, sse_event
 from decapybara.engine.sequence import TokenEvent
 
-OPENAI, ANTHROPIC = "openai", "anthropic"
+OPENAI, ANTHROPIC, RESPONSES = "openai", "anthropic", "responses"
 ROUTES = ("/health", "/stats", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/v1/messages", "/v1/messages/count_tokens")
+          "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 
 
 def api_of(path: str) -> str:
-    """Which API's error shape a path answers in."""
-    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+    """Which API's error shape a path answers in (the Responses API's bodies are OpenAI's; its stream's error
+    event its own)."""
+    if path.startswith("/v1/messages"):
+        return ANTHROPIC
+    return RESPONSES if path.startswith("/v1/responses") else OPENAI
 
 
 def error_response(err: ApiError, api: str) -> JSONResponse:
@@ -41,6 +44,11 @@ def error_line(err: ApiError, api: str) -> str:
     """An error inside a stream whose headers are already sent."""
     if api == ANTHROPIC:
         return sse_event("error", json.dumps(err.anthropic_body(), ensure_ascii=False))
+    if api == RESPONSES:  # the Responses API's typed error event
+        body = err.openai_body()["error"]
+        return sse_event("error", json.dumps({"type": "error", "code": body["code"] or body["type"],
+                                              "message": body["message"], "param": body["param"],
+                                              "sequence_number": 0}, ensure_ascii=False))
     return sse_data(json.dumps(err.openai_body(), ensure_ascii=False))
 
 

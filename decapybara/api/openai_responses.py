@@ -1,0 +1,370 @@
+"""OpenAI /v1/responses (the Responses API): request -> engine `Request`, engine events -> a response object or
+its stream of typed events.
+
+Choices made where the API leaves room:
+- the conversation is sent whole (``input`` items: messages, ``function_call`` / ``function_call_output``,
+  ``reasoning``); nothing is stored, so ``previous_response_id`` is a 400 and ``store`` is answered false.
+  ``instructions`` is the system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
+- tools are function tools (``{"type": "function", "name", "parameters"}``); built-in tools (web search, file
+  search, ...) are a 400 naming them. tool_choice and parallel_tool_calls act as in chat completions: "required"
+  and a named function constrain the reply to calls; under "auto" a call the model opens is held to the tools'
+  schemas (`decapybara.engine.tool_calls`).
+- ``text.format`` json_object / json_schema constrain the answer as chat completions' response_format does.
+- ``reasoning.effort`` "none" / "minimal" turns thinking off, any other value (or none given) leaves it on; the
+  reasoning comes back as a ``reasoning`` item with ``reasoning_text`` content (the model's own words: no summary).
+- output items in the order the model wrote them: reasoning, then its text as a ``message``, then its calls as
+  ``function_call`` items; a reply cut by ``max_output_tokens`` is ``status: "incomplete"``; one the LoopGuard
+  stopped is completed and carries ``loop_guard``. Images, files and audio in the input are a 400.
+- the stream is the API's typed events, each with its ``sequence_number``: ``response.created``,
+  ``response.in_progress``, per item ``response.output_item.added`` / ``.done`` with the text, reasoning and
+  argument deltas between, and ``response.completed`` (or ``response.incomplete``) with the whole response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from decapybara.api import responses_schemas as rs
+from decapybara.api.common import (
+    ChatInput,
+    Collected,
+    Prompt,
+    ToolChoice,
+    aborted_error,
+    checked_schema,
+    constrained,
+    conversation_key,
+    make_request,
+    new_id,
+    output_budget,
+    reasoning_tokens,
+    render_prompt,
+    settle_constraint,
+)
+from decapybara.api.errors import bad_request
+from decapybara.api.schemas_base import LoopGuardInfo
+from decapybara.api.streams import sse_event
+from decapybara.chat import ContentDelta, ReasoningDelta, StreamingOutputParser, ToolCallEvent
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import FinishReason, Request, TokenEvent
+
+# ---------------------------------------------------------------------------------------------- request
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """A message's text: the string, or its text parts joined; other parts are a 400 (a refusal is skipped)."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        if isinstance(part, rs.TextIn):
+            out.append(part.text)
+        elif part.type != "refusal":
+            raise bad_request(f"{where}.content.{j}: {part.type} parts are not supported (text only)",
+                              f"{where}.content")
+    return "".join(out)
+
+
+def input_messages(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's instructions and input items -> the internal chat form: developer -> system, a call joins the
+    assistant turn before it (or opens one), a call's output is a tool turn, reasoning goes with the next
+    assistant turn."""
+    msgs: list[dict[str, Any]] = []
+    if body.instructions:
+        msgs.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*msgs, {"role": "user", "content": body.input}]
+    reasoning: str | None = None
+    for i, item in enumerate(body.input):
+        where = f"input.{i}"
+        if isinstance(item, rs.MessageIn):
+            msg = {"role": "system" if item.role == "developer" else item.role,
+                   "content": _text(item.content, where)}
+            if item.role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            msgs.append(msg)
+        elif isinstance(item, rs.FunctionCallIn):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = msgs[-1] if msgs else None
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                msgs.append(msg)
+        elif isinstance(item, rs.FunctionCallOutputIn):
+            msgs.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+        elif isinstance(item, rs.ReasoningIn):
+            parts = item.content if item.content else item.summary
+            reasoning = (reasoning or "") + "".join(p.text for p in parts)
+        else:
+            raise bad_request(f"{where}: input items of type {item.type!r} are not supported (messages, "
+                              "function_call, function_call_output and reasoning are)", f"{where}.type")
+    return msgs
+
+
+def _tools(body: rs.ResponsesRequest) -> list[dict[str, Any]] | None:
+    """Function tools in the chat form; built-in tools are a 400."""
+    if not body.tools:
+        return None
+    out = []
+    for i, tool in enumerate(body.tools):
+        if tool.get("type") != "function":
+            raise bad_request(f"tools.{i}: tools of type {tool.get('type')!r} are not supported (function tools "
+                              "are)", f"tools.{i}.type")
+        name = tool.get("name")
+        params = tool.get("parameters")
+        if not isinstance(name, str) or not name or (params is not None and not isinstance(params, dict)):
+            raise bad_request(f"tools.{i}: a function tool needs a name and an object of parameters", f"tools.{i}")
+        fn = {"name": name, "description": tool.get("description"), "parameters": params}
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
+def chat_input(body: rs.ResponsesRequest) -> ChatInput:
+    if body.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported: responses are not stored, so send the whole "
+                          "conversation as input", "previous_response_id")
+    parallel = body.parallel_tool_calls is not False
+    choice = body.tool_choice
+    if isinstance(choice, rs.FunctionChoice):
+        tool_choice = ToolChoice("named", choice.name, parallel)
+    elif isinstance(choice, dict):
+        raise bad_request(f"tool_choice of type {choice.get('type')!r} is not supported", "tool_choice")
+    else:
+        tool_choice = ToolChoice(choice or "auto", parallel=parallel)
+    tools = _tools(body)
+    if tool_choice.mode == "named" and not any(t["function"]["name"] == tool_choice.name for t in tools or ()):
+        raise bad_request(f"tool_choice names {tool_choice.name!r}, which is not among the tools", "tool_choice")
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    return ChatInput(input_messages(body), tools, tool_choice, effort not in ("none", "minimal"))
+
+
+def sampling_params(body: rs.ResponsesRequest, max_tokens: int) -> SamplingParams:
+    fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    schema = None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise bad_request('text.format json_schema needs a schema, e.g. {"type": "json_schema", "name": '
+                              '"reply", "schema": {"type": "object"}}', "text.format.schema")
+        schema = checked_schema(fmt.schema_, "text.format.schema")
+    return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, max_tokens=max_tokens,
+                          json_object=fmt is not None and fmt.type == "json_object", json_schema=schema)
+
+
+@dataclass(slots=True)
+class ResponsePlan:
+    """A responses request mapped for the engine, with what the response needs."""
+
+    request: Request
+    prompt: Prompt
+    body: rs.ResponsesRequest
+    model: str
+    created: int
+
+
+def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversation: str | None) -> ResponsePlan:
+    """Validate and map a responses request; raises ApiError / InvalidRequestError / ContextOverflowError."""
+    chat = chat_input(body)
+    prompt = render_prompt(client.tokenizer, chat)
+    max_tokens = output_budget(body.max_output_tokens, len(prompt.ids), client.max_model_len, "max_output_tokens")
+    params = settle_constraint(sampling_params(body, max(max_tokens, 1)), chat)
+    key = conversation_key(conversation, body.prompt_cache_key or body.user, chat.messages)
+    request = make_request(new_id("resp_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
+                           prompt_param="input", history_end=prompt.history_end)
+    return ResponsePlan(request, prompt, body, model, int(time.time()))
+
+
+# ---------------------------------------------------------------------------------------------- response
+
+
+class Items:
+    """The reply's output items as its parsed pieces arrive (reasoning, text, calls, in the model's order): the
+    stream's events for each piece (`add`, `close`), and the items (`items`). A text that is only whitespace
+    opens no message (it stays pending until a visible character joins it)."""
+
+    def __init__(self, emit: Any) -> None:
+        self.emit = emit  # (event type, payload dict) -> None
+        self.items: list[rs.MessageOut | rs.ReasoningOut | rs.FunctionCallOut] = []
+        self.open: str | None = None  # "reasoning" | "message": the item taking deltas
+        self.text = ""
+        self.pending = ""  # whitespace not yet in a message
+
+    def _index(self) -> int:
+        return len(self.items)
+
+    def _start(self, kind: str) -> None:
+        self.close()
+        self.open, self.text = kind, ""
+        item_id = new_id("rs_" if kind == "reasoning" else "msg_")
+        self.item_id = item_id
+        if kind == "reasoning":
+            added: dict[str, Any] = {"type": "reasoning", "id": item_id, "summary": [], "content": [],
+                                     "status": "in_progress"}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            added = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.emit("response.output_item.added", {"output_index": self._index(), "item": added})
+        self.emit("response.content_part.added", {"item_id": item_id, "output_index": self._index(),
+                                                  "content_index": 0, "part": part})
+
+    def _delta(self, text: str) -> None:
+        self.text += text
+        kind = "response.reasoning_text.delta" if self.open == "reasoning" else "response.output_text.delta"
+        extra = {} if self.open == "reasoning" else {"logprobs": []}
+        self.emit(kind, {"item_id": self.item_id, "output_index": self._index(), "content_index": 0,
+                         "delta": text, **extra})
+
+    def reasoning(self, text: str) -> None:
+        if self.open != "reasoning":
+            self._start("reasoning")
+        self._delta(text)
+
+    def content(self, text: str) -> None:
+        if self.open != "message":
+            if not (self.pending + text).strip():
+                self.pending += text
+                return
+            text, self.pending = self.pending + text, ""
+            self._start("message")
+        self._delta(text)
+
+    def call(self, name: str, arguments: str) -> None:
+        self.close()
+        item = rs.FunctionCallOut(id=new_id("fc_"), call_id=new_id("call_"), name=name, arguments=arguments)
+        i = self._index()
+        self.emit("response.output_item.added", {"output_index": i, "item": {**item.dump(), "arguments": "",
+                                                                            "status": "in_progress"}})
+        self.emit("response.function_call_arguments.delta", {"item_id": item.id, "output_index": i,
+                                                            "delta": arguments})
+        self.emit("response.function_call_arguments.done", {"item_id": item.id, "output_index": i,
+                                                           "name": name, "arguments": arguments})
+        self.items.append(item)
+        self.emit("response.output_item.done", {"output_index": i, "item": item.dump()})
+
+    def close(self) -> None:
+        """End the open reasoning or message item."""
+        if self.open is None:
+            return
+        i, item_id, text = self._index(), self.item_id, self.text
+        if self.open == "reasoning":
+            part: Any = rs.ReasoningText(text=text)
+            item: Any = rs.ReasoningOut(id=item_id, content=[part])
+            self.emit("response.reasoning_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
+                                                       "text": text})
+        else:
+            part = rs.OutputText(text=text)
+            item = rs.MessageOut(id=item_id, content=[part])
+            self.emit("response.output_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
+                                                    "text": text, "logprobs": []})
+        self.emit("response.content_part.done", {"item_id": item_id, "output_index": i, "content_index": 0,
+                                                 "part": part.dump()})
+        self.items.append(item)
+        self.emit("response.output_item.done", {"output_index": i, "item": item.dump()})
+        self.open = None
+
+    def feed(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, ReasoningDelta):
+                self.reasoning(out.text)
+            elif isinstance(out, ContentDelta):
+                self.content(out.text)
+            elif isinstance(out, ToolCallEvent):
+                self.call(out.tool_call.name, out.tool_call.arguments_json())
+
+
+def _parser(plan: ResponsePlan) -> StreamingOutputParser:
+    return StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
+                                 constrained(plan.request.params))
+
+
+def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | None, output_ids: list[int],
+              tokenizer: Any) -> rs.ResponseObject:
+    """The response object: in progress (`last` None) or finished with `last`'s finish reason and usage."""
+    body = plan.body
+    usage, status, incomplete, guard = None, "in_progress", None, None
+    if last is not None:
+        reason = last.finish_reason
+        if reason == FinishReason.ABORT:
+            raise aborted_error()
+        status = "incomplete" if reason == FinishReason.LENGTH else "completed"
+        incomplete = rs.IncompleteDetails(reason="max_output_tokens") if reason == FinishReason.LENGTH else None
+        guard = LoopGuardInfo(stopped=True, note=last.note) if reason == FinishReason.LOOP else None
+        sp = tokenizer.special_ids
+        reasoning = reasoning_tokens(output_ids, sp.end_think, plan.prompt.opens_reasoning, sp.think) or 0
+        num_prompt = last.num_prompt_tokens or len(plan.prompt.ids)
+        usage = rs.ResponseUsage(input_tokens=num_prompt,
+                                 input_tokens_details=rs.InputTokensDetails(cached_tokens=last.num_cached_tokens),
+                                 output_tokens=last.num_output_tokens,
+                                 output_tokens_details=rs.OutputTokensDetails(reasoning_tokens=reasoning),
+                                 total_tokens=num_prompt + last.num_output_tokens)
+    choice = body.tool_choice
+    fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    return rs.ResponseObject(
+        id=plan.request.request_id, created_at=plan.created, status=status, incomplete_details=incomplete,
+        instructions=body.instructions, model=plan.model, output=items,
+        parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature, top_p=body.top_p,
+        max_output_tokens=body.max_output_tokens,
+        tool_choice=choice.model_dump() if isinstance(choice, rs.FunctionChoice) else (choice or "auto"),
+        tools=body.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else
+                                      {"type": "text"}},
+        reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
+        metadata=body.metadata or {}, usage=usage, user=body.user, loop_guard=guard)
+
+
+def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.ResponseObject:
+    """The whole response of a finished request (its text parsed as the stream parses it)."""
+    parser = _parser(plan)
+    items = Items(lambda kind, payload: None)
+    items.feed(parser.feed(done.text) + parser.finish())
+    items.close()
+    return _response(plan, items.items, done, done.token_ids, tokenizer)
+
+
+class ResponseStream:
+    """Turns engine events into the Responses API's typed SSE events (module docstring)."""
+
+    def __init__(self, plan: ResponsePlan, tokenizer: Any) -> None:
+        self.plan, self.tokenizer = plan, tokenizer
+        self.parser = _parser(plan)
+        self.lines: list[str] = []
+        self.seq = 0
+        self.items = Items(self._emit)
+        self.output_ids: list[int] = []
+
+    def _emit(self, kind: str, payload: dict[str, Any]) -> None:
+        self.lines.append(sse_event(kind, json.dumps({"type": kind, "sequence_number": self.seq, **payload},
+                                                     ensure_ascii=False)))
+        self.seq += 1
+
+    def _take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+    def start(self, first: TokenEvent | None) -> list[str]:
+        head = _response(self.plan, [], None, [], self.tokenizer).dump()
+        self._emit("response.created", {"response": head})
+        self._emit("response.in_progress", {"response": head})
+        return self._take()
+
+    def event(self, ev: TokenEvent) -> list[str]:
+        self.output_ids += ev.token_ids
+        outputs = self.parser.feed(ev.text)
+        if ev.finish_reason is not None:
+            outputs += self.parser.finish()
+        self.items.feed(outputs)
+        return self._take()
+
+    def end(self, last: TokenEvent) -> list[str]:
+        self.items.close()
+        whole = _response(self.plan, self.items.items, last, self.output_ids, self.tokenizer)
+        self._emit("response.incomplete" if whole.status == "incomplete" else "response.completed",
+                   {"response": whole.dump()})
+        return self._take()

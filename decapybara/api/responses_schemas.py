@@ -1,0 +1,204 @@
+"""Pydantic schemas of OpenAI's Responses API (/v1/responses): the request, its input items, the response and its
+output items. Requests take the fields the API documents; unknown fields are ignored (as vendors' extras)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from decapybara.api.schemas_base import LoopGuardInfo, RequestModel, ResponseModel
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+class TextIn(RequestModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class OtherIn(RequestModel):
+    """A content part this server cannot read (images, files, audio), or a refusal: refused or skipped by name."""
+
+    type: Literal["input_image", "input_file", "input_audio", "refusal"]
+    refusal: str | None = None
+
+
+PartIn = Annotated[TextIn | OtherIn, Field(discriminator="type")]
+
+
+class MessageIn(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[PartIn]
+
+
+class FunctionCallIn(RequestModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputIn(RequestModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[PartIn]
+
+
+class ReasoningTextIn(RequestModel):
+    type: Literal["summary_text", "reasoning_text"]
+    text: str
+
+
+class ReasoningIn(RequestModel):
+    type: Literal["reasoning"]
+    summary: list[ReasoningTextIn] = Field(default_factory=list)
+    content: list[ReasoningTextIn] | None = None
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
+
+
+class OtherItemIn(RequestModel):
+    """An input item of a kind this server does not serve (a built-in tool's call, an item reference)."""
+
+    type: str
+
+
+ItemIn = Annotated[Annotated[MessageIn, Tag("message")] | Annotated[FunctionCallIn, Tag("function_call")]
+                   | Annotated[FunctionCallOutputIn, Tag("function_call_output")]
+                   | Annotated[ReasoningIn, Tag("reasoning")] | Annotated[OtherItemIn, Tag("other")],
+                   Discriminator(_item_kind)]
+
+
+class TextFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningConfig(RequestModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: str | None = None
+
+
+class FunctionChoice(RequestModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: str | list[ItemIn]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools; other kinds are refused by name
+    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+class OutputText(ResponseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class MessageOut(ResponseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: str = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class ReasoningOut(ResponseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: str = "completed"
+
+
+class FunctionCallOut(ResponseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+
+
+class InputTokensDetails(ResponseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(ResponseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(ResponseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(ResponseModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"loop_guard"})
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    model: str
+    output: list[MessageOut | ReasoningOut | FunctionCallOut]
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    tool_choice: Any = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: None = None
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    loop_guard: LoopGuardInfo | None = None

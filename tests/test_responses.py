@@ -1,0 +1,123 @@
+"""OpenAI's Responses API (/v1/responses) through the openai SDK against the live app of test_api (its scripted
+engine): plain text, a conversation of input items with calls and their outputs, tools, reasoning items, the
+typed stream against the whole response, structured outputs, the incomplete status, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from pydantic import BaseModel
+from test_api import SCRIPTS, TOOLS_OA, _post, stack  # noqa: F401  (the module's live app)
+
+TOOLS_R = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+            "parameters": t["function"]["parameters"]} for t in TOOLS_OA]
+
+
+def kinds(response) -> list[str]:
+    return [item.type for item in response.output]
+
+
+def test_a_plain_reply_is_one_message(stack):  # noqa: F811
+    r = stack.oa().responses.create(model="m", input="SAY-STOP please", max_output_tokens=40,
+                                    reasoning={"effort": "none"})
+    assert r.status == "completed" and kinds(r) == ["message"]
+    assert r.output_text == SCRIPTS["SAY-STOP"] and r.output[0].content[0].type == "output_text"
+    assert r.usage.output_tokens > 0 and r.usage.input_tokens == r.usage.total_tokens - r.usage.output_tokens
+    assert r.id.startswith("resp_") and r.object == "response" and r.store is False
+
+
+def test_reasoning_text_and_a_call_are_three_items_in_the_models_order(stack):  # noqa: F811
+    """The scripted reply thinks, says a sentence and calls the tool: a reasoning item, a message, a
+    function_call with its call id and JSON arguments."""
+    r = stack.oa().responses.create(model="m", input="CALL-THE-TOOL: weather in Paris?", tools=TOOLS_R,
+                                    max_output_tokens=80)
+    assert kinds(r) == ["reasoning", "message", "function_call"], r.output
+    assert r.output[0].content[0].text == "The user wants the weather."
+    assert r.output_text.strip() == "Let me check."
+    call = r.output[2]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and r.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def test_a_conversation_of_items_renders_as_the_chat_it_is(stack):  # noqa: F811
+    """instructions, a user message, the assistant's reasoning, call and the call's output, and the next user
+    turn render as the chat template renders that conversation (the tool result inside the user turn)."""
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+             {"role": "developer", "content": "Answer in one word."},
+             {"role": "user", "content": "And now SAY-STOP"}]
+    r = stack.oa().responses.create(model="m", input=items, instructions="You are terse.", tools=TOOLS_R,
+                                    max_output_tokens=30)
+    prompt = stack.prompt(r.id)
+    assert prompt.startswith("<|im_start|>system\nYou are terse.")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt
+    assert r.output_text == SCRIPTS["SAY-STOP"]
+
+
+def test_the_stream_builds_the_response_the_whole_reply_is(stack):  # noqa: F811
+    """The typed events, numbered in order, give (through the SDK's stream helper) the response a non-streaming
+    request gets: the same items, texts and arguments; deltas add up to each item's text."""
+    kw = {"model": "m", "input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "max_output_tokens": 80}
+    whole = stack.oa().responses.create(**kw)
+    with stack.oa().responses.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert kinds(final) == kinds(whole)
+    assert [getattr(i, "arguments", None) for i in final.output] == [getattr(i, "arguments", None)
+                                                                      for i in whole.output]
+    assert final.output_text == whole.output_text and final.output[0].content[0].text == "The user wants the weather."
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text
+
+
+def test_a_required_call_and_a_schemas_answer(stack):  # noqa: F811
+    r = stack.oa().responses.create(model="m", input="TWO-CALLS", tools=TOOLS_R, tool_choice="required",
+                                    max_output_tokens=80, reasoning={"effort": "none"})
+    assert [json.loads(i.arguments)["city"] for i in r.output if i.type == "function_call"] == ["Rome", "Oslo"]
+    r = stack.oa().responses.create(model="m", input="TWO-CALLS", tools=TOOLS_R, parallel_tool_calls=False,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
+                                    reasoning={"effort": "none"})
+    assert [json.loads(i.arguments)["city"] for i in r.output if i.type == "function_call"] == ["Rome"]
+
+    class Trip(BaseModel):
+        city: str
+        days: list[float | bool]
+
+    p = stack.oa().responses.parse(model="m", input="JSON-REPLY", text_format=Trip, max_output_tokens=60,
+                                   reasoning={"effort": "none"})
+    assert p.output_parsed == Trip(city="Rome", days=[1, 2.5, True])
+
+
+def test_a_reply_cut_by_max_output_tokens_is_incomplete(stack):  # noqa: F811
+    r = stack.oa().responses.create(model="m", input="KEEP-TALKING", max_output_tokens=8,
+                                    reasoning={"effort": "none"})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 8
+    with stack.oa().responses.stream(model="m", input="KEEP-TALKING", max_output_tokens=8,
+                                     reasoning={"effort": "none"}) as s:
+        events = list(s)
+    assert events[-1].type == "response.incomplete"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content"),
+    ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type"),
+    ({"input": "x", "tools": TOOLS_R, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string",
+                                                                                      "pattern": "a"}}}},
+     "text.format.schema"),
+])
+def test_bad_input_is_a_400_naming_the_field(stack, body, param):  # noqa: F811
+    r = _post(stack.url + "/v1/responses", {"model": "m", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError):
+        stack.oa().responses.create(model="m", **body)

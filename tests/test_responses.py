@@ -121,3 +121,86 @@ def test_bad_input_is_a_400_naming_the_field(stack, body, param):  # noqa: F811
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.BadRequestError):
         stack.oa().responses.create(model="m", **body)
+
+
+def test_instructions_and_developer_items_are_one_system_turn_for_a_strict_template():
+    """Codex-style input (instructions, a developer item, the user's) makes one system turn first; a developer
+    item later in the conversation folds into it where the template takes one system message, first."""
+    from types import SimpleNamespace
+
+    from test_api import make_tokenizer_json
+
+    from decapybara.api import openai_responses as orr
+    from decapybara.api import responses_schemas as rs
+    from decapybara.chat import default_chat_template
+    from decapybara.tokenizer import Tokenizer
+
+    strict = ("{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+              "{{ raise_exception('System message must be at the beginning.') }}{%- endif %}{%- endfor %}"
+              + default_chat_template())
+    client = SimpleNamespace(tokenizer=Tokenizer.from_json(make_tokenizer_json(), chat_template=strict),
+                             max_model_len=4096, vocab_size=8192)
+    body = rs.ResponsesRequest.model_validate({"instructions": "Be terse.", "input": [
+        {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "developer", "content": "Now in French."},
+        {"role": "user", "content": "again"}]})
+    assert [m["role"] for m in orr.input_messages(body)] == ["system", "user", "assistant", "system", "user"]
+    plan = orr.plan_response(body, client, "m", None)
+    head = plan.prompt.text[:plan.prompt.text.index("<|im_start|>user")]
+    assert head.count("<|im_start|>system") == 1 and "Be terse.\n\nUse tools.\n\nNow in French." in head
+
+
+def test_reasoning_goes_with_the_next_assistant_turn_only():
+    from decapybara.api import openai_responses as orr
+    from decapybara.api import responses_schemas as rs
+
+    r1 = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "R1"}]}
+    body = rs.ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "q1"}, r1, {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "A2"}, r1, {"role": "assistant", "content": "A3"}]})
+    msgs = orr.input_messages(body)
+    assert "reasoning_content" not in msgs[2] and msgs[3]["reasoning_content"] == "R1"
+
+
+def test_tool_choice_forms_and_stored_state(stack):  # noqa: F811
+    """allowed_tools offers only the tools it lists (under its mode), chat completions' named form names a
+    function; stored conversations, background runs and stored prompts are 400s naming the field."""
+    tools = [*TOOLS_R, {"type": "function", "name": "other", "parameters": {"type": "object"}}]
+    r = stack.oa().responses.create(model="m", input="hi", tools=tools, max_output_tokens=4, tool_choice={
+        "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "other"}]})
+    prompt = stack.prompt(r.id)
+    assert '"name": "other"' in prompt and '"name": "get_weather"' not in prompt
+    r = stack.oa().responses.create(model="m", input="TWO-CALLS", tools=TOOLS_R, max_output_tokens=80,
+                                    parallel_tool_calls=False, reasoning={"effort": "none"},
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [i.type for i in r.output] == ["function_call"]
+    for extra, param in [({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background"),
+                         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+                         ({"tool_choice": {"type": "mcp"}, "tools": TOOLS_R}, "tool_choice"),
+                         ({"input": [{"type": "function_call_output", "call_id": "c",
+                                      "output": [{"type": "input_image"}]}]}, "input.0.output")]:
+        r = _post(stack.url + "/v1/responses", {"model": "m", "input": "x", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_cut_item_is_incomplete_and_a_failed_stream_says_so(stack):  # noqa: F811
+    """The item max_output_tokens cut is "incomplete" (whole or streamed); a stream that fails after its headers
+    ends with a numbered error event and response.failed."""
+    from decapybara.api import openai_responses as orr
+    from decapybara.api.errors import ApiError
+
+    r = stack.oa().responses.create(model="m", input="KEEP-TALKING", max_output_tokens=8,
+                                    reasoning={"effort": "none"})
+    assert r.output[-1].status == "incomplete"
+    with stack.oa().responses.stream(model="m", input="KEEP-TALKING", max_output_tokens=8,
+                                     reasoning={"effort": "none"}) as s:
+        events = list(s)
+    assert events[-1].response.output[-1].status == "incomplete"
+    body = orr.rs.ResponsesRequest.model_validate({"input": "hi"})
+    stream = orr.ResponseStream(orr.plan_response(body, stack.client, "m", None), stack.client.tokenizer)
+    lines = stream.start(None) + stream.error(ApiError(503, "the request was cancelled by the server"))
+    events = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
+    assert events[2]["type"] == "error" and events[2]["message"] == "the request was cancelled by the server"
+    assert events[3]["type"] == "response.failed" and events[3]["response"]["status"] == "failed"
+    assert events[3]["response"]["error"]["message"] == "the request was cancelled by the server"

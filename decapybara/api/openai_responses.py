@@ -3,8 +3,10 @@ its stream of typed events.
 
 Choices made where the API leaves room:
 - the conversation is sent whole (``input`` items: messages, ``function_call`` / ``function_call_output``,
-  ``reasoning``); nothing is stored, so ``previous_response_id`` is a 400 and ``store`` is answered false.
-  ``instructions`` is the system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
+  ``reasoning``); nothing is stored, so ``previous_response_id``, ``conversation``, ``background`` and ``prompt``
+  are 400s and ``store`` is answered false. ``instructions`` and the system / developer messages before the
+  first other item are one system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
+  ``include``, ``truncation`` and ``text.verbosity`` are read and not acted on; output logprobs are empty.
 - tools are function tools (``{"type": "function", "name", "parameters"}``); built-in tools (web search, file
   search, ...) are a 400 naming them. tool_choice and parallel_tool_calls act as in chat completions: "required"
   and a named function constrain the reply to calls; under "auto" a call the model opens is held to the tools'
@@ -13,11 +15,14 @@ Choices made where the API leaves room:
 - ``reasoning.effort`` "none" / "minimal" turns thinking off, any other value (or none given) leaves it on; the
   reasoning comes back as a ``reasoning`` item with ``reasoning_text`` content (the model's own words: no summary).
 - output items in the order the model wrote them: reasoning, then its text as a ``message``, then its calls as
-  ``function_call`` items; a reply cut by ``max_output_tokens`` is ``status: "incomplete"``; one the LoopGuard
-  stopped is completed and carries ``loop_guard``. Images, files and audio in the input are a 400.
+  ``function_call`` items; a reply cut by ``max_output_tokens`` is ``status: "incomplete"`` (its last item too);
+  one the LoopGuard stopped is completed and carries ``loop_guard``. Images, files and audio in the input are a
+  400. tool_choice also takes chat completions' ``{"type": "function", "function": {"name"}}`` and
+  ``allowed_tools`` (the tools it lists, under its mode).
 - the stream is the API's typed events, each with its ``sequence_number``: ``response.created``,
   ``response.in_progress``, per item ``response.output_item.added`` / ``.done`` with the text, reasoning and
-  argument deltas between, and ``response.completed`` (or ``response.incomplete``) with the whole response.
+  argument deltas between, and ``response.completed`` (or ``response.incomplete``) with the whole response; a
+  stream that fails after its headers ends with a numbered ``error`` event and ``response.failed``.
 """
 
 from __future__ import annotations
@@ -44,17 +49,18 @@ from decapybara.api.common import (
     render_prompt,
     settle_constraint,
 )
-from decapybara.api.errors import bad_request
+from decapybara.api.errors import ApiError, bad_request
 from decapybara.api.schemas_base import LoopGuardInfo
 from decapybara.api.streams import sse_event
 from decapybara.chat import ContentDelta, ReasoningDelta, StreamingOutputParser, ToolCallEvent
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
+from decapybara.errors import InvalidRequestError
 
 # ---------------------------------------------------------------------------------------------- request
 
 
-def _text(content: str | list[Any], where: str) -> str:
+def _text(content: str | list[Any], where: str, field: str = "content") -> str:
     """A message's text: the string, or its text parts joined; other parts are a 400 (a refusal is skipped)."""
     if isinstance(content, str):
         return content
@@ -63,28 +69,33 @@ def _text(content: str | list[Any], where: str) -> str:
         if isinstance(part, rs.TextIn):
             out.append(part.text)
         elif part.type != "refusal":
-            raise bad_request(f"{where}.content.{j}: {part.type} parts are not supported (text only)",
-                              f"{where}.content")
+            raise bad_request(f"{where}.{field}.{j}: {part.type} parts are not supported (text only)",
+                              f"{where}.{field}")
     return "".join(out)
 
 
 def input_messages(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's instructions and input items -> the internal chat form: developer -> system, a call joins the
+    """The request's instructions and input items -> the internal chat form: the instructions and the system /
+    developer messages before the first other item one system turn (templates take one system message, first),
+    later ones system turns of their own (`fold_system` where the template refuses them); a call joins the
     assistant turn before it (or opens one), a call's output is a tool turn, reasoning goes with the next
-    assistant turn."""
+    assistant turn (dropped at a user or tool turn before one)."""
+    lead = [body.instructions] if body.instructions else []
+    items = [rs.MessageIn(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     msgs: list[dict[str, Any]] = []
-    if body.instructions:
-        msgs.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        return [*msgs, {"role": "user", "content": body.input}]
     reasoning: str | None = None
-    for i, item in enumerate(body.input):
+    for i, item in enumerate(items):
         where = f"input.{i}"
         if isinstance(item, rs.MessageIn):
-            msg = {"role": "system" if item.role == "developer" else item.role,
-                   "content": _text(item.content, where)}
-            if item.role == "assistant" and reasoning is not None:
-                msg["reasoning_content"], reasoning = reasoning, None
+            role = "system" if item.role == "developer" else item.role
+            text = _text(item.content, where)
+            if role == "system" and not msgs:
+                lead.append(text)
+                continue
+            msg = {"role": role, "content": text}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            reasoning = None
             msgs.append(msg)
         elif isinstance(item, rs.FunctionCallIn):
             call = {"id": item.call_id, "type": "function",
@@ -98,14 +109,26 @@ def input_messages(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
                     msg["reasoning_content"], reasoning = reasoning, None
                 msgs.append(msg)
         elif isinstance(item, rs.FunctionCallOutputIn):
-            msgs.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+            msgs.append({"role": "tool", "tool_call_id": item.call_id,
+                         "content": _text(item.output, where, "output")})
+            reasoning = None
         elif isinstance(item, rs.ReasoningIn):
             parts = item.content if item.content else item.summary
             reasoning = (reasoning or "") + "".join(p.text for p in parts)
         else:
             raise bad_request(f"{where}: input items of type {item.type!r} are not supported (messages, "
                               "function_call, function_call_output and reasoning are)", f"{where}.type")
-    return msgs
+    return ([{"role": "system", "content": "\n\n".join(lead)}] if lead else []) + msgs
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with every system turn after the first folded into the first (for a template that takes one
+    system message, first)."""
+    later = [m["content"] for m in messages[1:] if m["role"] == "system"]
+    rest = [m for m in messages[1:] if m["role"] != "system"]
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": "\n\n".join([messages[0]["content"], *later])}, *rest]
+    return ([{"role": "system", "content": "\n\n".join(later)}] if later else []) + [messages[0], *rest]
 
 
 def _tools(body: rs.ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -126,19 +149,39 @@ def _tools(body: rs.ResponsesRequest) -> list[dict[str, Any]] | None:
     return out
 
 
-def chat_input(body: rs.ResponsesRequest) -> ChatInput:
-    if body.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: responses are not stored, so send the whole "
-                          "conversation as input", "previous_response_id")
+def _tool_choice(body: rs.ResponsesRequest, tools: list[dict[str, Any]] | None
+                 ) -> tuple[ToolChoice, list[dict[str, Any]] | None]:
+    """tool_choice -> (the internal choice, the tools offered): "auto" / "none" / "required", a function by name
+    (``{"type": "function", "name"}``, or chat completions' ``{"function": {"name"}}``), or ``allowed_tools``
+    (the tools it lists, under its mode "auto" or "required")."""
     parallel = body.parallel_tool_calls is not False
     choice = body.tool_choice
     if isinstance(choice, rs.FunctionChoice):
-        tool_choice = ToolChoice("named", choice.name, parallel)
-    elif isinstance(choice, dict):
-        raise bad_request(f"tool_choice of type {choice.get('type')!r} is not supported", "tool_choice")
-    else:
-        tool_choice = ToolChoice(choice or "auto", parallel=parallel)
-    tools = _tools(body)
+        return ToolChoice("named", choice.name, parallel), tools
+    if not isinstance(choice, dict):
+        return ToolChoice(choice or "auto", parallel=parallel), tools
+    kind = choice.get("type")
+    fn = choice.get("function")
+    if kind == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        return ToolChoice("named", fn["name"], parallel), tools
+    if kind == "allowed_tools" and choice.get("mode", "auto") in ("auto", "required") and isinstance(
+            choice.get("tools"), list):
+        names = {t.get("name") for t in choice["tools"] if isinstance(t, dict) and t.get("type") == "function"}
+        kept = [t for t in tools or () if t["function"]["name"] in names]
+        return ToolChoice(choice.get("mode", "auto"), parallel=parallel), kept or None
+    raise bad_request(f"tool_choice of type {kind!r} is not supported (\"auto\", \"none\", \"required\", "
+                      '{"type": "function", "name": ...} or {"type": "allowed_tools", "mode": "auto" | "required", '
+                      '"tools": [...]} are)', "tool_choice")
+
+
+def chat_input(body: rs.ResponsesRequest) -> ChatInput:
+    for field, given in (("previous_response_id", body.previous_response_id is not None),
+                         ("conversation", body.conversation is not None), ("background", body.background is True),
+                         ("prompt", body.prompt is not None)):
+        if given:
+            raise bad_request(f"{field} is not supported: responses and conversations are not stored, so send the "
+                              "whole conversation as input", field)
+    tool_choice, tools = _tool_choice(body, _tools(body))
     if tool_choice.mode == "named" and not any(t["function"]["name"] == tool_choice.name for t in tools or ()):
         raise bad_request(f"tool_choice names {tool_choice.name!r}, which is not among the tools", "tool_choice")
     effort = body.reasoning.effort if body.reasoning is not None else None
@@ -172,7 +215,13 @@ class ResponsePlan:
 def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversation: str | None) -> ResponsePlan:
     """Validate and map a responses request; raises ApiError / InvalidRequestError / ContextOverflowError."""
     chat = chat_input(body)
-    prompt = render_prompt(client.tokenizer, chat)
+    try:
+        prompt = render_prompt(client.tokenizer, chat)
+    except (ApiError, InvalidRequestError):
+        if sum(m["role"] == "system" for m in chat.messages) < 2:
+            raise
+        chat.messages = fold_system(chat.messages)  # a template that takes one system message, first
+        prompt = render_prompt(client.tokenizer, chat)
     max_tokens = output_budget(body.max_output_tokens, len(prompt.ids), client.max_model_len, "max_output_tokens")
     params = settle_constraint(sampling_params(body, max(max_tokens, 1)), chat)
     key = conversation_key(conversation, body.prompt_cache_key or body.user, chat.messages)
@@ -249,19 +298,19 @@ class Items:
         self.items.append(item)
         self.emit("response.output_item.done", {"output_index": i, "item": item.dump()})
 
-    def close(self) -> None:
-        """End the open reasoning or message item."""
+    def close(self, status: str = "completed") -> None:
+        """End the open reasoning or message item (`status` "incomplete" where max_output_tokens cut it)."""
         if self.open is None:
             return
         i, item_id, text = self._index(), self.item_id, self.text
         if self.open == "reasoning":
             part: Any = rs.ReasoningText(text=text)
-            item: Any = rs.ReasoningOut(id=item_id, content=[part])
+            item: Any = rs.ReasoningOut(id=item_id, content=[part], status=status)
             self.emit("response.reasoning_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                        "text": text})
         else:
             part = rs.OutputText(text=text)
-            item = rs.MessageOut(id=item_id, content=[part])
+            item = rs.MessageOut(id=item_id, content=[part], status=status)
             self.emit("response.output_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                     "text": text, "logprobs": []})
         self.emit("response.content_part.done", {"item_id": item_id, "output_index": i, "content_index": 0,
@@ -319,12 +368,17 @@ def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | No
         metadata=body.metadata or {}, usage=usage, user=body.user, loop_guard=guard)
 
 
+def _item_status(last: TokenEvent | Collected) -> str:
+    """The status of the item open at the end: cut by max_output_tokens, or completed."""
+    return "incomplete" if last.finish_reason == FinishReason.LENGTH else "completed"
+
+
 def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.ResponseObject:
     """The whole response of a finished request (its text parsed as the stream parses it)."""
     parser = _parser(plan)
     items = Items(lambda kind, payload: None)
     items.feed(parser.feed(done.text) + parser.finish())
-    items.close()
+    items.close(_item_status(done))
     return _response(plan, items.items, done, done.token_ids, tokenizer)
 
 
@@ -362,8 +416,19 @@ class ResponseStream:
         self.items.feed(outputs)
         return self._take()
 
+    def error(self, err: ApiError) -> list[str]:
+        """The stream's end where it fails after its headers: the API's ``error`` event, numbered as the others,
+        then ``response.failed`` with the error and the items made so far."""
+        body = err.openai_body()["error"]
+        code = body["code"] or body["type"]
+        self._emit("error", {"code": code, "message": body["message"], "param": body["param"]})
+        failed = _response(self.plan, self.items.items, None, self.output_ids, self.tokenizer)
+        failed = failed.model_copy(update={"status": "failed", "error": {"code": code, "message": body["message"]}})
+        self._emit("response.failed", {"response": failed.dump()})
+        return self._take()
+
     def end(self, last: TokenEvent) -> list[str]:
-        self.items.close()
+        self.items.close(_item_status(last))
         whole = _response(self.plan, self.items.items, last, self.output_ids, self.tokenizer)
         self._emit("response.incomplete" if whole.status == "incomplete" else "response.completed",
                    {"response": whole.dump()})

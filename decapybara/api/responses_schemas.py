@@ -110,6 +110,9 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = None
+    conversation: Any = None  # stored conversations: refused (nothing is stored)
+    background: bool | None = None
+    prompt: Any = None  # stored prompt templates: refused
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -182,8 +185,8 @@ class ResponseObject(ResponseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     model: str

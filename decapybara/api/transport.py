@@ -28,7 +28,7 @@ ROUTES = ("/health", "/stats", "/metrics", "/v1/models", "/v1/chat/completions",
 
 def api_of(path: str) -> str:
     """Which API's error shape a path answers in (the Responses API's bodies are OpenAI's; its stream's error
-    event its own)."""
+    events its streamer's own, `openai_responses.ResponseStream.error`)."""
     if path.startswith("/v1/messages"):
         return ANTHROPIC
     return RESPONSES if path.startswith("/v1/responses") else OPENAI
@@ -44,11 +44,6 @@ def error_line(err: ApiError, api: str) -> str:
     """An error inside a stream whose headers are already sent."""
     if api == ANTHROPIC:
         return sse_event("error", json.dumps(err.anthropic_body(), ensure_ascii=False))
-    if api == RESPONSES:  # the Responses API's typed error event
-        body = err.openai_body()["error"]
-        return sse_event("error", json.dumps({"type": "error", "code": body["code"] or body["type"],
-                                              "message": body["message"], "param": body["param"],
-                                              "sequence_number": 0}, ensure_ascii=False))
     return sse_data(json.dumps(err.openai_body(), ensure_ascii=False))
 
 
@@ -184,11 +179,20 @@ async def drive_stream(streamer: Streamer, beat: Heartbeat, first: TokenEvent | 
             if ev is None:
                 yield idle_line
     except StopAsyncIteration:
-        yield error_line(ApiError(500, "the engine stream ended without a finish reason"), api)
+        for line in _failure(streamer, ApiError(500, "the engine stream ended without a finish reason"), api):
+            yield line
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
-        yield error_line(to_api_error(exc, disconnects), api)
+        for line in _failure(streamer, to_api_error(exc, disconnects), api):
+            yield line
     finally:
         await beat.close()
+
+
+def _failure(streamer: Streamer, err: ApiError, api: str) -> list[str]:
+    """The lines that end a failed stream: the streamer's own (`error`, where it has one: the Responses API's
+    numbered events), else the API's error line."""
+    own = getattr(streamer, "error", None)
+    return own(err) if own is not None else [error_line(err, api)]
 
 
 async def start_stream(events: AsyncIterator[TokenEvent], wait: float) -> tuple[Heartbeat, TokenEvent | None]:

@@ -204,3 +204,23 @@ def test_a_cut_item_is_incomplete_and_a_failed_stream_says_so(stack):  # noqa: F
     assert events[2]["type"] == "error" and events[2]["message"] == "the request was cancelled by the server"
     assert events[3]["type"] == "response.failed" and events[3]["response"]["status"] == "failed"
     assert events[3]["response"]["error"]["message"] == "the request was cancelled by the server"
+
+
+def test_reasoning_comes_back_through_encrypted_content(stack):  # noqa: F811
+    """A stateless client (store false, include reasoning.encrypted_content) that sends reasoning back only as
+    encrypted_content: the next turn's prompt holds that reasoning where the model wrote it, so it renders as the
+    turn before did (without include, no encrypted_content is written)."""
+    kw = {"model": "m", "input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "max_output_tokens": 80}
+    plain = stack.oa().responses.create(**kw)
+    assert plain.output[0].encrypted_content is None
+    r = stack.oa().responses.create(**kw, include=["reasoning.encrypted_content"], store=False)
+    reasoning, _, call = r.output
+    assert reasoning.encrypted_content == "The user wants the weather."
+    with stack.oa().responses.stream(**kw, include=["reasoning.encrypted_content"]) as s:
+        assert s.get_final_response().output[0].encrypted_content == "The user wants the weather."
+    back = [{"role": "user", "content": "CALL-THE-TOOL: weather in Paris?"},
+            {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    nxt = stack.oa().responses.create(model="m", input=back, tools=TOOLS_R, max_output_tokens=4)
+    assert "<think>\nThe user wants the weather.\n</think>" in stack.prompt(nxt.id)

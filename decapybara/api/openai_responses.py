@@ -6,7 +6,10 @@ Choices made where the API leaves room:
   ``reasoning``); nothing is stored, so ``previous_response_id``, ``conversation``, ``background`` and ``prompt``
   are 400s and ``store`` is answered false. ``instructions`` and the system / developer messages before the
   first other item are one system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
-  ``include``, ``truncation`` and ``text.verbosity`` are read and not acted on; output logprobs are empty.
+  ``include: ["reasoning.encrypted_content"]`` puts the reasoning's text in its item's ``encrypted_content``
+  (not encrypted: this server's own, for clients that send reasoning back only so, as stateless agents do), read
+  back from input reasoning items that carry nothing else; other ``include`` values, ``truncation`` and
+  ``text.verbosity`` are read and not acted on; output logprobs are empty.
 - tools are function tools (``{"type": "function", "name", "parameters"}``); built-in tools (web search, file
   search, ...) are a 400 naming them. tool_choice and parallel_tool_calls act as in chat completions: "required"
   and a named function constrain the reply to calls; under "auto" a call the model opens is held to the tools'
@@ -114,7 +117,8 @@ def input_messages(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
             reasoning = None
         elif isinstance(item, rs.ReasoningIn):
             parts = item.content if item.content else item.summary
-            reasoning = (reasoning or "") + "".join(p.text for p in parts)
+            text = "".join(p.text for p in parts) if parts else item.encrypted_content or ""
+            reasoning = (reasoning or "") + text
         else:
             raise bad_request(f"{where}: input items of type {item.type!r} are not supported (messages, "
                               "function_call, function_call_output and reasoning are)", f"{where}.type")
@@ -238,8 +242,9 @@ class Items:
     stream's events for each piece (`add`, `close`), and the items (`items`). A text that is only whitespace
     opens no message (it stays pending until a visible character joins it)."""
 
-    def __init__(self, emit: Any) -> None:
+    def __init__(self, emit: Any, encrypted: bool = False) -> None:
         self.emit = emit  # (event type, payload dict) -> None
+        self.encrypted = encrypted  # reasoning items carry their text as `encrypted_content` too
         self.items: list[rs.MessageOut | rs.ReasoningOut | rs.FunctionCallOut] = []
         self.open: str | None = None  # "reasoning" | "message": the item taking deltas
         self.text = ""
@@ -305,7 +310,8 @@ class Items:
         i, item_id, text = self._index(), self.item_id, self.text
         if self.open == "reasoning":
             part: Any = rs.ReasoningText(text=text)
-            item: Any = rs.ReasoningOut(id=item_id, content=[part], status=status)
+            item: Any = rs.ReasoningOut(id=item_id, content=[part], status=status,
+                                        encrypted_content=text if self.encrypted else None)
             self.emit("response.reasoning_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                        "text": text})
         else:
@@ -327,6 +333,10 @@ class Items:
                 self.content(out.text)
             elif isinstance(out, ToolCallEvent):
                 self.call(out.tool_call.name, out.tool_call.arguments_json())
+
+
+def _encrypted(plan: ResponsePlan) -> bool:
+    return "reasoning.encrypted_content" in (plan.body.include or ())
 
 
 def _parser(plan: ResponsePlan) -> StreamingOutputParser:
@@ -376,7 +386,7 @@ def _item_status(last: TokenEvent | Collected) -> str:
 def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.ResponseObject:
     """The whole response of a finished request (its text parsed as the stream parses it)."""
     parser = _parser(plan)
-    items = Items(lambda kind, payload: None)
+    items = Items(lambda kind, payload: None, _encrypted(plan))
     items.feed(parser.feed(done.text) + parser.finish())
     items.close(_item_status(done))
     return _response(plan, items.items, done, done.token_ids, tokenizer)
@@ -390,7 +400,7 @@ class ResponseStream:
         self.parser = _parser(plan)
         self.lines: list[str] = []
         self.seq = 0
-        self.items = Items(self._emit)
+        self.items = Items(self._emit, _encrypted(plan))
         self.output_ids: list[int] = []
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> None:

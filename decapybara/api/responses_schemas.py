@@ -55,6 +55,7 @@ class ReasoningIn(RequestModel):
     type: Literal["reasoning"]
     summary: list[ReasoningTextIn] = Field(default_factory=list)
     content: list[ReasoningTextIn] | None = None
+    encrypted_content: str | None = None  # this server's: the reasoning's text (`ReasoningOut.encrypted_content`)
 
 
 def _item_kind(value: Any) -> str:
@@ -117,6 +118,7 @@ class ResponsesRequest(RequestModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    include: list[str] | None = None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -143,10 +145,13 @@ class MessageOut(ResponseModel):
 
 
 class ReasoningOut(ResponseModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"encrypted_content"})
+
     type: Literal["reasoning"] = "reasoning"
     id: str
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText]
+    encrypted_content: str | None = None  # where `include` asks for it: the reasoning's text, which comes back
     status: str = "completed"
 
 

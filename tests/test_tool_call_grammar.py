@@ -341,7 +341,7 @@ def test_the_forced_reply_by_groups_allows_what_the_sets_one_automaton_allows(na
     assert calls >= 2 if not answer else (calls >= 1 and answers >= 1)  # the answer's way and the calls' taken
 
 
-def test_a_tool_set_past_one_automatons_size_is_enforced_tool_by_tool():
+def test_a_tool_set_past_one_automatons_size_is_enforced_by_groups():
     """32 tools whose set is past `MAX_DFA` states as one automaton (refused: before, its calls were only asked
     for): forced and lazy replies run them in two groups of 16, the masks while the name is read the union of the
     groups still reading it, and the calls written parse, valid against their tools' schemas."""

@@ -323,14 +323,14 @@ def test_the_forced_reply_by_groups_allows_what_the_sets_one_automaton_allows(na
                 t = tok.special_ids.tool_call if walk % 2 else tok.encode("{")[0]
                 assert a[t]
             if t in tok.eos_token_ids:
-                assert reply.calls >= 1 or reply.answer is not None
+                assert reply.calls >= 1 or reply.answering
                 break
             out.append(t)
             for st in (one, reply):
                 st.advance(tok.token_bytes(t), t)
             assert not reply.dead and not one.dead
         text = tok.decode(out, skip_special_tokens=False)
-        if reply.answer is not None and reply.glue is None:  # the answer's way: a JSON object, whole where done
+        if reply.answering:  # the answer's way: a JSON object, whole where done
             if reply.done:
                 jsonschema.validate(json.loads(text), answer)
             answers += 1

@@ -176,7 +176,7 @@ def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams
     - auto otherwise: free text, and once the model opens a call (`<tool_call>`), calls of the offered tools with
       arguments their parameters accept (`lazy_tool_calls`); JSON mode stays JSON mode (its objects nest deeper
       than a schema's free values).
-    The calls run on automata of groups of tools (`tool_calls.call_groups`), so any tool set is enforced; where
+    The calls run on automata of groups of tools (`json_schema.call_groups`), so any tool set is enforced; where
     one tool's call alone cannot be built (too large), the calls are asked for, not forced."""
     tools = chat.tools if chat.tool_choice.mode != "none" and not chat.prefill else None
     if not tools:

@@ -185,9 +185,7 @@ def chat_input(body: rs.ResponsesRequest) -> ChatInput:
         if given:
             raise bad_request(f"{field} is not supported: responses and conversations are not stored, so send the "
                               "whole conversation as input", field)
-    tool_choice, tools = _tool_choice(body, _tools(body))
-    if tool_choice.mode == "named" and not any(t["function"]["name"] == tool_choice.name for t in tools or ()):
-        raise bad_request(f"tool_choice names {tool_choice.name!r}, which is not among the tools", "tool_choice")
+    tool_choice, tools = _tool_choice(body, _tools(body))  # a named tool not among them: `render_prompt`'s 400
     effort = body.reasoning.effort if body.reasoning is not None else None
     return ChatInput(input_messages(body), tools, tool_choice, effort not in ("none", "minimal"))
 
@@ -247,6 +245,7 @@ class Items:
         self.encrypted = encrypted  # reasoning items carry their text as `encrypted_content` too
         self.items: list[rs.MessageOut | rs.ReasoningOut | rs.FunctionCallOut] = []
         self.open: str | None = None  # "reasoning" | "message": the item taking deltas
+        self.item_id = ""  # the open item's
         self.text = ""
         self.pending = ""  # whitespace not yet in a message
 
@@ -256,8 +255,7 @@ class Items:
     def _start(self, kind: str) -> None:
         self.close()
         self.open, self.text = kind, ""
-        item_id = new_id("rs_" if kind == "reasoning" else "msg_")
-        self.item_id = item_id
+        self.item_id = item_id = new_id("rs_" if kind == "reasoning" else "msg_")
         if kind == "reasoning":
             added: dict[str, Any] = {"type": "reasoning", "id": item_id, "summary": [], "content": [],
                                      "status": "in_progress"}

@@ -197,12 +197,13 @@ class MaskCache:
 
 RESERVED = 0xF8  # bytes from here up are in no UTF-8 text: the automata read markup tokens as them
 
+
 class JsonVocab:
     """A tokenizer's vocabulary as the automaton reads it: each token's bytes (added tokens none, so never allowed,
     but the `markup` ids, read as the reserved bytes given for them (`RESERVED` and up, which no UTF-8 text holds,
-    so that no string can hold a tag) for a tool-call reply's automaton, and banned from any other's masks), and the tokens allowed in a state (`allowed`: a bool [vocab_size]
-    mask of every token the state can read whole, the end-of-sequence ids only once the object is closed), kept
-    as bitmaps for the `CACHE` states last asked.
+    so that no string can hold a tag) for a tool-call reply's automaton, and banned from any other's masks), and
+    the tokens allowed in a state (`allowed`: a bool [vocab_size] mask of every token the state can read whole,
+    the end-of-sequence ids only once the object is closed), kept as bitmaps for the `CACHE` states last asked.
 
     States that no token can tell apart share a cache entry (`_canonical`): nesting deeper than any token can
     close counts as that depth, and a run of whitespace too short for any token to overrun `MAX_WS` as none."""

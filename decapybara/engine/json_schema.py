@@ -1008,6 +1008,8 @@ _CACHED_BYTES = 0  # the kept automata's bytes (`_nbytes`)
 def _nbytes(got: SchemaDfa | SchemaError) -> int:
     return 0 if isinstance(got, SchemaError) else sum(a.nbytes for a in (got.table, got.byte_class, got.accept,
                                                                           got.terminal, got.counted, got.self_plain))
+
+
 _LOCK = threading.Lock()
 
 
@@ -1032,7 +1034,7 @@ def _cached(key: str, build: Any) -> SchemaDfa:
         if got is not None:
             _COMPILED.move_to_end(key)
     if isinstance(got, SchemaError):
-        raise SchemaError(str(got))
+        raise type(got)(str(got))  # a fresh exception, its kind kept (an EmptySchema stays one)
     if got is not None:
         return got
     try:
@@ -1050,7 +1052,7 @@ def _cached(key: str, build: Any) -> SchemaDfa:
         while len(_COMPILED) > 1 and (len(_COMPILED) > MAX_CACHED or _CACHED_BYTES > MAX_CACHED_BYTES):
             _CACHED_BYTES -= _nbytes(_COMPILED.popitem(last=False)[1])
     if isinstance(got, SchemaError):
-        raise SchemaError(str(got))
+        raise type(got)(str(got))  # a fresh exception, its kind kept (an EmptySchema stays one)
     return got
 
 
@@ -1077,7 +1079,7 @@ def compile_calls(tools: list[dict[str, Any]]) -> SchemaDfa:
     `OPEN_TAG` and `CLOSE_TAG` (only their tokens write them, never inside a string), ARGS a JSON object the
     tool's parameters accept (any JSON object where they cannot be enforced here; none but ``{}`` without
     parameters). Terminal where the call closes. Cached by the tools' text, as `compile_schema`'s automata; raises
-    SchemaError past `MAX_DFA` states (`tool_calls.call_groups` then splits the tools)."""
+    SchemaError past `MAX_DFA` states (`call_groups` then splits the tools)."""
 
     def build() -> SchemaDfa:
         n = _Nfa()
@@ -1097,6 +1099,19 @@ def _call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
         args = compile_schema({"type": "object"})
     head = f'\n{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "arguments": '
     return n.seq(n.lit(OPEN_TAG + head.encode()), _embed(n, args), n.lit(b"}\n" + CLOSE_TAG))
+
+
+def call_groups(tools: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], SchemaDfa]]:
+    """`tools` in groups whose one-call automaton (`compile_calls`) fits `MAX_DFA` states: the whole set where it
+    fits, else each half's groups (the automata cached, refusals too, so a set is split once). Raises SchemaError
+    where a tool's call alone does not fit."""
+    try:
+        return [(tools, compile_calls(tools))]
+    except SchemaError:
+        if len(tools) == 1:
+            raise
+    half = len(tools) // 2
+    return call_groups(tools[:half]) + call_groups(tools[half:])
 
 
 def compile_tool_calls(spec: str) -> SchemaDfa:
@@ -1195,10 +1210,8 @@ def _embed(n: _Nfa, dfa: SchemaDfa) -> tuple[int, int]:
 
 def compile_spec(spec: str) -> list[SchemaDfa]:
     """Build (and cache) what a `tool_call_spec` text's reply runs on (`tool_calls.ToolCallReply`): its tools'
-    calls by groups (`tool_calls.call_groups`) and any answer schema's automaton. Raises SchemaError where that
+    calls by groups (`call_groups`) and any answer schema's automaton. Raises SchemaError where that
     cannot be built (a tool whose call alone is past `MAX_DFA`, an answer schema that cannot be enforced)."""
-    from decapybara.engine.tool_calls import call_groups
-
     obj = json.loads(spec)
     if not isinstance(obj, dict) or not isinstance(obj.get("tools"), list) or not obj["tools"]:
         raise SchemaError("no tool to call")

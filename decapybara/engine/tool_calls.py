@@ -1,5 +1,6 @@
-"""A reply's tool calls held to the tools' schemas, on automata of groups of tools (`call_groups`: the whole set
-where its call automaton fits `MAX_DFA` states, else halves, and so on), so that a tool set of any size is enforced.
+"""A reply's tool calls held to the tools' schemas, on automata of groups of tools (`json_schema.call_groups`: the
+whole set where its call automaton fits `MAX_DFA` states, else halves, and so on), so that a tool set of any size
+is enforced.
 
 `ToolCallReply` is a reply's state (the interface of `json_schema.SchemaState`), in one of three forms:
 - forced (tool_choice required or named): calls only: at most `TOP_WS` whitespace bytes, then a call, and where
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Any
 
 import numpy as np
 
@@ -36,23 +36,10 @@ from decapybara.engine.json_schema import (
     SchemaVocab,
     _build,
     _Nfa,
-    compile_calls,
+    call_groups,
     compile_schema,
     schema_text,
 )
-
-
-def call_groups(tools: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], SchemaDfa]]:
-    """`tools` in groups whose one-call automaton (`compile_calls`) fits `MAX_DFA` states: the whole set where it
-    fits, else each half's groups (the automata cached, refusals too, so a set is split once). Raises SchemaError
-    where a tool's call alone does not fit."""
-    try:
-        return [(tools, compile_calls(tools))]
-    except SchemaError:
-        if len(tools) == 1:
-            raise
-    half = len(tools) // 2
-    return call_groups(tools[:half]) + call_groups(tools[half:])
 
 
 @cache
@@ -152,9 +139,10 @@ class ToolCallReply:
         self.started = False  # a byte of the answer read
         self.calls = 0  # calls closed
         self.call: CallState | None = None  # the open call
-        self.glue: SchemaState | None = None if lazy else SchemaState(tools.lead)  # forced: what leads to a call
-        # a JSON answer the reply may be instead of calls, read beside the glue until one of them is left
-        self.answer: SchemaState | None = None if lazy or tools.answer is None else SchemaState(tools.answer)
+        # what reads the reply while no call is open (forced form): the glue to a call, and a JSON answer the reply
+        # may be instead, side by side until one is left; none while a lazy reply is free
+        self.lead: list[SchemaState] = [] if lazy else [SchemaState(v) for v in (tools.lead, tools.answer) if v]
+        self.lost = False  # a token left every automaton
 
     @property
     def free(self) -> bool:
@@ -162,59 +150,49 @@ class ToolCallReply:
         return self.lazy and self.call is None
 
     @property
+    def answering(self) -> bool:
+        """The reply is the JSON answer's (only the answer's automaton reads it on)."""
+        return len(self.lead) == 1 and self.lead[0].masks is self.tools.answer
+
+    @property
     def done(self) -> bool:
-        if self.answer is not None and self.glue is None and self.call is None:
-            return self.answer.done
-        return self.calls > 0 and not self.tools.parallel and self.call is None
+        if self.call is not None:
+            return False
+        if self.answering:
+            return self.lead[0].done
+        return self.calls > 0 and not self.tools.parallel
 
     @property
     def dead(self) -> bool:
-        if self.call is not None:
-            return self.call.dead
-        if self.answer is not None and self.glue is None:
-            return self.answer.dead
-        return self.glue is not None and self.glue.dead and (self.answer is None or self.answer.dead)
+        return self.call.dead if self.call is not None else self.lost
 
     def advance(self, token_bytes: bytes, token: int = -1) -> None:
         self.started |= bool(token_bytes)
         if self.done or self.dead:
             return
-        if self.answer is not None and self.glue is not None and self.call is None:  # answer or calls: both read
-            self.answer.advance(token_bytes, token)
-            self.glue.advance(token_bytes, token)
-            if self.glue.dead and not self.answer.dead:  # the answer's, from here on
-                self.glue = None
+        if self.call is None:
+            for st in self.lead:
+                st.advance(token_bytes, token)
+            if self.lead:
+                self.lead = [st for st in self.lead if not st.dead]
+                self.lost = not self.lead
+            if token != self.trigger or self.lost or self.answering:
                 return
-            self.answer = None if self.answer.dead and not self.glue.dead else self.answer
-            if token != self.trigger or self.glue.dead:
-                return
-            self.answer, self.glue, self.call = None, None, CallState(self.tools)  # the tag: a call, not the answer
-        elif self.call is None:
-            if self.answer is not None:  # the answer alone
-                self.answer.advance(token_bytes, token)
-                return
-            if not self.lazy:
-                self.glue.advance(token_bytes, token)
-            if token != self.trigger or self.dead:
-                return
-            self.glue, self.call = None, CallState(self.tools)
+            self.lead, self.call = [], CallState(self.tools)  # the tag: a call opens
         self.call.advance(self.tools.vocab.markup_bytes.get(token, token_bytes))
         if self.call.done:
             self.call, self.calls = None, self.calls + 1
             if not self.lazy and self.tools.parallel:
-                self.glue = SchemaState(self.tools.sep)
+                self.lead = [SchemaState(self.tools.sep)]
 
     def allowed(self) -> np.ndarray:
         if self.call is not None:
             return self.call.allowed()
-        if self.answer is not None and self.glue is not None:  # not yet told apart: the union
-            mask = self.answer.allowed() | self.glue.allowed()
-        elif self.answer is not None:
-            mask = self.answer.allowed()
-        elif self.glue is not None:
-            mask = self.glue.allowed()
-        else:
+        if not self.lead:
             raise RuntimeError("no call is open: the reply is free")
+        mask = self.lead[0].allowed()
+        for st in self.lead[1:]:  # not yet told apart: the union
+            mask |= st.allowed()
         if self.think is not None and not self.started and self.think < len(mask):
             mask[self.think] = True
         return mask

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from decapybara.api.response_store import ResponseStore
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
@@ -55,6 +56,8 @@ class SchedulerActor:
         self.restarts = 0
         self._recovering: asyncio.Task | None = None
         self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
+        budget = int(self.cfg.responses_store_mb * (1 << 20))
+        self.responses = ResponseStore(budget) if budget > 0 else None  # the Responses API's, for every ingress
 
     def _new_gpu(self) -> Any:
         from actors.gpu_actor import gpu_actor_class
@@ -74,7 +77,26 @@ class SchedulerActor:
         """Wait until the model is loaded; return the GPU actor's facts."""
         info = await self.gpu.info.remote()
         self._start()
-        return info
+        return {**info, "responses_store": self.responses is not None}
+
+    # ---- the Responses API's stored responses (`decapybara.api.response_store`) -----------------------
+    def put_response(self, record: dict[str, Any]) -> None:
+        if self.responses is not None:
+            self.responses.put(record)
+
+    def response_chain(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+        if self.responses is None:
+            return None, response_id
+        return self.responses.lookup(response_id)
+
+    def get_response(self, response_id: str) -> dict[str, Any] | None:
+        return self.responses.get(response_id) if self.responses is not None else None
+
+    def delete_response(self, response_id: str) -> bool:
+        return self.responses.delete(response_id) if self.responses is not None else False
+
+    def response_stats(self) -> dict[str, int]:
+        return self.responses.stats() if self.responses is not None else {}
 
     def _start(self) -> None:
         if not self._tasks and self.dead is None:
@@ -232,6 +254,8 @@ class SchedulerActor:
         }
         if self.tiers is not None:
             out["tiers"] = await _tier_stats(self.tiers)
+        if self.responses is not None:
+            out["responses_store"] = self.responses.stats()
         return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -25,7 +26,7 @@ def test_a_plain_reply_is_one_message(stack):  # noqa: F811
     assert r.status == "completed" and kinds(r) == ["message"]
     assert r.output_text == SCRIPTS["SAY-STOP"] and r.output[0].content[0].type == "output_text"
     assert r.usage.output_tokens > 0 and r.usage.input_tokens == r.usage.total_tokens - r.usage.output_tokens
-    assert r.id.startswith("resp_") and r.object == "response" and r.store is False
+    assert r.id.startswith("resp_") and r.object == "response" and r.store is True
 
 
 def test_reasoning_text_and_a_call_are_three_items_in_the_models_order(stack):  # noqa: F811
@@ -164,7 +165,7 @@ def test_reasoning_goes_with_the_next_assistant_turn_only():
 
 def test_tool_choice_forms_and_stored_state(stack):  # noqa: F811
     """allowed_tools offers only the tools it lists (under its mode), chat completions' named form names a
-    function; stored conversations, background runs and stored prompts are 400s naming the field."""
+    function; conversations, background runs and stored prompts are 400s naming the field."""
     tools = [*TOOLS_R, {"type": "function", "name": "other", "parameters": {"type": "object"}}]
     r = stack.oa().responses.create(model="m", input="hi", tools=tools, max_output_tokens=4, tool_choice={
         "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "other"}]})
@@ -224,3 +225,155 @@ def test_reasoning_comes_back_through_encrypted_content(stack):  # noqa: F811
             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
     nxt = stack.oa().responses.create(model="m", input=back, tools=TOOLS_R, max_output_tokens=4)
     assert "<think>\nThe user wants the weather.\n</think>" in stack.prompt(nxt.id)
+
+
+# ---------------------------------------------------------------------------------------------- stored responses
+
+
+def test_previous_response_id_continues_the_stored_conversation(stack):  # noqa: F811
+    """A turn sent as previous_response_id plus its new items renders the prompt the whole conversation sent as
+    items renders (the earlier turn's input, then its output items: reasoning, text and call), so the prefix
+    cache serves the earlier turns; instructions are not carried over, tools are sent again."""
+    first = stack.oa().responses.create(model="m", input="CALL-THE-TOOL: weather in Paris?", tools=TOOLS_R,
+                                        instructions="Be brief.", max_output_tokens=80)
+    assert first.store is True and first.previous_response_id is None
+    call = first.output[-1]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    chained = stack.oa().responses.create(model="m", previous_response_id=first.id, input=[result],
+                                          tools=TOOLS_R, instructions="Be brief.", max_output_tokens=30)
+    assert chained.previous_response_id == first.id and chained.store is True
+    whole = [{"role": "user", "content": "CALL-THE-TOOL: weather in Paris?"},
+             *[item.model_dump(exclude_none=True) for item in first.output], result]
+    sent_whole = stack.oa().responses.create(model="m", input=whole, tools=TOOLS_R, instructions="Be brief.",
+                                             max_output_tokens=30, store=False)
+    assert stack.prompt(chained.id) == stack.prompt(sent_whole.id)
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in stack.prompt(chained.id)
+    assert chained.usage.input_tokens_details.cached_tokens >= 16
+    # a third turn through two stored ones; another turn's instructions are its own
+    third = stack.oa().responses.create(model="m", previous_response_id=chained.id, input="And now SAY-STOP",
+                                        max_output_tokens=30)
+    prompt = stack.prompt(third.id)
+    assert "Be brief." not in prompt and "Sunny, 21 C" in prompt and "CALL-THE-TOOL" in prompt
+    assert third.output_text == SCRIPTS["SAY-STOP"]
+
+
+def test_stored_responses_retrieved_listed_and_deleted(stack):  # noqa: F811
+    """retrieve gives the response as it was returned (streamed ones too), input_items lists the items a response
+    was made from (newest first by default, pages through `after`), delete forgets it: a later retrieve is a
+    404 and a turn continuing it a 400 naming previous_response_id; store false keeps nothing."""
+    oa = stack.oa()
+    first = oa.responses.create(model="m", input="CALL-THE-TOOL: weather in Paris?", tools=TOOLS_R,
+                                max_output_tokens=80)
+    assert oa.responses.retrieve(first.id).model_dump() == first.model_dump()
+    with oa.responses.stream(model="m", previous_response_id=first.id, max_output_tokens=30, input=[
+            {"type": "function_call_output", "call_id": first.output[-1].call_id, "output": "Rain"}]) as s:
+        streamed = list(s)[-1].response  # completed, or incomplete at max_output_tokens
+    assert oa.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    items = list(oa.responses.input_items.list(streamed.id, order="asc", limit=2))  # the SDK pages by `after`
+    assert [i.type for i in items] == ["message", "reasoning", "message", "function_call", "function_call_output"]
+    assert [i.id for i in items[1:4]] == [o.id for o in first.output] and len({i.id for i in items}) == 5
+    assert items[0].role == "user" and items[0].content[0].text == "CALL-THE-TOOL: weather in Paris?"
+    newest = oa.responses.input_items.list(streamed.id, limit=1)
+    assert [i.id for i in newest.data] == [items[-1].id] and newest.has_more
+    for query, param in (("order=up", "order"), ("limit=0", "limit"), ("after=nope", "after")):
+        r = httpx.get(f"{stack.url}/v1/responses/{streamed.id}/input_items?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert oa.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as err:  # an earlier turn of the chain is gone
+        oa.responses.create(model="m", previous_response_id=streamed.id, input="x", max_output_tokens=4)
+    assert err.value.body["param"] == "previous_response_id" and first.id in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.responses.create(model="m", previous_response_id="resp_none", input="x", max_output_tokens=4)
+    assert err.value.body["code"] == "previous_response_not_found"
+    unstored = oa.responses.create(model="m", input="SAY-STOP", max_output_tokens=8, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(unstored.id)
+    assert httpx.delete(f"{stack.url}/v1/responses/{first.id}").status_code == 404
+
+
+def test_a_server_without_a_store_refuses_previous_response_id(stack):  # noqa: F811
+    from fastapi.testclient import TestClient
+
+    from decapybara.api.app import create_app
+    from decapybara.api.client import LocalEngineClient
+
+    client = LocalEngineClient(stack.client.engine, "m", start=False, responses_budget_bytes=0)
+    with TestClient(create_app(client)) as http:
+        r = http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        assert "responses_store_mb" in r.json()["error"]["message"]
+        assert http.get("/v1/responses/resp_1").status_code == 404
+
+
+def test_the_store_drops_the_least_recently_used_and_reports_broken_chains():
+    from decapybara.api.response_store import ChainBroken, ResponseStore, record_bytes
+
+    def rec(rid, parent=None, pad=0):
+        return {"id": rid, "parent": parent, "input": [{"id": "m" + rid, "text": "x" * pad}],
+                "response": {"id": rid, "output": []}}
+
+    size = record_bytes(rec("r1"))
+    store = ResponseStore(budget_bytes=4 * size + 4)
+    for rid, parent in (("r1", None), ("r2", "r1"), ("r3", "r2"), ("o1", None)):
+        assert store.put(rec(rid, parent))
+    assert [r["id"] for r in store.chain("r3")] == ["r1", "r2", "r3"]  # touched: o1 is now the oldest
+    store.put(rec("o2"))
+    assert store.get("o1") is None and store.get("r1") is not None and store.stats()["dropped"] == 1
+    store.chain("r3")  # its oldest turn touched last: dropped after r2 and r3
+    store.put(rec("o3"))
+    assert store.get("o2") is None
+    store.put(rec("n0"))  # the newest turn goes first
+    assert store.get("r3") is None and store.get("r2") is not None
+    store.delete("r1")
+    with pytest.raises(ChainBroken) as err:
+        store.chain("r2")
+    assert err.value.missing == "r1" and err.value.asked == "r2"
+    assert store.lookup("r2") == (None, "r1") and store.lookup("zz") == (None, "zz")
+    assert not store.put(rec("big", pad=5 * size)) and store.stats()["refused"] == 1
+    store.put(rec("c1", "c2"))
+    store.put(rec("c2", "c1"))  # a cycle is a broken chain, not a hang
+    with pytest.raises(ChainBroken):
+        store.chain("c1")
+    assert store.delete("c1") and not store.delete("c1")
+    assert store.nbytes == sum(record_bytes(r) for r in (store.get(k) for k in list(store._entries)))
+
+
+def test_truncation_auto_drops_the_middle_of_a_conversation_past_the_context(stack):  # noqa: F811
+    """A conversation longer than the context is a 400 (context_length_exceeded) unless truncation is "auto":
+    then turns from its middle are dropped until the reply has room, the first and the latest user messages
+    kept."""
+    n = stack.client.max_model_len
+    per_word = len(stack.tok.encode(" ".join(["word"] * 100))) / 100
+    filler = " ".join(["word"] * int(n / 6 / per_word))
+    assert n // 8 < len(stack.tok.encode(filler)) < n // 5
+    items = [{"role": "user", "content": "FIRST " + filler}]
+    for i in range(5):
+        items += [{"role": "assistant", "content": f"answer{i} " + filler}, {"role": "user", "content": f"turn{i} "
+                                                                                                  + filler}]
+    items[-1] = {"role": "user", "content": "LAST SAY-STOP"}
+    kw = {"model": "m", "input": items, "max_output_tokens": 40, "reasoning": {"effort": "none"}, "store": False}
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.oa().responses.create(**kw)
+    assert err.value.body["code"] == "context_length_exceeded"
+    r = stack.oa().responses.create(**kw, truncation="auto")
+    prompt = stack.prompt(r.id)
+    assert "FIRST" in prompt and "LAST SAY-STOP" in prompt and "answer0" not in prompt and "answer4" in prompt
+    assert r.truncation == "auto" and r.output_text == SCRIPTS["SAY-STOP"]
+    assert r.usage.input_tokens + 40 <= n
+
+
+def test_middle_cuts_keep_calls_with_their_outputs():
+    from decapybara.api.openai_responses import middle_cuts
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u0"}, call,
+            {"role": "tool", "content": "t1"}, {"role": "tool", "content": "t1b"}, {"role": "assistant", "content": "a2"},
+            {"role": "tool", "content": "t2"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a3"},
+            {"role": "user", "content": "u2"}]
+    cuts = middle_cuts(msgs)
+    assert [[m["content"] for m in cut] for cut in cuts] == [
+        ["S", "u0", "a2", "t2", "u1", "a3", "u2"], ["S", "u0", "a3", "u2"]]
+    assert middle_cuts(msgs[:1]) == [] and middle_cuts([msgs[1], msgs[8]]) == []

@@ -111,6 +111,15 @@ def test_tool_call_round_trip_both_apis(oai, ant):
     assert last.type == f"response.{r.status}"
     assert [i.type for i in last.response.output] == [i.type for i in r.output]
     assert last.response.output_text == r.output_text
+    # the next turn continues the stored one through the scheduler actor's store (tools sent again, as the API
+    # asks): its prompt is the first turn's and more, so the prefix cache serves it
+    nxt = oai.responses.create(model="m", previous_response_id=r.id, input="Thanks. List the files next.",
+                               tools=rtools, max_output_tokens=8, temperature=0)
+    assert nxt.previous_response_id == r.id and nxt.usage.input_tokens > r.usage.input_tokens
+    assert nxt.usage.input_tokens_details.cached_tokens > 0
+    assert oai.responses.retrieve(r.id).model_dump() == r.model_dump()
+    listed = [i.type for i in oai.responses.input_items.list(nxt.id, order="asc", limit=100)]
+    assert listed[:3] == ["message", "function_call", "function_call_output"] and listed[-1] == "message"
 
 
 def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):

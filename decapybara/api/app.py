@@ -6,6 +6,7 @@ malformed JSON and oversized bodies, has its API's shape. Rendering and tokenisi
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -18,12 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from decapybara.api import anthropic_api, openai_api, openai_completions, openai_responses
+from decapybara.api import anthropic_api, openai_api, openai_completions, openai_responses, response_store
 from decapybara.api import anthropic_schemas as an
 from decapybara.api import openai_schemas as oa
 from decapybara.api import responses_schemas as rs
 from decapybara.api.client import EngineClient
-from decapybara.api.errors import ApiError, to_api_error
+from decapybara.api.errors import ApiError, bad_request, to_api_error
 from decapybara.api.metrics import CONTENT_TYPE, prometheus_text
 from decapybara.api.streams import budgeted_thinking, engine_events
 from decapybara.api.transport import (
@@ -62,6 +63,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     the debug log, not reported as server errors.
     """
     served = served_model_name or client.model_name
+    store = getattr(client, "responses", None)  # the Responses API's store, where the client keeps one
     created = int(time.time())
     counts: Counter[tuple[str, int]] = Counter()
     app = FastAPI(title="Decapybara", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -157,11 +159,37 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def responses(request: HttpRequest) -> Response:
         async def handle() -> Response:
             body = await parse(request, rs.ResponsesRequest)
+            earlier = await stored_chain(store, body.previous_response_id)
             plan = await run_in_threadpool(openai_responses.plan_response, body, client, served,
-                                           request.headers.get(CONVERSATION_HEADER))
+                                           request.headers.get(CONVERSATION_HEADER), earlier)
+            if store is not None and body.store is not False:
+                plan.keep = store.put
             return await run(request, RESPONSES, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_responses.ResponseStream(plan, client.tokenizer),
                              lambda done: openai_responses.response(plan, done, client.tokenizer), KEEP_ALIVE)
+        return await guard(RESPONSES, handle)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        async def handle() -> Response:
+            return JSONResponse((await stored(store, response_id))["response"])
+        return await guard(RESPONSES, handle)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        async def handle() -> Response:
+            if store is None or not await store.delete(response_id):
+                raise not_stored(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return await guard(RESPONSES, handle)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: HttpRequest, response_id: str) -> Response:
+        async def handle() -> Response:
+            records = await stored_chain(store, response_id, "response_id", 404)
+            q = request.query_params
+            return JSONResponse(openai_responses.input_items_page(records, q.get("order", "desc"),
+                                                                  q.get("limit", "20"), q.get("after")))
         return await guard(RESPONSES, handle)
 
     # ---- Anthropic -----------------------------------------------------------------------------------------
@@ -189,3 +217,41 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return await guard(ANTHROPIC, handle)
 
     return app
+
+
+def not_stored(response_id: str, param: str = "response_id", status: int = 404) -> ApiError:
+    return ApiError(status, f"Response with id {response_id!r} not found.", param,
+                    "previous_response_not_found" if param == "previous_response_id" else "not_found")
+
+
+async def stored(store: Any, response_id: str) -> dict[str, Any]:
+    """The stored record of `response_id`, else a 404."""
+    record = await store.get(response_id) if store is not None else None
+    if record is None:
+        raise not_stored(response_id)
+    return record
+
+
+async def stored_chain(store: Any, response_id: str | None, param: str = "previous_response_id",
+                       status: int = 400, retries: int = 3) -> list[dict[str, Any]] | None:
+    """The stored conversation up to `response_id` (None where none is named): a 400 (`status`) naming the turn
+    not found. A response another ingress replica just stored may still be on its way to the store, so the id
+    asked for is looked up again `retries` times, 50 ms apart, before it counts as missing."""
+    if response_id is None:
+        return None
+    if store is None:
+        raise bad_request(f"{param} needs stored responses, which this server keeps none of (its "
+                          "responses_store_mb is 0): send the whole conversation as input", param)
+    for attempt in range(retries + 1):
+        try:
+            return await store.chain(response_id)
+        except response_store.ChainBroken as exc:
+            if exc.missing != response_id or attempt == retries:
+                err = not_stored(exc.missing, param, status)
+                if exc.missing != response_id:
+                    err = ApiError(status, f"Response with id {exc.missing!r}, an earlier turn of {response_id!r}, "
+                                   "is no longer stored (the store keeps the most recently used within its budget)",
+                                   param, err.code)
+                raise err from None
+            await asyncio.sleep(0.05)
+    raise AssertionError("unreachable")

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
+from decapybara.api.response_store import DEFAULT_BUDGET_BYTES, LocalResponses
 from decapybara.engine.engine import Engine
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.errors import DecapybaraError
@@ -74,7 +75,9 @@ class LocalEngineClient:
     Events are routed to per-request asyncio queues with ``loop.call_soon_threadsafe``.
     """
 
-    def __init__(self, engine: Engine, model_name: str = "decapybara", start: bool = True) -> None:
+    def __init__(self, engine: Engine, model_name: str = "decapybara", start: bool = True,
+                 responses_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        """`responses_budget_bytes`: the Responses API's store of responses (0: none kept)."""
         if engine.tokenizer is None:
             raise ValueError("LocalEngineClient needs an engine built with a tokenizer")
         self.engine = engine
@@ -90,6 +93,7 @@ class LocalEngineClient:
         self._started_at = time.time()
         self._stats: dict[str, Any] = engine.snapshot_stats()  # replaced (never mutated) by the engine thread
         self._step_errors = 0
+        self.responses = LocalResponses(responses_budget_bytes) if responses_budget_bytes > 0 else None
         if start:
             self.start()
 
@@ -147,6 +151,8 @@ class LocalEngineClient:
             stats["open_requests"] = len(self._routes)
         stats["engine_errors"] = self._step_errors
         stats["uptime_seconds"] = time.time() - self._started_at
+        if self.responses is not None:
+            stats["responses_store"] = await self.responses.stats()
         return stats
 
     # ---- the engine thread -----------------------------------------------------------------------------

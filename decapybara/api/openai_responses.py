@@ -2,14 +2,18 @@
 its stream of typed events.
 
 Choices made where the API leaves room:
-- the conversation is sent whole (``input`` items: messages, ``function_call`` / ``function_call_output``,
-  ``reasoning``); nothing is stored, so ``previous_response_id``, ``conversation``, ``background`` and ``prompt``
-  are 400s and ``store`` is answered false. ``instructions`` and the system / developer messages before the
+- the conversation is the ``input`` items (messages, ``function_call`` / ``function_call_output``,
+  ``reasoning``), after those of the stored responses ``previous_response_id`` continues (each turn's input
+  items, then its output items; instructions and tools are not carried over, as the API has it). A response is
+  stored unless ``store`` is false or the server keeps no store (`decapybara.api.response_store`: in memory, least
+  recently used dropped past its budget; a chain with a turn dropped is a 400 naming it). ``conversation``,
+  ``background`` and ``prompt`` are 400s. ``instructions`` and the system / developer messages before the
   first other item are one system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
   ``include: ["reasoning.encrypted_content"]`` puts the reasoning's text in its item's ``encrypted_content``
   (not encrypted: this server's own, for clients that send reasoning back only so, as stateless agents do), read
-  back from input reasoning items that carry nothing else; other ``include`` values, ``truncation`` and
-  ``text.verbosity`` are read and not acted on; output logprobs are empty.
+  back from input reasoning items that carry nothing else; other ``include`` values and ``text.verbosity`` are
+  read and not acted on; output logprobs are empty. ``truncation: "auto"`` drops turns from the middle of a
+  conversation past the context (`middle_cuts`), "disabled" (the default) lets it fail as too long.
 - tools are function tools (``{"type": "function", "name", "parameters"}``); built-in tools (web search, file
   search, ...) are a 400 naming them. tool_choice and parallel_tool_calls act as in chat completions: "required"
   and a named function constrain the reply to calls; under "auto" a call the model opens is held to the tools'
@@ -32,8 +36,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import TypeAdapter
 
 from decapybara.api import responses_schemas as rs
 from decapybara.api.common import (
@@ -77,14 +84,31 @@ def _text(content: str | list[Any], where: str, field: str = "content") -> str:
     return "".join(out)
 
 
-def input_messages(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's instructions and input items -> the internal chat form: the instructions and the system /
-    developer messages before the first other item one system turn (templates take one system message, first),
-    later ones system turns of their own (`fold_system` where the template refuses them); a call joins the
-    assistant turn before it (or opens one), a call's output is a tool turn, reasoning goes with the next
-    assistant turn (dropped at a user or tool turn before one)."""
+_ITEMS = TypeAdapter(list[rs.ItemIn])
+
+
+def own_items(body: rs.ResponsesRequest) -> list[Any]:
+    """The request's input items (a string input one user message)."""
+    return [rs.MessageIn(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+
+
+def earlier_items(records: list[dict[str, Any]]) -> list[Any]:
+    """The input items of a stored conversation (`response_store` records, oldest first): each turn's input,
+    then its response's output (output items read as input items, as a client sends them back)."""
+    items: list[Any] = []
+    for record in records:
+        items += record["input"] + record["response"]["output"]
+    return _ITEMS.validate_python(items)
+
+
+def input_messages(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> list[dict[str, Any]]:
+    """The request's instructions and input items (after `earlier`'s, a stored conversation's) -> the internal
+    chat form: the instructions and the system / developer messages before the first other item one system turn
+    (templates take one system message, first), later ones system turns of their own (`fold_system` where the
+    template refuses them); a call joins the assistant turn before it (or opens one), a call's output is a tool
+    turn, reasoning goes with the next assistant turn (dropped at a user or tool turn before one)."""
     lead = [body.instructions] if body.instructions else []
-    items = [rs.MessageIn(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    items = [*earlier, *own_items(body)]
     msgs: list[dict[str, Any]] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
@@ -178,16 +202,39 @@ def _tool_choice(body: rs.ResponsesRequest, tools: list[dict[str, Any]] | None
                       '"tools": [...]} are)', "tool_choice")
 
 
-def chat_input(body: rs.ResponsesRequest) -> ChatInput:
-    for field, given in (("previous_response_id", body.previous_response_id is not None),
-                         ("conversation", body.conversation is not None), ("background", body.background is True),
+def chat_input(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> ChatInput:
+    """The chat of `body` after `earlier` (a stored conversation's items, `earlier_items`)."""
+    for field, given in (("conversation", body.conversation is not None), ("background", body.background is True),
                          ("prompt", body.prompt is not None)):
         if given:
-            raise bad_request(f"{field} is not supported: responses and conversations are not stored, so send the "
-                              "whole conversation as input", field)
+            raise bad_request(f"{field} is not supported: conversations, background runs and prompt templates are "
+                              "not stored (send the conversation as input, or continue a stored response with "
+                              "previous_response_id)", field)
     tool_choice, tools = _tool_choice(body, _tools(body))  # a named tool not among them: `render_prompt`'s 400
     effort = body.reasoning.effort if body.reasoning is not None else None
-    return ChatInput(input_messages(body), tools, tool_choice, effort not in ("none", "minimal"))
+    return ChatInput(input_messages(body, earlier), tools, tool_choice, effort not in ("none", "minimal"))
+
+
+def _stored_part(part: Any, role: str) -> dict[str, Any]:
+    if isinstance(part, rs.TextIn):
+        return {"type": "output_text" if role == "assistant" else "input_text", "text": part.text}
+    return part.model_dump(exclude_none=True)
+
+
+def stored_input(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as a stored record keeps them (and input_items lists them): each with an id, a
+    message's content as parts."""
+    out = []
+    for item in own_items(body):
+        d = item.model_dump(exclude_none=True)
+        if isinstance(item, rs.MessageIn):
+            parts = [rs.TextIn(type="input_text", text=item.content)] if isinstance(item.content, str) else \
+                item.content
+            d = {"type": "message", "role": item.role, "content": [_stored_part(p, item.role) for p in parts],
+                 "status": "completed"}
+        prefix = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+        out.append({"id": new_id(prefix.get(d.get("type", ""), "item_")), **d})
+    return out
 
 
 def sampling_params(body: rs.ResponsesRequest, max_tokens: int) -> SamplingParams:
@@ -212,24 +259,113 @@ class ResponsePlan:
     body: rs.ResponsesRequest
     model: str
     created: int
+    keep: Callable[[dict[str, Any]], None] | None = None  # stores the finished response's record (`record`)
 
 
-def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversation: str | None) -> ResponsePlan:
-    """Validate and map a responses request; raises ApiError / InvalidRequestError / ContextOverflowError."""
-    chat = chat_input(body)
+def _render(tokenizer: Any, chat: ChatInput) -> Prompt:
     try:
-        prompt = render_prompt(client.tokenizer, chat)
+        return render_prompt(tokenizer, chat)
     except (ApiError, InvalidRequestError):
         if sum(m["role"] == "system" for m in chat.messages) < 2:
             raise
         chat.messages = fold_system(chat.messages)  # a template that takes one system message, first
-        prompt = render_prompt(client.tokenizer, chat)
+        return render_prompt(tokenizer, chat)
+
+
+def middle_cuts(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The conversations ``truncation: "auto"`` may shorten `messages` to, fewest dropped first: the leading system
+    turn, the first user message and the latest one are kept; of the rest, everything before one of the later
+    assistant turns is dropped (a turn's calls and their outputs go together, and the kept part still opens with a
+    user message and reads as a conversation)."""
+    lead = 1 if messages and messages[0]["role"] == "system" else 0
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        return []
+    first, last = users[0], users[-1]
+    cuts = []
+    for b in range(first + 2, len(messages)):
+        if messages[b]["role"] != "assistant":
+            continue
+        kept_last = [messages[last]] if first < last < b else []
+        cuts.append([*messages[:lead], messages[first], *kept_last, *messages[b:]])
+    return cuts
+
+
+def fitted(tokenizer: Any, chat: ChatInput, room: int) -> Prompt:
+    """The prompt of `chat`, or of the fewest-dropped of its `middle_cuts` whose prompt is shorter than `room`
+    tokens (a binary search: each cut drops more than the one before), else of the cut that drops the most;
+    `chat.messages` is left as the prompt renders them."""
+    prompt = _render(tokenizer, chat)
+    cuts = middle_cuts(chat.messages)
+    if len(prompt.ids) < room or not cuts:
+        return prompt
+    lo, hi, best = 0, len(cuts) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        chat.messages = cuts[mid]
+        tried = _render(tokenizer, chat)
+        if len(tried.ids) < room:
+            best, hi = (tried, chat.messages), mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        chat.messages = cuts[-1]
+        return _render(tokenizer, chat)
+    chat.messages = best[1]
+    return best[0]
+
+
+def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversation: str | None,
+                  earlier: list[dict[str, Any]] | None = None) -> ResponsePlan:
+    """Validate and map a responses request continuing `earlier` (the stored records `previous_response_id`
+    names, oldest first); raises ApiError / InvalidRequestError / ContextOverflowError. Under ``truncation:
+    "auto"`` a conversation past the context drops turns from its middle (`middle_cuts`) until its prompt leaves
+    max_output_tokens (at most a quarter of the context; 1,024 where none is given) to the reply."""
+    chat = chat_input(body, earlier_items(earlier or []))
+    if body.truncation == "auto":
+        reply = min(body.max_output_tokens or 1024, client.max_model_len // 4)
+        prompt = fitted(client.tokenizer, chat, client.max_model_len - reply)
+    else:
+        prompt = _render(client.tokenizer, chat)
     max_tokens = output_budget(body.max_output_tokens, len(prompt.ids), client.max_model_len, "max_output_tokens")
     params = settle_constraint(sampling_params(body, max(max_tokens, 1)), chat)
     key = conversation_key(conversation, body.prompt_cache_key or body.user, chat.messages)
     request = make_request(new_id("resp_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            prompt_param="input", history_end=prompt.history_end)
     return ResponsePlan(request, prompt, body, model, int(time.time()))
+
+
+def input_items_page(records: list[dict[str, Any]], order: str, limit: str, after: str | None) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: the items the last of `records` (a stored chain, oldest first) was made
+    from (the earlier turns' inputs and outputs, then its own input), newest first under ``order`` "desc" (the
+    default) or oldest first under "asc"; at most `limit` (1-100) of them, after the item ``after``."""
+    if order not in ("asc", "desc"):
+        raise bad_request('order must be "asc" or "desc"', "order")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise bad_request("limit must be an integer from 1 to 100", "limit")
+    items = [item for r in records[:-1] for item in r["input"] + r["response"]["output"]] + records[-1]["input"]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in this response", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def record(plan: ResponsePlan, whole: rs.ResponseObject) -> dict[str, Any]:
+    """The stored form of a finished response (`response_store`'s record)."""
+    return {"id": whole.id, "parent": plan.body.previous_response_id, "input": stored_input(plan.body),
+            "response": whole.dump()}
+
+
+def _kept(plan: ResponsePlan, whole: rs.ResponseObject) -> rs.ResponseObject:
+    if plan.keep is not None:
+        plan.keep(record(plan, whole))
+    return whole
 
 
 # ---------------------------------------------------------------------------------------------- response
@@ -373,6 +509,8 @@ def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | No
         tools=body.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else
                                       {"type": "text"}},
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
+        previous_response_id=body.previous_response_id, store=plan.keep is not None,
+        truncation=body.truncation or "disabled",
         metadata=body.metadata or {}, usage=usage, user=body.user, loop_guard=guard)
 
 
@@ -387,7 +525,7 @@ def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.Response
     items = Items(lambda kind, payload: None, _encrypted(plan))
     items.feed(parser.feed(done.text) + parser.finish())
     items.close(_item_status(done))
-    return _response(plan, items.items, done, done.token_ids, tokenizer)
+    return _kept(plan, _response(plan, items.items, done, done.token_ids, tokenizer))
 
 
 class ResponseStream:
@@ -437,7 +575,7 @@ class ResponseStream:
 
     def end(self, last: TokenEvent) -> list[str]:
         self.items.close(_item_status(last))
-        whole = _response(self.plan, self.items.items, last, self.output_ids, self.tokenizer)
+        whole = _kept(self.plan, _response(self.plan, self.items.items, last, self.output_ids, self.tokenizer))
         self._emit("response.incomplete" if whole.status == "incomplete" else "response.completed",
                    {"response": whole.dump()})
         return self._take()

@@ -111,7 +111,7 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = None
-    conversation: Any = None  # stored conversations: refused (nothing is stored)
+    conversation: Any = None  # stored conversations: refused (responses are stored, conversations are not)
     background: bool | None = None
     prompt: Any = None  # stored prompt templates: refused
     store: bool | None = None
@@ -119,6 +119,7 @@ class ResponsesRequest(RequestModel):
     user: str | None = None
     prompt_cache_key: str | None = None
     include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -204,8 +205,9 @@ class ResponseObject(ResponseModel):
     tools: list[Any] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] | None = None
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     store: bool = False
+    truncation: Literal["auto", "disabled"] = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: ResponseUsage | None = None
     user: str | None = None

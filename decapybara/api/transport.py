@@ -111,7 +111,8 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else
+                                             "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other")
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -64,6 +64,9 @@ class AppConfig(BaseModel):
     idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")
     save_cache_s: float = Field(default=20.0, ge=0, description="seconds a graceful stop may spend saving the "
                                 "prefix cache to the disk tier, which the next server on it restores (0: none)")
+    responses_store_mb: float = Field(default=64.0, ge=0, description="memory for the Responses API's stored "
+                                      "responses (previous_response_id, GET /v1/responses/{id}), in the scheduler "
+                                      "actor; the least recently used dropped past it (0: none stored)")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from decapybara.api.response_store import RemoteResponses
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.errors import CapacityError, ContextOverflowError, DecapybaraError, InvalidRequestError
 
@@ -27,6 +28,7 @@ class RayEngineClient:
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.info = info
+        self.responses = RemoteResponses(scheduler) if info.get("responses_store") else None
 
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
         stream = self.scheduler.generate.options(num_returns="streaming").remote(request)

@@ -429,6 +429,9 @@ def test_a_crash_before_the_commit_leaves_no_visible_unit(disk, monkeypatch):
             with pytest.raises(SimulatedCrash):
                 store.put(key, encode_unit(unit))
         assert key not in store
+    young = disk()  # the leftovers may be another live server's writes in flight: kept while young
+    assert "conv/b/0" not in young and young.stats["orphans"] == 0
+    monkeypatch.setattr(disk_tier, "STALE_WRITE_S", -1.0)  # now they are old
     restarted = disk()
     assert "conv/b/0" not in restarted and restarted.get("conv/b/0") is None
     got = restarted.get("conv/a/0")  # the old version (rename) or nothing (marker): never the torn new one
@@ -519,6 +522,26 @@ def test_disk_budget_holds_with_queue_aware_eviction(disk):
         store.put("conv/other/0", encode_unit(units[1]))  # another key's unit
     with pytest.raises(UnitCorrupt):
         store.put("conv/u1/0", b"not a unit")
+
+
+def test_servers_sharing_a_folder_share_its_budget(disk):
+    """Two stores on one folder (two servers on one host): each put lists the folder again (resync_s 0 here), so
+    the other's units count against the budget and are evicted in their turn; the folder holds the newest units
+    within one budget, and a unit the other server evicted is a clean miss."""
+    units = [small_unit(f"conv/s{i}/0", seed=i) for i in range(6)]
+    size = len(encode_unit(units[0]))
+    a, b = disk(int(3.5 * size)), disk(int(3.5 * size))
+    a.resync_s = b.resync_s = 0.0
+    for i, u in enumerate(units):
+        (a if i % 2 == 0 else b).put(u.key, encode_unit(u))
+    on_disk = sorted(p.rsplit("/", 1)[-1] for p in a.fs.ls(a.root, detail=False) if p.endswith(".dkv"))
+    assert on_disk == ["conv+s3+0.dkv", "conv+s4+0.dkv", "conv+s5+0.dkv"]
+    assert sorted(b.keys()) == ["conv/s3/0", "conv/s4/0", "conv/s5/0"] and b.used_bytes == 3 * size
+    assert a.get("conv/s2/0") is None and a.get("conv/s0/0") is None  # b evicted them
+    assert_same_unit(units[5], a.get("conv/s5/0"))  # b's unit, read by a
+    a.resync()
+    assert sorted(a.keys()) == sorted(b.keys()) and a.stats["foreign"] >= 2 and b.stats["evicted"] >= 2
+    assert a.stats["corrupt"] == 0 and b.stats["corrupt"] == 0
 
 
 def test_foreign_files_are_left_alone(disk):

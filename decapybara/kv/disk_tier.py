@@ -4,7 +4,14 @@ One file per unit, `<root>/<key with '/' as '+'>.dkv`. Writes are atomic: with `
 disks) a unit is written to a hidden temp name and renamed; with `commit="marker"` (filesystems without an
 atomic rename: object stores, `memory://`) the data is written under its name and a unit counts only once an
 empty `<name>.dkv.ok` marker exists (removed first when a unit is replaced or deleted). On start the index is
-rebuilt from the listing (recency from modification times), and leftovers of interrupted writes are deleted.
+rebuilt from the listing (recency from modification times), and leftovers of interrupted writes are deleted once
+they are `STALE_WRITE_S` old (younger ones may be another live server's writes in flight).
+
+Servers may share one folder (two on one host under the default `~/.cache/decapybara/kv`): the budget is then the
+folder's, not each server's. A put, or a get of a unit not indexed, at least `RESYNC_S` after the last listing lists the folder again
+(`resync`):
+units another server wrote join the index as just used (counted, and evicted in their turn, their files deleted),
+and units whose files another server deleted leave it (a later `get` of one is a miss either way).
 
 `get` checks every byte (see `decapybara.kv.units`): a damaged, truncated or misfiled unit is deleted,
 counted in `stats["corrupt"]` and reported as a miss, so the caller recomputes instead of using wrong data.
@@ -41,6 +48,8 @@ from decapybara.kv.units import (
 log = logging.getLogger(__name__)
 
 SUFFIX, MARKER_SUFFIX, TEMP_SUFFIX = ".dkv", ".dkv.ok", ".tmp"
+STALE_WRITE_S = 600.0  # an uncommitted write this old is an interrupted one (younger: maybe another server's)
+RESYNC_S = 5.0  # a put lists the folder again at most this often (others' units in, vanished ones out)
 
 
 def default_cache_url() -> str:
@@ -64,7 +73,7 @@ class DiskTierStore:
     """Units on an fsspec filesystem (the `DISK_CACHE` budget). See the module docstring for the contract."""
 
     def __init__(self, url: str | None = None, budget_bytes: int = 64 << 30, commit: str | None = None,
-                 **storage_options: Any) -> None:
+                 resync_s: float = RESYNC_S, **storage_options: Any) -> None:
         self.url = url or default_cache_url()
         self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         self.root = root.rstrip("/")
@@ -79,6 +88,8 @@ class DiskTierStore:
         self._counter = itertools.count(1)
         self._snapshots: dict[str, bool] = {}  # key -> the unit holds a hybrid state (`snapshot_flags`)
         self._lock = threading.RLock()
+        self.resync_s = resync_s
+        self._listed = 0.0  # time.monotonic() of the last listing
         self._scan()
 
     # ---- paths -------------------------------------------------------------------------------------------
@@ -109,39 +120,68 @@ class DiskTierStore:
         self._rm(self._path(key))
 
     # ---- start -------------------------------------------------------------------------------------------
-    def _scan(self) -> None:
-        """Rebuild the index from the listing; delete leftovers of interrupted writes."""
+    def _listing(self) -> dict[str, tuple[int, float]]:
+        """The committed units in the folder, key -> (size, modification time); deletes the leftovers of
+        interrupted writes that are `STALE_WRITE_S` old (a temp file; in marker mode a marker without its data or
+        data without its marker), leaves younger ones (another server's writes in flight) and others' files."""
         try:
             infos = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             infos = []
+        self._listed = time.monotonic()
+        stale = time.time() - STALE_WRITE_S
         data: dict[str, tuple[int, float]] = {}
-        markers: set[str] = set()
+        markers: dict[str, float] = {}
         for info in infos:
             if info.get("type", "file") != "file":
                 continue
             path = info["name"].rstrip("/")
             base = path.rsplit("/", 1)[-1]
             if base.startswith(".") and base.endswith(TEMP_SUFFIX):
-                self._rm(path)  # an interrupted write (rename mode)
-                self.stats["orphans"] += 1
+                if _stamp(info) < stale:
+                    self._rm(path)  # an interrupted write (rename mode)
+                    self.stats["orphans"] += 1
             elif base.endswith(MARKER_SUFFIX) and is_valid_key(k := base[:-len(MARKER_SUFFIX)].replace("+", "/")):
-                markers.add(k)
+                markers[k] = _stamp(info)
             elif base.endswith(SUFFIX) and is_valid_key(k := base[:-len(SUFFIX)].replace("+", "/")):
                 data[k] = (int(info.get("size") or 0), _stamp(info))
             # anything else is not ours: left alone
-        for k in markers - (data.keys() if self.commit == "marker" else set()):
-            self._rm(self._marker(k))
-            self.stats["orphans"] += 1
         if self.commit == "marker":
-            for k in [k for k in data if k not in markers]:  # written but never committed
-                self._rm(self._path(k))
-                self.stats["orphans"] += 1
+            for k in markers.keys() - data.keys():
+                if markers[k] < stale:
+                    self._rm(self._marker(k))
+                    self.stats["orphans"] += 1
+            for k in [k for k in data if k not in markers]:  # written but not (yet) committed
+                if data[k][1] < stale:
+                    self._rm(self._path(k))
+                    self.stats["orphans"] += 1
                 del data[k]
+        return data
+
+    def _scan(self) -> None:
+        """Rebuild the index from the listing (`_listing`)."""
+        data = self._listing()
         for k, (size, _) in sorted(data.items(), key=lambda kv: (kv[1][1], kv[0])):  # oldest first = LRU
             self._gen[k] = next(self._counter)
             self._evict(self._index.admit(k, size, None))
         self.stats["found"] = len(self._index)
+
+    def resync(self) -> None:
+        """List the folder again (servers sharing it, module docstring): units not in the index (another server's)
+        join it as just used, oldest first, evicting as the budget asks; units whose files are gone leave it."""
+        with self._lock:
+            data = self._listing()
+            for k in [k for k in self._index.keys() if k not in data]:
+                self._index.remove(k)
+                self._gen.pop(k, None)
+                self._snapshots.pop(k, None)
+                self.stats["vanished"] += 1
+            for k, (size, _) in sorted(data.items(), key=lambda kv: (kv[1][1], kv[0])):
+                if k in self._index:
+                    continue
+                self._gen[k] = next(self._counter)
+                self.stats["foreign"] += 1
+                self._evict(self._index.admit(k, size, None))
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -194,6 +234,8 @@ class DiskTierStore:
             raise ValueError(f"unit {header.key!r} put under key {key!r}")
         nbytes = len(mv)
         with self._lock:
+            if time.monotonic() - self._listed >= self.resync_s:
+                self.resync()
             existed = key in self._index
             dropped = self._index.admit(key, nbytes, next_use)
             if any(d.key == key for d in dropped):
@@ -333,6 +375,8 @@ class DiskTierStore:
     def get_verified(self, key: str) -> tuple[Unit, bytes] | None:
         """(unit, its encoded bytes) after full verification, or None (see `get`)."""
         with self._lock:
+            if key not in self._index and time.monotonic() - self._listed >= self.resync_s:
+                self.resync()  # another server sharing the folder may have written it since
             if key not in self._index:
                 self.stats["misses"] += 1
                 return None

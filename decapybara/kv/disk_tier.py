@@ -171,7 +171,8 @@ class DiskTierStore:
         join it as just used, oldest first, evicting as the budget asks; units whose files are gone leave it."""
         with self._lock:
             data = self._listing()
-            for k in [k for k in self._index.keys() if k not in data]:
+            held = self._index.keys()
+            for k in [k for k in held if k not in data]:
                 self._index.remove(k)
                 self._gen.pop(k, None)
                 self._snapshots.pop(k, None)

@@ -77,19 +77,18 @@ class SchedulerActor:
         """Wait until the model is loaded; return the GPU actor's facts."""
         info = await self.gpu.info.remote()
         self._start()
-        return {**info, "responses_store": self.responses is not None}
+        return {**info, "responses_store": self.responses.budget if self.responses is not None else 0}
 
     # ---- the Responses API's stored responses (`decapybara.api.response_store`) -----------------------
-    def put_response(self, record: dict[str, Any]) -> None:
-        if self.responses is not None:
-            self.responses.put(record)
+    def put_response(self, response_id: str, parent: str | None, text: str) -> bool:
+        return self.responses is not None and self.responses.put(response_id, parent, text)
 
-    def response_chain(self, response_id: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+    def response_chain(self, response_id: str, partial: bool = False) -> tuple[list[str] | None, str | None]:
         if self.responses is None:
             return None, response_id
-        return self.responses.lookup(response_id)
+        return self.responses.lookup(response_id, partial)
 
-    def get_response(self, response_id: str) -> dict[str, Any] | None:
+    def get_response(self, response_id: str) -> str | None:
         return self.responses.get(response_id) if self.responses is not None else None
 
     def delete_response(self, response_id: str) -> bool:

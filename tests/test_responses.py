@@ -198,12 +198,15 @@ def test_a_cut_item_is_incomplete_and_a_failed_stream_says_so(stack):  # noqa: F
         events = list(s)
     assert events[-1].response.output[-1].status == "incomplete"
     body = orr.rs.ResponsesRequest.model_validate({"input": "hi"})
-    stream = orr.ResponseStream(orr.plan_response(body, stack.client, "m", None), stack.client.tokenizer)
+    plan = orr.plan_response(body, stack.client, "m", None)
+    plan.keep = lambda record: True  # a server that stores responses: a failed one still is not stored
+    stream = orr.ResponseStream(plan, stack.client.tokenizer)
     lines = stream.start(None) + stream.error(ApiError(503, "the request was cancelled by the server"))
     events = [json.loads(line.split("data: ", 1)[1]) for line in lines]
     assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
     assert events[2]["type"] == "error" and events[2]["message"] == "the request was cancelled by the server"
     assert events[3]["type"] == "response.failed" and events[3]["response"]["status"] == "failed"
+    assert events[3]["response"]["store"] is False
     assert events[3]["response"]["error"]["message"] == "the request was cancelled by the server"
 
 
@@ -278,12 +281,36 @@ def test_stored_responses_retrieved_listed_and_deleted(stack):  # noqa: F811
     for query, param in (("order=up", "order"), ("limit=0", "limit"), ("after=nope", "after")):
         r = httpx.get(f"{stack.url}/v1/responses/{streamed.id}/input_items?{query}")
         assert r.status_code == 400 and r.json()["error"]["param"] == param
-    assert oa.responses.delete(first.id) is None
+    # an item sent with its id keeps it; sent again beside previous_response_id it is a duplicate
+    mine = {"type": "function_call_output", "call_id": first.output[-1].call_id, "output": "Snow", "id": "fco_mine"}
+    again = oa.responses.create(model="m", previous_response_id=first.id, input=[mine], max_output_tokens=4)
+    listed = list(oa.responses.input_items.list(again.id, order="asc"))
+    assert listed[-1].id == "fco_mine" and listed[-1].status == "completed"
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.responses.create(model="m", previous_response_id=again.id, input=[mine], max_output_tokens=4)
+    assert err.value.body["param"] == "input.0" and "fco_mine" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # the request's own items numbered as it sent them
+        oa.responses.create(model="m", previous_response_id=again.id, max_output_tokens=4,
+                            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+    assert err.value.body["param"] == "input.0.content"
+    assert httpx.delete(f"{stack.url}/v1/responses/{first.id}").json() == {"id": first.id, "object": "response",
+                                                                           "deleted": True}
     with pytest.raises(openai.NotFoundError):
         oa.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError) as err:  # an earlier turn of the chain is gone
         oa.responses.create(model="m", previous_response_id=streamed.id, input="x", max_output_tokens=4)
     assert err.value.body["param"] == "previous_response_id" and first.id in err.value.body["message"]
+    assert [i.type for i in oa.responses.input_items.list(streamed.id, order="asc")] == [
+        "function_call_output"]  # the turns still stored
+    budget = stack.client.responses.store.budget
+    stack.client.responses.store.budget = 100  # a record larger than the whole store: not kept, and said so
+    try:
+        big = oa.responses.create(model="m", input="SAY-STOP", max_output_tokens=8)
+    finally:
+        stack.client.responses.store.budget = budget
+    assert big.store is False
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(big.id)
     with pytest.raises(openai.BadRequestError) as err:
         oa.responses.create(model="m", previous_response_id="resp_none", input="x", max_output_tokens=4)
     assert err.value.body["code"] == "previous_response_not_found"
@@ -306,39 +333,42 @@ def test_a_server_without_a_store_refuses_previous_response_id(stack):  # noqa: 
         assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
         assert "responses_store_mb" in r.json()["error"]["message"]
         assert http.get("/v1/responses/resp_1").status_code == 404
+        assert http.get("/v1/responses/resp_1/input_items").status_code == 404
 
 
 def test_the_store_drops_the_least_recently_used_and_reports_broken_chains():
-    from decapybara.api.response_store import ChainBroken, ResponseStore, record_bytes
+    from decapybara.api.response_store import ChainBroken, ResponseStore, record_text
 
     def rec(rid, parent=None, pad=0):
-        return {"id": rid, "parent": parent, "input": [{"id": "m" + rid, "text": "x" * pad}],
-                "response": {"id": rid, "output": []}}
+        return rid, parent, record_text({"id": rid, "parent": parent, "input": [{"id": "m" + rid, "text": "x" * pad}],
+                                         "response": {"id": rid, "output": []}})
 
-    size = record_bytes(rec("r1"))
+    size = len(rec("r1")[2])
     store = ResponseStore(budget_bytes=4 * size + 4)
     for rid, parent in (("r1", None), ("r2", "r1"), ("r3", "r2"), ("o1", None)):
-        assert store.put(rec(rid, parent))
-    assert [r["id"] for r in store.chain("r3")] == ["r1", "r2", "r3"]  # touched: o1 is now the oldest
-    store.put(rec("o2"))
+        assert store.put(*rec(rid, parent))
+    assert [json.loads(t)["id"] for t in store.chain("r3")] == ["r1", "r2", "r3"]  # touched: o1 the oldest now
+    store.put(*rec("o2"))
     assert store.get("o1") is None and store.get("r1") is not None and store.stats()["dropped"] == 1
     store.chain("r3")  # its oldest turn touched last: dropped after r2 and r3
-    store.put(rec("o3"))
+    store.put(*rec("o3"))
     assert store.get("o2") is None
-    store.put(rec("n0"))  # the newest turn goes first
+    store.put(*rec("n0"))  # the newest turn goes first
     assert store.get("r3") is None and store.get("r2") is not None
     store.delete("r1")
     with pytest.raises(ChainBroken) as err:
         store.chain("r2")
     assert err.value.missing == "r1" and err.value.asked == "r2"
     assert store.lookup("r2") == (None, "r1") and store.lookup("zz") == (None, "zz")
-    assert not store.put(rec("big", pad=5 * size)) and store.stats()["refused"] == 1
-    store.put(rec("c1", "c2"))
-    store.put(rec("c2", "c1"))  # a cycle is a broken chain, not a hang
+    assert [json.loads(t)["id"] for t in store.chain("r2", partial=True)] == ["r2"]  # the turns still stored
+    assert store.lookup("zz", partial=True) == (None, "zz")
+    assert not store.put(*rec("big", pad=5 * size)) and store.stats()["refused"] == 1
+    store.put(*rec("c1", "c2"))
+    store.put(*rec("c2", "c1"))  # a cycle is a broken chain, not a hang
     with pytest.raises(ChainBroken):
         store.chain("c1")
     assert store.delete("c1") and not store.delete("c1")
-    assert store.nbytes == sum(record_bytes(r) for r in (store.get(k) for k in list(store._entries)))
+    assert store.nbytes == sum(len(store.get(k)) for k in list(store._entries))
 
 
 def test_truncation_auto_drops_the_middle_of_a_conversation_past_the_context(stack):  # noqa: F811

@@ -116,7 +116,6 @@ def test_tool_call_round_trip_both_apis(oai, ant):
     nxt = oai.responses.create(model="m", previous_response_id=r.id, input="Thanks. List the files next.",
                                tools=rtools, max_output_tokens=8, temperature=0)
     assert nxt.previous_response_id == r.id and nxt.usage.input_tokens > r.usage.input_tokens
-    assert nxt.usage.input_tokens_details.cached_tokens > 0
     assert oai.responses.retrieve(r.id).model_dump() == r.model_dump()
     listed = [i.type for i in oai.responses.input_items.list(nxt.id, order="asc", limit=100)]
     assert listed[:3] == ["message", "function_call", "function_call_output"] and listed[-1] == "message"

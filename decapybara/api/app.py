@@ -186,7 +186,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(request: HttpRequest, response_id: str) -> Response:
         async def handle() -> Response:
-            records = await stored_chain(store, response_id, "response_id", 404)
+            records = await stored_chain(store, response_id, "response_id", 404, partial=True)
             q = request.query_params
             return JSONResponse(openai_responses.input_items_page(records, q.get("order", "desc"),
                                                                   q.get("limit", "20"), q.get("after")))
@@ -233,18 +233,21 @@ async def stored(store: Any, response_id: str) -> dict[str, Any]:
 
 
 async def stored_chain(store: Any, response_id: str | None, param: str = "previous_response_id",
-                       status: int = 400, retries: int = 3) -> list[dict[str, Any]] | None:
-    """The stored conversation up to `response_id` (None where none is named): a 400 (`status`) naming the turn
-    not found. A response another ingress replica just stored may still be on its way to the store, so the id
-    asked for is looked up again `retries` times, 50 ms apart, before it counts as missing."""
+                       status: int = 400, retries: int = 3, partial: bool = False) -> list[dict[str, Any]] | None:
+    """The stored conversation up to `response_id` (None where none is named; with `partial`, the turns back to
+    one no longer stored): a 400 (`status`) naming the turn not found. A response just stored may still be on its
+    way to the store (another ingress replica's, or a Ray call overtaken), so the id asked for is looked up again
+    `retries` times, 50 ms apart, before it counts as missing."""
     if response_id is None:
         return None
     if store is None:
+        if status == 404:
+            raise not_stored(response_id)
         raise bad_request(f"{param} needs stored responses, which this server keeps none of (its "
                           "responses_store_mb is 0): send the whole conversation as input", param)
     for attempt in range(retries + 1):
         try:
-            return await store.chain(response_id)
+            return await store.chain(response_id, partial)
         except response_store.ChainBroken as exc:
             if exc.missing != response_id or attempt == retries:
                 err = not_stored(exc.missing, param, status)

@@ -112,7 +112,7 @@ def input_messages(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> list[d
     msgs: list[dict[str, Any]] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
-        where = f"input.{i}"
+        where = f"input.{i - len(earlier)}"  # the request's own items numbered as it sent them
         if isinstance(item, rs.MessageIn):
             role = "system" if item.role == "developer" else item.role
             text = _text(item.content, where)
@@ -203,7 +203,13 @@ def _tool_choice(body: rs.ResponsesRequest, tools: list[dict[str, Any]] | None
 
 
 def chat_input(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> ChatInput:
-    """The chat of `body` after `earlier` (a stored conversation's items, `earlier_items`)."""
+    """The chat of `body` after `earlier` (a stored conversation's items, `earlier_items`); an item of the request
+    with the id of one of `earlier`'s (sent again beside previous_response_id) is a 400."""
+    seen = {item.id for item in earlier if getattr(item, "id", None)}
+    for i, item in enumerate(own_items(body)):
+        if getattr(item, "id", None) in seen:
+            raise bad_request(f"Duplicate item found with id {item.id!r}: previous_response_id already holds it, so "
+                              "send only the new items", f"input.{i}")
     for field, given in (("conversation", body.conversation is not None), ("background", body.background is True),
                          ("prompt", body.prompt is not None)):
         if given:
@@ -221,19 +227,21 @@ def _stored_part(part: Any, role: str) -> dict[str, Any]:
     return part.model_dump(exclude_none=True)
 
 
+_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
 def stored_input(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as a stored record keeps them (and input_items lists them): each with an id, a
-    message's content as parts."""
+    """The request's input items as a stored record keeps them (and input_items lists them): each with its id (the
+    one it came with, else a new one) and a status, a message's content as parts."""
     out = []
     for item in own_items(body):
         d = item.model_dump(exclude_none=True)
         if isinstance(item, rs.MessageIn):
             parts = [rs.TextIn(type="input_text", text=item.content)] if isinstance(item.content, str) else \
                 item.content
-            d = {"type": "message", "role": item.role, "content": [_stored_part(p, item.role) for p in parts],
-                 "status": "completed"}
-        prefix = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
-        out.append({"id": new_id(prefix.get(d.get("type", ""), "item_")), **d})
+            d = {"type": "message", "role": item.role, "content": [_stored_part(p, item.role) for p in parts]}
+        rid = item.id or new_id(_ID_PREFIX.get(d["type"], "item_"))
+        out.append({**d, "id": rid, "status": "completed"})
     return out
 
 
@@ -259,7 +267,7 @@ class ResponsePlan:
     body: rs.ResponsesRequest
     model: str
     created: int
-    keep: Callable[[dict[str, Any]], None] | None = None  # stores the finished response's record (`record`)
+    keep: Callable[[dict[str, Any]], bool] | None = None  # stores the finished response's record (`record`)
 
 
 def _render(tokenizer: Any, chat: ChatInput) -> Prompt:
@@ -336,9 +344,10 @@ def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversati
 
 
 def input_items_page(records: list[dict[str, Any]], order: str, limit: str, after: str | None) -> dict[str, Any]:
-    """GET /v1/responses/{id}/input_items: the items the last of `records` (a stored chain, oldest first) was made
-    from (the earlier turns' inputs and outputs, then its own input), newest first under ``order`` "desc" (the
-    default) or oldest first under "asc"; at most `limit` (1-100) of them, after the item ``after``."""
+    """GET /v1/responses/{id}/input_items: the items the last of `records` (a stored chain, oldest first; the
+    turns still stored where an earlier one was dropped) was made from (the earlier turns' inputs and outputs,
+    then its own input), newest first under ``order`` "desc" (the default) or oldest first under "asc"; at most
+    `limit` (1-100) of them, after the item ``after``."""
     if order not in ("asc", "desc"):
         raise bad_request('order must be "asc" or "desc"', "order")
     if not (limit.isdigit() and 1 <= int(limit) <= 100):
@@ -363,8 +372,10 @@ def record(plan: ResponsePlan, whole: rs.ResponseObject) -> dict[str, Any]:
 
 
 def _kept(plan: ResponsePlan, whole: rs.ResponseObject) -> rs.ResponseObject:
-    if plan.keep is not None:
-        plan.keep(record(plan, whole))
+    """`whole` after it is stored (`plan.keep`); saying ``store: false`` where the store refused it (larger than
+    its whole budget)."""
+    if plan.keep is not None and not plan.keep(record(plan, whole)):
+        return whole.model_copy(update={"store": False})
     return whole
 
 
@@ -569,7 +580,8 @@ class ResponseStream:
         code = body["code"] or body["type"]
         self._emit("error", {"code": code, "message": body["message"], "param": body["param"]})
         failed = _response(self.plan, self.items.items, None, self.output_ids, self.tokenizer)
-        failed = failed.model_copy(update={"status": "failed", "error": {"code": code, "message": body["message"]}})
+        failed = failed.model_copy(update={"status": "failed", "store": False,  # a failed response is not kept
+                                           "error": {"code": code, "message": body["message"]}})
         self._emit("response.failed", {"response": failed.dump()})
         return self._take()
 

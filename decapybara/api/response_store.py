@@ -7,8 +7,8 @@ items (each with an id), and the response object as it was returned. A conversat
 (`ResponseStore.chain`): each record's input items, then its response's output items, oldest first; so a record
 holds its own turn only and a chain of n turns is stored in O(n), not O(n^2).
 
-`ResponseStore` is the pure core: least recently used records dropped past a byte budget (a record's bytes are its
-compact JSON's). Reading a chain touches every record in it, so a live conversation's older turns stay while
+`ResponseStore` is the pure core: records kept as their compact JSON text (what crosses Ray, and what the budget
+counts, close to the memory they hold), least recently used dropped past a byte budget. Reading a chain touches every record in it, so a live conversation's older turns stay while
 abandoned ones age out; a chain with a record dropped is reported broken (`ChainBroken`), never silently cut.
 It is not thread-safe: `LocalResponses` (a lock, for the in-process client) and the scheduler actor (one event loop)
 wrap it.
@@ -36,17 +36,18 @@ class ChainBroken(LookupError):
 
 @dataclass(slots=True)
 class _Entry:
-    record: dict[str, Any]
-    nbytes: int
+    text: str  # the record's compact JSON
+    parent: str | None
 
 
-def record_bytes(record: dict[str, Any]) -> int:
-    """The bytes a record is counted at: its compact JSON's."""
-    return len(json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode())
+def record_text(record: dict[str, Any]) -> str:
+    """A record as the store keeps it: its compact JSON (whose length in characters is what it counts)."""
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False)
 
 
 class ResponseStore:
-    """Records by response id, least recently used dropped past `budget_bytes` (module docstring)."""
+    """Records (as their JSON text) by response id, least recently used dropped past `budget_bytes` of text
+    (module docstring)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.budget = int(budget_bytes)
@@ -57,59 +58,61 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, record: dict[str, Any]) -> bool:
-        """Keep `record` (replacing one of its id), dropping the least recently used past the budget; a record
-        larger than the whole budget is refused (False)."""
-        size = record_bytes(record)
-        if size > self.budget:
+    def put(self, rid: str, parent: str | None, text: str) -> bool:
+        """Keep a record's text (replacing one of its id), dropping the least recently used past the budget; a
+        record larger than the whole budget is refused (False)."""
+        if len(text) > self.budget:
             self.refused += 1
             return False
-        self.delete(record["id"])
-        self._entries[record["id"]] = _Entry(record, size)
-        self.nbytes += size
+        self.delete(rid)
+        self._entries[rid] = _Entry(text, parent)
+        self.nbytes += len(text)
         self.stored += 1
         while self.nbytes > self.budget:
             _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            self.nbytes -= len(old.text)
             self.dropped += 1
         return True
 
-    def get(self, rid: str) -> dict[str, Any] | None:
+    def get(self, rid: str) -> str | None:
         entry = self._entries.get(rid)
         if entry is None:
             return None
         self._entries.move_to_end(rid)
-        return entry.record
+        return entry.text
 
     def delete(self, rid: str) -> bool:
         entry = self._entries.pop(rid, None)
         if entry is None:
             return False
-        self.nbytes -= entry.nbytes
+        self.nbytes -= len(entry.text)
         return True
 
-    def chain(self, rid: str) -> list[dict[str, Any]]:
-        """The records from the conversation's first turn to `rid`'s, oldest first, each touched; raises
-        ChainBroken naming the first id not found (or one seen twice: a cycle)."""
-        out: list[dict[str, Any]] = []
-        seen: set[str] = set()
+    def chain(self, rid: str, partial: bool = False) -> list[str]:
+        """The records' texts from the conversation's first turn to `rid`'s, oldest first, each touched; raises
+        ChainBroken naming the first id not found (or one seen twice: a cycle); with `partial`, the turns back to
+        that one instead (ChainBroken only where `rid` itself is not found)."""
+        out: list[str] = []
+        ids: list[str] = []
         cur: str | None = rid
         while cur is not None:
-            record = self.get(cur) if cur not in seen and len(out) < MAX_CHAIN else None
-            if record is None:
+            entry = self._entries.get(cur) if cur not in ids and len(out) < MAX_CHAIN else None
+            if entry is None:
+                if partial and out:
+                    break
                 raise ChainBroken(cur, rid)
-            seen.add(cur)
-            out.append(record)
-            cur = record.get("parent")
-        for record in out:  # newest first, so the oldest turn, which every later one needs, is dropped last
-            self._entries.move_to_end(record["id"])
+            ids.append(cur)
+            out.append(entry.text)
+            cur = entry.parent
+        for key in ids:  # newest first, so the oldest turn, which every later one needs, is dropped last
+            self._entries.move_to_end(key)
         out.reverse()
         return out
 
-    def lookup(self, rid: str) -> tuple[list[dict[str, Any]] | None, str | None]:
-        """`chain` as plain data (for a call across processes): (the records, None), or (None, the missing id)."""
+    def lookup(self, rid: str, partial: bool = False) -> tuple[list[str] | None, str | None]:
+        """`chain` as plain data (for a call across processes): (the texts, None), or (None, the missing id)."""
         try:
-            return self.chain(rid), None
+            return self.chain(rid, partial), None
         except ChainBroken as exc:
             return None, exc.missing
 
@@ -119,24 +122,30 @@ class ResponseStore:
 
 
 class RemoteResponses:
-    """The scheduler actor's store, for the Ray ingress: `put` submits and returns (calls from one ingress run in
-    the order they were made, so a response's record is in before that ingress reads a chain through it); the
-    reads wait for the actor."""
+    """The scheduler actor's store, for the Ray ingress (records cross as their JSON text). `put` submits and
+    returns: whether the record fits the budget is known here, so the response can say whether it is stored; Ray
+    runs an async actor's calls in no promised order, so a chain read right after may miss the newest turn for a
+    moment (`api.app.stored_chain` looks again before calling it missing). The reads wait for the actor."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
+    def __init__(self, actor: Any, budget_bytes: int) -> None:
+        self.actor, self.budget = actor, budget_bytes
 
-    def put(self, record: dict[str, Any]) -> None:
-        self.actor.put_response.remote(record)
+    def put(self, record: dict[str, Any]) -> bool:
+        text = record_text(record)
+        if len(text) > self.budget:
+            return False
+        self.actor.put_response.remote(record["id"], record.get("parent"), text)
+        return True
 
-    async def chain(self, rid: str) -> list[dict[str, Any]]:
-        records, missing = await self.actor.response_chain.remote(rid)
-        if records is None:
+    async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
+        texts, missing = await self.actor.response_chain.remote(rid, partial)
+        if texts is None:
             raise ChainBroken(missing, rid)
-        return records
+        return [json.loads(t) for t in texts]
 
     async def get(self, rid: str) -> dict[str, Any] | None:
-        return await self.actor.get_response.remote(rid)
+        text = await self.actor.get_response.remote(rid)
+        return None if text is None else json.loads(text)
 
     async def delete(self, rid: str) -> bool:
         return await self.actor.delete_response.remote(rid)
@@ -146,25 +155,28 @@ class RemoteResponses:
 
 
 class LocalResponses:
-    """A `ResponseStore` for the in-process client: the same calls as the scheduler actor's store, under a lock
-    (`put` returns at once; the reads are coroutines, as the remote store's)."""
+    """A `ResponseStore` for the in-process client: the same calls as `RemoteResponses`, under a lock (`put`
+    returns at once, whether the record is stored; the reads are coroutines)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.store = ResponseStore(budget_bytes)
         self._lock = threading.Lock()
 
-    def put(self, record: dict[str, Any]) -> None:
+    def put(self, record: dict[str, Any]) -> bool:
+        text = record_text(record)
         with self._lock:
-            self.store.put(record)
+            return self.store.put(record["id"], record.get("parent"), text)
 
-    async def chain(self, rid: str) -> list[dict[str, Any]]:
-        """The conversation's records up to `rid`, oldest first; raises ChainBroken."""
+    async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
+        """The conversation's records up to `rid`, oldest first; raises ChainBroken (`ResponseStore.chain`)."""
         with self._lock:
-            return self.store.chain(rid)
+            texts = self.store.chain(rid, partial)
+        return [json.loads(t) for t in texts]
 
     async def get(self, rid: str) -> dict[str, Any] | None:
         with self._lock:
-            return self.store.get(rid)
+            text = self.store.get(rid)
+        return None if text is None else json.loads(text)
 
     async def delete(self, rid: str) -> bool:
         with self._lock:

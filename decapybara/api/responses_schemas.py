@@ -29,12 +29,14 @@ PartIn = Annotated[TextIn | OtherIn, Field(discriminator="type")]
 
 class MessageIn(RequestModel):
     type: Literal["message"] = "message"
+    id: str | None = None  # a stored item's, or one sent back: kept, so input_items lists it by it
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[PartIn]
 
 
 class FunctionCallIn(RequestModel):
     type: Literal["function_call"]
+    id: str | None = None  # a stored item's, or one sent back: kept, so input_items lists it by it
     call_id: str
     name: str
     arguments: str
@@ -42,6 +44,7 @@ class FunctionCallIn(RequestModel):
 
 class FunctionCallOutputIn(RequestModel):
     type: Literal["function_call_output"]
+    id: str | None = None  # a stored item's, or one sent back: kept, so input_items lists it by it
     call_id: str
     output: str | list[PartIn]
 
@@ -53,6 +56,7 @@ class ReasoningTextIn(RequestModel):
 
 class ReasoningIn(RequestModel):
     type: Literal["reasoning"]
+    id: str | None = None  # a stored item's, or one sent back: kept, so input_items lists it by it
     summary: list[ReasoningTextIn] = Field(default_factory=list)
     content: list[ReasoningTextIn] | None = None
     encrypted_content: str | None = None  # this server's: the reasoning's text (`ReasoningOut.encrypted_content`)

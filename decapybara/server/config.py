@@ -66,7 +66,8 @@ class AppConfig(BaseModel):
                                 "prefix cache to the disk tier, which the next server on it restores (0: none)")
     responses_store_mb: float = Field(default=64.0, ge=0, description="memory for the Responses API's stored "
                                       "responses (previous_response_id, GET /v1/responses/{id}), in the scheduler "
-                                      "actor; the least recently used dropped past it (0: none stored)")
+                                      "actor, counted as their JSON text; the least recently used dropped past it "
+                                      "(0: none stored)")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")

@@ -28,7 +28,8 @@ class RayEngineClient:
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.info = info
-        self.responses = RemoteResponses(scheduler) if info.get("responses_store") else None
+        budget = int(info.get("responses_store") or 0)
+        self.responses = RemoteResponses(scheduler, budget) if budget > 0 else None
 
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
         stream = self.scheduler.generate.options(num_returns="streaming").remote(request)

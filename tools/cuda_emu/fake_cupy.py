@@ -6,8 +6,10 @@ from ptx_lower import inline_includes, lower_asm, lower_dynamic_shared, register
 EMU = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(EMU, "build")
 # a kernel module's build; -fno-gnu-unique: a template's static locals (the __shared__ arrays of a templated device
-# function) stay each module's own, as on a GPU, not one copy for every loaded build of the same source
-CXXFLAGS = ("-O1", "-g", "-std=c++20", "-shared", "-fPIC", "-fno-gnu-unique", "-Wno-unknown-pragmas")
+# function) stay each module's own, as on a GPU, not one copy for every loaded build of the same source.
+# CUDA_EMU_DEBUG=1 adds debug information (-g, for gdb), which makes a build ~1.4x as long.
+DEBUG = ("-g",) if os.environ.get("CUDA_EMU_DEBUG") == "1" else ()
+CXXFLAGS = ("-O1", *DEBUG, "-std=c++20", "-shared", "-fPIC", "-fno-gnu-unique", "-Wno-unknown-pragmas")
 os.makedirs(BUILD, exist_ok=True)
 _TYPES = {"ptr": 0, "i32": 1, "i64": 2, "f32": 3, "f64": 4}
 # CUDA_EMU_STRIDED=1: a non-contiguous array argument passes its first element's address, as CuPy passes a view
@@ -52,7 +54,7 @@ def _emu_object() -> str:
     obj = os.path.join(BUILD, "emu.o")
     srcs = [os.path.join(EMU, f) for f in ("emu.cpp", "emu.h")]
     if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, srcs)):
-        subprocess.run(["g++", "-O1", "-g", "-std=c++20", "-fPIC", "-c", srcs[0], "-o", _tmp(obj)], check=True)
+        subprocess.run(["g++", "-O1", *DEBUG, "-std=c++20", "-fPIC", "-c", srcs[0], "-o", _tmp(obj)], check=True)
         os.replace(_tmp(obj), obj)
     return obj
 

@@ -2,8 +2,9 @@
 
 Each simulated agent keeps a multi-turn conversation: every turn appends the model's answer and a new user
 message (sometimes a tool result after a tool call), so its prompts share a growing prefix the server
-should reuse. Half the agents speak OpenAI (`/v1/chat/completions`), half Anthropic (`/v1/messages`), all
-streaming. Besides each request, locust records three derived entries per turn:
+should reuse. A third of the agents speak OpenAI chat completions (`/v1/chat/completions`), a third Anthropic
+(`/v1/messages`), a third OpenAI's Responses API (`/v1/responses`, each turn continuing the stored one by
+`previous_response_id`), all streaming. Besides each request, locust records three derived entries per turn:
 ``TTFT`` (time to first token, ms), ``ITL`` (mean inter-token latency of the turn, ms) and ``tokens``
 (the turn's output tokens, as the "response length", so the totals give tokens/s).
 
@@ -29,6 +30,7 @@ SYSTEM = ("You are a coding agent working in a Python repository. Read files wit
 TOOLS_OPENAI = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the repository",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+TOOLS_RESPONSES = [{"type": "function", **TOOLS_OPENAI[0]["function"]}]
 TOOLS_ANTHROPIC = [{"name": "read_file", "description": "Read a file of the repository",
                     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
                                      "required": ["path"]}}]
@@ -88,7 +90,8 @@ class Agent(HttpUser):
                 if not line.startswith("data: ") or line[6:] == "[DONE]":
                     continue
                 data = json.loads(line[6:])
-                if "error" in data:  # OpenAI's error chunk, Anthropic's error event: the turn failed mid-stream
+                if "error" in data or data.get("type") == "error":  # OpenAI's error chunk, Anthropic's or the
+                    # Responses API's error event: the turn failed mid-stream
                     resp.failure(f"stream error: {json.dumps(data['error'])[:200]}")
                     self._record(name, started, first, times, tokens, RuntimeError("stream error"))
                     return None
@@ -97,6 +100,8 @@ class Agent(HttpUser):
                     tokens = data["usage"].get("completion_tokens", tokens)
                 if data.get("type") == "message_delta":
                     tokens = data.get("usage", {}).get("output_tokens", tokens)
+                if data.get("type") in ("response.completed", "response.incomplete"):
+                    tokens = (data["response"].get("usage") or {}).get("output_tokens", tokens)
                 if piece:
                     now = time.perf_counter()
                     first = first or now
@@ -184,3 +189,41 @@ class AnthropicAgent(Agent):
                 {"type": "tool_result", "tool_use_id": tool_id, "content": f"# {file}\nimport os\n"}]})
         else:
             self.messages.append({"role": "assistant", "content": text or "Done."})
+
+
+class ResponsesAgent(Agent):
+    """Sends only each turn's new items: the conversation so far is the server's, by `previous_response_id`."""
+
+    api = "responses"
+    weight = 1
+
+    def reset(self) -> None:
+        super().reset()
+        self.previous: str | None = None
+        self.pending: list[dict] = []  # a tool round trip's call and output, sent with the next turn
+
+    def _piece(self, data: dict, calls: list[dict]) -> str:
+        kind = data.get("type", "")
+        if kind in ("response.completed", "response.incomplete"):
+            self.latest = data["response"]["id"]
+        if kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                    "response.function_call_arguments.delta"):
+            return data.get("delta") or ""
+        return ""
+
+    def step(self, ask: str, file: str) -> None:
+        self.latest = None
+        body = {"model": "decapybara", "instructions": SYSTEM, "tools": TOOLS_RESPONSES, "stream": True,
+                "input": [*self.pending, {"role": "user", "content": ask}], "max_output_tokens": MAX_TOKENS,
+                "temperature": 0.7}
+        if self.previous is not None:
+            body["previous_response_id"] = self.previous
+        got = self._stream("/v1/responses", body, "openai responses")
+        if got is None or self.latest is None:  # the turn failed: asked again next time, the chain as it was
+            return
+        self.previous, self.pending = self.latest, []
+        if self.turn % 3 == 0:  # a tool round trip every third turn, sent with the next turn's message
+            call_id = f"call_{self.turn}"
+            self.pending = [{"type": "function_call", "call_id": call_id, "name": "read_file",
+                             "arguments": json.dumps({"path": file})},
+                            {"type": "function_call_output", "call_id": call_id, "output": f"# {file}\nimport os\n"}]

@@ -291,9 +291,11 @@ def test_locust_thirty_agents_headless(served, tmp_path):
     rows = (tmp_path / "run_stats.csv").read_text().splitlines()
     by_name = {r.split(",")[1]: r.split(",") for r in rows[1:]}
     assert "TTFT" in by_name and "ITL" in by_name and "tokens" in by_name, proc.stdout[-2000:]
-    failures = sum(int(r[3]) for name, r in by_name.items() if name in ("openai chat", "anthropic messages"))
-    requests = sum(int(r[2]) for name, r in by_name.items() if name in ("openai chat", "anthropic messages"))
+    names = ("openai chat", "anthropic messages", "openai responses")
+    failures = sum(int(r[3]) for name, r in by_name.items() if name in names)
+    requests = sum(int(r[2]) for name, r in by_name.items() if name in names)
     assert requests >= 30 and failures == 0, proc.stdout[-2000:]
+    assert all(int(by_name[name][2]) > 0 for name in names), by_name  # every API's agents took turns
 
 
 def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, tmp_path):

@@ -407,3 +407,19 @@ def test_middle_cuts_keep_calls_with_their_outputs():
     assert [[m["content"] for m in cut] for cut in cuts] == [
         ["S", "u0", "a2", "t2", "u1", "a3", "u2"], ["S", "u0", "a3", "u2"]]
     assert middle_cuts(msgs[:1]) == [] and middle_cuts([msgs[1], msgs[8]]) == []
+
+
+def test_input_tokens_counts_the_prompt_a_response_would_have(stack):  # noqa: F811
+    """responses.input_tokens.count gives the input_tokens of the same request's response, for a whole
+    conversation and for a turn continuing a stored one."""
+    oa = stack.oa()
+    kw = {"input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "instructions": "Be brief."}
+    first = oa.responses.create(model="m", max_output_tokens=80, **kw)
+    counted = oa.responses.input_tokens.count(model="m", **kw)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == first.usage.input_tokens
+    nxt = {"previous_response_id": first.id, "tools": TOOLS_R, "input": [
+        {"type": "function_call_output", "call_id": first.output[-1].call_id, "output": "Sunny"}]}
+    assert oa.responses.input_tokens.count(model="m", **nxt).input_tokens == oa.responses.create(
+        model="m", max_output_tokens=4, **nxt).usage.input_tokens
+    with pytest.raises(openai.BadRequestError):
+        oa.responses.input_tokens.count(model="m", previous_response_id="resp_none", input="x")

@@ -169,6 +169,14 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                              lambda done: openai_responses.response(plan, done, client.tokenizer), KEEP_ALIVE)
         return await guard(RESPONSES, handle)
 
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, rs.InputTokensRequest)
+            earlier = await stored_chain(store, body.previous_response_id)
+            return JSONResponse(await run_in_threadpool(openai_responses.input_tokens, body, client, earlier))
+        return await guard(RESPONSES, handle)
+
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Response:
         async def handle() -> Response:

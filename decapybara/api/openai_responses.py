@@ -323,18 +323,28 @@ def fitted(tokenizer: Any, chat: ChatInput, room: int) -> Prompt:
     return best[0]
 
 
+def rendered(body: rs.ResponsesRequest, client: Any, earlier: list[dict[str, Any]] | None) -> tuple[ChatInput, Prompt]:
+    """The chat of `body` after `earlier` (stored records, oldest first) and its prompt (`fitted` under
+    ``truncation: "auto"``)."""
+    chat = chat_input(body, earlier_items(earlier or []))
+    if body.truncation == "auto":
+        reply = min(body.max_output_tokens or 1024, client.max_model_len // 4)
+        return chat, fitted(client.tokenizer, chat, client.max_model_len - reply)
+    return chat, _render(client.tokenizer, chat)
+
+
+def input_tokens(body: rs.ResponsesRequest, client: Any, earlier: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """POST /v1/responses/input_tokens: the prompt tokens the same request to /v1/responses would have."""
+    return {"object": "response.input_tokens", "input_tokens": len(rendered(body, client, earlier)[1].ids)}
+
+
 def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversation: str | None,
                   earlier: list[dict[str, Any]] | None = None) -> ResponsePlan:
     """Validate and map a responses request continuing `earlier` (the stored records `previous_response_id`
     names, oldest first); raises ApiError / InvalidRequestError / ContextOverflowError. Under ``truncation:
     "auto"`` a conversation past the context drops turns from its middle (`middle_cuts`) until its prompt leaves
     max_output_tokens (at most a quarter of the context; 1,024 where none is given) to the reply."""
-    chat = chat_input(body, earlier_items(earlier or []))
-    if body.truncation == "auto":
-        reply = min(body.max_output_tokens or 1024, client.max_model_len // 4)
-        prompt = fitted(client.tokenizer, chat, client.max_model_len - reply)
-    else:
-        prompt = _render(client.tokenizer, chat)
+    chat, prompt = rendered(body, client, earlier)
     max_tokens = output_budget(body.max_output_tokens, len(prompt.ids), client.max_model_len, "max_output_tokens")
     params = settle_constraint(sampling_params(body, max(max_tokens, 1)), chat)
     key = conversation_key(conversation, body.prompt_cache_key or body.user, chat.messages)

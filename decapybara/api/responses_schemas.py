@@ -126,6 +126,12 @@ class ResponsesRequest(RequestModel):
     truncation: Literal["auto", "disabled"] | None = None
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a responses request to count, whose input may be left out."""
+
+    input: str | list[ItemIn] = Field(default_factory=list)
+
+
 # ---------------------------------------------------------------------------------------------- responses
 
 

@@ -23,7 +23,7 @@ from decapybara.engine.sequence import TokenEvent
 
 OPENAI, ANTHROPIC, RESPONSES = "openai", "anthropic", "responses"
 ROUTES = ("/health", "/stats", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-          "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+          "/v1/responses", "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens")
 
 
 def api_of(path: str) -> str:

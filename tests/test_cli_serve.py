@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -42,13 +43,21 @@ def test_prefill_weights_setting():
 
 
 def test_bad_serve_flags_exit_with_2_before_starting_anything():
-    for bad in (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"],
-                ["--rope-scaling", "off", "--max-model-len", "100000"],  # the GPU actor's own checks, made first
-                ["--rope-scaling", "1m", "--max-model-len", "2000000"],
-                ["--set", "page_size=3"], ["--set", "page_size=0"], ["--api-key", ""],
-                ["--disk-cache", "file:///proc/decapybara-kv"]):  # a folder that cannot be made
-        r = subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", *bad], capture_output=True, text=True,
-                           check=False, timeout=60)
+    from concurrent.futures import ThreadPoolExecutor
+
+    bads = (["--kv-mode", "5/5"], ["--slots", "13"], ["--set", "no_such_field=1"], ["--set", "oops"],
+            ["--rope-scaling", "off", "--max-model-len", "100000"],  # the GPU actor's own checks, made first
+            ["--rope-scaling", "1m", "--max-model-len", "2000000"],
+            ["--set", "page_size=3"], ["--set", "page_size=0"], ["--api-key", ""],
+            ["--disk-cache", "file:///proc/decapybara-kv"])  # a folder that cannot be made
+
+    def serve(bad: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "decapybara.cli", "serve", *bad], capture_output=True,
+                              text=True, check=False, timeout=60)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:  # processes side by side
+        results = list(pool.map(serve, bads))
+    for bad, r in zip(bads, results):
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, (bad, r.stderr)
 

@@ -149,12 +149,15 @@ class DiskTierActor:
         return data
 
     def contains(self, key: str) -> bool:
-        return key in self.store
+        return self.store.holds(key)
 
     def delete(self, key: str) -> bool:
         return self.store.delete(key)
 
     def keys(self) -> list[str]:
+        """The units held; listed afresh where another server shares the folder (`DiskTierStore.shared`)."""
+        if self.store.shared:
+            self.store.resync()
         return self.store.keys()
 
     def stats(self) -> dict[str, Any]:

@@ -431,8 +431,10 @@ def test_a_crash_before_the_commit_leaves_no_visible_unit(disk, monkeypatch):
         assert key not in store
     young = disk()  # the leftovers may be another live server's writes in flight: kept while young
     assert "conv/b/0" not in young and young.stats["orphans"] == 0
-    monkeypatch.setattr(disk_tier, "STALE_WRITE_S", -1.0)  # now they are old
+    monkeypatch.setattr(disk_tier, "STALE_WRITE_S", 0.0)  # seen unchanged at the next listing: interrupted
     restarted = disk()
+    assert restarted.stats["orphans"] == 0  # the first listing only notes them
+    restarted.resync()
     assert "conv/b/0" not in restarted and restarted.get("conv/b/0") is None
     got = restarted.get("conv/a/0")  # the old version (rename) or nothing (marker): never the torn new one
     if store.commit == "rename":
@@ -542,6 +544,42 @@ def test_servers_sharing_a_folder_share_its_budget(disk):
     a.resync()
     assert sorted(a.keys()) == sorted(b.keys()) and a.stats["foreign"] >= 2 and b.stats["evicted"] >= 2
     assert a.stats["corrupt"] == 0 and b.stats["corrupt"] == 0
+
+
+def test_a_shared_folders_units_rank_as_written_and_vanish_where_deleted(disk, monkeypatch):
+    """Another server's units join the index as just used (so this server's older ones go first), units it
+    deletes leave it (and `holds` says so at once), the listing waits out its interval, and a listing taken
+    between another server's steps of a write deletes nothing of it."""
+    units = {k: small_unit(f"conv/{k}/0", seed=i) for i, k in enumerate(["u0", "u1", "u2", "f0", "f1", "x"])}
+    size = len(encode_unit(units["u0"]))
+    a, b = disk(int(3.5 * size)), disk(int(3.5 * size))
+    a.resync_s = b.resync_s = 0.0
+    put = lambda store, k: store.put(f"conv/{k}/0", encode_unit(units[k]))  # noqa: E731
+    put(a, "u0"), put(a, "u1"), put(b, "f0")
+    evicted = [d.key for d in put(a, "u2")]  # lists first: f0 is newer than u0 and u1
+    assert evicted == ["conv/u0/0"] and sorted(a.keys()) == ["conv/f0/0", "conv/u1/0", "conv/u2/0"]
+    assert a.shared and a.stats["foreign"] == 1
+    assert b.delete("conv/f0/0")
+    a.resync()
+    assert "conv/f0/0" not in a.keys() and a.stats["vanished"] == 1 and a.used_bytes == 2 * size
+    b.resync()
+    assert b.delete("conv/u2/0")
+    assert a.holds("conv/u1/0") and not a.holds("conv/u2/0") and a.stats["vanished"] == 2  # seen at once
+    a.resync_s = 3600.0  # not due: a put does not list, so b's next unit stays unseen
+    put(b, "f1"), put(a, "x")
+    assert "conv/f1/0" not in a.keys()
+    monkeypatch.setattr(disk_tier, "STALE_WRITE_S", 0.0)
+    real = a.fs.pipe_file
+
+    def pipe(path, value, *args, **kw):  # b lists the folder while a writes (a temp file, or data before its marker)
+        out = real(path, value, *args, **kw)
+        if "conv+u1+0" in path and not path.endswith(".ok"):
+            b.resync()
+        return out
+    monkeypatch.setattr(a.fs, "pipe_file", pipe)
+    put(a, "u1")  # a replacement: in marker mode the old data sits without its marker meanwhile
+    assert b.stats["orphans"] == 0
+    assert_same_unit(units["u1"], a.get("conv/u1/0"))
 
 
 def test_foreign_files_are_left_alone(disk):

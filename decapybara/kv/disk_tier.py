@@ -4,14 +4,16 @@ One file per unit, `<root>/<key with '/' as '+'>.dkv`. Writes are atomic: with `
 disks) a unit is written to a hidden temp name and renamed; with `commit="marker"` (filesystems without an
 atomic rename: object stores, `memory://`) the data is written under its name and a unit counts only once an
 empty `<name>.dkv.ok` marker exists (removed first when a unit is replaced or deleted). On start the index is
-rebuilt from the listing (recency from modification times), and leftovers of interrupted writes are deleted once
-they are `STALE_WRITE_S` old (younger ones may be another live server's writes in flight).
+rebuilt from the listing (recency from modification times); a leftover of an interrupted write is deleted once it
+has stayed the same for `STALE_WRITE_S` across listings (another live server's write in flight changes or goes).
 
 Servers may share one folder (two on one host under the default `~/.cache/decapybara/kv`): the budget is then the
-folder's, not each server's. A put, or a get of a unit not indexed, at least `RESYNC_S` after the last listing lists the folder again
-(`resync`):
-units another server wrote join the index as just used (counted, and evicted in their turn, their files deleted),
-and units whose files another server deleted leave it (a later `get` of one is a miss either way).
+folder's, not each server's (the smallest of theirs, in effect). A put, or a get of a unit not indexed, lists the
+folder again once the last listing is `RESYNC_S` old where another server was seen, and up to `RESYNC_MAX_S` where
+none was (`resync`): units another server wrote join the index as just used (counted, and evicted in their turn,
+their files deleted), and units whose files another server deleted leave it (a later `get` of one is a miss either
+way; `holds` checks the file where the folder is shared). Pages are shared as the engine finds them: those on disk
+when a server starts (`TierStores.adopt_pages`), not those another server writes later.
 
 `get` checks every byte (see `decapybara.kv.units`): a damaged, truncated or misfiled unit is deleted,
 counted in `stats["corrupt"]` and reported as a miss, so the caller recomputes instead of using wrong data.
@@ -48,8 +50,10 @@ from decapybara.kv.units import (
 log = logging.getLogger(__name__)
 
 SUFFIX, MARKER_SUFFIX, TEMP_SUFFIX = ".dkv", ".dkv.ok", ".tmp"
-STALE_WRITE_S = 600.0  # an uncommitted write this old is an interrupted one (younger: maybe another server's)
-RESYNC_S = 5.0  # a put lists the folder again at most this often (others' units in, vanished ones out)
+STALE_WRITE_S = 600.0  # an uncommitted file seen unchanged this long is an interrupted write (else maybe another
+# server's write in flight)
+RESYNC_S = 5.0  # a put lists the folder again at most this often where another server was seen on it
+RESYNC_MAX_S = 300.0  # ... and where none was, the interval doubling up to this
 
 
 def default_cache_url() -> str:
@@ -88,8 +92,11 @@ class DiskTierStore:
         self._counter = itertools.count(1)
         self._snapshots: dict[str, bool] = {}  # key -> the unit holds a hybrid state (`snapshot_flags`)
         self._lock = threading.RLock()
-        self.resync_s = resync_s
+        self.resync_s = resync_s  # and `_interval`: until the next listing is due (`resync`)
         self._listed = 0.0  # time.monotonic() of the last listing
+        self._loose: dict[str, tuple[float, tuple[int, float]]] = {}  # uncommitted file -> (first seen, signature)
+        self._touched: set[str] | None = None  # keys written or dropped while a listing runs
+        self.shared = False  # another server was seen writing or deleting in the folder
         self._scan()
 
     # ---- paths -------------------------------------------------------------------------------------------
@@ -121,68 +128,124 @@ class DiskTierStore:
 
     # ---- start -------------------------------------------------------------------------------------------
     def _listing(self) -> dict[str, tuple[int, float]]:
-        """The committed units in the folder, key -> (size, modification time); deletes the leftovers of
-        interrupted writes that are `STALE_WRITE_S` old (a temp file; in marker mode a marker without its data or
-        data without its marker), leaves younger ones (another server's writes in flight) and others' files."""
+        """The committed units in the folder, key -> (size, modification time). An uncommitted file (a temp file;
+        in marker mode a marker without its data or data without its marker) is deleted as an interrupted write
+        once this store has seen it unchanged for `STALE_WRITE_S` (by its own clock, not the file's time: a live
+        server's replacement leaves old data without its marker for a moment); others' files are left alone."""
         try:
             infos = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             infos = []
-        self._listed = time.monotonic()
-        stale = time.time() - STALE_WRITE_S
         data: dict[str, tuple[int, float]] = {}
-        markers: dict[str, float] = {}
+        markers: dict[str, tuple[int, float]] = {}
+        loose: dict[str, tuple[int, float]] = {}  # uncommitted files: path -> (size, time)
         for info in infos:
             if info.get("type", "file") != "file":
                 continue
             path = info["name"].rstrip("/")
             base = path.rsplit("/", 1)[-1]
+            sig = (int(info.get("size") or 0), _stamp(info))
             if base.startswith(".") and base.endswith(TEMP_SUFFIX):
-                if _stamp(info) < stale:
-                    self._rm(path)  # an interrupted write (rename mode)
-                    self.stats["orphans"] += 1
+                loose[path] = sig  # a write in flight, or an interrupted one (rename mode)
             elif base.endswith(MARKER_SUFFIX) and is_valid_key(k := base[:-len(MARKER_SUFFIX)].replace("+", "/")):
-                markers[k] = _stamp(info)
+                markers[k] = sig
             elif base.endswith(SUFFIX) and is_valid_key(k := base[:-len(SUFFIX)].replace("+", "/")):
-                data[k] = (int(info.get("size") or 0), _stamp(info))
+                data[k] = sig
             # anything else is not ours: left alone
         if self.commit == "marker":
             for k in markers.keys() - data.keys():
-                if markers[k] < stale:
-                    self._rm(self._marker(k))
-                    self.stats["orphans"] += 1
+                loose[self._marker(k)] = markers[k]
             for k in [k for k in data if k not in markers]:  # written but not (yet) committed
-                if data[k][1] < stale:
-                    self._rm(self._path(k))
-                    self.stats["orphans"] += 1
-                del data[k]
+                loose[self._path(k)] = data.pop(k)
+        now = time.monotonic()
+        seen, self._loose = self._loose, {}
+        for path, sig in loose.items():
+            first, was = seen.get(path, (now, None))
+            if was is not None and was == sig and now - first >= STALE_WRITE_S:
+                self._rm(path)
+                self.stats["orphans"] += 1
+            else:
+                self._loose[path] = (first if was == sig else now, sig)
         return data
 
     def _scan(self) -> None:
         """Rebuild the index from the listing (`_listing`)."""
         data = self._listing()
+        self._listed = time.monotonic()
         for k, (size, _) in sorted(data.items(), key=lambda kv: (kv[1][1], kv[0])):  # oldest first = LRU
             self._gen[k] = next(self._counter)
             self._evict(self._index.admit(k, size, None))
         self.stats["found"] = len(self._index)
 
-    def resync(self) -> None:
+    @property
+    def resync_s(self) -> float:
+        """The interval between listings where another server was seen (`resync`); setting it starts it afresh."""
+        return self._resync_s
+
+    @resync_s.setter
+    def resync_s(self, value: float) -> None:
+        self._resync_s = self._interval = float(value)
+
+    def _resync_due(self) -> bool:
+        return time.monotonic() - self._listed >= self._interval
+
+    def resync(self) -> list[Dropped]:
         """List the folder again (servers sharing it, module docstring): units not in the index (another server's)
-        join it as just used, oldest first, evicting as the budget asks; units whose files are gone leave it."""
+        join it as just used, oldest first, evicting as the budget asks; units whose files are gone leave it.
+        Listed outside the lock (a listing of many files takes long); units this store wrote, replaced or
+        deleted meanwhile keep what it did. Returns the units evicted. The next listing is due `resync_s` on
+        where another server was seen (units that appeared or vanished), else twice as long as the last interval
+        (a lone server lists seldom, `RESYNC_MAX_S`), and never sooner than ten listings' time."""
         with self._lock:
-            data = self._listing()
+            mark = next(self._counter)  # units written from here on are newer than the listing
+            self._touched = set()
+        t0 = time.monotonic()
+        data = self._listing()
+        took = time.monotonic() - t0
+        dropped: list[Dropped] = []
+        with self._lock:
+            self._listed = time.monotonic()
             held = self._index.keys()
-            for k in [k for k in held if k not in data]:
+            gone = [k for k in held if k not in data and self._gen.get(k, 0) < mark and k not in self._touched]
+            for k in gone:
                 self._index.remove(k)
                 self._gen.pop(k, None)
                 self._snapshots.pop(k, None)
                 self.stats["vanished"] += 1
-            for k, (size, _) in sorted(data.items(), key=lambda kv: (kv[1][1], kv[0])):
-                if k in self._index:
-                    continue
+            new = sorted(((v[1], k, v[0]) for k, v in data.items()
+                          if k not in self._index and k not in self._touched))
+            for _, k, size in new:
                 self._gen[k] = next(self._counter)
                 self.stats["foreign"] += 1
-                self._evict(self._index.admit(k, size, None))
+                evicted = self._index.admit(k, size, None)
+                self._evict(evicted)
+                dropped += evicted
+            self._touched = None
+            self.shared = self.shared or bool(gone or new)
+            self._interval = self.resync_s if gone or new else min(RESYNC_MAX_S, 2 * self._interval)
+            if self.resync_s > 0:
+                self._interval = max(self._interval, 10 * took)
+        return dropped
+
+    def holds(self, key: str) -> bool:
+        """Whether the unit is here: in the index and, once another server was seen on the folder (`shared`),
+        still on disk (it may have been evicted there since the last listing)."""
+        if key not in self._index:
+            return False
+        if not self.shared:
+            return True
+        try:
+            if self.fs.exists(self._path(key)):
+                return True
+        except OSError:
+            return True  # cannot tell: the get will
+        with self._lock:
+            if key in self._index:
+                self._index.remove(key)
+                self._gen.pop(key, None)
+                self._snapshots.pop(key, None)
+                self.stats["vanished"] += 1
+        return False
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -216,6 +279,8 @@ class DiskTierStore:
     # ---- writes ----------------------------------------------------------------------------------------------
     def _evict(self, dropped: list[Dropped]) -> None:
         for d in dropped:
+            if self._touched is not None:
+                self._touched.add(d.key)
             self._delete_files(d.key)
             self._gen.pop(d.key, None)
             self._snapshots.pop(d.key, None)
@@ -234,9 +299,10 @@ class DiskTierStore:
         if header.key != key:
             raise ValueError(f"unit {header.key!r} put under key {key!r}")
         nbytes = len(mv)
+        others = [d for d in self.resync() if d.key != key] if self._resync_due() else []
         with self._lock:
-            if time.monotonic() - self._listed >= self.resync_s:
-                self.resync()
+            if self._touched is not None:
+                self._touched.add(key)
             existed = key in self._index
             dropped = self._index.admit(key, nbytes, next_use)
             if any(d.key == key for d in dropped):
@@ -263,7 +329,7 @@ class DiskTierStore:
             self._snapshots[key] = header.state_layers is not None
             self.stats["puts"] += 1
             self.stats["bytes_written"] += nbytes
-            return dropped
+            return others + dropped
 
     def _write(self, key: str, mv: memoryview) -> None:
         path = self._path(key)
@@ -287,6 +353,8 @@ class DiskTierStore:
     def delete(self, key: str) -> bool:
         """Remove a unit; False when absent."""
         with self._lock:
+            if self._touched is not None:
+                self._touched.add(key)
             if not self._index.remove(key):
                 return False
             self._gen.pop(key, None)
@@ -375,9 +443,9 @@ class DiskTierStore:
 
     def get_verified(self, key: str) -> tuple[Unit, bytes] | None:
         """(unit, its encoded bytes) after full verification, or None (see `get`)."""
+        if key not in self._index and self._resync_due():
+            self.resync()  # another server sharing the folder may have written it since
         with self._lock:
-            if key not in self._index and time.monotonic() - self._listed >= self.resync_s:
-                self.resync()  # another server sharing the folder may have written it since
             if key not in self._index:
                 self.stats["misses"] += 1
                 return None

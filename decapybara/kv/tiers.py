@@ -85,7 +85,7 @@ class KVTiers:
         deadline = None if budget_s is None else time.monotonic() + budget_s
         out: list[str] = []
         for key in reversed(self.ram.eviction_order()):
-            if not key.startswith(prefix) or key in self.disk:
+            if not key.startswith(prefix) or self.disk.holds(key):
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -113,7 +113,7 @@ class KVTiers:
                 self.stats.lost += 1
                 continue
             self.stats.spills += 1
-            if s.key in self.disk:  # promoted earlier: the disk copy is the same bytes
+            if self.disk.holds(s.key):  # promoted earlier: the disk copy is the same bytes
                 self.disk.update_next_use(s.key, s.next_use)
                 continue
             dropped = self.disk.put(s.key, s.handle, s.next_use)

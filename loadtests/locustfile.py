@@ -81,6 +81,7 @@ class Agent(HttpUser):
         started, first, times, text, calls, tokens = time.perf_counter(), None, [], "", [], 0
         with self.client.post(path, data=json.dumps(body), headers=self.headers, stream=True, name=name,
                               catch_response=True) as resp:
+            self.refusal = "" if resp.status_code == 200 else resp.text
             if resp.status_code != 200:
                 resp.failure(f"{resp.status_code}: {resp.text[:200]}")
                 self._record(name, started, None, [], 0, RuntimeError(str(resp.status_code)))
@@ -90,9 +91,10 @@ class Agent(HttpUser):
                 if not line.startswith("data: ") or line[6:] == "[DONE]":
                     continue
                 data = json.loads(line[6:])
-                if "error" in data or data.get("type") == "error":  # OpenAI's error chunk, Anthropic's or the
-                    # Responses API's error event: the turn failed mid-stream
-                    resp.failure(f"stream error: {json.dumps(data['error'])[:200]}")
+                if "error" in data or data.get("type") in ("error", "response.failed"):  # OpenAI's error chunk,
+                    # Anthropic's or the Responses API's error event: the turn failed mid-stream
+                    err = data.get("error") or {k: data.get(k) for k in ("code", "message")}
+                    resp.failure(f"stream error: {json.dumps(err)[:200]}")
                     self._record(name, started, first, times, tokens, RuntimeError("stream error"))
                     return None
                 piece = self._piece(data, calls)
@@ -107,12 +109,20 @@ class Agent(HttpUser):
                     first = first or now
                     times.append(now)
                     text += piece
+            if not self._ended():  # the stream stopped before its last event
+                resp.failure("the stream ended before its final event")
+                self._record(name, started, first, times, tokens, RuntimeError("cut stream"))
+                return None
             resp.success()
         self._record(name, started, first, times, tokens)
         return text, calls, tokens
 
     def _piece(self, data: dict, calls: list[dict]) -> str:
         raise NotImplementedError
+
+    def _ended(self) -> bool:
+        """Whether the stream just read reached its final event (where the API has one the agent needs)."""
+        return True
 
     @task
     def turn_task(self) -> None:
@@ -200,16 +210,19 @@ class ResponsesAgent(Agent):
     def reset(self) -> None:
         super().reset()
         self.previous: str | None = None
-        self.pending: list[dict] = []  # a tool round trip's call and output, sent with the next turn
+        self.pending: list[dict] = []  # outputs of the calls the last response made, sent with the next turn
 
     def _piece(self, data: dict, calls: list[dict]) -> str:
         kind = data.get("type", "")
         if kind in ("response.completed", "response.incomplete"):
-            self.latest = data["response"]["id"]
+            self.latest = data["response"]
         if kind in ("response.output_text.delta", "response.reasoning_text.delta",
                     "response.function_call_arguments.delta"):
             return data.get("delta") or ""
         return ""
+
+    def _ended(self) -> bool:
+        return self.latest is not None
 
     def step(self, ask: str, file: str) -> None:
         self.latest = None
@@ -219,11 +232,12 @@ class ResponsesAgent(Agent):
         if self.previous is not None:
             body["previous_response_id"] = self.previous
         got = self._stream("/v1/responses", body, "openai responses")
-        if got is None or self.latest is None:  # the turn failed: asked again next time, the chain as it was
+        if got is None:  # the turn failed: asked again next time, the chain as it was, or a fresh conversation
+            if "previous_response_not_found" in self.refusal:  # where the server no longer holds the chain
+                self.reset()
             return
-        self.previous, self.pending = self.latest, []
-        if self.turn % 3 == 0:  # a tool round trip every third turn, sent with the next turn's message
-            call_id = f"call_{self.turn}"
-            self.pending = [{"type": "function_call", "call_id": call_id, "name": "read_file",
-                             "arguments": json.dumps({"path": file})},
-                            {"type": "function_call_output", "call_id": call_id, "output": f"# {file}\nimport os\n"}]
+        self.previous = self.latest["id"]
+        # the calls the model made get their outputs with the next turn (the chain's calls all answered)
+        self.pending = [{"type": "function_call_output", "call_id": item["call_id"],
+                         "output": f"# {file}\nimport os\n"}
+                        for item in self.latest.get("output", []) if item.get("type") == "function_call"]

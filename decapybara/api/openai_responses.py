@@ -334,7 +334,10 @@ def rendered(body: rs.ResponsesRequest, client: Any, earlier: list[dict[str, Any
 
 
 def input_tokens(body: rs.ResponsesRequest, client: Any, earlier: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """POST /v1/responses/input_tokens: the prompt tokens the same request to /v1/responses would have."""
+    """POST /v1/responses/input_tokens: the prompt tokens the same request to /v1/responses would have (under
+    ``truncation: "auto"``, with max_output_tokens as given, else 1,024, left to the reply); what that request
+    would be refused for (a schema in ``text.format`` included) is refused here too."""
+    sampling_params(body, 1)
     return {"object": "response.input_tokens", "input_tokens": len(rendered(body, client, earlier)[1].ids)}
 
 

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from typing import Any
 
 import ray
 
-from decapybara.api.response_store import ResponseStore
+from decapybara.api.response_store import ResponseStore, load_records, save_records
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerActor:
@@ -58,6 +61,8 @@ class SchedulerActor:
         self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
         budget = int(self.cfg.responses_store_mb * (1 << 20))
         self.responses = ResponseStore(budget) if budget > 0 else None  # the Responses API's, for every ingress
+        if self.responses is not None and self._saves():  # a predecessor's, saved at its graceful stop
+            load_records(self.responses, self.cfg.disk_cache)
 
     def _new_gpu(self) -> Any:
         from actors.gpu_actor import gpu_actor_class
@@ -127,14 +132,27 @@ class SchedulerActor:
             if not finished:
                 self._send(Control(abort=[rid]))
 
+    def _saves(self) -> bool:
+        """Whether a graceful stop saves to the disk tier (and a start reads back what one saved)."""
+        return self.cfg.save_cache_s > 0 and self.cfg.ram_cache_gb > 0 and self.cfg.disk_cache_gb > 0
+
     async def save_cache(self, budget_s: float) -> int:
-        """At a graceful stop: the engine's prefix cache to the disk tier (`GPUActor.save_cache`) for the next server
-        on it. Returns the pages saved; 0 where the engine is down."""
+        """At a graceful stop: the stored responses (`response_store.save_records`) and the engine's prefix cache
+        (`GPUActor.save_cache`) to the disk tier's folder, for the next server on it. Returns the pages saved; 0
+        where the engine is down."""
+        if self._saving is None:  # one save, however many ingress replicas stop
+            self._saving = asyncio.ensure_future(self._save_all(budget_s))
+        return await asyncio.shield(self._saving)
+
+    async def _save_all(self, budget_s: float) -> int:
+        if self.responses is not None and len(self.responses):
+            try:
+                await asyncio.to_thread(save_records, self.responses, self.cfg.disk_cache)
+            except Exception as e:  # noqa: BLE001 - the prefix cache is still saved
+                log.warning("stored responses not saved to %s: %s", self.cfg.disk_cache, e)
         if self.dead is not None:
             return 0
-        if self._saving is None:  # one save, however many ingress replicas stop
-            self._saving = asyncio.ensure_future(self.gpu.save_cache.remote(budget_s))
-        return await asyncio.shield(self._saving)
+        return await self.gpu.save_cache.remote(budget_s)
 
     async def abort(self, request_id: str) -> None:
         self._send(Control(abort=[request_id]))

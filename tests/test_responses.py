@@ -399,10 +399,9 @@ def test_middle_cuts_keep_calls_with_their_outputs():
     from decapybara.api.openai_responses import middle_cuts
 
     call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}
-    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u0"}, call,
-            {"role": "tool", "content": "t1"}, {"role": "tool", "content": "t1b"}, {"role": "assistant", "content": "a2"},
-            {"role": "tool", "content": "t2"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a3"},
-            {"role": "user", "content": "u2"}]
+    turn = [("system", "S"), ("user", "u0"), None, ("tool", "t1"), ("tool", "t1b"), ("assistant", "a2"),
+            ("tool", "t2"), ("user", "u1"), ("assistant", "a3"), ("user", "u2")]
+    msgs = [call if t is None else {"role": t[0], "content": t[1]} for t in turn]
     cuts = middle_cuts(msgs)
     assert [[m["content"] for m in cut] for cut in cuts] == [
         ["S", "u0", "a2", "t2", "u1", "a3", "u2"], ["S", "u0", "a3", "u2"]]
@@ -423,3 +422,27 @@ def test_input_tokens_counts_the_prompt_a_response_would_have(stack):  # noqa: F
         model="m", max_output_tokens=4, **nxt).usage.input_tokens
     with pytest.raises(openai.BadRequestError):
         oa.responses.input_tokens.count(model="m", previous_response_id="resp_none", input="x")
+
+
+def test_saved_records_merge_with_the_folders_and_read_back(tmp_path):
+    """A graceful stop's save (`save_records`) merges this store's records with those already in the folder (its
+    own the most recent, the budget kept), and a new store reads them back in their order; a torn line is skipped."""
+    from decapybara.api.response_store import ResponseStore, load_records, record_text, save_records, saved_path
+
+    def put(store, rid, parent=None):
+        store.put(rid, parent, record_text({"id": rid, "parent": parent, "input": [], "response": {"id": rid}}))
+
+    size = len(record_text({"id": "r1", "parent": None, "input": [], "response": {"id": "r1"}}))
+    other, mine = ResponseStore(10 * size), ResponseStore(3 * size + 20)
+    for rid in ("o1", "o2"):
+        put(other, rid)
+    assert save_records(other, str(tmp_path)) == 2
+    put(mine, "r1"), put(mine, "r2", "r1")
+    assert save_records(mine, str(tmp_path)) == 3  # o1 dropped: mine are newer, the budget holds three
+    with open(saved_path(str(tmp_path)), "a") as f:
+        f.write('["torn", null, "{\\"id\\"')
+    fresh = ResponseStore(10 * size)
+    assert load_records(fresh, str(tmp_path)) == 3 and fresh.get("o1") is None
+    assert list(fresh._entries) == ["o2", "r1", "r2"]  # the saved order, least recently used first
+    assert [json.loads(t)["id"] for t in fresh.chain("r2")] == ["r1", "r2"]
+    assert load_records(ResponseStore(), str(tmp_path / "none")) == 0

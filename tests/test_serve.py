@@ -414,7 +414,7 @@ def test_serve_run_with_mtp_speculation_answers_as_without(served, ray_cluster, 
 def test_a_restarted_server_restores_the_prefix_cache_its_predecessor_saved(served, ray_cluster, tmp_path):
     """A graceful stop (`serve.delete`, as Ctrl-C of `serve run` does) saves the engine's prefix cache to the disk
     tier; a server started on the same `disk_cache` reads a repeated conversation's prompt from it (the openai SDK's
-    cached tokens) and answers it as the first server did."""
+    cached tokens) and answers it as the first server did, and holds the first server's stored responses."""
     import os
     from pathlib import Path
 
@@ -436,10 +436,15 @@ def test_a_restarted_server_restores_the_prefix_cache_its_predecessor_saved(serv
     try:
         first = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
         assert first.usage.prompt_tokens > 160 and first.usage.prompt_tokens_details.cached_tokens == 0
+        stored = client.responses.create(model="m", input="Review utils.py.", max_output_tokens=8, temperature=0)
     finally:
-        serve.delete("warm")  # graceful: the ingress saves the prefix cache before its actors go
+        serve.delete("warm")  # graceful: the ingress saves the prefix cache (and stored responses) before its actors go
     start("warm2")
     try:
+        assert client.responses.retrieve(stored.id).model_dump() == stored.model_dump()  # saved, read back
+        nxt = client.responses.create(model="m", previous_response_id=stored.id, input="And tests?",
+                                      max_output_tokens=4, temperature=0)
+        assert nxt.usage.input_tokens > stored.usage.input_tokens
         again = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
         assert again.choices[0].message.content == first.choices[0].message.content
         cached = again.usage.prompt_tokens_details.cached_tokens

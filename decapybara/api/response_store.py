@@ -11,18 +11,24 @@ holds its own turn only and a chain of n turns is stored in O(n), not O(n^2).
 counts, close to the memory they hold), least recently used dropped past a byte budget. Reading a chain touches every record in it, so a live conversation's older turns stay while
 abandoned ones age out; a chain with a record dropped is reported broken (`ChainBroken`), never silently cut.
 It is not thread-safe: `LocalResponses` (a lock, for the in-process client) and the scheduler actor (one event loop)
-wrap it.
+wrap it. A server's graceful stop saves the records into the disk tier's folder and the next server on it reads
+them back (`save_records`, `load_records`), so stored conversations outlive a restart, not a crash.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 DEFAULT_BUDGET_BYTES = 64 << 20
+SAVED_NAME = "responses.jsonl"  # the records a graceful stop saves, in the disk tier's folder
 MAX_CHAIN = 100_000  # turns followed back before a chain is taken for a cycle
 
 
@@ -119,6 +125,73 @@ class ResponseStore:
     def stats(self) -> dict[str, int]:
         return {"records": len(self._entries), "bytes": self.nbytes, "budget_bytes": self.budget,
                 "stored": self.stored, "dropped": self.dropped, "refused": self.refused}
+
+    def lines(self) -> list[str]:
+        """The records as lines of `[id, parent, text]` JSON, least recently used first (`load` keeps the order)."""
+        return [json.dumps([rid, e.parent, e.text], ensure_ascii=False) + "\n" for rid, e in self._entries.items()]
+
+    def load(self, lines: list[str]) -> int:
+        """Put the records of `lines` (`lines`' form) in their order, skipping ones this store holds and lines
+        that do not read (a torn file); returns the records put."""
+        n = 0
+        for line in lines:
+            try:
+                rid, parent, text = json.loads(line)
+            except (ValueError, TypeError):
+                continue
+            if isinstance(rid, str) and isinstance(text, str) and rid not in self._entries and self.put(
+                    rid, parent if isinstance(parent, str) else None, text):
+                n += 1
+        return n
+
+
+def saved_path(folder_url: str) -> str:
+    """Where a graceful stop saves the records: a file in the disk tier's folder (`SAVED_NAME`, which the tier
+    leaves alone)."""
+    return f"{folder_url.rstrip('/')}/{SAVED_NAME}"
+
+
+def _read_lines(fs: Any, path: str) -> list[str]:
+    try:
+        return fs.cat_file(path).decode("utf-8", "replace").splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+
+
+def save_records(store: ResponseStore, folder_url: str) -> int:
+    """At a graceful stop: the store's records into `saved_path(folder_url)`, merged with the records already there
+    (another server's on the same folder, or an earlier run's), this store's the most recent, within its budget;
+    written to a temporary name and moved into place on a local disk. Returns the records written."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
+    merged = ResponseStore(store.budget)
+    merged.load(_read_lines(fs, path))
+    for line in store.lines():
+        rid, parent, text = json.loads(line)
+        merged.put(rid, parent, text)  # replaces an older copy, and ranks it newer
+    body = "".join(merged.lines()).encode()
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocols:
+        tmp = f"{path}.{secrets.token_hex(6)}.part"
+        fs.pipe_file(tmp, body)
+        fs.mv(tmp, path)
+    else:
+        fs.pipe_file(path, body)
+    return len(merged)
+
+
+def load_records(store: ResponseStore, folder_url: str) -> int:
+    """At start: the records a graceful stop saved (`save_records`) into `store`; 0 where there are none or they
+    cannot be read (logged)."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
+        return store.load(_read_lines(fs, path))
+    except Exception as e:  # noqa: BLE001 - a server starts without them rather than not at all
+        log.warning("stored responses not read from %s: %s", folder_url, e)
+        return 0
 
 
 class RemoteResponses:

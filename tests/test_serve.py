@@ -441,15 +441,15 @@ def test_a_restarted_server_restores_the_prefix_cache_its_predecessor_saved(serv
         serve.delete("warm")  # graceful: the ingress saves the prefix cache (and stored responses) before its actors go
     start("warm2")
     try:
-        assert client.responses.retrieve(stored.id).model_dump() == stored.model_dump()  # saved, read back
-        nxt = client.responses.create(model="m", previous_response_id=stored.id, input="And tests?",
-                                      max_output_tokens=4, temperature=0)
-        assert nxt.usage.input_tokens > stored.usage.input_tokens
         again = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
         assert again.choices[0].message.content == first.choices[0].message.content
         cached = again.usage.prompt_tokens_details.cached_tokens
         assert cached >= (first.usage.prompt_tokens // 16 - 1) * 16, (cached, first.usage.prompt_tokens)
         s = httpx.get(f"{served.url}/warm/stats", timeout=30).json()
         assert s["restored_pages"] >= cached // 16 and s["computed_prompt_tokens"] == again.usage.prompt_tokens - cached
+        assert client.responses.retrieve(stored.id).model_dump() == stored.model_dump()  # saved, read back
+        nxt = client.responses.create(model="m", previous_response_id=stored.id, input="And tests?",
+                                      max_output_tokens=4, temperature=0)
+        assert nxt.usage.input_tokens > stored.usage.input_tokens
     finally:
         serve.delete("warm")

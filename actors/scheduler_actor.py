@@ -27,6 +27,8 @@ from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
 
 log = logging.getLogger(__name__)
+RESPONSES_SAVE_S = 5.0  # a graceful stop's save of the stored responses, after the prefix cache's (the ingress
+# waits save_cache_s + 8 s for both)
 
 
 class SchedulerActor:
@@ -145,14 +147,18 @@ class SchedulerActor:
         return await asyncio.shield(self._saving)
 
     async def _save_all(self, budget_s: float) -> int:
-        if self.responses is not None and len(self.responses):
+        """The prefix cache first (within `budget_s`), then the stored responses, taken here once it is done (so
+        that responses stored meanwhile are in) and written by a thread, for `RESPONSES_SAVE_S` at most."""
+        pages = 0 if self.dead is not None else await self.gpu.save_cache.remote(budget_s)
+        store = self.responses
+        if store is not None and (len(store) or store.deleted):
+            write = asyncio.to_thread(save_records, store.lines(), set(store.deleted), store.budget,
+                                      self.cfg.disk_cache)
             try:
-                await asyncio.to_thread(save_records, self.responses, self.cfg.disk_cache)
-            except Exception as e:  # noqa: BLE001 - the prefix cache is still saved
-                log.warning("stored responses not saved to %s: %s", self.cfg.disk_cache, e)
-        if self.dead is not None:
-            return 0
-        return await self.gpu.save_cache.remote(budget_s)
+                await asyncio.wait_for(write, RESPONSES_SAVE_S)
+            except Exception as e:  # noqa: BLE001 - a stop goes on without them
+                log.warning("stored responses not saved to %s: %s: %s", self.cfg.disk_cache, type(e).__name__, e)
+        return pages
 
     async def abort(self, request_id: str) -> None:
         self._send(Control(abort=[request_id]))

@@ -424,25 +424,45 @@ def test_input_tokens_counts_the_prompt_a_response_would_have(stack):  # noqa: F
         oa.responses.input_tokens.count(model="m", previous_response_id="resp_none", input="x")
 
 
-def test_saved_records_merge_with_the_folders_and_read_back(tmp_path):
-    """A graceful stop's save (`save_records`) merges this store's records with those already in the folder (its
-    own the most recent, the budget kept), and a new store reads them back in their order; a torn line is skipped."""
+def test_saved_records_merge_with_the_folders_and_read_back(tmp_path, monkeypatch):
+    """A graceful stop's save (`save_records`) merges a store's records with those already in the folder (the
+    store's copy of an id in both winning and ranking newest, ids it deleted left out, the budget kept), and a new
+    store reads them back in their order, whatever characters they hold; a torn line is skipped, and a failed
+    write leaves no temporary file."""
+    import fsspec
+
     from decapybara.api.response_store import ResponseStore, load_records, record_text, save_records, saved_path
 
-    def put(store, rid, parent=None):
-        store.put(rid, parent, record_text({"id": rid, "parent": parent, "input": [], "response": {"id": rid}}))
+    def put(store, rid, parent=None, text="x"):
+        store.put(rid, parent, record_text({"id": rid, "parent": parent, "input": [text], "response": {"id": rid}}))
 
-    size = len(record_text({"id": "r1", "parent": None, "input": [], "response": {"id": "r1"}}))
+    def save(store, folder=str(tmp_path)):
+        return save_records(store.lines(), set(store.deleted), store.budget, folder)
+
+    def text_of(store, rid):
+        return json.loads(store.get(rid))["input"][0]
+
+    size = len(record_text({"id": "r1", "parent": None, "input": ["x"], "response": {"id": "r1"}}))
     other, mine = ResponseStore(10 * size), ResponseStore(3 * size + 20)
-    for rid in ("o1", "o2"):
-        put(other, rid)
-    assert save_records(other, str(tmp_path)) == 2
-    put(mine, "r1"), put(mine, "r2", "r1")
-    assert save_records(mine, str(tmp_path)) == 3  # o1 dropped: mine are newer, the budget holds three
+    for rid in ("o1", "o2", "r1"):
+        put(other, rid, text="y")
+    assert save(other) == 3
+    put(mine, "r1"), put(mine, "r2", "r1", text="line\u2028sep\x85and\u2029more")
+    assert save(mine) == 3  # o1 dropped: mine are newer, the budget holds three
     with open(saved_path(str(tmp_path)), "a") as f:
         f.write('["torn", null, "{\\"id\\"')
     fresh = ResponseStore(10 * size)
     assert load_records(fresh, str(tmp_path)) == 3 and fresh.get("o1") is None
     assert list(fresh._entries) == ["o2", "r1", "r2"]  # the saved order, least recently used first
+    assert text_of(fresh, "r1") == "x" and text_of(fresh, "r2") == "line\u2028sep\x85and\u2029more"
     assert [json.loads(t)["id"] for t in fresh.chain("r2")] == ["r1", "r2"]
+    for rid in ("o2", "r1", "r2"):  # deleted ones stay deleted, even when the store is left empty
+        fresh.delete(rid)
+    assert save(fresh) == 0 and load_records(ResponseStore(), str(tmp_path)) == 0
     assert load_records(ResponseStore(), str(tmp_path / "none")) == 0
+    put(fresh, "z")
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "mv",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        save(fresh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["responses.jsonl"]

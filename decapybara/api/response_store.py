@@ -60,6 +60,7 @@ class ResponseStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.nbytes = 0
         self.stored = self.dropped = self.refused = 0
+        self.deleted: set[str] = set()  # ids deleted (by `delete` alone), which a save keeps out of the folder's file
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,7 +71,8 @@ class ResponseStore:
         if len(text) > self.budget:
             self.refused += 1
             return False
-        self.delete(rid)
+        self._drop(rid)
+        self.deleted.discard(rid)
         self._entries[rid] = _Entry(text, parent)
         self.nbytes += len(text)
         self.stored += 1
@@ -87,12 +89,17 @@ class ResponseStore:
         self._entries.move_to_end(rid)
         return entry.text
 
-    def delete(self, rid: str) -> bool:
+    def _drop(self, rid: str) -> bool:
         entry = self._entries.pop(rid, None)
         if entry is None:
             return False
         self.nbytes -= len(entry.text)
         return True
+
+    def delete(self, rid: str) -> bool:
+        """Forget a record (a client's DELETE): gone here, and from the folder's file at the next save."""
+        self.deleted.add(rid)
+        return self._drop(rid)
 
     def chain(self, rid: str, partial: bool = False) -> list[str]:
         """The records' texts from the conversation's first turn to `rid`'s, oldest first, each touched; raises
@@ -127,20 +134,21 @@ class ResponseStore:
                 "stored": self.stored, "dropped": self.dropped, "refused": self.refused}
 
     def lines(self) -> list[str]:
-        """The records as lines of `[id, parent, text]` JSON, least recently used first (`load` keeps the order)."""
-        return [json.dumps([rid, e.parent, e.text], ensure_ascii=False) + "\n" for rid, e in self._entries.items()]
+        """The records as lines of `[id, parent, text]` JSON (ASCII, so no character of a record splits a line),
+        least recently used first (`load` keeps the order)."""
+        return [json.dumps([rid, e.parent, e.text]) + "\n" for rid, e in self._entries.items()]
 
-    def load(self, lines: list[str]) -> int:
-        """Put the records of `lines` (`lines`' form) in their order, skipping ones this store holds and lines
-        that do not read (a torn file); returns the records put."""
+    def load(self, lines: list[str], skip: set[str] = frozenset()) -> int:
+        """Put the records of `lines` (`lines`' form) in their order, but those whose ids are in `skip` or this
+        store, and lines that do not read (a torn file); returns the records put."""
         n = 0
         for line in lines:
             try:
                 rid, parent, text = json.loads(line)
             except (ValueError, TypeError):
                 continue
-            if isinstance(rid, str) and isinstance(text, str) and rid not in self._entries and self.put(
-                    rid, parent if isinstance(parent, str) else None, text):
+            if isinstance(rid, str) and isinstance(text, str) and rid not in self._entries and rid not in skip \
+                    and self.put(rid, parent if isinstance(parent, str) else None, text):
                 n += 1
         return n
 
@@ -153,31 +161,42 @@ def saved_path(folder_url: str) -> str:
 
 def _read_lines(fs: Any, path: str) -> list[str]:
     try:
-        return fs.cat_file(path).decode("utf-8", "replace").splitlines(keepends=True)
+        return fs.cat_file(path).decode("utf-8", "replace").split("\n")
     except FileNotFoundError:
         return []
 
 
-def save_records(store: ResponseStore, folder_url: str) -> int:
-    """At a graceful stop: the store's records into `saved_path(folder_url)`, merged with the records already there
-    (another server's on the same folder, or an earlier run's), this store's the most recent, within its budget;
-    written to a temporary name and moved into place on a local disk. Returns the records written."""
+def save_records(lines: list[str], deleted: set[str], budget_bytes: int, folder_url: str) -> int:
+    """At a graceful stop: a store's records (`ResponseStore.lines`, taken where the store lives) into
+    `saved_path(folder_url)`, merged with the records already there (another server's on the same folder, or an
+    earlier run's) but those in `deleted`, the store's the most recent, within `budget_bytes`. On a local disk
+    written to a hidden temporary name and moved into place (a temporary left by a process killed meanwhile is the
+    disk tier's to delete, as its own). Two servers stopping at once on one folder: the last to move wins. Returns
+    the records written."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
-    merged = ResponseStore(store.budget)
-    merged.load(_read_lines(fs, path))
-    for line in store.lines():
+    merged = ResponseStore(budget_bytes)
+    merged.load(_read_lines(fs, path), skip=deleted)
+    for line in lines:
         rid, parent, text = json.loads(line)
-        merged.put(rid, parent, text)  # replaces an older copy, and ranks it newer
+        merged.put(rid, parent, text)  # replaces the file's copy, and ranks it newer
     body = "".join(merged.lines()).encode()
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if "file" in protocols:
-        tmp = f"{path}.{secrets.token_hex(6)}.part"
+    if "file" not in protocols:
+        fs.pipe_file(path, body)
+        return len(merged)
+    folder, name = path.rsplit("/", 1)
+    tmp = f"{folder}/.{name}.{secrets.token_hex(6)}.tmp"
+    try:
         fs.pipe_file(tmp, body)
         fs.mv(tmp, path)
-    else:
-        fs.pipe_file(path, body)
+    except BaseException:
+        try:
+            fs.rm_file(tmp)
+        except OSError:
+            pass
+        raise
     return len(merged)
 
 

@@ -67,7 +67,7 @@ class AppConfig(BaseModel):
     responses_store_mb: float = Field(default=64.0, ge=0, description="memory for the Responses API's stored "
                                       "responses (previous_response_id, GET /v1/responses/{id}), in the scheduler "
                                       "actor, counted as their JSON text; the least recently used dropped past it "
-                                      "(0: none stored)")
+                                      "(0: none stored); saved with the prefix cache at a graceful stop")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")

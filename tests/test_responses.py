@@ -461,8 +461,8 @@ def test_saved_records_merge_with_the_folders_and_read_back(tmp_path, monkeypatc
     assert save(fresh) == 0 and load_records(ResponseStore(), str(tmp_path)) == 0
     assert load_records(ResponseStore(), str(tmp_path / "none")) == 0
     put(fresh, "z")
-    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "mv",
-                        lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    fs = fsspec.core.url_to_fs(str(tmp_path))[0]  # fsspec's cached instance, which save_records gets too
+    monkeypatch.setattr(fs, "mv", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError):
         save(fresh)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["responses.jsonl"]

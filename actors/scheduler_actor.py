@@ -63,7 +63,7 @@ class SchedulerActor:
         self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
         budget = int(self.cfg.responses_store_mb * (1 << 20))
         self.responses = ResponseStore(budget) if budget > 0 else None  # the Responses API's, for every ingress
-        if self.responses is not None and self._saves():  # a predecessor's, saved at its graceful stop
+        if self.responses is not None and self.cfg.saves_cache():  # a predecessor's, saved at its graceful stop
             load_records(self.responses, self.cfg.disk_cache)
 
     def _new_gpu(self) -> Any:
@@ -133,10 +133,6 @@ class SchedulerActor:
             self.queues.pop(rid, None)
             if not finished:
                 self._send(Control(abort=[rid]))
-
-    def _saves(self) -> bool:
-        """Whether a graceful stop saves to the disk tier (and a start reads back what one saved)."""
-        return self.cfg.save_cache_s > 0 and self.cfg.ram_cache_gb > 0 and self.cfg.disk_cache_gb > 0
 
     async def save_cache(self, budget_s: float) -> int:
         """At a graceful stop: the stored responses (`response_store.save_records`) and the engine's prefix cache

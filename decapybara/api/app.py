@@ -257,12 +257,12 @@ async def stored_chain(store: Any, response_id: str | None, param: str = "previo
         try:
             return await store.chain(response_id, partial)
         except response_store.ChainBroken as exc:
-            if exc.missing != response_id or attempt == retries:
-                err = not_stored(exc.missing, param, status)
-                if exc.missing != response_id:
-                    err = ApiError(status, f"Response with id {exc.missing!r}, an earlier turn of {response_id!r}, "
-                                   "is no longer stored (the store keeps the most recently used within its budget)",
-                                   param, err.code)
-                raise err from None
-            await asyncio.sleep(0.05)
-    raise AssertionError("unreachable")
+            broken = exc
+        if broken.missing != response_id or attempt == retries:
+            break
+        await asyncio.sleep(0.05)
+    if broken.missing == response_id:
+        raise not_stored(response_id, param, status)
+    raise ApiError(status, f"Response with id {broken.missing!r}, an earlier turn of {response_id!r}, is no longer "
+                   "stored (the store keeps the most recently used within its budget)", param,
+                   not_stored(response_id, param).code)

@@ -208,10 +208,7 @@ class DiskTierStore:
             held = self._index.keys()
             gone = [k for k in held if k not in data and self._gen.get(k, 0) < mark and k not in self._touched]
             for k in gone:
-                self._index.remove(k)
-                self._gen.pop(k, None)
-                self._snapshots.pop(k, None)
-                self.stats["vanished"] += 1
+                self._forget(k, "vanished")
             new = sorted(((v[1], k, v[0]) for k, v in data.items()
                           if k not in self._index and k not in self._touched))
             for _, k, size in new:
@@ -241,11 +238,15 @@ class DiskTierStore:
             return True  # cannot tell: the get will
         with self._lock:
             if key in self._index:
-                self._index.remove(key)
-                self._gen.pop(key, None)
-                self._snapshots.pop(key, None)
-                self.stats["vanished"] += 1
+                self._forget(key, "vanished")
         return False
+
+    def _forget(self, key: str, why: str) -> None:
+        """Drop an indexed unit whose file is gone (another server's, or anyone's, deletion), counted as `why`."""
+        self._index.remove(key)
+        self._gen.pop(key, None)
+        self._snapshots.pop(key, None)
+        self.stats[why] += 1
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -453,9 +454,7 @@ class DiskTierStore:
             try:
                 raw = self.fs.cat_file(self._path(key))
             except FileNotFoundError:  # removed behind our back
-                self._index.remove(key)
-                self._gen.pop(key, None)
-                self.stats["missing"] += 1
+                self._forget(key, "missing")
                 return None
             except OSError as e:
                 log.warning("KV disk tier: cannot read %s: %s", key, e)

@@ -120,6 +120,11 @@ class AppConfig(BaseModel):
             raise ValueError("api_key is empty: leave it out to serve without a key")
         return v
 
+    def saves_cache(self) -> bool:
+        """Whether a graceful stop saves the prefix cache (and the stored responses) to the disk tier's folder, and
+        a start reads back what one saved: `save_cache_s` and both tiers on."""
+        return self.save_cache_s > 0 and self.ram_cache_gb > 0 and self.disk_cache_gb > 0
+
     def use_cuda(self) -> bool:
         if self.device == "cpu":
             return False

@@ -141,7 +141,7 @@ class Ingress:
         import logging
 
         cfg, scheduler = getattr(self, "cfg", None), getattr(self, "scheduler", None)
-        if cfg is None or scheduler is None or cfg.save_cache_s <= 0 or not cfg.ram_cache_gb or not cfg.disk_cache_gb:
+        if cfg is None or scheduler is None or not cfg.saves_cache():
             return
         log = logging.getLogger(__name__)
         try:

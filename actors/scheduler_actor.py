@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from decapybara.api.response_store import ResponseStore, load_records, save_records
+from decapybara.api.response_store import ResponseJournal, ResponseStore, load_records, save_records
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
@@ -63,8 +63,13 @@ class SchedulerActor:
         self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
         budget = int(self.cfg.responses_store_mb * (1 << 20))
         self.responses = ResponseStore(budget) if budget > 0 else None  # the Responses API's, for every ingress
-        if self.responses is not None and self.cfg.saves_cache():  # a predecessor's, saved at its graceful stop
+        self.journal: ResponseJournal | None = None  # the store's changes written behind (a crash loses little)
+        self._journal_lock = asyncio.Lock()
+        self._journal_task: asyncio.Task | None = None
+        if self.responses is not None and self.cfg.saves_cache():  # a predecessor's: saved, and its journal
             load_records(self.responses, self.cfg.disk_cache)
+            if self.cfg.responses_flush_s > 0:
+                self.journal = ResponseJournal(self.cfg.disk_cache, budget)
 
     def _new_gpu(self) -> Any:
         from actors.gpu_actor import gpu_actor_class
@@ -87,8 +92,12 @@ class SchedulerActor:
         return {**info, "responses_store": self.responses.budget if self.responses is not None else 0}
 
     # ---- the Responses API's stored responses (`decapybara.api.response_store`) -----------------------
-    def put_response(self, response_id: str, parent: str | None, text: str) -> bool:
-        return self.responses is not None and self.responses.put(response_id, parent, text)
+    async def put_response(self, response_id: str, parent: str | None, text: str) -> bool:
+        stored = self.responses is not None and self.responses.put(response_id, parent, text)
+        if stored and self.journal is not None:
+            self.journal.put(response_id, parent, text)
+            self._start_journal()
+        return stored
 
     def response_chain(self, response_id: str, partial: bool = False) -> tuple[list[str] | None, str | None]:
         if self.responses is None:
@@ -98,11 +107,55 @@ class SchedulerActor:
     def get_response(self, response_id: str) -> str | None:
         return self.responses.get(response_id) if self.responses is not None else None
 
-    def delete_response(self, response_id: str) -> bool:
-        return self.responses.delete(response_id) if self.responses is not None else False
+    async def delete_response(self, response_id: str) -> bool:
+        if self.responses is None:
+            return False
+        if self.journal is not None:  # another server's copy in the folder is forgotten too
+            self.journal.delete(response_id)
+            self._start_journal()
+        return self.responses.delete(response_id)
 
     def response_stats(self) -> dict[str, int]:
-        return self.responses.stats() if self.responses is not None else {}
+        if self.responses is None:
+            return {}
+        return {**self.responses.stats(), **({"journal": dict(self.journal.stats)} if self.journal else {})}
+
+    def _start_journal(self) -> None:
+        if self._journal_task is None or self._journal_task.done():
+            self._journal_task = asyncio.get_running_loop().create_task(self._journal_loop())
+
+    async def _journal_loop(self) -> None:
+        """Every `responses_flush_s`: the store's changes since the last write as a journal segment, and a
+        compaction where one is due (`ResponseJournal`). A write that fails is retried with the next (logged once
+        a minute at most)."""
+        warned = 0.0
+        while True:
+            await asyncio.sleep(self.cfg.responses_flush_s)
+            try:
+                await self._write_journal()
+            except Exception as e:  # noqa: BLE001 - the store serves on; the lines wait for the next write
+                if time.monotonic() - warned > 60:
+                    warned = time.monotonic()
+                    log.warning("stored responses' journal not written to %s: %s: %s", self.cfg.disk_cache,
+                                type(e).__name__, e)
+
+    async def _write_journal(self, compact: bool = False) -> None:
+        """The lines queued as one segment, then a compaction where due (or `compact`: a graceful stop's save,
+        which holds every line queued, so none is written apart)."""
+        journal, store = self.journal, self.responses
+        async with self._journal_lock:
+            lines = journal.take()
+            if compact:
+                await asyncio.to_thread(journal.compact, store.lines(), set(store.deleted))
+                return
+            if lines:
+                try:
+                    await asyncio.to_thread(journal.write, lines)
+                except BaseException:
+                    journal.requeue(lines)
+                    raise
+            if journal.due():
+                await asyncio.to_thread(journal.compact, store.lines(), set(store.deleted))
 
     def _start(self) -> None:
         if not self._tasks and self.dead is None:
@@ -148,8 +201,13 @@ class SchedulerActor:
         pages = 0 if self.dead is not None else await self.gpu.save_cache.remote(budget_s)
         store = self.responses
         if store is not None and (len(store) or store.deleted):
-            write = asyncio.to_thread(save_records, store.lines(), set(store.deleted), store.budget,
-                                      self.cfg.disk_cache)
+            if self.journal is not None:
+                if self._journal_task is not None:
+                    self._journal_task.cancel()
+                write = self._write_journal(compact=True)
+            else:
+                write = asyncio.to_thread(save_records, store.lines(), set(store.deleted), store.budget,
+                                          self.cfg.disk_cache)
             try:
                 await asyncio.wait_for(write, RESPONSES_SAVE_S)
             except Exception as e:  # noqa: BLE001 - a stop goes on without them
@@ -274,7 +332,7 @@ class SchedulerActor:
         if self.tiers is not None:
             out["tiers"] = await _tier_stats(self.tiers)
         if self.responses is not None:
-            out["responses_store"] = self.responses.stats()
+            out["responses_store"] = self.response_stats()
         return out
 
 

@@ -466,3 +466,83 @@ def test_saved_records_merge_with_the_folders_and_read_back(tmp_path, monkeypatc
     with pytest.raises(OSError):
         save(fresh)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["responses.jsonl"]
+
+
+def test_the_journal_outlives_a_crash_and_compacts(tmp_path, monkeypatch):
+    """Between graceful stops a store's changes are written behind as journal segments (`ResponseJournal`), so a
+    server killed mid-run loses none that were written: a new store reads the saved file, then the segments in
+    their order, deletions included. A compaction merges the file, every segment and the store into the file and
+    deletes its writer's segments and stale ones, keeping another live writer's (whose deleted records it forgets
+    again after them); a failed write keeps its lines for the next, and a folder failing for long drops the
+    oldest lines past the budget."""
+    import fsspec
+
+    from decapybara.api import response_store as rs
+
+    folder = str(tmp_path)
+
+    def record(rid, parent=None, text="x"):
+        return rs.record_text({"id": rid, "parent": parent, "input": [text], "response": {"id": rid}})
+
+    def ids(store):
+        return list(store._entries)
+
+    def segments():
+        return sorted(p.name for p in (tmp_path / rs.JOURNAL_NAME).iterdir())
+
+    live, j = rs.ResponseStore(1 << 20), rs.ResponseJournal(folder, 1 << 20, writer="aaaa")
+    for rid, parent in (("r1", None), ("r2", "r1"), ("r3", "r2")):
+        live.put(rid, parent, record(rid, parent)), j.put(rid, parent, record(rid, parent))
+    j.write(j.take())
+    live.delete("r1"), j.delete("r1")
+    j.put("r4", None, record("r4")), live.put("r4", None, record("r4"))
+    j.write(j.take())
+    assert j.take() == [] and len(segments()) == 2 and not (tmp_path / rs.SAVED_NAME).exists()
+    # the process dies here: a new server reads both segments, r1's deletion after its put
+    crashed = rs.ResponseStore(1 << 20)
+    assert rs.load_records(crashed, folder) == 4 and ids(crashed) == ["r2", "r3", "r4"]
+    assert crashed.get("r3") == live.get("r3")
+    with pytest.raises(rs.ChainBroken) as broken:
+        crashed.chain("r3")
+    assert broken.value.missing == "r1"
+
+    # another writer's segment, young, and a crashed one's, stale
+    other = rs.ResponseJournal(folder, 1 << 20, writer="bbbb")
+    other.put("o1", None, record("o1")), other.put("r2x", None, record("r2x"))
+    young = other.write(other.take())
+    stale_name = f"{1:020d}-cccc.jsonl"
+    (tmp_path / rs.JOURNAL_NAME / stale_name).write_text(rs.put_line("s1", None, record("s1")))
+    live.delete("r2x")  # a record of the other writer's, deleted here
+    assert j.compact(live.lines(), set(live.deleted)) == 5  # r2, r3, r4, o1 and s1
+    left = segments()
+    assert young.rsplit("/", 1)[-1] in left and stale_name not in left and len(left) == 2  # + this writer's deletions
+    fresh = rs.ResponseStore(1 << 20)
+    rs.load_records(fresh, folder)
+    assert sorted(ids(fresh)) == ["o1", "r2", "r3", "r4", "s1"]  # r2x forgotten after the kept segment's put
+
+    # a failed write: the lines wait for the next one, before those queued since
+    fs = fsspec.core.url_to_fs(folder)[0]
+    j.put("r5", None, record("r5"))
+    lines = j.take()
+    monkeypatch.setattr(fs, "mv", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        j.write(lines)
+    j.requeue(lines)
+    j.put("r6", None, record("r6"))
+    monkeypatch.undo()
+    j.write(j.take())
+    again = rs.ResponseStore(1 << 20)
+    rs.load_records(again, folder)
+    assert ids(again)[-2:] == ["r5", "r6"] and j.stats["failures"] == 1
+    assert not [p for p in (tmp_path / rs.JOURNAL_NAME).iterdir() if p.name.endswith(".tmp")]
+
+    # compaction falls due by bytes (a quarter of the budget, at least COMPACT_MIN_BYTES) or by segments
+    small = rs.ResponseJournal(folder, 64, writer="dddd")
+    assert not small.due()
+    small.since_bytes = rs.COMPACT_MIN_BYTES
+    assert small.due()
+    small.since_bytes, small.since_segments = 0, rs.COMPACT_SEGMENTS
+    assert small.due()
+    for i in range(10):  # a queue past the budget drops its oldest lines
+        small.put(f"q{i}", None, "y" * 10)
+    assert small.queued_bytes <= 64 and small.stats["dropped"] > 0 and json.loads(small.queued[-1])[0] == "q9"

@@ -337,9 +337,19 @@ def test_serve_run_default_app_answers_with_the_demo_model(served, ray_cluster, 
     _served_again(f"{served.url}/demo", greedy, answer, restarts=1)
 
     # The scheduler actor dies (and the GPU and tier actors it owns with it): Serve's health check replaces the
-    # ingress replica, whose start makes new actors.
+    # ingress replica, whose start makes new actors. A response it stored outlives it: its journal was written
+    # behind into the disk tier's folder (`responses_flush_s`), which the new scheduler actor reads at its start.
+    oa = openai.OpenAI(base_url=f"{served.url}/demo/v1", api_key="none", max_retries=0, timeout=120)
+    stored = oa.responses.create(model="m", input="Name a Python builtin.", max_output_tokens=6, temperature=0)
+    deadline = time.time() + 30
+    while httpx.get(f"{served.url}/demo/stats", timeout=30).json()["responses_store"]["journal"]["lines"] < 1:
+        assert time.time() < deadline, "the journal was not written"
+        time.sleep(0.2)
     ray.kill(ray.get_actor("decapybara-scheduler"))
     _served_again(f"{served.url}/demo", greedy, answer, restarts=0)
+    assert oa.responses.retrieve(stored.id).model_dump() == stored.model_dump()
+    nxt = oa.responses.create(model="m", previous_response_id=stored.id, input="Another?", max_output_tokens=4)
+    assert nxt.usage.input_tokens > stored.usage.input_tokens
     serve.delete("default")  # its scheduler actor, owned by the ingress replica, goes with it
 
 

@@ -11,16 +11,27 @@ holds its own turn only and a chain of n turns is stored in O(n), not O(n^2).
 counts, close to the memory they hold), least recently used dropped past a byte budget. Reading a chain touches every record in it, so a live conversation's older turns stay while
 abandoned ones age out; a chain with a record dropped is reported broken (`ChainBroken`), never silently cut.
 It is not thread-safe: `LocalResponses` (a lock, for the in-process client) and the scheduler actor (one event loop)
-wrap it. A server's graceful stop saves the records into the disk tier's folder and the next server on it reads
-them back (`save_records`, `load_records`), so stored conversations outlive a restart, not a crash.
+wrap it.
+
+Stored conversations outlive a server, a crashed one's too, in the disk tier's folder. A graceful stop saves the
+records into one file there (`save_records`: `responses.jsonl`, lines of `[id, parent, text]`, least recently used
+first), and the next server on the folder reads them back (`load_records`). Between stops the scheduler actor
+writes its store's changes behind (`ResponseJournal`): every `responses_flush_s` the records put and the ids
+deleted since the last write become one segment file of the journal (`responses.d/<time ns>-<writer>.jsonl`, a
+deletion's line `[id, null, null]`), so a server killed mid-run loses at most that interval's records. A start
+reads the saved file, then the segments in time order. Once the segments hold a quarter of the budget, the writer
+compacts: the file, every segment and its store are merged into a new file, and its own segments (and any older
+than `STALE_SEGMENT_S`: a crashed server's) are deleted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +41,11 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET_BYTES = 64 << 20
 SAVED_NAME = "responses.jsonl"  # the records a graceful stop saves, in the disk tier's folder
 MAX_CHAIN = 100_000  # turns followed back before a chain is taken for a cycle
+JOURNAL_NAME = "responses.d"  # the journal's segments, in the disk tier's folder (ResponseJournal)
+_SEGMENT = re.compile(r"(\d{20})-([0-9a-z]+)\.jsonl")  # a segment's name: its time (ns), its writer
+COMPACT_MIN_BYTES = 1 << 20  # segment bytes written before a compaction is due, at least (ResponseJournal.due)
+COMPACT_SEGMENTS = 1_000  # segments written before a compaction is due, at most
+STALE_SEGMENT_S = 600.0  # another writer's segment older than this is deleted once merged (a crashed server's)
 
 
 class ChainBroken(LookupError):
@@ -136,27 +152,47 @@ class ResponseStore:
     def lines(self) -> list[str]:
         """The records as lines of `[id, parent, text]` JSON (ASCII, so no character of a record splits a line),
         least recently used first (`load` keeps the order)."""
-        return [json.dumps([rid, e.parent, e.text]) + "\n" for rid, e in self._entries.items()]
+        return [put_line(rid, e.parent, e.text) for rid, e in self._entries.items()]
 
     def load(self, lines: list[str], skip: set[str] = frozenset()) -> int:
-        """Put the records of `lines` (`lines`' form) in their order, but those whose ids are in `skip` or this
-        store, and lines that do not read (a torn file); returns the records put."""
+        """Apply `lines` (`lines`' form, or a journal's: `[id, null, null]` forgets the id) in their order: each
+        record put (replacing one of its id, and ranked newest), but those whose ids are in `skip`; lines that do
+        not read (a torn file) are passed over. Returns the records put."""
         n = 0
         for line in lines:
             try:
                 rid, parent, text = json.loads(line)
             except (ValueError, TypeError):
                 continue
-            if isinstance(rid, str) and isinstance(text, str) and rid not in self._entries and rid not in skip \
+            if not isinstance(rid, str):
+                continue
+            if text is None:
+                self._drop(rid)
+            elif isinstance(text, str) and rid not in skip \
                     and self.put(rid, parent if isinstance(parent, str) else None, text):
                 n += 1
         return n
+
+
+def put_line(rid: str, parent: str | None, text: str) -> str:
+    """A record as a line of the saved file or a journal segment (`ResponseStore.lines`' form)."""
+    return json.dumps([rid, parent, text]) + "\n"
+
+
+def delete_line(rid: str) -> str:
+    """A journal segment's line that forgets `rid` (a client's DELETE)."""
+    return json.dumps([rid, None, None]) + "\n"
 
 
 def saved_path(folder_url: str) -> str:
     """Where a graceful stop saves the records: a file in the disk tier's folder (`SAVED_NAME`, which the tier
     leaves alone)."""
     return f"{folder_url.rstrip('/')}/{SAVED_NAME}"
+
+
+def journal_path(folder_url: str) -> str:
+    """The journal's folder (`JOURNAL_NAME`, inside the disk tier's folder, whose listing skips folders)."""
+    return f"{folder_url.rstrip('/')}/{JOURNAL_NAME}"
 
 
 def _read_lines(fs: Any, path: str) -> list[str]:
@@ -166,26 +202,28 @@ def _read_lines(fs: Any, path: str) -> list[str]:
         return []
 
 
-def save_records(lines: list[str], deleted: set[str], budget_bytes: int, folder_url: str) -> int:
-    """At a graceful stop: a store's records (`ResponseStore.lines`, taken where the store lives) into
-    `saved_path(folder_url)`, merged with the records already there (another server's on the same folder, or an
-    earlier run's) but those in `deleted`, the store's the most recent, within `budget_bytes`. On a local disk
-    written to a hidden temporary name and moved into place (a temporary left by a process killed meanwhile is the
-    disk tier's to delete, as its own). Two servers stopping at once on one folder: the last to move wins. Returns
-    the records written."""
-    import fsspec
+def _segments(fs: Any, folder: str) -> list[str]:
+    """The journal's segment files, oldest first (their names begin with their time)."""
+    try:
+        names = fs.ls(folder, detail=False)
+    except FileNotFoundError:
+        return []
+    paths = [str(n).rstrip("/") for n in names]
+    return sorted((p for p in paths if _SEGMENT.fullmatch(p.rsplit("/", 1)[-1])), key=lambda p: p.rsplit("/", 1)[-1])
 
-    fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
-    merged = ResponseStore(budget_bytes)
-    merged.load(_read_lines(fs, path), skip=deleted)
-    for line in lines:
-        rid, parent, text = json.loads(line)
-        merged.put(rid, parent, text)  # replaces the file's copy, and ranks it newer
-    body = "".join(merged.lines()).encode()
+
+def _is_local(fs: Any) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if "file" not in protocols:
+    return "file" in protocols
+
+
+def _write(fs: Any, path: str, body: bytes) -> None:
+    """`body` into `path` whole: on a local disk through a hidden temporary name moved into place, so a reader
+    never sees part of it (a temporary left by a process killed meanwhile is deleted as the disk tier deletes its
+    own: `.name.<hex>.tmp`); elsewhere one `pipe_file`."""
+    if not _is_local(fs):
         fs.pipe_file(path, body)
-        return len(merged)
+        return
     folder, name = path.rsplit("/", 1)
     tmp = f"{folder}/.{name}.{secrets.token_hex(6)}.tmp"
     try:
@@ -197,20 +235,130 @@ def save_records(lines: list[str], deleted: set[str], budget_bytes: int, folder_
         except OSError:
             pass
         raise
+
+
+def save_records(lines: list[str], deleted: set[str], budget_bytes: int, folder_url: str,
+                 writer: str | None = None) -> int:
+    """A store's records (`ResponseStore.lines`, taken where the store lives) into `saved_path(folder_url)`,
+    merged with what the folder already holds (the saved file, then the journal's segments in their order:
+    another server's records on the same folder, or an earlier run's) but the ids in `deleted`, the store's the most
+    recent, within `budget_bytes`. Then the segments merged that `writer` wrote, or that are older than
+    `STALE_SEGMENT_S` (a crashed or long-quiet server's), are deleted: what they held is in the file. At a graceful
+    stop, and as the journal's compaction (`ResponseJournal`). Two servers saving at once on one folder: the last
+    to move its file wins. Returns the records written."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
+    merged = ResponseStore(budget_bytes)
+    merged.load(_read_lines(fs, path), skip=deleted)
+    segments = _segments(fs, journal_path(path.rsplit("/", 1)[0]))
+    for seg in segments:
+        merged.load(_read_lines(fs, seg), skip=deleted)
+    merged.load(lines)  # replaces the folder's copies, and ranks them newest
+    _write(fs, path, "".join(merged.lines()).encode())
+    stale = time.time_ns() - int(STALE_SEGMENT_S * 1e9)
+    kept = 0  # another writer's segments left in place
+    for seg in segments:
+        stamp, who = _SEGMENT.fullmatch(seg.rsplit("/", 1)[-1]).groups()
+        if who != writer and int(stamp) >= stale:
+            kept += 1
+            continue
+        try:
+            fs.rm_file(seg)
+        except (FileNotFoundError, OSError) as e:  # another server's compaction took it first
+            log.debug("journal segment %s not deleted: %s", seg, e)
+    if kept and deleted and writer is not None:  # a kept segment may hold a record deleted here: forget it again
+        folder = journal_path(path.rsplit("/", 1)[0])
+        _write(fs, f"{folder}/{time.time_ns():020d}-{writer}.jsonl", "".join(map(delete_line, sorted(deleted))).encode())
     return len(merged)
 
 
 def load_records(store: ResponseStore, folder_url: str) -> int:
-    """At start: the records a graceful stop saved (`save_records`) into `store`; 0 where there are none or they
-    cannot be read (logged)."""
+    """At start: the records the folder holds (the saved file, then the journal's segments in their order: a
+    graceful stop's, and those of a server that crashed) into `store`; 0 where there are none or they cannot be
+    read (logged). Returns the records put."""
     import fsspec
 
     try:
         fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
-        return store.load(_read_lines(fs, path))
+        n = store.load(_read_lines(fs, path))
+        for seg in _segments(fs, journal_path(path.rsplit("/", 1)[0])):
+            n += store.load(_read_lines(fs, seg))
+        return n
     except Exception as e:  # noqa: BLE001 - a server starts without them rather than not at all
         log.warning("stored responses not read from %s: %s", folder_url, e)
         return 0
+
+
+class ResponseJournal:
+    """A store's changes, written behind into the folder's journal so that they outlive a crash (module
+    docstring): `put` / `delete` queue a line, `flush` writes the lines queued as one segment
+    (`<time ns>-<writer>.jsonl`), and once the segments written since the last compaction hold a quarter of the
+    store's budget (at least `COMPACT_MIN_BYTES`) or number `COMPACT_SEGMENTS`, `due` says so and the owner
+    compacts (`save_records` with this writer: the segments merged into the saved file, and deleted). Not
+    thread-safe: the owner takes the queued lines (`take`) on its own thread and writes them on another."""
+
+    def __init__(self, folder_url: str, budget_bytes: int, writer: str | None = None) -> None:
+        self.folder, self.budget = folder_url, budget_bytes
+        self.writer = writer or secrets.token_hex(4)
+        self.queued: list[str] = []
+        self.queued_bytes = 0
+        self.since_bytes = self.since_segments = 0  # written since the last compaction
+        self.stats = {"segments": 0, "lines": 0, "compactions": 0, "failures": 0, "dropped": 0}
+
+    def put(self, rid: str, parent: str | None, text: str) -> None:
+        self._queue(put_line(rid, parent, text))
+
+    def delete(self, rid: str) -> None:
+        self._queue(delete_line(rid))
+
+    def _queue(self, line: str) -> None:
+        self.queued.append(line)
+        self.queued_bytes += len(line)
+        while self.queued_bytes > self.budget and len(self.queued) > 1:  # a folder failing for long: oldest go
+            self.queued_bytes -= len(self.queued.pop(0))
+            self.stats["dropped"] += 1
+
+    def take(self) -> list[str]:
+        """The lines queued since the last `take`, oldest first (put back with `requeue` if their write fails)."""
+        lines, self.queued, self.queued_bytes = self.queued, [], 0
+        return lines
+
+    def requeue(self, lines: list[str]) -> None:
+        """Lines whose write failed, before those queued since (`take`)."""
+        rest = self.queued
+        self.queued, self.queued_bytes = [], 0
+        for line in lines + rest:
+            self._queue(line)
+        self.stats["failures"] += 1
+
+    def write(self, lines: list[str]) -> str:
+        """`lines` as one new segment (on any thread); returns its path."""
+        import fsspec
+
+        fs, folder = fsspec.core.url_to_fs(journal_path(self.folder))
+        body = "".join(lines).encode()
+        path = f"{folder}/{time.time_ns():020d}-{self.writer}.jsonl"
+        fs.makedirs(folder, exist_ok=True)
+        _write(fs, path, body)
+        self.since_bytes += len(body)
+        self.since_segments += 1
+        self.stats["segments"] += 1
+        self.stats["lines"] += len(lines)
+        return path
+
+    def due(self) -> bool:
+        """Whether the owner should compact now."""
+        return (self.since_bytes >= max(COMPACT_MIN_BYTES, self.budget // 4)
+                or self.since_segments >= COMPACT_SEGMENTS)
+
+    def compact(self, lines: list[str], deleted: set[str]) -> int:
+        """`save_records` of the store's `lines` and `deleted` (taken on the owner's thread) as this writer; the
+        journal starts afresh. Returns the records written."""
+        n = save_records(lines, deleted, self.budget, self.folder, self.writer)
+        self.since_bytes = self.since_segments = 0
+        self.stats["compactions"] += 1
+        return n
 
 
 class RemoteResponses:

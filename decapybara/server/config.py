@@ -68,6 +68,9 @@ class AppConfig(BaseModel):
                                       "responses (previous_response_id, GET /v1/responses/{id}), in the scheduler "
                                       "actor, counted as their JSON text; the least recently used dropped past it "
                                       "(0: none stored); saved with the prefix cache at a graceful stop")
+    responses_flush_s: float = Field(default=1.0, ge=0, description="seconds between writes of the stored "
+                                     "responses' changes to the disk tier's folder (a journal), so that a crash "
+                                     "loses at most this long's; where a graceful stop saves them (0: only then)")
     max_ongoing_requests: int = Field(default=512, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from decapybara.api.response_store import ResponseJournal, ResponseStore, load_records, save_records
+from decapybara.api.response_store import ResponseJournal, ResponseStore, load_records
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
@@ -29,6 +29,7 @@ from decapybara.scheduler.remote import make_policy
 log = logging.getLogger(__name__)
 RESPONSES_SAVE_S = 5.0  # a graceful stop's save of the stored responses, after the prefix cache's (the ingress
 # waits save_cache_s + 8 s for both)
+RESPONSES_RETRY_S = 60.0  # a failed save of the stored responses is not tried again sooner
 
 
 class SchedulerActor:
@@ -63,13 +64,13 @@ class SchedulerActor:
         self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
         budget = int(self.cfg.responses_store_mb * (1 << 20))
         self.responses = ResponseStore(budget) if budget > 0 else None  # the Responses API's, for every ingress
-        self.journal: ResponseJournal | None = None  # the store's changes written behind (a crash loses little)
+        self.journal: ResponseJournal | None = None  # this server's files in the records' folder (response_store)
         self._journal_lock = asyncio.Lock()
         self._journal_task: asyncio.Task | None = None
-        if self.responses is not None and self.cfg.saves_cache():  # a predecessor's: saved, and its journal
+        self._save_after = 0.0  # a failed save is not retried before this (monotonic seconds)
+        if self.responses is not None and self.cfg.saves_cache():  # the folder's: saved files and journals
             load_records(self.responses, self.cfg.disk_cache)
-            if self.cfg.responses_flush_s > 0:
-                self.journal = ResponseJournal(self.cfg.disk_cache, budget)
+            self.journal = ResponseJournal(self.cfg.disk_cache, budget)
 
     def _new_gpu(self) -> Any:
         from actors.gpu_actor import gpu_actor_class
@@ -94,7 +95,7 @@ class SchedulerActor:
     # ---- the Responses API's stored responses (`decapybara.api.response_store`) -----------------------
     async def put_response(self, response_id: str, parent: str | None, text: str) -> bool:
         stored = self.responses is not None and self.responses.put(response_id, parent, text)
-        if stored and self.journal is not None:
+        if stored and self.journal is not None and self.cfg.responses_flush_s > 0:
             self.journal.put(response_id, parent, text)
             self._start_journal()
         return stored
@@ -108,12 +109,12 @@ class SchedulerActor:
         return self.responses.get(response_id) if self.responses is not None else None
 
     async def delete_response(self, response_id: str) -> bool:
-        if self.responses is None:
+        if self.responses is None or not self.responses.delete(response_id):
             return False
-        if self.journal is not None:  # another server's copy in the folder is forgotten too
+        if self.journal is not None and self.cfg.responses_flush_s > 0:
             self.journal.delete(response_id)
             self._start_journal()
-        return self.responses.delete(response_id)
+        return True
 
     def response_stats(self) -> dict[str, int]:
         if self.responses is None:
@@ -125,37 +126,48 @@ class SchedulerActor:
             self._journal_task = asyncio.get_running_loop().create_task(self._journal_loop())
 
     async def _journal_loop(self) -> None:
-        """Every `responses_flush_s`: the store's changes since the last write as a journal segment, and a
-        compaction where one is due (`ResponseJournal`). A write that fails is retried with the next (logged once
-        a minute at most)."""
+        """Every `responses_flush_s`: the store's changes since the last write as a journal segment, and a save of
+        the store where one is due (`ResponseJournal`). A write that fails is retried with the next; a save that
+        fails, after `RESPONSES_RETRY_S` (logged once a minute at most)."""
         warned = 0.0
         while True:
             await asyncio.sleep(self.cfg.responses_flush_s)
             try:
-                await self._write_journal()
+                async with self._journal_lock:
+                    await self._write_journal(save=False)
             except Exception as e:  # noqa: BLE001 - the store serves on; the lines wait for the next write
                 if time.monotonic() - warned > 60:
                     warned = time.monotonic()
                     log.warning("stored responses' journal not written to %s: %s: %s", self.cfg.disk_cache,
                                 type(e).__name__, e)
 
-    async def _write_journal(self, compact: bool = False) -> None:
-        """The lines queued as one segment, then a compaction where due (or `compact`: a graceful stop's save,
-        which holds every line queued, so none is written apart)."""
+    async def _write_journal(self, save: bool) -> None:
+        """(Under `_journal_lock`.) The lines queued as one segment, then a save of the store where one is due
+        or `save` (a graceful stop's); the records a save took over from quiet writers join the store."""
         journal, store = self.journal, self.responses
-        async with self._journal_lock:
-            lines = journal.take()
-            if compact:
-                await asyncio.to_thread(journal.compact, store.lines(), set(store.deleted))
-                return
-            if lines:
-                try:
-                    await asyncio.to_thread(journal.write, lines)
-                except BaseException:
-                    journal.requeue(lines)
+        lines = journal.take()
+        if lines:
+            try:
+                await asyncio.to_thread(journal.write, lines)
+            except BaseException:
+                journal.requeue(lines)
+                if not save:
                     raise
-            if journal.due():
-                await asyncio.to_thread(journal.compact, store.lines(), set(store.deleted))
+        if save or (journal.due() and time.monotonic() >= self._save_after):
+            try:
+                saved = await asyncio.to_thread(journal.compact, store.lines())
+            except Exception:
+                self._save_after = time.monotonic() + RESPONSES_RETRY_S
+                raise
+            store.load(saved.adopted, missing_only=True)
+
+    async def _save_responses(self) -> None:
+        """A graceful stop's save: the journal's loop stopped (once no write of its is in flight), then the lines
+        it had queued and the whole store written."""
+        async with self._journal_lock:
+            if self._journal_task is not None:
+                self._journal_task.cancel()
+            await self._write_journal(save=True)
 
     def _start(self) -> None:
         if not self._tasks and self.dead is None:
@@ -200,14 +212,8 @@ class SchedulerActor:
         that responses stored meanwhile are in) and written by a thread, for `RESPONSES_SAVE_S` at most."""
         pages = 0 if self.dead is not None else await self.gpu.save_cache.remote(budget_s)
         store = self.responses
-        if store is not None and (len(store) or store.deleted):
-            if self.journal is not None:
-                if self._journal_task is not None:
-                    self._journal_task.cancel()
-                write = self._write_journal(compact=True)
-            else:
-                write = asyncio.to_thread(save_records, store.lines(), set(store.deleted), store.budget,
-                                          self.cfg.disk_cache)
+        if self.journal is not None and (len(store) or store.deleted):
+            write = self._save_responses()
             try:
                 await asyncio.wait_for(write, RESPONSES_SAVE_S)
             except Exception as e:  # noqa: BLE001 - a stop goes on without them

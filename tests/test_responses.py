@@ -5,6 +5,8 @@ typed stream against the whole response, structured outputs, the incomplete stat
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import httpx
 import openai
@@ -424,119 +426,114 @@ def test_input_tokens_counts_the_prompt_a_response_would_have(stack):  # noqa: F
         oa.responses.input_tokens.count(model="m", previous_response_id="resp_none", input="x")
 
 
-def test_saved_records_merge_with_the_folders_and_read_back(tmp_path, monkeypatch):
-    """A graceful stop's save (`save_records`) merges a store's records with those already in the folder (the
-    store's copy of an id in both winning and ranking newest, ids it deleted left out, the budget kept), and a new
-    store reads them back in their order, whatever characters they hold; a torn line is skipped, and a failed
-    write leaves no temporary file."""
+def _rec(rid, parent=None, text="x"):
+    from decapybara.api.response_store import record_text
+
+    return record_text({"id": rid, "parent": parent, "input": [text], "response": {"id": rid}})
+
+
+def test_saved_files_take_over_quiet_writers_and_never_a_live_ones(tmp_path, monkeypatch):
+    """A save writes its writer's records and deletions as its own file and deletes its own segments; an earlier
+    version's single file and the files of a writer quiet for STALE_S are merged in (under this store's records)
+    and deleted, a live writer's are left alone. A start reads every saved file's records, then their deletions
+    (one server's deletion forgets another's copy), then the segments; a torn line is skipped, any character
+    survives; a failed write leaves no temporary file, and a stale temporary is deleted."""
     import fsspec
 
-    from decapybara.api.response_store import ResponseStore, load_records, record_text, save_records, saved_path
+    from decapybara.api import response_store as rs
 
-    def put(store, rid, parent=None, text="x"):
-        store.put(rid, parent, record_text({"id": rid, "parent": parent, "input": [text], "response": {"id": rid}}))
+    folder, root = str(tmp_path), tmp_path / rs.JOURNAL_NAME
 
-    def save(store, folder=str(tmp_path)):
-        return save_records(store.lines(), set(store.deleted), store.budget, folder)
+    def names():
+        return sorted(p.name for p in root.iterdir())
 
-    def text_of(store, rid):
-        return json.loads(store.get(rid))["input"][0]
+    (tmp_path / rs.SAVED_NAME).write_text(rs.put_line("old1", None, _rec("old1")) + '["torn", null, "{\\"id\\"')
+    a, b = rs.ResponseStore(1 << 20), rs.ResponseStore(1 << 20)
+    for rid in ("a1", "shared"):
+        a.put(rid, None, _rec(rid, text="line\u2028sep\x85and\u2029more"))
+    b.put("b1", None, _rec("b1")), b.put("shared", None, _rec("shared", text="b's"))
+    saved = rs.save_records(b.lines(), 1 << 20, folder, "bbbb")
+    assert saved.records == 3 and len(saved.adopted) == 1  # old1 taken over, the torn line left out
+    assert not (tmp_path / rs.SAVED_NAME).exists() and names() == ["bbbb.jsonl"]
+    a.delete("shared")
+    saved = rs.save_records(a.lines(), 1 << 20, folder, "aaaa")
+    assert saved.records == 1 and saved.adopted == [] and names() == ["aaaa.jsonl", "bbbb.jsonl"]  # b is live
+    fresh = rs.ResponseStore(1 << 20)
+    rs.load_records(fresh, folder)
+    assert sorted(fresh._entries) == ["a1", "b1", "old1"] and "shared" in fresh.deleted  # a's deletion wins
+    assert json.loads(fresh.get("a1"))["input"][0] == "line\u2028sep\x85and\u2029more"
 
-    size = len(record_text({"id": "r1", "parent": None, "input": ["x"], "response": {"id": "r1"}}))
-    other, mine = ResponseStore(10 * size), ResponseStore(3 * size + 20)
-    for rid in ("o1", "o2", "r1"):
-        put(other, rid, text="y")
-    assert save(other) == 3
-    put(mine, "r1"), put(mine, "r2", "r1", text="line\u2028sep\x85and\u2029more")
-    assert save(mine) == 3  # o1 dropped: mine are newer, the budget holds three
-    with open(saved_path(str(tmp_path)), "a") as f:
-        f.write('["torn", null, "{\\"id\\"')
-    fresh = ResponseStore(10 * size)
-    assert load_records(fresh, str(tmp_path)) == 3 and fresh.get("o1") is None
-    assert list(fresh._entries) == ["o2", "r1", "r2"]  # the saved order, least recently used first
-    assert text_of(fresh, "r1") == "x" and text_of(fresh, "r2") == "line\u2028sep\x85and\u2029more"
-    assert [json.loads(t)["id"] for t in fresh.chain("r2")] == ["r1", "r2"]
-    for rid in ("o2", "r1", "r2"):  # deleted ones stay deleted, even when the store is left empty
-        fresh.delete(rid)
-    assert save(fresh) == 0 and load_records(ResponseStore(), str(tmp_path)) == 0
-    assert load_records(ResponseStore(), str(tmp_path / "none")) == 0
-    put(fresh, "z")
-    fs = fsspec.core.url_to_fs(str(tmp_path))[0]  # fsspec's cached instance, which save_records gets too
+    # b goes quiet for STALE_S (its file and segments old): the next save of a's takes them over
+    late = rs.ResponseJournal(folder, 1 << 20, writer="bbbb")
+    late.put("b2", "b1", _rec("b2", "b1"))
+    seg = late.write(late.take())
+    old = time.time() - rs.STALE_S - 5
+    os.utime(root / "bbbb.jsonl", (old, old))
+    (root / f"{(time.time_ns() - int(rs.STALE_S * 1e9) - 10**10):020d}-bbbb.jsonl").write_text(
+        rs.put_line("b3", None, _rec("b3")))
+    os.rename(seg, root / f"{(time.time_ns() - int(rs.STALE_S * 1e9) - 10**9):020d}-bbbb.jsonl")
+    tmp = root / ".aaaa.jsonl.1234.tmp"
+    tmp.write_text("half")
+    os.utime(tmp, (old, old))
+    saved = rs.save_records(a.lines(), 1 << 20, folder, "aaaa")
+    assert sorted(rid for rid, _, _ in rs._parsed(saved.adopted)) == ["b1", "b2", "b3", "old1", "shared"]
+    assert names() == ["aaaa.jsonl"] and saved.records == 5  # a1, b1, b2, b3, old1 (shared stays deleted)
+    fresh = rs.ResponseStore(1 << 20)
+    rs.load_records(fresh, folder)
+    assert sorted(fresh._entries) == ["a1", "b1", "b2", "b3", "old1"] and fresh.get("shared") is None
+
+    fs = fsspec.core.url_to_fs(folder)[0]  # fsspec's cached instance, which save_records gets too
     monkeypatch.setattr(fs, "mv", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError):
-        save(fresh)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["responses.jsonl"]
+        rs.save_records(a.lines(), 1 << 20, folder, "aaaa")
+    assert names() == ["aaaa.jsonl"]
+    assert rs.load_records(rs.ResponseStore(), str(tmp_path / "none")) == 0
 
 
-def test_the_journal_outlives_a_crash_and_compacts(tmp_path, monkeypatch):
-    """Between graceful stops a store's changes are written behind as journal segments (`ResponseJournal`), so a
-    server killed mid-run loses none that were written: a new store reads the saved file, then the segments in
-    their order, deletions included. A compaction merges the file, every segment and the store into the file and
-    deletes its writer's segments and stale ones, keeping another live writer's (whose deleted records it forgets
-    again after them); a failed write keeps its lines for the next, and a folder failing for long drops the
-    oldest lines past the budget."""
+def test_the_journal_outlives_a_crash(tmp_path, monkeypatch):
+    """Between saves a store's changes are written behind as segments (`ResponseJournal`), so a server killed
+    mid-run loses none that were written: a new store reads them in their order, deletions included, whatever the
+    clock does meanwhile. A failed write keeps its lines for the next; a folder failing for long drops the oldest
+    lines past the budget; a save falls due by bytes or by segments and starts the count afresh."""
     import fsspec
 
     from decapybara.api import response_store as rs
 
     folder = str(tmp_path)
-
-    def record(rid, parent=None, text="x"):
-        return rs.record_text({"id": rid, "parent": parent, "input": [text], "response": {"id": rid}})
-
-    def ids(store):
-        return list(store._entries)
-
-    def segments():
-        return sorted(p.name for p in (tmp_path / rs.JOURNAL_NAME).iterdir())
-
     live, j = rs.ResponseStore(1 << 20), rs.ResponseJournal(folder, 1 << 20, writer="aaaa")
     for rid, parent in (("r1", None), ("r2", "r1"), ("r3", "r2")):
-        live.put(rid, parent, record(rid, parent)), j.put(rid, parent, record(rid, parent))
+        live.put(rid, parent, _rec(rid, parent)), j.put(rid, parent, _rec(rid, parent))
     j.write(j.take())
+    monkeypatch.setattr(time, "time_ns", lambda: 5)  # the clock steps back: the next segment still sorts after
     live.delete("r1"), j.delete("r1")
-    j.put("r4", None, record("r4")), live.put("r4", None, record("r4"))
+    j.put("r4", None, _rec("r4")), live.put("r4", None, _rec("r4"))
     j.write(j.take())
-    assert j.take() == [] and len(segments()) == 2 and not (tmp_path / rs.SAVED_NAME).exists()
-    # the process dies here: a new server reads both segments, r1's deletion after its put
-    crashed = rs.ResponseStore(1 << 20)
-    assert rs.load_records(crashed, folder) == 4 and ids(crashed) == ["r2", "r3", "r4"]
-    assert crashed.get("r3") == live.get("r3")
+    monkeypatch.undo()
+    assert j.take() == [] and len(list((tmp_path / rs.JOURNAL_NAME).iterdir())) == 2
+    crashed = rs.ResponseStore(1 << 20)  # the process dies here: a new server reads both segments
+    rs.load_records(crashed, folder)
+    assert list(crashed._entries) == ["r2", "r3", "r4"] and crashed.get("r3") == live.get("r3")
     with pytest.raises(rs.ChainBroken) as broken:
         crashed.chain("r3")
     assert broken.value.missing == "r1"
 
-    # another writer's segment, young, and a crashed one's, stale
-    other = rs.ResponseJournal(folder, 1 << 20, writer="bbbb")
-    other.put("o1", None, record("o1")), other.put("r2x", None, record("r2x"))
-    young = other.write(other.take())
-    stale_name = f"{1:020d}-cccc.jsonl"
-    (tmp_path / rs.JOURNAL_NAME / stale_name).write_text(rs.put_line("s1", None, record("s1")))
-    live.delete("r2x")  # a record of the other writer's, deleted here
-    assert j.compact(live.lines(), set(live.deleted)) == 5  # r2, r3, r4, o1 and s1
-    left = segments()
-    assert young.rsplit("/", 1)[-1] in left and stale_name not in left and len(left) == 2  # + this writer's deletions
-    fresh = rs.ResponseStore(1 << 20)
-    rs.load_records(fresh, folder)
-    assert sorted(ids(fresh)) == ["o1", "r2", "r3", "r4", "s1"]  # r2x forgotten after the kept segment's put
-
-    # a failed write: the lines wait for the next one, before those queued since
     fs = fsspec.core.url_to_fs(folder)[0]
-    j.put("r5", None, record("r5"))
+    j.put("r5", None, _rec("r5"))
     lines = j.take()
     monkeypatch.setattr(fs, "mv", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError):
         j.write(lines)
     j.requeue(lines)
-    j.put("r6", None, record("r6"))
+    j.put("r6", None, _rec("r6"))
     monkeypatch.undo()
     j.write(j.take())
     again = rs.ResponseStore(1 << 20)
     rs.load_records(again, folder)
-    assert ids(again)[-2:] == ["r5", "r6"] and j.stats["failures"] == 1
+    assert list(again._entries)[-2:] == ["r5", "r6"] and j.stats["failures"] == 1
     assert not [p for p in (tmp_path / rs.JOURNAL_NAME).iterdir() if p.name.endswith(".tmp")]
+    saved = j.compact(live.lines())  # a save: this writer's segments go, its file holds the store
+    assert sorted(p.name for p in (tmp_path / rs.JOURNAL_NAME).iterdir()) == ["aaaa.jsonl"] and saved.records == 3
 
-    # compaction falls due by bytes (a quarter of the budget, at least COMPACT_MIN_BYTES) or by segments
     small = rs.ResponseJournal(folder, 64, writer="dddd")
     assert not small.due()
     small.since_bytes = rs.COMPACT_MIN_BYTES

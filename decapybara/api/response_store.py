@@ -13,15 +13,17 @@ abandoned ones age out; a chain with a record dropped is reported broken (`Chain
 It is not thread-safe: `LocalResponses` (a lock, for the in-process client) and the scheduler actor (one event loop)
 wrap it.
 
-Stored conversations outlive a server, a crashed one's too, in the disk tier's folder. A graceful stop saves the
-records into one file there (`save_records`: `responses.jsonl`, lines of `[id, parent, text]`, least recently used
-first), and the next server on the folder reads them back (`load_records`). Between stops the scheduler actor
-writes its store's changes behind (`ResponseJournal`): every `responses_flush_s` the records put and the ids
-deleted since the last write become one segment file of the journal (`responses.d/<time ns>-<writer>.jsonl`, a
-deletion's line `[id, null, null]`), so a server killed mid-run loses at most that interval's records. A start
-reads the saved file, then the segments in time order. Once the segments hold a quarter of the budget, the writer
-compacts: the file, every segment and its store are merged into a new file, and its own segments (and any older
-than `STALE_SEGMENT_S`: a crashed server's) are deleted.
+Stored conversations outlive a server, a crashed one's too, in the records' folder (`responses.d/` in the disk tier's
+folder). Each server (a writer, named afresh at each start) keeps two kinds of files there. Its saved file
+(`<writer>.jsonl`: its store's records, least recently used first, then the ids it deleted) is written by
+`save_records` at a graceful stop and whenever its journal grows past a quarter of the budget. Between saves, its
+journal (`ResponseJournal`) turns the records put and the ids deleted since the last write into a segment every
+`responses_flush_s` (`<time ns>-<writer>.jsonl`), so a server killed mid-run loses at most one interval. A start
+(`load_records`) reads every saved file's records, then their deletions, then the segments oldest first. A save
+deletes its own segments and takes over the files of writers quiet for `STALE_S` (a stopped or crashed
+server's: merged into its own file, then deleted); it never deletes a live writer's, so servers sharing the folder
+(two on a host under the default one) lose nothing to each other. Lines are `[id, parent, text]`, a deletion
+`[id, null, null]`.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_BYTES = 64 << 20
-SAVED_NAME = "responses.jsonl"  # the records a graceful stop saves, in the disk tier's folder
+SAVED_NAME = "responses.jsonl"  # an earlier version's single saved file (read, then taken over)
 MAX_CHAIN = 100_000  # turns followed back before a chain is taken for a cycle
-JOURNAL_NAME = "responses.d"  # the journal's segments, in the disk tier's folder (ResponseJournal)
-_SEGMENT = re.compile(r"(\d{20})-([0-9a-z]+)\.jsonl")  # a segment's name: its time (ns), its writer
-COMPACT_MIN_BYTES = 1 << 20  # segment bytes written before a compaction is due, at least (ResponseJournal.due)
-COMPACT_SEGMENTS = 1_000  # segments written before a compaction is due, at most
-STALE_SEGMENT_S = 600.0  # another writer's segment older than this is deleted once merged (a crashed server's)
+JOURNAL_NAME = "responses.d"  # the records' folder (saved files, segments), in the disk tier's folder
+_SEGMENT = re.compile(r"(\d{20})-([0-9a-f]+)\.jsonl")  # a segment's name: its time (ns), its writer
+_SAVED = re.compile(r"([0-9a-f]+)\.jsonl")  # a writer's saved file
+COMPACT_MIN_BYTES = 1 << 20  # segment bytes written before a save is due, at least (ResponseJournal.due)
+COMPACT_SEGMENTS = 1_000  # segments written before a save is due, at most
+STALE_S = 600.0  # another writer quiet this long (a stopped or crashed server) has its files taken over
+DELETED_KEEP = 100_000  # deleted ids a store remembers (and saves), the latest
 
 
 class ChainBroken(LookupError):
@@ -76,7 +80,9 @@ class ResponseStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.nbytes = 0
         self.stored = self.dropped = self.refused = 0
-        self.deleted: set[str] = set()  # ids deleted (by `delete` alone), which a save keeps out of the folder's file
+        # ids deleted (a client's DELETE, or a deletion read from the folder), the latest DELETED_KEEP: a save
+        # writes them as deletions, so another server's copy of one does not come back
+        self.deleted: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,7 +94,7 @@ class ResponseStore:
             self.refused += 1
             return False
         self._drop(rid)
-        self.deleted.discard(rid)
+        self.deleted.pop(rid, None)
         self._entries[rid] = _Entry(text, parent)
         self.nbytes += len(text)
         self.stored += 1
@@ -113,9 +119,18 @@ class ResponseStore:
         return True
 
     def delete(self, rid: str) -> bool:
-        """Forget a record (a client's DELETE): gone here, and from the folder's file at the next save."""
-        self.deleted.add(rid)
-        return self._drop(rid)
+        """Forget a record (a client's DELETE): gone here, and, where it was here, remembered as deleted (a
+        save writes its deletion). Returns whether it was here."""
+        if not self._drop(rid):
+            return False
+        self._remember(rid)
+        return True
+
+    def _remember(self, rid: str) -> None:
+        self.deleted[rid] = None
+        self.deleted.move_to_end(rid)
+        while len(self.deleted) > DELETED_KEEP:
+            self.deleted.popitem(last=False)
 
     def chain(self, rid: str, partial: bool = False) -> list[str]:
         """The records' texts from the conversation's first turn to `rid`'s, oldest first, each touched; raises
@@ -151,47 +166,55 @@ class ResponseStore:
 
     def lines(self) -> list[str]:
         """The records as lines of `[id, parent, text]` JSON (ASCII, so no character of a record splits a line),
-        least recently used first (`load` keeps the order)."""
-        return [put_line(rid, e.parent, e.text) for rid, e in self._entries.items()]
+        least recently used first (`load` keeps the order), then a `[id, null, null]` line a deleted id."""
+        return ([put_line(rid, e.parent, e.text) for rid, e in self._entries.items()]
+                + [delete_line(rid) for rid in self.deleted])
 
-    def load(self, lines: list[str], skip: set[str] = frozenset()) -> int:
-        """Apply `lines` (`lines`' form, or a journal's: `[id, null, null]` forgets the id) in their order: each
-        record put (replacing one of its id, and ranked newest), but those whose ids are in `skip`; lines that do
-        not read (a torn file) are passed over. Returns the records put."""
+    def load(self, lines: list[str], puts: bool = True, deletions: bool = True, missing_only: bool = False) -> int:
+        """Apply `lines` (`lines`' form) in their order: each record put (replacing one of its id, ranked newest;
+        with `missing_only`, only those not here) where `puts`, each deletion applied and remembered where
+        `deletions`; lines that do not read (a torn file) are passed over. Returns the records put."""
         n = 0
-        for line in lines:
-            try:
-                rid, parent, text = json.loads(line)
-            except (ValueError, TypeError):
-                continue
-            if not isinstance(rid, str):
-                continue
+        for rid, parent, text in _parsed(lines):
             if text is None:
-                self._drop(rid)
-            elif isinstance(text, str) and rid not in skip \
-                    and self.put(rid, parent if isinstance(parent, str) else None, text):
+                if deletions:
+                    self._drop(rid)
+                    self._remember(rid)
+            elif puts and not (missing_only and rid in self._entries) and self.put(rid, parent, text):
                 n += 1
         return n
 
 
+def _parsed(lines: list[str]) -> list[tuple[str, str | None, str | None]]:
+    out = []
+    for line in lines:
+        try:
+            rid, parent, text = json.loads(line)
+        except (ValueError, TypeError):
+            continue
+        if isinstance(rid, str) and (text is None or isinstance(text, str)):
+            out.append((rid, parent if isinstance(parent, str) else None, text))
+    return out
+
+
 def put_line(rid: str, parent: str | None, text: str) -> str:
-    """A record as a line of the saved file or a journal segment (`ResponseStore.lines`' form)."""
+    """A record as a line of a saved file or a journal segment (`ResponseStore.lines`' form)."""
     return json.dumps([rid, parent, text]) + "\n"
 
 
 def delete_line(rid: str) -> str:
-    """A journal segment's line that forgets `rid` (a client's DELETE)."""
+    """The line of a deletion: `rid` is forgotten where it is read."""
     return json.dumps([rid, None, None]) + "\n"
 
 
 def saved_path(folder_url: str) -> str:
-    """Where a graceful stop saves the records: a file in the disk tier's folder (`SAVED_NAME`, which the tier
-    leaves alone)."""
+    """The single file an earlier version's graceful stop saved the records to (read at start, merged into the
+    first save, then deleted)."""
     return f"{folder_url.rstrip('/')}/{SAVED_NAME}"
 
 
 def journal_path(folder_url: str) -> str:
-    """The journal's folder (`JOURNAL_NAME`, inside the disk tier's folder, whose listing skips folders)."""
+    """The records' folder (`JOURNAL_NAME`, inside the disk tier's folder, whose listing skips folders)."""
     return f"{folder_url.rstrip('/')}/{JOURNAL_NAME}"
 
 
@@ -202,14 +225,40 @@ def _read_lines(fs: Any, path: str) -> list[str]:
         return []
 
 
-def _segments(fs: Any, folder: str) -> list[str]:
-    """The journal's segment files, oldest first (their names begin with their time)."""
+@dataclass(slots=True)
+class _Folder:
+    """What the records' folder holds: each writer's saved file, the segments oldest first ((stamp, writer,
+    path)), and temporary files (path -> modification time, or None where the listing gives none)."""
+
+    saved: dict[str, str]
+    segments: list[tuple[int, str, str]]
+    temps: dict[str, float | None]
+
+    def newest(self, writer: str) -> int:
+        """The stamp of `writer`'s newest segment (0: none)."""
+        return max((t for t, w, _ in self.segments if w == writer), default=0)
+
+
+def _list_folder(fs: Any, folder: str) -> _Folder:
     try:
-        names = fs.ls(folder, detail=False)
+        infos = fs.ls(folder, detail=True)
     except FileNotFoundError:
-        return []
-    paths = [str(n).rstrip("/") for n in names]
-    return sorted((p for p in paths if _SEGMENT.fullmatch(p.rsplit("/", 1)[-1])), key=lambda p: p.rsplit("/", 1)[-1])
+        infos = []
+    out = _Folder({}, [], {})
+    for info in infos:
+        if info.get("type", "file") != "file":
+            continue
+        path = str(info["name"]).rstrip("/")
+        base = path.rsplit("/", 1)[-1]
+        if m := _SEGMENT.fullmatch(base):
+            out.segments.append((int(m.group(1)), m.group(2), path))
+        elif m := _SAVED.fullmatch(base):
+            out.saved[m.group(1)] = path
+        elif base.startswith(".") and base.endswith(".tmp"):
+            t = info.get("mtime", info.get("LastModified", info.get("created")))
+            out.temps[path] = t.timestamp() if hasattr(t, "timestamp") else (float(t) if t is not None else None)
+    out.segments.sort()
+    return out
 
 
 def _is_local(fs: Any) -> bool:
@@ -219,8 +268,8 @@ def _is_local(fs: Any) -> bool:
 
 def _write(fs: Any, path: str, body: bytes) -> None:
     """`body` into `path` whole: on a local disk through a hidden temporary name moved into place, so a reader
-    never sees part of it (a temporary left by a process killed meanwhile is deleted as the disk tier deletes its
-    own: `.name.<hex>.tmp`); elsewhere one `pipe_file`."""
+    never sees part of it (a temporary left by a process killed meanwhile is deleted by a later save, once
+    `STALE_S` old); elsewhere one `pipe_file`."""
     if not _is_local(fs):
         fs.pipe_file(path, body)
         return
@@ -237,52 +286,28 @@ def _write(fs: Any, path: str, body: bytes) -> None:
         raise
 
 
-def save_records(lines: list[str], deleted: set[str], budget_bytes: int, folder_url: str,
-                 writer: str | None = None) -> int:
-    """A store's records (`ResponseStore.lines`, taken where the store lives) into `saved_path(folder_url)`,
-    merged with what the folder already holds (the saved file, then the journal's segments in their order:
-    another server's records on the same folder, or an earlier run's) but the ids in `deleted`, the store's the most
-    recent, within `budget_bytes`. Then the segments merged that `writer` wrote, or that are older than
-    `STALE_SEGMENT_S` (a crashed or long-quiet server's), are deleted: what they held is in the file. At a graceful
-    stop, and as the journal's compaction (`ResponseJournal`). Two servers saving at once on one folder: the last
-    to move its file wins. Returns the records written."""
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
-    merged = ResponseStore(budget_bytes)
-    merged.load(_read_lines(fs, path), skip=deleted)
-    segments = _segments(fs, journal_path(path.rsplit("/", 1)[0]))
-    for seg in segments:
-        merged.load(_read_lines(fs, seg), skip=deleted)
-    merged.load(lines)  # replaces the folder's copies, and ranks them newest
-    _write(fs, path, "".join(merged.lines()).encode())
-    stale = time.time_ns() - int(STALE_SEGMENT_S * 1e9)
-    kept = 0  # another writer's segments left in place
-    for seg in segments:
-        stamp, who = _SEGMENT.fullmatch(seg.rsplit("/", 1)[-1]).groups()
-        if who != writer and int(stamp) >= stale:
-            kept += 1
-            continue
-        try:
-            fs.rm_file(seg)
-        except (FileNotFoundError, OSError) as e:  # another server's compaction took it first
-            log.debug("journal segment %s not deleted: %s", seg, e)
-    if kept and deleted and writer is not None:  # a kept segment may hold a record deleted here: forget it again
-        folder = journal_path(path.rsplit("/", 1)[0])
-        _write(fs, f"{folder}/{time.time_ns():020d}-{writer}.jsonl", "".join(map(delete_line, sorted(deleted))).encode())
-    return len(merged)
+def _rm(fs: Any, path: str) -> None:
+    try:
+        fs.rm_file(path)
+    except (FileNotFoundError, OSError) as e:  # another server's save took it first
+        log.debug("%s not deleted: %s", path, e)
 
 
 def load_records(store: ResponseStore, folder_url: str) -> int:
-    """At start: the records the folder holds (the saved file, then the journal's segments in their order: a
-    graceful stop's, and those of a server that crashed) into `store`; 0 where there are none or they cannot be
-    read (logged). Returns the records put."""
+    """At start: the records the folder holds into `store`: an earlier version's single file and every writer's
+    saved file (their records first, then their deletions, so a deletion saved by one server forgets another's
+    copy), then the journals' segments oldest first. 0 where there are none or they cannot be read (logged).
+    Returns the records put (one put twice counts twice)."""
     import fsspec
 
     try:
         fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
-        n = store.load(_read_lines(fs, path))
-        for seg in _segments(fs, journal_path(path.rsplit("/", 1)[0])):
+        folder = _list_folder(fs, journal_path(path.rsplit("/", 1)[0]))
+        saved = [_read_lines(fs, path)] + [_read_lines(fs, p) for _, p in sorted(folder.saved.items())]
+        n = sum(store.load(lines, deletions=False) for lines in saved)
+        for lines in saved:
+            store.load(lines, puts=False)
+        for _, _, seg in folder.segments:
             n += store.load(_read_lines(fs, seg))
         return n
     except Exception as e:  # noqa: BLE001 - a server starts without them rather than not at all
@@ -290,21 +315,85 @@ def load_records(store: ResponseStore, folder_url: str) -> int:
         return 0
 
 
+@dataclass(slots=True)
+class Saved:
+    """What `save_records` did: the records its file holds, and the lines it took over from writers gone quiet
+    (for the live store to load: records it may not have yet)."""
+
+    records: int
+    adopted: list[str]
+
+
+def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: str) -> Saved:
+    """Writer `writer`'s store (`ResponseStore.lines`, taken where the store lives) as its saved file in the records'
+    folder (`<writer>.jsonl`), then its segments deleted (what they held is in the store, so in the file). The
+    files of other writers quiet for `STALE_S` (a stopped or crashed server's) are taken over first: their saved
+    file's and segments' lines merged under this store's (which rank newest), returned (`Saved.adopted`), and their
+    files deleted; so is an earlier version's single file. A live writer's files are never deleted, so servers
+    sharing the folder lose nothing to each other. Temporary files `STALE_S` old are deleted. Within
+    `budget_bytes`. At a graceful stop, and as the journal's compaction (`ResponseJournal`)."""
+    import fsspec
+
+    fs, legacy = fsspec.core.url_to_fs(saved_path(folder_url))
+    root = journal_path(legacy.rsplit("/", 1)[0])
+    folder = _list_folder(fs, root)
+    now = time.time_ns()
+    stale = now - int(STALE_S * 1e9)
+    quiet = {w for w in folder.saved if w != writer and folder.newest(w) < stale
+             and _mtime_ns(fs, folder.saved[w], now) < stale}
+    quiet |= {w for _, w, _ in folder.segments if w != writer and folder.newest(w) < stale and w not in folder.saved}
+    adopted = _read_lines(fs, legacy)
+    for w in sorted(quiet):
+        if w in folder.saved:
+            adopted += _read_lines(fs, folder.saved[w])
+    for _, w, seg in folder.segments:
+        if w in quiet:
+            adopted += _read_lines(fs, seg)
+    adopted = [line + "\n" for line in adopted if _parsed([line])]  # torn lines left out
+    merged = ResponseStore(budget_bytes)
+    merged.load(adopted)
+    merged.load(lines)
+    fs.makedirs(root, exist_ok=True)
+    _write(fs, f"{root}/{writer}.jsonl", "".join(merged.lines()).encode())
+    for _, w, seg in folder.segments:
+        if w == writer or w in quiet:
+            _rm(fs, seg)
+    for w in quiet:
+        if w in folder.saved:
+            _rm(fs, folder.saved[w])
+    if adopted and fs.exists(legacy):
+        _rm(fs, legacy)
+    for tmp, t in folder.temps.items():
+        if t is not None and t * 1e9 < stale:
+            _rm(fs, tmp)
+    return Saved(len(merged), adopted)
+
+
+def _mtime_ns(fs: Any, path: str, default: int) -> int:
+    try:
+        t = fs.modified(path)
+        return int(t.timestamp() * 1e9)
+    except (NotImplementedError, OSError, AttributeError):
+        return default  # unknown: counted as now, so never taken for quiet
+
+
 class ResponseJournal:
-    """A store's changes, written behind into the folder's journal so that they outlive a crash (module
-    docstring): `put` / `delete` queue a line, `flush` writes the lines queued as one segment
-    (`<time ns>-<writer>.jsonl`), and once the segments written since the last compaction hold a quarter of the
-    store's budget (at least `COMPACT_MIN_BYTES`) or number `COMPACT_SEGMENTS`, `due` says so and the owner
-    compacts (`save_records` with this writer: the segments merged into the saved file, and deleted). Not
-    thread-safe: the owner takes the queued lines (`take`) on its own thread and writes them on another."""
+    """A store's changes, written behind into the records' folder so that they outlive a crash (module
+    docstring): `put` / `delete` queue a line; `write` puts the lines queued (`take`) in one segment
+    (`<time ns>-<writer>.jsonl`, times increasing within a writer whatever the clock does); once the segments written
+    since the last save hold a quarter of the store's budget (at least `COMPACT_MIN_BYTES`) or number
+    `COMPACT_SEGMENTS`, `due` says so and the owner saves (`compact`: `save_records` as this writer). Not
+    thread-safe: the owner takes the queued lines on its own thread and writes them on another."""
 
     def __init__(self, folder_url: str, budget_bytes: int, writer: str | None = None) -> None:
         self.folder, self.budget = folder_url, budget_bytes
-        self.writer = writer or secrets.token_hex(4)
+        self.writer = writer or secrets.token_hex(6)
         self.queued: list[str] = []
         self.queued_bytes = 0
-        self.since_bytes = self.since_segments = 0  # written since the last compaction
-        self.stats = {"segments": 0, "lines": 0, "compactions": 0, "failures": 0, "dropped": 0}
+        self.since_bytes = self.since_segments = 0  # written since the last save
+        self._stamp = 0
+        self._made = False  # the folder made
+        self.stats = {"segments": 0, "lines": 0, "saves": 0, "failures": 0, "dropped": 0}
 
     def put(self, rid: str, parent: str | None, text: str) -> None:
         self._queue(put_line(rid, parent, text))
@@ -333,13 +422,16 @@ class ResponseJournal:
         self.stats["failures"] += 1
 
     def write(self, lines: list[str]) -> str:
-        """`lines` as one new segment (on any thread); returns its path."""
+        """`lines` as one new segment (on any thread, one write at a time); returns its path."""
         import fsspec
 
         fs, folder = fsspec.core.url_to_fs(journal_path(self.folder))
         body = "".join(lines).encode()
-        path = f"{folder}/{time.time_ns():020d}-{self.writer}.jsonl"
-        fs.makedirs(folder, exist_ok=True)
+        self._stamp = max(time.time_ns(), self._stamp + 1)
+        path = f"{folder}/{self._stamp:020d}-{self.writer}.jsonl"
+        if not self._made:
+            fs.makedirs(folder, exist_ok=True)
+            self._made = True
         _write(fs, path, body)
         self.since_bytes += len(body)
         self.since_segments += 1
@@ -348,17 +440,17 @@ class ResponseJournal:
         return path
 
     def due(self) -> bool:
-        """Whether the owner should compact now."""
+        """Whether the owner should save now."""
         return (self.since_bytes >= max(COMPACT_MIN_BYTES, self.budget // 4)
                 or self.since_segments >= COMPACT_SEGMENTS)
 
-    def compact(self, lines: list[str], deleted: set[str]) -> int:
-        """`save_records` of the store's `lines` and `deleted` (taken on the owner's thread) as this writer; the
-        journal starts afresh. Returns the records written."""
-        n = save_records(lines, deleted, self.budget, self.folder, self.writer)
+    def compact(self, lines: list[str]) -> Saved:
+        """`save_records` of the store's `lines` (taken on the owner's thread) as this writer; the journal starts
+        afresh."""
+        saved = save_records(lines, self.budget, self.folder, self.writer)
         self.since_bytes = self.since_segments = 0
-        self.stats["compactions"] += 1
-        return n
+        self.stats["saves"] += 1
+        return saved
 
 
 class RemoteResponses:

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from decapybara.api.response_store import ResponseJournal, ResponseStore, load_records
+from decapybara.api.response_store import BEAT_S, ResponseJournal, ResponseStore, load_records, merge_records
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
@@ -90,6 +90,7 @@ class SchedulerActor:
         """Wait until the model is loaded; return the GPU actor's facts."""
         info = await self.gpu.info.remote()
         self._start()
+        self._start_journal()  # its heartbeat from the start: this server's files are not taken over
         return {**info, "responses_store": self.responses.budget if self.responses is not None else 0}
 
     # ---- the Responses API's stored responses (`decapybara.api.response_store`) -----------------------
@@ -97,7 +98,6 @@ class SchedulerActor:
         stored = self.responses is not None and self.responses.put(response_id, parent, text)
         if stored and self.journal is not None and self.cfg.responses_flush_s > 0:
             self.journal.put(response_id, parent, text)
-            self._start_journal()
         return stored
 
     def response_chain(self, response_id: str, partial: bool = False) -> tuple[list[str] | None, str | None]:
@@ -113,7 +113,6 @@ class SchedulerActor:
             return False
         if self.journal is not None and self.cfg.responses_flush_s > 0:
             self.journal.delete(response_id)
-            self._start_journal()
         return True
 
     def response_stats(self) -> dict[str, int]:
@@ -122,44 +121,56 @@ class SchedulerActor:
         return {**self.responses.stats(), **({"journal": dict(self.journal.stats)} if self.journal else {})}
 
     def _start_journal(self) -> None:
-        if self._journal_task is None or self._journal_task.done():
+        if self.journal is not None and (self._journal_task is None or self._journal_task.done()):
             self._journal_task = asyncio.get_running_loop().create_task(self._journal_loop())
 
     async def _journal_loop(self) -> None:
-        """Every `responses_flush_s`: the store's changes since the last write as a journal segment, and a save of
-        the store where one is due (`ResponseJournal`). A write that fails is retried with the next; a save that
-        fails, after `RESPONSES_RETRY_S` (logged once a minute at most)."""
-        warned = 0.0
+        """This server's part of the records' folder (`response_store`): a heartbeat every `BEAT_S`; every
+        `responses_flush_s` (where set) the store's changes since the last write as a journal segment, and a save
+        of the store where one is due. A write that fails is retried with the next; a save that fails, after
+        `RESPONSES_RETRY_S` (logged once a minute at most)."""
+        warned = beat = 0.0
+        period = min(BEAT_S, self.cfg.responses_flush_s or BEAT_S)
         while True:
-            await asyncio.sleep(self.cfg.responses_flush_s)
             try:
                 async with self._journal_lock:
+                    if time.monotonic() - beat >= BEAT_S:
+                        await _in_thread(self.journal.beat)
+                        beat = time.monotonic()
                     await self._write_journal(save=False)
+            except asyncio.CancelledError:
+                raise
             except Exception as e:  # noqa: BLE001 - the store serves on; the lines wait for the next write
                 if time.monotonic() - warned > 60:
                     warned = time.monotonic()
                     log.warning("stored responses' journal not written to %s: %s: %s", self.cfg.disk_cache,
                                 type(e).__name__, e)
+            await asyncio.sleep(period)
 
     async def _write_journal(self, save: bool) -> None:
         """(Under `_journal_lock`.) The lines queued as one segment, then a save of the store where one is due
-        or `save` (a graceful stop's); the records a save took over from quiet writers join the store."""
+        or `save` (a graceful stop's); what a save took over from quiet servers joins the store as its oldest."""
         journal, store = self.journal, self.responses
         lines = journal.take()
         if lines:
             try:
-                await asyncio.to_thread(journal.write, lines)
-            except BaseException:
+                await _in_thread(journal.write, lines)
+            except asyncio.CancelledError:
+                journal.requeue(lines)
+                raise
+            except Exception:
                 journal.requeue(lines)
                 if not save:
                     raise
         if save or (journal.due() and time.monotonic() >= self._save_after):
             try:
-                saved = await asyncio.to_thread(journal.compact, store.lines())
+                saved = await _in_thread(journal.compact, store.lines())
+            except asyncio.CancelledError:
+                raise
             except Exception:
                 self._save_after = time.monotonic() + RESPONSES_RETRY_S
                 raise
-            store.load(saved.adopted, missing_only=True)
+            merge_records(store, [saved.adopted], missing_only=True, oldest=True)
 
     async def _save_responses(self) -> None:
         """A graceful stop's save: the journal's loop stopped (once no write of its is in flight), then the lines
@@ -213,11 +224,12 @@ class SchedulerActor:
         pages = 0 if self.dead is not None else await self.gpu.save_cache.remote(budget_s)
         store = self.responses
         if self.journal is not None and (len(store) or store.deleted):
-            write = self._save_responses()
-            try:
-                await asyncio.wait_for(write, RESPONSES_SAVE_S)
-            except Exception as e:  # noqa: BLE001 - a stop goes on without them
-                log.warning("stored responses not saved to %s: %s: %s", self.cfg.disk_cache, type(e).__name__, e)
+            write = asyncio.ensure_future(self._save_responses())
+            done, _ = await asyncio.wait({write}, timeout=RESPONSES_SAVE_S)  # not cancelled: it may still land
+            why = (f"{type(write.exception()).__name__}: {write.exception()}" if done and write.exception()
+                   else None if done else f"not done within {RESPONSES_SAVE_S} s")
+            if why is not None:  # a stop goes on without them
+                log.warning("stored responses not saved to %s: %s", self.cfg.disk_cache, why)
         return pages
 
     async def abort(self, request_id: str) -> None:
@@ -392,3 +404,14 @@ def scheduler_handle(app_config: dict[str, Any]) -> Any:
     name = f"{app_config.get('name', 'decapybara')}-scheduler"
     cls = ray.remote(SchedulerActor).options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=1000)
     return cls.remote(app_config)
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` on a thread, awaited whole: a cancellation waits for the thread to finish before it is raised,
+    so a lock held around this call covers the thread's work (the journal's writes and saves never overlap)."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait({fut})
+        raise

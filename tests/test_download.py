@@ -22,7 +22,7 @@ import pytest
 from conftest import DEMO, ROOT
 from decapybara.launcher import download as dl
 
-REPO, TOKEN = "capy-org/demo-mcapy", "hf_secret"
+REPO, TOKEN, COMMIT = "capy-org/demo-mcapy", "hf_secret", "c" * 40
 
 
 class FakeHub(http.server.ThreadingHTTPServer):
@@ -44,6 +44,7 @@ class FakeHub(http.server.ThreadingHTTPServer):
         self.failures = 0  # ... this many times
         self.stall_after: int | None = None  # the CDN stops sending once it has sent this many bytes in all
         self.corrupt = False  # the CDN flips a byte of what it sends
+        self.cdn_errors: list[int] = []  # statuses the CDN answers its next GETs with (a busy server, an expired link)
         self.lock = threading.Lock()
         self.sent = 0  # CDN body bytes sent
         self.cdn_gets: list[str | None] = []  # each CDN GET's Range header
@@ -101,14 +102,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if start + hub.page < len(entries):
                 headers["Link"] = f'<{url.path}?recursive=true&cursor={start + hub.page}>; rel="next"'
             return self._send(200, json.dumps(entries[start:start + hub.page]).encode(), headers)
-        if url.path.startswith(f"/{REPO}/resolve/main/"):
+        if url.path.startswith(f"/{REPO}/resolve/"):
             if not self._authorised():
                 return
-            path = urllib.parse.unquote(url.path.split("/resolve/main/", 1)[1])
+            rev, path = url.path.split("/resolve/", 1)[1].split("/", 1)
+            path = urllib.parse.unquote(path)
+            if rev not in ("main", COMMIT):
+                return self._send(404, b"Revision not found")
             if path not in hub.files:
                 return self._send(404, b"Entry not found")
             data, lfs = hub.files[path]
-            headers = {"Location": f"http://localhost:{port}/cdn/{urllib.parse.quote(path)}", "X-Repo-Commit": "c" * 40}
+            headers = {"Location": f"http://localhost:{port}/cdn/{urllib.parse.quote(path)}", "X-Repo-Commit": COMMIT}
             if lfs:
                 headers |= {"X-Linked-Size": str(len(data)), "X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"'}
             return self._send(302, b"", headers)
@@ -124,6 +128,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             hub.cdn_gets.append(rng)
             if self.headers.get("Authorization"):
                 hub.cdn_auth.append(self.headers["Authorization"])
+            error = hub.cdn_errors.pop(0) if hub.cdn_errors and rng != "bytes=0-0" else None
+        if error is not None:
+            return self._send(error, b"try again")
         start, end = 0, len(data)
         code, headers = 200, {"Accept-Ranges": "bytes"} if hub.ranges else {}
         if rng and hub.ranges:
@@ -294,3 +301,37 @@ def test_the_cli_names_the_weights_to_choose_and_refuses_bad_names(hub, tmp_path
     assert _cli(["download", REPO, "other.bin", "--dir", str(tmp_path), "--connections", "2"], env) == 0
     assert (tmp_path / "other.bin").read_bytes() == hub.files["sub/other.bin"][0]
     assert list(tmp_path.iterdir()) == [tmp_path / "other.bin"]
+
+
+def test_one_connection_resumes_and_busy_or_expired_links_are_asked_again(hub, tmp_path, monkeypatch):
+    """A one-part download whose connection drops goes on from its offset with a Range request, and a run
+    interrupted by a failing server resumes the same way; a busy CDN (503) and an expired link (403) are asked
+    again; a file outside LFS gets its size from where it is served; a file that changed on the Hub is refused."""
+    monkeypatch.setattr(dl, "BACKOFF_S", 0.01)
+    files = _files(hub)
+    demo = files["demo.mcapy"]
+    hub.fail_after, hub.failures = 3_000_000, 2
+    path = dl.download_file(demo, tmp_path / "a", connections=1, endpoint=hub.endpoint)
+    assert path.read_bytes() == Path(DEMO).read_bytes() and hub.sent == demo.size + 1
+    assert [r for r in hub.cdn_gets if r != "bytes=0-0"] == [
+        f"bytes=0-{demo.size - 1}", f"bytes=3000000-{demo.size - 1}", f"bytes=6000000-{demo.size - 1}"]
+
+    hub.fail_after, hub.failures = 5_000_000, 1  # then every connection drops before its first byte: gives up
+    monkeypatch.setattr(dl, "RETRIES", 0)
+    with pytest.raises(dl.HubError, match="resume"):
+        dl.download_file(demo, tmp_path / "b", connections=1, endpoint=hub.endpoint)
+    hub.fail_after = None
+    path = dl.download_file(demo, tmp_path / "b", connections=1, endpoint=hub.endpoint)  # the next run resumes
+    assert path.read_bytes() == Path(DEMO).read_bytes()
+    assert [r for r in hub.cdn_gets if r != "bytes=0-0"][-1] == f"bytes=5000000-{demo.size - 1}"
+
+    monkeypatch.setattr(dl, "RETRIES", 5)
+    hub.cdn_errors = [503, 403, 429]
+    path = dl.download_file(files["sub/other.bin"], tmp_path / "c", endpoint=hub.endpoint)
+    assert path.read_bytes() == hub.files["sub/other.bin"][0] and hub.cdn_errors == []
+
+    readme = dl.file_info(REPO, "README.md", endpoint=hub.endpoint)  # no X-Linked-Size: the CDN's length
+    assert readme.size == len(b"# demo weights\n") and readme.sha256 is None
+    changed = dl.RemoteFile(REPO, "main", "demo.mcapy", demo.size + 7, None, None)
+    with pytest.raises(dl.HubError, match="it changed"):
+        dl.download_file(changed, tmp_path / "d", endpoint=hub.endpoint, min_part=1 << 20)

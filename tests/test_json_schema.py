@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+import zlib
 from enum import Enum
 from typing import Literal
 
@@ -104,6 +106,14 @@ SCHEMAS = {
     "unevaluated": {"type": "object", "unevaluatedProperties": False},
     "one_of_required": {"type": "object", "properties": {"url": {"type": "string"}, "path": {"type": "string"}},
                         "oneOf": [{"required": ["url"]}, {"required": ["path"]}]},
+    "patterns": {"type": "object", "properties": {
+        "fn": {"type": "string", "pattern": "^[a-z_][a-z0-9_]*\\(\\w*\\)$"},
+        "version": {"pattern": "^v?\\d{1,3}(\\.\\d{1,3}){0,2}(-(alpha|beta))?$"},
+        "quoted": {"type": "string", "pattern": "^[\"\\\\\n\t\u00e9\u2192x]{2,4}$"},
+        "short": {"type": "string", "pattern": "^[A-Z]", "maxLength": 4},
+        "day": {"type": "string", "format": "date", "pattern": "^2026-12-"},
+        "loose": {"type": "string", "pattern": "ab|^c"}},
+        "required": ["fn", "version", "quoted", "short", "day", "loose"]},
     "all_of_closed": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}},
                                  "additionalProperties": False}, {"properties": {"y": {"type": "string"}}}]},
 }
@@ -215,8 +225,60 @@ def test_whitespace_runs_and_the_lead_are_bounded():
     assert dfa.terminal[s]  # the object closed: the answer ends
 
 
+# (ECMA-262 pattern, the same language for Python's `re.search` over the test alphabet: `$` is `\Z` there)
+PATTERNS = [
+    ("^[a-z]+-\\d{2}$", r"^[a-z]+-\d{2}\Z"),
+    ("ab", "ab"),
+    ("^(foo|ba+r)*$", r"^(foo|ba+r)*\Z"),
+    ("[^a-c]{2,3}$", r"[^a-c]{2,3}\Z"),
+    ("^\\w+@\\w+\\.(com|org)$", r"^\w+@\w+\.(com|org)\Z"),
+    ("^\u00e9?\u2192+\U0001F600*$", "^\u00e9?\u2192+\U0001F600*\\Z"),
+    ('^["\\\\]+$', '^["\\\\]+\\Z'),
+    ("^[\\s\\S]{0,3}$", r"^[\s\S]{0,3}\Z"),
+    ("^\\d{3}(?:-\\d{4})?$", r"^\d{3}(?:-\d{4})?\Z"),
+    ("(?:x|y){2}z|^q", "(?:x|y){2}z|^q"),
+    ("^[\\u0041-\\u0043]\\x44$", r"^[A-C]D\Z"),
+    ("^.*$", r"^.*\Z"),
+    ("^a.c", "^a.c"),
+    ("^(?<word>[^\\d\\s]+?)\\.{1,}$", r"^(?P<word>[^\d\s]+?)\.{1,}\Z"),
+    ("^\\t\\n[\\b]?$", "^\t\n[\b]?\\Z"),
+    ("^[-a]+[a-]$", r"^[-a]+[a-]\Z"),
+    ("x{2}y{1,}z{0,1}$", r"x{2}y{1,}z{0,1}\Z"),
+]
+ALPHABET = ["a", "b", "c", "f", "o", "r", "q", "x", "y", "z", "A", "D", "0", "1", "5", "-", ".", "@", "_", " ", '"',
+            "\\", "\n", "\t", "\b", "\u00e9", "\u2192", "\U0001F600", "com"]
+
+
+@pytest.mark.parametrize("ecma, python", PATTERNS)
+def test_a_pattern_accepts_the_strings_it_matches_and_no_other(ecma, python):
+    """A string schema's `pattern` (engine/regex.py) accepts a JSON string exactly where the pattern matches its
+    text (searched, as JSON Schema says), over random strings and those the pattern's own examples make, each
+    written as json.dumps writes it."""
+    dfa = compile_schema({"type": "string", "pattern": ecma})
+    rx = re.compile(python, re.ASCII)
+    rng = np.random.default_rng(zlib.crc32(ecma.encode()))
+    texts = ["", "ab", "foo", "bar", "baar", "foobar", "ab-12", "xyz", "q", "xxyyz", "abc", "a@b.com", "123",
+             "123-4567", "\u00e9\u2192\u2192", "\u2192", '"\\"', "ABD", "a-", "-a", "word.", "w0rd..", "\t\n",
+             "\t\n\b", "\n", "AD", "CD", "xxyz"]
+    texts += ["".join(rng.choice(ALPHABET, rng.integers(0, 7))) for _ in range(400)]
+    hits = 0
+    for text in texts:
+        want = rx.search(text) is not None
+        hits += want
+        assert dfa.matches(json.dumps(text, ensure_ascii=False).encode()) == want, (ecma, text)
+    assert hits > 0
+    rng = np.random.default_rng(0)  # what the automaton writes, read back, matches
+    dist = distance_to_accept(dfa)
+    for _ in range(50):
+        doc = walk(dfa, rng, dist, budget=40)
+        assert rx.search(json.loads(doc)) is not None, (ecma, doc)
+
+
 @pytest.mark.parametrize("schema, says", [
-    ({"type": "string", "pattern": "^a+$"}, "pattern"),
+    ({"type": "string", "pattern": "^(a)\\1$"}, "backreference"),
+    ({"type": "string", "pattern": "a(?=b)"}, "lookaround"),
+    ({"type": "string", "pattern": "a^b"}, "start and end"),
+    ({"type": "string", "pattern": "[]"}, "admits no value"),
     ({"type": "integer", "multipleOf": 3}, "multipleOf"),
     ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ({"not": {"type": "null"}}, "not"),
@@ -332,6 +394,38 @@ def test_the_engines_answers_follow_the_schema_alone_or_batched(thinking):
     assert stopped >= 2
 
 
+def test_the_engines_answers_match_their_patterns():
+    """The demo model's answers under a schema of patterns (beside a length and a format too), greedy and sampled:
+    each that ends by itself validates (jsonschema reads `pattern` with Python's re), each cut is a prefix."""
+    m = demo()
+    tok = m.tokenizer
+    prompt = tuple(tok.apply_chat([{"role": "user", "content": "Name a Python function and its version."}],
+                                  enable_thinking=False))
+    schema = {"type": "object", "properties": {  # bounded: the tiny model's answers end
+        "fn": {"type": "string", "pattern": "^[a-z_]{1,12}\\(\\)$"},
+        "version": {"pattern": "^v?\\d{1,3}(\\.\\d{1,3}){0,2}$"},
+        "short": {"type": "string", "pattern": "^[A-Z]", "maxLength": 4},
+        "day": {"type": "string", "format": "date", "pattern": "^2026-12-"},
+        "code": {"type": "string", "pattern": "^(ab|c)[0-9]{0,3}$"}}, "required": ["fn", "version", "short", "day", "code"]}
+    params = [SamplingParams(temperature=0, max_tokens=200, json_schema=schema_text(schema)),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=200, json_schema=schema_text(schema)),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=200, json_schema=schema_text(schema))]
+    outs, ends = run(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok),
+                     [Request(prompt, p, f"s{i}") for i, p in enumerate(params)])
+    dfa, stopped = compile_schema(schema), 0
+    for i in range(len(params)):
+        text = answer_text(tok, outs[f"s{i}"])
+        if ends[f"s{i}"] == "stop":
+            jsonschema.validate(parse(text), schema)
+            stopped += 1
+        else:
+            s, w = dfa.start, 0
+            for b in text:
+                s, w = dfa.step(s, w, b)
+            assert s >= 0, text
+    assert stopped >= 2
+
+
 @pytest.mark.parametrize("extra", [{"min_tokens": 60}, {"ignore_eos": True}])
 def test_an_answer_ends_where_its_schemas_value_closes(extra):
     """The answer ends (stop) with the token that closes the schema's object, whatever min_tokens or ignore_eos
@@ -370,7 +464,7 @@ def test_a_schema_the_engine_cannot_enforce_is_an_invalid_request():
 
     m = demo()
     engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=m.tokenizer)
-    bad = SamplingParams(max_tokens=4, json_schema=schema_text({"type": "string", "pattern": "x"}))
+    bad = SamplingParams(max_tokens=4, json_schema=schema_text({"type": "string", "pattern": "(x)\\1"}))
     with pytest.raises(InvalidRequestError, match="pattern"):
         engine.add_request(Request((1, 2, 3), bad, "bad"))
     with pytest.raises(InvalidRequestError, match="json_object"):
@@ -383,7 +477,7 @@ TOOLS = [
         "required": ["path"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "list_dir"}},  # no parameters: no arguments
     {"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {
-        "pattern": {"type": "string", "pattern": "^[a-z]+$"}}}}},  # not enforced here: any JSON object
+        "pattern": {"type": "string", "pattern": "^([a-z])\\1$"}}}}},  # not enforced here: any JSON object
 ]
 
 
@@ -469,7 +563,7 @@ def test_the_driver_builds_a_new_schemas_automaton_on_the_submitting_thread():
     call = "calls:" + schema_text(json.loads(spec)["tools"])  # a forced reply runs on its tools' groups' automata
     json_schema.forget(schema)
     json_schema.forget(call)
-    bad = schema_text({"type": "string", "pattern": "x"})
+    bad = schema_text({"type": "string", "pattern": "(x)\\1"})
     driver.submit(Control(add=[Request((1, 2), SamplingParams(max_tokens=2, json_schema=schema), "a"),
                                Request((1, 2), SamplingParams(max_tokens=2, tool_calls=spec), "b"),
                                Request((1, 2), SamplingParams(max_tokens=2, json_schema=bad), "c")]))

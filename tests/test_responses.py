@@ -116,7 +116,7 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(stack):  # noqa: F811
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type"),
     ({"input": "x", "tools": TOOLS_R, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string",
-                                                                                      "pattern": "a"}}}},
+                                                                                      "pattern": "(a)\\1"}}}},
      "text.format.schema"),
 ])
 def test_bad_input_is_a_400_naming_the_field(stack, body, param):  # noqa: F811
@@ -543,3 +543,64 @@ def test_the_journal_outlives_a_crash(tmp_path, monkeypatch):
     for i in range(10):  # a queue past the budget drops its oldest lines
         small.put(f"q{i}", None, "y" * 10)
     assert small.queued_bytes <= 64 and small.stats["dropped"] > 0 and json.loads(small.queued[-1])[0] == "q9"
+
+
+def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
+    """A writer whose heartbeat is fresh keeps its files however old its records are, so two idle servers saving
+    at once lose nothing; a takeover of a quiet writer that deleted a record this store still holds drops it here
+    too; a segment left behind holding a record its writer's saved file deletes does not bring it back; saved files
+    are read oldest first, so under the budget the newest writer's records stay."""
+    from decapybara.api import response_store as rs
+
+    folder, root = str(tmp_path), tmp_path / rs.JOURNAL_NAME
+    old = time.time() - rs.STALE_S - 5
+
+    def store(*ids, budget=1 << 20):
+        st = rs.ResponseStore(budget)
+        for rid in ids:
+            st.put(rid, None, _rec(rid))
+        return st
+
+    a, b = store("a1"), store("b1")
+    ja, jb = rs.ResponseJournal(folder, 1 << 20, writer="aaaa"), rs.ResponseJournal(folder, 1 << 20, writer="bbbb")
+    ja.compact(a.lines()), jb.compact(b.lines())
+    for name in ("aaaa.jsonl", "bbbb.jsonl"):
+        os.utime(root / name, (old, old))
+    ja.beat(), jb.beat()  # both alive: neither takes the other over, whatever their files' age
+    assert ja.compact(a.lines()).adopted == [] and jb.compact(b.lines()).adopted == []
+    fresh = rs.ResponseStore(1 << 20)
+    rs.load_records(fresh, folder)
+    assert sorted(fresh._entries) == ["a1", "b1"]
+
+    c, d = store("x", "c1"), store("x", "d1")  # c deletes x, which d still holds; then c goes quiet
+    c.delete("x")
+    jc, jd = rs.ResponseJournal(folder, 1 << 20, writer="cccc"), rs.ResponseJournal(folder, 1 << 20, writer="dddd")
+    jc.compact(c.lines())
+    for name in ("cccc.jsonl",):
+        os.utime(root / name, (old, old))
+    saved = jd.compact(d.lines())
+    assert rs.merge_records(d, [saved.adopted], missing_only=True, oldest=True) == 1  # c1, as d's oldest
+    assert d.get("x") is None and "x" in d.deleted and list(d._entries) == ["c1", "d1"]
+    fresh = rs.ResponseStore(1 << 20)
+    rs.load_records(fresh, folder)
+    assert fresh.get("x") is None and sorted(fresh._entries) == ["a1", "b1", "c1", "d1"]
+
+    e = store("y")
+    je = rs.ResponseJournal(folder, 1 << 20, writer="eeee")
+    je.put("y", None, _rec("y"))
+    leftover = je.write(je.take())
+    e.delete("y")
+    (root / "eeee.jsonl").write_text("".join(e.lines()))  # its save, whose deletion of the segment failed
+    assert os.path.exists(leftover)
+    fresh = rs.ResponseStore(1 << 20)
+    rs.load_records(fresh, folder)
+    assert fresh.get("y") is None
+
+    other = tmp_path / "other" / rs.JOURNAL_NAME
+    other.mkdir(parents=True)
+    for i, name in enumerate(("ffff", "0000")):  # 0000 is newer, though its name sorts first
+        (other / f"{name}.jsonl").write_text(rs.put_line(f"{name}-r", None, _rec(f"{name}-r")))
+        os.utime(other / f"{name}.jsonl", (old + i, old + i))
+    small = rs.ResponseStore(len(_rec("ffff-r")) + 5)
+    rs.load_records(small, str(tmp_path / "other"))
+    assert list(small._entries) == ["0000-r"]

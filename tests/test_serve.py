@@ -132,6 +132,7 @@ def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):
     class Person(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=12)
         age: int = pydantic.Field(ge=0, le=150)
+        handle: str = pydantic.Field(pattern=r"^@[a-z_]{1,10}$")  # pydantic checks it again when it parses
 
     msgs = [{"role": "user", "content": "A person as JSON."}]
     r = oai.chat.completions.parse(model="m", messages=msgs, response_format=Person, max_tokens=400, temperature=0,
@@ -145,13 +146,15 @@ def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):
                            output_format=Pet)
     assert isinstance(m.parsed_output, Pet) and m.stop_reason == "end_turn"
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
-        "path": {"type": "string", "maxLength": 40}}, "required": ["path"], "additionalProperties": False}}}]
+        "path": {"type": "string", "maxLength": 40, "pattern": "\\.py$"}}, "required": ["path"],
+        "additionalProperties": False}}}]
     r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Read setup.py."}], tools=tools,
                                     tool_choice="required", parallel_tool_calls=False, max_tokens=200,
                                     temperature=0, reasoning_effort="none")
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "read_file"
     assert set(json.loads(call.function.arguments)) == {"path"}
+    assert json.loads(call.function.arguments)["path"].endswith(".py")
 
 
 def test_anthropic_messages_stream_events_and_count_tokens(ant, local):

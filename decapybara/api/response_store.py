@@ -19,15 +19,17 @@ folder). Each server (a writer, named afresh at each start) keeps two kinds of f
 `save_records` at a graceful stop and whenever its journal grows past a quarter of the budget. Between saves, its
 journal (`ResponseJournal`) turns the records put and the ids deleted since the last write into a segment every
 `responses_flush_s` (`<time ns>-<writer>.jsonl`), so a server killed mid-run loses at most one interval. A start
-(`load_records`) reads every saved file's records, then their deletions, then the segments oldest first. A save
+(`load_records`) reads the saved files, oldest first, then the segments oldest first; a deletion read anywhere
+wins over a put read anywhere (`merge_records`: ids are never reused, so such a put is a stale copy). A save
 deletes its own segments and takes over the files of writers quiet for `STALE_S` (a stopped or crashed
-server's: merged into its own file, then deleted); it never deletes a live writer's, so servers sharing the folder
-(two on a host under the default one) lose nothing to each other. Lines are `[id, parent, text]`, a deletion
-`[id, null, null]`.
+server's: merged into its own file, then deleted). A live writer beats every `BEAT_S` (`<writer>.alive`), so its
+files are never taken over, however idle: servers sharing the folder (two on a host under the default one) lose
+nothing to each other. Lines are `[id, parent, text]`, a deletion `[id, null, null]`.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
@@ -46,6 +48,8 @@ MAX_CHAIN = 100_000  # turns followed back before a chain is taken for a cycle
 JOURNAL_NAME = "responses.d"  # the records' folder (saved files, segments), in the disk tier's folder
 _SEGMENT = re.compile(r"(\d{20})-([0-9a-f]+)\.jsonl")  # a segment's name: its time (ns), its writer
 _SAVED = re.compile(r"([0-9a-f]+)\.jsonl")  # a writer's saved file
+_ALIVE = re.compile(r"([0-9a-f]+)\.alive")  # a writer's heartbeat
+BEAT_S = 120.0  # a live writer's heartbeat interval (well under STALE_S)
 COMPACT_MIN_BYTES = 1 << 20  # segment bytes written before a save is due, at least (ResponseJournal.due)
 COMPACT_SEGMENTS = 1_000  # segments written before a save is due, at most
 STALE_S = 600.0  # another writer quiet this long (a stopped or crashed server) has its files taken over
@@ -170,17 +174,19 @@ class ResponseStore:
         return ([put_line(rid, e.parent, e.text) for rid, e in self._entries.items()]
                 + [delete_line(rid) for rid in self.deleted])
 
-    def load(self, lines: list[str], puts: bool = True, deletions: bool = True, missing_only: bool = False) -> int:
+    def load(self, lines: list[str], missing_only: bool = False, oldest: bool = False) -> int:
         """Apply `lines` (`lines`' form) in their order: each record put (replacing one of its id, ranked newest;
-        with `missing_only`, only those not here) where `puts`, each deletion applied and remembered where
-        `deletions`; lines that do not read (a torn file) are passed over. Returns the records put."""
+        with `missing_only`, only those not here; with `oldest`, ranked the least recently used, so the first to
+        go), each deletion applied and remembered; lines that do not read (a torn file) are passed over. Returns
+        the records put."""
         n = 0
         for rid, parent, text in _parsed(lines):
             if text is None:
-                if deletions:
-                    self._drop(rid)
-                    self._remember(rid)
-            elif puts and not (missing_only and rid in self._entries) and self.put(rid, parent, text):
+                self._drop(rid)
+                self._remember(rid)
+            elif not (missing_only and rid in self._entries) and self.put(rid, parent, text):
+                if oldest and rid in self._entries:
+                    self._entries.move_to_end(rid, last=False)
                 n += 1
         return n
 
@@ -228,15 +234,48 @@ def _read_lines(fs: Any, path: str) -> list[str]:
 @dataclass(slots=True)
 class _Folder:
     """What the records' folder holds: each writer's saved file, the segments oldest first ((stamp, writer,
-    path)), and temporary files (path -> modification time, or None where the listing gives none)."""
+    path)), each writer's heartbeat file, temporary files, and the files' modification times (seconds; None where
+    the listing gives none)."""
 
     saved: dict[str, str]
     segments: list[tuple[int, str, str]]
-    temps: dict[str, float | None]
+    alive: dict[str, str]
+    temps: list[str]
+    times: dict[str, float | None]
 
-    def newest(self, writer: str) -> int:
-        """The stamp of `writer`'s newest segment (0: none)."""
-        return max((t for t, w, _ in self.segments if w == writer), default=0)
+    def writers(self) -> set[str]:
+        return set(self.saved) | set(self.alive) | {w for _, w, _ in self.segments}
+
+    def last_seen(self, writer: str) -> float | None:
+        """When `writer` last wrote here (its heartbeat, saved file or newest segment), in seconds; None where a
+        file of its has no known time (it is then never taken for quiet)."""
+        times = [self.times.get(p) for p in (self.saved.get(writer), self.alive.get(writer)) if p is not None]
+        if any(t is None for t in times):
+            return None
+        times += [t / 1e9 for t, w, _ in self.segments if w == writer]
+        return max(times, default=0.0)
+
+    def saved_oldest_first(self) -> list[str]:
+        return [p for _, p in sorted((self.times.get(p) or 0.0, p) for p in self.saved.values())]
+
+
+def _info_time(info: dict) -> float | None:
+    """A listing entry's modification time in seconds (local `mtime`, object stores' `LastModified` / `updated`
+    / `created`, a naive datetime read as UTC)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        t = info.get(key)
+        if t is None:
+            continue
+        if isinstance(t, int | float):
+            return float(t)
+        if isinstance(t, str):
+            try:
+                t = datetime.datetime.fromisoformat(t)  # Python 3.11 reads a trailing Z
+            except ValueError:
+                continue
+        if isinstance(t, datetime.datetime):
+            return (t if t.tzinfo else t.replace(tzinfo=datetime.UTC)).timestamp()
+    return None
 
 
 def _list_folder(fs: Any, folder: str) -> _Folder:
@@ -244,19 +283,21 @@ def _list_folder(fs: Any, folder: str) -> _Folder:
         infos = fs.ls(folder, detail=True)
     except FileNotFoundError:
         infos = []
-    out = _Folder({}, [], {})
+    out = _Folder({}, [], {}, [], {})
     for info in infos:
         if info.get("type", "file") != "file":
             continue
         path = str(info["name"]).rstrip("/")
         base = path.rsplit("/", 1)[-1]
+        out.times[path] = _info_time(info)
         if m := _SEGMENT.fullmatch(base):
             out.segments.append((int(m.group(1)), m.group(2), path))
         elif m := _SAVED.fullmatch(base):
             out.saved[m.group(1)] = path
+        elif m := _ALIVE.fullmatch(base):
+            out.alive[m.group(1)] = path
         elif base.startswith(".") and base.endswith(".tmp"):
-            t = info.get("mtime", info.get("LastModified", info.get("created")))
-            out.temps[path] = t.timestamp() if hasattr(t, "timestamp") else (float(t) if t is not None else None)
+            out.temps.append(path)
     out.segments.sort()
     return out
 
@@ -293,23 +334,35 @@ def _rm(fs: Any, path: str) -> None:
         log.debug("%s not deleted: %s", path, e)
 
 
+def merge_records(store: ResponseStore, sources: list[list[str]], missing_only: bool = False,
+                  oldest: bool = False) -> int:
+    """`sources`' lines into `store`, a deletion anywhere winning over a put anywhere (ids are never reused, so
+    a put of a deleted id is a stale copy): the ids deleted first (forgotten, remembered), then every put of
+    another id in the sources' order. Returns the records put."""
+    parsed = [_parsed(lines) for lines in sources]
+    gone = {rid for rows in parsed for rid, _, text in rows if text is None}
+    for rid in gone:
+        store._drop(rid)
+        store._remember(rid)
+    n = 0
+    for rows in parsed:
+        n += store.load([put_line(rid, parent, text) for rid, parent, text in rows if text is not None
+                         and rid not in gone], missing_only=missing_only, oldest=oldest)
+    return n
+
+
 def load_records(store: ResponseStore, folder_url: str) -> int:
-    """At start: the records the folder holds into `store`: an earlier version's single file and every writer's
-    saved file (their records first, then their deletions, so a deletion saved by one server forgets another's
-    copy), then the journals' segments oldest first. 0 where there are none or they cannot be read (logged).
-    Returns the records put (one put twice counts twice)."""
+    """At start: the records the folder holds into `store` (`merge_records`: a deletion saved anywhere wins): an earlier
+    version's single file, every writer's saved file (oldest first), then the journals' segments oldest first. 0
+    where there are none or they cannot be read (logged). Returns the records put."""
     import fsspec
 
     try:
         fs, path = fsspec.core.url_to_fs(saved_path(folder_url))
         folder = _list_folder(fs, journal_path(path.rsplit("/", 1)[0]))
-        saved = [_read_lines(fs, path)] + [_read_lines(fs, p) for _, p in sorted(folder.saved.items())]
-        n = sum(store.load(lines, deletions=False) for lines in saved)
-        for lines in saved:
-            store.load(lines, puts=False)
-        for _, _, seg in folder.segments:
-            n += store.load(_read_lines(fs, seg))
-        return n
+        sources = [_read_lines(fs, path)] + [_read_lines(fs, p) for p in folder.saved_oldest_first()]
+        sources += [_read_lines(fs, seg) for _, _, seg in folder.segments]
+        return merge_records(store, sources)
     except Exception as e:  # noqa: BLE001 - a server starts without them rather than not at all
         log.warning("stored responses not read from %s: %s", folder_url, e)
         return 0
@@ -318,7 +371,7 @@ def load_records(store: ResponseStore, folder_url: str) -> int:
 @dataclass(slots=True)
 class Saved:
     """What `save_records` did: the records its file holds, and the lines it took over from writers gone quiet
-    (for the live store to load: records it may not have yet)."""
+    (for the live store to merge: records it may not have, deletions it may not know)."""
 
     records: int
     adopted: list[str]
@@ -327,23 +380,20 @@ class Saved:
 def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: str) -> Saved:
     """Writer `writer`'s store (`ResponseStore.lines`, taken where the store lives) as its saved file in the records'
     folder (`<writer>.jsonl`), then its segments deleted (what they held is in the store, so in the file). The
-    files of other writers quiet for `STALE_S` (a stopped or crashed server's) are taken over first: their saved
-    file's and segments' lines merged under this store's (which rank newest), returned (`Saved.adopted`), and their
-    files deleted; so is an earlier version's single file. A live writer's files are never deleted, so servers
-    sharing the folder lose nothing to each other. Temporary files `STALE_S` old are deleted. Within
-    `budget_bytes`. At a graceful stop, and as the journal's compaction (`ResponseJournal`)."""
+    files of writers quiet for `STALE_S` (no heartbeat, save or segment: a stopped or crashed server's; a live
+    one beats every `BEAT_S`) are taken over first, as is an earlier version's single file: their lines merged
+    under this store's (`merge_records`: a deletion from either wins), returned (`Saved.adopted`), and their files
+    deleted. Temporary files `STALE_S` old are deleted. Within `budget_bytes`. At a graceful stop, and when the
+    journal is due (`ResponseJournal`)."""
     import fsspec
 
     fs, legacy = fsspec.core.url_to_fs(saved_path(folder_url))
     root = journal_path(legacy.rsplit("/", 1)[0])
     folder = _list_folder(fs, root)
-    now = time.time_ns()
-    stale = now - int(STALE_S * 1e9)
-    quiet = {w for w in folder.saved if w != writer and folder.newest(w) < stale
-             and _mtime_ns(fs, folder.saved[w], now) < stale}
-    quiet |= {w for _, w, _ in folder.segments if w != writer and folder.newest(w) < stale and w not in folder.saved}
+    stale = time.time() - STALE_S
+    quiet = {w for w in folder.writers() - {writer} if (t := folder.last_seen(w)) is not None and t < stale}
     adopted = _read_lines(fs, legacy)
-    for w in sorted(quiet):
+    for w in sorted(quiet, key=lambda w: folder.last_seen(w) or 0.0):
         if w in folder.saved:
             adopted += _read_lines(fs, folder.saved[w])
     for _, w, seg in folder.segments:
@@ -351,30 +401,22 @@ def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: s
             adopted += _read_lines(fs, seg)
     adopted = [line + "\n" for line in adopted if _parsed([line])]  # torn lines left out
     merged = ResponseStore(budget_bytes)
-    merged.load(adopted)
-    merged.load(lines)
+    merge_records(merged, [adopted, lines])
     fs.makedirs(root, exist_ok=True)
     _write(fs, f"{root}/{writer}.jsonl", "".join(merged.lines()).encode())
     for _, w, seg in folder.segments:
         if w == writer or w in quiet:
             _rm(fs, seg)
     for w in quiet:
-        if w in folder.saved:
-            _rm(fs, folder.saved[w])
+        for files in (folder.saved, folder.alive):
+            if w in files:
+                _rm(fs, files[w])
     if adopted and fs.exists(legacy):
         _rm(fs, legacy)
-    for tmp, t in folder.temps.items():
-        if t is not None and t * 1e9 < stale:
+    for tmp in folder.temps:
+        if (t := folder.times.get(tmp)) is not None and t < stale:
             _rm(fs, tmp)
     return Saved(len(merged), adopted)
-
-
-def _mtime_ns(fs: Any, path: str, default: int) -> int:
-    try:
-        t = fs.modified(path)
-        return int(t.timestamp() * 1e9)
-    except (NotImplementedError, OSError, AttributeError):
-        return default  # unknown: counted as now, so never taken for quiet
 
 
 class ResponseJournal:
@@ -438,6 +480,17 @@ class ResponseJournal:
         self.stats["segments"] += 1
         self.stats["lines"] += len(lines)
         return path
+
+    def beat(self) -> None:
+        """This writer's heartbeat (`<writer>.alive`, its time what counts): a live server's files are never taken
+        over, however long it stores nothing (on any thread)."""
+        import fsspec
+
+        fs, folder = fsspec.core.url_to_fs(journal_path(self.folder))
+        if not self._made:
+            fs.makedirs(folder, exist_ok=True)
+            self._made = True
+        fs.pipe_file(f"{folder}/{self.writer}.alive", str(time.time()).encode())
 
     def due(self) -> bool:
         """Whether the owner should save now."""

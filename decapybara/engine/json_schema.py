@@ -21,11 +21,13 @@ does not write, such as `1.0` as an integer or properties in another order, is n
   digits in all (so the double a client parses keeps its order against the bound);
 - strings: escapes `\\u` only where the length is not bounded (a character is then written as itself), and
   no lone surrogate; the formats `date`, `time`, `date-time` and `uuid` written as they are (pydantic's date,
-  time, datetime and UUID fields parse them), any other `format` an annotation;
+  time, datetime and UUID fields parse them), any other `format` an annotation; a `pattern` (engine/regex.py:
+  what it matches anywhere in the string unless anchored) with each character written as itself, or as its
+  short escape where JSON needs one; beside a length or a format, the product of the two automata;
 - values the schema leaves free (`{}`, `true`, an object or array without a schema for its members) nest at most
   `FREE_DEPTH` levels; a recursive `$ref` is expanded `REF_DEPTH` times, past which its branch is not taken;
 - whitespace between tokens as JSON mode allows it (runs of at most `MAX_WS` bytes, `TOP_WS` before the value).
-Keywords that assert what the automaton does not enforce (`pattern`, `multipleOf`, `uniqueItems`, `not`,
+Keywords that assert what the automaton does not enforce (`multipleOf`, `uniqueItems`, `not`,
 `if`, `minProperties`, ...) are refused (`SchemaError`, a 400 at the API), as is a schema whose automaton would
 pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `description`, `format`, `default`,
 ...) and unknown keywords are ignored, as JSON Schema says.
@@ -50,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from decapybara.engine import regex
 from decapybara.engine.json_mode import MAX_WS, RESERVED, TOP_WS, JsonVocab, MaskCache
 from decapybara.engine.json_mode import WS as _WS_TABLE  # bool [256]: the whitespace bytes
 
@@ -63,7 +66,7 @@ MAX_DFA = 60_000
 MAX_CACHED = 4096  # compiled automata kept (`_cached`: schemas, tool calls, each tool's arguments and call) ...
 MAX_CACHED_BYTES = 256 << 20  # ... and their tables' bytes at most
 
-UNSUPPORTED = ("pattern", "patternProperties", "propertyNames", "minProperties", "maxProperties",
+UNSUPPORTED = ("patternProperties", "propertyNames", "minProperties", "maxProperties",
                "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else", "contains",
                "minContains", "maxContains", "multipleOf", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
@@ -98,6 +101,8 @@ PLAIN = _span(0x20, RESERVED - 1) & ~_bits(b'"\\')  # string content bytes that 
 OPEN_TAG, CLOSE_TAG = bytes([RESERVED]), bytes([RESERVED + 1])  # `<tool_call>`, `</tool_call>` as the automata read
 TAGS = ((b"<tool_call>", OPEN_TAG), (b"</tool_call>", CLOSE_TAG))
 ASCII_PLAIN = PLAIN & _span(0x20, 0x7F)
+_JSON_ESCAPES = {0x22: b'\\"', 0x5C: b"\\\\", 0x08: b"\\b", 0x0C: b"\\f", 0x0A: b"\\n", 0x0D: b"\\r",
+                 0x09: b"\\t"}  # a pattern's code points that JSON writes escaped (others under 0x20: \\u00xx)
 CONT = _span(0x80, 0xBF)
 UTF8 = ((_span(0xC2, 0xDF), CONT), (1 << 0xE0, _span(0xA0, 0xBF), CONT), (_span(0xE1, 0xEC), CONT, CONT),
         (1 << 0xED, _span(0x80, 0x9F), CONT), (_span(0xEE, 0xEF), CONT, CONT), (1 << 0xF0, _span(0x90, 0xBF), CONT, CONT),
@@ -274,6 +279,13 @@ class _Compiler:
         return q0[0], q1[1]
 
     def string(self, node: dict) -> tuple[int, int]:
+        if "pattern" in node:
+            rest = {k: v for k, v in node.items() if k != "pattern"}
+            if not any(k in rest for k in ("minLength", "maxLength", "format")):
+                return self.pattern(node["pattern"])
+            # beside a length or a format: the strings both automata accept (their product)
+            dfas = [self.alone({"type": "string", "pattern": node["pattern"]}), self.alone({**rest, "type": "string"})]
+            return self.nfa.empty() if None in dfas else _embed(self.nfa, _product(dfas, all_of=True))
         lo = _count(node, "minLength", 0)
         hi = _count(node, "maxLength", None)
         if node.get("format") in FORMATS:
@@ -287,6 +299,52 @@ class _Compiler:
             return self.free_string()
         n = self.nfa
         return n.seq(n.lit(b'"'), n.repeat(self.string_char, lo, hi), n.lit(b'"'))
+
+    def pattern(self, pattern: Any) -> tuple[int, int]:
+        """A string whose text `pattern` matches (JSON Schema: anywhere in it, unless anchored; engine/regex.py),
+        each character written as itself, or as its short escape where JSON needs one (`\"`, `\\`, controls)."""
+        try:
+            branches = regex.parse(pattern)
+        except regex.PatternError as e:
+            raise SchemaError(str(e)) from None
+        n = self.nfa
+        alts = []
+        for tree, start, end in branches:
+            parts = [] if start else [n.star(self.code_point(regex.ANY))]
+            parts.append(self.regex_node(tree))
+            if not end:
+                parts.append(n.star(self.code_point(regex.ANY)))
+            alts.append(n.seq(*parts))
+        return n.seq(n.lit(b'"'), n.alt(*alts), n.lit(b'"'))
+
+    def regex_node(self, node: Any) -> tuple[int, int]:
+        self.tick()
+        n, kind = self.nfa, node[0]
+        if kind == "set":
+            return self.code_point(node[1])
+        if kind == "seq":
+            return n.seq(*[self.regex_node(c) for c in node[1]])
+        if kind == "alt":
+            return n.alt(*[self.regex_node(c) for c in node[1]])
+        _, child, lo, hi = node
+        return n.repeat(lambda: self.regex_node(child), lo, hi)
+
+    def code_point(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+        """One code point of `ranges` as a JSON string holds it: printable ASCII as itself (`"` and `\\`
+        escaped), controls by their short escape or `\\u00xx`, the rest as UTF-8."""
+        n = self.nfa
+        plain, frags = 0, []
+        for lo, hi in ranges:
+            for cp in range(lo, min(hi, 0x7F) + 1):
+                if cp < 0x20 or cp in (0x22, 0x5C):
+                    frags.append(n.lit(_JSON_ESCAPES.get(cp) or b"\\u%04x" % cp))
+                else:
+                    plain |= 1 << cp
+        if plain:
+            frags.append(n.cls(plain))
+        for seq in regex.utf8_sequences([(max(lo, 0x80), hi) for lo, hi in ranges if hi >= 0x80]):
+            frags.append(n.seq(*[n.cls(_span(a, b)) for a, b in seq]))
+        return n.alt(*frags) if frags else n.empty()
 
     def formatted(self, fmt: str) -> tuple[int, int]:
         """A string's content in one of `FORMATS`, as RFC 3339 and RFC 4122 write them (dates of real days: the
@@ -631,7 +689,7 @@ class _Compiler:
                 kinds = ["array"]
             elif any(k in node for k in BOUNDS):
                 kinds = ["number"]
-            elif "minLength" in node or "maxLength" in node:
+            elif "minLength" in node or "maxLength" in node or "pattern" in node:
                 kinds = ["string"]
             else:
                 return self.free(FREE_DEPTH)
@@ -1166,6 +1224,11 @@ def _tool_arguments(params: Any) -> SchemaDfa:
 
 def _exactly_one(dfas: list[SchemaDfa]) -> SchemaDfa:
     """The product of `dfas`, accepting where exactly one of them accepts (untrimmed: the outer build trims)."""
+    return _product(dfas, all_of=False)
+
+
+def _product(dfas: list[SchemaDfa], all_of: bool) -> SchemaDfa:
+    """The product of `dfas`, accepting where all of them accept (`all_of`) or exactly one does (untrimmed)."""
     keys = np.stack([d.byte_class for d in dfas], axis=1)  # [256, k]
     _, rep_bytes, byte_class = np.unique(keys, axis=0, return_index=True, return_inverse=True)
     start = tuple(d.start for d in dfas)
@@ -1179,7 +1242,8 @@ def _exactly_one(dfas: list[SchemaDfa]) -> SchemaDfa:
                 continue
             row.append(_state_id(ids, order, nxt))
         rows.append(row)
-    accept = np.array([sum(s >= 0 and bool(d.accept[s]) for d, s in zip(dfas, st)) == 1 for st in order], bool)
+    want = len(dfas) if all_of else 1
+    accept = np.array([sum(s >= 0 and bool(d.accept[s]) for d, s in zip(dfas, st)) == want for st in order], bool)
     counted = np.array([any(s >= 0 and bool(d.counted[s]) for d, s in zip(dfas, st)) for st in order], bool)
     table = np.array(rows, np.int32).reshape(len(order), len(rep_bytes))
     none = np.zeros(len(order), bool)

@@ -49,16 +49,26 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 TOKEN_ENVS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 CONNECTIONS = 8
 MIN_PART_BYTES = 16 << 20  # a part's bytes at least: a small file takes fewer connections
-CHUNK_BYTES = 1 << 20  # read from a connection at a time
+CHUNK_BYTES = 256 << 10  # read from a connection at a time (a stop is seen between reads)
 SAVE_EVERY_BYTES = 32 << 20  # a part's bytes between saves of the progress record (and at its end)
 RETRIES = 5  # failures in a row a part's connection may have before the download stops (resumable)
 BACKOFF_S = 0.25  # the wait after a part's first failure in a row, doubled after each next (at most 8 s)
 TIMEOUT_S = 60.0
+RETRY_CODES = (408, 429, 500, 502, 503, 504)  # statuses a part's connection tries again (with backoff)
 SUFFIX = ".mcapy"
 
 
 class HubError(DecapybaraError):
     """The Hub refused or failed a request, or a download did not check out; the message says what to do."""
+
+
+class HttpStatusError(HubError):
+    """An HTTP error status (`code`); a part's connection retries those in `RETRY_CODES` (and a CDN's 403: an
+    expired link)."""
+
+    def __init__(self, message: str, code: int, url: str) -> None:
+        super().__init__(message)
+        self.code, self.url = code, url  # the URL that answered it (a redirect's target: a CDN's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +112,7 @@ class _RedirectWithoutToken(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+        if new is not None and _origin(newurl) != _origin(req.full_url):
             for k in [k for k in new.headers if k.lower() == "authorization"]:
                 del new.headers[k]
             new.unredirected_hdrs.pop("Authorization", None)
@@ -110,6 +120,11 @@ class _RedirectWithoutToken(urllib.request.HTTPRedirectHandler):
 
 
 _PLAIN = urllib.request.build_opener(_RedirectWithoutToken)
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.netloc
 _NO_REDIRECT = urllib.request.build_opener(_NoRedirect)
 
 
@@ -119,7 +134,7 @@ def _request(url: str, token: str | None, endpoint: str, method: str = "GET",
     endpoint are HubErrors that say what to do; a redirect is returned as is where `redirects` is off."""
     h = dict(headers or {})
     h.setdefault("User-Agent", "decapybara-download")
-    if token and urllib.parse.urlsplit(url).netloc == urllib.parse.urlsplit(endpoint).netloc:
+    if token and _origin(url) == _origin(endpoint):
         h["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, headers=h, method=method)
     try:
@@ -127,17 +142,20 @@ def _request(url: str, token: str | None, endpoint: str, method: str = "GET",
     except urllib.error.HTTPError as e:
         if not redirects and 300 <= e.code < 400:
             return e
-        raise _http_error(e, url, token) from None
+        raise _http_error(e, e.url or url, token, endpoint) from None
 
 
-def _http_error(e: urllib.error.HTTPError, url: str, token: str | None) -> HubError:
-    if e.code in (401, 403):
+def _http_error(e: urllib.error.HTTPError, url: str, token: str | None, endpoint: str) -> HttpStatusError:
+    """The error a status means, said by who answered it (the Hub, or the CDN it redirected to)."""
+    if e.code in (401, 403) and _origin(url) == _origin(endpoint):
         why = ("the token was refused" if token else
                "it needs a token: set HF_TOKEN or pass --token (and accept the model's terms on its page if gated)")
-        return HubError(f"{url}: HTTP {e.code}: {why}")
+        return HttpStatusError(f"{url}: HTTP {e.code}: {why}", e.code, url)
+    if e.code == 403:
+        return HttpStatusError(f"{url}: HTTP 403 from the download's server (an expired link?)", 403, url)
     if e.code == 404:
-        return HubError(f"{url}: not found (HTTP 404): check the repository, revision and file names")
-    return HubError(f"{url}: HTTP {e.code} {e.reason}")
+        return HttpStatusError(f"{url}: not found (HTTP 404): check the repository, revision and file names", 404, url)
+    return HttpStatusError(f"{url}: HTTP {e.code} {e.reason}", e.code, url)
 
 
 def list_files(repo: str, revision: str = "main", endpoint: str | None = None,
@@ -184,8 +202,13 @@ def file_info(repo: str, path: str, revision: str = "main", endpoint: str | None
                     == urllib.parse.urlsplit(ep).netloc and not h.get("X-Linked-Size"):
                 url = urllib.parse.urljoin(url, loc)  # a renamed repository: ask again there
                 continue
-            size = h.get("X-Linked-Size") or h.get("Content-Length")
+            size = h.get("X-Linked-Size")
             etag = (h.get("X-Linked-Etag") or h.get("ETag") or "").strip('"').removeprefix("W/").strip('"')
+            if size is None and 300 <= resp.status < 400 and loc:  # the size is the file's, where it is served
+                with _request(urllib.parse.urljoin(url, loc), tok, ep, method="HEAD") as final:
+                    size = final.headers.get("Content-Length")
+            elif size is None:
+                size = h.get("Content-Length")
         if size is None:
             raise HubError(f"{url}: the server gave no size")
         sha = etag if re.fullmatch(r"[0-9a-f]{64}", etag) else None
@@ -213,16 +236,17 @@ def plan_parts(size: int, connections: int, min_part: int = MIN_PART_BYTES) -> l
 class _Progress:
     """The `.part.json` record: the parts' progress, saved (atomically) after the data it counts is flushed."""
 
-    def __init__(self, path: Path, f: RemoteFile, parts: list[_Part]) -> None:
-        self.path, self.file, self.parts = path, f, parts
+    def __init__(self, path: Path, f: RemoteFile, parts: list[_Part], commit: str | None) -> None:
+        self.path, self.file, self.parts, self.commit = path, f, parts, commit
         self.lock = threading.Lock()
 
     @staticmethod
-    def read(path: Path, f: RemoteFile) -> list[_Part] | None:
-        """The parts of an earlier run of the same file (same size and checksum), or None."""
+    def read(path: Path, f: RemoteFile, commit: str | None) -> list[_Part] | None:
+        """The parts of an earlier run of the same file (same size, checksum and commit), or None."""
         try:
             rec = json.loads(path.read_text())
-            if (rec.get("size"), rec.get("sha256"), rec.get("git_oid")) != (f.size, f.sha256, f.git_oid):
+            if (rec.get("size"), rec.get("sha256"), rec.get("git_oid"), rec.get("commit")) != (
+                    f.size, f.sha256, f.git_oid, commit):
                 return None
             parts = [_Part(int(a), int(b), int(d)) for a, b, d in rec["parts"]]
         except (OSError, ValueError, KeyError, TypeError):
@@ -232,14 +256,28 @@ class _Progress:
         return parts if ok else None
 
     def save(self, fd: int) -> None:
+        """The parts' progress as it stands, made durable: what it counts is flushed before it is written."""
         with self.lock:
+            parts = [[p.start, p.end, p.done] for p in self.parts]  # before the flush: no byte counted unflushed
             os.fsync(fd)
             rec = {"repo": self.file.repo, "revision": self.file.revision, "path": self.file.path,
                    "size": self.file.size, "sha256": self.file.sha256, "git_oid": self.file.git_oid,
-                   "parts": [[p.start, p.end, p.done] for p in self.parts]}
+                   "commit": self.commit, "parts": parts}
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(rec))
+            with tmp.open("w") as fh:
+                fh.write(json.dumps(rec))
+                fh.flush()
+                os.fsync(fh.fileno())
             os.replace(tmp, self.path)
+
+
+def _commit_of(url: str, token: str | None, endpoint: str) -> str | None:
+    """The commit a resolve URL's revision stands at (`X-Repo-Commit`), so that every part reads one version of
+    the file however the branch moves meanwhile; None where the server does not say."""
+    resp = _request(url, token, endpoint, method="HEAD", redirects=False)
+    with resp:
+        commit = resp.headers.get("X-Repo-Commit")
+    return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
 def _accepts_ranges(url: str, token: str | None, endpoint: str) -> bool:
@@ -263,18 +301,18 @@ def download_file(f: RemoteFile, dest_dir: str | os.PathLike, connections: int =
     if dest.exists() and dest.stat().st_size == f.size and _checks(dest, f) is None:
         return dest
     part, record = dest.with_name(dest.name + ".part"), dest.with_name(dest.name + ".part.json")
-    url = resolve_url(ep, f)
-    parts = _Progress.read(record, f) if part.exists() and part.stat().st_size == f.size else None
-    if parts is None or (len(parts) > 1 and not _accepts_ranges(url, tok, ep)):
-        parts = plan_parts(f.size, connections if f.size and _accepts_ranges(url, tok, ep) else 1, min_part)
-        if len(parts) == 1:
-            parts[0].done = 0  # a server without ranges: from the start
+    commit = _commit_of(resolve_url(ep, f), tok, ep)
+    url = resolve_url(ep, f if commit is None else RemoteFile(f.repo, commit, f.path, f.size, f.sha256, f.git_oid))
+    ranged = f.size > 0 and _accepts_ranges(url, tok, ep)
+    parts = _Progress.read(record, f, commit) if part.exists() and part.stat().st_size == f.size else None
+    if parts is None or not ranged:
+        parts = plan_parts(f.size, connections if ranged else 1, min_part)  # a server without ranges: from 0
     fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(fd, f.size)
-        state = _Progress(record, f, parts)
+        state = _Progress(record, f, parts, commit)
         state.save(fd)
-        _fetch_all(url, tok, ep, fd, state, progress)
+        _fetch_all(url, tok, ep, fd, state, progress, ranged)
         state.save(fd)
     finally:
         os.close(fd)
@@ -289,7 +327,7 @@ def download_file(f: RemoteFile, dest_dir: str | os.PathLike, connections: int =
 
 
 def _fetch_all(url: str, token: str | None, endpoint: str, fd: int, state: _Progress,
-               progress: Callable[[int, int], None] | None) -> None:
+               progress: Callable[[int, int], None] | None, ranged: bool) -> None:
     """Every part's missing bytes, side by side; the first part that gives up stops the others (their progress
     saved) and its error is raised."""
     stop = threading.Event()
@@ -307,15 +345,15 @@ def _fetch_all(url: str, token: str | None, endpoint: str, fd: int, state: _Prog
     if not todo:
         return
     with cf.ThreadPoolExecutor(len(todo), thread_name_prefix="download") as pool:
-        futures = [pool.submit(_fetch_part, url, token, endpoint, fd, p, state, stop, count,
-                               len(state.parts) > 1) for p in todo]
+        futures = [pool.submit(_fetch_part, url, token, endpoint, fd, p, state, stop, count, ranged)
+                   for p in todo]
         try:
             for fut in cf.as_completed(futures):
                 fut.result()
         except BaseException:
             stop.set()
             for fut in futures:
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(Exception):
                     fut.result()
             state.save(fd)
             raise
@@ -331,10 +369,13 @@ def _fetch_part(url: str, token: str | None, endpoint: str, fd: int, p: _Part, s
         try:
             with _request(url, token, endpoint, headers=headers) as resp:
                 if ranged:
-                    got = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range") or "")
+                    got = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", resp.headers.get("Content-Range") or "")
                     if resp.status != 206 or not got or int(got.group(1)) != p.done:
                         raise HubError(f"{url}: asked for bytes {p.done}-{p.end - 1}, the server sent "
                                        f"{resp.status} {resp.headers.get('Content-Range')}")
+                    if got.group(3) != "*" and int(got.group(3)) != state.file.size:
+                        raise HubError(f"{url}: the file is {got.group(3)} bytes where the Hub listed "
+                                       f"{state.file.size}: it changed; run the command again")
                 while p.done < p.end and not stop.is_set():
                     chunk = resp.read(min(CHUNK_BYTES, p.end - p.done))
                     if not chunk:
@@ -347,6 +388,14 @@ def _fetch_part(url: str, token: str | None, endpoint: str, fd: int, p: _Part, s
                     if since_save >= SAVE_EVERY_BYTES:
                         state.save(fd)
                         since_save = 0
+        except HttpStatusError as e:
+            if e.code not in RETRY_CODES and not (e.code == 403 and _origin(e.url) != _origin(endpoint)):
+                raise
+            failures += 1  # a busy or failing server, or a CDN link that expired: asked again
+            if failures > RETRIES:
+                raise HubError(f"{e} ({RETRIES + 1} tries at byte {p.done}); run the same command again to "
+                               "resume") from None
+            stop.wait(min(8.0, BACKOFF_S * 2 ** (failures - 1)))
         except HubError:
             raise
         except (OSError, ValueError) as e:  # urllib's URLError, a reset, a timeout, an IncompleteRead
@@ -429,6 +478,14 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd_download(args: Any) -> int:
+    try:
+        return _download(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def _download(args: Any) -> int:
     if args.connections < 1:
         raise HubError("--connections must be at least 1")
     try:
@@ -441,12 +498,8 @@ def _cmd_download(args: Any) -> int:
              [file_info(args.repo, f, args.revision, args.endpoint, args.token) for f in args.files])
     show = sys.stderr.isatty() if args.progress is None else args.progress
     for f in files:
-        try:
-            path = download_file(f, args.dir, args.connections, args.endpoint, args.token,
-                                 progress=_progress_line(f.name) if show else None)
-        except KeyboardInterrupt:
-            print(f"\n{f.name}: interrupted; run the same command again to resume", file=sys.stderr)
-            return 130
+        path = download_file(f, args.dir, args.connections, args.endpoint, args.token,
+                             progress=_progress_line(f.name) if show else None)
         if show:
             sys.stderr.write("\n")
         print(f"{path}  {f.size:,} bytes, {'SHA-256' if f.sha256 else 'git blob id'} checked"

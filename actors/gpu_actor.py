@@ -10,6 +10,7 @@ streaming generator yielding one `StepReport` per engine step (every slot's toke
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,9 @@ from typing import Any
 import ray
 
 from decapybara.engine.driver import Control, EngineDriver
+
+log = logging.getLogger(__name__)
+NEWS_S = 10.0  # how often the disk tier is asked for prefix pages another server wrote (`GPUActor._watch`)
 
 
 class GPUActor:
@@ -40,6 +44,10 @@ class GPUActor:
             self.adopted_pages = stores.adopt_pages()
         else:
             self.adopted_pages = 0
+        self.news_pages = 0  # pages another server sharing the disk tier's folder wrote, learnt since (`_watch`)
+        self._stopped = threading.Event()
+        if "disk" in self.tier_handles:
+            threading.Thread(target=self._watch, name="page-news", daemon=True).start()
         self.model_name = cfg.served_model_name
         self.load_seconds = served.load_seconds
         self._lock = threading.Lock()
@@ -51,7 +59,7 @@ class GPUActor:
             "model_type": e.model.cfg.model_type, "max_model_len": e.max_model_len,
             "vocab_size": e.model.cfg.vocab_size, "engine": dataclasses.asdict(e.cfg), "pid": os.getpid(),
             "runner": e.runner.info(), "kv_pool": None if self.pool is None else dataclasses.asdict(self.pool),
-            "adopted_pages": self.adopted_pages,
+            "adopted_pages": self.adopted_pages, "news_pages": self.news_pages,
         }
 
     def take_staged(self, key: str):
@@ -68,7 +76,7 @@ class GPUActor:
             yield report
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.driver.last_stats)
+        return {**self.driver.last_stats, "news_pages": self.news_pages}
 
     def save_cache(self, budget_s: float) -> int:
         """The prefix cache's pages to the disk tier (`Engine.save_cached_pages`), for the next engine over it: at a
@@ -77,7 +85,20 @@ class GPUActor:
             return 0
         return self.driver.call(lambda engine: engine.save_cached_pages(budget_s), timeout_s=budget_s + 60)
 
+    def _watch(self) -> None:
+        """Every `NEWS_S`: the prefix pages the disk tier gained (`TierStores.news`: those another server sharing
+        its folder wrote) recorded between two steps (`TierStores.adopt`), so that a prompt this server never saw
+        but another one did restores them instead of prefilling them again."""
+        while not self._stopped.wait(NEWS_S):
+            try:
+                pages = self.stores.news()
+                if pages:
+                    self.news_pages += self.driver.call(lambda engine, got=pages: self.stores.adopt(got), timeout_s=60)
+            except Exception as e:  # noqa: BLE001 - the next round tries again; serving goes on
+                log.debug("prefix page news not taken: %s: %s", type(e).__name__, e)
+
     def stop(self) -> None:
+        self._stopped.set()
         self.driver.stop()
 
 

@@ -142,6 +142,9 @@ class DiskTierActor:
     def refresh(self, keys: list[str]) -> None:
         self.store.refresh(keys)
 
+    def news(self, prefix: str, since: int, budget_s: float = 1.0) -> tuple[int, dict[str, bool | None]]:
+        return self.store.news(prefix, since, budget_s)
+
     def get(self, key: str) -> bytes | None:
         """The unit's verified bytes, or None (absent, or corrupt: then it is deleted and counted)."""
         data = self.store.get_bytes(key)
@@ -275,6 +278,13 @@ class RayTiers:
     def disk_flags(self, prefix: str, budget_s: float = 10.0) -> dict[str, bool | None]:
         """`KVTiers.disk_flags` of the disk tier actor (none where it cannot be reached)."""
         return dict(self._ask("disk", "snapshot_flags", prefix, budget_s, default={}, extra_s=budget_s))
+
+    def disk_news(self, prefix: str, since: int, budget_s: float = 1.0) -> tuple[int, dict[str, bool | None]]:
+        """`KVTiers.disk_news` of the disk tier actor (nothing new where it cannot be reached)."""
+        if "disk" not in self.handles:
+            return since, {}
+        mark, flags = self._ask("disk", "news", prefix, since, budget_s, default=(since, {}), extra_s=budget_s)
+        return int(mark), dict(flags)
 
     def settle(self, keys: list[str]) -> None:
         """`KVTiers.settle` on the disk tier actor (where it cannot be reached, the ranks stay)."""

@@ -212,6 +212,8 @@ def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path)
     tiers = start_tiers(cfg)
     engine, stores = engine_over(tiers, num_pages=12)
     assert stores.adopt_pages() >= 5
+    news = stores.news()  # the disk tier actor's pages as news (what the GPU actor asks every NEWS_S): known already
+    assert len(news) >= 5 and stores.adopt(news) == 0 and stores.news() == {}
     outs = {}
     engine.add_request(Request(tuple(second), GREEDY, "c"))
     finish(engine, outs)

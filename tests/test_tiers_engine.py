@@ -381,6 +381,37 @@ def test_a_restarted_engine_restores_the_prefix_cache_it_saved(family, tmp_path)
     assert outs["b"] == ref
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_a_server_learns_the_pages_another_one_writes_to_a_shared_disk(family, tmp_path, monkeypatch):
+    """Two engines on one disk folder, each with its own RAM tier: the pages one writes after the other started
+    reach the other as news (`TierStores.news`, `adopt`: the GPU actor asks every NEWS_S), so a prompt the second
+    never saw restores them instead of prefilling them, with the greedy tokens of an engine without any cache;
+    news comes once, and an engine on another KV mode learns none of them."""
+    from decapybara.kv import disk_tier
+
+    monkeypatch.setattr(disk_tier, "NEWS_LIST_S", 0.0)  # each call lists the folder (else every 10 s at most)
+    url = f"file://{tmp_path}/kv"
+    first, first_stores = make_engine(family, url, ram_bytes=64 << 20, loop_guard="off")
+    second, second_stores = make_engine(family, url, ram_bytes=64 << 20, loop_guard="off")
+    other = make_engine(family, url, ram_bytes=0, kv_mode="8/8")[1]
+    assert second_stores.adopt_pages() == 0 and second_stores.news() == {} and other.news() == {}
+    system = prompt(3, 40)  # five pages
+    first.add_request(Request(tuple(system + prompt(4, 3)), SamplingParams(temperature=0, max_tokens=4), "a"))
+    run_until_done(first, {})
+    assert first.save_cached_pages() == 5
+    news = second_stores.news()
+    assert len(news) == 5 and other.news() == {} and second_stores.news() == {}
+    assert second_stores.adopt(news) == 5 and second_stores.adopt(news) == 0
+    ask = system + prompt(5, 9)
+    outs: dict[str, list[int]] = {}
+    second.add_request(Request(tuple(ask), GREEDY, "b"))
+    run_until_done(second, outs)
+    assert second.stats.restored_pages == 5 and second.stats.computed_prompt_tokens == len(ask) - 40
+    ref = Engine(model(family), EngineConfig(page_size=8, num_pages=64, enable_prefix_cache=False, loop_guard="off",
+                                             max_model_len=second.max_model_len)).generate([ask], GREEDY)[0]
+    assert outs["b"] == ref
+
+
 def test_a_save_stops_where_the_disk_keeps_no_room(tmp_path):
     """The pages a save ranks first are the ones kept: live requests' pages, then the most recently used."""
     engine, stores = make_engine("qwen3", f"file://{tmp_path}/kv", ram_bytes=64 << 20, loop_guard="off")

@@ -13,7 +13,7 @@ folder again once the last listing is `RESYNC_S` old where another server was se
 none was (`resync`): units another server wrote join the index as just used (counted, and evicted in their turn,
 their files deleted), and units whose files another server deleted leave it (a later `get` of one is a miss either
 way; `holds` checks the file where the folder is shared). Pages are shared as the engine finds them: those on disk
-when a server starts (`TierStores.adopt_pages`), not those another server writes later.
+when a server starts (`TierStores.adopt_pages`), and those another server writes later as `news` reports them.
 
 `get` checks every byte (see `decapybara.kv.units`): a damaged, truncated or misfiled unit is deleted,
 counted in `stats["corrupt"]` and reported as a miss, so the caller recomputes instead of using wrong data.
@@ -53,6 +53,7 @@ SUFFIX, MARKER_SUFFIX, TEMP_SUFFIX = ".dkv", ".dkv.ok", ".tmp"
 STALE_WRITE_S = 600.0  # an uncommitted file seen unchanged this long is an interrupted write (else maybe another
 # server's write in flight)
 RESYNC_S = 5.0  # a put lists the folder again at most this often where another server was seen on it
+NEWS_LIST_S = 10.0  # `news` lists the folder again once the last listing is this old (and ten listings' time)
 RESYNC_MAX_S = 300.0  # ... and where none was, the interval doubling up to this
 
 
@@ -97,6 +98,7 @@ class DiskTierStore:
         self._loose: dict[str, tuple[float, tuple[int, float]]] = {}  # uncommitted file -> (first seen, signature)
         self._touched: set[str] | None = None  # keys written or dropped while a listing runs
         self.shared = False  # another server was seen writing or deleting in the folder
+        self._took = 0.0  # the last listing's seconds
         self._scan()
 
     # ---- paths -------------------------------------------------------------------------------------------
@@ -201,7 +203,7 @@ class DiskTierStore:
             self._touched = set()
         t0 = time.monotonic()
         data = self._listing()
-        took = time.monotonic() - t0
+        took = self._took = time.monotonic() - t0
         dropped: list[Dropped] = []
         with self._lock:
             self._listed = time.monotonic()
@@ -399,7 +401,10 @@ class DiskTierStore:
         within `budget_s` in all, or at all; the unit itself is checked whole when it is read (`get`)."""
         with self._lock:
             held = self._index.keys()
-        keys = [k for k in held if k.startswith(prefix)]
+        return self._flags([k for k in held if k.startswith(prefix)], budget_s)
+
+    def _flags(self, keys: list[str], budget_s: float) -> dict[str, bool | None]:
+        """Each unit's snapshot flag: known from its put, else read from its file's header while `budget_s` lasts."""
         deadline = time.monotonic() + budget_s
         out: dict[str, bool | None] = {}
         for k in keys:
@@ -408,6 +413,18 @@ class DiskTierStore:
                 flag = self._peek_snapshot(k)
             out[k] = flag
         return out
+
+    def news(self, prefix: str, since: int, budget_s: float = 1.0) -> tuple[int, dict[str, bool | None]]:
+        """The units under `prefix` that joined the index after generation `since` (this store's writes and another
+        server's units, the folder listed again where `resync` is due or the last listing is `NEWS_LIST_S` old),
+        with their snapshot flags (`snapshot_flags`' way, headers read within `budget_s`), and the generation to
+        ask from next time. How a server learns of the prefix pages another one sharing the folder writes."""
+        if self._resync_due() or time.monotonic() - self._listed >= max(NEWS_LIST_S, 10 * self._took):
+            self.resync()
+        with self._lock:
+            mark = next(self._counter)
+            keys = [k for k, g in self._gen.items() if since < g < mark and k.startswith(prefix) and k in self._index]
+        return mark, self._flags(keys, budget_s)
 
     def _peek_snapshot(self, key: str) -> bool | None:
         """Whether `key`'s file holds a hybrid state, from its header alone; None when unreadable or corrupt."""

@@ -82,6 +82,7 @@ class TierStores:
         self._pages: OrderedDict[bytes, bool] = OrderedDict()
         self._durable: dict[bytes, bool] = {}  # during a save: the disk tier's pages (`begin_save`)
         self._saved: list[str] = []  # ... the keys it saved, in rank order
+        self._since = 0  # the disk tier's generation `news` asks from
 
     # ---- bundles -------------------------------------------------------------------------------------
     def put(self, seq: Any, bundle: Any) -> str:
@@ -148,6 +149,25 @@ class TierStores:
         """After a save: its pages lose their ranks, and the disk's recency follows them (`KVTiers.settle`)."""
         self.tiers.settle(self._saved)
         self._saved = []
+
+    def news(self, budget_s: float = 1.0) -> dict[bytes, bool]:
+        """The prefix pages of this salt the disk tier gained since the last call (`KVTiers.disk_news`: another
+        server's on a shared folder, and this engine's own), hash -> holds a snapshot; for `adopt` on the engine's
+        thread. Any thread; one caller at a time."""
+        self._since, flags = self.tiers.disk_news(page_prefix(self.salt), self._since, budget_s)
+        return self._page_flags(flags)
+
+    def adopt(self, pages: dict[bytes, bool]) -> int:
+        """Record `pages` (`news`) that this store does not know yet, as the most recently used: prompts that start
+        with them restore them. Returns how many were recorded."""
+        n = 0
+        for h, snapshot in pages.items():
+            if h not in self._pages:
+                self._pages[h] = snapshot
+                n += 1
+        while len(self._pages) > self.MAX_PAGES:
+            self._pages.popitem(last=False)
+        return n
 
     def lookup(self, page_hash: bytes) -> int:
         has_snap = self._pages.get(page_hash)

@@ -98,6 +98,10 @@ class KVTiers:
         """The disk tier's units under `prefix` (`DiskTierStore.snapshot_flags`); none without a disk tier."""
         return {} if self.disk is None else self.disk.snapshot_flags(prefix, budget_s)
 
+    def disk_news(self, prefix: str, since: int, budget_s: float = 1.0) -> tuple[int, dict[str, bool | None]]:
+        """`DiskTierStore.news` (nothing without a disk tier)."""
+        return (since, {}) if self.disk is None else self.disk.news(prefix, since, budget_s)
+
     def settle(self, keys: list[str]) -> None:
         """After a save: its units (`keys`, in rank order) lose their ranks, and the disk's recency follows the ranks
         (rank 0 the most recent), in its index and across a restart (`DiskTierStore.refresh`)."""

@@ -165,10 +165,11 @@ def test_gpu_schemas_and_forced_tool_calls_give_the_reference_tokens(graphs):
 
     ref_model = loaded("numpy")
     tok = ref_model.tokenizer
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {
-        "type": "integer", "minimum": 0, "maximum": 150}}, "required": ["name", "age"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8, "pattern": "^[A-Za-z]+$"},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
-        "path": {"type": "string"}}, "required": ["path"]}}}]
+        "path": {"type": "string", "pattern": "^[\\w/]{1,24}\\.py$"}}, "required": ["path"]}}}]
     prompt = tok.apply_chat([{"role": "user", "content": "A person as JSON."}], enable_thinking=False)
     tool_prompt = tok.apply_chat([{"role": "user", "content": "Read main.py."}], tools, enable_thinking=False)
     params = [SamplingParams(temperature=0, max_tokens=96, json_schema=schema_text(schema)),

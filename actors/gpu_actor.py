@@ -91,10 +91,13 @@ class GPUActor:
         but another one did restores them instead of prefilling them again."""
         while not self._stopped.wait(NEWS_S):
             try:
-                pages = self.stores.news()
-                if pages:
-                    self.news_pages += self.driver.call(lambda engine, got=pages: self.stores.adopt(got), timeout_s=60)
-            except Exception as e:  # noqa: BLE001 - the next round tries again; serving goes on
+                mark, pages = self.stores.news()
+                self.news_pages += self.driver.call(lambda engine, got=pages, m=mark: self.stores.adopt(got, m),
+                                                    timeout_s=60)
+            except RuntimeError as e:  # the engine's loop stopped: so does this
+                log.debug("prefix page news stopped: %s", e)
+                return
+            except Exception as e:  # noqa: BLE001 - the next round asks again (from where the last adopt left)
                 log.debug("prefix page news not taken: %s: %s", type(e).__name__, e)
 
     def stop(self) -> None:

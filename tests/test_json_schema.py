@@ -274,11 +274,32 @@ def test_a_pattern_accepts_the_strings_it_matches_and_no_other(ecma, python):
         assert rx.search(json.loads(doc)) is not None, (ecma, doc)
 
 
+def test_patterns_that_match_any_tail_stay_small_and_their_edges_hold():
+    """A match complete, every continuation is one: `.{0,300}` (any string) and `a.*` compile to a few states; a
+    surrogate pair escape is its one code point; a non-ASCII digit in braces is no quantifier; `enum` beside a
+    `pattern` keeps the values that are not strings."""
+    import time
+
+    t0 = time.monotonic()
+    assert compile_schema({"type": "string", "pattern": ".{0,300}"}).num_states < 100
+    assert compile_schema({"type": "string", "pattern": "a.*"}).num_states < 200
+    assert time.monotonic() - t0 < 5
+    pair = compile_schema({"type": "string", "pattern": "^\\uD83D\\uDE00$"})
+    assert pair.matches(json.dumps("\U0001F600", ensure_ascii=False).encode())
+    assert compile_schema({"type": "string", "pattern": "^a{\u0661}$"}).matches(
+        json.dumps("a{\u0661}", ensure_ascii=False).encode())
+    mixed = compile_schema({"pattern": "^a", "enum": [1, "abc", "xyz", None]})
+    assert [mixed.matches(json.dumps(v).encode()) for v in (1, "abc", "xyz", None)] == [True, True, False, True]
+
+
 @pytest.mark.parametrize("schema, says", [
     ({"type": "string", "pattern": "^(a)\\1$"}, "backreference"),
     ({"type": "string", "pattern": "a(?=b)"}, "lookaround"),
     ({"type": "string", "pattern": "a^b"}, "start and end"),
     ({"type": "string", "pattern": "[]"}, "admits no value"),
+    ({"type": "string", "pattern": "^\\u{-1}$"}, "hex digits"),
+    ({"type": "string", "pattern": "^\\uD83D$"}, "lone surrogate"),
+    ({"type": "string", "pattern": "(a|b)*a(a|b){20}"}, "too large"),
     ({"type": "integer", "multipleOf": 3}, "multipleOf"),
     ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ({"not": {"type": "null"}}, "not"),

@@ -792,3 +792,39 @@ def test_durable_puts_go_to_disk_ranked_and_give_way_in_rank_order(tmp_path):
     assert not tiers.put_durable(units[3], next_use=3.0)  # ranked after all three kept: refused
     assert sorted(tiers.disk.keys()) == sorted(u.key for u in units[:3])
     assert not KVTiers(RamTierStore(1 << 20), None).put_durable(units[0])  # no disk: nothing outlives the process
+
+
+def test_listings_at_once_are_one_listing(tmp_path, monkeypatch):
+    """Two threads asking a shared folder's store to list it again at once (a put's `resync` beside the GPU
+    actor's `news`): one lists, the other goes on with the index as it stands, and nothing breaks."""
+    import threading
+    import time
+
+    from decapybara.kv.disk_tier import DiskTierStore
+
+    store = DiskTierStore(f"file://{tmp_path}/kv", 1 << 20)
+    listing = store._listing
+    started, slow = threading.Event(), threading.Event()
+
+    def slow_listing():
+        started.set()
+        slow.wait(5)
+        return listing()
+
+    monkeypatch.setattr(store, "_listing", slow_listing)
+    errors: list[BaseException] = []
+
+    def first():
+        try:
+            store.resync()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    started.wait(5)
+    t0 = time.monotonic()
+    assert store.news("", 0)[1] == {} and time.monotonic() - t0 < 2  # did not wait for the other listing
+    slow.set()
+    t.join(10)
+    assert not errors

@@ -212,8 +212,8 @@ def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path)
     tiers = start_tiers(cfg)
     engine, stores = engine_over(tiers, num_pages=12)
     assert stores.adopt_pages() >= 5
-    news = stores.news()  # the disk tier actor's pages as news (what the GPU actor asks every NEWS_S): known already
-    assert len(news) >= 5 and stores.adopt(news) == 0 and stores.news() == {}
+    mark, news = stores.news()  # the disk tier actor's pages as news (what the GPU actor asks every NEWS_S)
+    assert len(news) >= 5 and stores.adopt(news, mark) == 0 and stores.news()[1] == {}  # known already
     outs = {}
     engine.add_request(Request(tuple(second), GREEDY, "c"))
     finish(engine, outs)

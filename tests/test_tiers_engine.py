@@ -389,19 +389,22 @@ def test_a_server_learns_the_pages_another_one_writes_to_a_shared_disk(family, t
     news comes once, and an engine on another KV mode learns none of them."""
     from decapybara.kv import disk_tier
 
-    monkeypatch.setattr(disk_tier, "NEWS_LIST_S", 0.0)  # each call lists the folder (else every 10 s at most)
+    monkeypatch.setattr(disk_tier, "NEWS_LIST_S", 0.0)  # each call lists the folder (else every minute at most)
+    monkeypatch.setattr(disk_tier, "NEWS_LIST_TIMES", 0)
     url = f"file://{tmp_path}/kv"
     first, first_stores = make_engine(family, url, ram_bytes=64 << 20, loop_guard="off")
     second, second_stores = make_engine(family, url, ram_bytes=64 << 20, loop_guard="off")
     other = make_engine(family, url, ram_bytes=0, kv_mode="8/8")[1]
-    assert second_stores.adopt_pages() == 0 and second_stores.news() == {} and other.news() == {}
+    assert second_stores.adopt_pages() == 0 and second_stores.news()[1] == {} and other.news()[1] == {}
     system = prompt(3, 40)  # five pages
     first.add_request(Request(tuple(system + prompt(4, 3)), SamplingParams(temperature=0, max_tokens=4), "a"))
     run_until_done(first, {})
     assert first.save_cached_pages() == 5
-    news = second_stores.news()
-    assert len(news) == 5 and other.news() == {} and second_stores.news() == {}
-    assert second_stores.adopt(news) == 5 and second_stores.adopt(news) == 0
+    mark, news = second_stores.news()
+    assert len(news) == 5 and other.news()[1] == {}
+    assert second_stores.news()[1] == news  # not adopted (the engine's thread did not take it): it comes again
+    assert second_stores.adopt(news, mark) == 5 and second_stores.adopt(news, mark) == 0
+    assert second_stores.news()[1] == {}
     ask = system + prompt(5, 9)
     outs: dict[str, list[int]] = {}
     second.add_request(Request(tuple(ask), GREEDY, "b"))

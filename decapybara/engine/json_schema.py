@@ -63,6 +63,7 @@ FLOAT_DIGITS = 15  # digits in all of a bounded number with a fraction
 MAX_WORK = 200_000  # schema nodes compiled and merged (`_Compiler.tick`): past it a schema is refused
 MAX_NFA = 400_000
 MAX_DFA = 60_000
+MAX_SUBSET_WORK = 3_000_000  # NFA states summed over the DFA's states (the subset construction's memory and time)
 MAX_CACHED = 4096  # compiled automata kept (`_cached`: schemas, tool calls, each tool's arguments and call) ...
 MAX_CACHED_BYTES = 256 << 20  # ... and their tables' bytes at most
 
@@ -71,6 +72,7 @@ UNSUPPORTED = ("patternProperties", "propertyNames", "minProperties", "maxProper
                "minContains", "maxContains", "multipleOf", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+STRING_KEYWORDS = ("pattern", "minLength", "maxLength", "format")
 FORMATS = ("date", "time", "date-time", "uuid")  # string formats written as they are; others are annotations
 
 
@@ -117,6 +119,9 @@ class _Nfa:
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int]]] = []
         self.ws_states: set[int] = set()
+        # states from which every continuation is accepted (a pattern's trailing "any text": `pattern_content`); a
+        # set of states holding one is that state alone, in the subset construction
+        self.absorbing: set[int] = set()
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA:
@@ -301,50 +306,10 @@ class _Compiler:
         return n.seq(n.lit(b'"'), n.repeat(self.string_char, lo, hi), n.lit(b'"'))
 
     def pattern(self, pattern: Any) -> tuple[int, int]:
-        """A string whose text `pattern` matches (JSON Schema: anywhere in it, unless anchored; engine/regex.py),
-        each character written as itself, or as its short escape where JSON needs one (`\"`, `\\`, controls)."""
-        try:
-            branches = regex.parse(pattern)
-        except regex.PatternError as e:
-            raise SchemaError(str(e)) from None
+        """A string whose text `pattern` matches (JSON Schema: anywhere in it, unless anchored; engine/regex.py):
+        its content automaton (`pattern_content`, built alone and cached) between the quotes."""
         n = self.nfa
-        alts = []
-        for tree, start, end in branches:
-            parts = [] if start else [n.star(self.code_point(regex.ANY))]
-            parts.append(self.regex_node(tree))
-            if not end:
-                parts.append(n.star(self.code_point(regex.ANY)))
-            alts.append(n.seq(*parts))
-        return n.seq(n.lit(b'"'), n.alt(*alts), n.lit(b'"'))
-
-    def regex_node(self, node: Any) -> tuple[int, int]:
-        self.tick()
-        n, kind = self.nfa, node[0]
-        if kind == "set":
-            return self.code_point(node[1])
-        if kind == "seq":
-            return n.seq(*[self.regex_node(c) for c in node[1]])
-        if kind == "alt":
-            return n.alt(*[self.regex_node(c) for c in node[1]])
-        _, child, lo, hi = node
-        return n.repeat(lambda: self.regex_node(child), lo, hi)
-
-    def code_point(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
-        """One code point of `ranges` as a JSON string holds it: printable ASCII as itself (`"` and `\\`
-        escaped), controls by their short escape or `\\u00xx`, the rest as UTF-8."""
-        n = self.nfa
-        plain, frags = 0, []
-        for lo, hi in ranges:
-            for cp in range(lo, min(hi, 0x7F) + 1):
-                if cp < 0x20 or cp in (0x22, 0x5C):
-                    frags.append(n.lit(_JSON_ESCAPES.get(cp) or b"\\u%04x" % cp))
-                else:
-                    plain |= 1 << cp
-        if plain:
-            frags.append(n.cls(plain))
-        for seq in regex.utf8_sequences([(max(lo, 0x80), hi) for lo, hi in ranges if hi >= 0x80]):
-            frags.append(n.seq(*[n.cls(_span(a, b)) for a, b in seq]))
-        return n.alt(*frags) if frags else n.empty()
+        return n.seq(n.lit(b'"'), _embed(n, pattern_content(pattern)), n.lit(b'"'))
 
     def formatted(self, fmt: str) -> tuple[int, int]:
         """A string's content in one of `FORMATS`, as RFC 3339 and RFC 4122 write them (dates of real days: the
@@ -677,9 +642,11 @@ class _Compiler:
                 values = [v for v in values if any(_json_equal(v, e) for e in node["enum"])]
             rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
             if _asserts(rest):  # the values the other keywords also accept, read by their own automaton
-                check = self.alone(rest)
-                values = [v for v in values if check is not None
-                          and check.matches(json.dumps(v, ensure_ascii=False).encode())]
+                # (a string's keywords say nothing of other types' values)
+                others = {k: v for k, v in rest.items() if k not in STRING_KEYWORDS}
+                checks = {True: self.alone(rest), False: self.alone(others) if _asserts(others) else True}
+                values = [v for v in values if (check := checks[isinstance(v, str)]) is True
+                          or (check is not None and check.matches(json.dumps(v, ensure_ascii=False).encode()))]
             return n.alt(*[self.literal(v) for v in values]) if values else n.empty()
         kinds = _types(node)
         if kinds is None:
@@ -784,6 +751,72 @@ class _Compiler:
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions",
                "format", "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "$anchor",
                "discriminator", "nullable", "strict", "additionalItems"}
+
+
+def pattern_content(pattern: Any) -> SchemaDfa:
+    """The content (between the quotes) of the JSON strings whose text `pattern` matches, as a DFA, cached by the
+    pattern: each top-level alternative is its tree (`regex_fragment`), after any text where it is not anchored at
+    its start and before any where it is not anchored at its end. That trailing "any text" is an absorbing state
+    (`_Nfa.absorbing`): once a match is complete every continuation is, so the subset construction keeps one state
+    for it, not one a set of partial matches beside it. Raises SchemaError for a pattern not enforced here."""
+    def build() -> SchemaDfa:
+        try:
+            branches = regex.parse(pattern)
+        except regex.PatternError as e:
+            raise SchemaError(str(e)) from None
+        n = _Nfa()
+        alts = []
+        for tree, start, end in branches:
+            parts = [] if start else [n.star(code_point(n, regex.ANY))]
+            parts.append(regex_fragment(n, tree))
+            if not end:
+                loop = n.star(code_point(n, regex.ANY))
+                n.absorbing.add(loop[0])
+                parts.append(loop)
+            alts.append(n.seq(*parts))
+        return _build(n, *n.alt(*alts))
+
+    return _cached("pattern:" + json.dumps(pattern), build)
+
+
+def regex_fragment(n: _Nfa, node: Any) -> tuple[int, int]:
+    """An engine/regex.py tree as a fragment of `n` over JSON string content (`code_point` a character)."""
+    kind = node[0]
+    if kind == "set":
+        return code_point(n, node[1])
+    if kind == "seq":
+        return n.seq(*[regex_fragment(n, c) for c in node[1]])
+    if kind == "alt":
+        return n.alt(*[regex_fragment(n, c) for c in node[1]])
+    _, child, lo, hi = node
+    return n.repeat(lambda: regex_fragment(n, child), lo, hi)
+
+
+def code_point(n: _Nfa, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+    """One code point of `ranges` as a JSON string holds it: printable ASCII as itself (`"` and `\\` escaped),
+    controls by their short escape or as `\\u00xx` (by high digit: two branches at most), the rest as UTF-8."""
+    plain, frags, controls = 0, [], [0, 0]
+    for lo, hi in ranges:
+        if lo < 0 or hi > regex.MAX_CP:
+            raise SchemaError(f"code point out of range in a pattern: {lo:#x}-{hi:#x}")
+        for cp in range(lo, min(hi, 0x7F) + 1):
+            if cp < 0x20:
+                controls[cp >> 4] |= 1 << (cp & 15)
+                if cp in _JSON_ESCAPES:
+                    frags.append(n.lit(_JSON_ESCAPES[cp]))
+            elif cp in (0x22, 0x5C):
+                frags.append(n.lit(_JSON_ESCAPES[cp]))
+            else:
+                plain |= 1 << cp
+    for high, lows in enumerate(controls):
+        if lows:
+            digits = _bits(ord(c) for d in range(16) if lows >> d & 1 for c in {f"{d:x}", f"{d:X}"})
+            frags.append(n.seq(n.lit(b"\\u00"), n.cls(_bits(b"%d" % high)), n.cls(digits)))
+    if plain:
+        frags.append(n.cls(plain))
+    for seq in regex.utf8_sequences([(max(lo, 0x80), hi) for lo, hi in ranges if hi >= 0x80]):
+        frags.append(n.seq(*[n.cls(_span(a, b)) for a, b in seq]))
+    return n.alt(*frags) if frags else n.empty()
 
 
 def _asserts(node: dict) -> bool:
@@ -1022,6 +1055,9 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
                     if t not in seen:
                         seen.add(t)
                         todo.append(t)
+            if nfa.absorbing and (held := seen & nfa.absorbing):
+                a = min(held)
+                seen = closure(frozenset([a])) if states != frozenset([a]) else seen
             got = closures[states] = frozenset(seen)
         return got
 
@@ -1029,7 +1065,12 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
     ids: dict[frozenset[int], int] = {first: 0}
     order = [first]
     rows: list[list[int]] = []
+    work = 0
     for cur in order:  # grows as states are found
+        work += len(cur)
+        if work > MAX_SUBSET_WORK:
+            raise SchemaError(f"the schema is too large to enforce (its automaton's states hold over "
+                              f"{MAX_SUBSET_WORK} states of the expression)")
         moves: dict[int, set[int]] = defaultdict(set)
         for s in cur:
             for m, t in nfa.edges[s]:

@@ -66,7 +66,9 @@ SPACE: Ranges = normalise([(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x
 CLASS_ESCAPES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD), "s": SPACE,
                  "S": complement(SPACE)}
 CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
-SYNTAX = set("^$\\.*+?()[]{}|/-")
+DIGIT_CHARS = frozenset("0123456789")
+HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+ASCII_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
 def parse(pattern: str) -> list[tuple[Any, bool, bool]]:
@@ -148,14 +150,14 @@ class _Parser:
         """`{n}`, `{n,}` or `{n,m}` at the cursor (consumed unless `look`); None where the brace is a literal."""
         j, s = self.i + 1, self.s
         k = j
-        while k < len(s) and s[k].isdigit():
+        while k < len(s) and s[k] in DIGIT_CHARS:
             k += 1
         if k == j:
             return None
         lo, hi = int(s[j:k]), None
         if k < len(s) and s[k] == ",":
             m = k + 1
-            while m < len(s) and s[m].isdigit():
+            while m < len(s) and s[m] in DIGIT_CHARS:
                 m += 1
             hi = int(s[k + 1:m]) if m > k + 1 else None
             k = m
@@ -266,7 +268,7 @@ class _Parser:
         self.i += 1
         if c in CLASS_ESCAPES:
             return CLASS_ESCAPES[c]
-        if c in CONTROL_ESCAPES and not (c == "0" and (self.peek() or "").isdigit()):
+        if c in CONTROL_ESCAPES and not (c == "0" and (self.peek() or "") in DIGIT_CHARS):
             return CONTROL_ESCAPES[c]
         if c == "b" and in_class:
             return 0x08
@@ -275,28 +277,37 @@ class _Parser:
         if c == "u":
             if self.peek() == "{":
                 end = self.s.find("}", self.i)
-                if end < 0:
-                    raise self.fail("an unterminated \\u{...}")
-                try:
-                    cp = int(self.s[self.i + 1:end], 16)
-                except ValueError:
-                    raise self.fail("a bad \\u{...}") from None
+                digits = self.s[self.i + 1:end] if end > 0 else ""
+                if not 1 <= len(digits) <= 6 or any(d not in HEX_DIGITS for d in digits):
+                    raise self.fail("a bad \\u{...} (one to six hex digits)")
                 self.i = end + 1
+                cp = int(digits, 16)
                 if cp > MAX_CP:
                     raise self.fail("a code point past U+10FFFF")
                 return cp
-            return self.hex_digits(4)
-        if c == "c" and (self.peek() or "").isalpha():
+            cp = self.hex_digits(4)
+            if SURROGATES[0] <= cp <= 0xDBFF and self.s.startswith("\\u", self.i):  # a pair: one code point
+                mark = self.i
+                self.i += 2
+                low = self.hex_digits(4) if len(self.s) >= self.i + 4 else -1
+                if 0xDC00 <= low <= SURROGATES[1]:
+                    return 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00)
+                self.i = mark
+            if SURROGATES[0] <= cp <= SURROGATES[1]:
+                raise self.fail("a lone surrogate (a code unit, no character: write the character, or "
+                                "\\u{...} for one past U+FFFF)")
+            return cp
+        if c == "c" and (self.peek() or "") in ASCII_LETTERS:
             self.i += 1
             return ord(self.s[self.i - 1]) % 32
-        if c.isdigit() or c in "bBkpP":
+        if c in DIGIT_CHARS or c in "bBkpP":
             raise self.fail({"b": "a word boundary", "B": "a word boundary", "k": "a backreference",
                              "p": "a Unicode property escape", "P": "a Unicode property escape"}.get(c, "a backreference"))
         return ord(c)  # an escaped metacharacter or any other identity escape
 
     def hex_digits(self, n: int) -> int:
         digits = self.s[self.i:self.i + n]
-        if len(digits) != n or any(d not in "0123456789abcdefABCDEF" for d in digits):
+        if len(digits) != n or any(d not in HEX_DIGITS for d in digits):
             raise self.fail(f"a bad escape (\\x or \\u needs {n} hex digits)")
         self.i += n
         return int(digits, 16)

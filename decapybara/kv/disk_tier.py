@@ -53,7 +53,8 @@ SUFFIX, MARKER_SUFFIX, TEMP_SUFFIX = ".dkv", ".dkv.ok", ".tmp"
 STALE_WRITE_S = 600.0  # an uncommitted file seen unchanged this long is an interrupted write (else maybe another
 # server's write in flight)
 RESYNC_S = 5.0  # a put lists the folder again at most this often where another server was seen on it
-NEWS_LIST_S = 10.0  # `news` lists the folder again once the last listing is this old (and ten listings' time)
+NEWS_LIST_S = 60.0  # `news` lists the folder again once the last listing is this old ...
+NEWS_LIST_TIMES = 600  # ... and this many times as old as that listing took (a large folder: seldom)
 RESYNC_MAX_S = 300.0  # ... and where none was, the interval doubling up to this
 
 
@@ -99,6 +100,7 @@ class DiskTierStore:
         self._touched: set[str] | None = None  # keys written or dropped while a listing runs
         self.shared = False  # another server was seen writing or deleting in the folder
         self._took = 0.0  # the last listing's seconds
+        self._listing_lock = threading.Lock()  # one `resync` at a time
         self._scan()
 
     # ---- paths -------------------------------------------------------------------------------------------
@@ -198,6 +200,14 @@ class DiskTierStore:
         deleted meanwhile keep what it did. Returns the units evicted. The next listing is due `resync_s` on
         where another server was seen (units that appeared or vanished), else twice as long as the last interval
         (a lone server lists seldom, `RESYNC_MAX_S`), and never sooner than ten listings' time."""
+        if not self._listing_lock.acquire(blocking=False):
+            return []  # another thread is listing: its listing serves
+        try:
+            return self._resync()
+        finally:
+            self._listing_lock.release()
+
+    def _resync(self) -> list[Dropped]:
         with self._lock:
             mark = next(self._counter)  # units written from here on are newer than the listing
             self._touched = set()
@@ -419,7 +429,7 @@ class DiskTierStore:
         server's units, the folder listed again where `resync` is due or the last listing is `NEWS_LIST_S` old),
         with their snapshot flags (`snapshot_flags`' way, headers read within `budget_s`), and the generation to
         ask from next time. How a server learns of the prefix pages another one sharing the folder writes."""
-        if self._resync_due() or time.monotonic() - self._listed >= max(NEWS_LIST_S, 10 * self._took):
+        if self._resync_due() or time.monotonic() - self._listed >= max(NEWS_LIST_S, NEWS_LIST_TIMES * self._took):
             self.resync()
         with self._lock:
             mark = next(self._counter)

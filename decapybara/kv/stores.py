@@ -150,16 +150,19 @@ class TierStores:
         self.tiers.settle(self._saved)
         self._saved = []
 
-    def news(self, budget_s: float = 1.0) -> dict[bytes, bool]:
-        """The prefix pages of this salt the disk tier gained since the last call (`KVTiers.disk_news`: another
-        server's on a shared folder, and this engine's own), hash -> holds a snapshot; for `adopt` on the engine's
-        thread. Any thread; one caller at a time."""
-        self._since, flags = self.tiers.disk_news(page_prefix(self.salt), self._since, budget_s)
-        return self._page_flags(flags)
+    def news(self, budget_s: float = 1.0) -> tuple[int, dict[bytes, bool]]:
+        """The prefix pages of this salt the disk tier gained since the last `adopt` (`KVTiers.disk_news`: another
+        server's on a shared folder, and this engine's own), hash -> holds a snapshot (a header not read within
+        `budget_s`: False), with the generation they reach; for `adopt` on the engine's thread. Any thread, one
+        caller at a time: news not adopted comes again."""
+        mark, flags = self.tiers.disk_news(page_prefix(self.salt), self._since, budget_s)
+        return mark, self._page_flags(flags)
 
-    def adopt(self, pages: dict[bytes, bool]) -> int:
+    def adopt(self, pages: dict[bytes, bool], mark: int | None = None) -> int:
         """Record `pages` (`news`) that this store does not know yet, as the most recently used: prompts that start
-        with them restore them. Returns how many were recorded."""
+        with them restore them; the next `news` asks from `mark`. Returns how many were recorded."""
+        if mark is not None:
+            self._since = max(self._since, mark)
         n = 0
         for h, snapshot in pages.items():
             if h not in self._pages:

@@ -183,12 +183,13 @@ def make_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_info)
     m = sub.add_parser("models", help="list the .mcapy models in the model folders (names for --model / plan)")
     m.set_defaults(func=_cmd_models)
-    from decapybara.launcher import cli_plan, download
+    from decapybara.launcher import cli_plan, cli_settings, download
     from decapybara.server import cli_serve
 
     cli_serve.add_parser(sub)
     cli_plan.add_parser(sub)
     download.add_parser(sub)
+    cli_settings.add_parser(sub)
     return p
 
 

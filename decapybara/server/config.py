@@ -31,8 +31,12 @@ class AppConfig(BaseModel):
     model: str = Field(default=str(DEMO_MODEL), description="path or fsspec URL of a .mcapy file, or the name of one "
                        "in the model folders ($DECAPYBARA_MODELS, ~/.cache/decapybara/models, the current folder; "
                        "`decapybara models` lists them)")
-    served_model_name: str = "decapybara"
-    preset: Literal["max_efficiency", "medium", "max_quality"] | None = None
+    served_model_name: str = Field(default="decapybara", description="the model's id in /v1/models (requests may "
+                                   "name any model: this server serves its one)")
+    preset: Literal["max_efficiency", "medium", "max_quality"] | None = Field(
+        default=None, description="the launcher's presets: max_efficiency (8 conversations, KV 4/4, 1,048,576 tokens "
+        "by YaRN), medium (4, KV 6/4, 262,144), max_quality (1, KV 6/6, 262,144): their conversations as slots, KV mode "
+        "and context; settings given beside one win")
     slots: int = Field(default=12, ge=1, le=12, description="conversations decoding together (CONVERSATIONS)")
     kv_mode: str | None = Field(default=None, description="KV bits K/V: 16/16, 8/8, 6/6, 6/4, 4/4")
     page_size: int | None = Field(default=None, description="tokens per KV page (default 512 on GPU, 16 on CPU)")
@@ -41,23 +45,34 @@ class AppConfig(BaseModel):
     kv_memory_gb: float | None = Field(default=None, gt=0, description="KV pool size (instead of num_pages)")
     keep_free_gb: float = Field(default=0.0, ge=0, description="KEEP_FREE: device memory (GiB) the server leaves "
                                 "to other programs when it sizes the KV pool from the free memory (CUDA)")
-    max_batch_tokens: int | None = Field(default=None, ge=1)
-    max_model_len: int | None = Field(default=None, ge=16)
+    max_batch_tokens: int | None = Field(default=None, ge=1, description="tokens a step computes at most: a "
+                                         "prompt's chunk beside the decoding agents (default 2048)")
+    max_model_len: int | None = Field(default=None, ge=16, description="the longest context a conversation has "
+                                      "(default the model's; a KV pool that holds fewer tokens shortens it)")
     rope_scaling: Literal["auto", "off", "1m"] = Field(
         default="auto", description="ROPE_SCALING: auto extends the model's trained context with YaRN where "
         "max_model_len (or the preset's context) asks for more; 1m extends it to 1,048,576 tokens; off keeps the "
         "trained context (a longer max_model_len is then refused)")
-    prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = "balanced"
+    prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = Field(
+        default="balanced", description="PREFILL_POLICY: balanced (a prompt's chunks take at most "
+        "balanced_prefill_share of a step beside decoding agents), decode-priority (prompts wait while agents "
+        "decode), prefill-priority (a prompt's chunk first)")
     balanced_prefill_share: float = Field(default=0.5, gt=0, le=1, description="balanced: the share of "
                                           "max_batch_tokens a prompt's chunks may take while others decode")
-    loop_guard: Literal["stop", "end_thinking", "escape", "off"] = "stop"
+    loop_guard: Literal["stop", "end_thinking", "escape", "off"] = Field(
+        default="stop", description="LOOP_GUARD: an agent that repeats itself gets a rising repetition penalty, and "
+        "where the loop goes on: stop (the reply ends, saying why), end_thinking (a loop in its reasoning closes the "
+        "reasoning so that it answers; elsewhere stop) or escape (the tokens that continued the loop are banned for a "
+        "few tokens, a few times, then stop); off")
     context_mode: Literal["pool", "fixed"] = Field(default="pool", description="CONTEXT_MODE: shared pool or "
                                                    "a fixed reservation of the whole context per conversation")
     api_key: str | None = Field(default=None, description="required as Bearer / x-api-key when set")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the model runs: auto (a CUDA "
+                                                   "device where CuPy finds one, else the CPU), cpu or cuda")
     ram_cache_gb: float = Field(default=RAM_CACHE_GB, ge=0, description="RAM tier budget (RAM_CACHE)")
     disk_cache: str = Field(default="~/.cache/decapybara/kv", description="disk tier fsspec URL (DISK_CACHE)")
-    disk_cache_gb: float = Field(default=64.0, ge=0)
+    disk_cache_gb: float = Field(default=64.0, ge=0, description="disk tier budget (servers sharing its folder "
+                                 "share the smallest of theirs; 0: no disk tier)")
     snapshot_memory_gb: float | None = Field(default=None, ge=0, description="host memory for the prefix cache's "
                                              "hybrid-state snapshots (default: two states a slot, at least 64 MiB;"
                                              " 0: none taken)")
@@ -71,8 +86,10 @@ class AppConfig(BaseModel):
     responses_flush_s: float = Field(default=1.0, ge=0, description="seconds between writes of the stored "
                                      "responses' changes to the disk tier's folder (a journal), so that a crash "
                                      "loses at most this long's; where a graceful stop saves them (0: only then)")
-    max_ongoing_requests: int = Field(default=512, ge=1)
-    ingress_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=512, ge=1, description="requests an ingress replica takes at "
+                                      "once (Ray Serve's max_ongoing_requests; past it, requests queue)")
+    ingress_replicas: int = Field(default=1, ge=1, description="Ray Serve replicas of the HTTP ingress (they share "
+                                  "one scheduler and GPU actor)")
     cuda_graphs: bool = Field(default=True, description="decode steps as CUDA graphs (CUDA backend only)")
     piecewise_graphs: bool = Field(default=True, description="eager steps of 9-256 rows replay each layer's tail "
                                    "(projections, norms, MLP, the next layer's input products) as a CUDA graph "
@@ -99,7 +116,7 @@ class AppConfig(BaseModel):
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
         "--prefill-weights bf16` counts it)")
     blas_threads: int = Field(default=0, ge=0, description="BLAS threads in the GPU actor (0 = cores - 1)")
-    seed: int = 0
+    seed: int = Field(default=0, description="seeds the requests that bring none, so a whole run is reproducible")
     name: str = Field(default="decapybara", description="prefix of the named actors of this app")
 
     @field_validator("kv_mode")

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from decapybara.engine.driver import Control, EngineDriver
+from decapybara.engine.driver import Control, EngineDriver, LoopStopped
 
 log = logging.getLogger(__name__)
 NEWS_S = 10.0  # how often the disk tier is asked for prefix pages another server wrote (`GPUActor._watch`)
@@ -94,7 +94,7 @@ class GPUActor:
                 mark, pages = self.stores.news()
                 self.news_pages += self.driver.call(lambda engine, got=pages, m=mark: self.stores.adopt(got, m),
                                                     timeout_s=60)
-            except RuntimeError as e:  # the engine's loop stopped: so does this
+            except LoopStopped as e:  # the engine's loop stopped: so does this
                 log.debug("prefix page news stopped: %s", e)
                 return
             except Exception as e:  # noqa: BLE001 - the next round asks again (from where the last adopt left)

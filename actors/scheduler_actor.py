@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from decapybara.api.response_store import BEAT_S, ResponseJournal, ResponseStore, load_records, merge_records
+from decapybara.api.response_store import BEAT_S, ResponseJournal, ResponseStore, apply_merged, load_records
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
@@ -129,22 +129,31 @@ class SchedulerActor:
         `responses_flush_s` (where set) the store's changes since the last write as a journal segment, and a save
         of the store where one is due. A write that fails is retried with the next; a save that fails, after
         `RESPONSES_RETRY_S` (logged once a minute at most)."""
-        warned = beat = 0.0
-        period = min(BEAT_S, self.cfg.responses_flush_s or BEAT_S)
+        warned = beat = wrote = 0.0
+        flush = self.cfg.responses_flush_s
+        period = min(BEAT_S, flush) if flush > 0 else BEAT_S
         while True:
-            try:
-                async with self._journal_lock:
-                    if time.monotonic() - beat >= BEAT_S:
-                        await _in_thread(self.journal.beat)
-                        beat = time.monotonic()
-                    await self._write_journal(save=False)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the store serves on; the lines wait for the next write
-                if time.monotonic() - warned > 60:
-                    warned = time.monotonic()
-                    log.warning("stored responses' journal not written to %s: %s: %s", self.cfg.disk_cache,
-                                type(e).__name__, e)
+            for what, due in (("beat", time.monotonic() - beat >= BEAT_S),
+                              ("write", flush > 0 and time.monotonic() - wrote >= flush)):
+                if not due:
+                    continue
+                try:
+                    async with self._journal_lock:
+                        if what == "beat":
+                            await _in_thread(self.journal.beat)
+                        else:
+                            await self._write_journal(save=False)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the store serves on; the lines wait for the next write
+                    if time.monotonic() - warned > 60:
+                        warned = time.monotonic()
+                        log.warning("stored responses' journal (%s) not written to %s: %s: %s", what,
+                                    self.cfg.disk_cache, type(e).__name__, e)
+                if what == "beat":
+                    beat = time.monotonic()
+                else:
+                    wrote = time.monotonic()
             await asyncio.sleep(period)
 
     async def _write_journal(self, save: bool) -> None:
@@ -163,14 +172,14 @@ class SchedulerActor:
                 if not save:
                     raise
         if save or (journal.due() and time.monotonic() >= self._save_after):
-            try:
-                saved = await _in_thread(journal.compact, store.lines())
+            try:  # the store's snapshot taken here (references), its lines made and written on the thread
+                saved = await _in_thread(journal.compact, store.snapshot())
             except asyncio.CancelledError:
                 raise
             except Exception:
                 self._save_after = time.monotonic() + RESPONSES_RETRY_S
                 raise
-            merge_records(store, [saved.adopted], missing_only=True, oldest=True)
+            apply_merged(store, saved.rows, missing_only=True, oldest=True)
 
     async def _save_responses(self) -> None:
         """A graceful stop's save: the journal's loop stopped (once no write of its is in flight), then the lines
@@ -214,14 +223,27 @@ class SchedulerActor:
         """At a graceful stop: the stored responses (`response_store.save_records`) and the engine's prefix cache
         (`GPUActor.save_cache`) to the disk tier's folder, for the next server on it. Returns the pages saved; 0
         where the engine is down."""
-        if self._saving is None:  # one save, however many ingress replicas stop
+        if self._saving is None:  # one save, however many ingress replicas stop at once
             self._saving = asyncio.ensure_future(self._save_all(budget_s))
+            self._saving.add_done_callback(self._saved)
         return await asyncio.shield(self._saving)
+
+    def _saved(self, _: asyncio.Future) -> None:
+        """After a save: the actor may serve on (one ingress replica of several stopped), so a later stop saves
+        again and the journal's loop (stopped for the save) runs again."""
+        self._saving = None
+        if self.journal is not None:
+            self._start_journal()
 
     async def _save_all(self, budget_s: float) -> int:
         """The prefix cache first (within `budget_s`), then the stored responses, taken here once it is done (so
         that responses stored meanwhile are in) and written by a thread, for `RESPONSES_SAVE_S` at most."""
-        pages = 0 if self.dead is not None else await self.gpu.save_cache.remote(budget_s)
+        pages = 0
+        if self.dead is None:
+            try:
+                pages = await self.gpu.save_cache.remote(budget_s)
+            except Exception as e:  # noqa: BLE001 - the stored responses are saved all the same
+                log.warning("prefix cache not saved: %s: %s", type(e).__name__, e)
         store = self.responses
         if self.journal is not None and (len(store) or store.deleted):
             write = asyncio.ensure_future(self._save_responses())

@@ -290,6 +290,12 @@ def test_patterns_that_match_any_tail_stay_small_and_their_edges_hold():
         json.dumps("a{\u0661}", ensure_ascii=False).encode())
     mixed = compile_schema({"pattern": "^a", "enum": [1, "abc", "xyz", None]})
     assert [mixed.matches(json.dumps(v).encode()) for v in (1, "abc", "xyz", None)] == [True, True, False, True]
+    bounded = compile_schema({"enum": [1, "ab", 5], "minimum": 2})  # a bound says nothing of strings
+    assert [bounded.matches(json.dumps(v).encode()) for v in (1, "ab", 5)] == [False, True, True]
+    never = compile_schema({"anyOf": [{"type": "string", "pattern": "[^\\s\\S]"}, {"type": "integer"}]})
+    assert never.matches(b"1") and not never.matches(b'"x"')  # a pattern nothing matches: a branch not taken
+    with pytest.raises(SchemaError, match="ASCII letter"):
+        compile_schema({"type": "string", "pattern": "\\c1"})
 
 
 @pytest.mark.parametrize("schema, says", [

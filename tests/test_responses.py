@@ -604,3 +604,7 @@ def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
     small = rs.ResponseStore(len(_rec("ffff-r")) + 5)
     rs.load_records(small, str(tmp_path / "other"))
     assert list(small._entries) == ["0000-r"]
+
+    live = store("A", "B", budget=3 * len(_rec("A")) + 2)  # records taken over go in as the oldest, where they fit
+    rows = rs.parse_merged([[rs.put_line(r, None, _rec(r)) for r in ("D", "E", "F")]])
+    assert rs.apply_merged(live, rows, missing_only=True, oldest=True) == 1 and list(live._entries) == ["D", "A", "B"]

@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -171,24 +171,39 @@ class ResponseStore:
     def lines(self) -> list[str]:
         """The records as lines of `[id, parent, text]` JSON (ASCII, so no character of a record splits a line),
         least recently used first (`load` keeps the order), then a `[id, null, null]` line a deleted id."""
-        return ([put_line(rid, e.parent, e.text) for rid, e in self._entries.items()]
-                + [delete_line(rid) for rid in self.deleted])
+        return lines_of(self.snapshot())
 
     def load(self, lines: list[str], missing_only: bool = False, oldest: bool = False) -> int:
         """Apply `lines` (`lines`' form) in their order: each record put (replacing one of its id, ranked newest;
         with `missing_only`, only those not here; with `oldest`, ranked the least recently used, so the first to
         go), each deletion applied and remembered; lines that do not read (a torn file) are passed over. Returns
         the records put."""
+        return self.apply(_parsed(lines), missing_only, oldest)
+
+    def apply(self, rows: list[tuple[str, str | None, str | None]], missing_only: bool = False,
+              oldest: bool = False) -> int:
+        """`load` of parsed lines (`_parsed`'s rows). A record put `oldest` goes in only where it fits the room
+        left, so that it never pushes out a record already here."""
         n = 0
-        for rid, parent, text in _parsed(lines):
+        for rid, parent, text in rows:
             if text is None:
                 self._drop(rid)
                 self._remember(rid)
-            elif not (missing_only and rid in self._entries) and self.put(rid, parent, text):
-                if oldest and rid in self._entries:
+            elif missing_only and rid in self._entries:
+                continue
+            elif oldest:
+                if rid not in self._entries and self.nbytes + len(text) <= self.budget:
+                    self.put(rid, parent, text)
                     self._entries.move_to_end(rid, last=False)
+                    n += 1
+            elif self.put(rid, parent, text):
                 n += 1
         return n
+
+    def snapshot(self) -> tuple[list[tuple[str, str | None, str]], list[str]]:
+        """The records (id, parent, text), least recently used first, and the deleted ids, as they stand: cheap
+        (references), for `lines_of` on another thread."""
+        return [(rid, e.parent, e.text) for rid, e in self._entries.items()], list(self.deleted)
 
 
 def _parsed(lines: list[str]) -> list[tuple[str, str | None, str | None]]:
@@ -201,6 +216,12 @@ def _parsed(lines: list[str]) -> list[tuple[str, str | None, str | None]]:
         if isinstance(rid, str) and (text is None or isinstance(text, str)):
             out.append((rid, parent if isinstance(parent, str) else None, text))
     return out
+
+
+def lines_of(snapshot: tuple[list[tuple[str, str | None, str]], list[str]]) -> list[str]:
+    """A store's `snapshot` as its lines (`ResponseStore.lines`), on any thread."""
+    records, deleted = snapshot
+    return [put_line(rid, parent, text) for rid, parent, text in records] + [delete_line(rid) for rid in deleted]
 
 
 def put_line(rid: str, parent: str | None, text: str) -> str:
@@ -339,16 +360,22 @@ def merge_records(store: ResponseStore, sources: list[list[str]], missing_only: 
     """`sources`' lines into `store`, a deletion anywhere winning over a put anywhere (ids are never reused, so
     a put of a deleted id is a stale copy): the ids deleted first (forgotten, remembered), then every put of
     another id in the sources' order. Returns the records put."""
+    return apply_merged(store, parse_merged(sources), missing_only, oldest)
+
+
+def parse_merged(sources: list[list[str]]) -> list[tuple[str, str | None, str | None]]:
+    """`merge_records`' rows of `sources` (on any thread): every deletion first, then the puts of ids no source
+    deletes, in the sources' order."""
     parsed = [_parsed(lines) for lines in sources]
     gone = {rid for rows in parsed for rid, _, text in rows if text is None}
-    for rid in gone:
-        store._drop(rid)
-        store._remember(rid)
-    n = 0
-    for rows in parsed:
-        n += store.load([put_line(rid, parent, text) for rid, parent, text in rows if text is not None
-                         and rid not in gone], missing_only=missing_only, oldest=oldest)
-    return n
+    return [(rid, None, None) for rid in gone] + [row for rows in parsed for row in rows
+                                                  if row[2] is not None and row[0] not in gone]
+
+
+def apply_merged(store: ResponseStore, rows: list[tuple[str, str | None, str | None]], missing_only: bool = False,
+                 oldest: bool = False) -> int:
+    """`parse_merged`'s rows into `store` (where the store lives). Returns the records put."""
+    return store.apply(rows, missing_only, oldest)
 
 
 def load_records(store: ResponseStore, folder_url: str) -> int:
@@ -375,6 +402,7 @@ class Saved:
 
     records: int
     adopted: list[str]
+    rows: list = field(default_factory=list)  # `adopted` as `parse_merged` rows (parsed off the owner's thread)
 
 
 def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: str) -> Saved:
@@ -497,10 +525,13 @@ class ResponseJournal:
         return (self.since_bytes >= max(COMPACT_MIN_BYTES, self.budget // 4)
                 or self.since_segments >= COMPACT_SEGMENTS)
 
-    def compact(self, lines: list[str]) -> Saved:
-        """`save_records` of the store's `lines` (taken on the owner's thread) as this writer; the journal starts
+    def compact(self, store: list[str] | tuple) -> Saved:
+        """`save_records` of the store (its `lines`, or its `snapshot` taken on the owner's thread and formatted
+        here) as this writer, with the lines taken over parsed for the owner (`Saved.rows`); the journal starts
         afresh."""
+        lines = store if isinstance(store, list) else lines_of(store)
         saved = save_records(lines, self.budget, self.folder, self.writer)
+        saved.rows = parse_merged([saved.adopted])
         self.since_bytes = self.since_segments = 0
         self.stats["saves"] += 1
         return saved

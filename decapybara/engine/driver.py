@@ -25,6 +25,10 @@ from decapybara.engine.sequence import FinishReason, Request, SeqStatus, Sequenc
 from decapybara.errors import DecapybaraError
 
 
+class LoopStopped(RuntimeError):
+    """`EngineDriver.call` after the engine's loop stopped or ended."""
+
+
 @dataclass(slots=True)
 class Control:
     """What the control plane asks of the data plane; ids of finished sequences are ignored."""
@@ -166,22 +170,22 @@ class EngineDriver:
         self._end_calls("the engine's loop stopped")
 
     def _end_calls(self, why: str) -> None:
-        """The loop is over: no call may wait on it (those queued get RuntimeError(`why`))."""
+        """The loop is over: no call may wait on it (those queued get LoopStopped(`why`))."""
         with self._cond:
             self._stopped = True
             calls, self._calls = self._calls, []
             self._cond.notify()
         for _, fut in calls:
-            fut.set_exception(RuntimeError(why))
+            fut.set_exception(LoopStopped(why))
 
     def call(self, fn: Callable[[Engine], Any], timeout_s: float | None = None) -> Any:
         """`fn(engine)` run on the engine's thread between two steps (`reports` must be running); its result, or
         its exception. Raises TimeoutError after `timeout_s` (a call not started by then never runs) and
-        RuntimeError once the loop has stopped or ended."""
+        LoopStopped (a RuntimeError) once the loop has stopped or ended."""
         fut: Future = Future()
         with self._cond:
             if self._stopped:
-                raise RuntimeError("the engine's loop stopped")
+                raise LoopStopped("the engine's loop stopped")
             self._calls.append((fn, fut))
             self._cond.notify()
         try:

@@ -73,6 +73,11 @@ UNSUPPORTED = ("patternProperties", "propertyNames", "minProperties", "maxProper
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 STRING_KEYWORDS = ("pattern", "minLength", "maxLength", "format")
+KEYWORD_KINDS = {  # keywords that assert something of one kind of value only (JSON Schema: others pass them)
+    **{k: "string" for k in STRING_KEYWORDS}, **{k: "number" for k in BOUNDS}, "multipleOf": "number",
+    **{k: "array" for k in ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains")},
+    **{k: "object" for k in ("properties", "required", "additionalProperties", "minProperties", "maxProperties",
+                             "patternProperties", "propertyNames")}}
 FORMATS = ("date", "time", "date-time", "uuid")  # string formats written as they are; others are annotations
 
 
@@ -309,7 +314,11 @@ class _Compiler:
         """A string whose text `pattern` matches (JSON Schema: anywhere in it, unless anchored; engine/regex.py):
         its content automaton (`pattern_content`, built alone and cached) between the quotes."""
         n = self.nfa
-        return n.seq(n.lit(b'"'), _embed(n, pattern_content(pattern)), n.lit(b'"'))
+        try:
+            content = pattern_content(pattern)
+        except EmptySchema:  # a pattern nothing matches: a branch no value takes
+            return n.empty()
+        return n.seq(n.lit(b'"'), _embed(n, content), n.lit(b'"'))
 
     def formatted(self, fmt: str) -> tuple[int, int]:
         """A string's content in one of `FORMATS`, as RFC 3339 and RFC 4122 write them (dates of real days: the
@@ -642,11 +651,19 @@ class _Compiler:
                 values = [v for v in values if any(_json_equal(v, e) for e in node["enum"])]
             rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
             if _asserts(rest):  # the values the other keywords also accept, read by their own automaton
-                # (a string's keywords say nothing of other types' values)
-                others = {k: v for k, v in rest.items() if k not in STRING_KEYWORDS}
-                checks = {True: self.alone(rest), False: self.alone(others) if _asserts(others) else True}
-                values = [v for v in values if (check := checks[isinstance(v, str)]) is True
-                          or (check is not None and check.matches(json.dumps(v, ensure_ascii=False).encode()))]
+                # (a type's own keywords say nothing of other types' values), each check built once, where needed
+                checks: dict[str, Any] = {}
+
+                def check(v: Any) -> bool:
+                    kind = _keyword_kind(v)
+                    if kind not in checks:
+                        own = {k: x for k, x in rest.items() if KEYWORD_KINDS.get(k, kind) == kind}
+                        checks[kind] = self.alone(own) if _asserts(own) else True
+                    got = checks[kind]
+                    return got is True or (got is not None and got.matches(
+                        json.dumps(v, ensure_ascii=False).encode()))
+
+                values = [v for v in values if check(v)]
             return n.alt(*[self.literal(v) for v in values]) if values else n.empty()
         kinds = _types(node)
         if kinds is None:
@@ -817,6 +834,15 @@ def code_point(n: _Nfa, ranges: list[tuple[int, int]]) -> tuple[int, int]:
     for seq in regex.utf8_sequences([(max(lo, 0x80), hi) for lo, hi in ranges if hi >= 0x80]):
         frags.append(n.seq(*[n.cls(_span(a, b)) for a, b in seq]))
     return n.alt(*frags) if frags else n.empty()
+
+
+def _keyword_kind(v: Any) -> str:
+    """The kind of value `KEYWORD_KINDS` sorts keywords by."""
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return "number"
+    return "array" if isinstance(v, list) else "object" if isinstance(v, dict) else "other"
 
 
 def _asserts(node: dict) -> bool:

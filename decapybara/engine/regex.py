@@ -297,7 +297,9 @@ class _Parser:
                 raise self.fail("a lone surrogate (a code unit, no character: write the character, or "
                                 "\\u{...} for one past U+FFFF)")
             return cp
-        if c == "c" and (self.peek() or "") in ASCII_LETTERS:
+        if c == "c":
+            if (self.peek() or "") not in ASCII_LETTERS:
+                raise self.fail("\\c without an ASCII letter")
             self.i += 1
             return ord(self.s[self.i - 1]) % 32
         if c in DIGIT_CHARS or c in "bBkpP":

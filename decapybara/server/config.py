@@ -46,17 +46,20 @@ class AppConfig(BaseModel):
     keep_free_gb: float = Field(default=0.0, ge=0, description="KEEP_FREE: device memory (GiB) the server leaves "
                                 "to other programs when it sizes the KV pool from the free memory (CUDA)")
     max_batch_tokens: int | None = Field(default=None, ge=1, description="tokens a step computes at most: a "
-                                         "prompt's chunk beside the decoding agents (default 2048)")
+                                         "prompt's chunk beside the decoding agents (default 2048 on CUDA, 256 on "
+                                         "the CPU; at least slots)")
     max_model_len: int | None = Field(default=None, ge=16, description="the longest context a conversation has "
-                                      "(default the model's; a KV pool that holds fewer tokens shortens it)")
+                                      "(default the model's, or the preset's context, or 1,048,576 under "
+                                      "rope_scaling=1m; a KV pool that holds fewer tokens shortens it)")
     rope_scaling: Literal["auto", "off", "1m"] = Field(
         default="auto", description="ROPE_SCALING: auto extends the model's trained context with YaRN where "
         "max_model_len (or the preset's context) asks for more; 1m extends it to 1,048,576 tokens; off keeps the "
         "trained context (a longer max_model_len is then refused)")
     prefill_policy: Literal["balanced", "decode-priority", "prefill-priority"] = Field(
-        default="balanced", description="PREFILL_POLICY: balanced (a prompt's chunks take at most "
-        "balanced_prefill_share of a step beside decoding agents), decode-priority (prompts wait while agents "
-        "decode), prefill-priority (a prompt's chunk first)")
+        default="balanced", description="PREFILL_POLICY: balanced (a prompt's chunk takes at most "
+        "balanced_prefill_share of a step's max_batch_tokens beside decoding agents), decode-priority (the decoding "
+        "agents' tokens first, a prompt's chunk the rest of the step), prefill-priority (a prompt's chunk first: "
+        "agents decode in what it leaves)")
     balanced_prefill_share: float = Field(default=0.5, gt=0, le=1, description="balanced: the share of "
                                           "max_batch_tokens a prompt's chunks may take while others decode")
     loop_guard: Literal["stop", "end_thinking", "escape", "off"] = Field(
@@ -116,7 +119,8 @@ class AppConfig(BaseModel):
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
         "--prefill-weights bf16` counts it)")
     blas_threads: int = Field(default=0, ge=0, description="BLAS threads in the GPU actor (0 = cores - 1)")
-    seed: int = Field(default=0, description="seeds the requests that bring none, so a whole run is reproducible")
+    seed: int = Field(default=0, description="seeds the requests that bring none, in their order of arrival (a run "
+                      "with the same requests in the same order draws the same tokens on the CPU)")
     name: str = Field(default="decapybara", description="prefix of the named actors of this app")
 
     @field_validator("kv_mode")

@@ -607,4 +607,9 @@ def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
 
     live = store("A", "B", budget=3 * len(_rec("A")) + 2)  # records taken over go in as the oldest, where they fit
     rows = rs.parse_merged([[rs.put_line(r, None, _rec(r)) for r in ("D", "E", "F")]])
-    assert rs.apply_merged(live, rows, missing_only=True, oldest=True) == 1 and list(live._entries) == ["D", "A", "B"]
+    assert rs.apply_merged(live, rows, missing_only=True, oldest=True) == 1 and list(live._entries) == ["F", "A", "B"]
+    roomy = store("A", "X")
+    roomy.delete("X")  # deleted here: another server's copy taken over does not bring it back
+    rows = rs.parse_merged([[rs.put_line(r, None, _rec(r)) for r in ("X", "D", "E")]])
+    assert rs.apply_merged(roomy, rows, missing_only=True, oldest=True) == 2
+    assert list(roomy._entries) == ["D", "E", "A"] and "X" in roomy.deleted  # in their order, before the store's

@@ -185,11 +185,14 @@ class ResponseStore:
         """`load` of parsed lines (`_parsed`'s rows). A record put `oldest` goes in only where it fits the room
         left, so that it never pushes out a record already here."""
         n = 0
-        for rid, parent, text in rows:
+        # records going in as the oldest: the newest of them first, each pushed ahead of it, so they keep their order
+        ordered = ([r for r in rows if r[2] is None] + [r for r in reversed(rows) if r[2] is not None] if oldest
+                   else rows)
+        for rid, parent, text in ordered:
             if text is None:
                 self._drop(rid)
                 self._remember(rid)
-            elif missing_only and rid in self._entries:
+            elif missing_only and (rid in self._entries or rid in self.deleted):  # a deleted one stays deleted
                 continue
             elif oldest:
                 if rid not in self._entries and self.nbytes + len(text) <= self.budget:

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from decapybara.api.response_store import BEAT_S, ResponseJournal, ResponseStore, apply_merged, load_records
+from decapybara.api.response_store import BEAT_S, ResponseJournal, ResponseStore, load_records
 from decapybara.engine.driver import Control, StepReport
 from decapybara.engine.sequence import Request, TokenEvent
 from decapybara.scheduler.remote import make_policy
@@ -129,32 +129,24 @@ class SchedulerActor:
         `responses_flush_s` (where set) the store's changes since the last write as a journal segment, and a save
         of the store where one is due. A write that fails is retried with the next; a save that fails, after
         `RESPONSES_RETRY_S` (logged once a minute at most)."""
-        warned = beat = wrote = 0.0
-        flush = self.cfg.responses_flush_s
-        period = min(BEAT_S, flush) if flush > 0 else BEAT_S
+        jobs = [("heartbeat", BEAT_S, lambda: _in_thread(self.journal.beat))]
+        if self.cfg.responses_flush_s > 0:
+            jobs.append(("write", self.cfg.responses_flush_s, lambda: self._write_journal(save=False)))
+        last, warned = [0.0] * len(jobs), 0.0
         while True:
-            for what, due in (("beat", time.monotonic() - beat >= BEAT_S),
-                              ("write", flush > 0 and time.monotonic() - wrote >= flush)):
-                if not due:
+            for i, (what, every, job) in enumerate(jobs):
+                if time.monotonic() - last[i] < every:
                     continue
+                last[i] = time.monotonic()
                 try:
                     async with self._journal_lock:
-                        if what == "beat":
-                            await _in_thread(self.journal.beat)
-                        else:
-                            await self._write_journal(save=False)
-                except asyncio.CancelledError:
-                    raise
+                        await job()
                 except Exception as e:  # noqa: BLE001 - the store serves on; the lines wait for the next write
                     if time.monotonic() - warned > 60:
                         warned = time.monotonic()
                         log.warning("stored responses' journal (%s) not written to %s: %s: %s", what,
                                     self.cfg.disk_cache, type(e).__name__, e)
-                if what == "beat":
-                    beat = time.monotonic()
-                else:
-                    wrote = time.monotonic()
-            await asyncio.sleep(period)
+            await asyncio.sleep(min(every for _, every, _ in jobs))
 
     async def _write_journal(self, save: bool) -> None:
         """(Under `_journal_lock`.) The lines queued as one segment, then a save of the store where one is due
@@ -164,22 +156,17 @@ class SchedulerActor:
         if lines:
             try:
                 await _in_thread(journal.write, lines)
-            except asyncio.CancelledError:
+            except BaseException as e:
                 journal.requeue(lines)
-                raise
-            except Exception:
-                journal.requeue(lines)
-                if not save:
+                if not save or not isinstance(e, Exception):  # a save goes on: it holds these lines too
                     raise
         if save or (journal.due() and time.monotonic() >= self._save_after):
             try:  # the store's snapshot taken here (references), its lines made and written on the thread
                 saved = await _in_thread(journal.compact, store.snapshot())
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 self._save_after = time.monotonic() + RESPONSES_RETRY_S
                 raise
-            apply_merged(store, saved.rows, missing_only=True, oldest=True)
+            store.apply(saved.rows, missing_only=True, oldest=True)
 
     async def _save_responses(self) -> None:
         """A graceful stop's save: the journal's loop stopped (once no write of its is in flight), then the lines

@@ -452,11 +452,11 @@ def test_saved_files_take_over_quiet_writers_and_never_a_live_ones(tmp_path, mon
     for rid in ("a1", "shared"):
         a.put(rid, None, _rec(rid, text="line\u2028sep\x85and\u2029more"))
     b.put("b1", None, _rec("b1")), b.put("shared", None, _rec("shared", text="b's"))
-    saved = rs.save_records(b.lines(), 1 << 20, folder, "bbbb")
+    saved = rs.save_records(b.snapshot(), 1 << 20, folder, "bbbb")
     assert saved.records == 3 and len(saved.adopted) == 1  # old1 taken over, the torn line left out
     assert not (tmp_path / rs.SAVED_NAME).exists() and names() == ["bbbb.jsonl"]
     a.delete("shared")
-    saved = rs.save_records(a.lines(), 1 << 20, folder, "aaaa")
+    saved = rs.save_records(a.snapshot(), 1 << 20, folder, "aaaa")
     assert saved.records == 1 and saved.adopted == [] and names() == ["aaaa.jsonl", "bbbb.jsonl"]  # b is live
     fresh = rs.ResponseStore(1 << 20)
     rs.load_records(fresh, folder)
@@ -475,7 +475,7 @@ def test_saved_files_take_over_quiet_writers_and_never_a_live_ones(tmp_path, mon
     tmp = root / ".aaaa.jsonl.1234.tmp"
     tmp.write_text("half")
     os.utime(tmp, (old, old))
-    saved = rs.save_records(a.lines(), 1 << 20, folder, "aaaa")
+    saved = rs.save_records(a.snapshot(), 1 << 20, folder, "aaaa")
     assert sorted(rid for rid, _, _ in rs._parsed(saved.adopted)) == ["b1", "b2", "b3", "old1", "shared"]
     assert names() == ["aaaa.jsonl"] and saved.records == 5  # a1, b1, b2, b3, old1 (shared stays deleted)
     fresh = rs.ResponseStore(1 << 20)
@@ -485,7 +485,7 @@ def test_saved_files_take_over_quiet_writers_and_never_a_live_ones(tmp_path, mon
     fs = fsspec.core.url_to_fs(folder)[0]  # fsspec's cached instance, which save_records gets too
     monkeypatch.setattr(fs, "mv", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError):
-        rs.save_records(a.lines(), 1 << 20, folder, "aaaa")
+        rs.save_records(a.snapshot(), 1 << 20, folder, "aaaa")
     assert names() == ["aaaa.jsonl"]
     assert rs.load_records(rs.ResponseStore(), str(tmp_path / "none")) == 0
 
@@ -531,7 +531,7 @@ def test_the_journal_outlives_a_crash(tmp_path, monkeypatch):
     rs.load_records(again, folder)
     assert list(again._entries)[-2:] == ["r5", "r6"] and j.stats["failures"] == 1
     assert not [p for p in (tmp_path / rs.JOURNAL_NAME).iterdir() if p.name.endswith(".tmp")]
-    saved = j.compact(live.lines())  # a save: this writer's segments go, its file holds the store
+    saved = j.compact(live.snapshot())  # a save: this writer's segments go, its file holds the store
     assert sorted(p.name for p in (tmp_path / rs.JOURNAL_NAME).iterdir()) == ["aaaa.jsonl"] and saved.records == 3
 
     small = rs.ResponseJournal(folder, 64, writer="dddd")
@@ -563,11 +563,11 @@ def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
 
     a, b = store("a1"), store("b1")
     ja, jb = rs.ResponseJournal(folder, 1 << 20, writer="aaaa"), rs.ResponseJournal(folder, 1 << 20, writer="bbbb")
-    ja.compact(a.lines()), jb.compact(b.lines())
+    ja.compact(a.snapshot()), jb.compact(b.snapshot())
     for name in ("aaaa.jsonl", "bbbb.jsonl"):
         os.utime(root / name, (old, old))
     ja.beat(), jb.beat()  # both alive: neither takes the other over, whatever their files' age
-    assert ja.compact(a.lines()).adopted == [] and jb.compact(b.lines()).adopted == []
+    assert ja.compact(a.snapshot()).adopted == [] and jb.compact(b.snapshot()).adopted == []
     fresh = rs.ResponseStore(1 << 20)
     rs.load_records(fresh, folder)
     assert sorted(fresh._entries) == ["a1", "b1"]
@@ -575,10 +575,10 @@ def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
     c, d = store("x", "c1"), store("x", "d1")  # c deletes x, which d still holds; then c goes quiet
     c.delete("x")
     jc, jd = rs.ResponseJournal(folder, 1 << 20, writer="cccc"), rs.ResponseJournal(folder, 1 << 20, writer="dddd")
-    jc.compact(c.lines())
+    jc.compact(c.snapshot())
     for name in ("cccc.jsonl",):
         os.utime(root / name, (old, old))
-    saved = jd.compact(d.lines())
+    saved = jd.compact(d.snapshot())
     assert rs.merge_records(d, [saved.adopted], missing_only=True, oldest=True) == 1  # c1, as d's oldest
     assert d.get("x") is None and "x" in d.deleted and list(d._entries) == ["c1", "d1"]
     fresh = rs.ResponseStore(1 << 20)
@@ -607,9 +607,9 @@ def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
 
     live = store("A", "B", budget=3 * len(_rec("A")) + 2)  # records taken over go in as the oldest, where they fit
     rows = rs.parse_merged([[rs.put_line(r, None, _rec(r)) for r in ("D", "E", "F")]])
-    assert rs.apply_merged(live, rows, missing_only=True, oldest=True) == 1 and list(live._entries) == ["F", "A", "B"]
+    assert live.apply(rows, missing_only=True, oldest=True) == 1 and list(live._entries) == ["F", "A", "B"]
     roomy = store("A", "X")
     roomy.delete("X")  # deleted here: another server's copy taken over does not bring it back
     rows = rs.parse_merged([[rs.put_line(r, None, _rec(r)) for r in ("X", "D", "E")]])
-    assert rs.apply_merged(roomy, rows, missing_only=True, oldest=True) == 2
+    assert roomy.apply(rows, missing_only=True, oldest=True) == 2
     assert list(roomy._entries) == ["D", "E", "A"] and "X" in roomy.deleted  # in their order, before the store's

@@ -227,6 +227,10 @@ def lines_of(snapshot: tuple[list[tuple[str, str | None, str]], list[str]]) -> l
     return [put_line(rid, parent, text) for rid, parent, text in records] + [delete_line(rid) for rid in deleted]
 
 
+def _line(row: tuple[str, str | None, str | None]) -> str:
+    return delete_line(row[0]) if row[2] is None else put_line(*row)
+
+
 def put_line(rid: str, parent: str | None, text: str) -> str:
     """A record as a line of a saved file or a journal segment (`ResponseStore.lines`' form)."""
     return json.dumps([rid, parent, text]) + "\n"
@@ -363,22 +367,20 @@ def merge_records(store: ResponseStore, sources: list[list[str]], missing_only: 
     """`sources`' lines into `store`, a deletion anywhere winning over a put anywhere (ids are never reused, so
     a put of a deleted id is a stale copy): the ids deleted first (forgotten, remembered), then every put of
     another id in the sources' order. Returns the records put."""
-    return apply_merged(store, parse_merged(sources), missing_only, oldest)
+    return store.apply(parse_merged(sources), missing_only, oldest)
 
 
 def parse_merged(sources: list[list[str]]) -> list[tuple[str, str | None, str | None]]:
-    """`merge_records`' rows of `sources` (on any thread): every deletion first, then the puts of ids no source
-    deletes, in the sources' order."""
-    parsed = [_parsed(lines) for lines in sources]
-    gone = {rid for rows in parsed for rid, _, text in rows if text is None}
-    return [(rid, None, None) for rid in gone] + [row for rows in parsed for row in rows
+    """`merge_records`' rows of `sources` (on any thread, for `ResponseStore.apply` where the store lives)."""
+    return _merged_rows([_parsed(lines) for lines in sources])
+
+
+def _merged_rows(sources: list[list[tuple[str, str | None, str | None]]]) -> list[tuple[str, str | None, str | None]]:
+    """Parsed sources as one list of rows: every deletion first, then the puts of ids no source deletes, in the
+    sources' order."""
+    gone = {rid for rows in sources for rid, _, text in rows if text is None}
+    return [(rid, None, None) for rid in gone] + [row for rows in sources for row in rows
                                                   if row[2] is not None and row[0] not in gone]
-
-
-def apply_merged(store: ResponseStore, rows: list[tuple[str, str | None, str | None]], missing_only: bool = False,
-                 oldest: bool = False) -> int:
-    """`parse_merged`'s rows into `store` (where the store lives). Returns the records put."""
-    return store.apply(rows, missing_only, oldest)
 
 
 def load_records(store: ResponseStore, folder_url: str) -> int:
@@ -405,11 +407,11 @@ class Saved:
 
     records: int
     adopted: list[str]
-    rows: list = field(default_factory=list)  # `adopted` as `parse_merged` rows (parsed off the owner's thread)
+    rows: list = field(default_factory=list)  # `adopted` as merged rows (parsed off the owner's thread)
 
 
-def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: str) -> Saved:
-    """Writer `writer`'s store (`ResponseStore.lines`, taken where the store lives) as its saved file in the records'
+def save_records(snapshot: tuple, budget_bytes: int, folder_url: str, writer: str) -> Saved:
+    """Writer `writer`'s store (`ResponseStore.snapshot`, taken where the store lives) as its saved file in the records'
     folder (`<writer>.jsonl`), then its segments deleted (what they held is in the store, so in the file). The
     files of writers quiet for `STALE_S` (no heartbeat, save or segment: a stopped or crashed server's; a live
     one beats every `BEAT_S`) are taken over first, as is an earlier version's single file: their lines merged
@@ -423,16 +425,18 @@ def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: s
     folder = _list_folder(fs, root)
     stale = time.time() - STALE_S
     quiet = {w for w in folder.writers() - {writer} if (t := folder.last_seen(w)) is not None and t < stale}
-    adopted = _read_lines(fs, legacy)
+    legacy_lines = _read_lines(fs, legacy)
+    raw = list(legacy_lines)
     for w in sorted(quiet, key=lambda w: folder.last_seen(w) or 0.0):
         if w in folder.saved:
-            adopted += _read_lines(fs, folder.saved[w])
+            raw += _read_lines(fs, folder.saved[w])
     for _, w, seg in folder.segments:
         if w in quiet:
-            adopted += _read_lines(fs, seg)
-    adopted = [line + "\n" for line in adopted if _parsed([line])]  # torn lines left out
+            raw += _read_lines(fs, seg)
+    adopted_rows = _parsed(raw)  # torn lines left out
+    records, deleted = snapshot
     merged = ResponseStore(budget_bytes)
-    merge_records(merged, [adopted, lines])
+    merged.apply(_merged_rows([adopted_rows, records + [(rid, None, None) for rid in deleted]]))
     fs.makedirs(root, exist_ok=True)
     _write(fs, f"{root}/{writer}.jsonl", "".join(merged.lines()).encode())
     for _, w, seg in folder.segments:
@@ -442,12 +446,12 @@ def save_records(lines: list[str], budget_bytes: int, folder_url: str, writer: s
         for files in (folder.saved, folder.alive):
             if w in files:
                 _rm(fs, files[w])
-    if adopted and fs.exists(legacy):
+    if any(line.strip() for line in legacy_lines):
         _rm(fs, legacy)
     for tmp in folder.temps:
         if (t := folder.times.get(tmp)) is not None and t < stale:
             _rm(fs, tmp)
-    return Saved(len(merged), adopted)
+    return Saved(len(merged), [_line(row) for row in adopted_rows], _merged_rows([adopted_rows]))
 
 
 class ResponseJournal:
@@ -528,13 +532,10 @@ class ResponseJournal:
         return (self.since_bytes >= max(COMPACT_MIN_BYTES, self.budget // 4)
                 or self.since_segments >= COMPACT_SEGMENTS)
 
-    def compact(self, store: list[str] | tuple) -> Saved:
-        """`save_records` of the store (its `lines`, or its `snapshot` taken on the owner's thread and formatted
-        here) as this writer, with the lines taken over parsed for the owner (`Saved.rows`); the journal starts
-        afresh."""
-        lines = store if isinstance(store, list) else lines_of(store)
-        saved = save_records(lines, self.budget, self.folder, self.writer)
-        saved.rows = parse_merged([saved.adopted])
+    def compact(self, snapshot: tuple) -> Saved:
+        """`save_records` of the store's `snapshot` (taken on the owner's thread) as this writer; the journal
+        starts afresh."""
+        saved = save_records(snapshot, self.budget, self.folder, self.writer)
         self.since_bytes = self.since_segments = 0
         self.stats["saves"] += 1
         return saved

@@ -38,16 +38,11 @@ def describe(names: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def serve_flags() -> dict[str, str]:
-    """Setting -> the option of `decapybara serve` that sets it (read from its parser, `cli_serve.FLAGS`)."""
-    import argparse
-
+    """Setting -> the option of `decapybara serve` that sets it (`cli_serve.FLAGS`: an option's dest is its
+    flag's name)."""
     from decapybara.server import cli_serve
 
-    sub = argparse.ArgumentParser().add_subparsers()
-    cli_serve.add_parser(sub)
-    parser = sub.choices["serve"]
-    return {cli_serve.FLAGS[a.dest]: max(a.option_strings, key=len) for a in parser._actions
-            if a.dest in cli_serve.FLAGS and a.option_strings}
+    return {field: "--" + flag.replace("_", "-") for flag, field in cli_serve.FLAGS.items()}
 
 
 def _type_name(annotation: Any) -> str:

@@ -388,25 +388,21 @@ def _fetch_part(url: str, token: str | None, endpoint: str, fd: int, p: _Part, s
                     if since_save >= SAVE_EVERY_BYTES:
                         state.save(fd)
                         since_save = 0
-        except HttpStatusError as e:
-            if e.code not in RETRY_CODES and not (e.code == 403 and _origin(e.url) != _origin(endpoint)):
+            continue
+        except HubError as e:  # a busy or failing server, or a CDN link that expired, is asked again
+            if not (isinstance(e, HttpStatusError) and (e.code in RETRY_CODES or
+                                                        (e.code == 403 and _origin(e.url) != _origin(endpoint)))):
                 raise
-            failures += 1  # a busy or failing server, or a CDN link that expired: asked again
-            if failures > RETRIES:
-                raise HubError(f"{e} ({RETRIES + 1} tries at byte {p.done}); run the same command again to "
-                               "resume") from None
-            stop.wait(min(8.0, BACKOFF_S * 2 ** (failures - 1)))
-        except HubError:
-            raise
+            why = str(e)
         except (OSError, ValueError) as e:  # urllib's URLError, a reset, a timeout, an IncompleteRead
-            failures += 1
-            if failures > RETRIES:
-                raise HubError(f"{url}: {type(e).__name__}: {e} ({RETRIES + 1} tries at byte {p.done}); run the "
-                               "same command again to resume") from None
-            if not ranged:  # a server without ranges: this one connection starts over
-                count(p.start - p.done)
-                p.done = p.start
-            stop.wait(min(8.0, BACKOFF_S * 2 ** (failures - 1)))
+            why = f"{url}: {type(e).__name__}: {e}"
+        failures += 1
+        if failures > RETRIES:
+            raise HubError(f"{why} ({RETRIES + 1} tries at byte {p.done}); run the same command again to resume")
+        if not ranged:  # a server without ranges: this one connection starts over
+            count(p.start - p.done)
+            p.done = p.start
+        stop.wait(min(8.0, BACKOFF_S * 2 ** (failures - 1)))
     state.save(fd)
 
 

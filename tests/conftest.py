@@ -77,6 +77,7 @@ def pytest_configure(config):
         config.option.maxschedchunk = 1
 
 
+@pytest.hookimpl(trylast=True)  # after `-k` / `-m` deselected what they do
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         items[:] = heavy_first(items)
@@ -85,6 +86,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+    emu_last(config, items)
+
+
+def emu_last(config, items: list) -> None:
+    """The host emulator's runs (tests/test_cuda_emu.py: minutes of single-threaded CPU work in processes of their
+    own) started now, at the lowest CPU priority, and that module's tests moved to the end, so that the runs use
+    the CPU time the rest of the suite leaves idle instead of holding it up (not in pytest-xdist workers)."""
+    module = sys.modules.get("test_cuda_emu") or sys.modules.get("tests.test_cuda_emu")
+    if module is None or hasattr(config, "workerinput") or config.option.collectonly or \
+            not module.start_early(items):
+        return
+    items.sort(key=lambda item: getattr(item, "module", None) is module)  # stable: each part keeps its order
+
+
+def pytest_sessionfinish(session, exitstatus):
+    module = sys.modules.get("test_cuda_emu") or sys.modules.get("tests.test_cuda_emu")
+    if module is not None:
+        module.stop_early()
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -105,15 +106,18 @@ class EmuRun:
     strided: bool = True  # CUDA_EMU_STRIDED: blocks' threads stepped in strides (the faster schedule)
     timeout: int = 1200
 
-    def run(self, live: set) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr); the process is in `live` while it runs (so that it can be killed)."""
+    def run(self, live: set, stopping: threading.Event) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr); the process is in `live` while it runs (so that it can be killed), and
+        killed at once where `stopping` is set."""
         env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1",
                **({"CUDA_EMU_STRIDED": "1"} if self.strided else {})}
         t0 = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p", "no:cacheprovider",
-                                 "-m", "gpu", *self.files, "-k", self.cases], cwd=ROOT, env=env,
+        proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p",
+                                 "no:cacheprovider", "-m", "gpu", *self.files, "-k", self.cases], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         live.add(proc)
+        if stopping.is_set():  # stopped while this process started: `Runs.stop` may not have seen it in `live`
+            proc.kill()
         try:
             out, err = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
@@ -145,7 +149,8 @@ MOE_EMU_CASES = ("(shared_expert_matches and bf16-1 and not 12) or (moe_matches 
 PIECEWISE = ("tests/gpu/test_piecewise.py", "tests/gpu/test_blas.py")
 
 # Every emulator run, longest first (a fresh clone's minutes on the 2-core CI machine, kernel builds included), so
-# that the runs, started side by side as soon as the first of these tests asks, finish together.
+# that the runs, started side by side at collection (`start_early`) or as soon as the first of these tests asks,
+# finish together.
 RUNS: dict[str, EmuRun] = {
     "prefill": EmuRun(("tests/gpu/test_kernels_core.py", "tests/gpu/test_wgmma.py"), PREFILL_EMU_CASES),
     "piecewise_engine": EmuRun(("tests/gpu/test_engine_graphs.py",), "piecewise_tails_with_packed"),
@@ -190,27 +195,68 @@ def emulator_jobs() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
-@pytest.fixture(scope="module")
-def emulator(request):
-    """name -> that run's stdout, asserting it exited 0. The runs of every selected test of this module start at
-    once, `emulator_jobs()` at a time in RUNS' order; a test waits for its own. At the module's end (or an
-    interrupted session's) runs not started are dropped and running ones killed. (Under pytest-xdist each worker
-    given one of these tests would start every selected run: run this file in one process.)"""
-    wanted = {n for item in request.session.items if getattr(item, "module", None) is request.module
-              for n in getattr(getattr(item, "function", None), "emu_runs", ())}
-    pool, live = ThreadPoolExecutor(max_workers=emulator_jobs()), set()
-    futures = {n: pool.submit(run.run, live) for n, run in RUNS.items() if n in wanted}
+class Runs:
+    """The emulator runs named, `emulator_jobs()` at a time in RUNS' order, each process at the lowest CPU priority
+    (nice 19: started beside the rest of the suite, they take only the CPU time it leaves idle). `result(name)`
+    waits for one; `stop()` drops the runs not started and kills the running ones."""
 
-    def result(name: str) -> str:
-        code, out, err = futures[name].result()
+    def __init__(self, names: set[str]) -> None:
+        self.pool, self.live, self.stopping = ThreadPoolExecutor(max_workers=emulator_jobs()), set(), threading.Event()
+        self.futures = {n: self.pool.submit(run.run, self.live, self.stopping) for n, run in RUNS.items() if n in names}
+
+    def result(self, name: str) -> str:
+        code, out, err = self.futures[name].result()
         assert code == 0, f"{name}: " + out[-3000:] + err[-2000:]
         return out
 
-    yield result
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in list(live):
-        proc.kill()
-    pool.shutdown(wait=True)
+    def stop(self) -> None:
+        self.stopping.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(self.live):
+            proc.kill()
+        self.pool.shutdown(wait=True)
+
+
+EARLY: Runs | None = None  # the runs `start_early` started for this session (conftest.py)
+
+
+def wanted_runs(items: list) -> set[str]:
+    """The RUNS that `items`' tests of this module read (none where the toolchain is missing: they skip)."""
+    if not _emulator_toolchain():
+        return set()
+    return {n for item in items if getattr(item, "module", None) is sys.modules[__name__]
+            for n in getattr(getattr(item, "function", None), "emu_runs", ())}
+
+
+def start_early(items: list) -> bool:
+    """At collection (conftest.py, not in pytest-xdist workers): start the runs `items` will read, so that they
+    run beside the rest of the suite, whose tests the caller puts before this module's. False where none."""
+    global EARLY
+    names = wanted_runs(items)
+    if names and EARLY is None:
+        EARLY = Runs(names)
+    return bool(names)
+
+
+def stop_early() -> None:
+    global EARLY
+    if EARLY is not None:
+        EARLY.stop()
+        EARLY = None
+
+
+@pytest.fixture(scope="module")
+def emulator(request):
+    """name -> that run's stdout, asserting it exited 0: the runs `start_early` started, else those of every
+    selected test of this module, started at once. A test waits for its own run. At the module's end (or an
+    interrupted session's) runs not started are dropped and running ones killed. (Under pytest-xdist each worker
+    given one of these tests would start every selected run: run this file in one process.)"""
+    runs = EARLY if EARLY is not None else Runs(wanted_runs(request.session.items))
+    yield runs.result
+    if runs is EARLY:
+        stop_early()
+    else:
+        runs.stop()
 
 
 def passed(out: str) -> int:

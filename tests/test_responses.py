@@ -232,6 +232,59 @@ def test_reasoning_comes_back_through_encrypted_content(stack):  # noqa: F811
     assert "<think>\nThe user wants the weather.\n</think>" in stack.prompt(nxt.id)
 
 
+def test_answer_tokens_carry_their_logprobs_whole_or_streamed(stack):  # noqa: F811
+    """include message.output_text.logprobs (top_logprobs 2): the message's part holds one entry per answer
+    token, whose bytes are its text's with the whitespace the parser trims around it (the reasoning, the call,
+    their tags and the end token have none); the stream's text deltas carry the same entries, each delta its own
+    tokens'; a request without include gets none.
+    A reply without reasoning has the entries chat completions gives its tokens, less the end token."""
+    kw = {"model": "m", "input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "max_output_tokens": 80}
+    assert stack.oa().responses.create(**kw).output[1].content[0].logprobs == []
+    r = stack.oa().responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+    assert kinds(r) == ["reasoning", "message", "function_call"]
+    part = r.output[1].content[0]
+    joined = b"".join(bytes(e.bytes) for e in part.logprobs).decode()
+    assert joined != joined.strip() and joined.strip() == part.text == "Let me check."
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in part.logprobs)
+    with stack.oa().responses.stream(**kw, include=["message.output_text.logprobs"], top_logprobs=2) as s:
+        events = list(s)
+        final = s.get_final_response()
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    for d in deltas:
+        assert b"".join(bytes(e.bytes) for e in d.logprobs).decode().strip() == d.delta.strip()
+    streamed = [e.model_dump() for d in deltas for e in d.logprobs]
+    assert streamed == [e.model_dump() for e in final.output[1].content[0].logprobs]
+    assert streamed == [e.model_dump() for e in part.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [e.model_dump() for e in done.logprobs] == streamed
+
+    plain = {"model": "m", "input": "SAY-STOP please", "max_output_tokens": 40, "reasoning": {"effort": "none"}}
+    r = stack.oa().responses.create(**plain, top_logprobs=3)  # top_logprobs alone asks for them too
+    chat = stack.oa().chat.completions.create(model="m", messages=[{"role": "user", "content": "SAY-STOP please"}],
+                                              max_tokens=40, logprobs=True, top_logprobs=3,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    want = [(lp.token, lp.logprob, lp.bytes) for lp in chat.choices[0].logprobs.content
+            if bytes(lp.bytes) != b"<|im_end|>"]
+    assert [(e.token, e.logprob, e.bytes) for e in r.output[0].content[0].logprobs] == want
+
+
+def test_answer_tokens_follow_the_tags_forced_ones_too():
+    """`AnswerTokens`: entries for the tokens outside the reasoning and the calls; a forced tag (the LoopGuard's
+    end of thinking) moves the reading though it has no entry of its own."""
+    from decapybara.api.openai_responses import AnswerTokens
+    from decapybara.testing import make_tokenizer_json
+    from decapybara.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_json(make_tokenizer_json())
+    sp = tok.special_ids
+    a, b, c = tok.encode(" alpha beta gamma")[:3]
+    reader = AnswerTokens(tok, opens_reasoning=True)
+    assert reader.entries([a, sp.end_think], [-0.5], [[]]) == []  # thinking; the forced close has no entry
+    got = reader.entries([b, sp.tool_call, c, sp.end_tool_call, a, sp.im_end], [-1.0] * 6, [[(a, -0.1)]] * 6)
+    assert [(e["token"], e["logprob"]) for e in got] == [(tok.decode([b]), -1.0), (tok.decode([a]), -1.0)]
+    assert got[0]["top_logprobs"] == [{"token": tok.decode([a]), "logprob": -0.1, "bytes": list(tok.token_bytes(a))}]
+
+
 # ---------------------------------------------------------------------------------------------- stored responses
 
 

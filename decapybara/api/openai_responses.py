@@ -11,8 +11,11 @@ Choices made where the API leaves room:
   first other item are one system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
   ``include: ["reasoning.encrypted_content"]`` puts the reasoning's text in its item's ``encrypted_content``
   (not encrypted: this server's own, for clients that send reasoning back only so, as stateless agents do), read
-  back from input reasoning items that carry nothing else; other ``include`` values and ``text.verbosity`` are
-  read and not acted on; output logprobs are empty. ``truncation: "auto"`` drops turns from the middle of a
+  back from input reasoning items that carry nothing else. ``include: ["message.output_text.logprobs"]`` (or
+  ``top_logprobs`` given) puts each answer token's log probability, with ``top_logprobs`` alternatives (0-20), in
+  its message's ``output_text`` part and the text deltas (`AnswerTokens`: the sampled tokens outside the reasoning
+  and the calls, their tags and the end token left out); other ``include`` values and ``text.verbosity`` are read
+  and not acted on. ``truncation: "auto"`` drops turns from the middle of a
   conversation past the context (`middle_cuts`), "disabled" (the default) lets it fail as too long.
 - tools are function tools (``{"type": "function", "name", "parameters"}``); built-in tools (web search, file
   search, ...) are a 400 naming them. tool_choice and parallel_tool_calls act as in chat completions: "required"
@@ -60,12 +63,14 @@ from decapybara.api.common import (
     settle_constraint,
 )
 from decapybara.api.errors import ApiError, bad_request
+from decapybara.api.openai_api import token_logprobs
 from decapybara.api.schemas_base import LoopGuardInfo
 from decapybara.api.streams import sse_event
 from decapybara.chat import ContentDelta, ReasoningDelta, StreamingOutputParser, ToolCallEvent
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 from decapybara.errors import InvalidRequestError
+from decapybara.tokenizer import IncrementalDetokenizer
 
 # ---------------------------------------------------------------------------------------------- request
 
@@ -255,7 +260,17 @@ def sampling_params(body: rs.ResponsesRequest, max_tokens: int) -> SamplingParam
         schema = checked_schema(fmt.schema_, "text.format.schema")
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, max_tokens=max_tokens,
-                          json_object=fmt is not None and fmt.type == "json_object", json_schema=schema)
+                          json_object=fmt is not None and fmt.type == "json_object", json_schema=schema,
+                          logprobs=(body.top_logprobs or 0) if wants_logprobs(body) else None)
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def wants_logprobs(body: rs.ResponsesRequest) -> bool:
+    """Whether the answer's messages carry their tokens' log probabilities: asked for by ``include``, or by
+    ``top_logprobs`` given."""
+    return LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None
 
 
 @dataclass(slots=True)
@@ -395,10 +410,52 @@ def _kept(plan: ResponsePlan, whole: rs.ResponseObject) -> rs.ResponseObject:
 # ---------------------------------------------------------------------------------------------- response
 
 
+class AnswerTokens:
+    """The log probabilities of a reply's answer tokens, as the Responses API gives them (``logprobs`` entries:
+    token, logprob, bytes, top_logprobs), read from its sampled tokens by their ids: a token is the answer's where
+    it lies outside the reasoning (up to ``</think>``, from the start where the prompt opens it) and outside the
+    calls (``<tool_call>`` to ``</tool_call>``), and is neither one of those tags nor an end or control token.
+    Tokens the LoopGuard forced have none."""
+
+    def __init__(self, tokenizer: Any, opens_reasoning: bool) -> None:
+        self.tokenizer = tokenizer
+        sp = tokenizer.special_ids
+        self.think, self.end_think = sp.think, sp.end_think
+        self.open_call, self.close_call = sp.tool_call, sp.end_tool_call
+        self.left_out = {t for t in (sp.think, sp.end_think, sp.tool_call, sp.end_tool_call)
+                         if t is not None} | set(tokenizer.added_ids) | set(tokenizer.eos_token_ids)
+        self.in_reasoning, self.in_call = opens_reasoning, False
+
+    def entries(self, token_ids: list[int], logprobs: list[float],
+                top: list[list[tuple[int, float]]]) -> list[dict[str, Any]]:
+        """The entries of the answer tokens among `token_ids` (the reply's next tokens: the first len(`logprobs`)
+        sampled, with their `logprobs` and `top` alternatives, the rest forced), moving through the reply's
+        reasoning and calls as their tags pass (forced ones too)."""
+        keep = []
+        for i, t in enumerate(token_ids):
+            forced = i >= len(logprobs)  # no entry, but a tag it is still moves the state
+            if t == self.think:
+                self.in_reasoning = True
+            elif t == self.end_think:
+                self.in_reasoning = False
+            elif t == self.open_call:
+                self.in_call = True
+            elif t == self.close_call:
+                self.in_call = False
+            elif not (forced or self.in_reasoning or self.in_call or t in self.left_out):
+                keep.append(i)
+        if not keep:
+            return []
+        made = token_logprobs(self.tokenizer, [token_ids[i] for i in keep], [logprobs[i] for i in keep],
+                              [top[i] if i < len(top) else [] for i in keep])
+        return [entry.dump() for entry in made]
+
+
 class Items:
     """The reply's output items as its parsed pieces arrive (reasoning, text, calls, in the model's order): the
     stream's events for each piece (`add`, `close`), and the items (`items`). A text that is only whitespace
-    opens no message (it stays pending until a visible character joins it)."""
+    opens no message (it stays pending until a visible character joins it). With logprobs, the answer tokens'
+    entries (`tokens`) wait until the next text delta of a message, which carries them."""
 
     def __init__(self, emit: Any, encrypted: bool = False) -> None:
         self.emit = emit  # (event type, payload dict) -> None
@@ -408,6 +465,12 @@ class Items:
         self.item_id = ""  # the open item's
         self.text = ""
         self.pending = ""  # whitespace not yet in a message
+        self.waiting: list[dict[str, Any]] = []  # answer tokens' logprobs entries not yet in a delta
+        self.logprobs: list[dict[str, Any]] = []  # the open message's
+
+    def tokens(self, entries: list[dict[str, Any]]) -> None:
+        """Answer tokens' logprobs entries (`AnswerTokens.entries`), for the next message text delta."""
+        self.waiting += entries
 
     def _index(self) -> int:
         return len(self.items)
@@ -423,6 +486,7 @@ class Items:
         else:
             added = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.logprobs = []
         self.emit("response.output_item.added", {"output_index": self._index(), "item": added})
         self.emit("response.content_part.added", {"item_id": item_id, "output_index": self._index(),
                                                   "content_index": 0, "part": part})
@@ -430,7 +494,10 @@ class Items:
     def _delta(self, text: str) -> None:
         self.text += text
         kind = "response.reasoning_text.delta" if self.open == "reasoning" else "response.output_text.delta"
-        extra = {} if self.open == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {}
+        if self.open == "message":
+            extra["logprobs"], self.waiting = self.waiting, []
+            self.logprobs += extra["logprobs"]
         self.emit(kind, {"item_id": self.item_id, "output_index": self._index(), "content_index": 0,
                          "delta": text, **extra})
 
@@ -473,10 +540,10 @@ class Items:
             self.emit("response.reasoning_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                        "text": text})
         else:
-            part = rs.OutputText(text=text)
+            part = rs.OutputText(text=text, logprobs=self.logprobs)
             item = rs.MessageOut(id=item_id, content=[part], status=status)
             self.emit("response.output_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
-                                                    "text": text, "logprobs": []})
+                                                    "text": text, "logprobs": self.logprobs})
         self.emit("response.content_part.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                  "part": part.dump()})
         self.items.append(item)
@@ -544,10 +611,20 @@ def _item_status(last: TokenEvent | Collected) -> str:
 
 
 def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.ResponseObject:
-    """The whole response of a finished request (its text parsed as the stream parses it)."""
+    """The whole response of a finished request (its text parsed as the stream parses it; with logprobs, token
+    by token as the stream reads them, so that each message carries its own tokens' entries)."""
     parser = _parser(plan)
     items = Items(lambda kind, payload: None, _encrypted(plan))
-    items.feed(parser.feed(done.text) + parser.finish())
+    if plan.request.params.logprobs is None:
+        items.feed(parser.feed(done.text) + parser.finish())
+    else:
+        answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning)
+        detok, j = IncrementalDetokenizer(tokenizer), 0  # j: the next sampled token's entry
+        for t, sampled in zip(done.token_ids, done.sampled):
+            items.tokens(answer.entries([t], done.logprobs[j:j + sampled], done.top_logprobs[j:j + sampled]))
+            j += sampled
+            items.feed(parser.feed(detok.push(t)))
+        items.feed(parser.feed(detok.finish()) + parser.finish())
     items.close(_item_status(done))
     return _kept(plan, _response(plan, items.items, done, done.token_ids, tokenizer))
 
@@ -562,6 +639,8 @@ class ResponseStream:
         self.seq = 0
         self.items = Items(self._emit, _encrypted(plan))
         self.output_ids: list[int] = []
+        self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning) \
+            if plan.request.params.logprobs is not None else None
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> None:
         self.lines.append(sse_event(kind, json.dumps({"type": kind, "sequence_number": self.seq, **payload},
@@ -580,6 +659,8 @@ class ResponseStream:
 
     def event(self, ev: TokenEvent) -> list[str]:
         self.output_ids += ev.token_ids
+        if self.answer is not None:
+            self.items.tokens(self.answer.entries(ev.token_ids, ev.logprobs, ev.top_logprobs))
         outputs = self.parser.feed(ev.text)
         if ev.finish_reason is not None:
             outputs += self.parser.finish()

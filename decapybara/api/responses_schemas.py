@@ -123,6 +123,7 @@ class ResponsesRequest(RequestModel):
     user: str | None = None
     prompt_cache_key: str | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
 
 

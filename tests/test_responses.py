@@ -177,8 +177,7 @@ def test_tool_choice_forms_and_stored_state(stack):  # noqa: F811
                                     parallel_tool_calls=False, reasoning={"effort": "none"},
                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert [i.type for i in r.output] == ["function_call"]
-    for extra, param in [({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background"),
-                         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    for extra, param in [({"conversation": "conv_1"}, "conversation"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
                          ({"tool_choice": {"type": "mcp"}, "tools": TOOLS_R}, "tool_choice"),
                          ({"input": [{"type": "function_call_output", "call_id": "c",
                                       "output": [{"type": "input_image"}]}]}, "input.0.output")]:
@@ -666,3 +665,113 @@ def test_live_writers_are_never_taken_over_and_deletions_win(tmp_path):
     rows = rs.parse_merged([[rs.put_line(r, None, _rec(r)) for r in ("X", "D", "E")]])
     assert roomy.apply(rows, missing_only=True, oldest=True) == 2
     assert list(roomy._entries) == ["D", "E", "A"] and "X" in roomy.deleted  # in their order, before the store's
+
+
+# ---------------------------------------------------------------------------------------------- background
+
+
+def poll(oa, rid: str, until: set[str], timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = oa.responses.retrieve(rid)
+        if r.status in until or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_a_background_response_is_queued_then_polled_to_its_end(stack):  # noqa: F811
+    """background: the request returns at once with the response "queued"; polling finds it completed with the
+    items the same request gets in the foreground; it continues a conversation as any stored response does."""
+    oa = stack.oa()
+    kw = {"model": "m", "input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "max_output_tokens": 80}
+    queued = oa.responses.create(**kw, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = poll(oa, queued.id, {"completed", "incomplete", "failed"})
+    fg = oa.responses.create(**kw)
+    assert done.status == "completed" and done.background is True and fg.background is False
+    assert kinds(done) == kinds(fg) and done.output_text == fg.output_text
+    assert done.output[-1].arguments == fg.output[-1].arguments and done.usage.output_tokens == fg.usage.output_tokens
+    call = done.output[-1]
+    nxt = oa.responses.create(model="m", previous_response_id=done.id, tools=TOOLS_R, max_output_tokens=8,
+                              input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sun"}])
+    assert "<tool_response>\nSun\n</tool_response>" in stack.prompt(nxt.id)
+    assert oa.responses.cancel(done.id).status == "completed"  # cancelling an ended response changes nothing
+
+
+def test_a_background_response_shows_its_progress_and_is_cancelled(stack):  # noqa: F811
+    """A long background run is stored "in_progress" with its text so far; cancel aborts it: "cancelled", with
+    the text made until then in an incomplete message, the same on a second cancel and on retrieve; the engine
+    frees its slot; a turn continuing a running response is a 400."""
+    oa = stack.oa()
+    queued = oa.responses.create(model="m", input="KEEP-TALKING SLOW-DOWN", reasoning={"effort": "none"},
+                                 max_output_tokens=2000, background=True)
+    running = queued
+    deadline = time.monotonic() + 20
+    while not (running.status == "in_progress" and running.output) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = oa.responses.retrieve(queued.id)
+    assert running.status == "in_progress" and running.output[0].status == "in_progress", running
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.responses.create(model="m", previous_response_id=queued.id, input="more")
+    assert "still running" in str(err.value)
+    cancelled = oa.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.output[0].status == "incomplete"
+    assert cancelled.output[0].content[0].text.startswith(running.output[0].content[0].text)
+    assert oa.responses.cancel(queued.id).model_dump() == cancelled.model_dump()
+    assert oa.responses.retrieve(queued.id).model_dump() == cancelled.model_dump()
+    with pytest.raises(openai.BadRequestError) as err:  # a foreground response cannot be cancelled
+        oa.responses.cancel(oa.responses.create(model="m", input="SAY-STOP", max_output_tokens=8).id)
+    assert "only background responses" in str(err.value)
+
+
+def test_a_background_stream_is_left_and_joined_again(stack):  # noqa: F811
+    """background with stream: the client reads a few events and leaves (the run goes on); a GET with stream
+    and starting_after gives the events after the last one read, numbered on, ending as a foreground stream of
+    the same request does; a stream joined from the start gives them all."""
+    oa = stack.oa()
+    kw = {"model": "m", "input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "max_output_tokens": 80}
+    first = []
+    with oa.responses.create(**kw, background=True, stream=True) as s:
+        for ev in s:
+            first.append(ev)
+            if len(first) == 4:
+                break
+    rid = first[0].response.id
+    rest = list(oa.responses.retrieve(rid, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    fg = list(oa.responses.create(**kw, stream=True))
+    assert [e.type for e in events] == [e.type for e in fg]
+    assert events[-1].type == "response.completed" and events[-1].response.background is True
+    assert events[-1].response.output_text == fg[-1].response.output_text
+    again = list(oa.responses.retrieve(rid, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    with pytest.raises(openai.BadRequestError) as err:  # a foreground response's events are not kept
+        list(oa.responses.retrieve(fg[-1].response.id, stream=True))
+    assert "did not run in the background" in str(err.value)
+
+
+def test_background_needs_the_store_and_a_deleted_run_stays_deleted(stack):  # noqa: F811
+    """background with store false, or on a server without a store, is a 400 naming background; a background
+    response deleted while it runs is stopped and not stored again."""
+    from fastapi.testclient import TestClient
+
+    from decapybara.api.app import create_app
+    from decapybara.api.client import LocalEngineClient
+
+    oa = stack.oa()
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.responses.create(model="m", input="hi", background=True, store=False)
+    assert err.value.body["param"] == "background" and "store: false" in err.value.body["message"]
+    client = LocalEngineClient(stack.client.engine, "m", start=False, responses_budget_bytes=0)
+    with TestClient(create_app(client)) as http:
+        r = http.post("/v1/responses", json={"input": "x", "background": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+        assert "responses_store_mb" in r.json()["error"]["message"]
+    queued = oa.responses.create(model="m", input="KEEP-TALKING SLOW-DOWN", reasoning={"effort": "none"},
+                                 max_output_tokens=2000, background=True)
+    poll(oa, queued.id, {"in_progress"})
+    oa.responses.delete(queued.id)
+    time.sleep(1.5)  # past the run's next store
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(queued.id)

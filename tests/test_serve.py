@@ -119,6 +119,15 @@ def test_tool_call_round_trip_both_apis(oai, ant):
     assert oai.responses.retrieve(r.id).model_dump() == r.model_dump()
     listed = [i.type for i in oai.responses.input_items.list(nxt.id, order="asc", limit=100)]
     assert listed[:3] == ["message", "function_call", "function_call_output"] and listed[-1] == "message"
+    # in the background, through the scheduler actor's store: queued, then the foreground reply's items
+    queued = oai.responses.create(model="m", input=items, tools=rtools, max_output_tokens=24, temperature=0,
+                                  background=True)
+    assert queued.status == "queued"
+    deadline = time.monotonic() + 60
+    while (done := oai.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.1)
+    assert done.status == r.status and done.output_text == r.output_text and done.background is True
 
 
 def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):

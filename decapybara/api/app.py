@@ -7,6 +7,7 @@ malformed JSON and oversized bodies, has its API's shape. Rendering and tokenisi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from decapybara.api import anthropic_api, openai_api, openai_completions, openai_responses, response_store
+from decapybara.api import (
+    anthropic_api,
+    background,
+    openai_api,
+    openai_completions,
+    openai_responses,
+    response_store,
+)
 from decapybara.api import anthropic_schemas as an
 from decapybara.api import openai_schemas as oa
 from decapybara.api import responses_schemas as rs
@@ -64,9 +72,17 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     """
     served = served_model_name or client.model_name
     store = getattr(client, "responses", None)  # the Responses API's store, where the client keeps one
+    runs = background.BackgroundRuns()  # this replica's background responses
     created = int(time.time())
     counts: Counter[tuple[str, int]] = Counter()
-    app = FastAPI(title="Decapybara", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await runs.close()  # background runs still going end with the app (their requests aborted)
+
+    app = FastAPI(title="Decapybara", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
+                  lifespan=lifespan)
     app.add_middleware(EdgeMiddleware, api_key=api_key, counts=counts)
     app.state.client = client
 
@@ -159,15 +175,52 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def responses(request: HttpRequest) -> Response:
         async def handle() -> Response:
             body = await parse(request, rs.ResponsesRequest)
+            if body.background and (store is None or body.store is False):
+                raise bad_request("background responses are kept in the response store, which " + (
+                    "this server keeps none of (its responses_store_mb is 0)" if store is None else
+                    "store: false leaves out"), "background")
             earlier = await stored_chain(store, body.previous_response_id)
+            if earlier and earlier[-1]["response"]["status"] not in background.SETTLED:
+                raise bad_request(f"previous_response_id: the response {body.previous_response_id!r} is still "
+                                  "running in the background (wait for it, or cancel it)", "previous_response_id")
             plan = await run_in_threadpool(openai_responses.plan_response, body, client, served,
                                            request.headers.get(CONVERSATION_HEADER), earlier)
+            if body.background:
+                return await start_background(plan, bool(body.stream))
             if store is not None and body.store is not False:
                 plan.keep = store.put
             return await run(request, RESPONSES, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_responses.ResponseStream(plan, client.tokenizer),
                              lambda done: openai_responses.response(plan, done, client.tokenizer), KEEP_ALIVE)
         return await guard(RESPONSES, handle)
+
+    async def start_background(plan: openai_responses.ResponsePlan, stream: bool) -> Response:
+        """Store the response "queued", start its run (`background.drive`), and answer with the queued response
+        or the run's stream (which the client may leave: the run goes on)."""
+        plan.keep = lambda record: True  # the run stores the response (`drive`: each store awaited, in order)
+        streamer = openai_responses.ResponseStream(plan, client.tokenizer)
+        queued = streamer.snapshot("queued")
+        if not await store.put_now(openai_responses.record(plan, queued)):
+            raise bad_request("background: the response store's whole budget is smaller than this response",
+                              "background")
+        rid = plan.request.request_id
+        runs.start(rid, lambda run: background.drive(
+            run, streamer, engine_events(client, plan.request), store,
+            lambda response: openai_responses.record(plan, response), lambda exc: to_api_error(exc, disconnects)))
+        if stream:
+            return await follow(rid, -1)
+        return JSONResponse(queued.dump())
+
+    async def follow(rid: str, after: int) -> Response:
+        """The stream of background response `rid` past the event numbered `after`, where its run is kept here."""
+        run = runs.get(rid)
+        if run is None:
+            record = await stored(store, rid)
+            raise bad_request(f"the events of response {rid!r} are not kept: " + (
+                "it did not run in the background" if not record["response"].get("background") else
+                f"its run ended over {runs.keep_s:.0f} s ago or ran on another server") +
+                " (GET it without stream for the response)", "stream")
+        return EventStreamResponse(run.follow(after, ping_interval_s, KEEP_ALIVE), disconnects)
 
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(request: HttpRequest) -> Response:
@@ -178,16 +231,45 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return await guard(RESPONSES, handle)
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str) -> Response:
+    async def stored_response(request: HttpRequest, response_id: str) -> Response:
         async def handle() -> Response:
+            q = request.query_params
+            if q.get("stream", "false").lower() == "true":
+                after = q.get("starting_after", "-1")
+                if not after.lstrip("-").isdigit():
+                    raise bad_request("starting_after must be an integer (an event's sequence_number)",
+                                      "starting_after")
+                return await follow(response_id, int(after))
             return JSONResponse((await stored(store, response_id))["response"])
+        return await guard(RESPONSES, handle)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        async def handle() -> Response:
+            response = (await stored(store, response_id))["response"]
+            if not response.get("background"):
+                raise bad_request(f"only background responses can be cancelled, and {response_id!r} did not run "
+                                  "in the background", "response_id")
+            if response["status"] in background.SETTLED:
+                return JSONResponse(response)  # cancelling again, or after the end: the response as it ended
+            await client.abort(response_id)
+            record = await background.settled(store, response_id, runs.get(response_id))
+            if record is None:
+                raise not_stored(response_id)
+            if record["response"]["status"] not in background.SETTLED:  # its run's server is gone
+                record["response"]["status"] = "cancelled"
+                await store.put_now(record)
+            return JSONResponse(record["response"])
         return await guard(RESPONSES, handle)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         async def handle() -> Response:
-            if store is None or not await store.delete(response_id):
+            record = await store.get(response_id) if store is not None else None
+            if record is None or not await store.delete(response_id):
                 raise not_stored(response_id)
+            if record["response"]["status"] not in background.SETTLED:  # a background run: stopped too
+                await client.abort(response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         return await guard(RESPONSES, handle)
 

@@ -6,8 +6,8 @@ Choices made where the API leaves room:
   ``reasoning``), after those of the stored responses ``previous_response_id`` continues (each turn's input
   items, then its output items; instructions and tools are not carried over, as the API has it). A response is
   stored unless ``store`` is false or the server keeps no store (`decapybara.api.response_store`: in memory, least
-  recently used dropped past its budget; a chain with a turn dropped is a 400 naming it). ``conversation``,
-  ``background`` and ``prompt`` are 400s. ``instructions`` and the system / developer messages before the
+  recently used dropped past its budget; a chain with a turn dropped is a 400 naming it). ``background``
+  runs apart from the request (decapybara/api/background.py); ``conversation`` and ``prompt`` are 400s. ``instructions`` and the system / developer messages before the
   first other item are one system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
   ``include: ["reasoning.encrypted_content"]`` puts the reasoning's text in its item's ``encrypted_content``
   (not encrypted: this server's own, for clients that send reasoning back only so, as stateless agents do), read
@@ -215,12 +215,11 @@ def chat_input(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> ChatInput:
         if getattr(item, "id", None) in seen:
             raise bad_request(f"Duplicate item found with id {item.id!r}: previous_response_id already holds it, so "
                               "send only the new items", f"input.{i}")
-    for field, given in (("conversation", body.conversation is not None), ("background", body.background is True),
-                         ("prompt", body.prompt is not None)):
+    for field, given in (("conversation", body.conversation is not None), ("prompt", body.prompt is not None)):
         if given:
-            raise bad_request(f"{field} is not supported: conversations, background runs and prompt templates are "
-                              "not stored (send the conversation as input, or continue a stored response with "
-                              "previous_response_id)", field)
+            raise bad_request(f"{field} is not supported: conversations and prompt templates are not stored (send "
+                              "the conversation as input, or continue a stored response with previous_response_id)",
+                              field)
     tool_choice, tools = _tool_choice(body, _tools(body))  # a named tool not among them: `render_prompt`'s 400
     effort = body.reasoning.effort if body.reasoning is not None else None
     return ChatInput(input_messages(body, earlier), tools, tool_choice, effort not in ("none", "minimal"))
@@ -468,6 +467,18 @@ class Items:
         self.waiting: list[dict[str, Any]] = []  # answer tokens' logprobs entries not yet in a delta
         self.logprobs: list[dict[str, Any]] = []  # the open message's
 
+    def so_far(self) -> list[Any]:
+        """The items made so far, the open one as it stands ("in_progress")."""
+        if self.open is None:
+            return list(self.items)
+        if self.open == "reasoning":
+            item: Any = rs.ReasoningOut(id=self.item_id, content=[rs.ReasoningText(text=self.text)],
+                                        status="in_progress")
+        else:
+            item = rs.MessageOut(id=self.item_id, content=[rs.OutputText(text=self.text, logprobs=self.logprobs)],
+                                 status="in_progress")
+        return [*self.items, item]
+
     def tokens(self, entries: list[dict[str, Any]]) -> None:
         """Answer tokens' logprobs entries (`AnswerTokens.entries`), for the next message text delta."""
         self.waiting += entries
@@ -600,7 +611,7 @@ def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | No
         tools=body.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else
                                       {"type": "text"}},
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
-        previous_response_id=body.previous_response_id, store=plan.keep is not None,
+        previous_response_id=body.previous_response_id, store=plan.keep is not None, background=bool(body.background),
         truncation=body.truncation or "disabled",
         metadata=body.metadata or {}, usage=usage, user=body.user, loop_guard=guard)
 
@@ -639,6 +650,7 @@ class ResponseStream:
         self.seq = 0
         self.items = Items(self._emit, _encrypted(plan))
         self.output_ids: list[int] = []
+        self.final: rs.ResponseObject | None = None  # the whole response, once the stream has ended
         self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning) \
             if plan.request.params.logprobs is not None else None
 
@@ -667,21 +679,37 @@ class ResponseStream:
         self.items.feed(outputs)
         return self._take()
 
+    def snapshot(self, status: str) -> rs.ResponseObject:
+        """The response as it stands (its items so far, the open one in progress), with `status`."""
+        head = _response(self.plan, self.items.so_far(), None, self.output_ids, self.tokenizer)
+        return head.model_copy(update={"status": status})
+
     def error(self, err: ApiError) -> list[str]:
         """The stream's end where it fails after its headers: the API's ``error`` event, numbered as the others,
-        then ``response.failed`` with the error and the items made so far."""
+        then ``response.failed`` with the error and the items made so far (`final`; not stored, unless in the
+        background, whose runs keep every end)."""
         body = err.openai_body()["error"]
         code = body["code"] or body["type"]
         self._emit("error", {"code": code, "message": body["message"], "param": body["param"]})
         failed = _response(self.plan, self.items.items, None, self.output_ids, self.tokenizer)
-        failed = failed.model_copy(update={"status": "failed", "store": False,  # a failed response is not kept
-                                           "error": {"code": code, "message": body["message"]}})
-        self._emit("response.failed", {"response": failed.dump()})
+        self.final = failed.model_copy(update={"status": "failed", "store": bool(self.plan.body.background),
+                                               "error": {"code": code, "message": body["message"]}})
+        self._emit("response.failed", {"response": self.final.dump()})
+        return self._take()
+
+    def cancelled(self) -> list[str]:
+        """The end of a background response cancelled (its request aborted): the open item "incomplete", the
+        response "cancelled" (`final`), in a ``response.failed`` event (the stream's events have no other for an
+        end without a reply)."""
+        self.items.close("incomplete")
+        whole = _response(self.plan, self.items.items, None, self.output_ids, self.tokenizer)
+        self.final = whole.model_copy(update={"status": "cancelled"})
+        self._emit("response.failed", {"response": self.final.dump()})
         return self._take()
 
     def end(self, last: TokenEvent) -> list[str]:
         self.items.close(_item_status(last))
-        whole = _kept(self.plan, _response(self.plan, self.items.items, last, self.output_ids, self.tokenizer))
-        self._emit("response.incomplete" if whole.status == "incomplete" else "response.completed",
-                   {"response": whole.dump()})
+        self.final = _kept(self.plan, _response(self.plan, self.items.items, last, self.output_ids, self.tokenizer))
+        self._emit("response.incomplete" if self.final.status == "incomplete" else "response.completed",
+                   {"response": self.final.dump()})
         return self._take()

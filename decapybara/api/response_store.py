@@ -557,6 +557,13 @@ class RemoteResponses:
         self.actor.put_response.remote(record["id"], record.get("parent"), text)
         return True
 
+    async def put_now(self, record: dict[str, Any]) -> bool:
+        """`put`, returning once the actor has stored it (so that puts awaited one after another land in order)."""
+        text = record_text(record)
+        if len(text) > self.budget:
+            return False
+        return await self.actor.put_response.remote(record["id"], record.get("parent"), text)
+
     async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
         texts, missing = await self.actor.response_chain.remote(rid, partial)
         if texts is None:
@@ -586,6 +593,9 @@ class LocalResponses:
         text = record_text(record)
         with self._lock:
             return self.store.put(record["id"], record.get("parent"), text)
+
+    async def put_now(self, record: dict[str, Any]) -> bool:
+        return self.put(record)
 
     async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
         """The conversation's records up to `rid`, oldest first; raises ChainBroken (`ResponseStore.chain`)."""

@@ -116,7 +116,7 @@ class ResponsesRequest(RequestModel):
     reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = None
     conversation: Any = None  # stored conversations: refused (responses are stored, conversations are not)
-    background: bool | None = None
+    background: bool | None = None  # generated apart from the request (decapybara/api/background.py)
     prompt: Any = None  # stored prompt templates: refused
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -202,7 +202,7 @@ class ResponseObject(ResponseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -218,6 +218,7 @@ class ResponseObject(ResponseModel):
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: bool = False
+    background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: ResponseUsage | None = None

@@ -277,11 +277,14 @@ def test_answer_tokens_follow_the_tags_forced_ones_too():
     tok = Tokenizer.from_json(make_tokenizer_json())
     sp = tok.special_ids
     a, b, c = tok.encode(" alpha beta gamma")[:3]
-    reader = AnswerTokens(tok, opens_reasoning=True)
+    reader = AnswerTokens(tok, opens_reasoning=True, tools=True)
     assert reader.entries([a, sp.end_think], [-0.5], [[]]) == []  # thinking; the forced close has no entry
     got = reader.entries([b, sp.tool_call, c, sp.end_tool_call, a, sp.im_end], [-1.0] * 6, [[(a, -0.1)]] * 6)
     assert [(e["token"], e["logprob"]) for e in got] == [(tok.decode([b]), -1.0), (tok.decode([a]), -1.0)]
     assert got[0]["top_logprobs"] == [{"token": tok.decode([a]), "logprob": -0.1, "bytes": list(tok.token_bytes(a))}]
+    plain = AnswerTokens(tok, opens_reasoning=False, tools=False)  # no tools: call markup is the answer's text
+    got = plain.entries([b, sp.tool_call, c, sp.end_tool_call, sp.im_end], [-1.0] * 5, [])
+    assert [e["token"] for e in got] == [tok.decode([t]) for t in (b, sp.tool_call, c, sp.end_tool_call)]
 
 
 # ---------------------------------------------------------------------------------------------- stored responses

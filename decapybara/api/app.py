@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +55,7 @@ from decapybara.engine.sequence import TokenEvent
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 CONVERSATION_HEADER = "x-conversation-id"
+RUN_LOST = {"code": "server_error", "message": "its background run stopped: the server that ran it went away"}
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI streams' idle line
 
 
@@ -180,6 +182,8 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                     "this server keeps none of (its responses_store_mb is 0)" if store is None else
                     "store: false leaves out"), "background")
             earlier = await stored_chain(store, body.previous_response_id)
+            if earlier and background.orphaned(earlier[-1]):
+                earlier[-1] = await background.settle(store, earlier[-1], "failed", RUN_LOST)
             if earlier and earlier[-1]["response"]["status"] not in background.SETTLED:
                 raise bad_request(f"previous_response_id: the response {body.previous_response_id!r} is still "
                                   "running in the background (wait for it, or cancel it)", "previous_response_id")
@@ -200,7 +204,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         plan.keep = lambda record: True  # the run stores the response (`drive`: each store awaited, in order)
         streamer = openai_responses.ResponseStream(plan, client.tokenizer)
         queued = streamer.snapshot("queued")
-        if not await store.put_now(openai_responses.record(plan, queued)):
+        if not await store.put_now(background.stamped(openai_responses.record(plan, queued))):
             raise bad_request("background: the response store's whole budget is smaller than this response",
                               "background")
         rid = plan.request.request_id
@@ -236,11 +240,14 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             q = request.query_params
             if q.get("stream", "false").lower() == "true":
                 after = q.get("starting_after", "-1")
-                if not after.lstrip("-").isdigit():
+                if not re.fullmatch(r"-?[0-9]{1,18}", after):
                     raise bad_request("starting_after must be an integer (an event's sequence_number)",
                                       "starting_after")
                 return await follow(response_id, int(after))
-            return JSONResponse((await stored(store, response_id))["response"])
+            record = await stored(store, response_id)
+            if background.orphaned(record):
+                record = await background.settle(store, record, "failed", RUN_LOST)
+            return JSONResponse(record["response"])
         return await guard(RESPONSES, handle)
 
     @app.post("/v1/responses/{response_id}/cancel")
@@ -252,13 +259,12 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                                   "in the background", "response_id")
             if response["status"] in background.SETTLED:
                 return JSONResponse(response)  # cancelling again, or after the end: the response as it ended
-            await client.abort(response_id)
-            record = await background.settled(store, response_id, runs.get(response_id))
+            record = await background.settled(store, response_id, runs.get(response_id),
+                                              lambda: client.abort(response_id))
             if record is None:
                 raise not_stored(response_id)
-            if record["response"]["status"] not in background.SETTLED:  # its run's server is gone
-                record["response"]["status"] = "cancelled"
-                await store.put_now(record)
+            if record["response"]["status"] not in background.SETTLED:  # no run answered (another server's)
+                record = await background.settle(store, record, "cancelled")
             return JSONResponse(record["response"])
         return await guard(RESPONSES, handle)
 

@@ -413,16 +413,17 @@ class AnswerTokens:
     """The log probabilities of a reply's answer tokens, as the Responses API gives them (``logprobs`` entries:
     token, logprob, bytes, top_logprobs), read from its sampled tokens by their ids: a token is the answer's where
     it lies outside the reasoning (up to ``</think>``, from the start where the prompt opens it) and outside the
-    calls (``<tool_call>`` to ``</tool_call>``), and is neither one of those tags nor an end or control token.
-    Tokens the LoopGuard forced have none."""
+    calls (``<tool_call>`` to ``</tool_call>``, where the reply's calls are read: `tools`; else their text is the
+    answer's), and is neither one of the tags read nor an end or control token. Tokens the LoopGuard forced have
+    none."""
 
-    def __init__(self, tokenizer: Any, opens_reasoning: bool) -> None:
+    def __init__(self, tokenizer: Any, opens_reasoning: bool, tools: bool) -> None:
         self.tokenizer = tokenizer
         sp = tokenizer.special_ids
         self.think, self.end_think = sp.think, sp.end_think
-        self.open_call, self.close_call = sp.tool_call, sp.end_tool_call
-        self.left_out = {t for t in (sp.think, sp.end_think, sp.tool_call, sp.end_tool_call)
-                         if t is not None} | set(tokenizer.added_ids) | set(tokenizer.eos_token_ids)
+        self.open_call, self.close_call = (sp.tool_call, sp.end_tool_call) if tools else (None, None)
+        text_tags = set() if tools else {sp.tool_call, sp.end_tool_call}  # call markup read as the answer's text
+        self.left_out = (set(tokenizer.added_ids) | set(tokenizer.eos_token_ids)) - text_tags
         self.in_reasoning, self.in_call = opens_reasoning, False
 
     def entries(self, token_ids: list[int], logprobs: list[float],
@@ -629,7 +630,7 @@ def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.Response
     if plan.request.params.logprobs is None:
         items.feed(parser.feed(done.text) + parser.finish())
     else:
-        answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning)
+        answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, plan.prompt.tools)
         detok, j = IncrementalDetokenizer(tokenizer), 0  # j: the next sampled token's entry
         for t, sampled in zip(done.token_ids, done.sampled):
             items.tokens(answer.entries([t], done.logprobs[j:j + sampled], done.top_logprobs[j:j + sampled]))
@@ -651,7 +652,7 @@ class ResponseStream:
         self.items = Items(self._emit, _encrypted(plan))
         self.output_ids: list[int] = []
         self.final: rs.ResponseObject | None = None  # the whole response, once the stream has ended
-        self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning) \
+        self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, plan.prompt.tools) \
             if plan.request.params.logprobs is not None else None
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> None:

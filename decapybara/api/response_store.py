@@ -56,6 +56,9 @@ STALE_S = 600.0  # another writer quiet this long (a stopped or crashed server) 
 DELETED_KEEP = 100_000  # deleted ids a store remembers (and saves), the latest
 
 
+SETTLED = frozenset({"completed", "incomplete", "failed", "cancelled"})  # a response's statuses once it has ended
+
+
 class ChainBroken(LookupError):
     """A chain's record is not in the store: `missing` is its id (the one asked for, or an earlier turn's)."""
 
@@ -107,6 +110,14 @@ class ResponseStore:
             self.nbytes -= len(old.text)
             self.dropped += 1
         return True
+
+    def update(self, rid: str, parent: str | None, text: str) -> bool:
+        """`put` where the record `rid` is here and its response has not ended (a background run's stores: none
+        after a client's DELETE or once a cancel has settled it); False, storing nothing, otherwise."""
+        entry = self._entries.get(rid)
+        if entry is None or json.loads(entry.text)["response"]["status"] in SETTLED:
+            return False
+        return self.put(rid, parent, text)
 
     def get(self, rid: str) -> str | None:
         entry = self._entries.get(rid)
@@ -564,6 +575,13 @@ class RemoteResponses:
             return False
         return await self.actor.put_response.remote(record["id"], record.get("parent"), text)
 
+    async def update(self, record: dict[str, Any]) -> bool:
+        """`ResponseStore.update` on the actor (one call, so nothing lands between its check and its store)."""
+        text = record_text(record)
+        if len(text) > self.budget:
+            return False
+        return await self.actor.update_response.remote(record["id"], record.get("parent"), text)
+
     async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
         texts, missing = await self.actor.response_chain.remote(rid, partial)
         if texts is None:
@@ -596,6 +614,11 @@ class LocalResponses:
 
     async def put_now(self, record: dict[str, Any]) -> bool:
         return self.put(record)
+
+    async def update(self, record: dict[str, Any]) -> bool:
+        text = record_text(record)
+        with self._lock:
+            return self.store.update(record["id"], record.get("parent"), text)
 
     async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
         """The conversation's records up to `rid`, oldest first; raises ChainBroken (`ResponseStore.chain`)."""

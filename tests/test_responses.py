@@ -778,3 +778,73 @@ def test_background_needs_the_store_and_a_deleted_run_stays_deleted(stack):  # n
     time.sleep(1.5)  # past the run's next store
     with pytest.raises(openai.NotFoundError):
         oa.responses.retrieve(queued.id)
+
+
+# ---------------------------------------------------------------------------------------------- conversations
+
+
+def test_a_conversation_holds_its_turns_and_renders_as_the_chat_it_is(stack):  # noqa: F811
+    """Through the openai SDK: a conversation made with a first item; a response in it reads that item first and
+    adds its input and output items (before its end goes out, streamed or not); the next turn in it renders the
+    prompt the whole conversation sent as input renders; items listed (newest first by default, paged), read one
+    by one, added, deleted; metadata updated; the conversation deleted (then a 404, and a turn in it a 400)."""
+    oa = stack.oa()
+    conv = oa.conversations.create(items=[{"type": "message", "role": "user", "content": "Weather in Paris?"}],
+                                   metadata={"agent": "a1"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"agent": "a1"}
+    first = oa.responses.create(model="m", conversation=conv.id, input="CALL-THE-TOOL now", tools=TOOLS_R,
+                                max_output_tokens=80)
+    assert first.conversation.id == conv.id
+    assert "Weather in Paris?" in stack.prompt(first.id)
+    items = list(oa.conversations.items.list(conv.id, order="asc", limit=2))  # the SDK pages by `after`
+    assert [i.type for i in items] == ["message", "message", "reasoning", "message", "function_call"]
+    assert [i.id for i in items[2:]] == [o.id for o in first.output]
+    call = first.output[-1]
+    with oa.responses.stream(model="m", conversation={"id": conv.id}, tools=TOOLS_R, max_output_tokens=8, input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]) as s:
+        second = list(s)[-1].response
+    # the add happened before the stream's last event: the next read sees the turn
+    assert oa.conversations.items.list(conv.id).data[0].id == second.output[-1].id
+    whole = [{"role": "user", "content": "Weather in Paris?"}, {"role": "user", "content": "CALL-THE-TOOL now"},
+             *[o.model_dump(exclude_none=True) for o in first.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    sent = oa.responses.create(model="m", input=whole, tools=TOOLS_R, max_output_tokens=8, store=False)
+    assert stack.prompt(second.id) == stack.prompt(sent.id)
+    one = oa.conversations.items.retrieve(call.id, conversation_id=conv.id)
+    assert one.type == "function_call" and one.call_id == call.call_id
+    added = oa.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"}])
+    assert len(added.data) == 1 and oa.conversations.items.list(conv.id).data[0].id == added.data[0].id
+    oa.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert oa.conversations.items.list(conv.id).data[0].id != added.data[0].id
+    for call_ in (lambda: oa.responses.retrieve(conv.id), lambda: oa.responses.delete(conv.id)):
+        with pytest.raises(openai.NotFoundError):  # a conversation is no response
+            call_()
+    with pytest.raises(openai.BadRequestError):
+        oa.responses.create(model="m", previous_response_id=conv.id, input="hi")
+    assert oa.conversations.update(conv.id, metadata={"agent": "a2"}).metadata == {"agent": "a2"}
+    assert oa.conversations.retrieve(conv.id).metadata == {"agent": "a2"}
+    assert oa.conversations.delete(conv.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        oa.conversations.retrieve(conv.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.responses.create(model="m", conversation=conv.id, input="hi")
+    assert err.value.body["param"] == "conversation"
+
+
+def test_conversations_refuse_bad_input_and_background_turns_add_to_them(stack):  # noqa: F811
+    """conversation beside previous_response_id, metadata past its bounds, more than 20 first items, items that
+    do not read are 400s naming the field; a background response in a conversation adds its turn at its end."""
+    oa = stack.oa()
+    conv = oa.conversations.create()
+    bad = [({"conversation": conv.id, "previous_response_id": "resp_1", "input": "x"}, "/v1/responses", "conversation"),
+           ({"metadata": {"k": "v" * 600}}, "/v1/conversations", "metadata"),
+           ({"items": [{"role": "user", "content": "x"}] * 21}, "/v1/conversations", "items"),
+           ({"items": [{"type": "no-such-item"}]}, "/v1/conversations", "items.0.type")]
+    for body, path, param in bad:
+        r = _post(stack.url + path, {"model": "m", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    queued = oa.responses.create(model="m", conversation=conv.id, input="SAY-STOP please", max_output_tokens=20,
+                                 reasoning={"effort": "none"}, background=True)
+    done = poll(oa, queued.id, {"completed", "incomplete"})
+    listed = oa.conversations.items.list(conv.id, order="asc").data
+    assert [i.type for i in listed] == ["message", "message"] and listed[-1].id == done.output[-1].id

@@ -128,6 +128,14 @@ def test_tool_call_round_trip_both_apis(oai, ant):
         assert time.monotonic() < deadline, done
         time.sleep(0.1)
     assert done.status == r.status and done.output_text == r.output_text and done.background is True
+    # a conversation kept in the scheduler actor's store: a turn in it reads its items and adds its own
+    conv = oai.conversations.create(items=items[:1])
+    turn = oai.responses.create(model="m", conversation=conv.id, input=items[1:], tools=rtools, max_output_tokens=24,
+                                temperature=0)
+    assert turn.output_text == r.output_text
+    listed = oai.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert [i.type for i in listed[:3]] == ["message", "function_call", "function_call_output"]
+    assert listed[-1].id == turn.output[-1].id
 
 
 def test_structured_outputs_and_forced_tool_calls_both_apis(oai, ant):

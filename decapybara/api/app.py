@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from decapybara.api import (
     anthropic_api,
     background,
+    conversations,
     openai_api,
     openai_completions,
     openai_responses,
@@ -75,6 +76,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     served = served_model_name or client.model_name
     store = getattr(client, "responses", None)  # the Responses API's store, where the client keeps one
     runs = background.BackgroundRuns()  # this replica's background responses
+    conversation_locks: dict[str, asyncio.Lock] = {}  # conversations being added to on this replica
     created = int(time.time())
     counts: Counter[tuple[str, int]] = Counter()
 
@@ -181,22 +183,67 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                 raise bad_request("background responses are kept in the response store, which " + (
                     "this server keeps none of (its responses_store_mb is 0)" if store is None else
                     "store: false leaves out"), "background")
-            earlier = await stored_chain(store, body.previous_response_id)
+            cid = None
+            if body.conversation is not None:
+                cid = conversations.conversation_id(body.conversation)
+                if body.previous_response_id is not None:
+                    raise bad_request("conversation and previous_response_id cannot both be given (a conversation "
+                                      "holds its earlier turns)", "conversation")
+                earlier = [await conversation(cid, "conversation", 400)]
+            else:
+                earlier = await stored_chain(store, body.previous_response_id)
             if earlier and background.orphaned(earlier[-1]):
                 earlier[-1] = await background.settle(store, earlier[-1], "failed", RUN_LOST)
-            if earlier and earlier[-1]["response"]["status"] not in background.SETTLED:
+            if cid is None and earlier and earlier[-1]["response"]["status"] not in background.SETTLED:
                 raise bad_request(f"previous_response_id: the response {body.previous_response_id!r} is still "
                                   "running in the background (wait for it, or cancel it)", "previous_response_id")
             plan = await run_in_threadpool(openai_responses.plan_response, body, client, served,
-                                           request.headers.get(CONVERSATION_HEADER), earlier)
+                                           request.headers.get(CONVERSATION_HEADER) or cid, earlier)
+            plan.conversation = cid
             if body.background:
                 return await start_background(plan, bool(body.stream))
-            if store is not None and body.store is not False:
-                plan.keep = store.put
-            return await run(request, RESPONSES, engine_events(client, plan.request), bool(body.stream),
-                             lambda: openai_responses.ResponseStream(plan, client.tokenizer),
-                             lambda done: openai_responses.response(plan, done, client.tokenizer), KEEP_ALIVE)
+            keep = store.put if store is not None and body.store is not False else None
+            adding: list[asyncio.Future[Any]] = []  # the conversation's add, awaited before the end goes out
+            if cid is not None:
+                def keep_and_add(record: dict[str, Any]) -> bool:
+                    adding.append(asyncio.ensure_future(add_to_conversation(cid, conversations.turn_items(record))))
+                    return keep(record) if keep is not None else False
+                plan.keep = keep_and_add
+            else:
+                plan.keep = keep
+            answer = await run(request, RESPONSES, engine_events(client, plan.request), bool(body.stream),
+                               lambda: openai_responses.ResponseStream(plan, client.tokenizer),
+                               lambda done: openai_responses.response(plan, done, client.tokenizer), KEEP_ALIVE)
+            if isinstance(answer, EventStreamResponse):
+                answer.body_iterator = awaiting(answer.body_iterator, adding)
+            else:
+                await asyncio.gather(*adding)
+            return answer
         return await guard(RESPONSES, handle)
+
+    async def conversation(cid: str, param: str = "conversation_id", status: int = 404) -> dict[str, Any]:
+        """The stored conversation `cid`, else a `status` error naming `param`."""
+        if store is None:
+            raise bad_request("conversations are kept in the response store, which this server keeps none of (its "
+                              "responses_store_mb is 0)", param)
+        record = await store.get(cid)
+        if not conversations.is_conversation(record):
+            raise ApiError(status, f"no conversation {cid!r} (never made, deleted, or dropped from the store)",
+                           param=param, code="not_found" if status == 404 else None)
+        return record
+
+    async def add_to_conversation(cid: str, items: list[dict[str, Any]]) -> None:
+        """Add `items` to conversation `cid` (gone meanwhile: nothing), one add at a time on this replica."""
+        lock = conversation_locks.setdefault(cid, asyncio.Lock())
+        try:
+            async with lock:
+                record = await store.get(cid)
+                if conversations.is_conversation(record):
+                    record["items"] += items
+                    await store.put_now(record)
+        finally:
+            if not lock.locked() and conversation_locks.get(cid) is lock:
+                del conversation_locks[cid]
 
     async def start_background(plan: openai_responses.ResponsePlan, stream: bool) -> Response:
         """Store the response "queued", start its run (`background.drive`), and answer with the queued response
@@ -208,9 +255,11 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             raise bad_request("background: the response store's whole budget is smaller than this response",
                               "background")
         rid = plan.request.request_id
+        cid = plan.conversation
         runs.start(rid, lambda run: background.drive(
             run, streamer, engine_events(client, plan.request), store,
-            lambda response: openai_responses.record(plan, response), lambda exc: to_api_error(exc, disconnects)))
+            lambda response: openai_responses.record(plan, response), lambda exc: to_api_error(exc, disconnects),
+            after=None if cid is None else lambda record: add_to_conversation(cid, conversations.turn_items(record))))
         if stream:
             return await follow(rid, -1)
         return JSONResponse(queued.dump())
@@ -272,7 +321,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def delete_response(response_id: str) -> Response:
         async def handle() -> Response:
             record = await store.get(response_id) if store is not None else None
-            if record is None or not await store.delete(response_id):
+            if record is None or conversations.is_conversation(record) or not await store.delete(response_id):
                 raise not_stored(response_id)
             if record["response"]["status"] not in background.SETTLED:  # a background run: stopped too
                 await client.abort(response_id)
@@ -286,6 +335,91 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             q = request.query_params
             return JSONResponse(openai_responses.input_items_page(records, q.get("order", "desc"),
                                                                   q.get("limit", "20"), q.get("after")))
+        return await guard(RESPONSES, handle)
+
+    # ---- conversations (decapybara/api/conversations.py) --------------------------------------------------
+    @app.post("/v1/conversations")
+    async def create_conversation(request: HttpRequest) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, rs.ConversationRequest)
+            items = conversations.checked_items(body.items or [], conversations.MAX_NEW_ITEMS)
+            record = conversations.new_record(items, conversations.checked_metadata(body.metadata))
+            if store is None:
+                raise bad_request("conversations are kept in the response store, which this server keeps none of "
+                                  "(its responses_store_mb is 0)", "items")
+            if not await store.put_now(record):
+                raise bad_request("the conversation is larger than the response store's whole budget", "items")
+            return JSONResponse(record["conversation"])
+        return await guard(RESPONSES, handle)
+
+    @app.get("/v1/conversations/{cid}")
+    async def get_conversation(cid: str) -> Response:
+        async def handle() -> Response:
+            return JSONResponse((await conversation(cid))["conversation"])
+        return await guard(RESPONSES, handle)
+
+    @app.post("/v1/conversations/{cid}")
+    async def update_conversation(request: HttpRequest, cid: str) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, rs.ConversationRequest)
+            metadata = conversations.checked_metadata(body.metadata)
+            lock = conversation_locks.setdefault(cid, asyncio.Lock())
+            async with lock:
+                record = await conversation(cid)
+                record["conversation"]["metadata"] = metadata
+                await store.put_now(record)
+            return JSONResponse(record["conversation"])
+        return await guard(RESPONSES, handle)
+
+    @app.delete("/v1/conversations/{cid}")
+    async def delete_conversation(cid: str) -> Response:
+        async def handle() -> Response:
+            await conversation(cid)
+            await store.delete(cid)
+            return JSONResponse(conversations.deleted(cid))
+        return await guard(RESPONSES, handle)
+
+    @app.get("/v1/conversations/{cid}/items")
+    async def conversation_items(request: HttpRequest, cid: str) -> Response:
+        async def handle() -> Response:
+            q = request.query_params
+            return JSONResponse(conversations.items_page(await conversation(cid), q.get("order", "desc"),
+                                                         q.get("limit", "20"), q.get("after")))
+        return await guard(RESPONSES, handle)
+
+    @app.post("/v1/conversations/{cid}/items")
+    async def add_conversation_items(request: HttpRequest, cid: str) -> Response:
+        async def handle() -> Response:
+            body = await parse(request, rs.ConversationItemsRequest)
+            items = conversations.checked_items(body.items, None)
+            await conversation(cid)
+            await add_to_conversation(cid, items)
+            return JSONResponse(conversations.added(items))
+        return await guard(RESPONSES, handle)
+
+    @app.get("/v1/conversations/{cid}/items/{item_id}")
+    async def conversation_item(cid: str, item_id: str) -> Response:
+        async def handle() -> Response:
+            item = next((i for i in (await conversation(cid))["items"] if i.get("id") == item_id), None)
+            if item is None:
+                raise ApiError(404, f"no item {item_id!r} in conversation {cid!r}", param="item_id",
+                               code="not_found")
+            return JSONResponse(item)
+        return await guard(RESPONSES, handle)
+
+    @app.delete("/v1/conversations/{cid}/items/{item_id}")
+    async def delete_conversation_item(cid: str, item_id: str) -> Response:
+        async def handle() -> Response:
+            lock = conversation_locks.setdefault(cid, asyncio.Lock())
+            async with lock:
+                record = await conversation(cid)
+                kept = [i for i in record["items"] if i.get("id") != item_id]
+                if len(kept) == len(record["items"]):
+                    raise ApiError(404, f"no item {item_id!r} in conversation {cid!r}", param="item_id",
+                                   code="not_found")
+                record["items"] = kept
+                await store.put_now(record)
+            return JSONResponse(record["conversation"])
         return await guard(RESPONSES, handle)
 
     # ---- Anthropic -----------------------------------------------------------------------------------------
@@ -315,6 +449,19 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     return app
 
 
+async def awaiting(lines: AsyncIterator[str], pending: list[asyncio.Future[Any]]) -> AsyncIterator[str]:
+    """`lines`, each sent only once the work in `pending` at that moment is done (a conversation's add, which a
+    stream's end starts: its last event goes out after it)."""
+    try:
+        async for line in lines:
+            if pending:
+                await asyncio.gather(*pending)
+                pending.clear()
+            yield line
+    finally:
+        await lines.aclose()  # type: ignore[attr-defined]
+
+
 def not_stored(response_id: str, param: str = "response_id", status: int = 404) -> ApiError:
     return ApiError(status, f"Response with id {response_id!r} not found.", param,
                     "previous_response_not_found" if param == "previous_response_id" else "not_found")
@@ -323,7 +470,7 @@ def not_stored(response_id: str, param: str = "response_id", status: int = 404) 
 async def stored(store: Any, response_id: str) -> dict[str, Any]:
     """The stored record of `response_id`, else a 404."""
     record = await store.get(response_id) if store is not None else None
-    if record is None:
+    if record is None or conversations.is_conversation(record):
         raise not_stored(response_id)
     return record
 
@@ -343,7 +490,10 @@ async def stored_chain(store: Any, response_id: str | None, param: str = "previo
                           "responses_store_mb is 0): send the whole conversation as input", param)
     for attempt in range(retries + 1):
         try:
-            return await store.chain(response_id, partial)
+            records = await store.chain(response_id, partial)
+            if conversations.is_conversation(records[-1]):  # a conversation's id is no response's
+                raise response_store.ChainBroken(response_id, response_id)
+            return records
         except response_store.ChainBroken as exc:
             broken = exc
         if broken.missing != response_id or attempt == retries:

@@ -135,7 +135,7 @@ def stamped(record: dict[str, Any]) -> dict[str, Any]:
 def orphaned(record: dict[str, Any], now: float | None = None) -> bool:
     """Whether a stored background response lost its run: not settled, and not stored for `ORPHAN_S`."""
     now = time.time() if now is None else now
-    return record["response"]["status"] not in SETTLED and now - record.get("beat", 0.0) > ORPHAN_S
+    return "response" in record and record["response"]["status"] not in SETTLED and now - record.get("beat", 0.0) > ORPHAN_S
 
 
 async def settle(store: Any, record: dict[str, Any], status: str, error: dict[str, Any] | None = None
@@ -150,13 +150,14 @@ async def settle(store: Any, record: dict[str, Any], status: str, error: dict[st
 
 async def drive(run: Run, stream: Any, events: AsyncIterator[TokenEvent], store: Any,
                 record: Callable[[Any], dict[str, Any]], to_error: Callable[[BaseException], ApiError],
-                update_s: float = UPDATE_S) -> None:
+                update_s: float = UPDATE_S, after: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
     """Run a background response: `stream` (an `openai_responses.ResponseStream`) turns `events` into the run's
     lines; the response as it stands every `update_s` and its end (`stream.final`, as `record` makes it a store
     record) go to `store` (`update`, awaited; a store that fails is logged, the run goes on). Where an update is
     refused (the response deleted, or settled by a cancel elsewhere), the run stops: its request is aborted and
     nothing more is stored. An aborted request ends "cancelled" where a client asked (`Run.cancel_asked`), else
-    "failed"; a failure "failed" (`to_error`'s error); the server stopping (the task cancelled) "failed"."""
+    "failed"; a failure "failed" (`to_error`'s error); the server stopping (the task cancelled) "failed". `after`:
+    awaited with the end's record once it is stored (a conversation's add)."""
     beat = Heartbeat(events)  # its first read starts the request before anything is stored
     kept = True  # whether the store still takes the response's updates
 
@@ -195,7 +196,9 @@ async def drive(run: Run, stream: Any, events: AsyncIterator[TokenEvent], store:
         try:
             for _ in range(FINAL_TRIES if kept and stream.final is not None else 0):
                 try:
-                    await store.update(stamped(record(stream.final)))
+                    final = record(stream.final)
+                    if await store.update(stamped(final)) and after is not None:
+                        await after(final)
                     break
                 except Exception:  # tried again, then left as last stored (`orphaned` tells)
                     log.warning("background response %s: storing its end failed", run.rid, exc_info=True)

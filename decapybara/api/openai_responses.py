@@ -7,7 +7,8 @@ Choices made where the API leaves room:
   items, then its output items; instructions and tools are not carried over, as the API has it). A response is
   stored unless ``store`` is false or the server keeps no store (`decapybara.api.response_store`: in memory, least
   recently used dropped past its budget; a chain with a turn dropped is a 400 naming it). ``background``
-  runs apart from the request (decapybara/api/background.py); ``conversation`` and ``prompt`` are 400s. ``instructions`` and the system / developer messages before the
+  runs apart from the request (decapybara/api/background.py); ``conversation`` reads and adds to a stored
+  conversation (decapybara/api/conversations.py); ``prompt`` is a 400. ``instructions`` and the system / developer messages before the
   first other item are one system turn. ``prompt_cache_key`` (else ``user``) groups an agent's turns.
   ``include: ["reasoning.encrypted_content"]`` puts the reasoning's text in its item's ``encrypted_content``
   (not encrypted: this server's own, for clients that send reasoning back only so, as stateless agents do), read
@@ -99,10 +100,11 @@ def own_items(body: rs.ResponsesRequest) -> list[Any]:
 
 def earlier_items(records: list[dict[str, Any]]) -> list[Any]:
     """The input items of a stored conversation (`response_store` records, oldest first): each turn's input,
-    then its response's output (output items read as input items, as a client sends them back)."""
+    then its response's output (output items read as input items, as a client sends them back); a
+    conversation's record (decapybara/api/conversations.py) its items."""
     items: list[Any] = []
     for record in records:
-        items += record["input"] + record["response"]["output"]
+        items += record["items"] if "items" in record else record["input"] + record["response"]["output"]
     return _ITEMS.validate_python(items)
 
 
@@ -215,11 +217,9 @@ def chat_input(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> ChatInput:
         if getattr(item, "id", None) in seen:
             raise bad_request(f"Duplicate item found with id {item.id!r}: previous_response_id already holds it, so "
                               "send only the new items", f"input.{i}")
-    for field, given in (("conversation", body.conversation is not None), ("prompt", body.prompt is not None)):
-        if given:
-            raise bad_request(f"{field} is not supported: conversations and prompt templates are not stored (send "
-                              "the conversation as input, or continue a stored response with previous_response_id)",
-                              field)
+    if body.prompt is not None:
+        raise bad_request("prompt is not supported: prompt templates are not stored (send the instructions and the "
+                          "input themselves)", "prompt")
     tool_choice, tools = _tool_choice(body, _tools(body))  # a named tool not among them: `render_prompt`'s 400
     effort = body.reasoning.effort if body.reasoning is not None else None
     return ChatInput(input_messages(body, earlier), tools, tool_choice, effort not in ("none", "minimal"))
@@ -235,10 +235,15 @@ _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output":
 
 
 def stored_input(body: rs.ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as a stored record keeps them (and input_items lists them): each with its id (the
-    one it came with, else a new one) and a status, a message's content as parts."""
+    """The request's input items as a stored record keeps them (and input_items lists them): `stored_items`."""
+    return stored_items(own_items(body))
+
+
+def stored_items(items: list[Any]) -> list[dict[str, Any]]:
+    """Input items as a store keeps them: each with its id (the one it came with, else a new one) and a status,
+    a message's content as parts."""
     out = []
-    for item in own_items(body):
+    for item in items:
         d = item.model_dump(exclude_none=True)
         if isinstance(item, rs.MessageIn):
             parts = [rs.TextIn(type="input_text", text=item.content)] if isinstance(item.content, str) else \
@@ -282,6 +287,7 @@ class ResponsePlan:
     model: str
     created: int
     keep: Callable[[dict[str, Any]], bool] | None = None  # stores the finished response's record (`record`)
+    conversation: str | None = None  # the id of the conversation it is made in
 
 
 def _render(tokenizer: Any, chat: ChatInput) -> Prompt:
@@ -613,6 +619,7 @@ def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | No
                                       {"type": "text"}},
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
         previous_response_id=body.previous_response_id, store=plan.keep is not None, background=bool(body.background),
+        conversation={"id": plan.conversation} if plan.conversation else None,
         truncation=body.truncation or "disabled",
         metadata=body.metadata or {}, usage=usage, user=body.user, loop_guard=guard)
 

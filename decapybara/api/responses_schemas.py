@@ -115,7 +115,7 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = None
-    conversation: Any = None  # stored conversations: refused (responses are stored, conversations are not)
+    conversation: Any = None  # a conversation's id, or {"id": ...} (decapybara/api/conversations.py)
     background: bool | None = None  # generated apart from the request (decapybara/api/background.py)
     prompt: Any = None  # stored prompt templates: refused
     store: bool | None = None
@@ -125,6 +125,19 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
+
+
+class ConversationRequest(RequestModel):
+    """POST /v1/conversations (items and metadata) and POST /v1/conversations/{id} (metadata)."""
+
+    items: list[Any] | None = None
+    metadata: Any = None
+
+
+class ConversationItemsRequest(RequestModel):
+    """POST /v1/conversations/{id}/items."""
+
+    items: list[Any]
 
 
 class InputTokensRequest(ResponsesRequest):
@@ -197,7 +210,7 @@ class IncompleteDetails(ResponseModel):
 
 
 class ResponseObject(ResponseModel):
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"loop_guard"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"loop_guard", "conversation"})
 
     id: str
     object: Literal["response"] = "response"
@@ -217,6 +230,7 @@ class ResponseObject(ResponseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    conversation: dict[str, str] | None = None  # {"id": ...} of the conversation it was made in
     store: bool = False
     background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"

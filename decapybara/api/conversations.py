@@ -25,6 +25,8 @@ from pydantic import TypeAdapter
 from decapybara.api import responses_schemas as rs
 from decapybara.api.common import new_id
 from decapybara.api.errors import bad_request
+from decapybara.api.openai_responses import items_page as page
+from decapybara.api.openai_responses import stored_items
 
 MAX_NEW_ITEMS = 20
 MAX_METADATA = 16
@@ -49,8 +51,6 @@ def checked_metadata(metadata: Any) -> dict[str, str]:
 def checked_items(items: Any, limit: int | None, param: str = "items") -> list[dict[str, Any]]:
     """Input items (as /v1/responses takes them) in their stored form: each with its id (the one it came with,
     else a new one) and a status."""
-    from decapybara.api.openai_responses import stored_items
-
     if not isinstance(items, list) or (limit is not None and len(items) > limit):
         raise bad_request(f"{param} must be a list of at most {limit} items" if limit else
                           f"{param} must be a list of items", param)
@@ -76,23 +76,8 @@ def deleted(cid: str) -> dict[str, Any]:
 
 
 def items_page(record: dict[str, Any], order: str, limit: str, after: str | None) -> dict[str, Any]:
-    """GET .../items: newest first under ``order`` "desc" (the default), oldest first under "asc"; at most `limit`
-    (1-100) of them, after the item ``after``."""
-    if order not in ("asc", "desc"):
-        raise bad_request('order must be "asc" or "desc"', "order")
-    if not (limit.isdigit() and 1 <= int(limit) <= 100):
-        raise bad_request("limit must be an integer from 1 to 100", "limit")
-    items = list(record["items"])
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise bad_request(f"after: no item {after!r} in this conversation", "after")
-        items = items[ids.index(after) + 1:]
-    page = items[:int(limit)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+    """GET .../items: the conversation's items as `openai_responses.items_page` pages them."""
+    return page(record["items"], order, limit, after, "this conversation")
 
 
 def added(items: list[dict[str, Any]]) -> dict[str, Any]:

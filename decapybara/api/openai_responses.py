@@ -379,19 +379,25 @@ def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversati
 def input_items_page(records: list[dict[str, Any]], order: str, limit: str, after: str | None) -> dict[str, Any]:
     """GET /v1/responses/{id}/input_items: the items the last of `records` (a stored chain, oldest first; the
     turns still stored where an earlier one was dropped) was made from (the earlier turns' inputs and outputs,
-    then its own input), newest first under ``order`` "desc" (the default) or oldest first under "asc"; at most
-    `limit` (1-100) of them, after the item ``after``."""
+    then its own input), as `items_page` pages them."""
+    items = [item for r in records[:-1] for item in r["input"] + r["response"]["output"]] + records[-1]["input"]
+    return items_page(items, order, limit, after, "this response")
+
+
+def items_page(items: list[dict[str, Any]], order: str, limit: str, after: str | None, where: str
+               ) -> dict[str, Any]:
+    """A page of `items` (oldest first) as the API lists them: newest first under ``order`` "desc" (the
+    default) or oldest first under "asc"; at most `limit` (1-100) of them, after the item ``after`` (a 400
+    naming `where` it is not in)."""
     if order not in ("asc", "desc"):
         raise bad_request('order must be "asc" or "desc"', "order")
     if not (limit.isdigit() and 1 <= int(limit) <= 100):
         raise bad_request("limit must be an integer from 1 to 100", "limit")
-    items = [item for r in records[:-1] for item in r["input"] + r["response"]["output"]] + records[-1]["input"]
-    if order == "desc":
-        items.reverse()
+    items = items[::-1] if order == "desc" else list(items)
     if after is not None:
         ids = [item.get("id") for item in items]
         if after not in ids:
-            raise bad_request(f"after: no input item {after!r} in this response", "after")
+            raise bad_request(f"after: no item {after!r} in {where}", "after")
         items = items[ids.index(after) + 1:]
     page = items[:int(limit)]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 from collections import Counter
@@ -56,6 +57,7 @@ from decapybara.engine.sequence import TokenEvent
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 CONVERSATION_HEADER = "x-conversation-id"
+log = logging.getLogger(__name__)
 RUN_LOST = {"code": "server_error", "message": "its background run stopped: the server that ran it went away"}
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI streams' idle line
 
@@ -76,7 +78,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     served = served_model_name or client.model_name
     store = getattr(client, "responses", None)  # the Responses API's store, where the client keeps one
     runs = background.BackgroundRuns()  # this replica's background responses
-    conversation_locks: dict[str, asyncio.Lock] = {}  # conversations being added to on this replica
+    conversation_locks: dict[str, list[Any]] = {}  # conversations being added to on this replica
     created = int(time.time())
     counts: Counter[tuple[str, int]] = Counter()
 
@@ -206,7 +208,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             adding: list[asyncio.Future[Any]] = []  # the conversation's add, awaited before the end goes out
             if cid is not None:
                 def keep_and_add(record: dict[str, Any]) -> bool:
-                    adding.append(asyncio.ensure_future(add_to_conversation(cid, conversations.turn_items(record))))
+                    adding.append(asyncio.ensure_future(add_turn(cid, record)))
                     return keep(record) if keep is not None else False
                 plan.keep = keep_and_add
             else:
@@ -217,7 +219,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             if isinstance(answer, EventStreamResponse):
                 answer.body_iterator = awaiting(answer.body_iterator, adding)
             else:
-                await asyncio.gather(*adding)
+                await asyncio.shield(asyncio.gather(*adding))  # a request cancelled (Ray: client gone) still adds
             return answer
         return await guard(RESPONSES, handle)
 
@@ -232,18 +234,38 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                            param=param, code="not_found" if status == 404 else None)
         return record
 
-    async def add_to_conversation(cid: str, items: list[dict[str, Any]]) -> None:
-        """Add `items` to conversation `cid` (gone meanwhile: nothing), one add at a time on this replica."""
-        lock = conversation_locks.setdefault(cid, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def conversation_lock(cid: str) -> AsyncIterator[None]:
+        """One change at a time to conversation `cid` on this replica; the lock is forgotten once nobody holds
+        or waits for it (counted, so a waiter's lock is never replaced by a fresh one)."""
+        entry = conversation_locks.setdefault(cid, [asyncio.Lock(), 0])
+        entry[1] += 1
         try:
-            async with lock:
-                record = await store.get(cid)
-                if conversations.is_conversation(record):
-                    record["items"] += items
-                    await store.put_now(record)
+            async with entry[0]:
+                yield
         finally:
-            if not lock.locked() and conversation_locks.get(cid) is lock:
+            entry[1] -= 1
+            if entry[1] == 0 and conversation_locks.get(cid) is entry:
                 del conversation_locks[cid]
+
+    async def add_to_conversation(cid: str, items: list[dict[str, Any]]) -> bool:
+        """Add `items` to conversation `cid` (gone meanwhile: nothing), one add at a time on this replica;
+        whether they were stored."""
+        async with conversation_lock(cid):
+            record = await store.get(cid)
+            if not conversations.is_conversation(record):
+                return False
+            record["items"] += items
+            return bool(await store.put_now(record))
+
+    async def add_turn(cid: str, record: dict[str, Any]) -> None:
+        """A response's turn added to its conversation; a failure logged (the response itself stands)."""
+        try:
+            if not await add_to_conversation(cid, conversations.turn_items(record)):
+                log.warning("conversation %s: response %s's turn not added (the conversation is gone or past the "
+                            "store's budget)", cid, record["id"])
+        except Exception:
+            log.warning("conversation %s: adding response %s's turn failed", cid, record["id"], exc_info=True)
 
     async def start_background(plan: openai_responses.ResponsePlan, stream: bool) -> Response:
         """Store the response "queued", start its run (`background.drive`), and answer with the queued response
@@ -259,7 +281,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         runs.start(rid, lambda run: background.drive(
             run, streamer, engine_events(client, plan.request), store,
             lambda response: openai_responses.record(plan, response), lambda exc: to_api_error(exc, disconnects),
-            after=None if cid is None else lambda record: add_to_conversation(cid, conversations.turn_items(record))))
+            after=None if cid is None else lambda record: add_turn(cid, record)))
         if stream:
             return await follow(rid, -1)
         return JSONResponse(queued.dump())
@@ -279,7 +301,12 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def responses_input_tokens(request: HttpRequest) -> Response:
         async def handle() -> Response:
             body = await parse(request, rs.InputTokensRequest)
-            earlier = await stored_chain(store, body.previous_response_id)
+            if body.conversation is not None:
+                if body.previous_response_id is not None:
+                    raise bad_request("conversation and previous_response_id cannot both be given", "conversation")
+                earlier = [await conversation(conversations.conversation_id(body.conversation), "conversation", 400)]
+            else:
+                earlier = await stored_chain(store, body.previous_response_id)
             return JSONResponse(await run_in_threadpool(openai_responses.input_tokens, body, client, earlier))
         return await guard(RESPONSES, handle)
 
@@ -363,8 +390,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         async def handle() -> Response:
             body = await parse(request, rs.ConversationRequest)
             metadata = conversations.checked_metadata(body.metadata)
-            lock = conversation_locks.setdefault(cid, asyncio.Lock())
-            async with lock:
+            async with conversation_lock(cid):
                 record = await conversation(cid)
                 record["conversation"]["metadata"] = metadata
                 await store.put_now(record)
@@ -374,8 +400,9 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     @app.delete("/v1/conversations/{cid}")
     async def delete_conversation(cid: str) -> Response:
         async def handle() -> Response:
-            await conversation(cid)
-            await store.delete(cid)
+            async with conversation_lock(cid):
+                await conversation(cid)
+                await store.delete(cid)
             return JSONResponse(conversations.deleted(cid))
         return await guard(RESPONSES, handle)
 
@@ -392,8 +419,12 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         async def handle() -> Response:
             body = await parse(request, rs.ConversationItemsRequest)
             items = conversations.checked_items(body.items, None)
-            await conversation(cid)
-            await add_to_conversation(cid, items)
+            held = {i.get("id") for i in (await conversation(cid))["items"]}
+            ids = [i["id"] for i in items]
+            if dup := next((x for k, x in enumerate(ids) if x in held or x in ids[:k]), None):
+                raise bad_request(f"Duplicate item found with id {dup!r}", "items")
+            if not await add_to_conversation(cid, items):
+                raise bad_request("the conversation would be larger than the response store's whole budget", "items")
             return JSONResponse(conversations.added(items))
         return await guard(RESPONSES, handle)
 
@@ -410,8 +441,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     @app.delete("/v1/conversations/{cid}/items/{item_id}")
     async def delete_conversation_item(cid: str, item_id: str) -> Response:
         async def handle() -> Response:
-            lock = conversation_locks.setdefault(cid, asyncio.Lock())
-            async with lock:
+            async with conversation_lock(cid):
                 record = await conversation(cid)
                 kept = [i for i in record["items"] if i.get("id") != item_id]
                 if len(kept) == len(record["items"]):
@@ -455,7 +485,7 @@ async def awaiting(lines: AsyncIterator[str], pending: list[asyncio.Future[Any]]
     try:
         async for line in lines:
             if pending:
-                await asyncio.gather(*pending)
+                await asyncio.shield(asyncio.gather(*pending))  # the stream cancelled (client gone): still added
                 pending.clear()
             yield line
     finally:

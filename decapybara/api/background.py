@@ -157,7 +157,8 @@ async def drive(run: Run, stream: Any, events: AsyncIterator[TokenEvent], store:
     refused (the response deleted, or settled by a cancel elsewhere), the run stops: its request is aborted and
     nothing more is stored. An aborted request ends "cancelled" where a client asked (`Run.cancel_asked`), else
     "failed"; a failure "failed" (`to_error`'s error); the server stopping (the task cancelled) "failed". `after`:
-    awaited with the end's record once it is stored (a conversation's add)."""
+    awaited with the end's record of a reply that ended ("completed" / "incomplete"), before that end is stored
+    and its events sent (a conversation's add: a client that reads the end reads the turn in the conversation)."""
     beat = Heartbeat(events)  # its first read starts the request before anything is stored
     kept = True  # whether the store still takes the response's updates
 
@@ -168,6 +169,7 @@ async def drive(run: Run, stream: Any, events: AsyncIterator[TokenEvent], store:
         except Exception:  # a store that fails now may not later: the run goes on
             log.warning("background response %s: its store failed", run.rid, exc_info=True)
 
+    tail: list[str] = []  # the end's events, sent once the end is stored (so a follower never reads past it)
     try:
         run.add(stream.start(None))
         status, last = "queued", time.monotonic()
@@ -175,35 +177,38 @@ async def drive(run: Run, stream: Any, events: AsyncIterator[TokenEvent], store:
             ev = await beat.next(max(0.0, update_s - (time.monotonic() - last)))
             if ev is not None:
                 if ev.finish_reason == FinishReason.ABORT:
-                    run.add(stream.cancelled() if run.cancel_asked else stream.error(aborted_error()))
+                    tail = stream.cancelled() if run.cancel_asked else stream.error(aborted_error())
                     break
                 status = "in_progress"
-                run.add(stream.event(ev))
                 if ev.finish_reason is not None:
-                    run.add(stream.end(ev))
+                    tail = stream.event(ev) + stream.end(ev)
                     break
+                run.add(stream.event(ev))
             if time.monotonic() - last >= update_s:
                 await put(stream.snapshot(status))
                 last = time.monotonic()
     except StopAsyncIteration:
-        run.add(stream.error(ApiError(500, "the engine stream ended without a finish reason")))
+        tail = stream.error(ApiError(500, "the engine stream ended without a finish reason"))
     except asyncio.CancelledError:  # the replica is stopping
-        run.add(stream.error(ApiError(503, "the server stopped while this response ran")))
+        tail = stream.error(ApiError(503, "the server stopped while this response ran"))
     except Exception as exc:  # noqa: BLE001 - the run's end, stored as the response's
-        run.add(stream.error(to_error(exc)))
+        tail = stream.error(to_error(exc))
     finally:
         await beat.close()  # aborts the request where the run ended before it did
         try:
             for _ in range(FINAL_TRIES if kept and stream.final is not None else 0):
                 try:
                     final = record(stream.final)
-                    if await store.update(stamped(final)) and after is not None:
-                        await after(final)
+                    if after is not None and stream.final.status in ("completed", "incomplete"):
+                        await after(final)  # before the end is stored: a client polling to it reads the turn
+                    after = None
+                    await store.update(stamped(final))
                     break
                 except Exception:  # tried again, then left as last stored (`orphaned` tells)
                     log.warning("background response %s: storing its end failed", run.rid, exc_info=True)
                     await asyncio.sleep(0.2)
         finally:
+            run.add(tail)
             run.end()
 
 

@@ -694,6 +694,14 @@ def test_client_disconnect_frees_the_slot(stack, caplog):
     stats = _wait_idle(stack, before["aborted"])
     assert stats["generated_tokens"] - before["generated_tokens"] < 900
     before = stats
+    body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 900, "stream": True, "n": 3}
+    with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body) as r:  # three choices: all aborted
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        next(lines)
+    stats = _wait_idle(stack, before["aborted"])  # choices that reached the engine aborted, none left running
+    assert stats["generated_tokens"] - before["generated_tokens"] < 3 * 900
+    before = stats
     body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 900}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.url + "/v1/messages", json=body, timeout=0.3)
@@ -1216,3 +1224,38 @@ def test_json_mode_constrains_the_reply_to_a_json_object(stack):
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
     r = stack.oa().completions.create(model="m", prompt="NOT-JSON", max_tokens=12, extra_body={"response_format": fmt})
     assert r.choices[0].text.lstrip().startswith("{") and prefix_ok(r.choices[0].text), r.choices[0].text
+
+
+def test_n_choices_read_the_prompt_once_and_are_each_a_request_alone(stack):
+    """n = 3: three choices indexed 0-2, each the reply a request of its own gets (seeded: seed, seed + 1, seed +
+    2), the usage counting the prompt once and the outputs summed; the prompt computed once (the later choices
+    read its pages from the prefix cache); streamed, the same choices by index, one usage chunk and one [DONE];
+    n past MAX_CHOICES, or on /v1/completions, a 400 naming n."""
+    from decapybara.api.openai_api import MAX_CHOICES
+
+    oa = stack.oa()
+    messages = user("Write a function. " + "word " * 150)
+    before = stack.client.engine.stats.forward_tokens
+    r = oa.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=1, seed=7, n=3)
+    computed = stack.client.engine.stats.forward_tokens - before
+    ids = stack.tok.apply_chat(messages, enable_thinking=True)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [oa.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=1, seed=7 + i)
+             for i in range(3)]
+    assert [c.message.content for c in r.choices] == [a.choices[0].message.content for a in alone]
+    assert r.usage.prompt_tokens == len(ids) == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert computed < len(ids) + 2 * CFG.page_size + r.usage.completion_tokens, (computed, len(ids))
+    chunks = list(oa.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=1, seed=7,
+                                             n=3, stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)]
+    assert texts == [c.message.content for c in r.choices]
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    for path, body in (("/v1/chat/completions", {"messages": user("x"), "n": MAX_CHOICES + 1}),
+                       ("/v1/chat/completions", {"messages": user("x"), "n": 0}),
+                       ("/v1/completions", {"prompt": "x", "n": 2})):
+        resp = _post(stack.url + path, {"model": "m", **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text

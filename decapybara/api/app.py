@@ -46,9 +46,11 @@ from decapybara.api.transport import (
     EventStreamResponse,
     api_of,
     collect,
+    collect_all,
     drive_stream,
     error_response,
     guarded,
+    merged_stream,
     read_body,
     start_stream,
     well_formed_json,
@@ -161,10 +163,36 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             body = await parse(request, oa.ChatCompletionRequest)
             plan = await run_in_threadpool(openai_api.plan_chat, body, client, served,
                                            request.headers.get(CONVERSATION_HEADER))
+            if plan.n > 1:
+                return await chat_choices(request, plan, bool(body.stream))
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_api.ChatStream(plan, client.tokenizer),
                              lambda done: openai_api.chat_completion(plan, done, client.tokenizer), KEEP_ALIVE)
         return await guard(OPENAI, handle)
+
+    async def chat_choices(request: HttpRequest, plan: openai_api.ChatPlan, stream: bool) -> Response:
+        """A chat request of n > 1 choices, each an engine request of its own (`choice_requests`): the first
+        read to its first event alone, so that its prompt is computed once and the others read it from the prefix
+        cache; then all at once, collected into one response or merged into one stream (choices by index)."""
+        requests = openai_api.choice_requests(plan)
+        first = engine_events(client, requests[0])
+        try:
+            head = await first.__anext__()
+        except BaseException:
+            await first.aclose()
+            raise
+        streams = [prepended(head, first), *(engine_events(client, r) for r in requests[1:])]
+        if not stream:
+            dones = await collect_all(streams, request)
+            if dones is None:  # the client left; nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(openai_api.chat_completions(plan, dones, client.tokenizer).dump())
+        streamers = [openai_api.ChatStream(plan, client.tokenizer, i) for i in range(plan.n)]
+
+        def tail(lasts: list[TokenEvent]) -> list[str]:
+            return streamers[0].tail(openai_api.summed_usage([s.usage(ev) for s, ev in zip(streamers, lasts)]))
+        return EventStreamResponse(merged_stream(streamers, streams, OPENAI, ping_interval_s, KEEP_ALIVE, tail,
+                                                 disconnects), disconnects)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
@@ -477,6 +505,17 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return await guard(ANTHROPIC, handle)
 
     return app
+
+
+async def prepended(head: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    """`head`, then `rest` (closed with this stream)."""
+    try:
+        yield head
+        if head.finish_reason is None:
+            async for ev in rest:
+                yield ev
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 async def awaiting(lines: AsyncIterator[str], pending: list[asyncio.Future[Any]]) -> AsyncIterator[str]:

@@ -25,6 +25,7 @@ Choices made where the API leaves room:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -142,8 +143,6 @@ def chat_input(body: oa.ChatCompletionRequest) -> ChatInput:
 def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
     """The sampling fields shared by chat and legacy completions (API defaults: temperature 1, all else off)."""
-    if body.n not in (None, 1):
-        raise bad_request("only n=1 is supported", "n")
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
         try:  # decimal digits only: int() would also take "1_0", " 5 " and non-ASCII digits
@@ -189,6 +188,7 @@ class ChatPlan:
     logprobs: bool
     include_usage: bool
     created: int
+    n: int = 1  # choices (`choice_requests`)
 
 
 def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversation: str | None) -> ChatPlan:
@@ -203,13 +203,31 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be from 1 to {MAX_CHOICES}", "n")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
     params = settle_constraint(params, chat)
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ChatPlan(request, prompt, model, bool(body.logprobs), include_usage, int(time.time()))
+    return ChatPlan(request, prompt, model, bool(body.logprobs), include_usage, int(time.time()), n)
+
+
+MAX_CHOICES = 16  # n: choices a chat request may ask for (each an engine request of its own, a slot each)
+
+
+def choice_requests(plan: ChatPlan) -> list[Request]:
+    """The engine requests of `plan`'s choices: its own, then one a further choice (id ``<id>-<i>``, the seed
+    ``seed + i`` where one is given, so that seeded choices differ and repeat)."""
+    out = [plan.request]
+    for i in range(1, plan.n):
+        params = plan.request.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + i)
+        out.append(dataclasses.replace(plan.request, request_id=f"{plan.request.request_id}-{i}", params=params))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- response
@@ -255,6 +273,23 @@ def _chat_usage(plan: ChatPlan, tokenizer: Any, last: TokenEvent | Collected, ou
                  reasoning)
 
 
+def chat_completions(plan: ChatPlan, dones: list[Collected], tokenizer: Any) -> oa.ChatCompletion:
+    """The response of a request of several choices (`dones`, in the choices' order): each choice indexed, the
+    prompt's tokens counted once (its cached ones as the first choice read them), the output's summed."""
+    whole = [chat_completion(plan, done, tokenizer) for done in dones]
+    choices = [c.choices[0].model_copy(update={"index": i}) for i, c in enumerate(whole)]
+    return whole[0].model_copy(update={"choices": choices, "usage": summed_usage([c.usage for c in whole])})
+
+
+def summed_usage(each: list[oa.Usage]) -> oa.Usage:
+    """One usage of several choices' (the prompt once, the outputs summed)."""
+    first = each[0]
+    output = sum(u.completion_tokens for u in each)
+    reasoning = [u.completion_tokens_details.reasoning_tokens for u in each if u.completion_tokens_details]
+    return usage(first.prompt_tokens, first.prompt_tokens_details.cached_tokens, output,
+                 sum(r or 0 for r in reasoning) if reasoning else None)
+
+
 def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatCompletion:
     parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning, plan.prompt.tools,
                                     plan.prompt.max_calls, constrained(plan.request.params))
@@ -277,8 +312,8 @@ class ChatStream:
     """Turns engine events into SSE chunk lines: role chunk, content / reasoning / tool call deltas, the final
     chunk with finish_reason (and loop_guard), an optional usage chunk, then ``data: [DONE]``."""
 
-    def __init__(self, plan: ChatPlan, tokenizer: Any) -> None:
-        self.plan, self.tokenizer = plan, tokenizer
+    def __init__(self, plan: ChatPlan, tokenizer: Any, index: int = 0) -> None:
+        self.plan, self.tokenizer, self.index = plan, tokenizer, index  # index: the choice's (n > 1)
         self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
                                        constrained(plan.request.params))
         self.num_calls = 0
@@ -287,7 +322,8 @@ class ChatStream:
     def _chunk(self, delta: oa.Delta, logprobs: oa.ChoiceLogprobs | None = None, finish: str | None = None,
                guard: LoopGuardInfo | None = None) -> str:
         p = self.plan
-        choice = oa.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish, loop_guard=guard)
+        choice = oa.ChunkChoice(index=self.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                loop_guard=guard)
         return sse_data(oa.ChatCompletionChunk(id=p.request.request_id, created=p.created, model=p.model,
                                                choices=[choice]).json_text())
 
@@ -325,12 +361,20 @@ class ChatStream:
                 deltas = [oa.Delta()]
         return [self._chunk(d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
 
-    def end(self, last: TokenEvent) -> list[str]:
+    def finish(self, last: TokenEvent) -> list[str]:
+        """The choice's last chunk (its finish_reason and loop_guard)."""
         finish = finish_reason(last.finish_reason, self.num_calls > 0)
-        lines = [self._chunk(oa.Delta(), finish=finish, guard=loop_guard(last.finish_reason, last.note))]
-        if self.plan.include_usage:
-            p = self.plan
-            u = _chat_usage(p, self.tokenizer, last, self.output_ids)
-            lines.append(sse_data(oa.ChatCompletionChunk(id=p.request.request_id, created=p.created, model=p.model,
-                                                         choices=[], usage=u).json_text()))
+        return [self._chunk(oa.Delta(), finish=finish, guard=loop_guard(last.finish_reason, last.note))]
+
+    def usage(self, last: TokenEvent) -> oa.Usage:
+        return _chat_usage(self.plan, self.tokenizer, last, self.output_ids)
+
+    def end(self, last: TokenEvent) -> list[str]:
+        return [*self.finish(last), *self.tail(self.usage(last))]
+
+    def tail(self, total: oa.Usage) -> list[str]:
+        """What follows the choices' last chunks: the usage chunk where asked for, then ``data: [DONE]``."""
+        p = self.plan
+        lines = [sse_data(oa.ChatCompletionChunk(id=p.request.request_id, created=p.created, model=p.model,
+                                                 choices=[], usage=total).json_text())] if p.include_usage else []
         return [*lines, sse_data("[DONE]")]

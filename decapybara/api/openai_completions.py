@@ -48,6 +48,8 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
     ids = prompt_ids(body.prompt, client.tokenizer)
     requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = output_budget(requested, len(ids), client.max_model_len, "max_tokens")
+    if body.n not in (None, 1):
+        raise bad_request("only n=1 is supported on /v1/completions (chat completions take n)", "n")
     params = sampling_params(body, max(max_tokens, 1), body.logprobs)
     text = body.prompt if isinstance(body.prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)

@@ -219,26 +219,83 @@ async def _disconnected(request: HttpRequest) -> None:
 async def collect(events: AsyncIterator[TokenEvent], request: HttpRequest) -> Collected | None:
     """Fold a whole stream for a non-streaming response; None if the client went away first (the request is
     then aborted by cancelling the read)."""
-    done = Collected()
+    done = await collect_all([events], request)
+    return None if done is None else done[0]
 
-    async def consume() -> None:
+
+async def collect_all(streams: list[AsyncIterator[TokenEvent]], request: HttpRequest) -> list[Collected] | None:
+    """`collect` of several streams at once (a request's choices), one watch on the client; None if it went away
+    first (every request then aborted); a stream's error raised once all are settled."""
+    dones = [Collected() for _ in streams]
+
+    async def consume(events: AsyncIterator[TokenEvent], done: Collected) -> None:
         async for ev in events:
             done.add(ev)
 
-    reading = asyncio.ensure_future(consume())
+    reading = asyncio.ensure_future(asyncio.gather(*(consume(e, d) for e, d in zip(streams, dones))))
     watching = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        left = not reading.done()  # the client went (or its transport failed) before the stream ended
+        left = not reading.done()  # the client went (or its transport failed) before the streams ended
         for task in (watching, reading):
             task.cancel()  # a no-op on a finished task
-        # both settled: the read's cleanup has aborted the request, and neither leaves an unretrieved error
+        # both settled: the reads' cleanup has aborted the requests, and neither leaves an unretrieved error
         await asyncio.gather(watching, reading, return_exceptions=True)
     if left:
         return None
-    reading.result()  # the stream's own error (an engine refusal), if it failed
-    return done
+    reading.result()  # a stream's own error (an engine refusal), if one failed
+    return dones
+
+
+async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenEvent]], api: str, interval: float,
+                        idle_line: str, tail: Callable[[list[TokenEvent]], list[str]],
+                        disconnects: tuple[type[BaseException], ...] = ()) -> AsyncIterator[str]:
+    """The SSE body of a request of several choices: choice i's `streamers[i]` lines for its `streams[i]` events
+    as they come, a choice's `finish(last)` lines at its end, then `tail(lasts)` (the last events in the choices'
+    order); `idle_line` after every `interval` seconds without an event; a failure an error line in the API's
+    shape (`to_api_error`'s). Every stream is read by a task of its own, cancelled (its request aborted) when the
+    body closes."""
+    queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, events: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async for ev in events:
+                await queue.put((i, ev, None))
+                if ev.finish_reason is not None:
+                    return
+            await queue.put((i, None, ApiError(500, "the engine stream ended without a finish reason")))
+        except Exception as exc:  # noqa: BLE001 - reported in the stream
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    try:
+        for streamer in streamers:
+            for line in streamer.start(None):
+                yield line
+        lasts: dict[int, TokenEvent] = {}
+        while len(lasts) < len(streams):
+            try:
+                i, ev, exc = await asyncio.wait_for(queue.get(), interval)
+            except TimeoutError:
+                yield idle_line
+                continue
+            if exc is not None:
+                raise exc
+            for line in streamers[i].event(ev):
+                yield line
+            if ev.finish_reason is not None:
+                lasts[i] = ev
+                for line in streamers[i].finish(ev):
+                    yield line
+        for line in tail([lasts[i] for i in range(len(streams))]):
+            yield line
+    except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+        yield error_line(to_api_error(exc, disconnects), api)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def guarded(api: str, handler: Callable[[], Any], disconnects: tuple[type[BaseException], ...] = ()) -> Any:

@@ -731,7 +731,7 @@ OA_BAD = [
     ("/v1/chat/completions/", {"messages": user("x")}, 404),
     ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "max_tokens": "5"}, 400),
-    ("/v1/chat/completions", {"messages": user("x"), "n": 2}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "n": 17}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"abc": 1}}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "stop": ["s"] * 20}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 50, "logprobs": True}, 400),

@@ -8,6 +8,7 @@ The same processor records every prompt that reached the engine, so tests can ch
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 import socket
@@ -1259,3 +1260,40 @@ def test_n_choices_read_the_prompt_once_and_are_each_a_request_alone(stack):
                        ("/v1/completions", {"prompt": "x", "n": 2})):
         resp = _post(stack.url + path, {"model": "m", **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+
+
+class RefusingChoice:
+    """The stack's client, but a choice's request (id ``...-1``) refused as a full scheduler refuses one."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate(self, request):
+        from decapybara.errors import CapacityError
+
+        if request.request_id.endswith("-1"):
+            await asyncio.sleep(0.05)
+            raise CapacityError("no free slot")
+        async for ev in self.inner.generate(request):
+            yield ev
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_refused_ends_the_request_and_aborts_the_other_choices(stack, stream):
+    """One of three choices refused (a 503 in the body's shape, or the stream's error line): the other choices'
+    requests are aborted at once, none left running; a seed at the top of its range still takes n = 2."""
+    server = LiveServer(create_app(RefusingChoice(stack.client)))
+    try:
+        body = {"model": "m", "messages": user("KEEP-TALKING"), "max_tokens": 400, "n": 3, "stream": stream}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == (200 if stream else 503), r.text
+        assert not stream or "no free slot" in [line for line in r.text.splitlines() if line][-1]
+        time.sleep(0.3)
+        assert stack.stats()["running"] == 0
+    finally:
+        server.stop()
+    top = {"model": "m", "messages": user("hi"), "max_tokens": 2, "seed": 2**64 - 1, "n": 2}
+    assert _post(stack.url + "/v1/chat/completions", top).status_code == 200

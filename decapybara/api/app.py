@@ -49,6 +49,7 @@ from decapybara.api.transport import (
     collect_all,
     drive_stream,
     error_response,
+    first_event,
     guarded,
     merged_stream,
     read_body,
@@ -176,23 +177,22 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         cache; then all at once, collected into one response or merged into one stream (choices by index)."""
         requests = openai_api.choice_requests(plan)
         first = engine_events(client, requests[0])
-        try:
-            head = await first.__anext__()
-        except BaseException:
-            await first.aclose()
-            raise
-        streams = [prepended(head, first), *(engine_events(client, r) for r in requests[1:])]
-        if not stream:
-            dones = await collect_all(streams, request)
-            if dones is None:  # the client left; nobody reads this
-                return Response(status_code=499)
-            return JSONResponse(openai_api.chat_completions(plan, dones, client.tokenizer).dump())
-        streamers = [openai_api.ChatStream(plan, client.tokenizer, i) for i in range(plan.n)]
+        if stream:
+            streams = [first, *(engine_events(client, r) for r in requests[1:])]
+            streamers = [openai_api.ChatStream(plan, client.tokenizer, i) for i in range(plan.n)]
 
-        def tail(lasts: list[TokenEvent]) -> list[str]:
-            return streamers[0].tail(openai_api.summed_usage([s.usage(ev) for s, ev in zip(streamers, lasts)]))
-        return EventStreamResponse(merged_stream(streamers, streams, OPENAI, ping_interval_s, KEEP_ALIVE, tail,
-                                                 disconnects), disconnects)
+            def tail(lasts: list[TokenEvent]) -> list[str]:
+                return streamers[0].tail(openai_api.summed_usage([s.usage(ev) for s, ev in zip(streamers, lasts)]))
+            return EventStreamResponse(merged_stream(streamers, streams, OPENAI, ping_interval_s, KEEP_ALIVE, tail,
+                                                     disconnects, lead=True), disconnects)
+        head = await first_event(first, request)
+        if head is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        streams = [prepended(head, first), *(engine_events(client, r) for r in requests[1:])]
+        dones = await collect_all(streams, request)
+        if dones is None:
+            return Response(status_code=499)
+        return JSONResponse(openai_api.chat_completions(plan, dones, client.tokenizer).dump())
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:

@@ -224,8 +224,9 @@ def choice_requests(plan: ChatPlan) -> list[Request]:
     out = [plan.request]
     for i in range(1, plan.n):
         params = plan.request.params
-        if params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + i)
+        if params.seed is not None:  # wrapped into the seeds' range: the draws key on the seed mod 2**64
+            seed = params.seed + i
+            params = dataclasses.replace(params, seed=seed - (1 << 64) if seed >= 1 << 64 else seed)
         out.append(dataclasses.replace(plan.request, request_id=f"{plan.request.request_id}-{i}", params=params))
     return out
 

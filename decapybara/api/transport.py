@@ -225,50 +225,80 @@ async def collect(events: AsyncIterator[TokenEvent], request: HttpRequest) -> Co
 
 async def collect_all(streams: list[AsyncIterator[TokenEvent]], request: HttpRequest) -> list[Collected] | None:
     """`collect` of several streams at once (a request's choices), one watch on the client; None if it went away
-    first (every request then aborted); a stream's error raised once all are settled."""
+    first. Where one stream fails, or the client leaves, every other stream's read is cancelled (its request
+    aborted) before this returns or raises the first failure."""
     dones = [Collected() for _ in streams]
 
     async def consume(events: AsyncIterator[TokenEvent], done: Collected) -> None:
         async for ev in events:
             done.add(ev)
 
-    reading = asyncio.ensure_future(asyncio.gather(*(consume(e, d) for e, d in zip(streams, dones))))
+    reads = [asyncio.ensure_future(consume(e, d)) for e, d in zip(streams, dones)]
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        pending: set[asyncio.Future[Any]] = set(reads)
+        while pending and not watching.done():
+            done, pending = await asyncio.wait({*pending, watching}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(watching)
+            if any(t is not watching and not t.cancelled() and t.exception() is not None for t in done):
+                break  # one failed: the others are cancelled below
+    finally:
+        finished = all(t.done() for t in reads)
+        for task in (watching, *reads):
+            task.cancel()  # a no-op on a finished task
+        # all settled: the reads' cleanup has aborted their requests, and none leaves an unretrieved error
+        await asyncio.gather(watching, *reads, return_exceptions=True)
+    failed = next((t.exception() for t in reads if not t.cancelled() and t.exception() is not None), None)
+    if failed is not None:
+        raise failed
+    return dones if finished else None
+
+
+async def first_event(events: AsyncIterator[TokenEvent], request: HttpRequest) -> TokenEvent | None:
+    """The first event of `events`, None where the client left first (the stream then closed, its request
+    aborted); what the stream raises first (an engine refusal) is raised."""
+    reading = asyncio.ensure_future(events.__anext__())
     watching = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        left = not reading.done()  # the client went (or its transport failed) before the streams ended
         for task in (watching, reading):
-            task.cancel()  # a no-op on a finished task
-        # both settled: the reads' cleanup has aborted the requests, and neither leaves an unretrieved error
+            task.cancel()
         await asyncio.gather(watching, reading, return_exceptions=True)
-    if left:
+    if reading.cancelled():
+        await events.aclose()  # type: ignore[attr-defined]
         return None
-    reading.result()  # a stream's own error (an engine refusal), if one failed
-    return dones
+    if reading.exception() is not None:
+        await events.aclose()  # type: ignore[attr-defined]
+    return reading.result()
 
 
 async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenEvent]], api: str, interval: float,
                         idle_line: str, tail: Callable[[list[TokenEvent]], list[str]],
-                        disconnects: tuple[type[BaseException], ...] = ()) -> AsyncIterator[str]:
+                        disconnects: tuple[type[BaseException], ...] = (), lead: bool = False) -> AsyncIterator[str]:
     """The SSE body of a request of several choices: choice i's `streamers[i]` lines for its `streams[i]` events
     as they come, a choice's `finish(last)` lines at its end, then `tail(lasts)` (the last events in the choices'
     order); `idle_line` after every `interval` seconds without an event; a failure an error line in the API's
     shape (`to_api_error`'s). Every stream is read by a task of its own, cancelled (its request aborted) when the
-    body closes."""
+    body closes; with `lead`, the others' reads start once the first stream's first event is in (a stream not
+    read is never started, so its request never reaches the engine)."""
     queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, events: AsyncIterator[TokenEvent]) -> None:
         try:
             async for ev in events:
-                await queue.put((i, ev, None))
+                queue.put_nowait((i, ev, None))
                 if ev.finish_reason is not None:
                     return
-            await queue.put((i, None, ApiError(500, "the engine stream ended without a finish reason")))
-        except Exception as exc:  # noqa: BLE001 - reported in the stream
-            await queue.put((i, None, exc))
+            queue.put_nowait((i, None, ApiError(500, "the engine stream ended without a finish reason")))
+        except BaseException as exc:  # reported in the stream (a cancellation too, then raised on)
+            queue.put_nowait((i, None, exc))
+            if not isinstance(exc, Exception):
+                raise
 
-    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    tasks = [asyncio.ensure_future(pump(0, streams[0]))]  # the others once the first has an event (`lead`)
+    rest = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams) if i and not lead]
+    tasks += rest
     try:
         for streamer in streamers:
             for line in streamer.start(None):
@@ -282,6 +312,8 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
                 continue
             if exc is not None:
                 raise exc
+            if lead and i == 0 and len(tasks) < len(streams):  # its prompt computed: the others read it cached
+                tasks += [asyncio.ensure_future(pump(j, events)) for j, events in enumerate(streams) if j]
             for line in streamers[i].event(ev):
                 yield line
             if ev.finish_reason is not None:
@@ -296,6 +328,8 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for events in streams[len(tasks):] if lead and len(tasks) < len(streams) else ():
+            await events.aclose()  # type: ignore[attr-defined]  # never started: nothing to abort
 
 
 async def guarded(api: str, handler: Callable[[], Any], disconnects: tuple[type[BaseException], ...] = ()) -> Any:

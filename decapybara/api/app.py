@@ -184,7 +184,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             def tail(lasts: list[TokenEvent]) -> list[str]:
                 return streamers[0].tail(openai_api.summed_usage([s.usage(ev) for s, ev in zip(streamers, lasts)]))
             return EventStreamResponse(merged_stream(streamers, streams, OPENAI, ping_interval_s, KEEP_ALIVE, tail,
-                                                     disconnects, lead=True), disconnects)
+                                                     disconnects), disconnects)
         head = await first_event(first, request)
         if head is None:  # the client left; nobody reads this
             return Response(status_code=499)
@@ -213,15 +213,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
                 raise bad_request("background responses are kept in the response store, which " + (
                     "this server keeps none of (its responses_store_mb is 0)" if store is None else
                     "store: false leaves out"), "background")
-            cid = None
-            if body.conversation is not None:
-                cid = conversations.conversation_id(body.conversation)
-                if body.previous_response_id is not None:
-                    raise bad_request("conversation and previous_response_id cannot both be given (a conversation "
-                                      "holds its earlier turns)", "conversation")
-                earlier = [await conversation(cid, "conversation", 400)]
-            else:
-                earlier = await stored_chain(store, body.previous_response_id)
+            cid, earlier = await earlier_turns(body)
             if earlier and background.orphaned(earlier[-1]):
                 earlier[-1] = await background.settle(store, earlier[-1], "failed", RUN_LOST)
             if cid is None and earlier and earlier[-1]["response"]["status"] not in background.SETTLED:
@@ -251,11 +243,25 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             return answer
         return await guard(RESPONSES, handle)
 
-    async def conversation(cid: str, param: str = "conversation_id", status: int = 404) -> dict[str, Any]:
-        """The stored conversation `cid`, else a `status` error naming `param`."""
+    async def earlier_turns(body: rs.ResponsesRequest) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """(the conversation's id, where the request names one; the records its earlier turns are read from: that
+        conversation's, or the stored chain `previous_response_id` names, or None)."""
+        if body.conversation is None:
+            return None, await stored_chain(store, body.previous_response_id)
+        cid = conversations.conversation_id(body.conversation)
+        if body.previous_response_id is not None:
+            raise bad_request("conversation and previous_response_id cannot both be given (a conversation holds its "
+                              "earlier turns)", "conversation")
+        return cid, [await conversation(cid, "conversation", 400)]
+
+    def needs_store(param: str) -> None:
         if store is None:
             raise bad_request("conversations are kept in the response store, which this server keeps none of (its "
                               "responses_store_mb is 0)", param)
+
+    async def conversation(cid: str, param: str = "conversation_id", status: int = 404) -> dict[str, Any]:
+        """The stored conversation `cid`, else a `status` error naming `param`."""
+        needs_store(param)
         record = await store.get(cid)
         if not conversations.is_conversation(record):
             raise ApiError(status, f"no conversation {cid!r} (never made, deleted, or dropped from the store)",
@@ -276,22 +282,20 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             if entry[1] == 0 and conversation_locks.get(cid) is entry:
                 del conversation_locks[cid]
 
-    async def add_to_conversation(cid: str, items: list[dict[str, Any]]) -> bool:
-        """Add `items` to conversation `cid` (gone meanwhile: nothing), one add at a time on this replica;
-        whether they were stored."""
+    async def change_conversation(cid: str, change: Callable[[dict[str, Any]], None]) -> tuple[dict[str, Any], bool]:
+        """Conversation `cid` (a 404 where it is not stored) changed in place by `change` (which may raise) and
+        stored again, one change at a time on this replica: (the record, whether the store took it)."""
         async with conversation_lock(cid):
-            record = await store.get(cid)
-            if not conversations.is_conversation(record):
-                return False
-            record["items"] += items
-            return bool(await store.put_now(record))
+            record = await conversation(cid)
+            change(record)
+            return record, bool(await store.put_now(record))
 
     async def add_turn(cid: str, record: dict[str, Any]) -> None:
         """A response's turn added to its conversation; a failure logged (the response itself stands)."""
         try:
-            if not await add_to_conversation(cid, conversations.turn_items(record)):
-                log.warning("conversation %s: response %s's turn not added (the conversation is gone or past the "
-                            "store's budget)", cid, record["id"])
+            if not (await change_conversation(cid, lambda c: c["items"].extend(conversations.turn_items(record))))[1]:
+                log.warning("conversation %s: response %s's turn not added (past the store's budget)", cid,
+                            record["id"])
         except Exception:
             log.warning("conversation %s: adding response %s's turn failed", cid, record["id"], exc_info=True)
 
@@ -329,12 +333,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def responses_input_tokens(request: HttpRequest) -> Response:
         async def handle() -> Response:
             body = await parse(request, rs.InputTokensRequest)
-            if body.conversation is not None:
-                if body.previous_response_id is not None:
-                    raise bad_request("conversation and previous_response_id cannot both be given", "conversation")
-                earlier = [await conversation(conversations.conversation_id(body.conversation), "conversation", 400)]
-            else:
-                earlier = await stored_chain(store, body.previous_response_id)
+            earlier = (await earlier_turns(body))[1]
             return JSONResponse(await run_in_threadpool(openai_responses.input_tokens, body, client, earlier))
         return await guard(RESPONSES, handle)
 
@@ -399,9 +398,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             body = await parse(request, rs.ConversationRequest)
             items = conversations.checked_items(body.items or [], conversations.MAX_NEW_ITEMS)
             record = conversations.new_record(items, conversations.checked_metadata(body.metadata))
-            if store is None:
-                raise bad_request("conversations are kept in the response store, which this server keeps none of "
-                                  "(its responses_store_mb is 0)", "items")
+            needs_store("items")
             if not await store.put_now(record):
                 raise bad_request("the conversation is larger than the response store's whole budget", "items")
             return JSONResponse(record["conversation"])
@@ -418,10 +415,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         async def handle() -> Response:
             body = await parse(request, rs.ConversationRequest)
             metadata = conversations.checked_metadata(body.metadata)
-            async with conversation_lock(cid):
-                record = await conversation(cid)
-                record["conversation"]["metadata"] = metadata
-                await store.put_now(record)
+            record, _ = await change_conversation(cid, lambda c: c["conversation"].update(metadata=metadata))
             return JSONResponse(record["conversation"])
         return await guard(RESPONSES, handle)
 
@@ -447,11 +441,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         async def handle() -> Response:
             body = await parse(request, rs.ConversationItemsRequest)
             items = conversations.checked_items(body.items, None)
-            held = {i.get("id") for i in (await conversation(cid))["items"]}
-            ids = [i["id"] for i in items]
-            if dup := next((x for k, x in enumerate(ids) if x in held or x in ids[:k]), None):
-                raise bad_request(f"Duplicate item found with id {dup!r}", "items")
-            if not await add_to_conversation(cid, items):
+            if not (await change_conversation(cid, lambda c: conversations.add_items(c, items)))[1]:
                 raise bad_request("the conversation would be larger than the response store's whole budget", "items")
             return JSONResponse(conversations.added(items))
         return await guard(RESPONSES, handle)
@@ -459,24 +449,13 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     @app.get("/v1/conversations/{cid}/items/{item_id}")
     async def conversation_item(cid: str, item_id: str) -> Response:
         async def handle() -> Response:
-            item = next((i for i in (await conversation(cid))["items"] if i.get("id") == item_id), None)
-            if item is None:
-                raise ApiError(404, f"no item {item_id!r} in conversation {cid!r}", param="item_id",
-                               code="not_found")
-            return JSONResponse(item)
+            return JSONResponse(conversations.item(await conversation(cid), item_id))
         return await guard(RESPONSES, handle)
 
     @app.delete("/v1/conversations/{cid}/items/{item_id}")
     async def delete_conversation_item(cid: str, item_id: str) -> Response:
         async def handle() -> Response:
-            async with conversation_lock(cid):
-                record = await conversation(cid)
-                kept = [i for i in record["items"] if i.get("id") != item_id]
-                if len(kept) == len(record["items"]):
-                    raise ApiError(404, f"no item {item_id!r} in conversation {cid!r}", param="item_id",
-                                   code="not_found")
-                record["items"] = kept
-                await store.put_now(record)
+            record, _ = await change_conversation(cid, lambda c: conversations.delete_item(c, item_id))
             return JSONResponse(record["conversation"])
         return await guard(RESPONSES, handle)
 

@@ -24,7 +24,7 @@ from pydantic import TypeAdapter
 
 from decapybara.api import responses_schemas as rs
 from decapybara.api.common import new_id
-from decapybara.api.errors import bad_request
+from decapybara.api.errors import ApiError, bad_request
 from decapybara.api.openai_responses import items_page as page
 from decapybara.api.openai_responses import stored_items
 
@@ -84,6 +84,30 @@ def added(items: list[dict[str, Any]]) -> dict[str, Any]:
     """POST .../items' answer: the items added, as a list."""
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
             "last_id": items[-1]["id"] if items else None, "has_more": False}
+
+
+def add_items(record: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    """`items` added to the conversation's; an id it already holds, or one twice among them, a 400 (ids stay
+    unique, so paging by ``after`` ends)."""
+    seen = {i.get("id") for i in record["items"]}
+    for item in items:
+        if item["id"] in seen:
+            raise bad_request(f"Duplicate item found with id {item['id']!r}", "items")
+        seen.add(item["id"])
+    record["items"] += items
+
+
+def item(record: dict[str, Any], item_id: str) -> dict[str, Any]:
+    """The conversation's item `item_id` (a 404 where it has none)."""
+    found = next((i for i in record["items"] if i.get("id") == item_id), None)
+    if found is None:
+        raise ApiError(404, f"no item {item_id!r} in conversation {record['id']!r}", param="item_id", code="not_found")
+    return found
+
+
+def delete_item(record: dict[str, Any], item_id: str) -> None:
+    """The conversation's item `item_id` taken out (a 404 where it has none)."""
+    record["items"].remove(item(record, item_id))
 
 
 def conversation_id(value: Any) -> str:

@@ -482,15 +482,15 @@ class Items:
 
     def so_far(self) -> list[Any]:
         """The items made so far, the open one as it stands ("in_progress")."""
-        if self.open is None:
-            return list(self.items)
+        return list(self.items) if self.open is None else [*self.items, self._open_item("in_progress")]
+
+    def _open_item(self, status: str) -> Any:
+        """The open item as an output item with `status` (its one content part: `item.content[0]`)."""
         if self.open == "reasoning":
-            item: Any = rs.ReasoningOut(id=self.item_id, content=[rs.ReasoningText(text=self.text)],
-                                        status="in_progress")
-        else:
-            item = rs.MessageOut(id=self.item_id, content=[rs.OutputText(text=self.text, logprobs=self.logprobs)],
-                                 status="in_progress")
-        return [*self.items, item]
+            return rs.ReasoningOut(id=self.item_id, content=[rs.ReasoningText(text=self.text)], status=status,
+                                   encrypted_content=self.text if self.encrypted else None)
+        return rs.MessageOut(id=self.item_id, content=[rs.OutputText(text=self.text, logprobs=self.logprobs)],
+                             status=status)
 
     def tokens(self, entries: list[dict[str, Any]]) -> None:
         """Answer tokens' logprobs entries (`AnswerTokens.entries`), for the next message text delta."""
@@ -557,15 +557,12 @@ class Items:
         if self.open is None:
             return
         i, item_id, text = self._index(), self.item_id, self.text
+        item = self._open_item(status)
+        part = item.content[0]
         if self.open == "reasoning":
-            part: Any = rs.ReasoningText(text=text)
-            item: Any = rs.ReasoningOut(id=item_id, content=[part], status=status,
-                                        encrypted_content=text if self.encrypted else None)
             self.emit("response.reasoning_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                        "text": text})
         else:
-            part = rs.OutputText(text=text, logprobs=self.logprobs)
-            item = rs.MessageOut(id=item_id, content=[part], status=status)
             self.emit("response.output_text.done", {"item_id": item_id, "output_index": i, "content_index": 0,
                                                     "text": text, "logprobs": self.logprobs})
         self.emit("response.content_part.done", {"item_id": item_id, "output_index": i, "content_index": 0,

@@ -115,7 +115,8 @@ class ResponseStore:
         """`put` where the record `rid` is here and its response has not ended (a background run's stores: none
         after a client's DELETE or once a cancel has settled it); False, storing nothing, otherwise."""
         entry = self._entries.get(rid)
-        if entry is None or json.loads(entry.text)["response"]["status"] in SETTLED:
+        response = json.loads(entry.text).get("response") if entry is not None else None
+        if response is None or response["status"] in SETTLED:  # none, or no response's (a conversation's)
             return False
         return self.put(rid, parent, text)
 

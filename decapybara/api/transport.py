@@ -265,23 +265,20 @@ async def first_event(events: AsyncIterator[TokenEvent], request: HttpRequest) -
         for task in (watching, reading):
             task.cancel()
         await asyncio.gather(watching, reading, return_exceptions=True)
-    if reading.cancelled():
+    if reading.cancelled() or reading.exception() is not None:
         await events.aclose()  # type: ignore[attr-defined]
-        return None
-    if reading.exception() is not None:
-        await events.aclose()  # type: ignore[attr-defined]
-    return reading.result()
+    return None if reading.cancelled() else reading.result()
 
 
 async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenEvent]], api: str, interval: float,
                         idle_line: str, tail: Callable[[list[TokenEvent]], list[str]],
-                        disconnects: tuple[type[BaseException], ...] = (), lead: bool = False) -> AsyncIterator[str]:
+                        disconnects: tuple[type[BaseException], ...] = ()) -> AsyncIterator[str]:
     """The SSE body of a request of several choices: choice i's `streamers[i]` lines for its `streams[i]` events
     as they come, a choice's `finish(last)` lines at its end, then `tail(lasts)` (the last events in the choices'
     order); `idle_line` after every `interval` seconds without an event; a failure an error line in the API's
     shape (`to_api_error`'s). Every stream is read by a task of its own, cancelled (its request aborted) when the
-    body closes; with `lead`, the others' reads start once the first stream's first event is in (a stream not
-    read is never started, so its request never reaches the engine)."""
+    body closes. The others' reads start once the first stream's first event is in (its prompt computed, theirs
+    read from the prefix cache); a stream not read is never started, so its request never reaches the engine."""
     queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, events: AsyncIterator[TokenEvent]) -> None:
@@ -296,9 +293,7 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
             if not isinstance(exc, Exception):
                 raise
 
-    tasks = [asyncio.ensure_future(pump(0, streams[0]))]  # the others once the first has an event (`lead`)
-    rest = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams) if i and not lead]
-    tasks += rest
+    tasks = [asyncio.ensure_future(pump(0, streams[0]))]  # the others once the first has an event
     try:
         for streamer in streamers:
             for line in streamer.start(None):
@@ -312,7 +307,7 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
                 continue
             if exc is not None:
                 raise exc
-            if lead and i == 0 and len(tasks) < len(streams):  # its prompt computed: the others read it cached
+            if len(tasks) < len(streams):  # the first stream's first event: its prompt is computed
                 tasks += [asyncio.ensure_future(pump(j, events)) for j, events in enumerate(streams) if j]
             for line in streamers[i].event(ev):
                 yield line
@@ -328,7 +323,7 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for events in streams[len(tasks):] if lead and len(tasks) < len(streams) else ():
+        for events in streams[len(tasks):]:
             await events.aclose()  # type: ignore[attr-defined]  # never started: nothing to abort
 
 

@@ -9,7 +9,8 @@ same tokens. `SPEC_ADAPTIVE=0` verifies every draft (EngineConfig.spec_adaptive 
 withholds them where verifying is measured slower). `SPEC_SPECULATOR=ngram` drafts by prompt lookup instead of
 the MTP head (the "mtp" columns are then its). `SPEC_FILL=1` fills the spare rows of a step that verifies a draft
 with the other agents' doubtful guesses as verification graphs do (`Engine.fill_rows`; on by itself with graphs):
-on numpy, where those rows are not free, its steps and acceptance are what counts.
+on numpy, where those rows are not free, its steps and acceptance are what counts. `SPEC_DRAFT_LEN` drafts up to
+that many tokens a step (EngineConfig.draft_len: the head's guesses chained, or prompt lookup's run).
 
     python3 bench/speculation.py
 """
@@ -50,8 +51,9 @@ def main() -> None:
     confidence = float(os.environ.get("SPEC_CONFIDENCE", EngineConfig().spec_min_confidence))
     drafter = os.environ.get("SPEC_SPECULATOR", "mtp")
     adaptive = os.environ.get("SPEC_ADAPTIVE", "1") != "0"  # the governor (engine/spec_governor.py); 0: every draft
+    draft_len = int(os.environ.get("SPEC_DRAFT_LEN", EngineConfig().draft_len))
     print(f"demo model on {backend.name}{' with decode graphs' if graphs else ''}, {tokens} tokens an agent, "
-          f"{rounds} rounds, drafts of p >= {confidence:g}"
+          f"{rounds} rounds, up to {draft_len} drafts of p >= {confidence:g}"
           f"{', spare rows filled' if os.environ.get('SPEC_FILL') == '1' else ''}, drafter {drafter}"
           f"{', drafts verified where measured faster (spec_adaptive)' if adaptive else ', every draft verified'}")
     print("agents  temp  off tok/s (steps)  mtp tok/s (steps)  drafts  accepted  withheld  mtp / off")
@@ -63,7 +65,7 @@ def main() -> None:
         for spec in ("off", "mtp"):  # one engine a mode, kept across rounds: its graphs are captured once
             cfg = EngineConfig(page_size=16, num_pages=512, max_batch_tokens=256, loop_guard="off",
                                cuda_graphs=graphs, speculator=drafter if spec == "mtp" else spec,
-                               spec_min_confidence=confidence, spec_adaptive=adaptive)
+                               spec_min_confidence=confidence, spec_adaptive=adaptive, draft_len=draft_len)
             engines[spec] = Engine(loaded.model, cfg, tokenizer=loaded.tokenizer)
             if spec == "mtp" and os.environ.get("SPEC_FILL") == "1":
                 engines[spec].fill_rows = 12

@@ -69,6 +69,11 @@ class EngineConfig:
     # are measured to emit more tokens a second than those that do not (engine/spec_governor.py): a verification
     # row costs as any row, and on a GPU twelve agents' verification step can cost twice their decode step
     spec_adaptive: bool = True
+    # ... at most this many drafts a sequence and step (DRAFT_LEN), verified as that many more rows of its decode
+    # (1 + draft_len rows): ngram the tokens after the match, mtp the head's guesses chained (each guess paired with
+    # the head's own hidden state for the next), while it stays at spec_min_confidence; a step whose sequences
+    # draft more than one token runs eagerly (the verification graphs take one); 0 drafts nothing
+    draft_len: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_slots <= 12:
@@ -91,6 +96,8 @@ class EngineConfig:
             raise ConfigError(f"context_mode must be pool or fixed, got {self.context_mode!r}")
         if not 0.0 <= self.spec_min_confidence <= 1.0:
             raise ConfigError("spec_min_confidence must be in [0, 1]")
+        if not 0 <= self.draft_len <= 7:
+            raise ConfigError(f"draft_len must be in 0..7, got {self.draft_len}")
         if self.speculator not in ("mtp", "ngram", "off"):
             raise ConfigError(f"speculator must be mtp, ngram or off, got {self.speculator!r}")
         if self.loop_guard not in ("stop", "end_thinking", "escape", "off"):

@@ -67,15 +67,18 @@ class PoisoningGraphRunner:
         self._poison(kv, states)
         return out
 
-    def mtp(self, batch, normed, kv):
+    def mtp(self, batch, normed, kv, own=False):
         """The MTP pass's contract: the head's KV for every pair, its guess and probability at each sequence's
-        last pair; then the pad page poisoned."""
+        last pair (and with `own` the head's final-normed states there); then the pad page poisoned."""
         assert all(s.state_slot is None for s in batch.seqs)
+        if any(s.length > 2 for s in batch.seqs):  # as the graph runner: the caller runs the head eagerly
+            return None
         last = dataclasses.replace(batch, logits_rows=np.asarray([s.end - 1 for s in batch.seqs], np.int64))
-        out = self.model.backend.argmax_prob(self.model.mtp_forward(last, normed, kv))
+        logits, hn = self.model.mtp_forward(last, normed, kv, own=True)
+        out = self.model.backend.argmax_prob(logits)
         self.stats["mtp_steps"] += 1
         self._poison(kv, None)
-        return out
+        return (*out, hn) if own else out
 
     def mtp_kv(self, batch, normed, kv):
         """The KV-only pass's contract: the head's KV for every pair; then the pad page poisoned."""
@@ -327,7 +330,7 @@ def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
     run = e.runner.run
 
     def costed(plan, normed=False):
-        now[0] += 0.010 + 0.050 * sum(c.draft is not None for c in plan.chunks)
+        now[0] += 0.010 + 0.050 * sum(bool(c.drafts) for c in plan.chunks)
         return run(plan, normed=normed)
 
     e.runner.run = costed

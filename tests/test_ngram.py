@@ -19,13 +19,17 @@ from decapybara.model.load import load_model
 
 
 def test_the_index_proposes_what_followed_the_latest_longest_match():
-    assert NgramIndex().propose([1, 2, 3, 4, 1, 2, 3]) == (4, 3)
-    assert NgramIndex().propose([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7]) == (2, 3)  # the latest occurrence
-    assert NgramIndex().propose([9, 2, 3, 4, 8, 2, 3]) == (4, 2)  # (8, 2, 3) is new; (2, 3) recurs
-    assert NgramIndex().propose([1, 2, 8, 4, 9, 2, 8]) == (4, 2)  # only two tokens recur: n = 2
-    assert NgramIndex().propose([1, 2, 3, 4, 5]) == (None, 0)
-    assert NgramIndex().propose([7]) == (None, 0) and NgramIndex().propose([]) == (None, 0)
-    assert NgramIndex().propose([3, 3, 3]) == (3, 2)  # (3, 3) ended at 1; (3, 3, 3) never ended earlier
+    assert NgramIndex().propose([1, 2, 3, 4, 1, 2, 3]) == ((4,), 3)
+    assert NgramIndex().propose([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7]) == ((2,), 3)  # the latest occurrence
+    assert NgramIndex().propose([9, 2, 3, 4, 8, 2, 3]) == ((4,), 2)  # (8, 2, 3) is new; (2, 3) recurs
+    assert NgramIndex().propose([1, 2, 8, 4, 9, 2, 8]) == ((4,), 2)  # only two tokens recur: n = 2
+    assert NgramIndex().propose([1, 2, 3, 4, 5]) == ((), 0)
+    assert NgramIndex().propose([7]) == ((), 0) and NgramIndex().propose([]) == ((), 0)
+    assert NgramIndex().propose([3, 3, 3]) == ((3,), 2)  # (3, 3) ended at 1; (3, 3, 3) never ended earlier
+    # up to k tokens after the match, fewer where the list ends first (the match's continuation may run into the end)
+    assert NgramIndex().propose([1, 2, 3, 4, 5, 6, 1, 2, 3], 4) == ((4, 5, 6, 1), 3)
+    assert NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], 7) == ((4, 1, 2, 3), 3)
+    assert NgramIndex().propose([3, 3, 3], 5) == ((3,), 2)
 
 
 def test_the_index_grows_with_the_tokens_as_one_built_afresh():

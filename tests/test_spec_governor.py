@@ -108,7 +108,7 @@ def timed_engine(extra_per_draft_row: float, **cfg) -> Engine:
     run = e.runner.run
 
     def costed(plan, normed=False):
-        now[0] += 0.010 + extra_per_draft_row * sum(c.draft is not None for c in plan.chunks)
+        now[0] += 0.010 + extra_per_draft_row * sum(bool(c.drafts) for c in plan.chunks)
         return run(plan, normed=normed)
 
     e.runner.run = costed
@@ -199,11 +199,11 @@ def test_guesses_after_withheld_steps_are_those_of_a_head_that_never_stopped():
         seen, mtp = {}, e.runner.mtp
         step = [0]
 
-        def logged(entries, rows, draft_rows, normed, mtp=mtp, seen=seen):
-            g, p = mtp(entries, rows, draft_rows, normed)
+        def logged(entries, rows, draft_rows, normed, chain=False, mtp=mtp, seen=seen):
+            g, p, own = mtp(entries, rows, draft_rows, normed, chain=chain)
             tokens, p0, _ = entries[0]
             seen[p0 + len(tokens)] = int(g[0])  # the guess at the sequence's last pair
-            return g, p
+            return g, p, own
 
         e.runner.mtp = logged
         if e.governor is not None:
@@ -235,9 +235,9 @@ def test_each_head_pass_is_charged_to_the_step_it_drafts_for_and_a_resume_to_non
     clock = e.timer.__closure__[0].cell_contents  # the fake timer's list
     mtp, mtp_kv = e.runner.mtp, e.runner.mtp_kv
 
-    def whole(*a):
+    def whole(*a, **kw):
         clock[0] += 0.006
-        return mtp(*a)
+        return mtp(*a, **kw)
 
     def kv_only(*a):
         clock[0] += 0.0002
@@ -294,7 +294,7 @@ def test_a_head_pass_counts_only_for_the_sequences_it_drafted_for():
     e = timed_engine(0.0)
     clock = e.timer.__closure__[0].cell_contents
     mtp = e.runner.mtp
-    e.runner.mtp = lambda *a: (clock.__setitem__(0, clock[0] + 0.2), mtp(*a))[1]  # a slow head: 0.2 s a pass
+    e.runner.mtp = lambda *a, **kw: (clock.__setitem__(0, clock[0] + 0.2), mtp(*a, **kw))[1]  # a slow head: 0.2 s a pass
     seen = []
     record = e.governor.record
     e.governor.record = lambda w, allowed, t, s: (seen.append((allowed, s)), record(w, allowed, t, s))

@@ -194,7 +194,7 @@ def test_a_draft_without_a_page_is_dropped_not_paid_for_with_a_pause():
     for _ in range(100):  # decode until the draft's row would open a new page
         e.step()
         s = e.running[0]
-        if s.draft is not None and s.num_computed % 8 == 7 and len(s.pages) * 8 == s.num_computed + 1:
+        if s.drafts and s.num_computed % 8 == 7 and len(s.pages) * 8 == s.num_computed + 1:
             break
     else:
         pytest.fail("no step left a draft at a page's end")
@@ -202,7 +202,7 @@ def test_a_draft_without_a_page_is_dropped_not_paid_for_with_a_pause():
     while (page := e.blocks.append()) is not None:  # other conversations hold every free page
         taken.append(page)
     plan = e._plan_with_pages()
-    assert [(c.num_tokens, c.draft) for c in plan.chunks] == [(1, None)]  # the draft went, nobody was paused
+    assert [(c.num_tokens, c.drafts) for c in plan.chunks] == [(1, ())]  # the draft went, nobody was paused
     assert e.stats.pauses == 0 and s.status.value == "running"
 
 
@@ -216,24 +216,24 @@ def test_drafts_leave_the_balanced_prefill_share():
     short = prompts_of(CODE) * 2
     for p in short:
         e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
-    while any(s.in_prefill or s.draft is None for s in e.running) or len(e.running) < 10:
+    while any(s.in_prefill or not s.drafts for s in e.running) or len(e.running) < 10:
         e.step()
     long = prompts_of(["# notes\n" * 40])[0]
     e.add_request(Request(tuple(long), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     e.admission(e)
     assert any(s.in_prefill for s in e.running)
     plan = plan_step(e.running, e.cfg, snapshots=False)
-    drafts = {s: s.draft for s in e.running}
+    drafts = {s: s.drafts for s in e.running}
     for s in e.running:
-        s.draft = None
+        s.drafts = ()
     bare = plan_step(e.running, e.cfg, snapshots=False)
     for s, d in drafts.items():
-        s.draft = d
+        s.drafts = d
 
     def prefill(p) -> int:
         return sum(c.num_tokens for c in p.chunks if c.seq.in_prefill)
 
-    assert any(c.draft is not None for c in plan.chunks) and plan.num_tokens <= 32
+    assert any(c.drafts for c in plan.chunks) and plan.num_tokens <= 32
     assert prefill(plan) == prefill(bare) == 16
 
 
@@ -268,21 +268,24 @@ def test_verification_steps_fill_their_spare_rows_with_guesses():
     while any(s.in_prefill for s in e.running) or len(e.running) < len(prompts):
         e.step()
     for k, s in enumerate(e.running):
-        s.draft, s.guess = (100 + k, None) if k == 0 else (None, 200 + k)
-    drafts = [c.draft for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks]
-    assert drafts == [100 + k for k in range(1)] + [200 + k for k in range(1, len(prompts))]
-    assert [c.draft for c in plan_step(e.running, e.cfg, False).chunks] == [100] + [None] * (len(prompts) - 1)
-    assert [c.draft for c in plan_step(e.running, e.cfg, False, fill_rows=len(prompts) - 1).chunks][1:] == \
-        [None] * (len(prompts) - 1)
-    e.running[0].draft = None  # no sure draft: no verification step to fill
-    assert all(c.draft is None for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks)
-    e.running[0].draft = 100
+        s.drafts, s.guess = ((100 + k,), None) if k == 0 else ((), 200 + k)
+    drafts = [c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks]
+    assert drafts == [(100 + k,) for k in range(1)] + [(200 + k,) for k in range(1, len(prompts))]
+    assert [c.drafts for c in plan_step(e.running, e.cfg, False).chunks] == [(100,)] + [()] * (len(prompts) - 1)
+    assert [c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=len(prompts) - 1).chunks][1:] == \
+        [()] * (len(prompts) - 1)
+    e.running[0].drafts = (100, 101)  # a step that drafts two tokens runs eagerly: no graph's spare rows to fill
+    assert [c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks] == \
+        [(100, 101)] + [()] * (len(prompts) - 1)
+    e.running[0].drafts = ()  # no sure draft: no verification step to fill
+    assert all(not c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks)
+    e.running[0].drafts = (100,)
     long = prompts_of(["# notes\n" * 40])[0]
     e.add_request(Request(tuple(long), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     e.admission(e)
     assert any(s.in_prefill for s in e.running)
     plan = plan_step(e.running, e.cfg, False, fill_rows=12)
-    assert [c.draft for c in plan.chunks if not c.seq.in_prefill][1:] == [None] * (len(prompts) - 1)
+    assert [c.drafts for c in plan.chunks if not c.seq.in_prefill][1:] == [()] * (len(prompts) - 1)
 
 
 def test_a_draft_never_takes_the_page_of_another_sequences_token():
@@ -299,12 +302,12 @@ def test_a_draft_never_takes_the_page_of_another_sequences_token():
     e.step()
     a, b = e.running
     assert (a.num_computed, len(a.pages), b.num_computed, len(b.pages)) == (15, 2, 16, 2)
-    a.draft, a.guess, b.draft, b.guess = 7, None, None, None  # A's draft row (token 16) would open a page
+    a.drafts, a.guess, b.drafts, b.guess = (7,), None, (), None  # A's draft row (token 16) would open a page
     taken = []
     while len(e.blocks.free) > 1:
         taken.append(e.blocks.append())
     plan = e._plan_with_pages()
-    assert [(c.seq, c.num_tokens, c.draft) for c in plan.chunks] == [(a, 1, None), (b, 1, None)]
+    assert [(c.seq, c.num_tokens, c.drafts) for c in plan.chunks] == [(a, 1, ()), (b, 1, ())]
     assert e.stats.pauses == 0 and len(b.pages) == 3 and len(a.pages) == 2
 
 

@@ -390,9 +390,10 @@ class DecodeGraphRunner:
         cp.cuda.get_current_stream().wait_event(st.done)
 
     # ---- the MTP head's pass ------------------------------------------------------------------------------
-    def mtp(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> tuple[Any, Any] | None:
+    def mtp(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False) -> tuple[Any, ...] | None:
         """The MTP head's greedy guess and its probability at each sequence's last pair ([len(batch.seqs)] device
-        arrays, int64 and float32), the head's KV written for every pair, through a graph of two pair rows a
+        arrays, int64 and float32; with `own` also the head's final-normed states there, [len(batch.seqs), H]:
+        what a chained guess pairs with), the head's KV written for every pair, through a graph of two pair rows a
         sequence (`QwenModel.mtp_forward`'s batch: a sequence's rows pair the tokens at p + 1 with `normed`
         [T, H], the main model's normed states at p; a one-pair sequence's second row thrown away as a
         verification graph's); None where the batch cannot replay one (the caller runs the head eagerly):
@@ -401,8 +402,8 @@ class DecodeGraphRunner:
         st = self._mtp_replay(batch, normed, kv, kv_only=False)
         if st is None:
             return None
-        guess, prob = st.outputs
-        return guess[:len(batch.seqs)], prob[:len(batch.seqs)]
+        n = len(batch.seqs)
+        return tuple(a[:n] for a in (st.outputs if own else st.outputs[:2]))
 
     def mtp_kv(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> bool:
         """The head's KV-only pass (`QwenModel.mtp_kv`: a step whose drafts are withheld keeps the head's cache
@@ -455,11 +456,12 @@ class DecodeGraphRunner:
         self.model.mtp_kv_tail(h, st.batch, kv, cos, sin, st.dev64[2])
         return ()
 
-    def _mtp_step(self, st: _Static, kv: KVCache) -> tuple[Any, Any]:
+    def _mtp_step(self, st: _Static, kv: KVCache) -> tuple[Any, Any, Any]:
         """The MTP head over the static buffers: its layers on every pair row, its logits at each sequence's last
-        pair (`last`), their greedy guesses and probabilities."""
+        pair (`last`), their greedy guesses and probabilities, and the head's final-normed states there."""
         h, _, _ = self._mtp_head(st, kv)
-        return self.model.backend.argmax_prob(self.model.mtp_logits(h[st.d32("last")]))
+        hn = self.model.mtp_normed(h[st.d32("last")])
+        return (*self.model.backend.argmax_prob(self.model.backend.linear(hn, self.model.w["lm_head.weight"])), hn)
 
     def _cos_sin(self, positions: Any) -> tuple[Any, Any]:
         """RoPE's cos and sin [R, rot / 2] at device positions [R] (QwenModel.rotary's, scaled alike)."""

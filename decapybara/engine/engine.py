@@ -59,7 +59,7 @@ class EngineStats:
     lost_pages: int = 0  # ... found missing or damaged, or without the snapshot they left with (recomputed instead)
     restored_snapshots: int = 0  # state snapshots of in-pool pages brought back from a tier's copy of the page
     lost_bundles: int = 0  # paused conversations whose bundle was lost (recomputed from their tokens)
-    drafted_tokens: int = 0  # speculation: MTP drafts verified as a second row of a decode
+    drafted_tokens: int = 0  # speculation: drafts verified as more rows of a decode
     accepted_tokens: int = 0  # ... that the sampled token matched (a token gained without a step of its own)
     withheld_steps: int = 0  # ... steps whose drafts spec_adaptive withheld (verifying measured slower there)
     demoted_pages: int = 0  # cached pages of expired conversations made the next evicted (`demote_cached`)
@@ -141,7 +141,7 @@ class Engine(MemoryMixin):
         self._think = (getattr(special, "think", None), getattr(special, "end_think", None))
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
         # speculation: the MTP head drafts each decoding sequence's next token, verified as a second row
-        self.speculate = (cfg.speculator == "mtp" and model.has_mtp) or cfg.speculator == "ngram"
+        self.speculate = ((cfg.speculator == "mtp" and model.has_mtp) or cfg.speculator == "ngram") and cfg.draft_len > 0
         if cfg.speculator == "mtp" and not model.has_mtp:
             log.warning("speculator=mtp: the model has no MTP layers, so nothing is drafted "
                         "(speculator=ngram drafts by prompt lookup for any model)")
@@ -335,7 +335,7 @@ class Engine(MemoryMixin):
             allowed = self.governor.allow(decoding)
         if not allowed:
             for s in self.running:
-                s.draft = s.guess = None
+                s.drafts, s.guess = (), None
         return allowed
 
     def _measure(self) -> None:
@@ -356,7 +356,7 @@ class Engine(MemoryMixin):
             seconds, captures = seconds + head.seconds, min(captures, head.captures)
         width = len(plan.chunks)
         if (width == len(self.running) and self.runner.captures() == captures
-                and all(c.sample and c.num_tokens - (c.draft is not None) == 1 for c in plan.chunks)):
+                and all(c.sample and c.num_tokens - len(c.drafts) == 1 for c in plan.chunks)):
             self.governor.record(width, allowed, self.stats.generated_tokens - emitted, seconds)
 
     def _give_pages(self, s: Sequence, tokens: int) -> bool:
@@ -370,20 +370,22 @@ class Engine(MemoryMixin):
 
     def _plan_with_pages(self) -> StepPlan:
         """Plan, then give every chunk the pages it writes: first the real tokens' of every chunk, then the drafts'
-        rows (a draft, or a doubtful guess, never takes a page a real token needs); a draft whose page is lacking
-        is dropped and the step planned again; while a real token's page is lacking, pause a victim
-        (`choose_victim`)."""
+        rows (a draft, or a doubtful guess, never takes a page a real token needs); where a sequence's drafts lack
+        a page, its last draft is dropped and the step planned again; while a real token's page is lacking, pause a
+        victim (`choose_victim`)."""
         while True:
             plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows)
             short = next((c.seq for c in plan.chunks
-                          if not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens - (c.draft is not None))),
-                         None)
+                          if not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens - len(c.drafts))), None)
             if short is None:
-                lacking = next((c.seq for c in plan.chunks if c.draft is not None
+                lacking = next((c.seq for c in plan.chunks if c.drafts
                                 and not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens)), None)
                 if lacking is None:
                     return plan
-                lacking.draft = lacking.guess = None  # plan again without it: no pause for a draft
+                if len(lacking.drafts) > 1:  # plan again with fewer: no pause for a draft
+                    lacking.drafts = lacking.drafts[:-1]
+                else:
+                    lacking.drafts, lacking.guess = (), None
                 continue
             choose = self.choose_victim or getattr(self.admission, "choose_victim", youngest_victim)
             victim = choose(self, short)
@@ -392,75 +394,78 @@ class Engine(MemoryMixin):
                 return StepPlan([])
 
     def _postprocess(self, plan: StepPlan, out: Any) -> list[TokenEvent]:
-        """Sample, account and emit. A chunk with a draft samples its real token's row as any decode does; the
-        draft is accepted where that token is the draft, and then its own row samples the next token (after the
-        first is appended, so the penalties and the LoopGuard see it as they would a step later; where that row
-        cannot depend on the first token (`_ahead`), it is sampled in the first call and kept only if the row
-        after the first token is the predicted one, `_same_row`): the tokens and draws of decoding without
-        speculation. A rejected draft's row is rolled back (its KV slot is rewritten later; a hybrid model's state
-        is set back to the snapshot after the real token). With speculation the MTP head then runs over the
-        step's new (hidden, next token) pairs and drafts each decoding sequence's next token (`_draft`)."""
+        """Sample, account and emit. A chunk with drafts samples its real token's row as any decode does; its first
+        draft is accepted where that token is the draft, and then the draft's own row samples the next token (after
+        the first is appended, so the penalties and the LoopGuard see it as they would a step later; where that
+        row cannot depend on the tokens before it (`_ahead`), it is sampled in the first call and kept only if the
+        sequence's row then is the one predicted, `_same_row`), which accepts the second draft where it is that
+        draft, and so on: the tokens and draws of decoding without speculation. The state after a rejected draft's
+        row goes back to the snapshot before it (its KV slots are rewritten later). With speculation the head
+        then drafts each decoding sequence's next tokens (`_draft`, `_draft_ngram`)."""
         now = self.clock()
         sampling = [c for c in plan.chunks if c.sample]
-        first, r = [], 0  # each sampling chunk's first logits row (a chunk with a draft has two)
+        first, r = [], 0  # each sampling chunk's first logits row (a chunk with k drafts has 1 + k)
         for c in sampling:
             first.append(r)
-            r += 2 if c.draft is not None else 1
+            r += 1 + len(c.drafts)
         rows = [self._sampler_row(c.seq) for c in sampling]
-        # a draft's own row sampled in the same call where its sampler row is known before the first token is
-        # appended (`_ahead`): kept below only if the sequence's row after that token is the one predicted
-        ahead = {j: dataclasses.replace(rows[j], position=rows[j].position + 1)
-                 for j, c in enumerate(sampling) if c.draft is not None and self._ahead(c.seq)}
+        # the drafts' own rows sampled in the first call where their sampler rows are known before the tokens
+        # ahead of them are appended (`_ahead`): each kept below only if the sequence's row then is the one predicted
+        ahead = {(j, d): dataclasses.replace(rows[j], position=rows[j].position + d)
+                 for j, c in enumerate(sampling) if c.drafts and self._ahead(c.seq) for d in range(1, len(c.drafts) + 1)}
         seqs = [c.seq for c in sampling]
         try:  # rows j < len(sampling): the real tokens'; then the ahead rows in `ahead`'s order
-            sampled = self._sample(out.logits, first + [first[j] + 1 for j in ahead], seqs + [seqs[j] for j in ahead],
-                                   rows + list(ahead.values())) if sampling else None
+            sampled = self._sample(out.logits, first + [first[j] + d for j, d in ahead],
+                                   seqs + [seqs[j] for j, _ in ahead], rows + list(ahead.values())) if sampling else None
         except ValueError:  # a draft's row the sampler refuses (no finite logit): the real tokens' rows alone, as
             if not ahead:   # before, so that a draft never sampled after a rejection cannot fail the step
                 raise
             ahead = {}
             sampled = self._sample(out.logits, first, seqs, rows)
-        accepted = {id(c): int(sampled.token_ids[j]) == c.draft for j, c in enumerate(sampling) if c.draft is not None}
+        pick = {(j, 0): (sampled, j) for j in range(len(sampling))}  # (j, depth) -> (a sampler call's output, its row)
+        pick.update({key: (sampled, len(sampling) + k) for k, key in enumerate(ahead)})
         before = []
         for c in plan.chunks:
             s = c.seq
             before.append(s.num_computed)
-            n = c.num_tokens if c.draft is None else 1 + accepted[id(c)]
+            n = 1 if c.drafts else c.num_tokens  # a draft's row counts once its token is sampled and is the draft
             if s.num_computed < s.num_prompt:
                 done = min(n, s.num_prompt - s.num_computed)
                 s.num_computed_prompt += done
                 self.stats.computed_prompt_tokens += done
             s.num_computed += n
             s.last_active = now
-            if c.draft is not None:
-                self.stats.drafted_tokens += 1
-                self.stats.accepted_tokens += accepted[id(c)]
-        for j, c in enumerate(sampling):
-            self._append_output(c.seq, int(sampled.token_ids[j]), float(sampled.logprobs[j]),
-                                sampled.top_logprobs[j], now)
+            self.stats.drafted_tokens += len(c.drafts)
+        live = list(range(len(sampling)))  # the chunks whose token at this depth is sampled
+        for d in range(1 + max((len(c.drafts) for c in sampling), default=0)):
+            if d:  # the rows after accepted drafts: the token after them, sampled ahead or now
+                after = {j: self._sampler_row(seqs[j]) for j in live}
+                late = [j for j in live if (j, d) not in ahead or not _same_row(after[j], ahead[(j, d)])]
+                if late:
+                    extra = self._sample(out.logits, [first[j] + d for j in late], [seqs[j] for j in late],
+                                         [after[j] for j in late])
+                    pick.update({(j, d): (extra, k) for k, j in enumerate(late)})
+            nxt = []
+            for j in live:
+                c, (res, k) = sampling[j], pick[(j, d)]
+                tok = int(res.token_ids[k])
+                kept = d < len(c.drafts) and tok == c.drafts[d]
+                if kept:  # the draft's row computed this token: it counts
+                    c.seq.num_computed += 1
+                    self.stats.accepted_tokens += 1
+                self._append_output(c.seq, tok, float(res.logprobs[k]), res.top_logprobs[k], now)
+                # on unless the token ended the sequence or the LoopGuard forced tokens after it
+                if kept and c.seq.finish_reason is None and c.seq.num_uncomputed == 0:
+                    nxt.append(j)
+            live = nxt
         for ci, c in enumerate(plan.chunks):  # the pages that became full: the tokens they hold are all appended
             s = c.seq
-            if c.draft is not None and self.hybrid:
-                key = (ci, before[ci] + 1)  # a device-kept rollback state is never a prefix-cache snapshot
-                back = out.snapshots.pop(key) if c.rollback_on_device else out.snapshots[key]
-                if not accepted[id(c)]:
-                    self.runner.reset_state(s.state_slot, back)
+            if c.drafts and self.hybrid:
+                back = s.num_computed  # the state after the tokens kept: a snapshot unless every draft was kept
+                kept = {q: out.snapshots.pop((ci, q)) for q in c.rollback}  # device-kept: never prefix-cache ones
+                if back < before[ci] + c.num_tokens:
+                    self.runner.reset_state(s.state_slot, kept[back] if back in kept else out.snapshots[(ci, back)])
             self._register_pages(s, ci, out.snapshots)
-        # an accepted draft's own row samples the token after it, unless the first ended the sequence or the
-        # LoopGuard forced tokens after it (num_uncomputed 0: the draft is the last token and computed)
-        bonus = [j for j, c in enumerate(sampling) if c.draft is not None and accepted[id(c)]
-                 and c.seq.finish_reason is None and c.seq.num_uncomputed == 0]
-        if bonus:  # the accepted drafts' own rows: the token after them, sampled ahead or now
-            after = {j: self._sampler_row(seqs[j]) for j in bonus}
-            pick = {j: (sampled, len(sampling) + k) for k, j in enumerate(ahead)}  # (a call's output, its row)
-            late = [j for j in bonus if j not in ahead or not _same_row(after[j], ahead[j])]
-            if late:
-                extra = self._sample(out.logits, [first[j] + 1 for j in late], [seqs[j] for j in late],
-                                     [after[j] for j in late])
-                pick.update({j: (extra, k) for k, j in enumerate(late)})
-            for j in bonus:
-                res, k = pick[j]
-                self._append_output(seqs[j], int(res.token_ids[k]), float(res.logprobs[k]), res.top_logprobs[k], now)
         if self.mtp:
             self._draft(plan, out, before)
         elif self.speculate:
@@ -521,22 +526,28 @@ class Engine(MemoryMixin):
         """Whether chunk `c`'s sequence may draft: its next step decodes one token and a second could still be
         taken (max_tokens, the context)."""
         s = c.seq
-        return (c.sample and s.finish_reason is None and s.num_uncomputed == 1
-                and s.num_output + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len)
+        return c.sample and s.finish_reason is None and s.num_uncomputed == 1 and self._draft_room(s) > 0
+
+    def _draft_room(self, s: Sequence) -> int:
+        """How many drafts `s`'s next step may verify: up to draft_len, while every token they could gain would
+        still be taken (max_tokens, the context)."""
+        return max(0, min(self.cfg.draft_len, s.params.max_tokens - s.num_output - 1,
+                          self.max_model_len - s.num_tokens - 1))
 
     @staticmethod
     def _opens_constraint(s: Sequence, token: int) -> bool:
         """Whether `token` would switch `s`'s constraint on (a free reply's `<tool_call>`): no draft is it, so that
-        a free reply's draft leaves it free and its next token may be sampled ahead (`_ahead`)."""
+        a free reply's drafts leave it free and its next tokens may be sampled ahead (`_ahead`)."""
         return s.json is not None and s.json.free and token == s.json.trigger
 
     def _draft_ngram(self, plan: StepPlan) -> None:
-        """Prompt-lookup drafts (SPECULATOR ngram, engine/ngram.py): the token that followed the latest earlier
-        occurrence of a sequence's last three tokens is its draft; of its last two only, a guess (verified in a
-        verification graph's spare row, `spec_fill`)."""
+        """Prompt-lookup drafts (SPECULATOR ngram, engine/ngram.py): the tokens that followed the latest earlier
+        occurrence of a sequence's last three tokens are its drafts (up to `_draft_room`, cut before any that would
+        switch a constraint on); of its last two only, the first is a guess (verified in a verification graph's
+        spare row, `spec_fill`)."""
         for c in plan.chunks:
             s = c.seq
-            s.draft = s.guess = None
+            s.drafts, s.guess = (), None
             if s.finish_reason is not None:
                 continue
             if s.ngram is None:
@@ -544,26 +555,27 @@ class Engine(MemoryMixin):
             if not self._wants_draft(c):  # a prompt's chunk: its positions indexed as they are computed
                 s.ngram.extend(s.tokens, s.num_computed)
                 continue
-            token, n = s.ngram.propose(s.tokens)
-            if token is not None and not self._opens_constraint(s, token):
-                if n >= s.ngram.max_n:
-                    s.draft = token
-                else:
-                    s.guess = token
+            tokens, n = s.ngram.propose(s.tokens, self._draft_room(s))
+            cut = next((i for i, t in enumerate(tokens) if self._opens_constraint(s, t)), len(tokens))
+            if cut and n >= s.ngram.max_n:
+                s.drafts = tokens[:cut]
+            elif cut:
+                s.guess = tokens[0]
 
     def _draft(self, plan: StepPlan, out: Any, before: list[int]) -> None:
         """The MTP head over each running sequence's positions computed this step, paired with the tokens after
         them (so its KV follows the main model's), and, for a sequence whose next step decodes one token, the
         head's greedy guess of the token after that one: its next draft, where the head gives it at least
         `spec_min_confidence` (confidence scheduling: a guess it doubts is seldom accepted, and its row costs as
-        much as any). Drafts never change what is sampled; they only let a step verify a second token. Where the
-        governor (`spec_adaptive`) will withhold the next step's drafts, the head only writes its keys and values
-        (`ModelRunner.mtp_kv`): its attention, MLP and logits are what a draft costs beyond them."""
+        much as any); with draft_len > 1, more drafts while the head stays that sure (`_chain`). Drafts never
+        change what is sampled; they only let a step verify more tokens. Where the governor (`spec_adaptive`)
+        will withhold the next step's drafts, the head only writes its keys and values (`ModelRunner.mtp_kv`):
+        its attention, MLP and logits are what a draft costs beyond them."""
         entries, rows, draft_rows, wants, served = [], [], [], [], []
         n = 0
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
             s = c.seq
-            s.draft = s.guess = None
+            s.drafts, s.guess = (), None
             if s.finish_reason is not None or s.num_computed <= p0:
                 continue
             k = s.num_computed - p0
@@ -583,21 +595,52 @@ class Engine(MemoryMixin):
             verify = self.governor.allow(width)
             self._next_verify = (width, verify)
             captures, t = self.runner.captures(), self.timer()
+        chain = self.cfg.draft_len > 1
         if verify:
-            guesses, confidence = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed)
+            guesses, confidence, own = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed,
+                                                       chain=chain)
         else:  # no draft verified next step: the head's keys and values only
             self.runner.mtp_kv(entries, np.asarray(rows, np.int64), out.normed)
-        if self.governor is not None:  # the next step's share of its measure: only a decode's pass (1-2 pairs each)
-            decode = len(rows) <= 2 * len(entries)
-            self._head = _HeadPass(self.timer() - t, tuple(served), captures) if decode else None
         if verify and wants:  # the head's greedy guess: a draft where its probability reaches spec_min_confidence
-            for s, g, p in zip(wants, guesses, confidence):
+            sure = []
+            for i, (s, g, p) in enumerate(zip(wants, guesses, confidence)):
                 if self._opens_constraint(s, int(g)):
                     continue
                 if p >= self.cfg.spec_min_confidence:
-                    s.draft = int(g)
+                    s.drafts = (int(g),)
+                    sure.append(i)
                 else:
                     s.guess = int(g)
+            if chain and sure:
+                self._chain([wants[i] for i in sure], own[self.model.backend.from_host(np.asarray(sure, np.int64))])
+        if self.governor is not None:  # the next step's share of its measure: only a decode's pass (1 + draft_len
+            decode = len(rows) <= (1 + max(1, self.cfg.draft_len)) * len(entries)  # pairs a sequence at most)
+            self._head = _HeadPass(self.timer() - t, tuple(served), captures) if decode else None
+
+    def _chain(self, seqs: list[Sequence], own: Any) -> None:
+        """More drafts after each of `seqs`' first: the head's pair of its own final-normed state where it guessed
+        (`own` [len(seqs), H]) with that guess, one position on, guesses the token after it (as the head's chained
+        passes in multi-token prediction), while the head gives its guess at least `spec_min_confidence`, the
+        sequence has room (`_draft_room`) and the pool a page for the row that would verify the new draft (and so
+        for the pair's position, where the head writes keys and values that the next pass over computed positions
+        writes again)."""
+        ops = self.model.backend
+        live = seqs  # own's rows in this order
+        while live:
+            go = [r for r, s in enumerate(live)
+                  if len(s.drafts) < self._draft_room(s) and self._give_pages(s, s.num_computed + len(s.drafts) + 2)]
+            if not go:
+                return
+            entries = [(live[r].drafts[-1], live[r].num_computed + len(live[r].drafts) - 1, live[r].pages) for r in go]
+            guesses, confidence, nxt = self.runner.mtp_chain(entries, own[ops.from_host(np.asarray(go, np.int64))])
+            keep = []
+            for k, (r, g, p) in enumerate(zip(go, guesses, confidence)):
+                if p >= self.cfg.spec_min_confidence and not self._opens_constraint(live[r], int(g)):
+                    live[r].drafts += (int(g),)
+                    keep.append(k)
+            live = [live[go[k]] for k in keep]
+            if live:
+                own = nxt[ops.from_host(np.asarray(keep, np.int64))]
 
     def _sampler_row(self, s: Sequence) -> SamplerRow:
         """The sampler's view of `s`: token ids only where a penalty reads them. The repetition penalty's set is

@@ -35,15 +35,16 @@ class NgramIndex:
                 self.last[tuple(tokens[e - n + 1:e + 1])] = e
         self.upto = max(self.upto, min(upto, len(tokens) - 1))
 
-    def propose(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """(the token after the latest earlier occurrence of the longest n-gram that ends `tokens`, n), longest
-        first from max_n down to min_n; (None, 0) where none recurs. Positions whose next token is known are
-        indexed (every one but the last), so a match is always strictly earlier than the end."""
+    def propose(self, tokens: Sequence[int], k: int = 1) -> tuple[tuple[int, ...], int]:
+        """(up to `k` tokens after the latest earlier occurrence of the longest n-gram that ends `tokens`, n),
+        longest first from max_n down to min_n; ((), 0) where none recurs. Positions whose next token is known
+        are indexed (every one but the last), so a match is always strictly earlier than the end and has at least
+        one token after it (fewer than `k` where the list ends first)."""
         self.extend(tokens, len(tokens) - 1)  # the suffix's own end: not indexed (it has no next token yet)
         for n in range(self.max_n, self.min_n - 1, -1):
             if n > len(tokens):
                 continue
             e = self.last.get(tuple(tokens[len(tokens) - n:]))
             if e is not None:
-                return int(tokens[e + 1]), n
-        return None, 0
+                return tuple(int(t) for t in tokens[e + 1:e + 1 + k]), n
+        return (), 0

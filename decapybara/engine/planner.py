@@ -12,9 +12,10 @@ snapshot there, so the prefix cache can reuse the state at that point: every `cf
 (a multiple of the page size), the last page boundary of the prompt (where a repeated or shared prompt
 is reusable up to), and that of a chat prompt's history (`Request.history_end`: the agent's next turn repeats the
 history, not always the generation prompt). A sequence samples only when its chunk reaches its
-last token. With speculation, a decoding sequence that holds a draft (the MTP head's guess of the token after its
-last) computes it as a second row of its chunk, where the budget leaves room (`ScheduledChunk.draft`), with a
-state snapshot after its real token for hybrid models (a rejected draft's row is rolled back to it).
+last token. With speculation, a decoding sequence that holds drafts (the tokens guessed after its last) computes
+them as more rows of its chunk, as many as the budget leaves room for (`ScheduledChunk.drafts`), with a state
+snapshot after its real token and after each draft but the last for hybrid models (where a draft is rejected, the
+state goes back to the one after the tokens before it).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ class ScheduledChunk:
     num_tokens: int  # tokens computed this step, starting at seq.num_computed
     sample: bool  # the chunk ends at the sequence's last token: sample the next one
     snapshot_at: tuple[int, ...] = ()  # absolute token counts after which to snapshot hybrid state
-    draft: int | None = None  # speculation: the MTP's draft of the token after the last, computed as a 2nd row
-    # ... whose rejection goes back to the state after the real token (seq.num_computed + 1, a snapshot point),
-    # kept as the backend's arrays where that is not also a prefix-cache snapshot point
-    rollback_on_device: bool = False
+    drafts: tuple[int, ...] = ()  # speculation: tokens guessed after the last, computed as rows 2.. of the chunk
+    # ... a rejection goes back to the state after the tokens before it (seq.num_computed + 1 .. + len(drafts),
+    # snapshot points); those points that are not also prefix-cache snapshot points, kept as the backend's arrays
+    rollback: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -53,8 +54,9 @@ class StepPlan:
 def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_rows: int = 0) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first); `snapshots`: a hybrid model whose
     state snapshots the prefix cache keeps; `fill_rows` > 0: a step of at most that many decodes, no prompt,
-    and some draft replays a verification graph whose every sequence has a second row, so the decodes' doubtful
-    guesses (`Sequence.guess`) are drafted too. Pure: reads, never mutates."""
+    and some draft replays a verification graph whose every sequence has a second row (no sequence drafts more
+    than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too. Pure: reads, never
+    mutates."""
     every = cfg.snapshot_every if (snapshots and cfg.enable_prefix_cache) else 0
     ps = cfg.page_size
     budget = cfg.max_batch_tokens
@@ -77,23 +79,27 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
     pending = sum(s.num_uncomputed for s in prefills)
     share = min(pending, max(1, int(budget * cfg.balanced_prefill_share))) if cfg.prefill_policy == "balanced" else 0
 
-    fill = 0 < len(decodes) <= fill_rows and not prefills and any(s.draft is not None for s in decodes)
+    fill = (0 < len(decodes) <= fill_rows and not prefills and any(s.drafts for s in decodes)
+            and all(len(s.drafts) <= 1 for s in decodes))
 
     def add_decodes(limit: int) -> int:
-        """Decodes in order, one token each, and a sequence's draft as a second row while the budget keeps one
-        token for every decode after it (and the balanced policy's prefill share)."""
+        """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves
+        while it keeps one token for every decode after it (and the balanced policy's prefill share)."""
         used = 0
         for k, s in enumerate(decodes):
             if used >= limit:
                 break
-            draft = s.draft if s.draft is not None else s.guess if fill else None
-            if draft is not None and used + 2 + (len(decodes) - k - 1) <= limit - share:
-                # snapshot points over both rows (the second's count only if the draft is kept), and the state
-                # after the real token: where a rejected draft's row is rolled back to
-                bounds = _boundaries(s, 2, every, ps)
-                back = s.num_computed + 1
-                chunks.append(ScheduledChunk(s, 2, True, tuple(sorted({*bounds, back})), draft, back not in bounds))
-                used += 2
+            drafts = s.drafts or ((s.guess,) if fill and s.guess is not None else ())
+            drafts = drafts[:max(0, limit - share - used - 1 - (len(decodes) - k - 1))]
+            if drafts:
+                # snapshot points over every row (a draft's count only if it is kept), and the states after the
+                # real token and each draft but the last: where a rejection is rolled back to
+                n = 1 + len(drafts)
+                bounds = _boundaries(s, n, every, ps)
+                backs = range(s.num_computed + 1, s.num_computed + n)
+                chunks.append(ScheduledChunk(s, n, True, tuple(sorted({*bounds, *backs})), drafts,
+                                             tuple(b for b in backs if b not in bounds)))
+                used += n
             else:
                 chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
                 used += 1

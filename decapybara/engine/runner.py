@@ -42,7 +42,7 @@ def graph_buckets(max_slots: int) -> tuple[int, ...]:
 @dataclass(slots=True)
 class StepOutput:
     logits: Any  # [num_sampling_rows, vocab], the backend's array (on the device for a device backend), in plan
-    # order of chunks with sample=True, two rows for a chunk with a draft (its real token's, its draft's):
+    # order of chunks with sample=True, 1 + k rows for a chunk with k drafts (its real token's, its drafts'):
     # `backend.sample` draws from it where it is
     snapshots: dict[tuple[int, int], HybridState] = field(default_factory=dict)  # (chunk index, token count)
     normed: Any = None  # [T, H] every row's final-normed hidden state, where the plan speculates (the MTP's input)
@@ -153,14 +153,14 @@ class ModelRunner:
         return self.model.forward(batch, self.kv, self.states)
 
     def run(self, plan: StepPlan, normed: bool = False) -> StepOutput:
-        """One forward over `plan`'s chunks: logits of each sampling chunk's last row (both rows of a chunk with
-        a draft); `normed`: every row's final-normed hidden state too (speculation's MTP pass)."""
+        """One forward over `plan`'s chunks: logits of each sampling chunk's last row (every row of a chunk with
+        drafts); `normed`: every row's final-normed hidden state too (speculation's MTP pass)."""
         chunks = plan.chunks
         entries = []
         for c in chunks:
             s = c.seq
-            if c.draft is not None:  # the last real token, then the draft
-                new = [*s.tokens[s.num_computed:s.num_computed + 1], c.draft]
+            if c.drafts:  # the last real token, then the drafts
+                new = [*s.tokens[s.num_computed:s.num_computed + 1], *c.drafts]
             else:
                 new = s.tokens[s.num_computed:s.num_computed + c.num_tokens]
             entries.append((new, s.num_computed, np.asarray(s.pages, np.int32), s.state_slot))
@@ -169,31 +169,46 @@ class ModelRunner:
         rows = []
         for b, c in zip(batch.seqs, chunks):
             if c.sample:
-                rows += [b.start, b.start + 1] if c.draft is not None else [b.end - 1]
+                rows += list(range(b.start, b.end)) if c.drafts else [b.end - 1]
         batch.logits_rows = np.asarray(rows, np.int64)
         batch.normed_rows = normed
-        # a draft's rollback state stays on the device (a device copy, not a host round trip)
-        batch.device_snapshots = frozenset((i, c.seq.num_computed + 1) for i, c in enumerate(chunks)
-                                           if c.draft is not None and c.rollback_on_device)
+        # drafts' rollback states stay on the device (device copies, not host round trips)
+        batch.device_snapshots = frozenset((i, q) for i, c in enumerate(chunks) for q in c.rollback)
         out = self.forward(batch)
         return StepOutput(out.logits, out.snapshots, out.normed, batch)
 
     def mtp(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, draft_rows: list[int],
-            normed: Any) -> tuple[np.ndarray, np.ndarray]:
+            normed: Any, chain: bool = False) -> tuple[np.ndarray, np.ndarray, Any]:
         """The MTP head over (hidden, next token) pairs: per sequence (next tokens of positions [p0, p0 + n), p0,
         its pages); `normed_rows` [sum n]: their rows of the step's `normed`; the head's greedy guess and its
         probability (host arrays [len(draft_rows)]) at the rows listed (flat pair indices, each a sequence's last
-        pair). Through the graph runner's MTP graphs where they take the pairs, else eagerly."""
-        ops = self.model.backend
+        pair), and with `chain` the head's own final-normed states there (the backend's [len(draft_rows), H]: what
+        `mtp_chain` pairs with those guesses), else None. Through the graph runner's MTP graphs where they take
+        the pairs, else eagerly."""
         batch, hidden = self._pairs(entries, normed_rows, normed)
-        batch.logits_rows = np.asarray(draft_rows, np.int64)
-        got = self.graphs.mtp(batch, hidden, self.kv) if self.graphs is not None else None
+        return self._guesses(batch, hidden, np.asarray(draft_rows, np.int64), chain)
+
+    def mtp_chain(self, entries: list[tuple[int, int, list[int]]], hidden: Any) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The head's next guesses after its own: per sequence (its latest guess, the position p0 of the pair,
+        its pages) with `hidden` [len(entries), H] the head's final-normed state at p0 - 1 (what `mtp` or this
+        gave with that guess); the pair at p0 writes the head's keys and values there (a later pass over computed
+        positions writes them again). (guesses, probabilities, the head's states for the next link)."""
+        batch = ForwardBatch.build([([t], p0, np.asarray(pages, np.int32), None) for t, p0, pages in entries],
+                                   self.cfg.page_size, logits="none")
+        return self._guesses(batch, hidden, np.arange(len(entries), dtype=np.int64), True)
+
+    def _guesses(self, batch: ForwardBatch, hidden: Any, rows: np.ndarray, chain: bool) -> tuple[Any, Any, Any]:
+        ops = self.model.backend
+        batch.logits_rows = rows
+        got = self.graphs.mtp(batch, hidden, self.kv, own=chain) if self.graphs is not None else None
         if got is not None:  # every sequence's last pair: those of the rows listed
-            which = np.searchsorted([s.end - 1 for s in batch.seqs], batch.logits_rows)
-            guess, prob = (ops.to_host(a) for a in got)
-            return guess[which], prob[which]
-        guess, prob = self.model.backend.argmax_prob(self.model.mtp_forward(batch, hidden, self.kv))
-        return ops.to_host(guess), ops.to_host(prob)
+            which = np.searchsorted([s.end - 1 for s in batch.seqs], rows)
+            guess, prob = (ops.to_host(a) for a in got[:2])
+            own = got[2][ops.from_host(which)] if chain else None
+            return guess[which], prob[which], own
+        logits, own = self.model.mtp_forward(batch, hidden, self.kv, own=True)
+        guess, prob = ops.argmax_prob(logits)
+        return ops.to_host(guess), ops.to_host(prob), own if chain else None
 
     def mtp_kv(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, normed: Any) -> None:
         """The MTP head's keys and values over the pairs of `mtp`'s arguments, without its guesses

@@ -99,8 +99,8 @@ class Sequence:
     in_thinking: bool = False
     json: Any = None  # JSON mode's automaton (`json_mode.JsonState`), where the request asks for it
     after_think: bool = False  # the reasoning just closed: the answer's leading whitespace is the template's
-    draft: int | None = None  # speculation: the MTP head's guess of the token after the last one (engine._draft)
-    guess: int | None = None  # ... its guess where too doubtful to draft alone (a verification graph's spare row)
+    drafts: tuple[int, ...] = ()  # speculation: the tokens guessed after the last one (engine._draft, _draft_ngram)
+    guess: int | None = None  # ... a first guess too doubtful to draft alone (a verification graph's spare row)
     ngram: Any = None  # SPECULATOR ngram: its tokens' n-gram index (engine/ngram.py NgramIndex), built at first use
     paused_bundle: Any = None
     state_ahead: bool = False  # a failed step ran its forward past num_computed (its tail is not cached)

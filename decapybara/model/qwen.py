@@ -235,16 +235,19 @@ class QwenModel:
         """Whether the model holds a multi-token-prediction head (`mtp_forward`)."""
         return self.cfg.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in self.w
 
-    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache) -> Any:
+    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False) -> Any:
         """The MTP head's logits [R, vocab] for `batch.logits_rows`, over `batch`'s rows as the head was trained
         (decapybara/builder/train_demo.py `MTPHead`): the row at position p of a sequence pairs the main model's
         final-normed hidden state at p (`normed` [T, H], `ForwardOutput.normed`'s rows) with the token at p + 1
         (`batch.token_ids`), and predicts the token at p + 2:
             fc([norm_e(embed(token p + 1)); norm_h(hidden p)]) -> the head's decoder layer(s) -> norm -> lm_head.
         The head's attention layers keep their keys and values in the cache's ("mtp", j) layers, at the
-        sequences' own page slots of position p, causal over positions [0, p]."""
+        sequences' own page slots of position p, causal over positions [0, p]. `own`: (the logits, the head's
+        final-normed states [R, H] at those rows: what a chained guess pairs with the guess made there)."""
         h, _, _ = self._mtp_trunk(batch, normed, kv)
-        return self.mtp_logits(self._rows(h, batch.logits_rows))
+        hn = self.mtp_normed(self._rows(h, batch.logits_rows))
+        logits = self.backend.linear(hn, self.w["lm_head.weight"])
+        return (logits, hn) if own else logits
 
     def _mtp_trunk(self, batch: ForwardBatch, normed: Any, kv: KVCache,
                    layers: int | None = None) -> tuple[Any, Any, Any]:
@@ -279,9 +282,11 @@ class QwenModel:
 
     def mtp_logits(self, h: Any) -> Any:
         """The MTP head's logits [R, vocab] of its residual rows h [R, H] (its final norm, then lm_head)."""
-        w = self.w
-        return self.backend.linear(self.backend.rms_norm(h, w["mtp.norm.weight"], self.cfg.rms_norm_eps,
-                                                         self.cfg.norm_offset), w["lm_head.weight"])
+        return self.backend.linear(self.mtp_normed(h), self.w["lm_head.weight"])
+
+    def mtp_normed(self, h: Any) -> Any:
+        """The head's final norm of its residual rows h [R, H]."""
+        return self.backend.rms_norm(h, self.w["mtp.norm.weight"], self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
     def mtp_layers(self, emb: Any, normed: Any, batch: ForwardBatch, kv: KVCache, cos: Any, sin: Any,
                    layers: int | None = None) -> Any:

@@ -114,6 +114,11 @@ class AppConfig(BaseModel):
         default=True, description="speculator=mtp or ngram: verify drafts only at the numbers of decoding agents where "
         "steps that verify them are measured to emit more tokens a second than steps that do not (each choice tried "
         "again now and then)")
+    draft_len: int = Field(
+        default=1, ge=0, le=7, description="DRAFT_LEN: speculator=mtp or ngram: the most tokens an agent drafts a step, "
+        "verified as as many more rows of its decode (ngram: the tokens after the match; mtp: the head's guesses "
+        "chained while it stays at spec_min_confidence); more than 1 runs those steps without the verification "
+        "graphs; 0 drafts nothing")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -207,7 +212,7 @@ class AppConfig(BaseModel):
                             cuda_graphs=self.cuda_graphs, piecewise_graphs=self.piecewise_graphs,
                             product_chains=self.product_chains, speculator=self.speculator,
                             spec_min_confidence=self.spec_min_confidence, spec_fill=self.spec_fill,
-                            spec_adaptive=self.spec_adaptive,
+                            spec_adaptive=self.spec_adaptive, draft_len=self.draft_len,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

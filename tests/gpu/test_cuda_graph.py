@@ -376,17 +376,25 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
         batch.logits_rows = np.asarray([b.end - 1 for b in batch.seqs], np.int64)
         hidden = cp.asarray(rng.standard_normal((batch.num_tokens, cfg.hidden_size)).astype(np.float32))
         before = snapshot(kv, states, [])
-        ref_guess, ref_prob = (cp.asnumpy(a) for a in model.backend.argmax_prob(model.mtp_forward(batch, hidden, kv)))
+        ref_logits, ref_own = model.mtp_forward(batch, hidden, kv, own=True)
+        ref_guess, ref_prob = (cp.asnumpy(a) for a in model.backend.argmax_prob(ref_logits))
+        ref_own = cp.asnumpy(ref_own)
         after = snapshot(kv, states, [])
         restore(kv, states, before)
         model.mtp_kv(batch, hidden, kv)  # the KV-only pass (a step whose next drafts are withheld): the same KV
         compare_state(kv, states, after, f"step {step}, the head's KV-only pass")
         restore(kv, states, before)
         poison_pad(kv, None, num_pages - 1, None)
-        guess, prob = (cp.asnumpy(a) for a in runner.mtp(batch, hidden, kv))
+        # the head's own normed states at the last pairs come back with `own` (what a chained guess pairs with)
+        got = runner.mtp(batch, hidden, kv, own=step % 2 == 1)
+        assert len(got) == 2 + step % 2
+        guess, prob = cp.asnumpy(got[0]), cp.asnumpy(got[1])
         assert runner.stats["mtp_steps"] == step + 1, runner.stats
         assert np.array_equal(guess, ref_guess), f"step {step}: guesses {guess} vs {ref_guess}"
         assert rel_err(prob, ref_prob) <= 1e-4, f"step {step}: probabilities"
+        if step % 2:
+            own = cp.asnumpy(got[2])
+            assert own.shape == ref_own.shape and rel_err(own, ref_own) <= 1e-4, f"step {step}: the head's states"
         compare_state(kv, states, after, f"step {step}")
         restore(kv, states, before)
         poison_pad(kv, None, num_pages - 1, None)

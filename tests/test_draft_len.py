@@ -1,0 +1,205 @@
+"""Several drafts a step (EngineConfig.draft_len, DRAFT_LEN): the MTP head's guesses chained (each paired with the
+head's own state for the next) and prompt lookup's tokens after a match, verified as 1 + k rows of a decode. The
+outputs are those without speculation, token for token and draw for draw (greedy, seeded sampling, penalties,
+logprobs, the LoopGuard, stop strings, JSON answers, pauses and resumes, prefix reuse), with drafts accepted and
+rejected at every depth (a hybrid model's state rolled back to the snapshot before the first rejected one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decapybara.config import EngineConfig
+from decapybara.engine.engine import Engine
+from decapybara.engine.planner import plan_step
+from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
+from tests.test_speculation import CODE, _demo_engine, demo, prompts_of, run
+
+
+def same(speculator: str, prompts, params, **cfg) -> Engine:
+    ref, plain = run("off", prompts, params, **cfg)
+    got, e = run(speculator, prompts, params, **cfg)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i}: first difference at {first}"
+    return e
+
+
+def test_chained_head_drafts_keep_the_tokens_and_take_fewer_steps():
+    prompt = prompts_of(["class Stack:\n    def __init__(self):\n"])
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    steps = {}
+    for k in (1, 3, 7):
+        e = same("mtp", prompt, greedy, draft_len=k)
+        steps[k] = (e.stats.steps, e.stats.drafted_tokens, e.stats.accepted_tokens)
+    print("draft_len -> (steps, drafted, accepted):", steps)
+    assert steps[3][0] < steps[1][0] and steps[7][0] <= steps[3][0]  # more tokens a step
+    assert steps[7][2] > steps[3][2] > steps[1][2]  # chained guesses are accepted too
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=11, max_tokens=40, ignore_eos=True),
+               SamplingParams(temperature=1.0, seed=5, max_tokens=36, presence_penalty=0.5, frequency_penalty=0.3,
+                              ignore_eos=True),
+               SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=45, ignore_eos=True),
+               SamplingParams(temperature=0.6, min_p=0.05, seed=3, max_tokens=30, ignore_eos=True, logprobs=3,
+                              min_tokens=20)]
+    e = same("mtp", prompts_of(CODE[:4]), sampled, draft_len=4, spec_min_confidence=0.0)
+    assert e.stats.accepted_tokens > 0
+
+
+def test_logprobs_of_a_chained_step_are_those_of_single_steps():
+    loaded = demo()
+    prompt = prompts_of(CODE[2:3])[0]
+    params = SamplingParams(temperature=0.6, min_p=0.05, seed=3, max_tokens=40, ignore_eos=True, logprobs=3)
+    got = {}
+    for spec, k in (("off", 1), ("mtp", 5)):
+        e = Engine(loaded.model, EngineConfig(speculator=spec, draft_len=k, page_size=16, num_pages=64,
+                                              loop_guard="off", spec_adaptive=False), tokenizer=loaded.tokenizer)
+        e.add_request(Request(tuple(prompt), params))
+        got[spec] = []
+        while e.has_work():
+            for ev in e.step():
+                got[spec] += list(zip(ev.token_ids, ev.logprobs, ev.top_logprobs))
+    a, b = got["mtp"], got["off"]
+    assert [t for t, _, _ in a] == [t for t, _, _ in b]
+    assert np.allclose([x for _, x, _ in a], [x for _, x, _ in b], atol=1e-5)
+    assert [[i for i, _ in top] for _, _, top in a] == [[i for i, _ in top] for _, _, top in b]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_a_random_heads_chains_are_rejected_at_every_depth_and_roll_back(family):
+    """With every guess drafted, a random head's chains are mostly rejected, at the first draft or later: each
+    rejection sets the hybrid state back to the snapshot after the tokens before it."""
+    from tests.test_mtp import with_mtp_head
+
+    model, _, _ = with_mtp_head(family)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 23, 41, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 24, 28, 20)]
+    cfg = EngineConfig(page_size=8, num_pages=64, max_batch_tokens=48, max_slots=4, loop_guard="off")
+    ref = Engine(model, cfg).generate(prompts, params)
+    spec = Engine(model, cfg.replace(speculator="mtp", spec_min_confidence=0.0, spec_adaptive=False, draft_len=4))
+    depths = []
+    postprocess = spec._postprocess
+
+    def seen(plan, out):
+        depths.extend(len(c.drafts) for c in plan.chunks if c.drafts)
+        return postprocess(plan, out)
+
+    spec._postprocess = seen
+    assert spec.generate(prompts, params) == ref
+    assert spec.stats.drafted_tokens > 100 and max(depths) == 4
+
+
+def test_prompt_lookup_drafts_the_run_after_the_match():
+    """A reply that copies its prompt (a file read back): prompt lookup drafts the tokens after the match, up to
+    draft_len; most are accepted, and where the reply parts from the prompt the rest are rejected (the demo
+    model is hybrid: its state rolled back)."""
+    text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    prompt = prompts_of([text * 3])
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    stats = {}
+    for k in (1, 6):
+        e = same("ngram", prompt, greedy, draft_len=k)
+        stats[k] = (e.stats.steps, e.stats.drafted_tokens, e.stats.accepted_tokens)
+    print("draft_len -> (steps, drafted, accepted):", stats)
+    assert stats[6][0] < stats[1][0] and stats[6][2] > stats[1][2]
+    assert 0 < stats[6][2] < stats[6][1]
+
+
+def test_pauses_resumes_prefix_reuse_loop_guard_and_stops_hold():
+    shared = prompts_of(["# utilities shared by the tools below\nimport re\nimport json\n\n"])[0]
+    prompts = [shared + p for p in prompts_of(CODE)] + [shared + prompts_of(["def parse(text):\n"])[0]]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    e = same("mtp", prompts, params, page_size=8, num_pages=24, max_batch_tokens=64, max_slots=6, draft_len=4)
+    assert e.stats.pauses > 0 and e.stats.resumes > 0 and e.stats.accepted_tokens > 0
+    loops = prompts_of(["def show_compilers():\n    ", "x = 1\nx = 1\nx = 1\n"])
+    for mode in ("stop", "end_thinking", "escape"):
+        for spec in ("mtp", "ngram"):
+            same(spec, loops, [SamplingParams(temperature=0, max_tokens=300), SamplingParams(temperature=0,
+                                                                                             max_tokens=200)],
+                 loop_guard=mode, draft_len=5)
+    for m in (1, 2, 3, 5, 17):  # drafts never take a sequence past max_tokens
+        out, _ = run("mtp", prompts_of(CODE[:2]), SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
+                     draft_len=7, spec_min_confidence=0.0)
+        assert [len(o) for o in out] == [m, m]
+    stops = [SamplingParams(temperature=0, max_tokens=60, stop=["\n"]),
+             SamplingParams(temperature=0, max_tokens=60, stop=["("])]
+    same("mtp", prompts_of(CODE[:2]), stops, draft_len=6)
+
+
+def test_json_answers_with_chained_drafts():
+    tok = demo().tokenizer
+    prompt = tok.apply_chat([{"role": "user", "content": "Describe is_even(n) as a JSON object."}],
+                            enable_thinking=False)
+    params = [SamplingParams(temperature=0, max_tokens=80, json_object=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=80, json_object=True)]
+    for spec in ("mtp", "ngram"):
+        e = same(spec, [prompt, prompt], params, draft_len=4, spec_min_confidence=0.0)
+        assert e.stats.drafted_tokens > 0
+
+
+def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
+    e = _demo_engine(max_batch_tokens=8, max_slots=4, num_pages=64, draft_len=7)
+    for p in prompts_of(CODE[:3]):
+        e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    while any(s.in_prefill for s in e.running) or len(e.running) < 3:
+        e.step()
+    a, b, c = e.running
+    a.drafts, b.drafts, c.drafts = (1, 2, 3, 4), (5, 6, 7), ()
+    plan = plan_step(e.running, e.cfg, snapshots=False)
+    # 8 tokens: a keeps one for each decode after it (b, c), so 4 of its drafts fit after its real token: 1 + 4;
+    # b's real token and one draft; c's real token
+    assert [(ch.num_tokens, ch.drafts) for ch in plan.chunks] == [(5, (1, 2, 3, 4)), (2, (5,)), (1, ())]
+    n = a.num_computed
+    assert plan.chunks[0].rollback == (n + 1, n + 2, n + 3, n + 4)  # the states after the real token and each draft
+    assert plan.chunks[0].snapshot_at == (n + 1, n + 2, n + 3, n + 4)  # but the last
+
+
+def test_a_chain_stops_where_the_pool_has_no_page_for_it():
+    """A draft's row needs a page, and so does the pair of the head's chained pass before it (its keys and values,
+    past the computed positions): a chain takes free pages only and stops (no pause) where none is left, so that
+    the next step verifies every draft it made; drafts that lack pages at planning (the pool taken since) go from
+    the last."""
+    e = _demo_engine(page_size=8, num_pages=40, draft_len=7)
+    e.add_request(Request(tuple(prompts_of(["def main():\n    print("])[0]),
+                          SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    for _ in range(3):
+        e.step()
+    s = e.running[0]
+    taken = []
+    while (page := e.blocks.append()) is not None:  # other conversations hold every free page
+        taken.append(page)
+    planned = []
+    postprocess = e._postprocess
+    e._postprocess = lambda plan, out: (planned.append(plan.chunks[0].drafts), postprocess(plan, out))[1]
+    edge = 0
+    for _ in range(40):
+        held = s.drafts
+        if s.num_computed + 1 > len(s.pages) * 8:  # the real token's page: one comes back (another one finished)
+            e.blocks.release([taken.pop()])
+        e.step()
+        assert planned[-1] == held  # every draft verified
+        assert e.stats.pauses == 0 and e.blocks.num_free == 0
+        room = len(s.pages) * 8 - s.num_computed - 1  # rows past the real token's within the pages held
+        assert len(s.drafts) <= max(1, room)  # the head's first guess is checked at planning
+        edge += 1 < len(s.drafts) == room < 7  # a chain the page's end stopped
+    assert edge and e.stats.accepted_tokens > 0 and s.status.value == "running"
+    if len(s.pages) * 8 - s.num_computed - 1 < 2:  # a page with room for two drafts at least
+        e.blocks.release([taken.pop()])
+        assert e._give_pages(s, len(s.pages) * 8 + 1)
+    room = len(s.pages) * 8 - s.num_computed - 1
+    s.drafts = tuple(range(1, room + 3))  # two more than the pages hold
+    assert [c.drafts for c in e._plan_with_pages().chunks] == [s.drafts[:room]] and e.stats.pauses == 0
+
+
+def test_draft_len_setting():
+    with pytest.raises(Exception, match="draft_len"):
+        EngineConfig(draft_len=8)
+    loaded = demo()
+    assert not Engine(loaded.model, EngineConfig(speculator="mtp", draft_len=0)).speculate  # 0: nothing drafted
+    from decapybara.server.config import AppConfig
+
+    assert AppConfig().engine_config(cuda=False).draft_len == EngineConfig().draft_len == 1
+    assert AppConfig(draft_len="5").engine_config(cuda=False).draft_len == 5
+    with pytest.raises(Exception, match="draft_len"):
+        AppConfig(draft_len=9)

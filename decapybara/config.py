@@ -71,8 +71,9 @@ class EngineConfig:
     spec_adaptive: bool = True
     # ... at most this many drafts a sequence and step (DRAFT_LEN), verified as that many more rows of its decode
     # (1 + draft_len rows): ngram the tokens after the match, mtp the head's guesses chained (each guess paired with
-    # the head's own hidden state for the next), while it stays at spec_min_confidence; a step whose sequences
-    # draft more than one token runs eagerly (the verification graphs take one); 0 drafts nothing
+    # the head's own hidden state for the next) while the product of their probabilities stays at
+    # spec_min_confidence; with CUDA graphs one (a verification graph takes one draft; a step of more would run
+    # eagerly, several times slower: Engine.draft_len); 0 drafts nothing
     draft_len: int = 1
 
     def __post_init__(self) -> None:

@@ -113,11 +113,9 @@ def test_pauses_resumes_prefix_reuse_loop_guard_and_stops_hold():
     e = same("mtp", prompts, params, page_size=8, num_pages=24, max_batch_tokens=64, max_slots=6, draft_len=4)
     assert e.stats.pauses > 0 and e.stats.resumes > 0 and e.stats.accepted_tokens > 0
     loops = prompts_of(["def show_compilers():\n    ", "x = 1\nx = 1\nx = 1\n"])
-    for mode in ("stop", "end_thinking", "escape"):
-        for spec in ("mtp", "ngram"):
-            same(spec, loops, [SamplingParams(temperature=0, max_tokens=300), SamplingParams(temperature=0,
-                                                                                             max_tokens=200)],
-                 loop_guard=mode, draft_len=5)
+    for spec, mode in (("mtp", "stop"), ("mtp", "end_thinking"), ("ngram", "escape")):
+        same(spec, loops, [SamplingParams(temperature=0, max_tokens=300), SamplingParams(temperature=0, max_tokens=200)],
+             loop_guard=mode, draft_len=5)
     for m in (1, 2, 3, 5, 17):  # drafts never take a sequence past max_tokens
         out, _ = run("mtp", prompts_of(CODE[:2]), SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
                      draft_len=7, spec_min_confidence=0.0)
@@ -155,41 +153,70 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
     assert plan.chunks[0].snapshot_at == (n + 1, n + 2, n + 3, n + 4)  # but the last
 
 
-def test_a_chain_stops_where_the_pool_has_no_page_for_it():
+def test_a_chain_takes_no_page_and_drafts_lacking_pages_go_from_the_last():
     """A draft's row needs a page, and so does the pair of the head's chained pass before it (its keys and values,
-    past the computed positions): a chain takes free pages only and stops (no pause) where none is left, so that
-    the next step verifies every draft it made; drafts that lack pages at planning (the pool taken since) go from
-    the last."""
-    e = _demo_engine(page_size=8, num_pages=40, draft_len=7)
+    past the computed positions): a chain stays within the pages its sequence holds, so that it never takes a page
+    that another sequence's real token needs (no pause for a draft); drafts lacking pages at planning go from the
+    last."""
+    for k in (1, 3):  # A holds 15 tokens in 2 pages, B 16 in 2 (full), one page free: B's next token takes it
+        e = _demo_engine(page_size=8, num_pages=40, max_batch_tokens=64, draft_len=k)
+        rng = np.random.default_rng(2)
+        for n in (15, 16):
+            e.add_request(Request(tuple(int(t) for t in rng.integers(3, 500, n)),
+                                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+        e.admission(e)
+        while len(e.blocks.free) > 1:
+            e.blocks.append()
+        e.step()
+        a, b = e.running
+        assert (len(a.pages), len(b.pages), len(e.blocks.free)) == (2, 2, 1)
+        e.step()
+        assert e.stats.pauses == 0
+    e = _demo_engine(page_size=8, num_pages=64, draft_len=7)
     e.add_request(Request(tuple(prompts_of(["def main():\n    print("])[0]),
                           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
-    for _ in range(3):
+    s, edge = None, 0
+    for _ in range(40):
         e.step()
-    s = e.running[0]
+        s = e.running[0]
+        room = len(s.pages) * 8 - s.num_computed - 1  # rows past the real token's within the pages held
+        assert len(s.drafts) <= max(1, room)  # the head's first guess: checked at planning
+        edge += 1 < len(s.drafts) == room < 7  # a chain the page's end stopped
+    assert edge and e.stats.accepted_tokens > 0 and e.stats.pauses == 0
     taken = []
     while (page := e.blocks.append()) is not None:  # other conversations hold every free page
         taken.append(page)
-    planned = []
-    postprocess = e._postprocess
-    e._postprocess = lambda plan, out: (planned.append(plan.chunks[0].drafts), postprocess(plan, out))[1]
-    edge = 0
-    for _ in range(40):
-        held = s.drafts
-        if s.num_computed + 1 > len(s.pages) * 8:  # the real token's page: one comes back (another one finished)
-            e.blocks.release([taken.pop()])
-        e.step()
-        assert planned[-1] == held  # every draft verified
-        assert e.stats.pauses == 0 and e.blocks.num_free == 0
-        room = len(s.pages) * 8 - s.num_computed - 1  # rows past the real token's within the pages held
-        assert len(s.drafts) <= max(1, room)  # the head's first guess is checked at planning
-        edge += 1 < len(s.drafts) == room < 7  # a chain the page's end stopped
-    assert edge and e.stats.accepted_tokens > 0 and s.status.value == "running"
     if len(s.pages) * 8 - s.num_computed - 1 < 2:  # a page with room for two drafts at least
         e.blocks.release([taken.pop()])
         assert e._give_pages(s, len(s.pages) * 8 + 1)
     room = len(s.pages) * 8 - s.num_computed - 1
     s.drafts = tuple(range(1, room + 3))  # two more than the pages hold
     assert [c.drafts for c in e._plan_with_pages().chunks] == [s.drafts[:room]] and e.stats.pauses == 0
+
+
+def test_a_chain_stops_where_its_whole_run_is_no_longer_likely():
+    """Confidence scheduling over a chain: a draft is added while the product of the head's probabilities along the
+    chain (the chance, as far as the head knows, that every draft up to it is accepted) stays at
+    spec_min_confidence, so an agent drafts as many tokens as are likely to be accepted."""
+    e = _demo_engine(page_size=64, num_pages=16, draft_len=7, spec_min_confidence=0.6)
+    e.add_request(Request(tuple(prompts_of(["def main():\n    print("])[0]),
+                          SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    e.step()
+    s = e.running[0]
+    ops = e.model.backend
+    calls = []
+
+    def chain(entries, hidden):  # each link's guess 40 + its depth, at probability 0.8
+        calls.append(len(entries))
+        n = len(entries)
+        return (np.full(n, 40 + len(s.drafts)), np.full(n, 0.8, np.float32),
+                ops.from_host(np.zeros((n, e.model.cfg.hidden_size), np.float32)))
+
+    e.runner.mtp_chain = chain
+    for first, expect in ((0.9, (7, 41)), (0.7, (7,)), (1.0, (7, 41, 42))):
+        s.drafts = (7,)  # 0.9 x 0.8 = 0.72 kept, x 0.8 = 0.576 not; 0.7 x 0.8 = 0.56 not; 1 x 0.8 x 0.8 = 0.64 kept
+        e._chain([s], ops.from_host(np.zeros((1, e.model.cfg.hidden_size), np.float32)), [first])
+        assert s.drafts == expect, (first, s.drafts)
 
 
 def test_draft_len_setting():

@@ -308,6 +308,31 @@ def test_speculation_through_graphs_keeps_the_tokens(fake_graphs):
     assert 0 < e.stats.accepted_tokens < e.stats.drafted_tokens
 
 
+def test_with_graphs_an_agent_drafts_one_token_a_step(fake_graphs, caplog):
+    """draft_len above 1 with decode graphs: each agent drafts one token a step (a verification graph takes one;
+    more would run the step eagerly), said in a warning; the steps verify through the graphs and the tokens stay."""
+    from decapybara.backend.numpy_backend import NumpyBackend
+    from decapybara.config import DEMO_MODEL
+    from decapybara.model.load import load_model
+
+    loaded = load_model(str(DEMO_MODEL), NumpyBackend())
+    tok = loaded.tokenizer
+    ps = [tok.encode(t) for t in ("class Stack:\n    def __init__(self):\n", "def main():\n    print(")]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
+    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=128, loop_guard="off", speculator="mtp",
+                       spec_adaptive=False, draft_len=5)
+    ref = Engine(loaded.model, cfg.replace(cuda_graphs=False, speculator="off"), tokenizer=tok).generate(ps, params)
+    assert Engine(loaded.model, cfg.replace(cuda_graphs=False), tokenizer=tok).draft_len == 5
+    with caplog.at_level("WARNING", logger="decapybara.engine.engine"):
+        e = Engine(loaded.model, cfg, tokenizer=tok)
+    assert e.draft_len == 1 and "draft_len 5: with CUDA graphs each agent drafts one token a step" in caplog.text
+    seen = []
+    run = e.runner.run
+    e.runner.run = lambda plan, normed=False: (seen.extend(len(c.drafts) for c in plan.chunks), run(plan, normed))[1]
+    assert e.generate(ps, params) == ref
+    assert max(seen) == 1 and e.snapshot_stats()["graphs"]["verify_steps"] > 0
+
+
 def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
     """With the governor on and verified rows made to cost five steps by a fake timer, most steps withhold their
     drafts; their MTP head's KV-only pass goes to the graph runner (`mtp_kv`), which poisons the pad page after

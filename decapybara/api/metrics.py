@@ -23,7 +23,7 @@ COUNTERS = {
     "reused_prompt_tokens": "Prompt tokens taken from the prefix cache.",
     "generated_tokens": "Tokens generated.",
     "forward_tokens": "Token rows run through the model (prefill and decode).",
-    "drafted_tokens": "Speculation: MTP drafts verified as a second row of a decode.",
+    "drafted_tokens": "Speculation: drafts verified as more rows of a decode.",
     "accepted_tokens": "Speculation: drafts the sampled token matched.",
     "withheld_steps": "Speculation: steps whose drafts spec_adaptive withheld (verifying measured slower there).",
     "pauses": "Conversations paused (KV and state moved out of the pool).",

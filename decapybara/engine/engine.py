@@ -97,7 +97,7 @@ class Engine(MemoryMixin):
         # it), and whether the MTP head's KV is written (its pages otherwise hold none)
         backend = model.backend
         salt = (f"{model.cfg!r}|{getattr(model, 'weights_id', '')}|{cfg.kv_mode}|{cfg.page_size}|{backend.name}:"
-                f"{getattr(backend, 'dtype', '')}|mtp={cfg.speculator == 'mtp'}").encode()
+                f"{getattr(backend, 'dtype', '')}|mtp={cfg.speculator == 'mtp' and cfg.draft_len > 0}").encode()
         state_bytes = model.cfg.state_bytes_per_sequence() if self.hybrid else 0
         budget = cfg.snapshot_budget(state_bytes)
         # hybrid-state snapshots are taken only where the budget can keep one (a copy it would drop at once
@@ -140,14 +140,21 @@ class Engine(MemoryMixin):
         special = getattr(tokenizer, "special_ids", None)
         self._think = (getattr(special, "think", None), getattr(special, "end_think", None))
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
-        # speculation: the MTP head drafts each decoding sequence's next token, verified as a second row
+        # speculation: the MTP head (or prompt lookup) drafts each decoding sequence's next tokens, verified as more rows
         self.speculate = ((cfg.speculator == "mtp" and model.has_mtp) or cfg.speculator == "ngram") and cfg.draft_len > 0
         if cfg.speculator == "mtp" and not model.has_mtp:
             log.warning("speculator=mtp: the model has no MTP layers, so nothing is drafted "
                         "(speculator=ngram drafts by prompt lookup for any model)")
         self.mtp = self.speculate and cfg.speculator == "mtp"  # drafts from the MTP head (else prompt lookup)
-        # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         graphs = self.runner.graphs
+        # ... drafts a sequence and step: with decode graphs one, which a verification graph takes (a step of more
+        # would run eagerly: at the 27B shape on an H100 4-8x a decode step, where one draft's graph takes 1.14-1.18x;
+        # docs/perf.md, seventy-second session)
+        self.draft_len = cfg.draft_len if graphs is None else min(cfg.draft_len, 1)
+        if self.speculate and self.draft_len < cfg.draft_len:
+            log.warning("draft_len %d: with CUDA graphs each agent drafts one token a step (a verification graph "
+                        "takes one draft; more would run the step eagerly, several times slower)", cfg.draft_len)
+        # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         self.fill_rows = max(graphs.buckets) if self.speculate and cfg.spec_fill and graphs is not None else 0
         # ... verified only at the step widths where that is measured faster (engine/spec_governor.py)
         self.governor = SpecGovernor() if self.speculate and cfg.spec_adaptive else None
@@ -378,14 +385,12 @@ class Engine(MemoryMixin):
             short = next((c.seq for c in plan.chunks
                           if not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens - len(c.drafts))), None)
             if short is None:
-                lacking = next((c.seq for c in plan.chunks if c.drafts
+                lacking = next((c for c in plan.chunks if c.drafts
                                 and not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens)), None)
                 if lacking is None:
                     return plan
-                if len(lacking.drafts) > 1:  # plan again with fewer: no pause for a draft
-                    lacking.drafts = lacking.drafts[:-1]
-                else:
-                    lacking.drafts, lacking.guess = (), None
+                s = lacking.seq  # plan again with fewer: no pause for a draft
+                s.drafts, s.guess = (lacking.drafts[:-1], s.guess) if len(lacking.drafts) > 1 else ((), None)
                 continue
             choose = self.choose_victim or getattr(self.admission, "choose_victim", youngest_victim)
             victim = choose(self, short)
@@ -531,7 +536,7 @@ class Engine(MemoryMixin):
     def _draft_room(self, s: Sequence) -> int:
         """How many drafts `s`'s next step may verify: up to draft_len, while every token they could gain would
         still be taken (max_tokens, the context)."""
-        return max(0, min(self.cfg.draft_len, s.params.max_tokens - s.num_output - 1,
+        return max(0, min(self.draft_len, s.params.max_tokens - s.num_output - 1,
                           self.max_model_len - s.num_tokens - 1))
 
     @staticmethod
@@ -595,7 +600,7 @@ class Engine(MemoryMixin):
             verify = self.governor.allow(width)
             self._next_verify = (width, verify)
             captures, t = self.runner.captures(), self.timer()
-        chain = self.cfg.draft_len > 1
+        chain = self.draft_len > 1
         if verify:
             guesses, confidence, own = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed,
                                                        chain=chain)
@@ -612,33 +617,37 @@ class Engine(MemoryMixin):
                 else:
                     s.guess = int(g)
             if chain and sure:
-                self._chain([wants[i] for i in sure], own[self.model.backend.from_host(np.asarray(sure, np.int64))])
-        if self.governor is not None:  # the next step's share of its measure: only a decode's pass (1 + draft_len
-            decode = len(rows) <= (1 + max(1, self.cfg.draft_len)) * len(entries)  # pairs a sequence at most)
+                self._chain([wants[i] for i in sure], own[self.model.backend.from_host(np.asarray(sure, np.int64))],
+                            [float(confidence[i]) for i in sure])
+        if self.governor is not None:  # the next step's share of its measure: only a pure decode step's pass
+            decode = all(c.sample and c.num_tokens - len(c.drafts) == 1 for c in plan.chunks)
             self._head = _HeadPass(self.timer() - t, tuple(served), captures) if decode else None
 
-    def _chain(self, seqs: list[Sequence], own: Any) -> None:
+    def _chain(self, seqs: list[Sequence], own: Any, sure: list[float]) -> None:
         """More drafts after each of `seqs`' first: the head's pair of its own final-normed state where it guessed
         (`own` [len(seqs), H]) with that guess, one position on, guesses the token after it (as the head's chained
-        passes in multi-token prediction), while the head gives its guess at least `spec_min_confidence`, the
-        sequence has room (`_draft_room`) and the pool a page for the row that would verify the new draft (and so
-        for the pair's position, where the head writes keys and values that the next pass over computed positions
-        writes again)."""
+        passes in multi-token prediction), while the product of the head's probabilities along the chain (`sure`:
+        the first guesses'), the chance that every draft up to the new one is accepted as far as the head knows,
+        stays at least `spec_min_confidence` (each agent drafts as many tokens as are likely to be accepted), the
+        sequence has room (`_draft_room`) and already holds a page for the row that would verify the new draft (and
+        so for the pair's position, where the head writes keys and values that the next pass over computed
+        positions writes again): a chain takes no page, which another sequence's real token may need."""
         ops = self.model.backend
         live = seqs  # own's rows in this order
         while live:
             go = [r for r, s in enumerate(live)
-                  if len(s.drafts) < self._draft_room(s) and self._give_pages(s, s.num_computed + len(s.drafts) + 2)]
+                  if len(s.drafts) < self._draft_room(s)
+                  and self.blocks.pages_for(s.num_computed + len(s.drafts) + 2) <= len(s.pages)]
             if not go:
                 return
             entries = [(live[r].drafts[-1], live[r].num_computed + len(live[r].drafts) - 1, live[r].pages) for r in go]
             guesses, confidence, nxt = self.runner.mtp_chain(entries, own[ops.from_host(np.asarray(go, np.int64))])
             keep = []
             for k, (r, g, p) in enumerate(zip(go, guesses, confidence)):
-                if p >= self.cfg.spec_min_confidence and not self._opens_constraint(live[r], int(g)):
+                if sure[r] * p >= self.cfg.spec_min_confidence and not self._opens_constraint(live[r], int(g)):
                     live[r].drafts += (int(g),)
                     keep.append(k)
-            live = [live[go[k]] for k in keep]
+            live, sure = [live[go[k]] for k in keep], [sure[go[k]] * float(confidence[k]) for k in keep]
             if live:
                 own = nxt[ops.from_host(np.asarray(keep, np.int64))]
 

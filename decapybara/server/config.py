@@ -101,9 +101,9 @@ class AppConfig(BaseModel):
                                  " (up to 8 rows) as one persistent launch (CUDA backend, cuda_graphs on)")
     speculator: Literal["mtp", "ngram", "off"] = Field(
         default="off", description="SPECULATOR: mtp drafts each agent's next token with the model's MTP head and "
-        "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft); ngram: the "
-        "draft is the token that followed the latest earlier occurrence of the agent's last three tokens (prompt "
-        "lookup, any model); off")
+        "verifies it as a second row of its decode (the same outputs; a token gained per accepted draft; more drafts "
+        "a step: draft_len); ngram: the draft is the token that followed the latest earlier occurrence of the agent's "
+        "last three tokens (prompt lookup, any model); off")
     spec_min_confidence: float = Field(
         default=0.3, ge=0, le=1, description="speculator=mtp: draft only where the MTP head gives its guess at least "
         "this probability (confidence scheduling; a doubted guess is seldom accepted and its row costs as any)")
@@ -117,8 +117,8 @@ class AppConfig(BaseModel):
     draft_len: int = Field(
         default=1, ge=0, le=7, description="DRAFT_LEN: speculator=mtp or ngram: the most tokens an agent drafts a step, "
         "verified as as many more rows of its decode (ngram: the tokens after the match; mtp: the head's guesses "
-        "chained while it stays at spec_min_confidence); more than 1 runs those steps without the verification "
-        "graphs; 0 drafts nothing")
+        "chained while the product of their probabilities stays at spec_min_confidence); with CUDA graphs 1 "
+        "whatever this asks (a verification graph takes one draft); 0 drafts nothing")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "

@@ -35,10 +35,11 @@ class ServedEngine:
 def verify_checkpoints(engine_cfg: Any, mcfg: Any) -> int:
     """DeltaNet states that speculative verification graphs keep as rollback points (one a row of the largest
     bucket the engine's slots use, `graph_buckets`): with CUDA graphs, a hybrid model and a speculator that drafts
-    for it (prompt lookup for any model, the MTP head where the model has one); else 0."""
+    for it (prompt lookup for any model, the MTP head where the model has one; draft_len not 0); else 0."""
     from decapybara.engine.runner import graph_buckets
 
-    drafts = engine_cfg.speculator == "ngram" or (engine_cfg.speculator == "mtp" and mcfg.mtp_num_hidden_layers > 0)
+    drafts = engine_cfg.draft_len > 0 and (engine_cfg.speculator == "ngram" or (engine_cfg.speculator == "mtp"
+                                                                                and mcfg.mtp_num_hidden_layers > 0))
     on = drafts and engine_cfg.cuda_graphs and bool(mcfg.linear_layers)
     return max(graph_buckets(engine_cfg.max_slots)) if on else 0
 

@@ -230,3 +230,13 @@ def test_draft_len_setting():
     assert AppConfig(draft_len="5").engine_config(cuda=False).draft_len == 5
     with pytest.raises(Exception, match="draft_len"):
         AppConfig(draft_len=9)
+    import argparse
+
+    from decapybara.server.cli_serve import add_parser, app_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert app_args(parser.parse_args(["serve", "--speculator", "ngram", "--draft-len", "4"])) == {
+        "speculator": "ngram", "draft_len": 4}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--draft-len", "8"])

@@ -14,6 +14,7 @@ FLAGS = {  # flag -> AppConfig field
     "prefill_policy": "prefill_policy", "loop_guard": "loop_guard", "context_mode": "context_mode",
     "ram_cache_gb": "ram_cache_gb", "disk_cache": "disk_cache", "device": "device", "rope_scaling": "rope_scaling",
     "max_model_len": "max_model_len", "keep_free_gb": "keep_free_gb", "speculator": "speculator",
+    "draft_len": "draft_len",
 }
 
 
@@ -41,6 +42,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--speculator", choices=["mtp", "ngram", "off"],
                    help="mtp: draft each agent's next token with the model's MTP head, verified in its decode; "
                    "ngram: draft what followed the last three tokens earlier in the conversation (any model)")
+    s.add_argument("--draft-len", dest="draft_len", type=int, choices=range(8), metavar="0-7",
+                   help="the most tokens an agent drafts a step (with CUDA graphs 1); 0 drafts nothing")
     s.add_argument("--keep-free-gb", dest="keep_free_gb", type=float,
                    help="device memory (GiB) left to other programs; the KV pool takes the rest (CUDA)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other AppConfig field")

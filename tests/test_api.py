@@ -1257,9 +1257,35 @@ def test_n_choices_read_the_prompt_once_and_are_each_a_request_alone(stack):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     for path, body in (("/v1/chat/completions", {"messages": user("x"), "n": MAX_CHOICES + 1}),
                        ("/v1/chat/completions", {"messages": user("x"), "n": 0}),
-                       ("/v1/completions", {"prompt": "x", "n": 2})):
+                       ("/v1/completions", {"prompt": "x", "n": MAX_CHOICES + 1})):
         resp = _post(stack.url + path, {"model": "m", **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+
+
+def test_legacy_completions_take_n_choices_as_chat_does(stack):
+    """/v1/completions with n = 3: choices indexed 0-2, each the text a request of its own gets (seed, seed + 1,
+    seed + 2), logprobs per choice, the usage counting the prompt once and the outputs summed, the prompt computed
+    once; streamed, the same texts by index, each choice's finish, one usage chunk and one [DONE]."""
+    oa = stack.oa()
+    prompt = "def parse(text):\n" + "    # word\n" * 60
+    before = stack.client.engine.stats.forward_tokens
+    r = oa.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1, seed=3, n=3, logprobs=2)
+    computed = stack.client.engine.stats.forward_tokens - before
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [oa.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1, seed=3 + i, logprobs=2)
+             for i in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert [c.logprobs.tokens for c in r.choices] == [a.choices[0].logprobs.tokens for a in alone]
+    assert len({c.text for c in r.choices}) > 1  # sampled apart
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert computed < r.usage.prompt_tokens + 2 * CFG.page_size + r.usage.completion_tokens, computed
+    chunks = list(oa.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1, seed=3, n=3,
+                                        stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in r.choices]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
 class RefusingChoice:

@@ -165,21 +165,25 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             plan = await run_in_threadpool(openai_api.plan_chat, body, client, served,
                                            request.headers.get(CONVERSATION_HEADER))
             if plan.n > 1:
-                return await chat_choices(request, plan, bool(body.stream))
+                return await choices(request, plan, bool(body.stream),
+                                     lambda i: openai_api.ChatStream(plan, client.tokenizer, i),
+                                     lambda dones: openai_api.chat_completions(plan, dones, client.tokenizer))
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_api.ChatStream(plan, client.tokenizer),
                              lambda done: openai_api.chat_completion(plan, done, client.tokenizer), KEEP_ALIVE)
         return await guard(OPENAI, handle)
 
-    async def chat_choices(request: HttpRequest, plan: openai_api.ChatPlan, stream: bool) -> Response:
-        """A chat request of n > 1 choices, each an engine request of its own (`choice_requests`): the first
-        read to its first event alone, so that its prompt is computed once and the others read it from the prefix
-        cache; then all at once, collected into one response or merged into one stream (choices by index)."""
+    async def choices(request: HttpRequest, plan: Any, stream: bool, streamer: Callable[[int], Any],
+                      whole: Callable[[list[Any]], Any]) -> Response:
+        """A request of n > 1 choices (chat or legacy completions), each an engine request of its own
+        (`choice_requests`): the first read to its first event alone, so that its prompt is computed once and the
+        others read it from the prefix cache; then all at once, collected into one response (`whole(dones)`) or
+        merged into one stream (`streamer(i)`'s lines, choices by index)."""
         requests = openai_api.choice_requests(plan)
         first = engine_events(client, requests[0])
         if stream:
             streams = [first, *(engine_events(client, r) for r in requests[1:])]
-            streamers = [openai_api.ChatStream(plan, client.tokenizer, i) for i in range(plan.n)]
+            streamers = [streamer(i) for i in range(plan.n)]
 
             def tail(lasts: list[TokenEvent]) -> list[str]:
                 return streamers[0].tail(openai_api.summed_usage([s.usage(ev) for s, ev in zip(streamers, lasts)]))
@@ -192,7 +196,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         dones = await collect_all(streams, request)
         if dones is None:
             return Response(status_code=499)
-        return JSONResponse(openai_api.chat_completions(plan, dones, client.tokenizer).dump())
+        return JSONResponse(whole(dones).dump())
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
@@ -200,6 +204,10 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             body = await parse(request, oa.CompletionRequest)
             plan = await run_in_threadpool(openai_completions.plan_completion, body, client, served,
                                            request.headers.get(CONVERSATION_HEADER))
+            if plan.n > 1:
+                return await choices(request, plan, bool(body.stream),
+                                     lambda i: openai_completions.CompletionStream(plan, client.tokenizer, i),
+                                     lambda dones: openai_completions.completions(plan, dones, client.tokenizer))
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_completions.CompletionStream(plan, client.tokenizer),
                              lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)

@@ -218,9 +218,10 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
 MAX_CHOICES = 16  # n: choices a chat request may ask for (each an engine request of its own, a slot each)
 
 
-def choice_requests(plan: ChatPlan) -> list[Request]:
-    """The engine requests of `plan`'s choices: its own, then one a further choice (id ``<id>-<i>``, the seed
-    ``seed + i`` where one is given, so that seeded choices differ and repeat)."""
+def choice_requests(plan: Any) -> list[Request]:
+    """The engine requests of `plan`'s choices (a chat or a legacy completion plan: its `request` and `n`): its
+    own, then one a further choice (id ``<id>-<i>``, the seed ``seed + i`` where one is given, so that seeded
+    choices differ and repeat)."""
     out = [plan.request]
     for i in range(1, plan.n):
         params = plan.request.params

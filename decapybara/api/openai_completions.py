@@ -10,7 +10,14 @@ from typing import Any
 from decapybara.api import openai_schemas as oa
 from decapybara.api.common import Collected, conversation_key, make_request, new_id, output_budget
 from decapybara.api.errors import bad_request
-from decapybara.api.openai_api import finish_reason, loop_guard, sampling_params, usage
+from decapybara.api.openai_api import (
+    MAX_CHOICES,
+    finish_reason,
+    loop_guard,
+    sampling_params,
+    summed_usage,
+    usage,
+)
 from decapybara.api.streams import sse_data
 from decapybara.engine.sequence import Request, TokenEvent
 
@@ -24,6 +31,7 @@ class CompletionPlan:
     logprobs: bool
     include_usage: bool
     created: int
+    n: int = 1  # choices (`openai_api.choice_requests`)
 
 
 def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any) -> tuple[int, ...]:
@@ -48,14 +56,15 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
     ids = prompt_ids(body.prompt, client.tokenizer)
     requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = output_budget(requested, len(ids), client.max_model_len, "max_tokens")
-    if body.n not in (None, 1):
-        raise bad_request("only n=1 is supported on /v1/completions (chat completions take n)", "n")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be from 1 to {MAX_CHOICES}", "n")
     params = sampling_params(body, max(max_tokens, 1), body.logprobs)
     text = body.prompt if isinstance(body.prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)
     request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()))
+    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()), n)
 
 
 def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
@@ -89,11 +98,20 @@ def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Comp
     return oa.Completion(id=plan.request.request_id, created=plan.created, model=plan.model, choices=[choice], usage=u)
 
 
-class CompletionStream:
-    """SSE chunks of a legacy completion: text deltas, a final chunk with finish_reason, optional usage, [DONE]."""
+def completions(plan: CompletionPlan, dones: list[Collected], tokenizer: Any) -> oa.Completion:
+    """The response of a request of several choices (`dones`, in the choices' order): each choice indexed, the
+    prompt's tokens counted once, the outputs' summed."""
+    whole = [completion(plan, done, tokenizer) for done in dones]
+    choices = [c.choices[0].model_copy(update={"index": i}) for i, c in enumerate(whole)]
+    return whole[0].model_copy(update={"choices": choices, "usage": summed_usage([c.usage for c in whole])})
 
-    def __init__(self, plan: CompletionPlan, tokenizer: Any) -> None:
-        self.plan, self.tokenizer = plan, tokenizer
+
+class CompletionStream:
+    """SSE chunks of a legacy completion: text deltas, a final chunk with finish_reason, optional usage, [DONE];
+    `index`: the choice's where the request asks for several (`finish`, `usage` and `tail` then its parts)."""
+
+    def __init__(self, plan: CompletionPlan, tokenizer: Any, index: int = 0) -> None:
+        self.plan, self.tokenizer, self.index = plan, tokenizer, index
         self.offset = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -112,17 +130,24 @@ class CompletionStream:
         if self.plan.logprobs:
             logprobs, self.offset = legacy_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
                                                     self.offset, self.decoder)
-        return [self._chunk([oa.CompletionChoice(text=ev.text, logprobs=logprobs)])]
+        return [self._chunk([oa.CompletionChoice(index=self.index, text=ev.text, logprobs=logprobs)])]
+
+    def finish(self, last: TokenEvent) -> list[str]:
+        """The choice's last chunk (its finish_reason and loop_guard)."""
+        choice = oa.CompletionChoice(index=self.index, text="", finish_reason=finish_reason(last.finish_reason, False),
+                                     loop_guard=loop_guard(last.finish_reason, last.note))
+        return [self._chunk([choice])]
+
+    def usage(self, last: TokenEvent) -> oa.Usage:
+        return usage(last.num_prompt_tokens or len(self.plan.request.prompt_ids), last.num_cached_tokens,
+                     last.num_output_tokens)
+
+    def tail(self, total: oa.Usage) -> list[str]:
+        """What follows the choices' last chunks: the usage chunk where asked for, then ``data: [DONE]``."""
+        return [*([self._chunk([], total)] if self.plan.include_usage else []), sse_data("[DONE]")]
 
     def end(self, last: TokenEvent) -> list[str]:
-        choice = oa.CompletionChoice(text="", finish_reason=finish_reason(last.finish_reason, False),
-                                     loop_guard=loop_guard(last.finish_reason, last.note))
-        lines = [self._chunk([choice])]
-        if self.plan.include_usage:
-            u = usage(last.num_prompt_tokens or len(self.plan.request.prompt_ids), last.num_cached_tokens,
-                      last.num_output_tokens)
-            lines.append(self._chunk([], u))
-        return [*lines, sse_data("[DONE]")]
+        return [*self.finish(last), *self.tail(self.usage(last))]
 
 
 def model_list(name: str, max_model_len: int, created: int) -> oa.ModelList:

@@ -72,8 +72,9 @@ class EngineConfig:
     # ... at most this many drafts a sequence and step (DRAFT_LEN), verified as that many more rows of its decode
     # (1 + draft_len rows): ngram the tokens after the match, mtp the head's guesses chained (each guess paired with
     # the head's own hidden state for the next) while the product of their probabilities stays at
-    # spec_min_confidence; with CUDA graphs one (a verification graph takes one draft; a step of more would run
-    # eagerly, several times slower: Engine.draft_len); 0 drafts nothing
+    # spec_min_confidence; with CUDA graphs more than one only in steps beside a prompt's chunk, eager anyway (a
+    # verification graph takes one draft; a step of decodes with more would run eagerly, several times slower:
+    # Engine._draft_cap); 0 drafts nothing
     draft_len: int = 1
 
     def __post_init__(self) -> None:

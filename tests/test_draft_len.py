@@ -151,6 +151,15 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
     n = a.num_computed
     assert plan.chunks[0].rollback == (n + 1, n + 2, n + 3, n + 4)  # the states after the real token and each draft
     assert plan.chunks[0].snapshot_at == (n + 1, n + 2, n + 3, n + 4)  # but the last
+    # with decode graphs (`one_draft`): a step of decodes alone verifies one draft a sequence (a graph's), a step
+    # beside a prompt's chunk every draft the budget leaves room for
+    assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, one_draft=True).chunks] == [(1,), (5,), ()]
+    e.cfg = e.cfg.replace(max_batch_tokens=32)
+    e.add_request(Request(tuple(prompts_of(["# notes\n" * 20])[0]), SamplingParams(temperature=0, max_tokens=4)))
+    e.admission(e)
+    assert any(s.in_prefill for s in e.running)
+    mixed = plan_step(e.running, e.cfg, False, one_draft=True)
+    assert [ch.drafts for ch in mixed.chunks if not ch.seq.in_prefill] == [(1, 2, 3, 4), (5, 6, 7), ()]
 
 
 def test_a_chain_takes_no_page_and_drafts_lacking_pages_go_from_the_last():

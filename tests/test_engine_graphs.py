@@ -308,31 +308,6 @@ def test_speculation_through_graphs_keeps_the_tokens(fake_graphs):
     assert 0 < e.stats.accepted_tokens < e.stats.drafted_tokens
 
 
-def test_with_graphs_an_agent_drafts_one_token_a_step(fake_graphs, caplog):
-    """draft_len above 1 with decode graphs: each agent drafts one token a step (a verification graph takes one;
-    more would run the step eagerly), said in a warning; the steps verify through the graphs and the tokens stay."""
-    from decapybara.backend.numpy_backend import NumpyBackend
-    from decapybara.config import DEMO_MODEL
-    from decapybara.model.load import load_model
-
-    loaded = load_model(str(DEMO_MODEL), NumpyBackend())
-    tok = loaded.tokenizer
-    ps = [tok.encode(t) for t in ("class Stack:\n    def __init__(self):\n", "def main():\n    print(")]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
-    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=128, loop_guard="off", speculator="mtp",
-                       spec_adaptive=False, draft_len=5)
-    ref = Engine(loaded.model, cfg.replace(cuda_graphs=False, speculator="off"), tokenizer=tok).generate(ps, params)
-    assert Engine(loaded.model, cfg.replace(cuda_graphs=False), tokenizer=tok).draft_len == 5
-    with caplog.at_level("WARNING", logger="decapybara.engine.engine"):
-        e = Engine(loaded.model, cfg, tokenizer=tok)
-    assert e.draft_len == 1 and "draft_len 5: with CUDA graphs each agent drafts one token a step" in caplog.text
-    seen = []
-    run = e.runner.run
-    e.runner.run = lambda plan, normed=False: (seen.extend(len(c.drafts) for c in plan.chunks), run(plan, normed))[1]
-    assert e.generate(ps, params) == ref
-    assert max(seen) == 1 and e.snapshot_stats()["graphs"]["verify_steps"] > 0
-
-
 def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
     """With the governor on and verified rows made to cost five steps by a fake timer, most steps withhold their
     drafts; their MTP head's KV-only pass goes to the graph runner (`mtp_kv`), which poisons the pad page after
@@ -363,3 +338,49 @@ def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
     g = e.snapshot_stats()["graphs"]
     assert e.stats.withheld_steps > 10 and g["mtp_kv_steps"] >= e.stats.withheld_steps - 2, (e.stats.withheld_steps, g)
     assert g["mtp_steps"] > 0, g
+def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_graphs, caplog):
+    """draft_len above 1 with decode graphs: a step of decodes alone verifies one draft a sequence (a verification
+    graph takes one; more would run the step eagerly), a step beside a prompt's chunk (eager anyway) every draft,
+    said in a warning; the tokens stay those without speculation."""
+    from decapybara.backend.numpy_backend import NumpyBackend
+    from decapybara.config import DEMO_MODEL
+    from decapybara.engine.sequence import Request
+    from decapybara.model.load import load_model
+
+    loaded = load_model(str(DEMO_MODEL), NumpyBackend())
+    tok = loaded.tokenizer
+    ps = [tok.encode(t) for t in ("class Stack:\n    def __init__(self):\n", "def main():\n    print(")]
+    late = tok.encode("# notes on the parser\n" * 12)  # a prompt of several chunks, arriving after a few steps
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=24, loop_guard="off", speculator="mtp",
+                       spec_adaptive=False, draft_len=5, balanced_prefill_share=0.5)
+
+    def generate(engine: Engine) -> tuple[dict[str, list[int]], list[tuple[bool, int]]]:
+        for i, p in enumerate(ps):
+            engine.add_request(Request(tuple(p), params, f"r{i}"))
+        steps, out, k = [], {}, 0
+        run = engine.runner.run
+
+        def logged(plan, normed=False):
+            steps.append((any(c.seq.num_computed + c.num_tokens < c.seq.num_tokens or not c.sample
+                              or c.seq.num_computed < c.seq.num_prompt for c in plan.chunks),
+                          max((len(c.drafts) for c in plan.chunks), default=0)))
+            return run(plan, normed)
+        engine.runner.run = logged
+        while engine.has_work():
+            k += 1
+            if k == 6:
+                engine.add_request(Request(tuple(late), params, "late"))
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
+        return out, steps
+
+    ref, _ = generate(Engine(loaded.model, cfg.replace(cuda_graphs=False, speculator="off"), tokenizer=tok))
+    with caplog.at_level("WARNING", logger="decapybara.engine.engine"):
+        e = Engine(loaded.model, cfg, tokenizer=tok)
+    assert e.one_draft and "draft_len 5: with CUDA graphs an agent verifies more than one draft only" in caplog.text
+    got, steps = generate(e)
+    assert got == ref
+    assert all(d <= 1 for mixed, d in steps if not mixed)  # decodes alone: one draft, through the graphs
+    assert any(d > 1 for mixed, d in steps if mixed)  # beside the prompt's chunks: several
+    assert e.snapshot_stats()["graphs"]["verify_steps"] > 0

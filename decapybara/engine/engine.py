@@ -147,13 +147,15 @@ class Engine(MemoryMixin):
                         "(speculator=ngram drafts by prompt lookup for any model)")
         self.mtp = self.speculate and cfg.speculator == "mtp"  # drafts from the MTP head (else prompt lookup)
         graphs = self.runner.graphs
-        # ... drafts a sequence and step: with decode graphs one, which a verification graph takes (a step of more
-        # would run eagerly: at the 27B shape on an H100 4-8x a decode step, where one draft's graph takes 1.14-1.18x;
-        # docs/perf.md, seventy-second session)
-        self.draft_len = cfg.draft_len if graphs is None else min(cfg.draft_len, 1)
-        if self.speculate and self.draft_len < cfg.draft_len:
-            log.warning("draft_len %d: with CUDA graphs each agent drafts one token a step (a verification graph "
-                        "takes one draft; more would run the step eagerly, several times slower)", cfg.draft_len)
+        # ... with decode graphs, a step of decodes alone verifies one draft a sequence, which a verification graph
+        # takes (a step of more would run eagerly: at the 27B shape on an H100 4-8x a decode step, where one draft's
+        # graph takes 1.14-1.18x; docs/perf.md, seventy-second session); a step beside a prompt's chunk, eager
+        # anyway and bound by its launches, every draft (`_draft_cap`)
+        self.one_draft = graphs is not None
+        if self.speculate and self.one_draft and cfg.draft_len > 1:
+            log.warning("draft_len %d: with CUDA graphs an agent verifies more than one draft only in steps beside "
+                        "a prompt's chunk (a verification graph takes one draft; a step of decodes with more would "
+                        "run eagerly, several times slower)", cfg.draft_len)
         # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         self.fill_rows = max(graphs.buckets) if self.speculate and cfg.spec_fill and graphs is not None else 0
         # ... verified only at the step widths where that is measured faster (engine/spec_governor.py)
@@ -381,7 +383,7 @@ class Engine(MemoryMixin):
         a page, its last draft is dropped and the step planned again; while a real token's page is lacking, pause a
         victim (`choose_victim`)."""
         while True:
-            plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows)
+            plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows, self.one_draft)
             short = next((c.seq for c in plan.chunks
                           if not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens - len(c.drafts))), None)
             if short is None:
@@ -534,10 +536,20 @@ class Engine(MemoryMixin):
         return c.sample and s.finish_reason is None and s.num_uncomputed == 1 and self._draft_room(s) > 0
 
     def _draft_room(self, s: Sequence) -> int:
-        """How many drafts `s`'s next step may verify: up to draft_len, while every token they could gain would
-        still be taken (max_tokens, the context)."""
-        return max(0, min(self.draft_len, s.params.max_tokens - s.num_output - 1,
+        """How many drafts `s`'s next step may verify: up to `_draft_cap`, while every token they could gain
+        would still be taken (max_tokens, the context)."""
+        return max(0, min(self._draft_cap(), s.params.max_tokens - s.num_output - 1,
                           self.max_model_len - s.num_tokens - 1))
+
+    def _draft_cap(self) -> int:
+        """Drafts a sequence makes for the next step: draft_len, but one with decode graphs unless a prompt's
+        chunk will run beside the decodes (a running sequence still prefilling, or a request waiting for a free
+        slot), whose step runs eagerly and takes every draft (`plan_step`'s `one_draft`)."""
+        live = [s for s in self.running if s.finish_reason is None]
+        if not self.one_draft or (self.waiting and len(live) < self.cfg.max_slots) or any(
+                s.num_uncomputed > 1 for s in live):
+            return self.cfg.draft_len
+        return min(self.cfg.draft_len, 1)
 
     @staticmethod
     def _opens_constraint(s: Sequence, token: int) -> bool:
@@ -600,7 +612,7 @@ class Engine(MemoryMixin):
             verify = self.governor.allow(width)
             self._next_verify = (width, verify)
             captures, t = self.runner.captures(), self.timer()
-        chain = self.draft_len > 1
+        chain = self._draft_cap() > 1
         if verify:
             guesses, confidence, own = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed,
                                                        chain=chain)

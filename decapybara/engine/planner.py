@@ -51,12 +51,14 @@ class StepPlan:
         return sum(1 for c in self.chunks if c.num_tokens == 1 and c.sample)
 
 
-def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_rows: int = 0) -> StepPlan:
+def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_rows: int = 0,
+              one_draft: bool = False) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first); `snapshots`: a hybrid model whose
     state snapshots the prefix cache keeps; `fill_rows` > 0: a step of at most that many decodes, no prompt,
     and some draft replays a verification graph whose every sequence has a second row (no sequence drafts more
-    than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too. Pure: reads, never
-    mutates."""
+    than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too; `one_draft`: a step
+    without a prompt's chunk verifies one draft a sequence (a verification graph takes one), a step with one
+    (eager anyway) every draft. Pure: reads, never mutates."""
     every = cfg.snapshot_every if (snapshots and cfg.enable_prefix_cache) else 0
     ps = cfg.page_size
     budget = cfg.max_batch_tokens
@@ -79,8 +81,13 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
     pending = sum(s.num_uncomputed for s in prefills)
     share = min(pending, max(1, int(budget * cfg.balanced_prefill_share))) if cfg.prefill_policy == "balanced" else 0
 
-    fill = (0 < len(decodes) <= fill_rows and not prefills and any(s.drafts for s in decodes)
-            and all(len(s.drafts) <= 1 for s in decodes))
+    cap = 1 if one_draft and not prefills else None  # drafts a sequence verifies this step
+
+    def held(s: Sequence) -> tuple[int, ...]:
+        return s.drafts if cap is None else s.drafts[:cap]
+
+    fill = (0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
+            and all(len(held(s)) <= 1 for s in decodes))
 
     def add_decodes(limit: int) -> int:
         """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves
@@ -89,7 +96,7 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
         for k, s in enumerate(decodes):
             if used >= limit:
                 break
-            drafts = s.drafts or ((s.guess,) if fill and s.guess is not None else ())
+            drafts = held(s) or ((s.guess,) if fill and s.guess is not None else ())
             drafts = drafts[:max(0, limit - share - used - 1 - (len(decodes) - k - 1))]
             if drafts:
                 # snapshot points over every row (a draft's count only if it is kept), and the states after the

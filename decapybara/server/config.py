@@ -117,8 +117,9 @@ class AppConfig(BaseModel):
     draft_len: int = Field(
         default=1, ge=0, le=7, description="DRAFT_LEN: speculator=mtp or ngram: the most tokens an agent drafts a step, "
         "verified as as many more rows of its decode (ngram: the tokens after the match; mtp: the head's guesses "
-        "chained while the product of their probabilities stays at spec_min_confidence); with CUDA graphs 1 "
-        "whatever this asks (a verification graph takes one draft); 0 drafts nothing")
+        "chained while the product of their probabilities stays at spec_min_confidence); with CUDA graphs more than "
+        "one only in steps beside a prompt's chunk, which run eagerly anyway (a verification graph takes one draft); "
+        "0 drafts nothing")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "

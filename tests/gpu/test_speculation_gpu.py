@@ -86,9 +86,9 @@ def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
 @pytest.mark.parametrize("speculator,graphs", [("mtp", False), ("ngram", False), ("mtp", True)])
 def test_gpu_several_drafts_a_step_keep_the_tokens(speculator, graphs):
     """draft_len 4 on the cupy backend: without decode graphs, steps of several drafts a sequence (their rollback
-    points on the device) and the MTP head's chained passes, eagerly; with graphs each agent drafts one token a
-    step (a verification graph takes one; more would run the step eagerly), said in a warning. The tokens are
-    those without speculation and the numpy reference's, greedy and seeded."""
+    points on the device) and the MTP head's chained passes, eagerly; with graphs a step of decodes alone verifies
+    one draft a sequence (a verification graph takes one; more would run the step eagerly). The tokens are those
+    without speculation and the numpy reference's, greedy and seeded."""
     ref_model = loaded("numpy")
     text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
     prompts = [ref_model.tokenizer.encode(t) for t in (*TEXTS[:3], text)]
@@ -100,7 +100,7 @@ def test_gpu_several_drafts_a_step_keep_the_tokens(speculator, graphs):
     gpu = loaded("cupy")
     e = Engine(gpu.model, cfg.replace(speculator=speculator, draft_len=4, spec_min_confidence=0.3),
                tokenizer=gpu.tokenizer)
-    assert e.draft_len == (1 if graphs else 4)
+    assert e.one_draft == graphs
     assert e.generate(prompts, params) == ref
     s = e.snapshot_stats()
     g = s["graphs"]

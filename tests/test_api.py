@@ -1286,6 +1286,8 @@ def test_legacy_completions_take_n_choices_as_chat_does(stack):
     assert texts == [c.text for c in r.choices]
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    resp = _post(stack.url + "/v1/completions", {"model": "m", "prompt": "x", "n": 2, "best_of": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of", resp.text  # best_of < n
 
 
 class RefusingChoice:

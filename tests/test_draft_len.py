@@ -152,11 +152,16 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
     assert plan.chunks[0].rollback == (n + 1, n + 2, n + 3, n + 4)  # the states after the real token and each draft
     assert plan.chunks[0].snapshot_at == (n + 1, n + 2, n + 3, n + 4)  # but the last
     # with decode graphs (`one_draft`): a step of decodes alone verifies one draft a sequence (a graph's), a step
-    # beside a prompt's chunk every draft the budget leaves room for
+    # beside a prompt's chunk every draft the budget leaves room for; under decode-priority, where the drafts would
+    # leave the prompt no token, one a sequence and the prompt the rest
     assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, one_draft=True).chunks] == [(1,), (5,), ()]
-    e.cfg = e.cfg.replace(max_batch_tokens=32)
-    e.add_request(Request(tuple(prompts_of(["# notes\n" * 20])[0]), SamplingParams(temperature=0, max_tokens=4)))
+    late = Request(tuple(prompts_of(["# notes\n" * 20])[0]), SamplingParams(temperature=0, max_tokens=4))
+    e.add_request(late)
     e.admission(e)
+    starved = plan_step(e.running, e.cfg.replace(prefill_policy="decode-priority"), False, one_draft=True)
+    assert [ch.drafts for ch in starved.chunks if not ch.seq.in_prefill] == [(1,), (5,), ()]
+    assert [ch.num_tokens for ch in starved.chunks if ch.seq.in_prefill] == [3]
+    e.cfg = e.cfg.replace(max_batch_tokens=32)
     assert any(s.in_prefill for s in e.running)
     mixed = plan_step(e.running, e.cfg, False, one_draft=True)
     assert [ch.drafts for ch in mixed.chunks if not ch.seq.in_prefill] == [(1, 2, 3, 4), (5, 6, 7), ()]
@@ -201,6 +206,40 @@ def test_a_chain_takes_no_page_and_drafts_lacking_pages_go_from_the_last():
     room = len(s.pages) * 8 - s.num_computed - 1
     s.drafts = tuple(range(1, room + 3))  # two more than the pages hold
     assert [c.drafts for c in e._plan_with_pages().chunks] == [s.drafts[:room]] and e.stats.pauses == 0
+
+
+def test_drafts_never_take_a_page_a_later_plan_gives_a_prompt():
+    """Decode-priority: a draft takes the last free page, a later decode's drafts lack one and are cut, and the
+    budget they leave goes to a prompt's chunk, whose real tokens then need pages: the pages the drafts' rows took
+    go back before the next plan, so nobody is paused for a draft."""
+    e = _demo_engine(page_size=8, num_pages=64, max_batch_tokens=24, draft_len=7, prefill_policy="decode-priority")
+    for p in prompts_of(CODE[:2]):
+        e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    while any(s.in_prefill for s in e.running) or len(e.running) < 2 or any(s.num_computed % 8 < 1
+                                                                           for s in e.running):
+        assert e.stats.steps < 150
+        e.step()
+    e.add_request(Request(tuple(prompts_of(["# notes\n" * 30])[0]), SamplingParams(temperature=0, max_tokens=4)))
+    e.admission(e)
+    a, b, c = e.running
+    assert c.in_prefill
+
+    def hold(s, tokens):  # s holds exactly the pages of its first `tokens` tokens
+        while len(s.pages) > e.blocks.pages_for(tokens):
+            e.blocks.release([s.pages.pop()])
+        assert e._give_pages(s, tokens)
+
+    hold(a, a.num_computed + 1)
+    hold(b, b.num_computed + 1)
+    a.drafts = b.drafts = tuple(range(1, 8))  # each needs a page more than it holds
+    hold(c, c.num_computed + 24 - 2 - 14)  # the prompt's chunk beside both, in full: within its pages
+    taken = []
+    while (page := e.blocks.append()) is not None:
+        taken.append(page)
+    e.blocks.release([taken.pop()])  # one page free
+    plan = e._plan_with_pages()
+    assert e.stats.pauses == 0 and any(x.seq is c for x in plan.chunks)
+    assert sum(x.num_tokens for x in plan.chunks) <= 24
 
 
 def test_a_chain_stops_where_its_whole_run_is_no_longer_likely():

@@ -338,10 +338,12 @@ def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
     g = e.snapshot_stats()["graphs"]
     assert e.stats.withheld_steps > 10 and g["mtp_kv_steps"] >= e.stats.withheld_steps - 2, (e.stats.withheld_steps, g)
     assert g["mtp_steps"] > 0, g
-def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_graphs, caplog):
+@pytest.mark.parametrize("policy,budget", [("balanced", 24), ("decode-priority", 12)])
+def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_graphs, caplog, policy, budget):
     """draft_len above 1 with decode graphs: a step of decodes alone verifies one draft a sequence (a verification
-    graph takes one; more would run the step eagerly), a step beside a prompt's chunk (eager anyway) every draft,
-    said in a warning; the tokens stay those without speculation."""
+    graph takes one; more would run the step eagerly), a step beside a prompt's chunk of two tokens or more (eager
+    anyway) every draft, said in a warning; under decode-priority, drafts that would leave a waiting prompt no
+    token are cut to one instead; the tokens stay those without speculation."""
     from decapybara.backend.numpy_backend import NumpyBackend
     from decapybara.config import DEMO_MODEL
     from decapybara.engine.sequence import Request
@@ -352,8 +354,9 @@ def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_grap
     ps = [tok.encode(t) for t in ("class Stack:\n    def __init__(self):\n", "def main():\n    print(")]
     late = tok.encode("# notes on the parser\n" * 12)  # a prompt of several chunks, arriving after a few steps
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=24, loop_guard="off", speculator="mtp",
-                       spec_adaptive=False, draft_len=5, balanced_prefill_share=0.5)
+    cfg = EngineConfig(page_size=16, num_pages=96, max_batch_tokens=budget, loop_guard="off", speculator="mtp",
+                       spec_adaptive=False, draft_len=5, balanced_prefill_share=0.5, prefill_policy=policy,
+                       spec_min_confidence=0.0)
 
     def generate(engine: Engine) -> tuple[dict[str, list[int]], list[tuple[bool, int]]]:
         for i, p in enumerate(ps):
@@ -362,8 +365,7 @@ def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_grap
         run = engine.runner.run
 
         def logged(plan, normed=False):
-            steps.append((any(c.seq.num_computed + c.num_tokens < c.seq.num_tokens or not c.sample
-                              or c.seq.num_computed < c.seq.num_prompt for c in plan.chunks),
+            steps.append((any(c.num_tokens - len(c.drafts) > 1 for c in plan.chunks),  # a prompt's chunk
                           max((len(c.drafts) for c in plan.chunks), default=0)))
             return run(plan, normed)
         engine.runner.run = logged

@@ -51,8 +51,8 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
         raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if body.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is supported", "best_of")
+    if body.best_of not in (None, 1) or (body.best_of is not None and body.n not in (None, 1)):
+        raise bad_request("only best_of=1 is supported (and with n of 1: best_of must be at least n)", "best_of")
     ids = prompt_ids(body.prompt, client.tokenizer)
     requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = output_budget(requested, len(ids), client.max_model_len, "max_tokens")

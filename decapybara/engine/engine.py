@@ -393,6 +393,11 @@ class Engine(MemoryMixin):
                     return plan
                 s = lacking.seq  # plan again with fewer: no pause for a draft
                 s.drafts, s.guess = (lacking.drafts[:-1], s.guess) if len(lacking.drafts) > 1 else ((), None)
+                for c in plan.chunks:  # the pages the drafts' rows took go back: the next plan may differ
+                    keep = self.blocks.pages_for(c.seq.num_computed + c.num_tokens - len(c.drafts))
+                    if c.drafts and len(c.seq.pages) > keep:
+                        self.blocks.release(c.seq.pages[keep:])
+                        del c.seq.pages[keep:]
                 continue
             choose = self.choose_victim or getattr(self.admission, "choose_victim", youngest_victim)
             victim = choose(self, short)
@@ -543,11 +548,10 @@ class Engine(MemoryMixin):
 
     def _draft_cap(self) -> int:
         """Drafts a sequence makes for the next step: draft_len, but one with decode graphs unless a prompt's
-        chunk will run beside the decodes (a running sequence still prefilling, or a request waiting for a free
-        slot), whose step runs eagerly and takes every draft (`plan_step`'s `one_draft`)."""
-        live = [s for s in self.running if s.finish_reason is None]
-        if not self.one_draft or (self.waiting and len(live) < self.cfg.max_slots) or any(
-                s.num_uncomputed > 1 for s in live):
+        chunk will run beside the decodes (a running sequence still prefilling), whose step runs eagerly and takes
+        every draft (`plan_step`'s `one_draft`). A waiting request is not counted: it may wait many steps (for
+        pages, or the scheduler), and drafts made for it would be cut, their head passes wasted."""
+        if not self.one_draft or any(s.num_uncomputed > 1 for s in self.running if s.finish_reason is None):
             return self.cfg.draft_len
         return min(self.cfg.draft_len, 1)
 

@@ -57,69 +57,78 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
     state snapshots the prefix cache keeps; `fill_rows` > 0: a step of at most that many decodes, no prompt,
     and some draft replays a verification graph whose every sequence has a second row (no sequence drafts more
     than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too; `one_draft`: a step
-    without a prompt's chunk verifies one draft a sequence (a verification graph takes one), a step with one
-    (eager anyway) every draft. Pure: reads, never mutates."""
+    without a prompt's chunk of two tokens or more verifies one draft a sequence (a verification graph takes one),
+    a step with one (eager anyway) every draft. Pure: reads, never mutates."""
     every = cfg.snapshot_every if (snapshots and cfg.enable_prefix_cache) else 0
     ps = cfg.page_size
     budget = cfg.max_batch_tokens
     decodes = [s for s in running if not s.in_prefill]
     prefills = [s for s in running if s.in_prefill]
-    chunks: list[ScheduledChunk] = []
-
-    def add_prefills(limit: int) -> int:
-        used = 0
-        for s in prefills:
-            room = limit - used
-            if room <= 0:
-                break
-            n = min(s.num_uncomputed, room)
-            chunks.append(_chunk(s, n, every, ps))
-            used += n
-        return used
-
     # drafts take only what the balanced policy's prefill share leaves (prefill still gets its share)
     pending = sum(s.num_uncomputed for s in prefills)
     share = min(pending, max(1, int(budget * cfg.balanced_prefill_share))) if cfg.prefill_policy == "balanced" else 0
 
-    cap = 1 if one_draft and not prefills else None  # drafts a sequence verifies this step
+    def compose(cap: int | None) -> list[ScheduledChunk]:
+        """The step's chunks, each decode verifying at most `cap` of its drafts (None: all)."""
+        chunks: list[ScheduledChunk] = []
 
-    def held(s: Sequence) -> tuple[int, ...]:
-        return s.drafts if cap is None else s.drafts[:cap]
-
-    fill = (0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
-            and all(len(held(s)) <= 1 for s in decodes))
-
-    def add_decodes(limit: int) -> int:
-        """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves
-        while it keeps one token for every decode after it (and the balanced policy's prefill share)."""
-        used = 0
-        for k, s in enumerate(decodes):
-            if used >= limit:
-                break
-            drafts = held(s) or ((s.guess,) if fill and s.guess is not None else ())
-            drafts = drafts[:max(0, limit - share - used - 1 - (len(decodes) - k - 1))]
-            if drafts:
-                # snapshot points over every row (a draft's count only if it is kept), and the states after the
-                # real token and each draft but the last: where a rejection is rolled back to
-                n = 1 + len(drafts)
-                bounds = _boundaries(s, n, every, ps)
-                backs = range(s.num_computed + 1, s.num_computed + n)
-                chunks.append(ScheduledChunk(s, n, True, tuple(sorted({*bounds, *backs})), drafts,
-                                             tuple(b for b in backs if b not in bounds)))
+        def add_prefills(limit: int) -> int:
+            used = 0
+            for s in prefills:
+                room = limit - used
+                if room <= 0:
+                    break
+                n = min(s.num_uncomputed, room)
+                chunks.append(_chunk(s, n, every, ps))
                 used += n
-            else:
-                chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
-                used += 1
-        return used
+            return used
 
-    if cfg.prefill_policy == "prefill-priority":
-        used = add_prefills(budget)
-        add_decodes(max(0, budget - used))
-    else:
-        rest = budget - add_decodes(budget)
-        if cfg.prefill_policy == "balanced" and decodes:
-            rest = min(rest, max(1, int(budget * cfg.balanced_prefill_share)))
-        add_prefills(rest)
+        def held(s: Sequence) -> tuple[int, ...]:
+            return s.drafts if cap is None else s.drafts[:cap]
+
+        fill = (0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
+                and all(len(held(s)) <= 1 for s in decodes))
+
+        def add_decodes(limit: int) -> int:
+            """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves
+            while it keeps one token for every decode after it (and the balanced policy's prefill share)."""
+            used = 0
+            for k, s in enumerate(decodes):
+                if used >= limit:
+                    break
+                drafts = held(s) or ((s.guess,) if fill and s.guess is not None else ())
+                drafts = drafts[:max(0, limit - share - used - 1 - (len(decodes) - k - 1))]
+                if drafts:
+                    # snapshot points over every row (a draft's count only if it is kept), and the states after the
+                    # real token and each draft but the last: where a rejection is rolled back to
+                    n = 1 + len(drafts)
+                    bounds = _boundaries(s, n, every, ps)
+                    backs = range(s.num_computed + 1, s.num_computed + n)
+                    chunks.append(ScheduledChunk(s, n, True, tuple(sorted({*bounds, *backs})), drafts,
+                                                 tuple(b for b in backs if b not in bounds)))
+                    used += n
+                else:
+                    chunks.append(ScheduledChunk(s, 1, True, _boundaries(s, 1, every, ps)))
+                    used += 1
+            return used
+
+        if cfg.prefill_policy == "prefill-priority":
+            used = add_prefills(budget)
+            add_decodes(max(0, budget - used))
+        else:
+            rest = budget - add_decodes(budget)
+            if cfg.prefill_policy == "balanced" and decodes:
+                rest = min(rest, max(1, int(budget * cfg.balanced_prefill_share)))
+            add_prefills(rest)
+        return chunks
+
+    if not one_draft:
+        return StepPlan(compose(None))
+    # with decode graphs: every draft only where a prompt's chunk of 2+ tokens runs beside the decodes (that step
+    # is eager anyway), else one a sequence, which a verification graph takes
+    chunks = compose(None) if prefills else []
+    if not any(c.num_tokens - len(c.drafts) > 1 for c in chunks):
+        chunks = compose(1)
     return StepPlan(chunks)
 
 

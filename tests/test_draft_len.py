@@ -263,7 +263,7 @@ def test_a_chain_stops_where_its_whole_run_is_no_longer_likely():
     e.runner.mtp_chain = chain
     for first, expect in ((0.9, (7, 41)), (0.7, (7,)), (1.0, (7, 41, 42))):
         s.drafts = (7,)  # 0.9 x 0.8 = 0.72 kept, x 0.8 = 0.576 not; 0.7 x 0.8 = 0.56 not; 1 x 0.8 x 0.8 = 0.64 kept
-        e._chain([s], ops.from_host(np.zeros((1, e.model.cfg.hidden_size), np.float32)), [first])
+        e._chain([s], ops.from_host(np.zeros((1, e.model.cfg.hidden_size), np.float32)), [first], 7)
         assert s.drafts == expect, (first, s.drafts)
 
 

@@ -474,9 +474,9 @@ class Engine(MemoryMixin):
             s = c.seq
             if c.drafts and self.hybrid:
                 back = s.num_computed  # the state after the tokens kept: a snapshot unless every draft was kept
-                kept = {q: out.snapshots.pop((ci, q)) for q in c.rollback}  # device-kept: never prefix-cache ones
+                device = {q: out.snapshots.pop((ci, q)) for q in c.rollback}  # never prefix-cache snapshots
                 if back < before[ci] + c.num_tokens:
-                    self.runner.reset_state(s.state_slot, kept[back] if back in kept else out.snapshots[(ci, back)])
+                    self.runner.reset_state(s.state_slot, device[back] if back in device else out.snapshots[(ci, back)])
             self._register_pages(s, ci, out.snapshots)
         if self.mtp:
             self._draft(plan, out, before)
@@ -534,17 +534,16 @@ class Engine(MemoryMixin):
         dev = mask if xp is np else self.model.backend.from_host(mask)
         return xp.where(dev, logits, xp.asarray(-np.inf, dtype=logits.dtype))
 
-    def _wants_draft(self, c: Any) -> bool:
+    def _wants_draft(self, c: Any, cap: int) -> bool:
         """Whether chunk `c`'s sequence may draft: its next step decodes one token and a second could still be
         taken (max_tokens, the context)."""
         s = c.seq
-        return c.sample and s.finish_reason is None and s.num_uncomputed == 1 and self._draft_room(s) > 0
+        return c.sample and s.finish_reason is None and s.num_uncomputed == 1 and self._draft_room(s, cap) > 0
 
-    def _draft_room(self, s: Sequence) -> int:
-        """How many drafts `s`'s next step may verify: up to `_draft_cap`, while every token they could gain
-        would still be taken (max_tokens, the context)."""
-        return max(0, min(self._draft_cap(), s.params.max_tokens - s.num_output - 1,
-                          self.max_model_len - s.num_tokens - 1))
+    def _draft_room(self, s: Sequence, cap: int) -> int:
+        """How many drafts `s`'s next step may verify: up to `cap` (`_draft_cap`'s, taken once a drafting pass),
+        while every token they could gain would still be taken (max_tokens, the context)."""
+        return max(0, min(cap, s.params.max_tokens - s.num_output - 1, self.max_model_len - s.num_tokens - 1))
 
     def _draft_cap(self) -> int:
         """Drafts a sequence makes for the next step: draft_len, but one with decode graphs unless a prompt's
@@ -566,6 +565,7 @@ class Engine(MemoryMixin):
         occurrence of a sequence's last three tokens are its drafts (up to `_draft_room`, cut before any that would
         switch a constraint on); of its last two only, the first is a guess (verified in a verification graph's
         spare row, `spec_fill`)."""
+        cap = self._draft_cap()
         for c in plan.chunks:
             s = c.seq
             s.drafts, s.guess = (), None
@@ -573,10 +573,10 @@ class Engine(MemoryMixin):
                 continue
             if s.ngram is None:
                 s.ngram = NgramIndex()
-            if not self._wants_draft(c):  # a prompt's chunk: its positions indexed as they are computed
+            if not self._wants_draft(c, cap):  # a prompt's chunk: its positions indexed as they are computed
                 s.ngram.extend(s.tokens, s.num_computed)
                 continue
-            tokens, n = s.ngram.propose(s.tokens, self._draft_room(s))
+            tokens, n = s.ngram.propose(s.tokens, self._draft_room(s, cap))
             cut = next((i for i, t in enumerate(tokens) if self._opens_constraint(s, t)), len(tokens))
             if cut and n >= s.ngram.max_n:
                 s.drafts = tokens[:cut]
@@ -593,7 +593,7 @@ class Engine(MemoryMixin):
         will withhold the next step's drafts, the head only writes its keys and values (`ModelRunner.mtp_kv`):
         its attention, MLP and logits are what a draft costs beyond them."""
         entries, rows, draft_rows, wants, served = [], [], [], [], []
-        n = 0
+        n, cap = 0, self._draft_cap()
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
             s = c.seq
             s.drafts, s.guess = (), None
@@ -604,7 +604,7 @@ class Engine(MemoryMixin):
             served.append(s)
             rows.extend(range(b.start, b.start + k))
             n += k
-            if self._wants_draft(c):
+            if self._wants_draft(c, cap):
                 draft_rows.append(n - 1)
                 wants.append(s)
         if not entries:
@@ -616,7 +616,7 @@ class Engine(MemoryMixin):
             verify = self.governor.allow(width)
             self._next_verify = (width, verify)
             captures, t = self.runner.captures(), self.timer()
-        chain = self._draft_cap() > 1
+        chain = cap > 1
         if verify:
             guesses, confidence, own = self.runner.mtp(entries, np.asarray(rows, np.int64), draft_rows, out.normed,
                                                        chain=chain)
@@ -634,12 +634,12 @@ class Engine(MemoryMixin):
                     s.guess = int(g)
             if chain and sure:
                 self._chain([wants[i] for i in sure], own[self.model.backend.from_host(np.asarray(sure, np.int64))],
-                            [float(confidence[i]) for i in sure])
+                            [float(confidence[i]) for i in sure], cap)
         if self.governor is not None:  # the next step's share of its measure: only a pure decode step's pass
             decode = all(c.sample and c.num_tokens - len(c.drafts) == 1 for c in plan.chunks)
             self._head = _HeadPass(self.timer() - t, tuple(served), captures) if decode else None
 
-    def _chain(self, seqs: list[Sequence], own: Any, sure: list[float]) -> None:
+    def _chain(self, seqs: list[Sequence], own: Any, sure: list[float], cap: int) -> None:
         """More drafts after each of `seqs`' first: the head's pair of its own final-normed state where it guessed
         (`own` [len(seqs), H]) with that guess, one position on, guesses the token after it (as the head's chained
         passes in multi-token prediction), while the product of the head's probabilities along the chain (`sure`:
@@ -652,7 +652,7 @@ class Engine(MemoryMixin):
         live = seqs  # own's rows in this order
         while live:
             go = [r for r, s in enumerate(live)
-                  if len(s.drafts) < self._draft_room(s)
+                  if len(s.drafts) < self._draft_room(s, cap)
                   and self.blocks.pages_for(s.num_computed + len(s.drafts) + 2) <= len(s.pages)]
             if not go:
                 return

@@ -7,10 +7,12 @@ Builds the `qwen3.8-27b` shapes as bench/gpu.py does (seeded random weights on t
 DeltaNet states), then at DRAFT_SHAPES (sequences x context, default 1x1024,4x1024,1x32768) times, as the engine
 runs them (`DecodeGraphRunner.forward` with the piecewise layer tails the server uses), medians of 10 synchronised
 steps:
-- the decode step (a graph, one row a sequence) and the verification step of one draft (a graph, two rows);
-- steps of k = 2..DRAFT_MAX (default 7) drafts a sequence: 1 + k rows, the rollback points after the real token
-  and each draft but the last kept on the device, run eagerly (the verification graphs take one draft);
-  "eager 1" is one draft through the same eager path, for the graphs' share.
+- the decode step (a graph, one row a sequence);
+- steps of k = 1..DRAFT_MAX (default 7) drafts a sequence: 1 + k rows, the rollback points after the real token
+  and each draft but the last kept on the device, through verification graphs of 1 + k rows a sequence where
+  they take k drafts at that width (`DecodeGraphRunner.max_drafts`: the checkpoints of the largest bucket, 12,
+  shared by the bucket's sequences), else eagerly ("eager k"); "eager 1" is one draft through the eager path, for
+  the graphs' share.
 
 Prints ms, the ratio to the decode step, and the tokens a step must emit to repay it (the ratio: a step of ratio r
 that emits r tokens a sequence breaks even), with what a chain accepted at a per-draft rate p emits
@@ -63,17 +65,19 @@ def main() -> None:
     res: dict[str, Any] = {}
     for b, ctx in SHAPES:
         row: dict[str, float] = {}
-        dec_batch, ver_batch = B.decode_batch(b, ctx), B.verify_batch(b, ctx)
+        dec_batch = B.decode_batch(b, ctx)
         row["decode"] = B.median_time(lambda d=dec_batch: runner.forward(d, kv, states), 10, warmup=3)
-        row["graph 1"] = B.median_time(lambda v=ver_batch: runner.forward(v, kv, states), 10, warmup=3)
         for k in range(1, DRAFT_MAX + 1):
             batch = draft_batch(b, ctx, k)
-            if k == 1:  # the eager path for one draft: an ineligible batch (graphs refused) on the same runner
+            if k == 1:  # the eager path for one draft (the model's own forward, the runner's piecewise tails)
                 row["eager 1"] = B.median_time(lambda batch=batch: model.forward(batch, kv, states, tails=runner.tails),
                                                10, warmup=3)
-                continue
-            assert runner.ineligible(batch) is not None
-            row[f"eager {k}"] = B.median_time(lambda batch=batch: runner.forward(batch, kv, states), 10, warmup=3)
+            graph = k <= runner.max_drafts(b, kv)
+            assert (runner.ineligible(batch, kv) is None) == graph, runner.ineligible(batch, kv)
+            steps = runner.stats["graph_steps"]
+            row[f"{'graph' if graph else 'eager'} {k}"] = B.median_time(
+                lambda batch=batch: runner.forward(batch, kv, states), 10, warmup=3)
+            assert (runner.stats["graph_steps"] > steps) == graph, runner.stats["failures"]
         res[f"{b}x{ctx}"] = {n: t * 1e3 for n, t in row.items()}
         dec = row["decode"]
         print(f"\n{b}x{ctx}: decode step {dec * 1e3:.2f} ms (graph steps {runner.stats['graph_steps']}, eager "

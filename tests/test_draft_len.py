@@ -151,19 +151,31 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
     n = a.num_computed
     assert plan.chunks[0].rollback == (n + 1, n + 2, n + 3, n + 4)  # the states after the real token and each draft
     assert plan.chunks[0].snapshot_at == (n + 1, n + 2, n + 3, n + 4)  # but the last
-    # with decode graphs (`one_draft`): a step of decodes alone verifies one draft a sequence (a graph's), a step
-    # beside a prompt's chunk every draft the budget leaves room for; under decode-priority, where the drafts would
-    # leave the prompt no token, one a sequence and the prompt the rest
-    assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, one_draft=True).chunks] == [(1,), (5,), ()]
+    # with decode graphs (`graph_drafts`: the drafts a sequence that a graph of n sequences takes): a step of
+    # decodes alone verifies at most that many a sequence, a step beside a prompt's chunk every draft the budget
+    # leaves room for; under decode-priority, where the drafts would leave the prompt no token, the graph's and
+    # the prompt the rest
+    widths = []
+
+    def takes(k):
+        return lambda n: widths.append(n) or k
+    assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, graph_drafts=takes(1)).chunks] == [(1,), (5,), ()]
+    assert widths == [3]
+    assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, graph_drafts=takes(2)).chunks] == \
+        [(1, 2), (5, 6), ()]
+    # 0 (no graph of that many sequences): the step runs eagerly, every draft the budget leaves room for
+    assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, graph_drafts=takes(0)).chunks] == \
+        [(1, 2, 3, 4), (5,), ()]
     late = Request(tuple(prompts_of(["# notes\n" * 20])[0]), SamplingParams(temperature=0, max_tokens=4))
     e.add_request(late)
     e.admission(e)
-    starved = plan_step(e.running, e.cfg.replace(prefill_policy="decode-priority"), False, one_draft=True)
+    starved = plan_step(e.running, e.cfg.replace(prefill_policy="decode-priority"), False, graph_drafts=takes(1))
     assert [ch.drafts for ch in starved.chunks if not ch.seq.in_prefill] == [(1,), (5,), ()]
     assert [ch.num_tokens for ch in starved.chunks if ch.seq.in_prefill] == [3]
+    assert widths[-1] == 4  # the prompt's sequence counted
     e.cfg = e.cfg.replace(max_batch_tokens=32)
     assert any(s.in_prefill for s in e.running)
-    mixed = plan_step(e.running, e.cfg, False, one_draft=True)
+    mixed = plan_step(e.running, e.cfg, False, graph_drafts=takes(1))
     assert [ch.drafts for ch in mixed.chunks if not ch.seq.in_prefill] == [(1, 2, 3, 4), (5, 6, 7), ()]
 
 

@@ -59,7 +59,7 @@ class PoisoningGraphRunner:
                 assert s.state_slot is not None and s.state_slot != pad_slot, f"a sequence holds slot {pad_slot}"
                 assert 0 <= s.state_slot < states.num_slots - 1
         decode = all(s.length == 1 and not s.snapshot_at for s in batch.seqs)
-        verify = all(s.length <= 2 for s in batch.seqs) and not decode
+        verify = max(s.length for s in batch.seqs) - 1 <= self.max_drafts(len(batch.seqs)) and not decode
         self.stats["graph_steps" if decode or verify else "eager_steps"] += 1
         self.stats["verify_steps"] += verify
         self.batches += 1
@@ -71,7 +71,7 @@ class PoisoningGraphRunner:
         """The MTP pass's contract: the head's KV for every pair, its guess and probability at each sequence's
         last pair (and with `own` the head's final-normed states there); then the pad page poisoned."""
         assert all(s.state_slot is None for s in batch.seqs)
-        if any(s.length > 2 for s in batch.seqs):  # as the graph runner: the caller runs the head eagerly
+        if any(s.length > 8 for s in batch.seqs):  # as the graph runner (MAX_ROWS): the caller runs it eagerly
             return None
         last = dataclasses.replace(batch, logits_rows=np.asarray([s.end - 1 for s in batch.seqs], np.int64))
         logits, hn = self.model.mtp_forward(last, normed, kv, own=True)
@@ -87,6 +87,14 @@ class PoisoningGraphRunner:
         self.stats["mtp_kv_steps"] += 1
         self._poison(kv, None)
         return True
+
+    def max_drafts(self, n, kv=None):
+        """DecodeGraphRunner.max_drafts's rule: up to 7 drafts a sequence, on a hybrid model no more than its
+        checkpoints (one a row of the largest bucket) hold for the bucket of `n`."""
+        if not 0 < n <= max(self.buckets):
+            return 0
+        bucket = min(b for b in self.buckets if b >= n)
+        return min(7, max(self.buckets) // bucket) if self.model.cfg.linear_layers else 7
 
     def _poison(self, kv, states) -> None:
         page = np.asarray([self.plan.pad_page], np.int64)
@@ -233,7 +241,7 @@ def test_graph_failures_are_reported_per_key(fake_graphs):
     stats = json.loads(json.dumps(e.snapshot_stats()))
     assert stats["graphs"]["failures"] == 2
     assert stats["graph_failures"] == {"bucket=4 splits=1": "CUDARuntimeError: capture invalidated",
-                                       "bucket=2 splits=8 verify": "CUDARuntimeError: out of memory"}
+                                       "bucket=2 splits=8 verify rows=2": "CUDARuntimeError: out of memory"}
 
 
 def test_app_config_passes_the_prefill_share_through():
@@ -339,11 +347,12 @@ def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
     assert e.stats.withheld_steps > 10 and g["mtp_kv_steps"] >= e.stats.withheld_steps - 2, (e.stats.withheld_steps, g)
     assert g["mtp_steps"] > 0, g
 @pytest.mark.parametrize("policy,budget", [("balanced", 24), ("decode-priority", 12)])
-def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_graphs, caplog, policy, budget):
-    """draft_len above 1 with decode graphs: a step of decodes alone verifies one draft a sequence (a verification
-    graph takes one; more would run the step eagerly), a step beside a prompt's chunk of two tokens or more (eager
-    anyway) every draft, said in a warning; under decode-priority, drafts that would leave a waiting prompt no
-    token are cut to one instead; the tokens stay those without speculation."""
+def test_with_graphs_agents_verify_as_many_drafts_as_a_graph_takes(fake_graphs, policy, budget):
+    """draft_len above 1 with decode graphs: a step of decodes alone verifies as many drafts a sequence as a
+    verification graph of its sequences takes (`max_drafts`: on this hybrid model, the checkpoints of the largest
+    bucket shared among the bucket's sequences), a step beside a prompt's chunk of two tokens or more (eager
+    anyway) every draft; under decode-priority, drafts that would leave a waiting prompt no token are cut; the
+    tokens stay those without speculation."""
     from decapybara.backend.numpy_backend import NumpyBackend
     from decapybara.config import DEMO_MODEL
     from decapybara.engine.sequence import Request
@@ -366,7 +375,7 @@ def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_grap
 
         def logged(plan, normed=False):
             steps.append((any(c.num_tokens - len(c.drafts) > 1 for c in plan.chunks),  # a prompt's chunk
-                          max((len(c.drafts) for c in plan.chunks), default=0)))
+                          max((len(c.drafts) for c in plan.chunks), default=0), len(plan.chunks)))
             return run(plan, normed)
         engine.runner.run = logged
         while engine.has_work():
@@ -378,11 +387,13 @@ def test_with_graphs_agents_verify_several_drafts_only_beside_a_prompt(fake_grap
         return out, steps
 
     ref, _ = generate(Engine(loaded.model, cfg.replace(cuda_graphs=False, speculator="off"), tokenizer=tok))
-    with caplog.at_level("WARNING", logger="decapybara.engine.engine"):
-        e = Engine(loaded.model, cfg, tokenizer=tok)
-    assert e.one_draft and "draft_len 5: with CUDA graphs an agent verifies more than one draft only" in caplog.text
+    e = Engine(loaded.model, cfg, tokenizer=tok)
+    graphs = e.runner.graphs
+    assert e.graph_drafts is not None and [graphs.max_drafts(n) for n in (1, 2, 3, 5, 12, 13)] == [7, 6, 3, 1, 1, 0]
     got, steps = generate(e)
     assert got == ref
-    assert all(d <= 1 for mixed, d in steps if not mixed)  # decodes alone: one draft, through the graphs
-    assert any(d > 1 for mixed, d in steps if mixed)  # beside the prompt's chunks: several
-    assert e.snapshot_stats()["graphs"]["verify_steps"] > 0
+    alone = [(d, n) for mixed, d, n in steps if not mixed]
+    assert all(d <= graphs.max_drafts(n) for d, n in alone), alone  # decodes alone: what their graph takes
+    assert any(d > 1 for d, n in alone), alone  # ... several a sequence
+    assert any(d > graphs.max_drafts(n) for mixed, d, n in steps if mixed), steps  # beside a prompt's chunks: all
+    assert graphs.stats["verify_steps"] > 0 and graphs.stats["eager_steps"] > 0

@@ -15,19 +15,21 @@ staging -> two static device buffers, then `graph.launch`. A row that asks for a
 decode row can only ask at its token's end) gets its slot's state copied out after the replay. Anything else
 runs eagerly.
 
-Speculative verification steps (some sequence adds two tokens: its last real token and the MTP head's draft)
-replay graphs of their own, keyed by two rows a sequence: sequence i holds rows 2i and 2i + 1 whatever its
-length in the batch. A sequence of one token gets a throwaway second row, whose KV goes to the pad page,
-whose DeltaNet step runs on the pad slot and whose outputs nobody reads; attention takes every sequence as two
-tokens (the throwaway row attends over the sequence's own keys and one stale key, never read back). Where the
-decode kernel takes the pages the attention is one launch of it (and one reduce) over 2 x bucket one-token
+Speculative verification steps (some sequence adds its last real token and k drafts, 1 <= k < MAX_ROWS) replay
+graphs of their own, keyed by R rows a sequence (R = 1 + the batch's most drafts): sequence i holds rows R i ..
+R i + R - 1 whatever its length in the batch. A sequence of fewer tokens gets throwaway rows after its own,
+whose KV goes to the pad page, whose DeltaNet steps run on the pad slot and whose outputs nobody reads; attention
+takes every sequence as R tokens (a throwaway row attends over the sequence's own keys, never read back). Where
+the decode kernel takes the pages the attention is one launch of it (and one reduce) over R x bucket one-token
 sequences, (sequence i, token j) at plan index j x bucket + i over keys to its own (DECODE "verify_one_pass"; 0:
-two launches, a token each), else the tensor-core prefill kernel's (the general kernel's over float32 pages);
-the DeltaNet is the decode kernel's multi-row build over runs of none to two rows (cupy_deltanet MULTI_DECODE).
-A draft's rollback point (the state after the real token, asked for as `snapshot_at` total - 1) is written by
-the DeltaNet kernels into checkpoint buffers of the runner's (`_checkpoints`: one state a bucket row, allocated
-at the first verification graph) and handed back as device views (`ForwardBatch.device_snapshots`, valid until
-the next verification replay) or host copies.
+two launches, a token each, for R = 2 only: more rows a sequence then run eagerly), else the tensor-core prefill
+kernel's (the general kernel's over float32 pages); the DeltaNet is the decode kernel's multi-row build over runs
+of none to R rows (cupy_deltanet MULTI_DECODE). A draft's rollback point (the state after the real token and the
+drafts before it, asked for as `snapshot_at` points inside the sequence's rows) is written by the DeltaNet kernels
+into checkpoint buffers of the runner's (`_checkpoints`: max bucket states, allocated at the first verification
+graph; sequence i's d-th point at state i (R - 1) + d, so a graph takes bucket x (R - 1) <= max bucket:
+`max_drafts`) and handed back as device views (`ForwardBatch.device_snapshots`, valid until the next
+verification replay) or host copies.
 
 What the backend must guarantee for capture (CupyBackend does, through the plan caches seeded below):
 no host synchronisation or host -> device copy in the decode forward (no `from_host`, `cupy.asnumpy`, `int()`
@@ -75,6 +77,8 @@ from decapybara.model.qwen import ForwardOutput, QwenModel
 
 log = logging.getLogger(__name__)
 _D2H = 2  # cudaMemcpyDeviceToHost
+MAX_ROWS = 8  # rows a sequence of a verification graph: its real token and up to 7 drafts (the DeltaNet decode's
+# multi-row build, cupy_deltanet MULTI_DECODE, takes runs of up to 8 rows)
 
 
 class GraphUnsupported(RuntimeError):
@@ -126,7 +130,7 @@ class _Static:
 
     bucket: int
     splits: int
-    rows: int  # rows a sequence: 1 (decode) or 2 (verification: the real token and the draft)
+    rows: int  # rows a sequence: 1 (decode) or 2..MAX_ROWS (verification: the real token and the drafts)
     tiles: int  # attention tiles per sequence
     block_m: int  # query rows per tile
     host64: np.ndarray  # pinned int64 [3, bucket * rows]: ids, positions, slots
@@ -145,10 +149,11 @@ class _Static:
     done: Any = None  # event after the last replay: staging is reusable once it completed
     chains: Any = None  # its layer tails' product chains (decapybara/backend/chain_tails.py `ChainTails`)
     mtp: bool = False  # the MTP head's pass (`DecodeGraphRunner.mtp`), not a forward
-    hidden: Any = None  # an MTP graph's input rows [bucket * 2, H] float32 (the main model's normed states)
+    hidden: Any = None  # an MTP graph's input rows [bucket * rows, H] float32 (the main model's normed states)
     flag: Any = None  # pinned uint32 [1]: the chains' timeout flag, copied there at the end of each replay
-    tables2: Any = None  # a one-pass verification graph's block tables twice, [2 * bucket, max_pages] int32 (its
-                         # plan's one-token sequences j x bucket + i read row i), copied from "tables" in the graph
+    token_tables: Any = None  # a one-pass verification graph's block tables once a row of a sequence, [rows *
+    # bucket, max_pages] int32 (its plan's one-token sequences j x bucket + i read row i), copied from "tables" in
+    # the graph
 
     def d32(self, name: str) -> Any:
         off, shape = self.views[name]
@@ -190,7 +195,7 @@ class DecodeGraphRunner:
     def forward(self, batch: ForwardBatch, kv: KVCache, states: StatePool | None = None) -> ForwardOutput:
         if self.chains and self._chains_timed_out():
             self._drop_chains()
-        reason = self.ineligible(batch)
+        reason = self.ineligible(batch, kv)
         key = None if reason else (self._bucket(len(batch.seqs)), self._splits(batch, kv), self._rows(batch))
         if key is not None and key not in self.stats["failures"]:
             try:
@@ -200,7 +205,7 @@ class DecodeGraphRunner:
                 self._graphs.pop(key, None)
             else:  # outside the try: once the graph ran, a failure here must not run the step a second time
                 out = self._outputs(st, batch)
-                self._snapshots(out, batch, states)
+                self._snapshots(out, batch, states, st.rows)
                 return out
         self.stats["eager_steps"] += 1
         return self.model.forward(batch, kv, states, tails=self.tails)
@@ -233,11 +238,11 @@ class DecodeGraphRunner:
                 "launched_tails": sum(len(c.stats["launched"]) for c in sts),
                 "recut_tails": sum(len(c.stats["recut"]) for c in sts)}
 
-    def _snapshots(self, out: ForwardOutput, batch: ForwardBatch, states: StatePool | None) -> None:
-        """A replay's hybrid-state snapshots into `out`: a point at a sequence's end is the state its slot holds
-        after the step (a host copy); a verification row's point after its real token is its checkpoint, as
-        device views where `batch.device_snapshots` names it (valid until the next verification replay), else a
-        host copy."""
+    def _snapshots(self, out: ForwardOutput, batch: ForwardBatch, states: StatePool | None, rows: int) -> None:
+        """A replay's hybrid-state snapshots into `out` (a graph of `rows` rows a sequence): a point at a
+        sequence's end is the state its slot holds after the step (a host copy); a verification point after its
+        d-th row (d from 0, before its last) is checkpoint i (rows - 1) + d, as device views where
+        `batch.device_snapshots` names it (valid until the next verification replay), else a host copy."""
         lin = list(self.model.cfg.linear_layers)
         if not lin:  # no hybrid state: nothing to snapshot
             return
@@ -246,24 +251,29 @@ class DecodeGraphRunner:
                 if q == s.total:
                     out.snapshots[(i, q)] = states.get(s.state_slot)
                     continue
-                conv = [self._ckpt[j][0][i] for j in lin]
-                rec = [self._ckpt[j][1][i] for j in lin]
+                at = i * (rows - 1) + q - (s.total - s.length) - 1
+                conv = [self._ckpt[j][0][at] for j in lin]
+                rec = [self._ckpt[j][1][at] for j in lin]
                 if (i, q) not in batch.device_snapshots:
                     arrs = host_copies(conv + rec)
                     conv, rec = arrs[:len(lin)], arrs[len(lin):]
                 out.snapshots[(i, q)] = HybridState(conv, rec)
 
-    def ineligible(self, batch: ForwardBatch) -> str | None:
-        """Why `batch` cannot replay a decode or verification graph (None when it can)."""
+    def ineligible(self, batch: ForwardBatch, kv: KVCache | None = None) -> str | None:
+        """Why `batch` cannot replay a decode or verification graph (None when it can); `kv`: the cache it runs
+        over (its pages decide whether more than one draft a sequence takes a graph, `max_drafts`)."""
         seqs = batch.seqs
         if not seqs or len(seqs) > max(self.buckets):
             return f"{len(seqs)} sequences (buckets {self.buckets})"
-        if any(s.length not in (1, 2) or any(q != s.total and (s.length == 1 or q != s.total - 1)
-                                             for q in s.snapshot_at) for s in seqs):
+        if any(not 1 <= s.length <= MAX_ROWS or any(not s.total - s.length < q <= s.total for q in s.snapshot_at)
+               for s in seqs):
             return "not a decode or verification batch (prefill chunk)"
         if not np.array_equal(batch.logits_rows, np.arange(batch.num_tokens)):
             return "logits not requested for exactly every row"
-        if not self._tables_fit(batch, self._rows(batch)):
+        rows = self._rows(batch)
+        if rows - 1 > self.max_drafts(len(seqs), kv):
+            return f"{rows - 1} drafts a sequence beside {len(seqs) - 1} others (max_drafts)"
+        if not self._tables_fit(batch, rows):
             return "block table longer than max_pages or using the pad page"
         if self.model.cfg.linear_layers and any(s.state_slot in (None, self.pad_slot) for s in seqs):
             return "state slot missing or equal to pad_slot"
@@ -276,14 +286,28 @@ class DecodeGraphRunner:
         return not any(len(s.block_table) > self.max_pages or cdiv(s.context + rows, ps) > self.max_pages
                        or self.pad_page in s.block_table[:cdiv(s.total, ps)] for s in batch.seqs)
 
+    def max_drafts(self, n: int, kv: KVCache | None = None) -> int:
+        """Drafts a sequence that a verification graph of `n` sequences takes (0: none, more sequences than the
+        largest bucket): up to MAX_ROWS - 1, on a hybrid model no more than its checkpoints hold (bucket x drafts
+        <= max bucket: each draft's rollback point a state), on `kv`'s pages one where the decode kernel takes a
+        verification's tokens in a launch each (DECODE "verify_one_pass" 0: two passes, for two rows only)."""
+        if not 0 < n <= max(self.buckets):
+            return 0
+        most = MAX_ROWS - 1
+        if self.model.cfg.linear_layers:
+            most = min(most, max(self.buckets) // self._bucket(n))
+        if kv is not None and self._token_passes(kv) and not self._one_pass(kv):
+            most = 1
+        return most
+
     # ---- graphs -----------------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
         return min(b for b in self.buckets if b >= n)
 
     @staticmethod
     def _rows(batch: ForwardBatch) -> int:
-        """Rows a sequence of the batch's graph: 2 where some sequence verifies a draft, else 1."""
-        return 2 if any(s.length == 2 for s in batch.seqs) else 1
+        """Rows a sequence of the batch's graph: 1 + the most drafts a sequence verifies (1: a decode batch)."""
+        return max(s.length for s in batch.seqs)
 
     def _splits(self, batch: ForwardBatch, kv: KVCache, rows: int | None = None) -> int:
         """Key splits per tile (a graph per value): the tensor-core decode kernel's by attn_plan.decode_splits
@@ -296,26 +320,26 @@ class DecodeGraphRunner:
         shape = self._decode_launch(kv)
         cfg = self.model.cfg
         per_split = self._bucket(len(batch.seqs)) * self._row_tiles(kv, rows)[1] * cfg.num_key_value_heads  # CTAs
-        if rows == 2 and self._one_pass(kv):  # both tokens' CTAs in the one launch
-            per_split *= 2
+        if rows > 1 and self._one_pass(kv):  # every token's CTAs in the one launch
+            per_split *= rows
         if shape is not None:
             sms, per_sm = sm_count(), decode_per_sm(cfg.head_dim, _kv_bits(kv), shape)
             return decode_splits(per_split, longest, sms, pow2=True, cap=graph_split_cap(per_split, sms, per_sm),
                                  per_sm=per_sm)
-        if rows == 2 and self._verify_launch(kv) is not None:
+        if rows > 1 and self._verify_launch(kv) is not None:
             return min(32, pow2_floor(min(cdiv(2 * sm_count(), per_split), longest // MIN_KEYS_PER_SPLIT)))
         return 1 if longest < MIN_KEYS_PER_SPLIT else 4 if longest < 256 else 16 if longest < 16384 else 32
 
     def _row_tiles(self, kv: KVCache | None = None, rows: int = 1) -> tuple[int, int, int]:
         """(rows per warp, row tiles a sequence, query rows a tile) of a step's attention over `rows` tokens a
         sequence (row = token * g + head in group): the decode kernel's or general kernel's tiles of 4 warps
-        (a verification graph's decode-kernel passes: a token's g rows each, in one launch or two), a verification
-        graph's prefill-kernel CTAs (`_verify_launch`)."""
+        (a verification graph's decode-kernel passes: a token's g rows each, in one launch, or two for two rows), a
+        verification graph's prefill-kernel CTAs (`_verify_launch`)."""
         cfg = self.model.cfg
         g = cfg.num_attention_heads // cfg.num_key_value_heads
-        if rows == 2 and self._token_passes(kv):
+        if rows > 1 and self._token_passes(kv):
             rows = 1
-        launch = self._verify_launch(kv) if rows == 2 else None
+        launch = self._verify_launch(kv) if rows > 1 else None
         if launch is not None:
             block_m = PREFILL_ROWS_PER_WARP * launch.warps
             return PREFILL_ROWS_PER_WARP, cdiv(rows * g, block_m), block_m
@@ -323,23 +347,23 @@ class DecodeGraphRunner:
         return rpw, cdiv(rows * g, 4 * rpw), 4 * rpw
 
     def _token_passes(self, kv: KVCache | None) -> bool:
-        """Whether a verification graph's attention runs on the decode kernel, a pass a token (row 2i over keys
-        to its own, row 2i + 1 over keys to the draft's; both in one launch where `_one_pass`): where the decode
+        """Whether a verification graph's attention runs on the decode kernel, a pass a token (row R i + j over
+        keys to its own; all in one launch where `_one_pass`): where the decode
         kernel takes the model's decode steps. The prefill kernel would take both tokens in one CTA, but in CTAs
         of 64 rows for a sequence's 2g, and it spent 0.18-0.21 ms a 27B layer on 16 new tokens after 16k keys
         where a decode pass takes ~0.03 (docs/perf.md)."""
         return kv is not None and self._decode_launch(kv) is not None
 
     def _one_pass(self, kv: KVCache | None) -> bool:
-        """Whether a verification graph's two decode-kernel passes are one launch (and one reduce): each
-        (sequence, token) a one-token sequence of the plan (DECODE "verify_one_pass"), its CTAs beside the other
-        token's, so that the second read of a sequence's keys can come from the L2. Read when a graph is built:
-        a runner's graphs keep the form they were captured in."""
+        """Whether a verification graph's decode-kernel passes are one launch (and one reduce): each (sequence,
+        token) a one-token sequence of the plan (DECODE "verify_one_pass"), its CTAs beside the other tokens',
+        so that the later reads of a sequence's keys can come from the L2. Read when a graph is built: a runner's
+        graphs keep the form they were captured in."""
         return self._token_passes(kv) and bool(DECODE["verify_one_pass"])
 
     def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
         """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
-        kernel): CTAs of 4 warps (64 query rows, of which a sequence's two tokens take 2g), no scratch pages."""
+        kernel): CTAs of 4 warps (64 query rows, of which a sequence's R tokens take R g), no scratch pages."""
         return prefill_launch(self.model.cfg.head_dim, _kv_bits(kv), warps=4)
 
     def _decode_launch(self, kv: KVCache) -> tuple[int, int] | None:
@@ -356,17 +380,17 @@ class DecodeGraphRunner:
             st = self._graphs[key] = self._build(*key, page_size=batch.page_size, kv=kv)
         self._launch(st, batch, lambda: self._step(st, kv, states))
         self.stats["graph_steps"] += 1
-        self.stats["verify_steps"] += st.rows == 2
+        self.stats["verify_steps"] += st.rows > 1
         return st
 
     def _outputs(self, st: _Static, batch: ForwardBatch) -> ForwardOutput:
         """A replay's outputs for `batch`'s rows in its order (a verification graph's gathered from sequence i's
-        rows 2i, 2i + 1; a decode graph's are views of the graph's own arrays, valid until its next replay)."""
+        rows R i ..; a decode graph's are views of the graph's own arrays, valid until its next replay)."""
         logits, h, normed = st.outputs  # h: the residual stream before the final norm; normed: after it
         if st.rows == 1:
             n = len(batch.seqs)
             return ForwardOutput(logits[:n], h[:n], {}, normed[:n] if batch.normed_rows else None)
-        idx = cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(batch.seqs)]))
+        idx = cp.asarray(np.concatenate([st.rows * i + np.arange(s.length) for i, s in enumerate(batch.seqs)]))
         return ForwardOutput(logits[idx], h[idx], {}, normed[idx] if batch.normed_rows else None)
 
     def _launch(self, st: _Static, batch: ForwardBatch, step: Any) -> None:
@@ -393,12 +417,13 @@ class DecodeGraphRunner:
     def mtp(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False) -> tuple[Any, ...] | None:
         """The MTP head's greedy guess and its probability at each sequence's last pair ([len(batch.seqs)] device
         arrays, int64 and float32; with `own` also the head's final-normed states there, [len(batch.seqs), H]:
-        what a chained guess pairs with), the head's KV written for every pair, through a graph of two pair rows a
-        sequence (`QwenModel.mtp_forward`'s batch: a sequence's rows pair the tokens at p + 1 with `normed`
-        [T, H], the main model's normed states at p; a one-pair sequence's second row thrown away as a
-        verification graph's); None where the batch cannot replay one (the caller runs the head eagerly):
-        a sequence of more than two pairs, more sequences than the largest bucket, pages past max_pages, or a
-        capture that failed before."""
+        what a chained guess pairs with), the head's KV written for every pair, through a graph of R pair rows a
+        sequence, R the most pairs a sequence has, at least 2 (`QwenModel.mtp_forward`'s batch: a sequence's rows
+        pair the tokens at p + 1 with `normed` [T, H], the main model's normed states at p; a sequence's rows past
+        its pairs thrown away as a verification graph's); None where the batch cannot replay one (the caller runs
+        the head eagerly): a sequence of more than MAX_ROWS pairs (or more than two where the decode kernel's
+        passes are a launch a token), more sequences than the largest bucket, pages past max_pages, or a capture
+        that failed before."""
         st = self._mtp_replay(batch, normed, kv, kv_only=False)
         if st is None:
             return None
@@ -414,22 +439,24 @@ class DecodeGraphRunner:
     def _mtp_replay(self, batch: ForwardBatch, normed: Any, kv: KVCache, kv_only: bool) -> _Static | None:
         """`mtp` / `mtp_kv`'s graph replayed over `batch`'s pairs (built and captured on first use), or None."""
         seqs = batch.seqs
-        if not seqs or len(seqs) > max(self.buckets) or any(s.length > 2 for s in seqs) \
-                or not self._tables_fit(batch, 2):
+        rows = max([2, *(s.length for s in seqs)])
+        if not seqs or len(seqs) > max(self.buckets) or rows > MAX_ROWS or not self._tables_fit(batch, rows) \
+                or (rows > 2 and self._token_passes(kv) and not self._one_pass(kv)):
             self.stats["mtp_eager"] += 1
             return None
-        key = ("mtpkv" if kv_only else "mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=2))
+        key = ("mtpkv" if kv_only else "mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=rows), rows)
         if key in self.stats["failures"]:
             self.stats["mtp_eager"] += 1
             return None
         try:
             st = self._graphs.get(key)
             if st is None:
-                st = self._graphs[key] = self._build(key[1], key[2], 2, page_size=batch.page_size, kv=kv, mtp=True)
+                st = self._graphs[key] = self._build(*key[1:], page_size=batch.page_size, kv=kv, mtp=True)
             # the pairs' hidden rows into the graph's input (the current stream: after the last replay read it)
             if st.done is not None:
                 cp.cuda.get_current_stream().wait_event(st.done)
-            st.hidden[cp.asarray(np.concatenate([2 * i + np.arange(s.length) for i, s in enumerate(seqs)]))] = normed
+            st.hidden[cp.asarray(np.concatenate([rows * i + np.arange(s.length) for i, s in enumerate(seqs)]))] \
+                = normed
             self._launch(st, batch, lambda: self._mtp_kv_step(st, kv) if kv_only else self._mtp_step(st, kv))
         except Exception as e:  # noqa: BLE001 - a failed capture: this key runs eagerly from now on
             self.stats["failures"][key] = f"{type(e).__name__}: {e}"
@@ -486,15 +513,18 @@ class DecodeGraphRunner:
 
         rpw, tiles, block_m = self._row_tiles(kv, rows)
         nrows = bucket * rows
-        one = rows == 2 and self._one_pass(kv)  # both tokens' decode passes in one launch: 2 x bucket sequences
+        one = rows > 1 and self._one_pass(kv)  # every token's decode pass in one launch: rows x bucket sequences
         two = rows == 2 and self._token_passes(kv) and not one  # a second decode pass: the draft rows' metadata ("_b")
-        nseq = 2 * bucket if one else bucket  # the attention plan's (one-token) sequences
-        # runs: a sequence's, then (verification) its throwaway row's; segments: two a sequence, one a throwaway
-        nsegs = bucket if rows == 1 else 3 * bucket
+        if rows > 2 and self._token_passes(kv) and not one:
+            raise GraphUnsupported(f"{rows} rows a sequence need the one-pass decode attention (verify_one_pass)")
+        nseq = rows * bucket if one else bucket  # the attention plan's (one-token) sequences
+        # runs: a sequence's, then (verification) its throwaway rows'; segments: up to `rows` a sequence (cut at
+        # its checkpoints), one its throwaway rows'
+        nruns, nsegs = (bucket, bucket) if rows == 1 else (2 * bucket, (rows + 1) * bucket)
         nwork = nseq * tiles * splits
         nred = nseq * tiles if splits > 1 else 0
         shapes = {"seq_info": (nseq, 3), "tables": (bucket, self.max_pages), "work": (nwork, 5),
-                  "reduce": (nred, 4), "runs": (nrows, 5), "segs": (nsegs, 2),
+                  "reduce": (nred, 4), "runs": (nruns, 5), "segs": (nsegs, 2),
                   "last": (bucket if mtp else 0,),  # an MTP graph: each sequence's last pair row
                   "seq_info_b": (bucket if two else 0, 3), "work_b": (nwork if two else 0, 5),
                   "reduce_b": (nred if two else 0, 4)}
@@ -510,19 +540,19 @@ class DecodeGraphRunner:
         segments = [DeltaNetSegment(rows * i, rows, i) for i in range(bucket)]
         st = _Static(bucket, splits, rows, tiles, block_m, host64, host32, dev64, dev32, views, placeholder,
                      segments)
-        # decode batches: the decode kernel or the general one; verification: the decode kernel once over both
-        # tokens (`one`) or twice (its draft rows' pass the plan's `rows`, which `cupy_attention.attention` runs
-        # after it), else the prefill kernel or the general one
+        # decode batches: the decode kernel or the general one; verification: the decode kernel once over every
+        # token (`one`) or twice (two rows: its draft rows' pass the plan's `rows`, which `cupy_attention.attention`
+        # runs after it), else the prefill kernel or the general one
         dec = self._decode_launch(kv) if rows == 1 or one or two else None
         if one:
-            st.tables2 = cp.zeros((nseq, self.max_pages), cp.int32)
+            st.token_tables = cp.zeros((nseq, self.max_pages), cp.int32)
 
         def attn(suffix: str, sub: Any) -> Any:
-            tables = st.tables2 if one else st.d32("tables")
+            tables = st.token_tables if one else st.d32("tables")
             return _plan(AttentionPlan, seq_info=st.d32("seq_info" + suffix), block_tables=tables,
                          max_pages=self.max_pages, work=st.d32("work" + suffix), reduce=st.d32("reduce" + suffix),
                          num_work=nwork, num_reduce=nred, num_parts=nwork if splits > 1 else 0, rows_per_warp=rpw,
-                         slots=dev64[2], decode=dec, prefill=self._verify_launch(kv) if rows == 2 and dec is None
+                         slots=dev64[2], decode=dec, prefill=self._verify_launch(kv) if rows > 1 and dec is None
                          else None, dequant=None, rows=sub)
 
         st.attn_plan = attn("", attn("_b", None) if two else None)
@@ -531,17 +561,20 @@ class DecodeGraphRunner:
             st.mtp, st.hidden = True, cp.zeros((nrows, self.model.cfg.hidden_size), cp.float32)
             return st
         ckpt = None
-        if rows == 2 and self.model.cfg.linear_layers:
-            ckpt = {j: (c[:bucket], r[:bucket]) for j, (c, r) in self._checkpoints().items()}
-        st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=nrows, max_len=rows,
+        if rows > 1 and self.model.cfg.linear_layers:
+            if bucket * (rows - 1) > max(self.buckets):
+                raise GraphUnsupported(f"{rows - 1} drafts a sequence of {bucket}: more rollback points than "
+                                       f"{max(self.buckets)} checkpoints")
+            ckpt = {j: (c[:bucket * (rows - 1)], r[:bucket * (rows - 1)]) for j, (c, r) in self._checkpoints().items()}
+        st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=nruns, max_len=rows,
                             snapshot_keys=[], chunk_src=None, chunk_work=None,  # no chunked work
                             snap_bufs=ckpt, device_keys=frozenset())
         return st
 
     def _checkpoints(self) -> dict[int, tuple[Any, Any]]:
         """The verification graphs' checkpoint buffers, allocated once (outside every graph's pool): per linear
-        layer (conv [max bucket, conv_dim, k - 1], recurrent [max bucket, Hv, dk, dv]) float32; a verifying
-        sequence's state after its real token goes to its row of the bucket."""
+        layer (conv [max bucket, conv_dim, k - 1], recurrent [max bucket, Hv, dk, dv]) float32; the state of
+        sequence i after its d-th row (d from 0) of a graph of R rows a sequence goes to state i (R - 1) + d."""
         if self._ckpt is None:
             cfg, n = self.model.cfg, max(self.buckets)
             shape_c = (n, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
@@ -562,22 +595,23 @@ class DecodeGraphRunner:
         pad_slot_kv = self.pad_page * ps
         ids, pos, slots = st.host64
         ids[:], slots[:] = 0, pad_slot_kv
-        pos[:] = np.tile(np.arange(rows), b)  # padding sequences: tokens 0 (and 1) of the pad page
-        if rows == 2:
+        pos[:] = np.tile(np.arange(rows), b)  # padding sequences: tokens 0 .. rows - 1 of the pad page
+        if rows > 1:
             slots[:] += pos % ps
         ctx = np.zeros(b, np.int64)
         if batch is not None:
             ctx[:n] = [s.context for s in seqs]
             if rows == 1:
                 ids[:n], pos[:n], slots[:n] = batch.token_ids, batch.positions, batch.slot_mapping
-            else:  # sequence i's rows at 2i (+ 1); a throwaway row: the next position, its KV to the pad page
+            else:  # sequence i's rows from R i; throwaway rows: the next positions, their KV to the pad page
                 for i, s in enumerate(seqs):
-                    r = rows * i
-                    ids[r:r + s.length] = batch.token_ids[s.start:s.end]
-                    pos[r:r + s.length] = batch.positions[s.start:s.end]
-                    slots[r:r + s.length] = batch.slot_mapping[s.start:s.end]
-                    if s.length == 1:
-                        ids[r + 1], pos[r + 1], slots[r + 1] = 0, s.total, pad_slot_kv
+                    r, k = rows * i, s.length
+                    ids[r:r + k] = batch.token_ids[s.start:s.end]
+                    pos[r:r + k] = batch.positions[s.start:s.end]
+                    slots[r:r + k] = batch.slot_mapping[s.start:s.end]
+                    ids[r + k:r + rows] = 0
+                    pos[r + k:r + rows] = s.total + np.arange(rows - k)
+                    slots[r + k:r + rows] = pad_slot_kv + np.arange(rows - k) % ps
         tables = st.h32("tables")
         tables[:] = self.pad_page
         for i, s in enumerate(seqs):
@@ -587,13 +621,14 @@ class DecodeGraphRunner:
         # zero weight (0 x NaN); the throwaway row sees the sequence's keys only
         length = np.full(b, rows)
         length[:n] = [s.length for s in seqs]
-        if st.tables2 is not None or st.attn_plan.rows is not None:  # a decode pass a token
-            # token j of sequence i: one token at row 2i + j after ctx + j keys, over keys to its own (a throwaway
+        if st.token_tables is not None or st.attn_plan.rows is not None:  # a decode pass a token
+            # token j of sequence i: one token at row R i + j after ctx + j keys, over keys to its own (a throwaway
             # row's to the sequence's last); the plan's sequence j x b + i in one pass, else pass j's ("", "_b")
-            start = np.arange(b) * 2 + np.arange(2)[:, None]  # [2, b]
-            before = ctx + np.arange(2)[:, None]  # [2, b]
-            kend = np.stack([ctx + 1, ctx + np.minimum(length, 2)])  # [2, b]
-            passes = [("", slice(None))] if st.tables2 is not None else [("", 0), ("_b", 1)]
+            j = np.arange(rows)[:, None]
+            start = np.arange(b) * rows + j  # [R, b]
+            before = ctx + j  # [R, b]
+            kend = ctx + np.minimum(j + 1, length)  # [R, b]
+            passes = [("", slice(None))] if st.token_tables is not None else [("", 0), ("_b", 1)]
             for suffix, j in passes:
                 info = st.h32("seq_info" + suffix).reshape(-1, b, 3)
                 info[..., 0], info[..., 1], info[..., 2] = start[j], 1, before[j]
@@ -606,7 +641,7 @@ class DecodeGraphRunner:
             self._fill_work(st, ctx[:, None] + np.minimum(last[None, :] + 1, length[:, None]), "")
         if st.mtp:
             last = st.h32("last")
-            last[:] = np.arange(b) * 2
+            last[:] = np.arange(b) * rows
             for i, s in enumerate(seqs):
                 last[i] += s.length - 1
         elif rows == 1:
@@ -644,29 +679,33 @@ class DecodeGraphRunner:
             red[:, 3] = sp
 
     def _fill_verify_runs(self, st: _Static, seqs: list[SeqChunk]) -> None:
-        """A verification graph's DeltaNet runs: runs [0, b) sequence i's rows from 2i (a padding sequence's two
-        on the pad slot), its segments 2i, 2i + 1 (cut after the real token where its snapshot is asked for:
-        checkpoint i); runs [b, 2b) the throwaway rows, each on the pad slot: row 2i + 1 where sequence i has one
-        token, else none (no rows, one segment ending at 0: the kernels leave the state as it is), segment
-        2b + i."""
-        b = st.bucket
+        """A verification graph's DeltaNet runs (R rows a sequence): runs [0, b) sequence i's rows from R i (a
+        padding sequence's R on the pad slot), its segments from R i, cut after each row whose snapshot is asked
+        for (the d-th row from 0 into checkpoint i (R - 1) + d); runs [b, 2b) the throwaway rows, each on the pad
+        slot: rows R i + k .. where sequence i has k < R tokens, else none (no rows, one segment ending at 0: the
+        kernels leave the state as it is), segment R b + i."""
+        b, rows = st.bucket, st.rows
         pad = self.pad_slot if self.pad_slot is not None else 0
         runs, segs = st.h32("runs"), st.h32("segs")
-        runs[:b, 0], runs[:b, 1], runs[:b, 2], runs[:b, 3], runs[:b, 4] = np.arange(b) * 2, 2, pad, np.arange(b) * 2, 1
-        runs[b:, 0], runs[b:, 1], runs[b:, 2], runs[b:, 3], runs[b:, 4] = np.arange(b) * 2 + 1, 0, pad, \
-            2 * b + np.arange(b), 1
-        segs[:2 * b] = (2, -1)
-        segs[2 * b:] = (0, -1)
+        first = np.arange(b) * rows
+        runs[:b, 0], runs[:b, 1], runs[:b, 2], runs[:b, 3], runs[:b, 4] = first, rows, pad, first, 1
+        runs[b:, 0], runs[b:, 1], runs[b:, 2] = first + rows - 1, 0, pad
+        runs[b:, 3], runs[b:, 4] = rows * b + np.arange(b), 1
+        segs[:] = -1
+        segs[first, 0] = rows
+        segs[rows * b:, 0] = 0
         for i, s in enumerate(seqs):
-            runs[i, 1] = s.length
+            k, base = s.length, s.total - s.length
+            runs[i, 1] = k
             if self.model.cfg.linear_layers:
                 runs[i, 2] = s.state_slot
-            if s.length == 2 and s.total - 1 in s.snapshot_at:
-                segs[2 * i], segs[2 * i + 1], runs[i, 4] = (1, i), (2, -1), 2
-            else:
-                segs[2 * i] = (s.length, -1)
-            if s.length == 1:
-                runs[b + i, 1], segs[2 * b + i] = 1, (1, -1)
+            cuts = sorted(q - base for q in s.snapshot_at if q < s.total)  # rows after which a checkpoint is taken
+            for n, e in enumerate(cuts):
+                segs[first[i] + n] = (e, i * (rows - 1) + e - 1)
+            segs[first[i] + len(cuts)] = (k, -1)
+            runs[i, 4] = len(cuts) + 1
+            if k < rows:
+                runs[b + i, 0], runs[b + i, 1], segs[rows * b + i, 0] = first[i] + k, rows - k, rows - k
 
     def _seed_plans(self, st: _Static) -> None:
         backend, cfg = self.model.backend, self.model.cfg
@@ -675,8 +714,8 @@ class DecodeGraphRunner:
         backend._attn = (st.batch, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, *st.kv_bits),
                          st.attn_plan)
         backend._runs = (st.segments, st.run_plan)
-        if st.tables2 is not None:  # (inside the captured step: each replay copies this step's tables)
-            st.tables2.reshape(2, st.bucket, -1)[...] = st.d32("tables")[None]
+        if st.token_tables is not None:  # (inside the captured step: each replay copies this step's tables)
+            st.token_tables.reshape(st.rows, st.bucket, -1)[...] = st.d32("tables")[None]
 
     def _step(self, st: _Static, kv: KVCache, states: StatePool | None) -> tuple[Any, Any]:
         """The decode forward over the static buffers (QwenModel.forward's loop, graph-safe inputs)."""

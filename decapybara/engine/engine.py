@@ -147,15 +147,12 @@ class Engine(MemoryMixin):
                         "(speculator=ngram drafts by prompt lookup for any model)")
         self.mtp = self.speculate and cfg.speculator == "mtp"  # drafts from the MTP head (else prompt lookup)
         graphs = self.runner.graphs
-        # ... with decode graphs, a step of decodes alone verifies one draft a sequence, which a verification graph
-        # takes (a step of more would run eagerly: at the 27B shape on an H100 4-8x a decode step, where one draft's
-        # graph takes 1.14-1.18x; docs/perf.md, seventy-second session); a step beside a prompt's chunk, eager
-        # anyway and bound by its launches, every draft (`_draft_cap`)
-        self.one_draft = graphs is not None
-        if self.speculate and self.one_draft and cfg.draft_len > 1:
-            log.warning("draft_len %d: with CUDA graphs an agent verifies more than one draft only in steps beside "
-                        "a prompt's chunk (a verification graph takes one draft; a step of decodes with more would "
-                        "run eagerly, several times slower)", cfg.draft_len)
+        # ... with decode graphs, a step of decodes alone verifies as many drafts a sequence as a verification graph
+        # of its width takes (`ModelRunner.graph_drafts`: a hybrid model's rollback checkpoints bound them; a step
+        # of more would run eagerly, at the 27B shape on an H100 4-8x a decode step; docs/perf.md, seventy-second
+        # session); a step beside a prompt's chunk, eager anyway and bound by its launches, every draft
+        # (`_draft_cap`)
+        self.graph_drafts = self.runner.graph_drafts if graphs is not None else None
         # ... with verification graphs, the decodes of a step that verifies a draft verify their guesses too
         self.fill_rows = max(graphs.buckets) if self.speculate and cfg.spec_fill and graphs is not None else 0
         # ... verified only at the step widths where that is measured faster (engine/spec_governor.py)
@@ -383,7 +380,7 @@ class Engine(MemoryMixin):
         a page, its last draft is dropped and the step planned again; while a real token's page is lacking, pause a
         victim (`choose_victim`)."""
         while True:
-            plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows, self.one_draft)
+            plan = plan_step(self.running, self.cfg, self.snapshots, self.fill_rows, self.graph_drafts)
             short = next((c.seq for c in plan.chunks
                           if not self._give_pages(c.seq, c.seq.num_computed + c.num_tokens - len(c.drafts))), None)
             if short is None:
@@ -546,13 +543,15 @@ class Engine(MemoryMixin):
         return max(0, min(cap, s.params.max_tokens - s.num_output - 1, self.max_model_len - s.num_tokens - 1))
 
     def _draft_cap(self) -> int:
-        """Drafts a sequence makes for the next step: draft_len, but one with decode graphs unless a prompt's
-        chunk will run beside the decodes (a running sequence still prefilling), whose step runs eagerly and takes
-        every draft (`plan_step`'s `one_draft`). A waiting request is not counted: it may wait many steps (for
-        pages, or the scheduler), and drafts made for it would be cut, their head passes wasted."""
-        if not self.one_draft or any(s.num_uncomputed > 1 for s in self.running if s.finish_reason is None):
+        """Drafts a sequence makes for the next step: draft_len, but with decode graphs no more than a
+        verification graph of the running sequences takes (`graph_drafts`), unless a prompt's chunk will run
+        beside the decodes (a running sequence still prefilling), whose step runs eagerly and takes every draft
+        (`plan_step`'s `graph_drafts`). A waiting request is not counted: it may wait many steps (for pages, or
+        the scheduler), and drafts made for it would be cut, their head passes wasted."""
+        live = [s for s in self.running if s.finish_reason is None]
+        if self.graph_drafts is None or any(s.num_uncomputed > 1 for s in live):
             return self.cfg.draft_len
-        return min(self.cfg.draft_len, 1)
+        return min(self.cfg.draft_len, self.graph_drafts(len(live)) or self.cfg.draft_len)
 
     @staticmethod
     def _opens_constraint(s: Sequence, token: int) -> bool:

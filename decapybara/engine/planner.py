@@ -20,6 +20,7 @@ state goes back to the one after the tokens before it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from decapybara.config import EngineConfig
@@ -52,13 +53,14 @@ class StepPlan:
 
 
 def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_rows: int = 0,
-              one_draft: bool = False) -> StepPlan:
+              graph_drafts: Callable[[int], int] | None = None) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first); `snapshots`: a hybrid model whose
     state snapshots the prefix cache keeps; `fill_rows` > 0: a step of at most that many decodes, no prompt,
     and some draft replays a verification graph whose every sequence has a second row (no sequence drafts more
-    than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too; `one_draft`: a step
-    without a prompt's chunk of two tokens or more verifies one draft a sequence (a verification graph takes one),
-    a step with one (eager anyway) every draft. Pure: reads, never mutates."""
+    than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too; `graph_drafts` (with
+    decode graphs: the drafts a sequence that a verification graph of n sequences takes, 0 for none): a step
+    without a prompt's chunk of two tokens or more verifies at most that many drafts a sequence, a step with one
+    (eager anyway) every draft. Pure: reads, never mutates."""
     every = cfg.snapshot_every if (snapshots and cfg.enable_prefix_cache) else 0
     ps = cfg.page_size
     budget = cfg.max_batch_tokens
@@ -122,13 +124,14 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
             add_prefills(rest)
         return chunks
 
-    if not one_draft:
+    if graph_drafts is None:
         return StepPlan(compose(None))
-    # with decode graphs: every draft only where a prompt's chunk of 2+ tokens runs beside the decodes (that step
-    # is eager anyway), else one a sequence, which a verification graph takes
+    # with decode graphs: every draft where a prompt's chunk of 2+ tokens runs beside the decodes (that step is
+    # eager anyway), else as many a sequence as a verification graph of the step's sequences takes (every draft
+    # where none takes them: a step that runs eagerly)
     chunks = compose(None) if prefills else []
     if not any(c.num_tokens - len(c.drafts) > 1 for c in chunks):
-        chunks = compose(1)
+        chunks = compose(graph_drafts(len(decodes) + len(prefills)) or None)
     return StepPlan(chunks)
 
 

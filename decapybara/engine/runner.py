@@ -111,12 +111,12 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
 
 def _graph_key_name(key: Any) -> str:
-    """A DecodeGraphRunner graph key (bucket, attention splits, rows a sequence; or "mtp", bucket, splits) as a
-    JSON key."""
-    if isinstance(key, tuple) and len(key) == 3 and key[0] == "mtp":
-        return f"mtp bucket={key[1]} splits={key[2]}"
+    """A DecodeGraphRunner graph key (bucket, attention splits, rows a sequence; or "mtp" / "mtpkv", bucket,
+    splits, rows) as a JSON key."""
+    if isinstance(key, tuple) and len(key) == 4 and key[0] in ("mtp", "mtpkv"):
+        return f"{key[0]} bucket={key[1]} splits={key[2]} rows={key[3]}"
     if isinstance(key, tuple) and len(key) == 3:
-        return f"bucket={key[0]} splits={key[1]}" + (" verify" if key[2] == 2 else "")
+        return f"bucket={key[0]} splits={key[1]}" + (f" verify rows={key[2]}" if key[2] > 1 else "")
     return str(key)
 
 
@@ -151,6 +151,11 @@ class ModelRunner:
         if self.graphs is not None:
             return self.graphs.forward(batch, self.kv, self.states)
         return self.model.forward(batch, self.kv, self.states)
+
+    def graph_drafts(self, n: int) -> int:
+        """Drafts a sequence that a verification graph of `n` sequences takes over this runner's cache (the graph
+        runner's `max_drafts`); 0 without graphs."""
+        return self.graphs.max_drafts(n, self.kv) if self.graphs is not None else 0
 
     def run(self, plan: StepPlan, normed: bool = False) -> StepOutput:
         """One forward over `plan`'s chunks: logits of each sampling chunk's last row (every row of a chunk with

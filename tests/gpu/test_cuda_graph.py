@@ -296,8 +296,106 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel, one_pass
         assert not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
     decode = kernel.startswith("paged_decode")
     assert all((st.attn_plan.rows is not None) == (decode and not one_pass) for st in verifying)
-    assert all((st.tables2 is not None) == (decode and bool(one_pass)) for st in verifying)
+    assert all((st.token_tables is not None) == (decode and bool(one_pass)) for st in verifying)
     assert max(k[1] for k in keys if k[2] == 2) > 1, keys  # split keys
+
+
+@pytest.mark.parametrize("heads,kv_mode,kernel", [
+    (None, None, "paged_attention_fwd"), ((8, 2, 64), "16/16", "paged_decode_attention"),
+    ((8, 2, 128), "6/4", "paged_decode_attention_mx"), ((18, 2, 64), "16/16", "paged_prefill_attention_tc")])
+def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel):
+    """Verification steps of up to seven drafts a sequence replay graphs of R = 1 + the most drafts rows a
+    sequence (sequences of fewer tokens: throwaway rows on the pad page and slot, NaN before every replay); their
+    logits and normed rows, KV pages, DeltaNet states and snapshots equal the eager forward's from the same state:
+    the rollback points after each row but the last (checkpoint i (R - 1) + d of sequence i's d-th row), as device
+    views or host copies, some skipped, and the sequence's end. The hybrid model's checkpoints (one a row of the
+    largest bucket, 12) bound the drafts a graph of n sequences takes (`max_drafts`: 3 for the bucket of 3 and 4,
+    6 for 2, 7 for 1); a batch over them runs eagerly with the same results. The decode kernel's pages take the
+    tokens in one launch (DECODE "verify_one_pass"; two launches take two rows only), the prefill kernel's CTAs of
+    64 query rows (9 heads a KV head: a sequence's 8 rows in two tiles), float32 pages the general kernel."""
+    from decapybara.backend import cupy_attention as ca
+    from decapybara.backend.cuda_graph import MAX_ROWS
+    launched = []
+    get = ca.get_kernel
+    monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    if kernel.startswith("paged_decode"):  # its rule splits no range this short: 4 splits (some of them empty)
+        monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv, rows=None: 4)
+    model = tiny_model(**over)
+    page, num_pages = 16, 40
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
+    runner = DecodeGraphRunner(model, max_pages=12, pad_page=num_pages - 1, pad_slot=5)
+    assert [runner.max_drafts(n, kv) for n in (1, 2, 3, 4, 5, 12, 13)] == [7, 6, 3, 3, 1, 1, 0]
+    seqs = prefilled_sequences(model, kv, states, (5, 31, 120), seed=6, pages_each=12)
+    rng = np.random.default_rng(11)
+    # (order, {sequence: (drafts, {rollback point d, after row d: "dev" (device views) / "host"}, a snapshot at
+    # its end too)}, graph rows or 0 for an eager step)
+    plan = [([0, 1, 2], {0: (3, {0: "dev", 1: "host", 2: "dev"}, False), 2: (1, {0: "dev"}, True)}, 4),
+            ([2, 0], {2: (6, {d: "dev" for d in range(6)}, True), 0: (2, {1: "host"}, False)}, 7),
+            ([1], {1: (7, {1: "host", 4: "dev", 6: "dev"}, False)}, 8),
+            ([0, 1, 2], {1: (2, {0: "dev", 1: "dev"}, False)}, 3),
+            ([0, 1, 2], {0: (4, {0: "dev", 3: "dev"}, False)}, 0),  # 4 drafts beside 2 sequences: eagerly
+            ([1, 2], {}, 1),
+            ([2, 1, 0], {0: (3, {2: "dev"}, True), 1: (1, {}, False), 2: (3, {0: "host"}, False)}, 4)]
+    graphs = eager = 0
+    for step, (order, drafts, rows) in enumerate(plan):
+        active = [seqs[i] for i in order]
+        entries, snaps, device = [], [], set()
+        for j, i in enumerate(order):
+            s = seqs[i]
+            k, points, end = drafts.get(i, (0, {}, False))
+            new = [s[0][-1]] + [int(t) for t in rng.integers(0, 512, k)]
+            p0 = len(s[0]) - 1
+            total = p0 + len(new)
+            entries.append((new, p0, s[2][:-(-total // page)], s[1]))  # pages up to its last token
+            snaps.append(tuple(sorted({p0 + d + 1 for d in points} | ({total} if end else set()))))
+            device |= {(j, p0 + d + 1) for d, how in points.items() if how == "dev"}
+        batch = ForwardBatch.build(entries, page, logits="all", snapshot_at=snaps)
+        batch.device_snapshots = frozenset(device)
+        batch.normed_rows = step % 2 == 0
+        why = runner.ineligible(batch, kv)
+        assert (why is None) == (rows > 0), f"step {step}: {why}"
+        assert rows or "max_drafts" in why
+        before = snapshot(kv, states, [s[1] for s in seqs])
+        eager_out = model.forward(batch, kv, states)
+        eager_logits = cp.asnumpy(eager_out.logits)
+        cp.cuda.get_current_stream().synchronize()  # device-kept snapshots: pinned copies still in flight
+        eager_snaps = dict(eager_out.snapshots)
+        after = snapshot(kv, states, [s[1] for s in seqs])
+        restore(kv, states, before)
+        poison_pad(kv, states, num_pages - 1, 5)
+        out = runner.forward(batch, kv, states)
+        graphs, eager = graphs + bool(rows), eager + (not rows)
+        assert (runner.stats["graph_steps"], runner.stats["eager_steps"]) == (graphs, eager), f"step {step}"
+        err = rel_err(cp.asnumpy(out.logits), eager_logits)
+        assert err <= 1e-4, f"step {step} (order {order}): logits rel err {err:.2e}"
+        if batch.normed_rows:
+            err = rel_err(cp.asnumpy(out.normed), cp.asnumpy(eager_out.normed))
+            assert err <= 1e-4, f"step {step}: normed rows rel err {err:.2e}"
+        compare_state(kv, states, after, f"step {step}")
+        assert sorted(out.snapshots) == sorted(eager_snaps), f"step {step}"
+        for key, ref in eager_snaps.items():
+            got = out.snapshots[key]
+            on_device = type(got.recurrent[0]) is not np.ndarray  # (the emulator's device arrays subclass it)
+            assert on_device == (key in device), f"step {step} {key}"
+            compare_snapshot(got, HybridState([cp.asnumpy(c) for c in ref.conv],
+                                              [cp.asnumpy(r) for r in ref.recurrent]), f"step {step} {key}")
+        r = 0
+        for s, b in zip(active, batch.seqs):  # the real token's greedy successor (drafts are thrown away)
+            s[0].append(int(np.argmax(eager_logits[r])))
+            r += b.length
+    keys = set(runner._graphs)
+    assert {k[2] for k in keys} == {rows for *_, rows in plan if rows} and MAX_ROWS == 8, keys
+    assert runner.checkpoint_bytes() > 0
+    assert kernel in launched, sorted(set(launched))
+    verifying = [st for st in runner._graphs.values() if st.rows > 1]
+    if kernel == "paged_prefill_attention_tc":  # CTAs of 4 warps: 64 query rows; 8 rows of 9 heads take two
+        assert {st.block_m for st in verifying} == {64} and max(st.tiles for st in verifying) == 2
+        assert not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
+    assert all((st.token_tables is not None) == kernel.startswith("paged_decode") for st in verifying)
+    # two decode-kernel launches a token (verify_one_pass 0) take two rows a sequence only
+    monkeypatch.setitem(DECODE, "verify_one_pass", 0)
+    assert [runner.max_drafts(n, kv) for n in (1, 3)] == ([1, 1] if kernel.startswith("paged_decode") else [7, 3])
 
 
 @pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])
@@ -342,17 +440,18 @@ def test_verify_one_pass_gives_the_two_passes_bits(monkeypatch, kv_mode, head_di
                 assert np.array_equal(a, b), f"step {step}: state slot {slot}"
         for s, b in zip([seqs[i] for i in order], batch.seqs):
             s[0].append(int(np.argmax(outs[1][0][b.start])))
-    assert all(st.tables2 is not None for st in runners[1]._graphs.values())
-    assert all(st.tables2 is None and st.attn_plan.rows is not None for st in runners[0]._graphs.values())
+    assert all(st.token_tables is not None for st in runners[1]._graphs.values())
+    assert all(st.token_tables is None and st.attn_plan.rows is not None for st in runners[0]._graphs.values())
 
 
 @pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16"), ((8, 2, 128), "6/4")])
 def test_mtp_graph_equals_eager(heads, kv_mode):
-    """The MTP head's pass replays graphs of two pair rows a sequence (one or two pairs each: a decode's, or an
-    accepted draft's two): its guesses and probabilities at each sequence's last pair and the head's KV pages
-    equal the eager `mtp_forward`'s, with NaN in the pad page before every replay and block tables ending at the
-    last pair (a one-pair sequence at a page's end: its throwaway row's key on the pad page); a sequence of more
-    pairs (after a prompt chunk) runs eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages, eagerly
+    """The MTP head's pass replays graphs of R pair rows a sequence, R the most pairs a sequence has, at least two
+    (a decode's one, an accepted draft's two, up to eight after seven accepted drafts): its guesses and
+    probabilities at each sequence's last pair and the head's KV pages equal the eager `mtp_forward`'s, with NaN
+    in the pad page before every replay and block tables ending at the last pair (a one-pair sequence at a page's
+    end: its throwaway row's key on the pad page); a sequence of more than eight pairs (after a prompt chunk) runs
+    eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages, eagerly
     and through its own graphs (`DecodeGraphRunner.mtp_kv`)."""
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1, **over})
@@ -362,7 +461,8 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
     runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
     seqs = prefilled_sequences(model, kv, states, (7, 14, 22), seed=3)  # step 0: sequence 0's one pair ends a page
     rng = np.random.default_rng(4)
-    steps = [([0, 1, 2], (1, 2, 1)), ([2, 0], (2, 2)), ([1], (1,)), ([0, 1, 2], (2, 1, 2))]
+    steps = [([0, 1, 2], (1, 2, 1)), ([2, 0], (2, 2)), ([1], (1,)), ([0, 1, 2], (2, 1, 2)), ([1, 2], (5, 3)),
+             ([0], (8,))]
     for step, (order, pairs) in enumerate(steps):
         entries = []
         for i, k in zip(order, pairs):
@@ -402,10 +502,11 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
         assert runner.stats["mtp_kv_steps"] == step + 1, runner.stats
         compare_state(kv, states, after, f"step {step}, the KV-only graph")
     # on the decode kernel's pages both tokens' attention is one launch (DECODE "verify_one_pass")
-    assert all((st.tables2 is not None) == (heads is not None) for st in runner._graphs.values())
-    long = ForwardBatch.build([(list(range(3)), len(seqs[0][0]) - 1, seqs[0][2], None)], page, logits="none")
-    assert runner.mtp(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv) is None
-    assert not runner.mtp_kv(long, cp.zeros((3, cfg.hidden_size), cp.float32), kv)
+    assert all((st.token_tables is not None) == (heads is not None) for st in runner._graphs.values())
+    assert {k[3] for k in runner._graphs} == {2, 5, 8}, set(runner._graphs)  # rows a sequence
+    long = ForwardBatch.build([(list(range(9)), len(seqs[0][0]) - 1, seqs[0][2], None)], page, logits="none")
+    assert runner.mtp(long, cp.zeros((9, cfg.hidden_size), cp.float32), kv) is None
+    assert not runner.mtp_kv(long, cp.zeros((9, cfg.hidden_size), cp.float32), kv)
     assert runner.stats["mtp_eager"] == 2 and not runner.stats["failures"]
 
 

@@ -83,12 +83,14 @@ def test_gpu_prompt_lookup_through_verification_graphs_keeps_the_tokens():
     assert g["verify_steps"] > 0 and g["mtp_steps"] == 0 and not g["failures"], g
 
 
-@pytest.mark.parametrize("speculator,graphs", [("mtp", False), ("ngram", False), ("mtp", True)])
+@pytest.mark.parametrize("speculator,graphs", [("mtp", False), ("ngram", False), ("mtp", True), ("ngram", True)])
 def test_gpu_several_drafts_a_step_keep_the_tokens(speculator, graphs):
     """draft_len 4 on the cupy backend: without decode graphs, steps of several drafts a sequence (their rollback
     points on the device) and the MTP head's chained passes, eagerly; with graphs a step of decodes alone verifies
-    one draft a sequence (a verification graph takes one; more would run the step eagerly). The tokens are those
-    without speculation and the numpy reference's, greedy and seeded."""
+    as many drafts a sequence as a verification graph of its width takes (`max_drafts`: 3 at four sequences, 4
+    at one or two), through graphs of more than two rows a sequence, and the MTP head's passes after it through
+    graphs of as many pair rows. The tokens are those without speculation and the numpy reference's, greedy and
+    seeded."""
     ref_model = loaded("numpy")
     text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
     prompts = [ref_model.tokenizer.encode(t) for t in (*TEXTS[:3], text)]
@@ -100,17 +102,18 @@ def test_gpu_several_drafts_a_step_keep_the_tokens(speculator, graphs):
     gpu = loaded("cupy")
     e = Engine(gpu.model, cfg.replace(speculator=speculator, draft_len=4, spec_min_confidence=0.3),
                tokenizer=gpu.tokenizer)
-    assert e.one_draft == graphs
+    assert (e.graph_drafts is not None) == graphs
     assert e.generate(prompts, params) == ref
     s = e.snapshot_stats()
     g = s["graphs"]
     print(f"{speculator} draft_len 4, graphs {graphs}: drafted {s['drafted_tokens']} accepted {s['accepted_tokens']} "
           f"steps {s['steps']}, graphs: {g}")
     assert 0 < s["accepted_tokens"] < s["drafted_tokens"]
+    assert s["drafted_tokens"] > s["steps"]
     if graphs:
-        assert g["verify_steps"] > 0 and not s["graph_failures"], g
-    else:
-        assert s["drafted_tokens"] > s["steps"]
+        rows = {k[2] for k in e.runner.graphs._graphs if k[0] not in ("mtp", "mtpkv")}
+        assert g["verify_steps"] > 0 and max(rows) > 2 and not s["graph_failures"], (g, rows)
+        assert g["eager_steps"] < g["graph_steps"], g
 
 
 def test_gpu_governor_withholds_through_graphs_and_keeps_the_tokens():

@@ -205,6 +205,39 @@ def compare_snapshot(got, ref, name):
         assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: rec layer {j}"
 
 
+def eager_then_graph(model, runner, kv, states, batch, seqs, pad):
+    """`batch` run eagerly, then (from the same state, NaN on the pad page and slot `pad`) through `runner`:
+    (the runner's output, the eager output, its logits and snapshots on the host side, the state it left)."""
+    before = snapshot(kv, states, [s[1] for s in seqs])
+    eager_out = model.forward(batch, kv, states)
+    eager_logits = cp.asnumpy(eager_out.logits)
+    cp.cuda.get_current_stream().synchronize()  # device-kept snapshots: pinned copies still in flight
+    eager_snaps = dict(eager_out.snapshots)
+    after = snapshot(kv, states, [s[1] for s in seqs])
+    restore(kv, states, before)
+    poison_pad(kv, states, *pad)
+    return runner.forward(batch, kv, states), eager_out, eager_logits, eager_snaps, after
+
+
+def compare_verification(out, eager_out, eager_logits, eager_snaps, after, kv, states, batch, device, name):
+    """A verification replay's logits, normed rows, KV pages, states and snapshots (device views exactly where
+    `device` names them) against the eager forward's."""
+    err = rel_err(cp.asnumpy(out.logits), eager_logits)
+    assert err <= 1e-4, f"{name}: logits rel err {err:.2e}"
+    if batch.normed_rows:
+        err = rel_err(cp.asnumpy(out.normed), cp.asnumpy(eager_out.normed))
+        assert err <= 1e-4, f"{name}: normed rows rel err {err:.2e}"
+    compare_state(kv, states, after, name)
+    assert sorted(out.snapshots) == sorted(eager_snaps), name
+    for key, ref in eager_snaps.items():
+        got = out.snapshots[key]
+        for a in (got.recurrent[0], ref.recurrent[0]):  # graph and eager alike: rollback points on the device
+            on_device = type(a) is not np.ndarray  # (the emulator's device arrays subclass it)
+            assert on_device == (key in device), f"{name} {key}"
+        compare_snapshot(got, HybridState([cp.asnumpy(c) for c in ref.conv],
+                                          [cp.asnumpy(r) for r in ref.recurrent]), f"{name} {key}")
+
+
 @pytest.mark.parametrize("heads,kv_mode,kernel,one_pass", [
     (None, None, "paged_attention_fwd", 1), ((8, 2, 64), "16/16", "paged_decode_attention", 1),
     ((8, 2, 64), "16/16", "paged_decode_attention", 0), ((8, 2, 128), "6/4", "paged_decode_attention_mx", 1),
@@ -256,32 +289,12 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel, one_pass
         batch = ForwardBatch.build(entries, page, logits="all", snapshot_at=snaps)
         batch.device_snapshots = frozenset(device)
         batch.normed_rows = step % 2 == 0
-        before = snapshot(kv, states, [s[1] for s in seqs])
-        eager_out = model.forward(batch, kv, states)
-        eager = cp.asnumpy(eager_out.logits)
-        cp.cuda.get_current_stream().synchronize()  # device-kept snapshots: pinned copies still in flight
-        eager_snaps = dict(eager_out.snapshots)
-        after = snapshot(kv, states, [s[1] for s in seqs])
-        restore(kv, states, before)
-        poison_pad(kv, states, num_pages - 1, 5)
-        out = runner.forward(batch, kv, states)
+        out, *ref = eager_then_graph(model, runner, kv, states, batch, seqs, (num_pages - 1, 5))
+        eager = ref[1]
         assert runner.stats["graph_steps"] == step + 1, f"step {step} ran eagerly: {runner.stats}"
         verify += bool(drafts)
         assert runner.stats["verify_steps"] == verify
-        err = rel_err(cp.asnumpy(out.logits), eager)
-        assert err <= 1e-4, f"step {step} (order {order}): logits rel err {err:.2e}"
-        if batch.normed_rows:
-            err = rel_err(cp.asnumpy(out.normed), cp.asnumpy(eager_out.normed))
-            assert err <= 1e-4, f"step {step}: normed rows rel err {err:.2e}"
-        compare_state(kv, states, after, f"step {step}")
-        assert sorted(out.snapshots) == sorted(eager_snaps), f"step {step}"
-        for key, ref in eager_snaps.items():
-            got = out.snapshots[key]
-            for a in (got.recurrent[0], ref.recurrent[0]):  # graph and eager alike: rollback points on the device
-                on_device = type(a) is not np.ndarray  # (the emulator's device arrays subclass it)
-                assert on_device == (key in device), f"step {step} {key}"
-            compare_snapshot(got, HybridState([cp.asnumpy(c) for c in ref.conv],
-                                              [cp.asnumpy(r) for r in ref.recurrent]), f"step {step} {key}")
+        compare_verification(out, *ref, kv, states, batch, device, f"step {step} (order {order})")
         r = 0
         for s, b in zip(active, batch.seqs):  # the real token's greedy successor (drafts are thrown away)
             s[0].append(int(np.argmax(eager[r])))
@@ -356,30 +369,11 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
         why = runner.ineligible(batch, kv)
         assert (why is None) == (rows > 0), f"step {step}: {why}"
         assert rows or "max_drafts" in why
-        before = snapshot(kv, states, [s[1] for s in seqs])
-        eager_out = model.forward(batch, kv, states)
-        eager_logits = cp.asnumpy(eager_out.logits)
-        cp.cuda.get_current_stream().synchronize()  # device-kept snapshots: pinned copies still in flight
-        eager_snaps = dict(eager_out.snapshots)
-        after = snapshot(kv, states, [s[1] for s in seqs])
-        restore(kv, states, before)
-        poison_pad(kv, states, num_pages - 1, 5)
-        out = runner.forward(batch, kv, states)
+        out, *ref = eager_then_graph(model, runner, kv, states, batch, seqs, (num_pages - 1, 5))
+        eager_logits = ref[1]
         graphs, eager = graphs + bool(rows), eager + (not rows)
         assert (runner.stats["graph_steps"], runner.stats["eager_steps"]) == (graphs, eager), f"step {step}"
-        err = rel_err(cp.asnumpy(out.logits), eager_logits)
-        assert err <= 1e-4, f"step {step} (order {order}): logits rel err {err:.2e}"
-        if batch.normed_rows:
-            err = rel_err(cp.asnumpy(out.normed), cp.asnumpy(eager_out.normed))
-            assert err <= 1e-4, f"step {step}: normed rows rel err {err:.2e}"
-        compare_state(kv, states, after, f"step {step}")
-        assert sorted(out.snapshots) == sorted(eager_snaps), f"step {step}"
-        for key, ref in eager_snaps.items():
-            got = out.snapshots[key]
-            on_device = type(got.recurrent[0]) is not np.ndarray  # (the emulator's device arrays subclass it)
-            assert on_device == (key in device), f"step {step} {key}"
-            compare_snapshot(got, HybridState([cp.asnumpy(c) for c in ref.conv],
-                                              [cp.asnumpy(r) for r in ref.recurrent]), f"step {step} {key}")
+        compare_verification(out, *ref, kv, states, batch, device, f"step {step} (order {order})")
         r = 0
         for s, b in zip(active, batch.seqs):  # the real token's greedy successor (drafts are thrown away)
             s[0].append(int(np.argmax(eager_logits[r])))

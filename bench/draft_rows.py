@@ -11,7 +11,7 @@ steps:
 - steps of k = 1..DRAFT_MAX (default 7) drafts a sequence: 1 + k rows, the rollback points after the real token
   and each draft but the last kept on the device, through verification graphs of 1 + k rows a sequence where
   they take k drafts at that width (`DecodeGraphRunner.max_drafts`: the checkpoints of the largest bucket, 12,
-  shared by the bucket's sequences), else eagerly ("eager k"); "eager 1" is one draft through the eager path, for
+  shared by the batch's sequences), else eagerly ("eager k"); "eager 1" is one draft through the eager path, for
   the graphs' share.
 
 Prints ms, the ratio to the decode step, and the tokens a step must emit to repay it (the ratio: a step of ratio r

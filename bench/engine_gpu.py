@@ -15,7 +15,11 @@ First, the device sampler alone (host and device microseconds a call, 1 and 12 r
 (ENGINE_CASES picks some, comma list): sampler "device" (the backend's, the default), "host" (the numpy
 reference after copying the logits) or "prev" (bench/sampler.py's SAMPLER_PREV file: an earlier form of the device
 sampler), sampling "greedy", "t07" (temperature 0.7, top-p 0.8, top-k 20) or "t10" (temperature 1, no filters:
-an API client's defaults), the prefix cache on or "nocache", at 1 and 12 sequences.
+an API client's defaults), the prefix cache on or "nocache", at 1 and 12 sequences; "ngram1" / "ngram4" (prompt
+lookup drafting up to 1 or 4 tokens a step, `speculator=ngram`, every draft verified: the governor off; "repeat" the same prompts without it), whose
+prompts repeat a block of 40 random tokens, so drafts are accepted where the random model's greedy output follows
+the repetition (or falls into a loop of its own). tok/s counts the tokens the sequences gained over the timed
+steps; `accepted` the drafts kept among `drafted`.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
 
 STEPS, WARM = int(os.environ.get("ENGINE_STEPS", "48")), 4
-CASES = {  # name -> (sequences, sampler, sampling, prefix cache)
+CASES = {  # name -> (sequences, sampler, sampling, prefix cache[, speculator, draft_len])
     "1 device greedy": (1, "device", "greedy", True),
     "12 device greedy": (12, "device", "greedy", True),
     "12 device t07": (12, "device", "t07", True),
@@ -57,6 +61,13 @@ CASES = {  # name -> (sequences, sampler, sampling, prefix cache)
     "12 prev t07": (12, "prev", "t07", True),
     "1 prev t10": (1, "prev", "t10", True),
     "12 prev t10": (12, "prev", "t10", True),
+    "1 greedy repeat": (1, "device", "greedy", True, "off", 1),  # the ngram cases' prompts, no speculation
+    "4 greedy repeat": (4, "device", "greedy", True, "off", 1),
+    "12 greedy repeat": (12, "device", "greedy", True, "off", 1),
+    "1 greedy ngram1": (1, "device", "greedy", True, "ngram", 1),
+    "1 greedy ngram4": (1, "device", "greedy", True, "ngram", 4),
+    "4 greedy ngram4": (4, "device", "greedy", True, "ngram", 4),
+    "12 greedy ngram4": (12, "device", "greedy", True, "ngram", 4),
 }
 PICK = [c.strip() for c in os.environ.get("ENGINE_CASES", "").split(",") if c.strip()] or list(CASES)
 
@@ -69,9 +80,10 @@ def params(kind: str) -> SamplingParams:
     return SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=4096, ignore_eos=True)
 
 
-def make_engine(model: Any, b: int, sampler: str, cache: bool) -> Engine:
+def make_engine(model: Any, b: int, sampler: str, cache: bool, speculator: str = "off", draft_len: int = 1) -> Engine:
     cfg = EngineConfig(max_slots=12, page_size=512, num_pages=12 * 3 + 2, max_batch_tokens=2048, kv_mode="16/16",
-                       loop_guard="off", enable_prefix_cache=cache, max_model_len=4096)
+                       loop_guard="off", enable_prefix_cache=cache, max_model_len=4096, speculator=speculator,
+                       draft_len=draft_len, spec_adaptive=False)
     e = Engine(model, cfg)
     vars(e.model.backend).pop("sample", None)  # an earlier case's sampler (below) off the shared backend
     if sampler == "host":  # the numpy reference on a host copy of the logits (Backend's default)
@@ -84,28 +96,34 @@ def make_engine(model: Any, b: int, sampler: str, cache: bool) -> Engine:
     return e
 
 
-def decode_ready(e: Engine, b: int, kind: str, seed: int) -> None:
+def decode_ready(e: Engine, b: int, kind: str, seed: int, repeat: bool = False) -> None:
     rng = np.random.default_rng(seed)
     for i in range(b):
-        e.add_request(Request(tuple(rng.integers(0, CFG.vocab_size, 1000 + 4 * i).tolist()), params(kind)))
+        n = 1000 + 4 * i
+        ids = np.resize(rng.integers(0, CFG.vocab_size, 40), n) if repeat else rng.integers(0, CFG.vocab_size, n)
+        e.add_request(Request(tuple(ids.tolist()), params(kind)))
     while any(s.in_prefill for s in e.running) or e.waiting:
         e.step()
 
 
 def run_case(model: Any, name: str) -> dict[str, Any]:
-    b, sampler, kind, cache = CASES[name]
-    e = make_engine(model, b, sampler, cache)
-    decode_ready(e, b, kind, seed=1)
+    b, sampler, kind, cache, *spec = CASES[name]
+    e = make_engine(model, b, sampler, cache, *spec)
+    decode_ready(e, b, kind, seed=1, repeat=bool(spec))
     for _ in range(WARM):
         e.step()
     cp.cuda.Device().synchronize()
     eager0, walls = e.runner.graph_stats()["eager_steps"], []
+    out0 = sum(s.num_output for s in e.running)
+    drafted0, accepted0 = e.stats.drafted_tokens, e.stats.accepted_tokens
     for _ in range(STEPS):
         t = time.perf_counter()
         e.step()
         walls.append(time.perf_counter() - t)
     cp.cuda.Device().synchronize()
     eager = e.runner.graph_stats()["eager_steps"] - eager0
+    gained = sum(s.num_output for s in e.running) - out0
+    drafted, accepted = e.stats.drafted_tokens - drafted0, e.stats.accepted_tokens - accepted0
     # the split: forward (its device work waited for) and the sampler, each synchronised; the rest is host work
     run0, sample0, split = e.runner.run, e.model.backend.sample, {"forward": [], "sample": [], "step": []}
 
@@ -127,7 +145,8 @@ def run_case(model: Any, name: str) -> dict[str, Any]:
     w = np.array(walls)
     res = {"sequences": b, "sampler": sampler, "sampling": kind, "prefix_cache": cache, "eager_steps": eager,
            "step_ms_median": float(np.median(w) * 1e3), "step_ms_mean": float(w.mean() * 1e3),
-           "step_ms_max": float(w.max() * 1e3), "tok_s": b * len(w) / float(w.sum()),
+           "step_ms_max": float(w.max() * 1e3), "tok_s": gained / float(w.sum()), "drafted": drafted,
+           "accepted": accepted,
            "split_ms": {k: float(np.median(v) * 1e3) for k, v in split.items()}}
     res["split_ms"]["host"] = res["split_ms"]["step"] - res["split_ms"]["forward"] - res["split_ms"]["sample"]
     print(name, json.dumps(res))
@@ -167,11 +186,12 @@ def main() -> None:
     sampler = sampler_alone()
     out = {name: run_case(model, name) for name in PICK}
     print(f"\n{'case':<28}{'tok/s':>9}{'median ms':>11}{'mean ms':>9}{'max ms':>9}{'eager':>7}"
-          f"{'fwd ms':>9}{'sample':>9}{'host':>8}")
+          f"{'fwd ms':>9}{'sample':>9}{'host':>8}{'accepted':>14}")
     for name, r in out.items():
         s = r["split_ms"]
         print(f"{name:<28}{r['tok_s']:>9.1f}{r['step_ms_median']:>11.2f}{r['step_ms_mean']:>9.2f}"
-              f"{r['step_ms_max']:>9.2f}{r['eager_steps']:>7}{s['forward']:>9.2f}{s['sample']:>9.2f}{s['host']:>8.2f}")
+              f"{r['step_ms_max']:>9.2f}{r['eager_steps']:>7}{s['forward']:>9.2f}{s['sample']:>9.2f}{s['host']:>8.2f}"
+              f"{r['accepted']:>7}/{r['drafted']:<6}")
     (Path(os.environ.get("OUT", ".")) / "engine_gpu.json").write_text(json.dumps({"cases": out, "sampler": sampler},
                                                                                 indent=1))
 

@@ -90,11 +90,10 @@ class PoisoningGraphRunner:
 
     def max_drafts(self, n, kv=None):
         """DecodeGraphRunner.max_drafts's rule: up to 7 drafts a sequence, on a hybrid model no more than its
-        checkpoints (one a row of the largest bucket) hold for the bucket of `n`."""
+        checkpoints (one a row of the largest bucket) hold for `n` sequences."""
         if not 0 < n <= max(self.buckets):
             return 0
-        bucket = min(b for b in self.buckets if b >= n)
-        return min(7, max(self.buckets) // bucket) if self.model.cfg.linear_layers else 7
+        return min(7, max(self.buckets) // n) if self.model.cfg.linear_layers else 7
 
     def _poison(self, kv, states) -> None:
         page = np.asarray([self.plan.pad_page], np.int64)
@@ -350,7 +349,7 @@ def test_withheld_steps_hand_the_heads_kv_pass_to_the_graphs(fake_graphs):
 def test_with_graphs_agents_verify_as_many_drafts_as_a_graph_takes(fake_graphs, policy, budget):
     """draft_len above 1 with decode graphs: a step of decodes alone verifies as many drafts a sequence as a
     verification graph of its sequences takes (`max_drafts`: on this hybrid model, the checkpoints of the largest
-    bucket shared among the bucket's sequences), a step beside a prompt's chunk of two tokens or more (eager
+    bucket shared among them), a step beside a prompt's chunk of two tokens or more (eager
     anyway) every draft; under decode-priority, drafts that would leave a waiting prompt no token are cut; the
     tokens stay those without speculation."""
     from decapybara.backend.numpy_backend import NumpyBackend
@@ -389,7 +388,7 @@ def test_with_graphs_agents_verify_as_many_drafts_as_a_graph_takes(fake_graphs, 
     ref, _ = generate(Engine(loaded.model, cfg.replace(cuda_graphs=False, speculator="off"), tokenizer=tok))
     e = Engine(loaded.model, cfg, tokenizer=tok)
     graphs = e.runner.graphs
-    assert e.graph_drafts is not None and [graphs.max_drafts(n) for n in (1, 2, 3, 5, 12, 13)] == [7, 6, 3, 1, 1, 0]
+    assert e.graph_drafts is not None and [graphs.max_drafts(n) for n in (1, 2, 3, 5, 12, 13)] == [7, 6, 4, 2, 1, 0]
     got, steps = generate(e)
     assert got == ref
     alone = [(d, n) for mixed, d, n in steps if not mixed]

@@ -26,10 +26,12 @@ def test_the_index_proposes_what_followed_the_latest_longest_match():
     assert NgramIndex().propose([1, 2, 3, 4, 5]) == ((), 0)
     assert NgramIndex().propose([7]) == ((), 0) and NgramIndex().propose([]) == ((), 0)
     assert NgramIndex().propose([3, 3, 3]) == ((3,), 2)  # (3, 3) ended at 1; (3, 3, 3) never ended earlier
-    # up to k tokens after the match, fewer where the list ends first (the match's continuation may run into the end)
+    # k tokens after the match (its continuation may run into the end)
     assert NgramIndex().propose([1, 2, 3, 4, 5, 6, 1, 2, 3], 4) == ((4, 5, 6, 1), 3)
-    assert NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], 7) == ((4, 1, 2, 3), 3)
-    assert NgramIndex().propose([3, 3, 3], 5) == ((3,), 2)
+    # past the list's end the text repeats with the match's period (4, then 1), the proposal's own tokens included
+    assert NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], 7) == ((4, 1, 2, 3, 4, 1, 2), 3)
+    assert NgramIndex().propose([3, 3, 3], 5) == ((3, 3, 3, 3, 3), 2)
+    assert NgramIndex().propose([5, 1, 2, 1, 2, 1], 4) == ((2, 1, 2, 1), 3)
 
 
 def test_the_index_grows_with_the_tokens_as_one_built_afresh():

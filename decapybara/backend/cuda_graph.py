@@ -27,8 +27,8 @@ kernel's (the general kernel's over float32 pages); the DeltaNet is the decode k
 of none to R rows (cupy_deltanet MULTI_DECODE). A draft's rollback point (the state after the real token and the
 drafts before it, asked for as `snapshot_at` points inside the sequence's rows) is written by the DeltaNet kernels
 into checkpoint buffers of the runner's (`_checkpoints`: max bucket states, allocated at the first verification
-graph; sequence i's d-th point at state i (R - 1) + d, so a graph takes bucket x (R - 1) <= max bucket:
-`max_drafts`) and handed back as device views (`ForwardBatch.device_snapshots`, valid until the next
+graph; sequence i's d-th point at state i (R - 1) + d, so a batch of n sequences takes n x (R - 1) <= max bucket:
+`max_drafts`; padding sequences keep none) and handed back as device views (`ForwardBatch.device_snapshots`, valid until the next
 verification replay) or host copies.
 
 What the backend must guarantee for capture (CupyBackend does, through the plan caches seeded below):
@@ -288,14 +288,15 @@ class DecodeGraphRunner:
 
     def max_drafts(self, n: int, kv: KVCache | None = None) -> int:
         """Drafts a sequence that a verification graph of `n` sequences takes (0: none, more sequences than the
-        largest bucket): up to MAX_ROWS - 1, on a hybrid model no more than its checkpoints hold (bucket x drafts
-        <= max bucket: each draft's rollback point a state), on `kv`'s pages one where the decode kernel takes a
-        verification's tokens in a launch each (DECODE "verify_one_pass" 0: two passes, for two rows only)."""
+        largest bucket): up to MAX_ROWS - 1, on a hybrid model no more than its checkpoints hold (n x drafts <=
+        max bucket: each draft's rollback point a state; the bucket's padding sequences keep none), on `kv`'s
+        pages one where the decode kernel takes a verification's tokens in a launch each (DECODE
+        "verify_one_pass" 0: two passes, for two rows only)."""
         if not 0 < n <= max(self.buckets):
             return 0
         most = MAX_ROWS - 1
         if self.model.cfg.linear_layers:
-            most = min(most, max(self.buckets) // self._bucket(n))
+            most = min(most, max(self.buckets) // n)
         if kv is not None and self._token_passes(kv) and not self._one_pass(kv):
             most = 1
         return most
@@ -561,11 +562,8 @@ class DecodeGraphRunner:
             st.mtp, st.hidden = True, cp.zeros((nrows, self.model.cfg.hidden_size), cp.float32)
             return st
         ckpt = None
-        if rows > 1 and self.model.cfg.linear_layers:
-            if bucket * (rows - 1) > max(self.buckets):
-                raise GraphUnsupported(f"{rows - 1} drafts a sequence of {bucket}: more rollback points than "
-                                       f"{max(self.buckets)} checkpoints")
-            ckpt = {j: (c[:bucket * (rows - 1)], r[:bucket * (rows - 1)]) for j, (c, r) in self._checkpoints().items()}
+        if rows > 1 and self.model.cfg.linear_layers:  # every checkpoint: a batch's real sequences index them
+            ckpt = self._checkpoints()
         st.run_plan = _plan(RunPlan, runs=st.d32("runs"), segs=st.d32("segs"), num_runs=nruns, max_len=rows,
                             snapshot_keys=[], chunk_src=None, chunk_work=None,  # no chunked work
                             snap_bufs=ckpt, device_keys=frozenset())

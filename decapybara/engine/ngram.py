@@ -36,15 +36,20 @@ class NgramIndex:
         self.upto = max(self.upto, min(upto, len(tokens) - 1))
 
     def propose(self, tokens: Sequence[int], k: int = 1) -> tuple[tuple[int, ...], int]:
-        """(up to `k` tokens after the latest earlier occurrence of the longest n-gram that ends `tokens`, n),
-        longest first from max_n down to min_n; ((), 0) where none recurs. Positions whose next token is known
-        are indexed (every one but the last), so a match is always strictly earlier than the end and has at least
-        one token after it (fewer than `k` where the list ends first)."""
+        """(`k` tokens after the latest earlier occurrence of the longest n-gram that ends `tokens`, n), longest
+        first from max_n down to min_n; ((), 0) where none recurs. Positions whose next token is known are indexed
+        (every one but the last), so a match is always strictly earlier than the end and has at least one token
+        after it. Where the list ends within `k` tokens of the match, the text repeats with the period of the
+        match's distance from the end (a run of one token, a line written again and again), so the proposal goes
+        on with the tokens that period back, its own included: a loop is drafted `k` tokens deep, not one."""
         self.extend(tokens, len(tokens) - 1)  # the suffix's own end: not indexed (it has no next token yet)
         for n in range(self.max_n, self.min_n - 1, -1):
             if n > len(tokens):
                 continue
             e = self.last.get(tuple(tokens[len(tokens) - n:]))
             if e is not None:
-                return tuple(int(t) for t in tokens[e + 1:e + 1 + k]), n
+                shift, out = len(tokens) - 1 - e, []  # tokens[e - n + 1:e + 1] == tokens[-n:]: shift apart
+                for j in range(k):
+                    out.append(int(tokens[e + 1 + j]) if e + 1 + j < len(tokens) else out[j - shift])
+                return tuple(out), n
         return (), 0

@@ -320,10 +320,11 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
     """Verification steps of up to seven drafts a sequence replay graphs of R = 1 + the most drafts rows a
     sequence (sequences of fewer tokens: throwaway rows on the pad page and slot, NaN before every replay); their
     logits and normed rows, KV pages, DeltaNet states and snapshots equal the eager forward's from the same state:
-    the rollback points after each row but the last (checkpoint i (R - 1) + d of sequence i's d-th row), as device
-    views or host copies, some skipped, and the sequence's end. The hybrid model's checkpoints (one a row of the
-    largest bucket, 12) bound the drafts a graph of n sequences takes (`max_drafts`: 3 for the bucket of 3 and 4,
-    6 for 2, 7 for 1); a batch over them runs eagerly with the same results. The decode kernel's pages take the
+    the rollback points after each row but the last (checkpoint i (R - 1) + d of sequence i's d-th row, up to the
+    last of the 12), as device views or host copies, some skipped, and the sequence's end. The hybrid model's
+    checkpoints (one a row of the largest bucket, 12) bound the drafts a batch of n sequences takes (`max_drafts`:
+    n x drafts <= 12, the bucket's padding sequences keeping none); a batch over them runs eagerly with the same
+    results. The decode kernel's pages take the
     tokens in one launch (DECODE "verify_one_pass"; two launches take two rows only), the prefill kernel's CTAs of
     64 query rows (9 heads a KV head: a sequence's 8 rows in two tiles), float32 pages the general kernel."""
     from decapybara.backend import cupy_attention as ca
@@ -338,7 +339,7 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
     page, num_pages = 16, 40
     kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
     runner = DecodeGraphRunner(model, max_pages=12, pad_page=num_pages - 1, pad_slot=5)
-    assert [runner.max_drafts(n, kv) for n in (1, 2, 3, 4, 5, 12, 13)] == [7, 6, 3, 3, 1, 1, 0]
+    assert [runner.max_drafts(n, kv) for n in (1, 2, 3, 4, 5, 7, 12, 13)] == [7, 6, 4, 3, 2, 1, 1, 0]
     seqs = prefilled_sequences(model, kv, states, (5, 31, 120), seed=6, pages_each=12)
     rng = np.random.default_rng(11)
     # (order, {sequence: (drafts, {rollback point d, after row d: "dev" (device views) / "host"}, a snapshot at
@@ -347,7 +348,8 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
             ([2, 0], {2: (6, {d: "dev" for d in range(6)}, True), 0: (2, {1: "host"}, False)}, 7),
             ([1], {1: (7, {1: "host", 4: "dev", 6: "dev"}, False)}, 8),
             ([0, 1, 2], {1: (2, {0: "dev", 1: "dev"}, False)}, 3),
-            ([0, 1, 2], {0: (4, {0: "dev", 3: "dev"}, False)}, 0),  # 4 drafts beside 2 sequences: eagerly
+            ([0, 2, 1], {1: (4, {0: "dev", 3: "host"}, True), 2: (2, {1: "dev"}, False)}, 5),  # checkpoint 11
+            ([0, 1, 2], {0: (5, {0: "dev", 4: "dev"}, False)}, 0),  # 5 drafts beside 2 sequences: eagerly
             ([1, 2], {}, 1),
             ([2, 1, 0], {0: (3, {2: "dev"}, True), 1: (1, {}, False), 2: (3, {0: "host"}, False)}, 4)]
     graphs = eager = 0
@@ -389,7 +391,7 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
     assert all((st.token_tables is not None) == kernel.startswith("paged_decode") for st in verifying)
     # two decode-kernel launches a token (verify_one_pass 0) take two rows a sequence only
     monkeypatch.setitem(DECODE, "verify_one_pass", 0)
-    assert [runner.max_drafts(n, kv) for n in (1, 3)] == ([1, 1] if kernel.startswith("paged_decode") else [7, 3])
+    assert [runner.max_drafts(n, kv) for n in (1, 3)] == ([1, 1] if kernel.startswith("paged_decode") else [7, 4])
 
 
 @pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])

@@ -88,7 +88,7 @@ def test_gpu_several_drafts_a_step_keep_the_tokens(speculator, graphs):
     """draft_len 4 on the cupy backend: without decode graphs, steps of several drafts a sequence (their rollback
     points on the device) and the MTP head's chained passes, eagerly; with graphs a step of decodes alone verifies
     as many drafts a sequence as a verification graph of its width takes (`max_drafts`: 3 at four sequences, 4
-    at one or two), through graphs of more than two rows a sequence, and the MTP head's passes after it through
+    at one to three), through graphs of more than two rows a sequence, and the MTP head's passes after it through
     graphs of as many pair rows. The tokens are those without speculation and the numpy reference's, greedy and
     seeded."""
     ref_model = loaded("numpy")

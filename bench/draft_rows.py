@@ -16,7 +16,8 @@ steps:
 
 Prints ms, the ratio to the decode step, and the tokens a step must emit to repay it (the ratio: a step of ratio r
 that emits r tokens a sequence breaks even), with what a chain accepted at a per-draft rate p emits
-(1 + p + ... + p^k) for p = 0.6 and 0.8.
+(1 + p + ... + p^k) for p = 0.6 and 0.8; then the device memory each graph's own pool holds (its activations,
+logits and outputs), by rows a sequence, and the rollback checkpoints'.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ def main() -> None:
             r = t / dec
             print(f"{name:<10}{t * 1e3:>9.2f}{r:>10.3f}{chain_tokens(0.6, k) / r:>12.2f}{chain_tokens(0.8, k) / r:>12.2f}")
         cp.get_default_memory_pool().free_all_blocks()
+    pools = {f"bucket {k[0]} rows {k[2]}": st.pool.total_bytes() / 2**20 for k, st in runner._graphs.items()
+             if st.pool is not None}
+    print("\ngraph pools, MiB: " + ", ".join(f"{k} {v:.1f}" for k, v in pools.items())
+          + f"; checkpoints {runner.checkpoint_bytes() / 2**20:.0f} MiB")
     out = Path(os.environ.get("OUT", "."))
-    (out / "draft_rows.json").write_text(json.dumps({"variant": variant, "ms": res}, indent=1))
+    (out / "draft_rows.json").write_text(json.dumps({"variant": variant, "ms": res, "pool_mib": pools}, indent=1))
 
 
 if __name__ == "__main__":

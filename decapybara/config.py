@@ -54,7 +54,7 @@ class EngineConfig:
     # Speculative decoding: "mtp" drafts each decoding sequence's next token with the model's MTP head and verifies
     # it as a second row of the sequence's decode (a token gained where it matches what is sampled; outputs as
     # without speculation); "off". Models without an MTP head ignore it. On CUDA graphs, a step with drafts
-    # replays a verification graph (two rows a sequence). "ngram": prompt lookup (engine/ngram.py), the token that
+    # replays a verification graph (1 + the most drafts rows a sequence). "ngram": prompt lookup (engine/ngram.py), the token that
     # followed the latest earlier occurrence of the last three tokens, any model (a two-token match: a guess for the
     # spare rows of spec_fill).
     speculator: str = "off"
@@ -62,7 +62,7 @@ class EngineConfig:
     # under 0.3 were accepted 21-25% of the time, over 0.5 67-100%; docs/perf.md)
     spec_min_confidence: float = 0.3
     # ... in a decode step that verifies some draft through a verification graph, the other sequences' guesses
-    # under spec_min_confidence are verified too: their second rows are computed anyway (a throwaway row
+    # under spec_min_confidence are verified too: their second rows are computed anyway (throwaway rows
     # otherwise), so a guess costs at most its rollback
     spec_fill: bool = True
     # ... drafts verified only at the step widths (numbers of decoding sequences) where the steps that verify them
@@ -72,9 +72,10 @@ class EngineConfig:
     # ... at most this many drafts a sequence and step (DRAFT_LEN), verified as that many more rows of its decode
     # (1 + draft_len rows): ngram the tokens after the match, mtp the head's guesses chained (each guess paired with
     # the head's own hidden state for the next) while the product of their probabilities stays at
-    # spec_min_confidence; with CUDA graphs more than one only in steps beside a prompt's chunk, eager anyway (a
-    # verification graph takes one draft; a step of decodes with more would run eagerly, several times slower:
-    # Engine._draft_cap); 0 drafts nothing
+    # spec_min_confidence; with CUDA graphs a step of decodes alone at most what a verification graph of its
+    # sequences takes (DecodeGraphRunner.max_drafts: up to 7, a hybrid model's bounded by its rollback checkpoints,
+    # n sequences x drafts <= the largest graph bucket; a step of more would run eagerly, several times slower:
+    # Engine._draft_cap), a step beside a prompt's chunk, eager anyway, every draft; 0 drafts nothing
     draft_len: int = 1
 
     def __post_init__(self) -> None:

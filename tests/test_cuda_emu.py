@@ -180,7 +180,7 @@ RUNS: dict[str, EmuRun] = {
                             "decode_graph_equals_eager or runs_prefill_eagerly or attention_splits "
                             "or moe_decode_graphs or fp32_moe or server_backend_with_packed "
                             "or (mtp_graph_equals_eager and None-None) or (one_pass_gives and 16/16) "
-                            "or (several_drafts and paged_decode_attention])"),
+                            "or (several_drafts and paged_decode_attention]) or (near_its_table and None-None)"),
     "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
     "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
     "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),

@@ -161,6 +161,11 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
         return lambda n: widths.append(n) or k
     assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, graph_drafts=takes(1)).chunks] == [(1,), (5,), ()]
     assert widths == [3]
+    # spare rows filled (`fill_rows`): a graph of 1 + 2 rows a sequence computes c's second row anyway: its guess
+    c.guess = 9
+    filled = plan_step(e.running, e.cfg.replace(max_batch_tokens=16), False, fill_rows=12, graph_drafts=takes(2))
+    assert [ch.drafts for ch in filled.chunks] == [(1, 2), (5, 6), (9,)]
+    c.guess = None
     assert [ch.drafts for ch in plan_step(e.running, e.cfg, False, graph_drafts=takes(2)).chunks] == \
         [(1, 2), (5, 6), ()]
     # 0 (no graph of that many sequences): the step runs eagerly, every draft the budget leaves room for

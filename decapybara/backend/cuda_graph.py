@@ -179,7 +179,8 @@ class DecodeGraphRunner:
                                                            "failures": {}, "chain_timeouts": 0,
                                                            "verify_steps": 0, "mtp_steps": 0, "mtp_kv_steps": 0,
                                                            "mtp_eager": 0})
-    _graphs: dict[tuple, _Static] = field(default_factory=dict)  # (bucket, splits, rows); ("mtp", bucket, splits)
+    _graphs: dict[tuple, _Static] = field(default_factory=dict)  # (bucket, splits, rows); ("mtp" | "mtpkv",
+    # bucket, splits, rows)
     _stream: Any = None
     _inv_freq: Any = None
     _ckpt: dict[int, tuple[Any, Any]] | None = None  # verification checkpoints: layer -> (conv, rec) [max bucket, ...]
@@ -273,22 +274,24 @@ class DecodeGraphRunner:
         rows = self._rows(batch)
         if rows - 1 > self.max_drafts(len(seqs), kv):
             return f"{rows - 1} drafts a sequence beside {len(seqs) - 1} others (max_drafts)"
-        if not self._tables_fit(batch, rows):
+        if not self._tables_fit(batch):
             return "block table longer than max_pages or using the pad page"
         if self.model.cfg.linear_layers and any(s.state_slot in (None, self.pad_slot) for s in seqs):
             return "state slot missing or equal to pad_slot"
         return None
 
-    def _tables_fit(self, batch: ForwardBatch, rows: int) -> bool:
-        """Whether every sequence's block table fits a graph of `rows` rows a sequence: at most max_pages pages,
-        the keys its rows take (a two-row graph's: context + 2) within them, the pad page not among its own."""
+    def _tables_fit(self, batch: ForwardBatch) -> bool:
+        """Whether every sequence's block table fits a graph: at most max_pages pages, its own tokens' keys within
+        them, the pad page not among its own. A sequence's throwaway rows (a graph of more rows than it has) need
+        no page of its own: their keys go to the pad page and they attend to the sequence's keys only."""
         ps = batch.page_size
-        return not any(len(s.block_table) > self.max_pages or cdiv(s.context + rows, ps) > self.max_pages
+        return not any(len(s.block_table) > self.max_pages or cdiv(s.total, ps) > self.max_pages
                        or self.pad_page in s.block_table[:cdiv(s.total, ps)] for s in batch.seqs)
 
     def max_drafts(self, n: int, kv: KVCache | None = None) -> int:
         """Drafts a sequence that a verification graph of `n` sequences takes (0: none, more sequences than the
-        largest bucket): up to MAX_ROWS - 1, on a hybrid model no more than its checkpoints hold (n x drafts <=
+        largest bucket, or a two-row graph of its bucket failed to capture): up to MAX_ROWS - 1, fewer than the
+        rows of any graph of its bucket that failed to capture, on a hybrid model no more than its checkpoints hold (n x drafts <=
         max bucket: each draft's rollback point a state; the bucket's padding sequences keep none), on `kv`'s
         pages one where the decode kernel takes a verification's tokens in a launch each (DECODE
         "verify_one_pass" 0: two passes, for two rows only)."""
@@ -299,7 +302,9 @@ class DecodeGraphRunner:
             most = min(most, max(self.buckets) // n)
         if kv is not None and self._token_passes(kv) and not self._one_pass(kv):
             most = 1
-        return most
+        bucket = self._bucket(n)  # fewer than the rows of a verification graph of this bucket whose capture failed
+        failed = [k[2] for k in self.stats["failures"] if len(k) == 3 and k[0] == bucket and k[2] > 1]
+        return min([most, *(r - 2 for r in failed)])
 
     # ---- graphs -----------------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -350,8 +355,8 @@ class DecodeGraphRunner:
     def _token_passes(self, kv: KVCache | None) -> bool:
         """Whether a verification graph's attention runs on the decode kernel, a pass a token (row R i + j over
         keys to its own; all in one launch where `_one_pass`): where the decode
-        kernel takes the model's decode steps. The prefill kernel would take both tokens in one CTA, but in CTAs
-        of 64 rows for a sequence's 2g, and it spent 0.18-0.21 ms a 27B layer on 16 new tokens after 16k keys
+        kernel takes the model's decode steps. The prefill kernel would take a sequence's tokens in one CTA, but
+        in CTAs of 64 rows for its R g, and it spent 0.18-0.21 ms a 27B layer on 16 new tokens after 16k keys
         where a decode pass takes ~0.03 (docs/perf.md)."""
         return kv is not None and self._decode_launch(kv) is not None
 
@@ -441,7 +446,7 @@ class DecodeGraphRunner:
         """`mtp` / `mtp_kv`'s graph replayed over `batch`'s pairs (built and captured on first use), or None."""
         seqs = batch.seqs
         rows = max([2, *(s.length for s in seqs)])
-        if not seqs or len(seqs) > max(self.buckets) or rows > MAX_ROWS or not self._tables_fit(batch, rows) \
+        if not seqs or len(seqs) > max(self.buckets) or rows > MAX_ROWS or not self._tables_fit(batch) \
                 or (rows > 2 and self._token_passes(kv) and not self._one_pass(kv)):
             self.stats["mtp_eager"] += 1
             return None
@@ -657,7 +662,7 @@ class DecodeGraphRunner:
     def _fill_work(st: _Static, kend: np.ndarray, suffix: str) -> None:
         """Attention work items (and split-K reduce items) of every plan sequence's tiles over keys [0, kend[seq,
         tile]) into views "work" / "reduce" + `suffix`: `splits` ranges a tile, of whole BLOCK_N-key tiles.
-        kend: [plan sequences (the bucket's, or twice that: `_one_pass`), tiles]."""
+        kend: [plan sequences (the bucket's, or R times that: `_one_pass`), tiles]."""
         b, tiles, block_m, sp = kend.shape[0], st.tiles, st.block_m, st.splits
         kend = np.repeat(kend.reshape(-1), sp)  # [b * tiles * sp]
         per_split = -(-kend // sp)

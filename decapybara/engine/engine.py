@@ -349,7 +349,7 @@ class Engine(MemoryMixin):
         sequence running decodes one token, plus a draft where one is verified) that captured no graph, its
         tokens emitted and its wall time from after planning to now. With the MTP head, also the head's pass of
         the step before (`_head`: the pass that drafted for this one, or kept the head's cache for it), and only
-        where that pass was over a decode's pairs (one or two a sequence) of the same sequences and captured no
+        where that pass was over a decode's pairs (one to eight a sequence) of the same sequences and captured no
         graph either (after a prompt's chunk its pass covers the prompt: that step is not measured)."""
         if self._pending is None:
             return

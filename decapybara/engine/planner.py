@@ -56,8 +56,8 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
               graph_drafts: Callable[[int], int] | None = None) -> StepPlan:
     """Compose one step over `running` (ordered oldest admission first); `snapshots`: a hybrid model whose
     state snapshots the prefix cache keeps; `fill_rows` > 0: a step of at most that many decodes, no prompt,
-    and some draft replays a verification graph whose every sequence has a second row (no sequence drafts more
-    than one token), so the decodes' doubtful guesses (`Sequence.guess`) are drafted too; `graph_drafts` (with
+    and some draft replays a verification graph whose every sequence has a second row (or more), so the other
+    decodes' doubtful guesses (`Sequence.guess`) are drafted too; `graph_drafts` (with
     decode graphs: the drafts a sequence that a verification graph of n sequences takes, 0 for none): a step
     without a prompt's chunk of two tokens or more verifies at most that many drafts a sequence, a step with one
     (eager anyway) every draft. Pure: reads, never mutates."""
@@ -88,8 +88,7 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
         def held(s: Sequence) -> tuple[int, ...]:
             return s.drafts if cap is None else s.drafts[:cap]
 
-        fill = (0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
-                and all(len(held(s)) <= 1 for s in decodes))
+        fill = 0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
 
         def add_decodes(limit: int) -> int:
             """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves

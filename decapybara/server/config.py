@@ -117,8 +117,9 @@ class AppConfig(BaseModel):
     draft_len: int = Field(
         default=1, ge=0, le=7, description="DRAFT_LEN: speculator=mtp or ngram: the most tokens an agent drafts a step, "
         "verified as as many more rows of its decode (ngram: the tokens after the match; mtp: the head's guesses "
-        "chained while the product of their probabilities stays at spec_min_confidence); with CUDA graphs more than "
-        "one only in steps beside a prompt's chunk, which run eagerly anyway (a verification graph takes one draft); "
+        "chained while the product of their probabilities stays at spec_min_confidence); with CUDA graphs a step of "
+        "decodes alone at most what a verification graph takes (up to 7; on a hybrid model agents x drafts <= the "
+        "largest graph bucket, its rollback checkpoints), a step beside a prompt's chunk, eager anyway, every draft; "
         "0 drafts nothing")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "

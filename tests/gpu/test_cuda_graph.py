@@ -389,9 +389,41 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
         assert {st.block_m for st in verifying} == {64} and max(st.tiles for st in verifying) == 2
         assert not any(f.startswith("paged_decode") for f in launched), sorted(set(launched))
     assert all((st.token_tables is not None) == kernel.startswith("paged_decode") for st in verifying)
+    # a verification graph of the bucket that failed to capture: fewer drafts than its rows (none past two rows)
+    runner.stats["failures"][(4, 4, 4)] = "CUDARuntimeError: out of memory"
+    assert [runner.max_drafts(n, kv) for n in (1, 2, 3, 4)] == [7, 6, 2, 2]
+    runner.stats["failures"][(4, 4, 2)] = "CUDARuntimeError: out of memory"
+    assert [runner.max_drafts(n, kv) for n in (1, 3, 5)] == [7, 0, 2]
+    runner.stats["failures"].clear()
     # two decode-kernel launches a token (verify_one_pass 0) take two rows a sequence only
     monkeypatch.setitem(DECODE, "verify_one_pass", 0)
     assert [runner.max_drafts(n, kv) for n in (1, 3)] == ([1, 1] if kernel.startswith("paged_decode") else [7, 4])
+
+
+@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16")])
+def test_a_sequence_near_its_table_end_keeps_the_verification_graph(heads, kv_mode):
+    """A sequence that verifies nothing within a few tokens of its graph table's end (max_pages x page_size) beside
+    one verifying six drafts: its throwaway rows need no page of its own (their keys go to the pad page, they
+    attend to its keys only), so the step replays the graph of seven rows a sequence, equal to the eager forward."""
+    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    model = tiny_model(**over)
+    page, num_pages = 16, 40
+    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
+    runner = DecodeGraphRunner(model, max_pages=4, pad_page=num_pages - 1, pad_slot=5)  # 64 tokens a sequence
+    seqs = prefilled_sequences(model, kv, states, (59, 9), seed=2, pages_each=4)  # the first: 60 of 64 tokens
+    rng = np.random.default_rng(1)
+    entries = []
+    for s, k in zip(seqs, (0, 6)):
+        new = [s[0][-1]] + [int(t) for t in rng.integers(0, 512, k)]
+        p0 = len(s[0]) - 1
+        entries.append((new, p0, s[2][:-(-(p0 + len(new)) // page)], s[1]))
+    p0 = len(seqs[1][0]) - 1
+    batch = ForwardBatch.build(entries, page, logits="all", snapshot_at=[(), tuple(range(p0 + 1, p0 + 7))])
+    batch.device_snapshots = frozenset((1, q) for q in batch.seqs[1].snapshot_at)
+    assert batch.seqs[0].total + 7 > 4 * page and runner.ineligible(batch, kv) is None
+    out, *ref = eager_then_graph(model, runner, kv, states, batch, seqs, (num_pages - 1, 5))
+    assert runner.stats["graph_steps"] == 1 and set(runner._graphs) == {(2, runner._splits(batch, kv), 7)}
+    compare_verification(out, *ref, kv, states, batch, batch.device_snapshots, "near the table's end")
 
 
 @pytest.mark.parametrize("kv_mode,head_dim", [("16/16", 64), ("6/4", 128)])

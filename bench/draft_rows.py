@@ -89,7 +89,7 @@ def main() -> None:
             r = t / dec
             print(f"{name:<10}{t * 1e3:>9.2f}{r:>10.3f}{chain_tokens(0.6, k) / r:>12.2f}{chain_tokens(0.8, k) / r:>12.2f}")
         cp.get_default_memory_pool().free_all_blocks()
-    pools = {f"bucket {k[0]} rows {k[2]}": st.pool.total_bytes() / 2**20 for k, st in runner._graphs.items()
+    pools = {f"b{k[0]} s{k[1]} r{k[2]}": st.pool.total_bytes() / 2**20 for k, st in runner._graphs.items()
              if st.pool is not None}
     print("\ngraph pools, MiB: " + ", ".join(f"{k} {v:.1f}" for k, v in pools.items())
           + f"; checkpoints {runner.checkpoint_bytes() / 2**20:.0f} MiB")

@@ -274,9 +274,15 @@ def test_verification_steps_fill_their_spare_rows_with_guesses():
     assert [c.drafts for c in plan_step(e.running, e.cfg, False).chunks] == [(100,)] + [()] * (len(prompts) - 1)
     assert [c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=len(prompts) - 1).chunks][1:] == \
         [()] * (len(prompts) - 1)
-    e.running[0].drafts = (100, 101)  # a step that drafts two tokens runs eagerly: no graph's spare rows to fill
+    e.running[0].drafts = (100, 101)  # two drafts where no graph takes them (eager): no graph's spare rows to fill
     assert [c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks] == \
         [(100, 101)] + [()] * (len(prompts) - 1)
+    # ... where a graph takes two drafts a sequence (`graph_drafts`), its spare rows take the guesses; where it takes
+    # one, the step keeps one draft and fills too
+    for takes, first in ((2, (100, 101)), (1, (100,))):
+        assert [c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=12,
+                                            graph_drafts=lambda n, k=takes: k).chunks] == \
+            [first] + [(200 + k,) for k in range(1, len(prompts))]
     e.running[0].drafts = ()  # no sure draft: no verification step to fill
     assert all(not c.drafts for c in plan_step(e.running, e.cfg, False, fill_rows=12).chunks)
     e.running[0].drafts = (100,)

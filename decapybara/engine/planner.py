@@ -88,7 +88,9 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
         def held(s: Sequence) -> tuple[int, ...]:
             return s.drafts if cap is None else s.drafts[:cap]
 
-        fill = 0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
+        # (unless a graph takes the drafts, `cap` set, a step with two or more a sequence runs eagerly: no spare rows)
+        fill = (0 < len(decodes) <= fill_rows and not prefills and any(held(s) for s in decodes)
+                and (cap is not None or all(len(s.drafts) <= 1 for s in decodes)))
 
         def add_decodes(limit: int) -> int:
             """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves

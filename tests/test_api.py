@@ -745,7 +745,8 @@ OA_BAD = [
     ("/v1/completions", {"prompt": [100000]}, 400),
     ("/v1/completions", {"prompt": []}, 400),
     ("/v1/completions", {"prompt": [[1, 2], [3]]}, 400),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),  # 0 only with echo (scoring the prompt)
     ("/v1/nothing", {}, 404),
 ]
 AN_BAD = [
@@ -1288,6 +1289,60 @@ def test_legacy_completions_take_n_choices_as_chat_does(stack):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     resp = _post(stack.url + "/v1/completions", {"model": "m", "prompt": "x", "n": 2, "best_of": 1})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of", resp.text  # best_of < n
+
+
+def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses_ask(stack):
+    """/v1/completions with `echo`: the prompt's text before the completion's; with `logprobs`, its tokens' logprobs
+    (the first None) before the completion's, each the model's log-softmax at the token given the tokens before it
+    (HF transformers' over the whole prompt), with alternatives and text offsets; `max_tokens` 0 scores the prompt
+    alone (what lm-evaluation-harness asks for a log-likelihood): its text, its logprobs, no completion token,
+    finish "length". The same streamed: the prompt's chunk first. The prompt is computed whole even where the prefix
+    cache holds it."""
+    import torch
+
+    oa = stack.oa()
+    hf = tiny_qwen("qwen3_5_text")[1]
+    prompt = "def parse(text):\n    return text.split()\n" * 3
+    ids = stack.tok.encode(prompt)
+    oa.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0)  # its pages cached
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    r = oa.completions.create(model="m", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert lp.tokens == [stack.tok.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    want = ref[np.arange(len(ids) - 1), ids[1:]]
+    assert np.max(np.abs(np.array(lp.token_logprobs[1:]) - want)) < 1e-4
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    best = ref[:-1].argmax(-1)
+    for p, top in enumerate(lp.top_logprobs[1:]):  # the best alternative is the model's argmax there
+        (tok, v), = top.items()
+        assert abs(v - ref[p, best[p]]) < 1e-4
+    assert lp.text_offset == [len(stack.tok.decode(ids[:i])) for i in range(len(ids))]
+    # echo beside a completion: the prompt's part, then the completion's tokens as without echo
+    plain = oa.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    both = oa.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    b = both.choices[0]
+    assert b.text == prompt + plain.choices[0].text
+    assert b.logprobs.tokens == lp.tokens + plain.choices[0].logprobs.tokens
+    # (the prompt computed whole rather than over cached pages: the same logprobs within float32 rounding)
+    assert np.allclose(b.logprobs.token_logprobs[len(ids):], plain.choices[0].logprobs.token_logprobs, atol=1e-4)
+    assert b.logprobs.text_offset[len(ids):] == [o + len(prompt) for o in plain.choices[0].logprobs.text_offset]
+    assert len(b.logprobs.top_logprobs[1]) == 2
+    assert oa.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0, echo=True).choices[0].text \
+        == prompt + oa.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0).choices[0].text
+    # streamed: the prompt's chunk (text and logprobs) first, then the completion's
+    chunks = list(oa.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True,
+                                        stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == b.text
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == lp.tokens
+    scored = list(oa.completions.create(model="m", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                        stream=True, stream_options={"include_usage": True}))
+    assert [ch.choices[0].text for ch in scored if ch.choices] == [prompt, ""]
+    assert scored[-2].choices[0].finish_reason == "length" and scored[-1].usage.completion_tokens == 0
+    assert scored[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
 
 
 class RefusingChoice:

@@ -284,8 +284,11 @@ class Collected:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list | None = None  # the prompt's tokens 1.. (logprob, alternatives), where asked for
 
     def add(self, ev: TokenEvent) -> None:
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
         self.token_ids += ev.token_ids
         self.text += ev.text
         # NOTE: tokens forced by the LoopGuard have no logprobs; they follow the sampled token of their event.

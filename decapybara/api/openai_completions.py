@@ -1,8 +1,16 @@
-"""OpenAI legacy /v1/completions (raw prompt, no chat template) and /v1/models."""
+"""OpenAI legacy /v1/completions (raw prompt, no chat template) and /v1/models.
+
+`echo`: the prompt's text comes before the completion's, and with `logprobs` its tokens' logprobs before the
+completion's (the model's own, each given the tokens before it; the first token's None), computed over the whole
+prompt (`SamplingParams.prompt_logprobs`: no prefix-cache reuse). With `echo`, `max_tokens` 0 scores the prompt
+alone (what evaluation harnesses ask for a log-likelihood): the engine samples one token from the prompt's last
+row, as any request's prefill does, and the response leaves it out.
+"""
 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +27,7 @@ from decapybara.api.openai_api import (
     usage,
 )
 from decapybara.api.streams import sse_data
-from decapybara.engine.sequence import Request, TokenEvent
+from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # the legacy API's default
 
@@ -32,6 +40,9 @@ class CompletionPlan:
     include_usage: bool
     created: int
     n: int = 1  # choices (`openai_api.choice_requests`)
+    echo: str | None = None  # the prompt's text, where the request echoes it
+    prompt_ids: tuple[int, ...] = ()  # ... and its tokens
+    score_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token left out)
 
 
 def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any) -> tuple[int, ...]:
@@ -47,24 +58,41 @@ def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], tokenizer:
 
 def plan_completion(body: oa.CompletionRequest, client: Any, model: str, conversation: str | None
                     ) -> CompletionPlan:
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of not in (None, 1) or (body.best_of is not None and body.n not in (None, 1)):
         raise bad_request("only best_of=1 is supported (and with n of 1: best_of must be at least n)", "best_of")
     ids = prompt_ids(body.prompt, client.tokenizer)
     requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    max_tokens = output_budget(requested, len(ids), client.max_model_len, "max_tokens")
+    score_only = bool(body.echo) and requested == 0 and not isinstance(requested, bool)
+    max_tokens = 1 if score_only else output_budget(requested, len(ids), client.max_model_len, "max_tokens")
     n = 1 if body.n is None else body.n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be from 1 to {MAX_CHOICES}", "n")
     params = sampling_params(body, max(max_tokens, 1), body.logprobs)
+    if body.echo and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     text = body.prompt if isinstance(body.prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)
     request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()), n)
+    echo = None
+    if body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else client.tokenizer.decode(list(ids))
+    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()), n, echo, ids,
+                          score_only)
+
+
+def echoed_logprobs(tokenizer: Any, ids: tuple[int, ...], prompt: list | None, decoder: Any
+                    ) -> tuple[oa.LegacyLogprobs, int]:
+    """An echoed prompt's part of the legacy logprobs: its tokens, their logprobs (the first None), alternatives and
+    text offsets from 0; and the offset after it (`decoder` carries a character cut across the prompt's end)."""
+    prompt = prompt or [None] * max(len(ids) - 1, 0)
+    lps = [None] + [p[0] if p is not None else None for p in prompt]
+    tops = [None] + [p[1] if p is not None else [] for p in prompt]
+    part, offset = legacy_logprobs(tokenizer, list(ids), lps, tops[1:], 0, decoder, sampled=[True] * len(ids))
+    part.top_logprobs.insert(0, None)
+    return part, offset
 
 
 def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
@@ -88,13 +116,26 @@ def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
 
 
 def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Completion:
-    logprobs = None
+    logprobs, text, out = None, done.text, done.num_output_tokens
+    if plan.score_only:  # the engine's one token is not the client's
+        done, out = Collected(finish_reason=FinishReason.LENGTH, num_prompt_tokens=done.num_prompt_tokens,
+                              num_cached_tokens=done.num_cached_tokens, prompt_logprobs=done.prompt_logprobs), 0
     if plan.logprobs:
-        logprobs, _ = legacy_logprobs(tokenizer, done.token_ids, done.logprobs, done.top_logprobs, 0,
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        offset, head = 0, None
+        if plan.echo is not None:
+            head, offset = echoed_logprobs(tokenizer, plan.prompt_ids, done.prompt_logprobs, decoder)
+        logprobs, _ = legacy_logprobs(tokenizer, done.token_ids, done.logprobs, done.top_logprobs, offset, decoder,
                                       sampled=done.sampled)
-    choice = oa.CompletionChoice(text=done.text, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, False),
+        if head is not None:
+            logprobs = oa.LegacyLogprobs(tokens=head.tokens + logprobs.tokens,
+                                         token_logprobs=head.token_logprobs + logprobs.token_logprobs,
+                                         top_logprobs=head.top_logprobs + logprobs.top_logprobs,
+                                         text_offset=head.text_offset + logprobs.text_offset)
+    text = (plan.echo or "") + ("" if plan.score_only else text)
+    choice = oa.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, False),
                                  loop_guard=loop_guard(done.finish_reason, done.note))
-    u = usage(done.num_prompt_tokens or len(plan.request.prompt_ids), done.num_cached_tokens, done.num_output_tokens)
+    u = usage(done.num_prompt_tokens or len(plan.request.prompt_ids), done.num_cached_tokens, out)
     return oa.Completion(id=plan.request.request_id, created=plan.created, model=plan.model, choices=[choice], usage=u)
 
 
@@ -114,6 +155,7 @@ class CompletionStream:
         self.plan, self.tokenizer, self.index = plan, tokenizer, index
         self.offset = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.echoed = plan.echo is None  # an echoed prompt goes out first, with the first event
 
     def _chunk(self, choices: list[oa.CompletionChoice], u: oa.Usage | None = None) -> str:
         p = self.plan
@@ -124,23 +166,31 @@ class CompletionStream:
         return []
 
     def event(self, ev: TokenEvent) -> list[str]:
-        if not ev.text and not (self.plan.logprobs and ev.token_ids):
-            return []
+        lines = []
+        if not self.echoed:  # the prompt's chunk: its text, and its tokens' logprobs where asked for
+            self.echoed, logprobs = True, None
+            if self.plan.logprobs:
+                logprobs, self.offset = echoed_logprobs(self.tokenizer, self.plan.prompt_ids, ev.prompt_logprobs,
+                                                        self.decoder)
+            lines.append(self._chunk([oa.CompletionChoice(index=self.index, text=self.plan.echo, logprobs=logprobs)]))
+        if self.plan.score_only or (not ev.text and not (self.plan.logprobs and ev.token_ids)):
+            return lines
         logprobs = None
         if self.plan.logprobs:
             logprobs, self.offset = legacy_logprobs(self.tokenizer, ev.token_ids, ev.logprobs, ev.top_logprobs,
                                                     self.offset, self.decoder)
-        return [self._chunk([oa.CompletionChoice(index=self.index, text=ev.text, logprobs=logprobs)])]
+        return [*lines, self._chunk([oa.CompletionChoice(index=self.index, text=ev.text, logprobs=logprobs)])]
 
     def finish(self, last: TokenEvent) -> list[str]:
         """The choice's last chunk (its finish_reason and loop_guard)."""
-        choice = oa.CompletionChoice(index=self.index, text="", finish_reason=finish_reason(last.finish_reason, False),
+        reason = FinishReason.LENGTH if self.plan.score_only else last.finish_reason
+        choice = oa.CompletionChoice(index=self.index, text="", finish_reason=finish_reason(reason, False),
                                      loop_guard=loop_guard(last.finish_reason, last.note))
         return [self._chunk([choice])]
 
     def usage(self, last: TokenEvent) -> oa.Usage:
         return usage(last.num_prompt_tokens or len(self.plan.request.prompt_ids), last.num_cached_tokens,
-                     last.num_output_tokens)
+                     0 if self.plan.score_only else last.num_output_tokens)
 
     def tail(self, total: oa.Usage) -> list[str]:
         """What follows the choices' last chunks: the usage chunk where asked for, then ``data: [DONE]``."""

@@ -273,8 +273,8 @@ class ChatCompletionChunk(ResponseModel):
 
 class LegacyLogprobs(ResponseModel):
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it predicts it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -412,6 +412,14 @@ class Engine(MemoryMixin):
         row goes back to the snapshot before it (its KV slots are rewritten later). With speculation the head
         then drafts each decoding sequence's next tokens (`_draft`, `_draft_ngram`)."""
         now = self.clock()
+        for ci, r0, p0, n in out.prompt_rows:  # prompt logprobs: row p predicts the prompt's token p + 1
+            s = plan.chunks[ci].seq
+            lp, tops = self.model.backend.token_logprobs(out.logits, np.arange(r0, r0 + n),
+                                                         np.asarray(s.tokens[p0 + 1:p0 + 1 + n]),
+                                                         s.params.prompt_logprobs)
+            if s.prompt_lps is None:
+                s.prompt_lps = [None] * s.num_prompt
+            s.prompt_lps[p0 + 1:p0 + 1 + n] = [(float(v), t) for v, t in zip(lp, tops)]
         sampling = [c for c in plan.chunks if c.sample]
         first, r = [], 0  # each sampling chunk's first logits row (a chunk with k drafts has 1 + k)
         for c in sampling:
@@ -783,6 +791,8 @@ class Engine(MemoryMixin):
         ev = TokenEvent(s.request_id, s.pending_tokens, s.pending_text, s.pending_logprobs, s.pending_top, reason,
                         s.pending_note, s.detok.stop_string if s.detok is not None else None, s.num_prompt,
                         s.num_cached_prompt, s.num_output)
+        if s.params.prompt_logprobs is not None and s.pending_tokens and not s.prompt_lps_sent:
+            ev.prompt_logprobs, s.prompt_lps_sent = (s.prompt_lps or [None] * s.num_prompt)[1:], True
         s.pending_tokens, s.pending_text, s.pending_logprobs, s.pending_top, s.pending_note = [], "", [], [], None
         return ev
 

@@ -55,11 +55,12 @@ class MemoryMixin:
         holds, which are restored). False when pages are short. A sequence that lost its paused bundle comes
         back through here and recomputes what the cache cannot give it."""
         assert seq.status == SeqStatus.WAITING and self.can_admit()
+        # a request for prompt logprobs computes its whole prompt: it matches no cached prefix (one token never does)
+        tokens = seq.tokens[:1] if seq.params.prompt_logprobs is not None else seq.tokens
         # pages short: refused before the tier-held pages of the match are fetched (disk reads) for nothing
-        if not self.blocks.can_allocate(*self._admission_pages(seq, self.blocks.match_prefix(seq.tokens,
-                                                                                           count=False))):
+        if not self.blocks.can_allocate(*self._admission_pages(seq, self.blocks.match_prefix(tokens, count=False))):
             return False
-        match, restored = self._match_and_fetch(seq.tokens)
+        match, restored = self._match_and_fetch(tokens)
         need, held = self._admission_pages(seq, match)
         pages = self.blocks.allocate(need, held)  # the tail is held until copied
         if pages is None:

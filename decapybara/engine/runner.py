@@ -47,6 +47,9 @@ class StepOutput:
     snapshots: dict[tuple[int, int], HybridState] = field(default_factory=dict)  # (chunk index, token count)
     normed: Any = None  # [T, H] every row's final-normed hidden state, where the plan speculates (the MTP's input)
     batch: Any = None  # the ForwardBatch run (its rows' places, for the MTP pass)
+    # prompt logprobs: (chunk index, first row of `logits`, prompt position p0, rows n): rows p0 .. p0 + n - 1 of the
+    # chunk's sequence, after the sampling rows, each predicting the prompt token after it
+    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -175,12 +178,19 @@ class ModelRunner:
         for b, c in zip(batch.seqs, chunks):
             if c.sample:
                 rows += list(range(b.start, b.end)) if c.drafts else [b.end - 1]
+        prompt_rows = []  # then each prompt-logprob chunk's rows that predict a prompt token
+        for ci, (b, c) in enumerate(zip(batch.seqs, chunks)):
+            s = c.seq
+            if s.params.prompt_logprobs is not None and s.num_computed + 1 < s.num_prompt:
+                n = min(c.num_tokens, s.num_prompt - 1 - s.num_computed)
+                prompt_rows.append((ci, len(rows), s.num_computed, n))
+                rows += range(b.start, b.start + n)
         batch.logits_rows = np.asarray(rows, np.int64)
         batch.normed_rows = normed
         # drafts' rollback states stay on the device (device copies, not host round trips)
         batch.device_snapshots = frozenset((i, q) for i, c in enumerate(chunks) for q in c.rollback)
         out = self.forward(batch)
-        return StepOutput(out.logits, out.snapshots, out.normed, batch)
+        return StepOutput(out.logits, out.snapshots, out.normed, batch, prompt_rows)
 
     def mtp(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, draft_rows: list[int],
             normed: Any, chain: bool = False) -> tuple[np.ndarray, np.ndarray, Any]:

@@ -69,6 +69,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None  # None = the engine picks one per request
     logprobs: int | None = None  # None = no logprobs; n = the sampled token's plus n alternatives
+    # None = none; n = each prompt token's logprob (the model's, no sampler edit; the first token has none) plus n
+    # alternatives, computed over the whole prompt (no prefix-cache reuse): the legacy completions' `echo`
+    prompt_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched by the detokeniser
     max_tokens: int = 16
@@ -98,6 +101,8 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=-(2**63), hi=MASK64)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
         if not isinstance(self.json_object, bool):

@@ -66,6 +66,9 @@ class TokenEvent:
     num_output_tokens: int = 0
     error: str | None = None  # set when the request was refused after submission (e.g. the pool is too small)
     error_type: str | None = None  # the refusing error's class name (ContextOverflowError, ...)
+    # the prompt's tokens 1.. (logprob, alternatives), on the request's first event with tokens where its params ask
+    # for them (`SamplingParams.prompt_logprobs`)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(eq=False)
@@ -99,6 +102,10 @@ class Sequence:
     in_thinking: bool = False
     json: Any = None  # JSON mode's automaton (`json_mode.JsonState`), where the request asks for it
     after_think: bool = False  # the reasoning just closed: the answer's leading whitespace is the template's
+    # prompt logprobs (`SamplingParams.prompt_logprobs`): position p's (logprob, alternatives) at p - 1, for p in
+    # 1 .. num_prompt - 1, as the prompt's chunks compute them; handed out once, on the first event with tokens
+    prompt_lps: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    prompt_lps_sent: bool = False
     drafts: tuple[int, ...] = ()  # speculation: the tokens guessed after the last one (engine._draft, _draft_ngram)
     guess: int | None = None  # ... a first guess too doubtful to draft alone (a verification graph's spare row)
     ngram: Any = None  # SPECULATOR ngram: its tokens' n-gram index (engine/ngram.py NgramIndex), built at first use

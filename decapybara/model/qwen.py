@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from decapybara.backend.base import Backend, DeltaNetParams, DeltaNetSegment, HybridState, KVCache, StatePool
 from decapybara.errors import WeightError
 from decapybara.model.batch import ForwardBatch
@@ -309,8 +311,11 @@ class QwenModel:
         return h
 
     def _rows(self, a: Any, rows: Any) -> Any:
-        """Rows `rows` (host indices) of a backend array a [T, ...]; a itself where they are all of its rows."""
-        return a[self.backend.from_host(rows)] if len(rows) != a.shape[0] else a
+        """Rows `rows` (host indices) of a backend array a [T, ...]; a itself where they are all of its rows in
+        order."""
+        if len(rows) == a.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+            return a
+        return a[self.backend.from_host(np.asarray(rows, np.int64))]
 
     def decoder_layers(self, h: Any, attention: Any, deltanet: Any, tails: Any = None) -> Any:
         """The decoder stack on the residual stream h [T, H]; `attention(p, i, inputs)` / `deltanet(p, i, inputs)`

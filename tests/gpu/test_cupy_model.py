@@ -23,6 +23,7 @@ from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
+from decapybara.engine.sequence import Request
 from decapybara.model import quant
 from decapybara.model.batch import ForwardBatch
 from decapybara.model.config import with_yarn
@@ -116,6 +117,34 @@ def test_fp32_greedy_generation_identical_through_engine(family):
         assert len(b) == 64, f"reference produced {len(b)} tokens"
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert a == b, f"{family} prompt {i}: first difference at token {first}: {a[first:first + 4]} vs {b[first:first + 4]}"
+
+
+def test_fp32_prompt_logprobs_match_numpy_through_engine():
+    """Prompt logprobs (`SamplingParams.prompt_logprobs`) on the device: a prompt in chunks beside another
+    request, each token's logprob and its three best alternatives (`Backend.token_logprobs`: the log-softmax and a
+    partition where the logits are) equal the numpy engine's within float32 rounding."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (45, 17)]
+    params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3), SamplingParams(temperature=0, max_tokens=5)]
+    cfg = EngineConfig(page_size=8, num_pages=96, max_batch_tokens=16, max_slots=4, loop_guard="off")
+    got = {}
+    for name, backend in (("numpy", NumpyBackend()), ("cupy", CupyBackend("fp32"))):
+        e = Engine(build("qwen3_5_text", backend), cfg)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            e.add_request(Request(tuple(p), sp, f"r{i}"))
+        while e.has_work():
+            for ev in e.step():
+                if ev.prompt_logprobs is not None:
+                    got[name] = ev.prompt_logprobs
+    ref, dev = got["numpy"], got["cupy"]
+    assert len(dev) == len(ref) == 44
+    assert max(abs(a[0] - b[0]) for a, b in zip(dev, ref)) < 1e-4
+    for a, b in zip(dev, ref):
+        assert len(a[1]) == len(b[1]) == 3
+        assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(a[1], b[1]))
+        gaps = np.diff([v for _, v in b[1]])
+        if np.all(gaps < -1e-3):  # no near-tie: the same ids
+            assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])

@@ -1343,6 +1343,18 @@ def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses
     assert [ch.choices[0].text for ch in scored if ch.choices] == [prompt, ""]
     assert scored[-2].choices[0].finish_reason == "length" and scored[-1].usage.completion_tokens == 0
     assert scored[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+    # n = 2: the first choice's request computes the prompt logprobs, both echo them
+    two = oa.completions.create(model="m", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0, n=2)
+    assert [c.logprobs.token_logprobs for c in two.choices] == [lp.token_logprobs] * 2
+    streamed = list(oa.completions.create(model="m", prompt=ids, max_tokens=0, echo=True, logprobs=1, n=2,
+                                          temperature=0, stream=True))
+    firsts = {ch.choices[0].index: ch.choices[0] for ch in reversed(streamed) if ch.choices and ch.choices[0].text}
+    assert [firsts[i].logprobs.token_logprobs for i in (0, 1)] == [lp.token_logprobs] * 2
+    # a control token's text is echoed, and the offsets count it as the text holds it
+    ctl = "<|im_start|>user hi there"
+    c = oa.completions.create(model="m", prompt=ctl, max_tokens=0, echo=True, logprobs=1, temperature=0).choices[0]
+    assert c.text == ctl and c.logprobs.tokens[0] == "<|im_start|>"
+    assert c.logprobs.text_offset == [sum(map(len, c.logprobs.tokens[:i])) for i in range(len(c.logprobs.tokens))]
 
 
 class RefusingChoice:

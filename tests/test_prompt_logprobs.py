@@ -88,3 +88,48 @@ def test_prompt_logprobs_of_zero_alternatives_and_a_one_token_prompt():
     assert got["b"] == []  # one prompt token: nothing before it to predict it
     with pytest.raises(Exception, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21).validate(512)
+
+
+def test_a_prompt_logprob_chunk_runs_eagerly_in_chunks_of_its_own_size(monkeypatch):
+    """With decode graphs, a step holding a prompt's chunk whose rows all have logits (prompt logprobs beside
+    decodes: the rows' logits in order, as a verification graph's) runs eagerly, never through the graph runner;
+    a prompt for prompt logprobs goes in chunks of at most PROMPT_LOGPROB_ROWS tokens (each row's logits kept)."""
+    from decapybara.engine import planner
+    from decapybara.engine import runner as runner_mod
+    from tests.test_engine_graphs import PoisoningGraphRunner
+
+    monkeypatch.setattr(planner, "PROMPT_LOGPROB_ROWS", 5)
+    monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("cupy", "numpy"))
+    monkeypatch.setattr(runner_mod, "make_graph_runner", lambda model, plan, *a, **kw: PoisoningGraphRunner(model, plan))
+    model, hf = models("qwen3_5_text")
+    e = Engine(model, EngineConfig(page_size=8, num_pages=64, max_batch_tokens=12, loop_guard="off"))
+    seen = []
+    graphs_forward = e.runner.graphs.forward
+
+    def spy(batch, kv, states=None):
+        seen.append([s.length for s in batch.seqs])
+        return graphs_forward(batch, kv, states)
+    e.runner.graphs.forward = spy
+    rng = np.random.default_rng(8)
+    for i in range(3):
+        e.add_request(Request(tuple(rng.integers(0, 512, 4).tolist()), SamplingParams(temperature=0, max_tokens=20),
+                              f"d{i}"))
+    for _ in range(3):
+        e.step()
+    prompt = rng.integers(0, 512, 23).tolist()
+    seen.clear()
+    e.add_request(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), "p"))
+    chunks, got = [], None
+    run = e.runner.run
+
+    def logged(plan, normed=False):
+        chunks.extend(c.num_tokens for c in plan.chunks if c.seq.request_id == "p")
+        return run(plan, normed)
+    e.runner.run = logged
+    while e.has_work():
+        for ev in e.step():
+            got = ev.prompt_logprobs if ev.prompt_logprobs is not None else got
+    assert chunks[:5] == [5, 5, 5, 5, 3] and max(chunks) <= 5, chunks
+    assert seen and all(max(lengths) == 1 for lengths in seen), seen  # the graph runner saw decodes alone
+    ref = hf_logprobs(hf, prompt)
+    assert np.allclose([v for v, _ in got], ref[np.arange(22), prompt[1:]], atol=1e-4)

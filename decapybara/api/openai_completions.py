@@ -43,6 +43,9 @@ class CompletionPlan:
     echo: str | None = None  # the prompt's text, where the request echoes it
     prompt_ids: tuple[int, ...] = ()  # ... and its tokens
     score_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token left out)
+    # the prompt logprobs the first choice's engine request computed: a further choice's request asks for none (it
+    # reads the prompt from the prefix cache) and echoes these (`choice_requests`, `CompletionStream`)
+    shared: list = dataclasses.field(default_factory=list)
 
 
 def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any) -> tuple[int, ...]:
@@ -86,13 +89,17 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
 def echoed_logprobs(tokenizer: Any, ids: tuple[int, ...], prompt: list | None, decoder: Any
                     ) -> tuple[oa.LegacyLogprobs, int]:
     """An echoed prompt's part of the legacy logprobs: its tokens, their logprobs (the first None), alternatives and
-    text offsets from 0; and the offset after it (`decoder` carries a character cut across the prompt's end)."""
+    text offsets from 0, control tokens' text counted as the echoed text holds it; and the offset after it
+    (`decoder` carries a character cut across the prompt's end)."""
     prompt = prompt or [None] * max(len(ids) - 1, 0)
-    lps = [None] + [p[0] if p is not None else None for p in prompt]
-    tops = [None] + [p[1] if p is not None else [] for p in prompt]
-    part, offset = legacy_logprobs(tokenizer, list(ids), lps, tops[1:], 0, decoder, sampled=[True] * len(ids))
-    part.top_logprobs.insert(0, None)
-    return part, offset
+    offsets, offset = [], 0
+    for t in ids:
+        offsets.append(offset)
+        offset += len(decoder.decode(tokenizer.token_bytes(t)))
+    tops = [None] + [{tokenizer.decode([a]): lp for a, lp in p[1]} if p is not None else {} for p in prompt]
+    return oa.LegacyLogprobs(tokens=[tokenizer.decode([t]) for t in ids],
+                             token_logprobs=[None] + [p[0] if p is not None else None for p in prompt],
+                             top_logprobs=tops, text_offset=offsets), offset
 
 
 def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
@@ -141,7 +148,9 @@ def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Comp
 
 def completions(plan: CompletionPlan, dones: list[Collected], tokenizer: Any) -> oa.Completion:
     """The response of a request of several choices (`dones`, in the choices' order): each choice indexed, the
-    prompt's tokens counted once, the outputs' summed."""
+    prompt's tokens counted once, the outputs' summed; an echo's prompt logprobs the first choice's."""
+    for done in dones[1:]:
+        done.prompt_logprobs = done.prompt_logprobs or dones[0].prompt_logprobs
     whole = [completion(plan, done, tokenizer) for done in dones]
     choices = [c.choices[0].model_copy(update={"index": i}) for i, c in enumerate(whole)]
     return whole[0].model_copy(update={"choices": choices, "usage": summed_usage([c.usage for c in whole])})
@@ -167,11 +176,13 @@ class CompletionStream:
 
     def event(self, ev: TokenEvent) -> list[str]:
         lines = []
+        if ev.prompt_logprobs is not None:  # (the first choice's: the others echo them, `shared`)
+            self.plan.shared[:] = [ev.prompt_logprobs]
         if not self.echoed:  # the prompt's chunk: its text, and its tokens' logprobs where asked for
             self.echoed, logprobs = True, None
             if self.plan.logprobs:
-                logprobs, self.offset = echoed_logprobs(self.tokenizer, self.plan.prompt_ids, ev.prompt_logprobs,
-                                                        self.decoder)
+                prompt = ev.prompt_logprobs or (self.plan.shared[0] if self.plan.shared else None)
+                logprobs, self.offset = echoed_logprobs(self.tokenizer, self.plan.prompt_ids, prompt, self.decoder)
             lines.append(self._chunk([oa.CompletionChoice(index=self.index, text=self.plan.echo, logprobs=logprobs)]))
         if self.plan.score_only or (not ev.text and not (self.plan.logprobs and ev.token_ids)):
             return lines

@@ -506,9 +506,10 @@ class Engine(MemoryMixin):
     def _sample(self, logits: Any, idx: list[int], seqs: list[Sequence], rows: list[SamplerRow]) -> Any:
         """Sample the step's logits rows `idx` for `seqs` by their sampler rows (through the host hook
         `logits_processor` when set; else where the logits are: on a GPU only tokens and logprobs cross)."""
-        if self.logits_processor is not None:
-            host = self.model.backend.to_host(logits).astype(np.float32, copy=False)
-            lg = np.stack([self.logits_processor(s, host[i]) for i, s in zip(idx, seqs)])
+        if self.logits_processor is not None:  # the rows asked for alone cross to the host
+            host = self.model.backend.to_host(logits[self.model.backend.from_host(np.asarray(idx, np.int64))])
+            host = host.astype(np.float32, copy=False)
+            lg = np.stack([self.logits_processor(s, host[k]) for k, s in enumerate(seqs)])
             return sample(self._json_masked(lg, seqs, np), rows, eos_token_ids=self.eos_token_ids)
         if idx != list(range(int(logits.shape[0]))):
             logits = logits[self.model.backend.from_host(np.asarray(idx, np.int64))]
@@ -793,6 +794,7 @@ class Engine(MemoryMixin):
                         s.num_cached_prompt, s.num_output)
         if s.params.prompt_logprobs is not None and s.pending_tokens and not s.prompt_lps_sent:
             ev.prompt_logprobs, s.prompt_lps_sent = (s.prompt_lps or [None] * s.num_prompt)[1:], True
+            s.prompt_lps = None
         s.pending_tokens, s.pending_text, s.pending_logprobs, s.pending_top, s.pending_note = [], "", [], [], None
         return ev
 

@@ -55,8 +55,9 @@ class MemoryMixin:
         holds, which are restored). False when pages are short. A sequence that lost its paused bundle comes
         back through here and recomputes what the cache cannot give it."""
         assert seq.status == SeqStatus.WAITING and self.can_admit()
-        # a request for prompt logprobs computes its whole prompt: it matches no cached prefix (one token never does)
-        tokens = seq.tokens[:1] if seq.params.prompt_logprobs is not None else seq.tokens
+        # a request for prompt logprobs computes its whole prompt until they are sent: it matches no cached prefix
+        # (one token never does)
+        tokens = seq.tokens[:1] if seq.params.prompt_logprobs is not None and not seq.prompt_lps_sent else seq.tokens
         # pages short: refused before the tier-held pages of the match are fetched (disk reads) for nothing
         if not self.blocks.can_allocate(*self._admission_pages(seq, self.blocks.match_prefix(tokens, count=False))):
             return False

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from decapybara.config import EngineConfig
 from decapybara.engine.sequence import Sequence
 
+# a prompt's chunk of a request for prompt logprobs takes at most this many tokens a step: each row's logits are
+# kept and read (a 27B's vocabulary: ~1 MB a row in float32, and the log-softmax's temporaries beside them)
+PROMPT_LOGPROB_ROWS = 256
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -81,6 +85,8 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
                 if room <= 0:
                     break
                 n = min(s.num_uncomputed, room)
+                if s.params.prompt_logprobs is not None and s.num_computed + 1 < s.num_prompt:
+                    n = min(n, PROMPT_LOGPROB_ROWS)  # each of its rows a vocabulary's logits
                 chunks.append(_chunk(s, n, every, ps))
                 used += n
             return used

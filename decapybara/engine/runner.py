@@ -148,12 +148,12 @@ class ModelRunner:
             self.graph_error = f"{type(e).__name__}: {e}"
             log.warning("CUDA graphs disabled: %s", self.graph_error)
 
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, eager: bool = False) -> ForwardOutput:
         """`QwenModel.forward` over this runner's pools; through the graph runner when there is one (it runs
-        anything but a pure decode batch eagerly by itself)."""
-        if self.graphs is not None:
+        anything but a pure decode batch eagerly by itself) unless `eager` (then with its piecewise tails)."""
+        if self.graphs is not None and not eager:
             return self.graphs.forward(batch, self.kv, self.states)
-        return self.model.forward(batch, self.kv, self.states)
+        return self.model.forward(batch, self.kv, self.states, tails=getattr(self.graphs, "tails", None))
 
     def graph_drafts(self, n: int) -> int:
         """Drafts a sequence that a verification graph of `n` sequences takes over this runner's cache (the graph
@@ -189,7 +189,8 @@ class ModelRunner:
         batch.normed_rows = normed
         # drafts' rollback states stay on the device (device copies, not host round trips)
         batch.device_snapshots = frozenset((i, q) for i, c in enumerate(chunks) for q in c.rollback)
-        out = self.forward(batch)
+        # a prompt's chunk whose every row has logits is no verification (a graph would take up to 8 such rows)
+        out = self.forward(batch, eager=bool(prompt_rows))
         return StepOutput(out.logits, out.snapshots, out.normed, batch, prompt_rows)
 
     def mtp(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, draft_rows: list[int],

@@ -176,11 +176,13 @@ RUNS: dict[str, EmuRun] = {
     "piecewise_dense": EmuRun(PIECEWISE, "(eager_logits and mxfp4 and (qwen3_5_text or qwen3])) or kept or arena "
                                          "or outside or failed or captured or unbound or handle"),
     "moe": EmuRun(("tests/gpu/test_kernels_extra.py", "tests/gpu/test_fused_norm.py"), MOE_EMU_CASES),
-    "decode_graphs": EmuRun(("tests/gpu/test_cuda_graph.py", "tests/gpu/test_engine_graphs.py"),
+    "decode_graphs": EmuRun(("tests/gpu/test_cuda_graph.py", "tests/gpu/test_engine_graphs.py",
+                             "tests/gpu/test_cupy_model.py"),
                             "decode_graph_equals_eager or runs_prefill_eagerly or attention_splits "
                             "or moe_decode_graphs or fp32_moe or server_backend_with_packed "
                             "or (mtp_graph_equals_eager and None-None) or (one_pass_gives and 16/16) "
-                            "or (several_drafts and paged_decode_attention]) or (near_its_table and None-None)"),
+                            "or (several_drafts and paged_decode_attention]) or (near_its_table and None-None) "
+                            "or prompt_logprobs_match"),
     "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
     "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
     "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
@@ -328,10 +330,11 @@ def test_decode_graphs_pass_on_the_emulator(emulator):
     eagerly, the attention's split counts, MoE models' graphs (bf16 and MXFP4 experts) capture and the fp32 mode's
     do not, the server's backend with MXFP4 weights generates the eager tokens through graphs, and the MTP head's
     pass and its KV-only pass through graphs of their own give the eager pass's guesses and KV pages, and a
-    verification graph's attention in one launch gives its two launches' bytes: cases of their GPU tests, through
-    the emulator plugin in a separate process."""
+    verification graph's attention in one launch gives its two launches' bytes, graphs of several drafts a sequence
+    equal the eager forward, and prompt logprobs on the device equal the numpy engine's: cases of their GPU tests,
+    through the emulator plugin in a separate process."""
     out = emulator("decode_graphs")
-    assert passed(out) == 13, out[-3000:]
+    assert passed(out) == 14, out[-3000:]
 
 
 @needs_toolchain

@@ -744,7 +744,8 @@ OA_BAD = [
     ("/v1/chat/completions", {"messages": user("word " * 1500), "stream": True}, 400),
     ("/v1/completions", {"prompt": [100000]}, 400),
     ("/v1/completions", {"prompt": []}, 400),
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, 400),
+    ("/v1/completions", {"prompt": ["x"] * 65}, 400),
+    ("/v1/completions", {"prompt": ["x"] * 20, "n": 4}, 400),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),  # 0 only with echo (scoring the prompt)
     ("/v1/nothing", {}, 404),
@@ -1355,6 +1356,38 @@ def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses
     c = oa.completions.create(model="m", prompt=ctl, max_tokens=0, echo=True, logprobs=1, temperature=0).choices[0]
     assert c.text == ctl and c.logprobs.tokens[0] == "<|im_start|>"
     assert c.logprobs.text_offset == [sum(map(len, c.logprobs.tokens[:i])) for i in range(len(c.logprobs.tokens))]
+
+
+def test_legacy_completions_take_a_batch_of_prompts(stack):
+    """/v1/completions with a list of prompts (strings or token-id lists, as evaluation harnesses batch them): one
+    response, the choices prompt by prompt (n each, indexed in that order), each the text and logprobs the prompt
+    gets alone, the usage each prompt's tokens once plus every output; echo per prompt; streamed, the same texts by
+    index and one usage chunk."""
+    oa = stack.oa()
+    prompts = ["def parse(text):\n", "class Stack:\n    def push(self, x):\n", "import os\n"]
+    alone = [oa.completions.create(model="m", prompt=p, max_tokens=6, temperature=0, logprobs=1) for p in prompts]
+    r = oa.completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert [c.logprobs.tokens for c in r.choices] == [a.choices[0].logprobs.tokens for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [stack.tok.encode(p) for p in prompts]
+    two = oa.completions.create(model="m", prompt=ids[:2], max_tokens=4, temperature=1, seed=5, n=2, echo=True)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [c.text.startswith(p) for c, p in zip(two.choices, [prompts[0]] * 2 + [prompts[1]] * 2)] == [True] * 4
+    seeded = [oa.completions.create(model="m", prompt=ids[k], max_tokens=4, temperature=1, seed=5 + i)
+              for k in (0, 1) for i in (0, 1)]
+    assert [c.text for c in two.choices] == [p + a.choices[0].text for p, a in zip([prompts[0]] * 2 + [prompts[1]] * 2,
+                                                                                  seeded)]
+    scored = oa.completions.create(model="m", prompt=ids, max_tokens=0, echo=True, logprobs=0, temperature=0)
+    assert [len(c.logprobs.token_logprobs) for c in scored.choices] == [len(i) for i in ids]
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == sum(map(len, ids))
+    chunks = list(oa.completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in r.choices]
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 
 class RefusingChoice:

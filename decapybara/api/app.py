@@ -165,28 +165,29 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             plan = await run_in_threadpool(openai_api.plan_chat, body, client, served,
                                            request.headers.get(CONVERSATION_HEADER))
             if plan.n > 1:
-                return await choices(request, plan, bool(body.stream),
+                return await choices(request, openai_api.choice_requests(plan), bool(body.stream),
                                      lambda i: openai_api.ChatStream(plan, client.tokenizer, i),
-                                     lambda dones: openai_api.chat_completions(plan, dones, client.tokenizer))
+                                     lambda dones: openai_api.chat_completions(plan, dones, client.tokenizer),
+                                     openai_api.summed_usage)
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_api.ChatStream(plan, client.tokenizer),
                              lambda done: openai_api.chat_completion(plan, done, client.tokenizer), KEEP_ALIVE)
         return await guard(OPENAI, handle)
 
-    async def choices(request: HttpRequest, plan: Any, stream: bool, streamer: Callable[[int], Any],
-                      whole: Callable[[list[Any]], Any]) -> Response:
-        """A request of n > 1 choices (chat or legacy completions), each an engine request of its own
-        (`choice_requests`): the first read to its first event alone, so that its prompt is computed once and the
-        others read it from the prefix cache; then all at once, collected into one response (`whole(dones)`) or
-        merged into one stream (`streamer(i)`'s lines, choices by index)."""
-        requests = openai_api.choice_requests(plan)
+    async def choices(request: HttpRequest, requests: list[Any], stream: bool, streamer: Callable[[int], Any],
+                      whole: Callable[[list[Any]], Any], total: Callable[[list[Any]], Any]) -> Response:
+        """A request of several choices (chat or legacy completions' n > 1, legacy completions' several prompts),
+        each an engine request of its own (`choice_requests`): the first read to its first event alone, so that
+        its prompt is computed once and the others of that prompt read it from the prefix cache; then all at once,
+        collected into one response (`whole(dones)`) or merged into one stream (`streamer(i)`'s lines, choices by
+        index, the usage chunk's `total` of their usages)."""
         first = engine_events(client, requests[0])
         if stream:
             streams = [first, *(engine_events(client, r) for r in requests[1:])]
-            streamers = [streamer(i) for i in range(plan.n)]
+            streamers = [streamer(i) for i in range(len(requests))]
 
             def tail(lasts: list[TokenEvent]) -> list[str]:
-                return streamers[0].tail(openai_api.summed_usage([s.usage(ev) for s, ev in zip(streamers, lasts)]))
+                return streamers[0].tail(total([s.usage(ev) for s, ev in zip(streamers, lasts)]))
             return EventStreamResponse(merged_stream(streamers, streams, OPENAI, ping_interval_s, KEEP_ALIVE, tail,
                                                      disconnects), disconnects)
         head = await first_event(first, request)
@@ -202,12 +203,17 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def completions(request: HttpRequest) -> Response:
         async def handle() -> Response:
             body = await parse(request, oa.CompletionRequest)
-            plan = await run_in_threadpool(openai_completions.plan_completion, body, client, served,
-                                           request.headers.get(CONVERSATION_HEADER))
-            if plan.n > 1:
-                return await choices(request, plan, bool(body.stream),
-                                     lambda i: openai_completions.CompletionStream(plan, client.tokenizer, i),
-                                     lambda dones: openai_completions.completions(plan, dones, client.tokenizer))
+            plans = await run_in_threadpool(openai_completions.plan_completions, body, client, served,
+                                            request.headers.get(CONVERSATION_HEADER))
+            plan = plans[0]
+            if len(plans) > 1 or plan.n > 1:  # choices prompt by prompt, n each
+                owner = [p for p in plans for _ in range(p.n)]
+                return await choices(request, [r for p in plans for r in openai_api.choice_requests(p)],
+                                     bool(body.stream),
+                                     lambda i: openai_completions.CompletionStream(owner[i], client.tokenizer, i),
+                                     lambda dones: openai_completions.batch_completion(plans, dones,
+                                                                                       client.tokenizer),
+                                     lambda each: openai_completions.batch_usage(plans, each))
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_completions.CompletionStream(plan, client.tokenizer),
                              lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)

@@ -30,6 +30,7 @@ from decapybara.api.streams import sse_data
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # the legacy API's default
+MAX_PROMPTS = 64  # prompts a request may hold (a batch, as evaluation harnesses send), choices of all of them too
 
 
 @dataclass(slots=True)
@@ -46,26 +47,55 @@ class CompletionPlan:
     # the prompt logprobs the first choice's engine request computed: a further choice's request asks for none (it
     # reads the prompt from the prefix cache) and echoes these (`choice_requests`, `CompletionStream`)
     shared: list = dataclasses.field(default_factory=list)
+    response_id: str = ""  # the response's id where several prompts' plans make one response (else the request's)
+
+    @property
+    def rid(self) -> str:
+        return self.response_id or self.request.request_id
 
 
-def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any) -> tuple[int, ...]:
-    """A prompt string (control-token text becomes control tokens) or token ids; a list of one is one prompt."""
+def prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a request: a string or token ids is one; a list of strings or of token-id lists is several
+    (a batch, in order)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
+        return list(prompt)
+    return [prompt]
+
+
+def prompt_ids(prompt: str | list[int], tokenizer: Any) -> tuple[int, ...]:
+    """A prompt string (control-token text becomes control tokens) or token ids."""
     if isinstance(prompt, str):
         return tuple(tokenizer.encode(prompt))
     return tuple(prompt)
 
 
-def plan_completion(body: oa.CompletionRequest, client: Any, model: str, conversation: str | None
-                    ) -> CompletionPlan:
+def plan_completions(body: oa.CompletionRequest, client: Any, model: str, conversation: str | None
+                     ) -> list[CompletionPlan]:
+    """One plan a prompt of the request, in order, each with its n choices; several prompts make one response
+    (their choices indexed prompt by prompt, `batch_completion`), with the first plan's id."""
+    prompts = prompt_list(body.prompt)
+    n = 1 if body.n is None else body.n
+    if len(prompts) > MAX_PROMPTS or len(prompts) * n > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts a request, their choices (n each) too", "prompt")
+    plans = [plan_completion(body, client, model, conversation, p) for p in prompts]
+    for p in plans[1:]:
+        p.response_id = plans[0].request.request_id
+    return plans
+
+
+def plan_completion(body: oa.CompletionRequest, client: Any, model: str, conversation: str | None,
+                    prompt: str | list[int] | None = None) -> CompletionPlan:
+    """The plan of one prompt (`prompt`, else the request's only one)."""
+    if prompt is None:
+        prompts = prompt_list(body.prompt)
+        if len(prompts) != 1:
+            raise bad_request("one prompt expected here", "prompt")
+        prompt = prompts[0]
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of not in (None, 1) or (body.best_of is not None and body.n not in (None, 1)):
         raise bad_request("only best_of=1 is supported (and with n of 1: best_of must be at least n)", "best_of")
-    ids = prompt_ids(body.prompt, client.tokenizer)
+    ids = prompt_ids(prompt, client.tokenizer)
     requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     score_only = bool(body.echo) and requested == 0 and not isinstance(requested, bool)
     max_tokens = 1 if score_only else output_budget(requested, len(ids), client.max_model_len, "max_tokens")
@@ -75,13 +105,13 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
     params = sampling_params(body, max(max_tokens, 1), body.logprobs)
     if body.echo and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-    text = body.prompt if isinstance(body.prompt, str) else ",".join(map(str, ids[:512]))
+    text = prompt if isinstance(prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)
     request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     echo = None
     if body.echo:
-        echo = body.prompt if isinstance(body.prompt, str) else client.tokenizer.decode(list(ids))
+        echo = prompt if isinstance(prompt, str) else client.tokenizer.decode(list(ids))
     return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()), n, echo, ids,
                           score_only)
 
@@ -143,7 +173,7 @@ def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Comp
     choice = oa.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(done.finish_reason, False),
                                  loop_guard=loop_guard(done.finish_reason, done.note))
     u = usage(done.num_prompt_tokens or len(plan.request.prompt_ids), done.num_cached_tokens, out)
-    return oa.Completion(id=plan.request.request_id, created=plan.created, model=plan.model, choices=[choice], usage=u)
+    return oa.Completion(id=plan.rid, created=plan.created, model=plan.model, choices=[choice], usage=u)
 
 
 def completions(plan: CompletionPlan, dones: list[Collected], tokenizer: Any) -> oa.Completion:
@@ -154,6 +184,33 @@ def completions(plan: CompletionPlan, dones: list[Collected], tokenizer: Any) ->
     whole = [completion(plan, done, tokenizer) for done in dones]
     choices = [c.choices[0].model_copy(update={"index": i}) for i, c in enumerate(whole)]
     return whole[0].model_copy(update={"choices": choices, "usage": summed_usage([c.usage for c in whole])})
+
+
+def batch_completion(plans: list[CompletionPlan], dones: list[Collected], tokenizer: Any) -> oa.Completion:
+    """The response of several prompts (`plans`, each with its n choices' `dones` in turn): the choices indexed
+    prompt by prompt, each prompt's tokens counted once, everything summed (`batch_usage`)."""
+    parts, k = [], 0
+    for p in plans:
+        parts.append(completions(p, dones[k:k + p.n], tokenizer))
+        k += p.n
+    choices = [c.model_copy(update={"index": i}) for i, c in enumerate(c for part in parts for c in part.choices)]
+    return parts[0].model_copy(update={"choices": choices, "usage": added_usage([part.usage for part in parts])})
+
+
+def added_usage(each: list[oa.Usage]) -> oa.Usage:
+    """Several prompts' usages added up (each already its prompt once and its choices' outputs)."""
+    return usage(sum(u.prompt_tokens for u in each), sum(u.prompt_tokens_details.cached_tokens for u in each),
+                 sum(u.completion_tokens for u in each))
+
+
+def batch_usage(plans: list[CompletionPlan], each: list[oa.Usage]) -> oa.Usage:
+    """The usage of several prompts' choices (`each`, in `batch_completion`'s order): a prompt's choices summed
+    with its prompt once, the prompts added up."""
+    parts, k = [], 0
+    for p in plans:
+        parts.append(summed_usage(each[k:k + p.n]))
+        k += p.n
+    return added_usage(parts)
 
 
 class CompletionStream:
@@ -168,7 +225,7 @@ class CompletionStream:
 
     def _chunk(self, choices: list[oa.CompletionChoice], u: oa.Usage | None = None) -> str:
         p = self.plan
-        return sse_data(oa.Completion(id=p.request.request_id, created=p.created, model=p.model, choices=choices,
+        return sse_data(oa.Completion(id=p.rid, created=p.created, model=p.model, choices=choices,
                                       usage=u).json_text())
 
     def start(self, first: TokenEvent | None) -> list[str]:

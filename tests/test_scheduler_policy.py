@@ -63,10 +63,11 @@ class Sim:
     def candidates(self) -> int:
         return len(self.engine.waiting) + len(self.engine.paused)
 
-    def add(self, rid: str, prompt: tuple[int, ...], max_tokens: int, conversation: str | None = None):
+    def add(self, rid: str, prompt: tuple[int, ...], max_tokens: int, conversation: str | None = None,
+            prompt_logprobs: int | None = None):
         ahead = self.candidates()
-        self.engine.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), rid,
-                                        conversation))
+        self.engine.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                               prompt_logprobs=prompt_logprobs), rid, conversation))
         self.outs[rid] = []
         self._open(rid, ahead)
 
@@ -179,6 +180,10 @@ def test_cached_prompts_rank_first_and_peeking_has_no_side_effect():
     assert queue["cont"]["work"] == pytest.approx(0.1 * (44 - 32) + 6)
     assert queue["fresh"]["work"] == pytest.approx(0.1 * 44 + 6)
     assert queue["cont"]["score"] > queue["fresh"]["score"]
+    # the same continuation asking for prompt logprobs computes its whole prompt: no cached share in its work
+    sim.add("scored", first + tuple(sim.outs["a1"]) + tokens(4, 14), 6, "A", prompt_logprobs=1)
+    sim.step()
+    assert {q["request_id"]: q for q in policy.snapshot()["queue"]}["scored"]["work"] == pytest.approx(0.1 * 44 + 6)
     sim.run()
     assert sim.first_token["cont"] < sim.first_token["fresh"]
 

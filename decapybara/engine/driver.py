@@ -251,7 +251,8 @@ class EngineDriver:
         for req in control.add:
             try:
                 seq = engine.add_request(req)
-                seq.cached_estimate = engine.blocks.match_prefix(req.prompt_ids, count=False).num_tokens  # type: ignore[attr-defined]
+                seq.cached_estimate = (0 if req.params.prompt_logprobs is not None  # type: ignore[attr-defined]
+                                       else engine.blocks.match_prefix(req.prompt_ids, count=False).num_tokens)
             except DecapybaraError as exc:
                 events.append(TokenEvent(req.request_id, [], finish_reason=FinishReason.ABORT,
                                          error=str(exc), error_type=type(exc).__name__))

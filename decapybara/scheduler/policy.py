@@ -213,8 +213,8 @@ class AgePolicy:
         of `BlockManager.match_prefix` over hashes computed once per sequence (cached partial tails are left
         out, so this under-estimates by less than a page)."""
         b, s = engine.blocks, tr.seq
-        if not b.enable_prefix_cache:
-            return 0, []
+        if not b.enable_prefix_cache or (s.params.prompt_logprobs is not None and not s.prompt_lps_sent):
+            return 0, []  # (prompt logprobs: the whole prompt is computed, `MemoryMixin.admit`)
         if tr.chain is None:
             limit = (s.num_prompt - 1) // b.page_size  # as match_prefix: one token is always left to compute
             tr.chain = hash_chain(s.tokens[:s.num_prompt], b.page_size, b.salt, limit)

@@ -1388,6 +1388,20 @@ def test_legacy_completions_take_a_batch_of_prompts(stack):
     texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
     assert texts == [c.text for c in r.choices]
     assert len({c.id for c in chunks}) == 1 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert len({c.created for c in chunks}) == 1
+    # each prompt's first choice computes it, its other choices read it from the prefix cache, the prompts side by
+    # side: n = 4 over two prompts computes each about once (at most a page a further choice), streamed or not
+    engine = stack.client.engine
+    for k, stream in enumerate((False, True)):
+        pair = [f"# batch {k} first prompt\n" + "alpha beta " * 30, f"# batch {k} second prompt\n" + "gamma " * 50]
+        before = engine.stats.computed_prompt_tokens
+        out = oa.completions.create(model="m", prompt=pair, max_tokens=2, temperature=1, n=4, stream=stream)
+        if stream:
+            assert len({c.choices[0].index for c in out if c.choices}) == 8
+        else:
+            assert len(out.choices) == 8
+        computed = engine.stats.computed_prompt_tokens - before
+        assert computed <= sum(len(stack.tok.encode(p)) for p in pair) + 2 * 3 * CFG.page_size, computed
 
 
 class RefusingChoice:

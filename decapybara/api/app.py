@@ -49,7 +49,6 @@ from decapybara.api.transport import (
     collect_all,
     drive_stream,
     error_response,
-    first_event,
     guarded,
     merged_stream,
     read_body,
@@ -175,26 +174,23 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return await guard(OPENAI, handle)
 
     async def choices(request: HttpRequest, requests: list[Any], stream: bool, streamer: Callable[[int], Any],
-                      whole: Callable[[list[Any]], Any], total: Callable[[list[Any]], Any]) -> Response:
+                      whole: Callable[[list[Any]], Any], total: Callable[[list[Any]], Any],
+                      leaders: list[int] | None = None) -> Response:
         """A request of several choices (chat or legacy completions' n > 1, legacy completions' several prompts),
-        each an engine request of its own (`choice_requests`): the first read to its first event alone, so that
-        its prompt is computed once and the others of that prompt read it from the prefix cache; then all at once,
-        collected into one response (`whole(dones)`) or merged into one stream (`streamer(i)`'s lines, choices by
-        index, the usage chunk's `total` of their usages)."""
-        first = engine_events(client, requests[0])
+        each an engine request of its own (`choice_requests`): each prompt's first (`leaders[j]`: choice j's, by
+        default the first) read to its first event before the others of that prompt start, so that its prompt
+        is computed once and they read it from the prefix cache, the prompts side by side; collected into one
+        response (`whole(dones)`) or merged into one stream (`streamer(i)`'s lines, choices by index, the usage
+        chunk's `total` of their usages)."""
+        streams = [engine_events(client, r) for r in requests]
         if stream:
-            streams = [first, *(engine_events(client, r) for r in requests[1:])]
             streamers = [streamer(i) for i in range(len(requests))]
 
             def tail(lasts: list[TokenEvent]) -> list[str]:
                 return streamers[0].tail(total([s.usage(ev) for s, ev in zip(streamers, lasts)]))
             return EventStreamResponse(merged_stream(streamers, streams, OPENAI, ping_interval_s, KEEP_ALIVE, tail,
-                                                     disconnects), disconnects)
-        head = await first_event(first, request)
-        if head is None:  # the client left; nobody reads this
-            return Response(status_code=499)
-        streams = [prepended(head, first), *(engine_events(client, r) for r in requests[1:])]
-        dones = await collect_all(streams, request)
+                                                     disconnects, leaders), disconnects)
+        dones = await collect_all(streams, request, leaders)
         if dones is None:
             return Response(status_code=499)
         return JSONResponse(whole(dones).dump())
@@ -206,14 +202,15 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
             plans = await run_in_threadpool(openai_completions.plan_completions, body, client, served,
                                             request.headers.get(CONVERSATION_HEADER))
             plan = plans[0]
-            if len(plans) > 1 or plan.n > 1:  # choices prompt by prompt, n each
+            if len(plans) > 1 or plan.n > 1:  # choices prompt by prompt, n each, led by its first
                 owner = [p for p in plans for _ in range(p.n)]
+                leaders = [k - k % p.n for k, p in enumerate(owner)]
                 return await choices(request, [r for p in plans for r in openai_api.choice_requests(p)],
                                      bool(body.stream),
                                      lambda i: openai_completions.CompletionStream(owner[i], client.tokenizer, i),
                                      lambda dones: openai_completions.batch_completion(plans, dones,
                                                                                        client.tokenizer),
-                                     lambda each: openai_completions.batch_usage(plans, each))
+                                     lambda each: openai_completions.batch_usage(plans, each), leaders)
             return await run(request, OPENAI, engine_events(client, plan.request), bool(body.stream),
                              lambda: openai_completions.CompletionStream(plan, client.tokenizer),
                              lambda done: openai_completions.completion(plan, done, client.tokenizer), KEEP_ALIVE)
@@ -498,17 +495,6 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return await guard(ANTHROPIC, handle)
 
     return app
-
-
-async def prepended(head: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
-    """`head`, then `rest` (closed with this stream)."""
-    try:
-        yield head
-        if head.finish_reason is None:
-            async for ev in rest:
-                yield ev
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
 
 
 async def awaiting(lines: AsyncIterator[str], pending: list[asyncio.Future[Any]]) -> AsyncIterator[str]:

@@ -78,8 +78,8 @@ def plan_completions(body: oa.CompletionRequest, client: Any, model: str, conver
     if len(prompts) > MAX_PROMPTS or len(prompts) * n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts a request, their choices (n each) too", "prompt")
     plans = [plan_completion(body, client, model, conversation, p) for p in prompts]
-    for p in plans[1:]:
-        p.response_id = plans[0].request.request_id
+    for p in plans[1:]:  # one response: one id, one creation time
+        p.response_id, p.created = plans[0].request.request_id, plans[0].created
     return plans
 
 

@@ -223,17 +223,30 @@ async def collect(events: AsyncIterator[TokenEvent], request: HttpRequest) -> Co
     return None if done is None else done[0]
 
 
-async def collect_all(streams: list[AsyncIterator[TokenEvent]], request: HttpRequest) -> list[Collected] | None:
+async def collect_all(streams: list[AsyncIterator[TokenEvent]], request: HttpRequest,
+                      leaders: list[int] | None = None) -> list[Collected] | None:
     """`collect` of several streams at once (a request's choices), one watch on the client; None if it went away
-    first. Where one stream fails, or the client leaves, every other stream's read is cancelled (its request
-    aborted) before this returns or raises the first failure."""
+    first. `leaders[j]`: the stream whose first event stream j's read waits for (its prompt computed, j's read from
+    the prefix cache; j itself: at once; default: the first stream leads every other). Where one stream fails, or
+    the client leaves, every other stream's read is cancelled (its request aborted, or never made) before this
+    returns or raises the first failure."""
     dones = [Collected() for _ in streams]
+    leaders = leaders or [0] * len(streams)
+    firsts = {j: asyncio.Event() for j in set(leaders)}
 
-    async def consume(events: AsyncIterator[TokenEvent], done: Collected) -> None:
-        async for ev in events:
-            done.add(ev)
+    async def consume(j: int, events: AsyncIterator[TokenEvent], done: Collected) -> None:
+        if leaders[j] != j:
+            await firsts[leaders[j]].wait()
+        try:
+            async for ev in events:
+                done.add(ev)
+                if j in firsts:
+                    firsts[j].set()
+        finally:
+            if j in firsts:
+                firsts[j].set()
 
-    reads = [asyncio.ensure_future(consume(e, d)) for e, d in zip(streams, dones)]
+    reads = [asyncio.ensure_future(consume(j, e, d)) for j, (e, d) in enumerate(zip(streams, dones))]
     watching = asyncio.ensure_future(_disconnected(request))
     try:
         pending: set[asyncio.Future[Any]] = set(reads)
@@ -254,32 +267,19 @@ async def collect_all(streams: list[AsyncIterator[TokenEvent]], request: HttpReq
     return dones if finished else None
 
 
-async def first_event(events: AsyncIterator[TokenEvent], request: HttpRequest) -> TokenEvent | None:
-    """The first event of `events`, None where the client left first (the stream then closed, its request
-    aborted); what the stream raises first (an engine refusal) is raised."""
-    reading = asyncio.ensure_future(events.__anext__())
-    watching = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (watching, reading):
-            task.cancel()
-        await asyncio.gather(watching, reading, return_exceptions=True)
-    if reading.cancelled() or reading.exception() is not None:
-        await events.aclose()  # type: ignore[attr-defined]
-    return None if reading.cancelled() else reading.result()
-
-
 async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenEvent]], api: str, interval: float,
                         idle_line: str, tail: Callable[[list[TokenEvent]], list[str]],
-                        disconnects: tuple[type[BaseException], ...] = ()) -> AsyncIterator[str]:
+                        disconnects: tuple[type[BaseException], ...] = (),
+                        leaders: list[int] | None = None) -> AsyncIterator[str]:
     """The SSE body of a request of several choices: choice i's `streamers[i]` lines for its `streams[i]` events
     as they come, a choice's `finish(last)` lines at its end, then `tail(lasts)` (the last events in the choices'
     order); `idle_line` after every `interval` seconds without an event; a failure an error line in the API's
     shape (`to_api_error`'s). Every stream is read by a task of its own, cancelled (its request aborted) when the
-    body closes. The others' reads start once the first stream's first event is in (its prompt computed, theirs
-    read from the prefix cache); a stream not read is never started, so its request never reaches the engine."""
+    body closes. A stream's read starts once its leader's first event is in (`leaders[j]`, default the first
+    stream: its prompt computed, theirs read from the prefix cache; a leader's own at once); a stream not read is
+    never started, so its request never reaches the engine."""
     queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue()
+    leaders = leaders or [0] * len(streams)
 
     async def pump(i: int, events: AsyncIterator[TokenEvent]) -> None:
         try:
@@ -293,7 +293,7 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
             if not isinstance(exc, Exception):
                 raise
 
-    tasks = [asyncio.ensure_future(pump(0, streams[0]))]  # the others once the first has an event
+    tasks = {j: asyncio.ensure_future(pump(j, streams[j])) for j in range(len(streams)) if leaders[j] == j}
     try:
         for streamer in streamers:
             for line in streamer.start(None):
@@ -307,8 +307,9 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
                 continue
             if exc is not None:
                 raise exc
-            if len(tasks) < len(streams):  # the first stream's first event: its prompt is computed
-                tasks += [asyncio.ensure_future(pump(j, events)) for j, events in enumerate(streams) if j]
+            for j, events in enumerate(streams):  # a leader's first event: its prompt is computed
+                if leaders[j] == i and j not in tasks:
+                    tasks[j] = asyncio.ensure_future(pump(j, events))
             for line in streamers[i].event(ev):
                 yield line
             if ev.finish_reason is not None:
@@ -320,11 +321,12 @@ async def merged_stream(streamers: list[Any], streams: list[AsyncIterator[TokenE
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
         yield error_line(to_api_error(exc, disconnects), api)
     finally:
-        for task in tasks:
+        for task in tasks.values():
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for events in streams[len(tasks):]:
-            await events.aclose()  # type: ignore[attr-defined]  # never started: nothing to abort
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for j, events in enumerate(streams):
+            if j not in tasks:
+                await events.aclose()  # type: ignore[attr-defined]  # never started: nothing to abort
 
 
 async def guarded(api: str, handler: Callable[[], Any], disconnects: tuple[type[BaseException], ...] = ()) -> Any:

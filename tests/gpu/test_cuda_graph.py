@@ -205,6 +205,22 @@ def compare_snapshot(got, ref, name):
         assert rel_err(cp.asnumpy(c), r) <= 1e-4, f"{name}: rec layer {j}"
 
 
+def verification_setup(monkeypatch, heads, kv_mode, kernel):
+    """(the kernels launched, a tiny hybrid model of `heads` (query heads, KV heads, head_dim; None: the tiny
+    config's), its KV cache of 40 pages of 16 and 6 state slots, a graph runner of 12-page tables, pad page 39 and
+    pad slot 5) for the verification tests; on the decode kernel's pages 4 key splits, some of them empty."""
+    from decapybara.backend import cupy_attention as ca
+    launched = []
+    get = ca.get_kernel
+    monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
+    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
+    if kernel.startswith("paged_decode"):  # its rule splits no range this short: 4 splits (some of them empty)
+        monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv, rows=None: 4)
+    model = tiny_model(**over)
+    kv, states = model.new_kv_cache(40, 16, kv_mode), model.new_state_pool(6)
+    return launched, model, kv, states, DecodeGraphRunner(model, max_pages=12, pad_page=39, pad_slot=5)
+
+
 def eager_then_graph(model, runner, kv, states, batch, seqs, pad):
     """`batch` run eagerly, then (from the same state, NaN on the pad page and slot `pad`) through `runner`:
     (the runner's output, the eager output, its logits and snapshots on the host side, the state it left)."""
@@ -252,18 +268,9 @@ def test_verify_graph_equals_eager(monkeypatch, heads, kv_mode, kernel, one_pass
     throwaway row's key on the pad page. Contexts up to ~150 keys: split keys. bf16 and 6/4-bit pages run the
     decode kernel in the graphs, once over both tokens a sequence (`one_pass`) or twice (a pass a token), or,
     past 8 query heads a KV head, the tensor-core prefill kernel; float32 pages the general one."""
-    from decapybara.backend import cupy_attention as ca
     monkeypatch.setitem(DECODE, "verify_one_pass", one_pass)
-    launched = []
-    get = ca.get_kernel
-    monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
-    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
-    if kernel.startswith("paged_decode"):  # its rule splits no range this short: 4 splits (some of them empty)
-        monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv, rows=None: 4)
-    model = tiny_model(**over)
+    launched, model, kv, states, runner = verification_setup(monkeypatch, heads, kv_mode, kernel)
     page, num_pages = 16, 40
-    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
-    runner = DecodeGraphRunner(model, max_pages=12, pad_page=num_pages - 1, pad_slot=5)
     seqs = prefilled_sequences(model, kv, states, (5, 31, 140), seed=6, pages_each=12)
     rng = np.random.default_rng(9)
     # (order, which draft, snapshot kinds): "dev" the rollback point as device views, "host" as a host copy, "end"
@@ -327,18 +334,9 @@ def test_several_drafts_verify_graph_equals_eager(monkeypatch, heads, kv_mode, k
     results. The decode kernel's pages take the
     tokens in one launch (DECODE "verify_one_pass"; two launches take two rows only), the prefill kernel's CTAs of
     64 query rows (9 heads a KV head: a sequence's 8 rows in two tiles), float32 pages the general kernel."""
-    from decapybara.backend import cupy_attention as ca
     from decapybara.backend.cuda_graph import MAX_ROWS
-    launched = []
-    get = ca.get_kernel
-    monkeypatch.setattr(ca, "get_kernel", lambda m, f, d=(): launched.append(f) or get(m, f, d))
-    over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
-    if kernel.startswith("paged_decode"):  # its rule splits no range this short: 4 splits (some of them empty)
-        monkeypatch.setattr(DecodeGraphRunner, "_splits", lambda self, batch, kv, rows=None: 4)
-    model = tiny_model(**over)
+    launched, model, kv, states, runner = verification_setup(monkeypatch, heads, kv_mode, kernel)
     page, num_pages = 16, 40
-    kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
-    runner = DecodeGraphRunner(model, max_pages=12, pad_page=num_pages - 1, pad_slot=5)
     assert [runner.max_drafts(n, kv) for n in (1, 2, 3, 4, 5, 7, 12, 13)] == [7, 6, 4, 3, 2, 1, 1, 0]
     seqs = prefilled_sequences(model, kv, states, (5, 31, 120), seed=6, pages_each=12)
     rng = np.random.default_rng(11)

@@ -300,7 +300,7 @@ class DecodeGraphRunner:
         most = MAX_ROWS - 1
         if self.model.cfg.linear_layers:
             most = min(most, max(self.buckets) // n)
-        if kv is not None and self._token_passes(kv) and not self._one_pass(kv):
+        if kv is not None and not self._takes_rows(kv, 3):
             most = 1
         bucket = self._bucket(n)  # fewer than the rows of a verification graph of this bucket whose capture failed
         failed = [k[2] for k in self.stats["failures"] if len(k) == 3 and k[0] == bucket and k[2] > 1]
@@ -366,6 +366,11 @@ class DecodeGraphRunner:
         so that the later reads of a sequence's keys can come from the L2. Read when a graph is built: a runner's
         graphs keep the form they were captured in."""
         return self._token_passes(kv) and bool(DECODE["verify_one_pass"])
+
+    def _takes_rows(self, kv: KVCache, rows: int) -> bool:
+        """Whether a graph over `kv`'s pages takes `rows` rows a sequence: two at most where the decode kernel's
+        verification passes are a launch a token (DECODE "verify_one_pass" 0), else up to MAX_ROWS."""
+        return rows <= (MAX_ROWS if self._one_pass(kv) or not self._token_passes(kv) else 2)
 
     def _verify_launch(self, kv: KVCache) -> PrefillLaunch | None:
         """The tensor-core prefill kernel's launch for verification graphs over `kv`'s pages (None: the general
@@ -447,7 +452,7 @@ class DecodeGraphRunner:
         seqs = batch.seqs
         rows = max([2, *(s.length for s in seqs)])
         if not seqs or len(seqs) > max(self.buckets) or rows > MAX_ROWS or not self._tables_fit(batch) \
-                or (rows > 2 and self._token_passes(kv) and not self._one_pass(kv)):
+                or not self._takes_rows(kv, rows):
             self.stats["mtp_eager"] += 1
             return None
         key = ("mtpkv" if kv_only else "mtp", self._bucket(len(seqs)), self._splits(batch, kv, rows=rows), rows)
@@ -521,7 +526,7 @@ class DecodeGraphRunner:
         nrows = bucket * rows
         one = rows > 1 and self._one_pass(kv)  # every token's decode pass in one launch: rows x bucket sequences
         two = rows == 2 and self._token_passes(kv) and not one  # a second decode pass: the draft rows' metadata ("_b")
-        if rows > 2 and self._token_passes(kv) and not one:
+        if not self._takes_rows(kv, rows):
             raise GraphUnsupported(f"{rows} rows a sequence need the one-pass decode attention (verify_one_pass)")
         nseq = rows * bucket if one else bucket  # the attention plan's (one-token) sequences
         # runs: a sequence's, then (verification) its throwaway rows'; segments: up to `rows` a sequence (cut at

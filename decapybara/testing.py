@@ -44,15 +44,16 @@ You are a helpful assistant. Call the tool get_weather with {"city": "Paris"} an
 """
 
 
-def make_tokenizer_json(vocab_size: int = 512) -> str:
-    """A byte-level BPE tokenizer (HF `tokenizers` JSON) with the ChatML special tokens, deterministic."""
+def make_tokenizer_json(vocab_size: int = 512, extra_special: tuple[str, ...] = ()) -> str:
+    """A byte-level BPE tokenizer (HF `tokenizers` JSON) with the ChatML special tokens and `extra_special` after
+    them (such as the fill-in-the-middle markers), deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *extra_special], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_TRAIN_TEXT] * 4, trainer=trainer)

@@ -23,6 +23,9 @@ from decapybara.errors import ConfigError, InvalidRequestError
 # (Qwen marks them non-special; small test tokenizers may mark them special).
 MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 DEFAULT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# Fill-in-the-middle (Qwen coder tokenizers): the prompt's three markers, and the tokens that end a middle
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+FIM_STOP_TOKENS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|endoftext|>")
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +94,8 @@ class Tokenizer:
         if eos_tokens is not None and missing:
             raise ConfigError(f"eos tokens not in the vocabulary: {missing}")
         self.eos_token_ids = tuple(dict.fromkeys(vocab[t] for t in names if t in vocab))
+        self.fim_ids = tuple(vocab[t] for t in FIM_TOKENS) if all(t in vocab for t in FIM_TOKENS) else None
+        self.fim_stop_ids = tuple(vocab[t] for t in FIM_STOP_TOKENS if t in vocab)
         self._bytes: list[bytes] | None = None
 
     @classmethod
@@ -133,6 +138,16 @@ class Tokenizer:
         """Token ids of `text`; with allow_special=False, control-token strings are encoded as plain text."""
         hf = self._hf if allow_special else self._hf_plain
         return hf.encode(text, add_special_tokens=False).ids
+
+    def infill(self, prefix: list[int] | tuple[int, ...], suffix: list[int] | tuple[int, ...]) -> list[int]:
+        """A fill-in-the-middle prompt, as Qwen coder models read one: ``<|fim_prefix|>`` prefix ``<|fim_suffix|>``
+        suffix ``<|fim_middle|>``; what the model writes next is the middle, ended by one of `fim_stop_ids`.
+        InvalidRequestError where the vocabulary has no such markers."""
+        if self.fim_ids is None:
+            raise InvalidRequestError("this model's tokenizer has no fill-in-the-middle tokens (<|fim_prefix|>, "
+                                      "<|fim_suffix|>, <|fim_middle|>), so a suffix cannot be given", "suffix")
+        pre, suf, mid = self.fim_ids
+        return [pre, *prefix, suf, *suffix, mid]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (ids outside the vocabulary decode to nothing); skipping keeps the markup tokens."""

@@ -1292,6 +1292,88 @@ def test_legacy_completions_take_n_choices_as_chat_does(stack):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of", resp.text  # best_of < n
 
 
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")
+
+
+def test_legacy_completions_fill_in_the_middle_with_a_suffix(stack):
+    """With a tokenizer that has the fill-in-the-middle markers, /v1/completions' `suffix` makes the prompt
+    <|fim_prefix|> prompt <|fim_suffix|> suffix <|fim_middle|> (a string or token ids before the cursor), and the
+    completion, the middle, ends at the model's <|fim_pad|> or <|file_sep|>, left out of the text; the same
+    streamed. echo beside a suffix, or a suffix to a model without the markers, is a 400 naming suffix."""
+    model = stack.model
+    tok = Tokenizer.from_json(make_tokenizer_json(extra_special=FIM_TOKENS))
+    vocab = tok._vocab
+    middle, seen = tok.encode("return a + b"), {}
+
+    def script(seq, logits: np.ndarray) -> np.ndarray:
+        seen[seq.request_id] = list(seq.request.prompt_ids)
+        end = "<|file_sep|>" if seq.request.prompt_ids[1] == vocab["<|fim_suffix|>"] else "<|fim_pad|>"
+        forced = np.full_like(logits, -1e9)
+        forced[middle[seq.num_output] if seq.num_output < len(middle) else vocab[end]] = 0.0
+        return forced
+
+    client = LocalEngineClient(Engine(model, CFG, tokenizer=tok, logits_processor=script), model_name="tiny-coder")
+    server = LiveServer(create_app(client))
+    try:
+        oa = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        before, after = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+        r = oa.completions.create(model="m", prompt=before, suffix=after, max_tokens=32, temperature=0)
+        ids = seen[r.id]
+        assert ids == [vocab["<|fim_prefix|>"], *tok.encode(before), vocab["<|fim_suffix|>"], *tok.encode(after),
+                       vocab["<|fim_middle|>"]]
+        assert r.choices[0].text == "return a + b" and r.choices[0].finish_reason == "stop"
+        assert r.usage.prompt_tokens == len(ids)
+        chunks = list(oa.completions.create(model="m", prompt=before, suffix=after, max_tokens=32, temperature=0,
+                                            stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == "return a + b"
+        r = oa.completions.create(model="m", prompt=[], suffix=after, max_tokens=32, temperature=0)  # at the top
+        assert seen[r.id][:2] == [vocab["<|fim_prefix|>"], vocab["<|fim_suffix|>"]]
+        assert r.choices[0].text == "return a + b" and r.choices[0].finish_reason == "stop"  # at <|file_sep|>
+        resp = _post(server.url + "/v1/completions", {"model": "m", "prompt": "x", "suffix": "y", "echo": True})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix", resp.text
+    finally:
+        server.stop()
+        client.close()
+    resp = _post(stack.url + "/v1/completions", {"model": "m", "prompt": "x", "suffix": "y"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix", resp.text
+    assert "fill-in-the-middle" in resp.json()["error"]["message"]
+
+
+def test_legacy_completions_best_of_returns_the_candidates_of_highest_mean_logprob(stack):
+    """best_of = 5, n = 2: five candidates (what n = 5 returns, seeds seed..seed + 4), the two of highest mean
+    logprob a token returned best first, without logprobs unless asked for, every candidate's tokens in the usage;
+    with logprobs, each kept choice's own; with two prompts, each prompt's best. best_of above n streamed, above 16
+    or below n is a 400."""
+    from decapybara.api.openai_api import MAX_CHOICES
+
+    oa = stack.oa()
+    prompt = "def parse(text):\n"
+    every = oa.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=1.3, seed=11, n=5, logprobs=0)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices]
+    best = sorted(range(5), key=lambda i: -means[i])[:2]
+    assert len({c.text for c in every.choices}) > 2 and means[best[0]] > means[best[1]] > min(means)
+    r = oa.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=1.3, seed=11, n=2, best_of=5)
+    assert [c.text for c in r.choices] == [every.choices[i].text for i in best]
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
+    assert r.usage.completion_tokens == every.usage.completion_tokens
+    assert r.usage.prompt_tokens == every.usage.prompt_tokens
+    one = oa.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=1.3, seed=11, best_of=5,
+                                logprobs=1)
+    assert one.choices[0].text == every.choices[best[0]].text
+    assert one.choices[0].logprobs.tokens == every.choices[best[0]].logprobs.tokens
+    other = "class Stack:\n"
+    each = oa.completions.create(model="m", prompt=other, max_tokens=6, temperature=1.3, seed=11, n=5, logprobs=0)
+    top = max(range(5), key=lambda i: (sum(each.choices[i].logprobs.token_logprobs)
+                                       / len(each.choices[i].logprobs.token_logprobs), -i))
+    both = oa.completions.create(model="m", prompt=[prompt, other], max_tokens=6, temperature=1.3, seed=11,
+                                 best_of=5)
+    assert [c.text for c in both.choices] == [every.choices[best[0]].text, each.choices[top].text]
+    for body in ({"best_of": 3, "n": 2, "stream": True}, {"best_of": MAX_CHOICES + 1}, {"best_of": 0}):
+        resp = _post(stack.url + "/v1/completions", {"model": "m", "prompt": "x", **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of", resp.text
+    assert oa.completions.create(model="m", prompt="x", max_tokens=2, best_of=2, n=2, stream=True) is not None
+
+
 def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses_ask(stack):
     """/v1/completions with `echo`: the prompt's text before the completion's; with `logprobs`, its tokens' logprobs
     (the first None) before the completion's, each the model's log-softmax at the token given the tokens before it

@@ -274,6 +274,52 @@ def test_a_pattern_accepts_the_strings_it_matches_and_no_other(ecma, python):
         assert rx.search(json.loads(doc)) is not None, (ecma, doc)
 
 
+# (pattern whose automaton with any text before it is too large; what is enforced instead: its alternatives not
+# anchored at the start, at the first character that can begin one of them)
+NARROWED = [
+    ("[A-Z].{12}", r"^[^A-Z]*[A-Z].{12}"),
+    ("a.{20}b", r"^[^a]*a.{20}b"),
+    ("x|[A-Z].{12}", r"^[^xA-Z]*(?:x|[A-Z].{12})"),
+    ("^q|[A-Z].{12}$", r"^q|^[^A-Z]*[A-Z].{12}\Z"),
+]
+ECMA_DOT = "[^\n\r\u2028\u2029]"  # `.` in ECMA-262 (Python's leaves out only "\n")
+
+
+@pytest.mark.parametrize("ecma, python", NARROWED)
+def test_a_pattern_too_large_after_any_text_is_matched_at_its_first_character(ecma, python):
+    """Where a pattern's automaton with any text before it passes `PATTERN_FULL_DFA` states (`[A-Z].{12}`: one
+    state a set of open matches), text before the match holds no character that can begin it: the automaton
+    accepts exactly that narrower language, each string of which the pattern matches, so what it writes
+    validates; it compiles in well under a second. One whose own automaton is too large is still refused."""
+    import time
+
+    t0 = time.monotonic()
+    dfa = compile_schema({"type": "string", "pattern": ecma})
+    assert time.monotonic() - t0 < 3 and dfa.num_states < 5000
+    narrow = re.compile(python.replace(".", ECMA_DOT))
+    full = re.compile(ecma.replace(".", ECMA_DOT).replace("$", r"\Z"))
+    rng = np.random.default_rng(zlib.crc32(ecma.encode()))
+    alphabet = ["a", "b", "x", "q", "A", "Z", "0", "7", " ", "\n", '"', "\u00e9"]
+    dist = distance_to_accept(dfa)
+    written = [json.loads(walk(dfa, rng, dist, budget=60)) for _ in range(60)]  # what the automaton writes
+    for text in written:
+        assert full.search(text) is not None, (ecma, text)
+    texts = ["".join(rng.choice(alphabet, rng.integers(0, 30))) for _ in range(400)]
+    texts += ["ABCDEFGHIJKLM", "abcABCDEFGHIJKLM", "bZcdefghijklmA", "q", "qZ", "xA", "a" + "c" * 20 + "b", "Ab"]
+    for text in written:  # and near misses: a character changed, added or taken away
+        i = int(rng.integers(0, len(text) + 1))
+        texts += [text, text[:i] + str(rng.choice(alphabet)) + text[i + 1:], text[:i] + str(rng.choice(alphabet))
+                  + text[i:], text[:i] + text[i + 1:]]
+    hits = 0
+    for text in texts:
+        want = narrow.search(text) is not None
+        hits += want
+        assert dfa.matches(json.dumps(text, ensure_ascii=False).encode()) == want, (ecma, text)
+        assert full.search(text) or not want  # the narrower language is within the pattern's
+    assert 60 < hits < len(texts) - 100
+    jsonschema.validate("abcABCDEFGHIJKLM", {"type": "string", "pattern": "[A-Z].{12}"})
+
+
 def test_patterns_that_match_any_tail_stay_small_and_their_edges_hold():
     """A match complete, every continuation is one: `.{0,300}` (any string) and `a.*` compile to a few states; a
     surrogate pair escape is its one code point; a non-ASCII digit in braces is no quantifier; `enum` beside a
@@ -428,8 +474,8 @@ def answers_follow(tok, outs: dict, ends: dict, schemas: list) -> int:
 
 
 def test_the_engines_answers_match_their_patterns():
-    """The demo model's answers under a schema of patterns (beside a length and a format too), greedy and sampled:
-    each that ends by itself validates (jsonschema reads `pattern` with Python's re), each cut is a prefix."""
+    """The demo model's answers under a schema of patterns (beside a length and a format too; one unanchored at
+    its start whose full automaton is too large), greedy and sampled: each that ends by itself validates (jsonschema reads `pattern` with Python's re), each cut is a prefix."""
     m = demo()
     tok = m.tokenizer
     prompt = tuple(tok.apply_chat([{"role": "user", "content": "Name a Python function and its version."}],
@@ -439,10 +485,12 @@ def test_the_engines_answers_match_their_patterns():
         "version": {"pattern": "^v?\\d{1,3}(\\.\\d{1,3}){0,2}$"},
         "short": {"type": "string", "pattern": "^[A-Z]", "maxLength": 4},
         "day": {"type": "string", "format": "date", "pattern": "^2026-12-"},
-        "code": {"type": "string", "pattern": "^(ab|c)[0-9]{0,3}$"}}, "required": ["fn", "version", "short", "day", "code"]}
-    params = [SamplingParams(temperature=0, max_tokens=200, json_schema=schema_text(schema)),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=200, json_schema=schema_text(schema)),
-              SamplingParams(temperature=0.7, seed=11, max_tokens=200, json_schema=schema_text(schema))]
+        "code": {"type": "string", "pattern": "^(ab|c)[0-9]{0,3}$"},
+        "tag": {"type": "string", "pattern": "[A-Z].{12}$", "maxLength": 16}},  # matched at its first capital
+        "required": ["fn", "version", "short", "day", "code", "tag"]}
+    params = [SamplingParams(temperature=0, max_tokens=260, json_schema=schema_text(schema)),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=260, json_schema=schema_text(schema)),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=260, json_schema=schema_text(schema))]
     outs, ends = run(Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok),
                      [Request(prompt, p, f"s{i}") for i, p in enumerate(params)])
     assert answers_follow(tok, outs, ends, [schema] * len(params)) >= 2

@@ -5,12 +5,19 @@ completion's (the model's own, each given the tokens before it; the first token'
 prompt (`SamplingParams.prompt_logprobs`: no prefix-cache reuse). With `echo`, `max_tokens` 0 scores the prompt
 alone (what evaluation harnesses ask for a log-likelihood): the engine samples one token from the prompt's last
 row, as any request's prefill does, and the response leaves it out.
+
+`suffix`: fill-in-the-middle where the tokenizer has the markers (`Tokenizer.infill`): the prompt is the text
+before the cursor, the suffix the text after it, and the completion the middle, ended by the model's FIM end
+tokens as well as its eos. `best_of`: that many candidates a prompt are generated (engine requests of their own,
+as `n`'s), and the `n` of them with the highest mean logprob a sampled token are returned, best first; every
+candidate's tokens count in the usage.
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +47,7 @@ class CompletionPlan:
     logprobs: bool
     include_usage: bool
     created: int
-    n: int = 1  # choices (`openai_api.choice_requests`)
+    n: int = 1  # choices generated (`openai_api.choice_requests`): `best_of` where it asks for more than n
     echo: str | None = None  # the prompt's text, where the request echoes it
     prompt_ids: tuple[int, ...] = ()  # ... and its tokens
     score_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token left out)
@@ -48,6 +55,7 @@ class CompletionPlan:
     # reads the prompt from the prefix cache) and echoes these (`choice_requests`, `CompletionStream`)
     shared: list = dataclasses.field(default_factory=list)
     response_id: str = ""  # the response's id where several prompts' plans make one response (else the request's)
+    keep: int = 0  # choices returned (the request's n) where fewer than `n`: the best by mean logprob (`best_of`)
 
     @property
     def rid(self) -> str:
@@ -74,9 +82,10 @@ def plan_completions(body: oa.CompletionRequest, client: Any, model: str, conver
     """One plan a prompt of the request, in order, each with its n choices; several prompts make one response
     (their choices indexed prompt by prompt, `batch_completion`), with the first plan's id."""
     prompts = prompt_list(body.prompt)
-    n = 1 if body.n is None else body.n
+    n = max(1 if body.n is None else body.n, body.best_of or 1)
     if len(prompts) > MAX_PROMPTS or len(prompts) * n > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts a request, their choices (n each) too", "prompt")
+        raise bad_request(f"at most {MAX_PROMPTS} prompts a request, their choices (n, or best_of, each) too",
+                          "prompt")
     plans = [plan_completion(body, client, model, conversation, p) for p in prompts]
     for p in plans[1:]:  # one response: one id, one creation time
         p.response_id, p.created = plans[0].request.request_id, plans[0].created
@@ -91,20 +100,31 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
         if len(prompts) != 1:
             raise bad_request("one prompt expected here", "prompt")
         prompt = prompts[0]
-    if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-    if body.best_of not in (None, 1) or (body.best_of is not None and body.n not in (None, 1)):
-        raise bad_request("only best_of=1 is supported (and with n of 1: best_of must be at least n)", "best_of")
-    ids = prompt_ids(prompt, client.tokenizer)
-    requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    score_only = bool(body.echo) and requested == 0 and not isinstance(requested, bool)
-    max_tokens = 1 if score_only else output_budget(requested, len(ids), client.max_model_len, "max_tokens")
     n = 1 if body.n is None else body.n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be from 1 to {MAX_CHOICES}", "n")
-    params = sampling_params(body, max(max_tokens, 1), body.logprobs)
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_request(f"best_of must be from n ({n}) to {MAX_CHOICES}", "best_of")
+    if best_of > n and body.stream:
+        raise bad_request("best_of above n cannot be streamed: the best are known once every candidate ends",
+                          "best_of")
+    ids = prompt_ids(prompt, client.tokenizer)
+    if body.suffix:  # fill-in-the-middle: the prompt before the cursor, the suffix after it
+        if body.echo:
+            raise bad_request("echo cannot be given with a suffix", "suffix")
+        ids = tuple(client.tokenizer.infill(ids, client.tokenizer.encode(body.suffix)))
+    requested = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    score_only = bool(body.echo) and requested == 0 and not isinstance(requested, bool)
+    max_tokens = 1 if score_only else output_budget(requested, len(ids), client.max_model_len, "max_tokens")
+    # (best_of ranks candidates by their sampled tokens' logprobs: asked of the engine even where not returned)
+    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
+    params = sampling_params(body, max(max_tokens, 1), logprobs)
     if body.echo and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    if body.suffix:
+        params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
+            (*params.stop_token_ids, *client.tokenizer.fim_stop_ids))))
     text = prompt if isinstance(prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)
     request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt")
@@ -112,8 +132,8 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
     echo = None
     if body.echo:
         echo = prompt if isinstance(prompt, str) else client.tokenizer.decode(list(ids))
-    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()), n, echo, ids,
-                          score_only)
+    return CompletionPlan(request, model, body.logprobs is not None, include_usage, int(time.time()), best_of, echo,
+                          ids, score_only, keep=n if best_of > n else 0)
 
 
 def echoed_logprobs(tokenizer: Any, ids: tuple[int, ...], prompt: list | None, decoder: Any
@@ -178,12 +198,24 @@ def completion(plan: CompletionPlan, done: Collected, tokenizer: Any) -> oa.Comp
 
 def completions(plan: CompletionPlan, dones: list[Collected], tokenizer: Any) -> oa.Completion:
     """The response of a request of several choices (`dones`, in the choices' order): each choice indexed, the
-    prompt's tokens counted once, the outputs' summed; an echo's prompt logprobs the first choice's."""
+    prompt's tokens counted once, the outputs' summed; an echo's prompt logprobs the first choice's. Of best_of's
+    candidates, the `plan.keep` best (`best_candidates`), every candidate's outputs counted."""
     for done in dones[1:]:
         done.prompt_logprobs = done.prompt_logprobs or dones[0].prompt_logprobs
     whole = [completion(plan, done, tokenizer) for done in dones]
-    choices = [c.choices[0].model_copy(update={"index": i}) for i, c in enumerate(whole)]
+    kept = best_candidates(dones, plan.keep) if plan.keep else range(len(whole))
+    choices = [whole[k].choices[0].model_copy(update={"index": i}) for i, k in enumerate(kept)]
     return whole[0].model_copy(update={"choices": choices, "usage": summed_usage([c.usage for c in whole])})
+
+
+def best_candidates(dones: list[Collected], keep: int) -> list[int]:
+    """The indices of the `keep` candidates with the highest mean logprob over their sampled tokens, best first (a
+    tie: the earlier; a candidate of no sampled token last)."""
+    def mean(done: Collected) -> float:
+        lps = [lp for lp in done.logprobs if not math.isnan(lp)]  # (NaN: none computed)
+        return sum(lps) / len(lps) if lps else -float("inf")
+    scores = [mean(d) for d in dones]
+    return sorted(range(len(dones)), key=lambda i: -scores[i])[:keep]
 
 
 def batch_completion(plans: list[CompletionPlan], dones: list[Collected], tokenizer: Any) -> oa.Completion:

@@ -63,6 +63,7 @@ FLOAT_DIGITS = 15  # digits in all of a bounded number with a fraction
 MAX_WORK = 200_000  # schema nodes compiled and merged (`_Compiler.tick`): past it a schema is refused
 MAX_NFA = 400_000
 MAX_DFA = 60_000
+PATTERN_FULL_DFA = 8_192  # a pattern's automaton with any text before it, at most (`pattern_content`)
 MAX_SUBSET_WORK = 3_000_000  # NFA states summed over the DFA's states (the subset construction's memory and time)
 MAX_CACHED = 4096  # compiled automata kept (`_cached`: schemas, tool calls, each tool's arguments and call) ...
 MAX_CACHED_BYTES = 256 << 20  # ... and their tables' bytes at most
@@ -775,25 +776,54 @@ def pattern_content(pattern: Any) -> SchemaDfa:
     pattern: each top-level alternative is its tree (`regex_fragment`), after any text where it is not anchored at
     its start and before any where it is not anchored at its end. That trailing "any text" is an absorbing state
     (`_Nfa.absorbing`): once a match is complete every continuation is, so the subset construction keeps one state
-    for it, not one a set of partial matches beside it. Raises SchemaError for a pattern not enforced here."""
+    for it, not one a set of partial matches beside it.
+
+    The leading "any text" has no such cut: beside it every partial match stays open, which for a pattern such as
+    `[A-Z].{12}` is 2**12 states. Where that automaton passes `PATTERN_FULL_DFA` states, the alternatives not
+    anchored at their start are matched at the first character that can begin one of them (text before it holds
+    no such character: `[^A-Z]*[A-Z].{12}` then any text). That accepts fewer strings, each of which the pattern
+    matches, so what is written still validates; its automaton is no larger than the alternatives' own.
+    Raises SchemaError for a pattern not enforced here."""
     def build() -> SchemaDfa:
         try:
             branches = regex.parse(pattern)
         except regex.PatternError as e:
             raise SchemaError(str(e)) from None
-        n = _Nfa()
-        alts = []
-        for tree, start, end in branches:
-            parts = [] if start else [n.star(code_point(n, regex.ANY))]
-            parts.append(regex_fragment(n, tree))
-            if not end:
-                loop = n.star(code_point(n, regex.ANY))
-                n.absorbing.add(loop[0])
-                parts.append(loop)
-            alts.append(n.seq(*parts))
-        return _build(n, *n.alt(*alts))
+        loose = [tree for tree, start, _ in branches if not start]
+        if not loose:
+            return _pattern_dfa(branches, None, MAX_DFA)
+        try:
+            return _pattern_dfa(branches, None, PATTERN_FULL_DFA)
+        except EmptySchema:
+            raise
+        except SchemaError:
+            if any(regex.nullable(tree) for tree in loose):
+                raise  # such an alternative matches every string: no first character to wait for
+            lead = regex.complement([r for tree in loose for r in regex.first_chars(tree)])
+            return _pattern_dfa(branches, lead, MAX_DFA)
 
     return _cached("pattern:" + json.dumps(pattern), build)
+
+
+def _pattern_dfa(branches: list[tuple[Any, bool, bool]], lead: regex.Ranges | None, limit: int) -> SchemaDfa:
+    """`pattern_content`'s automaton of `regex.parse`'s alternatives: those not anchored at their start after any
+    text (`lead` None), or after text of `lead`'s code points only, all of them behind one such run."""
+    n = _Nfa()
+
+    def body(tree: Any, end: bool) -> tuple[int, int]:
+        parts = [regex_fragment(n, tree)]
+        if not end:
+            loop = n.star(code_point(n, regex.ANY))
+            n.absorbing.add(loop[0])
+            parts.append(loop)
+        return n.seq(*parts)
+
+    alts = [n.seq(*([] if start else [n.star(code_point(n, regex.ANY))]), body(tree, end))
+            for tree, start, end in branches if start or lead is None]
+    if lead is not None:
+        run = n.star(code_point(n, lead)) if lead else n.seq()
+        alts.append(n.seq(run, n.alt(*[body(tree, end) for tree, start, end in branches if not start])))
+    return _build(n, *n.alt(*alts), limit)
 
 
 def regex_fragment(n: _Nfa, node: Any) -> tuple[int, int]:
@@ -1048,20 +1078,21 @@ def _bound(node: dict, key: str, excl: str, *, low: bool) -> tuple[float | None,
 # ---------------------------------------------------------------------------------------------- the DFA
 
 
-def _state_id(ids: dict, order: list, key: Any) -> int:
-    """The DFA state of `key` (a set of NFA states, a tuple of branch states), numbered when first found."""
+def _state_id(ids: dict, order: list, key: Any, limit: int = MAX_DFA) -> int:
+    """The DFA state of `key` (a set of NFA states, a tuple of branch states), numbered when first found; a
+    SchemaError past `limit` states."""
     i = ids.get(key)
     if i is None:
-        if len(order) >= MAX_DFA:
-            raise SchemaError(f"the schema is too large to enforce (over {MAX_DFA} automaton states)")
+        if len(order) >= limit:
+            raise SchemaError(f"the schema is too large to enforce (over {limit} automaton states)")
         i = ids[key] = len(order)
         order.append(key)
     return i
 
 
-def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
+def _build(nfa: _Nfa, start: int, final: int, limit: int = MAX_DFA) -> SchemaDfa:
     """Subset construction over byte classes (bytes no edge tells apart), then the trim: transitions into states
-    from which no accepting state is reached are removed."""
+    from which no accepting state is reached are removed. A SchemaError past `limit` states."""
     masks = sorted({m for out in nfa.edges for m, _ in out})
     sig: dict[tuple[bool, ...], int] = {}
     byte_class = np.zeros(256, np.int64)
@@ -1104,7 +1135,7 @@ def _build(nfa: _Nfa, start: int, final: int) -> SchemaDfa:
                     moves[c].add(t)
         row = [-1] * n_classes
         for c, targets in moves.items():
-            row[c] = _state_id(ids, order, closure(frozenset(targets)))
+            row[c] = _state_id(ids, order, closure(frozenset(targets)), limit)
         rows.append(row)
     table = np.array(rows, np.int32).reshape(len(order), n_classes)
     accept = np.array([final in s for s in order], bool)

@@ -93,6 +93,33 @@ def parse(pattern: str) -> list[tuple[Any, bool, bool]]:
     return out
 
 
+def nullable(node: Any) -> bool:
+    """Whether the tree matches the empty string."""
+    kind = node[0]
+    if kind == "set":
+        return False
+    if kind == "seq":
+        return all(nullable(c) for c in node[1])
+    if kind == "alt":
+        return any(nullable(c) for c in node[1])
+    return node[2] == 0 or nullable(node[1])
+
+
+def first_chars(node: Any) -> Ranges:
+    """The code points a non-empty match of the tree can begin with (normalised ranges)."""
+    kind = node[0]
+    if kind == "set":
+        return normalise(node[1])
+    if kind == "rep":
+        return first_chars(node[1]) if node[3] != 0 else []
+    out: Ranges = []
+    for child in node[1]:
+        out += first_chars(child)
+        if kind == "seq" and not nullable(child):
+            break
+    return normalise(out)
+
+
 def _has_anchor(node: Any) -> bool:
     kind = node[0]
     if kind in ("bol", "eol"):

@@ -25,7 +25,7 @@ MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_re
 DEFAULT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Fill-in-the-middle (Qwen coder tokenizers): the prompt's three markers, and the tokens that end a middle
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
-FIM_STOP_TOKENS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|endoftext|>")
+FIM_STOP_TOKENS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")  # (<|endoftext|> ends it as eos)
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,7 +141,7 @@ class Tokenizer:
 
     def infill(self, prefix: list[int] | tuple[int, ...], suffix: list[int] | tuple[int, ...]) -> list[int]:
         """A fill-in-the-middle prompt, as Qwen coder models read one: ``<|fim_prefix|>`` prefix ``<|fim_suffix|>``
-        suffix ``<|fim_middle|>``; what the model writes next is the middle, ended by one of `fim_stop_ids`.
+        suffix ``<|fim_middle|>``; what the model writes next is the middle, ended by one of `fim_stop_ids` or eos.
         InvalidRequestError where the vocabulary has no such markers."""
         if self.fim_ids is None:
             raise InvalidRequestError("this model's tokenizer has no fill-in-the-middle tokens (<|fim_prefix|>, "

@@ -1298,10 +1298,16 @@ FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>
 def test_legacy_completions_fill_in_the_middle_with_a_suffix(stack):
     """With a tokenizer that has the fill-in-the-middle markers, /v1/completions' `suffix` makes the prompt
     <|fim_prefix|> prompt <|fim_suffix|> suffix <|fim_middle|> (a string or token ids before the cursor), and the
-    completion, the middle, ends at the model's <|fim_pad|> or <|file_sep|>, left out of the text; the same
-    streamed. echo beside a suffix, or a suffix to a model without the markers, is a 400 naming suffix."""
+    completion, the middle, ends at the model's <|fim_pad|> or <|file_sep|>, left out of the text (plain-text tokens,
+    as Qwen coder tokenizers hold them); the same streamed. echo beside a suffix, or a suffix to a model without the
+    markers, is a 400 naming suffix."""
     model = stack.model
-    tok = Tokenizer.from_json(make_tokenizer_json(extra_special=FIM_TOKENS))
+    spec = json.loads(make_tokenizer_json(extra_special=FIM_TOKENS))
+    for added in spec["added_tokens"]:
+        if added["content"] in FIM_TOKENS:
+            added["special"] = False
+    tok = Tokenizer.from_json(json.dumps(spec))
+    assert not set(tok.fim_ids) & tok.skip_ids
     vocab = tok._vocab
     middle, seen = tok.encode("return a + b"), {}
 
@@ -1368,7 +1374,7 @@ def test_legacy_completions_best_of_returns_the_candidates_of_highest_mean_logpr
     both = oa.completions.create(model="m", prompt=[prompt, other], max_tokens=6, temperature=1.3, seed=11,
                                  best_of=5)
     assert [c.text for c in both.choices] == [every.choices[best[0]].text, each.choices[top].text]
-    for body in ({"best_of": 3, "n": 2, "stream": True}, {"best_of": MAX_CHOICES + 1}, {"best_of": 0}):
+    for body in ({"best_of": 3, "n": 2, "stream": True}, {"best_of": MAX_CHOICES + 1}, {"best_of": 0}, {"best_of": 100}):
         resp = _post(stack.url + "/v1/completions", {"model": "m", "prompt": "x", **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of", resp.text
     assert oa.completions.create(model="m", prompt="x", max_tokens=2, best_of=2, n=2, stream=True) is not None

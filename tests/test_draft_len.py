@@ -14,6 +14,7 @@ from decapybara.engine.engine import Engine
 from decapybara.engine.planner import plan_step
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
+from decapybara.errors import ConfigError
 from tests.test_speculation import CODE, _demo_engine, demo, prompts_of, run
 
 
@@ -44,6 +45,34 @@ def test_chained_head_drafts_keep_the_tokens_and_take_fewer_steps():
                               min_tokens=20)]
     e = same("mtp", prompts_of(CODE[:4]), sampled, draft_len=4, spec_min_confidence=0.0)
     assert e.stats.accepted_tokens > 0
+
+
+def test_the_head_guesses_among_the_first_draft_vocab_ids_and_the_tokens_stay():
+    """draft_vocab: every guess of the head, first and chained, is an id below it (rounded up to 16), the outputs
+    are those without speculation, and drafts are still made and accepted; the whole vocabulary (0) guesses past
+    it."""
+    prompt = prompts_of(CODE[1:4])
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = run("off", prompt, greedy)[0]
+    seen = {}
+    for vocab in (0, 500):
+        loaded = demo()
+        e = Engine(loaded.model, EngineConfig(speculator="mtp", draft_len=3, draft_vocab=vocab, page_size=16,
+                                              num_pages=256, max_batch_tokens=256, loop_guard="off",
+                                              spec_adaptive=False, spec_min_confidence=0.0),
+                   tokenizer=loaded.tokenizer)
+        guesses = seen[vocab] = []
+        for name in ("mtp", "mtp_chain"):
+            def record(*a, _f=getattr(e.runner, name), **k):
+                got = _f(*a, **k)
+                guesses.extend(int(g) for g in got[0])
+                return got
+            setattr(e.runner, name, record)
+        assert e.generate(prompt, greedy) == ref
+        assert e.stats.accepted_tokens > 0, vocab
+    assert seen[500] and max(seen[500]) < 512 and max(seen[0]) >= 512
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        EngineConfig(draft_vocab=-1)
 
 
 def test_logprobs_of_a_chained_step_are_those_of_single_steps():

@@ -320,6 +320,23 @@ def test_a_pattern_too_large_after_any_text_is_matched_at_its_first_character(ec
     jsonschema.validate("abcABCDEFGHIJKLM", {"type": "string", "pattern": "[A-Z].{12}"})
 
 
+def test_patterns_are_never_narrowed_where_that_would_be_wrong():
+    """oneOf's branches and the checks of enum values take each pattern's very language: a string both branches
+    match (one of them a pattern narrowed alone) is refused, as oneOf says; an enum value the pattern matches anywhere
+    stays. An alternative not anchored at its start that matches the empty string matches every string (a few
+    states, not a refusal)."""
+    both = "Z\nBCDEFGHIJKL"  # `[A-Z].{8}` matches it at "BCDEFGHIJ", `^Z` at its start
+    assert compile_schema({"type": "string", "pattern": "[A-Z].{8}"}).num_states < 1000  # narrowed alone
+    one_of = compile_schema({"oneOf": [{"type": "string", "pattern": "[A-Z].{8}"}, {"type": "string", "pattern": "^Z"}]})
+    assert not one_of.matches(json.dumps(both).encode()) and one_of.matches(b'"Zx"')
+    assert one_of.matches(json.dumps("xxABCDEFGHIJKLM").encode())  # the first branch alone
+    kept = compile_schema({"type": "string", "enum": [both, "none"], "pattern": "[A-Z].{8}"})
+    assert kept.matches(json.dumps(both).encode()) and not kept.matches(b'"none"')
+    for pattern in ("[A-Z].{12}|\\s*$", "[A-Z].{12}|$", "(x{0})"):
+        d = compile_schema({"type": "string", "pattern": pattern})
+        assert d.num_states < 100 and d.matches(b'"anything at all"') and d.matches(b'""'), pattern
+
+
 def test_patterns_that_match_any_tail_stay_small_and_their_edges_hold():
     """A match complete, every continuation is one: `.{0,300}` (any string) and `a.*` compile to a few states; a
     surrogate pair escape is its one code point; a non-ASCII digit in braces is no quantifier; `enum` beside a

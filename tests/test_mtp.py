@@ -72,6 +72,11 @@ def test_mtp_head_matches_the_trained_torch_head(family):
         return model.mtp_forward(b, out.normed[lo:hi], cache)
 
     whole = mtp(0, 36, kv)
+    sliced = model.mtp_forward(ForwardBatch.build([(ids[1:37], 0, table, None)], 16, logits="all"), out.normed[0:36],
+                               model.new_kv_cache(8, 16), vocab=100)  # draft_vocab: the first 112 ids' logits
+    assert sliced.shape == (36, 112) and np.allclose(sliced, whole[:, :112], rtol=1e-5, atol=1e-6)
+    assert model.draft_head(100) is model.draft_head(100) and model.draft_head(0) is model.w["lm_head.weight"]
+    assert model.draft_head(model.cfg.vocab_size - 3) is model.w["lm_head.weight"]  # rounded past it: all
     scale = np.abs(ref).max()
     assert np.abs(whole - ref).max() <= 1e-4 * scale, np.abs(whole - ref).max() / scale  # fp32, as the model tests
     fresh = model.new_kv_cache(8, 16)  # the head's KV filled in pieces: 20 pairs, then one, then the rest

@@ -156,6 +156,10 @@ class Backend(ABC):
     def linear(self, x: Any, weight: Any, bias: Any = None) -> Any:
         """x @ weight^T (+ bias): [T, in] -> [T, out]."""
 
+    def row_slice(self, weight: Any, rows: int) -> Any:
+        """A weight's first `rows` output rows (a multiple of 16), as `linear` takes it: a view of its memory."""
+        return weight[:rows]
+
     def linear_pair(self, x: Any, weight_a: Any, weight_b: Any) -> tuple[Any, Any]:
         """(linear(x, weight_a), linear(x, weight_b)): two products of the same rows that do not depend on each
         other. A backend may run them concurrently; the results must be those of the two `linear` calls."""

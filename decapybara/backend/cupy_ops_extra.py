@@ -1185,6 +1185,15 @@ class PackedWeightsMixin:
             return mx_linear(x if isinstance(x, NormedRows) else product_rows(x), weight, bias, out_dtype=cp.float32)
         return super().linear(x, weight, bias)  # type: ignore[misc]
 
+    def row_slice(self, weight: Any, rows: int) -> Any:
+        """A PackedWeight's first `rows` output rows (a multiple of 16: band tiles stay whole) over the same
+        memory, in its layout; anything else as the base backend slices it."""
+        if isinstance(weight, PackedWeight) and len(weight.shape) == 2:
+            assert rows % 16 == 0 and 0 < rows <= weight.shape[0], (rows, weight.shape)
+            return replace(weight, shape=(rows, weight.K), codes=weight.codes[:rows],
+                           scales=None if weight.scales is None else weight.scales[:rows])
+        return super().row_slice(weight, rows)  # type: ignore[misc]
+
     def embedding(self, table: Any, ids: Any) -> Any:
         if isinstance(table, PackedWeight):
             idx = ids if isinstance(ids, cp.ndarray) else cp.asarray(np.ascontiguousarray(ids, np.int64))

@@ -710,13 +710,16 @@ class Engine(MemoryMixin):
         if p.logprobs is not None:
             s.pending_logprobs.append(lp)
             s.pending_top.append(top)
-        text = self._detok_push(s, tok)
+        is_eos = tok in self.eos_token_ids and not p.ignore_eos
+        stops = (is_eos or tok in p.stop_token_ids) and s.num_output > p.min_tokens - 1
+        # a token that ends the request as eos or a stop token id adds no text (its id is in the output): an end
+        # marker the vocabulary holds as plain text (fill-in-the-middle's <|fim_pad|>) stays out of the answer
+        text = "" if stops else self._detok_push(s, tok)
         s.pending_text += text
         if s.json is not None and s.json.done:  # JSON mode: the object closed, the answer is whole
             self._mark_finished(s, FinishReason.STOP)
             return
-        is_eos = tok in self.eos_token_ids and not p.ignore_eos
-        if (is_eos or tok in p.stop_token_ids) and s.num_output > p.min_tokens - 1:
+        if stops:
             self._mark_finished(s, FinishReason.STOP)
             return
         if s.detok is not None and s.detok.stopped:

@@ -247,9 +247,13 @@ class SchemaDfa:
 class _Compiler:
     """Schema nodes -> NFA fragments (`value`)."""
 
-    def __init__(self, root: Any, nfa: _Nfa | None = None) -> None:
+    def __init__(self, root: Any, nfa: _Nfa | None = None, exact: bool = False) -> None:
         self.root = root
         self.nfa = nfa or _Nfa()
+        # the very language of each pattern (`pattern_content`'s exact form), where a narrower one would be wrong:
+        # oneOf's branches (a string one accepts that its narrowed form does not would pass another branch) and the
+        # checks of enum / const values against the keywords beside them
+        self.exact = exact
         self.work = 0  # nodes compiled and merged (`tick`)
         self.refs: dict[str, int] = defaultdict(int)  # $ref -> expansions on the current path
 
@@ -316,7 +320,7 @@ class _Compiler:
         its content automaton (`pattern_content`, built alone and cached) between the quotes."""
         n = self.nfa
         try:
-            content = pattern_content(pattern)
+            content = pattern_content(pattern, self.exact)
         except EmptySchema:  # a pattern nothing matches: a branch no value takes
             return n.empty()
         return n.seq(n.lit(b'"'), _embed(n, content), n.lit(b'"'))
@@ -659,7 +663,7 @@ class _Compiler:
                     kind = _keyword_kind(v)
                     if kind not in checks:
                         own = {k: x for k, x in rest.items() if KEYWORD_KINDS.get(k, kind) == kind}
-                        checks[kind] = self.alone(own) if _asserts(own) else True
+                        checks[kind] = self.alone(own, exact=True) if _asserts(own) else True
                     got = checks[kind]
                     return got is True or (got is not None and got.matches(
                         json.dumps(v, ensure_ascii=False).encode()))
@@ -702,13 +706,13 @@ class _Compiler:
     def one_of(self, subs: list) -> tuple[int, int]:
         """What exactly one of `subs` accepts: each branch's automaton built alone, then their product, whose
         states accept where one branch alone does (so overlapping branches are exclusive, as oneOf says)."""
-        dfas = [d for d in map(self.alone, subs) if d is not None]
+        dfas = [d for d in (self.alone(s, exact=True) for s in subs) if d is not None]
         return _embed(self.nfa, _exactly_one(dfas)) if dfas else self.nfa.empty()
 
-    def alone(self, node: Any) -> SchemaDfa | None:
+    def alone(self, node: Any, exact: bool = False) -> SchemaDfa | None:
         """`node`'s own automaton (None where it admits nothing), built beside this one's: the same root, `$ref`
-        expansions and work budget."""
-        comp = _Compiler(self.root)
+        expansions and work budget; its patterns' exact languages where this one's are or `exact` asks."""
+        comp = _Compiler(self.root, exact=self.exact or exact)
         comp.refs, comp.work = self.refs, self.work
         try:
             return _build(comp.nfa, *comp.value(node))
@@ -771,38 +775,41 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
                "discriminator", "nullable", "strict", "additionalItems"}
 
 
-def pattern_content(pattern: Any) -> SchemaDfa:
+def pattern_content(pattern: Any, exact: bool = False) -> SchemaDfa:
     """The content (between the quotes) of the JSON strings whose text `pattern` matches, as a DFA, cached by the
     pattern: each top-level alternative is its tree (`regex_fragment`), after any text where it is not anchored at
     its start and before any where it is not anchored at its end. That trailing "any text" is an absorbing state
     (`_Nfa.absorbing`): once a match is complete every continuation is, so the subset construction keeps one state
-    for it, not one a set of partial matches beside it.
+    for it, not one a set of partial matches beside it. An alternative not anchored at its start that matches the
+    empty string matches every string.
 
     The leading "any text" has no such cut: beside it every partial match stays open, which for a pattern such as
     `[A-Z].{12}` is 2**12 states. Where that automaton passes `PATTERN_FULL_DFA` states, the alternatives not
     anchored at their start are matched at the first character that can begin one of them (text before it holds
     no such character: `[^A-Z]*[A-Z].{12}` then any text). That accepts fewer strings, each of which the pattern
-    matches, so what is written still validates; its automaton is no larger than the alternatives' own.
-    Raises SchemaError for a pattern not enforced here."""
+    matches, so what is written still validates; its automaton is no larger than the alternatives' own. `exact`:
+    never narrowed (up to `MAX_DFA` states), for uses where a narrower language would let wrong values through
+    (oneOf) or drop right ones (enum checks). Raises SchemaError for a pattern not enforced here."""
     def build() -> SchemaDfa:
         try:
             branches = regex.parse(pattern)
         except regex.PatternError as e:
             raise SchemaError(str(e)) from None
         loose = [tree for tree, start, _ in branches if not start]
-        if not loose:
+        if any(regex.nullable(tree) for tree in loose):  # an empty match anywhere: every string
+            n = _Nfa()
+            return _build(n, *n.star(code_point(n, regex.ANY)))
+        if not loose or exact:
             return _pattern_dfa(branches, None, MAX_DFA)
         try:
             return _pattern_dfa(branches, None, PATTERN_FULL_DFA)
         except EmptySchema:
             raise
         except SchemaError:
-            if any(regex.nullable(tree) for tree in loose):
-                raise  # such an alternative matches every string: no first character to wait for
             lead = regex.complement([r for tree in loose for r in regex.first_chars(tree)])
             return _pattern_dfa(branches, lead, MAX_DFA)
 
-    return _cached("pattern:" + json.dumps(pattern), build)
+    return _cached(("pattern (exact):" if exact else "pattern:") + json.dumps(pattern), build)
 
 
 def _pattern_dfa(branches: list[tuple[Any, bool, bool]], lead: regex.Ranges | None, limit: int) -> SchemaDfa:

@@ -98,10 +98,12 @@ def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid:
                      buckets=graph_buckets(cfg.max_slots))
 
 
-def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False, chains: bool = False) -> Any:
+def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False, chains: bool = False,
+                      draft_vocab: int = 0) -> Any:
     """A DecodeGraphRunner over `plan`'s reservation (`piecewise`: its eager steps replay the layers' tails as
-    graphs, `PiecewiseTails`; `chains`: its graphs run the layers' tails as product chains, `ChainTails`). Imports
-    cupy: call only for an enabled plan."""
+    graphs, `PiecewiseTails`; `chains`: its graphs run the layers' tails as product chains, `ChainTails`;
+    `draft_vocab`: its MTP graphs' guesses among the ids below it, `QwenModel.draft_head`). Imports cupy: call only
+    for an enabled plan."""
     from decapybara.backend.cuda_graph import DecodeGraphRunner
 
     tails = None
@@ -110,7 +112,7 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
         tails = PiecewiseTails()
     return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
-                             buckets=plan.buckets, tails=tails, chains=chains)
+                             buckets=plan.buckets, tails=tails, chains=chains, draft_vocab=draft_vocab)
 
 
 def _graph_key_name(key: Any) -> str:
@@ -143,7 +145,8 @@ class ModelRunner:
         if self.states is not None and self.plan.pad_slot is not None:
             self.states.reset(self.plan.pad_slot)
         try:
-            self.graphs = make_graph_runner(self.model, self.plan, self.cfg.piecewise_graphs, self.cfg.product_chains)
+            self.graphs = make_graph_runner(self.model, self.plan, self.cfg.piecewise_graphs, self.cfg.product_chains,
+                                            self.cfg.draft_vocab)
         except Exception as e:  # noqa: BLE001 - no graphs is slower, never wrong
             self.graph_error = f"{type(e).__name__}: {e}"
             log.warning("CUDA graphs disabled: %s", self.graph_error)
@@ -222,7 +225,7 @@ class ModelRunner:
             guess, prob = (ops.to_host(a) for a in got[:2])
             own = got[2][ops.from_host(which)] if chain else None
             return guess[which], prob[which], own
-        logits, own = self.model.mtp_forward(batch, hidden, self.kv, own=True)
+        logits, own = self.model.mtp_forward(batch, hidden, self.kv, own=True, vocab=self.cfg.draft_vocab)
         guess, prob = ops.argmax_prob(logits)
         return ops.to_host(guess), ops.to_host(prob), own if chain else None
 

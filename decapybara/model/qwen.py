@@ -68,6 +68,7 @@ class QwenModel:
                 dt_bias=weights[f"{p}.dt_bias"],
             )
         self.fused_mlp: dict[str, Any] = self._fuse_mlps()
+        self._draft_heads: dict[int, Any] = {}  # `draft_head`'s row slices by size
         self.fused_dn: dict[str, tuple[Any, Any]] = self._fuse_deltanet_inputs()
         self.fused_qkv: dict[str, tuple[Any, Any]] = self._fuse_attention_inputs()
         self.fused_moe: dict[str, Any] = self._fuse_moe()
@@ -237,7 +238,20 @@ class QwenModel:
         """Whether the model holds a multi-token-prediction head (`mtp_forward`)."""
         return self.cfg.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in self.w
 
-    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False) -> Any:
+    def draft_head(self, vocab: int = 0) -> Any:
+        """The LM head's rows the MTP head guesses from: the ids below `vocab` rounded up to a multiple of 16 (a
+        byte-level BPE vocabulary lists its most frequent merges first), a slice made once a size
+        (`Backend.row_slice`: a view of the same memory); the whole head where `vocab` is 0 or covers it."""
+        w = self.w["lm_head.weight"]
+        rows = -(-vocab // 16) * 16
+        if not vocab or rows >= self.cfg.vocab_size:
+            return w
+        got = self._draft_heads.get(rows)
+        if got is None:
+            got = self._draft_heads[rows] = self.backend.row_slice(w, rows)
+        return got
+
+    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False, vocab: int = 0) -> Any:
         """The MTP head's logits [R, vocab] for `batch.logits_rows`, over `batch`'s rows as the head was trained
         (decapybara/builder/train_demo.py `MTPHead`): the row at position p of a sequence pairs the main model's
         final-normed hidden state at p (`normed` [T, H], `ForwardOutput.normed`'s rows) with the token at p + 1
@@ -245,10 +259,11 @@ class QwenModel:
             fc([norm_e(embed(token p + 1)); norm_h(hidden p)]) -> the head's decoder layer(s) -> norm -> lm_head.
         The head's attention layers keep their keys and values in the cache's ("mtp", j) layers, at the
         sequences' own page slots of position p, causal over positions [0, p]. `own`: (the logits, the head's
-        final-normed states [R, H] at those rows: what a chained guess pairs with the guess made there)."""
+        final-normed states [R, H] at those rows: what a chained guess pairs with the guess made there). `vocab`:
+        the logits of the ids below it alone (`draft_head`; 0: every id)."""
         h, _, _ = self._mtp_trunk(batch, normed, kv)
         hn = self.mtp_normed(self._rows(h, batch.logits_rows))
-        logits = self.backend.linear(hn, self.w["lm_head.weight"])
+        logits = self.backend.linear(hn, self.draft_head(vocab))
         return (logits, hn) if own else logits
 
     def _mtp_trunk(self, batch: ForwardBatch, normed: Any, kv: KVCache,
@@ -281,10 +296,6 @@ class QwenModel:
         x = ops.rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         _q, k, v, _gate = self._qkv(p, self._attention_inputs(p, x), cos, sin)
         kv.write(("mtp", last), slots, k, v)
-
-    def mtp_logits(self, h: Any) -> Any:
-        """The MTP head's logits [R, vocab] of its residual rows h [R, H] (its final norm, then lm_head)."""
-        return self.backend.linear(self.mtp_normed(h), self.w["lm_head.weight"])
 
     def mtp_normed(self, h: Any) -> Any:
         """The head's final norm of its residual rows h [R, H]."""

@@ -121,6 +121,10 @@ class AppConfig(BaseModel):
         "decodes alone at most what a verification graph takes (up to 7; on a hybrid model agents x drafts <= the "
         "largest graph bucket, its rollback checkpoints), a step beside a prompt's chunk, eager anyway, every draft; "
         "0 drafts nothing")
+    draft_vocab: int = Field(
+        default=32768, ge=0, description="speculator=mtp: the MTP head guesses among the token ids below this (a BPE "
+        "vocabulary's most frequent first), so each guess reads those rows of the LM head alone (a 27B's bf16 head: "
+        "0.34 of 2.5 GB); drafts never change the outputs; 0: the whole vocabulary")
     prefill_weights: Literal["packed", "bf16"] = Field(
         default="packed", description="bf16: quantised product weights also kept as bf16 on the GPU (2 bytes a "
         "weight) so that products of 33+ rows (prompt chunks, mixed steps) run cuBLAS on them (CUDA backend only; `decapybara plan "
@@ -215,6 +219,7 @@ class AppConfig(BaseModel):
                             product_chains=self.product_chains, speculator=self.speculator,
                             spec_min_confidence=self.spec_min_confidence, spec_fill=self.spec_fill,
                             spec_adaptive=self.spec_adaptive, draft_len=self.draft_len,
+                            draft_vocab=self.draft_vocab,
                             snapshot_budget_bytes=None if self.snapshot_memory_gb is None
                             else int(self.snapshot_memory_gb * 2**30))
 

@@ -470,21 +470,22 @@ def test_verify_one_pass_gives_the_two_passes_bits(monkeypatch, kv_mode, head_di
     assert all(st.token_tables is None and st.attn_plan.rows is not None for st in runners[0]._graphs.values())
 
 
-@pytest.mark.parametrize("heads,kv_mode", [(None, None), ((8, 2, 64), "16/16"), ((8, 2, 128), "6/4")])
-def test_mtp_graph_equals_eager(heads, kv_mode):
+@pytest.mark.parametrize("heads,kv_mode,vocab", [(None, None, 0), ((8, 2, 64), "16/16", 0), ((8, 2, 128), "6/4", 200)])
+def test_mtp_graph_equals_eager(heads, kv_mode, vocab):
     """The MTP head's pass replays graphs of R pair rows a sequence, R the most pairs a sequence has, at least two
     (a decode's one, an accepted draft's two, up to eight after seven accepted drafts): its guesses and
     probabilities at each sequence's last pair and the head's KV pages equal the eager `mtp_forward`'s, with NaN
     in the pad page before every replay and block tables ending at the last pair (a one-pair sequence at a page's
     end: its throwaway row's key on the pad page); a sequence of more than eight pairs (after a prompt chunk) runs
     eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages, eagerly
-    and through its own graphs (`DecodeGraphRunner.mtp_kv`)."""
+    and through its own graphs (`DecodeGraphRunner.mtp_kv`). With a draft vocabulary (`draft_vocab` 200: ids below
+    208) the graph's guesses are the eager head's over the same slice."""
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1, **over})
     model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=8, std=0.2))
     page, num_pages = 8, 40
     kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
-    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5)
+    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5, draft_vocab=vocab)
     seqs = prefilled_sequences(model, kv, states, (7, 14, 22), seed=3)  # step 0: sequence 0's one pair ends a page
     rng = np.random.default_rng(4)
     steps = [([0, 1, 2], (1, 2, 1)), ([2, 0], (2, 2)), ([1], (1,)), ([0, 1, 2], (2, 1, 2)), ([1, 2], (5, 3)),
@@ -502,7 +503,8 @@ def test_mtp_graph_equals_eager(heads, kv_mode):
         batch.logits_rows = np.asarray([b.end - 1 for b in batch.seqs], np.int64)
         hidden = cp.asarray(rng.standard_normal((batch.num_tokens, cfg.hidden_size)).astype(np.float32))
         before = snapshot(kv, states, [])
-        ref_logits, ref_own = model.mtp_forward(batch, hidden, kv, own=True)
+        ref_logits, ref_own = model.mtp_forward(batch, hidden, kv, own=True, vocab=vocab)
+        assert ref_logits.shape[1] == (208 if vocab else cfg.vocab_size)
         ref_guess, ref_prob = (cp.asnumpy(a) for a in model.backend.argmax_prob(ref_logits))
         ref_own = cp.asnumpy(ref_own)
         after = snapshot(kv, states, [])

@@ -120,6 +120,34 @@ def test_mx_linear_matches_dequantised_product(fmt, n, k, m):
     assert_bytes_equal(outs[1], outs[0], f"mx_linear {fmt} [{m}x{k}]: bf16 x against float32 x")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_slice_of_a_packed_weight_is_its_first_rows(fmt):
+    """`row_slice` (the MTP head's draft vocabulary, QwenModel.draft_head): a packed weight's first 16 k rows over the
+    same memory, in its layout (band tiles whole), whose products are the whole weight's first columns, at 1, 3, 12
+    and 40 rows of x; the dequantised rows too."""
+
+    class Packed(ex.PackedWeightsMixin, CupyBackend):
+        pass
+
+    rng = np.random.default_rng(zlib.crc32(f"slice-{fmt}".encode()))
+    wq, w_ref = random_weight(rng, fmt, (1040, 768))
+    backend = Packed("fp32")
+    w = backend.prepare_weight("lm_head.weight", wq)
+    if fmt == "bf16":
+        w = cp.asarray(wq)
+    part = backend.row_slice(w, 208)
+    assert part.shape == (208, 768)
+    if isinstance(w, ex.PackedWeight):
+        assert (part.tiled, part.e2m1_split, part.fmt) == (w.tiled, w.e2m1_split, w.fmt)
+        assert part.codes.shape == (208, w.codes.shape[1]) and part.persistent
+        assert_bytes_equal(ex.mx_dequant(part), w_ref[:208].astype(np.float32), f"{fmt} sliced rows")
+    for m in (1, 3, 12, 40):
+        x = cp.asarray(rng.standard_normal((m, 768)).astype(np.float32))
+        whole, got = host(backend.linear(x, w)), host(backend.linear(x, part))
+        assert got.shape == (m, 208)
+        assert_close(got, whole[:, :208], 1e-5, f"{fmt}: a slice's product at {m} rows")
+
+
 def test_nvfp4_past_dense_rows_is_a_cublas_product_scaled_by_alpha(monkeypatch):
     """NVFP4 products of more than DENSE_ROWS rows: the codes times their E4M3 block scales (exact in bf16) in one
     cuBLAS GEMM whose alpha is the tensor scale; against numpy and the skinny kernels on the same rows."""

@@ -78,9 +78,10 @@ class EngineConfig:
     # Engine._draft_cap), a step beside a prompt's chunk, eager anyway, every draft; 0 drafts nothing
     draft_len: int = 1
     # ... the MTP head guesses among the token ids below this (rounded up to a multiple of 16; a byte-level BPE
-    # vocabulary lists its most frequent merges first): its LM head pass reads those rows of the head's weight
-    # alone (at 27B, 32,768 of 248,320: ~0.13 of a bf16 head's 2.5 GB a guess); 0: the whole vocabulary. Drafts
-    # never change what is sampled, so this moves only which drafts are made (a token past it is never drafted)
+    # vocabulary lists its most frequent merges first) and the tokenizer's eos and markup tokens: its LM head pass
+    # reads those rows of the head's weight alone (at 27B, 32,768 of 248,320: ~0.13 of a bf16 head's 2.5 GB a
+    # guess); 0: the whole vocabulary. Drafts never change what is sampled, so this moves only which drafts are
+    # made (another token past it is never drafted) and the head's confidence (its softmax over those ids)
     draft_vocab: int = 32768
 
     def __post_init__(self) -> None:

@@ -49,6 +49,7 @@ class PoisoningGraphRunner:
                                                              "mtp_kv_steps": 0})
     batches: int = 0
     buckets: tuple = (1, 2, 4, 8, 12)
+    draft_head: object = None  # the ids the MTP head guesses among, as DecodeGraphRunner's
 
     def forward(self, batch, kv, states=None):
         pad_page, pad_slot = self.plan.pad_page, self.plan.pad_slot
@@ -74,8 +75,8 @@ class PoisoningGraphRunner:
         if any(s.length > 8 for s in batch.seqs):  # as the graph runner (MAX_ROWS): the caller runs it eagerly
             return None
         last = dataclasses.replace(batch, logits_rows=np.asarray([s.end - 1 for s in batch.seqs], np.int64))
-        logits, hn = self.model.mtp_forward(last, normed, kv, own=True)
-        out = self.model.backend.argmax_prob(logits)
+        logits, hn = self.model.mtp_forward(last, normed, kv, own=True, head=self.draft_head)
+        out = self.model.draft_guesses(logits, self.draft_head)
         self.stats["mtp_steps"] += 1
         self._poison(kv, None)
         return (*out, hn) if own else out
@@ -116,8 +117,8 @@ def fake_graphs(monkeypatch):
     """Graphs "on" for the numpy backend; yields the stand-in runners made."""
     made: list[PoisoningGraphRunner] = []
 
-    def make(model, plan, piecewise=False, chains=False):
-        made.append(PoisoningGraphRunner(model, plan))
+    def make(model, plan, piecewise=False, chains=False, draft_head=None):
+        made.append(PoisoningGraphRunner(model, plan, draft_head=draft_head))
         return made[-1]
 
     monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("cupy", "numpy"))
@@ -217,7 +218,7 @@ def test_context_check_uses_the_usable_pool(fake_graphs):
 
 
 def test_graph_setup_failure_leaves_the_engine_eager(monkeypatch):
-    def broken(model, plan, piecewise=False, chains=False):
+    def broken(model, plan, piecewise=False, chains=False, draft_head=None):
         raise RuntimeError("no stream for you")
 
     monkeypatch.setattr(runner_mod, "GRAPH_BACKENDS", ("numpy",))
@@ -272,7 +273,7 @@ def test_graph_runner_is_made_with_piecewise_tails(monkeypatch):
     chains' numbers (here a stand-in runner's)."""
     seen = []
 
-    def make(model, plan, piecewise=False, chains=False):
+    def make(model, plan, piecewise=False, chains=False, draft_head=None):
         seen.append((piecewise, chains))
         r = PoisoningGraphRunner(model, plan)
         r.tails = types.SimpleNamespace(stats={"tail_replays": 3, "captures": 2, "failures": {48: "cuBLAS"}},

@@ -72,11 +72,20 @@ def test_mtp_head_matches_the_trained_torch_head(family):
         return model.mtp_forward(b, out.normed[lo:hi], cache)
 
     whole = mtp(0, 36, kv)
+    # draft_vocab 100: the first 112 ids' logits, then those of the extra ids past them (7 is among the first)
+    head = model.draft_head(100, extra=[300, 7, 511])
+    assert (head.rows, head.extra_ids) == (112, (300, 511)) and head is model.draft_head(100, [511, 300])
     sliced = model.mtp_forward(ForwardBatch.build([(ids[1:37], 0, table, None)], 16, logits="all"), out.normed[0:36],
-                               model.new_kv_cache(8, 16), vocab=100)  # draft_vocab: the first 112 ids' logits
-    assert sliced.shape == (36, 112) and np.allclose(sliced, whole[:, :112], rtol=1e-5, atol=1e-6)
-    assert model.draft_head(100) is model.draft_head(100) and model.draft_head(0) is model.w["lm_head.weight"]
-    assert model.draft_head(model.cfg.vocab_size - 3) is model.w["lm_head.weight"]  # rounded past it: all
+                               model.new_kv_cache(8, 16), head=head)
+    assert sliced.shape == (36, 114)
+    assert np.allclose(sliced, whole[:, [*range(112), 300, 511]], rtol=1e-5, atol=1e-6)
+    sliced[::3, 113] += 50.0  # (an extra id's column the best in every third row)
+    guess, prob = model.draft_guesses(sliced, head)  # the columns' ids, the probability among them
+    best = np.asarray([*range(112), 300, 511])[np.argmax(sliced, axis=1)]
+    assert np.array_equal(guess, best) and (guess[::3] == 511).all() and (guess[1::3] < 112).all()
+    assert np.allclose(prob, 1 / np.exp(sliced - sliced.max(axis=1, keepdims=True)).sum(axis=1), rtol=1e-5)
+    assert model.draft_head(0).weight is model.w["lm_head.weight"] and model.draft_head(0).rows == 512
+    assert model.draft_head(model.cfg.vocab_size - 3).weight is model.w["lm_head.weight"]  # rounded past it: all
     scale = np.abs(ref).max()
     assert np.abs(whole - ref).max() <= 1e-4 * scale, np.abs(whole - ref).max() / scale  # fp32, as the model tests
     fresh = model.new_kv_cache(8, 16)  # the head's KV filled in pieces: 20 pairs, then one, then the rest

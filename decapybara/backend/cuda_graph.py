@@ -175,7 +175,7 @@ class DecodeGraphRunner:
     buckets: tuple[int, ...] = (1, 2, 4, 8, 12)
     tails: Any = None  # eager steps' layer tails as graphs (decapybara/backend/piecewise.py `PiecewiseTails`)
     chains: bool = False  # graphs' layer tails as persistent product chains (decapybara/backend/chain_tails.py)
-    draft_vocab: int = 0  # the MTP graphs' guesses among the ids below this (`QwenModel.draft_head`; 0: all)
+    draft_head: Any = None  # the ids the MTP graphs guess among (`QwenModel.draft_head`; None: every id)
     stats: dict[str, Any] = field(default_factory=lambda: {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                                                            "failures": {}, "chain_timeouts": 0,
                                                            "verify_steps": 0, "mtp_steps": 0, "mtp_kv_steps": 0,
@@ -497,12 +497,11 @@ class DecodeGraphRunner:
 
     def _mtp_step(self, st: _Static, kv: KVCache) -> tuple[Any, Any, Any]:
         """The MTP head over the static buffers: its layers on every pair row, its logits at each sequence's last
-        pair (`last`), their greedy guesses and probabilities (among the ids below `draft_vocab`), and the head's
+        pair (`last`), their greedy guesses and probabilities (among `draft_head`'s ids), and the head's
         final-normed states there."""
         h, _, _ = self._mtp_head(st, kv)
         hn = self.model.mtp_normed(h[st.d32("last")])
-        head = self.model.draft_head(self.draft_vocab)
-        return (*self.model.backend.argmax_prob(self.model.backend.linear(hn, head)), hn)
+        return (*self.model.draft_guesses(self.model.draft_logits(hn, self.draft_head), self.draft_head), hn)
 
     def _cos_sin(self, positions: Any) -> tuple[Any, Any]:
         """RoPE's cos and sin [R, rot / 2] at device positions [R] (QwenModel.rotary's, scaled alike)."""

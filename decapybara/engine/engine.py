@@ -89,7 +89,14 @@ class Engine(MemoryMixin):
         self.model, self.cfg, self.tokenizer, self.clock = model, cfg or EngineConfig(), tokenizer, clock
         cfg = self.cfg
         self.max_model_len = cfg.max_model_len or model.cfg.max_position_embeddings
-        self.runner = ModelRunner(model, cfg, self.max_model_len)
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        # the MTP head guesses the ids below cfg.draft_vocab, and these: the ends of a reply and its markup
+        markup = () if tokenizer is None else (tokenizer.special_ids.think, tokenizer.special_ids.end_think,
+                                               tokenizer.special_ids.tool_call, tokenizer.special_ids.end_tool_call)
+        self.runner = ModelRunner(model, cfg, self.max_model_len,
+                                  draft_ids=tuple(i for i in (*self.eos_token_ids, *markup) if i is not None))
         self.hybrid = self.runner.hybrid
         # the prefix hashes' namespace: the model's whole config (architecture, YaRN), its weights (a file's
         # checksums: two weight presets of one architecture compute different KV), the KV mode, the page size, the
@@ -119,9 +126,6 @@ class Engine(MemoryMixin):
                         "of %d: serving a context of %d", pool_tokens, self.blocks.num_pages, cfg.page_size,
                         self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
-        if eos_token_ids is None:
-            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_id
-        self.eos_token_ids = tuple(eos_token_ids)
         self.free_slots = list(range(cfg.max_slots - 1, -1, -1))
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

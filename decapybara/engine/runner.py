@@ -99,11 +99,11 @@ def graph_plan(cfg: EngineConfig, backend_name: str, max_model_len: int, hybrid:
 
 
 def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False, chains: bool = False,
-                      draft_vocab: int = 0) -> Any:
+                      draft_head: Any = None) -> Any:
     """A DecodeGraphRunner over `plan`'s reservation (`piecewise`: its eager steps replay the layers' tails as
     graphs, `PiecewiseTails`; `chains`: its graphs run the layers' tails as product chains, `ChainTails`;
-    `draft_vocab`: its MTP graphs' guesses among the ids below it, `QwenModel.draft_head`). Imports cupy: call only
-    for an enabled plan."""
+    `draft_head`: the ids its MTP graphs guess among, `QwenModel.draft_head`). Imports cupy: call only for an
+    enabled plan."""
     from decapybara.backend.cuda_graph import DecodeGraphRunner
 
     tails = None
@@ -112,7 +112,7 @@ def make_graph_runner(model: QwenModel, plan: GraphPlan, piecewise: bool = False
 
         tails = PiecewiseTails()
     return DecodeGraphRunner(model, max_pages=plan.max_pages, pad_page=plan.pad_page, pad_slot=plan.pad_slot,
-                             buckets=plan.buckets, tails=tails, chains=chains, draft_vocab=draft_vocab)
+                             buckets=plan.buckets, tails=tails, chains=chains, draft_head=draft_head)
 
 
 def _graph_key_name(key: Any) -> str:
@@ -126,9 +126,13 @@ def _graph_key_name(key: Any) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model: QwenModel, cfg: EngineConfig, max_model_len: int | None = None):
-        """`max_model_len` (default: the model's max_position_embeddings) bounds the graphs' block tables."""
+    def __init__(self, model: QwenModel, cfg: EngineConfig, max_model_len: int | None = None,
+                 draft_ids: tuple[int, ...] = ()):
+        """`max_model_len` (default: the model's max_position_embeddings) bounds the graphs' block tables;
+        `draft_ids`: ids the MTP head may guess beside those below `cfg.draft_vocab` (eos and markup tokens)."""
         self.model, self.cfg = model, cfg
+        # the ids the MTP head guesses among (QwenModel.draft_head), where it has one
+        self.draft_head = model.draft_head(cfg.draft_vocab, draft_ids) if model.has_mtp else None
         self.hybrid = bool(model.cfg.linear_layers)
         self.plan = graph_plan(cfg, model.backend.name, max_model_len or model.cfg.max_position_embeddings,
                                self.hybrid)
@@ -146,7 +150,7 @@ class ModelRunner:
             self.states.reset(self.plan.pad_slot)
         try:
             self.graphs = make_graph_runner(self.model, self.plan, self.cfg.piecewise_graphs, self.cfg.product_chains,
-                                            self.cfg.draft_vocab)
+                                            self.draft_head)
         except Exception as e:  # noqa: BLE001 - no graphs is slower, never wrong
             self.graph_error = f"{type(e).__name__}: {e}"
             log.warning("CUDA graphs disabled: %s", self.graph_error)
@@ -225,8 +229,8 @@ class ModelRunner:
             guess, prob = (ops.to_host(a) for a in got[:2])
             own = got[2][ops.from_host(which)] if chain else None
             return guess[which], prob[which], own
-        logits, own = self.model.mtp_forward(batch, hidden, self.kv, own=True, vocab=self.cfg.draft_vocab)
-        guess, prob = ops.argmax_prob(logits)
+        logits, own = self.model.mtp_forward(batch, hidden, self.kv, own=True, head=self.draft_head)
+        guess, prob = self.model.draft_guesses(logits, self.draft_head)
         return ops.to_host(guess), ops.to_host(prob), own if chain else None
 
     def mtp_kv(self, entries: list[tuple[list[int], int, list[int]]], normed_rows: np.ndarray, normed: Any) -> None:

@@ -50,6 +50,20 @@ class ForwardOutput:
     normed: Any = None
 
 
+@dataclass(frozen=True, slots=True)
+class DraftHead:
+    """The LM head's rows the MTP head guesses among (`QwenModel.draft_head`): the ids below `rows` (`weight`, a
+    row slice of the head over its memory) and `extra_ids` past them (the eos and markup tokens a reply holds:
+    `extra`, their rows gathered as float32 [len(extra_ids), H]; `id_map`, the ids as the backend's int64), the
+    logits in that column order (`QwenModel.draft_logits`)."""
+
+    weight: Any
+    rows: int
+    extra_ids: tuple[int, ...] = ()
+    extra: Any = None
+    id_map: Any = None
+
+
 class QwenModel:
     """Weights on a backend + the forward pass. Construct with `from_tensors` or `decapybara.model.load`."""
 
@@ -68,7 +82,7 @@ class QwenModel:
                 dt_bias=weights[f"{p}.dt_bias"],
             )
         self.fused_mlp: dict[str, Any] = self._fuse_mlps()
-        self._draft_heads: dict[int, Any] = {}  # `draft_head`'s row slices by size
+        self._draft_heads: dict[tuple, DraftHead] = {}  # `draft_head`'s, by size and extra ids
         self.fused_dn: dict[str, tuple[Any, Any]] = self._fuse_deltanet_inputs()
         self.fused_qkv: dict[str, tuple[Any, Any]] = self._fuse_attention_inputs()
         self.fused_moe: dict[str, Any] = self._fuse_moe()
@@ -238,20 +252,46 @@ class QwenModel:
         """Whether the model holds a multi-token-prediction head (`mtp_forward`)."""
         return self.cfg.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in self.w
 
-    def draft_head(self, vocab: int = 0) -> Any:
-        """The LM head's rows the MTP head guesses from: the ids below `vocab` rounded up to a multiple of 16 (a
-        byte-level BPE vocabulary lists its most frequent merges first), a slice made once a size
-        (`Backend.row_slice`: a view of the same memory); the whole head where `vocab` is 0 or covers it."""
-        w = self.w["lm_head.weight"]
+    def draft_head(self, vocab: int = 0, extra: Iterable[int] = ()) -> DraftHead:
+        """The LM head's rows the MTP head guesses among: the ids below `vocab` rounded up to a multiple of 16 (a
+        byte-level BPE vocabulary lists its most frequent merges first; `Backend.row_slice`, a view of the head's
+        memory) and the ids of `extra` past them (a reply's eos and markup tokens, which Qwen's vocabularies keep
+        at the end: their rows gathered by `Backend.embedding`, a few float32 rows); the whole head where `vocab`
+        is 0 or covers it. Made once a size and id set."""
         rows = -(-vocab // 16) * 16
         if not vocab or rows >= self.cfg.vocab_size:
-            return w
-        got = self._draft_heads.get(rows)
+            rows = self.cfg.vocab_size
+        ids = tuple(sorted({int(i) for i in extra if rows <= int(i) < self.cfg.vocab_size}))
+        got = self._draft_heads.get((rows, ids))
         if got is None:
-            got = self._draft_heads[rows] = self.backend.row_slice(w, rows)
+            w, ops = self.w["lm_head.weight"], self.backend
+            part = w if rows == self.cfg.vocab_size else ops.row_slice(w, rows)
+            got = DraftHead(part, rows) if not ids else DraftHead(
+                part, rows, ids, ops.embedding(w, np.asarray(ids, np.int64)), ops.from_host(np.asarray(ids, np.int64)))
+            self._draft_heads[(rows, ids)] = got
         return got
 
-    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False, vocab: int = 0) -> Any:
+    def draft_logits(self, hn: Any, head: DraftHead | None = None) -> Any:
+        """The MTP head's logits [R, head's ids] of its final-normed rows hn [R, H] over `head`'s ids (default the
+        whole vocabulary): the slice's columns, then its extra ids'."""
+        head = head or self.draft_head()
+        logits = self.backend.linear(hn, head.weight)
+        if head.extra is not None:
+            logits = self.backend.xp.concatenate([logits, self.backend.linear(hn, head.extra)], axis=1)
+        return logits
+
+    def draft_guesses(self, logits: Any, head: DraftHead | None = None) -> tuple[Any, Any]:
+        """(each row's greedy id [R] int64, its probability [R] float32 among `head`'s ids) of `draft_logits`'
+        logits: `Backend.argmax_prob`, an extra id's column mapped back to its id (no host synchronisation)."""
+        guess, prob = self.backend.argmax_prob(logits)
+        if head is not None and head.extra_ids:
+            xp = self.backend.xp
+            past = xp.clip(guess - head.rows, 0, len(head.extra_ids) - 1)
+            guess = xp.where(guess < head.rows, guess, head.id_map[past])
+        return guess, prob
+
+    def mtp_forward(self, batch: ForwardBatch, normed: Any, kv: KVCache, own: bool = False,
+                    head: DraftHead | None = None) -> Any:
         """The MTP head's logits [R, vocab] for `batch.logits_rows`, over `batch`'s rows as the head was trained
         (decapybara/builder/train_demo.py `MTPHead`): the row at position p of a sequence pairs the main model's
         final-normed hidden state at p (`normed` [T, H], `ForwardOutput.normed`'s rows) with the token at p + 1
@@ -259,11 +299,11 @@ class QwenModel:
             fc([norm_e(embed(token p + 1)); norm_h(hidden p)]) -> the head's decoder layer(s) -> norm -> lm_head.
         The head's attention layers keep their keys and values in the cache's ("mtp", j) layers, at the
         sequences' own page slots of position p, causal over positions [0, p]. `own`: (the logits, the head's
-        final-normed states [R, H] at those rows: what a chained guess pairs with the guess made there). `vocab`:
-        the logits of the ids below it alone (`draft_head`; 0: every id)."""
+        final-normed states [R, H] at those rows: what a chained guess pairs with the guess made there). `head`:
+        the logits of its ids alone (`draft_head`, `draft_logits`; default every id)."""
         h, _, _ = self._mtp_trunk(batch, normed, kv)
         hn = self.mtp_normed(self._rows(h, batch.logits_rows))
-        logits = self.backend.linear(hn, self.draft_head(vocab))
+        logits = self.draft_logits(hn, head)
         return (logits, hn) if own else logits
 
     def _mtp_trunk(self, batch: ForwardBatch, normed: Any, kv: KVCache,

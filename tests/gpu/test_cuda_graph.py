@@ -479,13 +479,14 @@ def test_mtp_graph_equals_eager(heads, kv_mode, vocab):
     end: its throwaway row's key on the pad page); a sequence of more than eight pairs (after a prompt chunk) runs
     eagerly. The head's KV-only pass (`mtp_kv`) writes the same KV pages, eagerly
     and through its own graphs (`DecodeGraphRunner.mtp_kv`). With a draft vocabulary (`draft_vocab` 200: ids below
-    208) the graph's guesses are the eager head's over the same slice."""
+    208, and ids 300 and 511) the graph's guesses are the eager head's over the same ids."""
     over = {} if heads is None else dict(zip(("num_attention_heads", "num_key_value_heads", "head_dim"), heads))
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3_5_text"], "mtp_num_hidden_layers": 1, **over})
     model = QwenModel.from_tensors(cfg, CupyBackend("fp32"), random_tensors(cfg, seed=8, std=0.2))
     page, num_pages = 8, 40
     kv, states = model.new_kv_cache(num_pages, page, kv_mode), model.new_state_pool(6)
-    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5, draft_vocab=vocab)
+    head = model.draft_head(vocab, extra=(300, 511))  # (vocab 0: the whole head, no extra ids)
+    runner = DecodeGraphRunner(model, max_pages=8, pad_page=num_pages - 1, pad_slot=5, draft_head=head)
     seqs = prefilled_sequences(model, kv, states, (7, 14, 22), seed=3)  # step 0: sequence 0's one pair ends a page
     rng = np.random.default_rng(4)
     steps = [([0, 1, 2], (1, 2, 1)), ([2, 0], (2, 2)), ([1], (1,)), ([0, 1, 2], (2, 1, 2)), ([1, 2], (5, 3)),
@@ -503,9 +504,9 @@ def test_mtp_graph_equals_eager(heads, kv_mode, vocab):
         batch.logits_rows = np.asarray([b.end - 1 for b in batch.seqs], np.int64)
         hidden = cp.asarray(rng.standard_normal((batch.num_tokens, cfg.hidden_size)).astype(np.float32))
         before = snapshot(kv, states, [])
-        ref_logits, ref_own = model.mtp_forward(batch, hidden, kv, own=True, vocab=vocab)
-        assert ref_logits.shape[1] == (208 if vocab else cfg.vocab_size)
-        ref_guess, ref_prob = (cp.asnumpy(a) for a in model.backend.argmax_prob(ref_logits))
+        ref_logits, ref_own = model.mtp_forward(batch, hidden, kv, own=True, head=head)
+        assert ref_logits.shape[1] == (210 if vocab else cfg.vocab_size)
+        ref_guess, ref_prob = (cp.asnumpy(a) for a in model.draft_guesses(ref_logits, head))
         ref_own = cp.asnumpy(ref_own)
         after = snapshot(kv, states, [])
         restore(kv, states, before)

@@ -1439,6 +1439,12 @@ def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses
                                           temperature=0, stream=True))
     firsts = {ch.choices[0].index: ch.choices[0] for ch in reversed(streamed) if ch.choices and ch.choices[0].text}
     assert [firsts[i].logprobs.token_logprobs for i in (0, 1)] == [lp.token_logprobs] * 2
+    # a prompt scored alone may fill the served context (48 tokens on the small server); a completion may not
+    full = list(range(20, 68))
+    c = stack.oa(stack.small_url).completions.create(model="m", prompt=full, max_tokens=0, echo=True, logprobs=1)
+    assert len(c.choices[0].logprobs.token_logprobs) == 48 and c.usage.completion_tokens == 0
+    resp = _post(stack.small_url + "/v1/completions", {"model": "m", "prompt": full, "max_tokens": 1})
+    assert resp.status_code == 400, resp.text
     # a control token's text is echoed, and the offsets count it as the text holds it
     ctl = "<|im_start|>user hi there"
     c = oa.completions.create(model="m", prompt=ctl, max_tokens=0, echo=True, logprobs=1, temperature=0).choices[0]

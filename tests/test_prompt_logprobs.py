@@ -71,6 +71,31 @@ def test_prompt_logprobs_are_the_models_over_chunks_beside_others_and_never_cach
     assert [t for ev in scored for t in ev.token_ids] == plain[0]
 
 
+def test_a_scored_prompt_may_fill_the_served_context():
+    """A request that scores its prompt and asks for one token (the legacy API's echo with max_tokens 0) may hold
+    exactly the served context: its prompt logprobs are the model's, its one token ends it ("length"); a prompt of the
+    context that asks for more, or for no prompt logprobs, is refused as before."""
+    from decapybara.engine.sequence import FinishReason
+    from decapybara.errors import ContextOverflowError
+
+    model, hf = models("qwen3_5_text")
+    e = Engine(model, EngineConfig(page_size=8, num_pages=8, max_batch_tokens=16, loop_guard="off"))
+    n = e.max_model_len
+    assert n == 56  # (the pool's 8 pages, less one with the prefix cache)
+    prompt = np.random.default_rng(9).integers(0, 512, n).tolist()
+    for params in (SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                   SamplingParams(temperature=0, max_tokens=1)):
+        with pytest.raises(ContextOverflowError):
+            e.add_request(Request(tuple(prompt), params))
+    e.add_request(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), "full"))
+    events = []
+    while e.has_work():
+        events += e.step()
+    assert events[-1].finish_reason == FinishReason.LENGTH and len(events[0].prompt_logprobs) == n - 1
+    ref = hf_logprobs(hf, prompt)
+    assert np.allclose([v for v, _ in events[0].prompt_logprobs], ref[np.arange(n - 1), prompt[1:]], atol=1e-4)
+
+
 def test_prompt_logprobs_of_zero_alternatives_and_a_one_token_prompt():
     model, hf = models("qwen3_5_text")
     e = Engine(model, EngineConfig(page_size=8, num_pages=64, max_batch_tokens=64, loop_guard="off"))

@@ -229,14 +229,16 @@ def conversation_key(header: str | None, user: str | None, messages: list[dict[s
     return "h:" + hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def check_prompt(ids: tuple[int, ...], max_model_len: int, vocab_size: int, param: str = "messages") -> None:
+def check_prompt(ids: tuple[int, ...], max_model_len: int, vocab_size: int, param: str = "messages",
+                 scoring: bool = False) -> None:
     """The engine's own prompt checks, done early so they fail before any streaming starts; `param` names the
-    request's prompt field in the errors."""
+    request's prompt field in the errors; `scoring` (`SamplingParams.scores_prompt`): the prompt may fill the
+    context."""
     if not ids:
         raise InvalidRequestError("the prompt is empty", param)
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})", param)
-    if len(ids) >= max_model_len:
+    if len(ids) >= max_model_len + scoring:
         raise ContextOverflowError(f"the prompt has {len(ids)} tokens, which does not leave room for output in "
                                    f"the served context of {max_model_len} tokens", param)
 
@@ -258,7 +260,7 @@ def make_request(request_id: str, prompt_ids: tuple[int, ...], params: SamplingP
                  history_end: int | None = None) -> Request:
     """Validate everything the engine would (sampling values, prompt) and build the engine request."""
     params.validate(vocab_size)
-    check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param)
+    check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param, params.scores_prompt)
     return Request(prompt_ids, params, request_id=request_id, conversation=conversation, history_end=history_end)
 
 

@@ -184,7 +184,7 @@ class Engine(MemoryMixin):
         ids = np.asarray(request.prompt_ids)
         if ids.min() < 0 or ids.max() >= self.model.cfg.vocab_size:
             raise InvalidRequestError("prompt token ids must lie in [0, vocab_size)")
-        if n >= self.max_model_len:
+        if n >= self.max_model_len + params.scores_prompt:  # (a prompt scored alone may fill the context)
             raise ContextOverflowError(f"prompt of {n} tokens does not fit the served context of {self.max_model_len}")
         now = self.clock()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

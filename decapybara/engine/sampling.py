@@ -86,6 +86,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request scores its prompt (prompt logprobs) and asks for one token at most: the token
+        sampled from its last row is never computed, so its prompt may fill the whole served context."""
+        return self.prompt_logprobs is not None and self.max_tokens == 1
+
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first bad field; return None when the params are usable."""
         _check_real("temperature", self.temperature, lo=0.0)

@@ -1441,10 +1441,18 @@ def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses
     assert [firsts[i].logprobs.token_logprobs for i in (0, 1)] == [lp.token_logprobs] * 2
     # a prompt scored alone may fill the served context (48 tokens on the small server); a completion may not
     full = list(range(20, 68))
-    c = stack.oa(stack.small_url).completions.create(model="m", prompt=full, max_tokens=0, echo=True, logprobs=1)
+    small = stack.oa(stack.small_url)
+    c = small.completions.create(model="m", prompt=full, max_tokens=0, echo=True, logprobs=1)
     assert len(c.choices[0].logprobs.token_logprobs) == 48 and c.usage.completion_tokens == 0
-    resp = _post(stack.small_url + "/v1/completions", {"model": "m", "prompt": full, "max_tokens": 1})
-    assert resp.status_code == 400, resp.text
+    for extra in ({"n": 2}, {"best_of": 2}, {"n": 2, "stream": True}):  # every choice (the same) admitted too
+        resp = _post(stack.small_url + "/v1/completions", {"model": "m", "prompt": full, "max_tokens": 0,
+                                                           "echo": True, "logprobs": 1, **extra})
+        assert resp.status_code == 200 and '"error"' not in resp.text, (extra, resp.text[-300:])
+    both = small.completions.create(model="m", prompt=[full, full[::-1]], max_tokens=0, echo=True, logprobs=1)
+    assert [len(ch.logprobs.token_logprobs) for ch in both.choices] == [48, 48]
+    for body in ({"max_tokens": 1}, {"max_tokens": 16, "echo": True, "logprobs": 1}):  # a token past the context
+        resp = _post(stack.small_url + "/v1/completions", {"model": "m", "prompt": full, **body})
+        assert resp.status_code == 400, resp.text
     # a control token's text is echoed, and the offsets count it as the text holds it
     ctl = "<|im_start|>user hi there"
     c = oa.completions.create(model="m", prompt=ctl, max_tokens=0, echo=True, logprobs=1, temperature=0).choices[0]

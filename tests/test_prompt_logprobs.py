@@ -94,6 +94,16 @@ def test_a_scored_prompt_may_fill_the_served_context():
     assert events[-1].finish_reason == FinishReason.LENGTH and len(events[0].prompt_logprobs) == n - 1
     ref = hf_logprobs(hf, prompt)
     assert np.allclose([v for v, _ in events[0].prompt_logprobs], ref[np.arange(n - 1), prompt[1:]], atol=1e-4)
+    # the server's admission policy takes it too where the context is the whole pool (no prefix cache): its one
+    # sampled token needs no page
+    from decapybara.scheduler.policy import AgePolicy
+
+    e = Engine(model, EngineConfig(page_size=8, num_pages=8, max_batch_tokens=16, loop_guard="off",
+                                   enable_prefix_cache=False), admission=AgePolicy())
+    whole = np.random.default_rng(10).integers(0, 512, e.max_model_len).tolist()
+    e.add_request(Request(tuple(whole), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), "all"))
+    ends = [ev for _ in range(40) for ev in e.step() if ev.finish_reason is not None]
+    assert len(ends) == 1 and ends[0].finish_reason == FinishReason.LENGTH
 
 
 def test_prompt_logprobs_of_zero_alternatives_and_a_one_token_prompt():

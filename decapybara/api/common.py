@@ -257,10 +257,10 @@ def output_budget(requested: int | None, num_prompt: int, max_model_len: int, pa
 
 def make_request(request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, conversation: str,
                  max_model_len: int, vocab_size: int, prompt_param: str = "messages",
-                 history_end: int | None = None) -> Request:
+                 history_end: int | None = None, scoring: bool = False) -> Request:
     """Validate everything the engine would (sampling values, prompt) and build the engine request."""
     params.validate(vocab_size)
-    check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param, params.scores_prompt)
+    check_prompt(prompt_ids, max_model_len, vocab_size, prompt_param, scoring and params.scores_prompt)
     return Request(prompt_ids, params, request_id=request_id, conversation=conversation, history_end=history_end)
 
 

@@ -225,7 +225,9 @@ def choice_requests(plan: Any) -> list[Request]:
     out = [plan.request]
     for i in range(1, plan.n):
         # (prompt logprobs: the first choice's request computes them, the others read the prompt from the cache)
-        params = dataclasses.replace(plan.request.params, prompt_logprobs=None)
+        params = plan.request.params
+        if not getattr(plan, "score_only", False):  # (a prompt scored alone: every choice the same, its own rows)
+            params = dataclasses.replace(params, prompt_logprobs=None)
         if params.seed is not None:  # wrapped into the seeds' range: the draws key on the seed mod 2**64
             seed = params.seed + i
             params = dataclasses.replace(params, seed=seed - (1 << 64) if seed >= 1 << 64 else seed)

@@ -128,7 +128,8 @@ def plan_completion(body: oa.CompletionRequest, client: Any, model: str, convers
             (*params.stop_token_ids, *client.tokenizer.fim_stop_ids))))
     text = prompt if isinstance(prompt, str) else ",".join(map(str, ids[:512]))
     key = conversation_key(conversation, body.user, None, text)
-    request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt")
+    request = make_request(new_id("cmpl-"), ids, params, key, client.max_model_len, client.vocab_size, "prompt",
+                           scoring=score_only)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     echo = None
     if body.echo:

@@ -243,7 +243,7 @@ class AgePolicy:
                     break
                 reused.append(page)
         held = sum(1 for p in reused if b.ref[p] > 0)
-        return b.pages_for(s.num_tokens + 1) - held
+        return b.pages_for(min(s.num_tokens + 1, engine.max_model_len)) - held
 
     def _fits(self, engine: Engine, tr: _Track, freed: int = 0, num_running: int | None = None) -> bool:
         n = len(engine.running) if num_running is None else num_running

@@ -202,7 +202,8 @@ def test_guesses_after_withheld_steps_are_those_of_a_head_that_never_stopped():
         def logged(entries, rows, draft_rows, normed, chain=False, mtp=mtp, seen=seen):
             g, p, own = mtp(entries, rows, draft_rows, normed, chain=chain)
             tokens, p0, _ = entries[0]
-            seen[p0 + len(tokens)] = int(g[0])  # the guess at the sequence's last pair
+            if len(g):  # (none where the pass only writes a finished sequence's keys and values)
+                seen[p0 + len(tokens)] = int(g[0])  # the guess at the sequence's last pair
             return g, p, own
 
         e.runner.mtp = logged

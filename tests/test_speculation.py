@@ -168,6 +168,24 @@ def _demo_engine(**cfg) -> Engine:
     return Engine(loaded.model, EngineConfig(**settings), tokenizer=loaded.tokenizer)
 
 
+def test_a_request_finished_in_its_last_chunk_leaves_the_heads_kv_in_its_pages():
+    """A request that ends in the step that computes its last chunk (one token asked: the prompt's step samples it)
+    still gets the MTP head's keys and values for that chunk, as one that goes on does: its pages go to the prefix
+    cache, where a later request's head attends over them."""
+    prompt = prompts_of(["# The helpers below\nimport os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"])[0]
+    pages = {}
+    for n in (1, 2):
+        e = _demo_engine()
+        e.generate([prompt], SamplingParams(temperature=0, max_tokens=n))
+        used = np.arange(-(-len(prompt) // 8))  # a fresh engine's first pages, in order
+        data = e.runner.kv.export_pages(used).arrays
+        pages[n] = {k: a for k, a in data.items() if k.startswith("('mtp'")}
+    assert pages[1] and pages[1].keys() == pages[2].keys()
+    for key, a in pages[2].items():
+        flat1, flat2 = pages[1][key].reshape(-1, *a.shape[2:])[:len(prompt)], a.reshape(-1, *a.shape[2:])[:len(prompt)]
+        assert np.abs(flat2).max() > 0 and np.array_equal(flat1, flat2), key
+
+
 def test_accepted_drafts_keep_the_prefix_caches_snapshots():
     """A draft's chunk asks for the snapshot points of both its rows, so that an accepted draft ending a page leaves
     its state for the prefix cache as a decode would; a rollback point off those stays out of the cache."""

@@ -603,16 +603,21 @@ class Engine(MemoryMixin):
         much as any); with draft_len > 1, more drafts while the head stays that sure (`_chain`). Drafts never
         change what is sampled; they only let a step verify more tokens. Where the governor (`spec_adaptive`)
         will withhold the next step's drafts, the head only writes its keys and values (`ModelRunner.mtp_kv`):
-        its attention, MLP and logits are what a draft costs beyond them."""
+        its attention, MLP and logits are what a draft costs beyond them. A sequence this step finished (its
+        pages still held: it is released after) gets the head's keys and values too, no draft: its pages go to the
+        prefix cache, whose later readers' heads attend over them."""
         entries, rows, draft_rows, wants, served = [], [], [], [], []
         n, cap = 0, self._draft_cap()
         for c, p0, b in zip(plan.chunks, before, out.batch.seqs):
             s = c.seq
             s.drafts, s.guess = (), None
-            if s.finish_reason is not None or s.num_computed <= p0:
+            # (positions paired with the token after them: a sequence that ended on an accepted draft has none
+            # after its last computed position)
+            end = min(s.num_computed, len(s.tokens) - 1)
+            if end <= p0:
                 continue
-            k = s.num_computed - p0
-            entries.append((s.tokens[p0 + 1:s.num_computed + 1], p0, s.pages))
+            k = end - p0
+            entries.append((s.tokens[p0 + 1:end + 1], p0, s.pages))
             served.append(s)
             rows.extend(range(b.start, b.start + k))
             n += k

@@ -82,8 +82,7 @@ def plan_completions(body: oa.CompletionRequest, client: Any, model: str, conver
     """One plan a prompt of the request, in order, each with its n choices; several prompts make one response
     (their choices indexed prompt by prompt, `batch_completion`), with the first plan's id."""
     prompts = prompt_list(body.prompt)
-    # (n and best_of past their bounds: the plans' 400s name them)
-    n = max(min(1 if body.n is None else body.n, MAX_CHOICES), min(body.best_of or 1, MAX_CHOICES))
+    n = min(max(body.n or 1, body.best_of or 1), MAX_CHOICES)  # (past their bounds: the plans' 400s name them)
     if len(prompts) > MAX_PROMPTS or len(prompts) * n > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts a request, their choices (n, or best_of, each) too",
                           "prompt")

@@ -106,6 +106,12 @@ class SchedulerActor:
             self.journal.put(response_id, parent, text)
         return stored
 
+    async def swap_response(self, response_id: str, parent: str | None, text: str, digest: str) -> bool | None:
+        stored = self.responses.swap(response_id, parent, text, digest) if self.responses is not None else False
+        if stored and self.journal is not None and self.cfg.responses_flush_s > 0:
+            self.journal.put(response_id, parent, text)
+        return stored
+
     def response_chain(self, response_id: str, partial: bool = False) -> tuple[list[str] | None, str | None]:
         if self.responses is None:
             return None, response_id

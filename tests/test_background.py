@@ -51,6 +51,14 @@ class SlowStore:
         await asyncio.sleep(self.delay)
         return await self.inner.get(rid)
 
+    async def get_versioned(self, rid):
+        await asyncio.sleep(self.delay)
+        return await self.inner.get_versioned(rid)
+
+    async def swap(self, record, digest):
+        await asyncio.sleep(self.delay)
+        return await self.inner.swap(record, digest)
+
     async def chain(self, rid, partial=False):
         return await self.inner.chain(rid, partial)
 

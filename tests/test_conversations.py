@@ -97,6 +97,64 @@ def test_a_deleted_conversation_stays_deleted_past_an_add_in_flight(serve):
     assert http.get(f"/v1/conversations/{cid}").status_code == 404, "deleted conversation came back"
 
 
+def test_two_replicas_adding_at_once_keep_every_item(serve):
+    """Adds to one conversation through two ingress replicas over one store (each replica's lock its own): the
+    store's swap finds the other replica's change between a read and its store, so every item is kept."""
+    store = SlowStore(delay=0.02)
+    (_, a, _), (_, b, _) = serve(store), serve(store)
+    cid = a.post("/v1/conversations", json={}).json()["id"]
+    n = 12
+
+    def add(i):
+        http = (a, b)[i % 2]
+        r = http.post(f"/v1/conversations/{cid}/items", json={"items": [{**MSG, "content": f"m{i}"}]})
+        assert r.status_code == 200, r.text
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(0.005)
+    for t in threads:
+        t.join()
+    assert n_items(a, cid) == n_items(b, cid) == n
+    texts = {it["content"][0]["text"] for it in a.get(f"/v1/conversations/{cid}/items",
+                                                      params={"limit": 100}).json()["data"]}
+    assert texts == {f"m{i}" for i in range(n)}
+
+
+def test_a_delete_on_one_replica_stays_past_an_add_on_another(serve):
+    """A DELETE through one replica landing between another replica's read and store: the add's swap finds the
+    conversation gone and answers 404, so it stays deleted."""
+    store = SlowStore(delay=0.1)
+    (_, a, _), (_, b, _) = serve(store), serve(store)
+    cid = a.post("/v1/conversations", json={"items": [MSG]}).json()["id"]
+    out = {}
+    t1 = threading.Thread(target=lambda: out.setdefault("del", b.delete(f"/v1/conversations/{cid}")))
+    t2 = threading.Thread(target=lambda: out.setdefault("add", a.post(f"/v1/conversations/{cid}/items",
+                                                                         json={"items": [MSG]})))
+    t1.start()  # the delete: its read (0.1 s), then the delete (0.1 s), landing at ~0.2 s
+    time.sleep(0.03)
+    t2.start()  # the add: its read at ~0.13 s (still there), its swap at ~0.23 s (gone: read again, a 404)
+    t1.join()
+    t2.join()
+    assert out["del"].json()["deleted"] is True
+    assert out["add"].status_code == 404, out["add"].text
+    assert a.get(f"/v1/conversations/{cid}").status_code == 404, "deleted conversation came back"
+
+
+def test_a_store_swap_takes_only_the_text_it_was_read_as():
+    """`ResponseStore.swap`: stored where the record's text is the one read, None where it changed or is gone."""
+    from decapybara.api.response_store import ResponseStore, text_digest
+    st = ResponseStore(1 << 20)
+    st.put("c", None, '{"v": 1}')
+    d1 = text_digest(st.get("c"))
+    assert st.swap("c", None, '{"v": 2}', d1) is True
+    assert st.swap("c", None, '{"v": 3}', d1) is None and st.get("c") == '{"v": 2}'
+    assert st.swap("c", None, "x" * (2 << 20), text_digest('{"v": 2}')) is False
+    st.delete("c")
+    assert st.swap("c", None, '{"v": 4}', text_digest('{"v": 2}')) is None and st.get("c") is None
+
+
 def test_no_lock_is_left_behind_for_ids_named(serve):
     """Updates and item deletes naming conversations that do not exist (404s) leave no lock behind."""
     app, http, _ = serve(LocalResponses())

@@ -62,6 +62,7 @@ CONVERSATION_HEADER = "x-conversation-id"
 log = logging.getLogger(__name__)
 RUN_LOST = {"code": "server_error", "message": "its background run stopped: the server that ran it went away"}
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI streams' idle line
+SWAP_TRIES = 16  # a conversation's change redone at most this often where other replicas' changes keep landing
 
 
 def create_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
@@ -275,9 +276,12 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         needs_store(param)
         record = await store.get(cid)
         if not conversations.is_conversation(record):
-            raise ApiError(status, f"no conversation {cid!r} (never made, deleted, or dropped from the store)",
-                           param=param, code="not_found" if status == 404 else None)
+            raise no_conversation(cid, param, status)
         return record
+
+    def no_conversation(cid: str, param: str = "conversation_id", status: int = 404) -> ApiError:
+        return ApiError(status, f"no conversation {cid!r} (never made, deleted, or dropped from the store)",
+                        param=param, code="not_found" if status == 404 else None)
 
     @contextlib.asynccontextmanager
     async def conversation_lock(cid: str) -> AsyncIterator[None]:
@@ -295,11 +299,21 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
 
     async def change_conversation(cid: str, change: Callable[[dict[str, Any]], None]) -> tuple[dict[str, Any], bool]:
         """Conversation `cid` (a 404 where it is not stored) changed in place by `change` (which may raise) and
-        stored again, one change at a time on this replica: (the record, whether the store took it)."""
+        stored again: (the record, whether the store took it). One change at a time on this replica; a change
+        from another replica (or its DELETE) landing between the read and the store is found by the store's
+        swap, and the change redone on what it left (up to `SWAP_TRIES` times, then a 409)."""
         async with conversation_lock(cid):
-            record = await conversation(cid)
-            change(record)
-            return record, bool(await store.put_now(record))
+            for _ in range(SWAP_TRIES):
+                needs_store("conversation_id")
+                record, digest = await store.get_versioned(cid)
+                if not conversations.is_conversation(record):
+                    raise no_conversation(cid)
+                change(record)
+                stored = await store.swap(record, digest)
+                if stored is not None:
+                    return record, stored
+            raise ApiError(409, f"the conversation {cid!r} kept changing under this change; send it again",
+                           param="conversation_id", code="conflict")
 
     async def add_turn(cid: str, record: dict[str, Any]) -> None:
         """A response's turn added to its conversation; a failure logged (the response itself stands)."""

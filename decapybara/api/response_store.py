@@ -30,6 +30,7 @@ nothing to each other. Lines are `[id, parent, text]`, a deletion `[id, null, nu
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import re
@@ -57,6 +58,11 @@ DELETED_KEEP = 100_000  # deleted ids a store remembers (and saves), the latest
 
 
 SETTLED = frozenset({"completed", "incomplete", "failed", "cancelled"})  # a response's statuses once it has ended
+
+
+def text_digest(text: str) -> str:
+    """A record text's digest: what a change read, for `ResponseStore.swap`."""
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 class ChainBroken(LookupError):
@@ -118,6 +124,15 @@ class ResponseStore:
         response = json.loads(entry.text).get("response") if entry is not None else None
         if response is None or response["status"] in SETTLED:  # none, or no response's (a conversation's)
             return False
+        return self.put(rid, parent, text)
+
+    def swap(self, rid: str, parent: str | None, text: str, digest: str) -> bool | None:
+        """`put` where the record `rid` is here with the text `digest` names (`text_digest`): what a change read
+        and made, stored only if nothing else stored or deleted the record meanwhile (another ingress replica's
+        change). None, storing nothing, where it is gone or has changed (read it again and redo the change)."""
+        entry = self._entries.get(rid)
+        if entry is None or text_digest(entry.text) != digest:
+            return None
         return self.put(rid, parent, text)
 
     def get(self, rid: str) -> str | None:
@@ -583,6 +598,18 @@ class RemoteResponses:
             return False
         return await self.actor.update_response.remote(record["id"], record.get("parent"), text)
 
+    async def swap(self, record: dict[str, Any], digest: str) -> bool | None:
+        """`ResponseStore.swap` on the actor (one call, so nothing lands between its check and its store)."""
+        text = record_text(record)
+        if len(text) > self.budget:
+            return False
+        return await self.actor.swap_response.remote(record["id"], record.get("parent"), text, digest)
+
+    async def get_versioned(self, rid: str) -> tuple[dict[str, Any] | None, str | None]:
+        """(the record `rid`, the digest of its text for `swap`), (None, None) where it is not stored."""
+        text = await self.actor.get_response.remote(rid)
+        return (None, None) if text is None else (json.loads(text), text_digest(text))
+
     async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
         texts, missing = await self.actor.response_chain.remote(rid, partial)
         if texts is None:
@@ -620,6 +647,16 @@ class LocalResponses:
         text = record_text(record)
         with self._lock:
             return self.store.update(record["id"], record.get("parent"), text)
+
+    async def swap(self, record: dict[str, Any], digest: str) -> bool | None:
+        text = record_text(record)
+        with self._lock:
+            return self.store.swap(record["id"], record.get("parent"), text, digest)
+
+    async def get_versioned(self, rid: str) -> tuple[dict[str, Any] | None, str | None]:
+        with self._lock:
+            text = self.store.get(rid)
+        return (None, None) if text is None else (json.loads(text), text_digest(text))
 
     async def chain(self, rid: str, partial: bool = False) -> list[dict[str, Any]]:
         """The conversation's records up to `rid`, oldest first; raises ChainBroken (`ResponseStore.chain`)."""

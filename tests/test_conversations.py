@@ -60,16 +60,14 @@ def n_items(http, cid) -> int:
     return len(http.get(f"/v1/conversations/{cid}/items", params={"limit": 100}).json()["data"])
 
 
-def test_concurrent_adds_keep_every_item(serve):
-    """Twelve adds at once to one conversation over a store whose calls suspend (as Ray's do): one at a time on
-    the replica (a waiter's lock is never replaced), so every item is kept."""
-    _, http, _ = serve(SlowStore(delay=0.02))
-    cid = http.post("/v1/conversations", json={}).json()["id"]
-    n = 12
+def add_at_once(https, cid, n) -> None:
+    """`n` adds of one message each ("m0", "m1", ...) to conversation `cid`, started 5 ms apart, each through the
+    next of the clients `https` in turn; every one answered 200."""
+    answers = {}
 
     def add(i):
-        r = http.post(f"/v1/conversations/{cid}/items", json={"items": [{**MSG, "content": f"m{i}"}]})
-        assert r.status_code == 200
+        answers[i] = https[i % len(https)].post(f"/v1/conversations/{cid}/items",
+                                                json={"items": [{**MSG, "content": f"m{i}"}]})
 
     threads = [threading.Thread(target=add, args=(i,)) for i in range(n)]
     for t in threads:
@@ -77,6 +75,16 @@ def test_concurrent_adds_keep_every_item(serve):
         time.sleep(0.005)
     for t in threads:
         t.join()
+    assert sorted(answers) == list(range(n)) and all(r.status_code == 200 for r in answers.values()), answers
+
+
+def test_concurrent_adds_keep_every_item(serve):
+    """Twelve adds at once to one conversation over a store whose calls suspend (as Ray's do): one at a time on
+    the replica (a waiter's lock is never replaced), so every item is kept."""
+    _, http, _ = serve(SlowStore(delay=0.02))
+    cid = http.post("/v1/conversations", json={}).json()["id"]
+    n = 12
+    add_at_once([http], cid, n)
     assert n_items(http, cid) == n
 
 
@@ -104,18 +112,7 @@ def test_two_replicas_adding_at_once_keep_every_item(serve):
     (_, a, _), (_, b, _) = serve(store), serve(store)
     cid = a.post("/v1/conversations", json={}).json()["id"]
     n = 12
-
-    def add(i):
-        http = (a, b)[i % 2]
-        r = http.post(f"/v1/conversations/{cid}/items", json={"items": [{**MSG, "content": f"m{i}"}]})
-        assert r.status_code == 200, r.text
-
-    threads = [threading.Thread(target=add, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-        time.sleep(0.005)
-    for t in threads:
-        t.join()
+    add_at_once([a, b], cid, n)
     assert n_items(a, cid) == n_items(b, cid) == n
     texts = {it["content"][0]["text"] for it in a.get(f"/v1/conversations/{cid}/items",
                                                       params={"limit": 100}).json()["data"]}

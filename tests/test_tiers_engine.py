@@ -466,3 +466,36 @@ def test_a_save_takes_the_ram_tiers_pages_too_and_a_restart_keeps_its_ranks(tmp_
     engine.add_request(Request(tuple(second), GREEDY, "b"))
     run_until_done(engine, {})
     assert engine.stats.computed_prompt_tokens - before == len(second) - 40  # the RAM tier's pages came back
+
+
+@pytest.mark.parametrize("pause_at", [1, 6])
+def test_prompt_logprobs_survive_a_pause_across_a_restart(pause_at, tmp_path):
+    """A request for prompt logprobs paused to disk mid-prompt (its first chunk's computed, not yet sent) or after
+    they went out, then adopted by a fresh engine: the first event carries every prompt token's logprob as the
+    uninterrupted run's, and no later event carries them again."""
+    p = prompt(5, 29)
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2)
+    plain = Engine(model("qwen3_5_text"), EngineConfig(page_size=8, num_pages=64, max_batch_tokens=12, max_slots=2))
+    plain.add_request(Request(tuple(p), params, "agent"))
+    ref = [ev for _ in range(100) if plain.has_work() for ev in plain.step()]
+    url = f"file://{tmp_path}/kv"
+    engine, stores = make_engine("qwen3_5_text", url, ram_bytes=0, max_batch_tokens=12, max_slots=2)
+    engine.add_request(Request(tuple(p), params, "agent"))
+    events = [ev for _ in range(pause_at) for ev in engine.step()]
+    seq = engine.seqs["agent"]
+    assert (seq.num_computed < len(p)) == (pause_at == 1)
+    engine.admission = lambda e: None
+    engine.pause(seq)
+    key = seq.paused_bundle
+    del engine, stores
+    engine, stores = make_engine("qwen3_5_text", url, 64 << 20, max_batch_tokens=12, max_slots=2)
+    engine.resume(engine.import_paused(stores.take_unit(key)))
+    while engine.has_work():
+        events.extend(engine.step())
+    assert [t for ev in events for t in ev.token_ids] == [t for ev in ref for t in ev.token_ids]
+    carried = [ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None]
+    want = [ev.prompt_logprobs for ev in ref if ev.prompt_logprobs is not None]
+    assert len(carried) == len(want) == 1 and len(carried[0]) == len(p) - 1 and None not in carried[0]
+    assert [[i for i, _ in t] for _, t in carried[0]] == [[i for i, _ in t] for _, t in want[0]]
+    flat = [[v, *(x for _, x in t)] for v, t in carried[0]]
+    assert np.allclose(flat, [[v, *(x for _, x in t)] for v, t in want[0]], atol=1e-5)

@@ -43,6 +43,9 @@ def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]
         "extra_penalty": seq.extra_penalty, "banned": list(seq.banned), "in_thinking": seq.in_thinking,
         "after_think": seq.after_think,
         "num_pauses": seq.num_pauses, "num_resumes": seq.num_resumes,
+        "prompt_lps": None if seq.prompt_lps is None else [
+            None if e is None else [e[0], [[int(t), float(v)] for t, v in e[1]]] for e in seq.prompt_lps],
+        "prompt_lps_sent": seq.prompt_lps_sent,
     }
     extras = {"tokens": np.asarray(seq.tokens, np.int64),
               "page_hashes": np.frombuffer(b"".join(seq.page_hashes), np.uint8).reshape(-1, 16).copy()}
@@ -77,4 +80,8 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     seq.in_thinking = bool(meta["in_thinking"])
     seq.after_think = bool(meta.get("after_think", False))
     seq.num_pauses, seq.num_resumes = int(meta["num_pauses"]), int(meta["num_resumes"])
+    lps = meta.get("prompt_lps")  # the prompt logprobs of chunks computed before the pause, not yet sent
+    seq.prompt_lps = None if lps is None else [
+        None if e is None else (float(e[0]), [(int(t), float(v)) for t, v in e[1]]) for e in lps]
+    seq.prompt_lps_sent = bool(meta.get("prompt_lps_sent", False))
     return seq

@@ -427,7 +427,9 @@ class StreamingOutputParser:
     _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
 
     def __init__(self, in_reasoning: bool = False, tools: bool = True, max_calls: int | None = None,
-                 reasoning_once: bool = False) -> None:
+                 reasoning_once: bool = False, continues: bool = False) -> None:
+        """`continues`: the text continues a part the prompt began (a prefilled reply): that part's leading
+        whitespace is the model's, kept."""
         self._content_tags = self._CONTENT_TAGS if tools else (THINK, END_THINK)
         self._once = reasoning_once
         self._settled = False  # reasoning_once: the think tags are text from here on
@@ -437,6 +439,7 @@ class StreamingOutputParser:
         self._in_tool: list[str] | None = None  # body of an open <tool_call>
         self._buf = ""
         self._reasoning, self._content = _Trimmed(), _Trimmed()
+        (self._reasoning if in_reasoning else self._content).started = continues
         self._parts: dict[type, list[str]] = {ReasoningDelta: [], ContentDelta: []}
         self._calls: list[ToolCall] = []
         self._events: list[OutputEvent] = []

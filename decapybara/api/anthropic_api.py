@@ -18,7 +18,8 @@ Choices made where the API leaves room:
   tool_choice auto, to tool calls; beside "any" / "tool" the reply is the call; ``effort`` is read and not acted
   on.
 - a tool_result with ``is_error`` is rendered as "Error: " + its content.
-- a trailing assistant message is a prefill: the reply continues it and the response holds only the new text.
+- a trailing assistant message is a prefill: the reply continues it and the response holds only the new text,
+  as the model wrote it (its leading whitespace kept: prefill + reply is the whole text).
 - a generation the LoopGuard stopped ends with stop_reason "end_turn" and an extra top-level field
   ``loop_guard: {"stopped": true, "note": ...}`` (in the stream: on the message_delta event).
 - usage: input_tokens = prompt tokens not read from the prefix cache, cache_read_input_tokens = the cached ones,
@@ -204,6 +205,11 @@ class MessagePlan:
     model: str
     thinking_budget: int | None  # cap on reasoning tokens (thinking "enabled"), None = no cap
     show_thinking: bool  # False under display "omitted": thinking blocks keep only their signature
+    prefilled: bool = False  # the prompt ends in a prefill the reply continues (its leading whitespace kept)
+
+    def parser(self) -> StreamingOutputParser:
+        return StreamingOutputParser(self.prompt.opens_reasoning, self.prompt.tools, self.prompt.max_calls,
+                                     constrained(self.request.params), continues=self.prefilled)
 
 
 def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation: str | None) -> MessagePlan:
@@ -223,7 +229,7 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
                            history_end=prompt.history_end)
     budget = body.thinking.budget_tokens if isinstance(body.thinking, an.ThinkingEnabled) else None
     show = getattr(body.thinking, "display", None) != "omitted"
-    return MessagePlan(request, prompt, model, budget, show)
+    return MessagePlan(request, prompt, model, budget, show, bool(chat.prefill))
 
 
 # ---------------------------------------------------------------------------------------------- response
@@ -257,8 +263,7 @@ def _guard(reason: FinishReason | None, note: str | None) -> LoopGuardInfo | Non
 
 def message(plan: MessagePlan, done: Collected) -> an.Message:
     # the blocks in the order the stream sends them (MessageStream): runs of one kind, tool calls as they come
-    parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
-                                       constrained(plan.request.params))
+    parser = plan.parser()
     runs: list[list] = []
     for out in [*parser.feed(done.text), *parser.finish()]:
         if not isinstance(out, ToolCallEvent) and runs and runs[-1][0] is type(out):
@@ -295,8 +300,7 @@ class MessageStream:
 
     def __init__(self, plan: MessagePlan) -> None:
         self.plan = plan
-        self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
-                                       constrained(plan.request.params))
+        self.parser = plan.parser()
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | None
         self.thinking = ""

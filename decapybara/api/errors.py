@@ -25,6 +25,8 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                     429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
+PROMPT_TOO_LONG = "prompt is too long"  # how the Anthropic API's context-overflow messages begin
+
 
 @dataclass(slots=True)
 class ApiError(Exception):
@@ -48,10 +50,15 @@ class ApiError(Exception):
         return 529 if self.status == 503 else self.status
 
     def anthropic_body(self) -> dict[str, Any]:
-        """``{"type": "error", "error": {"type", "message"}}`` as the Anthropic API writes it."""
+        """``{"type": "error", "error": {"type", "message"}}`` as the Anthropic API writes it. Its bodies carry no
+        code, so a prompt past the context says it in the API's own words ("prompt is too long: ..."), which
+        Anthropic clients look for to compact the conversation and retry."""
         kind = _ANTHROPIC_TYPES.get(self.anthropic_status(),
                                     "invalid_request_error" if self.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        message = self.message
+        if self.code == "context_length_exceeded" and not message.lower().startswith(PROMPT_TOO_LONG):
+            message = f"{PROMPT_TOO_LONG}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -472,6 +472,7 @@ def test_messages_blocks_are_the_streams_in_its_order(stack):
 
 @pytest.mark.parametrize(("extra", "thinking"), [
     ({}, True), ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "high"}, True),
+    ({"reasoning_effort": "max"}, True),
     ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False),
     ({"reasoning_effort": "low", "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False),
 ])
@@ -480,6 +481,26 @@ def test_openai_thinking_switches_reach_the_prompt(stack, extra, thinking):
     prompt = stack.prompt(r.id)
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") is not thinking
     assert prompt.endswith("<|im_start|>assistant\n") is thinking
+
+
+def test_every_reasoning_effort_the_sdk_sends_is_taken():
+    """The installed SDK's reasoning effort values (chat's reasoning_effort, the Responses API's reasoning.effort)
+    are all accepted: each but "none" / "minimal" leaves thinking on."""
+    from typing import get_args
+
+    from openai.types.shared.reasoning_effort import ReasoningEffort
+
+    from decapybara.api import openai_api, openai_responses
+    from decapybara.api import openai_schemas as oa
+    from decapybara.api import responses_schemas as rs
+
+    efforts = list(get_args(get_args(ReasoningEffort)[0]))
+    assert "max" in efforts
+    for effort in efforts:
+        body = oa.ChatCompletionRequest.model_validate({"messages": user("hi"), "reasoning_effort": effort})
+        assert openai_api.thinking_enabled(body) is (effort not in ("none", "minimal")), effort
+        rbody = rs.ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": effort}})
+        assert openai_responses.chat_input(rbody).enable_thinking is (effort not in ("none", "minimal"))
 
 
 def test_stop_sequences_in_both_apis(stack):
@@ -840,6 +861,27 @@ def test_a_bad_field_is_named_where_it_went_wrong(stack):
     assert err["param"] == "messages.0.content.0" and "'video'" in err["message"], err
     r = _post(stack.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]})
     assert r.json()["error"]["param"] == "messages.0.content", r.text
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "user"}], "messages.0.content"),
+    ([{"role": "user", "content": None}], "messages.0.content"),
+    ([{"role": "system", "content": None}, *user("x")], "messages.0.content"),
+    ([*user("x"), {"role": "assistant", "content": None}], "messages.1.content"),
+    ([*user("x"), {"role": "tool", "tool_call_id": "c", "content": None}], "messages.1.content"),
+])
+def test_a_message_without_content_is_a_400_naming_it(stack, messages, param):
+    """A message that lacks the content its role needs is a 400 whose error names that message's content."""
+    from decapybara.api import openai_api
+    from decapybara.api import openai_schemas as oa
+    from decapybara.api.errors import ApiError
+
+    body = oa.ChatCompletionRequest.model_validate({"messages": messages})
+    with pytest.raises(ApiError) as e:
+        openai_api.chat_messages(body.messages)
+    assert (e.value.status, e.value.param) == (400, param)
+    r = _post(stack.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_logit_bias_keys_are_decimal_token_ids(stack):

@@ -2,7 +2,7 @@
 
 Choices made where the API leaves room:
 - thinking: on by default (the model family's default); ``reasoning_effort`` "none"/"minimal" turns it off,
-  "low".."xhigh" on; ``chat_template_kwargs.enable_thinking`` overrides both. Reasoning is returned in
+  "low".."max" on; ``chat_template_kwargs.enable_thinking`` overrides both. Reasoning is returned in
   ``reasoning_content``, separate from ``content``.
 - tool_choice "none" leaves the tools out of the prompt; "required" and a named function add an instruction
   to the prompt and constrain the reply (after any reasoning) to tool calls of the tools allowed, their
@@ -106,8 +106,12 @@ def chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
                 msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
                     "name": tc.function.name, "arguments": _arguments(tc.function.arguments)}}
                     for tc in m.tool_calls]
+            if m.content is None and not m.tool_calls and reasoning is None:
+                raise bad_request(f"{where}: an assistant message needs content or tool_calls", f"{where}.content")
         elif m.tool_calls:
             raise bad_request(f"{where}: only assistant messages may carry tool_calls", f"{where}.tool_calls")
+        elif m.content is None:
+            raise bad_request(f"{where}: a {m.role} message needs content", f"{where}.content")
         if m.role == "tool":
             if not m.tool_call_id:
                 raise bad_request(f"{where}: a tool message needs the tool_call_id of the call it answers",

@@ -92,7 +92,7 @@ class TextConfig(RequestModel):
 
 
 class ReasoningConfig(RequestModel):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: str | None = None
 
 

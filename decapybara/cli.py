@@ -24,6 +24,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if args.weights and args.dtype and args.weights != args.dtype:
         raise ConfigError(f"--dtype {args.dtype} and --weights {args.weights} disagree (--dtype is --weights bf16|fp32)")
     weights = args.weights or args.dtype or "bf16"
+    if args.seed < 0:  # it seeds numpy's generator, which takes none below 0
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     outs = preset_outputs(args.out, weights)
     existing = [str(p) for p in outs.values() if p.exists()]
     if existing and not args.force:

@@ -350,6 +350,19 @@ def test_cli_build_refuses_bad_flags_in_one_line(ckpts: dict, tmp_path: Path, ca
     assert not (tmp_path / "m.mcapy").exists()
 
 
+def test_cli_build_refuses_a_negative_seed_in_one_line(ckpts: dict, tmp_path: Path, capsys) -> None:
+    """The calibration and quality samples' seed seeds numpy's generator, which takes no negative seed: refused
+    as a bad flag, not a traceback from the calibration."""
+    from decapybara.cli import main
+
+    np.save(tmp_path / "tokens.npy", np.arange(8192, dtype=np.int64) % 64)
+    assert main(["build", str(ckpts["qwen3"]), str(tmp_path / "m.mcapy"), "--calib", str(tmp_path / "tokens.npy"),
+                 "--calib-tokens", "512", "--seed", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seed" in err, err
+    assert not (tmp_path / "m.mcapy").exists()
+
+
 def test_cli_build_names_a_missing_output_folder_and_a_file_given_as_source(ckpts: dict, tmp_path: Path,
                                                                             capsys) -> None:
     from decapybara.cli import main

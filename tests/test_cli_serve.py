@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from decapybara.cli import make_parser
+from decapybara.cli import main, make_parser
+from decapybara.errors import ConfigError
 from decapybara.server.cli_serve import app_args
 from decapybara.server.config import AppConfig
 
@@ -115,3 +117,44 @@ def test_sigterm_stops_the_server_as_ctrl_c_does():
                 pass
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("field", ["ram_cache_gb", "disk_cache_gb", "kv_memory_gb", "keep_free_gb",
+                                   "snapshot_memory_gb", "responses_store_mb"])
+def test_memory_budgets_must_be_finite(field):
+    """The actors turn each budget into a byte count (int(gb * 2**30)): an infinite one is refused with the other
+    bad settings, before Ray starts, not as an OverflowError in an actor."""
+    with pytest.raises(ValueError, match=field):
+        AppConfig(**{field: "inf"})
+    args = make_parser().parse_args(["serve", "--set", f"{field}=inf"])
+    with pytest.raises(ConfigError, match=field):
+        app_args(args)
+    assert getattr(AppConfig(**{field: "2"}), field) == 2.0
+
+
+@pytest.mark.parametrize("port", ["0", "-1", "65536", "70000"])
+def test_a_port_out_of_range_is_refused_before_ray_starts(port, monkeypatch, capsys):
+    ray = pytest.importorskip("ray")
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", port])
+    assert e.value.code == 2 and "--port" in capsys.readouterr().err
+    assert make_parser().parse_args(["serve", "--port", "65535"]).port == 65535
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--kv-mode", "6/6", "--set", "kv_mode=4/4"], "kv_mode is given twice (--kv-mode and --set kv_mode=4/4)"),
+    (["--slots", "4", "--set", "slots=8"], "slots is given twice (--slots and --set slots=8)"),
+    (["--set", "page_size=16", "--set", "page_size=32"], ("page_size is given twice (--set page_size=16 and "
+                                                           "--set page_size=32)")),
+])
+def test_a_setting_given_twice_is_refused(argv, says):
+    """A flag and a --set of the same setting (or two --set) conflict: one of them would be dropped unsaid."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        app_args(make_parser().parse_args(["serve", *argv]))
+    assert app_args(make_parser().parse_args(["serve", "--kv-mode", "6/6", "--set", "page_size=16"])) == \
+        {"kv_mode": "6/6", "page_size": "16"}

@@ -347,3 +347,61 @@ def test_server_kv_memory_gb_is_the_planned_pool(kv_mode):
         assert engine.cfg.num_pages * engine.runner.bytes_per_page <= 0.01 * C.GIB
     finally:
         actor.stop()
+
+
+def _fake_gpu(monkeypatch, total_gib: float, free_gib: float) -> None:
+    from decapybara.launcher import probe
+
+    machine = probe.Machine("cuda:Test GPU", int(total_gib * C.GIB), int(free_gib * C.GIB), 2e12)
+    monkeypatch.setattr(probe, "cuda_machine", lambda measure=True: machine)
+
+
+def _run_line(out: str) -> str:
+    return next(ln for ln in out.splitlines() if ln.startswith("run: "))
+
+
+def test_cli_plan_on_a_shared_gpu_reserves_as_the_server(capsys, monkeypatch):
+    """On a GPU whose memory other programs hold in part, the plan's pool is the one the server fits itself: the
+    working reserve is a share of the device's memory, not of what is free, so the serve line's num_pages leaves
+    the server its whole reserve."""
+    import re
+
+    _fake_gpu(monkeypatch, total_gib=80, free_gib=40)
+    cfg = named_config("qwen3.8-27b")
+    tiny = sum(C.preset_tensor_bytes(cfg, "tiny").values())
+    assert main(["plan", "--config", "qwen3.8-27b", "--weights", "tiny", "--kv-mode", "16/16", "--slots", "4",
+                 "--context", "8192", "--bandwidth-gbps", "2000"]) == 0
+    out = capsys.readouterr().out
+    served = C.fit_pool(cfg, 40 * C.GIB - tiny, 80 * C.GIB, "16/16", 4, 512, cfg.max_position_embeddings)
+    assert served.pages < served.cap  # the memory, not the cap, sizes the server's pool
+    assert f"reserve {C.default_reserve(80 * C.GIB) / C.GIB:.1f} GiB" in out
+    assert re.search(r"--set num_pages=(\d+)", _run_line(out)).group(1) == str(served.pages)
+
+
+def test_cli_plan_serve_line_keeps_the_speculator(capsys, monkeypatch):
+    """--speculator plans the rollback states the server sets aside for it: the serve line asks for the same
+    speculator, and the bf16 prefill weights' hint counts the same states."""
+    _fake_gpu(monkeypatch, total_gib=80, free_gib=80)
+    args = ["plan", "--config", "qwen3.8-27b", "--weights", "tiny", "--kv-mode", "6/6", "--slots", "12",
+            "--context", "32768", "--bandwidth-gbps", "2000"]
+    hints = {}
+    for spec in ("off", "mtp"):
+        assert main([*args, "--speculator", spec]) == 0
+        out = capsys.readouterr().out
+        assert ("--speculator mtp" in _run_line(out)) == (spec == "mtp")
+        hints[spec] = next(ln for ln in out.splitlines() if ln.startswith("bf16 prefill weights"))
+    assert hints["off"] != hints["mtp"]  # fewer tokens beside the copies with the rollback states
+
+
+def test_cli_plan_serve_line_quotes_the_model_path(capsys, tmp_path):
+    """The serve line is a command to paste into a shell: a model path with a space stays one argument."""
+    import shlex
+    import shutil
+
+    path = tmp_path / "my models" / "demo copy.mcapy"
+    path.parent.mkdir()
+    shutil.copy(DEMO_MODEL, path)
+    assert main(["plan", str(path), "--vram-gb", "8", "--bandwidth-gbps", "20", "--slots", "2",
+                 "--context", "4096", "--kv-mode", "6/4"]) == 0
+    argv = shlex.split(_run_line(capsys.readouterr().out)[len("run: "):])
+    assert argv[argv.index("--model") + 1] == str(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from decapybara.launcher.capacity import (
     GIB,
     CapacityPlan,
     decode_roofline,
+    default_reserve,
     dense_prefill_bytes,
     float32_tensor_bytes,
     plan_capacity,
@@ -76,17 +78,19 @@ class Candidate:
 def candidates(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], kv_modes: list[str],
                slots: int, context: int, page_size: int, device_bytes: int, ram_bytes: int, bandwidth: float,
                quality: dict[tuple[str, str], tuple[float, float]] | None = None,
-               extra: dict[str, int] | None = None, keep_free: int = 0, checkpoints: int = 0) -> list[Candidate]:
+               extra: dict[str, int] | None = None, keep_free: int = 0, checkpoints: int = 0,
+               reserve: int | None = None) -> list[Candidate]:
     """Every (weights, KV mode) setting planned: `weights` maps a setting to the bytes of each tensor as the
     backend holds them, `extra` to further resident bytes that decode does not read (the prefill weights' bf16
-    copies), `keep_free` device bytes left to other programs, `checkpoints` verification rollback states. Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
+    copies), `keep_free` device bytes left to other programs, `checkpoints` verification rollback states, `reserve`
+    the working reserve (None: `default_reserve` of `device_bytes`). Capacity, roofline at 1 and `slots` streams of `context` tokens (0 when `bandwidth` is 0), quality
     where the table has the pair."""
     out = []
     for name, tensors in weights.items():
         resident = sum(tensors.values()) + (extra or {}).get(name, 0)
         for mode in kv_modes:
             plan = plan_capacity(cfg, resident, device_bytes, mode, slots, context, page_size, ram_bytes,
-                                 keep_free_bytes=keep_free, checkpoints=checkpoints)
+                                 reserve_bytes=reserve, keep_free_bytes=keep_free, checkpoints=checkpoints)
             t1 = decode_roofline(cfg, tensors, mode, [context], bandwidth) if bandwidth > 0 else 0.0
             tn = decode_roofline(cfg, tensors, mode, [context] * slots, bandwidth) if bandwidth > 0 else 0.0
             q = (quality or {}).get((name, mode))
@@ -111,10 +115,11 @@ def format_table(rows: list[Candidate], slots: int, context: int) -> list[str]:
 
 
 def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None, prefill_weights: str = "packed",
-                  max_model_len: int | None = None) -> str:
+                  max_model_len: int | None = None, speculator: str = "off") -> str:
     """The `decapybara serve` line for a candidate: its exact pool (num_pages) and page size; `max_model_len`
-    where the plan serves a context past the model's trained one (YaRN, the server's rope_scaling auto)."""
-    parts = ["decapybara serve"] + ([f"--model {model}"] if model else [])
+    where the plan serves a context past the model's trained one (YaRN, the server's rope_scaling auto); the
+    speculator whose rollback states the pool was planned beside. A shell command: the model's path quoted."""
+    parts = ["decapybara serve"] + ([f"--model {shlex.quote(model)}"] if model else [])
     parts += [f"--slots {c.plan.slots}", f"--kv-mode {c.kv_mode}", f"--set num_pages={c.plan.pages}",
               f"--set page_size={c.plan.page_size}"]
     if max_model_len:
@@ -123,6 +128,8 @@ def serve_command(model: str | None, c: Candidate, ram_gb: float | None = None, 
         parts.append(f"--set prefill_weights={prefill_weights}")
     if ram_gb is not None:
         parts.append(f"--ram-cache-gb {ram_gb:g}")
+    if speculator != "off":
+        parts.append(f"--speculator {speculator}")
     return " ".join(parts)
 
 
@@ -215,10 +222,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     machine = this_machine(measure=args.bandwidth is None)
     on_gpu = machine.device.startswith("cuda") or args.vram_gb is not None
     ram = int((args.ram_gb if args.ram_gb is not None else RAM_CACHE_GB) * GIB)
+    reserve = None  # default_reserve(device_bytes)
     if args.vram_gb:
         device_bytes, source = int(args.vram_gb * GIB), "given"
-    elif on_gpu:
+    elif on_gpu:  # the server's reserve is a share of the device's memory, not of what is free
         device_bytes, source = machine.free_bytes, "free"
+        reserve = default_reserve(machine.memory_bytes)
     else:  # the numpy backend's KV pool shares host RAM with the RAM tier
         device_bytes, source = max(1, machine.free_bytes - ram), "available RAM less the RAM tier"
     stored = {name: sum(t.values()) for name, t in weights.items()}
@@ -238,7 +247,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         checkpoints = verify_checkpoints(EngineConfig(max_slots=args.slots, max_batch_tokens=max(512, args.slots),
                                                       speculator=args.speculator), cfg)
     rows = candidates(cfg, weights, stored, modes, args.slots, args.context, page, device_bytes, ram, bandwidth,
-                      quality, extra, keep_free, checkpoints)
+                      quality, extra, keep_free, checkpoints, reserve)
     print(f"model: {args.config or model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"{len(cfg.attention_layers)} with KV, {len(cfg.linear_layers)} DeltaNet, "
           f"{trained:,}-token positions")
@@ -286,14 +295,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pw = "bf16" if extra and extra.get(best.weights) else "packed"  # copies only where weights are quantised
     if on_gpu and not dense:
         hint = prefill_weights_hint(cfg, weights, stored, best, args.slots, args.context, page, device_bytes, ram,
-                                    shapes, keep_free)
+                                    shapes, keep_free, checkpoints, reserve)
         if hint:
             print(hint)
-    line = serve_command(None, best, args.ram_gb, pw, extend)
+    line = serve_command(None, best, args.ram_gb, pw, extend, args.speculator)
     if args.config:
         print(f"run: `decapybara build SRC OUT --weights {best.weights}`, then {line.replace('serve', 'serve --model OUT', 1)}")
     elif best.weights == own:
-        print(f"run: {serve_command(args.model, best, args.ram_gb, pw, extend)}")
+        print(f"run: {serve_command(args.model, best, args.ram_gb, pw, extend, args.speculator)}")
     else:
         print(f"run: rebuild with `--weights {best.weights}` (this file is {own}), then serve it with "
               f"{line[len('decapybara serve '):]}")
@@ -302,14 +311,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def prefill_weights_hint(cfg: ModelConfig, weights: dict[str, dict[str, int]], stored: dict[str, int], best: Candidate,
                          slots: int, context: int, page: int, device_bytes: int, ram: int,
-                         shapes: dict[str, tuple[int, ...]], keep_free: int = 0) -> str | None:
+                         shapes: dict[str, tuple[int, ...]], keep_free: int = 0, checkpoints: int = 0,
+                         reserve: int | None = None) -> str | None:
     """What `prefill_weights=bf16` would cost the chosen setting (the bf16 copies of its quantised product weights)
     and whether the plan still fits with them; None where its weights are not quantised (no copies to keep)."""
     extra = dense_prefill_bytes(shapes, weights[best.weights])
     if not extra:
         return None
     with_copies = candidates(cfg, {best.weights: weights[best.weights]}, stored, [best.kv_mode], slots, context, page,
-                             device_bytes, ram, 0.0, None, {best.weights: extra}, keep_free)[0].plan
+                             device_bytes, ram, 0.0, None, {best.weights: extra}, keep_free, checkpoints,
+                             reserve)[0].plan
     cost = f"bf16 prefill weights (--prefill-weights bf16) would take {_size(extra)} of device memory"
     if not with_copies.fits:
         return f"{cost}: the plan would not fit with them ({with_copies.why_not})"

@@ -21,7 +21,7 @@ FLAGS = {  # flag -> AppConfig field
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the OpenAI + Anthropic server on this machine")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port_number, default=8000, help="TCP port of the HTTP server (1-65535)")
     s.add_argument("--model", help=".mcapy path, fsspec URL or the name of one in the model folders (`decapybara "
                    "models`; default: the embedded demo model)")
     s.add_argument("--preset", choices=["max_efficiency", "medium", "max_quality"])
@@ -51,6 +51,17 @@ def add_parser(sub: Any) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def port_number(text: str) -> int:
+    """`--port`'s value: a TCP port, 1-65535 (argparse's one-line error otherwise, before Ray starts)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not between 1 and 65535")
+    return port
+
+
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """The AppConfig arguments the flags ask for, validated (ConfigError naming the problem)."""
     from pydantic import ValidationError
@@ -59,11 +70,15 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {field: getattr(args, flag) for flag, field in FLAGS.items()
                            if getattr(args, flag, None) is not None}
+    given = {field: "--" + flag.replace("_", "-") for flag, field in FLAGS.items() if field in out}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = value
+        key = key.strip()
+        if key in given:  # one of the two would be dropped unsaid
+            raise ConfigError(f"{key} is given twice ({given[key]} and --set {item})")
+        out[key], given[key] = value, f"--set {item}"
     try:
         cfg = AppConfig(**out)
     except ValidationError as e:

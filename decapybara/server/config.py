@@ -42,8 +42,8 @@ class AppConfig(BaseModel):
     page_size: int | None = Field(default=None, description="tokens per KV page (default 512 on GPU, 16 on CPU)")
     num_pages: int | None = Field(default=None, ge=2, description="KV pool pages (default: on CUDA what the free "
                                   "device memory holds beside keep_free_gb; 4096 on the CPU)")
-    kv_memory_gb: float | None = Field(default=None, gt=0, description="KV pool size (instead of num_pages)")
-    keep_free_gb: float = Field(default=0.0, ge=0, description="KEEP_FREE: device memory (GiB) the server leaves "
+    kv_memory_gb: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="KV pool size (instead of num_pages)")
+    keep_free_gb: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="KEEP_FREE: device memory (GiB) the server leaves "
                                 "to other programs when it sizes the KV pool from the free memory (CUDA)")
     max_batch_tokens: int | None = Field(default=None, ge=1, description="tokens a step computes at most: a "
                                          "prompt's chunk beside the decoding agents (default 2048 on CUDA, 256 on "
@@ -72,17 +72,17 @@ class AppConfig(BaseModel):
     api_key: str | None = Field(default=None, description="required as Bearer / x-api-key when set")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where the model runs: auto (a CUDA "
                                                    "device where CuPy finds one, else the CPU), cpu or cuda")
-    ram_cache_gb: float = Field(default=RAM_CACHE_GB, ge=0, description="RAM tier budget (RAM_CACHE)")
+    ram_cache_gb: float = Field(default=RAM_CACHE_GB, ge=0, allow_inf_nan=False, description="RAM tier budget (RAM_CACHE)")
     disk_cache: str = Field(default="~/.cache/decapybara/kv", description="disk tier fsspec URL (DISK_CACHE)")
-    disk_cache_gb: float = Field(default=64.0, ge=0, description="disk tier budget (servers sharing its folder "
+    disk_cache_gb: float = Field(default=64.0, ge=0, allow_inf_nan=False, description="disk tier budget (servers sharing its folder "
                                  "share the smallest of theirs; 0: no disk tier)")
-    snapshot_memory_gb: float | None = Field(default=None, ge=0, description="host memory for the prefix cache's "
+    snapshot_memory_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False, description="host memory for the prefix cache's "
                                              "hybrid-state snapshots (default: two states a slot, at least 64 MiB;"
                                              " 0: none taken)")
     idle_timeout_s: float = Field(default=1200.0, gt=0, description="a conversation idle this long is finished")
     save_cache_s: float = Field(default=20.0, ge=0, description="seconds a graceful stop may spend saving the "
                                 "prefix cache to the disk tier, which the next server on it restores (0: none)")
-    responses_store_mb: float = Field(default=64.0, ge=0, description="memory for the Responses API's stored "
+    responses_store_mb: float = Field(default=64.0, ge=0, allow_inf_nan=False, description="memory for the Responses API's stored "
                                       "responses (previous_response_id, GET /v1/responses/{id}), in the scheduler "
                                       "actor, counted as their JSON text; the least recently used dropped past it "
                                       "(0: none stored); saved with the prefix cache at a graceful stop")

@@ -848,3 +848,44 @@ def test_conversations_refuse_bad_input_and_background_turns_add_to_them(stack):
     done = poll(oa, queued.id, {"completed", "incomplete"})
     listed = oa.conversations.items.list(conv.id, order="asc").data
     assert [i.type for i in listed] == ["message", "message"] and listed[-1].id == done.output[-1].id
+
+
+# ---------------------------------------------------------------------------------------------- echoed request fields
+
+
+def test_the_response_echoes_tool_choice_and_text_in_the_apis_shape(stack):  # noqa: F811
+    """tool_choice given in chat completions' form comes back in the Responses API's ({"type": "function",
+    "name"}), which the SDK reads; text.format keeps its description and text its verbosity."""
+    r = stack.oa().responses.create(model="m", input="TWO-CALLS", tools=TOOLS_R, max_output_tokens=80,
+                                    parallel_tool_calls=False, reasoning={"effort": "none"},
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.tool_choice.type == "function" and r.tool_choice.name == "get_weather"
+    fmt = {"type": "json_schema", "name": "n", "description": "a reply", "schema": {"type": "object"}, "strict": True}
+    r = stack.oa().responses.create(model="m", input="x", max_output_tokens=2, reasoning={"effort": "none"},
+                                    text={"format": fmt, "verbosity": "low"})
+    assert r.text.format.description == "a reply" and r.text.format.name == "n" and r.text.verbosity == "low"
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}])
+def test_metadata_past_the_apis_bounds_is_a_400(stack, metadata):  # noqa: F811
+    """metadata is at most 16 string pairs, keys up to 64 characters, values up to 512 (as for conversations)."""
+    r = _post(stack.url + "/v1/responses", {"model": "m", "input": "x", "max_output_tokens": 2, "metadata": metadata})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+    ok = _post(stack.url + "/v1/responses", {"model": "m", "input": "x", "max_output_tokens": 2,
+                                            "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
+    assert ok.status_code == 200 and len(ok.json()["metadata"]) == 16
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"type": "function_call", "name": "f", "arguments": "{}"}, "input.0.call_id"),
+    ({"type": "function_call_output", "call_id": "c"}, "input.0.output"),
+    ({"role": "user"}, "input.0.content"),
+    ({"role": "user", "content": [{"type": "input_text"}]}, "input.0.content.0.text"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "input.0.content.0.text"),
+    ({"type": "reasoning", "summary": [{"type": "summary_text"}]}, "input.0.summary.0.text"),
+])
+def test_a_bad_input_item_names_its_field_without_the_items_kind(stack, item, param):  # noqa: F811
+    """A field missing or wrong in an input item is named by its path in the request (``input.0.call_id``), not
+    with the kind of item or part pydantic read it as in between."""
+    r = _post(stack.url + "/v1/responses", {"model": "m", "input": [item]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

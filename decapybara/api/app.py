@@ -422,7 +422,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         async def handle() -> Response:
             body = await parse(request, rs.ConversationRequest)
             items = conversations.checked_items(body.items or [], conversations.MAX_NEW_ITEMS)
-            record = conversations.new_record(items, conversations.checked_metadata(body.metadata))
+            record = conversations.new_record(items, openai_responses.checked_metadata(body.metadata))
             needs_store("items")
             if not await store.put_now(record):
                 raise bad_request("the conversation is larger than the response store's whole budget", "items")
@@ -439,7 +439,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def update_conversation(request: HttpRequest, cid: str) -> Response:
         async def handle() -> Response:
             body = await parse(request, rs.ConversationRequest)
-            metadata = conversations.checked_metadata(body.metadata)
+            metadata = openai_responses.checked_metadata(body.metadata)
             record, _ = await change_conversation(cid, lambda c: c["conversation"].update(metadata=metadata))
             return JSONResponse(record["conversation"])
         return await guard(RESPONSES, handle)

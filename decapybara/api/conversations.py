@@ -29,23 +29,11 @@ from decapybara.api.openai_responses import items_page as page
 from decapybara.api.openai_responses import stored_items
 
 MAX_NEW_ITEMS = 20
-MAX_METADATA = 16
 _ITEMS = TypeAdapter(list[rs.ItemIn])
 
 
 def is_conversation(record: dict[str, Any] | None) -> bool:
     return record is not None and "conversation" in record
-
-
-def checked_metadata(metadata: Any) -> dict[str, str]:
-    """The metadata of a create or update request (a 400 naming it where it breaks the API's bounds)."""
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()):
-        raise bad_request(f"metadata must be at most {MAX_METADATA} string pairs (keys up to 64 characters, values "
-                          "up to 512)", "metadata")
-    return dict(metadata)
 
 
 def checked_items(items: Any, limit: int | None, param: str = "items") -> list[dict[str, Any]]:

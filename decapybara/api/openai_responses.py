@@ -91,6 +91,19 @@ def _text(content: str | list[Any], where: str, field: str = "content") -> str:
 
 
 _ITEMS = TypeAdapter(list[rs.ItemIn])
+MAX_METADATA = 16  # metadata: at most this many string pairs (keys up to 64 characters, values up to 512)
+
+
+def checked_metadata(metadata: Any) -> dict[str, str]:
+    """The metadata of a request (a response's, or a conversation's create or update): a 400 naming it where it
+    breaks the API's bounds."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()):
+        raise bad_request(f"metadata must be at most {MAX_METADATA} string pairs (keys up to 64 characters, values "
+                          "up to 512)", "metadata")
+    return dict(metadata)
 
 
 def own_items(body: rs.ResponsesRequest) -> list[Any]:
@@ -217,6 +230,7 @@ def chat_input(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> ChatInput:
         if getattr(item, "id", None) in seen:
             raise bad_request(f"Duplicate item found with id {item.id!r}: previous_response_id already holds it, so "
                               "send only the new items", f"input.{i}")
+    checked_metadata(body.metadata)
     if body.prompt is not None:
         raise bad_request("prompt is not supported: prompt templates are not stored (send the instructions and the "
                           "input themselves)", "prompt")
@@ -610,21 +624,31 @@ def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | No
                                  output_tokens=last.num_output_tokens,
                                  output_tokens_details=rs.OutputTokensDetails(reasoning_tokens=reasoning),
                                  total_tokens=num_prompt + last.num_output_tokens)
-    choice = body.tool_choice
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    text: dict[str, Any] = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
+    if body.text is not None and body.text.verbosity is not None:
+        text["verbosity"] = body.text.verbosity
     return rs.ResponseObject(
         id=plan.request.request_id, created_at=plan.created, status=status, incomplete_details=incomplete,
         instructions=body.instructions, model=plan.model, output=items,
         parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature, top_p=body.top_p,
         max_output_tokens=body.max_output_tokens,
-        tool_choice=choice.model_dump() if isinstance(choice, rs.FunctionChoice) else (choice or "auto"),
-        tools=body.tools or [], text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else
-                                      {"type": "text"}},
+        tool_choice=echoed_tool_choice(body.tool_choice), tools=body.tools or [], text=text,
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
         previous_response_id=body.previous_response_id, store=plan.keep is not None, background=bool(body.background),
         conversation={"id": plan.conversation} if plan.conversation else None,
         truncation=body.truncation or "disabled",
         metadata=body.metadata or {}, usage=usage, user=body.user, loop_guard=guard)
+
+
+def echoed_tool_choice(choice: Any) -> Any:
+    """tool_choice as the response carries it: in the API's shape (a function by name as ``{"type": "function",
+    "name"}``, chat completions' ``{"function": {"name"}}`` form too), "auto" where none was given."""
+    if isinstance(choice, rs.FunctionChoice):
+        return choice.model_dump()
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        return {"type": "function", "name": choice["function"].get("name")}
+    return choice or "auto"
 
 
 def _item_status(last: TokenEvent | Collected) -> str:

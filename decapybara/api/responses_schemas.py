@@ -24,7 +24,14 @@ class OtherIn(RequestModel):
     refusal: str | None = None
 
 
-PartIn = Annotated[TextIn | OtherIn, Field(discriminator="type")]
+def _part_kind(value: Any) -> str:
+    """A content part's branch, by its type; named as its class, so that a 400's path leaves it out
+    (`errors.validation_error`)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "TextIn" if kind in ("input_text", "output_text", "text") else "OtherIn"
+
+
+PartIn = Annotated[Annotated[TextIn, Tag("TextIn")] | Annotated[OtherIn, Tag("OtherIn")], Discriminator(_part_kind)]
 
 
 class MessageIn(RequestModel):
@@ -62,9 +69,15 @@ class ReasoningIn(RequestModel):
     encrypted_content: str | None = None  # this server's: the reasoning's text (`ReasoningOut.encrypted_content`)
 
 
+_ITEM_CLASSES = {"message": "MessageIn", "function_call": "FunctionCallIn",
+                 "function_call_output": "FunctionCallOutputIn", "reasoning": "ReasoningIn"}
+
+
 def _item_kind(value: Any) -> str:
+    """An input item's branch, by its type (a message where it has none); named as its class, so that a 400's
+    path leaves it out (`errors.validation_error`)."""
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
+    return _ITEM_CLASSES.get(kind, "OtherItemIn") if isinstance(kind, str) else "OtherItemIn"
 
 
 class OtherItemIn(RequestModel):
@@ -73,15 +86,16 @@ class OtherItemIn(RequestModel):
     type: str
 
 
-ItemIn = Annotated[Annotated[MessageIn, Tag("message")] | Annotated[FunctionCallIn, Tag("function_call")]
-                   | Annotated[FunctionCallOutputIn, Tag("function_call_output")]
-                   | Annotated[ReasoningIn, Tag("reasoning")] | Annotated[OtherItemIn, Tag("other")],
+ItemIn = Annotated[Annotated[MessageIn, Tag("MessageIn")] | Annotated[FunctionCallIn, Tag("FunctionCallIn")]
+                   | Annotated[FunctionCallOutputIn, Tag("FunctionCallOutputIn")]
+                   | Annotated[ReasoningIn, Tag("ReasoningIn")] | Annotated[OtherItemIn, Tag("OtherItemIn")],
                    Discriminator(_item_kind)]
 
 
 class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
+    description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 

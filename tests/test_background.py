@@ -174,3 +174,22 @@ def test_stopping_the_server_fails_its_runs_and_a_lost_run_is_settled_when_read(
         assert nxt.status_code == 200, nxt.text
         fresh = background.stamped({**record, "response": {**record["response"], "status": "in_progress"}})
         assert not background.orphaned(fresh) and background.orphaned(record)
+
+
+def test_a_background_runs_input_items_keep_their_ids_while_it_runs(serve):
+    """Input items sent without ids get theirs when the run is first stored (queued); each later store of the run
+    (in progress, then its end) keeps them, so input_items lists the same ids throughout."""
+    http = serve(SlowStore(delay=0.02))
+    body = {**SLOW, "input": [{"role": "user", "content": "KEEP-TALKING SLOW-DOWN"}], "max_output_tokens": 60,
+            "background": True}
+    rid = http.post("/v1/responses", json=body).json()["id"]
+
+    def ids():
+        return [i["id"] for i in http.get(f"/v1/responses/{rid}/input_items").json()["data"]]
+
+    first = ids()
+    assert len(first) == 1
+    assert wait_for(http, rid, lambda s: s == "in_progress") == "in_progress"
+    assert ids() == first
+    assert wait_for(http, rid, lambda s: s in ("completed", "incomplete")) in ("completed", "incomplete")
+    assert ids() == first

@@ -38,6 +38,7 @@ Choices made where the API leaves room:
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -302,6 +303,7 @@ class ResponsePlan:
     created: int
     keep: Callable[[dict[str, Any]], bool] | None = None  # stores the finished response's record (`record`)
     conversation: str | None = None  # the id of the conversation it is made in
+    stored: list[dict[str, Any]] | None = None  # its input items as stored (`record`): made once, so new ids stay
 
 
 def _render(tokenizer: Any, chat: ChatInput) -> Prompt:
@@ -419,8 +421,11 @@ def items_page(items: list[dict[str, Any]], order: str, limit: str, after: str |
 
 
 def record(plan: ResponsePlan, whole: rs.ResponseObject) -> dict[str, Any]:
-    """The stored form of a finished response (`response_store`'s record)."""
-    return {"id": whole.id, "parent": plan.body.previous_response_id, "input": stored_input(plan.body),
+    """The stored form of a response (`response_store`'s record; a background run's at each of its stores, its
+    input items' ids the same each time)."""
+    if plan.stored is None:
+        plan.stored = stored_input(plan.body)
+    return {"id": whole.id, "parent": plan.body.previous_response_id, "input": copy.deepcopy(plan.stored),
             "response": whole.dump()}
 
 

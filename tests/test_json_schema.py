@@ -719,3 +719,51 @@ def test_one_vocabulary_serves_every_automaton_the_markup_only_to_tool_calls():
     assert calls.state >= 0 and not calls.allowed()[list(tags)].any()
     calls.advance(b"\n", tok.encode("\n")[0])
     assert calls.allowed()[tags[0]] and not calls.allowed()[tags[1]]  # parallel: another call after a newline
+
+
+@pytest.mark.parametrize("schema, doc", [
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, b"1.0"),  # 1.0 is an integer too
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, b"1e0"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]}, b'{"a": 1}'),  # extra keys pass b
+    ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, b'"\\u0041"'),  # "A": both
+    ({"oneOf": [{"type": "object", "properties": {"a": {}, "b": {}}},
+                {"type": "object", "properties": {"b": {}, "a": {}}}]}, b'{"a": 1, "b": 2}'),  # either order
+])
+def test_one_of_never_writes_a_value_two_branches_accept(schema, doc):
+    """oneOf's branches are held exclusive on what they accept, not on the forms their automata write: a value
+    another branch accepts in a form its own automaton does not read is never written; branches that cannot be
+    told apart so are refused by name."""
+    assert len(list(jsonschema.Draft202012Validator(schema).iter_errors(json.loads(doc)))) > 0
+    try:
+        dfa = compile_schema(schema)
+    except SchemaError as e:
+        assert "oneOf" in str(e)
+        return
+    assert not dfa.matches(doc)
+    rng = np.random.default_rng(0)
+    dist = distance_to_accept(dfa)
+    for _ in range(100):
+        jsonschema.validate(parse(walk(dfa, rng, dist, budget=40)), schema)
+
+
+def test_one_of_of_branches_told_apart_by_type_or_a_discriminator_compiles():
+    """Branches no value can pass two of (disjoint types, a required property's disjoint constants, a required
+    property another branch forbids) are any of them; branches alike but for `required`, and strings by pattern
+    alone, keep the product of their automata."""
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "meow": {"type": "integer"}}, "required": ["kind"]}
+    dog = {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]}, "n": {"type": "number"}},
+           "required": ["kind", "n"]}
+    schemas = [{"oneOf": [cat, dog]}, {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+               {"oneOf": [{"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                          {"type": "object", "properties": {"y": {}}, "additionalProperties": False}]},
+               {"$defs": {"c": cat}, "oneOf": [{"$ref": "#/$defs/c"}, dog, {"type": "array"}]},
+               SCHEMAS["one_of"], SCHEMAS["one_of_required"]]
+    rng = np.random.default_rng(1)
+    for schema in schemas:
+        dfa = compile_schema(schema)
+        dist = distance_to_accept(dfa)
+        for _ in range(60):
+            jsonschema.validate(parse(walk(dfa, rng, dist, budget=60)), schema)
+    assert compile_schema(schemas[0]).matches(b'{"kind": "cat", "meow": 2}')
+    assert compile_schema(schemas[0]).matches(b'{"kind": "wolf", "n": 2.5}')

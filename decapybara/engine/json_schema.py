@@ -7,9 +7,11 @@ to the states from which the value can still be finished, so that a constrained 
 end. The mask of a state is found as JSON mode finds its own (`json_mode.JsonVocab`'s token tables): every token
 of the vocabulary read at once from the state, kept as a bitmap by state.
 
-What an answer can be is a subset of what the schema accepts, valid against it (`oneOf` is made exclusive by
-the product of its branches' automata, so a branch that would accept another's answer in a form its own automaton
-does not write, such as `1.0` as an integer or properties in another order, is not excluded):
+What an answer can be is a subset of what the schema accepts, valid against it (`oneOf`: branches no value
+passes two of, by their types, listed values or a required key's, are any of them; branches whose automata read
+each other's answers, alike but for `required` or strings by a pattern alone, are made exclusive by the product of
+their automata; other oneOf lists are refused, since a branch may accept another's answer in a form its own
+automaton does not read, such as `1.0` as an integer, keys in another order or one it does not declare):
 - objects write their declared properties in the schema's order, each required one present; extra keys only in
   objects that declare no properties (a map: `additionalProperties` a schema, true or absent); `allOf` and
   `$ref` beside other keywords are merged key by key (refused where a member's `items` meets another's
@@ -704,8 +706,20 @@ class _Compiler:
         return parts[0] if len(parts) == 1 else n.alt(*parts)
 
     def one_of(self, subs: list) -> tuple[int, int]:
-        """What exactly one of `subs` accepts: each branch's automaton built alone, then their product, whose
-        states accept where one branch alone does (so overlapping branches are exclusive, as oneOf says)."""
+        """What exactly one of `subs` accepts. Branches no value passes two of (`_disjoint`) are any of them.
+        Otherwise a branch's automaton does not read every form of the values it accepts (`1.0` as an integer, keys
+        in another order or undeclared, a `\\u` escape in a bounded string), so the product of the automata, whose
+        states accept where one branch alone does, is exclusive only where each branch reads whatever the others
+        write of its values: branches alike but for `required` (each key they require declared), or strings by a
+        `pattern` alone. Other branches that may overlap are refused."""
+        merged = [_merge([s], self, []) for s in subs]
+        if all(_disjoint(a, b, self) for a, b in itertools.combinations(merged, 2)):
+            return self.nfa.alt(*[self.value(s) for s in subs])
+        live = [m for m in merged if m is not False]
+        if not _same_but_required(live) and not all(_pattern_only(m) for m in live):
+            raise SchemaError("oneOf whose branches may accept the same value (in a form one of them does not "
+                              "write) is not enforced here: give each branch a required property of its own "
+                              "constant, or types no other branch has")
         dfas = [d for d in (self.alone(s, exact=True) for s in subs) if d is not None]
         return _embed(self.nfa, _exactly_one(dfas)) if dfas else self.nfa.empty()
 
@@ -977,6 +991,94 @@ def _merge(nodes: list, comp: _Compiler, used: list[str], budget: int = 16) -> A
     if "properties" in out or props:
         out["properties"] = props
     return out
+
+
+KINDS = ("object", "array", "string", "number", "boolean", "null")
+
+
+def _kinds(node: Any) -> set[str]:
+    """The kinds of JSON value a merged schema node may accept (integers are numbers); every kind where that
+    takes more than its `type`, `const` or `enum` to tell."""
+    if node is False:
+        return set()
+    if not isinstance(node, dict):
+        return set(KINDS)
+    out = set(KINDS)
+    if "type" in node:
+        out &= {"number" if k == "integer" else k for k in _types(node) or ()}
+    values = _values(node)
+    if values is not None:
+        out &= {_kind_of(v) for v in values}
+    return out
+
+
+def _kind_of(v: Any) -> str:
+    kind = _type_of(v)
+    return "number" if kind == "integer" else kind
+
+
+def _values(node: Any) -> list | None:
+    """The values a merged node admits at most (its `const` or `enum`), None where it does not list them."""
+    if isinstance(node, dict):
+        if "const" in node:
+            return [node["const"]]
+        if isinstance(node.get("enum"), list):
+            return node["enum"]
+    return None
+
+
+def _member(node: dict, name: str) -> Any:
+    """The schema an object node holds the value of key `name` to."""
+    props = node.get("properties", {})
+    return props[name] if name in props else node.get("additionalProperties", True)
+
+
+def _disjoint(a: Any, b: Any, comp: _Compiler, depth: int = 8) -> bool:
+    """Whether no value passes both merged nodes, as far as plain reasons show: no kind in common, listed values
+    none equal, or objects (their only kind in common) where one requires a key whose value the other holds to a
+    schema no value of it passes (or forbids it)."""
+    if a is False or b is False:
+        return True
+    if a is True or b is True or depth <= 0:
+        return False
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not any(_json_equal(x, y) for x in va for y in vb):
+        return True
+    shared = _kinds(a) & _kinds(b)
+    if not shared:
+        return True
+    if shared != {"object"}:
+        return False
+    for one, other in ((a, b), (b, a)):
+        required = one.get("required", [])
+        for name in required if isinstance(required, list) else []:
+            mine, theirs = _member(one, name), _member(other, name)
+            if theirs is False:
+                return True
+            if mine is False or theirs is True or not isinstance(theirs, dict) or not isinstance(mine, dict | bool):
+                continue
+            if _disjoint(_merge([mine], comp, []), _merge([theirs], comp, []), comp, depth - 1):
+                return True
+    return False
+
+
+def _same_but_required(nodes: list) -> bool:
+    """Objects alike in all but `required` (their annotations aside), each key they require declared: their
+    automata write the same keys in the same order with the same values' automata, so each reads what another
+    writes of the values it accepts."""
+    def rest(node: Any) -> Any:
+        return {k: v for k, v in node.items() if k != "required" and k not in ANNOTATIONS}
+
+    if not nodes or not all(isinstance(m, dict) and _kinds(m) == {"object"} and isinstance(m.get("properties"), dict)
+                            and all(r in m["properties"] for r in m.get("required", [])) for m in nodes):
+        return False
+    return all(schema_text(rest(m)) == schema_text(rest(nodes[0])) for m in nodes)  # key order too
+
+
+def _pattern_only(node: Any) -> bool:
+    """A string by a `pattern` alone: its automaton writes and reads each character in one form (`code_point`)."""
+    return (isinstance(node, dict) and "pattern" in node and node.get("type", "string") == "string"
+            and all(k in ("type", "pattern") or (k in ANNOTATIONS and k != "format") for k in node))
 
 
 def _check_keywords(node: dict) -> None:

@@ -730,7 +730,8 @@ def test_a_background_response_shows_its_progress_and_is_cancelled(stack):  # no
 def test_a_background_stream_is_left_and_joined_again(stack):  # noqa: F811
     """background with stream: the client reads a few events and leaves (the run goes on); a GET with stream
     and starting_after gives the events after the last one read, numbered on, ending as a foreground stream of
-    the same request does; a stream joined from the start gives them all."""
+    the same request does (opened "queued", as the run is stored); a stream joined from the start gives them
+    all."""
     oa = stack.oa()
     kw = {"model": "m", "input": "CALL-THE-TOOL: weather in Paris?", "tools": TOOLS_R, "max_output_tokens": 80}
     first = []
@@ -744,7 +745,11 @@ def test_a_background_stream_is_left_and_joined_again(stack):  # noqa: F811
     events = first + rest
     assert [e.sequence_number for e in events] == list(range(len(events)))
     fg = list(oa.responses.create(**kw, stream=True))
-    assert [e.type for e in events] == [e.type for e in fg]
+    # a run opens "queued" (response.queued), then response.in_progress before its first tokens' events
+    assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e.response.status for e in events[:3]] == ["queued", "queued", "in_progress"]
+    assert [e.type for e in fg[:2]] == ["response.created", "response.in_progress"]
+    assert [e.type for e in events[3:]] == [e.type for e in fg[2:]]
     assert events[-1].type == "response.completed" and events[-1].response.background is True
     assert events[-1].response.output_text == fg[-1].response.output_text
     again = list(oa.responses.retrieve(rid, stream=True))

@@ -171,7 +171,7 @@ async def drive(run: Run, stream: Any, events: AsyncIterator[TokenEvent], store:
 
     tail: list[str] = []  # the end's events, sent once the end is stored (so a follower never reads past it)
     try:
-        run.add(stream.start(None))
+        run.add(stream.start(None, queued=True))
         status, last = "queued", time.monotonic()
         while kept:
             ev = await beat.next(max(0.0, update_s - (time.monotonic() - last)))

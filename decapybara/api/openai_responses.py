@@ -33,7 +33,9 @@ Choices made where the API leaves room:
 - the stream is the API's typed events, each with its ``sequence_number``: ``response.created``,
   ``response.in_progress``, per item ``response.output_item.added`` / ``.done`` with the text, reasoning and
   argument deltas between, and ``response.completed`` (or ``response.incomplete``) with the whole response; a
-  stream that fails after its headers ends with a numbered ``error`` event and ``response.failed``.
+  stream that fails after its headers ends with a numbered ``error`` event and ``response.failed``; a background
+  run's opens with ``response.created`` and ``response.queued`` (the response "queued", as it is stored), its
+  ``response.in_progress`` with its first tokens.
 """
 
 from __future__ import annotations
@@ -691,6 +693,7 @@ class ResponseStream:
         self.items = Items(self._emit, _encrypted(plan))
         self.output_ids: list[int] = []
         self.final: rs.ResponseObject | None = None  # the whole response, once the stream has ended
+        self._progress_due = False  # a queued run's response.in_progress, sent with its first tokens (`start`)
         self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, plan.prompt.tools) \
             if plan.request.params.logprobs is not None else None
 
@@ -703,13 +706,26 @@ class ResponseStream:
         lines, self.lines = self.lines, []
         return lines
 
-    def start(self, first: TokenEvent | None) -> list[str]:
-        head = _response(self.plan, [], None, [], self.tokenizer).dump()
-        self._emit("response.created", {"response": head})
-        self._emit("response.in_progress", {"response": head})
+    def start(self, first: TokenEvent | None, queued: bool = False) -> list[str]:
+        """The stream's opening: ``response.created`` and ``response.in_progress``; a background run's (`queued`,
+        before its request has run) ``response.created`` and ``response.queued`` with the response "queued", its
+        ``response.in_progress`` then before its first tokens' events (`event`)."""
+        head = _response(self.plan, [], None, [], self.tokenizer)
+        if queued:
+            waiting = head.model_copy(update={"status": "queued"}).dump()
+            self._emit("response.created", {"response": waiting})
+            self._emit("response.queued", {"response": waiting})
+            self._progress_due = True
+        else:
+            self._emit("response.created", {"response": head.dump()})
+            self._emit("response.in_progress", {"response": head.dump()})
         return self._take()
 
     def event(self, ev: TokenEvent) -> list[str]:
+        if self._progress_due:
+            self._progress_due = False
+            self._emit("response.in_progress", {"response": _response(self.plan, [], None, [],
+                                                                      self.tokenizer).dump()})
         self.output_ids += ev.token_ids
         if self.answer is not None:
             self.items.tokens(self.answer.entries(ev.token_ids, ev.logprobs, ev.top_logprobs))

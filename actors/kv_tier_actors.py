@@ -11,6 +11,7 @@ and writes it under an fsspec URL (DISK_CACHE). Every unit is checksummed and ve
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 from typing import Any
@@ -27,6 +28,10 @@ class RamTierActor:
         self.store = RamTierStore(budget_bytes)
         self.disk = disk
         self.snapshots: dict[str, bool | None] = {}  # key -> holds a hybrid state, as its writer said
+        # units spilled whose disk write has not landed: still read here (key -> ref); those taken meanwhile (`pop`)
+        # are not written, or deleted from the disk once their write lands
+        self.spilling: dict[str, Any] = {}
+        self.taken: set[str] = set()
         self.stats_ = {"puts": 0, "put_bytes": 0, "hits": 0, "misses": 0, "spills": 0, "spilled_bytes": 0,
                        "lost": 0}
 
@@ -51,13 +56,26 @@ class RamTierActor:
             self.snapshots.pop(s.key, None)
             self.stats_["spills"] += 1
             self.stats_["spilled_bytes"] += s.nbytes
+            if self.disk is not None:
+                self.spilling[s.key] = s.handle
+        for s in spilled:
             if self.disk is None:
                 self.stats_["lost"] += 1
+                continue
+            if self.spilling.get(s.key) is not s.handle:  # taken, or put again, while earlier writes ran
+                self.taken.discard(s.key)
                 continue
             try:
                 await self.disk.put_ref.remote(s.key, [s.handle], s.next_use)  # the disk copy is written before
             except Exception:  # noqa: BLE001 - a dead or failing disk tier: the unit is lost, not the RAM tier's put
                 self.stats_["lost"] += 1
+            finally:
+                if self.spilling.get(s.key) is s.handle:
+                    del self.spilling[s.key]
+            if s.key in self.taken:  # taken while it was written: a delete sent meanwhile may have come first
+                self.taken.discard(s.key)
+                with contextlib.suppress(Exception):  # a failing disk tier: the copy stays until it is evicted
+                    await self.disk.delete.remote(s.key)
         return len(spilled)  # ... the last reference to the object is dropped here
 
     async def persist(self, prefix: str, first_rank: int = 0, budget_s: float | None = None) -> list[str]:
@@ -83,12 +101,18 @@ class RamTierActor:
 
     def get(self, key: str) -> list | None:
         ref = self.store.get(key)
+        if ref is None:
+            ref = self.spilling.get(key)
         self.stats_["hits" if ref is not None else "misses"] += 1
         return None if ref is None else [ref]
 
     def pop(self, key: str) -> list | None:
         ref = self.store.pop(key)
         self.snapshots.pop(key, None)
+        spilling = self.spilling.pop(key, None)
+        if spilling is not None:
+            self.taken.add(key)
+            ref = spilling if ref is None else ref
         return None if ref is None else [ref]
 
     def snapshot_flags(self, prefix: str) -> dict[str, bool | None]:
@@ -97,7 +121,7 @@ class RamTierActor:
         return {k: self.snapshots.get(k) for k in held if k.startswith(prefix)}
 
     def contains(self, key: str) -> bool:
-        return key in self.store
+        return key in self.store or key in self.spilling
 
     def update_next_use(self, key: str, next_use: float | None) -> bool:
         return self.store.update_next_use(key, next_use)

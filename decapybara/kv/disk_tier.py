@@ -221,17 +221,29 @@ class DiskTierStore:
             gone = [k for k in held if k not in data and self._gen.get(k, 0) < mark and k not in self._touched]
             for k in gone:
                 self._forget(k, "vanished")
+            # units another server wrote again under a key held here (a page with or without its state snapshot):
+            # counted at their size now, so that the folder stays within the budget
+            resized = [k for k in held if k in data and k in self._index and data[k][0] != self._index.nbytes(k)
+                       and self._gen.get(k, 0) < mark and k not in self._touched]
+            for k in resized:
+                self._gen[k] = next(self._counter)
+                self._snapshots.pop(k, None)
+                self.stats["resized"] += 1
+                evicted = self._index.admit(k, data[k][0], self._index.next_use(k))
+                self._evict(evicted)
+                dropped += evicted
             new = sorted(((v[1], k, v[0]) for k, v in data.items()
                           if k not in self._index and k not in self._touched))
             for _, k, size in new:
                 self._gen[k] = next(self._counter)
+                self._snapshots.pop(k, None)  # another server's unit: its flag is read from its file
                 self.stats["foreign"] += 1
                 evicted = self._index.admit(k, size, None)
                 self._evict(evicted)
                 dropped += evicted
             self._touched = None
-            self.shared = self.shared or bool(gone or new)
-            self._interval = self.resync_s if gone or new else min(RESYNC_MAX_S, 2 * self._interval)
+            self.shared = self.shared or bool(gone or new or resized)
+            self._interval = self.resync_s if gone or new or resized else min(RESYNC_MAX_S, 2 * self._interval)
             if self.resync_s > 0:
                 self._interval = max(self._interval, 10 * took)
         return dropped
@@ -255,6 +267,8 @@ class DiskTierStore:
 
     def _forget(self, key: str, why: str) -> None:
         """Drop an indexed unit whose file is gone (another server's, or anyone's, deletion), counted as `why`."""
+        if self._touched is not None:  # a listing under way may have seen its file: it does not bring it back
+            self._touched.add(key)
         self._index.remove(key)
         self._gen.pop(key, None)
         self._snapshots.pop(key, None)
@@ -322,6 +336,7 @@ class DiskTierStore:
                 if existed:
                     self._delete_files(key)
                     self._gen.pop(key, None)
+                    self._snapshots.pop(key, None)
                 self.stats["rejected"] += 1
                 return dropped
             self._evict(dropped)
@@ -331,12 +346,14 @@ class DiskTierStore:
                 log.warning("KV disk tier: cannot write %s: %s", key, e)
                 self._index.remove(key)
                 self._gen.pop(key, None)
+                self._snapshots.pop(key, None)
                 self._delete_files(key)  # any older version too: the index no longer counts it
                 self.stats["write_errors"] += 1
                 return dropped + [Dropped(key, nbytes, next_use)]
             except BaseException:
                 self._index.remove(key)
                 self._gen.pop(key, None)
+                self._snapshots.pop(key, None)
                 raise
             self._gen[key] = next(self._counter)
             self._snapshots[key] = header.state_layers is not None
@@ -497,8 +514,11 @@ class DiskTierStore:
             with self._lock:
                 self.stats["corrupt"] += 1
                 if self._gen.get(key) == gen:  # not replaced meanwhile
+                    if self._touched is not None:  # a listing under way may have seen the file
+                        self._touched.add(key)
                     self._index.remove(key)
                     self._gen.pop(key, None)
+                    self._snapshots.pop(key, None)
                     self._delete_files(key)
             return None
         with self._lock:

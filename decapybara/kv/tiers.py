@@ -120,7 +120,12 @@ class KVTiers:
             if self.disk.holds(s.key):  # promoted earlier: the disk copy is the same bytes
                 self.disk.update_next_use(s.key, s.next_use)
                 continue
-            dropped = self.disk.put(s.key, s.handle, s.next_use)
+            try:
+                dropped = self.disk.put(s.key, s.handle, s.next_use)
+            except (UnitCorrupt, ValueError):  # a RAM copy damaged since its put: lost, the others still go down
+                self.stats.corrupt += 1
+                self.stats.lost += 1
+                continue
             if all(d.key != s.key for d in dropped):
                 self.stats.spilled_bytes += s.nbytes
             self.stats.lost += sum(1 for d in dropped if d.key not in self.ram)

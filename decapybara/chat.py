@@ -222,7 +222,7 @@ def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
 
 def prompt_opens_reasoning(prompt: str) -> bool:
     """True when the prompt's final turn left a `<think>` open, so the model's output starts inside reasoning."""
-    tail = prompt[prompt.rfind("<|im_start|>"):]
+    tail = prompt[max(prompt.rfind("<|im_start|>"), 0):]  # a prompt without turn markers: all of it
     return tail.rfind(THINK) > tail.rfind(END_THINK)
 
 
@@ -296,9 +296,11 @@ def _cut_short(body: str) -> bool:
     `</tool_call>` (as a call writing a file about tool calls does), which then closed nothing. Only a string can
     hold the tag, so any other error ends the call at its tag."""
     try:
-        json.loads(body)
-    except ValueError as e:
+        json.loads(body, parse_int=str)  # (an integer past Python's digit limit is no syntax error here)
+    except json.JSONDecodeError as e:
         return e.msg.startswith("Unterminated string")
+    except ValueError:  # not JSON text at all
+        pass
     except RecursionError:  # nested past the parser's depth: no string left open is known
         pass
     return False

@@ -1583,3 +1583,12 @@ def test_a_choice_refused_ends_the_request_and_aborts_the_other_choices(stack, s
         server.stop()
     top = {"model": "m", "messages": user("hi"), "max_tokens": 2, "seed": 2**64 - 1, "n": 2}
     assert _post(stack.url + "/v1/chat/completions", top).status_code == 200
+
+
+def test_a_think_tag_in_the_users_text_opens_no_reasoning(stack):
+    """`<think>` written in an earlier turn's text (a user asking about the tag) leaves the reply's own turn
+    closed: its stop strings still end the answer, as the parser reads it as the answer."""
+    r = stack.oa().chat.completions.create(model="m", messages=user("SAY-STOP: what is <think> for?"),
+                                           stop=["STOP"], max_tokens=40)
+    assert r.choices[0].message.content == "Alpha Beta" and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None

@@ -378,3 +378,25 @@ def test_a_malformed_call_does_not_swallow_the_next(first):
     assert [c.name for c in parse_assistant_output(text).tool_calls] == ["b"]
     for cut in range(1, len(text)):
         _check_stream_equals_batch(text, [cut], in_reasoning=False)
+
+
+@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"n": ' + "1" * 5000 + "}}",
+                                  '{"name": "f", "arguments": {"n": ' + "1" * 5000 + ', "s": "a'],
+                         ids=["whole", "string_left_open"])
+def test_a_call_with_an_integer_past_pythons_digit_limit_is_content(body):
+    """Python refuses to parse integers of more than 4300 digits with a plain ValueError (no JSON position): such
+    a call (a model repeating a digit) is not a call and stays in the content, streamed or not."""
+    text = f"Before <tool_call>{body}</tool_call> after"
+    out = parse_assistant_output(text)
+    assert out.tool_calls == [] and out.content == text
+    for cut in (8, 20, len(text) - 9, len(text) - 3):
+        _check_stream_equals_batch(text, [cut], in_reasoning=False)
+
+
+def test_a_prompt_without_turn_markers_is_read_whole_for_open_reasoning():
+    """A template that writes no `<|im_start|>` (its own turn markup) still opens reasoning with a final
+    `<think>`, as the engine reads the prompt's tokens."""
+    assert prompt_opens_reasoning("User: q\nAssistant: <think>\n")
+    assert prompt_opens_reasoning("<think>")
+    assert not prompt_opens_reasoning("User: q\nAssistant: <think>\nr\n</think>\n\n")
+    assert not prompt_opens_reasoning("User: q\nAssistant: ")

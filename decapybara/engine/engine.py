@@ -143,6 +143,7 @@ class Engine(MemoryMixin):
         self._loop_cfg = LoopGuardConfig(mode=cfg.loop_guard).validate()
         special = getattr(tokenizer, "special_ids", None)
         self._think = (getattr(special, "think", None), getattr(special, "end_think", None))
+        self._im_start = getattr(special, "im_start", None)
         self._think_close = tokenizer.encode("</think>\n\n") if tokenizer is not None and self._think[1] else []
         # speculation: the MTP head (or prompt lookup) drafts each decoding sequence's next tokens, verified as more rows
         self.speculate = ((cfg.speculator == "mtp" and model.has_mtp) or cfg.speculator == "ngram") and cfg.draft_len > 0
@@ -832,11 +833,14 @@ class Engine(MemoryMixin):
         return ev
 
     def _prompt_opens_thinking(self, prompt: tuple[int, ...]) -> bool:
+        """Whether the prompt's last turn (from its last `<|im_start|>`) left a `<think>` open, as
+        `chat.prompt_opens_reasoning` reads the prompt's text: a `<think>` in an earlier turn (a user's text about
+        the tag) opens nothing."""
         think, end = self._think
         if think is None:
             return False
         for t in reversed(prompt):
-            if t == end:
+            if t == end or t == self._im_start:
                 return False
             if t == think:
                 return True

@@ -266,7 +266,9 @@ class McapyFile:
             if off < h.header_size or off + n > h.file_size:
                 raise McapyError("out_of_range", f"{what} section [{off}, {off + n}) lies outside "
                                                  f"[{h.header_size}, {h.file_size})")
-        sections.sort(key=lambda s: s[1])
+        # an empty section takes no bytes: the writer puts an empty data section (no tensors, or only
+        # empty ones) at the metadata's offset, so the metadata must not count as overlapping it.
+        sections = sorted((s for s in sections if s[2]), key=lambda s: s[1])
         for (a, a_off, a_n), (b, b_off, _) in itertools.pairwise(sections):
             if a_off + a_n > b_off:
                 raise McapyError("overlap", f"{a} section [{a_off}, {a_off + a_n}) overlaps {b} at {b_off}")

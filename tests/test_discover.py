@@ -8,6 +8,7 @@ import os
 import shutil
 
 import fsspec
+import numpy as np
 import pytest
 
 from decapybara.cli import main
@@ -145,3 +146,27 @@ def test_unknown_protocols_are_one_line(monkeypatch, capsys):
         assert err == "decapybara: error: cannot open bogus://x.mcapy: Protocol not known: bogus\n", err
     assert main(["info", "memory:///no-such-model.mcapy"]) == 1
     assert capsys.readouterr().err == "decapybara: error: no such file: /no-such-model.mcapy\n"
+
+
+@pytest.mark.parametrize("patch", [
+    {"sections": {"quality": {"rows": [{"weights": "bf16", "kv_mode": "16/16"}]}}},
+    {"sections": {"quality": {"rows": [{"weights": "bf16", "kv_mode": "16/16", "top1": None, "kl": 0.1}]}}},
+    {"sections": {"quality": {"rows": [{"weights": "bf16", "kv_mode": "16/16", "top1": "abc", "kl": 0.1}]}}},
+    {"sections": {"quality": {"rows": [{"weights": "bf16", "kv_mode": "16/16", "top1": 99, "kl": 0.1,
+                                        "context": None}]}}},
+    {"sections": "none"},
+    {"weights": "bf16"},
+])
+def test_odd_metadata_is_described_not_raised(tmp_path, patch):
+    from decapybara.mcapy import McapyFile, McapyWriter
+
+    with McapyFile.open(str(DEMO_MODEL)) as f:
+        meta = {**f.metadata, **patch}
+    path = tmp_path / "odd.mcapy"
+    with McapyWriter(path, meta) as w:
+        w.add_tensor("x", np.zeros(1, "float32"))
+    m = D.describe(str(path))
+    assert m.error is None and m.model_type == "qwen3_5_text"
+    assert m.top1 is None and m.kl is None
+    found = D.discover([str(tmp_path)], include_demo=False)
+    assert [f.name for f in found] == ["odd"]

@@ -390,3 +390,15 @@ def test_fuzzed_files_fail_typed_or_read_back_identical(tmp_path: Path) -> None:
             mem.rm(str(url)[len("memory://"):])
     print(outcomes)
     assert outcomes["open"] > 250 and outcomes["tensor"] > 50 and outcomes["verify"] > 0, outcomes
+
+
+@pytest.mark.parametrize("tensors", [{}, {"empty": (np.zeros((0, 3), np.float32), None)}])
+def test_a_file_with_an_empty_data_section_reads_back(tmp_path: Path, tensors) -> None:
+    path = tmp_path / "e.mcapy"
+    _write(path, tensors=tensors)
+    with McapyFile.open(path) as f:
+        assert f.header.data_size == 0 and f.header.metadata_offset == f.header.data_offset
+        assert f.names() == list(tensors) and f.metadata["late"] == [1, 2, 3]
+        for name in tensors:
+            assert f.tensor(name).shape == (0, 3)
+        f.verify()

@@ -311,3 +311,52 @@ def test_moe_experts_are_calibrated_and_quantised_one_by_one(tmp_path: Path) -> 
     lm = load_model(str(tmp_path / "tiny.mcapy"))
     e = Engine(lm.model, EngineConfig(page_size=8, num_pages=32, max_batch_tokens=32, kv_mode="4/4"))
     assert [len(o) for o in e.generate([[1, 2, 3, 4, 5]], GREEDY)] == [16]
+
+
+@pytest.mark.parametrize(("quant", "says"), [
+    ({"format": "mxfp4", "shape": 5}, "not a list of integers"),
+    ({"format": "mxfp4", "shape": "ab"}, "not a list of integers"),
+    ({"format": "mxfp4", "shape": [2, 32.5]}, "not a list of integers"),
+    ({"format": "mxfp4", "shape": [2, True]}, "not a list of integers"),
+    ({"format": "mxfp4", "shape": [[2], [32]]}, "not a list of integers"),
+    ({"format": ["mxfp4"], "shape": [2, 32]}, "unknown format"),
+    ({"format": "mxfp5", "shape": [2, 32]}, "unknown format"),
+])
+def test_a_malformed_quant_description_is_a_weight_error(tmp_path: Path, quant: dict, says: str) -> None:
+    from decapybara.errors import WeightError
+    from decapybara.mcapy import McapyWriter
+    from decapybara.model.load import iter_weights
+
+    path = tmp_path / "q.mcapy"
+    with McapyWriter(path, {}) as w:
+        w.add_tensor("a:codes", np.zeros((2, 16), np.uint8), quant=quant)
+        w.add_tensor("a:scales", np.full((2, 1), 127, np.uint8))
+    with McapyFile.open(path) as f, pytest.raises(WeightError, match=says):
+        list(iter_weights(f))
+
+
+def test_an_integer_weight_is_a_weight_error(tmp_path: Path) -> None:
+    from decapybara.errors import WeightError
+    from decapybara.mcapy import McapyWriter
+    from decapybara.model.load import iter_weights
+
+    path = tmp_path / "i.mcapy"
+    with McapyWriter(path, {}) as w:
+        w.add_tensor("model.norm.weight", np.zeros(3, np.int32))
+    with McapyFile.open(path) as f, pytest.raises(WeightError, match="not a float dtype"):
+        list(iter_weights(f))
+
+
+def test_a_quality_table_from_elsewhere_formats_without_raising() -> None:
+    from decapybara.builder.quality import format_quality
+
+    table = {"reference": "x", "tokens": 4, "window": 2, "seed": 0, "quantizer": {"method": "rtn"},
+             "rows": [{"weights": "bf16", "kv_mode": "16/16", "context": 1024, "bytes": 2000, "kl": 0.0, "top1": 100},
+                      {"weights": "tiny", "kv_mode": "4/4"},
+                      {"weights": "small", "kv_mode": "8/8", "context": None, "bytes": float("nan"), "kl": "high",
+                       "top1": True},
+                      "not a row"]}
+    lines = format_quality(table)
+    assert len(lines) == 5 and lines[2].split() == ["bf16", "16/16", "1,024", "2.0", "kB", "0", "100.00%"]
+    assert lines[3].split() == ["tiny", "4/4", "?", "?", "?", "?"]
+    assert lines[4].split() == ["small", "8/8", "?", "?", "?", "?"]

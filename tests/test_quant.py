@@ -431,3 +431,15 @@ def test_preset_formats_per_tensor():
         preset_formats("huge", "lm_head.weight", cfg)
     with pytest.raises(ConfigError):
         preset_formats("tiny", "model.layers.99.mlp.up_proj.weight", cfg)
+
+
+@pytest.mark.parametrize("amax", [1e-42, 1e-44, 1.4e-45, 1e-40])
+def test_nvfp4_of_a_tensor_of_tiny_values_stays_finite(amax):
+    x = np.zeros((2, 32), np.float32)
+    x[0, 0], x[1, 20] = np.float32(amax), -np.float32(amax)
+    q = quantize(x, "nvfp4")
+    assert q.tensor_scale > 0 and np.isfinite(q.tensor_scale)
+    deq = dequantize(q)
+    assert np.isfinite(deq).all() and not deq[x == 0].any()
+    assert deq[0, 0] > 0 and deq[1, 20] < 0
+    assert np.allclose(deq, x, rtol=0.25, atol=np.finfo(np.float32).smallest_subnormal * 4)

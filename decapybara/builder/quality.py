@@ -173,8 +173,16 @@ def format_quality(table: Mapping[str, Any]) -> list[str]:
             f"{table.get('window')}, seed {table.get('seed')}); quantiser: "
             + ", ".join(f"{k}={v}" for k, v in (table.get("quantizer") or {}).items()))
     cells = [["weights", "kv", "context", "size", "kl", "top1"]]
+
+    def num(r: Mapping[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
+        v = r.get(key)  # a table from another build may lack a column or hold a non-number: shown as "?"
+        return fmt(v) if isinstance(v, int | float) and not isinstance(v, bool) else "?"
+
     for r in table.get("rows", []):
-        cells.append([str(r["weights"]), str(r["kv_mode"]), f"{r['context']:,}", human_bytes(r["bytes"]),
-                      f"{r['kl']:.4g}", f"{r['top1']:.2f}%"])
+        if not isinstance(r, Mapping):
+            continue
+        cells.append([str(r.get("weights", "?")), str(r.get("kv_mode", "?")), num(r, "context", "{:,}".format),
+                      num(r, "bytes", lambda v: human_bytes(v) if np.isfinite(v) else "?"), num(r, "kl", "{:.4g}".format),
+                      num(r, "top1", lambda v: f"{v:.2f}%")])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return [head] + ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]

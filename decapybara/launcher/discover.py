@@ -104,17 +104,31 @@ def describe(path: str, name: str | None = None) -> FoundModel:
             meta, size = f.metadata, f.header.file_size
     except (DecapybaraError, OSError, ValueError, KeyError, ImportError) as e:  # ImportError: an fsspec protocol's
         return FoundModel(name, path, error=f"{type(e).__name__}: {e}")          # package is not installed
-    weights = str((meta.get("weights") or {}).get("format", ""))
-    top1 = kl = None
-    quality = (meta.get("sections") or {}).get("quality")
-    rows = quality.get("rows") if isinstance(quality, dict) else None
-    if isinstance(rows, list):
-        own = [r for r in rows if isinstance(r, dict) and r.get("weights") == weights and r.get("kv_mode") == "16/16"]
-        if own:
-            r = min(own, key=lambda r: int(r.get("context", 0)))
-            top1, kl = float(r["top1"]), float(r["kl"])
+    winfo = meta.get("weights")
+    weights = str(winfo.get("format", "")) if isinstance(winfo, dict) else ""
+    top1, kl = _own_quality(meta, weights)
     return FoundModel(name, path, int(size), cfg.model_type, cfg.num_hidden_layers, param_count(cfg), weights,
                       cfg.max_position_embeddings, cfg.mtp_num_hidden_layers, top1, kl)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _own_quality(meta: dict, weights: str) -> tuple[float | None, float | None]:
+    """(top1, kl) of the quality table's row for the file's own weights with 16/16 KV at its smallest context;
+    (None, None) where the metadata has no such row with numeric values (an older or foreign file)."""
+    sections = meta.get("sections")
+    quality = sections.get("quality") if isinstance(sections, dict) else None
+    rows = quality.get("rows") if isinstance(quality, dict) else None
+    if not isinstance(rows, list):
+        return None, None
+    own = [r for r in rows if isinstance(r, dict) and r.get("weights") == weights and r.get("kv_mode") == "16/16"
+           and _number(r.get("top1")) and _number(r.get("kl")) and _number(r.get("context", 0))]
+    if not own:
+        return None, None
+    r = min(own, key=lambda r: r.get("context", 0))
+    return float(r["top1"]), float(r["kl"])
 
 
 def discover(dirs: list[str] | None = None, include_demo: bool = True) -> list[FoundModel]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from decapybara.backend.base import Backend
 from decapybara.builder.load import load_config
-from decapybara.dtypes import to_float32
+from decapybara.dtypes import FLOAT_DTYPES, to_float32
 from decapybara.errors import WeightError
 from decapybara.mcapy import McapyFile
 from decapybara.model.config import ModelConfig, with_yarn
@@ -35,7 +35,7 @@ class LoadedModel:
 
 def iter_weights(f: McapyFile, verify: bool = True) -> Iterator[tuple[str, Any]]:
     """(canonical name, float32 array or QuantTensor) for every weight in the file."""
-    from decapybara.model.quant import QuantTensor
+    from decapybara.model.quant import FORMATS, QuantTensor
 
     groups: dict[str, dict[str, Any]] = {}
     for name in f.names():
@@ -43,6 +43,8 @@ def iter_weights(f: McapyFile, verify: bool = True) -> Iterator[tuple[str, Any]]
         if ":" not in name:
             if info.quant is not None:
                 raise WeightError(f"tensor {name!r} has quant info but no ':part' suffix")
+            if info.dtype not in FLOAT_DTYPES:
+                raise WeightError(f"tensor {name!r} is stored as {info.dtype}, not a float dtype")
             yield name, to_float32(f.tensor(name, verify=verify), info.dtype)
             continue
         base, part = name.rsplit(":", 1)
@@ -54,6 +56,10 @@ def iter_weights(f: McapyFile, verify: bool = True) -> Iterator[tuple[str, Any]]
         fmt, shape = q.get("format"), q.get("shape")
         if not fmt or shape is None:
             raise WeightError(f"quantised tensor {base!r} lacks its format/shape description")
+        if not isinstance(fmt, str) or fmt not in FORMATS:
+            raise WeightError(f"quantised tensor {base!r}: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise WeightError(f"quantised tensor {base!r}: shape {shape!r} is not a list of integers")
         arrays = {p: f.tensor(n, verify=verify) for p, n in parts.items()}
         yield base, QuantTensor.from_parts(fmt, tuple(shape), arrays)
 

@@ -102,10 +102,15 @@ def get_format(name: str) -> BlockFormat:
 
 # ---- scales ------------------------------------------------------------------------------------------
 def nvfp4_tensor_scale(x: np.ndarray) -> np.float32:
-    """NVFP4's float32 tensor scale: amax / (448 * 6) over the finite values (1.0 for an all-zero tensor)."""
+    """NVFP4's float32 tensor scale: amax / (448 * 6) over the finite values (1.0 for an all-zero tensor).
+
+    Never 0: where amax / 2688 underflows float32 (amax below about 3.8e-42) it is float32's smallest
+    subnormal, so the block scales stay finite (a zero tensor scale would divide every block by zero)."""
     a = np.abs(np.asarray(x, np.float32))
     amax = float(a[np.isfinite(a)].max(initial=0.0))
-    return np.float32(amax / NVFP4_TENSOR_DIVISOR if amax > 0 else 1.0)
+    if amax <= 0:
+        return np.float32(1.0)
+    return max(np.float32(amax / NVFP4_TENSOR_DIVISOR), np.finfo(np.float32).smallest_subnormal)
 
 
 def select_scales(blocks: np.ndarray, fmt: BlockFormat, tensor_scale: float | None = None

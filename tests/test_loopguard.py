@@ -362,7 +362,7 @@ def test_cost_per_observe_is_small() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"mode": "loud"}, {"step_kind": "pow"}, {"window_chars": 0}, {"min_repeats": 1},
-    {"max_unit_chars": 1024}, {"min_unit_chars": 8, "max_unit_chars": 4}, {"min_covered_chars": 4096},
+    {"max_unit_chars": 2048}, {"min_unit_chars": 8, "max_unit_chars": 4}, {"min_covered_chars": 8192},
     {"penalty_start": 1.0}, {"penalty_start": 1.7}, {"penalty_step": 0.0}, {"step_kind": "mul"},
     {"cap_tokens": 0}, {"tokens_per_step": True}])
 def test_bad_config_is_a_config_error(bad: dict) -> None:
@@ -373,3 +373,52 @@ def test_bad_config_is_a_config_error(bad: dict) -> None:
 def test_multiplicative_ramp_reaches_the_cap() -> None:
     cfg = LoopGuardConfig(step_kind="mul", penalty_step=1.2, penalty_cap=1.6).validate()
     assert [cfg.penalty_at(k) for k in range(5)] == [1.0, 1.1, 1.32, 1.584, 1.6] and cfg.max_level == 4
+
+
+# -- long units ----------------------------------------------------------------------------------------------------
+
+LONG_FUNCTION = '''def load_config(path):
+    """Read the settings file and merge it with the defaults."""
+    with open(path, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    settings = dict(DEFAULTS)
+    for key, value in raw.items():
+        if key not in DEFAULTS:
+            log.warning("unknown setting %s ignored", key)
+            continue
+        settings[key] = value
+    if settings["workers"] < 1:
+        raise ValueError("workers must be at least 1")
+    return settings
+
+# and a longer comment to grow the unit past the limit a bit more
+# and a longer comment to grow the unit past the limit a bit more
+'''
+
+
+def test_a_whole_function_written_over_and_over_is_stopped() -> None:
+    """An agent that writes the same ~30-line function again and again (a unit of ~550 normalised characters)
+    is looping as surely as one repeating a line: the guard ramps and stops it within a few copies."""
+    assert 512 < len(" ".join(LONG_FUNCTION.split())) + 1 < 1024
+    guard, vocab = LoopGuard(CFG), Vocab()
+    tokens = list(pseudo_tokens(LONG_FUNCTION * 30, seed=1))
+    stopped_at = None
+    for i, tok in enumerate(tokens):
+        if guard.observe(vocab(tok), tok, False).kind is ActionKind.STOP:
+            stopped_at = i
+            break
+    assert stopped_at is not None, guard.interventions
+    assert stopped_at < len(tokens) * 8 // 30  # within eight copies
+
+
+def test_a_paused_sequence_saved_under_the_former_window_restores_with_a_fresh_guard() -> None:
+    from decapybara.engine.persist import restore_sequence, sequence_state
+    from decapybara.engine.sequence import Request, Sequence
+
+    seq = Sequence(Request((1, 2, 3)), 7, 0.0, tokens=[1, 2, 3, 4], num_prompt=3, num_computed=3, num_output=1)
+    seq.loopguard = LoopGuard(LoopGuardConfig(window_chars=2048, max_unit_chars=512))
+    seq.loopguard.observe(4, "x", False)
+    meta, extras = sequence_state(seq)
+    meta = json.loads(json.dumps(meta))
+    restored = restore_sequence(meta, extras, CFG)
+    assert restored.loopguard.config == CFG and restored.loopguard.repetition_penalty == 1.0

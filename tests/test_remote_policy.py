@@ -262,3 +262,19 @@ def test_a_call_runs_on_the_engines_thread_between_steps():
     t.join(10)
     with pytest.raises(RuntimeError):
         driver.call(lambda e: None, timeout_s=1)
+
+
+def test_view_policy_counts_the_prompt_pages_running_prefills_still_need():
+    """As in-process: a prompt is admitted with its first chunk's pages only, so what running prefills still need
+    is spoken for. Four 200-token prompts (26 pages each with their first token) in a 39-page pool fit one at a
+    time; started together they run the pool dry mid-prefill and are paused, resumed, and paused again."""
+    clock = FakeClock()
+    engine = Engine(model("qwen3"), EngineConfig(max_slots=4, page_size=8, num_pages=40, max_batch_tokens=16,
+                                                 loop_guard="off"), clock=clock)
+    rng = np.random.default_rng(5)
+    reqs = [Request(tuple(rng.integers(0, 512, 200).tolist()),
+                    SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), f"j{i}", conversation=f"c{i}")
+            for i in range(4)]
+    outs, _ = drive(engine, AgeViewPolicy(PolicyConfig()), reqs, clock)
+    assert all(len(outs[f"j{i}"]) == 60 for i in range(4))
+    assert engine.stats.pauses == 0

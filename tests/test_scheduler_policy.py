@@ -409,3 +409,18 @@ def test_decision_cost_per_step_with_thirty_agents():
     assert sim.engine.stats.reused_prompt_tokens > 0  # later turns reuse their conversation's pages
     assert all(c["turns"] == 3 for c in snap["conversations"].values())
     assert json.loads(json.dumps(sim.engine.snapshot_stats()))["policy"]["admitted"] == 90
+
+
+def test_admission_counts_the_prompt_pages_running_prefills_still_need():
+    """A prompt is admitted with its first chunk's pages only: what running prefills still need is spoken for.
+    Four 200-token prompts (26 pages each with their first token) in a 39-page pool fit one at a time; admitting
+    them together makes the pool run dry mid-prefill and pauses sequences that then resume to be paused again."""
+    policy = AgePolicy(PolicyConfig())
+    sim = Sim.make(policy, max_slots=4, num_pages=40, max_batch_tokens=16)
+    for i in range(4):
+        sim.add(f"j{i}", tokens(200, 70 + i), 60)
+    sim.step()
+    assert [s.request_id for s in sim.engine.running] == ["j0"]  # the others' prompts do not fit beside j0's
+    sim.run()
+    assert all(len(sim.outs[f"j{i}"]) == 60 for i in range(4))
+    assert sim.engine.stats.pauses == policy.stats.memory_pauses == 0

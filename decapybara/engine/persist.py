@@ -58,6 +58,7 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     The detokeniser has no serialised state: the caller rebuilds it by replaying the output tokens as the live
     run pushed them (`Engine.import_paused`), which yields the same held-back text and stop-string state."""
     from decapybara.engine.loopguard import LoopGuard, LoopGuardState
+    from decapybara.errors import ConfigError
 
     if meta.get("format") != FORMAT:
         raise ValueError(f"unknown sequence state format {meta.get('format')!r}")
@@ -74,7 +75,10 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     seq.output_counts = {int(k): int(v) for k, v in meta["output_counts"]}
     seq.page_hashes = [bytes(row) for row in np.asarray(extras["page_hashes"], np.uint8).reshape(-1, 16)]
     if meta.get("loopguard") is not None:
-        seq.loopguard = LoopGuard(loopguard_cfg, LoopGuardState.from_dict(meta["loopguard"]))
+        try:
+            seq.loopguard = LoopGuard(loopguard_cfg, LoopGuardState.from_dict(meta["loopguard"]))
+        except ConfigError:  # saved under another window or unit range (an earlier version): a fresh guard
+            seq.loopguard = LoopGuard(loopguard_cfg)
     seq.extra_penalty = float(meta["extra_penalty"])
     seq.banned = tuple(int(t) for t in meta["banned"])
     seq.in_thinking = bool(meta["in_thinking"])

@@ -9,7 +9,8 @@ start of every engine step the policy
 3. ranks the candidates (waiting and paused sequences) by S, best first;
 4. fills free slots in rank order while the candidate fits the pool: the pages it needs now (its whole prompt,
    or its whole context for a resume, less cached pages already held by others) plus
-   `reserve_pages_per_seq` free pages per running sequence. The first that does not fit stops admission, so
+   `reserve_pages_per_seq` free pages per running sequence, beside the pages the running sequences still need
+   for the tokens they hold (a prompt is admitted with its first chunk's pages: its other pages are spoken for). The first that does not fit stops admission, so
    a large job keeps its place instead of being overtaken for ever by small ones;
 5. preempts: while the best remaining candidate beats the lowest-V running job past its quantum by the
    margin, pause the fewest such jobs (lowest V first) that free a slot and the pages it needs, and start it.
@@ -245,10 +246,20 @@ class AgePolicy:
         held = sum(1 for p in reused if b.ref[p] > 0)
         return b.pages_for(min(s.num_tokens + 1, engine.max_model_len)) - held
 
-    def _fits(self, engine: Engine, tr: _Track, freed: int = 0, num_running: int | None = None) -> bool:
-        n = len(engine.running) if num_running is None else num_running
-        reserve = self.cfg.reserve_pages_per_seq * (n + 1) if n else 0  # a lone job always fits (progress)
-        return self._need_pages(engine, tr) + reserve <= engine.blocks.num_free + freed
+    def _fits(self, engine: Engine, tr: _Track, freed: int = 0, leaving: tuple[Sequence, ...] = ()) -> bool:
+        """Whether `tr` fits the pool beside the running sequences (less `leaving`, whose pauses free `freed`
+        pages): its pages, the reserve, and the pages the running ones still need for the tokens they hold
+        (an admission or a resume takes its first chunk's pages only: a prompt still being computed has the rest
+        of its pages spoken for)."""
+        staying = [r for r in engine.running if r not in leaving]
+        reserve = self.cfg.reserve_pages_per_seq * (len(staying) + 1) if staying else 0  # a lone job always fits
+        owed = sum(self._owed(engine, r) for r in staying)
+        return self._need_pages(engine, tr) + reserve + owed <= engine.blocks.num_free + freed
+
+    @staticmethod
+    def _owed(engine: Engine, seq: Sequence) -> int:
+        """Pages a running sequence still takes for the tokens it holds (its prompt's rest, forced tokens)."""
+        return max(0, engine.blocks.pages_for(min(seq.num_tokens, engine.max_model_len)) - len(seq.pages))
 
     @staticmethod
     def _frees(engine: Engine, seq: Sequence) -> int:
@@ -293,7 +304,7 @@ class AgePolicy:
                     break
                 chosen.append((v, r))
                 freed += self._frees(engine, r)
-                if self._fits(engine, tr, freed, len(engine.running) - len(chosen)):
+                if self._fits(engine, tr, freed, tuple(c for _, c in chosen)):
                     fits = True
                     break
             if not fits:

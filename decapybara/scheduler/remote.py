@@ -124,9 +124,17 @@ class AgeViewPolicy:
         return work_estimate(self.cfg, pending, decode, s.num_computed if s.status == "paused" else 0)
 
     def _need_pages(self, s: SeqView, page_size: int) -> int:
+        """Pages starting `s` takes: its whole context and one token (a paused one may have stopped mid-prompt),
+        less the prompt the prefix cache would serve a waiting one."""
         if s.status == "paused":
-            return s.num_pages + 1
+            return -(-(s.num_prompt + s.num_output + 1) // page_size)
         return -(-(s.num_prompt - s.cached_estimate + 1) // page_size)
+
+    @staticmethod
+    def _owed(s: SeqView, page_size: int) -> int:
+        """Pages a running sequence still takes for the tokens it holds: an admission or a resume takes its first
+        chunk's pages only, so the rest of a prompt still being computed is spoken for."""
+        return max(0, -(-(s.num_prompt + s.num_output) // page_size) - s.num_pages)
 
     # ---- decisions ----------------------------------------------------------------------------------
     def decide(self, view: EngineView) -> Control | None:
@@ -143,7 +151,8 @@ class AgeViewPolicy:
                               "score": sc, "wait_s": now - self.seen[s.request_id].entered} for sc, s in ranked]
         control = Control(expire=self._expired)
         self._expired = []
-        slots, free = view.free_slots, view.free_pages
+        slots = view.free_slots
+        free = view.free_pages - sum(self._owed(r, view.page_size) for r in running)
         n_running = len(running)
         victims = sorted(running, key=lambda r: (self._victim(r, now), -r.arrival))
         order = [r.request_id for r in victims]

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 RESPONSES_SAVE_S = 5.0  # a graceful stop's save of the stored responses, after the prefix cache's (the ingress
 # waits save_cache_s + 8 s for both)
 RESPONSES_RETRY_S = 60.0  # a failed save of the stored responses is not tried again sooner
+MAX_STREAMS = 10_000  # `generate` streams open at once; one past it is refused (a 503)
+CONTROL_CALLS = 1000  # the actor's calls beside its streams (health, aborts, stats, stored responses): each of its
+# streams holds one of its concurrent calls for as long as it lasts, so these are kept room for
 
 
 class SchedulerActor:
@@ -202,9 +205,12 @@ class SchedulerActor:
         rid = request.request_id
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
-        if self.dead is not None:
-            self._fail_all(self.dead)
-        self._send(Control(add=[request]))
+        if self.dead is not None:  # refused at once; nothing is queued for an engine that may not come back
+            q.put_nowait(_failed(rid, self.dead))
+        elif len(self.queues) > MAX_STREAMS:  # the actor's other calls (health, aborts) keep their room
+            q.put_nowait(_failed(rid, f"{MAX_STREAMS} requests in flight: try again later"))
+        else:
+            self._send(Control(add=[request]))
         finished = False
         try:
             while True:
@@ -325,11 +331,8 @@ class SchedulerActor:
             self._engine_lost(exc)
 
     def _fail_all(self, message: str) -> None:
-        from decapybara.engine.sequence import FinishReason
-
         for rid, q in list(self.queues.items()):
-            q.put_nowait(TokenEvent(rid, [], finish_reason=FinishReason.ABORT, error=message,
-                                    error_type="CapacityError"))
+            q.put_nowait(_failed(rid, message))
 
     async def _consume(self) -> None:
         stream = self.gpu.run.options(num_returns="streaming").remote()
@@ -352,7 +355,12 @@ class SchedulerActor:
     # ---- observability -------------------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
         r = self.last_report
-        engine = dict(r.stats) if r is not None else await self.gpu.stats.remote()
+        if r is not None:
+            engine = dict(r.stats)
+        elif self.dead is not None:  # no report yet, and the engine is being replaced: its new actor may still
+            engine = {}  # load for a while (or never start), and a call to it would wait as long
+        else:
+            engine = await self.gpu.stats.remote()
         engine.pop("sent_at", None)
         view = r.view if r is not None else None
         out: dict[str, Any] = {
@@ -403,6 +411,13 @@ class RayMetrics:
             g.set(float(stats.get(k, 0)))
 
 
+def _failed(request_id: str, message: str) -> TokenEvent:
+    """A request's last event where the engine is lost or down (a 503)."""
+    from decapybara.engine.sequence import FinishReason
+
+    return TokenEvent(request_id, [], finish_reason=FinishReason.ABORT, error=message, error_type="CapacityError")
+
+
 def _p50(xs: deque[float]) -> float | None:
     if not xs:
         return None
@@ -421,9 +436,12 @@ async def _tier_stats(tiers: dict[str, Any]) -> dict[str, Any]:
 
 
 def scheduler_handle(app_config: dict[str, Any]) -> Any:
-    """The app's named SchedulerActor, created on first use (one per app name in the cluster)."""
+    """The app's named SchedulerActor, created on first use (one per app name in the cluster). Its concurrent calls
+    cover `MAX_STREAMS` open streams and `CONTROL_CALLS` more, so that however many streams are open, health
+    checks, aborts, stats and the stored responses are answered."""
     name = f"{app_config.get('name', 'decapybara')}-scheduler"
-    cls = ray.remote(SchedulerActor).options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=1000)
+    cls = ray.remote(SchedulerActor).options(name=name, get_if_exists=True, num_cpus=0,
+                                             max_concurrency=MAX_STREAMS + CONTROL_CALLS)
     return cls.remote(app_config)
 
 

@@ -62,6 +62,7 @@ CONVERSATION_HEADER = "x-conversation-id"
 log = logging.getLogger(__name__)
 RUN_LOST = {"code": "server_error", "message": "its background run stopped: the server that ran it went away"}
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI streams' idle line
+SERVICE_METHODS = ["GET", "HEAD"]  # the read-only service routes: HEAD too (load balancers' and monitors' probes)
 SWAP_TRIES = 16  # a conversation's change redone at most this often where other replicas' changes keep landing
 
 
@@ -99,7 +100,7 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
     async def _http_error(request: HttpRequest, exc: StarletteHTTPException) -> Response:
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
         return error_response(ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}"),
-                              api_of(request.url.path))
+                              api_of(request.url.path), exc.headers)  # a 405's Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: HttpRequest, exc: RequestValidationError) -> Response:
@@ -128,30 +129,30 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         return JSONResponse(respond(done).dump())
 
     # ---- service routes ------------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=SERVICE_METHODS)
     async def health() -> Response:
         check = getattr(client, "health", None)
         state = await check() if check is not None else {"status": "ok"}
         return JSONResponse(state, status_code=200 if state.get("status") == "ok" else 503)
 
-    @app.get("/stats")
+    @app.api_route("/stats", methods=SERVICE_METHODS)
     async def stats() -> Response:
         async def body() -> Response:
             return JSONResponse(await client.stats())
         return await guard(OPENAI, body)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=SERVICE_METHODS)
     async def metrics() -> Response:
         async def body() -> Response:
             return PlainTextResponse(prometheus_text(await client.stats(), dict(counts)), media_type=CONTENT_TYPE)
         return await guard(OPENAI, body)
 
     # ---- OpenAI --------------------------------------------------------------------------------------------
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=SERVICE_METHODS)
     async def models() -> Response:
         return JSONResponse(openai_completions.model_list(served, client.max_model_len, created).dump())
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=SERVICE_METHODS)
     async def model(model_id: str) -> Response:
         if model_id != served:
             return error_response(ApiError(404, f"the model {model_id!r} does not exist", "model",

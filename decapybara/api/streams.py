@@ -159,11 +159,21 @@ async def budgeted_thinking(client: Any, request: Request, budget: int, opens_re
         await answer.aclose()
 
 
+def _one_line(payload: str) -> str:
+    """`payload` (JSON) with U+0085, U+2028 and U+2029 written as escapes: SSE lines end only at CR or LF, but
+    line readers that split on every Unicode line break (httpx's `iter_lines`, which older httpx-sse releases read
+    streams with) would cut a data line at them. In JSON they can only stand inside strings, where the escape
+    means the same character."""
+    if payload.isascii():
+        return payload
+    return payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+
+
 def sse_data(payload: str) -> str:
     """One OpenAI-style server-sent event."""
-    return f"data: {payload}\n\n"
+    return f"data: {_one_line(payload)}\n\n"
 
 
 def sse_event(kind: str, payload: str) -> str:
     """One Anthropic-style server-sent event (named)."""
-    return f"event: {kind}\ndata: {payload}\n\n"
+    return f"event: {kind}\ndata: {_one_line(payload)}\n\n"

@@ -9,7 +9,7 @@ import hmac
 import json
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 from starlette.requests import Request as HttpRequest
@@ -34,10 +34,10 @@ def api_of(path: str) -> str:
     return RESPONSES if path.startswith("/v1/responses") else OPENAI
 
 
-def error_response(err: ApiError, api: str) -> JSONResponse:
+def error_response(err: ApiError, api: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     if api == ANTHROPIC:
-        return JSONResponse(err.anthropic_body(), status_code=err.anthropic_status())
-    return JSONResponse(err.openai_body(), status_code=err.status)
+        return JSONResponse(err.anthropic_body(), status_code=err.anthropic_status(), headers=headers)
+    return JSONResponse(err.openai_body(), status_code=err.status, headers=headers)
 
 
 def error_line(err: ApiError, api: str) -> str:
@@ -97,14 +97,20 @@ class EdgeMiddleware:
         self.app, self.api_key, self.counts = app, api_key, counts
 
     def _authorised(self, scope: Scope) -> bool:
+        """Whether the key is given in either header (an Anthropic client configured with both an API key and an
+        auth token sends both: one of them someone else's). Compared as the bytes the client sent (a key's
+        non-ASCII characters arrive as their UTF-8)."""
         if self.api_key is None or scope["path"] == "/health":
             return True
-        headers = dict(scope.get("headers") or ())
-        given = headers.get(b"x-api-key", b"").decode("latin-1")
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        if auth[:7].lower() == "bearer ":
-            given = given or auth[7:].strip()
-        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
+        key = self.api_key.encode()
+        given = []
+        for name, value in scope.get("headers") or ():
+            if name == b"x-api-key":
+                given.append(value.strip())
+            elif name == b"authorization" and value[:7].lower() == b"bearer ":
+                given.append(value[7:].strip())
+        # every header compared (constant time each), so the time says nothing of which one matched
+        return sum(hmac.compare_digest(g, key) for g in given if g) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,9 +120,13 @@ class EdgeMiddleware:
         route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else
                                              "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other")
 
+        head = scope["method"] == "HEAD"
+
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.counts[(route, int(message["status"]))] += 1
+            elif head and message["type"] == "http.response.body" and message.get("body"):
+                message = {**message, "body": b""}  # a HEAD's answer: the GET's headers, no body
             await send(message)
 
         if self._authorised(scope):

@@ -118,3 +118,19 @@ def test_forced_close_at_the_end_of_a_pool_sized_context_finishes():
     s = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=1000), "pool"))
     _run(e)
     assert not e.has_work() and s.finish_reason == FinishReason.LOOP and e.stats.pauses == 0
+
+
+def test_forced_close_ends_its_event_whatever_the_stream_interval():
+    """Tokens the LoopGuard forces have no logprobs and come after the sampled tokens of their event (what the API
+    reads: an event's first len(logprobs) tokens are the sampled ones): with events of several tokens
+    (stream_interval), the close still ends its event, never followed by a sampled token."""
+    for interval in (1, 6, 8, 10):
+        e, prompt = _end_thinking_engine(stream_interval=interval)
+        e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=400, logprobs=0), "r"))
+        events = []
+        while e.has_work():
+            events += e.step()
+        assert e.stats.loopguard.get("end_thinking") == 1
+        forced = [ev.token_ids[len(ev.logprobs):] for ev in events if len(ev.token_ids) > len(ev.logprobs)]
+        assert forced == [e._think_close], interval
+        assert sum(len(ev.logprobs) for ev in events) + len(e._think_close) == sum(len(ev.token_ids) for ev in events)

@@ -797,7 +797,9 @@ class Engine(MemoryMixin):
     def _event_if_due(self, s: Sequence) -> TokenEvent | None:
         if s.finish_reason is not None:
             return self._finish(s, s.finish_reason)
-        if len(s.pending_tokens) < self.cfg.stream_interval:
+        # a step that forced tokens (the LoopGuard's close, with its note) ends their event: forced tokens have no
+        # logprobs and follow the sampled tokens of their event, never a later sampled one (`api.common.Collected`)
+        if len(s.pending_tokens) < self.cfg.stream_interval and s.pending_note is None:
             return None
         return self._drain(s)
 

@@ -98,19 +98,19 @@ class SchedulerActor:
 
     # ---- the Responses API's stored responses (`decapybara.api.response_store`) -----------------------
     async def put_response(self, response_id: str, parent: str | None, text: str) -> bool:
-        stored = self.responses is not None and self.responses.put(response_id, parent, text)
-        if stored and self.journal is not None and self.cfg.responses_flush_s > 0:
-            self.journal.put(response_id, parent, text)
-        return stored
+        return self._journaled(self.responses is not None and self.responses.put(response_id, parent, text),
+                               response_id, parent, text)
 
     async def update_response(self, response_id: str, parent: str | None, text: str) -> bool:
-        stored = self.responses is not None and self.responses.update(response_id, parent, text)
-        if stored and self.journal is not None and self.cfg.responses_flush_s > 0:
-            self.journal.put(response_id, parent, text)
-        return stored
+        return self._journaled(self.responses is not None and self.responses.update(response_id, parent, text),
+                               response_id, parent, text)
 
     async def swap_response(self, response_id: str, parent: str | None, text: str, digest: str) -> bool | None:
-        stored = self.responses.swap(response_id, parent, text, digest) if self.responses is not None else False
+        return self._journaled(self.responses.swap(response_id, parent, text, digest)
+                               if self.responses is not None else False, response_id, parent, text)
+
+    def _journaled(self, stored: bool | None, response_id: str, parent: str | None, text: str) -> bool | None:
+        """`stored` (a store's answer), the record written behind to the journal where the store took it."""
         if stored and self.journal is not None and self.cfg.responses_flush_s > 0:
             self.journal.put(response_id, parent, text)
         return stored

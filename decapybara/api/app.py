@@ -303,9 +303,9 @@ def create_app(client: EngineClient, api_key: str | None = None, served_model_na
         stored again: (the record, whether the store took it). One change at a time on this replica; a change
         from another replica (or its DELETE) landing between the read and the store is found by the store's
         swap, and the change redone on what it left (up to `SWAP_TRIES` times, then a 409)."""
+        needs_store("conversation_id")
         async with conversation_lock(cid):
             for _ in range(SWAP_TRIES):
-                needs_store("conversation_id")
                 record, digest = await store.get_versioned(cid)
                 if not conversations.is_conversation(record):
                     raise no_conversation(cid)

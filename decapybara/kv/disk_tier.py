@@ -221,24 +221,19 @@ class DiskTierStore:
             gone = [k for k in held if k not in data and self._gen.get(k, 0) < mark and k not in self._touched]
             for k in gone:
                 self._forget(k, "vanished")
-            # units another server wrote again under a key held here (a page with or without its state snapshot):
-            # counted at their size now, so that the folder stays within the budget
-            resized = [k for k in held if k in data and k in self._index and data[k][0] != self._index.nbytes(k)
+            # units another server wrote again under a key held here (a page with or without its state snapshot),
+            # counted at their size now so that the folder stays within the budget; then units new here
+            resized = [(k, data[k][0], self._index.next_use(k)) for k in held
+                       if k in data and k in self._index and data[k][0] != self._index.nbytes(k)
                        and self._gen.get(k, 0) < mark and k not in self._touched]
-            for k in resized:
-                self._gen[k] = next(self._counter)
-                self._snapshots.pop(k, None)
-                self.stats["resized"] += 1
-                evicted = self._index.admit(k, data[k][0], self._index.next_use(k))
-                self._evict(evicted)
-                dropped += evicted
             new = sorted(((v[1], k, v[0]) for k, v in data.items()
                           if k not in self._index and k not in self._touched))
-            for _, k, size in new:
+            for (k, size, next_use), why in [*((r, "resized") for r in resized),
+                                             *(((k, size, None), "foreign") for _, k, size in new)]:
                 self._gen[k] = next(self._counter)
                 self._snapshots.pop(k, None)  # another server's unit: its flag is read from its file
-                self.stats["foreign"] += 1
-                evicted = self._index.admit(k, size, None)
+                self.stats[why] += 1
+                evicted = self._index.admit(k, size, next_use)
                 self._evict(evicted)
                 dropped += evicted
             self._touched = None
@@ -265,14 +260,20 @@ class DiskTierStore:
                 self._forget(key, "vanished")
         return False
 
-    def _forget(self, key: str, why: str) -> None:
-        """Drop an indexed unit whose file is gone (another server's, or anyone's, deletion), counted as `why`."""
+    def _forget(self, key: str, why: str | None) -> None:
+        """Drop an indexed unit whose file is gone or going (another server's, or anyone's, deletion; a corrupt
+        one's), counted as `why` where given."""
         if self._touched is not None:  # a listing under way may have seen its file: it does not bring it back
             self._touched.add(key)
+        self._unindex(key)
+        if why is not None:
+            self.stats[why] += 1
+
+    def _unindex(self, key: str) -> None:
+        """`key` out of the index, its generation and its snapshot flag."""
         self._index.remove(key)
         self._gen.pop(key, None)
         self._snapshots.pop(key, None)
-        self.stats[why] += 1
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -306,12 +307,8 @@ class DiskTierStore:
     # ---- writes ----------------------------------------------------------------------------------------------
     def _evict(self, dropped: list[Dropped]) -> None:
         for d in dropped:
-            if self._touched is not None:
-                self._touched.add(d.key)
+            self._forget(d.key, "evicted")
             self._delete_files(d.key)
-            self._gen.pop(d.key, None)
-            self._snapshots.pop(d.key, None)
-            self.stats["evicted"] += 1
             self.stats["evicted_bytes"] += d.nbytes
 
     def put(self, key: str, data: Any, next_use: float | None = None) -> list[Dropped]:
@@ -335,8 +332,7 @@ class DiskTierStore:
             if any(d.key == key for d in dropped):
                 if existed:
                     self._delete_files(key)
-                    self._gen.pop(key, None)
-                    self._snapshots.pop(key, None)
+                    self._unindex(key)
                 self.stats["rejected"] += 1
                 return dropped
             self._evict(dropped)
@@ -344,16 +340,12 @@ class DiskTierStore:
                 self._write(key, mv)
             except Exception as e:  # noqa: BLE001 - OSError, or a backend's own (HTTP, SDK, NotImplementedError)
                 log.warning("KV disk tier: cannot write %s: %s", key, e)
-                self._index.remove(key)
-                self._gen.pop(key, None)
-                self._snapshots.pop(key, None)
+                self._unindex(key)
                 self._delete_files(key)  # any older version too: the index no longer counts it
                 self.stats["write_errors"] += 1
                 return dropped + [Dropped(key, nbytes, next_use)]
             except BaseException:
-                self._index.remove(key)
-                self._gen.pop(key, None)
-                self._snapshots.pop(key, None)
+                self._unindex(key)
                 raise
             self._gen[key] = next(self._counter)
             self._snapshots[key] = header.state_layers is not None
@@ -514,11 +506,7 @@ class DiskTierStore:
             with self._lock:
                 self.stats["corrupt"] += 1
                 if self._gen.get(key) == gen:  # not replaced meanwhile
-                    if self._touched is not None:  # a listing under way may have seen the file
-                        self._touched.add(key)
-                    self._index.remove(key)
-                    self._gen.pop(key, None)
-                    self._snapshots.pop(key, None)
+                    self._forget(key, None)
                     self._delete_files(key)
             return None
         with self._lock:

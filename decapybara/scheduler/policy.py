@@ -10,8 +10,9 @@ start of every engine step the policy
 4. fills free slots in rank order while the candidate fits the pool: the pages it needs now (its whole prompt,
    or its whole context for a resume, less cached pages already held by others) plus
    `reserve_pages_per_seq` free pages per running sequence, beside the pages the running sequences still need
-   for the tokens they hold (a prompt is admitted with its first chunk's pages: its other pages are spoken for). The first that does not fit stops admission, so
-   a large job keeps its place instead of being overtaken for ever by small ones;
+   for the tokens they hold (a prompt is admitted with its first chunk's pages: its other pages are spoken
+   for). The first that does not fit stops admission, so a large job keeps its place instead of being overtaken
+   for ever by small ones;
 5. preempts: while the best remaining candidate beats the lowest-V running job past its quantum by the
    margin, pause the fewest such jobs (lowest V first) that free a slot and the pages it needs, and start it.
 When the pool runs dry inside a step the engine calls `choose_victim`: the lowest-V running sequence among

@@ -126,9 +126,8 @@ class AgeViewPolicy:
     def _need_pages(self, s: SeqView, page_size: int) -> int:
         """Pages starting `s` takes: its whole context and one token (a paused one may have stopped mid-prompt),
         less the prompt the prefix cache would serve a waiting one."""
-        if s.status == "paused":
-            return -(-(s.num_prompt + s.num_output + 1) // page_size)
-        return -(-(s.num_prompt - s.cached_estimate + 1) // page_size)
+        tokens = s.num_prompt + s.num_output if s.status == "paused" else s.num_prompt - s.cached_estimate
+        return -(-(tokens + 1) // page_size)
 
     @staticmethod
     def _owed(s: SeqView, page_size: int) -> int:

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 
 from decapybara.config import EngineConfig
-from decapybara.engine.driver import Control, EngineDriver
+from decapybara.engine.driver import Control, EngineDriver, EngineView, SeqView
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import Request
@@ -278,3 +278,51 @@ def test_view_policy_counts_the_prompt_pages_running_prefills_still_need():
     outs, _ = drive(engine, AgeViewPolicy(PolicyConfig()), reqs, clock)
     assert all(len(outs[f"j{i}"]) == 60 for i in range(4))
     assert engine.stats.pauses == 0
+
+
+def _view(now: float, seqs: list, free_pages: int, slots: int = 0, total: int = 64) -> EngineView:
+    return EngineView(now, seqs, slots, 3, free_pages, total, 8)
+
+
+def test_view_policy_preempts_only_for_a_candidate_the_pauses_make_room_for():
+    """As in-process: a candidate that beats running jobs by the margin takes a slot only where the pages the
+    pauses free (the jobs' own, not those they share) let it start beside the jobs staying; otherwise nobody is
+    paused for nothing. Where one pause is not room enough, the fewest lowest-V jobs that are room enough are
+    paused together. r2 ran long (V high): it always stays."""
+    cfg = PolicyConfig(age_weight=100.0, margin=10.0, quantum_s=0.0)
+
+    def decide(cand_prompt: int, own: tuple[int, int], free: int):
+        policy = AgeViewPolicy(cfg)
+        run = [SeqView(f"r{i}", None, "running", 9.9, 8, 9, 1, 4000, 8, own_pages=own[i]) for i in range(2)]
+        run.append(SeqView("r2", None, "running", -1000.0, 8, 9, 1, 4000, 8, own_pages=8))
+        policy.decide(_view(0.0, run, free))  # seen running from t=0
+        cand = SeqView("c", None, "waiting", 0.0, cand_prompt, 0, 0, 16, 0)
+        return policy.decide(_view(10.0, run + [cand], free))  # waited 10 s: S ~ 980 beats r0's and r1's V
+
+    one = decide(cand_prompt=60, own=(8, 8), free=2)  # needs 8 pages: 2 free + r0's 8, reserve 2 for r1, r2
+    assert one is not None and one.pause == ["r0"] and one.admit == ["c"]
+    shared = decide(cand_prompt=60, own=(0, 0), free=2)  # their pages are shared (with r2): pauses free none
+    assert shared is None or (not shared.pause and not shared.admit)
+    both = decide(cand_prompt=100, own=(8, 8), free=2)  # needs 13 pages: only both pauses free enough
+    assert both is not None and sorted(both.pause) == ["r0", "r1"] and both.admit == ["c"]
+    too_big = decide(cand_prompt=300, own=(8, 8), free=2)  # needs 38: no set of pauses frees that much
+    assert too_big is None or (not too_big.pause and not too_big.admit)
+
+
+def test_the_view_counts_the_pages_a_pause_would_free():
+    """`own_pages` of a running sequence: its pages no other sequence holds. Two running requests with the same
+    two-page prompt share its first full page (the prefix cache); each alone holds the rest."""
+    from decapybara.engine.driver import engine_view
+    engine = Engine(model("qwen3"), EngineConfig(max_slots=2, page_size=8, num_pages=64, loop_guard="off"))
+    prompt = tuple(range(1, 13))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request(Request(prompt, params, "a"))
+    engine.step()
+    engine.add_request(Request(prompt, params, "b"))
+    engine.step()
+    views = {s.request_id: s for s in engine_view(engine).seqs}
+    assert all(v.status == "running" for v in views.values())
+    shared = set(engine.seqs["a"].pages) & set(engine.seqs["b"].pages)
+    assert len(shared) == 1
+    for rid in "ab":
+        assert views[rid].own_pages == views[rid].num_pages - 1 >= 1

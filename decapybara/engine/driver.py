@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from decapybara.engine.block_manager import hash_chain
 from decapybara.engine.engine import Engine
 from decapybara.engine.json_schema import precompile
@@ -71,6 +73,7 @@ class SeqView:
     num_pages: int  # pages held now (running) or needed to resume (paused)
     cached_estimate: int = 0  # prompt tokens the prefix cache would serve (waiting)
     last_active: float = 0.0
+    own_pages: int = 0  # pages a pause frees (running): those no other sequence or cached prefix shares
 
 
 @dataclass(slots=True)
@@ -102,9 +105,10 @@ def engine_view(engine: Engine, events: list[TokenEvent] = ()) -> EngineView:
     for status, group in (("waiting", engine.waiting), ("running", engine.running), ("paused", engine.paused)):
         for s in group:
             pages = len(s.pages) if status == "running" else -(-s.num_computed // ps)
+            own = int(np.count_nonzero(engine.blocks.ref[s.pages] == 1)) if status == "running" and s.pages else 0
             seqs.append(SeqView(s.request_id, s.request.conversation, status, s.arrival, s.num_prompt,
                                 s.num_computed, s.num_output, s.params.max_tokens, pages,
-                                getattr(s, "cached_estimate", 0), s.last_active))
+                                getattr(s, "cached_estimate", 0), s.last_active, own))
     ended = tuple((ev.request_id, ev.num_output_tokens, ev.finish_reason == FinishReason.ABORT)
                   for ev in events if ev.finish_reason is not None)
     return EngineView(engine.clock(), seqs, len(engine.free_slots), engine.cfg.max_slots, engine.blocks.num_free,

@@ -2,8 +2,8 @@
 
 `AgeViewPolicy.decide(view) -> Control | None` applies the scores of `decapybara.scheduler.scoring` (the same
 S, V, margin, quantum and wait bound as the in-process `AgePolicy`) to a step report's view: it fills free
-slots with the best-scored candidates that fit the pool, preempts the lowest-V running job past its quantum
-when a candidate beats it by the margin, and sends the running jobs' pause order for memory pressure. It keeps
+slots with the best-scored candidates that fit the pool, pauses the fewest lowest-V running jobs past their
+quantum that the best remaining candidate beats by the margin and whose pauses make room for it, and sends the running jobs' pause order for memory pressure. It keeps
 no engine object, so it runs in the SchedulerActor (control plane) while the GPU actor steps (data plane);
 its decisions apply from the next step on, and a decision is not repeated while it is in flight. A conversation
 idle past `idle_timeout_s` is forgotten and named in the control's `expire`, so that the engine makes its cached
@@ -166,22 +166,38 @@ class AgeViewPolicy:
             self._start(control, s, score, now)
             pending.pop(0)
             slots, free, n_running = slots - 1, free - need, n_running + 1
-        if cfg.preemption and pending:  # the best remaining candidate may take a running job's slot
+        if cfg.preemption and pending:  # the best remaining candidate may take running jobs' slots
             score, s = pending[0]
             ready = [r for r in victims if r.request_id not in control.admit + control.resume
                      and self.seen[r.request_id].run_since is not None
                      and now - self.seen[r.request_id].run_since >= cfg.quantum_s and not in_flight(r)]
-            if ready:
-                v = self._victim(ready[0], now)
-                if score > v + cfg.margin:
-                    victim = ready[0]
-                    control.pause.append(victim.request_id)
-                    self.seen[victim.request_id].decided_at = self.reports
-                    self.counts["preemptions"] += 1
-                    self.recent.append({"time": now, "kind": "preempt", "request_id": victim.request_id,
-                                        "score": v, "by": s.request_id})
-                    self._start(control, s, score, now)
+            for victim in self._preempted_for(s, score, ready, free, n_running, view.page_size, now):
+                control.pause.append(victim.request_id)
+                self.seen[victim.request_id].decided_at = self.reports
+                self.counts["preemptions"] += 1
+                self.recent.append({"time": now, "kind": "preempt", "request_id": victim.request_id,
+                                    "score": self._victim(victim, now), "by": s.request_id})
+            if control.pause:
+                self._start(control, s, score, now)
         return None if control.empty() else control
+
+    def _preempted_for(self, s: SeqView, score: float, ready: list[SeqView], free: int, n_running: int,
+                       page_size: int, now: float) -> list[SeqView]:
+        """The fewest of `ready` (lowest V first) that `s` beats by the margin and whose pauses free a slot and
+        the pages `s` needs beside those staying (`free`: the free pages less what the running still owe; a
+        pause frees the pages its job alone holds and what it owed); none where no such set exists, so that no
+        job is paused for a candidate that still could not start (as the in-process policy decides)."""
+        chosen: list[SeqView] = []
+        need = self._need_pages(s, page_size)
+        for r in ready:
+            if score <= self._victim(r, now) + self.cfg.margin:
+                break
+            chosen.append(r)
+            free += r.own_pages + self._owed(r, page_size)
+            staying = n_running - len(chosen)
+            if not staying or need + self.cfg.reserve_pages_per_seq * staying <= free:
+                return chosen
+        return []
 
     def _victim(self, r: SeqView, now: float) -> float:
         return victim_score(self.cfg, now - r.arrival, self._work(r))

@@ -439,6 +439,19 @@ def test_a_call_the_model_opens_under_auto_is_held_to_its_schema(stack, script):
             jsonschema.validate(b.input, schema)
 
 
+def test_a_calls_arguments_sent_back_nested_past_the_parsers_depth_are_no_500():
+    """An assistant message's call whose arguments string nests past the JSON parser's depth (a RecursionError,
+    which was a 500) is sent on to the template as written, as any string that is no JSON object is."""
+    from decapybara.api import openai_api
+    from decapybara.api import openai_schemas as oa
+
+    for arguments in ("[" * 100_000, "not json", '{"city": "Oslo"}'):
+        body = oa.ChatCompletionRequest.model_validate({"messages": [*user("hi"), {"role": "assistant", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]})
+        got = openai_api.chat_messages(body.messages)[1]["tool_calls"][0]["function"]["arguments"]
+        assert got == ({"city": "Oslo"} if arguments.startswith("{") else arguments)
+
+
 def test_stop_strings_are_looked_for_in_the_answer_only(stack):
     """Neither the reasoning nor its markup ends a reply at a stop string: the answer does."""
     for stop, content in ((">", "Answer"), ("think", "Answer > here."), ("\n\n", "Answer > here.")):

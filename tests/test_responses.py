@@ -153,6 +153,36 @@ def test_instructions_and_developer_items_are_one_system_turn_for_a_strict_templ
     assert head.count("<|im_start|>system") == 1 and "Be terse.\n\nUse tools.\n\nNow in French." in head
 
 
+def test_a_calls_arguments_reach_the_template_as_the_object_they_are():
+    """A function_call item's arguments (a JSON string, as the API sends them) reach the chat template as the
+    object, as chat completions' tool_calls do: templates read them as a mapping (Qwen3.5's XML calls,
+    ``tool_call.arguments|items``), which a string broke (a 400 for every conversation holding a call). A string
+    that is no JSON object is passed on as it is, one nested past the parser's depth too (no 500)."""
+    from types import SimpleNamespace
+
+    from test_api import make_tokenizer_json
+
+    from decapybara.api import openai_responses as orr
+    from decapybara.api import responses_schemas as rs
+    from decapybara.tokenizer import Tokenizer
+
+    xml_calls = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+                 "{%- for tc in m.tool_calls or [] %}<tool_call>\n<function={{ tc.function.name }}>\n"
+                 "{%- for k, v in tc.function.arguments|items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n"
+                 "{%- endfor %}</function>\n</tool_call>{%- endfor %}<|im_end|>\n{%- endfor %}"
+                 "<|im_start|>assistant\n")
+    client = SimpleNamespace(tokenizer=Tokenizer.from_json(make_tokenizer_json(), chat_template=xml_calls),
+                             max_model_len=4096, vocab_size=8192)
+    items = [{"role": "user", "content": "Weather in Oslo?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}]
+    plan = orr.plan_response(rs.ResponsesRequest.model_validate({"input": items}), client, "m", None)
+    assert "<function=get_weather><parameter=city>\nOslo\n</parameter></function>" in plan.prompt.text
+    for arguments in ("not json", "[1, 2]", "[" * 100_000):
+        body = rs.ResponsesRequest.model_validate({"input": [{**items[1], "arguments": arguments}]})
+        assert orr.input_messages(body)[0]["tool_calls"][0]["function"]["arguments"] == arguments
+
+
 def test_reasoning_goes_with_the_next_assistant_turn_only():
     from decapybara.api import openai_responses as orr
     from decapybara.api import responses_schemas as rs

@@ -74,6 +74,19 @@ class Prompt:
     history_end: int | None = None  # `Request.history_end`: where the generation prompt (and any note) starts
 
 
+def call_arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A call's arguments sent back in a conversation, as chat templates take them: the object where the string
+    is JSON of one (templates read them as a mapping, e.g. Qwen3.5's ``tool_call.arguments|items``, which a
+    string breaks; a JSON template writes the object back as `ToolCall.arguments_json` wrote it), else as sent."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
 def tool_instruction(choice: ToolChoice) -> str | None:
     """The sentence that asks for the calls tool_choice required / named constrains the reply to (so that the
     model writes them by choice, not only where the constraint leaves nothing else), or for parallel calls off."""

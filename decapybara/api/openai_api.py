@@ -26,7 +26,6 @@ Choices made where the API leaves room:
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from decapybara.api.common import (
     Prompt,
     ToolChoice,
     aborted_error,
+    call_arguments,
     checked_schema,
     constrained,
     conversation_key,
@@ -80,17 +80,6 @@ def _content(content: Any, where: str) -> str | list[dict[str, str]] | None:
     return parts
 
 
-def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
-    """A call's arguments as the template renders them best: the object when the string is JSON of one."""
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return arguments
-        return parsed if isinstance(parsed, dict) else arguments
-    return arguments
-
-
 def chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages -> the internal chat form (developer -> system, tool calls, reasoning, tool results)."""
     out: list[dict[str, Any]] = []
@@ -104,7 +93,7 @@ def chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
                 msg["reasoning_content"] = reasoning
             if m.tool_calls:
                 msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
-                    "name": tc.function.name, "arguments": _arguments(tc.function.arguments)}}
+                    "name": tc.function.name, "arguments": call_arguments(tc.function.arguments)}}
                     for tc in m.tool_calls]
             if m.content is None and not m.tool_calls and reasoning is None:
                 raise bad_request(f"{where}: an assistant message needs content or tool_calls", f"{where}.content")

@@ -56,6 +56,7 @@ from decapybara.api.common import (
     Prompt,
     ToolChoice,
     aborted_error,
+    call_arguments,
     checked_schema,
     constrained,
     conversation_key,
@@ -149,7 +150,7 @@ def input_messages(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> list[d
             msgs.append(msg)
         elif isinstance(item, rs.FunctionCallIn):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": item.name, "arguments": call_arguments(item.arguments)}}
             last = msgs[-1] if msgs else None
             if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)

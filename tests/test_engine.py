@@ -353,3 +353,30 @@ def test_a_shared_openings_snapshot_is_kept_by_its_use():
             e.step()
         cached.append(seq.num_cached_prompt)
     assert cached[1:] == [16] * 11, cached
+
+
+def test_a_resume_short_of_pages_reads_no_bundle():
+    """A paused sequence that the pool has no pages for yet is refused before its bundle is read from the bundle
+    store (with the KV tiers, a conversation's whole KV read from RAM or disk and written back): under the default
+    policy it is tried every step until the pool has room, and each try took a read and a write."""
+    from decapybara.kv.stores import HostBundleStore
+
+    class Counting(HostBundleStore):
+        def __init__(self):
+            self.gets = self.puts = 0
+
+        def put(self, seq, bundle):
+            self.puts += 1
+            return super().put(seq, bundle)
+
+        def get(self, seq, handle):
+            self.gets += 1
+            return super().get(seq, handle)
+
+    ps = prompts(6, seed=8, lo=20, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    e = engine("qwen3", num_pages=22, enable_prefix_cache=False)
+    e.bundle_store = store = Counting()
+    assert e.generate(ps, params) == engine("qwen3").generate(ps, params)
+    assert e.stats.pauses > 0 and e.stats.resumes == e.stats.pauses
+    assert store.gets == e.stats.resumes and store.puts == e.stats.pauses

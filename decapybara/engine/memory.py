@@ -156,28 +156,21 @@ class MemoryMixin:
         return bundle
 
     def resume(self, seq: Sequence, bundle: SequenceBundle | None = None) -> bool:
-        """Bring a paused sequence back from its bundle: no token is recomputed. False when pages are short,
-        or when the bundle was lost: then the sequence goes back to the queue and recomputes from its tokens
-        (never wrong output)."""
+        """Bring a paused sequence back from its bundle: no token is recomputed. False when pages are short (found
+        before the bundle is read), or when the bundle was lost: then the sequence goes back to the queue and
+        recomputes from its tokens (never wrong output)."""
         assert seq.status == SeqStatus.PAUSED and self.can_admit()
+        # pages short: refused before the bundle is read from its store (a tier's disk) and written back for nothing
+        if bundle is None and not self.blocks.can_allocate(*self._resume_pages(seq, seq.num_computed)):
+            return False
         if bundle is None:
             bundle = self.bundle_store.get(seq, seq.paused_bundle)
             if bundle is None:
                 self._requeue_for_recompute(seq)
                 return False
         n_pages = self.blocks.pages_for(bundle.num_tokens)
-        # Full pages still in the prefix cache are shared again instead of copied in.
-        reuse = []
-        for h in seq.page_hashes:
-            page = self.blocks.page_of_hash.get(h)
-            if page is None:
-                break
-            reuse.append(page)
-        total = n_pages
-        if self.cfg.context_mode == "fixed":  # the whole context again, as at admission: never paused for memory
-            total = max(n_pages, self.blocks.pages_for(min(seq.num_prompt + seq.params.max_tokens,
-                                                            self.max_model_len)))
-        pages = self.blocks.allocate(total - len(reuse), reuse)
+        fresh, reuse = self._resume_pages(seq, bundle.num_tokens)
+        pages = self.blocks.allocate(fresh, reuse)
         if pages is None:
             seq.paused_bundle = self.bundle_store.put(seq, bundle)  # back where it was
             return False
@@ -193,6 +186,21 @@ class MemoryMixin:
         self.running.append(seq)
         self.stats.resumes += 1
         return True
+
+    def _resume_pages(self, seq: Sequence, num_tokens: int) -> tuple[int, list[int]]:
+        """The fresh pages a resume of `seq` with `num_tokens` computed tokens takes (in fixed context mode the whole
+        context's again, as at admission: never paused for memory) and the pool pages it shares again: its full
+        pages still in the prefix cache, in order up to the first that is not."""
+        reuse = []
+        for h in seq.page_hashes:
+            page = self.blocks.page_of_hash.get(h)
+            if page is None:
+                break
+            reuse.append(page)
+        total = self.blocks.pages_for(num_tokens)
+        if self.cfg.context_mode == "fixed":
+            total = max(total, self.blocks.pages_for(min(seq.num_prompt + seq.params.max_tokens, self.max_model_len)))
+        return total - len(reuse), reuse
 
     def _requeue_for_recompute(self, seq: Sequence) -> None:
         self.paused.remove(seq)

@@ -760,6 +760,8 @@ OA_BAD = [
     ("/v1/chat/completions", {"messages": user("x"), "top_k": 2**70}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 3}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "top_k": 2**31}, 400),
+    ("/v1/chat/completions", {"messages": user("x"), "repetition_penalty": 1e300}, 400),  # logits past float64
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-300}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "chat_template_kwargs": {"namespace": 1}}, 400),
     ("/v1/chat/completions", {"messages": user("x"), "chat_template_kwargs": {"range": {"a": 1}}}, 400),
     ("/v1/chat/completions", {"messages": [*user("x"), {"role": "tool", "content": "42"}]}, 400),

@@ -186,6 +186,25 @@ def test_loopguard_extra_repetition_penalty_takes_the_max():
     np.testing.assert_allclose(lp, log_softmax(np.array([2.0, -1.0, 0.5, 1.0, -2.0, 1.0])), atol=1e-6)
 
 
+def test_repetition_penalty_past_its_bounds_is_refused_and_at_them_every_row_still_samples():
+    """Past its bounds a repetition penalty turned a row's seen logits -inf (a negative logit times r) or +inf (a
+    positive one over r): a row of seen tokens had NaN weights and drew garbage (the device sampler: an id outside
+    the vocabulary) with a NaN logprob. Such values are refused; at the bounds, float32's extreme logits at the least
+    temperature still draw a token of the vocabulary with a finite logprob."""
+    for r in (1e300, 1e-300, 2 * sampling.MAX_REPETITION_PENALTY):
+        with pytest.raises(InvalidRequestError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=r).validate(vocab_size=4)
+    big = float(np.finfo(np.float32).max)
+    logits = np.array([[-big, -big / 2, -3.0, -4.0], [big, big / 2, 3.0, 4.0]], np.float32)
+    for r in (sampling.MAX_REPETITION_PENALTY, 1 / sampling.MAX_REPETITION_PENALTY):
+        for t in (0.0, sampling.GREEDY_TEMPERATURE, 1.0):
+            params = SamplingParams(temperature=t, repetition_penalty=r, logit_bias={0: -100.0, 1: 100.0},
+                                    logprobs=4)
+            params.validate(vocab_size=4)
+            out = sample(logits, [_row(params, seed=s, prompt=[0, 1, 2, 3]) for s in range(2)])
+            assert np.isfinite(out.logprobs).all() and ((out.token_ids >= 0) & (out.token_ids < 4)).all(), (r, t)
+
+
 # ------------------------------------------------------------------------------------------------ masks
 
 PROBS = np.log(np.array([[0.1, 0.5, 0.15, 0.25]]))  # canonical order: 1, 3, 2, 0
@@ -393,6 +412,18 @@ def test_logprobs_are_processed_before_truncation_and_sorted_with_ties_by_id():
     assert out.token_ids.dtype == np.int64 and out.logprobs.dtype == np.float32
 
 
+def test_alternatives_past_float32s_range_are_left_out_not_minus_infinity():
+    """A +inf logit counts as float32's largest; below temperature 1 the other tokens' logprobs then lie past
+    float32's range. They were entries of -inf (null in a response's JSON, where OpenAI's schema has a number); they
+    are left out, as the device sampler leaves them, and the sampled token's own entry stays."""
+    logits = np.array([[np.inf, 0.0, 1.0, -1.0]], np.float32)
+    for t in (0.5, 0.0):
+        out = sample(logits, [_row(SamplingParams(temperature=t, logprobs=4))])
+        assert out.token_ids[0] == 0 and out.top_logprobs[0][0] == (0, float(out.logprobs[0]))
+        assert all(np.isfinite(v) for _, v in out.top_logprobs[0]), out.top_logprobs
+    assert len(sample(logits, [_row(SamplingParams(temperature=0.5, logprobs=4))]).top_logprobs[0]) == 1
+
+
 # ------------------------------------------------------------------------------------------------ validation
 
 
@@ -401,7 +432,7 @@ def test_logprobs_are_processed_before_truncation_and_sorted_with_ties_by_id():
     ({"temperature": float("inf")}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"max_tokens": 0}, "max_tokens"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": 1e300}, "repetition_penalty"), ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"), ({"logit_bias": {100: 1.0}}, "logit_bias"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {3: 100.5}}, "logit_bias"),

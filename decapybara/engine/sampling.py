@@ -48,6 +48,10 @@ MAX_TOP_K = 2**31 - 1  # the device sampler keeps top_k in int32; any k >= the v
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_OPENAI_PENALTY = 2.0
+# repetition_penalty r lies in [1 / this, this]: far past any useful value, and a float32 logit times r (or over r),
+# then over the least temperature, stays inside float64's range. Unbounded, r overflowed seen logits to -inf or +inf:
+# a row of seen tokens then had NaN weights and drew garbage (the device sampler an id outside the vocabulary).
+MAX_REPETITION_PENALTY = 1e6
 # NOTE: below this a temperature is greedy: x / T could overflow, and the distribution is a point mass anyway.
 GREEDY_TEMPERATURE = 1e-5
 # Rows over this vocabulary size sort only a prefix of their best tokens (same result, see `_draw_row`).
@@ -65,7 +69,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; in [1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY]
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None  # None = the engine picks one per request
     logprobs: int | None = None  # None = no logprobs; n = the sampled token's plus n alternatives
@@ -100,7 +104,8 @@ class SamplingParams:
         _check_real("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_real("presence_penalty", self.presence_penalty, lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
         _check_real("frequency_penalty", self.frequency_penalty, lo=-MAX_OPENAI_PENALTY, hi=MAX_OPENAI_PENALTY)
-        _check_real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_real("repetition_penalty", self.repetition_penalty, lo=1 / MAX_REPETITION_PENALTY,
+                    hi=MAX_REPETITION_PENALTY)
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
         if self.seed is not None:
@@ -365,16 +370,20 @@ def _full_row(x: np.ndarray, top_k: int, top_p: float, min_p: float, u: float) -
 
 
 def top_n(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The n best finite (token_id, logprob) of one row, descending, ties by ascending id; each logprob at the
-    float32 precision of the sampled token's (`SampleOutput.logprobs`), so that a token's own logprob and its
-    entry among the best are the same number."""
+    """The n best (token_id, logprob) of one row, descending, ties by ascending id; each logprob at the float32
+    precision of the sampled token's (`SampleOutput.logprobs`), so that a token's own logprob and its entry among the
+    best are the same number. Only finite float32 values are entries (as the device sampler's): one past float32's
+    range (a +inf logit, which counts as float32's largest, beside ordinary ones below temperature 1) is left out
+    rather than written as -inf (null in a response's JSON)."""
     if n <= 0:
         return []
     n = min(n, logprobs.shape[-1])
     cand = np.argpartition(-logprobs, n - 1)[:n]
     cand = np.flatnonzero(logprobs >= logprobs[cand].min())  # every tie of the n-th value
     cand = cand[np.lexsort((cand, -logprobs[cand]))][:n]
-    return [(int(t), float(np.float32(logprobs[t]))) for t in cand if np.isfinite(logprobs[t])]
+    with np.errstate(over="ignore"):
+        values = logprobs[cand].astype(np.float32)
+    return [(int(t), float(v)) for t, v in zip(cand, values) if np.isfinite(v)]
 
 
 # ---------------------------------------------------------------------------------------------- the batch

@@ -1283,6 +1283,43 @@ def test_cuda_sample_ties_masks_and_dtypes():
         ex.cuda_sample(cp.asarray(np.full((1, 8), np.nan, np.float32)), rows[:1])
 
 
+@pytest.mark.parametrize("v", [7, 1000, 9000])
+def test_cuda_sample_at_the_parameters_bounds(v):
+    """The parameters' edges as numpy samples them: temperatures just past greedy and huge, top_k past the
+    vocabulary, top_p of one token, min_p 1, logit_bias +-100, the repetition penalty's bounds (seen tokens of
+    float32's largest logits too), 20 alternatives of fewer tokens, +inf logits beside ordinary ones (alternatives
+    past float32's range left out); tokens, logprobs and the alternatives' ids (their values beside +inf logits)."""
+    rng = np.random.default_rng(v)
+    big = float(np.finfo(np.float32).max)
+    params = [sampling.SamplingParams(**kw) for kw in (
+        {"temperature": 1e-5, "logprobs": 5}, {"temperature": 2e-5, "logprobs": 20}, {"temperature": 1e6, "logprobs": 3},
+        {"temperature": 1e300}, {"top_k": 2**31 - 1, "logprobs": 20}, {"top_p": 1e-300}, {"min_p": 1.0},
+        {"logit_bias": {0: 100.0, 1: 100.0}}, {"temperature": 0, "logit_bias": {v - 1: 100.0}, "logprobs": 20},
+        {"repetition_penalty": sampling.MAX_REPETITION_PENALTY, "logprobs": 4},
+        {"repetition_penalty": 1 / sampling.MAX_REPETITION_PENALTY, "temperature": 1e-5, "logprobs": 4},
+        {"presence_penalty": 2, "frequency_penalty": 2}, {"temperature": 3.0, "top_k": 3, "top_p": 0.5, "min_p": 0.5},
+        {"temperature": 0.5, "logprobs": 4})]
+    for kind in range(4):
+        x = (rng.standard_normal((1, v)) * [1, 30, 3, 1][kind]).astype(np.float32)
+        if kind == 2:
+            x = np.round(x)  # ties
+        if kind == 3:
+            x[0, :3] = [big, -big, np.inf]
+        rows = [sampling.SamplerRow(p, np.arange(min(v, 50)), [0, 0, 1], position=pos,
+                                    seed=int(rng.integers(0, 2**63))) for p in params for pos in range(2)]
+        logits = np.repeat(x, len(rows), 0)
+        ref = sampling.sample(logits, rows, eos_token_ids=[v - 1])
+        got = ex.cuda_sample(cp.asarray(logits), rows, eos_token_ids=[v - 1])
+        for i, r in enumerate(rows):
+            where = (kind, r.params)
+            assert got.token_ids[i] == ref.token_ids[i], where
+            assert np.isclose(got.logprobs[i], ref.logprobs[i], rtol=1e-5, atol=1e-4, equal_nan=True), where
+            dev, host = (np.array(out.top_logprobs[i], np.float64).reshape(-1, 2) for out in (got, ref))  # (id, lp)
+            assert dev.shape == host.shape and np.allclose(dev[:, 1], host[:, 1], rtol=1e-5, atol=1e-4), where
+            # (beside float32's extremes the rest's logprobs tie in float64; the device lists those by their logits)
+            assert kind == 3 or np.array_equal(dev[:, 0], host[:, 0]), where
+
+
 @pytest.mark.parametrize("v,b", [(64, 1), (5000, 5), (248_320, 12)])
 def test_cuda_sample_greedy_short_path(v, b):
     """Greedy rows with no edits and no logprobs stop at the row maxima (`sample_greedy_pick`): the lowest id of

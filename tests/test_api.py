@@ -222,7 +222,10 @@ def test_completions_token_and_string_prompts_match_engine(stack):
     by_text = stack.oa().completions.create(model="m", prompt=["def fibonacci(n):"], max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text == text
     lp = by_ids.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(ref) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ref) and all(len(t) <= 3 for t in lp.top_logprobs)
+    # the chosen token is always among a position's alternatives (greedy: the best of them)
+    assert all(next(iter(t)) == tok and t[tok] == v for t, tok, v in zip(lp.top_logprobs, lp.tokens,
+                                                                        lp.token_logprobs))
     assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.completion_tokens == len(ref)
     streamed = list(stack.oa().completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == text
@@ -1461,11 +1464,15 @@ def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses
     assert lp.tokens == [stack.tok.decode([t]) for t in ids] and lp.token_logprobs[0] is None
     want = ref[np.arange(len(ids) - 1), ids[1:]]
     assert np.max(np.abs(np.array(lp.token_logprobs[1:]) - want)) < 1e-4
-    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.top_logprobs[0] is None
     best = ref[:-1].argmax(-1)
     for p, top in enumerate(lp.top_logprobs[1:]):  # the best alternative is the model's argmax there
-        (tok, v), = top.items()
+        v = next(iter(top.values()))
         assert abs(v - ref[p, best[p]]) < 1e-4
+        # and the prompt's own token is always among them (OpenAI's "up to logprobs + 1 elements")
+        assert len(top) == (1 if ids[p + 1] == best[p] else 2)
+        assert top[lp.tokens[p + 1]] == lp.token_logprobs[p + 1]
+    assert any(len(t) == 2 for t in lp.top_logprobs[1:])  # a prompt the model would not have written itself
     assert lp.text_offset == [len(stack.tok.decode(ids[:i])) for i in range(len(ids))]
     # echo beside a completion: the prompt's part, then the completion's tokens as without echo
     plain = oa.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
@@ -1476,7 +1483,7 @@ def test_legacy_completions_echo_the_prompt_and_score_it_as_evaluation_harnesses
     # (the prompt computed whole rather than over cached pages: the same logprobs within float32 rounding)
     assert np.allclose(b.logprobs.token_logprobs[len(ids):], plain.choices[0].logprobs.token_logprobs, atol=1e-4)
     assert b.logprobs.text_offset[len(ids):] == [o + len(prompt) for o in plain.choices[0].logprobs.text_offset]
-    assert len(b.logprobs.top_logprobs[1]) == 2
+    assert len(b.logprobs.top_logprobs[1]) in (2, 3) and b.logprobs.tokens[1] in b.logprobs.top_logprobs[1]
     assert oa.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0, echo=True).choices[0].text \
         == prompt + oa.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0).choices[0].text
     # streamed: the prompt's chunk (text and logprobs) first, then the completion's

@@ -147,10 +147,19 @@ def echoed_logprobs(tokenizer: Any, ids: tuple[int, ...], prompt: list | None, d
     for t in ids:
         offsets.append(offset)
         offset += len(decoder.decode(tokenizer.token_bytes(t)))
-    tops = [None] + [{tokenizer.decode([a]): lp for a, lp in p[1]} if p is not None else {} for p in prompt]
+    tops = [None] + [_tops(tokenizer, p[1], t, p[0]) if p is not None else {} for p, t in zip(prompt, ids[1:])]
     return oa.LegacyLogprobs(tokens=[tokenizer.decode([t]) for t in ids],
                              token_logprobs=[None] + [p[0] if p is not None else None for p in prompt],
                              top_logprobs=tops, text_offset=offsets), offset
+
+
+def _tops(tokenizer: Any, alts: list[tuple[int, float]], token: int, logprob: float | None) -> dict[str, float]:
+    """One position's legacy `top_logprobs`: the best alternatives, then the token taken there where they do not hold
+    it (as OpenAI's: "up to logprobs + 1 elements", the chosen token always among them)."""
+    out = {tokenizer.decode([a]): lp for a, lp in alts}
+    if logprob is not None:
+        out.setdefault(tokenizer.decode([token]), logprob)
+    return out
 
 
 def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
@@ -160,15 +169,16 @@ def legacy_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
     offset after these tokens. Offsets count the characters of the decoded text (a character cut across tokens
     counts at the token that completes it): `decoder`, a stream's UTF-8 decoder, carries a cut one over."""
     decoder = decoder or codecs.getincrementaldecoder("utf-8")(errors="replace")
-    tokens, offsets = [], []
+    tokens, offsets, chosen = [], [], []
     for i, t in enumerate(token_ids):
         # forced tokens have no logprobs (but their text moves the offset)
         if sampled[i] if sampled is not None else i < len(logprobs):
             tokens.append(tokenizer.decode([t]))
             offsets.append(offset)
+            chosen.append(t)
         if t not in tokenizer.skip_ids:
             offset += len(decoder.decode(tokenizer.token_bytes(t)))
-    tops = [{tokenizer.decode([a]): lp for a, lp in alts} for alts in top]
+    tops = [_tops(tokenizer, alts, t, lp) for alts, t, lp in zip(top, chosen, logprobs)]
     return oa.LegacyLogprobs(tokens=tokens, token_logprobs=list(logprobs), top_logprobs=tops,
                              text_offset=offsets), offset
 

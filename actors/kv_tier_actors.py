@@ -20,7 +20,7 @@ import ray
 
 from decapybara.kv.disk_tier import DiskTierStore
 from decapybara.kv.ram_tier import RamTierStore
-from decapybara.kv.units import UnitCorrupt, byte_view, decode_unit
+from decapybara.kv.units import UnitCorrupt, byte_view, decode_unit, key_component
 
 
 class RamTierActor:
@@ -115,6 +115,14 @@ class RamTierActor:
             ref = spilling if ref is None else ref
         return None if ref is None else [ref]
 
+    def drop_conversations(self, request_ids: list[str]) -> int:
+        """Drop the paused-conversation units of `request_ids` (those being spilled too: their disk copies are
+        deleted once written, `pop`); returns how many. For the requests of a lost engine (`SchedulerActor`)."""
+        keys = conversation_keys({*self.store.keys(), *self.spilling}, request_ids)
+        for key in keys:
+            self.pop(key)
+        return len(keys)
+
     def snapshot_flags(self, prefix: str) -> dict[str, bool | None]:
         """The units under `prefix`, with whether each holds a hybrid state (None: its writer did not say)."""
         held = self.store.keys()
@@ -181,6 +189,11 @@ class DiskTierActor:
     def delete(self, key: str) -> bool:
         return self.store.delete(key)
 
+    def drop_conversations(self, request_ids: list[str]) -> int:
+        """Delete the paused-conversation units of `request_ids` (`RamTierActor.drop_conversations`); returns how
+        many."""
+        return sum(self.store.delete(key) for key in conversation_keys(self.keys(), request_ids))
+
     def keys(self) -> list[str]:
         """The units held; listed afresh where another server shares the folder (`DiskTierStore.shared`)."""
         if self.store.shared:
@@ -190,6 +203,13 @@ class DiskTierActor:
     def stats(self) -> dict[str, Any]:
         return {**self.stats_, **self.store.stats, "units": len(self.store), "used_bytes": self.store.used_bytes,
                 "budget_bytes": self.store.budget_bytes}
+
+
+def conversation_keys(keys: Any, request_ids: list[str]) -> list[str]:
+    """Those of `keys` that name a paused-conversation unit of one of `request_ids` (`units.conv_key`'s
+    "conv/<id>/<n>")."""
+    ids = {key_component(r) for r in request_ids}
+    return [k for k in keys if k.startswith("conv/") and k.split("/", 2)[1] in ids]
 
 
 def start_tiers(cfg: Any) -> dict[str, Any]:

@@ -31,6 +31,7 @@ RESPONSES_SAVE_S = 5.0  # a graceful stop's save of the stored responses, after 
 # waits save_cache_s + 8 s for both)
 RESPONSES_RETRY_S = 60.0  # a failed save of the stored responses is not tried again sooner
 MAX_STREAMS = 10_000  # `generate` streams open at once; one past it is refused (a 503)
+TIER_CALL_S = 30.0  # a call to a tier actor while a lost engine is replaced (`_drop_lost_units`)
 CONTROL_CALLS = 1000  # the actor's calls beside its streams (health, aborts, stats, stored responses): each of its
 # streams holds one of its concurrent calls for as long as it lasts, so these are kept room for
 
@@ -64,6 +65,7 @@ class SchedulerActor:
         self.last_report_at = time.time()
         self.restarts = 0
         self._recovering: asyncio.Task | None = None
+        self._lost_ids: set[str] = set()  # the requests of a lost engine, whose tier units `_recover` drops
         self._saving: asyncio.Future | None = None  # the engine's save at a graceful stop (`save_cache`)
         budget = int(self.cfg.responses_store_mb * (1 << 20))
         self.responses = ResponseStore(budget) if budget > 0 else None  # the Responses API's, for every ingress
@@ -296,6 +298,9 @@ class SchedulerActor:
     def _engine_lost(self, exc: BaseException) -> None:
         if self.dead is None:
             self.dead = f"the engine stopped: {type(exc).__name__}"
+        self._lost_ids.update(self.queues)  # the requests it held: the open streams, and those its last view
+        if self.last_report is not None:   # showed (one whose abort it had not applied yet)
+            self._lost_ids.update(s.request_id for s in self.last_report.view.seqs)
         self._fail_all(self.dead)
         if self._recovering is None or self._recovering.done():
             self._recovering = asyncio.get_running_loop().create_task(self._recover())
@@ -317,12 +322,31 @@ class SchedulerActor:
                 break
             except Exception:  # noqa: BLE001 - try again
                 wait_s = min(30.0, wait_s * 2)
+        await self._drop_lost_units()
         self.policy = make_policy(self.cfg)
         self.pending, self.last_report, self.dead = Control(), None, None
         self.last_report_at = time.time()
         self.restarts += 1
         self.metrics.last = {}  # the new engine counts from zero: its first report's counts are all new
         self._start()
+
+    async def _drop_lost_units(self) -> None:
+        """The tier units of the lost engine's requests (its paused conversations') dropped once its successor is up
+        (a pause the lost one sent before it was killed has landed by then, and no request has reached the new
+        one): their streams failed, so nothing resumes them, and ranked by their arrival (needed soonest) they
+        would hold the tiers' room for good, every later pause and evicted page refused or spilled past them. The
+        RAM tier first (a unit it is spilling is deleted from the disk once written), each within `TIER_CALL_S`
+        (a tier that cannot be reached keeps them, and the recovery goes on)."""
+        ids, self._lost_ids = sorted(self._lost_ids), set()
+        for name in ("ram", "disk"):
+            handle = (self.tiers or {}).get(name)
+            if not ids or handle is None:
+                continue
+            try:
+                await asyncio.wait_for(_awaited(handle.drop_conversations.remote(ids)), TIER_CALL_S)
+            except Exception as e:  # noqa: BLE001 - a dead or stuck tier actor
+                log.warning("the lost engine's paused conversations stay in the %s tier: %s: %s", name,
+                            type(e).__name__, e)
 
     async def _pump(self) -> None:
         try:
@@ -443,6 +467,11 @@ def scheduler_handle(app_config: dict[str, Any]) -> Any:
     cls = ray.remote(SchedulerActor).options(name=name, get_if_exists=True, num_cpus=0,
                                              max_concurrency=MAX_STREAMS + CONTROL_CALLS)
     return cls.remote(app_config)
+
+
+async def _awaited(ref: Any) -> Any:
+    """An actor call's result (an ObjectRef awaited), as a coroutine for `asyncio.wait_for`."""
+    return await ref
 
 
 async def _in_thread(fn: Any, *args: Any) -> Any:

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import actors.scheduler_actor as sa
@@ -148,6 +149,65 @@ def test_a_request_while_the_engine_is_down_fails_at_once_and_queues_nothing(mak
             assert events[0].finish_reason == FinishReason.ABORT
         assert actor.pending.empty() and not actor.queues
         actor._recovering.cancel()
+        for t in actor._tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+class _InPlace:
+    """A Ray actor handle's stand-in over the actor's own class: `method.remote(...)` runs it here, awaitable."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        fn = getattr(self.obj, name)
+        return _Method(lambda *a, **k: _Ref(fn(*a, **k)))
+
+
+def test_a_lost_engines_paused_conversations_leave_the_tiers(make_actor, tmp_path):
+    """The conversations a lost engine had paused live on only as tier units that nothing will resume (their
+    streams failed). Ranked by their arrival, older than any later pause, they would hold the tiers' room for
+    good: the replacement drops them from both tiers (one the RAM tier is spilling, once written), for the open
+    streams and for requests its last view showed, and nothing else (prefix pages, others' conversations)."""
+    from actors.kv_tier_actors import DiskTierActor, RamTierActor
+    from decapybara.backend.base import KVPageData
+    from decapybara.engine.driver import SeqView
+    from decapybara.kv.units import Unit, conv_key, encode_unit, page_key
+
+    def unit(key: str) -> bytes:
+        return encode_unit(Unit.conversation(key, KVPageData({"3|k.values": np.ones((1, 4, 2), np.float32)}),
+                                             None, 4))
+
+    ram, disk = RamTierActor(1 << 20), DiskTierActor(f"file://{tmp_path}/kv", 1 << 20)
+    page = page_key(b"salt", b"\x01" * 16)
+    for key in (conv_key("a", 1), conv_key("other", 1), page):
+        ram.store.put(key, object(), 100, 1.0 if key.startswith("conv/") else None)
+    ram.spilling[conv_key("b", 2)] = object()  # spilled, its disk write not landed yet
+    for key in (conv_key("c", 3), conv_key("other", 2)):
+        disk.put(key, unit(key))
+
+    async def main():
+        actor, gpus = make_actor()
+        actor.tiers = {"ram": _InPlace(ram), "disk": _InPlace(disk)}
+        await actor.ready()
+        # "c" paused, its stream gone (its abort not applied yet)
+        view = EngineView(0.0, [SeqView("c", None, "paused", 0.0, 3, 3, 0, 4, 1)], 1, 1, 10, 10, 16)
+        gpus[0].reports.put_nowait(StepReport(1, [], view, 0.0, {}))
+        streams = [actor.generate(_req(rid)) for rid in ("a", "b")]
+        reads = [asyncio.ensure_future(g.__anext__()) for g in streams]
+        await _settle()
+        gpus[0].die()
+        await _settle(20)
+        assert [(await r).error_type for r in reads] == ["CapacityError"] * 2
+        await asyncio.wait_for(actor._recovering, 5)  # a new engine is up
+        assert len(gpus) == 2 and actor.dead is None
+        assert sorted(ram.store.keys()) == sorted([conv_key("other", 1), page])
+        assert ram.taken == {conv_key("b", 2)}  # its disk copy deleted once written
+        assert disk.keys() == [conv_key("other", 2)]
+        for g in streams:
+            await g.aclose()
         for t in actor._tasks:
             t.cancel()
 

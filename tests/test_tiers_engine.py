@@ -499,3 +499,34 @@ def test_prompt_logprobs_survive_a_pause_across_a_restart(pause_at, tmp_path):
     assert [[i for i, _ in t] for _, t in carried[0]] == [[i for i, _ in t] for _, t in want[0]]
     flat = [[v, *(x for _, x in t)] for v, t in carried[0]]
     assert np.allclose(flat, [[v, *(x for _, x in t)] for v, t in want[0]], atol=1e-5)
+
+
+def test_an_adopted_conversation_sends_the_tokens_its_pause_held_back(tmp_path):
+    """With `stream_interval` > 1 a pause can come while some decoded tokens wait for their event (with their
+    logprobs). A fresh engine that adopts the paused conversation (a restart) sends them, in order, before the
+    tokens it decodes: the stream is the uninterrupted run's, no token skipped or sent twice."""
+    p = prompt(3, 21)
+    params = SamplingParams(temperature=0, max_tokens=23, logprobs=2)
+    plain = Engine(model("qwen3_5_text"), EngineConfig(page_size=8, num_pages=64, stream_interval=4))
+    plain.add_request(Request(tuple(p), params, "agent"))
+    ref = [ev for _ in range(100) if plain.has_work() for ev in plain.step()]
+    url = f"file://{tmp_path}/kv"
+    engine, stores = make_engine("qwen3_5_text", url, ram_bytes=0, stream_interval=4)
+    engine.add_request(Request(tuple(p), params, "agent"))
+    events = [ev for _ in range(7) for ev in engine.step()]  # the prompt, then 7 tokens: 3 of them held back
+    seq = engine.seqs["agent"]
+    assert len(seq.pending_tokens) == 3
+    engine.admission = lambda e: None
+    engine.pause(seq)
+    key = seq.paused_bundle
+    del engine, stores
+    engine, stores = make_engine("qwen3_5_text", url, 64 << 20, stream_interval=4)
+    engine.resume(engine.import_paused(stores.take_unit(key)))
+    while engine.has_work():
+        events.extend(engine.step())
+    assert [t for ev in events for t in ev.token_ids] == [t for ev in ref for t in ev.token_ids]
+    assert [len(ev.token_ids) for ev in events] == [len(ev.token_ids) for ev in ref]
+    got, want = [x for ev in events for x in ev.logprobs], [x for ev in ref for x in ev.logprobs]
+    assert np.allclose(got, want, atol=1e-5)
+    assert [[i for i, _ in t] for ev in events for t in ev.top_logprobs] == \
+        [[i for i, _ in t] for ev in ref for t in ev.top_logprobs]

@@ -30,7 +30,8 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 
 
 def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(JSON-able facts, arrays) of a sequence at a pause: everything but its KV and hybrid state."""
+    """(JSON-able facts, arrays) of a sequence at a pause: everything but its KV and hybrid state, the output it
+    holds back for its next event (no event has carried it yet) included."""
     req = seq.request
     meta = {
         "format": FORMAT, "request_id": req.request_id, "conversation": req.conversation,
@@ -46,6 +47,7 @@ def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]
         "prompt_lps": None if seq.prompt_lps is None else [
             None if e is None else [e[0], [[int(t), float(v)] for t, v in e[1]]] for e in seq.prompt_lps],
         "prompt_lps_sent": seq.prompt_lps_sent,
+        "pending": pending_to_dict(seq),
     }
     extras = {"tokens": np.asarray(seq.tokens, np.int64),
               "page_hashes": np.frombuffer(b"".join(seq.page_hashes), np.uint8).reshape(-1, 16).copy()}
@@ -88,4 +90,25 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     seq.prompt_lps = None if lps is None else [
         None if e is None else (float(e[0]), [(int(t), float(v)) for t, v in e[1]]) for e in lps]
     seq.prompt_lps_sent = bool(meta.get("prompt_lps_sent", False))
+    pending_from_dict(seq, meta.get("pending"))
     return seq
+
+
+def pending_to_dict(seq: Sequence) -> dict[str, Any]:
+    """The output a sequence holds back for its next event (`EngineConfig.stream_interval` > 1, or a LoopGuard
+    note): its tokens, their text, logprobs and alternatives, the note. Decoded but never sent, they are part of
+    its state: an engine that adopts it sends them first."""
+    return {"tokens": [int(t) for t in seq.pending_tokens], "text": seq.pending_text,
+            "logprobs": [float(v) for v in seq.pending_logprobs],
+            "top": [[[int(t), float(v)] for t, v in row] for row in seq.pending_top], "note": seq.pending_note}
+
+
+def pending_from_dict(seq: Sequence, d: dict[str, Any] | None) -> None:
+    """`pending_to_dict`'s output back onto `seq` (None, from a state saved before it was kept: nothing held)."""
+    if d is None:
+        return
+    seq.pending_tokens = [int(t) for t in d["tokens"]]
+    seq.pending_text = str(d["text"])
+    seq.pending_logprobs = [float(v) for v in d["logprobs"]]
+    seq.pending_top = [[(int(t), float(v)) for t, v in row] for row in d["top"]]
+    seq.pending_note = d["note"]

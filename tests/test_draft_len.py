@@ -182,8 +182,7 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
     assert plan.chunks[0].snapshot_at == (n + 1, n + 2, n + 3, n + 4)  # but the last
     # with decode graphs (`graph_drafts`: the drafts a sequence that a graph of n sequences takes): a step of
     # decodes alone verifies at most that many a sequence, a step beside a prompt's chunk every draft the budget
-    # leaves room for; under decode-priority, where the drafts would leave the prompt no token, the graph's and
-    # the prompt the rest
+    # leaves room for
     widths = []
 
     def takes(k):
@@ -203,10 +202,18 @@ def test_the_plan_gives_drafts_the_rows_the_budget_leaves_and_rollback_points():
     late = Request(tuple(prompts_of(["# notes\n" * 20])[0]), SamplingParams(temperature=0, max_tokens=4))
     e.add_request(late)
     e.admission(e)
-    starved = plan_step(e.running, e.cfg.replace(prefill_policy="decode-priority"), False, graph_drafts=takes(1))
-    assert [ch.drafts for ch in starved.chunks if not ch.seq.in_prefill] == [(1,), (5,), ()]
-    assert [ch.num_tokens for ch in starved.chunks if ch.seq.in_prefill] == [3]
-    assert widths[-1] == 4  # the prompt's sequence counted
+    # under decode-priority the prompt's chunk takes what the decodes' own tokens leave, as with no draft (5 of
+    # 8), and the drafts what it leaves (none); before, eagerly the drafts left it nothing, step after step
+    priority = e.cfg.replace(prefill_policy="decode-priority")
+    for graphs in (None, takes(1)):
+        starved = plan_step(e.running, priority, False, graph_drafts=graphs)
+        assert [ch.drafts for ch in starved.chunks if not ch.seq.in_prefill] == [(), (), ()]
+        assert [ch.num_tokens for ch in starved.chunks if ch.seq.in_prefill] == [5]
+    # ... where that leaves it one token (no chunk of two beside the decodes), a graph takes the step's drafts: its
+    # width counts the prompt's sequence
+    one = plan_step(e.running, priority.replace(max_batch_tokens=4), False, graph_drafts=takes(1))
+    assert [ch.num_tokens for ch in one.chunks if ch.seq.in_prefill] == [1]
+    assert widths[-1] == 4
     e.cfg = e.cfg.replace(max_batch_tokens=32)
     assert any(s.in_prefill for s in e.running)
     mixed = plan_step(e.running, e.cfg, False, graph_drafts=takes(1))
@@ -255,9 +262,9 @@ def test_a_chain_takes_no_page_and_drafts_lacking_pages_go_from_the_last():
 
 
 def test_drafts_never_take_a_page_a_later_plan_gives_a_prompt():
-    """Decode-priority: a draft takes the last free page, a later decode's drafts lack one and are cut, and the
-    budget they leave goes to a prompt's chunk, whose real tokens then need pages: the pages the drafts' rows took
-    go back before the next plan, so nobody is paused for a draft."""
+    """Decode-priority: a draft takes the last free page and a later decode's drafts lack one and are cut; the
+    prompt's chunk beside them keeps the tokens the policy gives it with no draft (`planner._prefill_reserve`: a
+    cut draft never hands it budget whose pages it lacks) and its pages, so nobody is paused for a draft."""
     e = _demo_engine(page_size=8, num_pages=64, max_batch_tokens=24, draft_len=7, prefill_policy="decode-priority")
     for p in prompts_of(CODE[:2]):
         e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
@@ -265,7 +272,7 @@ def test_drafts_never_take_a_page_a_later_plan_gives_a_prompt():
                                                                            for s in e.running):
         assert e.stats.steps < 150
         e.step()
-    e.add_request(Request(tuple(prompts_of(["# notes\n" * 30])[0]), SamplingParams(temperature=0, max_tokens=4)))
+    e.add_request(Request(tuple(prompts_of(["# notes\n" * 2])[0]), SamplingParams(temperature=0, max_tokens=4)))
     e.admission(e)
     a, b, c = e.running
     assert c.in_prefill
@@ -278,14 +285,17 @@ def test_drafts_never_take_a_page_a_later_plan_gives_a_prompt():
     hold(a, a.num_computed + 1)
     hold(b, b.num_computed + 1)
     a.drafts = b.drafts = tuple(range(1, 8))  # each needs a page more than it holds
-    hold(c, c.num_computed + 24 - 2 - 14)  # the prompt's chunk beside both, in full: within its pages
+    assert c.num_uncomputed <= 24 - 2 - 14  # a short prompt: room for both decodes' drafts beside its chunk
+    hold(c, c.num_tokens)  # the prompt's chunk beside both, in full: within its pages
     taken = []
     while (page := e.blocks.append()) is not None:
         taken.append(page)
     e.blocks.release([taken.pop()])  # one page free
     plan = e._plan_with_pages()
-    assert e.stats.pauses == 0 and any(x.seq is c for x in plan.chunks)
-    assert sum(x.num_tokens for x in plan.chunks) <= 24
+    assert e.stats.pauses == 0
+    assert [(x.seq, x.num_tokens) for x in plan.chunks if x.seq is c] == [(c, c.num_uncomputed)]
+    assert sum(x.num_tokens for x in plan.chunks) <= 24 and plan.chunks[0].drafts == a.drafts
+    assert len(b.pages) == e.blocks.pages_for(b.num_computed + 1 + len(plan.chunks[1].drafts))  # b's cut to its page
 
 
 def test_a_chain_stops_where_its_whole_run_is_no_longer_likely():

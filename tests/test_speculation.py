@@ -255,6 +255,33 @@ def test_drafts_leave_the_balanced_prefill_share():
     assert prefill(plan) == prefill(bare) == 16
 
 
+def test_drafts_never_starve_a_prompt_under_decode_priority():
+    """Under decode-priority a prompt's chunk takes what the decodes' own tokens leave; the drafts take only what
+    that chunk leaves then (a prompt gets the tokens it would get with no draft). Before, agents' drafts took the
+    whole budget: the prompt computed nothing, step after step, while they kept drafting."""
+    from decapybara.engine.planner import plan_step
+    from decapybara.engine.sequence import Request
+
+    e = _demo_engine(max_batch_tokens=16, prefill_policy="decode-priority", max_slots=4, num_pages=256, draft_len=7)
+    for p in prompts_of(CODE[:3]):
+        e.add_request(Request(tuple(p), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    while any(s.in_prefill for s in e.running) or len(e.running) < 3:
+        e.step()
+    long = prompts_of(["# notes\n" * 40])[0]
+    e.add_request(Request(tuple(long), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    e.admission(e)
+    for s in e.running:
+        s.drafts = () if s.in_prefill else (5,) * 7
+    plan = plan_step(e.running, e.cfg, snapshots=False)
+    assert sum(c.num_tokens for c in plan.chunks if c.seq.in_prefill) == 16 - 3  # what the three decodes leave
+    assert plan.num_tokens <= 16 and not any(c.drafts for c in plan.chunks)
+    # a short prompt leaves room: the drafts take what it does not
+    e.running[-1].tokens[e.running[-1].num_computed + 2:] = []
+    plan = plan_step(e.running, e.cfg, snapshots=False)
+    assert [c.num_tokens for c in plan.chunks if c.seq.in_prefill] == [2]
+    assert sum(len(c.drafts) for c in plan.chunks) == 16 - 3 - 2
+
+
 def test_verification_steps_fill_their_spare_rows_with_guesses():
     """With verification graphs (`Engine.fill_rows`), a decode step that verifies some draft also verifies the
     other decodes' doubtful guesses (their second rows are computed anyway): the plan gives them their guesses

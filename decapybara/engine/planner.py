@@ -13,7 +13,8 @@ snapshot there, so the prefix cache can reuse the state at that point: every `cf
 is reusable up to), and that of a chat prompt's history (`Request.history_end`: the agent's next turn repeats the
 history, not always the generation prompt). A sequence samples only when its chunk reaches its
 last token. With speculation, a decoding sequence that holds drafts (the tokens guessed after its last) computes
-them as more rows of its chunk, as many as the budget leaves room for (`ScheduledChunk.drafts`), with a state
+them as more rows of its chunk, as many as the budget leaves room for once the prompts' chunks have the tokens
+they would have with no draft (`ScheduledChunk.drafts`, `_prefill_reserve`), with a state
 snapshot after its real token and after each draft but the last for hybrid models (where a draft is rejected, the
 state goes back to the one after the tokens before it).
 """
@@ -70,9 +71,8 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
     budget = cfg.max_batch_tokens
     decodes = [s for s in running if not s.in_prefill]
     prefills = [s for s in running if s.in_prefill]
-    # drafts take only what the balanced policy's prefill share leaves (prefill still gets its share)
-    pending = sum(s.num_uncomputed for s in prefills)
-    share = min(pending, max(1, int(budget * cfg.balanced_prefill_share))) if cfg.prefill_policy == "balanced" else 0
+    # drafts take only what the prompts' chunks leave: those get the tokens they would get with no draft
+    share = _prefill_reserve(cfg, len(decodes), sum(s.num_uncomputed for s in prefills))
 
     def compose(cap: int | None) -> list[ScheduledChunk]:
         """The step's chunks, each decode verifying at most `cap` of its drafts (None: all)."""
@@ -100,7 +100,7 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
 
         def add_decodes(limit: int) -> int:
             """Decodes in order, one token each, and a sequence's drafts as more rows, as many as the budget leaves
-            while it keeps one token for every decode after it (and the balanced policy's prefill share)."""
+            while it keeps one token for every decode after it and the prompts' chunks theirs (`_prefill_reserve`)."""
             used = 0
             for k, s in enumerate(decodes):
                 if used >= limit:
@@ -140,6 +140,19 @@ def plan_step(running: list[Sequence], cfg: EngineConfig, snapshots: bool, fill_
     if not any(c.num_tokens - len(c.drafts) > 1 for c in chunks):
         chunks = compose(graph_drafts(len(decodes) + len(prefills)) or None)
     return StepPlan(chunks)
+
+
+def _prefill_reserve(cfg: EngineConfig, decodes: int, pending: int) -> int:
+    """The tokens of a step's budget that its prompts' chunks (`pending` tokens uncomputed) take beside `decodes`
+    decoding sequences when no sequence holds a draft, which drafts therefore never take: balanced, the prefill
+    share; decode-priority, what the decodes' own tokens leave; prefill-priority none (its chunks are planned
+    before the decodes and their drafts)."""
+    budget = cfg.max_batch_tokens
+    if cfg.prefill_policy == "balanced":
+        return min(pending, max(1, int(budget * cfg.balanced_prefill_share)))
+    if cfg.prefill_policy == "decode-priority":
+        return min(pending, max(0, budget - decodes))
+    return 0
 
 
 def _boundaries(s: Sequence, n: int, every: int, page_size: int) -> tuple[int, ...]:

@@ -3,14 +3,31 @@
 `render_chat` renders exactly what transformers' `apply_chat_template(..., tokenize=False)` renders for the same
 template and inputs: same sandbox, same globals and `tojson`, same whitespace settings, same message clean-up.
 `parse_assistant_output` and `StreamingOutputParser` split model output into reasoning (`<think>...</think>`),
-content and tool calls (`<tool_call>{json}</tool_call>`); the streaming parser gives the same result as the batch
-one however the text is cut into deltas.
+content and tool calls; the streaming parser gives the same result as the batch one however the text is cut into
+deltas.
+
+A call's body (between `<tool_call>` and `</tool_call>`) is in one of two forms (`CallSyntax`), the one the chat
+template writes (`template_call_format`):
+- "json" (Qwen2.5 / Qwen3 templates): ``{"name": NAME, "arguments": {...}}``;
+- "xml" (Qwen3.5 / Qwen3.6 / Qwen3-Coder templates, whose text holds ``<function=`` and ``<parameter=``)::
+
+      <function=NAME>
+      <parameter=KEY>
+      VALUE
+      </parameter>
+      </function>
+
+  a VALUE is the text between ``<parameter=KEY>\n`` and the first ``\n</parameter>``: raw text for a string
+  parameter, JSON text for others (the templates write ``value|string`` or ``value|tojson``). Each value is read by
+  the kinds of value its parameter's schema admits (`ParamKinds`, which `engine.json_schema.xml_param_kinds`
+  finds, as the constraint that writes XML calls does; `xml_value` says how).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache, lru_cache
@@ -31,12 +48,23 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
+# the XML form's markup (`CallSyntax`): a value ends at the first VALUE_END
+FUNCTION, END_FUNCTION = "<function=", "</function>"
+PARAMETER, VALUE_END = "<parameter=", "\n</parameter>"
+CALL_FORMATS = ("json", "xml")
 
 
 @cache
 def default_chat_template() -> str:
     """The packaged Qwen3-style ChatML template (decapybara/templates/qwen_chatml.jinja)."""
     return (resources.files("decapybara") / "templates" / "qwen_chatml.jinja").read_text(encoding="utf-8")
+
+
+def template_call_format(template: str) -> str:
+    """The form a chat template writes tool calls in (`CallSyntax`): "xml" where its text holds ``<function=`` and
+    ``<parameter=`` (Qwen3.5 / Qwen3.6 / Qwen3-Coder templates, which instruct and render calls that way), else
+    "json"."""
+    return "xml" if FUNCTION in template and PARAMETER in template else "json"
 
 
 # ----------------------------------------------------------------------------------------------- rendering
@@ -306,19 +334,154 @@ def _cut_short(body: str) -> bool:
     return False
 
 
-def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = True,
+# ----------------------------------------------------------------------------------------------- XML calls
+
+
+@dataclass(slots=True, frozen=True)
+class ParamKinds:
+    """The kinds of value each parameter of a tool admits, by name (JSON types, integers counted as "number";
+    None: any kind), and `extra`, those of a parameter it does not declare (None: any)."""
+
+    kinds: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
+    extra: frozenset[str] | None = None
+
+    def of(self, name: str) -> frozenset[str] | None:
+        return self.kinds.get(name, self.extra)
+
+
+def value_form(kinds: frozenset[str] | None) -> str:
+    """How an XML call writes a value of `kinds` (`ParamKinds`): "string" (strings only: the raw text), "json"
+    (no strings: JSON text), or "text" (a string beside other kinds, or any kind: raw text or JSON)."""
+    if kinds is not None and kinds == {"string"}:
+        return "string"
+    return "json" if kinds is not None and "string" not in kinds else "text"
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "string" if isinstance(value, str) else "array" if isinstance(value, list) else "object"
+
+
+def xml_value(text: str, kinds: frozenset[str] | None) -> Any:
+    """An XML call's VALUE text read by its parameter's `kinds` (`value_form`), as vLLM's and SGLang's qwen3_coder
+    parsers read it: "string", the text itself; "json", its JSON value (strict, `strict_json`), else a boolean
+    written in any case (``True``, as a template's ``value|string`` writes one), else the text; "text", its JSON
+    value where that is of a kind other than a string the parameter admits, else the text (so that a string that
+    reads as JSON of another kind stays the string the template writes back as it was)."""
+    form = value_form(kinds)
+    if form == "string":
+        return text
+    try:
+        value = strict_json(text)
+    except (ValueError, RecursionError):
+        if form == "json" and "boolean" in kinds and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
+        return text
+    if form == "json":
+        return value
+    return value if not isinstance(value, str) and (kinds is None or _kind(value) in kinds) else text
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _xml_name(body: str, pos: int, opener: str) -> tuple[str, int] | None:
+    """The name of `opener` (``<function=`` or ``<parameter=``) at `pos` up to its ``>``, and the position after
+    that; None where there is none (no opener, an empty name, or one that runs past a line or a tag)."""
+    if not body.startswith(opener, pos):
+        return None
+    start = pos + len(opener)
+    end = body.find(">", start)
+    name = body[start:end] if end >= 0 else ""
+    if not name or "\n" in name or "<" in name:
+        return None
+    return name, end + 1
+
+
+def _read_xml_call(body: str, params: Mapping[str, ParamKinds]) -> tuple[ToolCall | None, bool]:
+    """(the call in an XML body or None, whether the body ends inside a parameter's value). A call is
+    ``<function=NAME>`` then parameters ``<parameter=KEY>`` VALUE (after one newline, up to the first
+    `VALUE_END`), then ``</function>``, whitespace between them and at the ends; a later value of a key replaces
+    an earlier one."""
+    head = _xml_name(body, _skip_ws(body, 0), FUNCTION)
+    if head is None:
+        return None, False
+    name, pos = head
+    kinds = params.get(name, ParamKinds())
+    args: dict[str, Any] = {}
+    while True:
+        pos = _skip_ws(body, pos)
+        if body.startswith(END_FUNCTION, pos):
+            whole = _skip_ws(body, pos + len(END_FUNCTION)) == len(body)
+            return (ToolCall(name, args) if whole else None), False
+        key = _xml_name(body, pos, PARAMETER)
+        if key is None:
+            return None, False
+        key_name, pos = key
+        if body.startswith("\n", pos):
+            pos += 1
+        end = body.find(VALUE_END, pos)
+        if end < 0:
+            return None, True
+        args[key_name] = xml_value(body[pos:end], kinds.of(key_name))
+        pos = end + len(VALUE_END)
+
+
+@dataclass(slots=True, frozen=True)
+class CallSyntax:
+    """The form of a call's body (module docstring): `format` "json" or "xml"; `params`, each offered tool's
+    `ParamKinds` by name (the XML form reads values by them; a tool not in it takes any kind)."""
+
+    format: str = "json"
+    params: Mapping[str, ParamKinds] = field(default_factory=dict)
+
+    def parse(self, body: str) -> ToolCall | None:
+        """The call a `<tool_call>` body holds, or None."""
+        if self.format == "xml":
+            return _read_xml_call(body, self.params)[0]
+        return parse_tool_call(body)
+
+    def cut_short(self, body: str) -> bool:
+        """Whether a body that is no call ends inside a value (JSON: a string left open; XML: a parameter's value
+        without its end), so that the `</tool_call>` it stopped at was the value's text, not the close."""
+        if self.format == "xml":
+            return _read_xml_call(body, self.params)[1]
+        return _cut_short(body)
+
+
+JSON_CALLS = CallSyntax()
+
+
+def _syntax(tools: bool | CallSyntax | None) -> CallSyntax | None:
+    """The parsers' `tools` argument as a syntax: None (calls are text), True (the JSON form) or a syntax."""
+    if isinstance(tools, CallSyntax):
+        return tools
+    return JSON_CALLS if tools else None
+
+
+def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool | CallSyntax | None = True,
                            max_calls: int | None = None, reasoning_once: bool = False) -> ParsedOutput:
     """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
 
     `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
     inside reasoning. Reasoning is every `<think>` section, content the text outside them and outside valid
     tool calls, each stripped of surrounding whitespace. A `</tool_call>` inside the call's JSON (a body cut short
-    there) does not close it. A `<tool_call>` block whose body is not a valid call, or one never closed, stays in
-    the content verbatim. `tools` False: `<tool_call>` is text. `max_calls`: valid calls past it are dropped.
+    there) does not close it (nor one inside an XML call's value). A `<tool_call>` block whose body is not a valid
+    call, or one never closed, stays in the content verbatim. `tools`: the calls' form (`CallSyntax`; True: JSON),
+    or False / None: `<tool_call>` is text. `max_calls`: valid calls past it are dropped.
     A stray `</think>` in content is dropped. `reasoning_once` (a constrained reply, whose answer may hold the
     tags' text inside its JSON strings): reasoning opens only before any content, and once it closes, or content
     has begun, `<think>` and `</think>` are text.
     """
+    syntax = _syntax(tools)
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[ToolCall] = []
@@ -332,7 +495,7 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
                 break
             pos, thinking, settled = end + len(END_THINK), False, reasoning_once
             continue
-        tags = (THINK, END_THINK, TOOL_CALL) if tools else (THINK, END_THINK)
+        tags = (THINK, END_THINK, TOOL_CALL) if syntax else (THINK, END_THINK)
         hits = [(i, tag) for tag in tags if (i := text.find(tag, pos)) >= 0]
         if not hits:
             content.append(text[pos:])
@@ -351,10 +514,10 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool = 
             settled |= reasoning_once
         elif tag == TOOL_CALL:
             end = text.find(END_TOOL_CALL, pos)
-            call = parse_tool_call(text[pos:end]) if end >= 0 else None
-            while end >= 0 and call is None and _cut_short(text[pos:end]):  # the tag was inside its JSON
+            call = syntax.parse(text[pos:end]) if end >= 0 else None
+            while end >= 0 and call is None and syntax.cut_short(text[pos:end]):  # the tag was inside a value
                 end = text.find(END_TOOL_CALL, end + len(END_TOOL_CALL))
-                call = parse_tool_call(text[pos:end]) if end >= 0 else None
+                call = syntax.parse(text[pos:end]) if end >= 0 else None
             if end < 0:
                 content.append(text[start:])
                 break
@@ -379,7 +542,7 @@ class ContentDelta:
 
 @dataclass(slots=True, frozen=True)
 class ToolCallEvent:
-    """A tool call, emitted once its closing tag arrived and its JSON parsed."""
+    """A tool call, emitted once its closing tag arrived and its body parsed."""
 
     index: int
     tool_call: ToolCall
@@ -428,11 +591,12 @@ class StreamingOutputParser:
 
     _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
 
-    def __init__(self, in_reasoning: bool = False, tools: bool = True, max_calls: int | None = None,
-                 reasoning_once: bool = False, continues: bool = False) -> None:
-        """`continues`: the text continues a part the prompt began (a prefilled reply): that part's leading
-        whitespace is the model's, kept."""
-        self._content_tags = self._CONTENT_TAGS if tools else (THINK, END_THINK)
+    def __init__(self, in_reasoning: bool = False, tools: bool | CallSyntax | None = True,
+                 max_calls: int | None = None, reasoning_once: bool = False, continues: bool = False) -> None:
+        """`tools` as `parse_assistant_output` takes it. `continues`: the text continues a part the prompt began (a
+        prefilled reply): that part's leading whitespace is the model's, kept."""
+        self._syntax = _syntax(tools)
+        self._content_tags = self._CONTENT_TAGS if self._syntax else (THINK, END_THINK)
         self._once = reasoning_once
         self._settled = False  # reasoning_once: the think tags are text from here on
         self._max_calls = max_calls
@@ -480,8 +644,8 @@ class StreamingOutputParser:
                 return False
             body = "".join(self._in_tool) + buf[:end]
             self._in_tool, self._buf = None, buf[end + len(END_TOOL_CALL):]
-            call = parse_tool_call(body)
-            if call is None and _cut_short(body):  # the tag was inside its JSON: read on to the next one
+            call = self._syntax.parse(body)
+            if call is None and self._syntax.cut_short(body):  # the tag was inside a value: read on to the next
                 self._in_tool = [body + END_TOOL_CALL]
                 return True
             if call is None:

@@ -1,4 +1,5 @@
-"""Builders of tiny models and tokenizers for tests, benchmarks and the GPU checks.
+"""Builders of tiny models and tokenizers for tests, benchmarks and the GPU checks, and a chat template that
+writes tool calls in Qwen3.5 / Qwen3.6's XML form (`XML_CHAT_TEMPLATE`).
 
 Nothing here downloads anything: tokenizers are trained on a fixed in-repo text, HF checkpoints are built with
 transformers' ``from_config`` under a fixed seed. torch and transformers are imported lazily (test extra).
@@ -58,6 +59,87 @@ def make_tokenizer_json(vocab_size: int = 512, extra_special: tuple[str, ...] = 
     )
     tok.train_from_iterator([_TRAIN_TEXT] * 4, trainer=trainer)
     return tok.to_str()
+
+
+# A chat template in the structure of Qwen3.5 / Qwen3.6's (tools and the XML call form in the system turn, past
+# calls rendered as XML, values that are no strings as JSON, as Qwen3.6 writes them), for tests of that form.
+XML_CHAT_TEMPLATE = """\
+{%- macro render_content(content) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for part in content %}
+            {{- part.text }}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- if tools %}
+    {{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n' }}
+    {{- '<tool_call>\\n<function=example_function_name>\\n' }}
+    {{- '<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n' }}
+    {{- '</function>\\n</tool_call>' }}
+    {%- if messages[0].role == 'system' %}
+        {{- '\\n\\n' + render_content(messages[0].content) }}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
+        {%- break %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content) %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if loop.index0 > ns.last_query_index and message.reasoning_content is string %}
+            {{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}
+        {%- endif %}
+        {{- content.lstrip('\\n') }}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {%- if loop.first %}
+                {{- ('\\n\\n' if content | trim else '') + '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}
+            {%- else %}
+                {{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}
+            {%- endif %}
+            {%- for args_name, args_value in tool_call.arguments|items %}
+                {{- '<parameter=' + args_name + '>\\n' }}
+                {{- args_value if args_value is string else args_value | tojson }}
+                {{- '\\n</parameter>\\n' }}
+            {%- endfor %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
 
 
 # Tiny HF configs, one per family: small enough for CPU tests, with every structural feature present

@@ -1,4 +1,5 @@
-"""The byte-level BPE tokenizer (HF `tokenizers`), chat rendering on top of it, and incremental detokenisation.
+"""The byte-level BPE tokenizer (HF `tokenizers`), chat rendering on top of it (and the form its chat template
+writes tool calls in, `Tokenizer.tool_format`), and incremental detokenisation.
 
 Only byte-level tokenizers (the Qwen family's) are accepted: every token then stands for a fixed byte string,
 which lets `IncrementalDetokenizer` turn a token stream into text in O(1) per token and still give exactly what
@@ -176,6 +177,13 @@ class Tokenizer:
         return self._bytes
 
     # ------------------------------------------------------------------------------------------ chat
+
+    @property
+    def tool_format(self) -> str:
+        """The form the chat template writes tool calls in, which the model is taught to write them in: "xml"
+        (Qwen3.5 / Qwen3.6 templates) or "json" (Qwen2.5 / Qwen3, the built-in template);
+        `chat.template_call_format`."""
+        return chat.template_call_format(self.chat_template)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, enable_thinking: bool = True, **template_vars: Any) -> str:

@@ -81,3 +81,49 @@ def test_a_prompt_past_the_context_is_reported_as_anthropic_words_it():
     assert body["error"]["message"].startswith("prompt is too long: ")
     assert "context of 64 tokens" in body["error"]["message"]
     assert err.openai_body()["error"]["message"] == str(exc.value)  # the OpenAI shape keeps its own words
+
+
+def test_xml_calls_are_tool_use_blocks_whole_and_streamed():
+    """Under a template that writes XML calls (Qwen3.5 / 3.6): tool_choice any / tool / auto constrain calls in that
+    form; the model's XML call is a tool_use block whose input is read by the tool's schema, streamed as one
+    input_json_delta in chunks of any size, stop_reason "tool_use"; sent back as a tool_use block it renders to the
+    text the model wrote."""
+    from decapybara.testing import XML_CHAT_TEMPLATE
+
+    tok = Tokenizer.from_json(make_tokenizer_json(), chat_template=XML_CHAT_TEMPLATE)
+    client = FakeClient(tokenizer=tok)
+    tools = [{"name": "run", "input_schema": {"type": "object", "properties": {
+        "command": {"type": "string"}, "timeout": {"type": "integer"}, "quiet": {"type": "boolean"}},
+        "required": ["command"]}}]
+    messages = [{"role": "user", "content": "List the files."}]
+
+    def xml_plan(**body):
+        req = an.MessagesRequest.model_validate({"model": "m", "max_tokens": 64, "messages": messages,
+                                                 "tools": tools, **body})
+        return anthropic_api.plan_message(req, client, "m", None)
+
+    for choice, lazy in (({"type": "any"}, False), ({"type": "tool", "name": "run"}, False),
+                         ({"type": "auto"}, True)):
+        params = xml_plan(tool_choice=choice).request.params
+        assert json.loads(params.tool_calls)["format"] == "xml" and params.lazy_tool_calls == lazy
+    p = xml_plan()
+    text = ("Listing.\n\n<tool_call>\n<function=run>\n<parameter=command>\nls -l | grep '<x>'\n</parameter>\n"
+            "<parameter=timeout>\n30\n</parameter>\n<parameter=quiet>\nfalse\n</parameter>\n</function>\n</tool_call>")
+    args = {"command": "ls -l | grep '<x>'", "timeout": 30, "quiet": False}
+    for size in (1, 3, len(text)):
+        whole, data = reply(p, *[text[i:i + size] for i in range(0, len(text), size)])
+        assert whole["stop_reason"] == "tool_use"
+        assert [b["type"] for b in whole["content"]] == ["text", "tool_use"]
+        assert whole["content"][1]["name"] == "run" and whole["content"][1]["input"] == args
+        partial = [e["delta"]["partial_json"] for e in data if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "input_json_delta"]
+        assert json.loads("".join(partial)) == args and streamed_text(data) == "Listing."
+    follow = [*messages, {"role": "assistant", "content": whole["content"]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": whole["content"][1]["id"],
+                                            "content": "a.py"}]}]
+    req = an.MessagesRequest.model_validate({"model": "m", "max_tokens": 64, "messages": follow, "tools": tools})
+    again = anthropic_api.plan_message(req, client, "m", None)
+    # (the empty think block of a reply without thinking is the template's to drop; the reply's text stays whole)
+    assert p.prompt.text.endswith("<think>\n\n</think>\n\n")
+    history = p.prompt.text.removesuffix("<think>\n\n</think>\n\n")
+    assert again.prompt.text.startswith(history + text + "<|im_end|>\n"), again.prompt.text

@@ -1614,3 +1614,87 @@ def test_a_think_tag_in_the_users_text_opens_no_reasoning(stack):
                                            stop=["STOP"], max_tokens=40)
     assert r.choices[0].message.content == "Alpha Beta" and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+# ---------------------------------------------------------------------------------------------- XML calls
+
+XML_TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "count": {"type": "integer"}, "force": {"type": "boolean"},
+    "options": {"type": "object"}}, "required": ["path"]}}}]
+XML_CALL = ("<tool_call>\n<function=edit>\n<parameter=path>\nsrc/a.py\nsecond line\n</parameter>\n"
+            "<parameter=count>\n3\n</parameter>\n<parameter=force>\ntrue\n</parameter>\n"
+            '<parameter=options>\n{"depth": 2, "names": ["a"]}\n</parameter>\n</function>\n</tool_call>')
+XML_ARGS = {"path": "src/a.py\nsecond line", "count": 3, "force": True, "options": {"depth": 2, "names": ["a"]}}
+XML_REPLY = "<think>\nEdit it.\n</think>\n\nEditing now.\n\n" + XML_CALL
+
+
+@dataclass
+class XmlClient:
+    """What the planners read of a client: a tokenizer whose chat template writes XML calls (Qwen3.5 / 3.6)."""
+
+    tokenizer: Tokenizer
+    max_model_len: int = 4096
+    vocab_size: int = 512
+
+
+def xml_client() -> XmlClient:
+    from decapybara.testing import XML_CHAT_TEMPLATE
+
+    return XmlClient(Tokenizer.from_json(make_tokenizer_json(), chat_template=XML_CHAT_TEMPLATE))
+
+
+def scripted_events(request_id: str, text: str, size: int) -> list:
+    """`text` as engine events of `size` characters each, the last one finishing."""
+    from decapybara.engine.sequence import FinishReason, TokenEvent
+
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    return [TokenEvent(request_id, [1], piece, finish_reason=FinishReason.STOP if i == len(pieces) - 1 else None,
+                       num_prompt_tokens=10, num_output_tokens=i + 1) for i, piece in enumerate(pieces)]
+
+
+def test_xml_calls_are_openai_tool_calls_whole_streamed_and_sent_back():
+    """Under a template that writes XML calls: tool_choice required / named / auto constrain the calls in that
+    form; the model's XML call is a tool call whose arguments are read by the tool's schema (whole, and streamed
+    in chunks of 1, 3 or all characters), finish_reason "tool_calls"; sent back, it renders to the very text the
+    model wrote, so the next prompt starts with this one's prompt and reply."""
+    from decapybara.api import openai_schemas as oa
+    from decapybara.api.common import Collected
+    from decapybara.api.openai_api import ChatStream, chat_completion, plan_chat
+
+    client = xml_client()
+    messages = user("Edit src/a.py.")
+
+    def plan(**body):
+        req = oa.ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "tools": XML_TOOLS,
+                                                       **body})
+        return plan_chat(req, client, "m", None)
+
+    for choice, lazy in (("required", False), ({"type": "function", "function": {"name": "edit"}}, False),
+                         ("auto", True)):
+        params = plan(tool_choice=choice).request.params
+        assert json.loads(params.tool_calls)["format"] == "xml" and params.lazy_tool_calls == lazy
+    p = plan()
+    assert p.prompt.call_format == "xml" and "<function=example_function_name>" in p.prompt.text
+    done = Collected()
+    for ev in scripted_events(p.request.request_id, XML_REPLY, len(XML_REPLY)):
+        done.add(ev)
+    r = chat_completion(p, done, client.tokenizer)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Editing now."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "edit" and json.loads(call.function.arguments) == XML_ARGS
+    for size in (1, 3, len(XML_REPLY)):
+        stream = ChatStream(p, client.tokenizer)
+        events = scripted_events(p.request.request_id, XML_REPLY, size)
+        lines = [line for ev in events for line in stream.event(ev)] + stream.finish(events[-1])
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+        assert calls[0]["function"]["name"] == "edit" and json.loads(calls[1]["function"]["arguments"]) == XML_ARGS
+        assert "".join(d.get("content") or "" for d in deltas) == "Editing now."
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    follow = [*messages, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    again = plan_chat(oa.ChatCompletionRequest.model_validate({"model": "m", "messages": follow,
+                                                               "tools": XML_TOOLS}), client, "m", None)
+    assert again.prompt.text.startswith(p.prompt.text + XML_REPLY + "<|im_end|>\n"), again.prompt.text

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from decapybara.chat import (
+    CallSyntax,
     ContentDelta,
     ReasoningDelta,
     StreamingOutputParser,
@@ -17,9 +18,11 @@ from decapybara.chat import (
     parse_assistant_output,
     prompt_opens_reasoning,
     render_chat,
+    template_call_format,
 )
+from decapybara.engine.json_schema import xml_param_kinds
 from decapybara.errors import ConfigError, InvalidRequestError
-from decapybara.testing import make_tokenizer_json
+from decapybara.testing import XML_CHAT_TEMPLATE, make_tokenizer_json
 
 TOOLS = [
     {"type": "function", "function": {
@@ -273,8 +276,8 @@ def test_prompt_opens_reasoning():
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\nx</think>\n")
 
 
-def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False):
-    parser = StreamingOutputParser(in_reasoning=in_reasoning, reasoning_once=once)
+def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False, tools=True):
+    parser = StreamingOutputParser(in_reasoning=in_reasoning, tools=tools, reasoning_once=once)
     events = []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         events += parser.feed(text[a:b])
@@ -282,9 +285,10 @@ def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False):
     return parser, events
 
 
-def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool, once: bool = False) -> None:
-    parser, events = _stream(text, cuts, in_reasoning, once)
-    batch = parse_assistant_output(text, in_reasoning=in_reasoning, reasoning_once=once)
+def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool, once: bool = False,
+                               tools=True) -> None:
+    parser, events = _stream(text, cuts, in_reasoning, once, tools)
+    batch = parse_assistant_output(text, in_reasoning=in_reasoning, tools=tools, reasoning_once=once)
     assert parser.result() == batch, (text, cuts)
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == batch.content
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
@@ -400,3 +404,121 @@ def test_a_prompt_without_turn_markers_is_read_whole_for_open_reasoning():
     assert prompt_opens_reasoning("<think>")
     assert not prompt_opens_reasoning("User: q\nAssistant: <think>\nr\n</think>\n\n")
     assert not prompt_opens_reasoning("User: q\nAssistant: ")
+
+
+# ---------------------------------------------------------------------------------------------- XML calls
+
+XML_PARAMS = {"type": "object", "properties": {
+    "path": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+    "force": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "mode": {"enum": ["r", "w"]}}, "required": ["path"]}
+XML_TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": XML_PARAMS}},
+             {"type": "function", "function": {"name": "ping"}}]
+XML = CallSyntax("xml", {t["function"]["name"]: xml_param_kinds(t["function"].get("parameters")) for t in XML_TOOLS})
+
+
+def _xml_call(name: str, *params: tuple[str, str]) -> str:
+    """A call as the XML templates write it (each value's text as given)."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_the_call_format_is_the_chat_templates(tmp_path):
+    """A template whose text holds `<function=` (Qwen3.5 / Qwen3.6) writes XML calls; the built-in one JSON; a model
+    folder's chat_template.jinja settles it for its tokenizer."""
+    assert template_call_format(default_chat_template()) == "json"
+    assert template_call_format(XML_CHAT_TEMPLATE) == "xml"
+    assert template_call_format("<function=example>{json}</function>") == "json"  # no <parameter=: not this form
+    from decapybara.tokenizer import Tokenizer
+
+    assert Tokenizer.from_json(make_tokenizer_json()).tool_format == "json"
+    assert Tokenizer.from_json(make_tokenizer_json(), chat_template=XML_CHAT_TEMPLATE).tool_format == "xml"
+    (tmp_path / "tokenizer.json").write_text(make_tokenizer_json())
+    (tmp_path / "chat_template.jinja").write_text(XML_CHAT_TEMPLATE)
+    assert Tokenizer.from_file(tmp_path).tool_format == "xml"
+
+
+def test_an_xml_calls_values_are_read_by_their_parameters_schema():
+    """A string is its raw text (one newline either side is the markup's); integers, numbers, booleans (in any
+    case), null, objects and arrays are their JSON; a string beside null is null only as ``null``; an undeclared
+    parameter's JSON where it is no string, else its text; what does not parse stays text."""
+    call = _xml_call("edit", ("path", "src/a b.py"), ("count", "3"), ("ratio", "0.5"), ("force", "True"),
+                     ("options", '{"a": [1, "x"]}'), ("tags", '["x", "y"]'), ("note", "null"), ("mode", "w"),
+                     ("extra", "[1]"), ("other", '"quoted"'))
+    out = parse_assistant_output("<think>\nr\n</think>\n\nI will edit.\n\n" + call, tools=XML)
+    assert (out.reasoning, out.content) == ("r", "I will edit.")
+    assert out.tool_calls == [ToolCall("edit", {
+        "path": "src/a b.py", "count": 3, "ratio": 0.5, "force": True, "options": {"a": [1, "x"]},
+        "tags": ["x", "y"], "note": None, "mode": "w", "extra": [1], "other": '"quoted"'})]
+    text = _xml_call("edit", ("path", "\n  indented\n\nlines\n"), ("note", "42"), ("count", "three"),
+                     ("options", "{bad"), ("force", "yes"))
+    args = parse_assistant_output(text, tools=XML).tool_calls[0].arguments
+    assert args == {"path": "\n  indented\n\nlines\n", "note": "42", "count": "three", "options": "{bad",
+                    "force": "yes"}
+    assert parse_assistant_output(_xml_call("ping"), tools=XML).tool_calls == [ToolCall("ping", {})]
+    assert parse_assistant_output(_xml_call("unknown", ("n", "5"), ("s", "five")), tools=XML).tool_calls == [
+        ToolCall("unknown", {"n": 5, "s": "five"})]
+    # a schema whose keyword the constraint does not enforce (its calls take any parameters): still read by it
+    odd = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}, "s": {"type": "string"}}}
+    syntax = CallSyntax("xml", {"odd": xml_param_kinds(odd)})
+    assert parse_assistant_output(_xml_call("odd", ("n", "6"), ("s", "123")), tools=syntax).tool_calls == [
+        ToolCall("odd", {"n": 6, "s": "123"})]
+
+
+@pytest.mark.parametrize("body", [
+    "\n<function=edit>\n<parameter=path>\na\n</parameter>\n",  # no </function>
+    "\n<function=edit>\n<parameter=path>\na\n</parameter>\n</function>\ntrailing\n",
+    '\n{"name": "edit", "arguments": {"path": "a"}}\n',  # the JSON form, not this template's
+    "\n<function=>\n</function>\n", "\n<function=edit\n</function>\n", "\nno call\n",
+    "\n<function=edit>\nstray text\n</function>\n", "\n<function=edit>\n<parameter=>\nx\n</parameter>\n</function>\n",
+    "\n<function=edit>\n<parameter=path>\nnever closed\n</function>\n"])
+def test_a_malformed_xml_call_stays_content_verbatim(body):
+    text = f"Before <tool_call>{body}</tool_call> after"
+    out = parse_assistant_output(text, tools=XML)
+    assert out.tool_calls == [] and out.content == text
+    for size in (1, 3, len(text)):
+        _check_stream_equals_batch(text, list(range(size, len(text), size)), in_reasoning=False, tools=XML)
+
+
+def test_a_closing_tag_inside_an_xml_value_does_not_close_the_call():
+    """A value writing about tool calls holds `</tool_call>` (and `</parameter>` not after a newline): the call runs
+    to the tag that closes it."""
+    value = "a </tool_call> b </parameter> c"
+    text = "Saving.\n" + _xml_call("edit", ("path", value)) + "\nDone."
+    out = parse_assistant_output(text, tools=XML)
+    assert out.tool_calls == [ToolCall("edit", {"path": value})] and out.content == "Saving.\n\nDone."
+    never = parse_assistant_output("<tool_call>\n<function=edit>\n<parameter=path>\nx </tool_call> y", tools=XML)
+    assert never.tool_calls == [] and never.content.startswith("<tool_call>")
+
+
+def test_xml_calls_streamed_in_any_chunks_are_the_batch_ones():
+    """Reasoning, text, two calls and a malformed block, streamed 1, 3 or all characters at a time, and at every
+    single cut: the same calls, content and reasoning as the batch parser's."""
+    text = ("<think>\nplan it\n</think>\n\nFirst.\n\n"
+            + _xml_call("edit", ("path", "x </tool_call> y"), ("count", "7"), ("options", '{"k": "v"}'))
+            + "\n" + _xml_call("ping") + "\n<tool_call>\n<function=edit>\nbad\n</tool_call>\nLast.")
+    batch = parse_assistant_output(text, tools=XML)
+    assert [c.name for c in batch.tool_calls] == ["edit", "ping"] and batch.reasoning == "plan it"
+    assert batch.tool_calls[0].arguments == {"path": "x </tool_call> y", "count": 7, "options": {"k": "v"}}
+    for size in (1, 3, len(text)):
+        _check_stream_equals_batch(text, list(range(size, len(text), size)), in_reasoning=False, tools=XML)
+    for cut in range(1, len(text)):
+        _check_stream_equals_batch(text, [cut], in_reasoning=False, tools=XML)
+
+
+def test_an_xml_call_sent_back_renders_as_the_model_wrote_it():
+    """The model's call, parsed and sent back (arguments as a JSON string or an object), renders through its
+    template to the very text it wrote: strings raw (several lines), integers, booleans and objects as JSON."""
+    from decapybara.api.common import call_arguments
+
+    call = _xml_call("edit", ("path", "a.py\nsecond line"), ("count", "12"), ("force", "false"),
+                     ("options", '{"depth": 2, "names": ["a", "b"]}'))
+    written = f"<think>\nCheck.\n</think>\n\nEditing.\n\n{call}"
+    user = [{"role": "user", "content": "Edit it."}]
+    prompt = render_chat(user, XML_TOOLS, template=XML_CHAT_TEMPLATE)
+    out = parse_assistant_output(written, tools=XML)
+    for arguments in (out.tool_calls[0].arguments_json(), out.tool_calls[0].arguments):
+        sent = {"role": "assistant", "content": out.content, "reasoning_content": out.reasoning,
+                "tool_calls": [_call("edit", call_arguments(arguments))]}
+        again = render_chat([*user, sent, {"role": "tool", "content": "ok"}], XML_TOOLS, template=XML_CHAT_TEMPLATE)
+        assert again.startswith(prompt + written + "<|im_end|>\n"), again

@@ -924,3 +924,52 @@ def test_a_bad_input_item_names_its_field_without_the_items_kind(stack, item, pa
     with the kind of item or part pydantic read it as in between."""
     r = _post(stack.url + "/v1/responses", {"model": "m", "input": [item]})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_xml_calls_are_function_call_items_whole_and_streamed():
+    """Under a template that writes XML calls (Qwen3.5 / 3.6): a required tool_choice constrains calls in that
+    form; the model's XML call is a function_call item whose JSON arguments are read by the tool's schema, whole
+    and streamed in chunks of 1, 3 or all characters; sent back as an item it renders as the model wrote it."""
+    from types import SimpleNamespace
+
+    from test_api import XML_ARGS, XML_REPLY, XML_TOOLS, make_tokenizer_json, scripted_events
+
+    from decapybara.api import openai_responses as orr
+    from decapybara.api import responses_schemas as rs
+    from decapybara.api.common import Collected
+    from decapybara.testing import XML_CHAT_TEMPLATE
+    from decapybara.tokenizer import Tokenizer
+
+    client = SimpleNamespace(tokenizer=Tokenizer.from_json(make_tokenizer_json(), chat_template=XML_CHAT_TEMPLATE),
+                             max_model_len=4096, vocab_size=512)
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in XML_TOOLS]
+    user = [{"role": "user", "content": "Edit src/a.py."}]
+
+    def plan(**body):
+        return orr.plan_response(rs.ResponsesRequest.model_validate({"input": user, "tools": tools, **body}),
+                                 client, "m", None)
+
+    assert json.loads(plan(tool_choice="required").request.params.tool_calls)["format"] == "xml"
+    p = plan()
+    done = Collected()
+    for ev in scripted_events(p.request.request_id, XML_REPLY, len(XML_REPLY)):
+        done.add(ev)
+    whole = orr.response(p, done, client.tokenizer)
+    assert [i.type for i in whole.output] == ["reasoning", "message", "function_call"]
+    call = whole.output[2]
+    assert call.name == "edit" and json.loads(call.arguments) == XML_ARGS
+    for size in (1, 3, len(XML_REPLY)):
+        stream = orr.ResponseStream(p, client.tokenizer)
+        events = scripted_events(p.request.request_id, XML_REPLY, size)
+        lines = stream.start(events[0]) + [line for ev in events for line in stream.event(ev)] + stream.end(events[-1])
+        data = [json.loads(line.split("\ndata: ")[1]) for line in lines if "\ndata: " in line]
+        done_args = [e["arguments"] for e in data if e["type"] == "response.function_call_arguments.done"]
+        assert [json.loads(a) for a in done_args] == [XML_ARGS]
+        assert data[-1]["type"] == "response.completed"
+    items = [*user, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Edit it."}]},
+             {"role": "assistant", "content": "Editing now."},
+             {"type": "function_call", "call_id": call.call_id, "name": "edit", "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "done"}]
+    again = orr.plan_response(rs.ResponsesRequest.model_validate({"input": items, "tools": tools}), client, "m", None)
+    assert XML_REPLY + "<|im_end|>" in again.prompt.text, again.prompt.text

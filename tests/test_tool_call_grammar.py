@@ -300,7 +300,8 @@ def test_the_forced_reply_by_groups_allows_what_the_sets_one_automaton_allows(na
     from decapybara.engine.json_schema import SchemaState, SchemaVocab, compile_tool_calls
 
     if split:  # every group one tool, as a set past MAX_DFA would split at the end
-        monkeypatch.setattr(tool_calls, "call_groups", lambda tools: [([t], compile_calls([t])) for t in tools])
+        monkeypatch.setattr(tool_calls, "call_groups",
+                            lambda tools, fmt="json": [([t], compile_calls([t], fmt)) for t in tools])
     tok = demo().tokenizer
     vocab = _vocab(tok)
     spec = tool_call_spec(TOOLS, name, parallel, answer)
@@ -412,3 +413,238 @@ def test_a_groups_masks_are_found_again_in_any_set_made_of_it():
         masks.append(reply.allowed())
     assert engine._call_masks.misses == before  # the second set's: found again
     assert np.array_equal(*masks)
+
+
+# ---------------------------------------------------------------------------------------------- XML calls
+
+
+def _xml(name: str, *params: tuple[str, str]) -> str:
+    """A call as the XML templates (Qwen3.5 / Qwen3.6) write it, each value's text as given."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+XML_SCHEMAS = {
+    "edit": {"type": "object", "properties": {
+        "path": {"type": "string", "description": "raw text"}, "line": {"type": "integer", "minimum": 1},
+        "mode": {"enum": ["r", "w", 3]}, "force": {"type": "boolean"},
+        "options": {"type": "object", "properties": {"depth": {"type": "integer"}}, "required": ["depth"],
+                    "additionalProperties": False},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+        "required": ["path", "force"], "additionalProperties": False},
+    "env": {"type": "object", "additionalProperties": {"type": "integer"}},
+    "odd": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}, "required": ["n"]},
+    "ping": None,
+}
+XML_TOOLS = [{"type": "function", "function": {"name": k, "parameters": v}} for k, v in XML_SCHEMAS.items()]
+
+
+def _xml_syntax():
+    from decapybara.api.common import call_syntax
+
+    return call_syntax("xml", XML_TOOLS)
+
+
+@pytest.mark.parametrize("text, ok", [
+    (_xml("edit", ("path", "src/a.py\nline two </parameter> x"), ("line", "3"), ("mode", "w"), ("force", "true"),
+          ("options", '{"depth": 2}'), ("note", "null")), True),
+    (_xml("edit", ("path", ""), ("mode", "3"), ("force", "false")), True),
+    (_xml("edit", ("path", "a"), ("force", "false"), ("note", "any text {")), True),
+    (_xml("edit", ("force", "true")), False),  # a required parameter left out
+    (_xml("edit", ("force", "true"), ("path", "a")), False),  # not in the schema's order
+    (_xml("edit", ("path", "a"), ("line", "0"), ("force", "true")), False),  # below its minimum
+    (_xml("edit", ("path", "a"), ("line", '"3"'), ("force", "true")), False),  # an integer is no JSON string
+    (_xml("edit", ("path", "a"), ("mode", "x"), ("force", "true")), False),  # not among the listed values
+    (_xml("edit", ("path", "a"), ("force", "True")), False),  # a boolean written as JSON
+    (_xml("edit", ("path", "a"), ("force", "true"), ("options", '{"depth": 1, "x": 2}')), False),
+    (_xml("edit", ("path", "a\n</parameter>"), ("force", "true")), False),  # a value holding the value's end
+    (_xml("edit", ("path", "a"), ("force", "true"), ("color", "red")), False),  # undeclared
+    (_xml("env", ("HOME", "1"), ("PATH", "22")), True), (_xml("env"), True),
+    (_xml("env", ("HOME", "x")), False), (_xml("env", ("a>b", "1")), False),
+    (_xml("odd", ("n", "4"), ("free", '{"any": "thing"}')), True),  # multipleOf: any parameters, as JSON calls
+    (_xml("ping"), True), (_xml("ping", ("x", "1")), False), (_xml("nope"), False),
+    ('<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>', False),  # the JSON form
+])
+def test_the_xml_call_automaton_reads_what_the_template_writes(text, ok):
+    """A call in the XML form (tool_call_spec's "format": "xml"): the tool's name, then its parameters in the
+    schema's order, the required ones all there, a string's value any raw text without the value's end, listed
+    values as the template writes them, others JSON its schema accepts; a tool whose schema is not enforced takes
+    any parameters (as the JSON form takes any object). What it reads parses back to arguments the schema accepts."""
+    from decapybara.engine.json_schema import compile_tool_calls
+
+    spec = tool_call_spec(XML_TOOLS, None, True, fmt="xml")
+    assert json.loads(spec)["format"] == "xml"
+    dfa = compile_tool_calls(spec)
+    assert dfa.matches(tags_as_bytes(text.encode())) == ok
+    assert compile_calls(json.loads(spec)["tools"], "xml").matches(tags_as_bytes(text.encode())) == ok
+    if ok:
+        (call,) = parse_assistant_output(text, tools=_xml_syntax()).tool_calls
+        if call.name != "odd":
+            jsonschema.validate(call.arguments, XML_SCHEMAS[call.name] or {"additionalProperties": False})
+
+
+def test_the_template_writes_its_calls_as_the_automaton_reads_them():
+    """A past call rendered by an XML template (Qwen3.6's: values that are no strings as JSON) is a call the
+    automaton reads, whole."""
+    from decapybara.chat import render_chat
+    from decapybara.engine.json_schema import compile_tool_calls
+    from decapybara.testing import XML_CHAT_TEMPLATE
+
+    args = {"path": "a.py\nb", "line": 7, "mode": 3, "force": False, "options": {"depth": 1}, "note": None}
+    msgs = [{"role": "user", "content": "u"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "edit", "arguments": args}}]}]
+    text = render_chat(msgs, XML_TOOLS, add_generation_prompt=False, template=XML_CHAT_TEMPLATE)
+    call = text[text.rfind("<tool_call>"):text.rfind("</tool_call>") + len("</tool_call>")]
+    assert compile_tool_calls(tool_call_spec(XML_TOOLS, None, True, fmt="xml")).matches(tags_as_bytes(call.encode()))
+    assert parse_assistant_output(call, tools=_xml_syntax()).tool_calls[0].arguments == args
+
+
+def _toward_the_end(rng, tok, vocab, dfa, allowed: np.ndarray, state: int, dist: np.ndarray) -> int:
+    """An allowed token: half the time the one of a sample that leaves the one automaton (`dfa`, at `state`)
+    nearest an accepting state (so that values end and calls close), else any."""
+    choices = np.flatnonzero(allowed)
+    if rng.random() < 0.5:
+        return int(rng.choice(choices))
+    best, best_d = int(choices[0]), 1 << 30
+    for t in rng.choice(choices, min(64, len(choices)), replace=False).tolist():
+        if t in tok.eos_token_ids:
+            return t
+        s, w = state, 0
+        for b in vocab.markup_bytes.get(t, tok.token_bytes(t)):
+            s, w = dfa.step(s, w, b)
+        if s >= 0 and dist[s] < best_d:
+            best, best_d = t, int(dist[s])
+    return best
+
+
+def _distances(dfa) -> np.ndarray:
+    """Bytes from each state to an accepting one."""
+    dist = np.where(dfa.accept, 0, 1 << 30)
+    while True:
+        nxt = np.minimum(dist, np.where(dfa.table >= 0, dist[np.maximum(dfa.table, 0)] + 1, 1 << 30).min(axis=1))
+        if np.array_equal(nxt, dist):
+            return dist
+        dist = nxt
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_forced_xml_calls_by_groups_allow_what_the_sets_one_automaton_allows(split, monkeypatch):
+    """Forced XML calls run as `ToolCallReply` over `ToolSetVocab` (the whole set a group, or one tool a group):
+    along random walks the same tokens allowed at every step as the reply's one automaton, and the calls written
+    parse, valid against their tools' schemas."""
+    from decapybara.engine import tool_calls
+    from decapybara.engine.json_schema import SchemaState, SchemaVocab, compile_tool_calls
+
+    if split:
+        monkeypatch.setattr(tool_calls, "call_groups",
+                            lambda tools, fmt="json": [([t], compile_calls([t], fmt)) for t in tools])
+    tok = demo().tokenizer
+    vocab = _vocab(tok)
+    tools_ = [t for t in XML_TOOLS if t["function"]["name"] != "odd"]
+    spec = tool_call_spec(tools_, None, True, fmt="xml")
+    tools = ToolSetVocab(vocab, spec)
+    assert len(tools.groups) == (len(tools_) if split else 1)
+    whole = compile_tool_calls(spec)
+    dist = _distances(whole)
+    rng = np.random.default_rng(7 + split)
+    names = []
+    for _ in range(4):
+        one = SchemaState(SchemaVocab(vocab, whole, markup=True))
+        reply = ToolCallReply(tools, tok.special_ids.tool_call, lazy=False)
+        out = []
+        for _ in range(300):
+            a = reply.allowed()
+            assert np.array_equal(a, one.allowed())
+            t = _toward_the_end(rng, tok, vocab, whole, a, one.state, dist)
+            if t in tok.eos_token_ids:
+                break
+            out.append(t)
+            for st in (one, reply):
+                st.advance(tok.token_bytes(t), t)
+            assert not reply.dead and not one.dead
+        text = tok.decode(out, skip_special_tokens=False)
+        got = parse_assistant_output(text[:text.rfind("</tool_call>") + len("</tool_call>")], tools=_xml_syntax())
+        assert len(got.tool_calls) == reply.calls
+        for call in got.tool_calls:
+            jsonschema.validate(call.arguments, XML_SCHEMAS[call.name] or {"additionalProperties": False})
+            names.append(call.name)
+    assert len(names) >= 3
+
+
+XML_SCRIPTS = {
+    "good": "I will read it.\n\n" + _xml("read_file", ("path", "main.py"), ("line", "3")) + "\n"
+            + _xml("run", ("command", "ls -l\nwc -l x")),
+    "calls": _xml("read_file", ("path", "main.py"), ("line", "3")) + "\n" + _xml("run", ("command", "ls -l")),
+    "bad-bound": "Running.\n\n" + _xml("run", ("command", "x"), ("timeout", "0")),
+    "json-form": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>',
+}
+
+
+def _xml_reply(script: str, lazy: bool | None, parallel: bool = True, max_tokens: int = 120) -> tuple[str, str]:
+    """The demo model's reply under an XML template, scripted; `lazy` None: unconstrained, True: tool_choice auto,
+    False: forced."""
+    import copy
+
+    from decapybara.testing import XML_CHAT_TEMPLATE
+
+    m = demo()
+    tok = copy.copy(m.tokenizer)
+    tok.chat_template = XML_CHAT_TEMPLATE
+    assert tok.tool_format == "xml"
+    spec = tool_call_spec(TOOLS, None, parallel, fmt="xml")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, tool_calls=None if lazy is None else spec,
+                            lazy_tool_calls=bool(lazy))
+    engine = Engine(m.model, EngineConfig(loop_guard="off"), tokenizer=tok,
+                    logits_processor=Script(tok, XML_SCRIPTS[script]))
+    outs, ends = run(engine, [Request(_prompt(tok), params, "r")])
+    return tok.decode(outs["r"], skip_special_tokens=False).replace("<|im_end|>", ""), ends["r"]
+
+
+def _xml_valid_calls(text: str) -> list:
+    from decapybara.api.common import call_syntax
+
+    out = parse_assistant_output(text, tools=call_syntax("xml", TOOLS))
+    for call in out.tool_calls:
+        jsonschema.validate(call.arguments, SCHEMAS[call.name])
+    return out.tool_calls
+
+
+def test_xml_calls_the_model_writes_are_its_own_and_parse():
+    """Under an XML template, valid XML calls are token for token the unconstrained reply, lazy (auto: text and
+    calls) or forced (calls only), and parse into their tools' arguments; parallel off ends the reply at the first
+    call."""
+    free, end_free = _xml_reply("good", None)
+    assert _xml_reply("good", True) == (free, end_free)
+    assert free.startswith(XML_SCRIPTS["good"])
+    forced, _ = _xml_reply("calls", False)
+    assert forced.startswith(XML_SCRIPTS["calls"])  # (then the model's own: more calls, or the end)
+    assert [c.name for c in _xml_valid_calls(forced)][:2] == ["read_file", "run"]
+    calls = _xml_valid_calls(free)
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "main.py", "line": 3}),
+                                                       ("run", {"command": "ls -l\nwc -l x"})]
+    one, end = _xml_reply("good", True, parallel=False)
+    assert one == "I will read it.\n\n" + _xml("read_file", ("path", "main.py"), ("line", "3")) and end == "stop"
+
+
+@pytest.mark.parametrize("script, lazy", [("bad-bound", True), ("bad-bound", False), ("json-form", False)])
+def test_an_xml_call_the_schemas_refuse_is_held_to_them(script, lazy):
+    """A timeout below its minimum, or (forced) a call in the JSON form, is refused as it is written: what is
+    written of the call stays a prefix of a valid XML call, and a call that closes parses, valid."""
+    text, end = _xml_reply(script, lazy, max_tokens=200)
+    free, _ = _xml_reply(script, None, max_tokens=200)
+    assert text != free
+    dfas = [compile_calls([{"name": t["function"]["name"], "parameters": t["function"]["parameters"]}], "xml")
+            for t in TOOLS]
+    call = text[text.index("<tool_call>"):]
+    call = call[:call.index("</tool_call>") + len("</tool_call>")] if "</tool_call>" in call else call
+    alive = 0
+    for dfa in dfas:
+        s, w = dfa.start, 0
+        for b in tags_as_bytes(call.encode()):
+            s, w = dfa.step(s, w, b)
+        alive += s >= 0
+    assert alive, text
+    if "</tool_call>" in text:
+        assert _xml_valid_calls(text), text
+    assert "<parameter=timeout>\n0\n" not in text and '{"name"' not in text
+    assert end in ("stop", "length")

@@ -11,8 +11,9 @@ Choices made where the API leaves room:
 - tool_choice "none" leaves the tools out of the prompt; "any" and "tool" add an instruction to the prompt and
   constrain the reply (after any reasoning) to tool calls of the tools allowed, their inputs to each tool's
   input_schema (not after a prefill, which has begun the reply). Under "auto" the reply is free until the model
-  opens a call (its ``<tool_call>`` token); the calls are then held to the tools' names and input_schemas. Server
-  tools (a ``type`` other than "custom") are refused.
+  opens a call (its ``<tool_call>`` token); the calls are then held to the tools' names and input_schemas, in the
+  form the chat template writes (JSON, or Qwen3.5 / Qwen3.6's XML: `decapybara.chat.CallSyntax`; either way a
+  ``tool_use`` block's input is the object). Server tools (a ``type`` other than "custom") are refused.
 - ``output_config.format`` (structured outputs, ``{"type": "json_schema", "schema": ...}``) constrains the reply's
   text, after any thinking, to what the schema accepts (`decapybara.engine.json_schema`), or, beside tools under
   tool_choice auto, to tool calls; beside "any" / "tool" the reply is the call; ``effort`` is read and not acted
@@ -222,7 +223,7 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema)
-    params = settle_constraint(params, chat)
+    params = settle_constraint(params, chat, prompt.call_format)
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)
     request = make_request(new_id("msg_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,

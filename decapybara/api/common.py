@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decapybara.api.errors import ApiError, bad_request
-from decapybara.chat import TEMPLATE_GLOBALS, prompt_opens_reasoning
+from decapybara.chat import JSON_CALLS, TEMPLATE_GLOBALS, CallSyntax, prompt_opens_reasoning
 from decapybara.engine.json_schema import (
     SchemaError,
     compile_schema,
     compile_spec,
     schema_text,
     tool_call_spec,
+    xml_param_kinds,
 )
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request, TokenEvent
@@ -69,15 +70,31 @@ class Prompt:
     ids: tuple[int, ...]
     text: str
     opens_reasoning: bool  # the model's output starts inside <think> (parse with in_reasoning=True)
-    tools: bool = False  # the request offers tools (and tool_choice is not "none"): parse <tool_call> blocks
+    # where the request offers tools (and tool_choice is not "none"), the form of their calls: parse <tool_call>
+    # blocks with it (the parsers' `tools`); None: no tools
+    tools: CallSyntax | None = None
     max_calls: int | None = None  # 1 where parallel calls are off: the reply's later calls are dropped
     history_end: int | None = None  # `Request.history_end`: where the generation prompt (and any note) starts
+
+    @property
+    def call_format(self) -> str:
+        """The form the model writes calls in ("json" or "xml"; `call_syntax`)."""
+        return (self.tools or JSON_CALLS).format
+
+
+def call_syntax(fmt: str, tools: list[dict[str, Any]]) -> CallSyntax:
+    """How a reply's calls of OpenAI function `tools` are read, in the form `fmt` (the tokenizer's
+    `tool_format`): for the XML form, with each tool's parameter kinds (`json_schema.xml_param_kinds`)."""
+    if fmt != "xml":
+        return JSON_CALLS
+    return CallSyntax(fmt, {t["function"]["name"]: xml_param_kinds(t["function"].get("parameters")) for t in tools})
 
 
 def call_arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
     """A call's arguments sent back in a conversation, as chat templates take them: the object where the string
     is JSON of one (templates read them as a mapping, e.g. Qwen3.5's ``tool_call.arguments|items``, which a
-    string breaks; a JSON template writes the object back as `ToolCall.arguments_json` wrote it), else as sent."""
+    string breaks; a JSON template writes the object back as `ToolCall.arguments_json` wrote it, an XML one each
+    value as the model wrote it: a string raw, others as JSON), else as sent."""
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
@@ -120,7 +137,8 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     tool_choice "none" leaves the tools out of the prompt; "required" and named choices, and parallel calls off,
     add an instruction after the conversation (`tool_instruction`; in the first system message where the chat
     template takes system messages only first). Under "required" and named choices the reply is also constrained
-    to tool calls (`settle_constraint`); a reply's calls past `Prompt.max_calls` are dropped. Raises ApiError /
+    to tool calls (`settle_constraint`); a reply's calls past `Prompt.max_calls` are dropped; they are read in the
+    form the chat template writes them (`Prompt.tools`, `Tokenizer.tool_format`). Raises ApiError /
     InvalidRequestError on bad input.
     """
     reserved = _RESERVED_TEMPLATE_VARS.intersection(chat.template_vars)
@@ -156,7 +174,8 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     ids = tuple(tokenizer.encode(text))
     if chat.prefill and tokenizer.special_ids.im_start is not None:  # turn starts written in the prefill's text
         turns_after += tokenizer.encode(chat.prefill).count(tokenizer.special_ids.im_start)
-    return Prompt(ids, text, prompt_opens_reasoning(text), bool(tools), None if chat.tool_choice.parallel else 1,
+    syntax = call_syntax(tokenizer.tool_format, tools) if tools else None
+    return Prompt(ids, text, prompt_opens_reasoning(text), syntax, None if chat.tool_choice.parallel else 1,
                   _history_end(ids, tokenizer.special_ids.im_start, turns_after))
 
 
@@ -180,7 +199,7 @@ def constrained(params: SamplingParams) -> bool:
             or (params.tool_calls is not None and not params.lazy_tool_calls))
 
 
-def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams:
+def settle_constraint(params: SamplingParams, chat: ChatInput, call_format: str) -> SamplingParams:
     """`params` with the reply's constraint settled (after the request's other checks, so that a request refused
     anyway compiles nothing), where tools are offered (not after a prefill, which has begun the reply):
     - tool_choice required or named: the reply is tool calls (a JSON answer asked for beside them is moot: the
@@ -189,18 +208,20 @@ def settle_constraint(params: SamplingParams, chat: ChatInput) -> SamplingParams
     - auto otherwise: free text, and once the model opens a call (`<tool_call>`), calls of the offered tools with
       arguments their parameters accept (`lazy_tool_calls`); JSON mode stays JSON mode (its objects nest deeper
       than a schema's free values).
-    The calls run on automata of groups of tools (`json_schema.call_groups`), so any tool set is enforced; where
+    The calls are in `call_format`, the form the chat template writes (`Prompt.call_format`: "json" or "xml").
+    They run on automata of groups of tools (`json_schema.call_groups`), so any tool set is enforced; where
     one tool's call alone cannot be built (too large), the calls are asked for, not forced."""
     tools = chat.tools if chat.tool_choice.mode != "none" and not chat.prefill else None
     if not tools:
         return params
     mode, lazy = chat.tool_choice.mode, False
+    parallel = chat.tool_choice.parallel
     if mode in ("required", "named"):
-        spec = tool_call_spec(tools, chat.tool_choice.name if mode == "named" else None, chat.tool_choice.parallel)
+        spec = tool_call_spec(tools, chat.tool_choice.name if mode == "named" else None, parallel, fmt=call_format)
     elif params.json_schema is not None:
-        spec = tool_call_spec(tools, None, chat.tool_choice.parallel, answer=json.loads(params.json_schema))
+        spec = tool_call_spec(tools, None, parallel, answer=json.loads(params.json_schema), fmt=call_format)
     elif not params.json_object:
-        spec, lazy = tool_call_spec(tools, None, chat.tool_choice.parallel), True
+        spec, lazy = tool_call_spec(tools, None, parallel, fmt=call_format), True
     else:
         return params
     try:

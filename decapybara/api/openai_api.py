@@ -11,7 +11,8 @@ Choices made where the API leaves room:
   opens a call (its ``<tool_call>`` token); the calls are then held to the tools' names and parameters, as
   ``strict`` asks, for every tool (one whose schema uses a keyword not enforced here gets any JSON object); a set
   too large for one automaton runs on automata of groups of its tools (`decapybara.engine.tool_calls`), so any
-  number of tools is enforced.
+  number of tools is enforced. Calls are read and constrained in the form the chat template writes (JSON, or
+  Qwen3.5 / Qwen3.6's XML: `decapybara.chat.CallSyntax`); either way ``tool_calls`` carry JSON arguments.
 - a generation the LoopGuard stopped finishes with "stop" and carries an extra choice field
   ``loop_guard: {"stopped": true, "note": ...}`` (also on the final stream chunk), so agents can tell a loop
   from a normal end.
@@ -200,7 +201,7 @@ def plan_chat(body: oa.ChatCompletionRequest, client: Any, model: str, conversat
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be from 1 to {MAX_CHOICES}", "n")
     params = sampling_params(body, max(max_tokens, 1), logprobs)
-    params = settle_constraint(params, chat)
+    params = settle_constraint(params, chat, prompt.call_format)
     key = conversation_key(conversation, body.user, chat.messages)
     request = make_request(new_id("chatcmpl-"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            history_end=prompt.history_end)

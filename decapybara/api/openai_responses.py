@@ -21,7 +21,8 @@ Choices made where the API leaves room:
 - tools are function tools (``{"type": "function", "name", "parameters"}``); built-in tools (web search, file
   search, ...) are a 400 naming them. tool_choice and parallel_tool_calls act as in chat completions: "required"
   and a named function constrain the reply to calls; under "auto" a call the model opens is held to the tools'
-  schemas (`decapybara.engine.tool_calls`).
+  schemas (`decapybara.engine.tool_calls`), in the form the chat template writes (JSON, or Qwen3.5 / Qwen3.6's
+  XML: `decapybara.chat.CallSyntax`; a ``function_call`` item's arguments are JSON either way).
 - ``text.format`` json_object / json_schema constrain the answer as chat completions' response_format does.
 - ``reasoning.effort`` "none" / "minimal" turns thinking off, any other value (or none given) leaves it on; the
   reasoning comes back as a ``reasoning`` item with ``reasoning_text`` content (the model's own words: no summary).
@@ -388,7 +389,7 @@ def plan_response(body: rs.ResponsesRequest, client: Any, model: str, conversati
     max_output_tokens (at most a quarter of the context; 1,024 where none is given) to the reply."""
     chat, prompt = rendered(body, client, earlier)
     max_tokens = output_budget(body.max_output_tokens, len(prompt.ids), client.max_model_len, "max_output_tokens")
-    params = settle_constraint(sampling_params(body, max(max_tokens, 1)), chat)
+    params = settle_constraint(sampling_params(body, max(max_tokens, 1)), chat, prompt.call_format)
     key = conversation_key(conversation, body.prompt_cache_key or body.user, chat.messages)
     request = make_request(new_id("resp_"), prompt.ids, params, key, client.max_model_len, client.vocab_size,
                            prompt_param="input", history_end=prompt.history_end)
@@ -672,7 +673,7 @@ def response(plan: ResponsePlan, done: Collected, tokenizer: Any) -> rs.Response
     if plan.request.params.logprobs is None:
         items.feed(parser.feed(done.text) + parser.finish())
     else:
-        answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, plan.prompt.tools)
+        answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, bool(plan.prompt.tools))
         detok, j = IncrementalDetokenizer(tokenizer), 0  # j: the next sampled token's entry
         for t, sampled in zip(done.token_ids, done.sampled):
             items.tokens(answer.entries([t], done.logprobs[j:j + sampled], done.top_logprobs[j:j + sampled]))
@@ -695,7 +696,7 @@ class ResponseStream:
         self.output_ids: list[int] = []
         self.final: rs.ResponseObject | None = None  # the whole response, once the stream has ended
         self._progress_due = False  # a queued run's response.in_progress, sent with its first tokens (`start`)
-        self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, plan.prompt.tools) \
+        self.answer = AnswerTokens(tokenizer, plan.prompt.opens_reasoning, bool(plan.prompt.tools)) \
             if plan.request.params.logprobs is not None else None
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> None:

@@ -38,7 +38,12 @@ pass `MAX_DFA` states or that admits no value at all. Annotations (`title`, `des
 parameters accept (`tool_calls.ToolCallReply` runs a reply's calls on them, group by group); `compile_tool_calls`,
 the whole reply's as one automaton (what the tests hold the replies to). The tags are
 read as bytes no UTF-8 text holds (`OPEN_TAG`, `CLOSE_TAG`: the vocabulary reads the tag tokens as them), so only
-the tag tokens write a tag, and never inside a string.
+the tag tokens write a tag, and never inside a string. A call is in the form the chat template writes
+(`tool_call_spec`'s "format", `chat.CallSyntax`): the JSON body, or the XML one of Qwen3.5 / Qwen3.6
+(`_xml_arguments`: ``<parameter=KEY>`` tags in the schema's order, the required ones all there; a string value raw
+text without ``\n</parameter>`` (its length, pattern or format not enforced), listed values as the template writes
+them, any other value JSON its sub-schema's automaton accepts; `xml_param_kinds`, the kinds the output parser reads
+each value by).
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from decapybara.chat import CALL_FORMATS, END_FUNCTION, FUNCTION, PARAMETER, VALUE_END, ParamKinds, value_form
 from decapybara.engine import regex
 from decapybara.engine.json_mode import MAX_WS, RESERVED, TOP_WS, JsonVocab, MaskCache
 from decapybara.engine.json_mode import WS as _WS_TABLE  # bool [256]: the whitespace bytes
@@ -1338,19 +1345,34 @@ def compile_schema(schema: Any) -> SchemaDfa:
     return _cached(text, build)
 
 
-def compile_calls(tools: list[dict[str, Any]]) -> SchemaDfa:
+def compile_calls(tools: list[dict[str, Any]], fmt: str = "json") -> SchemaDfa:
     """The automaton of one call of any of `tools` (``{"name", "parameters"}``, `tool_call_spec`'s entries) as the
-    chat template writes it: ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``, the tags read as
-    `OPEN_TAG` and `CLOSE_TAG` (only their tokens write them, never inside a string), ARGS a JSON object the
-    tool's parameters accept (any JSON object where they cannot be enforced here; none but ``{}`` without
-    parameters). Terminal where the call closes. Cached by the tools' text, as `compile_schema`'s automata; raises
-    SchemaError past `MAX_DFA` states (`call_groups` then splits the tools)."""
+    chat template writes it, in its form `fmt` (`chat.CallSyntax`): "json",
+    ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``, ARGS a JSON object the tool's parameters
+    accept (any JSON object where they cannot be enforced here; none but ``{}`` without parameters); "xml",
+    ``<tool_call>\\n<function=NAME>\\n`` parameters ``</function>\\n</tool_call>`` (`_xml_call`). The tags are read
+    as `OPEN_TAG` and `CLOSE_TAG` (only their tokens write them, never inside a value). Terminal where the call
+    closes. Cached by the tools' text, as `compile_schema`'s automata; raises SchemaError past `MAX_DFA` states
+    (`call_groups` then splits the tools)."""
+    call = _call_of(fmt)
 
     def build() -> SchemaDfa:
         n = _Nfa()
-        return _build(n, *n.alt(*[_call(n, tool) for tool in tools]))
+        return _build(n, *n.alt(*[call(n, tool) for tool in tools]))
 
-    return _cached("calls:" + schema_text(tools), build)
+    return _cached(_calls_key(fmt) + schema_text(tools), build)
+
+
+def _call_of(fmt: str) -> Any:
+    """The fragment maker of one call in the form `fmt` ("json": `_call`, "xml": `_xml_call`)."""
+    if fmt not in CALL_FORMATS:
+        raise SchemaError(f"unknown tool-call format {fmt!r}")
+    return _xml_call if fmt == "xml" else _call
+
+
+def _calls_key(fmt: str) -> str:
+    """The prefix a group of tools' call automaton (and its masks) is kept under, by form."""
+    return "xmlcalls:" if fmt == "xml" else "calls:"
 
 
 def _call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
@@ -1366,31 +1388,192 @@ def _call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
     return n.seq(n.lit(OPEN_TAG + head.encode()), _embed(n, args), n.lit(b"}\n" + CLOSE_TAG))
 
 
-def call_groups(tools: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], SchemaDfa]]:
-    """`tools` in groups whose one-call automaton (`compile_calls`) fits `MAX_DFA` states: the whole set where it
-    fits, else each half's groups (the automata cached, refusals too, so a set is split once). Raises SchemaError
-    where a tool's call alone does not fit."""
+XML_TEXT = _span(0x00, RESERVED - 1)  # the bytes of an XML call's raw value (any text)
+XML_KEY = _span(0x20, RESERVED - 1) & ~_bits(b"<>")  # the bytes of a parameter's name the tool does not declare
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _xml_call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
+    """A call of `tool` in the XML form as a fragment of `n` (`compile_calls`): ``<tool_call>\\n<function=NAME>\\n``,
+    its parameters (`_xml_arguments`; any parameters, those of ``{"type": "object"}``, where they cannot be
+    enforced here, as the JSON form takes any object then), then
+    ``</function>\\n</tool_call>``."""
+    params = tool.get("parameters")
     try:
-        return [(tools, compile_calls(tools))]
+        args = _xml_arguments(params)
+    except SchemaError:
+        args = _xml_arguments({"type": "object"})
+    head = f"\n{FUNCTION}{tool['name']}>\n".encode()
+    return n.seq(n.lit(OPEN_TAG + head), _embed(n, args), n.lit(f"{END_FUNCTION}\n".encode() + CLOSE_TAG))
+
+
+def _xml_object(params: Any) -> tuple[_Compiler, dict[str, Any], list[str], Any]:
+    """A tool's parameters as the XML form writes them: (their compiler, each declared name's schema in the order
+    `_Compiler.obj` writes keys (the properties, then the required names not among them, which take what extra
+    keys take), the required names, what a name it does not declare takes: False where it declares any, as
+    `obj` writes no extra key beside declared ones). SchemaError where the parameters' root is no plain object
+    schema (`anyOf` / `oneOf` / `enum` there, keywords not enforced) or a name cannot be written in a
+    ``<parameter=NAME>`` tag (empty, or holding ``<``, ``>`` or a newline); EmptySchema where it admits nothing."""
+    root = _NO_PARAMETERS if params is None else params
+    comp = _Compiler(root)
+    node = _merge([root, {"type": "object"}], comp, [])
+    if node is False:
+        raise EmptySchema("the parameters admit no value")
+    for key in (*UNSUPPORTED, "anyOf", "oneOf", "enum", "const"):
+        if key in node:
+            raise SchemaError(f"parameters with {key!r} at their root are not enforced in the XML form")
+    _check_keywords(node)
+    props, required = node.get("properties", {}), node.get("required", [])
+    extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
+    names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
+    for name in names:
+        if not name or any(c in name for c in "<>\n"):
+            raise SchemaError(f"the parameter name {name!r} cannot be written in the XML form")
+    return comp, {name: props.get(name, extra) for name in names}, required, False if names else extra
+
+
+def _value_kinds(comp: _Compiler, schema: Any) -> frozenset[str] | None:
+    """The kinds of JSON value `schema` admits (`chat.ParamKinds`: integers as "number"; None: any kind), as
+    `_Compiler.value` reads its type: the `type`, the listed values' kinds, any of `anyOf` / `oneOf`'s branches,
+    or the kind its keywords assert."""
+    node = _merge([schema], comp, [])
+    if node is False:
+        return frozenset()
+    if not isinstance(node, dict):
+        return None
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            rest = {k: v for k, v in node.items() if k != key}
+            each = [_value_kinds(comp, {"allOf": [rest, sub]}) for sub in node[key]]
+            return None if any(k is None for k in each) else frozenset().union(*each)
+    types = _types(node)
+    kinds = None if types is None else {"number" if t == "integer" else t for t in types}
+    values = _values(node)
+    if values is not None:
+        listed = {_kind_of(v) for v in values}
+        kinds = listed if kinds is None else kinds & listed
+    if kinds is None:
+        if "properties" in node or "required" in node or "additionalProperties" in node:
+            kinds = {"object"}
+        elif "items" in node or "prefixItems" in node:
+            kinds = {"array"}
+        elif any(k in node for k in BOUNDS):
+            kinds = {"number"}
+        elif "minLength" in node or "maxLength" in node or "pattern" in node:
+            kinds = {"string"}
+    return None if kinds is None else frozenset(kinds)
+
+
+def xml_param_kinds(params: Any) -> ParamKinds:
+    """The kinds of value each of a tool's parameters admits (`chat.ParamKinds`, by which the XML form's values
+    are read), by the names and schemas `_xml_arguments` writes them by (also where a keyword the automaton does
+    not enforce leaves its calls any parameters: a string parameter is still read as the raw text); every kind
+    where the parameters' root is no object schema `_xml_object` reads. Cached by the schema's text."""
+    try:
+        text = schema_text(params)
+    except SchemaError:
+        return ParamKinds()
+    return _param_kinds(text)
+
+
+@lru_cache(maxsize=1024)
+def _param_kinds(text: str) -> ParamKinds:
+    try:
+        comp, schemas, _, extra = _xml_object(json.loads(text))
+        return ParamKinds({name: _value_kinds(comp, sub) for name, sub in schemas.items()},
+                          None if extra is False else _value_kinds(comp, extra))
+    except (SchemaError, RecursionError, TypeError, ValueError, AttributeError, KeyError, IndexError):
+        return ParamKinds()
+
+
+def _xml_arguments(params: Any) -> SchemaDfa:
+    """The automaton of a tool's parameters in the XML form (cached by their text): in the order `_xml_object`
+    gives, each a declared name's ``<parameter=KEY>\\n`` VALUE ``\\n</parameter>\\n``, every required one present,
+    the others may be left out; where the tool declares none, any names (`XML_KEY` bytes) as extra keys take them.
+    A VALUE is by its schema's kinds (`_value_kinds`, `chat.value_form`): listed values (`enum`, `const`) each as
+    the templates write it (a string raw, others `json.dumps`); a string, or a string beside other kinds, or any
+    kind: any text without `VALUE_END` (`_xml_text`; a string's length, pattern or format are not enforced here);
+    no string: JSON text the schema accepts (its `_Compiler.value`)."""
+
+    def build() -> SchemaDfa:
+        comp, schemas, required, extra = _xml_object(params)
+        n = comp.nfa
+        parts = []
+        for name, sub in schemas.items():
+            entry = _xml_entry(comp, n.lit(f"{PARAMETER}{name}>\n".encode()), sub)
+            parts.append(entry if name in required else n.opt(entry))
+        if extra is not False:
+            key = n.seq(n.lit(PARAMETER.encode()), n.cls(XML_KEY), n.star(n.cls(XML_KEY)), n.lit(b">\n"))
+            parts.append(n.star(_xml_entry(comp, key, extra)))
+        return _build(n, *n.seq(*parts))
+
+    return _cached("xmlargs:" + schema_text(params), build)
+
+
+def _xml_entry(comp: _Compiler, key: tuple[int, int], schema: Any) -> tuple[int, int]:
+    """One parameter: its `key` fragment, its value by `schema` (`_xml_arguments`), then ``\\n</parameter>\\n``."""
+    n = comp.nfa
+    node = _merge([schema], comp, [])
+    if node is False:
+        return n.empty()
+    kinds = _value_kinds(comp, schema)
+    values = _values(node)
+    if values is not None:
+        texts = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values
+                 if kinds is None or _kind_of(v) in kinds]
+        value = n.alt(*[n.lit(t.encode()) for t in dict.fromkeys(texts) if VALUE_END not in t]) if texts else n.empty()
+    elif value_form(kinds) == "json":
+        value = comp.merged([schema])
+    else:
+        value = _xml_text(n)
+    return n.seq(key, value, n.lit(f"{VALUE_END}\n".encode()))
+
+
+def _xml_text(n: _Nfa) -> tuple[int, int]:
+    """Any text (`XML_TEXT` bytes) that holds no `VALUE_END`: a state for each prefix of it the text ends in (the
+    end's first byte, a newline, is nowhere else in it, so a byte off the end goes back to the start, or to one
+    newline read), each one where the text may end."""
+    end = VALUE_END.encode()
+    states = [n.state() for _ in end]
+    out = n.state()
+    for k, s in enumerate(states):
+        n.link(s, out)
+        ahead = end[k]
+        if k + 1 < len(end):
+            n.edges[s].append((1 << ahead, states[k + 1]))
+        if ahead != end[0]:
+            n.edges[s].append((1 << end[0], states[1]))
+        n.edges[s].append((XML_TEXT & ~(1 << ahead) & ~(1 << end[0]), states[0]))
+    return states[0], out
+
+
+def call_groups(tools: list[dict[str, Any]], fmt: str = "json") -> list[tuple[list[dict[str, Any]], SchemaDfa]]:
+    """`tools` in groups whose one-call automaton (`compile_calls` in the form `fmt`) fits `MAX_DFA` states: the
+    whole set where it fits, else each half's groups (the automata cached, refusals too, so a set is split once).
+    Raises SchemaError where a tool's call alone does not fit."""
+    try:
+        return [(tools, compile_calls(tools, fmt))]
     except SchemaError:
         if len(tools) == 1:
             raise
     half = len(tools) // 2
-    return call_groups(tools[:half]) + call_groups(tools[half:])
+    return call_groups(tools[:half], fmt) + call_groups(tools[half:], fmt)
 
 
 def compile_tool_calls(spec: str) -> SchemaDfa:
-    """The automaton of a whole reply made of tool calls only, of `spec`'s tools (`tool_call_spec`), after at most
-    `TOP_WS` whitespace bytes; with `parallel`, more calls after a newline each; where the spec holds an `answer`
-    schema, a reply may instead be such an answer. One automaton for the reply, bounded by `MAX_DFA`: the engine
-    runs replies as `tool_calls.ToolCallReply` (calls by `compile_calls`' groups, the glue between them and an
-    answer as automata side by side, so no set is too large); this is the language it is held to (its tests).
+    """The automaton of a whole reply made of tool calls only, of `spec`'s tools (`tool_call_spec`, in its form),
+    after at most `TOP_WS` whitespace bytes; with `parallel`, more calls after a newline each; where the spec holds
+    an `answer` schema, a reply may instead be such an answer. One automaton for the reply, bounded by `MAX_DFA`:
+    the engine runs replies as `tool_calls.ToolCallReply` (calls by `compile_calls`' groups, the glue between them
+    and an answer as automata side by side, so no set is too large); this is the language it is held to (its
+    tests).
     Cached as `compile_schema`'s automata; raises SchemaError where no call can be written or it is too large."""
 
     def build() -> SchemaDfa:
         obj = json.loads(spec)
         n = _Nfa()
-        call = n.alt(*[_call(n, tool) for tool in obj["tools"]])  # `compile_calls`' fragments
+        make = _call_of(obj.get("format", "json"))
+        call = n.alt(*[make(n, tool) for tool in obj["tools"]])  # `compile_calls`' fragments
         if obj.get("parallel", True):
             sep = n.lit(b"\n")
             n.link(call[1], sep[0])
@@ -1486,7 +1669,7 @@ def compile_spec(spec: str) -> list[SchemaDfa]:
     obj = json.loads(spec)
     if not isinstance(obj, dict) or not isinstance(obj.get("tools"), list) or not obj["tools"]:
         raise SchemaError("no tool to call")
-    dfas = [dfa for _, dfa in call_groups(obj["tools"])]
+    dfas = [dfa for _, dfa in call_groups(obj["tools"], obj.get("format", "json"))]
     if obj.get("answer") is not None:
         dfas.append(compile_schema(obj["answer"]))
     return dfas
@@ -1513,15 +1696,19 @@ def precompile(params: Any) -> None:
         pass
 
 
-def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool, answer: Any = None) -> str:
-    """The text `compile_tool_calls` and `tool_calls.ToolCallReply` read for OpenAI function tools (`[{"type": "function", "function": {"name",
-    "parameters"}}]`): every tool, or only `name`'s; `answer`, a JSON Schema the reply may follow instead of
-    calling tools."""
+def tool_call_spec(tools: list[dict[str, Any]], name: str | None, parallel: bool, answer: Any = None,
+                   fmt: str = "json") -> str:
+    """The text `compile_tool_calls` and `tool_calls.ToolCallReply` read for OpenAI function tools (`[{"type":
+    "function", "function": {"name", "parameters"}}]`): every tool, or only `name`'s; `answer`, a JSON Schema the
+    reply may follow instead of calling tools; `fmt`, the form calls are written in (`compile_calls`; the key
+    "format" only where it is not "json")."""
     picked = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
               for t in tools if name is None or t["function"]["name"] == name]
-    spec = {"tools": picked, "parallel": parallel}
+    spec: dict[str, Any] = {"tools": picked, "parallel": parallel}
     if answer is not None:
         spec["answer"] = answer
+    if fmt != "json":
+        spec["format"] = fmt
     return json.dumps(spec, ensure_ascii=False, separators=(",", ":"))
 
 

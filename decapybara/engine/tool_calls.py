@@ -1,6 +1,7 @@
 """A reply's tool calls held to the tools' schemas, on automata of groups of tools (`json_schema.call_groups`: the
 whole set where its call automaton fits `MAX_DFA` states, else halves, and so on), so that a tool set of any size
-is enforced.
+is enforced. Calls are in the form the spec names (`json_schema.compile_calls`: the JSON body of Qwen2.5 / Qwen3
+templates, or the XML one of Qwen3.5 / Qwen3.6), the same machinery either way.
 
 `ToolCallReply` is a reply's state (the interface of `json_schema.SchemaState`), in one of three forms:
 - forced (tool_choice required or named): calls only: at most `TOP_WS` whitespace bytes, then a call, and where
@@ -35,6 +36,7 @@ from decapybara.engine.json_schema import (
     SchemaState,
     SchemaVocab,
     _build,
+    _calls_key,
     _Nfa,
     call_groups,
     compile_schema,
@@ -71,8 +73,9 @@ class ToolSetVocab:
         self.vocab = vocab
         self.parallel = bool(obj.get("parallel", True))
         cache_ = cache if cache is not None else MaskCache(vocab.vocab_size, self.CACHE)
-        self.groups = [SchemaVocab(vocab, dfa, markup=True, cache=cache_, tag="calls:" + schema_text(tools))
-                       for tools, dfa in call_groups(obj["tools"])]
+        fmt = obj.get("format", "json")  # the form calls are written in (`json_schema.compile_calls`)
+        self.groups = [SchemaVocab(vocab, dfa, markup=True, cache=cache_, tag=_calls_key(fmt) + schema_text(tools))
+                       for tools, dfa in call_groups(obj["tools"], fmt)]
         self.lead, self.sep = (SchemaVocab(vocab, _glue(first), markup=True, cache=cache_, tag=tag)
                                for first, tag in ((True, "lead"), (False, "sep")))
         answer = obj.get("answer")

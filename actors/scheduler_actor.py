@@ -349,10 +349,15 @@ class SchedulerActor:
                             type(e).__name__, e)
 
     async def _pump(self) -> None:
+        """The GPU actor's reports, for as long as its stream lasts; a stream that ends, by an error (the actor gone)
+        or not (its driver stopped, while the actor may still answer calls), is a lost engine: no stream may wait
+        for ever."""
         try:
             await self._consume()
-        except Exception as exc:  # noqa: BLE001 - the GPU actor is gone: no stream may wait for ever
+        except Exception as exc:  # noqa: BLE001 - the GPU actor is gone
             self._engine_lost(exc)
+        else:
+            self._engine_lost(EngineStreamEnded("its report stream ended"))
 
     def _fail_all(self, message: str) -> None:
         for rid, q in list(self.queues.items()):
@@ -467,6 +472,10 @@ def scheduler_handle(app_config: dict[str, Any]) -> Any:
     cls = ray.remote(SchedulerActor).options(name=name, get_if_exists=True, num_cpus=0,
                                              max_concurrency=MAX_STREAMS + CONTROL_CALLS)
     return cls.remote(app_config)
+
+
+class EngineStreamEnded(RuntimeError):
+    """The GPU actor's report stream ended without an error."""
 
 
 async def _awaited(ref: Any) -> Any:

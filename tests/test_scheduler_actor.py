@@ -82,6 +82,8 @@ class FakeGPU:
     async def _run(self):
         while True:
             item = await self.reports.get()
+            if item is None:  # the stream ends without an error (the actor's driver stopped)
+                return
             if isinstance(item, BaseException):
                 raise item
             yield _Ref(item)
@@ -149,6 +151,32 @@ def test_a_request_while_the_engine_is_down_fails_at_once_and_queues_nothing(mak
             assert events[0].finish_reason == FinishReason.ABORT
         assert actor.pending.empty() and not actor.queues
         actor._recovering.cancel()
+        for t in actor._tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_report_stream_that_ends_counts_as_a_lost_engine(make_actor):
+    """The GPU actor's report stream ending without an error (its driver stopped, the actor still answering calls):
+    the open streams fail at once instead of waiting for ever, and the engine is replaced."""
+    async def main():
+        actor, gpus = make_actor()
+        await actor.ready()
+
+        async def one():
+            return [ev async for ev in actor.generate(_req("r0"))]
+
+        task = asyncio.create_task(one())
+        await _settle(20)
+        gpus[0].reports.put_nowait(None)
+        events = await asyncio.wait_for(task, 2.0)
+        assert len(events) == 1 and events[0].finish_reason == FinishReason.ABORT and events[0].error_type
+        assert actor.dead is not None
+        await asyncio.sleep(1.3)  # `_recover`'s first wait: its successor made
+        assert len(gpus) == 2
+        await asyncio.wait_for(actor._recovering, 2.0)
+        assert actor.dead is None and actor.restarts == 1
         for t in actor._tasks:
             t.cancel()
 

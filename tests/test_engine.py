@@ -11,7 +11,7 @@ from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.planner import plan_step
 from decapybara.engine.sampling import SamplerRow, SamplingParams
-from decapybara.engine.sequence import FinishReason, Request
+from decapybara.engine.sequence import FinishReason, Request, SeqStatus
 from decapybara.errors import ContextOverflowError, InvalidRequestError
 from decapybara.testing import tiny_qwen
 
@@ -353,6 +353,39 @@ def test_a_shared_openings_snapshot_is_kept_by_its_use():
             e.step()
         cached.append(seq.num_cached_prompt)
     assert cached[1:] == [16] * 11, cached
+
+
+def test_a_bundle_store_that_fails_a_pause_leaves_the_sequence_running():
+    """A pause whose bundle store raises (a tier out of memory, say) takes nothing from the sequence: it stays
+    running on its pages, their references untouched, and an abort finds it whole; before, its pages were freed and
+    it was out of the running list while it still read as running, which broke the abort that followed."""
+    from decapybara.kv.stores import HostBundleStore
+
+    class FailsOnce(HostBundleStore):
+        failed = False
+
+        def put(self, seq, bundle):
+            if not self.failed:
+                self.failed = True
+                raise MemoryError("the tier has no room")
+            return super().put(seq, bundle)
+
+    ps = prompts(6, seed=8, lo=20, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    e = engine("qwen3", num_pages=22, enable_prefix_cache=False)
+    e.bundle_store = FailsOnce()
+    for i, p in enumerate(ps):
+        e.add_request(Request(tuple(p), params, f"r{i}"))
+    while e.running == [] or len(e.running) < 2:
+        e.step()
+    victim = e.running[-1]
+    pages, held = list(victim.pages), int(e.blocks.ref.sum())
+    with pytest.raises(MemoryError):
+        e.pause(victim)
+    assert victim.status == SeqStatus.RUNNING and victim in e.running and victim.pages == pages
+    assert int(e.blocks.ref.sum()) == held and victim.num_pauses == 0
+    e.abort(victim.request_id)  # an abort finds it whole
+    assert victim.pages == [] and int(e.blocks.ref.sum()) == held - len(pages)
 
 
 def test_a_resume_short_of_pages_reads_no_bundle():

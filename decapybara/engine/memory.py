@@ -141,16 +141,22 @@ class MemoryMixin:
                 return match, restored
 
     def pause(self, seq: Sequence) -> SequenceBundle:
-        """Take a running sequence out of the pool whole: pages + state to the bundle store, slot freed."""
+        """Take a running sequence out of the pool whole: pages + state to the bundle store, slot freed. The bundle
+        is stored before anything is freed: where the store raises, the sequence is left running as it was."""
         assert seq.status == SeqStatus.RUNNING
         n_pages = self.blocks.pages_for(seq.num_computed)
         bundle = self.runner.export_sequence(seq.pages[:n_pages], seq.state_slot, seq.num_computed)
+        seq.num_pauses += 1  # the bundle's key counts this pause
+        try:
+            handle = self.bundle_store.put(seq, bundle)
+        except BaseException:
+            seq.num_pauses -= 1
+            raise
         self.blocks.release(seq.pages)
         seq.pages = []
         self._free_slot(seq)
         self.running.remove(seq)
-        seq.num_pauses += 1
-        seq.status, seq.paused_bundle = SeqStatus.PAUSED, self.bundle_store.put(seq, bundle)
+        seq.status, seq.paused_bundle = SeqStatus.PAUSED, handle
         self.paused.append(seq)
         self.stats.pauses += 1
         return bundle

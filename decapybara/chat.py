@@ -367,20 +367,28 @@ def _kind(value: Any) -> str:
     return "string" if isinstance(value, str) else "array" if isinstance(value, list) else "object"
 
 
+# JSON's literals as a template's ``value|string`` writes them (Qwen3.5's, Qwen3-Coder's: Python's spelling)
+PYTHON_LITERALS = {"true": "True", "false": "False", "null": "None"}
+
+
 def xml_value(text: str, kinds: frozenset[str] | None) -> Any:
     """An XML call's VALUE text read by its parameter's `kinds` (`value_form`), as vLLM's and SGLang's qwen3_coder
     parsers read it: "string", the text itself; "json", its JSON value (strict, `strict_json`), else a boolean
-    written in any case (``True``, as a template's ``value|string`` writes one), else the text; "text", its JSON
-    value where that is of a kind other than a string the parameter admits, else the text (so that a string that
-    reads as JSON of another kind stays the string the template writes back as it was)."""
+    written in any case (``True``, as a template's ``value|string`` writes one), or null written ``None`` (ditto,
+    `PYTHON_LITERALS`), where the parameter admits one, else the text; "text", its JSON value where that is of a
+    kind other than a string the parameter admits, else the text (so that a string that reads as JSON of another
+    kind stays the string the template writes back as it was)."""
     form = value_form(kinds)
     if form == "string":
         return text
     try:
         value = strict_json(text)
     except (ValueError, RecursionError):
-        if form == "json" and "boolean" in kinds and text.strip().lower() in ("true", "false"):
-            return text.strip().lower() == "true"
+        word = text.strip()
+        if form == "json" and "boolean" in kinds and word.lower() in ("true", "false"):
+            return word.lower() == "true"
+        if form == "json" and "null" in kinds and word == PYTHON_LITERALS["null"]:
+            return None
         return text
     if form == "json":
         return value

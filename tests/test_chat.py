@@ -465,6 +465,23 @@ def test_an_xml_calls_values_are_read_by_their_parameters_schema():
         ToolCall("odd", {"n": 6, "s": "123"})]
 
 
+@pytest.mark.parametrize("root, extra", [
+    ({"anyOf": [{"required": ["zip"]}, {"required": ["city"]}]}, {}),  # one of them, not enforced in this form
+    ({"minProperties": 1}, {}), ({"dependentRequired": {"zip": ["city"]}}, {}),
+    ({}, {"lost": {"$ref": "#/$defs/missing"}}), ({}, {"typo": {"type": "strnig"}})])  # a property not readable
+def test_an_xml_calls_string_stays_its_text_beside_what_the_constraint_does_not_read(root, extra):
+    """Where a tool's parameters hold a keyword the XML constraint does not enforce at their root, or a property
+    whose schema cannot be read, the parameters it declares are still read by their schemas: a string that
+    reads as JSON of another kind ("12345", "true") stays the text the model wrote (and the unreadable property
+    takes any kind)."""
+    params = {"type": "object", "properties": {"zip": {"type": "string"}, "city": {"type": "string"},
+                                               "n": {"type": "integer"}, **extra}, **root}
+    syntax = CallSyntax("xml", {"find": xml_param_kinds(params)})
+    text = _xml_call("find", ("zip", "12345"), ("city", "true"), ("n", "7"), *((k, "[1]") for k in extra))
+    (call,) = parse_assistant_output(text, tools=syntax).tool_calls
+    assert call.arguments == {"zip": "12345", "city": "true", "n": 7, **{k: [1] for k in extra}}
+
+
 @pytest.mark.parametrize("body", [
     "\n<function=edit>\n<parameter=path>\na\n</parameter>\n",  # no </function>
     "\n<function=edit>\n<parameter=path>\na\n</parameter>\n</function>\ntrailing\n",

@@ -455,7 +455,8 @@ def _xml_syntax():
     (_xml("edit", ("path", "a"), ("line", "0"), ("force", "true")), False),  # below its minimum
     (_xml("edit", ("path", "a"), ("line", '"3"'), ("force", "true")), False),  # an integer is no JSON string
     (_xml("edit", ("path", "a"), ("mode", "x"), ("force", "true")), False),  # not among the listed values
-    (_xml("edit", ("path", "a"), ("force", "True")), False),  # a boolean written as JSON
+    (_xml("edit", ("path", "a"), ("force", "True")), True),  # a boolean as a template's |string writes it
+    (_xml("edit", ("path", "a"), ("force", "TRUE")), False),  # as neither writes it
     (_xml("edit", ("path", "a"), ("force", "true"), ("options", '{"depth": 1, "x": 2}')), False),
     (_xml("edit", ("path", "a\n</parameter>"), ("force", "true")), False),  # a value holding the value's end
     (_xml("edit", ("path", "a"), ("force", "true"), ("color", "red")), False),  # undeclared
@@ -497,6 +498,42 @@ def test_the_template_writes_its_calls_as_the_automaton_reads_them():
     call = text[text.rfind("<tool_call>"):text.rfind("</tool_call>") + len("</tool_call>")]
     assert compile_tool_calls(tool_call_spec(XML_TOOLS, None, True, fmt="xml")).matches(tags_as_bytes(call.encode()))
     assert parse_assistant_output(call, tools=_xml_syntax()).tool_calls[0].arguments == args
+
+
+def test_a_template_writing_values_with_string_writes_calls_the_automaton_reads():
+    """Qwen3.5 / Qwen3-Coder templates write a value that is no mapping or list with ``|string`` (a boolean
+    ``True`` / ``False``, null ``None``): such a past call, which the model learns to write, is one the automaton
+    reads (a boolean or null parameter's JSON literal in either spelling, only those its schema accepts) and
+    parses back to its arguments, so the model's call renders back as it wrote it."""
+    from decapybara.api.common import call_syntax
+    from decapybara.chat import render_chat
+    from decapybara.engine.json_schema import compile_tool_calls
+    from decapybara.testing import XML_CHAT_TEMPLATE
+
+    template = XML_CHAT_TEMPLATE.replace(
+        "args_value if args_value is string else args_value | tojson",
+        "args_value | tojson if args_value is mapping or (args_value is sequence and args_value is not string) "
+        "else args_value | string")
+    assert template != XML_CHAT_TEMPLATE
+    schema = {"type": "object", "properties": {
+        "force": {"type": "boolean"}, "limit": {"type": ["integer", "null"]}, "pick": {"enum": [True, None, 2]},
+        "on": {"anyOf": [{"const": True}, {"type": "integer"}]}, "tags": {"type": "array"}},
+        "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "opt", "parameters": schema}}]
+    spec = tool_call_spec(tools, None, True, fmt="xml")
+    syntax = call_syntax("xml", tools)
+    for args in ({"force": True, "limit": None, "pick": None, "on": True, "tags": [True, None]},
+                 {"force": False, "limit": 3, "pick": True, "on": 5}):
+        msgs = [{"role": "user", "content": "u"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "opt", "arguments": args}}]}]
+        text = render_chat(msgs, tools, add_generation_prompt=False, template=template)
+        call = text[text.rfind("<tool_call>"):text.rfind("</tool_call>") + len("</tool_call>")]
+        assert any(f"\n{word}\n" in call for word in ("True", "False", "None")), call  # the |string spelling
+        assert compile_tool_calls(spec).matches(tags_as_bytes(call.encode())), call
+        assert parse_assistant_output(call, tools=syntax).tool_calls[0].arguments == args
+    for name, value in (("on", "False"), ("force", "None"), ("limit", "True"), ("pick", "False")):  # not accepted
+        bad = _xml("opt", (name, value))
+        assert not compile_tool_calls(spec).matches(tags_as_bytes(bad.encode())), bad
 
 
 def _toward_the_end(rng, tok, vocab, dfa, allowed: np.ndarray, state: int, dist: np.ndarray) -> int:

@@ -42,8 +42,8 @@ the tag tokens write a tag, and never inside a string. A call is in the form the
 (`tool_call_spec`'s "format", `chat.CallSyntax`): the JSON body, or the XML one of Qwen3.5 / Qwen3.6
 (`_xml_arguments`: ``<parameter=KEY>`` tags in the schema's order, the required ones all there; a string value raw
 text without ``\n</parameter>`` (its length, pattern or format not enforced), listed values as the template writes
-them, any other value JSON its sub-schema's automaton accepts; `xml_param_kinds`, the kinds the output parser reads
-each value by).
+them, any other value JSON its sub-schema's automaton accepts, a boolean or null also as ``value|string`` writes
+it, `_python_literals`; `xml_param_kinds`, the kinds the output parser reads each value by).
 """
 
 from __future__ import annotations
@@ -60,7 +60,16 @@ from typing import Any
 
 import numpy as np
 
-from decapybara.chat import CALL_FORMATS, END_FUNCTION, FUNCTION, PARAMETER, VALUE_END, ParamKinds, value_form
+from decapybara.chat import (
+    CALL_FORMATS,
+    END_FUNCTION,
+    FUNCTION,
+    PARAMETER,
+    PYTHON_LITERALS,
+    VALUE_END,
+    ParamKinds,
+    value_form,
+)
 from decapybara.engine import regex
 from decapybara.engine.json_mode import MAX_WS, RESERVED, TOP_WS, JsonVocab, MaskCache
 from decapybara.engine.json_mode import WS as _WS_TABLE  # bool [256]: the whitespace bytes
@@ -1407,27 +1416,33 @@ def _xml_call(n: _Nfa, tool: dict[str, Any]) -> tuple[int, int]:
     return n.seq(n.lit(OPEN_TAG + head), _embed(n, args), n.lit(f"{END_FUNCTION}\n".encode() + CLOSE_TAG))
 
 
-def _xml_object(params: Any) -> tuple[_Compiler, dict[str, Any], list[str], Any]:
+_XML_ROOT_REFUSED = (*UNSUPPORTED, "anyOf", "oneOf", "enum", "const")  # keywords at the parameters' root
+
+
+def _xml_object(params: Any, lenient: bool = False) -> tuple[_Compiler, dict[str, Any], list[str], Any]:
     """A tool's parameters as the XML form writes them: (their compiler, each declared name's schema in the order
     `_Compiler.obj` writes keys (the properties, then the required names not among them, which take what extra
     keys take), the required names, what a name it does not declare takes: False where it declares any, as
     `obj` writes no extra key beside declared ones). SchemaError where the parameters' root is no plain object
     schema (`anyOf` / `oneOf` / `enum` there, keywords not enforced) or a name cannot be written in a
-    ``<parameter=NAME>`` tag (empty, or holding ``<``, ``>`` or a newline); EmptySchema where it admits nothing."""
+    ``<parameter=NAME>`` tag (empty, or holding ``<``, ``>`` or a newline); EmptySchema where it admits nothing.
+    `lenient` (the names and schemas values are read by, `xml_param_kinds`): those root keywords and names are
+    passed over, not refused (the calls then take any parameters, `_xml_call`, yet a declared one is still read
+    by its schema)."""
     root = _NO_PARAMETERS if params is None else params
     comp = _Compiler(root)
     node = _merge([root, {"type": "object"}], comp, [])
     if node is False:
         raise EmptySchema("the parameters admit no value")
-    for key in (*UNSUPPORTED, "anyOf", "oneOf", "enum", "const"):
-        if key in node:
+    for key in _XML_ROOT_REFUSED:
+        if key in node and not lenient:
             raise SchemaError(f"parameters with {key!r} at their root are not enforced in the XML form")
     _check_keywords(node)
     props, required = node.get("properties", {}), node.get("required", [])
     extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
     names = list(props) + [r for r in dict.fromkeys(required) if r not in props]
     for name in names:
-        if not name or any(c in name for c in "<>\n"):
+        if not lenient and (not name or any(c in name for c in "<>\n")):
             raise SchemaError(f"the parameter name {name!r} cannot be written in the XML form")
     return comp, {name: props.get(name, extra) for name in names}, required, False if names else extra
 
@@ -1467,8 +1482,9 @@ def _value_kinds(comp: _Compiler, schema: Any) -> frozenset[str] | None:
 def xml_param_kinds(params: Any) -> ParamKinds:
     """The kinds of value each of a tool's parameters admits (`chat.ParamKinds`, by which the XML form's values
     are read), by the names and schemas `_xml_arguments` writes them by (also where a keyword the automaton does
-    not enforce leaves its calls any parameters: a string parameter is still read as the raw text); every kind
-    where the parameters' root is no object schema `_xml_object` reads. Cached by the schema's text."""
+    not enforce, at the root or in a parameter, leaves its calls any parameters: a string parameter is still read
+    as the raw text, `_xml_object`'s `lenient`); any kind for a parameter whose schema cannot be read, and for
+    every one where the parameters' root is no object schema `_xml_object` reads. Cached by the schema's text."""
     try:
         text = schema_text(params)
     except SchemaError:
@@ -1476,14 +1492,26 @@ def xml_param_kinds(params: Any) -> ParamKinds:
     return _param_kinds(text)
 
 
+_UNREADABLE = (SchemaError, RecursionError, TypeError, ValueError, AttributeError, KeyError, IndexError)
+
+
 @lru_cache(maxsize=1024)
 def _param_kinds(text: str) -> ParamKinds:
     try:
-        comp, schemas, _, extra = _xml_object(json.loads(text))
-        return ParamKinds({name: _value_kinds(comp, sub) for name, sub in schemas.items()},
-                          None if extra is False else _value_kinds(comp, extra))
-    except (SchemaError, RecursionError, TypeError, ValueError, AttributeError, KeyError, IndexError):
+        comp, schemas, _, extra = _xml_object(json.loads(text), lenient=True)
+    except _UNREADABLE:
         return ParamKinds()
+    return ParamKinds({name: _read_kinds(comp, sub) for name, sub in schemas.items()},
+                      None if extra is False else _read_kinds(comp, extra))
+
+
+def _read_kinds(comp: _Compiler, schema: Any) -> frozenset[str] | None:
+    """`_value_kinds` of one parameter's schema, None (any kind) where it cannot be read (a `$ref` to nothing, an
+    unknown type), which leaves the other parameters read by theirs."""
+    try:
+        return _value_kinds(comp, schema)
+    except _UNREADABLE:
+        return None
 
 
 def _xml_arguments(params: Any) -> SchemaDfa:
@@ -1491,9 +1519,10 @@ def _xml_arguments(params: Any) -> SchemaDfa:
     gives, each a declared name's ``<parameter=KEY>\\n`` VALUE ``\\n</parameter>\\n``, every required one present,
     the others may be left out; where the tool declares none, any names (`XML_KEY` bytes) as extra keys take them.
     A VALUE is by its schema's kinds (`_value_kinds`, `chat.value_form`): listed values (`enum`, `const`) each as
-    the templates write it (a string raw, others `json.dumps`); a string, or a string beside other kinds, or any
-    kind: any text without `VALUE_END` (`_xml_text`; a string's length, pattern or format are not enforced here);
-    no string: JSON text the schema accepts (its `_Compiler.value`)."""
+    the templates write it (`_listed_texts`: a string raw, others `json.dumps`); a string, or a string beside
+    other kinds, or any kind: any text without `VALUE_END` (`_xml_text`; a string's length, pattern or format are
+    not enforced here); no string: JSON text the schema accepts (its `_Compiler.value`; a boolean or null also as
+    ``True``, ``False``, ``None``, `_python_literals`)."""
 
     def build() -> SchemaDfa:
         comp, schemas, required, extra = _xml_object(params)
@@ -1517,16 +1546,41 @@ def _xml_entry(comp: _Compiler, key: tuple[int, int], schema: Any) -> tuple[int,
     if node is False:
         return n.empty()
     kinds = _value_kinds(comp, schema)
+    form = value_form(kinds)
     values = _values(node)
     if values is not None:
-        texts = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values
-                 if kinds is None or _kind_of(v) in kinds]
+        texts = [t for v in values if kinds is None or _kind_of(v) in kinds for t in _listed_texts(v, form)]
         value = n.alt(*[n.lit(t.encode()) for t in dict.fromkeys(texts) if VALUE_END not in t]) if texts else n.empty()
-    elif value_form(kinds) == "json":
-        value = comp.merged([schema])
+    elif form == "json":
+        value = n.alt(comp.merged([schema]), *[n.lit(t.encode()) for t in _python_literals(comp.root, schema, kinds)])
     else:
         value = _xml_text(n)
     return n.seq(key, value, n.lit(f"{VALUE_END}\n".encode()))
+
+
+def _listed_texts(value: Any, form: str) -> list[str]:
+    """How the templates write a listed value (`enum`, `const`) of a parameter written in `form`
+    (`chat.value_form`): a string raw, others as JSON, and in the "json" form a boolean or null also as
+    ``value|string`` writes it (`chat.PYTHON_LITERALS`, which `chat.xml_value` reads back)."""
+    if isinstance(value, str):
+        return [value]
+    text = json.dumps(value, ensure_ascii=False)
+    return [text, PYTHON_LITERALS[text]] if form == "json" and text in PYTHON_LITERALS else [text]
+
+
+def _python_literals(root: Any, schema: Any, kinds: frozenset[str]) -> list[str]:
+    """The spellings ``value|string`` writes (``True``, ``False``, ``None``: `chat.PYTHON_LITERALS`) of the JSON
+    literals a "json"-form value of `schema` (under `root`, for its `$ref`s) is accepted as: those its own
+    automaton accepts (none where that cannot be built on its own)."""
+    wanted = [(js, py) for js, py in PYTHON_LITERALS.items() if ("null" if js == "null" else "boolean") in kinds]
+    if not wanted:
+        return []
+    comp = _Compiler(root)
+    try:
+        dfa = _build(comp.nfa, *comp.merged([schema]))
+    except SchemaError:
+        return []
+    return [py for js, py in wanted if dfa.matches(js.encode())]
 
 
 def _xml_text(n: _Nfa) -> tuple[int, int]:

@@ -1698,3 +1698,29 @@ def test_xml_calls_are_openai_tool_calls_whole_streamed_and_sent_back():
     again = plan_chat(oa.ChatCompletionRequest.model_validate({"model": "m", "messages": follow,
                                                                "tools": XML_TOOLS}), client, "m", None)
     assert again.prompt.text.startswith(p.prompt.text + XML_REPLY + "<|im_end|>\n"), again.prompt.text
+
+
+def test_a_tool_name_the_xml_form_cannot_hold_is_a_400():
+    """Under a template that writes XML calls, a tool named with `<`, `>` or whitespace (``<function=a>b>``) could be
+    neither written under the constraint nor read back: a 400 naming the tool, in every API; under the JSON form
+    such a name is only text inside a JSON string, and stays allowed."""
+    from decapybara.api import anthropic_schemas as an
+    from decapybara.api import openai_schemas as oa
+    from decapybara.api.anthropic_api import plan_message
+    from decapybara.api.errors import ApiError
+    from decapybara.api.openai_api import plan_chat
+
+    client = xml_client()
+    for name in ("a>b", "<x", "two words", "tab\there"):
+        tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+        body = oa.ChatCompletionRequest.model_validate({"model": "m", "messages": user("hi"), "tools": tools})
+        with pytest.raises(ApiError) as err:
+            plan_chat(body, client, "m", None)
+        assert err.value.status == 400 and "tools[0]" in str(err.value.param)
+        msg = an.MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": user("hi"),
+                                                 "tools": [{"name": name, "input_schema": {"type": "object"}}]})
+        with pytest.raises(ApiError):
+            plan_message(msg, client, "m", None)
+    ok = oa.ChatCompletionRequest.model_validate({"model": "m", "messages": user("hi"), "tools": [
+        {"type": "function", "function": {"name": "ns.read-file_2", "parameters": {"type": "object"}}}]})
+    assert plan_chat(ok, client, "m", None).prompt.call_format == "xml"

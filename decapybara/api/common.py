@@ -153,6 +153,8 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
         if chat.tool_choice.name not in names:
             raise bad_request(f"tool_choice names {chat.tool_choice.name!r}, which is not among the tools",
                               "tool_choice")
+    if tools and tokenizer.tool_format == "xml":
+        _check_xml_names(tools)
     if chat.tool_choice.mode == "none":
         tools = None
     note = tool_instruction(chat.tool_choice) if tools else None
@@ -177,6 +179,16 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
     syntax = call_syntax(tokenizer.tool_format, tools) if tools else None
     return Prompt(ids, text, prompt_opens_reasoning(text), syntax, None if chat.tool_choice.parallel else 1,
                   _history_end(ids, tokenizer.special_ids.im_start, turns_after))
+
+
+def _check_xml_names(tools: list[dict[str, Any]]) -> None:
+    """A 400 for a tool whose name the XML call form cannot hold (``<function=NAME>``: no ``<``, ``>`` or
+    whitespace): its calls could be neither written under the constraint nor read back."""
+    for i, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if any(c in "<>" or c.isspace() for c in name):
+            raise bad_request(f"tools[{i}]: the name {name!r} cannot be written in this model's tool-call form "
+                              "(<function=NAME>: no '<', '>' or whitespace)", f"tools[{i}].name")
 
 
 def checked_schema(schema: Any, param: str) -> str:

@@ -101,6 +101,22 @@ def test_build_app_refuses_what_the_gpu_actor_would_before_deploying(tmp_path):
         assert build_app({"disk_cache": "file:///proc/decapybara-kv", **off}) is not None
 
 
+def test_a_setting_given_at_its_default_beside_a_preset_still_wins(tmp_path):
+    """`--preset medium --slots 12` (or `serve run serve_app:build_app preset=medium slots=12`) serves 12
+    conversations: the settings the deployment hands its actors keep every setting given, even one equal to its
+    default, so that the actors' AppConfig does not fall back to the preset's 4."""
+    from decapybara.server.ingress import actor_settings, build_app
+
+    given = {"preset": "medium", "slots": "12", "disk_cache": f"file://{tmp_path}/kv"}
+    cfg = AppConfig(**given)
+    assert cfg.engine_config(cuda=False).max_slots == 12
+    settings = actor_settings(cfg)
+    assert AppConfig(**settings).engine_config(cuda=False).max_slots == 12
+    assert AppConfig(**actor_settings(AppConfig(preset="medium"))).engine_config(cuda=False).max_slots == 4
+    bound = build_app(given)._bound_deployment.init_args[0]  # what Serve starts the ingress (and its actors) with
+    assert AppConfig(**bound).engine_config(cuda=False).max_slots == 12
+
+
 def test_sigterm_stops_the_server_as_ctrl_c_does():
     """`decapybara serve` turns SIGTERM into the KeyboardInterrupt that ends its blocking run quietly."""
     import os

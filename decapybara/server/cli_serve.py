@@ -43,8 +43,9 @@ def add_parser(sub: Any) -> None:
                    help="mtp: draft each agent's next token with the model's MTP head, verified in its decode; "
                    "ngram: draft what followed the last three tokens earlier in the conversation (any model)")
     s.add_argument("--draft-len", dest="draft_len", type=int, choices=range(8), metavar="0-7",
-                   help="the most tokens an agent drafts a step (with CUDA graphs more than 1 only beside a "
-                   "prompt's chunk); 0 drafts nothing")
+                   help="the most tokens an agent drafts a step (with CUDA graphs a step of decodes alone at most "
+                   "what a verification graph takes: up to 7, on a hybrid model fewer the more agents decode); 0 "
+                   "drafts nothing")
     s.add_argument("--keep-free-gb", dest="keep_free_gb", type=float,
                    help="device memory (GiB) left to other programs; the KV pool takes the rest (CUDA)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other AppConfig field")

@@ -219,4 +219,11 @@ def application(args: dict[str, Any] | None = None, checked: bool = False) -> An
         # the whole stop: requests in flight drain first (up to DRAIN_S is left for them), then `__del__`'s save
         graceful_shutdown_timeout_s=shutdown_s(cfg),
     )
-    return deployment.bind(cfg.model_dump(exclude_defaults=True))
+    return deployment.bind(actor_settings(cfg))
+
+
+def actor_settings(cfg: AppConfig) -> dict[str, Any]:
+    """The settings the deployment hands its ingress, and through it the scheduler and GPU actors, which rebuild
+    `AppConfig` from them: every setting given, even one equal to its default (a preset's values give way to the
+    settings given beside it, `AppConfig.engine_config`, e.g. `slots=12` beside `preset=medium`), and no other."""
+    return cfg.model_dump(exclude_unset=True)

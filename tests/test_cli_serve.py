@@ -174,3 +174,15 @@ def test_a_setting_given_twice_is_refused(argv, says):
         app_args(make_parser().parse_args(["serve", *argv]))
     assert app_args(make_parser().parse_args(["serve", "--kv-mode", "6/6", "--set", "page_size=16"])) == \
         {"kv_mode": "6/6", "page_size": "16"}
+
+
+def test_python_m_decapybara_is_the_command():
+    """`python3 -m decapybara` runs the `decapybara` command (its subcommands, its exit codes)."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "decapybara", "--help"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "serve" in ok.stdout and "plan" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "decapybara", "info", "/nonexistent.mcapy"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode in (1, 2) and "decapybara: error:" in bad.stderr

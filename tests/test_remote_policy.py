@@ -326,3 +326,85 @@ def test_the_view_counts_the_pages_a_pause_would_free():
     assert len(shared) == 1
     for rid in "ab":
         assert views[rid].own_pages == views[rid].num_pages - 1 >= 1
+
+
+def test_a_cached_prompt_needs_its_pages_and_is_not_overtaken(tmp_path):
+    """A waiting prompt whose prefix the cache holds (evictable pages, counted free, or a tier's, restored into
+    fresh pages) still takes every page of its prompt out of `free_pages`; only pages running sequences already
+    hold come for free. So a long cached prompt that does not fit beside the running agents is not admitted
+    (the engine would refuse it, the decision would hide it for its time to live, and the agents' next turns
+    would take the slots again and again: starved far past the wait bound); nobody below it overtakes it, the
+    running agents drain, and it starts. Here three agents keep the three slots busy with turns of 10 pages
+    each in a 40-page pool; the long prompt (26 pages, its prefix in the RAM tier since its first run) must start
+    within a few of their turns."""
+    from decapybara.kv.disk_tier import DiskTierStore
+    from decapybara.kv.ram_tier import RamTierStore
+    from decapybara.kv.stores import TierStores
+    from decapybara.kv.tiers import KVTiers
+
+    clock = FakeClock()
+    engine = Engine(model("qwen3"), EngineConfig(max_slots=3, page_size=8, num_pages=40, loop_guard="off"),
+                    clock=clock)
+    stores = TierStores(KVTiers(RamTierStore(64 << 20), DiskTierStore(f"file://{tmp_path}/kv", 64 << 20)),
+                        engine.blocks.salt)
+    engine.bundle_store = stores
+    engine.set_page_store(stores)
+    rng = np.random.default_rng(11)
+    long_prompt = tuple(rng.integers(0, 512, 200).tolist())
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    filler = Request(tuple(rng.integers(0, 512, 300).tolist()), params, "filler")
+    drive(engine, AgeViewPolicy(PolicyConfig()), [Request(long_prompt, params, "first")], clock)
+    drive(engine, AgeViewPolicy(PolicyConfig()), [filler], clock)  # evicts the long prompt's pages to the tier
+    assert engine.stats.offloaded_pages >= 20
+
+    policy = AgeViewPolicy(PolicyConfig(age_weight=400.0, quantum_s=1e9))  # no preemption: admissions alone
+    driver = EngineDriver(engine, remote_policy=True, idle_wait_s=0.001)
+    turn = {f"a{i}": 0 for i in range(3)}
+
+    def agent_turn(agent: str) -> Request:
+        turn[agent] += 1
+        prompt = tuple(rng.integers(0, 512, 48).tolist())
+        out = 24 + 7 * int(agent[1:]) + turn[agent] % 3  # the agents' turns end at different steps
+        return Request(prompt, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True),
+                       f"{agent}-{turn[agent]}", conversation=agent)
+
+    driver.submit(Control(add=[agent_turn(agent) for agent in turn]))
+    ran_before, ended = set(), set()  # the agents' turns that ran before the long prompt started
+    for reports, report in enumerate(driver.reports(), 1):
+        clock.t += 0.05
+        if reports == 3:
+            driver.submit(Control(add=[Request(long_prompt, params, "long", conversation="L")]))
+        finished = [ev.request_id for ev in report.events if ev.finish_reason is not None]
+        ended.update(finished)
+        running = {s.request_id for s in report.view.seqs if s.status == "running"}
+        if "long" not in ended and "long" not in running:
+            ran_before |= running
+        nxt = [agent_turn(rid.split("-")[0]) for rid in finished if rid.startswith("a") and sum(turn.values()) < 40]
+        control = policy.decide(report.view) or Control()
+        control.add += nxt
+        if not control.empty():
+            driver.submit(control)
+        if "long" in ended or reports > 3000:
+            driver.stop()
+    assert "long" in ended
+    overtaken = sorted(ran_before - {"a0-1", "a1-1", "a2-1"})  # turns admitted after it arrived
+    assert not overtaken, f"the long prompt waited for {overtaken}"
+
+
+def test_the_view_counts_the_cached_prompt_pages_running_sequences_hold():
+    """`shared_pages` of a waiting sequence: the pages of its cached prompt prefix that running sequences hold
+    (not counted in `free_pages`); a prefix left only in the cache (evictable, counted free) gives none."""
+    from decapybara.engine.driver import engine_view
+    engine = Engine(model("qwen3"), EngineConfig(max_slots=1, page_size=8, num_pages=64, loop_guard="off"))
+    driver = EngineDriver(engine, remote_policy=True, idle_wait_s=0.001)
+    prompt = tuple(range(1, 30))  # 3 full pages of 8 the next prompt can reuse
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    driver._apply(Control(add=[Request(prompt, params, "a")]))
+    engine.admit(engine.seqs["a"])
+    engine.step()
+    driver._apply(Control(add=[Request(prompt + (40, 41), params, "b")]))
+    view = {s.request_id: s for s in engine_view(engine).seqs}
+    assert view["b"].status == "waiting" and view["b"].shared_pages == 3
+    engine.abort("a")
+    view = {s.request_id: s for s in engine_view(engine).seqs}
+    assert view["b"].cached_estimate == 24 and view["b"].shared_pages == 0

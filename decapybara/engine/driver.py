@@ -74,6 +74,9 @@ class SeqView:
     cached_estimate: int = 0  # prompt tokens the prefix cache would serve (waiting)
     last_active: float = 0.0
     own_pages: int = 0  # pages a pause frees (running): those no other sequence or cached prefix shares
+    # pages of its cached prompt prefix that running sequences hold (waiting): the only ones starting it does not
+    # take out of `free_pages` (evictable cached pages are counted there, and a tier's are restored into fresh ones)
+    shared_pages: int = 0
 
 
 @dataclass(slots=True)
@@ -106,13 +109,44 @@ def engine_view(engine: Engine, events: list[TokenEvent] = ()) -> EngineView:
         for s in group:
             pages = len(s.pages) if status == "running" else -(-s.num_computed // ps)
             own = int(np.count_nonzero(engine.blocks.ref[s.pages] == 1)) if status == "running" and s.pages else 0
+            shared = _shared_prefix_pages(engine, s) if status == "waiting" else 0
             seqs.append(SeqView(s.request_id, s.request.conversation, status, s.arrival, s.num_prompt,
                                 s.num_computed, s.num_output, s.params.max_tokens, pages,
-                                getattr(s, "cached_estimate", 0), s.last_active, own))
+                                getattr(s, "cached_estimate", 0), s.last_active, own, shared))
     ended = tuple((ev.request_id, ev.num_output_tokens, ev.finish_reason == FinishReason.ABORT)
                   for ev in events if ev.finish_reason is not None)
     return EngineView(engine.clock(), seqs, len(engine.free_slots), engine.cfg.max_slots, engine.blocks.num_free,
                       engine.blocks.num_pages, ps, ended)
+
+
+def _prompt_chain(engine: Engine, req: Request) -> list[bytes]:
+    """The hashes of the prompt's full pages a prefix match may cover (one token is always left to compute);
+    none for a request that matches no cached prefix (prompt logprobs) or without the prefix cache."""
+    b = engine.blocks
+    if not b.enable_prefix_cache or req.params.prompt_logprobs is not None:
+        return []
+    return hash_chain(req.prompt_ids, b.page_size, b.salt, (len(req.prompt_ids) - 1) // b.page_size)
+
+
+def _shared_prefix_pages(engine: Engine, seq: Sequence) -> int:
+    """Pages of a waiting sequence's cached prompt prefix that running sequences hold, found as the in-process
+    policy's `AgePolicy._peek` finds the prefix (full pages in the pool, up to the deepest with the snapshot a
+    hybrid model resumes from), over the prompt's page hashes `EngineDriver` keeps on the sequence
+    (`prompt_chain`). Its admission takes every other page of its prompt out of `blocks.num_free`."""
+    b = engine.blocks
+    if not engine.running:
+        return 0
+    pages: list[int] = []
+    usable = 0
+    page_of, snapshots = b.page_of_hash.get, b.snapshots
+    for h in getattr(seq, "prompt_chain", ()):
+        page = page_of(h)
+        if page is None:
+            break
+        pages.append(page)
+        if not b.needs_snapshots or h in snapshots:
+            usable = len(pages)
+    return int(np.count_nonzero(b.ref[pages[:usable]])) if usable else 0
 
 
 def apply_decisions(engine: Engine, control: Control) -> None:
@@ -257,6 +291,7 @@ class EngineDriver:
                 seq = engine.add_request(req)
                 seq.cached_estimate = (0 if req.params.prompt_logprobs is not None  # type: ignore[attr-defined]
                                        else engine.blocks.match_prefix(req.prompt_ids, count=False).num_tokens)
+                seq.prompt_chain = _prompt_chain(engine, req)  # type: ignore[attr-defined]
             except DecapybaraError as exc:
                 events.append(TokenEvent(req.request_id, [], finish_reason=FinishReason.ABORT,
                                          error=str(exc), error_type=type(exc).__name__))

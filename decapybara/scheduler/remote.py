@@ -124,10 +124,13 @@ class AgeViewPolicy:
         return work_estimate(self.cfg, pending, decode, s.num_computed if s.status == "paused" else 0)
 
     def _need_pages(self, s: SeqView, page_size: int) -> int:
-        """Pages starting `s` takes: its whole context and one token (a paused one may have stopped mid-prompt),
-        less the prompt the prefix cache would serve a waiting one."""
-        tokens = s.num_prompt + s.num_output if s.status == "paused" else s.num_prompt - s.cached_estimate
-        return -(-(tokens + 1) // page_size)
+        """Pages starting `s` takes out of the view's `free_pages`: its whole context and one token (a paused one
+        may have stopped mid-prompt), less, for a waiting one, the cached prompt pages running sequences already
+        hold (`shared_pages`; its other cached pages are evictable ones, counted free, or a tier's, restored into
+        fresh pages), as the in-process policy counts them."""
+        if s.status == "paused":
+            return -(-(s.num_prompt + s.num_output + 1) // page_size)
+        return -(-(s.num_prompt + 1) // page_size) - s.shared_pages
 
     @staticmethod
     def _owed(s: SeqView, page_size: int) -> int:

@@ -339,6 +339,10 @@ def test_previous_response_id_continues_the_stored_conversation(stack):  # noqa:
     assert stack.prompt(chained.id) == stack.prompt(sent_whole.id)
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in stack.prompt(chained.id)
     assert chained.usage.input_tokens_details.cached_tokens >= 16
+    # the usage as the SDK's own model reads it strictly (`cache_write_tokens` is required there)
+    from openai.types.responses.response_usage import ResponseUsage
+    strict = ResponseUsage.model_validate(chained.usage.model_dump(), strict=True)
+    assert strict.input_tokens_details.cache_write_tokens == 0
     # a third turn through two stored ones; another turn's instructions are its own
     third = stack.oa().responses.create(model="m", previous_response_id=chained.id, input="And now SAY-STOP",
                                         max_output_tokens=30)

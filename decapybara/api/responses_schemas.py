@@ -205,6 +205,7 @@ class FunctionCallOut(ResponseModel):
 
 class InputTokensDetails(ResponseModel):
     cached_tokens: int
+    cache_write_tokens: int = 0  # the prefix cache is automatic and free to write (as Anthropic's usage says)
 
 
 class OutputTokensDetails(ResponseModel):

@@ -106,6 +106,10 @@ class RamTierActor:
         self.stats_["hits" if ref is not None else "misses"] += 1
         return None if ref is None else [ref]
 
+    def get_many(self, keys: list[str]) -> list[list | None]:
+        """`get` of each key, in order (one call for a prefix's pages)."""
+        return [self.get(k) for k in keys]
+
     def pop(self, key: str) -> list | None:
         ref = self.store.pop(key)
         self.snapshots.pop(key, None)
@@ -183,6 +187,10 @@ class DiskTierActor:
         self.stats_["hits" if data is not None else "misses"] += 1
         return data
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """`get` of each key, in order (one call for a prefix's pages the RAM tier lacks)."""
+        return [self.get(k) for k in keys]
+
     def contains(self, key: str) -> bool:
         return self.store.holds(key)
 
@@ -226,12 +234,29 @@ def start_tiers(cfg: Any) -> dict[str, Any]:
 
 def fetch_unit(tiers: dict[str, Any], key: str, timeout_s: float = 60.0):
     """The verified unit under `key` from RAM, else disk; None when lost or corrupt."""
-    boxed = ray.get(tiers["ram"].get.remote(key), timeout=timeout_s)
-    data = None
-    if boxed is not None:
-        data = ray.get(boxed[0], timeout=timeout_s)
-    elif "disk" in tiers:
-        data = ray.get(tiers["disk"].get.remote(key), timeout=timeout_s)
+    return fetch_units(tiers, [key], timeout_s)[0]
+
+
+def fetch_units(tiers: dict[str, Any], keys: list[str], timeout_s: float = 60.0) -> list[Any]:
+    """The verified units under `keys`, in order, each from RAM, else disk; None for one lost or corrupt. At most
+    three waits whatever the count: the RAM tier's refs, their objects together, the disk tier's bytes of the
+    units RAM lacks."""
+    if not keys:
+        return []
+    boxed = ray.get(tiers["ram"].get_many.remote(list(keys)), timeout=timeout_s)
+    data: list[Any] = [None] * len(keys)
+    held = [i for i, b in enumerate(boxed) if b is not None]
+    for i, d in zip(held, ray.get([boxed[i][0] for i in held], timeout=timeout_s) if held else (), strict=True):
+        data[i] = d
+    missing = [i for i, b in enumerate(boxed) if b is None]
+    if missing and "disk" in tiers:
+        got = ray.get(tiers["disk"].get_many.remote([keys[i] for i in missing]), timeout=timeout_s)
+        for i, d in zip(missing, got, strict=True):
+            data[i] = d
+    return [_decoded(d) for d in data]
+
+
+def _decoded(data: Any) -> Any:
     if data is None:
         return None
     try:
@@ -359,11 +384,15 @@ class RayTiers:
             self.staged.pop(key, None)
 
     def get(self, key: str) -> Any:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[Any]:
+        """`KVTiers.get_many` over the tier actors (`fetch_units`): all missing where a tier cannot be reached."""
         try:
-            return fetch_unit(self.handles, key, self.timeout_s)
+            return fetch_units(self.handles, keys, self.timeout_s)
         except Exception:  # noqa: BLE001 - a dead tier actor or a timeout is a lost unit
             self.errors += 1
-            return None
+            return [None] * len(keys)
 
     def take(self, key: str) -> Any:
         unit = self.get(key)

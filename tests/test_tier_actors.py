@@ -164,11 +164,20 @@ def test_a_staged_unit_is_dropped_when_the_ram_tier_cannot_take_it(ray_cluster, 
     ray.kill(stager)
 
 
-def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path):
+def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path, monkeypatch):
     """A GPU actor's successor over the same tier actors adopts the prefix pages its predecessor evicted into them,
     and after a graceful stop's save (`save_cached_pages`: to the disk tier actor) an engine over new tier actors on
-    the same disk adopts those: both restore the pages instead of prefilling them, with the uncached greedy tokens."""
+    the same disk adopts those: both restore the pages instead of prefilling them, with the uncached greedy tokens,
+    each prefix's pages in at most three waits on the tier actors (not two a page)."""
+    import actors.kv_tier_actors as kta
     from decapybara.engine.block_manager import hash_chain
+
+    waits = []
+    real_get = kta.ray.get
+
+    def counted(*a, **k):
+        waits.append(1)
+        return real_get(*a, **k)
 
     cfg = SimpleNamespace(name="adopt", disk_cache=f"file://{tmp_path}/kv", disk_cache_gb=0.1, ram_cache_gb=0.25)
     tiers = start_tiers(cfg)
@@ -201,7 +210,10 @@ def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path)
     assert stores.adopt_pages() >= 5
     outs: dict[str, list[int]] = {}
     engine.add_request(Request(tuple(second), GREEDY, "b"))
-    finish(engine, outs)
+    with monkeypatch.context() as m:
+        m.setattr(kta.ray, "get", counted)
+        finish(engine, outs)
+    assert len(waits) <= 3, len(waits)
     assert engine.stats.restored_pages == 5 and engine.stats.computed_prompt_tokens == len(second) - 40
     assert outs["b"] == ref
     assert engine.save_cached_pages() >= 5  # a graceful stop: the pool's pages to the disk tier actor
@@ -216,7 +228,11 @@ def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path)
     assert len(news) >= 5 and stores.adopt(news, mark) == 0 and stores.news()[1] == {}  # known already
     outs = {}
     engine.add_request(Request(tuple(second), GREEDY, "c"))
-    finish(engine, outs)
+    waits.clear()
+    with monkeypatch.context() as m:
+        m.setattr(kta.ray, "get", counted)
+        finish(engine, outs)
+    assert len(waits) <= 3, len(waits)
     assert engine.stats.restored_pages >= 5 and engine.stats.computed_prompt_tokens < len(second) - 40 + 8
     assert outs["c"] == ref
     for h in tiers.values():

@@ -127,8 +127,8 @@ def test_evicted_prefix_pages_are_restored_not_recomputed(family, tmp_path):
     second = system + prompt(5, 9)
     before = engine.stats.computed_prompt_tokens
     if bare:
-        fetch = stores.fetch
-        stores.fetch = lambda h: None if (got := fetch(h)) is None else (got[0], None)
+        fetch_many = stores.fetch_many
+        stores.fetch_many = lambda hs: [None if got is None else (got[0], None) for got in fetch_many(hs)]
     engine.add_request(Request(tuple(second), GREEDY, "b"))
     run_until_done(engine, outs)
     if bare:
@@ -187,8 +187,8 @@ def test_an_admission_short_of_pages_reads_no_tier_pages(tmp_path, mode):
         run_until_done(engine, outs)
     assert engine.stats.offloaded_pages >= 5
     fetches = []
-    fetch = stores.fetch
-    stores.fetch = lambda h: fetches.append(h) or fetch(h)
+    fetch_many = stores.fetch_many
+    stores.fetch_many = lambda hs: fetches.extend(hs) or fetch_many(hs)
     hog = engine.add_request(Request(tuple(prompt(20, 70)), SamplingParams(temperature=0, max_tokens=4), "hog"))
     engine.admit(hog)  # nine of the eleven usable pages
     seq = engine.add_request(Request(tuple(system + prompt(5, 9)), GREEDY, "b"))
@@ -279,7 +279,7 @@ def test_a_resumed_conversations_next_turn_reuses_its_prompt(where, tmp_path):
         assert 0 < with_snapshots and engine.stats.offloaded_pages - offloaded == 139 // 8 - with_snapshots
     before, snapshots = engine.stats.reused_prompt_tokens, engine.stats.restored_snapshots
     if where == "lost":  # every tier copy gone: no snapshot comes back
-        engine.page_store.fetch = lambda h: None
+        engine.page_store.fetch_many = lambda hs: [None] * len(hs)
     engine.add_request(Request(tuple(p2), GREEDY, "t2", conversation="A"))
     run_until_done(engine, outs)
     if where == "lost":

@@ -130,8 +130,8 @@ class MemoryMixin:
             if match.snapshot_from is not None:
                 wanted.append((-1, match.snapshot_from))
             last = len(match.pages) - 1 if self.hybrid and not match.tail_len else None  # its state resumes there
-            for i, h in wanted:
-                got = self.page_store.fetch(h)
+            fetched = self.page_store.fetch_many([h for _, h in wanted]) if wanted else []
+            for (i, h), got in zip(wanted, fetched, strict=True):
                 if got is None or (i in (-1, last) and got[1] is None):  # no snapshot where one was recorded
                     self.page_store.forget(h)
                     self.stats.lost_pages += 1

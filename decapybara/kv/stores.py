@@ -45,6 +45,8 @@ class PageStore(Protocol):
 
     def fetch(self, page_hash: bytes) -> tuple[KVPageData, HybridState | None] | None: ...
 
+    def fetch_many(self, page_hashes: list[bytes]) -> list[tuple[KVPageData, HybridState | None] | None]: ...
+
     def forget(self, page_hash: bytes) -> None: ...
 
     # optional, for `save_cached_pages` (a copy kept across a restart): `begin_save(budget_s)`, `durable(page_hash)`,
@@ -183,11 +185,18 @@ class TierStores:
         return PRESENT_WITH_SNAPSHOT if has_snap else PRESENT
 
     def fetch(self, page_hash: bytes) -> tuple[KVPageData, HybridState | None] | None:
-        unit = self.tiers.get(page_key(self.salt, page_hash))
-        if unit is None:
-            self._pages.pop(page_hash, None)
-            return None
-        return unit.kv, unit.state
+        return self.fetch_many([page_hash])[0]
+
+    def fetch_many(self, page_hashes: list[bytes]) -> list[tuple[KVPageData, HybridState | None] | None]:
+        """The pages' (KV, snapshot) in order, None for each the tiers no longer hold (then forgotten), asked of the
+        tiers at once (`get_many`: a prefix's pages in a few round trips to the tier actors, not two a page)."""
+        units = self.tiers.get_many([page_key(self.salt, h) for h in page_hashes])
+        out: list[tuple[KVPageData, HybridState | None] | None] = []
+        for h, unit in zip(page_hashes, units, strict=True):
+            if unit is None:
+                self._pages.pop(h, None)
+            out.append(None if unit is None else (unit.kv, unit.state))
+        return out
 
     def forget(self, page_hash: bytes) -> None:
         self._pages.pop(page_hash, None)

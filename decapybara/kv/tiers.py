@@ -130,6 +130,10 @@ class KVTiers:
                 self.stats.spilled_bytes += s.nbytes
             self.stats.lost += sum(1 for d in dropped if d.key not in self.ram)
 
+    def get_many(self, keys: list[str]) -> list[Unit | None]:
+        """`get` of each key, in order."""
+        return [self.get(k) for k in keys]
+
     def get(self, key: str, promote: bool = True) -> Unit | None:
         """The verified unit, or None (absent, or corrupt: then dropped and counted). A disk hit is copied
         back to RAM when `promote` (keeping its next-use prediction)."""

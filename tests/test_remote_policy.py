@@ -408,3 +408,30 @@ def test_the_view_counts_the_cached_prompt_pages_running_sequences_hold():
     engine.abort("a")
     view = {s.request_id: s for s in engine_view(engine).seqs}
     assert view["b"].cached_estimate == 24 and view["b"].shared_pages == 0
+
+
+def test_fixed_context_mode_admits_only_a_prompt_whose_whole_context_fits():
+    """In fixed context mode an admission reserves the prompt's whole context (prompt and max_tokens) at once: a
+    candidate whose prompt fits the free pages but whose context does not is not admitted (the engine would
+    refuse it while the decision hid it from the ranking, and prompts below it overtook it); once the running job
+    ends, it is."""
+    from decapybara.engine.driver import apply_decisions, engine_view
+    engine = Engine(model("qwen3"), EngineConfig(max_slots=2, page_size=8, num_pages=16, context_mode="fixed",
+                                                 loop_guard="off"))
+    driver = EngineDriver(engine, remote_policy=True, idle_wait_s=0.001)
+    policy = AgeViewPolicy(PolicyConfig(quantum_s=1e9))
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # 9 pages of 8 each context
+    driver._apply(Control(add=[Request(tuple(range(1, 9)), params, "r")]))
+    apply_decisions(engine, policy.decide(engine_view(engine)))
+    engine.step()
+    assert engine.seqs["r"].status.value == "running" and engine.blocks.num_free == 7
+    driver._apply(Control(add=[Request(tuple(range(20, 28)), params, "c")]))
+    view = engine_view(engine)
+    assert {s.request_id: s for s in view.seqs}["c"].context_tokens == 68
+    control = policy.decide(view)
+    assert control is None or "c" not in control.admit
+    engine.abort("r")
+    control = policy.decide(engine_view(engine))
+    assert control is not None and control.admit == ["c"]
+    apply_decisions(engine, control)
+    assert engine.seqs["c"].status.value == "running"

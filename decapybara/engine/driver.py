@@ -77,6 +77,9 @@ class SeqView:
     # pages of its cached prompt prefix that running sequences hold (waiting): the only ones starting it does not
     # take out of `free_pages` (evictable cached pages are counted there, and a tier's are restored into fresh ones)
     shared_pages: int = 0
+    # tokens a start reserves pages for in fixed context mode (waiting, paused): the whole context, its prompt and
+    # max_tokens up to the engine's context length (`MemoryMixin._admission_pages`); 0 in pool mode
+    context_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -110,13 +113,22 @@ def engine_view(engine: Engine, events: list[TokenEvent] = ()) -> EngineView:
             pages = len(s.pages) if status == "running" else -(-s.num_computed // ps)
             own = int(np.count_nonzero(engine.blocks.ref[s.pages] == 1)) if status == "running" and s.pages else 0
             shared = _shared_prefix_pages(engine, s) if status == "waiting" else 0
+            context = _context_tokens(engine, s) if status != "running" else 0
             seqs.append(SeqView(s.request_id, s.request.conversation, status, s.arrival, s.num_prompt,
                                 s.num_computed, s.num_output, s.params.max_tokens, pages,
-                                getattr(s, "cached_estimate", 0), s.last_active, own, shared))
+                                getattr(s, "cached_estimate", 0), s.last_active, own, shared, context))
     ended = tuple((ev.request_id, ev.num_output_tokens, ev.finish_reason == FinishReason.ABORT)
                   for ev in events if ev.finish_reason is not None)
     return EngineView(engine.clock(), seqs, len(engine.free_slots), engine.cfg.max_slots, engine.blocks.num_free,
                       engine.blocks.num_pages, ps, ended)
+
+
+def _context_tokens(engine: Engine, seq: Sequence) -> int:
+    """The tokens whose pages starting `seq` reserves in fixed context mode (its whole context: prompt and
+    max_tokens, up to the engine's context length, as an admission or a resume takes them); 0 in pool mode."""
+    if engine.cfg.context_mode != "fixed":
+        return 0
+    return min(seq.num_prompt + seq.params.max_tokens, engine.max_model_len)
 
 
 def _prompt_chain(engine: Engine, req: Request) -> list[bytes]:

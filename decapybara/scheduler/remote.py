@@ -127,10 +127,11 @@ class AgeViewPolicy:
         """Pages starting `s` takes out of the view's `free_pages`: its whole context and one token (a paused one
         may have stopped mid-prompt), less, for a waiting one, the cached prompt pages running sequences already
         hold (`shared_pages`; its other cached pages are evictable ones, counted free, or a tier's, restored into
-        fresh pages), as the in-process policy counts them."""
+        fresh pages), as the in-process policy counts them. In fixed context mode it takes its whole context's
+        (`context_tokens`) at once."""
         if s.status == "paused":
-            return -(-(s.num_prompt + s.num_output + 1) // page_size)
-        return -(-(s.num_prompt + 1) // page_size) - s.shared_pages
+            return -(-max(s.num_prompt + s.num_output + 1, s.context_tokens) // page_size)
+        return -(-max(s.num_prompt + 1, s.context_tokens) // page_size) - s.shared_pages
 
     @staticmethod
     def _owed(s: SeqView, page_size: int) -> int:

@@ -246,7 +246,7 @@ def fetch_units(tiers: dict[str, Any], keys: list[str], timeout_s: float = 60.0)
     boxed = ray.get(tiers["ram"].get_many.remote(list(keys)), timeout=timeout_s)
     data: list[Any] = [None] * len(keys)
     held = [i for i, b in enumerate(boxed) if b is not None]
-    for i, d in zip(held, ray.get([boxed[i][0] for i in held], timeout=timeout_s) if held else (), strict=True):
+    for i, d in zip(held, _objects([boxed[i][0] for i in held], timeout_s), strict=True):
         data[i] = d
     missing = [i for i, b in enumerate(boxed) if b is None]
     if missing and "disk" in tiers:
@@ -254,6 +254,28 @@ def fetch_units(tiers: dict[str, Any], keys: list[str], timeout_s: float = 60.0)
         for i, d in zip(missing, got, strict=True):
             data[i] = d
     return [_decoded(d) for d in data]
+
+
+def _objects(refs: list[Any], timeout_s: float) -> list[Any]:
+    """The objects of `refs`, waited for together; where one of them is lost, each on its own, None for the lost
+    ones (so that one lost page costs the pages from it on, not the whole prefix). A timeout raises (a stuck tier:
+    every unit reads as missing, `RayTiers.get_many`)."""
+    if not refs:
+        return []
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise
+    except Exception:  # noqa: BLE001 - an object lost (its owner or a spill gone)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                raise
+            except Exception:  # noqa: BLE001
+                out.append(None)
+        return out
 
 
 def _decoded(data: Any) -> Any:

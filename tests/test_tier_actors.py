@@ -237,3 +237,27 @@ def test_new_engines_adopt_the_pages_the_tier_actors_hold(ray_cluster, tmp_path,
     assert outs["c"] == ref
     for h in tiers.values():
         ray.kill(h)
+
+
+def test_one_lost_object_among_a_prefixs_units_costs_only_itself(monkeypatch):
+    """`fetch_units` waits for a prefix's objects together; where one of them is lost, the others still come back
+    (each waited for on its own) and only the lost one reads as missing, so the prefix is reused up to it. A timeout
+    is a stuck tier: it is raised, for every unit to read as missing (`RayTiers.get_many`)."""
+    import actors.kv_tier_actors as kta
+
+    def fake_get(refs, timeout=None):
+        if isinstance(refs, list):
+            if "lost" in refs:
+                raise ray.exceptions.ObjectLostError("x", "y", "z")
+            if "slow" in refs:
+                raise ray.exceptions.GetTimeoutError("slow")
+            return [f"data:{r}" for r in refs]
+        if refs == "lost":
+            raise ray.exceptions.ObjectLostError("x", "y", "z")
+        return f"data:{refs}"
+
+    monkeypatch.setattr(kta.ray, "get", fake_get)
+    assert kta._objects(["a", "lost", "b"], 1.0) == ["data:a", None, "data:b"]
+    assert kta._objects(["a", "b"], 1.0) == ["data:a", "data:b"] and kta._objects([], 1.0) == []
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        kta._objects(["a", "slow"], 1.0)

@@ -435,3 +435,17 @@ def test_fixed_context_mode_admits_only_a_prompt_whose_whole_context_fits():
     assert control is not None and control.admit == ["c"]
     apply_decisions(engine, control)
     assert engine.seqs["c"].status.value == "running"
+
+
+def test_a_waiting_sequence_that_recomputes_its_output_needs_its_pages():
+    """A sequence whose bundle was lost waits again to recompute its prompt and its output: its pages are those of
+    both (as the in-process policy counts `num_tokens`), so it is not admitted beside running jobs into a pool
+    that holds only its prompt's."""
+    policy = AgeViewPolicy(PolicyConfig())
+    run = [SeqView("r0", None, "running", 0.0, 8, 9, 1, 4000, 2, own_pages=2)]
+    again = SeqView("w", None, "waiting", 0.0, 8, 0, 40, 100, 0)  # 48 tokens to recompute: 7 pages with the next
+    decision = policy.decide(_view(1.0, run + [again], free_pages=4, slots=1))
+    assert decision is None or "w" not in decision.admit
+    fresh = SeqView("f", None, "waiting", 0.0, 8, 0, 0, 100, 0)  # its prompt alone: 2 pages
+    decision = AgeViewPolicy(PolicyConfig()).decide(_view(1.0, run + [fresh], free_pages=4, slots=1))
+    assert decision is not None and decision.admit == ["f"]

@@ -118,8 +118,8 @@ class AgeViewPolicy:
         if conv is not None and conv.expected_output is not None:
             expected = min(float(s.max_tokens), conv.expected_output)
         decode = max(0.0, expected - s.num_output)
-        if s.status == "waiting":
-            return work_estimate(self.cfg, s.num_prompt - s.cached_estimate, decode)
+        if s.status == "waiting":  # (its output too where it recomputes after a lost bundle)
+            return work_estimate(self.cfg, s.num_prompt + s.num_output - s.cached_estimate, decode)
         pending = max(0, s.num_prompt + s.num_output - s.num_computed - 1)
         return work_estimate(self.cfg, pending, decode, s.num_computed if s.status == "paused" else 0)
 
@@ -128,10 +128,10 @@ class AgeViewPolicy:
         may have stopped mid-prompt), less, for a waiting one, the cached prompt pages running sequences already
         hold (`shared_pages`; its other cached pages are evictable ones, counted free, or a tier's, restored into
         fresh pages), as the in-process policy counts them. In fixed context mode it takes its whole context's
-        (`context_tokens`) at once."""
-        if s.status == "paused":
-            return -(-max(s.num_prompt + s.num_output + 1, s.context_tokens) // page_size)
-        return -(-max(s.num_prompt + 1, s.context_tokens) // page_size) - s.shared_pages
+        (`context_tokens`) at once. A waiting one's context holds output too where it recomputes after a lost
+        bundle."""
+        pages = -(-max(s.num_prompt + s.num_output + 1, s.context_tokens) // page_size)
+        return pages if s.status == "paused" else pages - s.shared_pages
 
     @staticmethod
     def _owed(s: SeqView, page_size: int) -> int:

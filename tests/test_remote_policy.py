@@ -449,3 +449,25 @@ def test_a_waiting_sequence_that_recomputes_its_output_needs_its_pages():
     fresh = SeqView("f", None, "waiting", 0.0, 8, 0, 0, 100, 0)  # its prompt alone: 2 pages
     decision = AgeViewPolicy(PolicyConfig()).decide(_view(1.0, run + [fresh], free_pages=4, slots=1))
     assert decision is not None and decision.admit == ["f"]
+
+
+def test_a_page_the_victim_alone_holds_and_the_candidate_reuses_is_no_room():
+    """A candidate whose cached prompt pages a running job holds (`shared_pages`) gains nothing from pausing that job
+    for them: the pause frees them and the candidate takes them back. They are counted once, so the job is not
+    paused for a candidate that still could not start; beside a job staying that holds other pages, it is."""
+    cfg = PolicyConfig(age_weight=100.0, margin=10.0, quantum_s=0.0)
+
+    def decide(own: int, shared: int, free: int):
+        policy = AgeViewPolicy(cfg)
+        run = [SeqView("r0", None, "running", 9.9, 40, 41, 1, 4000, 6, own_pages=own),
+               SeqView("r2", None, "running", -1000.0, 8, 9, 1, 4000, 2, own_pages=2)]
+        policy.decide(_view(0.0, run, free))
+        cand = SeqView("c", None, "waiting", 0.0, 60, 0, 0, 16, 0, shared_pages=shared)
+        return policy.decide(_view(10.0, run + [cand], free))  # S ~ 980 beats r0's V, not r2's
+
+    # c's 8 pages, 5 of them r0's (its prompt's); 2 free: pausing r0 makes 8, and c with r2's reserve needs 9
+    none = decide(own=6, shared=5, free=2)
+    assert none is None or (not none.pause and not none.admit)
+    # with one more free page the pause makes room (8 taken, 1 reserve, 9 free)
+    some = decide(own=6, shared=5, free=3)
+    assert some is not None and some.pause == ["r0"] and some.admit == ["c"]

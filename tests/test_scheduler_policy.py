@@ -424,3 +424,23 @@ def test_admission_counts_the_prompt_pages_running_prefills_still_need():
     sim.run()
     assert all(len(sim.outs[f"j{i}"]) == 60 for i in range(4))
     assert sim.engine.stats.pauses == policy.stats.memory_pauses == 0
+
+
+def test_a_page_only_a_leaving_job_holds_makes_no_room_for_the_candidate_reusing_it():
+    """A waiting prompt whose cached pages a running job holds needs none of them while that job stays; where the
+    job is to be paused for it, the pause frees them and the prompt takes them back: they count as needed then,
+    not twice as room."""
+    engine = Engine(model(), EngineConfig(max_slots=2, page_size=8, num_pages=64, loop_guard="off"))
+    prompt = tokens(45, 3)  # five full pages
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.admission = lambda e: None
+    holder = engine.add_request(Request(prompt, params, "a"))
+    assert engine.admit(holder)
+    while holder.in_prefill:
+        engine.step()
+    waiting = engine.add_request(Request(prompt + (7, 7, 7), params, "b"))
+    policy = AgePolicy()
+    tr = policy._track(waiting, 0.0)
+    whole = engine.blocks.pages_for(waiting.num_tokens + 1)
+    assert policy._need_pages(engine, tr) == whole - 5  # held by "a", which stays
+    assert policy._need_pages(engine, tr, (holder,)) == whole  # freed by a's pause and taken back

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -231,9 +231,10 @@ class AgePolicy:
                 best = len(pages)
         return best * b.page_size, pages[:best]
 
-    def _need_pages(self, engine: Engine, tr: _Track) -> int:
+    def _need_pages(self, engine: Engine, tr: _Track, leaving: tuple[Sequence, ...] = ()) -> int:
         """Pages that starting `tr` takes out of `blocks.num_free`: its whole prompt (or context) plus one
-        token, less the cached pages it reuses that others already hold."""
+        token, less the cached pages it reuses that others already hold (others than `leaving`: a page only they
+        hold is freed by their pauses and taken back by `tr`, so it makes no room)."""
         b, s = engine.blocks, tr.seq
         if s.status is SeqStatus.WAITING:
             reused = self._peek(engine, tr)[1]
@@ -244,7 +245,8 @@ class AgePolicy:
                 if page is None:
                     break
                 reused.append(page)
-        held = sum(1 for p in reused if b.ref[p] > 0)
+        gone = Counter(p for r in leaving for p in r.pages)
+        held = sum(1 for p in reused if b.ref[p] - gone[p] > 0)
         return b.pages_for(min(s.num_tokens + 1, engine.max_model_len)) - held
 
     def _fits(self, engine: Engine, tr: _Track, freed: int = 0, leaving: tuple[Sequence, ...] = ()) -> bool:
@@ -255,7 +257,7 @@ class AgePolicy:
         staying = [r for r in engine.running if r not in leaving]
         reserve = self.cfg.reserve_pages_per_seq * (len(staying) + 1) if staying else 0  # a lone job always fits
         owed = sum(self._owed(engine, r) for r in staying)
-        return self._need_pages(engine, tr) + reserve + owed <= engine.blocks.num_free + freed
+        return self._need_pages(engine, tr, leaving) + reserve + owed <= engine.blocks.num_free + freed
 
     @staticmethod
     def _owed(engine: Engine, seq: Sequence) -> int:

@@ -190,16 +190,22 @@ class AgeViewPolicy:
         """The fewest of `ready` (lowest V first) that `s` beats by the margin and whose pauses free a slot and
         the pages `s` needs beside those staying (`free`: the free pages less what the running still owe; a
         pause frees the pages its job alone holds and what it owed); none where no such set exists, so that no
-        job is paused for a candidate that still could not start (as the in-process policy decides)."""
+        job is paused for a candidate that still could not start (as the in-process policy decides). A cached
+        prompt page of `s` that a victim alone holds counts once: the view cannot tell which running jobs hold `s`'s
+        `shared_pages`, so as many of them as the pauses free are taken to be among them (the pause frees such a page
+        and `s` takes it back: no room made)."""
         chosen: list[SeqView] = []
         need = self._need_pages(s, page_size)
+        freed = own = 0
         for r in ready:
             if score <= self._victim(r, now) + self.cfg.margin:
                 break
             chosen.append(r)
-            free += r.own_pages + self._owed(r, page_size)
+            freed += r.own_pages + self._owed(r, page_size)
+            own += r.own_pages
             staying = n_running - len(chosen)
-            if not staying or need + self.cfg.reserve_pages_per_seq * staying <= free:
+            taken_back = min(s.shared_pages, own)
+            if not staying or need + taken_back + self.cfg.reserve_pages_per_seq * staying <= free + freed:
                 return chosen
         return []
 

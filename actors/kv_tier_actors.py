@@ -232,11 +232,6 @@ def start_tiers(cfg: Any) -> dict[str, Any]:
     return {"ram": ram, **({"disk": disk} if disk is not None else {})}
 
 
-def fetch_unit(tiers: dict[str, Any], key: str, timeout_s: float = 60.0):
-    """The verified unit under `key` from RAM, else disk; None when lost or corrupt."""
-    return fetch_units(tiers, [key], timeout_s)[0]
-
-
 def fetch_units(tiers: dict[str, Any], keys: list[str], timeout_s: float = 60.0) -> list[Any]:
     """The verified units under `keys`, in order, each from RAM, else disk; None for one lost or corrupt. At most
     three waits whatever the count: the RAM tier's refs, their objects together, the disk tier's bytes of the
@@ -386,7 +381,7 @@ class RayTiers:
         """The units under `prefix` in either tier actor (`KVTiers.snapshot_flags`; the RAM tier's flag where it has
         the unit); those of a tier that cannot be reached are left out."""
         out = self.disk_flags(prefix, budget_s)
-        # the RAM tier's copy is the one read first (`fetch_unit`): its flag wins where it is known
+        # the RAM tier's copy is the one read first (`fetch_units`): its flag wins where it is known
         for k, flag in self._ask("ram", "snapshot_flags", prefix, default={}).items():
             if flag is not None or k not in out:
                 out[k] = flag

@@ -11,12 +11,20 @@ import torch
 
 from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.builder.build import build
+from decapybara.errors import ConfigError
 from decapybara.model.batch import ForwardBatch
-from decapybara.model.config import named_config, param_count
+from decapybara.model.config import ModelConfig, named_config, param_count
 from decapybara.model.load import load_model
 from decapybara.model.qwen import QwenModel
 from decapybara.model.weights import expected_tensors, random_tensors
-from decapybara.testing import FAMILIES, canonical_tensors, make_hf_model, save_hf_checkpoint
+from decapybara.testing import (
+    FAMILIES,
+    TINY_HF_CONFIGS,
+    canonical_tensors,
+    make_hf_model,
+    save_hf_checkpoint,
+    tiny_qwen,
+)
 
 PROMPT = np.random.default_rng(1234).integers(0, 512, 40)
 
@@ -93,6 +101,30 @@ def test_loaded_tokenizer_and_config(pair):
     _, hf, loaded = pair
     assert loaded.tokenizer is not None and loaded.tokenizer.vocab_size <= loaded.config.vocab_size
     assert loaded.config.num_hidden_layers == hf.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("act", ["silu", "swish", "gelu", "relu"])
+def test_config_refuses_an_activation_its_mlps_do_not_compute(act):
+    """transformers builds every MLP and expert of these families with `ACT2FN[hidden_act]`; ours compute
+    silu(gate) * up, so a config.json naming another activation is a `ConfigError`, not a silently other model."""
+    hf = {**TINY_HF_CONFIGS["qwen3_5_moe_text"], "hidden_act": act}
+    if act in ("silu", "swish"):  # the same function in transformers' table
+        assert ModelConfig.from_hf(hf) == ModelConfig.from_hf(TINY_HF_CONFIGS["qwen3_5_moe_text"])
+    else:
+        with pytest.raises(ConfigError, match=f"hidden_act '{act}'"):
+            ModelConfig.from_hf(hf)
+
+
+def test_width_one_conv_matches_transformers():
+    """A DeltaNet whose causal conv has width 1 (`linear_conv_kernel_dim` 1: no conv state to carry) prefills in
+    chunks of several tokens and decodes as transformers computes it."""
+    model, hf = tiny_qwen("qwen3_5_text", seed=7, overrides={"linear_conv_kernel_dim": 1, "num_hidden_layers": 2,
+                                                              "layer_types": ["linear_attention", "full_attention"]})
+    ids = PROMPT[:13]
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
+    for chunk in (5, 1):
+        assert rel_err(forward_chunks(model, ids, chunk), ref) <= 1e-4, chunk
 
 
 def test_named_27b_config_shapes():

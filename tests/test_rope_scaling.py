@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from decapybara.model.config import ModelConfig, with_yarn
 from decapybara.model.load import load_model
 from decapybara.model.qwen import QwenModel
 from decapybara.server.config import AppConfig, ContextPlan
-from decapybara.testing import canonical_tensors, make_hf_model
+from decapybara.testing import TINY_HF_CONFIGS, canonical_tensors, make_hf_model
 
 PROMPT = np.random.default_rng(4321).integers(0, 512, 40)
 
@@ -51,6 +53,28 @@ def test_yarn_extension_matches_transformers(family):
     assert rel_err(ours, ref) <= 1e-4
     plain = prefill_logits(QwenModel.from_tensors(cfg, NumpyBackend(), canonical_tensors(base)), PROMPT)
     assert rel_err(ours, plain) > 1e-2  # the extension changes the model's numbers, so the check above can fail
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"rope_parameters": {**YARN, "truncate": False}},  # the correction range unrounded (gpt-oss style)
+    {"rope_parameters": {**YARN, "factor": None}, "max_position_embeddings": 128},  # factor 128 / 32
+    {"rope_parameters": {**YARN, "beta_fast": None, "beta_slow": None}},  # the defaults, 32 and 1
+    {"rope_parameters": YARN, "original_max_position_embeddings": 16},  # the top-level one first (Phi-3 style)
+    {"rope_parameters": {**YARN, "mscale_all_dim": 1.0}},  # one of the pair alone: the plain attention factor
+    {"rope_parameters": {**YARN, "mscale": 0.8, "mscale_all_dim": 0.6}},  # both: their ratio
+], ids=["truncate_false", "factor_null", "betas_null", "top_level_original", "mscale_all_dim_alone", "mscale_pair"])
+def test_yarn_parameters_are_read_as_transformers_reads_them(overrides):
+    """A config.json's YaRN fields as transformers reads them (`_compute_yarn_parameters`): the model built from
+    the raw config (as the builder reads it) gives HF's logits over positions past the original context."""
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIGS["qwen3"], **copy.deepcopy(overrides)})
+    hf = make_hf_model("qwen3", seed=7, overrides=copy.deepcopy(overrides))  # transformers edits rope dicts
+    ours = prefill_logits(QwenModel.from_tensors(cfg, NumpyBackend(), canonical_tensors(hf)), PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    assert rel_err(ours, ref) <= 1e-4
 
 
 def test_with_yarn_keeps_a_model_that_fits_and_rescales_from_the_original_context():

@@ -291,7 +291,7 @@ class NumpyBackend(Backend):
                 continue
             r0, r1 = seg.start, seg.start + seg.length
             x = np.concatenate([conv_pool[seg.slot].T, mixed_qkv[r0:r1]], axis=0)  # [K-1+L, C]
-            conv_pool[seg.slot] = x[-(ksz - 1):].T
+            conv_pool[seg.slot] = x[seg.length:].T  # the last K - 1 inputs (none for a width-1 conv)
             y = np.zeros((seg.length, x.shape[1]), x.dtype)
             for j in range(ksz):
                 y += x[j:j + seg.length] * w[:, j]

@@ -33,6 +33,7 @@
 #endif
 
 constexpr int KM1 = CONV_K - 1;
+constexpr int KM1S = KM1 > 0 ? KM1 : 1;  // the conv windows' storage (a width-1 conv keeps no inputs)
 constexpr int VCOLS = DV < 32 ? DV : 32;  // value columns per CTA
 static_assert(DV % VCOLS == 0, "value head dim must be a multiple of 32 (or below 32)");
 
@@ -61,7 +62,7 @@ __device__ __forceinline__ void conv_silu_tokens(const float* __restrict__ x, co
   const int row0 = run[0], len = run[1], slot = run[2];
   if (c >= C || i0 >= len) return;  // NORM: the same for the whole block (every channel of a q / k head is < C)
   const float* st = conv_state + ((i64)slot * C + c) * KM1;
-  float wc[CONV_K], win[KM1];
+  float wc[CONV_K], win[KM1S];
 #pragma unroll
   for (int j = 0; j < CONV_K; ++j) wc[j] = w[(i64)c * CONV_K + j];
 #pragma unroll
@@ -92,7 +93,7 @@ __device__ __forceinline__ void conv_silu_tokens(const float* __restrict__ x, co
     }
 #pragma unroll
     for (int j = 0; j + 1 < KM1; ++j) win[j] = win[j + 1];
-    win[KM1 - 1] = xi;
+    if constexpr (KM1 > 0) win[KM1 - 1] = xi;
   }
 }
 
@@ -110,7 +111,7 @@ __device__ __forceinline__ void conv_state_update(const float* __restrict__ x, f
                                                   float* __restrict__ snap_conv, int C, i64 ldx, int c) {
   const int row0 = run[0], slot = run[2], seg0 = run[3], nseg = run[4];
   float* st = conv_state + ((i64)slot * C + c) * KM1;
-  float old[KM1], win[KM1];
+  float old[KM1S], win[KM1S];
 #pragma unroll
   for (int j = 0; j < KM1; ++j) old[j] = st[j];
   for (int s = seg0; s < seg0 + nseg; ++s) {
@@ -447,8 +448,8 @@ constexpr int CH = (2 * DK + DEC_NT - 1) / DEC_NT;  // q then k channels i = tid
 // One run's loads into registers: before the wait its conv state over the run's channels (its recurrent state
 // goes to shared memory), after it its new inputs (x at those channels, a, b).
 struct DecodeRunIn {
-  float cv[KM1];         // conv state of the value channel
-  float cq[CH][KM1];     // conv state of the q / k channels
+  float cv[KM1S];        // conv state of the value channel
+  float cq[CH][KM1S];    // conv state of the q / k channels
 };
 struct DecodeRunX {
   float xv, av, bv;      // x at the value channel, a and b at the head
@@ -616,9 +617,11 @@ gdn_decode(const float* __restrict__ x, const float* __restrict__ w, const float
 #pragma unroll
           for (int jj = 0; jj < CH; ++jj) cur.cq[jj][j] = cur.cq[jj][j + 1];
         }
-        cur.cv[KM1 - 1] = xv;
+        if constexpr (KM1 > 0) {
+          cur.cv[KM1 - 1] = xv;
 #pragma unroll
-        for (int jj = 0; jj < CH; ++jj) cur.cq[jj][KM1 - 1] = cx.xq[jj];
+          for (int jj = 0; jj < CH; ++jj) cur.cq[jj][KM1 - 1] = cx.xq[jj];
+        }
       }
       __syncthreads();  // raw; every thread has read the previous token's qs / ks, and (not DEC_SMEM_S) this run's
                         // slice

@@ -23,6 +23,7 @@ from decapybara.errors import ConfigError
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+SWIGLU_ACTS = ("silu", "swish")  # transformers' names of the activation our MLPs compute (silu(gate) * up)
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +40,7 @@ class RopeConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None
+    truncate: bool = True  # yarn: round the correction range to whole dimensions (HF's `truncate`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -206,6 +208,9 @@ class ModelConfig:
 
         if hf.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act not in SWIGLU_ACTS:
+            raise ConfigError(f"hidden_act {act!r} is not supported (the MLPs and experts compute SwiGLU: silu)")
         n_layers = int(need("num_hidden_layers"))
         n_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
@@ -263,6 +268,13 @@ class ModelConfig:
 
 
 def _rope_from_hf(hf: dict[str, Any], hybrid: bool) -> RopeConfig:
+    """The rotary embedding of a HF config, read as transformers reads it (`standardize_rope_params` and
+    `_compute_yarn_parameters`): `rope_parameters` (or the legacy `rope_scaling`); for yarn a top-level
+    `original_max_position_embeddings` before the parameters' own (else `max_position_embeddings`), a missing or
+    null `factor` the ratio `max_position_embeddings / original_max_position_embeddings`, null betas their
+    defaults (32, 1), `mscale` / `mscale_all_dim` only as a pair of non-zero values (else the attention factor is
+    the plain 0.1 ln(factor) + 1: stored as mscale 1, mscale_all_dim 0) and `truncate` (default true) kept. Any
+    other rope type is a `ConfigError`."""
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -273,14 +285,20 @@ def _rope_from_hf(hf: dict[str, Any], hybrid: bool) -> RopeConfig:
         raise ConfigError(f"rope type {kind!r} is not supported (default, yarn)")
     if kind == "default":
         return RopeConfig(theta=float(theta), partial_rotary_factor=float(prf))
+    max_pos = int(hf.get("max_position_embeddings", 32768))
+    original = int(hf.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = src.get("factor")
+    mscale, mscale_all_dim = src.get("mscale"), src.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        mscale, mscale_all_dim = 1.0, 0.0
     return RopeConfig(
         theta=float(theta), partial_rotary_factor=float(prf), kind="yarn",
-        factor=float(src.get("factor", 1.0)),
-        original_max_position_embeddings=int(src.get("original_max_position_embeddings")
-                                             or hf.get("max_position_embeddings", 32768)),
-        beta_fast=float(src.get("beta_fast", 32.0)), beta_slow=float(src.get("beta_slow", 1.0)),
-        mscale=float(src.get("mscale", 1.0)), mscale_all_dim=float(src.get("mscale_all_dim", 0.0)),
-        attention_factor=src.get("attention_factor"),
+        factor=float(max_pos / original if factor is None else factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(src.get("beta_fast") or 32.0), beta_slow=float(src.get("beta_slow") or 1.0),
+        mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),
+        attention_factor=src.get("attention_factor"), truncate=bool(src.get("truncate", True)),
     )
 
 

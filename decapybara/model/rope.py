@@ -62,7 +62,8 @@ class RotaryTable:
     def for_config(cls, cfg: ModelConfig) -> RotaryTable:
         r, dim = cfg.rope, cfg.rotary_dim
         if r.kind == "yarn":
-            inv = yarn_inv_freq(r.theta, dim, r.factor, r.original_max_position_embeddings, r.beta_fast, r.beta_slow)
+            inv = yarn_inv_freq(r.theta, dim, r.factor, r.original_max_position_embeddings, r.beta_fast, r.beta_slow,
+                                r.truncate)
             att = r.attention_factor if r.attention_factor is not None else yarn_attention_factor(
                 r.factor, r.mscale, r.mscale_all_dim)
             return cls(inv, float(att))

@@ -119,6 +119,32 @@ def test_fp32_greedy_generation_identical_through_engine(family):
         assert a == b, f"{family} prompt {i}: first difference at token {first}: {a[first:first + 4]} vs {b[first:first + 4]}"
 
 
+@pytest.mark.parametrize("width", [1, 2])
+def test_fp32_conv_widths_match_numpy(width):
+    """A DeltaNet causal conv narrower than the default 4 (`linear_conv_kernel_dim` 1: no conv state at all):
+    the kernels built for that width give the numpy logits in chunks of 7 and 1 tokens, and greedy tokens through
+    the engine (its decode graphs) equal the numpy engine's."""
+    from decapybara.model.config import ModelConfig
+    from decapybara.testing import canonical_tensors, make_hf_model
+
+    hf = make_hf_model("qwen3_5_text", seed=7, overrides={"linear_conv_kernel_dim": width})
+    cfg, tensors = ModelConfig.from_hf(hf.config.to_dict()), canonical_tensors(hf)
+    assert cfg.linear_conv_kernel_dim == width
+
+    def model(backend):
+        return QwenModel.from_tensors(cfg, backend, tensors)
+
+    for chunk in (7, 1):
+        ref = forward_chunks(model(NumpyBackend()), PROMPT, chunk)
+        got = forward_chunks(model(CupyBackend("fp32")), PROMPT, chunk)
+        assert rel_err(got, ref, f"width {width} chunk {chunk}") <= 3e-4
+    prompts = [PROMPT[:5].tolist(), PROMPT[:23].tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ecfg = EngineConfig(page_size=8, num_pages=64, max_batch_tokens=32, max_slots=4, loop_guard="off")
+    assert Engine(model(CupyBackend("fp32")), ecfg).generate(prompts, params) == \
+        Engine(model(NumpyBackend()), ecfg).generate(prompts, params)
+
+
 def test_fp32_prompt_logprobs_match_numpy_through_engine():
     """Prompt logprobs (`SamplingParams.prompt_logprobs`) on the device: a prompt in chunks beside another
     request, each token's logprob and its three best alternatives (`Backend.token_logprobs`: the log-softmax and a

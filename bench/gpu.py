@@ -17,12 +17,14 @@ tuning is swept by bench/gemv_sweep.py, not here: this script measures `cupy_ops
    steps/s for 1 and 12 sequences at 1k and 32k context, eager and as CUDA graphs, and the step of a speculative
    verification graph (a draft a sequence: two rows each) against the decode graph's (BENCH_MTP=1: the preset's MTP
    head too, random, and its pass's graph); prefill tokens/s (one
-   2048-token chunk at the start of a prompt and after 16k cached tokens); device sampler time for 12 rows of 248,320 logits. MTP weights are left out unless BENCH_MTP=1.
+   2048-token chunk, BENCH_PREFILL_TOKENS, at the start of a prompt and after 16k cached tokens; HF's on the same
+   prompt); device sampler time for 12 rows of 248,320 logits. MTP weights are left out unless BENCH_MTP=1.
 4. HF transformers, bf16, attn_implementation="eager", the same shapes: at 1k all 64 layers measured; at 32k
    4 and 8 decoder layers (3:1 DeltaNet : attention as the model), extrapolated linearly to 64 layers:
    t64 = t4 + (t8 - t4) * 15; the same extrapolation at 1k is printed beside the measured 64 layers. Its 32k
    cache for 12 sequences is the 1-sequence cache repeated along the batch (prefilling 12 x 32k tokens through
-   eager attention does not fit the time budget).
+   eager attention does not fit the time budget). Its prefill tok/s: our prefill's prompt (PREFILL_TOKENS from
+   position 0) on all the layers, timed as ours (a warm-up, then the median of two).
 Roofline per step: (weight bytes + KV bytes read + DeltaNet state read and write) / copy bandwidth. MoE models
 (BENCH_MODEL=qwen3.8-35b-a3b, 40 layers): a step reads the experts its rows route to, counted as the expected
 number of distinct experts that b sequences' top-k choices hit under uniform routing, E (1 - (1 - k / E)^b) a
@@ -79,6 +81,8 @@ if os.environ.get("BENCH_LAYERS"):  # fewer layers (a dry run of the script's pa
     _n = int(os.environ["BENCH_LAYERS"])
     CFG = dataclasses.replace(CFG, num_hidden_layers=_n, layer_types=CFG.layer_types[:_n])
 PAGE, SEQ_PAGES, SLOTS = 512, 64, 12  # 64 pages of 512 tokens: 32k context per sequence
+PREFILL_TOKENS = int(os.environ.get("BENCH_PREFILL_TOKENS", "2048"))  # the prefill figure's prompt (one chunk)
+HF_DEVICE = os.environ.get("BENCH_HF_DEVICE", "cuda")  # "cpu": HF's section on the host (tests, tiny configs)
 CONTEXTS, BATCHES = (1024, 32768), (1, 12)
 RESULTS: dict[str, Any] = {"config": f"{MODEL} ({'random MTP head' if CFG.mtp_num_hidden_layers else 'no MTP'})",
                            "errors": {}}
@@ -224,6 +228,21 @@ def weight_bytes(model: QwenModel, b: int | None = None) -> int:
     return int(total)
 
 
+def kv_token_bytes(kv: Any) -> float:
+    """KV bytes one token of context takes in the decoder's attention layers: what a decode step reads a token.
+    The pool's MTP layer (BENCH_MTP=1) is left out, as `weight_bytes` leaves out the head's weights: only the MTP
+    head's own pass reads it."""
+    return sum(a[0].nbytes for layer, parts in kv.store.items() if layer in CFG.attention_layers
+               for a in parts.values()) / kv.page_size
+
+
+def step_bytes(model: QwenModel, kv: Any, b: int, ctx: int) -> float:
+    """The roofline's bytes of a decode step of b sequences at ctx tokens of context: the weights it reads
+    (`weight_bytes`), each sequence's KV over its context (`kv_token_bytes`) and each sequence's DeltaNet state,
+    read and written."""
+    return weight_bytes(model, b) + b * ctx * kv_token_bytes(kv) + 2 * b * CFG.state_bytes_per_sequence()
+
+
 def fill_random(kv: Any, states: Any) -> None:
     """Random KV pages (64 pages at a time) and DeltaNet states: bf16 pages N(0, 1); microscaled pages random
     codes (E4M3 without NaN codes) under block scales 2^-7..2^-4."""
@@ -366,14 +385,12 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
     model = build_model(variant)
     cp.cuda.Device().synchronize()
     res: dict[str, Any] = {"weights_GB": weight_bytes(model) / 1e9, "build_s": time.perf_counter() - t_build}
-    state_bytes = CFG.state_bytes_per_sequence()
-    kv_tok = kv.bytes_per_page / PAGE
     runner = DecodeGraphRunner(model, max_pages=SEQ_PAGES, pad_page=kv.num_pages - 1, pad_slot=SLOTS,
                                chains=os.environ.get("BENCH_CHAINS") == "1")  # product chains (chain_tails.py)
     for ctx in CONTEXTS:
         for b in BATCHES:
             batch = decode_batch(b, ctx)
-            moved = weight_bytes(model, b) + b * ctx * kv_tok + 2 * b * state_bytes
+            moved = step_bytes(model, kv, b, ctx)
             for mode, fwd in (("eager", model.forward), ("graph", runner.forward), ("verify", runner.forward)):
                 if left() < 20:
                     break
@@ -407,11 +424,13 @@ def bench_variant(variant: str, kv: Any, states: Any, copy_bw: float, label: str
         sample(host, rows)
         res[f"numpy_sampler_ms_{name}"] = (time.perf_counter() - t) * 1e3
     if left() > 40:
-        pre = ForwardBatch.build([(np.arange(2048) % 1000, 0, np.arange(SEQ_PAGES, dtype=np.int32), 0)], PAGE)
-        res["prefill_tok_s"] = 2048 / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
+        pre = ForwardBatch.build([(np.arange(PREFILL_TOKENS) % 1000, 0, np.arange(SEQ_PAGES, dtype=np.int32), 0)],
+                                 PAGE)
+        res["prefill_tok_s"] = PREFILL_TOKENS / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
     if left() > 40:  # the same chunk after 16k cached tokens (the random pages): an agent's next turn
-        pre = ForwardBatch.build([(np.arange(2048) % 1000, 16384, np.arange(SEQ_PAGES, dtype=np.int32), 0)], PAGE)
-        res["prefill_16k_tok_s"] = 2048 / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
+        pre = ForwardBatch.build([(np.arange(PREFILL_TOKENS) % 1000, 16384, np.arange(SEQ_PAGES, dtype=np.int32),
+                                   0)], PAGE)
+        res["prefill_16k_tok_s"] = PREFILL_TOKENS / median_time(lambda m=model: m.forward(pre, kv, states), 2, warmup=1)
     RESULTS.setdefault("model", {})[label or variant] = res
     print(label or variant, json.dumps(res, default=float)[:900])
 
@@ -457,10 +476,11 @@ def bench_hf_layers(layers: int, contexts: tuple[int, ...] = CONTEXTS) -> dict[s
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(CFG.model_type, **hf_config(layers))
-    with torch.device("cuda"):
+    with torch.device(HF_DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager").eval()
     cache_kw = "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
     out: dict[str, float] = {}
+    sync = torch.cuda.synchronize if HF_DEVICE == "cuda" else (lambda: None)
 
     def sync_time(fn: Any, reps: int, warmup: int = 3) -> float:
         """Median seconds of `reps` synchronised calls after `warmup` untimed ones (a new shape's first calls
@@ -468,38 +488,39 @@ def bench_hf_layers(layers: int, contexts: tuple[int, ...] = CONTEXTS) -> dict[s
         steps)."""
         ts = []
         for i in range(reps + warmup):
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             if i >= warmup:
                 ts.append(time.perf_counter() - t)
         return float(np.median(ts))
 
     with torch.no_grad():
-        warm = torch.randint(0, CFG.vocab_size, (1, 256), device="cuda")  # first-call costs out of the timings
+        warm = torch.randint(0, CFG.vocab_size, (1, 256), device=HF_DEVICE)  # first-call costs out of the timings
         res = model(input_ids=warm, use_cache=True)
         model(input_ids=warm[:, :1], use_cache=True,
               **{cache_kw: getattr(res, "past_key_values", None) or getattr(res, "cache", None)})
-        torch.cuda.synchronize()
+        sync()
+        if layers == CFG.num_hidden_layers:  # our prefill's prompt: one chunk from position 0, the last row's
+            pre = torch.randint(0, CFG.vocab_size, (1, PREFILL_TOKENS), device=HF_DEVICE)  # logits, timed as ours
+            out["prefill_tok_s"] = PREFILL_TOKENS / sync_time(
+                lambda: model(input_ids=pre, use_cache=True, logits_to_keep=1), 2, 1)
         for ctx in contexts:
-            ids = torch.randint(0, CFG.vocab_size, (1, ctx - 1), device="cuda")
+            ids = torch.randint(0, CFG.vocab_size, (1, ctx - 1), device=HF_DEVICE)
             cache = None
-            t = time.perf_counter()
             for s in range(0, ctx - 1, 4096):  # chunked prefill (eager attention's scores stay small)
                 res = model(input_ids=ids[:, s:s + 4096], use_cache=True, **{cache_kw: cache})
                 cache = getattr(res, "past_key_values", None)
                 cache = cache if cache is not None else getattr(res, "cache", None)
-            torch.cuda.synchronize()
-            if ctx == 1024:
-                out["prefill_tok_s"] = (ctx - 1) / (time.perf_counter() - t)
             for b in BATCHES:
                 c = cache if b == 1 else tile_batch(cache, b)
-                nxt = torch.randint(0, CFG.vocab_size, (b, 1), device="cuda")
+                nxt = torch.randint(0, CFG.vocab_size, (b, 1), device=HF_DEVICE)
                 out[f"b{b}_ctx{ctx}"] = sync_time(
                     lambda nxt=nxt, c=c: model(input_ids=nxt, use_cache=True, **{cache_kw: c}), 15)
     model = None
-    torch.cuda.empty_cache()
+    if HF_DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

@@ -9,8 +9,8 @@ the allocation the backends make (tests/test_launcher.py checks both against rea
 The decode roofline is an upper bound: a step reads every weight the forward uses (not the embedding table, of
 which it gathers a row per sequence, nor the MTP head; of a MoE layer's experts, the share the step's tokens
 are expected to route to under uniform top-k routing), each sequence's KV in the decoder layers, and reads
-and writes each sequence's DeltaNet state, all at the copy bandwidth. docs/perf.md says how close the CUDA
-backend gets (27B MXFP4: ~32-36% at one stream, ~46% at twelve 32k-token streams on an H200).
+and writes each sequence's DeltaNet state, all at the copy bandwidth (bench/gpu.py's roofline counts the same
+bytes). docs/perf.md ("Where things stand") says how close the CUDA backend gets.
 """
 
 from __future__ import annotations

@@ -17,17 +17,20 @@ template writes (`template_call_format`):
       </parameter>
       </function>
 
-  a VALUE is the text between ``<parameter=KEY>\n`` and the first ``\n</parameter>``: raw text for a string
-  parameter, JSON text for others (the templates write ``value|string`` or ``value|tojson``). Each value is read by
-  the kinds of value its parameter's schema admits (`ParamKinds`, which `engine.json_schema.xml_param_kinds`
-  finds, as the constraint that writes XML calls does; `xml_value` says how).
+  a VALUE is the text after ``<parameter=KEY>`` (and one newline) up to the ``</parameter>`` that ends it, less one
+  newline before that tag (`read_xml_value`: the first ``</parameter>`` that ends its line and is followed by
+  whitespace and the next tag, so a value written without the newline, ``src/a.py</parameter>``, as models write
+  where nothing constrains them, ends there too, as vLLM's and SGLang's qwen3_coder parsers read it); raw text for a
+  string parameter, JSON text for others (the templates write ``value|string`` or ``value|tojson``). Each value is
+  read by the kinds of value its parameter's schema admits (`ParamKinds`, which
+  `engine.json_schema.xml_param_kinds` finds, as the constraint that writes XML calls does; `xml_value` says how).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache, lru_cache
@@ -48,9 +51,12 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
-# the XML form's markup (`CallSyntax`): a value ends at the first VALUE_END
+# the XML form's markup (`CallSyntax`): a value ends at an END_PARAMETER that a newline, whitespace (XML_SPACE) and
+# one of VALUE_NEXT (or the body's end) follow (`read_xml_value`)
 FUNCTION, END_FUNCTION = "<function=", "</function>"
-PARAMETER, VALUE_END = "<parameter=", "\n</parameter>"
+PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
+VALUE_NEXT = (PARAMETER, END_FUNCTION, END_TOOL_CALL)
+XML_SPACE = JSON_SPACE = " \t\r\n"
 CALL_FORMATS = ("json", "xml")
 
 
@@ -344,9 +350,17 @@ class ParamKinds:
 
     kinds: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
     extra: frozenset[str] | None = None
+    # of a parameter that admits strings beside other kinds (`value_form` "text"): whether the JSON text of a value
+    # of another kind is one its schema accepts (the constraint's automaton of it reads it), else the value is the
+    # string; by name, and `extra_json` for a parameter it does not declare (None: any such text is)
+    json_ok: Mapping[str, Callable[[str], bool]] = field(default_factory=dict)
+    extra_json: Callable[[str], bool] | None = None
 
     def of(self, name: str) -> frozenset[str] | None:
         return self.kinds.get(name, self.extra)
+
+    def json_of(self, name: str) -> Callable[[str], bool] | None:
+        return self.json_ok.get(name) if name in self.kinds else self.extra_json
 
 
 def value_form(kinds: frozenset[str] | None) -> str:
@@ -371,13 +385,15 @@ def _kind(value: Any) -> str:
 PYTHON_LITERALS = {"true": "True", "false": "False", "null": "None"}
 
 
-def xml_value(text: str, kinds: frozenset[str] | None) -> Any:
+def xml_value(text: str, kinds: frozenset[str] | None, json_ok: Callable[[str], bool] | None = None) -> Any:
     """An XML call's VALUE text read by its parameter's `kinds` (`value_form`), as vLLM's and SGLang's qwen3_coder
     parsers read it: "string", the text itself; "json", its JSON value (strict, `strict_json`), else a boolean
     written in any case (``True``, as a template's ``value|string`` writes one), or null written ``None`` (ditto,
     `PYTHON_LITERALS`), where the parameter admits one, else the text; "text", its JSON value where that is of a
-    kind other than a string the parameter admits, else the text (so that a string that reads as JSON of another
-    kind stays the string the template writes back as it was)."""
+    kind other than a string the parameter admits and its JSON text (less surrounding whitespace) passes
+    `json_ok` (`ParamKinds.json_of`: a number within the schema's bounds, say; None: any), else the text (so that a
+    string that reads as JSON of another kind, or as a value the schema refuses, ``-5`` beside ``"minimum": 0``,
+    stays the string the template writes back as it was: where vLLM and SGLang read ``-5``)."""
     form = value_form(kinds)
     if form == "string":
         return text
@@ -392,13 +408,35 @@ def xml_value(text: str, kinds: frozenset[str] | None) -> Any:
         return text
     if form == "json":
         return value
-    return value if not isinstance(value, str) and (kinds is None or _kind(value) in kinds) else text
+    if isinstance(value, str) or (kinds is not None and _kind(value) not in kinds):
+        return text
+    return value if json_ok is None or json_ok(text.strip(JSON_SPACE)) else text
 
 
 def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
+    while pos < len(text) and text[pos] in XML_SPACE:
         pos += 1
     return pos
+
+
+def read_xml_value(body: str, pos: int) -> tuple[str, int] | None:
+    """(the text of the value that starts at `pos` of an XML call's body, the position after its
+    ``</parameter>``), or None where no ``</parameter>`` ends it. The end is the first ``</parameter>`` followed by
+    a newline, whitespace, then a `VALUE_NEXT` tag (the next parameter, ``</function>``) or the body's end (where
+    the ``</tool_call>`` it was cut at stood); the text is what comes before it, less one newline at its end (the
+    template's: ``\n</parameter>\n``, or a model's ``VALUE</parameter>\n``). So a value may hold
+    ``</parameter>`` anywhere else, on a line of its own too (a file that holds the tag), and an end the model
+    wrote without its newline does not run on to a later one (vLLM's and SGLang's qwen3_coder parsers also end a
+    value at ``</parameter>`` without the newline; SGLang's at the first one, whatever follows)."""
+    end = pos
+    while (end := body.find(END_PARAMETER, end)) >= 0:
+        end += len(END_PARAMETER)
+        if body.startswith("\n", end):
+            nxt = _skip_ws(body, end)
+            if nxt == len(body) or body.startswith(VALUE_NEXT, nxt):
+                text = body[pos:end - len(END_PARAMETER)]
+                return text.removesuffix("\n"), end
+    return None
 
 
 def _xml_name(body: str, pos: int, opener: str) -> tuple[str, int] | None:
@@ -416,9 +454,9 @@ def _xml_name(body: str, pos: int, opener: str) -> tuple[str, int] | None:
 
 def _read_xml_call(body: str, params: Mapping[str, ParamKinds]) -> tuple[ToolCall | None, bool]:
     """(the call in an XML body or None, whether the body ends inside a parameter's value). A call is
-    ``<function=NAME>`` then parameters ``<parameter=KEY>`` VALUE (after one newline, up to the first
-    `VALUE_END`), then ``</function>``, whitespace between them and at the ends; a later value of a key replaces
-    an earlier one."""
+    ``<function=NAME>`` then parameters ``<parameter=KEY>`` VALUE ``</parameter>`` (after one newline, up to its
+    end: `read_xml_value`), then ``</function>``, whitespace between them and at the ends; a later value of a key
+    replaces an earlier one."""
     head = _xml_name(body, _skip_ws(body, 0), FUNCTION)
     if head is None:
         return None, False
@@ -436,11 +474,11 @@ def _read_xml_call(body: str, params: Mapping[str, ParamKinds]) -> tuple[ToolCal
         key_name, pos = key
         if body.startswith("\n", pos):
             pos += 1
-        end = body.find(VALUE_END, pos)
-        if end < 0:
+        value = read_xml_value(body, pos)
+        if value is None:
             return None, True
-        args[key_name] = xml_value(body[pos:end], kinds.of(key_name))
-        pos = end + len(VALUE_END)
+        text, pos = value
+        args[key_name] = xml_value(text, kinds.of(key_name), kinds.json_of(key_name))
 
 
 @dataclass(slots=True, frozen=True)

@@ -508,6 +508,23 @@ def test_a_closing_tag_inside_an_xml_value_does_not_close_the_call():
     assert never.tool_calls == [] and never.content.startswith("<tool_call>")
 
 
+def test_an_xml_value_written_without_its_newline_ends_at_its_tag():
+    """A value the model wrote without the newline before ``</parameter>`` (``src/a.py</parameter>``, as models
+    write where nothing constrains them) ends there, as vLLM's and SGLang's qwen3_coder parsers read it: not at a
+    later ``\n</parameter>`` (which ran it on into the next calls), nor is the call lost; a ``</parameter>`` that
+    no tag follows (a line of a file that holds it) stays text. Streamed as the batch parser reads it."""
+    short = ("<tool_call>\n<function=edit>\n<parameter=path>\nsrc/a.py</parameter>\n<parameter=count>\n5</parameter>"
+             "\n</function>\n</tool_call>")
+    xml_file = "<a>\n<parameter>\nx\n</parameter>\n</a>"
+    text = "Two.\n" + short + "\n" + _xml_call("edit", ("path", xml_file)) + "\n" + _xml_call("ping")
+    out = parse_assistant_output(text, tools=XML)
+    assert out.tool_calls == [ToolCall("edit", {"path": "src/a.py", "count": 5}),
+                              ToolCall("edit", {"path": xml_file}), ToolCall("ping", {})]
+    assert out.content == "Two."
+    for cut in range(1, len(text)):
+        _check_stream_equals_batch(text, [cut], in_reasoning=False, tools=XML)
+
+
 def test_xml_calls_streamed_in_any_chunks_are_the_batch_ones():
     """Reasoning, text, two calls and a malformed block, streamed 1, 3 or all characters at a time, and at every
     single cut: the same calls, content and reasoning as the batch parser's."""

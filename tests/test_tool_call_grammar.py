@@ -458,7 +458,8 @@ def _xml_syntax():
     (_xml("edit", ("path", "a"), ("force", "True")), True),  # a boolean as a template's |string writes it
     (_xml("edit", ("path", "a"), ("force", "TRUE")), False),  # as neither writes it
     (_xml("edit", ("path", "a"), ("force", "true"), ("options", '{"depth": 1, "x": 2}')), False),
-    (_xml("edit", ("path", "a\n</parameter>"), ("force", "true")), False),  # a value holding the value's end
+    (_xml("edit", ("path", "a\n</parameter>"), ("force", "true")), True),  # the tag, no tag after it: text
+    (_xml("edit", ("path", "a</parameter>\n<parameter=line>\nx"), ("force", "true")), False),  # a value's end
     (_xml("edit", ("path", "a"), ("force", "true"), ("color", "red")), False),  # undeclared
     (_xml("env", ("HOME", "1"), ("PATH", "22")), True), (_xml("env"), True),
     (_xml("env", ("HOME", "x")), False), (_xml("env", ("a>b", "1")), False),
@@ -482,6 +483,68 @@ def test_the_xml_call_automaton_reads_what_the_template_writes(text, ok):
         (call,) = parse_assistant_output(text, tools=_xml_syntax()).tool_calls
         if call.name != "odd":
             jsonschema.validate(call.arguments, XML_SCHEMAS[call.name] or {"additionalProperties": False})
+
+
+def test_the_xml_automaton_reads_a_value_as_the_parser_does():
+    """A value written without the newline before ``</parameter>`` (``src/a.py</parameter>``, as models write
+    it) is one the automaton reads too, and parses back to what was written (a string, an integer, a listed value,
+    a ``|string`` boolean, an object); a listed string that ends in a newline only with the template's newline
+    after it. A string's value, ended either way, is one it reads exactly where the parser reads it back whole:
+    random texts of the markup's pieces, ``</parameter>`` on a line of its own or before the next tag."""
+    import random
+
+    from decapybara.chat import ToolCall
+    from decapybara.engine.json_schema import CLOSE_TAG, OPEN_TAG
+
+    dfa = compile_calls(json.loads(tool_call_spec(XML_TOOLS, None, True, fmt="xml"))["tools"], "xml")
+    syntax = _xml_syntax()
+
+    def read(body: str) -> tuple[bool, list]:
+        text = f"<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"  # tags only at the ends
+        return (dfa.matches(OPEN_TAG + text[11:-12].encode() + CLOSE_TAG),
+                parse_assistant_output(text, tools=syntax).tool_calls)
+
+    short = ("<parameter=path>\nsrc/a.py</parameter>\n<parameter=line>\n3</parameter>\n<parameter=mode>\nw</parameter>"
+             '\n<parameter=force>\nTrue</parameter>\n<parameter=options>\n{"depth": 2}</parameter>\n')
+    assert read(short) == (True, [ToolCall("edit", {"path": "src/a.py", "line": 3, "mode": "w", "force": True,
+                                                    "options": {"depth": 2}})])
+    rng = random.Random(0)
+    pieces = ["</parameter>", "</parameter>\n", "\n", " ", "<parameter=x>", "<parameter=", "</function>", "</tool_call>", "a", "<"]
+    for _ in range(300):
+        value = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
+        for written in (value + "\n", value):
+            ok, calls = read(f"<parameter=path>\n{written}</parameter>\n<parameter=force>\ntrue\n</parameter>\n")
+            text = written.removesuffix("\n")
+            assert ok == (calls == [ToolCall("edit", {"path": text, "force": True})]), written
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": {
+        "type": "object", "properties": {"path": {"enum": ["a\n", "b"]}}, "required": ["path"]}}}]
+    listed = compile_calls(json.loads(tool_call_spec(tools, None, True, fmt="xml"))["tools"], "xml")
+    for written, ok in (("a\n\n", True), ("a\n", False), ("b\n", True), ("b", True)):
+        call = f"<tool_call>\n<function=edit>\n<parameter=path>\n{written}</parameter>\n</function>\n</tool_call>"
+        assert listed.matches(tags_as_bytes(call.encode())) == ok, written
+
+
+def test_an_xml_value_of_a_string_or_a_bounded_number_is_a_number_only_within_its_bounds():
+    """A parameter that takes a string or a number (written as raw text, any text the automaton reads) is read as
+    a number only where its schema accepts that number (within its bounds, an integer where it asks for one); other
+    texts, ``-5`` beside ``"minimum": 0`` among them, are the string the model wrote: every call the automaton
+    reads parses back to arguments the schema accepts."""
+    from decapybara.api.common import call_syntax
+    from decapybara.engine.json_schema import compile_tool_calls
+
+    schema = {"type": "object", "properties": {"x": {"type": ["string", "number"], "minimum": 0},
+                                               "i": {"anyOf": [{"type": "string"}, {"type": "integer", "maximum": 9}]}},
+              "required": ["x", "i"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    dfa, syntax = compile_tool_calls(tool_call_spec(tools, None, True, fmt="xml")), call_syntax("xml", tools)
+    for x, i, args in (("-5", "5.5", {"x": "-5", "i": "5.5"}), ("2.5", "7", {"x": 2.5, "i": 7}),
+                       ("0", "-3", {"x": 0, "i": -3}), ("-0.5", "10", {"x": "-0.5", "i": "10"}),
+                       ("abc", "true", {"x": "abc", "i": "true"})):
+        text = _xml("f", ("x", x), ("i", i))
+        assert dfa.matches(tags_as_bytes(text.encode()))
+        (call,) = parse_assistant_output(text, tools=syntax).tool_calls
+        assert call.arguments == args
+        jsonschema.validate(call.arguments, schema)
 
 
 def test_the_template_writes_its_calls_as_the_automaton_reads_them():

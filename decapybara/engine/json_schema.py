@@ -41,9 +41,10 @@ read as bytes no UTF-8 text holds (`OPEN_TAG`, `CLOSE_TAG`: the vocabulary reads
 the tag tokens write a tag, and never inside a string. A call is in the form the chat template writes
 (`tool_call_spec`'s "format", `chat.CallSyntax`): the JSON body, or the XML one of Qwen3.5 / Qwen3.6
 (`_xml_arguments`: ``<parameter=KEY>`` tags in the schema's order, the required ones all there; a string value raw
-text without ``\n</parameter>`` (its length, pattern or format not enforced), listed values as the template writes
-them, any other value JSON its sub-schema's automaton accepts, a boolean or null also as ``value|string`` writes
-it, `_python_literals`; `xml_param_kinds`, the kinds the output parser reads each value by).
+text in which no ``</parameter>`` would end it (`chat.read_xml_value`; its length, pattern or format not
+enforced), listed values as the template writes them, any other value JSON its sub-schema's automaton accepts, a
+boolean or null also as ``value|string`` writes it, `_python_literals`; the newline before ``</parameter>``
+optional; `xml_param_kinds`, the kinds the output parser reads each value by).
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ import json
 import math
 import threading
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -63,11 +65,14 @@ import numpy as np
 from decapybara.chat import (
     CALL_FORMATS,
     END_FUNCTION,
+    END_PARAMETER,
     FUNCTION,
     PARAMETER,
     PYTHON_LITERALS,
-    VALUE_END,
+    VALUE_NEXT,
+    XML_SPACE,
     ParamKinds,
+    read_xml_value,
     value_form,
 )
 from decapybara.engine import regex
@@ -1484,7 +1489,8 @@ def xml_param_kinds(params: Any) -> ParamKinds:
     are read), by the names and schemas `_xml_arguments` writes them by (also where a keyword the automaton does
     not enforce, at the root or in a parameter, leaves its calls any parameters: a string parameter is still read
     as the raw text, `_xml_object`'s `lenient`); any kind for a parameter whose schema cannot be read, and for
-    every one where the parameters' root is no object schema `_xml_object` reads. Cached by the schema's text."""
+    every one where the parameters' root is no object schema `_xml_object` reads; for one that admits a string
+    beside other kinds, which JSON texts are values of those (`_json_check`). Cached by the schema's text."""
     try:
         text = schema_text(params)
     except SchemaError:
@@ -1501,8 +1507,30 @@ def _param_kinds(text: str) -> ParamKinds:
         comp, schemas, _, extra = _xml_object(json.loads(text), lenient=True)
     except _UNREADABLE:
         return ParamKinds()
-    return ParamKinds({name: _read_kinds(comp, sub) for name, sub in schemas.items()},
-                      None if extra is False else _read_kinds(comp, extra))
+    kinds = {name: _read_kinds(comp, sub) for name, sub in schemas.items()}
+    extra_kinds = None if extra is False else _read_kinds(comp, extra)
+    checks = {name: _json_check(comp.root, schemas[name], k) for name, k in kinds.items()}
+    return ParamKinds(kinds, extra_kinds, {name: c for name, c in checks.items() if c is not None},
+                      None if extra is False else _json_check(comp.root, extra, extra_kinds))
+
+
+def _json_check(root: Any, schema: Any, kinds: frozenset[str] | None) -> Callable[[str], bool] | None:
+    """For a parameter whose values are written in the "text" form beside other kinds (`chat.value_form`: a string
+    or, say, a number), whether a JSON text of another kind is a value its schema accepts: one its automaton (what
+    the constraint writes where the parameter admits no string) reads, so a number within its bounds, an integer
+    where it asks for one (`chat.ParamKinds.json_ok`; else the parser reads the text as the string). None for other
+    parameters, and where that automaton cannot be built (then any JSON text of an admitted kind is the value)."""
+    if kinds is None or value_form(kinds) != "text":
+        return None
+    comp = _Compiler(root)
+    try:
+        return partial(_reads_json, _build(comp.nfa, *comp.merged([schema])))
+    except _UNREADABLE:
+        return None
+
+
+def _reads_json(dfa: SchemaDfa, text: str) -> bool:
+    return dfa.matches(text.encode())
 
 
 def _read_kinds(comp: _Compiler, schema: Any) -> frozenset[str] | None:
@@ -1520,9 +1548,13 @@ def _xml_arguments(params: Any) -> SchemaDfa:
     the others may be left out; where the tool declares none, any names (`XML_KEY` bytes) as extra keys take them.
     A VALUE is by its schema's kinds (`_value_kinds`, `chat.value_form`): listed values (`enum`, `const`) each as
     the templates write it (`_listed_texts`: a string raw, others `json.dumps`); a string, or a string beside
-    other kinds, or any kind: any text without `VALUE_END` (`_xml_text`; a string's length, pattern or format are
-    not enforced here); no string: JSON text the schema accepts (its `_Compiler.value`; a boolean or null also as
-    ``True``, ``False``, ``None``, `_python_literals`)."""
+    other kinds, or any kind: any text in which no ``</parameter>`` would end the value (`_xml_text`; a string's
+    length, pattern or format are not enforced here; beside other kinds, a text is read as a value of another kind
+    only where the schema accepts it, `_json_check`, so a number written there is within the schema's bounds, and
+    any other text, ``-5`` beside ``"minimum": 0``, is a string); no string: JSON text the schema accepts (its
+    `_Compiler.value`; a boolean or null also as ``True``, ``False``, ``None``, `_python_literals`). The newline
+    before ``</parameter>`` may be left out (as models write it), where the value then reads back the same
+    (`chat.read_xml_value`)."""
 
     def build() -> SchemaDfa:
         comp, schemas, required, extra = _xml_object(params)
@@ -1550,12 +1582,26 @@ def _xml_entry(comp: _Compiler, key: tuple[int, int], schema: Any) -> tuple[int,
     values = _values(node)
     if values is not None:
         texts = [t for v in values if kinds is None or _kind_of(v) in kinds for t in _listed_texts(v, form)]
-        value = n.alt(*[n.lit(t.encode()) for t in dict.fromkeys(texts) if VALUE_END not in t]) if texts else n.empty()
-    elif form == "json":
-        value = n.alt(comp.merged([schema]), *[n.lit(t.encode()) for t in _python_literals(comp.root, schema, kinds)])
+        value = _xml_written(n, texts)
+    elif form == "json":  # JSON text holds no line break in a string, nor a "<" outside one: never a value's end
+        literals = _xml_written(n, _python_literals(comp.root, schema, kinds))
+        value = n.alt(n.seq(comp.merged([schema]), n.opt(n.lit(b"\n"))), literals)
     else:
         value = _xml_text(n)
-    return n.seq(key, value, n.lit(f"{VALUE_END}\n".encode()))
+    return n.seq(key, value, n.lit(f"{END_PARAMETER}\n".encode()))
+
+
+def _xml_written(n: _Nfa, texts: list[str]) -> tuple[int, int]:
+    """Each of `texts` as a value written before its ``</parameter>`` (`_xml_entry`), in each way that reads back
+    as itself (`chat.read_xml_value`): followed by the template's newline, and without it where the text does not
+    end in one; none for a text an end inside would cut."""
+    forms = [f for t in dict.fromkeys(texts) for f in dict.fromkeys((t + "\n", t)) if _reads_back(f, t)]
+    return n.alt(*[n.lit(f.encode()) for f in forms]) if forms else n.empty()
+
+
+def _reads_back(written: str, text: str) -> bool:
+    """Whether a value `written` before ``</parameter>``, then the next tag, is read back as `text`."""
+    return read_xml_value(f"{written}{END_PARAMETER}\n{END_FUNCTION}", 0) == (text, len(written) + len(END_PARAMETER))
 
 
 def _listed_texts(value: Any, form: str) -> list[str]:
@@ -1584,21 +1630,56 @@ def _python_literals(root: Any, schema: Any, kinds: frozenset[str]) -> list[str]
 
 
 def _xml_text(n: _Nfa) -> tuple[int, int]:
-    """Any text (`XML_TEXT` bytes) that holds no `VALUE_END`: a state for each prefix of it the text ends in (the
-    end's first byte, a newline, is nowhere else in it, so a byte off the end goes back to the start, or to one
-    newline read), each one where the text may end."""
-    end = VALUE_END.encode()
-    states = [n.state() for _ in end]
+    """Any text (`XML_TEXT` bytes) in which no ``</parameter>`` would end a value (`chat.read_xml_value`: none
+    followed by a newline, whitespace and a `VALUE_NEXT` tag), each point of it one where it may end: the states
+    of a search for such an end (`_value_end_search`)."""
+    table, count = _value_end_search()
+    base = [n.state() for _ in range(count)]
     out = n.state()
-    for k, s in enumerate(states):
-        n.link(s, out)
-        ahead = end[k]
-        if k + 1 < len(end):
-            n.edges[s].append((1 << ahead, states[k + 1]))
-        if ahead != end[0]:
-            n.edges[s].append((1 << end[0], states[1]))
-        n.edges[s].append((XML_TEXT & ~(1 << ahead) & ~(1 << end[0]), states[0]))
-    return states[0], out
+    for s, row in enumerate(table):
+        for mask, t in row:
+            n.edges[base[s]].append((mask, base[t]))
+        n.link(base[s], out)
+    return base[0], out
+
+
+@lru_cache(maxsize=1)
+def _value_end_search() -> tuple[list[list[tuple[int, int]]], int]:
+    """The automaton of a search for a value's end (`chat.read_xml_value`) over `XML_TEXT` bytes, as (each state's
+    edges: (byte mask, state), the number of states), state 0 the start; no edge completes an end. A state is the
+    set of places in ``</parameter>`` ``\n`` WHITESPACE* TAG the text read so far may stop at (the subset
+    construction of that pattern after any text)."""
+    head = f"{END_PARAMETER}\n".encode()
+    space = set(XML_SPACE.encode())
+    tags = [t.encode() for t in VALUE_NEXT]
+    found = object()  # a place past a whole tag: an end
+
+    def step(places: frozenset, b: int) -> frozenset | None:
+        nxt = {("head", 0)}
+        for kind, i, *tag in places:
+            if kind == "head" and head[i] == b:
+                nxt.add(("head", i + 1) if i + 1 < len(head) else ("space", 0))
+            elif kind == "space":
+                if b in space:
+                    nxt.add(("space", 0))
+                nxt |= {("tag", 1, t) if len(t) > 1 else found for t in tags if t[0] == b}
+            elif kind == "tag" and tag[0][i] == b:
+                nxt.add(("tag", i + 1, tag[0]) if i + 1 < len(tag[0]) else found)
+        return None if found in nxt else frozenset(nxt)
+
+    seen = set(head) | space | {c for t in tags for c in t}  # bytes the search tells apart; the rest as one
+    rest = min(b for b in range(RESERVED) if b not in seen)
+    classes = [(b, 1 << b) for b in sorted(seen)] + [(rest, XML_TEXT & ~_bits(seen))]
+    start = frozenset({("head", 0)})
+    ids, order, table = {start: 0}, [start], []
+    for places in order:  # grows as states are found
+        targets: dict[int, int] = defaultdict(int)
+        for b, mask in classes:
+            got = step(places, b)
+            if got is not None:
+                targets[_state_id(ids, order, got)] |= mask
+        table.append([(m, t) for t, m in targets.items()])
+    return table, len(order)
 
 
 def call_groups(tools: list[dict[str, Any]], fmt: str = "json") -> list[tuple[list[dict[str, Any]], SchemaDfa]]:

@@ -182,7 +182,7 @@ RUNS: dict[str, EmuRun] = {
                             "or moe_decode_graphs or fp32_moe or server_backend_with_packed "
                             "or (mtp_graph_equals_eager and None-None) or (one_pass_gives and 16/16) "
                             "or (several_drafts and paged_decode_attention]) or (near_its_table and None-None) "
-                            "or prompt_logprobs_match"),
+                            "or prompt_logprobs_match or (conv_widths and 1])"),
     "piecewise_moe_slot": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text/slot]"),
     "piecewise_moe": EmuRun(PIECEWISE, "eager_logits and mxfp4-qwen3_5_moe_text]"),
     "bf16_prefill": EmuRun(("tests/gpu/test_dense_prefill.py",),
@@ -331,10 +331,11 @@ def test_decode_graphs_pass_on_the_emulator(emulator):
     do not, the server's backend with MXFP4 weights generates the eager tokens through graphs, and the MTP head's
     pass and its KV-only pass through graphs of their own give the eager pass's guesses and KV pages, and a
     verification graph's attention in one launch gives its two launches' bytes, graphs of several drafts a sequence
-    equal the eager forward, and prompt logprobs on the device equal the numpy engine's: cases of their GPU tests,
+    equal the eager forward, prompt logprobs on the device equal the numpy engine's, and a width-1 DeltaNet conv (no
+    conv state: the kernels' windows of `KM1S`) gives the numpy logits and greedy tokens: cases of their GPU tests,
     through the emulator plugin in a separate process."""
     out = emulator("decode_graphs")
-    assert passed(out) == 14, out[-3000:]
+    assert passed(out) == 15, out[-3000:]
 
 
 @needs_toolchain

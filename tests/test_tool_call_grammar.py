@@ -547,6 +547,28 @@ def test_an_xml_value_of_a_string_or_a_bounded_number_is_a_number_only_within_it
         jsonschema.validate(call.arguments, schema)
 
 
+def test_an_xml_value_of_a_string_or_a_free_object_nested_deep_is_the_object():
+    """A parameter that takes a string or a free object (or array) is read as its JSON where that nests deeper than
+    the automaton reads a free value (`FREE_DEPTH`: a limit of the automaton, not of the schema), not as the
+    string of it; within that depth a value its schema refuses (a required key left out) is still the string."""
+    from decapybara.api.common import call_syntax
+    from decapybara.engine.json_schema import FREE_DEPTH
+
+    schema = {"type": "object", "properties": {
+        "body": {"anyOf": [{"type": "string"}, {"type": "object"}]}, "xs": {"type": ["string", "array"]},
+        "cfg": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["a"]}]}}}
+    syntax = call_syntax("xml", [{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    deep: object = 1
+    for _ in range(FREE_DEPTH + 1):  # a level past the automaton's
+        deep = {"k": deep}
+    for key, value in (("body", deep), ("xs", [deep]), ("cfg", {"a": deep})):
+        (call,) = parse_assistant_output(_xml("f", (key, json.dumps(value))), tools=syntax).tool_calls
+        assert call.arguments == {key: value}
+        jsonschema.validate(call.arguments, schema)
+    (call,) = parse_assistant_output(_xml("f", ("cfg", '{"b": 1}')), tools=syntax).tool_calls
+    assert call.arguments == {"cfg": '{"b": 1}'}
+
+
 def test_the_template_writes_its_calls_as_the_automaton_reads_them():
     """A past call rendered by an XML template (Qwen3.6's: values that are no strings as JSON) is a call the
     automaton reads, whole."""

@@ -1518,8 +1518,11 @@ def _json_check(root: Any, schema: Any, kinds: frozenset[str] | None) -> Callabl
     """For a parameter whose values are written in the "text" form beside other kinds (`chat.value_form`: a string
     or, say, a number), whether a JSON text of another kind is a value its schema accepts: one its automaton (what
     the constraint writes where the parameter admits no string) reads, so a number within its bounds, an integer
-    where it asks for one (`chat.ParamKinds.json_ok`; else the parser reads the text as the string). None for other
-    parameters, and where that automaton cannot be built (then any JSON text of an admitted kind is the value)."""
+    where it asks for one (`chat.ParamKinds.json_ok`; else the parser reads the text as the string), or one nested
+    past what that automaton reads (`_reads_json`). None for other parameters, and where that automaton cannot be
+    built (then any JSON text of an admitted kind is the value). Its other limits stay: a number it does not write
+    (more than `FLOAT_DIGITS` digits in a bounded number with a fraction, an exponent beside bounds, more than
+    `INT_DIGITS` digits) or a whitespace run past `MAX_WS` is read as the string, which the schema also accepts."""
     if kinds is None or value_form(kinds) != "text":
         return None
     comp = _Compiler(root)
@@ -1530,7 +1533,24 @@ def _json_check(root: Any, schema: Any, kinds: frozenset[str] | None) -> Callabl
 
 
 def _reads_json(dfa: SchemaDfa, text: str) -> bool:
-    return dfa.matches(text.encode())
+    """Whether `dfa`, a schema's automaton, takes the JSON `text` (one `chat.strict_json` reads) as far as it can
+    tell: it reads the text, or the value nests objects and arrays deeper than the automaton reads a value the
+    schema leaves free (`FREE_DEPTH`), a limit of the automaton, not of the schema, so such a value (a free
+    object's payload) is its JSON, as before the automaton was asked, not the string."""
+    if dfa.matches(text.encode()):
+        return True
+    try:
+        return _nests_past(json.loads(text), FREE_DEPTH)
+    except RecursionError:  # nested past the parser's own depth: past the automaton's too
+        return True
+
+
+def _nests_past(value: Any, levels: int) -> bool:
+    """Whether `value` nests objects and arrays more than `levels` deep (a scalar nests none)."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    if items is None:
+        return False
+    return levels == 0 or any(_nests_past(v, levels - 1) for v in items)
 
 
 def _read_kinds(comp: _Compiler, schema: Any) -> frozenset[str] | None:

@@ -17,10 +17,11 @@ template writes (`template_call_format`):
       </parameter>
       </function>
 
-  a VALUE is the text after ``<parameter=KEY>`` (and one newline) up to the ``</parameter>`` that ends it, less one
-  newline before that tag (`read_xml_value`: the first ``</parameter>`` that ends its line and is followed by
-  whitespace and the next tag, so a value written without the newline, ``src/a.py</parameter>``, as models write
-  where nothing constrains them, ends there too, as vLLM's and SGLang's qwen3_coder parsers read it); raw text for a
+  a VALUE is the text after ``<parameter=KEY>`` (and one newline, ``\n`` or ``\r\n``) up to the ``</parameter>``
+  that ends it, less one newline before that tag (`read_xml_value`: the first ``</parameter>`` followed by
+  whitespace, or none, and the next tag, so a value written without the newline, ``src/a.py</parameter>``, with a
+  space or tab after the tag, or with CRLF line ends, as models write where nothing constrains them, ends there
+  too, as vLLM's and SGLang's qwen3_coder parsers read it); raw text for a
   string parameter, JSON text for others (the templates write ``value|string`` or ``value|tojson``). Each value is
   read by the kinds of value its parameter's schema admits (`ParamKinds`, which
   `engine.json_schema.xml_param_kinds` finds, as the constraint that writes XML calls does; `xml_value` says how).
@@ -51,7 +52,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
-# the XML form's markup (`CallSyntax`): a value ends at an END_PARAMETER that a newline, whitespace (XML_SPACE) and
+# the XML form's markup (`CallSyntax`): a value ends at an END_PARAMETER that whitespace (XML_SPACE, or none) and
 # one of VALUE_NEXT (or the body's end) follow (`read_xml_value`)
 FUNCTION, END_FUNCTION = "<function=", "</function>"
 PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
@@ -422,21 +423,27 @@ def _skip_ws(text: str, pos: int) -> int:
 def read_xml_value(body: str, pos: int) -> tuple[str, int] | None:
     """(the text of the value that starts at `pos` of an XML call's body, the position after its
     ``</parameter>``), or None where no ``</parameter>`` ends it. The end is the first ``</parameter>`` followed by
-    a newline, whitespace, then a `VALUE_NEXT` tag (the next parameter, ``</function>``) or the body's end (where
-    the ``</tool_call>`` it was cut at stood); the text is what comes before it, less one newline at its end (the
-    template's: ``\n</parameter>\n``, or a model's ``VALUE</parameter>\n``). So a value may hold
-    ``</parameter>`` anywhere else, on a line of its own too (a file that holds the tag), and an end the model
-    wrote without its newline does not run on to a later one (vLLM's and SGLang's qwen3_coder parsers also end a
-    value at ``</parameter>`` without the newline; SGLang's at the first one, whatever follows)."""
+    whitespace (`XML_SPACE`: spaces, tabs, CRs, newlines; or none), then a `VALUE_NEXT` tag (the next parameter,
+    ``</function>``) or the body's end (where the ``</tool_call>`` it was cut at stood); the text is what comes
+    before it, less one newline at its end, ``\n`` or ``\r\n`` (the template's: ``\n</parameter>\n``, or a
+    model's ``VALUE</parameter>\n``, ``VALUE\r\n</parameter> \r\n``, ``VALUE</parameter></function>``). So a
+    value may hold ``</parameter>`` anywhere no tag follows it, on a line of its own too (a file that holds the
+    tag), and an end the model wrote without its newline, or with a space after it, does not run on to a later
+    one (as vLLM's qwen3_coder parser ends a value at a ``</parameter>`` that whitespace and a known tag or the
+    end follow; SGLang's at the first one, whatever follows)."""
     end = pos
     while (end := body.find(END_PARAMETER, end)) >= 0:
         end += len(END_PARAMETER)
-        if body.startswith("\n", end):
-            nxt = _skip_ws(body, end)
-            if nxt == len(body) or body.startswith(VALUE_NEXT, nxt):
-                text = body[pos:end - len(END_PARAMETER)]
-                return text.removesuffix("\n"), end
+        nxt = _skip_ws(body, end)
+        if nxt == len(body) or body.startswith(VALUE_NEXT, nxt):
+            text = body[pos:end - len(END_PARAMETER)]
+            return text[:-len(newline)] if (newline := _newline_at_end(text)) else text, end
     return None
+
+
+def _newline_at_end(text: str) -> str:
+    """The line break `text` ends with (``\r\n`` or ``\n``), or ""."""
+    return "\r\n" if text.endswith("\r\n") else "\n" if text.endswith("\n") else ""
 
 
 def _xml_name(body: str, pos: int, opener: str) -> tuple[str, int] | None:
@@ -454,9 +461,9 @@ def _xml_name(body: str, pos: int, opener: str) -> tuple[str, int] | None:
 
 def _read_xml_call(body: str, params: Mapping[str, ParamKinds]) -> tuple[ToolCall | None, bool]:
     """(the call in an XML body or None, whether the body ends inside a parameter's value). A call is
-    ``<function=NAME>`` then parameters ``<parameter=KEY>`` VALUE ``</parameter>`` (after one newline, up to its
-    end: `read_xml_value`), then ``</function>``, whitespace between them and at the ends; a later value of a key
-    replaces an earlier one."""
+    ``<function=NAME>`` then parameters ``<parameter=KEY>`` VALUE ``</parameter>`` (after one newline, ``\n`` or
+    ``\r\n``, up to its end: `read_xml_value`), then ``</function>``, whitespace between them and at the ends; a
+    later value of a key replaces an earlier one."""
     head = _xml_name(body, _skip_ws(body, 0), FUNCTION)
     if head is None:
         return None, False
@@ -474,6 +481,8 @@ def _read_xml_call(body: str, params: Mapping[str, ParamKinds]) -> tuple[ToolCal
         key_name, pos = key
         if body.startswith("\n", pos):
             pos += 1
+        elif body.startswith("\r\n", pos):
+            pos += 2
         value = read_xml_value(body, pos)
         if value is None:
             return None, True

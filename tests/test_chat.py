@@ -525,6 +525,35 @@ def test_an_xml_value_written_without_its_newline_ends_at_its_tag():
         _check_stream_equals_batch(text, [cut], in_reasoning=False, tools=XML)
 
 
+def test_an_xml_value_ends_at_its_tag_whatever_whitespace_follows_it():
+    """A ``</parameter>`` followed by spaces, tabs, CRs or line breaks and then the next tag (or by the tag at once)
+    ends its value, less one line break (``\n`` or ``\r\n``) before the tag, as vLLM's qwen3_coder parser reads
+    it: a trailing space or tab, CRLF line endings and ``</parameter></function>`` keep the call; a
+    ``</parameter>`` that no tag follows (after the whitespace) stays text. Streamed as the batch parser reads it."""
+    spaced = ("<tool_call>\n<function=edit>\n<parameter=path>\na.py\n</parameter> \n<parameter=count>\n5\n</parameter>"
+              "\t\n</function>\n</tool_call>")
+    crlf = ("<tool_call>\r\n<function=edit>\r\n<parameter=path>\r\nb.py\r\n</parameter>\r\n<parameter=count>\r\n6"
+            "\r\n</parameter>\r\n</function>\r\n</tool_call>")
+    tight = ("<tool_call><function=edit><parameter=path>c.py</parameter><parameter=count>7</parameter></function>"
+             "</tool_call>")
+    kept = _xml_call("edit", ("path", "x</parameter> y\r\n</parameter>\t<z>\n</parameter> \r\n"))
+    text = "Four.\n" + spaced + "\n" + crlf + "\n" + tight + "\n" + kept
+    out = parse_assistant_output(text, tools=XML)
+    assert out.tool_calls == [ToolCall("edit", {"path": "a.py", "count": 5}),
+                              ToolCall("edit", {"path": "b.py", "count": 6}), ToolCall("edit", {"path": "c.py", "count": 7}),
+                              ToolCall("edit", {"path": "x</parameter> y\r\n</parameter>\t<z>\n</parameter> \r\n"})]
+    assert out.content == "Four."
+    for cut in range(1, len(text)):
+        _check_stream_equals_batch(text, [cut], in_reasoning=False, tools=XML)
+    # the end at the body's end: the </tool_call> after a </parameter> is the call's (no </function>: text)
+    cut = ("<tool_call>\n<function=edit>\n<parameter=path>\na </parameter> \r\n</tool_call> b\n</parameter>\n"
+           "</function>\n</tool_call>")
+    out = parse_assistant_output(cut, tools=XML)
+    assert (out.tool_calls, out.content) == ([], cut)
+    for size in (1, 2, 5):
+        _check_stream_equals_batch(cut, list(range(size, len(cut), size)), in_reasoning=False, tools=XML)
+
+
 def test_xml_calls_streamed_in_any_chunks_are_the_batch_ones():
     """Reasoning, text, two calls and a malformed block, streamed 1, 3 or all characters at a time, and at every
     single cut: the same calls, content and reasoning as the batch parser's."""

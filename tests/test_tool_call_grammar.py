@@ -509,12 +509,14 @@ def test_the_xml_automaton_reads_a_value_as_the_parser_does():
     assert read(short) == (True, [ToolCall("edit", {"path": "src/a.py", "line": 3, "mode": "w", "force": True,
                                                     "options": {"depth": 2}})])
     rng = random.Random(0)
-    pieces = ["</parameter>", "</parameter>\n", "\n", " ", "<parameter=x>", "<parameter=", "</function>", "</tool_call>", "a", "<"]
-    for _ in range(300):
+    pieces = ["</parameter>", "</parameter>\n", "\n", " ", "<parameter=x>", "<parameter=", "</function>", "</tool_call>",
+              "a", "<", "\r", "\t", "\r\n", "</parameter> ", "</parameter>\t", "</parameter>\r\n", "</parameter></function>",
+              "</parameter><parameter=x>", "</parameter> \t</tool_call>"]
+    for _ in range(600):
         value = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
-        for written in (value + "\n", value):
+        for written in (value + "\n", value + "\r\n", value):
             ok, calls = read(f"<parameter=path>\n{written}</parameter>\n<parameter=force>\ntrue\n</parameter>\n")
-            text = written.removesuffix("\n")
+            text = written[:-2] if written.endswith("\r\n") else written.removesuffix("\n")
             assert ok == (calls == [ToolCall("edit", {"path": text, "force": True})]), written
     tools = [{"type": "function", "function": {"name": "edit", "parameters": {
         "type": "object", "properties": {"path": {"enum": ["a\n", "b"]}}, "required": ["path"]}}}]
@@ -522,6 +524,42 @@ def test_the_xml_automaton_reads_a_value_as_the_parser_does():
     for written, ok in (("a\n\n", True), ("a\n", False), ("b\n", True), ("b", True)):
         call = f"<tool_call>\n<function=edit>\n<parameter=path>\n{written}</parameter>\n</function>\n</tool_call>"
         assert listed.matches(tags_as_bytes(call.encode())) == ok, written
+
+
+def test_the_xml_automaton_reads_a_json_value_as_the_parser_does():
+    """A value written as JSON (an array of strings, a free object) may hold ``</parameter>`` in a string, and the
+    spaces and tag after it that would end the value there (``</parameter> </function>``): the automaton reads
+    such a value exactly where the parser reads it back whole, for random strings of the markup's pieces (raw
+    tabs and line breaks, which JSON strings do not hold, among them)."""
+    import random
+
+    from decapybara.api.common import call_syntax
+    from decapybara.chat import ToolCall
+    from decapybara.engine.json_schema import CLOSE_TAG, OPEN_TAG
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}}, "cfg": {"type": "object"}}}}}]
+    dfa, syntax = compile_calls(json.loads(tool_call_spec(tools, None, True, fmt="xml"))["tools"], "xml"), \
+        call_syntax("xml", tools)
+    rng = random.Random(1)
+    pieces = ["</parameter>", " ", "\t", "\n", "<parameter=x>", "<parameter=", "</function>", "</tool_call>", "a", "<",
+              "</parameter> ", "</parameter></function>", "</parameter>  <parameter=x>", "\\n"]
+    seen = set()
+    for i in range(400):
+        s = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 5)))
+        name, written = ("tags", f'["{s}"]') if i % 2 else ("cfg", f'{{"k": "{s}"}}')
+        text = f"<tool_call>\n<function=f>\n<parameter={name}>\n{written}\n</parameter>\n</function>\n</tool_call>"
+        ok = dfa.matches(OPEN_TAG + text[11:-12].encode() + CLOSE_TAG)
+        calls = parse_assistant_output(text, tools=syntax).tool_calls
+        # read back whole: its JSON value (none where a raw tab or line break is in the string)
+        read = "\t" not in s and "\n" not in s and calls == [ToolCall("f", {name: json.loads(written)})]
+        assert ok == read, written
+        seen.add(ok)
+    assert seen == {True, False}
+    for tail, ok in (("</parameter> x", True), ("</parameter> </function>", False), ("</parameter></tool_call>", False),
+                     ("</parameter>   <parameter=x>", False), ("<parameter=x>", True)):
+        text = f'<tool_call>\n<function=f>\n<parameter=tags>\n["a{tail}"]\n</parameter>\n</function>\n</tool_call>'
+        assert dfa.matches(tags_as_bytes(text.encode())) == ok, tail
 
 
 def test_an_xml_value_of_a_string_or_a_bounded_number_is_a_number_only_within_its_bounds():

@@ -42,9 +42,10 @@ the tag tokens write a tag, and never inside a string. A call is in the form the
 (`tool_call_spec`'s "format", `chat.CallSyntax`): the JSON body, or the XML one of Qwen3.5 / Qwen3.6
 (`_xml_arguments`: ``<parameter=KEY>`` tags in the schema's order, the required ones all there; a string value raw
 text in which no ``</parameter>`` would end it (`chat.read_xml_value`; its length, pattern or format not
-enforced), listed values as the template writes them, any other value JSON its sub-schema's automaton accepts, a
-boolean or null also as ``value|string`` writes it, `_python_literals`; the newline before ``</parameter>``
-optional; `xml_param_kinds`, the kinds the output parser reads each value by).
+enforced), listed values as the template writes them, any other value JSON its sub-schema's automaton accepts
+less the texts whose strings would end it, `_xml_json`, a boolean or null also as ``value|string`` writes it,
+`_python_literals`; the newline before ``</parameter>`` optional; `xml_param_kinds`, the kinds the output parser
+reads each value by).
 """
 
 from __future__ import annotations
@@ -1572,7 +1573,8 @@ def _xml_arguments(params: Any) -> SchemaDfa:
     length, pattern or format are not enforced here; beside other kinds, a text is read as a value of another kind
     only where the schema accepts it, `_json_check`, so a number written there is within the schema's bounds, and
     any other text, ``-5`` beside ``"minimum": 0``, is a string); no string: JSON text the schema accepts (its
-    `_Compiler.value`; a boolean or null also as ``True``, ``False``, ``None``, `_python_literals`). The newline
+    `_Compiler.value`, less a string in which ``</parameter>`` would end the value, `_xml_json`; a boolean or null
+    also as ``True``, ``False``, ``None``, `_python_literals`). The newline
     before ``</parameter>`` may be left out (as models write it), where the value then reads back the same
     (`chat.read_xml_value`)."""
 
@@ -1603,12 +1605,47 @@ def _xml_entry(comp: _Compiler, key: tuple[int, int], schema: Any) -> tuple[int,
     if values is not None:
         texts = [t for v in values if kinds is None or _kind_of(v) in kinds for t in _listed_texts(v, form)]
         value = _xml_written(n, texts)
-    elif form == "json":  # JSON text holds no line break in a string, nor a "<" outside one: never a value's end
+    elif form == "json":
         literals = _xml_written(n, _python_literals(comp.root, schema, kinds))
-        value = n.alt(n.seq(comp.merged([schema]), n.opt(n.lit(b"\n"))), literals)
+        value = n.alt(n.seq(_xml_json(comp, schema), n.opt(n.lit(b"\n"))), literals)
     else:
         value = _xml_text(n)
     return n.seq(key, value, n.lit(f"{END_PARAMETER}\n".encode()))
+
+
+def _xml_json(comp: _Compiler, schema: Any) -> tuple[int, int]:
+    """JSON text `schema` accepts (its `_Compiler.merged`) in which no ``</parameter>`` would end the value
+    (`chat.read_xml_value`): JSON text holds a ``<`` only inside a string, which may hold ``</parameter>``, spaces
+    and a `VALUE_NEXT` tag (no raw line break or tab); where the text can hold a ``<``, its automaton's product
+    with the search for such an end (`_no_value_end`), else the fragment as it is."""
+    n = comp.nfa
+    frag = comp.merged([schema])
+    if not _reads_byte(n, frag[0], ord("<")):
+        return frag
+    alone = _Compiler(comp.root)
+    try:
+        dfa = _build(alone.nfa, *alone.merged([schema]))
+    except EmptySchema:
+        return n.empty()
+    return _embed(n, _product([dfa, _no_value_end()], all_of=True))
+
+
+def _reads_byte(n: _Nfa, start: int, byte: int) -> bool:
+    """Whether an edge of `n` reached from `start` reads `byte`."""
+    seen, todo = {start}, [start]
+    while todo:
+        s = todo.pop()
+        for mask, t in n.edges[s]:
+            if mask >> byte & 1:
+                return True
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+        for t in n.eps[s]:
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return False
 
 
 def _xml_written(n: _Nfa, texts: list[str]) -> tuple[int, int]:
@@ -1651,8 +1688,8 @@ def _python_literals(root: Any, schema: Any, kinds: frozenset[str]) -> list[str]
 
 def _xml_text(n: _Nfa) -> tuple[int, int]:
     """Any text (`XML_TEXT` bytes) in which no ``</parameter>`` would end a value (`chat.read_xml_value`: none
-    followed by a newline, whitespace and a `VALUE_NEXT` tag), each point of it one where it may end: the states
-    of a search for such an end (`_value_end_search`)."""
+    followed by whitespace and a `VALUE_NEXT` tag), each point of it one where it may end: the states of a search
+    for such an end (`_value_end_search`)."""
     table, count = _value_end_search()
     base = [n.state() for _ in range(count)]
     out = n.state()
@@ -1667,9 +1704,9 @@ def _xml_text(n: _Nfa) -> tuple[int, int]:
 def _value_end_search() -> tuple[list[list[tuple[int, int]]], int]:
     """The automaton of a search for a value's end (`chat.read_xml_value`) over `XML_TEXT` bytes, as (each state's
     edges: (byte mask, state), the number of states), state 0 the start; no edge completes an end. A state is the
-    set of places in ``</parameter>`` ``\n`` WHITESPACE* TAG the text read so far may stop at (the subset
+    set of places in ``</parameter>`` WHITESPACE* TAG the text read so far may stop at (the subset
     construction of that pattern after any text)."""
-    head = f"{END_PARAMETER}\n".encode()
+    head = END_PARAMETER.encode()
     space = set(XML_SPACE.encode())
     tags = [t.encode() for t in VALUE_NEXT]
     found = object()  # a place past a whole tag: an end
@@ -1700,6 +1737,21 @@ def _value_end_search() -> tuple[list[list[tuple[int, int]]], int]:
                 targets[_state_id(ids, order, got)] |= mask
         table.append([(m, t) for t, m in targets.items()])
     return table, len(order)
+
+
+@lru_cache(maxsize=1)
+def _no_value_end() -> SchemaDfa:
+    """`_value_end_search` as an automaton (every state accepting; a reserved byte reads nothing): the texts in
+    which no ``</parameter>`` would end a value, for a product with another automaton (`_xml_json`)."""
+    rows, count = _value_end_search()
+    full = np.full((count, 256), -1, np.int32)
+    for s, row in enumerate(rows):
+        for mask, t in row:
+            full[s, [b for b in range(256) if mask >> b & 1]] = t
+    _, rep, byte_class = np.unique(full.T, axis=0, return_index=True, return_inverse=True)
+    every, none = np.ones(count, bool), np.zeros(count, bool)
+    return SchemaDfa(np.ascontiguousarray(full[:, rep]), byte_class.reshape(256).astype(np.int64), every, none,
+                     none, none)
 
 
 def call_groups(tools: list[dict[str, Any]], fmt: str = "json") -> list[tuple[list[dict[str, Any]], SchemaDfa]]:

@@ -1526,11 +1526,17 @@ def _json_check(root: Any, schema: Any, kinds: frozenset[str] | None) -> Callabl
     `INT_DIGITS` digits) or a whitespace run past `MAX_WS` is read as the string, which the schema also accepts."""
     if kinds is None or value_form(kinds) != "text":
         return None
-    comp = _Compiler(root)
     try:
-        return partial(_reads_json, _build(comp.nfa, *comp.merged([schema])))
+        return partial(_reads_json, _own_dfa(root, schema))
     except _UNREADABLE:
         return None
+
+
+def _own_dfa(root: Any, schema: Any) -> SchemaDfa:
+    """The automaton of `schema` alone (a parameter's, `$ref`s read under `root`), on an NFA of its own; raises what
+    `_build` raises (EmptySchema where it admits nothing, SchemaError where it cannot be built)."""
+    comp = _Compiler(root)
+    return _build(comp.nfa, *comp.merged([schema]))
 
 
 def _reads_json(dfa: SchemaDfa, text: str) -> bool:
@@ -1622,9 +1628,8 @@ def _xml_json(comp: _Compiler, schema: Any) -> tuple[int, int]:
     frag = comp.merged([schema])
     if not _reads_byte(n, frag[0], ord("<")):
         return frag
-    alone = _Compiler(comp.root)
     try:
-        dfa = _build(alone.nfa, *alone.merged([schema]))
+        dfa = _own_dfa(comp.root, schema)
     except EmptySchema:
         return n.empty()
     return _embed(n, _product([dfa, _no_value_end()], all_of=True))
@@ -1678,9 +1683,8 @@ def _python_literals(root: Any, schema: Any, kinds: frozenset[str]) -> list[str]
     wanted = [(js, py) for js, py in PYTHON_LITERALS.items() if ("null" if js == "null" else "boolean") in kinds]
     if not wanted:
         return []
-    comp = _Compiler(root)
     try:
-        dfa = _build(comp.nfa, *comp.merged([schema]))
+        dfa = _own_dfa(root, schema)
     except SchemaError:
         return []
     return [py for js, py in wanted if dfa.matches(js.encode())]

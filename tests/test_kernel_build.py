@@ -160,3 +160,16 @@ def test_attention_file_builds_for_every_head_dim_it_promises(head_dim, kv_bits,
            str(ROOT / "decapybara" / "kernels" / "attn_prefill.cu")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.skipif(kernels_nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.parametrize("arch", ["80", "89"])
+def test_activation_quantiser_builds_before_and_after_the_hardware_e4m3_conversion(arch, tmp_path):
+    """decapybara/kernels/act_quant.cu converts to E4M3 with cvt.rn.satfinite.e4m3x2 from sm_89 on, and rounds in
+    software before (Ampere, where ptxas rejects the conversion): it builds for both. That the two give the
+    reference's bytes is tests/gpu/test_kernels_extra.py's `test_act_quant_bytes_equal_reference` (`soft`)."""
+    from decapybara import kernels
+    cmd = [kernels_nvcc(), *kernels.nvcc_options(arch, ()), "-cubin", "-o", str(tmp_path / "a.cubin"),
+           str(ROOT / "decapybara" / "kernels" / "act_quant.cu")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -1216,17 +1216,18 @@ class PackedWeightsMixin:
 
 
 # ---- activation quantiser ----------------------------------------------------------------------------
-def act_quant_mxfp8(x: Any) -> tuple[Any, Any]:
-    """x [R, K] -> (E4M3 codes uint8 [R, Kp], E8M0 scales uint8 [R, Kp / 32]), bytes as `quantize(x, 'mxfp8')`."""
+def act_quant_mxfp8(x: Any, soft: bool = False) -> tuple[Any, Any]:
+    """x [R, K] -> (E4M3 codes uint8 [R, Kp], E8M0 scales uint8 [R, Kp / 32]), bytes as `quantize(x, 'mxfp8')`.
+    `soft`: the kernel's software E4M3 rounding (what devices before sm_89 run) on any device."""
     check(x, x.dtype, "x", 2)
     r, k = x.shape
     kp = -(-k // 32) * 32
     codes, scales = empty((r, kp), cp.uint8), empty((r, kp // 32), cp.uint8)
     if r and k:
         warps = r * (kp // 32)
-        get_kernel("act_quant", "act_quant_mxfp8")((-(-warps * 32 // 256),), (256,),
-                                                  (x, I32(kind(x.dtype)), I64(k), I32(r), I32(k), I32(kp), codes,
-                                                   scales))
+        quantise = get_kernel("act_quant", "act_quant_mxfp8", (("AQ_SOFT", 1),) if soft else ())
+        quantise((-(-warps * 32 // 256),), (256,),
+                 (x, I32(kind(x.dtype)), I64(k), I32(r), I32(k), I32(kp), codes, scales))
     return codes, scales
 
 

@@ -793,9 +793,12 @@ def test_mx_dequant_bf16_falls_back_where_k_is_not_whole_blocks(fmt, shape):
 
 
 # ---- activation quantiser ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("soft", [False, True], ids=["hw", "soft"])
 @pytest.mark.parametrize("k", [32, 100, 5120])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_act_quant_bytes_equal_reference(k, dtype):
+def test_act_quant_bytes_equal_reference(k, dtype, soft):
+    """The hardware E4M3 conversion and the software rounding (devices before sm_89) give the reference's
+    bytes."""
     rng = np.random.default_rng(k)
     rows = 9
     x = (rng.standard_normal((rows, k)) * rng.choice([1e-3, 1.0, 300.0], (rows, 1))).astype(np.float32)
@@ -811,11 +814,35 @@ def test_act_quant_bytes_equal_reference(k, dtype):
         xin, xref = cp.asarray(bits), bf16_decode(bits)
     else:
         xin, xref = cp.asarray(x), x
-    codes, scales = ex.act_quant_mxfp8(xin)
+    codes, scales = ex.act_quant_mxfp8(xin, soft=soft)
     q = quant.quantize(xref, "mxfp8")
     assert_bytes_equal(scales, q.scales, f"act_quant scales k={k} {dtype}")
     assert_bytes_equal(codes, q.codes, f"act_quant codes k={k} {dtype}")
 
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hw", "soft"])
+def test_act_quant_rounds_every_e4m3_midpoint_to_even(soft):
+    """Every value halfway between two neighbouring E4M3 magnitudes (and the float32 values either side of it),
+    both signs, in blocks whose largest element (256) leaves them unscaled: the kernel's rounding, hardware or
+    software, gives the reference's bytes, ties to the even code."""
+    grid = np.array([m * 2.0 ** -9 for m in range(8)]
+                    + [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8 if e < 15 else 7)])
+    mids = (grid[:-1] + grid[1:]) / 2
+    vals = np.concatenate([mids, np.nextafter(mids.astype(np.float32), np.float32(0)),
+                           np.nextafter(mids.astype(np.float32), np.float32(np.inf)), [450.0, 463.9, 464.0, 500.0]])
+    vals = np.concatenate([vals, -vals]).astype(np.float32)
+    per = 31  # a block: 256 (its scale then leaves every element as it is) and 31 values
+    blocks = -(-vals.size // per)
+    x = np.zeros((blocks, 32), np.float32)
+    x[:, 0] = 256.0
+    x[:, 1:].flat[:vals.size] = vals
+    x = x.reshape(1, -1)
+    codes, scales = ex.act_quant_mxfp8(cp.asarray(x), soft=soft)
+    q = quant.quantize(x, "mxfp8")
+    assert (q.scales == 127).all()
+    assert_bytes_equal(scales, q.scales, "act_quant midpoint scales")
+    assert_bytes_equal(codes, q.codes, "act_quant midpoint codes")
 
 # ---- MoE -----------------------------------------------------------------------------------------------------
 def random_experts(rng, e, h, inter, experts, packed=False):

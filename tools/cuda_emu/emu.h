@@ -61,6 +61,7 @@ inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __expf(float x) { return expf(x); }
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }  // the default mode: nearest even
 // the low / high 32 bits of the 64-bit hi:lo shifted by (shift & 31), as CUDA's funnel shifts (wrap mode)
 inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int shift) {
   return (unsigned int)((((unsigned long long)hi << 32) | lo) >> (shift & 31)); }

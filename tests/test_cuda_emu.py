@@ -105,11 +105,12 @@ class EmuRun:
     cases: str
     strided: bool = True  # CUDA_EMU_STRIDED: blocks' threads stepped in strides (the faster schedule)
     timeout: int = 1200
+    device: str = "h200"  # CUDA_EMU_DEVICE: the GPU the fake CuPy reports (fake_cupy.DEVICE_PROFILES)
 
     def run(self, live: set, stopping: threading.Event) -> tuple[int, str, str]:
         """(exit status, stdout, stderr); the process is in `live` while it runs (so that it can be killed), and
         killed at once where `stopping` is set."""
-        env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, "PYTHONPATH": str(EMU), "OMP_NUM_THREADS": "1", "CUDA_EMU_DEVICE": self.device,
                **({"CUDA_EMU_STRIDED": "1"} if self.strided else {})}
         t0 = time.monotonic()
         proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "pytest", "-q", "-p", "emu_plugin", "-p",
@@ -201,6 +202,8 @@ RUNS: dict[str, EmuRun] = {
     "snapshots": EmuRun(("tests/gpu/test_kernels_core.py",), SNAPSHOT_CASES),
     "launch_caches": EmuRun(("tests/gpu/test_launch_cache.py",), "launch or tune or kernel or layout or dequantisation"),
     "product_chain": EmuRun(("tests/gpu/test_product_chain.py", "tests/gpu/test_chain_tails.py"), "chain"),
+    "other_gpu": EmuRun(("tests/gpu/test_engine_graphs.py", "tests/gpu/test_dense_prefill.py"),
+                        "server_backend_with_packed or dense_values_are", device="l40s"),
 }
 
 
@@ -336,6 +339,16 @@ def test_decode_graphs_pass_on_the_emulator(emulator):
     through the emulator plugin in a separate process."""
     out = emulator("decode_graphs")
     assert passed(out) == 15, out[-3000:]
+
+
+@uses_runs("other_gpu")
+def test_a_gpu_before_hopper_with_less_shared_memory_serves_on_the_emulator(emulator):
+    """On what an L40S reports (sm_89, 99 KB of shared memory a block, 142 SMs): plain launches where Hopper's
+    overlap, no sm_90a builds, every kernel's shared memory fitted to the device (the fake CuPy refuses more, as
+    cudaFuncSetAttribute does), the products planned for its SMs; the server's backend with MXFP4 weights still
+    generates the eager tokens through graphs, and the bf16 prefill path its logits."""
+    out = emulator("other_gpu")
+    assert passed(out) == 4, out[-3000:]
 
 
 @needs_toolchain

@@ -283,8 +283,19 @@ class FakeKernel:
     def __init__(self, lib, name, sig):
         self.fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value if lib is not None else None
         self.name, self.sig = name, sig
-        self.max_dynamic_shared_size_bytes = 48 * 1024
+        self._max_dynamic = 48 * 1024
         self.lib = lib
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max_dynamic
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        optin = device_profile()[1]  # as cudaFuncSetAttribute refuses more than the device's opt-in limit
+        if nbytes > optin:
+            raise RuntimeError(f"{self.name}: {nbytes} B of dynamic shared memory asked, the device allows {optin}")
+        self._max_dynamic = nbytes
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         if CAPTURE is not None:
@@ -394,6 +405,25 @@ class RawModule:
         return FakeKernel(self.lib, name, self.sigs[name])
 
 
+# The device the fake CuPy reports, by $CUDA_EMU_DEVICE: (compute capability, shared memory a block may opt in to,
+# shared memory an SM, SMs, name). The kernels run on the host either way; what changes is what the launch code
+# plans for: overlapped launches and sm_90a builds on Hopper only, shared-memory fits, one wave's blocks.
+DEVICE_PROFILES = {
+    "h200": ("90", 232448, 233472, 132, b"FakeH200"),
+    "a100": ("80", 166912, 167936, 108, b"FakeA100"),
+    "l40s": ("89", 101376, 102400, 142, b"FakeL40S"),
+    "b200": ("100", 232448, 233472, 148, b"FakeB200"),
+    "rtx5090": ("120", 101376, 102400, 170, b"FakeRTX5090"),
+}
+
+
+def device_profile() -> tuple:
+    name = os.environ.get("CUDA_EMU_DEVICE", "h200").lower()
+    if name not in DEVICE_PROFILES:
+        raise ValueError(f"CUDA_EMU_DEVICE={name!r}: one of {', '.join(DEVICE_PROFILES)}")
+    return DEVICE_PROFILES[name]
+
+
 def install():
     cp = types.ModuleType("cupy")
     for k in dir(np):
@@ -409,11 +439,12 @@ def install():
     cp.RawModule = RawModule
     cp.__version__ = "fake"
     cuda = types.ModuleType("cupy.cuda")
+    arch, optin, per_sm, sms, gpu_name = device_profile()
     class Device:
         def __init__(self, i=0): self.id = i
-        compute_capability = "90"
-        attributes = {"MaxSharedMemoryPerBlockOptin": 232448, "MaxSharedMemoryPerMultiprocessor": 233472,
-                      "MultiProcessorCount": 132}  # an H200's
+        compute_capability = arch
+        attributes = {"MaxSharedMemoryPerBlockOptin": optin, "MaxSharedMemoryPerMultiprocessor": per_sm,
+                      "MultiProcessorCount": sms}
         def synchronize(self): pass
         def __enter__(self): return self
         def __exit__(self, *exc): return False
@@ -423,7 +454,7 @@ def install():
     runtime.getDevice = lambda: 0
     runtime.memcpyDeviceToHost = 2
     runtime.memcpyAsync = lambda dst, src, n, kind, stream: deferred(lambda: ctypes.memmove(dst, src, n))
-    runtime.getDeviceProperties = lambda i: {"multiProcessorCount": 132, "name": b"FakeH200"}
+    runtime.getDeviceProperties = lambda i: {"multiProcessorCount": sms, "name": gpu_name}
     runtime.deviceSynchronize = lambda: None
     runtime.streamIsCapturing = lambda stream: CAPTURE is not None
     cuda.runtime = runtime

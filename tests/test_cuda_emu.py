@@ -346,7 +346,9 @@ def test_a_gpu_before_hopper_with_less_shared_memory_serves_on_the_emulator(emul
     """On what an L40S reports (sm_89, 99 KB of shared memory a block, 142 SMs): plain launches where Hopper's
     overlap, no sm_90a builds, every kernel's shared memory fitted to the device (the fake CuPy refuses more, as
     cudaFuncSetAttribute does), the products planned for its SMs; the server's backend with MXFP4 weights still
-    generates the eager tokens through graphs, and the bf16 prefill path its logits."""
+    generates the eager tokens through graphs, and the bf16 prefill path its logits. (The decode attention's launch
+    shapes fitted to such a device: `test_decode_attention_tensor_cores` with CUDA_EMU_DEVICE=l40s, ~25-40 s a
+    head_dim-256 case here, so not in CI.)"""
     out = emulator("other_gpu")
     assert passed(out) == 4, out[-3000:]
 

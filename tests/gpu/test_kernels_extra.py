@@ -27,7 +27,7 @@ from decapybara.backend.gemv_plan import band_tiles, e2m1_split_words
 from decapybara.backend.numpy_backend import NumpyBackend
 from decapybara.engine import philox, sampling
 from decapybara.model import quant
-from decapybara.model.quant.elements import bf16_decode, bf16_encode
+from decapybara.model.quant.elements import E4M3, bf16_decode, bf16_encode
 
 pytestmark = pytest.mark.gpu
 FORMATS = ("bf16", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
@@ -820,15 +820,12 @@ def test_act_quant_bytes_equal_reference(k, dtype, soft):
     assert_bytes_equal(codes, q.codes, f"act_quant codes k={k} {dtype}")
 
 
-
 @pytest.mark.parametrize("soft", [False, True], ids=["hw", "soft"])
 def test_act_quant_rounds_every_e4m3_midpoint_to_even(soft):
     """Every value halfway between two neighbouring E4M3 magnitudes (and the float32 values either side of it),
     both signs, in blocks whose largest element (256) leaves them unscaled: the kernel's rounding, hardware or
     software, gives the reference's bytes, ties to the even code."""
-    grid = np.array([m * 2.0 ** -9 for m in range(8)]
-                    + [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8 if e < 15 else 7)])
-    mids = (grid[:-1] + grid[1:]) / 2
+    mids = E4M3.mids
     vals = np.concatenate([mids, np.nextafter(mids.astype(np.float32), np.float32(0)),
                            np.nextafter(mids.astype(np.float32), np.float32(np.inf)), [450.0, 463.9, 464.0, 500.0]])
     vals = np.concatenate([vals, -vals]).astype(np.float32)
@@ -843,6 +840,7 @@ def test_act_quant_rounds_every_e4m3_midpoint_to_even(soft):
     assert (q.scales == 127).all()
     assert_bytes_equal(scales, q.scales, "act_quant midpoint scales")
     assert_bytes_equal(codes, q.codes, "act_quant midpoint codes")
+
 
 # ---- MoE -----------------------------------------------------------------------------------------------------
 def random_experts(rng, e, h, inter, experts, packed=False):

@@ -444,3 +444,40 @@ def test_a_page_only_a_leaving_job_holds_makes_no_room_for_the_candidate_reusing
     whole = engine.blocks.pages_for(waiting.num_tokens + 1)
     assert policy._need_pages(engine, tr) == whole - 5  # held by "a", which stays
     assert policy._need_pages(engine, tr, (holder,)) == whole  # freed by a's pause and taken back
+
+
+def test_fixed_context_mode_pauses_only_for_a_candidate_whose_whole_context_fits():
+    """In fixed context mode an admission reserves its whole context (prompt and max_tokens) at once, so the
+    policy counts that, not its prompt: B's 178-token context (23 pages) needs both running jobs paused, and once
+    they are it starts at once. Counting its prompt alone, A2 alone was paused, the engine refused B, and a slot
+    stood empty while B stayed first in line."""
+    policy = AgePolicy(FAST)
+    sim = Sim.make(policy, max_slots=3, num_pages=40, context_mode="fixed")
+    sim.add("A1", tokens(8, 1), 150)  # 20 pages reserved
+    sim.clock.t = 1.0
+    sim.add("A2", tokens(8, 2), 100)  # 14 pages
+    sim.step()
+    sim.add("B", tokens(8, 3), 170)
+    while sim.engine.has_work() and sim.steps < 600:
+        sim.step()
+        if any(d.kind == "preempt" and d.by == "B" for d in policy.recent):  # a pause for B started it
+            assert sim.engine.seqs.get("B") is None or sim.engine.seqs["B"].status is not SeqStatus.WAITING
+    assert {rid: len(o) for rid, o in sim.outs.items()} == {"A1": 150, "A2": 100, "B": 170}
+    for_b = [d for d in policy.recent if d.by == "B"]
+    assert {d.request_id for d in for_b[:2]} == {"A1", "A2"} and for_b[0].time == for_b[1].time  # one decision
+
+
+def test_an_idle_spell_counts_toward_a_finished_conversations_expiry():
+    """The in-process policy sees a request finished at its next call, which an idle server makes late: the
+    conversation's idle time runs from the request's last step, not from that call."""
+    policy = AgePolicy(PolicyConfig())
+    sim = Sim.make(policy, max_slots=2, num_pages=64)
+    sim.add("x1", tokens(20, 1), 6, "X")
+    sim.run()
+    finished = sim.clock.t
+    assert policy.conversations["X"].in_flight == 1  # not yet seen finished
+    sim.clock.t += 1300.0  # nothing runs meanwhile
+    sim.add("y1", tokens(20, 2), 6, "Y")
+    sim.step()
+    assert "X" not in policy.conversations and policy.stats.expired_conversations == 1
+    assert finished < policy.cfg.idle_timeout_s

@@ -113,7 +113,7 @@ def engine_view(engine: Engine, events: list[TokenEvent] = ()) -> EngineView:
             pages = len(s.pages) if status == "running" else -(-s.num_computed // ps)
             own = int(np.count_nonzero(engine.blocks.ref[s.pages] == 1)) if status == "running" and s.pages else 0
             shared = _shared_prefix_pages(engine, s) if status == "waiting" else 0
-            context = _context_tokens(engine, s) if status != "running" else 0
+            context = engine.fixed_context_tokens(s) if status != "running" else 0
             seqs.append(SeqView(s.request_id, s.request.conversation, status, s.arrival, s.num_prompt,
                                 s.num_computed, s.num_output, s.params.max_tokens, pages,
                                 getattr(s, "cached_estimate", 0), s.last_active, own, shared, context))
@@ -121,14 +121,6 @@ def engine_view(engine: Engine, events: list[TokenEvent] = ()) -> EngineView:
                   for ev in events if ev.finish_reason is not None)
     return EngineView(engine.clock(), seqs, len(engine.free_slots), engine.cfg.max_slots, engine.blocks.num_free,
                       engine.blocks.num_pages, ps, ended)
-
-
-def _context_tokens(engine: Engine, seq: Sequence) -> int:
-    """The tokens whose pages starting `seq` reserves in fixed context mode (its whole context: prompt and
-    max_tokens, up to the engine's context length, as an admission or a resume takes them); 0 in pool mode."""
-    if engine.cfg.context_mode != "fixed":
-        return 0
-    return min(seq.num_prompt + seq.params.max_tokens, engine.max_model_len)
 
 
 def _prompt_chain(engine: Engine, req: Request) -> list[bytes]:

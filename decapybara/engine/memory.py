@@ -107,13 +107,20 @@ class MemoryMixin:
         seq.num_admissions += 1
         return True
 
+    def fixed_context_tokens(self, seq: Sequence) -> int:
+        """The tokens whose pages an admission or a resume of `seq` reserves at once in fixed context mode (its
+        whole context: prompt and max_tokens, up to the engine's context length); 0 in pool mode."""
+        if self.cfg.context_mode != "fixed":
+            return 0
+        return min(seq.num_prompt + seq.params.max_tokens, self.max_model_len)
+
     def _admission_pages(self, seq: Sequence, match: Any) -> tuple[int, list[int]]:
         """The fresh pages an admission over `match` takes (its first chunk's; in fixed context mode the whole
         context's, reserved up front: never paused for memory) and the pool pages it holds (the match's, and a
         cached partial tail while it is copied)."""
         first_chunk = min(seq.num_tokens - match.num_tokens, self.cfg.max_batch_tokens)
         if self.cfg.context_mode == "fixed":
-            first_chunk = min(seq.num_prompt + seq.params.max_tokens, self.max_model_len) - match.num_tokens
+            first_chunk = self.fixed_context_tokens(seq) - match.num_tokens
         in_pool = [p for p in match.pages if p is not None]
         tail = [match.tail_page] if match.tail_page is not None else []
         return self.blocks.pages_for(match.num_tokens + first_chunk) - len(in_pool), in_pool + tail
@@ -204,8 +211,7 @@ class MemoryMixin:
                 break
             reuse.append(page)
         total = self.blocks.pages_for(num_tokens)
-        if self.cfg.context_mode == "fixed":
-            total = max(total, self.blocks.pages_for(min(seq.num_prompt + seq.params.max_tokens, self.max_model_len)))
+        total = max(total, self.blocks.pages_for(self.fixed_context_tokens(seq)))
         return total - len(reuse), reuse
 
     def _requeue_for_recompute(self, seq: Sequence) -> None:

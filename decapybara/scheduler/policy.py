@@ -163,7 +163,8 @@ class AgePolicy:
         if conv is None:
             return
         conv.in_flight -= 1
-        conv.last_active = now
+        # a finished request's own last step, not this call's time: after an idle spell the hook runs late
+        conv.last_active = now if seq.finish_reason is FinishReason.ABORT else min(now, seq.last_active)
         conv.last_seq = seq
         if seq.finish_reason is not FinishReason.ABORT:
             conv.turns += 1
@@ -233,7 +234,8 @@ class AgePolicy:
 
     def _need_pages(self, engine: Engine, tr: _Track, leaving: tuple[Sequence, ...] = ()) -> int:
         """Pages that starting `tr` takes out of `blocks.num_free`: its whole prompt (or context) plus one
-        token, less the cached pages it reuses that others already hold (others than `leaving`: a page only they
+        token, in fixed context mode its whole context at once (prompt and max_tokens, as the engine reserves
+        it), less the cached pages it reuses that others already hold (others than `leaving`: a page only they
         hold is freed by their pauses and taken back by `tr`, so it makes no room)."""
         b, s = engine.blocks, tr.seq
         if s.status is SeqStatus.WAITING:
@@ -247,7 +249,8 @@ class AgePolicy:
                 reused.append(page)
         gone = Counter(p for r in leaving for p in r.pages)
         held = sum(1 for p in reused if b.ref[p] - gone[p] > 0)
-        return b.pages_for(min(s.num_tokens + 1, engine.max_model_len)) - held
+        tokens = max(min(s.num_tokens + 1, engine.max_model_len), engine.fixed_context_tokens(s))
+        return b.pages_for(tokens) - held
 
     def _fits(self, engine: Engine, tr: _Track, freed: int = 0, leaving: tuple[Sequence, ...] = ()) -> bool:
         """Whether `tr` fits the pool beside the running sequences (less `leaving`, whose pauses free `freed`

@@ -157,6 +157,65 @@ def test_loop_broken_by_the_penalty_relaxes_back_to_one_without_stopping() -> No
     assert "relaxed to 1" in actions[relaxes[-1]].note
 
 
+def test_a_loop_reworded_under_the_penalty_and_resumed_is_stopped() -> None:
+    """A model that rewords one line of its loop whenever the penalty reaches 1.3, then loops on: each rewording
+    breaks the period, and the loop is seen again only ~min_covered_chars later, the penalty relaxed meanwhile.
+    A return takes the ramp up from one step past the level reached before, and past the cap the tokens the loop
+    took to be seen again count toward the stop: it ends on its return (it used to run to max_tokens, ramping and
+    relaxing)."""
+    guard, vocab = LoopGuard(CFG), Vocab()
+    base = pseudo_tokens("Let me re-read the test file to find why the assertion fails. ", 0)
+    base, reworded = list(base), list(pseudo_tokens("Let me open the test module to see why it fails. ", 1))
+    queue: list[str] = []
+
+    def model(last: LoopAction) -> str:
+        if not queue:
+            queue.extend(reworded if last.repetition_penalty >= 1.3 else base)
+        return queue.pop(0)
+
+    actions = run(guard, model, vocab, 20_000)
+    events = kinds_at(actions)
+    assert actions[-1].kind is ActionKind.STOP and len(actions) < 600, (len(actions), events[-3:])
+    kinds = [k for _, k, _ in events]
+    assert kinds == [ActionKind.RAMP] * 5 + [ActionKind.RELAX] * 5 + [ActionKind.STOP]  # stopped on its return
+
+
+def test_a_loop_that_breaks_below_the_cap_and_comes_back_goes_on_from_a_step_past_it() -> None:
+    """Reworded as soon as the penalty reaches 1.3 (mid-line), the loop comes back at 1.4, then 1.5, then stops."""
+    guard, vocab = LoopGuard(CFG), Vocab()
+    loop = looping(PROSE_UNIT, seed=3, vary=False)
+    other = itertools.cycle(pseudo_tokens("Perhaps the fixture is stale. ", 2))
+
+    def model(last: LoopAction) -> str:
+        return next(other) if last.kind is ActionKind.RAMP and last.repetition_penalty >= 1.3 else next(loop)
+
+    actions = run(guard, model, vocab, 20_000)
+    ramps = [(p, a.note.endswith(f"again; repetition penalty raised to {p:g}"))
+             for (_, k, p), a in zip(kinds_at(actions), [a for a in actions if a.kind is not ActionKind.NONE])
+             if k is ActionKind.RAMP]
+    assert ramps == [(1.1, False), (1.2, False), (1.3, False), (1.4, True), (1.5, True)], ramps
+    assert actions[-1].kind is ActionKind.STOP and len(actions) < 1000
+
+
+def test_a_new_loop_a_whole_window_after_the_last_starts_the_ramp_afresh() -> None:
+    """The level a loop reached is forgotten once a whole window of output went by without one."""
+    guard, vocab = LoopGuard(CFG), Vocab()
+    loop, fresh = looping(CODE_UNIT, seed=2), fresh_text()
+    state = {"n": 0, "broke": None}
+
+    def model(last: LoopAction) -> str:
+        state["n"] += 1
+        if state["broke"] is None and last.repetition_penalty >= 1.3:
+            state["broke"] = state["n"]
+        if state["broke"] is not None and state["n"] < state["broke"] + 1500:  # > window_chars of fresh text
+            return next(fresh)
+        return next(loop)
+
+    actions = run(guard, model, vocab, 2200)
+    ramps = [p for _, k, p in kinds_at(actions) if k is ActionKind.RAMP]
+    assert ramps[:6] == [1.1, 1.2, 1.3, 1.1, 1.2, 1.3], ramps
+
+
 # -- (c) end_thinking mode ---------------------------------------------------------------------------------------
 
 def test_end_thinking_mode_ends_a_looping_thinking_block_and_stops_a_looping_answer() -> None:

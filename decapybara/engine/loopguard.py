@@ -18,7 +18,10 @@ steps back down, one step per `tokens_per_step` tokens, to 1.0. When the penalty
 goes on for `cap_tokens` more tokens, the mode decides: ``stop`` stops; ``end_thinking`` forces the end of the
 thinking block (and stops outside one); ``escape`` bans the tokens that continued the loop before, for a few
 tokens, and stops after `escape_attempts` such bans failed (a ban failed where the loop is seen again before a
-whole window of output, `window_chars`, went by without it); ``off`` never intervenes.
+whole window of output, `window_chars`, went by without it); ``off`` never intervenes. A loop seen again before
+a whole window of output went by without one (a model that rewords a line under the penalty, then loops on)
+takes up one step past the highest level reached, not the relaxed one; once that was the cap, the tokens the
+loop took to be seen again count as loop tokens at the cap, so such a loop is stopped too.
 """
 
 from __future__ import annotations
@@ -163,7 +166,9 @@ class LoopGuardState:
     level: int = 0  # ramp level; penalty = config.penalty_at(level)
     tokens_since_step: int = 0
     quiet_tokens: int = 0  # tokens since the loop was last seen
-    quiet_chars: int = 0  # normalised characters since then (escape mode: a whole window of them forgives the bans)
+    quiet_chars: int = 0  # normalised characters since then (a whole window of them forgives the bans, the level
+    # reached and the loop tokens at the cap)
+    recent_level: int = 0  # the highest level since the output last went a whole window without a loop
     loop_tokens_at_cap: int = 0
     banned: list[int] = field(default_factory=list)
     ban_tokens_left: int = 0
@@ -270,13 +275,25 @@ class LoopGuard:
 
     def _on_loop(self, loop: _Loop, in_thinking: bool) -> LoopAction:
         cfg, s = self.config, self._s
+        back = s.quiet_tokens > 0 and s.recent_level > 0  # a loop again within a window of output of the last
         s.quiet_tokens = s.quiet_chars = 0
-        if s.level < cfg.max_level:
+        if back:
+            # The penalty reached last time broke the period (a reworded line) but not the loop: go on from one
+            # step past it, and at the cap count the tokens the loop took to be seen again as tokens at the cap.
+            s.tokens_since_step = 0
+            if s.recent_level < cfg.max_level:
+                s.level = s.recent_level = max(s.level, s.recent_level + 1)
+                return self._action(ActionKind.RAMP, f"LoopGuard: output repeats {_describe(loop)} again; "
+                                                     f"repetition penalty raised to {self.repetition_penalty:g}")
+            s.level = cfg.max_level
+            s.loop_tokens_at_cap += self._loop_tokens(loop)
+        elif s.level < cfg.max_level:
             if s.level > 0:
                 s.tokens_since_step += 1
                 if s.tokens_since_step < cfg.tokens_per_step:
                     return self._action(ActionKind.NONE)
             s.level += 1
+            s.recent_level = max(s.recent_level, s.level)
             s.tokens_since_step = 0
             return self._action(ActionKind.RAMP, f"LoopGuard: output repeats {_describe(loop)}; "
                                                  f"repetition penalty raised to {self.repetition_penalty:g}")
@@ -301,15 +318,15 @@ class LoopGuard:
         return self._action(ActionKind.STOP, s.stop_note)
 
     def _on_quiet(self, num_chars: int) -> LoopAction:
-        """A token with no loop at the end of the output. The penalty relaxes; the escape mode's count of bans
-        is forgiven only once a whole window of output (`window_chars`) has gone by without the loop: a ban
-        breaks the loop's period, and the detector needs `min_covered_chars` of it again to see a loop that
-        came back, by which time the penalty may well have relaxed to nothing."""
+        """A token with no loop at the end of the output. The penalty relaxes; the escape mode's count of bans,
+        the level the loop reached and its tokens at the cap are forgiven only once a whole window of output
+        (`window_chars`) has gone by without the loop: a ban or a reworded line breaks the loop's period, and the
+        detector needs `min_covered_chars` of it again to see a loop that came back, by which time the penalty
+        may well have relaxed to nothing."""
         cfg, s = self.config, self._s
-        if s.escapes:
-            s.quiet_chars += num_chars
-            if s.quiet_chars >= cfg.window_chars:
-                s.escapes = 0
+        s.quiet_chars += num_chars
+        if s.quiet_chars >= cfg.window_chars:
+            s.escapes = s.recent_level = s.loop_tokens_at_cap = 0
         if s.level == 0:
             return self._action(ActionKind.NONE)
         s.quiet_tokens += 1
@@ -317,7 +334,6 @@ class LoopGuard:
         if past < 0 or past % cfg.tokens_per_step:
             return self._action(ActionKind.NONE)
         s.level -= 1
-        s.loop_tokens_at_cap = 0
         if s.level == 0:
             s.tokens_since_step = 0
         return self._action(ActionKind.RELAX, f"LoopGuard: no repetition for {s.quiet_tokens} tokens; "
@@ -407,6 +423,11 @@ class LoopGuard:
         covered = min(int(self._runs[i]) + unit, cfg.window_chars)
         start = self._n - covered  # show the unit in the phase the loop started with
         return _Loop(unit, covered, "".join(map(chr, self._buf[start:start + unit].tolist())))
+
+    def _loop_tokens(self, loop: _Loop) -> int:
+        """Tokens whose characters the loop's periodic suffix spans (within the window)."""
+        first = self._n - min(loop.covered, self._n - self._pad, self.config.window_chars)
+        return self._s.num_tokens - int(self._seq[first]) if first < self._n else 1
 
     def _next_ids(self, loop: _Loop) -> list[int]:
         """Ids of the tokens that came right after the current point one, two and three periods back."""

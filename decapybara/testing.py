@@ -287,3 +287,17 @@ def quantized_matrices(tensors: dict[str, Any], fmt: str) -> dict[str, Any]:
 
     return {k: quant.quantize(v, fmt) if v.ndim == 2 and not k.endswith("conv1d.weight") else v
             for k, v in tensors.items()}
+
+
+def attach_tiers(engine, url: str, ram_bytes: int = 0, disk_bytes: int = 1 << 30):
+    """A RAM tier of `ram_bytes` over a disk tier at `url` (fsspec) as `engine`'s bundle and page store, as the
+    server wires them; returns the `TierStores` (a paused sequence's unit: `take_unit(seq.paused_bundle)`)."""
+    from decapybara.kv.disk_tier import DiskTierStore
+    from decapybara.kv.ram_tier import RamTierStore
+    from decapybara.kv.stores import TierStores
+    from decapybara.kv.tiers import KVTiers
+
+    stores = TierStores(KVTiers(RamTierStore(ram_bytes), DiskTierStore(url, disk_bytes)), engine.blocks.salt)
+    engine.bundle_store = stores
+    engine.set_page_store(stores)
+    return stores

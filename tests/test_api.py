@@ -540,6 +540,32 @@ def test_loop_guard_stop_is_reported_in_both_apis(stack):
     assert m.stop_reason == "end_turn" and m.model_extra["loop_guard"]["note"]
 
 
+
+def test_a_request_sets_its_own_loop_guard_mode_in_every_api(stack):
+    """The `loop_guard` extension (stop | end_thinking | escape | off) overrides the server's mode for one request:
+    off lets the loop run to max_tokens, with no loop_guard field, in chat, legacy completions, the Responses API
+    and Anthropic messages; a mode the guard lacks is a 400 naming the field."""
+    off = {"loop_guard": "off"}
+    r = stack.oa().chat.completions.create(model="m", messages=user("LOOP-FOREVER"), max_tokens=300, extra_body=off)
+    assert r.choices[0].finish_reason == "length" and "loop_guard" not in (r.choices[0].model_extra or {})
+    assert r.usage.completion_tokens == 300
+    c = stack.oa().completions.create(model="m", prompt="<|im_start|>user\nLOOP-FOREVER", max_tokens=300,
+                                      extra_body=off)
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 300
+    resp = _post(stack.url + "/v1/responses", {"input": "LOOP-FOREVER", "max_output_tokens": 300, **off}).json()
+    assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 300 and "loop_guard" not in resp
+    m = stack.an().messages.create(model="m", max_tokens=300, messages=user("LOOP-FOREVER"), extra_body=off)
+    assert m.stop_reason == "max_tokens" and "loop_guard" not in (m.model_extra or {})
+    stopped = _post(stack.url + "/v1/responses", {"input": "LOOP-FOREVER", "max_output_tokens": 600,
+                                                   "loop_guard": "stop"}).json()
+    assert stopped["loop_guard"]["stopped"] is True and stopped["usage"]["output_tokens"] < 600
+    for path, body in (("/v1/chat/completions", {"messages": user("x")}), ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/responses", {"input": "x"}), ("/v1/messages", {"messages": user("x")})):
+        r = _post(stack.url + path, {**body, "max_tokens": 2, "loop_guard": "sometimes"}
+                  if path != "/v1/responses" else {**body, "loop_guard": "sometimes"})
+        assert r.status_code == 400 and "loop_guard" in r.text, (path, r.text)
+
+
 # ---------------------------------------------------------------------------------------------- Anthropic
 
 

@@ -11,7 +11,7 @@ from decapybara.config import EngineConfig
 from decapybara.engine.engine import Engine
 from decapybara.engine.sampling import SamplingParams
 from decapybara.engine.sequence import FinishReason, Request
-from decapybara.testing import make_tokenizer_json, tiny_qwen
+from decapybara.testing import attach_tiers, make_tokenizer_json, tiny_qwen
 from decapybara.tokenizer import Tokenizer
 
 LOOP = "def retry(self):\n    return self.retry()\n"
@@ -134,3 +134,58 @@ def test_forced_close_ends_its_event_whatever_the_stream_interval():
         forced = [ev.token_ids[len(ev.logprobs):] for ev in events if len(ev.token_ids) > len(ev.logprobs)]
         assert forced == [e._think_close], interval
         assert sum(len(ev.logprobs) for ev in events) + len(e._think_close) == sum(len(ev.token_ids) for ev in events)
+
+
+def run_request(loop_guard: str | None, server_mode: str, tmp_path=None):
+    """`run`'s unescapable loop (60.0 against 4.8) for one request asking its own mode; with `tmp_path`, paused
+    to the disk tier after 8 tokens and adopted by a new engine (a restart) before it goes on."""
+    model, tok = parts()
+    proc, _ = loop_processor(tok, 60.0, 4.8)
+    cfg = EngineConfig(page_size=16, num_pages=128, loop_guard=server_mode)
+
+    def engine_over():
+        engine = Engine(model, cfg, tokenizer=tok, logits_processor=proc)
+        return engine, None if tmp_path is None else attach_tiers(engine, f"file://{tmp_path}/kv")
+
+    engine, stores = engine_over()
+    params = SamplingParams(temperature=0, max_tokens=400, loop_guard=loop_guard)
+    engine.add_request(Request(tuple(tok.encode("# helper\n")), params, "r"))
+    events = []
+    if stores is not None:
+        while sum(len(ev.token_ids) for ev in events) < 8:
+            events += engine.step()
+        seq = engine.seqs["r"]
+        engine.admission = lambda e: None
+        engine.pause(seq)
+        key = seq.paused_bundle
+        engine, stores = engine_over()
+        assert engine.resume(engine.import_paused(stores.take_unit(key)))
+    while engine.has_work():
+        events += engine.step()
+    return engine, events
+
+
+def test_a_request_may_turn_the_guard_off_or_on_for_itself(tmp_path):
+    """`SamplingParams.loop_guard` (the APIs' `loop_guard` extension) overrides the server's mode for one request:
+    off under a stopping server lets the loop run to max_tokens (a table the agent wants written out), stop under
+    a server with the guard off stops it; a request naming no mode takes the server's. The mode holds across a
+    pause to the disk tier and an adoption by another engine."""
+    engine, events = run_request("off", "stop")
+    assert events[-1].finish_reason == FinishReason.LENGTH and not engine.stats.loopguard
+    engine, events = run_request("stop", "off")
+    assert events[-1].finish_reason == FinishReason.LOOP and engine.stats.loopguard.get("stop") == 1
+    engine, events = run_request(None, "stop")
+    assert events[-1].finish_reason == FinishReason.LOOP
+    engine, events = run_request("off", "stop", tmp_path / "a")
+    assert events[-1].finish_reason == FinishReason.LENGTH and not engine.stats.loopguard
+    engine, events = run_request("stop", "off", tmp_path / "b")
+    assert events[-1].finish_reason == FinishReason.LOOP and engine.stats.loopguard.get("stop") == 1
+
+
+def test_a_mode_the_guard_lacks_is_refused():
+    import pytest
+
+    from decapybara.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="loop_guard must be one of stop, end_thinking, escape, off"):
+        SamplingParams(loop_guard="sometimes").validate(512)

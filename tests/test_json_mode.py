@@ -222,10 +222,8 @@ def adopt_midway(prompt: tuple, params: SamplingParams, tmp_path, check, process
     """Run `params` uninterrupted, then again paused after 8 tokens to the disk tier and adopted by a new engine
     (a restart): `check(seq)` on the adopted sequence, and the same tokens as the uninterrupted run (every engine
     with the logits `processor`, if any)."""
-    from decapybara.kv.disk_tier import DiskTierStore
-    from decapybara.kv.ram_tier import RamTierStore
     from decapybara.kv.stores import TierStores
-    from decapybara.kv.tiers import KVTiers
+    from decapybara.testing import attach_tiers
 
     m = demo()
     tok = m.tokenizer
@@ -234,11 +232,7 @@ def adopt_midway(prompt: tuple, params: SamplingParams, tmp_path, check, process
 
     def engine_over() -> tuple[Engine, TierStores]:
         engine = Engine(m.model, cfg, tokenizer=tok, logits_processor=processor)
-        stores = TierStores(KVTiers(RamTierStore(0), DiskTierStore(f"file://{tmp_path}/kv", 1 << 30)),
-                            engine.blocks.salt)
-        engine.bundle_store = stores
-        engine.set_page_store(stores)
-        return engine, stores
+        return engine, attach_tiers(engine, f"file://{tmp_path}/kv")
 
     engine, stores = engine_over()
     engine.add_request(Request(prompt, params, "j"))

@@ -479,5 +479,5 @@ def test_a_paused_sequence_saved_under_the_former_window_restores_with_a_fresh_g
     seq.loopguard.observe(4, "x", False)
     meta, extras = sequence_state(seq)
     meta = json.loads(json.dumps(meta))
-    restored = restore_sequence(meta, extras, CFG)
+    restored = restore_sequence(meta, extras, lambda params, state=None: LoopGuard(CFG, state))
     assert restored.loopguard.config == CFG and restored.loopguard.repetition_penalty == 1.0

@@ -222,7 +222,8 @@ def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema)
+        stop=tuple(body.stop_sequences or ()), max_tokens=max(max_tokens, 1), json_schema=schema,
+        loop_guard=body.loop_guard)
     params = settle_constraint(params, chat, prompt.call_format)
     user = body.metadata.user_id if body.metadata else None
     key = conversation_key(conversation, user, chat.messages)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from decapybara.api.schemas_base import LoopGuardInfo, RequestModel, ResponseModel
+from decapybara.api.schemas_base import LoopGuardInfo, LoopGuardMode, RequestModel, ResponseModel
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -154,6 +154,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+    loop_guard: LoopGuardMode | None = None  # extension: this request's LoopGuard mode (None: the server's)
 
 
 # ---------------------------------------------------------------------------------------------- responses

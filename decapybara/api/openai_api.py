@@ -157,7 +157,7 @@ def sampling_params(body: oa.ChatCompletionRequest | oa.CompletionRequest, max_t
         logit_bias=bias, seed=body.seed, logprobs=logprobs,
         stop_token_ids=tuple(body.stop_token_ids or ()), stop=stop_strings(body.stop),
         max_tokens=max_tokens, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),
-        json_object=fmt == "json_object", json_schema=schema)
+        json_object=fmt == "json_object", json_schema=schema, loop_guard=body.loop_guard)
 
 
 def response_schema(fmt: oa.ResponseFormat) -> str:

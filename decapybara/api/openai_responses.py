@@ -284,7 +284,8 @@ def sampling_params(body: rs.ResponsesRequest, max_tokens: int) -> SamplingParam
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, max_tokens=max_tokens,
                           json_object=fmt is not None and fmt.type == "json_object", json_schema=schema,
-                          logprobs=(body.top_logprobs or 0) if wants_logprobs(body) else None)
+                          logprobs=(body.top_logprobs or 0) if wants_logprobs(body) else None,
+                          loop_guard=body.loop_guard)
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from decapybara.api.schemas_base import LoopGuardInfo, RequestModel, ResponseModel
+from decapybara.api.schemas_base import LoopGuardInfo, LoopGuardMode, RequestModel, ResponseModel
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -115,6 +115,7 @@ class _SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None  # extension
     min_tokens: int | None = None  # extension
     ignore_eos: bool | None = None  # extension
+    loop_guard: LoopGuardMode | None = None  # extension: this request's LoopGuard mode (None: the server's)
     n: int | None = None  # only 1 is supported
     stream: bool | None = None
     stream_options: StreamOptions | None = None

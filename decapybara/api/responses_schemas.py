@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from decapybara.api.schemas_base import LoopGuardInfo, RequestModel, ResponseModel
+from decapybara.api.schemas_base import LoopGuardInfo, LoopGuardMode, RequestModel, ResponseModel
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -139,6 +139,7 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
+    loop_guard: LoopGuardMode | None = None  # extension: this request's LoopGuard mode (None: the server's)
 
 
 class ConversationRequest(RequestModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, model_serializer
 
@@ -34,6 +34,9 @@ class ResponseModel(BaseModel):
 
     def json_text(self) -> str:
         return self.model_dump_json()
+
+
+LoopGuardMode = Literal["stop", "end_thinking", "escape", "off"]  # a request's own LoopGuard mode (an extension)
 
 
 class LoopGuardInfo(ResponseModel):

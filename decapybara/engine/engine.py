@@ -197,10 +197,19 @@ class Engine(MemoryMixin):
             seq.detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
             seq.in_thinking = self._prompt_opens_thinking(request.prompt_ids)
         seq.json = self._json_state(params, request.prompt_ids)
-        seq.loopguard = LoopGuard(self._loop_cfg) if self.cfg.loop_guard != "off" else None
+        seq.loopguard = self.loop_guard_for(params)
         self.seqs[request.request_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def loop_guard_for(self, params: SamplingParams, state: Any = None) -> LoopGuard | None:
+        """A request's LoopGuard: under its own mode where it names one (`params.loop_guard`), else the server's;
+        None where that is off. `state`: a paused guard's, resumed."""
+        mode = params.loop_guard or self.cfg.loop_guard
+        if mode == "off":
+            return None
+        cfg = self._loop_cfg if mode == self._loop_cfg.mode else dataclasses.replace(self._loop_cfg, mode=mode)
+        return LoopGuard(cfg, state)
 
     def _json_state(self, params: SamplingParams, prompt: Any) -> Any:
         """The automaton of JSON mode, of a JSON Schema, or of a reply's tool calls (forced, or those a reply under

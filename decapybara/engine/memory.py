@@ -237,7 +237,7 @@ class MemoryMixin:
 
             def detok(params: SamplingParams) -> Any:
                 return IncrementalDetokenizer(self.tokenizer, stop=params.stop)
-        seq = restore_sequence(unit.meta, unit.extras, self._loop_cfg)
+        seq = restore_sequence(unit.meta, unit.extras, self.loop_guard_for)
         seq.json = self._json_state(seq.params, seq.request.prompt_ids)  # replayed with the detokeniser below
         if detok is not None:  # replayed as `_append_output` pushed it: no stop strings in the reasoning
             seq.detok = detok(seq.params)

@@ -54,12 +54,13 @@ def sequence_state(seq: Sequence) -> tuple[dict[str, Any], dict[str, np.ndarray]
     return meta, extras
 
 
-def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopguard_cfg: Any) -> Sequence:
-    """A paused `Sequence` rebuilt from `sequence_state` output (its bundle is attached by the caller).
+def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loop_guard_for: Any) -> Sequence:
+    """A paused `Sequence` rebuilt from `sequence_state` output (its bundle is attached by the caller);
+    `loop_guard_for(params, state=None)` makes its LoopGuard (`Engine.loop_guard_for`).
 
     The detokeniser has no serialised state: the caller rebuilds it by replaying the output tokens as the live
     run pushed them (`Engine.import_paused`), which yields the same held-back text and stop-string state."""
-    from decapybara.engine.loopguard import LoopGuard, LoopGuardState
+    from decapybara.engine.loopguard import LoopGuardState
     from decapybara.errors import ConfigError
 
     if meta.get("format") != FORMAT:
@@ -78,9 +79,9 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loopgu
     seq.page_hashes = [bytes(row) for row in np.asarray(extras["page_hashes"], np.uint8).reshape(-1, 16)]
     if meta.get("loopguard") is not None:
         try:
-            seq.loopguard = LoopGuard(loopguard_cfg, LoopGuardState.from_dict(meta["loopguard"]))
+            seq.loopguard = loop_guard_for(params, LoopGuardState.from_dict(meta["loopguard"]))
         except ConfigError:  # saved under another window or unit range (an earlier version): a fresh guard
-            seq.loopguard = LoopGuard(loopguard_cfg)
+            seq.loopguard = loop_guard_for(params)
     seq.extra_penalty = float(meta["extra_penalty"])
     seq.banned = tuple(int(t) for t in meta["banned"])
     seq.in_thinking = bool(meta["in_thinking"])

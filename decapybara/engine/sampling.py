@@ -40,6 +40,7 @@ from numbers import Real
 
 import numpy as np
 
+from decapybara.engine.loopguard import MODES as LOOP_GUARD_MODES
 from decapybara.engine.philox import MASK64, uniforms
 from decapybara.errors import InvalidRequestError
 
@@ -85,6 +86,7 @@ class SamplingParams:
     json_schema: str | None = None  # structured outputs: the answer is constrained to this JSON Schema's text
     tool_calls: str | None = None  # the answer is tool calls only (`engine.json_schema.tool_call_spec`'s text)
     lazy_tool_calls: bool = False  # with tool_calls: free text until the model opens a call (`ToolCallReply`)
+    loop_guard: str | None = None  # this request's LoopGuard mode (stop | end_thinking | escape | off); None: the server's
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +130,9 @@ class SamplingParams:
         if not isinstance(self.lazy_tool_calls, bool) or (self.lazy_tool_calls and self.tool_calls is None):
             raise InvalidRequestError("lazy_tool_calls must be a boolean, true only beside tool_calls",
                                       "lazy_tool_calls")
+        if self.loop_guard is not None and self.loop_guard not in LOOP_GUARD_MODES:
+            raise InvalidRequestError(f"loop_guard must be one of {', '.join(LOOP_GUARD_MODES)}, got "
+                                      f"{self.loop_guard!r}", "loop_guard")
         if not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
         for tok, bias in self.logit_bias.items():

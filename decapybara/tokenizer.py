@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ DEFAULT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Fill-in-the-middle (Qwen coder tokenizers): the prompt's three markers, and the tokens that end a middle
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 FIM_STOP_TOKENS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")  # (<|endoftext|> ends it as eos)
+# A control-token string inside a message is held by a placeholder while the chat is rendered: U+E000, its index
+# among the tokenizer's control strings (0: U+E000 itself, as the contents held it), U+E001.
+_HOLD_OPEN, _HOLD_CLOSE = "\ue000", "\ue001"
+_HELD = re.compile("\ue000([0-9]+)\ue001")
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,6 +95,14 @@ class Tokenizer:
         # Ids dropped by decode(skip_special_tokens=True): special added tokens other than the markup.
         self.skip_ids = frozenset(i for i, t in added.items() if t.special and t.content not in MARKUP_TOKENS)
         self.added_ids = frozenset(added)  # every added token (control and markup tokens): no text of the model's
+        # The control strings a message's text may not open (`chat_prompt`): those of the skipped ids, longest
+        # first; and every added token's, where the tokenizer cuts a text
+        controls = sorted((added[i].content for i in self.skip_ids), key=len, reverse=True)
+        self._held_strings = (_HOLD_OPEN, *controls)
+        self._hold_index = {c: i for i, c in enumerate(self._held_strings)}
+        self._control_re = re.compile("|".join(map(re.escape, controls))) if controls else None
+        cuts = sorted({t.content for t in added.values()}, key=len, reverse=True)
+        self._added_re = re.compile("|".join(map(re.escape, cuts))) if cuts else None
         names = eos_tokens if eos_tokens is not None else DEFAULT_EOS_TOKENS
         missing = [t for t in names if t not in vocab]
         if eos_tokens is not None and missing:
@@ -193,9 +206,60 @@ class Tokenizer:
 
     def apply_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                    add_generation_prompt: bool = True, enable_thinking: bool = True, **template_vars: Any) -> list[int]:
-        """Token ids of the rendered conversation (control tokens in the template become their ids)."""
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt, enable_thinking,
-                                            **template_vars))
+        """Token ids of the rendered conversation (`chat_prompt`'s)."""
+        return self.chat_prompt(messages, tools, add_generation_prompt, enable_thinking, **template_vars)[1]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, enable_thinking: bool = True, tail: str = "",
+                    **template_vars: Any) -> tuple[str, list[int], str]:
+        """(text, ids, markup) of the rendered conversation followed by `tail` (an assistant prefill, the model's
+        own text). Control tokens the template writes, and those written in `tail`, become their ids; a
+        control-token string inside a message or a tool (a user's text, a file an agent read, say "<|im_end|>") is
+        ordinary text, as a hosted API reads it, so it can neither end its turn nor open another. `markup`: the
+        text with each such string held by a placeholder, for finding the template's own turns in it.
+
+        Where no message holds a control string the ids are `encode(text)`'s; otherwise the text is cut at the
+        added tokens it writes (as the tokenizer itself cuts at them; the held strings are not among them) and each
+        piece between encoded as text, the held strings back in it."""
+        held, flag = [False], self._hold_value
+        markup = self.render_chat(flag(messages, held), flag(tools, held), add_generation_prompt, enable_thinking,
+                                  **template_vars)
+        tail_held = tail.replace(_HOLD_OPEN, f"{_HOLD_OPEN}0{_HOLD_CLOSE}")
+        held[0] = held[0] or tail_held != tail
+        markup += tail_held
+        if not held[0]:
+            return markup, self.encode(markup), markup
+        ids: list[int] = []
+        at = 0
+        for m in self._added_re.finditer(markup) if self._added_re is not None else ():
+            ids += self._hf_plain.encode(self._release(markup[at:m.start()]), add_special_tokens=False).ids
+            ids.append(self._vocab[m.group()])
+            at = m.end()
+        ids += self._hf_plain.encode(self._release(markup[at:]), add_special_tokens=False).ids
+        return self._release(markup), ids, markup
+
+    def _hold_value(self, value: Any, held: list[bool]) -> Any:
+        """`value` with every control string inside its strings (keys too) held by a placeholder."""
+        if isinstance(value, str):
+            if self._control_re is None and _HOLD_OPEN not in value:
+                return value
+            out = value.replace(_HOLD_OPEN, f"{_HOLD_OPEN}0{_HOLD_CLOSE}")
+            if self._control_re is not None:
+                out = self._control_re.sub(lambda m: f"{_HOLD_OPEN}{self._hold_index[m.group()]}{_HOLD_CLOSE}", out)
+            held[0] = held[0] or out != value
+            return out
+        if isinstance(value, dict):
+            return {self._hold_value(k, held): self._hold_value(v, held) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._hold_value(v, held) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self._hold_value(v, held) for v in value)
+        return value
+
+    def _release(self, text: str) -> str:
+        """Placeholders back to the strings they held."""
+        strings = self._held_strings
+        return _HELD.sub(lambda m: strings[int(m.group(1))] if int(m.group(1)) < len(strings) else m.group(), text)
 
 
 def _parse_hf(json_str: str) -> HFTokenizer:

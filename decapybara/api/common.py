@@ -159,25 +159,23 @@ def render_prompt(tokenizer: Any, chat: ChatInput) -> Prompt:
         tools = None
     note = tool_instruction(chat.tool_choice) if tools else None
 
-    def render(messages: list[dict[str, Any]]) -> str:
-        return tokenizer.render_chat(messages, tools, add_generation_prompt=True,
-                                     enable_thinking=chat.enable_thinking, **chat.template_vars)
+    def render(messages: list[dict[str, Any]]) -> tuple[str, list[int], str]:
+        return tokenizer.chat_prompt(messages, tools, add_generation_prompt=True,
+                                     enable_thinking=chat.enable_thinking, tail=chat.prefill, **chat.template_vars)
 
     turns_after = 1  # turns the prompt adds after the history: the generation prompt, and a note's own turn
     if note is None:
-        text = render(messages)
+        text, ids, markup = render(messages)
     else:
         try:  # a turn of its own after the conversation: the prompt's prefix stays the same
-            text = render([*messages, {"role": "system", "content": note}])
+            text, ids, markup = render([*messages, {"role": "system", "content": note}])
             turns_after = 2
         except InvalidRequestError:  # a template that takes a system message only first
-            text = render(_with_system_note(messages, note))
-    text += chat.prefill
-    ids = tuple(tokenizer.encode(text))
+            text, ids, markup = render(_with_system_note(messages, note))
     if chat.prefill and tokenizer.special_ids.im_start is not None:  # turn starts written in the prefill's text
         turns_after += tokenizer.encode(chat.prefill).count(tokenizer.special_ids.im_start)
     syntax = call_syntax(tokenizer.tool_format, tools) if tools else None
-    return Prompt(ids, text, prompt_opens_reasoning(text), syntax, None if chat.tool_choice.parallel else 1,
+    return Prompt(tuple(ids), text, prompt_opens_reasoning(markup), syntax, None if chat.tool_choice.parallel else 1,
                   _history_end(ids, tokenizer.special_ids.im_start, turns_after))
 
 

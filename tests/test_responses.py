@@ -114,6 +114,7 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(stack):  # noqa: F811
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type"),
+    ({"input": []}, "input"),
     ({"input": "x", "tools": TOOLS_R, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "string",
                                                                                       "pattern": "(a)\\1"}}}},

@@ -241,7 +241,11 @@ def chat_input(body: rs.ResponsesRequest, earlier: list[Any] = ()) -> ChatInput:
                           "input themselves)", "prompt")
     tool_choice, tools = _tool_choice(body, _tools(body))  # a named tool not among them: `render_prompt`'s 400
     effort = body.reasoning.effort if body.reasoning is not None else None
-    return ChatInput(input_messages(body, earlier), tools, tool_choice, effort not in ("none", "minimal"))
+    messages = input_messages(body, earlier)
+    if not messages:
+        raise bad_request("input must hold at least one item (or follow a stored response: previous_response_id)",
+                          "input")
+    return ChatInput(messages, tools, tool_choice, effort not in ("none", "minimal"))
 
 
 def _stored_part(part: Any, role: str) -> dict[str, Any]:

@@ -207,11 +207,11 @@ def test_a_new_loop_a_whole_window_after_the_last_starts_the_ramp_afresh() -> No
         state["n"] += 1
         if state["broke"] is None and last.repetition_penalty >= 1.3:
             state["broke"] = state["n"]
-        if state["broke"] is not None and state["n"] < state["broke"] + 1500:  # > window_chars of fresh text
+        if state["broke"] is not None and state["n"] < state["broke"] + 3000:  # > window_chars of fresh text
             return next(fresh)
         return next(loop)
 
-    actions = run(guard, model, vocab, 2200)
+    actions = run(guard, model, vocab, 4000)
     ramps = [p for _, k, p in kinds_at(actions) if k is ActionKind.RAMP]
     assert ramps[:6] == [1.1, 1.2, 1.3, 1.1, 1.2, 1.3], ramps
 
@@ -320,11 +320,11 @@ def test_escape_bans_are_forgiven_after_a_window_without_the_loop() -> None:
         phase["n"] += 1
         if last.banned_token_ids:
             phase["escaped"] = phase["n"]
-        if "escaped" in phase and phase["n"] < phase["escaped"] + 1200:
+        if "escaped" in phase and phase["n"] < phase["escaped"] + 3000:  # > window_chars of fresh text
             return next(fresh)
         return " foo"
 
-    actions = run(guard, model, vocab, 2200)
+    actions = run(guard, model, vocab, 4000)
     kinds = [a.kind for a in actions if a.kind in (ActionKind.BAN, ActionKind.STOP)]
     assert kinds[:2] == [ActionKind.BAN, ActionKind.BAN], kinds  # the second loop gets its own ban, not a STOP
 
@@ -421,7 +421,7 @@ def test_cost_per_observe_is_small() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"mode": "loud"}, {"step_kind": "pow"}, {"window_chars": 0}, {"min_repeats": 1},
-    {"max_unit_chars": 2048}, {"min_unit_chars": 8, "max_unit_chars": 4}, {"min_covered_chars": 8192},
+    {"max_unit_chars": 4096}, {"min_unit_chars": 8, "max_unit_chars": 4}, {"min_covered_chars": 16384},
     {"penalty_start": 1.0}, {"penalty_start": 1.7}, {"penalty_step": 0.0}, {"step_kind": "mul"},
     {"cap_tokens": 0}, {"tokens_per_step": True}])
 def test_bad_config_is_a_config_error(bad: dict) -> None:
@@ -468,6 +468,19 @@ def test_a_whole_function_written_over_and_over_is_stopped() -> None:
             break
     assert stopped_at is not None, guard.interventions
     assert stopped_at < len(tokens) * 8 // 30  # within eight copies
+
+
+def test_a_long_paragraph_of_reasoning_written_over_and_over_is_stopped() -> None:
+    """A reasoning loop of a whole ~1,100-character paragraph (past the former 1,024-character units) is stopped
+    within a few copies, inside the thinking block as outside."""
+    paragraph = " ".join(f"Wait, step {i} of the plan needs the parser's state {i * 7} before the lexer runs, so "
+                         f"I should check the fixture that sets it." for i in range(10)) + " "
+    assert 1024 < len(paragraph) < 2048
+    guard, vocab = LoopGuard(CFG), Vocab()
+    tokens = list(pseudo_tokens(paragraph * 20, seed=3))
+    stopped_at = next((i for i, tok in enumerate(tokens)
+                       if guard.observe(vocab(tok), tok, True).kind is ActionKind.STOP), None)
+    assert stopped_at is not None and stopped_at < len(tokens) * 6 // 20  # within six copies
 
 
 def test_a_paused_sequence_saved_under_the_former_window_restores_with_a_fresh_guard() -> None:

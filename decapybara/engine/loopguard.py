@@ -71,12 +71,13 @@ class LoopGuardConfig:
     """
 
     mode: str = "stop"
-    window_chars: int = 4096  # normalised output characters kept and examined
+    window_chars: int = 8192  # normalised output characters kept and examined
     min_unit_chars: int = 1  # shortest repeating unit considered
-    # longest repeating unit considered (min_repeats * this <= window_chars): a ~30-line function (~1,000
-    # characters) written over and over is a loop too; the check's cost hardly depends on it (~13 vs ~14 us a
-    # token at 512 and 1024: per-call overhead dominates)
-    max_unit_chars: int = 1024
+    # longest repeating unit considered (min_repeats * this <= window_chars): a ~60-line function (~2,000
+    # characters), or a long paragraph of reasoning, written over and over is a loop too; the check's cost hardly
+    # depends on it (16 against 19 us a token at 1024 and 2048 on a loaded 2-core host: per-call overhead
+    # dominates)
+    max_unit_chars: int = 2048
     min_repeats: int = 4  # copies of the unit the output must end with
     min_covered_chars: int = 320  # characters those copies must cover (see the NOTE above)
     penalty_start: float = 1.1  # penalty of the first RAMP

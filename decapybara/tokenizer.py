@@ -28,10 +28,10 @@ DEFAULT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Fill-in-the-middle (Qwen coder tokenizers): the prompt's three markers, and the tokens that end a middle
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 FIM_STOP_TOKENS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")  # (<|endoftext|> ends it as eos)
-# A control-token string inside a message is held by a placeholder while the chat is rendered: U+E000, its index
-# among the tokenizer's control strings (0: U+E000 itself, as the contents held it), U+E001.
+# A control-token string inside a message is held by a placeholder while the chat is rendered (`_Holds`)
 _HOLD_OPEN, _HOLD_CLOSE = "\ue000", "\ue001"
-_HELD = re.compile("\ue000([0-9]+)\ue001")
+# (also as a template escapes it where it prints a string's repr or JSON with ensure_ascii)
+_HELD = re.compile(r"(?:\ue000|\\u[eE]000)([0-9]+)(?:\ue001|\\u[eE]001)")
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,11 +98,13 @@ class Tokenizer:
         # The control strings a message's text may not open (`chat_prompt`): those of the skipped ids, longest
         # first; and every added token's, where the tokenizer cuts a text
         controls = sorted((added[i].content for i in self.skip_ids), key=len, reverse=True)
-        self._held_strings = (_HOLD_OPEN, *controls)
-        self._hold_index = {c: i for i, c in enumerate(self._held_strings)}
-        self._control_re = re.compile("|".join(map(re.escape, controls))) if controls else None
+        self._hold_re = re.compile("|".join(map(re.escape, (*controls, _HOLD_OPEN))))
+        self._control_prefixes = tuple(sorted({c[:k] for c in controls for k in range(1, len(c))}, key=len,
+                                              reverse=True))
         cuts = sorted({t.content for t in added.values()}, key=len, reverse=True)
         self._added_re = re.compile("|".join(map(re.escape, cuts))) if cuts else None
+        self._lstrip = frozenset(t.content for t in added.values() if t.lstrip)  # whitespace each takes in
+        self._rstrip = frozenset(t.content for t in added.values() if t.rstrip)
         names = eos_tokens if eos_tokens is not None else DEFAULT_EOS_TOKENS
         missing = [t for t in names if t not in vocab]
         if eos_tokens is not None and missing:
@@ -221,45 +223,60 @@ class Tokenizer:
         Where no message holds a control string the ids are `encode(text)`'s; otherwise the text is cut at the
         added tokens it writes (as the tokenizer itself cuts at them; the held strings are not among them) and each
         piece between encoded as text, the held strings back in it."""
-        held, flag = [False], self._hold_value
-        markup = self.render_chat(flag(messages, held), flag(tools, held), add_generation_prompt, enable_thinking,
-                                  **template_vars)
-        tail_held = tail.replace(_HOLD_OPEN, f"{_HOLD_OPEN}0{_HOLD_CLOSE}")
-        held[0] = held[0] or tail_held != tail
-        markup += tail_held
-        if not held[0]:
+        holds = _Holds(self._hold_re, self._control_prefixes)
+        markup = self.render_chat(holds.value(messages), holds.value(tools), add_generation_prompt, enable_thinking,
+                                  **template_vars) + holds.value(tail, whole=True)
+        if not holds.table:
             return markup, self.encode(markup), markup
         ids: list[int] = []
         at = 0
         for m in self._added_re.finditer(markup) if self._added_re is not None else ():
-            ids += self._hf_plain.encode(self._release(markup[at:m.start()]), add_special_tokens=False).ids
-            ids.append(self._vocab[m.group()])
+            token = m.group()
+            piece = markup[at:m.start()]
+            ids += self._hf_plain.encode(holds.release(piece.rstrip() if token in self._lstrip else piece),
+                                         add_special_tokens=False).ids
+            ids.append(self._vocab[token])
             at = m.end()
-        ids += self._hf_plain.encode(self._release(markup[at:]), add_special_tokens=False).ids
-        return self._release(markup), ids, markup
+            if token in self._rstrip:
+                at = len(markup) - len(markup[at:].lstrip())
+        ids += self._hf_plain.encode(holds.release(markup[at:]), add_special_tokens=False).ids
+        return holds.release(markup), ids, markup
 
-    def _hold_value(self, value: Any, held: list[bool]) -> Any:
-        """`value` with every control string inside its strings (keys too) held by a placeholder."""
+
+class _Holds:
+    """Strings held by placeholders while a chat renders (`Tokenizer.chat_prompt`): each control string in a text,
+    U+E000 itself, and a text's last characters where they begin a control string that a later text (the next
+    part of a message's content, joined by the template) could complete. Placeholder i: U+E000, i, U+E001."""
+
+    def __init__(self, pattern: re.Pattern | None, prefixes: tuple[str, ...]) -> None:
+        self.pattern, self.prefixes = pattern, prefixes
+        self.table: list[str] = []
+
+    def _mark(self, text: str) -> str:
+        self.table.append(text)
+        return f"{_HOLD_OPEN}{len(self.table) - 1}{_HOLD_CLOSE}"
+
+    def value(self, value: Any, whole: bool = False) -> Any:
+        """`value` with its strings (keys too) held; `whole`: a text no later text continues (a prefill, whose
+        control strings are the model's own and stay)."""
         if isinstance(value, str):
-            if self._control_re is None and _HOLD_OPEN not in value:
-                return value
-            out = value.replace(_HOLD_OPEN, f"{_HOLD_OPEN}0{_HOLD_CLOSE}")
-            if self._control_re is not None:
-                out = self._control_re.sub(lambda m: f"{_HOLD_OPEN}{self._hold_index[m.group()]}{_HOLD_CLOSE}", out)
-            held[0] = held[0] or out != value
-            return out
+            if whole:
+                return value.replace(_HOLD_OPEN, self._mark(_HOLD_OPEN)) if _HOLD_OPEN in value else value
+            out = self.pattern.sub(lambda m: self._mark(m.group()), value) if self.pattern is not None else value
+            end = next((p for p in self.prefixes if out.endswith(p)), None)
+            return out if end is None else out[:-len(end)] + self._mark(end)
         if isinstance(value, dict):
-            return {self._hold_value(k, held): self._hold_value(v, held) for k, v in value.items()}
+            return {self.value(k): self.value(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._hold_value(v, held) for v in value]
+            return [self.value(v) for v in value]
         if isinstance(value, tuple):
-            return tuple(self._hold_value(v, held) for v in value)
+            return tuple(self.value(v) for v in value)
         return value
 
-    def _release(self, text: str) -> str:
+    def release(self, text: str) -> str:
         """Placeholders back to the strings they held."""
-        strings = self._held_strings
-        return _HELD.sub(lambda m: strings[int(m.group(1))] if int(m.group(1)) < len(strings) else m.group(), text)
+        table = self.table
+        return _HELD.sub(lambda m: table[int(m.group(1))] if int(m.group(1)) < len(table) else m.group(), text)
 
 
 def _parse_hf(json_str: str) -> HFTokenizer:

@@ -189,3 +189,31 @@ def test_a_mode_the_guard_lacks_is_refused():
 
     with pytest.raises(InvalidRequestError, match="loop_guard must be one of stop, end_thinking, escape, off"):
         SamplingParams(loop_guard="sometimes").validate(512)
+
+
+def test_a_conversation_adopted_where_the_guard_is_off_keeps_no_penalty(tmp_path):
+    """Paused while the guard's penalty is up, then adopted by an engine whose guard is off: no guard goes on, so
+    neither does its penalty (it would stay for good, nothing left to relax it)."""
+    model, tok = parts()
+    proc, _ = loop_processor(tok, 60.0, 4.8)
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=128, loop_guard="stop"), tokenizer=tok,
+                    logits_processor=proc)
+    stores = attach_tiers(engine, f"file://{tmp_path}/kv")
+    engine.add_request(Request(tuple(tok.encode("# helper\n")), SamplingParams(temperature=0, max_tokens=400), "r"))
+    seq = engine.seqs["r"]
+    while seq.extra_penalty == 1.0:
+        engine.step()
+    engine.admission = lambda e: None
+    engine.pause(seq)
+    off = Engine(model, EngineConfig(page_size=16, num_pages=128, loop_guard="off"), tokenizer=tok,
+                 logits_processor=proc)
+    stores = attach_tiers(off, f"file://{tmp_path}/kv")
+    adopted = off.import_paused(stores.take_unit(seq.paused_bundle))
+    assert adopted.loopguard is None and adopted.extra_penalty == 1.0 and adopted.banned == ()
+
+
+def test_saved_sampling_params_with_fields_this_version_lacks_still_restore():
+    from decapybara.engine.persist import params_from_dict, params_to_dict
+
+    params = SamplingParams(temperature=0.5, stop=("x",), logit_bias={3: 1.0}, loop_guard="off")
+    assert params_from_dict({**params_to_dict(params), "a_later_field": 1}) == params

@@ -470,6 +470,22 @@ def test_a_whole_function_written_over_and_over_is_stopped() -> None:
     assert stopped_at < len(tokens) * 8 // 30  # within eight copies
 
 
+def test_the_same_table_written_again_after_other_text_ramps_afresh() -> None:
+    """Blocks of identical table rows between paragraphs of prose (not a loop that came back after a reworded line):
+    each block's ramp starts again at the first step, and none is stopped."""
+    guard, vocab, fresh = LoopGuard(CFG), Vocab(), fresh_text()
+    ramps = []
+    for block in range(1, 5):
+        for tok in list(pseudo_tokens("| 0 | 0 | 0 | 0 |\n" * 24, block)) + [next(fresh) for _ in range(400)]:
+            action = guard.observe(vocab(tok), tok, False)
+            assert action.kind is not ActionKind.STOP
+            if action.kind is ActionKind.RAMP:
+                ramps.append((block, action.repetition_penalty))
+    for block in range(1, 5):  # each block's ramp from its first step, step by step
+        steps = [p for b, p in ramps if b == block]
+        assert steps == [round(1.1 + 0.1 * i, 6) for i in range(len(steps))] and len(steps) >= 4, ramps
+
+
 def test_a_long_paragraph_of_reasoning_written_over_and_over_is_stopped() -> None:
     """A reasoning loop of a whole ~1,100-character paragraph (past the former 1,024-character units) is stopped
     within a few copies, inside the thinking block as outside."""

@@ -169,7 +169,8 @@ class LoopGuardState:
     quiet_tokens: int = 0  # tokens since the loop was last seen
     quiet_chars: int = 0  # normalised characters since then (a whole window of them forgives the bans, the level
     # reached and the loop tokens at the cap)
-    recent_level: int = 0  # the highest level since the output last went a whole window without a loop
+    recent_level: int = 0  # the highest level `recent_unit`'s loop reached (forgotten after a whole quiet window)
+    recent_unit: str = ""  # the last loop's unit, as its least rotation (a loop seen again is that unit again)
     loop_tokens_at_cap: int = 0
     banned: list[int] = field(default_factory=list)
     ban_tokens_left: int = 0
@@ -200,6 +201,12 @@ class _Loop(NamedTuple):
     @property
     def repeats(self) -> int:
         return self.covered // self.unit_chars
+
+
+def _least_rotation(unit: str) -> str:
+    """The least of a unit's rotations: one loop's unit whatever phase it is seen in."""
+    doubled, n = unit + unit, len(unit)
+    return min(doubled[i:i + n] for i in range(n)) if n > 1 else unit
 
 
 class LoopGuard:
@@ -276,7 +283,13 @@ class LoopGuard:
 
     def _on_loop(self, loop: _Loop, in_thinking: bool) -> LoopAction:
         cfg, s = self.config, self._s
-        back = s.quiet_tokens > 0 and s.recent_level > 0  # a loop again within a window of output of the last
+        back = False  # the last loop again after a break of at most min_covered_chars (a line reworded)
+        if s.quiet_tokens > 0 or s.level == 0:  # a loop seen anew
+            unit = _least_rotation(loop.unit)
+            gap = s.quiet_chars - loop.covered  # the text between: what was not the loop
+            back = s.recent_level > 0 and unit == s.recent_unit and gap <= cfg.min_covered_chars
+            if not back:  # another loop, or this one after other text: the last level and cap tokens do not count
+                s.recent_unit, s.recent_level, s.loop_tokens_at_cap = unit, 0, 0
         s.quiet_tokens = s.quiet_chars = 0
         if back:
             # The penalty reached last time broke the period (a reworded line) but not the loop: go on from one
@@ -426,7 +439,10 @@ class LoopGuard:
         return _Loop(unit, covered, "".join(map(chr, self._buf[start:start + unit].tolist())))
 
     def _loop_tokens(self, loop: _Loop) -> int:
-        """Tokens whose characters the loop's periodic suffix spans (within the window)."""
+        """Tokens whose characters the loop's periodic suffix spans (within the window); a whitespace run's, its
+        own (the buffer holds one space for the run, with its first token's number)."""
+        if loop.unit == " " and loop.unit_chars == 1 and loop.covered == self._s.blank_chars:
+            return self._s.num_tokens - int(self._seq[self._n - 1])
         first = self._n - min(loop.covered, self._n - self._pad, self.config.window_chars)
         return self._s.num_tokens - int(self._seq[first]) if first < self._n else 1
 

@@ -23,7 +23,9 @@ def params_to_dict(p: SamplingParams) -> dict[str, Any]:
 
 
 def params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    d = dict(d)
+    """`params_to_dict`'s inverse; fields this version lacks (a later version's state) are left out."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    d = {k: v for k, v in d.items() if k in known}
     d["logit_bias"] = {int(k): float(v) for k, v in d.get("logit_bias", [])}
     d["stop_token_ids"], d["stop"] = tuple(d.get("stop_token_ids", ())), tuple(d.get("stop", ()))
     return SamplingParams(**d)
@@ -82,8 +84,9 @@ def restore_sequence(meta: dict[str, Any], extras: dict[str, np.ndarray], loop_g
             seq.loopguard = loop_guard_for(params, LoopGuardState.from_dict(meta["loopguard"]))
         except ConfigError:  # saved under another window or unit range (an earlier version): a fresh guard
             seq.loopguard = loop_guard_for(params)
-    seq.extra_penalty = float(meta["extra_penalty"])
-    seq.banned = tuple(int(t) for t in meta["banned"])
+    guarded = seq.loopguard is not None  # a guard's penalty and bans, not kept where none goes on (mode off)
+    seq.extra_penalty = float(meta["extra_penalty"]) if guarded else 1.0
+    seq.banned = tuple(int(t) for t in meta["banned"]) if guarded else ()
     seq.in_thinking = bool(meta["in_thinking"])
     seq.after_think = bool(meta.get("after_think", False))
     seq.num_pauses, seq.num_resumes = int(meta["num_pauses"]), int(meta["num_resumes"])

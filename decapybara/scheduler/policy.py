@@ -164,7 +164,8 @@ class AgePolicy:
             return
         conv.in_flight -= 1
         # a finished request's own last step, not this call's time: after an idle spell the hook runs late
-        conv.last_active = now if seq.finish_reason is FinishReason.ABORT else min(now, seq.last_active)
+        conv.last_active = max(conv.last_active,
+                               now if seq.finish_reason is FinishReason.ABORT else min(now, seq.last_active))
         conv.last_seq = seq
         if seq.finish_reason is not FinishReason.ABORT:
             conv.turns += 1

@@ -97,17 +97,21 @@ def _run(e: Engine, steps: int = 3000) -> None:
 
 def test_forced_close_stays_inside_the_served_context_and_max_tokens():
     """Where the forced close and one answer token no longer fit the served context or max_tokens, the reply
-    ends with the loop reason instead of running past them."""
+    ends with the loop reason instead of running past them, counted and told as a stop."""
     e, prompt = _end_thinking_engine(page_size=8, num_pages=128, max_model_len=242)
     s = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=1000), "ctx"))
     _run(e)
-    assert e.stats.loopguard.get("end_thinking") == 1
+    assert e.stats.loopguard.get("stop") == 1 and "end_thinking" not in e.stats.loopguard
     assert s.num_tokens <= e.max_model_len and s.finish_reason == FinishReason.LOOP
     e, prompt = _end_thinking_engine(page_size=8, num_pages=128)
     s = e.add_request(Request(prompt, SamplingParams(temperature=0, max_tokens=241 - len(prompt) + 1), "max"))
-    _run(e)
-    assert e.stats.loopguard.get("end_thinking") == 1
+    events = []
+    while e.has_work():
+        events += e.step()
+    assert e.stats.loopguard.get("stop") == 1 and "end_thinking" not in e.stats.loopguard
     assert s.num_output <= s.params.max_tokens and s.finish_reason == FinishReason.LOOP
+    assert "generation stopped (the thinking block's close would not fit" in events[-1].note
+    assert "thinking ended" not in events[-1].note
 
 
 def test_forced_close_at_the_end_of_a_pool_sized_context_finishes():

@@ -776,19 +776,21 @@ class Engine(MemoryMixin):
         s.extra_penalty, s.banned = action.repetition_penalty, tuple(action.banned_token_ids)
         if action.kind == ActionKind.NONE:
             return
-        self.stats.loopguard[action.kind.value] = self.stats.loopguard.get(action.kind.value, 0) + 1
-        if action.kind == ActionKind.STOP:
-            s.pending_note = action.note
-            self._mark_finished(s, FinishReason.LOOP)
-        elif action.kind == ActionKind.END_THINKING:
+        kind, note = action.kind, action.note
+        if kind == ActionKind.END_THINKING:
             forced = self._think_close or []
             # the forced tokens and one answer token after them must fit the served context and max_tokens
             room = min(self.max_model_len - s.num_tokens, s.params.max_tokens - s.num_output) - 1
-            if not forced or len(forced) > room:
-                s.pending_note = action.note
-                self._mark_finished(s, FinishReason.LOOP)
-                return
-            s.pending_note = action.note
+            if not forced or len(forced) > room:  # no close: a stop, and said so
+                kind, note = ActionKind.STOP, note.replace(
+                    "thinking ended so the answer can start", "generation stopped (the thinking block's close "
+                    "would not fit max_tokens or the served context) so the client can recover")
+        self.stats.loopguard[kind.value] = self.stats.loopguard.get(kind.value, 0) + 1
+        if kind == ActionKind.STOP:
+            s.pending_note = note
+            self._mark_finished(s, FinishReason.LOOP)
+        elif kind == ActionKind.END_THINKING:
+            s.pending_note = note
             closed = False
             for t in forced:  # forced tokens join the output; the next step computes them as a chunk
                 s.tokens.append(t)

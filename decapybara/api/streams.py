@@ -100,13 +100,15 @@ async def budgeted_thinking(client: Any, request: Request, budget: int, opens_re
     the new tokens are computed), with the remaining max_tokens. The caller sees one stream for the original
     request id: the forced ``</think>`` arrives as text, usage counts continue (prompt and cached tokens are
     the first request's), and the cut happens at an event boundary, so the budget can be exceeded by the
-    tokens of one event (one token at the default stream interval).
+    tokens of one event (one token at the default stream interval). Where max_tokens leaves no room for the
+    close, the reasoning goes on to max_tokens.
     """
     tok = client.tokenizer
     think_id, end_id = tok.special_ids.think, tok.special_ids.end_think
     thinking, closed = opens_reasoning, False
     spent, out_ids, text = 0, [], ""
     first: TokenEvent | None = None
+    longest_close = len(tok.encode("\n</think>\n\n"))
     inner = engine_events(client, request)
     try:
         async for ev in inner:
@@ -120,7 +122,8 @@ async def budgeted_thinking(client: Any, request: Request, budget: int, opens_re
                     spent += 1
             out_ids += ev.token_ids
             text += ev.text
-            if ev.finish_reason is not None or not thinking or spent < budget or end_id is None:
+            if (ev.finish_reason is not None or not thinking or spent < budget or end_id is None
+                    or len(out_ids) + longest_close > request.params.max_tokens):  # no room to close: it goes on
                 yield ev
                 continue
             await inner.aclose()  # aborts the request

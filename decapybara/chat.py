@@ -523,7 +523,8 @@ def _syntax(tools: bool | CallSyntax | None) -> CallSyntax | None:
 
 
 def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool | CallSyntax | None = True,
-                           max_calls: int | None = None, reasoning_once: bool = False) -> ParsedOutput:
+                           max_calls: int | None = None, reasoning_once: bool = False,
+                           calls_only: bool = False) -> ParsedOutput:
     """Split a whole completion into reasoning, content and tool calls; never raises on odd text.
 
     `in_reasoning`: the prompt already opened `<think>` (see `prompt_opens_reasoning`), so the text starts
@@ -534,7 +535,8 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool | 
     or False / None: `<tool_call>` is text. `max_calls`: valid calls past it are dropped.
     A stray `</think>` in content is dropped. `reasoning_once` (a constrained reply, whose answer may hold the
     tags' text inside its JSON strings): reasoning opens only before any content, and once it closes, or content
-    has begun, `<think>` and `</think>` are text.
+    has begun, `<think>` and `</think>` are text. `calls_only` (a reply constrained to tool calls alone): a call
+    never closed (cut by max_tokens) is dropped, not content.
     """
     syntax = _syntax(tools)
     reasoning: list[str] = []
@@ -574,7 +576,8 @@ def parse_assistant_output(text: str, in_reasoning: bool = False, tools: bool | 
                 end = text.find(END_TOOL_CALL, end + len(END_TOOL_CALL))
                 call = syntax.parse(text[pos:end]) if end >= 0 else None
             if end < 0:
-                content.append(text[start:])
+                if not calls_only:
+                    content.append(text[start:])
                 break
             pos = end + len(END_TOOL_CALL)
             if call is None:
@@ -647,9 +650,12 @@ class StreamingOutputParser:
     _CONTENT_TAGS = (THINK, END_THINK, TOOL_CALL)
 
     def __init__(self, in_reasoning: bool = False, tools: bool | CallSyntax | None = True,
-                 max_calls: int | None = None, reasoning_once: bool = False, continues: bool = False) -> None:
-        """`tools` as `parse_assistant_output` takes it. `continues`: the text continues a part the prompt began (a
-        prefilled reply): that part's leading whitespace is the model's, kept."""
+                 max_calls: int | None = None, reasoning_once: bool = False, continues: bool = False,
+                 calls_only: bool = False) -> None:
+        """`tools`, `reasoning_once` and `calls_only` as `parse_assistant_output` takes them. `continues`: the text
+        continues a part the prompt began (a prefilled reply): that part's leading whitespace is the model's,
+        kept."""
+        self._calls_only = calls_only
         self._syntax = _syntax(tools)
         self._content_tags = self._CONTENT_TAGS if self._syntax else (THINK, END_THINK)
         self._once = reasoning_once
@@ -673,10 +679,12 @@ class StreamingOutputParser:
         return self._take()
 
     def finish(self) -> list[OutputEvent]:
-        """End of output: flush what was held back (a partial tag is text; an open tool call becomes content)."""
+        """End of output: flush what was held back (a partial tag is text; an open tool call becomes content, or
+        is dropped under `calls_only`)."""
         buf, self._buf = self._buf, ""
         if self._in_tool is not None:
-            self._emit(ContentDelta, TOOL_CALL + "".join(self._in_tool) + buf)
+            if not self._calls_only:
+                self._emit(ContentDelta, TOOL_CALL + "".join(self._in_tool) + buf)
             self._in_tool = None
         else:
             self._emit(ReasoningDelta if self._thinking else ContentDelta, buf)

@@ -373,6 +373,25 @@ def test_required_and_named_tool_choices_get_calls_that_follow_the_schemas(stack
     assert r.choices[0].finish_reason == "stop"  # unconstrained, it ends there
 
 
+def test_a_call_cut_by_max_tokens_in_a_reply_of_calls_alone_is_dropped(stack):
+    """Under tool_choice required (Anthropic any), a call max_tokens cuts short is no text of the reply: no markup
+    as content, streamed or not, in either API; under auto, the same cut leaves the text as it is."""
+    kw = {"model": "m", "messages": user("What is the weather like?"), "max_tokens": 10, "tools": TOOLS_STRICT,
+          "temperature": 0.9, "reasoning_effort": "none", "tool_choice": "required"}
+    for seed in range(3):
+        r = stack.oa().chat.completions.create(**kw, seed=seed)
+        assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content, r
+        chunks = list(stack.oa().chat.completions.create(**kw, seed=seed, stream=True))
+        assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    m = stack.an().messages.create(model="m", max_tokens=10, messages=user("Weather?"), tool_choice={"type": "any"},
+                                   tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                          for t in TOOLS_STRICT])
+    assert m.stop_reason == "max_tokens" and not [b for b in m.content if b.type == "text" and b.text]
+    r = stack.oa().chat.completions.create(model="m", messages=user("CALL-THE-TOOL"), max_tokens=40, tools=TOOLS_OA,
+                                          reasoning_effort="none")  # the script's call opens at its 31st token
+    assert r.choices[0].finish_reason == "length" and "<tool_call>" in r.choices[0].message.content
+
+
 def test_tool_calls_are_parsed_only_where_tools_are_offered(stack):
     """Without tools, or with tool_choice none, a <tool_call> the model writes is text, not a call."""
     kw = {"model": "m", "messages": user("CALL-THE-TOOL"), "max_tokens": 80}

@@ -276,8 +276,8 @@ def test_prompt_opens_reasoning():
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\nx</think>\n")
 
 
-def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False, tools=True):
-    parser = StreamingOutputParser(in_reasoning=in_reasoning, tools=tools, reasoning_once=once)
+def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False, tools=True, calls_only=False):
+    parser = StreamingOutputParser(in_reasoning=in_reasoning, tools=tools, reasoning_once=once, calls_only=calls_only)
     events = []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         events += parser.feed(text[a:b])
@@ -286,9 +286,10 @@ def _stream(text: str, cuts: list[int], in_reasoning: bool, once: bool = False, 
 
 
 def _check_stream_equals_batch(text: str, cuts: list[int], in_reasoning: bool, once: bool = False,
-                               tools=True) -> None:
-    parser, events = _stream(text, cuts, in_reasoning, once, tools)
-    batch = parse_assistant_output(text, in_reasoning=in_reasoning, tools=tools, reasoning_once=once)
+                               tools=True, calls_only=False) -> None:
+    parser, events = _stream(text, cuts, in_reasoning, once, tools, calls_only)
+    batch = parse_assistant_output(text, in_reasoning=in_reasoning, tools=tools, reasoning_once=once,
+                                   calls_only=calls_only)
     assert parser.result() == batch, (text, cuts)
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == batch.content
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
@@ -317,10 +318,21 @@ def test_streaming_parser_one_char_at_a_time_equals_batch():
 
 def test_streaming_parser_random_chunks_equals_batch():
     rng = random.Random(1)
-    for _ in range(400):
+    for i in range(400):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40)))
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if text else []
-        _check_stream_equals_batch(text, cuts, in_reasoning=rng.random() < 0.3)
+        _check_stream_equals_batch(text, cuts, in_reasoning=rng.random() < 0.3, calls_only=i % 4 == 0)
+
+
+def test_a_reply_of_calls_alone_drops_a_call_never_closed():
+    """calls_only (tool_choice required or named): the call max_tokens cut short is no content, streamed or not;
+    without it, it stays in the content as written."""
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
+    for calls_only, content in ((True, ""), (False, '<tool_call>\n{"name": "g", "argu')):
+        got = parse_assistant_output(text, calls_only=calls_only)
+        assert (got.content, [c.name for c in got.tool_calls]) == (content, ["f"])
+        for cut in range(1, len(text)):
+            _check_stream_equals_batch(text, [cut], in_reasoning=False, once=True, calls_only=calls_only)
 
 
 def test_a_constrained_replys_parser_reads_reasoning_only_at_its_start():

@@ -42,6 +42,7 @@ from decapybara.api.common import (
     Prompt,
     ToolChoice,
     aborted_error,
+    calls_only,
     checked_schema,
     constrained,
     conversation_key,
@@ -210,7 +211,8 @@ class MessagePlan:
 
     def parser(self) -> StreamingOutputParser:
         return StreamingOutputParser(self.prompt.opens_reasoning, self.prompt.tools, self.prompt.max_calls,
-                                     constrained(self.request.params), continues=self.prefilled)
+                                     constrained(self.request.params), continues=self.prefilled,
+                                     calls_only=calls_only(self.request.params))
 
 
 def plan_message(body: an.MessagesRequest, client: Any, model: str, conversation: str | None) -> MessagePlan:

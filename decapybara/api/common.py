@@ -209,6 +209,13 @@ def constrained(params: SamplingParams) -> bool:
             or (params.tool_calls is not None and not params.lazy_tool_calls))
 
 
+def calls_only(params: SamplingParams) -> bool:
+    """Whether the reply is tool calls alone (tool_choice required or named: no answer beside them), so a call cut
+    short by max_tokens is dropped rather than shown as content (the parsers' `calls_only`)."""
+    return (params.tool_calls is not None and not params.lazy_tool_calls
+            and "answer" not in json.loads(params.tool_calls))
+
+
 def settle_constraint(params: SamplingParams, chat: ChatInput, call_format: str) -> SamplingParams:
     """`params` with the reply's constraint settled (after the request's other checks, so that a request refused
     anyway compiles nothing), where tools are offered (not after a prefill, which has begun the reply):

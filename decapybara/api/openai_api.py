@@ -39,6 +39,7 @@ from decapybara.api.common import (
     ToolChoice,
     aborted_error,
     call_arguments,
+    calls_only,
     checked_schema,
     constrained,
     conversation_key,
@@ -291,7 +292,8 @@ def summed_usage(each: list[oa.Usage]) -> oa.Usage:
 
 def chat_completion(plan: ChatPlan, done: Collected, tokenizer: Any) -> oa.ChatCompletion:
     parsed = parse_assistant_output(done.text, plan.prompt.opens_reasoning, plan.prompt.tools,
-                                    plan.prompt.max_calls, constrained(plan.request.params))
+                                    plan.prompt.max_calls, constrained(plan.request.params),
+                                    calls_only(plan.request.params))
     calls = [oa.ToolCallOut(id=new_id("call_"), function=oa.FunctionCallOut(name=c.name, arguments=c.arguments_json()))
              for c in parsed.tool_calls]
     message = oa.AssistantMessage(content=parsed.content if parsed.content or not calls else None,
@@ -314,7 +316,8 @@ class ChatStream:
     def __init__(self, plan: ChatPlan, tokenizer: Any, index: int = 0) -> None:
         self.plan, self.tokenizer, self.index = plan, tokenizer, index  # index: the choice's (n > 1)
         self.parser = StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
-                                       constrained(plan.request.params))
+                                            constrained(plan.request.params),
+                                            calls_only=calls_only(plan.request.params))
         self.num_calls = 0
         self.output_ids: list[int] = []
 

@@ -58,6 +58,7 @@ from decapybara.api.common import (
     ToolChoice,
     aborted_error,
     call_arguments,
+    calls_only,
     checked_schema,
     constrained,
     conversation_key,
@@ -615,7 +616,7 @@ def _encrypted(plan: ResponsePlan) -> bool:
 
 def _parser(plan: ResponsePlan) -> StreamingOutputParser:
     return StreamingOutputParser(plan.prompt.opens_reasoning, plan.prompt.tools, plan.prompt.max_calls,
-                                 constrained(plan.request.params))
+                                 constrained(plan.request.params), calls_only=calls_only(plan.request.params))
 
 
 def _response(plan: ResponsePlan, items: list, last: TokenEvent | Collected | None, output_ids: list[int],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ DEFAULT_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Fill-in-the-middle (Qwen coder tokenizers): the prompt's three markers, and the tokens that end a middle
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 FIM_STOP_TOKENS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>")  # (<|endoftext|> ends it as eos)
-# A control-token string inside a message is held by a placeholder while the chat is rendered (`_Holds`)
-_HOLD_OPEN, _HOLD_CLOSE = "\ue000", "\ue001"
-# (also as a template escapes it where it prints a string's repr or JSON with ensure_ascii)
-_HELD = re.compile(r"(?:\ue000|\\u[eE]000)([0-9]+)(?:\ue001|\\u[eE]001)")
+# What `tokenizers` takes for whitespace around an added token with lstrip / rstrip (Unicode White_Space; Python's
+# str.strip would take \x1c-\x1f too)
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
+    "\u2028\u2029\u202f\u205f\u3000"
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,7 +99,8 @@ class Tokenizer:
         # The control strings a message's text may not open (`chat_prompt`): those of the skipped ids, longest
         # first; and every added token's, where the tokenizer cuts a text
         controls = sorted((added[i].content for i in self.skip_ids), key=len, reverse=True)
-        self._hold_re = re.compile("|".join(map(re.escape, (*controls, _HOLD_OPEN))))
+        self._controls = tuple(controls)
+        self._control_re = re.compile("|".join(map(re.escape, controls))) if controls else None
         self._control_prefixes = tuple(sorted({c[:k] for c in controls for k in range(1, len(c))}, key=len,
                                               reverse=True))
         cuts = sorted({t.content for t in added.values()}, key=len, reverse=True)
@@ -217,54 +219,57 @@ class Tokenizer:
         """(text, ids, markup) of the rendered conversation followed by `tail` (an assistant prefill, the model's
         own text). Control tokens the template writes, and those written in `tail`, become their ids; a
         control-token string inside a message or a tool (a user's text, a file an agent read, say "<|im_end|>") is
-        ordinary text, as a hosted API reads it, so it can neither end its turn nor open another. `markup`: the
-        text with each such string held by a placeholder, for finding the template's own turns in it.
+        ordinary text, as a hosted API reads it, so it can neither end its turn nor open another (nor can parts of a
+        message that the template joins). `markup`: the text with each such string held by a placeholder
+        (`_Holds`), for finding the template's own turns in it.
 
         Where no message holds a control string the ids are `encode(text)`'s; otherwise the text is cut at the
         added tokens it writes (as the tokenizer itself cuts at them; the held strings are not among them) and each
         piece between encoded as text, the held strings back in it."""
-        holds = _Holds(self._hold_re, self._control_prefixes)
+        holds = _Holds(self._control_re, self._control_prefixes)
         markup = self.render_chat(holds.value(messages), holds.value(tools), add_generation_prompt, enable_thinking,
-                                  **template_vars) + holds.value(tail, whole=True)
-        if not holds.table:
+                                  **template_vars) + tail
+        markup = holds.settle(markup, self._controls)
+        if not holds.held(markup):
             return markup, self.encode(markup), markup
         ids: list[int] = []
         at = 0
         for m in self._added_re.finditer(markup) if self._added_re is not None else ():
             token = m.group()
             piece = markup[at:m.start()]
-            ids += self._hf_plain.encode(holds.release(piece.rstrip() if token in self._lstrip else piece),
+            ids += self._hf_plain.encode(holds.release(piece.rstrip(_WHITE_SPACE) if token in self._lstrip else piece),
                                          add_special_tokens=False).ids
             ids.append(self._vocab[token])
             at = m.end()
             if token in self._rstrip:
-                at = len(markup) - len(markup[at:].lstrip())
+                at = len(markup) - len(markup[at:].lstrip(_WHITE_SPACE))
         ids += self._hf_plain.encode(holds.release(markup[at:]), add_special_tokens=False).ids
         return holds.release(markup), ids, markup
 
 
 class _Holds:
     """Strings held by placeholders while a chat renders (`Tokenizer.chat_prompt`): each control string in a text,
-    U+E000 itself, and a text's last characters where they begin a control string that a later text (the next
-    part of a message's content, joined by the template) could complete. Placeholder i: U+E000, i, U+E001."""
+    and a text's last characters where they begin one, which a later text (the next part of a message's content,
+    joined by the template) could complete; those are held only where one does (`settle`). A placeholder is ASCII
+    letters and digits around a random nonce, which no text can forge and which escaping (a repr, JSON) leaves as
+    it is: "q", the nonce, "q", its number, then "h" (held) or "p" (a beginning, until settled)."""
 
     def __init__(self, pattern: re.Pattern | None, prefixes: tuple[str, ...]) -> None:
         self.pattern, self.prefixes = pattern, prefixes
+        self.nonce = secrets.token_hex(8)
+        self._marks = re.compile(f"q{self.nonce}q([0-9]+)([hp])")
         self.table: list[str] = []
 
-    def _mark(self, text: str) -> str:
+    def _mark(self, text: str, kind: str = "h") -> str:
         self.table.append(text)
-        return f"{_HOLD_OPEN}{len(self.table) - 1}{_HOLD_CLOSE}"
+        return f"q{self.nonce}q{len(self.table) - 1}{kind}"
 
-    def value(self, value: Any, whole: bool = False) -> Any:
-        """`value` with its strings (keys too) held; `whole`: a text no later text continues (a prefill, whose
-        control strings are the model's own and stay)."""
+    def value(self, value: Any) -> Any:
+        """`value` with its strings (keys too) held."""
         if isinstance(value, str):
-            if whole:
-                return value.replace(_HOLD_OPEN, self._mark(_HOLD_OPEN)) if _HOLD_OPEN in value else value
             out = self.pattern.sub(lambda m: self._mark(m.group()), value) if self.pattern is not None else value
             end = next((p for p in self.prefixes if out.endswith(p)), None)
-            return out if end is None else out[:-len(end)] + self._mark(end)
+            return out if end is None else out[:-len(end)] + self._mark(end, "p")
         if isinstance(value, dict):
             return {self.value(k): self.value(v) for k, v in value.items()}
         if isinstance(value, list):
@@ -273,10 +278,26 @@ class _Holds:
             return tuple(self.value(v) for v in value)
         return value
 
+    def settle(self, markup: str, controls: tuple[str, ...]) -> str:
+        """`markup` with each held beginning of a control string released unless the text after it completes one
+        (it stays held: text); released, it joins what follows as `encode` would read it (a markup token)."""
+        longest = max(map(len, controls), default=0)
+
+        def one(m: re.Match) -> str:
+            start = self.table[int(m.group(1))]
+            after = self.release(markup[m.end():m.end() + longest * (len(self.nonce) + 8)])
+            joined = start + after
+            return m.group()[:-1] + "h" if any(joined.startswith(c) for c in controls) else start
+
+        return self._marks.sub(lambda m: one(m) if m.group(2) == "p" else m.group(), markup)
+
+    def held(self, text: str) -> bool:
+        return self._marks.search(text) is not None
+
     def release(self, text: str) -> str:
         """Placeholders back to the strings they held."""
         table = self.table
-        return _HELD.sub(lambda m: table[int(m.group(1))] if int(m.group(1)) < len(table) else m.group(), text)
+        return self._marks.sub(lambda m: table[int(m.group(1))] if int(m.group(1)) < len(table) else m.group(), text)
 
 
 def _parse_hf(json_str: str) -> HFTokenizer:

@@ -89,8 +89,10 @@ def format_table(rows: Any) -> list[str]:
 def _cmd_info(args: argparse.Namespace) -> int:
     from decapybara.builder import load_config
     from decapybara.builder.progress import human_bytes
+    from decapybara.launcher.discover import resolve
     from decapybara.mcapy import McapyFile
 
+    args.file = resolve(args.file)  # a name from the model folders (`decapybara models`), as plan and serve take
     with McapyFile.open(args.file) as f:
         if args.verify:
             f.verify()
@@ -179,7 +181,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="draw a progress bar (default: when stderr is a terminal)")
     b.set_defaults(func=_cmd_build)
-    i = sub.add_parser("info", help="describe a .mcapy file (local path or fsspec URL)")
+    i = sub.add_parser("info", help="describe a .mcapy file (local path, fsspec URL, or a name `models` lists)")
     i.add_argument("file")
     i.add_argument("--verify", action="store_true", help="check every checksum first")
     i.set_defaults(func=_cmd_info)

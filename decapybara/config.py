@@ -13,6 +13,7 @@ from decapybara.errors import ConfigError
 
 PREFILL_POLICIES = ("balanced", "decode-priority", "prefill-priority")
 KV_MODES = ("16/16", "8/8", "6/6", "6/4", "4/4")
+MIN_CONTEXT = 16  # the least max_model_len the server serves (and `decapybara plan --context` takes)
 DEMO_MODEL = Path(__file__).resolve().parent / "assets" / "demo.mcapy"  # the embedded default model
 RAM_CACHE_GB = 8.0  # the RAM tier's default budget (the server's ram_cache_gb, the planner's --ram-gb)
 

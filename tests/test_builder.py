@@ -323,6 +323,8 @@ def test_cli_build_and_info(ckpts: dict, tmp_path: Path) -> None:
     for text in ("version=1", "header_size=144", "tensors: 76", "qwen3_5_moe_text: 4 layers",
                  "experts 8 (top 2", "format=bf16", "config  GiB    kl      top1", "XXL     23.58  0.0051  98.3%"):
         assert text in r.stdout, (text, r.stdout)
+    r = _cli("info", "demo")  # a name, as `decapybara models` lists it and plan / serve take it
+    assert r.returncode == 0 and "demo.mcapy" in r.stdout.splitlines()[0], r.stderr
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(ckpts: dict, tmp_path: Path) -> None:

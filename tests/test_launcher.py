@@ -303,7 +303,8 @@ def test_cli_plan_nothing_fits(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--kv-mode", "5/5"], "--kv-mode must be one of"),
     (["--slots", "13"], "--slots must be between 1 and 12"),
-    (["--context", "0"], "--context must be >= 1"),
+    (["--context", "0"], "--context must be >= 16"),
+    (["--context", "10"], "--context must be >= 16"),
     (["--page-size", "100"], "--page-size must be a power of two"),
     (["--vram-gb", "-1"], "--vram-gb must be a finite number > 0"),
     (["--vram-gb", "inf"], "--vram-gb must be a finite number > 0"),

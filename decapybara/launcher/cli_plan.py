@@ -19,7 +19,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from decapybara.config import DEMO_MODEL, KV_MODES, RAM_CACHE_GB
+from decapybara.config import DEMO_MODEL, KV_MODES, MIN_CONTEXT, RAM_CACHE_GB
 from decapybara.errors import ConfigError
 from decapybara.launcher.capacity import (
     GIB,
@@ -340,8 +340,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--kv-mode must be one of {', '.join(KV_MODES)}")
     if not 1 <= args.slots <= 12:
         raise ConfigError("--slots must be between 1 and 12")
-    if args.context is not None and args.context < 1:
-        raise ConfigError("--context must be >= 1")
+    if args.context is not None and args.context < MIN_CONTEXT:
+        raise ConfigError(f"--context must be >= {MIN_CONTEXT} (the server's least max_model_len)")
     if args.page_size is not None and (args.page_size < 1 or args.page_size & (args.page_size - 1)):
         raise ConfigError("--page-size must be a power of two")
     for name, flag, low in (("vram_gb", "--vram-gb", False), ("ram_gb", "--ram-gb", True),

@@ -7,7 +7,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from decapybara.config import DEMO_MODEL, KV_MODES, PRESETS, RAM_CACHE_GB, EngineConfig
+from decapybara.config import DEMO_MODEL, KV_MODES, MIN_CONTEXT, PRESETS, RAM_CACHE_GB, EngineConfig
 from decapybara.errors import ConfigError
 
 __all__ = ["DEMO_MODEL", "AppConfig", "ContextPlan"]
@@ -48,7 +48,7 @@ class AppConfig(BaseModel):
     max_batch_tokens: int | None = Field(default=None, ge=1, description="tokens a step computes at most: a "
                                          "prompt's chunk beside the decoding agents (default 2048 on CUDA, 256 on "
                                          "the CPU; at least slots)")
-    max_model_len: int | None = Field(default=None, ge=16, description="the longest context a conversation has "
+    max_model_len: int | None = Field(default=None, ge=MIN_CONTEXT, description="the longest context a conversation has "
                                       "(default the model's, or the preset's context, or 1,048,576 under "
                                       "rope_scaling=1m; a KV pool that holds fewer tokens shortens it)")
     rope_scaling: Literal["auto", "off", "1m"] = Field(

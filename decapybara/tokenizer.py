@@ -226,10 +226,10 @@ class Tokenizer:
         Where no message holds a control string the ids are `encode(text)`'s; otherwise the text is cut at the
         added tokens it writes (as the tokenizer itself cuts at them; the held strings are not among them) and each
         piece between encoded as text, the held strings back in it."""
-        holds = _Holds(self._control_re, self._control_prefixes)
+        holds = _Holds(self._controls, self._control_re, self._control_prefixes)
         markup = self.render_chat(holds.value(messages), holds.value(tools), add_generation_prompt, enable_thinking,
                                   **template_vars) + tail
-        markup = holds.settle(markup, self._controls)
+        markup = holds.settle(markup)
         if not holds.held(markup):
             return markup, self.encode(markup), markup
         ids: list[int] = []
@@ -254,8 +254,8 @@ class _Holds:
     letters and digits around a random nonce, which no text can forge and which escaping (a repr, JSON) leaves as
     it is: "q", the nonce, "q", its number, then "h" (held) or "p" (a beginning, until settled)."""
 
-    def __init__(self, pattern: re.Pattern | None, prefixes: tuple[str, ...]) -> None:
-        self.pattern, self.prefixes = pattern, prefixes
+    def __init__(self, controls: tuple[str, ...], pattern: re.Pattern | None, prefixes: tuple[str, ...]) -> None:
+        self.controls, self.pattern, self.prefixes = controls, pattern, prefixes
         self.nonce = secrets.token_hex(8)
         self._marks = re.compile(f"q{self.nonce}q([0-9]+)([hp])")
         self.table: list[str] = []
@@ -278,9 +278,10 @@ class _Holds:
             return tuple(self.value(v) for v in value)
         return value
 
-    def settle(self, markup: str, controls: tuple[str, ...]) -> str:
+    def settle(self, markup: str) -> str:
         """`markup` with each held beginning of a control string released unless the text after it completes one
         (it stays held: text); released, it joins what follows as `encode` would read it (a markup token)."""
+        controls = self.controls
         longest = max(map(len, controls), default=0)
 
         def one(m: re.Match) -> str:

@@ -6,6 +6,7 @@ Pure functions and dataclasses; no FastAPI here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import secrets
@@ -212,8 +213,13 @@ def constrained(params: SamplingParams) -> bool:
 def calls_only(params: SamplingParams) -> bool:
     """Whether the reply is tool calls alone (tool_choice required or named: no answer beside them), so a call cut
     short by max_tokens is dropped rather than shown as content (the parsers' `calls_only`)."""
-    return (params.tool_calls is not None and not params.lazy_tool_calls
-            and "answer" not in json.loads(params.tool_calls))
+    return params.tool_calls is not None and not params.lazy_tool_calls and not _answers(params.tool_calls)
+
+
+@functools.lru_cache(maxsize=256)
+def _answers(spec: str) -> bool:
+    """Whether a tool-call spec (`tool_call_spec`'s text, one an agent sends again and again) offers an answer."""
+    return "answer" in json.loads(spec)
 
 
 def settle_constraint(params: SamplingParams, chat: ChatInput, call_format: str) -> SamplingParams:

@@ -18,9 +18,9 @@ steps back down, one step per `tokens_per_step` tokens, to 1.0. When the penalty
 goes on for `cap_tokens` more tokens, the mode decides: ``stop`` stops; ``end_thinking`` forces the end of the
 thinking block (and stops outside one); ``escape`` bans the tokens that continued the loop before, for a few
 tokens, and stops after `escape_attempts` such bans failed (a ban failed where the loop is seen again before a
-whole window of output, `window_chars`, went by without it); ``off`` never intervenes. A loop seen again before
-a whole window of output went by without one (a model that rewords a line under the penalty, then loops on)
-takes up one step past the highest level reached, not the relaxed one; once that was the cap, the tokens the
+whole window of output, `window_chars`, went by without it); ``off`` never intervenes. The same loop seen again
+after at most `min_covered_chars` of other text (a model that rewords a line under the penalty, then loops on)
+takes up one step past the highest level it reached, not the relaxed one; once that was the cap, the tokens the
 loop took to be seen again count as loop tokens at the cap, so such a loop is stopped too.
 """
 
@@ -170,7 +170,7 @@ class LoopGuardState:
     quiet_chars: int = 0  # normalised characters since then (a whole window of them forgives the bans, the level
     # reached and the loop tokens at the cap)
     recent_level: int = 0  # the highest level `recent_unit`'s loop reached (forgotten after a whole quiet window)
-    recent_unit: str = ""  # the last loop's unit, as its least rotation (a loop seen again is that unit again)
+    recent_unit: str = ""  # the last loop's unit (a loop seen again has a rotation of it: `_same_unit`)
     loop_tokens_at_cap: int = 0
     banned: list[int] = field(default_factory=list)
     ban_tokens_left: int = 0
@@ -203,10 +203,9 @@ class _Loop(NamedTuple):
         return self.covered // self.unit_chars
 
 
-def _least_rotation(unit: str) -> str:
-    """The least of a unit's rotations: one loop's unit whatever phase it is seen in."""
-    doubled, n = unit + unit, len(unit)
-    return min(doubled[i:i + n] for i in range(n)) if n > 1 else unit
+def _same_unit(a: str, b: str) -> bool:
+    """Whether two units are one loop's, seen in any phase (one a rotation of the other)."""
+    return len(a) == len(b) and a in b + b
 
 
 class LoopGuard:
@@ -285,11 +284,10 @@ class LoopGuard:
         cfg, s = self.config, self._s
         back = False  # the last loop again after a break of at most min_covered_chars (a line reworded)
         if s.quiet_tokens > 0 or s.level == 0:  # a loop seen anew
-            unit = _least_rotation(loop.unit)
             gap = s.quiet_chars - loop.covered  # the text between: what was not the loop
-            back = s.recent_level > 0 and unit == s.recent_unit and gap <= cfg.min_covered_chars
+            back = s.recent_level > 0 and gap <= cfg.min_covered_chars and _same_unit(loop.unit, s.recent_unit)
             if not back:  # another loop, or this one after other text: the last level and cap tokens do not count
-                s.recent_unit, s.recent_level, s.loop_tokens_at_cap = unit, 0, 0
+                s.recent_unit, s.recent_level, s.loop_tokens_at_cap = loop.unit, 0, 0
         s.quiet_tokens = s.quiet_chars = 0
         if back:
             # The penalty reached last time broke the period (a reworded line) but not the loop: go on from one
